@@ -1,0 +1,103 @@
+"""Block-size negotiation for a KV-cache group shared by several kernels.
+
+Each op declares the kernel block sizes it supports as a tuple of exact ``int`` sizes and/or
+`MultipleOf(n)` rules. In speculative decoding a draft model's paged attention and the target
+model's MLA share one KV-cache group, so one block size must satisfy both; declaring a single
+exact size (upstream lesson 5) makes that impossible. `select_common_block_size` picks one, or
+raises listing every participant's constraint.
+
+Example::
+
+    >>> select_common_block_size(Participant("draft", (MultipleOf(16),)),
+    ...                          Participant("target", (MultipleOf(1),)), min_block_size=544)
+    544
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MultipleOf:
+    """Every positive multiple of ``n`` is supported."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"MultipleOf: n must be an int >= 1; got {self.n!r}")
+
+    def __contains__(self, size: int) -> bool:
+        return size >= 1 and size % self.n == 0
+
+    def __str__(self) -> str:
+        return f"MultipleOf({self.n})"
+
+
+BlockSizeRule = int | MultipleOf
+
+
+@dataclass(frozen=True)
+class Participant:
+    """One user of the shared KV-cache group and the block sizes it supports."""
+
+    name: str
+    supported: Sequence[BlockSizeRule]
+
+    def __post_init__(self) -> None:
+        if not self.supported:
+            raise ValueError(f"Participant {self.name!r}: supported must name at least one rule")
+        for rule in self.supported:
+            if not isinstance(rule, (int, MultipleOf)) or (isinstance(rule, int) and rule < 1):
+                raise ValueError(
+                    f"Participant {self.name!r}: each rule must be an int >= 1 or MultipleOf; "
+                    f"got {rule!r}"
+                )
+
+    def accepts(self, size: int) -> bool:
+        return any(size == r if isinstance(r, int) else size in r for r in self.supported)
+
+    def describe(self) -> str:
+        return f"{self.name}: " + " | ".join(str(r) for r in self.supported)
+
+
+def select_common_block_size(
+    *participants: Participant,
+    min_block_size: int = 1,
+    preferred: int | None = None,
+    max_block_size: int = 1 << 16,
+) -> int:
+    """The block size every participant supports.
+
+    Args:
+        participants: the kernels sharing the group.
+        min_block_size: the smallest acceptable size (e.g. what a hybrid model's Mamba page needs).
+        preferred: returned if every participant accepts it and it is >= ``min_block_size``.
+        max_block_size: the search bound.
+
+    Returns:
+        ``preferred`` if acceptable, else the smallest common size >= ``min_block_size``.
+
+    Raises:
+        ValueError: no participants, or no common size; the message lists every constraint.
+    """
+    if not participants:
+        raise ValueError("select_common_block_size: participants must name at least one kernel")
+    if min_block_size < 1:
+        raise ValueError(
+            f"select_common_block_size: min_block_size must be >= 1; got {min_block_size}"
+        )
+    ok = lambda s: s >= min_block_size and all(p.accepts(s) for p in participants)  # noqa: E731
+    if preferred is not None and ok(preferred):
+        return preferred
+    for size in range(min_block_size, max_block_size + 1):  # a few thousand cheap checks
+        if ok(size):
+            return size
+    raise ValueError(
+        "select_common_block_size: no block size >= "
+        f"{min_block_size} (and <= {max_block_size}) is supported by every participant; "
+        "constraints: " + "; ".join(p.describe() for p in participants)
+    )
+

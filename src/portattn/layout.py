@@ -1,0 +1,281 @@
+"""KV-cache layouts, how kernels address them, and hybrid models' interleaved caches.
+
+Layouts (``x = 16 bytes // element_size``: 8 for fp16/bf16, 4 for fp32):
+
+| layout    | key_cache                                          | value_cache                                        |
+|-----------|----------------------------------------------------|----------------------------------------------------|
+| "NHD"     | [num_blocks, block_size, num_kv_heads, head_dim]   | [num_blocks, block_size, num_kv_heads, head_dim]   |
+| "SHUFFLE" | [num_blocks, num_kv_heads, head_dim//x, block_size, x] | [num_blocks, num_kv_heads, block_size//x, head_dim, x] |
+
+Every layout is one instance of a single addressing rule, which is what kernels receive
+(`CacheAddressing`): element (block ``b``, in-block token ``t``, head ``h``, dim ``d``) lives at
+
+    b*stride_block + h*stride_head + (t // TOK_SPLIT)*stride_tok_hi + (t % TOK_SPLIT)*stride_tok_lo
+                   + (d // DIM_SPLIT)*stride_dim_hi + (d % DIM_SPLIT)*stride_dim_lo
+
+NHD has ``TOK_SPLIT = DIM_SPLIT = 1``; SHUFFLE K has ``DIM_SPLIT = x``; SHUFFLE V has
+``TOK_SPLIT = x``. Any strides are allowed, so a hybrid model's interleaved cache (a strided view of
+a shared buffer) is addressed exactly like a contiguous one.
+
+`is_block_contiguous` is THE block-level-contiguity predicate: when it holds, token ``t`` of block
+``b`` sits at ``(b*block_size + t) * stride_tok`` and a kernel may address the cache by flat slot;
+otherwise it must address block and in-block offset separately. Both the write path and the read
+path take their addressing from `describe_kv_cache`, which consults it, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Layout = Literal["NHD", "SHUFFLE"]
+LAYOUTS: tuple[str, ...] = ("NHD", "SHUFFLE")
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def shuffle_x(dtype: torch.dtype) -> int:
+    """Elements per 16-byte vector for ``dtype`` (the SHUFFLE layout's ``x``)."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class CacheAddressing:
+    """How a kernel addresses one cache tensor (see the module docstring for the rule).
+
+    All strides are in elements. ``block_contiguous`` is `is_block_contiguous` of this cache.
+    """
+
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    stride_block: int
+    stride_head: int
+    stride_tok_hi: int
+    stride_tok_lo: int
+    stride_dim_hi: int
+    stride_dim_lo: int
+    tok_split: int
+    dim_split: int
+
+    @property
+    def block_contiguous(self) -> bool:
+        return is_block_contiguous(self)
+
+    def kernel_args(self, prefix: str) -> dict[str, int]:
+        """Stride keyword arguments ``stride_<prefix>_block`` ... for a kernel launch."""
+        return {
+            f"stride_{prefix}_block": self.stride_block,
+            f"stride_{prefix}_head": self.stride_head,
+            f"stride_{prefix}_tok_hi": self.stride_tok_hi,
+            f"stride_{prefix}_tok_lo": self.stride_tok_lo,
+            f"stride_{prefix}_dim_hi": self.stride_dim_hi,
+            f"stride_{prefix}_dim_lo": self.stride_dim_lo,
+        }
+
+
+def is_block_contiguous(addr: CacheAddressing) -> bool:
+    """True when tokens are evenly strided across block boundaries (flat-slot addressable).
+
+    That needs an unsplit token axis (``tok_split == 1``) and ``stride_block == block_size *
+    stride_tok``; a hybrid model's interleaved cache (K and V blocks alternate in one buffer, with
+    Mamba state between pages) breaks the second condition, a SHUFFLE V cache the first.
+    """
+    return addr.tok_split == 1 and (
+        addr.num_blocks == 1 or addr.stride_block == addr.block_size * addr.stride_tok_hi
+    )
+
+
+def _addressing(cache: torch.Tensor, layout: str, kind: str) -> CacheAddressing:
+    s = cache.stride()
+    if layout == "NHD":
+        nb, bs, h, d = cache.shape
+        return CacheAddressing(nb, bs, h, d, s[0], s[2], s[1], 0, s[3], 0, 1, 1)
+    if kind == "key":
+        nb, h, dhi, bs, x = cache.shape
+        return CacheAddressing(nb, bs, h, dhi * x, s[0], s[1], s[3], 0, s[2], s[4], 1, x)
+    nb, h, bhi, d, x = cache.shape
+    return CacheAddressing(nb, bhi * x, h, d, s[0], s[1], s[2], s[4], s[3], 0, x, 1)
+
+
+def describe_kv_cache(
+    op: str, key_cache: torch.Tensor, value_cache: torch.Tensor, layout: str
+) -> tuple[CacheAddressing, CacheAddressing]:
+    """Validate a (key_cache, value_cache) pair for ``layout`` and return how to address each.
+
+    Raises ValueError/TypeError naming ``op``, the argument and the rule, listing every problem.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"{op}: layout must be one of {LAYOUTS}; got {layout!r}")
+    errors: list[str] = []
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dtype not in CACHE_DTYPES:
+            raise TypeError(
+                f"{op}: {name} dtype must be one of float16, bfloat16, float32; got {t.dtype}"
+            )
+    if key_cache.dtype != value_cache.dtype:
+        raise TypeError(
+            f"{op}: key_cache and value_cache must share a dtype; got {key_cache.dtype} and "
+            f"{value_cache.dtype}"
+        )
+    if key_cache.device != value_cache.device:
+        raise ValueError(
+            f"{op}: key_cache and value_cache must be on one device; got {key_cache.device} and "
+            f"{value_cache.device}"
+        )
+    want = 4 if layout == "NHD" else 5
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dim() != want:
+            errors.append(f"{name} must be {want}-D for layout {layout}; got shape {tuple(t.shape)}")
+    if errors:
+        raise ValueError(f"{op}: " + "; ".join(errors))
+    if layout == "SHUFFLE":
+        x = shuffle_x(key_cache.dtype)
+        if key_cache.shape[-1] != x:
+            errors.append(
+                f"key_cache last dim must be x=16/element_size={x} for SHUFFLE; got shape "
+                f"{tuple(key_cache.shape)}"
+            )
+        if value_cache.shape[-1] != x:
+            errors.append(
+                f"value_cache last dim must be x=16/element_size={x} for SHUFFLE; got shape "
+                f"{tuple(value_cache.shape)}"
+            )
+        if errors:
+            raise ValueError(f"{op}: " + "; ".join(errors))
+    k = _addressing(key_cache, layout, "key")
+    v = _addressing(value_cache, layout, "value")
+    for field in ("num_blocks", "block_size", "num_kv_heads", "head_dim"):
+        if getattr(k, field) != getattr(v, field):
+            errors.append(
+                f"key_cache and value_cache must agree on {field}; got {getattr(k, field)} and "
+                f"{getattr(v, field)} (shapes {tuple(key_cache.shape)}, {tuple(value_cache.shape)})"
+            )
+    for name, a in (("key_cache", k), ("value_cache", v)):
+        if a.num_blocks < 1 or a.block_size < 1 or a.num_kv_heads < 1 or a.head_dim < 1:
+            errors.append(f"{name} must have non-empty dims; got {a}")
+    if errors:
+        raise ValueError(f"{op}: " + "; ".join(errors))
+    return k, v
+
+
+# -- logical (layout-independent) access, for references and tests ----------------------------
+
+
+def to_logical(cache: torch.Tensor, layout: str, kind: str) -> torch.Tensor:
+    """A copy of ``cache`` as ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    if layout == "NHD":
+        return cache.clone()
+    nb, h = cache.shape[:2]
+    if kind == "key":  # [nb, h, d/x, bs, x] -> [nb, bs, h, d/x, x]
+        return cache.permute(0, 3, 1, 2, 4).reshape(nb, cache.shape[3], h, -1)
+    # value: [nb, h, bs/x, d, x] -> [nb, bs/x, x, h, d]
+    return cache.permute(0, 2, 4, 1, 3).reshape(nb, -1, h, cache.shape[3])
+
+
+def token_view(cache: torch.Tensor, layout: str, kind: str, block: int, offset: int) -> torch.Tensor:
+    """A writable view ``[num_kv_heads, head_dim]`` (or ``[h, d/x, x]``) of one cached token.
+
+    For SHUFFLE K the view is ``[num_kv_heads, head_dim // x, x]``: assign ``tok.view(h, -1, x)``.
+    """
+    if layout == "NHD":
+        return cache[block, offset]
+    if kind == "key":
+        return cache[block, :, :, offset, :]
+    x = cache.shape[-1]
+    return cache[block, :, offset // x, :, offset % x]
+
+
+def empty_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    layout: str = "NHD",
+    dtype: torch.dtype = torch.float16,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous, uninitialised ``(key_cache, value_cache)`` in ``layout``."""
+    if layout == "NHD":
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return (torch.empty(shape, dtype=dtype, device=device),
+                torch.empty(shape, dtype=dtype, device=device))
+    x = shuffle_x(dtype)
+    if head_dim % x or block_size % x:
+        raise ValueError(
+            f"empty_kv_cache: SHUFFLE needs head_dim and block_size divisible by x={x}; got "
+            f"head_dim={head_dim}, block_size={block_size}"
+        )
+    k = torch.empty((num_blocks, num_kv_heads, head_dim // x, block_size, x), dtype=dtype,
+                    device=device)
+    v = torch.empty((num_blocks, num_kv_heads, block_size // x, head_dim, x), dtype=dtype,
+                    device=device)
+    return k, v
+
+
+# -- hybrid models: interleaved [K0][V0][S0][K1][V1][S1]... pages -----------------------------
+
+
+@dataclass(frozen=True)
+class HybridCache:
+    """A hybrid model's shared page buffer and its views.
+
+    Page ``b`` holds K block ``b``, then V block ``b``, then ``mamba_state_bytes`` of Mamba state
+    (rounded up to whole cache elements). ``key_cache``/``value_cache`` are strided views in the
+    requested layout; ``mamba_state`` is a ``[num_blocks, mamba_state_bytes]`` uint8 view.
+    """
+
+    buffer: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    mamba_state: torch.Tensor
+    page_elems: int
+
+
+def make_hybrid_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    mamba_state_bytes: int,
+    layout: str = "NHD",
+    dtype: torch.dtype = torch.float16,
+    device: torch.device | str = "cpu",
+) -> HybridCache:
+    """Build a hybrid model's interleaved cache as strided views of one shared buffer."""
+    if mamba_state_bytes < 0:
+        raise ValueError(f"make_hybrid_cache: mamba_state_bytes must be >= 0; got {mamba_state_bytes}")
+    esize = torch.empty((), dtype=dtype).element_size()
+    blk = block_size * num_kv_heads * head_dim
+    state_elems = -(-mamba_state_bytes // esize)
+    page = 2 * blk + state_elems
+    buffer = torch.empty(num_blocks * page, dtype=dtype, device=device)
+    if layout == "NHD":
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        strides = (page, num_kv_heads * head_dim, head_dim, 1)
+        k = buffer.as_strided(shape, strides, 0)
+        v = buffer.as_strided(shape, strides, blk)
+    elif layout == "SHUFFLE":
+        x = shuffle_x(dtype)
+        if head_dim % x or block_size % x:
+            raise ValueError(
+                f"make_hybrid_cache: SHUFFLE needs head_dim and block_size divisible by x={x}; "
+                f"got head_dim={head_dim}, block_size={block_size}"
+            )
+        hs = head_dim * block_size  # elements per head inside a block
+        k = buffer.as_strided((num_blocks, num_kv_heads, head_dim // x, block_size, x),
+                              (page, hs, block_size * x, x, 1), 0)
+        v = buffer.as_strided((num_blocks, num_kv_heads, block_size // x, head_dim, x),
+                              (page, hs, head_dim * x, x, 1), blk)
+    else:
+        raise ValueError(f"make_hybrid_cache: layout must be one of {LAYOUTS}; got {layout!r}")
+    state = buffer.view(torch.uint8).as_strided(
+        (num_blocks, mamba_state_bytes), (page * esize, 1), 2 * blk * esize
+    )
+    return HybridCache(buffer, k, v, state, page)

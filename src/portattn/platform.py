@@ -1,0 +1,175 @@
+"""What a GPU is, as far as a tile policy cares.
+
+`Target` is a frozen description of one GPU architecture: vendor, arch name, warp size, the
+maximum shared memory (NVIDIA) / LDS (AMD) one program may use, and the few other facts the
+policies read. `TARGETS` is the table of supported architectures; `current_target()` reads the
+live device, but only when called: nothing here touches a device at import time.
+
+Shared-memory figures are the opt-in maximum per block (thread block / workgroup), in bytes:
+
+| arch    | bytes   | source                                                                   |
+|---------|---------|--------------------------------------------------------------------------|
+| sm_80   | 166912  | CUDA C++ Programming Guide, "Technical Specifications per Compute       |
+|         |         | Capability": max shared memory per block 8.0 = 163 KB (163*1024)         |
+| sm_86   | 101376  | same table, 8.6 = 99 KB                                                  |
+| sm_89   | 101376  | same table, 8.9 = 99 KB                                                  |
+| sm_90   | 232448  | same table, 9.0 = 227 KB; Hopper Tuning Guide §1.4.1.2                   |
+| sm_100  | 232448  | same table, 10.0 = 227 KB; Blackwell Tuning Guide                        |
+| sm_120  | 101376  | same table, 12.0 = 99 KB                                                 |
+| gfx90a  | 65536   | AMD Instinct MI200 CDNA2 ISA guide: 64 KB LDS per workgroup              |
+| gfx942  | 65536   | AMD CDNA3 ISA guide / ROCm "GPU hardware specifications": 64 KB LDS      |
+| gfx950  | 163840  | ROCm "GPU hardware specifications" (MI350 series): 160 KB LDS            |
+
+Multiprocessor counts are those of the flagship data-center part of each architecture (used only
+to size split-KV grids, never for correctness): A100 108, A10 72 (sm_86), L40S 142, H100 SXM 132,
+B200 148, RTX PRO 6000 Blackwell 188 (sm_120), MI250X GCD 110, MI300X 304, MI355X 256.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+Vendor = Literal["cuda", "hip"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One GPU architecture, as the tile policies see it.
+
+    Attributes:
+        vendor: ``"cuda"`` or ``"hip"``.
+        arch: ``"sm_90"``, ``"gfx942"`` ...
+        warp_size: threads per warp (32) or wavefront (64 on CDNA).
+        max_shared_mem: bytes of shared memory / LDS one program may use.
+        num_sms: streaming multiprocessors / compute units (split-KV sizing only).
+        mma_min_rows: the fewest rows a matrix-unit tile (``tl.dot`` M) may have.
+        max_num_stages: software-pipelining depth the backend supports well (AMD's stream
+            pipeliner is tuned for 2 stages; NVIDIA's cp.async / TMA pipelines go deeper).
+    """
+
+    vendor: Vendor
+    arch: str
+    warp_size: int
+    max_shared_mem: int
+    num_sms: int
+    mma_min_rows: int = 16
+    max_num_stages: int = 4
+
+    @property
+    def is_hip(self) -> bool:
+        return self.vendor == "hip"
+
+    @property
+    def capability(self) -> int:
+        """CUDA compute capability as an int (``sm_90`` -> 90); HIP targets raise."""
+        if self.vendor != "cuda":
+            raise ValueError(f"Target.capability: only CUDA targets have one; got {self.arch}")
+        return int(self.arch.removeprefix("sm_"))
+
+    def gpu_target(self):  # -> triton.backends.compiler.GPUTarget
+        """The Triton `GPUTarget` to compile for this target (imports triton lazily)."""
+        from triton.backends.compiler import GPUTarget
+
+        if self.vendor == "cuda":
+            return GPUTarget("cuda", self.capability, self.warp_size)
+        return GPUTarget("hip", self.arch, self.warp_size)
+
+
+def _cuda(arch: str, smem: int, sms: int) -> Target:
+    return Target("cuda", arch, 32, smem, sms, max_num_stages=4)
+
+
+def _hip(arch: str, smem: int, cus: int) -> Target:
+    return Target("hip", arch, 64, smem, cus, max_num_stages=2)
+
+
+TARGETS: dict[str, Target] = {
+    t.arch: t
+    for t in (
+        _cuda("sm_80", 166912, 108),
+        _cuda("sm_86", 101376, 72),
+        _cuda("sm_89", 101376, 142),
+        _cuda("sm_90", 232448, 132),
+        _cuda("sm_100", 232448, 148),
+        _cuda("sm_120", 101376, 188),
+        _hip("gfx90a", 65536, 110),
+        _hip("gfx942", 65536, 304),
+        _hip("gfx950", 163840, 256),
+    )
+}
+
+_override: Target | None = None
+
+
+def get_target(arch: str) -> Target:
+    """The table entry for ``arch`` (``"sm_90"``, ``"gfx942"``, ...)."""
+    try:
+        return TARGETS[arch]
+    except KeyError:
+        raise ValueError(
+            f"get_target: arch must be one of {sorted(TARGETS)}; got {arch!r}"
+        ) from None
+
+
+def set_target_override(target: Target | str | None) -> None:
+    """Force `current_target()` to return ``target`` (tests, or HIP policies on an NVIDIA GPU).
+
+    ``None`` clears the override. The environment variable ``PORTATTN_TARGET=<arch>`` does the
+    same for a whole process.
+    """
+    global _override
+    _override = get_target(target) if isinstance(target, str) else target
+
+
+def current_target(device=None) -> Target:
+    """The target of the live device (or the override). Reads the device only when called.
+
+    Args:
+        device: a torch device or index; defaults to the current CUDA/HIP device.
+    """
+    if _override is not None:
+        return _override
+    env = os.environ.get("PORTATTN_TARGET")
+    if env:
+        return get_target(env)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "current_target: no CUDA/HIP device is visible; pass a Target explicitly or set "
+            "PORTATTN_TARGET (e.g. sm_90, gfx942)"
+        )
+    props = torch.cuda.get_device_properties(device)
+    if getattr(torch.version, "hip", None):
+        arch = props.gcnArchName.split(":")[0]
+        base = TARGETS.get(arch)
+        if base is None:
+            raise RuntimeError(f"current_target: unsupported HIP arch {arch!r}")
+        return Target(
+            "hip", arch, base.warp_size, base.max_shared_mem, props.multi_processor_count,
+            base.mma_min_rows, base.max_num_stages,
+        )
+    arch = f"sm_{props.major}{props.minor}"
+    base = TARGETS.get(arch)
+    if base is None:
+        raise RuntimeError(f"current_target: unsupported CUDA arch {arch!r}")
+    smem = int(getattr(props, "shared_memory_per_block_optin", base.max_shared_mem))
+    return Target(
+        "cuda", arch, base.warp_size, smem, props.multi_processor_count,
+        base.mma_min_rows, base.max_num_stages,
+    )
+
+
+def target_for_tensor(t) -> Target:
+    """The target a kernel launch on tensor ``t`` compiles for.
+
+    On a CPU tensor (Triton's interpreter, ``TRITON_INTERPRET=1``) there is no device; the
+    override / ``PORTATTN_TARGET`` is used if set, else sm_90, so CPU tests exercise a real policy.
+    """
+    if t.device.type == "cpu":
+        if _override is not None:
+            return _override
+        return get_target(os.environ.get("PORTATTN_TARGET", "sm_90"))
+    return current_target(t.device)

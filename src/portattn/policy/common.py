@@ -1,0 +1,62 @@
+"""Pieces every tile policy shares: launch options and shared-memory budgeting.
+
+A policy is a pure function ``(target, problem) -> <Op>Tiles``; every ``<Op>Tiles`` is a frozen
+dataclass that carries a `LaunchOptions` and a shared-memory estimate in bytes. Backend-only
+options (HIP's ``waves_per_eu``) are set only for HIP targets, and `LaunchOptions.kwargs`
+refuses to hand them to a backend that does not accept them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from portattn.platform import Target
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Triton launch options for one kernel launch.
+
+    Attributes:
+        num_warps: warps (wavefronts on AMD) per program.
+        num_stages: software-pipelining depth.
+        waves_per_eu: HIP only: occupancy hint (0 = compiler's choice).
+    """
+
+    num_warps: int
+    num_stages: int
+    waves_per_eu: int | None = None
+
+    def kwargs(self, target: Target) -> dict[str, int]:
+        """Keyword arguments for ``kernel[grid](..., **kwargs)`` on ``target``."""
+        out = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.waves_per_eu is not None:
+            if not target.is_hip:
+                raise ValueError(
+                    f"LaunchOptions: waves_per_eu is a HIP-only option; target is {target.arch}"
+                )
+            out["waves_per_eu"] = self.waves_per_eu
+        return out
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def prev_pow2(n: int) -> int:
+    """Largest power of two <= n (n >= 1)."""
+    return 1 << (int(n).bit_length() - 1)
+
+
+def launch_options(target: Target, num_warps: int, num_stages: int) -> LaunchOptions:
+    """Per-vendor launch options, decided in this one place.
+
+    HIP: the stage count is capped by the target (AMD's stream pipeliner is tuned for 2) and
+    ``waves_per_eu=2`` asks the compiler to keep register use low enough for two waves per SIMD,
+    which hides the latency of the paged gathers. CUDA gets no backend-specific option.
+    """
+    stages = max(1, min(num_stages, target.max_num_stages))
+    if target.is_hip:
+        return LaunchOptions(num_warps=num_warps, num_stages=stages, waves_per_eu=2)
+    return LaunchOptions(num_warps=num_warps, num_stages=stages)
