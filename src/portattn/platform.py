@@ -165,10 +165,11 @@ def current_target(device=None) -> Target:
 def target_for_tensor(t) -> Target:
     """The target a kernel launch on tensor ``t`` compiles for.
 
-    On a CPU tensor (Triton's interpreter, ``TRITON_INTERPRET=1``) there is no device; the
-    override / ``PORTATTN_TARGET`` is used if set, else sm_90, so CPU tests exercise a real policy.
+    On a CPU or meta tensor (Triton's interpreter, ``TRITON_INTERPRET=1``; the compile matrix)
+    there is no device; the override / ``PORTATTN_TARGET`` is used if set, else sm_90, so CPU tests
+    exercise a real policy.
     """
-    if t.device.type == "cpu":
+    if t.device.type not in ("cuda", "hip"):
         if _override is not None:
             return _override
         return get_target(os.environ.get("PORTATTN_TARGET", "sm_90"))

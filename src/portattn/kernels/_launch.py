@@ -1,0 +1,77 @@
+"""A planned kernel launch: what every op's launcher produces before it runs anything.
+
+Each op is ``plan_<op>(...) -> list[Launch]`` (validate -> describe the problem -> policy tiles ->
+allocate outputs -> keyword arguments) followed by ``launch.run()`` for each. Keeping the plan a
+value lets the cross-target compile matrix (`portattn.compile`) compile exactly what a launch would
+run, for any target, from meta tensors, with no GPU: `Launch.signature` gives Triton's signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from portattn.platform import Target
+from portattn.policy.common import LaunchOptions
+
+_TRITON_DTYPES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: kernel, grid, keyword arguments (tensors, ints, constexprs), options."""
+
+    kernel: Any  # triton.runtime.jit.JITFunction
+    grid: tuple[int, ...]
+    args: dict[str, Any]
+    options: LaunchOptions
+    target: Target
+    name: str = ""
+    outputs: tuple[torch.Tensor, ...] = field(default=())
+
+    def run(self) -> None:
+        if any(g == 0 for g in self.grid):
+            return
+        self.kernel[self.grid](**self.args, **self.options.kwargs(self.target))
+
+    def constexprs(self) -> dict[str, Any]:
+        """The constexpr arguments by name."""
+        return {
+            p.name: self.args[p.name] for p in self.kernel.params if p.is_constexpr
+        }
+
+    def signature(self) -> dict[str, str]:
+        """Triton's signature for `triton.compiler.ASTSource` (constexprs as ``"constexpr"``)."""
+        sig = {}
+        for p in self.kernel.params:
+            v = self.args[p.name]
+            if p.is_constexpr:
+                sig[p.name] = "constexpr"
+            elif isinstance(v, torch.Tensor):
+                sig[p.name] = "*" + _TRITON_DTYPES[v.dtype]
+            elif isinstance(v, bool):
+                sig[p.name] = "i1"
+            elif isinstance(v, int):
+                sig[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+            elif isinstance(v, float):
+                sig[p.name] = "fp32"
+            else:
+                raise TypeError(f"Launch.signature: unsupported argument {p.name}={type(v)}")
+        return sig
+
+
+def run_all(launches: list[Launch]) -> None:
+    for launch in launches:
+        launch.run()

@@ -1,0 +1,1 @@
+"""Pure tile policies: ``(target, problem) -> frozen <Op>Tiles``. One module per op."""
