@@ -1,0 +1,318 @@
+"""Render a CI cell's Kubernetes Job from the kustomize templates under ``k8s/`` (pure).
+
+``kubectl apply -k k8s/overlays/<vendor>`` and this module read the SAME files: the base Job in
+``k8s/base/job.yaml`` and the vendor overlay's strategic-merge patch and image. This module
+implements exactly the kustomize fields those files use (``resources``, ``namespace``,
+``patches`` with a ``path``, ``images``) and raises on any other field, so a template change
+that the launcher cannot follow fails the tests instead of drifting. ``tests/ci`` compares the
+result with ``kubectl kustomize`` where kubectl is installed.
+
+Then the cell's parameters are filled in: name, image, suite, commit, pytest arguments,
+timeouts. Nothing here talks to a cluster; every function returns plain dicts.
+
+Example::
+
+    job = render_job(vendor="rocm", suite="mla", image="ghcr.io/x/portattn-ci:rocm-abc123",
+                     commit="abc123", nox_args=["-k", "decode"])
+    job["metadata"]["name"]   # 'pa-abc123-rocm-mla-<8 hex>', the same for the same inputs
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "CELL_CONTAINER",
+    "RESULTS_PATH",
+    "SUITES",
+    "VENDORS",
+    "job_name",
+    "load_kustomization",
+    "render_job",
+    "render_pod_spec",
+    "results_token",
+]
+
+VENDORS = ("cuda", "rocm")
+#: Suites a cell can run; each is a nox session of the same name running ``pytest -m <suite>``.
+SUITES = ("paged", "mla", "hybrid", "specdec", "policy", "compile", "gpu")
+CELL_CONTAINER = "cell"
+RESULTS_PATH = "/results/junit.xml"
+DEFAULT_NAMESPACE = "portattn-ci"
+
+_KUSTOMIZE_FIELDS = {"apiVersion", "kind", "namespace", "resources", "patches", "images"}
+# Strategic-merge keys of the pod fields our patches touch (from the Kubernetes API's
+# x-kubernetes-patch-merge-key); other lists are replaced, as kustomize does.
+_MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "volumes": "name",
+    "env": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+}
+_CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def default_k8s_dir() -> Path:
+    """``$KUBEMATRIX_K8S_DIR`` or the repository's ``k8s/`` (this file is src/kubematrix/)."""
+    env = os.environ.get("KUBEMATRIX_K8S_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "k8s"
+
+
+# --------------------------------------------------------------------------- kustomize subset
+
+
+def _strategic_merge(base: Any, patch: Any, key: str = "") -> Any:
+    """Kubernetes strategic-merge of ``patch`` into ``base`` for the fields in ``_MERGE_KEYS``."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        if "$patch" in patch:
+            raise ValueError(f"render: '$patch' directives are not supported; got {patch!r}")
+        out = dict(base)
+        for k, v in patch.items():
+            out[k] = _strategic_merge(base[k], v, k) if k in base else copy.deepcopy(v)
+        return out
+    if isinstance(base, list) and isinstance(patch, list) and key in _MERGE_KEYS:
+        merge_key = _MERGE_KEYS[key]
+        out_list = list(base)
+        for item in patch:
+            idx = next(
+                (i for i, b in enumerate(out_list) if b.get(merge_key) == item.get(merge_key)),
+                None,
+            )
+            if idx is None:
+                out_list.append(copy.deepcopy(item))
+            else:
+                out_list[idx] = _strategic_merge(out_list[idx], item)
+        return out_list
+    return copy.deepcopy(patch)
+
+
+def _set_images(doc: dict, images: list[dict]) -> None:
+    spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+    for container in spec.get("containers", []) + spec.get("initContainers", []):
+        ref = container.get("image", "")
+        name, _, tag = ref.partition(":")
+        for rule in images:
+            if rule["name"] == name:
+                name = rule.get("newName", name)
+                tag = rule.get("newTag", tag)
+        container["image"] = f"{name}:{tag}" if tag else name
+
+
+def _set_namespace(doc: dict, namespace: str) -> None:
+    if doc["kind"] == "Namespace":
+        doc["metadata"]["name"] = namespace
+        return
+    if doc["kind"] not in _CLUSTER_SCOPED:
+        doc["metadata"]["namespace"] = namespace
+    if doc["kind"] == "RoleBinding":
+        for subject in doc.get("subjects", []):
+            if subject.get("kind") == "ServiceAccount":
+                subject["namespace"] = namespace
+
+
+def load_kustomization(directory: Path | str) -> list[dict]:
+    """Build ``directory``'s kustomization like ``kubectl kustomize`` (the subset we use).
+
+    Raises:
+        ValueError: a kustomize field or patch form this subset does not implement, or a patch
+            that matches no resource.
+    """
+    directory = Path(directory)
+    kfile = directory / "kustomization.yaml"
+    spec = yaml.safe_load(kfile.read_text())
+    unknown = sorted(set(spec) - _KUSTOMIZE_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"render: {kfile} uses kustomize fields the launcher does not implement: {unknown}; "
+            f"supported: {sorted(_KUSTOMIZE_FIELDS)}"
+        )
+    docs: list[dict] = []
+    for res in spec.get("resources", []):
+        path = directory / res
+        if path.is_dir():
+            docs.extend(load_kustomization(path))
+        else:
+            docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
+    for entry in spec.get("patches", []):
+        if set(entry) != {"path"}:
+            raise ValueError(f"render: {kfile}: only 'patches: - path: <file>' is supported")
+        for patch in yaml.safe_load_all((directory / entry["path"]).read_text()):
+            targets = [
+                i
+                for i, d in enumerate(docs)
+                if d["kind"] == patch["kind"] and d["metadata"]["name"] == patch["metadata"]["name"]
+            ]
+            if not targets:
+                raise ValueError(f"render: {kfile}: patch {entry['path']} matches no resource")
+            for i in targets:
+                docs[i] = _strategic_merge(docs[i], patch)
+    for doc in docs:
+        _set_images(doc, spec.get("images", []))
+        if "namespace" in spec:
+            _set_namespace(doc, spec["namespace"])
+    return docs
+
+
+def _job_template(vendor: str, k8s_dir: Path) -> dict:
+    docs = load_kustomization(k8s_dir / "overlays" / vendor)
+    jobs = [d for d in docs if d["kind"] == "Job"]
+    if len(jobs) != 1:
+        raise ValueError(f"render: overlay {vendor} must build exactly one Job; got {len(jobs)}")
+    return jobs[0]
+
+
+# --------------------------------------------------------------------------- cell parameters
+
+
+def job_name(commit: str, cell_name: str) -> str:
+    """A deterministic DNS-1123 Job name (<= 63 characters) for one cell of one commit.
+
+    ``pa-<commit[:7]>-<cell slug, <= 40>-<8 hex of sha256(commit, cell)>``: readable, and unique
+    even when the slug is cut. The same inputs always give the same name, so a 409 on create
+    means "this cell of this commit is already running".
+
+    Example::
+
+        job_name("0123456789abcdef", "rocm/gfx942:mla")  # 'pa-0123456-rocm-gfx942-mla-<8 hex>'
+    """
+    if not commit or not cell_name:
+        raise ValueError(
+            f"job_name: commit and cell_name must be non-empty; got {commit!r}, {cell_name!r}"
+        )
+    digest = hashlib.sha256(f"{commit}\0{cell_name}".encode()).hexdigest()[:8]
+    short = re.sub(r"[^a-z0-9]+", "-", commit.lower()).strip("-")[:7] or "x"
+    slug = re.sub(r"[^a-z0-9]+", "-", cell_name.lower()).strip("-")[:40].strip("-") or "cell"
+    name = f"pa-{short}-{slug}-{digest}"
+    assert len(name) <= 63 and _DNS_LABEL.match(name), name  # by construction
+    return name
+
+
+def results_token(name: str) -> str:
+    """The marker token a cell prints around its JUnit report (derived from the Job name)."""
+    return hashlib.sha256(f"kubematrix-results\0{name}".encode()).hexdigest()[:16]
+
+
+def _set_env(container: dict, name: str, value: str) -> None:
+    for item in container.setdefault("env", []):
+        if item["name"] == name:
+            item["value"] = value
+            return
+    container["env"].append({"name": name, "value": value})
+
+
+def render_job(
+    *,
+    vendor: str,
+    suite: str,
+    image: str,
+    commit: str,
+    nox_args: Sequence[str] = (),
+    namespace: str = DEFAULT_NAMESPACE,
+    cell: str | None = None,
+    test_timeout_s: int = 900,
+    cell_timeout_s: int = 3300,
+    active_deadline_s: int = 3600,
+    ttl_after_finished_s: int = 3600,
+    supplemental_groups: Sequence[int] | None = None,
+    k8s_dir: Path | str | None = None,
+) -> dict:
+    """The Job manifest for one cell: the vendor overlay's Job with the cell's parameters.
+
+    Args:
+        vendor: ``"cuda"`` or ``"rocm"`` (the overlay under ``k8s/overlays``).
+        suite: the nox session the container runs (one of ``SUITES``).
+        image: the container image reference, e.g. pinned to the commit.
+        commit: the source commit; with ``cell`` it determines the Job name.
+        nox_args: extra arguments forwarded to the session (``nox -s <suite> -- <nox_args>``),
+            i.e. pytest arguments.
+        namespace: where the Job is created.
+        cell: the cell's name in the matrix; defaults to ``"<vendor>-<suite>"``.
+        test_timeout_s: pytest-timeout's per-test limit.
+        cell_timeout_s: the whole session's limit; the cell interrupts pytest then, so the
+            partial JUnit report still reaches the launcher.
+        active_deadline_s: the Job's hard deadline (scheduling and image pull included).
+        ttl_after_finished_s: garbage collection of a finished Job the launcher did not delete.
+        supplemental_groups: the pod's supplemental GIDs (AMD: the node's video and render
+            groups); ``None`` keeps the overlay's value.
+        k8s_dir: the template directory; defaults to the repository's ``k8s/``.
+
+    Raises:
+        ValueError: listing every invalid argument.
+    """
+    errors = []
+    if vendor not in VENDORS:
+        errors.append(f"vendor must be one of {VENDORS}; got {vendor!r}")
+    if suite not in SUITES:
+        errors.append(f"suite must be one of {SUITES}; got {suite!r}")
+    if not image or any(c.isspace() for c in image):
+        errors.append(f"image must be a non-empty reference without spaces; got {image!r}")
+    if not commit:
+        errors.append(f"commit must be non-empty; got {commit!r}")
+    if not _DNS_LABEL.match(namespace) or len(namespace) > 63:
+        errors.append(f"namespace must be a DNS-1123 label; got {namespace!r}")
+    if not 0 < test_timeout_s < cell_timeout_s < active_deadline_s:
+        errors.append(
+            "timeouts must satisfy 0 < test_timeout_s < cell_timeout_s < active_deadline_s; "
+            f"got {test_timeout_s}, {cell_timeout_s}, {active_deadline_s}"
+        )
+    if ttl_after_finished_s < 0:
+        errors.append(f"ttl_after_finished_s must be >= 0; got {ttl_after_finished_s}")
+    if supplemental_groups is not None and any(g < 0 for g in supplemental_groups):
+        errors.append(f"supplemental_groups must be GIDs >= 0; got {list(supplemental_groups)}")
+    if errors:
+        raise ValueError("render_job: " + "; ".join(errors))
+
+    cell = cell or f"{vendor}-{suite}"
+    name = job_name(commit, cell)
+    job = copy.deepcopy(_job_template(vendor, Path(k8s_dir) if k8s_dir else default_k8s_dir()))
+
+    meta = job["metadata"]
+    meta["name"] = name
+    meta["namespace"] = namespace
+    labels = {"portattn.dev/suite": suite, "portattn.dev/vendor": vendor}
+    meta.setdefault("labels", {}).update(labels)
+    meta["annotations"] = {
+        **meta.get("annotations", {}),
+        "portattn.dev/commit": commit,
+        "portattn.dev/cell": cell,
+    }
+    spec = job["spec"]
+    spec["activeDeadlineSeconds"] = active_deadline_s
+    spec["ttlSecondsAfterFinished"] = ttl_after_finished_s
+    template = spec["template"]
+    template["metadata"].setdefault("labels", {}).update(labels)
+    pod = template["spec"]
+    if supplemental_groups is not None:
+        pod["securityContext"]["supplementalGroups"] = list(supplemental_groups)
+
+    (container,) = [c for c in pod["containers"] if c["name"] == CELL_CONTAINER]
+    container["image"] = image
+    command = container["command"]
+    command[command.index("--timeout") + 1] = str(cell_timeout_s)
+    container["args"] = [*container["args"], *nox_args]
+    _set_env(container, "PORTATTN_SUITE", suite)
+    _set_env(container, "PORTATTN_COMMIT", commit)
+    _set_env(container, "KUBEMATRIX_RESULTS_TOKEN", results_token(name))
+    _set_env(
+        container,
+        "PYTEST_ADDOPTS",
+        f"--junitxml={RESULTS_PATH} --timeout={test_timeout_s} -p no:cacheprovider",
+    )
+    return job
+
+
+def render_pod_spec(**kwargs: Any) -> dict:
+    """The pod template spec of :func:`render_job` (same keyword arguments), e.g. for a
+    Buildkite agent-stack-k8s ``podSpec``."""
+    return render_job(**kwargs)["spec"]["template"]["spec"]
