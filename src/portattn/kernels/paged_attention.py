@@ -1,0 +1,516 @@
+"""Paged attention: chunked prefill and decode over a paged KV cache, in one launch.
+
+For each sequence ``i`` with ``q_len_i = query_start_loc[i+1] - query_start_loc[i]`` new tokens
+(the LAST ``q_len_i`` of its ``seq_lens[i]`` tokens), query token ``j`` attends to the context
+positions ``< seq_lens[i] - q_len_i + j + 1`` (causal). Decode (``q_len_i == 1``), chunked prefill
+(``1 < q_len_i < seq_lens[i]``) and pure prefill (``q_len_i == seq_lens[i]``) mix in one batch.
+
+| tensor          | shape                                                    | dtype             |
+|-----------------|----------------------------------------------------------|-------------------|
+| query, out      | [num_tokens, num_q_heads, head_dim]                      | fp16, bf16, fp32  |
+| key_cache       | NHD [num_blocks, block_size, num_kv_heads, head_dim]     | = query           |
+|                 | SHUFFLE [num_blocks, num_kv_heads, head_dim//x, block_size, x] |             |
+| value_cache     | NHD as key_cache;                                        | = query           |
+|                 | SHUFFLE [num_blocks, num_kv_heads, block_size//x, head_dim, x] |             |
+| block_table     | [num_seqs, max_blocks] (entries past a sequence's blocks ignored) | int32/64 |
+| seq_lens        | [num_seqs]                                               | int32/int64       |
+| query_start_loc | [num_seqs + 1]: 0, non-decreasing, ..., num_tokens       | int32/int64       |
+
+Every tensor may have any strides (caches: slices of a wider buffer, a hybrid model's interleaved
+``[K0][V0][S0][K1]...`` pages); the caches are addressed through `layout.describe_kv_cache`, with
+block and in-block offset separately, so any ``block_size >= 1`` works (1, 16, 80, 544, 2048).
+GQA/MQA: ``num_q_heads % num_kv_heads == 0``. ``head_dim <= 256`` (padded to a power of two).
+
+Not supported (yet): split-KV for long decode contexts (one program walks the whole context),
+sliding windows, soft-capping, ALiBi, sinks, fp8 caches, CUDA-graph-static metadata (the launcher
+reads ``query_start_loc`` and ``seq_lens`` on the host to validate them and size the grid).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from portattn.kernels._launch import Launch, run_all
+from portattn.layout import CacheAddressing, describe_kv_cache
+from portattn.platform import Target, target_for_tensor
+from portattn.policy.paged import MAX_HEAD_DIM, PagedProblem, PagedTiles, paged_tiles
+
+OP = "paged_attention"
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LOG2E = 1.4426950408889634
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _cache_offsets(
+    tok,  # [BLOCK_N] or [BLOCK_N, 1]: in-block token offsets (int64)
+    dim,  # [BLOCK_D] or [1, BLOCK_D]: head-dim indices
+    stride_tok_hi,
+    stride_tok_lo,
+    stride_dim_hi,
+    stride_dim_lo,
+    TOK_SPLIT: tl.constexpr,
+    DIM_SPLIT: tl.constexpr,
+):
+    """In-block offset of (token, dim) per `layout.CacheAddressing` (caller adds block, head)."""
+    if TOK_SPLIT == 1:
+        t_off = tok * stride_tok_hi
+    else:
+        t_off = (tok // TOK_SPLIT) * stride_tok_hi + (tok % TOK_SPLIT) * stride_tok_lo
+    if DIM_SPLIT == 1:
+        d_off = dim * stride_dim_hi
+    else:
+        d_off = (dim // DIM_SPLIT) * stride_dim_hi + (dim % DIM_SPLIT) * stride_dim_lo
+    return t_off + d_off
+
+
+# -- kernel -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    q_ptr,  # [num_tokens, num_q_heads, head_dim]
+    k_ptr,  # key cache, NHD or SHUFFLE, addressed by the stride_k_* arguments
+    v_ptr,  # value cache, NHD or SHUFFLE, addressed by the stride_v_* arguments
+    block_table_ptr,  # [num_seqs, max_blocks]
+    seq_lens_ptr,  # [num_seqs]
+    query_start_loc_ptr,  # [num_seqs + 1]
+    scale_log2,  # softmax scale * log2(e)
+    head_dim,
+    block_size,
+    stride_q_tok,
+    stride_q_head,
+    stride_q_dim,
+    stride_o_tok,
+    stride_o_head,
+    stride_o_dim,
+    stride_bt_seq,
+    stride_bt_blk,
+    stride_k_block,
+    stride_k_head,
+    stride_k_tok_hi,
+    stride_k_tok_lo,
+    stride_k_dim_hi,
+    stride_k_dim_lo,
+    stride_v_block,
+    stride_v_head,
+    stride_v_tok_hi,
+    stride_v_tok_lo,
+    stride_v_dim_hi,
+    stride_v_dim_lo,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_TILE: tl.constexpr,  # query heads per program (<= GROUP)
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # rows of the M tile (>= BLOCK_Q * HEAD_TILE)
+    BLOCK_N: tl.constexpr,  # context tokens per KV tile (independent of block_size)
+    BLOCK_D: tl.constexpr,  # head_dim padded to a power of two
+    K_TOK_SPLIT: tl.constexpr,
+    K_DIM_SPLIT: tl.constexpr,
+    V_TOK_SPLIT: tl.constexpr,
+    V_DIM_SPLIT: tl.constexpr,
+):
+    tl.static_assert(BLOCK_Q * HEAD_TILE <= BLOCK_M)
+    tl.static_assert(HEAD_TILE <= GROUP)
+    HEAD_TILES_PER_KV: tl.constexpr = (GROUP + HEAD_TILE - 1) // HEAD_TILE
+
+    q_tile = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_TILES_PER_KV
+    head_tile = tl.program_id(1) % HEAD_TILES_PER_KV
+    seq = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = (tl.load(query_start_loc_ptr + seq + 1) - q_start).to(tl.int32)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    ctx_len = seq_len - q_len  # tokens before this step's queries
+
+    # -- rows: (query token, query head) pairs of one KV head ---------------------------------
+    offs_m = tl.arange(0, BLOCK_M)
+    tok_in_q = q_tile * BLOCK_Q + offs_m // HEAD_TILE  # [BLOCK_M] token index within the seq
+    head_in_group = head_tile * HEAD_TILE + offs_m % HEAD_TILE
+    row_mask = (offs_m // HEAD_TILE < BLOCK_Q) & (tok_in_q < q_len) & (head_in_group < GROUP)
+    q_head = kv_head * GROUP + head_in_group
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+
+    q_off = (
+        (q_start + tok_in_q.to(tl.int64))[:, None] * stride_q_tok
+        + q_head.to(tl.int64)[:, None] * stride_q_head
+        + offs_d[None, :] * stride_q_dim
+    )
+    q = tl.load(q_ptr + q_off, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+    # Row r sees positions < row_limit[r]; >= 1 for every row, so no row is ever fully masked
+    # (rows past the sequence compute on zeros and are not stored).
+    row_limit = ctx_len + tok_in_q + 1
+    kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_base = k_ptr + kv_head.to(tl.int64) * stride_k_head
+    v_base = v_ptr + kv_head.to(tl.int64) * stride_v_head
+    offs_n = tl.arange(0, BLOCK_N)
+
+    for start in range(0, kv_end, BLOCK_N):
+        # -- gather: context position -> (physical block, in-block offset) -------------------
+        pos = start + offs_n  # [BLOCK_N]
+        pos_mask = pos < kv_end
+        logical_block = pos // block_size
+        in_block = (pos % block_size).to(tl.int64)
+        phys = tl.load(bt_row + logical_block * stride_bt_blk, mask=pos_mask, other=0).to(tl.int64)
+
+        k_off = phys[None, :] * stride_k_block + _cache_offsets(
+            in_block[None, :],
+            offs_d[:, None],
+            stride_k_tok_hi,
+            stride_k_tok_lo,
+            stride_k_dim_hi,
+            stride_k_dim_lo,
+            K_TOK_SPLIT,
+            K_DIM_SPLIT,
+        )
+        k = tl.load(k_base + k_off, mask=d_mask[:, None] & pos_mask[None, :], other=0.0)
+
+        # -- scores ------------------------------------------------------------------------
+        s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+        keep = pos_mask[None, :] & (pos[None, :] < row_limit[:, None])
+        s = tl.where(keep, s, float("-inf"))
+
+        # -- online softmax (base 2) --------------------------------------------------------
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+
+        v_off = phys[:, None] * stride_v_block + _cache_offsets(
+            in_block[:, None],
+            offs_d[None, :],
+            stride_v_tok_hi,
+            stride_v_tok_lo,
+            stride_v_dim_hi,
+            stride_v_dim_lo,
+            V_TOK_SPLIT,
+            V_DIM_SPLIT,
+        )
+        v = tl.load(v_base + v_off, mask=pos_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        m_i = m_new
+
+    # -- epilogue -----------------------------------------------------------------------------
+    acc = acc / l_i[:, None]
+    o_off = (
+        (q_start + tok_in_q.to(tl.int64))[:, None] * stride_o_tok
+        + q_head.to(tl.int64)[:, None] * stride_o_head
+        + offs_d[None, :] * stride_o_dim
+    )
+    tl.store(
+        out_ptr + o_off,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
+
+
+# -- launcher -----------------------------------------------------------------------------------
+
+
+def _check_types(query, block_table, seq_lens, query_start_loc, out) -> None:
+    errors = []
+    named = (
+        ("query", query),
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    )
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            errors.append(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if out is not None and not isinstance(out, torch.Tensor):
+        errors.append(f"out must be a torch.Tensor or None; got {type(out).__name__}")
+    if errors:
+        raise TypeError(f"{OP}: " + "; ".join(errors))
+    if query.dtype not in _FLOAT_DTYPES:
+        errors.append(f"query dtype must be one of float16, bfloat16, float32; got {query.dtype}")
+    for name, t in named[1:]:
+        if t.dtype not in _INDEX_DTYPES:
+            errors.append(f"{name} dtype must be int32 or int64; got {t.dtype}")
+    if out is not None and out.dtype != query.dtype:
+        errors.append(f"out dtype must equal query dtype {query.dtype}; got {out.dtype}")
+    if errors:
+        raise TypeError(f"{OP}: " + "; ".join(errors))
+
+
+def _check_shapes(
+    query, k: CacheAddressing, key_cache, block_table, seq_lens, query_start_loc, out, scale
+) -> None:
+    errors = []
+    dev = query.device
+    others = (
+        ("key_cache", key_cache),
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    )
+    for name, t in others + ((("out", out),) if out is not None else ()):
+        if t.device != dev:
+            errors.append(f"{name} must be on query's device {dev}; got {t.device}")
+    if key_cache.dtype != query.dtype:
+        errors.append(
+            f"key_cache and value_cache dtype must equal query dtype {query.dtype}; "
+            f"got {key_cache.dtype}"
+        )
+    if query.dim() != 3:
+        errors.append(
+            f"query must be 3-D [num_tokens, num_q_heads, head_dim]; got shape {tuple(query.shape)}"
+        )
+    else:
+        num_q_heads, head_dim = query.shape[1], query.shape[2]
+        if head_dim != k.head_dim:
+            errors.append(
+                f"query head_dim must equal the cache's head_dim {k.head_dim}; got {head_dim}"
+            )
+        if head_dim > MAX_HEAD_DIM:
+            errors.append(f"head_dim must be <= {MAX_HEAD_DIM}; got {head_dim}")
+        if num_q_heads < 1 or num_q_heads % k.num_kv_heads:
+            errors.append(
+                f"num_q_heads must be a positive multiple of num_kv_heads {k.num_kv_heads}; "
+                f"got {num_q_heads}"
+            )
+        if out is not None and tuple(out.shape) != tuple(query.shape):
+            errors.append(
+                f"out shape must equal query shape {tuple(query.shape)}; got {tuple(out.shape)}"
+            )
+    if block_table.dim() != 2:
+        errors.append(
+            f"block_table must be 2-D [num_seqs, max_blocks]; got shape {tuple(block_table.shape)}"
+        )
+    num_seqs = block_table.shape[0] if block_table.dim() >= 1 else -1
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != num_seqs:
+        errors.append(
+            f"seq_lens must be 1-D [num_seqs={num_seqs}]; got shape {tuple(seq_lens.shape)}"
+        )
+    if query_start_loc.dim() != 1 or query_start_loc.shape[0] != num_seqs + 1:
+        errors.append(
+            f"query_start_loc must be 1-D [num_seqs+1={num_seqs + 1}]; got shape "
+            f"{tuple(query_start_loc.shape)}"
+        )
+    if scale is not None and (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not math.isfinite(scale)
+        or scale <= 0
+    ):
+        errors.append(f"scale must be a finite positive float or None; got {scale!r}")
+    if errors:
+        raise ValueError(f"{OP}: " + "; ".join(errors))
+
+
+def _check_contents(query, k: CacheAddressing, block_table, seq_lens, query_start_loc) -> int:
+    """Validate the metadata's values (one host read); return max_query_len."""
+    num_tokens = query.shape[0]
+    qsl = query_start_loc.detach().to("cpu", torch.int64)
+    lens = seq_lens.detach().to("cpu", torch.int64)
+    errors = []
+    q_lens = qsl[1:] - qsl[:-1]
+    if int(qsl[0]) != 0 or int(qsl[-1]) != num_tokens:
+        errors.append(
+            f"query_start_loc must start at 0 and end at num_tokens={num_tokens}; "
+            f"got first {int(qsl[0])}, last {int(qsl[-1])}"
+        )
+    if bool((q_lens < 0).any()):
+        bad = int(torch.nonzero(q_lens < 0)[0, 0])
+        errors.append(f"query_start_loc must be non-decreasing; got a decrease at index {bad + 1}")
+    short = torch.nonzero(lens < q_lens.clamp_min(0))
+    if short.numel():
+        i = int(short[0, 0])
+        errors.append(
+            f"seq_lens must be >= each sequence's q_len; got seq_lens[{i}]={int(lens[i])} < "
+            f"q_len {int(q_lens[i])} ({short.numel()} sequence(s))"
+        )
+    max_blocks = block_table.shape[1]
+    n_blocks = (lens + k.block_size - 1) // k.block_size
+    wide = torch.nonzero(n_blocks > max_blocks)
+    if wide.numel():
+        i = int(wide[0, 0])
+        errors.append(
+            f"block_table must have a column per block of each sequence; got seq_lens[{i}]="
+            f"{int(lens[i])} needing {int(n_blocks[i])} blocks of {k.block_size} but "
+            f"max_blocks={max_blocks}"
+        )
+    elif max_blocks and block_table.shape[0]:
+        used = torch.arange(max_blocks)[None, :] < n_blocks[:, None]
+        entries = block_table.detach().to("cpu", torch.int64)[used]
+        if entries.numel() and (int(entries.min()) < 0 or int(entries.max()) >= k.num_blocks):
+            errors.append(
+                f"block_table entries of used blocks must be in [0, num_blocks={k.num_blocks}); "
+                f"got range [{int(entries.min())}, {int(entries.max())}]"
+            )
+    if errors:
+        raise ValueError(f"{OP}: " + "; ".join(errors))
+    return int(q_lens.max()) if q_lens.numel() else 0
+
+
+def plan_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float | None = None,
+    layout: str = "NHD",
+    out: torch.Tensor | None = None,
+    target: Target | None = None,
+    max_query_len: int | None = None,
+) -> list[Launch]:
+    """Validate, choose tiles and allocate; return the launch(es) `paged_attention` would run.
+
+    Args: as `paged_attention`, plus ``max_query_len``: only for meta tensors (the compile
+    matrix), where the metadata cannot be read; defaults to ``num_tokens`` there. On real tensors
+    it is computed from ``query_start_loc`` (and a given value is ignored).
+    """
+    _check_types(query, block_table, seq_lens, query_start_loc, out)
+    k, v = describe_kv_cache(OP, key_cache, value_cache, layout)
+    _check_shapes(query, k, key_cache, block_table, seq_lens, query_start_loc, out, scale)
+    if query.device.type == "meta":
+        mql = max(1, max_query_len if max_query_len is not None else query.shape[0])
+    else:
+        mql = _check_contents(query, k, block_table, seq_lens, query_start_loc)
+
+    num_tokens, num_q_heads, head_dim = query.shape
+    target = target if target is not None else target_for_tensor(query)
+    problem = PagedProblem(
+        num_q_heads=num_q_heads,
+        num_kv_heads=k.num_kv_heads,
+        head_dim=head_dim,
+        elem_bytes=query.element_size(),
+        max_query_len=max(1, mql),
+        block_size=k.block_size,
+        num_seqs=block_table.shape[0],
+    )
+    tiles: PagedTiles = paged_tiles(target, problem)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+    group = num_q_heads // k.num_kv_heads
+    head_tiles = -(-group // tiles.head_tile)
+    grid = (
+        -(-mql // tiles.block_q) if num_tokens else 0,
+        k.num_kv_heads * head_tiles,
+        block_table.shape[0],
+    )
+    args = dict(
+        out_ptr=out,
+        q_ptr=query,
+        k_ptr=key_cache,
+        v_ptr=value_cache,
+        block_table_ptr=block_table,
+        seq_lens_ptr=seq_lens,
+        query_start_loc_ptr=query_start_loc,
+        scale_log2=scale * _LOG2E,
+        head_dim=head_dim,
+        block_size=k.block_size,
+        stride_q_tok=query.stride(0),
+        stride_q_head=query.stride(1),
+        stride_q_dim=query.stride(2),
+        stride_o_tok=out.stride(0),
+        stride_o_head=out.stride(1),
+        stride_o_dim=out.stride(2),
+        stride_bt_seq=block_table.stride(0),
+        stride_bt_blk=block_table.stride(1),
+        **k.kernel_args("k"),
+        **v.kernel_args("v"),
+        GROUP=group,
+        HEAD_TILE=tiles.head_tile,
+        BLOCK_Q=tiles.block_q,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_D=tiles.block_d,
+        K_TOK_SPLIT=k.tok_split,
+        K_DIM_SPLIT=k.dim_split,
+        V_TOK_SPLIT=v.tok_split,
+        V_DIM_SPLIT=v.dim_split,
+    )
+    return [
+        Launch(
+            kernel=_paged_attention_kernel,
+            grid=grid,
+            args=args,
+            options=tiles.options,
+            target=target,
+            name=OP,
+            outputs=(out,),
+        )
+    ]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float | None = None,
+    layout: str = "NHD",
+    out: torch.Tensor | None = None,
+    target: Target | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed query tokens over a paged KV cache (prefill + decode mixed).
+
+    Args:
+        query: ``[num_tokens, num_q_heads, head_dim]``, fp16/bf16/fp32, any strides.
+        key_cache, value_cache: the cache in ``layout`` (module docstring), dtype of ``query``,
+            any strides (slices, hybrid interleaved views).
+        block_table: ``[num_seqs, max_blocks]`` int32/int64: physical block of each logical
+            block; entries past ``ceil(seq_lens[i] / block_size)`` are ignored (e.g. -1).
+        seq_lens: ``[num_seqs]``: total tokens of each sequence, this step's included.
+        query_start_loc: ``[num_seqs + 1]``: sequence ``i``'s queries are rows
+            ``query_start_loc[i] : query_start_loc[i+1]`` of ``query``, its last tokens.
+        scale: softmax scale; default ``1 / sqrt(head_dim)``.
+        layout: ``"NHD"`` or ``"SHUFFLE"``.
+        out: optional ``[num_tokens, num_q_heads, head_dim]`` output of ``query``'s dtype, any
+            strides; written in place and returned.
+        target: the `Target` whose policy picks the tiles; default: ``query``'s device.
+
+    Returns:
+        ``out`` (allocated contiguous if not given).
+
+    Raises:
+        TypeError / ValueError: naming the argument, the rule and the value; every problem of a
+        call is listed.
+
+    Example (one decode sequence of 3 tokens, block_size 2, blocks 5 then 2)::
+
+        block_table = [[5, 2]], seq_lens = [3], query_start_loc = [0, 1]
+        -> the query attends to block 5 offsets 0, 1 and block 2 offset 0
+    """
+    launches = plan_paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        scale=scale,
+        layout=layout,
+        out=out,
+        target=target,
+    )
+    run_all(launches)
+    return launches[0].outputs[0]

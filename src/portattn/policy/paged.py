@@ -1,0 +1,185 @@
+"""Tile policy for `portattn.kernels.paged_attention`: ``paged_tiles(target, problem)``.
+
+The paged-attention kernel runs one program per (query tile of a sequence, q-head tile of one KV
+head, sequence). Its M dimension packs ``block_q`` query tokens x ``head_tile`` query heads that
+share one KV head (GQA/MQA), so a decode step with 4 or 8 heads per KV head still gives ``tl.dot``
+its 16 rows. Its N dimension is ``block_n`` context tokens, gathered through the block table one
+token at a time (block and in-block offset addressed separately): **the KV tile never depends on
+the cache's ``block_size``** (upstream lesson 3: a tile taken from block_size 2048 asks for
+262144 B of LDS on a 65536 B MI300-class part).
+
+Shared-memory budget (`estimate_shared_mem`, bytes, ``e`` = element size of Q/K/V):
+
+    K and V tiles, one buffer each per pipeline stage:  2 * num_stages * block_n * block_d * e
+    Q tile (dot operand, staged once):                  block_m * block_d * e
+    P tile (softmax probabilities, the second dot's A): block_m * block_n * e
+
+The policy walks a preference ladder (largest ``block_n`` first, then deeper pipelines, then smaller
+``block_m``) and takes the first rung whose estimate fits ``target.max_shared_mem``. The last rung,
+16 x 16 x 256 in fp32 with one stage, needs 50176 B, so every target (smallest: 65536 B) is served.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from portattn.platform import Target
+from portattn.policy.common import LaunchOptions, launch_options, next_pow2
+
+MAX_HEAD_DIM = 256
+# The fewest rows/columns a tl.dot operand may have (every backend).
+MIN_DOT_DIM = 16
+# Largest M tile: 64 rows = 4 warps x 16 mma rows on NVIDIA; a 64-row tile is also what AMD's
+# MFMA 16x16 / 32x32 instructions fill with 4 wavefronts.
+MAX_BLOCK_M = 64
+# Context-token tiles tried, largest first. 64 keeps the two dots square-ish at head_dim 64-128;
+# 16 is the floor of tl.dot's K dimension (the P @ V dot reduces over block_n).
+BLOCK_N_LADDER = (64, 32, 16)
+# Pipelining depth asked for before the target caps it (HIP targets cap at 2).
+PREFERRED_STAGES = 3
+NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class PagedProblem:
+    """What the policy may look at.
+
+    Attributes:
+        num_q_heads: query heads.
+        num_kv_heads: KV heads (``num_q_heads % num_kv_heads == 0``).
+        head_dim: head dimension (<= 256).
+        elem_bytes: bytes per Q/K/V element (2 for fp16/bf16, 4 for fp32).
+        max_query_len: the longest ``q_len_i`` of the batch (1 for pure decode).
+        block_size: the cache's tokens per block. Recorded for the compile matrix and reports;
+            the tiles are deliberately independent of it.
+        num_seqs: sequences in the batch (recorded; split-KV sizing is a later issue).
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    elem_bytes: int
+    max_query_len: int
+    block_size: int = 16
+    num_seqs: int = 1
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_q_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class PagedTiles:
+    """Tiles and launch options for one paged-attention launch.
+
+    Attributes:
+        block_m: rows of the M tile (a power of two >= 16).
+        block_q: query tokens per program (``block_q * head_tile <= block_m``).
+        head_tile: query heads per program, all of one KV head (``<= group``).
+        block_n: context tokens per KV tile (a power of two >= 16, independent of block_size).
+        block_d: padded head dimension (next power of two >= head_dim, >= 16).
+        options: num_warps, num_stages and, on HIP only, waves_per_eu.
+        shared_mem_bytes: `estimate_shared_mem` of this choice (<= target.max_shared_mem).
+    """
+
+    block_m: int
+    block_q: int
+    head_tile: int
+    block_n: int
+    block_d: int
+    options: LaunchOptions
+    shared_mem_bytes: int
+
+    @property
+    def num_warps(self) -> int:
+        return self.options.num_warps
+
+    @property
+    def num_stages(self) -> int:
+        return self.options.num_stages
+
+    @property
+    def waves_per_eu(self) -> int | None:
+        return self.options.waves_per_eu
+
+
+def estimate_shared_mem(
+    block_m: int, block_n: int, block_d: int, elem_bytes: int, num_stages: int
+) -> int:
+    """Bytes of shared memory / LDS the kernel needs for these tiles (see module docstring).
+
+    ``2 * num_stages * block_n * block_d * e + block_m * block_d * e + block_m * block_n * e``.
+
+    Example: gfx942, head_dim 128, fp16, block_m 16, block_n 32, 2 stages ->
+    ``2*2*32*128*2 + 16*128*2 + 16*32*2 = 32768 + 4096 + 1024 = 37888 <= 65536``.
+    """
+    kv = 2 * num_stages * block_n * block_d * elem_bytes
+    q = block_m * block_d * elem_bytes
+    p = block_m * block_n * elem_bytes
+    return kv + q + p
+
+
+def _ladder(max_stages: int) -> list[tuple[int, int]]:
+    """(block_n, num_stages) in preference order: wide tiles first, pipelined (>= 2) before not."""
+    rungs = [(n, s) for n in BLOCK_N_LADDER for s in range(max_stages, 1, -1)]
+    rungs += [(n, 1) for n in BLOCK_N_LADDER]
+    return rungs
+
+
+def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
+    """Choose the paged-attention tiles for ``problem`` on ``target`` (pure; no device access).
+
+    Rules:
+      * ``block_d = max(16, next_pow2(head_dim))`` (masked beyond head_dim).
+      * ``block_m``: enough rows for ``max_query_len`` tokens of the whole GQA group, at least
+        ``target.mma_min_rows`` and 16, at most 64. ``head_tile = min(group, block_m)`` and
+        ``block_q = block_m // head_tile`` (decode with GQA 8:1 -> 16 rows, 8 heads, 2 tokens).
+      * ``(block_n, num_stages)`` from `_ladder`, first that fits the shared-memory budget;
+        if none fits, ``block_m`` halves (down to 16) and the ladder is walked again.
+
+    Raises:
+        ValueError: a problem the kernel cannot serve (head_dim > 256, heads not divisible,
+            non-positive sizes), or (never for head_dim <= 256 on a known target) no tile fits.
+    """
+    p = problem
+    errors = []
+    if p.num_q_heads < 1 or p.num_kv_heads < 1 or p.num_q_heads % p.num_kv_heads:
+        errors.append(
+            f"num_q_heads must be a positive multiple of num_kv_heads; got {p.num_q_heads} and "
+            f"{p.num_kv_heads}"
+        )
+    if not 1 <= p.head_dim <= MAX_HEAD_DIM:
+        errors.append(f"head_dim must be in [1, {MAX_HEAD_DIM}]; got {p.head_dim}")
+    if p.elem_bytes not in (2, 4):
+        errors.append(f"elem_bytes must be 2 or 4; got {p.elem_bytes}")
+    if p.max_query_len < 1:
+        errors.append(f"max_query_len must be >= 1; got {p.max_query_len}")
+    if errors:
+        raise ValueError("paged_tiles: " + "; ".join(errors))
+
+    block_d = max(MIN_DOT_DIM, next_pow2(p.head_dim))
+    min_m = max(MIN_DOT_DIM, target.mma_min_rows)
+    rows = p.max_query_len * p.group
+    block_m = min(MAX_BLOCK_M, max(min_m, next_pow2(rows)))
+    max_stages = max(1, min(PREFERRED_STAGES, target.max_num_stages))
+    while True:
+        for block_n, stages in _ladder(max_stages):
+            smem = estimate_shared_mem(block_m, block_n, block_d, p.elem_bytes, stages)
+            if smem <= target.max_shared_mem:
+                head_tile = min(p.group, block_m)
+                return PagedTiles(
+                    block_m=block_m,
+                    block_q=block_m // head_tile,
+                    head_tile=head_tile,
+                    block_n=block_n,
+                    block_d=block_d,
+                    options=launch_options(target, NUM_WARPS, stages),
+                    shared_mem_bytes=smem,
+                )
+        if block_m <= min_m:
+            raise ValueError(
+                f"paged_tiles: no tile fits {target.arch}'s {target.max_shared_mem} B of shared "
+                f"memory for head_dim {p.head_dim}, {p.elem_bytes}-byte elements"
+            )
+        block_m //= 2
