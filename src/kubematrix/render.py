@@ -220,6 +220,7 @@ def render_job(
     nox_args: Sequence[str] = (),
     namespace: str = DEFAULT_NAMESPACE,
     cell: str | None = None,
+    session: str | None = None,
     test_timeout_s: int = 900,
     cell_timeout_s: int = 3300,
     active_deadline_s: int = 3600,
@@ -231,13 +232,17 @@ def render_job(
 
     Args:
         vendor: ``"cuda"`` or ``"rocm"`` (the overlay under ``k8s/overlays``).
-        suite: the nox session the container runs (one of ``SUITES``).
+        suite: the test suite (one of ``SUITES``, a pytest marker); labels the Job.
         image: the container image reference, e.g. pinned to the commit.
         commit: the source commit; with ``cell`` it determines the Job name.
-        nox_args: extra arguments forwarded to the session (``nox -s <suite> -- <nox_args>``),
-            i.e. pytest arguments.
+        nox_args: arguments forwarded to the session (``nox -s <session> -- <nox_args>``),
+            i.e. pytest arguments. Do not pass ``--junitxml``: the cell writes JUnit to
+            ``RESULTS_PATH`` (via ``PYTEST_ADDOPTS``) and prints it to the log from there.
         namespace: where the Job is created.
         cell: the cell's name in the matrix; defaults to ``"<vendor>-<suite>"``.
+        session: the nox session the container runs; defaults to ``suite`` (the per-suite
+            sessions run ``pytest -m <suite>``). E.g. ``session="gpu"`` with
+            ``nox_args=["-m", suite]``.
         test_timeout_s: pytest-timeout's per-test limit.
         cell_timeout_s: the whole session's limit; the cell interrupts pytest then, so the
             partial JUnit report still reaches the launcher.
@@ -266,6 +271,10 @@ def render_job(
             "timeouts must satisfy 0 < test_timeout_s < cell_timeout_s < active_deadline_s; "
             f"got {test_timeout_s}, {cell_timeout_s}, {active_deadline_s}"
         )
+    if session is not None and not re.fullmatch(r"[A-Za-z0-9_.()'=-]+", session):
+        errors.append(f"session must be a nox session name; got {session!r}")
+    if any(a.startswith("--junitxml") or a.startswith("--junit-xml") for a in nox_args):
+        errors.append(f"nox_args must not set --junitxml (the cell writes {RESULTS_PATH})")
     if ttl_after_finished_s < 0:
         errors.append(f"ttl_after_finished_s must be >= 0; got {ttl_after_finished_s}")
     if supplemental_groups is not None and any(g < 0 for g in supplemental_groups):
@@ -301,7 +310,7 @@ def render_job(
     command = container["command"]
     command[command.index("--timeout") + 1] = str(cell_timeout_s)
     container["args"] = [*container["args"], *nox_args]
-    _set_env(container, "PORTATTN_SUITE", suite)
+    _set_env(container, "PORTATTN_SUITE", session or suite)
     _set_env(container, "PORTATTN_COMMIT", commit)
     _set_env(container, "KUBEMATRIX_RESULTS_TOKEN", results_token(name))
     _set_env(
