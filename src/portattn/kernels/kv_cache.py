@@ -1,0 +1,618 @@
+"""KV-cache write (scatter new tokens into their slots) and gather (a paged cache -> contiguous).
+
+| tensor                | shape                                                  | notes          |
+|-----------------------|--------------------------------------------------------|----------------|
+| key, value            | [num_tokens, num_kv_heads, head_dim]                   | any strides    |
+| slot_mapping          | [num_tokens] int64 (int32 accepted)                    | block*bs + off |
+| key_cache (NHD)       | [num_blocks, block_size, num_kv_heads, head_dim]       | any strides    |
+| value_cache (NHD)     | [num_blocks, block_size, num_kv_heads, head_dim]       | any strides    |
+| key_cache (SHUFFLE)   | [num_blocks, num_kv_heads, head_dim//x, block_size, x] | x = 16 B/elem  |
+| value_cache (SHUFFLE) | [num_blocks, num_kv_heads, block_size//x, head_dim, x] | any strides    |
+| block_table           | [num_seqs, max_blocks] int32/int64                     | any strides    |
+| cu_seq_lens           | [num_seqs + 1] int32/int64                             | cu[0] == 0     |
+| gathered k, v         | [total_tokens, num_kv_heads, head_dim]                 | total = cu[-1] |
+
+Both kernels address the cache through `layout.describe_kv_cache` (block and in-block offset
+separately, ``TOK_SPLIT``/``DIM_SPLIT`` for SHUFFLE), so a hybrid model's interleaved cache (a
+strided view of a shared page buffer, Mamba state between pages) is written and read exactly like
+a contiguous one and the state bytes are never touched. Both take the flat-slot shortcut
+(``FLAT_SLOTS``: ``offset = slot * stride_tok``) only when `layout.is_block_contiguous` holds for
+that cache, through the one helper `_slot_offset`, so the write path and the read path cannot
+disagree about where a token lives (DESIGN.md lesson 3).
+
+Not supported: dtype conversion (fp8 caches, scales): key/value must have the cache's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from portattn.blocksize import BlockSizeRule, MultipleOf
+from portattn.kernels._launch import Launch, run_all
+from portattn.kernels.page_indices import _find_seq, _num_steps
+from portattn.layout import CacheAddressing, describe_kv_cache, is_block_contiguous
+from portattn.platform import Target, target_for_tensor
+from portattn.policy.cache import CacheCopyProblem, gather_kv_cache_tiles, write_kv_cache_tiles
+
+# Any block size for NHD (block and offset are addressed separately); SHUFFLE's V cache splits
+# the token axis into block_size // x groups, so there block_size % x == 0 (see ops_registry).
+SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
+INDEX_DTYPES = (torch.int32, torch.int64)
+_INT32_MAX = 2**31 - 1
+
+
+# -- addressing helpers --------------------------------------------------------------------------
+
+
+@triton.jit
+def _slot_offset(
+    slot,  # [BLOCK_T] int64, >= 0
+    block_size,
+    stride_block,
+    stride_tok_hi,
+    stride_tok_lo,
+    TOK_SPLIT: tl.constexpr,
+    FLAT_SLOTS: tl.constexpr,
+):
+    """Element offset of token ``slot`` (block and in-block token parts), int64 ``[BLOCK_T]``.
+
+    ``FLAT_SLOTS`` is `layout.is_block_contiguous` of this cache, computed on the host.
+    """
+    if FLAT_SLOTS:
+        off = slot * stride_tok_hi
+    else:
+        blk = slot // block_size
+        tok = slot % block_size
+        if TOK_SPLIT == 1:
+            off = blk * stride_block + tok * stride_tok_hi
+        else:
+            off = blk * stride_block + (tok // TOK_SPLIT) * stride_tok_hi
+            off += (tok % TOK_SPLIT) * stride_tok_lo
+    return off
+
+
+@triton.jit
+def _dim_offset(
+    d,  # [BLOCK_D] int32 head-dim indices
+    stride_dim_hi,
+    stride_dim_lo,
+    DIM_SPLIT: tl.constexpr,
+):
+    """Element offset of head-dim index ``d`` inside one (token, head), int64 ``[BLOCK_D]``."""
+    d = d.to(tl.int64)
+    if DIM_SPLIT == 1:
+        off = d * stride_dim_hi
+    else:
+        off = (d // DIM_SPLIT) * stride_dim_hi + (d % DIM_SPLIT) * stride_dim_lo
+    return off
+
+
+# -- write ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache_ptr,  # NHD [num_blocks, block_size, h, d] | SHUFFLE [num_blocks, h, d//x, bs, x]
+    value_cache_ptr,  # NHD [num_blocks, block_size, h, d] | SHUFFLE [num_blocks, h, bs//x, d, x]
+    slot_mapping_ptr,  # [num_tokens] int64/int32, negative = skip
+    num_tokens,
+    head_dim,
+    block_size,
+    stride_key_tok,
+    stride_key_head,
+    stride_key_dim,
+    stride_value_tok,
+    stride_value_head,
+    stride_value_dim,
+    stride_slot,
+    stride_kc_block,
+    stride_kc_head,
+    stride_kc_tok_hi,
+    stride_kc_tok_lo,
+    stride_kc_dim_hi,
+    stride_kc_dim_lo,
+    stride_vc_block,
+    stride_vc_head,
+    stride_vc_tok_hi,
+    stride_vc_tok_lo,
+    stride_vc_dim_hi,
+    stride_vc_dim_lo,
+    K_TOK_SPLIT: tl.constexpr,
+    K_DIM_SPLIT: tl.constexpr,
+    V_TOK_SPLIT: tl.constexpr,
+    V_DIM_SPLIT: tl.constexpr,
+    K_FLAT_SLOTS: tl.constexpr,
+    V_FLAT_SLOTS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    tl.static_assert(BLOCK_T >= 1 and BLOCK_D >= 1)
+    pid_t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tok_mask = tok < num_tokens
+
+    # -- slots: negative means padding, skipped --
+    slot = tl.load(slot_mapping_ptr + tok * stride_slot, mask=tok_mask, other=-1).to(tl.int64)
+    live = slot >= 0
+    slot = tl.where(live, slot, 0)
+    mask = live[:, None] & (d < head_dim)[None, :]
+
+    # -- key --
+    src = tok[:, None] * stride_key_tok + head * stride_key_head
+    k = tl.load(key_ptr + src + d.to(tl.int64)[None, :] * stride_key_dim, mask=mask)
+    dst = _slot_offset(
+        slot,
+        block_size,
+        stride_kc_block,
+        stride_kc_tok_hi,
+        stride_kc_tok_lo,
+        K_TOK_SPLIT,
+        K_FLAT_SLOTS,
+    )
+    dst = dst[:, None] + head * stride_kc_head
+    dst += _dim_offset(d, stride_kc_dim_hi, stride_kc_dim_lo, K_DIM_SPLIT)[None, :]
+    tl.store(key_cache_ptr + dst, k, mask=mask)
+
+    # -- value --
+    src = tok[:, None] * stride_value_tok + head * stride_value_head
+    v = tl.load(value_ptr + src + d.to(tl.int64)[None, :] * stride_value_dim, mask=mask)
+    dst = _slot_offset(
+        slot,
+        block_size,
+        stride_vc_block,
+        stride_vc_tok_hi,
+        stride_vc_tok_lo,
+        V_TOK_SPLIT,
+        V_FLAT_SLOTS,
+    )
+    dst = dst[:, None] + head * stride_vc_head
+    dst += _dim_offset(d, stride_vc_dim_hi, stride_vc_dim_lo, V_DIM_SPLIT)[None, :]
+    tl.store(value_cache_ptr + dst, v, mask=mask)
+
+
+def _check_index(op: str, name: str, t, errors: list[str], dims: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{op}: {name} dtype must be int32 or int64; got {t.dtype}")
+    if t.dim() != dims:
+        errors.append(f"{name} must be {dims}-D; got shape {tuple(t.shape)}")
+
+
+def _cache_constexprs(k: CacheAddressing, v: CacheAddressing) -> dict[str, int | bool]:
+    """The layout switches of a (K, V) cache pair: splits and the shared contiguity predicate."""
+    return dict(
+        K_TOK_SPLIT=k.tok_split,
+        K_DIM_SPLIT=k.dim_split,
+        V_TOK_SPLIT=v.tok_split,
+        V_DIM_SPLIT=v.dim_split,
+        K_FLAT_SLOTS=is_block_contiguous(k),
+        V_FLAT_SLOTS=is_block_contiguous(v),
+    )
+
+
+def plan_write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    layout: str = "NHD",
+    target: Target | None = None,
+) -> list[Launch]:
+    """Validate and plan `write_kv_cache` (one launch); nothing runs."""
+    op = "write_kv_cache"
+    ka, va = describe_kv_cache(op, key_cache, value_cache, layout)
+    errors: list[str] = []
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dtype != key_cache.dtype:
+            raise TypeError(
+                f"{op}: {name} dtype must match the cache dtype {key_cache.dtype}; got {t.dtype}"
+            )
+    _check_index(op, "slot_mapping", slot_mapping, errors, 1)
+    want = (ka.num_kv_heads, ka.head_dim)
+    for name, t in (("key", key), ("value", value)):
+        if t.dim() != 3 or tuple(t.shape[1:]) != want:
+            errors.append(
+                f"{name} must be [num_tokens, {want[0]}, {want[1]}] (the cache's num_kv_heads, "
+                f"head_dim); got shape {tuple(t.shape)}"
+            )
+    if key.dim() == 3 and value.dim() == 3 and key.shape[0] != value.shape[0]:
+        errors.append(
+            f"key and value must have the same num_tokens; got {key.shape[0]} and {value.shape[0]}"
+        )
+    if slot_mapping.dim() == 1 and key.dim() == 3 and slot_mapping.shape[0] > key.shape[0]:
+        errors.append(
+            f"slot_mapping must have at most num_tokens={key.shape[0]} entries; got "
+            f"{slot_mapping.shape[0]}"
+        )
+    for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+        if t.device != key_cache.device:
+            errors.append(
+                f"{name} must be on the cache's device {key_cache.device}; got {t.device}"
+            )
+    if errors:
+        raise ValueError(f"{op}: " + "; ".join(errors))
+    num_slots = ka.num_blocks * ka.block_size
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
+        # Free on CPU; on a GPU this read would sync, so there it is undefined (see docstring).
+        hi = int(slot_mapping.max())
+        if hi >= num_slots:
+            raise ValueError(
+                f"{op}: slot_mapping must be < num_blocks * block_size = {num_slots} (or negative "
+                f"to skip); got max {hi}"
+            )
+    num_tokens = slot_mapping.shape[0]
+    target = target or target_for_tensor(key_cache)
+    tiles = write_kv_cache_tiles(
+        target,
+        CacheCopyProblem(num_tokens, ka.num_kv_heads, ka.head_dim, key_cache.element_size()),
+    )
+    grid = (
+        triton.cdiv(num_tokens, tiles.block_t),
+        ka.num_kv_heads,
+        triton.cdiv(ka.head_dim, tiles.block_d),
+    )
+    args = dict(
+        key_ptr=key,
+        value_ptr=value,
+        key_cache_ptr=key_cache,
+        value_cache_ptr=value_cache,
+        slot_mapping_ptr=slot_mapping,
+        num_tokens=num_tokens,
+        head_dim=ka.head_dim,
+        block_size=ka.block_size,
+        stride_key_tok=key.stride(0),
+        stride_key_head=key.stride(1),
+        stride_key_dim=key.stride(2),
+        stride_value_tok=value.stride(0),
+        stride_value_head=value.stride(1),
+        stride_value_dim=value.stride(2),
+        stride_slot=slot_mapping.stride(0),
+        **ka.kernel_args("kc"),
+        **va.kernel_args("vc"),
+        **_cache_constexprs(ka, va),
+        BLOCK_T=tiles.block_t,
+        BLOCK_D=tiles.block_d,
+    )
+    return [Launch(_write_kv_cache_kernel, grid, args, tiles.options, target, name=op)]
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    layout: str = "NHD",
+    target: Target | None = None,
+) -> None:
+    """Write each token's key and value into its cache slot, in place.
+
+    Token ``i`` goes to block ``slot_mapping[i] // block_size``, in-block offset
+    ``slot_mapping[i] % block_size``; a negative slot is padding and writes nothing. No other
+    cache element is written (in a hybrid cache, the Mamba state between pages is untouched).
+
+    Args:
+        key: ``[num_tokens, num_kv_heads, head_dim]``, the cache's dtype, any strides.
+        value: ``[num_tokens, num_kv_heads, head_dim]``, the cache's dtype, any strides.
+        key_cache: written in place; layout ``layout`` (module table), any strides.
+        value_cache: written in place; same dtype, device and geometry as ``key_cache``.
+        slot_mapping: ``[n]`` int64 (int32 accepted), ``n <= num_tokens``: only the first ``n``
+            tokens are written (rows past ``n`` are CUDA-graph padding and are ignored).
+        layout: ``"NHD"`` or ``"SHUFFLE"``.
+        target: compile for this target instead of the cache's device.
+
+    Slot bounds: a slot ``>= num_blocks * block_size`` raises ValueError when ``slot_mapping``
+    is a CPU tensor (checked for free) and is undefined behaviour on a GPU, as upstream: checking
+    there would read the tensor and sync the device. Two tokens with the same slot: one wins.
+    """
+    run_all(
+        plan_write_kv_cache(
+            key, value, key_cache, value_cache, slot_mapping, layout=layout, target=target
+        )
+    )
+
+
+# -- gather --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gather_kv_cache_kernel(
+    key_cache_ptr,  # NHD [num_blocks, block_size, h, d] | SHUFFLE [num_blocks, h, d//x, bs, x]
+    value_cache_ptr,  # NHD [num_blocks, block_size, h, d] | SHUFFLE [num_blocks, h, bs//x, d, x]
+    block_table_ptr,  # [num_seqs, max_blocks] int32/int64
+    cu_seq_lens_ptr,  # [num_seqs + 1] int32/int64
+    key_out_ptr,  # [total_tokens, num_kv_heads, head_dim]
+    value_out_ptr,  # [total_tokens, num_kv_heads, head_dim]
+    total_tokens,
+    num_seqs,
+    num_steps,
+    head_dim,
+    block_size,
+    stride_bt_seq,
+    stride_bt_blk,
+    stride_cu,
+    stride_ko_tok,
+    stride_ko_head,
+    stride_ko_dim,
+    stride_vo_tok,
+    stride_vo_head,
+    stride_vo_dim,
+    stride_kc_block,
+    stride_kc_head,
+    stride_kc_tok_hi,
+    stride_kc_tok_lo,
+    stride_kc_dim_hi,
+    stride_kc_dim_lo,
+    stride_vc_block,
+    stride_vc_head,
+    stride_vc_tok_hi,
+    stride_vc_tok_lo,
+    stride_vc_dim_hi,
+    stride_vc_dim_lo,
+    K_TOK_SPLIT: tl.constexpr,
+    K_DIM_SPLIT: tl.constexpr,
+    V_TOK_SPLIT: tl.constexpr,
+    V_DIM_SPLIT: tl.constexpr,
+    K_FLAT_SLOTS: tl.constexpr,
+    V_FLAT_SLOTS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    tl.static_assert(BLOCK_T >= 1 and BLOCK_D >= 1)
+    pid_t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tok_mask = tok < total_tokens
+
+    # -- packed token -> (sequence, position) -> block id -> slot --
+    seq = _find_seq(cu_seq_lens_ptr, stride_cu, tok, tok_mask, num_seqs, num_steps).to(tl.int64)
+    pos = tok - tl.load(cu_seq_lens_ptr + seq * stride_cu, mask=tok_mask, other=0).to(tl.int64)
+    blk = tl.load(
+        block_table_ptr + seq * stride_bt_seq + (pos // block_size) * stride_bt_blk,
+        mask=tok_mask,
+        other=-1,
+    ).to(tl.int64)
+    live = blk >= 0  # a negative block id (padding) reads nothing and yields zeros
+    slot = tl.where(live, blk * block_size + pos % block_size, 0)
+    dmask = (d < head_dim)[None, :]
+    load_mask = live[:, None] & dmask
+    store_mask = tok_mask[:, None] & dmask
+
+    # -- key --
+    src = _slot_offset(
+        slot,
+        block_size,
+        stride_kc_block,
+        stride_kc_tok_hi,
+        stride_kc_tok_lo,
+        K_TOK_SPLIT,
+        K_FLAT_SLOTS,
+    )
+    src = src[:, None] + head * stride_kc_head
+    src += _dim_offset(d, stride_kc_dim_hi, stride_kc_dim_lo, K_DIM_SPLIT)[None, :]
+    k = tl.load(key_cache_ptr + src, mask=load_mask, other=0.0)
+    dst = tok[:, None] * stride_ko_tok + head * stride_ko_head
+    tl.store(key_out_ptr + dst + d.to(tl.int64)[None, :] * stride_ko_dim, k, mask=store_mask)
+
+    # -- value --
+    src = _slot_offset(
+        slot,
+        block_size,
+        stride_vc_block,
+        stride_vc_tok_hi,
+        stride_vc_tok_lo,
+        V_TOK_SPLIT,
+        V_FLAT_SLOTS,
+    )
+    src = src[:, None] + head * stride_vc_head
+    src += _dim_offset(d, stride_vc_dim_hi, stride_vc_dim_lo, V_DIM_SPLIT)[None, :]
+    v = tl.load(value_cache_ptr + src, mask=load_mask, other=0.0)
+    dst = tok[:, None] * stride_vo_tok + head * stride_vo_head
+    tl.store(value_out_ptr + dst + d.to(tl.int64)[None, :] * stride_vo_dim, v, mask=store_mask)
+
+
+def plan_gather_kv_cache(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    *,
+    layout: str = "NHD",
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    target: Target | None = None,
+) -> list[Launch]:
+    """Validate, allocate and plan `gather_kv_cache` (one launch; outputs in ``.outputs``)."""
+    op = "gather_kv_cache"
+    ka, va = describe_kv_cache(op, key_cache, value_cache, layout)
+    errors: list[str] = []
+    _check_index(op, "block_table", block_table, errors, 2)
+    _check_index(op, "cu_seq_lens", cu_seq_lens, errors, 1)
+    nseq = block_table.shape[0] if block_table.dim() == 2 else None
+    if nseq is not None and cu_seq_lens.dim() == 1 and cu_seq_lens.shape[0] != nseq + 1:
+        errors.append(
+            f"cu_seq_lens must have num_seqs + 1 = {nseq + 1} entries; got {cu_seq_lens.shape[0]}"
+        )
+    for name, t in (("block_table", block_table), ("cu_seq_lens", cu_seq_lens)):
+        if t.device != key_cache.device:
+            errors.append(
+                f"{name} must be on the cache's device {key_cache.device}; got {t.device}"
+            )
+    want = (ka.num_kv_heads, ka.head_dim)
+    if out is not None:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(
+                f"{op}: out must be a (key_out, value_out) pair; got {type(out).__name__}"
+            )
+        for name, t in zip(("out[0]", "out[1]"), out, strict=True):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{op}: {name} must be a torch.Tensor; got {type(t).__name__}")
+            if t.dtype != key_cache.dtype:
+                raise TypeError(
+                    f"{op}: {name} dtype must match the cache dtype {key_cache.dtype}; got "
+                    f"{t.dtype}"
+                )
+            if t.dim() != 3 or tuple(t.shape[1:]) != want:
+                errors.append(
+                    f"{name} must be [total_tokens, {want[0]}, {want[1]}]; got shape "
+                    f"{tuple(t.shape)}"
+                )
+            if t.device != key_cache.device:
+                errors.append(
+                    f"{name} must be on the cache's device {key_cache.device}; got {t.device}"
+                )
+        if out[0].dim() == 3 and out[1].dim() == 3 and out[0].shape[0] != out[1].shape[0]:
+            errors.append(
+                f"out[0] and out[1] must have the same total_tokens; got {out[0].shape[0]} and "
+                f"{out[1].shape[0]}"
+            )
+    if errors:
+        raise ValueError(f"{op}: " + "; ".join(errors))
+    num_seqs = block_table.shape[0]
+    if out is not None:
+        total_tokens = out[0].shape[0]  # no device read
+    elif cu_seq_lens.device.type == "meta":
+        raise ValueError(f"{op}: out must be given for meta tensors (total_tokens is unknown)")
+    else:
+        total_tokens = int(cu_seq_lens[-1])  # the one device sync (pass out= to avoid it)
+    if cu_seq_lens.device.type == "cpu":
+        # Free on CPU; on a GPU these reads would sync, so there they are undefined behaviour.
+        _check_gather_indices(op, block_table, cu_seq_lens, ka, total_tokens)
+    if total_tokens > _INT32_MAX:
+        raise ValueError(f"{op}: total_tokens must be < 2**31; got {total_tokens}")
+    if out is None:
+        shape = (total_tokens, ka.num_kv_heads, ka.head_dim)
+        out = (
+            torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device),
+            torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device),
+        )
+    k_out, v_out = out
+    target = target or target_for_tensor(key_cache)
+    tiles = gather_kv_cache_tiles(
+        target,
+        CacheCopyProblem(total_tokens, ka.num_kv_heads, ka.head_dim, key_cache.element_size()),
+    )
+    grid = (
+        triton.cdiv(total_tokens, tiles.block_t) if num_seqs else 0,
+        ka.num_kv_heads,
+        triton.cdiv(ka.head_dim, tiles.block_d),
+    )
+    args = dict(
+        key_cache_ptr=key_cache,
+        value_cache_ptr=value_cache,
+        block_table_ptr=block_table,
+        cu_seq_lens_ptr=cu_seq_lens,
+        key_out_ptr=k_out,
+        value_out_ptr=v_out,
+        total_tokens=total_tokens,
+        num_seqs=num_seqs,
+        num_steps=_num_steps(num_seqs),
+        head_dim=ka.head_dim,
+        block_size=ka.block_size,
+        stride_bt_seq=block_table.stride(0),
+        stride_bt_blk=block_table.stride(1),
+        stride_cu=cu_seq_lens.stride(0),
+        stride_ko_tok=k_out.stride(0),
+        stride_ko_head=k_out.stride(1),
+        stride_ko_dim=k_out.stride(2),
+        stride_vo_tok=v_out.stride(0),
+        stride_vo_head=v_out.stride(1),
+        stride_vo_dim=v_out.stride(2),
+        **ka.kernel_args("kc"),
+        **va.kernel_args("vc"),
+        **_cache_constexprs(ka, va),
+        BLOCK_T=tiles.block_t,
+        BLOCK_D=tiles.block_d,
+    )
+    return [
+        Launch(
+            _gather_kv_cache_kernel,
+            grid,
+            args,
+            tiles.options,
+            target,
+            name=op,
+            outputs=(k_out, v_out),
+        )
+    ]
+
+
+def _check_gather_indices(
+    op: str, block_table: torch.Tensor, cu: torch.Tensor, addr: CacheAddressing, total: int
+) -> None:
+    errors: list[str] = []
+    if int(cu[0]) != 0:
+        errors.append(f"cu_seq_lens[0] must be 0; got {int(cu[0])}")
+    lens = cu[1:] - cu[:-1]
+    if lens.numel() and int(lens.min()) < 0:
+        errors.append("cu_seq_lens must be nondecreasing")
+    if int(cu[-1]) != total:
+        errors.append(f"cu_seq_lens[-1] must equal out's total_tokens {total}; got {int(cu[-1])}")
+    cap = block_table.shape[1] * addr.block_size
+    if lens.numel() and int(lens.max()) > cap:
+        errors.append(
+            f"each sequence must fit its block_table row (max_blocks * block_size = {cap}); got a "
+            f"sequence of {int(lens.max())} tokens"
+        )
+    if block_table.numel() and int(block_table.max()) >= addr.num_blocks:
+        errors.append(
+            f"block_table entries must be < num_blocks = {addr.num_blocks}; got max "
+            f"{int(block_table.max())}"
+        )
+    if errors:
+        raise ValueError(f"{op}: " + "; ".join(errors))
+
+
+def gather_kv_cache(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    *,
+    layout: str = "NHD",
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    target: Target | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy each sequence's cached tokens out of a paged cache, sequences concatenated.
+
+    Sequence ``i`` has ``cu_seq_lens[i+1] - cu_seq_lens[i]`` tokens; its token ``t`` is read from
+    block ``block_table[i, t // block_size]``, offset ``t % block_size``, and written to row
+    ``cu_seq_lens[i] + t`` of the outputs.
+
+    Args:
+        key_cache, value_cache: layout ``layout`` (module table), any strides; read only.
+        block_table: ``[num_seqs, max_blocks]`` int32/int64, any strides. A negative entry that
+            a sequence's tokens need is padding: those rows come out as zeros.
+        cu_seq_lens: ``[num_seqs + 1]`` int32/int64, ``cu[0] == 0``, nondecreasing.
+        layout: ``"NHD"`` or ``"SHUFFLE"``.
+        out: optional ``(key_out, value_out)``, each ``[total_tokens, num_kv_heads, head_dim]``
+            in the cache's dtype, any strides; written in place and returned.
+        target: compile for this target instead of the cache's device.
+
+    Returns:
+        ``(k, v)``, each ``[total_tokens, num_kv_heads, head_dim]``: new contiguous tensors, or
+        ``out``. ``total_tokens`` is ``out[0].shape[0]`` if ``out`` is given, else
+        ``cu_seq_lens[-1]``, read with one ``.item()`` (a device sync; pass ``out`` to avoid it).
+
+    Index checks (``cu_seq_lens`` well formed, sequences fit their rows, block ids
+    ``< num_blocks``) are done for CPU tensors, where they are free; on a GPU a violation is
+    undefined behaviour (checking would sync).
+    """
+    launches = plan_gather_kv_cache(
+        key_cache, value_cache, block_table, cu_seq_lens, layout=layout, out=out, target=target
+    )
+    run_all(launches)
+    k, v = launches[0].outputs
+    return k, v

@@ -1,0 +1,244 @@
+"""Page-index expansion: a paged block table as flat per-token slot indices (page size 1).
+
+Some kernels (FlashInfer-style, or an MLA kernel that only supports page size 1) address a KV
+cache token by token. `expand_page_indices` turns ``block_table`` + ``seq_lens`` into the CSR pair
+those kernels take, so a KV-cache group keeps whatever block size the other participants need
+(DESIGN.md lesson 5):
+
+| tensor        | shape                     | dtype        | meaning                              |
+|---------------|---------------------------|--------------|--------------------------------------|
+| block_table   | [num_seqs, max_blocks]    | int32/int64  | block ids of each sequence           |
+| seq_lens      | [num_seqs]                | int32/int64  | tokens of each sequence              |
+| indptr (out)  | [num_seqs + 1]            | int64        | ``indices[indptr[i]:indptr[i+1]]``   |
+| indices (out) | [sum(seq_lens)]           | int64        | ``block*block_size + offset``        |
+
+Also here: `_find_seq`, the binary search from a packed token to its sequence, shared with the
+gather kernel. Not supported: block tables whose entries for tokens below ``seq_lens`` are
+missing (negative entries there come out as ``-1``, the padding convention).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from portattn.blocksize import BlockSizeRule, MultipleOf
+from portattn.kernels._launch import Launch, run_all
+from portattn.platform import Target, target_for_tensor
+from portattn.policy.cache import page_indices_tiles
+
+# Any block size: the kernel divides by a runtime block_size.
+SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _find_seq(
+    cu_ptr,  # [num_seqs + 1] nondecreasing, cu[0] == 0
+    stride_cu,
+    tok,  # [BLOCK] packed token indices
+    mask,  # [BLOCK] which lanes are live
+    num_seqs,
+    num_steps,  # ceil(log2(num_seqs)) + 1
+):
+    """Per lane, the sequence ``i`` with ``cu[i] <= tok < cu[i+1]`` (the last such ``i`` when
+    sequences are empty), by binary search; ``num_steps`` is computed on the host."""
+    lo = tl.zeros_like(tok)
+    hi = lo + num_seqs
+    for _ in range(num_steps):
+        mid = (lo + hi) // 2
+        start = tl.load(cu_ptr + mid.to(tl.int64) * stride_cu, mask=mask, other=0)
+        go_right = start <= tok
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo
+
+
+@triton.jit
+def _page_indptr_kernel(
+    seq_lens_ptr,  # [num_seqs] int32/int64
+    indptr_ptr,  # [num_seqs + 1] int64
+    num_seqs,
+    stride_seq_lens,
+    BLOCK_S: tl.constexpr,
+):
+    # -- one program: prefix sum in chunks of BLOCK_S, carrying the running total --
+    tl.store(indptr_ptr, tl.zeros((), dtype=tl.int64))
+    carry = tl.zeros((), dtype=tl.int64)
+    for start in range(0, num_seqs, BLOCK_S):
+        s = start + tl.arange(0, BLOCK_S)
+        mask = s < num_seqs
+        n = tl.load(seq_lens_ptr + s.to(tl.int64) * stride_seq_lens, mask=mask, other=0)
+        n = n.to(tl.int64)
+        tl.store(indptr_ptr + 1 + s, tl.cumsum(n, axis=0) + carry, mask=mask)
+        carry += tl.sum(n, axis=0)
+
+
+@triton.jit
+def _page_indices_kernel(
+    block_table_ptr,  # [num_seqs, max_blocks] int32/int64
+    indptr_ptr,  # [num_seqs + 1] int64
+    indices_ptr,  # [num_indices] int64
+    num_indices,
+    num_seqs,
+    num_steps,
+    block_size,
+    stride_bt_seq,
+    stride_bt_blk,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    tok = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = tok < num_indices
+    # -- which sequence, which position inside it --
+    seq = _find_seq(indptr_ptr, 1, tok, mask, num_seqs, num_steps)
+    pos = tok - tl.load(indptr_ptr + seq, mask=mask, other=0)
+    # -- block id from the table, then the flat slot --
+    blk = tl.load(
+        block_table_ptr + seq * stride_bt_seq + (pos // block_size) * stride_bt_blk,
+        mask=mask,
+        other=-1,
+    ).to(tl.int64)
+    slot = tl.where(blk >= 0, blk * block_size + pos % block_size, -1)
+    tl.store(indices_ptr + tok, slot, mask=mask)
+
+
+def _num_steps(num_seqs: int) -> int:
+    """Binary-search iterations that narrow ``[0, num_seqs)`` to one sequence."""
+    return max(1, (num_seqs - 1).bit_length()) + 1
+
+
+def plan_expand_page_indices(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    *,
+    num_indices: int | None = None,
+    target: Target | None = None,
+) -> list[Launch]:
+    """Validate, allocate ``indptr``/``indices`` and plan the two launches (see
+    `expand_page_indices`). The outputs are ``launches[-1].outputs``."""
+    op = "expand_page_indices"
+    errors: list[str] = []
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{op}: {name} dtype must be int32 or int64; got {t.dtype}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        errors.append(f"block_size must be an int >= 1; got {block_size!r}")
+    if block_table.dim() != 2:
+        errors.append(
+            f"block_table must be 2-D [num_seqs, max_blocks]; got {tuple(block_table.shape)}"
+        )
+    if seq_lens.dim() != 1:
+        errors.append(f"seq_lens must be 1-D [num_seqs]; got {tuple(seq_lens.shape)}")
+    elif block_table.dim() == 2 and seq_lens.shape[0] != block_table.shape[0]:
+        errors.append(
+            f"seq_lens must have one entry per block_table row ({block_table.shape[0]}); got "
+            f"{seq_lens.shape[0]}"
+        )
+    if block_table.device != seq_lens.device:
+        errors.append(
+            f"block_table and seq_lens must be on one device; got {block_table.device} and "
+            f"{seq_lens.device}"
+        )
+    if num_indices is not None and (isinstance(num_indices, bool) or num_indices < 0):
+        errors.append(f"num_indices must be >= 0; got {num_indices!r}")
+    if errors:
+        raise ValueError(f"{op}: " + "; ".join(errors))
+    num_seqs = seq_lens.shape[0]
+    if seq_lens.device.type == "cpu" and num_seqs:
+        # CPU tensors are checked for free; on a GPU this would be a device sync (see docstring).
+        if int(seq_lens.min()) < 0:
+            errors.append("seq_lens must be >= 0")
+        cap = block_table.shape[1] * block_size
+        longest = int(seq_lens.max())
+        if longest > cap:
+            errors.append(f"seq_lens must be <= max_blocks * block_size = {cap}; got max {longest}")
+        if errors:
+            raise ValueError(f"{op}: " + "; ".join(errors))
+    if num_indices is None:
+        num_indices = int(seq_lens.sum()) if num_seqs else 0  # the one device sync
+    target = target or target_for_tensor(block_table)
+    tiles = page_indices_tiles(target, num_indices)
+    device = block_table.device
+    indptr = torch.empty(num_seqs + 1, dtype=torch.int64, device=device)
+    indices = torch.empty(num_indices, dtype=torch.int64, device=device)
+    indptr_launch = Launch(
+        kernel=_page_indptr_kernel,
+        grid=(1,),
+        args=dict(
+            seq_lens_ptr=seq_lens,
+            indptr_ptr=indptr,
+            num_seqs=num_seqs,
+            stride_seq_lens=seq_lens.stride(0),
+            BLOCK_S=tiles.block_s,
+        ),
+        options=tiles.options,
+        target=target,
+        name="expand_page_indices.indptr",
+        outputs=(indptr,),
+    )
+    indices_launch = Launch(
+        kernel=_page_indices_kernel,
+        grid=(triton.cdiv(num_indices, tiles.block_n) if num_seqs else 0,),
+        args=dict(
+            block_table_ptr=block_table,
+            indptr_ptr=indptr,
+            indices_ptr=indices,
+            num_indices=num_indices,
+            num_seqs=num_seqs,
+            num_steps=_num_steps(num_seqs),
+            block_size=block_size,
+            stride_bt_seq=block_table.stride(0),
+            stride_bt_blk=block_table.stride(1),
+            BLOCK_N=tiles.block_n,
+        ),
+        options=tiles.options,
+        target=target,
+        name="expand_page_indices.indices",
+        outputs=(indptr, indices),
+    )
+    return [indptr_launch, indices_launch]
+
+
+def expand_page_indices(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    *,
+    num_indices: int | None = None,
+    target: Target | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat per-token slot indices of each sequence of a paged KV cache (page size 1).
+
+    Token ``t`` of sequence ``i`` lives at ``block_table[i, t // block_size] * block_size +
+    t % block_size``; sequence ``i``'s tokens are ``indices[indptr[i]:indptr[i+1]]``. Example::
+
+        block_table = [[5, 2], [7, 0]], seq_lens = [3, 1], block_size = 2
+        indptr  = [0, 3, 4]
+        indices = [10, 11, 4, 14]      # 5*2+0, 5*2+1, 2*2+0 | 7*2+0
+
+    Args:
+        block_table: ``[num_seqs, max_blocks]`` int32/int64, any strides.
+        seq_lens: ``[num_seqs]`` int32/int64, any stride.
+        block_size: tokens per KV-cache block (any int >= 1: 16, 544, 2048 ...).
+        num_indices: ``sum(seq_lens)`` if the caller knows it; otherwise it is read from the
+            device with one ``.item()`` (a sync; pass it when capturing CUDA graphs).
+        target: compile for this target instead of the tensor's device.
+
+    Returns:
+        ``(indptr [num_seqs + 1] int64, indices [sum(seq_lens)] int64)``, contiguous, new.
+
+    Block-table entries that a sequence's tokens need must be valid; a negative entry there
+    yields ``-1`` (padding) for its tokens. ``seq_lens`` above ``max_blocks * block_size`` raise
+    a ValueError for CPU tensors and are undefined behaviour on a GPU (checking would sync).
+    """
+    launches = plan_expand_page_indices(
+        block_table, seq_lens, block_size, num_indices=num_indices, target=target
+    )
+    run_all(launches)
+    indptr, indices = launches[-1].outputs
+    return indptr, indices
