@@ -310,7 +310,7 @@ def render_job(
     command = container["command"]
     command[command.index("--timeout") + 1] = str(cell_timeout_s)
     container["args"] = [*container["args"], *nox_args]
-    _set_env(container, "PORTATTN_SUITE", session or suite)
+    _set_env(container, "PORTATTN_SESSION", session or suite)
     _set_env(container, "PORTATTN_COMMIT", commit)
     _set_env(container, "KUBEMATRIX_RESULTS_TOKEN", results_token(name))
     _set_env(
