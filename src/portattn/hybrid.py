@@ -1,0 +1,406 @@
+"""Attention block sizes of hybrid (Mamba + attention) models, derived as serving engines do.
+
+A hybrid model keeps its attention KV cache and its Mamba (SSM) state in ONE pool of equal-sized
+pages, so one attention page must be at least as large as one Mamba state page. vLLM therefore
+raises the attention ``block_size`` to
+
+    block_size = a * ceil(mamba_page_bytes / (a * attn_bytes_per_token))
+
+with ``a`` the attention kernel's minimum block multiple (its ``MultipleOf(a)``; 16 for vLLM's
+FlashAttention/FlashInfer/Triton backends) and both byte counts **per tensor-parallel rank**, then
+pads the Mamba page up to the attention page (vLLM ``HybridAttentionMambaModelConfig.
+verify_and_update_config``, ``Platform._align_hybrid_block_size`` in newer releases, its
+"no prefix caching" branch). That is how block sizes such as 544 and 2048 reach a kernel
+(DESIGN.md lesson 3).
+
+Per-rank Mamba state, as vLLM's ``MambaStateShapeCalculator`` computes it (``divide`` = exact
+division; ``tp`` = tensor-parallel size):
+
+| mixer                       | conv state                        | SSM ("temporal") state |
+|-----------------------------|-----------------------------------|------------------------|
+| Mamba1 (Jamba)              | ``(I/tp, K-1)``                   | ``(I/tp, N)``          |
+| Mamba2 (Zamba2, Falcon-H1,  | ``((I + 2*G'*N)/tp, K-1)``        | ``(H/tp, P, N)``       |
+| Granite-4.0-H, Nemotron-H)  | (``G' = tp`` when ``G % tp != 0``) |                        |
+| Gated DeltaNet (Qwen3-Next) | ``((2*nk*dk + nv*dv)/tp, K-1+s)`` | ``(nv/tp, dk, dv)``    |
+
+``I`` intermediate (inner) size, ``K`` conv kernel width, ``N`` state size, ``H``/``P`` Mamba2
+heads/head dim, ``G`` groups, ``nk``/``nv`` and ``dk``/``dv`` DeltaNet key/value heads and head
+dims, ``s`` speculative tokens. The conv state is stored in the Mamba cache dtype (the model
+dtype unless set) and the SSM state in the SSM cache dtype (the Mamba cache dtype unless set; vLLM's
+``--mamba-ssm-cache-dtype``). An FP8 KV cache shrinks only the attention side.
+
+Attention bytes per token per rank: ``2 (K and V) * max(1, num_kv_heads // tp) * head_dim *
+kv_bytes`` (MLA: ``1 * head_dim_k * kv_bytes``: one latent row per token).
+
+Independently known values (checked in tests/hybrid): Qwen3-Next-80B-A3B, bf16, ``a = 16`` ->
+544 at TP 1 and 2 (1097728 B of GDN state per layer over 2048 B/token = 536 -> 544); Nemotron-Nano-
+9B-v2, bf16 model and SSM state, ``a = 16`` -> 672 at TP 1, 2, 4 and 8 (2695168 B / 4096 B =
+658 -> 672; with vLLM's newer float32 SSM-state default for Nemotron-H it is 1312).
+
+`derive_block_size` is a pure function of (config, tp, cache dtype, kernel multiple). Configs are
+duck-typed (any object with the transformers attribute names); `published_configs` builds the
+published sizes with transformers' own config classes (the ``hybrid`` extra), imported lazily so
+that portattn itself depends on torch and triton only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+DTYPE_BYTES: dict[str, int] = {
+    "fp32": 4,
+    "float32": 4,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp16": 2,
+    "float16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+}
+
+HYBRID_MODEL_TYPES = (
+    "jamba",
+    "zamba2",
+    "falcon_h1",
+    "granitemoehybrid",
+    "nemotron_h",
+    "qwen3_next",
+)
+
+
+def dtype_bytes(dtype: Any, *, what: str = "dtype") -> int:
+    """Bytes per element of ``dtype`` (a name from `DTYPE_BYTES` or a ``torch.dtype``)."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(
+                f"derive_block_size: {what} must be one of {sorted(DTYPE_BYTES)} or a torch.dtype; "
+                f"got {dtype!r}"
+            )
+        return DTYPE_BYTES[dtype]
+    itemsize = getattr(dtype, "itemsize", None)
+    if not isinstance(itemsize, int):
+        raise TypeError(
+            f"derive_block_size: {what} must be a dtype name or a torch.dtype; got {dtype!r}"
+        )
+    return itemsize
+
+
+def _divide(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise ValueError(
+            f"derive_block_size: {what}={n} must be divisible by the tensor-parallel size; "
+            f"got tp={tp}"
+        )
+    return n // tp
+
+
+@dataclass(frozen=True)
+class MambaStateSpec:
+    """One Mamba layer's state per TP rank: its tensors' shapes and element sizes in bytes."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    elem_bytes: tuple[int, ...]
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one sequence's state (vLLM ``MambaSpec.page_size_bytes``, unpadded)."""
+        return sum(math.prod(s) * b for s, b in zip(self.shapes, self.elem_bytes, strict=True))
+
+
+@dataclass(frozen=True)
+class HybridBlockSize:
+    """The result of `derive_block_size` and the numbers it came from (all per TP rank)."""
+
+    block_size: int
+    kernel_multiple: int
+    attn_bytes_per_token: int
+    mamba_page_bytes: int
+    num_kv_heads: int
+    head_dim: int
+    mamba: MambaStateSpec
+
+    @property
+    def attn_page_bytes(self) -> int:
+        return self.block_size * self.attn_bytes_per_token
+
+    @property
+    def mamba_padding_bytes(self) -> int:
+        """Bytes the Mamba page is padded by to equal the attention page."""
+        return self.attn_page_bytes - self.mamba_page_bytes
+
+
+def align_block_size(mamba_page_bytes: int, attn_bytes_per_token: int, kernel_multiple: int) -> int:
+    """``a * ceil(mamba_page_bytes / (a * attn_bytes_per_token))``: the smallest multiple of ``a``
+    whose attention page covers the Mamba page.
+
+    >>> align_block_size(1097728, 2048, 16)  # Qwen3-Next-80B-A3B, bf16, TP 1
+    544
+    """
+    for name, v in (
+        ("mamba_page_bytes", mamba_page_bytes),
+        ("attn_bytes_per_token", attn_bytes_per_token),
+        ("kernel_multiple", kernel_multiple),
+    ):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"align_block_size: {name} must be an int >= 1; got {v!r}")
+    return kernel_multiple * -(-mamba_page_bytes // (kernel_multiple * attn_bytes_per_token))
+
+
+def attention_dims(config: Any, tp: int) -> tuple[int, int]:
+    """``(num_kv_heads per rank, head_dim)`` of the model's attention layers."""
+    heads = config.num_attention_heads
+    if config.model_type == "zamba2":  # attention runs on concat(hidden, embedding): 2x width
+        head_dim = config.attention_head_dim
+    else:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return max(1, kv // tp), head_dim
+
+
+def _mamba2(tp, intermediate, n_groups, num_heads, head_dim, state, conv_kernel):
+    if n_groups % tp:  # groups are replicated so that every rank holds its heads' groups
+        n_groups = n_groups + (tp - n_groups)
+    conv_dim = intermediate + 2 * n_groups * state
+    return (
+        (_divide(conv_dim, tp, "mamba conv dim"), conv_kernel - 1),
+        (_divide(num_heads, tp, "mamba heads"), head_dim, state),
+    )
+
+
+def mamba_state_shapes(config: Any, tp: int, *, num_spec: int = 0) -> tuple[tuple[int, ...], ...]:
+    """``(conv_state_shape, ssm_state_shape)`` of one Mamba layer per TP rank (table above)."""
+    mt = getattr(config, "model_type", None)
+    if mt == "jamba":
+        inner = config.mamba_expand * config.hidden_size
+        i = _divide(inner, tp, "mamba intermediate size")
+        return ((i, config.mamba_d_conv - 1), (i, config.mamba_d_state))
+    if mt == "zamba2":
+        return _mamba2(
+            tp,
+            int(config.mamba_expand * config.hidden_size),
+            config.mamba_ngroups,
+            config.n_mamba_heads,
+            config.mamba_headdim,
+            config.mamba_d_state,
+            config.mamba_d_conv,
+        )
+    if mt == "falcon_h1":
+        inner = getattr(config, "mamba_d_ssm", None)
+        inner = inner or int(config.mamba_expand * config.hidden_size)
+        return _mamba2(
+            tp,
+            inner,
+            config.mamba_n_groups,
+            config.mamba_n_heads,
+            config.mamba_d_head,
+            config.mamba_d_state,
+            config.mamba_d_conv,
+        )
+    if mt == "granitemoehybrid":
+        return _mamba2(
+            tp,
+            int(config.mamba_expand * config.hidden_size),
+            config.mamba_n_groups,
+            config.mamba_n_heads,
+            config.mamba_d_head,
+            config.mamba_d_state,
+            config.mamba_d_conv,
+        )
+    if mt == "nemotron_h":
+        return _mamba2(
+            tp,
+            config.mamba_num_heads * config.mamba_head_dim,
+            config.n_groups,
+            config.mamba_num_heads,
+            config.mamba_head_dim,
+            config.ssm_state_size,
+            config.conv_kernel,
+        )
+    if mt == "qwen3_next":
+        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+        conv_dim = 2 * nk * dk + nv * dv
+        return (
+            (_divide(conv_dim, tp, "GDN conv dim"), config.linear_conv_kernel_dim - 1 + num_spec),
+            (_divide(nv, tp, "GDN value heads"), dk, dv),
+        )
+    raise ValueError(
+        f"derive_block_size: config.model_type must be one of {HYBRID_MODEL_TYPES}; got {mt!r}"
+    )
+
+
+def derive_block_size(
+    config: Any,
+    *,
+    tp: int = 1,
+    cache_dtype: Any = "bf16",
+    kernel_multiple: int = 16,
+    model_dtype: Any = "bf16",
+    mamba_dtype: Any = None,
+    ssm_dtype: Any = None,
+    num_spec: int = 0,
+) -> HybridBlockSize:
+    """The attention block size a serving engine gives a hybrid model (module docstring).
+
+    Args:
+        config: a transformers config of a type in `HYBRID_MODEL_TYPES` (or any object with
+            the same attributes).
+        tp: tensor-parallel size; every byte count is per rank.
+        cache_dtype: the attention KV-cache dtype (``"bf16"``, ``"fp8"``, ``"auto"`` = model dtype,
+            or a ``torch.dtype``).
+        kernel_multiple: ``a``, the attention kernel's minimum block multiple.
+        model_dtype: the model's dtype (the Mamba conv state's, unless ``mamba_dtype``).
+        mamba_dtype: the Mamba cache dtype; defaults to ``model_dtype``.
+        ssm_dtype: the SSM-state dtype; defaults to ``mamba_dtype``.
+        num_spec: speculative tokens (widen a Gated-DeltaNet conv state).
+
+    Raises:
+        ValueError: an argument out of range, an unknown model type, or a dimension that the
+            tensor-parallel size does not divide.
+    """
+    errors = []
+    if not isinstance(tp, int) or tp < 1:
+        errors.append(f"tp must be an int >= 1; got {tp!r}")
+    if not isinstance(kernel_multiple, int) or kernel_multiple < 1:
+        errors.append(f"kernel_multiple must be an int >= 1; got {kernel_multiple!r}")
+    if not isinstance(num_spec, int) or num_spec < 0:
+        errors.append(f"num_spec must be an int >= 0; got {num_spec!r}")
+    if errors:
+        raise ValueError("derive_block_size: " + "; ".join(errors))
+    model_b = dtype_bytes(model_dtype, what="model_dtype")
+    kv_b = model_b if cache_dtype == "auto" else dtype_bytes(cache_dtype, what="cache_dtype")
+    conv_b = model_b if mamba_dtype is None else dtype_bytes(mamba_dtype, what="mamba_dtype")
+    ssm_b = conv_b if ssm_dtype is None else dtype_bytes(ssm_dtype, what="ssm_dtype")
+    shapes = mamba_state_shapes(config, tp, num_spec=num_spec)
+    mamba = MambaStateSpec(shapes, (conv_b, ssm_b))
+    kv_heads, head_dim = attention_dims(config, tp)
+    per_token = 2 * kv_heads * head_dim * kv_b
+    block = align_block_size(mamba.page_size_bytes, per_token, kernel_multiple)
+    return HybridBlockSize(
+        block, kernel_multiple, per_token, mamba.page_size_bytes, kv_heads, head_dim, mamba
+    )
+
+
+# -- published model sizes, as transformers configs --------------------------------------------
+
+
+def _published() -> dict[str, Callable[[], Any]]:
+    import transformers as tf
+
+    return {
+        # ai21labs/Jamba-v0.1 (Jamba-1.5-Mini has the same mixer sizes): Mamba1, 1 attention
+        # layer in 8.
+        "Jamba-v0.1": lambda: tf.JambaConfig(
+            hidden_size=4096,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            attn_layer_period=8,
+            attn_layer_offset=4,
+        ),
+        # Zyphra/Zamba2-2.7B: Mamba2 backbone with shared attention blocks on 2x-wide input.
+        "Zamba2-2.7B": lambda: tf.Zamba2Config(
+            hidden_size=2560,
+            num_hidden_layers=54,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            n_mamba_heads=80,
+            mamba_ngroups=1,
+            mamba_d_state=64,
+            mamba_d_conv=4,
+            mamba_expand=2,
+        ),
+        # tiiuae/Falcon-H1-1.5B-Instruct: attention and Mamba2 in parallel in every layer.
+        "Falcon-H1-1.5B": lambda: tf.FalconH1Config(
+            hidden_size=2048,
+            num_hidden_layers=24,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=128,
+            intermediate_size=4608,
+            mamba_d_ssm=3072,
+            mamba_n_heads=48,
+            mamba_d_head=64,
+            mamba_n_groups=1,
+            mamba_d_state=256,
+            mamba_d_conv=4,
+        ),
+        # ibm-granite/granite-4.0-h-small.
+        "Granite-4.0-H-Small": lambda: tf.GraniteMoeHybridConfig(
+            hidden_size=4096,
+            num_hidden_layers=40,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            mamba_n_heads=128,
+            mamba_d_head=64,
+            mamba_n_groups=1,
+            mamba_d_state=128,
+            mamba_d_conv=4,
+            mamba_expand=2,
+        ),
+        # nvidia/Nemotron-H-8B-Base-8K.
+        "Nemotron-H-8B": lambda: tf.NemotronHConfig(
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            mamba_num_heads=128,
+            mamba_head_dim=64,
+            n_groups=8,
+            ssm_state_size=128,
+            conv_kernel=4,
+        ),
+        # nvidia/NVIDIA-Nemotron-Nano-9B-v2: 56 layers, 4 of them attention.
+        "Nemotron-Nano-9B-v2": lambda: tf.NemotronHConfig(
+            hidden_size=4480,
+            num_attention_heads=40,
+            num_key_value_heads=8,
+            head_dim=128,
+            mamba_num_heads=128,
+            mamba_head_dim=80,
+            n_groups=8,
+            ssm_state_size=128,
+            conv_kernel=4,
+        ),
+        # Qwen/Qwen3-Next-80B-A3B: Gated DeltaNet, 1 full-attention layer in 4.
+        "Qwen3-Next-80B-A3B": lambda: tf.Qwen3NextConfig(
+            hidden_size=2048,
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+        ),
+    }
+
+
+PUBLISHED_MODELS = (
+    "Jamba-v0.1",
+    "Zamba2-2.7B",
+    "Falcon-H1-1.5B",
+    "Granite-4.0-H-Small",
+    "Nemotron-H-8B",
+    "Nemotron-Nano-9B-v2",
+    "Qwen3-Next-80B-A3B",
+)
+
+
+def published_config(name: str) -> Any:
+    """The transformers config of the published model ``name`` (one of `PUBLISHED_MODELS`).
+
+    Needs transformers (``pip install portattn[hybrid]``).
+    """
+    if name not in PUBLISHED_MODELS:
+        raise ValueError(f"published_config: name must be one of {PUBLISHED_MODELS}; got {name!r}")
+    return _published()[name]()
