@@ -318,7 +318,7 @@ def _published() -> dict[str, Callable[[], Any]]:
             mamba_expand=2,
         ),
         # tiiuae/Falcon-H1-1.5B-Instruct: attention and Mamba2 in parallel in every layer.
-        "Falcon-H1-1.5B": lambda: tf.FalconH1Config(
+        "Falcon-H1-1.5B": lambda: tf.FalconH1Config(  # type: ignore[call-arg]
             hidden_size=2048,
             num_hidden_layers=24,
             num_attention_heads=8,
