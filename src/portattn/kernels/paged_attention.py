@@ -266,11 +266,6 @@ def _check_shapes(
     for name, t in others + ((("out", out),) if out is not None else ()):
         if t.device != dev:
             errors.append(f"{name} must be on query's device {dev}; got {t.device}")
-    if key_cache.dtype != query.dtype:
-        errors.append(
-            f"key_cache and value_cache dtype must equal query dtype {query.dtype}; "
-            f"got {key_cache.dtype}"
-        )
     if query.dim() != 3:
         errors.append(
             f"query must be 3-D [num_tokens, num_q_heads, head_dim]; got shape {tuple(query.shape)}"
@@ -384,6 +379,11 @@ def plan_paged_attention(
     """
     _check_types(query, block_table, seq_lens, query_start_loc, out)
     k, v = describe_kv_cache(OP, key_cache, value_cache, layout)
+    if key_cache.dtype != query.dtype:
+        raise TypeError(
+            f"{OP}: key_cache and value_cache dtype must equal query dtype {query.dtype}; "
+            f"got {key_cache.dtype}"
+        )
     _check_shapes(query, k, key_cache, block_table, seq_lens, query_start_loc, out, scale)
     if query.device.type == "meta":
         mql = max(1, max_query_len if max_query_len is not None else query.shape[0])
