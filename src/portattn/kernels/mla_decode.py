@@ -1,0 +1,843 @@
+"""MLA decode with absorbed weights over a paged latent cache, with split-KV and verification.
+
+For each query token ``t`` of sequence ``i`` and query head ``h``::
+
+    s[n]   = scale * (q[t, h, :R] . c[n, :R] + q[t, h, R:] . c[n, R:])     n < causal length
+    out    = softmax(s) @ c[:, :R]                                          (latent = value)
+    lse    = logsumexp(s)                                                   (natural log)
+
+with ``R = kv_lora_rank`` and ``c`` the sequence's cached rows. Causal rule (DESIGN.md §2): the
+``q_len_i`` tokens of sequence ``i`` are the last ones of its ``seq_lens[i]``; token ``j`` sees
+positions ``< seq_lens[i] - q_len_i + j + 1``.
+
+| tensor          | shape                                     | dtype                  |
+|-----------------|-------------------------------------------|------------------------|
+| query           | [num_tokens, num_q_heads, head_dim_k]     | fp16 / bf16 / fp32     |
+| kv_cache        | [num_blocks, block_size, head_dim_k]      | = query (any strides)  |
+| block_table     | [num_seqs, max_blocks_per_seq]            | int32 / int64          |
+| page_indices    | ([num_seqs + 1], [total_context_tokens])  | int32 / int64          |
+| seq_lens        | [num_seqs]                                | int32 / int64          |
+| query_start_loc | [num_seqs + 1]                            | int32 / int64          |
+| out             | [num_tokens, num_q_heads, kv_lora_rank]   | = query (any strides)  |
+| lse             | [num_tokens, num_q_heads]                 | fp32                   |
+
+The cache is addressed by block and in-block offset separately (`layout.describe_kv_cache`), so
+any ``block_size >= 1`` works; with ``page_indices`` (from ``expand_page_indices``) each context
+token's slot is ``block * block_size + offset``. Tiles (lesson 1): one latent tile
+``[BLOCK_N, BLOCK_DV]`` per step feeds both QK (with the rope tile ``[BLOCK_N, BLOCK_DPE]``) and
+PV; no tile is sized from ``head_dim_k``. Heads (lesson 2): a program owns ``BLOCK_H`` (>= 16)
+heads of one token; padded rows compute on zero queries and are written only to the workspaces.
+Split-KV: ``NUM_SPLITS > 1`` programs per (token, head group) write normalised partial outputs and
+their lse; `_mla_reduce_kernel` merges them.
+
+Not supported: fp8 caches, a separate V cache, negative (padding) entries inside a sequence's
+context. Query rows past ``query_start_loc[-1]`` (CUDA-graph padding) are left unwritten.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+import triton
+import triton.language as tl
+
+from portattn.blocksize import BlockSizeRule, MultipleOf
+from portattn.kernels._launch import Launch, run_all
+from portattn.layout import describe_kv_cache
+from portattn.mla_metadata import MlaMetadata
+from portattn.platform import Target, target_for_tensor
+from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles
+
+# Any block size: the kernel addresses block and in-block offset separately.
+SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+_OP = "mla_decode"
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(
+    qsl_ptr,  # [num_seqs + 1] nondecreasing
+    stride_qsl,
+    tok,
+    num_seqs,
+):
+    """The last sequence ``i < num_seqs`` with ``qsl[i] <= tok`` (binary search)."""
+    lo = tl.zeros((), dtype=tl.int32)
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(qsl_ptr + mid * stride_qsl) <= tok:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _mla_decode_kernel(
+    q_ptr,  # [num_tokens, num_q_heads, head_dim_k]
+    kv_ptr,  # [num_blocks, block_size, head_dim_k], any strides
+    block_table_ptr,  # [num_seqs, max_blocks_per_seq] (not read with PAGE_INDICES)
+    page_indptr_ptr,  # [num_seqs + 1] (PAGE_INDICES only)
+    page_indices_ptr,  # [total_context_tokens] flat slots (PAGE_INDICES only)
+    seq_lens_ptr,  # [num_seqs]
+    qsl_ptr,  # [num_seqs + 1] (VARLEN only)
+    out_ptr,  # [num_tokens, num_q_heads, KV_LORA_RANK] (NUM_SPLITS == 1)
+    lse_ptr,  # [num_tokens, num_q_heads] fp32 (NUM_SPLITS == 1 and RETURN_LSE)
+    part_out_ptr,  # [max_tokens, NUM_SPLITS, padded_heads, BLOCK_DV] fp32 (NUM_SPLITS > 1)
+    part_lse_ptr,  # [max_tokens, NUM_SPLITS, padded_heads] fp32 (NUM_SPLITS > 1)
+    scale,
+    num_seqs,
+    num_heads,
+    block_size,
+    stride_q_tok,
+    stride_q_head,
+    stride_q_dim,
+    stride_kv_block,
+    stride_kv_head,
+    stride_kv_tok_hi,
+    stride_kv_tok_lo,
+    stride_kv_dim_hi,
+    stride_kv_dim_lo,
+    stride_bt_seq,
+    stride_bt_blk,
+    stride_indptr,
+    stride_indices,
+    stride_seq_lens,
+    stride_qsl,
+    stride_out_tok,
+    stride_out_head,
+    stride_out_dim,
+    stride_lse_tok,
+    stride_lse_head,
+    stride_po_tok,
+    stride_po_split,
+    stride_po_head,
+    stride_po_dim,
+    stride_pl_tok,
+    stride_pl_split,
+    stride_pl_head,
+    KV_LORA_RANK: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    HEAD_GROUPS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    VARLEN: tl.constexpr,
+    PAGE_INDICES: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    TOK_SPLIT: tl.constexpr,
+    DIM_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Lesson 1: the value tile is the latent tile, sized from kv_lora_rank; the rope tile from the
+    # rest. Tiles sized from head_dim_k (next_pow2(320) = 512 for a 256 latent) are refused here.
+    tl.static_assert(BLOCK_DV >= KV_LORA_RANK and BLOCK_DV < 2 * KV_LORA_RANK)
+    tl.static_assert(BLOCK_DPE >= ROPE_DIM and (ROPE_DIM == 0 or BLOCK_DPE < 2 * ROPE_DIM))
+    tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16)
+
+    # -- which (token, split, head group): head groups vary fastest, so the programs reading the
+    # same context run side by side and share it through L2 --
+    pid = tl.program_id(0)
+    hg = pid % HEAD_GROUPS
+    rest = pid // HEAD_GROUPS
+    split = rest % NUM_SPLITS
+    tok = rest // NUM_SPLITS
+    if VARLEN:
+        seq = tl.maximum(_find_seq(qsl_ptr, stride_qsl, tok, num_seqs), 0)
+        q_start = tl.load(qsl_ptr + seq * stride_qsl)
+        q_len = tl.load(qsl_ptr + (seq + 1) * stride_qsl) - q_start
+        q_idx = tok - q_start
+        valid = (q_idx >= 0) & (q_idx < q_len)  # rows past qsl[-1] are graph padding
+    else:
+        seq = tok
+        q_len = 1
+        q_idx = 0
+        valid = tok >= 0
+    seq_len = tl.load(seq_lens_ptr + seq * stride_seq_lens)
+    kv_len = tl.where(valid, seq_len - q_len + q_idx + 1, 0)  # causal rule
+    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, kv_len)
+
+    # -- query tiles: latent [BLOCK_H, BLOCK_DV] and rope [BLOCK_H, BLOCK_DPE] --
+    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < KV_LORA_RANK
+    q_row = q_ptr + tok.to(tl.int64) * stride_q_tok + offs_h[:, None] * stride_q_head
+    q_lat = tl.load(
+        q_row + offs_dv[None, :] * stride_q_dim, mask=mask_h[:, None] & mask_dv[None, :], other=0.0
+    )
+    dv_off = (offs_dv // DIM_SPLIT) * stride_kv_dim_hi + (offs_dv % DIM_SPLIT) * stride_kv_dim_lo
+    if BLOCK_DPE > 0:
+        offs_pe = KV_LORA_RANK + tl.arange(0, BLOCK_DPE)
+        mask_pe = offs_pe < KV_LORA_RANK + ROPE_DIM
+        q_pe = tl.load(
+            q_row + offs_pe[None, :] * stride_q_dim,
+            mask=mask_h[:, None] & mask_pe[None, :],
+            other=0.0,
+        )
+        pe_off = (offs_pe // DIM_SPLIT) * stride_kv_dim_hi + (
+            offs_pe % DIM_SPLIT
+        ) * stride_kv_dim_lo
+
+    qk_scale = scale * 1.4426950408889634  # exp2 domain
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
+    if PAGE_INDICES:
+        page_start = tl.load(page_indptr_ptr + seq * stride_indptr).to(tl.int64)
+
+    for n in range(start, end, BLOCK_N):
+        # -- context rows n .. n+BLOCK_N-1: block and in-block offset (int64 offsets) --
+        offs_n = n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        if PAGE_INDICES:
+            slot = tl.load(
+                page_indices_ptr + (page_start + offs_n) * stride_indices, mask=mask_n, other=0
+            ).to(tl.int64)
+            blk = slot // block_size
+            off = slot % block_size
+        else:
+            blk = tl.load(bt_row + (offs_n // block_size) * stride_bt_blk, mask=mask_n, other=0).to(
+                tl.int64
+            )
+            off = (offs_n % block_size).to(tl.int64)
+        row = (
+            blk * stride_kv_block
+            + (off // TOK_SPLIT) * stride_kv_tok_hi
+            + (off % TOK_SPLIT) * stride_kv_tok_lo
+        )
+        # -- scores: latent part + rope part --
+        lat = tl.load(
+            kv_ptr + row[:, None] + dv_off[None, :],
+            mask=mask_n[:, None] & mask_dv[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_DV]: K's latent part AND V
+        qk = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
+        if BLOCK_DPE > 0:
+            pe = tl.load(
+                kv_ptr + row[:, None] + pe_off[None, :],
+                mask=mask_n[:, None] & mask_pe[None, :],
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_DPE]
+            qk += tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
+        qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+        # -- online softmax, PV with the same latent tile --
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # -- epilogue: normalised output and natural-log lse (-inf, zeros for an empty range) --
+    has = l_i > 0
+    l_safe = tl.where(has, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tok64 = tok.to(tl.int64)
+    if NUM_SPLITS == 1:
+        mask_o = mask_h & valid
+        tl.store(
+            out_ptr
+            + tok64 * stride_out_tok
+            + offs_h[:, None] * stride_out_head
+            + offs_dv[None, :] * stride_out_dim,
+            o.to(out_ptr.dtype.element_ty),
+            mask=mask_o[:, None] & mask_dv[None, :],
+        )
+        if RETURN_LSE:
+            tl.store(lse_ptr + tok64 * stride_lse_tok + offs_h * stride_lse_head, lse, mask=mask_o)
+    else:
+        # every padded head row and every padded column: the workspace has padded_heads rows
+        all_h = (offs_h >= 0) & valid
+        tl.store(
+            part_out_ptr
+            + tok64 * stride_po_tok
+            + split * stride_po_split
+            + offs_h[:, None] * stride_po_head
+            + offs_dv[None, :] * stride_po_dim,
+            o,
+            mask=all_h[:, None] & (offs_dv >= 0)[None, :],
+        )
+        tl.store(
+            part_lse_ptr
+            + tok64 * stride_pl_tok
+            + split * stride_pl_split
+            + offs_h * stride_pl_head,
+            lse,
+            mask=all_h,
+        )
+
+
+@triton.jit
+def _mla_reduce_kernel(
+    part_out_ptr,  # [max_tokens, NUM_SPLITS, padded_heads, BLOCK_DV] fp32
+    part_lse_ptr,  # [max_tokens, NUM_SPLITS, padded_heads] fp32
+    out_ptr,  # [num_tokens, num_q_heads, KV_LORA_RANK]
+    lse_ptr,  # [num_tokens, num_q_heads] fp32 (RETURN_LSE only)
+    qsl_ptr,  # [num_seqs + 1] (VARLEN only)
+    num_seqs,
+    num_heads,
+    stride_po_tok,
+    stride_po_split,
+    stride_po_head,
+    stride_po_dim,
+    stride_pl_tok,
+    stride_pl_split,
+    stride_pl_head,
+    stride_out_tok,
+    stride_out_head,
+    stride_out_dim,
+    stride_lse_tok,
+    stride_lse_head,
+    stride_qsl,
+    KV_LORA_RANK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    VARLEN: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = pid % num_heads
+    tok = (pid // num_heads).to(tl.int64)
+    if VARLEN:  # noqa: SIM108 (a constexpr branch, not a runtime select)
+        valid = tok < tl.load(qsl_ptr + num_seqs * stride_qsl)
+    else:
+        valid = tok >= 0
+    # -- weights exp(lse_s - max): empty splits (-inf) weigh 0 --
+    offs_s = tl.arange(0, BLOCK_S)
+    pl = part_lse_ptr + tok * stride_pl_tok + h * stride_pl_head
+    lses = tl.load(
+        pl + offs_s * stride_pl_split, mask=(offs_s < NUM_SPLITS) & valid, other=float("-inf")
+    )
+    m = tl.max(lses, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.exp(lses - m), 0)
+    offs_d = tl.arange(0, BLOCK_DV)
+    po = part_out_ptr + tok * stride_po_tok + h * stride_po_head + offs_d * stride_po_dim
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp(tl.load(pl + s * stride_pl_split, mask=valid, other=float("-inf")) - m)
+        acc += w * tl.load(po + s * stride_po_split, mask=valid, other=0.0)
+    # -- epilogue --
+    has = denom > 0
+    o = acc / tl.where(has, denom, 1.0)
+    tl.store(
+        out_ptr + tok * stride_out_tok + h * stride_out_head + offs_d * stride_out_dim,
+        o.to(out_ptr.dtype.element_ty),
+        mask=(offs_d < KV_LORA_RANK) & valid,
+    )
+    if RETURN_LSE:
+        lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
+        tl.store(lse_ptr + tok * stride_lse_tok + h * stride_lse_head, lse, mask=valid)
+
+
+# -- launcher ----------------------------------------------------------------------------------
+
+
+def _desc(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of dtype {x.dtype}, shape {tuple(x.shape)}"
+    return type(x).__name__ if x is not None else "None"
+
+
+def _type_errors(
+    query,
+    kv_cache,
+    block_table,
+    seq_lens,
+    kv_lora_rank,
+    scale,
+    query_start_loc,
+    out,
+    page_indices,
+    metadata,
+    return_lse,
+) -> list[str]:
+    errors = []
+    if not isinstance(query, torch.Tensor) or query.dtype not in FLOAT_DTYPES:
+        errors.append(f"query must be a float16/bfloat16/float32 tensor; got {_desc(query)}")
+    qdt = query.dtype if isinstance(query, torch.Tensor) else None
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dtype != qdt:
+        errors.append(f"kv_cache must be a tensor of query's dtype {qdt}; got {_desc(kv_cache)}")
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != qdt):
+        errors.append(f"out must be None or a tensor of query's dtype {qdt}; got {_desc(out)}")
+    if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, int):
+        errors.append(f"kv_lora_rank must be an int; got {type(kv_lora_rank).__name__}")
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        errors.append(f"scale must be a real number; got {type(scale).__name__}")
+    if not isinstance(return_lse, bool):
+        errors.append(f"return_lse must be a bool; got {type(return_lse).__name__}")
+    index_args = [
+        ("seq_lens", seq_lens, False),
+        ("block_table", block_table, True),
+        ("query_start_loc", query_start_loc, True),
+    ]
+    if page_indices is not None:
+        if not isinstance(page_indices, (tuple, list)) or len(page_indices) != 2:
+            errors.append(
+                f"page_indices must be a pair (indptr, indices); got {_desc(page_indices)}"
+            )
+        else:
+            index_args += [
+                ("page_indices[0] (indptr)", page_indices[0], False),
+                ("page_indices[1] (indices)", page_indices[1], False),
+            ]
+    for name, t, optional in index_args:
+        if t is None and optional:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype not in INDEX_DTYPES:
+            errors.append(f"{name} must be an int32/int64 tensor; got {_desc(t)}")
+    if metadata is not None and not isinstance(metadata, MlaMetadata):
+        errors.append(f"metadata must be None or an MlaMetadata; got {_desc(metadata)}")
+    return errors
+
+
+def _value_errors(
+    query,
+    kv_cache,
+    block_table,
+    seq_lens,
+    kv_lora_rank,
+    scale,
+    query_start_loc,
+    out,
+    page_indices,
+    metadata,
+) -> list[str]:
+    errors = []
+    if query.dim() != 3:
+        errors.append(
+            f"query must be 3-D [num_tokens, num_q_heads, head_dim_k]; got shape "
+            f"{tuple(query.shape)}"
+        )
+        return errors
+    num_tokens, num_heads, head_dim_k = query.shape
+    if num_heads < 1 or head_dim_k < 1:
+        errors.append(
+            f"query must have num_q_heads >= 1 and head_dim_k >= 1; got shape {tuple(query.shape)}"
+        )
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != head_dim_k:
+        errors.append(
+            f"kv_cache must be [num_blocks, block_size, head_dim_k={head_dim_k}]; got "
+            f"shape {tuple(kv_cache.shape)}"
+        )
+    elif kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
+        errors.append(
+            f"kv_cache must have num_blocks >= 1 and block_size >= 1; got shape "
+            f"{tuple(kv_cache.shape)}"
+        )
+    if not 1 <= kv_lora_rank <= head_dim_k:
+        errors.append(f"kv_lora_rank must be in 1..head_dim_k={head_dim_k}; got {kv_lora_rank}")
+    if not (math.isfinite(scale) and scale > 0):
+        errors.append(f"scale must be finite and > 0; got {scale}")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] < 1:
+        errors.append(f"seq_lens must be 1-D with >= 1 sequence; got shape {tuple(seq_lens.shape)}")
+        return errors
+    num_seqs = seq_lens.shape[0]
+    if (block_table is None) == (page_indices is None):
+        errors.append(
+            "exactly one of block_table and page_indices must be given; got "
+            + ("both" if block_table is not None else "neither")
+        )
+    if block_table is not None and (
+        block_table.dim() != 2 or block_table.shape[0] != num_seqs or block_table.shape[1] < 1
+    ):
+        errors.append(
+            f"block_table must be [num_seqs={num_seqs}, max_blocks_per_seq >= 1]; got "
+            f"shape {tuple(block_table.shape)}"
+        )
+    if page_indices is not None:
+        indptr, indices = page_indices
+        if tuple(indptr.shape) != (num_seqs + 1,):
+            errors.append(
+                f"page_indices[0] (indptr) must have shape ({num_seqs + 1},); got "
+                f"{tuple(indptr.shape)}"
+            )
+        if indices.dim() != 1:
+            errors.append(
+                f"page_indices[1] (indices) must be 1-D; got shape {tuple(indices.shape)}"
+            )
+    if query_start_loc is not None:
+        if tuple(query_start_loc.shape) != (num_seqs + 1,):
+            errors.append(
+                f"query_start_loc must have shape (num_seqs + 1,) = ({num_seqs + 1},); "
+                f"got {tuple(query_start_loc.shape)}"
+            )
+    elif num_tokens != num_seqs and not (metadata is not None and not metadata.decode):
+        errors.append(
+            f"query must have one token per sequence without query_start_loc; got "
+            f"{num_tokens} tokens for {num_seqs} sequences"
+        )
+    want = (num_tokens, num_heads, kv_lora_rank)
+    if out is not None and tuple(out.shape) != want:
+        errors.append(f"out must have shape {want}; got {tuple(out.shape)}")
+    tensors = [
+        ("kv_cache", kv_cache),
+        ("seq_lens", seq_lens),
+        ("block_table", block_table),
+        ("query_start_loc", query_start_loc),
+        ("out", out),
+    ]
+    if page_indices is not None:
+        tensors += [("page_indices", page_indices[0]), ("page_indices", page_indices[1])]
+    for name, t in tensors:
+        if t is not None and t.device != query.device:
+            errors.append(f"{name} must be on query's device {query.device}; got {t.device}")
+    if metadata is not None:
+        md = metadata
+        layer = (num_heads, head_dim_k, kv_lora_rank, query.dtype)
+        if (md.num_heads, md.head_dim_k, md.kv_lora_rank, md.dtype) != layer:
+            errors.append(
+                "metadata must be built for (num_heads, head_dim_k, kv_lora_rank, dtype) = "
+                f"{layer}; got {(md.num_heads, md.head_dim_k, md.kv_lora_rank, md.dtype)}"
+            )
+        if md.num_seqs != num_seqs:
+            errors.append(
+                f"metadata must be built for this step's {num_seqs} sequences; got {md.num_seqs}"
+            )
+        if num_tokens > md.max_tokens:
+            errors.append(
+                f"query must have <= metadata.max_tokens={md.max_tokens} tokens; got {num_tokens}"
+            )
+        if md.decode and num_tokens != num_seqs:
+            errors.append(
+                f"query must have one token per sequence with single-token "
+                f"(max_query_len == 1) metadata; got {num_tokens} tokens for "
+                f"{num_seqs} sequences"
+            )
+        if not md.decode and query_start_loc is None:
+            errors.append(
+                f"query_start_loc must be given with metadata of max_query_len="
+                f"{md.max_query_len}; got None"
+            )
+        if md.partial_out.device != query.device and md.tiles.num_kv_splits > 1:
+            errors.append(
+                f"metadata workspaces must be on query's device {query.device}; got "
+                f"{md.partial_out.device}"
+            )
+    return errors
+
+
+def _workspace_errors(tiles: MlaTiles, md: MlaMetadata, num_tokens: int) -> list[str]:
+    """The workspaces must be exactly what the tiles describe (lesson 2)."""
+    if tiles.num_kv_splits == 1:
+        return []
+    t = tiles
+    want_o = (md.max_tokens, t.num_kv_splits, t.padded_heads, t.block_dv)
+    want_l = want_o[:3]
+    errors = []
+    if tuple(md.partial_out.shape) != want_o or md.partial_out.dtype != torch.float32:
+        errors.append(
+            f"metadata.partial_out must be fp32 {want_o} (from its tiles); got "
+            f"{md.partial_out.dtype} {tuple(md.partial_out.shape)}"
+        )
+    if tuple(md.partial_lse.shape) != want_l or md.partial_lse.dtype != torch.float32:
+        errors.append(
+            f"metadata.partial_lse must be fp32 {want_l} (from its tiles); got "
+            f"{md.partial_lse.dtype} {tuple(md.partial_lse.shape)}"
+        )
+    return errors
+
+
+def plan_mla_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    scale: float,
+    query_start_loc: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    page_indices: tuple[torch.Tensor, torch.Tensor] | None = None,
+    metadata: MlaMetadata | None = None,
+    target: Target | None = None,
+    tiles: MlaTiles | None = None,
+) -> list[Launch]:
+    """Validate, choose tiles and allocate: the launches of one `mla_decode` call.
+
+    ``tiles`` overrides the policy (for the compile matrix and tests; e.g. a naive rule's tiles,
+    which the kernel rejects at compile time). Without it the tiles come from ``metadata`` or,
+    without metadata, from `mla_decode_tiles`. The first launch's ``outputs`` are ``(out,)``, or
+    ``(out, lse)`` with ``return_lse``. Arguments as in `mla_decode`.
+    """
+    errors = _type_errors(
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        kv_lora_rank,
+        scale,
+        query_start_loc,
+        out,
+        page_indices,
+        metadata,
+        return_lse,
+    )
+    if errors:
+        raise TypeError(f"{_OP}: " + "; ".join(errors))
+    errors = _value_errors(
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        kv_lora_rank,
+        scale,
+        query_start_loc,
+        out,
+        page_indices,
+        metadata,
+    )
+    if tiles is not None and metadata is not None:
+        errors.append("tiles must not be given with metadata (the launch uses metadata.tiles)")
+    if errors:
+        raise ValueError(f"{_OP}: " + "; ".join(errors))
+    if target is None:
+        target = metadata.target if metadata is not None else target_for_tensor(query)
+    elif metadata is not None and metadata.target != target:
+        raise ValueError(
+            f"{_OP}: target must be the metadata's target {metadata.target.arch}; got {target.arch}"
+        )
+
+    # -- describe the problem --
+    num_tokens, num_heads, head_dim_k = query.shape
+    block_size = kv_cache.shape[1]
+    (kv,) = describe_kv_cache(_OP, kv_cache.unsqueeze(2), kv_cache.unsqueeze(2), "NHD")[:1]
+    if page_indices is not None:
+        max_context = max(1, page_indices[1].shape[0])
+    else:
+        assert block_table is not None
+        max_context = block_table.shape[1] * block_size
+    num_seqs = seq_lens.shape[0]
+
+    # -- tiles: injected, the metadata's (never recomputed), or the policy's --
+    if tiles is None:
+        if metadata is not None:
+            tiles = metadata.tiles
+        else:
+            problem = MlaProblem(
+                num_heads, head_dim_k, kv_lora_rank, query.element_size(), num_tokens, max_context
+            )
+            tiles = mla_decode_tiles(target, problem)
+    splits = tiles.num_kv_splits
+
+    # -- allocate --
+    dev = query.device
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, kv_lora_rank), dtype=query.dtype, device=dev)
+    lse = (
+        torch.empty((num_tokens, num_heads), dtype=torch.float32, device=dev)
+        if return_lse
+        else None
+    )
+    if splits > 1:
+        if metadata is not None:
+            errors = _workspace_errors(tiles, metadata, num_tokens)
+            if errors:
+                raise ValueError(f"{_OP}: " + "; ".join(errors))
+            part_out, part_lse = metadata.partial_out, metadata.partial_lse
+        else:
+            part_out = torch.empty(
+                (num_tokens, splits, tiles.padded_heads, tiles.block_dv),
+                dtype=torch.float32,
+                device=dev,
+            )
+            part_lse = torch.empty(
+                (num_tokens, splits, tiles.padded_heads), dtype=torch.float32, device=dev
+            )
+    else:
+        part_out = part_lse = torch.empty((0,), dtype=torch.float32, device=dev)
+    lse_arg = lse if lse is not None else torch.empty((0,), dtype=torch.float32, device=dev)
+
+    outputs = (out,) if lse is None else (out, lse)
+    varlen = query_start_loc is not None and not (metadata is not None and metadata.decode)
+    # seq_lens stands in for tensors a launch never reads (a placeholder pointer)
+    qsl = query_start_loc if varlen and query_start_loc is not None else seq_lens
+    if page_indices is not None:
+        indptr, indices = page_indices
+        bt = seq_lens
+        stride_bt: tuple[int, ...] = (0, 0)
+    else:
+        assert block_table is not None
+        indptr = indices = seq_lens
+        bt = block_table
+        stride_bt = block_table.stride()
+    stride_lse = lse.stride() if lse is not None else (0, 0)
+    stride_po = part_out.stride() if splits > 1 else (0, 0, 0, 0)
+    stride_pl = part_lse.stride() if splits > 1 else (0, 0, 0)
+    kv_args = kv.kernel_args("kv")
+    # DIM_SPLIT/TOK_SPLIT: 1 for this NHD-like cache (the layout rule's general form is kept).
+    main = Launch(
+        kernel=_mla_decode_kernel,
+        grid=(num_tokens * tiles.head_groups * splits,),
+        args=dict(
+            q_ptr=query,
+            kv_ptr=kv_cache,
+            block_table_ptr=bt,
+            page_indptr_ptr=indptr,
+            page_indices_ptr=indices,
+            seq_lens_ptr=seq_lens,
+            qsl_ptr=qsl,
+            out_ptr=out,
+            lse_ptr=lse_arg,
+            part_out_ptr=part_out,
+            part_lse_ptr=part_lse,
+            scale=float(scale),
+            num_seqs=num_seqs,
+            num_heads=num_heads,
+            block_size=block_size,
+            stride_q_tok=query.stride(0),
+            stride_q_head=query.stride(1),
+            stride_q_dim=query.stride(2),
+            **kv_args,
+            stride_bt_seq=stride_bt[0],
+            stride_bt_blk=stride_bt[1],
+            stride_indptr=indptr.stride(0),
+            stride_indices=indices.stride(0),
+            stride_seq_lens=seq_lens.stride(0),
+            stride_qsl=qsl.stride(0),
+            stride_out_tok=out.stride(0),
+            stride_out_head=out.stride(1),
+            stride_out_dim=out.stride(2),
+            stride_lse_tok=stride_lse[0],
+            stride_lse_head=stride_lse[1],
+            stride_po_tok=stride_po[0],
+            stride_po_split=stride_po[1],
+            stride_po_head=stride_po[2],
+            stride_po_dim=stride_po[3],
+            stride_pl_tok=stride_pl[0],
+            stride_pl_split=stride_pl[1],
+            stride_pl_head=stride_pl[2],
+            KV_LORA_RANK=kv_lora_rank,
+            ROPE_DIM=head_dim_k - kv_lora_rank,
+            BLOCK_H=tiles.block_h,
+            BLOCK_N=tiles.block_n,
+            BLOCK_DV=tiles.block_dv,
+            BLOCK_DPE=tiles.block_dpe,
+            HEAD_GROUPS=tiles.head_groups,
+            NUM_SPLITS=splits,
+            VARLEN=varlen,
+            PAGE_INDICES=page_indices is not None,
+            RETURN_LSE=return_lse,
+            TOK_SPLIT=kv.tok_split,
+            DIM_SPLIT=kv.dim_split,
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        ),
+        options=tiles.options,
+        target=target,
+        name="mla_decode",
+        outputs=outputs,
+    )
+    if splits == 1:
+        return [main]
+    reduce = Launch(
+        kernel=_mla_reduce_kernel,
+        grid=(num_tokens * num_heads,),
+        args=dict(
+            part_out_ptr=part_out,
+            part_lse_ptr=part_lse,
+            out_ptr=out,
+            lse_ptr=lse_arg,
+            qsl_ptr=qsl,
+            num_seqs=num_seqs,
+            num_heads=num_heads,
+            stride_po_tok=stride_po[0],
+            stride_po_split=stride_po[1],
+            stride_po_head=stride_po[2],
+            stride_po_dim=stride_po[3],
+            stride_pl_tok=stride_pl[0],
+            stride_pl_split=stride_pl[1],
+            stride_pl_head=stride_pl[2],
+            stride_out_tok=out.stride(0),
+            stride_out_head=out.stride(1),
+            stride_out_dim=out.stride(2),
+            stride_lse_tok=stride_lse[0],
+            stride_lse_head=stride_lse[1],
+            stride_qsl=qsl.stride(0),
+            KV_LORA_RANK=kv_lora_rank,
+            BLOCK_DV=tiles.block_dv,
+            NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits),
+            VARLEN=varlen,
+            RETURN_LSE=return_lse,
+        ),
+        options=tiles.reduce_options,
+        target=target,
+        name="mla_decode_reduce",
+        outputs=outputs,
+    )
+    return [main, reduce]
+
+
+def mla_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    scale: float,
+    query_start_loc: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    page_indices: tuple[torch.Tensor, torch.Tensor] | None = None,
+    metadata: MlaMetadata | None = None,
+    target: Target | None = None,
+):
+    """Absorbed-weight MLA decode / speculative verification over a paged latent cache.
+
+    Args:
+        query: ``[num_tokens, num_q_heads, head_dim_k]`` (any strides).
+        kv_cache: ``[num_blocks, block_size, head_dim_k]`` (any strides): columns
+            ``:kv_lora_rank`` are the latent (also V), the rest the rope part.
+        block_table: ``[num_seqs, max_blocks_per_seq]`` block ids; None with ``page_indices``.
+        seq_lens: ``[num_seqs]`` context lengths including this step's query tokens.
+        kv_lora_rank: latent width (= output width), ``<= head_dim_k``.
+        scale: softmax scale (> 0).
+        query_start_loc: ``[num_seqs + 1]`` offsets of each sequence's query tokens (any
+            ``q_len >= 1``, causal rule of DESIGN.md §2); None: one token per sequence.
+        out: optional ``[num_tokens, num_q_heads, kv_lora_rank]`` output, written in place.
+        return_lse: also return the natural-log lse, fp32 ``[num_tokens, num_q_heads]``.
+        page_indices: ``(indptr, indices)`` from ``expand_page_indices`` instead of
+            ``block_table`` (slot ``s`` is block ``s // block_size``, offset
+            ``s % block_size``); identical results.
+        metadata: from `portattn.mla_metadata.MlaMetadataBuilder.build` (preallocated
+            workspaces and the builder's tiles; needed for CUDA-graph capture).
+        target: override the target (default: the tensor's device / the metadata's).
+
+    Returns:
+        ``out``, or ``(out, lse)`` with ``return_lse``.
+
+    Raises:
+        TypeError/ValueError: every invalid argument, before anything runs.
+    """
+    launches = plan_mla_decode(
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        kv_lora_rank=kv_lora_rank,
+        scale=scale,
+        query_start_loc=query_start_loc,
+        out=out,
+        return_lse=return_lse,
+        page_indices=page_indices,
+        metadata=metadata,
+        target=target,
+    )
+    run_all(launches)
+    outs = launches[0].outputs
+    return outs if return_lse else outs[0]

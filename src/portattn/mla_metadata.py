@@ -1,0 +1,240 @@
+"""Split-KV workspaces and per-step metadata for `portattn.mla_decode` (CUDA-graph friendly).
+
+A serving engine captures the decode step in a CUDA graph, so every buffer the launch touches must
+exist before capture and keep its address. `MlaMetadataBuilder` asks the MLA policy ONCE for the
+largest step it will serve (``max_batch`` sequences of up to ``max_query_len`` tokens, contexts up
+to ``max_seq_len``), keeps that frozen `MlaTiles`, and allocates the split-KV workspaces from it:
+
+| workspace      | shape                                                  | dtype |
+|----------------|--------------------------------------------------------|-------|
+| partial_out    | [max_tokens, num_kv_splits, padded_heads, block_dv]    | fp32  |
+| partial_lse    | [max_tokens, num_kv_splits, padded_heads]              | fp32  |
+
+``max_tokens = max_batch * max_query_len``; ``padded_heads`` and ``block_dv`` are the tiles' own
+(heads padded to the matrix units' 16 rows, lesson 2), so the kernel, which writes every padded
+row, and the buffers cannot disagree. The launch reads ``metadata.tiles``: it never re-asks the
+policy.
+
+`MlaMetadataBuilder.build` returns a NEW `MlaMetadata` per step holding that step's state (number
+of sequences, longest query, whether it is a single-token decode). The builder keeps no per-step
+state (lesson 5: a builder that cached decode-only state broke speculative verification), and the
+single-token decode path (token ``i`` is sequence ``i``, no ``query_start_loc``) is chosen only
+when ``max_query_len == 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from portattn.platform import Target
+from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class MlaMetadata:
+    """One step's MLA decode metadata (see the module docstring).
+
+    Attributes:
+        target: the target the tiles were chosen for.
+        tiles: the frozen tiles the launch uses (the builder's object itself).
+        num_heads, head_dim_k, kv_lora_rank, dtype: the layer this metadata serves.
+        max_tokens: query tokens the workspaces hold.
+        partial_out: ``[max_tokens, num_kv_splits, padded_heads, block_dv]`` fp32 workspace.
+        partial_lse: ``[max_tokens, num_kv_splits, padded_heads]`` fp32 workspace.
+        num_seqs: sequences in this step.
+        max_query_len: the longest query of this step (1 for plain decode).
+    """
+
+    target: Target
+    tiles: MlaTiles
+    num_heads: int
+    head_dim_k: int
+    kv_lora_rank: int
+    dtype: torch.dtype
+    max_tokens: int
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+    num_seqs: int
+    max_query_len: int
+
+    @property
+    def decode(self) -> bool:
+        """Single-token decode: one query token per sequence, token ``i`` is sequence ``i``."""
+        return self.max_query_len == 1
+
+
+class MlaMetadataBuilder:
+    """Allocates MLA decode workspaces once and builds per-step `MlaMetadata`.
+
+    Args:
+        target: the GPU target (``portattn.platform.current_target()`` on a live device).
+        max_batch: most sequences per step.
+        num_heads: query heads of the layer (any count >= 1; padded by the tiles).
+        kv_lora_rank: latent width.
+        head_dim_k: query / cache width (latent + rope).
+        dtype: query / cache dtype.
+        device: where the workspaces live.
+        max_query_len: most query tokens per sequence (1 + speculative tokens).
+        max_seq_len: longest context served (the split count is chosen for it).
+
+    Example::
+
+        builder = MlaMetadataBuilder(target, max_batch=64, num_heads=16, kv_lora_rank=512,
+                                     head_dim_k=576, dtype=torch.bfloat16, device="cuda",
+                                     max_seq_len=32768)
+        md = builder.build(seq_lens)            # decode step
+        out = mla_decode(q, cache, block_table, seq_lens, kv_lora_rank=512, scale=s, metadata=md)
+    """
+
+    __slots__ = (
+        "target",
+        "tiles",
+        "num_heads",
+        "head_dim_k",
+        "kv_lora_rank",
+        "dtype",
+        "max_batch",
+        "max_query_len",
+        "max_tokens",
+        "_partial_out",
+        "_partial_lse",
+    )
+
+    def __init__(
+        self,
+        target: Target,
+        *,
+        max_batch: int,
+        num_heads: int,
+        kv_lora_rank: int,
+        head_dim_k: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_query_len: int = 1,
+        max_seq_len: int,
+    ) -> None:
+        op = "MlaMetadataBuilder"
+        if not isinstance(target, Target):
+            raise TypeError(f"{op}: target must be a portattn Target; got {type(target).__name__}")
+        if dtype not in _FLOAT:
+            raise TypeError(f"{op}: dtype must be one of float16, bfloat16, float32; got {dtype}")
+        errors = []
+        for name, v in (
+            ("max_batch", max_batch),
+            ("num_heads", num_heads),
+            ("kv_lora_rank", kv_lora_rank),
+            ("head_dim_k", head_dim_k),
+            ("max_query_len", max_query_len),
+            ("max_seq_len", max_seq_len),
+        ):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                errors.append(f"{name} must be an int >= 1; got {v!r}")
+        if not errors and kv_lora_rank > head_dim_k:
+            errors.append(f"kv_lora_rank must be <= head_dim_k; got {kv_lora_rank} > {head_dim_k}")
+        if errors:
+            raise ValueError(f"{op}: " + "; ".join(errors))
+        self.target = target
+        self.num_heads = num_heads
+        self.head_dim_k = head_dim_k
+        self.kv_lora_rank = kv_lora_rank
+        self.dtype = dtype
+        self.max_batch = max_batch
+        self.max_query_len = max_query_len
+        self.max_tokens = max_batch * max_query_len
+        elem = torch.empty((), dtype=dtype).element_size()
+        # The one policy call: the launch consumes this object through every metadata.
+        self.tiles = mla_decode_tiles(
+            target,
+            MlaProblem(num_heads, head_dim_k, kv_lora_rank, elem, self.max_tokens, max_seq_len),
+        )
+        t = self.tiles
+        splits = t.num_kv_splits if t.num_kv_splits > 1 else 0  # no workspace without splits
+        self._partial_out = torch.empty(
+            (self.max_tokens, splits, t.padded_heads, t.block_dv),
+            dtype=torch.float32,
+            device=device,
+        )
+        self._partial_lse = torch.empty(
+            (self.max_tokens, splits, t.padded_heads), dtype=torch.float32, device=device
+        )
+
+    def build(
+        self,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor | None = None,
+        *,
+        max_query_len: int | None = None,
+    ) -> MlaMetadata:
+        """This step's metadata; the builder itself is not changed.
+
+        Args:
+            seq_lens: ``[num_seqs]`` context lengths (int32/int64).
+            query_start_loc: ``[num_seqs + 1]`` query offsets; None for single-token decode.
+            max_query_len: the longest query of the step. When None and ``query_start_loc`` is
+                given it is read from the tensor (a device sync); pass it to avoid that.
+
+        Raises:
+            ValueError/TypeError: arguments that do not fit this builder.
+        """
+        op = "MlaMetadataBuilder.build"
+        if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype not in _INDEX:
+            raise TypeError(f"{op}: seq_lens must be an int32/int64 tensor; got {_desc(seq_lens)}")
+        if query_start_loc is not None and (
+            not isinstance(query_start_loc, torch.Tensor) or query_start_loc.dtype not in _INDEX
+        ):
+            raise TypeError(
+                f"{op}: query_start_loc must be None or an int32/int64 tensor; got "
+                f"{_desc(query_start_loc)}"
+            )
+        errors = []
+        num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+        if seq_lens.dim() != 1:
+            errors.append(f"seq_lens must be 1-D; got shape {tuple(seq_lens.shape)}")
+        elif not 1 <= num_seqs <= self.max_batch:
+            errors.append(
+                f"seq_lens must hold 1..max_batch={self.max_batch} sequences; got {num_seqs}"
+            )
+        if query_start_loc is not None and tuple(query_start_loc.shape) != (num_seqs + 1,):
+            errors.append(
+                f"query_start_loc must have shape (num_seqs + 1,) = ({num_seqs + 1},); got "
+                f"{tuple(query_start_loc.shape)}"
+            )
+        if errors:
+            raise ValueError(f"{op}: " + "; ".join(errors))
+        if query_start_loc is None:
+            if max_query_len not in (None, 1):
+                raise ValueError(
+                    f"{op}: max_query_len must be 1 without query_start_loc; got {max_query_len}"
+                )
+            max_query_len = 1
+        elif max_query_len is None:
+            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+        if not isinstance(max_query_len, int) or not 1 <= max_query_len <= self.max_query_len:
+            raise ValueError(
+                f"{op}: max_query_len must be an int in 1..{self.max_query_len} (the builder's "
+                f"max_query_len); got {max_query_len!r}"
+            )
+        return MlaMetadata(
+            target=self.target,
+            tiles=self.tiles,
+            num_heads=self.num_heads,
+            head_dim_k=self.head_dim_k,
+            kv_lora_rank=self.kv_lora_rank,
+            dtype=self.dtype,
+            max_tokens=self.max_tokens,
+            partial_out=self._partial_out,
+            partial_lse=self._partial_lse,
+            num_seqs=num_seqs,
+            max_query_len=max_query_len,
+        )
+
+
+def _desc(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of dtype {x.dtype}, shape {tuple(x.shape)}"
+    return type(x).__name__
