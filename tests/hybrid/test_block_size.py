@@ -1,0 +1,148 @@
+"""Hybrid-model block sizes derived from published model configurations (DESIGN.md lesson 3)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from portattn.hybrid import (
+    PUBLISHED_MODELS,
+    align_block_size,
+    derive_block_size,
+    mamba_state_shapes,
+    published_config,
+)
+
+pytestmark = pytest.mark.hybrid
+transformers = pytest.importorskip(
+    "transformers", reason="transformers not installed (the 'hybrid' extra builds the configs)"
+)
+
+TPS = (1, 2, 4, 8)
+CACHE_DTYPES = ("bf16", "fp8")
+KERNEL_MULTIPLES = (16, 32, 64)
+# Every block size the table below derives at kernel multiple 16, plus the synthetic 2048: the
+# kernel tests in test_hybrid_cache.py run at exactly these (they need no transformers).
+DERIVED_BLOCK_SIZES = (
+    48, 80, 144, 160, 272, 400, 528, 544, 672, 784, 800, 1056, 1072, 1328, 1568, 2048, 3120,
+)  # fmt: skip
+
+
+def _cases():
+    for name in PUBLISHED_MODELS:
+        cfg = published_config(name)
+        for tp in TPS:
+            try:
+                mamba_state_shapes(cfg, tp)
+            except ValueError:
+                continue  # a TP size the model cannot be split by is filtered, not skipped
+            for dt in CACHE_DTYPES:
+                yield pytest.param(name, tp, dt, id=f"{name}-tp{tp}-{dt}")
+
+
+def synthetic_2048():
+    """A Nemotron-H-style config whose Mamba page needs exactly 2048 bf16 tokens at a = 16."""
+    return transformers.NemotronHConfig(
+        hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+        mamba_num_heads=124, mamba_head_dim=64, n_groups=2, ssm_state_size=128, conv_kernel=4,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", (1, 2))
+def test_qwen3_next_80b_bf16_is_544(tp):
+    # 2*nk*dk + nv*dv = 8192 conv channels * 3 + 32*128*128 state = 548864 bf16 = 1097728 B per
+    # rank at TP 1; 2 kv heads * 256 * 2 (K, V) * 2 B = 2048 B/token: 536 tokens -> 34 * 16.
+    r = derive_block_size(published_config("Qwen3-Next-80B-A3B"), tp=tp, cache_dtype="bf16")
+    assert (r.block_size, r.mamba_page_bytes * tp, r.attn_bytes_per_token * tp) == (
+        544, 1097728, 2048,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_nemotron_nano_9b_v2_bf16_is_672(tp):
+    # conv (10240 + 2*8*128) * 3 + SSM 128*80*128 = 1347584 bf16 = 2695168 B over 4096 B/token
+    # = 658 tokens -> 42 * 16; every TP size divides heads, groups and kv heads alike.
+    r = derive_block_size(published_config("Nemotron-Nano-9B-v2"), tp=tp)
+    assert (r.block_size, r.mamba_page_bytes * tp) == (672, 2695168)
+
+
+def test_nemotron_nano_9b_v2_fp32_ssm_state_is_1312():
+    # vLLM's newer Nemotron-H default keeps the SSM state in float32.
+    r = derive_block_size(published_config("Nemotron-Nano-9B-v2"), ssm_dtype="fp32")
+    assert r.block_size == 1312
+
+
+def test_synthetic_2048():
+    r = derive_block_size(synthetic_2048())
+    assert (r.block_size, r.attn_bytes_per_token) == (2048, 1024)
+    assert 2032 * 1024 < r.mamba_page_bytes <= 2048 * 1024
+
+
+@pytest.mark.parametrize(("name", "tp", "cache_dtype"), list(_cases()))
+def test_published_block_size_covers_mamba_page_minimally(name, tp, cache_dtype):
+    cfg = published_config(name)
+    for a in KERNEL_MULTIPLES:
+        r = derive_block_size(cfg, tp=tp, cache_dtype=cache_dtype, kernel_multiple=a)
+        assert r.block_size % a == 0
+        assert r.attn_page_bytes >= r.mamba_page_bytes > (r.block_size - a) * r.attn_bytes_per_token
+        assert r.mamba_padding_bytes == r.attn_page_bytes - r.mamba_page_bytes >= 0
+
+
+def test_table_derives_exactly_the_block_sizes_the_kernel_tests_use():
+    derived = {
+        derive_block_size(published_config(n), tp=tp, cache_dtype=dt).block_size
+        for n in PUBLISHED_MODELS
+        for tp in TPS
+        for dt in CACHE_DTYPES
+    }
+    derived.add(derive_block_size(synthetic_2048()).block_size)
+    assert tuple(sorted(derived)) == DERIVED_BLOCK_SIZES
+
+
+def test_fp8_cache_halves_attention_bytes_only():
+    cfg = published_config("Qwen3-Next-80B-A3B")
+    bf16, fp8 = derive_block_size(cfg), derive_block_size(cfg, cache_dtype="fp8")
+    assert fp8.mamba_page_bytes == bf16.mamba_page_bytes
+    assert 2 * fp8.attn_bytes_per_token == bf16.attn_bytes_per_token
+    assert fp8.block_size == 1072
+
+
+def test_per_rank_state_shapes():
+    """Each mixer's per-rank state, against the table in portattn.hybrid's docstring."""
+    # Jamba: Mamba1, inner 2 * 4096, conv kernel 4, state 16.
+    assert mamba_state_shapes(published_config("Jamba-v0.1"), 2) == ((4096, 3), (4096, 16))
+    # Granite-4.0-H: one group, replicated to 4 at TP 4: (8192 + 2*4*128) / 4 channels.
+    assert mamba_state_shapes(published_config("Granite-4.0-H-Small"), 4) == (
+        (2304, 3), (32, 64, 128),
+    )  # fmt: skip
+    # Qwen3-Next with 2 speculative tokens: the conv state keeps K - 1 + 2 columns.
+    assert mamba_state_shapes(published_config("Qwen3-Next-80B-A3B"), 1, num_spec=2) == (
+        (8192, 5), (32, 128, 128),
+    )  # fmt: skip
+    # Zamba2's attention is on concat(hidden, embeddings): head_dim 2 * 2560 / 32 = 160.
+    assert derive_block_size(published_config("Zamba2-2.7B")).head_dim == 160
+
+
+def test_align_block_size_is_the_smallest_covering_multiple():
+    for mamba in (1, 1000, 4096, 123457):
+        for per_token, a in ((7, 16), (512, 16), (100, 1), (64, 64)):
+            want = next(b for b in range(a, 10**7, a) if b * per_token >= mamba)
+            assert align_block_size(mamba, per_token, a) == want
+            assert want == a * math.ceil(mamba / (a * per_token))
+
+
+def test_errors_name_the_rule():
+    cfg = published_config("Jamba-v0.1")
+    with pytest.raises(ValueError, match=r"tp must be an int >= 1; got 0.*kernel_multiple"):
+        derive_block_size(cfg, tp=0, kernel_multiple=0)
+    with pytest.raises(ValueError, match=r"cache_dtype must be one of .*got 'int4'"):
+        derive_block_size(cfg, cache_dtype="int4")
+    with pytest.raises(ValueError, match=r"mamba intermediate size=8192 must be divisible .*tp=3"):
+        derive_block_size(cfg, tp=3)
+    with pytest.raises(ValueError, match=r"config.model_type must be one of .*got 'llama'"):
+        derive_block_size(transformers.LlamaConfig())
+    with pytest.raises(ValueError, match=r"kernel_multiple must be an int >= 1; got 0"):
+        align_block_size(10, 10, 0)
+    with pytest.raises(ValueError, match=r"name must be one of .*got 'GPT-2'"):
+        published_config("GPT-2")
