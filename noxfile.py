@@ -55,3 +55,54 @@ def gpu(session: nox.Session) -> None:
         session.error("gpu: no CUDA/HIP device node (/dev/nvidia0 or /dev/kfd) on this machine")
     install_project(session, "test")
     session.run("pytest", "-m", "gpu", *session.posargs)
+
+
+# One session per kernel suite (pytest marker): what a matrix cell runs in a Buildkite step or a
+# Kubernetes Job (src/kubematrix/matrix.py). No GPU: TRITON_INTERPRET=1 and the CPU-sized tests;
+# a GPU: the whole suite on it. `compile` has its own session.
+MATRIX_SUITES = ("paged", "mla", "hybrid", "specdec", "policy")
+
+
+def _suite_session(suite: str) -> None:
+    def run(session: nox.Session) -> None:
+        install_project(session, "test")
+        if _has_gpu():
+            session.run("pytest", "-m", suite, *session.posargs)
+        else:
+            marker = f"{suite} and not gpu"
+            env = {"TRITON_INTERPRET": "1"}
+            session.run("pytest", "-n", "logical", "-m", marker, *session.posargs, env=env)
+
+    run.__doc__ = f"Matrix suite {suite}: pytest -m {suite} (TRITON_INTERPRET=1 without a GPU)."
+    nox.session(name=suite, default=False)(run)
+
+
+for _suite in MATRIX_SUITES:
+    _suite_session(_suite)
+
+
+@nox.session(default=False)
+def matrix(session: nox.Session) -> None:
+    """The whole matrix this machine can run, then one summary (`-- --runner k8s`: Kubernetes)."""
+    install_project(session, "test", "ci")
+    session.run("python", "-m", "kubematrix", "matrix", *session.posargs)
+
+
+def _install_ci_layer(session: nox.Session) -> None:
+    """kubematrix without torch/triton (the CI layer never imports them)."""
+    session.install(*EXTRAS["ci"])
+    session.install("--no-deps", "-e", ".")
+
+
+@nox.session(default=False)
+def pipeline(session: nox.Session) -> None:
+    """Print the generated Buildkite pipeline (`-- --help` for selection and lanes)."""
+    _install_ci_layer(session)
+    session.run("python", "-m", "kubematrix", "pipeline", *session.posargs)
+
+
+@nox.session(default=False)
+def report(session: nox.Session) -> None:
+    """Matrix summary from results/matrix (`-- --buildkite`: annotate the Buildkite build)."""
+    _install_ci_layer(session)
+    session.run("python", "-m", "kubematrix", "report", *session.posargs)
