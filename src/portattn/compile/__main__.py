@@ -1,0 +1,114 @@
+"""``python -m portattn.compile``: run the compile matrix and write its reports.
+
+Exit status: 0 when every cell passes the gate, 1 when any fails, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import datetime, timezone
+
+from portattn.compile.cases import KERNELS, default_cases, select_cases
+from portattn.compile.matrix import CellResult, parse_targets, run_matrix
+from portattn.compile.report import summary_table, write_heatmap, write_json, write_markdown
+from portattn.platform import TARGETS
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m portattn.compile",
+        description="Compile every kernel x case x target with Triton's NVIDIA and AMD backends "
+        "(no GPU needed) and gate shared memory, compile errors and spills.",
+    )
+    p.add_argument(
+        "--targets",
+        type=_csv,
+        default=None,
+        help=f"comma-separated archs (default all: {','.join(TARGETS)})",
+    )
+    p.add_argument(
+        "--kernels",
+        type=_csv,
+        default=None,
+        help=f"comma-separated ops (default all: {','.join(KERNELS)})",
+    )
+    p.add_argument("--cases", default=None, help="regular expression on case ids")
+    p.add_argument("--out", default="results/compile", help="report folder")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="Triton cache for the workers (default: TRITON_CACHE_DIR or ~/.triton/cache)",
+    )
+    p.add_argument(
+        "--jobs", "-j", type=int, default=None, help="worker processes (default: CPU count)"
+    )
+    p.add_argument("--no-png", action="store_true", help="skip the heatmap")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument(
+        "--max-rows", type=int, default=None, help="rows of the terminal table (default all)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        targets = parse_targets(args.targets)
+        cases = select_cases(default_cases(args.kernels), args.cases)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.list:
+        for c in cases:
+            print(c.id)
+        return 0
+    if not cases:
+        print("error: no case matches the filters", file=sys.stderr)
+        return 2
+    total = len(cases) * len(targets)
+    print(
+        f"compile matrix: {len(cases)} cases x {len(targets)} targets = {total} cells, "
+        f"jobs={args.jobs or os.cpu_count()}",
+        file=sys.stderr,
+    )
+    step = max(1, total // 20)
+
+    def progress(done: int, n: int, cell: CellResult) -> None:
+        if done % step == 0 or done == n or not cell.passed:
+            state = "ok" if cell.passed else "FAIL"
+            print(f"  [{done}/{n}] {state} {cell.id}", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    cells = run_matrix(cases, targets, jobs=args.jobs, cache_dir=args.cache_dir, progress=progress)
+    wall = time.perf_counter() - t0
+    import triton
+
+    meta = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "triton": triton.__version__,
+        "wall_s": round(wall, 1),
+        "jobs": args.jobs or os.cpu_count(),
+        "compile_s_sum": round(sum(r.compile_s for c in cells for r in c.launches), 1),
+    }
+    os.makedirs(args.out, exist_ok=True)
+    write_json(cells, os.path.join(args.out, "compile_matrix.json"), meta)
+    write_markdown(cells, os.path.join(args.out, "compile_matrix.md"), meta)
+    if not args.no_png:
+        write_heatmap(cells, os.path.join(args.out, "compile_matrix.png"))
+    print(summary_table(cells, max_rows=args.max_rows))
+    print(
+        f"wall {wall:.1f} s; reports in {args.out}/compile_matrix.{{json,md"
+        f"{'' if args.no_png else ',png'}}}"
+    )
+    return 0 if all(c.passed for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,418 @@
+"""The compile matrix's cases: each kernel at the shapes that broke upstream, on meta tensors.
+
+A `Case` names a kernel, a short label and a *builder*: a module-level function
+``build(target, **params) -> list[Launch]`` that calls the op's real ``plan_<op>`` on tensors of
+the ``meta`` device (shapes, strides and dtypes, no memory), so the launches compiled are exactly
+those the op would run on that target, with that target's policy tiles and launch options.
+Builders are plain functions so that worker processes can receive them by reference.
+
+| kernel          | axes                                                                         |
+|-----------------|------------------------------------------------------------------------------|
+| mla_decode      | head_dim_k/kv_lora_rank 576/512, 320/256, 288/256; num_q_heads 1 .. 128      |
+| paged_attention | head_dim 64/128/256; GQA 1:1, 5:1, 8:1; block_size 16, 80, 544, 2048;        |
+|                 | NHD and SHUFFLE; chunked prefill (max_query_len 64); decode at block_size 16 |
+| write_kv_cache  | head_dim 64/128/256; block_size 16, 80, 544, 2048; NHD and SHUFFLE           |
+| gather_kv_cache | as write_kv_cache                                                            |
+
+Each kernel also gets one case whose cache is larger than 2 GiB: AMD's backend specialises
+pointers into buffers under 2 GiB (``tt.pointer_range`` 32, buffer loads), so both code paths are
+compiled. Caches are bf16 (the serving dtype; the CPU interpreter's bf16 limits do not apply to a
+compile).
+
+`policy_estimate(launch)` is the op's policy's own shared-memory figure for the tiles a launch
+actually carries (recomputed from its constexprs, so injected tiles are estimated too).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from portattn.kernels._launch import Launch
+from portattn.platform import Target
+
+META = torch.device("meta")
+DTYPE = torch.bfloat16
+
+MLA_SHAPES: tuple[tuple[int, int], ...] = ((576, 512), (320, 256), (288, 256))
+MLA_HEADS: tuple[int, ...] = (1, 4, 8, 16, 32, 128)
+PAGED_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
+# (num_q_heads, num_kv_heads): MHA 1:1, GQA 5:1 (an awkward, non-power-of-two group), GQA 8:1.
+PAGED_GQA: tuple[tuple[int, int], ...] = ((8, 8), (40, 8), (32, 4))
+BLOCK_SIZES: tuple[int, ...] = (16, 80, 544, 2048)
+LAYOUTS: tuple[str, ...] = ("NHD", "SHUFFLE")
+CACHE_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
+CACHE_KV_HEADS = 8
+NUM_SEQS = 4
+PREFILL_CHUNK = 64  # max_query_len of the chunked-prefill cases: the widest M tile (64 rows)
+CONTEXT_BLOCKS = 8  # blocks per sequence in the block tables
+# A cache past 2 GiB: AMD compiles such pointers without the 32-bit buffer-range specialisation.
+BIG_CACHE_BYTES = 3 << 30
+
+
+@dataclass(frozen=True)
+class Case:
+    """One kernel at one problem shape; compiled for every target of the matrix.
+
+    Attributes:
+        kernel: the op (``"paged_attention"`` ...), what ``--kernels`` filters on.
+        name: a short label, unique within the kernel (``"hd128 gqa5 bs544 NHD prefill"``).
+        build: ``build(target, **params) -> list[Launch]`` (a module-level function).
+        params: the builder's keyword arguments, as sorted pairs (hashable, picklable).
+        spill_allowance: spills this case may have before the gate fails it (see
+            `portattn.compile.matrix.SPILL_THRESHOLD`), with the reason in ``spill_reason``.
+        expect: free text for reports (e.g. why a naive case should fail).
+    """
+
+    kernel: str
+    name: str
+    build: Callable[..., list[Launch]]
+    params: tuple[tuple[str, Any], ...] = ()
+    spill_allowance: int = 0
+    spill_reason: str = ""
+    expect: str = field(default="", compare=False)
+
+    @property
+    def id(self) -> str:
+        return f"{self.kernel}/{self.name}"
+
+    def plan(self, target: Target) -> list[Launch]:
+        return self.build(target, **dict(self.params))
+
+
+def make_case(kernel: str, name: str, build: Callable[..., list[Launch]], **params: Any) -> Case:
+    """A `Case` with ``params`` given as keyword arguments."""
+    return Case(kernel, name, build, tuple(sorted(params.items())))
+
+
+# -- builders -------------------------------------------------------------------------------------
+
+
+def _blocks_for(head_dim: int, block_size: int, num_kv_heads: int, big: bool) -> int:
+    """Enough blocks for the block tables; past 2 GiB per cache when ``big``."""
+    base = NUM_SEQS * CONTEXT_BLOCKS + 1
+    if not big:
+        return base
+    per_block = block_size * num_kv_heads * head_dim * DTYPE.itemsize
+    return max(base, -(-BIG_CACHE_BYTES // per_block))
+
+
+def _caches(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, layout: str):
+    from portattn.layout import empty_kv_cache
+
+    return empty_kv_cache(
+        num_blocks, block_size, num_kv_heads, head_dim, layout=layout, dtype=DTYPE, device=META
+    )
+
+
+def build_paged_attention(
+    target: Target,
+    *,
+    head_dim: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    layout: str,
+    max_query_len: int,
+    big_cache: bool = False,
+) -> list[Launch]:
+    from portattn.kernels.paged_attention import plan_paged_attention
+
+    num_blocks = _blocks_for(head_dim, block_size, num_kv_heads, big_cache)
+    k, v = _caches(num_blocks, block_size, num_kv_heads, head_dim, layout)
+    num_tokens = NUM_SEQS * max_query_len
+    query = torch.empty((num_tokens, num_q_heads, head_dim), dtype=DTYPE, device=META)
+    block_table = torch.empty((NUM_SEQS, CONTEXT_BLOCKS), dtype=torch.int32, device=META)
+    seq_lens = torch.empty((NUM_SEQS,), dtype=torch.int32, device=META)
+    qsl = torch.empty((NUM_SEQS + 1,), dtype=torch.int32, device=META)
+    return plan_paged_attention(
+        query,
+        k,
+        v,
+        block_table,
+        seq_lens,
+        qsl,
+        layout=layout,
+        target=target,
+        max_query_len=max_query_len,
+    )
+
+
+def build_write_kv_cache(
+    target: Target, *, head_dim: int, block_size: int, layout: str, big_cache: bool = False
+) -> list[Launch]:
+    from portattn.kernels.kv_cache import plan_write_kv_cache
+
+    num_blocks = _blocks_for(head_dim, block_size, CACHE_KV_HEADS, big_cache)
+    k_cache, v_cache = _caches(num_blocks, block_size, CACHE_KV_HEADS, head_dim, layout)
+    num_tokens = NUM_SEQS * PREFILL_CHUNK
+    key = torch.empty((num_tokens, CACHE_KV_HEADS, head_dim), dtype=DTYPE, device=META)
+    value = torch.empty_like(key)
+    slots = torch.empty((num_tokens,), dtype=torch.int64, device=META)
+    return plan_write_kv_cache(key, value, k_cache, v_cache, slots, layout=layout, target=target)
+
+
+def build_gather_kv_cache(
+    target: Target, *, head_dim: int, block_size: int, layout: str, big_cache: bool = False
+) -> list[Launch]:
+    from portattn.kernels.kv_cache import plan_gather_kv_cache
+
+    num_blocks = _blocks_for(head_dim, block_size, CACHE_KV_HEADS, big_cache)
+    k_cache, v_cache = _caches(num_blocks, block_size, CACHE_KV_HEADS, head_dim, layout)
+    block_table = torch.empty((NUM_SEQS, CONTEXT_BLOCKS), dtype=torch.int32, device=META)
+    cu = torch.empty((NUM_SEQS + 1,), dtype=torch.int32, device=META)
+    total = NUM_SEQS * CONTEXT_BLOCKS * block_size
+    k_out = torch.empty((total, CACHE_KV_HEADS, head_dim), dtype=DTYPE, device=META)
+    out = (k_out, torch.empty_like(k_out))
+    return plan_gather_kv_cache(
+        k_cache, v_cache, block_table, cu, layout=layout, out=out, target=target
+    )
+
+
+def build_mla_decode(
+    target: Target,
+    *,
+    head_dim_k: int,
+    kv_lora_rank: int,
+    num_q_heads: int,
+    block_size: int = 16,
+    q_len: int = 1,
+    tiles: Any = None,
+) -> list[Launch]:
+    from portattn.kernels.mla_decode import plan_mla_decode
+
+    num_blocks = NUM_SEQS * CONTEXT_BLOCKS + 1
+    num_tokens = NUM_SEQS * q_len
+    query = torch.empty((num_tokens, num_q_heads, head_dim_k), dtype=DTYPE, device=META)
+    kv_cache = torch.empty((num_blocks, block_size, head_dim_k), dtype=DTYPE, device=META)
+    block_table = torch.empty((NUM_SEQS, CONTEXT_BLOCKS), dtype=torch.int32, device=META)
+    seq_lens = torch.empty((NUM_SEQS,), dtype=torch.int32, device=META)
+    kwargs: dict[str, Any] = {"target": target}
+    if q_len > 1:
+        kwargs["query_start_loc"] = torch.empty((NUM_SEQS + 1,), dtype=torch.int32, device=META)
+    if tiles is not None:
+        kwargs["tiles"] = tiles
+    return plan_mla_decode(
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        kv_lora_rank=kv_lora_rank,
+        scale=head_dim_k**-0.5,
+        **kwargs,
+    )
+
+
+# -- the table ------------------------------------------------------------------------------------
+
+GQA_NAMES = {1: "mha", 5: "gqa5", 8: "gqa8"}
+
+
+def mla_cases() -> list[Case]:
+    return [
+        make_case(
+            "mla_decode",
+            f"{dk}/{dv} h{h}",
+            build_mla_decode,
+            head_dim_k=dk,
+            kv_lora_rank=dv,
+            num_q_heads=h,
+        )
+        for dk, dv in MLA_SHAPES
+        for h in MLA_HEADS
+    ] + [
+        # Speculative verification: 3 query tokens per sequence.
+        make_case(
+            "mla_decode",
+            "576/512 h16 q3",
+            build_mla_decode,
+            head_dim_k=576,
+            kv_lora_rank=512,
+            num_q_heads=16,
+            q_len=3,
+        )
+    ]
+
+
+def paged_cases() -> list[Case]:
+    out = []
+    for hd in PAGED_HEAD_DIMS:
+        for nq, nkv in PAGED_GQA:
+            g = GQA_NAMES[nq // nkv]
+            for layout in LAYOUTS:
+                for bs in BLOCK_SIZES:
+                    out.append(
+                        make_case(
+                            "paged_attention",
+                            f"hd{hd} {g} bs{bs} {layout} prefill",
+                            build_paged_attention,
+                            head_dim=hd,
+                            num_q_heads=nq,
+                            num_kv_heads=nkv,
+                            block_size=bs,
+                            layout=layout,
+                            max_query_len=PREFILL_CHUNK,
+                        )
+                    )
+                out.append(
+                    make_case(
+                        "paged_attention",
+                        f"hd{hd} {g} bs16 {layout} decode",
+                        build_paged_attention,
+                        head_dim=hd,
+                        num_q_heads=nq,
+                        num_kv_heads=nkv,
+                        block_size=16,
+                        layout=layout,
+                        max_query_len=1,
+                    )
+                )
+    out.append(
+        make_case(
+            "paged_attention",
+            "hd128 gqa8 bs16 NHD prefill cache>2GiB",
+            build_paged_attention,
+            head_dim=128,
+            num_q_heads=32,
+            num_kv_heads=4,
+            block_size=16,
+            layout="NHD",
+            max_query_len=PREFILL_CHUNK,
+            big_cache=True,
+        )
+    )
+    return out
+
+
+def cache_cases() -> list[Case]:
+    out = []
+    for kernel, build in (
+        ("write_kv_cache", build_write_kv_cache),
+        ("gather_kv_cache", build_gather_kv_cache),
+    ):
+        for hd in CACHE_HEAD_DIMS:
+            for layout in LAYOUTS:
+                for bs in BLOCK_SIZES:
+                    out.append(
+                        make_case(
+                            kernel,
+                            f"hd{hd} bs{bs} {layout}",
+                            build,
+                            head_dim=hd,
+                            block_size=bs,
+                            layout=layout,
+                        )
+                    )
+        out.append(
+            make_case(
+                kernel,
+                "hd128 bs16 NHD cache>2GiB",
+                build,
+                head_dim=128,
+                block_size=16,
+                layout="NHD",
+                big_cache=True,
+            )
+        )
+    return out
+
+
+KERNELS: dict[str, Callable[[], list[Case]]] = {
+    "mla_decode": mla_cases,
+    "paged_attention": paged_cases,
+    "write_kv_cache": cache_cases,
+    "gather_kv_cache": cache_cases,
+}
+
+
+def default_cases(kernels: Sequence[str] | None = None) -> list[Case]:
+    """The matrix's case table, optionally only for ``kernels`` (op names, see `KERNELS`)."""
+    names = list(KERNELS) if kernels is None else list(kernels)
+    unknown = [k for k in names if k not in KERNELS]
+    if unknown:
+        raise ValueError(f"compile: kernels must be among {sorted(KERNELS)}; got {unknown}")
+    seen: dict[str, Case] = {}
+    for name in dict.fromkeys(names):
+        for case in KERNELS[name]():
+            if case.kernel in names:
+                seen.setdefault(case.id, case)
+    return list(seen.values())
+
+
+def select_cases(cases: Sequence[Case], pattern: str | None) -> list[Case]:
+    """Cases whose id matches the regular expression ``pattern`` (all when ``None``)."""
+    if not pattern:
+        return list(cases)
+    rx = re.compile(pattern)
+    return [c for c in cases if rx.search(c.id)]
+
+
+# -- the policies' own shared-memory estimates ---------------------------------------------------
+
+
+def _estimate_paged(launch: Launch) -> int:
+    from portattn.policy.paged import estimate_shared_mem
+
+    a = launch.args
+    return estimate_shared_mem(
+        a["BLOCK_M"],
+        a["BLOCK_N"],
+        a["BLOCK_D"],
+        a["q_ptr"].element_size(),
+        launch.options.num_stages,
+    )
+
+
+def _estimate_copy(launch: Launch) -> int:
+    from portattn.policy.cache import (
+        CacheCopyProblem,
+        gather_kv_cache_tiles,
+        write_kv_cache_tiles,
+    )
+
+    a = launch.args
+    fn = write_kv_cache_tiles if launch.name == "write_kv_cache" else gather_kv_cache_tiles
+    tokens = int(a["num_tokens"] if "num_tokens" in a else a["total_tokens"])
+    problem = CacheCopyProblem(
+        tokens, launch.grid[1], a["head_dim"], a["key_cache_ptr"].element_size()
+    )
+    return fn(launch.target, problem).shared_mem_bytes
+
+
+def _estimate_mla(launch: Launch) -> int | None:
+    from portattn.policy.mla import mla_smem_bytes
+
+    a = launch.args
+    if "BLOCK_DV" not in a or "BLOCK_N" not in a:
+        return None  # the split-KV reduce: no tiles through shared memory in the policy's model
+    q = next(v for v in a.values() if isinstance(v, torch.Tensor))
+    return mla_smem_bytes(
+        a["BLOCK_H"],
+        a["BLOCK_N"],
+        a["BLOCK_DV"],
+        a.get("BLOCK_DPE", 0),
+        launch.options.num_stages,
+        q.element_size(),
+    )
+
+
+_ESTIMATORS: dict[str, Callable[[Launch], int | None]] = {
+    "paged_attention": _estimate_paged,
+    "write_kv_cache": _estimate_copy,
+    "gather_kv_cache": _estimate_copy,
+    "mla_decode": _estimate_mla,
+}
+
+
+def policy_estimate(launch: Launch) -> int | None:
+    """The policy's shared-memory estimate for the tiles ``launch`` carries (``None``: none)."""
+    tiles = getattr(launch, "tiles", None)
+    for attr in ("shared_mem_bytes", "smem_bytes"):
+        if tiles is not None and hasattr(tiles, attr):
+            return int(getattr(tiles, attr))
+    fn = _ESTIMATORS.get(launch.name.split(":")[0])
+    return None if fn is None else fn(launch)

@@ -1,0 +1,213 @@
+"""Run the compile matrix (cases x targets) in worker processes, and gate every cell.
+
+Gate: a cell fails when
+
+1. planning raises (a policy finds no tile, a launcher rejects the shape), or any launch of the
+   plan does not compile;
+2. any launch's compiled shared memory (``metadata.shared``) exceeds the target's
+   ``max_shared_mem``;
+3. any launch spills more than `SPILL_THRESHOLD` (plus the case's stated allowance). Units are
+   the backend's: bytes of spill stores on NVIDIA, spilled registers on AMD.
+
+It passes with *notes* when the policy's own shared-memory estimate and the compiler's figure
+disagree by more than `ESTIMATE_TOLERANCE`: the policy budgets with its estimate, so a large gap
+either wastes tile size (estimate too high) or risks an overflow the estimate cannot see
+(compiler higher). The gate itself already fails real overflows (rule 2).
+
+Workers are spawned with ``TRITON_INTERPRET`` cleared (the CPU test gate sets it, and kernels
+decorated under it are not compilable), and with ``TRITON_CACHE_DIR`` set when a cache folder is
+given, so a second run of the same matrix is mostly cache hits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from portattn.compile.cases import Case, policy_estimate
+from portattn.compile.worker import LaunchResult, compile_launch
+from portattn.platform import TARGETS, get_target
+
+#: Spills allowed before a cell fails (NVIDIA: bytes of spill stores; AMD: spilled registers).
+#: Zero: every kernel of the table compiles without spills on every target (measured); a case
+#: that needs an allowance states it and why (`Case.spill_allowance`).
+SPILL_THRESHOLD = 0
+#: (low, high) bounds of compiled / estimated shared memory outside which a cell gets a note.
+ESTIMATE_TOLERANCE = (0.5, 1.25)
+#: Estimates below this many bytes are not compared (a scratch of a few hundred bytes for a
+#: reduction is below any tile's budget and not worth a note).
+ESTIMATE_MIN_BYTES = 4096
+
+
+@dataclass
+class CellResult:
+    """One (case, target) cell: its launches' results and the gate's verdict."""
+
+    kernel: str
+    case: str
+    arch: str
+    vendor: str
+    limit: int
+    launches: list[LaunchResult] = field(default_factory=list)
+    plan_error: str | None = None
+    passed: bool = False
+    reasons: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def id(self) -> str:
+        return f"{self.kernel}/{self.case}@{self.arch}"
+
+    @property
+    def shared(self) -> int | None:
+        """The largest compiled shared memory among the launches (``None``: none compiled)."""
+        vals = [r.shared for r in self.launches if r.shared is not None]
+        return max(vals) if vals else None
+
+    @property
+    def compiled(self) -> bool:
+        return self.plan_error is None and all(r.ok for r in self.launches)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["id"] = self.id
+        d["shared"] = self.shared
+        return d
+
+
+def evaluate(cell: CellResult, spill_allowance: int = 0) -> CellResult:
+    """Apply the gate (module docstring) to ``cell``, filling ``passed``, ``reasons``, ``notes``."""
+    reasons: list[str] = []
+    notes: list[str] = []
+    if cell.plan_error is not None:
+        reasons.append(f"plan: {cell.plan_error}")
+    for r in cell.launches:
+        tag = f"{r.name}: " if len(cell.launches) > 1 else ""
+        if not r.ok:
+            reasons.append(f"{tag}compile: {r.error}")
+            continue
+        if r.shared is not None and r.shared > cell.limit:
+            reasons.append(f"{tag}shared memory {r.shared} B > {cell.arch} limit {cell.limit} B")
+        if r.spills is not None and r.spills > SPILL_THRESHOLD + spill_allowance:
+            unit = "B spilled" if cell.vendor == "cuda" else "registers spilled"
+            reasons.append(
+                f"{tag}{r.spills} {unit} > threshold {SPILL_THRESHOLD + spill_allowance}"
+            )
+        est = r.policy_shared
+        if est is not None and r.shared is not None and max(est, r.shared) >= ESTIMATE_MIN_BYTES:
+            ratio = r.shared / est if est else float("inf")
+            lo, hi = ESTIMATE_TOLERANCE
+            if not lo <= ratio <= hi:
+                notes.append(
+                    f"{tag}policy estimate {est} B vs compiled {r.shared} B (x{ratio:.2f})"
+                )
+    cell.reasons, cell.notes = reasons, notes
+    cell.passed = not reasons
+    return cell
+
+
+def _compile_cell(case: Case, arch: str) -> CellResult:
+    """Plan ``case`` for ``arch`` and compile every launch (runs in a worker process)."""
+    target = get_target(arch)
+    cell = CellResult(case.kernel, case.name, arch, target.vendor, target.max_shared_mem)
+    t0 = time.perf_counter()
+    try:
+        launches = case.plan(target)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
+        cell.plan_error = f"{type(exc).__name__}: {exc}"
+        cell.wall_s = time.perf_counter() - t0
+        return cell
+    # ptxas failures print a page of PTX to stdout; the error text is kept in the result.
+    with contextlib.redirect_stdout(io.StringIO()):
+        for launch in launches:
+            try:
+                est = policy_estimate(launch)
+            except (KeyError, ValueError, TypeError, AttributeError):
+                est = None
+            cell.launches.append(compile_launch(launch, target, est))
+    cell.wall_s = time.perf_counter() - t0
+    return cell
+
+
+@contextlib.contextmanager
+def _worker_env(cache_dir: str | None) -> Iterator[None]:
+    """Environment the spawned workers inherit: no interpreter, the chosen Triton cache."""
+    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
+    os.environ.pop("TRITON_INTERPRET", None)
+    if cache_dir:
+        os.makedirs(cache_dir, exist_ok=True)
+        os.environ["TRITON_CACHE_DIR"] = os.path.abspath(cache_dir)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def parse_targets(targets: Sequence[str] | None) -> list[str]:
+    """Validated arch names (all of `TARGETS` when ``None``)."""
+    if targets is None:
+        return list(TARGETS)
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        raise ValueError(f"compile: targets must be among {list(TARGETS)}; got {unknown}")
+    return list(dict.fromkeys(targets))
+
+
+def run_matrix(
+    cases: Sequence[Case],
+    targets: Sequence[str] | None = None,
+    *,
+    jobs: int | None = None,
+    cache_dir: str | None = None,
+    progress: Callable[[int, int, CellResult], None] | None = None,
+) -> list[CellResult]:
+    """Compile every case for every target in ``jobs`` spawned processes; gate each cell.
+
+    Args:
+        cases: the cases (`portattn.compile.cases.default_cases` or a selection).
+        targets: arch names; default every target of `portattn.platform.TARGETS`.
+        jobs: worker processes; default ``os.cpu_count()``.
+        cache_dir: Triton cache folder for the workers; default Triton's own
+            (``TRITON_CACHE_DIR`` or ``~/.triton/cache``).
+        progress: called as ``progress(done, total, cell)`` after each cell.
+
+    Returns:
+        One `CellResult` per (case, target), in case-major, target-minor order.
+    """
+    archs = parse_targets(targets)
+    cells = [(case, arch) for case in cases for arch in archs]
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(cells) or 1))
+    results: dict[int, CellResult] = {}
+    ctx = multiprocessing.get_context("spawn")
+    with _worker_env(cache_dir):
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
+        # Workers start while the environment above is in place (spawned at submit).
+        futures = {
+            pool.submit(_compile_cell, case, arch): i for i, (case, arch) in enumerate(cells)
+        }
+    with pool:
+        for n, fut in enumerate(as_completed(futures), 1):
+            i = futures[fut]
+            case = cells[i][0]
+            try:
+                cell = fut.result()
+            except Exception as exc:  # noqa: BLE001 - a crashed worker is this cell's result
+                t = get_target(cells[i][1])
+                cell = CellResult(case.kernel, case.name, t.arch, t.vendor, t.max_shared_mem)
+                cell.plan_error = f"worker: {type(exc).__name__}: {exc}"
+            results[i] = evaluate(cell, case.spill_allowance)
+            if progress is not None:
+                progress(n, len(cells), results[i])
+    return [results[i] for i in range(len(cells))]

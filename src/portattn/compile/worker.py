@@ -1,0 +1,235 @@
+"""Compile one planned launch for one target, on a machine with no GPU, exactly as a launch would.
+
+A real launch (``kernel[grid](**args)``) binds its arguments with Triton's own binder, which
+specialises them (pointers and ints divisible by 16 get ``tt.divisibility``, ints equal to 1
+become constants, on AMD pointers into buffers under 2 GiB get ``tt.pointer_range``), then calls
+``triton.compile(ASTSource(...), target, options)``. `compile_launch` runs the same binder, built
+for the requested `GPUTarget` instead of the active driver's, on the plan's meta tensors. A meta
+tensor's ``data_ptr()`` is 0 plus its storage offset, so aligned allocations specialise like fresh
+device allocations do (a launch on views with odd storage offsets would specialise differently;
+the matrix's cases use whole allocations, as the ops' callers do).
+
+Resource figures come from the compiled artifacts, since ``n_regs`` / ``n_spills`` are filled in
+only when a kernel is loaded on a device:
+
+* NVIDIA: ``cuobjdump -res-usage`` on the cubin (Triton's wheel ships it) gives registers and the
+  stack frame; when the frame is non-empty, ``ptxas -v`` is rerun on the PTX for the exact spill
+  bytes (Triton discards its own ``ptxas -v`` log).
+* AMD: the AMDGPU metadata in the assembly: ``.vgpr_count``, ``.vgpr_spill_count``,
+  ``.sgpr_spill_count``, ``.private_segment_fixed_size`` (scratch) and
+  ``.group_segment_fixed_size`` (LDS).
+
+This module must run with ``TRITON_INTERPRET`` off (the matrix's worker processes see to it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from portattn.kernels._launch import Launch
+from portattn.platform import Target
+
+# The shape mismatch of upstream lesson 1 and similar errors are one line deep in Triton's
+# CompilationError text (after a source excerpt); keep the message short enough for a table.
+_MAX_ERROR_CHARS = 2000
+
+
+@dataclass
+class LaunchResult:
+    """What compiling one launch for one target gave.
+
+    Attributes:
+        name: the launch's name (the op, or ``<op>:<stage>`` for multi-kernel ops).
+        kernel: the Triton kernel's function name.
+        ok: it compiled.
+        error: the error's type and message when it did not (``None`` when it did).
+        shared: bytes of shared memory / LDS the compiled kernel allocates
+            (``metadata.shared``; what a launch requests).
+        regs: registers per thread (NVIDIA) or VGPRs per lane (AMD).
+        spills: bytes spilled (NVIDIA: ptxas spill stores) or registers spilled (AMD: VGPR +
+            SGPR spill count). ``None`` where not available.
+        scratch: NVIDIA stack frame / AMD private segment bytes per thread.
+        policy_shared: the policy's own estimate for these tiles (``None``: no estimate).
+        compile_s: wall seconds of the compile (a cache hit is fast).
+        num_warps, num_stages: the launch options used.
+        hash: Triton's kernel hash (equal hashes: the same compiled kernel).
+    """
+
+    name: str
+    kernel: str
+    ok: bool
+    error: str | None = None
+    shared: int | None = None
+    regs: int | None = None
+    spills: int | None = None
+    scratch: int | None = None
+    policy_shared: int | None = None
+    compile_s: float = 0.0
+    num_warps: int | None = None
+    num_stages: int | None = None
+    hash: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _triton_bin(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def bind(launch: Launch, target: Target):
+    """Triton's (signature, constexprs, attrs, options) for ``launch`` compiled for ``target``.
+
+    The same binder and `_pack_args` a JIT launch uses, with the backend of ``target``.
+    """
+    from triton import knobs
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = launch.kernel
+    if not hasattr(kernel, "params") or not hasattr(kernel, "_pack_args"):
+        raise TypeError(
+            f"compile: {launch.name} kernel is {type(kernel).__name__}, not a JITFunction "
+            "(is TRITON_INTERPRET=1 set in this process?)"
+        )
+    backend = make_backend(target.gpu_target())
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs: dict[str, Any] = dict(launch.options.kwargs(target))
+    kwargs["debug"] = bool(kernel.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    bound, specialization, options = binder(**launch.args, **kwargs)
+    return kernel._pack_args(backend, kwargs, bound, specialization, options)
+
+
+def _short_error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    # Triton's CompilationError puts the source excerpt first and the reason last.
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    reason = lines[-1] if lines else text
+    if reason not in lines[:1]:
+        reason = f"{type(exc).__name__}: {reason}"
+    return reason[:_MAX_ERROR_CHARS]
+
+
+_CUOBJ_RE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+_PTXAS_SPILL_RE = re.compile(r"(\d+) bytes spill stores")
+
+
+def _nvidia_resources(compiled, capability: int) -> tuple[int | None, int | None, int | None]:
+    """(registers, spill bytes, stack bytes) of a compiled NVIDIA kernel, from its cubin."""
+    cubin = compiled.asm.get("cubin")
+    if cubin is None:
+        return None, None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        res = subprocess.run(
+            [_triton_bin("cuobjdump"), "-res-usage", path], capture_output=True, text=True
+        )
+        m = _CUOBJ_RE.search(res.stdout)
+        if m is None:
+            return None, None, None
+        regs, stack, _shared, local = (int(g) for g in m.groups())
+        scratch = stack + local
+        if scratch == 0:
+            return regs, 0, 0
+        # A non-empty frame: ask ptxas for the exact spill bytes (Triton drops its -v log).
+        from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        arch = sm_arch_from_capability(capability)
+        res = subprocess.run(
+            [get_ptxas(capability).path, "-v", f"--gpu-name={arch}", ptx, "-o", path + ".o"],
+            capture_output=True,
+            text=True,
+        )
+        spills = sum(int(s) for s in _PTXAS_SPILL_RE.findall(res.stderr + res.stdout))
+        return regs, spills, scratch
+
+
+def _amd_field(asm: str, name: str) -> int | None:
+    m = re.search(rf"^\s*\.{name}:\s+(\d+)", asm, re.MULTILINE)
+    return int(m.group(1)) if m else None
+
+
+def _amd_resources(compiled) -> tuple[int | None, int | None, int | None]:
+    """(VGPRs, spilled registers, scratch bytes) of a compiled AMD kernel, from its assembly."""
+    asm = compiled.asm.get("amdgcn") or ""
+    vgpr = _amd_field(asm, "vgpr_count")
+    vspill = _amd_field(asm, "vgpr_spill_count")
+    sspill = _amd_field(asm, "sgpr_spill_count")
+    scratch = _amd_field(asm, "private_segment_fixed_size")
+    spills = None if vspill is None and sspill is None else (vspill or 0) + (sspill or 0)
+    return vgpr, spills, scratch
+
+
+def compile_launch(launch: Launch, target: Target, policy_shared: int | None) -> LaunchResult:
+    """Compile ``launch`` for ``target`` and measure it; compile errors are results."""
+    import triton
+    from triton.compiler import ASTSource
+
+    kernel_name = getattr(launch.kernel, "__name__", str(launch.kernel))
+    opts = launch.options
+    result = LaunchResult(
+        name=launch.name or kernel_name,
+        kernel=kernel_name,
+        ok=False,
+        policy_shared=policy_shared,
+        num_warps=opts.num_warps,
+        num_stages=opts.num_stages,
+    )
+    t0 = time.perf_counter()
+    try:
+        options, signature, constexprs, attrs = bind(launch, target)
+        src = ASTSource(launch.kernel, signature, constexprs, attrs)
+        compiled = triton.compile(src, target=target.gpu_target(), options=options.__dict__)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure is this cell's result
+        result.compile_s = time.perf_counter() - t0
+        result.error = _short_error(exc)
+        return result
+    result.compile_s = time.perf_counter() - t0
+    result.ok = True
+    result.shared = int(compiled.metadata.shared)
+    result.hash = compiled.metadata.hash
+    result.regs, result.spills, result.scratch = _resources(compiled, target)
+    return result
+
+
+def _resources(compiled, target: Target) -> tuple[int | None, int | None, int | None]:
+    """(regs, spills, scratch), remembered per kernel hash next to Triton's cache.
+
+    NVIDIA figures take a cuobjdump (and, for a kernel with a stack frame, a ptxas) run; a warm
+    matrix run reads them back instead.
+    """
+    from triton import knobs
+
+    folder = os.path.join(knobs.cache.dir, "portattn_resources")
+    path = os.path.join(folder, f"{compiled.metadata.hash}.json")
+    try:
+        with open(path) as f:
+            got = json.load(f)
+        return got["regs"], got["spills"], got["scratch"]
+    except (OSError, ValueError, KeyError):
+        pass
+    if target.vendor == "cuda":
+        res = _nvidia_resources(compiled, target.capability)
+    else:
+        res = _amd_resources(compiled)
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(zip(("regs", "spills", "scratch"), res, strict=True)), f)
+    os.replace(tmp, path)
+    return res
