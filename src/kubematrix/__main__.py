@@ -1,0 +1,338 @@
+"""``python -m kubematrix <command>``: the CI matrix from the command line.
+
+Commands (``python -m kubematrix <command> --help`` for each):
+
+- ``list``      the cells, how each runs, and whether this machine's runner can run it
+- ``matrix``    run every cell the runner can run (alias ``run``) and print the summary
+- ``pipeline``  print the generated Buildkite pipeline
+- ``report``    rebuild the summary from a results folder (``--buildkite``: annotate the build)
+
+A command is an entry of :data:`COMMANDS`: add one with :func:`register` (a name, a help line, a
+function that adds its arguments, a function that runs it and returns the exit status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kubematrix import buildkite, report
+from kubematrix.matrix import BACKENDS, RUNNERS, SUITES, Cell, Host, all_cells, select_cells
+from kubematrix.matrix import why_not_runnable as _why_not
+
+DEFAULT_RESULTS = "results/matrix"
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    aliases: tuple[str, ...] = ()
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(
+    name: str,
+    help: str,
+    configure: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+    aliases: Sequence[str] = (),
+) -> None:
+    """Add a subcommand (``configure`` adds its arguments; ``run`` returns the exit status)."""
+    COMMANDS[name] = Command(help, configure, run, tuple(aliases))
+
+
+# -- shared arguments ---------------------------------------------------------------------------
+
+
+def _add_cell_filters(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--suite",
+        action="append",
+        default=[],
+        choices=list(SUITES),
+        help="only this suite (repeatable)",
+    )
+    p.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        choices=list(BACKENDS),
+        help="only this backend (repeatable)",
+    )
+    p.add_argument(
+        "--cell",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only this cell, e.g. paged-cpu-interpreter (repeatable)",
+    )
+
+
+def _cells(args: argparse.Namespace) -> list[Cell]:
+    return select_cells(all_cells(), suites=args.suite, backends=args.backend, names=args.cell)
+
+
+# -- list ---------------------------------------------------------------------------------------
+
+
+def _configure_list(p: argparse.ArgumentParser) -> None:
+    _add_cell_filters(p)
+    p.add_argument("--runner", choices=RUNNERS, default="local")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _run_list(args: argparse.Namespace) -> int:
+    host = Host.probe()
+    rows: list[dict[str, Any]] = []
+    for cell in _cells(args):
+        why = _why_not(cell, args.runner, host)
+        rows.append(
+            {
+                "cell": cell.name,
+                "suite": cell.suite,
+                "backend": cell.backend,
+                "target": cell.target,
+                "command": " ".join(cell.nox_command()),
+                "experimental": cell.experimental,
+                "runnable": why is None,
+                "reason": why,
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    width = max(len(r["cell"]) for r in rows)
+    for r in rows:
+        state = "runs here" if r["runnable"] else f"not run: {r['reason']}"
+        flag = " [experimental]" if r["experimental"] else ""
+        print(f"{r['cell']:<{width}}  {r['command']}{flag}\n{'':<{width}}  -> {state}")
+    return 0
+
+
+# -- matrix / run -------------------------------------------------------------------------------
+
+
+def _configure_matrix(p: argparse.ArgumentParser) -> None:
+    _add_cell_filters(p)
+    p.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="local",
+        help="local: this machine (default); k8s: Kubernetes Jobs via the launcher",
+    )
+    p.add_argument("--results", default=DEFAULT_RESULTS, help=f"results folder ({DEFAULT_RESULTS})")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="pytest-xdist workers per cell (default: the usable cores, at most 8)",
+    )
+
+
+def _clear_cell_files(cells: Sequence[Cell], out: Path) -> None:
+    """Forget earlier runs of these cells, so a stale JUnit is never reported as this run's."""
+    for cell in cells:
+        for suffix in (".xml", ".json", ".log"):
+            (out / f"{cell.name}{suffix}").unlink(missing_ok=True)
+        if cell.suite == "compile":
+            shutil.rmtree(out / "compile", ignore_errors=True)
+
+
+def _run_matrix(args: argparse.Namespace) -> int:
+    cells = _cells(args)
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    _clear_cell_files(cells, out)
+    if args.runner == "local":
+        from kubematrix.local import run_local
+
+        results = run_local(cells, out, workers=args.workers)
+    else:
+        results = _run_k8s(cells, out, args)
+    files = report.write_summary(results, out, context=f"runner `{args.runner}`")
+    print()
+    print(report.summary_table(results), end="")
+    print(f"\nJUnit per cell in {out}/, merged: {files.junit}")
+    print(f"report: {files.markdown}")
+    if files.heatmap:
+        print(f"compile heatmap: {files.heatmap}")
+    status = report.overall_status(results)
+    print(f"matrix: {status}")
+    return 1 if status == "failed" else 0
+
+
+def _run_k8s(cells: Sequence[Cell], out: Path, args: argparse.Namespace) -> list[report.CellResult]:
+    """GPU cells as Kubernetes Jobs through the launcher; CPU cells on this machine."""
+    launcher: Any
+    try:
+        launcher = importlib.import_module("kubematrix.launcher")
+    except ImportError:
+        launcher = None
+    from kubematrix.local import run_local
+
+    gpu = [c for c in cells if c.spec.is_gpu]
+    cpu = [c for c in cells if not c.spec.is_gpu]
+    results = {r.cell: r for r in run_local(cpu, out, workers=args.workers)} if cpu else {}
+    if gpu and (launcher is None or not hasattr(launcher, "run_cells")):
+        for c in gpu:
+            results[c.name] = report.not_run(c, "the Kubernetes launcher is not available")
+            report.write_cell_record(results[c.name], out)
+    elif gpu:
+        for r in launcher.run_cells(gpu, out):
+            results[r.cell] = r
+            report.write_cell_record(r, out)
+    return [results[c.name] for c in cells]
+
+
+# -- pipeline -----------------------------------------------------------------------------------
+
+
+def _configure_pipeline(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--lanes",
+        choices=buildkite.LANES,
+        default="queues",
+        help="GPU lanes on their own agent queues, or via agent-stack-k8s podSpecs",
+    )
+    sel = p.add_mutually_exclusive_group()
+    sel.add_argument(
+        "--changed-since",
+        metavar="REF",
+        help="select cells by the files changed since REF (git diff REF...HEAD)",
+    )
+    sel.add_argument(
+        "--changed-files", nargs="*", metavar="PATH", help="select cells by these changed files"
+    )
+    p.add_argument("--commit", default=None, help="commit the GPU images are pinned to (k8s)")
+    p.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    p.add_argument("--output", "-o", default=None, help="write here instead of stdout")
+
+
+def _run_pipeline(args: argparse.Namespace) -> int:
+    changed = args.changed_files
+    if args.changed_since:
+        changed = buildkite.changed_files_since(args.changed_since)
+    pipeline = buildkite.generate(changed_files=changed, lanes=args.lanes, commit=args.commit)
+    text = (
+        json.dumps(pipeline, indent=2) + "\n"
+        if args.format == "json"
+        else buildkite.to_yaml(pipeline)
+    )
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def _configure_report(p: argparse.ArgumentParser) -> None:
+    _add_cell_filters(p)
+    p.add_argument("--results", default=DEFAULT_RESULTS, help=f"results folder ({DEFAULT_RESULTS})")
+    p.add_argument(
+        "--buildkite",
+        action="store_true",
+        help="in a Buildkite step: download the cells' artifacts, annotate the build",
+    )
+
+
+def _agent(*argv: str, stdin: str | None = None) -> None:
+    subprocess.run(["buildkite-agent", *argv], input=stdin, text=True, check=True)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    out = Path(args.results)
+    cells = _cells(args)
+    if args.buildkite:
+        out.mkdir(parents=True, exist_ok=True)
+        # A glob that matches nothing makes the download fail: a build without results.
+        try:
+            _agent("artifact", "download", f"{out.as_posix()}/*", ".")
+        except subprocess.CalledProcessError:
+            print(f"report: no artifacts under {out}/ in this build", file=sys.stderr)
+    results = report.collect(cells, out)
+    not_selected = set(filter(None, os.environ.get(buildkite.NOT_SELECTED_ENV, "").split(",")))
+    results = [
+        report.not_run(
+            next(c for c in cells if c.name == r.cell),
+            "not selected by the changed files (unblock its step to run it)",
+        )
+        if r.cell in not_selected and r.status == "not run"
+        else r
+        for r in results
+    ]
+    context = ""
+    if args.buildkite:
+        context = (
+            f"build {os.environ.get('BUILDKITE_BUILD_NUMBER', '?')}, commit "
+            f"`{os.environ.get('BUILDKITE_COMMIT', '?')[:12]}`"
+        )
+    files = report.write_summary(results, out, context=context)
+    print(report.summary_table(results), end="")
+    status = report.overall_status(results)
+    if args.buildkite:
+        md = files.markdown.read_text()
+        if files.heatmap:
+            md = md.replace(
+                f"]({files.heatmap.relative_to(out).as_posix()})",
+                f"](artifact://{files.heatmap.as_posix()})",
+            )
+        style = {"passed": "success", "failed": "error"}.get(status, "warning")
+        _agent("annotate", "--style", style, "--context", "matrix", stdin=md)
+        _agent("artifact", "upload", f"{files.junit};{files.markdown};{files.json}")
+        return 0  # the cells' own steps carry the verdict
+    return 1 if status == "failed" else 0
+
+
+register("list", "the cells and whether this machine can run them", _configure_list, _run_list)
+register(
+    "matrix",
+    "run the cells the runner can run; print the summary",
+    _configure_matrix,
+    _run_matrix,
+    aliases=("run",),
+)
+register("pipeline", "print the generated Buildkite pipeline", _configure_pipeline, _run_pipeline)
+register("report", "summary from a results folder (JUnit per cell)", _configure_report, _run_report)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m kubematrix",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, aliases=list(cmd.aliases), description=cmd.help)
+        cmd.configure(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args._run(args)
+    except ValueError as exc:  # a bad cell name, suite ... : a usage error, not a traceback
+        print(f"kubematrix {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The Buildkite pipeline, generated from the matrix (dynamic pipeline upload).
+
+``.buildkite/pipeline.yml`` is a bootstrap: one step runs ``nox -s pipeline`` and pipes the result
+to ``buildkite-agent pipeline upload``. What it uploads, built by :func:`generate`:
+
+- one command step per cell of :func:`kubematrix.matrix.all_cells` — the CPU, CUDA and ROCm lanes
+  come from the same cells, so they cannot drift. Each step only calls nox (the cell's own
+  session), uploads the cell's JUnit, has the backend's timeout, retries automatically only on
+  infrastructure failures (:data:`INFRA_RETRY`), and may soft-fail only when the cell is declared
+  experimental;
+- GPU lanes either on their own agent queues (``lanes="queues"``) or on the agent-stack-k8s
+  queue with the ``kubernetes`` plugin, whose ``podSpec`` is rendered from the same ``k8s/``
+  templates the launcher and ``kubectl apply -k`` use (``lanes="k8s"``);
+- selection by changed files: a cell none of whose paths changed is not dropped but put behind
+  its own block step ("Run ..."), one click away, with the build staying green while it waits;
+- a final step, after every selected cell whatever its outcome, that annotates the build with the
+  matrix summary (``nox -s report -- --buildkite``).
+
+Every step declares ``depends_on`` explicitly, so a block step never holds back anything but its
+own cell (Buildkite: explicit dependencies override the implicit ordering of block steps).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shlex
+import subprocess
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import yaml
+
+from kubematrix.matrix import BACKENDS, Cell, all_cells
+
+LANES = ("queues", "k8s")
+RESULTS_DIR = "results/matrix"
+K8S_QUEUE = "kubernetes"  # agent-stack-k8s's default queue
+IMAGE_REPOSITORY = "ghcr.io/portattn/portattn-ci"  # the k8s overlays' image, tagged per vendor
+SUMMARY_KEY = "matrix-summary"
+NOT_SELECTED_ENV = "KUBEMATRIX_NOT_SELECTED"
+
+# Retried automatically: failures of the machine, never of the code under test.
+INFRA_RETRY: tuple[dict[str, Any], ...] = (
+    {"exit_status": -1, "limit": 2},  # the agent was lost (host died, spot reclaim)
+    {"signal_reason": "agent_stop", "limit": 2},  # the agent was stopped mid-job
+    {"signal_reason": "stack_error", "limit": 2},  # the stack could not start the job (k8s)
+)
+# ROCm reports a GPU hang (a wedged queue, not our assertion) as SIGABRT from the runtime: exit
+# 134. On CPU and CUDA lanes an abort is a real crash of the code under test and is not retried.
+ROCM_HANG_RETRY: dict[str, Any] = {"exit_status": 134, "limit": 1}
+
+
+def changed_files_since(base: str, *, cwd: str | None = None) -> list[str]:
+    """Files changed between the merge base of ``base`` and HEAD (``git diff base...HEAD``)."""
+    out = subprocess.run(
+        ["git", "diff", "--name-only", f"{base}...HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=cwd,
+    )
+    return [line for line in out.stdout.splitlines() if line]
+
+
+def is_selected(cell: Cell, changed_files: Iterable[str] | None) -> bool:
+    """Whether a change to ``changed_files`` concerns ``cell`` (None: no selection, all run)."""
+    if changed_files is None:
+        return True
+    return any(fnmatch.fnmatchcase(f, pattern) for f in changed_files for pattern in cell.paths)
+
+
+def retry_rules(cell: Cell) -> list[dict[str, Any]]:
+    rules = [dict(r) for r in INFRA_RETRY]
+    if cell.backend == "rocm":
+        rules.append(dict(ROCM_HANG_RETRY))
+    return rules
+
+
+def artifact_paths(cell: Cell, results_dir: str = RESULTS_DIR) -> list[str]:
+    paths = [f"{results_dir}/{cell.name}.xml"]
+    if cell.suite == "compile":
+        paths.append(f"{results_dir}/compile/**/*")
+    return paths
+
+
+def image_for(vendor: str, commit: str | None = None) -> str:
+    """The cell image of a vendor; pinned to the commit when one is given."""
+    tag = f"{vendor}-{commit}" if commit else vendor
+    return f"{IMAGE_REPOSITORY}:{tag}"
+
+
+def k8s_pod_spec(cell: Cell, command: Sequence[str], *, commit: str, image: str) -> dict:
+    """The ``kubernetes`` plugin's podSpec for a GPU cell, from the ``k8s/`` templates.
+
+    The rendered Job's pod runs the cell through ``kubematrix.cell`` (which streams the JUnit back
+    through the log for the launcher). Under agent-stack-k8s the step's artifact upload brings the
+    JUnit back instead, so the cell container runs the step's nox command directly, in the
+    checked-out workspace, with the template's environment, resources, security context,
+    tolerations and node selector unchanged.
+    """
+    from kubematrix.render import CELL_CONTAINER, render_pod_spec
+
+    vendor = cell.spec.vendor
+    if vendor is None:
+        raise ValueError(f"k8s_pod_spec: cell must be a GPU cell; got {cell.name!r}")
+    pod = render_pod_spec(
+        vendor=vendor,
+        suite=cell.suite,
+        image=image,
+        commit=commit,
+        cell=cell.name,
+        session=cell.nox_session,
+        nox_args=cell.nox_args(),
+        cell_timeout_s=max(60, cell.timeout_minutes * 60 - 300),
+        active_deadline_s=cell.timeout_minutes * 60,
+        test_timeout_s=min(900, max(30, cell.timeout_minutes * 60 - 600)),
+    )
+    for container in pod["containers"]:
+        if container["name"] != CELL_CONTAINER:
+            continue
+        container["command"] = ["/bin/sh", "-c"]
+        container["args"] = [shlex.join(command)]
+        container.pop("workingDir", None)  # agent-stack-k8s runs commands in the workspace
+        for env in container.get("env", []):
+            if env["name"] == "PYTEST_ADDOPTS":
+                # The step passes its own --junitxml (the uploaded artifact).
+                env["value"] = " ".join(
+                    a for a in env["value"].split() if not a.startswith("--junitxml")
+                )
+    return pod
+
+
+def cell_step(
+    cell: Cell,
+    *,
+    lanes: str = "queues",
+    commit: str | None = None,
+    depends_on: Sequence[str] = (),
+    results_dir: str = RESULTS_DIR,
+) -> dict[str, Any]:
+    """The command step of one cell."""
+    if lanes not in LANES:
+        raise ValueError(f"cell_step: lanes must be one of {LANES}; got {lanes!r}")
+    command = cell.nox_command(results_dir)
+    step: dict[str, Any] = {
+        "label": f":{'pytest' if cell.suite != 'compile' else 'hammer_and_wrench'}: {cell.label}",
+        "key": cell.name,
+        "command": shlex.join(command),
+        "depends_on": list(depends_on),
+        "artifact_paths": artifact_paths(cell, results_dir),
+        "timeout_in_minutes": cell.timeout_minutes,
+        "retry": {"automatic": retry_rules(cell)},
+        "env": {"PORTATTN_CELL": cell.name},
+    }
+    if lanes == "k8s" and cell.spec.is_gpu:
+        commit = commit or os.environ.get("BUILDKITE_COMMIT") or "HEAD"
+        image = image_for(cell.spec.vendor or "", commit)
+        pod = k8s_pod_spec(
+            cell, ["nox", "--no-venv", "--no-install", *command[1:]], commit=commit, image=image
+        )
+        step["agents"] = {"queue": K8S_QUEUE}
+        step["plugins"] = [{"kubernetes": {"podSpec": pod}}]
+    else:
+        step["agents"] = {"queue": cell.spec.queue}
+    if cell.experimental:
+        step["soft_fail"] = True
+        step["label"] += " (experimental)"
+    return step
+
+
+def block_step(cell: Cell) -> dict[str, Any]:
+    """The one-click gate in front of a cell that the change did not select."""
+    return {
+        "block": f"Run {cell.label}",
+        "key": f"run-{cell.name}",
+        "depends_on": [],
+        "blocked_state": "passed",
+        "prompt": f"No changed file matches {cell.name}'s paths; unblock to run it anyway.",
+    }
+
+
+def summary_step(selected: Sequence[Cell], not_selected: Sequence[Cell]) -> dict[str, Any]:
+    """Annotate the build with the matrix summary once every selected cell has finished."""
+    return {
+        "label": ":memo: matrix summary",
+        "key": SUMMARY_KEY,
+        "command": shlex.join(["nox", "-s", "report", "--", "--buildkite"]),
+        "depends_on": [{"step": c.name, "allow_failure": True} for c in selected],
+        "allow_dependency_failure": True,
+        "agents": {"queue": BACKENDS["cpu-interpreter"].queue},
+        "timeout_in_minutes": 10,
+        "retry": {"automatic": [dict(r) for r in INFRA_RETRY]},
+        "env": {NOT_SELECTED_ENV: ",".join(c.name for c in not_selected)},
+    }
+
+
+def generate(
+    cells: Sequence[Cell] | None = None,
+    *,
+    changed_files: Sequence[str] | None = None,
+    lanes: str = "queues",
+    commit: str | None = None,
+    results_dir: str = RESULTS_DIR,
+) -> dict[str, Any]:
+    """The pipeline as a dict: groups per backend, the cells' steps, the summary step.
+
+    Args:
+        cells: the cells (default: the whole matrix).
+        changed_files: the change's files; ``None`` selects every cell (main-branch builds).
+        lanes: ``"queues"`` (a queue per backend) or ``"k8s"`` (GPU cells through agent-stack-k8s
+            with a podSpec rendered from ``k8s/``).
+        commit: the commit GPU images are pinned to (k8s lanes); default ``$BUILDKITE_COMMIT``.
+        results_dir: where steps write JUnit (relative to the checkout).
+    """
+    if lanes not in LANES:
+        raise ValueError(f"generate: lanes must be one of {LANES}; got {lanes!r}")
+    cells = list(all_cells() if cells is None else cells)
+    selected = [c for c in cells if is_selected(c, changed_files)]
+    not_selected = [c for c in cells if c not in selected]
+    groups: list[dict[str, Any]] = []
+    for backend in BACKENDS.values():
+        steps: list[dict[str, Any]] = []
+        for cell in (c for c in cells if c.backend == backend.name):
+            if cell in selected:
+                steps.append(cell_step(cell, lanes=lanes, commit=commit, results_dir=results_dir))
+            else:
+                gate = block_step(cell)
+                steps.append(gate)
+                steps.append(
+                    cell_step(
+                        cell,
+                        lanes=lanes,
+                        commit=commit,
+                        results_dir=results_dir,
+                        depends_on=[gate["key"]],
+                    )
+                )
+        if steps:
+            title = backend.name + (f" ({', '.join(backend.targets)})" if backend.targets else "")
+            groups.append(
+                {
+                    "group": f":test_tube: {title}",
+                    "key": f"lane-{backend.name}",
+                    "depends_on": [],
+                    "steps": steps,
+                }
+            )
+    return {"steps": [*groups, summary_step(selected, not_selected)]}
+
+
+def to_yaml(pipeline: dict[str, Any]) -> str:
+    header = "# Generated by `python -m kubematrix pipeline` from kubematrix.matrix; do not edit.\n"
+    return header + yaml.safe_dump(pipeline, sort_keys=False, width=100)

@@ -1,0 +1,214 @@
+"""The local runner: every cell this machine can run, one after another, as subprocesses.
+
+Each kernel-suite cell is ``python -m pytest -n <workers> -m "<suite> and not gpu"`` (CPU, with
+``TRITON_INTERPRET=1``) or ``-m <suite>`` (GPU), the same arguments the cell's nox session passes
+in CI, writing ``<cell>.xml`` and ``<cell>.log`` to the results folder. The compile cell runs
+``python -m portattn.compile --out <results>/compile``.
+
+Cells run in sequence: each one already spreads over every core through pytest-xdist, so running
+two at once would only oversubscribe a small machine (the CPU gate runs on 2 cores). The runner
+never imports portattn, torch or triton: a cell is a process, and its verdict comes from the
+process's exit status and its JUnit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TextIO
+
+from kubematrix.matrix import COMPILE_MODULE, Cell, Host, why_not_runnable
+from kubematrix.report import (
+    COMPILE_JSON,
+    CellResult,
+    junit_from_compile_json,
+    not_run,
+    result_from_junit,
+    write_cell_record,
+)
+
+HEARTBEAT_SECONDS = 30.0
+LOG_TAIL_LINES = 25
+
+
+def default_workers() -> int:
+    """pytest-xdist workers per cell: the usable cores, at most 8 (startup cost per worker)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 8))
+
+
+def cell_command(cell: Cell, results_dir: Path, workers: int) -> list[str]:
+    """The subprocess that runs ``cell`` here (in the current Python environment)."""
+    if cell.suite == "compile":
+        return [sys.executable, "-m", COMPILE_MODULE, *cell.compile_args(results_dir)]
+    xdist = ["-n", str(workers)] if workers > 1 else []
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        *xdist,
+        "-p",
+        "no:cacheprovider",
+        *cell.pytest_args(results_dir),
+    ]
+
+
+def _tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
+    lines = path.read_text(errors="replace").splitlines()
+    return "\n".join(lines[-n:])
+
+
+def _write_exit_status_junit(cell: Cell, junit: Path, exit_code: int, log: Path) -> None:
+    """A one-case JUnit for a command that reports only by exit status (the compile module)."""
+    suite = ET.Element("testsuite", name=cell.name, tests="1")
+    case = ET.SubElement(suite, "testcase", classname=cell.name, name=COMPILE_MODULE)
+    if exit_code != 0:
+        suite.set("failures", "1")
+        node = ET.SubElement(case, "failure", message=f"{COMPILE_MODULE} exited with {exit_code}")
+        node.text = _tail(log)
+    root = ET.Element("testsuites")
+    root.append(suite)
+    ET.ElementTree(root).write(junit, encoding="utf-8", xml_declaration=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a cell's whole process group (pytest-xdist workers included)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def run_cell(
+    cell: Cell,
+    results_dir: Path,
+    *,
+    workers: int,
+    say: Callable[[str], None],
+    heartbeat: float = HEARTBEAT_SECONDS,
+) -> CellResult:
+    """Run one cell to completion (or its timeout) and return its result."""
+    junit, log = cell.junit_path(results_dir), results_dir / f"{cell.name}.log"
+    junit.unlink(missing_ok=True)
+    env = {**os.environ, **cell.env}
+    cmd = cell_command(cell, results_dir, workers)
+    start = time.monotonic()
+    deadline = start + cell.timeout_minutes * 60
+    with open(log, "w") as log_file:
+        log_file.write("$ " + " ".join(cmd) + "\n")
+        log_file.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=max(0.1, min(heartbeat, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        _stop(proc)
+                        elapsed = time.monotonic() - start
+                        return not_run(
+                            cell,
+                            f"timed out after {cell.timeout_minutes} min (log: {log})",
+                            status="error",
+                            seconds=elapsed,
+                        )
+                    say(f"      {cell.name}: running, {time.monotonic() - start:.0f}s")
+        except BaseException:  # Ctrl-C or the like: leave no process behind, then go on raising
+            _stop(proc)
+            raise
+    elapsed = time.monotonic() - start
+    code = proc.returncode
+    if cell.suite == "compile" and not junit.exists():
+        report_json = results_dir / COMPILE_JSON
+        if report_json.is_file():
+            junit_from_compile_json(report_json, junit, cell.name)
+        else:
+            _write_exit_status_junit(cell, junit, code, log)
+    if code == 5 and not junit.exists():
+        return not_run(cell, f"no test matches -m {cell.pytest_args(results_dir)[1]!r}")
+    if not junit.exists():
+        return not_run(
+            cell, f"exit status {code}, no JUnit (log: {log})", status="error", seconds=elapsed
+        )
+    result = result_from_junit(cell, junit, seconds=elapsed, exit_code=code)
+    if code == 5:  # pytest: nothing collected
+        reason = f"no test matches -m {cell.pytest_args(results_dir)[1]!r}"
+        return not_run(cell, reason, seconds=elapsed)
+    return result
+
+
+def run_local(
+    cells: Sequence[Cell],
+    results_dir: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    host: Host | None = None,
+    stream: TextIO | None = None,
+) -> list[CellResult]:
+    """Run every cell the local machine can run; the others become ``not run`` with the reason.
+
+    Progress goes to ``stream`` (stdout by default) one line per cell. On Ctrl-C the running cell
+    is stopped and recorded as an error, the remaining cells as not run, and the results so far
+    are returned (so the summary is still written).
+    """
+    out = Path(results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stream = stream or sys.stdout
+    host = host or Host.probe()
+    workers = workers or default_workers()
+
+    def say(line: str) -> None:
+        print(line, file=stream, flush=True)
+
+    plan = [(cell, why_not_runnable(cell, "local", host)) for cell in cells]
+    runnable = [c for c, why in plan if why is None]
+    say(
+        f"matrix: {len(cells)} cells; runner local runs {len(runnable)} "
+        f"(pytest -n {workers}), {len(cells) - len(runnable)} not run here; results in {out}"
+    )
+    results: list[CellResult] = []
+    index = 0
+    interrupted = False
+    for cell, why in plan:
+        if why is not None or interrupted:
+            result = not_run(cell, why or "interrupted before it started")
+        else:
+            index += 1
+            say(f"[{index}/{len(runnable)}] {cell.name} ...")
+            try:
+                result = run_cell(cell, out, workers=workers, say=say)
+            except KeyboardInterrupt:
+                interrupted = True
+                result = not_run(cell, "interrupted (Ctrl-C)", status="error")
+            c = result.counts
+            counts = (
+                f" ({c.passed} passed, {c.failed + c.errors} failed, {c.skipped} skipped)"
+                if c.tests
+                else ""
+            )
+            say(
+                f"[{index}/{len(runnable)}] {cell.name}: {result.status}{counts} "
+                f"in {result.seconds:.1f}s" + (f" — {result.reason}" if result.reason else "")
+            )
+            log = out / f"{cell.name}.log"
+            if result.status in ("failed", "error") and log.exists():
+                say(f"      last lines of {log}:\n" + _tail(log, 15))
+        write_cell_record(result, out)
+        results.append(result)
+    return results

@@ -1,0 +1,399 @@
+"""The CI matrix as data: suite x backend x target, how each cell runs, and who can run it.
+
+One definition feeds every runner — the local runner (``nox -s matrix``), the Kubernetes fan-out
+(``--runner k8s``) and the generated Buildkite pipeline — so the lanes cannot drift apart.
+
+| suite   | cpu-interpreter | cuda (sm_90) | rocm (gfx942)        |
+|---------|-----------------|--------------|----------------------|
+| paged   | x               | x            | x                    |
+| mla     | x               | x            | x                    |
+| hybrid  | x               | x            | x (experimental)     |
+| specdec | x               | x            | x                    |
+| policy  | x               |              |                      |
+| compile | x               |              |                      |
+
+``policy`` is pure Python and ``compile`` cross-compiles for every target with Triton's own
+backends, so neither gains anything from a GPU; they are CPU cells only. The kernel suites run on
+CPU through Triton's interpreter (``TRITON_INTERPRET=1``, small fp32/fp16 shapes) and on each GPU
+pool at real shapes. "Target" is the GPU architecture of a pool, and only GPU cells have one.
+
+This module is pure data plus a few file-system checks: it never imports triton, torch or portattn
+(DESIGN.md §1).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RUNNERS = ("local", "k8s")
+COMPILE_MODULE = "portattn.compile"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Where a cell runs: the CPU interpreter or one vendor's GPU pool.
+
+    Attributes:
+        name: ``"cpu-interpreter"``, ``"cuda"`` or ``"rocm"``.
+        vendor: the Kubernetes overlay (``"cuda"``, ``"rocm"``); ``None`` on CPU.
+        targets: GPU architectures of the pool (one cell per target), empty on CPU.
+        device_nodes: a device node whose presence means "this machine has such a GPU".
+        gpu_resource: the Kubernetes extended resource a pod asks for, ``None`` on CPU.
+        queue: the Buildkite agent queue of the lane.
+        env: environment the cell's tests run with.
+        paths: changed files (globs) that concern every cell of this backend.
+        timeout_minutes: the step / Job deadline for a cell of this backend.
+    """
+
+    name: str
+    vendor: str | None
+    targets: tuple[str, ...]
+    device_nodes: tuple[str, ...]
+    gpu_resource: str | None
+    queue: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    paths: tuple[str, ...] = ()
+    timeout_minutes: int = 30
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.vendor is not None
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A pytest marker (registered in pyproject.toml) and the files that concern it.
+
+    ``paths`` are ``fnmatch`` globs over repository-relative paths in which ``*`` also crosses
+    ``/``: ``src/portattn/*mla*`` matches ``src/portattn/kernels/mla_decode.py``.
+    """
+
+    name: str
+    description: str
+    backends: tuple[str, ...]
+    paths: tuple[str, ...]
+    experimental_on: Mapping[str, str] = field(default_factory=dict)  # backend -> why
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend(
+            name="cpu-interpreter",
+            vendor=None,
+            targets=(),
+            device_nodes=(),
+            gpu_resource=None,
+            queue="cpu",
+            env={"TRITON_INTERPRET": "1"},
+            timeout_minutes=30,
+        ),
+        Backend(
+            name="cuda",
+            vendor="cuda",
+            targets=("sm_90",),  # the H100 pool
+            device_nodes=("/dev/nvidia0",),
+            gpu_resource="nvidia.com/gpu",
+            queue="gpu-cuda",
+            paths=("Dockerfile.cuda", "k8s/base/*", "k8s/overlays/cuda/*"),
+            timeout_minutes=45,
+        ),
+        Backend(
+            name="rocm",
+            vendor="rocm",
+            targets=("gfx942",),  # the MI300X pool
+            device_nodes=("/dev/kfd",),
+            gpu_resource="amd.com/gpu",
+            queue="gpu-rocm",
+            paths=("Dockerfile.rocm", "k8s/base/*", "k8s/overlays/rocm/*"),
+            timeout_minutes=45,
+        ),
+    )
+}
+
+_KERNEL_BACKENDS = ("cpu-interpreter", "cuda", "rocm")
+# Files every kernel suite depends on: the shared foundations, the test harness, the packaging.
+_KERNEL_COMMON = (
+    "pyproject.toml",
+    "noxfile.py",
+    "src/portattn/__init__.py",
+    "src/portattn/platform.py",
+    "src/portattn/layout.py",
+    "src/portattn/reference.py",
+    "src/portattn/kernels/_launch.py",
+    "src/portattn/kernels/__init__.py",
+    "src/portattn/policy/common.py",
+    "src/portattn/policy/__init__.py",
+    "tests/conftest.py",
+    "tests/helpers.py",
+)
+# Files that change how every cell runs: a change here reruns the whole matrix.
+MATRIX_PATHS = ("src/kubematrix/*", ".buildkite/*")
+
+SUITES: dict[str, Suite] = {
+    s.name: s
+    for s in (
+        Suite(
+            "paged",
+            "paged attention, KV-cache write/gather, page indices",
+            _KERNEL_BACKENDS,
+            ("src/portattn/*paged*", "src/portattn/*kv_cache*", "tests/*paged*", "tests/*kv*"),
+        ),
+        Suite(
+            "mla",
+            "MLA decode",
+            _KERNEL_BACKENDS,
+            ("src/portattn/*mla*", "tests/*mla*"),
+        ),
+        Suite(
+            "hybrid",
+            "hybrid (Mamba + attention) models and interleaved caches",
+            _KERNEL_BACKENDS,
+            (
+                "src/portattn/*hybrid*",
+                "src/portattn/*paged*",
+                "src/portattn/*kv_cache*",
+                "tests/*hybrid*",
+            ),
+            # mamba-ssm / causal-conv1d ROCm builds trail the CUDA ones; a red cell there is
+            # reported (soft fail) without blocking the merge.
+            experimental_on={"rocm": "mamba-ssm/causal-conv1d ROCm builds are not yet stable"},
+        ),
+        Suite(
+            "specdec",
+            "speculative decoding: block-size negotiation, verification steps, metadata",
+            _KERNEL_BACKENDS,
+            (
+                "src/portattn/blocksize.py",
+                "src/portattn/*specdec*",
+                "src/portattn/*mla*",
+                "src/portattn/*page_indices*",
+                "src/portattn/*metadata*",
+                "tests/*specdec*",
+            ),
+        ),
+        Suite(
+            "policy",
+            "pure tile-policy tests",
+            ("cpu-interpreter",),
+            ("src/portattn/policy/*", "tests/policy/*"),
+        ),
+        Suite(
+            "compile",
+            "cross-target compile matrix (Triton's NVIDIA and AMD backends, no GPU)",
+            ("cpu-interpreter",),
+            (
+                "src/portattn/kernels/*",
+                "src/portattn/policy/*",
+                "src/portattn/compile*",
+                "tests/compile/*",
+            ),
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell of the matrix: a suite on a backend (and a GPU target where it matters)."""
+
+    suite: str
+    backend: str
+    target: str | None = None
+    experimental: str | None = None  # why the cell is allowed to fail, or None
+
+    @property
+    def name(self) -> str:
+        """``paged-cpu-interpreter``, ``mla-cuda-sm_90`` ... (a valid Buildkite key / DNS label)."""
+        parts = [self.suite, self.backend] + ([self.target] if self.target else [])
+        return "-".join(parts)
+
+    @property
+    def spec(self) -> Backend:
+        return BACKENDS[self.backend]
+
+    @property
+    def label(self) -> str:
+        where = self.backend + (f" {self.target}" if self.target else "")
+        return f"{self.suite} · {where}"
+
+    @property
+    def timeout_minutes(self) -> int:
+        return self.spec.timeout_minutes
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(self.spec.env)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Changed-file globs that select this cell."""
+        suite = SUITES[self.suite]
+        common = () if self.suite == "policy" else _KERNEL_COMMON
+        return (*suite.paths, *common, *self.spec.paths, *MATRIX_PATHS)
+
+    def junit_path(self, results_dir: str | os.PathLike[str]) -> Path:
+        return Path(results_dir) / f"{self.name}.xml"
+
+    @property
+    def nox_session(self) -> str:
+        """The nox session of the suite (``nox -s paged`` ...): ``pytest -m <suite>`` under
+        ``TRITON_INTERPRET=1`` without a GPU, on the device with one; ``compile`` runs the
+        compile matrix module."""
+        return self.suite
+
+    def nox_args(self, results_dir: str | os.PathLike[str] | None = None) -> list[str]:
+        """The session's arguments; with ``results_dir``, where the JUnit / compile report go."""
+        if self.suite == "compile":
+            return [] if results_dir is None else self.compile_args(results_dir)
+        return [] if results_dir is None else [f"--junitxml={self.junit_path(results_dir)}"]
+
+    def nox_command(self, results_dir: str | os.PathLike[str] = "results/matrix") -> list[str]:
+        """How a CI step runs the cell: ``nox -s <suite> -- <args>``."""
+        return ["nox", "-s", self.nox_session, "--", *self.nox_args(results_dir)]
+
+    def pytest_args(self, results_dir: str | os.PathLike[str]) -> list[str]:
+        """What the suite's nox session passes to pytest, for the local runner (same env).
+
+        CPU cells deselect ``gpu`` tests; GPU cells run the whole suite on the device (the
+        CPU-sized tests too: they are fast there and catch target-specific miscompiles).
+        """
+        marker = self.suite if self.spec.is_gpu else f"{self.suite} and not gpu"
+        return ["-m", marker, f"--junitxml={self.junit_path(results_dir)}"]
+
+    def compile_args(self, results_dir: str | os.PathLike[str]) -> list[str]:
+        """Arguments of ``python -m portattn.compile`` for the compile cell."""
+        return ["--out", str(Path(results_dir) / "compile")]
+
+
+def all_cells() -> list[Cell]:
+    """Every cell, in report order: suites in definition order, CPU lane first."""
+    cells = []
+    for suite in SUITES.values():
+        for backend_name in suite.backends:
+            backend = BACKENDS[backend_name]
+            why = suite.experimental_on.get(backend_name)
+            for target in backend.targets or (None,):
+                cells.append(Cell(suite.name, backend_name, target, why))
+    return cells
+
+
+def get_cell(name: str) -> Cell:
+    """The cell called ``name``; ValueError listing the valid names otherwise."""
+    for cell in all_cells():
+        if cell.name == name:
+            return cell
+    names = ", ".join(c.name for c in all_cells())
+    raise ValueError(f"get_cell: name must be one of {names}; got {name!r}")
+
+
+def select_cells(
+    cells: Iterable[Cell],
+    *,
+    suites: Iterable[str] = (),
+    backends: Iterable[str] = (),
+    names: Iterable[str] = (),
+) -> list[Cell]:
+    """Cells filtered by suite, backend and exact name (an empty filter keeps everything)."""
+    suites, backends, names = set(suites), set(backends), set(names)
+    errors = []
+    if unknown := suites - set(SUITES):
+        errors.append(f"suite must be one of {sorted(SUITES)}; got {sorted(unknown)}")
+    if unknown := backends - set(BACKENDS):
+        errors.append(f"backend must be one of {sorted(BACKENDS)}; got {sorted(unknown)}")
+    all_names = {c.name for c in all_cells()}
+    if unknown := names - all_names:
+        errors.append(f"cell must be one of {sorted(all_names)}; got {sorted(unknown)}")
+    if errors:
+        raise ValueError("select_cells: " + "; ".join(errors))
+    return [
+        c
+        for c in cells
+        if (not suites or c.suite in suites)
+        and (not backends or c.backend in backends)
+        and (not names or c.name in names)
+    ]
+
+
+# -- what a runner can run ---------------------------------------------------------------------
+
+
+def compile_module_available() -> bool:
+    """``portattn.compile`` exists, checked on disk (importing portattn would import triton)."""
+    spec = importlib.util.find_spec("portattn")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any(
+        (Path(loc) / "compile.py").is_file() or (Path(loc) / "compile" / "__init__.py").is_file()
+        for loc in spec.submodule_search_locations
+    )
+
+
+def local_gpu_arch(vendor: str) -> str | None:
+    """The architecture of the local GPU as its vendor tool reports it, or None if unknown."""
+    try:
+        if vendor == "cuda" and shutil.which("nvidia-smi"):
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            ).stdout.split()
+            return "sm_" + out[0].replace(".", "") if out else None
+        if vendor == "rocm" and shutil.which("rocminfo"):
+            info = subprocess.run(
+                ["rocminfo"], capture_output=True, text=True, timeout=30, check=True
+            ).stdout
+            names = [w for w in info.split() if w.startswith("gfx") and w[3:].isalnum()]
+            return names[0] if names else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class Host:
+    """What the local machine offers, gathered once (injectable for tests)."""
+
+    device_nodes: frozenset[str]
+    gpu_arch: Mapping[str, str | None]  # vendor -> arch, None when it cannot be told
+    compile_module: bool
+
+    @classmethod
+    def probe(cls) -> Host:
+        nodes = frozenset(n for b in BACKENDS.values() for n in b.device_nodes if os.path.exists(n))
+        arch = {
+            b.vendor: local_gpu_arch(b.vendor)
+            for b in BACKENDS.values()
+            if b.vendor and any(n in nodes for n in b.device_nodes)
+        }
+        return cls(nodes, arch, compile_module_available())
+
+
+def why_not_runnable(cell: Cell, runner: str, host: Host | None = None) -> str | None:
+    """Why ``runner`` cannot run ``cell`` here, or None when it can.
+
+    ``local`` runs CPU cells always and GPU cells when a device of the cell's vendor and target is
+    present; ``k8s`` runs every cell (each pool brings its GPUs), given the compile module.
+    """
+    if runner not in RUNNERS:
+        raise ValueError(f"why_not_runnable: runner must be one of {RUNNERS}; got {runner!r}")
+    host = host or Host.probe()
+    if cell.suite == "compile" and not host.compile_module:
+        return f"{COMPILE_MODULE} not available"
+    if runner == "k8s" or not cell.spec.is_gpu:
+        return None
+    backend = cell.spec
+    if not any(n in host.device_nodes for n in backend.device_nodes):
+        return f"no GPU ({backend.name}): none of {', '.join(backend.device_nodes)} on this machine"
+    arch = host.gpu_arch.get(backend.vendor or "")
+    if arch is not None and cell.target is not None and arch != cell.target:
+        return f"local {backend.name} GPU is {arch}, the cell targets {cell.target}"
+    return None

@@ -1,0 +1,453 @@
+"""Matrix results: per-cell JUnit in, one summary out (table, merged JUnit, Markdown, JSON).
+
+Every runner leaves the same thing in the results folder (``results/matrix/`` by default):
+``<cell>.xml`` (pytest's JUnit), optionally ``<cell>.json`` (what the runner knows beyond the JUnit:
+exit status, wall time, why a cell did not run) and ``<cell>.log``; the compile cell adds
+``compile/`` with the heatmap. :func:`collect` rebuilds the results from such a folder — a local
+run, or the artifacts a Buildkite build downloaded — and :func:`write_summary` writes the merged
+``junit.xml``, ``report.md``, ``summary.txt`` and ``results.json`` beside them.
+
+A cell is ``passed`` only when its JUnit shows at least one passing test and no failure or
+error; a cell with only skipped tests is ``skipped``, one that never produced a JUnit is
+``not run`` with the reason. Nothing that did not run is ever counted as passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kubematrix.matrix import Cell
+
+STATUSES = ("passed", "failed", "error", "skipped", "not run")
+_ICON = {"passed": "✅", "failed": "❌", "error": "💥", "skipped": "⏭️", "not run": "⚪"}
+MAX_FAILURES_LISTED = 10
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failing or erroring test case: its id and the first line of its message."""
+
+    test: str
+    message: str
+
+
+@dataclass(frozen=True)
+class JunitCounts:
+    """What one JUnit file says, summed over its test suites."""
+
+    tests: int = 0
+    passed: int = 0
+    failed: int = 0
+    errors: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+    failures: tuple[Failure, ...] = ()
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """The outcome of one cell (a row of the summary)."""
+
+    cell: str
+    suite: str
+    backend: str
+    target: str | None
+    status: str
+    reason: str = ""
+    seconds: float = 0.0
+    experimental: bool = False
+    counts: JunitCounts = field(default_factory=JunitCounts)
+
+    @property
+    def blocking_failure(self) -> bool:
+        """Failed or errored, and not a cell declared experimental."""
+        return self.status in ("failed", "error") and not self.experimental
+
+
+# -- JUnit in -----------------------------------------------------------------------------------
+
+
+def _first_line(text: str | None) -> str:
+    return (text or "").strip().splitlines()[0][:200] if (text or "").strip() else ""
+
+
+def read_junit(path: str | os.PathLike[str]) -> JunitCounts:
+    """Count a JUnit file's test cases (pytest's format: ``<testsuites><testsuite><testcase>``).
+
+    Counts come from the test cases, not from the suites' attributes, so a merged or hand-written
+    file is counted the same way.
+    """
+    root = ET.parse(path).getroot()
+    cases = list(root.iter("testcase"))
+    failed = errors = skipped = 0
+    failures: list[Failure] = []
+    seconds = 0.0
+    for case in cases:
+        seconds += float(case.get("time") or 0.0)
+        test = "::".join(p for p in (case.get("classname"), case.get("name")) if p)
+        if (node := case.find("failure")) is not None:
+            failed += 1
+            failures.append(Failure(test, _first_line(node.get("message") or node.text)))
+        elif (node := case.find("error")) is not None:
+            errors += 1
+            failures.append(Failure(test, _first_line(node.get("message") or node.text)))
+        elif case.find("skipped") is not None:
+            skipped += 1
+    suite_times = [float(s.get("time") or 0.0) for s in root.iter("testsuite")]
+    if root.tag == "testsuite":
+        suite_times = [float(root.get("time") or 0.0)]
+    return JunitCounts(
+        tests=len(cases),
+        passed=len(cases) - failed - errors - skipped,
+        failed=failed,
+        errors=errors,
+        skipped=skipped,
+        seconds=sum(suite_times) or seconds,
+        failures=tuple(failures),
+    )
+
+
+def status_from_counts(counts: JunitCounts) -> str:
+    if counts.failed:
+        return "failed"
+    if counts.errors:
+        return "error"
+    if counts.passed:
+        return "passed"
+    return "skipped" if counts.skipped else "not run"
+
+
+def result_from_junit(
+    cell: Cell,
+    junit: str | os.PathLike[str],
+    *,
+    seconds: float | None = None,
+    exit_code: int | None = None,
+) -> CellResult:
+    """A cell's result from its JUnit (and, when the runner knows it, the exit status).
+
+    A non-zero exit with a clean JUnit (a crash after the report, a timeout) is an ``error``: the
+    process is the judge of last resort, never the file alone.
+    """
+    counts = read_junit(junit)
+    status = status_from_counts(counts)
+    reason = ""
+    if status == "not run":
+        reason = "the JUnit holds no test case (no test matches the suite's marker)"
+    if exit_code not in (None, 0) and status in ("passed", "skipped"):
+        status, reason = "error", f"exit status {exit_code} despite a clean JUnit"
+    if status in ("failed", "error") and counts.failures and not reason:
+        reason = f"{len(counts.failures)} failing: {counts.failures[0].test}"
+    return CellResult(
+        cell=cell.name,
+        suite=cell.suite,
+        backend=cell.backend,
+        target=cell.target,
+        status=status,
+        reason=reason,
+        seconds=counts.seconds if seconds is None else seconds,
+        experimental=cell.experimental is not None,
+        counts=counts,
+    )
+
+
+def not_run(
+    cell: Cell, reason: str, *, status: str = "not run", seconds: float = 0.0
+) -> CellResult:
+    """A cell without test results: not run (with why), or an ``error`` before any JUnit."""
+    if status not in ("not run", "error"):
+        raise ValueError(f"not_run: status must be 'not run' or 'error'; got {status!r}")
+    return CellResult(
+        cell=cell.name,
+        suite=cell.suite,
+        backend=cell.backend,
+        target=cell.target,
+        status=status,
+        reason=reason,
+        seconds=seconds,
+        experimental=cell.experimental is not None,
+    )
+
+
+# -- per-cell records ---------------------------------------------------------------------------
+
+
+def result_to_dict(result: CellResult) -> dict:
+    d = asdict(result)
+    d["counts"]["failures"] = [asdict(f) for f in result.counts.failures]
+    return d
+
+
+def result_from_dict(d: dict) -> CellResult:
+    counts = dict(d.get("counts") or {})
+    counts["failures"] = tuple(Failure(**f) for f in counts.get("failures", ()))
+    return CellResult(**{**d, "counts": JunitCounts(**counts)})
+
+
+def write_cell_record(result: CellResult, results_dir: str | os.PathLike[str]) -> Path:
+    """``<cell>.json``, plus a one-case JUnit for a cell that produced none (never a pass)."""
+    out = Path(results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{result.cell}.json"
+    path.write_text(json.dumps(result_to_dict(result), indent=2) + "\n")
+    junit = out / f"{result.cell}.xml"
+    if result.status in ("not run", "error") and not junit.exists():
+        _write_placeholder_junit(result, junit)
+    return path
+
+
+def _write_placeholder_junit(result: CellResult, path: Path) -> None:
+    suite = ET.Element("testsuite", name=result.cell, tests="1", time="0")
+    case = ET.SubElement(suite, "testcase", classname=result.cell, name="cell", time="0")
+    if result.status == "not run":
+        suite.set("skipped", "1")
+        ET.SubElement(case, "skipped", message=f"not run: {result.reason}")
+    else:
+        suite.set("errors", "1")
+        ET.SubElement(case, "error", message=result.reason)
+    root = ET.Element("testsuites")
+    root.append(suite)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+
+
+COMPILE_JSON = "compile/compile_matrix.json"
+
+
+def junit_from_compile_json(
+    json_path: str | os.PathLike[str], junit_path: str | os.PathLike[str], cell_name: str
+) -> Path:
+    """The compile matrix's report (``compile_matrix.json``) as JUnit: a test case per
+    kernel/case x target, failing with the gate's reasons."""
+    data = json.loads(Path(json_path).read_text())
+    suite = ET.Element("testsuite", name=cell_name)
+    failures = 0
+    for c in data["cells"]:
+        case = ET.SubElement(
+            suite,
+            "testcase",
+            classname=f"{cell_name}.{c['kernel']}",
+            name=f"{c['case']}@{c['arch']}",
+            time=f"{float(c.get('wall_s') or 0.0):.3f}",
+        )
+        if not c["passed"]:
+            failures += 1
+            reasons = "; ".join(c.get("reasons") or []) or "failed the gate"
+            ET.SubElement(case, "failure", message=reasons[:500]).text = reasons
+    wall = float((data.get("meta") or {}).get("wall_s") or 0.0)
+    suite.set("tests", str(len(data["cells"])))
+    suite.set("failures", str(failures))
+    suite.set("time", f"{wall:.3f}")
+    root = ET.Element("testsuites")
+    root.append(suite)
+    ET.ElementTree(root).write(junit_path, encoding="utf-8", xml_declaration=True)
+    return Path(junit_path)
+
+
+def collect(cells: Sequence[Cell], results_dir: str | os.PathLike[str]) -> list[CellResult]:
+    """Each cell's result from a results folder: its record, else its JUnit, else not run.
+
+    The compile cell's JUnit is derived from the compile matrix's own report when absent (a
+    Buildkite step uploads ``compile/`` only).
+    """
+    out = Path(results_dir)
+    results = []
+    for cell in cells:
+        record, junit = out / f"{cell.name}.json", out / f"{cell.name}.xml"
+        if cell.suite == "compile" and not junit.is_file() and (out / COMPILE_JSON).is_file():
+            junit_from_compile_json(out / COMPILE_JSON, junit, cell.name)
+        if record.is_file():
+            results.append(result_from_dict(json.loads(record.read_text())))
+        elif junit.is_file():
+            results.append(result_from_junit(cell, junit))
+        else:
+            results.append(not_run(cell, f"no result in {out} (not selected, skipped or lost)"))
+    return results
+
+
+# -- summary out --------------------------------------------------------------------------------
+
+
+def _fmt_seconds(s: float) -> str:
+    return f"{s:.1f}s" if s < 60 else f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def _status_text(r: CellResult) -> str:
+    return r.status + (" (experimental)" if r.experimental and r.status != "passed" else "")
+
+
+def summary_table(results: Sequence[CellResult]) -> str:
+    """A plain-text table: cell, result, passed/failed/skipped, time, note."""
+    header = ("cell", "result", "passed", "failed", "skipped", "time", "note")
+    rows = [header]
+    for r in results:
+        c = r.counts
+        ran = r.status != "not run"
+        rows.append(
+            (
+                r.cell,
+                _status_text(r),
+                str(c.passed) if ran else "-",
+                str(c.failed + c.errors) if ran else "-",
+                str(c.skipped) if ran else "-",
+                _fmt_seconds(r.seconds) if ran else "-",
+                r.reason,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    lines = []
+    for i, row in enumerate(rows):
+        lines.append(
+            "  ".join(v.ljust(w) for v, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
+        )
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 4)
+    totals = totals_line(results)
+    return "\n".join(line.rstrip() for line in lines) + "\n" + totals + "\n"
+
+
+def tally(results: Iterable[CellResult]) -> dict[str, int]:
+    counts = dict.fromkeys(STATUSES, 0)
+    for r in results:
+        counts[r.status] += 1
+    return counts
+
+
+def totals_line(results: Sequence[CellResult]) -> str:
+    t = tally(results)
+    wall = sum(r.seconds for r in results)
+    parts = [f"{n} {s}" for s, n in t.items() if n]
+    return f"{len(results)} cells: " + ", ".join(parts) + f" (cell time {_fmt_seconds(wall)})"
+
+
+def overall_status(results: Sequence[CellResult]) -> str:
+    """``failed`` if a non-experimental cell failed or errored, else ``passed`` (if any passed)."""
+    if any(r.blocking_failure for r in results):
+        return "failed"
+    if any(r.status == "passed" for r in results):
+        return "passed"
+    return "not run"
+
+
+def find_heatmap(results_dir: str | os.PathLike[str]) -> Path | None:
+    """The compile matrix's heatmap image (``compile/*.png``), if the compile cell made one."""
+    pngs = sorted((Path(results_dir) / "compile").glob("*.png"))
+    return pngs[0] if pngs else None
+
+
+def markdown_report(
+    results: Sequence[CellResult],
+    *,
+    title: str = "portattn matrix",
+    context: str = "",
+    heatmap: str | None = None,
+) -> str:
+    """The Markdown summary (also the Buildkite annotation): table, failures, not-run reasons."""
+    lines = [f"## {title}: {overall_status(results)}", ""]
+    if context:
+        lines += [context, ""]
+    lines += [totals_line(results), ""]
+    lines += [
+        "| cell | result | passed | failed | skipped | time |",
+        "|------|--------|-------:|-------:|--------:|-----:|",
+    ]
+    for r in results:
+        c, ran = r.counts, r.status != "not run"
+        cols = (
+            [str(c.passed), str(c.failed + c.errors), str(c.skipped), _fmt_seconds(r.seconds)]
+            if ran
+            else ["-"] * 4
+        )
+        lines.append(
+            f"| `{r.cell}` | {_ICON[r.status]} {_status_text(r)} | " + " | ".join(cols) + " |"
+        )
+    bad = [r for r in results if r.status in ("failed", "error")]
+    if bad:
+        lines += ["", "### Failures", ""]
+        for r in bad:
+            lines.append(f"- `{r.cell}`: {r.reason}")
+            for f in r.counts.failures[:MAX_FAILURES_LISTED]:
+                lines.append(f"  - `{f.test}`: {f.message}")
+            if len(r.counts.failures) > MAX_FAILURES_LISTED:
+                lines.append(f"  - ... and {len(r.counts.failures) - MAX_FAILURES_LISTED} more")
+    skipped = [r for r in results if r.status == "not run"]
+    if skipped:
+        lines += ["", "### Not run", ""]
+        lines += [f"- `{r.cell}`: {r.reason}" for r in skipped]
+    if heatmap:
+        lines += ["", "### Compile matrix", "", f"![compile heatmap]({heatmap})"]
+    return "\n".join(lines) + "\n"
+
+
+def merge_junit(
+    results: Sequence[CellResult], results_dir: str | os.PathLike[str], out: str | os.PathLike[str]
+) -> Path:
+    """One JUnit with a ``<testsuite>`` per cell (named after it); not-run cells as skipped."""
+    root = ET.Element("testsuites", name="portattn matrix")
+    src = Path(results_dir)
+    for r in results:
+        suite = ET.SubElement(root, "testsuite", name=r.cell, time=f"{r.seconds:.3f}")
+        junit = src / f"{r.cell}.xml"
+        cases = list(ET.parse(junit).getroot().iter("testcase")) if junit.is_file() else []
+        if not cases:
+            case = ET.SubElement(suite, "testcase", classname=r.cell, name="cell", time="0")
+            tag = "error" if r.status == "error" else "skipped"
+            ET.SubElement(case, tag, message=f"{r.status}: {r.reason}")
+            cases_for_count = [case]
+        else:
+            for case in cases:
+                case.set("classname", f"{r.cell}.{case.get('classname', '')}".rstrip("."))
+                suite.append(case)
+            cases_for_count = cases
+            if r.status == "error" and not any(
+                c.find("failure") is not None or c.find("error") is not None for c in cases
+            ):
+                case = ET.SubElement(suite, "testcase", classname=r.cell, name="cell", time="0")
+                ET.SubElement(case, "error", message=r.reason)
+                cases_for_count = [*cases, case]
+        suite.set("tests", str(len(cases_for_count)))
+        for attr, tag in (("failures", "failure"), ("errors", "error"), ("skipped", "skipped")):
+            suite.set(attr, str(sum(c.find(tag) is not None for c in cases_for_count)))
+    path = Path(out)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+    return path
+
+
+@dataclass(frozen=True)
+class SummaryFiles:
+    junit: Path
+    markdown: Path
+    text: Path
+    json: Path
+    heatmap: Path | None
+
+
+def write_summary(
+    results: Sequence[CellResult],
+    results_dir: str | os.PathLike[str],
+    *,
+    title: str = "portattn matrix",
+    context: str = "",
+) -> SummaryFiles:
+    """Write ``junit.xml``, ``report.md``, ``summary.txt`` and ``results.json`` to the folder."""
+    out = Path(results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    heatmap = find_heatmap(out)
+    rel_heatmap = heatmap.relative_to(out).as_posix() if heatmap else None
+    junit = merge_junit(results, out, out / "junit.xml")
+    md = out / "report.md"
+    md.write_text(markdown_report(results, title=title, context=context, heatmap=rel_heatmap))
+    txt = out / "summary.txt"
+    txt.write_text(summary_table(results))
+    js = out / "results.json"
+    payload = {
+        "status": overall_status(results),
+        "tally": tally(results),
+        "cells": [result_to_dict(r) for r in results],
+    }
+    js.write_text(json.dumps(payload, indent=2) + "\n")
+    return SummaryFiles(junit, md, txt, js, heatmap)
