@@ -602,3 +602,10 @@ def _print(line: str) -> None:
     with _print_lock:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
+
+
+def run_cells(cells: Sequence[Any], results_dir: Path | str, **kwargs: Any) -> list[Any]:
+    """Matrix cells as Jobs (see :func:`kubematrix.k8s.run_cells`); the matrix runner's hook."""
+    from kubematrix.k8s import run_cells as _run_cells
+
+    return _run_cells(cells, results_dir, **kwargs)

@@ -1,0 +1,209 @@
+"""Run cells as Kubernetes Jobs from this machine: ``python -m kubematrix.k8s`` (``nox -s k8s``).
+
+Cluster access is the kubeconfig's current context (or ``--context``), or the in-cluster
+service account when running inside a pod. With neither, it says so and exits 2: a run without a
+cluster is never reported green.
+
+Examples::
+
+    python -m kubematrix.k8s --vendor rocm --suite mla --image ghcr.io/me/portattn-ci:rocm-abc
+    python -m kubematrix.k8s --vendor cuda --vendor rocm --suite paged --suite mla -- -x
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, config
+
+from kubematrix.launcher import CellResult, Launcher, Timeouts
+from kubematrix.render import DEFAULT_NAMESPACE, VENDORS, render_job
+
+EXIT_INFRA = 3
+EXIT_NO_CLUSTER = 2
+KERNEL_SUITES = ("paged", "mla", "hybrid", "specdec")
+IMAGE_ENV = "KUBEMATRIX_IMAGE_{vendor}"
+DEFAULT_IMAGE = "ghcr.io/portattn/portattn-ci:{vendor}-{commit}"
+
+
+class NoCluster(RuntimeError):
+    """No kubeconfig context and no in-cluster service account."""
+
+
+def load_api_client(context: str | None = None) -> client.ApiClient:
+    """An API client for the in-cluster config or the kubeconfig's (current) context.
+
+    Raises:
+        NoCluster: neither is configured.
+    """
+    cfg = client.Configuration()
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and context is None:
+        try:
+            config.load_incluster_config(client_configuration=cfg)
+            return client.ApiClient(cfg)
+        except config.ConfigException as exc:
+            raise NoCluster(f"in-cluster configuration failed: {exc}") from exc
+    try:
+        config.load_kube_config(context=context, client_configuration=cfg)
+    except (config.ConfigException, FileNotFoundError) as exc:
+        where = os.environ.get("KUBECONFIG", "~/.kube/config")
+        raise NoCluster(
+            f"no cluster configured: not in a pod, and {where} gives no usable context "
+            f"({exc}). Point KUBECONFIG at a cluster or pass --context."
+        ) from exc
+    return client.ApiClient(cfg)
+
+
+def git_commit() -> str:
+    """HEAD of the repository in the current directory, or 'unknown'."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip()
+
+
+def default_image(vendor: str, commit: str) -> str:
+    """``$KUBEMATRIX_IMAGE_<VENDOR>`` (``{commit}`` is filled in) or the project's registry."""
+    template = os.environ.get(IMAGE_ENV.format(vendor=vendor.upper()), DEFAULT_IMAGE)
+    return template.format(vendor=vendor, commit=commit)
+
+
+def exit_status(results: Sequence[CellResult]) -> int:
+    """One cell: its test exit code (or 3 for an infrastructure error). Several: the first
+    failing cell's exit code, else 3 if any cell errored, else 0."""
+    for r in results:
+        if r.outcome == "failed" and r.exit_code:
+            return r.exit_code
+    return EXIT_INFRA if any(r.outcome == "error" for r in results) else 0
+
+
+def run_cells(
+    cells: Sequence[Any],
+    results_dir: Path | str,
+    *,
+    api: client.ApiClient | None = None,
+    namespace: str | None = None,
+    commit: str | None = None,
+    max_parallel: int = 4,
+    timeouts: Timeouts | None = None,
+) -> list[Any]:
+    """Matrix GPU cells (``kubematrix.matrix.Cell``) as Jobs -> ``kubematrix.report.CellResult``.
+
+    The JUnit report of each cell is written to ``cell.junit_path(results_dir)``. Without a
+    cluster every cell is reported as an error saying so.
+    """
+    from kubematrix import report
+
+    out = Path(results_dir)
+    namespace = namespace or os.environ.get("KUBEMATRIX_NAMESPACE", DEFAULT_NAMESPACE)
+    commit = commit or git_commit()
+    try:
+        api = api or load_api_client()
+    except NoCluster as exc:
+        return [report.not_run(c, str(exc), status="error") for c in cells]
+    jobs = [
+        render_job(
+            vendor=c.spec.vendor,
+            suite=c.suite,
+            session=c.nox_session,
+            image=default_image(c.spec.vendor, commit),
+            commit=commit,
+            cell=c.name,
+            namespace=namespace,
+        )
+        for c in cells
+    ]
+    launcher = Launcher(api, namespace, timeouts=timeouts)
+    results = []
+    for cell, r in zip(cells, launcher.run_many(jobs, max_parallel=max_parallel), strict=True):
+        if r.junit is not None:
+            path = cell.junit_path(out)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(r.junit)
+            results.append(report.result_from_junit(cell, path, exit_code=r.exit_code))
+        else:
+            results.append(report.not_run(cell, r.message, status="error"))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kubematrix.k8s",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--vendor", action="append", choices=VENDORS, required=True)
+    parser.add_argument("--suite", action="append", choices=KERNEL_SUITES, required=True)
+    parser.add_argument("--image", help="image for every cell (default: per vendor, see docs)")
+    parser.add_argument("--commit", help="commit the Job names and images use (default: HEAD)")
+    parser.add_argument(
+        "--namespace", default=os.environ.get("KUBEMATRIX_NAMESPACE", DEFAULT_NAMESPACE)
+    )
+    parser.add_argument("--context", help="kubeconfig context (default: the current one)")
+    parser.add_argument("--max-parallel", type=int, default=4)
+    parser.add_argument(
+        "--pending-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a pod may stay unscheduled or pulling (default 600)",
+    )
+    parser.add_argument("--deadline", type=int, default=3600, help="Job activeDeadlineSeconds")
+    parser.add_argument(
+        "--supplemental-groups",
+        type=lambda s: [int(g) for g in s.split(",")],
+        help="AMD: the node's video,render GIDs (default: the overlay's)",
+    )
+    parser.add_argument("--results", type=Path, default=Path("results/k8s"))
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="-- then pytest args")
+    args = parser.parse_args(argv)
+    extra = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
+    try:
+        api = load_api_client(args.context)
+    except NoCluster as exc:
+        sys.stderr.write(f"kubematrix.k8s: {exc}\n")
+        return EXIT_NO_CLUSTER
+    commit = args.commit or git_commit()
+    jobs = [
+        render_job(
+            vendor=vendor,
+            suite=suite,
+            image=args.image or default_image(vendor, commit),
+            commit=commit,
+            nox_args=extra,
+            namespace=args.namespace,
+            cell=f"{suite}-{vendor}",
+            active_deadline_s=args.deadline,
+            cell_timeout_s=args.deadline - 300,
+            test_timeout_s=min(900, args.deadline - 600),
+            supplemental_groups=args.supplemental_groups if vendor == "rocm" else None,
+        )
+        for vendor in args.vendor
+        for suite in args.suite
+    ]
+    launcher = Launcher(
+        api,
+        args.namespace,
+        timeouts=Timeouts(pending_s=args.pending_timeout),
+        results_dir=args.results,
+    )
+    try:
+        results = launcher.run_many(jobs, max_parallel=args.max_parallel)
+    except KeyboardInterrupt:
+        sys.stderr.write("kubematrix.k8s: interrupted; the launched Jobs were deleted\n")
+        return 130
+    for r in results:
+        sys.stdout.write(f"{r.name}: {r.outcome} ({r.message})\n")
+    return exit_status(results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
