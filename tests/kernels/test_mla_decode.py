@@ -1,0 +1,438 @@
+"""MLA decode: interpreter tests on small shapes (CPU gate) and bf16 tests at real shapes (gpu)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from triton.errors import TritonError
+
+from portattn import reference
+from portattn.kernels._launch import run_all
+from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
+from portattn.platform import get_target
+from portattn.policy.common import next_pow2
+from portattn.policy.mla import MlaProblem, mla_decode_tiles
+from tests.helpers import assert_low_precision_close
+
+pytestmark = pytest.mark.mla
+
+# (head_dim_k, kv_lora_rank): DeepSeek-V3, Mistral-Small-4, 32-wide rope, small, no rope part.
+SHAPES = [(576, 512), (320, 256), (288, 256), (192, 128), (256, 256)]
+HEADS = [1, 3, 4, 8, 16, 128]
+BLOCK_SIZES = [1, 16, 64]
+FP32_FLOOR = 1e-6  # fp32: torch's own error is ~1e-7; the kernel's a few ulps more
+
+# Each awkward value appears in at least one case (not the cross product: the interpreter is slow
+# with 512-wide tiles). Fields: (dk, r), heads, block_size, q_lens (None = plain decode),
+# seq_lens, dtype, index form.
+CASES = [
+    ((576, 512), 16, 16, None, (1, 37), torch.float32, "block_table"),
+    ((320, 256), 3, 1, (3, 1, 6), (9, 4, 30), torch.float16, "page_indices"),
+    ((288, 256), 4, 64, (2, 8), (8, 40), torch.float32, "block_table"),
+    ((192, 128), 128, 16, (1, 2), (23, 5), torch.float16, "block_table"),
+    ((256, 256), 8, 1, (1, 5), (1, 12), torch.float32, "page_indices"),
+    ((576, 512), 1, 64, (7, 3), (7, 40), torch.float16, "page_indices"),
+    ((320, 256), 16, 64, None, (1, 64, 65), torch.float32, "block_table"),
+    ((192, 128), 3, 1, (4, 1, 1, 6), (4, 1, 17, 33), torch.float32, "block_table"),
+]
+
+
+def _ids(case) -> str:
+    (dk, r), h, bs, ql, sl, dt, form = case
+    return f"{dk}-{r}_h{h}_bs{bs}_q{'x'.join(map(str, ql or [1]))}_{str(dt)[6:]}_{form}"
+
+
+def make_inputs(
+    dk, r, heads, block_size, q_lens, seq_lens, dtype, device, *, spare_blocks=2, seed=0
+):
+    """Random query and cache; blocks shuffled; block-table padding is -1 (never read)."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(nblk) + spare_blocks
+    cache = torch.randn(num_blocks, block_size, dk, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    bt = torch.full((len(seq_lens), max(nblk) + 1), -1, dtype=torch.int32)
+    k = 0
+    for i, n in enumerate(nblk):
+        bt[i, :n] = perm[k : k + n]
+        k += n
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    if q_lens is None:
+        qsl, num_tokens = None, len(seq_lens)
+    else:
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        num_tokens = int(qsl[-1])
+    q = torch.randn(num_tokens, heads, dk, generator=g).to(dtype)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return to(q), to(cache), to(bt), to(sl), to(qsl)
+
+
+def check(out, lse, q, cache, bt, sl, qsl, r, scale, dtype, lse_rtol=None):
+    """The tolerance rule against the fp64 oracle; lse against the oracle's."""
+    oracle, lse_ref = reference.mla_decode(
+        q, cache, bt, sl, kv_lora_rank=r, scale=scale, query_start_loc=qsl
+    )
+    lowp, _ = reference.mla_decode(
+        q, cache, bt, sl, kv_lora_rank=r, scale=scale, query_start_loc=qsl, compute_dtype=dtype
+    )
+    floor = FP32_FLOOR if dtype == torch.float32 else 0.0
+    assert_low_precision_close(out, oracle, lowp, floor=floor)
+    if lse is not None:
+        assert lse.dtype == torch.float32 and lse.shape == q.shape[:2]
+        torch.testing.assert_close(lse.double().cpu(), lse_ref, rtol=lse_rtol or 1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_matches_oracle(case, device):
+    (dk, r), heads, bs, q_lens, seq_lens, dtype, form = case
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, dtype, device)
+    scale = 1 / math.sqrt(dk)
+    kw = dict(kv_lora_rank=r, scale=scale, query_start_loc=qsl, return_lse=True)
+    if form == "page_indices":
+        pages = tuple(t.to(device) for t in reference.expand_page_indices(bt.cpu(), sl.cpu(), bs))
+        out, lse = mla_decode(q, cache, None, sl, page_indices=pages, **kw)
+    else:
+        out, lse = mla_decode(q, cache, bt, sl, **kw)
+    assert out.shape == (q.shape[0], heads, r) and out.dtype == dtype
+    check(out, lse, q, cache, bt, sl, qsl, r, scale, dtype)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_page_indices_identical_to_block_table(block_size, device):
+    q, cache, bt, sl, qsl = make_inputs(
+        320, 256, 4, block_size, (3, 1), (20, 33), torch.float16, device
+    )
+    kw = dict(kv_lora_rank=256, scale=0.06, query_start_loc=qsl, return_lse=True)
+    a, la = mla_decode(q, cache, bt, sl, **kw)
+    pages = tuple(
+        t.to(device) for t in reference.expand_page_indices(bt.cpu(), sl.cpu(), block_size)
+    )
+    b, lb = mla_decode(q, cache, None, sl, page_indices=pages, **kw)
+    assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def _split_tiles(target, dk, r, heads, splits, block_n=16, elem=4):
+    base = mla_decode_tiles(target, MlaProblem(heads, dk, r, elem, 8, 64))
+    return dataclasses.replace(base, num_kv_splits=splits, block_n=block_n)
+
+
+@pytest.mark.parametrize(
+    ("dk", "r", "heads", "splits", "q_lens", "seq_lens"),
+    [
+        (576, 512, 3, 3, (1, 1), (40, 17)),  # every split busy / some empty
+        (320, 256, 16, 5, (6, 1), (30, 1)),  # verification tokens + seq_len 1 with empty splits
+    ],
+)
+def test_split_kv_reduce(dk, r, heads, splits, q_lens, seq_lens, device):
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 16, q_lens, seq_lens, torch.float32, device)
+    tiles = _split_tiles(get_target("sm_90"), dk, r, heads, splits)
+    launches = plan_mla_decode(
+        q,
+        cache,
+        bt,
+        sl,
+        kv_lora_rank=r,
+        scale=0.05,
+        query_start_loc=qsl,
+        return_lse=True,
+        tiles=tiles,
+    )
+    assert [x.name for x in launches] == ["mla_decode", "mla_decode_reduce"]
+    run_all(launches)
+    out, lse = launches[0].outputs
+    check(out, lse, q, cache, bt, sl, qsl, r, 0.05, torch.float32)
+
+
+def test_strided_inputs_and_out_in_place(device):
+    """Query, cache and out as non-contiguous views (cache rows padded, blocks interleaved)."""
+    dk, r, heads = 288, 256, 4
+    q0, cache0, bt, sl, qsl = make_inputs(dk, r, heads, 16, (2, 3), (9, 30), torch.float32, device)
+    big = torch.full((cache0.shape[0], 2, 16, dk + 32), float("nan"), device=device)
+    big[:, 1, :, 16 : 16 + dk] = cache0
+    cache = big[:, 1, :, 16 : 16 + dk]  # stride_block 2*16*320, stride_tok 320, offset 16
+    qbig = torch.full((q0.shape[0], heads, 2 * dk), float("nan"), device=device)
+    qbig[:, :, ::2] = q0
+    q = qbig[:, :, ::2]  # stride_dim 2
+    outbig = torch.full((q0.shape[0], r, heads), -7.0, device=device)
+    out = outbig.transpose(1, 2)
+    res = mla_decode(q, cache, bt, sl, kv_lora_rank=r, scale=0.06, query_start_loc=qsl, out=out)
+    assert res.data_ptr() == out.data_ptr()
+    check(out, None, q0, cache0, bt, sl, qsl, r, 0.06, torch.float32)
+
+
+def test_graph_padding_rows_untouched(device):
+    """Rows past query_start_loc[-1] (a CUDA graph's padded batch) are not written."""
+    q, cache, bt, sl, qsl = make_inputs(192, 128, 3, 16, (2, 1), (5, 9), torch.float32, device)
+    qpad = torch.cat([q, torch.randn(3, 3, 192, device=device)])
+    out = torch.full((6, 3, 128), -7.0, device=device)
+    mla_decode(qpad, cache, bt, sl, kv_lora_rank=128, scale=0.07, query_start_loc=qsl, out=out)
+    assert (out[3:] == -7.0).all()
+    check(out[:3], None, q, cache, bt, sl, qsl, 128, 0.07, torch.float32)
+
+
+def test_naive_head_dim_tiles_rejected(device):
+    """Lesson 1's naive rule (value tile from head_dim_k) cannot run: the kernel refuses it."""
+    q, cache, bt, sl, _ = make_inputs(320, 256, 4, 16, None, (5, 20), torch.float32, device)
+    good = mla_decode_tiles(get_target("sm_90"), MlaProblem(4, 320, 256, 4, 2, 32))
+    naive = dataclasses.replace(good, block_dv=next_pow2(320), block_dpe=0)
+    with pytest.raises(TritonError, match="BLOCK_DV must be next_pow2"):
+        run_all(plan_mla_decode(q, cache, bt, sl, kv_lora_rank=256, scale=0.1, tiles=naive))
+
+
+def test_oracle_without_head_repeat_matches_reference():
+    """The GPU tests' fast oracle (no per-head copies of the cache) is the reference's maths."""
+    q, cache, bt, sl, qsl = make_inputs(320, 256, 5, 16, (3, 1), (20, 7), torch.float32, "cpu")
+    o, lse = fast_oracle(q, cache, bt, sl, qsl, 256, 0.06, torch.float64)
+    ro, rl = reference.mla_decode(
+        q, cache, bt, sl, kv_lora_rank=256, scale=0.06, query_start_loc=qsl
+    )
+    torch.testing.assert_close(o, ro)
+    torch.testing.assert_close(lse, rl)
+
+
+# -- validation: every message ----------------------------------------------------------------
+
+
+def _valid_args():
+    q, cache, bt, sl, qsl = make_inputs(320, 256, 4, 16, (2, 1), (5, 9), torch.float32, "cpu")
+    return dict(
+        query=q,
+        kv_cache=cache,
+        block_table=bt,
+        seq_lens=sl,
+        kv_lora_rank=256,
+        scale=0.1,
+        query_start_loc=qsl,
+    )
+
+
+def _pages(a):
+    return reference.expand_page_indices(a["block_table"], a["seq_lens"], 16)
+
+
+ERRORS = [
+    (
+        TypeError,
+        "query must be a float16/bfloat16/float32 tensor; got tensor of dtype torch.int32",
+        lambda a: a.update(query=a["query"].int()),
+    ),
+    (
+        TypeError,
+        "kv_cache must be a tensor of query's dtype torch.float32; got tensor of dtype "
+        "torch.float16",
+        lambda a: a.update(kv_cache=a["kv_cache"].half()),
+    ),
+    (
+        TypeError,
+        "out must be None or a tensor of query's dtype",
+        lambda a: a.update(out=torch.empty(3, 4, 256, dtype=torch.float16)),
+    ),
+    (TypeError, "kv_lora_rank must be an int; got float", lambda a: a.update(kv_lora_rank=256.0)),
+    (TypeError, "scale must be a real number; got str", lambda a: a.update(scale="0.1")),
+    (TypeError, "return_lse must be a bool; got int", lambda a: a.update(return_lse=1)),
+    (
+        TypeError,
+        "seq_lens must be an int32/int64 tensor; got tensor of dtype torch.float32",
+        lambda a: a.update(seq_lens=a["seq_lens"].float()),
+    ),
+    (
+        TypeError,
+        "block_table must be an int32/int64 tensor",
+        lambda a: a.update(block_table=a["block_table"].float()),
+    ),
+    (
+        TypeError,
+        "query_start_loc must be an int32/int64 tensor",
+        lambda a: a.update(query_start_loc=[0, 2, 3]),
+    ),
+    (
+        TypeError,
+        r"page_indices must be a pair \(indptr, indices\); got tensor",
+        lambda a: a.update(block_table=None, page_indices=_pages(a)[1]),
+    ),
+    (
+        TypeError,
+        r"page_indices\[1\] \(indices\) must be an int32/int64 tensor",
+        lambda a: a.update(block_table=None, page_indices=(_pages(a)[0], _pages(a)[1].float())),
+    ),
+    (
+        TypeError,
+        "metadata must be None or an MlaMetadata; got dict",
+        lambda a: a.update(metadata={}),
+    ),
+    (
+        ValueError,
+        r"query must be 3-D \[num_tokens, num_q_heads, head_dim_k\]; got shape \(3, "
+        r"1280\)",
+        lambda a: a.update(query=a["query"].reshape(3, -1)),
+    ),
+    (
+        ValueError,
+        r"query must have num_q_heads >= 1 and head_dim_k >= 1; got shape \(3, 0, 320\)",
+        lambda a: a.update(query=a["query"][:, :0]),
+    ),
+    (
+        ValueError,
+        r"kv_cache must be \[num_blocks, block_size, head_dim_k=320\]; got shape "
+        r"\(4, 16, 256\)",
+        lambda a: a.update(kv_cache=a["kv_cache"][..., :256]),
+    ),
+    (
+        ValueError,
+        r"kv_cache must have num_blocks >= 1 and block_size >= 1; got shape "
+        r"\(0, 16, 320\)",
+        lambda a: a.update(kv_cache=a["kv_cache"][:0]),
+    ),
+    (
+        ValueError,
+        "kv_lora_rank must be in 1..head_dim_k=320; got 384",
+        lambda a: a.update(kv_lora_rank=384),
+    ),
+    (ValueError, "scale must be finite and > 0; got -0.1", lambda a: a.update(scale=-0.1)),
+    (ValueError, "scale must be finite and > 0; got nan", lambda a: a.update(scale=math.nan)),
+    (
+        ValueError,
+        r"seq_lens must be 1-D with >= 1 sequence; got shape \(0,\)",
+        lambda a: a.update(seq_lens=a["seq_lens"][:0]),
+    ),
+    (
+        ValueError,
+        "exactly one of block_table and page_indices must be given; got both",
+        lambda a: a.update(page_indices=_pages(a)),
+    ),
+    (
+        ValueError,
+        "exactly one of block_table and page_indices must be given; got neither",
+        lambda a: a.update(block_table=None),
+    ),
+    (
+        ValueError,
+        r"block_table must be \[num_seqs=2, max_blocks_per_seq >= 1\]; got shape "
+        r"\(3, 2\)",
+        lambda a: a.update(block_table=torch.zeros(3, 2, dtype=torch.int32)),
+    ),
+    (
+        ValueError,
+        r"page_indices\[0\] \(indptr\) must have shape \(3,\); got \(2,\)",
+        lambda a: a.update(block_table=None, page_indices=(_pages(a)[0][:2], _pages(a)[1])),
+    ),
+    (
+        ValueError,
+        r"page_indices\[1\] \(indices\) must be 1-D; got shape \(1, 14\)",
+        lambda a: a.update(block_table=None, page_indices=(_pages(a)[0], _pages(a)[1][None])),
+    ),
+    (
+        ValueError,
+        r"query_start_loc must have shape \(num_seqs \+ 1,\) = \(3,\); got \(2,\)",
+        lambda a: a.update(query_start_loc=a["query_start_loc"][:2]),
+    ),
+    (
+        ValueError,
+        "query must have one token per sequence without query_start_loc; got 3 tokens "
+        "for 2 sequences",
+        lambda a: a.update(query_start_loc=None),
+    ),
+    (
+        ValueError,
+        r"out must have shape \(3, 4, 256\); got \(3, 4, 320\)",
+        lambda a: a.update(out=torch.empty(3, 4, 320)),
+    ),
+    (
+        ValueError,
+        "kv_cache must be on query's device cpu; got meta",
+        lambda a: a.update(kv_cache=a["kv_cache"].to("meta")),
+    ),
+]
+
+
+@pytest.mark.parametrize(("exc", "match", "mutate"), ERRORS, ids=[e[1][:40] for e in ERRORS])
+def test_validation_error(exc, match, mutate):
+    a = _valid_args()
+    mutate(a)
+    with pytest.raises(exc, match=f"^mla_decode: .*{match}"):
+        plan_mla_decode(**a)
+
+
+def test_validation_collects_every_reason():
+    a = _valid_args()
+    a.update(kv_lora_rank=384, scale=0.0, out=torch.empty(1, 1, 1))
+    with pytest.raises(ValueError, match=r"kv_lora_rank must .*; scale must .*; out must"):
+        plan_mla_decode(**a)
+
+
+# -- GPU: bf16 at real shapes ------------------------------------------------------------------
+
+
+def fast_oracle(q, cache, bt, sl, qsl, r, scale, dtype):
+    """reference.mla_decode's maths on q's device, without per-head copies of the context
+    (the reference repeats the latent for every head: 128 heads x 32k tokens do not fit)."""
+    n_seq = sl.shape[0]
+    qsl_l = list(range(n_seq + 1)) if qsl is None else qsl.tolist()
+    bs = cache.shape[1]
+    out = torch.zeros((*q.shape[:2], r), dtype=dtype, device=q.device)
+    lse = torch.zeros(q.shape[:2], dtype=dtype, device=q.device)
+    for i in range(n_seq):
+        s, e, n = qsl_l[i], qsl_l[i + 1], int(sl[i])
+        if e == s:
+            continue
+        nb = -(-n // bs)
+        c = cache[bt[i, :nb].long()].reshape(nb * bs, -1)[:n].to(dtype)
+        scores = torch.einsum("nhd,ld->nhl", q[s:e].to(dtype), c) * scale
+        limit = torch.arange(n - (e - s) + 1, n + 1, device=q.device)
+        mask = torch.arange(n, device=q.device)[None, :] >= limit[:, None]
+        scores = scores.masked_fill(mask[:, None, :], float("-inf"))
+        lse[s:e] = torch.logsumexp(scores, dim=-1)
+        out[s:e] = torch.einsum("nhl,ld->nhd", torch.softmax(scores, dim=-1), c[:, :r])
+    return out, lse
+
+
+GPU_CASES = [
+    # (dk, r), heads, block_size, q_lens, seq_lens
+    ((576, 512), 16, 64, None, (1, 4096, 32768, 777)),
+    ((576, 512), 128, 64, (1, 3, 6, 2), (32768, 4100, 6, 1000)),
+    ((576, 512), 16, 1, (4, 1), (2048, 65)),
+    ((320, 256), 16, 64, (1, 6, 3), (32768, 513, 8000)),
+    ((320, 256), 128, 16, None, (16384, 1, 300)),
+    ((576, 512), 4, 64, (2, 2), (9000, 31)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c[0][0]}-{c[0][1]}_h{c[1]}_bs{c[2]}")
+@pytest.mark.parametrize("form", ["block_table", "page_indices", "metadata"])
+def test_gpu_bf16_real_shapes(case, form):
+    from portattn.kernels.page_indices import expand_page_indices
+    from portattn.mla_metadata import MlaMetadataBuilder
+    from portattn.platform import current_target
+
+    (dk, r), heads, bs, q_lens, seq_lens = case
+    dtype = torch.bfloat16
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, dtype, "cuda")
+    scale = 1 / math.sqrt(dk)
+    kw = dict(kv_lora_rank=r, scale=scale, query_start_loc=qsl, return_lse=True)
+    if form == "page_indices":
+        pages = expand_page_indices(bt, sl, bs)
+        out, lse = mla_decode(q, cache, None, sl, page_indices=pages, **kw)
+    elif form == "metadata":
+        builder = MlaMetadataBuilder(
+            current_target(),
+            max_batch=8,
+            num_heads=heads,
+            kv_lora_rank=r,
+            head_dim_k=dk,
+            dtype=dtype,
+            device="cuda",
+            max_query_len=8,
+            max_seq_len=32768,
+        )
+        md = builder.build(sl, qsl)
+        out, lse = mla_decode(q, cache, bt, sl, metadata=md, **kw)
+    else:
+        out, lse = mla_decode(q, cache, bt, sl, **kw)
+    oracle, lse_ref = fast_oracle(q, cache, bt, sl, qsl, r, scale, torch.float64)
+    lowp, _ = fast_oracle(q, cache, bt, sl, qsl, r, scale, dtype)
+    assert_low_precision_close(out, oracle, lowp)
+    torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-3, atol=1e-3)
