@@ -99,8 +99,12 @@ def run_cell(
     workers: int,
     say: Callable[[str], None],
     heartbeat: float = HEARTBEAT_SECONDS,
+    cwd: str | os.PathLike[str] | None = None,
 ) -> CellResult:
-    """Run one cell to completion (or its timeout) and return its result."""
+    """Run one cell to completion (or its timeout) and return its result.
+
+    ``cwd`` is where pytest runs (its rootdir and ``testpaths``); the current directory by default.
+    """
     junit, log = cell.junit_path(results_dir), results_dir / f"{cell.name}.log"
     junit.unlink(missing_ok=True)
     env = {**os.environ, **cell.env}
@@ -111,7 +115,12 @@ def run_cell(
         log_file.write("$ " + " ".join(cmd) + "\n")
         log_file.flush()
         proc = subprocess.Popen(
-            cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
         )
         try:
             while True:
@@ -160,6 +169,7 @@ def run_local(
     workers: int | None = None,
     host: Host | None = None,
     stream: TextIO | None = None,
+    cwd: str | os.PathLike[str] | None = None,
 ) -> list[CellResult]:
     """Run every cell the local machine can run; the others become ``not run`` with the reason.
 
@@ -167,7 +177,7 @@ def run_local(
     is stopped and recorded as an error, the remaining cells as not run, and the results so far
     are returned (so the summary is still written).
     """
-    out = Path(results_dir)
+    out = Path(results_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     stream = stream or sys.stdout
     host = host or Host.probe()
@@ -192,7 +202,7 @@ def run_local(
             index += 1
             say(f"[{index}/{len(runnable)}] {cell.name} ...")
             try:
-                result = run_cell(cell, out, workers=workers, say=say)
+                result = run_cell(cell, out, workers=workers, say=say, cwd=cwd)
             except KeyboardInterrupt:
                 interrupted = True
                 result = not_run(cell, "interrupted (Ctrl-C)", status="error")

@@ -1,0 +1,204 @@
+"""The matrix as data, what each runner can run, and the local runner end to end."""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from kubematrix import matrix
+from kubematrix.local import run_local
+from kubematrix.matrix import BACKENDS, SUITES, Host, all_cells, get_cell, select_cells
+
+pytestmark = pytest.mark.ci
+
+ROOT = Path(__file__).resolve().parents[2]
+# DESIGN.md §3's architectures (the CI layer may not import portattn.platform).
+KNOWN_ARCHS = {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120", "gfx90a", "gfx942", "gfx950"}
+NO_GPU = Host(device_nodes=frozenset(), gpu_arch={}, compile_module=True)
+H100 = Host(frozenset({"/dev/nvidia0"}), {"cuda": "sm_90"}, compile_module=True)
+A100 = Host(frozenset({"/dev/nvidia0"}), {"cuda": "sm_80"}, compile_module=True)
+MI300_UNKNOWN_ARCH = Host(frozenset({"/dev/kfd"}), {"rocm": None}, compile_module=True)
+
+
+def test_every_suite_is_a_registered_marker():
+    markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    registered = {m.split(":")[0] for m in markers["markers"]}
+    assert set(SUITES) <= registered
+
+
+def test_cells_cover_suite_x_backend_x_target():
+    names = [c.name for c in all_cells()]
+    assert len(names) == len(set(names))
+    expected = {
+        (s.name, b, t)
+        for s in SUITES.values()
+        for b in s.backends
+        for t in (BACKENDS[b].targets or (None,))
+    }
+    assert {(c.suite, c.backend, c.target) for c in all_cells()} == expected
+    # The kernel suites run on every backend; policy and compile gain nothing from a GPU.
+    for suite in ("paged", "mla", "hybrid", "specdec"):
+        assert set(SUITES[suite].backends) == set(BACKENDS)
+    for suite in ("policy", "compile"):
+        assert SUITES[suite].backends == ("cpu-interpreter",)
+
+
+def test_cell_names_are_buildkite_keys_and_targets_are_known_archs():
+    for cell in all_cells():
+        assert re.fullmatch(r"[a-z0-9_\-]+", cell.name), cell.name
+        assert (cell.target is None) == (not cell.spec.is_gpu)
+        if cell.target:
+            assert cell.target in KNOWN_ARCHS
+
+
+def test_only_rocm_hybrid_is_experimental():
+    assert [c.name for c in all_cells() if c.experimental] == ["hybrid-rocm-gfx942"]
+
+
+def test_how_cells_run():
+    cpu, gpu, comp = get_cell("mla-cpu-interpreter"), get_cell("mla-rocm-gfx942"), get_cell(
+        "compile-cpu-interpreter"
+    )
+    assert cpu.nox_command("r") == ["nox", "-s", "mla", "--", "--junitxml=r/mla-cpu-interpreter.xml"]
+    assert cpu.pytest_args("r")[:2] == ["-m", "mla and not gpu"]
+    assert cpu.env == {"TRITON_INTERPRET": "1"}
+    assert gpu.pytest_args("r")[:2] == ["-m", "mla"]
+    assert gpu.spec.gpu_resource == "amd.com/gpu" and gpu.env == {}
+    assert get_cell("mla-cuda-sm_90").spec.gpu_resource == "nvidia.com/gpu"
+    assert comp.nox_command("r") == ["nox", "-s", "compile", "--", "--out", "r/compile"]
+    assert gpu.nox_args() == []  # a Kubernetes Job's JUnit path is the launcher's
+
+
+def test_every_cell_session_exists_in_the_noxfile():
+    out = subprocess.run(
+        [sys.executable, "-m", "nox", "--list"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    sessions = set(re.findall(r"^[*-] (\S+)", out, flags=re.M))
+    assert {c.nox_session for c in all_cells()} <= sessions
+    assert {"matrix", "pipeline", "report"} <= sessions
+
+
+def test_local_runner_runs_cpu_cells_and_says_why_not_gpu_cells():
+    cpu, gpu = get_cell("paged-cpu-interpreter"), get_cell("paged-cuda-sm_90")
+    assert matrix.why_not_runnable(cpu, "local", NO_GPU) is None
+    assert matrix.why_not_runnable(gpu, "local", NO_GPU) == (
+        "no GPU (cuda): none of /dev/nvidia0 on this machine"
+    )
+    assert matrix.why_not_runnable(gpu, "local", H100) is None
+    assert matrix.why_not_runnable(gpu, "local", A100) == (
+        "local cuda GPU is sm_80, the cell targets sm_90"
+    )
+    # An arch the vendor tool cannot tell does not stop the cell.
+    assert matrix.why_not_runnable(get_cell("mla-rocm-gfx942"), "local", MI300_UNKNOWN_ARCH) is None
+    assert matrix.why_not_runnable(get_cell("mla-rocm-gfx942"), "local", H100).startswith(
+        "no GPU (rocm)"
+    )
+
+
+def test_k8s_runner_runs_gpu_cells_and_nobody_runs_a_missing_compile_module():
+    no_compile = Host(frozenset(), {}, compile_module=False)
+    assert matrix.why_not_runnable(get_cell("mla-cuda-sm_90"), "k8s", NO_GPU) is None
+    for runner in matrix.RUNNERS:
+        why = matrix.why_not_runnable(get_cell("compile-cpu-interpreter"), runner, no_compile)
+        assert why == "portattn.compile not available"
+    with pytest.raises(ValueError, match=r"why_not_runnable: runner must be one of .*; got 'ssh'"):
+        matrix.why_not_runnable(get_cell("mla-cuda-sm_90"), "ssh", NO_GPU)
+
+
+def test_compile_module_is_found_on_disk_without_importing_portattn():
+    assert matrix.compile_module_available() == (ROOT / "src/portattn/compile").is_dir()
+
+
+def test_selection_and_its_errors():
+    assert [c.name for c in select_cells(all_cells(), suites=["policy"])] == [
+        "policy-cpu-interpreter"
+    ]
+    rocm = select_cells(all_cells(), backends=["rocm"])
+    assert {c.suite for c in rocm} == {"paged", "mla", "hybrid", "specdec"}
+    with pytest.raises(ValueError, match=r"suite must be .*got \['attn'\]; backend must be .*"
+                       r"got \['tpu'\]; cell must be .*got \['x'\]"):
+        select_cells(all_cells(), suites=["attn"], backends=["tpu"], names=["x"])
+    with pytest.raises(ValueError, match=r"get_cell: name must be one of .*; got 'mla-cuda'"):
+        get_cell("mla-cuda")
+
+
+# -- the local runner, end to end on a throwaway project ---------------------------------------
+
+TOY_TESTS = {
+    "pytest.ini": """
+        [pytest]
+        markers =
+            policy: p
+            mla: m
+            specdec: s
+            gpu: g
+    """,
+    "test_toy.py": """
+        import os
+        import pytest
+
+        @pytest.mark.policy
+        def test_policy_ok():
+            assert os.environ["TRITON_INTERPRET"] == "1"
+
+        @pytest.mark.policy
+        @pytest.mark.skip(reason="not here")
+        def test_policy_skipped():
+            pass
+
+        @pytest.mark.policy
+        @pytest.mark.gpu
+        def test_policy_needs_gpu():
+            raise AssertionError("gpu tests are deselected on CPU cells")
+
+        @pytest.mark.mla
+        def test_mla_broken():
+            assert 1 == 2, "the runner must report this"
+    """,
+}
+
+
+def test_run_local_reports_pass_fail_empty_and_not_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # the toy needs no plugin: faster
+    project = tmp_path / "project"
+    project.mkdir()
+    for name, text in TOY_TESTS.items():
+        (project / name).write_text(textwrap.dedent(text))
+    cells = [
+        get_cell("policy-cpu-interpreter"),
+        get_cell("mla-cpu-interpreter"),
+        get_cell("specdec-cpu-interpreter"),
+        get_cell("mla-cuda-sm_90"),
+        get_cell("compile-cpu-interpreter"),
+    ]
+    out, progress = tmp_path / "results", io.StringIO()
+    host = Host(frozenset(), {}, compile_module=False)
+    results = run_local(cells, out, workers=1, host=host, stream=progress, cwd=project)
+    by = {r.cell: r for r in results}
+
+    policy = by["policy-cpu-interpreter"]
+    assert (policy.status, policy.counts.passed, policy.counts.skipped) == ("passed", 1, 1)
+    mla = by["mla-cpu-interpreter"]
+    assert (mla.status, mla.counts.failed) == ("failed", 1)
+    assert "test_mla_broken" in mla.counts.failures[0].test
+    assert "the runner must report this" in mla.counts.failures[0].message
+    assert by["specdec-cpu-interpreter"].status == "not run"
+    assert by["specdec-cpu-interpreter"].reason == "no test matches -m 'specdec and not gpu'"
+    assert by["mla-cuda-sm_90"].reason.startswith("no GPU (cuda)")
+    assert by["compile-cpu-interpreter"].reason == "portattn.compile not available"
+    assert not any(r.status == "passed" for r in results if r.cell != policy.cell)
+
+    for cell in cells:  # a JUnit, a record and (for what ran) a log per cell
+        assert (out / f"{cell.name}.xml").is_file() and (out / f"{cell.name}.json").is_file()
+    assert (out / "mla-cpu-interpreter.log").read_text().startswith("$ ")
+    text = progress.getvalue()
+    assert "runner local runs 3" in text
+    assert "[2/3] mla-cpu-interpreter: failed (0 passed, 1 failed, 0 skipped)" in text
+
