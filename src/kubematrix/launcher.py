@@ -345,7 +345,9 @@ class Launcher:
         """Every observed state of the Job's pods; ``None`` ticks at least every ``watch_s``.
 
         Lists, then watches from the list's resourceVersion; on 410 Gone or a broken stream it
-        lists again (nothing is missed: the list carries the current state).
+        lists again (nothing is missed: the list carries the current state). Events are
+        deserialized by the client (its ``deserialize=False`` path cannot handle an in-stream
+        ERROR event in kubernetes 37.0.2); the launcher reads their ``raw_object``.
         """
         selector = f"batch.kubernetes.io/job-name={name}"
         rv: str | None = None
@@ -369,13 +371,12 @@ class Launcher:
                     resource_version=rv,
                     allow_watch_bookmarks=True,
                     timeout_seconds=server_timeout,
-                    deserialize=False,
                     _request_timeout=(self.t.connect_s, server_timeout + 5),
                 ):
                     self._check_cancel()
                     rv = w.resource_version or rv
                     if event["type"] in ("ADDED", "MODIFIED"):
-                        yield event["object"]
+                        yield event["raw_object"]  # the API's JSON, as lists give it
                     elif event["type"] == "DELETED":
                         yield None
             except ApiException as exc:
