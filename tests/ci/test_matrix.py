@@ -7,10 +7,10 @@ import re
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
+from nox.project import load_toml  # tomllib is 3.11+; the project supports 3.10
 
 from kubematrix import matrix
 from kubematrix.local import run_local
@@ -28,7 +28,7 @@ MI300_UNKNOWN_ARCH = Host(frozenset({"/dev/kfd"}), {"rocm": None}, compile_modul
 
 
 def test_every_suite_is_a_registered_marker():
-    markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    markers = load_toml(ROOT / "pyproject.toml")["tool"]["pytest"]["ini_options"]
     registered = {m.split(":")[0] for m in markers["markers"]}
     assert set(SUITES) <= registered
 
@@ -63,10 +63,13 @@ def test_only_rocm_hybrid_is_experimental():
 
 
 def test_how_cells_run():
-    cpu, gpu, comp = get_cell("mla-cpu-interpreter"), get_cell("mla-rocm-gfx942"), get_cell(
-        "compile-cpu-interpreter"
+    cpu, gpu, comp = (
+        get_cell("mla-cpu-interpreter"),
+        get_cell("mla-rocm-gfx942"),
+        get_cell("compile-cpu-interpreter"),
     )
-    assert cpu.nox_command("r") == ["nox", "-s", "mla", "--", "--junitxml=r/mla-cpu-interpreter.xml"]
+    junit = "--junitxml=r/mla-cpu-interpreter.xml"
+    assert cpu.nox_command("r") == ["nox", "-s", "mla", "--", junit]
     assert cpu.pytest_args("r")[:2] == ["-m", "mla and not gpu"]
     assert cpu.env == {"TRITON_INTERPRET": "1"}
     assert gpu.pytest_args("r")[:2] == ["-m", "mla"]
@@ -78,7 +81,7 @@ def test_how_cells_run():
 
 def test_every_cell_session_exists_in_the_noxfile():
     out = subprocess.run(
-        [sys.executable, "-m", "nox", "--list"], cwd=ROOT, capture_output=True, text=True, check=True
+        [sys.executable, "-m", "nox", "--list"], cwd=ROOT, capture_output=True, text=True
     ).stdout
     sessions = set(re.findall(r"^[*-] (\S+)", out, flags=re.M))
     assert {c.nox_session for c in all_cells()} <= sessions
@@ -122,8 +125,11 @@ def test_selection_and_its_errors():
     ]
     rocm = select_cells(all_cells(), backends=["rocm"])
     assert {c.suite for c in rocm} == {"paged", "mla", "hybrid", "specdec"}
-    with pytest.raises(ValueError, match=r"suite must be .*got \['attn'\]; backend must be .*"
-                       r"got \['tpu'\]; cell must be .*got \['x'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"suite must be .*got \['attn'\]; backend must be .*"
+        r"got \['tpu'\]; cell must be .*got \['x'\]",
+    ):
         select_cells(all_cells(), suites=["attn"], backends=["tpu"], names=["x"])
     with pytest.raises(ValueError, match=r"get_cell: name must be one of .*; got 'mla-cuda'"):
         get_cell("mla-cuda")
@@ -201,4 +207,3 @@ def test_run_local_reports_pass_fail_empty_and_not_run(tmp_path, monkeypatch):
     text = progress.getvalue()
     assert "runner local runs 3" in text
     assert "[2/3] mla-cpu-interpreter: failed (0 passed, 1 failed, 0 skipped)" in text
-
