@@ -1,0 +1,344 @@
+"""MLA metadata builder: workspaces from the launch's own tiles (lesson 2), per-step state in the
+metadata (lesson 5), two builders side by side, CUDA-graph capture (gpu)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
+from portattn.mla_metadata import MlaMetadata, MlaMetadataBuilder
+from portattn.platform import get_target
+from portattn.policy.mla import mla_num_kv_splits
+from tests.kernels.test_mla_decode import check, make_inputs
+
+pytestmark = [pytest.mark.mla, pytest.mark.specdec]
+
+SM90 = get_target("sm_90")
+
+
+def builder(
+    heads=3,
+    dk=192,
+    r=128,
+    *,
+    max_batch=2,
+    max_query_len=1,
+    max_seq_len=2048,
+    dtype=torch.float32,
+    device="cpu",
+    target=SM90,
+) -> MlaMetadataBuilder:
+    return MlaMetadataBuilder(
+        target,
+        max_batch=max_batch,
+        num_heads=heads,
+        kv_lora_rank=r,
+        head_dim_k=dk,
+        dtype=dtype,
+        device=device,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+    )
+
+
+@pytest.mark.parametrize(
+    ("heads", "padded"), [(1, 16), (3, 16), (4, 16), (8, 16), (20, 32), (128, 128)]
+)
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_workspaces_sized_with_padded_heads(heads, padded, arch):
+    target = get_target(arch)
+    b = builder(
+        heads,
+        576,
+        512,
+        max_batch=4,
+        max_query_len=2,
+        max_seq_len=32768,
+        dtype=torch.bfloat16,
+        device="meta",
+        target=target,
+    )
+    splits = mla_num_kv_splits(target, 8, padded // 16, 32768)
+    assert splits > 1
+    assert b.tiles.padded_heads == padded
+    md = b.build(torch.zeros(4, dtype=torch.int32, device="meta"))
+    assert md.tiles is b.tiles
+    assert md.partial_out.shape == (8, splits, padded, 512)
+    assert md.partial_lse.shape == (8, splits, padded)
+    assert md.partial_out.dtype == md.partial_lse.dtype == torch.float32
+
+
+def test_no_workspace_without_splits():
+    b = builder(128, max_batch=64, max_seq_len=300)  # 64 tokens x 8 head groups: no split
+    assert b.tiles.num_kv_splits == 1
+    md = b.build(torch.ones(64, dtype=torch.int32))
+    assert md.partial_out.numel() == 0 and md.partial_lse.numel() == 0
+
+
+def test_launch_consumes_the_metadata_tiles():
+    b = builder(3)
+    q, cache, bt, sl, _ = make_inputs(192, 128, 3, 16, None, (5, 30), torch.float32, "cpu")
+    md = b.build(sl)
+    (main, reduce) = plan_mla_decode(q, cache, bt, sl, kv_lora_rank=128, scale=0.1, metadata=md)
+    t = b.tiles
+    assert main.args["BLOCK_H"] == t.block_h and main.args["NUM_SPLITS"] == t.num_kv_splits > 1
+    assert main.args["BLOCK_N"] == t.block_n and main.options == t.options
+    assert main.grid == (2 * t.head_groups * t.num_kv_splits,)
+    assert (
+        main.args["part_out_ptr"] is md.partial_out
+        and reduce.args["part_lse_ptr"] is md.partial_lse
+    )
+    assert main.args["VARLEN"] is False  # single-token metadata: token i is sequence i
+
+
+def test_workspace_that_disagrees_with_tiles_is_refused():
+    b = builder(3)
+    q, cache, bt, sl, _ = make_inputs(192, 128, 3, 16, None, (5, 30), torch.float32, "cpu")
+    md = b.build(sl)
+    unpadded = dataclasses.replace(md, partial_out=md.partial_out[:, :, :3])  # num_heads rows
+    with pytest.raises(
+        ValueError,
+        match=r"metadata.partial_out must be fp32 \(2, 8, 16, 128\) "
+        r"\(from its tiles\); got torch.float32 \(2, 8, 3, 128\)",
+    ):
+        plan_mla_decode(q, cache, bt, sl, kv_lora_rank=128, scale=0.1, metadata=unpadded)
+    bad_lse = dataclasses.replace(md, partial_lse=md.partial_lse.double())
+    with pytest.raises(ValueError, match=r"metadata.partial_lse must be fp32 \(2, 8, 16\)"):
+        plan_mla_decode(q, cache, bt, sl, kv_lora_rank=128, scale=0.1, metadata=bad_lse)
+
+
+def test_single_token_metadata_only_when_max_query_len_is_1():
+    b = builder(max_batch=3, max_query_len=4)
+    sl = torch.tensor([5, 9, 3], dtype=torch.int32)
+    assert b.build(sl).decode
+    ones = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    assert b.build(sl, ones).decode  # max_query_len read from the offsets: 1
+    mixed = torch.tensor([0, 1, 4, 5], dtype=torch.int32)
+    md = b.build(sl, mixed)
+    assert not md.decode and md.max_query_len == 3
+    assert not b.build(sl, ones, max_query_len=2).decode  # the caller's bound is trusted
+
+
+def test_builder_keeps_no_per_step_state():
+    b = builder(max_batch=3, max_query_len=4)
+    before = {k: getattr(b, k) for k in MlaMetadataBuilder.__slots__}
+    m1 = b.build(torch.tensor([5, 9, 3], dtype=torch.int32))
+    m2 = b.build(torch.tensor([5, 9], dtype=torch.int32), torch.tensor([0, 4, 6]))
+    after = {k: getattr(b, k) for k in MlaMetadataBuilder.__slots__}
+    assert all(before[k] is after[k] for k in before)
+    assert (m1.num_seqs, m1.max_query_len) == (3, 1) and (m2.num_seqs, m2.max_query_len) == (2, 4)
+    with pytest.raises(AttributeError):
+        b.last_metadata = m1  # type: ignore[attr-defined]
+
+
+def test_two_builders_used_alternately(device):
+    """A target model's verification builder and a draft-like decode builder, interleaved."""
+    a = builder(3, 192, 128, max_batch=2, max_query_len=1, max_seq_len=2048, device=device)
+    b = builder(16, 288, 256, max_batch=2, max_query_len=4, max_seq_len=1024, device=device)
+    assert a.tiles.num_kv_splits > 1 and b.tiles.num_kv_splits > 1
+    assert (
+        a.build(torch.ones(1, dtype=torch.int32)).partial_out.data_ptr()
+        != b.build(torch.ones(1, dtype=torch.int32)).partial_out.data_ptr()
+    )
+    ia = make_inputs(192, 128, 3, 16, None, (7, 33), torch.float32, device, seed=1)
+    ib = make_inputs(288, 256, 16, 1, (4, 2), (4, 21), torch.float32, device, seed=2)
+    md_a = a.build(ia[3])
+    md_b = b.build(ib[3], ib[4])
+    for inputs, md, r in ((ia, md_a, 128), (ib, md_b, 256), (ia, md_a, 128)):
+        q, cache, bt, sl, qsl = inputs
+        out, lse = mla_decode(
+            q,
+            cache,
+            bt,
+            sl,
+            kv_lora_rank=r,
+            scale=0.08,
+            query_start_loc=qsl,
+            return_lse=True,
+            metadata=md,
+        )
+        check(out, lse, q, cache, bt, sl, qsl, r, 0.08, torch.float32)
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+def test_builder_errors():
+    with pytest.raises(
+        TypeError, match="MlaMetadataBuilder: target must be a portattn Target; got str"
+    ):
+        MlaMetadataBuilder(
+            "sm_90",
+            max_batch=1,
+            num_heads=1,
+            kv_lora_rank=1,
+            head_dim_k=1,
+            dtype=torch.float16,
+            device="cpu",
+            max_seq_len=1,
+        )
+    with pytest.raises(
+        TypeError, match="dtype must be one of float16, bfloat16, float32; got torch.int8"
+    ):
+        builder(dtype=torch.int8)
+    with pytest.raises(
+        ValueError,
+        match=r"MlaMetadataBuilder: max_batch must be an int >= 1; got "
+        r"0; max_seq_len must be an int >= 1; got 1.5",
+    ):
+        builder(max_batch=0, max_seq_len=1.5)
+    with pytest.raises(ValueError, match="kv_lora_rank must be <= head_dim_k; got 256 > 192"):
+        builder(r=256)
+
+
+def test_build_errors():
+    b = builder(max_batch=2, max_query_len=2)
+    sl = torch.tensor([3, 4], dtype=torch.int32)
+    op = "MlaMetadataBuilder.build: "
+    with pytest.raises(
+        TypeError,
+        match=op + "seq_lens must be an int32/int64 tensor; got tensor of dtype torch.float32",
+    ):
+        b.build(sl.float())
+    with pytest.raises(
+        TypeError, match=op + "query_start_loc must be None or an int32/int64 tensor; got list"
+    ):
+        b.build(sl, [0, 1, 2])
+    with pytest.raises(ValueError, match=op + r"seq_lens must be 1-D; got shape \(1, 2\)"):
+        b.build(sl[None])
+    with pytest.raises(ValueError, match=op + "seq_lens must hold 1..max_batch=2 sequences; got 3"):
+        b.build(torch.ones(3, dtype=torch.int32))
+    with pytest.raises(
+        ValueError,
+        match=op + r"query_start_loc must have shape \(num_seqs \+ 1,\)"
+        r" = \(3,\); got \(2,\)",
+    ):
+        b.build(sl, torch.tensor([0, 1]))
+    with pytest.raises(
+        ValueError, match=op + "max_query_len must be 1 without query_start_loc; got 2"
+    ):
+        b.build(sl, max_query_len=2)
+    with pytest.raises(
+        ValueError,
+        match=op + r"max_query_len must be an int in 1..2 \(the "
+        r"builder's max_query_len\); got 3",
+    ):
+        b.build(sl, torch.tensor([0, 3, 4]))
+
+
+def _md_args(md=None, **kw):
+    q, cache, bt, sl, qsl = make_inputs(192, 128, 3, 16, (2, 1), (5, 9), torch.float32, "cpu")
+    a = dict(
+        query=q,
+        kv_cache=cache,
+        block_table=bt,
+        seq_lens=sl,
+        kv_lora_rank=128,
+        scale=0.1,
+        query_start_loc=qsl,
+        metadata=md,
+    )
+    a.update(kw)
+    return a
+
+
+def test_launch_metadata_errors():
+    verify = builder(max_batch=2, max_query_len=2).build(
+        torch.tensor([5, 9], dtype=torch.int32), torch.tensor([0, 2, 3])
+    )
+    decode = builder(max_batch=2).build(torch.tensor([5, 9], dtype=torch.int32))
+    cases = [
+        (
+            _md_args(builder(4).build(torch.ones(2, dtype=torch.int32))),
+            r"metadata must be built for \(num_heads, head_dim_k, kv_lora_rank, dtype\) = "
+            r"\(3, 192, 128, torch.float32\); got \(4, 192, 128, torch.float32\)",
+        ),
+        (
+            _md_args(
+                builder(max_batch=3, max_query_len=2).build(
+                    torch.ones(3, dtype=torch.int32), torch.tensor([0, 1, 2, 3])
+                )
+            ),
+            "metadata must be built for this step's 2 sequences; got 3",
+        ),
+        (
+            _md_args(builder(max_batch=2).build(torch.ones(2, dtype=torch.int32))),
+            "query must have <= metadata.max_tokens=2 tokens; got 3",
+        ),
+        (
+            _md_args(decode, query_start_loc=None),
+            "query must have one token per sequence with single-token",
+        ),
+        (
+            _md_args(verify, query_start_loc=None),
+            "query_start_loc must be given with metadata of max_query_len=2; got None",
+        ),
+        (
+            _md_args(
+                builder(max_batch=2, max_query_len=2, device="meta").build(
+                    torch.ones(2, dtype=torch.int32),
+                    max_query_len=None,
+                    query_start_loc=torch.tensor([0, 2, 3]),
+                )
+            ),
+            "metadata workspaces must be on query's device cpu; got meta",
+        ),
+        (
+            _md_args(verify, tiles=verify.tiles),
+            r"tiles must not be given with metadata \(the launch uses metadata.tiles\)",
+        ),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match="^mla_decode: .*" + match):
+            plan_mla_decode(**args)
+    with pytest.raises(ValueError, match="target must be the metadata's target sm_90; got gfx942"):
+        plan_mla_decode(**_md_args(verify, target=get_target("gfx942")))
+
+
+def test_metadata_is_frozen():
+    md = builder().build(torch.ones(1, dtype=torch.int32))
+    assert isinstance(md, MlaMetadata)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        md.max_query_len = 2  # type: ignore[misc]
+
+
+# -- GPU: CUDA-graph capture ------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_cuda_graph_capture_and_replay(heads):
+    from portattn.platform import current_target
+
+    dk, r, bs, batch = 576, 512, 64, 8
+    b = builder(
+        heads,
+        dk,
+        r,
+        max_batch=batch,
+        max_query_len=1,
+        max_seq_len=8192,
+        dtype=torch.bfloat16,
+        device="cuda",
+        target=current_target(),
+    )
+    q, cache, bt, sl, _ = make_inputs(
+        dk, r, heads, bs, None, [8192] * batch, torch.bfloat16, "cuda"
+    )
+    sl.fill_(100)
+    md = b.build(sl)
+    out = torch.empty(batch, heads, r, dtype=torch.bfloat16, device="cuda")
+    kw = dict(kv_lora_rank=r, scale=dk**-0.5, out=out, metadata=md)
+    mla_decode(q, cache, bt, sl, **kw)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_decode(q, cache, bt, sl, **kw)
+    for step_lens in ([1, 77, 8192, 4000, 5, 64, 65, 2048], [300] * batch):
+        sl.copy_(torch.tensor(step_lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        eager = mla_decode(q, cache, bt, sl, kv_lora_rank=r, scale=dk**-0.5, metadata=md)
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
