@@ -5,6 +5,7 @@ The public ops (DESIGN.md §2). Importing this package never touches a device.
 
 from portattn.blocksize import MultipleOf, Participant, select_common_block_size
 from portattn.kernels.kv_cache import gather_kv_cache, write_kv_cache
+from portattn.kernels.mla_decode import mla_decode
 from portattn.kernels.page_indices import expand_page_indices
 from portattn.ops_registry import participant, supported_block_sizes
 
@@ -15,6 +16,7 @@ __all__ = [
     "write_kv_cache",
     "gather_kv_cache",
     "expand_page_indices",
+    "mla_decode",
     "supported_block_sizes",
     "participant",
 ]
