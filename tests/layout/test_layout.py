@@ -1,0 +1,233 @@
+"""layout.py: cache validation, logical views, the contiguity predicate, hybrid page geometry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from portattn.layout import (
+    describe_kv_cache,
+    empty_kv_cache,
+    is_block_contiguous,
+    make_hybrid_cache,
+    shuffle_x,
+    to_logical,
+    token_view,
+)
+
+pytestmark = pytest.mark.paged
+
+OP = "some_op"
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _nhd(nb=2, bs=4, h=2, d=8, dtype=torch.float16):
+    return torch.zeros(nb, bs, h, d, dtype=dtype)
+
+
+# -- describe_kv_cache errors ------------------------------------------------------------------
+
+_K = _nhd()
+_S8 = torch.zeros(2, 2, 1, 8, 8, dtype=torch.float16)  # SHUFFLE fp16: x = 8
+DESCRIBE_ERRORS = [
+    ((_K, _K, "HND"), ValueError, f"{OP}: layout must be one of \\('NHD', 'SHUFFLE'\\); got 'HND'"),
+    (("k", _K, "NHD"), TypeError, f"{OP}: key_cache must be a torch.Tensor; got str"),
+    (
+        (_K, _K.int(), "NHD"),
+        TypeError,
+        f"{OP}: value_cache dtype must be one of float16, bfloat16, float32; got torch.int32",
+    ),
+    (
+        (_K, _K.float(), "NHD"),
+        TypeError,
+        f"{OP}: key_cache and value_cache must share a dtype; got torch.float16 and torch.float32",
+    ),
+    (
+        (_K, _K.to("meta"), "NHD"),
+        ValueError,
+        f"{OP}: key_cache and value_cache must be on one device; got cpu and meta",
+    ),
+    (
+        (_K[0], _K[0], "NHD"),
+        ValueError,
+        f"{OP}: key_cache must be 4-D for layout NHD; got shape \\(4, 2, 8\\); value_cache must be",
+    ),
+    ((_K, _K, "SHUFFLE"), ValueError, "key_cache must be 5-D for layout SHUFFLE"),
+    (
+        (_S8[..., :4], _S8, "SHUFFLE"),
+        ValueError,
+        "key_cache last dim must be x=16/element_size=8 for SHUFFLE; got shape \\(2, 2, 1, 8, 4\\)",
+    ),
+    (
+        (_S8, _S8[..., :4], "SHUFFLE"),
+        ValueError,
+        "value_cache last dim must be x=16/element_size=8",
+    ),
+    (
+        (_K, _nhd(bs=5), "NHD"),
+        ValueError,
+        "key_cache and value_cache must agree on block_size; got 4 and 5",
+    ),
+    (
+        (_K, _nhd(nb=3, h=1), "NHD"),
+        ValueError,
+        "must agree on num_blocks; got 2 and 3 .*; key_cache and value_cache must agree on "
+        "num_kv_heads; got 2 and 1",
+    ),
+    ((_nhd(bs=0), _nhd(bs=0), "NHD"), ValueError, "key_cache must have non-empty dims"),
+]
+
+
+@pytest.mark.parametrize("args, exc, msg", DESCRIBE_ERRORS)
+def test_describe_kv_cache_errors(args, exc, msg):
+    with pytest.raises(exc, match=msg):
+        describe_kv_cache(OP, *args)
+
+
+def test_describe_kv_cache_shuffle_geometry():
+    k, v = empty_kv_cache(3, 16, 2, 32, layout="SHUFFLE", dtype=torch.float32)
+    ka, va = describe_kv_cache(OP, k, v, "SHUFFLE")
+    assert (ka.num_blocks, ka.block_size, ka.num_kv_heads, ka.head_dim) == (3, 16, 2, 32)
+    assert (ka.tok_split, ka.dim_split, va.tok_split, va.dim_split) == (1, 4, 4, 1)
+    assert ka.kernel_args("kc")["stride_kc_dim_lo"] == 1
+    assert va.kernel_args("vc")["stride_vc_tok_lo"] == 1
+
+
+# -- logical views -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ("NHD", "SHUFFLE"))
+def test_token_view_and_to_logical_agree(layout, dtype):
+    """Writing token (b, t) through token_view puts it at logical [b, t] for K and V."""
+    nb, bs, h, d = 2, 16, 3, 16
+    logical = torch.randn(2, nb, bs, h, d).to(dtype)
+    caches = empty_kv_cache(nb, bs, h, d, layout=layout, dtype=dtype)
+    for kind, cache, src in zip(("key", "value"), caches, logical, strict=True):
+        for b in range(nb):
+            for t in range(bs):
+                view = token_view(cache, layout, kind, b, t)
+                view.copy_(src[b, t].reshape(view.shape))
+        assert torch.equal(to_logical(cache, layout, kind), src)
+
+
+def test_to_logical_is_a_copy():
+    k = _nhd()
+    to_logical(k, "NHD", "key").fill_(1)
+    assert (k == 0).all()
+
+
+# -- the block-contiguity predicate ------------------------------------------------------------
+
+
+def _hybrid_pair(num_blocks):
+    hc = make_hybrid_cache(num_blocks, 16, 2, 8, mamba_state_bytes=10)
+    return hc.key_cache, hc.value_cache
+
+
+@pytest.mark.parametrize(
+    "name, make, expect_k, expect_v",
+    [
+        ("contiguous NHD", lambda: empty_kv_cache(4, 16, 2, 8), True, True),
+        ("head-sliced NHD", lambda: [_nhd(4, 16, 3, 8)[:, :, 1:]] * 2, True, True),
+        ("every other block", lambda: [_nhd(8, 16, 2, 8)[::2]] * 2, False, False),
+        (
+            "hybrid NHD",
+            lambda: _hybrid_pair(4),
+            False,
+            False,
+        ),
+        ("SHUFFLE", lambda: empty_kv_cache(4, 16, 2, 8, layout="SHUFFLE"), False, False),
+        (
+            "single-block hybrid",
+            lambda: _hybrid_pair(1),
+            True,
+            True,
+        ),
+        # One block: K's flat slot t * x is right; V's token axis is still split.
+        (
+            "single-block SHUFFLE",
+            lambda: empty_kv_cache(1, 16, 2, 8, layout="SHUFFLE"),
+            True,
+            False,
+        ),
+    ],
+)
+def test_is_block_contiguous_truth_table(name, make, expect_k, expect_v):
+    """Flat slots are only safe when tokens are evenly strided across blocks. Multi-block SHUFFLE
+    never is (here, with 2 heads):
+    K's token stride is x and a block spans heads in between; V splits the token axis."""
+    k, v = make()
+    layout = "SHUFFLE" if k.dim() == 5 else "NHD"
+    ka, va = describe_kv_cache(OP, k, v, layout)
+    assert (is_block_contiguous(ka), is_block_contiguous(va)) == (expect_k, expect_v), name
+    assert ka.block_contiguous == expect_k
+
+
+# -- hybrid caches -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.float32))
+@pytest.mark.parametrize("layout", ("NHD", "SHUFFLE"))
+@pytest.mark.parametrize("state_bytes", (0, 37, 64))
+def test_hybrid_regions_are_disjoint_and_cover_the_buffer(layout, dtype, state_bytes):
+    nb, bs, h, d = 3, 16, 2, 8
+    hc = make_hybrid_cache(nb, bs, h, d, mamba_state_bytes=state_bytes, layout=layout, dtype=dtype)
+    esize = hc.buffer.element_size()
+    blk = bs * h * d
+    state_elems = -(-state_bytes // esize)
+    assert hc.page_elems == 2 * blk + state_elems
+    assert hc.buffer.numel() == nb * hc.page_elems
+    assert hc.mamba_state.shape == (nb, state_bytes) and hc.mamba_state.dtype == torch.uint8
+
+    nbytes = hc.buffer.numel() * esize
+    byte_ids = []
+    for view in (hc.key_cache, hc.value_cache):  # element views -> the bytes they cover
+        elems = torch.arange(hc.buffer.numel()).as_strided(
+            view.shape, view.stride(), view.storage_offset()
+        )
+        byte_ids.append((elems.flatten()[:, None] * esize + torch.arange(esize)).flatten())
+    s = hc.mamba_state
+    byte_ids.append(torch.arange(nbytes).as_strided(s.shape, s.stride(), s.storage_offset()))
+    counts = torch.bincount(torch.cat([b.flatten() for b in byte_ids]), minlength=nbytes)
+    assert counts.max() <= 1  # K, V and state never overlap
+    # Every byte is K, V or state, except the state's rounding to whole elements in each page.
+    uncovered = (counts == 0).nonzero().flatten()
+    assert uncovered.numel() == nb * (state_elems * esize - state_bytes)
+    page_bytes = hc.page_elems * esize
+    assert ((uncovered % page_bytes) >= 2 * blk * esize + state_bytes).all()
+    # Page b holds K block b then V block b then state b.
+    assert hc.key_cache[1].storage_offset() == hc.page_elems
+    assert hc.value_cache[1].storage_offset() == hc.page_elems + blk
+
+
+HYBRID_ERRORS = [
+    (dict(mamba_state_bytes=-1), "make_hybrid_cache: mamba_state_bytes must be >= 0; got -1"),
+    (dict(mamba_state_bytes=8, layout="HND"), "make_hybrid_cache: layout must be one of"),
+    (
+        dict(mamba_state_bytes=8, layout="SHUFFLE", head_dim=12),
+        "make_hybrid_cache: SHUFFLE needs head_dim and block_size divisible by x=8; got "
+        "head_dim=12, block_size=16",
+    ),
+]
+
+
+@pytest.mark.parametrize("kwargs, msg", HYBRID_ERRORS)
+def test_make_hybrid_cache_errors(kwargs, msg):
+    head_dim = kwargs.pop("head_dim", 8)
+    with pytest.raises(ValueError, match=msg):
+        make_hybrid_cache(2, 16, 2, head_dim, **kwargs)
+
+
+def test_empty_kv_cache_shuffle_error():
+    with pytest.raises(
+        ValueError,
+        match="empty_kv_cache: SHUFFLE needs head_dim and block_size "
+        "divisible by x=4; got head_dim=8, block_size=6",
+    ):
+        empty_kv_cache(2, 6, 1, 8, layout="SHUFFLE", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype, x", [(torch.float32, 4), (torch.float16, 8), (torch.bfloat16, 8)])
+def test_shuffle_x(dtype, x):
+    assert shuffle_x(dtype) == x
