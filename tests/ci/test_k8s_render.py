@@ -1,0 +1,231 @@
+"""Job rendering: one template source, valid manifests for every Kubernetes version we support,
+the security and lifetime properties the cluster relies on, deterministic names."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes import client
+
+from kubematrix.cell import decode_results, encode_results
+from kubematrix.render import job_name, load_kustomization, render_job, render_pod_spec
+
+pytestmark = pytest.mark.ci
+
+ROOT = Path(__file__).resolve().parents[2]
+VENDORS = ("cuda", "rocm")
+OLDEST = (1, 29)
+K8S_VERSIONS = sorted(
+    {
+        v
+        for v in kubernetes_validate.utils.all_versions()
+        if tuple(int(x) for x in v.split(".")[:2]) >= OLDEST
+    },
+    key=lambda v: tuple(int(x) for x in v.split(".")),
+)
+GPU = {"cuda": "nvidia.com/gpu", "rocm": "amd.com/gpu"}
+
+
+def _cell(vendor: str, **kw) -> dict:
+    args = {
+        "vendor": vendor,
+        "suite": "mla",
+        "image": f"registry.test/portattn-ci:{vendor}-abc",
+        "commit": "abc1234def",
+        "nox_args": ["-k", "decode"],
+    }
+    return render_job(**{**args, **kw})
+
+
+def _manifests() -> list[tuple[str, dict]]:
+    out = []
+    for vendor in VENDORS:
+        for doc in load_kustomization(ROOT / "k8s" / "overlays" / vendor):
+            out.append((f"{vendor}:{doc['kind']}", doc))
+        out.append((f"{vendor}:rendered-job", _cell(vendor)))
+    return out
+
+
+def test_supported_versions_span_1_29_to_the_newest_shipped():
+    assert K8S_VERSIONS[0].startswith("1.29")
+    assert K8S_VERSIONS[-1] == kubernetes_validate.utils.latest_version()
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_manifest_is_valid_strict(version):
+    for label, doc in _manifests():
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{label} invalid for Kubernetes {version}: {exc}")
+
+
+def test_kubernetes_validate_cli_strict_on_rendered_files(tmp_path):
+    exe = shutil.which("kubernetes-validate")
+    assert exe, "kubernetes-validate is in the ci extra"
+    files = []
+    for label, doc in _manifests():
+        path = tmp_path / (label.replace(":", "-") + ".yaml")
+        path.write_text(yaml.safe_dump(doc))
+        files.append(str(path))
+    for version in (K8S_VERSIONS[0], K8S_VERSIONS[-1]):
+        proc = subprocess.run(
+            [exe, "--strict", "--quiet", "-k", version, *files], capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl (with kustomize) not installed"
+)
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_same_manifests_as_kubectl_kustomize(vendor):
+    built = subprocess.run(
+        ["kubectl", "kustomize", str(ROOT / "k8s" / "overlays" / vendor)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+    def key(d):
+        return d["kind"], d["metadata"]["name"]
+
+    assert sorted(load_kustomization(ROOT / "k8s" / "overlays" / vendor), key=key) == sorted(
+        (d for d in yaml.safe_load_all(built) if d), key=key
+    )
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_the_typed_client_round_trips_the_job(vendor):
+    job = _cell(vendor)
+    assert client.ApiClient().sanitize_for_serialization(client.V1Job.from_dict(job)) == job
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+def test_job_properties(vendor):
+    job = _cell(vendor, supplemental_groups=[44, 110] if vendor == "rocm" else None)
+    spec = job["spec"]
+    pod = spec["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert spec["backoffLimit"] == 0
+    assert spec["podFailurePolicy"]["rules"][0] == {
+        "action": "Ignore",
+        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    }
+    assert spec["ttlSecondsAfterFinished"] > 0 and pod["restartPolicy"] == "Never"
+    # timeouts nest: per-test < whole session < Job deadline
+    assert "--timeout=900" in env["PYTEST_ADDOPTS"]
+    assert c["command"][c["command"].index("--timeout") + 1] == "3300"
+    assert spec["activeDeadlineSeconds"] == 3600
+    # restricted security context, no API token in the pod
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    # writable places for a read-only root filesystem; /dev/shm in memory
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    assert env["TRITON_CACHE_DIR"].startswith(env["HOME"]) and env["HOME"] in mounts
+    assert {"/tmp", "/results"} <= set(mounts)
+    # vendor parts
+    assert c["resources"]["limits"][GPU[vendor]] == "1"
+    assert [t["key"] for t in pod["tolerations"]] == [GPU[vendor]]
+    assert pod["nodeSelector"]
+    assert pod["securityContext"].get("supplementalGroups") == (
+        [44, 110] if vendor == "rocm" else None
+    )
+    # the cell itself
+    assert c["image"] == f"registry.test/portattn-ci:{vendor}-abc"
+    assert env["PORTATTN_SESSION"] == "mla" and c["args"][-2:] == ["-k", "decode"]
+    assert job["metadata"]["labels"]["portattn.dev/vendor"] == vendor
+    assert (
+        render_pod_spec(
+            vendor=vendor,
+            suite="mla",
+            image=c["image"],
+            commit="abc1234def",
+            nox_args=["-k", "decode"],
+        )
+        == _cell(vendor)["spec"]["template"]["spec"]
+    )
+
+
+def test_rbac_is_least_privilege():
+    docs = {d["kind"]: d for d in load_kustomization(ROOT / "k8s" / "base")}
+    rules = {
+        (r["apiGroups"][0], r["resources"][0]): sorted(r["verbs"]) for r in docs["Role"]["rules"]
+    }
+    assert rules == {
+        ("batch", "jobs"): sorted(["create", "get", "list", "watch", "delete"]),
+        ("", "pods"): ["get", "list", "watch"],
+        ("", "pods/log"): ["get"],
+        ("", "events"): ["list", "watch"],
+    }
+    assert docs["RoleBinding"]["subjects"][0]["namespace"] == "portattn-ci"
+
+
+def test_job_name_is_deterministic_dns1123_and_bounded():
+    a = job_name("0123456789abcdef0123", "mla-rocm-gfx942")
+    assert a == job_name("0123456789abcdef0123", "mla-rocm-gfx942")
+    assert a.startswith("pa-0123456-mla-rocm-gfx942-")
+    assert a != job_name("0123456789abcdef0123", "mla-cuda-sm_90")
+    assert a != job_name("0123456789abcdef0124", "mla-rocm-gfx942")
+    long = job_name("F" * 40, "Some/Very Long:Cell_" * 10)
+    assert len(long) <= 63 and long == long.lower() and long[0].isalnum() and long[-1].isalnum()
+    with pytest.raises(ValueError, match="job_name: commit and cell_name must be non-empty"):
+        job_name("", "x")
+
+
+def test_render_job_reports_every_bad_argument():
+    with pytest.raises(ValueError) as err:
+        render_job(
+            vendor="intel",
+            suite="nope",
+            image="a b",
+            commit="",
+            namespace="Bad_NS",
+            test_timeout_s=4000,
+            nox_args=["--junitxml=x.xml"],
+        )
+    message = str(err.value)
+    for part in (
+        "vendor must be one of ('cuda', 'rocm'); got 'intel'",
+        "suite must be one of",
+        "image must be a non-empty reference",
+        "commit must be non-empty",
+        "namespace must be a DNS-1123 label",
+        "timeouts must satisfy 0 < test_timeout_s < cell_timeout_s < active_deadline_s",
+        "nox_args must not set --junitxml",
+    ):
+        assert part in message
+
+
+def test_kustomize_fields_the_renderer_does_not_implement_are_refused(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources: []\nreplicas: []\n")
+    with pytest.raises(
+        ValueError,
+        match=r"kustomize fields the launcher does not implement: "
+        r"\['replicas'\]",
+    ):
+        load_kustomization(tmp_path)
+
+
+def test_results_round_trip_through_log_lines():
+    data = b"<testsuites>" + b"x" * 5000 + b"</testsuites>"
+    lines = ["noise", *encode_results(data, "tok", 1), "after"]
+    assert decode_results(lines, "tok") == (data, 1)
+    assert decode_results(lines, "other") == (None, None)
+    assert decode_results(lines[:-3], "tok") == (None, None)  # cut before END
