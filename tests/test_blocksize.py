@@ -1,0 +1,148 @@
+"""Block-size negotiation (DESIGN.md lesson 5) and each op's declared block sizes."""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+
+import pytest
+import torch
+
+from portattn.blocksize import MultipleOf, Participant, select_common_block_size
+from portattn.ops_registry import participant, supported_block_sizes
+
+pytestmark = pytest.mark.specdec
+
+
+# -- rule validation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", (0, -16, 1.5, "16", None))
+def test_multiple_of_rejects(n):
+    with pytest.raises(
+        ValueError, match=re.escape(f"MultipleOf: n must be an int >= 1; got {n!r}")
+    ):
+        MultipleOf(n)
+
+
+def test_multiple_of_contains():
+    assert 544 in MultipleOf(16) and 2048 in MultipleOf(16)
+    assert 8 not in MultipleOf(16) and 0 not in MultipleOf(16) and -16 not in MultipleOf(16)
+    assert str(MultipleOf(16)) == "MultipleOf(16)"
+
+
+def test_participant_needs_a_rule():
+    with pytest.raises(ValueError, match="Participant 'draft': supported must name at least one"):
+        Participant("draft", ())
+
+
+@pytest.mark.parametrize("rule", (0, -1, "16", 16.0))
+def test_participant_rejects_bad_rules(rule):
+    msg = f"Participant 'mla': each rule must be an int >= 1 or MultipleOf; got {rule!r}"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        Participant("mla", (MultipleOf(1), rule))
+
+
+# -- select_common_block_size ------------------------------------------------------------------
+
+
+def test_hybrid_minimum_with_multiples():
+    """A Mamba page needs >= 544; MultipleOf(16) and MultipleOf(1) meet at 544 itself."""
+    draft = Participant("draft", (MultipleOf(16),))
+    target = Participant("target", (MultipleOf(1),))
+    assert select_common_block_size(draft, target, min_block_size=544) == 544
+
+
+def test_exact_sizes_intersect():
+    a = Participant("a", (16, 32, 64))
+    b = Participant("b", (64, 32, 128))
+    assert select_common_block_size(a, b) == 32
+
+
+def test_exact_and_multiple_mix():
+    exact = Participant("flashmla", (64,))
+    multiple = Participant("triton", (MultipleOf(16),))
+    assert select_common_block_size(exact, multiple) == 64
+    assert select_common_block_size(Participant("x", (48, 96)), multiple, min_block_size=50) == 96
+
+
+def test_preferred():
+    a = Participant("a", (MultipleOf(16),))
+    b = Participant("b", (MultipleOf(1),))
+    assert select_common_block_size(a, b, preferred=2048) == 2048
+    assert select_common_block_size(a, b, preferred=100) == 16  # 100 % 16 != 0: smallest
+    assert select_common_block_size(a, b, preferred=32, min_block_size=544) == 544  # below min
+
+
+def test_failure_lists_every_constraint():
+    a = Participant("mla_target", (64,))
+    b = Participant("draft_attention", (MultipleOf(16), 8))
+    c = Participant("state", (MultipleOf(5),))
+    msg = (
+        "select_common_block_size: no block size >= 1 (and <= 65536) is supported by every "
+        "participant; constraints: mla_target: 64; draft_attention: MultipleOf(16) | 8; "
+        "state: MultipleOf(5)"
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        select_common_block_size(a, b, c)
+
+
+def test_search_bound_and_argument_errors():
+    with pytest.raises(ValueError, match=re.escape("no block size >= 17 (and <= 100)")):
+        select_common_block_size(Participant("a", (16,)), min_block_size=17, max_block_size=100)
+    with pytest.raises(ValueError, match="participants must name at least one kernel"):
+        select_common_block_size()
+    with pytest.raises(ValueError, match="min_block_size must be >= 1; got 0"):
+        select_common_block_size(Participant("a", (16,)), min_block_size=0)
+
+
+# -- what the ops declare ----------------------------------------------------------------------
+
+COPY_OPS = ("write_kv_cache", "gather_kv_cache", "expand_page_indices")
+
+
+@pytest.mark.parametrize("op", COPY_OPS)
+def test_copy_ops_support_every_block_size(op):
+    assert supported_block_sizes(op) == (MultipleOf(1),)
+
+
+@pytest.mark.parametrize("dtype, x", [(torch.float16, 8), (torch.bfloat16, 8), (torch.float32, 4)])
+def test_shuffle_needs_multiples_of_x(dtype, x):
+    assert supported_block_sizes("write_kv_cache", layout="SHUFFLE", dtype=dtype) == (
+        MultipleOf(x),
+    )
+
+
+def test_speculative_group_with_shuffle_write_and_hybrid_minimum():
+    """A SHUFFLE fp16 writer, an NHD gather and page expansion: 544 = 68 x 8 serves all."""
+    parts = (
+        participant("write_kv_cache", layout="SHUFFLE"),
+        participant("gather_kv_cache", "draft gather"),
+        participant("expand_page_indices"),
+    )
+    assert parts[1].name == "draft gather"
+    assert select_common_block_size(*parts, min_block_size=540) == 544
+
+
+def test_registry_errors(monkeypatch):
+    with pytest.raises(ValueError, match="supported_block_sizes: op must be one of .*; got 'x'"):
+        supported_block_sizes("x")
+    with pytest.raises(ValueError, match="supported_block_sizes: layout must be one of"):
+        supported_block_sizes("write_kv_cache", layout="HND")
+    # A module that reads NHD only, with exact sizes, some not multiples of x.
+    mod = types.ModuleType("portattn_test_nhd_only")
+    mod.SUPPORTED_BLOCK_SIZES = (1, 64, MultipleOf(12))  # type: ignore[attr-defined]
+    mod.SUPPORTED_LAYOUTS = ("NHD",)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setitem(sys.modules["portattn.ops_registry"].OP_MODULES, "nhd_only", mod.__name__)
+    with pytest.raises(ValueError, match=r"layout for nhd_only must be one of \('NHD',\)"):
+        supported_block_sizes("nhd_only", layout="SHUFFLE")
+    mod.SUPPORTED_LAYOUTS = ("NHD", "SHUFFLE")  # type: ignore[attr-defined]
+    rules = supported_block_sizes("nhd_only", layout="SHUFFLE", dtype=torch.float16)
+    assert rules == (64, MultipleOf(24))
+    mod.SUPPORTED_BLOCK_SIZES = (2, 4)  # type: ignore[attr-defined]
+    with pytest.raises(
+        ValueError, match="nhd_only supports no block size that is a multiple of x=8"
+    ):
+        supported_block_sizes("nhd_only", layout="SHUFFLE")
