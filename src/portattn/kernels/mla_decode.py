@@ -52,6 +52,8 @@ from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles
 
 # Any block size: the kernel addresses block and in-block offset separately.
 SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
+# The latent cache is NHD with one KV head ([num_blocks, block_size, head_dim_k]); no SHUFFLE form.
+SUPPORTED_LAYOUTS: tuple[str, ...] = ("NHD",)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 _OP = "mla_decode"
