@@ -106,3 +106,13 @@ def report(session: nox.Session) -> None:
     """Matrix summary from results/matrix (`-- --buildkite`: annotate the Buildkite build)."""
     _install_ci_layer(session)
     session.run("python", "-m", "kubematrix", "report", *session.posargs)
+
+
+@nox.session(default=False)
+@nox.parametrize("suite", ["paged", "mla", "hybrid", "specdec"])
+@nox.parametrize("vendor", ["cuda", "rocm"])
+def k8s(session: nox.Session, vendor: str, suite: str) -> None:
+    """One cell as a Kubernetes Job (kubeconfig context or in-cluster; `-- --namespace NS`)."""
+    _install_ci_layer(session)
+    args = ["--vendor", vendor, "--suite", suite, *session.posargs]
+    session.run("python", "-m", "kubematrix.k8s", *args)
