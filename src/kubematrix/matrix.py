@@ -118,20 +118,24 @@ BACKENDS: dict[str, Backend] = {
 }
 
 _KERNEL_BACKENDS = ("cpu-interpreter", "cuda", "rocm")
-# Files every kernel suite depends on: the shared foundations, the test harness, the packaging.
-_KERNEL_COMMON = (
+# Files every suite depends on: the packaging, the sessions, the test harness, the targets.
+_COMMON = (
     "pyproject.toml",
     "noxfile.py",
+    "tests/conftest.py",
+    "tests/helpers.py",
     "src/portattn/__init__.py",
     "src/portattn/platform.py",
+)
+# ... and the kernel suites on the shared kernel foundations.
+_KERNEL_COMMON = (
+    *_COMMON,
     "src/portattn/layout.py",
     "src/portattn/reference.py",
     "src/portattn/kernels/_launch.py",
     "src/portattn/kernels/__init__.py",
     "src/portattn/policy/common.py",
     "src/portattn/policy/__init__.py",
-    "tests/conftest.py",
-    "tests/helpers.py",
 )
 # Files that change how every cell runs: a change here reruns the whole matrix.
 MATRIX_PATHS = ("src/kubematrix/*", ".buildkite/*")
@@ -235,7 +239,7 @@ class Cell:
     def paths(self) -> tuple[str, ...]:
         """Changed-file globs that select this cell."""
         suite = SUITES[self.suite]
-        common = () if self.suite == "policy" else _KERNEL_COMMON
+        common = _COMMON if self.suite == "policy" else _KERNEL_COMMON
         return (*suite.paths, *common, *self.spec.paths, *MATRIX_PATHS)
 
     def junit_path(self, results_dir: str | os.PathLike[str]) -> Path:

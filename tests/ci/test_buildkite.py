@@ -1,0 +1,233 @@
+"""The generated Buildkite pipeline: schema-valid, one definition for both GPU lanes, selection."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from kubematrix import buildkite
+from kubematrix.__main__ import main
+from kubematrix.matrix import all_cells, get_cell
+
+pytestmark = pytest.mark.ci
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = ROOT.parent / "shared" / "schemas" / "buildkite-pipeline.schema.json"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+INFRA_SIGNALS = {"agent_stop", "stack_error"}
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict:
+    if not SCHEMA.is_file():
+        pytest.skip(f"Buildkite's published schema is not at {SCHEMA} (../shared beside the clone)")
+    return json.loads(SCHEMA.read_text())
+
+
+def command_steps(pipeline: dict) -> list[dict]:
+    steps = []
+    for step in pipeline["steps"]:
+        steps.extend(step.get("steps", [step]))
+    return [s for s in steps if "command" in s]
+
+
+def by_key(pipeline: dict) -> dict[str, dict]:
+    out = {}
+    for step in pipeline["steps"]:
+        for s in step.get("steps", [step]):
+            out[s["key"]] = s
+    return out
+
+
+PIPELINES = {
+    "queues": dict(lanes="queues"),
+    "k8s": dict(lanes="k8s", commit=COMMIT),
+    "queues-selected": dict(lanes="queues", changed_files=["src/portattn/kernels/mla_decode.py"]),
+    "k8s-nothing-selected": dict(lanes="k8s", commit=COMMIT, changed_files=["README.md"]),
+}
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_generated_pipeline_passes_buildkite_schema(schema, name):
+    pipeline = yaml.safe_load(buildkite.to_yaml(buildkite.generate(**PIPELINES[name])))
+    jsonschema.validate(pipeline, schema)
+
+
+def test_bootstrap_pipeline_passes_buildkite_schema_and_only_runs_the_generator(schema):
+    bootstrap = yaml.safe_load((ROOT / ".buildkite" / "pipeline.yml").read_text())
+    jsonschema.validate(bootstrap, schema)
+    (step,) = bootstrap["steps"]
+    script = ROOT / step["command"]
+    assert os.access(script, os.X_OK)
+    text = script.read_text()
+    assert "nox -s pipeline --" in text and "buildkite-agent pipeline upload" in text
+
+
+def test_cli_prints_a_pipeline_that_passes_the_schema(schema):
+    out = subprocess.run(
+        [sys.executable, "-m", "kubematrix", "pipeline"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    jsonschema.validate(yaml.safe_load(out), schema)
+
+
+def test_pod_specs_pass_the_kubernetes_schema():
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate (the ci extra) is not installed"
+    )
+    pipeline = buildkite.generate(lanes="k8s", commit=COMMIT)
+    gpu_steps = [s for s in command_steps(pipeline) if "plugins" in s]
+    assert {s["key"] for s in gpu_steps} == {c.name for c in all_cells() if c.spec.is_gpu}
+    for step in gpu_steps:
+        (plugin,) = step["plugins"]
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": step["key"].replace("_", "-")},
+            "spec": plugin["kubernetes"]["podSpec"],
+        }
+        kubernetes_validate.validate(pod, "1.30", strict=True)
+        (container,) = pod["spec"]["containers"]
+        assert container["args"] == [
+            step["command"].replace("nox -s", "nox --no-venv --no-install -s")
+        ]
+        resource = get_cell(step["key"]).spec.gpu_resource
+        assert container["resources"]["limits"][resource] == "1"
+        assert container["image"].endswith(COMMIT)
+
+
+def _normalised(step: dict, backend: str, target: str) -> dict:
+    """A lane's step with the lane's own names taken out."""
+    s = copy.deepcopy(step)
+    s["retry"]["automatic"] = [r for r in s["retry"]["automatic"] if r != buildkite.ROCM_HANG_RETRY]
+    text = (
+        json.dumps(s).replace(f"{backend}-{target}", "LANE").replace(f"{backend} {target}", "LANE")
+    )
+    text = text.replace(f"gpu-{backend}", "QUEUE").replace(f'"{backend}"', '"VENDOR"')
+    text = text.replace("amd.com/gpu", "GPU").replace("nvidia.com/gpu", "GPU")
+    return json.loads(text)
+
+
+@pytest.mark.parametrize("lanes", buildkite.LANES)
+def test_cuda_and_rocm_lanes_come_from_one_definition(lanes):
+    pipeline = buildkite.generate(lanes=lanes, commit=COMMIT)
+    steps = by_key(pipeline)
+    for suite in ("paged", "mla", "specdec"):
+        cuda = _normalised(steps[f"{suite}-cuda-sm_90"], "cuda", "sm_90")
+        rocm = _normalised(steps[f"{suite}-rocm-gfx942"], "rocm", "gfx942")
+        if lanes == "k8s":  # the pods differ where the vendor overlays of k8s/ do
+            pods = [s.pop("plugins")[0]["kubernetes"]["podSpec"] for s in (cuda, rocm)]
+            assert pods[0]["containers"][0]["args"] == pods[1]["containers"][0]["args"]
+        assert cuda == rocm
+
+
+def test_steps_only_call_nox_with_timeouts_junit_and_infrastructure_retries():
+    pipeline = buildkite.generate(lanes="queues")
+    for step in command_steps(pipeline):
+        assert step["command"].startswith("nox -s "), step["command"]
+        assert step["timeout_in_minutes"] >= 1
+        rules = step["retry"]["automatic"]
+        for rule in rules:
+            assert set(rule) in ({"exit_status", "limit"}, {"signal_reason", "limit"})
+            assert rule.get("exit_status") in (None, -1, 134)
+            assert rule.get("signal_reason") in (None, *INFRA_SIGNALS)
+        # Exit 134 (a ROCm GPU hang) is retried on ROCm lanes only.
+        on_rocm = step["key"].split("-")[1:2] == ["rocm"]
+        assert (buildkite.ROCM_HANG_RETRY in rules) == on_rocm
+        if step["key"] == buildkite.SUMMARY_KEY:
+            assert step["command"] == "nox -s report -- --buildkite"
+            continue
+        cell = get_cell(step["key"])
+        if cell.suite == "compile":
+            assert step["artifact_paths"] == [
+                f"results/matrix/{cell.name}.xml",
+                "results/matrix/compile/**/*",
+            ]
+        else:
+            junit = f"results/matrix/{cell.name}.xml"
+            assert step["command"].endswith(f"--junitxml={junit}")
+            assert step["artifact_paths"] == [junit]
+
+
+def test_soft_fail_only_for_experimental_cells():
+    steps = command_steps(buildkite.generate())
+    soft = {s["key"] for s in steps if s.get("soft_fail")}
+    assert soft == {c.name for c in all_cells() if c.experimental} == {"hybrid-rocm-gfx942"}
+
+
+def test_lanes_queues_and_k8s():
+    queues = by_key(buildkite.generate(lanes="queues"))
+    assert queues["mla-cuda-sm_90"]["agents"] == {"queue": "gpu-cuda"}
+    assert queues["mla-rocm-gfx942"]["agents"] == {"queue": "gpu-rocm"}
+    assert "plugins" not in queues["mla-rocm-gfx942"]
+    k8s = by_key(buildkite.generate(lanes="k8s", commit=COMMIT))
+    assert k8s["mla-rocm-gfx942"]["agents"] == {"queue": "kubernetes"}
+    assert k8s["mla-cpu-interpreter"]["agents"] == {"queue": "cpu"}  # CPU cells: plain agents
+    with pytest.raises(
+        ValueError, match=r"generate: lanes must be one of \('queues', 'k8s'\); got 'ssh'"
+    ):
+        buildkite.generate(lanes="ssh")
+
+
+# -- selection by changed files ----------------------------------------------------------------
+
+
+def test_selection_keeps_unselected_cells_one_click_away():
+    pipeline = buildkite.generate(changed_files=["src/portattn/kernels/mla_decode.py"])
+    steps = by_key(pipeline)
+    selected = {"mla", "specdec", "compile"}  # specdec covers MLA as the target model
+    for cell in all_cells():
+        step = steps[cell.name]
+        if cell.suite in selected:
+            assert step["depends_on"] == [] and f"run-{cell.name}" not in steps
+        else:
+            gate = steps[f"run-{cell.name}"]
+            assert step["depends_on"] == [gate["key"]]
+            assert gate["depends_on"] == [] and gate["blocked_state"] == "passed"
+            assert gate["block"] == f"Run {cell.label}"
+    summary = steps[buildkite.SUMMARY_KEY]
+    assert {d["step"] for d in summary["depends_on"]} == {
+        c.name for c in all_cells() if c.suite in selected
+    }
+    assert all(d["allow_failure"] for d in summary["depends_on"])
+    not_selected = summary["env"][buildkite.NOT_SELECTED_ENV].split(",")
+    assert set(not_selected) == {c.name for c in all_cells() if c.suite not in selected}
+
+
+# An MLA tile policy concerns the policy and compile cells, MLA, and speculative decoding (whose
+# target model is MLA) on every backend.
+MLA_POLICY_CELLS = {"policy-cpu-interpreter", "compile-cpu-interpreter"} | {
+    c.name for c in all_cells() if c.suite in ("mla", "specdec")
+}
+
+
+@pytest.mark.parametrize(
+    "changed, expected",
+    [
+        (["Dockerfile.rocm"], {c.name for c in all_cells() if c.backend == "rocm"}),
+        (["src/portattn/policy/mla.py"], MLA_POLICY_CELLS),
+        (["noxfile.py"], {c.name for c in all_cells()}),
+        (["src/kubematrix/buildkite.py"], {c.name for c in all_cells()}),
+        (["README.md", "docs/validation.md"], set()),
+    ],
+)
+def test_which_cells_a_change_selects(changed, expected):
+    assert {c.name for c in all_cells() if buildkite.is_selected(c, changed)} == expected
+
+
+def test_pipeline_command_selection(capsys):
+    assert main(["pipeline", "--format", "json", "--changed-files", "Dockerfile.cuda"]) == 0
+    steps = by_key(json.loads(capsys.readouterr().out))
+    assert steps["mla-cuda-sm_90"]["depends_on"] == []
+    assert steps["mla-rocm-gfx942"]["depends_on"] == ["run-mla-rocm-gfx942"]

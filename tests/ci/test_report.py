@@ -1,0 +1,160 @@
+"""The summary, merged JUnit and Markdown report, from sample JUnit files (tests/ci/data)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from kubematrix import report
+from kubematrix.__main__ import main
+from kubematrix.matrix import get_cell
+
+pytestmark = pytest.mark.ci
+
+DATA = Path(__file__).parent / "data"
+PAGED, MLA, POLICY = (
+    get_cell("paged-cpu-interpreter"),
+    get_cell("mla-cpu-interpreter"),
+    get_cell("policy-cpu-interpreter"),
+)
+
+
+def test_read_junit_counts_test_cases():
+    c = report.read_junit(DATA / "paged-cpu-interpreter.xml")
+    assert (c.tests, c.passed, c.failed, c.errors, c.skipped, c.seconds) == (4, 3, 0, 0, 1, 12.5)
+    m = report.read_junit(DATA / "mla-cpu-interpreter.xml")
+    assert (m.tests, m.passed, m.failed, m.errors) == (3, 1, 1, 1)
+    assert m.failures[0] == report.Failure(
+        "tests.kernels.test_mla_decode::test_decode[320-256]",
+        "AssertionError: kernel error 3.1e-02 > 2.0 x torch low-precision error 1.2e-03",
+    )
+    assert m.failures[1].message == 'failed on setup with "RuntimeError: out of memory"'
+
+
+def test_status_is_passed_only_with_a_passing_test_and_no_failure():
+    assert report.result_from_junit(PAGED, DATA / "paged-cpu-interpreter.xml").status == "passed"
+    assert report.result_from_junit(MLA, DATA / "mla-cpu-interpreter.xml").status == "failed"
+    assert report.result_from_junit(POLICY, DATA / "policy-cpu-interpreter.xml").status == "skipped"
+    crashed = report.result_from_junit(PAGED, DATA / "paged-cpu-interpreter.xml", exit_code=139)
+    assert (crashed.status, crashed.reason) == ("error", "exit status 139 despite a clean JUnit")
+    with pytest.raises(ValueError, match=r"not_run: status must be 'not run' or 'error'; got 'ok'"):
+        report.not_run(PAGED, "x", status="ok")
+
+
+@pytest.fixture
+def results_dir(tmp_path) -> Path:
+    """A results folder as a Buildkite build leaves it: JUnits, the compile report, no records."""
+    for name in ("paged-cpu-interpreter.xml", "mla-cpu-interpreter.xml"):
+        shutil.copy(DATA / name, tmp_path / name)
+    (tmp_path / "compile").mkdir()
+    shutil.copy(DATA / "compile_matrix.json", tmp_path / report.COMPILE_JSON)
+    (tmp_path / "compile" / "compile_matrix.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    return tmp_path
+
+
+CELLS = [PAGED, MLA, get_cell("mla-cuda-sm_90"), get_cell("compile-cpu-interpreter")]
+
+
+def test_collect_rebuilds_results_and_never_passes_a_cell_without_results(results_dir):
+    results = {r.cell: r for r in report.collect(CELLS, results_dir)}
+    assert results["paged-cpu-interpreter"].status == "passed"
+    assert results["mla-cpu-interpreter"].status == "failed"
+    missing = results["mla-cuda-sm_90"]
+    assert missing.status == "not run" and missing.reason.startswith("no result in ")
+    # The compile cell's JUnit comes from the compile matrix's own report: one case per cell.
+    comp = results["compile-cpu-interpreter"]
+    assert (comp.status, comp.counts.tests, comp.counts.failed) == ("failed", 2, 1)
+    assert comp.counts.failures[0] == report.Failure(
+        "compile-cpu-interpreter.mla_decode::d576_r512_h16@gfx942",
+        "shared memory 98304 B > gfx942 limit 65536 B",
+    )
+
+
+def test_a_runner_record_wins_over_the_junit(results_dir):
+    record = report.not_run(PAGED, "timed out after 30 min", status="error", seconds=1800.0)
+    report.write_cell_record(record, results_dir)
+    (got,) = report.collect([PAGED], results_dir)
+    assert got == record
+
+
+def test_summary_table(results_dir):
+    table = report.summary_table(report.collect(CELLS, results_dir)).splitlines()
+    assert table[0].split() == ["cell", "result", "passed", "failed", "skipped", "time", "note"]
+    assert table[2].split() == ["paged-cpu-interpreter", "passed", "3", "0", "1", "12.5s"]
+    assert table[3].split()[:6] == ["mla-cpu-interpreter", "failed", "1", "2", "0", "8.2s"]
+    assert table[4].split()[:6] == ["mla-cuda-sm_90", "not", "run", "-", "-", "-"]
+    assert table[-1] == "4 cells: 1 passed, 2 failed, 1 not run (cell time 1m02s)"
+
+
+def test_write_summary_files(results_dir):
+    results = report.collect(CELLS, results_dir)
+    files = report.write_summary(results, results_dir, context="runner `local`")
+    assert files.heatmap == results_dir / "compile" / "compile_matrix.png"
+
+    md = files.markdown.read_text()
+    assert md.startswith("## portattn matrix: failed\n\nrunner `local`\n")
+    assert "| `paged-cpu-interpreter` | ✅ passed | 3 | 0 | 1 | 12.5s |" in md
+    assert "| `mla-cuda-sm_90` | ⚪ not run | - | - | - | - |" in md
+    assert "  - `tests.kernels.test_mla_decode::test_decode[320-256]`: AssertionError" in md
+    assert "### Not run\n\n- `mla-cuda-sm_90`: no result in" in md
+    assert md.endswith("![compile heatmap](compile/compile_matrix.png)\n")
+
+    payload = json.loads(files.json.read_text())
+    assert payload["status"] == "failed"
+    assert payload["tally"] == {"passed": 1, "failed": 2, "error": 0, "skipped": 0, "not run": 1}
+    assert [report.result_from_dict(d) for d in payload["cells"]] == results
+
+
+def test_merged_junit_has_a_suite_per_cell_and_not_run_cells_as_skipped(results_dir):
+    results = report.collect(CELLS, results_dir)
+    root = ET.parse(report.merge_junit(results, results_dir, results_dir / "junit.xml")).getroot()
+    suites = {s.get("name"): s for s in root.iter("testsuite")}
+    assert list(suites) == [c.name for c in CELLS]
+    attrs = ("tests", "failures", "errors", "skipped")
+    assert [suites["paged-cpu-interpreter"].get(a) for a in attrs] == ["4", "0", "0", "1"]
+    assert [suites["mla-cpu-interpreter"].get(a) for a in attrs] == ["3", "1", "1", "0"]
+    assert [suites["mla-cuda-sm_90"].get(a) for a in attrs] == ["1", "0", "0", "1"]
+    (case,) = suites["mla-cuda-sm_90"].iter("testcase")
+    assert case.find("skipped").get("message").startswith("not run: no result in")
+    first = next(suites["paged-cpu-interpreter"].iter("testcase"))
+    assert first.get("classname") == "paged-cpu-interpreter.tests.kernels.test_paged_attention"
+    # Counted again from the merged file, the totals agree with the per-cell results.
+    merged = report.read_junit(results_dir / "junit.xml")
+    assert merged.failed == sum(r.counts.failed for r in results)
+
+
+def test_an_error_after_a_clean_junit_stays_an_error_in_the_merged_file(tmp_path):
+    shutil.copy(DATA / "paged-cpu-interpreter.xml", tmp_path)
+    crashed = report.result_from_junit(PAGED, tmp_path / "paged-cpu-interpreter.xml", exit_code=1)
+    merged = report.read_junit(report.merge_junit([crashed], tmp_path, tmp_path / "junit.xml"))
+    assert merged.errors == 1 and report.status_from_counts(merged) == "error"
+
+
+def test_overall_status_ignores_experimental_failures():
+    bad_rocm = report.not_run(get_cell("hybrid-rocm-gfx942"), "GPU hang", status="error")
+    ok = report.result_from_junit(PAGED, DATA / "paged-cpu-interpreter.xml")
+    assert bad_rocm.experimental and not bad_rocm.blocking_failure
+    assert report.overall_status([ok, bad_rocm]) == "passed"
+    assert report.overall_status([report.not_run(PAGED, "no GPU")]) == "not run"
+
+
+def test_report_command(results_dir, capsys):
+    code = main(
+        [
+            "report",
+            "--results",
+            str(results_dir),
+            "--cell",
+            "paged-cpu-interpreter",
+            "--cell",
+            "mla-cpu-interpreter",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 1  # a failed cell
+    assert out.splitlines()[-1] == "2 cells: 1 passed, 1 failed (cell time 20.8s)"
+    assert (results_dir / "report.md").is_file() and (results_dir / "junit.xml").is_file()
