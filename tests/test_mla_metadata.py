@@ -136,8 +136,8 @@ def test_builder_keeps_no_per_step_state():
 
 def test_two_builders_used_alternately(device):
     """A target model's verification builder and a draft-like decode builder, interleaved."""
-    a = builder(3, 192, 128, max_batch=2, max_query_len=1, max_seq_len=2048, device=device)
-    b = builder(16, 288, 256, max_batch=2, max_query_len=4, max_seq_len=1024, device=device)
+    a = builder(3, 192, 128, max_batch=2, max_query_len=1, max_seq_len=768, device=device)
+    b = builder(16, 288, 256, max_batch=2, max_query_len=4, max_seq_len=512, device=device)
     assert a.tiles.num_kv_splits > 1 and b.tiles.num_kv_splits > 1
     assert (
         a.build(torch.ones(1, dtype=torch.int32)).partial_out.data_ptr()
