@@ -1,0 +1,457 @@
+"""paged_attention against the fp64 oracle: block sizes, GQA, mixed batches, strided caches.
+
+CPU runs go through Triton's interpreter (fp32/fp16, small shapes); `gpu` tests use bf16/fp16 at
+serving shapes. Caches are filled with NaN wherever the kernel must not read (unused blocks, the
+tail of each sequence's last block, Mamba state, the gaps of a sliced buffer), so a wrong address
+shows up as a non-finite output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from portattn import reference
+from portattn.kernels.paged_attention import paged_attention, plan_paged_attention
+from portattn.layout import empty_kv_cache, make_hybrid_cache, shuffle_x, token_view
+from tests.helpers import assert_low_precision_close
+
+pytestmark = pytest.mark.paged
+
+BLOCK_SIZES = (1, 16, 80, 544, 2048)
+CPU_DTYPES = (torch.float32, torch.float16)
+# (num_q_heads, num_kv_heads): MHA, GQA 5:1, GQA 8:1, MQA
+HEADS = ((3, 3), (10, 2), (16, 2), (6, 1))
+CACHE_KINDS = ("contiguous", "slice", "permuted", "hybrid")
+LAYOUTS = ("NHD", "SHUFFLE")
+# (seq_len, q_len): decode, seq_len 1, chunked prefill, pure prefill, an idle (q_len 0) slot
+MIXED = ((19, 1), (1, 1), (23, 6), (9, 9), (5, 0))
+NAN = float("nan")
+FP32_FLOOR = 1e-6  # fp32: the kernel's few-ulp differences from torch's own fp32 error (~1e-7)
+
+
+# -- batch builder ------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    layout: str
+
+    def args(self):
+        return (
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            self.block_table,
+            self.seq_lens,
+            self.query_start_loc,
+        )
+
+
+def _caches(kind, layout, num_blocks, block_size, hkv, d, dtype, device, state_bytes=48):
+    """(key_cache, value_cache) of ``kind``, every byte NaN; returns views in ``layout``."""
+    if kind == "hybrid":
+        hc = make_hybrid_cache(
+            num_blocks,
+            block_size,
+            hkv,
+            d,
+            mamba_state_bytes=state_bytes,
+            layout=layout,
+            dtype=dtype,
+            device=device,
+        )
+        hc.buffer.fill_(NAN)
+        return hc.key_cache, hc.value_cache
+    if kind == "contiguous":
+        k, v = empty_kv_cache(
+            num_blocks, block_size, hkv, d, layout=layout, dtype=dtype, device=device
+        )
+        k.fill_(NAN), v.fill_(NAN)
+        return k, v
+    if kind == "slice":  # every other block, one head more, (NHD) a wider head_dim
+        wide_d = d + 8 if layout == "NHD" else d
+        wk, wv = empty_kv_cache(
+            2 * num_blocks, block_size, hkv + 1, wide_d, layout=layout, dtype=dtype, device=device
+        )
+        wk.fill_(NAN), wv.fill_(NAN)
+        if layout == "NHD":
+            return wk[1::2, :, 1:, :d], wv[1::2, :, 1:, :d]
+        return wk[1::2, 1:], wv[1::2, 1:]
+    # "permuted": the same logical layout stored in another axis order
+    if layout == "NHD":  # stored [num_blocks, num_kv_heads, block_size, head_dim] (HND)
+        shape = (num_blocks, hkv, block_size, d)
+        k = torch.full(shape, NAN, dtype=dtype, device=device).permute(0, 2, 1, 3)
+        v = torch.full(shape, NAN, dtype=dtype, device=device).permute(0, 2, 1, 3)
+        return k, v
+    # SHUFFLE stored heads-outermost: [num_kv_heads, num_blocks, ...]
+    x = shuffle_x(dtype)
+    k = torch.full((hkv, num_blocks, d // x, block_size, x), NAN, dtype=dtype, device=device)
+    v = torch.full((hkv, num_blocks, block_size // x, d, x), NAN, dtype=dtype, device=device)
+    return k.transpose(0, 1), v.transpose(0, 1)
+
+
+def make_batch(
+    seqs,
+    *,
+    block_size,
+    heads,
+    head_dim,
+    dtype,
+    kind="contiguous",
+    layout="NHD",
+    device="cpu",
+    seed=0,
+    strided_query=False,
+    table_dtype=torch.int32,
+    table_pad=-1,
+    spare_blocks=2,
+) -> Batch:
+    """A batch of ``seqs`` = ((seq_len, q_len), ...) over a randomly permuted paged cache."""
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv = heads
+    nblk = [-(-s // block_size) for s, _ in seqs]
+    num_blocks = sum(nblk) + spare_blocks
+    k, v = _caches(kind, layout, num_blocks, block_size, hkv, head_dim, dtype, device)
+    perm = torch.randperm(num_blocks, generator=g)
+    max_blocks = max(nblk, default=0) + 1
+    table = torch.full((len(seqs), max_blocks), table_pad, dtype=torch.int64)
+    first = 0
+    for i, ((s, _), n) in enumerate(zip(seqs, nblk, strict=True)):
+        table[i, :n] = perm[first : first + n]
+        first += n
+        for b in table[i, :n].tolist():  # real data in used blocks ...
+            k[b].copy_(torch.randn(k[b].shape, generator=g).to(dtype))
+            v[b].copy_(torch.randn(v[b].shape, generator=g).to(dtype))
+        if n:  # ... but NaN past the sequence's end in its last block
+            last = int(table[i, n - 1])
+            for t in range(s - (n - 1) * block_size, block_size):
+                token_view(k, layout, "key", last, t).fill_(NAN)
+                token_view(v, layout, "value", last, t).fill_(NAN)
+    q_lens = [q for _, q in seqs]
+    qsl = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()])
+    num_tokens = int(qsl[-1])
+    q = torch.randn((num_tokens, hq, head_dim), generator=g).to(dtype)
+    if strided_query:  # a slice of a wider [num_tokens, hq + 1, head_dim + 8] buffer
+        wide = torch.full((num_tokens, hq + 1, head_dim + 8), NAN, dtype=dtype)
+        wide[:, 1:, :head_dim] = q
+        q = wide[:, 1:, :head_dim]
+    return Batch(
+        query=q.to(device),
+        key_cache=k,
+        value_cache=v,
+        block_table=table.to(table_dtype).to(device),
+        seq_lens=torch.tensor([s for s, _ in seqs], dtype=torch.int32, device=device),
+        query_start_loc=qsl.to(torch.int32).to(device),
+        layout=layout,
+    )
+
+
+def check(batch: Batch, out: torch.Tensor, *, scale=None) -> None:
+    """The tolerance rule of DESIGN.md §5 against reference.paged_attention."""
+    kw = dict(scale=scale, layout=batch.layout)
+    oracle = reference.paged_attention(*batch.args(), **kw)
+    lowp = reference.paged_attention(*batch.args(), compute_dtype=batch.query.dtype, **kw)
+    floor = FP32_FLOOR if batch.query.dtype == torch.float32 else 0.0
+    assert out.dtype == batch.query.dtype and out.shape == batch.query.shape
+    assert_low_precision_close(out.cpu(), oracle, lowp, floor=floor)
+
+
+def _seqs_for(block_size):
+    """Small contexts: > 1 block and a partial last block when blocks are small."""
+    if block_size <= 16:
+        return ((2 * block_size + 5, 1), (block_size + 3, 4))
+    if block_size == 80:
+        return ((block_size + 7, 1), (block_size + 5, 3))
+    return ((37, 1), (29, 5))  # one partial block of 544 / 2048
+
+
+# -- correctness (interpreter on CPU, or the GPU) -----------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_block_sizes(device, block_size, dtype):
+    b = make_batch(
+        _seqs_for(block_size), block_size=block_size, heads=(4, 2), head_dim=64, dtype=dtype,
+        device=device,
+    )  # fmt: skip
+    check(b, paged_attention(*b.args()))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_gqa_mixed_batch(device, heads, dtype):
+    """Decode, seq_len 1, chunked and pure prefill and an idle slot in one launch."""
+    b = make_batch(MIXED, block_size=8, heads=heads, head_dim=32, dtype=dtype, device=device)
+    check(b, paged_attention(*b.args()))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", CACHE_KINDS)
+def test_cache_views(device, kind, layout):
+    """Contiguous, sliced, permuted and hybrid-interleaved caches in both layouts (fp16)."""
+    b = make_batch(
+        ((40, 1), (21, 5)), block_size=16, heads=(4, 2), head_dim=64, dtype=torch.float16,
+        kind=kind, layout=layout, device=device,
+    )  # fmt: skip
+    check(b, paged_attention(*b.args(), layout=layout))
+
+
+@pytest.mark.parametrize(
+    "head_dim,layout,dtype",
+    [(80, "NHD", torch.float32), (96, "SHUFFLE", torch.float16), (128, "NHD", torch.float16)],
+)
+def test_head_dims(device, head_dim, layout, dtype):
+    b = make_batch(
+        ((13, 1), (11, 4)), block_size=16, heads=(2, 1), head_dim=head_dim, dtype=dtype,
+        layout=layout, device=device,
+    )  # fmt: skip
+    check(b, paged_attention(*b.args(), layout=layout))
+
+
+def test_strided_query_out_and_table(device):
+    """Non-contiguous query, out and int64 block table (with junk past each sequence); scale."""
+    b = make_batch(
+        ((30, 1), (17, 6)), block_size=16, heads=(4, 2), head_dim=64, dtype=torch.float32,
+        device=device, strided_query=True, table_dtype=torch.int64, table_pad=123456,
+    )  # fmt: skip
+    assert not b.query.is_contiguous()
+    n, m = b.block_table.shape
+    wide_table = torch.full((n, 2 * m), 999, dtype=torch.int64, device=device)
+    wide_table[:, ::2] = b.block_table
+    b.block_table = wide_table[:, ::2]  # column stride 2, junk in between
+    wide = torch.full((b.query.shape[0], b.query.shape[2], 2 * b.query.shape[1]), NAN)
+    out = wide.to(device).transpose(1, 2)[:, ::2]  # [tokens, heads, dim], head stride 2*dim
+    got = paged_attention(*b.args(), scale=0.3, out=out)
+    assert got is out
+    check(b, out, scale=0.3)
+
+
+def test_out_contiguous_given(device):
+    b = make_batch(((9, 2),), block_size=4, heads=(2, 2), head_dim=16, dtype=torch.float16,
+                   device=device)  # fmt: skip
+    out = torch.empty_like(b.query)
+    assert paged_attention(*b.args(), out=out) is out
+    check(b, out)
+
+
+def test_empty_batch(device):
+    b = make_batch(((4, 0), (7, 0)), block_size=4, heads=(2, 2), head_dim=16,
+                   dtype=torch.float32, device=device)  # fmt: skip
+    assert paged_attention(*b.args()).shape == (0, 2, 16)
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    kind=st.sampled_from(CACHE_KINDS),
+    layout=st.sampled_from(LAYOUTS),
+    block_size=st.sampled_from((8, 16, 24, 40)),
+    heads=st.sampled_from(((2, 2), (4, 1), (5, 1), (6, 2))),
+    head_dim=st.sampled_from((16, 32, 48)),
+    seqs=st.lists(
+        st.integers(1, 40).flatmap(lambda s: st.tuples(st.just(s), st.integers(0, min(s, 7)))),
+        min_size=1,
+        max_size=3,
+    ),
+    state_bytes=st.sampled_from((0, 6, 64)),
+    seed=st.integers(0, 2**16),
+)
+def test_layout_fuzz(device, kind, layout, block_size, heads, head_dim, seqs, state_bytes, seed):
+    """Random strides / interleavings / layouts vs the reference (fp16: SHUFFLE needs x=8)."""
+    b = make_batch(
+        seqs, block_size=block_size, heads=heads, head_dim=head_dim, dtype=torch.float16,
+        kind=kind, layout=layout, device=device, seed=seed,
+    )  # fmt: skip
+    if b.query.shape[0] == 0:
+        return
+    check(b, paged_attention(*b.args(), layout=layout))
+
+
+# -- the plan -----------------------------------------------------------------------------------
+
+
+def test_plan_on_meta_tensors_needs_no_data():
+    """The compile matrix plans from meta tensors: no metadata read, max_query_len given."""
+    from portattn.platform import get_target
+
+    k, v = empty_kv_cache(4, 2048, 8, 128, dtype=torch.bfloat16, device="meta")
+    q = torch.empty(600, 32, 128, dtype=torch.bfloat16, device="meta")
+    bt = torch.empty(3, 4, dtype=torch.int32, device="meta")
+    sl = torch.empty(3, dtype=torch.int32, device="meta")
+    qsl = torch.empty(4, dtype=torch.int32, device="meta")
+    target = get_target("gfx942")
+    [launch] = plan_paged_attention(q, k, v, bt, sl, qsl, target=target, max_query_len=512)
+    a = launch.args  # (Launch.constexprs() needs a compiled JITFunction, not the interpreter's)
+    assert (a["BLOCK_M"], a["BLOCK_Q"], a["HEAD_TILE"], a["BLOCK_N"]) == (64, 16, 4, 32)
+    assert (a["K_DIM_SPLIT"], a["V_TOK_SPLIT"], a["block_size"]) == (1, 1, 2048)
+    assert launch.grid == (math.ceil(512 / 16), 8, 3)
+    assert launch.options.kwargs(target) == {"num_warps": 4, "num_stages": 2, "waves_per_eu": 2}
+
+
+# -- validation: every message ------------------------------------------------------------------
+
+
+def _valid():
+    return make_batch(((10, 1), (6, 3)), block_size=4, heads=(4, 2), head_dim=16,
+                      dtype=torch.float32)  # fmt: skip
+
+
+def _call(b: Batch, **over):
+    args = dict(
+        query=b.query,
+        key_cache=b.key_cache,
+        value_cache=b.value_cache,
+        block_table=b.block_table,
+        seq_lens=b.seq_lens,
+        query_start_loc=b.query_start_loc,
+    )
+    kw = {k: over.pop(k) for k in ("scale", "layout", "out") if k in over}
+    args.update(over)
+    return paged_attention(*args.values(), **kw)
+
+
+def _i32(*xs):
+    return torch.tensor(xs, dtype=torch.int32)
+
+
+# (case id, overrides(batch) -> dict, exception, match)
+INVALID = [
+    ("query-type", lambda b: dict(query=b.query.tolist()), TypeError,
+     r"query must be a torch\.Tensor; got list"),
+    ("out-type", lambda b: dict(out=3), TypeError, r"out must be a torch\.Tensor or None; got int"),
+    ("query-dtype", lambda b: dict(query=b.query.to(torch.int32)), TypeError,
+     r"query dtype must be one of float16, bfloat16, float32; got torch\.int32"),
+    ("table-dtype", lambda b: dict(block_table=b.block_table.float()), TypeError,
+     r"block_table dtype must be int32 or int64; got torch\.float32"),
+    ("seq_lens-dtype", lambda b: dict(seq_lens=b.seq_lens.float()), TypeError,
+     r"seq_lens dtype must be int32 or int64; got torch\.float32"),
+    ("qsl-dtype", lambda b: dict(query_start_loc=b.query_start_loc.to(torch.int16)), TypeError,
+     r"query_start_loc dtype must be int32 or int64; got torch\.int16"),
+    ("out-dtype", lambda b: dict(out=torch.empty_like(b.query, dtype=torch.float16)), TypeError,
+     r"out dtype must equal query dtype torch\.float32; got torch\.float16"),
+    ("cache-dtype", lambda b: dict(query=b.query.half()), TypeError,
+     r"key_cache and value_cache dtype must equal query dtype torch\.float16; got torch\.float32"),
+    ("cache-pair-dtype", lambda b: dict(value_cache=b.value_cache.half()), TypeError,
+     r"key_cache and value_cache must share a dtype"),
+    ("layout", lambda b: dict(layout="HND"), ValueError,
+     r"layout must be one of \('NHD', 'SHUFFLE'\); got 'HND'"),
+    ("cache-dims", lambda b: dict(key_cache=b.key_cache[0], value_cache=b.value_cache[0]),
+     ValueError, r"key_cache must be 4-D for layout NHD"),
+    ("query-dims", lambda b: dict(query=b.query[0]), ValueError,
+     r"query must be 3-D \[num_tokens, num_q_heads, head_dim\]; got shape \(4, 16\)"),
+    ("head_dim", lambda b: dict(query=b.query[..., :8]), ValueError,
+     r"query head_dim must equal the cache's head_dim 16; got 8"),
+    ("heads", lambda b: dict(query=b.query[:, :3]), ValueError,
+     r"num_q_heads must be a positive multiple of num_kv_heads 2; got 3"),
+    ("out-shape", lambda b: dict(out=b.query[:2].clone()), ValueError,
+     r"out shape must equal query shape \(4, 4, 16\); got \(2, 4, 16\)"),
+    ("table-dims", lambda b: dict(block_table=b.block_table[0]), ValueError,
+     r"block_table must be 2-D \[num_seqs, max_blocks\]; got shape \(4,\)"),
+    ("seq_lens-len", lambda b: dict(seq_lens=_i32(10, 6, 1)), ValueError,
+     r"seq_lens must be 1-D \[num_seqs=2\]; got shape \(3,\)"),
+    ("qsl-len", lambda b: dict(query_start_loc=_i32(0, 4)), ValueError,
+     r"query_start_loc must be 1-D \[num_seqs\+1=3\]; got shape \(2,\)"),
+    ("device", lambda b: dict(seq_lens=b.seq_lens.to("meta")), ValueError,
+     r"seq_lens must be on query's device cpu; got meta"),
+    ("scale", lambda b: dict(scale=float("inf")), ValueError,
+     r"scale must be a finite positive float or None; got inf"),
+    ("qsl-ends", lambda b: dict(query_start_loc=_i32(0, 1, 3)), ValueError,
+     r"query_start_loc must start at 0 and end at num_tokens=4; got first 0, last 3"),
+    ("qsl-monotonic", lambda b: dict(query_start_loc=_i32(0, 5, 4)), ValueError,
+     r"query_start_loc must be non-decreasing; got a decrease at index 2"),
+    ("seq_lens-short", lambda b: dict(seq_lens=_i32(10, 2)), ValueError,
+     r"seq_lens must be >= each sequence's q_len; got seq_lens\[1\]=2 < q_len 3"),
+    ("table-narrow", lambda b: dict(seq_lens=_i32(20, 6)), ValueError,
+     r"block_table must have a column per block .* seq_lens\[0\]=20 needing 5 blocks"),
+    ("table-range", lambda b: dict(block_table=b.block_table.clone().fill_(9)), ValueError,
+     r"block_table entries of used blocks must be in \[0, num_blocks=7\); got range \[9, 9\]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("over,exc,match", [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
+def test_invalid_arguments(over, exc, match):
+    b = _valid()
+    with pytest.raises(exc, match=r"^paged_attention: .*" + match):
+        _call(b, **over(b))
+
+
+def test_head_dim_above_256():
+    k, v = empty_kv_cache(2, 4, 1, 288, dtype=torch.float32)
+    q = torch.zeros(1, 1, 288)
+    with pytest.raises(ValueError, match=r"head_dim must be <= 256; got 288"):
+        paged_attention(q, k, v, _i32(0).view(1, 1), _i32(1), _i32(0, 1))
+
+
+def test_every_reason_is_listed():
+    b = _valid()
+    with pytest.raises(ValueError, match=r"query head_dim must .*; .*out shape must .*; .*scale"):
+        _call(b, query=b.query[..., :8], out=b.query[:1].clone(), scale=-1.0)
+    with pytest.raises(ValueError, match=r"start at 0 .*; .*non-decreasing"):
+        _call(b, query_start_loc=_i32(1, 0, 4))
+
+
+# -- GPU: serving shapes, bf16/fp16 ---------------------------------------------------------------
+
+GPU_DTYPES = (torch.bfloat16, torch.float16)
+# decode at 16k, a 128-token chunk at 9k, pure prefill, seq_len 1, odd lengths
+GPU_SEQS = ((16384, 1), (9000, 128), (700, 700), (1, 1), (4097, 1), (3001, 37))
+GPU_CACHES = [(16, "contiguous", "NHD"), (2048, "contiguous", "NHD"), (2048, "hybrid", "NHD"),
+              (544, "hybrid", "SHUFFLE"), (16, "slice", "SHUFFLE")]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,kind,layout", GPU_CACHES)
+def test_gpu_serving_shapes(block_size, kind, layout, dtype):
+    b = make_batch(
+        GPU_SEQS, block_size=block_size, heads=(32, 8), head_dim=128, dtype=dtype, kind=kind,
+        layout=layout, device="cuda",
+    )  # fmt: skip
+    out = paged_attention(*b.args(), layout=layout)
+    torch.cuda.synchronize()
+    check(b, out)
+
+
+@pytest.mark.gpu
+def test_gpu_offsets_past_int32():
+    """A cache whose last blocks sit beyond 2^31 elements: offsets must be 64-bit."""
+    block_size, hkv, d = 16, 8, 128
+    per_block = block_size * hkv * d
+    num_blocks = (2**31) // per_block + 64
+    k = torch.empty((num_blocks, block_size, hkv, d), dtype=torch.float16, device="cuda")
+    v = torch.empty_like(k)
+    seqs = ((300, 1), (100, 20))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    table = torch.full((2, 32), -1, dtype=torch.int32, device="cuda")
+    first = num_blocks - 40  # every block past the 2^31-element mark
+    for i, (s, _) in enumerate(seqs):
+        n = -(-s // block_size)
+        table[i, :n] = torch.arange(first, first + n, device="cuda")
+        first += n
+    used = table[table >= 0].long()
+    k[used] = torch.randn(k[used].shape, generator=g, device="cuda").half()
+    v[used] = torch.randn(v[used].shape, generator=g, device="cuda").half()
+    q = torch.randn((21, 32, d), generator=g, device="cuda").half()
+    b = Batch(
+        query=q, key_cache=k, value_cache=v, block_table=table,
+        seq_lens=torch.tensor([300, 100], dtype=torch.int32, device="cuda"),
+        query_start_loc=torch.tensor([0, 1, 21], dtype=torch.int32, device="cuda"), layout="NHD",
+    )  # fmt: skip
+    check(b, paged_attention(*b.args()))
