@@ -333,13 +333,11 @@ def _handler(stub: KubeStub) -> type[BaseHTTPRequestHandler]:
             body = b""
             if int(self.headers.get("Content-Length") or 0):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-            for kind, pattern in _ROUTES:
-                m = pattern.match(url.path)
-                if m:
-                    break
-            else:
+            found = [(k, m) for k, p in _ROUTES if (m := p.match(url.path))]
+            if not found:
                 self._json(404, _status(404, "NotFound", url.path))
                 return
+            kind, m = found[0]
             watching = query.get("watch") in ("true", "True", "1")
             route = f"{method} {kind}" + (" watch" if watching else "")
             with stub.cond:
