@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,26 +176,45 @@ def _run_matrix(args: argparse.Namespace) -> int:
 
 
 def _run_k8s(cells: Sequence[Cell], out: Path, args: argparse.Namespace) -> list[report.CellResult]:
-    """GPU cells as Kubernetes Jobs through the launcher; CPU cells on this machine."""
-    launcher: Any
-    try:
-        launcher = importlib.import_module("kubematrix.launcher")
-    except ImportError:
-        launcher = None
+    """GPU cells as Kubernetes Jobs through the launcher, CPU cells on this machine meanwhile.
+
+    The launcher runs in the main thread (it owns Ctrl-C and cleans its Jobs up); the CPU cells run
+    in a thread that a Ctrl-C stops too.
+    """
     from kubematrix.local import run_local
 
     gpu = [c for c in cells if c.spec.is_gpu]
     cpu = [c for c in cells if not c.spec.is_gpu]
-    results = {r.cell: r for r in run_local(cpu, out, workers=args.workers)} if cpu else {}
-    if gpu and (launcher is None or not hasattr(launcher, "run_cells")):
-        for c in gpu:
-            results[c.name] = report.not_run(c, "the Kubernetes launcher is not available")
-            report.write_cell_record(results[c.name], out)
-    elif gpu:
-        for r in launcher.run_cells(gpu, out):
-            results[r.cell] = r
-            report.write_cell_record(r, out)
+    stop = threading.Event()
+    local: list[report.CellResult] = []
+    thread = threading.Thread(
+        target=lambda: local.extend(run_local(cpu, out, workers=args.workers, stop=stop)),
+        name="kubematrix-local",
+    )
+    if cpu:
+        thread.start()
+    results: dict[str, report.CellResult] = {}
+    try:
+        launched = _launch(gpu, out) if gpu else []
+    finally:
+        if cpu:
+            if sys.exc_info()[0] is not None:
+                stop.set()
+            thread.join()
+    for r in [*local, *launched]:
+        results[r.cell] = r
+    for r in launched:
+        report.write_cell_record(r, out)
     return [results[c.name] for c in cells]
+
+
+def _launch(cells: Sequence[Cell], out: Path) -> list[report.CellResult]:
+    try:
+        launcher = importlib.import_module("kubematrix.launcher")
+        run_cells = launcher.run_cells
+    except (ImportError, AttributeError):
+        return [report.not_run(c, "the Kubernetes launcher is not available") for c in cells]
+    return list(run_cells(cells, out))
 
 
 # -- pipeline -----------------------------------------------------------------------------------
@@ -260,11 +280,12 @@ def _run_report(args: argparse.Namespace) -> int:
     cells = _cells(args)
     if args.buildkite:
         out.mkdir(parents=True, exist_ok=True)
-        # A glob that matches nothing makes the download fail: a build without results.
-        try:
-            _agent("artifact", "download", f"{out.as_posix()}/*", ".")
-        except subprocess.CalledProcessError:
-            print(f"report: no artifacts under {out}/ in this build", file=sys.stderr)
+        # A query that matches nothing fails the download: a build without such results.
+        for query in (f"{out.as_posix()}/*.xml", f"{out.as_posix()}/compile/*"):
+            try:
+                _agent("artifact", "download", query, ".")
+            except subprocess.CalledProcessError:
+                print(f"report: no artifacts match {query} in this build", file=sys.stderr)
     results = report.collect(cells, out)
     not_selected = set(filter(None, os.environ.get(buildkite.NOT_SELECTED_ENV, "").split(",")))
     results = [

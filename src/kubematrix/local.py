@@ -14,9 +14,11 @@ process's exit status and its JUnit.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
@@ -100,10 +102,12 @@ def run_cell(
     say: Callable[[str], None],
     heartbeat: float = HEARTBEAT_SECONDS,
     cwd: str | os.PathLike[str] | None = None,
+    stop: threading.Event | None = None,
 ) -> CellResult:
     """Run one cell to completion (or its timeout) and return its result.
 
     ``cwd`` is where pytest runs (its rootdir and ``testpaths``); the current directory by default.
+    Setting ``stop`` (from another thread) stops the cell as Ctrl-C would.
     """
     junit, log = cell.junit_path(results_dir), results_dir / f"{cell.name}.log"
     junit.unlink(missing_ok=True)
@@ -111,8 +115,9 @@ def run_cell(
     cmd = cell_command(cell, results_dir, workers)
     start = time.monotonic()
     deadline = start + cell.timeout_minutes * 60
+    last_said = start
     with open(log, "w") as log_file:
-        log_file.write("$ " + " ".join(cmd) + "\n")
+        log_file.write("$ " + shlex.join(cmd) + "\n")
         log_file.flush()
         proc = subprocess.Popen(
             cmd,
@@ -125,9 +130,12 @@ def run_cell(
         try:
             while True:
                 try:
-                    proc.wait(timeout=max(0.1, min(heartbeat, deadline - time.monotonic())))
+                    wait = min(heartbeat, deadline - time.monotonic(), 1.0 if stop else heartbeat)
+                    proc.wait(timeout=max(0.1, wait))
                     break
                 except subprocess.TimeoutExpired:
+                    if stop is not None and stop.is_set():
+                        raise KeyboardInterrupt from None
                     if time.monotonic() >= deadline:
                         _stop(proc)
                         elapsed = time.monotonic() - start
@@ -137,7 +145,9 @@ def run_cell(
                             status="error",
                             seconds=elapsed,
                         )
-                    say(f"      {cell.name}: running, {time.monotonic() - start:.0f}s")
+                    if time.monotonic() - last_said >= heartbeat:
+                        last_said = time.monotonic()
+                        say(f"      {cell.name}: running, {last_said - start:.0f}s")
         except BaseException:  # Ctrl-C or the like: leave no process behind, then go on raising
             _stop(proc)
             raise
@@ -170,12 +180,14 @@ def run_local(
     host: Host | None = None,
     stream: TextIO | None = None,
     cwd: str | os.PathLike[str] | None = None,
+    stop: threading.Event | None = None,
 ) -> list[CellResult]:
     """Run every cell the local machine can run; the others become ``not run`` with the reason.
 
     Progress goes to ``stream`` (stdout by default) one line per cell. On Ctrl-C the running cell
     is stopped and recorded as an error, the remaining cells as not run, and the results so far
-    are returned (so the summary is still written).
+    are returned (so the summary is still written); setting ``stop`` from another thread does the
+    same (the Kubernetes runner runs the CPU cells in a thread beside the launcher).
     """
     out = Path(results_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -196,16 +208,19 @@ def run_local(
     index = 0
     interrupted = False
     for cell, why in plan:
+        interrupted = interrupted or (stop is not None and stop.is_set())
         if why is not None or interrupted:
             result = not_run(cell, why or "interrupted before it started")
         else:
             index += 1
             say(f"[{index}/{len(runnable)}] {cell.name} ...")
+            started = time.monotonic()
             try:
-                result = run_cell(cell, out, workers=workers, say=say, cwd=cwd)
+                result = run_cell(cell, out, workers=workers, say=say, cwd=cwd, stop=stop)
             except KeyboardInterrupt:
                 interrupted = True
-                result = not_run(cell, "interrupted (Ctrl-C)", status="error")
+                elapsed = time.monotonic() - started
+                result = not_run(cell, "interrupted", status="error", seconds=elapsed)
             c = result.counts
             counts = (
                 f" ({c.passed} passed, {c.failed + c.errors} failed, {c.skipped} skipped)"

@@ -150,10 +150,7 @@ def test_steps_only_call_nox_with_timeouts_junit_and_infrastructure_retries():
             continue
         cell = get_cell(step["key"])
         if cell.suite == "compile":
-            assert step["artifact_paths"] == [
-                f"results/matrix/{cell.name}.xml",
-                "results/matrix/compile/**/*",
-            ]
+            assert step["artifact_paths"] == ["results/matrix/compile/*"]
         else:
             junit = f"results/matrix/{cell.name}.xml"
             assert step["command"].endswith(f"--junitxml={junit}")

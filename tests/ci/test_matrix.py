@@ -7,12 +7,15 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from nox.project import load_toml  # tomllib is 3.11+; the project supports 3.10
 
-from kubematrix import matrix
+from kubematrix import matrix, report
+from kubematrix.__main__ import main
 from kubematrix.local import run_local
 from kubematrix.matrix import BACKENDS, SUITES, Host, all_cells, get_cell, select_cells
 
@@ -144,6 +147,7 @@ TOY_TESTS = {
             policy: p
             mla: m
             specdec: s
+            hybrid: h
             gpu: g
     """,
     "test_toy.py": """
@@ -167,16 +171,26 @@ TOY_TESTS = {
         @pytest.mark.mla
         def test_mla_broken():
             assert 1 == 2, "the runner must report this"
+
+        @pytest.mark.hybrid
+        def test_hybrid_hangs():
+            import time
+            time.sleep(120)
     """,
 }
 
 
-def test_run_local_reports_pass_fail_empty_and_not_run(tmp_path, monkeypatch):
+@pytest.fixture
+def toy_project(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # the toy needs no plugin: faster
     project = tmp_path / "project"
     project.mkdir()
     for name, text in TOY_TESTS.items():
         (project / name).write_text(textwrap.dedent(text))
+    return project
+
+
+def test_run_local_reports_pass_fail_empty_and_not_run(tmp_path, toy_project):
     cells = [
         get_cell("policy-cpu-interpreter"),
         get_cell("mla-cpu-interpreter"),
@@ -186,7 +200,7 @@ def test_run_local_reports_pass_fail_empty_and_not_run(tmp_path, monkeypatch):
     ]
     out, progress = tmp_path / "results", io.StringIO()
     host = Host(frozenset(), {}, compile_module=False)
-    results = run_local(cells, out, workers=1, host=host, stream=progress, cwd=project)
+    results = run_local(cells, out, workers=1, host=host, stream=progress, cwd=toy_project)
     by = {r.cell: r for r in results}
 
     policy = by["policy-cpu-interpreter"]
@@ -207,3 +221,32 @@ def test_run_local_reports_pass_fail_empty_and_not_run(tmp_path, monkeypatch):
     text = progress.getvalue()
     assert "runner local runs 3" in text
     assert "[2/3] mla-cpu-interpreter: failed (0 passed, 1 failed, 0 skipped)" in text
+
+
+def test_k8s_runner_without_a_cluster_reports_errors_never_passes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    args = ["matrix", "--runner", "k8s", "--suite", "mla", "--backend", "cuda"]
+    assert main([*args, "--results", str(tmp_path / "r")]) == 1
+    (record,) = report.collect([get_cell("mla-cuda-sm_90")], tmp_path / "r")
+    assert record.status == "error" and "no cluster" in record.reason
+    assert capsys.readouterr().out.splitlines()[-1] == "matrix: failed"
+
+
+def test_stopping_the_runner_stops_the_cell_and_skips_the_rest(tmp_path, toy_project):
+    cells = [get_cell("hybrid-cpu-interpreter"), get_cell("policy-cpu-interpreter")]
+    stop = threading.Event()
+    threading.Timer(3.0, stop.set).start()
+    start = time.monotonic()
+    hung, rest = run_local(
+        cells,
+        tmp_path / "r",
+        workers=1,
+        host=NO_GPU,
+        stream=io.StringIO(),
+        cwd=toy_project,
+        stop=stop,
+    )
+    assert time.monotonic() - start < 30  # the 120 s test was killed, not waited for
+    assert (hung.status, hung.reason) == ("error", "interrupted")
+    assert (rest.status, rest.reason) == ("not run", "interrupted before it started")
