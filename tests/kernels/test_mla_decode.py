@@ -12,6 +12,7 @@ from triton.errors import TritonError
 from portattn import reference
 from portattn.kernels._launch import run_all
 from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
+from portattn.kernels.page_indices import expand_page_indices
 from portattn.platform import get_target
 from portattn.policy.common import next_pow2
 from portattn.policy.mla import MlaProblem, mla_decode_tiles
@@ -107,9 +108,9 @@ def test_page_indices_identical_to_block_table(block_size, device):
     )
     kw = dict(kv_lora_rank=256, scale=0.06, query_start_loc=qsl, return_lse=True)
     a, la = mla_decode(q, cache, bt, sl, **kw)
-    pages = tuple(
-        t.to(device) for t in reference.expand_page_indices(bt.cpu(), sl.cpu(), block_size)
-    )
+    pages = expand_page_indices(bt, sl, block_size)  # the kernel, not the reference
+    ref_pages = reference.expand_page_indices(bt.cpu(), sl.cpu(), block_size)
+    assert all(torch.equal(x.cpu().long(), y) for x, y in zip(pages, ref_pages, strict=True))
     b, lb = mla_decode(q, cache, None, sl, page_indices=pages, **kw)
     assert torch.equal(a, b) and torch.equal(la, lb)
 
@@ -404,7 +405,6 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c[0][0]}-{c[0][1]}_h{c[1]}_bs{c[2]}")
 @pytest.mark.parametrize("form", ["block_table", "page_indices", "metadata"])
 def test_gpu_bf16_real_shapes(case, form):
-    from portattn.kernels.page_indices import expand_page_indices
     from portattn.mla_metadata import MlaMetadataBuilder
     from portattn.platform import current_target
 
