@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,13 +158,16 @@ def _run_matrix(args: argparse.Namespace) -> int:
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     _clear_cell_files(cells, out)
+    start = time.monotonic()
     if args.runner == "local":
         from kubematrix.local import run_local
 
         results = run_local(cells, out, workers=args.workers)
     else:
         results = _run_k8s(cells, out, args)
-    files = report.write_summary(results, out, context=f"runner `{args.runner}`")
+    wall = time.monotonic() - start
+    context = f"runner `{args.runner}`, commit `{_git_commit()}`, wall time {wall:.0f} s"
+    files = report.write_summary(results, out, context=context)
     print()
     print(report.summary_table(results), end="")
     print(f"\nJUnit per cell in {out}/, merged: {files.junit}")
@@ -171,8 +175,18 @@ def _run_matrix(args: argparse.Namespace) -> int:
     if files.heatmap:
         print(f"compile heatmap: {files.heatmap}")
     status = report.overall_status(results)
-    print(f"matrix: {status}")
+    print(f"matrix: {status} (wall time {wall:.0f} s)")
     return 1 if status == "failed" else 0
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip()
 
 
 def _run_k8s(cells: Sequence[Cell], out: Path, args: argparse.Namespace) -> list[report.CellResult]:
