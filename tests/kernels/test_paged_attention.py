@@ -142,13 +142,13 @@ def make_batch(
     q_lens = [q for _, q in seqs]
     qsl = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()])
     num_tokens = int(qsl[-1])
-    q = torch.randn((num_tokens, hq, head_dim), generator=g).to(dtype)
+    q = torch.randn((num_tokens, hq, head_dim), generator=g).to(dtype).to(device)
     if strided_query:  # a slice of a wider [num_tokens, hq + 1, head_dim + 8] buffer
-        wide = torch.full((num_tokens, hq + 1, head_dim + 8), NAN, dtype=dtype)
+        wide = torch.full((num_tokens, hq + 1, head_dim + 8), NAN, dtype=dtype, device=device)
         wide[:, 1:, :head_dim] = q
         q = wide[:, 1:, :head_dim]
     return Batch(
-        query=q.to(device),
+        query=q,
         key_cache=k,
         value_cache=v,
         block_table=table.to(table_dtype).to(device),
