@@ -113,6 +113,11 @@ def _crop(t, shape):
     return t[(slice(None, None, 2), slice(1, None), *[slice(1, n + 1) for n in shape[2:]])]
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (NaN payloads compared exactly)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
 def make_tokens(n, dtype, device="cpu", h=NUM_KV_HEADS, d=HEAD_DIM, seed=0):
     """key as a transposed view, value as a slice of a wider tensor: both non-contiguous."""
     g = torch.Generator().manual_seed(seed)
@@ -181,8 +186,9 @@ def test_write_empty_is_a_no_op(device):
 
 
 def _seq_lens(block_size: int) -> list[int]:
-    """A partial last block, an empty sequence, a single token, exactly one full block."""
-    return [block_size + block_size // 2 + 1, 0, 1, block_size]
+    """A partial last block, an empty sequence, a single token, exactly one full block (small
+    blocks only: the interpreter pays per token, and 2048 more tokens test nothing new)."""
+    return [block_size + block_size // 2 + 1, 0, 1] + ([block_size] if block_size <= 80 else [])
 
 
 def _block_table(num_seqs, max_blocks, nb, seed=0, dtype=torch.int32):
@@ -289,8 +295,8 @@ def test_write_gather_round_trip(case, device):
     rk, rv = reference.gather_kv_cache(before.k, before.v, table, cu, layout=layout)
     unwritten = torch.ones(nb * block_size, dtype=torch.bool)
     unwritten[slots[live]] = False
-    assert torch.equal(k[unwritten].view(torch.uint8), rk[unwritten].view(torch.uint8))
-    assert torch.equal(v[unwritten].view(torch.uint8), rv[unwritten].view(torch.uint8))
+    assert torch.equal(_bits(k[unwritten]), _bits(rk[unwritten]))
+    assert torch.equal(_bits(v[unwritten]), _bits(rv[unwritten]))
 
 
 # -- one shared contiguity predicate -----------------------------------------------------------
@@ -558,5 +564,4 @@ def test_gpu_write_gather_exact(dtype, block_size, layout, kind):
     table = _block_table(len(lens), nb, nb).to(dev)
     k, v = gather_kv_cache(cache.k, cache.v, table, cu, layout=layout)
     rk, rv = reference.gather_kv_cache(cache.k, cache.v, table, cu, layout=layout)
-    assert torch.equal(k.view(torch.int16), rk.view(torch.int16))
-    assert torch.equal(v.view(torch.int16), rv.view(torch.int16))
+    assert torch.equal(_bits(k), _bits(rk)) and torch.equal(_bits(v), _bits(rv))
