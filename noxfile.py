@@ -43,7 +43,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """The CPU gate: policies, every kernel under TRITON_INTERPRET=1, compile matrix, CI layer."""
-    install_project(session, "test", "ci")
+    install_project(session, "test", "ci", "hybrid")
     env = {"TRITON_INTERPRET": "1"}
     session.run("pytest", "-n", "2", "-m", "not gpu", *session.posargs, env=env)
 
@@ -63,10 +63,33 @@ def gpu(session: nox.Session) -> None:
 MATRIX_SUITES = ("paged", "mla", "hybrid", "specdec", "policy")
 
 
+MAMBA_EXTENSIONS: list[str] = PYPROJECT["tool"]["portattn"]["mamba-extensions"]
+WHEELHOUSE = os.environ.get("PORTATTN_WHEELHOUSE", "/opt/wheels")
+
+
+def _mamba_extensions(session: nox.Session) -> None:
+    """mamba-ssm / causal-conv1d: the GPU image's prebuilt wheels; on a CPU machine, none."""
+    if not _has_gpu():
+        session.log(
+            "hybrid: CPU machine: mamba-ssm and causal-conv1d are CUDA/HIP extensions and do not "
+            "apply here; running the CPU tests (their tests skip, with the reason, in the summary)"
+        )
+        return
+    if not os.path.isdir(WHEELHOUSE):
+        session.warn(
+            f"hybrid: no wheelhouse at {WHEELHOUSE} (PORTATTN_WHEELHOUSE): mamba-ssm and "
+            "causal-conv1d are source-only CUDA/HIP builds made in the GPU images; their tests skip"
+        )
+        return
+    session.install("--no-index", "--find-links", WHEELHOUSE, *MAMBA_EXTENSIONS)
+
+
 def _suite_session(suite: str) -> None:
     def run(session: nox.Session) -> None:
         # The hybrid suite builds real models' configs with transformers (the `hybrid` extra).
         install_project(session, "test", *(["hybrid"] if suite == "hybrid" else []))
+        if suite == "hybrid":
+            _mamba_extensions(session)
         if _has_gpu():
             session.run("pytest", "-m", suite, *session.posargs)
         else:
