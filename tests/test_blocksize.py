@@ -132,6 +132,10 @@ def test_registry_errors(monkeypatch):
         supported_block_sizes("write_kv_cache", layout="HND")
     # A module that reads NHD only, with exact sizes, some not multiples of x.
     mod = types.ModuleType("portattn_test_nhd_only")
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setitem(sys.modules["portattn.ops_registry"].OP_MODULES, "nhd_only", mod.__name__)
+    with pytest.raises(ValueError, match="portattn_test_nhd_only must declare SUPPORTED_BLOCK"):
+        supported_block_sizes("nhd_only")
     mod.SUPPORTED_BLOCK_SIZES = (1, 64, MultipleOf(12))  # type: ignore[attr-defined]
     mod.SUPPORTED_LAYOUTS = ("NHD",)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, mod.__name__, mod)

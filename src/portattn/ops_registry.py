@@ -61,6 +61,10 @@ def supported_block_sizes(
         module = importlib.import_module(OP_MODULES[op])
     except ModuleNotFoundError as e:
         raise ValueError(f"supported_block_sizes: op {op!r} is not available ({e})") from None
+    if not hasattr(module, "SUPPORTED_BLOCK_SIZES"):
+        raise ValueError(
+            f"supported_block_sizes: {OP_MODULES[op]} must declare SUPPORTED_BLOCK_SIZES for {op}"
+        )
     rules: tuple[BlockSizeRule, ...] = tuple(module.SUPPORTED_BLOCK_SIZES)
     layouts = tuple(getattr(module, "SUPPORTED_LAYOUTS", LAYOUTS))
     if layout not in layouts:
