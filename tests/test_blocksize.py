@@ -138,8 +138,6 @@ def test_registry_errors(monkeypatch):
         supported_block_sizes("nhd_only")
     mod.SUPPORTED_BLOCK_SIZES = (1, 64, MultipleOf(12))  # type: ignore[attr-defined]
     mod.SUPPORTED_LAYOUTS = ("NHD",)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    monkeypatch.setitem(sys.modules["portattn.ops_registry"].OP_MODULES, "nhd_only", mod.__name__)
     with pytest.raises(ValueError, match=r"layout for nhd_only must be one of \('NHD',\)"):
         supported_block_sizes("nhd_only", layout="SHUFFLE")
     mod.SUPPORTED_LAYOUTS = ("NHD", "SHUFFLE")  # type: ignore[attr-defined]
