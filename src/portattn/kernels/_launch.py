@@ -8,6 +8,7 @@ run, for any target, from meta tensors, with no GPU: `Launch.signature` gives Tr
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,29 +47,34 @@ class Launch:
             return
         self.kernel[self.grid](**self.args, **self.options.kwargs(self.target))
 
+    def _params(self) -> list[tuple[str, bool]]:
+        """``(name, is_constexpr)`` per kernel parameter, for a JIT or an interpreted kernel."""
+        if hasattr(self.kernel, "params"):
+            return [(p.name, bool(p.is_constexpr)) for p in self.kernel.params]
+        sig = inspect.signature(self.kernel.fn)  # TRITON_INTERPRET=1: InterpretedFunction
+        return [(n, "constexpr" in str(p.annotation)) for n, p in sig.parameters.items()]
+
     def constexprs(self) -> dict[str, Any]:
         """The constexpr arguments by name."""
-        return {
-            p.name: self.args[p.name] for p in self.kernel.params if p.is_constexpr
-        }
+        return {name: self.args[name] for name, c in self._params() if c}
 
     def signature(self) -> dict[str, str]:
         """Triton's signature for `triton.compiler.ASTSource` (constexprs as ``"constexpr"``)."""
         sig = {}
-        for p in self.kernel.params:
-            v = self.args[p.name]
-            if p.is_constexpr:
-                sig[p.name] = "constexpr"
+        for name, is_constexpr in self._params():
+            v = self.args[name]
+            if is_constexpr:
+                sig[name] = "constexpr"
             elif isinstance(v, torch.Tensor):
-                sig[p.name] = "*" + _TRITON_DTYPES[v.dtype]
+                sig[name] = "*" + _TRITON_DTYPES[v.dtype]
             elif isinstance(v, bool):
-                sig[p.name] = "i1"
+                sig[name] = "i1"
             elif isinstance(v, int):
-                sig[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+                sig[name] = "i32" if -(2**31) <= v < 2**31 else "i64"
             elif isinstance(v, float):
-                sig[p.name] = "fp32"
+                sig[name] = "fp32"
             else:
-                raise TypeError(f"Launch.signature: unsupported argument {p.name}={type(v)}")
+                raise TypeError(f"Launch.signature: unsupported argument {name}={type(v)}")
         return sig
 
 

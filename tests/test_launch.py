@@ -1,0 +1,41 @@
+"""Launch plans describe a kernel launch identically under the JIT and the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from portattn.kernels._launch import Launch
+from portattn.platform import get_target
+from portattn.policy.common import LaunchOptions
+
+
+@triton.jit
+def _toy_kernel(a_ptr, n, scale, BLOCK: tl.constexpr):
+    pass
+
+
+def _launch(arch: str, options: LaunchOptions, n: int = 3) -> Launch:
+    args = {"a_ptr": torch.empty(4, dtype=torch.float16), "n": n, "scale": 0.5, "BLOCK": 16}
+    return Launch(_toy_kernel, (1,), args, options, get_target(arch))
+
+
+def test_signature_and_constexprs():
+    launch = _launch("sm_90", LaunchOptions(4, 2))
+    assert launch.constexprs() == {"BLOCK": 16}
+    assert launch.signature() == {
+        "a_ptr": "*fp16",
+        "n": "i32",
+        "scale": "fp32",
+        "BLOCK": "constexpr",
+    }
+    assert _launch("sm_90", LaunchOptions(4, 2), n=2**31).signature()["n"] == "i64"
+
+
+def test_hip_only_option_refused_on_cuda():
+    opts = LaunchOptions(4, 2, waves_per_eu=2)
+    assert _launch("gfx942", opts).options.kwargs(get_target("gfx942"))["waves_per_eu"] == 2
+    with pytest.raises(ValueError, match="waves_per_eu is a HIP-only option; target is sm_90"):
+        opts.kwargs(get_target("sm_90"))
