@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -158,3 +159,48 @@ def test_report_command(results_dir, capsys):
     assert code == 1  # a failed cell
     assert out.splitlines()[-1] == "2 cells: 1 passed, 1 failed (cell time 20.8s)"
     assert (results_dir / "report.md").is_file() and (results_dir / "junit.xml").is_file()
+
+
+def test_report_marks_cells_the_change_did_not_select(results_dir, monkeypatch, capsys):
+    monkeypatch.setenv("KUBEMATRIX_NOT_SELECTED", "mla-cuda-sm_90")
+    main(["report", "--results", str(results_dir), "--cell", "mla-cuda-sm_90"])
+    assert (
+        "not selected by the changed files (unblock its step to run it)" in capsys.readouterr().out
+    )
+
+
+FAKE_AGENT = """#!/bin/sh
+# buildkite-agent stand-in (the real one needs a Buildkite job): records its calls.
+echo "$@" >> "$AGENT_LOG"
+if [ "$1" = annotate ]; then cat > "$AGENT_LOG.annotation"; fi
+if [ "$1 $2" = "artifact download" ]; then exit 1; fi  # nothing to download: already here
+"""
+
+
+def test_buildkite_mode_annotates_the_build(results_dir, tmp_path, monkeypatch, capsys):
+    agent = tmp_path / "bin" / "buildkite-agent"
+    agent.parent.mkdir()
+    agent.write_text(FAKE_AGENT)
+    agent.chmod(0o755)
+    log = tmp_path / "agent.log"
+    monkeypatch.setenv("PATH", f"{agent.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("AGENT_LOG", str(log))
+    monkeypatch.setenv("BUILDKITE_COMMIT", "0123456789abcdef")
+    monkeypatch.setenv("BUILDKITE_BUILD_NUMBER", "42")
+    monkeypatch.chdir(results_dir.parent)
+    args = ["report", "--buildkite", "--results", results_dir.name]
+    assert (
+        main([*args, "--cell", "paged-cpu-interpreter", "--cell", "compile-cpu-interpreter"]) == 0
+    )
+    calls = log.read_text().splitlines()
+    name = results_dir.name
+    assert calls[:2] == [
+        f"artifact download {name}/*.xml .",
+        f"artifact download {name}/compile/* .",
+    ]
+    assert calls[2] == "annotate --style error --context matrix"
+    assert calls[3] == f"artifact upload {name}/junit.xml;{name}/report.md;{name}/results.json"
+    annotation = Path(f"{log}.annotation").read_text()
+    assert annotation.startswith("## portattn matrix: failed\n\nbuild 42, commit `0123456789ab`")
+    assert f"![compile heatmap](artifact://{name}/compile/compile_matrix.png)" in annotation
+    capsys.readouterr()
