@@ -228,3 +228,25 @@ def test_pipeline_command_selection(capsys):
     steps = by_key(json.loads(capsys.readouterr().out))
     assert steps["mla-cuda-sm_90"]["depends_on"] == []
     assert steps["mla-rocm-gfx942"]["depends_on"] == ["run-mla-rocm-gfx942"]
+
+
+def test_changed_files_since_the_merge_base(tmp_path):
+    def git(*argv: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *argv], check=True, capture_output=True)
+
+    git("init", "-q", "-b", "main")
+    git("config", "user.email", "ci@example.invalid")
+    git("config", "user.name", "ci")
+    (tmp_path / "noxfile.py").write_text("")
+    git("add", "noxfile.py")
+    git("commit", "-q", "-m", "base")
+    git("checkout", "-q", "-b", "change")
+    (tmp_path / "Dockerfile.rocm").write_text("FROM scratch\n")
+    git("add", "Dockerfile.rocm")
+    git("commit", "-q", "-m", "rocm image")
+    git("checkout", "-q", "main")
+    (tmp_path / "noxfile.py").write_text("# main moved on\n")
+    git("commit", "-q", "-am", "later on main")
+    git("checkout", "-q", "change")
+    # Only the branch's own change counts, not what main did since it forked.
+    assert buildkite.changed_files_since("main", cwd=str(tmp_path)) == ["Dockerfile.rocm"]
