@@ -129,7 +129,9 @@ def make_tokens(n, dtype, device="cpu", h=NUM_KV_HEADS, d=HEAD_DIM, seed=0):
 def make_slots(n, num_slots, seed=0, dtype=torch.int64):
     """Distinct random slots including the first and last slot, with a few negative ones."""
     g = torch.Generator().manual_seed(seed)
-    slots = torch.randperm(num_slots, generator=g)[:n]
+    # drawn from 1..num_slots-2 so that pinning the first and last slot creates no duplicate
+    # (two tokens to one slot is a race on a GPU, and would make the comparison meaningless)
+    slots = 1 + torch.randperm(num_slots - 2, generator=g)[:n]
     slots[0], slots[-1] = 0, num_slots - 1
     if n > 4:
         slots[1], slots[n // 2] = -1, -5
