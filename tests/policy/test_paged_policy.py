@@ -11,6 +11,7 @@ from portattn.policy.common import LaunchOptions
 from portattn.policy.paged import (
     PagedProblem,
     PagedTiles,
+    estimate_registers,
     estimate_shared_mem,
     paged_tiles,
 )
@@ -33,7 +34,8 @@ def _problem(**kw) -> PagedProblem:
 
 
 # Exact choices, CUDA and HIP side by side. Each expected shared_mem_bytes is the budget formula
-# 2*stages*block_n*block_d*e + block_m*block_d*e + block_m*block_n*e.
+# 2*stages*block_n*block_d*e + block_m*block_d*e + block_m*block_n*e; 8 warps where the register
+# estimate (block_m*block_d + block_m*block_n + block_n*block_d*e/4) / (4*warp_size) exceeds 64.
 EXACT = [
     # decode, GQA 4:1, head_dim 128, fp16: 16 rows = 4 heads x 4 tokens
     (
@@ -50,12 +52,12 @@ EXACT = [
     (
         "sm_90",
         _problem(max_query_len=512, block_size=2048),
-        PagedTiles(64, 16, 4, 64, 128, LaunchOptions(4, 3), 98304 + 16384 + 8192),
+        PagedTiles(64, 16, 4, 64, 128, LaunchOptions(8, 3), 98304 + 16384 + 8192),
     ),
     (
         "sm_86",  # 101376 B: 3 stages (122880 B) do not fit, 2 do
         _problem(max_query_len=512, block_size=2048),
-        PagedTiles(64, 16, 4, 64, 128, LaunchOptions(4, 2), 65536 + 16384 + 8192),
+        PagedTiles(64, 16, 4, 64, 128, LaunchOptions(8, 2), 65536 + 16384 + 8192),
     ),
     (
         "gfx942",
@@ -71,13 +73,13 @@ EXACT = [
     (
         "sm_90",
         _problem(num_q_heads=40, head_dim=256, elem_bytes=4, max_query_len=64, block_size=544),
-        PagedTiles(64, 12, 5, 32, 256, LaunchOptions(4, 2), 131072 + 65536 + 8192),
+        PagedTiles(64, 12, 5, 32, 256, LaunchOptions(8, 2), 131072 + 65536 + 8192),
     ),
     # MQA with 128 heads: the group is split over programs, 64 heads each
     (
         "sm_90",
         _problem(num_q_heads=128, num_kv_heads=1, head_dim=64),
-        PagedTiles(64, 1, 64, 64, 64, LaunchOptions(4, 3), 49152 + 8192 + 8192),
+        PagedTiles(64, 1, 64, 64, 64, LaunchOptions(8, 3), 49152 + 8192 + 8192),
     ),
     (
         "gfx950",
@@ -146,6 +148,8 @@ def test_every_choice_fits_the_budget(arch):
         assert t.block_q >= 1
         assert 1 <= t.num_stages <= target.max_num_stages
         assert (t.waves_per_eu is not None) == target.is_hip
+        regs4 = estimate_registers(t.block_m, t.block_n, t.block_d, elem, 4, target.warp_size)
+        assert t.num_warps == (4 if regs4 <= 64 else 8)
 
 
 @pytest.mark.parametrize("arch", ("sm_90", "sm_86", "gfx942", "gfx950"))
@@ -165,6 +169,14 @@ def test_estimate_formula():
     assert (
         estimate_shared_mem(16, 32, 128, 2, 2) == 2 * 2 * 32 * 128 * 2 + 16 * 128 * 2 + 16 * 32 * 2
     )
+
+
+def test_register_estimate():
+    # sm_90 prefill tile at head_dim 128, fp16: 128 registers at 4 warps (spills), 64 at 8
+    assert estimate_registers(64, 64, 128, 2, 4, 32) == 128
+    assert estimate_registers(64, 64, 128, 2, 8, 32) == 64
+    # the same tile on a 64-lane wavefront
+    assert estimate_registers(64, 32, 128, 2, 4, 64) == (8192 + 2048 + 2048) // 256
 
 
 def test_hip_gets_waves_per_eu_and_cuda_does_not():

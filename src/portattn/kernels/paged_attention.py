@@ -168,8 +168,20 @@ def _paged_attention_kernel(
         pos = start + offs_n  # [BLOCK_N]
         pos_mask = pos < kv_end
         logical_block = pos // block_size
-        in_block = (pos % block_size).to(tl.int64)
-        phys = tl.load(bt_row + logical_block * stride_bt_blk, mask=pos_mask, other=0).to(tl.int64)
+        # In-block offsets stay 32-bit (one block spans < 2^31 elements); the block term is 64-bit.
+        in_block = pos % block_size
+        if V_TOK_SPLIT > 1:
+            # SHUFFLE V keeps V_TOK_SPLIT tokens contiguous; block_size is a multiple of it and the
+            # tile starts on a multiple of it, so whole runs are loaded (vector loads instead of a
+            # scalar load per element): up to v_end, still inside the sequence's last block.
+            v_end = tl.multiple_of((kv_end + V_TOK_SPLIT - 1) // V_TOK_SPLIT * V_TOK_SPLIT, 4)
+            run_mask = pos < v_end
+            in_block = tl.max_contiguous(tl.multiple_of(in_block, V_TOK_SPLIT), V_TOK_SPLIT)
+        else:
+            run_mask = pos_mask
+        phys = tl.load(bt_row + logical_block * stride_bt_blk, mask=run_mask, other=0).to(tl.int64)
+        if V_TOK_SPLIT > 1:
+            phys = tl.max_constancy(phys, V_TOK_SPLIT)
 
         k_off = phys[None, :] * stride_k_block + _cache_offsets(
             in_block[None, :],
@@ -205,7 +217,9 @@ def _paged_attention_kernel(
             V_TOK_SPLIT,
             V_DIM_SPLIT,
         )
-        v = tl.load(v_base + v_off, mask=pos_mask[:, None] & d_mask[None, :], other=0.0)
+        v = tl.load(v_base + v_off, mask=run_mask[:, None] & d_mask[None, :], other=0.0)
+        if V_TOK_SPLIT > 1:  # slots past the sequence's end may hold anything (NaN): zero them
+            v = tl.where(pos_mask[:, None], v, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         m_i = m_new
 

@@ -14,6 +14,13 @@ Shared-memory budget (`estimate_shared_mem`, bytes, ``e`` = element size of Q/K/
     Q tile (dot operand, staged once):                  block_m * block_d * e
     P tile (softmax probabilities, the second dot's A): block_m * block_n * e
 
+Register budget (`estimate_registers`, 32-bit registers per thread): the fp32 accumulator
+(``block_m * block_d``), the fp32 scores (``block_m * block_n``) and one K or V tile
+(``block_n * block_d * e / 4``) spread over ``num_warps * warp_size`` threads. 4 warps when that is
+<= 64 (what is left of the 255/256-register file holds Q, pointers and the softmax state), else 8.
+The threshold is the compile matrix's finding: 4-warp tiles estimated at 68 compile without
+spills, at 76 (gfx942) and 104-128 (sm_86/sm_90) they spill; at 8 warps none of them does.
+
 The policy walks a preference ladder (largest ``block_n`` first, then deeper pipelines, then smaller
 ``block_m``) and takes the first rung whose estimate fits ``target.max_shared_mem``. The last rung,
 16 x 16 x 256 in fp32 with one stage, needs 50176 B, so every target (smallest: 65536 B) is served.
@@ -30,14 +37,16 @@ MAX_HEAD_DIM = 256
 # The fewest rows/columns a tl.dot operand may have (every backend).
 MIN_DOT_DIM = 16
 # Largest M tile: 64 rows = 4 warps x 16 mma rows on NVIDIA; a 64-row tile is also what AMD's
-# MFMA 16x16 / 32x32 instructions fill with 4 wavefronts.
+# MFMA 16x16 / 32x32 instructions fill with 4 wavefronts (8 warps split the N/D dims further).
 MAX_BLOCK_M = 64
 # Context-token tiles tried, largest first. 64 keeps the two dots square-ish at head_dim 64-128;
 # 16 is the floor of tl.dot's K dimension (the P @ V dot reduces over block_n).
 BLOCK_N_LADDER = (64, 32, 16)
 # Pipelining depth asked for before the target caps it (HIP targets cap at 2).
 PREFERRED_STAGES = 3
-NUM_WARPS = 4
+# Warps per program: the smaller count unless the register budget needs the larger.
+NUM_WARPS = (4, 8)
+MAX_REGS_PER_THREAD = 64
 
 
 @dataclass(frozen=True)
@@ -120,6 +129,29 @@ def estimate_shared_mem(
     return kv + q + p
 
 
+def estimate_registers(
+    block_m: int, block_n: int, block_d: int, elem_bytes: int, num_warps: int, warp_size: int
+) -> int:
+    """32-bit registers per thread for the big tiles (see module docstring), rounded up.
+
+    ``(block_m*block_d + block_m*block_n + block_n*block_d*e/4) / (num_warps*warp_size)``.
+
+    Example: sm_90, head_dim 128, fp16, block_m 64, block_n 64, 4 warps ->
+    ``(8192 + 4096 + 4096) / 128 = 128 > 64``, so 8 warps (64).
+    """
+    words = block_m * block_d + block_m * block_n + block_n * block_d * elem_bytes // 4
+    threads = num_warps * warp_size
+    return -(-words // threads)
+
+
+def _num_warps(target: Target, block_m: int, block_n: int, block_d: int, elem_bytes: int) -> int:
+    for warps in NUM_WARPS:
+        regs = estimate_registers(block_m, block_n, block_d, elem_bytes, warps, target.warp_size)
+        if regs <= MAX_REGS_PER_THREAD:
+            return warps
+    return NUM_WARPS[-1]
+
+
 def _ladder(max_stages: int) -> list[tuple[int, int]]:
     """(block_n, num_stages) in preference order: wide tiles first, pipelined (>= 2) before not."""
     rungs = [(n, s) for n in BLOCK_N_LADDER for s in range(max_stages, 1, -1)]
@@ -137,6 +169,7 @@ def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
         ``block_q = block_m // head_tile`` (decode with GQA 8:1 -> 16 rows, 8 heads, 2 tokens).
       * ``(block_n, num_stages)`` from `_ladder`, first that fits the shared-memory budget;
         if none fits, ``block_m`` halves (down to 16) and the ladder is walked again.
+      * ``num_warps`` 4, or 8 where `estimate_registers` at 4 exceeds 64.
 
     Raises:
         ValueError: a problem the kernel cannot serve (head_dim > 256, heads not divisible,
@@ -174,7 +207,9 @@ def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
                     head_tile=head_tile,
                     block_n=block_n,
                     block_d=block_d,
-                    options=launch_options(target, NUM_WARPS, stages),
+                    options=launch_options(
+                        target, _num_warps(target, block_m, block_n, block_d, p.elem_bytes), stages
+                    ),
                     shared_mem_bytes=smem,
                 )
         if block_m <= min_m:
