@@ -49,7 +49,10 @@ CACHE_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
 CACHE_KV_HEADS = 8
 NUM_SEQS = 4
 PREFILL_CHUNK = 64  # max_query_len of the chunked-prefill cases: the widest M tile (64 rows)
-CONTEXT_BLOCKS = 8  # blocks per sequence in the block tables
+CONTEXT_BLOCKS = 8  # blocks per sequence in the paged / cache cases' block tables
+# MLA decode context (tokens per sequence): long enough that the policy splits the context, so
+# the split-KV reduce kernel is compiled too.
+MLA_CONTEXT = 8192
 # A cache past 2 GiB: AMD compiles such pointers without the 32-bit buffer-range specialisation.
 BIG_CACHE_BYTES = 3 << 30
 
@@ -65,6 +68,9 @@ class Case:
         params: the builder's keyword arguments, as sorted pairs (hashable, picklable).
         spill_allowance: spills this case may have before the gate fails it (see
             `portattn.compile.matrix.SPILL_THRESHOLD`), with the reason in ``spill_reason``.
+        shared_only: compile only through LLVM-IR lowering, where shared memory is allocated
+            (`portattn.compile.worker.shared_memory_only`): for tiles whose full backend compile
+            takes minutes and whose verdict is the shared-memory figure (a naive rule's tiles).
         expect: free text for reports (e.g. why a naive case should fail).
     """
 
@@ -74,6 +80,7 @@ class Case:
     params: tuple[tuple[str, Any], ...] = ()
     spill_allowance: int = 0
     spill_reason: str = ""
+    shared_only: bool = False
     expect: str = field(default="", compare=False)
 
     @property
@@ -185,11 +192,12 @@ def build_mla_decode(
 ) -> list[Launch]:
     from portattn.kernels.mla_decode import plan_mla_decode
 
-    num_blocks = NUM_SEQS * CONTEXT_BLOCKS + 1
+    blocks_per_seq = -(-MLA_CONTEXT // block_size)
+    num_blocks = NUM_SEQS * blocks_per_seq + 1
     num_tokens = NUM_SEQS * q_len
     query = torch.empty((num_tokens, num_q_heads, head_dim_k), dtype=DTYPE, device=META)
     kv_cache = torch.empty((num_blocks, block_size, head_dim_k), dtype=DTYPE, device=META)
-    block_table = torch.empty((NUM_SEQS, CONTEXT_BLOCKS), dtype=torch.int32, device=META)
+    block_table = torch.empty((NUM_SEQS, blocks_per_seq), dtype=torch.int32, device=META)
     seq_lens = torch.empty((NUM_SEQS,), dtype=torch.int32, device=META)
     kwargs: dict[str, Any] = {"target": target}
     if q_len > 1:
@@ -389,14 +397,13 @@ def _estimate_mla(launch: Launch) -> int | None:
     a = launch.args
     if "BLOCK_DV" not in a or "BLOCK_N" not in a:
         return None  # the split-KV reduce: no tiles through shared memory in the policy's model
-    q = next(v for v in a.values() if isinstance(v, torch.Tensor))
     return mla_smem_bytes(
         a["BLOCK_H"],
         a["BLOCK_N"],
         a["BLOCK_DV"],
-        a.get("BLOCK_DPE", 0),
+        a["BLOCK_DPE"],
         launch.options.num_stages,
-        q.element_size(),
+        a["q_ptr"].element_size(),
     )
 
 

@@ -162,8 +162,7 @@ def write_heatmap(cells: Sequence[CellResult], path: str, title: str = "") -> No
             failed[i, j] = not c.passed
     height = max(3.0, 0.16 * len(rows) + 1.5)
     fig, ax = plt.subplots(figsize=(2.2 + 0.75 * len(archs), height))
-    cmap = plt.get_cmap("RdYlGn_r").copy()
-    cmap.set_bad("#444444")
+    cmap = plt.get_cmap("RdYlGn_r").with_extremes(bad="#444444")
     im = ax.imshow(
         np.clip(data, 0, 1.2), aspect="auto", cmap=cmap, vmin=0, vmax=1.2, interpolation="nearest"
     )

@@ -24,12 +24,15 @@ This module must run with ``TRITON_INTERPRET`` off (the matrix's worker processe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -39,6 +42,8 @@ from portattn.platform import Target
 # The shape mismatch of upstream lesson 1 and similar errors are one line deep in Triton's
 # CompilationError text (after a source excerpt); keep the message short enough for a table.
 _MAX_ERROR_CHARS = 2000
+# Bump when the meaning of the remembered resource figures changes.
+_RESOURCES_VERSION = 2
 
 
 @dataclass
@@ -53,8 +58,8 @@ class LaunchResult:
         shared: bytes of shared memory / LDS the compiled kernel allocates
             (``metadata.shared``; what a launch requests).
         regs: registers per thread (NVIDIA) or VGPRs per lane (AMD).
-        spills: bytes spilled (NVIDIA: ptxas spill stores) or registers spilled (AMD: VGPR +
-            SGPR spill count). ``None`` where not available.
+        spills: NVIDIA: bytes of ptxas spill stores per thread; AMD: VGPRs spilled to scratch
+            (``.vgpr_spill_count``). ``None`` where not available.
         scratch: NVIDIA stack frame / AMD private segment bytes per thread.
         policy_shared: the policy's own estimate for these tiles (``None``: no estimate).
         compile_s: wall seconds of the compile (a cache hit is fast).
@@ -108,6 +113,32 @@ def bind(launch: Launch, target: Target):
     kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
     bound, specialization, options = binder(**launch.args, **kwargs)
     return kernel._pack_args(backend, kwargs, bound, specialization, options)
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str) -> Iterator[None]:
+    """Send file descriptor 2 (where MLIR and LLVM diagnostics go) to ``path`` for a while."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
+
+
+def _diagnostics(text: str) -> str:
+    """The MLIR/LLVM diagnostic lines (``error:`` / ``Pipeline failed``) of a compiler log."""
+    keep = [
+        ln.split(": ", 1)[-1].strip() if ": error: " in ln or ": note: " in ln else ln.strip()
+        for ln in text.splitlines()
+        if "error:" in ln or "Pipeline failed" in ln
+    ]
+    return " | ".join(dict.fromkeys(keep))
 
 
 def _short_error(exc: BaseException) -> str:
@@ -165,18 +196,77 @@ def _amd_field(asm: str, name: str) -> int | None:
 
 
 def _amd_resources(compiled) -> tuple[int | None, int | None, int | None]:
-    """(VGPRs, spilled registers, scratch bytes) of a compiled AMD kernel, from its assembly."""
+    """(VGPRs, spilled VGPRs, scratch bytes) of a compiled AMD kernel, from its assembly.
+
+    Only VGPR spills count: they go to scratch memory. SGPR spills (``.sgpr_spill_count``) are
+    parked in VGPR lanes by ``v_writelane``, cost no memory traffic, and are not reported.
+    """
     asm = compiled.asm.get("amdgcn") or ""
     vgpr = _amd_field(asm, "vgpr_count")
     vspill = _amd_field(asm, "vgpr_spill_count")
-    sspill = _amd_field(asm, "sgpr_spill_count")
     scratch = _amd_field(asm, "private_segment_fixed_size")
-    spills = None if vspill is None and sspill is None else (vspill or 0) + (sspill or 0)
-    return vgpr, spills, scratch
+    return vgpr, vspill, scratch
 
 
-def compile_launch(launch: Launch, target: Target, policy_shared: int | None) -> LaunchResult:
-    """Compile ``launch`` for ``target`` and measure it; compile errors are results."""
+def shared_memory_only(src, target: Target, options) -> int:
+    """Shared memory Triton allocates for ``src`` on ``target``, without lowering to a binary.
+
+    ``metadata.shared`` is the ``ttg.shared`` attribute that the allocation pass at the start of
+    the backend's ``make_llir`` sets. This runs ``make_ttir`` and ``make_ttgir`` (the backend's
+    own stage functions) and then only the passes ``make_llir`` runs up to and including that
+    allocation (Triton 3.6's lists, per vendor), skipping the LLVM lowering, LLVM optimisation
+    and ptxas / AMDGPU codegen that follow. For tiles far too large for any target (upstream
+    lesson 3's 2048-token tile) those late stages take minutes on a CPU, while the verdict is the
+    allocated size. ``tests/compile`` checks that this figure equals the full compile's on real
+    kernels of both vendors, so a Triton upgrade that changes the pass order is caught.
+    """
+    from triton._C.libtriton import amd, ir, nvidia, passes
+    from triton.compiler import make_backend
+
+    gpu = target.gpu_target()
+    backend = make_backend(gpu)
+    opts = backend.parse_options(dict(options.__dict__))
+    stages: dict[str, Any] = {}
+    backend.add_stages(stages, opts, src.language)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(
+        gpu, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context
+    )
+    metadata: dict[str, Any] = {"hash": src.hash(), "target": gpu, **opts.__dict__}
+    for ext in ("ttir", "ttgir"):
+        module = stages[ext](module, metadata)
+    pm = ir.pass_manager(module.context)
+    if target.vendor == "hip":
+        amd.passes.ttgpuir.add_update_async_wait_count(pm, opts.arch)
+        amd.passes.ttgpuir.add_optimize_lds_usage(pm, opts.arch, 0)
+        passes.convert.add_scf_to_cf(pm)
+        passes.gluon.add_inliner(pm)
+        passes.convert.add_index_to_llvmir(pm)
+        amd.passes.ttgpuir.add_allocate_shared_memory(pm)
+    else:
+        from triton.backends.nvidia.compiler import get_ptx_version_from_options
+
+        capability = target.capability
+        ptx_version = get_ptx_version_from_options(opts, capability)
+        passes.ttgpuir.add_combine_tensor_select_and_if(pm)
+        passes.ttgpuir.add_allocate_warp_groups(pm)
+        passes.convert.add_scf_to_cf(pm)
+        passes.gluon.add_inliner(pm)
+        nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(pm, capability, ptx_version)
+    pm.run(module, "portattn_shared_memory_only")
+    return int(module.get_int_attr("ttg.shared"))
+
+
+def compile_launch(
+    launch: Launch, target: Target, policy_shared: int | None, *, shared_only: bool = False
+) -> LaunchResult:
+    """Compile ``launch`` for ``target`` and measure it; compile errors are results.
+
+    With ``shared_only`` the pipeline stops at shared-memory allocation (`shared_memory_only`):
+    the result has the shared memory but no registers, spills or hash.
+    """
     import triton
     from triton.compiler import ASTSource
 
@@ -191,16 +281,30 @@ def compile_launch(launch: Launch, target: Target, policy_shared: int | None) ->
         num_stages=opts.num_stages,
     )
     t0 = time.perf_counter()
-    try:
-        options, signature, constexprs, attrs = bind(launch, target)
-        src = ASTSource(launch.kernel, signature, constexprs, attrs)
-        compiled = triton.compile(src, target=target.gpu_target(), options=options.__dict__)
-    except Exception as exc:  # noqa: BLE001 - any compiler failure is this cell's result
-        result.compile_s = time.perf_counter() - t0
-        result.error = _short_error(exc)
-        return result
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "stderr.log")
+        try:
+            with _stderr_to(log):
+                options, signature, constexprs, attrs = bind(launch, target)
+                src = ASTSource(launch.kernel, signature, constexprs, attrs)
+                if shared_only:
+                    shared = shared_memory_only(src, target, options)
+                else:
+                    compiled = triton.compile(
+                        src, target=target.gpu_target(), options=options.__dict__
+                    )
+        except Exception as exc:  # noqa: BLE001 - any compiler failure is this cell's result
+            result.compile_s = time.perf_counter() - t0
+            with open(log, errors="replace") as f:
+                diag = _diagnostics(f.read())
+            msg = _short_error(exc)
+            result.error = (f"{msg} [{diag}]" if diag else msg)[:_MAX_ERROR_CHARS]
+            return result
     result.compile_s = time.perf_counter() - t0
     result.ok = True
+    if shared_only:
+        result.shared = shared
+        return result
     result.shared = int(compiled.metadata.shared)
     result.hash = compiled.metadata.hash
     result.regs, result.spills, result.scratch = _resources(compiled, target)
@@ -216,7 +320,7 @@ def _resources(compiled, target: Target) -> tuple[int | None, int | None, int | 
     from triton import knobs
 
     folder = os.path.join(knobs.cache.dir, "portattn_resources")
-    path = os.path.join(folder, f"{compiled.metadata.hash}.json")
+    path = os.path.join(folder, f"{compiled.metadata.hash}.{_RESOURCES_VERSION}.json")
     try:
         with open(path) as f:
             got = json.load(f)

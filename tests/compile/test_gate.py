@@ -1,0 +1,156 @@
+"""The compile matrix's gate, filters and reports, on hand-made cell results (no compiling)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from portattn.compile import (
+    ESTIMATE_TOLERANCE,
+    SPILL_THRESHOLD,
+    CellResult,
+    LaunchResult,
+    default_cases,
+    evaluate,
+    parse_targets,
+    select_cases,
+)
+from portattn.compile.__main__ import main
+from portattn.compile.report import markdown, summary_table, write_heatmap, write_json
+from portattn.platform import TARGETS
+
+pytestmark = pytest.mark.compile
+
+GFX942_LIMIT = TARGETS["gfx942"].max_shared_mem
+
+
+def _cell(*launches: LaunchResult, arch: str = "gfx942", plan_error: str | None = None):
+    t = TARGETS[arch]
+    cell = CellResult("paged_attention", "hd128 case", arch, t.vendor, t.max_shared_mem)
+    cell.launches = list(launches)
+    cell.plan_error = plan_error
+    return cell
+
+
+def _ok(shared: int, spills: int = 0, estimate: int | None = None, name: str = "k"):
+    return LaunchResult(
+        name, "_k", True, shared=shared, regs=64, spills=spills, policy_shared=estimate
+    )
+
+
+def test_fitting_cell_passes():
+    cell = evaluate(_cell(_ok(GFX942_LIMIT, estimate=GFX942_LIMIT)))
+    assert cell.passed and cell.reasons == [] and cell.notes == []
+
+
+def test_shared_memory_over_the_limit_fails():
+    cell = evaluate(_cell(_ok(GFX942_LIMIT + 1)))
+    assert not cell.passed
+    assert cell.reasons == [f"shared memory {GFX942_LIMIT + 1} B > gfx942 limit {GFX942_LIMIT} B"]
+
+
+def test_compile_error_fails_with_the_compiler_message():
+    err = LaunchResult("k", "_k", False, error="CompilationError: incompatible dimensions")
+    cell = evaluate(_cell(err))
+    assert not cell.passed
+    assert cell.reasons == ["compile: CompilationError: incompatible dimensions"]
+
+
+def test_plan_error_fails():
+    cell = evaluate(_cell(plan_error="ValueError: paged_tiles: no tile fits"))
+    assert not cell.passed and cell.reasons == ["plan: ValueError: paged_tiles: no tile fits"]
+
+
+def test_spills_over_the_threshold_fail_unless_allowed():
+    nv = SPILL_THRESHOLD["cuda"]
+    assert evaluate(_cell(_ok(1024, spills=nv), arch="sm_86")).passed
+    cell = evaluate(_cell(_ok(1024, spills=nv + 8), arch="sm_86"))
+    assert cell.reasons == [f"{nv + 8} B spilled > threshold {nv}"]
+    assert evaluate(_cell(_ok(1024, spills=nv + 8), arch="sm_86"), spill_allowance=8).passed
+    amd = evaluate(_cell(_ok(1024, spills=1), arch="gfx942"))
+    assert amd.reasons == [f"1 VGPRs spilled > threshold {SPILL_THRESHOLD['hip']}"]
+
+
+def test_multi_launch_cell_names_the_failing_launch():
+    cell = evaluate(_cell(_ok(1024, name="main"), _ok(GFX942_LIMIT * 2, name="reduce")))
+    assert cell.reasons == [
+        f"reduce: shared memory {GFX942_LIMIT * 2} B > gfx942 limit {GFX942_LIMIT} B"
+    ]
+
+
+def test_large_estimate_disagreement_is_a_note_not_a_failure():
+    lo, hi = ESTIMATE_TOLERANCE
+    compiled = 40000
+    under = int(compiled / hi) - 100  # compiler needs more than the policy budgeted
+    cell = evaluate(_cell(_ok(compiled, estimate=under)))
+    assert cell.passed
+    assert cell.notes == [
+        f"policy estimate {under} B vs compiled {compiled} B (x{compiled / under:.2f})"
+    ]
+    within = evaluate(_cell(_ok(compiled, estimate=int(compiled / ((lo + hi) / 2)))))
+    assert within.notes == []
+
+
+def test_parse_targets_rejects_unknown_arch():
+    assert parse_targets(["gfx942", "sm_90", "gfx942"]) == ["gfx942", "sm_90"]
+    with pytest.raises(ValueError, match=r"compile: targets must be among .*; got \['sm_75'\]"):
+        parse_targets(["sm_75"])
+
+
+def test_kernel_filter_and_case_regex():
+    cases = default_cases(["write_kv_cache"])
+    assert cases and {c.kernel for c in cases} == {"write_kv_cache"}
+    picked = select_cases(cases, r"hd64 bs(80|544) SHUFFLE")
+    assert [c.name for c in picked] == ["hd64 bs80 SHUFFLE", "hd64 bs544 SHUFFLE"]
+    with pytest.raises(ValueError, match=r"compile: kernels must be among .*; got \['flash'\]"):
+        default_cases(["flash"])
+
+
+def test_case_table_covers_the_issue_axes():
+    ids = {c.id for c in default_cases()}
+    for dk, dv in ((576, 512), (320, 256), (288, 256)):
+        assert {f"mla_decode/{dk}/{dv} h{h}" for h in (1, 128)} <= ids
+    for bs in (16, 80, 544, 2048):
+        for layout in ("NHD", "SHUFFLE"):
+            assert f"paged_attention/hd256 gqa5 bs{bs} {layout} prefill" in ids
+            assert f"write_kv_cache/hd128 bs{bs} {layout}" in ids
+            assert f"gather_kv_cache/hd64 bs{bs} {layout}" in ids
+
+
+def test_cli_usage_errors_exit_2(capsys):
+    assert main(["--targets", "sm_75", "--list"]) == 2
+    assert "targets must be among" in capsys.readouterr().err
+    assert main(["--kernels", "write_kv_cache", "--cases", "no such case"]) == 2
+
+
+def test_cli_list_applies_filters(capsys):
+    assert main(["--kernels", "gather_kv_cache", "--cases", "hd256 bs2048", "--list"]) == 0
+    out = capsys.readouterr().out.split()
+    assert out == [
+        "gather_kv_cache/hd256",
+        "bs2048",
+        "NHD",
+        "gather_kv_cache/hd256",
+        "bs2048",
+        "SHUFFLE",
+    ]
+
+
+def test_reports_from_results(tmp_path):
+    cells = [
+        evaluate(_cell(_ok(32768, estimate=30000), arch="gfx942")),
+        evaluate(_cell(_ok(GFX942_LIMIT * 4), arch="gfx90a")),
+        evaluate(_cell(LaunchResult("k", "_k", False, error="CompilationError: x"), arch="sm_90")),
+    ]
+    table = summary_table(cells)
+    assert "50%" in table and "400%!" in table and "ERR" in table
+    assert "1/3 cells pass; 2 fail" in table
+    md = markdown(cells, {"triton": "3.6.0"})
+    assert "**FAIL**" in md and "## Failures" in md and "CompilationError: x" in md
+    write_json(cells, str(tmp_path / "m.json"), {"wall_s": 1.0})
+    data = json.loads((tmp_path / "m.json").read_text())
+    assert [c["passed"] for c in data["cells"]] == [True, False, False]
+    assert data["gate"]["spill_threshold"] == SPILL_THRESHOLD
+    write_heatmap(cells, str(tmp_path / "m.png"))
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
