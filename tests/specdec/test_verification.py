@@ -32,16 +32,27 @@ def _one_token(t: torch.Tensor, s: int, j: int, qsl) -> torch.Tensor:
     return t[int(qsl[s]) + j : int(qsl[s]) + j + 1]
 
 
+def _own_context(group, s):
+    """Sequence ``s``'s whole context as a one-block cache (so a row's reference reads only it)."""
+    n = int(group.seq_lens[s])
+    cu = torch.tensor([0, n])
+    table = group.block_table[s : s + 1].cpu()
+    k, v = ref.gather_kv_cache(group.key_cache.cpu(), group.value_cache.cpu(), table, cu)
+    lat = ref.gather_kv_cache(group.latent.cpu()[:, :, None], group.latent.cpu()[:, :, None],
+                              table, cu)[0]  # fmt: skip
+    return k[None], v[None], lat[None, :, 0]
+
+
 def check_paged(group, q, out):
     qsl = group.query_start_loc.cpu()
+    ctx = {s: _own_context(group, s) for s in range(len(group.q_lens))}
+    one, block0 = torch.tensor([0, 1]), torch.tensor([[0]])
 
     def row(s, j, prefix, compute_dtype):
-        one = torch.tensor([0, 1], dtype=torch.int32, device=q.device)
-        return ref.paged_attention(
-            _one_token(q, s, j, qsl), group.key_cache, group.value_cache,
-            group.block_table[s : s + 1], torch.tensor([prefix]), one,
-            compute_dtype=compute_dtype,
-        )  # fmt: skip
+        k, v, _ = ctx[s]
+        qj = _one_token(q, s, j, qsl).cpu()
+        lens = torch.tensor([prefix])
+        return ref.paged_attention(qj, k, v, block0, lens, one, compute_dtype=compute_dtype)
 
     oracle = per_position(group, lambda s, j, p: row(s, j, p, torch.float64))
     lowp = per_position(group, lambda s, j, p: row(s, j, p, q.dtype))
@@ -51,11 +62,13 @@ def check_paged(group, q, out):
 
 def check_mla(group, q, out, scale, rank):
     qsl = group.query_start_loc.cpu()
+    ctx = {s: _own_context(group, s)[2] for s in range(len(group.q_lens))}
+    block0 = torch.tensor([[0]])
 
     def row(s, j, prefix, compute_dtype):
         return ref.mla_decode(
-            _one_token(q, s, j, qsl), group.latent, group.block_table[s : s + 1],
-            torch.tensor([prefix]), kv_lora_rank=rank, scale=scale, compute_dtype=compute_dtype,
+            _one_token(q, s, j, qsl).cpu(), ctx[s], block0, torch.tensor([prefix]),
+            kv_lora_rank=rank, scale=scale, compute_dtype=compute_dtype,
         )[0]  # fmt: skip
 
     oracle = per_position(group, lambda s, j, p: row(s, j, p, torch.float64))
