@@ -14,6 +14,7 @@ process's exit status and its JUnit.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -67,6 +68,22 @@ def cell_command(cell: Cell, results_dir: Path, workers: int) -> list[str]:
 def _tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
     lines = path.read_text(errors="replace").splitlines()
     return "\n".join(lines[-n:])
+
+
+def _last_progress_line(log: Path) -> str:
+    """The log's last line that looks like progress (``[12/1440] ...``, pytest's ``[ 40%]``)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        line = line.strip()
+        if re.search(r"\[\s*\d+(/\d+|%)\]", line):
+            return f" — {line[:90]}"
+    return ""
 
 
 def _write_exit_status_junit(cell: Cell, junit: Path, exit_code: int, log: Path) -> None:
@@ -147,7 +164,8 @@ def run_cell(
                         )
                     if time.monotonic() - last_said >= heartbeat:
                         last_said = time.monotonic()
-                        say(f"      {cell.name}: running, {last_said - start:.0f}s")
+                        said = f"      {cell.name}: running, {last_said - start:.0f}s"
+                        say(said + _last_progress_line(log))
         except BaseException:  # Ctrl-C or the like: leave no process behind, then go on raising
             _stop(proc)
             raise
