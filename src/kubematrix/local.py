@@ -129,6 +129,8 @@ def run_cell(
     junit, log = cell.junit_path(results_dir), results_dir / f"{cell.name}.log"
     junit.unlink(missing_ok=True)
     env = {**os.environ, **cell.env}
+    if cell.spec.is_gpu:  # a GPU cell runs on the device even from a shell that exported it
+        env.pop("TRITON_INTERPRET", None)
     cmd = cell_command(cell, results_dir, workers)
     start = time.monotonic()
     deadline = start + cell.timeout_minutes * 60
