@@ -10,7 +10,7 @@ import os
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["lint", "tests"]
+nox.options.sessions = ["lint", "tests", "compile"]
 nox.options.reuse_existing_virtualenvs = True
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
@@ -46,6 +46,14 @@ def tests(session: nox.Session) -> None:
     install_project(session, "test", "ci", "hybrid")
     env = {"TRITON_INTERPRET": "1"}
     session.run("pytest", "-n", "2", "-m", "not gpu", *session.posargs, env=env)
+
+
+@nox.session(name="compile")
+def compile_matrix(session: nox.Session) -> None:
+    """Cross-target compile matrix (no GPU): every kernel x case x target, reports in results/."""
+    install_project(session, "ci")  # matplotlib draws the heatmap
+    # Triton's persistent cache (TRITON_CACHE_DIR, default ~/.triton/cache) makes re-runs fast.
+    session.run("python", "-m", "portattn.compile", "--out", "results/compile", *session.posargs)
 
 
 @nox.session(default=False)
