@@ -1,0 +1,167 @@
+"""The compile matrix on real kernels: a subset of cells, and the regressions of lessons 1 and 3.
+
+The naive rules of the two upstream bugs live only here:
+
+* lesson 1 (MLA): tile widths taken from the key width, as upstream's grouped decode kernel did
+  (``BLOCK_DMODEL`` 512 / ``BLOCK_DPE`` 64 for head_dim_k 576, 256 / 32 for 288, and otherwise
+  ``next_pow2(head_dim_k)`` with no rope tile). That rule is right for 576/512 and 288/256 and
+  wrong only for 320/256 (Mistral-Small-4), which must be the only cells it breaks.
+* lesson 3 (paged): the KV tile taken from the cache's block size (``BLOCK_N = block_size``),
+  which asks a 65536 B MI300-class part for far more than 65536 B at block size 2048.
+
+Cells compile in spawned processes through Triton's persistent cache, so re-runs are fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from portattn.compile import Case, default_cases, make_case, run_matrix
+from portattn.compile.cases import MLA_CONTEXT, NUM_SEQS, build_mla_decode, build_paged_attention
+from portattn.kernels._launch import Launch
+from portattn.platform import Target, get_target
+from portattn.policy.common import next_pow2
+from portattn.policy.mla import MlaProblem, mla_decode_tiles
+
+pytestmark = pytest.mark.compile
+
+# One NVIDIA and one AMD target for the real-policy subset; the 64 KB LDS part is the tight one.
+SUBSET_TARGETS = ("sm_90", "gfx942")
+SUBSET_IDS = (
+    "paged_attention/hd128 gqa5 bs2048 NHD prefill",
+    "paged_attention/hd64 gqa8 bs16 SHUFFLE decode",
+    "mla_decode/320/256 h16",
+    "write_kv_cache/hd128 bs544 SHUFFLE",
+    "gather_kv_cache/hd64 bs80 NHD",
+)
+MLA_SHAPES = ((576, 512), (320, 256), (288, 256))
+NAIVE_MLA_TARGETS = ("sm_90", "gfx942")
+PAGED_LIMIT_ARCH = "gfx942"
+
+
+# -- naive rules (upstream's, reproduced only here) -----------------------------------------------
+
+
+def naive_mla_widths(head_dim_k: int) -> tuple[int, int]:
+    """Upstream's (BLOCK_DMODEL, BLOCK_DPE): special cases for 576 and 288, else the key width."""
+    if head_dim_k == 576:
+        return 512, 64
+    if head_dim_k == 288:
+        return 256, 32
+    return next_pow2(head_dim_k), 0
+
+
+def build_naive_mla(target: Target, *, head_dim_k: int, kv_lora_rank: int, num_q_heads: int):
+    """`build_mla_decode` with the policy's tiles but upstream's widths injected via ``tiles=``."""
+    problem = MlaProblem(num_q_heads, head_dim_k, kv_lora_rank, 2, NUM_SEQS, MLA_CONTEXT)
+    real = mla_decode_tiles(target, problem)
+    dv, dpe = naive_mla_widths(head_dim_k)
+    naive = dataclasses.replace(real, block_dv=dv, block_dpe=dpe)
+    return build_mla_decode(
+        target,
+        head_dim_k=head_dim_k,
+        kv_lora_rank=kv_lora_rank,
+        num_q_heads=num_q_heads,
+        tiles=naive,
+    )
+
+
+def with_tile_from_block_size(launch: Launch) -> Launch:
+    """Upstream's paged rule: the KV tile is the cache block (BLOCK_N = block_size)."""
+    return dataclasses.replace(launch, args={**launch.args, "BLOCK_N": launch.args["block_size"]})
+
+
+def build_naive_paged(target: Target, **params) -> list[Launch]:
+    return [with_tile_from_block_size(x) for x in build_paged_attention(target, **params)]
+
+
+def _cases(ids) -> list[Case]:
+    by_id = {c.id: c for c in default_cases()}
+    return [by_id[i] for i in ids]
+
+
+# -- tests ---------------------------------------------------------------------------------------
+
+
+def test_real_policies_pass_on_both_vendors():
+    cells = run_matrix(_cases(SUBSET_IDS), SUBSET_TARGETS, jobs=2)
+    assert len(cells) == len(SUBSET_IDS) * len(SUBSET_TARGETS)
+    failing = {c.id: c.reasons for c in cells if not c.passed}
+    assert failing == {}
+    for c in cells:
+        assert c.compiled and c.shared is not None and c.shared <= c.limit
+        assert all(r.regs and r.hash for r in c.launches), c.id
+    mla = [c for c in cells if c.kernel == "mla_decode"]
+    # The long MLA context splits, so the reduce kernel is compiled as well.
+    assert all([r.name for r in c.launches] == ["mla_decode", "mla_decode_reduce"] for c in mla)
+
+
+def test_naive_mla_widths_break_exactly_the_320_256_cells():
+    naive = [
+        make_case(
+            "mla_decode",
+            f"naive {dk}/{dv} h16",
+            build_naive_mla,
+            head_dim_k=dk,
+            kv_lora_rank=dv,
+            num_q_heads=16,
+        )
+        for dk, dv in MLA_SHAPES
+    ]
+    real = _cases([f"mla_decode/{dk}/{dv} h16" for dk, dv in MLA_SHAPES])
+    cells = {c.id: c for c in run_matrix(naive + real, NAIVE_MLA_TARGETS, jobs=2)}
+    broken = sorted(i for i, c in cells.items() if not c.compiled)
+    assert broken == [f"mla_decode/naive 320/256 h16@{a}" for a in sorted(NAIVE_MLA_TARGETS)]
+    for arch in NAIVE_MLA_TARGETS:
+        bad = cells[f"mla_decode/naive 320/256 h16@{arch}"]
+        # Caught at compile time on every target: the kernel refuses a value tile that is not
+        # next_pow2(kv_lora_rank) (upstream's kernel failed later, in tl.dot's shape check).
+        assert bad.reasons[0].startswith("mla_decode: compile: CompileTimeAssertionFailure")
+        assert "BLOCK_DV must be next_pow2(kv_lora_rank)" in bad.reasons[0]
+        assert cells[f"mla_decode/320/256 h16@{arch}"].passed
+        # Where upstream's rule is right, it is the policy's rule: the very same kernel.
+        for dk, dv in ((576, 512), (288, 256)):
+            a = cells[f"mla_decode/naive {dk}/{dv} h16@{arch}"]
+            b = cells[f"mla_decode/{dk}/{dv} h16@{arch}"]
+            assert [r.hash for r in a.launches] == [r.hash for r in b.launches]
+            assert b.passed, b.reasons
+
+
+def test_naive_paged_tile_from_block_size_overflows_gfx942():
+    params = dict(head_dim=128, num_q_heads=40, num_kv_heads=8, layout="NHD", max_query_len=64)
+    # The full backend takes minutes on such a tile; the verdict is the allocated size.
+    cases = [
+        dataclasses.replace(
+            make_case(
+                "paged_attention", f"naive bs{bs}", build_naive_paged, block_size=bs, **params
+            ),
+            shared_only=True,
+        )
+        for bs in (16, 2048)
+    ]
+    real = make_case(
+        "paged_attention", "real bs2048", build_paged_attention, block_size=2048, **params
+    )
+    cells = {c.case: c for c in run_matrix([*cases, real], [PAGED_LIMIT_ARCH], jobs=2)}
+    limit = get_target(PAGED_LIMIT_ARCH).max_shared_mem
+    assert cells["naive bs16"].passed, cells["naive bs16"].reasons
+    bad = cells["naive bs2048"]
+    assert not bad.passed and bad.shared is not None and bad.shared > limit
+    assert bad.reasons == [f"shared memory {bad.shared} B > gfx942 limit {limit} B"]
+    assert cells["real bs2048"].passed, cells["real bs2048"].reasons
+
+
+def test_shared_only_lowering_matches_the_full_compile():
+    """`shared_memory_only` replays make_llir's passes up to allocation: the same figure."""
+    full = _cases(["paged_attention/hd128 mha bs16 NHD decode", "mla_decode/576/512 h16"])
+    lowered = [dataclasses.replace(c, name=c.name + " lowered", shared_only=True) for c in full]
+    cells = {(c.kernel, c.case, c.arch): c for c in run_matrix(full + lowered, SUBSET_TARGETS)}
+    for case in full:
+        for arch in SUBSET_TARGETS:
+            a = cells[case.kernel, case.name, arch]
+            b = cells[case.kernel, case.name + " lowered", arch]
+            assert a.compiled and b.compiled
+            assert [r.shared for r in b.launches] == [r.shared for r in a.launches]
+            assert a.shared and a.shared > 0
