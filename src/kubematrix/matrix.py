@@ -214,7 +214,7 @@ class Cell:
 
     @property
     def name(self) -> str:
-        """``paged-cpu-interpreter``, ``mla-cuda-sm_90`` ... (a valid Buildkite key / DNS label)."""
+        """``paged-cpu-interpreter``, ``mla-cuda-sm_90`` ... (a valid Buildkite step key)."""
         parts = [self.suite, self.backend] + ([self.target] if self.target else [])
         return "-".join(parts)
 
