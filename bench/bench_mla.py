@@ -1,22 +1,33 @@
-"""MLA decode timing on one GPU: correctness first, then medians, with a copy ceiling.
+"""MLA decode timing on one GPU: correctness first, then medians, a copy ceiling and a roofline.
 
 Default run (the issue's first timing): batch 64, contexts 4k and 16k, 16 and 128 heads, 576/512
-(DeepSeek-V3), page size 64, bf16, random inputs. For each point:
+(DeepSeek-V3), page size 64, bf16, random inputs. Measured once per run: a device-to-device copy
+ceiling (bytes read + written / time, buffer as large as the largest KV read) and a bf16 matmul
+rate (``torch.mm`` 8192^3). For each point:
 
 1. correctness: the kernel's output for the first sequences against an fp64 oracle, under the
-   tolerance rule of tests/helpers.py (error <= 2x torch's own bf16 error); a failure stops the run;
+   tolerance rule of tests/helpers.py (error <= 2x torch's own bf16 error); a failed policy check
+   stops the run, a failed sweep variant is reported and dropped;
 2. ``triton.testing.do_bench`` median (CUDA events, L2 flushed) of ``mla_decode`` with metadata
-   from `MlaMetadataBuilder` (workspaces preallocated), and ``do_bench_cudagraph`` median of the
-   same call captured in a CUDA graph (no launch overhead);
-3. the bytes the kernel must read (latent cache of every context token, query) and write, as an
-   effective bandwidth, next to a device-to-device copy ceiling measured in the same run
-   (``dst.copy_(src)`` of a buffer as large as the KV read: bytes read + written / time).
+   from `MlaMetadataBuilder`, and ``do_bench_cudagraph`` median of the same call captured in a
+   CUDA graph (no launch overhead);
+3. roofline: bytes (latent + rope cache read once, query, output) / copy ceiling and flops
+   (``2 * heads * context * (head_dim_k + kv_lora_rank)`` per token) / matmul rate; the larger is
+   the roofline time, and ``x roof`` = measured / roofline (1.0 is ideal);
+4. the HIP (gfx942) policy's tiles on this GPU (HIP-only launch options dropped): check + time;
+5. ``--sweep``: tile variants, each checked then timed with ``do_bench_cudagraph``. Phase A varies
+   the shape (BLOCK_H 16/32/64, BLOCK_N, stages, warps) at a 2-wave split count, phase B the split
+   count of the 3 best shapes (1, 4, 8 waves); later contexts of one head count retry only the 6
+   best shapes of the first. Shapes that spill on sm_90 (`SPILLS_SM90`, from CPU compiles) are
+   not timed there; variants that do not compile (OutOfResources) are skipped; a wall budget
+   (``--budget-s``) bounds the whole sweep. Each sweep row records the compiled kernel's
+   registers, spills and shared memory.
 
 Usage::
 
-    python bench/bench_mla.py                     # the default table
-    python bench/bench_mla.py --sweep             # also try other BLOCK_N / stages / splits
-    OUT=/tmp/out python bench/bench_mla.py        # also writes $OUT/bench_mla.json
+    python bench/bench_mla.py                     # policy + HIP policy + roofline table
+    python bench/bench_mla.py --sweep             # also the tile sweep (best 3 per point at end)
+    OUT=/tmp/out python bench/bench_mla.py        # also writes $OUT/bench_mla.json (+ _sweep.json)
 """
 
 from __future__ import annotations
@@ -27,19 +38,38 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
+import time
 
 import torch
 import triton
+from _common import copy_ceiling, git_commit, matmul_rate, plan_with_target
 from triton.testing import do_bench, do_bench_cudagraph
 
 from portattn.kernels._launch import run_all
 from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import current_target
+from portattn.policy.common import LaunchOptions
+from portattn.policy.mla import MIN_TOKENS_PER_SPLIT, MlaTiles, mla_smem_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: (BLOCK_N, num_stages) tried with BLOCK_H 16 when there are at most 16 heads (all that fit).
+SHAPES_SMALL_H = [(32, 1), (32, 2), (32, 3), (64, 1), (64, 2), (64, 3), (128, 1)]
+#: (BLOCK_N, num_stages) tried with BLOCK_H 16 for many heads (the first timing's neighbourhood).
+SHAPES_H16_MANY = [(32, 2), (32, 3), (64, 2), (128, 1)]
+#: (BLOCK_N, num_stages) tried with BLOCK_H >= 32 (register-heavy: short tiles).
+SHAPES_BIG_H = [(32, 1), (32, 2), (32, 3), (64, 1), (64, 2)]
+WARPS = (4, 8)
+#: Shapes (BLOCK_H, BLOCK_N, stages, warps) that spill registers when compiled for sm_90 on a CPU
+#: (Triton 3.6, 576/512 bf16; `portattn.compile.worker.compile_launch`): not timed on sm_90.
+#: All BLOCK_H 128 shapes spill >= 2800 registers (and 8 warps need 262144 B of shared memory),
+#: so BLOCK_H 128 is left out of the sweep. num_stages 4 compiles to the same shared memory as 3.
+SPILLS_SM90 = frozenset(
+    [(16, 64, 2, 4), (16, 128, 1, 4), (64, 32, 1, 8), (64, 64, 1, 8)]
+    + [(bh, bn, st, 4) for bh in (32, 64) for bn, st in SHAPES_BIG_H]
+)
+MAX_SPLITS = 64
 
 
 def make_inputs(batch, context, heads, dk, page, dtype, seed=0):
@@ -72,125 +102,233 @@ def rel_err(x, ref):
     return float((x - ref).norm() / ref.norm())
 
 
-def check(out, query, cache, block_table, seq_lens, r, scale, dtype, num_seqs=2):
-    ref = oracle(query, cache, block_table, seq_lens, r, scale, torch.float64, num_seqs)
-    low = oracle(query, cache, block_table, seq_lens, r, scale, dtype, num_seqs)
-    e_kernel, e_torch = rel_err(out[:num_seqs], ref), rel_err(low, ref)
-    ok = bool(torch.isfinite(out).all()) and e_kernel <= 2 * e_torch
-    return ok, e_kernel, e_torch
+class Checker:
+    """The tolerance rule on the first sequences; the oracles are computed once per point."""
+
+    def __init__(self, query, cache, block_table, seq_lens, r, scale, dtype, num_seqs=2):
+        self.n = num_seqs
+        self.ref = oracle(query, cache, block_table, seq_lens, r, scale, torch.float64, num_seqs)
+        low = oracle(query, cache, block_table, seq_lens, r, scale, dtype, num_seqs)
+        self.e_torch = rel_err(low, self.ref)
+
+    def __call__(self, out):
+        e_kernel = rel_err(out[: self.n], self.ref)
+        ok = bool(torch.isfinite(out).all()) and e_kernel <= 2 * self.e_torch
+        return ok, e_kernel, self.e_torch
 
 
-def copy_ceiling(nbytes):
-    """Device-to-device copy of ``nbytes``: (bytes read + written) / median time, GB/s."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e9, ms
-
-
-def tile_variants(tiles):
-    """Alternative tiles for --sweep (same widths and head padding; other BLOCK_N/stages/splits)."""
-    seen = {tiles}
-    for block_n in (16, 32, 64):
-        for stages in (1, 2, 3):
-            for splits in sorted({1, tiles.num_kv_splits, 2 * tiles.num_kv_splits, 8}):
-                opts = dataclasses.replace(tiles.options, num_stages=stages)
-                t = dataclasses.replace(tiles, block_n=block_n, options=opts, num_kv_splits=splits)
-                if t not in seen:
-                    seen.add(t)
-                    yield t
-
-
-def git_commit():
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def bench_point(args, target, dtype, heads, ctx, copy_gbs):
-    """Check then time one (heads, context) point; the rows, or None on a failed check."""
-    dk, r = args.head_dim_k, args.kv_lora_rank
-    scale = 1 / math.sqrt(dk)
-    q, cache, bt, sl = make_inputs(args.batch, ctx, heads, dk, args.page, dtype)
-    builder = MlaMetadataBuilder(
-        target,
-        max_batch=args.batch,
-        num_heads=heads,
-        kv_lora_rank=r,
-        head_dim_k=dk,
-        dtype=dtype,
-        device="cuda",
-        max_seq_len=ctx,
+def variant(base: MlaTiles, heads, block_h, block_n, stages, warps, splits, elem) -> MlaTiles:
+    """``base`` with another head block / KV tile / pipeline / warps / split count."""
+    return dataclasses.replace(
+        base,
+        block_h=block_h,
+        padded_heads=-(-heads // block_h) * block_h,
+        block_n=block_n,
+        num_kv_splits=splits,
+        options=LaunchOptions(num_warps=warps, num_stages=stages),
+        smem_bytes=mla_smem_bytes(block_h, block_n, base.block_dv, base.block_dpe, stages, elem),
     )
-    md = builder.build(sl)
-    out = torch.empty(args.batch, heads, r, dtype=dtype, device="cuda")
-    kw = dict(kv_lora_rank=r, scale=scale, out=out)
-    nbytes = (
-        args.batch * ctx * dk * cache.element_size()
-        + q.numel() * q.element_size()
-        + out.numel() * out.element_size()
+
+
+def splits_for_waves(waves, target, batch, head_groups, ctx):
+    """Split count giving ``waves`` programs per SM (capped by context and MAX_SPLITS)."""
+    want = -(-waves * target.num_sms // max(1, batch * head_groups))
+    return max(1, min(want, max(1, ctx // MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+
+
+def shape_candidates(heads, base, target, elem):
+    """Phase A shapes ``(block_h, block_n, stages, warps)`` within the shared-memory budget."""
+    block_hs = [16] if heads <= 16 else [h for h in (16, 32, 64) if h < 2 * heads]
+    out = []
+    for bh in block_hs:
+        shapes = SHAPES_SMALL_H if heads <= 16 else SHAPES_H16_MANY if bh == 16 else SHAPES_BIG_H
+        for bn, st in shapes:
+            smem = mla_smem_bytes(bh, bn, base.block_dv, base.block_dpe, st, elem)
+            if smem > target.max_shared_mem:
+                continue
+            for w in WARPS:
+                if target.arch == "sm_90" and (bh, bn, st, w) in SPILLS_SM90:
+                    continue
+                out.append((bh, bn, st, w))
+    return out
+
+
+def tiles_desc(t: MlaTiles) -> str:
+    return (
+        f"H{t.block_h} N{t.block_n} s{t.options.num_stages} w{t.options.num_warps} "
+        f"x{t.num_kv_splits}"
     )
-    candidates = [("policy", None)]
-    if args.sweep:
-        candidates += [("sweep", t) for t in tile_variants(builder.tiles)]
-    rows = []
-    for kind, tiles in candidates:
-        if tiles is None:
-            fn = lambda: mla_decode(q, cache, bt, sl, metadata=md, **kw)  # noqa: E731
-            t = builder.tiles
-        else:
-            launches = plan_mla_decode(q, cache, bt, sl, tiles=tiles, **kw)
-            fn = lambda launches=launches: run_all(launches)  # noqa: E731
-            t = tiles
-        out.fill_(float("nan"))
+
+
+def roofline(batch, heads, ctx, dk, r, elem, copy_gbs, mm_tflops):
+    nbytes = batch * ctx * dk * elem + batch * heads * (dk + r) * elem
+    flops = 2 * batch * heads * ctx * (dk + r)
+    t_bytes = nbytes / (copy_gbs * 1e9) * 1e6
+    t_flops = flops / (mm_tflops * 1e12) * 1e6
+    return dict(bytes=nbytes, flops=flops, us_bytes=t_bytes, us_flops=t_flops,
+                us_roof=max(t_bytes, t_flops))  # fmt: skip
+
+
+class Point:
+    """One (heads, context) benchmark point: inputs, checker, roofline, timing helpers."""
+
+    def __init__(self, args, target, dtype, heads, ctx, copy_gbs, mm_tflops):
+        self.args, self.target, self.dtype, self.heads, self.ctx = args, target, dtype, heads, ctx
+        dk, r = args.head_dim_k, args.kv_lora_rank
+        self.scale = 1 / math.sqrt(dk)
+        self.q, self.cache, self.bt, self.sl = make_inputs(
+            args.batch, ctx, heads, dk, args.page, dtype
+        )
+        self.out = torch.empty(args.batch, heads, r, dtype=dtype, device="cuda")
+        self.kw = dict(kv_lora_rank=r, scale=self.scale, out=self.out)
+        self.check = Checker(self.q, self.cache, self.bt, self.sl, r, self.scale, dtype)
+        self.roof = roofline(
+            args.batch, heads, ctx, dk, r, self.cache.element_size(), copy_gbs, mm_tflops
+        )
+        self.copy_gbs = copy_gbs
+
+    def plan(self, tiles):
+        return plan_mla_decode(self.q, self.cache, self.bt, self.sl, tiles=tiles, **self.kw)
+
+    def run_checked(self, fn):
+        """Run once; ``(ok, e_kernel, e_torch)`` or None when the tile does not compile."""
+        self.out.fill_(float("nan"))
         try:
             fn()
-        except triton.runtime.errors.OutOfResources as e:  # a sweep tile too large
-            print(f"{heads:>5} {ctx:>6} skipped {t}: {e}")
-            continue
-        torch.cuda.synchronize()
-        ok, e_k, e_t = check(out, q, cache, bt, sl, r, scale, dtype)
-        if not ok:
-            print(f"FAIL {heads=} {ctx=} {kind} {t}: kernel {e_k:.3e} vs torch {e_t:.3e}")
+        except triton.runtime.errors.OutOfResources:
             return None
-        ms = do_bench(fn, return_mode="median")
-        ms_graph = do_bench_cudagraph(fn, return_mode="median")
-        gbs = nbytes / (min(ms, ms_graph) * 1e-3) / 1e9
-        desc = f"{t.block_n},{t.options.num_stages},{t.num_kv_splits},{t.block_h}"
-        print(
-            f"{heads:>5} {ctx:>6} {desc:>26} {'ok':>6} {ms * 1e3:>10.1f} "
-            f"{ms_graph * 1e3:>9.1f} {gbs:>7.0f} {100 * gbs / copy_gbs:>6.1f}"
-            + ("" if kind == "policy" else "  (sweep)")
-        )
-        rows.append(
-            dict(
-                kind=kind,
-                heads=heads,
-                context=ctx,
-                batch=args.batch,
-                head_dim_k=dk,
-                kv_lora_rank=r,
-                page=args.page,
-                dtype=str(dtype).removeprefix("torch."),
-                block_n=t.block_n,
-                num_stages=t.options.num_stages,
-                num_warps=t.options.num_warps,
-                num_kv_splits=t.num_kv_splits,
-                block_h=t.block_h,
-                padded_heads=t.padded_heads,
-                rel_err_kernel=e_k,
-                rel_err_torch=e_t,
-                median_ms_events=ms,
-                median_ms_graph=ms_graph,
-                bytes=nbytes,
-                gb_per_s=gbs,
-                pct_of_copy=100 * gbs / copy_gbs,
-            )
-        )
-    return rows
+        torch.cuda.synchronize()
+        return self.check(self.out)
+
+    def row(self, kind, t: MlaTiles, errs, us_graph, us_events=None):
+        us = us_graph if us_events is None else min(us_graph, us_events)
+        gbs = self.roof["bytes"] / (us * 1e-6) / 1e9
+        return dict(
+            kind=kind, heads=self.heads, context=self.ctx, batch=self.args.batch,
+            head_dim_k=self.args.head_dim_k, kv_lora_rank=self.args.kv_lora_rank,
+            page=self.args.page, dtype=str(self.dtype).removeprefix("torch."),
+            block_h=t.block_h, padded_heads=t.padded_heads, block_n=t.block_n,
+            num_stages=t.options.num_stages, num_warps=t.options.num_warps,
+            num_kv_splits=t.num_kv_splits, smem_estimate=t.smem_bytes,
+            rel_err_kernel=errs[1], rel_err_torch=errs[2],
+            us_events=us_events, us_graph=us_graph, gb_per_s=gbs,
+            pct_of_copy=100 * gbs / self.copy_gbs, x_roofline=us / self.roof["us_roof"],
+            **{f"roof_{k}": v for k, v in self.roof.items()},
+        )  # fmt: skip
+
+
+def fmt_row(row) -> str:
+    t = (
+        f"H{row['block_h']} N{row['block_n']} s{row['num_stages']} w{row['num_warps']} "
+        f"x{row['num_kv_splits']}"
+    )
+    ev = f"{row['us_events']:9.1f}" if row["us_events"] is not None else f"{'-':>9}"
+    return (
+        f"{row['heads']:>5} {row['context']:>6} {row['kind']:>7} {t:>20} {ev} "
+        f"{row['us_graph']:9.1f} {row['gb_per_s']:6.0f} {row['pct_of_copy']:6.1f} "
+        f"{row['x_roofline']:6.2f}"
+    )
+
+
+HEADER = (
+    f"{'heads':>5} {'ctx':>6} {'kind':>7} {'tiles (H,N,stages,warps,splits)':>20} "
+    f"{'events us':>9} {'graph us':>9} {'GB/s':>6} {'%copy':>6} {'xroof':>6}"
+)
+
+
+def bench_policy(p: Point):
+    """The policy's tiles through `MlaMetadataBuilder` (the serving path); None on a failure."""
+    a = p.args
+    builder = MlaMetadataBuilder(
+        p.target, max_batch=a.batch, num_heads=p.heads, kv_lora_rank=a.kv_lora_rank,
+        head_dim_k=a.head_dim_k, dtype=p.dtype, device="cuda", max_seq_len=p.ctx,
+    )  # fmt: skip
+    md = builder.build(p.sl)
+    fn = lambda: mla_decode(p.q, p.cache, p.bt, p.sl, metadata=md, **p.kw)  # noqa: E731
+    errs = p.run_checked(fn)
+    if errs is None or not errs[0]:
+        print(f"FAIL policy {p.heads=} {p.ctx=} {tiles_desc(builder.tiles)}: {errs}")
+        return None, builder.tiles
+    ms = do_bench(fn, return_mode="median")
+    ms_graph = do_bench_cudagraph(fn, return_mode="median")
+    return p.row("policy", builder.tiles, errs, ms_graph * 1e3, ms * 1e3), builder.tiles
+
+
+def bench_hip(p: Point, arch="gfx942"):
+    """The HIP policy's tiles on this GPU (correctness must hold; speed for the record)."""
+    launches = plan_with_target(arch, plan_mla_decode, p.q, p.cache, p.bt, p.sl, **p.kw)
+    fn = lambda: run_all(launches)  # noqa: E731
+    errs = p.run_checked(fn)
+    tiles = _tiles_of(launches)
+    if errs is None or not errs[0]:
+        print(f"FAIL {arch} policy {p.heads=} {p.ctx=} {tiles_desc(tiles)}: {errs}")
+        return None
+    ms_graph = do_bench_cudagraph(fn, return_mode="median")
+    return p.row(arch, tiles, errs, ms_graph * 1e3)
+
+
+def _tiles_of(launches) -> MlaTiles:
+    """The tiles a plan launched with, read back from its constexprs (for the report)."""
+    a = launches[0].args
+    return MlaTiles(
+        block_h=a["BLOCK_H"], padded_heads=a["BLOCK_H"] * a["HEAD_GROUPS"], block_n=a["BLOCK_N"],
+        block_dv=a["BLOCK_DV"], block_dpe=a["BLOCK_DPE"], num_kv_splits=a["NUM_SPLITS"],
+        options=launches[0].options, reduce_options=launches[-1].options, smem_bytes=0,
+    )  # fmt: skip
+
+
+def time_variant(p: Point, t: MlaTiles, failures: list):
+    """Check then graph-time one variant; the row or None (does not compile / fails check)."""
+    launches = p.plan(t)
+    fn = lambda: run_all(launches)  # noqa: E731
+    errs = p.run_checked(fn)
+    if errs is None:
+        return None
+    if not errs[0]:
+        failures.append(f"{p.heads} {p.ctx} {tiles_desc(t)}: err {errs[1]:.2e} vs {errs[2]:.2e}")
+        return None
+    row = p.row("sweep", t, errs, do_bench_cudagraph(fn, return_mode="median") * 1e3)
+    row.update(compiled_resources(launches[0]))
+    return row
+
+
+def compiled_resources(launch) -> dict:
+    """Registers / spills / shared memory of the compiled main kernel (one extra launch)."""
+    try:
+        ck = launch.kernel[launch.grid](**launch.args, **launch.options.kwargs(launch.target))
+        return dict(n_regs=ck.n_regs, n_spills=ck.n_spills, shared=ck.metadata.shared)
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        return dict(resources_error=str(e)[:80])
+
+
+def sweep_point(p: Point, base: MlaTiles, shapes, deadline, failures):
+    """Phase A (shapes at 2 waves) then phase B (splits of the 3 best shapes). Rows, sorted."""
+    a, elem = p.args, p.cache.element_size()
+    rows, seen = [], set()
+
+    def one(bh, bn, st, w, splits):
+        key = (bh, bn, st, w, splits)
+        if key in seen or time.monotonic() > deadline:
+            return
+        seen.add(key)
+        t = variant(base, p.heads, bh, bn, st, w, splits, elem)
+        row = time_variant(p, t, failures)
+        if row is not None:
+            rows.append(row)
+            print("  " + fmt_row(row), flush=True)
+
+    def groups(bh):
+        return -(-p.heads // bh)
+
+    for bh, bn, st, w in shapes:
+        one(bh, bn, st, w, splits_for_waves(2, p.target, a.batch, groups(bh), p.ctx))
+    best = sorted(rows, key=lambda r: r["us_graph"])[:3]
+    for r in best:
+        bh = r["block_h"]
+        for waves in (1, 4, 8):  # 2 waves: phase A
+            s = splits_for_waves(waves, p.target, a.batch, groups(bh), p.ctx)
+            one(bh, r["block_n"], r["num_stages"], r["num_warps"], s)
+    return sorted(rows, key=lambda r: r["us_graph"])
 
 
 def main(argv=None) -> int:
@@ -202,49 +340,97 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-lora-rank", type=int, default=512)
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--sweep", action="store_true", help="also time alternative tiles")
+    ap.add_argument("--sweep", action="store_true", help="also sweep tile variants")
+    ap.add_argument("--budget-s", type=float, default=330.0, help="wall budget of the sweep")
+    ap.add_argument("--no-hip", action="store_true", help="skip the gfx942-policy rows")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_mla: needs a CUDA/HIP device")
 
     target = current_target()
     dtype = DTYPES[args.dtype]
-    dk = args.head_dim_k
-    rows: list[dict] = []
-    max_ctx = max(args.contexts)
-    kv_bytes_max = args.batch * max_ctx * dk * torch.finfo(dtype).bits // 8
-    copy_gbs, copy_ms = copy_ceiling(kv_bytes_max)
-    header = (
-        f"{'heads':>5} {'ctx':>6} {'tiles (N,stages,splits,H)':>26} {'check':>6} "
-        f"{'events us':>10} {'graph us':>9} {'GB/s':>7} {'% copy':>6}"
+    elem = torch.finfo(dtype).bits // 8
+    kv_bytes_max = args.batch * max(args.contexts) * args.head_dim_k * elem
+    copy_gbs, copy_ms = copy_ceiling(2 * kv_bytes_max)
+    mm_tflops, mm_ms = matmul_rate()
+    print(
+        f"device: {torch.cuda.get_device_name()} ({target.arch}, {target.num_sms} SMs), "
+        f"commit {git_commit()}, torch {torch.__version__}, triton {triton.__version__}"
     )
-    print(f"device: {torch.cuda.get_device_name()} ({target.arch}), commit {git_commit()}")
-    print(f"copy ceiling: {copy_gbs:.0f} GB/s ({kv_bytes_max / 1e9:.2f} GB in {copy_ms:.3f} ms)")
-    print(header)
+    print(
+        f"copy ceiling {copy_gbs:.0f} GB/s ({kv_bytes_max / 1e9:.2f} GB copy, {copy_ms:.3f} ms)"
+        f"; bf16 mm 8192^3 {mm_tflops:.0f} TFLOP/s ({mm_ms:.3f} ms)"
+    )
+    print(f"{'heads':>5} {'ctx':>6} {'MB':>8} {'GFLOP':>8} {'us@copy':>8} {'us@mm':>8}")
+    rows: list[dict] = []
+    sweep_rows: list[dict] = []
+    failures: list[str] = []
+    deadline = time.monotonic() + args.budget_s
+    for heads in args.heads:
+        top_shapes = None
+        for ctx in args.contexts:
+            p = Point(args, target, dtype, heads, ctx, copy_gbs, mm_tflops)
+            r = p.roof
+            print(
+                f"{heads:>5} {ctx:>6} {r['bytes'] / 1e6:8.1f} {r['flops'] / 1e9:8.1f} "
+                f"{r['us_bytes']:8.1f} {r['us_flops']:8.1f}"
+            )
+            policy_row, base = bench_policy(p)
+            if policy_row is None:
+                return 1
+            rows.append(policy_row)
+            print(HEADER)
+            print("  " + fmt_row(policy_row), flush=True)
+            if not args.no_hip:
+                hip_row = bench_hip(p)
+                if hip_row is None:
+                    return 1
+                rows.append(hip_row)
+                print("  " + fmt_row(hip_row), flush=True)
+            if args.sweep:
+                shapes = top_shapes or shape_candidates(heads, base, target, elem)
+                point_rows = sweep_point(p, base, shapes, deadline, failures)
+                sweep_rows += point_rows
+                if top_shapes is None:
+                    top_shapes = []
+                    for x in point_rows:
+                        s = (x["block_h"], x["block_n"], x["num_stages"], x["num_warps"])
+                        if s not in top_shapes:
+                            top_shapes.append(s)
+                    top_shapes = top_shapes[:6]
+            del p
+            torch.cuda.empty_cache()
+
+    print("== summary (policy, gfx942 policy, best 3 sweep variants per point)")
+    print(HEADER)
     for heads in args.heads:
         for ctx in args.contexts:
-            point = bench_point(args, target, dtype, heads, ctx, copy_gbs)
-            if point is None:
-                return 1
-            rows += point
-            torch.cuda.empty_cache()
+            pick = [x for x in rows if x["heads"] == heads and x["context"] == ctx]
+            best = [x for x in sweep_rows if x["heads"] == heads and x["context"] == ctx][:3]
+            for x in pick + best:
+                print(fmt_row(x))
+    if args.sweep:
+        print(
+            f"sweep: {len(sweep_rows)} variants timed"
+            + (" (budget hit)" if time.monotonic() > deadline else "")
+        )
+    for f in failures:
+        print("CHECK FAILED (sweep variant):", f)
     result = dict(
-        device=torch.cuda.get_device_name(),
-        arch=target.arch,
-        commit=git_commit(),
-        date=datetime.date.today().isoformat(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        command=" ".join(sys.argv),
-        copy_gb_per_s=copy_gbs,
-        rows=rows,
-    )
+        device=torch.cuda.get_device_name(), arch=target.arch, commit=git_commit(),
+        date=datetime.date.today().isoformat(), torch=torch.__version__,
+        triton=triton.__version__, command=" ".join(sys.argv), copy_gb_per_s=copy_gbs,
+        mm_tflops=mm_tflops, rows=rows,
+    )  # fmt: skip
     out_dir = os.environ.get("OUT")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "bench_mla.json"), "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+            json.dump(result, f, indent=1)
+        if args.sweep:
+            with open(os.path.join(out_dir, "bench_mla_sweep.json"), "w") as f:
+                json.dump(dict(result, rows=sweep_rows, failures=failures), f, indent=1)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -14,6 +14,15 @@ For each point:
 3. bytes the kernel must move (K and V of every context token once per KV head, query, output)
    as effective bandwidth, next to a device-to-device copy ceiling measured in the same run.
 
+Baselines, same shapes, same inputs (the contiguous K/V are gathered from the paged cache, so the
+outputs are compared too):
+4. torch SDPA: decode with contiguous K/V ``[batch, kv_heads, context, d]``, ``enable_gqa=True``,
+   cuDNN backend (falls back to flash, then efficient, and says which ran); mixed: the prefill
+   chunk with the flash backend and a lower-right causal mask (``causal_lower_right(512, 8192)``:
+   query j sees the first 8192 - 512 + j + 1 positions) plus the 63 decode sequences with flash,
+   as two SDPA calls timed together in one function (the sum);
+5. the HIP (gfx942) policy's tiles on this GPU (HIP-only launch options dropped): check + time.
+
 Usage::
 
     python bench/bench_paged.py                  # the default table
@@ -30,6 +39,10 @@ import os
 import subprocess
 
 import torch
+import torch.nn.functional as F
+from _common import plan_with_target
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 from triton.testing import do_bench
 
 from portattn import reference
@@ -84,17 +97,116 @@ def check(args, n=3):
     return e_kernel, e_torch
 
 
+def contiguous_kv(cache, table, seq_lens, i0, i1):
+    """Sequences ``i0 .. i1-1`` (equal lengths) as contiguous ``[n, kv_heads, ctx, d]``."""
+    n = int(seq_lens[i0])
+    bs = cache.shape[1]
+    nb = -(-n // bs)
+    x = cache[table[i0:i1, :nb].long()]  # [seqs, nb, bs, kv_heads, d]
+    return x.reshape(i1 - i0, nb * bs, HKV, D)[:, :n].transpose(1, 2).contiguous()
+
+
+def sdpa_run(backends, q, k, v, mask=None):
+    """Run SDPA with the first backend of ``backends`` that accepts the shapes.
+
+    Returns ``(backend name, output, fn)``; ``fn`` re-enters the same backend on every call.
+    """
+    errors = []
+    group = q.shape[1] // k.shape[1]
+    # GQA first; then K/V heads expanded (a backend that refuses enable_gqa with this mask)
+    for expand in (False, True):
+        ke, ve = (x.repeat_interleave(group, dim=1) for x in (k, v)) if expand else (k, v)
+        for b in backends:
+
+            def fn(b=b, ke=ke, ve=ve):
+                with sdpa_kernel(b):
+                    return F.scaled_dot_product_attention(
+                        q, ke, ve, attn_mask=mask, enable_gqa=True
+                    )
+
+            try:
+                out = fn()
+                if out.is_cuda:
+                    torch.cuda.synchronize()
+                return b.name + (" (kv expanded)" if expand else ""), out, fn
+            except RuntimeError as e:
+                errors.append(f"{b.name}: {str(e).splitlines()[0][:80]}")
+    print("sdpa: no backend ran: " + "; ".join(errors))
+    return None
+
+
+def sdpa_baseline(name, seqs, args, kernel_out):
+    """Torch SDPA on the same work; ``(us, backends, rel diff vs the kernel)``."""
+    q, k, v, table, seq_lens, qsl = args
+    first_backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                      SDPBackend.EFFICIENT_ATTENTION]  # fmt: skip
+    if seqs[0][1] == 1:  # decode: one call over the batch
+        kc, vc = (contiguous_kv(c, table, seq_lens, 0, len(seqs)) for c in (k, v))
+        qd = q.view(len(seqs), HQ, 1, D)
+        got = sdpa_run(first_backends, qd, kc, vc)
+        if got is None:
+            return None
+        used, out, fn = got
+        outs = [out.reshape(len(seqs), HQ, D)]
+        fns = [fn]
+        names = [used]
+    else:  # mixed: the prefill chunk (lower-right causal) + the decode sequences, two calls
+        flash = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        s0, q0 = seqs[0]
+        kp, vp = (contiguous_kv(c, table, seq_lens, 0, 1) for c in (k, v))
+        qp = q[:q0].transpose(0, 1).unsqueeze(0)  # [1, HQ, q0, D]
+        got_p = sdpa_run(flash, qp, kp, vp, causal_lower_right(q0, s0))
+        kd, vd = (contiguous_kv(c, table, seq_lens, 1, len(seqs)) for c in (k, v))
+        qd = q[q0:].view(len(seqs) - 1, HQ, 1, D)
+        got_d = sdpa_run(flash, qd, kd, vd)
+        if got_p is None or got_d is None:
+            return None
+        (used_p, out_p, fn_p), (used_d, out_d, fn_d) = got_p, got_d
+        outs = [out_p[0].transpose(0, 1), out_d.reshape(len(seqs) - 1, HQ, D)]
+        fns = [fn_p, fn_d]
+        names = [f"prefill {used_p}", f"decode {used_d}"]
+    ref = torch.cat(outs).double()
+    diff = float((kernel_out.double() - ref).norm() / ref.norm())
+    if not ref.is_cuda:  # a CPU self-check of the baseline's maths: no timing
+        return float("nan"), " + ".join(names), diff
+    ms = do_bench(lambda: [f() for f in fns])
+    return ms * 1e3, " + ".join(names), diff
+
+
+def check_plan(plan_fn, args, n=3):
+    """Tolerance rule on the first ``n`` sequences for launches from ``plan_fn(*sub)``."""
+    q, k, v, table, seq_lens, qsl = args
+    end = int(qsl[n])
+    sub = (q[:end], k, v, table[:n], seq_lens[:n], qsl[: n + 1])
+    launches = plan_fn(*sub)
+    run_all(launches)
+    out = launches[0].outputs[0].double().cpu()
+    oracle = reference.paged_attention(*sub)
+    lowp = reference.paged_attention(*sub, compute_dtype=q.dtype)
+    rel = lambda x: float((x.double() - oracle).norm() / oracle.norm())  # noqa: E731
+    e_kernel, e_torch = rel(out), rel(lowp)
+    ok = bool(torch.isfinite(out).all()) and e_kernel <= 2 * e_torch
+    return ok, e_kernel, e_torch
+
+
+def hip_plan(*args):
+    return plan_with_target("gfx942", plan_paged_attention, *args)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--no-sdpa", action="store_true", help="skip the torch SDPA baselines")
+    ap.add_argument("--no-hip", action="store_true", help="skip the gfx942-policy rows")
     opts = ap.parse_args()
     dtype = DTYPES[opts.dtype]
     target = current_target()
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
-    rows = []
-    print(f"# {torch.cuda.get_device_name()} ({target.arch}), {opts.dtype}, commit {commit}")
+    rows, sdpa_rows, summary = [], [], []
+    print(f"# {torch.cuda.get_device_name()} ({target.arch}), {opts.dtype}, commit {commit}, "
+          f"torch {torch.__version__}")  # fmt: skip
     print(
         f"{'scenario':24} {'bs':>5} {'tiles (M,Q,H,N,stages)':>24} {'kernel us':>10} "
         f"{'call us':>9} {'GB/s':>7} {'copy GB/s':>9} {'err/torch':>10}"
@@ -120,20 +232,52 @@ def main() -> None:
                 f"{name:24} {bs:>5} {str(tiles + (stages,)):>24} {kernel_ms * 1e3:>10.1f} "
                 f"{call_ms * 1e3:>9.1f} {gbs:>7.0f} {copy_gbs:>9.0f} {e_kernel / e_torch:>10.2f}"
             )
-            rows.append(
-                dict(
-                    scenario=name,
-                    block_size=bs,
-                    tiles=tiles,
-                    num_stages=stages,
-                    kernel_us=kernel_ms * 1e3,
-                    call_us=call_ms * 1e3,
-                    gbps=gbs,
-                    copy_gbps=copy_gbs,
-                    err_kernel=e_kernel,
-                    err_torch=e_torch,
-                )  # fmt: skip
-            )
+            row = dict(
+                scenario=name, block_size=bs, tiles=tiles, num_stages=stages,
+                kernel_us=kernel_ms * 1e3, call_us=call_ms * 1e3, gbps=gbs, copy_gbps=copy_gbs,
+                err_kernel=e_kernel, err_torch=e_torch,
+            )  # fmt: skip
+            if not opts.no_hip:
+                ok, he_k, he_t = check_plan(hip_plan, args)
+                hplan = hip_plan(*args)
+                ha = hplan[0].args
+                htiles = (ha["BLOCK_M"], ha["BLOCK_Q"], ha["HEAD_TILE"], ha["BLOCK_N"])
+                hip_ms = do_bench(lambda hplan=hplan: run_all(hplan)) if ok else float("nan")
+                hstages = hplan[0].options.num_stages
+                print(
+                    f"{'  gfx942 policy':24} {bs:>5} {str(htiles + (hstages,)):>24} "
+                    f"{hip_ms * 1e3:>10.1f} {'':>9} {nbytes / hip_ms / 1e6:>7.0f} {'':>9} "
+                    f"{he_k / he_t:>10.2f}" + ("" if ok else "  CHECK FAILED")
+                )
+                row.update(hip_ok=ok, hip_tiles=htiles, hip_stages=hstages, hip_us=hip_ms * 1e3,
+                           hip_err_kernel=he_k, hip_err_torch=he_t)  # fmt: skip
+            if bs == BLOCK_SIZES[0] and not opts.no_sdpa:
+                run_all(plan)
+                kernel_out = plan[0].outputs[0]
+                got = sdpa_baseline(name, seqs, args, kernel_out)
+                sdpa_us, backend, diff = got if got else (float("nan"), "none ran", float("nan"))
+                print(
+                    f"{'  torch SDPA':24} {'-':>5} {'(contiguous K/V)':>24} {sdpa_us:>10.1f} "
+                    f"{'':>9} {nbytes / sdpa_us / 1e3:>7.0f}   {backend}; kernel vs sdpa "
+                    f"rel diff {diff:.1e}"
+                )
+                sdpa_rows.append(dict(scenario=name, sdpa_us=sdpa_us, backend=backend,
+                                      rel_diff_vs_kernel=diff))  # fmt: skip
+            rows.append(row)
+            del args
+            torch.cuda.empty_cache()
+    print("== summary: kernel / SDPA time (< 1 is faster), % of copy ceiling")
+    for r in rows:
+        base = next((s for s in sdpa_rows if s["scenario"] == r["scenario"]), None)
+        ratio = r["kernel_us"] / base["sdpa_us"] if base else float("nan")
+        hip = f"gfx942 {r['hip_us']:.1f} us" if "hip_us" in r else ""
+        line = (
+            f"{r['scenario']:24} bs {r['block_size']:>5}: kernel {r['kernel_us']:8.1f} us "
+            f"({100 * r['gbps'] / r['copy_gbps']:5.1f}% copy), SDPA "
+            f"{base['sdpa_us'] if base else float('nan'):8.1f} us, ratio {ratio:5.2f}; {hip}"
+        )
+        print(line)
+        summary.append(line)
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "bench_paged.json"), "w") as f:
@@ -144,7 +288,9 @@ def main() -> None:
                     dtype=opts.dtype,
                     commit=commit,
                     date=datetime.date.today().isoformat(),
+                    torch=torch.__version__,
                     rows=rows,
+                    sdpa=sdpa_rows,
                 ),  # fmt: skip
                 f,
                 indent=1,

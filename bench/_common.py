@@ -1,0 +1,69 @@
+"""Helpers the bench scripts share: copy ceiling, bf16 matmul rate, HIP policies on a CUDA GPU.
+
+Imported by ``bench/bench_*.py`` (run as ``python3 bench/<script>.py``, so this folder is on
+``sys.path``). Nothing here runs at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+
+import torch
+from triton.testing import do_bench
+
+from portattn import platform
+from portattn.kernels._launch import Launch
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def copy_ceiling(nbytes: int) -> tuple[float, float]:
+    """Device-to-device copy of ``nbytes // 2`` bytes: (bytes read + written) / median, GB/s.
+
+    ``nbytes`` is the traffic (read + written) of the operation it is compared with, so the copy
+    moves the same number of bytes. Returns ``(GB/s, ms)``.
+    """
+    n = max(2, nbytes // 2)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * n / (ms * 1e-3) / 1e9, ms
+
+
+def matmul_rate(n: int = 8192) -> tuple[float, float]:
+    """bf16 ``torch.mm`` of two ``n x n`` matrices: (TFLOP/s, ms), do_bench median."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: torch.mm(a, b, out=c), return_mode="median")
+    return 2 * n**3 / (ms * 1e-3) / 1e12, ms
+
+
+def plan_with_target(arch: str, plan, *args, **kwargs) -> list[Launch]:
+    """Plan under a forced target's policy (e.g. ``gfx942``), runnable on the live CUDA device.
+
+    The plan is made with `platform.set_target_override` (so the tiles are that target's); the
+    launches are then retargeted to the live device and HIP-only launch options
+    (``waves_per_eu``) are dropped: Triton's CUDA backend refuses an unknown keyword
+    ("Keyword argument waves_per_eu was specified but unrecognised").
+    """
+    platform.set_target_override(arch)
+    try:
+        launches = plan(*args, **kwargs)
+    finally:
+        platform.set_target_override(None)
+    live = platform.current_target()
+    return [
+        dataclasses.replace(
+            launch, options=dataclasses.replace(launch.options, waves_per_eu=None), target=live
+        )
+        for launch in launches
+    ]
