@@ -66,7 +66,8 @@ class Case:
         name: a short label, unique within the kernel (``"hd128 gqa5 bs544 NHD prefill"``).
         build: ``build(target, **params) -> list[Launch]`` (a module-level function).
         params: the builder's keyword arguments, as sorted pairs (hashable, picklable).
-        spill_allowance: spills this case may have before the gate fails it (see
+        spill_allowance: extra spills this case may have before the gate fails it, per vendor
+            in the backend's unit (``(("cuda", bytes), ("hip", VGPRs))``, added to
             `portattn.compile.matrix.SPILL_THRESHOLD`), with the reason in ``spill_reason``.
         shared_only: compile only through LLVM-IR lowering, where shared memory is allocated
             (`portattn.compile.worker.shared_memory_only`): for tiles whose full backend compile
@@ -78,7 +79,7 @@ class Case:
     name: str
     build: Callable[..., list[Launch]]
     params: tuple[tuple[str, Any], ...] = ()
-    spill_allowance: int = 0
+    spill_allowance: tuple[tuple[str, int], ...] = ()
     spill_reason: str = ""
     shared_only: bool = False
     expect: str = field(default="", compare=False)
@@ -86,6 +87,10 @@ class Case:
     @property
     def id(self) -> str:
         return f"{self.kernel}/{self.name}"
+
+    def allowance(self, vendor: str) -> int:
+        """Extra spills allowed on ``vendor`` (0 unless stated)."""
+        return dict(self.spill_allowance).get(vendor, 0)
 
     def plan(self, target: Target) -> list[Launch]:
         return self.build(target, **dict(self.params))
