@@ -37,6 +37,7 @@ import triton.language as tl
 from portattn.kernels._launch import Launch, run_all
 from portattn.layout import CacheAddressing, describe_kv_cache
 from portattn.platform import Target, target_for_tensor
+from portattn.policy.common import launch_options
 from portattn.policy.paged import MAX_HEAD_DIM, PagedProblem, PagedTiles, paged_tiles
 
 OP = "paged_attention"
@@ -71,7 +72,253 @@ def _cache_offsets(
     return t_off + d_off
 
 
-# -- kernel -------------------------------------------------------------------------------------
+@triton.jit
+def _kv_step(
+    q,  # [BLOCK_M, BLOCK_D] query rows
+    m_i,  # [BLOCK_M] running max (base 2)
+    l_i,  # [BLOCK_M] running sum
+    acc,  # [BLOCK_M, BLOCK_D] fp32 running output
+    start,  # first context position of this KV tile
+    kv_end,  # positions >= kv_end are never read
+    row_limit,  # [BLOCK_M]: row r sees positions < row_limit[r] (used when MASKED)
+    bt_row,  # block_table row of the sequence
+    k_base,  # key cache at this KV head
+    v_base,  # value cache at this KV head
+    offs_n,
+    offs_d,
+    d_mask,
+    scale_log2,
+    block_size,
+    stride_bt_blk,
+    stride_k_block,
+    stride_k_tok_hi,
+    stride_k_tok_lo,
+    stride_k_dim_hi,
+    stride_k_dim_lo,
+    stride_v_block,
+    stride_v_tok_hi,
+    stride_v_tok_lo,
+    stride_v_dim_hi,
+    stride_v_dim_lo,
+    MASKED: tl.constexpr,  # False: every position of the tile is < kv_end and < every row_limit
+    K_TOK_SPLIT: tl.constexpr,
+    K_DIM_SPLIT: tl.constexpr,
+    V_TOK_SPLIT: tl.constexpr,
+    V_DIM_SPLIT: tl.constexpr,
+):
+    """One KV tile: gather K/V through the block table, scores, online-softmax update."""
+    # -- gather: context position -> (physical block, in-block offset) -----------------------
+    pos = start + offs_n  # [BLOCK_N]
+    logical_block = pos // block_size
+    # In-block offsets stay 32-bit (one block spans < 2^31 elements); the block term is 64-bit.
+    in_block = pos % block_size
+    if V_TOK_SPLIT > 1:
+        # SHUFFLE V keeps V_TOK_SPLIT tokens contiguous; block_size is a multiple of it and the
+        # tile starts on a multiple of it, so whole runs are loaded (vector loads instead of a
+        # scalar load per element): up to v_end, still inside the sequence's last block.
+        in_block = tl.max_contiguous(tl.multiple_of(in_block, V_TOK_SPLIT), V_TOK_SPLIT)
+    if MASKED:
+        pos_mask = pos < kv_end
+        if V_TOK_SPLIT > 1:
+            v_end = (kv_end + V_TOK_SPLIT - 1) // V_TOK_SPLIT * V_TOK_SPLIT
+            run_mask = pos < v_end
+        else:
+            run_mask = pos_mask
+        phys = tl.load(bt_row + logical_block * stride_bt_blk, mask=run_mask, other=0)
+    else:
+        phys = tl.load(bt_row + logical_block * stride_bt_blk)
+    phys = phys.to(tl.int64)
+    if V_TOK_SPLIT > 1:
+        phys = tl.max_constancy(phys, V_TOK_SPLIT)
+
+    k_off = phys[None, :] * stride_k_block + _cache_offsets(
+        in_block[None, :],
+        offs_d[:, None],
+        stride_k_tok_hi,
+        stride_k_tok_lo,
+        stride_k_dim_hi,
+        stride_k_dim_lo,
+        K_TOK_SPLIT,
+        K_DIM_SPLIT,
+    )
+    if MASKED:
+        k = tl.load(k_base + k_off, mask=d_mask[:, None] & pos_mask[None, :], other=0.0)
+    else:
+        k = tl.load(k_base + k_off, mask=d_mask[:, None], other=0.0)
+
+    # -- scores ------------------------------------------------------------------------------
+    s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        keep = pos_mask[None, :] & (pos[None, :] < row_limit[:, None])
+        s = tl.where(keep, s, float("-inf"))
+
+    # -- online softmax (base 2) --------------------------------------------------------------
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+
+    v_off = phys[:, None] * stride_v_block + _cache_offsets(
+        in_block[:, None],
+        offs_d[None, :],
+        stride_v_tok_hi,
+        stride_v_tok_lo,
+        stride_v_dim_hi,
+        stride_v_dim_lo,
+        V_TOK_SPLIT,
+        V_DIM_SPLIT,
+    )
+    if MASKED:
+        v = tl.load(v_base + v_off, mask=run_mask[:, None] & d_mask[None, :], other=0.0)
+        if V_TOK_SPLIT > 1:  # slots past the sequence's end may hold anything (NaN): zero them
+            v = tl.where(pos_mask[:, None], v, 0.0)
+    else:
+        v = tl.load(v_base + v_off, mask=d_mask[None, :], other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend(
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    q_ptr,  # [num_tokens, num_q_heads, head_dim]
+    k_ptr,  # key cache, NHD or SHUFFLE, addressed by the stride_k_* arguments
+    v_ptr,  # value cache, NHD or SHUFFLE, addressed by the stride_v_* arguments
+    block_table_ptr,  # [num_seqs, max_blocks]
+    seq_lens_ptr,  # [num_seqs]
+    query_start_loc_ptr,  # [num_seqs + 1]
+    part_ptr,  # fp32 [NUM_SPLITS, num_tokens, num_q_heads, head_dim] (NUM_SPLITS > 1 only)
+    lse_ptr,  # fp32 [NUM_SPLITS, num_tokens, num_q_heads], base-2 log-sum-exp (NUM_SPLITS > 1)
+    q_tile,
+    head_slot,  # kv_head * ceil(GROUP / HEAD_TILE) + head tile
+    seq,
+    split,
+    q_len_lo,  # this program serves the sequence only if q_len_lo < q_len <= q_len_hi
+    q_len_hi,
+    scale_log2,
+    head_dim,
+    block_size,
+    num_tokens,
+    num_q_heads,
+    stride_q_tok,
+    stride_q_head,
+    stride_q_dim,
+    stride_o_tok,
+    stride_o_head,
+    stride_o_dim,
+    stride_bt_seq,
+    stride_bt_blk,
+    stride_k_block,
+    stride_k_head,
+    stride_k_tok_hi,
+    stride_k_tok_lo,
+    stride_k_dim_hi,
+    stride_k_dim_lo,
+    stride_v_block,
+    stride_v_head,
+    stride_v_tok_hi,
+    stride_v_tok_lo,
+    stride_v_dim_hi,
+    stride_v_dim_lo,
+    GROUP: tl.constexpr,
+    HEAD_TILE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    K_TOK_SPLIT: tl.constexpr,
+    K_DIM_SPLIT: tl.constexpr,
+    V_TOK_SPLIT: tl.constexpr,
+    V_DIM_SPLIT: tl.constexpr,
+):
+    """One program's work: ``BLOCK_Q`` tokens x ``HEAD_TILE`` heads of one sequence."""
+    tl.static_assert(BLOCK_Q * HEAD_TILE <= BLOCK_M)
+    tl.static_assert(HEAD_TILE <= GROUP)
+    HEAD_TILES_PER_KV: tl.constexpr = (GROUP + HEAD_TILE - 1) // HEAD_TILE
+    kv_head = head_slot // HEAD_TILES_PER_KV
+    head_tile = head_slot % HEAD_TILES_PER_KV
+
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = (tl.load(query_start_loc_ptr + seq + 1) - q_start).to(tl.int32)
+    if (q_len > q_len_lo) & (q_len <= q_len_hi) & (q_tile * BLOCK_Q < q_len):
+        seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+        ctx_len = seq_len - q_len  # tokens before this step's queries
+
+        # -- rows: (query token, query head) pairs of one KV head -------------------------------
+        offs_m = tl.arange(0, BLOCK_M)
+        tok_in_q = q_tile * BLOCK_Q + offs_m // HEAD_TILE  # [BLOCK_M] token index within the seq
+        head_in_group = head_tile * HEAD_TILE + offs_m % HEAD_TILE
+        row_mask = (offs_m // HEAD_TILE < BLOCK_Q) & (tok_in_q < q_len) & (head_in_group < GROUP)
+        q_head = kv_head * GROUP + head_in_group
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < head_dim
+
+        q_off = (
+            (q_start + tok_in_q.to(tl.int64))[:, None] * stride_q_tok
+            + q_head.to(tl.int64)[:, None] * stride_q_head
+            + offs_d[None, :] * stride_q_dim
+        )
+        q = tl.load(q_ptr + q_off, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+        # Row r sees positions < row_limit[r]; >= 1 for every row, so no row is ever fully masked
+        # (rows past the sequence compute on zeros and are not stored). The loop ends at the
+        # causal limit of the tile's LAST row; tiles below the FIRST row's limit need no mask.
+        row_limit = ctx_len + tok_in_q + 1
+        kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
+        kv_lo = 0
+        if NUM_SPLITS > 1:  # this program's share, whole KV tiles, of the sequence's context
+            per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            kv_lo = split * per_split
+            kv_end = tl.minimum(kv_end, kv_lo + per_split)
+        full_end = tl.minimum((ctx_len + q_tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, kv_end)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
+        k_base = k_ptr + kv_head.to(tl.int64) * stride_k_head
+        v_base = v_ptr + kv_head.to(tl.int64) * stride_v_head
+        offs_n = tl.arange(0, BLOCK_N)
+
+        for start in range(kv_lo, full_end, BLOCK_N):
+            m_i, l_i, acc = _kv_step(
+                q, m_i, l_i, acc, start, kv_end, row_limit, bt_row, k_base, v_base, offs_n,
+                offs_d, d_mask, scale_log2, block_size, stride_bt_blk,
+                stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
+                stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
+                False, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
+            )  # fmt: skip
+        for start in range(tl.maximum(kv_lo, full_end), kv_end, BLOCK_N):
+            m_i, l_i, acc = _kv_step(
+                q, m_i, l_i, acc, start, kv_end, row_limit, bt_row, k_base, v_base, offs_n,
+                offs_d, d_mask, scale_log2, block_size, stride_bt_blk,
+                stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
+                stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
+                True, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
+            )  # fmt: skip
+
+        # -- epilogue -------------------------------------------------------------------------
+        tok = q_start + tok_in_q.to(tl.int64)
+        io_mask = row_mask[:, None] & d_mask[None, :]
+        if NUM_SPLITS > 1:
+            # Partial result and its log-sum-exp; an empty split (l == 0) stores 0 and -inf.
+            l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+            row = (split * num_tokens + tok) * num_q_heads + q_head.to(tl.int64)
+            tl.store(part_ptr + row[:, None] * head_dim + offs_d[None, :], acc / l_safe[:, None],
+                     mask=io_mask)  # fmt: skip
+            lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+            tl.store(lse_ptr + row, lse, mask=row_mask)
+        else:
+            acc = acc / l_i[:, None]
+            o_off = (
+                tok[:, None] * stride_o_tok
+                + q_head.to(tl.int64)[:, None] * stride_o_head
+                + offs_d[None, :] * stride_o_dim
+            )
+            tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -83,9 +330,15 @@ def _paged_attention_kernel(
     block_table_ptr,  # [num_seqs, max_blocks]
     seq_lens_ptr,  # [num_seqs]
     query_start_loc_ptr,  # [num_seqs + 1]
+    part_ptr,  # fp32 [NUM_SPLITS, num_tokens, num_q_heads, head_dim] (= out_ptr if no split)
+    lse_ptr,  # fp32 [NUM_SPLITS, num_tokens, num_q_heads] (= out_ptr if no split)
     scale_log2,  # softmax scale * log2(e)
     head_dim,
     block_size,
+    num_tokens,
+    num_seqs,
+    num_kv_heads,
+    num_q_tiles,  # ceil(max_query_len / BLOCK_Q): q tiles per sequence of the main row tile
     stride_q_tok,
     stride_q_head,
     stride_q_dim,
@@ -112,129 +365,93 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # rows of the M tile (>= BLOCK_Q * HEAD_TILE)
     BLOCK_N: tl.constexpr,  # context tokens per KV tile (independent of block_size)
     BLOCK_D: tl.constexpr,  # head_dim padded to a power of two
+    DECODE_ROLE: tl.constexpr,  # mixed batch: short sequences get the DEC_* row tile
+    DEC_HEAD_TILE: tl.constexpr,
+    DEC_BLOCK_Q: tl.constexpr,  # sequences with q_len <= DEC_BLOCK_Q take the decode role
+    DEC_BLOCK_M: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # > 1: partial results per KV split for the reduce kernel
     K_TOK_SPLIT: tl.constexpr,
     K_DIM_SPLIT: tl.constexpr,
     V_TOK_SPLIT: tl.constexpr,
     V_DIM_SPLIT: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_Q * HEAD_TILE <= BLOCK_M)
-    tl.static_assert(HEAD_TILE <= GROUP)
-    HEAD_TILES_PER_KV: tl.constexpr = (GROUP + HEAD_TILE - 1) // HEAD_TILE
+    """1-D grid: main-tile programs first, heaviest q tile first; then the decode-role ones.
 
-    q_tile = tl.program_id(0)
-    kv_head = tl.program_id(1) // HEAD_TILES_PER_KV
-    head_tile = tl.program_id(1) % HEAD_TILES_PER_KV
-    seq = tl.program_id(2)
-
-    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    q_len = (tl.load(query_start_loc_ptr + seq + 1) - q_start).to(tl.int32)
-    if q_tile * BLOCK_Q >= q_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    ctx_len = seq_len - q_len  # tokens before this step's queries
-
-    # -- rows: (query token, query head) pairs of one KV head ---------------------------------
-    offs_m = tl.arange(0, BLOCK_M)
-    tok_in_q = q_tile * BLOCK_Q + offs_m // HEAD_TILE  # [BLOCK_M] token index within the seq
-    head_in_group = head_tile * HEAD_TILE + offs_m % HEAD_TILE
-    row_mask = (offs_m // HEAD_TILE < BLOCK_Q) & (tok_in_q < q_len) & (head_in_group < GROUP)
-    q_head = kv_head * GROUP + head_in_group
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < head_dim
-
-    q_off = (
-        (q_start + tok_in_q.to(tl.int64))[:, None] * stride_q_tok
-        + q_head.to(tl.int64)[:, None] * stride_q_head
-        + offs_d[None, :] * stride_q_dim
-    )
-    q = tl.load(q_ptr + q_off, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-
-    # Row r sees positions < row_limit[r]; >= 1 for every row, so no row is ever fully masked
-    # (rows past the sequence compute on zeros and are not stored).
-    row_limit = ctx_len + tok_in_q + 1
-    kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
-    k_base = k_ptr + kv_head.to(tl.int64) * stride_k_head
-    v_base = v_ptr + kv_head.to(tl.int64) * stride_v_head
-    offs_n = tl.arange(0, BLOCK_N)
-
-    for start in range(0, kv_end, BLOCK_N):
-        # -- gather: context position -> (physical block, in-block offset) -------------------
-        pos = start + offs_n  # [BLOCK_N]
-        pos_mask = pos < kv_end
-        logical_block = pos // block_size
-        # In-block offsets stay 32-bit (one block spans < 2^31 elements); the block term is 64-bit.
-        in_block = pos % block_size
-        if V_TOK_SPLIT > 1:
-            # SHUFFLE V keeps V_TOK_SPLIT tokens contiguous; block_size is a multiple of it and the
-            # tile starts on a multiple of it, so whole runs are loaded (vector loads instead of a
-            # scalar load per element): up to v_end, still inside the sequence's last block.
-            v_end = tl.multiple_of((kv_end + V_TOK_SPLIT - 1) // V_TOK_SPLIT * V_TOK_SPLIT, 4)
-            run_mask = pos < v_end
-            in_block = tl.max_contiguous(tl.multiple_of(in_block, V_TOK_SPLIT), V_TOK_SPLIT)
-        else:
-            run_mask = pos_mask
-        phys = tl.load(bt_row + logical_block * stride_bt_blk, mask=run_mask, other=0).to(tl.int64)
-        if V_TOK_SPLIT > 1:
-            phys = tl.max_constancy(phys, V_TOK_SPLIT)
-
-        k_off = phys[None, :] * stride_k_block + _cache_offsets(
-            in_block[None, :],
-            offs_d[:, None],
-            stride_k_tok_hi,
-            stride_k_tok_lo,
-            stride_k_dim_hi,
+    main:   pid -> (q_tile = num_q_tiles - 1 - r // (slots * NUM_SPLITS), head slot, split, seq)
+    decode: pid - n_main -> (head slot, seq), q_tile 0, one program per sequence and head tile.
+    """
+    pid = tl.program_id(0)
+    slots = num_kv_heads * ((GROUP + HEAD_TILE - 1) // HEAD_TILE)
+    n_main = num_q_tiles * slots * NUM_SPLITS * num_seqs
+    if pid < n_main:
+        seq = pid % num_seqs
+        r = pid // num_seqs
+        split = r % NUM_SPLITS
+        r = r // NUM_SPLITS
+        head_slot = r % slots
+        q_tile = num_q_tiles - 1 - r // slots
+        q_len_lo = DEC_BLOCK_Q if DECODE_ROLE else 0
+        _attend(
+            out_ptr, q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+            part_ptr, lse_ptr, q_tile, head_slot, seq, split, q_len_lo, 2147483647,
+            scale_log2, head_dim, block_size, num_tokens, num_kv_heads * GROUP,
+            stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
+            stride_bt_seq, stride_bt_blk,
+            stride_k_block, stride_k_head, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi,
             stride_k_dim_lo,
-            K_TOK_SPLIT,
-            K_DIM_SPLIT,
-        )
-        k = tl.load(k_base + k_off, mask=d_mask[:, None] & pos_mask[None, :], other=0.0)
-
-        # -- scores ------------------------------------------------------------------------
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
-        keep = pos_mask[None, :] & (pos[None, :] < row_limit[:, None])
-        s = tl.where(keep, s, float("-inf"))
-
-        # -- online softmax (base 2) --------------------------------------------------------
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-
-        v_off = phys[:, None] * stride_v_block + _cache_offsets(
-            in_block[:, None],
-            offs_d[None, :],
-            stride_v_tok_hi,
-            stride_v_tok_lo,
-            stride_v_dim_hi,
+            stride_v_block, stride_v_head, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi,
             stride_v_dim_lo,
-            V_TOK_SPLIT,
-            V_DIM_SPLIT,
-        )
-        v = tl.load(v_base + v_off, mask=run_mask[:, None] & d_mask[None, :], other=0.0)
-        if V_TOK_SPLIT > 1:  # slots past the sequence's end may hold anything (NaN): zero them
-            v = tl.where(pos_mask[:, None], v, 0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-        m_i = m_new
+            GROUP, HEAD_TILE, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, NUM_SPLITS,
+            K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
+        )  # fmt: skip
+    elif DECODE_ROLE:
+        d = pid - n_main
+        seq = d % num_seqs
+        head_slot = d // num_seqs
+        _attend(
+            out_ptr, q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+            part_ptr, lse_ptr, 0, head_slot, seq, 0, 0, DEC_BLOCK_Q,
+            scale_log2, head_dim, block_size, num_tokens, num_kv_heads * GROUP,
+            stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
+            stride_bt_seq, stride_bt_blk,
+            stride_k_block, stride_k_head, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi,
+            stride_k_dim_lo,
+            stride_v_block, stride_v_head, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi,
+            stride_v_dim_lo,
+            GROUP, DEC_HEAD_TILE, DEC_BLOCK_Q, DEC_BLOCK_M, BLOCK_N, BLOCK_D, 1,
+            K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
+        )  # fmt: skip
 
-    # -- epilogue -----------------------------------------------------------------------------
-    acc = acc / l_i[:, None]
-    o_off = (
-        (q_start + tok_in_q.to(tl.int64))[:, None] * stride_o_tok
-        + q_head.to(tl.int64)[:, None] * stride_o_head
-        + offs_d[None, :] * stride_o_dim
-    )
-    tl.store(
-        out_ptr + o_off,
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & d_mask[None, :],
-    )
+
+@triton.jit
+def _paged_attention_reduce_kernel(
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    part_ptr,  # fp32 [NUM_SPLITS, num_tokens, num_q_heads, head_dim]
+    lse_ptr,  # fp32 [NUM_SPLITS, num_tokens, num_q_heads], base 2
+    num_tokens,
+    num_q_heads,
+    head_dim,
+    stride_o_tok,
+    stride_o_head,
+    stride_o_dim,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Combine the splits of one (token, head): sum_s 2^(lse_s - max) * part_s / sum_s 2^(...)."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    row = (offs_s.to(tl.int64) * num_tokens + tok) * num_q_heads + head  # [NUM_SPLITS]
+    lse = tl.load(lse_ptr + row)
+    m = tl.max(lse, axis=0)  # finite: split 0 always holds context position 0
+    w = tl.math.exp2(lse - m)
+    d_mask = offs_d < head_dim
+    part = tl.load(part_ptr + row[:, None] * head_dim + offs_d[None, :], mask=d_mask[None, :],
+                   other=0.0)  # fmt: skip
+    o = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
+    o_off = tok * stride_o_tok + head * stride_o_head + offs_d * stride_o_dim
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 # -- launcher -----------------------------------------------------------------------------------
@@ -326,8 +543,13 @@ def _check_shapes(
         raise ValueError(f"{OP}: " + "; ".join(errors))
 
 
-def _check_contents(query, k: CacheAddressing, block_table, seq_lens, query_start_loc) -> int:
-    """Validate the metadata's values (one host read); return max_query_len."""
+def _check_contents(
+    query, k: CacheAddressing, block_table, seq_lens, query_start_loc, max_query_len, max_seq_len
+) -> tuple[int, int]:
+    """Validate the metadata's values (one host read); return (max_query_len, max_seq_len).
+
+    Given maxima are checked to bound the real ones (a smaller one would drop work silently).
+    """
     num_tokens = query.shape[0]
     qsl = query_start_loc.detach().to("cpu", torch.int64)
     lens = seq_lens.detach().to("cpu", torch.int64)
@@ -366,9 +588,24 @@ def _check_contents(query, k: CacheAddressing, block_table, seq_lens, query_star
                 f"block_table entries of used blocks must be in [0, num_blocks={k.num_blocks}); "
                 f"got range [{int(entries.min())}, {int(entries.max())}]"
             )
+    real_mql = int(q_lens.max()) if q_lens.numel() else 0
+    real_msl = int(lens.max()) if lens.numel() else 0
+    if max_query_len is not None and max_query_len < real_mql:
+        errors.append(f"max_query_len must be >= the longest q_len {real_mql}; got {max_query_len}")
+    if max_seq_len is not None and max_seq_len < real_msl:
+        errors.append(f"max_seq_len must be >= the longest seq_len {real_msl}; got {max_seq_len}")
     if errors:
         raise ValueError(f"{OP}: " + "; ".join(errors))
-    return int(q_lens.max()) if q_lens.numel() else 0
+    return real_mql, real_msl
+
+
+def _check_maxima(max_query_len, max_seq_len) -> None:
+    errors = []
+    for name, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            errors.append(f"{name} must be a non-negative int or None; got {v!r}")
+    if errors:
+        raise ValueError(f"{OP}: " + "; ".join(errors))
 
 
 def plan_paged_attention(
@@ -384,12 +621,19 @@ def plan_paged_attention(
     out: torch.Tensor | None = None,
     target: Target | None = None,
     max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    check_contents: bool | None = None,
+    tiles: PagedTiles | None = None,
 ) -> list[Launch]:
     """Validate, choose tiles and allocate; return the launch(es) `paged_attention` would run.
 
-    Args: as `paged_attention`, plus ``max_query_len``: only for meta tensors (the compile
-    matrix), where the metadata cannot be read; defaults to ``num_tokens`` there. On real tensors
-    it is computed from ``query_start_loc`` (and a given value is ignored).
+    Args: as `paged_attention`, plus
+        check_contents: read and validate the metadata's values on the host. ``None`` (default):
+            when the tensors are on the CPU, or when ``max_query_len`` is not given; never on
+            meta tensors. ``False`` with ``max_query_len`` given reads no tensor's contents
+            (what a CUDA graph capture needs).
+        tiles: use these tiles instead of the policy's (benchmark sweeps, the compile matrix's
+            naive rules). Validated only by the kernel's static asserts.
     """
     _check_types(query, block_table, seq_lens, query_start_loc, out)
     k, v = describe_kv_cache(OP, key_cache, value_cache, layout)
@@ -399,12 +643,26 @@ def plan_paged_attention(
             f"got {key_cache.dtype}"
         )
     _check_shapes(query, k, key_cache, block_table, seq_lens, query_start_loc, out, scale)
-    if query.device.type == "meta":
-        mql = max(1, max_query_len if max_query_len is not None else query.shape[0])
-    else:
-        mql = _check_contents(query, k, block_table, seq_lens, query_start_loc)
+    _check_maxima(max_query_len, max_seq_len)
 
     num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = block_table.shape[0]
+    if check_contents is None:
+        check_contents = query.device.type == "cpu" or max_query_len is None
+    if query.device.type == "meta":
+        check_contents = False
+    if check_contents:
+        real_mql, real_msl = _check_contents(
+            query, k, block_table, seq_lens, query_start_loc, max_query_len, max_seq_len
+        )
+        mql = real_mql if max_query_len is None else max_query_len
+        msl = real_msl if max_seq_len is None else max_seq_len
+    else:
+        # No content read: the grid comes from shapes and the caller's maxima only.
+        mql = num_tokens if max_query_len is None else max_query_len
+        msl = max_seq_len
+    mql = min(mql, num_tokens)  # no sequence has more queries than the batch has tokens
+
     target = target if target is not None else target_for_tensor(query)
     problem = PagedProblem(
         num_q_heads=num_q_heads,
@@ -413,20 +671,28 @@ def plan_paged_attention(
         elem_bytes=query.element_size(),
         max_query_len=max(1, mql),
         block_size=k.block_size,
-        num_seqs=block_table.shape[0],
+        num_seqs=num_seqs,
+        max_seq_len=msl if msl else None,
     )
-    tiles: PagedTiles = paged_tiles(target, problem)
+    if tiles is None:
+        tiles = paged_tiles(target, problem)
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
     group = num_q_heads // k.num_kv_heads
-    head_tiles = -(-group // tiles.head_tile)
-    grid = (
-        -(-mql // tiles.block_q) if num_tokens else 0,
-        k.num_kv_heads * head_tiles,
-        block_table.shape[0],
-    )
+    splits = tiles.num_splits
+    num_q_tiles = -(-mql // tiles.block_q)
+    n_main = num_q_tiles * k.num_kv_heads * -(-group // tiles.head_tile) * splits * num_seqs
+    dec = tiles.decode
+    n_dec = k.num_kv_heads * -(-group // dec.head_tile) * num_seqs if dec is not None else 0
+    if splits > 1:
+        part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32,
+                           device=query.device)  # fmt: skip
+        lse = torch.empty((splits, num_tokens, num_q_heads), dtype=torch.float32,
+                          device=query.device)  # fmt: skip
+    else:
+        part = lse = out  # never touched (NUM_SPLITS == 1)
     args = dict(
         out_ptr=out,
         q_ptr=query,
@@ -435,9 +701,15 @@ def plan_paged_attention(
         block_table_ptr=block_table,
         seq_lens_ptr=seq_lens,
         query_start_loc_ptr=query_start_loc,
+        part_ptr=part,
+        lse_ptr=lse,
         scale_log2=scale * _LOG2E,
         head_dim=head_dim,
         block_size=k.block_size,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        num_kv_heads=k.num_kv_heads,
+        num_q_tiles=num_q_tiles,
         stride_q_tok=query.stride(0),
         stride_q_head=query.stride(1),
         stride_q_dim=query.stride(2),
@@ -454,12 +726,18 @@ def plan_paged_attention(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_D=tiles.block_d,
+        DECODE_ROLE=dec is not None,
+        DEC_HEAD_TILE=dec.head_tile if dec is not None else 1,
+        DEC_BLOCK_Q=dec.block_q if dec is not None else 1,
+        DEC_BLOCK_M=dec.block_m if dec is not None else 16,
+        NUM_SPLITS=splits,
         K_TOK_SPLIT=k.tok_split,
         K_DIM_SPLIT=k.dim_split,
         V_TOK_SPLIT=v.tok_split,
         V_DIM_SPLIT=v.dim_split,
     )
-    return [
+    grid = ((n_main + n_dec) if num_tokens else 0,)
+    launches = [
         Launch(
             kernel=_paged_attention_kernel,
             grid=grid,
@@ -470,6 +748,32 @@ def plan_paged_attention(
             outputs=(out,),
         )
     ]
+    if splits > 1:
+        reduce_args = dict(
+            out_ptr=out,
+            part_ptr=part,
+            lse_ptr=lse,
+            num_tokens=num_tokens,
+            num_q_heads=num_q_heads,
+            head_dim=head_dim,
+            stride_o_tok=out.stride(0),
+            stride_o_head=out.stride(1),
+            stride_o_dim=out.stride(2),
+            NUM_SPLITS=splits,
+            BLOCK_D=tiles.block_d,
+        )
+        launches.append(
+            Launch(
+                kernel=_paged_attention_reduce_kernel,
+                grid=(num_tokens, num_q_heads),
+                args=reduce_args,
+                options=launch_options(target, 4, 1),
+                target=target,
+                name=f"{OP}:reduce",
+                outputs=(out,),
+            )
+        )
+    return launches
 
 
 def paged_attention(
@@ -484,6 +788,8 @@ def paged_attention(
     layout: str = "NHD",
     out: torch.Tensor | None = None,
     target: Target | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query tokens over a paged KV cache (prefill + decode mixed).
 
@@ -501,6 +807,18 @@ def paged_attention(
         out: optional ``[num_tokens, num_q_heads, head_dim]`` output of ``query``'s dtype, any
             strides; written in place and returned.
         target: the `Target` whose policy picks the tiles; default: ``query``'s device.
+        max_query_len: an upper bound of every ``q_len_i`` (serving engines know it). Given, the
+            launcher reads no device tensor's contents: the grid comes from ``num_seqs`` and
+            this bound, and the metadata's values (monotonic ``query_start_loc``,
+            ``seq_lens >= q_len``, block ids in range) are checked only when the tensors are on
+            the CPU -- as upstream engines do, the caller vouches for them on the GPU, and the
+            call is capturable in a CUDA graph. Not given, the launcher reads ``query_start_loc``,
+            ``seq_lens`` and the used block-table entries once (a device-to-host sync) to
+            validate them and size the grid.
+        max_seq_len: an upper bound of every ``seq_lens[i]``; with ``max_query_len == 1`` it lets
+            the policy split long contexts over several programs (split-KV, a second launch
+            combines them) when the batch is too small to fill the GPU. Without it (and with
+            ``max_query_len`` given) there is no split.
 
     Returns:
         ``out`` (allocated contiguous if not given).
@@ -525,6 +843,8 @@ def paged_attention(
         layout=layout,
         out=out,
         target=target,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
     )
     run_all(launches)
     return launches[0].outputs[0]

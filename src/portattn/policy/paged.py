@@ -1,12 +1,33 @@
 """Tile policy for `portattn.kernels.paged_attention`: ``paged_tiles(target, problem)``.
 
 The paged-attention kernel runs one program per (query tile of a sequence, q-head tile of one KV
-head, sequence). Its M dimension packs ``block_q`` query tokens x ``head_tile`` query heads that
-share one KV head (GQA/MQA), so a decode step with 4 or 8 heads per KV head still gives ``tl.dot``
-its 16 rows. Its N dimension is ``block_n`` context tokens, gathered through the block table one
-token at a time (block and in-block offset addressed separately): **the KV tile never depends on
-the cache's ``block_size``** (upstream lesson 3: a tile taken from block_size 2048 asks for
-262144 B of LDS on a 65536 B MI300-class part).
+head, sequence[, KV split]). Its M dimension packs ``block_q`` query tokens x ``head_tile`` query
+heads that share one KV head (GQA/MQA), so a decode step with 4 or 8 heads per KV head still gives
+``tl.dot`` its 16 rows. Its N dimension is ``block_n`` context tokens, gathered through the block
+table one token at a time (block and in-block offset addressed separately): **the KV tile never
+depends on the cache's ``block_size``** (upstream lesson 3: a tile taken from block_size 2048 asks
+for 262144 B of LDS on a 65536 B MI300-class part).
+
+Two row tiles in one launch (mixed batches). A tile sized for the longest query (a 512-token
+prefill chunk: 64 or 128 rows) would make every decode sequence of the same batch run 16-32x the
+matrix work it needs (4 useful rows of 64). When ``max_query_len`` exceeds what one decode tile
+holds, the policy adds a ``decode`` row tile: sequences with ``q_len <= decode.block_q`` are served
+by decode-sized programs, the others by the prefill-sized ones, in one launch (prefill programs
+first, so the long programs start first and the short decode programs fill the tail). The two row
+tiles share ``block_n``, the pipeline depth and ``num_warps``; the decode tile has fewer rows, so
+its shared memory is below the prefill tile's and the budget is the prefill tile's.
+
+Wide prefill tiles: with >= 128 rows of work (a prefill chunk, or MQA with 128 heads) the M tile
+is 128 (flash-attention's 128 x 64 x 8 warps) where the target's shared memory holds it at
+``block_n`` 64 with >= 2 stages and the 8-warp register estimate is <= `WIDE_MAX_REGS`; halves the
+K/V traffic per FLOP of the 64-row tile. (sm_80/sm_90/sm_100 and gfx950 at head_dim <= 128 in
+16-bit; not the 99 KB NVIDIA parts or the 64 KB AMD parts.)
+
+Split-KV (decode only): when ``num_seqs * num_kv_heads * head tiles`` programs cannot fill the
+GPU (`Target.num_sms`) and the context is long, each sequence's context is cut into
+``num_splits`` ranges whose partial results a second (reduce) launch combines. ``num_splits`` is a
+pure function of (target, num_seqs, heads, max_seq_len) -- `split_count`; the caller passes
+``max_seq_len`` (serving engines know it), so the grid is fixed without reading the device.
 
 Shared-memory budget (`estimate_shared_mem`, bytes, ``e`` = element size of Q/K/V):
 
@@ -28,7 +49,7 @@ The policy walks a preference ladder (largest ``block_n`` first, then deeper pip
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from portattn.platform import Target
 from portattn.policy.common import LaunchOptions, launch_options, next_pow2
@@ -36,9 +57,15 @@ from portattn.policy.common import LaunchOptions, launch_options, next_pow2
 MAX_HEAD_DIM = 256
 # The fewest rows/columns a tl.dot operand may have (every backend).
 MIN_DOT_DIM = 16
-# Largest M tile: 64 rows = 4 warps x 16 mma rows on NVIDIA; a 64-row tile is also what AMD's
-# MFMA 16x16 / 32x32 instructions fill with 4 wavefronts (8 warps split the N/D dims further).
+# Largest M tile of the narrow ladder: 64 rows = 4 warps x 16 mma rows on NVIDIA; a 64-row tile is
+# also what AMD's MFMA 16x16 / 32x32 instructions fill with 4 wavefronts.
 MAX_BLOCK_M = 64
+# The wide prefill tile (flash-attention's forward tile): 128 rows x 64 context tokens, 8 warps.
+WIDE_BLOCK_M = 128
+WIDE_BLOCK_N = 64
+# 8-warp register estimate up to which the wide tile is taken: 112 is head_dim 128 in 16-bit
+# ((128*128 + 128*64 + 64*128*2/4) / 256); head_dim 256 (192) or fp32 at 128 (128) stay at 64 rows.
+WIDE_MAX_REGS = 112
 # Context-token tiles tried, largest first. 64 keeps the two dots square-ish at head_dim 64-128;
 # 16 is the floor of tl.dot's K dimension (the P @ V dot reduces over block_n).
 BLOCK_N_LADDER = (64, 32, 16)
@@ -47,6 +74,12 @@ PREFERRED_STAGES = 3
 # Warps per program: the smaller count unless the register budget needs the larger.
 NUM_WARPS = (4, 8)
 MAX_REGS_PER_THREAD = 64
+# Split-KV: the fewest context tokens one split walks (shorter splits cost more in the reduce and
+# in per-program set-up than they win in parallelism), the most splits, and how many programs per
+# multiprocessor a split grid aims for (2: one program's gathers overlap the other's math).
+MIN_SPLIT_TOKENS = 1024
+MAX_SPLITS = 16
+SPLIT_PROGRAMS_PER_SM = 2
 
 
 @dataclass(frozen=True)
@@ -61,7 +94,9 @@ class PagedProblem:
         max_query_len: the longest ``q_len_i`` of the batch (1 for pure decode).
         block_size: the cache's tokens per block. Recorded for the compile matrix and reports;
             the tiles are deliberately independent of it.
-        num_seqs: sequences in the batch (recorded; split-KV sizing is a later issue).
+        num_seqs: sequences in the batch (split-KV sizing).
+        max_seq_len: the longest ``seq_lens[i]`` (split-KV sizing); ``None`` when unknown, which
+            means no split.
     """
 
     num_q_heads: int
@@ -71,11 +106,21 @@ class PagedProblem:
     max_query_len: int
     block_size: int = 16
     num_seqs: int = 1
+    max_seq_len: int | None = None
 
     @property
     def group(self) -> int:
         """Query heads per KV head."""
         return self.num_q_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class RowTile:
+    """The M tile's packing: ``block_q`` query tokens x ``head_tile`` heads in ``block_m`` rows."""
+
+    block_m: int
+    block_q: int
+    head_tile: int
 
 
 @dataclass(frozen=True)
@@ -90,6 +135,9 @@ class PagedTiles:
         block_d: padded head dimension (next power of two >= head_dim, >= 16).
         options: num_warps, num_stages and, on HIP only, waves_per_eu.
         shared_mem_bytes: `estimate_shared_mem` of this choice (<= target.max_shared_mem).
+        decode: a second, smaller row tile for the sequences with ``q_len <= decode.block_q`` of
+            a mixed batch (module docstring); ``None``: every sequence uses the tile above.
+        num_splits: KV splits per sequence (decode only); > 1 adds a reduce launch.
     """
 
     block_m: int
@@ -99,6 +147,8 @@ class PagedTiles:
     block_d: int
     options: LaunchOptions
     shared_mem_bytes: int
+    decode: RowTile | None = None
+    num_splits: int = 1
 
     @property
     def num_warps(self) -> int:
@@ -159,17 +209,53 @@ def _ladder(max_stages: int) -> list[tuple[int, int]]:
     return rungs
 
 
+def _rows(block_m: int, group: int) -> RowTile:
+    head_tile = min(group, block_m)
+    return RowTile(block_m, block_m // head_tile, head_tile)
+
+
+def split_count(target: Target, problem: PagedProblem, head_tile: int) -> int:
+    """KV splits per sequence: pure in (target, num_seqs, heads, max_query_len, max_seq_len).
+
+    1 unless this is a decode batch (``max_query_len == 1``) with a known ``max_seq_len`` whose
+    ``num_seqs * num_kv_heads * ceil(group / head_tile)`` programs fill fewer than
+    ``SPLIT_PROGRAMS_PER_SM * num_sms``. Then the smallest power of two that fills it, at most
+    `MAX_SPLITS` and at most ``max_seq_len // MIN_SPLIT_TOKENS``.
+
+    Example: sm_90 (132 SMs), batch 4 x 8 KV heads (32 programs), 16k context ->
+    ``264 / 32 -> 16`` (the next power of two >= 8.25), cap ``16384 // 1024 = 16`` -> 16.
+    """
+    p = problem
+    if p.max_query_len != 1 or p.max_seq_len is None:
+        return 1
+    programs = p.num_seqs * p.num_kv_heads * -(-p.group // head_tile)
+    want = SPLIT_PROGRAMS_PER_SM * target.num_sms
+    if programs <= 0 or programs >= want:
+        return 1
+    splits = 1
+    while splits * programs < want and splits < MAX_SPLITS:
+        splits *= 2
+    while splits > 1 and splits * MIN_SPLIT_TOKENS > p.max_seq_len:
+        splits //= 2
+    return splits
+
+
 def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
     """Choose the paged-attention tiles for ``problem`` on ``target`` (pure; no device access).
 
     Rules:
       * ``block_d = max(16, next_pow2(head_dim))`` (masked beyond head_dim).
-      * ``block_m``: enough rows for ``max_query_len`` tokens of the whole GQA group, at least
-        ``target.mma_min_rows`` and 16, at most 64. ``head_tile = min(group, block_m)`` and
-        ``block_q = block_m // head_tile`` (decode with GQA 8:1 -> 16 rows, 8 heads, 2 tokens).
+      * rows = ``max_query_len * group``. With >= 128 rows, the wide tile (128 x 64, 8 warps) if
+        the target holds it (module docstring). Otherwise ``block_m``: enough rows for
+        ``max_query_len`` tokens of the whole GQA group, at least ``target.mma_min_rows`` and 16,
+        at most 64. ``head_tile = min(group, block_m)``, ``block_q = block_m // head_tile``
+        (decode with GQA 8:1 -> 16 rows, 8 heads, 2 tokens).
       * ``(block_n, num_stages)`` from `_ladder`, first that fits the shared-memory budget;
         if none fits, ``block_m`` halves (down to 16) and the ladder is walked again.
       * ``num_warps`` 4, or 8 where `estimate_registers` at 4 exceeds 64.
+      * ``decode``: the row tile a ``max_query_len == 1`` problem would get, when it differs from
+        the chosen one and ``max_query_len`` exceeds its ``block_q`` (mixed batches).
+      * ``num_splits`` from `split_count`.
 
     Raises:
         ValueError: a problem the kernel cannot serve (head_dim > 256, heads not divisible,
@@ -188,28 +274,56 @@ def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
         errors.append(f"elem_bytes must be 2 or 4; got {p.elem_bytes}")
     if p.max_query_len < 1:
         errors.append(f"max_query_len must be >= 1; got {p.max_query_len}")
+    if p.max_seq_len is not None and p.max_seq_len < 1:
+        errors.append(f"max_seq_len must be >= 1 or None; got {p.max_seq_len}")
     if errors:
         raise ValueError("paged_tiles: " + "; ".join(errors))
 
     block_d = max(MIN_DOT_DIM, next_pow2(p.head_dim))
+    tiles = _main_tiles(target, p, block_d)
+    if p.max_query_len > 1:
+        dec = _rows(_block_m(target, p.group, block_d, p.elem_bytes, tiles.block_m), p.group)
+        main = RowTile(tiles.block_m, tiles.block_q, tiles.head_tile)
+        if dec != main and p.max_query_len > dec.block_q:
+            tiles = replace(tiles, decode=dec)
+    splits = split_count(target, p, tiles.head_tile)
+    return replace(tiles, num_splits=splits) if splits > 1 else tiles
+
+
+def _block_m(target: Target, rows: int, block_d: int, elem_bytes: int, cap: int) -> int:
+    """The M tile for ``rows`` rows of work before the budget: wide, or 16..64 (<= ``cap``)."""
     min_m = max(MIN_DOT_DIM, target.mma_min_rows)
-    rows = p.max_query_len * p.group
-    block_m = min(MAX_BLOCK_M, max(min_m, next_pow2(rows)))
+    if rows >= WIDE_BLOCK_M and cap >= WIDE_BLOCK_M and _wide_fits(target, block_d, elem_bytes):
+        return WIDE_BLOCK_M
+    return min(MAX_BLOCK_M, cap, max(min_m, next_pow2(rows)))
+
+
+def _wide_fits(target: Target, block_d: int, elem_bytes: int) -> bool:
+    smem = estimate_shared_mem(WIDE_BLOCK_M, WIDE_BLOCK_N, block_d, elem_bytes, 2)
+    regs = estimate_registers(WIDE_BLOCK_M, WIDE_BLOCK_N, block_d, elem_bytes, 8, target.warp_size)
+    return target.max_num_stages >= 2 and smem <= target.max_shared_mem and regs <= WIDE_MAX_REGS
+
+
+def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
+    min_m = max(MIN_DOT_DIM, target.mma_min_rows)
+    block_m = _block_m(target, p.max_query_len * p.group, block_d, p.elem_bytes, WIDE_BLOCK_M)
     max_stages = max(1, min(PREFERRED_STAGES, target.max_num_stages))
     while True:
-        for block_n, stages in _ladder(max_stages):
+        ladder = _ladder(max_stages)
+        if block_m == WIDE_BLOCK_M:  # the wide tile is 128 x 64, pipelined (see _wide_fits)
+            ladder = [(n, s) for n, s in ladder if n == WIDE_BLOCK_N and s >= 2]
+        for block_n, stages in ladder:
             smem = estimate_shared_mem(block_m, block_n, block_d, p.elem_bytes, stages)
             if smem <= target.max_shared_mem:
-                head_tile = min(p.group, block_m)
+                rows = _rows(block_m, p.group)
+                warps = _num_warps(target, block_m, block_n, block_d, p.elem_bytes)
                 return PagedTiles(
                     block_m=block_m,
-                    block_q=block_m // head_tile,
-                    head_tile=head_tile,
+                    block_q=rows.block_q,
+                    head_tile=rows.head_tile,
                     block_n=block_n,
                     block_d=block_d,
-                    options=launch_options(
-                        target, _num_warps(target, block_m, block_n, block_d, p.elem_bytes), stages
-                    ),
+                    options=launch_options(target, warps, stages),
                     shared_mem_bytes=smem,
                 )
         if block_m <= min_m:
