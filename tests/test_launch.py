@@ -39,3 +39,15 @@ def test_hip_only_option_refused_on_cuda():
     assert _launch("gfx942", opts).options.kwargs(get_target("gfx942"))["waves_per_eu"] == 2
     with pytest.raises(ValueError, match="waves_per_eu is a HIP-only option; target is sm_90"):
         opts.kwargs(get_target("sm_90"))
+
+
+def test_forced_hip_policy_keeps_tiles_and_drops_hip_hints_on_cuda():
+    opts = LaunchOptions(8, 2, waves_per_eu=2)
+    gfx942 = get_target("gfx942")
+    assert opts.backend_kwargs(gfx942, "cuda") == {"num_warps": 8, "num_stages": 2}
+    assert opts.backend_kwargs(gfx942, "hip") == {
+        "num_warps": 8,
+        "num_stages": 2,
+        "waves_per_eu": 2,
+    }
+    assert _launch("gfx942", opts).backend() == "hip"  # CPU tensors: the target's own backend

@@ -45,7 +45,17 @@ class Launch:
     def run(self) -> None:
         if any(g == 0 for g in self.grid):
             return
-        self.kernel[self.grid](**self.args, **self.options.kwargs(self.target))
+        self.kernel[self.grid](
+            **self.args, **self.options.backend_kwargs(self.target, self.backend())
+        )
+
+    def backend(self) -> str:
+        """The backend that compiles this launch: the device's vendor, or the target's for
+        CPU tensors (Triton's interpreter accepts every option)."""
+        dev = next((v.device for v in self.args.values() if isinstance(v, torch.Tensor)), None)
+        if dev is None or dev.type != "cuda":
+            return self.target.vendor
+        return "hip" if getattr(torch.version, "hip", None) else "cuda"
 
     def _params(self) -> list[tuple[str, bool]]:
         """``(name, is_constexpr)`` per kernel parameter, for a JIT or an interpreted kernel."""

@@ -38,6 +38,19 @@ class LaunchOptions:
             out["waves_per_eu"] = self.waves_per_eu
         return out
 
+    def backend_kwargs(self, target: Target, backend: str) -> dict[str, int]:
+        """Keyword arguments for a launch that ``backend`` (``"cuda"``/``"hip"``) compiles.
+
+        Normally ``backend == target.vendor`` and this is `kwargs`. When a policy is forced onto
+        the other vendor's GPU (``PORTATTN_TARGET=gfx942`` on an H100, to test HIP tiles there),
+        the tiles, warps and stages are kept and the options that backend does not accept
+        (``waves_per_eu`` on CUDA) are left out, by design: they are occupancy hints, not tiles.
+        """
+        out = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if backend == "hip" and self.waves_per_eu is not None:
+            out["waves_per_eu"] = self.waves_per_eu
+        return out if backend != target.vendor else self.kwargs(target)
+
 
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (n >= 1)."""
