@@ -9,11 +9,14 @@ import pytest
 from portattn.platform import TARGETS, get_target
 from portattn.policy.common import LaunchOptions
 from portattn.policy.paged import (
+    WIDE_MAX_REGS,
     PagedProblem,
     PagedTiles,
+    RowTile,
     estimate_registers,
     estimate_shared_mem,
     paged_tiles,
+    split_count,
 )
 
 pytestmark = pytest.mark.policy
@@ -23,6 +26,7 @@ HEAD_DIMS = (64, 80, 128, 256)
 GQA = ((8, 8), (10, 2), (32, 4), (8, 1), (128, 1))  # 1:1, 5:1, 8:1, 8:1 MQA, 128:1 MQA
 ELEM_BYTES = (2, 4)  # fp16/bf16, fp32
 MAX_QUERY_LENS = (1, 6, 512)
+DEC_4x4 = RowTile(16, 4, 4)  # decode row tile of GQA 4:1: 4 tokens x 4 heads
 
 
 def _problem(**kw) -> PagedProblem:
@@ -48,21 +52,28 @@ EXACT = [
         _problem(),  # (64, 2 stages) would need 71680 B > 65536 B -> block_n 32
         PagedTiles(16, 4, 4, 32, 128, LaunchOptions(4, 2, 2), 32768 + 4096 + 1024),
     ),
-    # prefill chunk of 512, GQA 4:1, block_size 2048 (the tile does not follow it)
+    # prefill chunk of 512, GQA 4:1, block_size 2048 (the tile does not follow it); the decode
+    # sequences of the batch get the 16-row decode tile (4 tokens x 4 heads)
     (
-        "sm_90",
+        "sm_90",  # wide 128 x 64: 8-warp registers (16384 + 8192 + 4096) / 256 = 112 <= 112
         _problem(max_query_len=512, block_size=2048),
-        PagedTiles(64, 16, 4, 64, 128, LaunchOptions(8, 3), 98304 + 16384 + 8192),
+        PagedTiles(128, 32, 4, 64, 128, LaunchOptions(8, 3), 98304 + 32768 + 16384, DEC_4x4),
     ),
     (
-        "sm_86",  # 101376 B: 3 stages (122880 B) do not fit, 2 do
+        "sm_86",  # wide at 2 stages is 114688 B > 101376 B; 64 rows, 3 stages (122880 B) neither
         _problem(max_query_len=512, block_size=2048),
-        PagedTiles(64, 16, 4, 64, 128, LaunchOptions(8, 2), 65536 + 16384 + 8192),
+        PagedTiles(64, 16, 4, 64, 128, LaunchOptions(8, 2), 65536 + 16384 + 8192, DEC_4x4),
     ),
     (
         "gfx942",
         _problem(max_query_len=512, block_size=2048),
-        PagedTiles(64, 16, 4, 32, 128, LaunchOptions(4, 2, 2), 32768 + 16384 + 4096),
+        PagedTiles(64, 16, 4, 32, 128, LaunchOptions(4, 2, 2), 32768 + 16384 + 4096, DEC_4x4),
+    ),
+    # decode with a known 16k context: batch 4 x 8 KV heads = 32 programs < 2 x 132 -> 16 splits
+    (
+        "sm_90",
+        _problem(num_seqs=4, max_seq_len=16384),
+        PagedTiles(16, 4, 4, 64, 128, LaunchOptions(4, 3), 98304 + 4096 + 2048, num_splits=16),
     ),
     # head_dim 256 in fp32, GQA 5:1 on the 64 KB LDS part: only 16 x 16, one stage fits
     (
@@ -71,24 +82,31 @@ EXACT = [
         PagedTiles(16, 3, 5, 16, 256, LaunchOptions(4, 1, 2), 32768 + 16384 + 1024),
     ),
     (
-        "sm_90",
+        "sm_90",  # not wide: 8-warp registers (16384 + 8192 + 8192) / 256 = 128 > 112
         _problem(num_q_heads=40, head_dim=256, elem_bytes=4, max_query_len=64, block_size=544),
-        PagedTiles(64, 12, 5, 32, 256, LaunchOptions(8, 2), 131072 + 65536 + 8192),
+        PagedTiles(
+            64, 12, 5, 32, 256, LaunchOptions(8, 2), 131072 + 65536 + 8192, RowTile(16, 3, 5)
+        ),
     ),
-    # MQA with 128 heads: the group is split over programs, 64 heads each
+    # MQA with 128 heads: one wide program holds the whole group (K/V read once, not twice)
     (
         "sm_90",
         _problem(num_q_heads=128, num_kv_heads=1, head_dim=64),
-        PagedTiles(64, 1, 64, 64, 64, LaunchOptions(8, 3), 49152 + 8192 + 8192),
+        PagedTiles(128, 1, 128, 64, 64, LaunchOptions(8, 3), 49152 + 16384 + 16384),
     ),
     (
         "gfx950",
         _problem(num_q_heads=128, num_kv_heads=1, head_dim=64),
-        PagedTiles(64, 1, 64, 64, 64, LaunchOptions(4, 2, 2), 32768 + 8192 + 8192),
+        PagedTiles(128, 1, 128, 64, 64, LaunchOptions(8, 2, 2), 32768 + 16384 + 16384),
+    ),
+    (
+        "gfx942",  # head_dim 128: the wide tile (114688 B) does not fit 64 KB; 64 heads each
+        _problem(num_q_heads=128, num_kv_heads=1, head_dim=128),
+        PagedTiles(64, 1, 64, 32, 128, LaunchOptions(4, 2, 2), 32768 + 16384 + 4096),
     ),
     # non-power-of-two head_dim 80 pads to 128
     (
-        "sm_120",  # 101376 B: 3 stages (104448 B) do not fit
+        "sm_120",  # 101376 B: 3 stages (104448 B) do not fit; MHA: decode tile = this tile
         _problem(num_q_heads=8, num_kv_heads=8, head_dim=80, max_query_len=6),
         PagedTiles(16, 16, 1, 64, 128, LaunchOptions(4, 2), 65536 + 4096 + 2048),
     ),
@@ -150,6 +168,17 @@ def test_every_choice_fits_the_budget(arch):
         assert (t.waves_per_eu is not None) == target.is_hip
         regs4 = estimate_registers(t.block_m, t.block_n, t.block_d, elem, 4, target.warp_size)
         assert t.num_warps == (4 if regs4 <= 64 else 8)
+        assert t.block_m <= 64 or (
+            t.block_m == 128
+            and t.block_n == 64
+            and estimate_registers(128, 64, t.block_d, elem, 8, target.warp_size) <= WIDE_MAX_REGS
+        )
+        if t.decode is not None:  # a smaller row tile inside the same budget
+            dec = t.decode
+            assert mql > dec.block_q and dec.block_m < t.block_m
+            assert dec.head_tile == min(hq // hkv, dec.block_m)
+            assert dec.block_q == dec.block_m // dec.head_tile
+        assert t.num_splits == 1  # no max_seq_len given
 
 
 @pytest.mark.parametrize("arch", ("sm_90", "sm_86", "gfx942", "gfx950"))
@@ -195,6 +224,7 @@ def test_hip_gets_waves_per_eu_and_cuda_does_not():
         (dict(head_dim=288), r"head_dim must be in \[1, 256\]; got 288"),
         (dict(elem_bytes=1), r"elem_bytes must be 2 or 4; got 1"),
         (dict(max_query_len=0), r"max_query_len must be >= 1; got 0"),
+        (dict(max_seq_len=0), r"max_seq_len must be >= 1 or None; got 0"),
     ],
 )
 def test_invalid_problem(kw, match):
@@ -205,3 +235,37 @@ def test_invalid_problem(kw, match):
 def test_invalid_problem_lists_every_reason():
     with pytest.raises(ValueError, match=r"head_dim must be .*; elem_bytes must be"):
         paged_tiles(get_target("sm_90"), _problem(head_dim=0, elem_bytes=3))
+
+
+@pytest.mark.parametrize(
+    "arch,kw,splits",
+    [
+        ("sm_90", dict(num_seqs=4, max_seq_len=16384), 16),  # 32 programs -> 16 x 32 >= 264
+        ("sm_90", dict(num_seqs=4, max_seq_len=2048), 2),  # capped at 2048 // 1024
+        ("sm_90", dict(num_seqs=4, max_seq_len=1000), 1),  # shorter than one split's minimum
+        ("sm_90", dict(num_seqs=64, max_seq_len=16384), 1),  # 512 programs fill 132 SMs
+        ("sm_90", dict(num_seqs=4), 1),  # max_seq_len unknown: no split (fixed grid)
+        ("sm_90", dict(num_seqs=4, max_seq_len=16384, max_query_len=2), 1),  # decode only
+        ("sm_86", dict(num_seqs=4, max_seq_len=16384), 8),  # 72 SMs: 32 x 8 >= 144
+        ("gfx942", dict(num_seqs=4, max_seq_len=65536), 16),  # 304 CUs: capped at MAX_SPLITS
+        ("gfx942", dict(num_seqs=1, num_kv_heads=1, num_q_heads=8, max_seq_len=4096), 4),
+    ],
+)
+def test_split_count(arch, kw, splits):
+    """A pure function of (target, batch, heads, max_seq_len); the same through paged_tiles."""
+    target = get_target(arch)
+    problem = _problem(**kw)
+    tiles = paged_tiles(target, problem)
+    assert split_count(target, problem, tiles.head_tile) == splits
+    assert tiles.num_splits == splits
+
+
+def test_decode_row_tile_only_when_it_differs_and_is_exceeded():
+    sm90 = get_target("sm_90")
+    # GQA 4:1, q_len up to 4: the decode tile (4 tokens x 4 heads) serves everything
+    assert paged_tiles(sm90, _problem(max_query_len=4)).decode is None
+    assert paged_tiles(sm90, _problem(max_query_len=5)).decode == DEC_4x4
+    # MHA at 6 tokens: the 16-row tile is the decode tile already
+    assert paged_tiles(sm90, _problem(num_q_heads=8, max_query_len=6)).decode is None
+    # pure decode never has one
+    assert paged_tiles(sm90, _problem()).decode is None
