@@ -8,6 +8,7 @@ shows up as a non-finite output.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -17,8 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from portattn import reference
+from portattn.kernels._launch import run_all
 from portattn.kernels.paged_attention import paged_attention, plan_paged_attention
 from portattn.layout import empty_kv_cache, make_hybrid_cache, shuffle_x, token_view
+from portattn.platform import get_target
+from portattn.policy.paged import PagedProblem, paged_tiles
 from tests.helpers import assert_low_precision_close
 
 pytestmark = pytest.mark.paged
@@ -289,8 +293,6 @@ def test_layout_fuzz(device, kind, layout, block_size, heads, head_dim, seqs, st
 
 def test_plan_on_meta_tensors_needs_no_data():
     """The compile matrix plans from meta tensors: no metadata read, max_query_len given."""
-    from portattn.platform import get_target
-
     k, v = empty_kv_cache(4, 2048, 8, 128, dtype=torch.bfloat16, device="meta")
     q = torch.empty(600, 32, 128, dtype=torch.bfloat16, device="meta")
     bt = torch.empty(3, 4, dtype=torch.int32, device="meta")
@@ -300,9 +302,101 @@ def test_plan_on_meta_tensors_needs_no_data():
     [launch] = plan_paged_attention(q, k, v, bt, sl, qsl, target=target, max_query_len=512)
     a = launch.args  # (Launch.constexprs() needs a compiled JITFunction, not the interpreter's)
     assert (a["BLOCK_M"], a["BLOCK_Q"], a["HEAD_TILE"], a["BLOCK_N"]) == (64, 16, 4, 32)
-    assert (a["K_DIM_SPLIT"], a["V_TOK_SPLIT"], a["block_size"]) == (1, 1, 2048)
-    assert launch.grid == (math.ceil(512 / 16), 8, 3)
+    assert (a["DECODE_ROLE"], a["DEC_BLOCK_M"], a["DEC_BLOCK_Q"], a["DEC_HEAD_TILE"]) == (
+        True,
+        16,
+        4,
+        4,
+    )
+    assert (a["K_DIM_SPLIT"], a["V_TOK_SPLIT"], a["block_size"], a["NUM_SPLITS"]) == (1, 1, 2048, 1)
+    # 1-D grid: 32 q tiles x 8 KV heads x 3 sequences (prefill role), then 8 x 3 (decode role)
+    assert launch.grid == (math.ceil(512 / 16) * 8 * 3 + 8 * 3,)
     assert launch.options.kwargs(target) == {"num_warps": 4, "num_stages": 2, "waves_per_eu": 2}
+
+
+# -- no host reads on the hot path ----------------------------------------------------------------
+
+# Metadata a tensor may expose without its contents being read.
+_METADATA = frozenset(
+    ("shape", "dtype", "device", "dim", "stride", "size", "element_size", "is_contiguous",
+     "numel", "__len__", "data_ptr", "storage_offset", "ndim", "layout", "is_cuda", "is_meta")
+)  # fmt: skip
+
+
+class Opaque(torch.Tensor):
+    """A tensor whose shape, strides, dtype and device may be read but not its contents:
+    ``.item()``, ``.tolist()``, ``.to("cpu")``, comparisons, indexing ... raise."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # a property: Tensor.shape.__get__ ...
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if name not in _METADATA:
+            raise RuntimeError(f"Opaque: the plan read a tensor's contents ({name})")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def test_opaque_tensor_refuses_content_reads():
+    t = torch.arange(4).as_subclass(Opaque)
+    assert t.shape == (4,) and t.stride() == (1,) and t.dtype == torch.int64
+    for read in (t.item, t.tolist, lambda: t.to("cpu", torch.int64), lambda: int(t[0])):
+        with pytest.raises(RuntimeError, match=r"Opaque: the plan read"):
+            read()
+
+
+def test_plan_reads_no_contents_when_maxima_given():
+    """With max_query_len/max_seq_len given (and the CPU's content check off, as on a GPU) the
+    plan touches only shapes and strides, and equals the plan made from the real values."""
+    b = make_batch(MIXED, block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float32)
+    real = plan_paged_attention(*b.args(), max_query_len=9, max_seq_len=23)
+    opaque = [t.as_subclass(Opaque) for t in (b.block_table, b.seq_lens, b.query_start_loc)]
+    args = (b.query, b.key_cache, b.value_cache, *opaque)
+    [launch] = plan_paged_attention(*args, max_query_len=9, max_seq_len=23, check_contents=False)
+    assert launch.grid == real[0].grid
+    scalars = lambda a: {k: v for k, v in a.items() if not isinstance(v, torch.Tensor)}  # noqa: E731
+    assert scalars(launch.args) == scalars(real[0].args)
+    # without the maxima the plan must read the metadata, and says so by raising here
+    with pytest.raises(RuntimeError, match=r"Opaque: the plan read"):
+        plan_paged_attention(*args)
+
+
+def test_maxima_given_give_identical_results(device):
+    """The serving path (maxima given, no host reads on a GPU) computes bit-identical output."""
+    b = make_batch(MIXED, block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float16,
+                   device=device)  # fmt: skip
+    read = paged_attention(*b.args())
+    given = paged_attention(*b.args(), max_query_len=9, max_seq_len=23)
+    loose = paged_attention(*b.args(), max_query_len=40, max_seq_len=4000)  # bounds, not exact
+    assert torch.equal(read, given) and torch.equal(read, loose)
+    check(b, given)
+
+
+def test_decode_role_boundary(device):
+    """Mixed batch with the decode row tile: q_len == its block_q (decode role) and one more
+    (prefill role) next to a decode, a chunk and an idle slot."""
+    seqs = ((70, 1), (9, 4), (130, 5), (40, 2), (9, 0))
+    b = make_batch(seqs, block_size=16, heads=(8, 2), head_dim=32, dtype=torch.float16,
+                   device=device)  # fmt: skip
+    [launch] = plan_paged_attention(*b.args())
+    assert launch.args["DECODE_ROLE"] and launch.args["DEC_BLOCK_Q"] == 4
+    check(b, paged_attention(*b.args()))
+
+
+def test_split_kv(device):
+    """Decode split over 4 KV ranges (forced: CPU contexts are too short for the policy to split)
+    with a reduce launch; a split past a short sequence's end stays empty."""
+    b = make_batch(((150, 1), (5, 1), (70, 1)), block_size=16, heads=(8, 2), head_dim=32,
+                   dtype=torch.float32, device=device)  # fmt: skip
+    policy = plan_paged_attention(*b.args(), max_query_len=1, max_seq_len=150)[0]
+    base = paged_tiles(get_target("sm_90"), PagedProblem(8, 2, 32, 4, max_query_len=1))
+    tiles = dataclasses.replace(base, num_splits=4, block_n=16)
+    launches = plan_paged_attention(*b.args(), tiles=tiles)
+    assert [x.name for x in launches] == ["paged_attention", "paged_attention:reduce"]
+    assert launches[0].grid == (4 * 2 * 3,) and policy.args["NUM_SPLITS"] == 1
+    run_all(launches)
+    check(b, launches[0].outputs[0])
 
 
 # -- validation: every message ------------------------------------------------------------------
@@ -322,7 +416,8 @@ def _call(b: Batch, **over):
         seq_lens=b.seq_lens,
         query_start_loc=b.query_start_loc,
     )
-    kw = {k: over.pop(k) for k in ("scale", "layout", "out") if k in over}
+    keys = ("scale", "layout", "out", "max_query_len", "max_seq_len")
+    kw = {k: over.pop(k) for k in keys if k in over}
     args.update(over)
     return paged_attention(*args.values(), **kw)
 
@@ -382,6 +477,14 @@ INVALID = [
      r"block_table must have a column per block .* seq_lens\[0\]=20 needing 5 blocks"),
     ("table-range", lambda b: dict(block_table=b.block_table.clone().fill_(9)), ValueError,
      r"block_table entries of used blocks must be in \[0, num_blocks=7\); got range \[9, 9\]"),
+    ("max_query_len-type", lambda b: dict(max_query_len=2.0), ValueError,
+     r"max_query_len must be a non-negative int or None; got 2\.0"),
+    ("max_seq_len-negative", lambda b: dict(max_seq_len=-1), ValueError,
+     r"max_seq_len must be a non-negative int or None; got -1"),
+    ("max_query_len-short", lambda b: dict(max_query_len=2), ValueError,
+     r"max_query_len must be >= the longest q_len 3; got 2"),
+    ("max_seq_len-short", lambda b: dict(max_seq_len=9), ValueError,
+     r"max_seq_len must be >= the longest seq_len 10; got 9"),
 ]  # fmt: skip
 
 
@@ -455,3 +558,56 @@ def test_gpu_offsets_past_int32():
         query_start_loc=torch.tensor([0, 1, 21], dtype=torch.int32, device="cuda"), layout="NHD",
     )  # fmt: skip
     check(b, paged_attention(*b.args()))
+
+
+# (name, seqs, block_size): split-KV decode (batch 4 x 8 KV heads at 16k: 16 splits on an H100/
+# H200), the mixed batch of bench_paged (prefill and decode row tiles), a speculative step
+GPU_SERVING = [
+    ("decode 4x16k split", ((16384, 1), (16000, 1), (9001, 1), (300, 1)), 16),
+    ("mixed 512@8k + decodes", ((8192, 512), (4096, 1), (4001, 1), (77, 1), (2048, 3)), 2048),
+    ("verify q_len 4", ((5000, 4), (3000, 4), (17, 4)), 16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,seqs,block_size", GPU_SERVING, ids=[c[0] for c in GPU_SERVING])
+def test_gpu_maxima_given(name, seqs, block_size):
+    """The serving path: maxima given, no host reads; the policy's split / row tiles in use."""
+    b = make_batch(seqs, block_size=block_size, heads=(32, 8), head_dim=128,
+                   dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    mql, msl = max(q for _, q in seqs), max(s for s, _ in seqs)
+    launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
+    if name.endswith("split"):
+        assert launches[0].args["NUM_SPLITS"] > 1 and len(launches) == 2
+    run_all(launches)
+    torch.cuda.synchronize()
+    check(b, launches[0].outputs[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_seq_len", (None, 16384), ids=("one-pass", "split"))
+def test_gpu_cuda_graph_capture_and_replay(max_seq_len):
+    """paged_attention with the maxima given is captured in a CUDA graph (a host read would
+    raise during capture) and replays correctly after the metadata's VALUES change in place."""
+    seqs = ((16384, 1), (9000, 1), (4097, 1), (1, 1))
+    b = make_batch(seqs, block_size=16, heads=(32, 8), head_dim=128, dtype=torch.bfloat16,
+                   device="cuda")  # fmt: skip
+    out = torch.empty_like(b.query)
+    kwargs = dict(max_query_len=1, max_seq_len=max_seq_len, out=out)
+    paged_attention(*b.args(), **kwargs)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(*b.args(), **kwargs)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(b, out)
+    # the next step: other lengths per slot (the sequences permuted), new query values
+    perm = torch.tensor([3, 0, 2, 1], device="cuda")
+    b.seq_lens.copy_(b.seq_lens[perm].clone())
+    b.block_table.copy_(b.block_table[perm].clone())
+    b.query.copy_(0.5 * b.query[perm])
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(b, out)
