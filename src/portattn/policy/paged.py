@@ -20,8 +20,9 @@ its shared memory is below the prefill tile's and the budget is the prefill tile
 Wide prefill tiles: with >= 128 rows of work (a prefill chunk, or MQA with 128 heads) the M tile
 is 128 (flash-attention's 128 x 64 x 8 warps) where the target's shared memory holds it at
 ``block_n`` 64 with >= 2 stages and the 8-warp register estimate is <= `WIDE_MAX_REGS`; halves the
-K/V traffic per FLOP of the 64-row tile. (sm_80/sm_90/sm_100 and gfx950 at head_dim <= 128 in
-16-bit; not the 99 KB NVIDIA parts or the 64 KB AMD parts.)
+K/V traffic per FLOP of the 64-row tile. Only on `WIDE_TILE_ARCHS` (sm_90, sm_100: warpgroup MMA
+reads Q and P from shared memory), at head_dim <= 128 in 16-bit; elsewhere the compile matrix
+shows the 128-row tile spilling.
 
 Split-KV (decode only): when ``num_seqs * num_kv_heads * head tiles`` programs cannot fill the
 GPU (`Target.num_sms`) and the context is long, each sequence's context is cut into
@@ -63,6 +64,11 @@ MAX_BLOCK_M = 64
 # The wide prefill tile (flash-attention's forward tile): 128 rows x 64 context tokens, 8 warps.
 WIDE_BLOCK_M = 128
 WIDE_BLOCK_N = 64
+# Targets whose matrix instructions read the A operand (Q, then P) from shared memory: Hopper's
+# wgmma and Blackwell's tcgen05. On mma.sync (sm_80-sm_89, sm_120) and MFMA parts the 128-row Q
+# operand sits in registers next to the accumulators and the compile matrix shows spills (sm_80
+# hd128 GQA: 128 rows x 8 warps spilled; gfx950 likewise), so they keep <= 64 rows.
+WIDE_TILE_ARCHS = ("sm_90", "sm_100")
 # 8-warp register estimate up to which the wide tile is taken: 112 is head_dim 128 in 16-bit
 # ((128*128 + 128*64 + 64*128*2/4) / 256); head_dim 256 (192) or fp32 at 128 (128) stay at 64 rows.
 WIDE_MAX_REGS = 112
@@ -301,7 +307,12 @@ def _block_m(target: Target, rows: int, block_d: int, elem_bytes: int, cap: int)
 def _wide_fits(target: Target, block_d: int, elem_bytes: int) -> bool:
     smem = estimate_shared_mem(WIDE_BLOCK_M, WIDE_BLOCK_N, block_d, elem_bytes, 2)
     regs = estimate_registers(WIDE_BLOCK_M, WIDE_BLOCK_N, block_d, elem_bytes, 8, target.warp_size)
-    return target.max_num_stages >= 2 and smem <= target.max_shared_mem and regs <= WIDE_MAX_REGS
+    return (
+        target.arch in WIDE_TILE_ARCHS
+        and target.max_num_stages >= 2
+        and smem <= target.max_shared_mem
+        and regs <= WIDE_MAX_REGS
+    )
 
 
 def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
