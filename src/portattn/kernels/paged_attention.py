@@ -21,9 +21,24 @@ Every tensor may have any strides (caches: slices of a wider buffer, a hybrid mo
 block and in-block offset separately, so any ``block_size >= 1`` works (1, 16, 80, 544, 2048).
 GQA/MQA: ``num_q_heads % num_kv_heads == 0``. ``head_dim <= 256`` (padded to a power of two).
 
-Not supported (yet): split-KV for long decode contexts (one program walks the whole context),
-sliding windows, soft-capping, ALiBi, sinks, fp8 caches, CUDA-graph-static metadata (the launcher
-reads ``query_start_loc`` and ``seq_lens`` on the host to validate them and size the grid).
+Host reads and CUDA graphs: with ``max_query_len`` given (serving engines always know it) the
+launcher reads no device tensor's contents -- the grid is sized from ``num_seqs``,
+``max_query_len`` and, for split-KV, ``max_seq_len`` -- so a call is capturable in a CUDA graph and
+replays with new metadata values of the same shapes. The content checks (``query_start_loc``
+starts at 0, ends at ``num_tokens`` and never decreases, ``seq_lens >= q_len``, used block ids in
+range, the maxima bound the real values) run when the tensors are on the CPU, or when
+``max_query_len`` is not given (one device-to-host read of the metadata). On the GPU with the
+maxima given, as in upstream engines, the caller vouches for the metadata.
+
+Work decomposition (policy: `portattn.policy.paged`): a 1-D grid; programs of the main row tile
+first, the last (longest, causally) q tile of every sequence first; in a mixed batch, sequences
+with ``q_len <= decode.block_q`` are skipped by those and served by decode-sized programs at the
+end of the grid. Each program walks its context in two loops: KV tiles entirely below the causal
+limit of its first row without masks, then the rest up to the causal limit of its last row. A
+decode batch too small to fill the GPU splits each context over ``num_splits`` programs whose
+partial results (fp32, with a base-2 log-sum-exp) a second launch combines.
+
+Not supported (yet): sliding windows, soft-capping, ALiBi, sinks, fp8 caches.
 """
 
 from __future__ import annotations
@@ -656,7 +671,11 @@ def plan_paged_attention(
             query, k, block_table, seq_lens, query_start_loc, max_query_len, max_seq_len
         )
         mql = real_mql if max_query_len is None else max_query_len
-        msl = real_msl if max_seq_len is None else max_seq_len
+        # the plan is the same wherever the tensors live: the read max_seq_len only stands in
+        # for a missing one when the caller gave no maxima at all
+        msl: int | None = max_seq_len
+        if msl is None and max_query_len is None:
+            msl = real_msl
     else:
         # No content read: the grid comes from shapes and the caller's maxima only.
         mql = num_tokens if max_query_len is None else max_query_len
