@@ -167,7 +167,7 @@ def write_heatmap(cells: Sequence[CellResult], path: str, title: str = "") -> No
         np.clip(data, 0, 1.2), aspect="auto", cmap=cmap, vmin=0, vmax=1.2, interpolation="nearest"
     )
     for i, j in zip(*np.nonzero(failed), strict=True):
-        ax.text(j, i, "X", ha="center", va="center", color="white", fontsize=7, weight="bold")
+        ax.text(j, i, "X", ha="center", va="center", color="black", fontsize=7, weight="bold")
     ax.set_xticks(range(len(archs)), archs, rotation=45, ha="right", fontsize=8)
     ax.set_yticks(range(len(rows)), [f"{k}/{n}" for k, n in rows], fontsize=5)
     # Lines between kernels.
