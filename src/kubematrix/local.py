@@ -65,6 +65,11 @@ def cell_command(cell: Cell, results_dir: Path, workers: int) -> list[str]:
     ]
 
 
+def _marker(cell: Cell) -> str:
+    args = cell.pytest_args(".")
+    return args[args.index("-m") + 1]
+
+
 def _tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
     lines = path.read_text(errors="replace").splitlines()
     return "\n".join(lines[-n:])
@@ -180,14 +185,14 @@ def run_cell(
         else:
             _write_exit_status_junit(cell, junit, code, log)
     if code == 5 and not junit.exists():
-        return not_run(cell, f"no test matches -m {cell.pytest_args(results_dir)[1]!r}")
+        return not_run(cell, f"no test matches -m {_marker(cell)!r}")
     if not junit.exists():
         return not_run(
             cell, f"exit status {code}, no JUnit (log: {log})", status="error", seconds=elapsed
         )
     result = result_from_junit(cell, junit, seconds=elapsed, exit_code=code)
     if code == 5:  # pytest: nothing collected
-        reason = f"no test matches -m {cell.pytest_args(results_dir)[1]!r}"
+        reason = f"no test matches -m {_marker(cell)!r}"
         return not_run(cell, reason, seconds=elapsed)
     return result
 

@@ -269,7 +269,8 @@ class Cell:
         CPU-sized tests too: they are fast there and catch target-specific miscompiles).
         """
         marker = self.suite if self.spec.is_gpu else f"{self.suite} and not gpu"
-        return ["-m", marker, f"--junitxml={self.junit_path(results_dir)}"]
+        # tests/ci holds only `ci`-marked tests: not collected (as in the suite sessions).
+        return ["--ignore=tests/ci", "-m", marker, f"--junitxml={self.junit_path(results_dir)}"]
 
     def compile_args(self, results_dir: str | os.PathLike[str]) -> list[str]:
         """Arguments of ``python -m portattn.compile`` for the compile cell."""
