@@ -9,6 +9,7 @@ import pytest
 from portattn.platform import TARGETS, get_target
 from portattn.policy.common import LaunchOptions
 from portattn.policy.paged import (
+    MAX_REGS_8_WARPS,
     WIDE_MAX_REGS,
     WIDE_TILE_ARCHS,
     PagedProblem,
@@ -83,10 +84,10 @@ EXACT = [
         PagedTiles(16, 3, 5, 16, 256, LaunchOptions(4, 1, 2), 32768 + 16384 + 1024),
     ),
     (
-        "sm_90",  # not wide: 8-warp registers (16384 + 8192 + 8192) / 256 = 128 > 112
+        "sm_90",  # not wide (8-warp registers 128 > 112); block_n 32 would be 104 > 96 at 8 warps
         _problem(num_q_heads=40, head_dim=256, elem_bytes=4, max_query_len=64, block_size=544),
         PagedTiles(
-            64, 12, 5, 32, 256, LaunchOptions(8, 2), 131072 + 65536 + 8192, RowTile(16, 3, 5)
+            64, 12, 5, 16, 256, LaunchOptions(8, 3), 98304 + 65536 + 4096, RowTile(16, 3, 5)
         ),
     ),
     # MQA with 128 heads: one wide program holds the whole group (K/V read once, not twice)
@@ -169,6 +170,8 @@ def test_every_choice_fits_the_budget(arch):
         assert (t.waves_per_eu is not None) == target.is_hip
         regs4 = estimate_registers(t.block_m, t.block_n, t.block_d, elem, 4, target.warp_size)
         assert t.num_warps == (4 if regs4 <= 64 else 8)
+        regs8 = estimate_registers(t.block_m, t.block_n, t.block_d, elem, 8, target.warp_size)
+        assert t.block_m == 128 or t.block_n == 16 or regs8 <= MAX_REGS_8_WARPS
         assert t.block_m <= 64 or (
             t.block_m == 128
             and arch in WIDE_TILE_ARCHS

@@ -298,6 +298,11 @@ def _attend(
         v_base = v_ptr + kv_head.to(tl.int64) * stride_v_head
         offs_n = tl.arange(0, BLOCK_N)
 
+        # SHUFFLE caches take the masked loop only: a second, unmasked copy of their heavier
+        # address arithmetic spilled registers in the compile matrix (sm_86 decode, sm_90 hd256).
+        UNMASKED_LOOP: tl.constexpr = (K_DIM_SPLIT == 1) and (V_TOK_SPLIT == 1)
+        if not UNMASKED_LOOP:
+            full_end = kv_lo
         for start in range(kv_lo, full_end, BLOCK_N):
             m_i, l_i, acc = _kv_step(
                 q, m_i, l_i, acc, start, kv_end, row_limit, bt_row, k_base, v_base, offs_n,

@@ -41,7 +41,9 @@ Register budget (`estimate_registers`, 32-bit registers per thread): the fp32 ac
 (``block_n * block_d * e / 4``) spread over ``num_warps * warp_size`` threads. 4 warps when that is
 <= 64 (what is left of the 255/256-register file holds Q, pointers and the softmax state), else 8.
 The threshold is the compile matrix's finding: 4-warp tiles estimated at 68 compile without
-spills, at 76 (gfx942) and 104-128 (sm_86/sm_90) they spill; at 8 warps none of them does.
+spills, at 76 (gfx942) and 104-128 (sm_86/sm_90) they spill; at 8 warps those do not. Past
+`MAX_REGS_8_WARPS` at 8 warps (head_dim 256, block_n 64: 112) the ladder moves to a narrower
+``block_n`` (the wide tile has its own bound, `WIDE_MAX_REGS`).
 
 The policy walks a preference ladder (largest ``block_n`` first, then deeper pipelines, then smaller
 ``block_m``) and takes the first rung whose estimate fits ``target.max_shared_mem``. The last rung,
@@ -80,6 +82,9 @@ PREFERRED_STAGES = 3
 # Warps per program: the smaller count unless the register budget needs the larger.
 NUM_WARPS = (4, 8)
 MAX_REGS_PER_THREAD = 64
+# The 8-warp estimate a (non-wide) tile may reach: 64-row tiles at head_dim 256 with block_n 64
+# (112) spilled 76-644 B on sm_90 in the compile matrix; block_n 32 (88) does not.
+MAX_REGS_8_WARPS = 96
 # Split-KV: the fewest context tokens one split walks (shorter splits cost more in the reduce and
 # in per-program set-up than they win in parallelism), the most splits, and how many programs per
 # multiprocessor a split grid aims for (2: one program's gathers overlap the other's math).
@@ -325,7 +330,9 @@ def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
             ladder = [(n, s) for n, s in ladder if n == WIDE_BLOCK_N and s >= 2]
         for block_n, stages in ladder:
             smem = estimate_shared_mem(block_m, block_n, block_d, p.elem_bytes, stages)
-            if smem <= target.max_shared_mem:
+            regs8 = estimate_registers(block_m, block_n, block_d, p.elem_bytes, 8, target.warp_size)
+            fits_regs = block_m == WIDE_BLOCK_M or regs8 <= MAX_REGS_8_WARPS or block_n == 16
+            if smem <= target.max_shared_mem and fits_regs:
                 rows = _rows(block_m, p.group)
                 warps = _num_warps(target, block_m, block_n, block_d, p.elem_bytes)
                 return PagedTiles(
