@@ -10,10 +10,11 @@ from portattn.platform import TARGETS, get_target
 from portattn.policy.common import LaunchOptions, next_pow2
 from portattn.policy.mla import (
     MAX_KV_SPLITS,
+    REG_BUDGET,
     MlaProblem,
     MlaTiles,
     mla_decode_tiles,
-    mla_num_kv_splits,
+    mla_reg_estimate,
     mla_smem_bytes,
 )
 
@@ -29,28 +30,40 @@ def problem(dk=576, r=512, heads=16, elem=2, tokens=64, context=4096) -> MlaProb
     return MlaProblem(heads, dk, r, elem, tokens, context)
 
 
-# arch, (dk, r) -> (block_n, num_stages, smem_bytes); BLOCK_H 16, 4 warps everywhere.
+# arch, (dk, r) -> (block_n, num_stages, smem_bytes, num_kv_splits) for 16 heads, 64 tokens, 4k
+# context; BLOCK_H 16, 4 warps everywhere. Splits: floor(8 * SMs / 64) on CUDA (<= 4096 / 256 =
+# 16), floor(2 * CUs / 64) on HIP.
 EXPECTED = {
-    ("sm_90", 576, 512): (64, 2, 167936),
-    ("sm_90", 320, 256): (64, 3, 135168),
-    ("sm_80", 576, 512): (32, 3, 130048),  # 64 x 2 stages = 167936 B > sm_80's 166912 B
-    ("sm_86", 576, 512): (32, 2, 93184),  # 99 KB: the large latent gets fewer stages (lesson 1)
-    ("sm_86", 320, 256): (64, 2, 94208),
-    ("sm_86", 192, 128): (64, 3, 81920),
-    ("sm_120", 576, 512): (32, 2, 93184),
-    ("gfx942", 576, 512): (16, 2, 55808),  # 64 KB LDS
-    ("gfx942", 320, 256): (32, 2, 52224),
-    ("gfx942", 288, 256): (32, 2, 47104),
-    ("gfx942", 256, 256): (32, 2, 41984),
-    ("gfx90a", 576, 512): (16, 2, 55808),
-    ("gfx950", 576, 512): (32, 2, 93184),
+    ("sm_90", 576, 512): (32, 2, 93184, 16),  # N64 would spill (register estimate 208 > 200)
+    ("sm_90", 320, 256): (64, 2, 94208, 16),
+    ("sm_80", 576, 512): (32, 2, 93184, 13),  # 108 SMs
+    ("sm_86", 576, 512): (32, 2, 93184, 9),  # 99 KB, 84 SMs
+    ("sm_86", 320, 256): (64, 2, 94208, 9),
+    ("sm_86", 192, 128): (64, 2, 57344, 9),
+    ("sm_120", 576, 512): (32, 2, 93184, 16),
+    ("gfx942", 576, 512): (16, 2, 55808, 9),  # 64 KB LDS, 304 CUs
+    ("gfx942", 320, 256): (32, 2, 52224, 9),
+    ("gfx942", 288, 256): (32, 2, 47104, 9),
+    ("gfx942", 256, 256): (32, 2, 41984, 9),
+    ("gfx90a", 576, 512): (16, 2, 55808, 3),
+    ("gfx950", 576, 512): (32, 2, 93184, 8),
+}
+
+# arch -> (block_n, smem_bytes, num_kv_splits) of the wide tile (BLOCK_H 64, 8 warps, 2 stages)
+# for 128 heads 576/512, 64 tokens, 4k context; None: the target stays narrow.
+EXPECTED_WIDE = {
+    "sm_90": (64, 229376, 2),  # floor(2 * 132 / 128)
+    "sm_100": (64, 229376, 2),
+    "sm_80": (32, 151552, 1),  # N64 needs 229376 B > 166912 B
+    "sm_86": None,  # 99 KB: no 64-head tile fits
+    "gfx942": None,  # HIP: narrow (no AMD register calibration)
 }
 
 
 @pytest.mark.parametrize(("arch", "dk", "r"), sorted(EXPECTED))
 def test_exact_tiles_cuda_and_hip(arch, dk, r):
     target = get_target(arch)
-    block_n, stages, smem = EXPECTED[arch, dk, r]
+    block_n, stages, smem, splits = EXPECTED[arch, dk, r]
     rope = dk - r
     want = MlaTiles(
         block_h=16,
@@ -58,12 +71,42 @@ def test_exact_tiles_cuda_and_hip(arch, dk, r):
         block_n=block_n,
         block_dv=next_pow2(r),
         block_dpe=next_pow2(rope) if rope else 0,
-        num_kv_splits=mla_num_kv_splits(target, 64, 1, 4096),
+        num_kv_splits=splits,
         options=LaunchOptions(4, stages, 2 if target.is_hip else None),
         reduce_options=LaunchOptions(4, 1, 2 if target.is_hip else None),
         smem_bytes=smem,
     )
     assert mla_decode_tiles(target, problem(dk, r)) == want
+
+
+@pytest.mark.parametrize("arch", sorted(EXPECTED_WIDE))
+def test_exact_wide_tiles_for_many_heads(arch):
+    target = get_target(arch)
+    t = mla_decode_tiles(target, problem(heads=128))
+    if EXPECTED_WIDE[arch] is None:
+        assert (t.block_h, t.options.num_warps) == (16, 4)
+        return
+    block_n, smem, splits = EXPECTED_WIDE[arch]
+    assert t == MlaTiles(
+        block_h=64,
+        padded_heads=128,
+        block_n=block_n,
+        block_dv=512,
+        block_dpe=64,
+        num_kv_splits=splits,
+        options=LaunchOptions(8, 2, None),
+        reduce_options=LaunchOptions(4, 1, None),
+        smem_bytes=smem,
+    )
+    assert mla_reg_estimate(64, block_n, 512, 64, 8, 2) <= REG_BUDGET
+
+
+def test_register_estimate_matches_sm90_compiles():
+    # bench/NOTES.md attempt 1: H16 N64 4 warps spilled, H16 N32 4 warps and H64 N64 8 warps did
+    # not; the budget separates them.
+    assert mla_reg_estimate(16, 64, 512, 64, 4, 2) == 208 > REG_BUDGET
+    assert mla_reg_estimate(16, 32, 512, 64, 4, 2) == 136 <= REG_BUDGET
+    assert mla_reg_estimate(64, 64, 512, 64, 8, 2) == 200 <= REG_BUDGET
 
 
 @pytest.mark.parametrize("arch", sorted(TARGETS))
@@ -95,30 +138,34 @@ def test_lesson2_heads_padded_to_matrix_rows(heads):
     for arch in ("sm_90", "gfx942"):
         target = get_target(arch)
         t = mla_decode_tiles(target, problem(heads=heads))
-        assert t.block_h == target.mma_min_rows == 16
-        assert t.padded_heads == -(-heads // 16) * 16
+        assert t.block_h >= target.mma_min_rows == 16
+        assert t.block_h == (64 if arch == "sm_90" and heads >= 64 else 16)
+        assert t.padded_heads == -(-heads // t.block_h) * t.block_h
         assert t.head_groups * t.block_h == t.padded_heads
 
 
 def test_split_count_is_policy_of_target_batch_heads_context():
-    h100 = get_target("sm_90")  # 132 SMs: aims at 264 programs
-    assert mla_decode_tiles(h100, problem(heads=16, tokens=64, context=4096)).num_kv_splits == 5
-    assert mla_decode_tiles(h100, problem(heads=16, tokens=64, context=16384)).num_kv_splits == 5
-    assert mla_decode_tiles(h100, problem(heads=128, tokens=64, context=4096)).num_kv_splits == 1
+    h100 = get_target("sm_90")  # 132 SMs: the narrow tile aims at <= 8 x 132 = 1056 programs
+    assert mla_decode_tiles(h100, problem(heads=16, tokens=64, context=4096)).num_kv_splits == 16
+    assert mla_decode_tiles(h100, problem(heads=16, tokens=64, context=16384)).num_kv_splits == 16
+    # the wide tile aims at <= 2 x 132 programs: 64 tokens x 2 head groups x 2 splits
+    assert mla_decode_tiles(h100, problem(heads=128, tokens=64, context=4096)).num_kv_splits == 2
     # small batch, long context: capped; short context: never a split under 256 tokens
     assert mla_decode_tiles(h100, problem(tokens=1, context=32768)).num_kv_splits == MAX_KV_SPLITS
     assert mla_decode_tiles(h100, problem(tokens=1, context=1000)).num_kv_splits == 3
     assert mla_decode_tiles(h100, problem(tokens=1, context=40)).num_kv_splits == 1
-    # more multiprocessors, more splits
+    # a full GPU without splitting: one
+    assert mla_decode_tiles(h100, problem(tokens=2048, context=4096)).num_kv_splits == 1
+    # more multiprocessors, more splits (HIP aims at 2 programs per CU)
     mi300 = get_target("gfx942")  # 304 CUs
-    assert mla_decode_tiles(mi300, problem(heads=16, tokens=64, context=4096)).num_kv_splits == 10
+    assert mla_decode_tiles(mi300, problem(heads=16, tokens=64, context=4096)).num_kv_splits == 9
 
 
 def test_fp32_latent_512_does_not_fit_64kb():
     with pytest.raises(ValueError, match=r"no tile fits gfx942's 65536 B .* use a 2-byte dtype"):
         mla_decode_tiles(get_target("gfx942"), problem(elem=4))
-    # the interpreter's default target (sm_90) takes fp32
-    assert mla_decode_tiles(get_target("sm_90"), problem(elem=4)).block_n == 32
+    # the interpreter's default target (sm_90) takes fp32 (N16: N32 would be 208 registers)
+    assert mla_decode_tiles(get_target("sm_90"), problem(elem=4)).block_n == 16
 
 
 def test_invalid_problem_lists_every_reason():

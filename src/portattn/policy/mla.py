@@ -11,20 +11,42 @@ Heads (lesson 2): one program owns ``BLOCK_H = target.mma_min_rows`` heads of on
 32. ``padded_heads`` is part of the frozen tiles, and the split-KV workspaces are sized from it by
 `portattn.mla_metadata.MlaMetadataBuilder`, which holds the very object the launch consumes.
 
-Shared memory (explicit budget, `mla_smem_bytes`)::
+Shared memory (explicit budget, `mla_smem_bytes`, an upper bound: Triton 3.6 does not
+multi-buffer the gathered latent tile, so the compiled kernel uses about one stage's worth)::
 
     (BLOCK_N * BLOCK_DV + BLOCK_N * BLOCK_DPE) * elem * num_stages    latent + rope tiles, pipelined
   + BLOCK_H * (BLOCK_DV + BLOCK_DPE) * elem                            query tiles (dot operands)
   + BLOCK_H * BLOCK_N * elem                                           P (the PV dot's A operand)
 
-Worked numbers for 576/512 in bf16 (BLOCK_H 16): BLOCK_N 64 x 2 stages = 167936 B fits sm_90's
-232448 B but not sm_80's 166912 B (-> 32 x 3 stages = 130048 B); the 99 KB parts (101376 B) get
-32 x 2 = 93184 B; 64 KB AMD parts (65536 B, 2 stages at most) get 16 x 2 = 55808 B.
+Registers (`mla_reg_estimate`, 32-bit registers per thread): the fp32 accumulator
+``BLOCK_H * BLOCK_DV / threads`` plus the latent + rope tile ``BLOCK_N * (BLOCK_DV + BLOCK_DPE) *
+elem / 4 / threads``, at most `REG_BUDGET`. Calibrated on sm_90 compiles (bench/NOTES.md, attempt
+1): H16 N64 4 warps = 64 + 144 = 208 spills ~200 registers; H16 N32 4 warps = 136 compiles to 225
+registers without spills; H64 N64 8 warps = 200 compiles to 255 without spills.
+
+Tiles, narrow (every target, and every head count without the wide tile): ``BLOCK_H =
+mma_min_rows``, 4 warps, the longest ``BLOCK_N`` within both budgets at 2 stages (the H200 sweep,
+bench/RESULTS.md issue 8 baseline: 16 heads, 4k, H16 N32 s2 w4 136.5 us against 151.7 us at 3
+stages and 215.5 us for N64 s2 w4, which spills). Worked numbers for 576/512 bf16: N32 x 2 stages
+= 93184 B on every NVIDIA part (the 99 KB parts' 101376 B included); 64 KB AMD parts get N16 x 2 =
+55808 B.
+
+Tiles, wide (CUDA, ``num_heads >= WIDE_BLOCK_H``): ``BLOCK_H 64``, 8 warps, BLOCK_N 64 (else 32)
+at 2 stages. One program reads the latent once for 64 heads instead of 16 (4x fewer bytes) and
+its dots have M = 64 (the warpgroup MMA shape). Sweep: 128 heads, 4k: H64 N64 s2 w8 x2 357.5 us
+against 858.9 us for H16; 16k: 1322 us against 3405 us. sm_90 / sm_100: N64 = 229376 B of 232448
+B; sm_80: N32 = 151552 B; the 99 KB parts do not fit it and stay narrow. HIP stays narrow (the
+register calibration is NVIDIA's; no AMD measurement yet).
 
 Split-KV: with few (token, head-group) programs the GPU idles, so the context is split into
-``num_kv_splits`` chunks whose partial results a reduce kernel merges. The count aims at
-``PROGRAMS_PER_SM`` programs per multiprocessor, never gives a split fewer than
-``MIN_TOKENS_PER_SPLIT`` context tokens, and is capped at ``MAX_KV_SPLITS``.
+``num_kv_splits`` chunks whose partial results a reduce kernel merges. The count is the largest
+that keeps ``tokens * head_groups * splits <= programs_per_sm * num_sms`` (whole waves: no
+partly-filled last wave), never gives a split fewer than ``MIN_TOKENS_PER_SPLIT`` context tokens,
+and is capped at ``MAX_KV_SPLITS``. ``programs_per_sm`` is `PROGRAMS_PER_SM_NARROW` (8) for the
+narrow CUDA tile, `PROGRAMS_PER_SM_WIDE` (2) for the wide one and `PROGRAMS_PER_SM` (2) on HIP.
+Measured (H200, 132 SMs, 64 tokens): narrow 16 heads 4k x16 136.5 us > x9 143.9 > x5 174.5 (rule:
+floor(8 * 132 / 64) = 16, and 4096 / 256 = 16); wide 128 heads 4k x2 357.5 us > x3 378.5 > x5
+397.3 (rule: floor(2 * 132 / 128) = 2).
 """
 
 from __future__ import annotations
@@ -36,16 +58,28 @@ from portattn.policy.common import LaunchOptions, launch_options, next_pow2
 
 #: KV tile lengths tried, largest first (>= 16: the PV dot's K dimension).
 BLOCK_N_CANDIDATES: tuple[int, ...] = (64, 32, 16)
-#: Programs per multiprocessor the split count aims at (two hide one program's gather latency).
+#: Programs per multiprocessor the split count aims at on HIP (unmeasured there: two hide one
+#: program's gather latency).
 PROGRAMS_PER_SM = 2
+#: Narrow CUDA tile (H16 w4, ~2 resident per SM by registers): 8 per SM = 4 waves (measured best).
+PROGRAMS_PER_SM_NARROW = 8
+#: Wide CUDA tile (H64 w8, 255 registers x 256 threads = one resident per SM): 2 waves (measured).
+PROGRAMS_PER_SM_WIDE = 2
+#: Heads per program of the wide tile (CUDA, num_heads >= this).
+WIDE_BLOCK_H = 64
+#: Warps of the wide tile (its 64 x 512 fp32 accumulator is 128 registers/thread at 8 warps).
+WIDE_NUM_WARPS = 8
+#: Per-thread 32-bit register estimate allowed (`mla_reg_estimate`; calibrated on sm_90).
+REG_BUDGET = 200
 #: A split covers at least this many context tokens, so its partial result is worth the reduce.
 MIN_TOKENS_PER_SPLIT = 256
 #: Upper bound on splits (workspace size, reduce-kernel loop length).
 MAX_KV_SPLITS = 32
 #: Warps per program: BLOCK_H 16 x BLOCK_DV 512 fp32 accumulator = 64 registers/thread at 4 warps.
 NUM_WARPS = 4
-#: The deepest pipeline the policy asks for (a target may cap it lower).
-MAX_STAGES = 3
+#: The deepest pipeline the policy asks for (a target may cap it lower): 3 stages measured slower
+#: than 2 on sm_90 (more registers, no extra shared memory: the gather is not multi-buffered).
+MAX_STAGES = 2
 
 
 @dataclass(frozen=True)
@@ -111,10 +145,32 @@ def mla_smem_bytes(
     return kv + q + p
 
 
-def mla_num_kv_splits(target: Target, num_tokens: int, head_groups: int, max_context: int) -> int:
+def mla_reg_estimate(
+    block_h: int,
+    block_n: int,
+    block_dv: int,
+    block_dpe: int,
+    num_warps: int,
+    elem_size: int,
+    warp_size: int = 32,
+) -> int:
+    """32-bit registers per thread for the accumulator and one latent + rope tile (module doc)."""
+    threads = num_warps * warp_size
+    acc = block_h * block_dv // threads
+    tile = block_n * (block_dv + block_dpe) * elem_size // 4 // threads
+    return acc + tile
+
+
+def mla_num_kv_splits(
+    target: Target,
+    num_tokens: int,
+    head_groups: int,
+    max_context: int,
+    programs_per_sm: int = PROGRAMS_PER_SM,
+) -> int:
     """Context splits for ``num_tokens x head_groups`` programs on ``target`` (see module doc)."""
     base = max(1, num_tokens * head_groups)
-    want = -(-PROGRAMS_PER_SM * target.num_sms // base)
+    want = programs_per_sm * target.num_sms // base
     by_context = max(1, max_context // MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, by_context, MAX_KV_SPLITS))
 
@@ -141,30 +197,55 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     errors = _problem_errors(problem)
     if errors:
         raise ValueError("mla_decode_tiles: " + "; ".join(errors))
-    block_h = target.mma_min_rows
-    padded_heads = -(-problem.num_heads // block_h) * block_h
     block_dv = next_pow2(problem.kv_lora_rank)
     rope = problem.head_dim_k - problem.kv_lora_rank
     block_dpe = next_pow2(rope) if rope > 0 else 0
+    elem = problem.elem_size
     top = min(MAX_STAGES, target.max_num_stages)
-    # Prefer the longest KV tile that still pipelines (>= 2 stages), then the deepest pipeline;
-    # a single stage only when nothing pipelined fits.
-    order = [(n, s) for n in BLOCK_N_CANDIDATES for s in range(top, 1, -1)]
-    order += [(n, 1) for n in BLOCK_N_CANDIDATES]
-    for block_n, stages in order:
-        smem = mla_smem_bytes(block_h, block_n, block_dv, block_dpe, stages, problem.elem_size)
-        if smem <= target.max_shared_mem:
-            break
-    else:
-        smallest = mla_smem_bytes(block_h, 16, block_dv, block_dpe, 1, problem.elem_size)
+
+    def fits(block_h: int, block_n: int, stages: int, warps: int) -> int | None:
+        """The shared-memory estimate when both budgets hold, else None."""
+        regs = mla_reg_estimate(block_h, block_n, block_dv, block_dpe, warps, elem, 32)
+        smem = mla_smem_bytes(block_h, block_n, block_dv, block_dpe, stages, elem)
+        return smem if regs <= REG_BUDGET and smem <= target.max_shared_mem else None
+
+    choice = None
+    if not target.is_hip and problem.num_heads >= WIDE_BLOCK_H:
+        for block_n in BLOCK_N_CANDIDATES:
+            smem = fits(WIDE_BLOCK_H, block_n, top, WIDE_NUM_WARPS)
+            if smem is not None and block_n >= 32:
+                choice = (WIDE_BLOCK_H, block_n, top, WIDE_NUM_WARPS, smem, PROGRAMS_PER_SM_WIDE)
+                break
+    if choice is None:
+        block_h = target.mma_min_rows
+        per_sm = PROGRAMS_PER_SM if target.is_hip else PROGRAMS_PER_SM_NARROW
+        # The longest KV tile that pipelines (>= 2 stages) within both budgets, then the deepest
+        # pipeline; a single stage, then the register budget waived, only when nothing else fits.
+        order = [(n, s) for n in BLOCK_N_CANDIDATES for s in range(top, 1, -1)]
+        order += [(n, 1) for n in BLOCK_N_CANDIDATES]
+        for block_n, stages in order:
+            smem = fits(block_h, block_n, stages, NUM_WARPS)
+            if smem is not None:
+                choice = (block_h, block_n, stages, NUM_WARPS, smem, per_sm)
+                break
+        else:
+            for block_n, stages in order:
+                smem = mla_smem_bytes(block_h, block_n, block_dv, block_dpe, stages, elem)
+                if smem <= target.max_shared_mem:
+                    choice = (block_h, block_n, stages, NUM_WARPS, smem, per_sm)
+                    break
+    if choice is None:
+        smallest = mla_smem_bytes(target.mma_min_rows, 16, block_dv, block_dpe, 1, elem)
         raise ValueError(
             f"mla_decode_tiles: no tile fits {target.arch}'s {target.max_shared_mem} B of shared "
             f"memory for kv_lora_rank={problem.kv_lora_rank}, head_dim_k={problem.head_dim_k}, "
             f"{problem.elem_size}-byte elements (the smallest needs {smallest} B); use a 2-byte "
             "dtype"
         )
+    block_h, block_n, stages, warps, smem, per_sm = choice
+    padded_heads = -(-problem.num_heads // block_h) * block_h
     splits = mla_num_kv_splits(
-        target, problem.num_tokens, padded_heads // block_h, problem.max_context
+        target, problem.num_tokens, padded_heads // block_h, problem.max_context, per_sm
     )
     return MlaTiles(
         block_h=block_h,
@@ -173,7 +254,7 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         block_dv=block_dv,
         block_dpe=block_dpe,
         num_kv_splits=splits,
-        options=launch_options(target, NUM_WARPS, stages),
+        options=launch_options(target, warps, stages),
         reduce_options=launch_options(target, NUM_WARPS, 1),
         smem_bytes=smem,
     )
