@@ -11,7 +11,7 @@ import torch
 from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
 from portattn.mla_metadata import MlaMetadata, MlaMetadataBuilder
 from portattn.platform import get_target
-from portattn.policy.mla import mla_num_kv_splits
+from portattn.policy.mla import MlaProblem, mla_decode_tiles
 from tests.kernels.test_mla_decode import check, make_inputs
 
 pytestmark = [pytest.mark.mla, pytest.mark.specdec]
@@ -61,8 +61,13 @@ def test_workspaces_sized_with_padded_heads(heads, padded, arch):
         device="meta",
         target=target,
     )
-    splits = mla_num_kv_splits(target, 8, padded // 16, 32768)
+    groups = padded // b.tiles.block_h
+    splits = b.tiles.num_kv_splits
     assert splits > 1
+    assert (
+        splits == mla_decode_tiles(target, MlaProblem(heads, 576, 512, 2, 8, 32768)).num_kv_splits
+    )
+    assert splits * groups * 8 <= 8 * target.num_sms  # whole waves (policy docstring)
     assert b.tiles.padded_heads == padded
     md = b.build(torch.zeros(4, dtype=torch.int32, device="meta"))
     assert md.tiles is b.tiles
