@@ -51,7 +51,14 @@ from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import current_target
 from portattn.policy.common import LaunchOptions
-from portattn.policy.mla import MIN_TOKENS_PER_SPLIT, MlaTiles, mla_smem_bytes
+from portattn.policy.mla import (
+    MIN_TOKENS_PER_SPLIT,
+    PROGRAMS_PER_SM_NARROW,
+    PROGRAMS_PER_SM_WIDE,
+    MlaTiles,
+    mla_num_kv_splits,
+    mla_smem_bytes,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: (BLOCK_N, num_stages) tried with BLOCK_H 16 when there are at most 16 heads (all that fit).
@@ -70,6 +77,13 @@ SPILLS_SM90 = frozenset(
     + [(bh, bn, st, 4) for bh in (32, 64) for bn, st in SHAPES_BIG_H]
 )
 MAX_SPLITS = 64
+#: Phase 0 (prefetched row offsets), (BLOCK_H, BLOCK_N, stages, warps); key: more than 16 heads.
+#: From sm_90 CPU compiles: H16 N32 s3/s4 w4 double-buffers without spills; H64 N64 s2 w8 spills
+#: 100 registers with prefetch (left out), H64 N32 s3 w8 double-buffers (184320 B) unspilled.
+PREFETCH_SHAPES = {
+    False: [(16, 32, 3, 4), (16, 32, 4, 4), (16, 32, 2, 4), (16, 64, 3, 8), (16, 32, 3, 8)],
+    True: [(64, 32, 3, 8), (64, 32, 2, 8), (64, 64, 2, 8), (32, 32, 3, 8)],
+}
 
 
 def make_inputs(batch, context, heads, dk, page, dtype, seed=0):
@@ -117,8 +131,10 @@ class Checker:
         return ok, e_kernel, self.e_torch
 
 
-def variant(base: MlaTiles, heads, block_h, block_n, stages, warps, splits, elem) -> MlaTiles:
-    """``base`` with another head block / KV tile / pipeline / warps / split count."""
+def variant(
+    base: MlaTiles, heads, block_h, block_n, stages, warps, splits, elem, prefetch=False
+) -> MlaTiles:
+    """``base`` with another head block / KV tile / pipeline / warps / split count / prefetch."""
     return dataclasses.replace(
         base,
         block_h=block_h,
@@ -127,6 +143,7 @@ def variant(base: MlaTiles, heads, block_h, block_n, stages, warps, splits, elem
         num_kv_splits=splits,
         options=LaunchOptions(num_warps=warps, num_stages=stages),
         smem_bytes=mla_smem_bytes(block_h, block_n, base.block_dv, base.block_dpe, stages, elem),
+        prefetch_rows=prefetch,
     )
 
 
@@ -156,7 +173,7 @@ def shape_candidates(heads, base, target, elem):
 def tiles_desc(t: MlaTiles) -> str:
     return (
         f"H{t.block_h} N{t.block_n} s{t.options.num_stages} w{t.options.num_warps} "
-        f"x{t.num_kv_splits}"
+        f"x{t.num_kv_splits}" + (" P" if t.prefetch_rows else "")
     )
 
 
@@ -210,6 +227,7 @@ class Point:
             block_h=t.block_h, padded_heads=t.padded_heads, block_n=t.block_n,
             num_stages=t.options.num_stages, num_warps=t.options.num_warps,
             num_kv_splits=t.num_kv_splits, smem_estimate=t.smem_bytes,
+            prefetch_rows=t.prefetch_rows,
             rel_err_kernel=errs[1], rel_err_torch=errs[2],
             us_events=us_events, us_graph=us_graph, gb_per_s=gbs,
             pct_of_copy=100 * gbs / self.copy_gbs, x_roofline=us / self.roof["us_roof"],
@@ -220,7 +238,7 @@ class Point:
 def fmt_row(row) -> str:
     t = (
         f"H{row['block_h']} N{row['block_n']} s{row['num_stages']} w{row['num_warps']} "
-        f"x{row['num_kv_splits']}"
+        f"x{row['num_kv_splits']}" + (" P" if row.get("prefetch_rows") else "")
     )
     ev = f"{row['us_events']:9.1f}" if row["us_events"] is not None else f"{'-':>9}"
     return (
@@ -306,12 +324,12 @@ def sweep_point(p: Point, base: MlaTiles, shapes, deadline, failures):
     a, elem = p.args, p.cache.element_size()
     rows, seen = [], set()
 
-    def one(bh, bn, st, w, splits):
-        key = (bh, bn, st, w, splits)
+    def one(bh, bn, st, w, splits, pf=False):
+        key = (bh, bn, st, w, splits, pf)
         if key in seen or time.monotonic() > deadline:
             return
         seen.add(key)
-        t = variant(base, p.heads, bh, bn, st, w, splits, elem)
+        t = variant(base, p.heads, bh, bn, st, w, splits, elem, pf)
         row = time_variant(p, t, failures)
         if row is not None:
             rows.append(row)
@@ -320,6 +338,14 @@ def sweep_point(p: Point, base: MlaTiles, shapes, deadline, failures):
     def groups(bh):
         return -(-p.heads // bh)
 
+    # Phase 0 (first: the new kernel variant): prefetched row offsets, which let the pipeliner
+    # multi-buffer the latent tile (sm_90 compile: N32 s3 93184 B = 2 buffers, s2 = 1), at the
+    # policy's split count and at the policy's programs-per-SM rule for each head block.
+    for bh, bn, st, w in PREFETCH_SHAPES.get(p.heads > 16, ()):
+        if mla_smem_bytes(bh, bn, base.block_dv, base.block_dpe, 1, elem) > p.target.max_shared_mem:
+            continue
+        per_sm = PROGRAMS_PER_SM_WIDE if bh >= 64 else PROGRAMS_PER_SM_NARROW
+        one(bh, bn, st, w, mla_num_kv_splits(p.target, a.batch, groups(bh), p.ctx, per_sm), True)
     for bh, bn, st, w in shapes:
         one(bh, bn, st, w, splits_for_waves(2, p.target, a.batch, groups(bh), p.ctx))
     best = sorted(rows, key=lambda r: r["us_graph"])[:3]
@@ -327,7 +353,7 @@ def sweep_point(p: Point, base: MlaTiles, shapes, deadline, failures):
         bh = r["block_h"]
         for waves in (1, 4, 8):  # 2 waves: phase A
             s = splits_for_waves(waves, p.target, a.batch, groups(bh), p.ctx)
-            one(bh, r["block_n"], r["num_stages"], r["num_warps"], s)
+            one(bh, r["block_n"], r["num_stages"], r["num_warps"], s, r["prefetch_rows"])
     return sorted(rows, key=lambda r: r["us_graph"])
 
 
@@ -366,6 +392,7 @@ def main(argv=None) -> int:
     sweep_rows: list[dict] = []
     failures: list[str] = []
     deadline = time.monotonic() + args.budget_s
+    sweep_points_done: list[tuple[int, int]] = []  # each point gets an equal share of the rest
     for heads in args.heads:
         top_shapes = None
         for ctx in args.contexts:
@@ -389,7 +416,12 @@ def main(argv=None) -> int:
                 print("  " + fmt_row(hip_row), flush=True)
             if args.sweep:
                 shapes = top_shapes or shape_candidates(heads, base, target, elem)
-                point_rows = sweep_point(p, base, shapes, deadline, failures)
+                left = len(args.heads) * len(args.contexts) - len(sweep_points_done)
+                share = max(0.0, deadline - time.monotonic()) / max(1, left)
+                point_rows = sweep_point(
+                    p, base, shapes, min(deadline, time.monotonic() + share), failures
+                )
+                sweep_points_done.append((heads, ctx))
                 sweep_rows += point_rows
                 if top_shapes is None:
                     top_shapes = []

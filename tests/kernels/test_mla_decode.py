@@ -147,6 +147,27 @@ def test_split_kv_reduce(dk, r, heads, splits, q_lens, seq_lens, device):
     check(out, lse, q, cache, bt, sl, qsl, r, 0.05, torch.float32)
 
 
+@pytest.mark.parametrize(("prefetch_rows", "v_reload"), [(True, True), (True, False)])
+def test_prefetched_rows_and_value_reload(prefetch_rows, v_reload, device):
+    # tile i+1's rows are computed during tile i: 40 tokens = 3 tiles of 16, a split boundary,
+    # a sequence shorter than one tile; verification tokens
+    dk, r, heads = 288, 256, 4
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 16, (2, 1), (40, 9), torch.float32, device)
+    tiles = dataclasses.replace(
+        _split_tiles(get_target("sm_90"), dk, r, heads, 2),
+        prefetch_rows=prefetch_rows,
+        v_reload=v_reload,
+    )
+    launches = plan_mla_decode(
+        q, cache, bt, sl, kv_lora_rank=r, scale=0.05, query_start_loc=qsl, return_lse=True,
+        tiles=tiles,
+    )  # fmt: skip
+    assert launches[0].args["PREFETCH_ROWS"] is prefetch_rows
+    run_all(launches)
+    out, lse = launches[0].outputs
+    check(out, lse, q, cache, bt, sl, qsl, r, 0.05, torch.float32)
+
+
 def test_strided_inputs_and_out_in_place(device):
     """Query, cache and out as non-contiguous views (cache rows padded, blocks interleaved)."""
     dk, r, heads = 288, 256, 4

@@ -80,6 +80,44 @@ def _find_seq(
 
 
 @triton.jit
+def _kv_rows(
+    n,
+    end,
+    bt_row,  # [max_blocks_per_seq] this sequence's block-table row (not read with PAGE_INDICES)
+    page_indices_ptr,  # [total_context_tokens] flat slots (PAGE_INDICES only)
+    page_start,
+    block_size,
+    stride_bt_blk,
+    stride_indices,
+    stride_kv_block,
+    stride_kv_tok_hi,
+    stride_kv_tok_lo,
+    BLOCK_N: tl.constexpr,
+    PAGE_INDICES: tl.constexpr,
+    TOK_SPLIT: tl.constexpr,
+):
+    """Element offsets (int64) of context rows ``n .. n+BLOCK_N-1`` (0 past ``end``)."""
+    offs_n = n + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    if PAGE_INDICES:
+        slot = tl.load(
+            page_indices_ptr + (page_start + offs_n) * stride_indices, mask=mask_n, other=0
+        ).to(tl.int64)
+        blk = slot // block_size
+        off = slot % block_size
+    else:
+        blk = tl.load(bt_row + (offs_n // block_size) * stride_bt_blk, mask=mask_n, other=0).to(
+            tl.int64
+        )
+        off = (offs_n % block_size).to(tl.int64)
+    return (
+        blk * stride_kv_block
+        + (off // TOK_SPLIT) * stride_kv_tok_hi
+        + (off % TOK_SPLIT) * stride_kv_tok_lo
+    )
+
+
+@triton.jit
 def _mla_decode_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim_k]
     kv_ptr,  # [num_blocks, block_size, head_dim_k], any strides
@@ -137,6 +175,8 @@ def _mla_decode_kernel(
     TOK_SPLIT: tl.constexpr,
     DIM_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    V_RELOAD: tl.constexpr,
+    PREFETCH_ROWS: tl.constexpr,
 ):
     # Lesson 1: the value tile is the latent tile, sized from kv_lora_rank; the rope tile from the
     # rest. Tiles sized from head_dim_k (next_pow2(320) = 512 for a 256 latent) are refused here.
@@ -203,33 +243,72 @@ def _mla_decode_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
     if PAGE_INDICES:
         page_start = tl.load(page_indptr_ptr + seq * stride_indptr).to(tl.int64)
+    else:
+        page_start = tl.zeros((), dtype=tl.int64)
 
+    if PREFETCH_ROWS:  # software pipelining by hand: tile i+1's block-table entries during tile i
+        row_next = _kv_rows(
+            start,
+            end,
+            bt_row,
+            page_indices_ptr,
+            page_start,
+            block_size,
+            stride_bt_blk,
+            stride_indices,
+            stride_kv_block,
+            stride_kv_tok_hi,
+            stride_kv_tok_lo,
+            BLOCK_N,
+            PAGE_INDICES,
+            TOK_SPLIT,
+        )
     for n in range(start, end, BLOCK_N):
         # -- context rows n .. n+BLOCK_N-1: block and in-block offset (int64 offsets) --
         offs_n = n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        if PAGE_INDICES:
-            slot = tl.load(
-                page_indices_ptr + (page_start + offs_n) * stride_indices, mask=mask_n, other=0
-            ).to(tl.int64)
-            blk = slot // block_size
-            off = slot % block_size
-        else:
-            blk = tl.load(bt_row + (offs_n // block_size) * stride_bt_blk, mask=mask_n, other=0).to(
-                tl.int64
+        if PREFETCH_ROWS:
+            row = row_next
+            row_next = _kv_rows(
+                n + BLOCK_N,
+                end,
+                bt_row,
+                page_indices_ptr,
+                page_start,
+                block_size,
+                stride_bt_blk,
+                stride_indices,
+                stride_kv_block,
+                stride_kv_tok_hi,
+                stride_kv_tok_lo,
+                BLOCK_N,
+                PAGE_INDICES,
+                TOK_SPLIT,
             )
-            off = (offs_n % block_size).to(tl.int64)
-        row = (
-            blk * stride_kv_block
-            + (off // TOK_SPLIT) * stride_kv_tok_hi
-            + (off % TOK_SPLIT) * stride_kv_tok_lo
-        )
+        else:
+            row = _kv_rows(
+                n,
+                end,
+                bt_row,
+                page_indices_ptr,
+                page_start,
+                block_size,
+                stride_bt_blk,
+                stride_indices,
+                stride_kv_block,
+                stride_kv_tok_hi,
+                stride_kv_tok_lo,
+                BLOCK_N,
+                PAGE_INDICES,
+                TOK_SPLIT,
+            )
         # -- scores: latent part + rope part --
         lat = tl.load(
             kv_ptr + row[:, None] + dv_off[None, :],
             mask=mask_n[:, None] & mask_dv[None, :],
             other=0.0,
-        )  # [BLOCK_N, BLOCK_DV]: K's latent part AND V
+            eviction_policy="evict_last" if V_RELOAD else "",
+        )  # [BLOCK_N, BLOCK_DV]: K's latent part AND V (K's only with V_RELOAD)
         qk = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
         if BLOCK_DPE > 0:
             pe = tl.load(
@@ -244,7 +323,16 @@ def _mla_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat, input_precision=DOT_PRECISION)
+        if V_RELOAD:  # a second load of the same rows (L2 hit): one dot use per load
+            v = tl.load(
+                kv_ptr + row[:, None] + dv_off[None, :],
+                mask=mask_n[:, None] & mask_dv[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+        else:
+            v = lat
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # -- epilogue: normalised output and natural-log lse (-inf, zeros for an empty range) --
@@ -743,6 +831,8 @@ def plan_mla_decode(
             TOK_SPLIT=kv.tok_split,
             DIM_SPLIT=kv.dim_split,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            V_RELOAD=tiles.v_reload,
+            PREFETCH_ROWS=tiles.prefetch_rows,
         ),
         options=tiles.options,
         target=target,

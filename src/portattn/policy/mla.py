@@ -117,6 +117,12 @@ class MlaTiles:
         options: launch options of the attention kernel.
         reduce_options: launch options of the split-KV reduce kernel.
         smem_bytes: `mla_smem_bytes` of these tiles (<= the target's limit).
+        v_reload: load the latent tile a second time for PV (one shared-memory use per load,
+            so Triton's pipeliner may multi-buffer both; the reload hits L2). A bench variant;
+            the policy leaves it off until measured.
+        prefetch_rows: compute tile i+1's row offsets (its block-table loads) during tile i, so
+            the latent load's address no longer depends on a load of the same iteration and the
+            pipeliner can give it ``num_stages - 1`` buffers (bench/NOTES.md attempt 2).
     """
 
     block_h: int
@@ -128,6 +134,8 @@ class MlaTiles:
     options: LaunchOptions
     reduce_options: LaunchOptions
     smem_bytes: int
+    v_reload: bool = False
+    prefetch_rows: bool = False
 
     @property
     def head_groups(self) -> int:
