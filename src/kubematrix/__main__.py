@@ -158,6 +158,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     _clear_cell_files(cells, out)
+    commit = _git_commit()  # what is tested is what was checked out when the run began
     start = time.monotonic()
     if args.runner == "local":
         from kubematrix.local import run_local
@@ -166,7 +167,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
     else:
         results = _run_k8s(cells, out, args)
     wall = time.monotonic() - start
-    context = f"runner `{args.runner}`, commit `{_git_commit()}`, wall time {wall:.0f} s"
+    context = f"runner `{args.runner}`, commit `{commit}`, wall time {wall:.0f} s"
     files = report.write_summary(results, out, context=context)
     print()
     print(report.summary_table(results), end="")
