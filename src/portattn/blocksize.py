@@ -100,4 +100,3 @@ def select_common_block_size(
         f"{min_block_size} (and <= {max_block_size}) is supported by every participant; "
         "constraints: " + "; ".join(p.describe() for p in participants)
     )
-

@@ -2,10 +2,9 @@
 
 Layouts (``x = 16 bytes // element_size``: 8 for fp16/bf16, 4 for fp32):
 
-| layout    | key_cache                                          | value_cache                                        |
-|-----------|----------------------------------------------------|----------------------------------------------------|
-| "NHD"     | [num_blocks, block_size, num_kv_heads, head_dim]   | [num_blocks, block_size, num_kv_heads, head_dim]   |
-| "SHUFFLE" | [num_blocks, num_kv_heads, head_dim//x, block_size, x] | [num_blocks, num_kv_heads, block_size//x, head_dim, x] |
+- ``"NHD"``: key_cache and value_cache ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+- ``"SHUFFLE"``: key_cache ``[num_blocks, num_kv_heads, head_dim // x, block_size, x]``,
+  value_cache ``[num_blocks, num_kv_heads, block_size // x, head_dim, x]``.
 
 Every layout is one instance of a single addressing rule, which is what kernels receive
 (`CacheAddressing`): element (block ``b``, in-block token ``t``, head ``h``, dim ``d``) lives at
@@ -130,7 +129,9 @@ def describe_kv_cache(
     want = 4 if layout == "NHD" else 5
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
         if t.dim() != want:
-            errors.append(f"{name} must be {want}-D for layout {layout}; got shape {tuple(t.shape)}")
+            errors.append(
+                f"{name} must be {want}-D for layout {layout}; got shape {tuple(t.shape)}"
+            )
     if errors:
         raise ValueError(f"{op}: " + "; ".join(errors))
     if layout == "SHUFFLE":
@@ -177,7 +178,9 @@ def to_logical(cache: torch.Tensor, layout: str, kind: str) -> torch.Tensor:
     return cache.permute(0, 2, 4, 1, 3).reshape(nb, -1, h, cache.shape[3])
 
 
-def token_view(cache: torch.Tensor, layout: str, kind: str, block: int, offset: int) -> torch.Tensor:
+def token_view(
+    cache: torch.Tensor, layout: str, kind: str, block: int, offset: int
+) -> torch.Tensor:
     """A writable view ``[num_kv_heads, head_dim]`` (or ``[h, d/x, x]``) of one cached token.
 
     For SHUFFLE K the view is ``[num_kv_heads, head_dim // x, x]``: assign ``tok.view(h, -1, x)``.
@@ -203,18 +206,22 @@ def empty_kv_cache(
     """Contiguous, uninitialised ``(key_cache, value_cache)`` in ``layout``."""
     if layout == "NHD":
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        return (torch.empty(shape, dtype=dtype, device=device),
-                torch.empty(shape, dtype=dtype, device=device))
+        return (
+            torch.empty(shape, dtype=dtype, device=device),
+            torch.empty(shape, dtype=dtype, device=device),
+        )
     x = shuffle_x(dtype)
     if head_dim % x or block_size % x:
         raise ValueError(
             f"empty_kv_cache: SHUFFLE needs head_dim and block_size divisible by x={x}; got "
             f"head_dim={head_dim}, block_size={block_size}"
         )
-    k = torch.empty((num_blocks, num_kv_heads, head_dim // x, block_size, x), dtype=dtype,
-                    device=device)
-    v = torch.empty((num_blocks, num_kv_heads, block_size // x, head_dim, x), dtype=dtype,
-                    device=device)
+    k = torch.empty(
+        (num_blocks, num_kv_heads, head_dim // x, block_size, x), dtype=dtype, device=device
+    )
+    v = torch.empty(
+        (num_blocks, num_kv_heads, block_size // x, head_dim, x), dtype=dtype, device=device
+    )
     return k, v
 
 
@@ -250,7 +257,9 @@ def make_hybrid_cache(
 ) -> HybridCache:
     """Build a hybrid model's interleaved cache as strided views of one shared buffer."""
     if mamba_state_bytes < 0:
-        raise ValueError(f"make_hybrid_cache: mamba_state_bytes must be >= 0; got {mamba_state_bytes}")
+        raise ValueError(
+            f"make_hybrid_cache: mamba_state_bytes must be >= 0; got {mamba_state_bytes}"
+        )
     esize = torch.empty((), dtype=dtype).element_size()
     blk = block_size * num_kv_heads * head_dim
     state_elems = -(-mamba_state_bytes // esize)
@@ -269,10 +278,16 @@ def make_hybrid_cache(
                 f"got head_dim={head_dim}, block_size={block_size}"
             )
         hs = head_dim * block_size  # elements per head inside a block
-        k = buffer.as_strided((num_blocks, num_kv_heads, head_dim // x, block_size, x),
-                              (page, hs, block_size * x, x, 1), 0)
-        v = buffer.as_strided((num_blocks, num_kv_heads, block_size // x, head_dim, x),
-                              (page, hs, head_dim * x, x, 1), blk)
+        k = buffer.as_strided(
+            (num_blocks, num_kv_heads, head_dim // x, block_size, x),
+            (page, hs, block_size * x, x, 1),
+            0,
+        )
+        v = buffer.as_strided(
+            (num_blocks, num_kv_heads, block_size // x, head_dim, x),
+            (page, hs, head_dim * x, x, 1),
+            blk,
+        )
     else:
         raise ValueError(f"make_hybrid_cache: layout must be one of {LAYOUTS}; got {layout!r}")
     state = buffer.view(torch.uint8).as_strided(

@@ -148,8 +148,13 @@ def current_target(device=None) -> Target:
         if base is None:
             raise RuntimeError(f"current_target: unsupported HIP arch {arch!r}")
         return Target(
-            "hip", arch, base.warp_size, base.max_shared_mem, props.multi_processor_count,
-            base.mma_min_rows, base.max_num_stages,
+            "hip",
+            arch,
+            base.warp_size,
+            base.max_shared_mem,
+            props.multi_processor_count,
+            base.mma_min_rows,
+            base.max_num_stages,
         )
     arch = f"sm_{props.major}{props.minor}"
     base = TARGETS.get(arch)
@@ -157,8 +162,13 @@ def current_target(device=None) -> Target:
         raise RuntimeError(f"current_target: unsupported CUDA arch {arch!r}")
     smem = int(getattr(props, "shared_memory_per_block_optin", base.max_shared_mem))
     return Target(
-        "cuda", arch, base.warp_size, smem, props.multi_processor_count,
-        base.mma_min_rows, base.max_num_stages,
+        "cuda",
+        arch,
+        base.warp_size,
+        smem,
+        props.multi_processor_count,
+        base.mma_min_rows,
+        base.max_num_stages,
     )
 
 

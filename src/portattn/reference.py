@@ -64,8 +64,16 @@ def _attend(q, k, v, prefix_lens, scale, compute_dtype):
 
 
 def paged_attention(
-    query, key_cache, value_cache, block_table, seq_lens, query_start_loc, *,
-    scale=None, layout="NHD", compute_dtype=torch.float64,
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    seq_lens,
+    query_start_loc,
+    *,
+    scale=None,
+    layout="NHD",
+    compute_dtype=torch.float64,
 ):
     """Chunked-prefill + decode attention over a paged cache: ``[num_tokens, num_q_heads, d]``."""
     d = query.shape[-1]
@@ -84,7 +92,14 @@ def paged_attention(
 
 
 def mla_decode(
-    query, kv_cache, block_table, seq_lens, *, kv_lora_rank, scale, query_start_loc=None,
+    query,
+    kv_cache,
+    block_table,
+    seq_lens,
+    *,
+    kv_lora_rank,
+    scale,
+    query_start_loc=None,
     compute_dtype=torch.float64,
 ):
     """Absorbed-weight MLA: ``(out [num_tokens, num_q_heads, kv_lora_rank], lse [num_tokens, h])``.
@@ -116,6 +131,8 @@ def expand_page_indices(block_table, seq_lens, block_size):
     indptr, idx = [0], []
     for i in range(block_table.shape[0]):
         n = int(seq_lens[i])
-        idx += [int(block_table[i, t // block_size]) * block_size + t % block_size for t in range(n)]
+        idx += [
+            int(block_table[i, t // block_size]) * block_size + t % block_size for t in range(n)
+        ]
         indptr.append(len(idx))
     return torch.tensor(indptr, dtype=torch.int64), torch.tensor(idx, dtype=torch.int64)
