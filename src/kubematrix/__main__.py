@@ -142,6 +142,14 @@ def _configure_matrix(p: argparse.ArgumentParser) -> None:
         default=None,
         help="pytest-xdist workers per cell (default: the usable cores, at most 8)",
     )
+    p.add_argument(
+        "--compile-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="passed on to python -m portattn.compile (repeatable); e.g. "
+        "--compile-arg=--targets --compile-arg=sm_90,gfx942 for a quicker local run",
+    )
 
 
 def _clear_cell_files(cells: Sequence[Cell], out: Path) -> None:
@@ -163,7 +171,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
     if args.runner == "local":
         from kubematrix.local import run_local
 
-        results = run_local(cells, out, workers=args.workers)
+        results = run_local(cells, out, workers=args.workers, compile_args=args.compile_arg)
     else:
         results = _run_k8s(cells, out, args)
     wall = time.monotonic() - start
@@ -203,7 +211,9 @@ def _run_k8s(cells: Sequence[Cell], out: Path, args: argparse.Namespace) -> list
     stop = threading.Event()
     local: list[report.CellResult] = []
     thread = threading.Thread(
-        target=lambda: local.extend(run_local(cpu, out, workers=args.workers, stop=stop)),
+        target=lambda: local.extend(
+            run_local(cpu, out, workers=args.workers, stop=stop, compile_args=args.compile_arg)
+        ),
         name="kubematrix-local",
     )
     if cpu:

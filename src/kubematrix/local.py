@@ -49,10 +49,21 @@ def default_workers() -> int:
     return max(1, min(cores, 8))
 
 
-def cell_command(cell: Cell, results_dir: Path, workers: int) -> list[str]:
-    """The subprocess that runs ``cell`` here (in the current Python environment)."""
+def cell_command(
+    cell: Cell, results_dir: Path, workers: int, compile_args: Sequence[str] = ()
+) -> list[str]:
+    """The subprocess that runs ``cell`` here (in the current Python environment).
+
+    ``compile_args`` go to the compile module after the cell's own (e.g. ``--targets``).
+    """
     if cell.suite == "compile":
-        return [sys.executable, "-m", COMPILE_MODULE, *cell.compile_args(results_dir)]
+        return [
+            sys.executable,
+            "-m",
+            COMPILE_MODULE,
+            *cell.compile_args(results_dir),
+            *compile_args,
+        ]
     xdist = ["-n", str(workers)] if workers > 1 else []
     return [
         sys.executable,
@@ -125,6 +136,7 @@ def run_cell(
     heartbeat: float = HEARTBEAT_SECONDS,
     cwd: str | os.PathLike[str] | None = None,
     stop: threading.Event | None = None,
+    compile_args: Sequence[str] = (),
 ) -> CellResult:
     """Run one cell to completion (or its timeout) and return its result.
 
@@ -136,7 +148,7 @@ def run_cell(
     env = {**os.environ, **cell.env}
     if cell.spec.is_gpu:  # a GPU cell runs on the device even from a shell that exported it
         env.pop("TRITON_INTERPRET", None)
-    cmd = cell_command(cell, results_dir, workers)
+    cmd = cell_command(cell, results_dir, workers, compile_args)
     start = time.monotonic()
     deadline = start + cell.timeout_minutes * 60
     last_said = start
@@ -206,6 +218,7 @@ def run_local(
     stream: TextIO | None = None,
     cwd: str | os.PathLike[str] | None = None,
     stop: threading.Event | None = None,
+    compile_args: Sequence[str] = (),
 ) -> list[CellResult]:
     """Run every cell the local machine can run; the others become ``not run`` with the reason.
 
@@ -241,7 +254,15 @@ def run_local(
             say(f"[{index}/{len(runnable)}] {cell.name} ...")
             started = time.monotonic()
             try:
-                result = run_cell(cell, out, workers=workers, say=say, cwd=cwd, stop=stop)
+                result = run_cell(
+                    cell,
+                    out,
+                    workers=workers,
+                    say=say,
+                    cwd=cwd,
+                    stop=stop,
+                    compile_args=compile_args,
+                )
             except KeyboardInterrupt:
                 interrupted = True
                 elapsed = time.monotonic() - started

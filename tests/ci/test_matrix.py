@@ -16,7 +16,7 @@ from nox.project import load_toml  # tomllib is 3.11+; the project supports 3.10
 
 from kubematrix import matrix, report
 from kubematrix.__main__ import main
-from kubematrix.local import run_local
+from kubematrix.local import cell_command, run_local
 from kubematrix.matrix import BACKENDS, SUITES, Host, all_cells, get_cell, select_cells
 
 pytestmark = pytest.mark.ci
@@ -250,3 +250,10 @@ def test_stopping_the_runner_stops_the_cell_and_skips_the_rest(tmp_path, toy_pro
     assert time.monotonic() - start < 30  # the 120 s test was killed, not waited for
     assert (hung.status, hung.reason) == ("error", "interrupted")
     assert (rest.status, rest.reason) == ("not run", "interrupted before it started")
+
+
+def test_compile_args_reach_the_compile_module():
+    cmd = cell_command(
+        get_cell("compile-cpu-interpreter"), Path("r"), 2, ["--targets", "sm_90,gfx942"]
+    )
+    assert cmd[1:] == ["-m", "portattn.compile", "--out", "r/compile", "--targets", "sm_90,gfx942"]
