@@ -47,7 +47,7 @@ EXACT = [
     (
         "sm_90",
         _problem(),
-        PagedTiles(16, 4, 4, 64, 128, LaunchOptions(4, 3), 98304 + 4096 + 2048),
+        PagedTiles(16, 4, 4, 64, 128, LaunchOptions(4, 2), 65536 + 4096 + 2048),
     ),
     (
         "gfx942",
@@ -59,7 +59,7 @@ EXACT = [
     (
         "sm_90",  # wide 128 x 64: 8-warp registers (16384 + 8192 + 4096) / 256 = 112 <= 112
         _problem(max_query_len=512, block_size=2048),
-        PagedTiles(128, 32, 4, 64, 128, LaunchOptions(8, 3), 98304 + 32768 + 16384, DEC_4x4),
+        PagedTiles(128, 32, 4, 64, 128, LaunchOptions(8, 2), 65536 + 32768 + 16384, DEC_4x4),
     ),
     (
         "sm_86",  # wide at 2 stages is 114688 B > 101376 B; 64 rows, 3 stages (122880 B) neither
@@ -75,7 +75,7 @@ EXACT = [
     (
         "sm_90",
         _problem(num_seqs=4, max_seq_len=16384),
-        PagedTiles(16, 4, 4, 64, 128, LaunchOptions(4, 3), 98304 + 4096 + 2048, num_splits=16),
+        PagedTiles(16, 4, 4, 64, 128, LaunchOptions(4, 2), 65536 + 4096 + 2048, num_splits=16),
     ),
     # head_dim 256 in fp32, GQA 5:1 on the 64 KB LDS part: only 16 x 16, one stage fits
     (
@@ -87,14 +87,14 @@ EXACT = [
         "sm_90",  # not wide (8-warp registers 128 > 112); block_n 32 would be 104 > 96 at 8 warps
         _problem(num_q_heads=40, head_dim=256, elem_bytes=4, max_query_len=64, block_size=544),
         PagedTiles(
-            64, 12, 5, 16, 256, LaunchOptions(8, 3), 98304 + 65536 + 4096, RowTile(16, 3, 5)
+            64, 12, 5, 16, 256, LaunchOptions(8, 2), 65536 + 65536 + 4096, RowTile(16, 3, 5)
         ),
     ),
     # MQA with 128 heads: one wide program holds the whole group (K/V read once, not twice)
     (
         "sm_90",
         _problem(num_q_heads=128, num_kv_heads=1, head_dim=64),
-        PagedTiles(128, 1, 128, 64, 64, LaunchOptions(8, 3), 49152 + 16384 + 16384),
+        PagedTiles(128, 1, 128, 64, 64, LaunchOptions(8, 2), 32768 + 16384 + 16384),
     ),
     (
         "gfx950",  # fits the wide tile's memory, but MFMA keeps Q in registers: 64 heads each

@@ -77,8 +77,11 @@ WIDE_MAX_REGS = 112
 # Context-token tiles tried, largest first. 64 keeps the two dots square-ish at head_dim 64-128;
 # 16 is the floor of tl.dot's K dimension (the P @ V dot reduces over block_n).
 BLOCK_N_LADDER = (64, 32, 16)
-# Pipelining depth asked for before the target caps it (HIP targets cap at 2).
-PREFERRED_STAGES = 3
+# Pipelining depth asked for before the target caps it (HIP targets cap at 2). Measured on an
+# H200 (bench/sweep_paged.py, bench/RESULTS.md 2026-11-22): decode 64x4k, M16 N64 w4: 2 stages
+# 249.6 us, 3 stages 348.3 us; mixed batch, wide tile: N128 w8 s2 652 us, N64 w8 s3 794 us. The
+# wide tile at 4 warps measured 645 us but spills 240-1100 B in the compile matrix, so it keeps 8.
+PREFERRED_STAGES = 2
 # Warps per program: the smaller count unless the register budget needs the larger.
 NUM_WARPS = (4, 8)
 MAX_REGS_PER_THREAD = 64
