@@ -67,6 +67,11 @@ PROGRAMS_PER_SM_NARROW = 8
 PROGRAMS_PER_SM_WIDE = 2
 #: Heads per program of the wide tile (CUDA, num_heads >= this).
 WIDE_BLOCK_H = 64
+#: Where the 64-head tile is taken: the NVIDIA parts whose compile matrix cells fit it. sm_100's
+#: compile of the same tile uses 352816 B of shared memory (its MMA path stages operands
+#: differently from the estimate), over the 232448 B limit; 99 KB parts cannot hold it; HIP has no
+#: register calibration yet.
+WIDE_ARCHS = ("sm_80", "sm_90")
 #: Warps of the wide tile (its 64 x 512 fp32 accumulator is 128 registers/thread at 8 warps).
 WIDE_NUM_WARPS = 8
 #: Per-thread 32-bit register estimate allowed (`mla_reg_estimate`; calibrated on sm_90).
@@ -80,6 +85,8 @@ NUM_WARPS = 4
 #: The deepest pipeline the policy asks for (a target may cap it lower): 3 stages measured slower
 #: than 2 on sm_90 (more registers, no extra shared memory: the gather is not multi-buffered).
 MAX_STAGES = 2
+#: Pipeline depth of the narrow NVIDIA tile when it prefetches block-table rows (see below).
+PREFETCH_STAGES = 3
 
 
 @dataclass(frozen=True)
@@ -218,7 +225,7 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         return smem if regs <= REG_BUDGET and smem <= target.max_shared_mem else None
 
     choice = None
-    if not target.is_hip and problem.num_heads >= WIDE_BLOCK_H:
+    if target.arch in WIDE_ARCHS and problem.num_heads >= WIDE_BLOCK_H:
         for block_n in BLOCK_N_CANDIDATES:
             smem = fits(WIDE_BLOCK_H, block_n, top, WIDE_NUM_WARPS)
             if smem is not None and block_n >= 32:
@@ -251,6 +258,15 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
             "dtype"
         )
     block_h, block_n, stages, warps, smem, per_sm = choice
+    # Narrow NVIDIA tiles prefetch the next tile's block-table rows, which lets Triton give the
+    # latent tile PREFETCH_STAGES - 1 shared-memory buffers (bench/NOTES.md attempt 2). Measured on
+    # an H200, 16 heads, batch 64: 4k 137.1 -> 124.5 us, 16k 456.8 -> 408.2 us (N32 w4 x16).
+    # Taken where the 3-stage estimate fits both budgets (not on 99 KB parts at N32: 110592 B).
+    prefetch = False
+    if not target.is_hip and block_h < WIDE_BLOCK_H and stages >= 2:
+        deeper = fits(block_h, block_n, PREFETCH_STAGES, warps)
+        if deeper is not None and PREFETCH_STAGES <= target.max_num_stages:
+            stages, smem, prefetch = PREFETCH_STAGES, deeper, True
     padded_heads = -(-problem.num_heads // block_h) * block_h
     splits = mla_num_kv_splits(
         target, problem.num_tokens, padded_heads // block_h, problem.max_context, per_sm
@@ -265,4 +281,5 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         options=launch_options(target, warps, stages),
         reduce_options=launch_options(target, NUM_WARPS, 1),
         smem_bytes=smem,
+        prefetch_rows=prefetch,
     )
