@@ -32,7 +32,8 @@ def problem(dk=576, r=512, heads=16, elem=2, tokens=64, context=4096) -> MlaProb
 
 # arch, (dk, r) -> (block_n, num_stages, smem_bytes, num_kv_splits[, prefetch_rows]) for 16 heads,
 # 64 tokens, 4k context; BLOCK_H 16, 4 warps everywhere. NVIDIA tiles whose 3-stage estimate fits
-# prefetch block-table rows at 3 stages (99 KB parts at N32 do not: 110592 B + q tiles). Splits: floor(8 * SMs / 64) on CUDA (<= 4096 / 256 =
+# prefetch block-table rows at 3 stages (99 KB parts at N32 do not: 110592 B + q tiles).
+# Splits: floor(8 * SMs / 64) on CUDA (<= 4096 / 256 =
 # 16), floor(2 * CUs / 64) on HIP.
 EXPECTED = {
     ("sm_90", 576, 512): (32, 3, 130048, 16, True),  # N64 spills (register estimate 208 > 200)

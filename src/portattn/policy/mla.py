@@ -34,7 +34,7 @@ stages and 215.5 us for N64 s2 w4, which spills). Worked numbers for 576/512 bf1
 Tiles, wide (CUDA, ``num_heads >= WIDE_BLOCK_H``): ``BLOCK_H 64``, 8 warps, BLOCK_N 64 (else 32)
 at 2 stages. One program reads the latent once for 64 heads instead of 16 (4x fewer bytes) and
 its dots have M = 64 (the warpgroup MMA shape). Sweep: 128 heads, 4k: H64 N64 s2 w8 x2 357.5 us
-against 858.9 us for H16; 16k: 1322 us against 3405 us. sm_90 / sm_100: N64 = 229376 B of 232448
+against 858.9 us for H16; 16k: 1322 us against 3405 us. sm_90: N64 = 229376 B of 232448
 B; sm_80: N32 = 151552 B; the 99 KB parts do not fit it and stay narrow. HIP stays narrow (the
 register calibration is NVIDIA's; no AMD measurement yet).
 
@@ -265,7 +265,7 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     prefetch = False
     if not target.is_hip and block_h < WIDE_BLOCK_H and stages >= 2:
         deeper = fits(block_h, block_n, PREFETCH_STAGES, warps)
-        if deeper is not None and PREFETCH_STAGES <= target.max_num_stages:
+        if deeper is not None and target.max_num_stages >= PREFETCH_STAGES:
             stages, smem, prefetch = PREFETCH_STAGES, deeper, True
     padded_heads = -(-problem.num_heads // block_h) * block_h
     splits = mla_num_kv_splits(
