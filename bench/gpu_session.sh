@@ -11,10 +11,12 @@ git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
 if [[ $what == tests || $what == all ]]; then
   # kernels, MLA metadata, hybrid and specdec suites; the CI layer (tests/ci) needs no GPU
   python3 -m pytest -m gpu -n 4 -q -p no:cacheprovider --junitxml="$OUT/gpu-junit.xml" \
-    tests/kernels tests/test_mla_metadata.py tests/hybrid tests/specdec 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
+    tests/kernels tests/test_mla_metadata.py tests/hybrid tests/specdec > "$OUT/gpu-tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | tail -25
 fi
 if [[ $what == bench || $what == all ]]; then
-  [[ -f bench/compile_vs_device.py ]] && python3 bench/compile_vs_device.py 2>&1 | tail -30 | tee "$OUT/compile_vs_device.log"
-  python3 bench/bench_mla.py 2>&1 | tail -30 | tee "$OUT/bench_mla.log"
-  python3 bench/bench_paged.py 2>&1 | tail -30 | tee "$OUT/bench_paged.log"
+  python3 bench/compile_vs_device.py --cpu-json bench/compile_vs_device_cpu.json 2>&1 | tail -14 | tee "$OUT/compile_vs_device.log"
+  python3 bench/bench_mla.py > "$OUT/bench_mla.log" 2>&1; sed -n '/^== summary/,$p' "$OUT/bench_mla.log"
+  python3 bench/bench_paged.py > "$OUT/bench_paged.log" 2>&1; sed -n '/^== summary/,$p' "$OUT/bench_paged.log"
+  python3 bench/bench_cache.py > "$OUT/bench_cache.log" 2>&1; sed -n '/^== summary/,$p' "$OUT/bench_cache.log"
 fi
