@@ -830,7 +830,10 @@ def plan_mla_decode(
             RETURN_LSE=return_lse,
             TOK_SPLIT=kv.tok_split,
             DIM_SPLIT=kv.dim_split,
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            # "ieee" for every dtype: it only matters for fp32 operands (exact fp32 products,
+            # like the paged kernel), and gfx90a/gfx950 reject "tf32" even for 16-bit operands
+            # (compile matrix: 38 MLA cells failed with it).
+            DOT_PRECISION="ieee",
             V_RELOAD=tiles.v_reload,
             PREFETCH_ROWS=tiles.prefetch_rows,
         ),
