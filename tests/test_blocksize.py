@@ -148,3 +148,11 @@ def test_registry_errors(monkeypatch):
         ValueError, match="nhd_only supports no block size that is a multiple of x=8"
     ):
         supported_block_sizes("nhd_only", layout="SHUFFLE")
+
+
+def test_every_public_op_declares_its_block_sizes():
+    """The draft (paged attention) and target (MLA) of speculative decoding can negotiate."""
+    draft, target = participant("paged_attention"), participant("mla_decode")
+    assert select_common_block_size(draft, target, min_block_size=544) == 544
+    shuffle = supported_block_sizes("paged_attention", layout="SHUFFLE", dtype=torch.float16)
+    assert shuffle == (MultipleOf(8),)

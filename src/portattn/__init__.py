@@ -7,6 +7,7 @@ from portattn.blocksize import MultipleOf, Participant, select_common_block_size
 from portattn.kernels.kv_cache import gather_kv_cache, write_kv_cache
 from portattn.kernels.mla_decode import mla_decode
 from portattn.kernels.page_indices import expand_page_indices
+from portattn.kernels.paged_attention import paged_attention
 from portattn.ops_registry import participant, supported_block_sizes
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "gather_kv_cache",
     "expand_page_indices",
     "mla_decode",
+    "paged_attention",
     "supported_block_sizes",
     "participant",
 ]

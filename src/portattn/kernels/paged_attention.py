@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from portattn.blocksize import BlockSizeRule, MultipleOf
 from portattn.kernels._launch import Launch, run_all
 from portattn.layout import CacheAddressing, describe_kv_cache
 from portattn.platform import Target, target_for_tensor
@@ -56,6 +57,9 @@ from portattn.policy.common import launch_options
 from portattn.policy.paged import MAX_HEAD_DIM, PagedProblem, PagedTiles, paged_tiles
 
 OP = "paged_attention"
+# Any block size: the context tile is policy, blocks and in-block offsets are addressed separately
+# (lesson 3). SHUFFLE V additionally needs block_size % x == 0 (ops_registry applies it).
+SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
