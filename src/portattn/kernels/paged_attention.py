@@ -701,6 +701,7 @@ def plan_paged_attention(
         block_size=k.block_size,
         num_seqs=num_seqs,
         max_seq_len=msl if msl else None,
+        shuffled=layout == "SHUFFLE",
     )
     if tiles is None:
         tiles = paged_tiles(target, problem)

@@ -43,7 +43,19 @@ Register budget (`estimate_registers`, 32-bit registers per thread): the fp32 ac
 The threshold is the compile matrix's finding: 4-warp tiles estimated at 68 compile without
 spills, at 76 (gfx942) and 104-128 (sm_86/sm_90) they spill; at 8 warps those do not. Past
 `MAX_REGS_8_WARPS` at 8 warps (head_dim 256, block_n 64: 112) the ladder moves to a narrower
-``block_n`` (the wide tile has its own bound, `WIDE_MAX_REGS`).
+``block_n`` (the wide tile has its own bound, `WIDE_MAX_REGS`). That 8-warp bound is a budget of
+words per program (`MAX_WORDS_8_WARPS`, 96 x 8 x 32): a 64-lane wavefront spreads the tiles over
+twice the threads but does not hold twice the live values (gfx950, below).
+
+SHUFFLE caches (``PagedProblem.shuffled``) add `SHUFFLE_ADDR_WORDS` (1) word per element of the
+gathered K/V tile (``block_n * block_d``): the split (token // x, token % x, dim // x, dim % x)
+in-block offsets are per-element values the compiler does not fold into a row + column broadcast
+as it does for NHD, and SHUFFLE runs the masked loop only, whose per-element masks stay live too.
+Without the term the compile matrix spilled on SHUFFLE only: gfx950 head_dim 128 prefill (64 x 64,
+4 warps: 87-91 VGPRs), head_dim 256 decode (16 x 64, 4 warps: 174-176) and prefill (64 x 32,
+8 warps: 20-27); sm_90/sm_100 head_dim 128 MHA decode (16 x 64, 4 warps: 20 B); sm_80 head_dim 256
+GQA 5:1 prefill (64 x 32, 8 warps: 32 B). With it those take 8 warps or block_n 16 and compile
+clean (numbers at the constants). SHUFFLE never takes the wide tile (`_wide_fits`).
 
 The policy walks a preference ladder (largest ``block_n`` first, then deeper pipelines, then smaller
 ``block_m``) and takes the first rung whose estimate fits ``target.max_shared_mem``. The last rung,
@@ -74,6 +86,9 @@ WIDE_TILE_ARCHS = ("sm_90", "sm_100")
 # 8-warp register estimate up to which the wide tile is taken: 112 is head_dim 128 in 16-bit
 # ((128*128 + 128*64 + 64*128*2/4) / 256); head_dim 256 (192) or fp32 at 128 (128) stay at 64 rows.
 WIDE_MAX_REGS = 112
+# SHUFFLE caches never take it: with their address words (`SHUFFLE_ADDR_WORDS`) sm_100 hd64 GQA 8:1
+# spilled 24 B at 128 x 64 x 8 warps (estimate 80) while 64 x 64 x 8 warps compiles at 101 regs,
+# 0 B; the wide tile was measured (H200) on NHD only.
 # Context-token tiles tried, largest first. 64 keeps the two dots square-ish at head_dim 64-128;
 # 16 is the floor of tl.dot's K dimension (the P @ V dot reduces over block_n).
 BLOCK_N_LADDER = (64, 32, 16)
@@ -88,6 +103,21 @@ MAX_REGS_PER_THREAD = 64
 # The 8-warp estimate a (non-wide) tile may reach: 64-row tiles at head_dim 256 with block_n 64
 # (112) spilled 76-644 B on sm_90 in the compile matrix; block_n 32 (88) does not.
 MAX_REGS_8_WARPS = 96
+# The same bound in words per program (96 x 8 warps x 32 lanes = 24576), what the ladder checks so
+# that 64-lane wavefronts get the budget NVIDIA measured, not twice it: gfx950 head_dim 256
+# SHUFFLE prefill at 64 x 32 (30720 words, 60 per thread of 512) spilled 20-27 VGPRs at 8 warps;
+# 64 x 16 (27648 words; block_n 16 is always allowed) compiles at 177 VGPRs, no spills. The NHD
+# choices of the compile matrix are unchanged (gfx950 head_dim 256 NHD, 64 x 32: 22528 words).
+MAX_WORDS_8_WARPS = MAX_REGS_8_WARPS * 8 * 32
+# Extra words per gathered K/V element on SHUFFLE caches (module docstring): its in-block offset
+# (32-bit, see the kernel's gather) built from the token/dim div-mod split, plus its mask. Compile
+# evidence (Triton 3.6, spills before -> after this term): sm_90/sm_100 hd128 MHA decode 16 x 64:
+# 4-warp estimate 56 -> 120, 4 warps 20 B -> 8 warps 188 regs, 0 B; gfx950 hd128 prefill 64 x 64:
+# 64 -> 96, 4 warps 87-91 VGPRs -> 8 warps 226 VGPRs, 0; gfx950 hd256 decode 16 x 64 (29696 words
+# > 24576): 4 warps 174-176 VGPRs -> 16 x 32, 8 warps 159 VGPRs, 0; gfx950 hd256 prefill 64 x 32
+# (30720 words): 8 warps 20-27 VGPRs -> 64 x 16 177 VGPRs, 0; sm_80 hd256 GQA 5:1 prefill 64 x 32
+# (88 -> 120 > 96 per thread): 32 B -> 64 x 16, 255 regs, 0 B.
+SHUFFLE_ADDR_WORDS = 1
 # Split-KV: the fewest context tokens one split walks (shorter splits cost more in the reduce and
 # in per-program set-up than they win in parallelism), the most splits, and how many programs per
 # multiprocessor a split grid aims for (2: one program's gathers overlap the other's math).
@@ -111,6 +141,8 @@ class PagedProblem:
         num_seqs: sequences in the batch (split-KV sizing).
         max_seq_len: the longest ``seq_lens[i]`` (split-KV sizing); ``None`` when unknown, which
             means no split.
+        shuffled: the KV cache is in the SHUFFLE layout (split token/dim addressing): the register
+            estimate counts its per-element offsets and the wide tile is not taken.
     """
 
     num_q_heads: int
@@ -121,6 +153,7 @@ class PagedProblem:
     block_size: int = 16
     num_seqs: int = 1
     max_seq_len: int | None = None
+    shuffled: bool = False
 
     @property
     def group(self) -> int:
@@ -193,24 +226,52 @@ def estimate_shared_mem(
     return kv + q + p
 
 
+def estimate_words(
+    block_m: int, block_n: int, block_d: int, elem_bytes: int, shuffled: bool = False
+) -> int:
+    """32-bit words of live tile values per program (see module docstring).
+
+    ``block_m*block_d + block_m*block_n + block_n*block_d*e/4``, plus
+    ``SHUFFLE_ADDR_WORDS * block_n*block_d`` on SHUFFLE caches.
+
+    Example: gfx950, head_dim 256, fp16, 64 x 32, SHUFFLE ->
+    ``16384 + 2048 + 4096 + 8192 = 30720 > MAX_WORDS_8_WARPS (24576)``, so block_n 16.
+    """
+    words = block_m * block_d + block_m * block_n + block_n * block_d * elem_bytes // 4
+    if shuffled:
+        words += SHUFFLE_ADDR_WORDS * block_n * block_d
+    return words
+
+
 def estimate_registers(
-    block_m: int, block_n: int, block_d: int, elem_bytes: int, num_warps: int, warp_size: int
+    block_m: int,
+    block_n: int,
+    block_d: int,
+    elem_bytes: int,
+    num_warps: int,
+    warp_size: int,
+    shuffled: bool = False,
 ) -> int:
     """32-bit registers per thread for the big tiles (see module docstring), rounded up.
 
-    ``(block_m*block_d + block_m*block_n + block_n*block_d*e/4) / (num_warps*warp_size)``.
+    `estimate_words` over ``num_warps * warp_size`` threads.
 
     Example: sm_90, head_dim 128, fp16, block_m 64, block_n 64, 4 warps ->
-    ``(8192 + 4096 + 4096) / 128 = 128 > 64``, so 8 warps (64).
+    ``(8192 + 4096 + 4096) / 128 = 128 > 64``, so 8 warps (64). The same tile on a SHUFFLE cache:
+    ``(8192 + 4096 + 4096 + 8192) / 128 = 192`` at 4 warps, 96 at 8.
     """
-    words = block_m * block_d + block_m * block_n + block_n * block_d * elem_bytes // 4
+    words = estimate_words(block_m, block_n, block_d, elem_bytes, shuffled)
     threads = num_warps * warp_size
     return -(-words // threads)
 
 
-def _num_warps(target: Target, block_m: int, block_n: int, block_d: int, elem_bytes: int) -> int:
+def _num_warps(
+    target: Target, block_m: int, block_n: int, block_d: int, elem_bytes: int, shuffled: bool
+) -> int:
     for warps in NUM_WARPS:
-        regs = estimate_registers(block_m, block_n, block_d, elem_bytes, warps, target.warp_size)
+        regs = estimate_registers(
+            block_m, block_n, block_d, elem_bytes, warps, target.warp_size, shuffled
+        )
         if regs <= MAX_REGS_PER_THREAD:
             return warps
     return NUM_WARPS[-1]
@@ -260,13 +321,15 @@ def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
     Rules:
       * ``block_d = max(16, next_pow2(head_dim))`` (masked beyond head_dim).
       * rows = ``max_query_len * group``. With >= 128 rows, the wide tile (128 x 64, 8 warps) if
-        the target holds it (module docstring). Otherwise ``block_m``: enough rows for
-        ``max_query_len`` tokens of the whole GQA group, at least ``target.mma_min_rows`` and 16,
-        at most 64. ``head_tile = min(group, block_m)``, ``block_q = block_m // head_tile``
-        (decode with GQA 8:1 -> 16 rows, 8 heads, 2 tokens).
-      * ``(block_n, num_stages)`` from `_ladder`, first that fits the shared-memory budget;
+        the target holds it and the cache is not SHUFFLE (module docstring). Otherwise
+        ``block_m``: enough rows for ``max_query_len`` tokens of the whole GQA group, at least
+        ``target.mma_min_rows`` and 16, at most 64. ``head_tile = min(group, block_m)``,
+        ``block_q = block_m // head_tile`` (decode with GQA 8:1 -> 16 rows, 8 heads, 2 tokens).
+      * ``(block_n, num_stages)`` from `_ladder`, first that fits the shared-memory budget and
+        `estimate_words` <= `MAX_WORDS_8_WARPS` (block_n 16 always passes the latter);
         if none fits, ``block_m`` halves (down to 16) and the ladder is walked again.
-      * ``num_warps`` 4, or 8 where `estimate_registers` at 4 exceeds 64.
+      * ``num_warps`` 4, or 8 where `estimate_registers` at 4 exceeds 64 (both estimates count
+        the SHUFFLE address words when ``shuffled``).
       * ``decode``: the row tile a ``max_query_len == 1`` problem would get, when it differs from
         the chosen one and ``max_query_len`` exceeds its ``block_q`` (mixed batches).
       * ``num_splits`` from `split_count`.
@@ -296,7 +359,8 @@ def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
     block_d = max(MIN_DOT_DIM, next_pow2(p.head_dim))
     tiles = _main_tiles(target, p, block_d)
     if p.max_query_len > 1:
-        dec = _rows(_block_m(target, p.group, block_d, p.elem_bytes, tiles.block_m), p.group)
+        dec_m = _block_m(target, p.group, block_d, p.elem_bytes, tiles.block_m, p.shuffled)
+        dec = _rows(dec_m, p.group)
         main = RowTile(tiles.block_m, tiles.block_q, tiles.head_tile)
         if dec != main and p.max_query_len > dec.block_q:
             tiles = replace(tiles, decode=dec)
@@ -304,10 +368,13 @@ def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
     return replace(tiles, num_splits=splits) if splits > 1 else tiles
 
 
-def _block_m(target: Target, rows: int, block_d: int, elem_bytes: int, cap: int) -> int:
+def _block_m(
+    target: Target, rows: int, block_d: int, elem_bytes: int, cap: int, shuffled: bool
+) -> int:
     """The M tile for ``rows`` rows of work before the budget: wide, or 16..64 (<= ``cap``)."""
     min_m = max(MIN_DOT_DIM, target.mma_min_rows)
-    if rows >= WIDE_BLOCK_M and cap >= WIDE_BLOCK_M and _wide_fits(target, block_d, elem_bytes):
+    wide = not shuffled and _wide_fits(target, block_d, elem_bytes)
+    if rows >= WIDE_BLOCK_M and cap >= WIDE_BLOCK_M and wide:
         return WIDE_BLOCK_M
     return min(MAX_BLOCK_M, cap, max(min_m, next_pow2(rows)))
 
@@ -325,7 +392,8 @@ def _wide_fits(target: Target, block_d: int, elem_bytes: int) -> bool:
 
 def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
     min_m = max(MIN_DOT_DIM, target.mma_min_rows)
-    block_m = _block_m(target, p.max_query_len * p.group, block_d, p.elem_bytes, WIDE_BLOCK_M)
+    rows = p.max_query_len * p.group
+    block_m = _block_m(target, rows, block_d, p.elem_bytes, WIDE_BLOCK_M, p.shuffled)
     max_stages = max(1, min(PREFERRED_STAGES, target.max_num_stages))
     while True:
         ladder = _ladder(max_stages)
@@ -333,15 +401,15 @@ def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
             ladder = [(n, s) for n, s in ladder if n == WIDE_BLOCK_N and s >= 2]
         for block_n, stages in ladder:
             smem = estimate_shared_mem(block_m, block_n, block_d, p.elem_bytes, stages)
-            regs8 = estimate_registers(block_m, block_n, block_d, p.elem_bytes, 8, target.warp_size)
-            fits_regs = block_m == WIDE_BLOCK_M or regs8 <= MAX_REGS_8_WARPS or block_n == 16
+            words = estimate_words(block_m, block_n, block_d, p.elem_bytes, p.shuffled)
+            fits_regs = block_m == WIDE_BLOCK_M or words <= MAX_WORDS_8_WARPS or block_n == 16
             if smem <= target.max_shared_mem and fits_regs:
-                rows = _rows(block_m, p.group)
-                warps = _num_warps(target, block_m, block_n, block_d, p.elem_bytes)
+                row_tile = _rows(block_m, p.group)
+                warps = _num_warps(target, block_m, block_n, block_d, p.elem_bytes, p.shuffled)
                 return PagedTiles(
                     block_m=block_m,
-                    block_q=rows.block_q,
-                    head_tile=rows.head_tile,
+                    block_q=row_tile.block_q,
+                    head_tile=row_tile.head_tile,
                     block_n=block_n,
                     block_d=block_d,
                     options=launch_options(target, warps, stages),
