@@ -10,6 +10,8 @@ from portattn.platform import TARGETS, get_target
 from portattn.policy.common import LaunchOptions
 from portattn.policy.paged import (
     MAX_REGS_8_WARPS,
+    MAX_WORDS_8_WARPS,
+    SHUFFLE_ADDR_WORDS,
     WIDE_MAX_REGS,
     WIDE_TILE_ARCHS,
     PagedProblem,
@@ -17,6 +19,7 @@ from portattn.policy.paged import (
     RowTile,
     estimate_registers,
     estimate_shared_mem,
+    estimate_words,
     paged_tiles,
     split_count,
 )
@@ -29,6 +32,7 @@ GQA = ((8, 8), (10, 2), (32, 4), (8, 1), (128, 1))  # 1:1, 5:1, 8:1, 8:1 MQA, 12
 ELEM_BYTES = (2, 4)  # fp16/bf16, fp32
 MAX_QUERY_LENS = (1, 6, 512)
 DEC_4x4 = RowTile(16, 4, 4)  # decode row tile of GQA 4:1: 4 tokens x 4 heads
+SHUFFLED = (False, True)  # KV cache layout NHD / SHUFFLE
 
 
 def _problem(**kw) -> PagedProblem:
@@ -112,6 +116,62 @@ EXACT = [
         _problem(num_q_heads=8, num_kv_heads=8, head_dim=80, max_query_len=6),
         PagedTiles(16, 16, 1, 64, 128, LaunchOptions(4, 2), 65536 + 4096 + 2048),
     ),
+    # SHUFFLE caches: + SHUFFLE_ADDR_WORDS * block_n * block_d words in the register estimate,
+    # at most MAX_WORDS_8_WARPS (24576) words per program below block_n 16, never the wide tile.
+    # MHA decode, head_dim 128: 4 warps (2048 + 1024 + 4096 + 8192) / 128 = 120 > 64 -> 8 warps
+    # (NHD: 56, 4 warps; SHUFFLE at 4 warps spilled 20 B on sm_90/sm_100)
+    (
+        "sm_90",
+        _problem(num_q_heads=8, head_dim=128, shuffled=True),
+        PagedTiles(16, 16, 1, 64, 128, LaunchOptions(8, 2), 65536 + 4096 + 2048),
+    ),
+    (
+        "gfx950",  # 64 lanes: 15360 / 256 = 60 <= 64 -> 4 warps (236 VGPRs, no spills)
+        _problem(num_q_heads=8, head_dim=128, shuffled=True),
+        PagedTiles(16, 16, 1, 64, 128, LaunchOptions(4, 2, 2), 65536 + 4096 + 2048),
+    ),
+    # GQA 4:1 decode, head_dim 256: block_n 64 is 4096 + 1024 + 8192 + 16384 = 29696 words >
+    # 24576 -> block_n 32 (16896 words); 4 warps 132 (sm_90) / 66 (gfx950) > 64 -> 8 warps
+    (
+        "sm_90",
+        _problem(head_dim=256, shuffled=True),
+        PagedTiles(16, 4, 4, 32, 256, LaunchOptions(8, 2), 65536 + 8192 + 1024),
+    ),
+    (
+        "gfx950",  # was 16 x 64 x 4 warps: 174-176 VGPRs spilled
+        _problem(head_dim=256, shuffled=True),
+        PagedTiles(16, 4, 4, 32, 256, LaunchOptions(8, 2, 2), 65536 + 8192 + 1024),
+    ),
+    # prefill chunk, GQA 5:1, head_dim 256: 64 x 32 is 16384 + 2048 + 4096 + 8192 = 30720 words
+    # > 24576 -> 64 x 16 (NHD: 64 x 32, 22528 words)
+    (
+        "sm_80",  # was 64 x 32 x 8 warps: 32 B spilled
+        _problem(num_q_heads=40, head_dim=256, max_query_len=512, shuffled=True),
+        PagedTiles(
+            64, 12, 5, 16, 256, LaunchOptions(8, 2), 32768 + 32768 + 2048, RowTile(16, 3, 5)
+        ),
+    ),
+    (
+        "gfx950",  # was 64 x 32 x 8 warps: 20-27 VGPRs spilled
+        _problem(num_q_heads=40, head_dim=256, max_query_len=512, shuffled=True),
+        PagedTiles(
+            64, 12, 5, 16, 256, LaunchOptions(8, 2, 2), 32768 + 32768 + 2048, RowTile(16, 3, 5)
+        ),
+    ),
+    # GQA 8:1 prefill, head_dim 64: NHD takes the wide tile on sm_100, SHUFFLE 64 rows (the wide
+    # SHUFFLE tile spilled 24 B there); 4 warps (4096 + 4096 + 2048 + 4096) / 128 = 112 -> 8
+    (
+        "sm_100",
+        _problem(num_q_heads=64, head_dim=64, max_query_len=512),
+        PagedTiles(
+            128, 16, 8, 64, 64, LaunchOptions(8, 2), 32768 + 16384 + 16384, RowTile(16, 2, 8)
+        ),
+    ),
+    (
+        "sm_100",
+        _problem(num_q_heads=64, head_dim=64, max_query_len=512, shuffled=True),
+        PagedTiles(64, 8, 8, 64, 64, LaunchOptions(8, 2), 32768 + 8192 + 8192, RowTile(16, 2, 8)),
+    ),
 ]
 
 
@@ -145,8 +205,8 @@ def test_block_size_2048_on_gfx942_fits_lds():
 @pytest.mark.parametrize("arch", sorted(TARGETS))
 def test_every_choice_fits_the_budget(arch):
     target = TARGETS[arch]
-    for bs, d, (hq, hkv), elem, mql in itertools.product(
-        BLOCK_SIZES, HEAD_DIMS, GQA, ELEM_BYTES, MAX_QUERY_LENS
+    for bs, d, (hq, hkv), elem, mql, shuf in itertools.product(
+        BLOCK_SIZES, HEAD_DIMS, GQA, ELEM_BYTES, MAX_QUERY_LENS, SHUFFLED
     ):
         problem = _problem(
             num_q_heads=hq,
@@ -155,6 +215,7 @@ def test_every_choice_fits_the_budget(arch):
             elem_bytes=elem,
             max_query_len=mql,
             block_size=bs,
+            shuffled=shuf,
         )
         t = paged_tiles(target, problem)
         assert t.shared_mem_bytes == estimate_shared_mem(
@@ -168,12 +229,13 @@ def test_every_choice_fits_the_budget(arch):
         assert t.block_q >= 1
         assert 1 <= t.num_stages <= target.max_num_stages
         assert (t.waves_per_eu is not None) == target.is_hip
-        regs4 = estimate_registers(t.block_m, t.block_n, t.block_d, elem, 4, target.warp_size)
+        regs4 = estimate_registers(t.block_m, t.block_n, t.block_d, elem, 4, target.warp_size, shuf)
         assert t.num_warps == (4 if regs4 <= 64 else 8)
-        regs8 = estimate_registers(t.block_m, t.block_n, t.block_d, elem, 8, target.warp_size)
-        assert t.block_m == 128 or t.block_n == 16 or regs8 <= MAX_REGS_8_WARPS
+        words = estimate_words(t.block_m, t.block_n, t.block_d, elem, shuf)
+        assert t.block_m == 128 or t.block_n == 16 or words <= MAX_WORDS_8_WARPS
         assert t.block_m <= 64 or (
             t.block_m == 128
+            and not shuf
             and arch in WIDE_TILE_ARCHS
             and t.block_n == 64
             and estimate_registers(128, 64, t.block_d, elem, 8, target.warp_size) <= WIDE_MAX_REGS
@@ -211,6 +273,12 @@ def test_register_estimate():
     assert estimate_registers(64, 64, 128, 2, 8, 32) == 64
     # the same tile on a 64-lane wavefront
     assert estimate_registers(64, 32, 128, 2, 4, 64) == (8192 + 2048 + 2048) // 256
+    # SHUFFLE caches add SHUFFLE_ADDR_WORDS per gathered K/V element
+    assert SHUFFLE_ADDR_WORDS == 1
+    assert estimate_words(64, 64, 128, 2, shuffled=True) == 8192 + 4096 + 4096 + 8192
+    assert estimate_registers(64, 64, 128, 2, 4, 32, shuffled=True) == 192
+    # the 8-warp bound is NVIDIA's measured 96 registers x 256 threads, per program
+    assert MAX_WORDS_8_WARPS == MAX_REGS_8_WARPS * 256 == 24576
 
 
 def test_hip_gets_waves_per_eu_and_cuda_does_not():
