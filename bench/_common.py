@@ -6,7 +6,6 @@ Imported by ``bench/bench_*.py`` (run as ``python3 bench/<script>.py``, so this 
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 
 import torch
@@ -50,20 +49,12 @@ def matmul_rate(n: int = 8192) -> tuple[float, float]:
 def plan_with_target(arch: str, plan, *args, **kwargs) -> list[Launch]:
     """Plan under a forced target's policy (e.g. ``gfx942``), runnable on the live CUDA device.
 
-    The plan is made with `platform.set_target_override` (so the tiles are that target's); the
-    launches are then retargeted to the live device and HIP-only launch options
-    (``waves_per_eu``) are dropped: Triton's CUDA backend refuses an unknown keyword
-    ("Keyword argument waves_per_eu was specified but unrecognised").
+    Only the planning happens under `platform.set_target_override`, so the tiles are that
+    target's; `Launch.run` itself leaves out the launch options the live backend does not accept
+    (``waves_per_eu`` on CUDA; `LaunchOptions.backend_kwargs`).
     """
     platform.set_target_override(arch)
     try:
-        launches = plan(*args, **kwargs)
+        return plan(*args, **kwargs)
     finally:
         platform.set_target_override(None)
-    live = platform.current_target()
-    return [
-        dataclasses.replace(
-            launch, options=dataclasses.replace(launch.options, waves_per_eu=None), target=live
-        )
-        for launch in launches
-    ]

@@ -313,7 +313,8 @@ def time_variant(p: Point, t: MlaTiles, failures: list):
 def compiled_resources(launch) -> dict:
     """Registers / spills / shared memory of the compiled main kernel (one extra launch)."""
     try:
-        ck = launch.kernel[launch.grid](**launch.args, **launch.options.kwargs(launch.target))
+        opts = launch.options.backend_kwargs(launch.target, launch.backend())
+        ck = launch.kernel[launch.grid](**launch.args, **opts)
         return dict(n_regs=ck.n_regs, n_spills=ck.n_spills, shared=ck.metadata.shared)
     except Exception as e:  # noqa: BLE001 - diagnostics only
         return dict(resources_error=str(e)[:80])
