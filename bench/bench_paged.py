@@ -1,7 +1,7 @@
 """Paged-attention timing on one GPU: correctness first, then medians, with a copy ceiling.
 
 Default run: 32 query heads, 8 KV heads, head_dim 128, bf16, random inputs, for
-  * decode: batch 64 at contexts 4k and 16k,
+  * decode: batch 64 at contexts 1k, 4k and 16k,
   * mixed: one 512-token prefill chunk at 8k context plus 63 decode sequences at 4k,
 each with block_size 16 and 2048 (the hybrid-model size; the kernel tile must not follow it).
 
@@ -54,6 +54,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HQ, HKV, D = 32, 8, 128
 # name -> ((seq_len, q_len), ...)
 SCENARIOS = {
+    "decode 64x1k": ((1024, 1),) * 64,
     "decode 64x4k": ((4096, 1),) * 64,
     "decode 64x16k": ((16384, 1),) * 64,
     "mixed 512@8k + 63x4k": ((8192, 512),) + ((4096, 1),) * 63,

@@ -1,0 +1,100 @@
+"""MLA decode: time explicit tile variants at chosen points (a focused sweep, one device call).
+
+Each variant is ``H,N,stages,warps,splits[,P]`` (BLOCK_H, BLOCK_N, num_stages, num_warps,
+num_kv_splits, ``P`` = prefetched block-table rows); ``policy`` means the policy's own tiles. Every
+variant is checked against the fp64 oracle (tolerance rule of tests/helpers.py) before it is timed
+with ``do_bench_cudagraph`` (median); its compiled registers / spills / shared memory are
+recorded. Points, inputs, roofline and checks are `bench_mla`'s.
+
+Usage::
+
+    python bench/sweep_mla.py --point 16:4096 --variants policy 16,32,3,4,8,P 16,32,3,4,16,P
+    OUT=/tmp/out python bench/sweep_mla.py ...   # also writes $OUT/sweep_mla.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+from _common import copy_ceiling, git_commit, matmul_rate
+from bench_mla import DTYPES, HEADER, Point, bench_policy, fmt_row, time_variant, variant
+
+from portattn.platform import current_target
+
+
+def parse_variant(spec: str):
+    parts = spec.split(",")
+    prefetch = parts[-1].upper() == "P"
+    nums = [int(x) for x in (parts[:-1] if prefetch else parts)]
+    if len(nums) != 5:
+        raise SystemExit(f"sweep_mla: variant must be H,N,stages,warps,splits[,P]; got {spec!r}")
+    return (*nums, prefetch)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--point", action="append", required=True, help="HEADS:CONTEXT (repeatable)")
+    ap.add_argument("--variants", nargs="+", required=True)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--head-dim-k", type=int, default=576)
+    ap.add_argument("--kv-lora-rank", type=int, default=512)
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--budget-s", type=float, default=240.0)
+    args = ap.parse_args(argv)
+    target = current_target()
+    dtype = DTYPES[args.dtype]
+    elem = torch.finfo(dtype).bits // 8
+    points = [tuple(int(x) for x in p.split(":")) for p in args.point]
+    copy_gbs, _ = copy_ceiling(2 * args.batch * max(c for _, c in points) * args.head_dim_k * elem)
+    mm_tflops, _ = matmul_rate()
+    print(f"device: {torch.cuda.get_device_name()} ({target.arch}), commit {git_commit()}, "
+          f"triton {triton.__version__}; copy {copy_gbs:.0f} GB/s, bf16 mm {mm_tflops:.0f} TFLOP/s")
+    deadline = time.monotonic() + args.budget_s
+    rows, failures = [], []
+    for heads, ctx in points:
+        p = Point(args, target, dtype, heads, ctx, copy_gbs, mm_tflops)
+        print(HEADER)
+        base = None
+        for spec in args.variants:
+            if time.monotonic() > deadline:
+                print("budget hit")
+                break
+            if spec == "policy":
+                row, base = bench_policy(p)
+            else:
+                if base is None:
+                    _, base = bench_policy(p)
+                bh, bn, st, w, sp, pf = parse_variant(spec)
+                if bh < 2 * heads or bh == 16:
+                    row = time_variant(p, variant(base, heads, bh, bn, st, w, sp, elem, pf),
+                                       failures)
+                else:
+                    row = None
+            if row is not None:
+                rows.append(row)
+                res = {k: row[k] for k in ("n_regs", "n_spills", "shared") if k in row}
+                print("  " + fmt_row(row), res, flush=True)
+            elif spec != "policy":
+                print(f"  {heads} {ctx} {spec}: did not compile / skipped", flush=True)
+        del p
+        torch.cuda.empty_cache()
+    for f in failures:
+        print("CHECK FAILED (sweep variant):", f)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "sweep_mla.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), commit=git_commit(),
+                           copy_gb_per_s=copy_gbs, mm_tflops=mm_tflops, rows=rows,
+                           failures=failures), f, indent=1)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
