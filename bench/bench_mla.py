@@ -173,7 +173,7 @@ def shape_candidates(heads, base, target, elem):
 def tiles_desc(t: MlaTiles) -> str:
     return (
         f"H{t.block_h} N{t.block_n} s{t.options.num_stages} w{t.options.num_warps} "
-        f"x{t.num_kv_splits}" + (" P" if t.prefetch_rows else "")
+        f"x{t.num_kv_splits}" + (" P" if t.prefetch_rows else "") + (" V" if t.v_reload else "")
     )
 
 
@@ -227,7 +227,7 @@ class Point:
             block_h=t.block_h, padded_heads=t.padded_heads, block_n=t.block_n,
             num_stages=t.options.num_stages, num_warps=t.options.num_warps,
             num_kv_splits=t.num_kv_splits, smem_estimate=t.smem_bytes,
-            prefetch_rows=t.prefetch_rows,
+            prefetch_rows=t.prefetch_rows, v_reload=t.v_reload,
             rel_err_kernel=errs[1], rel_err_torch=errs[2],
             us_events=us_events, us_graph=us_graph, gb_per_s=gbs,
             pct_of_copy=100 * gbs / self.copy_gbs, x_roofline=us / self.roof["us_roof"],
@@ -239,6 +239,7 @@ def fmt_row(row) -> str:
     t = (
         f"H{row['block_h']} N{row['block_n']} s{row['num_stages']} w{row['num_warps']} "
         f"x{row['num_kv_splits']}" + (" P" if row.get("prefetch_rows") else "")
+        + (" V" if row.get("v_reload") else "")
     )
     ev = f"{row['us_events']:9.1f}" if row["us_events"] is not None else f"{'-':>9}"
     return (

@@ -1,7 +1,7 @@
 """MLA decode: time explicit tile variants at chosen points (a focused sweep, one device call).
 
-Each variant is ``H,N,stages,warps,splits[,P]`` (BLOCK_H, BLOCK_N, num_stages, num_warps,
-num_kv_splits, ``P`` = prefetched block-table rows); ``policy`` means the policy's own tiles. Every
+Each variant is ``H,N,stages,warps,splits[,P][,V]`` (BLOCK_H, BLOCK_N, num_stages, num_warps,
+num_kv_splits, ``P`` = prefetched block-table rows, ``V`` = latent reloaded for PV); ``policy`` means the policy's own tiles. Every
 variant is checked against the fp64 oracle (tolerance rule of tests/helpers.py) before it is timed
 with ``do_bench_cudagraph`` (median); its compiled registers / spills / shared memory are
 recorded. Points, inputs, roofline and checks are `bench_mla`'s.
@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -29,12 +30,12 @@ from portattn.platform import current_target
 
 
 def parse_variant(spec: str):
+    """``H,N,stages,warps,splits`` then optional flags ``P`` (prefetch) and ``V`` (V reload)."""
     parts = spec.split(",")
-    prefetch = parts[-1].upper() == "P"
-    nums = [int(x) for x in (parts[:-1] if prefetch else parts)]
-    if len(nums) != 5:
-        raise SystemExit(f"sweep_mla: variant must be H,N,stages,warps,splits[,P]; got {spec!r}")
-    return (*nums, prefetch)
+    flags = {x.upper() for x in parts[5:]}
+    if len(parts) < 5 or not flags <= {"P", "V"}:
+        raise SystemExit(f"sweep_mla: variant must be H,N,stages,warps,splits[,P][,V]; got {spec!r}")
+    return (*(int(x) for x in parts[:5]), "P" in flags, "V" in flags)
 
 
 def main(argv=None) -> int:
@@ -71,10 +72,12 @@ def main(argv=None) -> int:
             else:
                 if base is None:
                     _, base = bench_policy(p)
-                bh, bn, st, w, sp, pf = parse_variant(spec)
+                bh, bn, st, w, sp, pf, vr = parse_variant(spec)
                 if bh < 2 * heads or bh == 16:
-                    row = time_variant(p, variant(base, heads, bh, bn, st, w, sp, elem, pf),
-                                       failures)
+                    t = dataclasses.replace(
+                        variant(base, heads, bh, bn, st, w, sp, elem, pf), v_reload=vr
+                    )
+                    row = time_variant(p, t, failures)
                 else:
                     row = None
             if row is not None:

@@ -54,6 +54,8 @@ POINTS = {
     "decode 64x4k bs2048": (((4096, 1),) * 64, 2048),
     "decode 4x16k bs16 (split-KV)": (((16384, 1),) * 4, 16),
     "mixed 512@8k + 63x4k bs16": (((8192, 512),) + ((4096, 1),) * 63, 16),
+    "mixed 512@8k + 63x4k bs2048": (((8192, 512),) + ((4096, 1),) * 63, 2048),
+    "prefill 4x2048@8k bs16": (((8192, 2048),) * 4, 16),
 }
 CHECK_SEQS = 2  # sequences checked per variant (the first ones: the prefill chunk of "mixed")
 
@@ -76,11 +78,14 @@ def variants(base: PagedTiles, target: Target, split_point: bool) -> dict[str, P
     out[f"warps {other}"] = opt(base, warps=other)
     if base.decode is not None:  # mixed: the one-tile launch of before, and other main tiles
         out["no decode role"] = dataclasses.replace(base, decode=None)
-        for m, warps in ((64, 4), (64, 8), (128, 8)):
-            if m != base.block_m:
+        for m, n, warps, stages in ((64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2),
+                                    (64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 3),
+                                    (32, 64, 4, 2), (128, 64, 8, 2)):  # fmt: skip
+            if (m, n, warps, stages) != (base.block_m, base.block_n, base.num_warps,
+                                         base.num_stages):  # fmt: skip
                 rows = RowTile(m, m // base.head_tile, base.head_tile)
-                t = dataclasses.replace(base, block_m=m, block_q=rows.block_q)
-                out[f"M {m} x {warps} warps"] = opt(t, warps=warps)
+                t = dataclasses.replace(base, block_m=m, block_q=rows.block_q, block_n=n)
+                out[f"M {m} N {n} x {warps} warps s{stages}"] = opt(t, warps=warps, stages=stages)
         out["M 128, N 128, 2 stages"] = opt(
             dataclasses.replace(base, block_m=128, block_q=128 // base.head_tile, block_n=128),
             warps=8,
