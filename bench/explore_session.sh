@@ -19,7 +19,7 @@ grep -E "^ +16 |CHECK" "$OUT/sweep_mla_16.log" | cut -c1-112
 run sweep_mla_128 150 python3 bench/sweep_mla.py --budget-s 130 --point 128:16384 --variants \
   policy 64,64,2,8,1 64,64,2,8,3 64,64,1,8,2 64,64,2,8,2,V 64,32,3,8,2,P,V
 grep -E "^ +128 |CHECK" "$OUT/sweep_mla_128.log" | cut -c1-112
-run sweep_paged 240 python3 bench/sweep_paged.py --points " "
+run sweep_paged 240 python3 bench/sweep_paged.py --points mixed,prefill
 sed -n '/^mixed\|^prefill\|^  /p' "$OUT/sweep_paged.log" | grep -v "^  decode" | head -40
 python3 - "$OUT/sweep_paged.log" <<'PY'
 import json, os, sys

@@ -160,7 +160,7 @@ def sdpa_time_ms(args, seqs) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--points", default="", help="substring of the point names to run")
+    ap.add_argument("--points", default="", help="comma-separated substrings of the point names to run")
     opts = ap.parse_args()
     target = current_target()
     dtype = torch.bfloat16
@@ -168,7 +168,7 @@ def main() -> None:
     report = []
     print(f"# {torch.cuda.get_device_name()} ({target.arch}), bf16, {HQ}q/{HKV}kv heads, d{D}")
     for name, (seqs, bs) in POINTS.items():
-        if opts.points not in name:
+        if not any(part in name for part in opts.points.split(",")):
             continue
         args = make_inputs(seqs, bs, dtype)
         mql, msl = max(q for _, q in seqs), max(s for s, _ in seqs)
