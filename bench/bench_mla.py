@@ -53,7 +53,6 @@ from portattn.platform import current_target
 from portattn.policy.common import LaunchOptions
 from portattn.policy.mla import (
     MIN_TOKENS_PER_SPLIT,
-    PROGRAMS_PER_SM_NARROW,
     PROGRAMS_PER_SM_WIDE,
     MlaTiles,
     mla_num_kv_splits,
@@ -142,7 +141,9 @@ def variant(
         block_n=block_n,
         num_kv_splits=splits,
         options=LaunchOptions(num_warps=warps, num_stages=stages),
-        smem_bytes=mla_smem_bytes(block_h, block_n, base.block_dv, base.block_dpe, stages, elem),
+        smem_bytes=mla_smem_bytes(
+            block_h, block_n, base.block_dv, base.block_dpe, stages, elem, prefetch
+        ),
         prefetch_rows=prefetch,
     )
 
@@ -346,7 +347,8 @@ def sweep_point(p: Point, base: MlaTiles, shapes, deadline, failures):
     for bh, bn, st, w in PREFETCH_SHAPES.get(p.heads > 16, ()):
         if mla_smem_bytes(bh, bn, base.block_dv, base.block_dpe, 1, elem) > p.target.max_shared_mem:
             continue
-        per_sm = PROGRAMS_PER_SM_WIDE if bh >= 64 else PROGRAMS_PER_SM_NARROW
+        smem = mla_smem_bytes(bh, bn, base.block_dv, base.block_dpe, st, elem, True)
+        per_sm = PROGRAMS_PER_SM_WIDE if bh >= 64 else max(1, p.target.max_shared_mem // smem)
         one(bh, bn, st, w, mla_num_kv_splits(p.target, a.batch, groups(bh), p.ctx, per_sm), True)
     for bh, bn, st, w in shapes:
         one(bh, bn, st, w, splits_for_waves(2, p.target, a.batch, groups(bh), p.ctx))

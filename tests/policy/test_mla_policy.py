@@ -30,32 +30,34 @@ def problem(dk=576, r=512, heads=16, elem=2, tokens=64, context=4096) -> MlaProb
     return MlaProblem(heads, dk, r, elem, tokens, context)
 
 
-# arch, (dk, r) -> (block_n, num_stages, smem_bytes, num_kv_splits[, prefetch_rows]) for 16 heads,
-# 64 tokens, 4k context; BLOCK_H 16, 4 warps everywhere. NVIDIA tiles whose 3-stage estimate fits
-# prefetch block-table rows at 3 stages (99 KB parts at N32 do not: 110592 B + q tiles).
-# Splits: floor(8 * SMs / 64) on CUDA (<= 4096 / 256 =
-# 16), floor(2 * CUs / 64) on HIP.
+# arch, (dk, r) -> (block_n, num_warps, num_stages, smem_bytes, num_kv_splits[, prefetch_rows]) for
+# 16 heads, 64 tokens, 4k context; BLOCK_H 16. The longest KV tile within both budgets at the fewest
+# warps (576/512 N64 needs 8 warps: 4 would spill), then NVIDIA tiles whose two-buffer estimate fits
+# prefetch block-table rows at 3 stages. Splits: the most that fit one wave of resident programs:
+# floor(resident * SMs / 64) with resident = max_shared // smem on CUDA (sm_90 N64 w8: 1 -> 2;
+# N64 w4 at 320/256: 2 -> 4), 2 per CU on HIP (floor(2 * 304 / 64) = 9 on gfx942).
 EXPECTED = {
-    ("sm_90", 576, 512): (32, 3, 130048, 16, True),  # N64 spills (register estimate 208 > 200)
-    ("sm_90", 320, 256): (64, 3, 135168, 16, True),
-    ("sm_80", 576, 512): (32, 3, 130048, 13, True),  # 108 SMs
-    ("sm_86", 576, 512): (32, 2, 93184, 9),  # 99 KB, 84 SMs
-    ("sm_86", 320, 256): (64, 2, 94208, 9),
-    ("sm_86", 192, 128): (64, 3, 81920, 9, True),
-    ("sm_120", 576, 512): (32, 2, 93184, 16),
-    ("gfx942", 576, 512): (16, 2, 55808, 9),  # 64 KB LDS, 304 CUs
-    ("gfx942", 320, 256): (32, 2, 52224, 9),
-    ("gfx942", 288, 256): (32, 2, 47104, 9),
-    ("gfx942", 256, 256): (32, 2, 41984, 9),
-    ("gfx90a", 576, 512): (16, 2, 55808, 3),
-    ("gfx950", 576, 512): (32, 2, 93184, 8),
+    ("sm_90", 576, 512): (64, 8, 3, 167936, 2, True),  # measured best on an H100 (RESULTS.md)
+    ("sm_100", 576, 512): (64, 8, 3, 167936, 2, True),
+    ("sm_90", 320, 256): (64, 4, 3, 94208, 4, True),
+    ("sm_80", 576, 512): (32, 4, 3, 93184, 1, True),  # N64 w8 needs 167936 B > 166912 B
+    ("sm_86", 576, 512): (32, 4, 3, 93184, 1, True),  # 99 KB, 72 SMs: one resident program
+    ("sm_86", 320, 256): (64, 4, 3, 94208, 1, True),
+    ("sm_86", 192, 128): (64, 4, 3, 57344, 1, True),
+    ("sm_120", 576, 512): (32, 4, 3, 93184, 2, True),  # 188 SMs
+    ("gfx942", 576, 512): (16, 4, 2, 55808, 9),  # 64 KB LDS, 304 CUs
+    ("gfx942", 320, 256): (32, 4, 2, 52224, 9),
+    ("gfx942", 288, 256): (32, 4, 2, 47104, 9),
+    ("gfx942", 256, 256): (32, 4, 2, 41984, 9),
+    ("gfx90a", 576, 512): (16, 4, 2, 55808, 3),
+    ("gfx950", 576, 512): (32, 4, 2, 93184, 8),
 }
 
 # arch -> (block_n, smem_bytes, num_kv_splits) of the wide tile (BLOCK_H 64, 8 warps, 2 stages)
 # for 128 heads 576/512, 64 tokens, 4k context; None: the target stays narrow.
 EXPECTED_WIDE = {
     "sm_90": (64, 229376, 2),  # floor(2 * 132 / 128)
-    "sm_100": None,  # its compile needs 352816 B > 232448 B (compile matrix)
+    "sm_100": None,  # its compile needs 352816 B > 232448 B (compile matrix); narrow N64 w8
     "sm_80": (32, 151552, 1),  # N64 needs 229376 B > 166912 B
     "sm_86": None,  # 99 KB: no 64-head tile fits
     "gfx942": None,  # HIP: narrow (no AMD register calibration)
@@ -65,7 +67,7 @@ EXPECTED_WIDE = {
 @pytest.mark.parametrize(("arch", "dk", "r"), sorted(EXPECTED))
 def test_exact_tiles_cuda_and_hip(arch, dk, r):
     target = get_target(arch)
-    block_n, stages, smem, splits, *prefetch = EXPECTED[arch, dk, r]
+    block_n, warps, stages, smem, splits, *prefetch = EXPECTED[arch, dk, r]
     rope = dk - r
     want = MlaTiles(
         block_h=16,
@@ -74,7 +76,7 @@ def test_exact_tiles_cuda_and_hip(arch, dk, r):
         block_dv=next_pow2(r),
         block_dpe=next_pow2(rope) if rope else 0,
         num_kv_splits=splits,
-        options=LaunchOptions(4, stages, 2 if target.is_hip else None),
+        options=LaunchOptions(warps, stages, 2 if target.is_hip else None),
         reduce_options=LaunchOptions(4, 1, 2 if target.is_hip else None),
         smem_bytes=smem,
         prefetch_rows=bool(prefetch),
@@ -87,7 +89,7 @@ def test_exact_wide_tiles_for_many_heads(arch):
     target = get_target(arch)
     t = mla_decode_tiles(target, problem(heads=128))
     if EXPECTED_WIDE[arch] is None:
-        assert (t.block_h, t.options.num_warps) == (16, 4)
+        assert t.block_h == 16
         return
     block_n, smem, splits = EXPECTED_WIDE[arch]
     assert t == MlaTiles(
@@ -105,10 +107,11 @@ def test_exact_wide_tiles_for_many_heads(arch):
 
 
 def test_register_estimate_matches_sm90_compiles():
-    # bench/NOTES.md attempt 1: H16 N64 4 warps spilled, H16 N32 4 warps and H64 N64 8 warps did
-    # not; the budget separates them.
+    # bench/NOTES.md attempt 1: H16 N64 4 warps spilled, H16 N32 4 warps, H16 N64 8 warps (181
+    # registers) and H64 N64 8 warps did not; the budget separates them.
     assert mla_reg_estimate(16, 64, 512, 64, 4, 2) == 208 > REG_BUDGET
     assert mla_reg_estimate(16, 32, 512, 64, 4, 2) == 136 <= REG_BUDGET
+    assert mla_reg_estimate(16, 64, 512, 64, 8, 2) == 104 <= REG_BUDGET
     assert mla_reg_estimate(64, 64, 512, 64, 8, 2) == 200 <= REG_BUDGET
 
 
@@ -120,7 +123,13 @@ def test_budget_fits_every_target(arch, dk, r):
         for elem in GPU_ELEM_SIZES:
             t = mla_decode_tiles(target, problem(dk, r, heads, elem))
             assert t.smem_bytes == mla_smem_bytes(
-                t.block_h, t.block_n, t.block_dv, t.block_dpe, t.options.num_stages, elem
+                t.block_h,
+                t.block_n,
+                t.block_dv,
+                t.block_dpe,
+                t.options.num_stages,
+                elem,
+                t.prefetch_rows,
             )
             assert t.smem_bytes <= target.max_shared_mem
             assert t.options.num_stages <= target.max_num_stages
@@ -148,9 +157,12 @@ def test_lesson2_heads_padded_to_matrix_rows(heads):
 
 
 def test_split_count_is_policy_of_target_batch_heads_context():
-    h100 = get_target("sm_90")  # 132 SMs: the narrow tile aims at <= 8 x 132 = 1056 programs
-    assert mla_decode_tiles(h100, problem(heads=16, tokens=64, context=4096)).num_kv_splits == 16
-    assert mla_decode_tiles(h100, problem(heads=16, tokens=64, context=16384)).num_kv_splits == 16
+    h100 = get_target("sm_90")  # 132 SMs; the narrow 576/512 tile (167936 B): 1 program per SM
+    assert mla_decode_tiles(h100, problem(heads=16, tokens=64, context=4096)).num_kv_splits == 2
+    assert mla_decode_tiles(h100, problem(heads=16, tokens=64, context=16384)).num_kv_splits == 2
+    assert mla_decode_tiles(h100, problem(heads=16, tokens=32, context=4096)).num_kv_splits == 4
+    # two resident programs (320/256, 94208 B): one wave of 264 slots
+    assert mla_decode_tiles(h100, problem(320, 256, tokens=64)).num_kv_splits == 4
     # the wide tile aims at <= 2 x 132 programs: 64 tokens x 2 head groups x 2 splits
     assert mla_decode_tiles(h100, problem(heads=128, tokens=64, context=4096)).num_kv_splits == 2
     # small batch, long context: capped; short context: never a split under 256 tokens
@@ -164,11 +176,21 @@ def test_split_count_is_policy_of_target_batch_heads_context():
     assert mla_decode_tiles(mi300, problem(heads=16, tokens=64, context=4096)).num_kv_splits == 9
 
 
+def test_smem_estimate_counts_prefetch_buffers():
+    # prefetched rows: num_stages - 1 latent buffers, the figures sm_90 compiles allocate
+    assert mla_smem_bytes(16, 64, 512, 64, 3, 2, prefetch_rows=True) == 167936
+    assert mla_smem_bytes(16, 32, 512, 64, 3, 2, prefetch_rows=True) == 93184
+    # without prefetch the estimate stays an upper bound of num_stages buffers
+    assert mla_smem_bytes(16, 32, 512, 64, 3, 2) == 130048
+
+
 def test_fp32_latent_512_does_not_fit_64kb():
     with pytest.raises(ValueError, match=r"no tile fits gfx942's 65536 B .* use a 2-byte dtype"):
         mla_decode_tiles(get_target("gfx942"), problem(elem=4))
-    # the interpreter's default target (sm_90) takes fp32 (N16: N32 would be 208 registers)
-    assert mla_decode_tiles(get_target("sm_90"), problem(elem=4)).block_n == 16
+    # the interpreter's default target (sm_90) takes fp32: N32 at 8 warps (104 registers; at 4
+    # warps 208), N64 would need 294912 B for two fp32 latent buffers
+    t = mla_decode_tiles(get_target("sm_90"), problem(elem=4))
+    assert (t.block_n, t.options.num_warps) == (32, 8)
 
 
 def test_invalid_problem_lists_every_reason():

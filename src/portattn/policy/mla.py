@@ -11,25 +11,32 @@ Heads (lesson 2): one program owns ``BLOCK_H = target.mma_min_rows`` heads of on
 32. ``padded_heads`` is part of the frozen tiles, and the split-KV workspaces are sized from it by
 `portattn.mla_metadata.MlaMetadataBuilder`, which holds the very object the launch consumes.
 
-Shared memory (explicit budget, `mla_smem_bytes`, an upper bound: Triton 3.6 does not
-multi-buffer the gathered latent tile, so the compiled kernel uses about one stage's worth)::
+Shared memory (explicit budget, `mla_smem_bytes`)::
 
-    (BLOCK_N * BLOCK_DV + BLOCK_N * BLOCK_DPE) * elem * num_stages    latent + rope tiles, pipelined
+    (BLOCK_N * BLOCK_DV + BLOCK_N * BLOCK_DPE) * elem * buffers       latent + rope tiles
   + BLOCK_H * (BLOCK_DV + BLOCK_DPE) * elem                            query tiles (dot operands)
   + BLOCK_H * BLOCK_N * elem                                           P (the PV dot's A operand)
+
+``buffers`` is ``num_stages - 1`` for tiles that prefetch block-table rows (the latent load then
+depends only on loop-carried values, and Triton 3.6 multi-buffers it: sm_90 compiles of H16 N32 s3
+and H16 N64 s3 allocate exactly 93184 and 167936 B), else ``num_stages`` (an upper bound: Triton
+3.6 gives a gathered latent tile whose address depends on a load of the same iteration one buffer).
 
 Registers (`mla_reg_estimate`, 32-bit registers per thread): the fp32 accumulator
 ``BLOCK_H * BLOCK_DV / threads`` plus the latent + rope tile ``BLOCK_N * (BLOCK_DV + BLOCK_DPE) *
 elem / 4 / threads``, at most `REG_BUDGET`. Calibrated on sm_90 compiles (bench/NOTES.md, attempt
 1): H16 N64 4 warps = 64 + 144 = 208 spills ~200 registers; H16 N32 4 warps = 136 compiles to 225
-registers without spills; H64 N64 8 warps = 200 compiles to 255 without spills.
+registers without spills; H16 N64 8 warps = 104 compiles to 181; H64 N64 8 warps = 200 compiles to
+255 without spills.
 
 Tiles, narrow (every target, and every head count without the wide tile): ``BLOCK_H =
-mma_min_rows``, 4 warps, the longest ``BLOCK_N`` within both budgets at 2 stages (the H200 sweep,
-bench/RESULTS.md issue 8 baseline: 16 heads, 4k, H16 N32 s2 w4 136.5 us against 151.7 us at 3
-stages and 215.5 us for N64 s2 w4, which spills). Worked numbers for 576/512 bf16: N32 x 2 stages
-= 93184 B on every NVIDIA part (the 99 KB parts' 101376 B included); 64 KB AMD parts get N16 x 2 =
-55808 B.
+mma_min_rows``; the longest ``BLOCK_N`` within both budgets at >= 2 stages, at the fewest warps
+(4, else 8) whose register estimate fits. Worked numbers for 576/512 bf16: N64 needs 8 warps
+(4 would spill); its 2-stage estimate 167936 B fits sm_90/sm_100 (232448 B) but not sm_80
+(166912 B), which, like the 99 KB parts, takes N32 x 4 warps (93184 B); 64 KB AMD parts get
+N16 x 2 = 55808 B. Measured on an H100 (bench/RESULTS.md, 2026-11-22, 16 heads, batch 64, each
+at its best split count): N64 w8 38.8 / 115.0 / 419.3 us at 1k / 4k / 16k against N32 w4
+41.8 / 117.3 / 420.4 us.
 
 Tiles, wide (CUDA, ``num_heads >= WIDE_BLOCK_H``): ``BLOCK_H 64``, 8 warps, BLOCK_N 64 (else 32)
 at 2 stages. One program reads the latent once for 64 heads instead of 16 (4x fewer bytes) and
@@ -39,14 +46,17 @@ B; sm_80: N32 = 151552 B; the 99 KB parts do not fit it and stay narrow. HIP sta
 register calibration is NVIDIA's; no AMD measurement yet).
 
 Split-KV: with few (token, head-group) programs the GPU idles, so the context is split into
-``num_kv_splits`` chunks whose partial results a reduce kernel merges. The count is the largest
-that keeps ``tokens * head_groups * splits <= programs_per_sm * num_sms`` (whole waves: no
-partly-filled last wave), never gives a split fewer than ``MIN_TOKENS_PER_SPLIT`` context tokens,
-and is capped at ``MAX_KV_SPLITS``. ``programs_per_sm`` is `PROGRAMS_PER_SM_NARROW` (8) for the
-narrow CUDA tile, `PROGRAMS_PER_SM_WIDE` (2) for the wide one and `PROGRAMS_PER_SM` (2) on HIP.
-Measured (H200, 132 SMs, 64 tokens): narrow 16 heads 4k x16 136.5 us > x9 143.9 > x5 174.5 (rule:
-floor(8 * 132 / 64) = 16, and 4096 / 256 = 16); wide 128 heads 4k x2 357.5 us > x3 378.5 > x5
-397.3 (rule: floor(2 * 132 / 128) = 2).
+``num_kv_splits`` chunks whose partial results a reduce kernel merges. `mla_num_kv_splits` takes
+the most splits whose programs fit ONE wave of resident slots (``programs_per_sm * num_sms``),
+never gives a split fewer than ``MIN_TOKENS_PER_SPLIT`` context tokens, and is capped at
+``MAX_KV_SPLITS``. Resident programs per SM: on CUDA the narrow tile's shared-memory estimate
+decides (``max_shared_mem // smem``: 1 for N64 w8, 2 for N32 w4 on sm_90), the wide tile uses
+`PROGRAMS_PER_SM_WIDE` (2) and HIP `PROGRAMS_PER_SM` (2, unmeasured). Every extra split costs a
+partial output (``padded_heads x BLOCK_DV`` fp32 written and read back), so once each program
+double-buffers its gather (prefetched rows) one full wave beats several. Measured on an H100
+(132 SMs, 16 heads, 64 tokens, 4k): N32 w4 x4 (256 programs in 264 slots) 117.3 us against x3
+139.1, x5 169.0, x8 128.6, x16 145.1; N64 w8 x2 (128 in 132) 115.0 us against x4 125.4. (Before
+the rows were prefetched, an H200 sweep favoured ~8 programs per SM: x16 136.5 us > x9 143.9.)
 """
 
 from __future__ import annotations
@@ -61,8 +71,6 @@ BLOCK_N_CANDIDATES: tuple[int, ...] = (64, 32, 16)
 #: Programs per multiprocessor the split count aims at on HIP (unmeasured there: two hide one
 #: program's gather latency).
 PROGRAMS_PER_SM = 2
-#: Narrow CUDA tile (H16 w4, ~2 resident per SM by registers): 8 per SM = 4 waves (measured best).
-PROGRAMS_PER_SM_NARROW = 8
 #: Wide CUDA tile (H64 w8, 255 registers x 256 threads = one resident per SM): 2 waves (measured).
 PROGRAMS_PER_SM_WIDE = 2
 #: Heads per program of the wide tile (CUDA, num_heads >= this).
@@ -80,12 +88,16 @@ REG_BUDGET = 200
 MIN_TOKENS_PER_SPLIT = 256
 #: Upper bound on splits (workspace size, reduce-kernel loop length).
 MAX_KV_SPLITS = 32
-#: Warps per program: BLOCK_H 16 x BLOCK_DV 512 fp32 accumulator = 64 registers/thread at 4 warps.
-NUM_WARPS = 4
+#: Warps per program of the narrow tile, fewest first: 4 unless the register estimate needs 8
+#: (BLOCK_H 16 x BLOCK_DV 512 fp32 accumulator = 64 registers/thread at 4 warps, 32 at 8).
+NUM_WARPS = (4, 8)
+#: Warps of the split-KV reduce kernel.
+REDUCE_NUM_WARPS = 4
 #: The deepest pipeline the policy asks for (a target may cap it lower): 3 stages measured slower
 #: than 2 on sm_90 (more registers, no extra shared memory: the gather is not multi-buffered).
 MAX_STAGES = 2
-#: Pipeline depth of the narrow NVIDIA tile when it prefetches block-table rows (see below).
+#: Pipeline depth of the narrow NVIDIA tile when it prefetches block-table rows (see below):
+#: two latent buffers.
 PREFETCH_STAGES = 3
 
 
@@ -151,10 +163,21 @@ class MlaTiles:
 
 
 def mla_smem_bytes(
-    block_h: int, block_n: int, block_dv: int, block_dpe: int, num_stages: int, elem_size: int
+    block_h: int,
+    block_n: int,
+    block_dv: int,
+    block_dpe: int,
+    num_stages: int,
+    elem_size: int,
+    prefetch_rows: bool = False,
 ) -> int:
-    """The shared-memory estimate of the module docstring, in bytes."""
-    kv = block_n * (block_dv + block_dpe) * elem_size * num_stages
+    """The shared-memory estimate of the module docstring, in bytes.
+
+    Example: sm_90, 576/512 bf16, H16 N64, 3 stages, prefetched rows (2 latent buffers) ->
+    ``2*64*576*2 + 16*576*2 + 16*64*2 = 147456 + 18432 + 2048 = 167936`` (the compiled figure).
+    """
+    buffers = max(1, num_stages - 1) if prefetch_rows else num_stages
+    kv = block_n * (block_dv + block_dpe) * elem_size * buffers
     q = block_h * (block_dv + block_dpe) * elem_size
     p = block_h * block_n * elem_size
     return kv + q + p
@@ -183,7 +206,13 @@ def mla_num_kv_splits(
     max_context: int,
     programs_per_sm: int = PROGRAMS_PER_SM,
 ) -> int:
-    """Context splits for ``num_tokens x head_groups`` programs on ``target`` (see module doc)."""
+    """Context splits for ``num_tokens x head_groups`` programs on ``target`` (module doc).
+
+    The most splits whose programs fit one wave of ``programs_per_sm * num_sms`` resident
+    slots, at most ``max_context // MIN_TOKENS_PER_SPLIT`` and `MAX_KV_SPLITS`, at least 1.
+
+    Example: sm_90 (132 SMs), 64 tokens, 1 head group, 2 programs per SM -> ``264 // 64 = 4``.
+    """
     base = max(1, num_tokens * head_groups)
     want = programs_per_sm * target.num_sms // base
     by_context = max(1, max_context // MIN_TOKENS_PER_SPLIT)
@@ -218,10 +247,12 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     elem = problem.elem_size
     top = min(MAX_STAGES, target.max_num_stages)
 
-    def fits(block_h: int, block_n: int, stages: int, warps: int) -> int | None:
+    def fits(
+        block_h: int, block_n: int, stages: int, warps: int, prefetch: bool = False
+    ) -> int | None:
         """The shared-memory estimate when both budgets hold, else None."""
         regs = mla_reg_estimate(block_h, block_n, block_dv, block_dpe, warps, elem, 32)
-        smem = mla_smem_bytes(block_h, block_n, block_dv, block_dpe, stages, elem)
+        smem = mla_smem_bytes(block_h, block_n, block_dv, block_dpe, stages, elem, prefetch)
         return smem if regs <= REG_BUDGET and smem <= target.max_shared_mem else None
 
     choice = None
@@ -229,25 +260,29 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         for block_n in BLOCK_N_CANDIDATES:
             smem = fits(WIDE_BLOCK_H, block_n, top, WIDE_NUM_WARPS)
             if smem is not None and block_n >= 32:
-                choice = (WIDE_BLOCK_H, block_n, top, WIDE_NUM_WARPS, smem, PROGRAMS_PER_SM_WIDE)
+                choice = (WIDE_BLOCK_H, block_n, top, WIDE_NUM_WARPS, smem)
                 break
     if choice is None:
         block_h = target.mma_min_rows
-        per_sm = PROGRAMS_PER_SM if target.is_hip else PROGRAMS_PER_SM_NARROW
-        # The longest KV tile that pipelines (>= 2 stages) within both budgets, then the deepest
-        # pipeline; a single stage, then the register budget waived, only when nothing else fits.
+        # The longest KV tile that pipelines (>= 2 stages) within both budgets at the fewest
+        # warps, then the deepest pipeline; a single stage, then the register budget waived,
+        # only when nothing else fits.
         order = [(n, s) for n in BLOCK_N_CANDIDATES for s in range(top, 1, -1)]
         order += [(n, 1) for n in BLOCK_N_CANDIDATES]
-        for block_n, stages in order:
-            smem = fits(block_h, block_n, stages, NUM_WARPS)
-            if smem is not None:
-                choice = (block_h, block_n, stages, NUM_WARPS, smem, per_sm)
-                break
-        else:
+        choice = next(
+            (
+                (block_h, n, s, w, smem)
+                for n, s in order
+                for w in NUM_WARPS
+                if (smem := fits(block_h, n, s, w)) is not None
+            ),
+            None,
+        )
+        if choice is None:
             for block_n, stages in order:
                 smem = mla_smem_bytes(block_h, block_n, block_dv, block_dpe, stages, elem)
                 if smem <= target.max_shared_mem:
-                    choice = (block_h, block_n, stages, NUM_WARPS, smem, per_sm)
+                    choice = (block_h, block_n, stages, NUM_WARPS[-1], smem)
                     break
     if choice is None:
         smallest = mla_smem_bytes(target.mma_min_rows, 16, block_dv, block_dpe, 1, elem)
@@ -257,16 +292,23 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
             f"{problem.elem_size}-byte elements (the smallest needs {smallest} B); use a 2-byte "
             "dtype"
         )
-    block_h, block_n, stages, warps, smem, per_sm = choice
+    block_h, block_n, stages, warps, smem = choice
     # Narrow NVIDIA tiles prefetch the next tile's block-table rows, which lets Triton give the
     # latent tile PREFETCH_STAGES - 1 shared-memory buffers (bench/NOTES.md attempt 2). Measured on
     # an H200, 16 heads, batch 64: 4k 137.1 -> 124.5 us, 16k 456.8 -> 408.2 us (N32 w4 x16).
-    # Taken where the 3-stage estimate fits both budgets (not on 99 KB parts at N32: 110592 B).
+    # Taken where the estimate with two latent buffers fits both budgets.
     prefetch = False
-    if not target.is_hip and block_h < WIDE_BLOCK_H and stages >= 2:
-        deeper = fits(block_h, block_n, PREFETCH_STAGES, warps)
+    wide = block_h >= WIDE_BLOCK_H
+    if not target.is_hip and not wide and stages >= 2:
+        deeper = fits(block_h, block_n, PREFETCH_STAGES, warps, prefetch=True)
         if deeper is not None and target.max_num_stages >= PREFETCH_STAGES:
             stages, smem, prefetch = PREFETCH_STAGES, deeper, True
+    if target.is_hip:
+        per_sm = PROGRAMS_PER_SM
+    elif wide:
+        per_sm = PROGRAMS_PER_SM_WIDE
+    else:  # the narrow CUDA tile: as many programs per SM as its shared memory lets reside
+        per_sm = max(1, target.max_shared_mem // smem)
     padded_heads = -(-problem.num_heads // block_h) * block_h
     splits = mla_num_kv_splits(
         target, problem.num_tokens, padded_heads // block_h, problem.max_context, per_sm
@@ -279,7 +321,7 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         block_dpe=block_dpe,
         num_kv_splits=splits,
         options=launch_options(target, warps, stages),
-        reduce_options=launch_options(target, NUM_WARPS, 1),
+        reduce_options=launch_options(target, REDUCE_NUM_WARPS, 1),
         smem_bytes=smem,
         prefetch_rows=prefetch,
     )
