@@ -239,7 +239,8 @@ class Point:
 def fmt_row(row) -> str:
     t = (
         f"H{row['block_h']} N{row['block_n']} s{row['num_stages']} w{row['num_warps']} "
-        f"x{row['num_kv_splits']}" + (" P" if row.get("prefetch_rows") else "")
+        f"x{row['num_kv_splits']}"
+        + (" P" if row.get("prefetch_rows") else "")
         + (" V" if row.get("v_reload") else "")
     )
     ev = f"{row['us_events']:9.1f}" if row["us_events"] is not None else f"{'-':>9}"

@@ -1,10 +1,10 @@
 """MLA decode: time explicit tile variants at chosen points (a focused sweep, one device call).
 
 Each variant is ``H,N,stages,warps,splits[,P][,V]`` (BLOCK_H, BLOCK_N, num_stages, num_warps,
-num_kv_splits, ``P`` = prefetched block-table rows, ``V`` = latent reloaded for PV); ``policy`` means the policy's own tiles. Every
-variant is checked against the fp64 oracle (tolerance rule of tests/helpers.py) before it is timed
-with ``do_bench_cudagraph`` (median); its compiled registers / spills / shared memory are
-recorded. Points, inputs, roofline and checks are `bench_mla`'s.
+num_kv_splits, ``P`` = prefetched block-table rows, ``V`` = latent reloaded for PV); ``policy``
+means the policy's own tiles. Every variant is checked against the fp64 oracle (tolerance rule
+of tests/helpers.py) before it is timed with ``do_bench_cudagraph`` (median); its compiled
+registers / spills / shared memory are recorded. Points, inputs, roofline and checks: `bench_mla`.
 
 Usage::
 
@@ -34,7 +34,7 @@ def parse_variant(spec: str):
     parts = spec.split(",")
     flags = {x.upper() for x in parts[5:]}
     if len(parts) < 5 or not flags <= {"P", "V"}:
-        raise SystemExit(f"sweep_mla: variant must be H,N,stages,warps,splits[,P][,V]; got {spec!r}")
+        raise SystemExit(f"sweep_mla: variant must be H,N,stages,warps,splits[,P][,V]; got {spec}")
     return (*(int(x) for x in parts[:5]), "P" in flags, "V" in flags)
 
 
@@ -55,8 +55,10 @@ def main(argv=None) -> int:
     points = [tuple(int(x) for x in p.split(":")) for p in args.point]
     copy_gbs, _ = copy_ceiling(2 * args.batch * max(c for _, c in points) * args.head_dim_k * elem)
     mm_tflops, _ = matmul_rate()
-    print(f"device: {torch.cuda.get_device_name()} ({target.arch}), commit {git_commit()}, "
-          f"triton {triton.__version__}; copy {copy_gbs:.0f} GB/s, bf16 mm {mm_tflops:.0f} TFLOP/s")
+    print(
+        f"device: {torch.cuda.get_device_name()} ({target.arch}), commit {git_commit()}, "
+        f"triton {triton.__version__}; copy {copy_gbs:.0f} GB/s, bf16 mm {mm_tflops:.0f} TFLOP/s"
+    )
     deadline = time.monotonic() + args.budget_s
     rows, failures = [], []
     for heads, ctx in points:
@@ -93,9 +95,18 @@ def main(argv=None) -> int:
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "sweep_mla.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), commit=git_commit(),
-                           copy_gb_per_s=copy_gbs, mm_tflops=mm_tflops, rows=rows,
-                           failures=failures), f, indent=1)
+            json.dump(
+                dict(
+                    device=torch.cuda.get_device_name(),
+                    commit=git_commit(),
+                    copy_gb_per_s=copy_gbs,
+                    mm_tflops=mm_tflops,
+                    rows=rows,
+                    failures=failures,
+                ),
+                f,
+                indent=1,
+            )
     return 1 if failures else 0
 
 

@@ -160,7 +160,7 @@ def sdpa_time_ms(args, seqs) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--points", default="", help="comma-separated substrings of the point names to run")
+    ap.add_argument("--points", default="", help="comma-separated substrings of point names")
     opts = ap.parse_args()
     target = current_target()
     dtype = torch.bfloat16
