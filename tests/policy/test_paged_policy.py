@@ -9,9 +9,11 @@ import pytest
 from portattn.platform import TARGETS, get_target
 from portattn.policy.common import LaunchOptions
 from portattn.policy.paged import (
+    MAX_REGS_4_WARPS_SMEM_MMA,
     MAX_REGS_8_WARPS,
     MAX_WORDS_8_WARPS,
     SHUFFLE_ADDR_WORDS,
+    SMEM_MMA_ARCHS,
     WIDE_MAX_REGS,
     WIDE_TILE_ARCHS,
     PagedProblem,
@@ -61,9 +63,15 @@ EXACT = [
     # prefill chunk of 512, GQA 4:1, block_size 2048 (the tile does not follow it); the decode
     # sequences of the batch get the 16-row decode tile (4 tokens x 4 heads)
     (
-        "sm_90",  # wide 128 x 64: 8-warp registers (16384 + 8192 + 4096) / 256 = 112 <= 112
+        "sm_100",  # wide 128 x 64: 8-warp registers (16384 + 8192 + 4096) / 256 = 112 <= 112
         _problem(max_query_len=512, block_size=2048),
         PagedTiles(128, 32, 4, 64, 128, LaunchOptions(8, 2), 65536 + 32768 + 16384, DEC_4x4),
+    ),
+    (
+        "sm_90",  # not wide (measured slower on an H100); 64 rows at 4 warps: one warpgroup with
+        # shared-memory operands, 4-warp estimate (8192 + 4096 + 4096) / 128 = 128 <= 128
+        _problem(max_query_len=512, block_size=2048),
+        PagedTiles(64, 16, 4, 64, 128, LaunchOptions(4, 2), 65536 + 16384 + 8192, DEC_4x4),
     ),
     (
         "sm_86",  # wide at 2 stages is 114688 B > 101376 B; 64 rows, 3 stages (122880 B) neither
@@ -96,9 +104,14 @@ EXACT = [
     ),
     # MQA with 128 heads: one wide program holds the whole group (K/V read once, not twice)
     (
-        "sm_90",
+        "sm_100",
         _problem(num_q_heads=128, num_kv_heads=1, head_dim=64),
         PagedTiles(128, 1, 128, 64, 64, LaunchOptions(8, 2), 32768 + 16384 + 16384),
+    ),
+    (
+        "sm_90",  # 64 heads each, one warpgroup: (4096 + 4096 + 2048) / 128 = 80 <= 128
+        _problem(num_q_heads=128, num_kv_heads=1, head_dim=64),
+        PagedTiles(64, 1, 64, 64, 64, LaunchOptions(4, 2), 32768 + 8192 + 8192),
     ),
     (
         "gfx950",  # fits the wide tile's memory, but MFMA keeps Q in registers: 64 heads each
@@ -230,7 +243,8 @@ def test_every_choice_fits_the_budget(arch):
         assert 1 <= t.num_stages <= target.max_num_stages
         assert (t.waves_per_eu is not None) == target.is_hip
         regs4 = estimate_registers(t.block_m, t.block_n, t.block_d, elem, 4, target.warp_size, shuf)
-        assert t.num_warps == (4 if regs4 <= 64 else 8)
+        smem_mma = arch in SMEM_MMA_ARCHS and t.block_m >= 64
+        assert t.num_warps == (4 if regs4 <= (MAX_REGS_4_WARPS_SMEM_MMA if smem_mma else 64) else 8)
         words = estimate_words(t.block_m, t.block_n, t.block_d, elem, shuf)
         assert t.block_m == 128 or t.block_n == 16 or words <= MAX_WORDS_8_WARPS
         assert t.block_m <= 64 or (
@@ -268,8 +282,10 @@ def test_estimate_formula():
 
 
 def test_register_estimate():
-    # sm_90 prefill tile at head_dim 128, fp16: 128 registers at 4 warps (spills), 64 at 8
-    assert estimate_registers(64, 64, 128, 2, 4, 32) == 128
+    # 64-row prefill tile at head_dim 128, fp16: 128 registers at 4 warps, 64 at 8; sm_90 takes
+    # 4 warps (218 registers compiled, no spills: wgmma operands in shared memory), mma.sync
+    # parts 8
+    assert estimate_registers(64, 64, 128, 2, 4, 32) == 128 == MAX_REGS_4_WARPS_SMEM_MMA
     assert estimate_registers(64, 64, 128, 2, 8, 32) == 64
     # the same tile on a 64-lane wavefront
     assert estimate_registers(64, 32, 128, 2, 4, 64) == (8192 + 2048 + 2048) // 256

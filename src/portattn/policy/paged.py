@@ -20,9 +20,11 @@ its shared memory is below the prefill tile's and the budget is the prefill tile
 Wide prefill tiles: with >= 128 rows of work (a prefill chunk, or MQA with 128 heads) the M tile
 is 128 (flash-attention's 128 x 64 x 8 warps) where the target's shared memory holds it at
 ``block_n`` 64 with >= 2 stages and the 8-warp register estimate is <= `WIDE_MAX_REGS`; halves the
-K/V traffic per FLOP of the 64-row tile. Only on `WIDE_TILE_ARCHS` (sm_90, sm_100: warpgroup MMA
-reads Q and P from shared memory), at head_dim <= 128 in 16-bit; elsewhere the compile matrix
-shows the 128-row tile spilling.
+K/V traffic per FLOP of the 64-row tile. Only on `WIDE_TILE_ARCHS` (sm_100: its MMA reads Q and
+P from shared memory), at head_dim <= 128 in 16-bit; elsewhere the compile matrix shows the 128-row
+tile spilling. sm_90 left it: on an H100 (bench/sweep_paged.py, RESULTS.md 2026-11-22) the 64-row
+tile at 4 warps beat it on every prefill-carrying point (mixed 512@8k + 63x4k: 633.9 vs 812.9 us
+at block 16, 611.1 vs 760.9 at block 2048; pure prefill 4 x 2048@8k: 3373.9 vs 3791.1 us).
 
 Split-KV (decode only): when ``num_seqs * num_kv_heads * head tiles`` programs cannot fill the
 GPU (`Target.num_sms`) and the context is long, each sequence's context is cut into
@@ -41,7 +43,12 @@ Register budget (`estimate_registers`, 32-bit registers per thread): the fp32 ac
 (``block_n * block_d * e / 4``) spread over ``num_warps * warp_size`` threads. 4 warps when that is
 <= 64 (what is left of the 255/256-register file holds Q, pointers and the softmax state), else 8.
 The threshold is the compile matrix's finding: 4-warp tiles estimated at 68 compile without
-spills, at 76 (gfx942) and 104-128 (sm_86/sm_90) they spill; at 8 warps those do not. Past
+spills, at 76 (gfx942) and 104-128 (sm_86/sm_90 16-row tiles) they spill; at 8 warps those do
+not. Exception, `SMEM_MMA_ARCHS` (sm_90): a tile of >= 64 rows at 4 warps is one warpgroup whose
+MMA (wgmma) reads K, V and P from shared memory, so its 4-warp budget is `MAX_REGS_4_WARPS_SMEM_MMA`
+(128): sm_90 compiles of head_dim 128 bf16 GQA 4:1 64 x 64 (estimate 128) and 64 x 32 (96) use 218
+and 152 registers without spills, and measured 1.5x faster than at 8 warps on an H100 (mixed
+batch: 633.9 vs 1034.5 us; 629.2 vs 930.9 us at block_n 32). Past
 `MAX_REGS_8_WARPS` at 8 warps (head_dim 256, block_n 64: 112) the ladder moves to a narrower
 ``block_n`` (the wide tile has its own bound, `WIDE_MAX_REGS`). That 8-warp bound is a budget of
 words per program (`MAX_WORDS_8_WARPS`, 96 x 8 x 32): a 64-lane wavefront spreads the tiles over
@@ -82,7 +89,7 @@ WIDE_BLOCK_N = 64
 # wgmma and Blackwell's tcgen05. On mma.sync (sm_80-sm_89, sm_120) and MFMA parts the 128-row Q
 # operand sits in registers next to the accumulators and the compile matrix shows spills (sm_80
 # hd128 GQA: 128 rows x 8 warps spilled; gfx950 likewise), so they keep <= 64 rows.
-WIDE_TILE_ARCHS = ("sm_90", "sm_100")
+WIDE_TILE_ARCHS = ("sm_100",)
 # 8-warp register estimate up to which the wide tile is taken: 112 is head_dim 128 in 16-bit
 # ((128*128 + 128*64 + 64*128*2/4) / 256); head_dim 256 (192) or fp32 at 128 (128) stay at 64 rows.
 WIDE_MAX_REGS = 112
@@ -100,6 +107,11 @@ PREFERRED_STAGES = 2
 # Warps per program: the smaller count unless the register budget needs the larger.
 NUM_WARPS = (4, 8)
 MAX_REGS_PER_THREAD = 64
+# Targets whose >= 64-row, 4-warp tiles use warpgroup MMA with shared-memory operands, and the 4-warp
+# estimate they may reach (module docstring).
+SMEM_MMA_ARCHS = ("sm_90",)
+SMEM_MMA_MIN_ROWS = 64
+MAX_REGS_4_WARPS_SMEM_MMA = 128
 # The 8-warp estimate a (non-wide) tile may reach: 64-row tiles at head_dim 256 with block_n 64
 # (112) spilled 76-644 B on sm_90 in the compile matrix; block_n 32 (88) does not.
 MAX_REGS_8_WARPS = 96
@@ -268,11 +280,13 @@ def estimate_registers(
 def _num_warps(
     target: Target, block_m: int, block_n: int, block_d: int, elem_bytes: int, shuffled: bool
 ) -> int:
+    smem_mma = target.arch in SMEM_MMA_ARCHS and block_m >= SMEM_MMA_MIN_ROWS
     for warps in NUM_WARPS:
         regs = estimate_registers(
             block_m, block_n, block_d, elem_bytes, warps, target.warp_size, shuffled
         )
-        if regs <= MAX_REGS_PER_THREAD:
+        budget = MAX_REGS_4_WARPS_SMEM_MMA if smem_mma and warps == 4 else MAX_REGS_PER_THREAD
+        if regs <= budget:
             return warps
     return NUM_WARPS[-1]
 
@@ -328,8 +342,9 @@ def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
       * ``(block_n, num_stages)`` from `_ladder`, first that fits the shared-memory budget and
         `estimate_words` <= `MAX_WORDS_8_WARPS` (block_n 16 always passes the latter);
         if none fits, ``block_m`` halves (down to 16) and the ladder is walked again.
-      * ``num_warps`` 4, or 8 where `estimate_registers` at 4 exceeds 64 (both estimates count
-        the SHUFFLE address words when ``shuffled``).
+      * ``num_warps`` 4, or 8 where `estimate_registers` at 4 exceeds 64 (128 for >= 64-row
+        tiles on `SMEM_MMA_ARCHS`; both estimates count the SHUFFLE address words when
+        ``shuffled``).
       * ``decode``: the row tile a ``max_query_len == 1`` problem would get, when it differs from
         the chosen one and ``max_query_len`` exceeds its ``block_q`` (mixed batches).
       * ``num_splits`` from `split_count`.
