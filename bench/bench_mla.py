@@ -1,6 +1,6 @@
 """MLA decode timing on one GPU: correctness first, then medians, a copy ceiling and a roofline.
 
-Default run (the issue's first timing): batch 64, contexts 4k and 16k, 16 and 128 heads, 576/512
+Default run (issue 8's points): batch 64, contexts 1k, 4k and 16k, 16 and 128 heads, 576/512
 (DeepSeek-V3), page size 64, bf16, random inputs. Measured once per run: a device-to-device copy
 ceiling (bytes read + written / time, buffer as large as the largest KV read) and a bf16 matmul
 rate (``torch.mm`` 8192^3). For each point:
@@ -365,7 +365,7 @@ def sweep_point(p: Point, base: MlaTiles, shapes, deadline, failures):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     ap.add_argument("--head-dim-k", type=int, default=576)
     ap.add_argument("--kv-lora-rank", type=int, default=512)
