@@ -107,8 +107,8 @@ PREFERRED_STAGES = 2
 # Warps per program: the smaller count unless the register budget needs the larger.
 NUM_WARPS = (4, 8)
 MAX_REGS_PER_THREAD = 64
-# Targets whose >= 64-row, 4-warp tiles use warpgroup MMA with shared-memory operands, and the 4-warp
-# estimate they may reach (module docstring).
+# Targets whose >= 64-row, 4-warp tiles use warpgroup MMA with shared-memory operands, and the
+# 4-warp estimate they may reach (module docstring).
 SMEM_MMA_ARCHS = ("sm_90",)
 SMEM_MMA_MIN_ROWS = 64
 MAX_REGS_4_WARPS_SMEM_MMA = 128
