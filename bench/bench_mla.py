@@ -53,9 +53,9 @@ from portattn.platform import current_target
 from portattn.policy.common import LaunchOptions
 from portattn.policy.mla import (
     MIN_TOKENS_PER_SPLIT,
-    PROGRAMS_PER_SM_WIDE,
     MlaTiles,
     mla_num_kv_splits,
+    mla_programs_per_sm,
     mla_smem_bytes,
 )
 
@@ -349,7 +349,7 @@ def sweep_point(p: Point, base: MlaTiles, shapes, deadline, failures):
         if mla_smem_bytes(bh, bn, base.block_dv, base.block_dpe, 1, elem) > p.target.max_shared_mem:
             continue
         smem = mla_smem_bytes(bh, bn, base.block_dv, base.block_dpe, st, elem, True)
-        per_sm = PROGRAMS_PER_SM_WIDE if bh >= 64 else max(1, p.target.max_shared_mem // smem)
+        per_sm = mla_programs_per_sm(p.target, bh, smem)
         one(bh, bn, st, w, mla_num_kv_splits(p.target, a.batch, groups(bh), p.ctx, per_sm), True)
     for bh, bn, st, w in shapes:
         one(bh, bn, st, w, splits_for_waves(2, p.target, a.batch, groups(bh), p.ctx))

@@ -219,6 +219,19 @@ def mla_num_kv_splits(
     return max(1, min(want, by_context, MAX_KV_SPLITS))
 
 
+def mla_programs_per_sm(target: Target, block_h: int, smem_bytes: int) -> int:
+    """Resident programs per SM the split count aims at (module doc, Split-KV).
+
+    HIP: `PROGRAMS_PER_SM`; the wide CUDA tile: `PROGRAMS_PER_SM_WIDE`; the narrow CUDA tile: as
+    many as its shared-memory estimate lets reside (``max_shared_mem // smem_bytes``, >= 1).
+    """
+    if target.is_hip:
+        return PROGRAMS_PER_SM
+    if block_h >= WIDE_BLOCK_H:
+        return PROGRAMS_PER_SM_WIDE
+    return max(1, target.max_shared_mem // smem_bytes)
+
+
 def _problem_errors(p: MlaProblem) -> list[str]:
     errors = []
     for name in ("num_heads", "head_dim_k", "kv_lora_rank", "elem_size", "max_context"):
@@ -298,17 +311,11 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     # an H200, 16 heads, batch 64: 4k 137.1 -> 124.5 us, 16k 456.8 -> 408.2 us (N32 w4 x16).
     # Taken where the estimate with two latent buffers fits both budgets.
     prefetch = False
-    wide = block_h >= WIDE_BLOCK_H
-    if not target.is_hip and not wide and stages >= 2:
+    if not target.is_hip and block_h < WIDE_BLOCK_H and stages >= 2:
         deeper = fits(block_h, block_n, PREFETCH_STAGES, warps, prefetch=True)
         if deeper is not None and target.max_num_stages >= PREFETCH_STAGES:
             stages, smem, prefetch = PREFETCH_STAGES, deeper, True
-    if target.is_hip:
-        per_sm = PROGRAMS_PER_SM
-    elif wide:
-        per_sm = PROGRAMS_PER_SM_WIDE
-    else:  # the narrow CUDA tile: as many programs per SM as its shared memory lets reside
-        per_sm = max(1, target.max_shared_mem // smem)
+    per_sm = mla_programs_per_sm(target, block_h, smem)
     padded_heads = -(-problem.num_heads // block_h) * block_h
     splits = mla_num_kv_splits(
         target, problem.num_tokens, padded_heads // block_h, problem.max_context, per_sm
