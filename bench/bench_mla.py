@@ -174,7 +174,10 @@ def shape_candidates(heads, base, target, elem):
 def tiles_desc(t: MlaTiles) -> str:
     return (
         f"H{t.block_h} N{t.block_n} s{t.options.num_stages} w{t.options.num_warps} "
-        f"x{t.num_kv_splits}" + (" P" if t.prefetch_rows else "") + (" V" if t.v_reload else "")
+        f"x{t.num_kv_splits}"
+        + (" P" if t.prefetch_rows else "")
+        + (" V" if t.v_reload else "")
+        + (" T" if t.tma else "")
     )
 
 
@@ -228,7 +231,7 @@ class Point:
             block_h=t.block_h, padded_heads=t.padded_heads, block_n=t.block_n,
             num_stages=t.options.num_stages, num_warps=t.options.num_warps,
             num_kv_splits=t.num_kv_splits, smem_estimate=t.smem_bytes,
-            prefetch_rows=t.prefetch_rows, v_reload=t.v_reload,
+            prefetch_rows=t.prefetch_rows, v_reload=t.v_reload, tma=t.tma,
             rel_err_kernel=errs[1], rel_err_torch=errs[2],
             us_events=us_events, us_graph=us_graph, gb_per_s=gbs,
             pct_of_copy=100 * gbs / self.copy_gbs, x_roofline=us / self.roof["us_roof"],
@@ -242,6 +245,7 @@ def fmt_row(row) -> str:
         f"x{row['num_kv_splits']}"
         + (" P" if row.get("prefetch_rows") else "")
         + (" V" if row.get("v_reload") else "")
+        + (" T" if row.get("tma") else "")
     )
     ev = f"{row['us_events']:9.1f}" if row["us_events"] is not None else f"{'-':>9}"
     return (

@@ -1,7 +1,8 @@
 """MLA decode: time explicit tile variants at chosen points (a focused sweep, one device call).
 
-Each variant is ``H,N,stages,warps,splits[,P][,V]`` (BLOCK_H, BLOCK_N, num_stages, num_warps,
-num_kv_splits, ``P`` = prefetched block-table rows, ``V`` = latent reloaded for PV); ``policy``
+Each variant is ``H,N,stages,warps,splits[,P][,V][,T]`` (BLOCK_H, BLOCK_N, num_stages, num_warps,
+num_kv_splits, ``P`` = prefetched block-table rows, ``V`` = latent reloaded for PV, ``T`` = whole
+tiles through tensor descriptors, else every tile gathered); ``policy``
 means the policy's own tiles. Every variant is checked against the fp64 oracle (tolerance rule
 of tests/helpers.py) before it is timed with ``do_bench_cudagraph`` (median); its compiled
 registers / spills / shared memory are recorded. Points, inputs, roofline and checks: `bench_mla`.
@@ -30,12 +31,15 @@ from portattn.platform import current_target
 
 
 def parse_variant(spec: str):
-    """``H,N,stages,warps,splits`` then optional flags ``P`` (prefetch) and ``V`` (V reload)."""
+    """``H,N,stages,warps,splits`` then optional flags ``P`` (prefetch), ``V`` (V reload), ``T``
+    (tensor descriptors)."""
     parts = spec.split(",")
     flags = {x.upper() for x in parts[5:]}
-    if len(parts) < 5 or not flags <= {"P", "V"}:
-        raise SystemExit(f"sweep_mla: variant must be H,N,stages,warps,splits[,P][,V]; got {spec}")
-    return (*(int(x) for x in parts[:5]), "P" in flags, "V" in flags)
+    if len(parts) < 5 or not flags <= {"P", "V", "T"}:
+        raise SystemExit(
+            f"sweep_mla: variant must be H,N,stages,warps,splits[,P][,V][,T]; got {spec}"
+        )
+    return (*(int(x) for x in parts[:5]), "P" in flags, "V" in flags, "T" in flags)
 
 
 def main(argv=None) -> int:
@@ -74,10 +78,10 @@ def main(argv=None) -> int:
             else:
                 if base is None:
                     _, base = bench_policy(p)
-                bh, bn, st, w, sp, pf, vr = parse_variant(spec)
+                bh, bn, st, w, sp, pf, vr, tma = parse_variant(spec)
                 if bh < 2 * heads or bh == 16:
                     t = dataclasses.replace(
-                        variant(base, heads, bh, bn, st, w, sp, elem, pf), v_reload=vr
+                        variant(base, heads, bh, bn, st, w, sp, elem, pf), v_reload=vr, tma=tma
                     )
                     row = time_variant(p, t, failures)
                 else:

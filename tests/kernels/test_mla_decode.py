@@ -168,6 +168,61 @@ def test_prefetched_rows_and_value_reload(prefetch_rows, v_reload, device):
     check(out, lse, q, cache, bt, sl, qsl, r, 0.05, torch.float32)
 
 
+def _poison_unowned_rows(cache, bt, sl):
+    """NaN in every cache row no sequence owns (spare blocks, rows past each context's end)."""
+    owned = torch.zeros(cache.shape[:2], dtype=torch.bool, device=cache.device)
+    bs = cache.shape[1]
+    for i, n in enumerate(sl.tolist()):
+        for pos in range(n):
+            owned[bt[i, pos // bs], pos % bs] = True
+    cache[~owned] = float("nan")
+
+
+@pytest.mark.parametrize(("splits", "strided"), [(1, False), (2, True)])
+def test_bulk_copy_tiles(splits, strided, device):
+    """Whole tiles inside one page come from tensor descriptors (TMA on sm_90), the partial last
+    tile of each split from the gather; unowned rows are NaN, so any wrong row shows."""
+    dk, r, heads = 288, 256, 4
+    q, cache0, bt, sl, qsl = make_inputs(
+        dk, r, heads, 32, (2, 1, 1), (40, 9, 64), torch.float32, device
+    )
+    _poison_unowned_rows(cache0, bt, sl)
+    if strided:  # padded rows and blocks, 16-byte aligned: still descriptor-legal
+        big = torch.full((cache0.shape[0], 40, dk + 32), float("nan"), device=device)
+        big[:, :32, 16 : 16 + dk] = cache0
+        cache = big[:, :32, 16 : 16 + dk]
+    else:
+        cache = cache0
+    tiles = dataclasses.replace(_split_tiles(get_target("sm_90"), dk, r, heads, splits), tma=True)
+    launches = plan_mla_decode(
+        q, cache, bt, sl, kv_lora_rank=r, scale=0.05, query_start_loc=qsl, return_lse=True,
+        tiles=tiles,
+    )  # fmt: skip
+    assert launches[0].args["TMA"] is True
+    run_all(launches)
+    out, lse = launches[0].outputs
+    check(out, lse, q, cache0, bt, sl, qsl, r, 0.05, torch.float32)
+
+
+@pytest.mark.parametrize("why", ["page_indices", "tile_across_pages", "padded_columns"])
+def test_bulk_copy_falls_back_to_gather(why, device):
+    """Where a descriptor cannot load a whole tile, the same tiles gather row by row."""
+    dk, r, heads = (320, 256, 4) if why != "padded_columns" else (300, 256, 4)
+    bs = 8 if why == "tile_across_pages" else 16
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, (2, 1), (40, 9), torch.float32, device)
+    tiles = dataclasses.replace(_split_tiles(get_target("sm_90"), dk, r, heads, 1), tma=True)
+    kw = dict(kv_lora_rank=r, scale=0.05, query_start_loc=qsl, return_lse=True, tiles=tiles)
+    if why == "page_indices":
+        pages = tuple(t.to(device) for t in reference.expand_page_indices(bt.cpu(), sl.cpu(), bs))
+        launches = plan_mla_decode(q, cache, None, sl, page_indices=pages, **kw)
+    else:
+        launches = plan_mla_decode(q, cache, bt, sl, **kw)
+    assert launches[0].args["TMA"] is False
+    run_all(launches)
+    out, lse = launches[0].outputs
+    check(out, lse, q, cache, bt, sl, qsl, r, 0.05, torch.float32)
+
+
 def test_strided_inputs_and_out_in_place(device):
     """Query, cache and out as non-contiguous views (cache rows padded, blocks interleaved)."""
     dk, r, heads = 288, 256, 4

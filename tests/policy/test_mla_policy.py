@@ -31,7 +31,8 @@ def problem(dk=576, r=512, heads=16, elem=2, tokens=64, context=4096) -> MlaProb
 
 
 # arch, (dk, r) -> (block_n, num_warps, num_stages, smem_bytes, num_kv_splits[, prefetch_rows]) for
-# 16 heads, 64 tokens, 4k context; BLOCK_H 16. The longest KV tile within both budgets at the fewest
+# 16 heads, 64 tokens, 4k context; BLOCK_H 16; descriptor (TMA) tiles on sm_90 and later. The
+# longest KV tile within both budgets at the fewest
 # warps (576/512 N64 needs 8 warps: 4 would spill), then NVIDIA tiles whose two-buffer estimate fits
 # prefetch block-table rows at 3 stages. Splits: the most that fit one wave of resident programs:
 # floor(resident * SMs / 64) with resident = max_shared // smem on CUDA (sm_90 N64 w8: 1 -> 2;
@@ -80,6 +81,7 @@ def test_exact_tiles_cuda_and_hip(arch, dk, r):
         reduce_options=LaunchOptions(4, 1, 2 if target.is_hip else None),
         smem_bytes=smem,
         prefetch_rows=bool(prefetch),
+        tma=not target.is_hip and target.capability >= 90,  # sm_90, sm_100, sm_120
     )
     assert mla_decode_tiles(target, problem(dk, r)) == want
 
@@ -102,6 +104,7 @@ def test_exact_wide_tiles_for_many_heads(arch):
         options=LaunchOptions(8, 2, None),
         reduce_options=LaunchOptions(4, 1, None),
         smem_bytes=smem,
+        tma=target.capability >= 90,
     )
     assert mla_reg_estimate(64, block_n, 512, 64, 8, 2) <= REG_BUDGET
 

@@ -42,6 +42,7 @@ from numbers import Real
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
 from portattn.kernels._launch import Launch, run_all
@@ -118,9 +119,39 @@ def _kv_rows(
 
 
 @triton.jit
+def _online_step(
+    q_lat,  # [BLOCK_H, BLOCK_DV]
+    q_pe,  # [BLOCK_H, BLOCK_DPE] (unused when BLOCK_DPE == 0)
+    lat,  # [BLOCK_N, BLOCK_DV] K's latent part
+    pe,  # [BLOCK_N, BLOCK_DPE] K's rope part (unused when BLOCK_DPE == 0)
+    v,  # [BLOCK_N, BLOCK_DV] V (the latent tile itself, or its reload)
+    mask_n,  # [BLOCK_N] rows inside the context
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    BLOCK_DPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One tile of the online softmax: scores (latent + rope), running max/sum, PV."""
+    qk = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
+    if BLOCK_DPE > 0:
+        qk += tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
+    qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_decode_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim_k]
     kv_ptr,  # [num_blocks, block_size, head_dim_k], any strides
+    lat_desc,  # TMA: descriptor of kv_ptr, box [1, BLOCK_N, BLOCK_DV] (else kv_ptr again)
+    pe_desc,  # TMA: descriptor of kv_ptr, box [1, BLOCK_N, BLOCK_DPE] (else kv_ptr again)
     block_table_ptr,  # [num_seqs, max_blocks_per_seq] (not read with PAGE_INDICES)
     page_indptr_ptr,  # [num_seqs + 1] (PAGE_INDICES only)
     page_indices_ptr,  # [total_context_tokens] flat slots (PAGE_INDICES only)
@@ -177,6 +208,7 @@ def _mla_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     V_RELOAD: tl.constexpr,
     PREFETCH_ROWS: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # Lesson 1: the value tile is the latent tile, sized from kv_lora_rank; the rope tile from the
     # rest. Tiles sized from head_dim_k (next_pow2(320) = 512 for a 256 latent) are refused here.
@@ -235,6 +267,8 @@ def _mla_decode_kernel(
         pe_off = (offs_pe // DIM_SPLIT) * stride_kv_dim_hi + (
             offs_pe % DIM_SPLIT
         ) * stride_kv_dim_lo
+    else:
+        q_pe = q_lat
 
     qk_scale = scale * 1.4426950408889634  # exp2 domain
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -246,6 +280,43 @@ def _mla_decode_kernel(
     else:
         page_start = tl.zeros((), dtype=tl.int64)
 
+    if TMA:
+        # Whole tiles inside one page (block_size % BLOCK_N == 0): one descriptor load per part,
+        # which Triton pipelines as asynchronous bulk copies. The last, partial tile (whose rows
+        # past `end` must read as zeros) goes through the gather loop below.
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        # the next tile's block id is loaded one step early (off the load -> copy chain)
+        blk_next = tl.load(
+            bt_row + (start // block_size) * stride_bt_blk, mask=start < full_end, other=0
+        )
+        for n in range(start, full_end, BLOCK_N):
+            blk = blk_next.to(tl.int32)
+            blk_next = tl.load(
+                bt_row + ((n + BLOCK_N) // block_size) * stride_bt_blk,
+                mask=n + BLOCK_N < full_end,
+                other=0,
+            )
+            off = n % block_size
+            lat = lat_desc.load([blk, off, 0]).reshape(BLOCK_N, BLOCK_DV)
+            if BLOCK_DPE > 0:
+                pe = pe_desc.load([blk, off, KV_LORA_RANK]).reshape(BLOCK_N, BLOCK_DPE)
+            else:
+                pe = lat
+            m_i, l_i, acc = _online_step(
+                q_lat,
+                q_pe,
+                lat,
+                pe,
+                lat,
+                (n + tl.arange(0, BLOCK_N)) < end,
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                BLOCK_DPE,
+                DOT_PRECISION,
+            )
+        start = full_end
     if PREFETCH_ROWS:  # software pipelining by hand: tile i+1's block-table entries during tile i
         row_next = _kv_rows(
             start,
@@ -263,7 +334,7 @@ def _mla_decode_kernel(
             PAGE_INDICES,
             TOK_SPLIT,
         )
-    for n in range(start, end, BLOCK_N):
+    for n in range(start, end, BLOCK_N):  # with TMA: only the partial last tile
         # -- context rows n .. n+BLOCK_N-1: block and in-block offset (int64 offsets) --
         offs_n = n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
@@ -302,27 +373,20 @@ def _mla_decode_kernel(
                 PAGE_INDICES,
                 TOK_SPLIT,
             )
-        # -- scores: latent part + rope part --
         lat = tl.load(
             kv_ptr + row[:, None] + dv_off[None, :],
             mask=mask_n[:, None] & mask_dv[None, :],
             other=0.0,
             eviction_policy="evict_last" if V_RELOAD else "",
         )  # [BLOCK_N, BLOCK_DV]: K's latent part AND V (K's only with V_RELOAD)
-        qk = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
         if BLOCK_DPE > 0:
             pe = tl.load(
                 kv_ptr + row[:, None] + pe_off[None, :],
                 mask=mask_n[:, None] & mask_pe[None, :],
                 other=0.0,
             )  # [BLOCK_N, BLOCK_DPE]
-            qk += tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
-        qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
-        # -- online softmax, PV with the same latent tile --
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        else:
+            pe = lat
         if V_RELOAD:  # a second load of the same rows (L2 hit): one dot use per load
             v = tl.load(
                 kv_ptr + row[:, None] + dv_off[None, :],
@@ -332,8 +396,9 @@ def _mla_decode_kernel(
             )
         else:
             v = lat
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_step(
+            q_lat, q_pe, lat, pe, v, mask_n, m_i, l_i, acc, qk_scale, BLOCK_DPE, DOT_PRECISION
+        )
 
     # -- epilogue: normalised output and natural-log lse (-inf, zeros for an empty range) --
     has = l_i > 0
@@ -647,6 +712,29 @@ def _workspace_errors(tiles: MlaTiles, md: MlaMetadata, num_tokens: int) -> list
     return errors
 
 
+def _tma_ok(kv_cache: torch.Tensor, kv_lora_rank: int, tiles: MlaTiles, paged_slots: bool) -> bool:
+    """Whether whole tiles can come from tensor descriptors (bulk copies) on this cache.
+
+    Each tile must lie inside one page (``block_size % block_n == 0``; not with flat
+    ``page_indices`` slots), the latent and rope tiles must be exactly the cache's columns (no
+    padded columns, which a descriptor would fill from the neighbouring part), and the cache must
+    meet the copy engine's rules: contiguous last dimension, 16-byte aligned base and strides.
+    """
+    t = tiles
+    elem = kv_cache.element_size()
+    rope = kv_cache.shape[2] - kv_lora_rank
+    return (
+        not paged_slots
+        and kv_cache.shape[1] % t.block_n == 0
+        and t.block_dv == kv_lora_rank
+        and t.block_dpe == rope
+        and rope > 0
+        and kv_cache.stride(2) == 1
+        and all((st * elem) % 16 == 0 for st in kv_cache.stride()[:2])
+        and kv_cache.data_ptr() % 16 == 0
+    )
+
+
 def plan_mla_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -775,6 +863,17 @@ def plan_mla_decode(
     stride_po = part_out.stride() if splits > 1 else (0, 0, 0, 0)
     stride_pl = part_lse.stride() if splits > 1 else (0, 0, 0)
     kv_args = kv.kernel_args("kv")
+    tma = tiles.tma and _tma_ok(kv_cache, kv_lora_rank, tiles, page_indices is not None)
+    if tma:
+        dims = list(kv_cache.shape)
+        lat_desc = TensorDescriptor(
+            kv_cache, dims, list(kv_cache.stride()), [1, tiles.block_n, tiles.block_dv]
+        )
+        pe_desc = TensorDescriptor(
+            kv_cache, dims, list(kv_cache.stride()), [1, tiles.block_n, max(tiles.block_dpe, 1)]
+        )
+    else:
+        lat_desc = pe_desc = kv_cache
     # DIM_SPLIT/TOK_SPLIT: 1 for this NHD-like cache (the layout rule's general form is kept).
     main = Launch(
         kernel=_mla_decode_kernel,
@@ -782,6 +881,8 @@ def plan_mla_decode(
         args=dict(
             q_ptr=query,
             kv_ptr=kv_cache,
+            lat_desc=lat_desc,
+            pe_desc=pe_desc,
             block_table_ptr=bt,
             page_indptr_ptr=indptr,
             page_indices_ptr=indices,
@@ -836,6 +937,7 @@ def plan_mla_decode(
             DOT_PRECISION="ieee",
             V_RELOAD=tiles.v_reload,
             PREFETCH_ROWS=tiles.prefetch_rows,
+            TMA=tma,
         ),
         options=tiles.options,
         target=target,

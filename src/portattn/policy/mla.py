@@ -99,6 +99,11 @@ MAX_STAGES = 2
 #: Pipeline depth of the narrow NVIDIA tile when it prefetches block-table rows (see below):
 #: two latent buffers.
 PREFETCH_STAGES = 3
+#: CUDA targets from this capability have the bulk-copy engine (TMA): whole tiles inside one page
+#: come through tensor descriptors (`MlaTiles.tma`). Measured on an H100 (bench/RESULTS.md,
+#: 2026-11-22): 128 heads 16k 1312.7 -> 1101.1 us, 4k 359.4 -> 300.5 us; 16 heads 16k
+#: 429.2 -> 414.1 us, 4k 116.9 -> 115.1 us.
+TMA_MIN_CAPABILITY = 90
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,10 @@ class MlaTiles:
         prefetch_rows: compute tile i+1's row offsets (its block-table loads) during tile i, so
             the latent load's address no longer depends on a load of the same iteration and the
             pipeliner can give it ``num_stages - 1`` buffers (bench/NOTES.md attempt 2).
+        tma: load whole tiles that lie inside one page through tensor descriptors (the bulk
+            copy engine: one asynchronous copy per tile part instead of a per-thread gather); the
+            launch falls back to the gather where the cache or the tiles do not allow it
+            (`portattn.kernels.mla_decode`), and the partial last tile of a split is gathered.
     """
 
     block_h: int
@@ -155,6 +164,7 @@ class MlaTiles:
     smem_bytes: int
     v_reload: bool = False
     prefetch_rows: bool = False
+    tma: bool = False
 
     @property
     def head_groups(self) -> int:
@@ -320,6 +330,7 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     splits = mla_num_kv_splits(
         target, problem.num_tokens, padded_heads // block_h, problem.max_context, per_sm
     )
+    tma = not target.is_hip and target.capability >= TMA_MIN_CAPABILITY
     return MlaTiles(
         block_h=block_h,
         padded_heads=padded_heads,
@@ -331,4 +342,5 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         reduce_options=launch_options(target, REDUCE_NUM_WARPS, 1),
         smem_bytes=smem,
         prefetch_rows=prefetch,
+        tma=tma,
     )
