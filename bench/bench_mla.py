@@ -178,6 +178,7 @@ def tiles_desc(t: MlaTiles) -> str:
         + (" P" if t.prefetch_rows else "")
         + (" V" if t.v_reload else "")
         + (" T" if t.tma else "")
+        + (" G" if t.sm90_kernel else "")
     )
 
 
@@ -232,6 +233,7 @@ class Point:
             num_stages=t.options.num_stages, num_warps=t.options.num_warps,
             num_kv_splits=t.num_kv_splits, smem_estimate=t.smem_bytes,
             prefetch_rows=t.prefetch_rows, v_reload=t.v_reload, tma=t.tma,
+            sm90_kernel=t.sm90_kernel,
             rel_err_kernel=errs[1], rel_err_torch=errs[2],
             us_events=us_events, us_graph=us_graph, gb_per_s=gbs,
             pct_of_copy=100 * gbs / self.copy_gbs, x_roofline=us / self.roof["us_roof"],
@@ -246,6 +248,7 @@ def fmt_row(row) -> str:
         + (" P" if row.get("prefetch_rows") else "")
         + (" V" if row.get("v_reload") else "")
         + (" T" if row.get("tma") else "")
+        + (" G" if row.get("sm90_kernel") else "")
     )
     ev = f"{row['us_events']:9.1f}" if row["us_events"] is not None else f"{'-':>9}"
     return (

@@ -2,7 +2,8 @@
 
 Each variant is ``H,N,stages,warps,splits[,P][,V][,T]`` (BLOCK_H, BLOCK_N, num_stages, num_warps,
 num_kv_splits, ``P`` = prefetched block-table rows, ``V`` = latent reloaded for PV, ``T`` = whole
-tiles through tensor descriptors, else every tile gathered); ``policy``
+tiles through tensor descriptors, else every tile gathered; ``G`` = the sm_90 Gluon kernel where
+its requirements hold); ``policy``
 means the policy's own tiles. Every variant is checked against the fp64 oracle (tolerance rule
 of tests/helpers.py) before it is timed with ``do_bench_cudagraph`` (median); its compiled
 registers / spills / shared memory are recorded. Points, inputs, roofline and checks: `bench_mla`.
@@ -35,11 +36,11 @@ def parse_variant(spec: str):
     (tensor descriptors)."""
     parts = spec.split(",")
     flags = {x.upper() for x in parts[5:]}
-    if len(parts) < 5 or not flags <= {"P", "V", "T"}:
+    if len(parts) < 5 or not flags <= {"P", "V", "T", "G"}:
         raise SystemExit(
-            f"sweep_mla: variant must be H,N,stages,warps,splits[,P][,V][,T]; got {spec}"
+            f"sweep_mla: variant must be H,N,stages,warps,splits[,P][,V][,T][,G]; got {spec}"
         )
-    return (*(int(x) for x in parts[:5]), "P" in flags, "V" in flags, "T" in flags)
+    return (*(int(x) for x in parts[:5]), "P" in flags, "V" in flags, "T" in flags, "G" in flags)
 
 
 def main(argv=None) -> int:
@@ -78,10 +79,13 @@ def main(argv=None) -> int:
             else:
                 if base is None:
                     _, base = bench_policy(p)
-                bh, bn, st, w, sp, pf, vr, tma = parse_variant(spec)
+                bh, bn, st, w, sp, pf, vr, tma, g = parse_variant(spec)
                 if bh < 2 * heads or bh == 16:
                     t = dataclasses.replace(
-                        variant(base, heads, bh, bn, st, w, sp, elem, pf), v_reload=vr, tma=tma
+                        variant(base, heads, bh, bn, st, w, sp, elem, pf),
+                        v_reload=vr,
+                        tma=tma,
+                        sm90_kernel=g,
                     )
                     row = time_variant(p, t, failures)
                 else:

@@ -173,8 +173,8 @@ def _poison_unowned_rows(cache, bt, sl):
     owned = torch.zeros(cache.shape[:2], dtype=torch.bool, device=cache.device)
     bs = cache.shape[1]
     for i, n in enumerate(sl.tolist()):
-        for pos in range(n):
-            owned[bt[i, pos // bs], pos % bs] = True
+        pos = torch.arange(n, device=cache.device)
+        owned[bt[i, pos // bs].long(), pos % bs] = True
     cache[~owned] = float("nan")
 
 
@@ -508,6 +508,45 @@ def test_gpu_bf16_real_shapes(case, form):
         out, lse = mla_decode(q, cache, bt, sl, metadata=md, **kw)
     else:
         out, lse = mla_decode(q, cache, bt, sl, **kw)
+    oracle, lse_ref = fast_oracle(q, cache, bt, sl, qsl, r, scale, torch.float64)
+    lowp, _ = fast_oracle(q, cache, bt, sl, qsl, r, scale, dtype)
+    assert_low_precision_close(out, oracle, lowp)
+    torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dk", "r", "heads", "bs", "q_lens", "seq_lens", "splits"),
+    [
+        (576, 512, 128, 64, (1, 3, 6, 2), (32768, 4100, 6, 1000), None),  # policy's splits
+        (576, 512, 128, 64, (1, 3, 6, 2), (32768, 4100, 6, 1000), 1),
+        (576, 512, 64, 128, None, (1, 64, 65, 5000), 7),  # empty splits, one-row sequence
+        (320, 256, 100, 64, (2, 1), (127, 9000), 3),  # padded heads (100 -> 128), rope 64
+    ],
+)
+def test_gpu_sm90_kernel(dk, r, heads, bs, q_lens, seq_lens, splits):
+    """The Hopper kernel against the oracle; unowned cache rows are NaN, so a partial tile whose
+    stale rows were not zeroed, or any wrong row, shows."""
+    from portattn.platform import current_target
+
+    target = current_target()
+    if target.arch != "sm_90":
+        pytest.skip(f"the sm_90 kernel needs an sm_90 device; this is {target.arch}")
+    dtype = torch.bfloat16
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, dtype, "cuda")
+    _poison_unowned_rows(cache, bt, sl)
+    scale = 1 / math.sqrt(dk)
+    base = mla_decode_tiles(target, MlaProblem(heads, dk, r, 2, q.shape[0], max(seq_lens)))
+    tiles = dataclasses.replace(base, sm90_kernel=True)
+    if splits is not None:
+        tiles = dataclasses.replace(tiles, num_kv_splits=splits)
+    launches = plan_mla_decode(
+        q, cache, bt, sl, kv_lora_rank=r, scale=scale, query_start_loc=qsl, return_lse=True,
+        tiles=tiles,
+    )  # fmt: skip
+    assert launches[0].name == "mla_decode_sm90"
+    run_all(launches)
+    out, lse = launches[0].outputs
     oracle, lse_ref = fast_oracle(q, cache, bt, sl, qsl, r, scale, torch.float64)
     lowp, _ = fast_oracle(q, cache, bt, sl, qsl, r, scale, dtype)
     assert_low_precision_close(out, oracle, lowp)

@@ -91,6 +91,18 @@ def _triton_bin(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def source_for(kernel):
+    """The compiler front end of ``kernel``: Gluon kernels need theirs (it sets the module's warp
+    count before code generation), Triton kernels the plain `ASTSource`."""
+    from triton.compiler import ASTSource
+
+    if getattr(kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        return GluonASTSource
+    return ASTSource
+
+
 def bind(launch: Launch, target: Target):
     """Triton's (signature, constexprs, attrs, options) for ``launch`` compiled for ``target``.
 
@@ -268,7 +280,6 @@ def compile_launch(
     the result has the shared memory but no registers, spills or hash.
     """
     import triton
-    from triton.compiler import ASTSource
 
     kernel_name = getattr(launch.kernel, "__name__", str(launch.kernel))
     opts = launch.options
@@ -286,7 +297,7 @@ def compile_launch(
         try:
             with _stderr_to(log):
                 options, signature, constexprs, attrs = bind(launch, target)
-                src = ASTSource(launch.kernel, signature, constexprs, attrs)
+                src = source_for(launch.kernel)(launch.kernel, signature, constexprs, attrs)
                 if shared_only:
                     shared = shared_memory_only(src, target, options)
                 else:

@@ -46,6 +46,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
 from portattn.kernels._launch import Launch, run_all
+from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_launch
 from portattn.layout import describe_kv_cache
 from portattn.mla_metadata import MlaMetadata
 from portattn.platform import Target, target_for_tensor
@@ -944,6 +945,10 @@ def plan_mla_decode(
         name="mla_decode",
         outputs=outputs,
     )
+    if tiles.sm90_kernel and not sm90_errors(
+        kv_cache, kv_lora_rank, tiles.block_h, tiles.block_n, target, page_indices is not None
+    ):
+        main = sm90_launch(main, kv_cache, kv_lora_rank)
     if splits == 1:
         return [main]
     reduce = Launch(

@@ -151,6 +151,8 @@ class MlaTiles:
             copy engine: one asynchronous copy per tile part instead of a per-thread gather); the
             launch falls back to the gather where the cache or the tiles do not allow it
             (`portattn.kernels.mla_decode`), and the partial last tile of a split is gathered.
+        sm90_kernel: run the wide tile with the Hopper kernel (`portattn.kernels.mla_decode_sm90`,
+            explicit copy/MMA schedule) where its requirements hold, else the portable kernel.
     """
 
     block_h: int
@@ -165,6 +167,7 @@ class MlaTiles:
     v_reload: bool = False
     prefetch_rows: bool = False
     tma: bool = False
+    sm90_kernel: bool = False
 
     @property
     def head_groups(self) -> int:
