@@ -57,7 +57,7 @@ EXPECTED = {
 # arch -> (block_n, smem_bytes, num_kv_splits) of the wide tile (BLOCK_H 64, 8 warps, 2 stages)
 # for 128 heads 576/512, 64 tokens, 4k context; None: the target stays narrow.
 EXPECTED_WIDE = {
-    "sm_90": (64, 229376, 2),  # floor(2 * 132 / 128)
+    "sm_90": (64, 229376, 1),  # the Hopper kernel: one resident per SM, floor(132 / 128)
     "sm_100": None,  # its compile needs 352816 B > 232448 B (compile matrix); narrow N64 w8
     "sm_80": (32, 151552, 1),  # N64 needs 229376 B > 166912 B
     "sm_86": None,  # 99 KB: no 64-head tile fits
@@ -105,6 +105,7 @@ def test_exact_wide_tiles_for_many_heads(arch):
         reduce_options=LaunchOptions(4, 1, None),
         smem_bytes=smem,
         tma=target.capability >= 90,
+        sm90_kernel=arch == "sm_90",
     )
     assert mla_reg_estimate(64, block_n, 512, 64, 8, 2) <= REG_BUDGET
 
@@ -166,8 +167,12 @@ def test_split_count_is_policy_of_target_batch_heads_context():
     assert mla_decode_tiles(h100, problem(heads=16, tokens=32, context=4096)).num_kv_splits == 4
     # two resident programs (320/256, 94208 B): one wave of 264 slots
     assert mla_decode_tiles(h100, problem(320, 256, tokens=64)).num_kv_splits == 4
-    # the wide tile aims at <= 2 x 132 programs: 64 tokens x 2 head groups x 2 splits
-    assert mla_decode_tiles(h100, problem(heads=128, tokens=64, context=4096)).num_kv_splits == 2
+    # the Hopper kernel's wide tile fills one wave of 132: 64 tokens x 2 head groups x 1 split;
+    # 16 tokens: 32 programs x 4 splits; sm_80's portable wide tile aims at 2 x 108 programs
+    assert mla_decode_tiles(h100, problem(heads=128, tokens=64, context=4096)).num_kv_splits == 1
+    assert mla_decode_tiles(h100, problem(heads=128, tokens=16, context=4096)).num_kv_splits == 4
+    a100 = get_target("sm_80")
+    assert mla_decode_tiles(a100, problem(heads=128, tokens=32, context=4096)).num_kv_splits == 3
     # small batch, long context: capped; short context: never a split under 256 tokens
     assert mla_decode_tiles(h100, problem(tokens=1, context=32768)).num_kv_splits == MAX_KV_SPLITS
     assert mla_decode_tiles(h100, problem(tokens=1, context=1000)).num_kv_splits == 3

@@ -104,6 +104,11 @@ PREFETCH_STAGES = 3
 #: 2026-11-22): 128 heads 16k 1312.7 -> 1101.1 us, 4k 359.4 -> 300.5 us; 16 heads 16k
 #: 429.2 -> 414.1 us, 4k 116.9 -> 115.1 us.
 TMA_MIN_CAPABILITY = 90
+#: Where the wide tile runs the Hopper kernel (`portattn.kernels.mla_decode_sm90`). Measured on an
+#: H100 (bench/RESULTS.md, 2026-11-22), 128 heads, batch 64, against the portable kernel with
+#: descriptor tiles at its best split: 16k 1101.1 -> 749.9 us, 4k 296.7 -> 209.2 us, 1k 101.1 ->
+#: 63.7 us (one split: 128 programs, one wave; two splits: 765.2 / 218.1 / 82.4 us).
+SM90_KERNEL_ARCHS = ("sm_90",)
 
 
 @dataclass(frozen=True)
@@ -232,14 +237,19 @@ def mla_num_kv_splits(
     return max(1, min(want, by_context, MAX_KV_SPLITS))
 
 
-def mla_programs_per_sm(target: Target, block_h: int, smem_bytes: int) -> int:
+def mla_programs_per_sm(
+    target: Target, block_h: int, smem_bytes: int, sm90_kernel: bool = False
+) -> int:
     """Resident programs per SM the split count aims at (module doc, Split-KV).
 
-    HIP: `PROGRAMS_PER_SM`; the wide CUDA tile: `PROGRAMS_PER_SM_WIDE`; the narrow CUDA tile: as
-    many as its shared-memory estimate lets reside (``max_shared_mem // smem_bytes``, >= 1).
+    HIP: `PROGRAMS_PER_SM`; the Hopper kernel: 1 (225296 B of shared memory, one wave measured
+    best); the wide CUDA tile: `PROGRAMS_PER_SM_WIDE`; the narrow CUDA tile: as many as its
+    shared-memory estimate lets reside (``max_shared_mem // smem_bytes``, >= 1).
     """
     if target.is_hip:
         return PROGRAMS_PER_SM
+    if sm90_kernel:
+        return 1
     if block_h >= WIDE_BLOCK_H:
         return PROGRAMS_PER_SM_WIDE
     return max(1, target.max_shared_mem // smem_bytes)
@@ -328,12 +338,18 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         deeper = fits(block_h, block_n, PREFETCH_STAGES, warps, prefetch=True)
         if deeper is not None and target.max_num_stages >= PREFETCH_STAGES:
             stages, smem, prefetch = PREFETCH_STAGES, deeper, True
-    per_sm = mla_programs_per_sm(target, block_h, smem)
+    tma = not target.is_hip and target.capability >= TMA_MIN_CAPABILITY
+    # The Hopper kernel takes the wide H64 N64 tile of 16-bit caches on sm_90.
+    sm90 = (
+        target.arch in SM90_KERNEL_ARCHS
+        and (block_h, block_n, elem) == (WIDE_BLOCK_H, 64, 2)
+        and block_dv <= 512
+    )
+    per_sm = mla_programs_per_sm(target, block_h, smem, sm90)
     padded_heads = -(-problem.num_heads // block_h) * block_h
     splits = mla_num_kv_splits(
         target, problem.num_tokens, padded_heads // block_h, problem.max_context, per_sm
     )
-    tma = not target.is_hip and target.capability >= TMA_MIN_CAPABILITY
     return MlaTiles(
         block_h=block_h,
         padded_heads=padded_heads,
@@ -346,4 +362,5 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         smem_bytes=smem,
         prefetch_rows=prefetch,
         tma=tma,
+        sm90_kernel=sm90,
     )
