@@ -30,6 +30,13 @@ heads of one token; padded rows compute on zero queries and are written only to 
 Split-KV: ``NUM_SPLITS > 1`` programs per (token, head group) write normalised partial outputs and
 their lse; `_mla_reduce_kernel` merges them.
 
+Bulk copies (``MlaTiles.tma``, sm_90+): a whole tile inside one page (``block_size % BLOCK_N ==
+0``, block table, exact latent/rope widths, 16-byte aligned strides) comes through two tensor
+descriptors instead of the per-thread gather; a split's partial last tile is still gathered, so
+rows past the context are never read. On sm_90 the wide 64-head tile runs the Gluon kernel of
+`portattn.kernels.mla_decode_sm90` (``MlaTiles.sm90_kernel``: same arguments, explicit copy/MMA
+schedule) where its requirements hold; everything else runs the portable kernel below.
+
 Not supported: fp8 caches, a separate V cache, negative (padding) entries inside a sequence's
 context. Query rows past ``query_start_loc[-1]`` (CUDA-graph padding) are left unwritten.
 """
