@@ -289,6 +289,7 @@ def _mla_decode_kernel(
         page_start = tl.zeros((), dtype=tl.int64)
 
     if TMA:
+        tl.static_assert(BLOCK_DPE > 0, "descriptor tiles need a rope part (_tma_ok)")
         # Whole tiles inside one page (block_size % BLOCK_N == 0): one descriptor load per part,
         # which Triton pipelines as asynchronous bulk copies. The last, partial tile (whose rows
         # past `end` must read as zeros) goes through the gather loop below.
@@ -306,10 +307,7 @@ def _mla_decode_kernel(
             )
             off = n % block_size
             lat = lat_desc.load([blk, off, 0]).reshape(BLOCK_N, BLOCK_DV)
-            if BLOCK_DPE > 0:
-                pe = pe_desc.load([blk, off, KV_LORA_RANK]).reshape(BLOCK_N, BLOCK_DPE)
-            else:
-                pe = lat
+            pe = pe_desc.load([blk, off, KV_LORA_RANK]).reshape(BLOCK_N, BLOCK_DPE)
             m_i, l_i, acc = _online_step(
                 q_lat,
                 q_pe,
@@ -878,7 +876,7 @@ def plan_mla_decode(
             kv_cache, dims, list(kv_cache.stride()), [1, tiles.block_n, tiles.block_dv]
         )
         pe_desc = TensorDescriptor(
-            kv_cache, dims, list(kv_cache.stride()), [1, tiles.block_n, max(tiles.block_dpe, 1)]
+            kv_cache, dims, list(kv_cache.stride()), [1, tiles.block_n, tiles.block_dpe]
         )
     else:
         lat_desc = pe_desc = kv_cache
