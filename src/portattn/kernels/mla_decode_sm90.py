@@ -7,11 +7,16 @@ tile pays the copy latency on top of its math (bench/NOTES.md, attempt 4). Here,
 two latent buffers::
 
     wait tile i -> issue QK_i (latent + rope, async) -> wait PV_{i-1} (frees tile i-1's buffer)
-    -> bulk-copy tile i+1 into it -> wait QK_i -> softmax -> issue PV_i (async) -> next
+    -> bulk-copy tile i+1 into it -> wait QK_i -> softmax -> P to shared memory -> issue PV_i
 
-so the copy of tile i+1 runs under QK_i, the softmax and PV_i. Whole 64-row tiles come from one
-64-token page through tensor descriptors (TMA); in a split's partial last tile the latent rows
-past the context are zeroed in shared memory before PV (their scores are masked to -inf).
+so the copy of tile i+1 runs under QK_i, the softmax and PV_i. Tiles go in pairs and the PV
+accumulator is drained once per pair: an accumulator carried through the loop's back edge while
+its wgmma is in flight makes ptxas serialize every wgmma of the kernel (its C7514 advisory; the
+first version of this kernel had it). Row sums are kept per warpgroup (each holds half of a
+tile's columns) and added once at the end. Whole 64-row tiles come from one 64-token page
+through tensor descriptors (TMA); in a split's partial last tile the latent rows past the
+context are zeroed in shared memory before PV (their scores are masked to -inf); an odd tile
+count ends with a phantom tile (no copy, all scores masked).
 
 Requirements (checked by the launcher): sm_90, fp16/bf16, ``BLOCK_H = BLOCK_N = 64``, 8 warps,
 ``kv_lora_rank`` a power of two <= 512, rope width a power of two >= 16, pages of a multiple of 64
@@ -70,6 +75,66 @@ def _issue_tile(lat_desc, pe_desc, blk, n, block_size, bar, lat_buf, pe_buf, pre
 
 
 @gluon.jit
+def _tile_step(i, num_tiles, steps, start, end, block_size, bt_row, stride_bt_blk, blk_next,
+                 lat_desc, pe_desc, bars, lat_smem, pe_smem, q_smem, qpe_smem, p_smem, m_i, l_i,
+                 acc, qk_scale, KV_LORA_RANK: gl.constexpr, BLOCK_N: gl.constexpr,
+                 TILE_BYTES: gl.constexpr, QK: gl.constexpr, PV: gl.constexpr,
+                 LOAD: gl.constexpr):  # fmt: skip
+    """Tile i: scores, bulk copy of tile i+1 once PV_{i-1} freed its buffer, softmax, PV_i
+    (returned in flight). Tiles ``num_tiles <= i < steps`` are phantoms: no copy, all masked."""
+    dtype: gl.constexpr = q_smem.dtype
+    b = i % 2
+    n = start + i * BLOCK_N
+    lat_b = lat_smem.index(b)
+    pe_b = pe_smem.index(b)
+    mbarrier.wait(bars.index(b), (i // 2) & 1)
+    if n + BLOCK_N > end:  # the partial last tile: stale rows past the context read as 0
+        rows_ld = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
+        keep = ((n + rows_ld) < end)[:, None]
+        for c in gl.static_range(KV_LORA_RANK // 64):
+            part = lat_b.slice(c * 64, 64, dim=1)
+            x = part.load(LOAD)
+            part.store(gl.where(keep, x, gl.zeros_like(x)))
+        fence_async_shared()
+        gl.thread_barrier()
+    # scores: latent + rope parts, both asynchronous
+    BLOCK_H: gl.constexpr = q_smem.shape[0]
+    qk0 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=QK)
+    qk = warpgroup_mma(q_smem, lat_b.permute((1, 0)), qk0, use_acc=False, is_async=True)
+    qk = warpgroup_mma(qpe_smem, pe_b.permute((1, 0)), qk, is_async=True)
+    # PV_{i-1} (issued before them) done in every warpgroup -> its buffer takes tile i+1
+    acc = warpgroup_mma_wait(num_outstanding=2, deps=[acc])
+    gl.thread_barrier()
+    nb = 1 - b
+    _issue_tile(lat_desc, pe_desc, blk_next, n + BLOCK_N, block_size, bars.index(nb),
+                lat_smem.index(nb), pe_smem.index(nb), i + 1 < num_tiles, KV_LORA_RANK,
+                TILE_BYTES)  # fmt: skip
+    mbarrier.arrive(bars.index(nb), count=1, pred=(i + 1 >= num_tiles) & (i + 1 < steps))
+    blk_next = gl.load(
+        bt_row + ((n + 2 * BLOCK_N) // block_size) * stride_bt_blk,
+        mask=i + 2 < num_tiles,
+        other=0,
+    )
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+    # online softmax
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, QK))
+    s = gl.where(((n + cols) < end)[None, :], qk * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    # row sums per warpgroup (each holds half the columns): no cross-warpgroup reduction here
+    ps = gl.sum(gl.reshape(p, [BLOCK_H, 2, BLOCK_N // 2]), 2)
+    l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, ps.type.layout))[:, None] + ps
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
+    # P through shared memory (both warpgroups' PV_{i-1} finished: barrier above)
+    p_smem.store(p.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    acc = warpgroup_mma(p_smem, lat_b, acc, is_async=True)
+    return acc, m_new, l_i, blk_next
+
+
+@gluon.jit
 def _mla_decode_sm90_kernel(
     q_ptr,
     lat_desc,  # [num_blocks * block_size, head_dim_k], box [BLOCK_N, KV_LORA_RANK]
@@ -115,6 +180,7 @@ def _mla_decode_sm90_kernel(
     TILE_BYTES: gl.constexpr,
     Q_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, KV_LORA_RANK]
     QPE_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, ROPE_DIM]
+    P_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, BLOCK_N]
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # wgmma layouts: one warpgroup per half of the columns (M = 64 heads is one warpgroup's)
@@ -124,7 +190,6 @@ def _mla_decode_sm90_kernel(
     PV: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, KV_LORA_RANK // 2, 16]
     )
-    P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=PV, k_width=2)
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     LAT_LAYOUT: gl.constexpr = lat_desc.layout
     PE_LAYOUT: gl.constexpr = pe_desc.layout
@@ -181,53 +246,29 @@ def _mla_decode_sm90_kernel(
 
     qk_scale = scale * 1.4426950408889634  # exp2 domain
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, QK))
-    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, QK))
+    # running row sums per warpgroup half of the columns, [BLOCK_H, 2] (summed at the end)
+    zeros = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, QK)
+    l_i = gl.sum(gl.reshape(zeros, [BLOCK_H, 2, BLOCK_N // 2]), 2)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], P_LAYOUT)
     acc = gl.zeros([BLOCK_H, KV_LORA_RANK], gl.float32, layout=PV)
-    qk0 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=QK)
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, QK))
-    rows_ld = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
-    for i in range(num_tiles):
-        b = i % 2
-        n = start + i * BLOCK_N
-        lat_b = lat_smem.index(b)
-        pe_b = pe_smem.index(b)
-        mbarrier.wait(bars.index(b), (i // 2) & 1)
-        if n + BLOCK_N > end:  # the partial last tile: stale rows past the context read as 0
-            keep = ((n + rows_ld) < end)[:, None]
-            for c in gl.static_range(KV_LORA_RANK // 64):
-                part = lat_b.slice(c * 64, 64, dim=1)
-                x = part.load(LOAD)
-                part.store(gl.where(keep, x, gl.zeros_like(x)))
-            fence_async_shared()
-            gl.thread_barrier()
-        # scores: latent + rope parts, both asynchronous
-        qk = warpgroup_mma(q_smem, lat_b.permute((1, 0)), qk0, use_acc=False, is_async=True)
-        qk = warpgroup_mma(qpe_smem, pe_b.permute((1, 0)), qk, is_async=True)
-        # PV_{i-1} (issued before them) done in every warpgroup -> its buffer takes tile i+1
-        acc = warpgroup_mma_wait(num_outstanding=2, deps=[acc])
-        gl.thread_barrier()
-        nb = 1 - b
-        _issue_tile(lat_desc, pe_desc, blk_next, n + BLOCK_N, block_size, bars.index(nb),
-                    lat_smem.index(nb), pe_smem.index(nb), i + 1 < num_tiles, KV_LORA_RANK,
-                    TILE_BYTES)  # fmt: skip
-        blk_next = gl.load(
-            bt_row + ((n + 2 * BLOCK_N) // block_size) * stride_bt_blk,
-            mask=i + 2 < num_tiles,
-            other=0,
-        )
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-        # online softmax
-        s = gl.where(((n + cols) < end)[None, :], qk * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
-        p_op = gl.convert_layout(p.to(dtype), P_OP)
-        acc = warpgroup_mma(p_op, lat_b, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    # Tiles go in pairs (buffers 0, 1): PV of the first stays in flight under the second's
+    # scores; the accumulator is drained at the end of each pair, because one carried through
+    # the loop back edge while in flight makes ptxas serialize every wgmma of the kernel. An odd
+    # last tile is paired with a phantom (no copy, every score masked, buffer zeroed).
+    steps = gl.cdiv(num_tiles, 2) * 2
+    for j in range(steps // 2):
+        acc, m_i, l_i, blk_next = _tile_step(
+            2 * j, num_tiles, steps, start, end, block_size, bt_row, stride_bt_blk, blk_next,
+            lat_desc, pe_desc, bars, lat_smem, pe_smem, q_smem, qpe_smem, p_smem, m_i, l_i,
+            acc, qk_scale, KV_LORA_RANK, BLOCK_N, TILE_BYTES, QK, PV, LOAD,
+        )  # fmt: skip
+        acc, m_i, l_i, blk_next = _tile_step(
+            2 * j + 1, num_tiles, steps, start, end, block_size, bt_row, stride_bt_blk,
+            blk_next, lat_desc, pe_desc, bars, lat_smem, pe_smem, q_smem, qpe_smem, p_smem,
+            m_i, l_i, acc, qk_scale, KV_LORA_RANK, BLOCK_N, TILE_BYTES, QK, PV, LOAD,
+        )  # fmt: skip
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, QK))
     mbarrier.invalidate(bars.index(0))
     mbarrier.invalidate(bars.index(1))
 
@@ -298,9 +339,10 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
     shape, strides = [rows, kv_cache.shape[2]], [kv_cache.stride(1), 1]
     lat_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, kv_lora_rank], dtype)
     pe_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], dtype)
+    kernel = _mla_decode_sm90_kernel
     args = {
         name: a[name]
-        for name in _mla_decode_sm90_kernel.arg_names
+        for name in kernel.arg_names
         if name in a and name not in ("BLOCK_H", "BLOCK_N")
     }
     args.update(
@@ -311,8 +353,9 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         TILE_BYTES=BLOCK_N * kv_cache.shape[2] * kv_cache.element_size(),
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, kv_lora_rank], dtype),
         QPE_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, rope], dtype),
+        P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
     )
     options = LaunchOptions(NUM_WARPS, main.options.num_stages)
     return dataclasses.replace(
-        main, kernel=_mla_decode_sm90_kernel, args=args, options=options, name="mla_decode_sm90"
+        main, kernel=kernel, args=args, options=options, name="mla_decode_sm90"
     )
