@@ -76,10 +76,10 @@ def _issue_tile(lat_desc, pe_desc, blk, n, block_size, bar, lat_buf, pe_buf, pre
 
 @gluon.jit
 def _tile_step(i, num_tiles, steps, start, end, block_size, bt_row, stride_bt_blk, blk_next,
-                 lat_desc, pe_desc, bars, lat_smem, pe_smem, q_smem, qpe_smem, p_smem, m_i, l_i,
-                 acc, qk_scale, KV_LORA_RANK: gl.constexpr, BLOCK_N: gl.constexpr,
-                 TILE_BYTES: gl.constexpr, QK: gl.constexpr, PV: gl.constexpr,
-                 LOAD: gl.constexpr):  # fmt: skip
+               lat_desc, pe_desc, bars, lat_smem, pe_smem, q_smem, qpe_smem, p_smem, m_i, l_i,
+               acc, qk_scale, KV_LORA_RANK: gl.constexpr, BLOCK_N: gl.constexpr,
+               TILE_BYTES: gl.constexpr, QK: gl.constexpr, PV: gl.constexpr,
+               LOAD: gl.constexpr):  # fmt: skip
     """Tile i: scores, bulk copy of tile i+1 once PV_{i-1} freed its buffer, softmax, PV_i
     (returned in flight). Tiles ``num_tiles <= i < steps`` are phantoms: no copy, all masked."""
     dtype: gl.constexpr = q_smem.dtype
@@ -339,10 +339,9 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
     shape, strides = [rows, kv_cache.shape[2]], [kv_cache.stride(1), 1]
     lat_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, kv_lora_rank], dtype)
     pe_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], dtype)
-    kernel = _mla_decode_sm90_kernel
     args = {
         name: a[name]
-        for name in kernel.arg_names
+        for name in _mla_decode_sm90_kernel.arg_names
         if name in a and name not in ("BLOCK_H", "BLOCK_N")
     }
     args.update(
@@ -357,5 +356,5 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
     )
     options = LaunchOptions(NUM_WARPS, main.options.num_stages)
     return dataclasses.replace(
-        main, kernel=kernel, args=args, options=options, name="mla_decode_sm90"
+        main, kernel=_mla_decode_sm90_kernel, args=args, options=options, name="mla_decode_sm90"
     )
