@@ -2,7 +2,9 @@
 # One device call: the issue-8 benchmarks at the policies (MLA at 1k/4k/16k), an Nsight Compute
 # profile of the MLA kernels, and a focused MLA variant sweep. Logs/JSON in $OUT; stdout keeps
 # only summaries. Usage on the GPU machine, from the repository root:
-#   bash bench/profile_session.sh [bench] [ncu] [sweep]   (default: all three)
+#   bash bench/profile_session.sh [bench] [ncu] [sass] [sweep]   (default: bench ncu sweep)
+# `sass`: per-instruction stall samples of the 128-head sm_90 kernel, summarised by
+# bench/ncu_stalls.py (bench/NOTES.md, attempt 6).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/portattn-out}; mkdir -p "$OUT"
@@ -29,13 +31,22 @@ if [[ $what == *bench* ]]; then
 fi
 if [[ $what == *ncu* ]] && command -v ncu >/dev/null; then
   t0=$SECONDS
-  timeout 150 ncu --clock-control none -k regex:_mla_decode_kernel \
+  timeout 150 ncu --clock-control none -k regex:_mla_decode \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
     --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
     python3 bench/profile_mla.py 16:4096 128:16384 > "$OUT/ncu_mla.log" 2>&1
   echo "### ncu: rc=$?, $((SECONDS - t0)) s"
-  grep -E "_mla_decode_kernel|Duration|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Issue Slots Busy|Executed Ipc A|Mem Busy|Max Bandwidth|Block Limit (Reg|Shared)" "$OUT/ncu_mla.log" | head -60
+  grep -E "_mla_decode|Duration|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Issue Slots Busy|Executed Ipc A|Mem Busy|Max Bandwidth|Block Limit (Reg|Shared)" "$OUT/ncu_mla.log" | head -60
   grep -E -o "(stalled|spends) [^.]*\." "$OUT/ncu_mla.log" | head -6
+fi
+if [[ $what == *sass* ]] && command -v ncu >/dev/null; then
+  t0=$SECONDS
+  timeout 200 ncu --clock-control none -k regex:sm90 --launch-count 1 --set full \
+    --import-source no -f -o "$OUT/sm90" python3 bench/profile_mla.py 128:16384 \
+    > "$OUT/ncu_sass.log" 2>&1
+  ncu -i "$OUT/sm90.ncu-rep" --page source --print-source sass --csv > "$OUT/sm90_sass.csv"
+  echo "### sass: rc=$?, $((SECONDS - t0)) s"
+  python3 bench/ncu_stalls.py "$OUT/sm90_sass.csv" --min-share 1
 fi
 if [[ $what == *sweep* ]]; then
   run sweep_mla_16 200 python3 bench/sweep_mla.py --budget-s 170 --point 16:4096 --point 16:16384 \

@@ -1,0 +1,64 @@
+"""Summarise an Nsight Compute source page (SASS with warp-stall samples) of one kernel.
+
+Prints the stall reasons over the whole kernel, then the stretches of SASS between
+synchronisation points (wgmma arrive/wait, barriers, bulk copies, mbarrier waits) with their
+share of all samples: where the warps spend their time, phase by phase. Made for the sm_90 MLA
+kernel (bench/NOTES.md, attempt 6); any kernel's CSV works. Usage::
+
+    ncu --set full -k regex:sm90 --launch-count 1 -o rep python3 bench/profile_mla.py 128:16384
+    ncu -i rep.ncu-rep --page source --print-source sass --csv > sass.csv
+    python3 bench/ncu_stalls.py sass.csv [--min-share 0.3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+
+#: SASS opcodes that end a stretch (the points the schedule synchronises on).
+MARKERS = ("WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "BAR.SYNC", "UTMALDG", "SYNCS.PHASECHK",
+           "STSM", "MEMBAR")  # fmt: skip
+SAMPLES = "Warp Stall Sampling (All Samples)"
+
+
+def load(path: str) -> tuple[list[str], list[list[str]]]:
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    for k, row in enumerate(rows):  # the header row names the sample column
+        if SAMPLES in row:
+            return row, rows[k + 1 :]
+    raise SystemExit(f"ncu_stalls: {path} has no '{SAMPLES}' column (need --page source --csv)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv")
+    ap.add_argument(
+        "--min-share", type=float, default=0.3, help="percent; shorter stretches hidden"
+    )
+    args = ap.parse_args(argv)
+    hdr, data = load(args.csv)
+    i_s, i_src = hdr.index(SAMPLES), hdr.index("Source")
+    count = lambda r: int(r[i_s] or 0)  # noqa: E731
+    total = sum(count(r) for r in data)
+    if total == 0:
+        raise SystemExit("ncu_stalls: no stall samples in the report")
+    reasons = [i for i, h in enumerate(hdr) if h.startswith("stall_") and "Not Issued" not in h]
+    print(f"{total} samples; stall reasons (share of all samples):")
+    sums = {hdr[i]: sum(int(r[i] or 0) for r in data) for i in reasons}
+    for name, v in sorted(sums.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"  {name[6:]:18s} {100 * v / total:5.1f}%")
+    print("stretches ending at a synchronisation point (first-last SASS line, share, end):")
+    first = 0
+    for j, r in enumerate(data):
+        if any(m in r[i_src] for m in MARKERS) or j == len(data) - 1:
+            share = 100 * sum(count(x) for x in data[first : j + 1]) / total
+            if share >= args.min_share:
+                print(f"  {first:5d}-{j:5d} {share:5.1f}%  {r[i_src].strip()[:60]}")
+            first = j + 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
