@@ -527,16 +527,28 @@ def test_gpu_bf16_real_shapes(case, form):
 def test_gpu_sm90_kernel(dk, r, heads, bs, q_lens, seq_lens, splits):
     """The Hopper kernel against the oracle; unowned cache rows are NaN, so a partial tile whose
     stale rows were not zeroed, or any wrong row, shows."""
+    target = _sm90_target()
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.bfloat16, "cuda")
+    _poison_unowned_rows(cache, bt, sl)
+    _check_sm90(target, q, cache, bt, sl, qsl, r, splits)
+
+
+def _sm90_target():
     from portattn.platform import current_target
 
     target = current_target()
     if target.arch != "sm_90":
         pytest.skip(f"the sm_90 kernel needs an sm_90 device; this is {target.arch}")
-    dtype = torch.bfloat16
-    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, dtype, "cuda")
-    _poison_unowned_rows(cache, bt, sl)
+    return target
+
+
+def _check_sm90(target, q, cache, bt, sl, qsl, r, splits):
+    """Run the sm_90 kernel (the policy's tiles, ``splits`` when given) and check it against the
+    fp64 oracle, output and lse."""
+    heads, dk = q.shape[1:]
     scale = 1 / math.sqrt(dk)
-    base = mla_decode_tiles(target, MlaProblem(heads, dk, r, 2, q.shape[0], max(seq_lens)))
+    max_len = int(sl.max())
+    base = mla_decode_tiles(target, MlaProblem(heads, dk, r, 2, q.shape[0], max_len))
     tiles = dataclasses.replace(base, sm90_kernel=True)
     if splits is not None:
         tiles = dataclasses.replace(tiles, num_kv_splits=splits)
@@ -548,7 +560,7 @@ def test_gpu_sm90_kernel(dk, r, heads, bs, q_lens, seq_lens, splits):
     run_all(launches)
     out, lse = launches[0].outputs
     oracle, lse_ref = fast_oracle(q, cache, bt, sl, qsl, r, scale, torch.float64)
-    lowp, _ = fast_oracle(q, cache, bt, sl, qsl, r, scale, dtype)
+    lowp, _ = fast_oracle(q, cache, bt, sl, qsl, r, scale, q.dtype)
     assert_low_precision_close(out, oracle, lowp)
     torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-3, atol=1e-3)
 
@@ -561,11 +573,7 @@ def test_gpu_sm90_running_max_moves(ramp, splits):
     the context (the max moves on different tiles for different heads, and for the two rows one
     thread holds), that fall (the first tile's max stays), and that jump twice (every row
     rescales on the same tile). Random scores move the max almost only on the first tiles."""
-    from portattn.platform import current_target
-
-    target = current_target()
-    if target.arch != "sm_90":
-        pytest.skip(f"the sm_90 kernel needs an sm_90 device; this is {target.arch}")
+    target = _sm90_target()
     dk, r, heads, bs, dtype = 576, 512, 128, 64, torch.bfloat16
     seq_lens = (3000, 64 * 37 + 5, 700)
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, None, seq_lens, dtype, "cuda")
@@ -581,18 +589,4 @@ def test_gpu_sm90_running_max_moves(ramp, splits):
         cache[rows] = (cache[rows].float() * factor[:, None]).to(dtype)
     q = (q.float() * torch.linspace(0.25, 2.0, heads, device="cuda")[None, :, None]).to(dtype)
     _poison_unowned_rows(cache, bt, sl)
-    scale = 1 / math.sqrt(dk)
-    base = mla_decode_tiles(target, MlaProblem(heads, dk, r, 2, q.shape[0], max(seq_lens)))
-    tiles = dataclasses.replace(base, sm90_kernel=True)
-    if splits is not None:
-        tiles = dataclasses.replace(tiles, num_kv_splits=splits)
-    launches = plan_mla_decode(
-        q, cache, bt, sl, kv_lora_rank=r, scale=scale, return_lse=True, tiles=tiles
-    )
-    assert launches[0].name == "mla_decode_sm90"
-    run_all(launches)
-    out, lse = launches[0].outputs
-    oracle, lse_ref = fast_oracle(q, cache, bt, sl, qsl, r, scale, torch.float64)
-    lowp, _ = fast_oracle(q, cache, bt, sl, qsl, r, scale, dtype)
-    assert_low_precision_close(out, oracle, lowp)
-    torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-3, atol=1e-3)
+    _check_sm90(target, q, cache, bt, sl, qsl, r, splits)
