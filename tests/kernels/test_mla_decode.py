@@ -120,6 +120,21 @@ def _split_tiles(target, dk, r, heads, splits, block_n=16, elem=4):
     return dataclasses.replace(base, num_kv_splits=splits, block_n=block_n)
 
 
+def _run_checked(q, cache, bt, sl, qsl, r, tiles, *, page_indices=None, oracle_cache=None):
+    """Plan with injected ``tiles`` (scale 0.05, lse returned; ``page_indices`` instead of the
+    block table when given), run, check against the oracle on ``oracle_cache`` (default:
+    ``cache``); returns the launches for assertions about the plan."""
+    launches = plan_mla_decode(
+        q, cache, None if page_indices is not None else bt, sl, kv_lora_rank=r, scale=0.05,
+        query_start_loc=qsl, return_lse=True, page_indices=page_indices, tiles=tiles,
+    )  # fmt: skip
+    run_all(launches)
+    out, lse = launches[0].outputs
+    oracle_cache = cache if oracle_cache is None else oracle_cache
+    check(out, lse, q, oracle_cache, bt, sl, qsl, r, 0.05, torch.float32)
+    return launches
+
+
 @pytest.mark.parametrize(
     ("dk", "r", "heads", "splits", "q_lens", "seq_lens"),
     [
@@ -130,21 +145,8 @@ def _split_tiles(target, dk, r, heads, splits, block_n=16, elem=4):
 def test_split_kv_reduce(dk, r, heads, splits, q_lens, seq_lens, device):
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 16, q_lens, seq_lens, torch.float32, device)
     tiles = _split_tiles(get_target("sm_90"), dk, r, heads, splits)
-    launches = plan_mla_decode(
-        q,
-        cache,
-        bt,
-        sl,
-        kv_lora_rank=r,
-        scale=0.05,
-        query_start_loc=qsl,
-        return_lse=True,
-        tiles=tiles,
-    )
+    launches = _run_checked(q, cache, bt, sl, qsl, r, tiles)
     assert [x.name for x in launches] == ["mla_decode", "mla_decode_reduce"]
-    run_all(launches)
-    out, lse = launches[0].outputs
-    check(out, lse, q, cache, bt, sl, qsl, r, 0.05, torch.float32)
 
 
 @pytest.mark.parametrize(("prefetch_rows", "v_reload"), [(True, True), (True, False)])
@@ -158,14 +160,8 @@ def test_prefetched_rows_and_value_reload(prefetch_rows, v_reload, device):
         prefetch_rows=prefetch_rows,
         v_reload=v_reload,
     )
-    launches = plan_mla_decode(
-        q, cache, bt, sl, kv_lora_rank=r, scale=0.05, query_start_loc=qsl, return_lse=True,
-        tiles=tiles,
-    )  # fmt: skip
+    launches = _run_checked(q, cache, bt, sl, qsl, r, tiles)
     assert launches[0].args["PREFETCH_ROWS"] is prefetch_rows
-    run_all(launches)
-    out, lse = launches[0].outputs
-    check(out, lse, q, cache, bt, sl, qsl, r, 0.05, torch.float32)
 
 
 def _poison_unowned_rows(cache, bt, sl):
@@ -194,14 +190,8 @@ def test_bulk_copy_tiles(splits, strided, device):
     else:
         cache = cache0
     tiles = dataclasses.replace(_split_tiles(get_target("sm_90"), dk, r, heads, splits), tma=True)
-    launches = plan_mla_decode(
-        q, cache, bt, sl, kv_lora_rank=r, scale=0.05, query_start_loc=qsl, return_lse=True,
-        tiles=tiles,
-    )  # fmt: skip
+    launches = _run_checked(q, cache, bt, sl, qsl, r, tiles, oracle_cache=cache0)
     assert launches[0].args["TMA"] is True
-    run_all(launches)
-    out, lse = launches[0].outputs
-    check(out, lse, q, cache0, bt, sl, qsl, r, 0.05, torch.float32)
 
 
 @pytest.mark.parametrize("why", ["page_indices", "tile_across_pages", "padded_columns"])
@@ -211,16 +201,11 @@ def test_bulk_copy_falls_back_to_gather(why, device):
     bs = 8 if why == "tile_across_pages" else 16
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, (2, 1), (40, 9), torch.float32, device)
     tiles = dataclasses.replace(_split_tiles(get_target("sm_90"), dk, r, heads, 1), tma=True)
-    kw = dict(kv_lora_rank=r, scale=0.05, query_start_loc=qsl, return_lse=True, tiles=tiles)
+    pages = None
     if why == "page_indices":
         pages = tuple(t.to(device) for t in reference.expand_page_indices(bt.cpu(), sl.cpu(), bs))
-        launches = plan_mla_decode(q, cache, None, sl, page_indices=pages, **kw)
-    else:
-        launches = plan_mla_decode(q, cache, bt, sl, **kw)
+    launches = _run_checked(q, cache, bt, sl, qsl, r, tiles, page_indices=pages)
     assert launches[0].args["TMA"] is False
-    run_all(launches)
-    out, lse = launches[0].outputs
-    check(out, lse, q, cache, bt, sl, qsl, r, 0.05, torch.float32)
 
 
 def test_strided_inputs_and_out_in_place(device):
