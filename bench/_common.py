@@ -1,4 +1,5 @@
-"""Helpers the bench scripts share: copy ceiling, bf16 matmul rate, HIP policies on a CUDA GPU.
+"""Helpers the bench scripts share: copy ceiling, bf16 matmul rate, HIP policies on a CUDA GPU,
+the JSON record of a run.
 
 Imported by ``bench/bench_*.py`` (run as ``python3 bench/<script>.py``, so this folder is on
 ``sys.path``). Nothing here runs at import.
@@ -6,9 +7,14 @@ Imported by ``bench/bench_*.py`` (run as ``python3 bench/<script>.py``, so this 
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
 import subprocess
+import sys
 
 import torch
+import triton
 from triton.testing import do_bench
 
 from portattn import platform
@@ -22,6 +28,28 @@ def git_commit() -> str:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def save_record(name: str, **fields) -> str | None:
+    """Write ``$OUT/<name>.json``: ``fields`` plus the device, commit, date, torch and Triton
+    versions and the command line (fields win on a clash). Nothing without ``$OUT``; returns
+    the path written."""
+    out_dir = os.environ.get("OUT")
+    if not out_dir:
+        return None
+    meta = dict(
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        commit=git_commit(),
+        date=datetime.date.today().isoformat(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        command=" ".join(sys.argv),
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({**meta, **fields}, f, indent=1)
+    return path
 
 
 def copy_ceiling(nbytes: int) -> tuple[float, float]:

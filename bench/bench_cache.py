@@ -20,13 +20,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import sys
 
 import torch
-from _common import copy_ceiling, git_commit, plan_with_target
+from _common import copy_ceiling, git_commit, plan_with_target, save_record
 from triton.testing import do_bench
 
 from portattn.kernels._launch import run_all
@@ -169,16 +166,7 @@ def main(argv=None) -> int:
             f"{r['pct_copy_2gb']:.1f}% of 2 GB copy, {r['vs_baseline']:.2f}x torch, "
             f"exact {r['exact']}, gfx942 tiles {r['gfx942_us']:.1f} us exact {r['gfx942_exact']}"
         )
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "bench_cache.json"), "w") as f:
-            json.dump(
-                dict(device=torch.cuda.get_device_name(), arch=target.arch, commit=git_commit(),
-                     date=datetime.date.today().isoformat(), torch=torch.__version__,
-                     copy_2gb_gb_per_s=big, rows=rows),
-                f, indent=1,
-            )  # fmt: skip
+    save_record("bench_cache", arch=target.arch, copy_2gb_gb_per_s=big, rows=rows)
     return 1 if failed else 0
 
 

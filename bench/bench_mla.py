@@ -34,16 +34,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import math
-import os
 import sys
 import time
 
 import torch
 import triton
-from _common import copy_ceiling, git_commit, matmul_rate, plan_with_target
+from _common import copy_ceiling, git_commit, matmul_rate, plan_with_target, save_record
 from triton.testing import do_bench, do_bench_cudagraph
 
 from portattn.kernels._launch import run_all
@@ -460,20 +457,10 @@ def main(argv=None) -> int:
         )
     for f in failures:
         print("CHECK FAILED (sweep variant):", f)
-    result = dict(
-        device=torch.cuda.get_device_name(), arch=target.arch, commit=git_commit(),
-        date=datetime.date.today().isoformat(), torch=torch.__version__,
-        triton=triton.__version__, command=" ".join(sys.argv), copy_gb_per_s=copy_gbs,
-        mm_tflops=mm_tflops, rows=rows,
-    )  # fmt: skip
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "bench_mla.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        if args.sweep:
-            with open(os.path.join(out_dir, "bench_mla_sweep.json"), "w") as f:
-                json.dump(dict(result, rows=sweep_rows, failures=failures), f, indent=1)
+    result = dict(arch=target.arch, copy_gb_per_s=copy_gbs, mm_tflops=mm_tflops)
+    save_record("bench_mla", **result, rows=rows)
+    if args.sweep:
+        save_record("bench_mla_sweep", **result, rows=sweep_rows, failures=failures)
     return 1 if failures else 0
 
 

@@ -33,14 +33,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import subprocess
 
 import torch
 import torch.nn.functional as F
-from _common import plan_with_target
+from _common import git_commit, plan_with_target, save_record
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from triton.testing import do_bench
@@ -202,9 +198,7 @@ def main() -> None:
     opts = ap.parse_args()
     dtype = DTYPES[opts.dtype]
     target = current_target()
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = git_commit()
     rows, sdpa_rows, summary = [], [], []
     print(f"# {torch.cuda.get_device_name()} ({target.arch}), {opts.dtype}, commit {commit}, "
           f"torch {torch.__version__}")  # fmt: skip
@@ -279,23 +273,7 @@ def main() -> None:
         )
         print(line)
         summary.append(line)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "bench_paged.json"), "w") as f:
-            json.dump(
-                dict(
-                    device=torch.cuda.get_device_name(),
-                    arch=target.arch,
-                    dtype=opts.dtype,
-                    commit=commit,
-                    date=datetime.date.today().isoformat(),
-                    torch=torch.__version__,
-                    rows=rows,
-                    sdpa=sdpa_rows,
-                ),  # fmt: skip
-                f,
-                indent=1,
-            )
+    save_record("bench_paged", arch=target.arch, dtype=opts.dtype, rows=rows, sdpa=sdpa_rows)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
 import time
 
 import torch
 import triton
-from _common import copy_ceiling, git_commit, matmul_rate
+from _common import copy_ceiling, git_commit, matmul_rate, save_record
 from bench_mla import DTYPES, HEADER, Point, bench_policy, fmt_row, time_variant, variant
 
 from portattn.platform import current_target
@@ -100,21 +98,9 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     for f in failures:
         print("CHECK FAILED (sweep variant):", f)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "sweep_mla.json"), "w") as f:
-            json.dump(
-                dict(
-                    device=torch.cuda.get_device_name(),
-                    commit=git_commit(),
-                    copy_gb_per_s=copy_gbs,
-                    mm_tflops=mm_tflops,
-                    rows=rows,
-                    failures=failures,
-                ),
-                f,
-                indent=1,
-            )
+    save_record(
+        "sweep_mla", copy_gb_per_s=copy_gbs, mm_tflops=mm_tflops, rows=rows, failures=failures
+    )
     return 1 if failures else 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import sys
 import time
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import save_record  # noqa: E402
 from bench_paged import HKV, HQ, D, make_inputs  # noqa: E402
 
 from portattn.kernels._launch import run_all  # noqa: E402
@@ -210,10 +210,7 @@ def main() -> None:
         report.append(dict(point=name, call_us=call_us, sdpa_us=sdpa and sdpa * 1e3, rows=rows))
         torch.cuda.empty_cache()
     print(f"\n# sweep took {time.time() - t0:.0f} s")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "sweep_paged.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), points=report), f, indent=1)
+    save_record("sweep_paged", points=report)
 
 
 def _tiles_of(plan) -> PagedTiles:
