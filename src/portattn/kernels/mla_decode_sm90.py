@@ -1,26 +1,36 @@
-"""MLA decode, Hopper (sm_90) kernel in Gluon: the wide 64-head tile with an explicit schedule.
+"""MLA decode, Hopper (sm_90) kernel in Gluon: the wide 64-head tile, two warpgroups in seesaw.
 
 Same math, arguments, workspaces and outputs as `portattn.kernels.mla_decode` (whose launcher
-picks this kernel, `use_sm90_kernel`); only the schedule differs. Triton's pipeliner issues the
-copy of tile i+1 at the END of iteration i and waits for it at the top of the next, so every
-tile pays the copy latency on top of its math (bench/NOTES.md, attempt 4). Here, with the same
-two latent buffers::
+picks this kernel, `use_sm90_kernel`); only the schedule differs (bench/NOTES.md, attempt 8).
+The two warpgroups run different code (`gl.warp_specialize`, no producer warps). Tiles go in
+pairs (A in buffer 0, B in buffer 1); warpgroup 0 scores A and owns output columns [0, R/2),
+warpgroup 1 scores B and owns [R/2, R)::
 
-    wait tile i -> issue QK_i (latent + rope, async) -> wait PV_{i-1} (frees tile i-1's buffer)
-    -> bulk-copy tile i+1 into it -> wait QK_i -> softmax -> P to shared memory -> issue PV_i
+    WG0: S_A = Q K_A^T -> max m_A (to WG1) -> P_A (to WG1) -> O_L += P_A V_A,L -> (P_B, m_B
+         from WG1) -> O_L *= 2^(m_A - m_B) -> O_L += P_B V_B,L
+    WG1: S_B = Q K_B^T -> (m_A) m_B = max(m_A, rowmax S_B) -> P_B, m_B (to WG0) -> (P_A)
+         O_R += P_A V_A,R -> O_R *= 2^(m_A - m_B) -> O_R += P_B V_B,R
 
-so the copy of tile i+1 runs under QK_i, the softmax and PV_i. Tiles go in pairs and the PV
-accumulator is drained once per pair: an accumulator carried through the loop's back edge while
-its wgmma is in flight makes ptxas serialize every wgmma of the kernel (its C7514 advisory; the
-first version of this kernel had it). Row sums are kept per warpgroup (each holds half of a
-tile's columns) and added once at the end. Whole 64-row tiles come from one 64-token page
-through tensor descriptors (TMA); in a split's partial last tile the latent rows past the
-context are zeroed in shared memory before PV (their scores are masked to -inf); an odd tile
-count ends with a phantom tile (no copy, all scores masked).
+so each score MMA is 64 x 64 (the query is read once per 64 tokens, not once per 32) and one
+warpgroup's softmax runs under the other's MMAs. Each tile buffer is loaded in two halves
+(latent columns [0, R/2); latent [R/2, R) + rope), each by the warpgroup whose PV frees it, as
+soon as it does: the next pair's loads start mid-pair. The query's rope part is the score MMA's
+register operand, which leaves room for both tiles' P in shared memory. Hand-offs go through
+shared memory (P, the running max, the final row sums) with an mbarrier each; every phase of
+every barrier is waited before the next is signalled (module code, comments). Row sums are kept
+per warpgroup over the tiles it scored and added once at the end.
 
-Requirements (checked by the launcher): sm_90, fp16/bf16, ``BLOCK_H = BLOCK_N = 64``, 8 warps,
-``kv_lora_rank`` a power of two <= 512, rope width a power of two >= 16, pages of a multiple of 64
-tokens laid out one after another (``stride(0) == block_size * stride(1)``), a block table.
+In a split's partial last tile the latent rows past the context are zeroed in shared memory
+before PV (each warpgroup its own half; their scores are masked to -inf); an odd tile count
+ends with a phantom tile (no copy, every score masked, buffer zeroed). ptxas hoists every
+loop-invariant MMA descriptor out of the loop and spills them (260 B); the buffer indices are
+therefore XORed with an opaque 0 (``block_size < 0``), which keeps them in the loop (0 spills).
+
+Requirements (checked by the launcher, `sm90_errors`): sm_90, fp16/bf16, ``BLOCK_H = BLOCK_N =
+64``, ``kv_lora_rank`` in 128 / 256 / 512, rope width a power of two in 16..128, the shared
+memory (`sm90_smem_bytes`; 576/512: 230788 B) within the target's, pages of a multiple of 64
+tokens laid out one after another (``stride(0) == block_size * stride(1)``), a
+block table.
 """
 
 from __future__ import annotations
@@ -47,7 +57,10 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 #: The tile this kernel is written for (the policy's wide CUDA tile).
 BLOCK_H = 64
 BLOCK_N = 64
-NUM_WARPS = 8
+#: Warps of the default partition (warpgroup 0); warpgroup 1 is a worker partition of 4 more.
+NUM_WARPS = 4
+#: Registers per thread each warpgroup asks for (`setmaxnreg`; 8 warps share the 64K file).
+WG_REGS = 256
 
 
 @gluon.jit
@@ -65,79 +78,218 @@ def _find_seq_sm90(qsl_ptr, stride_qsl, tok, num_seqs):
 
 
 @gluon.jit
-def _issue_tile(lat_desc, pe_desc, blk, n, block_size, bar, lat_buf, pe_buf, pred,
-                KV_LORA_RANK: gl.constexpr, TILE_BYTES: gl.constexpr):  # fmt: skip
-    """Bulk-copy the latent and rope parts of context rows n .. n+BLOCK_N-1 (one page)."""
+def _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, t, start, num_tiles, steps, block_size,
+               bar, lat_buf, pe_buf, RIGHT: gl.constexpr):  # fmt: skip
+    """Tile t's left latent half, or (RIGHT) its right latent half and rope part, into its
+    buffer; a phantom tile (``num_tiles <= t < steps``) only completes the barrier."""
+    BLOCK_N: gl.constexpr = lat_buf.shape[0]
+    HALF: gl.constexpr = lat_buf.shape[1]
+    ROPE_DIM: gl.constexpr = pe_buf.shape[1]
+    n = start + t * BLOCK_N
+    real = t < num_tiles
+    blk = gl.load(bt_row + (n // block_size) * stride_bt_blk, mask=real, other=0)
     row = blk.to(gl.int32) * block_size + n % block_size
-    mbarrier.expect(bar, TILE_BYTES, pred=pred)
-    tma.async_copy_global_to_shared(lat_desc, [row, 0], bar, lat_buf, pred=pred)
-    tma.async_copy_global_to_shared(pe_desc, [row, KV_LORA_RANK], bar, pe_buf, pred=pred)
+    if RIGHT:
+        mbarrier.expect(bar, BLOCK_N * (HALF + ROPE_DIM) * 2, pred=real)
+        tma.async_copy_global_to_shared(lat_desc, [row, HALF], bar, lat_buf, pred=real)
+        tma.async_copy_global_to_shared(pe_desc, [row, 2 * HALF], bar, pe_buf, pred=real)
+    else:
+        mbarrier.expect(bar, BLOCK_N * HALF * 2, pred=real)
+        tma.async_copy_global_to_shared(lat_desc, [row, 0], bar, lat_buf, pred=real)
+    mbarrier.arrive(bar, count=1, pred=(t >= num_tiles) & (t < steps))
 
 
 @gluon.jit
-def _tile_step(i, num_tiles, steps, start, end, block_size, bt_row, stride_bt_blk, blk_next,
-               lat_desc, pe_desc, bars, lat_smem, pe_smem, q_smem, qpe_smem, p_smem, m_i, l_i,
-               acc, qk_scale, KV_LORA_RANK: gl.constexpr, BLOCK_N: gl.constexpr,
-               TILE_BYTES: gl.constexpr, QK: gl.constexpr, PV: gl.constexpr,
-               LOAD: gl.constexpr):  # fmt: skip
-    """Tile i: scores, bulk copy of tile i+1 once PV_{i-1} freed its buffer, softmax, PV_i
-    (returned in flight). Tiles ``num_tiles <= i < steps`` are phantoms: no copy, all masked."""
-    dtype: gl.constexpr = q_smem.dtype
-    b = i % 2
-    n = start + i * BLOCK_N
-    lat_b = lat_smem.index(b)
-    pe_b = pe_smem.index(b)
-    mbarrier.wait(bars.index(b), (i // 2) & 1)
-    if n + BLOCK_N > end:  # the partial last tile: stale rows past the context read as 0
-        rows_ld = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
-        keep = ((n + rows_ld) < end)[:, None]
-        for c in gl.static_range(KV_LORA_RANK // 64):
-            part = lat_b.slice(c * 64, 64, dim=1)
+def _zero_tail(buf, n, end, LOAD: gl.constexpr):
+    """Rows ``n + r >= end`` of a partial or phantom tile's latent half read as 0: their P is 0,
+    but stale rows (or never-written shared memory) may hold NaN."""
+    BLOCK_N: gl.constexpr = buf.shape[0]
+    if n + BLOCK_N > end:
+        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
+        keep = ((n + rows) < end)[:, None]
+        for c in gl.static_range(buf.shape[1] // 64):
+            part = buf.slice(c * 64, 64, dim=1)
             x = part.load(LOAD)
             part.store(gl.where(keep, x, gl.zeros_like(x)))
         fence_async_shared()
         gl.thread_barrier()
-    # scores: latent + rope parts, both asynchronous
-    BLOCK_H: gl.constexpr = q_smem.shape[0]
-    qk0 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=QK)
-    qk = warpgroup_mma(q_smem, lat_b.permute((1, 0)), qk0, use_acc=False, is_async=True)
-    qk = warpgroup_mma(qpe_smem, pe_b.permute((1, 0)), qk, is_async=True)
-    # PV_{i-1} (issued before them) done in every warpgroup -> its buffer takes tile i+1
-    acc = warpgroup_mma_wait(num_outstanding=2, deps=[acc])
-    gl.thread_barrier()
-    nb = 1 - b
-    _issue_tile(lat_desc, pe_desc, blk_next, n + BLOCK_N, block_size, bars.index(nb),
-                lat_smem.index(nb), pe_smem.index(nb), i + 1 < num_tiles, KV_LORA_RANK,
-                TILE_BYTES)  # fmt: skip
-    mbarrier.arrive(bars.index(nb), count=1, pred=(i + 1 >= num_tiles) & (i + 1 < steps))
-    blk_next = gl.load(
-        bt_row + ((n + 2 * BLOCK_N) // block_size) * stride_bt_blk,
-        mask=i + 2 < num_tiles,
-        other=0,
+
+
+@gluon.jit
+def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr):
+    """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
+    values, in the order the kernel packs them."""
+    (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
+     stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
+     latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
+     part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
+     stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
+     stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
+     stride_pl_head) = rt  # fmt: skip
+    dtype: gl.constexpr = ql_smem.dtype
+    BLOCK_H: gl.constexpr = ql_smem.shape[1]
+    HALF: gl.constexpr = ql_smem.shape[2]
+    BLOCK_N: gl.constexpr = latl_smem.shape[1]
+    ROPE_DIM: gl.constexpr = pe_smem.shape[2]
+    QK: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
-    qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-    # online softmax
+    PV: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
+    QPE: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=QK, k_width=2)
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    ROW: gl.constexpr = gl.SliceLayout(1, QK)
+    PV_ROW: gl.constexpr = gl.SliceLayout(1, PV)
+    # the query's rope part: the score MMA's register operand
+    qh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QPE))
+    qd = 2 * HALF + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, QPE))
+    q_pe = gl.load(
+        q_ptr + q_row_off + qh[:, None] * stride_q_head + qd[None, :] * stride_q_dim,
+        mask=(qh < num_heads)[:, None],
+        other=0.0,
+    )
+    # hand-offs, each completed once per pair: 0 m_A (WG0 -> WG1), 1 P_A (WG0 -> WG1),
+    # 2 P_B and m_B (WG1 -> WG0). A barrier's next phase is signalled only after its waiter
+    # passed this one (through the chain of the other hand-offs and the tile barriers).
+    bar_ma = sync_bars.index(0)
+    bar_pa = sync_bars.index(1)
+    bar_pb = sync_bars.index(2)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=ROW)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=PV)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, QK))
-    s = gl.where(((n + cols) < end)[None, :], qk * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
-    # row sums per warpgroup (each holds half the columns): no cross-warpgroup reduction here
-    ps = gl.sum(gl.reshape(p, [BLOCK_H, 2, BLOCK_N // 2]), 2)
-    l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, ps.type.layout))[:, None] + ps
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, PV))[:, None]
-    # P through shared memory (both warpgroups' PV_{i-1} finished: barrier above)
-    p_smem.store(p.to(dtype))
-    fence_async_shared()
+    steps = gl.cdiv(num_tiles, 2) * 2
+    opaque = (block_size < 0).to(gl.int32)  # 0, unknown to ptxas (module doc)
+    for j in range(steps // 2):
+        ph = j & 1
+        b0 = ph & opaque  # buffer 0 (tile A), written so that ptxas cannot hoist it
+        b1 = b0 ^ 1
+        own = WG ^ b0  # the buffer of the tile this warpgroup scores
+        n_a = start + (2 * j) * BLOCK_N
+        n_b = n_a + BLOCK_N
+        # scores of this warpgroup's tile: latent halves as they land, then rope (registers)
+        mbarrier.wait(tma_bars.index(2 * own), ph)
+        qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=QK)
+        qk = warpgroup_mma(ql_smem.index(b0), latl_smem.index(own).permute((1, 0)), qk,
+                           use_acc=False, is_async=True)  # fmt: skip
+        mbarrier.wait(tma_bars.index(2 * own + 1), ph)
+        qk = warpgroup_mma(qr_smem.index(b0), latr_smem.index(own).permute((1, 0)), qk,
+                           is_async=True)  # fmt: skip
+        qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+        n_own = n_a + WG * BLOCK_N
+        s = gl.where(((n_own + cols) < end)[None, :], qk * qk_scale, float("-inf"))
+        if WG == 0:
+            # m_A first (WG1's softmax waits for it), then P_A
+            m_a = gl.maximum(m_i, gl.max(s, 1))  # finite: tile A always has a real column
+            m_smem.index(0).store(m_a)
+            gl.thread_barrier()
+            mbarrier.arrive(bar_ma, count=1)
+            p = gl.exp2(s - m_a[:, None])
+            alpha = gl.exp2(m_i - m_a)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+            p_smem.index(b0).store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(bar_pa, count=1)
+            _zero_tail(latl_smem.index(b0), n_a, end, LOAD)
+            acc = warpgroup_mma(p_smem.index(b0), latl_smem.index(b0), acc, is_async=True)
+            mbarrier.wait(bar_pb, ph)
+            m_b = m_smem.index(1).load(ROW)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            gl.thread_barrier()
+            # A's left half is free: the next pair's first tile's left half
+            _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles,
+                       steps, block_size, tma_bars.index(2 * b0), latl_smem.index(b0),
+                       pe_smem.index(b0), False)  # fmt: skip
+            beta = gl.exp2(m_a - m_b)
+            l_i = l_i * beta
+            acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
+            _zero_tail(latl_smem.index(b1), n_b, end, LOAD)
+            acc = warpgroup_mma(p_smem.index(b1), latl_smem.index(b1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            gl.thread_barrier()
+            _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles,
+                       steps, block_size, tma_bars.index(2 * b1), latl_smem.index(b1),
+                       pe_smem.index(b1), False)  # fmt: skip
+            m_i = m_b
+        else:
+            mbarrier.wait(bar_ma, ph)
+            m_a = m_smem.index(0).load(ROW)
+            m_b = gl.maximum(m_a, gl.max(s, 1))
+            p = gl.exp2(s - m_b[:, None])
+            m_smem.index(1).store(m_b)
+            p_smem.index(b1).store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(bar_pb, count=1)
+            l_b = gl.sum(p, 1)
+            mbarrier.wait(bar_pa, ph)
+            alpha = gl.exp2(m_i - m_a)
+            l_i = l_i * alpha
+            acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+            _zero_tail(latr_smem.index(b0), n_a, end, LOAD)
+            acc = warpgroup_mma(p_smem.index(b0), latr_smem.index(b0), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            gl.thread_barrier()
+            # A's right half and rope part are free (WG0 finished S_A before P_A)
+            _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles,
+                       steps, block_size, tma_bars.index(2 * b0 + 1), latr_smem.index(b0),
+                       pe_smem.index(b0), True)  # fmt: skip
+            beta = gl.exp2(m_a - m_b)
+            l_i = l_i * beta + l_b
+            acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
+            _zero_tail(latr_smem.index(b1), n_b, end, LOAD)
+            acc = warpgroup_mma(p_smem.index(b1), latr_smem.index(b1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            gl.thread_barrier()
+            _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles,
+                       steps, block_size, tma_bars.index(2 * b1 + 1), latr_smem.index(b1),
+                       pe_smem.index(b1), True)  # fmt: skip
+            m_i = m_b
+
+    # -- row sums: each warpgroup summed the tiles it scored (both at the final max) --
+    l_smem.index(WG).store(l_i)
     gl.thread_barrier()
-    acc = warpgroup_mma(p_smem, lat_b, acc, is_async=True)
-    return acc, m_new, l_i, blk_next
+    mbarrier.arrive(sync_bars.index(3 + WG), count=1)
+    mbarrier.wait(sync_bars.index(4 - WG), 0)
+    l_i = l_i + l_smem.index(1 - WG).load(ROW)
+
+    # -- epilogue: this warpgroup's output columns; the lse from warpgroup 0 --
+    has = l_i > 0
+    l_safe = gl.where(has, l_i, 1.0)
+    lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    o = acc / gl.convert_layout(l_safe, PV_ROW)[:, None]
+    oh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=PV_ROW)
+    od = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, PV))
+    lh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW)
+    tok64 = tok.to(gl.int64)
+    if NUM_SPLITS == 1:
+        mask_o = ((oh < num_heads) & valid)[:, None] & (od >= 0)[None, :]
+        ptrs = out_ptr + tok64 * stride_out_tok + oh[:, None] * stride_out_head
+        gl.store(ptrs + od[None, :] * stride_out_dim, o.to(dtype), mask=mask_o)
+        if RETURN_LSE and WG == 0:
+            gl.store(
+                lse_ptr + tok64 * stride_lse_tok + lh * stride_lse_head,
+                lse,
+                mask=(lh < num_heads) & valid,
+            )
+    else:
+        # every padded head row: the workspace has padded_heads rows
+        po = part_out_ptr + tok64 * stride_po_tok + split * stride_po_split
+        mask_o = ((oh >= 0) & valid)[:, None] & (od >= 0)[None, :]
+        gl.store(po + oh[:, None] * stride_po_head + od[None, :] * stride_po_dim, o, mask=mask_o)
+        if WG == 0:
+            pl = part_lse_ptr + tok64 * stride_pl_tok + split * stride_pl_split
+            gl.store(pl + lh * stride_pl_head, lse, mask=(lh >= 0) & valid)
 
 
 @gluon.jit
 def _mla_decode_sm90_kernel(
     q_ptr,
-    lat_desc,  # [num_blocks * block_size, head_dim_k], box [BLOCK_N, KV_LORA_RANK]
+    lat_desc,  # [num_blocks * block_size, head_dim_k], box [BLOCK_N, KV_LORA_RANK // 2]
     pe_desc,  # the same rows, box [BLOCK_N, ROPE_DIM]
     block_table_ptr,
     seq_lens_ptr,
@@ -177,22 +329,16 @@ def _mla_decode_sm90_kernel(
     NUM_SPLITS: gl.constexpr,
     VARLEN: gl.constexpr,
     RETURN_LSE: gl.constexpr,
-    TILE_BYTES: gl.constexpr,
-    Q_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, KV_LORA_RANK]
-    QPE_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, ROPE_DIM]
+    Q_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, KV_LORA_RANK // 2]
     P_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, BLOCK_N]
+    WG_REGS: gl.constexpr,
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    # wgmma layouts: one warpgroup per half of the columns (M = 64 heads is one warpgroup's)
-    QK: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
-    )
-    PV: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, KV_LORA_RANK // 2, 16]
-    )
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    HALF: gl.constexpr = KV_LORA_RANK // 2
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     LAT_LAYOUT: gl.constexpr = lat_desc.layout
     PE_LAYOUT: gl.constexpr = pe_desc.layout
+    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
 
     # -- which (token, split, head group), the causal range (as in the portable kernel) --
     pid = gl.program_id(0)
@@ -217,90 +363,75 @@ def _mla_decode_sm90_kernel(
     start = split * chunk
     end = gl.minimum(start + chunk, kv_len)
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    steps = gl.cdiv(num_tiles, 2) * 2
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt_seq
 
-    # -- shared memory: query (latent + rope), two latent/rope tile buffers, their barriers --
+    # -- shared memory: the query's latent halves ([1, ...]: indexed with the opaque 0), two
+    # tile buffers (latent halves, rope part), both tiles' P, the running max and row sums
+    # handed between the warpgroups, the barriers --
     offs_h = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
-    offs_d = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, LOAD))
-    offs_pe = KV_LORA_RANK + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, LOAD))
+    offs_d = gl.arange(0, HALF, layout=gl.SliceLayout(0, LOAD))
     mask_h = (offs_h < num_heads)[:, None]
-    q_row = q_ptr + tok.to(gl.int64) * stride_q_tok + offs_h[:, None] * stride_q_head
-    q_lat = gl.load(q_row + offs_d[None, :] * stride_q_dim, mask=mask_h, other=0.0)
-    q_pe = gl.load(q_row + offs_pe[None, :] * stride_q_dim, mask=mask_h, other=0.0)
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, KV_LORA_RANK], Q_LAYOUT, q_lat)
-    qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, ROPE_DIM], QPE_LAYOUT, q_pe)
-    lat_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, KV_LORA_RANK], LAT_LAYOUT)
+    q_row_off = tok.to(gl.int64) * stride_q_tok
+    q_row = q_ptr + q_row_off + offs_h[:, None] * stride_q_head
+    ql_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
+    ql_smem.index(0).store(gl.load(q_row + offs_d[None, :] * stride_q_dim, mask=mask_h, other=0.0))
+    qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
+    qr_smem.index(0).store(
+        gl.load(q_row + (HALF + offs_d[None, :]) * stride_q_dim, mask=mask_h, other=0.0)
+    )
+    latl_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
+    latr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
     pe_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], PE_LAYOUT)
-    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bars.index(0), count=1)
-    mbarrier.init(bars.index(1), count=1)
+    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_N], P_LAYOUT)
+    m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
+    l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
+    # tile barriers: buffer b's left half (2b), its right half and rope part (2b + 1)
+    tma_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    # hand-offs (see _warpgroup), then 3 / 4: warpgroup 0 / 1's row sums written
+    sync_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(4):
+        mbarrier.init(tma_bars.index(k), count=1)
+    for k in gl.static_range(5):
+        mbarrier.init(sync_bars.index(k), count=1)
     fence_async_shared()
 
-    # -- prologue: tile 0 in flight; tile 1's block id loaded --
-    blk = gl.load(bt_row + (start // block_size) * stride_bt_blk, mask=num_tiles > 0, other=0)
-    _issue_tile(lat_desc, pe_desc, blk, start, block_size, bars.index(0), lat_smem.index(0),
-                pe_smem.index(0), num_tiles > 0, KV_LORA_RANK, TILE_BYTES)  # fmt: skip
-    blk_next = gl.load(
-        bt_row + ((start + BLOCK_N) // block_size) * stride_bt_blk, mask=num_tiles > 1, other=0
+    # -- prologue: tiles 0 and 1 in flight --
+    for t in gl.static_range(2):
+        _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, t, start, num_tiles, steps,
+                   block_size, tma_bars.index(2 * t), latl_smem.index(t), pe_smem.index(t),
+                   False)  # fmt: skip
+        _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, t, start, num_tiles, steps,
+                   block_size, tma_bars.index(2 * t + 1), latr_smem.index(t), pe_smem.index(t),
+                   True)  # fmt: skip
+    qk_scale = scale * 1.4426950408889634  # exp2 domain
+    # runtime values for both warpgroups (the constexprs go in the call tuples themselves: a
+    # tuple assigned to a name turns them into tensors)
+    rt = (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
+          stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
+          latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
+          part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
+          stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
+          stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
+          stride_pl_head)  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE)),
+            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE)),
+        ],
+        [4],
+        [WG_REGS],
     )
 
-    qk_scale = scale * 1.4426950408889634  # exp2 domain
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, QK))
-    # running row sums per warpgroup half of the columns, [BLOCK_H, 2] (summed at the end)
-    zeros = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, QK)
-    l_i = gl.sum(gl.reshape(zeros, [BLOCK_H, 2, BLOCK_N // 2]), 2)
-    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], P_LAYOUT)
-    acc = gl.zeros([BLOCK_H, KV_LORA_RANK], gl.float32, layout=PV)
-    # Tiles go in pairs (buffers 0, 1): PV of the first stays in flight under the second's
-    # scores; the accumulator is drained at the end of each pair, because one carried through
-    # the loop back edge while in flight makes ptxas serialize every wgmma of the kernel. An odd
-    # last tile is paired with a phantom (no copy, every score masked, buffer zeroed).
-    steps = gl.cdiv(num_tiles, 2) * 2
-    for j in range(steps // 2):
-        acc, m_i, l_i, blk_next = _tile_step(
-            2 * j, num_tiles, steps, start, end, block_size, bt_row, stride_bt_blk, blk_next,
-            lat_desc, pe_desc, bars, lat_smem, pe_smem, q_smem, qpe_smem, p_smem, m_i, l_i,
-            acc, qk_scale, KV_LORA_RANK, BLOCK_N, TILE_BYTES, QK, PV, LOAD,
-        )  # fmt: skip
-        acc, m_i, l_i, blk_next = _tile_step(
-            2 * j + 1, num_tiles, steps, start, end, block_size, bt_row, stride_bt_blk,
-            blk_next, lat_desc, pe_desc, bars, lat_smem, pe_smem, q_smem, qpe_smem, p_smem,
-            m_i, l_i, acc, qk_scale, KV_LORA_RANK, BLOCK_N, TILE_BYTES, QK, PV, LOAD,
-        )  # fmt: skip
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, QK))
-    mbarrier.invalidate(bars.index(0))
-    mbarrier.invalidate(bars.index(1))
 
-    # -- epilogue: normalised output and natural-log lse (-inf, zeros for an empty range) --
-    has = l_i > 0
-    l_safe = gl.where(has, l_i, 1.0)
-    lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    o = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, PV))[:, None]
-    oh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, PV))
-    od = gl.arange(0, KV_LORA_RANK, layout=gl.SliceLayout(0, PV))
-    lh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QK))
-    tok64 = tok.to(gl.int64)
-    if NUM_SPLITS == 1:
-        mask_o = ((oh < num_heads) & valid)[:, None] & (od >= 0)[None, :]
-        ptrs = out_ptr + tok64 * stride_out_tok + oh[:, None] * stride_out_head
-        gl.store(ptrs + od[None, :] * stride_out_dim, o.to(dtype), mask=mask_o)
-        if RETURN_LSE:
-            gl.store(
-                lse_ptr + tok64 * stride_lse_tok + lh * stride_lse_head,
-                lse,
-                mask=(lh < num_heads) & valid,
-            )
-    else:
-        # every padded head row: the workspace has padded_heads rows
-        po = part_out_ptr + tok64 * stride_po_tok + split * stride_po_split
-        mask_o = ((oh >= 0) & valid)[:, None] & (od >= 0)[None, :]
-        gl.store(po + oh[:, None] * stride_po_head + od[None, :] * stride_po_dim, o, mask=mask_o)
-        gl.store(
-            part_lse_ptr + tok64 * stride_pl_tok + split * stride_pl_split + lh * stride_pl_head,
-            lse,
-            mask=(lh >= 0) & valid,
-        )
+def sm90_smem_bytes(kv_lora_rank: int, rope: int, elem: int = 2) -> int:
+    """Shared memory this kernel allocates, an upper bound: the query's latent part, two tiles,
+    two P tiles, the max / row-sum vectors, 9 barriers and 1 KB for Triton's alignment
+    (576/512 bf16: 231496 B; Triton allocates 230788)."""
+    query = BLOCK_H * kv_lora_rank * elem
+    tiles = 2 * BLOCK_N * (kv_lora_rank + rope) * elem
+    p = 2 * BLOCK_H * BLOCK_N * elem
+    return query + tiles + p + 2 * 2 * BLOCK_H * 4 + 9 * 8 + 1024
 
 
 def sm90_errors(
@@ -310,13 +441,18 @@ def sm90_errors(
     """Why this kernel cannot run a launch (empty: it can); module doc, Requirements."""
     rope = kv_cache.shape[2] - kv_lora_rank
     elem = kv_cache.element_size()
+    smem = sm90_smem_bytes(kv_lora_rank, rope, elem)
     rules = [
         (target.arch == "sm_90", f"target {target.arch} is not sm_90"),
         (kv_cache.dtype in _GL_DTYPES, f"dtype {kv_cache.dtype} is not fp16/bf16"),
         ((block_h, block_n) == (BLOCK_H, BLOCK_N), f"tile H{block_h} N{block_n} is not H64 N64"),
         (not paged_slots, "page_indices (flat slots) instead of a block table"),
-        (kv_lora_rank in (64, 128, 256, 512), f"kv_lora_rank {kv_lora_rank} not in 64..512 pow2"),
+        (kv_lora_rank in (128, 256, 512), f"kv_lora_rank {kv_lora_rank} not in 128/256/512"),
         (rope in (16, 32, 64, 128), f"rope width {rope} not in 16..128 pow2"),
+        (
+            smem <= target.max_shared_mem,
+            f"shared memory {smem} B > the target's {target.max_shared_mem}",
+        ),
         (kv_cache.shape[1] % BLOCK_N == 0, f"block_size {kv_cache.shape[1]} % {BLOCK_N} != 0"),
         (
             kv_cache.stride(2) == 1
@@ -335,9 +471,10 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
     a = main.args
     dtype = _GL_DTYPES[kv_cache.dtype]
     rope = kv_cache.shape[2] - kv_lora_rank
+    half = kv_lora_rank // 2
     rows = kv_cache.shape[0] * kv_cache.shape[1]
     shape, strides = [rows, kv_cache.shape[2]], [kv_cache.stride(1), 1]
-    lat_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, kv_lora_rank], dtype)
+    lat_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, half], dtype)
     pe_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], dtype)
     args = {
         name: a[name]
@@ -345,14 +482,13 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         if name in a and name not in ("BLOCK_H", "BLOCK_N")
     }
     args.update(
-        lat_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, kv_lora_rank], lat_layout),
+        lat_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, half], lat_layout),
         pe_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, rope], pe_layout),
         BLOCK_H=BLOCK_H,
         BLOCK_N=BLOCK_N,
-        TILE_BYTES=BLOCK_N * kv_cache.shape[2] * kv_cache.element_size(),
-        Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, kv_lora_rank], dtype),
-        QPE_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, rope], dtype),
+        Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, half], dtype),
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
+        WG_REGS=WG_REGS,
     )
     options = LaunchOptions(NUM_WARPS, main.options.num_stages)
     return dataclasses.replace(

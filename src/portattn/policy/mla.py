@@ -242,7 +242,7 @@ def mla_programs_per_sm(
 ) -> int:
     """Resident programs per SM the split count aims at (module doc, Split-KV).
 
-    HIP: `PROGRAMS_PER_SM`; the Hopper kernel: 1 (225296 B of shared memory, one wave measured
+    HIP: `PROGRAMS_PER_SM`; the Hopper kernel: 1 (230788 B of shared memory, one wave measured
     best); the wide CUDA tile: `PROGRAMS_PER_SM_WIDE`; the narrow CUDA tile: as many as its
     shared-memory estimate lets reside (``max_shared_mem // smem_bytes``, >= 1).
     """
