@@ -507,6 +507,9 @@ def test_gpu_bf16_real_shapes(case, form):
         (576, 512, 128, 64, (1, 3, 6, 2), (32768, 4100, 6, 1000), 1),
         (576, 512, 64, 128, None, (1, 64, 65, 5000), 7),  # empty splits, one-row sequence
         (320, 256, 100, 64, (2, 1), (127, 9000), 3),  # padded heads (100 -> 128), rope 64
+        (160, 128, 128, 64, (1, 2), (700, 1500), None),  # kv_lora_rank 128, rope 32
+        (272, 256, 128, 64, None, (300, 2000), 2),  # rope 16
+        (384, 256, 64, 64, (3, 1), (129, 4000), None),  # rope 128
     ],
 )
 def test_gpu_sm90_kernel(dk, r, heads, bs, q_lens, seq_lens, splits):
