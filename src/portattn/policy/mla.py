@@ -107,7 +107,8 @@ TMA_MIN_CAPABILITY = 90
 #: Where the wide tile runs the Hopper kernel (`portattn.kernels.mla_decode_sm90`). Measured on an
 #: H100 (bench/RESULTS.md, 2026-11-22), 128 heads, batch 64, against the portable kernel with
 #: descriptor tiles at its best split: 16k 1101.1 -> 749.9 us, 4k 296.7 -> 209.2 us, 1k 101.1 ->
-#: 63.7 us (one split: 128 programs, one wave; two splits: 765.2 / 218.1 / 82.4 us).
+#: 63.7 us (one split: 128 programs, one wave; two splits: 765.2 / 218.1 / 82.4 us). Its seesaw
+#: schedule (332b8e9): 549.6 / 145.0 / 55.6 us, one split still best (x2: 599.3 / 182.4 / 82.3).
 SM90_KERNEL_ARCHS = ("sm_90",)
 
 
