@@ -24,13 +24,12 @@ In a split's partial last tile the latent rows past the context are zeroed in sh
 before PV (each warpgroup its own half; their scores are masked to -inf); an odd tile count
 ends with a phantom tile (no copy, every score masked, buffer zeroed). ptxas hoists every
 loop-invariant MMA descriptor out of the loop and spills them (260 B); the buffer indices are
-therefore XORed with an opaque 0 (``block_size < 0``), which keeps them in the loop (0 spills).
+therefore computed from an opaque 0 (``block_size < 0``), which keeps them in the loop (0 spills).
 
 Requirements (checked by the launcher, `sm90_errors`): sm_90, fp16/bf16, ``BLOCK_H = BLOCK_N =
 64``, ``kv_lora_rank`` in 128 / 256 / 512, rope width a power of two in 16..128, the shared
 memory (`sm90_smem_bytes`; 576/512: 230788 B) within the target's, pages of a multiple of 64
-tokens laid out one after another (``stride(0) == block_size * stride(1)``), a
-block table.
+tokens laid out one after another (``stride(0) == block_size * stride(1)``), a block table.
 """
 
 from __future__ import annotations
