@@ -193,27 +193,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(bar_pa, count=1)
-            _zero_tail(latl_smem.index(b0), n_a, end, LOAD)
-            acc = warpgroup_mma(p_smem.index(b0), latl_smem.index(b0), acc, is_async=True)
-            mbarrier.wait(bar_pb, ph)
-            m_b = m_smem.index(1).load(ROW)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            # A's left half is free: the next pair's first tile's left half
-            _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles,
-                       steps, block_size, tma_bars.index(2 * b0), latl_smem.index(b0),
-                       pe_smem.index(b0), False)  # fmt: skip
-            beta = gl.exp2(m_a - m_b)
-            l_i = l_i * beta
-            acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
-            _zero_tail(latl_smem.index(b1), n_b, end, LOAD)
-            acc = warpgroup_mma(p_smem.index(b1), latl_smem.index(b1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles,
-                       steps, block_size, tma_bars.index(2 * b1), latl_smem.index(b1),
-                       pe_smem.index(b1), False)  # fmt: skip
-            m_i = m_b
+            lat_half = latl_smem  # this warpgroup's output columns: the latent's left half
         else:
             mbarrier.wait(bar_ma, ph)
             m_a = m_smem.index(0).load(ROW)
@@ -229,25 +209,33 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             alpha = gl.exp2(m_i - m_a)
             l_i = l_i * alpha
             acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
-            _zero_tail(latr_smem.index(b0), n_a, end, LOAD)
-            acc = warpgroup_mma(p_smem.index(b0), latr_smem.index(b0), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            # A's right half and rope part are free (WG0 finished S_A before P_A)
-            _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles,
-                       steps, block_size, tma_bars.index(2 * b0 + 1), latr_smem.index(b0),
-                       pe_smem.index(b0), True)  # fmt: skip
-            beta = gl.exp2(m_a - m_b)
-            l_i = l_i * beta + l_b
-            acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
-            _zero_tail(latr_smem.index(b1), n_b, end, LOAD)
-            acc = warpgroup_mma(p_smem.index(b1), latr_smem.index(b1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles,
-                       steps, block_size, tma_bars.index(2 * b1 + 1), latr_smem.index(b1),
-                       pe_smem.index(b1), True)  # fmt: skip
-            m_i = m_b
+            lat_half = latr_smem
+        # PV on A (scaled at m_A), then on B (at m_B); after each, this warpgroup's half of
+        # that buffer is free and takes the next pair's tile (WG1's half with the rope part,
+        # which WG0's S_A, finished before P_A, no longer reads)
+        _zero_tail(lat_half.index(b0), n_a, end, LOAD)
+        acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
+        if WG == 0:
+            mbarrier.wait(bar_pb, ph)
+            m_b = m_smem.index(1).load(ROW)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.thread_barrier()
+        _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, steps,
+                   block_size, tma_bars.index(2 * b0 + WG), lat_half.index(b0),
+                   pe_smem.index(b0), WG == 1)  # fmt: skip
+        beta = gl.exp2(m_a - m_b)
+        l_i = l_i * beta
+        if WG == 1:
+            l_i = l_i + l_b
+        acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
+        _zero_tail(lat_half.index(b1), n_b, end, LOAD)
+        acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.thread_barrier()
+        _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, steps,
+                   block_size, tma_bars.index(2 * b1 + WG), lat_half.index(b1),
+                   pe_smem.index(b1), WG == 1)  # fmt: skip
+        m_i = m_b
 
     # -- row sums: each warpgroup summed the tiles it scored (both at the final max) --
     l_smem.index(WG).store(l_i)
