@@ -67,7 +67,7 @@ def gpu(session: nox.Session) -> None:
 
 # One session per kernel suite (pytest marker): what a matrix cell runs in a Buildkite step or a
 # Kubernetes Job (src/kubematrix/matrix.py). No GPU: TRITON_INTERPRET=1 and the CPU-sized tests;
-# a GPU: the whole suite on it. `compile` has its own session.
+# a GPU: the whole suite on it, but the tests marked `cpu`. `compile` has its own session.
 MATRIX_SUITES = ("paged", "mla", "hybrid", "specdec", "policy")
 
 
@@ -100,8 +100,8 @@ def _suite_session(suite: str) -> None:
             _mamba_extensions(session)
         # tests/ci needs the `ci` extra and holds only `ci`-marked tests: not collected here.
         skip_ci = "--ignore=tests/ci"
-        if _has_gpu():
-            session.run("pytest", skip_ci, "-m", suite, *session.posargs)
+        if _has_gpu():  # the whole suite on the device, but the CPU-only (`cpu`) tests
+            session.run("pytest", skip_ci, "-m", f"{suite} and not cpu", *session.posargs)
         else:
             marker = f"{suite} and not gpu"
             env = {"TRITON_INTERPRET": "1"}

@@ -9,10 +9,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
 if [[ $what == tests || $what == all ]]; then
-  # kernels, MLA metadata, hybrid and specdec suites; the CI layer (tests/ci) needs no GPU
-  python3 -m pytest -m gpu -n 4 -q -p no:cacheprovider --junitxml="$OUT/gpu-junit.xml" \
-    tests/kernels tests/test_mla_metadata.py tests/hybrid tests/specdec > "$OUT/gpu-tests.log" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | tail -25
+  # The product's own command: every GPU cell of the matrix this machine can run (the same pytest
+  # arguments a Buildkite step or a Kubernetes Job runs), then its summary. $OUT takes a few
+  # files only: the report, results.json and the merged JUnit; the per-cell logs go in one tarball.
+  results=/tmp/portattn-matrix
+  python3 -m kubematrix matrix --backend cuda --results "$results" 2>&1 | tee "$OUT/matrix.log"
+  cp "$results/report.md" "$results/results.json" "$results/junit.xml" "$OUT/" 2>/dev/null
+  tar czf "$OUT/matrix-cells.tgz" -C "$results" . 2>/dev/null
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/compile_vs_device.py --cpu-json bench/compile_vs_device_cpu.json 2>&1 | tail -14 | tee "$OUT/compile_vs_device.log"

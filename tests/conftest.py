@@ -13,14 +13,20 @@ HAS_GPU = torch.cuda.is_available()
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA/HIP device (marker gpu)")
+    cpu_only = pytest.mark.skip(reason="CPU-only test (marker cpu): needs TRITON_INTERPRET=1")
     for item in items:
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip)
+        if item.get_closest_marker("cpu") and not INTERPRET:
+            item.add_marker(cpu_only)
 
 
 @pytest.fixture
 def device() -> str:
-    """Where CPU-gate kernel tests run: 'cpu' under TRITON_INTERPRET=1, else the GPU."""
+    """The one place that decides where a kernel test's tensors live: 'cpu' under
+    TRITON_INTERPRET=1, else the GPU. Every tensor a case hands to an op (caches, block tables,
+    slot mappings, seq_lens, query_start_loc) is made on it, so a test that passes on the CPU
+    runs unchanged in a GPU cell; tests that need CPU tensors by design are marked ``cpu``."""
     if INTERPRET or not HAS_GPU:
         if not INTERPRET:
             pytest.skip("kernel tests need TRITON_INTERPRET=1 (CPU) or a GPU")

@@ -1,8 +1,8 @@
 """The local runner: every cell this machine can run, one after another, as subprocesses.
 
 Each kernel-suite cell is ``python -m pytest -n <workers> -m "<suite> and not gpu"`` (CPU, with
-``TRITON_INTERPRET=1``) or ``-m <suite>`` (GPU), the same arguments the cell's nox session passes
-in CI, writing ``<cell>.xml`` and ``<cell>.log`` to the results folder. The compile cell runs
+``TRITON_INTERPRET=1``) or ``-m "<suite> and not cpu"`` (GPU), the arguments the cell's nox session
+passes in CI, writing ``<cell>.xml`` and ``<cell>.log`` to the results folder. The compile cell runs
 ``python -m portattn.compile --out <results>/compile``.
 
 Cells run in sequence: each one already spreads over every core through pytest-xdist, so running

@@ -266,9 +266,10 @@ class Cell:
         """What the suite's nox session passes to pytest, for the local runner (same env).
 
         CPU cells deselect ``gpu`` tests; GPU cells run the whole suite on the device (the
-        CPU-sized tests too: they are fast there and catch target-specific miscompiles).
+        CPU-sized tests too: they are fast there and catch target-specific miscompiles) except
+        the tests marked ``cpu`` (CPU tensors through the interpreter by design).
         """
-        marker = self.suite if self.spec.is_gpu else f"{self.suite} and not gpu"
+        marker = f"{self.suite} and not {'cpu' if self.spec.is_gpu else 'gpu'}"
         # tests/ci holds only `ci`-marked tests: not collected (as in the suite sessions).
         return ["--ignore=tests/ci", "-m", marker, f"--junitxml={self.junit_path(results_dir)}"]
 

@@ -75,7 +75,7 @@ def test_how_cells_run():
     assert cpu.nox_command("r") == ["nox", "-s", "mla", "--", junit]
     assert cpu.pytest_args("r")[1:3] == ["-m", "mla and not gpu"]
     assert cpu.env == {"TRITON_INTERPRET": "1"}
-    assert gpu.pytest_args("r")[1:3] == ["-m", "mla"]
+    assert gpu.pytest_args("r")[1:3] == ["-m", "mla and not cpu"]
     assert gpu.spec.gpu_resource == "amd.com/gpu" and gpu.env == {}
     assert get_cell("mla-cuda-sm_90").spec.gpu_resource == "nvidia.com/gpu"
     assert comp.nox_command("r") == ["nox", "-s", "compile", "--", "--out", "r/compile"]

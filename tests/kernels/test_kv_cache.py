@@ -172,7 +172,7 @@ def test_write_int32_slots_and_padded_token_rows(slot_dtype, device):
     assert torch.equal(cache.bits(), expect.bits())
 
     untouched = cache.clone()
-    write_kv_cache(key, value, cache.k, cache.v, torch.full((12,), -1, dtype=slot_dtype))
+    write_kv_cache(key, value, cache.k, cache.v, torch.full((12,), -1, dtype=slot_dtype, device=device))
     assert torch.equal(cache.bits(), untouched.bits())
 
 
@@ -180,7 +180,7 @@ def test_write_empty_is_a_no_op(device):
     cache = make_cache("hybrid", "NHD", torch.float16, 2, 16, device=device)
     before = cache.clone()
     key, value = make_tokens(0, torch.float16, device)
-    write_kv_cache(key, value, cache.k, cache.v, torch.empty(0, dtype=torch.int64))
+    write_kv_cache(key, value, cache.k, cache.v, torch.empty(0, dtype=torch.int64, device=device))
     assert torch.equal(cache.bits(), before.bits())
 
 
@@ -249,7 +249,7 @@ def test_gather_negative_block_entries_give_zeros(device):
 def test_gather_no_sequences(device):
     cache = make_cache("contiguous", "NHD", torch.float32, 2, 4, device=device)
     table = torch.empty((0, 1), dtype=torch.int32, device=device)
-    k, v = gather_kv_cache(cache.k, cache.v, table, torch.zeros(1, dtype=torch.int32))
+    k, v = gather_kv_cache(cache.k, cache.v, table, torch.zeros(1, dtype=torch.int32, device=device))
     assert k.shape == v.shape == (0, NUM_KV_HEADS, HEAD_DIM)
 
 

@@ -195,10 +195,14 @@ def test_smem_estimate_counts_prefetch_buffers():
 def test_fp32_latent_512_does_not_fit_64kb():
     with pytest.raises(ValueError, match=r"no tile fits gfx942's 65536 B .* use a 2-byte dtype"):
         mla_decode_tiles(get_target("gfx942"), problem(elem=4))
-    # the interpreter's default target (sm_90) takes fp32: N32 at 8 warps (104 registers; at 4
-    # warps 208), N64 would need 294912 B for two fp32 latent buffers
-    t = mla_decode_tiles(get_target("sm_90"), problem(elem=4))
-    assert (t.block_n, t.options.num_warps) == (32, 8)
+    # fp32 runs exact FMA dots: the narrowest tile at 8 warps, 2 stages, no prefetched rows, no
+    # descriptors, never the wide tile (policy.mla.FP32_BLOCK_N: the 16-bit rule's N64 w4 spilled
+    # 38 KB and overflowed sm_90's shared memory on an H100)
+    for arch, heads in (("sm_90", 16), ("sm_90", 128), ("sm_86", 16), ("gfx950", 16)):
+        t = mla_decode_tiles(get_target(arch), problem(elem=4, heads=heads))
+        assert (t.block_h, t.block_n, t.options.num_warps) == (16, 16, 8), arch
+        assert not (t.prefetch_rows or t.tma or t.sm90_kernel), arch
+        assert t.smem_bytes <= get_target(arch).max_shared_mem
 
 
 def test_invalid_problem_lists_every_reason():

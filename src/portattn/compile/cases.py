@@ -37,7 +37,10 @@ from portattn.kernels._launch import Launch
 from portattn.platform import Target
 
 META = torch.device("meta")
+# The serving dtype every axis below is compiled in; the other dtypes an op accepts (`api_dtypes`)
+# are compiled at the seeds' shapes (`EXTRA_DTYPE_AXES`).
 DTYPE = torch.bfloat16
+DTYPE_NAME = "bfloat16"
 
 MLA_SHAPES: tuple[tuple[int, int], ...] = ((576, 512), (320, 256), (288, 256))
 MLA_HEADS: tuple[int, ...] = (1, 4, 8, 16, 32, 128)
@@ -106,7 +109,7 @@ def make_case(kernel: str, name: str, build: Callable[..., list[Launch]], **para
 
 
 def _blocks_for(head_dim: int, block_size: int, num_kv_heads: int, big: bool) -> int:
-    """Enough blocks for the block tables; past 2 GiB per cache when ``big``."""
+    """Enough blocks for the block tables; past 2 GiB per cache when ``big`` (bf16)."""
     base = NUM_SEQS * CONTEXT_BLOCKS + 1
     if not big:
         return base
@@ -114,11 +117,13 @@ def _blocks_for(head_dim: int, block_size: int, num_kv_heads: int, big: bool) ->
     return max(base, -(-BIG_CACHE_BYTES // per_block))
 
 
-def _caches(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, layout: str):
+def _caches(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, layout: str, dt
+) -> tuple[torch.Tensor, torch.Tensor]:
     from portattn.layout import empty_kv_cache
 
     return empty_kv_cache(
-        num_blocks, block_size, num_kv_heads, head_dim, layout=layout, dtype=DTYPE, device=META
+        num_blocks, block_size, num_kv_heads, head_dim, layout=layout, dtype=dt, device=META
     )
 
 
@@ -132,13 +137,15 @@ def build_paged_attention(
     layout: str,
     max_query_len: int,
     big_cache: bool = False,
+    dtype: str = DTYPE_NAME,
 ) -> list[Launch]:
     from portattn.kernels.paged_attention import plan_paged_attention
 
+    dt = getattr(torch, dtype)
     num_blocks = _blocks_for(head_dim, block_size, num_kv_heads, big_cache)
-    k, v = _caches(num_blocks, block_size, num_kv_heads, head_dim, layout)
+    k, v = _caches(num_blocks, block_size, num_kv_heads, head_dim, layout, dt)
     num_tokens = NUM_SEQS * max_query_len
-    query = torch.empty((num_tokens, num_q_heads, head_dim), dtype=DTYPE, device=META)
+    query = torch.empty((num_tokens, num_q_heads, head_dim), dtype=dt, device=META)
     block_table = torch.empty((NUM_SEQS, CONTEXT_BLOCKS), dtype=torch.int32, device=META)
     seq_lens = torch.empty((NUM_SEQS,), dtype=torch.int32, device=META)
     qsl = torch.empty((NUM_SEQS + 1,), dtype=torch.int32, device=META)
@@ -156,30 +163,44 @@ def build_paged_attention(
 
 
 def build_write_kv_cache(
-    target: Target, *, head_dim: int, block_size: int, layout: str, big_cache: bool = False
+    target: Target,
+    *,
+    head_dim: int,
+    block_size: int,
+    layout: str,
+    big_cache: bool = False,
+    dtype: str = DTYPE_NAME,
 ) -> list[Launch]:
     from portattn.kernels.kv_cache import plan_write_kv_cache
 
+    dt = getattr(torch, dtype)
     num_blocks = _blocks_for(head_dim, block_size, CACHE_KV_HEADS, big_cache)
-    k_cache, v_cache = _caches(num_blocks, block_size, CACHE_KV_HEADS, head_dim, layout)
+    k_cache, v_cache = _caches(num_blocks, block_size, CACHE_KV_HEADS, head_dim, layout, dt)
     num_tokens = NUM_SEQS * PREFILL_CHUNK
-    key = torch.empty((num_tokens, CACHE_KV_HEADS, head_dim), dtype=DTYPE, device=META)
+    key = torch.empty((num_tokens, CACHE_KV_HEADS, head_dim), dtype=dt, device=META)
     value = torch.empty_like(key)
     slots = torch.empty((num_tokens,), dtype=torch.int64, device=META)
     return plan_write_kv_cache(key, value, k_cache, v_cache, slots, layout=layout, target=target)
 
 
 def build_gather_kv_cache(
-    target: Target, *, head_dim: int, block_size: int, layout: str, big_cache: bool = False
+    target: Target,
+    *,
+    head_dim: int,
+    block_size: int,
+    layout: str,
+    big_cache: bool = False,
+    dtype: str = DTYPE_NAME,
 ) -> list[Launch]:
     from portattn.kernels.kv_cache import plan_gather_kv_cache
 
+    dt = getattr(torch, dtype)
     num_blocks = _blocks_for(head_dim, block_size, CACHE_KV_HEADS, big_cache)
-    k_cache, v_cache = _caches(num_blocks, block_size, CACHE_KV_HEADS, head_dim, layout)
+    k_cache, v_cache = _caches(num_blocks, block_size, CACHE_KV_HEADS, head_dim, layout, dt)
     block_table = torch.empty((NUM_SEQS, CONTEXT_BLOCKS), dtype=torch.int32, device=META)
     cu = torch.empty((NUM_SEQS + 1,), dtype=torch.int32, device=META)
     total = NUM_SEQS * CONTEXT_BLOCKS * block_size
-    k_out = torch.empty((total, CACHE_KV_HEADS, head_dim), dtype=DTYPE, device=META)
+    k_out = torch.empty((total, CACHE_KV_HEADS, head_dim), dtype=dt, device=META)
     out = (k_out, torch.empty_like(k_out))
     return plan_gather_kv_cache(
         k_cache, v_cache, block_table, cu, layout=layout, out=out, target=target
@@ -195,14 +216,16 @@ def build_mla_decode(
     block_size: int = 16,
     q_len: int = 1,
     tiles: Any = None,
+    dtype: str = DTYPE_NAME,
 ) -> list[Launch]:
     from portattn.kernels.mla_decode import plan_mla_decode
 
+    dt = getattr(torch, dtype)
     blocks_per_seq = -(-MLA_CONTEXT // block_size)
     num_blocks = NUM_SEQS * blocks_per_seq + 1
     num_tokens = NUM_SEQS * q_len
-    query = torch.empty((num_tokens, num_q_heads, head_dim_k), dtype=DTYPE, device=META)
-    kv_cache = torch.empty((num_blocks, block_size, head_dim_k), dtype=DTYPE, device=META)
+    query = torch.empty((num_tokens, num_q_heads, head_dim_k), dtype=dt, device=META)
+    kv_cache = torch.empty((num_blocks, block_size, head_dim_k), dtype=dt, device=META)
     block_table = torch.empty((NUM_SEQS, blocks_per_seq), dtype=torch.int32, device=META)
     seq_lens = torch.empty((NUM_SEQS,), dtype=torch.int32, device=META)
     kwargs: dict[str, Any] = {"target": target}
@@ -235,13 +258,23 @@ MLA_512_SPILL_ALLOWANCE: tuple[tuple[str, int], ...] = (("cuda", 256), ("hip", 1
 MLA_512_SPILL_REASON = "512-wide latent accumulator + tile at 4 warps (see MLA_512_SPILL_ALLOWANCE)"
 
 
+# fp32 (exact FMA dots, both operands in registers) with the 512-wide latent spills on gfx950 at
+# every tile the policy could take (Triton 3.6, H16 N16: 101 VGPRs at 8 warps and 2 stages, 138 at
+# one stage, 161 at 4 warps, 207 at 16 warps). fp32 is a reference dtype, not a serving one; the
+# 64 KB AMD parts refuse the shape outright (tests/compile/test_refusals.py).
+MLA_512_FP32_SPILL_ALLOWANCE: tuple[tuple[str, int], ...] = (("cuda", 256), ("hip", 128))
+MLA_512_FP32_SPILL_REASON = "fp32 FMA dots over the 512-wide latent (MLA_512_FP32_SPILL_ALLOWANCE)"
+
+
 def _mla_case(name: str, dk: int, dv: int, **params: Any) -> Case:
     case = make_case("mla_decode", name, build_mla_decode, head_dim_k=dk, kv_lora_rank=dv, **params)
     if dv < 512:
         return case
-    return dataclasses.replace(
-        case, spill_allowance=MLA_512_SPILL_ALLOWANCE, spill_reason=MLA_512_SPILL_REASON
-    )
+    if params.get("dtype") == "float32":
+        allowance, reason = MLA_512_FP32_SPILL_ALLOWANCE, MLA_512_FP32_SPILL_REASON
+    else:
+        allowance, reason = MLA_512_SPILL_ALLOWANCE, MLA_512_SPILL_REASON
+    return dataclasses.replace(case, spill_allowance=allowance, spill_reason=reason)
 
 
 def mla_cases() -> list[Case]:
@@ -342,11 +375,101 @@ def cache_cases() -> list[Case]:
     return out
 
 
+# -- every dtype the public ops accept ------------------------------------------------------------
+
+# Where each op declares the floating dtypes it accepts (the constants its validation checks).
+_API_DTYPES: dict[str, tuple[str, str]] = {
+    "mla_decode": ("portattn.kernels.mla_decode", "FLOAT_DTYPES"),
+    "paged_attention": ("portattn.kernels.paged_attention", "_FLOAT_DTYPES"),
+    "write_kv_cache": ("portattn.layout", "CACHE_DTYPES"),
+    "gather_kv_cache": ("portattn.layout", "CACHE_DTYPES"),
+}
+# The seeds' shapes at which the non-serving dtypes are compiled (bf16 runs every axis above).
+# MLA: every shape at 1, 4, 16 and 128 heads, 16- and 64-token pages (the bulk-copy path), and the
+# verification step of 4 heads x 2 tokens on 64-token pages: the two cells that overflowed sm_90's
+# shared memory in fp32 on an H100 (320/256 h16 page 64, 288/256 h4 q2 page 64).
+EXTRA_MLA_HEADS: tuple[int, ...] = (1, 4, 16, 128)
+EXTRA_MLA_PAGES: tuple[int, ...] = (16, 64)
+# Paged: GQA 5:1 at every head dim, both layouts, the smallest and the hybrid block, prefill and
+# decode. Caches: the narrowest and widest head dims, both layouts, a power-of-two and a hybrid
+# block.
+EXTRA_PAGED_BLOCKS: tuple[int, ...] = (16, 2048)
+EXTRA_CACHE_HEAD_DIMS: tuple[int, ...] = (64, 256)
+EXTRA_CACHE_BLOCKS: tuple[int, ...] = (16, 544)
+_SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+def api_dtypes(kernel: str) -> tuple[str, ...]:
+    """The floating dtypes (torch names) the public op ``kernel`` accepts, from its own checks."""
+    import importlib
+
+    module, attr = _API_DTYPES[kernel]
+    accepted = getattr(importlib.import_module(module), attr)
+    return tuple(str(d).removeprefix("torch.") for d in accepted)
+
+
+def dtype_cases(kernel: str) -> list[Case]:
+    """``kernel`` in every dtype it accepts besides bf16, at the seeds' shapes (above)."""
+    out: list[Case] = []
+    for dtype in api_dtypes(kernel):
+        if dtype == DTYPE_NAME:
+            continue
+        tag = _SHORT[dtype]
+        if kernel == "mla_decode":
+            for dk, dv in MLA_SHAPES:
+                for h in EXTRA_MLA_HEADS:
+                    for bs in EXTRA_MLA_PAGES:
+                        name = f"{dk}/{dv} h{h} page{bs} {tag}"
+                        out.append(
+                            _mla_case(name, dk, dv, num_q_heads=h, block_size=bs, dtype=dtype)
+                        )
+                name = f"{dk}/{dv} h4 q2 page64 {tag}"
+                out.append(
+                    _mla_case(name, dk, dv, num_q_heads=4, q_len=2, block_size=64, dtype=dtype)
+                )
+        elif kernel == "paged_attention":
+            for hd in PAGED_HEAD_DIMS:
+                for layout in LAYOUTS:
+                    shapes = [(bs, PREFILL_CHUNK, "prefill") for bs in EXTRA_PAGED_BLOCKS]
+                    for bs, q, kind in [*shapes, (16, 1, "decode")]:
+                        out.append(
+                            make_case(
+                                kernel,
+                                f"hd{hd} gqa5 bs{bs} {layout} {kind} {tag}",
+                                build_paged_attention,
+                                head_dim=hd,
+                                num_q_heads=40,
+                                num_kv_heads=8,
+                                block_size=bs,
+                                layout=layout,
+                                max_query_len=q,
+                                dtype=dtype,
+                            )
+                        )
+        else:
+            build = build_write_kv_cache if kernel == "write_kv_cache" else build_gather_kv_cache
+            for hd in EXTRA_CACHE_HEAD_DIMS:
+                for layout in LAYOUTS:
+                    for bs in EXTRA_CACHE_BLOCKS:
+                        out.append(
+                            make_case(
+                                kernel,
+                                f"hd{hd} bs{bs} {layout} {tag}",
+                                build,
+                                head_dim=hd,
+                                block_size=bs,
+                                layout=layout,
+                                dtype=dtype,
+                            )
+                        )
+    return out
+
+
 KERNELS: dict[str, Callable[[], list[Case]]] = {
-    "mla_decode": mla_cases,
-    "paged_attention": paged_cases,
-    "write_kv_cache": cache_cases,
-    "gather_kv_cache": cache_cases,
+    "mla_decode": lambda: mla_cases() + dtype_cases("mla_decode"),
+    "paged_attention": lambda: paged_cases() + dtype_cases("paged_attention"),
+    "write_kv_cache": lambda: cache_cases() + dtype_cases("write_kv_cache"),
+    "gather_kv_cache": lambda: cache_cases() + dtype_cases("gather_kv_cache"),
 }
 
 

@@ -86,11 +86,20 @@ class CellResult:
         return d
 
 
+#: What a policy's ValueError says when no tile of the problem fits the target's budgets.
+REFUSAL = "no tile fits"
+
+
 def evaluate(cell: CellResult, spill_allowance: int = 0) -> CellResult:
     """Apply the gate (module docstring) to ``cell``, filling ``passed``, ``reasons``, ``notes``."""
     reasons: list[str] = []
     notes: list[str] = []
-    if cell.plan_error is not None:
+    if cell.plan_error is not None and REFUSAL in cell.plan_error:
+        # The op refuses this problem on this target with a clear ValueError before anything
+        # runs (the public API does not accept it there): not a failure; which cells refuse is
+        # pinned by tests/compile/test_refusals.py so that a new refusal is caught.
+        notes.append(f"refused: {cell.plan_error}")
+    elif cell.plan_error is not None:
         reasons.append(f"plan: {cell.plan_error}")
     for r in cell.launches:
         tag = f"{r.name}: " if len(cell.launches) > 1 else ""

@@ -91,6 +91,16 @@ MAX_KV_SPLITS = 32
 #: Warps per program of the narrow tile, fewest first: 4 unless the register estimate needs 8
 #: (BLOCK_H 16 x BLOCK_DV 512 fp32 accumulator = 64 registers/thread at 4 warps, 32 at 8).
 NUM_WARPS = (4, 8)
+#: 4-byte (fp32) elements: the kernel's dots run in exact fp32 (``input_precision="ieee"``), which
+#: no tensor core does, so each dot holds both operands in registers (FMA dots) and the register
+#: model above (16-bit MMA operands read from shared memory) does not hold. Compiled with Triton
+#: 3.6 on a CPU (compile matrix, 2026-11-24), H16 at 2 stages: sm_90 576/512 N32 w4 spills 1188 B,
+#: N16 w8 uses 90 registers; 320/256 N32 w4 spills 9928 B (N64 w4, the 16-bit rule's choice,
+#: 38176 B), N16 w8 64 registers; gfx942 320/256 N32 w8 spills 99 VGPRs, N16 w8 214 VGPRs and no
+#: spill. So fp32 takes the narrowest KV tile at 8 warps, never the wide tile, and never the
+#: prefetched rows (below).
+FP32_BLOCK_N = 16
+FP32_NUM_WARPS = 8
 #: Warps of the split-KV reduce kernel.
 REDUCE_NUM_WARPS = 4
 #: The deepest pipeline the policy asks for (a target may cap it lower): 3 stages measured slower
@@ -195,7 +205,10 @@ def mla_smem_bytes(
     Example: sm_90, 576/512 bf16, H16 N64, 3 stages, prefetched rows (2 latent buffers) ->
     ``2*64*576*2 + 16*576*2 + 16*64*2 = 147456 + 18432 + 2048 = 167936`` (the compiled figure).
     """
-    buffers = max(1, num_stages - 1) if prefetch_rows else num_stages
+    # fp32 tiles get num_stages buffers even with prefetched rows (the descriptor loop of the
+    # bulk-copy path allocates 3 at 3 stages: 320/256 H16 N64 compiles to 266256 B on sm_90).
+    prefetched = prefetch_rows and elem_size < 4
+    buffers = max(1, num_stages - 1) if prefetched else num_stages
     kv = block_n * (block_dv + block_dpe) * elem_size * buffers
     q = block_h * (block_dv + block_dpe) * elem_size
     p = block_h * block_n * elem_size
@@ -292,8 +305,11 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         smem = mla_smem_bytes(block_h, block_n, block_dv, block_dpe, stages, elem, prefetch)
         return smem if regs <= REG_BUDGET and smem <= target.max_shared_mem else None
 
+    fp32 = elem >= 4
+    block_ns = (FP32_BLOCK_N,) if fp32 else BLOCK_N_CANDIDATES
+    warp_counts = (FP32_NUM_WARPS,) if fp32 else NUM_WARPS
     choice = None
-    if target.arch in WIDE_ARCHS and problem.num_heads >= WIDE_BLOCK_H:
+    if target.arch in WIDE_ARCHS and problem.num_heads >= WIDE_BLOCK_H and not fp32:
         for block_n in BLOCK_N_CANDIDATES:
             smem = fits(WIDE_BLOCK_H, block_n, top, WIDE_NUM_WARPS)
             if smem is not None and block_n >= 32:
@@ -304,13 +320,13 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         # The longest KV tile that pipelines (>= 2 stages) within both budgets at the fewest
         # warps, then the deepest pipeline; a single stage, then the register budget waived,
         # only when nothing else fits.
-        order = [(n, s) for n in BLOCK_N_CANDIDATES for s in range(top, 1, -1)]
-        order += [(n, 1) for n in BLOCK_N_CANDIDATES]
+        order = [(n, s) for n in block_ns for s in range(top, 1, -1)]
+        order += [(n, 1) for n in block_ns]
         choice = next(
             (
                 (block_h, n, s, w, smem)
                 for n, s in order
-                for w in NUM_WARPS
+                for w in warp_counts
                 if (smem := fits(block_h, n, s, w)) is not None
             ),
             None,
@@ -319,7 +335,7 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
             for block_n, stages in order:
                 smem = mla_smem_bytes(block_h, block_n, block_dv, block_dpe, stages, elem)
                 if smem <= target.max_shared_mem:
-                    choice = (block_h, block_n, stages, NUM_WARPS[-1], smem)
+                    choice = (block_h, block_n, stages, warp_counts[-1], smem)
                     break
     if choice is None:
         smallest = mla_smem_bytes(target.mma_min_rows, 16, block_dv, block_dpe, 1, elem)
@@ -334,12 +350,15 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     # latent tile PREFETCH_STAGES - 1 shared-memory buffers (bench/NOTES.md attempt 2). Measured on
     # an H200, 16 heads, batch 64: 4k 137.1 -> 124.5 us, 16k 456.8 -> 408.2 us (N32 w4 x16).
     # Taken where the estimate with two latent buffers fits both budgets.
+    # Not for fp32: its H16 N16 w8 tiles compile spill-free at 2 stages, but spill at 3 stages
+    # with prefetched rows (sm_90 320/256: 324 B; 576/512 at 128 heads: 1644 B).
     prefetch = False
-    if not target.is_hip and block_h < WIDE_BLOCK_H and stages >= 2:
+    if not target.is_hip and block_h < WIDE_BLOCK_H and stages >= 2 and not fp32:
         deeper = fits(block_h, block_n, PREFETCH_STAGES, warps, prefetch=True)
         if deeper is not None and target.max_num_stages >= PREFETCH_STAGES:
             stages, smem, prefetch = PREFETCH_STAGES, deeper, True
-    tma = not target.is_hip and target.capability >= TMA_MIN_CAPABILITY
+    # Not for fp32 either: its descriptor loop spills (sm_90 320/256 H16 N16 w8 page 64: 340 B).
+    tma = not target.is_hip and target.capability >= TMA_MIN_CAPABILITY and not fp32
     # The Hopper kernel takes the wide H64 N64 tile of 16-bit caches on sm_90.
     sm90 = (
         target.arch in SM90_KERNEL_ARCHS

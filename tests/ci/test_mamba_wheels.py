@@ -1,0 +1,142 @@
+"""tools/mamba_wheels.py: gencode restriction, arch parsing, and a real pip build of an sdist.
+
+The sdists themselves are CUDA builds (minutes on 16 cores, a GPU image); here the same code path
+runs on a stand-in sdist whose setup.py has the packages' gencode blocks and records the flags it
+was built with, so the test sees what nvcc would have been given.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ci
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("mamba_wheels", ROOT / "tools" / "mamba_wheels.py")
+assert _spec and _spec.loader
+mw = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mw)
+
+# The shape of both packages' CUDA branch: unconditional pairs, then pairs under version checks.
+SETUP_GENCODES = """\
+cc_flag = []
+if True:
+    cc_flag.append("-gencode")
+    cc_flag.append("arch=compute_75,code=sm_75")
+    cc_flag.append("-gencode")
+    cc_flag.append("arch=compute_80,code=sm_80")
+    if VERSION >= 11.8:
+        cc_flag.append("-gencode")
+        cc_flag.append("arch=compute_90,code=sm_90")
+    if VERSION >= 12.8:
+        cc_flag.append("-gencode")
+        cc_flag.append("arch=compute_100,code=sm_100")
+        cc_flag.append("-gencode")
+        cc_flag.append("arch=compute_120,code=sm_120")
+"""
+
+
+def _flags(text: str) -> list[str]:
+    scope: dict = {"VERSION": 13.0}
+    exec(compile(text, "setup.py", "exec"), scope)
+    return scope["cc_flag"]
+
+
+@pytest.mark.parametrize(
+    ("keep", "want"),
+    [
+        (["90"], ["arch=compute_90,code=sm_90"]),
+        (["90", "100"], ["arch=compute_90,code=sm_90", "arch=compute_100,code=sm_100"]),
+        (["120"], ["arch=compute_120,code=sm_120"]),
+    ],
+)
+def test_restrict_keeps_only_the_asked_gencodes_and_stays_valid(keep, want):
+    flags = _flags(mw.restrict_gencodes(SETUP_GENCODES, keep))
+    assert flags[1::2] == want and set(flags[0::2]) == {"-gencode"}
+
+
+def test_restrict_refuses_an_arch_the_file_does_not_build():
+    with pytest.raises(ValueError, match=r"--arch \['89'\] not among x.tar.gz's gencode archi"):
+        mw.restrict_gencodes(SETUP_GENCODES, ["90", "89"], name="x.tar.gz")
+    with pytest.raises(ValueError, match="has no cc_flag gencode pairs"):
+        mw.restrict_gencodes("cc_flag = ['-O3']\n", ["90"])
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("9.0", ("cuda", ["90"])),
+        ("9.0;10.0", ("cuda", ["90", "100"])),
+        ("9.0a", ("cuda", ["90"])),
+        ("gfx942", ("hip", ["gfx942"])),
+        ("gfx942;gfx950", ("hip", ["gfx942", "gfx950"])),
+    ],
+)
+def test_parse_archs(text, want):
+    assert mw.parse_archs(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "9.0;gfx942", "sm_90", "hopper"])
+def test_parse_archs_rejects(text):
+    with pytest.raises(ValueError, match="mamba_wheels: --arch must"):
+        mw.parse_archs(text)
+
+
+def _stand_in_sdist(folder: Path) -> Path:
+    """causal_conv1d-0.0.1.tar.gz: a pure-Python package whose setup.py records cc_flag and
+    whether the FORCE_BUILD switch was set, as the real one reads it."""
+    src = folder / "causal_conv1d-0.0.1"
+    (src / "causal_conv1d").mkdir(parents=True)
+    (src / "causal_conv1d" / "__init__.py").write_text("")
+    record = (
+        "import json, os\nfrom setuptools import setup\nVERSION = 13.0\n"
+        + SETUP_GENCODES
+        + "json.dump({'cc_flag': cc_flag, 'force': os.getenv('CAUSAL_CONV1D_FORCE_BUILD')},"
+        " open('causal_conv1d/built.json', 'w'))\n"
+        "setup(name='causal_conv1d', version='0.0.1', packages=['causal_conv1d'],"
+        " package_data={'causal_conv1d': ['built.json']})\n"
+    )
+    (src / "setup.py").write_text(record)
+    sdist = folder / "causal_conv1d-0.0.1.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(src, arcname=src.name)
+    return sdist
+
+
+def test_builds_a_wheel_from_the_patched_sdist(tmp_path):
+    sdists, out = tmp_path / "sdists", tmp_path / "wheels"
+    sdists.mkdir()
+    _stand_in_sdist(sdists)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "mamba_wheels.py"), "--arch", "9.0"]
+        + ["--sdists", str(sdists), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "built causal_conv1d-0.0.1.tar.gz in" in proc.stdout
+    (wheel,) = out.glob("causal_conv1d-0.0.1-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        built = json.loads(z.read("causal_conv1d/built.json"))
+    assert built == {"cc_flag": ["-gencode", "arch=compute_90,code=sm_90"], "force": "TRUE"}
+
+
+def test_cli_usage_errors(tmp_path):
+    run = [sys.executable, str(ROOT / "tools" / "mamba_wheels.py")]
+    both = subprocess.run([*run, "--arch", "9.0", "--out", str(tmp_path)], capture_output=True)
+    assert both.returncode == 2 and b"give either --sdists DIR or requirements" in both.stderr
+    empty = subprocess.run(
+        [*run, "--arch", "9.0", "--out", str(tmp_path), "--sdists", str(tmp_path)],
+        capture_output=True,
+    )
+    assert empty.returncode == 2 and b"holds no *.tar.gz" in empty.stderr
+    bad = subprocess.run([*run, "--arch", "sm_90", "--out", str(tmp_path), "x==1"], capture_output=True)
+    assert bad.returncode == 2 and b"--arch must be CUDA capabilities" in bad.stderr

@@ -1,0 +1,161 @@
+"""Build the Mamba extensions' wheels (causal-conv1d, mamba-ssm) for the GPU images' pools only.
+
+Both packages are source-only CUDA/HIP extensions. Their CUDA ``setup.py`` files hard-code a
+``-gencode`` pair for every architecture from sm_75 to sm_121 and ignore ``TORCH_CUDA_ARCH_LIST``
+(mamba-ssm even clears it), so a build for one pool compiles about nine architectures: neither
+finished in ~4.5 minutes on 16 cores. This script unpacks each sdist, keeps only the gencode pairs
+of the architectures asked for (and fails, naming the file, if one of them is not in it), then
+builds the wheel exactly as a user would: ``pip wheel --no-build-isolation --no-deps`` with the
+packages' ``*_FORCE_BUILD=TRUE`` (never the prebuilt-wheel download). ROCm builds honour
+``HIP_ARCHITECTURES`` already and are built unpatched.
+
+Used by both Dockerfiles' wheel stage, and by hand on a GPU machine::
+
+    python tools/mamba_wheels.py --arch "9.0" --out /opt/wheels causal-conv1d==1.7.0 mamba-ssm==2.3.2.post1
+    python tools/mamba_wheels.py --arch "9.0" --sdists ./sdists --out ./wheels   # offline
+
+``--arch`` takes ``TORCH_CUDA_ARCH_LIST``'s form (``"9.0"``, ``"9.0;10.0"``) or AMD names
+(``"gfx942"``). Standard library only (it runs in the image before anything else is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+# The package's switch that skips the prebuilt-wheel download (by sdist name prefix).
+FORCE_BUILD_ENV = {"causal_conv1d": "CAUSAL_CONV1D_FORCE_BUILD", "mamba_ssm": "MAMBA_FORCE_BUILD"}
+# One gencode pair as both setup.py files write it: two consecutive appends to ``cc_flag``.
+_GENCODE_PAIR = re.compile(
+    r'^(?P<indent>[ \t]*)cc_flag\.append\("-gencode"\)[ \t]*\n'
+    r'[ \t]*cc_flag\.append\("arch=compute_(?P<cc>\d+),code=sm_(?P=cc)"\)[ \t]*$',
+    re.MULTILINE,
+)
+
+
+def parse_archs(text: str) -> tuple[str, list[str]]:
+    """``("cuda", ["90", "100"])`` from ``"9.0;10.0"``; ``("hip", ["gfx942"])`` from ``"gfx942"``.
+
+    Raises:
+        ValueError: empty, mixed vendors, or an entry of neither form.
+    """
+    items = [a.strip() for a in re.split(r"[;,\s]+", text) if a.strip()]
+    if not items:
+        raise ValueError(f"mamba_wheels: --arch must name at least one architecture; got {text!r}")
+    cuda = [a for a in items if re.fullmatch(r"\d+\.\d+a?", a)]
+    hip = [a for a in items if re.fullmatch(r"gfx[0-9a-f]+", a)]
+    if len(cuda) == len(items):
+        return "cuda", [a.rstrip("a").replace(".", "") for a in items]
+    if len(hip) == len(items):
+        return "hip", items
+    raise ValueError(
+        "mamba_wheels: --arch must be CUDA capabilities like '9.0;10.0' or AMD names like "
+        f"'gfx942', not a mix; got {text!r}"
+    )
+
+
+def restrict_gencodes(setup_py: str, keep: list[str], *, name: str = "setup.py") -> str:
+    """``setup_py`` with every ``-gencode`` pair outside ``keep`` (``["90"]``) turned into ``pass``.
+
+    Each removed append becomes a ``pass`` line at the same indentation, so an ``if`` whose body
+    held only gencodes stays valid Python.
+
+    Raises:
+        ValueError: the file has no gencode pairs, or lacks one of ``keep`` (a new release changed
+            its build script: check it before building).
+    """
+    found = [m.group("cc") for m in _GENCODE_PAIR.finditer(setup_py)]
+    if not found:
+        raise ValueError(f"mamba_wheels: {name} has no cc_flag gencode pairs to restrict")
+    missing = [cc for cc in keep if cc not in found]
+    if missing:
+        raise ValueError(
+            f"mamba_wheels: --arch {missing} not among {name}'s gencode architectures {found}"
+        )
+
+    def edit(m: re.Match[str]) -> str:
+        if m.group("cc") in keep:
+            return m.group(0)
+        line = f"{m.group('indent')}pass  # portattn: sm_{m.group('cc')} not built"
+        return f"{line}\n{line}"
+
+    return _GENCODE_PAIR.sub(edit, setup_py)
+
+
+def _unpack(sdist: Path, into: Path) -> Path:
+    with tarfile.open(sdist) as tar:
+        tar.extractall(into, filter="data")
+    (top,) = [p for p in into.iterdir() if p.is_dir()]
+    return top
+
+
+def _download(requirements: list[str], into: Path) -> list[Path]:
+    """The sdists of ``requirements`` (their metadata step imports torch: no build isolation)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+    subprocess.run([*cmd, "--no-build-isolation", "-d", str(into), *requirements], check=True)
+    return sorted(into.glob("*.tar.gz"))
+
+
+def build(sdists: list[Path], out: Path, vendor: str, archs: list[str]) -> list[tuple[str, float]]:
+    """Build one wheel per sdist into ``out``; returns (sdist name, seconds) per build."""
+    out.mkdir(parents=True, exist_ok=True)
+    times = []
+    for sdist in sdists:
+        prefix = next((p for p in FORCE_BUILD_ENV if sdist.name.startswith(p)), None)
+        if prefix is None:
+            raise ValueError(
+                f"mamba_wheels: sdist must be one of {sorted(FORCE_BUILD_ENV)}; got {sdist.name}"
+            )
+        with tempfile.TemporaryDirectory() as tmp:
+            src = _unpack(sdist, Path(tmp))
+            setup = src / "setup.py"
+            if vendor == "cuda":
+                setup.write_text(restrict_gencodes(setup.read_text(), archs, name=sdist.name))
+            env = {**os.environ, FORCE_BUILD_ENV[prefix]: "TRUE"}
+            if vendor == "hip":
+                env.setdefault("HIP_ARCHITECTURES", ";".join(archs))
+            start = time.monotonic()
+            print(f"mamba_wheels: building {sdist.name} for {vendor} {archs}", flush=True)
+            pip = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps"]
+            subprocess.run([*pip, "-w", str(out), str(src)], env=env, check=True)
+            seconds = time.monotonic() - start
+            print(f"mamba_wheels: built {sdist.name} in {seconds:.0f} s", flush=True)
+            times.append((sdist.name, seconds))
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", required=True, help="'9.0', '9.0;10.0' or 'gfx942'")
+    ap.add_argument("--out", required=True, type=Path, help="where the wheels go")
+    ap.add_argument("--sdists", type=Path, help="a folder of sdists (offline); else download")
+    ap.add_argument("requirements", nargs="*", help="pinned requirements to download")
+    args = ap.parse_args(argv)
+    try:
+        vendor, archs = parse_archs(args.arch)
+    except ValueError as e:
+        ap.error(str(e))
+    if (args.sdists is None) == (not args.requirements):
+        ap.error("give either --sdists DIR or requirements to download, not both or neither")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.sdists is not None:
+            sdists = sorted(args.sdists.glob("*.tar.gz"))
+            if not sdists:
+                ap.error(f"--sdists {args.sdists} holds no *.tar.gz")
+        else:
+            sdists = _download(args.requirements, Path(tmp))
+        # causal-conv1d first: mamba-ssm's Python code imports it where it is installed.
+        sdists.sort(key=lambda p: not p.name.startswith("causal_conv1d"))
+        build(sdists, args.out, vendor, archs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
