@@ -3,14 +3,18 @@
 Models are built from configuration with random weights (no downloads): a Jamba-style (Mamba1 +
 attention + MoE) and a Qwen3-Next-style (Gated DeltaNet + gated attention) model from
 transformers. A prefill then several decode steps; the logits must match the model's own eager
-attention under the tolerance rule (DESIGN.md §5): error against the float64 eager model at most
+attention under the tolerance rule (docs/design.md §5): error against the float64 eager model at most
 2x that of the eager model in the run's precision. CPU: small, fp32, interpreter. GPU: larger,
 bf16 (the fp64 oracle runs on the CPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib.util
+import inspect
+import sys
 
 import pytest
 import torch
@@ -61,6 +65,37 @@ MODELS = {
 }
 
 
+def _kernel_functions(module) -> dict:
+    """The module's functions that transformers binds, at import, to an installed package's
+    kernel (mamba-ssm, causal-conv1d, fla) with the readable torch path kept as ``__wrapped__``."""
+    return {
+        name: fn
+        for name, fn in vars(module).items()
+        if callable(fn)
+        and getattr(getattr(fn, "__wrapped__", None), "__module__", None) == module.__name__
+    }
+
+
+def _bound_implementation(fn):
+    """What a `_kernel_functions` entry runs: the package's kernel or the torch path."""
+    return inspect.getclosurevars(fn).nonlocals.get("implementation", fn.__wrapped__)
+
+
+@contextlib.contextmanager
+def torch_paths(model_class):
+    """Run ``model_class``'s model on its torch paths: the float64 CPU oracle cannot go through
+    the CUDA kernels (16/32-bit only) that transformers binds whenever the packages import."""
+    module = sys.modules[model_class.__module__]
+    saved = _kernel_functions(module)
+    for name, fn in saved.items():
+        setattr(module, name, fn.__wrapped__)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
 def _run(name, *, small, dtype, device, batch, prompt, steps):
     make_config, cls = MODELS[name]
     cfg = make_config(small)
@@ -80,7 +115,8 @@ def _run(name, *, small, dtype, device, batch, prompt, steps):
     )
     tf.AttentionInterface.register(NAME, harness)
     out = logits(dtype, device, NAME)
-    oracle = logits(torch.float64, "cpu", "eager")
+    with torch_paths(cls):
+        oracle = logits(torch.float64, "cpu", "eager")
     lowp = logits(dtype, device, "eager")
     assert harness.states_untouched()
     assert set(harness.lens.values()) == {prompt + steps}  # every attention layer, every step
@@ -107,4 +143,22 @@ def test_model_matches_eager_attention_bf16(name):
         name, small=False, dtype=torch.bfloat16, device="cuda", batch=4, prompt=700, steps=8
     )
     assert harness.block_size % 16 == 0
+    assert_low_precision_close(out, oracle, lowp)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    importlib.util.find_spec("mamba_ssm") is None or importlib.util.find_spec("causal_conv1d") is None,
+    reason="mamba-ssm / causal-conv1d not installed (CUDA extensions built into the GPU images)",
+)
+def test_jamba_mamba_layers_run_the_installed_kernels():
+    """Where the extensions import, the Jamba model under test runs its Mamba layers through the
+    real causal-conv1d and selective-scan kernels (the oracle alone takes the torch paths)."""
+    module = sys.modules[tf.JambaForCausalLM.__module__]
+    bound = {n: _bound_implementation(fn) for n, fn in _kernel_functions(module).items()}
+    assert bound["causal_conv1d_fn"].__module__.startswith("causal_conv1d"), bound
+    assert bound["mamba_selective_scan"].__module__.startswith("mamba_ssm"), bound
+    harness, out, oracle, lowp = _run(
+        "jamba", small=True, dtype=torch.float16, device="cuda", batch=2, prompt=90, steps=3
+    )
     assert_low_precision_close(out, oracle, lowp)

@@ -38,7 +38,7 @@ from portattn.platform import Target
 
 META = torch.device("meta")
 # The serving dtype every axis below is compiled in; the other dtypes an op accepts (`api_dtypes`)
-# are compiled at the seeds' shapes (`EXTRA_DTYPE_AXES`).
+# are compiled at the seeds' shapes (`dtype_cases`).
 DTYPE = torch.bfloat16
 DTYPE_NAME = "bfloat16"
 
