@@ -32,6 +32,7 @@ create/get/list/watch/delete, pods get/list/watch, pods/log get, events list/wat
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
@@ -260,6 +261,7 @@ class Launcher:
         self._lock = threading.Lock()
         self._launched: set[str] = set()  # created (or attached) and not yet deleted
         self._deleting: set[str] = set()
+        self._streams: set[Any] = set()  # open log responses and watches (see _abort_streams)
         self.leftovers: dict[str, str] = {}
 
     # ------------------------------------------------------------------ plumbing
@@ -283,6 +285,17 @@ class Launcher:
     def _pause(self, seconds: float) -> None:
         """Wait during cleanup (not cut short by a cancel: the cancel is why we clean up)."""
         (self._sleep_fn or time.sleep)(seconds)
+
+    def _abort_streams(self) -> None:
+        """Unblock every worker reading a log or a watch (on cancel): shut the sockets down."""
+        with self._lock:
+            streams = list(self._streams)
+        for stream in streams:
+            # A Watch keeps its response in _resp (kubernetes 37); a log stream is the response.
+            resp = getattr(stream, "_resp", stream)
+            # Already released or closed (or an older urllib3): nothing to wake.
+            with contextlib.suppress(AttributeError, ValueError, RuntimeError, OSError):
+                resp.shutdown()  # urllib3 >= 2.3: wakes a read blocked in another thread
 
     def kubectl_delete(self, name: str) -> str:
         """The command that removes Job ``name`` and its pods by hand."""
@@ -599,7 +612,11 @@ class Launcher:
                 yield None
             remaining = deadline - time.monotonic()
             server_timeout = max(1, int(min(self.t.watch_s, remaining, self.t.pending_s)))
+            # The client stops reading at the deadline even when the server would go on.
+            read_timeout = min(server_timeout + 5, max(remaining, 0.05))
             w = watch.Watch()
+            with self._lock:
+                self._streams.add(w)
             try:
                 for event in w.stream(
                     self.core.list_namespaced_pod,
@@ -608,7 +625,7 @@ class Launcher:
                     resource_version=rv,
                     allow_watch_bookmarks=True,
                     timeout_seconds=server_timeout,
-                    _request_timeout=(self.t.connect_s, server_timeout + 5),
+                    _request_timeout=(self.t.connect_s, read_timeout),
                 ):
                     self._check_cancel()
                     backoff.reset()
@@ -632,6 +649,8 @@ class Launcher:
             except _NET_ERRORS:
                 rv = None  # dropped without a 410: list again (the list retries its own errors)
             finally:
+                with self._lock:
+                    self._streams.discard(w)
                 w.stop()
             yield None
 
@@ -690,6 +709,8 @@ class Launcher:
                     _request_timeout=(self.t.connect_s, min(self.t.log_idle_s, remaining)),
                 )
                 backoff.reset()
+                with self._lock:
+                    self._streams.add(resp)
                 try:
                     for stamp, text in _iter_log(resp):
                         self._check_cancel()
@@ -706,6 +727,8 @@ class Launcher:
                             inside_report = False
                     clean = True
                 finally:
+                    with self._lock:
+                        self._streams.discard(resp)
                     resp.release_conn()
             except ApiException as exc:
                 if exc.status == 404:
@@ -753,8 +776,9 @@ class Launcher:
         """Run ``jobs`` concurrently, at most ``max_parallel`` at a time, in input order.
 
         Each cell deletes its own Job (best effort, see :meth:`delete`). On Ctrl-C the workers
-        are cancelled and every launched Job's deletion is attempted, one failure not stopping
-        the others, before KeyboardInterrupt propagates. A second Ctrl-C stops the cleanup,
+        are cancelled (their open log and watch streams shut down, so none waits out a read
+        timeout) and every launched Job's deletion is attempted, one failure not stopping the
+        others, before KeyboardInterrupt propagates. A second Ctrl-C stops the cleanup,
         logs each Job not yet deleted with its ``kubectl`` command (also in :attr:`leftovers`)
         and propagates.
         """
@@ -768,6 +792,7 @@ class Launcher:
             return [f.result() for f in futures]
         except KeyboardInterrupt:
             self.cancel.set()
+            self._abort_streams()
             for f in futures:
                 f.cancel()
             try:
