@@ -198,11 +198,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         results = launcher.run_many(jobs, max_parallel=args.max_parallel)
     except KeyboardInterrupt:
-        sys.stderr.write("kubematrix.k8s: interrupted; the launched Jobs were deleted\n")
+        if launcher.leftovers:
+            sys.stderr.write("kubematrix.k8s: interrupted; some Jobs may be left behind:\n")
+        else:
+            sys.stderr.write("kubematrix.k8s: interrupted; the launched Jobs were deleted\n")
+        _report_leftovers(launcher)
         return 130
     for r in results:
         sys.stdout.write(f"{r.name}: {r.outcome} ({r.message})\n")
+    _report_leftovers(launcher)
     return exit_status(results)
+
+
+def _report_leftovers(launcher: Launcher) -> None:
+    """One line per Job the launcher could not delete, with the command that removes it."""
+    for name, note in sorted(launcher.leftovers.items()):
+        sys.stderr.write(f"kubematrix.k8s: job {name} was not deleted: {note}\n")
 
 
 if __name__ == "__main__":

@@ -4,27 +4,41 @@ Uses the official ``kubernetes`` client and only what ``k8s/base/rbac.yaml`` gra
 create/get/list/watch/delete, pods get/list/watch, pods/log get, events list/watch).
 
 * Names are deterministic (:func:`kubematrix.render.job_name`), so a 409 on create means "this
-  cell of this commit is already running": the launcher attaches to it instead of failing.
+  cell of this commit already has a Job". The launcher reads that Job: one still running (or
+  created by this launcher run, whose create response was lost) is attached to; one being
+  deleted is waited for; one that finished and is not this run's is deleted. In the last two
+  cases a fresh Job is created, so a stale Job's result is never reported as this run's. Each
+  launcher run marks its Jobs with the annotation ``portattn.dev/launcher-run``.
 * The pod is watched with a server-side ``timeout_seconds`` and a client-side
   ``_request_timeout``; a 410 (history compacted) or a dropped stream resumes by listing again.
-* Logs are followed with ``timestamps=true``; after a cut connection the launcher reads the log
-  again and skips what it already printed (same timestamp and ordinal), so no line is duplicated.
+* Logs are followed with ``timestamps=true``; after a cut connection, or no output for
+  ``log_idle_s``, the launcher checks the pod, reads the log again and skips what it already
+  printed (same timestamp and ordinal), so no line is duplicated.
 * It fails fast on image-pull errors and on pods still pending after ``pending_s``, quoting the
   scheduler's event (``0/4 nodes are available: 4 Insufficient amd.com/gpu.``).
 * An evicted pod is not a test failure (the Job's pod failure policy ignores disruptions): the
   launcher follows the replacement pod.
 * The JUnit report comes back inside the log (see :mod:`kubematrix.cell`).
-* 429 and 5xx are retried with backoff (``Retry-After`` honoured); 403/404/422 are not.
+* 429, 5xx and dropped connections are retried ``retries`` times with backoff, waiting what
+  ``Retry-After`` asks (capped at ``retry_after_max_s``); 403/404/422 are not retried. The sleep
+  is injectable (``Launcher(sleep=...)``).
 * The Job is deleted with ``propagationPolicy=Foreground`` (its pods go with it) on every exit:
-  success, failure, timeout, an infrastructure error and Ctrl-C.
+  success, failure, timeout, an infrastructure error and Ctrl-C. Cleanup is best effort per
+  Job: a delete that still fails after its retries (or a 403) is logged with the Job's name and
+  the ``kubectl`` command that removes it, kept in :attr:`Launcher.leftovers`, and never
+  replaces the cell's result or the KeyboardInterrupt. A second Ctrl-C during cleanup stops it,
+  reports every Job not yet deleted the same way, and propagates.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,6 +59,10 @@ IMAGE_ERRORS = frozenset(
 CONFIG_ERRORS = frozenset(
     {"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
 )
+#: Job conditions after which its outcome is decided (its pods may still be terminating).
+FINISHED_CONDITIONS = frozenset({"Complete", "Failed", "FailureTarget", "SuccessCriteriaMet"})
+#: The annotation that marks a Job as created by one launcher run (:attr:`Launcher.run_id`).
+RUN_ANNOTATION = "portattn.dev/launcher-run"
 _NET_ERRORS = (urllib3.exceptions.ProtocolError, urllib3.exceptions.TimeoutError)
 _NET_ERRORS_RETRY = (*_NET_ERRORS, urllib3.exceptions.MaxRetryError)
 
@@ -54,14 +72,18 @@ class Timeouts:
     """Every wait of the launcher, in seconds (tests shrink them).
 
     Attributes:
-        pending_s: a pod not running after this long fails the cell (unschedulable, pulls).
+        pending_s: a pod not running after this long fails the cell (unschedulable, pulls); also
+            how long a stale Job of the same name may take to disappear.
         watch_s: server-side ``timeout_seconds`` of each watch request.
         request_s: client-side read timeout of plain requests (watches get ``watch_s`` + 5).
         log_idle_s: client-side read timeout of the log stream; on expiry the pod is checked.
         overall_s: give up on the cell after this long; ``None``: the Job's deadline + 60.
         retries: attempts after the first for 429/5xx/connection errors.
-        backoff_s: first retry delay (doubled each time, capped at 10 s).
+        backoff_s: first retry delay (doubled each time, capped at ``max_backoff_s``).
         connect_s: connect timeout of every request.
+        max_backoff_s: the longest backoff between two attempts.
+        retry_after_max_s: the longest ``Retry-After`` the launcher waits; a longer one is cut
+            to this.
     """
 
     pending_s: float = 600.0
@@ -72,6 +94,8 @@ class Timeouts:
     retries: int = 5
     backoff_s: float = 0.5
     connect_s: float = 10.0
+    max_backoff_s: float = 10.0
+    retry_after_max_s: float = 60.0
 
 
 @dataclass
@@ -87,6 +111,8 @@ class CellResult:
         junit: the JUnit XML the cell printed, if any.
         attached: the Job already existed (409) and the launcher followed it.
         evictions: pods lost to disruptions and replaced by the Job.
+        cleanup: ``None`` when the Job was deleted; otherwise why it was not, and the
+            ``kubectl`` command that removes it. It does not change ``outcome``.
     """
 
     name: str
@@ -96,10 +122,19 @@ class CellResult:
     junit: bytes | None = None
     attached: bool = False
     evictions: list[str] = field(default_factory=list)
+    cleanup: str | None = None
 
 
 class CellError(Exception):
     """An infrastructure failure of one cell (the message is shown to the user)."""
+
+
+class RetriesExhausted(CellError):
+    """429/5xx or connection errors on every attempt of one request."""
+
+
+class DeadlinePassed(CellError):
+    """The launcher's overall deadline for the cell passed (the message says where)."""
 
 
 class Cancelled(Exception):
@@ -141,6 +176,47 @@ class _LogCursor:
         return True
 
 
+class _Backoff:
+    """Delays between the attempts of one request: ``retries`` of them, then ``None``.
+
+    Each delay is the exponential backoff, or the server's ``Retry-After`` when it gives one
+    (> 0, capped at ``retry_after_max_s``).
+    """
+
+    def __init__(self, t: Timeouts) -> None:
+        self.t = t
+        self.failures = 0
+        self._delay = t.backoff_s
+
+    @property
+    def attempts(self) -> int:
+        return self.failures
+
+    def reset(self) -> None:
+        self.failures = 0
+        self._delay = self.t.backoff_s
+
+    def next_delay(self, exc: BaseException) -> float | None:
+        """Seconds to wait before the next attempt after ``exc``; ``None``: retries ran out."""
+        self.failures += 1
+        if self.failures > self.t.retries:
+            return None
+        wait = self._delay
+        asked = _retry_after(exc) if isinstance(exc, ApiException) else None
+        if asked is not None and asked > 0:
+            wait = min(asked, self.t.retry_after_max_s)
+        self._delay = min(self._delay * 2, self.t.max_backoff_s)
+        return wait
+
+
+def _gave_up(what: str, exc: BaseException, attempts: int, namespace: str) -> RetriesExhausted:
+    if isinstance(exc, ApiException):
+        why = _describe_api_error(exc, namespace)
+    else:
+        why = f"the API server is unreachable ({exc})"
+    return RetriesExhausted(f"{what}: {why}; gave up after {attempts} attempts")
+
+
 class Launcher:
     """Runs cell Jobs in one namespace.
 
@@ -150,6 +226,14 @@ class Launcher:
         timeouts: every wait (see :class:`Timeouts`).
         emit: receives each output line (log lines prefixed by the cell when fanning out).
         results_dir: where each cell's JUnit report is written as ``<job name>.xml``.
+        sleep: waits between retries and polls (default: :func:`time.sleep`, or a wait that a
+            cancelled fan-out cuts short); tests pass a function that records the delays.
+        run_id: marks the Jobs this launcher creates (annotation ``portattn.dev/launcher-run``);
+            a random one by default.
+
+    Attributes:
+        leftovers: Jobs whose deletion failed or was interrupted -> why, with the ``kubectl``
+            command that removes them.
     """
 
     def __init__(
@@ -160,6 +244,8 @@ class Launcher:
         timeouts: Timeouts | None = None,
         emit: Callable[[str], None] | None = None,
         results_dir: Path | None = None,
+        sleep: Callable[[float], object] | None = None,
+        run_id: str | None = None,
     ) -> None:
         self.api = api
         self.namespace = namespace
@@ -168,9 +254,15 @@ class Launcher:
         self.batch = client.BatchV1Api(api)
         self._emit = emit or _print
         self.results_dir = results_dir
+        self.run_id = run_id or uuid.uuid4().hex[:16]
         self.cancel = threading.Event()
+        self._sleep_fn = sleep
+        self._hurry = threading.Event()  # a second Ctrl-C: no more retries in cleanup
         self._lock = threading.Lock()
-        self._launched: set[str] = set()
+        self._launched: set[str] = set()  # created (or attached) and not yet deleted
+        self._deleting: set[str] = set()
+        self._streams: set[Any] = set()  # open log responses and watches (see _abort_streams)
+        self.leftovers: dict[str, str] = {}
 
     # ------------------------------------------------------------------ plumbing
 
@@ -182,50 +274,85 @@ class Launcher:
             raise Cancelled("cancelled")
 
     def _sleep(self, seconds: float) -> None:
-        if self.cancel.wait(seconds):
-            raise Cancelled("cancelled")
+        """Wait during a run; a cancel (fan-out Ctrl-C) ends the wait with :class:`Cancelled`."""
+        self._check_cancel()
+        if self._sleep_fn is None:
+            self.cancel.wait(seconds)
+        else:
+            self._sleep_fn(seconds)
+        self._check_cancel()
+
+    def _pause(self, seconds: float) -> None:
+        """Wait during cleanup (not cut short by a cancel: the cancel is why we clean up)."""
+        (self._sleep_fn or time.sleep)(seconds)
+
+    def _abort_streams(self) -> None:
+        """Unblock every worker reading a log or a watch (on cancel): shut the sockets down."""
+        with self._lock:
+            streams = list(self._streams)
+        for stream in streams:
+            # A Watch keeps its response in _resp (kubernetes 37); a log stream is the response.
+            resp = getattr(stream, "_resp", stream)
+            # Already released or closed (or an older urllib3): nothing to wake.
+            with contextlib.suppress(AttributeError, ValueError, RuntimeError, OSError):
+                resp.shutdown()  # urllib3 >= 2.3: wakes a read blocked in another thread
+
+    def kubectl_delete(self, name: str) -> str:
+        """The command that removes Job ``name`` and its pods by hand."""
+        return f"kubectl -n {self.namespace} delete job {name} --cascade=foreground"
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn`` with retries on 429/5xx and dropped connections; JSON-decoded response."""
+        """``fn`` with retries on 429/5xx and dropped connections; JSON-decoded response.
+
+        Raises:
+            ApiException: a status that is not retried (403, 404, 409, 422, ...).
+            RetriesExhausted: the retries ran out.
+        """
         kwargs.setdefault("_request_timeout", (self.t.connect_s, self.t.request_s))
         kwargs["_preload_content"] = False
-        delay = self.t.backoff_s
-        for attempt in range(self.t.retries + 1):
+        backoff = _Backoff(self.t)
+        while True:
             self._check_cancel()
             try:
                 resp = fn(*args, **kwargs)
                 return json.loads(resp.data or b"{}")
             except ApiException as exc:
-                if exc.status not in RETRYABLE or attempt == self.t.retries:
+                if exc.status not in RETRYABLE:
                     raise
-                wait = _retry_after(exc) or delay
-            except _NET_ERRORS_RETRY:
-                if attempt == self.t.retries:
-                    raise
-                wait = delay
-            self._sleep(min(wait, 10.0))
-            delay = min(delay * 2, 10.0)
-        raise AssertionError("unreachable")
+                wait = backoff.next_delay(exc)
+                if wait is None:
+                    raise _gave_up(_what(fn), exc, backoff.attempts, self.namespace) from exc
+            except _NET_ERRORS_RETRY as exc:
+                wait = backoff.next_delay(exc)
+                if wait is None:
+                    raise _gave_up(_what(fn), exc, backoff.attempts, self.namespace) from exc
+            self._sleep(wait)
 
     # ------------------------------------------------------------------ one cell
 
     def run(self, job: dict, *, prefix: str = "") -> CellResult:
         """Create ``job`` (or attach to it), follow it to the end, delete it, return the result.
 
+        The result is the cell's own outcome even when deleting the Job fails (that is logged
+        and kept in ``result.cleanup`` and :attr:`leftovers`).
+
         Raises:
-            KeyboardInterrupt: after deleting the Job, when the user pressed Ctrl-C.
+            KeyboardInterrupt: after trying to delete the Job, when the user pressed Ctrl-C.
         """
         name = job["metadata"]["name"]
         token = _env(job, "KUBEMATRIX_RESULTS_TOKEN") or "manual"
-        deadline = time.monotonic() + (
+        budget = (
             self.t.overall_s
             if self.t.overall_s is not None
             else job["spec"].get("activeDeadlineSeconds", 3600) + 60
         )
+        deadline = time.monotonic() + budget
         attached = False
         try:
             attached = self._create(job, prefix)
             result = self._follow(name, token, deadline, prefix)
+        except DeadlinePassed as exc:
+            result = CellResult(name, "error", None, f"launcher deadline ({budget:g} s): {exc}")
         except CellError as exc:
             result = CellResult(name, "error", None, str(exc))
         except ApiException as exc:
@@ -235,6 +362,8 @@ class Launcher:
         finally:
             self.delete(name, prefix)
         result.attached = attached
+        with self._lock:
+            result.cleanup = self.leftovers.get(name)
         if result.junit is not None and self.results_dir is not None:
             self.results_dir.mkdir(parents=True, exist_ok=True)
             (self.results_dir / f"{name}.xml").write_bytes(result.junit)
@@ -242,46 +371,162 @@ class Launcher:
         return result
 
     def _create(self, job: dict, prefix: str) -> bool:
+        """Create the Job; on 409 attach to it or replace a stale one. True: attached."""
         name = job["metadata"]["name"]
-        body = client.V1Job.from_dict(job)
+        manifest = copy.deepcopy(job)
+        manifest["metadata"].setdefault("annotations", {})[RUN_ANNOTATION] = self.run_id
+        body = client.V1Job.from_dict(manifest)
         with self._lock:
             self._launched.add(name)
-        try:
-            self._call(self.batch.create_namespaced_job, self.namespace, body)
-        except ApiException as exc:
-            if exc.status == 409:
-                self._say(prefix, f"kubematrix: job {name} already exists; attaching to it")
-                return True
-            raise
-        self._say(prefix, f"kubematrix: created job {self.namespace}/{name}")
-        return False
+        for _ in range(3):  # a stale Job replaced, or one that vanished between 409 and read
+            try:
+                self._call(self.batch.create_namespaced_job, self.namespace, body)
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+            else:
+                self._say(prefix, f"kubematrix: created job {self.namespace}/{name}")
+                return False
+            existing = self._read_job(name)
+            if existing is None:
+                continue  # deleted since the 409: create it again
+            meta = existing.get("metadata") or {}
+            deleting = meta.get("deletionTimestamp")
+            ours = (meta.get("annotations") or {}).get(RUN_ANNOTATION) == self.run_id
+            finished = _finished(existing)
+            if deleting:
+                self._say(
+                    prefix,
+                    f"kubematrix: job {name} already exists but is being deleted (since "
+                    f"{deleting}); waiting for it to go, then creating a fresh one",
+                )
+                self._wait_gone(name, f"is still being deleted (since {deleting})")
+                continue
+            if ours:  # our create went through but its response was lost
+                self._say(prefix, f"kubematrix: job {name} was created by this run; following it")
+                return False
+            if finished is not None:
+                run = (meta.get("annotations") or {}).get(RUN_ANNOTATION, "none")
+                self._say(
+                    prefix,
+                    f"kubematrix: job {name} already exists and finished ({finished}) in "
+                    f"another run (launcher run {run}); deleting it and creating a fresh one",
+                )
+                self._delete_stale(name)
+                continue
+            self._say(prefix, f"kubematrix: job {name} already exists; attaching to it")
+            return True
+        raise CellError(
+            f"job {name} keeps reappearing after being replaced; is another launcher creating "
+            f"it? Check with: kubectl -n {self.namespace} get job {name} -o yaml"
+        )
 
-    def delete(self, name: str, prefix: str = "") -> None:
-        """Delete the Job and, through foreground propagation, its pods (404 is fine)."""
+    def _read_job(self, name: str) -> dict | None:
         try:
-            # Not self._call: cleanup must run even after a cancel.
-            for attempt in range(self.t.retries + 1):
-                try:
-                    self.batch.delete_namespaced_job(
-                        name,
-                        self.namespace,
-                        propagation_policy="Foreground",
-                        _request_timeout=(self.t.connect_s, self.t.request_s),
-                    )
-                    self._say(prefix, f"kubematrix: deleted job {name} (foreground propagation)")
-                    break
-                except ApiException as exc:
-                    if exc.status == 404:
-                        break
-                    if exc.status not in RETRYABLE or attempt == self.t.retries:
-                        raise
-                except _NET_ERRORS_RETRY:
-                    if attempt == self.t.retries:
-                        raise
-                time.sleep(min(self.t.backoff_s * 2**attempt, 10.0))
+            job: dict = self._call(self.batch.read_namespaced_job, name, self.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return job
+
+    def _delete_stale(self, name: str) -> None:
+        """Delete a finished Job of another run and wait until it is gone."""
+        try:
+            self._call(
+                self.batch.delete_namespaced_job,
+                name,
+                self.namespace,
+                propagation_policy="Foreground",
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise CellError(
+                    f"job {name} is a finished Job of another run and could not be deleted "
+                    f"({_describe_api_error(exc, self.namespace)}); remove it with: "
+                    f"{self.kubectl_delete(name)}"
+                ) from exc
+        self._wait_gone(name, "is still being deleted")
+
+    def _wait_gone(self, name: str, what: str) -> None:
+        """Poll until Job ``name`` is gone, at most ``pending_s``."""
+        end = time.monotonic() + self.t.pending_s
+        delay = self.t.backoff_s
+        while self._read_job(name) is not None:
+            if time.monotonic() >= end:
+                raise CellError(
+                    f"job {name} {what} after {self.t.pending_s:g} s; a finalizer may hold it: "
+                    f"kubectl -n {self.namespace} get job {name} -o yaml"
+                )
+            self._sleep(delay)
+            delay = min(delay * 2, self.t.max_backoff_s)
+
+    def delete(self, name: str, prefix: str = "") -> bool:
+        """Delete the Job and, through foreground propagation, its pods; best effort.
+
+        429/5xx and dropped connections are retried (``Retry-After`` honoured); 404 means it is
+        already gone. A Job that still could not be deleted (retries ran out, 403, ...) is
+        logged with the ``kubectl`` command that removes it and kept in :attr:`leftovers`; no
+        API error escapes. A KeyboardInterrupt during the delete is reported the same way and
+        re-raised.
+
+        Returns:
+            True when the Job is gone; False when it was left behind, or when another thread
+            is deleting it right now (that thread reports it).
+        """
+        with self._lock:
+            if name in self._deleting:
+                return False
+            self._deleting.add(name)
+        try:
+            problem = self._try_delete(name, prefix)
+        except KeyboardInterrupt:
+            self._left_behind(name, "interrupted while deleting it", prefix)
+            raise
         finally:
             with self._lock:
-                self._launched.discard(name)
+                self._deleting.discard(name)
+        if problem is not None:
+            self._left_behind(name, problem, prefix)
+            return False
+        with self._lock:
+            self._launched.discard(name)
+            self.leftovers.pop(name, None)
+        return True
+
+    def _try_delete(self, name: str, prefix: str) -> str | None:
+        """One delete with retries; None when the Job is gone, else why it is not."""
+        backoff = _Backoff(self.t)
+        while True:
+            # Not self._call: cleanup must run even after a cancel.
+            try:
+                self.batch.delete_namespaced_job(
+                    name,
+                    self.namespace,
+                    propagation_policy="Foreground",
+                    _request_timeout=(self.t.connect_s, self.t.request_s),
+                )
+                self._say(prefix, f"kubematrix: deleted job {name} (foreground propagation)")
+                return None
+            except ApiException as exc:
+                if exc.status == 404:
+                    return None
+                if exc.status not in RETRYABLE:
+                    return _describe_api_error(exc, self.namespace)
+                wait = backoff.next_delay(exc)
+                error: BaseException = exc
+            except _NET_ERRORS_RETRY as exc:
+                wait = backoff.next_delay(exc)
+                error = exc
+            if wait is None or self._hurry.is_set():
+                return str(_gave_up("delete", error, backoff.attempts, self.namespace))
+            self._pause(wait)
+
+    def _left_behind(self, name: str, why: str, prefix: str = "") -> None:
+        note = f"{why}; remove it with: {self.kubectl_delete(name)}"
+        with self._lock:
+            self.leftovers[name] = note
+        self._say(prefix, f"kubematrix: WARNING: job {name} was not deleted: {note}")
 
     def _follow(self, name: str, token: str, deadline: float, prefix: str) -> CellResult:
         evicted: list[str] = []
@@ -316,6 +561,8 @@ class Launcher:
         waiting: dict[str, tuple[float, str, str]] = {}  # pod -> (first seen, state, detail)
         for pod in self._watch_pods(name, deadline):
             now = time.monotonic()
+            if now >= deadline:
+                break
             if pod is not None and pod["metadata"]["name"] not in skip:
                 pod_name = pod["metadata"]["name"]
                 state, detail = classify_pod(pod)
@@ -339,18 +586,21 @@ class Launcher:
                     f"no pod for job {name} after {self.t.pending_s:g} s "
                     f"({self._job_condition(name)})"
                 )
-        raise CellError(f"job {name}: gave up waiting for a running pod (launcher deadline)")
+        states = ", ".join(f"{p} {s}" for p, (_, s, _) in waiting.items()) or "no pod yet"
+        raise DeadlinePassed(f"job {name} still had no running pod ({states})")
 
     def _watch_pods(self, name: str, deadline: float) -> Iterator[dict | None]:
         """Every observed state of the Job's pods; ``None`` ticks at least every ``watch_s``.
 
         Lists, then watches from the list's resourceVersion; on 410 Gone or a broken stream it
-        lists again (nothing is missed: the list carries the current state). Events are
-        deserialized by the client (its ``deserialize=False`` path cannot handle an in-stream
-        ERROR event in kubernetes 37.0.2); the launcher reads their ``raw_object``.
+        lists again (nothing is missed: the list carries the current state). A 429/5xx on the
+        watch request is retried like any request (``RetriesExhausted`` when they run out).
+        Events are deserialized by the client (its ``deserialize=False`` path cannot handle an
+        in-stream ERROR event in kubernetes 37.0.2); the launcher reads their ``raw_object``.
         """
         selector = f"batch.kubernetes.io/job-name={name}"
         rv: str | None = None
+        backoff = _Backoff(self.t)
         while time.monotonic() < deadline:
             self._check_cancel()
             if rv is None:
@@ -362,7 +612,11 @@ class Launcher:
                 yield None
             remaining = deadline - time.monotonic()
             server_timeout = max(1, int(min(self.t.watch_s, remaining, self.t.pending_s)))
+            # The client stops reading at the deadline even when the server would go on.
+            read_timeout = min(server_timeout + 5, max(remaining, 0.05))
             w = watch.Watch()
+            with self._lock:
+                self._streams.add(w)
             try:
                 for event in w.stream(
                     self.core.list_namespaced_pod,
@@ -371,24 +625,32 @@ class Launcher:
                     resource_version=rv,
                     allow_watch_bookmarks=True,
                     timeout_seconds=server_timeout,
-                    _request_timeout=(self.t.connect_s, server_timeout + 5),
+                    _request_timeout=(self.t.connect_s, read_timeout),
                 ):
                     self._check_cancel()
+                    backoff.reset()
                     rv = w.resource_version or rv
                     if event["type"] in ("ADDED", "MODIFIED"):
                         yield event["raw_object"]  # the API's JSON, as lists give it
                     elif event["type"] == "DELETED":
                         yield None
+                backoff.reset()  # the server ended the watch at its timeout: all is well
             except ApiException as exc:
                 if exc.status == 410:
                     rv = None  # history compacted: list again
                 elif exc.status in RETRYABLE:
-                    self._sleep(_retry_after(exc) or self.t.backoff_s)
+                    wait = backoff.next_delay(exc)
+                    if wait is None:
+                        what = f"watching the pods of job {name}"
+                        raise _gave_up(what, exc, backoff.attempts, self.namespace) from exc
+                    self._sleep(wait)
                 else:
                     raise
             except _NET_ERRORS:
-                rv = None
+                rv = None  # dropped without a 410: list again (the list retries its own errors)
             finally:
+                with self._lock:
+                    self._streams.discard(w)
                 w.stop()
             yield None
 
@@ -400,7 +662,7 @@ class Launcher:
                 self.namespace,
                 field_selector=f"involvedObject.kind=Pod,involvedObject.name={pod_name}",
             )
-        except ApiException:
+        except (ApiException, RetriesExhausted):
             return ""
         warnings = [e for e in events.get("items", []) if e.get("type") == "Warning"]
         warnings.sort(key=lambda e: (e.get("reason") == "FailedScheduling", _event_time(e)))
@@ -420,13 +682,21 @@ class Launcher:
     # ------------------------------------------------------------------ logs
 
     def _stream_logs(self, pod: str, deadline: float, lines: list[str], prefix: str) -> None:
-        """Print ``pod``'s log until its container has terminated, reconnecting as needed."""
+        """Print ``pod``'s log until its container has terminated, reconnecting as needed.
+
+        The read timeout is ``log_idle_s``: a log silent that long is not an error, the pod
+        is checked and the log read again. 429/5xx (and a 400 "container is waiting to
+        start") are retried ``retries`` times in a row, then raise :class:`RetriesExhausted`.
+        """
         cursor = _LogCursor()
         inside_report = False
-        delay = self.t.backoff_s
-        while time.monotonic() < deadline:
+        backoff = _Backoff(self.t)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlinePassed(f"pod {pod} was still running (its log was followed)")
             self._check_cancel()
-            clean = False
+            clean = idle = False
             cursor.reconnect()
             try:
                 resp: Any = self.core.read_namespaced_pod_log(
@@ -436,11 +706,16 @@ class Launcher:
                     follow=True,
                     timestamps=True,
                     _preload_content=False,
-                    _request_timeout=(self.t.connect_s, self.t.log_idle_s),
+                    _request_timeout=(self.t.connect_s, min(self.t.log_idle_s, remaining)),
                 )
+                backoff.reset()
+                with self._lock:
+                    self._streams.add(resp)
                 try:
                     for stamp, text in _iter_log(resp):
                         self._check_cancel()
+                        if time.monotonic() >= deadline:
+                            raise DeadlinePassed(f"pod {pod} was still writing its log")
                         if not cursor.admit(stamp):
                             continue
                         lines.append(text)
@@ -452,50 +727,98 @@ class Launcher:
                             inside_report = False
                     clean = True
                 finally:
+                    with self._lock:
+                        self._streams.discard(resp)
                     resp.release_conn()
             except ApiException as exc:
                 if exc.status == 404:
                     return  # the pod is gone; the caller reads why
                 if exc.status not in RETRYABLE and exc.status != 400:
                     raise  # 400: "container ... is waiting to start": retry below
-                self._sleep(_retry_after(exc) or delay)
-                delay = min(delay * 2, 10.0)
+                wait = backoff.next_delay(exc)
+                if wait is None:
+                    raise _gave_up(
+                        f"reading the log of pod {pod}", exc, backoff.attempts, self.namespace
+                    ) from exc
+                self._sleep(wait)
                 continue
+            except urllib3.exceptions.ReadTimeoutError:
+                idle = True  # no output for log_idle_s: check the pod, then read again
             except _NET_ERRORS:
-                pass  # cut mid-stream or idle too long: check the pod, then read again
+                pass  # cut mid-stream: check the pod, then read again
+            except urllib3.exceptions.MaxRetryError as exc:
+                wait = backoff.next_delay(exc)
+                if wait is None:
+                    raise _gave_up(
+                        f"reading the log of pod {pod}", exc, backoff.attempts, self.namespace
+                    ) from exc
+                self._sleep(wait)
+                continue
             state, _ = classify_pod(self._call(self.core.read_namespaced_pod, pod, self.namespace))
             if state in ("terminated", "evicted") and clean:
                 return
             if state not in ("running", "terminated", "evicted"):
                 return
-            self._say(prefix, f"kubematrix: log stream of {pod} ended early; reconnecting")
-        raise CellError(f"pod {pod}: gave up following the log (launcher deadline)")
+            if time.monotonic() >= deadline:
+                continue  # raises DeadlinePassed above
+            if idle:
+                self._say(
+                    prefix,
+                    f"kubematrix: no log output from {pod} for {self.t.log_idle_s:g} s "
+                    f"(pod {state}); reading the log again",
+                )
+            else:
+                self._say(prefix, f"kubematrix: log stream of {pod} ended early; reconnecting")
 
     # ------------------------------------------------------------------ many cells
 
     def run_many(self, jobs: Sequence[dict], *, max_parallel: int = 4) -> list[CellResult]:
         """Run ``jobs`` concurrently, at most ``max_parallel`` at a time, in input order.
 
-        On Ctrl-C every launched Job is deleted before KeyboardInterrupt propagates.
+        Each cell deletes its own Job (best effort, see :meth:`delete`). On Ctrl-C the workers
+        are cancelled (their open log and watch streams shut down, so none waits out a read
+        timeout) and every launched Job's deletion is attempted, one failure not stopping the
+        others, before KeyboardInterrupt propagates. A second Ctrl-C stops the cleanup,
+        logs each Job not yet deleted with its ``kubectl`` command (also in :attr:`leftovers`)
+        and propagates.
         """
         if max_parallel < 1:
             raise ValueError(f"run_many: max_parallel must be >= 1; got {max_parallel}")
         pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="kubematrix")
         futures = []
+        wait = True
         try:
             futures = [pool.submit(self.run, job, prefix=f"[{_cell(job)}] ") for job in jobs]
             return [f.result() for f in futures]
         except KeyboardInterrupt:
             self.cancel.set()
+            self._abort_streams()
             for f in futures:
                 f.cancel()
-            with self._lock:
-                launched = sorted(self._launched)
-            for name in launched:
-                self.delete(name)
+            try:
+                self._delete_launched()
+                pool.shutdown(wait=True)  # the cancelled workers delete their own Jobs too
+            except KeyboardInterrupt:
+                wait = False
+                self._abandon_cleanup()
             raise
         finally:
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=wait, cancel_futures=True)
+
+    def _delete_launched(self) -> None:
+        """Try to delete every launched Job not yet deleted or reported as left behind."""
+        with self._lock:
+            names = sorted(self._launched - set(self.leftovers))
+        for name in names:
+            self.delete(name)
+
+    def _abandon_cleanup(self) -> None:
+        """A second Ctrl-C: stop retrying, report every Job that may still exist."""
+        self._hurry.set()
+        with self._lock:
+            names = sorted(self._launched - set(self.leftovers))
+        for name in names:
+            self._left_behind(name, "cleanup interrupted by a second Ctrl-C")
 
 
 # ---------------------------------------------------------------------- pure helpers
@@ -553,10 +876,11 @@ def _iter_log(resp: Any) -> Iterator[tuple[str, str]]:
 
 
 def _retry_after(exc: ApiException) -> float | None:
+    """The ``Retry-After`` of an API error in seconds (an HTTP date is not used), or None."""
     headers = exc.headers or {}
     value = headers.get("Retry-After") or headers.get("retry-after")
     try:
-        return float(value) if value is not None else None
+        return max(0.0, float(value)) if value is not None else None
     except ValueError:
         return None
 
@@ -573,6 +897,20 @@ def _describe_api_error(exc: ApiException, namespace: str) -> str:
         422: "the API server rejected the Job as invalid",
     }.get(exc.status or 0, f"API error {exc.status} {exc.reason}")
     return f"{hint}: {message}" if message else hint
+
+
+def _finished(job: dict) -> str | None:
+    """``"<condition> at <time>"`` when the Job's outcome is decided, else ``None``."""
+    for c in (job.get("status") or {}).get("conditions") or []:
+        if c.get("type") in FINISHED_CONDITIONS and c.get("status") == "True":
+            when = c.get("lastTransitionTime")
+            return f"{c['type']} at {when}" if when else str(c["type"])
+    return None
+
+
+def _what(fn: Callable[..., Any]) -> str:
+    """``create_namespaced_job`` -> ``create namespaced job``, for messages."""
+    return getattr(fn, "__name__", "request").replace("_", " ")
 
 
 def _event_time(event: dict) -> str:

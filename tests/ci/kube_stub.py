@@ -3,9 +3,11 @@
 It serves the few endpoints the launcher's Role allows (jobs, pods, pods/log, events) with the
 API server's JSON, watch streams as chunked JSON lines (``ERROR`` events with a ``Status`` for
 410), and followed logs as chunked ``timestamps=true`` lines. Tests script a Job's life
-(pending, unschedulable, image pull, running, logs, exit, eviction) and inject faults (429/500
-answers, a log stream cut mid-line, a compacted watch history). The real ``kubernetes`` client
-talks to it through ``Configuration(host="http://127.0.0.1:<port>")``.
+(pending, unschedulable, image pull, running, logs, exit, eviction) and inject faults (429/5xx/403
+answers with headers, for one route or one Job; a log stream cut mid-line; a compacted watch
+history; a watch cut mid-event without a 410; a request processed whose response is lost; a Job
+left by an earlier run, finished or being deleted; foreground deletes that take a while). The real
+``kubernetes`` client talks to it through ``Configuration(host="http://127.0.0.1:<port>")``.
 
 Why not kmock: these tests need exact control of stream cuts and in-stream 410 events; a server
 of ~300 lines that speaks the wire format is simpler to audit than adapting a general mock.
@@ -14,8 +16,10 @@ of ~300 lines that speaks the wire format is simpler to audit than adapting a ge
 from __future__ import annotations
 
 import copy
+import io
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -72,8 +76,12 @@ class KubeStub:
         self.log_closed: set[str] = set()
         self.events: list[dict] = []
         self.history: list[tuple[int, str, dict]] = []  # (rv, type, pod)
-        self.faults: dict[str, list[tuple[int, dict]]] = {}
+        self.faults: dict[str, list[tuple[int, dict, str | None]]] = {}
         self.log_cuts: dict[str, list[int]] = {}
+        self.watch_drops: list[int] = []
+        self.lost: dict[str, int] = {}
+        self.terminating: dict[str, int] = {}  # job -> GETs it survives while being deleted
+        self.delete_linger_gets = 0
         self.requests: list[tuple[str, str, dict]] = []
         self.deletes: list[tuple[str, str]] = []
         self.threads: list[threading.Thread] = []
@@ -84,7 +92,10 @@ class KubeStub:
     # -- lifecycle -------------------------------------------------------------------------
 
     def __enter__(self) -> KubeStub:
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        # A short poll interval: shutdown() waits for it (0.5 s by default, per test).
+        threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        ).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -101,9 +112,28 @@ class KubeStub:
 
     # -- fault injection -------------------------------------------------------------------
 
-    def fail_next(self, route: str, code: int, times: int = 1, headers: dict | None = None) -> None:
-        """The next ``times`` requests to ``route`` (e.g. ``"POST jobs"``) answer ``code``."""
-        self.faults.setdefault(route, []).extend([(code, headers or {})] * times)
+    def fail_next(
+        self,
+        route: str,
+        code: int,
+        times: int = 1,
+        headers: dict | None = None,
+        name: str | None = None,
+    ) -> None:
+        """The next ``times`` requests to ``route`` (e.g. ``"POST jobs"``, ``"GET pods watch"``,
+        ``"DELETE job"``) answer ``code`` with ``headers``; with ``name``, only requests for the
+        object of that name (e.g. one Job's DELETE)."""
+        self.faults.setdefault(route, []).extend([(code, headers or {}, name)] * times)
+
+    def drop_watch(self, after_events: int = 0) -> None:
+        """The next pod watch sends ``after_events`` events, then half of the next one, and
+        breaks the connection: no 410, no final chunk."""
+        self.watch_drops.append(after_events)
+
+    def lose_response(self, route: str, times: int = 1) -> None:
+        """The next ``times`` requests to ``route`` are carried out, but the connection is closed
+        before the response is sent (the client sees a dropped connection)."""
+        self.lost[route] = self.lost.get(route, 0) + times
 
     def cut_log(self, pod: str, after_lines: int) -> None:
         """The next log connection to ``pod`` breaks after ``after_lines`` lines, mid-line."""
@@ -116,6 +146,49 @@ class KubeStub:
             self.min_rv = self.rv
             self.history.clear()
             self.cond.notify_all()
+
+    # -- Jobs left by earlier runs ----------------------------------------------------------
+
+    def seed_job(self, job: dict, *, annotations: dict | None = None, status: dict | None = None):
+        """A Job that exists before the test (no scenario runs for it)."""
+        job = copy.deepcopy(job)
+        job["metadata"]["annotations"] = {**job["metadata"].get("annotations", {})}
+        job["metadata"]["annotations"].update(annotations or {})
+        job["metadata"]["uid"] = "uid-seeded"
+        job["status"] = status or {}
+        with self.cond:
+            self.jobs[job["metadata"]["name"]] = job
+        return job
+
+    def mark_terminating(self, name: str, gets: int) -> None:
+        """Job ``name`` gets a deletionTimestamp and survives ``gets`` more GETs, then it and its
+        pods are gone (as a foreground delete waits for the pods)."""
+        with self.cond:
+            self.jobs[name]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+            self.terminating[name] = gets
+
+    def _remove_job(self, name: str) -> dict:
+        job = self.jobs.pop(name)
+        self.terminating.pop(name, None)
+        for pod_name in [
+            p for p, v in self.pods.items() if v["metadata"]["labels"].get(JOB_LABEL) == name
+        ]:
+            pod = self.pods.pop(pod_name)
+            self.log_closed.add(pod_name)
+            self._publish("DELETED", pod)
+        return job
+
+    def read_job(self, name: str) -> dict | None:
+        with self.cond:
+            job = self.jobs.get(name)
+            if job is None:
+                return None
+            if name in self.terminating:
+                if self.terminating[name] <= 0:
+                    self._remove_job(name)
+                    return None
+                self.terminating[name] -= 1
+            return copy.deepcopy(job)
 
     # -- scripting a Job's pods -------------------------------------------------------------
 
@@ -199,6 +272,8 @@ class KubeStub:
 
     def finish(self, pod: str, exit_code: int) -> None:
         with self.cond:
+            if pod not in self.pods:
+                return  # deleted meanwhile (the launcher gave up on it)
             self.log_closed.add(pod)
             job = self.jobs.get(self.pods[pod]["metadata"]["labels"][JOB_LABEL])
             if job is not None:
@@ -261,17 +336,13 @@ class KubeStub:
             self.deletes.append((name, policy))
             if name not in self.jobs:
                 return 404, _status(404, "NotFound", f'jobs.batch "{name}" not found')
-            job = self.jobs.pop(name)
-            if policy != "Orphan":
-                for pod_name in [
-                    p
-                    for p, v in self.pods.items()
-                    if v["metadata"]["labels"].get(JOB_LABEL) == name
-                ]:
-                    pod = self.pods.pop(pod_name)
-                    self.log_closed.add(pod_name)
-                    self._publish("DELETED", pod)
-        return 200, job
+            if policy == "Orphan":
+                return 200, self.jobs.pop(name)
+            if self.delete_linger_gets and name not in self.terminating:
+                self.mark_terminating(name, self.delete_linger_gets)
+            if name in self.terminating:
+                return 200, copy.deepcopy(self.jobs[name])
+            return 200, self._remove_job(name)
 
 
 def _selected(pod: dict, selector: str) -> bool:
@@ -296,6 +367,7 @@ _ROUTES = [
 def _handler(stub: KubeStub) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # headers and body are two writes: no 40 ms stalls
 
         def log_message(self, *args: object) -> None:  # quiet
             pass
@@ -340,13 +412,24 @@ def _handler(stub: KubeStub) -> type[BaseHTTPRequestHandler]:
             kind, m = found[0]
             watching = query.get("watch") in ("true", "True", "1")
             route = f"{method} {kind}" + (" watch" if watching else "")
+            obj_name = m.groups()[1] if len(m.groups()) > 1 else None
             with stub.cond:
                 stub.requests.append((method, url.path, query))
-                fault = stub.faults.get(route, [])
-                injected = fault.pop(0) if fault else None
+                faults = stub.faults.get(route, [])
+                hit = [i for i, f in enumerate(faults) if f[2] is None or f[2] == obj_name]
+                injected = faults.pop(hit[0]) if hit else None
+                lose = stub.lost.get(route, 0) > 0
+                if lose:
+                    stub.lost[route] -= 1
             if injected:
-                code, headers = injected
+                code, headers, _ = injected
                 self._json(code, _status(code, "Injected", f"injected {code}"), headers)
+                return
+            if lose:
+                self.wfile = io.BytesIO()  # carried out; the response goes nowhere
+                getattr(self, f"_{kind}")(method, m.groups(), query, body, watching)
+                self.connection.shutdown(socket.SHUT_RDWR)
+                self.close_connection = True
                 return
             getattr(self, f"_{kind}")(method, m.groups(), query, body, watching)
 
@@ -372,8 +455,8 @@ def _handler(stub: KubeStub) -> type[BaseHTTPRequestHandler]:
                     policy = json.loads(body).get("propagationPolicy", policy)
                 code, obj = stub.delete_job(name, policy)
                 self._json(code, obj)
-            elif name in stub.jobs:
-                self._json(200, stub.jobs[name])
+            elif (job := stub.read_job(name)) is not None:
+                self._json(200, job)
             else:
                 self._json(404, _status(404, "NotFound", f'jobs.batch "{name}" not found'))
 
@@ -426,6 +509,7 @@ def _handler(stub: KubeStub) -> type[BaseHTTPRequestHandler]:
             self._start_chunked("application/json")
             with stub.cond:
                 epoch = stub.compacted_epoch
+                drop = stub.watch_drops.pop(0) if stub.watch_drops else None
             try:
                 while True:
                     with stub.cond:
@@ -448,8 +532,17 @@ def _handler(stub: KubeStub) -> type[BaseHTTPRequestHandler]:
                             stub.cond.wait(min(remaining, 0.2))
                             continue
                     for rv, kind, pod in new:
-                        self._chunk(json.dumps({"type": kind, "object": pod}).encode() + b"\n")
+                        event = json.dumps({"type": kind, "object": pod}).encode() + b"\n"
+                        if drop is not None and drop == 0:
+                            half = event[: len(event) // 2]  # a chunk longer than what follows
+                            self.wfile.write(f"{len(event):x}\r\n".encode() + half)
+                            self.wfile.flush()
+                            self.connection.shutdown(socket.SHUT_RDWR)
+                            return
+                        self._chunk(event)
                         since = rv
+                        if drop is not None:
+                            drop -= 1
                 self._end_chunked()
             except (BrokenPipeError, ConnectionResetError):
                 pass

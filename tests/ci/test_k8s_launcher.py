@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
+from kubernetes import client
+from kubernetes.config import kube_config
 
 from kubematrix import k8s
 from kubematrix.cell import encode_results
-from kubematrix.launcher import Launcher, Timeouts, classify_pod
+from kubematrix.launcher import RUN_ANNOTATION, Launcher, Timeouts, classify_pod
 from kubematrix.render import render_job, results_token
 from tests.ci.kube_stub import KubeStub
 
@@ -30,6 +34,13 @@ JUNIT = b'<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="1"/><
 LOG = [f"line {i}" for i in range(10)]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _warm_client():
+    """The first CoreV1Api/BatchV1Api of a process costs ~0.6 s (the client builds its API
+    classes lazily): pay it once, outside the time bounds of the tests."""
+    Launcher(client.ApiClient(client.Configuration()), "warm-up")
+
+
 def _job(suite: str = "mla", commit: str = "abc1234", vendor: str = "rocm") -> dict:
     return render_job(
         vendor=vendor, suite=suite, image="registry.test/portattn-ci:rocm", commit=commit
@@ -40,15 +51,33 @@ def _report(job: dict, exit_code: int) -> list[str]:
     return encode_results(JUNIT, results_token(job["metadata"]["name"]), exit_code)
 
 
-def _run(scenario, job=None, timeouts=FAST, setup=None):
+def _run(scenario, job=None, timeouts=FAST, setup=None, sleep=None):
     job = job or _job()
     out: list[str] = []
     with KubeStub(scenario) as stub:
         if setup:
             setup(stub, job)
-        launcher = Launcher(stub.api_client(), "portattn-ci", timeouts=timeouts, emit=out.append)
+        launcher = Launcher(
+            stub.api_client(), "portattn-ci", timeouts=timeouts, emit=out.append, sleep=sleep
+        )
         result = launcher.run(job)
     return result, out, stub
+
+
+def _fast(**changes) -> Timeouts:
+    return dataclasses.replace(FAST, **changes)
+
+
+def _kubectl(name: str) -> str:
+    return f"kubectl -n portattn-ci delete job {name} --cascade=foreground"
+
+
+def _requests(stub: KubeStub, method: str, suffix: str, watch: bool | None = None) -> int:
+    return sum(
+        1
+        for m, p, q in stub.requests
+        if m == method and p.endswith(suffix) and (watch is None or bool(q.get("watch")) == watch)
+    )
 
 
 def _completes(exit_code: int, log=LOG):
@@ -184,13 +213,22 @@ def test_non_retryable_api_error_is_reported_with_the_role_hint():
 
 
 def test_409_attaches_to_the_running_job():
-    def setup(k: KubeStub, job: dict) -> None:
-        k.create_job(job)  # launched earlier, e.g. by a retried CI step
+    def scenario(k: KubeStub, job: dict) -> None:
+        pod = k.add_pod(job)
+        k.start(pod)
+        name = job["metadata"]["name"]
+        _wait_for(lambda: _requests(k, "GET", f"/jobs/{name}") >= 1)  # the launcher read it
+        k.log(pod, *LOG, *_report(job, 0))
+        k.finish(pod, 0)
 
-    result, out, stub = _run(_completes(0), setup=setup)
+    def setup(k: KubeStub, job: dict) -> None:
+        k.create_job(job)  # launched earlier, e.g. by a retried CI step, and still running
+
+    result, out, stub = _run(scenario, setup=setup)
     assert result.attached and result.outcome == "passed"
     assert _log_lines(out) == LOG
     assert any("already exists; attaching" in line for line in out)
+    assert _requests(stub, "POST", "/jobs") == 1
 
 
 def _forever(k: KubeStub, job: dict) -> None:
@@ -307,3 +345,420 @@ def test_exit_status_propagates_the_first_failing_code():
     assert k8s.exit_status([ok]) == 0
     assert k8s.exit_status([ok, CellResult("b", "failed", 2, "")]) == 2
     assert k8s.exit_status([ok, CellResult("c", "error", None, "")]) == k8s.EXIT_INFRA
+
+
+# ---------------------------------------------------------------------- helpers for faults
+
+
+def _wait_for(ready: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > end:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.005)
+
+
+def _interrupt_main_when(ready: Callable[[], bool]) -> threading.Thread:
+    """Ctrl-C (a real SIGINT to the main thread) as soon as ``ready()``."""
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def fire() -> None:
+        try:
+            _wait_for(ready)
+        except TimeoutError:
+            return  # the test then fails: no KeyboardInterrupt
+        signal.pthread_kill(main, signal.SIGINT)
+
+    t = threading.Thread(target=fire, daemon=True)
+    t.start()
+    return t
+
+
+def _recorder(sleeps: list[float], ctrl_c: bool = False) -> Callable[[float], None]:
+    """A sleep that records the delay instead of sleeping; with ``ctrl_c`` a wait in the main
+    thread is where the user presses Ctrl-C (again): a real SIGINT."""
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if ctrl_c and threading.current_thread() is threading.main_thread():
+            signal.raise_signal(signal.SIGINT)
+
+    return sleep
+
+
+def _stale_pod(k: KubeStub, job: dict) -> None:
+    """The pod of an earlier run of the same cell: it failed (exit 1) with its own report."""
+    pod = k.add_pod(job, "stale")
+    k.start(pod)
+    k.log(pod, "stale line", *_report(job, 1))
+    k.finish(pod, 1)
+
+
+# ---------------------------------------------------------------------- cleanup failures
+
+
+def test_delete_failing_with_5xx_is_retried_then_reported_and_the_result_kept():
+    sleeps: list[float] = []
+    setup = lambda k, job: k.fail_next("DELETE job", 503, times=99)  # noqa: E731
+    result, out, stub = _run(_completes(0), setup=setup, sleep=_recorder(sleeps))
+    assert (result.outcome, result.exit_code, result.junit) == ("passed", 0, JUNIT)
+    assert stub.deletes == []  # every DELETE was refused before reaching the Job
+    assert _requests(stub, "DELETE", result.name) == 4  # the first try and 3 retries
+    assert sleeps == [0.02, 0.04, 0.08]
+    assert result.cleanup is not None
+    assert "API error 503" in result.cleanup and "gave up after 4 attempts" in result.cleanup
+    assert _kubectl(result.name) in result.cleanup
+    warning = [line for line in out if "WARNING" in line]
+    assert len(warning) == 1 and result.name in warning[0] and _kubectl(result.name) in warning[0]
+    assert result.name in stub.jobs
+
+
+def test_delete_forbidden_is_reported_without_retries_and_the_failure_kept():
+    sleeps: list[float] = []
+    setup = lambda k, job: k.fail_next("DELETE job", 403, times=99)  # noqa: E731
+    result, _, stub = _run(_completes(1), setup=setup, sleep=_recorder(sleeps))
+    assert (result.outcome, result.exit_code) == ("failed", 1)  # the cell's own outcome
+    assert _requests(stub, "DELETE", result.name) == 1 and sleeps == []
+    assert result.cleanup is not None
+    assert "forbidden: the launcher needs the Role" in result.cleanup
+    assert _kubectl(result.name) in result.cleanup
+
+
+def test_ctrl_c_with_a_failing_delete_raises_the_interrupt_and_reports_the_job(sigint_raises):
+    job = _job()
+    name = job["metadata"]["name"]
+    out: list[str] = []
+    sleeps: list[float] = []
+    with KubeStub(_forever) as stub:
+        stub.fail_next("DELETE job", 500, times=99)
+        launcher = Launcher(
+            stub.api_client(),
+            "portattn-ci",
+            timeouts=FAST,
+            emit=out.append,
+            sleep=_recorder(sleeps),
+        )
+        fired = _interrupt_main_when(lambda: _requests(stub, "GET", f"{name}-x1/log") >= 1)
+        with pytest.raises(KeyboardInterrupt):
+            launcher.run(job)
+        fired.join()
+        assert _requests(stub, "DELETE", name) == 4 and sleeps == [0.02, 0.04, 0.08]
+        assert name in stub.jobs
+    assert set(launcher.leftovers) == {name}
+    assert _kubectl(name) in launcher.leftovers[name]
+    assert any("WARNING" in line and _kubectl(name) in line for line in out)
+
+
+def test_second_ctrl_c_during_cleanup_reports_the_job_and_propagates(sigint_raises):
+    job = _job()
+    name = job["metadata"]["name"]
+    out: list[str] = []
+    sleeps: list[float] = []
+    with KubeStub(_forever) as stub:
+        stub.fail_next("DELETE job", 503, times=99, headers={"Retry-After": "5"})
+        launcher = Launcher(
+            stub.api_client(),
+            "portattn-ci",
+            timeouts=FAST,
+            emit=out.append,
+            sleep=_recorder(sleeps, ctrl_c=True),  # Ctrl-C again while waiting to retry
+        )
+        fired = _interrupt_main_when(lambda: _requests(stub, "GET", f"{name}-x1/log") >= 1)
+        with pytest.raises(KeyboardInterrupt):
+            launcher.run(job)
+        fired.join()
+        assert _requests(stub, "DELETE", name) == 1 and sleeps == [5.0]
+    assert launcher.leftovers[name].startswith("interrupted while deleting it")
+    assert any(name in line and _kubectl(name) in line for line in out)
+
+
+def test_fan_out_deletes_every_job_when_one_delete_fails():
+    jobs = [_job(suite=s) for s in ("paged", "mla", "hybrid")]
+    names = [j["metadata"]["name"] for j in jobs]
+    with KubeStub(_completes(0)) as stub:
+        stub.fail_next("DELETE job", 403, times=99, name=names[0])
+        launcher = Launcher(stub.api_client(), "portattn-ci", timeouts=FAST, emit=lambda _: None)
+        results = launcher.run_many(jobs, max_parallel=3)
+    assert [r.outcome for r in results] == ["passed"] * 3
+    assert results[0].cleanup is not None and _kubectl(names[0]) in results[0].cleanup
+    assert results[1].cleanup is None and results[2].cleanup is None
+    assert set(stub.jobs) == {names[0]}
+    assert set(launcher.leftovers) == {names[0]}
+
+
+def test_fan_out_ctrl_c_tries_every_job_when_one_delete_fails(sigint_raises):
+    jobs = [_job(suite=s) for s in ("paged", "mla", "hybrid")]
+    names = [j["metadata"]["name"] for j in jobs]
+    out: list[str] = []
+    with KubeStub(_forever) as stub:
+        stub.fail_next("DELETE job", 403, times=99, name=names[0])
+        launcher = Launcher(stub.api_client(), "portattn-ci", timeouts=FAST, emit=out.append)
+        fired = _interrupt_main_when(
+            lambda: all(_requests(stub, "GET", f"{n}-x1/log") >= 1 for n in names)
+        )
+        with pytest.raises(KeyboardInterrupt):
+            launcher.run_many(jobs, max_parallel=3)
+        fired.join()
+        assert set(stub.jobs) == {names[0]}  # the other two were deleted, with their pods
+        assert not [p for p in stub.pods if not p.startswith(names[0])]
+    assert set(launcher.leftovers) == {names[0]}
+    assert any("WARNING" in line and _kubectl(names[0]) in line for line in out)
+
+
+def test_fan_out_second_ctrl_c_reports_every_job_left_and_propagates(sigint_raises):
+    jobs = [_job(suite=s) for s in ("paged", "mla")]
+    names = [j["metadata"]["name"] for j in jobs]
+    out: list[str] = []
+    sleeps: list[float] = []
+    with KubeStub(_forever) as stub:
+        stub.fail_next("DELETE job", 503, times=999, headers={"Retry-After": "1"})
+        launcher = Launcher(
+            stub.api_client(),
+            "portattn-ci",
+            timeouts=FAST,
+            emit=out.append,
+            sleep=_recorder(sleeps, ctrl_c=True),
+        )
+        fired = _interrupt_main_when(
+            lambda: all(_requests(stub, "GET", f"{n}-x1/log") >= 1 for n in names)
+        )
+        with pytest.raises(KeyboardInterrupt):
+            launcher.run_many(jobs, max_parallel=2)
+        fired.join()
+        leftovers = dict(launcher.leftovers)  # as the interrupt propagated
+        assert set(stub.jobs) == set(names)
+    assert set(leftovers) == set(names)
+    for name in names:
+        assert _kubectl(name) in leftovers[name]
+        assert any("WARNING" in line and _kubectl(name) in line for line in out)
+
+
+def test_cli_reports_a_job_it_could_not_delete(tmp_path, monkeypatch, capsys):
+    with KubeStub(_completes(0)) as stub:
+        stub.fail_next("DELETE job", 403, times=9)
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: stub\n"
+            f"clusters: [{{name: stub, cluster: {{server: 'http://127.0.0.1:{stub.server.server_port}'}}}}]\n"
+            "users: [{name: stub, user: {token: t}}]\n"
+            "contexts: [{name: stub, context: {cluster: stub, user: stub}}]\n"
+        )
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        # The client reads $KUBECONFIG once, at import: point its default there instead.
+        monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+        argv = ["--vendor", "rocm", "--suite", "mla", "--commit", "abc1234"]
+        code = k8s.main([*argv, "--image", "registry.test/x:1", "--results", str(tmp_path)])
+    err = capsys.readouterr().err
+    (name,) = stub.jobs
+    assert code == 0  # the cell passed; the leftover Job is reported, not a failure
+    assert f"job {name} was not deleted: forbidden" in err and _kubectl(name) in err
+
+
+# ---------------------------------------------------------------------- watch faults
+
+
+def test_watch_dropped_without_410_lists_again():
+    def scenario(k: KubeStub, job: dict) -> None:
+        pod = k.add_pod(job)
+        _wait_for(lambda: _requests(k, "GET", "/pods", watch=True) >= 1)
+        k.start(pod)  # this event is cut mid-line, then the connection breaks
+        k.log(pod, *LOG, *_report(job, 0))
+        k.finish(pod, 0)
+
+    start = time.monotonic()
+    result, out, stub = _run(
+        scenario,
+        setup=lambda k, job: k.drop_watch(after_events=0),
+        timeouts=_fast(watch_s=30, pending_s=30.0),
+    )
+    assert result.outcome == "passed" and _log_lines(out) == LOG
+    assert _requests(stub, "GET", "/pods", watch=False) >= 2  # listed again after the drop
+    assert time.monotonic() - start < 10  # at once, not when the 30 s watch would have ended
+
+
+def test_watch_5xx_is_retried_honouring_retry_after():
+    sleeps: list[float] = []
+    setup = lambda k, job: k.fail_next(  # noqa: E731
+        "GET pods watch", 503, times=2, headers={"Retry-After": "2"}
+    )
+    result, _, stub = _run(_completes(0), setup=setup, sleep=_recorder(sleeps))
+    assert result.outcome == "passed"
+    assert sleeps == [2.0, 2.0]
+    assert _requests(stub, "GET", "/pods", watch=True) >= 3
+
+
+def test_watch_5xx_until_the_retries_run_out_fails_the_cell():
+    sleeps: list[float] = []
+    setup = lambda k, job: k.fail_next("GET pods watch", 500, times=99)  # noqa: E731
+    result, _, stub = _run(_completes(0), setup=setup, sleep=_recorder(sleeps))
+    assert (result.outcome, result.exit_code) == ("error", None)
+    assert result.message.startswith(f"watching the pods of job {result.name}: API error 500")
+    assert result.message.endswith("gave up after 4 attempts")
+    assert _requests(stub, "GET", "/pods", watch=True) == 4 and sleeps == [0.02, 0.04, 0.08]
+    assert stub.deletes == [(result.name, "Foreground")]
+
+
+# ---------------------------------------------------------------------- retries and Retry-After
+
+
+def test_retries_running_out_on_create_is_an_error_naming_the_request():
+    setup = lambda k, job: k.fail_next("POST jobs", 503, times=99)  # noqa: E731
+    result, _, stub = _run(None, setup=setup, sleep=_recorder([]))
+    assert result.outcome == "error"
+    assert result.message.startswith("create namespaced job: API error 503")
+    assert result.message.endswith("gave up after 4 attempts")
+    assert _requests(stub, "POST", "/jobs") == 4
+
+
+def test_retries_running_out_on_dropped_connections_is_an_error():
+    setup = lambda k, job: k.lose_response("GET pods", times=99)  # noqa: E731
+    result, _, stub = _run(_completes(0), setup=setup, sleep=_recorder([]))
+    assert result.outcome == "error"
+    assert result.message.startswith("list namespaced pod: the API server is unreachable")
+    assert result.message.endswith("gave up after 4 attempts")
+    assert _requests(stub, "GET", "/pods", watch=False) == 4
+    assert stub.deletes == [(result.name, "Foreground")]
+
+
+def test_retry_after_is_honoured_and_capped():
+    sleeps: list[float] = []
+
+    def setup(k: KubeStub, job: dict) -> None:
+        k.fail_next("POST jobs", 429, headers={"Retry-After": "3"})
+        k.fail_next("GET pods", 500, headers={"Retry-After": "0"})  # 0: the backoff instead
+        k.fail_next("GET log", 503, headers={"Retry-After": "600"})  # cut to the cap
+        k.fail_next("DELETE job", 503, headers={"Retry-After": "7"})
+
+    timeouts = _fast(retry_after_max_s=30.0)
+    result, out, _ = _run(_completes(0), setup=setup, timeouts=timeouts, sleep=_recorder(sleeps))
+    assert result.outcome == "passed" and _log_lines(out) == LOG
+    assert sleeps == [3.0, 0.02, 30.0, 7.0]
+
+
+# ---------------------------------------------------------------------- deadlines
+
+
+def test_overall_deadline_while_the_log_keeps_streaming():
+    start = time.monotonic()
+    result, _, stub = _run(_forever, timeouts=_fast(overall_s=0.3))
+    assert time.monotonic() - start < 2.0  # the log never ends: only the deadline stops it
+    assert result.outcome == "error"
+    assert result.message == (
+        f"launcher deadline (0.3 s): pod {result.name}-x1 was still writing its log"
+    )
+    assert stub.deletes == [(result.name, "Foreground")] and not stub.pods
+
+
+def test_overall_deadline_while_the_pod_is_pending():
+    def scenario(k: KubeStub, job: dict) -> None:
+        k.add_pod(job)
+
+    start = time.monotonic()
+    result, _, stub = _run(scenario, timeouts=_fast(overall_s=0.3, pending_s=30.0))
+    assert time.monotonic() - start < 0.9  # the client cuts the 1 s watch at the deadline
+    assert result.outcome == "error"
+    assert result.message == (
+        f"launcher deadline (0.3 s): job {result.name} still had no running pod "
+        f"({result.name}-x1 pending)"
+    )
+    assert stub.deletes == [(result.name, "Foreground")]
+
+
+def test_idle_log_checks_the_pod_and_reads_again():
+    def scenario(k: KubeStub, job: dict) -> None:
+        pod = k.add_pod(job)
+        k.start(pod)
+        k.log(pod, *LOG[:5])
+        k.wait_log_readers(pod, 2)  # silent until the launcher's idle timeout reconnects
+        k.log(pod, *LOG[5:], *_report(job, 0))
+        k.finish(pod, 0)
+
+    result, out, stub = _run(scenario, timeouts=_fast(log_idle_s=0.2))
+    assert result.outcome == "passed" and result.junit == JUNIT
+    assert _log_lines(out) == LOG  # nothing twice after the reconnect
+    assert f"kubematrix: no log output from {result.name}-x1 for 0.2 s (pod running); " in "".join(
+        out
+    )
+
+
+# ---------------------------------------------------------------------- 409 on a stale Job
+
+
+def test_409_on_a_job_being_deleted_waits_for_it_and_creates_a_fresh_one():
+    sleeps: list[float] = []
+
+    def setup(k: KubeStub, job: dict) -> None:
+        k.seed_job(job, annotations={RUN_ANNOTATION: "an-earlier-run"})
+        _stale_pod(k, job)
+        k.mark_terminating(job["metadata"]["name"], gets=3)
+
+    result, out, stub = _run(_completes(0), setup=setup, sleep=_recorder(sleeps))
+    assert (result.outcome, result.exit_code, result.attached) == ("passed", 0, False)
+    assert _log_lines(out) == LOG  # nothing of the stale pod
+    assert any("is being deleted" in line for line in out)
+    assert _requests(stub, "POST", "/jobs") == 2
+    assert sleeps == [0.02, 0.04]  # read 3 times (409, then polled) until it was gone
+    assert stub.deletes == [(result.name, "Foreground")]  # only this run's Job, at the end
+
+
+def test_409_on_a_job_finished_in_another_run_replaces_it():
+    def setup(k: KubeStub, job: dict) -> None:
+        k.seed_job(job)  # e.g. applied by hand with kubectl: no launcher-run annotation
+        _stale_pod(k, job)  # finished: the Job's condition is Failed
+        k.delete_linger_gets = 1  # a foreground delete takes a moment
+
+    result, out, stub = _run(_completes(0), setup=setup, sleep=_recorder([]))
+    assert (result.outcome, result.exit_code, result.attached) == ("passed", 0, False)
+    assert result.junit == JUNIT and _log_lines(out) == LOG
+    assert any("finished (Failed) in another run (launcher run none)" in line for line in out)
+    assert stub.deletes == [(result.name, "Foreground")] * 2  # the stale Job, then this one
+    assert _requests(stub, "POST", "/jobs") == 2
+
+
+def test_409_on_this_runs_own_job_after_a_lost_response_follows_it():
+    sleeps: list[float] = []
+    setup = lambda k, job: k.lose_response("POST jobs")  # noqa: E731
+    result, out, stub = _run(_completes(0), setup=setup, sleep=_recorder(sleeps))
+    assert (result.outcome, result.attached) == ("passed", False)
+    assert _log_lines(out) == LOG
+    assert any("was created by this run; following it" in line for line in out)
+    assert _requests(stub, "POST", "/jobs") == 2 and sleeps == [0.02]
+    assert stub.deletes == [(result.name, "Foreground")]  # not replaced: it is ours
+
+
+def test_409_on_a_job_stuck_terminating_fails_naming_the_job():
+    def setup(k: KubeStub, job: dict) -> None:
+        k.seed_job(job, annotations={RUN_ANNOTATION: "an-earlier-run"})
+        k.mark_terminating(job["metadata"]["name"], gets=10**9)
+
+    result, _, stub = _run(None, setup=setup, timeouts=_fast(pending_s=0.1))
+    assert result.outcome == "error"
+    assert result.message.startswith(f"job {result.name} is still being deleted (since ")
+    assert f"a finalizer may hold it: kubectl -n portattn-ci get job {result.name} -o yaml" in (
+        result.message
+    )
+    assert _requests(stub, "POST", "/jobs") == 1
+
+
+def test_fan_out_ctrl_c_does_not_wait_for_silent_logs(sigint_raises):
+    def silent(k: KubeStub, job: dict) -> None:
+        k.start(k.add_pod(job))  # runs, prints nothing: the launcher blocks reading its log
+
+    jobs = [_job(suite=s) for s in ("paged", "mla")]
+    names = [j["metadata"]["name"] for j in jobs]
+    with KubeStub(silent) as stub:
+        stub.fail_next("DELETE job", 403, times=99, name=names[0])  # its log is never closed
+        launcher = Launcher(
+            stub.api_client(), "portattn-ci", timeouts=_fast(log_idle_s=30.0), emit=lambda _: None
+        )
+        fired = _interrupt_main_when(
+            lambda: all(_requests(stub, "GET", f"{n}-x1/log") >= 1 for n in names)
+        )
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            launcher.run_many(jobs, max_parallel=2)
+        fired.join()
+        assert time.monotonic() - start < 2.0  # not the 30 s read timeout of the silent log
+        assert set(stub.jobs) == {names[0]}
+    assert set(launcher.leftovers) == {names[0]}
