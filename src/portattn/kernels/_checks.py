@@ -3,20 +3,16 @@
 The ops check types and shapes themselves; the routines here check VALUES -- what a kernel trusts
 when it turns an index into an address -- on host copies of the metadata:
 
-| family                       | routine                | used by                                    |
-|------------------------------|------------------------|--------------------------------------------|
-| offsets (0, non-decreasing,  | `offsets_errors`       | paged_attention, mla_decode                |
-| ends at a row count)         |                        | (query_start_loc, page indptr),            |
-|                              |                        | gather_kv_cache (cu_seq_lens)              |
-| seq_lens >= 0 / >= q_len     | `seq_lens_errors`      | paged_attention, mla_decode,               |
-|                              |                        | expand_page_indices                        |
-| a row per block of each seq  | `capacity_errors`      | paged_attention, mla_decode,               |
-|                              |                        | gather_kv_cache, expand_page_indices       |
-| used block ids < num_blocks  | `block_ids_errors`     | paged_attention, mla_decode,               |
-|                              |                        | gather_kv_cache                            |
-| flat slots in the cache      | `slots_errors`         | write_kv_cache, mla_decode (page indices)  |
-| page indices vs seq_lens     | `page_indices_errors`  | mla_decode                                 |
-| num_indices == sum(seq_lens) | `num_indices_errors`   | expand_page_indices                        |
+| routine               | rule                                   | used by                       |
+|-----------------------|----------------------------------------|-------------------------------|
+| `offsets_errors`      | starts at 0, non-decreasing, ends at   | query_start_loc (paged, MLA), |
+|                       | the row count                          | cu_seq_lens, page indptr      |
+| `seq_lens_errors`     | seq_lens >= q_len (>= 0 without)       | paged, MLA, page indices      |
+| `capacity_errors`     | a block-table column per block         | paged, MLA, gather, page ind. |
+| `block_ids_errors`    | used block ids in [0, num_blocks)      | paged, MLA, gather (-1 ok)    |
+| `slots_errors`        | flat slots < num_blocks * block_size   | write (-1 ok), MLA indices    |
+| `page_indices_errors` | indptr gives each sequence seq_lens[i] | MLA with page_indices         |
+| `num_indices_errors`  | num_indices == sum(seq_lens)           | expand_page_indices           |
 
 Only USED entries are checked: block-table columns past ``ceil(seq_len / block_size)`` and page
 indices past ``indptr[-1]`` may hold anything (-1, garbage), as the kernels never read them.
