@@ -4,7 +4,8 @@ valid input with garbage in the entries no sequence uses still works.
 
 Cases that crashed (SIGSEGV) or could crash the process before the checks -- a read through a
 bad block id, slot or past a block-table row -- run in a child process (`_in_child`): a
-regression then fails its test instead of killing the test run.
+regression then fails its test instead of killing the test run. On a GPU (marker ``gpu``): the
+checks run when the caller gives no bounds, and a call given its bounds makes no host sync.
 """
 
 from __future__ import annotations
@@ -413,3 +414,72 @@ def test_mla_metadata_max_query_len_bounds_the_queries():
         ValueError, match=r"metadata\.max_query_len must be >= the longest q_len 2; got 1"
     ):
         _mla(q_lens=None, query=q, query_start_loc=_i32(0, 2, 2), metadata=md)
+
+
+# -- GPU: checks without bounds, no host sync with them ----------------------------------------
+
+
+def _gpu_calls(bounds: bool, bad: bool):
+    """Per op, a call on CUDA tensors with (``bounds``) or without the caller's bounds, on valid
+    metadata or (``bad``) with a used block id / seq_len past the cache."""
+    dev = "cuda"
+    bt = _with(_block_table(dev), (1, 1), NUM_BLOCKS) if bad else _block_table(dev)
+    sl = _i32(*SEQ_LENS).to(dev)
+    cu = _i32(0, 6, 15).to(dev)
+    k_cache, v_cache = empty_kv_cache(NUM_BLOCKS, BS, 2, 16, dtype=torch.float16, device=dev)
+    q = torch.randn(3, 4, 16, dtype=torch.float16, device=dev)
+    qsl = _i32(0, 2, 3).to(dev)
+    a = _mla_inputs(dev)
+    a["block_table"] = bt
+    md = None
+    if bounds:
+        builder = MlaMetadataBuilder(
+            get_target("sm_90"), max_batch=2, num_heads=HEADS, kv_lora_rank=R, head_dim_k=DK,
+            dtype=torch.float32, device=dev, max_query_len=2, max_seq_len=16,
+        )  # fmt: skip
+        md = builder.build(sl, a["query_start_loc"], max_query_len=2)
+    gather_out = (torch.empty(15, 2, 16, dtype=torch.float16, device=dev),) * 2
+    exp_sl = _i32(6, 17).to(dev) if bad else sl  # expand knows no num_blocks: past the row
+    return {
+        "mla_decode": lambda: mla_decode(**a, metadata=md, target=md.target if md else None),
+        "paged_attention": lambda: paged_attention(
+            q, k_cache, v_cache, bt, sl, qsl, **(dict(max_query_len=2) if bounds else {})
+        ),
+        "gather_kv_cache": lambda: gather_kv_cache(
+            k_cache, v_cache, bt, cu, out=gather_out if bounds else None
+        ),
+        "expand_page_indices": lambda: expand_page_indices(
+            bt, exp_sl, BS, num_indices=15 if bounds else None
+        ),
+    }
+
+
+_GPU_OPS = [
+    pytest.param("mla_decode", marks=pytest.mark.mla),
+    pytest.param("paged_attention", marks=pytest.mark.paged),
+    pytest.param("gather_kv_cache", marks=pytest.mark.paged),
+    pytest.param("expand_page_indices", marks=pytest.mark.paged),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", _GPU_OPS)
+def test_gpu_checks_run_without_bounds(op):
+    with pytest.raises(ValueError, match=f"^{op}: "):
+        _gpu_calls(bounds=False, bad=True)[op]()
+    _gpu_calls(bounds=False, bad=False)[op]()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", _GPU_OPS)
+def test_gpu_bounds_given_no_host_sync(op):
+    """With the bounds given the call reads nothing on the host: no device sync (a CUDA-graph
+    capture would fail on one)."""
+    call = _gpu_calls(bounds=True, bad=False)[op]
+    call()  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
