@@ -496,23 +496,32 @@ GATHER_ERRORS = [
         ValueError,
         r"out\[1\] must be on the cache's device cpu; got meta",
     ),
-    (dict(cu_seq_lens=torch.tensor([1, 5, 8])), ValueError, r"cu_seq_lens\[0\] must be 0; got 1"),
-    (dict(cu_seq_lens=torch.tensor([0, 5, 4])), ValueError, "cu_seq_lens must be nondecreasing"),
+    (
+        dict(cu_seq_lens=torch.tensor([1, 5, 8])),
+        ValueError,
+        "cu_seq_lens must start at 0 and end at total_tokens=8; got first 1, last 8",
+    ),
+    (
+        dict(cu_seq_lens=torch.tensor([0, 5, 4])),
+        ValueError,
+        r"cu_seq_lens must be non-decreasing; got a decrease at index 2 \(5 -> 4\)",
+    ),
     (
         dict(out=(_OUT[:7], _OUT[:7])),
         ValueError,
-        r"cu_seq_lens\[-1\] must equal out's total_tokens 7; got 8",
+        "cu_seq_lens must start at 0 and end at out's total_tokens=7; got first 0, last 8",
     ),
     (
         dict(cu_seq_lens=torch.tensor([0, 9, 9])),
         ValueError,
-        r"each sequence must fit its block_table row \(max_blocks \* block_size = 8\); got a "
-        "sequence of 9 tokens",
+        r"block_table must have a column per block of each sequence; got cu_seq_lens\[1\] - "
+        r"cu_seq_lens\[0\]=9 needing 3 blocks of 4 but max_blocks=2",
     ),
     (
         dict(block_table=torch.tensor([[0, 3], [1, 0]])),
         ValueError,
-        "block_table entries must be < num_blocks = 3; got max 3",
+        r"block_table entries of used blocks must be < num_blocks=3 \(negative: padding\); got "
+        r"max 3, first at block_table\[0, 1\]=3",
     ),
 ]
 

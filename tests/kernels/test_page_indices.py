@@ -89,7 +89,7 @@ ERRORS = [
     (
         dict(seq_lens=torch.tensor([3, 9])),
         ValueError,
-        r"seq_lens must be <= max_blocks \* block_size = 8; got max 9",
+        r"block_table must have a column per block of each sequence; got seq_lens\[1\]=9",
     ),
 ]
 

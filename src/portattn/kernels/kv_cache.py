@@ -30,6 +30,15 @@ import triton
 import triton.language as tl
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
+from portattn.kernels._checks import (
+    block_ids_errors,
+    capacity_errors,
+    offsets_errors,
+    raise_errors,
+    reads_contents,
+    slots_errors,
+    to_host,
+)
 from portattn.kernels._launch import Launch, run_all
 from portattn.kernels.page_indices import _find_seq, _num_steps
 from portattn.layout import CacheAddressing, describe_kv_cache, is_block_contiguous
@@ -242,15 +251,11 @@ def plan_write_kv_cache(
             )
     if errors:
         raise ValueError(f"{op}: " + "; ".join(errors))
-    num_slots = ka.num_blocks * ka.block_size
-    if slot_mapping.device.type == "cpu" and slot_mapping.numel():
-        # Free on CPU; on a GPU this read would sync, so there it is undefined (see docstring).
-        hi = int(slot_mapping.max())
-        if hi >= num_slots:
-            raise ValueError(
-                f"{op}: slot_mapping must be < num_blocks * block_size = {num_slots} (or negative "
-                f"to skip); got max {hi}"
-            )
+    # Free on CPU; on a GPU this read would sync, so there the caller always vouches (docstring).
+    if reads_contents(slot_mapping.device, vouched=True):
+        (slots,) = to_host(slot_mapping)
+        num_slots = ka.num_blocks * ka.block_size
+        raise_errors(op, slots_errors("slot_mapping", slots, num_slots, padding_ok=True))
     num_tokens = slot_mapping.shape[0]
     target = target or target_for_tensor(key_cache)
     tiles = write_kv_cache_tiles(
@@ -481,15 +486,17 @@ def plan_gather_kv_cache(
     if errors:
         raise ValueError(f"{op}: " + "; ".join(errors))
     num_seqs = block_table.shape[0]
-    if out is not None:
-        total_tokens = out[0].shape[0]  # no device read
-    elif cu_seq_lens.device.type == "meta":
+    if out is None and cu_seq_lens.device.type == "meta":
         raise ValueError(f"{op}: out must be given for meta tensors (total_tokens is unknown)")
+    # CPU: always checked (free). GPU: checked when out is not given, with the one device read
+    # that total_tokens needs anyway; with out given the caller vouches (no sync).
+    if reads_contents(cu_seq_lens.device, vouched=out is not None):
+        cu, table = to_host(cu_seq_lens, block_table)
+        total_tokens = out[0].shape[0] if out is not None else int(cu[-1])
+        _check_gather_indices(op, table, cu, ka, total_tokens, out is not None)
     else:
-        total_tokens = int(cu_seq_lens[-1])  # the one device sync (pass out= to avoid it)
-    if cu_seq_lens.device.type == "cpu":
-        # Free on CPU; on a GPU these reads would sync, so there they are undefined behaviour.
-        _check_gather_indices(op, block_table, cu_seq_lens, ka, total_tokens)
+        assert out is not None
+        total_tokens = out[0].shape[0]  # no device read
     if total_tokens > _INT32_MAX:
         raise ValueError(f"{op}: total_tokens must be < 2**31; got {total_tokens}")
     if out is None:
@@ -550,29 +557,17 @@ def plan_gather_kv_cache(
 
 
 def _check_gather_indices(
-    op: str, block_table: torch.Tensor, cu: torch.Tensor, addr: CacheAddressing, total: int
+    op: str, table: torch.Tensor, cu: torch.Tensor, addr: CacheAddressing, total: int, out: bool
 ) -> None:
-    errors: list[str] = []
-    if int(cu[0]) != 0:
-        errors.append(f"cu_seq_lens[0] must be 0; got {int(cu[0])}")
+    """`_checks` on host copies: cu_seq_lens well formed, each sequence fits its row, the used
+    block ids (negative: padding) inside the cache; unused columns are ignored."""
+    end_name = "out's total_tokens" if out else "total_tokens"
+    errors = offsets_errors("cu_seq_lens", cu, end=total, end_name=end_name)
     lens = cu[1:] - cu[:-1]
-    if lens.numel() and int(lens.min()) < 0:
-        errors.append("cu_seq_lens must be nondecreasing")
-    if int(cu[-1]) != total:
-        errors.append(f"cu_seq_lens[-1] must equal out's total_tokens {total}; got {int(cu[-1])}")
-    cap = block_table.shape[1] * addr.block_size
-    if lens.numel() and int(lens.max()) > cap:
-        errors.append(
-            f"each sequence must fit its block_table row (max_blocks * block_size = {cap}); got a "
-            f"sequence of {int(lens.max())} tokens"
-        )
-    if block_table.numel() and int(block_table.max()) >= addr.num_blocks:
-        errors.append(
-            f"block_table entries must be < num_blocks = {addr.num_blocks}; got max "
-            f"{int(block_table.max())}"
-        )
-    if errors:
-        raise ValueError(f"{op}: " + "; ".join(errors))
+    label = lambda i: f"cu_seq_lens[{i + 1}] - cu_seq_lens[{i}]"  # noqa: E731
+    errors += capacity_errors(lens, addr.block_size, table.shape[1], label)
+    errors += block_ids_errors(table, lens, addr.block_size, addr.num_blocks, padding_ok=True)
+    raise_errors(op, errors)
 
 
 def gather_kv_cache(
@@ -606,9 +601,10 @@ def gather_kv_cache(
         ``out``. ``total_tokens`` is ``out[0].shape[0]`` if ``out`` is given, else
         ``cu_seq_lens[-1]``, read with one ``.item()`` (a device sync; pass ``out`` to avoid it).
 
-    Index checks (``cu_seq_lens`` well formed, sequences fit their rows, block ids
-    ``< num_blocks``) are done for CPU tensors, where they are free; on a GPU a violation is
-    undefined behaviour (checking would sync).
+    Index checks (``cu_seq_lens`` well formed, sequences fit their rows, the block ids each
+    sequence uses ``< num_blocks``; other columns are ignored) run for CPU tensors, and on a GPU
+    when ``out`` is not given (with the one device read that ``total_tokens`` needs). With
+    ``out`` given on a GPU the caller vouches for them: a violation is undefined behaviour.
     """
     launches = plan_gather_kv_cache(
         key_cache, value_cache, block_table, cu_seq_lens, layout=layout, out=out, target=target

@@ -38,7 +38,8 @@ rows past the context are never read. On sm_90 the wide 64-head tile runs the Gl
 schedule) where its requirements hold; everything else runs the portable kernel below.
 
 Not supported: fp8 caches, a separate V cache, negative (padding) entries inside a sequence's
-context. Query rows past ``query_start_loc[-1]`` (CUDA-graph padding) are left unwritten.
+context (rejected where the metadata is checked: `mla_decode`'s Raises). Query rows past
+``query_start_loc[-1]`` (CUDA-graph padding) are left unwritten.
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
+from portattn.kernels._checks import (
+    block_ids_errors,
+    capacity_errors,
+    offsets_errors,
+    page_indices_errors,
+    raise_errors,
+    reads_contents,
+    seq_lens_errors,
+    to_host,
+)
 from portattn.kernels._launch import Launch, run_all
 from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_launch
 from portattn.layout import describe_kv_cache
@@ -718,6 +729,43 @@ def _workspace_errors(tiles: MlaTiles, md: MlaMetadata, num_tokens: int) -> list
     return errors
 
 
+def _check_contents(
+    query, kv_cache, block_table, seq_lens, query_start_loc, page_indices, metadata
+) -> None:
+    """The metadata's values, through `_checks` on one host copy: query_start_loc well formed
+    (rows past its end are graph padding), seq_lens >= each q_len, and the used block ids
+    (block table) or slots (page indices, which must agree with seq_lens) inside the cache."""
+    num_tokens = query.shape[0]
+    num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1]
+    index = list(page_indices) if page_indices is not None else [block_table]
+    qsl_t = [query_start_loc] if query_start_loc is not None else []
+    lens, *rest = to_host(seq_lens, *qsl_t, *index)
+    qsl = rest.pop(0) if query_start_loc is not None else None
+    errors: list[str] = []
+    q_lens = torch.ones_like(lens)  # one token per sequence (plain decode)
+    if qsl is not None:
+        errors += offsets_errors(
+            "query_start_loc", qsl, end=num_tokens, end_name="num_tokens", end_at_most=True
+        )
+        longest = int((qsl[1:] - qsl[:-1]).max())
+        if metadata is not None and longest > metadata.max_query_len:
+            errors.append(
+                f"metadata.max_query_len must be >= the longest q_len {longest}; got "
+                f"{metadata.max_query_len}"
+            )
+        if not (metadata is not None and metadata.decode):
+            q_lens = qsl[1:] - qsl[:-1]
+    errors += seq_lens_errors(lens, q_lens)
+    if page_indices is not None:
+        indptr, indices = rest
+        errors += page_indices_errors(indptr, indices, lens, num_blocks * block_size)
+    else:
+        (table,) = rest
+        errors += capacity_errors(lens, block_size, table.shape[1])
+        errors += block_ids_errors(table, lens, block_size, num_blocks)
+    raise_errors(_OP, errors)
+
+
 def _tma_ok(kv_cache: torch.Tensor, kv_lora_rank: int, tiles: MlaTiles, paged_slots: bool) -> bool:
     """Whether whole tiles can come from tensor descriptors (bulk copies) on this cache.
 
@@ -756,13 +804,16 @@ def plan_mla_decode(
     metadata: MlaMetadata | None = None,
     target: Target | None = None,
     tiles: MlaTiles | None = None,
+    check_contents: bool | None = None,
 ) -> list[Launch]:
     """Validate, choose tiles and allocate: the launches of one `mla_decode` call.
 
     ``tiles`` overrides the policy (for the compile matrix and tests; e.g. a naive rule's tiles,
     which the kernel rejects at compile time). Without it the tiles come from ``metadata`` or,
-    without metadata, from `mla_decode_tiles`. The first launch's ``outputs`` are ``(out,)``, or
-    ``(out, lse)`` with ``return_lse``. Arguments as in `mla_decode`.
+    without metadata, from `mla_decode_tiles`. ``check_contents``: read and validate the
+    metadata's values; ``None`` (default): when the tensors are on the CPU, or when no
+    ``metadata`` is given; never on meta tensors. The first launch's ``outputs`` are ``(out,)``,
+    or ``(out, lse)`` with ``return_lse``. Other arguments as in `mla_decode`.
     """
     errors = _type_errors(
         query,
@@ -800,6 +851,12 @@ def plan_mla_decode(
     elif metadata is not None and metadata.target != target:
         raise ValueError(
             f"{_OP}: target must be the metadata's target {metadata.target.arch}; got {target.arch}"
+        )
+    if check_contents is None:
+        check_contents = reads_contents(query.device, vouched=metadata is not None)
+    if check_contents and query.device.type != "meta":
+        _check_contents(
+            query, kv_cache, block_table, seq_lens, query_start_loc, page_indices, metadata
         )
 
     # -- describe the problem --
@@ -1035,7 +1092,12 @@ def mla_decode(
         ``out``, or ``(out, lse)`` with ``return_lse``.
 
     Raises:
-        TypeError/ValueError: every invalid argument, before anything runs.
+        TypeError/ValueError: every invalid argument, before anything runs. The metadata's
+        values (``query_start_loc`` from 0, non-decreasing, ``<= num_tokens``; ``seq_lens >=``
+        each ``q_len``; the block ids or page-index slots each sequence uses inside the cache,
+        page indices agreeing with ``seq_lens``) are read and checked when the tensors are on
+        the CPU, or on a GPU when no ``metadata`` is given (one device-to-host read). On a GPU
+        with ``metadata`` (the CUDA-graph path) nothing is read: the caller vouches for them.
     """
     launches = plan_mla_decode(
         query,

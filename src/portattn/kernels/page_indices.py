@@ -24,6 +24,14 @@ import triton
 import triton.language as tl
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
+from portattn.kernels._checks import (
+    capacity_errors,
+    num_indices_errors,
+    raise_errors,
+    reads_contents,
+    seq_lens_errors,
+    to_host,
+)
 from portattn.kernels._launch import Launch, run_all
 from portattn.platform import Target, target_for_tensor
 from portattn.policy.cache import page_indices_tiles
@@ -144,23 +152,29 @@ def plan_expand_page_indices(
             f"block_table and seq_lens must be on one device; got {block_table.device} and "
             f"{seq_lens.device}"
         )
-    if num_indices is not None and (isinstance(num_indices, bool) or num_indices < 0):
+    if num_indices is not None and (
+        isinstance(num_indices, bool) or not isinstance(num_indices, int)
+    ):
+        errors.append(f"num_indices must be an int or None; got {type(num_indices).__name__}")
+    elif num_indices is not None and num_indices < 0:
         errors.append(f"num_indices must be >= 0; got {num_indices!r}")
+    if num_indices is None and seq_lens.device.type == "meta":
+        errors.append("num_indices must be given for meta tensors (sum(seq_lens) is unknown)")
     if errors:
         raise ValueError(f"{op}: " + "; ".join(errors))
     num_seqs = seq_lens.shape[0]
-    if seq_lens.device.type == "cpu" and num_seqs:
-        # CPU tensors are checked for free; on a GPU this would be a device sync (see docstring).
-        if int(seq_lens.min()) < 0:
-            errors.append("seq_lens must be >= 0")
-        cap = block_table.shape[1] * block_size
-        longest = int(seq_lens.max())
-        if longest > cap:
-            errors.append(f"seq_lens must be <= max_blocks * block_size = {cap}; got max {longest}")
-        if errors:
-            raise ValueError(f"{op}: " + "; ".join(errors))
-    if num_indices is None:
-        num_indices = int(seq_lens.sum()) if num_seqs else 0  # the one device sync
+    # CPU: always checked (free). GPU: checked when num_indices is not given, with the one device
+    # read that sum(seq_lens) needs anyway; with num_indices given the caller vouches (no sync).
+    if reads_contents(seq_lens.device, vouched=num_indices is not None):
+        (lens,) = to_host(seq_lens)
+        errors = seq_lens_errors(lens)
+        errors += capacity_errors(lens, block_size, block_table.shape[1])
+        if num_indices is not None:
+            errors += num_indices_errors(num_indices, lens)
+        raise_errors(op, errors)
+        if num_indices is None:
+            num_indices = int(lens.sum())
+    assert num_indices is not None
     target = target or target_for_tensor(block_table)
     tiles = page_indices_tiles(target, num_indices)
     device = block_table.device
@@ -226,15 +240,17 @@ def expand_page_indices(
         seq_lens: ``[num_seqs]`` int32/int64, any stride.
         block_size: tokens per KV-cache block (any int >= 1: 16, 544, 2048 ...).
         num_indices: ``sum(seq_lens)`` if the caller knows it; otherwise it is read from the
-            device with one ``.item()`` (a sync; pass it when capturing CUDA graphs).
+            device (one sync; pass it when capturing CUDA graphs).
         target: compile for this target instead of the tensor's device.
 
     Returns:
         ``(indptr [num_seqs + 1] int64, indices [sum(seq_lens)] int64)``, contiguous, new.
 
     Block-table entries that a sequence's tokens need must be valid; a negative entry there
-    yields ``-1`` (padding) for its tokens. ``seq_lens`` above ``max_blocks * block_size`` raise
-    a ValueError for CPU tensors and are undefined behaviour on a GPU (checking would sync).
+    yields ``-1`` (padding) for its tokens. ``seq_lens`` (``>= 0``, ``<= max_blocks *
+    block_size``) and ``num_indices == sum(seq_lens)`` are checked for CPU tensors, and on a GPU
+    when ``num_indices`` is not given; with it given on a GPU the caller vouches for them (a
+    violation is undefined behaviour).
     """
     launches = plan_expand_page_indices(
         block_table, seq_lens, block_size, num_indices=num_indices, target=target

@@ -50,6 +50,15 @@ import triton
 import triton.language as tl
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
+from portattn.kernels._checks import (
+    block_ids_errors,
+    capacity_errors,
+    offsets_errors,
+    raise_errors,
+    reads_contents,
+    seq_lens_errors,
+    to_host,
+)
 from portattn.kernels._launch import Launch, run_all
 from portattn.layout import CacheAddressing, describe_kv_cache
 from portattn.platform import Target, target_for_tensor
@@ -570,56 +579,22 @@ def _check_shapes(
 def _check_contents(
     query, k: CacheAddressing, block_table, seq_lens, query_start_loc, max_query_len, max_seq_len
 ) -> tuple[int, int]:
-    """Validate the metadata's values (one host read); return (max_query_len, max_seq_len).
-
-    Given maxima are checked to bound the real ones (a smaller one would drop work silently).
-    """
-    num_tokens = query.shape[0]
-    qsl = query_start_loc.detach().to("cpu", torch.int64)
-    lens = seq_lens.detach().to("cpu", torch.int64)
-    errors = []
+    """Validate the metadata's values (`_checks`, one host read); return (max_query_len,
+    max_seq_len). Given maxima are checked to bound the real ones (a smaller one would drop work
+    silently)."""
+    qsl, lens, table = to_host(query_start_loc, seq_lens, block_table)
+    errors = offsets_errors("query_start_loc", qsl, end=query.shape[0], end_name="num_tokens")
     q_lens = qsl[1:] - qsl[:-1]
-    if int(qsl[0]) != 0 or int(qsl[-1]) != num_tokens:
-        errors.append(
-            f"query_start_loc must start at 0 and end at num_tokens={num_tokens}; "
-            f"got first {int(qsl[0])}, last {int(qsl[-1])}"
-        )
-    if bool((q_lens < 0).any()):
-        bad = int(torch.nonzero(q_lens < 0)[0, 0])
-        errors.append(f"query_start_loc must be non-decreasing; got a decrease at index {bad + 1}")
-    short = torch.nonzero(lens < q_lens.clamp_min(0))
-    if short.numel():
-        i = int(short[0, 0])
-        errors.append(
-            f"seq_lens must be >= each sequence's q_len; got seq_lens[{i}]={int(lens[i])} < "
-            f"q_len {int(q_lens[i])} ({short.numel()} sequence(s))"
-        )
-    max_blocks = block_table.shape[1]
-    n_blocks = (lens + k.block_size - 1) // k.block_size
-    wide = torch.nonzero(n_blocks > max_blocks)
-    if wide.numel():
-        i = int(wide[0, 0])
-        errors.append(
-            f"block_table must have a column per block of each sequence; got seq_lens[{i}]="
-            f"{int(lens[i])} needing {int(n_blocks[i])} blocks of {k.block_size} but "
-            f"max_blocks={max_blocks}"
-        )
-    elif max_blocks and block_table.shape[0]:
-        used = torch.arange(max_blocks)[None, :] < n_blocks[:, None]
-        entries = block_table.detach().to("cpu", torch.int64)[used]
-        if entries.numel() and (int(entries.min()) < 0 or int(entries.max()) >= k.num_blocks):
-            errors.append(
-                f"block_table entries of used blocks must be in [0, num_blocks={k.num_blocks}); "
-                f"got range [{int(entries.min())}, {int(entries.max())}]"
-            )
+    errors += seq_lens_errors(lens, q_lens)
+    errors += capacity_errors(lens, k.block_size, table.shape[1])
+    errors += block_ids_errors(table, lens, k.block_size, k.num_blocks)
     real_mql = int(q_lens.max()) if q_lens.numel() else 0
     real_msl = int(lens.max()) if lens.numel() else 0
     if max_query_len is not None and max_query_len < real_mql:
         errors.append(f"max_query_len must be >= the longest q_len {real_mql}; got {max_query_len}")
     if max_seq_len is not None and max_seq_len < real_msl:
         errors.append(f"max_seq_len must be >= the longest seq_len {real_msl}; got {max_seq_len}")
-    if errors:
-        raise ValueError(f"{OP}: " + "; ".join(errors))
+    raise_errors(OP, errors)
     return real_mql, real_msl
 
 
@@ -672,7 +647,7 @@ def plan_paged_attention(
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = block_table.shape[0]
     if check_contents is None:
-        check_contents = query.device.type == "cpu" or max_query_len is None
+        check_contents = reads_contents(query.device, vouched=max_query_len is not None)
     if query.device.type == "meta":
         check_contents = False
     if check_contents:
