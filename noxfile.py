@@ -35,8 +35,8 @@ def install_project(session: nox.Session, *extras: str) -> None:
 def lint(session: nox.Session) -> None:
     """ruff check, ruff format --check and mypy on src/."""
     session.install(*EXTRAS["lint"], *EXTRAS["ci"], "types-PyYAML")
-    session.run("ruff", "check", "src", "tests", "noxfile.py", "bench")
-    session.run("ruff", "format", "--check", "src", "tests", "noxfile.py", "bench")
+    session.run("ruff", "check", "src", "tests", "noxfile.py", "bench", "tools")
+    session.run("ruff", "format", "--check", "src", "tests", "noxfile.py", "bench", "tools")
     session.run("mypy", "src")
 
 

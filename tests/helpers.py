@@ -12,7 +12,7 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def assert_low_precision_close(out, oracle, torch_lowp, *, factor: float = 2.0, floor: float = 0.0):
-    """DESIGN.md §5: kernel error vs the fp64 oracle <= factor x torch's error in the low precision.
+    """design §5: kernel error vs the fp64 oracle <= factor x torch's error in the low precision.
 
     ``floor`` absorbs fp32 cases where torch's own error is ~1e-7 and the kernel's is a few ulps
     more (it is never larger than 1e-5 and is stated by the caller).

@@ -1,4 +1,4 @@
-"""Block-size negotiation (DESIGN.md lesson 5) and each op's declared block sizes."""
+"""Block-size negotiation (docs/design.md lesson 5) and each op's declared block sizes."""
 
 from __future__ import annotations
 

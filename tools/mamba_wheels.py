@@ -11,7 +11,8 @@ packages' ``*_FORCE_BUILD=TRUE`` (never the prebuilt-wheel download). ROCm build
 
 Used by both Dockerfiles' wheel stage, and by hand on a GPU machine::
 
-    python tools/mamba_wheels.py --arch "9.0" --out /opt/wheels causal-conv1d==1.7.0 mamba-ssm==2.3.2.post1
+    python tools/mamba_wheels.py --arch "9.0" --out /opt/wheels \
+        causal-conv1d==1.7.0 mamba-ssm==2.3.2.post1
     python tools/mamba_wheels.py --arch "9.0" --sdists ./sdists --out ./wheels   # offline
 
 ``--arch`` takes ``TORCH_CUDA_ARCH_LIST``'s form (``"9.0"``, ``"9.0;10.0"``) or AMD names

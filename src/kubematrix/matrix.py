@@ -18,7 +18,7 @@ CPU through Triton's interpreter (``TRITON_INTERPRET=1``, small fp32/fp16 shapes
 pool at real shapes. "Target" is the GPU architecture of a pool, and only GPU cells have one.
 
 This module is pure data plus a few file-system checks: it never imports triton, torch or portattn
-(DESIGN.md §1).
+(docs/design.md §1).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """portattn: portable Triton attention kernels for LLM serving on AMD and NVIDIA GPUs.
 
-The public ops (DESIGN.md §2). Importing this package never touches a device.
+The public ops (docs/design.md §2). Importing this package never touches a device.
 """
 
 from portattn.blocksize import MultipleOf, Participant, select_common_block_size

@@ -11,7 +11,7 @@ FlashAttention/FlashInfer/Triton backends) and both byte counts **per tensor-par
 pads the Mamba page up to the attention page (vLLM ``HybridAttentionMambaModelConfig.
 verify_and_update_config``, ``Platform._align_hybrid_block_size`` in newer releases, its
 "no prefix caching" branch). That is how block sizes such as 544 and 2048 reach a kernel
-(DESIGN.md lesson 3).
+(docs/design.md lesson 3).
 
 Per-rank Mamba state, as vLLM's ``MambaStateShapeCalculator`` computes it (``divide`` = exact
 division; ``tp`` = tensor-parallel size):

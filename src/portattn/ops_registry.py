@@ -1,4 +1,4 @@
-"""Which kernel block sizes each op supports, for block-size negotiation (DESIGN.md lesson 5).
+"""Which kernel block sizes each op supports, for block-size negotiation (docs/design.md lesson 5).
 
 Each kernel module declares ``SUPPORTED_BLOCK_SIZES`` (exact ``int`` sizes and/or `MultipleOf`
 rules) for the NHD layout; a module whose op cannot read some layout lists the ones it can in

@@ -4,7 +4,7 @@ Loops over sequences and tokens; clear rather than fast; CPU-runnable; never imp
 Attention references compute in ``compute_dtype`` (float64 for the oracle; the input's low
 precision for the "same maths in torch" baseline of the tolerance rule) and return that dtype.
 
-Causal rule (DESIGN.md §2): sequence ``i`` has ``q_len_i = qsl[i+1] - qsl[i]`` new tokens, the LAST
+Causal rule (design §2): sequence ``i`` has ``q_len_i = qsl[i+1] - qsl[i]`` new tokens, the LAST
 ``q_len_i`` of its ``seq_lens[i]`` tokens; its query token ``j`` attends to context positions
 ``< seq_lens[i] - q_len_i + j + 1``.
 """

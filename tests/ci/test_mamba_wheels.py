@@ -138,5 +138,7 @@ def test_cli_usage_errors(tmp_path):
         capture_output=True,
     )
     assert empty.returncode == 2 and b"holds no *.tar.gz" in empty.stderr
-    bad = subprocess.run([*run, "--arch", "sm_90", "--out", str(tmp_path), "x==1"], capture_output=True)
+    bad = subprocess.run(
+        [*run, "--arch", "sm_90", "--out", str(tmp_path), "x==1"], capture_output=True
+    )
     assert bad.returncode == 2 and b"--arch must be CUDA capabilities" in bad.stderr

@@ -22,7 +22,7 @@ from kubematrix.matrix import BACKENDS, SUITES, Host, all_cells, get_cell, selec
 pytestmark = pytest.mark.ci
 
 ROOT = Path(__file__).resolve().parents[2]
-# DESIGN.md §3's architectures (the CI layer may not import portattn.platform).
+# docs/design.md §3's architectures (the CI layer may not import portattn.platform).
 KNOWN_ARCHS = {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120", "gfx90a", "gfx942", "gfx950"}
 NO_GPU = Host(device_nodes=frozenset(), gpu_arch={}, compile_module=True)
 H100 = Host(frozenset({"/dev/nvidia0"}), {"cuda": "sm_90"}, compile_module=True)

@@ -1,4 +1,4 @@
-"""Hybrid-model block sizes derived from published model configurations (DESIGN.md lesson 3)."""
+"""Hybrid-model block sizes derived from published model configurations (design lesson 3)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Models are built from configuration with random weights (no downloads): a Jamba-style (Mamba1 +
 attention + MoE) and a Qwen3-Next-style (Gated DeltaNet + gated attention) model from
 transformers. A prefill then several decode steps; the logits must match the model's own eager
-attention under the tolerance rule (docs/design.md §5): error against the float64 eager model at most
+attention under the tolerance rule (design §5): error against the float64 eager model at most
 2x that of the eager model in the run's precision. CPU: small, fp32, interpreter. GPU: larger,
 bf16 (the fp64 oracle runs on the CPU).
 """
@@ -148,7 +148,8 @@ def test_model_matches_eager_attention_bf16(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(
-    importlib.util.find_spec("mamba_ssm") is None or importlib.util.find_spec("causal_conv1d") is None,
+    importlib.util.find_spec("mamba_ssm") is None
+    or importlib.util.find_spec("causal_conv1d") is None,
     reason="mamba-ssm / causal-conv1d not installed (CUDA extensions built into the GPU images)",
 )
 def test_jamba_mamba_layers_run_the_installed_kernels():

@@ -3,7 +3,7 @@
 Byte isolation (writes through the attention views never reach the state bytes and the reverse)
 and the kernels (`paged_attention`, `gather_kv_cache`, `mla_decode`) against the references at
 every block size the hybrid table derives (test_block_size.DERIVED_BLOCK_SIZES), also with each
-page split into kernel blocks of 16, 32 or 64 tokens (DESIGN.md lessons 3 and 4).
+page split into kernel blocks of 16, 32 or 64 tokens (docs/design.md lessons 3 and 4).
 """
 
 from __future__ import annotations

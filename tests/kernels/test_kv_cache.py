@@ -172,7 +172,9 @@ def test_write_int32_slots_and_padded_token_rows(slot_dtype, device):
     assert torch.equal(cache.bits(), expect.bits())
 
     untouched = cache.clone()
-    write_kv_cache(key, value, cache.k, cache.v, torch.full((12,), -1, dtype=slot_dtype, device=device))
+    write_kv_cache(
+        key, value, cache.k, cache.v, torch.full((12,), -1, dtype=slot_dtype, device=device)
+    )
     assert torch.equal(cache.bits(), untouched.bits())
 
 
@@ -249,7 +251,9 @@ def test_gather_negative_block_entries_give_zeros(device):
 def test_gather_no_sequences(device):
     cache = make_cache("contiguous", "NHD", torch.float32, 2, 4, device=device)
     table = torch.empty((0, 1), dtype=torch.int32, device=device)
-    k, v = gather_kv_cache(cache.k, cache.v, table, torch.zeros(1, dtype=torch.int32, device=device))
+    k, v = gather_kv_cache(
+        cache.k, cache.v, table, torch.zeros(1, dtype=torch.int32, device=device)
+    )
     assert k.shape == v.shape == (0, NUM_KV_HEADS, HEAD_DIM)
 
 

@@ -62,7 +62,9 @@ def test_given_num_indices_and_empty_batches(device):
     indptr, indices = expand_page_indices(table, torch.tensor([0], device=device), 4)
     assert indptr.tolist() == [0, 0] and indices.numel() == 0
     empty = torch.empty((0, 2), dtype=torch.int64, device=device)
-    indptr, indices = expand_page_indices(empty, torch.empty(0, dtype=torch.int64, device=device), 4)
+    indptr, indices = expand_page_indices(
+        empty, torch.empty(0, dtype=torch.int64, device=device), 4
+    )
     assert indptr.tolist() == [0] and indices.numel() == 0
 
 

@@ -163,7 +163,7 @@ def make_batch(
 
 
 def check(batch: Batch, out: torch.Tensor, *, scale=None) -> None:
-    """The tolerance rule of DESIGN.md §5 against reference.paged_attention."""
+    """The tolerance rule of docs/design.md §5 against reference.paged_attention."""
     kw = dict(scale=scale, layout=batch.layout)
     oracle = reference.paged_attention(*batch.args(), **kw)
     lowp = reference.paged_attention(*batch.args(), compute_dtype=batch.query.dtype, **kw)

@@ -1,6 +1,6 @@
 """MLA metadata across speculative steps: single-token metadata only when ``max_query_len == 1``,
 per-step state in the returned object, and a draft's and a target's builders used alternately
-without seeing each other's state (DESIGN.md lesson 5)."""
+without seeing each other's state (docs/design.md lesson 5)."""
 
 from __future__ import annotations
 

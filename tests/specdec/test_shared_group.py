@@ -3,7 +3,7 @@
 Block-size negotiation finds the size both support (`select_common_block_size`); an MLA path
 that wants page size 1 gets flat indices from `expand_page_indices` instead of forcing the group
 to size 1; both MLA paths give identical results; negotiation that cannot succeed lists every
-participant's constraint (DESIGN.md lesson 5).
+participant's constraint (docs/design.md lesson 5).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 An upstream kernel returned the same row for every position of a verification step when the
 query length was not a power of two; here each position's reference is a separate single-token
-decode over exactly its causal prefix (DESIGN.md lesson 5), for `paged_attention` (the draft
+decode over exactly its causal prefix (docs/design.md lesson 5), for `paged_attention` (the draft
 model's kind of attention) and `mla_decode` (the target's), per sequence and mixed in one batch.
 """
 

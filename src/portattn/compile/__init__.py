@@ -4,7 +4,7 @@ Triton's wheel carries its NVIDIA and AMD backends, so each op's planned launche
 (`portattn.kernels._launch.Launch`, built from meta tensors with the target's policy tiles and
 launch options) are compiled for sm_80 ... sm_120 and gfx90a ... gfx950 here, and gated on: it
 compiles, its shared memory fits the target, it does not spill (`matrix.SPILL_THRESHOLD`).
-Two upstream bugs (DESIGN.md §4, lessons 1 and 3) were compile-time failures on one vendor only;
+Two upstream bugs (design §4, lessons 1 and 3) were compile-time failures on one vendor only;
 this shows them on every commit.
 
 Run it as ``python -m portattn.compile [--targets ...] [--kernels ...]`` (see ``--help``); the

@@ -474,12 +474,12 @@ def dtype_cases(kernel: str) -> list[Case]:
                                 make_case(
                                     kernel,
                                     f"hd{hd} gqa5 bs{bs} {layout} {kind} {tag}",
-                                build_paged_attention,
-                                head_dim=hd,
-                                num_q_heads=40,
-                                num_kv_heads=8,
-                                block_size=bs,
-                                layout=layout,
+                                    build_paged_attention,
+                                    head_dim=hd,
+                                    num_q_heads=40,
+                                    num_kv_heads=8,
+                                    block_size=bs,
+                                    layout=layout,
                                     max_query_len=q,
                                     dtype=dtype,
                                 )

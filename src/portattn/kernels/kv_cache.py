@@ -18,7 +18,7 @@ strided view of a shared page buffer, Mamba state between pages) is written and 
 a contiguous one and the state bytes are never touched. Both take the flat-slot shortcut
 (``FLAT_SLOTS``: ``offset = slot * stride_tok``) only when `layout.is_block_contiguous` holds for
 that cache, through the one helper `_slot_offset`, so the write path and the read path cannot
-disagree about where a token lives (DESIGN.md lesson 3).
+disagree about where a token lives (docs/design.md lesson 3).
 
 Not supported: dtype conversion (fp8 caches, scales): key/value must have the cache's dtype.
 """

@@ -6,7 +6,7 @@ For each query token ``t`` of sequence ``i`` and query head ``h``::
     out    = softmax(s) @ c[:, :R]                                          (latent = value)
     lse    = logsumexp(s)                                                   (natural log)
 
-with ``R = kv_lora_rank`` and ``c`` the sequence's cached rows. Causal rule (DESIGN.md §2): the
+with ``R = kv_lora_rank`` and ``c`` the sequence's cached rows. Causal rule (docs/design.md §2): the
 ``q_len_i`` tokens of sequence ``i`` are the last ones of its ``seq_lens[i]``; token ``j`` sees
 positions ``< seq_lens[i] - q_len_i + j + 1``.
 
@@ -1078,7 +1078,7 @@ def mla_decode(
         kv_lora_rank: latent width (= output width), ``<= head_dim_k``.
         scale: softmax scale (> 0).
         query_start_loc: ``[num_seqs + 1]`` offsets of each sequence's query tokens (any
-            ``q_len >= 1``, causal rule of DESIGN.md §2); None: one token per sequence.
+            ``q_len >= 1``, causal rule of docs/design.md §2); None: one token per sequence.
         out: optional ``[num_tokens, num_q_heads, kv_lora_rank]`` output, written in place.
         return_lse: also return the natural-log lse, fp32 ``[num_tokens, num_q_heads]``.
         page_indices: ``(indptr, indices)`` from ``expand_page_indices`` instead of

@@ -3,7 +3,7 @@
 Some kernels (FlashInfer-style, or an MLA kernel that only supports page size 1) address a KV
 cache token by token. `expand_page_indices` turns ``block_table`` + ``seq_lens`` into the CSR pair
 those kernels take, so a KV-cache group keeps whatever block size the other participants need
-(DESIGN.md lesson 5):
+(docs/design.md lesson 5):
 
 | tensor        | shape                     | dtype        | meaning                              |
 |---------------|---------------------------|--------------|--------------------------------------|

@@ -13,7 +13,7 @@ fp16, two 16-byte vectors), so a program copies ``16 * num_warps * warp_size`` e
 tensor: 2048 on CUDA (4 warps x 32 lanes), 4096 on HIP (4 wavefronts x 64 lanes). ``BLOCK_D``
 covers the head (next power of two, at most 256; wider heads take several programs), and
 ``BLOCK_T`` takes the rest of the budget. None of this depends on ``block_size``: the kernels
-address block and in-block offset separately (DESIGN.md lesson 3), so a 2048-token block gets
+address block and in-block offset separately (docs/design.md lesson 3), so a 2048-token block gets
 the same tile as a 16-token one.
 """
 
