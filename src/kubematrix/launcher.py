@@ -319,14 +319,16 @@ class Launcher:
             except ApiException as exc:
                 if exc.status not in RETRYABLE:
                     raise
-                wait = backoff.next_delay(exc)
-                if wait is None:
-                    raise _gave_up(_what(fn), exc, backoff.attempts, self.namespace) from exc
+                self._wait_or_give_up(backoff, exc, _what(fn))
             except _NET_ERRORS_RETRY as exc:
-                wait = backoff.next_delay(exc)
-                if wait is None:
-                    raise _gave_up(_what(fn), exc, backoff.attempts, self.namespace) from exc
-            self._sleep(wait)
+                self._wait_or_give_up(backoff, exc, _what(fn))
+
+    def _wait_or_give_up(self, backoff: _Backoff, exc: BaseException, what: str) -> None:
+        """Sleep the backoff's next delay before a retry of ``what``, or raise RetriesExhausted."""
+        wait = backoff.next_delay(exc)
+        if wait is None:
+            raise _gave_up(what, exc, backoff.attempts, self.namespace) from exc
+        self._sleep(wait)
 
     # ------------------------------------------------------------------ one cell
 
@@ -735,24 +737,14 @@ class Launcher:
                     return  # the pod is gone; the caller reads why
                 if exc.status not in RETRYABLE and exc.status != 400:
                     raise  # 400: "container ... is waiting to start": retry below
-                wait = backoff.next_delay(exc)
-                if wait is None:
-                    raise _gave_up(
-                        f"reading the log of pod {pod}", exc, backoff.attempts, self.namespace
-                    ) from exc
-                self._sleep(wait)
+                self._wait_or_give_up(backoff, exc, f"reading the log of pod {pod}")
                 continue
             except urllib3.exceptions.ReadTimeoutError:
                 idle = True  # no output for log_idle_s: check the pod, then read again
             except _NET_ERRORS:
                 pass  # cut mid-stream: check the pod, then read again
             except urllib3.exceptions.MaxRetryError as exc:
-                wait = backoff.next_delay(exc)
-                if wait is None:
-                    raise _gave_up(
-                        f"reading the log of pod {pod}", exc, backoff.attempts, self.namespace
-                    ) from exc
-                self._sleep(wait)
+                self._wait_or_give_up(backoff, exc, f"reading the log of pod {pod}")
                 continue
             state, _ = classify_pod(self._call(self.core.read_namespaced_pod, pod, self.namespace))
             if state in ("terminated", "evicted") and clean:
