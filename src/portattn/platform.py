@@ -123,6 +123,12 @@ def set_target_override(target: Target | str | None) -> None:
     _override = get_target(target) if isinstance(target, str) else target
 
 
+def target_override() -> Target | str | None:
+    """What overrides the live device's target: `set_target_override`'s target, else the
+    ``PORTATTN_TARGET`` arch name, else ``None`` (part of the ops' plan-cache key)."""
+    return _override if _override is not None else os.environ.get("PORTATTN_TARGET")
+
+
 def current_target(device=None) -> Target:
     """The target of the live device (or the override). Reads the device only when called.
 

@@ -42,12 +42,15 @@ class Launch:
     name: str = ""
     outputs: tuple[torch.Tensor, ...] = field(default=())
 
-    def run(self) -> None:
+    def run(self) -> Any:
+        """Launch through Triton's JIT; return the compiled kernel (``None`` under the
+        interpreter, or when the grid is empty and nothing ran)."""
         if any(g == 0 for g in self.grid):
-            return
-        self.kernel[self.grid](
+            return None
+        kernel = self.kernel[self.grid](
             **self.args, **self.options.backend_kwargs(self.target, self.backend())
         )
+        return kernel if hasattr(kernel, "packed_metadata") else None
 
     def backend(self) -> str:
         """The backend that compiles this launch: the device's vendor, or the target's for

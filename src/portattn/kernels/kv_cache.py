@@ -39,7 +39,8 @@ from portattn.kernels._checks import (
     slots_errors,
     to_host,
 )
-from portattn.kernels._launch import Launch, run_all
+from portattn.kernels._launch import Launch
+from portattn.kernels._plans import PLANS, call_key
 from portattn.kernels.page_indices import _find_seq, _num_steps
 from portattn.layout import CacheAddressing, describe_kv_cache, is_block_contiguous
 from portattn.platform import Target, target_for_tensor
@@ -322,10 +323,16 @@ def write_kv_cache(
     is a CPU tensor (checked for free) and is undefined behaviour on a GPU, as upstream: checking
     there would read the tensor and sync the device. Two tokens with the same slot: one wins.
     """
-    run_all(
-        plan_write_kv_cache(
+    inputs = (key, value, key_cache, value_cache, slot_mapping)
+    cache_key = None
+    if isinstance(slot_mapping, torch.Tensor) and not reads_contents(slot_mapping.device, True):
+        cache_key = call_key("write_kv_cache", *inputs, layout, target)
+    PLANS.call(
+        cache_key,
+        inputs,
+        lambda: plan_write_kv_cache(
             key, value, key_cache, value_cache, slot_mapping, layout=layout, target=target
-        )
+        ),
     )
 
 
@@ -606,9 +613,19 @@ def gather_kv_cache(
     when ``out`` is not given (with the one device read that ``total_tokens`` needs). With
     ``out`` given on a GPU the caller vouches for them: a violation is undefined behaviour.
     """
-    launches = plan_gather_kv_cache(
-        key_cache, value_cache, block_table, cu_seq_lens, layout=layout, out=out, target=target
+    inputs: tuple = (key_cache, value_cache, block_table, cu_seq_lens)
+    cache_key = None
+    given = isinstance(out, (tuple, list)) and len(out) == 2
+    if given and isinstance(cu_seq_lens, torch.Tensor):
+        assert out is not None
+        inputs += tuple(out)
+        if not reads_contents(cu_seq_lens.device, vouched=True):
+            cache_key = call_key("gather_kv_cache", *inputs, type(out), layout, target)
+    k, v = PLANS.call(
+        cache_key,
+        inputs,
+        lambda: plan_gather_kv_cache(
+            key_cache, value_cache, block_table, cu_seq_lens, layout=layout, out=out, target=target
+        ),
     )
-    run_all(launches)
-    k, v = launches[0].outputs
     return k, v

@@ -44,7 +44,9 @@ context (rejected where the metadata is checked: `mla_decode`'s Raises). Query r
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from functools import partial
 from numbers import Real
 
 import torch
@@ -63,7 +65,8 @@ from portattn.kernels._checks import (
     seq_lens_errors,
     to_host,
 )
-from portattn.kernels._launch import Launch, run_all
+from portattn.kernels._launch import Launch
+from portattn.kernels._plans import PLANS, call_key
 from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_launch
 from portattn.layout import describe_kv_cache
 from portattn.mla_metadata import MlaMetadata
@@ -77,6 +80,10 @@ SUPPORTED_LAYOUTS: tuple[str, ...] = ("NHD",)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 _OP = "mla_decode"
+# The metadata's value fields (its two workspaces are tensor inputs of the plan cache's key).
+_METADATA_VALUES = tuple(
+    f.name for f in dataclasses.fields(MlaMetadata) if f.name not in ("partial_out", "partial_lse")
+)
 _LOG2E = 1.4426950408889634
 
 
@@ -1099,7 +1106,8 @@ def mla_decode(
         the CPU, or on a GPU when no ``metadata`` is given (one device-to-host read). On a GPU
         with ``metadata`` (the CUDA-graph path) nothing is read: the caller vouches for them.
     """
-    launches = plan_mla_decode(
+    plan = partial(
+        plan_mla_decode,
         query,
         kv_cache,
         block_table,
@@ -1113,6 +1121,24 @@ def mla_decode(
         metadata=metadata,
         target=target,
     )
-    run_all(launches)
-    outs = launches[0].outputs
+    # Cached (module _plans) only where the plan reads no contents: a GPU call with metadata.
+    cacheable = (
+        isinstance(metadata, MlaMetadata)
+        and isinstance(query, torch.Tensor)
+        and not reads_contents(query.device, vouched=True)
+        and (page_indices is None or isinstance(page_indices, tuple) and len(page_indices) == 2)
+    )
+    if not cacheable:
+        outs = PLANS.call(None, (), plan)
+    else:
+        assert metadata is not None
+        indptr, indices = page_indices if page_indices is not None else (None, None)
+        work = (metadata.partial_out, metadata.partial_lse)
+        tensors = (query, kv_cache, block_table, seq_lens, query_start_loc, out, indptr, indices)
+        inputs = (*tensors, *work)
+        fields = tuple(getattr(metadata, name) for name in _METADATA_VALUES)
+        key = call_key(
+            _OP, *inputs, kv_lora_rank, scale, return_lse, page_indices is None, *fields, target
+        )
+        outs = PLANS.call(key, inputs, plan)
     return outs if return_lse else outs[0]

@@ -59,7 +59,8 @@ from portattn.kernels._checks import (
     seq_lens_errors,
     to_host,
 )
-from portattn.kernels._launch import Launch, run_all
+from portattn.kernels._launch import Launch
+from portattn.kernels._plans import PLANS, call_key
 from portattn.layout import CacheAddressing, describe_kv_cache
 from portattn.platform import Target, target_for_tensor
 from portattn.policy.common import launch_options
@@ -836,19 +837,28 @@ def paged_attention(
         block_table = [[5, 2]], seq_lens = [3], query_start_loc = [0, 1]
         -> the query attends to block 5 offsets 0, 1 and block 2 offset 0
     """
-    launches = plan_paged_attention(
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        seq_lens,
-        query_start_loc,
-        scale=scale,
-        layout=layout,
-        out=out,
-        target=target,
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
+    inputs = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out)
+    key = None
+    if isinstance(query, torch.Tensor) and not reads_contents(
+        query.device, vouched=max_query_len is not None
+    ):
+        key = call_key(OP, *inputs, scale, layout, target, max_query_len, max_seq_len)
+    outputs = PLANS.call(
+        key,
+        inputs,
+        lambda: plan_paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            scale=scale,
+            layout=layout,
+            out=out,
+            target=target,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        ),
     )
-    run_all(launches)
-    return launches[0].outputs[0]
+    return outputs[0]

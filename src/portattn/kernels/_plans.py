@@ -1,0 +1,304 @@
+"""Cached plans: the host path of a repeated call (docs/design.md, "Host path").
+
+An op's plan (validation, policy tiles, keyword arguments, grid) depends only on the call's
+*description*: each tensor's shape, strides, dtype, device and 16-byte base alignment, every other
+argument's type and value, the current device and the target override. Two calls with equal
+descriptions get the same plan except for which tensors fill the pointer slots. So the first call
+of a description plans as always (`plan_<op>`, `Launch.run`) and leaves a `Plan` behind:
+
+* a pointer slot names the call input it came from (by identity, at plan time);
+* a buffer the plan allocated (``out=None``, split-KV partials) is allocated afresh on every call
+  with the first call's shape and dtype (a zero-size placeholder is kept: it is never touched);
+* a TMA descriptor is rebuilt around the call's tensor (its shape, strides and block shape are
+  functions of the description);
+* every other argument is a constant.
+
+A hit skips validation by construction: every check that reads no device memory is a function of
+the description, so a description that passed once passes again. A call whose plan reads the
+metadata's contents (CPU tensors, or a GPU call without the bounds that make reads unnecessary)
+is never cached: its key is ``None``. A call that raises is never cached either.
+
+Triton's own specialization (16-byte pointer alignment, integers equal to 1 or divisible by 16)
+is a function of the description too (alignment is in it, the integers come from its shapes,
+strides and scalars), so the kernel the first call compiled is the one Triton would pick again,
+and a hit launches it directly (`CompiledKernel.run`), skipping `JITFunction.run`'s binder and
+cache lookup. Under Triton's interpreter (no compiled kernel) a plan runs through ``kernel[grid]``
+with the rebuilt arguments, which is how the CPU tests run cached plans.
+
+``PORTATTN_PLAN_CACHE=0`` (read at import) or ``PLANS.enabled = False`` turns caching off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from triton import knobs
+
+from portattn.kernels._launch import Launch
+from portattn.platform import target_override
+
+_knobs = knobs.runtime
+
+#: Pointer alignment Triton specializes on (and TMA descriptors need).
+ALIGN = 16
+#: Plans kept (least recently used dropped first): one per distinct call description.
+MAX_PLANS = 1024
+
+
+class Uncacheable(Exception):
+    """A call (or a plan) that cannot be described or replayed; it runs uncached."""
+
+
+def describe(x: Any) -> Hashable:
+    """A hashable description of one argument: what a plan may depend on.
+
+    Tensors: shape, strides, dtype, device and ``data_ptr() % ALIGN``; ``None``; ints, floats,
+    strings and bools with their type (``True`` and ``1`` differ, as the ops' checks say);
+    tuples and lists element-wise; dtypes; frozen dataclasses without tensor fields (`Target`,
+    tiles) by value. Anything else raises `Uncacheable`.
+    """
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % ALIGN)
+    if x is None or type(x) in (int, float, str, bool):
+        return (type(x), x)
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(describe(v) for v in x))
+    if isinstance(x, torch.dtype) or _value_dataclass(type(x)):
+        return x
+    raise Uncacheable(f"cannot describe {type(x).__name__}")
+
+
+_VALUE_TYPES: dict[type, bool] = {}
+
+
+def _value_dataclass(cls: type) -> bool:
+    """A frozen dataclass none of whose fields is declared a tensor: hashed and compared by
+    value (a tensor field would compare element-wise; such a type is described field by field
+    by its op instead)."""
+    ok = _VALUE_TYPES.get(cls)
+    if ok is None:
+        params = getattr(cls, "__dataclass_params__", None)
+        ok = bool(params is not None and params.frozen) and not any(
+            "Tensor" in str(f.type) for f in dataclasses.fields(cls)
+        )
+        _VALUE_TYPES[cls] = ok
+    return ok
+
+
+def call_key(op: str, *args: Any) -> Hashable | None:
+    """The cache key of a call of ``op`` with ``args`` (every argument the plan may read), plus
+    the current CUDA device (compiled kernels are per device) and the target override; ``None``
+    when some argument cannot be described (the call then runs uncached and reports its errors).
+    """
+    try:
+        described = tuple(describe(a) for a in args)
+    except Uncacheable:
+        return None
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    return (op, device, target_override(), described)
+
+
+def _is_descriptor(x: Any) -> bool:
+    """A TMA tensor descriptor (Triton's or Gluon's): a dataclass with a tensor ``base``."""
+    return (
+        dataclasses.is_dataclass(x)
+        and not isinstance(x, type)
+        and isinstance(getattr(x, "base", None), torch.Tensor)
+    )
+
+
+# How one argument of a cached launch is filled on a hit.
+_INPUT, _ALLOC = 0, 1
+
+
+@dataclasses.dataclass
+class _Replay:
+    """One launch of a `Plan`: kernel, grid, options and the argument list's recipe."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    options: dict[str, int]
+    names: list[str]
+    consts: list[Any]  # None where `fills` puts a tensor or a descriptor
+    fills: list[tuple[int, int, int, Any]]  # (position, _INPUT/_ALLOC, index, descriptor recipe)
+    compiled: Any = None
+
+
+class Plan:
+    """The replayable form of one call's launches (module docstring).
+
+    Built from the launches of a first call and that call's tensor inputs (``inputs``: every
+    tensor the op received, in a fixed order; ``None`` for absent ones). It keeps no reference
+    to those tensors. `bind` gives the argument lists of a later call with an equal description;
+    `run` launches them. Raises `Uncacheable` for a launch argument it cannot rebuild (a view of
+    an input, a non-contiguous buffer).
+    """
+
+    def __init__(self, launches: Sequence[Launch], inputs: Sequence[torch.Tensor | None]):
+        by_id = {id(t): i for i, t in enumerate(inputs) if t is not None}
+        storages = {
+            t.untyped_storage().data_ptr()
+            for t in inputs
+            if t is not None and t.device.type != "meta" and t.numel()
+        }
+        self._allocs: list[tuple[tuple[int, ...], torch.dtype, torch.device]] = []
+        alloc_ids: dict[int, int] = {}
+
+        def slot(t: torch.Tensor) -> tuple[int, int] | None:
+            """Where a hit takes ``t`` from; ``None``: a zero-size placeholder, kept as is."""
+            if id(t) in by_id:
+                return _INPUT, by_id[id(t)]
+            if t.numel() == 0:
+                return None
+            if id(t) not in alloc_ids:
+                shares = t.device.type != "meta" and t.untyped_storage().data_ptr() in storages
+                if shares or not t.is_contiguous() or t.storage_offset():
+                    raise Uncacheable("a launch argument is a view of an input")
+                alloc_ids[id(t)] = len(self._allocs)
+                self._allocs.append((tuple(t.shape), t.dtype, t.device))
+            return _ALLOC, alloc_ids[id(t)]
+
+        self._replays: list[_Replay] = []
+        for launch in launches:
+            names = [name for name, _ in launch._params()]
+            consts: list[Any] = []
+            fills: list[tuple[int, int, int, Any]] = []
+            for pos, name in enumerate(names):
+                v = launch.args[name]
+                where = None
+                recipe = None
+                if isinstance(v, torch.Tensor):
+                    where = slot(v)
+                elif _is_descriptor(v):
+                    where = slot(v.base)
+                    if where is None:
+                        raise Uncacheable("a descriptor of an empty tensor")
+                    rest = {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
+                    del rest["base"]
+                    recipe = (type(v), rest)
+                consts.append(v if where is None else None)
+                if where is not None:
+                    fills.append((pos, where[0], where[1], recipe))
+            options = launch.options.backend_kwargs(launch.target, launch.backend())
+            self._replays.append(_Replay(launch.kernel, launch.grid, options, names, consts, fills))
+        self._outputs = [
+            (slot(t), None) if slot(t) is not None else (None, t)
+            for t in (launches[0].outputs if launches else ())
+        ]
+
+    def keep_compiled(self, compiled: Sequence[Any]) -> None:
+        """Record the compiled kernels of the first call's launches (``None``: interpreted, or
+        never launched)."""
+        for replay, kernel in zip(self._replays, compiled, strict=True):
+            replay.compiled = kernel
+
+    def bind(self, inputs: Sequence[torch.Tensor | None]) -> tuple[list[list[Any]], tuple]:
+        """Argument lists (kernel parameter order, one per launch) and the outputs of a call with
+        ``inputs``, whose description equals the first call's."""
+        allocs = [torch.empty(s, dtype=d, device=dev) for s, d, dev in self._allocs]
+        lists = []
+        for replay in self._replays:
+            args = list(replay.consts)
+            for pos, kind, ref, recipe in replay.fills:
+                t = inputs[ref] if kind == _INPUT else allocs[ref]
+                args[pos] = t if recipe is None else recipe[0](base=t, **recipe[1])
+            lists.append(args)
+        outs = tuple(
+            t if where is None else inputs[where[1]] if where[0] == _INPUT else allocs[where[1]]
+            for where, t in self._outputs
+        )
+        return lists, outs
+
+    def run(self, inputs: Sequence[torch.Tensor | None]) -> tuple:
+        """Launch the plan for ``inputs``; return the first launch's outputs."""
+        lists, outs = self.bind(inputs)
+        for replay, args in zip(self._replays, lists, strict=True):
+            if any(g == 0 for g in replay.grid):
+                continue
+            if replay.compiled is None:
+                named = dict(zip(replay.names, args, strict=True))
+                replay.kernel[replay.grid](**named, **replay.options)
+            else:
+                _launch_compiled(replay.compiled, replay.grid, args)
+        return outs
+
+
+def _launch_compiled(kernel: Any, grid: tuple[int, ...], args: list[Any]) -> None:
+    """What `JITFunction.run` does after its cache lookup: the compiled kernel's launcher on the
+    current stream, with Triton's launch hooks (profilers) honoured."""
+    device = _driver().get_current_device()
+    stream = _driver().get_current_stream(device)
+    g = (tuple(grid) + (1, 1))[:3]
+    enter, leave = _knobs.launch_enter_hook, _knobs.launch_exit_hook
+    meta = kernel.launch_metadata(g, stream, *args) if enter is not None else None
+    kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta, enter,
+               leave, *args)  # fmt: skip
+
+
+def _driver() -> Any:
+    from triton.runtime.driver import driver
+
+    return driver.active
+
+
+class PlanCache:
+    """Plans by call key, least recently used dropped past `MAX_PLANS`."""
+
+    def __init__(self, max_plans: int = MAX_PLANS):
+        self.max_plans = max_plans
+        self.enabled = os.environ.get("PORTATTN_PLAN_CACHE", "1") != "0"
+        self._plans: OrderedDict[Hashable, Plan | None] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self.hits = self.misses = 0
+
+    def call(
+        self,
+        key: Hashable | None,
+        inputs: Sequence[torch.Tensor | None],
+        plan: Callable[[], list[Launch]],
+    ) -> tuple:
+        """Run a call: its cached plan if ``key`` has one, else ``plan()`` (validating), kept
+        for the next call with this key. Returns the first launch's outputs."""
+        if key is None or not self.enabled:
+            return _run_fresh(plan())
+        if key in self._plans:
+            self.hits += 1
+            self._plans.move_to_end(key)
+            cached = self._plans[key]
+            if cached is not None:
+                return cached.run(inputs)
+            return _run_fresh(plan())  # known not to be replayable
+        self.misses += 1
+        launches = plan()
+        try:
+            replay: Plan | None = Plan(launches, inputs)
+        except Uncacheable:
+            replay = None
+        compiled = [launch.run() for launch in launches]
+        if replay is not None:
+            replay.keep_compiled(compiled)
+        self._plans[key] = replay
+        if len(self._plans) > self.max_plans:
+            self._plans.popitem(last=False)
+        return launches[0].outputs if launches else ()
+
+
+def _run_fresh(launches: list[Launch]) -> tuple:
+    for launch in launches:
+        launch.run()
+    return launches[0].outputs if launches else ()
+
+
+#: The process-wide plan cache every op uses.
+PLANS = PlanCache()

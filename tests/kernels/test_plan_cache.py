@@ -1,0 +1,392 @@
+"""The plan cache (kernels/_plans.py): a cached plan is never stale.
+
+The rule under test: two calls with the same key get the same plan except for the tensors that
+fill its pointer slots. On the CPU this is checked plan by plan (`Plan.bind` of one call's plan
+with another call's tensors against that call's own fresh plan, argument by argument, TMA
+descriptors included, from meta tensors), key by key (every property a plan depends on changes
+the key), and by running cached plans through the interpreter against the fp64 oracle. On a GPU
+the public ops run their cached plans through the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+
+from portattn import reference
+from portattn.kernels._plans import PLANS, Plan, PlanCache, call_key, describe
+from portattn.kernels.kv_cache import (
+    gather_kv_cache,
+    plan_gather_kv_cache,
+    plan_write_kv_cache,
+    write_kv_cache,
+)
+from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
+from portattn.kernels.paged_attention import paged_attention, plan_paged_attention
+from portattn.layout import empty_kv_cache
+from portattn.mla_metadata import MlaMetadataBuilder
+from portattn.platform import get_target, set_target_override
+from tests.kernels.test_mla_decode import make_inputs
+from tests.kernels.test_paged_attention import check, make_batch
+
+pytestmark = [pytest.mark.paged, pytest.mark.mla]
+
+SEQS = ((37, 1), (21, 4), (9, 2))
+
+
+def _assert_same_plan(bound, fresh, inputs) -> None:
+    """``bound`` (from `Plan.bind`) equals the ``fresh`` launches: input tensors by identity,
+    allocated buffers by shape/dtype/strides (one buffer stays one buffer across launches),
+    descriptors field by field, everything else by type and value."""
+    ids = {id(t) for t in inputs if t is not None}
+    allocs: dict[int, int] = {}
+
+    def same(a, b, where):
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor), where
+            if id(b) in ids or b.numel() == 0:
+                assert a is b or (b.numel() == 0 and a.numel() == 0), where
+            else:
+                assert id(a) not in ids, f"{where}: an input reused as a buffer"
+                meta = lambda t: (t.shape, t.dtype, t.stride(), t.device)  # noqa: E731
+                assert meta(a) == meta(b), where
+                assert allocs.setdefault(id(b), id(a)) == id(a), f"{where}: buffers mixed up"
+        elif dataclasses.is_dataclass(b) and isinstance(getattr(b, "base", None), torch.Tensor):
+            assert type(a) is type(b), where
+            for f in dataclasses.fields(b):
+                if f.name == "base":
+                    same(a.base, b.base, f"{where}.base")
+                else:
+                    assert getattr(a, f.name) == getattr(b, f.name), f"{where}.{f.name}"
+        else:
+            assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
+
+    lists, _ = bound
+    assert len(lists) == len(fresh)
+    for args, launch in zip(lists, fresh, strict=True):
+        names = [n for n, _ in launch._params()]
+        assert len(args) == len(names)
+        for name, a in zip(names, args, strict=True):
+            same(a, launch.args[name], f"{launch.name}.{name}")
+
+
+def _replayed(plan_fn, call_a, call_b):
+    """(Plan of call A bound to call B's inputs, call B's fresh launches, B's inputs)."""
+    inputs_a, launches_a = call_a(plan_fn)
+    inputs_b, launches_b = call_b(plan_fn)
+    assert describe(inputs_a) == describe(inputs_b)  # the same description: the same key
+    return Plan(launches_a, inputs_a).bind(inputs_b), launches_b, inputs_b
+
+
+# -- Plan.bind == a fresh plan, op by op -----------------------------------------------------
+
+
+def _paged_call(seed, *, out=False, layout="NHD", **kw):
+    b = make_batch(SEQS, block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float32,
+                   layout=layout, seed=seed)  # fmt: skip
+    o = torch.empty_like(b.query) if out else None
+
+    def call(plan_fn):
+        inputs = (*b.args(), o)
+        launches = plan_fn(*b.args(), layout=layout, out=o, check_contents=False, **kw)
+        return inputs, launches
+
+    return call
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(max_query_len=4),
+        dict(max_query_len=4, out=True),
+        dict(max_query_len=4, layout="SHUFFLE"),
+        dict(max_query_len=1, max_seq_len=40),  # decode bound: split-KV, reduce, workspaces
+        dict(max_query_len=4, target=get_target("gfx942")),
+    ],
+    ids=["nhd", "out", "shuffle", "split", "gfx942"],
+)
+def test_paged_plan_replays_exactly(kw):
+    if kw.get("max_seq_len"):  # one sequence, long bound: the policy splits it
+        b1 = make_batch(((37, 1),), block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float32)
+        b2 = make_batch(((37, 1),), block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float32,
+                        seed=5)  # fmt: skip
+        kw = dict(kw, max_seq_len=1 << 16)
+
+        def mk(b):
+            return lambda f: ((*b.args(), None), f(*b.args(), check_contents=False, **kw))
+
+        bound, fresh, inputs = _replayed(plan_paged_attention, mk(b1), mk(b2))
+        assert [x.name for x in fresh] == ["paged_attention", "paged_attention:reduce"]
+    else:
+        bound, fresh, inputs = _replayed(
+            plan_paged_attention, _paged_call(0, **kw), _paged_call(1, **kw)
+        )
+    _assert_same_plan(bound, fresh, inputs)
+
+
+def _mla_call(
+    seed, device="cpu", *, heads=16, metadata=False, page_indices=False, out=False, lse=False
+):
+    dk, r, bs = 320, 256, 64
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, (1, 3), (200, 90), torch.float16, "cpu",
+                                        seed=seed)  # fmt: skip
+    if device == "meta":
+        q, cache, bt, sl, qsl = (t.to("meta") for t in (q, cache, bt, sl, qsl))
+    md = None
+    target = get_target("sm_90")
+    if metadata:
+        builder = MlaMetadataBuilder(target, max_batch=4, num_heads=heads, kv_lora_rank=r,
+                                     head_dim_k=dk, dtype=q.dtype, device=device,
+                                     max_query_len=4, max_seq_len=4096)  # fmt: skip
+        md = builder.build(sl, qsl, max_query_len=3)
+    pages = None
+    if page_indices:
+        indptr, indices = reference.expand_page_indices(bt, sl, bs)
+        pages = (indptr.to(torch.int32), indices.to(torch.int32))
+        bt = None
+    o = torch.empty(q.shape[0], heads, r, dtype=q.dtype, device=q.device) if out else None
+
+    def call(plan_fn):
+        launches = plan_fn(q, cache, bt, sl, kv_lora_rank=r, scale=0.1, query_start_loc=qsl,
+                           out=o, return_lse=lse, page_indices=pages, metadata=md,
+                           target=target, check_contents=False)  # fmt: skip
+        work = (md.partial_out, md.partial_lse) if md is not None else (None, None)
+        indptr, indices = pages if pages is not None else (None, None)
+        return (q, cache, bt, sl, qsl, o, indptr, indices, *work), launches
+
+    return call
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(metadata=True, lse=True),
+        dict(page_indices=True, out=True),
+        dict(device="meta"),  # bulk-copy tiles: Triton's TMA descriptors are rebuilt
+        dict(device="meta", heads=64),  # sm_90's Gluon kernel, its own descriptors
+        dict(device="meta", heads=64, metadata=True, lse=True),
+    ],
+    ids=["block_table", "metadata_lse", "pages_out", "meta_tma", "meta_sm90", "meta_sm90_md"],
+)
+def test_mla_plan_replays_exactly(kw):
+    bound, fresh, inputs = _replayed(plan_mla_decode, _mla_call(0, **kw), _mla_call(1, **kw))
+    if kw.get("device") == "meta":
+        want = "mla_decode_sm90" if kw.get("heads") == 64 else "mla_decode"
+        assert fresh[0].name == want
+        assert sum(hasattr(v, "base") for v in fresh[0].args.values()) == 2  # descriptors
+    _assert_same_plan(bound, fresh, inputs)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "SHUFFLE"])
+def test_kv_cache_plans_replay_exactly(layout):
+    def write(seed):
+        g = torch.Generator().manual_seed(seed)
+        kc, vc = empty_kv_cache(6, 8, 2, 16, layout=layout, dtype=torch.float16)
+        k, v = (torch.randn(5, 2, 16, generator=g).half() for _ in range(2))
+        slots = torch.randperm(48, generator=g)[:5]
+        return lambda f: ((k, v, kc, vc, slots), f(k, v, kc, vc, slots, layout=layout))
+
+    _assert_same_plan(*_replayed(plan_write_kv_cache, write(0), write(1)))
+
+    def gather(seed):
+        kc, vc = empty_kv_cache(6, 8, 2, 16, layout=layout, dtype=torch.float16)
+        table = torch.randperm(6, generator=torch.Generator().manual_seed(seed)).view(2, 3)
+        cu = torch.tensor([0, 10, 17])
+        out = (torch.empty(17, 2, 16, dtype=torch.float16), torch.empty(17, 2, 16).half())
+        return lambda f: ((kc, vc, table, cu, *out), f(kc, vc, table, cu, layout=layout, out=out))
+
+    _assert_same_plan(*_replayed(plan_gather_kv_cache, gather(0), gather(1)))
+
+
+# -- the key: every property a plan depends on changes it --------------------------------------
+
+
+def test_key_changes_with_everything_a_plan_reads():
+    b = make_batch(SEQS, block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float32)
+    t = b.args()
+
+    def key(*tensors, scale=None, layout="NHD", target=None, mql=4, msl=None):
+        return call_key("paged_attention", *tensors, None, scale, layout, target, mql, msl)
+
+    base = key(*t)
+    same = make_batch(SEQS, block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float32, seed=9)
+    assert key(*same.args()) == base  # other values, same description: the same plan
+    q = t[0]
+    wide = torch.empty(q.shape[0], q.shape[1], q.shape[2] + 8)[:, :, :32]
+    flat = torch.empty(q.numel() + 1)
+    variants = {
+        "shape": (q[:-1],) + t[1:],
+        "strides": (wide,) + t[1:],
+        "dtype": (q.half(),) + t[1:],
+        "device": (q.to("meta"),) + t[1:],
+        "alignment": (flat[1:].view(q.shape),) + t[1:],
+        "table dtype": t[:3] + (t[3].long(),) + t[4:],
+        "table strides": t[:3] + (t[3].t().contiguous().t(),) + t[4:],
+    }
+    keys = {name: key(*args) for name, args in variants.items()}
+    keys["scale"] = key(*t, scale=0.5)
+    keys["scale 1 vs 1.0"] = key(*t, scale=1)
+    assert key(*t, scale=1) != key(*t, scale=1.0)
+    keys["layout"] = key(*t, layout="SHUFFLE")
+    keys["target"] = key(*t, target=get_target("gfx942"))
+    keys["max_query_len True vs 1"] = key(*t, mql=True)
+    assert key(*t, mql=1) != key(*t, mql=True)
+    keys["max_seq_len"] = key(*t, msl=64)
+    set_target_override("gfx950")
+    try:
+        keys["override"] = key(*t)
+    finally:
+        set_target_override(None)
+    for name, k in keys.items():
+        assert k is not None and k != base, name
+    assert len(set(keys.values())) == len(keys)
+
+
+def test_undescribable_arguments_are_not_cached():
+    assert call_key("op", object()) is None
+    assert call_key("op", [torch.zeros(1), {"a": 1}]) is None
+    with pytest.raises(Exception, match="cannot describe"):
+        describe({1: 2})
+
+
+# -- running cached plans (interpreter on CPU) --------------------------------------------------
+
+
+@pytest.mark.cpu
+def test_cached_plans_run_correctly_on_new_tensors():
+    cache = PlanCache()
+
+    def run(b, **kw):
+        inputs = (*b.args(), None)
+        key = call_key("paged_attention", *inputs, None, b.layout, None, 4, None)
+        plan = lambda: plan_paged_attention(*b.args(), layout=b.layout, max_query_len=4)  # noqa: E731
+        (out,) = cache.call(key, inputs, plan)
+        check(b, out)
+        return out
+
+    b1 = make_batch(SEQS, block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float32)
+    out1 = run(b1)
+    assert (cache.hits, cache.misses, len(cache)) == (0, 1, 1)
+    b2 = make_batch(SEQS, block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float32, seed=3)
+    out2 = run(b2)  # hit: b2's tensors, a fresh output buffer
+    assert (cache.hits, cache.misses) == (1, 1) and out2.data_ptr() != out1.data_ptr()
+    b3 = make_batch(SEQS, block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float32, seed=4,
+                    strided_query=True, kind="slice")  # fmt: skip
+    run(b3)  # other strides: a miss, planned afresh
+    assert (cache.hits, cache.misses, len(cache)) == (1, 2, 2)
+
+
+@pytest.mark.cpu
+def test_failing_calls_are_not_cached():
+    cache = PlanCache()
+
+    def bad():
+        raise ValueError("op: query must be ...")
+
+    for _ in range(2):
+        with pytest.raises(ValueError, match="query must be"):
+            cache.call(("k",), (), bad)
+    assert len(cache) == 0 and cache.misses == 2
+
+
+def test_plan_keeps_no_input_alive():
+    b = make_batch(SEQS, block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float32)
+    launches = plan_paged_attention(*b.args(), max_query_len=1, max_seq_len=1 << 16,
+                                    check_contents=False)  # fmt: skip
+    plan = Plan(launches, (*b.args(), None))
+    refs = [weakref.ref(t) for t in (*b.args(), launches[0].outputs[0])]
+    del b, launches
+    gc.collect()
+    assert all(r() is None for r in refs) and plan is not None
+
+
+def test_least_recently_used_plan_dropped():
+    cache = PlanCache(max_plans=2)
+    calls = {k: (lambda: []) for k in "abc"}
+    for k in "ab":
+        cache.call((k,), (), calls[k])
+    cache.call(("a",), (), calls["a"])  # a is now the most recent
+    cache.call(("c",), (), calls["c"])
+    assert list(cache._plans) == [("a",), ("c",)]
+
+
+# -- the public ops on a GPU: compiled kernels launched from cached plans -----------------------
+
+
+@pytest.mark.gpu
+def test_gpu_paged_attention_cached_calls():
+    PLANS.clear()
+    for layout in ("NHD", "SHUFFLE"):
+        outs = []
+        for seed in range(3):
+            b = make_batch(SEQS, block_size=16, heads=(8, 2), head_dim=64, dtype=torch.bfloat16,
+                           layout=layout, device="cuda", seed=seed)  # fmt: skip
+            out = paged_attention(*b.args(), layout=layout, max_query_len=4)
+            check(b, out)
+            outs.append(out.data_ptr())
+        assert len(set(outs)) == 3  # a fresh output per call, never the previous one
+        b = make_batch(SEQS, block_size=16, heads=(8, 2), head_dim=64, dtype=torch.bfloat16,
+                       layout=layout, device="cuda", seed=7, strided_query=True)  # fmt: skip
+        given = torch.empty_like(b.query)
+        assert paged_attention(*b.args(), layout=layout, max_query_len=4, out=given) is given
+        check(b, given)
+    assert PLANS.hits >= 4 and PLANS.misses == 4
+    # a split-KV decode (two launches, fp32 workspaces) cached
+    for seed in range(2):
+        b = make_batch(((3000, 1),), block_size=16, heads=(8, 2), head_dim=64,
+                       dtype=torch.bfloat16, device="cuda", seed=seed)  # fmt: skip
+        check(b, paged_attention(*b.args(), max_query_len=1, max_seq_len=4096))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["block_table", "page_indices"])
+def test_gpu_mla_decode_cached_calls(form):
+    from portattn.platform import current_target
+
+    dk, r, heads, bs = 576, 512, 16, 64
+    builder = MlaMetadataBuilder(current_target(), max_batch=4, num_heads=heads, kv_lora_rank=r,
+                                 head_dim_k=dk, dtype=torch.bfloat16, device="cuda",
+                                 max_query_len=4, max_seq_len=8192)  # fmt: skip
+    for seed in range(3):
+        q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, (1, 3), (5000, 700),
+                                            torch.bfloat16, "cuda", seed=seed)  # fmt: skip
+        md = builder.build(sl, qsl, max_query_len=3)
+        kw = dict(kv_lora_rank=r, scale=1 / math.sqrt(dk), query_start_loc=qsl, metadata=md)
+        if form == "page_indices":
+            pages = tuple(t.cuda() for t in reference.expand_page_indices(bt.cpu(), sl.cpu(), bs))
+            out, lse = mla_decode(q, cache, None, sl, page_indices=pages, return_lse=True, **kw)
+        else:
+            out, lse = mla_decode(q, cache, bt, sl, return_lse=True, **kw)
+        oracle, lse_ref = reference.mla_decode(
+            q.cpu(), cache.cpu(), bt.cpu(), sl.cpu(), kv_lora_rank=r, scale=kw["scale"],
+            query_start_loc=qsl.cpu(),
+        )  # fmt: skip
+        torch.testing.assert_close(out.double().cpu(), oracle, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse.double().cpu(), lse_ref, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_kv_cache_cached_calls():
+    kc, vc = empty_kv_cache(8, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    kc.zero_(), vc.zero_()
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        k, v = (torch.randn(6, 2, 64, generator=g).bfloat16().cuda() for _ in range(2))
+        slots = torch.randperm(128, generator=g)[:6].cuda()
+        write_kv_cache(k, v, kc, vc, slots)
+        for i, s in enumerate(slots.tolist()):
+            assert torch.equal(kc[s // 16, s % 16], k[i]) and torch.equal(vc[s // 16, s % 16], v[i])
+        table = slots.view(2, 3) // 16
+        cu = torch.tensor([0, 40, 48], device="cuda")
+        out = (torch.empty(48, 2, 64, dtype=torch.bfloat16, device="cuda"),) * 1
+        out = (out[0], torch.empty_like(out[0]))
+        ko, vo = gather_kv_cache(kc, vc, table, cu, out=out)
+        assert ko is out[0] and vo is out[1]
+        ref_k, ref_v = reference.gather_kv_cache(kc.cpu(), vc.cpu(), table.cpu(), cu.cpu())
+        assert torch.equal(ko.cpu(), ref_k) and torch.equal(vo.cpu(), ref_v)
