@@ -1,0 +1,223 @@
+"""Host time per call of the serving-path ops (issue 18): what an engine pays in Python per layer.
+
+Each op is called the way a serving engine calls it outside a CUDA graph, at tiny shapes so the
+GPU is never the bottleneck:
+
+  * ``paged_attention`` with ``max_query_len`` (and ``max_seq_len``) given: 4 decode sequences,
+    32/8 heads x 128, bf16, block 16, 64-token contexts;
+  * ``mla_decode`` with ``metadata`` (576/512, 16 heads, page 64, 4 sequences x 256 tokens);
+  * ``write_kv_cache``: 4 tokens, 8 heads x 128;
+  * ``gather_kv_cache`` with ``out`` given: 4 sequences x 64 tokens.
+
+Method: each op's output is checked first (against ``portattn.reference`` in fp64 / exactly for
+the copies). Then, per op and per mode, ``--calls`` (300) back-to-back eager calls are timed on
+the host clock (``time.perf_counter`` around the loop, no synchronization inside it; the GPU
+work per call is a few microseconds, so the launch queue never fills), then one synchronize;
+``--repeats`` (7) such loops, the median per-call time reported. Modes, in the same process:
+``cached`` (the plan cache, the default) and ``uncached`` (``PLANS.enabled = False``: validate,
+plan and launch through ``JITFunction.run`` on every call, the behaviour before the cache). The
+floor is an empty Triton kernel with 4 arguments launched through ``JITFunction.run``.
+
+Usage::
+
+    python bench/bench_host.py [--calls 300] [--repeats 7] [--profile]
+    OUT=/tmp/out python bench/bench_host.py     # also writes $OUT/bench_host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import math
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+from _common import git_commit, save_record
+
+from portattn import reference
+from portattn.kernels._plans import PLANS
+from portattn.kernels.kv_cache import gather_kv_cache, write_kv_cache
+from portattn.kernels.mla_decode import mla_decode
+from portattn.kernels.paged_attention import paged_attention
+from portattn.mla_metadata import MlaMetadataBuilder
+from portattn.platform import current_target
+
+GOAL_US = 25.0
+
+
+@triton.jit
+def _empty_kernel(a_ptr, b_ptr, n, m, BLOCK: tl.constexpr):
+    pass
+
+
+def _paged():
+    g = torch.Generator().manual_seed(0)
+    seqs, hq, hkv, d, bs, ctx = 4, 32, 8, 128, 16, 64
+    nb = seqs * ctx // bs
+    kc = torch.randn(nb, bs, hkv, d, generator=g).bfloat16().cuda()
+    vc = torch.randn(nb, bs, hkv, d, generator=g).bfloat16().cuda()
+    q = torch.randn(seqs, hq, d, generator=g).bfloat16().cuda()
+    table = torch.randperm(nb, generator=g).view(seqs, -1).int().cuda()
+    sl = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(seqs + 1, dtype=torch.int32, device="cuda")
+    args = (q, kc, vc, table, sl, qsl)
+
+    def call():
+        return paged_attention(*args, max_query_len=1, max_seq_len=ctx)
+
+    def check():
+        ref = reference.paged_attention(*(t.cpu() for t in args))
+        torch.testing.assert_close(call().double().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+    return call, check
+
+
+def _mla():
+    g = torch.Generator().manual_seed(0)
+    seqs, heads, dk, r, bs, ctx = 4, 16, 576, 512, 64, 256
+    nb = seqs * ctx // bs
+    cache = torch.randn(nb, bs, dk, generator=g).bfloat16().cuda()
+    q = torch.randn(seqs, heads, dk, generator=g).bfloat16().cuda()
+    table = torch.randperm(nb, generator=g).view(seqs, -1).int().cuda()
+    sl = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
+    builder = MlaMetadataBuilder(
+        current_target(), max_batch=seqs, num_heads=heads, kv_lora_rank=r, head_dim_k=dk,
+        dtype=torch.bfloat16, device="cuda", max_seq_len=ctx,
+    )  # fmt: skip
+    md = builder.build(sl)
+    scale = 1 / math.sqrt(dk)
+
+    def call():
+        return mla_decode(q, cache, table, sl, kv_lora_rank=r, scale=scale, metadata=md)
+
+    def check():
+        ref, _ = reference.mla_decode(
+            q.cpu(), cache.cpu(), table.cpu(), sl.cpu(), kv_lora_rank=r, scale=scale
+        )
+        torch.testing.assert_close(call().double().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+    return call, check
+
+
+def _write():
+    g = torch.Generator().manual_seed(0)
+    kc = torch.zeros(64, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    vc = torch.zeros_like(kc)
+    k = torch.randn(4, 8, 128, generator=g).bfloat16().cuda()
+    v = torch.randn(4, 8, 128, generator=g).bfloat16().cuda()
+    slots = torch.randperm(1024, generator=g)[:4].cuda()
+
+    def call():
+        return write_kv_cache(k, v, kc, vc, slots)
+
+    def check():
+        call()
+        rk, rv = kc.cpu().zero_(), vc.cpu().zero_()
+        reference.write_kv_cache(k.cpu(), v.cpu(), rk, rv, slots.cpu())
+        assert torch.equal(kc.cpu(), rk) and torch.equal(vc.cpu(), rv)
+
+    return call, check
+
+
+def _gather():
+    g = torch.Generator().manual_seed(0)
+    seqs, ctx, bs = 4, 64, 16
+    nb = seqs * ctx // bs
+    kc = torch.randn(nb, bs, 8, 128, generator=g).bfloat16().cuda()
+    vc = torch.randn(nb, bs, 8, 128, generator=g).bfloat16().cuda()
+    table = torch.randperm(nb, generator=g).view(seqs, -1).int().cuda()
+    cu = (torch.arange(seqs + 1, dtype=torch.int32) * ctx).cuda()
+    out = tuple(torch.empty(seqs * ctx, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in "kv")
+
+    def call():
+        return gather_kv_cache(kc, vc, table, cu, out=out)
+
+    def check():
+        k, v = call()
+        rk, rv = reference.gather_kv_cache(kc.cpu(), vc.cpu(), table.cpu(), cu.cpu())
+        assert torch.equal(k.cpu(), rk) and torch.equal(v.cpu(), rv)
+
+    return call, check
+
+
+def _floor():
+    a = torch.empty(16, device="cuda")
+
+    def call():
+        _empty_kernel[(1,)](a, a, 16, 16, BLOCK=16)
+
+    return call, lambda: None
+
+
+OPS = {
+    "paged_attention": _paged,
+    "mla_decode": _mla,
+    "write_kv_cache": _write,
+    "gather_kv_cache": _gather,
+    "triton empty kernel (floor)": _floor,
+}
+
+
+def host_us(call, calls: int, repeats: int) -> float:
+    """Median over ``repeats`` loops of the host time per call (module docstring)."""
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    per = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        per.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(per)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--profile", action="store_true", help="cProfile 300 cached calls per op")
+    args = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}, commit {git_commit()}, "
+          f"torch {torch.__version__}, triton {triton.__version__}")  # fmt: skip
+    rows = []
+    for name, make in OPS.items():
+        call, check = make()
+        PLANS.enabled = True
+        check()  # correct first (through the cache: a miss, then hits below)
+        check()
+        cached = host_us(call, args.calls, args.repeats)
+        PLANS.enabled = False
+        check()
+        uncached = host_us(call, args.calls, args.repeats)
+        PLANS.enabled = True
+        rows.append(dict(op=name, cached_us=round(cached, 2), uncached_us=round(uncached, 2)))
+        print(f"{name:30s} cached {cached:7.1f} us   uncached {uncached:7.1f} us", flush=True)
+        if args.profile and name in ("paged_attention", "mla_decode"):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(300):
+                call()
+            prof.disable()
+            torch.cuda.synchronize()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
+            print(s.getvalue())
+    print(f"== summary (goal: <= {GOAL_US:.0f} us per call, cached)")
+    for r in rows:
+        met = "  met" if r["cached_us"] <= GOAL_US else "  MISSED"
+        verdict = "" if "floor" in r["op"] else met
+        print(f"{r['op']:30s} {r['cached_us']:7.1f} us (uncached {r['uncached_us']:.1f}){verdict}")
+    save_record("bench_host", calls=args.calls, repeats=args.repeats, goal_us=GOAL_US, rows=rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
