@@ -20,7 +20,7 @@ floor is an empty Triton kernel with 4 arguments launched through ``JITFunction.
 
 Usage::
 
-    python bench/bench_host.py [--calls 300] [--repeats 7] [--profile]
+    python bench/bench_host.py [--calls 300] [--repeats 7] [--profile] [--breakdown]
     OUT=/tmp/out python bench/bench_host.py     # also writes $OUT/bench_host.json
 """
 
@@ -41,9 +41,9 @@ import triton.language as tl
 from _common import git_commit, save_record
 
 from portattn import reference
-from portattn.kernels._plans import PLANS
+from portattn.kernels._plans import PLANS, call_key
 from portattn.kernels.kv_cache import gather_kv_cache, write_kv_cache
-from portattn.kernels.mla_decode import mla_decode
+from portattn.kernels.mla_decode import _METADATA_VALUES, mla_decode
 from portattn.kernels.paged_attention import paged_attention
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import current_target
@@ -75,6 +75,9 @@ def _paged():
         ref = reference.paged_attention(*(t.cpu() for t in args))
         torch.testing.assert_close(call().double().cpu(), ref, rtol=2e-2, atol=2e-2)
 
+    inputs = (*args, None)
+    key = lambda: call_key("paged_attention", *inputs, None, "NHD", None, 1, ctx)  # noqa: E731
+    call.stages = _stages(key, inputs)
     return call, check
 
 
@@ -96,6 +99,14 @@ def _mla():
     def call():
         return mla_decode(q, cache, table, sl, kv_lora_rank=r, scale=scale, metadata=md)
 
+    inputs = (q, cache, table, sl, None, None, None, None, md.partial_out, md.partial_lse)
+    values = tuple(getattr(md, n) for n in _METADATA_VALUES)
+
+    def key():
+        return call_key("mla_decode", *inputs, r, scale, False, True, *values, None)
+
+    call.stages = _stages(key, inputs)
+
     def check():
         ref, _ = reference.mla_decode(
             q.cpu(), cache.cpu(), table.cpu(), sl.cpu(), kv_lora_rank=r, scale=scale
@@ -103,6 +114,21 @@ def _mla():
         torch.testing.assert_close(call().double().cpu(), ref, rtol=2e-2, atol=2e-2)
 
     return call, check
+
+
+def _stages(key, inputs):
+    """Parts of a cached call, each timed alone (``--breakdown``): the key, the cache lookup,
+    `Plan.bind` (buffers and argument lists) and the whole replay (bind + launches)."""
+
+    def plan():
+        return PLANS._plans[key()]
+
+    return {
+        "key": key,
+        "key + lookup": lambda: PLANS._plans.get(key()),
+        "bind": lambda: plan().bind(inputs),
+        "key + lookup + bind + launch": lambda: plan().run(inputs),
+    }
 
 
 def _write():
@@ -184,6 +210,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--profile", action="store_true", help="cProfile 300 cached calls per op")
+    ap.add_argument("--breakdown", action="store_true", help="time the parts of a cached call")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, commit {git_commit()}, "
           f"torch {torch.__version__}, triton {triton.__version__}")  # fmt: skip
@@ -198,8 +225,15 @@ def main() -> int:
         check()
         uncached = host_us(call, args.calls, args.repeats)
         PLANS.enabled = True
-        rows.append(dict(op=name, cached_us=round(cached, 2), uncached_us=round(uncached, 2)))
+        row = dict(op=name, cached_us=round(cached, 2), uncached_us=round(uncached, 2))
         print(f"{name:30s} cached {cached:7.1f} us   uncached {uncached:7.1f} us", flush=True)
+        if args.breakdown and hasattr(call, "stages"):
+            row["stages_us"] = {}
+            for stage, fn in call.stages.items():
+                us = host_us(fn, args.calls, args.repeats)
+                row["stages_us"][stage] = round(us, 2)
+                print(f"    {stage:34s} {us:7.1f} us", flush=True)
+        rows.append(row)
         if args.profile and name in ("paged_attention", "mla_decode"):
             prof = cProfile.Profile()
             prof.enable()

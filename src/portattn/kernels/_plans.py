@@ -95,12 +95,46 @@ def call_key(op: str, *args: Any) -> Hashable | None:
     the current CUDA device (compiled kernels are per device) and the target override; ``None``
     when some argument cannot be described (the call then runs uncached and reports its errors).
     """
+    tensor = torch.Tensor
     try:
-        described = tuple(describe(a) for a in args)
+        described = tuple(
+            [
+                (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % ALIGN)
+                if type(a) is tensor
+                else describe(a)
+                for a in args
+            ]
+        )
     except Uncacheable:
         return None
-    device = torch.cuda.current_device() if torch.cuda.is_available() else None
-    return (op, device, target_override(), described)
+    return (op, _current_device(), target_override(), described)
+
+
+class _Bound:
+    """Device and stream getters, bound on first use (CUDA initialised lazily, as torch does)."""
+
+    device: Callable[[], int | None] | None = None
+    stream: Callable[[int | None], Any] | None = None
+
+
+def _current_device() -> int | None:
+    """The current CUDA/HIP device index; ``None`` on a machine without one."""
+    if _Bound.device is None:
+        _Bound.device = torch.cuda.current_device if torch.cuda.is_available() else _no_device
+    return _Bound.device()
+
+
+def _no_device() -> None:
+    return None
+
+
+def _current_stream(device: int | None) -> Any:
+    """The raw CUDA/HIP stream Triton launches on (its driver's getter)."""
+    if _Bound.stream is None:
+        from triton.runtime.driver import driver
+
+        _Bound.stream = driver.active.get_current_stream
+    return _Bound.stream(device)
 
 
 def _is_descriptor(x: Any) -> bool:
@@ -231,19 +265,12 @@ class Plan:
 def _launch_compiled(kernel: Any, grid: tuple[int, ...], args: list[Any]) -> None:
     """What `JITFunction.run` does after its cache lookup: the compiled kernel's launcher on the
     current stream, with Triton's launch hooks (profilers) honoured."""
-    device = _driver().get_current_device()
-    stream = _driver().get_current_stream(device)
+    stream = _current_stream(_current_device())
     g = (tuple(grid) + (1, 1))[:3]
     enter, leave = _knobs.launch_enter_hook, _knobs.launch_exit_hook
     meta = kernel.launch_metadata(g, stream, *args) if enter is not None else None
     kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta, enter,
                leave, *args)  # fmt: skip
-
-
-def _driver() -> Any:
-    from triton.runtime.driver import driver
-
-    return driver.active
 
 
 class PlanCache:

@@ -620,7 +620,7 @@ def gather_kv_cache(
         assert out is not None
         inputs += tuple(out)
         if not reads_contents(cu_seq_lens.device, vouched=True):
-            cache_key = call_key("gather_kv_cache", *inputs, type(out), layout, target)
+            cache_key = call_key("gather_kv_cache", *inputs, isinstance(out, tuple), layout, target)
     k, v = PLANS.call(
         cache_key,
         inputs,
