@@ -13,7 +13,8 @@ Method: each op's output is checked first (against ``portattn.reference`` in fp6
 the copies). Then, per op and per mode, ``--calls`` (300) back-to-back eager calls are timed on
 the host clock (``time.perf_counter`` around the loop, no synchronization inside it; the GPU
 work per call is a few microseconds, so the launch queue never fills), then one synchronize;
-``--repeats`` (7) such loops, the median per-call time reported. Modes, in the same process:
+``--repeats`` (7) such loops, the median per-call time reported; the modes' loops alternate, so
+a drift of the host's speed hits both. Modes, in the same process:
 ``cached`` (the plan cache, the default) and ``uncached`` (``PLANS.enabled = False``: validate,
 plan and launch through ``JITFunction.run`` on every call, the behaviour before the cache). The
 floor is an empty Triton kernel with 4 arguments launched through ``JITFunction.run``.
@@ -192,17 +193,29 @@ OPS = {
 
 def host_us(call, calls: int, repeats: int) -> float:
     """Median over ``repeats`` loops of the host time per call (module docstring)."""
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    per = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+    return host_us_modes({"": call}, calls, repeats)[""]
+
+
+def host_us_modes(modes: dict, calls: int, repeats: int) -> dict[str, float]:
+    """`host_us` for several callables, their loops interleaved (a drift of the host's speed
+    during the run hits every mode alike). A mode's name ``uncached`` runs with the plan cache
+    off."""
+    per: dict[str, list[float]] = {name: [] for name in modes}
+    for name, call in modes.items():
+        PLANS.enabled = name != "uncached"
+        for _ in range(20):
             call()
-        per.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(per)
+    torch.cuda.synchronize()
+    for _ in range(repeats):
+        for name, call in modes.items():
+            PLANS.enabled = name != "uncached"
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                call()
+            per[name].append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+    PLANS.enabled = True
+    return {name: statistics.median(v) for name, v in per.items()}
 
 
 def main() -> int:
@@ -220,18 +233,17 @@ def main() -> int:
         PLANS.enabled = True
         check()  # correct first (through the cache: a miss, then hits below)
         check()
-        cached = host_us(call, args.calls, args.repeats)
         PLANS.enabled = False
         check()
-        uncached = host_us(call, args.calls, args.repeats)
         PLANS.enabled = True
+        times = host_us_modes({"cached": call, "uncached": call}, args.calls, args.repeats)
+        cached, uncached = times["cached"], times["uncached"]
         row = dict(op=name, cached_us=round(cached, 2), uncached_us=round(uncached, 2))
         print(f"{name:30s} cached {cached:7.1f} us   uncached {uncached:7.1f} us", flush=True)
         if args.breakdown and hasattr(call, "stages"):
-            row["stages_us"] = {}
-            for stage, fn in call.stages.items():
-                us = host_us(fn, args.calls, args.repeats)
-                row["stages_us"][stage] = round(us, 2)
+            stages = host_us_modes(call.stages, args.calls, args.repeats)
+            row["stages_us"] = {k: round(v, 2) for k, v in stages.items()}
+            for stage, us in stages.items():
                 print(f"    {stage:34s} {us:7.1f} us", flush=True)
         rows.append(row)
         if args.profile and name in ("paged_attention", "mla_decode"):

@@ -306,14 +306,11 @@ def test_plan_keeps_no_input_alive():
     assert all(r() is None for r in refs) and plan is not None
 
 
-def test_least_recently_used_plan_dropped():
+def test_oldest_plan_dropped():
     cache = PlanCache(max_plans=2)
-    calls = {k: (lambda: []) for k in "abc"}
-    for k in "ab":
-        cache.call((k,), (), calls[k])
-    cache.call(("a",), (), calls["a"])  # a is now the most recent
-    cache.call(("c",), (), calls["c"])
-    assert list(cache._plans) == [("a",), ("c",)]
+    for k in "abac":
+        cache.call((k,), (), lambda: [])
+    assert list(cache._plans) == [("b",), ("c",)] and (cache.hits, cache.misses) == (1, 3)
 
 
 # -- the public ops on a GPU: compiled kernels launched from cached plans -----------------------
@@ -345,11 +342,13 @@ def test_gpu_paged_attention_cached_calls():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])  # sm_90: 16 bulk-copy tiles, 128 the Gluon kernel
 @pytest.mark.parametrize("form", ["block_table", "page_indices"])
-def test_gpu_mla_decode_cached_calls(form):
+def test_gpu_mla_decode_cached_calls(form, heads):
     from portattn.platform import current_target
 
-    dk, r, heads, bs = 576, 512, 16, 64
+    PLANS.clear()
+    dk, r, bs = 576, 512, 64
     builder = MlaMetadataBuilder(current_target(), max_batch=4, num_heads=heads, kv_lora_rank=r,
                                  head_dim_k=dk, dtype=torch.bfloat16, device="cuda",
                                  max_query_len=4, max_seq_len=8192)  # fmt: skip
@@ -369,6 +368,10 @@ def test_gpu_mla_decode_cached_calls(form):
         )  # fmt: skip
         torch.testing.assert_close(out.double().cpu(), oracle, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(lse.double().cpu(), lse_ref, rtol=1e-3, atol=1e-3)
+    assert PLANS.hits == 2 and PLANS.misses == 1
+    if form == "block_table" and current_target().arch == "sm_90":  # descriptors, pre-encoded
+        (plan,) = PLANS._plans.values()
+        assert plan is not None and plan._replays[0].direct is not None
 
 
 @pytest.mark.gpu

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -46,7 +45,7 @@ _knobs = knobs.runtime
 
 #: Pointer alignment Triton specializes on (and TMA descriptors need).
 ALIGN = 16
-#: Plans kept (least recently used dropped first): one per distinct call description.
+#: Plans kept (the oldest dropped first): one per distinct call description.
 MAX_PLANS = 1024
 
 
@@ -161,6 +160,7 @@ class _Replay:
     consts: list[Any]  # None where `fills` puts a tensor or a descriptor
     fills: list[tuple[int, int, int, Any]]  # (position, _INPUT/_ALLOC, index, descriptor recipe)
     compiled: Any = None
+    direct: _DescriptorLaunch | None = None
 
 
 class Plan:
@@ -230,36 +230,134 @@ class Plan:
         never launched)."""
         for replay, kernel in zip(self._replays, compiled, strict=True):
             replay.compiled = kernel
+            if kernel is not None and any(recipe is not None for *_, recipe in replay.fills):
+                try:
+                    replay.direct = _DescriptorLaunch(replay, kernel)
+                except Uncacheable:
+                    replay.direct = None
+
+    def _allocate(self) -> list[torch.Tensor]:
+        return [torch.empty(s, dtype=d, device=dev) for s, d, dev in self._allocs]
+
+    def _args(self, replay: _Replay, inputs: Sequence, allocs: list[torch.Tensor]) -> list[Any]:
+        args = list(replay.consts)
+        for pos, kind, ref, recipe in replay.fills:
+            t = inputs[ref] if kind == _INPUT else allocs[ref]
+            args[pos] = t if recipe is None else recipe[0](base=t, **recipe[1])
+        return args
+
+    def _outs(self, inputs: Sequence, allocs: list[torch.Tensor]) -> tuple:
+        return tuple(
+            t if where is None else inputs[where[1]] if where[0] == _INPUT else allocs[where[1]]
+            for where, t in self._outputs
+        )
 
     def bind(self, inputs: Sequence[torch.Tensor | None]) -> tuple[list[list[Any]], tuple]:
         """Argument lists (kernel parameter order, one per launch) and the outputs of a call with
         ``inputs``, whose description equals the first call's."""
-        allocs = [torch.empty(s, dtype=d, device=dev) for s, d, dev in self._allocs]
-        lists = []
-        for replay in self._replays:
-            args = list(replay.consts)
-            for pos, kind, ref, recipe in replay.fills:
-                t = inputs[ref] if kind == _INPUT else allocs[ref]
-                args[pos] = t if recipe is None else recipe[0](base=t, **recipe[1])
-            lists.append(args)
-        outs = tuple(
-            t if where is None else inputs[where[1]] if where[0] == _INPUT else allocs[where[1]]
-            for where, t in self._outputs
-        )
-        return lists, outs
+        allocs = self._allocate()
+        lists = [self._args(replay, inputs, allocs) for replay in self._replays]
+        return lists, self._outs(inputs, allocs)
 
     def run(self, inputs: Sequence[torch.Tensor | None]) -> tuple:
         """Launch the plan for ``inputs``; return the first launch's outputs."""
-        lists, outs = self.bind(inputs)
-        for replay, args in zip(self._replays, lists, strict=True):
+        allocs = self._allocate()
+        for replay in self._replays:
             if any(g == 0 for g in replay.grid):
                 continue
+            if replay.direct is not None and _knobs.launch_enter_hook is None:
+                replay.direct.launch(inputs, allocs)
+                continue
+            args = self._args(replay, inputs, allocs)
             if replay.compiled is None:
                 named = dict(zip(replay.names, args, strict=True))
                 replay.kernel[replay.grid](**named, **replay.options)
             else:
                 _launch_compiled(replay.compiled, replay.grid, args)
-        return outs
+        return self._outs(inputs, allocs)
+
+
+class _DescriptorLaunch:
+    """A cached launch with TMA descriptors, without re-encoding them on every call.
+
+    Triton's NVIDIA launcher encodes each host descriptor into a ``CUtensorMap`` on every launch
+    (``make_tensordesc_arg``, a driver call) and walks every argument in Python to splice the
+    encoded form in. A cached plan knows where its descriptors sit and that their shape, strides
+    and block shape are fixed (functions of the call's description), so the encoding depends only
+    on the base address: it is memoized by address (no reference to the tensor is kept; a map
+    encodes the address, the geometry and nothing else), and the argument list is built already
+    expanded for the launcher underneath. Built only where Triton's launcher has exactly the
+    expected form (Triton 3.6: ``launch`` wraps the raw launcher with descriptor metadata, no
+    scratch buffers); anything else raises `Uncacheable` and the launch goes through
+    `CompiledKernel.run` as usual.
+    """
+
+    MAX_MEMO = 64
+
+    def __init__(self, replay: _Replay, kernel: Any):
+        run = kernel.run
+        wrapped = getattr(run, "launch", None)
+        code = getattr(wrapped, "__code__", None)
+        closure = getattr(wrapped, "__closure__", None)
+        if code is None or not closure:
+            raise Uncacheable("launcher without a descriptor wrapper")
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure), strict=False))
+        indices, metas = cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
+        desc_at = {pos: (kind, ref, recipe) for pos, kind, ref, recipe in replay.fills if recipe}
+        if (
+            "launcher" not in cells
+            or not isinstance(indices, set)
+            or sorted(indices) != sorted(desc_at)
+            or not metas
+            or any(m is None for m in metas)
+            or getattr(run, "global_scratch_size", 1) != 0
+            or getattr(run, "profile_scratch_size", 1) != 0
+        ):
+            raise Uncacheable("launcher of an unexpected form")
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        self._encode = make_tensordesc_arg
+        self._launcher = cells["launcher"]
+        self._head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                      kernel.packed_metadata, None, None, None)  # fmt: skip
+        self._grid = (tuple(replay.grid) + (1, 1))[:3]
+        fill_at = {pos: (kind, ref) for pos, kind, ref, recipe in replay.fills if not recipe}
+        meta_of = dict(zip(sorted(indices), metas, strict=True))
+        self._flat: list[Any] = []
+        self._tensors: list[tuple[int, int, int]] = []
+        self._descs: list[tuple[int, int, int, int, Any, Any]] = []
+        for pos, const in enumerate(replay.consts):
+            if pos in fill_at:
+                self._tensors.append((len(self._flat), *fill_at[pos]))
+                self._flat.append(None)
+            elif pos in desc_at:
+                kind, ref, recipe = desc_at[pos]
+                width = 1 + len(recipe[1]["shape"]) + len(recipe[1]["strides"])
+                self._descs.append((len(self._flat), width, kind, ref, recipe, meta_of[pos]))
+                self._flat.extend([None] * width)
+            else:
+                self._flat.append(const)
+        self._memo: dict[tuple[int, int], list[Any]] = {}
+
+    def launch(self, inputs: Sequence, allocs: list[torch.Tensor]) -> None:
+        args = list(self._flat)
+        for at, kind, ref in self._tensors:
+            args[at] = inputs[ref] if kind == _INPUT else allocs[ref]
+        for at, width, kind, ref, recipe, meta in self._descs:
+            t = inputs[ref] if kind == _INPUT else allocs[ref]
+            memo_key = (at, t.data_ptr())
+            encoded = self._memo.get(memo_key)
+            if encoded is None:
+                encoded = self._encode(recipe[0](base=t, **recipe[1]), meta)
+                if len(encoded) != width:
+                    raise RuntimeError(f"plan cache: descriptor encoded to {len(encoded)} values")
+                if len(self._memo) >= self.MAX_MEMO:
+                    self._memo.clear()
+                self._memo[memo_key] = encoded
+            args[at : at + width] = encoded
+        g = self._grid
+        stream = _current_stream(_current_device())
+        self._launcher(g[0], g[1], g[2], stream, *self._head, *args)
 
 
 def _launch_compiled(kernel: Any, grid: tuple[int, ...], args: list[Any]) -> None:
@@ -273,13 +371,17 @@ def _launch_compiled(kernel: Any, grid: tuple[int, ...], args: list[Any]) -> Non
                leave, *args)  # fmt: skip
 
 
+_MISSING = object()
+
+
 class PlanCache:
-    """Plans by call key, least recently used dropped past `MAX_PLANS`."""
+    """Plans by call key; past `MAX_PLANS` the oldest is dropped (one dictionary lookup per
+    hit, no recency bookkeeping)."""
 
     def __init__(self, max_plans: int = MAX_PLANS):
         self.max_plans = max_plans
         self.enabled = os.environ.get("PORTATTN_PLAN_CACHE", "1") != "0"
-        self._plans: OrderedDict[Hashable, Plan | None] = OrderedDict()
+        self._plans: dict[Hashable, Plan | None] = {}
         self.hits = self.misses = 0
 
     def __len__(self) -> int:
@@ -299,11 +401,10 @@ class PlanCache:
         for the next call with this key. Returns the first launch's outputs."""
         if key is None or not self.enabled:
             return _run_fresh(plan())
-        if key in self._plans:
+        cached = self._plans.get(key, _MISSING)
+        if cached is not _MISSING:
             self.hits += 1
-            self._plans.move_to_end(key)
-            cached = self._plans[key]
-            if cached is not None:
+            if isinstance(cached, Plan):
                 return cached.run(inputs)
             return _run_fresh(plan())  # known not to be replayable
         self.misses += 1
@@ -317,7 +418,7 @@ class PlanCache:
             replay.keep_compiled(compiled)
         self._plans[key] = replay
         if len(self._plans) > self.max_plans:
-            self._plans.popitem(last=False)
+            del self._plans[next(iter(self._plans))]
         return launches[0].outputs if launches else ()
 
 
