@@ -16,8 +16,12 @@ work per call is a few microseconds, so the launch queue never fills), then one 
 ``--repeats`` (7) such loops, the median per-call time reported; the modes' loops alternate, so
 a drift of the host's speed hits both. Modes, in the same process:
 ``cached`` (the plan cache, the default) and ``uncached`` (``PLANS.enabled = False``: validate,
-plan and launch through ``JITFunction.run`` on every call, the behaviour before the cache). The
-floor is an empty Triton kernel with 4 arguments launched through ``JITFunction.run``.
+plan and launch through ``JITFunction.run`` on every call, the behaviour before the cache); for
+``mla_decode`` also ``cached`` with Triton encoding its TMA descriptors on every launch. The GPU
+time of one call (``do_bench_cudagraph`` median) is printed next to each op, to show the host
+loop is not waiting on the GPU. The floor is an empty Triton kernel with 4 arguments launched
+through ``JITFunction.run``: it shows how fast this host runs Python (it varied 13-22 us between
+machines of the same kind), so compare ops with it only within one run.
 
 Usage::
 
@@ -42,6 +46,7 @@ import triton.language as tl
 from _common import git_commit, save_record
 
 from portattn import reference
+from portattn.kernels import _plans
 from portattn.kernels._plans import PLANS, call_key
 from portattn.kernels.kv_cache import gather_kv_cache, write_kv_cache
 from portattn.kernels.mla_decode import _METADATA_VALUES, mla_decode
@@ -104,7 +109,7 @@ def _mla():
     values = tuple(getattr(md, n) for n in _METADATA_VALUES)
 
     def key():
-        return call_key("mla_decode", *inputs, r, scale, False, True, *values, None)
+        return call_key("mla_decode", *inputs, r, scale, False, True, None, exact=values)
 
     call.stages = _stages(key, inputs)
 
@@ -130,6 +135,17 @@ def _stages(key, inputs):
         "bind": lambda: plan().bind(inputs),
         "key + lookup + bind + launch": lambda: plan().run(inputs),
     }
+
+
+def _without_direct(call):
+    def run():
+        _plans.DIRECT = False
+        try:
+            return call()
+        finally:
+            _plans.DIRECT = True
+
+    return run
 
 
 def _write():
@@ -236,10 +252,19 @@ def main() -> int:
         PLANS.enabled = False
         check()
         PLANS.enabled = True
-        times = host_us_modes({"cached": call, "uncached": call}, args.calls, args.repeats)
+        modes = {"cached": call, "uncached": call}
+        if name == "mla_decode":  # the descriptor pre-encoding's share
+            modes["cached, descriptors encoded per launch"] = _without_direct(call)
+        times = host_us_modes(modes, args.calls, args.repeats)
         cached, uncached = times["cached"], times["uncached"]
+        gpu = triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
         row = dict(op=name, cached_us=round(cached, 2), uncached_us=round(uncached, 2))
-        print(f"{name:30s} cached {cached:7.1f} us   uncached {uncached:7.1f} us", flush=True)
+        row.update(gpu_us=round(gpu, 2), modes_us={k: round(v, 2) for k, v in times.items()})
+        print(f"{name:30s} cached {cached:7.1f} us   uncached {uncached:7.1f} us   "
+              f"(GPU time per call in a CUDA graph: {gpu:.1f} us)", flush=True)  # fmt: skip
+        for mode, us in times.items():
+            if mode not in ("cached", "uncached"):
+                print(f"    {mode:34s} {us:7.1f} us", flush=True)
         if args.breakdown and hasattr(call, "stages"):
             stages = host_us_modes(call.stages, args.calls, args.repeats)
             row["stages_us"] = {k: round(v, 2) for k, v in stages.items()}

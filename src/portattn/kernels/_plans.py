@@ -45,6 +45,8 @@ _knobs = knobs.runtime
 
 #: Pointer alignment Triton specializes on (and TMA descriptors need).
 ALIGN = 16
+#: Cached launches with TMA descriptors skip Triton's per-launch encoding (`_DescriptorLaunch`).
+DIRECT = True
 #: Plans kept (the oldest dropped first): one per distinct call description.
 MAX_PLANS = 1024
 
@@ -89,10 +91,12 @@ def _value_dataclass(cls: type) -> bool:
     return ok
 
 
-def call_key(op: str, *args: Any) -> Hashable | None:
+def call_key(op: str, *args: Any, exact: tuple = ()) -> Hashable | None:
     """The cache key of a call of ``op`` with ``args`` (every argument the plan may read), plus
     the current CUDA device (compiled kernels are per device) and the target override; ``None``
     when some argument cannot be described (the call then runs uncached and reports its errors).
+    ``exact``: values that go into the key as they are, for fields the library made itself (an
+    `MlaMetadata`'s tiles and sizes), whose equality is already exact.
     """
     tensor = torch.Tensor
     try:
@@ -104,9 +108,10 @@ def call_key(op: str, *args: Any) -> Hashable | None:
                 for a in args
             ]
         )
-    except Uncacheable:
+        hash(exact)
+    except (Uncacheable, TypeError):
         return None
-    return (op, _current_device(), target_override(), described)
+    return (op, _current_device(), target_override(), described, exact)
 
 
 class _Bound:
@@ -265,7 +270,7 @@ class Plan:
         for replay in self._replays:
             if any(g == 0 for g in replay.grid):
                 continue
-            if replay.direct is not None and _knobs.launch_enter_hook is None:
+            if replay.direct is not None and DIRECT and _knobs.launch_enter_hook is None:
                 replay.direct.launch(inputs, allocs)
                 continue
             args = self._args(replay, inputs, allocs)

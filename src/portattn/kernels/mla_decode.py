@@ -1138,7 +1138,8 @@ def mla_decode(
         inputs = (*tensors, *work)
         fields = tuple(getattr(metadata, name) for name in _METADATA_VALUES)
         key = call_key(
-            _OP, *inputs, kv_lora_rank, scale, return_lse, page_indices is None, *fields, target
-        )
+            _OP, *inputs, kv_lora_rank, scale, return_lse, page_indices is None, target,
+            exact=fields,
+        )  # fmt: skip
         outs = PLANS.call(key, inputs, plan)
     return outs if return_lse else outs[0]
