@@ -270,7 +270,7 @@ class Plan:
         for replay in self._replays:
             if any(g == 0 for g in replay.grid):
                 continue
-            if replay.direct is not None and DIRECT and _knobs.launch_enter_hook is None:
+            if replay.direct is not None and DIRECT and _hooks() is None:
                 replay.direct.launch(inputs, allocs)
                 continue
             args = self._args(replay, inputs, allocs)
@@ -313,8 +313,8 @@ class _DescriptorLaunch:
             "launcher" not in cells
             or not isinstance(indices, set)
             or sorted(indices) != sorted(desc_at)
-            or not metas
-            or any(m is None for m in metas)
+            or not isinstance(metas, list)
+            or len(metas) != len(indices)
             or getattr(run, "global_scratch_size", 1) != 0
             or getattr(run, "profile_scratch_size", 1) != 0
         ):
@@ -337,12 +337,19 @@ class _DescriptorLaunch:
                 self._flat.append(None)
             elif pos in desc_at:
                 kind, ref, recipe = desc_at[pos]
-                width = 1 + len(recipe[1]["shape"]) + len(recipe[1]["strides"])
-                self._descs.append((len(self._flat), width, kind, ref, recipe, meta_of[pos]))
+                dims = [*recipe[1]["shape"], *recipe[1]["strides"]]
+                meta = meta_of[pos]
+                if meta is None:  # passed decomposed: base, dims, NaN padding flag, dims again
+                    width = 2 + 2 * len(dims)
+                    meta = [*dims, recipe[1].get("padding") == "nan", *dims]
+                else:  # encoded tensor map, then the dims
+                    width = 1 + len(dims)
+                self._descs.append((len(self._flat), width, kind, ref, recipe, meta))
                 self._flat.extend([None] * width)
             else:
                 self._flat.append(const)
         self._memo: dict[tuple[int, int], list[Any]] = {}
+        self.launches = 0
 
     def launch(self, inputs: Sequence, allocs: list[torch.Tensor]) -> None:
         args = list(self._flat)
@@ -350,6 +357,10 @@ class _DescriptorLaunch:
             args[at] = inputs[ref] if kind == _INPUT else allocs[ref]
         for at, width, kind, ref, recipe, meta in self._descs:
             t = inputs[ref] if kind == _INPUT else allocs[ref]
+            if isinstance(meta, list):  # decomposed: the tensor itself, then constants
+                args[at] = t
+                args[at + 1 : at + width] = meta
+                continue
             memo_key = (at, t.data_ptr())
             encoded = self._memo.get(memo_key)
             if encoded is None:
@@ -363,6 +374,7 @@ class _DescriptorLaunch:
         g = self._grid
         stream = _current_stream(_current_device())
         self._launcher(g[0], g[1], g[2], stream, *self._head, *args)
+        self.launches += 1
 
 
 def _launch_compiled(kernel: Any, grid: tuple[int, ...], args: list[Any]) -> None:
@@ -370,10 +382,24 @@ def _launch_compiled(kernel: Any, grid: tuple[int, ...], args: list[Any]) -> Non
     current stream, with Triton's launch hooks (profilers) honoured."""
     stream = _current_stream(_current_device())
     g = (tuple(grid) + (1, 1))[:3]
+    hooks = _hooks()
+    if hooks is None:
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None,
+                   None, *args)  # fmt: skip
+        return
+    meta = kernel.launch_metadata(g, stream, *args)
+    kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta, *hooks,
+               *args)  # fmt: skip
+
+
+def _hooks() -> tuple[Any, Any] | None:
+    """Triton's launch enter/exit hooks, or ``None`` when no hook is registered (Triton 3.6 keeps
+    them as always-present `HookChain` objects; an empty chain is no hook, so the launcher is not
+    asked to call it and no launch metadata is built)."""
     enter, leave = _knobs.launch_enter_hook, _knobs.launch_exit_hook
-    meta = kernel.launch_metadata(g, stream, *args) if enter is not None else None
-    kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, meta, enter,
-               leave, *args)  # fmt: skip
+    if not getattr(enter, "calls", enter) and not getattr(leave, "calls", leave):
+        return None
+    return enter, leave
 
 
 _MISSING = object()
