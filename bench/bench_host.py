@@ -14,7 +14,8 @@ the copies). Then, per op and per mode, ``--calls`` (300) back-to-back eager cal
 the host clock (``time.perf_counter`` around the loop, no synchronization inside it; the GPU
 work per call is a few microseconds, so the launch queue never fills), then one synchronize;
 ``--repeats`` (7) such loops, the median per-call time reported; the modes' loops alternate, so
-a drift of the host's speed hits both. Modes, in the same process:
+a drift of the host's speed hits both; Python's garbage collector is off inside the loops, as
+``timeit`` does. Modes, in the same process:
 ``cached`` (the plan cache, the default) and ``uncached`` (``PLANS.enabled = False``: validate,
 plan and launch through ``JITFunction.run`` on every call, the behaviour before the cache); for
 ``mla_decode`` also ``cached`` with Triton encoding its TMA descriptors on every launch. The GPU
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import math
 import pstats
@@ -83,7 +85,7 @@ def _paged():
 
     inputs = (*args, None)
     key = lambda: call_key("paged_attention", *inputs, None, "NHD", None, 1, ctx)  # noqa: E731
-    call.stages = _stages(key, inputs)
+    call.stages = _stages(call, key, inputs)
     return call, check
 
 
@@ -111,7 +113,7 @@ def _mla():
     def key():
         return call_key("mla_decode", *inputs, r, scale, False, True, None, exact=values)
 
-    call.stages = _stages(key, inputs)
+    call.stages = _stages(call, key, inputs)
 
     def check():
         ref, _ = reference.mla_decode(
@@ -122,7 +124,7 @@ def _mla():
     return call, check
 
 
-def _stages(key, inputs):
+def _stages(call, key, inputs):
     """Parts of a cached call, each timed alone (``--breakdown``): the key, the cache lookup,
     `Plan.bind` (buffers and argument lists) and the whole replay (bind + launches)."""
 
@@ -130,6 +132,7 @@ def _stages(key, inputs):
         return PLANS._plans[key()]
 
     return {
+        "the op's call": call,
         "key": key,
         "key + lookup": lambda: PLANS._plans.get(key()),
         "bind": lambda: plan().bind(inputs),
@@ -217,6 +220,15 @@ def host_us_modes(modes: dict, calls: int, repeats: int) -> dict[str, float]:
     during the run hits every mode alike). A mode's name ``uncached`` runs with the plan cache
     off."""
     per: dict[str, list[float]] = {name: [] for name in modes}
+    gc.collect()
+    gc.disable()  # as timeit does: a collection inside one loop is noise, not per-call cost
+    try:
+        return _interleaved(modes, calls, repeats, per)
+    finally:
+        gc.enable()
+
+
+def _interleaved(modes: dict, calls: int, repeats: int, per: dict) -> dict[str, float]:
     for name, call in modes.items():
         PLANS.enabled = name != "uncached"
         for _ in range(20):
