@@ -399,8 +399,7 @@ def test_gpu_kv_cache_cached_calls():
             assert torch.equal(kc[s // 16, s % 16], k[i]) and torch.equal(vc[s // 16, s % 16], v[i])
         table = slots.view(2, 3) // 16
         cu = torch.tensor([0, 40, 48], device="cuda")
-        out = (torch.empty(48, 2, 64, dtype=torch.bfloat16, device="cuda"),) * 1
-        out = (out[0], torch.empty_like(out[0]))
+        out = tuple(torch.empty(48, 2, 64, dtype=torch.bfloat16, device="cuda") for _ in "kv")
         ko, vo = gather_kv_cache(kc, vc, table, cu, out=out)
         assert ko is out[0] and vo is out[1]
         ref_k, ref_v = reference.gather_kv_cache(kc.cpu(), vc.cpu(), table.cpu(), cu.cpu())

@@ -225,10 +225,9 @@ class Plan:
                     fills.append((pos, where[0], where[1], recipe))
             options = launch.options.backend_kwargs(launch.target, launch.backend())
             self._replays.append(_Replay(launch.kernel, launch.grid, options, names, consts, fills))
-        self._outputs = [
-            (slot(t), None) if slot(t) is not None else (None, t)
-            for t in (launches[0].outputs if launches else ())
-        ]
+        outputs = launches[0].outputs if launches else ()
+        wheres = [slot(t) for t in outputs]
+        self._outputs = [(w, None if w else t) for t, w in zip(outputs, wheres, strict=True)]
 
     def keep_compiled(self, compiled: Sequence[Any]) -> None:
         """Record the compiled kernels of the first call's launches (``None``: interpreted, or
