@@ -9,6 +9,9 @@ import pytest
 from portattn.platform import TARGETS, get_target
 from portattn.policy.common import LaunchOptions
 from portattn.policy.paged import (
+    FP32_BLOCK_M,
+    FP32_MAX_WORDS,
+    FP32_NUM_WARPS,
     MAX_REGS_4_WARPS_SMEM_MMA,
     MAX_REGS_8_WARPS,
     MAX_WORDS_8_WARPS,
@@ -96,10 +99,42 @@ EXACT = [
         PagedTiles(16, 3, 5, 16, 256, LaunchOptions(4, 1, 2), 32768 + 16384 + 1024),
     ),
     (
-        "sm_90",  # not wide (8-warp registers 128 > 112); block_n 32 would be 104 > 96 at 8 warps
+        "sm_90",  # fp32 on NVIDIA (FMA dots): 16 rows, 8 warps; block_n 32 is 12800 words > 10240
+        # (the 16-bit rule's 64 x 16 x 8 warps spilled 23420 B)
         _problem(num_q_heads=40, head_dim=256, elem_bytes=4, max_query_len=64, block_size=544),
+        PagedTiles(16, 3, 5, 16, 256, LaunchOptions(8, 2), 65536 + 16384 + 1024),
+    ),
+    # fp32 prefill chunk, GQA 5:1, head_dim 128 (the worst former spill: 64 x 64 x 8 warps,
+    # 36032 B on sm_90, 37008 B on sm_100): 16 x 32 (6656 words; 16 x 64 is 11264 > 10240)
+    (
+        "sm_90",
+        _problem(num_q_heads=40, head_dim=128, elem_bytes=4, max_query_len=64),
+        PagedTiles(16, 3, 5, 32, 128, LaunchOptions(8, 2), 65536 + 8192 + 2048),
+    ),
+    (
+        "sm_100",  # no wide tile either (the 16-bit rule took 128 x 64 for head_dim 64)
+        _problem(num_q_heads=40, head_dim=64, elem_bytes=4, max_query_len=64),
+        PagedTiles(16, 3, 5, 64, 64, LaunchOptions(8, 2), 65536 + 4096 + 4096),
+    ),
+    # ... and on SHUFFLE: 16 x 32 is 2048 + 512 + 4096 + 4096 = 10752 words > 10240 -> 16 x 16
+    (
+        "sm_86",
+        _problem(num_q_heads=40, head_dim=128, elem_bytes=4, max_query_len=64, shuffled=True),
+        PagedTiles(16, 3, 5, 16, 128, LaunchOptions(8, 2), 32768 + 8192 + 1024),
+    ),
+    # AMD keeps the 16-bit model for fp32 (MFMA has fp32 instructions; no spills there)
+    (
+        "gfx950",
+        _problem(num_q_heads=40, head_dim=128, elem_bytes=4, max_query_len=64),
         PagedTiles(
-            64, 12, 5, 16, 256, LaunchOptions(8, 2), 65536 + 65536 + 4096, RowTile(16, 3, 5)
+            64, 12, 5, 32, 128, LaunchOptions(4, 2, 2), 65536 + 32768 + 8192, RowTile(16, 3, 5)
+        ),
+    ),
+    (
+        "gfx942",
+        _problem(num_q_heads=40, head_dim=128, elem_bytes=4, max_query_len=64),
+        PagedTiles(
+            64, 12, 5, 16, 128, LaunchOptions(4, 1, 2), 16384 + 32768 + 4096, RowTile(16, 3, 5)
         ),
     ),
     # MQA with 128 heads: one wide program holds the whole group (K/V read once, not twice)
@@ -242,11 +277,18 @@ def test_every_choice_fits_the_budget(arch):
         assert t.block_q >= 1
         assert 1 <= t.num_stages <= target.max_num_stages
         assert (t.waves_per_eu is not None) == target.is_hip
-        regs4 = estimate_registers(t.block_m, t.block_n, t.block_d, elem, 4, target.warp_size, shuf)
-        smem_mma = arch in SMEM_MMA_ARCHS and t.block_m >= 64
-        assert t.num_warps == (4 if regs4 <= (MAX_REGS_4_WARPS_SMEM_MMA if smem_mma else 64) else 8)
         words = estimate_words(t.block_m, t.block_n, t.block_d, elem, shuf)
-        assert t.block_m == 128 or t.block_n == 16 or words <= MAX_WORDS_8_WARPS
+        if elem == 4 and not target.is_hip:  # FMA dots: 16 rows, 8 warps, FP32_MAX_WORDS
+            assert (t.block_m, t.num_warps, t.decode) == (FP32_BLOCK_M, FP32_NUM_WARPS, None)
+            assert t.block_n == 16 or words <= FP32_MAX_WORDS
+        else:
+            regs4 = estimate_registers(
+                t.block_m, t.block_n, t.block_d, elem, 4, target.warp_size, shuf
+            )
+            smem_mma = arch in SMEM_MMA_ARCHS and t.block_m >= 64
+            budget4 = MAX_REGS_4_WARPS_SMEM_MMA if smem_mma else 64
+            assert t.num_warps == (4 if regs4 <= budget4 else 8)
+            assert t.block_m == 128 or t.block_n == 16 or words <= MAX_WORDS_8_WARPS
         assert t.block_m <= 64 or (
             t.block_m == 128
             and not shuf
@@ -295,6 +337,30 @@ def test_register_estimate():
     assert estimate_registers(64, 64, 128, 2, 4, 32, shuffled=True) == 192
     # the 8-warp bound is NVIDIA's measured 96 registers x 256 threads, per program
     assert MAX_WORDS_8_WARPS == MAX_REGS_8_WARPS * 256 == 24576
+
+
+def test_fp32_fma_rule_on_nvidia_only():
+    """fp32 on NVIDIA: 16 rows x 8 warps and the FMA word budget; HIP fp32 and every 16-bit
+    choice keep the MMA model (the constants' compile figures are in policy/paged.py)."""
+    assert (FP32_BLOCK_M, FP32_NUM_WARPS, FP32_MAX_WORDS) == (16, 8, 10240)
+    # the measured boundary: hd64 SHUFFLE 16 x 64 (clean) is inside, hd128 SHUFFLE 16 x 32
+    # (72-112 B spilled on every NVIDIA target) and hd128 NHD 16 x 64 are outside
+    assert estimate_words(16, 64, 64, 4, shuffled=True) == 10240 == FP32_MAX_WORDS
+    assert estimate_words(16, 32, 128, 4, shuffled=True) == 10752 > FP32_MAX_WORDS
+    assert estimate_words(16, 64, 128, 4) == 11264 > FP32_MAX_WORDS
+    expected_n = {(64, False): 64, (64, True): 64, (128, False): 32, (128, True): 16}
+    expected_n |= {(256, False): 16, (256, True): 16}
+    for arch, target in TARGETS.items():
+        for (d, shuf), mql in itertools.product(expected_n, (1, 64, 512)):
+            kw = dict(num_q_heads=40, head_dim=d, max_query_len=mql, shuffled=shuf)
+            fp32 = paged_tiles(target, _problem(elem_bytes=4, **kw))
+            if target.is_hip:  # the MMA model: 64-row prefill tiles where the LDS holds them
+                wide_lds = d < 256 or arch == "gfx950"
+                assert fp32.block_m == (64 if mql > 1 and wide_lds else 16), (arch, d, mql)
+                continue
+            assert (fp32.block_m, fp32.block_q, fp32.head_tile) == (16, 3, 5), (arch, d, mql)
+            assert (fp32.block_n, fp32.num_warps, fp32.num_stages) == (expected_n[d, shuf], 8, 2)
+            assert fp32.decode is None
 
 
 def test_hip_gets_waves_per_eu_and_cuda_does_not():

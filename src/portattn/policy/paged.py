@@ -54,6 +54,17 @@ batch: 633.9 vs 1034.5 us; 629.2 vs 930.9 us at block_n 32). Past
 words per program (`MAX_WORDS_8_WARPS`, 96 x 8 x 32): a 64-lane wavefront spreads the tiles over
 twice the threads but does not hold twice the live values (gfx950, below).
 
+fp32 on NVIDIA (`FP32_BLOCK_M`): the dots run in exact fp32 (``input_precision="ieee"``), which
+compiles to FMA loops with both operands in registers, not to MMA, so the model above does not
+hold there; under it 77 of the 108 fp32 cells of the compile matrix on sm_80 .. sm_120 spilled
+past the gate's 16 B (up to 37008 B: head_dim 128 prefill, 64 x 64 x 8 warps on sm_100). Such
+tiles take 16 rows and 8 warps, and the longest ``block_n`` whose `estimate_words` is <=
+`FP32_MAX_WORDS` (40 words per thread; block_n 16 always passes). The compile matrix measured
+those without spills for every fp32 case on every NVIDIA target but one, where ptxas parks 8 B
+(sm_86/sm_89, head_dim 128 NHD, 48 registers; inside the gate's 16 B); numbers at the
+constants. AMD keeps the model above: MFMA has fp32 instructions and its fp32 cells compile
+without spills.
+
 SHUFFLE caches (``PagedProblem.shuffled``) add `SHUFFLE_ADDR_WORDS` (1) word per element of the
 gathered K/V tile (``block_n * block_d``): the split (token // x, token % x, dim // x, dim % x)
 in-block offsets are per-element values the compiler does not fold into a row + column broadcast
@@ -130,6 +141,37 @@ MAX_WORDS_8_WARPS = MAX_REGS_8_WARPS * 8 * 32
 # (30720 words): 8 warps 20-27 VGPRs -> 64 x 16 177 VGPRs, 0; sm_80 hd256 GQA 5:1 prefill 64 x 32
 # (88 -> 120 > 96 per thread): 32 B -> 64 x 16, 255 regs, 0 B.
 SHUFFLE_ADDR_WORDS = 1
+# 4-byte (fp32) elements on NVIDIA (`_fma_dots`): the kernel's dots run in exact fp32
+# (``input_precision="ieee"``), which no NVIDIA tensor core does, so both dots compile to FMA
+# loops whose operands are held in registers, and the 16-bit model above (MMA operands read from
+# shared memory) does not hold: with it 77 of the 108 fp32 paged cells of the compile matrix on
+# sm_80 .. sm_120 spilled past the gate's 16 B (Triton 3.6, GQA 5:1; worst per case: hd128 NHD
+# prefill 64 x 64 x 8 warps 37008 B (sm_100; sm_90 36032 B at 32 registers), hd256 NHD prefill
+# 64 x 16 x 8 warps 23420 B (sm_90), hd64 SHUFFLE prefill 64 x 64 x 4 warps 21128 B (sm_90), hd128
+# SHUFFLE decode 16 x 64 x 8 warps 5744 B (sm_90)). AMD keeps the model above: MFMA has fp32
+# instructions, and its fp32 cells compile without spills.
+# So fp32 on NVIDIA takes 16 rows (prefill included: no row tile above 16 compiles clean for
+# every head dim; at 8 warps, 2 stages, sm_90: hd128 NHD 32 x 16 spills 32 B, 32 x 32 768 B;
+# hd256 NHD 32 x 32 25320 B; hd64 SHUFFLE 32 x 32 40 B; hd128 SHUFFLE 64 x 16 604 B), 8 warps,
+# and the longest ``block_n`` whose `estimate_words` is <= `FP32_MAX_WORDS` (block_n 16 always
+# passes). Compiled with Triton 3.6 on a CPU, GQA 5:1, prefill and decode, at 16 rows, 8 warps,
+# 2 stages (registers, spill bytes on sm_80 / sm_86 / sm_89 / sm_90 / sm_100 / sm_120):
+#   hd64 NHD     16 x 64 ( 6144 words): 52/46/46/90/40/92 registers, no spills
+#   hd64 SHUFFLE 16 x 64 (10240):      122/123/123/127/127/125, no spills
+#   hd128 NHD    16 x 32 ( 6656):       60/48/48/62/62/62, 0/8/8/0/0/0 B (sm_86/sm_89: ptxas
+#                stops at 48 registers and parks two words; 16 x 16 does the same, 4 B; inside
+#                the gate's 16 B threshold); 16 x 64 (11264, past the budget; on the 99 KB
+#                parts past their shared memory too) 95/-/-/95/96/91, no spills
+#   hd128 SHUFFLE 16 x 16 ( 6400):     155/162/162/155/156/155, none; 16 x 32 (10752): 72-112 B
+#                on every target
+#   hd256 NHD    16 x 16 ( 8448):       80/80/80/79/75/78, none; 16 x 32 (12800): sm_100 28 B
+#   hd256 SHUFFLE 16 x 16 (12544):     228/185/185/225/204/209, none; 16 x 32 (20992): 164-276 B
+# 4 warps are no better (hd64 NHD 16 x 64: 8-12 B on sm_90/sm_100/sm_120; hd256 SHUFFLE 16 x 16:
+# 96-184 B on sm_80/sm_86/sm_90/sm_100/sm_120). The cap is the hd128 SHUFFLE 16 x 32 step: the
+# budget must stop below its 10752 words; hd64 SHUFFLE 16 x 64 (10240) is the largest tile under it.
+FP32_BLOCK_M = 16
+FP32_NUM_WARPS = 8
+FP32_MAX_WORDS = 40 * FP32_NUM_WARPS * 32
 # Split-KV: the fewest context tokens one split walks (shorter splits cost more in the reduce and
 # in per-program set-up than they win in parallelism), the most splits, and how many programs per
 # multiprocessor a split grid aims for (2: one program's gathers overlap the other's math).
@@ -277,9 +319,16 @@ def estimate_registers(
     return -(-words // threads)
 
 
+def _fma_dots(target: Target, elem_bytes: int) -> bool:
+    """The kernel's dots compile to register-operand FMA loops: fp32 on NVIDIA (`FP32_BLOCK_M`)."""
+    return elem_bytes == 4 and not target.is_hip
+
+
 def _num_warps(
     target: Target, block_m: int, block_n: int, block_d: int, elem_bytes: int, shuffled: bool
 ) -> int:
+    if _fma_dots(target, elem_bytes):
+        return FP32_NUM_WARPS
     smem_mma = target.arch in SMEM_MMA_ARCHS and block_m >= SMEM_MMA_MIN_ROWS
     for warps in NUM_WARPS:
         regs = estimate_registers(
@@ -345,6 +394,9 @@ def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
       * ``num_warps`` 4, or 8 where `estimate_registers` at 4 exceeds 64 (128 for >= 64-row
         tiles on `SMEM_MMA_ARCHS`; both estimates count the SHUFFLE address words when
         ``shuffled``).
+      * fp32 on NVIDIA (FMA dots, module docstring): ``block_m`` `FP32_BLOCK_M` (16, so no
+        decode tile), `FP32_NUM_WARPS` (8), and `FP32_MAX_WORDS` in place of
+        `MAX_WORDS_8_WARPS` on the ladder.
       * ``decode``: the row tile a ``max_query_len == 1`` problem would get, when it differs from
         the chosen one and ``max_query_len`` exceeds its ``block_q`` (mixed batches).
       * ``num_splits`` from `split_count`.
@@ -386,8 +438,11 @@ def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
 def _block_m(
     target: Target, rows: int, block_d: int, elem_bytes: int, cap: int, shuffled: bool
 ) -> int:
-    """The M tile for ``rows`` rows of work before the budget: wide, or 16..64 (<= ``cap``)."""
+    """The M tile for ``rows`` rows of work before the budget: wide, or 16..64 (<= ``cap``);
+    `FP32_BLOCK_M` for FMA dots."""
     min_m = max(MIN_DOT_DIM, target.mma_min_rows)
+    if _fma_dots(target, elem_bytes):
+        return max(min_m, FP32_BLOCK_M)
     wide = not shuffled and _wide_fits(target, block_d, elem_bytes)
     if rows >= WIDE_BLOCK_M and cap >= WIDE_BLOCK_M and wide:
         return WIDE_BLOCK_M
@@ -410,6 +465,7 @@ def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
     rows = p.max_query_len * p.group
     block_m = _block_m(target, rows, block_d, p.elem_bytes, WIDE_BLOCK_M, p.shuffled)
     max_stages = max(1, min(PREFERRED_STAGES, target.max_num_stages))
+    max_words = FP32_MAX_WORDS if _fma_dots(target, p.elem_bytes) else MAX_WORDS_8_WARPS
     while True:
         ladder = _ladder(max_stages)
         if block_m == WIDE_BLOCK_M:  # the wide tile is 128 x 64, pipelined (see _wide_fits)
@@ -417,7 +473,7 @@ def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
         for block_n, stages in ladder:
             smem = estimate_shared_mem(block_m, block_n, block_d, p.elem_bytes, stages)
             words = estimate_words(block_m, block_n, block_d, p.elem_bytes, p.shuffled)
-            fits_regs = block_m == WIDE_BLOCK_M or words <= MAX_WORDS_8_WARPS or block_n == 16
+            fits_regs = block_m == WIDE_BLOCK_M or words <= max_words or block_n == 16
             if smem <= target.max_shared_mem and fits_regs:
                 row_tile = _rows(block_m, p.group)
                 warps = _num_warps(target, block_m, block_n, block_d, p.elem_bytes, p.shuffled)
