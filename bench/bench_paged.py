@@ -23,10 +23,17 @@ outputs are compared too):
    as two SDPA calls timed together in one function (the sum);
 5. the HIP (gfx942) policy's tiles on this GPU (HIP-only launch options dropped): check + time.
 
+``--shuffle`` (issue 18) times instead the SHUFFLE layout next to NHD at the decode points: the
+same cache contents converted with `layout.from_logical`, each checked against the oracle first,
+under this GPU's policy and under the gfx942 policy forced, with the SHUFFLE / NHD kernel-time
+ratio per point (goal: <= 1.1 everywhere). A few minutes on an H100; writes
+``$OUT/bench_paged_shuffle.json``.
+
 Usage::
 
     python bench/bench_paged.py                  # the default table
     python bench/bench_paged.py --dtype fp16
+    python bench/bench_paged.py --shuffle        # SHUFFLE vs NHD at the decode points
     OUT=/tmp/out python bench/bench_paged.py     # also writes $OUT/bench_paged.json
 """
 
@@ -44,6 +51,7 @@ from triton.testing import do_bench
 from portattn import reference
 from portattn.kernels._launch import run_all
 from portattn.kernels.paged_attention import paged_attention, plan_paged_attention
+from portattn.layout import from_logical
 from portattn.platform import current_target
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -170,24 +178,81 @@ def sdpa_baseline(name, seqs, args, kernel_out):
     return ms * 1e3, " + ".join(names), diff
 
 
-def check_plan(plan_fn, args, n=3):
+def check_plan(plan_fn, args, n=3, layout="NHD"):
     """Tolerance rule on the first ``n`` sequences for launches from ``plan_fn(*sub)``."""
     q, k, v, table, seq_lens, qsl = args
     end = int(qsl[n])
     sub = (q[:end], k, v, table[:n], seq_lens[:n], qsl[: n + 1])
-    launches = plan_fn(*sub)
+    launches = plan_fn(*sub, layout=layout)
     run_all(launches)
     out = launches[0].outputs[0].double().cpu()
-    oracle = reference.paged_attention(*sub)
-    lowp = reference.paged_attention(*sub, compute_dtype=q.dtype)
+    oracle = reference.paged_attention(*sub, layout=layout)
+    lowp = reference.paged_attention(*sub, compute_dtype=q.dtype, layout=layout)
     rel = lambda x: float((x.double() - oracle).norm() / oracle.norm())  # noqa: E731
     e_kernel, e_torch = rel(out), rel(lowp)
     ok = bool(torch.isfinite(out).all()) and e_kernel <= 2 * e_torch
     return ok, e_kernel, e_torch
 
 
-def hip_plan(*args):
-    return plan_with_target("gfx942", plan_paged_attention, *args)
+def hip_plan(*args, **kwargs):
+    return plan_with_target("gfx942", plan_paged_attention, *args, **kwargs)
+
+
+def to_shuffle(args):
+    """``args`` (NHD caches) with the same cache contents in the SHUFFLE layout."""
+    q, k, v, table, seq_lens, qsl = args
+    ks = from_logical(k, "SHUFFLE", "key")
+    vs = from_logical(v, "SHUFFLE", "value")
+    return q, ks, vs, table, seq_lens, qsl
+
+
+def _tiles(plan):
+    a, o = plan[0].args, plan[0].options
+    return (a["BLOCK_M"], a["BLOCK_N"], o.num_warps, o.num_stages, a["NUM_SPLITS"])
+
+
+def shuffle_main(dtype, arch) -> None:
+    """SHUFFLE vs NHD at the decode points (``--shuffle``; module docstring)."""
+    policies = {arch: plan_paged_attention, "gfx942": hip_plan}
+    print(
+        f"{'scenario':16} {'bs':>5} {'policy':>7} {'tiles NHD (M,N,w,s,splits)':>27} "
+        f"{'tiles SHUFFLE':>19} {'NHD us':>8} {'SHUF us':>8} {'ratio':>6} {'err/torch':>10}"
+    )
+    rows = []
+    for name, seqs in SCENARIOS.items():
+        if seqs[0][1] != 1:
+            continue  # decode points only
+        for bs in BLOCK_SIZES:
+            nhd = make_inputs(seqs, bs, dtype)
+            shuf = to_shuffle(nhd)
+            for pname, plan_fn in policies.items():
+                res = {}
+                for layout, args in (("NHD", nhd), ("SHUFFLE", shuf)):
+                    ok, e_k, e_t = check_plan(plan_fn, args, layout=layout)
+                    if not ok:
+                        raise SystemExit(f"correctness: {name} bs {bs} {pname} {layout}: kernel "
+                                         f"error {e_k:.3e} > 2 x torch {e_t:.3e}")  # fmt: skip
+                    plan = plan_fn(*args, layout=layout)
+                    us = do_bench(lambda plan=plan: run_all(plan)) * 1e3
+                    res[layout] = dict(us=us, tiles=_tiles(plan), err=e_k / e_t)
+                ratio = res["SHUFFLE"]["us"] / res["NHD"]["us"]
+                flag = "" if ratio <= 1.1 else "  > 1.1"
+                print(
+                    f"{name:16} {bs:>5} {pname:>7} {str(res['NHD']['tiles']):>27} "
+                    f"{str(res['SHUFFLE']['tiles']):>19} {res['NHD']['us']:>8.1f} "
+                    f"{res['SHUFFLE']['us']:>8.1f} {ratio:>6.2f} "
+                    f"{max(r['err'] for r in res.values()):>10.2f}{flag}"
+                )
+                rows.append(dict(scenario=name, block_size=bs, policy=pname, ratio=ratio,
+                                 nhd=res["NHD"], shuffle=res["SHUFFLE"]))  # fmt: skip
+            del nhd, shuf
+            torch.cuda.empty_cache()
+    worst = max(rows, key=lambda r: r["ratio"])
+    print(f"== worst SHUFFLE / NHD: {worst['ratio']:.2f} ({worst['scenario']}, bs "
+          f"{worst['block_size']}, {worst['policy']} policy); goal <= 1.1: "
+          f"{'met' if worst['ratio'] <= 1.1 else 'NOT met'}")  # fmt: skip
+    dtype_name = str(dtype).removeprefix("torch.")
+    save_record("bench_paged_shuffle", arch=arch, dtype=dtype_name, rows=rows)
 
 
 def main() -> None:
@@ -195,10 +260,17 @@ def main() -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the torch SDPA baselines")
     ap.add_argument("--no-hip", action="store_true", help="skip the gfx942-policy rows")
+    ap.add_argument("--shuffle", action="store_true",
+                    help="only SHUFFLE vs NHD at the decode points (issue 18)")  # fmt: skip
     opts = ap.parse_args()
     dtype = DTYPES[opts.dtype]
     target = current_target()
     commit = git_commit()
+    if opts.shuffle:
+        print(f"# {torch.cuda.get_device_name()} ({target.arch}), {opts.dtype}, commit {commit}, "
+              f"SHUFFLE vs NHD")  # fmt: skip
+        shuffle_main(dtype, target.arch)
+        return
     rows, sdpa_rows, summary = [], [], []
     print(f"# {torch.cuda.get_device_name()} ({target.arch}), {opts.dtype}, commit {commit}, "
           f"torch {torch.__version__}")  # fmt: skip

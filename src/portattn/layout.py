@@ -24,6 +24,7 @@ path take their addressing from `describe_kv_cache`, which consults it, so they 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -85,6 +86,40 @@ def is_block_contiguous(addr: CacheAddressing) -> bool:
     return addr.tok_split == 1 and (
         addr.num_blocks == 1 or addr.stride_block == addr.block_size * addr.stride_tok_hi
     )
+
+
+def vector_width(addr: CacheAddressing) -> int:
+    """Elements of the aligned contiguous runs a kernel may load as one vector; 1: none claimed.
+
+    For a split axis (SHUFFLE: K's dims, V's tokens, runs of ``x``), the runs are contiguous when
+    their stride is 1, and a run starts on a multiple of ``w`` elements when every other stride is
+    a multiple of ``w``: the answer is the largest such ``w`` dividing the split (``x``, a power of
+    two), e.g. 8 for a contiguous or hybrid bf16 SHUFFLE cache, less for a view whose strides are
+    not multiples of x. Kernels state it to the compiler (Triton specialises only integer arguments
+    divisible by 16); the base pointer's alignment is Triton's own specialisation. Unsplit caches
+    (NHD) get 1: their head dim is contiguous with stride 1, which Triton sees by itself.
+    """
+    split = max(addr.tok_split, addr.dim_split)
+    if split == 1:
+        return 1
+    lo = addr.stride_tok_lo if addr.tok_split > 1 else addr.stride_dim_lo
+    if lo != 1:
+        return 1
+    strides = (addr.stride_block, addr.stride_head, addr.stride_tok_hi, addr.stride_dim_hi)
+    return math.gcd(split, *strides)
+
+
+def packed_runs(addr: CacheAddressing) -> bool:
+    """True when a split cache's runs of x elements lie back to back along its other axis: SHUFFLE
+    K's token stride (``[.., block_size, x]``) or SHUFFLE V's dim stride (``[.., head_dim, x]``)
+    equals x, as in every cache `empty_kv_cache` and `make_hybrid_cache` build and their slices.
+    A kernel may then use x itself, a compile-time constant, as that stride. False when unsplit.
+    """
+    if addr.dim_split > 1:
+        return addr.stride_tok_hi == addr.dim_split
+    if addr.tok_split > 1:
+        return addr.stride_dim_hi == addr.tok_split
+    return False
 
 
 def _addressing(cache: torch.Tensor, layout: str, kind: str) -> CacheAddressing:
@@ -176,6 +211,22 @@ def to_logical(cache: torch.Tensor, layout: str, kind: str) -> torch.Tensor:
         return cache.permute(0, 3, 1, 2, 4).reshape(nb, cache.shape[3], h, -1)
     # value: [nb, h, bs/x, d, x] -> [nb, bs/x, x, h, d]
     return cache.permute(0, 2, 4, 1, 3).reshape(nb, -1, h, cache.shape[3])
+
+
+def from_logical(logical: torch.Tensor, layout: str, kind: str) -> torch.Tensor:
+    """A contiguous cache in ``layout`` holding ``logical`` ``[num_blocks, block_size,
+    num_kv_heads, head_dim]`` (the inverse of `to_logical`; SHUFFLE needs ``head_dim`` (key) or
+    ``block_size`` (value) divisible by x). Benchmarks use it to time one cache in both layouts."""
+    if layout == "NHD":
+        return logical.contiguous()
+    if layout != "SHUFFLE":
+        raise ValueError(f"from_logical: layout must be one of {LAYOUTS}; got {layout!r}")
+    nb, bs, h, d = logical.shape
+    x = shuffle_x(logical.dtype)
+    if kind == "key":  # [nb, bs, h, d/x, x] -> [nb, h, d/x, bs, x]
+        return logical.reshape(nb, bs, h, d // x, x).permute(0, 2, 3, 1, 4).contiguous()
+    # value: [nb, bs/x, x, h, d] -> [nb, h, bs/x, d, x]
+    return logical.reshape(nb, bs // x, x, h, d).permute(0, 3, 1, 4, 2).contiguous()
 
 
 def token_view(

@@ -121,13 +121,14 @@ def make_batch(
     table_dtype=torch.int32,
     table_pad=-1,
     spare_blocks=2,
+    state_bytes=48,
 ) -> Batch:
     """A batch of ``seqs`` = ((seq_len, q_len), ...) over a randomly permuted paged cache."""
     g = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     nblk = [-(-s // block_size) for s, _ in seqs]
     num_blocks = sum(nblk) + spare_blocks
-    k, v = _caches(kind, layout, num_blocks, block_size, hkv, head_dim, dtype, device)
+    k, v = _caches(kind, layout, num_blocks, block_size, hkv, head_dim, dtype, device, state_bytes)
     perm = torch.randperm(num_blocks, generator=g)
     max_blocks = max(nblk, default=0) + 1
     table = torch.full((len(seqs), max_blocks), table_pad, dtype=torch.int64)
@@ -281,11 +282,54 @@ def test_layout_fuzz(device, kind, layout, block_size, heads, head_dim, seqs, st
     """Random strides / interleavings / layouts vs the reference (fp16: SHUFFLE needs x=8)."""
     b = make_batch(
         seqs, block_size=block_size, heads=heads, head_dim=head_dim, dtype=torch.float16,
-        kind=kind, layout=layout, device=device, seed=seed,
+        kind=kind, layout=layout, device=device, seed=seed, state_bytes=state_bytes,
     )  # fmt: skip
     if b.query.shape[0] == 0:
         return
     check(b, paged_attention(*b.args(), layout=layout))
+
+
+# SHUFFLE through the unmasked loop (full KV tiles) as well as the masked one: a tile spans
+# several blocks (block_size 16, 8 = x for fp16), a run of x tokens never straddles one; fp32
+# (x = 4); hybrid pages whose stride keeps runs 8-aligned (48 B of state), 2-aligned (4 B) or
+# unaligned (6 B), i.e. vector widths 8, 2 and 1 (the strides the kernel rewrites with `_aligned`).
+# (block_size, block_n, kind, state_bytes, dtype, (K_VEC, V_VEC))
+SHUFFLE_FULL_TILES = [
+    (16, 64, "contiguous", 48, torch.float16, (8, 8)),
+    (8, 64, "contiguous", 48, torch.float16, (8, 8)),
+    (8, 16, "hybrid", 48, torch.float16, (8, 8)),
+    (16, 32, "hybrid", 4, torch.float16, (2, 2)),
+    (16, 64, "hybrid", 6, torch.float16, (1, 1)),
+    (16, 32, "permuted", 48, torch.float32, (4, 4)),
+    (80, 64, "slice", 48, torch.float16, (8, 8)),
+]
+
+
+@pytest.mark.parametrize(
+    "block_size,block_n,kind,state_bytes,dtype,vec",
+    SHUFFLE_FULL_TILES,
+    ids=[f"bs{c[0]}-n{c[1]}-{c[2]}{c[3]}-{str(c[4])[6:]}" for c in SHUFFLE_FULL_TILES],
+)
+def test_shuffle_full_tiles(device, block_size, block_n, kind, state_bytes, dtype, vec):
+    """SHUFFLE over contexts of several full KV tiles (unmasked loop), then a partial one: decode
+    and chunked prefill, then a decode batch split over 2 KV ranges; NaN past each sequence."""
+    x = 16 // dtype.itemsize
+    problem = PagedProblem(4, 2, 32, dtype.itemsize, max_query_len=20, shuffled=True)
+    tiles = dataclasses.replace(paged_tiles(get_target("sm_90"), problem), block_n=block_n)
+    split = dataclasses.replace(tiles, num_splits=2, decode=None)
+    # (150, 20): the tail run [144, 150) is past the causal limit of the chunk's first 14 rows
+    mixed = ((200, 1), (150, 20), (2 * block_n, 1), (block_n + 9, 3))
+    decode = ((200, 1), (3 * block_n + 1, 1), (2 * block_n, 1))
+    for seqs, t in ((mixed, tiles), (decode, split)):
+        b = make_batch(
+            seqs, block_size=block_size, heads=(4, 2), head_dim=32, dtype=dtype, kind=kind,
+            layout="SHUFFLE", device=device, state_bytes=state_bytes,
+        )  # fmt: skip
+        launches = plan_paged_attention(*b.args(), layout="SHUFFLE", tiles=t)
+        a = launches[0].args
+        assert (a["BLOCK_N"], a["V_TOK_SPLIT"], a["K_VEC"], a["V_VEC"]) == (block_n, x, *vec)
+        run_all(launches)
+        check(b, launches[0].outputs[0])
 
 
 # -- the plan -----------------------------------------------------------------------------------

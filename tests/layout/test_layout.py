@@ -8,11 +8,13 @@ import torch
 from portattn.layout import (
     describe_kv_cache,
     empty_kv_cache,
+    from_logical,
     is_block_contiguous,
     make_hybrid_cache,
     shuffle_x,
     to_logical,
     token_view,
+    vector_width,
 )
 
 pytestmark = pytest.mark.paged
@@ -109,6 +111,19 @@ def test_token_view_and_to_logical_agree(layout, dtype):
                 view = token_view(cache, layout, kind, b, t)
                 view.copy_(src[b, t].reshape(view.shape))
         assert torch.equal(to_logical(cache, layout, kind), src)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ("NHD", "SHUFFLE"))
+def test_from_logical_inverts_to_logical(layout, dtype):
+    logical = torch.randn(3, 16, 2, 32).to(dtype)
+    for kind in ("key", "value"):
+        cache = from_logical(logical, layout, kind)
+        assert cache.is_contiguous()
+        assert torch.equal(to_logical(cache, layout, kind), logical)
+    k, v = (from_logical(logical, layout, kind) for kind in ("key", "value"))
+    ka, va = describe_kv_cache(OP, k, v, layout)  # a valid pair of the layout
+    assert (ka.num_blocks, ka.block_size, ka.num_kv_heads, ka.head_dim) == (3, 16, 2, 32)
 
 
 def test_to_logical_is_a_copy():
@@ -231,3 +246,31 @@ def test_empty_kv_cache_shuffle_error():
 @pytest.mark.parametrize("dtype, x", [(torch.float32, 4), (torch.float16, 8), (torch.bfloat16, 8)])
 def test_shuffle_x(dtype, x):
     assert shuffle_x(dtype) == x
+
+
+# -- vector width (what a kernel may load as one vector) ---------------------------------------
+
+
+def _pair(k, v, layout="SHUFFLE"):
+    return tuple(vector_width(a) for a in describe_kv_cache(OP, k, v, layout))
+
+
+def test_vector_width():
+    # NHD: nothing claimed (Triton sees the unit head-dim stride itself)
+    assert _pair(*empty_kv_cache(2, 16, 2, 32, dtype=torch.float16), "NHD") == (1, 1)
+    # contiguous SHUFFLE: x-element runs (16 bytes)
+    assert _pair(*empty_kv_cache(2, 16, 2, 32, layout="SHUFFLE", dtype=torch.float16)) == (8, 8)
+    assert _pair(*empty_kv_cache(2, 16, 2, 32, layout="SHUFFLE", dtype=torch.float32)) == (4, 4)
+    # hybrid pages: the page stride decides (48 B of state = 24 fp16 elements: runs of 8 stay
+    # 8-aligned; 6 B = 3 elements: pages start anywhere, no vector claimed)
+    for state, want in ((48, (8, 8)), (6, (1, 1)), (4, (2, 2))):
+        hc = make_hybrid_cache(
+            2, 16, 2, 32, mamba_state_bytes=state, layout="SHUFFLE", dtype=torch.float16
+        )
+        assert _pair(hc.key_cache, hc.value_cache) == want, state
+    # a run whose elements are not adjacent (x axis strided): none
+    k, v = empty_kv_cache(2, 16, 2, 32, layout="SHUFFLE", dtype=torch.float16)
+    wide_k = torch.zeros(2, 2, 4, 16, 16, dtype=torch.float16)[..., ::2]
+    wide_v = torch.zeros(2, 2, 2, 32, 16, dtype=torch.float16)[..., ::2]
+    assert _pair(wide_k, wide_v) == (1, 1)
+    assert _pair(wide_k, v) == (1, 8)

@@ -16,6 +16,7 @@ from portattn.policy.paged import (
     MAX_REGS_8_WARPS,
     MAX_WORDS_8_WARPS,
     SHUFFLE_ADDR_WORDS,
+    SHUFFLE_WARPS_ELEM_BYTES,
     SMEM_MMA_ARCHS,
     WIDE_MAX_REGS,
     WIDE_TILE_ARCHS,
@@ -164,31 +165,34 @@ EXACT = [
         _problem(num_q_heads=8, num_kv_heads=8, head_dim=80, max_query_len=6),
         PagedTiles(16, 16, 1, 64, 128, LaunchOptions(4, 2), 65536 + 4096 + 2048),
     ),
-    # SHUFFLE caches: + SHUFFLE_ADDR_WORDS * block_n * block_d words in the register estimate,
-    # at most MAX_WORDS_8_WARPS (24576) words per program below block_n 16, never the wide tile.
-    # MHA decode, head_dim 128: 4 warps (2048 + 1024 + 4096 + 8192) / 128 = 120 > 64 -> 8 warps
-    # (NHD: 56, 4 warps; SHUFFLE at 4 warps spilled 20 B on sm_90/sm_100)
+    # SHUFFLE caches: + SHUFFLE_ADDR_WORDS * block_n * block_d words in the per-program words
+    # bound (at most MAX_WORDS_8_WARPS, 24576, below block_n 16), in the warp count only in fp32
+    # (16-bit: vector loads since issue 18), never the wide tile.
+    # MHA decode, head_dim 128: 4 warps like NHD, (2048 + 1024 + 4096) / 128 = 56 (the address
+    # words made it 120 -> 8 warps before; compiled now: 111 registers, 0 B on sm_90)
     (
         "sm_90",
         _problem(num_q_heads=8, head_dim=128, shuffled=True),
-        PagedTiles(16, 16, 1, 64, 128, LaunchOptions(8, 2), 65536 + 4096 + 2048),
+        PagedTiles(16, 16, 1, 64, 128, LaunchOptions(4, 2), 65536 + 4096 + 2048),
     ),
     (
-        "gfx950",  # 64 lanes: 15360 / 256 = 60 <= 64 -> 4 warps (236 VGPRs, no spills)
+        "gfx950",  # 64 lanes: 7168 / 256 = 28 <= 64 -> 4 warps (166 VGPRs, no spills)
         _problem(num_q_heads=8, head_dim=128, shuffled=True),
         PagedTiles(16, 16, 1, 64, 128, LaunchOptions(4, 2, 2), 65536 + 4096 + 2048),
     ),
     # GQA 4:1 decode, head_dim 256: block_n 64 is 4096 + 1024 + 8192 + 16384 = 29696 words >
-    # 24576 -> block_n 32 (16896 words); 4 warps 132 (sm_90) / 66 (gfx950) > 64 -> 8 warps
+    # 24576 -> block_n 32 (NHD: 64; at 64, 8 warps, ptxas parks 16-28 B at 128 registers on
+    # sm_80-sm_100); 4 warps (4096 + 512 + 4096) / 128 = 68 > 64 on sm_90 -> 8 warps, 34 on
+    # gfx950 -> 4 warps (153 VGPRs, no spills)
     (
         "sm_90",
         _problem(head_dim=256, shuffled=True),
         PagedTiles(16, 4, 4, 32, 256, LaunchOptions(8, 2), 65536 + 8192 + 1024),
     ),
     (
-        "gfx950",  # was 16 x 64 x 4 warps: 174-176 VGPRs spilled
+        "gfx950",  # was 16 x 64 x 4 warps: 174-176 VGPRs spilled (per-element offsets)
         _problem(head_dim=256, shuffled=True),
-        PagedTiles(16, 4, 4, 32, 256, LaunchOptions(8, 2, 2), 65536 + 8192 + 1024),
+        PagedTiles(16, 4, 4, 32, 256, LaunchOptions(4, 2, 2), 65536 + 8192 + 1024),
     ),
     # prefill chunk, GQA 5:1, head_dim 256: 64 x 32 is 16384 + 2048 + 4096 + 8192 = 30720 words
     # > 24576 -> 64 x 16 (NHD: 64 x 32, 22528 words)
@@ -282,8 +286,9 @@ def test_every_choice_fits_the_budget(arch):
             assert (t.block_m, t.num_warps, t.decode) == (FP32_BLOCK_M, FP32_NUM_WARPS, None)
             assert t.block_n == 16 or words <= FP32_MAX_WORDS
         else:
+            shuf_regs = shuf and elem in SHUFFLE_WARPS_ELEM_BYTES  # (16-bit: words bound only)
             regs4 = estimate_registers(
-                t.block_m, t.block_n, t.block_d, elem, 4, target.warp_size, shuf
+                t.block_m, t.block_n, t.block_d, elem, 4, target.warp_size, shuf_regs
             )
             smem_mma = arch in SMEM_MMA_ARCHS and t.block_m >= 64
             budget4 = MAX_REGS_4_WARPS_SMEM_MMA if smem_mma else 64
@@ -331,8 +336,9 @@ def test_register_estimate():
     assert estimate_registers(64, 64, 128, 2, 8, 32) == 64
     # the same tile on a 64-lane wavefront
     assert estimate_registers(64, 32, 128, 2, 4, 64) == (8192 + 2048 + 2048) // 256
-    # SHUFFLE caches add SHUFFLE_ADDR_WORDS per gathered K/V element
-    assert SHUFFLE_ADDR_WORDS == 1
+    # SHUFFLE caches add SHUFFLE_ADDR_WORDS per gathered K/V element (the warp count counts them
+    # in fp32 only: `_num_warps`)
+    assert SHUFFLE_ADDR_WORDS == 1 and SHUFFLE_WARPS_ELEM_BYTES == (4,)
     assert estimate_words(64, 64, 128, 2, shuffled=True) == 8192 + 4096 + 4096 + 8192
     assert estimate_registers(64, 64, 128, 2, 4, 32, shuffled=True) == 192
     # the 8-warp bound is NVIDIA's measured 96 registers x 256 threads, per program
@@ -361,6 +367,22 @@ def test_fp32_fma_rule_on_nvidia_only():
             assert (fp32.block_m, fp32.block_q, fp32.head_tile) == (16, 3, 5), (arch, d, mql)
             assert (fp32.block_n, fp32.num_warps, fp32.num_stages) == (expected_n[d, shuf], 8, 2)
             assert fp32.decode is None
+
+
+@pytest.mark.parametrize("arch", sorted(TARGETS))
+def test_16_bit_shuffle_takes_nhd_tiles_up_to_head_dim_128(arch):
+    """Issue 18: SHUFFLE loads are vectors (no per-element offsets), so in 16-bit a SHUFFLE cache
+    gets NHD's tiles and warps; the exceptions are head_dim 256 (the per-program words bound
+    halves block_n) and NHD's wide tile (sm_100)."""
+    target = get_target(arch)
+    for hd, (hq, hkv), mql in itertools.product((64, 80, 128), GQA, MAX_QUERY_LENS):
+        nhd = paged_tiles(target, _problem(num_q_heads=hq, num_kv_heads=hkv, head_dim=hd,
+                                           max_query_len=mql))  # fmt: skip
+        if nhd.block_m > 64:  # the wide tile
+            continue
+        shuffle = paged_tiles(target, _problem(num_q_heads=hq, num_kv_heads=hkv, head_dim=hd,
+                                               max_query_len=mql, shuffled=True))  # fmt: skip
+        assert shuffle == nhd, (hd, hq, hkv, mql)
 
 
 def test_hip_gets_waves_per_eu_and_cuda_does_not():

@@ -38,6 +38,13 @@ limit of its first row without masks, then the rest up to the causal limit of it
 decode batch too small to fill the GPU splits each context over ``num_splits`` programs whose
 partial results (fp32, with a base-2 log-sum-exp) a second launch combines.
 
+SHUFFLE caches take the same path as NHD (issue 18): addresses are a token term plus a dim term,
+and their x-element runs (16 bytes) are stated aligned (`layout.vector_width`, `tl.multiple_of`)
+and constant per block-table entry (`tl.max_constancy`), so K and V load as 16-byte vectors,
+pipelined like NHD's. V is read in whole runs; the run holding a sequence's last positions also
+holds slots past its end, so the loops stop at the last run boundary and a 16-token tail step,
+run first, takes that run with V zeroed past the end (fp32: one masked loop zeroing in place).
+
 Not supported (yet): sliding windows, soft-capping, ALiBi, sinks, fp8 caches.
 """
 
@@ -61,7 +68,7 @@ from portattn.kernels._checks import (
 )
 from portattn.kernels._launch import Launch
 from portattn.kernels._plans import PLANS, call_key
-from portattn.layout import CacheAddressing, describe_kv_cache
+from portattn.layout import CacheAddressing, describe_kv_cache, packed_runs, vector_width
 from portattn.platform import Target, target_for_tensor
 from portattn.policy.common import launch_options
 from portattn.policy.paged import MAX_HEAD_DIM, PagedProblem, PagedTiles, paged_tiles
@@ -80,8 +87,8 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _cache_offsets(
-    tok,  # [BLOCK_N] or [BLOCK_N, 1]: in-block token offsets (int64)
-    dim,  # [BLOCK_D] or [1, BLOCK_D]: head-dim indices
+    tok,  # [BLOCK_N, 1] or [1, BLOCK_N]: in-block token offsets
+    dim,  # [1, BLOCK_D] or [BLOCK_D, 1]: head-dim indices
     stride_tok_hi,
     stride_tok_lo,
     stride_dim_hi,
@@ -89,16 +96,22 @@ def _cache_offsets(
     TOK_SPLIT: tl.constexpr,
     DIM_SPLIT: tl.constexpr,
 ):
-    """In-block offset of (token, dim) per `layout.CacheAddressing` (caller adds block, head)."""
-    if TOK_SPLIT == 1:
-        t_off = tok * stride_tok_hi
-    else:
-        t_off = (tok // TOK_SPLIT) * stride_tok_hi + (tok % TOK_SPLIT) * stride_tok_lo
-    if DIM_SPLIT == 1:
-        d_off = dim * stride_dim_hi
-    else:
-        d_off = (dim // DIM_SPLIT) * stride_dim_hi + (dim % DIM_SPLIT) * stride_dim_lo
-    return t_off + d_off
+    """In-block offset of (token, dim) per `layout.CacheAddressing` (caller adds block, head).
+
+    Separable: a token term plus a dim term, each computed on its own vector and broadcast once.
+    """
+    return _split_offsets(tok, stride_tok_hi, stride_tok_lo, TOK_SPLIT) + _split_offsets(
+        dim, stride_dim_hi, stride_dim_lo, DIM_SPLIT
+    )
+
+
+@triton.jit
+def _split_offsets(idx, stride_hi, stride_lo, SPLIT: tl.constexpr):
+    """Offset of index ``idx`` along one cache axis split ``SPLIT``-wise (`layout.CacheAddressing`):
+    ``(idx // SPLIT) * stride_hi + (idx % SPLIT) * stride_lo``; ``idx * stride_hi`` unsplit."""
+    if SPLIT == 1:
+        return idx * stride_hi
+    return (idx // SPLIT) * stride_hi + (idx % SPLIT) * stride_lo
 
 
 @triton.jit
@@ -108,7 +121,7 @@ def _kv_step(
     l_i,  # [BLOCK_M] running sum
     acc,  # [BLOCK_M, BLOCK_D] fp32 running output
     start,  # first context position of this KV tile
-    kv_end,  # positions >= kv_end are never read
+    kv_end,  # positions >= kv_end are not used (TAIL: V of their run is read, then zeroed)
     row_limit,  # [BLOCK_M]: row r sees positions < row_limit[r] (used when MASKED)
     bt_row,  # block_table row of the sequence
     k_base,  # key cache at this KV head
@@ -130,47 +143,80 @@ def _kv_step(
     stride_v_dim_hi,
     stride_v_dim_lo,
     MASKED: tl.constexpr,  # False: every position of the tile is < kv_end and < every row_limit
+    TAIL: tl.constexpr,  # SHUFFLE V: kv_end may fall inside a run: zero V past it
+    EVEN_D: tl.constexpr,  # head_dim == BLOCK_D: no head-dim mask on the gathers
     K_TOK_SPLIT: tl.constexpr,
     K_DIM_SPLIT: tl.constexpr,
     V_TOK_SPLIT: tl.constexpr,
     V_DIM_SPLIT: tl.constexpr,
+    K_VEC: tl.constexpr,  # SHUFFLE K: its x-element runs start on multiples of K_VEC
+    V_VEC: tl.constexpr,  # SHUFFLE V: likewise
 ):
-    """One KV tile: gather K/V through the block table, scores, online-softmax update."""
+    """One KV tile: gather K/V through the block table, scores, online-softmax update.
+
+    Addresses are separable: offset(token, dim) = tok_off[token] + dim_off[dim], each half built on
+    its own vector and broadcast once, so the compiler sees the runs of contiguous elements (the
+    head dim of NHD, the x-element runs of SHUFFLE) and loads them as vectors.
+    """
     # -- gather: context position -> (physical block, in-block offset) -----------------------
     pos = start + offs_n  # [BLOCK_N]
-    logical_block = pos // block_size
-    # In-block offsets stay 32-bit (one block spans < 2^31 elements); the block term is 64-bit.
-    in_block = pos % block_size
     if V_TOK_SPLIT > 1:
-        # SHUFFLE V keeps V_TOK_SPLIT tokens contiguous; block_size is a multiple of it and the
-        # tile starts on a multiple of it, so whole runs are loaded (vector loads instead of a
-        # scalar load per element): up to v_end, still inside the sequence's last block.
-        in_block = tl.max_contiguous(tl.multiple_of(in_block, V_TOK_SPLIT), V_TOK_SPLIT)
+        # SHUFFLE V keeps runs of V_TOK_SPLIT tokens contiguous. The tile starts on a multiple of
+        # BLOCK_N, hence of the run, and block_size is a multiple of the run (ops_registry), so a
+        # run never straddles a block: its block and its first in-block offset are constant over
+        # the run and only the lane varies -- a form the axis analysis can follow. (Unsigned
+        # division: positions and block sizes are >= 0, and it needs no sign fix-ups.)
+        run = start + offs_n // V_TOK_SPLIT * V_TOK_SPLIT
+        lane = offs_n % V_TOK_SPLIT
+        urun = run.to(tl.uint32)
+        logical_block = (urun // block_size.to(tl.uint32)).to(tl.int32)
+        run_in_block = (urun % block_size.to(tl.uint32)).to(tl.int32)
+        in_block = run_in_block + lane
+    else:
+        logical_block = pos // block_size
+        # In-block offsets stay 32-bit (one block spans < 2^31 elements); the block term is 64-bit.
+        in_block = pos % block_size
     if MASKED:
         pos_mask = pos < kv_end
-        if V_TOK_SPLIT > 1:
-            v_end = (kv_end + V_TOK_SPLIT - 1) // V_TOK_SPLIT * V_TOK_SPLIT
-            run_mask = pos < v_end
-        else:
-            run_mask = pos_mask
+        # SHUFFLE V is read in whole runs: those whose first position is < kv_end (still inside
+        # the sequence's last block; slots past kv_end are zeroed when TAIL)
+        run_mask = run < kv_end if V_TOK_SPLIT > 1 else pos_mask
         phys = tl.load(bt_row + logical_block * stride_bt_blk, mask=run_mask, other=0)
     else:
         phys = tl.load(bt_row + logical_block * stride_bt_blk)
     phys = phys.to(tl.int64)
     if V_TOK_SPLIT > 1:
-        phys = tl.max_constancy(phys, V_TOK_SPLIT)
+        phys = tl.max_constancy(phys, V_TOK_SPLIT)  # one block-table entry per run (above)
 
-    k_off = phys[None, :] * stride_k_block + _cache_offsets(
-        in_block[None, :],
-        offs_d[:, None],
-        stride_k_tok_hi,
-        stride_k_tok_lo,
-        stride_k_dim_hi,
-        stride_k_dim_lo,
-        K_TOK_SPLIT,
-        K_DIM_SPLIT,
-    )
-    if MASKED:
+    if K_DIM_SPLIT > 1:
+        # SHUFFLE K: runs of K_DIM_SPLIT dims are contiguous (stride_k_dim_lo 1); each run starts
+        # on a multiple of K_VEC elements (`layout.vector_width`, checked on the host), which
+        # Triton cannot see itself (it specialises only integer arguments divisible by 16, and
+        # the token stride is x): said with tl.multiple_of, the runs load as 16-byte vectors.
+        tl.static_assert(K_TOK_SPLIT == 1)
+        k_tok = phys * stride_k_block + in_block * stride_k_tok_hi  # [BLOCK_N]
+        k_run = (offs_d // K_DIM_SPLIT) * stride_k_dim_hi  # [BLOCK_D]
+        if K_VEC > 1:
+            k_tok = tl.multiple_of(k_tok, K_VEC)
+            k_run = tl.multiple_of(k_run, K_VEC)
+        k_off = k_tok[None, :] + (k_run + (offs_d % K_DIM_SPLIT) * stride_k_dim_lo)[:, None]
+    else:
+        k_off = phys[None, :] * stride_k_block + _cache_offsets(
+            in_block[None, :],
+            offs_d[:, None],
+            stride_k_tok_hi,
+            stride_k_tok_lo,
+            stride_k_dim_hi,
+            stride_k_dim_lo,
+            K_TOK_SPLIT,
+            K_DIM_SPLIT,
+        )
+    if EVEN_D:
+        if MASKED:
+            k = tl.load(k_base + k_off, mask=pos_mask[None, :], other=0.0)
+        else:
+            k = tl.load(k_base + k_off)
+    elif MASKED:
         k = tl.load(k_base + k_off, mask=d_mask[:, None] & pos_mask[None, :], other=0.0)
     else:
         k = tl.load(k_base + k_off, mask=d_mask[:, None], other=0.0)
@@ -183,27 +229,45 @@ def _kv_step(
 
     # -- online softmax (base 2) --------------------------------------------------------------
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+    # The tail step runs first: a row may see none of its positions yet (m_new = -inf)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new) if TAIL else m_new
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
 
-    v_off = phys[:, None] * stride_v_block + _cache_offsets(
-        in_block[:, None],
-        offs_d[None, :],
-        stride_v_tok_hi,
-        stride_v_tok_lo,
-        stride_v_dim_hi,
-        stride_v_dim_lo,
-        V_TOK_SPLIT,
-        V_DIM_SPLIT,
-    )
-    if MASKED:
+    if V_TOK_SPLIT > 1:
+        # SHUFFLE V: runs of V_TOK_SPLIT tokens are contiguous; the run's block and first offset
+        # (above) give its start, a multiple of V_VEC elements (as for K), plus the lane.
+        tl.static_assert(V_DIM_SPLIT == 1)
+        v_run = phys * stride_v_block + (run_in_block // V_TOK_SPLIT) * stride_v_tok_hi
+        v_dim = offs_d * stride_v_dim_hi  # [BLOCK_D]
+        if V_VEC > 1:
+            v_run = tl.multiple_of(v_run, V_VEC)
+            v_dim = tl.multiple_of(v_dim, V_VEC)
+        v_off = (v_run + lane * stride_v_tok_lo)[:, None] + v_dim[None, :]
+    else:
+        v_off = phys[:, None] * stride_v_block + _cache_offsets(
+            in_block[:, None],
+            offs_d[None, :],
+            stride_v_tok_hi,
+            stride_v_tok_lo,
+            stride_v_dim_hi,
+            stride_v_dim_lo,
+            V_TOK_SPLIT,
+            V_DIM_SPLIT,
+        )
+    if EVEN_D:
+        if MASKED:
+            v = tl.load(v_base + v_off, mask=run_mask[:, None], other=0.0)
+        else:
+            v = tl.load(v_base + v_off)
+    elif MASKED:
         v = tl.load(v_base + v_off, mask=run_mask[:, None] & d_mask[None, :], other=0.0)
-        if V_TOK_SPLIT > 1:  # slots past the sequence's end may hold anything (NaN): zero them
-            v = tl.where(pos_mask[:, None], v, 0.0)
     else:
         v = tl.load(v_base + v_off, mask=d_mask[None, :], other=0.0)
+    if TAIL:  # the run's slots past the sequence's end may hold anything (NaN): zero them
+        v = tl.where(pos_mask[:, None], v, 0.0)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
     return m_new, l_i, acc
 
@@ -261,10 +325,23 @@ def _attend(
     K_DIM_SPLIT: tl.constexpr,
     V_TOK_SPLIT: tl.constexpr,
     V_DIM_SPLIT: tl.constexpr,
+    K_VEC: tl.constexpr,
+    V_VEC: tl.constexpr,
+    K_PACKED: tl.constexpr,
+    V_PACKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     """One program's work: ``BLOCK_Q`` tokens x ``HEAD_TILE`` heads of one sequence."""
     tl.static_assert(BLOCK_Q * HEAD_TILE <= BLOCK_M)
     tl.static_assert(HEAD_TILE <= GROUP)
+    TAIL_N: tl.constexpr = 16  # the tail step's tile (tl.dot's smallest): one SHUFFLE V run
+    tl.static_assert(V_TOK_SPLIT <= TAIL_N)
+    if K_PACKED:  # SHUFFLE K's token stride is x: a constant (`layout.packed_runs`)
+        stride_k_tok_hi = K_DIM_SPLIT
+    if V_PACKED:  # SHUFFLE V's dim stride is x
+        stride_v_dim_hi = V_TOK_SPLIT
+    if K_VEC > 1 and not EVEN_D:  # head_dim is a multiple of K_VEC: the dim mask, run by run
+        head_dim = head_dim // K_VEC * K_VEC
     HEAD_TILES_PER_KV: tl.constexpr = (GROUP + HEAD_TILE - 1) // HEAD_TILE
     kv_head = head_slot // HEAD_TILES_PER_KV
     head_tile = head_slot % HEAD_TILES_PER_KV
@@ -312,26 +389,51 @@ def _attend(
         v_base = v_ptr + kv_head.to(tl.int64) * stride_v_head
         offs_n = tl.arange(0, BLOCK_N)
 
-        # SHUFFLE caches take the masked loop only: a second, unmasked copy of their heavier
-        # address arithmetic spilled registers in the compile matrix (sm_86 decode, sm_90 hd256).
-        UNMASKED_LOOP: tl.constexpr = (K_DIM_SPLIT == 1) and (V_TOK_SPLIT == 1)
-        if not UNMASKED_LOOP:
+        # SHUFFLE V is loaded in whole runs of V_TOK_SPLIT tokens (`_kv_step`); the run holding
+        # the sequence's last positions also holds slots past its end (junk, NaN), which must be
+        # zeroed before the P @ V dot. 16-bit: the loops stop at the last run boundary (run_end)
+        # and a small tail step, first, takes that run, so that the loops' V tiles stream to
+        # shared memory (NHD's pipelined path) instead of passing through registers to be
+        # zeroed. fp32 (FMA dots, operands in registers anyway) keeps one masked loop zeroing in
+        # place, as before: a tail step and a second loop add 40-150% to its (held) spills in
+        # the compile matrix (sm_90 GQA 5:1 prefill, head_dim 128 and 256).
+        FP32: tl.constexpr = q_ptr.dtype.element_ty == tl.float32
+        SHUFFLE_TAIL: tl.constexpr = V_TOK_SPLIT > 1 and not FP32
+        IN_PLACE: tl.constexpr = V_TOK_SPLIT > 1 and FP32
+        run_end = kv_end
+        if SHUFFLE_TAIL:
+            run_end = kv_end // V_TOK_SPLIT * V_TOK_SPLIT
+            tail = tl.maximum(run_end, kv_lo)  # (an empty split: nothing)
+            if tail < kv_end:
+                m_i, l_i, acc = _kv_step(
+                    q, m_i, l_i, acc, tail, kv_end, row_limit, bt_row, k_base, v_base,
+                    tl.arange(0, TAIL_N), offs_d, d_mask, scale_log2, block_size, stride_bt_blk,
+                    stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi,
+                    stride_k_dim_lo, stride_v_block, stride_v_tok_hi, stride_v_tok_lo,
+                    stride_v_dim_hi, stride_v_dim_lo,
+                    True, True, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
+                    K_VEC, V_VEC,
+                )  # fmt: skip
+        if IN_PLACE:
             full_end = kv_lo
+
         for start in range(kv_lo, full_end, BLOCK_N):
             m_i, l_i, acc = _kv_step(
                 q, m_i, l_i, acc, start, kv_end, row_limit, bt_row, k_base, v_base, offs_n,
                 offs_d, d_mask, scale_log2, block_size, stride_bt_blk,
                 stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
                 stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
-                False, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
+                False, False, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
+                K_VEC, V_VEC,
             )  # fmt: skip
-        for start in range(tl.maximum(kv_lo, full_end), kv_end, BLOCK_N):
+        for start in range(tl.maximum(kv_lo, full_end), run_end, BLOCK_N):
             m_i, l_i, acc = _kv_step(
-                q, m_i, l_i, acc, start, kv_end, row_limit, bt_row, k_base, v_base, offs_n,
+                q, m_i, l_i, acc, start, run_end, row_limit, bt_row, k_base, v_base, offs_n,
                 offs_d, d_mask, scale_log2, block_size, stride_bt_blk,
                 stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
                 stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
-                True, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
+                True, IN_PLACE, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
+                K_VEC, V_VEC,
             )  # fmt: skip
 
         # -- epilogue -------------------------------------------------------------------------
@@ -408,6 +510,11 @@ def _paged_attention_kernel(
     K_DIM_SPLIT: tl.constexpr,
     V_TOK_SPLIT: tl.constexpr,
     V_DIM_SPLIT: tl.constexpr,
+    K_VEC: tl.constexpr,  # elements per aligned contiguous run of the K cache (1: none; SHUFFLE)
+    V_VEC: tl.constexpr,  # the same for the V cache
+    K_PACKED: tl.constexpr,  # SHUFFLE K: stride_k_tok_hi == x (`layout.packed_runs`)
+    V_PACKED: tl.constexpr,  # SHUFFLE V: stride_v_dim_hi == x
+    EVEN_D: tl.constexpr,  # head_dim == BLOCK_D (no head-dim masks on the K/V gathers)
 ):
     """1-D grid: main-tile programs first, heaviest q tile first; then the decode-role ones.
 
@@ -436,7 +543,8 @@ def _paged_attention_kernel(
             stride_v_block, stride_v_head, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi,
             stride_v_dim_lo,
             GROUP, HEAD_TILE, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, NUM_SPLITS,
-            K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
+            K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, K_VEC, V_VEC, K_PACKED, V_PACKED,
+            EVEN_D,
         )  # fmt: skip
     elif DECODE_ROLE:
         d = pid - n_main
@@ -453,7 +561,8 @@ def _paged_attention_kernel(
             stride_v_block, stride_v_head, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi,
             stride_v_dim_lo,
             GROUP, DEC_HEAD_TILE, DEC_BLOCK_Q, DEC_BLOCK_M, BLOCK_N, BLOCK_D, 1,
-            K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
+            K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, K_VEC, V_VEC, K_PACKED, V_PACKED,
+            EVEN_D,
         )  # fmt: skip
 
 
@@ -740,6 +849,12 @@ def plan_paged_attention(
         K_DIM_SPLIT=k.dim_split,
         V_TOK_SPLIT=v.tok_split,
         V_DIM_SPLIT=v.dim_split,
+        K_VEC=vector_width(k),
+        V_VEC=vector_width(v),
+        K_PACKED=packed_runs(k),
+        V_PACKED=packed_runs(v),
+        # SHUFFLE only: NHD's code stays as it was (its fp32 spills are held figures)
+        EVEN_D=layout == "SHUFFLE" and head_dim == tiles.block_d,
     )
     grid = ((n_main + n_dec) if num_tokens else 0,)
     launches = [

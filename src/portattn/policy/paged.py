@@ -65,15 +65,22 @@ those without spills for every fp32 case on every NVIDIA target but one, where p
 constants. AMD keeps the model above: MFMA has fp32 instructions and its fp32 cells compile
 without spills.
 
-SHUFFLE caches (``PagedProblem.shuffled``) add `SHUFFLE_ADDR_WORDS` (1) word per element of the
-gathered K/V tile (``block_n * block_d``): the split (token // x, token % x, dim // x, dim % x)
-in-block offsets are per-element values the compiler does not fold into a row + column broadcast
-as it does for NHD, and SHUFFLE runs the masked loop only, whose per-element masks stay live too.
-Without the term the compile matrix spilled on SHUFFLE only: gfx950 head_dim 128 prefill (64 x 64,
-4 warps: 87-91 VGPRs), head_dim 256 decode (16 x 64, 4 warps: 174-176) and prefill (64 x 32,
-8 warps: 20-27); sm_90/sm_100 head_dim 128 MHA decode (16 x 64, 4 warps: 20 B); sm_80 head_dim 256
-GQA 5:1 prefill (64 x 32, 8 warps: 32 B). With it those take 8 warps or block_n 16 and compile
-clean (numbers at the constants). SHUFFLE never takes the wide tile (`_wide_fits`).
+SHUFFLE caches (``PagedProblem.shuffled``). Since issue 18 the kernel addresses a SHUFFLE cache
+as it does NHD: a token term plus a dim term, each on its own vector, with the x-element runs
+(16 bytes) stated aligned, so K and V load as 16-byte vectors through the same pipelined path
+(sm_90 decode: 64 ``cp.async`` of 16 B, no 16-bit loads, 110 registers against NHD's 123). In
+16-bit a SHUFFLE cache therefore takes NHD's warp count. `SHUFFLE_ADDR_WORDS` (1 word per
+gathered K/V element, the old per-element offsets) still counts in the per-program words bound
+(`MAX_WORDS_8_WARPS`), which halves block_n at head_dim 256 only: at NHD's 16 x 64 decode tile,
+8 warps, ptxas parks 16-28 B at 128 registers on sm_80-sm_100 (NHD uses 155 there); prefill
+keeps its former 64 x 16 (64 x 32 compiled clean in 16-bit too: headroom not taken yet). fp32
+on AMD keeps the term in the warp count too (`SHUFFLE_WARPS_ELEM_BYTES`); fp32 on NVIDIA takes
+`FP32_NUM_WARPS` (above).
+SHUFFLE never takes the wide tile (`_wide_fits`).
+Before issue 18 the term was in every estimate, and without it the compile matrix spilled on
+SHUFFLE only (per-element offsets): gfx950 head_dim 128 prefill (64 x 64, 4 warps: 87-91 VGPRs),
+head_dim 256 decode (16 x 64, 4 warps: 174-176); sm_90/sm_100 head_dim 128 MHA decode (16 x 64,
+4 warps: 20 B); sm_80 head_dim 256 GQA 5:1 prefill (64 x 32, 8 warps: 32 B).
 
 The policy walks a preference ladder (largest ``block_n`` first, then deeper pipelines, then smaller
 ``block_m``) and takes the first rung whose estimate fits ``target.max_shared_mem``. The last rung,
@@ -132,14 +139,14 @@ MAX_REGS_8_WARPS = 96
 # 64 x 16 (27648 words; block_n 16 is always allowed) compiles at 177 VGPRs, no spills. The NHD
 # choices of the compile matrix are unchanged (gfx950 head_dim 256 NHD, 64 x 32: 22528 words).
 MAX_WORDS_8_WARPS = MAX_REGS_8_WARPS * 8 * 32
-# Extra words per gathered K/V element on SHUFFLE caches (module docstring): its in-block offset
-# (32-bit, see the kernel's gather) built from the token/dim div-mod split, plus its mask. Compile
-# evidence (Triton 3.6, spills before -> after this term): sm_90/sm_100 hd128 MHA decode 16 x 64:
-# 4-warp estimate 56 -> 120, 4 warps 20 B -> 8 warps 188 regs, 0 B; gfx950 hd128 prefill 64 x 64:
-# 64 -> 96, 4 warps 87-91 VGPRs -> 8 warps 226 VGPRs, 0; gfx950 hd256 decode 16 x 64 (29696 words
-# > 24576): 4 warps 174-176 VGPRs -> 16 x 32, 8 warps 159 VGPRs, 0; gfx950 hd256 prefill 64 x 32
-# (30720 words): 8 warps 20-27 VGPRs -> 64 x 16 177 VGPRs, 0; sm_80 hd256 GQA 5:1 prefill 64 x 32
-# (88 -> 120 > 96 per thread): 32 B -> 64 x 16, 255 regs, 0 B.
+# Extra words per gathered K/V element on SHUFFLE caches (module docstring). Before issue 18
+# they were its per-element in-block offset (the token/dim div-mod split) and mask, counted in
+# every estimate (Triton 3.6, spills before -> after the term: sm_90/sm_100 hd128 MHA decode
+# 16 x 64, 4 warps 20 B -> 8 warps 0 B; gfx950 hd256 decode 16 x 64: 4 warps 174-176 VGPRs ->
+# 16 x 32, 0; gfx950 hd256 prefill 64 x 32: 8 warps 20-27 VGPRs -> 64 x 16, 0). Since, the loads
+# are vectors and the term bounds only the words per program (block_n), and the warp count of
+# the element sizes in SHUFFLE_WARPS_ELEM_BYTES: 16-bit SHUFFLE compiles at NHD's warp count
+# with no spills over the gate's 16 B (compile matrix, 567 SHUFFLE cells), fp32 keeps its tiles.
 SHUFFLE_ADDR_WORDS = 1
 # 4-byte (fp32) elements on NVIDIA (`_fma_dots`): the kernel's dots run in exact fp32
 # (``input_precision="ieee"``), which no NVIDIA tensor core does, so both dots compile to FMA
@@ -172,6 +179,7 @@ SHUFFLE_ADDR_WORDS = 1
 FP32_BLOCK_M = 16
 FP32_NUM_WARPS = 8
 FP32_MAX_WORDS = 40 * FP32_NUM_WARPS * 32
+SHUFFLE_WARPS_ELEM_BYTES = (4,)
 # Split-KV: the fewest context tokens one split walks (shorter splits cost more in the reduce and
 # in per-program set-up than they win in parallelism), the most splits, and how many programs per
 # multiprocessor a split grid aims for (2: one program's gathers overlap the other's math).
@@ -195,8 +203,8 @@ class PagedProblem:
         num_seqs: sequences in the batch (split-KV sizing).
         max_seq_len: the longest ``seq_lens[i]`` (split-KV sizing); ``None`` when unknown, which
             means no split.
-        shuffled: the KV cache is in the SHUFFLE layout (split token/dim addressing): the register
-            estimate counts its per-element offsets and the wide tile is not taken.
+        shuffled: the KV cache is in the SHUFFLE layout (split token/dim addressing): the words
+            bound (and in fp32 the warp count) counts `SHUFFLE_ADDR_WORDS`; no wide tile.
     """
 
     num_q_heads: int
@@ -330,6 +338,7 @@ def _num_warps(
     if _fma_dots(target, elem_bytes):
         return FP32_NUM_WARPS
     smem_mma = target.arch in SMEM_MMA_ARCHS and block_m >= SMEM_MMA_MIN_ROWS
+    shuffled = shuffled and elem_bytes in SHUFFLE_WARPS_ELEM_BYTES  # (16-bit: vector loads)
     for warps in NUM_WARPS:
         regs = estimate_registers(
             block_m, block_n, block_d, elem_bytes, warps, target.warp_size, shuffled
@@ -392,8 +401,9 @@ def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
         `estimate_words` <= `MAX_WORDS_8_WARPS` (block_n 16 always passes the latter);
         if none fits, ``block_m`` halves (down to 16) and the ladder is walked again.
       * ``num_warps`` 4, or 8 where `estimate_registers` at 4 exceeds 64 (128 for >= 64-row
-        tiles on `SMEM_MMA_ARCHS`; both estimates count the SHUFFLE address words when
-        ``shuffled``).
+        tiles on `SMEM_MMA_ARCHS`). `estimate_words` counts the SHUFFLE address words when
+        ``shuffled``; `estimate_registers` for the warp count only in fp32
+        (`SHUFFLE_WARPS_ELEM_BYTES`).
       * fp32 on NVIDIA (FMA dots, module docstring): ``block_m`` `FP32_BLOCK_M` (16, so no
         decode tile), `FP32_NUM_WARPS` (8), and `FP32_MAX_WORDS` in place of
         `MAX_WORDS_8_WARPS` on the ladder.

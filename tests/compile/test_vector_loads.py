@@ -1,0 +1,130 @@
+"""Issue 18 on a CPU: paged attention loads a SHUFFLE cache with vectors as wide as NHD's.
+
+SHUFFLE decode once ran 3.5x slower than NHD on an H100: every K and V element was a scalar
+16-bit load (``ld.global.b16``; ``buffer_load_ushort`` on gfx942), which also kept the loads out
+of the software pipeline (``cp.async`` moves 4, 8 or 16 bytes). The kernel now states what Triton
+cannot see -- SHUFFLE's x-element runs (16 bytes) start on multiples of x -- and loads them as
+16-byte vectors. Here the planned launches of both layouts are compiled for sm_90 and gfx942 (no
+GPU; in a spawned process, as the compile matrix does) and their global loads counted: no 16-bit
+loads, and as many 16-byte ones as NHD at the same tiles.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import re
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from portattn.compile.matrix import _worker_env
+
+pytestmark = pytest.mark.compile
+
+# The bench's decode point (bench/bench_paged.py: 32 q heads, 8 KV heads, head_dim 128, block 16)
+# and a chunked prefill of the same heads.
+SHAPE = dict(head_dim=128, num_q_heads=32, num_kv_heads=8, block_size=16)
+CASES = [("sm_90", 1), ("sm_90", 64), ("gfx942", 1)]
+
+# NVIDIA: 16-byte global loads are `cp.async ... 16` into shared memory (pipelined) or
+# `ld.global.v4.b32` into registers; 16-bit ones `ld.global(.nc).b16`.
+_PTX_WIDE = re.compile(
+    r"cp\.async\.c[ag]\.shared\.global(?:\.\w+)*\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(?:0x10|16)\b"
+    r"|ld\.global(?:\.\w+)*\.v4\.(?:b|u|f)32"
+)
+_PTX_NARROW = re.compile(r"ld\.global(?:\.\w+)*\.(?:b|u|f)16\b")
+# AMD: 16-byte buffer/global loads vs 16-bit ones.
+_GCN_WIDE = re.compile(r"\b(?:buffer|global)_load_dwordx4\b")
+_GCN_NARROW = re.compile(r"\b(?:buffer|global)_load_(?:ushort|short_d16(?:_hi)?)\b")
+
+
+def _hybrid_launch(target, layout: str, max_query_len: int):
+    """A hybrid model's interleaved cache (meta tensors): 48 B of Mamba state a page make the page
+    stride a multiple of 8 elements but not of 16, which Triton does not see by itself."""
+    import torch
+
+    from portattn.compile.cases import META, NUM_SEQS
+    from portattn.kernels.paged_attention import plan_paged_attention
+    from portattn.layout import make_hybrid_cache
+
+    hd, hq, hkv, bs = (SHAPE[k] for k in ("head_dim", "num_q_heads", "num_kv_heads", "block_size"))
+    hc = make_hybrid_cache(
+        64, bs, hkv, hd, mamba_state_bytes=48, layout=layout, dtype=torch.bfloat16, device=META
+    )
+    q = torch.empty((NUM_SEQS * max_query_len, hq, hd), dtype=torch.bfloat16, device=META)
+    meta = dict(dtype=torch.int32, device=META)
+    table, lens = torch.empty((NUM_SEQS, 8), **meta), torch.empty((NUM_SEQS,), **meta)
+    qsl = torch.empty((NUM_SEQS + 1,), **meta)
+    return plan_paged_attention(
+        q, hc.key_cache, hc.value_cache, table, lens, qsl, layout=layout, target=target,
+        max_query_len=max_query_len,
+    )  # fmt: skip
+
+
+def _loads(arch: str, layout: str, max_query_len: int, hybrid: bool = False) -> dict:
+    """Compile the planned launch (worker process) and count its wide and narrow global loads."""
+    import triton
+
+    from portattn.compile.cases import build_paged_attention
+    from portattn.compile.worker import _resources, bind, source_for
+    from portattn.platform import get_target
+
+    target = get_target(arch)
+    if hybrid:
+        [launch] = _hybrid_launch(target, layout, max_query_len)
+    else:
+        [launch] = build_paged_attention(
+            target, layout=layout, max_query_len=max_query_len, **SHAPE
+        )
+    options, signature, constexprs, attrs = bind(launch, target)
+    src = source_for(launch.kernel)(launch.kernel, signature, constexprs, attrs)
+    compiled = triton.compile(src, target=target.gpu_target(), options=options.__dict__)
+    if target.vendor == "cuda":
+        asm, wide, narrow = compiled.asm["ptx"], _PTX_WIDE, _PTX_NARROW
+    else:
+        asm, wide, narrow = compiled.asm["amdgcn"], _GCN_WIDE, _GCN_NARROW
+    regs, spills, _ = _resources(compiled, target)
+    a = launch.args
+    return dict(
+        wide=len(wide.findall(asm)),
+        narrow=len(narrow.findall(asm)),
+        regs=regs,
+        spills=spills,
+        tiles=(a["BLOCK_M"], a["BLOCK_N"], launch.options.num_warps, launch.options.num_stages),
+        vec=(a["K_VEC"], a["V_VEC"]),
+    )
+
+
+@pytest.fixture(scope="module")
+def loads() -> dict:
+    jobs = [(arch, layout, mql) for arch, mql in CASES for layout in ("NHD", "SHUFFLE")]
+    jobs += [("sm_90", "SHUFFLE", 1, True)]
+    with _worker_env(None):
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
+            futures = {job: pool.submit(_loads, *job) for job in jobs}
+            return {job: f.result() for job, f in futures.items()}
+
+
+@pytest.mark.parametrize("arch,max_query_len", CASES, ids=[f"{a}-q{q}" for a, q in CASES])
+def test_shuffle_loads_are_as_wide_as_nhd(loads, arch, max_query_len):
+    nhd = loads[arch, "NHD", max_query_len]
+    shuffle = loads[arch, "SHUFFLE", max_query_len]
+    assert shuffle["vec"] == (8, 8) and nhd["vec"] == (1, 1)
+    # the same tiles (the policy's SHUFFLE register term is 0 since the loads are vectors)
+    assert shuffle["tiles"] == nhd["tiles"]
+    assert nhd["narrow"] == 0 and nhd["wide"] > 0
+    # no 16-bit K/V element loads, and every 16-byte load NHD has (SHUFFLE's tail step adds some)
+    assert shuffle["narrow"] == 0, shuffle
+    assert shuffle["wide"] >= nhd["wide"], (shuffle, nhd)
+    assert shuffle["spills"] == 0, shuffle
+
+
+def test_shuffle_hybrid_pages_load_vectors_too(loads):
+    """Page stride 32792 elements (two 16384-element blocks + 24 of state): a multiple of 8, not
+    of 16. Only `layout.vector_width` (8) stated with tl.multiple_of makes the runs provably
+    16-byte aligned; the loads are then as wide as on a contiguous cache."""
+    hybrid = loads["sm_90", "SHUFFLE", 1, True]
+    contiguous = loads["sm_90", "SHUFFLE", 1]
+    assert hybrid["vec"] == (8, 8)
+    assert hybrid["narrow"] == 0 and hybrid["wide"] == contiguous["wide"], (hybrid, contiguous)
