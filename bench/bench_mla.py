@@ -23,9 +23,17 @@ rate (``torch.mm`` 8192^3). For each point:
    (``--budget-s``) bounds the whole sweep. Each sweep row records the compiled kernel's
    registers, spills and shared memory.
 
+Page sizes (issue 18): ``--page`` takes several sizes; each gets its own cache (same contents
+order, blocks shuffled) and a policy row, and ``--page-indices`` adds, for each size, a row
+whose call passes ``page_indices`` from ``expand_page_indices`` instead of the block table (the
+speculative-decoding path). The summary ends with each row's time over the first page size's
+block-table row at the same point (goal for page 1 against 64: <= 1.15).
+
 Usage::
 
     python bench/bench_mla.py                     # policy + HIP policy + roofline table
+    python bench/bench_mla.py --contexts 4096 16384 --heads 16 128 --page 64 1 --page-indices \
+        --no-hip                                  # page 1 (both index forms) against page 64
     python bench/bench_mla.py --sweep             # also the tile sweep (best 3 per point at end)
     OUT=/tmp/out python bench/bench_mla.py        # also writes $OUT/bench_mla.json (+ _sweep.json)
 """
@@ -45,6 +53,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from portattn.kernels._launch import run_all
 from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
+from portattn.kernels.page_indices import expand_page_indices
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import current_target
 from portattn.policy.common import LaunchOptions
@@ -191,13 +200,12 @@ def roofline(batch, heads, ctx, dk, r, elem, copy_gbs, mm_tflops):
 class Point:
     """One (heads, context) benchmark point: inputs, checker, roofline, timing helpers."""
 
-    def __init__(self, args, target, dtype, heads, ctx, copy_gbs, mm_tflops):
+    def __init__(self, args, target, dtype, heads, ctx, copy_gbs, mm_tflops, page):
         self.args, self.target, self.dtype, self.heads, self.ctx = args, target, dtype, heads, ctx
+        self.page = page
         dk, r = args.head_dim_k, args.kv_lora_rank
         self.scale = 1 / math.sqrt(dk)
-        self.q, self.cache, self.bt, self.sl = make_inputs(
-            args.batch, ctx, heads, dk, args.page, dtype
-        )
+        self.q, self.cache, self.bt, self.sl = make_inputs(args.batch, ctx, heads, dk, page, dtype)
         self.out = torch.empty(args.batch, heads, r, dtype=dtype, device="cuda")
         self.kw = dict(kv_lora_rank=r, scale=self.scale, out=self.out)
         self.check = Checker(self.q, self.cache, self.bt, self.sl, r, self.scale, dtype)
@@ -225,7 +233,7 @@ class Point:
         return dict(
             kind=kind, heads=self.heads, context=self.ctx, batch=self.args.batch,
             head_dim_k=self.args.head_dim_k, kv_lora_rank=self.args.kv_lora_rank,
-            page=self.args.page, dtype=str(self.dtype).removeprefix("torch."),
+            page=self.page, dtype=str(self.dtype).removeprefix("torch."),
             block_h=t.block_h, padded_heads=t.padded_heads, block_n=t.block_n,
             num_stages=t.options.num_stages, num_warps=t.options.num_warps,
             num_kv_splits=t.num_kv_splits, smem_estimate=t.smem_bytes,
@@ -249,34 +257,53 @@ def fmt_row(row) -> str:
     )
     ev = f"{row['us_events']:9.1f}" if row["us_events"] is not None else f"{'-':>9}"
     return (
-        f"{row['heads']:>5} {row['context']:>6} {row['kind']:>7} {t:>20} {ev} "
+        f"{row['heads']:>5} {row['context']:>6} {row['page']:>4} {row['kind']:>7} {t:>20} {ev} "
         f"{row['us_graph']:9.1f} {row['gb_per_s']:6.0f} {row['pct_of_copy']:6.1f} "
         f"{row['x_roofline']:6.2f}"
     )
 
 
 HEADER = (
-    f"{'heads':>5} {'ctx':>6} {'kind':>7} {'tiles (H,N,stages,warps,splits)':>20} "
+    f"{'heads':>5} {'ctx':>6} {'page':>4} {'kind':>7} {'tiles (H,N,stages,warps,splits)':>20} "
     f"{'events us':>9} {'graph us':>9} {'GB/s':>6} {'%copy':>6} {'xroof':>6}"
 )
 
 
-def bench_policy(p: Point):
-    """The policy's tiles through `MlaMetadataBuilder` (the serving path); None on a failure."""
+def bench_policy(p: Point, slots: bool = False):
+    """The policy's tiles through `MlaMetadataBuilder` (the serving path); None on a failure.
+    ``slots``: pass ``page_indices`` (`expand_page_indices` of the block table) instead."""
     a = p.args
     builder = MlaMetadataBuilder(
         p.target, max_batch=a.batch, num_heads=p.heads, kv_lora_rank=a.kv_lora_rank,
         head_dim_k=a.head_dim_k, dtype=p.dtype, device="cuda", max_seq_len=p.ctx,
     )  # fmt: skip
     md = builder.build(p.sl)
-    fn = lambda: mla_decode(p.q, p.cache, p.bt, p.sl, metadata=md, **p.kw)  # noqa: E731
+    if slots:
+        pages = expand_page_indices(p.bt, p.sl, p.page)
+        fn = lambda: mla_decode(  # noqa: E731
+            p.q, p.cache, None, p.sl, page_indices=pages, metadata=md, **p.kw
+        )
+    else:
+        fn = lambda: mla_decode(p.q, p.cache, p.bt, p.sl, metadata=md, **p.kw)  # noqa: E731
+    kind = "slots" if slots else "policy"
     errs = p.run_checked(fn)
     if errs is None or not errs[0]:
-        print(f"FAIL policy {p.heads=} {p.ctx=} {tiles_desc(builder.tiles)}: {errs}")
+        print(f"FAIL {kind} {p.heads=} {p.ctx=} {p.page=} {tiles_desc(builder.tiles)}: {errs}")
         return None, builder.tiles
     ms = do_bench(fn, return_mode="median")
     ms_graph = do_bench_cudagraph(fn, return_mode="median")
-    return p.row("policy", builder.tiles, errs, ms_graph * 1e3, ms * 1e3), builder.tiles
+    row = p.row(kind, builder.tiles, errs, ms_graph * 1e3, ms * 1e3)
+    row["kernel"] = _main_kernel(p, slots)
+    return row, builder.tiles
+
+
+def _main_kernel(p: Point, slots: bool) -> str:
+    """The attention launch's name under this GPU's policy, and its load mode (sm_90 kernel)."""
+    pages = expand_page_indices(p.bt, p.sl, p.page) if slots else None
+    bt = None if slots else p.bt
+    (main, *_) = plan_mla_decode(p.q, p.cache, bt, p.sl, page_indices=pages, **p.kw)
+    mode = {True: " gather", False: " tma"}.get(main.args.get("GATHER"), "")
+    return main.name + mode
 
 
 def bench_hip(p: Point, arch="gfx942"):
@@ -366,6 +393,74 @@ def sweep_point(p: Point, base: MlaTiles, shapes, deadline, failures):
     return sorted(rows, key=lambda r: r["us_graph"])
 
 
+def bench_point(p: Point, args, rows, sweep_rows, failures, first_page: bool) -> bool:
+    """The policy row (and with ``--page-indices`` the page_indices row) of one point, then for
+    the first page size the HIP row and the sweep. True on a failed policy check."""
+    target, elem = p.target, p.cache.element_size()
+    r = p.roof
+    print(
+        f"{p.heads:>5} {p.ctx:>6} {r['bytes'] / 1e6:8.1f} {r['flops'] / 1e9:8.1f} "
+        f"{r['us_bytes']:8.1f} {r['us_flops']:8.1f}  (page {p.page})"
+    )
+    print(HEADER)
+    for slots in (False, True) if args.page_indices else (False,):
+        policy_row, base = bench_policy(p, slots)
+        if policy_row is None:
+            return True
+        rows.append(policy_row)
+        print("  " + fmt_row(policy_row), flush=True)
+    if not first_page:
+        return False
+    if not args.no_hip:
+        hip_row = bench_hip(p)
+        if hip_row is None:
+            return True
+        rows.append(hip_row)
+        print("  " + fmt_row(hip_row), flush=True)
+    if args.sweep:
+        st = SWEEP_STATE
+        top_shapes = st["top"].get(p.heads)
+        shapes = top_shapes or shape_candidates(p.heads, base, target, elem)
+        left = len(args.heads) * len(args.contexts) - len(st["done"])
+        share = max(0.0, st["deadline"] - time.monotonic()) / max(1, left)
+        point_rows = sweep_point(
+            p, base, shapes, min(st["deadline"], time.monotonic() + share), failures
+        )
+        st["done"].append((p.heads, p.ctx))
+        sweep_rows += point_rows
+        if top_shapes is None:
+            top: list[tuple[int, int, int, int]] = []
+            for x in point_rows:
+                s = (x["block_h"], x["block_n"], x["num_stages"], x["num_warps"])
+                if s not in top:
+                    top.append(s)
+            st["top"][p.heads] = top[:6]
+    return False
+
+
+#: The sweep's wall deadline, the points it has done and each head count's best shapes.
+SWEEP_STATE: dict = {}
+
+
+def page_ratios(rows, pages) -> None:
+    """Each policy / slots row's time over the first page size's block-table row (same point)."""
+    print(f"== page ratios (graph us over page {pages[0]} block table; goal for page 1 <= 1.15)")
+    for x in rows:
+        if x["kind"] not in ("policy", "slots"):
+            continue
+        ref = [
+            y for y in rows
+            if (y["kind"], y["heads"], y["context"], y["page"])
+            == ("policy", x["heads"], x["context"], pages[0])
+        ]  # fmt: skip
+        if ref:
+            ratio = x["ratio_to_first_page"] = x["us_graph"] / ref[0]["us_graph"]
+            print(
+                f"{x['heads']:>5} {x['context']:>6} page {x['page']:>4} {x['kind']:>6} "
+                f"{x.get('kernel', ''):>22} {x['us_graph']:9.1f} us  x{ratio:.3f}"
+            )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -373,7 +468,14 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     ap.add_argument("--head-dim-k", type=int, default=576)
     ap.add_argument("--kv-lora-rank", type=int, default=512)
-    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument(
+        "--page", type=int, nargs="+", default=[64], help="page sizes (ratios: to the first)"
+    )
+    ap.add_argument(
+        "--page-indices",
+        action="store_true",
+        help="also time each page size through page_indices (expand_page_indices)",
+    )
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--sweep", action="store_true", help="also sweep tile variants")
     ap.add_argument("--budget-s", type=float, default=330.0, help="wall budget of the sweep")
@@ -400,47 +502,16 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     sweep_rows: list[dict] = []
     failures: list[str] = []
-    deadline = time.monotonic() + args.budget_s
-    sweep_points_done: list[tuple[int, int]] = []  # each point gets an equal share of the rest
+    # each sweep point gets an equal share of what is left of the budget
+    SWEEP_STATE.update(deadline=time.monotonic() + args.budget_s, done=[], top={})
     for heads in args.heads:
-        top_shapes = None
         for ctx in args.contexts:
-            p = Point(args, target, dtype, heads, ctx, copy_gbs, mm_tflops)
-            r = p.roof
-            print(
-                f"{heads:>5} {ctx:>6} {r['bytes'] / 1e6:8.1f} {r['flops'] / 1e9:8.1f} "
-                f"{r['us_bytes']:8.1f} {r['us_flops']:8.1f}"
-            )
-            policy_row, base = bench_policy(p)
-            if policy_row is None:
-                return 1
-            rows.append(policy_row)
-            print(HEADER)
-            print("  " + fmt_row(policy_row), flush=True)
-            if not args.no_hip:
-                hip_row = bench_hip(p)
-                if hip_row is None:
+            for page in args.page:
+                p = Point(args, target, dtype, heads, ctx, copy_gbs, mm_tflops, page)
+                if bench_point(p, args, rows, sweep_rows, failures, page == args.page[0]):
                     return 1
-                rows.append(hip_row)
-                print("  " + fmt_row(hip_row), flush=True)
-            if args.sweep:
-                shapes = top_shapes or shape_candidates(heads, base, target, elem)
-                left = len(args.heads) * len(args.contexts) - len(sweep_points_done)
-                share = max(0.0, deadline - time.monotonic()) / max(1, left)
-                point_rows = sweep_point(
-                    p, base, shapes, min(deadline, time.monotonic() + share), failures
-                )
-                sweep_points_done.append((heads, ctx))
-                sweep_rows += point_rows
-                if top_shapes is None:
-                    top_shapes = []
-                    for x in point_rows:
-                        s = (x["block_h"], x["block_n"], x["num_stages"], x["num_warps"])
-                        if s not in top_shapes:
-                            top_shapes.append(s)
-                    top_shapes = top_shapes[:6]
-            del p
-            torch.cuda.empty_cache()
+                del p
+                torch.cuda.empty_cache()
 
     print("== summary (policy, gfx942 policy, best 3 sweep variants per point)")
     print(HEADER)
@@ -450,10 +521,12 @@ def main(argv=None) -> int:
             best = [x for x in sweep_rows if x["heads"] == heads and x["context"] == ctx][:3]
             for x in pick + best:
                 print(fmt_row(x))
+    if len(args.page) > 1 or args.page_indices:
+        page_ratios(rows, args.page)
     if args.sweep:
         print(
             f"sweep: {len(sweep_rows)} variants timed"
-            + (" (budget hit)" if time.monotonic() > deadline else "")
+            + (" (budget hit)" if time.monotonic() > SWEEP_STATE["deadline"] else "")
         )
     for f in failures:
         print("CHECK FAILED (sweep variant):", f)

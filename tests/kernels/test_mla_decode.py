@@ -459,6 +459,7 @@ GPU_CASES = [
     ((320, 256), 16, 64, (1, 6, 3), (32768, 513, 8000)),
     ((320, 256), 128, 16, None, (16384, 1, 300)),
     ((576, 512), 4, 64, (2, 2), (9000, 31)),
+    ((576, 512), 128, 1, (1, 2), (5000, 77)),  # page size 1: the sm_90 kernel's gather
 ]
 
 
@@ -521,6 +522,32 @@ def test_gpu_sm90_kernel(dk, r, heads, bs, q_lens, seq_lens, splits):
     _check_sm90(target, q, cache, bt, sl, qsl, r, splits)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dk", "r", "heads", "bs", "form", "q_lens", "seq_lens", "splits"),
+    [
+        (576, 512, 128, 1, "page_indices", (1, 3, 6, 2), (32768, 4100, 6, 1000), None),
+        (576, 512, 128, 1, "block_table", (1, 3, 6, 2), (32768, 4100, 6, 1000), 1),
+        (576, 512, 128, 16, "block_table", None, (1, 64, 65, 5000), 7),  # empty splits
+        (576, 512, 64, 1, "page_indices", None, (1, 63, 129, 3000), 3),  # partial tiles
+        (576, 512, 128, 64, "page_indices", None, (4097, 100), 2),  # TMA pages, slot form
+        (320, 256, 100, 1, "block_table", (2, 1), (127, 9000), 3),  # padded heads
+        (160, 128, 128, 3, "page_indices", (1, 2), (700, 1500), None),  # rank 128, rope 32
+        (272, 256, 128, 1, "block_table", None, (300, 2000), 2),  # rope 16
+        (384, 256, 64, 32, "page_indices", (3, 1), (129, 4000), None),  # rope 128
+    ],
+)
+def test_gpu_sm90_gather(dk, r, heads, bs, form, q_lens, seq_lens, splits):
+    """The Hopper kernel's row gather (rows not 64 consecutive rows of one page) against the
+    oracle; unowned cache rows are NaN, so a row read past the context or a wrong slot shows."""
+    target = _sm90_target()
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.bfloat16, "cuda")
+    _poison_unowned_rows(cache, bt, sl)
+    pages = expand_page_indices(bt, sl, bs) if form == "page_indices" else None
+    launch = _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=pages)
+    assert launch.args["GATHER"] is True
+
+
 def _sm90_target():
     from portattn.platform import current_target
 
@@ -530,9 +557,9 @@ def _sm90_target():
     return target
 
 
-def _check_sm90(target, q, cache, bt, sl, qsl, r, splits):
-    """Run the sm_90 kernel (the policy's tiles, ``splits`` when given) and check it against the
-    fp64 oracle, output and lse."""
+def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None):
+    """Run the sm_90 kernel (the policy's tiles, ``splits`` when given; ``pages``: page_indices
+    instead of ``bt``) and check it against the fp64 oracle, output and lse. The main launch."""
     heads, dk = q.shape[1:]
     scale = 1 / math.sqrt(dk)
     max_len = int(sl.max())
@@ -541,8 +568,8 @@ def _check_sm90(target, q, cache, bt, sl, qsl, r, splits):
     if splits is not None:
         tiles = dataclasses.replace(tiles, num_kv_splits=splits)
     launches = plan_mla_decode(
-        q, cache, bt, sl, kv_lora_rank=r, scale=scale, query_start_loc=qsl, return_lse=True,
-        tiles=tiles,
+        q, cache, None if pages is not None else bt, sl, kv_lora_rank=r, scale=scale,
+        query_start_loc=qsl, return_lse=True, tiles=tiles, page_indices=pages,
     )  # fmt: skip
     assert launches[0].name == "mla_decode_sm90"
     run_all(launches)
@@ -551,6 +578,7 @@ def _check_sm90(target, q, cache, bt, sl, qsl, r, splits):
     lowp, _ = fast_oracle(q, cache, bt, sl, qsl, r, scale, q.dtype)
     assert_low_precision_close(out, oracle, lowp)
     torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-3, atol=1e-3)
+    return launches[0]
 
 
 @pytest.mark.gpu

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from portattn.compile import default_cases, run_matrix
-from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_smem_bytes
+from portattn.kernels.mla_decode import plan_mla_decode
+from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_gathers, sm90_smem_bytes
 from portattn.platform import get_target
+from portattn.policy import mla as mla_policy
 
 SM90 = get_target("sm_90")
 
@@ -29,16 +31,63 @@ def test_takes_the_deepseek_shape():
         ({}, 512, (64, 64), get_target("sm_80"), False, "target sm_80 is not sm_90"),
         ({"dtype": torch.float32}, 512, (64, 64), SM90, False, "is not fp16/bf16"),
         ({}, 512, (16, 64), SM90, False, "tile H16 N64 is not H64 N64"),
-        ({}, 512, (64, 64), SM90, True, "page_indices"),
         ({"width": 128}, 64, (64, 64), SM90, False, "kv_lora_rank 64 not in 128/256/512"),
         ({"width": 560}, 512, (64, 64), SM90, False, "rope width 48"),
         ({"width": 640}, 512, (64, 64), SM90, False, "shared memory"),
-        ({"block_size": 32}, 512, (64, 64), SM90, False, "block_size 32 % 64"),
     ],
 )
 def test_refuses_what_it_cannot_run(kwargs, rank, tile, target, slots, why):
     errors = sm90_errors(_cache(**kwargs), rank, *tile, target, paged_slots=slots)
     assert any(why in e for e in errors), errors
+
+
+@pytest.mark.parametrize(
+    ("block_size", "slots", "gathers"),
+    [(64, False, False), (128, False, False), (1, False, True), (16, False, True),
+     (32, False, True), (1, True, True), (64, True, True)],
+)  # fmt: skip
+def test_gather_takes_what_tma_cannot(block_size, slots, gathers, monkeypatch):
+    """Pages that are not a multiple of 64 tokens and page_indices load by row gather; with
+    the switch off they are refused (the portable kernel runs them), TMA pages still taken."""
+    cache = _cache(pages=4096 // block_size, block_size=block_size)
+    assert sm90_gathers(cache, slots) is gathers
+    assert sm90_errors(cache, 512, 64, 64, SM90, paged_slots=slots) == []
+    monkeypatch.setattr(mla_policy, "SM90_GATHER", False)
+    errors = sm90_errors(cache, 512, 64, 64, SM90, paged_slots=slots)
+    assert bool(errors) is gathers
+    why = "page_indices" if slots else f"block_size {block_size} % 64"
+    assert all("SM90_GATHER is off" in e for e in errors) and (not gathers or why in errors[0])
+
+
+def _plan(block_size, slots, heads=128, ctx=4096, seqs=4):
+    meta = dict(device="meta")
+    q = torch.empty(seqs, heads, 576, dtype=torch.bfloat16, **meta)
+    cache = _cache(pages=seqs * ctx // block_size + 1, block_size=block_size)
+    sl = torch.empty(seqs, dtype=torch.int32, **meta)
+    kw = dict(kv_lora_rank=512, scale=0.05, target=SM90)
+    if slots:
+        pages = (torch.empty(seqs + 1, dtype=torch.int32, **meta),
+                 torch.empty(seqs * ctx, dtype=torch.int32, **meta))  # fmt: skip
+        return plan_mla_decode(q, cache, None, sl, page_indices=pages, **kw)
+    bt = torch.empty(seqs, ctx // block_size, dtype=torch.int32, **meta)
+    return plan_mla_decode(q, cache, bt, sl, **kw)
+
+
+@pytest.mark.parametrize(("block_size", "slots"), [(1, True), (1, False), (16, False), (64, True)])
+def test_launcher_picks_the_gather(block_size, slots, monkeypatch):
+    """The wide tile runs the Hopper kernel in gather mode at page size 1 (both index forms);
+    the switch off sends it back to the portable kernel; 64-token block tables keep TMA."""
+    main = _plan(block_size, slots)[0]
+    assert (main.name, main.args["GATHER"], main.args["PAGE_INDICES"]) == (
+        "mla_decode_sm90",
+        True,
+        slots,
+    )
+    assert main.args["stride_kv_row"] == 576
+    assert _plan(64, False)[0].args["GATHER"] is False
+    monkeypatch.setattr(mla_policy, "SM90_GATHER", False)
+    assert _plan(block_size, slots)[0].name == "mla_decode"
+    assert _plan(64, False)[0].name == "mla_decode_sm90"
 
 
 def test_refuses_interleaved_pages():
@@ -53,6 +102,18 @@ def test_compiles_for_sm90_within_its_estimate_without_spills():
     260 B when the loop's shared-memory descriptors were loop-invariant (module doc)."""
     case = {c.id: c for c in default_cases()}["mla_decode/576/512 h128 page64"]
     (cell,) = run_matrix([case], ["sm_90"])  # spawned workers: no interpreter
+    (r,) = [launch for launch in cell.launches if launch.name == "mla_decode_sm90"]
+    assert r.ok, r.error
+    assert r.shared <= sm90_smem_bytes(512, 64) <= SM90.max_shared_mem
+    assert r.spills == 0
+
+
+@pytest.mark.parametrize("form", ["table", "slots"])
+def test_gather_compiles_for_sm90_without_spills(form):
+    """Page size 1 by row gather (1-token block table, page_indices): within the estimate, no
+    spills (block_size 1 is a Triton constant, so the opaque zero comes from the row stride)."""
+    case = {c.id: c for c in default_cases()}[f"mla_decode/576/512 h128 page1 {form}"]
+    (cell,) = run_matrix([case], ["sm_90"])
     (r,) = [launch for launch in cell.launches if launch.name == "mla_decode_sm90"]
     assert r.ok, r.error
     assert r.shared <= sm90_smem_bytes(512, 64) <= SM90.max_shared_mem

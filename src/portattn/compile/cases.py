@@ -217,6 +217,7 @@ def build_mla_decode(
     q_len: int = 1,
     tiles: Any = None,
     dtype: str = DTYPE_NAME,
+    page_indices: bool = False,
 ) -> list[Launch]:
     from portattn.kernels.mla_decode import plan_mla_decode
 
@@ -233,10 +234,15 @@ def build_mla_decode(
         kwargs["query_start_loc"] = torch.empty((NUM_SEQS + 1,), dtype=torch.int32, device=META)
     if tiles is not None:
         kwargs["tiles"] = tiles
+    if page_indices:  # flat slots (expand_page_indices) instead of the block table
+        kwargs["page_indices"] = (
+            torch.empty((NUM_SEQS + 1,), dtype=torch.int32, device=META),
+            torch.empty((NUM_SEQS * MLA_CONTEXT,), dtype=torch.int32, device=META),
+        )
     return plan_mla_decode(
         query,
         kv_cache,
-        block_table,
+        None if page_indices else block_table,
         seq_lens,
         kv_lora_rank=kv_lora_rank,
         scale=head_dim_k**-0.5,
@@ -288,6 +294,20 @@ def mla_cases() -> list[Case]:
     # 64-token pages (DeepSeek's): whole tiles come through tensor descriptors on sm_90+.
     cases += [
         _mla_case(f"576/512 h{h} page64", 576, 512, num_q_heads=h, block_size=64) for h in (16, 128)
+    ]
+    # Page size 1 (speculative decoding): 1-token pages by block table and by page_indices; on
+    # sm_90 the wide tile's Hopper kernel gathers their rows (policy.mla.SM90_GATHER).
+    cases += [
+        _mla_case(
+            f"576/512 h{h} page1 {form}",
+            576,
+            512,
+            num_q_heads=h,
+            block_size=1,
+            page_indices=form == "slots",
+        )
+        for h in (16, 128)
+        for form in ("table", "slots")
     ]
     return cases
 

@@ -35,7 +35,9 @@ Bulk copies (``MlaTiles.tma``, sm_90+): a whole tile inside one page (``block_si
 descriptors instead of the per-thread gather; a split's partial last tile is still gathered, so
 rows past the context are never read. On sm_90 the wide 64-head tile runs the Gluon kernel of
 `portattn.kernels.mla_decode_sm90` (``MlaTiles.sm90_kernel``: same arguments, explicit copy/MMA
-schedule) where its requirements hold; everything else runs the portable kernel below.
+schedule) where its requirements hold (pages of a multiple of 64 tokens by TMA; other pages and
+``page_indices``, e.g. speculative decoding's page size 1, by row gather, while
+``policy.mla.SM90_GATHER`` is on); everything else runs the portable kernel below.
 
 Not supported: fp8 caches, a separate V cache, negative (padding) entries inside a sequence's
 context (rejected where the metadata is checked: `mla_decode`'s Raises). Query rows past

@@ -26,10 +26,21 @@ ends with a phantom tile (no copy, every score masked, buffer zeroed). ptxas hoi
 loop-invariant MMA descriptor out of the loop and spills them (260 B); the buffer indices are
 therefore computed from an opaque 0 (``block_size < 0``), which keeps them in the loop (0 spills).
 
+Loads (``GATHER``): with a block table of pages of a multiple of 64 tokens each tile half is one
+or two TMA boxes (an expect-tx barrier, count 1). Otherwise (``page_indices``, speculative
+decoding's page size 1, or pages of any other size) a tile's rows are scattered: the issuing
+warpgroup loads its 64 row indices once, copies each 64-column part by ``cp.async`` (16-byte
+pieces, rows past the context zero-filled) into the same NVMMA-swizzled buffers, and each of
+its 128 threads arrives on the tile barrier once its copies land (``cp.async.mbarrier.arrive
+.noinc``; the barriers count 128), so the hand-offs are unchanged. The MMAs read through the
+async proxy what cp.async wrote through the generic one: a proxy fence after each tile wait.
+
 Requirements (checked by the launcher, `sm90_errors`): sm_90, fp16/bf16, ``BLOCK_H = BLOCK_N =
 64``, ``kv_lora_rank`` in 128 / 256 / 512, rope width a power of two in 16..128, the shared
-memory (`sm90_smem_bytes`; 576/512: 230788 B) within the target's, pages of a multiple of 64
-tokens laid out one after another (``stride(0) == block_size * stride(1)``), a block table.
+memory (`sm90_smem_bytes`; 576/512: 230788 B) within the target's, pages laid out one after
+another (``stride(0) == block_size * stride(1)``: cache rows are flat slots), 16-byte aligned
+rows; a block table of pages of a multiple of 64 tokens unless `portattn.policy.mla.SM90_GATHER`
+lets the gather take the rest.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import dataclasses
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -50,6 +62,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from portattn.kernels._launch import Launch
 from portattn.platform import Target
+from portattn.policy import mla as mla_policy
 from portattn.policy.common import LaunchOptions
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
@@ -78,24 +91,80 @@ def _find_seq_sm90(qsl_ptr, stride_qsl, tok, num_seqs):
 
 @gluon.jit
 def _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, t, start, num_tiles, steps, block_size,
-               bar, lat_buf, pe_buf, RIGHT: gl.constexpr):  # fmt: skip
+               bar, lat_buf, pe_buf, RIGHT: gl.constexpr, gather, GATHER: gl.constexpr,
+               PAGE_INDICES: gl.constexpr):  # fmt: skip
     """Tile t's left latent half, or (RIGHT) its right latent half and rope part, into its
-    buffer; a phantom tile (``num_tiles <= t < steps``) only completes the barrier."""
+    buffer; a phantom tile (``num_tiles <= t < steps``) only completes the barrier. Without
+    GATHER by TMA boxes (64 consecutive rows of one page), else by `_gather_half` (``gather``:
+    its runtime values, the cache pointer, its row stride and the split's end)."""
+    if not GATHER:
+        BLOCK_N: gl.constexpr = lat_buf.shape[0]
+        HALF: gl.constexpr = lat_buf.shape[1]
+        ROPE_DIM: gl.constexpr = pe_buf.shape[1]
+        n = start + t * BLOCK_N
+        real = t < num_tiles
+        blk = gl.load(bt_row + (n // block_size) * stride_bt_blk, mask=real, other=0)
+        row = blk.to(gl.int32) * block_size + n % block_size
+        if RIGHT:
+            mbarrier.expect(bar, BLOCK_N * (HALF + ROPE_DIM) * 2, pred=real)
+            tma.async_copy_global_to_shared(lat_desc, [row, HALF], bar, lat_buf, pred=real)
+            tma.async_copy_global_to_shared(pe_desc, [row, 2 * HALF], bar, pe_buf, pred=real)
+        else:
+            mbarrier.expect(bar, BLOCK_N * HALF * 2, pred=real)
+            tma.async_copy_global_to_shared(lat_desc, [row, 0], bar, lat_buf, pred=real)
+        mbarrier.arrive(bar, count=1, pred=(t >= num_tiles) & (t < steps))
+    else:
+        _gather_half(bt_row, stride_bt_blk, t, start, num_tiles, steps, block_size, bar, lat_buf,
+                     pe_buf, RIGHT, gather, PAGE_INDICES)  # fmt: skip
+
+
+@gluon.jit
+def _gather_part(kv_ptr, stride_row, rows, ok, buf, col0, W: gl.constexpr, LOAD: gl.constexpr):
+    """``cp.async`` of columns ``col0 .. col0 + W`` of the gathered ``rows`` (int64, masked by
+    ``ok``: those read as zeros) into ``buf`` ([BLOCK_N, W], any NVMMA swizzle), 16-byte pieces."""
+    r = gl.convert_layout(rows, gl.SliceLayout(1, LOAD))
+    keep = gl.convert_layout(ok, gl.SliceLayout(1, LOAD))
+    cols = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, LOAD))
+    ptrs = kv_ptr + r[:, None] * stride_row + cols[None, :]
+    async_copy.async_copy_global_to_shared(buf, ptrs, mask=keep[:, None])
+
+
+@gluon.jit
+def _gather_half(idx_row, stride_idx, t, start, num_tiles, steps, block_size, bar, lat_buf,
+                 pe_buf, RIGHT: gl.constexpr, gather, PAGE_INDICES: gl.constexpr):  # fmt: skip
+    """`_load_half` by row gather: tile t's 64 row indices (flat slots from ``page_indices``, or
+    ``block_table[pos // bs] * bs + pos % bs``) loaded once, then each 64-column part by
+    ``cp.async`` into the same swizzled buffers the TMA path fills. Every thread of the issuing
+    warpgroup (128) then arrives on ``bar`` once its copies land (``.noinc``; the barrier counts
+    128 in gather mode); a phantom tile copies nothing and arrives at once; past ``steps`` (no
+    tile) nothing happens, as on the TMA path."""
+    kv_ptr, stride_row, end = gather
     BLOCK_N: gl.constexpr = lat_buf.shape[0]
     HALF: gl.constexpr = lat_buf.shape[1]
     ROPE_DIM: gl.constexpr = pe_buf.shape[1]
-    n = start + t * BLOCK_N
-    real = t < num_tiles
-    blk = gl.load(bt_row + (n // block_size) * stride_bt_blk, mask=real, other=0)
-    row = blk.to(gl.int32) * block_size + n % block_size
-    if RIGHT:
-        mbarrier.expect(bar, BLOCK_N * (HALF + ROPE_DIM) * 2, pred=real)
-        tma.async_copy_global_to_shared(lat_desc, [row, HALF], bar, lat_buf, pred=real)
-        tma.async_copy_global_to_shared(pe_desc, [row, 2 * HALF], bar, pe_buf, pred=real)
-    else:
-        mbarrier.expect(bar, BLOCK_N * HALF * 2, pred=real)
-        tma.async_copy_global_to_shared(lat_desc, [row, 0], bar, lat_buf, pred=real)
-    mbarrier.arrive(bar, count=1, pred=(t >= num_tiles) & (t < steps))
+    CH: gl.constexpr = 64 if HALF >= 64 else HALF
+    L64: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CH // 8), CH // 8], [4, 1], [1, 0])
+    PCH: gl.constexpr = 64 if ROPE_DIM >= 64 else ROPE_DIM
+    LPE: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (PCH // 8), PCH // 8], [4, 1], [1, 0])
+    if t < steps:
+        if t < num_tiles:
+            n = start + t * BLOCK_N
+            pos = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L64))
+            ok = pos < end
+            if PAGE_INDICES:
+                rows = gl.load(idx_row + pos * stride_idx, mask=ok, other=0).to(gl.int64)
+            else:
+                blk = gl.load(idx_row + (pos // block_size) * stride_idx, mask=ok, other=0)
+                rows = blk.to(gl.int64) * block_size + pos % block_size
+            col0: gl.constexpr = HALF if RIGHT else 0
+            for c in gl.static_range(HALF // CH):
+                _gather_part(kv_ptr, stride_row, rows, ok, lat_buf.slice(c * CH, CH, dim=1),
+                             col0 + c * CH, CH, L64)  # fmt: skip
+            if RIGHT:
+                for c in gl.static_range(ROPE_DIM // PCH):
+                    _gather_part(kv_ptr, stride_row, rows, ok, pe_buf.slice(c * PCH, PCH, dim=1),
+                                 2 * HALF + c * PCH, PCH, LPE)  # fmt: skip
+        async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
 @gluon.jit
@@ -115,7 +184,8 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 
 
 @gluon.jit
-def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr):
+def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
+               GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them."""
     (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
@@ -124,7 +194,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
      part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
      stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
      stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
-     stride_pl_head) = rt  # fmt: skip
+     stride_pl_head, kv_ptr, stride_kv_row) = rt  # fmt: skip
+    gather = (kv_ptr, stride_kv_row, end)
     dtype: gl.constexpr = ql_smem.dtype
     BLOCK_H: gl.constexpr = ql_smem.shape[1]
     HALF: gl.constexpr = ql_smem.shape[2]
@@ -159,7 +230,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=PV)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, QK))
     steps = gl.cdiv(num_tiles, 2) * 2
-    opaque = (block_size < 0).to(gl.int32)  # 0, unknown to ptxas (module doc)
+    # block_size may be 1, which Triton passes as a constant: gather takes the row stride
+    if GATHER:  # noqa: SIM108 (a constexpr branch, not a runtime select)
+        opaque = (stride_kv_row < 0).to(gl.int32)
+    else:
+        opaque = (block_size < 0).to(gl.int32)  # 0, unknown to ptxas (module doc)
     for j in range(steps // 2):
         ph = j & 1
         b0 = ph & opaque  # buffer 0 (tile A), written so that ptxas cannot hoist it
@@ -169,10 +244,14 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         n_b = n_a + BLOCK_N
         # scores of this warpgroup's tile: latent halves as they land, then rope (registers)
         mbarrier.wait(tma_bars.index(2 * own), ph)
+        if GATHER:  # cp.async wrote through the generic proxy; the MMAs read through the async
+            fence_async_shared()
         qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=QK)
         qk = warpgroup_mma(ql_smem.index(b0), latl_smem.index(own).permute((1, 0)), qk,
                            use_acc=False, is_async=True)  # fmt: skip
         mbarrier.wait(tma_bars.index(2 * own + 1), ph)
+        if GATHER:
+            fence_async_shared()
         qk = warpgroup_mma(qr_smem.index(b0), latr_smem.index(own).permute((1, 0)), qk,
                            is_async=True)  # fmt: skip
         qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
@@ -222,7 +301,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         gl.thread_barrier()
         _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, steps,
                    block_size, tma_bars.index(2 * b0 + WG), lat_half.index(b0),
-                   pe_smem.index(b0), WG == 1)  # fmt: skip
+                   pe_smem.index(b0), WG == 1, gather, GATHER, PAGE_INDICES)  # fmt: skip
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
         if WG == 1:
@@ -234,7 +313,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         gl.thread_barrier()
         _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, steps,
                    block_size, tma_bars.index(2 * b1 + WG), lat_half.index(b1),
-                   pe_smem.index(b1), WG == 1)  # fmt: skip
+                   pe_smem.index(b1), WG == 1, gather, GATHER, PAGE_INDICES)  # fmt: skip
         m_i = m_b
 
     # -- row sums: each warpgroup summed the tiles it scored (both at the final max) --
@@ -308,6 +387,12 @@ def _mla_decode_sm90_kernel(
     stride_pl_tok,
     stride_pl_split,
     stride_pl_head,
+    kv_ptr,  # the cache (GATHER only)
+    stride_kv_row,  # its row stride, ``kv_cache.stride(1)`` (GATHER only)
+    page_indptr_ptr,  # [num_seqs + 1] (PAGE_INDICES only)
+    page_indices_ptr,  # [total_context_tokens] flat slots (PAGE_INDICES only)
+    stride_indptr,
+    stride_indices,
     KV_LORA_RANK: gl.constexpr,
     ROPE_DIM: gl.constexpr,
     BLOCK_H: gl.constexpr,
@@ -319,6 +404,8 @@ def _mla_decode_sm90_kernel(
     Q_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, KV_LORA_RANK // 2]
     P_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, BLOCK_N]
     WG_REGS: gl.constexpr,
+    GATHER: gl.constexpr,  # rows by cp.async gather (`_gather_half`), not TMA boxes
+    PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = KV_LORA_RANK // 2
@@ -352,6 +439,10 @@ def _mla_decode_sm90_kernel(
     num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     steps = gl.cdiv(num_tiles, 2) * 2
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt_seq
+    if PAGE_INDICES:  # the gather reads this sequence's flat slots where it reads block ids
+        page_start = gl.load(page_indptr_ptr + seq * stride_indptr).to(gl.int64)
+        bt_row = page_indices_ptr + page_start * stride_indices
+        stride_bt_blk = stride_indices
 
     # -- shared memory: the query's latent halves ([1, ...]: indexed with the opaque 0), two
     # tile buffers (latent halves, rope part), both tiles' P, the running max and row sums
@@ -377,8 +468,10 @@ def _mla_decode_sm90_kernel(
     tma_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     # hand-offs (see _warpgroup), then 3 / 4: warpgroup 0 / 1's row sums written
     sync_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    # TMA: one arrival (the expect) plus the bytes; gather: each of the issuing warpgroup's
+    # 128 threads once its cp.async copies land
     for k in gl.static_range(4):
-        mbarrier.init(tma_bars.index(k), count=1)
+        mbarrier.init(tma_bars.index(k), count=128 if GATHER else 1)
     for k in gl.static_range(5):
         mbarrier.init(sync_bars.index(k), count=1)
     fence_async_shared()
@@ -387,10 +480,10 @@ def _mla_decode_sm90_kernel(
     for t in gl.static_range(2):
         _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, t, start, num_tiles, steps,
                    block_size, tma_bars.index(2 * t), latl_smem.index(t), pe_smem.index(t),
-                   False)  # fmt: skip
+                   False, (kv_ptr, stride_kv_row, end), GATHER, PAGE_INDICES)  # fmt: skip
         _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, t, start, num_tiles, steps,
                    block_size, tma_bars.index(2 * t + 1), latr_smem.index(t), pe_smem.index(t),
-                   True)  # fmt: skip
+                   True, (kv_ptr, stride_kv_row, end), GATHER, PAGE_INDICES)  # fmt: skip
     qk_scale = scale * 1.4426950408889634  # exp2 domain
     # runtime values for both warpgroups (the constexprs go in the call tuples themselves: a
     # tuple assigned to a name turns them into tensors)
@@ -400,11 +493,11 @@ def _mla_decode_sm90_kernel(
           part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
           stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
           stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
-          stride_pl_head)  # fmt: skip
+          stride_pl_head, kv_ptr, stride_kv_row)  # fmt: skip
     gl.warp_specialize(
         [
-            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE)),
-            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE)),
+            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES)),
+            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES)),
         ],
         [4],
         [WG_REGS],
@@ -425,22 +518,32 @@ def sm90_errors(
     kv_cache: torch.Tensor, kv_lora_rank: int, block_h: int, block_n: int, target: Target,
     paged_slots: bool,
 ) -> list[str]:  # fmt: skip
-    """Why this kernel cannot run a launch (empty: it can); module doc, Requirements."""
+    """Why this kernel cannot run a launch (empty: it can); module doc, Requirements. Pages of
+    a multiple of 64 tokens in a block table load by TMA; other pages and ``page_indices`` by
+    row gather, where `portattn.policy.mla.SM90_GATHER` allows it."""
     rope = kv_cache.shape[2] - kv_lora_rank
     elem = kv_cache.element_size()
     smem = sm90_smem_bytes(kv_lora_rank, rope, elem)
+    gather = sm90_gathers(kv_cache, paged_slots)
+    allow = mla_policy.SM90_GATHER  # read at each call: the switch can be flipped at run time
     rules = [
         (target.arch == "sm_90", f"target {target.arch} is not sm_90"),
         (kv_cache.dtype in _GL_DTYPES, f"dtype {kv_cache.dtype} is not fp16/bf16"),
         ((block_h, block_n) == (BLOCK_H, BLOCK_N), f"tile H{block_h} N{block_n} is not H64 N64"),
-        (not paged_slots, "page_indices (flat slots) instead of a block table"),
+        (
+            allow or not paged_slots,
+            "page_indices (flat slots) instead of a block table (SM90_GATHER is off)",
+        ),
         (kv_lora_rank in (128, 256, 512), f"kv_lora_rank {kv_lora_rank} not in 128/256/512"),
         (rope in (16, 32, 64, 128), f"rope width {rope} not in 16..128 pow2"),
         (
             smem <= target.max_shared_mem,
             f"shared memory {smem} B > the target's {target.max_shared_mem}",
         ),
-        (kv_cache.shape[1] % BLOCK_N == 0, f"block_size {kv_cache.shape[1]} % {BLOCK_N} != 0"),
+        (
+            allow or not gather or paged_slots,
+            f"block_size {kv_cache.shape[1]} % {BLOCK_N} != 0 (SM90_GATHER is off)",
+        ),
         (
             kv_cache.stride(2) == 1
             and kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1),
@@ -451,6 +554,12 @@ def sm90_errors(
         (kv_cache.device.type in ("cuda", "meta"), "not a CUDA (or meta) tensor"),
     ]
     return [why for ok, why in rules if not ok]
+
+
+def sm90_gathers(kv_cache: torch.Tensor, paged_slots: bool) -> bool:
+    """Whether the kernel loads rows by gather (``page_indices``, or pages that are not a
+    multiple of 64 tokens) rather than by TMA boxes."""
+    return paged_slots or kv_cache.shape[1] % BLOCK_N != 0
 
 
 def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Launch:
@@ -469,6 +578,9 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         if name in a and name not in ("BLOCK_H", "BLOCK_N")
     }
     args.update(
+        kv_ptr=kv_cache,
+        stride_kv_row=kv_cache.stride(1),
+        GATHER=sm90_gathers(kv_cache, bool(a["PAGE_INDICES"])),
         lat_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, half], lat_layout),
         pe_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, rope], pe_layout),
         BLOCK_H=BLOCK_H,

@@ -120,6 +120,12 @@ TMA_MIN_CAPABILITY = 90
 #: 63.7 us (one split: 128 programs, one wave; two splits: 765.2 / 218.1 / 82.4 us). Its seesaw
 #: schedule (332b8e9): 549.6 / 145.0 / 55.6 us, one split still best (x2: 599.3 / 182.4 / 82.3).
 SM90_KERNEL_ARCHS = ("sm_90",)
+#: The Hopper kernel also takes caches whose rows are not 64 consecutive rows of one page
+#: (``page_indices``, i.e. speculative decoding's page size 1, and block tables of pages that
+#: are not a multiple of 64 tokens): it gathers each tile's rows by ``cp.async`` into the same
+#: shared buffers (`portattn.kernels.mla_decode_sm90`, ``GATHER``). Off: those launches run the
+#: portable kernel, as before (issue 18: 128 heads, 4k, page 1 344 us against 155 us at 64).
+SM90_GATHER = True
 
 
 @dataclass(frozen=True)
