@@ -289,6 +289,10 @@ def mla_cases() -> list[Case]:
     cases += [
         _mla_case(f"576/512 h{h} page64", 576, 512, num_q_heads=h, block_size=64) for h in (16, 128)
     ]
+    # Verification with packed rows (issue 18): 4 tokens x 16 heads fill the sm_90 kernel's tile.
+    cases.append(
+        _mla_case("576/512 h16 q4 page64", 576, 512, num_q_heads=16, q_len=4, block_size=64)
+    )
     return cases
 
 
