@@ -315,3 +315,30 @@ def test_packed_sm90_kernel_compiles_within_its_estimate_without_spills():
     assert r.ok, r.error
     assert r.shared <= sm90_smem_bytes(512, 64) <= SM90.max_shared_mem
     assert r.spills == 0
+
+
+@pytest.mark.parametrize("q_lens", [(2, 2, 1), (4, 3, 4)])
+def test_policy_route_real_shape_fp16(q_lens, device):
+    """The policy's packed sm_90 tiles (H64 N64, bulk copies) through `MlaMetadataBuilder` at
+    DeepSeek's 576/512, 16 heads, 64-token pages, fp16. Off the GPU the Hopper kernel is refused
+    (`sm90_errors`: not a CUDA tensor), so the portable kernel runs the same packed tiles."""
+    if device != "cpu":
+        pytest.skip("the GPU runs the Hopper kernel: test_gpu_policy_packed_with_metadata")
+    dk, r, heads = 576, 512, 16
+    seq_lens = (150, 64, 4)
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 64, q_lens, seq_lens, torch.float16, device)
+    _poison_unowned_rows(cache, bt, sl)
+    b = MlaMetadataBuilder(
+        SM90, max_batch=3, num_heads=heads, kv_lora_rank=r, head_dim_k=dk, dtype=torch.float16,
+        device=device, max_query_len=4, max_seq_len=256,
+    )  # fmt: skip
+    assert b.tiles.packed and (b.tiles.block_h, b.tiles.block_n) == (64, 64)
+    md = b.build(sl, qsl, max_query_len=max(q_lens))
+    launches = plan_mla_decode(
+        q, cache, bt, sl, kv_lora_rank=r, scale=0.05, query_start_loc=qsl, return_lse=True,
+        metadata=md,
+    )  # fmt: skip
+    assert launches[0].name == "mla_decode" and launches[0].args["TMA"] is True
+    run_all(launches)
+    out, lse = launches[0].outputs
+    check(out, lse, q, cache, bt, sl, qsl, r, 0.05, torch.float16)
