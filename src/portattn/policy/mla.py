@@ -45,6 +45,11 @@ against 858.9 us for H16; 16k: 1322 us against 3405 us. sm_90: N64 = 229376 B of
 B; sm_80: N32 = 151552 B; the 99 KB parts do not fit it and stay narrow. HIP stays narrow (the
 register calibration is NVIDIA's; no AMD measurement yet).
 
+Packed rows (verification, `PACK_QUERY_ROWS`): on sm_90, 16-bit caches with fewer than 64 heads
+and ``max_query_len * num_heads >= PACK_MIN_ROWS`` take the wide tile with rows (query token,
+head) of one sequence, so a sequence's query tokens read its cache once per tile; programs per
+sequence and split: `mla_row_groups`. Unmeasured (bench/NOTES.md, issue 18).
+
 Split-KV: with few (token, head-group) programs the GPU idles, so the context is split into
 ``num_kv_splits`` chunks whose partial results a reduce kernel merges. `mla_num_kv_splits` takes
 the most splits whose programs fit ONE wave of resident slots (``programs_per_sm * num_sms``),
