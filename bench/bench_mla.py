@@ -29,11 +29,23 @@ whose call passes ``page_indices`` from ``expand_page_indices`` instead of the b
 speculative-decoding path). The summary ends with each row's time over the first page size's
 block-table row at the same point (goal for page 1 against 64: <= 1.15).
 
+``--q-len N [N ...]`` (speculative verification, issue 18) replaces the decode points: each
+sequence has ``N`` query tokens (varlen ``query_start_loc``, context ``ctx`` including them; token
+``j`` sees ``ctx - N + j + 1`` positions). Per point, each checked on the first sequences against
+an fp64 causal oracle and timed with ``do_bench_cudagraph``: ``policy`` (the builder's tiles: row
+packing where `PACK_QUERY_ROWS` takes it), ``unpacked`` (the same with the switch off) and ``qsep``
+(``N`` separate single-token decode calls, token ``j`` of every sequence at its own context length,
+in one graph); where the policy packs, also ``decode``: one plain decode step (the last token)
+served by the same packed builder, against ``qsep / N``. Roofline: bytes = the cache read once per
+sequence + queries + outputs, flops = ``2 * N * heads * ctx * (head_dim_k + kv_lora_rank)`` per
+sequence; the goal is ``policy`` within 1.3x of it and never slower than ``qsep``.
+
 Usage::
 
     python bench/bench_mla.py                     # policy + HIP policy + roofline table
     python bench/bench_mla.py --contexts 4096 16384 --heads 16 128 --page 64 1 --page-indices \
         --no-hip                                  # page 1 (both index forms) against page 64
+    python bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128   # verification
     python bench/bench_mla.py --sweep             # also the tile sweep (best 3 per point at end)
     OUT=/tmp/out python bench/bench_mla.py        # also writes $OUT/bench_mla.json (+ _sweep.json)
 """
@@ -56,6 +68,7 @@ from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
 from portattn.kernels.page_indices import expand_page_indices
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import current_target
+from portattn.policy import mla as mla_policy
 from portattn.policy.common import LaunchOptions
 from portattn.policy.mla import (
     MIN_TOKENS_PER_SPLIT,
@@ -461,6 +474,183 @@ def page_ratios(rows, pages) -> None:
             )
 
 
+# -- speculative verification (--q-len) ------------------------------------------------------
+
+
+def verify_oracle(q, cache, bt, ctx, q_len, r, scale, dtype, num_seqs):
+    """Causal reference for the first ``num_seqs`` sequences: ``[num_seqs * q_len, heads, r]``."""
+    page = cache.shape[1]
+    nb = -(-ctx // page)
+    outs = []
+    for i in range(num_seqs):
+        c = cache[bt[i, :nb].long()].reshape(nb * page, -1)[:ctx].to(dtype)
+        for j in range(q_len):
+            n = ctx - q_len + j + 1
+            s = torch.einsum("hd,ld->hl", q[i * q_len + j].to(dtype), c[:n]) * scale
+            outs.append(torch.softmax(s, dim=-1) @ c[:n, :r])
+    return torch.stack(outs)
+
+
+def bench_verify(args, target, dtype, heads, ctx, q_len, copy_gbs, mm_tflops) -> list[dict]:
+    """The three rows of one verification point (module doc); [] after a failed check."""
+    a, dk, r = args, args.head_dim_k, args.kv_lora_rank
+    scale = 1 / math.sqrt(dk)
+    _, cache, bt, sl = make_inputs(a.batch, ctx, heads, dk, a.page[0], dtype)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tokens = a.batch * q_len
+    q = torch.randn(tokens, heads, dk, device="cuda", dtype=dtype, generator=g)
+    qsl = torch.arange(0, tokens + 1, q_len, dtype=torch.int32, device="cuda")
+    out = torch.empty(tokens, heads, r, dtype=dtype, device="cuda")
+    elem = cache.element_size()
+    nbytes = a.batch * ctx * dk * elem + tokens * heads * (dk + r) * elem
+    flops = 2 * a.batch * q_len * heads * ctx * (dk + r)
+    us_bytes = nbytes / (copy_gbs * 1e9) * 1e6
+    us_flops = flops / (mm_tflops * 1e12) * 1e6
+    us_roof = max(us_bytes, us_flops)
+    n_check = 2
+    ref = verify_oracle(q, cache, bt, ctx, q_len, r, scale, torch.float64, n_check)
+    e_torch = rel_err(verify_oracle(q, cache, bt, ctx, q_len, r, scale, dtype, n_check), ref)
+
+    def builder(max_query_len):
+        return MlaMetadataBuilder(
+            target, max_batch=a.batch, num_heads=heads, kv_lora_rank=r, head_dim_k=dk,
+            dtype=dtype, device="cuda", max_query_len=max_query_len, max_seq_len=ctx,
+        )  # fmt: skip
+
+    def timed(kind, fn, tiles, last_only=False):
+        """Check (every token, or with ``last_only`` the last of each sequence) then time."""
+        out.fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        got = out.view(a.batch, q_len, heads, r)
+        if last_only:
+            e = rel_err(got[:n_check, -1], ref.view(n_check, q_len, heads, r)[:, -1])
+            ok = bool(torch.isfinite(got[:, -1]).all()) and e <= 2 * e_torch
+        else:
+            e = rel_err(out[: n_check * q_len], ref)
+            ok = bool(torch.isfinite(out).all()) and e <= 2 * e_torch
+        if not ok:
+            print(f"FAIL verify {kind} {heads=} {ctx=} {q_len=} {tiles_desc(tiles)}: {e:.2e}")
+            return None
+        us = do_bench_cudagraph(fn, return_mode="median") * 1e3
+        nb, fl = nbytes, flops
+        if last_only:  # one token per sequence: the same cache read, 1/q_len of the rest
+            nb = a.batch * ctx * dk * elem + a.batch * heads * (dk + r) * elem
+            fl = flops // q_len
+        roof = max(nb / (copy_gbs * 1e9), fl / (mm_tflops * 1e12)) * 1e6
+        gbs = nb / (us * 1e-6) / 1e9
+        return dict(
+            kind=kind, q_len=q_len, heads=heads, context=ctx, batch=a.batch, head_dim_k=dk,
+            kv_lora_rank=r, page=a.page[0], dtype=str(dtype).removeprefix("torch."),
+            tiles=tiles_desc(tiles) + (" Q" if tiles.packed else ""), packed=tiles.packed,
+            rel_err_kernel=e, rel_err_torch=e_torch, us_graph=us, gb_per_s=gbs,
+            pct_of_copy=100 * gbs / copy_gbs, x_roofline=us / roof, roof_bytes=nb,
+            roof_flops=fl, roof_us=roof, verify_roof_us_bytes=us_bytes,
+            verify_roof_us_flops=us_flops, verify_roof_us=us_roof,
+        )  # fmt: skip
+
+    rows = []
+    # the policy (packing where PACK_QUERY_ROWS takes it), then the same with the switch off
+    saved = mla_policy.PACK_QUERY_ROWS
+    for kind, pack in (("policy", saved), ("unpacked", False)):
+        if kind == "unpacked" and not saved:
+            continue
+        mla_policy.PACK_QUERY_ROWS = pack
+        try:
+            b = builder(q_len)
+        finally:
+            mla_policy.PACK_QUERY_ROWS = saved
+        md = b.build(sl, qsl, max_query_len=q_len)
+        kw = dict(kv_lora_rank=r, scale=scale, query_start_loc=qsl, out=out, metadata=md)
+        row = timed(kind, lambda kw=kw: mla_decode(q, cache, bt, sl, **kw), b.tiles)
+        if row is None:
+            return []
+        rows.append(row)
+        if kind == "policy" and b.tiles.packed:
+            # a plain decode step served by the same (packed) builder: the last token of each
+            # sequence, one per program's 64 rows (the cost of packed tiles on decode steps)
+            md1 = b.build(sl)
+            kw1 = dict(kv_lora_rank=r, scale=scale, out=out.view(a.batch, q_len, heads, r)[:, -1])
+            qd = q.view(a.batch, q_len, heads, dk)[:, -1]
+            dec = lambda qd=qd, md1=md1, kw1=kw1: mla_decode(  # noqa: E731
+                qd, cache, bt, sl, metadata=md1, **kw1
+            )
+            row = timed("decode", dec, b.tiles, last_only=True)
+            if row is None:
+                return []
+            rows.append(row)
+    # q_len separate decode calls: token j of every sequence at context ctx - q_len + j + 1
+    bd = builder(1)
+    q4 = q.view(a.batch, q_len, heads, dk)
+    o4 = out.view(a.batch, q_len, heads, r)
+    calls = []
+    for j in range(q_len):
+        sl_j = torch.full_like(sl, ctx - q_len + j + 1)
+        md = bd.build(sl_j)
+        calls.append((q4[:, j], sl_j, o4[:, j], md))
+
+    def separate():
+        for qj, sl_j, oj, md in calls:
+            mla_decode(qj, cache, bt, sl_j, kv_lora_rank=r, scale=scale, out=oj, metadata=md)
+
+    row = timed("qsep", separate, bd.tiles)
+    if row is None:
+        return []
+    rows.append(row)
+    return rows
+
+
+VERIFY_HEADER = (
+    f"{'q':>2} {'heads':>5} {'ctx':>6} {'kind':>8} {'tiles':>24} {'graph us':>9} {'GB/s':>6} "
+    f"{'%copy':>6} {'xroof':>6} {'vs qsep':>7}"
+)
+
+
+def fmt_verify(row, sep_us=None) -> str:
+    vs = f"{row['us_graph'] / sep_us:7.2f}" if sep_us else f"{'-':>7}"
+    return (
+        f"{row['q_len']:>2} {row['heads']:>5} {row['context']:>6} {row['kind']:>8} "
+        f"{row['tiles']:>24} {row['us_graph']:9.1f} {row['gb_per_s']:6.0f} "
+        f"{row['pct_of_copy']:6.1f} {row['x_roofline']:6.2f} {vs}"
+    )
+
+
+def main_verify(args, target, dtype, copy_gbs, mm_tflops) -> int:
+    rows: list[dict] = []
+    failed = 0
+    print(VERIFY_HEADER)
+    for heads in args.heads:
+        for ctx in args.contexts:
+            for q_len in args.q_len:
+                point = bench_verify(args, target, dtype, heads, ctx, q_len, copy_gbs, mm_tflops)
+                failed += not point
+                sep = [x["us_graph"] for x in point if x["kind"] == "qsep"]
+                for x in point:
+                    # a decode row against one of the q_len separate calls (qsep / q_len)
+                    base = (sep[0] / q_len if x["kind"] == "decode" else sep[0]) if sep else None
+                    print(fmt_verify(x, base), flush=True)
+                    x["vs_qsep"] = x["us_graph"] / base if base else None
+                rows += point
+                torch.cuda.empty_cache()
+    goal = [x for x in rows if x["kind"] == "policy"]
+    dec = [x for x in rows if x["kind"] == "decode"]
+    if dec:
+        print(
+            "decode steps on the packed builder: worst vs one separate call "
+            f"{max(x['vs_qsep'] or 0 for x in dec):.2f}"
+        )
+    if goal:
+        worst = max(goal, key=lambda x: x["x_roofline"])
+        print(
+            f"goal (policy <= 1.3x roofline, <= qsep): worst {worst['x_roofline']:.2f}x roofline "
+            f"(q{worst['q_len']} h{worst['heads']} {worst['context']}); worst vs qsep "
+            f"{max(x['vs_qsep'] or 0 for x in goal):.2f}"
+        )
+    result = dict(arch=target.arch, copy_gb_per_s=copy_gbs, mm_tflops=mm_tflops)
+    save_record("bench_mla_verify", **result, rows=rows)
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -480,6 +670,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also sweep tile variants")
     ap.add_argument("--budget-s", type=float, default=330.0, help="wall budget of the sweep")
     ap.add_argument("--no-hip", action="store_true", help="skip the gfx942-policy rows")
+    ap.add_argument(
+        "--q-len", type=int, nargs="+", default=None,
+        help="verification points with these query tokens per sequence (module doc)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_mla: needs a CUDA/HIP device")
@@ -498,6 +692,8 @@ def main(argv=None) -> int:
         f"copy ceiling {copy_gbs:.0f} GB/s ({kv_bytes_max / 1e9:.2f} GB copy, {copy_ms:.3f} ms)"
         f"; bf16 mm 8192^3 {mm_tflops:.0f} TFLOP/s ({mm_ms:.3f} ms)"
     )
+    if args.q_len:
+        return main_verify(args, target, dtype, copy_gbs, mm_tflops)
     print(f"{'heads':>5} {'ctx':>6} {'MB':>8} {'GFLOP':>8} {'us@copy':>8} {'us@mm':>8}")
     rows: list[dict] = []
     sweep_rows: list[dict] = []

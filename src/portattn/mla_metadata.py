@@ -12,8 +12,11 @@ to ``max_seq_len``), keeps that frozen `MlaTiles`, and allocates the split-KV wo
 
 ``max_tokens = max_batch * max_query_len``; ``padded_heads`` and ``block_dv`` are the tiles' own
 (heads padded to the matrix units' 16 rows, lesson 2), so the kernel, which writes every padded
-row, and the buffers cannot disagree. The launch reads ``metadata.tiles``: it never re-asks the
-policy.
+row, and the buffers cannot disagree. The policy also gets ``max_query_len``: with row packing
+(`portattn.policy.mla.PACK_QUERY_ROWS`) a sequence's query tokens share a tile's rows, and the
+launch grid comes from the step's ``max_query_len`` through `portattn.policy.mla.mla_row_groups`
+(so a step must not have a longer query than its metadata says; checked where contents are read).
+The launch reads ``metadata.tiles``: it never re-asks the policy.
 
 `MlaMetadataBuilder.build` returns a NEW `MlaMetadata` per step holding that step's state (number
 of sequences, longest query, whether it is a single-token decode). The builder keeps no per-step
@@ -150,7 +153,15 @@ class MlaMetadataBuilder:
         # The one policy call: the launch consumes this object through every metadata.
         self.tiles = mla_decode_tiles(
             target,
-            MlaProblem(num_heads, head_dim_k, kv_lora_rank, elem, self.max_tokens, max_seq_len),
+            MlaProblem(
+                num_heads,
+                head_dim_k,
+                kv_lora_rank,
+                elem,
+                self.max_tokens,
+                max_seq_len,
+                max_query_len,
+            ),
         )
         t = self.tiles
         splits = t.num_kv_splits if t.num_kv_splits > 1 else 0  # no workspace without splits

@@ -309,6 +309,10 @@ def mla_cases() -> list[Case]:
         for h in (16, 128)
         for form in ("table", "slots")
     ]
+    # Verification with packed rows (issue 18): 4 tokens x 16 heads fill the sm_90 kernel's tile.
+    cases.append(
+        _mla_case("576/512 h16 q4 page64", 576, 512, num_q_heads=16, q_len=4, block_size=64)
+    )
     return cases
 
 

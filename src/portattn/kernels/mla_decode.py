@@ -30,6 +30,14 @@ heads of one token; padded rows compute on zero queries and are written only to 
 Split-KV: ``NUM_SPLITS > 1`` programs per (token, head group) write normalised partial outputs and
 their lse; `_mla_reduce_kernel` merges them.
 
+Packed rows (``MlaTiles.packed``, verification; `portattn.policy.mla.PACK_QUERY_ROWS`): a program
+owns ``BLOCK_H`` rows of ONE sequence, row ``r`` being (query token ``r // num_heads``, head ``r %
+num_heads``), so the sequence's ``q_len`` tokens read its cache once per tile, not once per token.
+Each row keeps its causal limit (scores past it are -inf; the running max starts finite, so a row
+without a column in a tile or split gets ``p = 0``); the tile's range and split chunks come from
+its largest limit, and outputs, lse and partials go to each row's (token, head). Grid: sequences x
+splits x `portattn.policy.mla.mla_row_groups` (from the longest query).
+
 Bulk copies (``MlaTiles.tma``, sm_90+): a whole tile inside one page (``block_size % BLOCK_N ==
 0``, block table, exact latent/rope widths, 16-byte aligned strides) comes through two tensor
 descriptors instead of the per-thread gather; a split's partial last tile is still gathered, so
@@ -73,7 +81,7 @@ from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_launch
 from portattn.layout import describe_kv_cache
 from portattn.mla_metadata import MlaMetadata
 from portattn.platform import Target, target_for_tensor
-from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles
+from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles, mla_row_groups
 
 # Any block size: the kernel addresses block and in-block offset separately.
 SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
@@ -153,7 +161,7 @@ def _online_step(
     lat,  # [BLOCK_N, BLOCK_DV] K's latent part
     pe,  # [BLOCK_N, BLOCK_DPE] K's rope part (unused when BLOCK_DPE == 0)
     v,  # [BLOCK_N, BLOCK_DV] V (the latent tile itself, or its reload)
-    mask_n,  # [BLOCK_N] rows inside the context
+    mask_s,  # [1 or BLOCK_H, BLOCK_N] scores inside the (row's) causal range
     m_i,
     l_i,
     acc,
@@ -165,7 +173,7 @@ def _online_step(
     qk = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
     if BLOCK_DPE > 0:
         qk += tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
-    qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+    qk = tl.where(mask_s, qk * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
@@ -185,6 +193,7 @@ def _mla_decode_kernel(
     page_indices_ptr,  # [total_context_tokens] flat slots (PAGE_INDICES only)
     seq_lens_ptr,  # [num_seqs]
     qsl_ptr,  # [num_seqs + 1] (VARLEN only)
+    row_groups,  # programs per sequence and split (PACKED only)
     out_ptr,  # [num_tokens, num_q_heads, KV_LORA_RANK] (NUM_SPLITS == 1)
     lse_ptr,  # [num_tokens, num_q_heads] fp32 (NUM_SPLITS == 1 and RETURN_LSE)
     part_out_ptr,  # [max_tokens, NUM_SPLITS, padded_heads, BLOCK_DV] fp32 (NUM_SPLITS > 1)
@@ -237,6 +246,7 @@ def _mla_decode_kernel(
     V_RELOAD: tl.constexpr,
     PREFETCH_ROWS: tl.constexpr,
     TMA: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     # Lesson 1: the value tile is the latent tile, sized from kv_lora_rank; the rope tile from the
     # rest. Tiles sized from head_dim_k (next_pow2(320) = 512 for a 256 latent) are refused here.
@@ -253,33 +263,62 @@ def _mla_decode_kernel(
     # -- which (token, split, head group): head groups vary fastest, so the programs reading the
     # same context run side by side and share it through L2 --
     pid = tl.program_id(0)
-    hg = pid % HEAD_GROUPS
-    rest = pid // HEAD_GROUPS
-    split = rest % NUM_SPLITS
-    tok = rest // NUM_SPLITS
-    if VARLEN:
-        seq = tl.maximum(_find_seq(qsl_ptr, stride_qsl, tok, num_seqs), 0)
-        q_start = tl.load(qsl_ptr + seq * stride_qsl)
-        q_len = tl.load(qsl_ptr + (seq + 1) * stride_qsl) - q_start
-        q_idx = tok - q_start
-        valid = (q_idx >= 0) & (q_idx < q_len)  # rows past qsl[-1] are graph padding
+    if PACKED:
+        # (sequence, split, row group): row r of the tile is (query token r // num_heads, head
+        # r % num_heads) of this sequence, each row with its own causal limit; the tile's range
+        # (and its split chunks) come from the largest limit of its rows
+        hg = pid % row_groups
+        rest = pid // row_groups
+        split = rest % NUM_SPLITS
+        seq = rest // NUM_SPLITS
+        if VARLEN:
+            q_start = tl.load(qsl_ptr + seq * stride_qsl)
+            q_len = tl.load(qsl_ptr + (seq + 1) * stride_qsl) - q_start
+        else:
+            q_start = seq
+            q_len = 1
+        rows = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+        q_rows = rows // num_heads
+        offs_h = rows % num_heads  # each row's head
+        mask_h = q_rows < q_len  # real rows
+        tok_rows = (q_start + q_rows).to(tl.int64)  # each row's query token
+        seq_len = tl.load(seq_lens_ptr + seq * stride_seq_lens)
+        row_len = tl.where(mask_h, seq_len - q_len + q_rows + 1, 0)  # causal rule, per row
+        kv_len = tl.max(row_len, 0)
     else:
-        seq = tok
-        q_len = 1
-        q_idx = 0
-        valid = tok >= 0
-    seq_len = tl.load(seq_lens_ptr + seq * stride_seq_lens)
-    kv_len = tl.where(valid, seq_len - q_len + q_idx + 1, 0)  # causal rule
+        hg = pid % HEAD_GROUPS
+        rest = pid // HEAD_GROUPS
+        split = rest % NUM_SPLITS
+        tok = rest // NUM_SPLITS
+        if VARLEN:
+            seq = tl.maximum(_find_seq(qsl_ptr, stride_qsl, tok, num_seqs), 0)
+            q_start = tl.load(qsl_ptr + seq * stride_qsl)
+            q_len = tl.load(qsl_ptr + (seq + 1) * stride_qsl) - q_start
+            q_idx = tok - q_start
+            valid = (q_idx >= 0) & (q_idx < q_len)  # rows past qsl[-1] are graph padding
+        else:
+            seq = tok
+            q_len = 1
+            q_idx = 0
+            valid = tok >= 0
+        seq_len = tl.load(seq_lens_ptr + seq * stride_seq_lens)
+        kv_len = tl.where(valid, seq_len - q_len + q_idx + 1, 0)  # causal rule
+        offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < num_heads
+        tok_rows = tok.to(tl.int64)
     chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, kv_len)
+    if PACKED:
+        row_end = tl.minimum(row_len, end)  # [BLOCK_H] each row's end inside this split
 
     # -- query tiles: latent [BLOCK_H, BLOCK_DV] and rope [BLOCK_H, BLOCK_DPE] --
-    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < num_heads
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < KV_LORA_RANK
-    q_row = q_ptr + tok.to(tl.int64) * stride_q_tok + offs_h[:, None] * stride_q_head
+    if PACKED:
+        q_row = q_ptr + tok_rows[:, None] * stride_q_tok + offs_h[:, None] * stride_q_head
+    else:
+        q_row = q_ptr + tok_rows * stride_q_tok + offs_h[:, None] * stride_q_head
     q_lat = tl.load(
         q_row + offs_dv[None, :] * stride_q_dim, mask=mask_h[:, None] & mask_dv[None, :], other=0.0
     )
@@ -299,7 +338,10 @@ def _mla_decode_kernel(
         q_pe = q_lat
 
     qk_scale = scale * 1.4426950408889634  # exp2 domain
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    if PACKED:  # finite: a row with no column in a tile (or split) gets p = 0, alpha = 1, no NaN
+        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
@@ -328,13 +370,17 @@ def _mla_decode_kernel(
             off = n % block_size
             lat = lat_desc.load([blk, off, 0]).reshape(BLOCK_N, BLOCK_DV)
             pe = pe_desc.load([blk, off, KV_LORA_RANK]).reshape(BLOCK_N, BLOCK_DPE)
+            if PACKED:
+                mask_s = (n + tl.arange(0, BLOCK_N))[None, :] < row_end[:, None]
+            else:
+                mask_s = ((n + tl.arange(0, BLOCK_N)) < end)[None, :]
             m_i, l_i, acc = _online_step(
                 q_lat,
                 q_pe,
                 lat,
                 pe,
                 lat,
-                (n + tl.arange(0, BLOCK_N)) < end,
+                mask_s,
                 m_i,
                 l_i,
                 acc,
@@ -422,8 +468,12 @@ def _mla_decode_kernel(
             )
         else:
             v = lat
+        if PACKED:  # noqa: SIM108 (a constexpr branch, not a runtime select)
+            mask_s = offs_n[None, :] < row_end[:, None]
+        else:
+            mask_s = mask_n[None, :]
         m_i, l_i, acc = _online_step(
-            q_lat, q_pe, lat, pe, v, mask_n, m_i, l_i, acc, qk_scale, BLOCK_DPE, DOT_PRECISION
+            q_lat, q_pe, lat, pe, v, mask_s, m_i, l_i, acc, qk_scale, BLOCK_DPE, DOT_PRECISION
         )
 
     # -- epilogue: normalised output and natural-log lse (-inf, zeros for an empty range) --
@@ -431,39 +481,76 @@ def _mla_decode_kernel(
     l_safe = tl.where(has, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    tok64 = tok.to(tl.int64)
-    if NUM_SPLITS == 1:
-        mask_o = mask_h & valid
-        tl.store(
-            out_ptr
-            + tok64 * stride_out_tok
-            + offs_h[:, None] * stride_out_head
-            + offs_dv[None, :] * stride_out_dim,
-            o.to(out_ptr.dtype.element_ty),
-            mask=mask_o[:, None] & mask_dv[None, :],
-        )
-        if RETURN_LSE:
-            tl.store(lse_ptr + tok64 * stride_lse_tok + offs_h * stride_lse_head, lse, mask=mask_o)
+    if PACKED:  # each real row to its (token, head); padded rows nowhere
+        if NUM_SPLITS == 1:
+            tl.store(
+                out_ptr
+                + tok_rows[:, None] * stride_out_tok
+                + offs_h[:, None] * stride_out_head
+                + offs_dv[None, :] * stride_out_dim,
+                o.to(out_ptr.dtype.element_ty),
+                mask=mask_h[:, None] & mask_dv[None, :],
+            )
+            if RETURN_LSE:
+                tl.store(
+                    lse_ptr + tok_rows * stride_lse_tok + offs_h * stride_lse_head,
+                    lse,
+                    mask=mask_h,
+                )
+        else:  # every column (the reduce reads BLOCK_DV of them)
+            tl.store(
+                part_out_ptr
+                + tok_rows[:, None] * stride_po_tok
+                + split * stride_po_split
+                + offs_h[:, None] * stride_po_head
+                + offs_dv[None, :] * stride_po_dim,
+                o,
+                mask=mask_h[:, None] & (offs_dv >= 0)[None, :],
+            )
+            tl.store(
+                part_lse_ptr
+                + tok_rows * stride_pl_tok
+                + split * stride_pl_split
+                + offs_h * stride_pl_head,
+                lse,
+                mask=mask_h,
+            )
     else:
-        # every padded head row and every padded column: the workspace has padded_heads rows
-        all_h = (offs_h >= 0) & valid
-        tl.store(
-            part_out_ptr
-            + tok64 * stride_po_tok
-            + split * stride_po_split
-            + offs_h[:, None] * stride_po_head
-            + offs_dv[None, :] * stride_po_dim,
-            o,
-            mask=all_h[:, None] & (offs_dv >= 0)[None, :],
-        )
-        tl.store(
-            part_lse_ptr
-            + tok64 * stride_pl_tok
-            + split * stride_pl_split
-            + offs_h * stride_pl_head,
-            lse,
-            mask=all_h,
-        )
+        tok64 = tok.to(tl.int64)
+        if NUM_SPLITS == 1:
+            mask_o = mask_h & valid
+            tl.store(
+                out_ptr
+                + tok64 * stride_out_tok
+                + offs_h[:, None] * stride_out_head
+                + offs_dv[None, :] * stride_out_dim,
+                o.to(out_ptr.dtype.element_ty),
+                mask=mask_o[:, None] & mask_dv[None, :],
+            )
+            if RETURN_LSE:
+                tl.store(
+                    lse_ptr + tok64 * stride_lse_tok + offs_h * stride_lse_head, lse, mask=mask_o
+                )
+        else:
+            # every padded head row and every padded column: the workspace has padded_heads rows
+            all_h = (offs_h >= 0) & valid
+            tl.store(
+                part_out_ptr
+                + tok64 * stride_po_tok
+                + split * stride_po_split
+                + offs_h[:, None] * stride_po_head
+                + offs_dv[None, :] * stride_po_dim,
+                o,
+                mask=all_h[:, None] & (offs_dv >= 0)[None, :],
+            )
+            tl.store(
+                part_lse_ptr
+                + tok64 * stride_pl_tok
+                + split * stride_pl_split
+                + offs_h * stride_pl_head,
+                lse,
+                mask=all_h,
+            )
 
 
 @triton.jit
@@ -740,10 +827,11 @@ def _workspace_errors(tiles: MlaTiles, md: MlaMetadata, num_tokens: int) -> list
 
 def _check_contents(
     query, kv_cache, block_table, seq_lens, query_start_loc, page_indices, metadata
-) -> None:
+) -> int:
     """The metadata's values, through `_checks` on one host copy: query_start_loc well formed
     (rows past its end are graph padding), seq_lens >= each q_len, and the used block ids
-    (block table) or slots (page indices, which must agree with seq_lens) inside the cache."""
+    (block table) or slots (page indices, which must agree with seq_lens) inside the cache.
+    Returns the longest q_len (1 without query_start_loc)."""
     num_tokens = query.shape[0]
     num_blocks, block_size = kv_cache.shape[0], kv_cache.shape[1]
     index = list(page_indices) if page_indices is not None else [block_table]
@@ -752,6 +840,7 @@ def _check_contents(
     qsl = rest.pop(0) if query_start_loc is not None else None
     errors: list[str] = []
     q_lens = torch.ones_like(lens)  # one token per sequence (plain decode)
+    longest = 1
     if qsl is not None:
         errors += offsets_errors(
             "query_start_loc", qsl, end=num_tokens, end_name="num_tokens", end_at_most=True
@@ -773,6 +862,7 @@ def _check_contents(
         errors += capacity_errors(lens, block_size, table.shape[1])
         errors += block_ids_errors(table, lens, block_size, num_blocks)
     raise_errors(_OP, errors)
+    return max(1, longest)
 
 
 def _tma_ok(kv_cache: torch.Tensor, kv_lora_rank: int, tiles: MlaTiles, paged_slots: bool) -> bool:
@@ -863,8 +953,9 @@ def plan_mla_decode(
         )
     if check_contents is None:
         check_contents = reads_contents(query.device, vouched=metadata is not None)
+    longest = None  # the longest q_len, when read
     if check_contents and query.device.type != "meta":
-        _check_contents(
+        longest = _check_contents(
             query, kv_cache, block_table, seq_lens, query_start_loc, page_indices, metadata
         )
 
@@ -878,6 +969,15 @@ def plan_mla_decode(
         assert block_table is not None
         max_context = block_table.shape[1] * block_size
     num_seqs = seq_lens.shape[0]
+    varlen = query_start_loc is not None and not (metadata is not None and metadata.decode)
+    # The longest query (row packing's grid and policy): the metadata's, the one read, or an
+    # upper bound (num_tokens) where nothing was read.
+    if not varlen:
+        max_query_len = 1
+    elif metadata is not None:
+        max_query_len = metadata.max_query_len
+    else:
+        max_query_len = longest if longest is not None else max(1, num_tokens)
 
     # -- tiles: injected, the metadata's (never recomputed), or the policy's --
     if tiles is None:
@@ -885,10 +985,12 @@ def plan_mla_decode(
             tiles = metadata.tiles
         else:
             problem = MlaProblem(
-                num_heads, head_dim_k, kv_lora_rank, query.element_size(), num_tokens, max_context
-            )
+                num_heads, head_dim_k, kv_lora_rank, query.element_size(), num_tokens,
+                max_context, max_query_len,
+            )  # fmt: skip
             tiles = mla_decode_tiles(target, problem)
     splits = tiles.num_kv_splits
+    row_groups = mla_row_groups(tiles, num_heads, max_query_len)
 
     # -- allocate --
     dev = query.device
@@ -919,7 +1021,6 @@ def plan_mla_decode(
     lse_arg = lse if lse is not None else torch.empty((0,), dtype=torch.float32, device=dev)
 
     outputs = (out,) if lse is None else (out, lse)
-    varlen = query_start_loc is not None and not (metadata is not None and metadata.decode)
     # seq_lens stands in for tensors a launch never reads (a placeholder pointer)
     qsl = query_start_loc if varlen and query_start_loc is not None else seq_lens
     if page_indices is not None:
@@ -947,9 +1048,11 @@ def plan_mla_decode(
     else:
         lat_desc = pe_desc = kv_cache
     # DIM_SPLIT/TOK_SPLIT: 1 for this NHD-like cache (the layout rule's general form is kept).
+    # packed: programs per (sequence, split); else per (query token, split)
+    programs = num_seqs if tiles.packed else num_tokens
     main = Launch(
         kernel=_mla_decode_kernel,
-        grid=(num_tokens * tiles.head_groups * splits,),
+        grid=(programs * row_groups * splits,),
         args=dict(
             q_ptr=query,
             kv_ptr=kv_cache,
@@ -960,6 +1063,7 @@ def plan_mla_decode(
             page_indices_ptr=indices,
             seq_lens_ptr=seq_lens,
             qsl_ptr=qsl,
+            row_groups=row_groups,
             out_ptr=out,
             lse_ptr=lse_arg,
             part_out_ptr=part_out,
@@ -1010,6 +1114,7 @@ def plan_mla_decode(
             V_RELOAD=tiles.v_reload,
             PREFETCH_ROWS=tiles.prefetch_rows,
             TMA=tma,
+            PACKED=tiles.packed,
         ),
         options=tiles.options,
         target=target,

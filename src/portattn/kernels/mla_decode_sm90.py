@@ -35,6 +35,11 @@ its 128 threads arrives on the tile barrier once its copies land (``cp.async.mba
 .noinc``; the barriers count 128), so the hand-offs are unchanged. The MMAs read through the
 async proxy what cp.async wrote through the generic one: a proxy fence after each tile wait.
 
+Packed rows (``PACKED``, `portattn.policy.mla.PACK_QUERY_ROWS`): the 64 rows are (query token,
+head) pairs of one sequence (`_packed_rows`; 16 heads x 4 tokens fill the tile), the tile's range
+comes from its last real row, and each row's scores are masked at its own causal limit (the
+running max starts at -1e30, so a row with no column in a tile or split stays finite, p = 0).
+
 Requirements (checked by the launcher, `sm90_errors`): sm_90, fp16/bf16, ``BLOCK_H = BLOCK_N =
 64``, ``kv_lora_rank`` in 128 / 256 / 512, rope width a power of two in 16..128, the shared
 memory (`sm90_smem_bytes`; 576/512: 230788 B) within the target's, pages laid out one after
@@ -87,6 +92,16 @@ def _find_seq_sm90(qsl_ptr, stride_qsl, tok, num_seqs):
         else:
             hi = mid
     return lo - 1
+
+
+@gluon.jit
+def _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H: gl.constexpr, layout: gl.constexpr):
+    """A packed tile's rows in ``layout``: row ``r`` is (query token ``r // num_heads``, head
+    ``r % num_heads``) of one sequence; returns each row's token (int64), head, query index and
+    whether it is real (``q_idx < q_len``)."""
+    r = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=layout)
+    q_idx = r // num_heads
+    return (q_start + q_idx).to(gl.int64), r % num_heads, q_idx, q_idx < q_len
 
 
 @gluon.jit
@@ -185,16 +200,18 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 
 @gluon.jit
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
-               GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr):  # fmt: skip
+               GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
-    values, in the order the kernel packs them."""
+    values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
+    one sequence (`_packed_rows`), each masked at its own causal limit."""
     (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
      stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
      latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
      part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
      stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
      stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
-     stride_pl_head, kv_ptr, stride_kv_row) = rt  # fmt: skip
+     stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
+     seq_len) = rt  # fmt: skip
     gather = (kv_ptr, stride_kv_row, end)
     dtype: gl.constexpr = ql_smem.dtype
     BLOCK_H: gl.constexpr = ql_smem.shape[1]
@@ -212,20 +229,37 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     ROW: gl.constexpr = gl.SliceLayout(1, QK)
     PV_ROW: gl.constexpr = gl.SliceLayout(1, PV)
     # the query's rope part: the score MMA's register operand
-    qh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QPE))
     qd = 2 * HALF + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, QPE))
-    q_pe = gl.load(
-        q_ptr + q_row_off + qh[:, None] * stride_q_head + qd[None, :] * stride_q_dim,
-        mask=(qh < num_heads)[:, None],
-        other=0.0,
-    )
+    if PACKED:
+        tq, hq, _, rq = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H,
+                                     gl.SliceLayout(1, QPE))  # fmt: skip
+        q_pe = gl.load(
+            q_ptr + tq[:, None] * stride_q_tok + hq[:, None] * stride_q_head
+            + qd[None, :] * stride_q_dim,
+            mask=rq[:, None],
+            other=0.0,
+        )  # fmt: skip
+    else:
+        qh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QPE))
+        q_pe = gl.load(
+            q_ptr + q_row_off + qh[:, None] * stride_q_head + qd[None, :] * stride_q_dim,
+            mask=(qh < num_heads)[:, None],
+            other=0.0,
+        )
     # hand-offs, each completed once per pair: 0 m_A (WG0 -> WG1), 1 P_A (WG0 -> WG1),
     # 2 P_B and m_B (WG1 -> WG0). A barrier's next phase is signalled only after its waiter
     # passed this one (through the chain of the other hand-offs and the tile barriers).
     bar_ma = sync_bars.index(0)
     bar_pa = sync_bars.index(1)
     bar_pb = sync_bars.index(2)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW)
+    if PACKED:
+        # each row's end in this split (its causal limit); the running max starts finite, so a
+        # row without a column in a tile (or the whole split) gets p = 0 and no NaN
+        _, _, qi_s, real_s = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H, ROW)
+        row_end = gl.minimum(gl.where(real_s, seq_len - q_len + qi_s + 1, 0), end)
+        m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=ROW)
+    else:
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=ROW)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=PV)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, QK))
@@ -257,7 +291,10 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
         n_own = n_a + WG * BLOCK_N
-        s = gl.where(((n_own + cols) < end)[None, :], qk * qk_scale, float("-inf"))
+        if PACKED:
+            s = gl.where((n_own + cols)[None, :] < row_end[:, None], qk * qk_scale, float("-inf"))
+        else:
+            s = gl.where(((n_own + cols) < end)[None, :], qk * qk_scale, float("-inf"))
         if WG == 0:
             # m_A first (WG1's softmax waits for it), then P_A
             m_a = gl.maximum(m_i, gl.max(s, 1))  # finite: tile A always has a real column
@@ -332,7 +369,23 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     od = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, PV))
     lh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW)
     tok64 = tok.to(gl.int64)
-    if NUM_SPLITS == 1:
+    if PACKED:  # each real row to its (token, head); padded rows nowhere
+        to, ho, _, ro = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H, PV_ROW)
+        tl_, hl, _, rl = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H, ROW)
+        mask_o = ro[:, None] & (od >= 0)[None, :]
+        if NUM_SPLITS == 1:
+            ptrs = out_ptr + to[:, None] * stride_out_tok + ho[:, None] * stride_out_head
+            gl.store(ptrs + od[None, :] * stride_out_dim, o.to(dtype), mask=mask_o)
+            if RETURN_LSE and WG == 0:
+                gl.store(lse_ptr + tl_ * stride_lse_tok + hl * stride_lse_head, lse, mask=rl)
+        else:
+            po = part_out_ptr + split * stride_po_split
+            ptrs = po + to[:, None] * stride_po_tok + ho[:, None] * stride_po_head
+            gl.store(ptrs + od[None, :] * stride_po_dim, o, mask=mask_o)
+            if WG == 0:
+                pl = part_lse_ptr + split * stride_pl_split
+                gl.store(pl + tl_ * stride_pl_tok + hl * stride_pl_head, lse, mask=rl)
+    elif NUM_SPLITS == 1:
         mask_o = ((oh < num_heads) & valid)[:, None] & (od >= 0)[None, :]
         ptrs = out_ptr + tok64 * stride_out_tok + oh[:, None] * stride_out_head
         gl.store(ptrs + od[None, :] * stride_out_dim, o.to(dtype), mask=mask_o)
@@ -360,6 +413,7 @@ def _mla_decode_sm90_kernel(
     block_table_ptr,
     seq_lens_ptr,
     qsl_ptr,
+    row_groups,
     out_ptr,
     lse_ptr,
     part_out_ptr,
@@ -406,6 +460,7 @@ def _mla_decode_sm90_kernel(
     WG_REGS: gl.constexpr,
     GATHER: gl.constexpr,  # rows by cp.async gather (`_gather_half`), not TMA boxes
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
+    PACKED: gl.constexpr,
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = KV_LORA_RANK // 2
@@ -416,23 +471,43 @@ def _mla_decode_sm90_kernel(
 
     # -- which (token, split, head group), the causal range (as in the portable kernel) --
     pid = gl.program_id(0)
-    hg = pid % HEAD_GROUPS
-    rest = pid // HEAD_GROUPS
-    split = rest % NUM_SPLITS
-    tok = rest // NUM_SPLITS
-    if VARLEN:
-        seq = gl.maximum(_find_seq_sm90(qsl_ptr, stride_qsl, tok, num_seqs), 0)
-        q_start = gl.load(qsl_ptr + seq * stride_qsl)
-        q_len = gl.load(qsl_ptr + (seq + 1) * stride_qsl) - q_start
-        q_idx = tok - q_start
-        valid = (q_idx >= 0) & (q_idx < q_len)
+    if PACKED:
+        # (sequence, split, row group) (`_packed_rows`); the tile's range comes from its last
+        # real row, whose causal limit is the largest
+        hg = pid % row_groups
+        rest = pid // row_groups
+        split = rest % NUM_SPLITS
+        seq = rest // NUM_SPLITS
+        if VARLEN:
+            q_start = gl.load(qsl_ptr + seq * stride_qsl)
+            q_len = gl.load(qsl_ptr + (seq + 1) * stride_qsl) - q_start
+        else:
+            q_start = seq
+            q_len = seq * 0 + 1
+        seq_len = gl.load(seq_lens_ptr + seq * stride_seq_lens)
+        last = gl.minimum((hg + 1) * BLOCK_H, q_len * num_heads) - 1
+        kv_len = gl.where(last >= hg * BLOCK_H, seq_len - q_len + last // num_heads + 1, 0)
+        tok = q_start  # the non-packed epilogue's; unused
+        valid = q_len > 0
     else:
-        seq = tok
-        q_len = 1
-        q_idx = 0
-        valid = tok >= 0
-    seq_len = gl.load(seq_lens_ptr + seq * stride_seq_lens)
-    kv_len = gl.where(valid, seq_len - q_len + q_idx + 1, 0)
+        hg = pid % HEAD_GROUPS
+        rest = pid // HEAD_GROUPS
+        split = rest % NUM_SPLITS
+        tok = rest // NUM_SPLITS
+        if VARLEN:
+            seq = gl.maximum(_find_seq_sm90(qsl_ptr, stride_qsl, tok, num_seqs), 0)
+            q_start = gl.load(qsl_ptr + seq * stride_qsl)
+            q_len = gl.load(qsl_ptr + (seq + 1) * stride_qsl) - q_start
+            q_idx = tok - q_start
+            valid = (q_idx >= 0) & (q_idx < q_len)
+        else:
+            seq = tok
+            q_start = tok
+            q_len = tok * 0 + 1
+            q_idx = 0
+            valid = tok >= 0
+        seq_len = gl.load(seq_lens_ptr + seq * stride_seq_lens)
+        kv_len = gl.where(valid, seq_len - q_len + q_idx + 1, 0)
     chunk = gl.cdiv(gl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = gl.minimum(start + chunk, kv_len)
@@ -447,11 +522,17 @@ def _mla_decode_sm90_kernel(
     # -- shared memory: the query's latent halves ([1, ...]: indexed with the opaque 0), two
     # tile buffers (latent halves, rope part), both tiles' P, the running max and row sums
     # handed between the warpgroups, the barriers --
-    offs_h = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
     offs_d = gl.arange(0, HALF, layout=gl.SliceLayout(0, LOAD))
-    mask_h = (offs_h < num_heads)[:, None]
     q_row_off = tok.to(gl.int64) * stride_q_tok
-    q_row = q_ptr + q_row_off + offs_h[:, None] * stride_q_head
+    if PACKED:
+        tq, hq, _, rq = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H,
+                                     gl.SliceLayout(1, LOAD))  # fmt: skip
+        mask_h = rq[:, None]
+        q_row = q_ptr + tq[:, None] * stride_q_tok + hq[:, None] * stride_q_head
+    else:
+        offs_h = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
+        mask_h = (offs_h < num_heads)[:, None]
+        q_row = q_ptr + q_row_off + offs_h[:, None] * stride_q_head
     ql_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
     ql_smem.index(0).store(gl.load(q_row + offs_d[None, :] * stride_q_dim, mask=mask_h, other=0.0))
     qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
@@ -493,11 +574,12 @@ def _mla_decode_sm90_kernel(
           part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
           stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
           stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
-          stride_pl_head, kv_ptr, stride_kv_row)  # fmt: skip
+          stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
+          seq_len)  # fmt: skip
     gl.warp_specialize(
         [
-            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES)),
-            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES)),
+            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED)),
+            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED)),
         ],
         [4],
         [WG_REGS],

@@ -45,6 +45,11 @@ against 858.9 us for H16; 16k: 1322 us against 3405 us. sm_90: N64 = 229376 B of
 B; sm_80: N32 = 151552 B; the 99 KB parts do not fit it and stay narrow. HIP stays narrow (the
 register calibration is NVIDIA's; no AMD measurement yet).
 
+Packed rows (verification, `PACK_QUERY_ROWS`): on sm_90, 16-bit caches with fewer than 64 heads
+and ``max_query_len * num_heads >= PACK_MIN_ROWS`` take the wide tile with rows (query token,
+head) of one sequence, so a sequence's query tokens read its cache once per tile; programs per
+sequence and split: `mla_row_groups`. Unmeasured (bench/NOTES.md, issue 18).
+
 Split-KV: with few (token, head-group) programs the GPU idles, so the context is split into
 ``num_kv_splits`` chunks whose partial results a reduce kernel merges. `mla_num_kv_splits` takes
 the most splits whose programs fit ONE wave of resident slots (``programs_per_sm * num_sms``),
@@ -126,6 +131,21 @@ SM90_KERNEL_ARCHS = ("sm_90",)
 #: shared buffers (`portattn.kernels.mla_decode_sm90`, ``GATHER``). Off: those launches run the
 #: portable kernel, as before (issue 18: 128 heads, 4k, page 1 344 us against 155 us at 64).
 SM90_GATHER = True
+#: Verification row packing (issue 18; the switch: False turns it off everywhere). A packed tile's
+#: row ``r`` is (query token ``r // num_heads``, head ``r % num_heads``) of ONE sequence, so the
+#: ``q_len`` tokens of a sequence read its latent cache once per tile instead of once per token;
+#: each row keeps its own causal limit. Taken on `PACK_ARCHS` for 16-bit caches with fewer heads
+#: than the wide tile (``num_heads < WIDE_BLOCK_H``: at 64 or 128 heads a token already fills the
+#: 64-row tile, so packing would change nothing but the program order) when the longest query
+#: fills at least `PACK_MIN_ROWS` rows. Unmeasured (bench/NOTES.md, issue 18, row packing).
+PACK_QUERY_ROWS = True
+#: Where packing runs: the Hopper kernel's 64-row tile (the portable kernel runs packed tiles too,
+#: e.g. where `sm90_errors` refuses a cache, but has no measurement of its own).
+PACK_ARCHS = SM90_KERNEL_ARCHS
+#: Packed rows (``max_query_len * num_heads``) from which the 64-row tile is taken: half a tile.
+#: At 16 heads and q_len 2 the tile computes 32 padded rows, but the cache is read once instead
+#: of twice, and at 16 heads the step is bound by the cache read (prediction, not yet measured).
+PACK_MIN_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -139,6 +159,8 @@ class MlaProblem:
         elem_size: bytes per query / cache element.
         num_tokens: query tokens per launch (an upper bound for a metadata builder).
         max_context: an upper bound on any sequence's context length.
+        max_query_len: an upper bound on any sequence's query tokens (1: plain decode); decides
+            row packing (`PACK_QUERY_ROWS`).
     """
 
     num_heads: int
@@ -147,6 +169,7 @@ class MlaProblem:
     elem_size: int
     num_tokens: int
     max_context: int
+    max_query_len: int = 1
 
 
 @dataclass(frozen=True)
@@ -175,6 +198,9 @@ class MlaTiles:
             (`portattn.kernels.mla_decode`), and the partial last tile of a split is gathered.
         sm90_kernel: run the wide tile with the Hopper kernel (`portattn.kernels.mla_decode_sm90`,
             explicit copy/MMA schedule) where its requirements hold, else the portable kernel.
+        packed: a program's ``block_h`` rows are (query token, head) pairs of one sequence
+            (`PACK_QUERY_ROWS`); its grid has `mla_row_groups` programs per sequence and split.
+            The workspaces keep ``padded_heads`` rows per token; only real heads are written.
     """
 
     block_h: int
@@ -190,11 +216,24 @@ class MlaTiles:
     prefetch_rows: bool = False
     tma: bool = False
     sm90_kernel: bool = False
+    packed: bool = False
 
     @property
     def head_groups(self) -> int:
         """Programs per query token and split along the head axis."""
         return self.padded_heads // self.block_h
+
+
+def mla_row_groups(tiles: MlaTiles, num_heads: int, max_query_len: int) -> int:
+    """Programs per sequence (packed tiles) or per query token (else) and split: the one place
+    the launch grid and the policy's split count take it from.
+
+    Packed: ``cdiv(max_query_len * num_heads, block_h)`` (16 heads, q_len 4, 64 rows -> 1);
+    else ``head_groups``.
+    """
+    if tiles.packed:
+        return max(1, -(-max_query_len * num_heads // tiles.block_h))
+    return tiles.head_groups
 
 
 def mla_smem_bytes(
@@ -277,7 +316,14 @@ def mla_programs_per_sm(
 
 def _problem_errors(p: MlaProblem) -> list[str]:
     errors = []
-    for name in ("num_heads", "head_dim_k", "kv_lora_rank", "elem_size", "max_context"):
+    for name in (
+        "num_heads",
+        "head_dim_k",
+        "kv_lora_rank",
+        "elem_size",
+        "max_context",
+        "max_query_len",
+    ):
         if getattr(p, name) < 1:
             errors.append(f"{name} must be >= 1; got {getattr(p, name)}")
     if p.num_tokens < 0:
@@ -315,13 +361,24 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     block_ns = (FP32_BLOCK_N,) if fp32 else BLOCK_N_CANDIDATES
     warp_counts = (FP32_NUM_WARPS,) if fp32 else NUM_WARPS
     choice = None
-    if target.arch in WIDE_ARCHS and problem.num_heads >= WIDE_BLOCK_H and not fp32:
+    # Row packing (PACK_QUERY_ROWS): a sequence's query tokens share the wide tile's rows.
+    pack = (
+        PACK_QUERY_ROWS
+        and target.arch in PACK_ARCHS
+        and elem == 2
+        and block_dv <= 512
+        and problem.max_query_len > 1
+        and problem.num_heads < WIDE_BLOCK_H
+        and problem.max_query_len * problem.num_heads >= PACK_MIN_ROWS
+    )
+    if target.arch in WIDE_ARCHS and (problem.num_heads >= WIDE_BLOCK_H or pack) and not fp32:
         for block_n in BLOCK_N_CANDIDATES:
             smem = fits(WIDE_BLOCK_H, block_n, top, WIDE_NUM_WARPS)
             if smem is not None and block_n >= 32:
                 choice = (WIDE_BLOCK_H, block_n, top, WIDE_NUM_WARPS, smem)
                 break
     if choice is None:
+        pack = False
         block_h = target.mma_min_rows
         # The longest KV tile that pipelines (>= 2 stages) within both budgets at the fewest
         # warps, then the deepest pipeline; a single stage, then the register budget waived,
@@ -373,9 +430,14 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     )
     per_sm = mla_programs_per_sm(target, block_h, smem, sm90)
     padded_heads = -(-problem.num_heads // block_h) * block_h
-    splits = mla_num_kv_splits(
-        target, problem.num_tokens, padded_heads // block_h, problem.max_context, per_sm
-    )
+    if pack:  # programs: sequences (num_tokens / max_query_len) x row groups
+        rows = problem.max_query_len * problem.num_heads
+        seqs = -(-problem.num_tokens // problem.max_query_len)
+        splits = mla_num_kv_splits(target, seqs, -(-rows // block_h), problem.max_context, per_sm)
+    else:
+        splits = mla_num_kv_splits(
+            target, problem.num_tokens, padded_heads // block_h, problem.max_context, per_sm
+        )
     return MlaTiles(
         block_h=block_h,
         padded_heads=padded_heads,
@@ -389,4 +451,5 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         prefetch_rows=prefetch,
         tma=tma,
         sm90_kernel=sm90,
+        packed=pack,
     )

@@ -1,0 +1,344 @@
+"""MLA verification with packed rows (issue 18): a program's rows are (query token, head) pairs of
+one sequence, each row with its own causal limit. The portable kernel runs packed tiles under
+the interpreter (CPU gate, against the fp64 oracle); the sm_90 kernel's packed path runs on the
+GPU (``-m gpu``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from portattn.kernels._launch import run_all
+from portattn.kernels.mla_decode import plan_mla_decode
+from portattn.mla_metadata import MlaMetadataBuilder
+from portattn.platform import get_target
+from portattn.policy import mla as mla_policy
+from portattn.policy.mla import MlaProblem, mla_decode_tiles, mla_row_groups
+from tests.helpers import assert_low_precision_close
+from tests.kernels.test_mla_decode import (
+    _poison_unowned_rows,
+    check,
+    fast_oracle,
+    make_inputs,
+)
+
+pytestmark = pytest.mark.mla
+SM90 = get_target("sm_90")
+
+
+def _packed_tiles(dk, r, heads, block_h, splits, block_n=16):
+    """The policy's fp32 tiles for a small problem, packed with ``block_h`` rows."""
+    base = mla_decode_tiles(SM90, MlaProblem(heads, dk, r, 4, 8, 64))
+    return dataclasses.replace(
+        base,
+        packed=True,
+        block_h=block_h,
+        padded_heads=-(-heads // block_h) * block_h,
+        num_kv_splits=splits,
+        block_n=block_n,
+    )
+
+
+def _run(q, cache, bt, sl, qsl, r, tiles, page_indices=None):
+    launches = plan_mla_decode(
+        q, cache, None if page_indices is not None else bt, sl, kv_lora_rank=r, scale=0.05,
+        query_start_loc=qsl, return_lse=True, tiles=tiles, page_indices=page_indices,
+    )  # fmt: skip
+    run_all(launches)
+    out, lse = launches[0].outputs
+    check(out, lse, q, cache, bt, sl, qsl, r, 0.05, torch.float32)
+    return launches
+
+
+# (dk, r), heads, block_h, splits, q_lens, seq_lens. Awkward on purpose: q_len 2..8 and uneven
+# q_len per sequence; a tile spanning tokens (16 rows of 3 heads: 5 tokens and a row of the
+# sixth); seq_len == q_len (token 0 sees one position); q_len 0 (an empty sequence); splits
+# whose chunks some rows never reach (their partials are empty, lse -inf); heads not dividing
+# the tile (padded rows).
+PACKED_CASES = [
+    ((192, 128), 4, 16, 1, (4, 2), (37, 5)),
+    ((192, 128), 3, 16, 3, (8, 1, 5), (40, 8, 5)),
+    ((288, 256), 8, 32, 2, (2, 3), (2, 70)),
+    ((192, 128), 5, 16, 4, (6, 0, 7), (6, 3, 33)),
+    ((256, 256), 2, 16, 2, (3, 8), (19, 8)),
+]
+
+
+@pytest.mark.parametrize(
+    ("shape", "heads", "block_h", "splits", "q_lens", "seq_lens"),
+    PACKED_CASES,
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v),
+)
+def test_packed_rows_match_oracle(shape, heads, block_h, splits, q_lens, seq_lens, device):
+    dk, r = shape
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 16, q_lens, seq_lens, torch.float32, device)
+    _poison_unowned_rows(cache, bt, sl)  # any row read past a row's context shows as NaN
+    tiles = _packed_tiles(dk, r, heads, block_h, splits)
+    launches = _run(q, cache, bt, sl, qsl, r, tiles)
+    main = launches[0]
+    assert main.args["PACKED"] is True
+    groups = -(-max(q_lens) * heads // block_h)
+    assert main.args["row_groups"] == groups
+    assert main.grid == (len(seq_lens) * groups * splits,)
+    assert [x.name for x in launches] == (
+        ["mla_decode"] if splits == 1 else ["mla_decode", "mla_decode_reduce"]
+    )
+
+
+def test_packed_bulk_copy_tiles(device):
+    """Packed rows with descriptor tiles (whole tiles in a page) and the gathered last tile."""
+    dk, r, heads = 288, 256, 4
+    q, cache, bt, sl, qsl = make_inputs(
+        dk, r, heads, 32, (3, 5, 1), (40, 9, 64), torch.float32, device
+    )
+    _poison_unowned_rows(cache, bt, sl)
+    tiles = dataclasses.replace(_packed_tiles(dk, r, heads, 16, 2), tma=True)
+    launches = _run(q, cache, bt, sl, qsl, r, tiles)
+    assert launches[0].args["TMA"] is True
+
+
+def test_packed_page_indices_identical_to_block_table(device):
+    from portattn import reference
+
+    dk, r, heads = 192, 128, 3
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 16, (4, 2), (20, 33), torch.float32, device)
+    tiles = _packed_tiles(dk, r, heads, 16, 2)
+    a = _run(q, cache, bt, sl, qsl, r, tiles)[0].outputs
+    pages = tuple(t.to(device) for t in reference.expand_page_indices(bt.cpu(), sl.cpu(), 16))
+    b = _run(q, cache, bt, sl, qsl, r, tiles, page_indices=pages)[0].outputs
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_packed_single_token_decode(device):
+    """Packed tiles on a plain decode step (no query_start_loc): one token per sequence."""
+    dk, r, heads = 192, 128, 5
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 16, None, (7, 40), torch.float32, device)
+    launches = _run(q, cache, bt, sl, qsl, r, _packed_tiles(dk, r, heads, 16, 2))
+    assert launches[0].args["VARLEN"] is False and launches[0].args["row_groups"] == 1
+
+
+def test_packed_graph_padding_rows_untouched(device):
+    """Rows past query_start_loc[-1] are not written by packed programs either."""
+    dk, r, heads = 192, 128, 3
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 16, (2, 3), (5, 9), torch.float32, device)
+    qpad = torch.cat([q, torch.randn(2, heads, dk, device=device)])
+    out = torch.full((7, heads, r), -7.0, device=device)
+    launches = plan_mla_decode(
+        qpad, cache, bt, sl, kv_lora_rank=r, scale=0.05, query_start_loc=qsl, out=out,
+        tiles=_packed_tiles(dk, r, heads, 16, 1),
+    )  # fmt: skip
+    run_all(launches)
+    assert (out[5:] == -7.0).all()
+    check(out[:5], None, q, cache, bt, sl, qsl, r, 0.05, torch.float32)
+
+
+# -- policy and metadata: where packing is taken, and the one place sizes come from ----------
+
+
+def _problem(heads, q_len, batch=64, context=4096, elem=2):
+    return MlaProblem(heads, 576, 512, elem, batch * q_len, context, q_len)
+
+
+@pytest.mark.parametrize("q_len", [2, 3, 4, 8])
+def test_policy_packs_16_heads_into_the_sm90_tile(q_len):
+    t = mla_decode_tiles(SM90, _problem(16, q_len))
+    assert t.packed and t.sm90_kernel and (t.block_h, t.block_n) == (64, 64)
+    groups = mla_row_groups(t, 16, q_len)
+    assert groups == -(-q_len * 16 // 64)
+    # one wave of the Hopper kernel (1 program per SM): 64 sequences x groups x splits <= 132
+    assert 64 * groups * t.num_kv_splits <= SM90.num_sms
+    assert t.num_kv_splits == max(1, min(SM90.num_sms // (64 * groups), 4096 // 256))
+
+
+@pytest.mark.parametrize(
+    ("arch", "heads", "q_len", "elem", "why"),
+    [
+        ("sm_90", 128, 4, 2, "a token already fills the tile"),
+        ("sm_90", 64, 2, 2, "a token already fills the tile"),
+        ("sm_90", 16, 1, 2, "plain decode"),
+        ("sm_90", 8, 3, 2, "24 rows < PACK_MIN_ROWS"),
+        ("sm_90", 16, 4, 4, "fp32"),
+        ("sm_80", 16, 4, 2, "not a PACK_ARCHS target"),
+        ("gfx942", 16, 4, 2, "not a PACK_ARCHS target"),
+    ],
+)
+def test_policy_does_not_pack(arch, heads, q_len, elem, why):
+    t = mla_decode_tiles(get_target(arch), _problem(heads, q_len, elem=elem))
+    assert not t.packed, why
+    unpacked = mla_decode_tiles(get_target(arch), _problem(heads, 1, batch=64 * q_len, elem=elem))
+    assert t == unpacked  # exactly the tiles of the same tokens without packing
+
+
+def test_switch_turns_packing_off(monkeypatch):
+    monkeypatch.setattr(mla_policy, "PACK_QUERY_ROWS", False)
+    t = mla_decode_tiles(SM90, _problem(16, 4))
+    assert not t.packed and t.block_h == 16
+
+
+def test_metadata_workspaces_and_grid_from_the_packed_tiles():
+    """Builder: one policy call with max_query_len; workspaces from those tiles (padded_heads of
+    the 64-row tile); the grid from the step's max_query_len through mla_row_groups."""
+    b = MlaMetadataBuilder(
+        SM90, max_batch=64, num_heads=16, kv_lora_rank=512, head_dim_k=576,
+        dtype=torch.bfloat16, device="meta", max_query_len=4, max_seq_len=4096,
+    )  # fmt: skip
+    t = b.tiles
+    assert t == mla_decode_tiles(SM90, _problem(16, 4))
+    assert t.packed and t.num_kv_splits == 2
+    assert b._partial_out.shape == (256, 2, 64, 512)
+    sl = torch.full((64,), 4096, dtype=torch.int32, device="meta")
+    for step_q in (4, 2):
+        qsl = torch.arange(0, 64 * step_q + 1, step_q, dtype=torch.int32, device="meta")
+        md = b.build(sl, qsl, max_query_len=step_q)
+        q = torch.empty(64 * step_q, 16, 576, dtype=torch.bfloat16, device="meta")
+        cache = torch.empty(64 * 64 + 1, 64, 576, dtype=torch.bfloat16, device="meta")
+        bt = torch.empty(64, 64, dtype=torch.int32, device="meta")
+        main, _ = plan_mla_decode(
+            q, cache, bt, sl, kv_lora_rank=512, scale=0.1, query_start_loc=qsl, metadata=md,
+            target=SM90,
+        )  # fmt: skip
+        assert main.name == "mla_decode_sm90" and main.args["PACKED"] is True
+        groups = mla_row_groups(t, 16, step_q)
+        assert main.args["row_groups"] == groups and main.grid == (64 * groups * 2,)
+
+
+def test_plan_without_metadata_reads_the_longest_query(device):
+    """Without metadata the policy gets the longest q_len read from query_start_loc (bf16 on
+    sm_90: packed), and the grid covers every sequence's rows."""
+    dk, r, heads = 576, 512, 16
+    q, cache, bt, sl, qsl = make_inputs(
+        dk, r, heads, 64, (3, 1), (70, 5), torch.bfloat16, device, spare_blocks=0
+    )
+    launches = plan_mla_decode(
+        q, cache, bt, sl, kv_lora_rank=r, scale=0.05, query_start_loc=qsl, target=SM90
+    )
+    main = launches[0]
+    assert main.args["PACKED"] is True and main.args["row_groups"] == 1  # 3 x 16 rows <= 64
+    assert main.grid[0] == 2 * main.args["NUM_SPLITS"]
+
+
+# -- GPU: the sm_90 kernel's packed path ---------------------------------------------------
+
+
+def _sm90_target():
+    from portattn.platform import current_target
+
+    target = current_target()
+    if target.arch != "sm_90":
+        pytest.skip(f"the sm_90 kernel needs an sm_90 device; this is {target.arch}")
+    return target
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dk", "r", "heads", "q_lens", "seq_lens", "splits"),
+    [
+        (576, 512, 16, (4, 4, 4), (4096, 300, 4), None),  # 64 rows, seq_len == q_len
+        (576, 512, 16, (2, 8, 5, 1), (4100, 1000, 70, 6), None),  # uneven: 1..2 row groups
+        (576, 512, 16, (8, 3), (9000, 130), 7),  # empty splits for some rows
+        (576, 512, 16, (6, 2, 7), (65, 2, 3000), 2),  # a tile spanning tokens, phantom tiles
+        (576, 512, 12, (5, 3), (2000, 129), 3),  # 12 heads: rows cross tokens mid-tile
+        (320, 256, 8, (8, 4), (5000, 64), None),  # rope 64
+        (160, 128, 32, (2, 2), (700, 1500), 2),  # kv_lora_rank 128, rope 32
+    ],
+)
+def test_gpu_sm90_packed(dk, r, heads, q_lens, seq_lens, splits):
+    """The Hopper kernel's packed rows against the fp64 oracle (output and lse); unowned cache
+    rows are NaN, so a row reading past its own causal limit shows."""
+    target = _sm90_target()
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 64, q_lens, seq_lens, torch.bfloat16, "cuda")
+    _poison_unowned_rows(cache, bt, sl)
+    max_q = max(q_lens)
+    base = mla_decode_tiles(target, MlaProblem(heads, dk, r, 2, q.shape[0], max(seq_lens), max_q))
+    tiles = dataclasses.replace(base, packed=True, sm90_kernel=True, block_h=64, block_n=64,
+                                padded_heads=-(-heads // 64) * 64)  # fmt: skip
+    if splits is not None:
+        tiles = dataclasses.replace(tiles, num_kv_splits=splits)
+    scale = 1 / math.sqrt(dk)
+    launches = plan_mla_decode(
+        q, cache, bt, sl, kv_lora_rank=r, scale=scale, query_start_loc=qsl, return_lse=True,
+        tiles=tiles,
+    )  # fmt: skip
+    assert launches[0].name == "mla_decode_sm90" and launches[0].args["PACKED"] is True
+    run_all(launches)
+    out, lse = launches[0].outputs
+    oracle, lse_ref = fast_oracle(q, cache, bt, sl, qsl, r, scale, torch.float64)
+    lowp, _ = fast_oracle(q, cache, bt, sl, qsl, r, scale, q.dtype)
+    assert_low_precision_close(out, oracle, lowp)
+    torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [2, 4, 8])
+def test_gpu_policy_packed_with_metadata(q_len):
+    """The policy's route (metadata, CUDA-graph path) at 16 heads: packed, sm_90 kernel."""
+    target = _sm90_target()
+    dk, r, heads = 576, 512, 16
+    seq_lens = tuple(4096 - 37 * i for i in range(8))
+    q, cache, bt, sl, qsl = make_inputs(
+        dk, r, heads, 64, (q_len,) * 8, seq_lens, torch.bfloat16, "cuda"
+    )
+    b = MlaMetadataBuilder(
+        target, max_batch=8, num_heads=heads, kv_lora_rank=r, head_dim_k=dk,
+        dtype=torch.bfloat16, device="cuda", max_query_len=8, max_seq_len=4096,
+    )  # fmt: skip
+    assert b.tiles.packed
+    md = b.build(sl, qsl, max_query_len=q_len)
+    scale = 1 / math.sqrt(dk)
+    launches = plan_mla_decode(
+        q, cache, bt, sl, kv_lora_rank=r, scale=scale, query_start_loc=qsl, return_lse=True,
+        metadata=md,
+    )  # fmt: skip
+    assert launches[0].name == "mla_decode_sm90"
+    run_all(launches)
+    out, lse = launches[0].outputs
+    oracle, lse_ref = fast_oracle(q, cache, bt, sl, qsl, r, scale, torch.float64)
+    lowp, _ = fast_oracle(q, cache, bt, sl, qsl, r, scale, q.dtype)
+    assert_low_precision_close(out, oracle, lowp)
+    torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-3, atol=1e-3)
+
+
+def test_packed_sm90_kernel_compiles_within_its_estimate_without_spills():
+    """The compile matrix's packed case (16 heads, q_len 4, 64-token pages) takes the Hopper
+    kernel with PACKED rows; its sm_90 compile stays within `sm90_smem_bytes` with no spills."""
+    from portattn.compile import default_cases, run_matrix
+    from portattn.kernels.mla_decode_sm90 import sm90_smem_bytes
+
+    case = {c.id: c for c in default_cases()}["mla_decode/576/512 h16 q4 page64"]
+    (main, _) = case.plan(SM90)
+    assert main.name == "mla_decode_sm90" and main.args["PACKED"] is True
+    (cell,) = run_matrix([case], ["sm_90"])  # spawned workers: no interpreter
+    (r,) = [launch for launch in cell.launches if launch.name == "mla_decode_sm90"]
+    assert r.ok, r.error
+    assert r.shared <= sm90_smem_bytes(512, 64) <= SM90.max_shared_mem
+    assert r.spills == 0
+
+
+@pytest.mark.parametrize("q_lens", [(2, 2, 1), (4, 3, 4)])
+def test_policy_route_real_shape_fp16(q_lens, device):
+    """The policy's packed sm_90 tiles (H64 N64, bulk copies) through `MlaMetadataBuilder` at
+    DeepSeek's 576/512, 16 heads, 64-token pages, fp16. Off the GPU the Hopper kernel is refused
+    (`sm90_errors`: not a CUDA tensor), so the portable kernel runs the same packed tiles."""
+    if device != "cpu":
+        pytest.skip("the GPU runs the Hopper kernel: test_gpu_policy_packed_with_metadata")
+    dk, r, heads = 576, 512, 16
+    seq_lens = (150, 64, 4)
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 64, q_lens, seq_lens, torch.float16, device)
+    _poison_unowned_rows(cache, bt, sl)
+    b = MlaMetadataBuilder(
+        SM90, max_batch=3, num_heads=heads, kv_lora_rank=r, head_dim_k=dk, dtype=torch.float16,
+        device=device, max_query_len=4, max_seq_len=256,
+    )  # fmt: skip
+    assert b.tiles.packed and (b.tiles.block_h, b.tiles.block_n) == (64, 64)
+    md = b.build(sl, qsl, max_query_len=max(q_lens))
+    launches = plan_mla_decode(
+        q, cache, bt, sl, kv_lora_rank=r, scale=0.05, query_start_loc=qsl, return_lse=True,
+        metadata=md,
+    )  # fmt: skip
+    assert launches[0].name == "mla_decode" and launches[0].args["TMA"] is True
+    run_all(launches)
+    out, lse = launches[0].outputs
+    check(out, lse, q, cache, bt, sl, qsl, r, 0.05, torch.float16)
