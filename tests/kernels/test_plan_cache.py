@@ -31,6 +31,7 @@ from portattn.kernels.paged_attention import paged_attention, plan_paged_attenti
 from portattn.layout import empty_kv_cache
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import get_target, set_target_override
+from portattn.policy import mla as mla_policy
 from tests.kernels.test_mla_decode import make_inputs
 from tests.kernels.test_paged_attention import check, make_batch
 
@@ -171,13 +172,22 @@ def _mla_call(
         dict(device="meta"),  # bulk-copy tiles: Triton's TMA descriptors are rebuilt
         dict(device="meta", heads=64),  # sm_90's Gluon kernel, its own descriptors
         dict(device="meta", heads=64, metadata=True, lse=True),
+        dict(device="meta", packed=True),  # 3 tokens x 16 heads packed: sm_90's Gluon kernel
     ],
-    ids=["block_table", "metadata_lse", "pages_out", "meta_tma", "meta_sm90", "meta_sm90_md"],
-)
-def test_mla_plan_replays_exactly(kw):
+    ids=[
+        "block_table", "metadata_lse", "pages_out", "meta_tma", "meta_sm90", "meta_sm90_md",
+        "meta_sm90_packed",
+    ],
+)  # fmt: skip
+def test_mla_plan_replays_exactly(kw, monkeypatch):
+    packed = kw.pop("packed", False)
+    if kw.get("device") == "meta" and not packed:
+        # 16 heads x 3 tokens would pack into sm_90's 64-row tile; meta_tma is the portable
+        # kernel's bulk copies
+        monkeypatch.setattr(mla_policy, "PACK_QUERY_ROWS", False)
     bound, fresh, inputs = _replayed(plan_mla_decode, _mla_call(0, **kw), _mla_call(1, **kw))
     if kw.get("device") == "meta":
-        want = "mla_decode_sm90" if kw.get("heads") == 64 else "mla_decode"
+        want = "mla_decode_sm90" if kw.get("heads") == 64 or packed else "mla_decode"
         assert fresh[0].name == want
         assert sum(hasattr(v, "base") for v in fresh[0].args.values()) == 2  # descriptors
     _assert_same_plan(bound, fresh, inputs)
