@@ -13,8 +13,9 @@ launcher; what the C launcher does (parse the arguments, ``data_ptr()`` and
 buffers are allocated on the meta device (cheaper than CUDA's caching allocator). Use the ratios
 between two revisions, not the absolute figures, to predict a GPU host's times.
 
-Parts (as bench_host.py's ``--breakdown``): the op's call; the key; key + lookup; bind (buffers +
-argument lists); key + lookup + bind + launch (`Plan.run`). Each is timed with ``timeit`` (GC
+Parts (as bench_host.py's ``--breakdown``): the op's call; the key; key + lookup; key + lookup +
+bind (`Plan.bind_launch`: buffers + the argument lists `Plan.run` launches with); key + lookup +
+bind + launch (`Plan.run`). Each is timed with ``timeit`` (GC
 off), the best of ``--repeats`` loops of ``--calls`` calls.
 
 Usage::
@@ -139,7 +140,7 @@ def parts(call, key, inputs) -> dict:
         "the op's call": call,
         "key": key,
         "key + lookup": lambda: PLANS._plans.get(key()),
-        "bind": lambda: plan().bind(inputs),
+        "bind": lambda: plan().bind_launch(inputs),
         "key + lookup + bind + launch": lambda: plan().run(inputs),
     }
 

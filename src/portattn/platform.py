@@ -129,6 +129,23 @@ def target_override() -> Target | str | None:
     return _override if _override is not None else os.environ.get("PORTATTN_TARGET")
 
 
+# ``os.environ`` keeps the process environment in ``_data`` (encoded keys and values) and
+# updates it on every assignment; reading it there skips ``Mapping.get``'s Python frames.
+_ENV_DATA: dict | None = getattr(os.environ, "_data", None)
+_ENV_NAME = getattr(os.environ, "encodekey", str)("PORTATTN_TARGET")
+
+
+def override_key() -> object:
+    """`target_override` in a cheaper form for the plan cache's key: the override's `Target`,
+    else ``PORTATTN_TARGET``'s raw (encoded) value, else ``None``; equal exactly when
+    `target_override` is equal."""
+    if _override is not None:
+        return _override
+    if _ENV_DATA is not None:
+        return _ENV_DATA.get(_ENV_NAME)
+    return os.environ.get("PORTATTN_TARGET")
+
+
 def current_target(device=None) -> Target:
     """The target of the live device (or the override). Reads the device only when called.
 
