@@ -111,13 +111,16 @@ def call_key(op: str, *args: Any, exact: tuple = ()) -> Hashable | None:
     `MlaMetadata`'s tiles and sizes), whose equality is already exact. A key that turns out
     unhashable (a value in ``exact`` or a dataclass field) is not cached either (`PlanCache.call`).
 
-    One flat tuple; each argument as `describe` gives it (tensors and plain scalars inline).
+    One flat tuple; each argument as `describe` gives it (tensors and plain scalars inline),
+    ``None`` as itself.
     """
     tensor, scalars = torch.Tensor, _SCALARS
     try:
         described = [
             (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % ALIGN)
             if type(a) is tensor
+            else a
+            if a is None  # no other argument's description is None
             else (type(a), a)
             if type(a) in scalars
             else describe(a)
@@ -295,8 +298,10 @@ class Plan:
 
     def _outs(self, inputs: Sequence, allocs: list[torch.Tensor]) -> tuple:
         return tuple(
-            t if where is None else inputs[where[1]] if where[0] == _INPUT else allocs[where[1]]
-            for where, t in self._outputs
+            [
+                t if where is None else inputs[where[1]] if where[0] == _INPUT else allocs[where[1]]
+                for where, t in self._outputs
+            ]
         )
 
     def bind(self, inputs: Sequence[torch.Tensor | None]) -> tuple[list[list[Any]], tuple]:
