@@ -130,9 +130,11 @@ def target_override() -> Target | str | None:
 
 
 # ``os.environ`` keeps the process environment in ``_data`` (encoded keys and values) and
-# updates it on every assignment; reading it there skips ``Mapping.get``'s Python frames.
-_ENV_DATA: dict | None = getattr(os.environ, "_data", None)
-_ENV_NAME = getattr(os.environ, "encodekey", str)("PORTATTN_TARGET")
+# updates it on every assignment; reading it there skips ``Mapping.get``'s Python frames. Only
+# while ``os.environ`` is still the object it was at import (a replaced one is read plainly).
+_ENVIRON = os.environ
+_ENV_DATA: dict | None = getattr(_ENVIRON, "_data", None)
+_ENV_NAME = getattr(_ENVIRON, "encodekey", str)("PORTATTN_TARGET")
 
 
 def override_key() -> object:
@@ -141,7 +143,7 @@ def override_key() -> object:
     `target_override` is equal."""
     if _override is not None:
         return _override
-    if _ENV_DATA is not None:
+    if _ENV_DATA is not None and os.environ is _ENVIRON:
         return _ENV_DATA.get(_ENV_NAME)
     return os.environ.get("PORTATTN_TARGET")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import os
 import types
 import weakref
 
@@ -412,6 +413,9 @@ def test_key_follows_the_target_variable(monkeypatch):
         set_target_override(None)
     monkeypatch.delenv("PORTATTN_TARGET")
     assert call_key("paged_attention", *t, None, None, "NHD", None, 4, None) == base
+    monkeypatch.setattr(os, "environ", {"PORTATTN_TARGET": "gfx942"})  # a replaced mapping
+    assert target_override() == "gfx942"
+    assert call_key("paged_attention", *t, None, None, "NHD", None, 4, None) not in (base, *keys)
 
 
 def test_unhashable_keys_run_uncached():
