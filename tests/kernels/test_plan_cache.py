@@ -574,6 +574,25 @@ def test_gpu_mla_decode_cached_calls(form, heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pointer_ints", [True, False], ids=["ints", "tensors"])
+def test_gpu_hits_launch_directly(pointer_ints, monkeypatch):
+    """On NVIDIA a hit's launches (split-KV reduce included) go through `_DirectLaunch`: a
+    silent fallback to `CompiledKernel.run` would cost host time, not correctness."""
+    if getattr(torch.version, "hip", None):
+        pytest.skip("HIP plans launch through CompiledKernel.run")
+    monkeypatch.setattr(_plans, "POINTER_INTS", pointer_ints)
+    PLANS.clear()
+    for seed in range(3):
+        b = make_batch(((3000, 1),), block_size=16, heads=(8, 2), head_dim=64,
+                       dtype=torch.bfloat16, device="cuda", seed=seed)  # fmt: skip
+        check(b, paged_attention(*b.args(), max_query_len=1, max_seq_len=4096))
+    (plan,) = PLANS._plans.values()
+    assert plan is not None and plan._direct is not None
+    assert len(plan._replays) == 2  # the split's reduce too (as in the cached-calls test above)
+    assert [d.launches for d in plan._direct] == [2, 2]  # both hits, directly
+
+
+@pytest.mark.gpu
 def test_gpu_tensor_reads_contents_rule():
     t = torch.empty(1, device="cuda")
     for vouched in (True, False):
