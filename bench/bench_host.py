@@ -18,7 +18,9 @@ a drift of the host's speed hits both; Python's garbage collector is off inside 
 ``timeit`` does. Modes, in the same process:
 ``cached`` (the plan cache, the default) and ``uncached`` (``PLANS.enabled = False``: validate,
 plan and launch through ``JITFunction.run`` on every call, the behaviour before the cache); for
-``mla_decode`` also ``cached`` with Triton encoding its TMA descriptors on every launch. The GPU
+``paged_attention`` and ``mla_decode`` also ``cached`` with the direct launch's switches off
+(`_plans.POINTER_INTS`: tensors handed to Triton's C launcher as tensors; `_plans.DIRECT`: every
+launch through `CompiledKernel.run`, TMA descriptors encoded on every launch). The GPU
 time of one call (``do_bench_cudagraph`` median) is printed next to each op, to show the host
 loop is not waiting on the GPU. The floor is an empty Triton kernel with 4 arguments launched
 through ``JITFunction.run``: it shows how fast this host runs Python (it varied 13-22 us between
@@ -126,7 +128,8 @@ def _mla():
 
 def _stages(call, key, inputs):
     """Parts of a cached call, each timed alone (``--breakdown``): the key, the cache lookup,
-    `Plan.bind` (buffers and argument lists) and the whole replay (bind + launches)."""
+    `Plan.bind_launch` (buffers and the argument lists `Plan.run` launches with) and the whole
+    replay (bind + launches)."""
 
     def plan():
         return PLANS._plans[key()]
@@ -135,18 +138,21 @@ def _stages(call, key, inputs):
         "the op's call": call,
         "key": key,
         "key + lookup": lambda: PLANS._plans.get(key()),
-        "bind": lambda: plan().bind(inputs),
+        "bind": lambda: plan().bind_launch(inputs),
         "key + lookup + bind + launch": lambda: plan().run(inputs),
     }
 
 
-def _without_direct(call):
+def _switched_off(call, switch: str):
+    """``call`` with the plan cache's module switch ``switch`` (``DIRECT``, ``POINTER_INTS``)
+    off."""
+
     def run():
-        _plans.DIRECT = False
+        setattr(_plans, switch, False)
         try:
             return call()
         finally:
-            _plans.DIRECT = True
+            setattr(_plans, switch, True)
 
     return run
 
@@ -265,8 +271,9 @@ def main() -> int:
         check()
         PLANS.enabled = True
         modes = {"cached": call, "uncached": call}
-        if name == "mla_decode":  # the descriptor pre-encoding's share
-            modes["cached, descriptors encoded per launch"] = _without_direct(call)
+        if name in ("paged_attention", "mla_decode"):  # the direct launch's shares
+            modes["cached, tensors passed as tensors"] = _switched_off(call, "POINTER_INTS")
+            modes["cached, through CompiledKernel.run"] = _switched_off(call, "DIRECT")
         times = host_us_modes(modes, args.calls, args.repeats)
         cached, uncached = times["cached"], times["uncached"]
         gpu = triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3

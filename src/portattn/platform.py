@@ -129,6 +129,25 @@ def target_override() -> Target | str | None:
     return _override if _override is not None else os.environ.get("PORTATTN_TARGET")
 
 
+# ``os.environ`` keeps the process environment in ``_data`` (encoded keys and values) and
+# updates it on every assignment; reading it there skips ``Mapping.get``'s Python frames. Only
+# while ``os.environ`` is still the object it was at import (a replaced one is read plainly).
+_ENVIRON = os.environ
+_ENV_DATA: dict | None = getattr(_ENVIRON, "_data", None)
+_ENV_NAME = getattr(_ENVIRON, "encodekey", str)("PORTATTN_TARGET")
+
+
+def override_key() -> object:
+    """`target_override` in a cheaper form for the plan cache's key: the override's `Target`,
+    else ``PORTATTN_TARGET``'s raw (encoded) value, else ``None``; equal exactly when
+    `target_override` is equal."""
+    if _override is not None:
+        return _override
+    if _ENV_DATA is not None and os.environ is _ENVIRON:
+        return _ENV_DATA.get(_ENV_NAME)
+    return os.environ.get("PORTATTN_TARGET")
+
+
 def current_target(device=None) -> Target:
     """The target of the live device (or the override). Reads the device only when called.
 

@@ -13,13 +13,17 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import os
+import types
 import weakref
 
 import pytest
 import torch
 
 from portattn import reference
-from portattn.kernels._plans import PLANS, Plan, PlanCache, call_key, describe
+from portattn.kernels import _plans
+from portattn.kernels._checks import reads_contents, tensor_reads_contents
+from portattn.kernels._plans import PLANS, Plan, PlanCache, Uncacheable, call_key, describe
 from portattn.kernels.kv_cache import (
     gather_kv_cache,
     plan_gather_kv_cache,
@@ -30,7 +34,7 @@ from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
 from portattn.kernels.paged_attention import paged_attention, plan_paged_attention
 from portattn.layout import empty_kv_cache
 from portattn.mla_metadata import MlaMetadataBuilder
-from portattn.platform import get_target, set_target_override
+from portattn.platform import get_target, set_target_override, target_override
 from portattn.policy import mla as mla_policy
 from tests.kernels.test_mla_decode import make_inputs
 from tests.kernels.test_paged_attention import check, make_batch
@@ -214,6 +218,150 @@ def test_kv_cache_plans_replay_exactly(layout):
     _assert_same_plan(*_replayed(plan_gather_kv_cache, gather(0), gather(1)))
 
 
+# -- the direct launch == Triton's launcher, argument by argument -----------------------------
+
+
+class _Recorder:
+    """A stand-in for Triton's C launcher: a callable that is no Python function (as the C
+    launcher is not), recording each call's arguments."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class _StandIn:
+    """A compiled kernel's stand-in around Triton's real `CudaLauncher` Python (its ``__call__``
+    and, with TMA descriptors, its descriptor wrapper, passing them decomposed) and a
+    `_Recorder` where the C launcher would be."""
+
+    def __init__(self, launch, recorder):
+        from triton.backends.nvidia.driver import CudaLauncher, wrap_handle_tensordesc
+
+        names = [n for n, _ in launch._params()]
+        sig = {i: "tensordesc<fp32[16, 16]>" if hasattr(launch.args[n], "base") else "*fp32"
+               for i, n in enumerate(names)}  # fmt: skip
+        run = object.__new__(CudaLauncher)
+        run.launch = wrap_handle_tensordesc(recorder, sig, None)
+        run.num_ctas = 1
+        run.global_scratch_size = run.profile_scratch_size = 0
+        run.global_scratch_align = run.profile_scratch_align = 1
+        run.launch_cooperative_grid, run.launch_pdl = False, True
+        self.run = run
+        self.function = 12345
+        self.packed_metadata = (4, 1, 1024)
+
+
+def _direct_vs_triton(call_a, call_b, plan_fn, monkeypatch, pointer_ints):
+    """Plan of call A run for call B's inputs twice, each time into the recorder where Triton's C
+    launcher would be: directly (`_DirectLaunch`) and through `CompiledKernel.run` (Triton's
+    `CudaLauncher`), on the same buffers and stream; the two calls must be equal, tensors as
+    their addresses where `POINTER_INTS`. (`Plan.bind` == a fresh plan is checked above.)"""
+    inputs_a, launches_a = call_a(plan_fn)
+    inputs_b, launches_b = call_b(plan_fn)
+    assert describe(inputs_a) == describe(inputs_b)
+    plan = Plan(launches_a, inputs_a)
+    _assert_same_plan(plan.bind(inputs_b), launches_b, inputs_b)
+    recorder = _Recorder()
+    plan.keep_compiled([_StandIn(launch, recorder) for launch in launches_a])
+    assert plan._direct is not None and len(plan._direct) == len(launches_a)
+    allocs = plan._allocate()
+    monkeypatch.setattr(plan, "_allocate", lambda: allocs)
+    monkeypatch.setattr(_plans._Bound, "stream", lambda device: 777)
+    monkeypatch.setattr(_plans, "POINTER_INTS", pointer_ints)
+    outs_direct = plan.run(inputs_b)
+    direct, recorder.calls = recorder.calls, []
+    monkeypatch.setattr(_plans, "DIRECT", False)
+    outs_triton = plan.run(inputs_b)
+    triton_calls = recorder.calls
+    assert all(a is b for a, b in zip(outs_direct, outs_triton, strict=True))
+    assert len(direct) == len(triton_calls) == len(launches_a)
+    for got, want in zip(direct, triton_calls, strict=True):
+        assert len(got) == len(want)
+        assert got[3] == 777  # the stream
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            if isinstance(b, torch.Tensor):
+                if b.numel() == 0:  # a zero-size placeholder: a constant of the plan
+                    assert a is b, i
+                elif pointer_ints:
+                    assert type(a) is int and a == b.data_ptr(), i
+                else:
+                    assert a is b, i
+            else:
+                assert type(a) is type(b) and a == b, f"{i}: {a!r} != {b!r}"
+    return direct
+
+
+@pytest.mark.parametrize("pointer_ints", [True, False], ids=["ints", "tensors"])
+@pytest.mark.parametrize("case", ["nhd", "out", "split", "shuffle"])
+def test_paged_direct_launch_equals_triton(case, pointer_ints, monkeypatch):
+    if case == "split":
+        kw = dict(max_query_len=1, max_seq_len=1 << 16)
+
+        def mk(seed):
+            b = make_batch(((37, 1),), block_size=8, heads=(8, 2), head_dim=32,
+                           dtype=torch.float32, seed=seed)  # fmt: skip
+            return lambda f: ((*b.args(), None), f(*b.args(), check_contents=False, **kw))
+
+        a, b = mk(0), mk(5)
+    else:
+        kw = dict(
+            max_query_len=4, out=case == "out", layout="SHUFFLE" if case == "shuffle" else "NHD"
+        )
+        a, b = _paged_call(0, **kw), _paged_call(1, **kw)
+    calls = _direct_vs_triton(a, b, plan_paged_attention, monkeypatch, pointer_ints)
+    assert len(calls) == (2 if case == "split" else 1)  # split-KV: the reduce launched directly too
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(metadata=True, lse=True),  # split over the kv splits: main + reduce
+        dict(page_indices=True, out=True),
+        dict(device="meta"),  # TMA descriptors (passed decomposed by the stand-in)
+        dict(device="meta", heads=64, metadata=True, lse=True),  # sm_90's Gluon kernel
+    ],
+    ids=["metadata_lse", "pages_out", "meta_tma", "meta_sm90_md"],
+)
+def test_mla_direct_launch_equals_triton(kw, monkeypatch):
+    _direct_vs_triton(_mla_call(0, **kw), _mla_call(1, **kw), plan_mla_decode, monkeypatch, True)
+
+
+def test_direct_launch_refuses_other_launchers():
+    b = make_batch(SEQS, block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float32)
+    launches = plan_paged_attention(*b.args(), max_query_len=4, check_contents=False)
+    plan = Plan(launches, (*b.args(), None))
+    (replay,) = plan._replays
+    good = _StandIn(launches[0], _Recorder())
+    assert isinstance(_plans._DirectLaunch(replay, good), _plans._DirectLaunch)
+    wrapped = _StandIn(launches[0], _Recorder())
+    wrapped.run.launch = lambda *args: None  # a Python wrapper: unknown work per launch
+    scratch = _StandIn(launches[0], _Recorder())
+    scratch.run.global_scratch_size = 64  # Triton allocates per launch
+    other = _StandIn(launches[0], _Recorder())
+    other.run = types.SimpleNamespace(**vars(other.run))  # not a CudaLauncher (HIP's, say)
+    for kernel in (wrapped, scratch, other):
+        with pytest.raises(Uncacheable):
+            _plans._DirectLaunch(replay, kernel)
+        plan.keep_compiled([kernel])
+        assert plan._direct is None  # launched through CompiledKernel.run instead
+    plan.keep_compiled([None])  # interpreted
+    assert plan._direct is None
+
+
+def test_allocations_keep_their_shapes():
+    plan = Plan([], ())
+    plan._allocs = [
+        ((), torch.float32, torch.device("cpu")),
+        ((2, 3), torch.int32, torch.device("meta")),
+    ]
+    a, b = plan._allocate()
+    assert (a.shape, a.dtype, a.device.type) == ((), torch.float32, "cpu")
+    assert (b.shape, b.dtype, b.device.type) == ((2, 3), torch.int32, "meta")
+
+
 # -- the key: every property a plan depends on changes it --------------------------------------
 
 
@@ -256,6 +404,45 @@ def test_key_changes_with_everything_a_plan_reads():
     for name, k in keys.items():
         assert k is not None and k != base, name
     assert len(set(keys.values())) == len(keys)
+
+
+def test_key_follows_the_target_variable(monkeypatch):
+    t = make_batch(SEQS, block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float32).args()
+    monkeypatch.delenv("PORTATTN_TARGET", raising=False)
+    base = call_key("paged_attention", *t, None, None, "NHD", None, 4, None)
+    keys = []
+    for arch in ("gfx942", "sm_90", "gfx942"):
+        monkeypatch.setenv("PORTATTN_TARGET", arch)
+        assert target_override() == arch
+        keys.append(call_key("paged_attention", *t, None, None, "NHD", None, 4, None))
+    assert base not in keys and keys[0] != keys[1] and keys[0] == keys[2]
+    set_target_override("gfx942")  # the override wins over the variable, as in current_target
+    try:
+        assert call_key("paged_attention", *t, None, None, "NHD", None, 4, None) not in keys
+    finally:
+        set_target_override(None)
+    monkeypatch.delenv("PORTATTN_TARGET")
+    assert call_key("paged_attention", *t, None, None, "NHD", None, 4, None) == base
+    monkeypatch.setattr(os, "environ", {"PORTATTN_TARGET": "gfx942"})  # a replaced mapping
+    assert target_override() == "gfx942"
+    assert call_key("paged_attention", *t, None, None, "NHD", None, 4, None) not in (base, *keys)
+
+
+def test_unhashable_keys_run_uncached():
+    cache = PlanCache()
+    key = call_key("op", torch.zeros(2), exact=([1],))  # described, but a list in ``exact``
+    assert key is not None
+    runs = []
+    for _ in range(2):
+        cache.call(key, (), lambda: runs.append(1) or [])
+    assert len(runs) == 2 and len(cache) == 0
+
+
+def test_tensor_reads_contents_rule():
+    for device in ("cpu", "meta"):
+        t = torch.empty(1, device=device)
+        for vouched in (True, False):
+            assert tensor_reads_contents(t, vouched) == reads_contents(t.device, vouched)
 
 
 def test_undescribable_arguments_are_not_cached():
@@ -394,6 +581,33 @@ def test_gpu_mla_decode_cached_calls(form, heads):
         (plan,) = PLANS._plans.values()
         direct = plan._replays[0].direct if plan is not None else None
         assert direct is not None and direct.launches == 2  # both hits skipped the re-encoding
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pointer_ints", [True, False], ids=["ints", "tensors"])
+def test_gpu_hits_launch_directly(pointer_ints, monkeypatch):
+    """On NVIDIA a hit's launches (split-KV reduce included) go through `_DirectLaunch`: a
+    silent fallback to `CompiledKernel.run` would cost host time, not correctness."""
+    if getattr(torch.version, "hip", None):
+        pytest.skip("HIP plans launch through CompiledKernel.run")
+    monkeypatch.setattr(_plans, "POINTER_INTS", pointer_ints)
+    PLANS.clear()
+    for seed in range(3):
+        b = make_batch(((3000, 1),), block_size=16, heads=(8, 2), head_dim=64,
+                       dtype=torch.bfloat16, device="cuda", seed=seed)  # fmt: skip
+        check(b, paged_attention(*b.args(), max_query_len=1, max_seq_len=4096))
+    (plan,) = PLANS._plans.values()
+    assert plan is not None and plan._direct is not None
+    assert len(plan._replays) == 2  # the split's reduce too (as in the cached-calls test above)
+    assert [d.launches for d in plan._direct] == [2, 2]  # both hits, directly
+
+
+@pytest.mark.gpu
+def test_gpu_tensor_reads_contents_rule():
+    t = torch.empty(1, device="cuda")
+    for vouched in (True, False):
+        assert tensor_reads_contents(t, vouched) == reads_contents(t.device, vouched)
+    assert _plans._current_device() == torch.cuda.current_device()
 
 
 @pytest.mark.gpu

@@ -43,6 +43,14 @@ def reads_contents(device: torch.device, vouched: bool) -> bool:
     return device.type == "cpu" or not vouched
 
 
+def tensor_reads_contents(t: torch.Tensor, vouched: bool) -> bool:
+    """`reads_contents` of ``t``'s device, from the tensor's own flags (no device object: the
+    ops' hit path, docs/design.md "Host path")."""
+    if t.is_meta:
+        return False
+    return t.is_cpu or not vouched
+
+
 def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """int64 CPU copies of ``tensors`` (same shapes), with one device-to-host transfer."""
     if all(t.device.type == "cpu" for t in tensors):

@@ -21,9 +21,12 @@ is never cached: its key is ``None``. A call that raises is never cached either.
 Triton's own specialization (16-byte pointer alignment, integers equal to 1 or divisible by 16)
 is a function of the description too (alignment is in it, the integers come from its shapes,
 strides and scalars), so the kernel the first call compiled is the one Triton would pick again,
-and a hit launches it directly (`CompiledKernel.run`), skipping `JITFunction.run`'s binder and
-cache lookup. Under Triton's interpreter (no compiled kernel) a plan runs through ``kernel[grid]``
-with the rebuilt arguments, which is how the CPU tests run cached plans.
+and a hit launches it directly, skipping `JITFunction.run`'s binder and cache lookup: on NVIDIA
+through Triton's C launcher with an argument list built at plan time (`_DirectLaunch`; tensors
+passed as their addresses, `POINTER_INTS`), elsewhere (or with a launch hook registered, or
+``DIRECT = False``) through `CompiledKernel.run`. Under Triton's interpreter (no compiled kernel)
+a plan runs through ``kernel[grid]`` with the rebuilt arguments, which is how the CPU tests run
+cached plans.
 
 ``PORTATTN_PLAN_CACHE=0`` (read at import) or ``PLANS.enabled = False`` turns caching off.
 """
@@ -39,14 +42,20 @@ import torch
 from triton import knobs
 
 from portattn.kernels._launch import Launch
-from portattn.platform import target_override
+from portattn.platform import override_key
 
 _knobs = knobs.runtime
 
 #: Pointer alignment Triton specializes on (and TMA descriptors need).
 ALIGN = 16
-#: Cached launches with TMA descriptors skip Triton's per-launch encoding (`_DescriptorLaunch`).
+#: Cached launches of compiled NVIDIA kernels go to Triton's C launcher with an argument list
+#: built at plan time, TMA descriptors encoded once per base address (`_DirectLaunch`); False:
+#: through `CompiledKernel.run`, as Triton's JIT launches.
 DIRECT = True
+#: Direct launches pass each tensor as its address (an int): the C launcher then neither calls
+#: ``data_ptr()`` nor asks the driver about the pointer (the description pins the device and the
+#: alignment the first call's launch checked). False: the tensors themselves.
+POINTER_INTS = True
 #: Plans kept (the oldest dropped first): one per distinct call description.
 MAX_PLANS = 1024
 
@@ -91,27 +100,35 @@ def _value_dataclass(cls: type) -> bool:
     return ok
 
 
+_SCALARS = frozenset((int, float, str, bool, type(None)))
+
+
 def call_key(op: str, *args: Any, exact: tuple = ()) -> Hashable | None:
     """The cache key of a call of ``op`` with ``args`` (every argument the plan may read), plus
     the current CUDA device (compiled kernels are per device) and the target override; ``None``
     when some argument cannot be described (the call then runs uncached and reports its errors).
     ``exact``: values that go into the key as they are, for fields the library made itself (an
-    `MlaMetadata`'s tiles and sizes), whose equality is already exact.
+    `MlaMetadata`'s tiles and sizes), whose equality is already exact. A key that turns out
+    unhashable (a value in ``exact`` or a dataclass field) is not cached either (`PlanCache.call`).
+
+    One flat tuple; each argument as `describe` gives it (tensors and plain scalars inline),
+    ``None`` as itself.
     """
-    tensor = torch.Tensor
+    tensor, scalars = torch.Tensor, _SCALARS
     try:
-        described = tuple(
-            [
-                (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % ALIGN)
-                if type(a) is tensor
-                else describe(a)
-                for a in args
-            ]
-        )
-        hash(exact)
-    except (Uncacheable, TypeError):
+        described = [
+            (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % ALIGN)
+            if type(a) is tensor
+            else a
+            if a is None  # no other argument's description is None
+            else (type(a), a)
+            if type(a) in scalars
+            else describe(a)
+            for a in args
+        ]
+    except Uncacheable:
         return None
-    return (op, _current_device(), target_override(), described, exact)
+    return (op, _current_device(), override_key(), exact, *described)
 
 
 class _Bound:
@@ -123,9 +140,23 @@ class _Bound:
 
 def _current_device() -> int | None:
     """The current CUDA/HIP device index; ``None`` on a machine without one."""
-    if _Bound.device is None:
-        _Bound.device = torch.cuda.current_device if torch.cuda.is_available() else _no_device
-    return _Bound.device()
+    get = _Bound.device
+    if get is None:
+        get = _bind_device()
+    return get()
+
+
+def _bind_device() -> Callable[[], int | None]:
+    """The device getter: torch's own C getter once CUDA is initialised (what
+    `torch.cuda.current_device` calls after its initialisation check), until then
+    `torch.cuda.current_device` itself (it initialises CUDA; the C getter is bound next time)."""
+    if not torch.cuda.is_available():
+        _Bound.device = _no_device
+    elif torch.cuda.is_initialized():
+        _Bound.device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+    else:
+        return torch.cuda.current_device
+    return _Bound.device
 
 
 def _no_device() -> None:
@@ -165,7 +196,7 @@ class _Replay:
     consts: list[Any]  # None where `fills` puts a tensor or a descriptor
     fills: list[tuple[int, int, int, Any]]  # (position, _INPUT/_ALLOC, index, descriptor recipe)
     compiled: Any = None
-    direct: _DescriptorLaunch | None = None
+    direct: _DirectLaunch | None = None
 
 
 class Plan:
@@ -228,20 +259,35 @@ class Plan:
         outputs = launches[0].outputs if launches else ()
         wheres = [slot(t) for t in outputs]
         self._outputs = [(w, None if w else t) for t, w in zip(outputs, wheres, strict=True)]
+        self._direct: list[_DirectLaunch] | None = None
 
     def keep_compiled(self, compiled: Sequence[Any]) -> None:
         """Record the compiled kernels of the first call's launches (``None``: interpreted, or
-        never launched)."""
+        never launched), and build the direct launches (`_DirectLaunch`) when every launch that
+        runs has one."""
+        direct: list[_DirectLaunch] | None = []
         for replay, kernel in zip(self._replays, compiled, strict=True):
             replay.compiled = kernel
-            if kernel is not None and any(recipe is not None for *_, recipe in replay.fills):
-                try:
-                    replay.direct = _DescriptorLaunch(replay, kernel)
-                except Uncacheable:
-                    replay.direct = None
+            if any(g == 0 for g in replay.grid):
+                continue  # never runs
+            try:
+                if kernel is None:
+                    raise Uncacheable("no compiled kernel")
+                replay.direct = _DirectLaunch(replay, kernel)
+            except Uncacheable:
+                replay.direct = None
+            if replay.direct is None or direct is None:
+                direct = None
+            else:
+                direct.append(replay.direct)
+        self._direct = direct or None  # nothing to launch: no stream to ask for
 
     def _allocate(self) -> list[torch.Tensor]:
-        return [torch.empty(s, dtype=d, device=dev) for s, d, dev in self._allocs]
+        empty = torch.empty  # sizes as separate arguments: torch parses them faster than a tuple
+        return [
+            empty(*s, dtype=d, device=dev) if s else empty(s, dtype=d, device=dev)
+            for s, d, dev in self._allocs
+        ]
 
     def _args(self, replay: _Replay, inputs: Sequence, allocs: list[torch.Tensor]) -> list[Any]:
         args = list(replay.consts)
@@ -252,8 +298,10 @@ class Plan:
 
     def _outs(self, inputs: Sequence, allocs: list[torch.Tensor]) -> tuple:
         return tuple(
-            t if where is None else inputs[where[1]] if where[0] == _INPUT else allocs[where[1]]
-            for where, t in self._outputs
+            [
+                t if where is None else inputs[where[1]] if where[0] == _INPUT else allocs[where[1]]
+                for where, t in self._outputs
+            ]
         )
 
     def bind(self, inputs: Sequence[torch.Tensor | None]) -> tuple[list[list[Any]], tuple]:
@@ -263,14 +311,28 @@ class Plan:
         lists = [self._args(replay, inputs, allocs) for replay in self._replays]
         return lists, self._outs(inputs, allocs)
 
+    def bind_launch(self, inputs: Sequence[torch.Tensor | None]) -> tuple[list[list[Any]], tuple]:
+        """What `run` builds before launching (the host time's breakdown): the buffers, then per
+        launch the direct launcher's argument list (`_DirectLaunch.args`, on the current stream)
+        where `run` would launch directly, else `bind`'s lists."""
+        if self._direct is None or not DIRECT or _hooks() is not None:
+            return self.bind(inputs)
+        allocs = self._allocate()
+        stream = _current_stream(_current_device())
+        lists = [launch.args(inputs, allocs, stream) for launch in self._direct]
+        return lists, self._outs(inputs, allocs)
+
     def run(self, inputs: Sequence[torch.Tensor | None]) -> tuple:
         """Launch the plan for ``inputs``; return the first launch's outputs."""
         allocs = self._allocate()
+        direct = self._direct
+        if direct is not None and DIRECT and _hooks() is None:
+            stream = _current_stream(_current_device())
+            for launch in direct:
+                launch.launch(inputs, allocs, stream)
+            return self._outs(inputs, allocs)
         for replay in self._replays:
             if any(g == 0 for g in replay.grid):
-                continue
-            if replay.direct is not None and DIRECT and _hooks() is None:
-                replay.direct.launch(inputs, allocs)
                 continue
             args = self._args(replay, inputs, allocs)
             if replay.compiled is None:
@@ -281,58 +343,78 @@ class Plan:
         return self._outs(inputs, allocs)
 
 
-class _DescriptorLaunch:
-    """A cached launch with TMA descriptors, without re-encoding them on every call.
+class _DirectLaunch:
+    """A cached launch of a compiled NVIDIA kernel straight through Triton's C launcher.
 
-    Triton's NVIDIA launcher encodes each host descriptor into a ``CUtensorMap`` on every launch
-    (``make_tensordesc_arg``, a driver call) and walks every argument in Python to splice the
-    encoded form in. A cached plan knows where its descriptors sit and that their shape, strides
-    and block shape are fixed (functions of the call's description), so the encoding depends only
-    on the base address: it is memoized by address (no reference to the tensor is kept; a map
-    encodes the address, the geometry and nothing else), and the argument list is built already
-    expanded for the launcher underneath. Built only where Triton's launcher has exactly the
-    expected form (Triton 3.6: ``launch`` wraps the raw launcher with descriptor metadata, no
-    scratch buffers); anything else raises `Uncacheable` and the launch goes through
-    `CompiledKernel.run` as usual.
+    `CompiledKernel.run` is Triton's `CudaLauncher`: per launch it defines and calls its scratch
+    allocator twice, then (with TMA descriptors) a Python wrapper walks every argument, encoding
+    each host descriptor into a ``CUtensorMap`` (``make_tensordesc_arg``, a driver call), and the
+    C launcher calls ``data_ptr()`` and ``cuPointerGetAttribute`` for each tensor. A cached plan
+    knows all of it up front: the argument list (grid, launcher head, every constant) is built
+    once, already expanded for the C launcher underneath; a hit fills in its tensors (their
+    addresses, `POINTER_INTS`) and the stream. A descriptor's shape, strides and block shape are
+    functions of the call's description, so its encoding depends only on the base address: it
+    is memoized by address (no reference to the tensor is kept; a map encodes the address, the
+    geometry and nothing else). Built only where the launcher has exactly the expected form
+    (Triton 3.6: a `CudaLauncher` without scratch buffers whose ``launch`` is the C function, or
+    the descriptor wrapper around it); anything else raises `Uncacheable` and the launch goes
+    through `CompiledKernel.run` as usual.
     """
 
     MAX_MEMO = 64
+    #: Arguments before the kernel's own: grid (3), stream, function, cooperative grid, PDL,
+    #: the two scratch buffers, packed metadata, launch metadata and the two hooks.
+    HEAD = 13
 
     def __init__(self, replay: _Replay, kernel: Any):
         run = kernel.run
-        wrapped = getattr(run, "launch", None)
-        code = getattr(wrapped, "__code__", None)
-        closure = getattr(wrapped, "__closure__", None)
-        if code is None or not closure:
-            raise Uncacheable("launcher without a descriptor wrapper")
-        cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure), strict=False))
-        indices, metas = cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
-        desc_at = {pos: (kind, ref, recipe) for pos, kind, ref, recipe in replay.fills if recipe}
         if (
-            "launcher" not in cells
-            or not isinstance(indices, set)
-            or sorted(indices) != sorted(desc_at)
-            or not isinstance(metas, list)
-            or len(metas) != len(indices)
+            type(run).__name__ != "CudaLauncher"
             or getattr(run, "global_scratch_size", 1) != 0
             or getattr(run, "profile_scratch_size", 1) != 0
         ):
             raise Uncacheable("launcher of an unexpected form")
-        from triton.backends.nvidia.driver import make_tensordesc_arg
+        desc_at = {pos: (kind, ref, recipe) for pos, kind, ref, recipe in replay.fills if recipe}
+        launcher = getattr(run, "launch", None)
+        meta_of: dict[int, Any] = {}
+        if desc_at:
+            code = getattr(launcher, "__code__", None)
+            closure = getattr(launcher, "__closure__", None)
+            if code is None or not closure:
+                raise Uncacheable("launcher without a descriptor wrapper")
+            cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure), strict=False))
+            indices, metas = cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
+            if (
+                "launcher" not in cells
+                or not isinstance(indices, set)
+                or sorted(indices) != sorted(desc_at)
+                or not isinstance(metas, list)
+                or len(metas) != len(indices)
+            ):
+                raise Uncacheable("launcher of an unexpected form")
+            from triton.backends.nvidia.driver import make_tensordesc_arg
 
-        self._encode = make_tensordesc_arg
-        self._launcher = cells["launcher"]
-        self._head = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-                      kernel.packed_metadata, None, None, None)  # fmt: skip
-        self._grid = (tuple(replay.grid) + (1, 1))[:3]
+            self._encode = make_tensordesc_arg
+            launcher = cells["launcher"]
+            meta_of = dict(zip(sorted(indices), metas, strict=True))
+        if not callable(launcher) or hasattr(launcher, "__code__"):  # C, not a Python wrapper
+            raise Uncacheable("launcher of an unexpected form")
+        self._launcher = launcher
+        grid = (tuple(replay.grid) + (1, 1))[:3]
+        self._flat: list[Any] = [*grid, None, kernel.function, run.launch_cooperative_grid,
+                                 run.launch_pdl, None, None, kernel.packed_metadata, None, None,
+                                 None]  # fmt: skip
+        assert len(self._flat) == self.HEAD
         fill_at = {pos: (kind, ref) for pos, kind, ref, recipe in replay.fills if not recipe}
-        meta_of = dict(zip(sorted(indices), metas, strict=True))
-        self._flat: list[Any] = []
-        self._tensors: list[tuple[int, int, int]] = []
+        self._from_inputs: list[tuple[int, int]] = []
+        self._from_allocs: list[tuple[int, int]] = []
         self._descs: list[tuple[int, int, int, int, Any, Any]] = []
         for pos, const in enumerate(replay.consts):
             if pos in fill_at:
-                self._tensors.append((len(self._flat), *fill_at[pos]))
+                kind, ref = fill_at[pos]
+                (self._from_inputs if kind == _INPUT else self._from_allocs).append(
+                    (len(self._flat), ref)
+                )
                 self._flat.append(None)
             elif pos in desc_at:
                 kind, ref, recipe = desc_at[pos]
@@ -350,14 +432,29 @@ class _DescriptorLaunch:
         self._memo: dict[tuple[int, int], list[Any]] = {}
         self.launches = 0
 
-    def launch(self, inputs: Sequence, allocs: list[torch.Tensor]) -> None:
-        args = list(self._flat)
-        for at, kind, ref in self._tensors:
-            args[at] = inputs[ref] if kind == _INPUT else allocs[ref]
+    def launch(self, inputs: Sequence, allocs: list[torch.Tensor], stream: Any) -> None:
+        self._launcher(*self.args(inputs, allocs, stream))
+        self.launches += 1
+
+    def args(self, inputs: Sequence, allocs: list[torch.Tensor], stream: Any) -> list[Any]:
+        """The C launcher's whole argument list for ``inputs``, ``allocs`` and ``stream``: what
+        `CompiledKernel.run` would hand it, tensors as addresses where `POINTER_INTS`."""
+        args = self._flat.copy()
+        args[3] = stream
+        if POINTER_INTS:
+            for at, ref in self._from_inputs:
+                args[at] = inputs[ref].data_ptr()
+            for at, ref in self._from_allocs:
+                args[at] = allocs[ref].data_ptr()
+        else:
+            for at, ref in self._from_inputs:
+                args[at] = inputs[ref]
+            for at, ref in self._from_allocs:
+                args[at] = allocs[ref]
         for at, width, kind, ref, recipe, meta in self._descs:
             t = inputs[ref] if kind == _INPUT else allocs[ref]
             if isinstance(meta, list):  # decomposed: the tensor itself, then constants
-                args[at] = t
+                args[at] = t.data_ptr() if POINTER_INTS else t
                 args[at + 1 : at + width] = meta
                 continue
             memo_key = (at, t.data_ptr())
@@ -370,10 +467,7 @@ class _DescriptorLaunch:
                     self._memo.clear()
                 self._memo[memo_key] = encoded
             args[at : at + width] = encoded
-        g = self._grid
-        stream = _current_stream(_current_device())
-        self._launcher(g[0], g[1], g[2], stream, *self._head, *args)
-        self.launches += 1
+        return args
 
 
 def _launch_compiled(kernel: Any, grid: tuple[int, ...], args: list[Any]) -> None:
@@ -431,7 +525,10 @@ class PlanCache:
         for the next call with this key. Returns the first launch's outputs."""
         if key is None or not self.enabled:
             return _run_fresh(plan())
-        cached = self._plans.get(key, _MISSING)
+        try:
+            cached = self._plans.get(key, _MISSING)
+        except TypeError:  # an unhashable value in the key (`call_key`)
+            return _run_fresh(plan())
         if cached is not _MISSING:
             self.hits += 1
             if isinstance(cached, Plan):

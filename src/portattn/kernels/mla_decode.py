@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from functools import partial
+import operator
 from numbers import Real
 
 import torch
@@ -73,6 +73,7 @@ from portattn.kernels._checks import (
     raise_errors,
     reads_contents,
     seq_lens_errors,
+    tensor_reads_contents,
     to_host,
 )
 from portattn.kernels._launch import Launch
@@ -94,6 +95,7 @@ _OP = "mla_decode"
 _METADATA_VALUES = tuple(
     f.name for f in dataclasses.fields(MlaMetadata) if f.name not in ("partial_out", "partial_lse")
 )
+_metadata_values = operator.attrgetter(*_METADATA_VALUES)  # one tuple of them, in C
 _LOG2E = 1.4426950408889634
 
 
@@ -1213,26 +1215,28 @@ def mla_decode(
         the CPU, or on a GPU when no ``metadata`` is given (one device-to-host read). On a GPU
         with ``metadata`` (the CUDA-graph path) nothing is read: the caller vouches for them.
     """
-    plan = partial(
-        plan_mla_decode,
-        query,
-        kv_cache,
-        block_table,
-        seq_lens,
-        kv_lora_rank=kv_lora_rank,
-        scale=scale,
-        query_start_loc=query_start_loc,
-        out=out,
-        return_lse=return_lse,
-        page_indices=page_indices,
-        metadata=metadata,
-        target=target,
-    )
+
+    def plan() -> list[Launch]:
+        return plan_mla_decode(
+            query,
+            kv_cache,
+            block_table,
+            seq_lens,
+            kv_lora_rank=kv_lora_rank,
+            scale=scale,
+            query_start_loc=query_start_loc,
+            out=out,
+            return_lse=return_lse,
+            page_indices=page_indices,
+            metadata=metadata,
+            target=target,
+        )
+
     # Cached (module _plans) only where the plan reads no contents: a GPU call with metadata.
     cacheable = (
         isinstance(metadata, MlaMetadata)
         and isinstance(query, torch.Tensor)
-        and not reads_contents(query.device, vouched=True)
+        and not tensor_reads_contents(query, vouched=True)
         and (page_indices is None or isinstance(page_indices, tuple) and len(page_indices) == 2)
     )
     if not cacheable:
@@ -1240,13 +1244,11 @@ def mla_decode(
     else:
         assert metadata is not None
         indptr, indices = page_indices if page_indices is not None else (None, None)
-        work = (metadata.partial_out, metadata.partial_lse)
-        tensors = (query, kv_cache, block_table, seq_lens, query_start_loc, out, indptr, indices)
-        inputs = (*tensors, *work)
-        fields = tuple(getattr(metadata, name) for name in _METADATA_VALUES)
+        inputs = (query, kv_cache, block_table, seq_lens, query_start_loc, out, indptr, indices,
+                  metadata.partial_out, metadata.partial_lse)  # fmt: skip
         key = call_key(
             _OP, *inputs, kv_lora_rank, scale, return_lse, page_indices is None, target,
-            exact=fields,
+            exact=_metadata_values(metadata),
         )  # fmt: skip
         outs = PLANS.call(key, inputs, plan)
     return outs if return_lse else outs[0]

@@ -64,6 +64,7 @@ from portattn.kernels._checks import (
     raise_errors,
     reads_contents,
     seq_lens_errors,
+    tensor_reads_contents,
     to_host,
 )
 from portattn.kernels._launch import Launch
@@ -954,8 +955,8 @@ def paged_attention(
     """
     inputs = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out)
     key = None
-    if isinstance(query, torch.Tensor) and not reads_contents(
-        query.device, vouched=max_query_len is not None
+    if isinstance(query, torch.Tensor) and not tensor_reads_contents(
+        query, vouched=max_query_len is not None
     ):
         key = call_key(OP, *inputs, scale, layout, target, max_query_len, max_seq_len)
     outputs = PLANS.call(
