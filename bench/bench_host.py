@@ -22,8 +22,10 @@ plan and launch through ``JITFunction.run`` on every call, the behaviour before 
 (`_plans.POINTER_INTS`: tensors handed to Triton's C launcher as tensors; `_plans.DIRECT`: every
 launch through `CompiledKernel.run`, TMA descriptors encoded on every launch). The GPU
 time of one call (``do_bench_cudagraph`` median) is printed next to each op, to show the host
-loop is not waiting on the GPU. The floor is an empty Triton kernel with 4 arguments launched
-through ``JITFunction.run``: it shows how fast this host runs Python (it varied 13-22 us between
+loop is not waiting on the GPU. The goal is judged on ``cached, alone``: the cached call's
+loops timed by themselves, 300 calls back to back as issue 18 measured them (in the interleaved
+group each cached loop follows other modes' loops). The floor is an empty Triton kernel with 4
+arguments launched through ``JITFunction.run``: it shows how fast this host runs Python (it varied 13-22 us between
 machines of the same kind), so compare ops with it only within one run.
 
 Usage::
@@ -276,11 +278,16 @@ def main() -> int:
             modes["cached, through CompiledKernel.run"] = _switched_off(call, "DIRECT")
         times = host_us_modes(modes, args.calls, args.repeats)
         cached, uncached = times["cached"], times["uncached"]
+        # the issue's method: back-to-back cached calls with no other mode's loops in between
+        # (an uncached loop between two cached ones leaves the next cached loop slower)
+        alone = host_us(call, args.calls, args.repeats)
         gpu = triton.testing.do_bench_cudagraph(call, return_mode="median") * 1e3
         row = dict(op=name, cached_us=round(cached, 2), uncached_us=round(uncached, 2))
+        row["cached_alone_us"] = round(alone, 2)
         row.update(gpu_us=round(gpu, 2), modes_us={k: round(v, 2) for k, v in times.items()})
         print(f"{name:30s} cached {cached:7.1f} us   uncached {uncached:7.1f} us   "
               f"(GPU time per call in a CUDA graph: {gpu:.1f} us)", flush=True)  # fmt: skip
+        print(f"    {'cached, alone':34s} {alone:7.1f} us", flush=True)
         for mode, us in times.items():
             if mode not in ("cached", "uncached"):
                 print(f"    {mode:34s} {us:7.1f} us", flush=True)
@@ -300,11 +307,12 @@ def main() -> int:
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
             print(s.getvalue())
-    print(f"== summary (goal: <= {GOAL_US:.0f} us per call, cached)")
+    print(f"== summary (goal: <= {GOAL_US:.0f} us per call, cached calls back to back)")
     for r in rows:
-        met = "  met" if r["cached_us"] <= GOAL_US else "  MISSED"
+        met = "  met" if r["cached_alone_us"] <= GOAL_US else "  MISSED"
         verdict = "" if "floor" in r["op"] else met
-        print(f"{r['op']:30s} {r['cached_us']:7.1f} us (uncached {r['uncached_us']:.1f}){verdict}")
+        print(f"{r['op']:30s} {r['cached_alone_us']:7.1f} us alone, {r['cached_us']:.1f} "
+              f"interleaved (uncached {r['uncached_us']:.1f}){verdict}")  # fmt: skip
     save_record("bench_host", calls=args.calls, repeats=args.repeats, goal_us=GOAL_US, rows=rows)
     return 0
 
