@@ -128,3 +128,64 @@ def test_shuffle_hybrid_pages_load_vectors_too(loads):
     contiguous = loads["sm_90", "SHUFFLE", 1]
     assert hybrid["vec"] == (8, 8)
     assert hybrid["narrow"] == 0 and hybrid["wide"] == contiguous["wide"], (hybrid, contiguous)
+
+
+# -- issue 18, the warp-level pattern --------------------------------------------------------------
+# The 16-byte loads above are as many as NHD's, but Triton's coalescing orders a load's threads by
+# the axis it sees contiguous: on the 2-D SHUFFLE tiles only the x-element run, so a warp takes
+# 16 dim-chunks x 2 tokens of K (16 pieces of 32 B, block_size * 16 B apart) and 8 runs x 4 dims
+# of V (8 pieces of 64 B, 2 KB apart); NHD's warp reads 2 x 256 B. `SHUFFLE_RUN_TILES` loads them
+# as 4-D tiles [1, token | dim, chunk | run, lane] whose threads walk the tokens of one chunk (K)
+# and the dims of one run (V): 32 x 16 B in a row.
+_ASYNC_COPY = re.compile(r"async_copy_global_to_local .*?: tensor<([0-9x]+)x!tt\.ptr<\w+>, #(\w+)>")
+_BLOCKED = re.compile(r"^#(\w+) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], "
+                      r"threadsPerWarp = \[([\d, ]+)\]", re.M)  # fmt: skip
+
+
+def _warp_patterns(arch: str, run_tiles: bool) -> dict:
+    """sm_90 decode, SHUFFLE: {pipelined K/V load's shape: (sizePerThread, threadsPerWarp)}."""
+    import importlib
+
+    import triton
+
+    from portattn.compile.cases import build_paged_attention
+    from portattn.compile.worker import bind, source_for
+    from portattn.platform import get_target
+
+    module = importlib.import_module("portattn.kernels.paged_attention")
+    module.SHUFFLE_RUN_TILES = run_tiles
+    target = get_target(arch)
+    [launch] = build_paged_attention(target, layout="SHUFFLE", max_query_len=1, **SHAPE)
+    assert launch.args["RUN_TILES"] == run_tiles
+    options, signature, constexprs, attrs = bind(launch, target)
+    src = source_for(launch.kernel)(launch.kernel, signature, constexprs, attrs)
+    ttgir = triton.compile(src, target=target.gpu_target(), options=options.__dict__).asm["ttgir"]
+    layouts = {
+        name: (tuple(map(int, spt.split(","))), tuple(map(int, tpw.split(","))))
+        for name, spt, tpw in _BLOCKED.findall(ttgir)
+    }
+    return {shape: layouts[enc] for shape, enc in _ASYNC_COPY.findall(ttgir)}
+
+
+@pytest.fixture(scope="module")
+def patterns() -> dict:
+    with _worker_env(None):
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
+            futures = {rt: pool.submit(_warp_patterns, "sm_90", rt) for rt in (False, True)}
+            return {rt: f.result() for rt, f in futures.items()}
+
+
+def test_shuffle_2d_tiles_spread_a_warp_over_many_runs(patterns):
+    """The measured cause (bench/NOTES.md, issue 18 again): 16 K chunks / 8 V runs per warp."""
+    p = patterns[False]
+    assert p["128x64"] == ((8, 1), (16, 2)), p  # K [dim, token]: 16 chunks x 2 tokens
+    assert p["64x128"] == ((8, 1), (8, 4)), p  # V [token, dim]: 8 runs x 4 dims
+
+
+def test_shuffle_run_tiles_put_a_warp_on_one_run(patterns):
+    """Run tiles: a thread's 16 B on the lane axis, the warp's 32 threads along one chunk's
+    tokens (K: 512 B in a row from block_size 32, 2 x 256 B at 16) or one run's dims (V: 512 B)."""
+    p = patterns[True]
+    assert p["1x64x16x8"] == ((1, 1, 1, 8), (1, 32, 1, 1)), p  # K [1, token, chunk, lane]
+    assert p["1x128x8x8"] == ((1, 1, 1, 8), (1, 32, 1, 1)), p  # V [1, dim, run, lane]

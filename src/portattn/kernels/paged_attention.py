@@ -80,6 +80,13 @@ SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
+# Issue 18 (second attempt, bench/NOTES.md): True loads 16-bit SHUFFLE K and V as 4-D tiles of
+# whole x-element runs ([1, token, chunk, lane] / [1, dim, run, lane]), so that a warp's 32 16-byte
+# loads walk one chunk's tokens / one run's dims (>= 256 contiguous bytes, like NHD) instead of
+# 16 chunks x 2 tokens / 8 runs x 4 dims. Off until timed on a GPU: the pipeliner then gives the
+# tiles an unswizzled shared layout (8-way ldmatrix bank conflicts) and sm_90 decode takes 142
+# registers (110 off). False: the 2-D gathers (the same 16-byte loads).
+SHUFFLE_RUN_TILES = False
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -129,6 +136,7 @@ def _kv_step(
     offs_n,
     offs_d,
     d_mask,
+    d_lim,  # head_dim (SHUFFLE K run tiles' dim mask)
     scale_log2,
     block_size,
     stride_bt_blk,
@@ -151,6 +159,7 @@ def _kv_step(
     V_DIM_SPLIT: tl.constexpr,
     K_VEC: tl.constexpr,  # SHUFFLE K: its x-element runs start on multiples of K_VEC
     V_VEC: tl.constexpr,  # SHUFFLE V: likewise
+    RUN_TILES: tl.constexpr,  # SHUFFLE: load K and V as 3-D tiles of whole runs (issue 18)
 ):
     """One KV tile: gather K/V through the block table, scores, online-softmax update.
 
@@ -188,7 +197,36 @@ def _kv_step(
     if V_TOK_SPLIT > 1:
         phys = tl.max_constancy(phys, V_TOK_SPLIT)  # one block-table entry per run (above)
 
-    if K_DIM_SPLIT > 1:
+    if K_DIM_SPLIT > 1 and RUN_TILES:
+        # SHUFFLE K as a 4-D tile [1, token, chunk, lane] (SHUFFLE_RUN_TILES): Triton's coalescing
+        # puts a thread's 16 B on the contiguous lane axis and, among the others (contiguity 1),
+        # the warp's threads along the first non-unit one: 32 tokens of one dim-chunk, >= 256 B
+        # in a row, instead of 16 chunks x 2 tokens (16 pieces of 32 B, block_size * x apart).
+        # (The leading unit axis: the pipeliner orders axis 0 last in shared memory.)
+        tl.static_assert(K_TOK_SPLIT == 1)
+        KC: tl.constexpr = offs_d.shape[0] // K_DIM_SPLIT
+        k_tok = phys * stride_k_block + in_block * stride_k_tok_hi  # [BLOCK_N]
+        k_run = tl.arange(0, KC) * stride_k_dim_hi  # [KC]
+        if K_VEC > 1:
+            k_tok = tl.multiple_of(k_tok, K_VEC)
+            k_run = tl.multiple_of(k_run, K_VEC)
+        k_lane = tl.arange(0, K_DIM_SPLIT) * stride_k_dim_lo
+        k_off = (
+            k_tok[None, :, None, None] + k_run[None, None, :, None] + k_lane[None, None, None, :]
+        )
+        if EVEN_D:
+            k_dmask = tl.full([1, 1, KC, 1], 1, tl.int1)
+        else:  # head_dim is a multiple of the run (K_VEC > 1) or masked lane by lane
+            k_dmask = (tl.arange(0, KC)[None, None, :, None] * K_DIM_SPLIT
+                       + tl.arange(0, K_DIM_SPLIT)[None, None, None, :]) < d_lim  # fmt: skip
+        if MASKED:
+            k4 = tl.load(k_base + k_off, mask=k_dmask & pos_mask[None, :, None, None], other=0.0)
+        elif EVEN_D:
+            k4 = tl.load(k_base + k_off)
+        else:
+            k4 = tl.load(k_base + k_off, mask=k_dmask, other=0.0)
+        k = tl.reshape(tl.permute(k4, (0, 2, 3, 1)), (offs_d.shape[0], offs_n.shape[0]))
+    elif K_DIM_SPLIT > 1:
         # SHUFFLE K: runs of K_DIM_SPLIT dims are contiguous (stride_k_dim_lo 1); each run starts
         # on a multiple of K_VEC elements (`layout.vector_width`, checked on the host), which
         # Triton cannot see itself (it specialises only integer arguments divisible by 16, and
@@ -211,7 +249,9 @@ def _kv_step(
             K_TOK_SPLIT,
             K_DIM_SPLIT,
         )
-    if EVEN_D:
+    if K_DIM_SPLIT > 1 and RUN_TILES:
+        pass  # loaded above
+    elif EVEN_D:
         if MASKED:
             k = tl.load(k_base + k_off, mask=pos_mask[None, :], other=0.0)
         else:
@@ -236,7 +276,41 @@ def _kv_step(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
 
-    if V_TOK_SPLIT > 1:
+    if V_TOK_SPLIT > 1 and RUN_TILES:
+        # SHUFFLE V as a 4-D tile [1, dim, run, lane]: the warp's threads walk the dims of one
+        # run (32 x 16 B in a row) instead of 8 runs x 4 dims (8 pieces of 64 B, 2 KB apart).
+        tl.static_assert(V_DIM_SPLIT == 1)
+        NR: tl.constexpr = offs_n.shape[0] // V_TOK_SPLIT
+        r_pos = start + tl.arange(0, NR) * V_TOK_SPLIT  # [NR] first position of each run
+        ur = r_pos.to(tl.uint32)
+        r_block = (ur // block_size.to(tl.uint32)).to(tl.int32)
+        r_in_block = (ur % block_size.to(tl.uint32)).to(tl.int32)
+        if MASKED:
+            r_mask = r_pos < kv_end
+            r_phys = tl.load(bt_row + r_block * stride_bt_blk, mask=r_mask, other=0)
+        else:
+            r_phys = tl.load(bt_row + r_block * stride_bt_blk)
+        v_run = r_phys.to(tl.int64) * stride_v_block + (r_in_block // V_TOK_SPLIT) * stride_v_tok_hi
+        v_dim = offs_d * stride_v_dim_hi  # [BLOCK_D]
+        if V_VEC > 1:
+            v_run = tl.multiple_of(v_run, V_VEC)
+            v_dim = tl.multiple_of(v_dim, V_VEC)
+        v_lane = tl.arange(0, V_TOK_SPLIT) * stride_v_tok_lo
+        v_off = (
+            v_dim[None, :, None, None] + v_run[None, None, :, None] + v_lane[None, None, None, :]
+        )
+        if EVEN_D:
+            if MASKED:
+                v4 = tl.load(v_base + v_off, mask=r_mask[None, None, :, None], other=0.0)
+            else:
+                v4 = tl.load(v_base + v_off)
+        elif MASKED:
+            v_mask = d_mask[None, :, None, None] & r_mask[None, None, :, None]
+            v4 = tl.load(v_base + v_off, mask=v_mask, other=0.0)
+        else:
+            v4 = tl.load(v_base + v_off, mask=d_mask[None, :, None, None], other=0.0)
+        v = tl.reshape(tl.permute(v4, (0, 2, 3, 1)), (offs_n.shape[0], offs_d.shape[0]))
+    elif V_TOK_SPLIT > 1:
         # SHUFFLE V: runs of V_TOK_SPLIT tokens are contiguous; the run's block and first offset
         # (above) give its start, a multiple of V_VEC elements (as for K), plus the lane.
         tl.static_assert(V_DIM_SPLIT == 1)
@@ -257,7 +331,9 @@ def _kv_step(
             V_TOK_SPLIT,
             V_DIM_SPLIT,
         )
-    if EVEN_D:
+    if V_TOK_SPLIT > 1 and RUN_TILES:
+        pass  # loaded above
+    elif EVEN_D:
         if MASKED:
             v = tl.load(v_base + v_off, mask=run_mask[:, None], other=0.0)
         else:
@@ -330,6 +406,7 @@ def _attend(
     K_PACKED: tl.constexpr,
     V_PACKED: tl.constexpr,
     EVEN_D: tl.constexpr,
+    RUN_TILES: tl.constexpr,
 ):
     """One program's work: ``BLOCK_Q`` tokens x ``HEAD_TILE`` heads of one sequence."""
     tl.static_assert(BLOCK_Q * HEAD_TILE <= BLOCK_M)
@@ -407,12 +484,13 @@ def _attend(
             if tail < kv_end:
                 m_i, l_i, acc = _kv_step(
                     q, m_i, l_i, acc, tail, kv_end, row_limit, bt_row, k_base, v_base,
-                    tl.arange(0, TAIL_N), offs_d, d_mask, scale_log2, block_size, stride_bt_blk,
+                    tl.arange(0, TAIL_N), offs_d, d_mask, head_dim, scale_log2, block_size,
+                    stride_bt_blk,
                     stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi,
                     stride_k_dim_lo, stride_v_block, stride_v_tok_hi, stride_v_tok_lo,
                     stride_v_dim_hi, stride_v_dim_lo,
                     True, True, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
-                    K_VEC, V_VEC,
+                    K_VEC, V_VEC, RUN_TILES,
                 )  # fmt: skip
         if IN_PLACE:
             full_end = kv_lo
@@ -420,20 +498,20 @@ def _attend(
         for start in range(kv_lo, full_end, BLOCK_N):
             m_i, l_i, acc = _kv_step(
                 q, m_i, l_i, acc, start, kv_end, row_limit, bt_row, k_base, v_base, offs_n,
-                offs_d, d_mask, scale_log2, block_size, stride_bt_blk,
+                offs_d, d_mask, head_dim, scale_log2, block_size, stride_bt_blk,
                 stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
                 stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
                 False, False, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
-                K_VEC, V_VEC,
+                K_VEC, V_VEC, RUN_TILES,
             )  # fmt: skip
         for start in range(tl.maximum(kv_lo, full_end), run_end, BLOCK_N):
             m_i, l_i, acc = _kv_step(
                 q, m_i, l_i, acc, start, run_end, row_limit, bt_row, k_base, v_base, offs_n,
-                offs_d, d_mask, scale_log2, block_size, stride_bt_blk,
+                offs_d, d_mask, head_dim, scale_log2, block_size, stride_bt_blk,
                 stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
                 stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
                 True, IN_PLACE, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
-                K_VEC, V_VEC,
+                K_VEC, V_VEC, RUN_TILES,
             )  # fmt: skip
 
         # -- epilogue -------------------------------------------------------------------------
@@ -515,6 +593,7 @@ def _paged_attention_kernel(
     K_PACKED: tl.constexpr,  # SHUFFLE K: stride_k_tok_hi == x (`layout.packed_runs`)
     V_PACKED: tl.constexpr,  # SHUFFLE V: stride_v_dim_hi == x
     EVEN_D: tl.constexpr,  # head_dim == BLOCK_D (no head-dim masks on the K/V gathers)
+    RUN_TILES: tl.constexpr,  # SHUFFLE: K/V loaded as 3-D tiles of whole runs (SHUFFLE_RUN_TILES)
 ):
     """1-D grid: main-tile programs first, heaviest q tile first; then the decode-role ones.
 
@@ -544,7 +623,7 @@ def _paged_attention_kernel(
             stride_v_dim_lo,
             GROUP, HEAD_TILE, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, NUM_SPLITS,
             K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, K_VEC, V_VEC, K_PACKED, V_PACKED,
-            EVEN_D,
+            EVEN_D, RUN_TILES,
         )  # fmt: skip
     elif DECODE_ROLE:
         d = pid - n_main
@@ -562,7 +641,7 @@ def _paged_attention_kernel(
             stride_v_dim_lo,
             GROUP, DEC_HEAD_TILE, DEC_BLOCK_Q, DEC_BLOCK_M, BLOCK_N, BLOCK_D, 1,
             K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, K_VEC, V_VEC, K_PACKED, V_PACKED,
-            EVEN_D,
+            EVEN_D, RUN_TILES,
         )  # fmt: skip
 
 
@@ -855,6 +934,7 @@ def plan_paged_attention(
         V_PACKED=packed_runs(v),
         # SHUFFLE only: NHD's code stays as it was (its fp32 spills are held figures)
         EVEN_D=layout == "SHUFFLE" and head_dim == tiles.block_d,
+        RUN_TILES=layout == "SHUFFLE" and SHUFFLE_RUN_TILES and query.element_size() == 2,
     )
     grid = ((n_main + n_dec) if num_tokens else 0,)
     launches = [
