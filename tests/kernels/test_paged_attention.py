@@ -309,19 +309,19 @@ SHUFFLE_FULL_TILES = [
 ]
 
 
-@pytest.mark.parametrize("run_tiles", [False, True], ids=["2d", "runtiles"])
+@pytest.mark.parametrize("split_tiles", [False, True], ids=["whole", "split"])
 @pytest.mark.parametrize(
     "block_size,block_n,kind,state_bytes,dtype,vec",
     SHUFFLE_FULL_TILES,
     ids=[f"bs{c[0]}-n{c[1]}-{c[2]}{c[3]}-{str(c[4])[6:]}" for c in SHUFFLE_FULL_TILES],
 )
 def test_shuffle_full_tiles(
-    device, monkeypatch, block_size, block_n, kind, state_bytes, dtype, vec, run_tiles
+    device, monkeypatch, block_size, block_n, kind, state_bytes, dtype, vec, split_tiles
 ):
     """SHUFFLE over contexts of several full KV tiles (unmasked loop), then a partial one: decode
     and chunked prefill, then a decode batch split over 2 KV ranges; NaN past each sequence. Both
-    K/V gathers: 2-D tiles and 4-D run tiles (`SHUFFLE_RUN_TILES`, 16-bit only)."""
-    monkeypatch.setattr(paged_attention_module, "SHUFFLE_RUN_TILES", run_tiles)
+    K/V gathers: whole tiles and split tiles (`SHUFFLE_SPLIT_TILES`, 16-bit only)."""
+    monkeypatch.setattr(paged_attention_module, "SHUFFLE_SPLIT_TILES", split_tiles)
     x = 16 // dtype.itemsize
     problem = PagedProblem(4, 2, 32, dtype.itemsize, max_query_len=20, shuffled=True)
     tiles = dataclasses.replace(paged_tiles(get_target("sm_90"), problem), block_n=block_n)
@@ -337,7 +337,7 @@ def test_shuffle_full_tiles(
         launches = plan_paged_attention(*b.args(), layout="SHUFFLE", tiles=t)
         a = launches[0].args
         assert (a["BLOCK_N"], a["V_TOK_SPLIT"], a["K_VEC"], a["V_VEC"]) == (block_n, x, *vec)
-        assert a["RUN_TILES"] == (run_tiles and dtype != torch.float32)
+        assert a["SPLIT_TILES"] == (split_tiles and dtype != torch.float32)
         run_all(launches)
         check(b, launches[0].outputs[0])
 

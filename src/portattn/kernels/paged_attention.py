@@ -80,13 +80,14 @@ SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
-# Issue 18 (second attempt, bench/NOTES.md): True loads 16-bit SHUFFLE K and V as 4-D tiles of
-# whole x-element runs ([1, token, chunk, lane] / [1, dim, run, lane]), so that a warp's 32 16-byte
-# loads walk one chunk's tokens / one run's dims (>= 256 contiguous bytes, like NHD) instead of
-# 16 chunks x 2 tokens / 8 runs x 4 dims. Off until timed on a GPU: the pipeliner then gives the
-# tiles an unswizzled shared layout (8-way ldmatrix bank conflicts) and sm_90 decode takes 142
-# registers (110 off). False: the 2-D gathers (the same 16-byte loads).
-SHUFFLE_RUN_TILES = False
+_PIECE = 16  # SHUFFLE split tiles: dims / tokens a piece (tl.dot's smallest K for 16-bit)
+PIECE: tl.constexpr = tl.constexpr(_PIECE)
+# Issue 18 (second attempt, bench/NOTES.md): 16-bit SHUFFLE K and V are loaded in pieces of two
+# x-runs (16 dims of K, 16 tokens of V), one dot each, so that a warp's 16-byte loads read 2 x
+# 256 contiguous bytes as on NHD, where the whole-tile gathers spread a warp over 16 K runs x 2
+# tokens (16 pieces of 32 B) and 8 V runs x 4 dims (8 pieces of 64 B). False: whole-tile gathers
+# (the same 16-byte loads and tiles).
+SHUFFLE_SPLIT_TILES = True
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -122,8 +123,36 @@ def _split_offsets(idx, stride_hi, stride_lo, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _col_pieces(p, W: tl.constexpr):
+    """``p`` [M, NP*W] as a tuple of its NP column pieces [M, W] (NP in 1, 2, 4, 8)."""
+    M: tl.constexpr = p.shape[0]
+    NP: tl.constexpr = p.shape[1] // W
+    tl.static_assert(NP == 1 or NP == 2 or NP == 4 or NP == 8)
+    if NP == 1:
+        return (p,)
+    elif NP == 2:  # column (a, w): a*W + w
+        p0, p1 = tl.split(tl.permute(tl.reshape(p, (M, 2, W)), (0, 2, 1)))
+        return (p0, p1)
+    elif NP == 4:  # column (a, b, w): (2a + b)*W + w; split b, then a
+        b0, b1 = tl.split(tl.permute(tl.reshape(p, (M, 2, 2, W)), (0, 3, 1, 2)))
+        p0, p2 = tl.split(b0)
+        p1, p3 = tl.split(b1)
+        return (p0, p1, p2, p3)
+    else:  # column (a, b, c, w): (4a + 2b + c)*W + w; split c, b, then a
+        c0, c1 = tl.split(tl.permute(tl.reshape(p, (M, 2, 2, 2, W)), (0, 4, 1, 2, 3)))
+        c0b0, c0b1 = tl.split(c0)
+        c1b0, c1b1 = tl.split(c1)
+        p0, p4 = tl.split(c0b0)
+        p2, p6 = tl.split(c0b1)
+        p1, p5 = tl.split(c1b0)
+        p3, p7 = tl.split(c1b1)
+        return (p0, p1, p2, p3, p4, p5, p6, p7)
+
+
+@triton.jit
 def _kv_step(
     q,  # [BLOCK_M, BLOCK_D] query rows
+    q_parts,  # SPLIT_TILES: q's PIECE-wide column pieces (a tuple); else q
     m_i,  # [BLOCK_M] running max (base 2)
     l_i,  # [BLOCK_M] running sum
     acc,  # [BLOCK_M, BLOCK_D] fp32 running output
@@ -136,7 +165,7 @@ def _kv_step(
     offs_n,
     offs_d,
     d_mask,
-    d_lim,  # head_dim (SHUFFLE K run tiles' dim mask)
+    d_lim,  # head_dim (SHUFFLE split tiles' K dim mask)
     scale_log2,
     block_size,
     stride_bt_blk,
@@ -159,7 +188,7 @@ def _kv_step(
     V_DIM_SPLIT: tl.constexpr,
     K_VEC: tl.constexpr,  # SHUFFLE K: its x-element runs start on multiples of K_VEC
     V_VEC: tl.constexpr,  # SHUFFLE V: likewise
-    RUN_TILES: tl.constexpr,  # SHUFFLE: load K and V as 3-D tiles of whole runs (issue 18)
+    SPLIT_TILES: tl.constexpr,  # SHUFFLE: K and V in PIECE-wide pieces (SHUFFLE_SPLIT_TILES)
 ):
     """One KV tile: gather K/V through the block table, scores, online-softmax update.
 
@@ -197,35 +226,33 @@ def _kv_step(
     if V_TOK_SPLIT > 1:
         phys = tl.max_constancy(phys, V_TOK_SPLIT)  # one block-table entry per run (above)
 
-    if K_DIM_SPLIT > 1 and RUN_TILES:
-        # SHUFFLE K as a 4-D tile [1, token, chunk, lane] (SHUFFLE_RUN_TILES): Triton's coalescing
-        # puts a thread's 16 B on the contiguous lane axis and, among the others (contiguity 1),
-        # the warp's threads along the first non-unit one: 32 tokens of one dim-chunk, >= 256 B
-        # in a row, instead of 16 chunks x 2 tokens (16 pieces of 32 B, block_size * x apart).
-        # (The leading unit axis: the pipeliner orders axis 0 last in shared memory.)
+    if K_DIM_SPLIT > 1 and SPLIT_TILES:
+        # SHUFFLE K in pieces of PIECE dims (two x-runs), one dot each (SHUFFLE_SPLIT_TILES): a
+        # piece's 2 x BLOCK_N tile makes Triton's coalescing put 2 threads on the dims and 16 on
+        # the tokens, so a warp reads 2 x 256 B in a row (NHD's pattern) instead of 16 runs x 2
+        # tokens; each piece still feeds its dot straight from shared memory (swizzled, cp.async).
         tl.static_assert(K_TOK_SPLIT == 1)
-        KC: tl.constexpr = offs_d.shape[0] // K_DIM_SPLIT
         k_tok = phys * stride_k_block + in_block * stride_k_tok_hi  # [BLOCK_N]
-        k_run = tl.arange(0, KC) * stride_k_dim_hi  # [KC]
         if K_VEC > 1:
             k_tok = tl.multiple_of(k_tok, K_VEC)
-            k_run = tl.multiple_of(k_run, K_VEC)
-        k_lane = tl.arange(0, K_DIM_SPLIT) * stride_k_dim_lo
-        k_off = (
-            k_tok[None, :, None, None] + k_run[None, None, :, None] + k_lane[None, None, None, :]
-        )
-        if EVEN_D:
-            k_dmask = tl.full([1, 1, KC, 1], 1, tl.int1)
-        else:  # head_dim is a multiple of the run (K_VEC > 1) or masked lane by lane
-            k_dmask = (tl.arange(0, KC)[None, None, :, None] * K_DIM_SPLIT
-                       + tl.arange(0, K_DIM_SPLIT)[None, None, None, :]) < d_lim  # fmt: skip
-        if MASKED:
-            k4 = tl.load(k_base + k_off, mask=k_dmask & pos_mask[None, :, None, None], other=0.0)
-        elif EVEN_D:
-            k4 = tl.load(k_base + k_off)
-        else:
-            k4 = tl.load(k_base + k_off, mask=k_dmask, other=0.0)
-        k = tl.reshape(tl.permute(k4, (0, 2, 3, 1)), (offs_d.shape[0], offs_n.shape[0]))
+        s = tl.zeros([q.shape[0], offs_n.shape[0]], dtype=tl.float32)
+        for i in tl.static_range(offs_d.shape[0] // PIECE):
+            d_i = i * PIECE + tl.arange(0, PIECE)
+            k_run = (d_i // K_DIM_SPLIT) * stride_k_dim_hi
+            if K_VEC > 1:
+                k_run = tl.multiple_of(k_run, K_VEC)
+            k_off = k_tok[None, :] + (k_run + (d_i % K_DIM_SPLIT) * stride_k_dim_lo)[:, None]
+            if EVEN_D:
+                if MASKED:
+                    k = tl.load(k_base + k_off, mask=pos_mask[None, :], other=0.0)
+                else:
+                    k = tl.load(k_base + k_off)
+            elif MASKED:
+                k = tl.load(k_base + k_off, mask=(d_i < d_lim)[:, None] & pos_mask[None, :],
+                            other=0.0)  # fmt: skip
+            else:
+                k = tl.load(k_base + k_off, mask=(d_i < d_lim)[:, None], other=0.0)
+            s = tl.dot(q_parts[i], k, s, input_precision="ieee")
     elif K_DIM_SPLIT > 1:
         # SHUFFLE K: runs of K_DIM_SPLIT dims are contiguous (stride_k_dim_lo 1); each run starts
         # on a multiple of K_VEC elements (`layout.vector_width`, checked on the host), which
@@ -249,8 +276,8 @@ def _kv_step(
             K_TOK_SPLIT,
             K_DIM_SPLIT,
         )
-    if K_DIM_SPLIT > 1 and RUN_TILES:
-        pass  # loaded above
+    if K_DIM_SPLIT > 1 and SPLIT_TILES:
+        s = s * scale_log2  # [BLOCK_M, BLOCK_N] (dots above)
     elif EVEN_D:
         if MASKED:
             k = tl.load(k_base + k_off, mask=pos_mask[None, :], other=0.0)
@@ -262,7 +289,8 @@ def _kv_step(
         k = tl.load(k_base + k_off, mask=d_mask[:, None], other=0.0)
 
     # -- scores ------------------------------------------------------------------------------
-    s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+    if not (K_DIM_SPLIT > 1 and SPLIT_TILES):
+        s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
     if MASKED:
         keep = pos_mask[None, :] & (pos[None, :] < row_limit[:, None])
         s = tl.where(keep, s, float("-inf"))
@@ -276,40 +304,42 @@ def _kv_step(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
 
-    if V_TOK_SPLIT > 1 and RUN_TILES:
-        # SHUFFLE V as a 4-D tile [1, dim, run, lane]: the warp's threads walk the dims of one
-        # run (32 x 16 B in a row) instead of 8 runs x 4 dims (8 pieces of 64 B, 2 KB apart).
+    if V_TOK_SPLIT > 1 and SPLIT_TILES:
+        # SHUFFLE V in pieces of PIECE tokens (two runs), one dot each: 2 threads on the tokens,
+        # 16 on the dims, a warp reads 2 x 256 B in a row instead of 8 runs x 4 dims (64 B each).
+        # P is split into the matching column pieces (`_col_pieces`).
         tl.static_assert(V_DIM_SPLIT == 1)
-        NR: tl.constexpr = offs_n.shape[0] // V_TOK_SPLIT
-        r_pos = start + tl.arange(0, NR) * V_TOK_SPLIT  # [NR] first position of each run
-        ur = r_pos.to(tl.uint32)
-        r_block = (ur // block_size.to(tl.uint32)).to(tl.int32)
-        r_in_block = (ur % block_size.to(tl.uint32)).to(tl.int32)
-        if MASKED:
-            r_mask = r_pos < kv_end
-            r_phys = tl.load(bt_row + r_block * stride_bt_blk, mask=r_mask, other=0)
-        else:
-            r_phys = tl.load(bt_row + r_block * stride_bt_blk)
-        v_run = r_phys.to(tl.int64) * stride_v_block + (r_in_block // V_TOK_SPLIT) * stride_v_tok_hi
+        p_parts = _col_pieces(p.to(v_base.dtype.element_ty), PIECE)
         v_dim = offs_d * stride_v_dim_hi  # [BLOCK_D]
         if V_VEC > 1:
-            v_run = tl.multiple_of(v_run, V_VEC)
             v_dim = tl.multiple_of(v_dim, V_VEC)
-        v_lane = tl.arange(0, V_TOK_SPLIT) * stride_v_tok_lo
-        v_off = (
-            v_dim[None, :, None, None] + v_run[None, None, :, None] + v_lane[None, None, None, :]
-        )
-        if EVEN_D:
+        for j in tl.static_range(offs_n.shape[0] // PIECE):
+            offs_j = j * PIECE + tl.arange(0, PIECE)
+            run_j = (start + offs_j // V_TOK_SPLIT * V_TOK_SPLIT).to(tl.uint32)
+            blk_j = (run_j // block_size.to(tl.uint32)).to(tl.int32)
+            rib_j = (run_j % block_size.to(tl.uint32)).to(tl.int32)
             if MASKED:
-                v4 = tl.load(v_base + v_off, mask=r_mask[None, None, :, None], other=0.0)
+                rmask_j = run_j.to(tl.int32) < kv_end
+                phys_j = tl.load(bt_row + blk_j * stride_bt_blk, mask=rmask_j, other=0)
             else:
-                v4 = tl.load(v_base + v_off)
-        elif MASKED:
-            v_mask = d_mask[None, :, None, None] & r_mask[None, None, :, None]
-            v4 = tl.load(v_base + v_off, mask=v_mask, other=0.0)
-        else:
-            v4 = tl.load(v_base + v_off, mask=d_mask[None, :, None, None], other=0.0)
-        v = tl.reshape(tl.permute(v4, (0, 2, 3, 1)), (offs_n.shape[0], offs_d.shape[0]))
+                phys_j = tl.load(bt_row + blk_j * stride_bt_blk)
+            phys_j = tl.max_constancy(phys_j.to(tl.int64), V_TOK_SPLIT)
+            v_run = phys_j * stride_v_block + (rib_j // V_TOK_SPLIT) * stride_v_tok_hi
+            if V_VEC > 1:
+                v_run = tl.multiple_of(v_run, V_VEC)
+            v_off = (v_run + (offs_j % V_TOK_SPLIT) * stride_v_tok_lo)[:, None] + v_dim[None, :]
+            if EVEN_D:
+                if MASKED:
+                    v = tl.load(v_base + v_off, mask=rmask_j[:, None], other=0.0)
+                else:
+                    v = tl.load(v_base + v_off)
+            elif MASKED:
+                v = tl.load(v_base + v_off, mask=rmask_j[:, None] & d_mask[None, :], other=0.0)
+            else:
+                v = tl.load(v_base + v_off, mask=d_mask[None, :], other=0.0)
+            if TAIL:  # the run's slots past the sequence's end may hold anything: zero them
+                v = tl.where((start + offs_j < kv_end)[:, None], v, 0.0)
+            acc = tl.dot(p_parts[j], v, acc, input_precision="ieee")
     elif V_TOK_SPLIT > 1:
         # SHUFFLE V: runs of V_TOK_SPLIT tokens are contiguous; the run's block and first offset
         # (above) give its start, a multiple of V_VEC elements (as for K), plus the lane.
@@ -331,8 +361,8 @@ def _kv_step(
             V_TOK_SPLIT,
             V_DIM_SPLIT,
         )
-    if V_TOK_SPLIT > 1 and RUN_TILES:
-        pass  # loaded above
+    if V_TOK_SPLIT > 1 and SPLIT_TILES:
+        pass  # loaded and multiplied above
     elif EVEN_D:
         if MASKED:
             v = tl.load(v_base + v_off, mask=run_mask[:, None], other=0.0)
@@ -342,9 +372,10 @@ def _kv_step(
         v = tl.load(v_base + v_off, mask=run_mask[:, None] & d_mask[None, :], other=0.0)
     else:
         v = tl.load(v_base + v_off, mask=d_mask[None, :], other=0.0)
-    if TAIL:  # the run's slots past the sequence's end may hold anything (NaN): zero them
-        v = tl.where(pos_mask[:, None], v, 0.0)
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    if not (V_TOK_SPLIT > 1 and SPLIT_TILES):
+        if TAIL:  # the run's slots past the sequence's end may hold anything (NaN): zero them
+            v = tl.where(pos_mask[:, None], v, 0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
     return m_new, l_i, acc
 
 
@@ -406,7 +437,7 @@ def _attend(
     K_PACKED: tl.constexpr,
     V_PACKED: tl.constexpr,
     EVEN_D: tl.constexpr,
-    RUN_TILES: tl.constexpr,
+    SPLIT_TILES: tl.constexpr,
 ):
     """One program's work: ``BLOCK_Q`` tokens x ``HEAD_TILE`` heads of one sequence."""
     tl.static_assert(BLOCK_Q * HEAD_TILE <= BLOCK_M)
@@ -444,6 +475,18 @@ def _attend(
             + offs_d[None, :] * stride_q_dim
         )
         q = tl.load(q_ptr + q_off, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        q_parts = q
+        if SPLIT_TILES:  # q's PIECE-wide column pieces for the split K dots (`_kv_step`)
+            q_parts = ()
+            for i in tl.static_range(BLOCK_D // PIECE):
+                d_i = i * PIECE + tl.arange(0, PIECE)
+                q_off_i = (
+                    (q_start + tok_in_q.to(tl.int64))[:, None] * stride_q_tok
+                    + q_head.to(tl.int64)[:, None] * stride_q_head
+                    + d_i[None, :] * stride_q_dim
+                )
+                q_mask_i = row_mask[:, None] & (d_i < head_dim)[None, :]
+                q_parts = q_parts + (tl.load(q_ptr + q_off_i, mask=q_mask_i, other=0.0),)
 
         # Row r sees positions < row_limit[r]; >= 1 for every row, so no row is ever fully masked
         # (rows past the sequence compute on zeros and are not stored). The loop ends at the
@@ -483,35 +526,35 @@ def _attend(
             tail = tl.maximum(run_end, kv_lo)  # (an empty split: nothing)
             if tail < kv_end:
                 m_i, l_i, acc = _kv_step(
-                    q, m_i, l_i, acc, tail, kv_end, row_limit, bt_row, k_base, v_base,
+                    q, q_parts, m_i, l_i, acc, tail, kv_end, row_limit, bt_row, k_base, v_base,
                     tl.arange(0, TAIL_N), offs_d, d_mask, head_dim, scale_log2, block_size,
                     stride_bt_blk,
                     stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi,
                     stride_k_dim_lo, stride_v_block, stride_v_tok_hi, stride_v_tok_lo,
                     stride_v_dim_hi, stride_v_dim_lo,
                     True, True, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
-                    K_VEC, V_VEC, RUN_TILES,
+                    K_VEC, V_VEC, SPLIT_TILES,
                 )  # fmt: skip
         if IN_PLACE:
             full_end = kv_lo
 
         for start in range(kv_lo, full_end, BLOCK_N):
             m_i, l_i, acc = _kv_step(
-                q, m_i, l_i, acc, start, kv_end, row_limit, bt_row, k_base, v_base, offs_n,
+                q, q_parts, m_i, l_i, acc, start, kv_end, row_limit, bt_row, k_base, v_base, offs_n,
                 offs_d, d_mask, head_dim, scale_log2, block_size, stride_bt_blk,
                 stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
                 stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
                 False, False, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
-                K_VEC, V_VEC, RUN_TILES,
+                K_VEC, V_VEC, SPLIT_TILES,
             )  # fmt: skip
         for start in range(tl.maximum(kv_lo, full_end), run_end, BLOCK_N):
             m_i, l_i, acc = _kv_step(
-                q, m_i, l_i, acc, start, run_end, row_limit, bt_row, k_base, v_base, offs_n,
+                q, q_parts, m_i, l_i, acc, start, run_end, row_limit, bt_row, k_base, v_base, offs_n,
                 offs_d, d_mask, head_dim, scale_log2, block_size, stride_bt_blk,
                 stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
                 stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
                 True, IN_PLACE, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
-                K_VEC, V_VEC, RUN_TILES,
+                K_VEC, V_VEC, SPLIT_TILES,
             )  # fmt: skip
 
         # -- epilogue -------------------------------------------------------------------------
@@ -593,7 +636,7 @@ def _paged_attention_kernel(
     K_PACKED: tl.constexpr,  # SHUFFLE K: stride_k_tok_hi == x (`layout.packed_runs`)
     V_PACKED: tl.constexpr,  # SHUFFLE V: stride_v_dim_hi == x
     EVEN_D: tl.constexpr,  # head_dim == BLOCK_D (no head-dim masks on the K/V gathers)
-    RUN_TILES: tl.constexpr,  # SHUFFLE: K/V loaded as 3-D tiles of whole runs (SHUFFLE_RUN_TILES)
+    SPLIT_TILES: tl.constexpr,  # SHUFFLE: K/V in pieces of two runs (SHUFFLE_SPLIT_TILES)
 ):
     """1-D grid: main-tile programs first, heaviest q tile first; then the decode-role ones.
 
@@ -623,7 +666,7 @@ def _paged_attention_kernel(
             stride_v_dim_lo,
             GROUP, HEAD_TILE, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, NUM_SPLITS,
             K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, K_VEC, V_VEC, K_PACKED, V_PACKED,
-            EVEN_D, RUN_TILES,
+            EVEN_D, SPLIT_TILES,
         )  # fmt: skip
     elif DECODE_ROLE:
         d = pid - n_main
@@ -641,7 +684,7 @@ def _paged_attention_kernel(
             stride_v_dim_lo,
             GROUP, DEC_HEAD_TILE, DEC_BLOCK_Q, DEC_BLOCK_M, BLOCK_N, BLOCK_D, 1,
             K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, K_VEC, V_VEC, K_PACKED, V_PACKED,
-            EVEN_D, RUN_TILES,
+            EVEN_D, SPLIT_TILES,
         )  # fmt: skip
 
 
@@ -934,7 +977,12 @@ def plan_paged_attention(
         V_PACKED=packed_runs(v),
         # SHUFFLE only: NHD's code stays as it was (its fp32 spills are held figures)
         EVEN_D=layout == "SHUFFLE" and head_dim == tiles.block_d,
-        RUN_TILES=layout == "SHUFFLE" and SHUFFLE_RUN_TILES and query.element_size() == 2,
+        SPLIT_TILES=layout == "SHUFFLE"
+        and SHUFFLE_SPLIT_TILES
+        and query.element_size() == 2
+        and tiles.block_d % _PIECE == 0
+        and tiles.block_n % _PIECE == 0
+        and tiles.block_n // _PIECE <= 8,
     )
     grid = ((n_main + n_dec) if num_tokens else 0,)
     launches = [
