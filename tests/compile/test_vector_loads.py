@@ -132,39 +132,49 @@ def test_shuffle_hybrid_pages_load_vectors_too(loads):
 
 # -- issue 18, the warp-level pattern --------------------------------------------------------------
 # The 16-byte loads above are as many as NHD's, but Triton's coalescing orders a load's threads by
-# the axis it sees contiguous: on the 2-D SHUFFLE tiles only the x-element run, so a warp takes
-# 16 dim-chunks x 2 tokens of K (16 pieces of 32 B, block_size * 16 B apart) and 8 runs x 4 dims
-# of V (8 pieces of 64 B, 2 KB apart); NHD's warp reads 2 x 256 B. `SHUFFLE_RUN_TILES` loads them
-# as 4-D tiles [1, token | dim, chunk | run, lane] whose threads walk the tokens of one chunk (K)
-# and the dims of one run (V): 32 x 16 B in a row.
-_ASYNC_COPY = re.compile(r"async_copy_global_to_local .*?: tensor<([0-9x]+)x!tt\.ptr<\w+>, #(\w+)>")
-_BLOCKED = re.compile(r"^#(\w+) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], "
-                      r"threadsPerWarp = \[([\d, ]+)\]", re.M)  # fmt: skip
+# the axis it sees contiguous and fills it first: on whole SHUFFLE tiles that is the x-element run,
+# so a warp took 16 dim-runs x 2 tokens of K [128 dims, 64 tokens] (16 pieces of 32 B, block_size
+# * 16 B apart) and 8 runs x 4 dims of V [64 tokens, 128 dims] (8 pieces of 64 B, 2 KB apart);
+# NHD's warp reads 2 x 256 B. `SHUFFLE_SPLIT_TILES` loads K in 16-dim and V in 16-token pieces
+# (two runs each, one dot each): 2 threads on the runs, 16 along the other axis, i.e. 2 x 256 B in
+# a row, and every piece is still a pipelined cp.async into a swizzled dot-operand buffer.
+_ASYNC_COPY = re.compile(
+    r"async_copy_global_to_local .*?: tensor<([0-9x]+)x!tt\.ptr<\w+>, #(\w+)> -> <[^,]+, #(\w+)"
+)
+_LAYOUT = re.compile(r"^#(\w+) = #ttg\.(?:blocked|swizzled_shared)<\{(.*)\}>", re.M)
 
 
-def _warp_patterns(arch: str, run_tiles: bool) -> dict:
-    """sm_90 decode, SHUFFLE: {pipelined K/V load's shape: (sizePerThread, threadsPerWarp)}."""
+def _warp_patterns(arch: str, split_tiles: bool) -> dict:
+    """sm_90 decode, SHUFFLE: {pipelined K/V load's shape: (sizePerThread, threadsPerWarp,
+    shared layout)}, and the kernel's spills."""
     import importlib
 
     import triton
 
     from portattn.compile.cases import build_paged_attention
-    from portattn.compile.worker import bind, source_for
+    from portattn.compile.worker import _resources, bind, source_for
     from portattn.platform import get_target
 
     module = importlib.import_module("portattn.kernels.paged_attention")
-    module.SHUFFLE_RUN_TILES = run_tiles
+    module.SHUFFLE_SPLIT_TILES = split_tiles
     target = get_target(arch)
     [launch] = build_paged_attention(target, layout="SHUFFLE", max_query_len=1, **SHAPE)
-    assert launch.args["RUN_TILES"] == run_tiles
+    assert (launch.args["K_PIECE"], launch.args["V_PIECE"]) == ((16, 16) if split_tiles else (0, 0))
     options, signature, constexprs, attrs = bind(launch, target)
     src = source_for(launch.kernel)(launch.kernel, signature, constexprs, attrs)
-    ttgir = triton.compile(src, target=target.gpu_target(), options=options.__dict__).asm["ttgir"]
-    layouts = {
-        name: (tuple(map(int, spt.split(","))), tuple(map(int, tpw.split(","))))
-        for name, spt, tpw in _BLOCKED.findall(ttgir)
+    compiled = triton.compile(src, target=target.gpu_target(), options=options.__dict__)
+    ttgir = compiled.asm["ttgir"]
+    layouts = dict(_LAYOUT.findall(ttgir))
+
+    def ints(enc: str, key: str) -> tuple[int, ...]:
+        m = re.search(key + r" = \[([\d, ]+)\]", layouts[enc])
+        return tuple(map(int, m.group(1).split(","))) if m else ()
+
+    loads = {
+        shape: (ints(enc, "sizePerThread"), ints(enc, "threadsPerWarp"), layouts[smem])
+        for shape, enc, smem in _ASYNC_COPY.findall(ttgir)
     }
-    return {shape: layouts[enc] for shape, enc in _ASYNC_COPY.findall(ttgir)}
+    return dict(loads=loads, spills=_resources(compiled, target)[1])
 
 
 @pytest.fixture(scope="module")
@@ -172,20 +182,27 @@ def patterns() -> dict:
     with _worker_env(None):
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
-            futures = {rt: pool.submit(_warp_patterns, "sm_90", rt) for rt in (False, True)}
-            return {rt: f.result() for rt, f in futures.items()}
+            futures = {st: pool.submit(_warp_patterns, "sm_90", st) for st in (False, True)}
+            return {st: f.result() for st, f in futures.items()}
 
 
-def test_shuffle_2d_tiles_spread_a_warp_over_many_runs(patterns):
-    """The measured cause (bench/NOTES.md, issue 18 again): 16 K chunks / 8 V runs per warp."""
-    p = patterns[False]
-    assert p["128x64"] == ((8, 1), (16, 2)), p  # K [dim, token]: 16 chunks x 2 tokens
-    assert p["64x128"] == ((8, 1), (8, 4)), p  # V [token, dim]: 8 runs x 4 dims
+def test_shuffle_whole_tiles_spread_a_warp_over_many_runs(patterns):
+    """The cause measured on the CPU (bench/NOTES.md, issue 18 again): 16 K runs / 8 V runs a
+    warp, with SHUFFLE_SPLIT_TILES off."""
+    p = patterns[False]["loads"]
+    assert p["128x64"][:2] == ((8, 1), (16, 2)), p  # K [dim, token]: 16 runs x 2 tokens
+    assert p["64x128"][:2] == ((8, 1), (8, 4)), p  # V [token, dim]: 8 runs x 4 dims
 
 
-def test_shuffle_run_tiles_put_a_warp_on_one_run(patterns):
-    """Run tiles: a thread's 16 B on the lane axis, the warp's 32 threads along one chunk's
-    tokens (K: 512 B in a row from block_size 32, 2 x 256 B at 16) or one run's dims (V: 512 B)."""
-    p = patterns[True]
-    assert p["1x64x16x8"] == ((1, 1, 1, 8), (1, 32, 1, 1)), p  # K [1, token, chunk, lane]
-    assert p["1x128x8x8"] == ((1, 1, 1, 8), (1, 32, 1, 1)), p  # V [1, dim, run, lane]
+def test_shuffle_split_tiles_read_256_bytes_in_a_row(patterns):
+    """Split tiles: every pipelined K/V load is a piece of two runs whose warp puts 16 threads of
+    16 B along one run's other axis (K: 16 tokens of one dim-run, V: 16 dims of one token-run):
+    2 x 256 contiguous bytes, as NHD's warp; shared buffers swizzled (bank-conflict-free ldmatrix)
+    and no spills."""
+    split = patterns[True]
+    p = split["loads"]
+    assert set(p) == {"16x64", "16x128"}, p  # K pieces [16 dims, 64 tokens], V [16 tokens, 128]
+    for spt, tpw, smem in p.values():
+        assert spt == (8, 1) and tpw == (2, 16), p
+        assert "maxPhase = 1," not in smem and "vec = 1," not in smem, smem  # swizzled
+    assert split["spills"] == 0, split

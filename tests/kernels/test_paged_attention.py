@@ -20,7 +20,11 @@ from hypothesis import strategies as st
 
 from portattn import reference
 from portattn.kernels._launch import run_all
-from portattn.kernels.paged_attention import paged_attention, plan_paged_attention
+from portattn.kernels.paged_attention import (
+    paged_attention,
+    plan_paged_attention,
+    split_pieces,
+)
 from portattn.layout import empty_kv_cache, make_hybrid_cache, shuffle_x, token_view
 from portattn.platform import get_target
 from portattn.policy.paged import PagedProblem, paged_tiles
@@ -337,7 +341,31 @@ def test_shuffle_full_tiles(
         launches = plan_paged_attention(*b.args(), layout="SHUFFLE", tiles=t)
         a = launches[0].args
         assert (a["BLOCK_N"], a["V_TOK_SPLIT"], a["K_VEC"], a["V_VEC"]) == (block_n, x, *vec)
-        assert a["SPLIT_TILES"] == (split_tiles and dtype != torch.float32)
+        pieces = split_pieces(32, t, "SHUFFLE", dtype.itemsize)
+        assert (a["K_PIECE"], a["V_PIECE"]) == pieces
+        assert (pieces != (0, 0)) == (split_tiles and dtype != torch.float32 and block_n == 64)
+        run_all(launches)
+        check(b, launches[0].outputs[0])
+
+
+@pytest.mark.parametrize("head_dim", [128, 80])
+def test_shuffle_split_tiles_at_decode_tiles(device, head_dim):
+    """The split tiles at the sm_90 decode tiles (16 x 64, 4 warps: K pieces of 16 dims, V of 16
+    tokens, q and P split to match) and at gfx942's (16 x 32, 4 waves of 64: 64 dims, 16 tokens);
+    head_dim 80 masks the last K piece's dims. Decode and a chunked prefill, NaN past the ends."""
+    seqs = ((200, 1), (150, 20), (64, 1), (73, 3))
+    b = make_batch(
+        seqs, block_size=16, heads=(4, 2), head_dim=head_dim, dtype=torch.float16,
+        kind="contiguous", layout="SHUFFLE", device=device, state_bytes=48,
+    )  # fmt: skip
+    for arch, want in (("sm_90", (16, 16)), ("gfx942", (64, 16))):
+        problem = PagedProblem(4, 2, head_dim, 2, max_query_len=20, shuffled=True)
+        t = dataclasses.replace(paged_tiles(get_target(arch), problem), decode=None)
+        launches = plan_paged_attention(*b.args(), layout="SHUFFLE", tiles=t,
+                                        target=get_target(arch))  # fmt: skip
+        a = launches[0].args
+        assert (a["BLOCK_N"], a["BLOCK_D"]) == ((64, 128) if arch == "sm_90" else (32, 128))
+        assert (a["K_PIECE"], a["V_PIECE"]) == want, (arch, a["K_PIECE"], a["V_PIECE"])
         run_all(launches)
         check(b, launches[0].outputs[0])
 

@@ -80,8 +80,6 @@ SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
-_PIECE = 16  # SHUFFLE split tiles: dims / tokens a piece (tl.dot's smallest K for 16-bit)
-PIECE: tl.constexpr = tl.constexpr(_PIECE)
 # Issue 18 (second attempt, bench/NOTES.md): 16-bit SHUFFLE K and V are loaded in pieces of two
 # x-runs (16 dims of K, 16 tokens of V), one dot each, so that a warp's 16-byte loads read 2 x
 # 256 contiguous bytes as on NHD, where the whole-tile gathers spread a warp over 16 K runs x 2
@@ -123,36 +121,43 @@ def _split_offsets(idx, stride_hi, stride_lo, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _col_pieces(p, W: tl.constexpr):
-    """``p`` [M, NP*W] as a tuple of its NP column pieces [M, W] (NP in 1, 2, 4, 8)."""
-    M: tl.constexpr = p.shape[0]
-    NP: tl.constexpr = p.shape[1] // W
-    tl.static_assert(NP == 1 or NP == 2 or NP == 4 or NP == 8)
-    if NP == 1:
-        return (p,)
-    elif NP == 2:  # column (a, w): a*W + w
-        p0, p1 = tl.split(tl.permute(tl.reshape(p, (M, 2, W)), (0, 2, 1)))
-        return (p0, p1)
-    elif NP == 4:  # column (a, b, w): (2a + b)*W + w; split b, then a
-        b0, b1 = tl.split(tl.permute(tl.reshape(p, (M, 2, 2, W)), (0, 3, 1, 2)))
-        p0, p2 = tl.split(b0)
-        p1, p3 = tl.split(b1)
-        return (p0, p1, p2, p3)
-    else:  # column (a, b, c, w): (4a + 2b + c)*W + w; split c, b, then a
-        c0, c1 = tl.split(tl.permute(tl.reshape(p, (M, 2, 2, 2, W)), (0, 4, 1, 2, 3)))
-        c0b0, c0b1 = tl.split(c0)
-        c1b0, c1b1 = tl.split(c1)
-        p0, p4 = tl.split(c0b0)
-        p2, p6 = tl.split(c0b1)
-        p1, p5 = tl.split(c1b0)
-        p3, p7 = tl.split(c1b1)
-        return (p0, p1, p2, p3, p4, p5, p6, p7)
+def _halves(x):
+    """``x`` [M, 2H] as its column halves ([M, H], [M, H])."""
+    return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _halve_all(parts):
+    """Each [M, 2H] tensor of the tuple ``parts`` replaced by its two halves, in order."""
+    halves = ()
+    for i in tl.static_range(len(parts)):
+        left, right = _halves(parts[i])
+        halves = halves + (left, right)  # type: ignore[assignment]
+    return halves
+
+
+@triton.jit
+def _col_pieces(x, W: tl.constexpr):
+    """``x`` [M, NP*W] as the tuple of its NP column pieces [M, W], left to right (NP a power
+    of two <= 16): halved log2(NP) times, in registers."""
+    NP: tl.constexpr = x.shape[1] // W
+    tl.static_assert(NP == 1 or NP == 2 or NP == 4 or NP == 8 or NP == 16)
+    parts = (x,)
+    if NP >= 2:
+        parts = _halve_all(parts)
+    if NP >= 4:
+        parts = _halve_all(parts)
+    if NP >= 8:
+        parts = _halve_all(parts)
+    if NP >= 16:
+        parts = _halve_all(parts)
+    return parts
 
 
 @triton.jit
 def _kv_step(
     q,  # [BLOCK_M, BLOCK_D] query rows
-    q_parts,  # SPLIT_TILES: q's PIECE-wide column pieces (a tuple); else q
+    q_parts,  # K_PIECE > 0: q's K_PIECE-wide column pieces (a tuple); else q
     m_i,  # [BLOCK_M] running max (base 2)
     l_i,  # [BLOCK_M] running sum
     acc,  # [BLOCK_M, BLOCK_D] fp32 running output
@@ -165,7 +170,7 @@ def _kv_step(
     offs_n,
     offs_d,
     d_mask,
-    d_lim,  # head_dim (SHUFFLE split tiles' K dim mask)
+    d_lim,  # head_dim (the K pieces' dim mask)
     scale_log2,
     block_size,
     stride_bt_blk,
@@ -188,7 +193,8 @@ def _kv_step(
     V_DIM_SPLIT: tl.constexpr,
     K_VEC: tl.constexpr,  # SHUFFLE K: its x-element runs start on multiples of K_VEC
     V_VEC: tl.constexpr,  # SHUFFLE V: likewise
-    SPLIT_TILES: tl.constexpr,  # SHUFFLE: K and V in PIECE-wide pieces (SHUFFLE_SPLIT_TILES)
+    K_PIECE: tl.constexpr,  # > 0: SHUFFLE K in pieces of K_PIECE dims (`split_pieces`)
+    V_PIECE: tl.constexpr,  # > 0: SHUFFLE V in pieces of V_PIECE tokens
 ):
     """One KV tile: gather K/V through the block table, scores, online-softmax update.
 
@@ -226,18 +232,19 @@ def _kv_step(
     if V_TOK_SPLIT > 1:
         phys = tl.max_constancy(phys, V_TOK_SPLIT)  # one block-table entry per run (above)
 
-    if K_DIM_SPLIT > 1 and SPLIT_TILES:
-        # SHUFFLE K in pieces of PIECE dims (two x-runs), one dot each (SHUFFLE_SPLIT_TILES): a
-        # piece's 2 x BLOCK_N tile makes Triton's coalescing put 2 threads on the dims and 16 on
-        # the tokens, so a warp reads 2 x 256 B in a row (NHD's pattern) instead of 16 runs x 2
-        # tokens; each piece still feeds its dot straight from shared memory (swizzled, cp.async).
+    if K_DIM_SPLIT > 1 and K_PIECE > 0:
+        # SHUFFLE K in pieces of K_PIECE dims, one dot each (`split_pieces`): Triton's coalescing
+        # fills a load's contiguous axis with threads first, here only K_PIECE / x of them, and
+        # the rest go along the tokens: at decode's 16 x 64 tile on sm_90, 2 runs x 16 tokens,
+        # 2 x 256 B in a row (NHD's pattern) instead of 16 runs x 2 tokens (16 x 32 B). Each
+        # piece still feeds its dot straight from shared memory (swizzled, cp.async).
         tl.static_assert(K_TOK_SPLIT == 1)
         k_tok = phys * stride_k_block + in_block * stride_k_tok_hi  # [BLOCK_N]
         if K_VEC > 1:
             k_tok = tl.multiple_of(k_tok, K_VEC)
         s = tl.zeros([q.shape[0], offs_n.shape[0]], dtype=tl.float32)
-        for i in tl.static_range(offs_d.shape[0] // PIECE):
-            d_i = i * PIECE + tl.arange(0, PIECE)
+        for i in tl.static_range(offs_d.shape[0] // K_PIECE):
+            d_i = i * K_PIECE + tl.arange(0, K_PIECE)
             k_run = (d_i // K_DIM_SPLIT) * stride_k_dim_hi
             if K_VEC > 1:
                 k_run = tl.multiple_of(k_run, K_VEC)
@@ -276,7 +283,7 @@ def _kv_step(
             K_TOK_SPLIT,
             K_DIM_SPLIT,
         )
-    if K_DIM_SPLIT > 1 and SPLIT_TILES:
+    if K_DIM_SPLIT > 1 and K_PIECE > 0:
         s = s * scale_log2  # [BLOCK_M, BLOCK_N] (dots above)
     elif EVEN_D:
         if MASKED:
@@ -289,7 +296,7 @@ def _kv_step(
         k = tl.load(k_base + k_off, mask=d_mask[:, None], other=0.0)
 
     # -- scores ------------------------------------------------------------------------------
-    if not (K_DIM_SPLIT > 1 and SPLIT_TILES):
+    if not (K_DIM_SPLIT > 1 and K_PIECE > 0):
         s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
     if MASKED:
         keep = pos_mask[None, :] & (pos[None, :] < row_limit[:, None])
@@ -304,17 +311,19 @@ def _kv_step(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
 
-    if V_TOK_SPLIT > 1 and SPLIT_TILES:
-        # SHUFFLE V in pieces of PIECE tokens (two runs), one dot each: 2 threads on the tokens,
-        # 16 on the dims, a warp reads 2 x 256 B in a row instead of 8 runs x 4 dims (64 B each).
-        # P is split into the matching column pieces (`_col_pieces`).
+    if V_TOK_SPLIT > 1 and V_PIECE > 0:
+        # SHUFFLE V in pieces of V_PIECE tokens, one dot each: at decode's tile on sm_90 2 runs
+        # x 16 dims a warp, 2 x 256 B in a row, instead of 8 runs x 4 dims (8 x 64 B, 2 KB
+        # apart). P is split into the matching column pieces (`_col_pieces`).
         tl.static_assert(V_DIM_SPLIT == 1)
-        p_parts = _col_pieces(p.to(v_base.dtype.element_ty), PIECE)
+        # (the 16-token tail step: one piece at most)
+        VP: tl.constexpr = offs_n.shape[0] if offs_n.shape[0] < V_PIECE else V_PIECE
+        p_parts = _col_pieces(p.to(v_base.dtype.element_ty), VP)
         v_dim = offs_d * stride_v_dim_hi  # [BLOCK_D]
         if V_VEC > 1:
             v_dim = tl.multiple_of(v_dim, V_VEC)
-        for j in tl.static_range(offs_n.shape[0] // PIECE):
-            offs_j = j * PIECE + tl.arange(0, PIECE)
+        for j in tl.static_range(offs_n.shape[0] // VP):
+            offs_j = j * VP + tl.arange(0, VP)
             run_j = (start + offs_j // V_TOK_SPLIT * V_TOK_SPLIT).to(tl.uint32)
             blk_j = (run_j // block_size.to(tl.uint32)).to(tl.int32)
             rib_j = (run_j % block_size.to(tl.uint32)).to(tl.int32)
@@ -361,7 +370,7 @@ def _kv_step(
             V_TOK_SPLIT,
             V_DIM_SPLIT,
         )
-    if V_TOK_SPLIT > 1 and SPLIT_TILES:
+    if V_TOK_SPLIT > 1 and V_PIECE > 0:
         pass  # loaded and multiplied above
     elif EVEN_D:
         if MASKED:
@@ -372,7 +381,7 @@ def _kv_step(
         v = tl.load(v_base + v_off, mask=run_mask[:, None] & d_mask[None, :], other=0.0)
     else:
         v = tl.load(v_base + v_off, mask=d_mask[None, :], other=0.0)
-    if not (V_TOK_SPLIT > 1 and SPLIT_TILES):
+    if not (V_TOK_SPLIT > 1 and V_PIECE > 0):
         if TAIL:  # the run's slots past the sequence's end may hold anything (NaN): zero them
             v = tl.where(pos_mask[:, None], v, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
@@ -437,7 +446,8 @@ def _attend(
     K_PACKED: tl.constexpr,
     V_PACKED: tl.constexpr,
     EVEN_D: tl.constexpr,
-    SPLIT_TILES: tl.constexpr,
+    K_PIECE: tl.constexpr,
+    V_PIECE: tl.constexpr,
 ):
     """One program's work: ``BLOCK_Q`` tokens x ``HEAD_TILE`` heads of one sequence."""
     tl.static_assert(BLOCK_Q * HEAD_TILE <= BLOCK_M)
@@ -476,10 +486,10 @@ def _attend(
         )
         q = tl.load(q_ptr + q_off, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
         q_parts = q
-        if SPLIT_TILES:  # q's PIECE-wide column pieces for the split K dots (`_kv_step`)
+        if K_PIECE > 0:  # q's K_PIECE-wide column pieces for the split K dots (`_kv_step`)
             q_parts = ()
-            for i in tl.static_range(BLOCK_D // PIECE):
-                d_i = i * PIECE + tl.arange(0, PIECE)
+            for i in tl.static_range(BLOCK_D // K_PIECE):
+                d_i = i * K_PIECE + tl.arange(0, K_PIECE)
                 q_off_i = (
                     (q_start + tok_in_q.to(tl.int64))[:, None] * stride_q_tok
                     + q_head.to(tl.int64)[:, None] * stride_q_head
@@ -533,7 +543,7 @@ def _attend(
                     stride_k_dim_lo, stride_v_block, stride_v_tok_hi, stride_v_tok_lo,
                     stride_v_dim_hi, stride_v_dim_lo,
                     True, True, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
-                    K_VEC, V_VEC, SPLIT_TILES,
+                    K_VEC, V_VEC, K_PIECE, V_PIECE,
                 )  # fmt: skip
         if IN_PLACE:
             full_end = kv_lo
@@ -545,16 +555,16 @@ def _attend(
                 stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
                 stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
                 False, False, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
-                K_VEC, V_VEC, SPLIT_TILES,
+                K_VEC, V_VEC, K_PIECE, V_PIECE,
             )  # fmt: skip
         for start in range(tl.maximum(kv_lo, full_end), run_end, BLOCK_N):
             m_i, l_i, acc = _kv_step(
-                q, q_parts, m_i, l_i, acc, start, run_end, row_limit, bt_row, k_base, v_base, offs_n,
-                offs_d, d_mask, head_dim, scale_log2, block_size, stride_bt_blk,
+                q, q_parts, m_i, l_i, acc, start, run_end, row_limit, bt_row, k_base, v_base,
+                offs_n, offs_d, d_mask, head_dim, scale_log2, block_size, stride_bt_blk,
                 stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
                 stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
                 True, IN_PLACE, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
-                K_VEC, V_VEC, SPLIT_TILES,
+                K_VEC, V_VEC, K_PIECE, V_PIECE,
             )  # fmt: skip
 
         # -- epilogue -------------------------------------------------------------------------
@@ -636,7 +646,8 @@ def _paged_attention_kernel(
     K_PACKED: tl.constexpr,  # SHUFFLE K: stride_k_tok_hi == x (`layout.packed_runs`)
     V_PACKED: tl.constexpr,  # SHUFFLE V: stride_v_dim_hi == x
     EVEN_D: tl.constexpr,  # head_dim == BLOCK_D (no head-dim masks on the K/V gathers)
-    SPLIT_TILES: tl.constexpr,  # SHUFFLE: K/V in pieces of two runs (SHUFFLE_SPLIT_TILES)
+    K_PIECE: tl.constexpr,  # > 0: SHUFFLE K loaded in pieces of K_PIECE dims (`split_pieces`)
+    V_PIECE: tl.constexpr,  # > 0: SHUFFLE V loaded in pieces of V_PIECE tokens
 ):
     """1-D grid: main-tile programs first, heaviest q tile first; then the decode-role ones.
 
@@ -666,7 +677,7 @@ def _paged_attention_kernel(
             stride_v_dim_lo,
             GROUP, HEAD_TILE, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, NUM_SPLITS,
             K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, K_VEC, V_VEC, K_PACKED, V_PACKED,
-            EVEN_D, SPLIT_TILES,
+            EVEN_D, K_PIECE, V_PIECE,
         )  # fmt: skip
     elif DECODE_ROLE:
         d = pid - n_main
@@ -684,7 +695,7 @@ def _paged_attention_kernel(
             stride_v_dim_lo,
             GROUP, DEC_HEAD_TILE, DEC_BLOCK_Q, DEC_BLOCK_M, BLOCK_N, BLOCK_D, 1,
             K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, K_VEC, V_VEC, K_PACKED, V_PACKED,
-            EVEN_D, SPLIT_TILES,
+            EVEN_D, K_PIECE, V_PIECE,
         )  # fmt: skip
 
 
@@ -839,6 +850,28 @@ def _check_maxima(max_query_len, max_seq_len) -> None:
         raise ValueError(f"{OP}: " + "; ".join(errors))
 
 
+def split_pieces(
+    warp_size: int, tiles: PagedTiles, layout: str, elem_bytes: int
+) -> tuple[int, int]:
+    """(K piece dims, V piece tokens) of the SHUFFLE split tiles (`SHUFFLE_SPLIT_TILES`), or
+    (0, 0): whole tiles (NHD, fp32, the switch off, or tiles too small to split).
+
+    A piece is as narrow as keeps x elements (16 bytes) a thread -- Triton caps a load's vector at
+    elements / threads -- and at least 16 (tl.dot's K): e.g. sm_90 decode 16 x 64, 4 warps of 32,
+    head_dim 128: K pieces of 16 dims (16 x 64 / 128 threads = 8), V pieces of 16 tokens; gfx942
+    decode 16 x 32, 4 waves of 64: 64 dims, 16 tokens. ``warp_size``: of the GPU that runs it.
+    """
+    if layout != "SHUFFLE" or not SHUFFLE_SPLIT_TILES or elem_bytes != 2:
+        return 0, 0
+    threads = tiles.options.num_warps * warp_size
+    x = 16 // elem_bytes
+    k_piece = max(16, x * threads // tiles.block_n)
+    v_piece = max(16, x * threads // tiles.block_d)
+    if k_piece >= tiles.block_d or v_piece > tiles.block_n or tiles.block_n // v_piece > 16:
+        return 0, 0  # (a single K piece would be the whole tile)
+    return k_piece, v_piece
+
+
 def plan_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -922,6 +955,11 @@ def plan_paged_attention(
     n_main = num_q_tiles * k.num_kv_heads * -(-group // tiles.head_tile) * splits * num_seqs
     dec = tiles.decode
     n_dec = k.num_kv_heads * -(-group // dec.head_tile) * num_seqs if dec is not None else 0
+    # the pieces follow the warp of the GPU that runs the launch: 32 threads on NVIDIA whatever
+    # policy is forced (bench_paged's gfx942 rows on an H100), else the target's
+    on_nvidia = query.device.type == "cuda" and torch.version.hip is None
+    warp_size = 32 if on_nvidia else target.warp_size
+    pieces = split_pieces(warp_size, tiles, layout, query.element_size())
     if splits > 1:
         part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32,
                            device=query.device)  # fmt: skip
@@ -977,12 +1015,8 @@ def plan_paged_attention(
         V_PACKED=packed_runs(v),
         # SHUFFLE only: NHD's code stays as it was (its fp32 spills are held figures)
         EVEN_D=layout == "SHUFFLE" and head_dim == tiles.block_d,
-        SPLIT_TILES=layout == "SHUFFLE"
-        and SHUFFLE_SPLIT_TILES
-        and query.element_size() == 2
-        and tiles.block_d % _PIECE == 0
-        and tiles.block_n % _PIECE == 0
-        and tiles.block_n // _PIECE <= 8,
+        K_PIECE=pieces[0],
+        V_PIECE=pieces[1],
     )
     grid = ((n_main + n_dec) if num_tokens else 0,)
     launches = [
