@@ -351,21 +351,26 @@ def test_shuffle_full_tiles(
 @pytest.mark.parametrize("head_dim", [128, 80])
 def test_shuffle_split_tiles_at_decode_tiles(device, head_dim):
     """The split tiles at the sm_90 decode tiles (16 x 64, 4 warps: K pieces of 16 dims, V of 16
-    tokens, q and P split to match) and at gfx942's (16 x 32, 4 waves of 64: 64 dims, 16 tokens);
+    tokens, q and P split to match) and at gfx942's (16 x 32, 4 waves of 64: 64 dims, 16 tokens;
+    on an NVIDIA GPU, warps of 32: 32 dims);
     head_dim 80 masks the last K piece's dims. Decode and a chunked prefill, NaN past the ends."""
     seqs = ((200, 1), (150, 20), (64, 1), (73, 3))
     b = make_batch(
         seqs, block_size=16, heads=(4, 2), head_dim=head_dim, dtype=torch.float16,
         kind="contiguous", layout="SHUFFLE", device=device, state_bytes=48,
     )  # fmt: skip
-    for arch, want in (("sm_90", (16, 16)), ("gfx942", (64, 16))):
+    for arch in ("sm_90", "gfx942"):
+        # the pieces follow the warp that runs them: 32 threads on NVIDIA, gfx942's 64 otherwise
+        nvidia = device == "cuda" and torch.version.hip is None
+        warp = 32 if nvidia else get_target(arch).warp_size
+        want = {("sm_90", 32): (16, 16), ("gfx942", 64): (64, 16), ("gfx942", 32): (32, 16)}
         problem = PagedProblem(4, 2, head_dim, 2, max_query_len=20, shuffled=True)
         t = dataclasses.replace(paged_tiles(get_target(arch), problem), decode=None)
         launches = plan_paged_attention(*b.args(), layout="SHUFFLE", tiles=t,
                                         target=get_target(arch))  # fmt: skip
         a = launches[0].args
         assert (a["BLOCK_N"], a["BLOCK_D"]) == ((64, 128) if arch == "sm_90" else (32, 128))
-        assert (a["K_PIECE"], a["V_PIECE"]) == want, (arch, a["K_PIECE"], a["V_PIECE"])
+        assert (a["K_PIECE"], a["V_PIECE"]) == want[arch, warp], (arch, a["K_PIECE"], a["V_PIECE"])
         run_all(launches)
         check(b, launches[0].outputs[0])
 
