@@ -330,10 +330,12 @@ def test_shuffle_full_tiles(
     problem = PagedProblem(4, 2, 32, dtype.itemsize, max_query_len=20, shuffled=True)
     tiles = dataclasses.replace(paged_tiles(get_target("sm_90"), problem), block_n=block_n)
     split = dataclasses.replace(tiles, num_splits=2, decode=None)
+    # decode's 16-row tile (the split tiles' own, `SPLIT_MAX_BLOCK_M`) for the mixed batch too
+    rows16 = dataclasses.replace(tiles, block_m=16, block_q=16 // tiles.head_tile, decode=None)
     # (150, 20): the tail run [144, 150) is past the causal limit of the chunk's first 14 rows
     mixed = ((200, 1), (150, 20), (2 * block_n, 1), (block_n + 9, 3))
     decode = ((200, 1), (3 * block_n + 1, 1), (2 * block_n, 1))
-    for seqs, t in ((mixed, tiles), (decode, split)):
+    for seqs, t in ((mixed, tiles), (decode, split), (mixed, rows16)):
         b = make_batch(
             seqs, block_size=block_size, heads=(4, 2), head_dim=32, dtype=dtype, kind=kind,
             layout="SHUFFLE", device=device, state_bytes=state_bytes,
@@ -343,7 +345,8 @@ def test_shuffle_full_tiles(
         assert (a["BLOCK_N"], a["V_TOK_SPLIT"], a["K_VEC"], a["V_VEC"]) == (block_n, x, *vec)
         pieces = split_pieces(32, t, "SHUFFLE", dtype.itemsize)
         assert (a["K_PIECE"], a["V_PIECE"]) == pieces
-        assert (pieces != (0, 0)) == (split_tiles and dtype != torch.float32 and block_n == 64)
+        splits = split_tiles and dtype != torch.float32 and block_n == 64 and t.block_m <= 16
+        assert (pieces != (0, 0)) == splits, (pieces, t)
         run_all(launches)
         check(b, launches[0].outputs[0])
 
@@ -366,6 +369,7 @@ def test_shuffle_split_tiles_at_decode_tiles(device, head_dim):
         want = {("sm_90", 32): (16, 16), ("gfx942", 64): (64, 16), ("gfx942", 32): (32, 16)}
         problem = PagedProblem(4, 2, head_dim, 2, max_query_len=20, shuffled=True)
         t = dataclasses.replace(paged_tiles(get_target(arch), problem), decode=None)
+        t = dataclasses.replace(t, block_m=16, block_q=16 // t.head_tile)  # decode's row tile
         launches = plan_paged_attention(*b.args(), layout="SHUFFLE", tiles=t,
                                         target=get_target(arch))  # fmt: skip
         a = launches[0].args

@@ -86,6 +86,10 @@ _LOG2E = 1.4426950408889634
 # tokens (16 pieces of 32 B) and 8 V runs x 4 dims (8 pieces of 64 B). False: whole-tile gathers
 # (the same 16-byte loads and tiles).
 SHUFFLE_SPLIT_TILES = True
+# ... at decode's row tiles only: the q pieces live in registers through the loop (whole q is
+# reloaded from shared memory), which at 64-row prefill tiles cost up to 74 registers (sm_80
+# hd128: 178 -> 252) and 4-8 B of spills (sm_100 hd256); decode, memory-bound, is the target.
+SPLIT_MAX_BLOCK_M = 16
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -854,7 +858,8 @@ def split_pieces(
     warp_size: int, tiles: PagedTiles, layout: str, elem_bytes: int
 ) -> tuple[int, int]:
     """(K piece dims, V piece tokens) of the SHUFFLE split tiles (`SHUFFLE_SPLIT_TILES`), or
-    (0, 0): whole tiles (NHD, fp32, the switch off, or tiles too small to split).
+    (0, 0): whole tiles (NHD, fp32, the switch off, row tiles over `SPLIT_MAX_BLOCK_M`, or
+    tiles too small to split).
 
     A piece is as narrow as keeps x elements (16 bytes) a thread -- Triton caps a load's vector at
     elements / threads -- and at least 16 (tl.dot's K): e.g. sm_90 decode 16 x 64, 4 warps of 32,
@@ -863,6 +868,8 @@ def split_pieces(
     """
     if layout != "SHUFFLE" or not SHUFFLE_SPLIT_TILES or elem_bytes != 2:
         return 0, 0
+    if tiles.block_m > SPLIT_MAX_BLOCK_M:
+        return 0, 0  # (prefill tiles: q's pieces stay in registers, +74 on sm_80 hd128)
     threads = tiles.options.num_warps * warp_size
     x = 16 // elem_bytes
     k_piece = max(16, x * threads // tiles.block_n)
