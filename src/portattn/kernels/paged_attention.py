@@ -44,6 +44,9 @@ and constant per block-table entry (`tl.max_constancy`), so K and V load as 16-b
 pipelined like NHD's. V is read in whole runs; the run holding a sequence's last positions also
 holds slots past its end, so the loops stop at the last run boundary and a 16-token tail step,
 run first, takes that run with V zeroed past the end (fp32: one masked loop zeroing in place).
+At decode's row tiles, 16-bit K and V are loaded in pieces of a few runs, one dot each
+(`SHUFFLE_SPLIT_TILES`, `split_pieces`), so that a warp's loads read 256 contiguous bytes as on
+NHD instead of spreading over 8-16 runs.
 
 Not supported (yet): sliding windows, soft-capping, ALiBi, sinks, fp8 caches.
 """
