@@ -128,3 +128,81 @@ def test_shuffle_hybrid_pages_load_vectors_too(loads):
     contiguous = loads["sm_90", "SHUFFLE", 1]
     assert hybrid["vec"] == (8, 8)
     assert hybrid["narrow"] == 0 and hybrid["wide"] == contiguous["wide"], (hybrid, contiguous)
+
+
+# -- issue 18, the warp-level pattern --------------------------------------------------------------
+# The 16-byte loads above are as many as NHD's, but Triton's coalescing orders a load's threads by
+# the axis it sees contiguous and fills it first: on whole SHUFFLE tiles that is the x-element run,
+# so a warp took 16 dim-runs x 2 tokens of K [128 dims, 64 tokens] (16 pieces of 32 B, block_size
+# * 16 B apart) and 8 runs x 4 dims of V [64 tokens, 128 dims] (8 pieces of 64 B, 2 KB apart);
+# NHD's warp reads 2 x 256 B. `SHUFFLE_SPLIT_TILES` loads K in 16-dim and V in 16-token pieces
+# (two runs each, one dot each): 2 threads on the runs, 16 along the other axis, i.e. 2 x 256 B in
+# a row, and every piece is still a pipelined cp.async into a swizzled dot-operand buffer.
+_ASYNC_COPY = re.compile(
+    r"async_copy_global_to_local .*?: tensor<([0-9x]+)x!tt\.ptr<\w+>, #(\w+)> -> <[^,]+, #(\w+)"
+)
+_LAYOUT = re.compile(r"^#(\w+) = #ttg\.(?:blocked|swizzled_shared)<\{(.*)\}>", re.M)
+
+
+def _warp_patterns(arch: str, split_tiles: bool) -> dict:
+    """sm_90 decode, SHUFFLE: {pipelined K/V load's shape: (sizePerThread, threadsPerWarp,
+    shared layout)}, and the kernel's spills."""
+    import importlib
+
+    import triton
+
+    from portattn.compile.cases import build_paged_attention
+    from portattn.compile.worker import _resources, bind, source_for
+    from portattn.platform import get_target
+
+    module = importlib.import_module("portattn.kernels.paged_attention")
+    module.SHUFFLE_SPLIT_TILES = split_tiles
+    target = get_target(arch)
+    [launch] = build_paged_attention(target, layout="SHUFFLE", max_query_len=1, **SHAPE)
+    assert (launch.args["K_PIECE"], launch.args["V_PIECE"]) == ((16, 16) if split_tiles else (0, 0))
+    options, signature, constexprs, attrs = bind(launch, target)
+    src = source_for(launch.kernel)(launch.kernel, signature, constexprs, attrs)
+    compiled = triton.compile(src, target=target.gpu_target(), options=options.__dict__)
+    ttgir = compiled.asm["ttgir"]
+    layouts = dict(_LAYOUT.findall(ttgir))
+
+    def ints(enc: str, key: str) -> tuple[int, ...]:
+        m = re.search(key + r" = \[([\d, ]+)\]", layouts[enc])
+        return tuple(map(int, m.group(1).split(","))) if m else ()
+
+    loads = {
+        shape: (ints(enc, "sizePerThread"), ints(enc, "threadsPerWarp"), layouts[smem])
+        for shape, enc, smem in _ASYNC_COPY.findall(ttgir)
+    }
+    return dict(loads=loads, spills=_resources(compiled, target)[1])
+
+
+@pytest.fixture(scope="module")
+def patterns() -> dict:
+    with _worker_env(None):
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
+            futures = {st: pool.submit(_warp_patterns, "sm_90", st) for st in (False, True)}
+            return {st: f.result() for st, f in futures.items()}
+
+
+def test_shuffle_whole_tiles_spread_a_warp_over_many_runs(patterns):
+    """The cause measured on the CPU (bench/NOTES.md, issue 18 again): 16 K runs / 8 V runs a
+    warp, with SHUFFLE_SPLIT_TILES off."""
+    p = patterns[False]["loads"]
+    assert p["128x64"][:2] == ((8, 1), (16, 2)), p  # K [dim, token]: 16 runs x 2 tokens
+    assert p["64x128"][:2] == ((8, 1), (8, 4)), p  # V [token, dim]: 8 runs x 4 dims
+
+
+def test_shuffle_split_tiles_read_256_bytes_in_a_row(patterns):
+    """Split tiles: every pipelined K/V load is a piece of two runs whose warp puts 16 threads of
+    16 B along one run's other axis (K: 16 tokens of one dim-run, V: 16 dims of one token-run):
+    2 x 256 contiguous bytes, as NHD's warp; shared buffers swizzled (bank-conflict-free ldmatrix)
+    and no spills."""
+    split = patterns[True]
+    p = split["loads"]
+    assert set(p) == {"16x64", "16x128"}, p  # K pieces [16 dims, 64 tokens], V [16 tokens, 128]
+    for spt, tpw, smem in p.values():
+        assert spt == (8, 1) and tpw == (2, 16), p
+        assert "maxPhase = 1," not in smem and "vec = 1," not in smem, smem  # swizzled
+    assert split["spills"] == 0, split
