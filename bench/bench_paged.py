@@ -34,14 +34,12 @@ Usage::
     python bench/bench_paged.py                  # the default table
     python bench/bench_paged.py --dtype fp16
     python bench/bench_paged.py --shuffle        # SHUFFLE vs NHD at the decode points
-    python bench/bench_paged.py --shuffle --whole-tiles  # the same, SHUFFLE_SPLIT_TILES off
     OUT=/tmp/out python bench/bench_paged.py     # also writes $OUT/bench_paged.json
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 
 import torch
 import torch.nn.functional as F
@@ -55,9 +53,6 @@ from portattn.kernels._launch import run_all
 from portattn.kernels.paged_attention import paged_attention, plan_paged_attention
 from portattn.layout import from_logical
 from portattn.platform import current_target
-
-# the module (portattn.kernels exports a function of the same name)
-paged_attention_module = importlib.import_module("portattn.kernels.paged_attention")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HQ, HKV, D = 32, 8, 128
@@ -267,17 +262,13 @@ def main() -> None:
     ap.add_argument("--no-hip", action="store_true", help="skip the gfx942-policy rows")
     ap.add_argument("--shuffle", action="store_true",
                     help="only SHUFFLE vs NHD at the decode points (issue 18)")  # fmt: skip
-    ap.add_argument("--whole-tiles", action="store_true",
-                    help="SHUFFLE K/V whole tiles (SHUFFLE_SPLIT_TILES off): an A/B")  # fmt: skip
     opts = ap.parse_args()
-    if opts.whole_tiles:
-        paged_attention_module.SHUFFLE_SPLIT_TILES = False
     dtype = DTYPES[opts.dtype]
     target = current_target()
     commit = git_commit()
     if opts.shuffle:
         print(f"# {torch.cuda.get_device_name()} ({target.arch}), {opts.dtype}, commit {commit}, "
-              f"SHUFFLE vs NHD" + (" (whole tiles)" if opts.whole_tiles else ""))  # fmt: skip
+              f"SHUFFLE vs NHD")  # fmt: skip
         shuffle_main(dtype, target.arch)
         return
     rows, sdpa_rows, summary = [], [], []

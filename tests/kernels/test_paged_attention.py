@@ -9,7 +9,6 @@ shows up as a non-finite output.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from dataclasses import dataclass
 
@@ -20,18 +19,11 @@ from hypothesis import strategies as st
 
 from portattn import reference
 from portattn.kernels._launch import run_all
-from portattn.kernels.paged_attention import (
-    paged_attention,
-    plan_paged_attention,
-    split_pieces,
-)
+from portattn.kernels.paged_attention import paged_attention, plan_paged_attention
 from portattn.layout import empty_kv_cache, make_hybrid_cache, shuffle_x, token_view
 from portattn.platform import get_target
 from portattn.policy.paged import PagedProblem, paged_tiles
 from tests.helpers import assert_low_precision_close
-
-# the module (its name is shadowed by the function in portattn.kernels)
-paged_attention_module = importlib.import_module("portattn.kernels.paged_attention")
 
 pytestmark = pytest.mark.paged
 
@@ -313,29 +305,22 @@ SHUFFLE_FULL_TILES = [
 ]
 
 
-@pytest.mark.parametrize("split_tiles", [False, True], ids=["whole", "split"])
 @pytest.mark.parametrize(
     "block_size,block_n,kind,state_bytes,dtype,vec",
     SHUFFLE_FULL_TILES,
     ids=[f"bs{c[0]}-n{c[1]}-{c[2]}{c[3]}-{str(c[4])[6:]}" for c in SHUFFLE_FULL_TILES],
 )
-def test_shuffle_full_tiles(
-    device, monkeypatch, block_size, block_n, kind, state_bytes, dtype, vec, split_tiles
-):
+def test_shuffle_full_tiles(device, block_size, block_n, kind, state_bytes, dtype, vec):
     """SHUFFLE over contexts of several full KV tiles (unmasked loop), then a partial one: decode
-    and chunked prefill, then a decode batch split over 2 KV ranges; NaN past each sequence. Both
-    K/V gathers: whole tiles and split tiles (`SHUFFLE_SPLIT_TILES`, 16-bit only)."""
-    monkeypatch.setattr(paged_attention_module, "SHUFFLE_SPLIT_TILES", split_tiles)
+    and chunked prefill, then a decode batch split over 2 KV ranges; NaN past each sequence."""
     x = 16 // dtype.itemsize
     problem = PagedProblem(4, 2, 32, dtype.itemsize, max_query_len=20, shuffled=True)
     tiles = dataclasses.replace(paged_tiles(get_target("sm_90"), problem), block_n=block_n)
     split = dataclasses.replace(tiles, num_splits=2, decode=None)
-    # decode's 16-row tile (the split tiles' own, `SPLIT_MAX_BLOCK_M`) for the mixed batch too
-    rows16 = dataclasses.replace(tiles, block_m=16, block_q=16 // tiles.head_tile, decode=None)
     # (150, 20): the tail run [144, 150) is past the causal limit of the chunk's first 14 rows
     mixed = ((200, 1), (150, 20), (2 * block_n, 1), (block_n + 9, 3))
     decode = ((200, 1), (3 * block_n + 1, 1), (2 * block_n, 1))
-    for seqs, t in ((mixed, tiles), (decode, split), (mixed, rows16)):
+    for seqs, t in ((mixed, tiles), (decode, split)):
         b = make_batch(
             seqs, block_size=block_size, heads=(4, 2), head_dim=32, dtype=dtype, kind=kind,
             layout="SHUFFLE", device=device, state_bytes=state_bytes,
@@ -343,38 +328,6 @@ def test_shuffle_full_tiles(
         launches = plan_paged_attention(*b.args(), layout="SHUFFLE", tiles=t)
         a = launches[0].args
         assert (a["BLOCK_N"], a["V_TOK_SPLIT"], a["K_VEC"], a["V_VEC"]) == (block_n, x, *vec)
-        pieces = split_pieces(32, t, "SHUFFLE", dtype.itemsize)
-        assert (a["K_PIECE"], a["V_PIECE"]) == pieces
-        splits = split_tiles and dtype != torch.float32 and block_n == 64 and t.block_m <= 16
-        assert (pieces != (0, 0)) == splits, (pieces, t)
-        run_all(launches)
-        check(b, launches[0].outputs[0])
-
-
-@pytest.mark.parametrize("head_dim", [128, 80])
-def test_shuffle_split_tiles_at_decode_tiles(device, head_dim):
-    """The split tiles at the sm_90 decode tiles (16 x 64, 4 warps: K pieces of 16 dims, V of 16
-    tokens, q and P split to match) and at gfx942's (16 x 32, 4 waves of 64: 64 dims, 16 tokens;
-    on an NVIDIA GPU, warps of 32: 32 dims);
-    head_dim 80 masks the last K piece's dims. Decode and a chunked prefill, NaN past the ends."""
-    seqs = ((200, 1), (150, 20), (64, 1), (73, 3))
-    b = make_batch(
-        seqs, block_size=16, heads=(4, 2), head_dim=head_dim, dtype=torch.float16,
-        kind="contiguous", layout="SHUFFLE", device=device, state_bytes=48,
-    )  # fmt: skip
-    for arch in ("sm_90", "gfx942"):
-        # the pieces follow the warp that runs them: 32 threads on NVIDIA, gfx942's 64 otherwise
-        nvidia = device == "cuda" and torch.version.hip is None
-        warp = 32 if nvidia else get_target(arch).warp_size
-        want = {("sm_90", 32): (16, 16), ("gfx942", 64): (64, 16), ("gfx942", 32): (32, 16)}
-        problem = PagedProblem(4, 2, head_dim, 2, max_query_len=20, shuffled=True)
-        t = dataclasses.replace(paged_tiles(get_target(arch), problem), decode=None)
-        t = dataclasses.replace(t, block_m=16, block_q=16 // t.head_tile)  # decode's row tile
-        launches = plan_paged_attention(*b.args(), layout="SHUFFLE", tiles=t,
-                                        target=get_target(arch))  # fmt: skip
-        a = launches[0].args
-        assert (a["BLOCK_N"], a["BLOCK_D"]) == ((64, 128) if arch == "sm_90" else (32, 128))
-        assert (a["K_PIECE"], a["V_PIECE"]) == want[arch, warp], (arch, a["K_PIECE"], a["V_PIECE"])
         run_all(launches)
         check(b, launches[0].outputs[0])
 

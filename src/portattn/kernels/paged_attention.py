@@ -44,9 +44,6 @@ and constant per block-table entry (`tl.max_constancy`), so K and V load as 16-b
 pipelined like NHD's. V is read in whole runs; the run holding a sequence's last positions also
 holds slots past its end, so the loops stop at the last run boundary and a 16-token tail step,
 run first, takes that run with V zeroed past the end (fp32: one masked loop zeroing in place).
-At decode's row tiles, 16-bit K and V are loaded in pieces of a few runs, one dot each
-(`SHUFFLE_SPLIT_TILES`, `split_pieces`), so that a warp's loads read 256 contiguous bytes as on
-NHD instead of spreading over 8-16 runs.
 
 Not supported (yet): sliding windows, soft-capping, ALiBi, sinks, fp8 caches.
 """
@@ -84,16 +81,6 @@ SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
-# Issue 18 (second attempt, bench/NOTES.md): 16-bit SHUFFLE K and V are loaded in pieces of two
-# x-runs (16 dims of K, 16 tokens of V), one dot each, so that a warp's 16-byte loads read 2 x
-# 256 contiguous bytes as on NHD, where the whole-tile gathers spread a warp over 16 K runs x 2
-# tokens (16 pieces of 32 B) and 8 V runs x 4 dims (8 pieces of 64 B). False: whole-tile gathers
-# (the same 16-byte loads and tiles).
-SHUFFLE_SPLIT_TILES = True
-# ... at decode's row tiles only: the q pieces live in registers through the loop (whole q is
-# reloaded from shared memory), which at 64-row prefill tiles cost up to 74 registers (sm_80
-# hd128: 178 -> 252) and 4-8 B of spills (sm_100 hd256); decode, memory-bound, is the target.
-SPLIT_MAX_BLOCK_M = 16
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -129,43 +116,8 @@ def _split_offsets(idx, stride_hi, stride_lo, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _halves(x):
-    """``x`` [M, 2H] as its column halves ([M, H], [M, H])."""
-    return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
-
-
-@triton.jit
-def _halve_all(parts):
-    """Each [M, 2H] tensor of the tuple ``parts`` replaced by its two halves, in order."""
-    halves = ()
-    for i in tl.static_range(len(parts)):
-        left, right = _halves(parts[i])
-        halves = halves + (left, right)  # type: ignore[assignment]
-    return halves
-
-
-@triton.jit
-def _col_pieces(x, W: tl.constexpr):
-    """``x`` [M, NP*W] as the tuple of its NP column pieces [M, W], left to right (NP a power
-    of two <= 16): halved log2(NP) times, in registers."""
-    NP: tl.constexpr = x.shape[1] // W
-    tl.static_assert(NP == 1 or NP == 2 or NP == 4 or NP == 8 or NP == 16)
-    parts = (x,)
-    if NP >= 2:
-        parts = _halve_all(parts)
-    if NP >= 4:
-        parts = _halve_all(parts)
-    if NP >= 8:
-        parts = _halve_all(parts)
-    if NP >= 16:
-        parts = _halve_all(parts)
-    return parts
-
-
-@triton.jit
 def _kv_step(
     q,  # [BLOCK_M, BLOCK_D] query rows
-    q_parts,  # K_PIECE > 0: q's K_PIECE-wide column pieces (a tuple); else q
     m_i,  # [BLOCK_M] running max (base 2)
     l_i,  # [BLOCK_M] running sum
     acc,  # [BLOCK_M, BLOCK_D] fp32 running output
@@ -178,7 +130,6 @@ def _kv_step(
     offs_n,
     offs_d,
     d_mask,
-    d_lim,  # head_dim (the K pieces' dim mask)
     scale_log2,
     block_size,
     stride_bt_blk,
@@ -201,8 +152,6 @@ def _kv_step(
     V_DIM_SPLIT: tl.constexpr,
     K_VEC: tl.constexpr,  # SHUFFLE K: its x-element runs start on multiples of K_VEC
     V_VEC: tl.constexpr,  # SHUFFLE V: likewise
-    K_PIECE: tl.constexpr,  # > 0: SHUFFLE K in pieces of K_PIECE dims (`split_pieces`)
-    V_PIECE: tl.constexpr,  # > 0: SHUFFLE V in pieces of V_PIECE tokens
 ):
     """One KV tile: gather K/V through the block table, scores, online-softmax update.
 
@@ -240,35 +189,7 @@ def _kv_step(
     if V_TOK_SPLIT > 1:
         phys = tl.max_constancy(phys, V_TOK_SPLIT)  # one block-table entry per run (above)
 
-    if K_DIM_SPLIT > 1 and K_PIECE > 0:
-        # SHUFFLE K in pieces of K_PIECE dims, one dot each (`split_pieces`): Triton's coalescing
-        # fills a load's contiguous axis with threads first, here only K_PIECE / x of them, and
-        # the rest go along the tokens: at decode's 16 x 64 tile on sm_90, 2 runs x 16 tokens,
-        # 2 x 256 B in a row (NHD's pattern) instead of 16 runs x 2 tokens (16 x 32 B). Each
-        # piece still feeds its dot straight from shared memory (swizzled, cp.async).
-        tl.static_assert(K_TOK_SPLIT == 1)
-        k_tok = phys * stride_k_block + in_block * stride_k_tok_hi  # [BLOCK_N]
-        if K_VEC > 1:
-            k_tok = tl.multiple_of(k_tok, K_VEC)
-        s = tl.zeros([q.shape[0], offs_n.shape[0]], dtype=tl.float32)
-        for i in tl.static_range(offs_d.shape[0] // K_PIECE):
-            d_i = i * K_PIECE + tl.arange(0, K_PIECE)
-            k_run = (d_i // K_DIM_SPLIT) * stride_k_dim_hi
-            if K_VEC > 1:
-                k_run = tl.multiple_of(k_run, K_VEC)
-            k_off = k_tok[None, :] + (k_run + (d_i % K_DIM_SPLIT) * stride_k_dim_lo)[:, None]
-            if EVEN_D:
-                if MASKED:
-                    k = tl.load(k_base + k_off, mask=pos_mask[None, :], other=0.0)
-                else:
-                    k = tl.load(k_base + k_off)
-            elif MASKED:
-                k = tl.load(k_base + k_off, mask=(d_i < d_lim)[:, None] & pos_mask[None, :],
-                            other=0.0)  # fmt: skip
-            else:
-                k = tl.load(k_base + k_off, mask=(d_i < d_lim)[:, None], other=0.0)
-            s = tl.dot(q_parts[i], k, s, input_precision="ieee")
-    elif K_DIM_SPLIT > 1:
+    if K_DIM_SPLIT > 1:
         # SHUFFLE K: runs of K_DIM_SPLIT dims are contiguous (stride_k_dim_lo 1); each run starts
         # on a multiple of K_VEC elements (`layout.vector_width`, checked on the host), which
         # Triton cannot see itself (it specialises only integer arguments divisible by 16, and
@@ -291,9 +212,7 @@ def _kv_step(
             K_TOK_SPLIT,
             K_DIM_SPLIT,
         )
-    if K_DIM_SPLIT > 1 and K_PIECE > 0:
-        s = s * scale_log2  # [BLOCK_M, BLOCK_N] (dots above)
-    elif EVEN_D:
+    if EVEN_D:
         if MASKED:
             k = tl.load(k_base + k_off, mask=pos_mask[None, :], other=0.0)
         else:
@@ -304,8 +223,7 @@ def _kv_step(
         k = tl.load(k_base + k_off, mask=d_mask[:, None], other=0.0)
 
     # -- scores ------------------------------------------------------------------------------
-    if not (K_DIM_SPLIT > 1 and K_PIECE > 0):
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+    s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
     if MASKED:
         keep = pos_mask[None, :] & (pos[None, :] < row_limit[:, None])
         s = tl.where(keep, s, float("-inf"))
@@ -319,45 +237,7 @@ def _kv_step(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
 
-    if V_TOK_SPLIT > 1 and V_PIECE > 0:
-        # SHUFFLE V in pieces of V_PIECE tokens, one dot each: at decode's tile on sm_90 2 runs
-        # x 16 dims a warp, 2 x 256 B in a row, instead of 8 runs x 4 dims (8 x 64 B, 2 KB
-        # apart). P is split into the matching column pieces (`_col_pieces`).
-        tl.static_assert(V_DIM_SPLIT == 1)
-        # (the 16-token tail step: one piece at most)
-        VP: tl.constexpr = offs_n.shape[0] if offs_n.shape[0] < V_PIECE else V_PIECE
-        p_parts = _col_pieces(p.to(v_base.dtype.element_ty), VP)
-        v_dim = offs_d * stride_v_dim_hi  # [BLOCK_D]
-        if V_VEC > 1:
-            v_dim = tl.multiple_of(v_dim, V_VEC)
-        for j in tl.static_range(offs_n.shape[0] // VP):
-            offs_j = j * VP + tl.arange(0, VP)
-            run_j = (start + offs_j // V_TOK_SPLIT * V_TOK_SPLIT).to(tl.uint32)
-            blk_j = (run_j // block_size.to(tl.uint32)).to(tl.int32)
-            rib_j = (run_j % block_size.to(tl.uint32)).to(tl.int32)
-            if MASKED:
-                rmask_j = run_j.to(tl.int32) < kv_end
-                phys_j = tl.load(bt_row + blk_j * stride_bt_blk, mask=rmask_j, other=0)
-            else:
-                phys_j = tl.load(bt_row + blk_j * stride_bt_blk)
-            phys_j = tl.max_constancy(phys_j.to(tl.int64), V_TOK_SPLIT)
-            v_run = phys_j * stride_v_block + (rib_j // V_TOK_SPLIT) * stride_v_tok_hi
-            if V_VEC > 1:
-                v_run = tl.multiple_of(v_run, V_VEC)
-            v_off = (v_run + (offs_j % V_TOK_SPLIT) * stride_v_tok_lo)[:, None] + v_dim[None, :]
-            if EVEN_D:
-                if MASKED:
-                    v = tl.load(v_base + v_off, mask=rmask_j[:, None], other=0.0)
-                else:
-                    v = tl.load(v_base + v_off)
-            elif MASKED:
-                v = tl.load(v_base + v_off, mask=rmask_j[:, None] & d_mask[None, :], other=0.0)
-            else:
-                v = tl.load(v_base + v_off, mask=d_mask[None, :], other=0.0)
-            if TAIL:  # the run's slots past the sequence's end may hold anything: zero them
-                v = tl.where((start + offs_j < kv_end)[:, None], v, 0.0)
-            acc = tl.dot(p_parts[j], v, acc, input_precision="ieee")
-    elif V_TOK_SPLIT > 1:
+    if V_TOK_SPLIT > 1:
         # SHUFFLE V: runs of V_TOK_SPLIT tokens are contiguous; the run's block and first offset
         # (above) give its start, a multiple of V_VEC elements (as for K), plus the lane.
         tl.static_assert(V_DIM_SPLIT == 1)
@@ -378,9 +258,7 @@ def _kv_step(
             V_TOK_SPLIT,
             V_DIM_SPLIT,
         )
-    if V_TOK_SPLIT > 1 and V_PIECE > 0:
-        pass  # loaded and multiplied above
-    elif EVEN_D:
+    if EVEN_D:
         if MASKED:
             v = tl.load(v_base + v_off, mask=run_mask[:, None], other=0.0)
         else:
@@ -389,10 +267,9 @@ def _kv_step(
         v = tl.load(v_base + v_off, mask=run_mask[:, None] & d_mask[None, :], other=0.0)
     else:
         v = tl.load(v_base + v_off, mask=d_mask[None, :], other=0.0)
-    if not (V_TOK_SPLIT > 1 and V_PIECE > 0):
-        if TAIL:  # the run's slots past the sequence's end may hold anything (NaN): zero them
-            v = tl.where(pos_mask[:, None], v, 0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    if TAIL:  # the run's slots past the sequence's end may hold anything (NaN): zero them
+        v = tl.where(pos_mask[:, None], v, 0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
     return m_new, l_i, acc
 
 
@@ -454,8 +331,6 @@ def _attend(
     K_PACKED: tl.constexpr,
     V_PACKED: tl.constexpr,
     EVEN_D: tl.constexpr,
-    K_PIECE: tl.constexpr,
-    V_PIECE: tl.constexpr,
 ):
     """One program's work: ``BLOCK_Q`` tokens x ``HEAD_TILE`` heads of one sequence."""
     tl.static_assert(BLOCK_Q * HEAD_TILE <= BLOCK_M)
@@ -493,18 +368,6 @@ def _attend(
             + offs_d[None, :] * stride_q_dim
         )
         q = tl.load(q_ptr + q_off, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-        q_parts = q
-        if K_PIECE > 0:  # q's K_PIECE-wide column pieces for the split K dots (`_kv_step`)
-            q_parts = ()
-            for i in tl.static_range(BLOCK_D // K_PIECE):
-                d_i = i * K_PIECE + tl.arange(0, K_PIECE)
-                q_off_i = (
-                    (q_start + tok_in_q.to(tl.int64))[:, None] * stride_q_tok
-                    + q_head.to(tl.int64)[:, None] * stride_q_head
-                    + d_i[None, :] * stride_q_dim
-                )
-                q_mask_i = row_mask[:, None] & (d_i < head_dim)[None, :]
-                q_parts = q_parts + (tl.load(q_ptr + q_off_i, mask=q_mask_i, other=0.0),)
 
         # Row r sees positions < row_limit[r]; >= 1 for every row, so no row is ever fully masked
         # (rows past the sequence compute on zeros and are not stored). The loop ends at the
@@ -544,35 +407,34 @@ def _attend(
             tail = tl.maximum(run_end, kv_lo)  # (an empty split: nothing)
             if tail < kv_end:
                 m_i, l_i, acc = _kv_step(
-                    q, q_parts, m_i, l_i, acc, tail, kv_end, row_limit, bt_row, k_base, v_base,
-                    tl.arange(0, TAIL_N), offs_d, d_mask, head_dim, scale_log2, block_size,
-                    stride_bt_blk,
+                    q, m_i, l_i, acc, tail, kv_end, row_limit, bt_row, k_base, v_base,
+                    tl.arange(0, TAIL_N), offs_d, d_mask, scale_log2, block_size, stride_bt_blk,
                     stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi,
                     stride_k_dim_lo, stride_v_block, stride_v_tok_hi, stride_v_tok_lo,
                     stride_v_dim_hi, stride_v_dim_lo,
                     True, True, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
-                    K_VEC, V_VEC, K_PIECE, V_PIECE,
+                    K_VEC, V_VEC,
                 )  # fmt: skip
         if IN_PLACE:
             full_end = kv_lo
 
         for start in range(kv_lo, full_end, BLOCK_N):
             m_i, l_i, acc = _kv_step(
-                q, q_parts, m_i, l_i, acc, start, kv_end, row_limit, bt_row, k_base, v_base, offs_n,
-                offs_d, d_mask, head_dim, scale_log2, block_size, stride_bt_blk,
+                q, m_i, l_i, acc, start, kv_end, row_limit, bt_row, k_base, v_base, offs_n,
+                offs_d, d_mask, scale_log2, block_size, stride_bt_blk,
                 stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
                 stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
                 False, False, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
-                K_VEC, V_VEC, K_PIECE, V_PIECE,
+                K_VEC, V_VEC,
             )  # fmt: skip
         for start in range(tl.maximum(kv_lo, full_end), run_end, BLOCK_N):
             m_i, l_i, acc = _kv_step(
-                q, q_parts, m_i, l_i, acc, start, run_end, row_limit, bt_row, k_base, v_base,
-                offs_n, offs_d, d_mask, head_dim, scale_log2, block_size, stride_bt_blk,
+                q, m_i, l_i, acc, start, run_end, row_limit, bt_row, k_base, v_base, offs_n,
+                offs_d, d_mask, scale_log2, block_size, stride_bt_blk,
                 stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
                 stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
                 True, IN_PLACE, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
-                K_VEC, V_VEC, K_PIECE, V_PIECE,
+                K_VEC, V_VEC,
             )  # fmt: skip
 
         # -- epilogue -------------------------------------------------------------------------
@@ -654,8 +516,6 @@ def _paged_attention_kernel(
     K_PACKED: tl.constexpr,  # SHUFFLE K: stride_k_tok_hi == x (`layout.packed_runs`)
     V_PACKED: tl.constexpr,  # SHUFFLE V: stride_v_dim_hi == x
     EVEN_D: tl.constexpr,  # head_dim == BLOCK_D (no head-dim masks on the K/V gathers)
-    K_PIECE: tl.constexpr,  # > 0: SHUFFLE K loaded in pieces of K_PIECE dims (`split_pieces`)
-    V_PIECE: tl.constexpr,  # > 0: SHUFFLE V loaded in pieces of V_PIECE tokens
 ):
     """1-D grid: main-tile programs first, heaviest q tile first; then the decode-role ones.
 
@@ -685,7 +545,7 @@ def _paged_attention_kernel(
             stride_v_dim_lo,
             GROUP, HEAD_TILE, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, NUM_SPLITS,
             K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, K_VEC, V_VEC, K_PACKED, V_PACKED,
-            EVEN_D, K_PIECE, V_PIECE,
+            EVEN_D,
         )  # fmt: skip
     elif DECODE_ROLE:
         d = pid - n_main
@@ -703,7 +563,7 @@ def _paged_attention_kernel(
             stride_v_dim_lo,
             GROUP, DEC_HEAD_TILE, DEC_BLOCK_Q, DEC_BLOCK_M, BLOCK_N, BLOCK_D, 1,
             K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, K_VEC, V_VEC, K_PACKED, V_PACKED,
-            EVEN_D, K_PIECE, V_PIECE,
+            EVEN_D,
         )  # fmt: skip
 
 
@@ -858,31 +718,6 @@ def _check_maxima(max_query_len, max_seq_len) -> None:
         raise ValueError(f"{OP}: " + "; ".join(errors))
 
 
-def split_pieces(
-    warp_size: int, tiles: PagedTiles, layout: str, elem_bytes: int
-) -> tuple[int, int]:
-    """(K piece dims, V piece tokens) of the SHUFFLE split tiles (`SHUFFLE_SPLIT_TILES`), or
-    (0, 0): whole tiles (NHD, fp32, the switch off, row tiles over `SPLIT_MAX_BLOCK_M`, or
-    tiles too small to split).
-
-    A piece is as narrow as keeps x elements (16 bytes) a thread -- Triton caps a load's vector at
-    elements / threads -- and at least 16 (tl.dot's K): e.g. sm_90 decode 16 x 64, 4 warps of 32,
-    head_dim 128: K pieces of 16 dims (16 x 64 / 128 threads = 8), V pieces of 16 tokens; gfx942
-    decode 16 x 32, 4 waves of 64: 64 dims, 16 tokens. ``warp_size``: of the GPU that runs it.
-    """
-    if layout != "SHUFFLE" or not SHUFFLE_SPLIT_TILES or elem_bytes != 2:
-        return 0, 0
-    if tiles.block_m > SPLIT_MAX_BLOCK_M:
-        return 0, 0  # (prefill tiles: q's pieces stay in registers, +74 on sm_80 hd128)
-    threads = tiles.options.num_warps * warp_size
-    x = 16 // elem_bytes
-    k_piece = max(16, x * threads // tiles.block_n)
-    v_piece = max(16, x * threads // tiles.block_d)
-    if k_piece >= tiles.block_d or v_piece > tiles.block_n or tiles.block_n // v_piece > 16:
-        return 0, 0  # (a single K piece would be the whole tile)
-    return k_piece, v_piece
-
-
 def plan_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -966,11 +801,6 @@ def plan_paged_attention(
     n_main = num_q_tiles * k.num_kv_heads * -(-group // tiles.head_tile) * splits * num_seqs
     dec = tiles.decode
     n_dec = k.num_kv_heads * -(-group // dec.head_tile) * num_seqs if dec is not None else 0
-    # the pieces follow the warp of the GPU that runs the launch: 32 threads on NVIDIA whatever
-    # policy is forced (bench_paged's gfx942 rows on an H100), else the target's
-    on_nvidia = query.device.type == "cuda" and torch.version.hip is None
-    warp_size = 32 if on_nvidia else target.warp_size
-    pieces = split_pieces(warp_size, tiles, layout, query.element_size())
     if splits > 1:
         part = torch.empty((splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32,
                            device=query.device)  # fmt: skip
@@ -1026,8 +856,6 @@ def plan_paged_attention(
         V_PACKED=packed_runs(v),
         # SHUFFLE only: NHD's code stays as it was (its fp32 spills are held figures)
         EVEN_D=layout == "SHUFFLE" and head_dim == tiles.block_d,
-        K_PIECE=pieces[0],
-        V_PIECE=pieces[1],
     )
     grid = ((n_main + n_dec) if num_tokens else 0,)
     launches = [
