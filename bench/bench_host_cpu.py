@@ -99,8 +99,8 @@ def _paged(split: bool):
     return call, key, inputs
 
 
-def _mla():
-    seqs, heads, dk, r, bs, ctx = 4, 16, 576, 512, 64, 256
+def _mla(ctx: int = 256):
+    seqs, heads, dk, r, bs = 4, 16, 576, 512, 64
     nb = seqs * ctx // bs
     cache = torch.empty(nb, bs, dk, dtype=torch.bfloat16, device=META)
     q = torch.empty(seqs, heads, dk, dtype=torch.bfloat16, device=META)
@@ -129,6 +129,7 @@ CASES = {
     "paged_attention": lambda: _paged(False),
     "paged_attention split-KV": lambda: _paged(True),
     "mla_decode": _mla,
+    "mla_decode split-KV": lambda: _mla(4096),  # 4 x 4096 tokens: split, a reduce launch follows
 }
 
 
