@@ -36,7 +36,7 @@ import torch
 from portattn.kernels import _plans
 from portattn.kernels._launch import Launch
 from portattn.kernels._plans import PLANS, call_key
-from portattn.kernels.mla_decode import _METADATA_VALUES, mla_decode
+from portattn.kernels.mla_decode import _metadata_key, mla_decode
 from portattn.kernels.paged_attention import paged_attention
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import get_target
@@ -116,11 +116,15 @@ def _mla(ctx: int = 256):
     def call():
         return mla_decode(q, cache, table, sl, kv_lora_rank=r, scale=scale, metadata=md)
 
-    inputs = (q, cache, table, sl, None, None, None, None, md.partial_out, md.partial_lse)
-    values = tuple(getattr(md, n) for n in _METADATA_VALUES)
+    _, part_out, part_lse = _metadata_key(md)  # None, None with one split: not read
+    inputs = (q, cache, table, sl, None, None, None, None, part_out, part_lse)
 
-    def key():
-        return call_key("mla_decode", *inputs, r, scale, False, True, None, exact=values)
+    def key():  # as mla_decode's: the metadata's part, then the call's
+        exact, po, pl = _metadata_key(md)
+        return call_key(
+            "mla_decode", q, cache, table, sl, None, None, None, None, po, pl, r, scale, False,
+            True, None, exact=exact,
+        )  # fmt: skip
 
     return call, key, inputs
 
