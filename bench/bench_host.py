@@ -134,17 +134,25 @@ def _mla():
 
 def _stages(call, key, inputs):
     """Parts of a cached call, each timed alone (``--breakdown``): the key, the cache lookup,
-    `Plan.bind_launch` (buffers and the argument lists `Plan.run` launches with) and the whole
-    replay (bind + launches)."""
+    `Plan.bind_launch` (buffers and the argument lists `Plan.run` launches with), the buffers
+    alone (`Plan._allocate`, the plan looked up once) and the whole replay (bind + launches)."""
 
     def plan():
         return PLANS._plans[key()]
+
+    found = []
+
+    def kept():  # the plan, looked up once
+        if not found:
+            found.append(plan())
+        return found[0]
 
     return {
         "the op's call": call,
         "key": key,
         "key + lookup": lambda: PLANS._plans.get(key()),
         "bind": lambda: plan().bind_launch(inputs),
+        "buffers alone": lambda: kept()._allocate(),
         "key + lookup + bind + launch": lambda: plan().run(inputs),
     }
 

@@ -14,7 +14,8 @@ buffers are allocated on the meta device (cheaper than CUDA's caching allocator)
 between two revisions, not the absolute figures, to predict a GPU host's times.
 
 Parts (as bench_host.py's ``--breakdown``): the op's call; the key; key + lookup; key + lookup +
-bind (`Plan.bind_launch`: buffers + the argument lists `Plan.run` launches with); key + lookup +
+bind (`Plan.bind_launch`: buffers + the argument lists `Plan.run` launches with); the buffers
+alone (`Plan._allocate`, the plan looked up once); key + lookup +
 bind + launch (`Plan.run`). Each is timed with ``timeit`` (GC
 off), the best of ``--repeats`` loops of ``--calls`` calls.
 
@@ -141,11 +142,19 @@ def parts(call, key, inputs) -> dict:
     def plan():
         return PLANS._plans[key()]
 
+    found = []
+
+    def kept():  # the plan, looked up once
+        if not found:
+            found.append(plan())
+        return found[0]
+
     return {
         "the op's call": call,
         "key": key,
         "key + lookup": lambda: PLANS._plans.get(key()),
         "bind": lambda: plan().bind_launch(inputs),
+        "buffers alone": lambda: kept()._allocate(),
         "key + lookup + bind + launch": lambda: plan().run(inputs),
     }
 

@@ -718,6 +718,37 @@ def test_gpu_hits_launch_directly(pointer_ints, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_mla_decode_one_split_cached_calls():
+    """bench_host's MLA decode (4 x 256 tokens: one split, no reduce): a new metadata per step
+    hits the plan, whose key leaves the unread workspaces out; every hit is exact and launches
+    directly; a longer context (a split, the workspaces read) is another plan."""
+    from portattn.platform import current_target
+
+    PLANS.clear()
+    dk, r, bs, heads = 576, 512, 64, 16
+    for max_seq_len in (256, 4096):
+        builder = MlaMetadataBuilder(current_target(), max_batch=4, num_heads=heads,
+                                     kv_lora_rank=r, head_dim_k=dk, dtype=torch.bfloat16,
+                                     device="cuda", max_seq_len=max_seq_len)  # fmt: skip
+        for seed in range(3):
+            ctx = (max_seq_len, max_seq_len - 7, 100, max_seq_len)
+            q, cache, bt, sl, _ = make_inputs(dk, r, heads, bs, (1, 1, 1, 1), ctx,
+                                              torch.bfloat16, "cuda", seed=seed)  # fmt: skip
+            md = builder.build(sl)
+            assert (_metadata_key(md)[1] is None) == (md.tiles.num_kv_splits == 1)
+            out = mla_decode(q, cache, bt, sl, kv_lora_rank=r, scale=0.05, metadata=md)
+            oracle, _ = reference.mla_decode(
+                q.cpu(), cache.cpu(), bt.cpu(), sl.cpu(), kv_lora_rank=r, scale=0.05
+            )
+            torch.testing.assert_close(out.double().cpu(), oracle, rtol=2e-2, atol=2e-2)
+    assert (PLANS.hits, PLANS.misses) == (4, 2)
+    if not getattr(torch.version, "hip", None):
+        for plan in PLANS._plans.values():
+            assert plan is not None and plan._direct is not None
+            assert all(d.launches == 2 for d in plan._direct)
+
+
+@pytest.mark.gpu
 def test_gpu_tensor_reads_contents_rule():
     t = torch.empty(1, device="cuda")
     for vouched in (True, False):
