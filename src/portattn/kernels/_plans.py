@@ -449,33 +449,39 @@ class _DirectLaunch:
                                  None]  # fmt: skip
         assert len(self._flat) == self.HEAD
         fill_at = {pos: (kind, ref) for pos, kind, ref, recipe in replay.fills if not recipe}
-        # The tensors a hit reads, each once however many slots it fills: ``(kind, ref)``.
-        self._refs: list[tuple[int, int]] = []
-        index: dict[tuple[int, int], int] = {}
+        # A tensor's slot: its first one reads it (`_from_inputs`, `_from_allocs`), later ones
+        # of the same tensor copy that value (`_copies`: (position, first position)).
+        self._from_inputs: list[tuple[int, int]] = []
+        self._from_allocs: list[tuple[int, int]] = []
+        self._copies: list[tuple[int, int]] = []
+        first: dict[tuple[int, int], int] = {}
 
-        def ref_index(kind: int, ref: int) -> int:
-            return index.setdefault((kind, ref), len(index))
+        def slot(kind: int, ref: int) -> None:
+            at = len(self._flat)
+            if (kind, ref) in first:
+                self._copies.append((at, first[kind, ref]))
+            else:
+                first[kind, ref] = at
+                (self._from_inputs if kind == _INPUT else self._from_allocs).append((at, ref))
+            self._flat.append(None)
 
-        self._slots: list[tuple[int, int]] = []  # (position, index in _refs): a tensor's slot
-        self._descs: list[tuple[int, int, int, Any, Any]] = []  # encoded descriptors
+        self._descs: list[tuple[int, int, int, int, Any, Any]] = []  # encoded descriptors
         for pos, const in enumerate(replay.consts):
             if pos in fill_at:
-                self._slots.append((len(self._flat), ref_index(*fill_at[pos])))
-                self._flat.append(None)
+                slot(*fill_at[pos])
             elif pos in desc_at:
                 kind, ref, recipe = desc_at[pos]
                 dims = [*recipe[1]["shape"], *recipe[1]["strides"]]
                 meta = meta_of[pos]
                 if meta is None:  # passed decomposed: base, dims, NaN padding flag, dims again
-                    self._slots.append((len(self._flat), ref_index(kind, ref)))
-                    self._flat += [None, *dims, recipe[1].get("padding") == "nan", *dims]
+                    slot(kind, ref)
+                    self._flat += [*dims, recipe[1].get("padding") == "nan", *dims]
                 else:  # encoded tensor map, then the dims
                     width = 1 + len(dims)
-                    self._descs.append((len(self._flat), width, ref_index(kind, ref), recipe, meta))
+                    self._descs.append((len(self._flat), width, kind, ref, recipe, meta))
                     self._flat.extend([None] * width)
             else:
                 self._flat.append(const)
-        self._refs = list(index)
         self._memo: dict[tuple[int, int], list[Any]] = {}
         self.launches = 0
 
@@ -488,16 +494,20 @@ class _DirectLaunch:
         `CompiledKernel.run` would hand it, tensors as addresses where `POINTER_INTS`."""
         args = self._flat.copy()
         args[3] = stream
-        sources = (inputs, allocs)  # by kind: _INPUT, _ALLOC
         if POINTER_INTS:
-            values = [sources[kind][ref].data_ptr() for kind, ref in self._refs]
+            for at, ref in self._from_inputs:
+                args[at] = inputs[ref].data_ptr()
+            for at, ref in self._from_allocs:
+                args[at] = allocs[ref].data_ptr()
         else:
-            values = [sources[kind][ref] for kind, ref in self._refs]
-        for at, i in self._slots:
-            args[at] = values[i]
-        for at, width, i, recipe, meta in self._descs:
-            kind, ref = self._refs[i]
-            t = sources[kind][ref]
+            for at, ref in self._from_inputs:
+                args[at] = inputs[ref]
+            for at, ref in self._from_allocs:
+                args[at] = allocs[ref]
+        for at, src in self._copies:
+            args[at] = args[src]
+        for at, width, kind, ref, recipe, meta in self._descs:
+            t = inputs[ref] if kind == _INPUT else allocs[ref]
             memo_key = (at, t.data_ptr())
             encoded = self._memo.get(memo_key)
             if encoded is None:
