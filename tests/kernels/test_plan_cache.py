@@ -570,7 +570,7 @@ def no_launch(monkeypatch):
 
 
 @pytest.mark.parametrize("max_seq_len", [256, 4096], ids=["one_split", "split"])
-def test_mla_metadata_hits_by_value(max_seq_len, no_launch):
+def test_mla_metadata_hits_by_value(max_seq_len, no_launch, monkeypatch):
     call, build = _meta_mla(max_seq_len)
     md = build()
     split = md.tiles.num_kv_splits > 1
@@ -589,6 +589,11 @@ def test_mla_metadata_hits_by_value(max_seq_len, no_launch):
     assert _metadata_key(md3)[0] != exact
     call(md3, 3)
     assert (PLANS.hits, PLANS.misses) == (2, 2)
+    monkeypatch.setattr(mla_module, "OMIT_UNREAD_WORKSPACES", False)  # the switch: described
+    assert _metadata_key(md) == (exact, md.partial_out, md.partial_lse)
+    call(md)
+    assert (PLANS.hits, PLANS.misses) == ((3, 2) if split else (2, 3))
+    monkeypatch.setattr(mla_module, "OMIT_UNREAD_WORKSPACES", True)
     # the same values with other tiles (a 2-split variant): a miss, and its own workspaces
     tiles = dataclasses.replace(md.tiles, num_kv_splits=2 if not split else 1)
     md4 = dataclasses.replace(md, tiles=tiles)
