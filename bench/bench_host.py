@@ -25,8 +25,8 @@ time of one call (``do_bench_cudagraph`` median) is printed next to each op, to 
 loop is not waiting on the GPU. The goal is judged on ``cached, alone``: the cached call's
 loops timed by themselves, 300 calls back to back as issue 18 measured them (in the interleaved
 group each cached loop follows other modes' loops). The floor is an empty Triton kernel with 4
-arguments launched through ``JITFunction.run``: it shows how fast this host runs Python (it varied 13-22 us between
-machines of the same kind), so compare ops with it only within one run.
+arguments launched through ``JITFunction.run``: it shows how fast this host runs Python (it
+varied 13-22 us between machines of the same kind), so compare ops with it only within one run.
 
 Usage::
 
@@ -55,7 +55,7 @@ from portattn import reference
 from portattn.kernels import _plans
 from portattn.kernels._plans import PLANS, call_key
 from portattn.kernels.kv_cache import gather_kv_cache, write_kv_cache
-from portattn.kernels.mla_decode import _METADATA_VALUES, mla_decode
+from portattn.kernels.mla_decode import _metadata_key, mla_decode
 from portattn.kernels.paged_attention import paged_attention
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import current_target
@@ -111,11 +111,15 @@ def _mla():
     def call():
         return mla_decode(q, cache, table, sl, kv_lora_rank=r, scale=scale, metadata=md)
 
-    inputs = (q, cache, table, sl, None, None, None, None, md.partial_out, md.partial_lse)
-    values = tuple(getattr(md, n) for n in _METADATA_VALUES)
+    _, part_out, part_lse = _metadata_key(md)  # None, None with one split: not read
+    inputs = (q, cache, table, sl, None, None, None, None, part_out, part_lse)
 
-    def key():
-        return call_key("mla_decode", *inputs, r, scale, False, True, None, exact=values)
+    def key():  # as mla_decode's: the metadata's part, then the call's
+        exact, po, pl = _metadata_key(md)
+        return call_key(
+            "mla_decode", q, cache, table, sl, None, None, None, None, po, pl, r, scale, False,
+            True, None, exact=exact,
+        )  # fmt: skip
 
     call.stages = _stages(call, key, inputs)
 
@@ -130,17 +134,25 @@ def _mla():
 
 def _stages(call, key, inputs):
     """Parts of a cached call, each timed alone (``--breakdown``): the key, the cache lookup,
-    `Plan.bind_launch` (buffers and the argument lists `Plan.run` launches with) and the whole
-    replay (bind + launches)."""
+    `Plan.bind_launch` (buffers and the argument lists `Plan.run` launches with), the buffers
+    alone (`Plan._allocate`, the plan looked up once) and the whole replay (bind + launches)."""
 
     def plan():
         return PLANS._plans[key()]
+
+    found = []
+
+    def kept():  # the plan, looked up once
+        if not found:
+            found.append(plan())
+        return found[0]
 
     return {
         "the op's call": call,
         "key": key,
         "key + lookup": lambda: PLANS._plans.get(key()),
         "bind": lambda: plan().bind_launch(inputs),
+        "buffers alone": lambda: kept()._allocate(),
         "key + lookup + bind + launch": lambda: plan().run(inputs),
     }
 

@@ -14,7 +14,8 @@ buffers are allocated on the meta device (cheaper than CUDA's caching allocator)
 between two revisions, not the absolute figures, to predict a GPU host's times.
 
 Parts (as bench_host.py's ``--breakdown``): the op's call; the key; key + lookup; key + lookup +
-bind (`Plan.bind_launch`: buffers + the argument lists `Plan.run` launches with); key + lookup +
+bind (`Plan.bind_launch`: buffers + the argument lists `Plan.run` launches with); the buffers
+alone (`Plan._allocate`, the plan looked up once); key + lookup +
 bind + launch (`Plan.run`). Each is timed with ``timeit`` (GC
 off), the best of ``--repeats`` loops of ``--calls`` calls.
 
@@ -36,7 +37,7 @@ import torch
 from portattn.kernels import _plans
 from portattn.kernels._launch import Launch
 from portattn.kernels._plans import PLANS, call_key
-from portattn.kernels.mla_decode import _METADATA_VALUES, mla_decode
+from portattn.kernels.mla_decode import _metadata_key, mla_decode
 from portattn.kernels.paged_attention import paged_attention
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import get_target
@@ -99,8 +100,8 @@ def _paged(split: bool):
     return call, key, inputs
 
 
-def _mla():
-    seqs, heads, dk, r, bs, ctx = 4, 16, 576, 512, 64, 256
+def _mla(ctx: int = 256):
+    seqs, heads, dk, r, bs = 4, 16, 576, 512, 64
     nb = seqs * ctx // bs
     cache = torch.empty(nb, bs, dk, dtype=torch.bfloat16, device=META)
     q = torch.empty(seqs, heads, dk, dtype=torch.bfloat16, device=META)
@@ -116,11 +117,15 @@ def _mla():
     def call():
         return mla_decode(q, cache, table, sl, kv_lora_rank=r, scale=scale, metadata=md)
 
-    inputs = (q, cache, table, sl, None, None, None, None, md.partial_out, md.partial_lse)
-    values = tuple(getattr(md, n) for n in _METADATA_VALUES)
+    _, part_out, part_lse = _metadata_key(md)  # None, None with one split: not read
+    inputs = (q, cache, table, sl, None, None, None, None, part_out, part_lse)
 
-    def key():
-        return call_key("mla_decode", *inputs, r, scale, False, True, None, exact=values)
+    def key():  # as mla_decode's: the metadata's part, then the call's
+        exact, po, pl = _metadata_key(md)
+        return call_key(
+            "mla_decode", q, cache, table, sl, None, None, None, None, po, pl, r, scale, False,
+            True, None, exact=exact,
+        )  # fmt: skip
 
     return call, key, inputs
 
@@ -129,6 +134,7 @@ CASES = {
     "paged_attention": lambda: _paged(False),
     "paged_attention split-KV": lambda: _paged(True),
     "mla_decode": _mla,
+    "mla_decode split-KV": lambda: _mla(4096),  # 4 x 4096 tokens: split, a reduce launch follows
 }
 
 
@@ -136,11 +142,19 @@ def parts(call, key, inputs) -> dict:
     def plan():
         return PLANS._plans[key()]
 
+    found = []
+
+    def kept():  # the plan, looked up once
+        if not found:
+            found.append(plan())
+        return found[0]
+
     return {
         "the op's call": call,
         "key": key,
         "key + lookup": lambda: PLANS._plans.get(key()),
         "bind": lambda: plan().bind_launch(inputs),
+        "buffers alone": lambda: kept()._allocate(),
         "key + lookup + bind + launch": lambda: plan().run(inputs),
     }
 

@@ -22,7 +22,9 @@ import torch
 
 from portattn import reference
 from portattn.kernels import _plans
+from portattn.kernels import mla_decode as mla_module
 from portattn.kernels._checks import reads_contents, tensor_reads_contents
+from portattn.kernels._launch import Launch
 from portattn.kernels._plans import PLANS, Plan, PlanCache, Uncacheable, call_key, describe
 from portattn.kernels.kv_cache import (
     gather_kv_cache,
@@ -30,7 +32,7 @@ from portattn.kernels.kv_cache import (
     plan_write_kv_cache,
     write_kv_cache,
 )
-from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
+from portattn.kernels.mla_decode import _metadata_key, mla_decode, plan_mla_decode
 from portattn.kernels.paged_attention import paged_attention, plan_paged_attention
 from portattn.layout import empty_kv_cache
 from portattn.mla_metadata import MlaMetadataBuilder
@@ -354,8 +356,8 @@ def test_direct_launch_refuses_other_launchers():
 def test_allocations_keep_their_shapes():
     plan = Plan([], ())
     plan._allocs = [
-        ((), torch.float32, torch.device("cpu")),
-        ((2, 3), torch.int32, torch.device("meta")),
+        _plans._empty((), torch.float32, torch.device("cpu")),
+        _plans._empty((2, 3), torch.int32, torch.device("meta")),
     ]
     a, b = plan._allocate()
     assert (a.shape, a.dtype, a.device.type) == ((), torch.float32, "cpu")
@@ -510,6 +512,124 @@ def test_oldest_plan_dropped():
     assert list(cache._plans) == [("b",), ("c",)] and (cache.hits, cache.misses) == (1, 3)
 
 
+# -- MLA's metadata in the key: numbered once per object, checked every call --------------------
+
+
+def test_exact_id_numbers_values(monkeypatch):
+    monkeypatch.setattr(_plans, "_EXACT", {})
+    a = _plans.exact_id((1, "x", torch.float16))
+    assert _plans.exact_id((1, "x", torch.float16)) == a  # equal values, equal numbers
+    b = _plans.exact_id((2, "x", torch.float16))
+    assert b != a
+    assert _plans.exact_id(([1],)) is None  # unhashable: not cached
+    monkeypatch.setattr(_plans, "MAX_EXACT", 2)
+    c = _plans.exact_id((3,))  # the table is emptied; numbers are never given again
+    assert _plans.exact_id((1, "x", torch.float16)) not in (a, b, c)
+
+
+def test_plan_cache_hit_only_runs_replayable_plans():
+    cache = PlanCache()
+    assert cache.hit(None, ()) is None and cache.hit(("k",), ()) is None  # no key; none yet
+    assert cache.hit(([1],), ()) is None  # unhashable
+    cache.call(("k",), (), lambda: [])
+    assert cache.hit(("k",), ()) == () and cache.hits == 1  # an empty plan: nothing launched
+    cache._plans[("u",)] = None  # known not to be replayable: the caller plans afresh
+    assert cache.hit(("u",), ()) is None and cache.hits == 1
+    cache.enabled = False
+    assert cache.hit(("k",), ()) is None
+
+
+def _meta_mla(max_seq_len, seqs=4):
+    """An MLA decode step on meta tensors (cacheable: nothing to read) and its builder."""
+    dk, r, heads, bs = 576, 512, 16, 64
+    cache = torch.empty(seqs * 64, bs, dk, dtype=torch.bfloat16, device="meta")
+    table = torch.empty(seqs, 64, dtype=torch.int32, device="meta")
+    builder = MlaMetadataBuilder(get_target("sm_90"), max_batch=seqs, num_heads=heads,
+                                 kv_lora_rank=r, head_dim_k=dk, dtype=torch.bfloat16,
+                                 device="meta", max_seq_len=max_seq_len)  # fmt: skip
+
+    def call(md, n=seqs):
+        q = torch.empty(n, heads, dk, dtype=torch.bfloat16, device="meta")
+        sl = torch.empty(n, dtype=torch.int32, device="meta")
+        return mla_decode(q, cache, table[:n], sl, kv_lora_rank=r, scale=0.05, metadata=md)
+
+    def build(n=seqs):
+        return builder.build(torch.empty(n, dtype=torch.int32, device="meta"))
+
+    return call, build
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Plans built and replayed, nothing launched (meta tensors)."""
+    monkeypatch.setattr(Launch, "run", lambda self: None)
+    monkeypatch.setattr(Plan, "run", lambda self, inputs: self.bind(inputs)[1])
+    PLANS.clear()
+    yield
+    PLANS.clear()
+
+
+@pytest.mark.parametrize("max_seq_len", [256, 4096], ids=["one_split", "split"])
+def test_mla_metadata_hits_by_value(max_seq_len, no_launch, monkeypatch):
+    call, build = _meta_mla(max_seq_len)
+    md = build()
+    split = md.tiles.num_kv_splits > 1
+    assert split == (max_seq_len == 4096)
+    exact, po, pl = _metadata_key(md)
+    # one split: the plan never reads the workspaces, so they are not described
+    assert (po, pl) == ((md.partial_out, md.partial_lse) if split else (None, None))
+    call(md)
+    call(md)
+    assert (PLANS.hits, PLANS.misses) == (1, 1)
+    md2 = build()  # a new object with the same values: same number, a hit
+    assert md2 is not md and _metadata_key(md2)[0] == exact
+    call(md2)
+    assert (PLANS.hits, PLANS.misses) == (2, 1)
+    md3 = build(3)  # other values (3 sequences): another number, a miss
+    assert _metadata_key(md3)[0] != exact
+    call(md3, 3)
+    assert (PLANS.hits, PLANS.misses) == (2, 2)
+    monkeypatch.setattr(mla_module, "OMIT_UNREAD_WORKSPACES", False)  # the switch: described
+    assert _metadata_key(md) == (exact, md.partial_out, md.partial_lse)
+    call(md)
+    assert (PLANS.hits, PLANS.misses) == ((3, 2) if split else (2, 3))
+    monkeypatch.setattr(mla_module, "OMIT_UNREAD_WORKSPACES", True)
+    # the same values with other tiles (a 2-split variant): a miss, and its own workspaces
+    tiles = dataclasses.replace(md.tiles, num_kv_splits=2 if not split else 1)
+    md4 = dataclasses.replace(md, tiles=tiles)
+    assert _metadata_key(md4)[0] != exact
+    assert (_metadata_key(md4)[1] is None) == split
+
+
+def test_mla_metadata_memo_checks_values(no_launch):
+    call, build = _meta_mla(4096)
+    md = build()
+    exact = _metadata_key(md)[0]
+    # an object whose id a collected metadata had, with other values: numbered afresh
+    stale = (("other",), exact + 1000, False)
+    mla_module._METADATA_MEMO[id(md)] = stale
+    assert _metadata_key(md) == (exact, md.partial_out, md.partial_lse)
+    # a field changed behind the frozen dataclass: the values are compared on every call
+    object.__setattr__(md, "num_seqs", 3)
+    assert _metadata_key(md)[0] != exact
+    object.__setattr__(md, "num_seqs", 4)
+    assert _metadata_key(md)[0] == exact
+
+
+def test_mla_split_workspaces_stay_in_the_key(no_launch):
+    call, build = _meta_mla(4096)
+    md = build()
+    call(md)
+    t = md.tiles
+    bad = torch.empty(md.max_tokens, t.num_kv_splits, t.padded_heads, t.block_dv + 1,
+                      dtype=torch.float32, device="meta")  # fmt: skip
+    with pytest.raises(ValueError, match="metadata.partial_out must be fp32"):
+        call(dataclasses.replace(md, partial_out=bad))  # another shape: planned, validated
+    md.partial_lse.as_strided_(md.partial_lse.shape, (1, 1, 1))  # changed in place: a miss
+    call(md)
+    assert (PLANS.hits, PLANS.misses) == (0, 3) and len(PLANS) == 2
+
+
 # -- the public ops on a GPU: compiled kernels launched from cached plans -----------------------
 
 
@@ -600,6 +720,37 @@ def test_gpu_hits_launch_directly(pointer_ints, monkeypatch):
     assert plan is not None and plan._direct is not None
     assert len(plan._replays) == 2  # the split's reduce too (as in the cached-calls test above)
     assert [d.launches for d in plan._direct] == [2, 2]  # both hits, directly
+
+
+@pytest.mark.gpu
+def test_gpu_mla_decode_one_split_cached_calls():
+    """bench_host's MLA decode (4 x 256 tokens: one split, no reduce): a new metadata per step
+    hits the plan, whose key leaves the unread workspaces out; every hit is exact and launches
+    directly; a longer context (a split, the workspaces read) is another plan."""
+    from portattn.platform import current_target
+
+    PLANS.clear()
+    dk, r, bs, heads = 576, 512, 64, 16
+    for max_seq_len in (256, 4096):
+        builder = MlaMetadataBuilder(current_target(), max_batch=4, num_heads=heads,
+                                     kv_lora_rank=r, head_dim_k=dk, dtype=torch.bfloat16,
+                                     device="cuda", max_seq_len=max_seq_len)  # fmt: skip
+        for seed in range(3):
+            ctx = (max_seq_len, max_seq_len - 7, 100, max_seq_len)
+            q, cache, bt, sl, _ = make_inputs(dk, r, heads, bs, (1, 1, 1, 1), ctx,
+                                              torch.bfloat16, "cuda", seed=seed)  # fmt: skip
+            md = builder.build(sl)
+            assert (_metadata_key(md)[1] is None) == (md.tiles.num_kv_splits == 1)
+            out = mla_decode(q, cache, bt, sl, kv_lora_rank=r, scale=0.05, metadata=md)
+            oracle, _ = reference.mla_decode(
+                q.cpu(), cache.cpu(), bt.cpu(), sl.cpu(), kv_lora_rank=r, scale=0.05
+            )
+            torch.testing.assert_close(out.double().cpu(), oracle, rtol=2e-2, atol=2e-2)
+    assert (PLANS.hits, PLANS.misses) == (4, 2)
+    if not getattr(torch.version, "hip", None):
+        for plan in PLANS._plans.values():
+            assert plan is not None and plan._direct is not None
+            assert all(d.launches == 2 for d in plan._direct)
 
 
 @pytest.mark.gpu

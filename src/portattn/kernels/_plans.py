@@ -34,8 +34,11 @@ cached plans.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import os
 from collections.abc import Callable, Hashable, Sequence
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -58,6 +61,8 @@ DIRECT = True
 POINTER_INTS = True
 #: Plans kept (the oldest dropped first): one per distinct call description.
 MAX_PLANS = 1024
+#: Distinct ``exact`` value tuples numbered by `exact_id` before its table is emptied.
+MAX_EXACT = 4096
 
 
 class Uncacheable(Exception):
@@ -103,13 +108,14 @@ def _value_dataclass(cls: type) -> bool:
 _SCALARS = frozenset((int, float, str, bool, type(None)))
 
 
-def call_key(op: str, *args: Any, exact: tuple = ()) -> Hashable | None:
+def call_key(op: str, *args: Any, exact: Hashable = ()) -> Hashable | None:
     """The cache key of a call of ``op`` with ``args`` (every argument the plan may read), plus
     the current CUDA device (compiled kernels are per device) and the target override; ``None``
     when some argument cannot be described (the call then runs uncached and reports its errors).
     ``exact``: values that go into the key as they are, for fields the library made itself (an
-    `MlaMetadata`'s tiles and sizes), whose equality is already exact. A key that turns out
-    unhashable (a value in ``exact`` or a dataclass field) is not cached either (`PlanCache.call`).
+    `MlaMetadata`'s tiles and sizes, or their `exact_id`), whose equality is already exact. A key
+    that turns out unhashable (a value in ``exact`` or a dataclass field) is not cached either
+    (`PlanCache.call`).
 
     One flat tuple; each argument as `describe` gives it (tensors and plain scalars inline),
     ``None`` as itself.
@@ -129,6 +135,27 @@ def call_key(op: str, *args: Any, exact: tuple = ()) -> Hashable | None:
     except Uncacheable:
         return None
     return (op, _current_device(), override_key(), exact, *described)
+
+
+_EXACT: dict[Hashable, int] = {}
+_EXACT_IDS = itertools.count(1)
+
+
+def exact_id(values: Hashable) -> int | None:
+    """A number standing for ``values`` in a key (`call_key`'s ``exact``): equal values get equal
+    numbers, and a number is never given to other values (the table is emptied past `MAX_EXACT`
+    entries, but the count goes on: values seen again get a new number, their old plans are
+    merely never hit). Hashing ``values`` once here spares every lookup of the key from hashing
+    them again (frozen dataclasses hash field by field in Python). ``None``: unhashable."""
+    try:
+        n = _EXACT.get(values)
+    except TypeError:
+        return None
+    if n is None:
+        if len(_EXACT) >= MAX_EXACT:
+            _EXACT.clear()
+        n = _EXACT[values] = next(_EXACT_IDS)
+    return n
 
 
 class _Bound:
@@ -216,7 +243,7 @@ class Plan:
             for t in inputs
             if t is not None and t.device.type != "meta" and t.numel()
         }
-        self._allocs: list[tuple[tuple[int, ...], torch.dtype, torch.device]] = []
+        self._allocs: list[Callable[[], torch.Tensor]] = []  # each allocates one buffer
         alloc_ids: dict[int, int] = {}
 
         def slot(t: torch.Tensor) -> tuple[int, int] | None:
@@ -230,7 +257,7 @@ class Plan:
                 if shares or not t.is_contiguous() or t.storage_offset():
                     raise Uncacheable("a launch argument is a view of an input")
                 alloc_ids[id(t)] = len(self._allocs)
-                self._allocs.append((tuple(t.shape), t.dtype, t.device))
+                self._allocs.append(_empty(tuple(t.shape), t.dtype, t.device))
             return _ALLOC, alloc_ids[id(t)]
 
         self._replays: list[_Replay] = []
@@ -259,6 +286,11 @@ class Plan:
         outputs = launches[0].outputs if launches else ()
         wheres = [slot(t) for t in outputs]
         self._outputs = [(w, None if w else t) for t, w in zip(outputs, wheres, strict=True)]
+        # Outputs that are all buffers of the plan (``out=None``): gathered in one C call.
+        self._out_allocs: Callable[[list], Any] | None = None
+        if outputs and all(w is not None and w[0] == _ALLOC for w in wheres):
+            refs = [w[1] for w in wheres if w is not None]
+            self._out_allocs = itemgetter(*refs) if len(refs) > 1 else _one(refs[0])
         self._direct: list[_DirectLaunch] | None = None
 
     def keep_compiled(self, compiled: Sequence[Any]) -> None:
@@ -283,11 +315,7 @@ class Plan:
         self._direct = direct or None  # nothing to launch: no stream to ask for
 
     def _allocate(self) -> list[torch.Tensor]:
-        empty = torch.empty  # sizes as separate arguments: torch parses them faster than a tuple
-        return [
-            empty(*s, dtype=d, device=dev) if s else empty(s, dtype=d, device=dev)
-            for s, d, dev in self._allocs
-        ]
+        return [alloc() for alloc in self._allocs]
 
     def _args(self, replay: _Replay, inputs: Sequence, allocs: list[torch.Tensor]) -> list[Any]:
         args = list(replay.consts)
@@ -297,6 +325,8 @@ class Plan:
         return args
 
     def _outs(self, inputs: Sequence, allocs: list[torch.Tensor]) -> tuple:
+        if self._out_allocs is not None:
+            return self._out_allocs(allocs)
         return tuple(
             [
                 t if where is None else inputs[where[1]] if where[0] == _INPUT else allocs[where[1]]
@@ -341,6 +371,19 @@ class Plan:
             else:
                 _launch_compiled(replay.compiled, replay.grid, args)
         return self._outs(inputs, allocs)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Callable:
+    """A buffer's allocation, ready to call: `torch.empty` with the sizes as separate arguments
+    (torch parses them faster than a tuple), bound once."""
+    if not shape:
+        return functools.partial(torch.empty, (), dtype=dtype, device=device)
+    return functools.partial(torch.empty, *shape, dtype=dtype, device=device)
+
+
+def _one(i: int) -> Callable[[list], tuple]:
+    """The 1-tuple of item ``i`` (`itemgetter` of one index gives the item itself)."""
+    return lambda xs: (xs[i],)
 
 
 class _DirectLaunch:
@@ -406,27 +449,37 @@ class _DirectLaunch:
                                  None]  # fmt: skip
         assert len(self._flat) == self.HEAD
         fill_at = {pos: (kind, ref) for pos, kind, ref, recipe in replay.fills if not recipe}
+        # A tensor's slot: its first one reads it (`_from_inputs`, `_from_allocs`), later ones
+        # of the same tensor copy that value (`_copies`: (position, first position)).
         self._from_inputs: list[tuple[int, int]] = []
         self._from_allocs: list[tuple[int, int]] = []
-        self._descs: list[tuple[int, int, int, int, Any, Any]] = []
+        self._copies: list[tuple[int, int]] = []
+        first: dict[tuple[int, int], int] = {}
+
+        def slot(kind: int, ref: int) -> None:
+            at = len(self._flat)
+            if (kind, ref) in first:
+                self._copies.append((at, first[kind, ref]))
+            else:
+                first[kind, ref] = at
+                (self._from_inputs if kind == _INPUT else self._from_allocs).append((at, ref))
+            self._flat.append(None)
+
+        self._descs: list[tuple[int, int, int, int, Any, Any]] = []  # encoded descriptors
         for pos, const in enumerate(replay.consts):
             if pos in fill_at:
-                kind, ref = fill_at[pos]
-                (self._from_inputs if kind == _INPUT else self._from_allocs).append(
-                    (len(self._flat), ref)
-                )
-                self._flat.append(None)
+                slot(*fill_at[pos])
             elif pos in desc_at:
                 kind, ref, recipe = desc_at[pos]
                 dims = [*recipe[1]["shape"], *recipe[1]["strides"]]
                 meta = meta_of[pos]
                 if meta is None:  # passed decomposed: base, dims, NaN padding flag, dims again
-                    width = 2 + 2 * len(dims)
-                    meta = [*dims, recipe[1].get("padding") == "nan", *dims]
+                    slot(kind, ref)
+                    self._flat += [*dims, recipe[1].get("padding") == "nan", *dims]
                 else:  # encoded tensor map, then the dims
                     width = 1 + len(dims)
-                self._descs.append((len(self._flat), width, kind, ref, recipe, meta))
-                self._flat.extend([None] * width)
+                    self._descs.append((len(self._flat), width, kind, ref, recipe, meta))
+                    self._flat.extend([None] * width)
             else:
                 self._flat.append(const)
         self._memo: dict[tuple[int, int], list[Any]] = {}
@@ -451,12 +504,10 @@ class _DirectLaunch:
                 args[at] = inputs[ref]
             for at, ref in self._from_allocs:
                 args[at] = allocs[ref]
+        for at, src in self._copies:
+            args[at] = args[src]
         for at, width, kind, ref, recipe, meta in self._descs:
             t = inputs[ref] if kind == _INPUT else allocs[ref]
-            if isinstance(meta, list):  # decomposed: the tensor itself, then constants
-                args[at] = t.data_ptr() if POINTER_INTS else t
-                args[at + 1 : at + width] = meta
-                continue
             memo_key = (at, t.data_ptr())
             encoded = self._memo.get(memo_key)
             if encoded is None:
@@ -514,6 +565,21 @@ class PlanCache:
     def clear(self) -> None:
         self._plans.clear()
         self.hits = self.misses = 0
+
+    def hit(self, key: Hashable | None, inputs: Sequence[torch.Tensor | None]) -> tuple | None:
+        """The outputs of ``key``'s cached plan run on ``inputs``; ``None`` where there is no
+        replayable plan (none yet, a known unreplayable one, no key, caching off): the caller
+        then goes through `call` with its planner, which it need not build on a hit."""
+        if key is None or not self.enabled:
+            return None
+        try:
+            cached = self._plans.get(key)
+        except TypeError:  # an unhashable value in the key (`call_key`)
+            return None
+        if cached is None:
+            return None
+        self.hits += 1
+        return cached.run(inputs)
 
     def call(
         self,

@@ -55,6 +55,7 @@ context (rejected where the metadata is checked: `mla_decode`'s Raises). Query r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from numbers import Real
@@ -77,7 +78,7 @@ from portattn.kernels._checks import (
     to_host,
 )
 from portattn.kernels._launch import Launch
-from portattn.kernels._plans import PLANS, call_key
+from portattn.kernels._plans import PLANS, call_key, exact_id
 from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_launch
 from portattn.layout import describe_kv_cache
 from portattn.mla_metadata import MlaMetadata
@@ -96,6 +97,12 @@ _METADATA_VALUES = tuple(
     f.name for f in dataclasses.fields(MlaMetadata) if f.name not in ("partial_out", "partial_lse")
 )
 _metadata_values = operator.attrgetter(*_METADATA_VALUES)  # one tuple of them, in C
+#: With one KV split the plan never reads the metadata's workspaces: the plan cache's key leaves
+#: them out (`_metadata_key`). False: they are described on every call regardless.
+OMIT_UNREAD_WORKSPACES = True
+# id(metadata) -> (its values, their `exact_id`, whether the plan reads its workspaces).
+_METADATA_MEMO: dict[int, tuple[tuple, int | None, bool]] = {}
+_MAX_METADATA_MEMO = 256
 _LOG2E = 1.4426950408889634
 
 
@@ -1168,6 +1175,33 @@ def plan_mla_decode(
     return [main, reduce]
 
 
+def _metadata_key(
+    md: MlaMetadata,
+) -> tuple[int | None, torch.Tensor | None, torch.Tensor | None]:
+    """The plan cache's view of ``md``: a number for its values (`exact_id`; ``None``:
+    unhashable, the call is not cached) and its two workspaces, or ``None`` for them where
+    the plan never reads them (one split: the launch uses zero-size placeholders and nothing
+    checks the workspaces, so they are not part of the call's description).
+
+    The values are read on every call and compared with those remembered for this object (by
+    ``id``; identical fields compare by identity), so a new object whose ``id`` is a collected
+    one's, or fields changed behind the frozen dataclass, are numbered afresh; only hashing the
+    values (the tiles and target are frozen dataclasses, hashed field by field in Python) is
+    spared on a repeated call."""
+    values = _metadata_values(md)
+    memo = _METADATA_MEMO.get(id(md))
+    if memo is None or memo[0] != values:
+        tiles = md.tiles
+        one_split = type(tiles) is MlaTiles and tiles.num_kv_splits == 1
+        memo = (values, exact_id(values), not one_split)
+        if len(_METADATA_MEMO) >= _MAX_METADATA_MEMO:
+            _METADATA_MEMO.clear()
+        _METADATA_MEMO[id(md)] = memo
+    if memo[2] or not OMIT_UNREAD_WORKSPACES:
+        return memo[1], md.partial_out, md.partial_lse
+    return memo[1], None, None
+
+
 def mla_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -1216,22 +1250,6 @@ def mla_decode(
         with ``metadata`` (the CUDA-graph path) nothing is read: the caller vouches for them.
     """
 
-    def plan() -> list[Launch]:
-        return plan_mla_decode(
-            query,
-            kv_cache,
-            block_table,
-            seq_lens,
-            kv_lora_rank=kv_lora_rank,
-            scale=scale,
-            query_start_loc=query_start_loc,
-            out=out,
-            return_lse=return_lse,
-            page_indices=page_indices,
-            metadata=metadata,
-            target=target,
-        )
-
     # Cached (module _plans) only where the plan reads no contents: a GPU call with metadata.
     cacheable = (
         isinstance(metadata, MlaMetadata)
@@ -1239,16 +1257,37 @@ def mla_decode(
         and not tensor_reads_contents(query, vouched=True)
         and (page_indices is None or isinstance(page_indices, tuple) and len(page_indices) == 2)
     )
-    if not cacheable:
-        outs = PLANS.call(None, (), plan)
-    else:
+    key = None
+    inputs: tuple = ()
+    if cacheable:
         assert metadata is not None
+        exact, part_out, part_lse = _metadata_key(metadata)
         indptr, indices = page_indices if page_indices is not None else (None, None)
         inputs = (query, kv_cache, block_table, seq_lens, query_start_loc, out, indptr, indices,
-                  metadata.partial_out, metadata.partial_lse)  # fmt: skip
-        key = call_key(
-            _OP, *inputs, kv_lora_rank, scale, return_lse, page_indices is None, target,
-            exact=_metadata_values(metadata),
-        )  # fmt: skip
-        outs = PLANS.call(key, inputs, plan)
+                  part_out, part_lse)  # fmt: skip
+        if exact is not None:
+            key = call_key(
+                _OP, *inputs, kv_lora_rank, scale, return_lse, page_indices is None, target,
+                exact=exact,
+            )  # fmt: skip
+            outs = PLANS.hit(key, inputs)
+            if outs is not None:
+                return outs if return_lse else outs[0]
+    # No cached plan: validate and plan (kept for the next call where the key is not None).
+    plan = functools.partial(
+        plan_mla_decode,
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        kv_lora_rank=kv_lora_rank,
+        scale=scale,
+        query_start_loc=query_start_loc,
+        out=out,
+        return_lse=return_lse,
+        page_indices=page_indices,
+        metadata=metadata,
+        target=target,
+    )
+    outs = PLANS.call(key, inputs, plan)
     return outs if return_lse else outs[0]
