@@ -317,13 +317,14 @@ def test_packed_sm90_kernel_compiles_within_its_estimate_without_spills():
     assert r.spills == 0
 
 
+# a GPU runs these tiles on the Hopper kernel (test_gpu_policy_packed_with_metadata)
+@pytest.mark.cpu
 @pytest.mark.parametrize("q_lens", [(2, 2, 1), (4, 3, 4)])
-def test_policy_route_real_shape_fp16(q_lens, device):
+def test_policy_route_real_shape_fp16(q_lens):
     """The policy's packed sm_90 tiles (H64 N64, bulk copies) through `MlaMetadataBuilder` at
     DeepSeek's 576/512, 16 heads, 64-token pages, fp16. Off the GPU the Hopper kernel is refused
     (`sm90_errors`: not a CUDA tensor), so the portable kernel runs the same packed tiles."""
-    if device != "cpu":
-        pytest.skip("the GPU runs the Hopper kernel: test_gpu_policy_packed_with_metadata")
+    device = "cpu"
     dk, r, heads = 576, 512, 16
     seq_lens = (150, 64, 4)
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 64, q_lens, seq_lens, torch.float16, device)
