@@ -89,7 +89,7 @@ def _paged():
 
     inputs = (*args, None)
     key = lambda: call_key("paged_attention", *inputs, None, "NHD", None, 1, ctx)  # noqa: E731
-    call.stages = _stages(call, key, inputs)
+    call.stages = stages(call, key, inputs)
     return call, check
 
 
@@ -121,7 +121,7 @@ def _mla():
             True, None, exact=exact,
         )  # fmt: skip
 
-    call.stages = _stages(call, key, inputs)
+    call.stages = stages(call, key, inputs)
 
     def check():
         ref, _ = reference.mla_decode(
@@ -132,10 +132,11 @@ def _mla():
     return call, check
 
 
-def _stages(call, key, inputs):
+def stages(call, key, inputs):
     """Parts of a cached call, each timed alone (``--breakdown``): the key, the cache lookup,
     `Plan.bind_launch` (buffers and the argument lists `Plan.run` launches with), the buffers
-    alone (`Plan._allocate`, the plan looked up once) and the whole replay (bind + launches)."""
+    alone (`Plan._allocate`, the plan looked up once) and the whole replay (bind + launches).
+    bench_host_cpu.py times the same parts."""
 
     def plan():
         return PLANS._plans[key()]

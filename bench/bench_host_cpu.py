@@ -33,6 +33,7 @@ import sys
 import timeit
 
 import torch
+from bench_host import stages
 
 from portattn.kernels import _plans
 from portattn.kernels._launch import Launch
@@ -138,27 +139,6 @@ CASES = {
 }
 
 
-def parts(call, key, inputs) -> dict:
-    def plan():
-        return PLANS._plans[key()]
-
-    found = []
-
-    def kept():  # the plan, looked up once
-        if not found:
-            found.append(plan())
-        return found[0]
-
-    return {
-        "the op's call": call,
-        "key": key,
-        "key + lookup": lambda: PLANS._plans.get(key()),
-        "bind": lambda: plan().bind_launch(inputs),
-        "buffers alone": lambda: kept()._allocate(),
-        "key + lookup + bind + launch": lambda: plan().run(inputs),
-    }
-
-
 def best_us(fn, calls: int, repeats: int) -> float:
     gc.collect()
     return min(timeit.repeat(fn, number=calls, repeat=repeats)) / calls * 1e6  # GC off inside
@@ -182,7 +162,7 @@ def main() -> int:
         assert PLANS.hits == 1 and plan is not None, f"{name}: not cached"
         n = len(plan._replays)
         print(f"{name} ({n} launch{'es' if n > 1 else ''})")
-        for part, fn in parts(call, key, inputs).items():
+        for part, fn in stages(call, key, inputs).items():
             print(f"    {part:34s} {best_us(fn, args.calls, args.repeats):7.2f}", flush=True)
     return 0
 
