@@ -494,10 +494,7 @@ def test_gpu_bf16_real_shapes(case, form):
         out, lse = mla_decode(q, cache, bt, sl, metadata=md, **kw)
     else:
         out, lse = mla_decode(q, cache, bt, sl, **kw)
-    oracle, lse_ref = fast_oracle(q, cache, bt, sl, qsl, r, scale, torch.float64)
-    lowp, _ = fast_oracle(q, cache, bt, sl, qsl, r, scale, dtype)
-    assert_low_precision_close(out, oracle, lowp)
-    torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-3, atol=1e-3)
+    check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale)
 
 
 @pytest.mark.gpu
@@ -557,6 +554,14 @@ def _sm90_target():
     return target
 
 
+def check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale):
+    """``out`` against the fp64 oracle under the low-precision rule, ``lse`` to 1e-3."""
+    oracle, lse_ref = fast_oracle(q, cache, bt, sl, qsl, r, scale, torch.float64)
+    lowp, _ = fast_oracle(q, cache, bt, sl, qsl, r, scale, q.dtype)
+    assert_low_precision_close(out, oracle, lowp)
+    torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-3, atol=1e-3)
+
+
 def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None):
     """Run the sm_90 kernel (the policy's tiles, ``splits`` when given; ``pages``: page_indices
     instead of ``bt``) and check it against the fp64 oracle, output and lse. The main launch."""
@@ -574,10 +579,7 @@ def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None):
     assert launches[0].name == "mla_decode_sm90"
     run_all(launches)
     out, lse = launches[0].outputs
-    oracle, lse_ref = fast_oracle(q, cache, bt, sl, qsl, r, scale, torch.float64)
-    lowp, _ = fast_oracle(q, cache, bt, sl, qsl, r, scale, q.dtype)
-    assert_low_precision_close(out, oracle, lowp)
-    torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-3, atol=1e-3)
+    check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale)
     return launches[0]
 
 
