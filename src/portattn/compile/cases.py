@@ -11,6 +11,7 @@ Builders are plain functions so that worker processes can receive them by refere
 | mla_decode      | head_dim_k/kv_lora_rank 576/512, 320/256, 288/256; num_q_heads 1 .. 128      |
 | paged_attention | head_dim 64/128/256; GQA 1:1, 5:1, 8:1; block_size 16, 80, 544, 2048;        |
 |                 | NHD and SHUFFLE; chunked prefill (max_query_len 64); decode at block_size 16 |
+|                 | issue 19: GQA 4:1 hd128 NHD prefill, max_query_len 512/2048/4096             |
 | write_kv_cache  | head_dim 64/128/256; block_size 16, 80, 544, 2048; NHD and SHUFFLE           |
 | gather_kv_cache | as write_kv_cache                                                            |
 
@@ -59,6 +60,13 @@ CONTEXT_BLOCKS = 8  # blocks per sequence in the paged / cache cases' block tabl
 MLA_CONTEXT = 8192
 # A cache past 2 GiB: AMD compiles such pointers without the 32-bit buffer-range specialisation.
 BIG_CACHE_BYTES = 3 << 30
+# Issue 19's prefill problems: 32 query heads / 8 KV heads (GQA 4:1, a group the axes above do not
+# have), head_dim 128, bf16, NHD; mixed batches with 512- and 2048-token chunks and pure prefill
+# of 4096 tokens, at block sizes 16, 544 and 2048. The tiles depend on (max_query_len, group,
+# head_dim, dtype, layout), not on the batch's sequence count or context (no split-KV above
+# max_query_len 1), so the builder's 4 sequences compile the kernel those batches launch.
+ISSUE19_QUERY_LENS: tuple[int, ...] = (512, 2048, 4096)
+ISSUE19_BLOCK_SIZES: tuple[int, ...] = (16, 544, 2048)
 
 
 @dataclass(frozen=True)
@@ -252,7 +260,7 @@ def build_mla_decode(
 
 # -- the table ------------------------------------------------------------------------------------
 
-GQA_NAMES = {1: "mha", 5: "gqa5", 8: "gqa8"}
+GQA_NAMES = {1: "mha", 4: "gqa4", 5: "gqa5", 8: "gqa8"}
 
 
 # The 512-wide latent tiles of MLA 576/512 hold a [16, 512] fp32 accumulator (64 registers per
@@ -363,6 +371,21 @@ def paged_cases() -> list[Case]:
             big_cache=True,
         )
     )
+    out += [
+        make_case(
+            "paged_attention",
+            f"hd128 gqa4 bs{bs} NHD prefill q{q} issue19",
+            build_paged_attention,
+            head_dim=128,
+            num_q_heads=32,
+            num_kv_heads=8,
+            block_size=bs,
+            layout="NHD",
+            max_query_len=q,
+        )
+        for q in ISSUE19_QUERY_LENS
+        for bs in ISSUE19_BLOCK_SIZES
+    ]
     return out
 
 
