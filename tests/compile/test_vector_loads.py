@@ -68,7 +68,11 @@ def _loads(arch: str, layout: str, max_query_len: int, hybrid: bool = False) -> 
     from portattn.compile.cases import build_paged_attention
     from portattn.compile.worker import _resources, bind, source_for
     from portattn.platform import get_target
+    from portattn.policy import paged as paged_policy
 
+    # the portable kernel's loads (this runs in a worker process): NHD prefill on sm_90 would
+    # otherwise take the Gluon kernel (issue 19), whose K/V come by TMA
+    paged_policy.SM90_PREFILL = False
     target = get_target(arch)
     if hybrid:
         [launch] = _hybrid_launch(target, layout, max_query_len)

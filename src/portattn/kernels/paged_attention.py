@@ -69,10 +69,17 @@ from portattn.kernels._checks import (
 )
 from portattn.kernels._launch import Launch
 from portattn.kernels._plans import PLANS, call_key
+from portattn.kernels.paged_prefill_sm90 import sm90_prefill_errors, sm90_prefill_launches
 from portattn.layout import CacheAddressing, describe_kv_cache, packed_runs, vector_width
 from portattn.platform import Target, target_for_tensor
 from portattn.policy.common import launch_options
-from portattn.policy.paged import MAX_HEAD_DIM, PagedProblem, PagedTiles, paged_tiles
+from portattn.policy.paged import (
+    MAX_HEAD_DIM,
+    PagedProblem,
+    PagedTiles,
+    paged_tiles,
+    sm90_prefill,
+)
 
 OP = "paged_attention"
 # Any block size: the context tile is policy, blocks and in-block offsets are addressed separately
@@ -869,6 +876,31 @@ def plan_paged_attention(
             outputs=(out,),
         )
     ]
+    if (
+        splits == 1
+        and num_tokens
+        and num_seqs
+        and sm90_prefill(target, problem)
+        and not sm90_prefill_errors(query, key_cache, value_cache, layout, target)
+    ):
+        # the prefill part on the sm_90 kernel; the decode row tile's sequences (if any) on
+        # the portable kernel, its decode-role programs alone (no main-tile program)
+        launches = sm90_prefill_launches(
+            launches[0], key_cache, value_cache, dec.block_q if dec is not None else 0
+        )
+        if dec is not None:
+            launches.append(
+                Launch(
+                    kernel=_paged_attention_kernel,
+                    grid=(n_dec,),
+                    args=dict(args, num_q_tiles=0),
+                    options=tiles.options,
+                    target=target,
+                    name=f"{OP}:decode",
+                    outputs=(out,),
+                )
+            )
+        return launches
     if splits > 1:
         reduce_args = dict(
             out_ptr=out,

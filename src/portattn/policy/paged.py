@@ -187,6 +187,32 @@ MIN_SPLIT_TOKENS = 1024
 MAX_SPLITS = 16
 SPLIT_PROGRAMS_PER_SM = 2
 
+# -- sm_90 prefill kernel (issue 19, `portattn.kernels.paged_prefill_sm90`) ----------------------
+# On sm_90 the prefill part of a batch (sequences with more query tokens than the decode row tile
+# holds) runs on a Gluon kernel: 128-row tiles on two warpgroups (wgmma), K/V by TMA page boxes
+# from a producer warp. The portable kernel's 64-row tile reached about 200-285 TFLOP/s on an
+# H100 (bench/RESULTS.md: prefill 4 x 2048@8k 3373.9 us); issue 19 asks >= 450.
+SM90_PREFILL = True
+#: Query tokens x group rows the longest sequence must fill before the kernel is taken: one of
+#: its 128-row tiles (shorter verification batches stay on the portable kernel's smaller tiles).
+SM90_PREFILL_MIN_ROWS = 128
+
+
+@dataclass(frozen=True)
+class Sm90PrefillTile:
+    """The sm_90 prefill kernel's KV tile for one head_dim: ``block_n`` context tokens per K/V
+    tile, ``stages`` of them in flight (shared memory: Q 128 x d + 2 x stages x block_n x d)."""
+
+    block_n: int
+    stages: int
+
+
+#: head_dim -> tile (bf16/fp16). 128: 32 KB Q + 2 x 64 KB K/V stages = 160 KB of the H100's 227.
+SM90_PREFILL_TILES = {
+    64: Sm90PrefillTile(block_n=128, stages=3),
+    128: Sm90PrefillTile(block_n=128, stages=2),
+}
+
 
 @dataclass(frozen=True)
 class PagedProblem:
@@ -502,3 +528,23 @@ def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
                 f"memory for head_dim {p.head_dim}, {p.elem_bytes}-byte elements"
             )
         block_m //= 2
+
+
+def sm90_prefill(target: Target, problem: PagedProblem) -> bool:
+    """Whether the prefill part of ``problem`` runs on the sm_90 Gluon kernel (pure; the launcher
+    adds what only the tensors tell: strides, alignment, block size, `paged_prefill_sm90`).
+
+    Yes on sm_90 with `SM90_PREFILL` on, 16-bit NHD caches, a head_dim of `SM90_PREFILL_TILES`,
+    and ``max_query_len * group >= SM90_PREFILL_MIN_ROWS``.
+
+    Example: sm_90, 32/8 heads x 128, bf16, max_query_len 512 -> True; max_query_len 8 -> False.
+    """
+    p = problem
+    return (
+        SM90_PREFILL
+        and target.arch == "sm_90"
+        and p.elem_bytes == 2
+        and not p.shuffled
+        and p.head_dim in SM90_PREFILL_TILES
+        and p.max_query_len * p.group >= SM90_PREFILL_MIN_ROWS
+    )

@@ -1,0 +1,521 @@
+"""Paged attention, Hopper (sm_90) prefill kernel in Gluon: TMA page boxes, a producer warp, two
+consumer warpgroups on wgmma (issue 19).
+
+Same math, arguments and output as `portattn.kernels.paged_attention` (whose launcher picks this
+kernel for the prefill part of a batch, `portattn.policy.paged.sm90_prefill`); the decode part of
+a mixed batch stays on the portable kernel (its decode row tile), in a launch of its own.
+
+Work. A program's 128 rows are ``BLOCK_Q`` query tokens x ``HEAD_TILE`` query heads of one KV head
+(as the portable kernel packs GQA groups); warpgroup ``w`` owns rows ``[64 w, 64 w + 64)``. The
+grid is persistent (one program per multiprocessor): a first, small launch (`_work_list_kernel`,
+one program per sequence) writes the list of (sequence, q tile) entries of the sequences this
+kernel serves (``q_len > q_len_lo``), heaviest q tile first within each sequence, and their
+count; item ``i`` of the list (entry ``i // SLOTS``, head slot ``i % SLOTS``) goes to program
+``i % num_programs``. So no program is spent on a decode sequence, and the launch needs no host
+read of the metadata (CUDA graphs).
+
+Schedule (`gl.warp_specialize`): a one-warp producer walks the same items and KV tiles as the
+consumers and, for each tile, waits until both warpgroups released its stage, then loads K and
+V by TMA, one box per ``BOX`` rows of one cache page (the block table read per box; a box past
+the sequence's last page is given a row past the tensor, which TMA fills with zeros), each into
+its own barrier so the score MMA starts as soon as K lands. Each consumer warpgroup: S = Q K^T
+(wgmma, both operands in shared memory), masks on the tiles that reach past the causal limit of
+its first row, base-2 online softmax in registers, then O += P V with P as the register operand
+(wgmma RS), and releases the stage. The two warpgroups run the same code on different rows and
+drift apart, so one's softmax runs under the other's MMAs.
+
+The rows of the sequence's last page past ``seq_len`` are real memory that may hold anything
+(NaN): their scores are masked, and before P V each warpgroup zeroes them in the V tile (both
+write the same zeros; the other warpgroup reads either its own zeros or these).
+
+Requirements (`sm90_prefill_errors`): sm_90, fp16/bf16, NHD, ``head_dim`` in `HEAD_DIMS`,
+``block_size`` a multiple of 16 (TMA boxes of 16..128 rows), the cache rows addressable as one
+2-D tensor of rows ``page * (stride(0) // stride(1)) + slot`` (``stride(3) == 1``, the page stride
+a multiple of the token stride, a token's KV heads within its token stride, 16-byte aligned
+strides and base: contiguous, sliced and hybrid-interleaved NHD caches; not HND-stored ones), and
+shared memory within the target's. Anything else runs on the portable kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from portattn.kernels._launch import Launch
+from portattn.platform import Target
+from portattn.policy.common import LaunchOptions
+from portattn.policy.paged import SM90_PREFILL_TILES, Sm90PrefillTile
+
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+#: Rows per program (two warpgroups of 64).
+BLOCK_M = 128
+#: Head dims this kernel is written for (each with its tile in `SM90_PREFILL_TILES`).
+HEAD_DIMS = tuple(sorted(SM90_PREFILL_TILES))
+#: Warps of the default partition (consumer warpgroup 0); warpgroup 1 and the producer are
+#: worker partitions of 4 and 1 warps.
+NUM_WARPS = 4
+PRODUCER_WARPS = 1
+#: Registers per thread asked for (`setmaxnreg`): consumer warpgroup 1, the producer warp.
+CONSUMER_REGS = 216
+PRODUCER_REGS = 56
+#: Smallest TMA box (rows of one page): pages must be a multiple of it.
+MIN_BOX = 16
+
+
+@triton.jit
+def _work_list_kernel(
+    qsl_ptr,  # [num_seqs + 1]
+    work_ptr,  # int32 [1 + num_seqs * num_q_tiles]: count, then (seq * num_q_tiles + q_tile)
+    num_seqs,
+    q_len_lo,  # sequences with q_len <= q_len_lo are not listed (the decode launch serves them)
+    num_q_tiles,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One program per sequence: its entries, heaviest q tile first, after those of the
+    sequences before it (their count summed here, ``BLOCK_S`` at a time); the last program
+    writes the number of entries to ``work[0]``."""
+    seq = tl.program_id(0)
+    base = 0
+    for s0 in range(0, seq, BLOCK_S):
+        idx = s0 + tl.arange(0, BLOCK_S)
+        m = idx < seq
+        lo = tl.load(qsl_ptr + idx, mask=m, other=0)
+        hi = tl.load(qsl_ptr + idx + 1, mask=m, other=0)
+        q_len = hi - lo
+        base += tl.sum(tl.where(m & (q_len > q_len_lo), tl.cdiv(q_len, BLOCK_Q), 0), axis=0)
+    q_len = tl.load(qsl_ptr + seq + 1) - tl.load(qsl_ptr + seq)
+    n = tl.where(q_len > q_len_lo, tl.cdiv(q_len, BLOCK_Q), 0)
+    for t0 in range(0, n, BLOCK_S):
+        t = t0 + tl.arange(0, BLOCK_S)
+        entry = seq * num_q_tiles + (n - 1 - t)
+        tl.store(work_ptr + 1 + base + t, entry.to(tl.int32), mask=t < n)
+    if seq == num_seqs - 1:
+        tl.store(work_ptr, (base + n).to(tl.int32))
+
+
+@gluon.jit
+def _item(work_ptr, i, num_q_tiles, qsl_ptr, seq_lens_ptr, SLOTS: gl.constexpr,
+          BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """Item ``i``: its sequence, head slot, q tile, query start and length, context length
+    before the queries, the end of its KV range, where its masked tiles start, and its tiles."""
+    e = gl.load(work_ptr + 1 + i // SLOTS)
+    slot = i % SLOTS
+    seq = e // num_q_tiles
+    q_tile = e % num_q_tiles
+    q_start = gl.load(qsl_ptr + seq)
+    q_len = gl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = gl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+    kv_end = gl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
+    full_end = (ctx_len + q_tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
+    n_tiles = gl.cdiv(kv_end, BLOCK_N)
+    return seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles
+
+
+@gluon.jit
+def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.constexpr,
+              STAGES: gl.constexpr, BOX: gl.constexpr):  # fmt: skip
+    """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page."""
+    (work_ptr, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq, stride_bt_blk,
+     block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc, k_smem,
+     v_smem, k_bars, v_bars, empty_bars, q_smem, q_bars, wg_bars) = rt  # fmt: skip
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    HEAD_D: gl.constexpr = k_smem.shape[2]
+    NB: gl.constexpr = BLOCK_N // BOX
+    TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_D * k_smem.dtype.primitive_bitwidth // 8
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_items = gl.load(work_ptr)
+    it = 0
+    for i in range(pid, n_items, nprog):
+        seq, slot, _, _, _, seq_len, _, _, _, n_tiles = _item(
+            work_ptr, i, num_q_tiles, qsl_ptr, seq_lens_ptr, SLOTS, BLOCK_Q, BLOCK_N
+        )
+        kv_head = slot // HEAD_TILES
+        bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt_seq
+        kcol = kv_head * stride_kcol
+        vcol = kv_head * stride_vcol
+        for t in range(n_tiles):
+            s = it % STAGES
+            # the stage's previous tile released by both warpgroups (none before the first use)
+            mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
+            k_buf = k_smem.index(s)
+            v_buf = v_smem.index(s)
+            mbarrier.expect(k_bars.index(s), TILE_BYTES)
+            for b in gl.static_range(NB):
+                pos = t * BLOCK_N + b * BOX
+                real = pos < seq_len
+                blk = gl.load(bt_row + (pos // block_size) * stride_bt_blk, mask=real, other=0)
+                row = gl.where(real, blk.to(gl.int32) * rows_per_page + pos % block_size,
+                               total_rows)  # fmt: skip
+                tma.async_copy_global_to_shared(
+                    k_desc, [row, kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
+                )
+            mbarrier.expect(v_bars.index(s), TILE_BYTES)
+            for b in gl.static_range(NB):
+                pos = t * BLOCK_N + b * BOX
+                real = pos < seq_len
+                blk = gl.load(bt_row + (pos // block_size) * stride_bt_blk, mask=real, other=0)
+                row = gl.where(real, blk.to(gl.int32) * rows_per_page + pos % block_size,
+                               total_rows)  # fmt: skip
+                tma.async_copy_global_to_shared(
+                    v_desc, [row, vcol], v_bars.index(s), v_buf.slice(b * BOX, BOX)
+                )
+            it += 1
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr,
+              GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr,
+              STAGES: gl.constexpr):  # fmt: skip
+    """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program."""
+    (work_ptr, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok, stride_q_head,
+     stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim, scale_log2, k_smem, v_smem, k_bars,
+     v_bars, empty_bars, q_smem) = rt  # fmt: skip
+    dtype: gl.constexpr = k_smem.dtype
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    HEAD_D: gl.constexpr = k_smem.shape[2]
+    ROWS: gl.constexpr = 64
+    QK: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    PV: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16]
+    )
+    PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=PV, k_width=2)
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_D // 8), HEAD_D // 8], [4, 1],
+                                          [1, 0])  # fmt: skip
+    ROW: gl.constexpr = gl.SliceLayout(1, QK)
+    COL: gl.constexpr = gl.SliceLayout(0, QK)
+    PV_ROW: gl.constexpr = gl.SliceLayout(1, PV)
+    q_buf = q_smem.index(WG)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_items = gl.load(work_ptr)
+    it = 0
+    for i in range(pid, n_items, nprog):
+        seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles = _item(
+            work_ptr, i, num_q_tiles, qsl_ptr, seq_lens_ptr, SLOTS, BLOCK_Q, BLOCK_N
+        )
+        kv_head = slot // HEAD_TILES
+        head_tile = slot % HEAD_TILES
+        # -- this warpgroup's query rows into shared memory (the score MMA's A operand) --
+        r = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LOAD))
+        tok = q_tile * BLOCK_Q + r // HEAD_TILE
+        hig = head_tile * HEAD_TILE + r % HEAD_TILE
+        real = (r // HEAD_TILE < BLOCK_Q) & (tok < q_len) & (hig < GROUP)
+        dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
+        q_rows = (q_start + tok).to(gl.int64) * stride_q_tok + (
+            kv_head * GROUP + hig
+        ) * stride_q_head
+        q = gl.load(q_ptr + q_rows[:, None] + dq[None, :] * stride_q_dim, mask=real[:, None],
+                    other=0.0)  # fmt: skip
+        q_buf.store(q)
+        fence_async_shared()
+        gl.thread_barrier()
+        # each row sees the positions < its limit (>= 1: no row is ever fully masked)
+        rs = WG * ROWS + gl.arange(0, ROWS, layout=ROW)
+        limit = ctx_len + q_tile * BLOCK_Q + rs // HEAD_TILE + 1
+        cols = gl.arange(0, BLOCK_N, layout=COL)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=ROW)
+        l_i = gl.zeros([ROWS], gl.float32, layout=ROW)
+        acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=PV)
+        for t in range(n_tiles):
+            s = it % STAGES
+            ph = (it // STAGES) & 1
+            start = t * BLOCK_N
+            mbarrier.wait(k_bars.index(s), ph)
+            qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK)
+            qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)), qk, use_acc=False,
+                               is_async=True)  # fmt: skip
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+            sc = qk * scale_log2
+            if start + BLOCK_N > full_end:
+                pos = start + cols
+                keep = (pos < kv_end)[None, :] & (pos[None, :] < limit[:, None])
+                sc = gl.where(keep, sc, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            p = gl.exp2(sc - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+            m_i = m_new
+            p_op = gl.convert_layout(p.to(dtype), PA)
+            v_buf = v_smem.index(s)
+            mbarrier.wait(v_bars.index(s), ph)
+            if start + BLOCK_N > seq_len:
+                # rows past the sequence (its last page's tail) may hold NaN: zero them
+                vr = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
+                x = v_buf.load(LOAD)
+                v_buf.store(gl.where((vr < seq_len)[:, None], x, gl.zeros_like(x)))
+                fence_async_shared()
+                gl.thread_barrier()
+            acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            gl.thread_barrier()
+            mbarrier.arrive(empty_bars.index(s), count=1)
+            it += 1
+        # -- epilogue: this warpgroup's rows to the output --
+        o = acc / gl.convert_layout(l_i, PV_ROW)[:, None]
+        ro = WG * ROWS + gl.arange(0, ROWS, layout=PV_ROW)
+        tok_o = q_tile * BLOCK_Q + ro // HEAD_TILE
+        hig_o = head_tile * HEAD_TILE + ro % HEAD_TILE
+        real_o = (ro // HEAD_TILE < BLOCK_Q) & (tok_o < q_len) & (hig_o < GROUP)
+        do = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, PV))
+        o_rows = (q_start + tok_o).to(gl.int64) * stride_o_tok + (
+            kv_head * GROUP + hig_o
+        ) * stride_o_head
+        gl.store(out_ptr + o_rows[:, None] + do[None, :] * stride_o_dim, o.to(dtype),
+                 mask=real_o[:, None])  # fmt: skip
+
+
+@gluon.jit
+def _paged_prefill_sm90_kernel(
+    out_ptr,
+    q_ptr,
+    k_desc,  # 2-D view of the key cache's rows: [total_rows, cols], box [BOX, HEAD_D]
+    v_desc,
+    work_ptr,  # `_work_list_kernel`'s list
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale_log2,
+    block_size,
+    rows_per_page,  # the page stride in cache rows (``stride(0) // stride(1)``)
+    total_rows,  # rows of the 2-D views (a row coordinate past them reads zeros)
+    stride_kcol,  # the KV-head stride in elements (column of head h: h * stride)
+    stride_vcol,
+    num_q_tiles,
+    stride_q_tok,
+    stride_q_head,
+    stride_q_dim,
+    stride_o_tok,
+    stride_o_head,
+    stride_o_dim,
+    stride_bt_seq,
+    stride_bt_blk,
+    GROUP: gl.constexpr,
+    HEAD_TILE: gl.constexpr,
+    BLOCK_Q: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_D: gl.constexpr,
+    SLOTS: gl.constexpr,  # KV heads x head tiles per KV head
+    STAGES: gl.constexpr,
+    BOX: gl.constexpr,
+    Q_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [64, HEAD_D]
+    CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+    PRODUCER_WARPS_: gl.constexpr,
+):
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    KV_LAYOUT: gl.constexpr = k_desc.layout
+    HEAD_TILES: gl.constexpr = (GROUP + HEAD_TILE - 1) // HEAD_TILE
+    q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_D], Q_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(s), count=1)
+        mbarrier.init(v_bars.index(s), count=1)
+        mbarrier.init(empty_bars.index(s), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+    prod = (work_ptr, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+            stride_bt_seq, stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol,
+            stride_vcol, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem,
+            k_bars, k_bars)  # fmt: skip
+    cons = (work_ptr, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
+            stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
+            scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem)  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES)),
+            (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES)),
+            (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX)),
+        ],
+        [4, PRODUCER_WARPS_],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+
+
+# -- host side ----------------------------------------------------------------------------------
+
+
+def box_rows(block_size: int, block_n: int) -> int:
+    """Rows per TMA box: the largest power of two dividing ``block_size``, at most ``block_n``
+    (a box never crosses a page)."""
+    return min(block_n, block_size & -block_size)
+
+
+def smem_bytes(tile: Sm90PrefillTile, head_dim: int, elem: int = 2) -> int:
+    """Shared memory this kernel allocates, an upper bound: Q (128 rows), ``stages`` K and V
+    tiles, 3 barriers per stage and 1 KB for Triton's alignment."""
+    q = BLOCK_M * head_dim * elem
+    kv = 2 * tile.stages * tile.block_n * head_dim * elem
+    return q + kv + 3 * tile.stages * 8 + 1024
+
+
+def _rows_per_page(cache: torch.Tensor) -> int:
+    return cache.stride(0) // cache.stride(1) if cache.stride(1) else 0
+
+
+def sm90_prefill_errors(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layout: str,
+    target: Target,
+) -> list[str]:  # fmt: skip
+    """Why this kernel cannot serve a launch (empty: it can); module doc, Requirements."""
+    head_dim = query.shape[-1]
+    tile = SM90_PREFILL_TILES.get(head_dim)
+    rules = [
+        (target.arch == "sm_90", f"target {target.arch} is not sm_90"),
+        (query.dtype in _GL_DTYPES, f"dtype {query.dtype} is not fp16/bf16"),
+        (layout == "NHD", f"layout {layout} is not NHD"),
+        (tile is not None, f"head_dim {head_dim} not in {HEAD_DIMS}"),
+        (query.device.type in ("cuda", "meta"), "not a CUDA (or meta) tensor"),
+    ]
+    if tile is not None:
+        smem = smem_bytes(tile, head_dim, query.element_size())
+        rules.append(
+            (smem <= target.max_shared_mem, f"shared memory {smem} B > {target.max_shared_mem}")
+        )
+    elem = query.element_size()
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        bs = c.shape[1]
+        rules += [
+            (bs % MIN_BOX == 0, f"{name} block_size {bs} is not a multiple of {MIN_BOX}"),
+            (c.stride(3) == 1, f"{name} head_dim stride {c.stride(3)} is not 1"),
+            (
+                (c.shape[2] - 1) * c.stride(2) + c.shape[3] <= c.stride(1),
+                f"{name}'s KV heads of a token do not lie within its token stride {c.stride(1)} "
+                f"(head stride {c.stride(2)}: e.g. an HND cache)",
+            ),
+            (
+                c.stride(1) > 0 and c.stride(0) % c.stride(1) == 0,
+                f"{name} page stride {c.stride(0)} is not a multiple of its token stride "
+                f"{c.stride(1)}",
+            ),
+            (
+                (c.stride(1) * elem) % 16 == 0 and (c.stride(0) * elem) % 16 == 0,
+                f"{name} strides {tuple(c.stride())} are not 16-byte aligned",
+            ),
+            (c.data_ptr() % 16 == 0, f"{name} base is not 16-byte aligned"),
+            (
+                _total_rows(c) < 2**31,
+                f"{name} spans {_total_rows(c)} rows, past TMA's 32-bit coordinates",
+            ),
+        ]
+    return [why for ok, why in rules if not ok]
+
+
+def _total_rows(cache: torch.Tensor) -> int:
+    return (cache.shape[0] - 1) * _rows_per_page(cache) + cache.shape[1] if cache.shape[0] else 0
+
+
+def _descriptor(cache: torch.Tensor, tile: Sm90PrefillTile, box: int) -> TensorDescriptor:
+    """The cache's rows as one 2-D tensor: row ``page * rows_per_page + slot``, columns from
+    the first KV head's first element (head ``h`` at ``h * stride(2)``); boxes ``[box, d]``."""
+    d = cache.shape[3]
+    cols = (cache.shape[2] - 1) * cache.stride(2) + d
+    layout = gl.NVMMASharedLayout.get_default_for([tile.block_n, d], _GL_DTYPES[cache.dtype])
+    return TensorDescriptor(
+        cache, [_total_rows(cache), cols], [cache.stride(1), 1], [box, d], layout
+    )
+
+
+def sm90_prefill_launches(
+    main: Launch, key_cache: torch.Tensor, value_cache: torch.Tensor, q_len_lo: int
+) -> list[Launch]:
+    """The portable kernel's launch ``main``'s prefill part (sequences with ``q_len >
+    q_len_lo``) by this kernel: the work-list launch, then the kernel's (same outputs)."""
+    a = main.args
+    head_dim = key_cache.shape[3]
+    tile = SM90_PREFILL_TILES[head_dim]
+    group = a["GROUP"]
+    head_tile = min(group, BLOCK_M)
+    block_q = BLOCK_M // head_tile
+    slots = a["num_kv_heads"] * -(-group // head_tile)
+    num_seqs = a["num_seqs"]
+    num_q_tiles = max(1, -(-a["num_q_tiles"] * a["BLOCK_Q"] // block_q))
+    device = main.args["q_ptr"].device
+    work = torch.empty(1 + num_seqs * num_q_tiles, dtype=torch.int32, device=device)
+    box = min(
+        box_rows(key_cache.shape[1], tile.block_n), box_rows(value_cache.shape[1], tile.block_n)
+    )
+    work_launch = Launch(
+        kernel=_work_list_kernel,
+        grid=(num_seqs,),
+        args=dict(
+            qsl_ptr=a["query_start_loc_ptr"],
+            work_ptr=work,
+            num_seqs=num_seqs,
+            q_len_lo=q_len_lo,
+            num_q_tiles=num_q_tiles,
+            BLOCK_Q=block_q,
+            BLOCK_S=128,
+        ),
+        options=LaunchOptions(4, 1),
+        target=main.target,
+        name="paged_attention:work_list",
+        outputs=main.outputs,  # (the op's outputs: the plan cache returns the first launch's)
+    )
+    dtype = _GL_DTYPES[key_cache.dtype]
+    args = dict(
+        out_ptr=a["out_ptr"],
+        q_ptr=a["q_ptr"],
+        k_desc=_descriptor(key_cache, tile, box),
+        v_desc=_descriptor(value_cache, tile, box),
+        work_ptr=work,
+        block_table_ptr=a["block_table_ptr"],
+        seq_lens_ptr=a["seq_lens_ptr"],
+        query_start_loc_ptr=a["query_start_loc_ptr"],
+        scale_log2=a["scale_log2"],
+        block_size=key_cache.shape[1],
+        rows_per_page=_rows_per_page(key_cache),
+        total_rows=_total_rows(key_cache),
+        stride_kcol=key_cache.stride(2),
+        stride_vcol=value_cache.stride(2),
+        num_q_tiles=num_q_tiles,
+        stride_q_tok=a["stride_q_tok"],
+        stride_q_head=a["stride_q_head"],
+        stride_q_dim=a["stride_q_dim"],
+        stride_o_tok=a["stride_o_tok"],
+        stride_o_head=a["stride_o_head"],
+        stride_o_dim=a["stride_o_dim"],
+        stride_bt_seq=a["stride_bt_seq"],
+        stride_bt_blk=a["stride_bt_blk"],
+        GROUP=group,
+        HEAD_TILE=head_tile,
+        BLOCK_Q=block_q,
+        BLOCK_N=tile.block_n,
+        HEAD_D=head_dim,
+        SLOTS=slots,
+        STAGES=tile.stages,
+        BOX=box,
+        Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([64, head_dim], dtype),
+        CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS,
+        PRODUCER_WARPS_=PRODUCER_WARPS,
+    )
+    kernel = Launch(
+        kernel=_paged_prefill_sm90_kernel,
+        grid=(main.target.num_sms,),
+        args=args,
+        options=LaunchOptions(NUM_WARPS, 1),
+        target=main.target,
+        name="paged_prefill_sm90",
+        outputs=main.outputs,
+    )
+    return [work_launch, kernel]

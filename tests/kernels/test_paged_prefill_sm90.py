@@ -1,0 +1,269 @@
+"""The sm_90 prefill kernel (issue 19): which launches a plan takes, its work list (run by the
+interpreter on a CPU), its compile for sm_90 (no spills, shared memory within the estimate), and,
+on an H100, its numerics against the fp64 oracle (`gpu`). Triton's interpreter cannot run Gluon."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from portattn.compile import default_cases, run_matrix
+from portattn.kernels._launch import Launch
+from portattn.kernels.paged_attention import paged_attention, plan_paged_attention
+from portattn.kernels.paged_prefill_sm90 import (
+    _work_list_kernel,
+    box_rows,
+    sm90_prefill_errors,
+    smem_bytes,
+)
+from portattn.platform import get_target
+from portattn.policy import paged as paged_policy
+from portattn.policy.common import LaunchOptions
+from portattn.policy.paged import SM90_PREFILL_TILES, PagedProblem, sm90_prefill
+from tests.kernels.test_paged_attention import check, make_batch
+
+pytestmark = pytest.mark.paged
+
+SM90 = get_target("sm_90")
+META = dict(device="meta")
+
+
+def _plan(*, heads=(32, 8), head_dim=128, block_size=16, dtype=torch.bfloat16, mql=512,
+          seqs=64, ctx=4096, layout="NHD", cache=None, target=SM90):  # fmt: skip
+    hq, hkv = heads
+    q = torch.empty(8 * mql + seqs - 8, hq, head_dim, dtype=dtype, **META)
+    if cache is None:
+        cache = torch.empty(seqs * ctx // block_size + 1, block_size, hkv, head_dim, dtype=dtype,
+                            **META)  # fmt: skip
+    bt = torch.empty(seqs, -(-ctx // block_size), dtype=torch.int32, **META)
+    sl = torch.empty(seqs, dtype=torch.int32, **META)
+    qsl = torch.empty(seqs + 1, dtype=torch.int32, **META)
+    return plan_paged_attention(q, cache, cache, bt, sl, qsl, target=target, layout=layout,
+                                max_query_len=mql, max_seq_len=ctx)  # fmt: skip
+
+
+def _names(launches: list[Launch]) -> list[str]:
+    return [launch.name for launch in launches]
+
+
+MIXED = ["paged_attention:work_list", "paged_prefill_sm90", "paged_attention:decode"]
+
+
+def test_mixed_batch_takes_the_sm90_kernel_and_the_decode_tile():
+    launches = _plan()
+    assert _names(launches) == MIXED
+    work, main, dec = launches
+    # the op's output is every launch's: the plan cache returns the first launch's outputs
+    assert work.outputs == main.outputs == dec.outputs
+    assert main.grid == (SM90.num_sms,)
+    assert main.args["BLOCK_Q"] == 32 and main.args["HEAD_TILE"] == 4  # 128 rows, GQA 4:1
+    assert main.args["BOX"] == 16 and main.args["rows_per_page"] == 16
+    # the decode launch serves the decode row tile alone: no main-tile program
+    assert dec.args["num_q_tiles"] == 0 and dec.args["DECODE_ROLE"]
+    assert dec.grid == (8 * 64,)
+    # sequences the decode tile serves are left out of the work list
+    assert work.args["q_len_lo"] == dec.args["DEC_BLOCK_Q"]
+
+
+@pytest.mark.parametrize(("block_size", "box"), [(16, 16), (80, 16), (544, 32), (2048, 128)])
+def test_boxes_never_cross_a_page(block_size, box):
+    assert box_rows(block_size, 128) == box
+    (main,) = [launch for launch in _plan(block_size=block_size) if "sm90" in launch.name]
+    assert main.args["BOX"] == box and block_size % box == 0
+
+
+def test_pure_prefill_has_no_decode_launch():
+    # MHA: a 128-row tile is 128 tokens of one head; the decode tile serves q_len <= 16
+    launches = _plan(heads=(16, 16), mql=4096, seqs=8)
+    assert _names(launches)[:2] == MIXED[:2]
+    main = launches[1]
+    assert main.args["BLOCK_Q"] == 128 and main.args["HEAD_TILE"] == 1 and main.args["SLOTS"] == 16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"target": get_target("sm_80")}, None),
+        ({"target": get_target("sm_100")}, None),
+        ({"dtype": torch.float32}, None),
+        ({"head_dim": 256}, None),
+        ({"mql": 8}, None),  # 32 rows: a verification step stays on the portable tiles
+        ({"block_size": 1}, "block_size 1 is not a multiple of 16"),
+        ({"block_size": 24}, "block_size 24 is not a multiple of 16"),
+    ],
+)
+def test_portable_kernel_serves_the_rest(kwargs, why):
+    launches = _plan(**kwargs)
+    assert "paged_prefill_sm90" not in _names(launches)
+    if why is not None:
+        q = torch.empty(1, 32, 128, dtype=torch.bfloat16, **META)
+        bs = kwargs["block_size"]
+        cache = torch.empty(4, bs, 8, 128, dtype=torch.bfloat16, **META)
+        assert any(why in e for e in sm90_prefill_errors(q, cache, cache, "NHD", SM90))
+
+
+def test_hnd_stored_cache_is_refused_with_its_reason():
+    cache = torch.empty(256, 8, 16, 128, dtype=torch.bfloat16, **META).permute(0, 2, 1, 3)
+    launches = _plan(cache=cache)
+    assert "paged_prefill_sm90" not in _names(launches)
+    q = torch.empty(1, 32, 128, dtype=torch.bfloat16, **META)
+    errors = sm90_prefill_errors(q, cache, cache, "NHD", SM90)
+    assert any("HND" in e for e in errors), errors
+
+
+def test_switch_off_sends_it_back(monkeypatch):
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL", False)
+    assert _names(_plan()) == ["paged_attention"]
+
+
+def test_policy_rule_is_pure():
+    p = PagedProblem(num_q_heads=32, num_kv_heads=8, head_dim=128, elem_bytes=2,
+                     max_query_len=512)  # fmt: skip
+    assert sm90_prefill(SM90, p)
+    assert not sm90_prefill(SM90, PagedProblem(32, 8, 128, 2, max_query_len=31))
+    assert sm90_prefill(SM90, PagedProblem(32, 8, 128, 2, max_query_len=32))
+    assert not sm90_prefill(SM90, PagedProblem(32, 8, 128, 2, 512, shuffled=True))
+    assert not sm90_prefill(get_target("gfx942"), p)
+
+
+@pytest.mark.parametrize("head_dim", sorted(SM90_PREFILL_TILES))
+def test_shared_memory_estimate_fits_the_h100(head_dim):
+    assert smem_bytes(SM90_PREFILL_TILES[head_dim], head_dim) <= SM90.max_shared_mem
+
+
+# -- the work list, on the interpreter ------------------------------------------------------------
+
+
+def _work_list(q_lens, q_len_lo, block_q):
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
+    mql = max(q_lens, default=1)
+    num_q_tiles = max(1, -(-mql // block_q))
+    work = torch.full((1 + len(q_lens) * num_q_tiles,), -7, dtype=torch.int32)
+    Launch(
+        kernel=_work_list_kernel,
+        grid=(len(q_lens),),
+        args=dict(
+            qsl_ptr=qsl,
+            work_ptr=work,
+            num_seqs=len(q_lens),
+            q_len_lo=q_len_lo,
+            num_q_tiles=num_q_tiles,
+            BLOCK_Q=block_q,
+            BLOCK_S=4,
+        ),  # fmt: skip
+        options=LaunchOptions(4, 1),
+        target=SM90,
+    ).run()
+    n = int(work[0])
+    return [divmod(int(e), num_q_tiles) for e in work[1 : 1 + n]], num_q_tiles
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "q_len_lo", "block_q"),
+    [
+        ((512, 1, 1, 3, 512, 0, 1), 2, 32),  # decode-tile sequences and an idle slot left out
+        ((1, 1, 1), 2, 32),  # nothing for this kernel
+        ((33, 32, 31, 65, 1, 100, 7, 9, 200, 2, 128), 0, 32),  # > BLOCK_S sequences
+        ((4096,) * 3, 4, 128),
+    ],
+)
+def test_work_list_lists_each_prefill_tile_once_heaviest_first(q_lens, q_len_lo, block_q):
+    entries, _ = _work_list(list(q_lens), q_len_lo, block_q)
+    expect = [
+        (seq, t)
+        for seq, q in enumerate(q_lens)
+        if q > q_len_lo
+        for t in reversed(range(-(-q // block_q)))
+    ]
+    assert entries == expect
+
+
+# -- compile for sm_90 (no GPU) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case_id", ["bs16", "bs544", "bs2048"])
+def test_compiles_for_sm90_without_spills(case_id):
+    """The issue-19 prefill cases of the compile matrix: the sm_90 kernel within its estimate
+    (and the target's shared memory), no spills (ptxas spilled 4-132 B when the producer warp had
+    24 registers)."""
+    case = {c.id: c for c in default_cases()}[
+        f"paged_attention/hd128 gqa4 {case_id} NHD prefill q512 issue19"
+    ]
+    (cell,) = run_matrix([case], ["sm_90"])
+    (r,) = [launch for launch in cell.launches if launch.name == "paged_prefill_sm90"]
+    assert r.ok, r.error
+    assert r.shared <= smem_bytes(SM90_PREFILL_TILES[128], 128) <= SM90.max_shared_mem
+    assert r.spills == 0
+
+
+# -- GPU: numerics against the fp64 oracle ------------------------------------------------------
+
+# (seq_len, q_len): chunks at odd offsets, a chunk ending on a tile edge, pure prefill, decodes,
+# a short verification step, an idle slot
+GPU_SEQS = ((4100, 512), (1, 1), (700, 700), (3000, 37), (128, 128), (2049, 1), (600, 4),
+            (5, 0), (257, 129))  # fmt: skip
+GPU_CASES = [
+    # (heads, head_dim, block_size, kind, dtype)
+    ((32, 8), 128, 16, "contiguous", torch.bfloat16),
+    ((32, 8), 128, 544, "hybrid", torch.bfloat16),
+    ((32, 8), 128, 2048, "contiguous", torch.float16),
+    ((32, 8), 128, 80, "slice", torch.bfloat16),
+    ((16, 16), 128, 32, "contiguous", torch.bfloat16),  # MHA: 128 tokens x 1 head
+    ((40, 8), 64, 16, "hybrid", torch.float16),  # GQA 5:1: 25 tokens x 5 heads, 3 rows padded
+    ((64, 4), 64, 2048, "contiguous", torch.bfloat16),  # GQA 16:1: 8 tokens x 16 heads
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "block_size", "kind", "dtype"),
+    GPU_CASES,
+    ids=[f"{h[0]}q{h[1]}kv-d{d}-bs{b}-{k}-{str(t)[6:]}" for h, d, b, k, t in GPU_CASES],
+)
+def test_gpu_sm90_prefill(heads, head_dim, block_size, kind, dtype):
+    """The public op with and without the maxima; the sm_90 kernel is in the plan, the caches
+    are NaN wherever the kernel must not read (past each sequence, unused blocks, gaps)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90 kernel needs an sm_90 GPU")
+    b = make_batch(GPU_SEQS, block_size=block_size, heads=heads, head_dim=head_dim, dtype=dtype,
+                   kind=kind, device="cuda")  # fmt: skip
+    mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
+    launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
+    assert "paged_prefill_sm90" in _names(launches), sm90_prefill_errors(
+        b.query, b.key_cache, b.value_cache, "NHD", get_target("sm_90")
+    )
+    out = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
+    torch.cuda.synchronize()
+    check(b, out)
+    out2 = paged_attention(*b.args())  # the bounds read from the metadata
+    torch.cuda.synchronize()
+    check(b, out2)
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_prefill_graph_replay_with_new_lengths():
+    """Captured with the maxima given (the work list is built on the device), replayed after the
+    batch's lengths change in place: other sequences prefill, others decode."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90 kernel needs an sm_90 GPU")
+    seqs = ((3000, 300), (2000, 1), (999, 1), (1500, 250))
+    b = make_batch(seqs, block_size=16, heads=(32, 8), head_dim=128, dtype=torch.bfloat16,
+                   device="cuda")  # fmt: skip
+    out = torch.empty_like(b.query)
+    kw = dict(max_query_len=300, max_seq_len=3000, out=out)
+    paged_attention(*b.args(), **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(*b.args(), **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(b, out)
+    # the same 552 query rows split otherwise: sequence 1 now prefills 300, 0 decodes
+    b.query_start_loc.copy_(torch.tensor([0, 1, 301, 302, 552], device="cuda"))
+    b.seq_lens.copy_(torch.tensor([2500, 1900, 999, 1500], device="cuda"))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(b, out)
