@@ -237,7 +237,7 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows) -> list[dict]:
             raise SystemExit(
                 f"correctness: {name} block {bs} {vname}: kernel error {e_kernel:.3e} > 2 x "
                 f"torch {str(dtype).removeprefix('torch.')} error {oracle.e_torch:.3e} (or "
-                f"non-finite) on {len(oracle.rows)} checked rows; nothing of this point is timed"
+                f"non-finite) on {len(oracle.rows)} checked rows; the run stops here"
             )
         graph_us = do_bench_cudagraph(call, return_mode="median") * 1e3
         eager_us = do_bench(call, return_mode="median") * 1e3
@@ -249,6 +249,7 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows) -> list[dict]:
             plan=describe_plan(args, {k: v for k, v in kw.items() if k != "out"}),
         )  # fmt: skip
         print(fmt_row(row))
+        print(f"  {len(oracle.rows)} rows checked (oracle {oracle_s:.1f} s); plan: {row['plan']}")
         rows.append(row)
     del args, oracle
     torch.cuda.empty_cache()

@@ -7,6 +7,7 @@ runs once on the kernel's output (interpreter on the CPU, or the GPU) and once o
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -140,3 +141,27 @@ def test_oracle_passes_the_kernel_and_stops_a_corrupted_output(device, variant):
     bad = out.clone()
     bad[int(oracle.rows[-9])] += 0.05  # one checked row of the last prefill window, a bit off
     assert not oracle.check(bad)[0]
+
+
+@pytest.mark.cpu
+def test_main_runs_check_time_and_summary_on_the_interpreter(monkeypatch, tmp_path, capsys):
+    """The whole flow of `main` on one tiny point: the interpreter's kernel, timers and ceilings
+    stubbed (1 ms each, 3000 GB/s, 750 TFLOP/s), the JSON record written."""
+    monkeypatch.setattr(bp, "make_inputs", lambda *a, **k: make_inputs(*a, **k, device="cpu"))
+    monkeypatch.setattr(bp, "do_bench", lambda fn, return_mode: (fn(), 1.0)[1])
+    monkeypatch.setattr(bp, "do_bench_cudagraph", lambda fn, return_mode: (fn(), 1.0)[1])
+    monkeypatch.setattr(bp, "copy_ceiling", lambda n: (3000.0, 0.1))
+    monkeypatch.setattr(bp, "matmul_rate", lambda: (750.0, 1.0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bp, "POINTS", {"mixed 2x12 + 3x1 @20": (bp.mixed(2, 12, 3, 20), (3, 5))})
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert bp.main(["--dtype", "fp16", "--check-rows", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "== summary" in text and "max/min 1.000 (goal <= 1.05: met)" in text
+    rec = json.loads((tmp_path / "bench_prefill.json").read_text())
+    assert [r["block_size"] for r in rec["rows"]] == [3, 5]
+    flops = bp.prefill_flops(bp.mixed(2, 12, 3, 20))
+    assert rec["rows"][0]["prefill_tflops"] == pytest.approx(flops / 1e-3 / 1e12)
+    assert rec["rows"][0]["checked_rows"] == 4 + 4 + 4 + 1 + 1
