@@ -66,15 +66,18 @@ SCENARIOS = {
 BLOCK_SIZES = (16, 2048)
 
 
-def make_inputs(seqs, block_size, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def make_inputs(seqs, block_size, dtype, seed=0, device="cuda"):
+    """Random ``(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)`` for
+    ``seqs`` (``(seq_len, q_len)`` each) in NHD caches of ``block_size``, blocks a random
+    permutation; ``device="cpu"`` for CPU tests (the kernels under ``TRITON_INTERPRET=1``)."""
+    g = torch.Generator(device=device).manual_seed(seed)
     nblk = [-(-s // block_size) for s, _ in seqs]
     num_blocks = sum(nblk)
     shape = (num_blocks, block_size, HKV, D)
-    k = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
-    perm = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32)
-    table = torch.full((len(seqs), max(nblk)), -1, dtype=torch.int32, device="cuda")
+    k = torch.randn(shape, device=device, dtype=dtype, generator=g)
+    v = torch.randn(shape, device=device, dtype=dtype, generator=g)
+    perm = torch.randperm(num_blocks, device=device, generator=g).to(torch.int32)
+    table = torch.full((len(seqs), max(nblk)), -1, dtype=torch.int32, device=device)
     first = 0
     for i, n in enumerate(nblk):
         table[i, :n] = perm[first : first + n]
@@ -82,9 +85,9 @@ def make_inputs(seqs, block_size, dtype, seed=0):
     q_lens = torch.tensor([q for _, q in seqs], dtype=torch.int32)
     qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     qsl[1:] = q_lens.cumsum(0)
-    query = torch.randn(int(qsl[-1]), HQ, D, device="cuda", dtype=dtype, generator=g)
-    seq_lens = torch.tensor([s for s, _ in seqs], dtype=torch.int32, device="cuda")
-    return query, k, v, table, seq_lens, qsl.cuda()
+    query = torch.randn(int(qsl[-1]), HQ, D, device=device, dtype=dtype, generator=g)
+    seq_lens = torch.tensor([s for s, _ in seqs], dtype=torch.int32, device=device)
+    return query, k, v, table, seq_lens, qsl.to(device)
 
 
 def check(args, n=3):

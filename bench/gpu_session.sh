@@ -22,6 +22,7 @@ if [[ $what == bench || $what == all ]]; then
   python3 bench/bench_mla.py > "$OUT/bench_mla.log" 2>&1; sed -n '/^== summary/,$p' "$OUT/bench_mla.log"
   python3 bench/bench_paged.py > "$OUT/bench_paged.log" 2>&1; sed -n '/^== summary/,$p' "$OUT/bench_paged.log"
   python3 bench/bench_cache.py > "$OUT/bench_cache.log" 2>&1; sed -n '/^== summary/,$p' "$OUT/bench_cache.log"
+  python3 bench/bench_prefill.py > "$OUT/bench_prefill.log" 2>&1; sed -n '/^== summary/,$p' "$OUT/bench_prefill.log"
   # the mixed batch against torch SDPA doing the same work as one batch (CUDA graphs)
   python3 bench/sweep_paged.py --points mixed > "$OUT/sweep_paged.log" 2>&1
   grep -E "^mixed|full call|torch SDPA|#1|policy" "$OUT/sweep_paged.log"
