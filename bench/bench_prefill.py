@@ -59,8 +59,10 @@ from _common import copy_ceiling, git_commit, matmul_rate, save_record  # noqa: 
 from bench_paged import HKV, HQ, D, make_inputs  # noqa: E402
 
 from portattn import reference  # noqa: E402
+from portattn.kernels._plans import PLANS  # noqa: E402
 from portattn.kernels.paged_attention import paged_attention, plan_paged_attention  # noqa: E402
 from portattn.platform import get_target  # noqa: E402
+from portattn.policy import paged as paged_policy  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PREFILL_GOAL_TFLOPS = 450.0  # issue 19: pure prefill, effective
@@ -189,9 +191,13 @@ class Oracle:
         return bool(torch.isfinite(got).all()) and e <= 2 * self.e_torch, e
 
 
-def variants(targets) -> dict[str, dict]:
-    """Variant name -> keyword arguments added to the `paged_attention` call."""
+def variants(targets, portable: bool = False) -> dict[str, dict]:
+    """Variant name -> keyword arguments added to the `paged_attention` call; the key
+    ``SM90_PREFILL`` (not a call argument) sets `portattn.policy.paged.SM90_PREFILL` for the
+    variant (plan cache emptied around it: the switch is not in a plan's key)."""
     out: dict[str, dict] = {"policy": {}}
+    if portable:
+        out["portable"] = dict(SM90_PREFILL=False)
     for arch in targets:
         out[f"{arch} policy"] = dict(target=get_target(arch))
     return out
@@ -227,33 +233,48 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows) -> list[dict]:
     roof = roofline_us(flops, nbytes, mm_tflops, copy_gbs)
     rows = []
     for vname, extra in var.items():
-        out = torch.empty_like(args[0])
-        kw = dict(max_query_len=mql, max_seq_len=msl, out=out, **extra)
-        call = functools.partial(paged_attention, *args, **kw)
-        out.normal_()  # stale values must not pass the check
-        call()
-        ok, e_kernel = oracle.check(out)
-        if not ok:
-            raise SystemExit(
-                f"correctness: {name} block {bs} {vname}: kernel error {e_kernel:.3e} > 2 x "
-                f"torch {str(dtype).removeprefix('torch.')} error {oracle.e_torch:.3e} (or "
-                f"non-finite) on {len(oracle.rows)} checked rows; the run stops here"
-            )
-        graph_us = do_bench_cudagraph(call, return_mode="median") * 1e3
-        eager_us = do_bench(call, return_mode="median") * 1e3
-        row = dict(
-            scenario=name, block_size=bs, variant=vname, graph_us=graph_us, eager_us=eager_us,
-            roofline_us=roof, x_roof=graph_us / roof, prefill_flops=flops, decode_bytes=nbytes,
-            prefill_tflops=flops / (graph_us * 1e-6) / 1e12, err_kernel=e_kernel,
-            err_torch=oracle.e_torch, checked_rows=len(oracle.rows), oracle_s=oracle_s,
-            plan=describe_plan(args, {k: v for k, v in kw.items() if k != "out"}),
-        )  # fmt: skip
-        print(fmt_row(row))
-        print(f"  {len(oracle.rows)} rows checked (oracle {oracle_s:.1f} s); plan: {row['plan']}")
-        rows.append(row)
+        extra = dict(extra)
+        switch = extra.pop("SM90_PREFILL", paged_policy.SM90_PREFILL)
+        saved, paged_policy.SM90_PREFILL = paged_policy.SM90_PREFILL, switch
+        PLANS.clear()
+        try:
+            rows.append(_bench_variant(name, seqs, bs, dtype, args, oracle, oracle_s, vname,
+                                       extra, mql, msl, flops, nbytes, roof))  # fmt: skip
+        finally:
+            paged_policy.SM90_PREFILL = saved
+            PLANS.clear()
     del args, oracle
     torch.cuda.empty_cache()
     return rows
+
+
+def _bench_variant(name, seqs, bs, dtype, args, oracle, oracle_s, vname, extra, mql, msl, flops,
+                   nbytes, roof) -> dict:  # fmt: skip
+    """One variant at one point: checked, then timed (graph and eager medians)."""
+    out = torch.empty_like(args[0])
+    kw = dict(max_query_len=mql, max_seq_len=msl, out=out, **extra)
+    call = functools.partial(paged_attention, *args, **kw)
+    out.normal_()  # stale values must not pass the check
+    call()
+    ok, e_kernel = oracle.check(out)
+    if not ok:
+        raise SystemExit(
+            f"correctness: {name} block {bs} {vname}: kernel error {e_kernel:.3e} > 2 x "
+            f"torch {str(dtype).removeprefix('torch.')} error {oracle.e_torch:.3e} (or "
+            f"non-finite) on {len(oracle.rows)} checked rows; the run stops here"
+        )
+    graph_us = do_bench_cudagraph(call, return_mode="median") * 1e3
+    eager_us = do_bench(call, return_mode="median") * 1e3
+    row = dict(
+        scenario=name, block_size=bs, variant=vname, graph_us=graph_us, eager_us=eager_us,
+        roofline_us=roof, x_roof=graph_us / roof, prefill_flops=flops, decode_bytes=nbytes,
+        prefill_tflops=flops / (graph_us * 1e-6) / 1e12, err_kernel=e_kernel,
+        err_torch=oracle.e_torch, checked_rows=len(oracle.rows), oracle_s=oracle_s,
+        plan=describe_plan(args, {k: v for k, v in kw.items() if k != "out"}),
+    )  # fmt: skip
+    print(fmt_row(row))
+    print(f"  {len(oracle.rows)} rows checked (oracle {oracle_s:.1f} s); plan: {row['plan']}")
+    return row
 
 
 HEADER = (
@@ -287,6 +308,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--points", default="", help="comma-separated substrings of point names")
+    ap.add_argument("--portable", action="store_true",
+                    help="also the portable kernel alone (SM90_PREFILL off) on sm_90")  # fmt: skip
     ap.add_argument("--target", action="append", default=[], choices=["gfx942", "gfx950"],
                     help="also that target's policy, forced on this GPU (repeatable)")  # fmt: skip
     ap.add_argument("--check-rows", type=int, default=CHECK_ROWS,
@@ -298,7 +321,7 @@ def main(argv=None) -> int:
     points = {n: p for n, p in POINTS.items() if any(s in n for s in opts.points.split(","))}
     if not points:
         sys.exit(f"bench_prefill: --points {opts.points!r} matches none of {list(POINTS)}")
-    var = variants(opts.target)
+    var = variants(opts.target, opts.portable)
     elem = torch.finfo(dtype).bits // 8
     # the copy as large as the largest decode part (at least 256 MB: pure prefill has none)
     copy_gbs, copy_ms = copy_ceiling(

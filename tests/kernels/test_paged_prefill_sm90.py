@@ -201,7 +201,7 @@ def test_compiles_for_sm90_without_spills(case_id):
 
 # (seq_len, q_len): chunks at odd offsets, a chunk ending on a tile edge, pure prefill, decodes,
 # a short verification step, an idle slot
-GPU_SEQS = ((4100, 512), (1, 1), (700, 700), (3000, 37), (128, 128), (2049, 1), (600, 4),
+GPU_SEQS = ((2100, 300), (1, 1), (400, 400), (1000, 37), (128, 128), (777, 1), (300, 4),
             (5, 0), (257, 129))  # fmt: skip
 GPU_CASES = [
     # (heads, head_dim, block_size, kind, dtype)
