@@ -137,7 +137,7 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
     TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_D * k_smem.dtype.primitive_bitwidth // 8
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    n_items = gl.load(work_ptr)
+    n_items = gl.load(work_ptr) * SLOTS  # work[0] counts (sequence, q tile) entries
     it = 0
     for i in range(pid, n_items, nprog):
         seq, slot, _, _, _, seq_len, _, _, _, n_tiles = _item(
@@ -203,7 +203,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     q_buf = q_smem.index(WG)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    n_items = gl.load(work_ptr)
+    n_items = gl.load(work_ptr) * SLOTS  # work[0] counts (sequence, q tile) entries
     it = 0
     for i in range(pid, n_items, nprog):
         seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles = _item(
