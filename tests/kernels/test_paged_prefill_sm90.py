@@ -111,6 +111,20 @@ def test_hnd_stored_cache_is_refused_with_its_reason():
     assert any("HND" in e for e in errors), errors
 
 
+def test_hybrid_page_of_odd_state_size_is_refused():
+    """K, V and a 48-byte state per page: the page stride is no multiple of the token stride,
+    so no 2-D view addresses it (the portable kernel serves it); whole state rows are taken."""
+    from portattn.layout import make_hybrid_cache
+
+    q = torch.empty(1, 32, 128, dtype=torch.bfloat16, **META)
+    odd = make_hybrid_cache(64, 544, 8, 128, mamba_state_bytes=48, dtype=torch.bfloat16, **META)
+    errors = sm90_prefill_errors(q, odd.key_cache, odd.value_cache, "NHD", SM90)
+    assert any("page stride" in e for e in errors), errors
+    whole = make_hybrid_cache(64, 544, 8, 128, mamba_state_bytes=3 * 2048, dtype=torch.bfloat16,
+                              **META)  # fmt: skip
+    assert sm90_prefill_errors(q, whole.key_cache, whole.value_cache, "NHD", SM90) == []
+
+
 def test_switch_off_sends_it_back(monkeypatch):
     monkeypatch.setattr(paged_policy, "SM90_PREFILL", False)
     assert _names(_plan()) == ["paged_attention"]
@@ -203,31 +217,34 @@ def test_compiles_for_sm90_without_spills(case_id):
 # a short verification step, an idle slot
 GPU_SEQS = ((2100, 300), (1, 1), (400, 400), (1000, 37), (128, 128), (777, 1), (300, 4),
             (5, 0), (257, 129))  # fmt: skip
+# A hybrid page here holds K, V and a Mamba state of a whole number of token rows (page stride a
+# multiple of the token stride, as engines pad pages to one size): the kernel's 2-D TMA view
+# addresses it; a state of any other size sends the batch to the portable kernel (below).
 GPU_CASES = [
-    # (heads, head_dim, block_size, kind, dtype)
-    ((32, 8), 128, 16, "contiguous", torch.bfloat16),
-    ((32, 8), 128, 544, "hybrid", torch.bfloat16),
-    ((32, 8), 128, 2048, "contiguous", torch.float16),
-    ((32, 8), 128, 80, "slice", torch.bfloat16),
-    ((16, 16), 128, 32, "contiguous", torch.bfloat16),  # MHA: 128 tokens x 1 head
-    ((40, 8), 64, 16, "hybrid", torch.float16),  # GQA 5:1: 25 tokens x 5 heads, 3 rows padded
-    ((64, 4), 64, 2048, "contiguous", torch.bfloat16),  # GQA 16:1: 8 tokens x 16 heads
+    # (heads, head_dim, block_size, kind, dtype, state bytes of a hybrid page)
+    ((32, 8), 128, 16, "contiguous", torch.bfloat16, 0),
+    ((32, 8), 128, 544, "hybrid", torch.bfloat16, 3 * 8 * 128 * 2),
+    ((32, 8), 128, 2048, "contiguous", torch.float16, 0),
+    ((32, 8), 128, 80, "slice", torch.bfloat16, 0),
+    ((16, 16), 128, 32, "contiguous", torch.bfloat16, 0),  # MHA: 128 tokens x 1 head
+    ((40, 8), 64, 16, "hybrid", torch.float16, 8 * 64 * 2),  # GQA 5:1: 25 tokens x 5 heads
+    ((64, 4), 64, 2048, "contiguous", torch.bfloat16, 0),  # GQA 16:1: 8 tokens x 16 heads
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("heads", "head_dim", "block_size", "kind", "dtype"),
+    ("heads", "head_dim", "block_size", "kind", "dtype", "state_bytes"),
     GPU_CASES,
-    ids=[f"{h[0]}q{h[1]}kv-d{d}-bs{b}-{k}-{str(t)[6:]}" for h, d, b, k, t in GPU_CASES],
+    ids=[f"{h[0]}q{h[1]}kv-d{d}-bs{b}-{k}-{str(t)[6:]}" for h, d, b, k, t, _ in GPU_CASES],
 )
-def test_gpu_sm90_prefill(heads, head_dim, block_size, kind, dtype):
+def test_gpu_sm90_prefill(heads, head_dim, block_size, kind, dtype, state_bytes):
     """The public op with and without the maxima; the sm_90 kernel is in the plan, the caches
     are NaN wherever the kernel must not read (past each sequence, unused blocks, gaps)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
     b = make_batch(GPU_SEQS, block_size=block_size, heads=heads, head_dim=head_dim, dtype=dtype,
-                   kind=kind, device="cuda")  # fmt: skip
+                   kind=kind, device="cuda", state_bytes=state_bytes or 48)  # fmt: skip
     mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
     launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
     assert "paged_prefill_sm90" in _names(launches), sm90_prefill_errors(
