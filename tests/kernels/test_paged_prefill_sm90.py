@@ -148,12 +148,13 @@ def test_shared_memory_estimate_fits_the_h100(head_dim):
 # -- the work list, on the interpreter ------------------------------------------------------------
 
 
-def _work_list(q_lens, q_len_lo, block_q):
+def _work_list(q_lens, q_len_lo, block_q, device):
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
+    qsl = qsl.to(device)
     mql = max(q_lens, default=1)
     num_q_tiles = max(1, -(-mql // block_q))
-    work = torch.full((1 + len(q_lens) * num_q_tiles,), -7, dtype=torch.int32)
+    work = torch.full((1 + len(q_lens) * num_q_tiles,), -7, dtype=torch.int32, device=device)
     Launch(
         kernel=_work_list_kernel,
         grid=(len(q_lens),),
@@ -169,6 +170,7 @@ def _work_list(q_lens, q_len_lo, block_q):
         options=LaunchOptions(4, 1),
         target=SM90,
     ).run()
+    work = work.cpu()
     n = int(work[0])
     return [divmod(int(e), num_q_tiles) for e in work[1 : 1 + n]], num_q_tiles
 
@@ -182,8 +184,8 @@ def _work_list(q_lens, q_len_lo, block_q):
         ((4096,) * 3, 4, 128),
     ],
 )
-def test_work_list_lists_each_prefill_tile_once_heaviest_first(q_lens, q_len_lo, block_q):
-    entries, _ = _work_list(list(q_lens), q_len_lo, block_q)
+def test_work_list_lists_each_prefill_tile_once_heaviest_first(q_lens, q_len_lo, block_q, device):
+    entries, _ = _work_list(list(q_lens), q_len_lo, block_q, device)
     expect = [
         (seq, t)
         for seq, q in enumerate(q_lens)
