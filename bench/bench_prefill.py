@@ -191,11 +191,14 @@ class Oracle:
         return bool(torch.isfinite(got).all()) and e <= 2 * self.e_torch, e
 
 
-def variants(targets, portable: bool = False) -> dict[str, dict]:
-    """Variant name -> keyword arguments added to the `paged_attention` call; the key
-    ``SM90_PREFILL`` (not a call argument) sets `portattn.policy.paged.SM90_PREFILL` for the
-    variant (plan cache emptied around it: the switch is not in a plan's key)."""
+def variants(targets, portable: bool = False, schedules: bool = False) -> dict[str, dict]:
+    """Variant name -> keyword arguments added to the `paged_attention` call; upper-case keys
+    (not call arguments) set that switch of `portattn.policy.paged` for the variant (plan cache
+    emptied around it: the switches are not in a plan's key)."""
     out: dict[str, dict] = {"policy": {}}
+    if schedules:  # the sm_90 kernel's schedules (kernels/paged_prefill_sm90.py)
+        out["overlap only"] = dict(SM90_PREFILL_PINGPONG=False)
+        out["sequential"] = dict(SM90_PREFILL_OVERLAP=False, SM90_PREFILL_PINGPONG=False)
     if portable:
         out["portable"] = dict(SM90_PREFILL=False)
     for arch in targets:
@@ -233,15 +236,18 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows) -> list[dict]:
     roof = roofline_us(flops, nbytes, mm_tflops, copy_gbs)
     rows = []
     for vname, extra in var.items():
-        extra = dict(extra)
-        switch = extra.pop("SM90_PREFILL", paged_policy.SM90_PREFILL)
-        saved, paged_policy.SM90_PREFILL = paged_policy.SM90_PREFILL, switch
+        switches = {k: v for k, v in extra.items() if k.isupper()}
+        extra = {k: v for k, v in extra.items() if not k.isupper()}
+        saved = {k: getattr(paged_policy, k) for k in switches}
+        for k, v in switches.items():
+            setattr(paged_policy, k, v)
         PLANS.clear()
         try:
             rows.append(_bench_variant(name, seqs, bs, dtype, args, oracle, oracle_s, vname,
                                        extra, mql, msl, flops, nbytes, roof))  # fmt: skip
         finally:
-            paged_policy.SM90_PREFILL = saved
+            for k, v in saved.items():
+                setattr(paged_policy, k, v)
             PLANS.clear()
     del args, oracle
     torch.cuda.empty_cache()
@@ -308,6 +314,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--points", default="", help="comma-separated substrings of point names")
+    ap.add_argument("--schedules", action="store_true",
+                    help="also the sm_90 schedules: overlap only, sequential")  # fmt: skip
     ap.add_argument("--portable", action="store_true",
                     help="also the portable kernel alone (SM90_PREFILL off) on sm_90")  # fmt: skip
     ap.add_argument("--target", action="append", default=[], choices=["gfx942", "gfx950"],
@@ -321,7 +329,7 @@ def main(argv=None) -> int:
     points = {n: p for n, p in POINTS.items() if any(s in n for s in opts.points.split(","))}
     if not points:
         sys.exit(f"bench_prefill: --points {opts.points!r} matches none of {list(POINTS)}")
-    var = variants(opts.target, opts.portable)
+    var = variants(opts.target, opts.portable, opts.schedules)
     elem = torch.finfo(dtype).bits // 8
     # the copy as large as the largest decode part (at least 256 MB: pure prefill has none)
     copy_gbs, copy_ms = copy_ceiling(

@@ -21,8 +21,15 @@ the sequence's last page is given a row past the tensor, which TMA fills with ze
 its own barrier so the score MMA starts as soon as K lands. Each consumer warpgroup: S = Q K^T
 (wgmma, both operands in shared memory), masks on the tiles that reach past the causal limit of
 its first row, base-2 online softmax in registers, then O += P V with P as the register operand
-(wgmma RS), and releases the stage. The two warpgroups run the same code on different rows and
-drift apart, so one's softmax runs under the other's MMAs.
+(wgmma RS), and releases the stage. Two schedule switches (`portattn.policy.paged`):
+
+* ``SM90_PREFILL_OVERLAP``: tile t's scores are issued together with tile t-1's P V, and tile t's
+  softmax runs while the latter is in flight (the accumulator is rescaled once it lands);
+* ``SM90_PREFILL_PINGPONG``: the two warpgroups take turns issuing their MMAs (an mbarrier each;
+  warpgroup 0 first), so one's softmax runs under the other's MMAs instead of both warpgroups,
+  which wait on the same K tile, scoring at once and then both leaving the tensor cores idle.
+
+Both off, a warpgroup scores, softmaxes and accumulates one tile at a time.
 
 The rows of the sequence's last page past ``seq_len`` are real memory that may hold anything
 (NaN): their scores are masked, and before P V each warpgroup zeroes them in the V tile (both
@@ -54,6 +61,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from portattn.kernels._launch import Launch
 from portattn.platform import Target
+from portattn.policy import paged as paged_policy
 from portattn.policy.common import LaunchOptions
 from portattn.policy.paged import SM90_PREFILL_TILES, Sm90PrefillTile
 
@@ -68,7 +76,7 @@ NUM_WARPS = 4
 PRODUCER_WARPS = 1
 #: Registers per thread asked for (`setmaxnreg`): consumer warpgroup 1, the producer warp.
 CONSUMER_REGS = 216
-PRODUCER_REGS = 56
+PRODUCER_REGS = 64
 #: Smallest TMA box (rows of one page): pages must be a multiple of it.
 MIN_BOX = 16
 
@@ -177,13 +185,56 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
 
 
 @gluon.jit
+def _scores(qk, scale_log2, start, full_end, kv_end, limit, cols):
+    """Scaled scores (base 2) of the tile at ``start``; past ``full_end`` each row's causal
+    limit and ``kv_end`` mask them to -inf."""
+    sc = qk * scale_log2
+    if start + cols.shape[0] > full_end:
+        pos = start + cols
+        keep = (pos < kv_end)[None, :] & (pos[None, :] < limit[:, None])
+        sc = gl.where(keep, sc, float("-inf"))
+    return sc
+
+
+@gluon.jit
+def _zero_tail(v_buf, start, seq_len, LOAD: gl.constexpr):
+    """Rows of the V tile at ``start`` past the sequence (its last page's tail: any values,
+    NaN included) set to 0 before P V (their P is 0, but 0 x NaN is NaN)."""
+    BLOCK_N: gl.constexpr = v_buf.shape[0]
+    if start + BLOCK_N > seq_len:
+        vr = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
+        x = v_buf.load(LOAD)
+        v_buf.store(gl.where((vr < seq_len)[:, None], x, gl.zeros_like(x)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _turn_wait(turn_bars, WG: gl.constexpr, tk, PINGPONG: gl.constexpr):
+    """PINGPONG: wait for this warpgroup's turn to issue MMAs; returns the turns taken."""
+    if PINGPONG:
+        mbarrier.wait(turn_bars.index(WG), tk & 1)
+        tk += 1
+    return tk
+
+
+@gluon.jit
+def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: MMAs issued; the other warpgroup's turn."""
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr,
               GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr,
-              STAGES: gl.constexpr):  # fmt: skip
-    """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program."""
+              STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
+    """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
+    scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
+    PINGPONG: the two warpgroups issue their MMAs in turns (module doc)."""
     (work_ptr, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok, stride_q_head,
      stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim, scale_log2, k_smem, v_smem, k_bars,
-     v_bars, empty_bars, q_smem) = rt  # fmt: skip
+     v_bars, empty_bars, q_smem, turn_bars) = rt  # fmt: skip
     dtype: gl.constexpr = k_smem.dtype
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_D: gl.constexpr = k_smem.shape[2]
@@ -205,6 +256,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     nprog = gl.num_programs(0)
     n_items = gl.load(work_ptr) * SLOTS  # work[0] counts (sequence, q tile) entries
     it = 0
+    tk = 0  # turns taken (PINGPONG)
     for i in range(pid, n_items, nprog):
         seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles = _item(
             work_ptr, i, num_q_tiles, qsl_ptr, seq_lens_ptr, SLOTS, BLOCK_Q, BLOCK_N
@@ -232,41 +284,84 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=ROW)
         l_i = gl.zeros([ROWS], gl.float32, layout=ROW)
         acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=PV)
-        for t in range(n_tiles):
+        if OVERLAP:
+            # tile 0: its scores alone
             s = it % STAGES
-            ph = (it // STAGES) & 1
-            start = t * BLOCK_N
-            mbarrier.wait(k_bars.index(s), ph)
-            qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK)
-            qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)), qk, use_acc=False,
-                               is_async=True)  # fmt: skip
+            mbarrier.wait(k_bars.index(s), (it // STAGES) & 1)
+            tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
+            qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)), gl.zeros([ROWS, BLOCK_N],
+                               gl.float32, layout=QK), use_acc=False, is_async=True)  # fmt: skip
+            _turn_pass(turn_bars, WG, PINGPONG)
             qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-            sc = qk * scale_log2
-            if start + BLOCK_N > full_end:
-                pos = start + cols
-                keep = (pos < kv_end)[None, :] & (pos[None, :] < limit[:, None])
-                sc = gl.where(keep, sc, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, 1))
-            p = gl.exp2(sc - m_new[:, None])
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
-            m_i = m_new
+            sc = _scores(qk, scale_log2, 0, full_end, kv_end, limit, cols)
+            m_i = gl.max(sc, 1)
+            p = gl.exp2(sc - m_i[:, None])
+            l_i = gl.sum(p, 1)
             p_op = gl.convert_layout(p.to(dtype), PA)
-            v_buf = v_smem.index(s)
-            mbarrier.wait(v_bars.index(s), ph)
-            if start + BLOCK_N > seq_len:
-                # rows past the sequence (its last page's tail) may hold NaN: zero them
-                vr = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
-                x = v_buf.load(LOAD)
-                v_buf.store(gl.where((vr < seq_len)[:, None], x, gl.zeros_like(x)))
-                fence_async_shared()
+            for t in range(1, n_tiles):
+                sp = it % STAGES  # tile t-1's stage
+                php = (it // STAGES) & 1
+                it += 1
+                s = it % STAGES
+                mbarrier.wait(k_bars.index(s), (it // STAGES) & 1)
+                # (tile t-1 ends before kv_end <= seq_len: its V rows are all real)
+                mbarrier.wait(v_bars.index(sp), php)
+                tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
+                qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)),
+                                   gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
+                                   use_acc=False, is_async=True)  # fmt: skip
+                acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+                _turn_pass(turn_bars, WG, PINGPONG)
+                qk = warpgroup_mma_wait(num_outstanding=1, deps=[qk])
+                sc = _scores(qk, scale_log2, t * BLOCK_N, full_end, kv_end, limit, cols)
+                m_new = gl.maximum(m_i, gl.max(sc, 1))
+                p = gl.exp2(sc - m_new[:, None])
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
                 gl.thread_barrier()
+                mbarrier.arrive(empty_bars.index(sp), count=1)
+                acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+                p_op = gl.convert_layout(p.to(dtype), PA)
+            # the last tile's P V
+            s = it % STAGES
+            v_buf = v_smem.index(s)
+            mbarrier.wait(v_bars.index(s), (it // STAGES) & 1)
+            _zero_tail(v_buf, (n_tiles - 1) * BLOCK_N, seq_len, LOAD)
+            tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
             acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            _turn_pass(turn_bars, WG, PINGPONG)
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
             gl.thread_barrier()
             mbarrier.arrive(empty_bars.index(s), count=1)
             it += 1
+        else:
+            for t in range(n_tiles):
+                s = it % STAGES
+                ph = (it // STAGES) & 1
+                start = t * BLOCK_N
+                mbarrier.wait(k_bars.index(s), ph)
+                qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK)
+                qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)), qk, use_acc=False,
+                                   is_async=True)  # fmt: skip
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+                sc = _scores(qk, scale_log2, start, full_end, kv_end, limit, cols)
+                m_new = gl.maximum(m_i, gl.max(sc, 1))
+                p = gl.exp2(sc - m_new[:, None])
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+                m_i = m_new
+                p_op = gl.convert_layout(p.to(dtype), PA)
+                v_buf = v_smem.index(s)
+                mbarrier.wait(v_bars.index(s), ph)
+                _zero_tail(v_buf, start, seq_len, LOAD)
+                acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                gl.thread_barrier()
+                mbarrier.arrive(empty_bars.index(s), count=1)
+                it += 1
         # -- epilogue: this warpgroup's rows to the output --
         o = acc / gl.convert_layout(l_i, PV_ROW)[:, None]
         ro = WG * ROWS + gl.arange(0, ROWS, layout=PV_ROW)
@@ -315,6 +410,8 @@ def _paged_prefill_sm90_kernel(
     STAGES: gl.constexpr,
     BOX: gl.constexpr,
     Q_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [64, HEAD_D]
+    OVERLAP: gl.constexpr,
+    PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     PRODUCER_WARPS_: gl.constexpr,
@@ -328,10 +425,14 @@ def _paged_prefill_sm90_kernel(
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(s), count=1)
         mbarrier.init(v_bars.index(s), count=1)
         mbarrier.init(empty_bars.index(s), count=2)  # one arrival per consumer warpgroup
+    for w in gl.static_range(2):
+        mbarrier.init(turn_bars.index(w), count=1)
+    mbarrier.arrive(turn_bars.index(0), count=1, pred=PINGPONG)  # warpgroup 0 goes first
     fence_async_shared()
     prod = (work_ptr, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
             stride_bt_seq, stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol,
@@ -339,11 +440,18 @@ def _paged_prefill_sm90_kernel(
             k_bars, k_bars)  # fmt: skip
     cons = (work_ptr, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
-            scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem)  # fmt: skip
+            scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem,
+            turn_bars)  # fmt: skip
     gl.warp_specialize(
         [
-            (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES)),
-            (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES)),
+            (
+                _consumer,
+                (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES, OVERLAP, PINGPONG),
+            ),
+            (
+                _consumer,
+                (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES, OVERLAP, PINGPONG),
+            ),
             (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX)),
         ],
         [4, PRODUCER_WARPS_],
@@ -365,7 +473,7 @@ def smem_bytes(tile: Sm90PrefillTile, head_dim: int, elem: int = 2) -> int:
     tiles, 3 barriers per stage and 1 KB for Triton's alignment."""
     q = BLOCK_M * head_dim * elem
     kv = 2 * tile.stages * tile.block_n * head_dim * elem
-    return q + kv + 3 * tile.stages * 8 + 1024
+    return q + kv + (3 * tile.stages + 2) * 8 + 1024
 
 
 def _rows_per_page(cache: torch.Tensor) -> int:
@@ -505,6 +613,8 @@ def sm90_prefill_launches(
         STAGES=tile.stages,
         BOX=box,
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([64, head_dim], dtype),
+        OVERLAP=paged_policy.SM90_PREFILL_OVERLAP,
+        PINGPONG=paged_policy.SM90_PREFILL_PINGPONG,
         CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS,
         PRODUCER_WARPS_=PRODUCER_WARPS,

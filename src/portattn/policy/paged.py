@@ -196,6 +196,11 @@ SM90_PREFILL = True
 #: Query tokens x group rows the longest sequence must fill before the kernel is taken: one of
 #: its 128-row tiles (shorter verification batches stay on the portable kernel's smaller tiles).
 SM90_PREFILL_MIN_ROWS = 128
+#: The kernel's schedule (`portattn.kernels.paged_prefill_sm90`, module doc): scores of tile t
+#: issued with P V of tile t-1 (OVERLAP), and the two warpgroups issuing their MMAs in turns
+#: (PINGPONG). Both off: each warpgroup scores, softmaxes and accumulates one tile at a time.
+SM90_PREFILL_OVERLAP = True
+SM90_PREFILL_PINGPONG = True
 
 
 @dataclass(frozen=True)
