@@ -28,6 +28,9 @@ passed as their addresses, `POINTER_INTS`), elsewhere (or with a launch hook reg
 a plan runs through ``kernel[grid]`` with the rebuilt arguments, which is how the CPU tests run
 cached plans.
 
+A repeated call can skip building its key: `PlanCache.probe` checks the call's tensors against
+the recent plans of its op and scalars with torch's C tensor guards (`GUARDS`).
+
 ``PORTATTN_PLAN_CACHE=0`` (read at import) or ``PLANS.enabled = False`` turns caching off.
 """
 
@@ -38,7 +41,7 @@ import functools
 import itertools
 import os
 from collections.abc import Callable, Hashable, Sequence
-from operator import itemgetter
+from operator import is_not, itemgetter, or_
 from typing import Any
 
 import torch
@@ -63,6 +66,22 @@ POINTER_INTS = True
 MAX_PLANS = 1024
 #: Distinct ``exact`` value tuples numbered by `exact_id` before its table is emptied.
 MAX_EXACT = 4096
+#: A call whose op passes its scalars (``guard``) first tries `PlanCache.probe`: its tensors are
+#: checked against the op's recent plans by torch's C tensor guards (dynamo's `TensorGuards`:
+#: Python type, dispatch keys (device type), device index, dtype, sizes, strides,
+#: requires_grad) plus their 16-byte alignment, instead of building the key (`call_key`, five
+#: attribute reads per tensor and a tuple to hash). False (or a torch without the guards):
+#: every call builds its key.
+GUARDS = True
+#: Guarded plans kept per op and scalars (`PlanCache.probe` tries them newest first).
+MAX_GUARDS = 4
+
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - a torch without dynamo's C guards
+    _TensorGuards = None
+_data_ptr = torch.Tensor.data_ptr
+_NONES = itertools.repeat(None)  # stateless: `map` takes one None per input
 
 
 class Uncacheable(Exception):
@@ -557,6 +576,9 @@ class PlanCache:
         self.max_plans = max_plans
         self.enabled = os.environ.get("PORTATTN_PLAN_CACHE", "1") != "0"
         self._plans: dict[Hashable, Plan | None] = {}
+        # (guard, which inputs are tensors) -> [(the tensors' `TensorGuards`, plan)], newest
+        # first (`probe`).
+        self._guarded: dict[Hashable, list[tuple[Any, Plan]]] = {}
         self.hits = self.misses = 0
 
     def __len__(self) -> int:
@@ -564,12 +586,68 @@ class PlanCache:
 
     def clear(self) -> None:
         self._plans.clear()
+        self._guarded.clear()
         self.hits = self.misses = 0
 
-    def hit(self, key: Hashable | None, inputs: Sequence[torch.Tensor | None]) -> tuple | None:
+    def probe(self, guard: Hashable, inputs: Sequence[torch.Tensor | None]) -> tuple | None:
+        """The outputs of a guarded plan (`GUARDS`) run on ``inputs``; ``None`` where none fits
+        (the caller then builds its key: `hit`, `call`).
+
+        ``guard``: everything of the call's description but its tensors (the op, the current
+        device, the target override, every non-tensor argument with its type), as the op
+        passes it to `call`, which keeps each plan it runs under ``guard`` and the
+        tensors' guards. A plan fits when the call's inputs are ``None`` and tensors at the
+        same places as its first call's, every tensor passes the C guard built from that call's
+        (same Python type, dispatch keys, device, dtype, sizes, strides, requires_grad) and all
+        are 16-byte aligned (as a guarded first call's were): the description is then equal,
+        so is the key, and the plan is the one `call` would run."""
+        if not self.enabled or not GUARDS:
+            return None
+        mask = tuple(map(is_not, inputs, _NONES))
+        try:
+            entries = self._guarded.get((guard, mask))
+        except TypeError:  # an unhashable scalar
+            return None
+        if not entries:
+            return None
+        tensors = tuple(itertools.compress(inputs, mask))
+        for guards, plan in entries:
+            if guards.check(*tensors):  # tensors all (not a subclass): their addresses next
+                if functools.reduce(or_, map(_data_ptr, tensors)) % ALIGN:
+                    return None
+                self.hits += 1
+                return plan.run(inputs)
+        return None
+
+    def _keep_guard(self, guard: Hashable, inputs: Sequence[torch.Tensor | None], plan: Plan):
+        """Keep ``plan`` for `probe` under ``guard`` and ``inputs``' guards (when every input
+        is ``None`` or a tensor, all aligned)."""
+        mask = tuple(map(is_not, inputs, _NONES))
+        tensors = tuple(itertools.compress(inputs, mask))
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            return
+        if functools.reduce(or_, map(_data_ptr, tensors)) % ALIGN:
+            return
+        try:
+            guards = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+            entries = self._guarded.setdefault((guard, mask), [])
+        except Exception:  # noqa: BLE001 - a guard torch cannot build: no shortcut, no harm
+            return
+        entries.insert(0, (guards, plan))
+        del entries[MAX_GUARDS:]
+        if len(self._guarded) > self.max_plans:
+            del self._guarded[next(iter(self._guarded))]
+
+    def hit(
+        self,
+        key: Hashable | None,
+        inputs: Sequence[torch.Tensor | None],
+        guard: Hashable | None = None,
+    ) -> tuple | None:
         """The outputs of ``key``'s cached plan run on ``inputs``; ``None`` where there is no
         replayable plan (none yet, a known unreplayable one, no key, caching off): the caller
-        then goes through `call` with its planner, which it need not build on a hit."""
+        then goes through `call` with its planner, which it need not build on a hit.
+        ``guard``: as `call`'s."""
         if key is None or not self.enabled:
             return None
         try:
@@ -579,6 +657,8 @@ class PlanCache:
         if cached is None:
             return None
         self.hits += 1
+        if guard is not None and GUARDS and _TensorGuards is not None:
+            self._keep_guard(guard, inputs, cached)
         return cached.run(inputs)
 
     def call(
@@ -586,18 +666,24 @@ class PlanCache:
         key: Hashable | None,
         inputs: Sequence[torch.Tensor | None],
         plan: Callable[[], list[Launch]],
+        guard: Hashable | None = None,
     ) -> tuple:
         """Run a call: its cached plan if ``key`` has one, else ``plan()`` (validating), kept
-        for the next call with this key. Returns the first launch's outputs."""
+        for the next call with this key. Returns the first launch's outputs. ``guard``: the
+        call's description but its tensors (`probe`); a plan run with one is kept for `probe`
+        too (``None``: not)."""
         if key is None or not self.enabled:
             return _run_fresh(plan())
         try:
             cached = self._plans.get(key, _MISSING)
         except TypeError:  # an unhashable value in the key (`call_key`)
             return _run_fresh(plan())
+        keep = guard is not None and GUARDS and _TensorGuards is not None
         if cached is not _MISSING:
             self.hits += 1
             if isinstance(cached, Plan):
+                if keep:
+                    self._keep_guard(guard, inputs, cached)
                 return cached.run(inputs)
             return _run_fresh(plan())  # known not to be replayable
         self.misses += 1
@@ -609,6 +695,8 @@ class PlanCache:
         compiled = [launch.run() for launch in launches]
         if replay is not None:
             replay.keep_compiled(compiled)
+            if keep:
+                self._keep_guard(guard, inputs, replay)
         self._plans[key] = replay
         if len(self._plans) > self.max_plans:
             del self._plans[next(iter(self._plans))]
