@@ -779,3 +779,153 @@ def test_gpu_kv_cache_cached_calls():
         assert ko is out[0] and vo is out[1]
         ref_k, ref_v = reference.gather_kv_cache(kc.cpu(), vc.cpu(), table.cpu(), cu.cpu())
         assert torch.equal(ko.cpu(), ref_k) and torch.equal(vo.cpu(), ref_v)
+
+
+# -- the guarded probe (`PlanCache.probe`): the key's plan or none --------------------------------
+
+
+class _Marker:
+    """A stand-in plan: `run` returns its name."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def run(self, inputs):
+        return self.name
+
+
+def test_probe_fits_only_the_same_description():
+    cache = PlanCache()
+    a = torch.empty(4, 8, 16)
+    b = torch.empty(6, dtype=torch.int32)
+    guard = ("op", None, None, float, 0.5)
+    assert cache.probe(guard, (a, None, b)) is None  # nothing kept yet
+    cache._keep_guard(guard, (a, None, b), _Marker("plan"))
+    assert cache.probe(guard, (torch.empty(4, 8, 16), None, torch.empty(6, dtype=torch.int32)))
+    wide = torch.empty(4, 8, 24)[:, :, :16]
+    flat = torch.empty(a.numel() + 1)
+    sub = torch.nn.Parameter(torch.empty(4, 8, 16), requires_grad=False)
+    variants = {
+        "shape": ((a[:3], None, b), guard),
+        "strides": ((wide, None, b), guard),
+        "dtype": ((a.half(), None, b), guard),
+        "device": ((a.to("meta"), None, b), guard),
+        "alignment": ((flat[1:].view(a.shape), None, b), guard),
+        "second tensor": ((a, None, b.long()), guard),
+        "a tensor where None was": ((a, b, b), guard),
+        "None where a tensor was": ((a, None, None), guard),
+        "fewer inputs": ((a, None), guard),
+        "not a tensor": ((a, None, [1, 2]), guard),
+        "a subclass": ((sub, None, b), guard),
+        "requires_grad": ((a.clone().requires_grad_(), None, b), guard),
+        "scalar": ((a, None, b), ("op", None, None, float, 0.25)),
+        "scalar type": ((a, None, b), ("op", None, None, int, 0.5)),
+        "op": ((a, None, b), ("other", None, None, float, 0.5)),
+        "unhashable": ((a, None, b), ("op", None, None, list, [0.5])),
+    }
+    for name, (inputs, g) in variants.items():
+        assert cache.probe(g, inputs) is None, name
+    assert cache.hits == 1
+    for switch in ("GUARDS", "enabled"):
+        owner = _plans if switch == "GUARDS" else cache
+        setattr(owner, switch, False)
+        try:
+            assert cache.probe(guard, (a, None, b)) is None, switch
+        finally:
+            setattr(owner, switch, True)
+    assert cache.probe(guard, (a, None, b)) == "plan"
+    cache.clear()
+    assert cache.probe(guard, (a, None, b)) is None
+
+
+def test_probe_keeps_recent_plans_and_no_tensor():
+    cache = PlanCache()
+    guard = ("op",)
+    shapes = [(n, 16) for n in range(1, _plans.MAX_GUARDS + 2)]
+    refs = []
+    for n, shape in enumerate(shapes):
+        t = torch.empty(shape)
+        refs.append(weakref.ref(t))
+        cache._keep_guard(guard, (t,), _Marker(n))
+        del t
+    gc.collect()
+    assert all(r() is None for r in refs)  # the guards keep no tensor alive
+    assert cache.probe(guard, (torch.empty(shapes[0]),)) is None  # the oldest, dropped
+    for n, shape in enumerate(shapes[1:], 1):
+        assert cache.probe(guard, (torch.empty(shape),)) == n
+    misaligned = torch.empty(17)[1:]
+    cache._keep_guard(("x",), (misaligned,), _Marker("x"))  # not aligned: never guarded
+    assert cache.probe(("x",), (torch.empty(17)[1:],)) is None
+
+
+def _meta_paged(**kw):
+    b = make_batch(SEQS, block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float32, **kw)
+    return tuple(t.to("meta") for t in b.args())
+
+
+def test_paged_probe_runs_the_keys_plan(no_launch, monkeypatch):
+    t = _meta_paged()
+    paged_attention(*t, max_query_len=4)
+    paged_attention(*t, max_query_len=4)  # a hit by the key: kept for the probe
+    assert (PLANS.hits, PLANS.misses) == (1, 1) and len(PLANS._guarded) == 1
+    keys = []
+    real_key = call_key
+    monkeypatch.setattr(
+        "portattn.kernels.paged_attention.call_key", lambda *a: keys.append(a) or real_key(*a)
+    )
+    out = paged_attention(*_meta_paged(seed=5), max_query_len=4)  # other tensors, same form
+    assert (PLANS.hits, PLANS.misses, keys) == (2, 1, [])  # the probe's hit: no key built
+    assert out.shape == t[0].shape
+    q = t[0]
+    flat = torch.empty(q.numel() + 1, device="meta")
+    variants = {
+        "shape": ((q[:-1],) + t[1:], {}),
+        "alignment": ((flat[1:].view(q.shape),) + t[1:], {}),
+        "table dtype": (t[:3] + (t[3].long(),) + t[4:], {}),
+        "scale": (t, {"scale": 0.5}),
+        "max_query_len": (t, {"max_query_len": 1}),
+        "max_seq_len": (t, {"max_seq_len": 64}),
+        "out": (t, {"out": torch.empty_like(q)}),
+        "target": (t, {"target": get_target("gfx942")}),
+    }
+    for name, (args, kw) in variants.items():
+        hits, misses = PLANS.hits, PLANS.misses
+        kw = {"max_query_len": 4, **kw}
+        paged_attention(*args, **kw)
+        assert (PLANS.hits, PLANS.misses) == (hits, misses + 1), name
+        paged_attention(*args, **kw)  # now a hit, by the probe or (a target) by the key
+        assert (PLANS.hits, PLANS.misses) == (hits + 1, misses + 1), name
+    set_target_override("gfx950")
+    try:
+        hits, misses = PLANS.hits, PLANS.misses
+        paged_attention(*t, max_query_len=4)
+        assert (PLANS.hits, PLANS.misses) == (hits, misses + 1)
+    finally:
+        set_target_override(None)
+    # a probe never skips validation: a query of another dtype, a value cache on another
+    # device are still reported
+    with pytest.raises(TypeError, match="key_cache and value_cache dtype must equal"):
+        paged_attention(q.half(), *t[1:], max_query_len=4)
+    with pytest.raises(ValueError, match="value_cache"):
+        paged_attention(t[0], t[1], torch.empty(t[2].shape), *t[3:], max_query_len=4)
+    with pytest.raises(ValueError, match="max_query_len must be a non-negative int"):
+        paged_attention(*t, max_query_len=True)  # True, after 1 was guarded
+
+
+def test_mla_probe_follows_the_metadata(no_launch):
+    call, build = _meta_mla(256)
+    md = build()
+    call(md)
+    call(md)
+    assert (PLANS.hits, PLANS.misses) == (1, 1) and len(PLANS._guarded) == 1
+    call(md)
+    call(build())  # equal values: the same number, the probe's hit
+    assert (PLANS.hits, PLANS.misses) == (3, 1)
+    call(build(3), 3)  # other values (and shapes): a miss
+    assert (PLANS.hits, PLANS.misses) == (3, 2)
+    tiles = dataclasses.replace(md.tiles, num_kv_splits=2)  # other tiles, same tensors: a miss
+    md2 = dataclasses.replace(md, tiles=tiles)
+    assert _metadata_key(md2)[0] != _metadata_key(md)[0]
+    with pytest.raises(ValueError):  # planned afresh: validated (the workspaces are too small)
+        call(md2)
+    assert PLANS.hits == 3

@@ -960,7 +960,8 @@ def paged_attention(
     ):
         if target is None:  # the rest of `call_key`'s description (`PlanCache.probe`)
             guard = (OP, _current_device(), override_key(), type(scale), scale, type(layout),
-                     layout, type(max_query_len), max_query_len, type(max_seq_len), max_seq_len)  # fmt: skip
+                     layout, type(max_query_len), max_query_len, type(max_seq_len),
+                     max_seq_len)  # fmt: skip
             outputs = PLANS.probe(guard, inputs)
             if outputs is not None:
                 return outputs[0]
