@@ -929,3 +929,24 @@ def test_mla_probe_follows_the_metadata(no_launch):
     with pytest.raises(ValueError):  # planned afresh: validated (the workspaces are too small)
         call(md2)
     assert PLANS.hits == 3
+
+
+def test_a_tensor_passed_twice_is_not_planned(no_launch):
+    """key_cache is value_cache: a plan could not tell the two slots apart, and a later call of
+    the same description with two tensors would read its keys from the value cache."""
+    q, kc, vc, *rest = _meta_paged()
+    twice = (q, kc, kc, *rest, None)
+    with pytest.raises(Uncacheable, match="passed as two inputs"):
+        Plan(plan_paged_attention(*twice[:6], max_query_len=4), twice)
+    paged_attention(*twice[:6], max_query_len=4)
+    assert (len(PLANS), PLANS.misses, len(PLANS._guarded)) == (0, 1, 0)  # run, nothing kept
+    paged_attention(q, kc, vc, *rest, max_query_len=4)  # two tensors: planned now
+    paged_attention(q, kc, vc, *rest, max_query_len=4)
+    assert (len(PLANS), PLANS.hits, PLANS.misses) == (1, 1, 2)
+    inputs = (q, kc, vc, *rest, None)
+    key = call_key("paged_attention", *inputs, None, "NHD", None, 4, None)
+    fresh = plan_paged_attention(q, kc, vc, *rest, max_query_len=4)
+    _assert_same_plan(PLANS._plans[key].bind(inputs), fresh, inputs)
+    paged_attention(*twice[:6], max_query_len=4)  # one tensor twice on a kept plan: a hit
+    lists, _ = PLANS._plans[key].bind(twice)
+    _assert_same_plan((lists, ()), plan_paged_attention(*twice[:6], max_query_len=4), twice)

@@ -6,7 +6,8 @@ argument's type and value, the current device and the target override. Two calls
 descriptions get the same plan except for which tensors fill the pointer slots. So the first call
 of a description plans as always (`plan_<op>`, `Launch.run`) and leaves a `Plan` behind:
 
-* a pointer slot names the call input it came from (by identity, at plan time);
+* a pointer slot names the call input it came from (by identity, at plan time; a call passing
+  one tensor as two inputs is not planned);
 * a buffer the plan allocated (``out=None``, split-KV partials) is allocated afresh on every call
   with the first call's shape and dtype (a zero-size placeholder is kept: it is never touched);
 * a TMA descriptor is rebuilt around the call's tensor (its shape, strides and block shape are
@@ -86,6 +87,11 @@ _NONES = itertools.repeat(None)  # stateless: `map` takes one None per input
 
 class Uncacheable(Exception):
     """A call (or a plan) that cannot be described or replayed; it runs uncached."""
+
+
+class _PassedTwice(Uncacheable):
+    """One tensor passed as two inputs: the plan could not tell which input a slot came from.
+    Only this call runs uncached (a later call of the description may be planned)."""
 
 
 def describe(x: Any) -> Hashable:
@@ -257,6 +263,10 @@ class Plan:
 
     def __init__(self, launches: Sequence[Launch], inputs: Sequence[torch.Tensor | None]):
         by_id = {id(t): i for i, t in enumerate(inputs) if t is not None}
+        if len(by_id) != sum(t is not None for t in inputs):
+            # e.g. key_cache is value_cache: both slots would name one input, stale for a
+            # later call of the same description with two tensors
+            raise _PassedTwice("a tensor passed as two inputs")
         storages = {
             t.untyped_storage().data_ptr()
             for t in inputs
@@ -690,6 +700,8 @@ class PlanCache:
         launches = plan()
         try:
             replay: Plan | None = Plan(launches, inputs)
+        except _PassedTwice:
+            return _run_fresh(launches)  # nothing kept: the next call plans again
         except Uncacheable:
             replay = None
         compiled = [launch.run() for launch in launches]
