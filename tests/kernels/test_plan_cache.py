@@ -11,6 +11,7 @@ the public ops run their cached plans through the compiled kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import os
@@ -950,3 +951,36 @@ def test_a_tensor_passed_twice_is_not_planned(no_launch):
     paged_attention(*twice[:6], max_query_len=4)  # one tensor twice on a kept plan: a hit
     lists, _ = PLANS._plans[key].bind(twice)
     _assert_same_plan((lists, ()), plan_paged_attention(*twice[:6], max_query_len=4), twice)
+
+
+def test_fast_allocations_equal_torch_empty(monkeypatch):
+    """`FAST_EMPTY`: a buffer from torch's C allocation is what `torch.empty` gives."""
+    assert "cpu" in _plans._FAST_EMPTY  # this torch has it: the CPU route below is the fast one
+    for shape in [(), (0, 3), (2, 3), (4, 1, 5, 2)]:
+        for dtype in (torch.float32, torch.bfloat16, torch.int32):
+            alloc = _plans._empty(shape, dtype, torch.device("cpu"))
+            assert isinstance(alloc, functools.partial) and alloc.func is not torch.empty
+            a, b = alloc(), torch.empty(shape, dtype=dtype)
+            assert (a.shape, a.stride(), a.dtype, a.device, a.requires_grad) == (
+                b.shape, b.stride(), b.dtype, b.device, b.requires_grad
+            )  # fmt: skip
+            assert alloc().data_ptr() != a.data_ptr() or a.numel() == 0  # a new buffer each
+    assert _plans._empty((2, 3), torch.int32, torch.device("meta")).func is torch.empty
+    monkeypatch.setattr(_plans, "FAST_EMPTY", False)
+    assert _plans._empty((2, 3), torch.int32, torch.device("cpu")).func is torch.empty
+    monkeypatch.setattr(_plans, "FAST_EMPTY", True)
+    monkeypatch.setitem(_plans._FAST_EMPTY, "cpu", lambda *a: torch.empty(3))  # not the same
+    assert _plans._empty((2, 3), torch.int32, torch.device("cpu")).func is torch.empty
+
+
+@pytest.mark.gpu
+def test_gpu_fast_allocations_equal_torch_empty():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    alloc = _plans._empty((4, 32, 128), torch.bfloat16, dev)
+    assert alloc.func is _plans._FAST_EMPTY["cuda"]  # the C route on this device
+    a, b = alloc(), torch.empty(4, 32, 128, dtype=torch.bfloat16, device=dev)
+    assert (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+    assert a.data_ptr() % 256 == 0
+    if torch.cuda.device_count() > 1:  # a buffer on another device: torch.empty
+        other = torch.device("cuda", (dev.index + 1) % torch.cuda.device_count())
+        assert _plans._empty((2,), torch.float32, other).func is torch.empty

@@ -63,6 +63,11 @@ DIRECT = True
 #: ``data_ptr()`` nor asks the driver about the pointer (the description pins the device and the
 #: alignment the first call's launch checked). False: the tensors themselves.
 POINTER_INTS = True
+#: A plan's buffers (``out=None``, split-KV partials) are allocated by torch's C function for a
+#: contiguous tensor on the current CPU/CUDA device (``_empty_strided_cuda``, as Inductor's
+#: generated code does: no Python argument parsing, no dispatch), where it gives what
+#: `torch.empty` gives; False: `torch.empty` (`_empty`).
+FAST_EMPTY = True
 #: Plans kept (the oldest dropped first): one per distinct call description.
 MAX_PLANS = 1024
 #: Distinct ``exact`` value tuples numbered by `exact_id` before its table is emptied.
@@ -403,11 +408,44 @@ class Plan:
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Callable:
-    """A buffer's allocation, ready to call: `torch.empty` with the sizes as separate arguments
-    (torch parses them faster than a tuple), bound once."""
+    """A buffer's allocation, ready to call. Where `FAST_EMPTY` allows: torch's C allocation
+    without argument parsing or dispatch (`_FAST_EMPTY`: what Inductor's generated code calls),
+    tried once here and kept only if it gives the buffer `torch.empty` would. Otherwise
+    `torch.empty` with the sizes as separate arguments (torch parses them faster than a tuple),
+    bound once."""
     if not shape:
-        return functools.partial(torch.empty, (), dtype=dtype, device=device)
-    return functools.partial(torch.empty, *shape, dtype=dtype, device=device)
+        slow = functools.partial(torch.empty, (), dtype=dtype, device=device)
+    else:
+        slow = functools.partial(torch.empty, *shape, dtype=dtype, device=device)
+    fast = _FAST_EMPTY.get(device.type) if FAST_EMPTY else None
+    # CUDA's allocates on the current device, which the key pins: the buffer's device only
+    if fast is None or (device.type == "cuda" and device.index != _current_device()):
+        return slow
+    strides = []
+    n = 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= max(size, 1)
+    fast = functools.partial(fast, tuple(shape), tuple(reversed(strides)), dtype)
+    try:
+        got, want = fast(), slow()
+    except Exception:  # noqa: BLE001 - a build without it: torch.empty, as always
+        return slow
+    same = [(t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in (got, want)]
+    return fast if same[0] == same[1] else slow
+
+
+def _fast_empty() -> dict[str, Callable]:
+    try:
+        from torch._C._dynamo import guards
+    except ImportError:  # pragma: no cover - a torch without dynamo's C helpers
+        return {}
+    found = {"cpu": "_empty_strided_cpu", "cuda": "_empty_strided_cuda"}
+    return {dev: getattr(guards, name) for dev, name in found.items() if hasattr(guards, name)}
+
+
+#: Allocation functions by device type (`_empty`).
+_FAST_EMPTY = _fast_empty()
 
 
 def _one(i: int) -> Callable[[list], tuple]:
