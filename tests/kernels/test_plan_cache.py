@@ -795,14 +795,26 @@ class _Marker:
         return self.name
 
 
+def _probe(cache, guard, inputs):
+    """`PlanCache.probe` as `mla_decode` calls it: which inputs are ``None`` in the guard."""
+    mask, tensors = _plans.present(inputs)
+    return cache.probe((guard, mask), tensors, inputs)
+
+
+def _keep(cache, guard, inputs, plan):
+    mask, tensors = _plans.present(inputs)
+    cache._keep_guard(((guard, mask), tensors), plan)
+
+
 def test_probe_fits_only_the_same_description():
     cache = PlanCache()
     a = torch.empty(4, 8, 16)
     b = torch.empty(6, dtype=torch.int32)
     guard = ("op", None, None, float, 0.5)
-    assert cache.probe(guard, (a, None, b)) is None  # nothing kept yet
-    cache._keep_guard(guard, (a, None, b), _Marker("plan"))
-    assert cache.probe(guard, (torch.empty(4, 8, 16), None, torch.empty(6, dtype=torch.int32)))
+    assert _probe(cache, guard, (a, None, b)) is None  # nothing kept yet
+    _keep(cache, guard, (a, None, b), _Marker("plan"))
+    same = (torch.empty(4, 8, 16), None, torch.empty(6, dtype=torch.int32))
+    assert _probe(cache, guard, same) == "plan"
     wide = torch.empty(4, 8, 24)[:, :, :16]
     flat = torch.empty(a.numel() + 1)
     sub = torch.nn.Parameter(torch.empty(4, 8, 16), requires_grad=False)
@@ -825,18 +837,20 @@ def test_probe_fits_only_the_same_description():
         "unhashable": ((a, None, b), ("op", None, None, list, [0.5])),
     }
     for name, (inputs, g) in variants.items():
-        assert cache.probe(g, inputs) is None, name
+        assert _probe(cache, g, inputs) is None, name
+    # fewer tensors under the same guard (an op's mistake): the count is part of the entry
+    assert cache.probe((guard, _plans.present((a, None, b))[0]), (a,), (a, None, b)) is None
     assert cache.hits == 1
     for switch in ("GUARDS", "enabled"):
         owner = _plans if switch == "GUARDS" else cache
         setattr(owner, switch, False)
         try:
-            assert cache.probe(guard, (a, None, b)) is None, switch
+            assert _probe(cache, guard, (a, None, b)) is None, switch
         finally:
             setattr(owner, switch, True)
-    assert cache.probe(guard, (a, None, b)) == "plan"
+    assert _probe(cache, guard, (a, None, b)) == "plan"
     cache.clear()
-    assert cache.probe(guard, (a, None, b)) is None
+    assert _probe(cache, guard, (a, None, b)) is None
 
 
 def test_probe_keeps_recent_plans_and_no_tensor():
@@ -847,16 +861,16 @@ def test_probe_keeps_recent_plans_and_no_tensor():
     for n, shape in enumerate(shapes):
         t = torch.empty(shape)
         refs.append(weakref.ref(t))
-        cache._keep_guard(guard, (t,), _Marker(n))
+        _keep(cache, guard, (t,), _Marker(n))
         del t
     gc.collect()
     assert all(r() is None for r in refs)  # the guards keep no tensor alive
-    assert cache.probe(guard, (torch.empty(shapes[0]),)) is None  # the oldest, dropped
+    assert _probe(cache, guard, (torch.empty(shapes[0]),)) is None  # the oldest, dropped
     for n, shape in enumerate(shapes[1:], 1):
-        assert cache.probe(guard, (torch.empty(shape),)) == n
+        assert _probe(cache, guard, (torch.empty(shape),)) == n
     misaligned = torch.empty(17)[1:]
-    cache._keep_guard(("x",), (misaligned,), _Marker("x"))  # not aligned: never guarded
-    assert cache.probe(("x",), (torch.empty(17)[1:],)) is None
+    _keep(cache, ("x",), (misaligned,), _Marker("x"))  # not aligned: never guarded
+    assert _probe(cache, ("x",), (torch.empty(17)[1:],)) is None
 
 
 def _meta_paged(**kw):

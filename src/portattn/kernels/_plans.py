@@ -435,6 +435,13 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return fast if same[0] == same[1] else slow
 
 
+def present(inputs: Sequence[Any]) -> tuple[tuple[bool, ...], tuple]:
+    """Which of ``inputs`` are not ``None`` (for a `PlanCache.probe` guard), and those inputs
+    (its tensors), in two C passes."""
+    mask = tuple(map(is_not, inputs, _NONES))
+    return mask, tuple(itertools.compress(inputs, mask))
+
+
 def _fast_empty() -> dict[str, Callable]:
     try:
         from torch._C._dynamo import guards
@@ -624,8 +631,8 @@ class PlanCache:
         self.max_plans = max_plans
         self.enabled = os.environ.get("PORTATTN_PLAN_CACHE", "1") != "0"
         self._plans: dict[Hashable, Plan | None] = {}
-        # (guard, which inputs are tensors) -> [(the tensors' `TensorGuards`, plan)], newest
-        # first (`probe`).
+        # (guard, number of tensors) -> [(the tensors' `TensorGuards`, plan)], newest first
+        # (`probe`).
         self._guarded: dict[Hashable, list[tuple[Any, Plan]]] = {}
         self.hits = self.misses = 0
 
@@ -637,28 +644,29 @@ class PlanCache:
         self._guarded.clear()
         self.hits = self.misses = 0
 
-    def probe(self, guard: Hashable, inputs: Sequence[torch.Tensor | None]) -> tuple | None:
+    def probe(
+        self, guard: Hashable, tensors: tuple, inputs: Sequence[torch.Tensor | None]
+    ) -> tuple | None:
         """The outputs of a guarded plan (`GUARDS`) run on ``inputs``; ``None`` where none fits
         (the caller then builds its key: `hit`, `call`).
 
         ``guard``: everything of the call's description but its tensors (the op, the current
-        device, the target override, every non-tensor argument with its type), as the op
-        passes it to `call`, which keeps each plan it runs under ``guard`` and the
-        tensors' guards. A plan fits when the call's inputs are ``None`` and tensors at the
-        same places as its first call's, every tensor passes the C guard built from that call's
-        (same Python type, dispatch keys, device, dtype, sizes, strides, requires_grad) and all
-        are 16-byte aligned (as a guarded first call's were): the description is then equal,
-        so is the key, and the plan is the one `call` would run."""
+        device, the target override, every non-tensor argument with its type, and which
+        inputs are ``None``), as the op passes it to `call`, which keeps each plan it runs
+        under ``guard`` and the guards of ``tensors``: the inputs that are not ``None``, in
+        order (`present`). A plan fits when every tensor passes the C guard built from its
+        first call's (same Python type, dispatch keys, device, dtype, sizes, strides,
+        requires_grad) and all are 16-byte aligned (as a guarded first call's were): the
+        description is then equal, so is the key, and the plan is the one `call` would
+        run."""
         if not self.enabled or not GUARDS:
             return None
-        mask = tuple(map(is_not, inputs, _NONES))
         try:
-            entries = self._guarded.get((guard, mask))
+            entries = self._guarded.get((guard, len(tensors)))
         except TypeError:  # an unhashable scalar
             return None
         if not entries:
             return None
-        tensors = tuple(itertools.compress(inputs, mask))
         for guards, plan in entries:
             if guards.check(*tensors):  # tensors all (not a subclass): their addresses next
                 if functools.reduce(or_, map(_data_ptr, tensors)) % ALIGN:
@@ -667,18 +675,17 @@ class PlanCache:
                 return plan.run(inputs)
         return None
 
-    def _keep_guard(self, guard: Hashable, inputs: Sequence[torch.Tensor | None], plan: Plan):
-        """Keep ``plan`` for `probe` under ``guard`` and ``inputs``' guards (when every input
-        is ``None`` or a tensor, all aligned)."""
-        mask = tuple(map(is_not, inputs, _NONES))
-        tensors = tuple(itertools.compress(inputs, mask))
+    def _keep_guard(self, guard: tuple[Hashable, tuple], plan: Plan) -> None:
+        """Keep ``plan`` for `probe` under ``guard`` (the guard and the tensors, as `probe`
+        takes them) when the tensors are all tensors, all aligned."""
+        scalars, tensors = guard
         if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
             return
         if functools.reduce(or_, map(_data_ptr, tensors)) % ALIGN:
             return
         try:
             guards = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-            entries = self._guarded.setdefault((guard, mask), [])
+            entries = self._guarded.setdefault((scalars, len(tensors)), [])
         except Exception:  # noqa: BLE001 - a guard torch cannot build: no shortcut, no harm
             return
         entries.insert(0, (guards, plan))
@@ -690,7 +697,7 @@ class PlanCache:
         self,
         key: Hashable | None,
         inputs: Sequence[torch.Tensor | None],
-        guard: Hashable | None = None,
+        guard: tuple[Hashable, tuple] | None = None,
     ) -> tuple | None:
         """The outputs of ``key``'s cached plan run on ``inputs``; ``None`` where there is no
         replayable plan (none yet, a known unreplayable one, no key, caching off): the caller
@@ -706,7 +713,7 @@ class PlanCache:
             return None
         self.hits += 1
         if guard is not None and GUARDS and _TensorGuards is not None:
-            self._keep_guard(guard, inputs, cached)
+            self._keep_guard(guard, cached)
         return cached.run(inputs)
 
     def call(
@@ -714,24 +721,23 @@ class PlanCache:
         key: Hashable | None,
         inputs: Sequence[torch.Tensor | None],
         plan: Callable[[], list[Launch]],
-        guard: Hashable | None = None,
+        guard: tuple[Hashable, tuple] | None = None,
     ) -> tuple:
         """Run a call: its cached plan if ``key`` has one, else ``plan()`` (validating), kept
-        for the next call with this key. Returns the first launch's outputs. ``guard``: the
-        call's description but its tensors (`probe`); a plan run with one is kept for `probe`
-        too (``None``: not)."""
+        for the next call with this key. Returns the first launch's outputs. ``guard``:
+        `probe`'s guard and tensors; a plan run with them is kept for `probe` too (``None``:
+        not)."""
         if key is None or not self.enabled:
             return _run_fresh(plan())
         try:
             cached = self._plans.get(key, _MISSING)
         except TypeError:  # an unhashable value in the key (`call_key`)
             return _run_fresh(plan())
-        keep = guard is not None and GUARDS and _TensorGuards is not None
         if cached is not _MISSING:
             self.hits += 1
             if isinstance(cached, Plan):
-                if keep:
-                    self._keep_guard(guard, inputs, cached)
+                if guard is not None and GUARDS and _TensorGuards is not None:
+                    self._keep_guard(guard, cached)
                 return cached.run(inputs)
             return _run_fresh(plan())  # known not to be replayable
         self.misses += 1
@@ -745,8 +751,8 @@ class PlanCache:
         compiled = [launch.run() for launch in launches]
         if replay is not None:
             replay.keep_compiled(compiled)
-            if keep:
-                self._keep_guard(guard, inputs, replay)
+            if guard is not None and GUARDS and _TensorGuards is not None:
+                self._keep_guard(guard, replay)
         self._plans[key] = replay
         if len(self._plans) > self.max_plans:
             del self._plans[next(iter(self._plans))]

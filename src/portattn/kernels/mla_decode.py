@@ -78,7 +78,7 @@ from portattn.kernels._checks import (
     to_host,
 )
 from portattn.kernels._launch import Launch
-from portattn.kernels._plans import PLANS, _current_device, call_key, exact_id
+from portattn.kernels._plans import PLANS, _current_device, call_key, exact_id, present
 from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_launch
 from portattn.layout import describe_kv_cache
 from portattn.mla_metadata import MlaMetadata
@@ -1257,7 +1257,8 @@ def mla_decode(
         and not tensor_reads_contents(query, vouched=True)
         and (page_indices is None or isinstance(page_indices, tuple) and len(page_indices) == 2)
     )
-    key = guard = None
+    key = None
+    guard: tuple | None = None
     inputs: tuple = ()
     if cacheable:
         assert metadata is not None
@@ -1267,12 +1268,14 @@ def mla_decode(
                   part_out, part_lse)  # fmt: skip
         if exact is not None:
             if target is None:  # the rest of `call_key`'s description (`PlanCache.probe`)
-                guard = (_OP, _current_device(), override_key(), exact, type(kv_lora_rank),
+                mask, tensors = present(inputs)
+                scalars = (_OP, _current_device(), override_key(), exact, mask, type(kv_lora_rank),
                          kv_lora_rank, type(scale), scale, type(return_lse), return_lse,
                          page_indices is None)  # fmt: skip
-                outs = PLANS.probe(guard, inputs)
+                outs = PLANS.probe(scalars, tensors, inputs)
                 if outs is not None:
                     return outs if return_lse else outs[0]
+                guard = (scalars, tensors)
             key = call_key(
                 _OP, *inputs, kv_lora_rank, scale, return_lse, page_indices is None, target,
                 exact=exact,

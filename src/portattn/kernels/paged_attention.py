@@ -954,17 +954,20 @@ def paged_attention(
         -> the query attends to block 5 offsets 0, 1 and block 2 offset 0
     """
     inputs = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out)
-    key = guard = None
+    key = None
+    guard: tuple | None = None
     if isinstance(query, torch.Tensor) and not tensor_reads_contents(
         query, vouched=max_query_len is not None
     ):
         if target is None:  # the rest of `call_key`'s description (`PlanCache.probe`)
-            guard = (OP, _current_device(), override_key(), type(scale), scale, type(layout),
-                     layout, type(max_query_len), max_query_len, type(max_seq_len),
-                     max_seq_len)  # fmt: skip
-            outputs = PLANS.probe(guard, inputs)
+            scalars = (OP, _current_device(), override_key(), out is None, type(scale), scale,
+                     type(layout), layout, type(max_query_len), max_query_len,
+                     type(max_seq_len), max_seq_len)  # fmt: skip
+            tensors = inputs[:6] if out is None else inputs
+            outputs = PLANS.probe(scalars, tensors, inputs)
             if outputs is not None:
                 return outputs[0]
+            guard = (scalars, tensors)
         key = call_key(OP, *inputs, scale, layout, target, max_query_len, max_seq_len)
     outputs = PLANS.call(
         key,
