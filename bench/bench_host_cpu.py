@@ -41,7 +41,7 @@ from portattn.kernels._plans import PLANS, call_key
 from portattn.kernels.mla_decode import _metadata_key, mla_decode
 from portattn.kernels.paged_attention import paged_attention
 from portattn.mla_metadata import MlaMetadataBuilder
-from portattn.platform import get_target
+from portattn.platform import get_target, override_key
 
 META = "meta"
 _SINK = "".format  # a C function that accepts any arguments and does nothing with them
@@ -98,7 +98,12 @@ def _paged(split: bool):
     def key():
         return call_key("paged_attention", *inputs, None, "NHD", None, 1, ctx)
 
-    return call, key, inputs
+    def guarded():  # as paged_attention's probe: its scalars, then its tensors
+        scalars = ("paged_attention", _plans._current_device(), override_key(), True,
+                   type(None), None, str, "NHD", int, 1, int, ctx)  # fmt: skip
+        return PLANS.guarded(scalars, args)
+
+    return call, key, inputs, guarded
 
 
 def _mla(ctx: int = 256):
@@ -128,7 +133,14 @@ def _mla(ctx: int = 256):
             True, None, exact=exact,
         )  # fmt: skip
 
-    return call, key, inputs
+    def guarded():  # as mla_decode's probe
+        exact = _metadata_key(md)[0]
+        mask, tensors = _plans.present(inputs)
+        scalars = ("mla_decode", _plans._current_device(), override_key(), exact, mask, int, r,
+                   float, scale, bool, False, True)  # fmt: skip
+        return PLANS.guarded(scalars, tensors)
+
+    return call, key, inputs, guarded
 
 
 CASES = {
@@ -155,14 +167,15 @@ def main() -> int:
           f"{args.repeats} x {args.calls} calls, us per call")  # fmt: skip
     for name, make in CASES.items():
         PLANS.clear()
-        call, key, inputs = make()
+        call, key, inputs, guarded = make()
         call()  # the miss: planned, kept
-        call()
+        call()  # a hit by the key: kept for the probe too
         plan = PLANS._plans.get(key())
         assert PLANS.hits == 1 and plan is not None, f"{name}: not cached"
+        assert guarded() is plan, f"{name}: the probe finds another plan"
         n = len(plan._replays)
         print(f"{name} ({n} launch{'es' if n > 1 else ''})")
-        for part, fn in stages(call, key, inputs).items():
+        for part, fn in stages(call, key, inputs, guarded).items():
             print(f"    {part:34s} {best_us(fn, args.calls, args.repeats):7.2f}", flush=True)
     return 0
 

@@ -659,20 +659,27 @@ class PlanCache:
         requires_grad) and all are 16-byte aligned (as a guarded first call's were): the
         description is then equal, so is the key, and the plan is the one `call` would
         run."""
+        plan = self.guarded(guard, tensors)
+        if plan is None:
+            return None
+        self.hits += 1
+        return plan.run(inputs)
+
+    def guarded(self, guard: Hashable, tensors: tuple) -> Plan | None:
+        """`probe`'s plan for ``guard`` and ``tensors`` (not run, not counted); ``None``: none
+        fits, or caching or `GUARDS` is off."""
         if not self.enabled or not GUARDS:
             return None
         try:
             entries = self._guarded.get((guard, len(tensors)))
         except TypeError:  # an unhashable scalar
             return None
-        if not entries:
-            return None
-        for guards, plan in entries:
-            if guards.check(*tensors):  # tensors all (not a subclass): their addresses next
-                if functools.reduce(or_, map(_data_ptr, tensors)) % ALIGN:
-                    return None
-                self.hits += 1
-                return plan.run(inputs)
+        if entries:
+            for guards, plan in entries:
+                if guards.check(*tensors):  # tensors all (not a subclass): their addresses next
+                    if functools.reduce(or_, map(_data_ptr, tensors)) % ALIGN:
+                        return None
+                    return plan
         return None
 
     def _keep_guard(self, guard: tuple[Hashable, tuple], plan: Plan) -> None:
