@@ -946,6 +946,32 @@ def test_mla_probe_follows_the_metadata(no_launch):
     assert PLANS.hits == 3
 
 
+def test_mla_probe_with_and_without_out(no_launch):
+    """The decode shortcut (no optional tensor) and `present` (``out`` given) keep their
+    plans apart."""
+    _, build = _meta_mla(256)
+    md = build()
+    dk, r, heads = 576, 512, 16
+    cache = torch.empty(4 * 64, 64, dk, dtype=torch.bfloat16, device="meta")
+    table = torch.empty(4, 64, dtype=torch.int32, device="meta")
+    q = torch.empty(4, heads, dk, dtype=torch.bfloat16, device="meta")
+    sl = torch.empty(4, dtype=torch.int32, device="meta")
+    out = torch.empty(4, heads, r, dtype=torch.bfloat16, device="meta")
+
+    def go(**kw):
+        return mla_decode(q, cache, table, sl, kv_lora_rank=r, scale=0.05, metadata=md, **kw)
+
+    assert go(out=out) is out
+    assert go(out=out) is out  # a hit by the key, kept for the probe
+    assert go(out=out) is out and (PLANS.hits, PLANS.misses) == (2, 1)  # the probe's
+    mine = go()  # no out: another description, a miss
+    assert mine is not out and (PLANS.hits, PLANS.misses) == (2, 2)
+    go()
+    assert go() is not out and (PLANS.hits, PLANS.misses) == (4, 2)
+    assert go(out=out) is out and (PLANS.hits, PLANS.misses) == (5, 2)
+    assert len(PLANS._guarded) == 2
+
+
 def test_a_tensor_passed_twice_is_not_planned(no_launch):
     """key_cache is value_cache: a plan could not tell the two slots apart, and a later call of
     the same description with two tensors would read its keys from the value cache."""

@@ -104,6 +104,8 @@ OMIT_UNREAD_WORKSPACES = True
 _METADATA_MEMO: dict[int, tuple[tuple, int | None, bool]] = {}
 _MAX_METADATA_MEMO = 256
 _LOG2E = 1.4426950408889634
+# `_plans.present`'s mask of a call whose optional tensors are all None (block_table given).
+_DECODE: tuple[bool, ...] = (True,) * 4 + (False,) * 6
 
 
 @triton.jit
@@ -1268,7 +1270,10 @@ def mla_decode(
                   part_out, part_lse)  # fmt: skip
         if exact is not None:
             if target is None:  # the rest of `call_key`'s description (`PlanCache.probe`)
-                mask, tensors = present(inputs)
+                if query_start_loc is out is page_indices is part_out is part_lse is None:
+                    mask, tensors = _DECODE, inputs[:4]  # a decode step's: no optional tensor
+                else:
+                    mask, tensors = present(inputs)
                 scalars = (_OP, _current_device(), override_key(), exact, mask, type(kv_lora_rank),
                          kv_lora_rank, type(scale), scale, type(return_lse), return_lse,
                          page_indices is None)  # fmt: skip
