@@ -1024,3 +1024,34 @@ def test_gpu_fast_allocations_equal_torch_empty():
     if torch.cuda.device_count() > 1:  # a buffer on another device: torch.empty
         other = torch.device("cuda", (dev.index + 1) % torch.cuda.device_count())
         assert _plans._empty((2,), torch.float32, other).func is torch.empty
+
+
+@pytest.mark.gpu
+def test_gpu_probe_hits_run_correctly(monkeypatch):
+    """On a GPU a repeated call is a probe's hit (no key built), runs the compiled kernel
+    directly on the new tensors, and a misaligned query or another device's override is not
+    taken for it."""
+    PLANS.clear()
+    kw = dict(block_size=16, heads=(8, 2), head_dim=64, dtype=torch.bfloat16, device="cuda")
+    for seed in range(2):
+        b = make_batch(SEQS, seed=seed, **kw)
+        check(b, paged_attention(*b.args(), max_query_len=4))
+    keys = []
+    real_key = call_key
+    monkeypatch.setattr(
+        "portattn.kernels.paged_attention.call_key", lambda *a: keys.append(a) or real_key(*a)
+    )
+    hits = PLANS.hits
+    for seed in range(2, 5):
+        b = make_batch(SEQS, seed=seed, **kw)
+        check(b, paged_attention(*b.args(), max_query_len=4))
+    assert keys == [] and PLANS.hits == hits + 3  # probe hits only
+    b = make_batch(SEQS, seed=9, **kw)
+    q = b.query
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    shifted = flat[1:].view(q.shape)  # 2 bytes off 16: another specialization
+    shifted.copy_(q)
+    b.query = shifted
+    misses = PLANS.misses
+    check(b, paged_attention(*b.args(), max_query_len=4))
+    assert len(keys) == 1 and PLANS.misses == misses + 1
