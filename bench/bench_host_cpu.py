@@ -10,14 +10,16 @@ where the launch has TMA descriptors) around a C function that takes any argumen
 nothing. So a "launch" here is everything a cached launch does in Python up to Triton's C
 launcher; what the C launcher does (parse the arguments, ``data_ptr()`` and
 ``cuPointerGetAttribute`` per tensor passed as a tensor, ``cuLaunchKernelEx``) is not in it, and
-buffers are allocated on the meta device (cheaper than CUDA's caching allocator). Use the ratios
-between two revisions, not the absolute figures, to predict a GPU host's times.
+buffers are allocated on the meta device (cheaper than CUDA's caching allocator; one CPU buffer
+is timed at the end, through `torch.empty` and through `_plans.FAST_EMPTY`'s C function). Use
+the ratios between two revisions, not the absolute figures, to predict a GPU host's times.
 
 Parts (as bench_host.py's ``--breakdown``): the op's call; the key; key + lookup; key + lookup +
 bind (`Plan.bind_launch`: buffers + the argument lists `Plan.run` launches with); the buffers
-alone (`Plan._allocate`, the plan looked up once); key + lookup +
-bind + launch (`Plan.run`). Each is timed with ``timeit`` (GC
-off), the best of ``--repeats`` loops of ``--calls`` calls.
+alone (`Plan._allocate`, the plan looked up once); key + lookup + bind + launch (`Plan.run`);
+the probe's part (`PlanCache.guarded`: the op's scalars, its tensors' C guards and alignment,
+the lookup), which on a repeated call stands in for key + lookup; probe + bind + launch. Each
+is timed with ``timeit`` (GC off), the best of ``--repeats`` loops of ``--calls`` calls.
 
 Usage::
 
@@ -177,6 +179,14 @@ def main() -> int:
         print(f"{name} ({n} launch{'es' if n > 1 else ''})")
         for part, fn in stages(call, key, inputs, guarded).items():
             print(f"    {part:34s} {best_us(fn, args.calls, args.repeats):7.2f}", flush=True)
+    # the buffers above are meta tensors: a CPU buffer shows what `FAST_EMPTY` saves
+    print("one CPU buffer [4, 32, 128] bf16 (`_plans._empty`)")
+    for fast in (False, True):
+        _plans.FAST_EMPTY = fast
+        alloc = _plans._empty((4, 32, 128), torch.bfloat16, torch.device("cpu"))
+        label = f"FAST_EMPTY = {fast} ({getattr(alloc.func, '__name__', alloc.func)})"
+        print(f"    {label:34s} {best_us(alloc, args.calls, args.repeats):7.2f}", flush=True)
+    _plans.FAST_EMPTY = True
     return 0
 
 
