@@ -276,6 +276,11 @@ def _direct_vs_triton(call_a, call_b, plan_fn, monkeypatch, pointer_ints):
     monkeypatch.setattr(_plans, "POINTER_INTS", pointer_ints)
     outs_direct = plan.run(inputs_b)
     direct, recorder.calls = recorder.calls, []
+    # the addresses a probe read, handed over: the same argument lists
+    ptrs = tuple(None if t is None else t.data_ptr() for t in inputs_b)
+    assert all(a is b for a, b in zip(plan.run(inputs_b, ptrs), outs_direct, strict=True))
+    assert recorder.calls == direct
+    recorder.calls = []
     monkeypatch.setattr(_plans, "DIRECT", False)
     outs_triton = plan.run(inputs_b)
     triton_calls = recorder.calls
@@ -564,7 +569,7 @@ def _meta_mla(max_seq_len, seqs=4):
 def no_launch(monkeypatch):
     """Plans built and replayed, nothing launched (meta tensors)."""
     monkeypatch.setattr(Launch, "run", lambda self: None)
-    monkeypatch.setattr(Plan, "run", lambda self, inputs: self.bind(inputs)[1])
+    monkeypatch.setattr(Plan, "run", lambda self, inputs, ptrs=None: self.bind(inputs)[1])
     PLANS.clear()
     yield
     PLANS.clear()
@@ -791,7 +796,7 @@ class _Marker:
     def __init__(self, name):
         self.name = name
 
-    def run(self, inputs):
+    def run(self, inputs, ptrs=None):
         return self.name
 
 
@@ -803,7 +808,7 @@ def _probe(cache, guard, inputs):
 
 def _keep(cache, guard, inputs, plan):
     mask, tensors = _plans.present(inputs)
-    cache._keep_guard(((guard, mask), tensors), plan)
+    cache._keep_guard(((guard, mask), tensors), inputs, plan)
 
 
 def test_probe_fits_only_the_same_description():

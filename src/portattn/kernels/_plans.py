@@ -42,7 +42,7 @@ import functools
 import itertools
 import os
 from collections.abc import Callable, Hashable, Sequence
-from operator import is_not, itemgetter, or_
+from operator import is_, is_not, itemgetter, or_
 from typing import Any
 
 import torch
@@ -68,6 +68,9 @@ POINTER_INTS = True
 #: generated code does: no Python argument parsing, no dispatch), where it gives what
 #: `torch.empty` gives; False: `torch.empty` (`_empty`).
 FAST_EMPTY = True
+#: A probe's hit hands the addresses it read (for the alignment check) to the direct launches,
+#: which then do not ask the tensors again (`_DirectLaunch.args`); False: they ask.
+PTRS = True
 #: Plans kept (the oldest dropped first): one per distinct call description.
 MAX_PLANS = 1024
 #: Distinct ``exact`` value tuples numbered by `exact_id` before its table is emptied.
@@ -386,14 +389,16 @@ class Plan:
         lists = [launch.args(inputs, allocs, stream) for launch in self._direct]
         return lists, self._outs(inputs, allocs)
 
-    def run(self, inputs: Sequence[torch.Tensor | None]) -> tuple:
-        """Launch the plan for ``inputs``; return the first launch's outputs."""
+    def run(self, inputs: Sequence[torch.Tensor | None], ptrs: tuple | None = None) -> tuple:
+        """Launch the plan for ``inputs``; return the first launch's outputs. ``ptrs``: the
+        addresses of ``inputs[:len(ptrs)]``, every tensor among them, just read (`probe`);
+        direct launches take them instead of asking the tensors again."""
         allocs = self._allocate()
         direct = self._direct
         if direct is not None and DIRECT and _hooks() is None:
             stream = _current_stream(_current_device())
             for launch in direct:
-                launch.launch(inputs, allocs, stream)
+                launch.launch(inputs, allocs, stream, ptrs)
             return self._outs(inputs, allocs)
         for replay in self._replays:
             if any(g == 0 for g in replay.grid):
@@ -559,16 +564,26 @@ class _DirectLaunch:
         self._memo: dict[tuple[int, int], list[Any]] = {}
         self.launches = 0
 
-    def launch(self, inputs: Sequence, allocs: list[torch.Tensor], stream: Any) -> None:
-        self._launcher(*self.args(inputs, allocs, stream))
+    def launch(
+        self, inputs: Sequence, allocs: list[torch.Tensor], stream: Any, ptrs: tuple | None = None
+    ) -> None:
+        self._launcher(*self.args(inputs, allocs, stream, ptrs))
         self.launches += 1
 
-    def args(self, inputs: Sequence, allocs: list[torch.Tensor], stream: Any) -> list[Any]:
+    def args(
+        self, inputs: Sequence, allocs: list[torch.Tensor], stream: Any, ptrs: tuple | None = None
+    ) -> list[Any]:
         """The C launcher's whole argument list for ``inputs``, ``allocs`` and ``stream``: what
-        `CompiledKernel.run` would hand it, tensors as addresses where `POINTER_INTS`."""
+        `CompiledKernel.run` would hand it, tensors as addresses where `POINTER_INTS` (the
+        inputs' from ``ptrs`` where given: `Plan.run`)."""
         args = self._flat.copy()
         args[3] = stream
-        if POINTER_INTS:
+        if ptrs is not None and POINTER_INTS and PTRS:
+            for at, ref in self._from_inputs:
+                args[at] = ptrs[ref]
+            for at, ref in self._from_allocs:
+                args[at] = allocs[ref].data_ptr()
+        elif POINTER_INTS:
             for at, ref in self._from_inputs:
                 args[at] = inputs[ref].data_ptr()
             for at, ref in self._from_allocs:
@@ -631,9 +646,9 @@ class PlanCache:
         self.max_plans = max_plans
         self.enabled = os.environ.get("PORTATTN_PLAN_CACHE", "1") != "0"
         self._plans: dict[Hashable, Plan | None] = {}
-        # (guard, number of tensors) -> [(the tensors' `TensorGuards`, plan)], newest first
-        # (`probe`).
-        self._guarded: dict[Hashable, list[tuple[Any, Plan]]] = {}
+        # (guard, number of tensors) -> [(the tensors' `TensorGuards`, plan, whether the
+        # tensors are the first inputs)], newest first (`probe`).
+        self._guarded: dict[Hashable, list[tuple[Any, Plan, bool]]] = {}
         self.hits = self.misses = 0
 
     def __len__(self) -> int:
@@ -659,11 +674,23 @@ class PlanCache:
         requires_grad) and all are 16-byte aligned (as a guarded first call's were): the
         description is then equal, so is the key, and the plan is the one `call` would
         run."""
-        plan = self.guarded(guard, tensors)
-        if plan is None:
+        if not self.enabled or not GUARDS:
             return None
-        self.hits += 1
-        return plan.run(inputs)
+        try:
+            entries = self._guarded.get((guard, len(tensors)))
+        except TypeError:  # an unhashable scalar
+            return None
+        if entries:
+            for guards, plan, first in entries:
+                if guards.check(*tensors):  # tensors all (not a subclass): their addresses next
+                    ptrs = tuple(map(_data_ptr, tensors))
+                    if functools.reduce(or_, ptrs) % ALIGN:
+                        return None
+                    self.hits += 1
+                    # the tensors are the first inputs (so at the first call, and the guard
+                    # holds which inputs are None): the launches take the addresses just read
+                    return plan.run(inputs, ptrs if first else None)
+        return None
 
     def guarded(self, guard: Hashable, tensors: tuple) -> Plan | None:
         """`probe`'s plan for ``guard`` and ``tensors`` (not run, not counted); ``None``: none
@@ -675,16 +702,17 @@ class PlanCache:
         except TypeError:  # an unhashable scalar
             return None
         if entries:
-            for guards, plan in entries:
+            for guards, plan, _ in entries:
                 if guards.check(*tensors):  # tensors all (not a subclass): their addresses next
                     if functools.reduce(or_, map(_data_ptr, tensors)) % ALIGN:
                         return None
                     return plan
         return None
 
-    def _keep_guard(self, guard: tuple[Hashable, tuple], plan: Plan) -> None:
+    def _keep_guard(self, guard: tuple[Hashable, tuple], inputs: Sequence, plan: Plan) -> None:
         """Keep ``plan`` for `probe` under ``guard`` (the guard and the tensors, as `probe`
-        takes them) when the tensors are all tensors, all aligned."""
+        takes them) when the tensors are all tensors, all aligned; noting whether they are
+        the first of ``inputs``."""
         scalars, tensors = guard
         if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
             return
@@ -695,7 +723,8 @@ class PlanCache:
             entries = self._guarded.setdefault((scalars, len(tensors)), [])
         except Exception:  # noqa: BLE001 - a guard torch cannot build: no shortcut, no harm
             return
-        entries.insert(0, (guards, plan))
+        first = len(tensors) <= len(inputs) and all(map(is_, tensors, inputs))
+        entries.insert(0, (guards, plan, first))
         del entries[MAX_GUARDS:]
         if len(self._guarded) > self.max_plans:
             del self._guarded[next(iter(self._guarded))]
@@ -720,7 +749,7 @@ class PlanCache:
             return None
         self.hits += 1
         if guard is not None and GUARDS and _TensorGuards is not None:
-            self._keep_guard(guard, cached)
+            self._keep_guard(guard, inputs, cached)
         return cached.run(inputs)
 
     def call(
@@ -744,7 +773,7 @@ class PlanCache:
             self.hits += 1
             if isinstance(cached, Plan):
                 if guard is not None and GUARDS and _TensorGuards is not None:
-                    self._keep_guard(guard, cached)
+                    self._keep_guard(guard, inputs, cached)
                 return cached.run(inputs)
             return _run_fresh(plan())  # known not to be replayable
         self.misses += 1
@@ -759,7 +788,7 @@ class PlanCache:
         if replay is not None:
             replay.keep_compiled(compiled)
             if guard is not None and GUARDS and _TensorGuards is not None:
-                self._keep_guard(guard, replay)
+                self._keep_guard(guard, inputs, replay)
         self._plans[key] = replay
         if len(self._plans) > self.max_plans:
             del self._plans[next(iter(self._plans))]
