@@ -96,6 +96,7 @@ def _paged():
         return PLANS.guarded(scalars, args)
 
     call.stages = stages(call, key, inputs, guarded)
+    call.guarded = guarded
     return call, check
 
 
@@ -135,6 +136,7 @@ def _mla():
         return PLANS.guarded(scalars, tensors)
 
     call.stages = stages(call, key, inputs, guarded)
+    call.guarded = guarded
 
     def check():
         ref, _ = reference.mla_decode(
@@ -325,7 +327,11 @@ def main() -> int:
             if mode not in ("cached", "uncached"):
                 print(f"    {mode:34s} {us:7.1f} us", flush=True)
         if args.breakdown and hasattr(call, "stages"):
-            stages = host_us_modes(call.stages, args.calls, args.repeats)
+            parts = dict(call.stages)
+            if call.guarded() is None:  # GUARDS off, or a torch without TensorGuards
+                print("    (no guarded plan: the calls build their keys; probe stages left out)")
+                parts = {k: v for k, v in parts.items() if not k.startswith("probe")}
+            stages = host_us_modes(parts, args.calls, args.repeats)
             row["stages_us"] = {k: round(v, 2) for k, v in stages.items()}
             for stage, us in stages.items():
                 print(f"    {stage:34s} {us:7.1f} us", flush=True)
