@@ -674,6 +674,21 @@ class PlanCache:
         requires_grad) and all are 16-byte aligned (as a guarded first call's were): the
         description is then equal, so is the key, and the plan is the one `call` would
         run."""
+        fit = self._fit(guard, tensors)
+        if fit is None:
+            return None
+        self.hits += 1
+        return fit[0].run(inputs, fit[1])
+
+    def guarded(self, guard: Hashable, tensors: tuple) -> Plan | None:
+        """`probe`'s plan for ``guard`` and ``tensors`` (not run, not counted); ``None``: none
+        fits, or caching or `GUARDS` is off."""
+        fit = self._fit(guard, tensors)
+        return None if fit is None else fit[0]
+
+    def _fit(self, guard: Hashable, tensors: tuple) -> tuple[Plan, tuple | None] | None:
+        """`probe`'s plan and, where its tensors are the first inputs (so at its first call,
+        and the guard holds which inputs are ``None``), their addresses for its launches."""
         if not self.enabled or not GUARDS:
             return None
         try:
@@ -686,27 +701,7 @@ class PlanCache:
                     ptrs = tuple(map(_data_ptr, tensors))
                     if functools.reduce(or_, ptrs) % ALIGN:
                         return None
-                    self.hits += 1
-                    # the tensors are the first inputs (so at the first call, and the guard
-                    # holds which inputs are None): the launches take the addresses just read
-                    return plan.run(inputs, ptrs if first else None)
-        return None
-
-    def guarded(self, guard: Hashable, tensors: tuple) -> Plan | None:
-        """`probe`'s plan for ``guard`` and ``tensors`` (not run, not counted); ``None``: none
-        fits, or caching or `GUARDS` is off."""
-        if not self.enabled or not GUARDS:
-            return None
-        try:
-            entries = self._guarded.get((guard, len(tensors)))
-        except TypeError:  # an unhashable scalar
-            return None
-        if entries:
-            for guards, plan, _ in entries:
-                if guards.check(*tensors):  # tensors all (not a subclass): their addresses next
-                    if functools.reduce(or_, map(_data_ptr, tensors)) % ALIGN:
-                        return None
-                    return plan
+                    return plan, ptrs if first else None
         return None
 
     def _keep_guard(self, guard: tuple[Hashable, tuple], inputs: Sequence, plan: Plan) -> None:
