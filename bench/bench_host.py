@@ -58,7 +58,7 @@ from portattn.kernels.kv_cache import gather_kv_cache, write_kv_cache
 from portattn.kernels.mla_decode import _metadata_key, mla_decode
 from portattn.kernels.paged_attention import paged_attention
 from portattn.mla_metadata import MlaMetadataBuilder
-from portattn.platform import current_target
+from portattn.platform import current_target, override_key
 
 GOAL_US = 25.0
 
@@ -89,7 +89,14 @@ def _paged():
 
     inputs = (*args, None)
     key = lambda: call_key("paged_attention", *inputs, None, "NHD", None, 1, ctx)  # noqa: E731
-    call.stages = stages(call, key, inputs)
+
+    def guarded():  # as paged_attention's probe: its scalars, then its tensors
+        scalars = ("paged_attention", _plans._current_device(), override_key(), True,
+                   type(None), None, str, "NHD", int, 1, int, ctx)  # fmt: skip
+        return PLANS.guarded(scalars, args)
+
+    call.stages = stages(call, key, inputs, guarded)
+    call.guarded = guarded
     return call, check
 
 
@@ -121,7 +128,15 @@ def _mla():
             True, None, exact=exact,
         )  # fmt: skip
 
-    call.stages = stages(call, key, inputs)
+    def guarded():  # as mla_decode's probe
+        exact = _metadata_key(md)[0]
+        mask, tensors = _plans.present(inputs)
+        scalars = ("mla_decode", _plans._current_device(), override_key(), exact, mask, int, r,
+                   float, scale, bool, False, True)  # fmt: skip
+        return PLANS.guarded(scalars, tensors)
+
+    call.stages = stages(call, key, inputs, guarded)
+    call.guarded = guarded
 
     def check():
         ref, _ = reference.mla_decode(
@@ -132,11 +147,14 @@ def _mla():
     return call, check
 
 
-def stages(call, key, inputs):
+def stages(call, key, inputs, guarded=None):
     """Parts of a cached call, each timed alone (``--breakdown``): the key, the cache lookup,
     `Plan.bind_launch` (buffers and the argument lists `Plan.run` launches with), the buffers
-    alone (`Plan._allocate`, the plan looked up once) and the whole replay (bind + launches).
-    bench_host_cpu.py times the same parts."""
+    alone (`Plan._allocate`, the plan looked up once) and the whole replay (bind + launches);
+    with ``guarded`` (the op's `PlanCache.guarded` call, as its probe makes it) also the
+    probe's part before the replay (the scalars, the tensors' C guards and alignment, the
+    lookup), which on a hit stands in for key + lookup. bench_host_cpu.py times the same
+    parts."""
 
     def plan():
         return PLANS._plans[key()]
@@ -148,7 +166,7 @@ def stages(call, key, inputs):
             found.append(plan())
         return found[0]
 
-    return {
+    parts = {
         "the op's call": call,
         "key": key,
         "key + lookup": lambda: PLANS._plans.get(key()),
@@ -156,6 +174,10 @@ def stages(call, key, inputs):
         "buffers alone": lambda: kept()._allocate(),
         "key + lookup + bind + launch": lambda: plan().run(inputs),
     }
+    if guarded is not None:
+        parts["probe: guards + lookup"] = guarded
+        parts["probe + bind + launch"] = lambda: guarded().run(inputs)
+    return parts
 
 
 def _switched_off(call, switch: str):
@@ -305,7 +327,11 @@ def main() -> int:
             if mode not in ("cached", "uncached"):
                 print(f"    {mode:34s} {us:7.1f} us", flush=True)
         if args.breakdown and hasattr(call, "stages"):
-            stages = host_us_modes(call.stages, args.calls, args.repeats)
+            parts = dict(call.stages)
+            if call.guarded() is None:  # GUARDS off, or a torch without TensorGuards
+                print("    (no guarded plan: the calls build their keys; probe stages left out)")
+                parts = {k: v for k, v in parts.items() if not k.startswith("probe")}
+            stages = host_us_modes(parts, args.calls, args.repeats)
             row["stages_us"] = {k: round(v, 2) for k, v in stages.items()}
             for stage, us in stages.items():
                 print(f"    {stage:34s} {us:7.1f} us", flush=True)

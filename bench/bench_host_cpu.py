@@ -10,14 +10,16 @@ where the launch has TMA descriptors) around a C function that takes any argumen
 nothing. So a "launch" here is everything a cached launch does in Python up to Triton's C
 launcher; what the C launcher does (parse the arguments, ``data_ptr()`` and
 ``cuPointerGetAttribute`` per tensor passed as a tensor, ``cuLaunchKernelEx``) is not in it, and
-buffers are allocated on the meta device (cheaper than CUDA's caching allocator). Use the ratios
-between two revisions, not the absolute figures, to predict a GPU host's times.
+buffers are allocated on the meta device (cheaper than CUDA's caching allocator; one CPU buffer
+is timed at the end, through `torch.empty` and through `_plans.FAST_EMPTY`'s C function). Use
+the ratios between two revisions, not the absolute figures, to predict a GPU host's times.
 
 Parts (as bench_host.py's ``--breakdown``): the op's call; the key; key + lookup; key + lookup +
 bind (`Plan.bind_launch`: buffers + the argument lists `Plan.run` launches with); the buffers
-alone (`Plan._allocate`, the plan looked up once); key + lookup +
-bind + launch (`Plan.run`). Each is timed with ``timeit`` (GC
-off), the best of ``--repeats`` loops of ``--calls`` calls.
+alone (`Plan._allocate`, the plan looked up once); key + lookup + bind + launch (`Plan.run`);
+the probe's part (`PlanCache.guarded`: the op's scalars, its tensors' C guards and alignment,
+the lookup), which on a repeated call stands in for key + lookup; probe + bind + launch. Each
+is timed with ``timeit`` (GC off), the best of ``--repeats`` loops of ``--calls`` calls.
 
 Usage::
 
@@ -41,7 +43,7 @@ from portattn.kernels._plans import PLANS, call_key
 from portattn.kernels.mla_decode import _metadata_key, mla_decode
 from portattn.kernels.paged_attention import paged_attention
 from portattn.mla_metadata import MlaMetadataBuilder
-from portattn.platform import get_target
+from portattn.platform import get_target, override_key
 
 META = "meta"
 _SINK = "".format  # a C function that accepts any arguments and does nothing with them
@@ -98,7 +100,12 @@ def _paged(split: bool):
     def key():
         return call_key("paged_attention", *inputs, None, "NHD", None, 1, ctx)
 
-    return call, key, inputs
+    def guarded():  # as paged_attention's probe: its scalars, then its tensors
+        scalars = ("paged_attention", _plans._current_device(), override_key(), True,
+                   type(None), None, str, "NHD", int, 1, int, ctx)  # fmt: skip
+        return PLANS.guarded(scalars, args)
+
+    return call, key, inputs, guarded
 
 
 def _mla(ctx: int = 256):
@@ -128,7 +135,14 @@ def _mla(ctx: int = 256):
             True, None, exact=exact,
         )  # fmt: skip
 
-    return call, key, inputs
+    def guarded():  # as mla_decode's probe
+        exact = _metadata_key(md)[0]
+        mask, tensors = _plans.present(inputs)
+        scalars = ("mla_decode", _plans._current_device(), override_key(), exact, mask, int, r,
+                   float, scale, bool, False, True)  # fmt: skip
+        return PLANS.guarded(scalars, tensors)
+
+    return call, key, inputs, guarded
 
 
 CASES = {
@@ -155,15 +169,24 @@ def main() -> int:
           f"{args.repeats} x {args.calls} calls, us per call")  # fmt: skip
     for name, make in CASES.items():
         PLANS.clear()
-        call, key, inputs = make()
+        call, key, inputs, guarded = make()
         call()  # the miss: planned, kept
-        call()
+        call()  # a hit by the key: kept for the probe too
         plan = PLANS._plans.get(key())
         assert PLANS.hits == 1 and plan is not None, f"{name}: not cached"
+        assert guarded() is plan, f"{name}: the probe finds another plan"
         n = len(plan._replays)
         print(f"{name} ({n} launch{'es' if n > 1 else ''})")
-        for part, fn in stages(call, key, inputs).items():
+        for part, fn in stages(call, key, inputs, guarded).items():
             print(f"    {part:34s} {best_us(fn, args.calls, args.repeats):7.2f}", flush=True)
+    # the buffers above are meta tensors: a CPU buffer shows what `FAST_EMPTY` saves
+    print("one CPU buffer [4, 32, 128] bf16 (`_plans._empty`)")
+    for fast in (False, True):
+        _plans.FAST_EMPTY = fast
+        alloc = _plans._empty((4, 32, 128), torch.bfloat16, torch.device("cpu"))
+        label = f"FAST_EMPTY = {fast} ({getattr(alloc.func, '__name__', alloc.func)})"
+        print(f"    {label:34s} {best_us(alloc, args.calls, args.repeats):7.2f}", flush=True)
+    _plans.FAST_EMPTY = True
     return 0
 
 

@@ -11,6 +11,7 @@ the public ops run their cached plans through the compiled kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import os
@@ -275,6 +276,11 @@ def _direct_vs_triton(call_a, call_b, plan_fn, monkeypatch, pointer_ints):
     monkeypatch.setattr(_plans, "POINTER_INTS", pointer_ints)
     outs_direct = plan.run(inputs_b)
     direct, recorder.calls = recorder.calls, []
+    # the addresses a probe read, handed over: the same argument lists
+    ptrs = tuple(None if t is None else t.data_ptr() for t in inputs_b)
+    assert all(a is b for a, b in zip(plan.run(inputs_b, ptrs), outs_direct, strict=True))
+    assert recorder.calls == direct
+    recorder.calls = []
     monkeypatch.setattr(_plans, "DIRECT", False)
     outs_triton = plan.run(inputs_b)
     triton_calls = recorder.calls
@@ -563,7 +569,7 @@ def _meta_mla(max_seq_len, seqs=4):
 def no_launch(monkeypatch):
     """Plans built and replayed, nothing launched (meta tensors)."""
     monkeypatch.setattr(Launch, "run", lambda self: None)
-    monkeypatch.setattr(Plan, "run", lambda self, inputs: self.bind(inputs)[1])
+    monkeypatch.setattr(Plan, "run", lambda self, inputs, ptrs=None: self.bind(inputs)[1])
     PLANS.clear()
     yield
     PLANS.clear()
@@ -779,3 +785,278 @@ def test_gpu_kv_cache_cached_calls():
         assert ko is out[0] and vo is out[1]
         ref_k, ref_v = reference.gather_kv_cache(kc.cpu(), vc.cpu(), table.cpu(), cu.cpu())
         assert torch.equal(ko.cpu(), ref_k) and torch.equal(vo.cpu(), ref_v)
+
+
+# -- the guarded probe (`PlanCache.probe`): the key's plan or none --------------------------------
+
+
+class _Marker:
+    """A stand-in plan: `run` returns its name."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def run(self, inputs, ptrs=None):
+        return self.name
+
+
+def _probe(cache, guard, inputs):
+    """`PlanCache.probe` as `mla_decode` calls it: which inputs are ``None`` in the guard."""
+    mask, tensors = _plans.present(inputs)
+    return cache.probe((guard, mask), tensors, inputs)
+
+
+def _keep(cache, guard, inputs, plan):
+    mask, tensors = _plans.present(inputs)
+    cache._keep_guard(((guard, mask), tensors), inputs, plan)
+
+
+def test_probe_fits_only_the_same_description():
+    cache = PlanCache()
+    a = torch.empty(4, 8, 16)
+    b = torch.empty(6, dtype=torch.int32)
+    guard = ("op", None, None, float, 0.5)
+    assert _probe(cache, guard, (a, None, b)) is None  # nothing kept yet
+    _keep(cache, guard, (a, None, b), _Marker("plan"))
+    same = (torch.empty(4, 8, 16), None, torch.empty(6, dtype=torch.int32))
+    assert _probe(cache, guard, same) == "plan"
+    wide = torch.empty(4, 8, 24)[:, :, :16]
+    flat = torch.empty(a.numel() + 1)
+    sub = torch.nn.Parameter(torch.empty(4, 8, 16), requires_grad=False)
+    variants = {
+        "shape": ((a[:3], None, b), guard),
+        "strides": ((wide, None, b), guard),
+        "dtype": ((a.half(), None, b), guard),
+        "device": ((a.to("meta"), None, b), guard),
+        "alignment": ((flat[1:].view(a.shape), None, b), guard),
+        "second tensor": ((a, None, b.long()), guard),
+        "a tensor where None was": ((a, b, b), guard),
+        "None where a tensor was": ((a, None, None), guard),
+        "fewer inputs": ((a, None), guard),
+        "not a tensor": ((a, None, [1, 2]), guard),
+        "a subclass": ((sub, None, b), guard),
+        "requires_grad": ((a.clone().requires_grad_(), None, b), guard),
+        "scalar": ((a, None, b), ("op", None, None, float, 0.25)),
+        "scalar type": ((a, None, b), ("op", None, None, int, 0.5)),
+        "op": ((a, None, b), ("other", None, None, float, 0.5)),
+        "unhashable": ((a, None, b), ("op", None, None, list, [0.5])),
+    }
+    for name, (inputs, g) in variants.items():
+        assert _probe(cache, g, inputs) is None, name
+    # fewer tensors under the same guard (an op's mistake): the count is part of the entry
+    assert cache.probe((guard, _plans.present((a, None, b))[0]), (a,), (a, None, b)) is None
+    assert cache.hits == 1
+    for switch in ("GUARDS", "enabled"):
+        owner = _plans if switch == "GUARDS" else cache
+        setattr(owner, switch, False)
+        try:
+            assert _probe(cache, guard, (a, None, b)) is None, switch
+        finally:
+            setattr(owner, switch, True)
+    assert _probe(cache, guard, (a, None, b)) == "plan"
+    cache.clear()
+    assert _probe(cache, guard, (a, None, b)) is None
+
+
+def test_probe_keeps_recent_plans_and_no_tensor():
+    cache = PlanCache()
+    guard = ("op",)
+    shapes = [(n, 16) for n in range(1, _plans.MAX_GUARDS + 2)]
+    refs = []
+    for n, shape in enumerate(shapes):
+        t = torch.empty(shape)
+        refs.append(weakref.ref(t))
+        _keep(cache, guard, (t,), _Marker(n))
+        del t
+    gc.collect()
+    assert all(r() is None for r in refs)  # the guards keep no tensor alive
+    assert _probe(cache, guard, (torch.empty(shapes[0]),)) is None  # the oldest, dropped
+    for n, shape in enumerate(shapes[1:], 1):
+        assert _probe(cache, guard, (torch.empty(shape),)) == n
+    misaligned = torch.empty(17)[1:]
+    _keep(cache, ("x",), (misaligned,), _Marker("x"))  # not aligned: never guarded
+    assert _probe(cache, ("x",), (torch.empty(17)[1:],)) is None
+
+
+def _meta_paged(**kw):
+    b = make_batch(SEQS, block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float32, **kw)
+    return tuple(t.to("meta") for t in b.args())
+
+
+def test_paged_probe_runs_the_keys_plan(no_launch, monkeypatch):
+    t = _meta_paged()
+    paged_attention(*t, max_query_len=4)
+    paged_attention(*t, max_query_len=4)  # a hit by the key: kept for the probe
+    assert (PLANS.hits, PLANS.misses) == (1, 1) and len(PLANS._guarded) == 1
+    keys = []
+    real_key = call_key
+    monkeypatch.setattr(
+        "portattn.kernels.paged_attention.call_key", lambda *a: keys.append(a) or real_key(*a)
+    )
+    out = paged_attention(*_meta_paged(seed=5), max_query_len=4)  # other tensors, same form
+    assert (PLANS.hits, PLANS.misses, keys) == (2, 1, [])  # the probe's hit: no key built
+    assert out.shape == t[0].shape
+    q = t[0]
+    flat = torch.empty(q.numel() + 1, device="meta")
+    variants = {
+        "shape": ((q[:-1],) + t[1:], {}),
+        "alignment": ((flat[1:].view(q.shape),) + t[1:], {}),
+        "table dtype": (t[:3] + (t[3].long(),) + t[4:], {}),
+        "scale": (t, {"scale": 0.5}),
+        "max_query_len": (t, {"max_query_len": 1}),
+        "max_seq_len": (t, {"max_seq_len": 64}),
+        "out": (t, {"out": torch.empty_like(q)}),
+        "target": (t, {"target": get_target("gfx942")}),
+    }
+    for name, (args, kw) in variants.items():
+        hits, misses = PLANS.hits, PLANS.misses
+        kw = {"max_query_len": 4, **kw}
+        paged_attention(*args, **kw)
+        assert (PLANS.hits, PLANS.misses) == (hits, misses + 1), name
+        paged_attention(*args, **kw)  # now a hit, by the probe or (a target) by the key
+        assert (PLANS.hits, PLANS.misses) == (hits + 1, misses + 1), name
+    set_target_override("gfx950")
+    try:
+        hits, misses = PLANS.hits, PLANS.misses
+        paged_attention(*t, max_query_len=4)
+        assert (PLANS.hits, PLANS.misses) == (hits, misses + 1)
+    finally:
+        set_target_override(None)
+    # a probe never skips validation: a query of another dtype, a value cache on another
+    # device are still reported
+    with pytest.raises(TypeError, match="key_cache and value_cache dtype must equal"):
+        paged_attention(q.half(), *t[1:], max_query_len=4)
+    with pytest.raises(ValueError, match="value_cache"):
+        paged_attention(t[0], t[1], torch.empty(t[2].shape), *t[3:], max_query_len=4)
+    with pytest.raises(ValueError, match="max_query_len must be a non-negative int"):
+        paged_attention(*t, max_query_len=True)  # True, after 1 was guarded
+
+
+def test_mla_probe_follows_the_metadata(no_launch):
+    call, build = _meta_mla(256)
+    md = build()
+    call(md)
+    call(md)
+    assert (PLANS.hits, PLANS.misses) == (1, 1) and len(PLANS._guarded) == 1
+    call(md)
+    call(build())  # equal values: the same number, the probe's hit
+    assert (PLANS.hits, PLANS.misses) == (3, 1)
+    call(build(3), 3)  # other values (and shapes): a miss
+    assert (PLANS.hits, PLANS.misses) == (3, 2)
+    tiles = dataclasses.replace(md.tiles, num_kv_splits=2)  # other tiles, same tensors: a miss
+    md2 = dataclasses.replace(md, tiles=tiles)
+    assert _metadata_key(md2)[0] != _metadata_key(md)[0]
+    with pytest.raises(ValueError):  # planned afresh: validated (the workspaces are too small)
+        call(md2)
+    assert PLANS.hits == 3
+
+
+def test_mla_probe_with_and_without_out(no_launch):
+    """The decode shortcut (no optional tensor) and `present` (``out`` given) keep their
+    plans apart."""
+    _, build = _meta_mla(256)
+    md = build()
+    dk, r, heads = 576, 512, 16
+    cache = torch.empty(4 * 64, 64, dk, dtype=torch.bfloat16, device="meta")
+    table = torch.empty(4, 64, dtype=torch.int32, device="meta")
+    q = torch.empty(4, heads, dk, dtype=torch.bfloat16, device="meta")
+    sl = torch.empty(4, dtype=torch.int32, device="meta")
+    out = torch.empty(4, heads, r, dtype=torch.bfloat16, device="meta")
+
+    def go(**kw):
+        return mla_decode(q, cache, table, sl, kv_lora_rank=r, scale=0.05, metadata=md, **kw)
+
+    assert go(out=out) is out
+    assert go(out=out) is out  # a hit by the key, kept for the probe
+    assert go(out=out) is out and (PLANS.hits, PLANS.misses) == (2, 1)  # the probe's
+    mine = go()  # no out: another description, a miss
+    assert mine is not out and (PLANS.hits, PLANS.misses) == (2, 2)
+    go()
+    assert go() is not out and (PLANS.hits, PLANS.misses) == (4, 2)
+    assert go(out=out) is out and (PLANS.hits, PLANS.misses) == (5, 2)
+    assert len(PLANS._guarded) == 2
+
+
+def test_a_tensor_passed_twice_is_not_planned(no_launch):
+    """key_cache is value_cache: a plan could not tell the two slots apart, and a later call of
+    the same description with two tensors would read its keys from the value cache."""
+    q, kc, vc, *rest = _meta_paged()
+    twice = (q, kc, kc, *rest, None)
+    with pytest.raises(Uncacheable, match="passed as two inputs"):
+        Plan(plan_paged_attention(*twice[:6], max_query_len=4), twice)
+    paged_attention(*twice[:6], max_query_len=4)
+    assert (len(PLANS), PLANS.misses, len(PLANS._guarded)) == (0, 1, 0)  # run, nothing kept
+    paged_attention(q, kc, vc, *rest, max_query_len=4)  # two tensors: planned now
+    paged_attention(q, kc, vc, *rest, max_query_len=4)
+    assert (len(PLANS), PLANS.hits, PLANS.misses) == (1, 1, 2)
+    inputs = (q, kc, vc, *rest, None)
+    key = call_key("paged_attention", *inputs, None, "NHD", None, 4, None)
+    fresh = plan_paged_attention(q, kc, vc, *rest, max_query_len=4)
+    _assert_same_plan(PLANS._plans[key].bind(inputs), fresh, inputs)
+    paged_attention(*twice[:6], max_query_len=4)  # one tensor twice on a kept plan: a hit
+    lists, _ = PLANS._plans[key].bind(twice)
+    _assert_same_plan((lists, ()), plan_paged_attention(*twice[:6], max_query_len=4), twice)
+
+
+def test_fast_allocations_equal_torch_empty(monkeypatch):
+    """`FAST_EMPTY`: a buffer from torch's C allocation is what `torch.empty` gives."""
+    assert "cpu" in _plans._FAST_EMPTY  # this torch has it: the CPU route below is the fast one
+    for shape in [(), (0, 3), (2, 3), (4, 1, 5, 2)]:
+        for dtype in (torch.float32, torch.bfloat16, torch.int32):
+            alloc = _plans._empty(shape, dtype, torch.device("cpu"))
+            assert isinstance(alloc, functools.partial) and alloc.func is not torch.empty
+            a, b = alloc(), torch.empty(shape, dtype=dtype)
+            assert (a.shape, a.stride(), a.dtype, a.device, a.requires_grad) == (
+                b.shape, b.stride(), b.dtype, b.device, b.requires_grad
+            )  # fmt: skip
+            assert alloc().data_ptr() != a.data_ptr() or a.numel() == 0  # a new buffer each
+    assert _plans._empty((2, 3), torch.int32, torch.device("meta")).func is torch.empty
+    monkeypatch.setattr(_plans, "FAST_EMPTY", False)
+    assert _plans._empty((2, 3), torch.int32, torch.device("cpu")).func is torch.empty
+    monkeypatch.setattr(_plans, "FAST_EMPTY", True)
+    monkeypatch.setitem(_plans._FAST_EMPTY, "cpu", lambda *a: torch.empty(3))  # not the same
+    assert _plans._empty((2, 3), torch.int32, torch.device("cpu")).func is torch.empty
+
+
+@pytest.mark.gpu
+def test_gpu_fast_allocations_equal_torch_empty():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    alloc = _plans._empty((4, 32, 128), torch.bfloat16, dev)
+    assert alloc.func is _plans._FAST_EMPTY["cuda"]  # the C route on this device
+    a, b = alloc(), torch.empty(4, 32, 128, dtype=torch.bfloat16, device=dev)
+    assert (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+    assert a.data_ptr() % 256 == 0
+    if torch.cuda.device_count() > 1:  # a buffer on another device: torch.empty
+        other = torch.device("cuda", (dev.index + 1) % torch.cuda.device_count())
+        assert _plans._empty((2,), torch.float32, other).func is torch.empty
+
+
+@pytest.mark.gpu
+def test_gpu_probe_hits_run_correctly(monkeypatch):
+    """On a GPU a repeated call is a probe's hit (no key built), runs the compiled kernel
+    directly on the new tensors, and a misaligned query or another device's override is not
+    taken for it."""
+    PLANS.clear()
+    kw = dict(block_size=16, heads=(8, 2), head_dim=64, dtype=torch.bfloat16, device="cuda")
+    for seed in range(2):
+        b = make_batch(SEQS, seed=seed, **kw)
+        check(b, paged_attention(*b.args(), max_query_len=4))
+    keys = []
+    real_key = call_key
+    monkeypatch.setattr(
+        "portattn.kernels.paged_attention.call_key", lambda *a: keys.append(a) or real_key(*a)
+    )
+    hits = PLANS.hits
+    for seed in range(2, 5):
+        b = make_batch(SEQS, seed=seed, **kw)
+        check(b, paged_attention(*b.args(), max_query_len=4))
+    assert keys == [] and PLANS.hits == hits + 3  # probe hits only
+    b = make_batch(SEQS, seed=9, **kw)
+    q = b.query
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    shifted = flat[1:].view(q.shape)  # 2 bytes off 16: another specialization
+    shifted.copy_(q)
+    b.query = shifted
+    misses = PLANS.misses
+    check(b, paged_attention(*b.args(), max_query_len=4))
+    assert len(keys) == 1 and PLANS.misses == misses + 1

@@ -6,7 +6,8 @@ argument's type and value, the current device and the target override. Two calls
 descriptions get the same plan except for which tensors fill the pointer slots. So the first call
 of a description plans as always (`plan_<op>`, `Launch.run`) and leaves a `Plan` behind:
 
-* a pointer slot names the call input it came from (by identity, at plan time);
+* a pointer slot names the call input it came from (by identity, at plan time; a call passing
+  one tensor as two inputs is not planned);
 * a buffer the plan allocated (``out=None``, split-KV partials) is allocated afresh on every call
   with the first call's shape and dtype (a zero-size placeholder is kept: it is never touched);
 * a TMA descriptor is rebuilt around the call's tensor (its shape, strides and block shape are
@@ -28,6 +29,9 @@ passed as their addresses, `POINTER_INTS`), elsewhere (or with a launch hook reg
 a plan runs through ``kernel[grid]`` with the rebuilt arguments, which is how the CPU tests run
 cached plans.
 
+A repeated call can skip building its key: `PlanCache.probe` checks the call's tensors against
+the recent plans of its op and scalars with torch's C tensor guards (`GUARDS`).
+
 ``PORTATTN_PLAN_CACHE=0`` (read at import) or ``PLANS.enabled = False`` turns caching off.
 """
 
@@ -38,7 +42,7 @@ import functools
 import itertools
 import os
 from collections.abc import Callable, Hashable, Sequence
-from operator import itemgetter
+from operator import is_, is_not, itemgetter, or_
 from typing import Any
 
 import torch
@@ -59,14 +63,43 @@ DIRECT = True
 #: ``data_ptr()`` nor asks the driver about the pointer (the description pins the device and the
 #: alignment the first call's launch checked). False: the tensors themselves.
 POINTER_INTS = True
+#: A plan's buffers (``out=None``, split-KV partials) are allocated by torch's C function for a
+#: contiguous tensor on the current CPU/CUDA device (``_empty_strided_cuda``, as Inductor's
+#: generated code does: no Python argument parsing, no dispatch), where it gives what
+#: `torch.empty` gives; False: `torch.empty` (`_empty`).
+FAST_EMPTY = True
+#: A probe's hit hands the addresses it read (for the alignment check) to the direct launches,
+#: which then do not ask the tensors again (`_DirectLaunch.args`); False: they ask.
+PTRS = True
 #: Plans kept (the oldest dropped first): one per distinct call description.
 MAX_PLANS = 1024
 #: Distinct ``exact`` value tuples numbered by `exact_id` before its table is emptied.
 MAX_EXACT = 4096
+#: A call whose op passes its scalars (``guard``) first tries `PlanCache.probe`: its tensors are
+#: checked against the op's recent plans by torch's C tensor guards (dynamo's `TensorGuards`:
+#: Python type, dispatch keys (device type), device index, dtype, sizes, strides,
+#: requires_grad) plus their 16-byte alignment, instead of building the key (`call_key`, five
+#: attribute reads per tensor and a tuple to hash). False (or a torch without the guards):
+#: every call builds its key.
+GUARDS = True
+#: Guarded plans kept per op and scalars (`PlanCache.probe` tries them newest first).
+MAX_GUARDS = 4
+
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - a torch without dynamo's C guards
+    _TensorGuards = None
+_data_ptr = torch.Tensor.data_ptr
+_NONES = itertools.repeat(None)  # stateless: `map` takes one None per input
 
 
 class Uncacheable(Exception):
     """A call (or a plan) that cannot be described or replayed; it runs uncached."""
+
+
+class _PassedTwice(Uncacheable):
+    """One tensor passed as two inputs: the plan could not tell which input a slot came from.
+    Only this call runs uncached (a later call of the description may be planned)."""
 
 
 def describe(x: Any) -> Hashable:
@@ -238,6 +271,10 @@ class Plan:
 
     def __init__(self, launches: Sequence[Launch], inputs: Sequence[torch.Tensor | None]):
         by_id = {id(t): i for i, t in enumerate(inputs) if t is not None}
+        if len(by_id) != sum(t is not None for t in inputs):
+            # e.g. key_cache is value_cache: both slots would name one input, stale for a
+            # later call of the same description with two tensors
+            raise _PassedTwice("a tensor passed as two inputs")
         storages = {
             t.untyped_storage().data_ptr()
             for t in inputs
@@ -352,14 +389,16 @@ class Plan:
         lists = [launch.args(inputs, allocs, stream) for launch in self._direct]
         return lists, self._outs(inputs, allocs)
 
-    def run(self, inputs: Sequence[torch.Tensor | None]) -> tuple:
-        """Launch the plan for ``inputs``; return the first launch's outputs."""
+    def run(self, inputs: Sequence[torch.Tensor | None], ptrs: tuple | None = None) -> tuple:
+        """Launch the plan for ``inputs``; return the first launch's outputs. ``ptrs``: the
+        addresses of ``inputs[:len(ptrs)]``, every tensor among them, just read (`probe`);
+        direct launches take them instead of asking the tensors again."""
         allocs = self._allocate()
         direct = self._direct
         if direct is not None and DIRECT and _hooks() is None:
             stream = _current_stream(_current_device())
             for launch in direct:
-                launch.launch(inputs, allocs, stream)
+                launch.launch(inputs, allocs, stream, ptrs)
             return self._outs(inputs, allocs)
         for replay in self._replays:
             if any(g == 0 for g in replay.grid):
@@ -374,11 +413,51 @@ class Plan:
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Callable:
-    """A buffer's allocation, ready to call: `torch.empty` with the sizes as separate arguments
-    (torch parses them faster than a tuple), bound once."""
+    """A buffer's allocation, ready to call. Where `FAST_EMPTY` allows: torch's C allocation
+    without argument parsing or dispatch (`_FAST_EMPTY`: what Inductor's generated code calls),
+    tried once here and kept only if it gives the buffer `torch.empty` would. Otherwise
+    `torch.empty` with the sizes as separate arguments (torch parses them faster than a tuple),
+    bound once."""
     if not shape:
-        return functools.partial(torch.empty, (), dtype=dtype, device=device)
-    return functools.partial(torch.empty, *shape, dtype=dtype, device=device)
+        slow = functools.partial(torch.empty, (), dtype=dtype, device=device)
+    else:
+        slow = functools.partial(torch.empty, *shape, dtype=dtype, device=device)
+    fast = _FAST_EMPTY.get(device.type) if FAST_EMPTY else None
+    # CUDA's allocates on the current device, which the key pins: the buffer's device only
+    if fast is None or (device.type == "cuda" and device.index != _current_device()):
+        return slow
+    strides = []
+    n = 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= max(size, 1)
+    fast = functools.partial(fast, tuple(shape), tuple(reversed(strides)), dtype)
+    try:
+        got, want = fast(), slow()
+    except Exception:  # noqa: BLE001 - a build without it: torch.empty, as always
+        return slow
+    same = [(t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in (got, want)]
+    return fast if same[0] == same[1] else slow
+
+
+def present(inputs: Sequence[Any]) -> tuple[tuple[bool, ...], tuple]:
+    """Which of ``inputs`` are not ``None`` (for a `PlanCache.probe` guard), and those inputs
+    (its tensors), in two C passes."""
+    mask = tuple(map(is_not, inputs, _NONES))
+    return mask, tuple(itertools.compress(inputs, mask))
+
+
+def _fast_empty() -> dict[str, Callable]:
+    try:
+        from torch._C._dynamo import guards
+    except ImportError:  # pragma: no cover - a torch without dynamo's C helpers
+        return {}
+    found = {"cpu": "_empty_strided_cpu", "cuda": "_empty_strided_cuda"}
+    return {dev: getattr(guards, name) for dev, name in found.items() if hasattr(guards, name)}
+
+
+#: Allocation functions by device type (`_empty`).
+_FAST_EMPTY = _fast_empty()
 
 
 def _one(i: int) -> Callable[[list], tuple]:
@@ -485,16 +564,26 @@ class _DirectLaunch:
         self._memo: dict[tuple[int, int], list[Any]] = {}
         self.launches = 0
 
-    def launch(self, inputs: Sequence, allocs: list[torch.Tensor], stream: Any) -> None:
-        self._launcher(*self.args(inputs, allocs, stream))
+    def launch(
+        self, inputs: Sequence, allocs: list[torch.Tensor], stream: Any, ptrs: tuple | None = None
+    ) -> None:
+        self._launcher(*self.args(inputs, allocs, stream, ptrs))
         self.launches += 1
 
-    def args(self, inputs: Sequence, allocs: list[torch.Tensor], stream: Any) -> list[Any]:
+    def args(
+        self, inputs: Sequence, allocs: list[torch.Tensor], stream: Any, ptrs: tuple | None = None
+    ) -> list[Any]:
         """The C launcher's whole argument list for ``inputs``, ``allocs`` and ``stream``: what
-        `CompiledKernel.run` would hand it, tensors as addresses where `POINTER_INTS`."""
+        `CompiledKernel.run` would hand it, tensors as addresses where `POINTER_INTS` (the
+        inputs' from ``ptrs`` where given: `Plan.run`)."""
         args = self._flat.copy()
         args[3] = stream
-        if POINTER_INTS:
+        if ptrs is not None and POINTER_INTS and PTRS:
+            for at, ref in self._from_inputs:
+                args[at] = ptrs[ref]
+            for at, ref in self._from_allocs:
+                args[at] = allocs[ref].data_ptr()
+        elif POINTER_INTS:
             for at, ref in self._from_inputs:
                 args[at] = inputs[ref].data_ptr()
             for at, ref in self._from_allocs:
@@ -557,6 +646,9 @@ class PlanCache:
         self.max_plans = max_plans
         self.enabled = os.environ.get("PORTATTN_PLAN_CACHE", "1") != "0"
         self._plans: dict[Hashable, Plan | None] = {}
+        # (guard, number of tensors) -> [(the tensors' `TensorGuards`, plan, whether the
+        # tensors are the first inputs)], newest first (`probe`).
+        self._guarded: dict[Hashable, list[tuple[Any, Plan, bool]]] = {}
         self.hits = self.misses = 0
 
     def __len__(self) -> int:
@@ -564,12 +656,84 @@ class PlanCache:
 
     def clear(self) -> None:
         self._plans.clear()
+        self._guarded.clear()
         self.hits = self.misses = 0
 
-    def hit(self, key: Hashable | None, inputs: Sequence[torch.Tensor | None]) -> tuple | None:
+    def probe(
+        self, guard: Hashable, tensors: tuple, inputs: Sequence[torch.Tensor | None]
+    ) -> tuple | None:
+        """The outputs of a guarded plan (`GUARDS`) run on ``inputs``; ``None`` where none fits
+        (the caller then builds its key: `hit`, `call`).
+
+        ``guard``: everything of the call's description but its tensors (the op, the current
+        device, the target override, every non-tensor argument with its type, and which
+        inputs are ``None``), as the op passes it to `call`, which keeps each plan it runs
+        under ``guard`` and the guards of ``tensors``: the inputs that are not ``None``, in
+        order (`present`). A plan fits when every tensor passes the C guard built from its
+        first call's (same Python type, dispatch keys, device, dtype, sizes, strides,
+        requires_grad) and all are 16-byte aligned (as a guarded first call's were): the
+        description is then equal, so is the key, and the plan is the one `call` would
+        run."""
+        fit = self._fit(guard, tensors)
+        if fit is None:
+            return None
+        self.hits += 1
+        return fit[0].run(inputs, fit[1])
+
+    def guarded(self, guard: Hashable, tensors: tuple) -> Plan | None:
+        """`probe`'s plan for ``guard`` and ``tensors`` (not run, not counted); ``None``: none
+        fits, or caching or `GUARDS` is off."""
+        fit = self._fit(guard, tensors)
+        return None if fit is None else fit[0]
+
+    def _fit(self, guard: Hashable, tensors: tuple) -> tuple[Plan, tuple | None] | None:
+        """`probe`'s plan and, where its tensors are the first inputs (so at its first call,
+        and the guard holds which inputs are ``None``), their addresses for its launches."""
+        if not self.enabled or not GUARDS:
+            return None
+        try:
+            entries = self._guarded.get((guard, len(tensors)))
+        except TypeError:  # an unhashable scalar
+            return None
+        if entries:
+            for guards, plan, first in entries:
+                if guards.check(*tensors):  # tensors all (not a subclass): their addresses next
+                    ptrs = tuple(map(_data_ptr, tensors))
+                    if functools.reduce(or_, ptrs) % ALIGN:
+                        return None
+                    return plan, ptrs if first else None
+        return None
+
+    def _keep_guard(self, guard: tuple[Hashable, tuple], inputs: Sequence, plan: Plan) -> None:
+        """Keep ``plan`` for `probe` under ``guard`` (the guard and the tensors, as `probe`
+        takes them) when the tensors are all tensors, all aligned; noting whether they are
+        the first of ``inputs``."""
+        scalars, tensors = guard
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            return
+        if functools.reduce(or_, map(_data_ptr, tensors)) % ALIGN:
+            return
+        try:
+            guards = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+            entries = self._guarded.setdefault((scalars, len(tensors)), [])
+        except Exception:  # noqa: BLE001 - a guard torch cannot build: no shortcut, no harm
+            return
+        first = len(tensors) <= len(inputs) and all(map(is_, tensors, inputs))
+        entries.insert(0, (guards, plan, first))
+        del entries[MAX_GUARDS:]
+        if len(self._guarded) > self.max_plans:
+            del self._guarded[next(iter(self._guarded))]
+
+    def hit(
+        self,
+        key: Hashable | None,
+        inputs: Sequence[torch.Tensor | None],
+        guard: tuple[Hashable, tuple] | None = None,
+    ) -> tuple | None:
         """The outputs of ``key``'s cached plan run on ``inputs``; ``None`` where there is no
         replayable plan (none yet, a known unreplayable one, no key, caching off): the caller
-        then goes through `call` with its planner, which it need not build on a hit."""
+        then goes through `call` with its planner, which it need not build on a hit.
+        ``guard``: as `call`'s."""
         if key is None or not self.enabled:
             return None
         try:
@@ -579,6 +743,8 @@ class PlanCache:
         if cached is None:
             return None
         self.hits += 1
+        if guard is not None and GUARDS and _TensorGuards is not None:
+            self._keep_guard(guard, inputs, cached)
         return cached.run(inputs)
 
     def call(
@@ -586,9 +752,12 @@ class PlanCache:
         key: Hashable | None,
         inputs: Sequence[torch.Tensor | None],
         plan: Callable[[], list[Launch]],
+        guard: tuple[Hashable, tuple] | None = None,
     ) -> tuple:
         """Run a call: its cached plan if ``key`` has one, else ``plan()`` (validating), kept
-        for the next call with this key. Returns the first launch's outputs."""
+        for the next call with this key. Returns the first launch's outputs. ``guard``:
+        `probe`'s guard and tensors; a plan run with them is kept for `probe` too (``None``:
+        not)."""
         if key is None or not self.enabled:
             return _run_fresh(plan())
         try:
@@ -598,17 +767,23 @@ class PlanCache:
         if cached is not _MISSING:
             self.hits += 1
             if isinstance(cached, Plan):
+                if guard is not None and GUARDS and _TensorGuards is not None:
+                    self._keep_guard(guard, inputs, cached)
                 return cached.run(inputs)
             return _run_fresh(plan())  # known not to be replayable
         self.misses += 1
         launches = plan()
         try:
             replay: Plan | None = Plan(launches, inputs)
+        except _PassedTwice:
+            return _run_fresh(launches)  # nothing kept: the next call plans again
         except Uncacheable:
             replay = None
         compiled = [launch.run() for launch in launches]
         if replay is not None:
             replay.keep_compiled(compiled)
+            if guard is not None and GUARDS and _TensorGuards is not None:
+                self._keep_guard(guard, inputs, replay)
         self._plans[key] = replay
         if len(self._plans) > self.max_plans:
             del self._plans[next(iter(self._plans))]

@@ -78,11 +78,11 @@ from portattn.kernels._checks import (
     to_host,
 )
 from portattn.kernels._launch import Launch
-from portattn.kernels._plans import PLANS, call_key, exact_id
+from portattn.kernels._plans import PLANS, _current_device, call_key, exact_id, present
 from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_launch
 from portattn.layout import describe_kv_cache
 from portattn.mla_metadata import MlaMetadata
-from portattn.platform import Target, target_for_tensor
+from portattn.platform import Target, override_key, target_for_tensor
 from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles, mla_row_groups
 
 # Any block size: the kernel addresses block and in-block offset separately.
@@ -104,6 +104,8 @@ OMIT_UNREAD_WORKSPACES = True
 _METADATA_MEMO: dict[int, tuple[tuple, int | None, bool]] = {}
 _MAX_METADATA_MEMO = 256
 _LOG2E = 1.4426950408889634
+# `_plans.present`'s mask of a call whose optional tensors are all None (block_table given).
+_DECODE: tuple[bool, ...] = (True,) * 4 + (False,) * 6
 
 
 @triton.jit
@@ -1258,6 +1260,7 @@ def mla_decode(
         and (page_indices is None or isinstance(page_indices, tuple) and len(page_indices) == 2)
     )
     key = None
+    guard: tuple | None = None
     inputs: tuple = ()
     if cacheable:
         assert metadata is not None
@@ -1266,11 +1269,23 @@ def mla_decode(
         inputs = (query, kv_cache, block_table, seq_lens, query_start_loc, out, indptr, indices,
                   part_out, part_lse)  # fmt: skip
         if exact is not None:
+            if target is None:  # the rest of `call_key`'s description (`PlanCache.probe`)
+                if query_start_loc is out is page_indices is part_out is part_lse is None:
+                    mask, tensors = _DECODE, inputs[:4]  # a decode step's: no optional tensor
+                else:
+                    mask, tensors = present(inputs)
+                scalars = (_OP, _current_device(), override_key(), exact, mask, type(kv_lora_rank),
+                         kv_lora_rank, type(scale), scale, type(return_lse), return_lse,
+                         page_indices is None)  # fmt: skip
+                outs = PLANS.probe(scalars, tensors, inputs)
+                if outs is not None:
+                    return outs if return_lse else outs[0]
+                guard = (scalars, tensors)
             key = call_key(
                 _OP, *inputs, kv_lora_rank, scale, return_lse, page_indices is None, target,
                 exact=exact,
             )  # fmt: skip
-            outs = PLANS.hit(key, inputs)
+            outs = PLANS.hit(key, inputs, guard)
             if outs is not None:
                 return outs if return_lse else outs[0]
     # No cached plan: validate and plan (kept for the next call where the key is not None).
@@ -1289,5 +1304,5 @@ def mla_decode(
         metadata=metadata,
         target=target,
     )
-    outs = PLANS.call(key, inputs, plan)
+    outs = PLANS.call(key, inputs, plan, guard)
     return outs if return_lse else outs[0]

@@ -68,10 +68,10 @@ from portattn.kernels._checks import (
     to_host,
 )
 from portattn.kernels._launch import Launch
-from portattn.kernels._plans import PLANS, call_key
+from portattn.kernels._plans import PLANS, _current_device, call_key
 from portattn.kernels.paged_prefill_sm90 import sm90_prefill_errors, sm90_prefill_launches
 from portattn.layout import CacheAddressing, describe_kv_cache, packed_runs, vector_width
-from portattn.platform import Target, target_for_tensor
+from portattn.platform import Target, override_key, target_for_tensor
 from portattn.policy.common import launch_options
 from portattn.policy.paged import (
     MAX_HEAD_DIM,
@@ -987,9 +987,19 @@ def paged_attention(
     """
     inputs = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out)
     key = None
+    guard: tuple | None = None
     if isinstance(query, torch.Tensor) and not tensor_reads_contents(
         query, vouched=max_query_len is not None
     ):
+        if target is None:  # the rest of `call_key`'s description (`PlanCache.probe`)
+            scalars = (OP, _current_device(), override_key(), out is None, type(scale), scale,
+                     type(layout), layout, type(max_query_len), max_query_len,
+                     type(max_seq_len), max_seq_len)  # fmt: skip
+            tensors = inputs[:6] if out is None else inputs
+            outputs = PLANS.probe(scalars, tensors, inputs)
+            if outputs is not None:
+                return outputs[0]
+            guard = (scalars, tensors)
         key = call_key(OP, *inputs, scale, layout, target, max_query_len, max_seq_len)
     outputs = PLANS.call(
         key,
@@ -1008,5 +1018,6 @@ def paged_attention(
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         ),
+        guard,
     )
     return outputs[0]
