@@ -196,9 +196,12 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
     (not call arguments) set that switch of `portattn.policy.paged` for the variant (plan cache
     emptied around it: the switches are not in a plan's key)."""
     out: dict[str, dict] = {"policy": {}}
-    if schedules:  # the sm_90 kernel's schedules (kernels/paged_prefill_sm90.py)
-        out["overlap only"] = dict(SM90_PREFILL_PINGPONG=False)
-        out["sequential"] = dict(SM90_PREFILL_OVERLAP=False, SM90_PREFILL_PINGPONG=False)
+    if schedules:  # the sm_90 kernel's schedules and depth (kernels/paged_prefill_sm90.py)
+        two = dict(paged_policy.SM90_PREFILL_TILES)
+        two[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=2)
+        out["2 stages"] = dict(SM90_PREFILL_TILES=two)
+        out["overlap"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=False)
+        out["overlap+pingpong"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=True)
     if portable:
         out["portable"] = dict(SM90_PREFILL=False)
     for arch in targets:
@@ -315,7 +318,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--points", default="", help="comma-separated substrings of point names")
     ap.add_argument("--schedules", action="store_true",
-                    help="also the sm_90 schedules: overlap only, sequential")  # fmt: skip
+                    help="also the sm_90 kernel at 2 stages, overlapped, ping-pong")  # fmt: skip
     ap.add_argument("--portable", action="store_true",
                     help="also the portable kernel alone (SM90_PREFILL off) on sm_90")  # fmt: skip
     ap.add_argument("--target", action="append", default=[], choices=["gfx942", "gfx950"],

@@ -162,22 +162,17 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
             k_buf = k_smem.index(s)
             v_buf = v_smem.index(s)
             mbarrier.expect(k_bars.index(s), TILE_BYTES)
-            for b in gl.static_range(NB):
+            mbarrier.expect(v_bars.index(s), TILE_BYTES)
+            for b in gl.static_range(NB):  # one block-table read per box, for K and V
                 pos = t * BLOCK_N + b * BOX
                 real = pos < seq_len
                 blk = gl.load(bt_row + (pos // block_size) * stride_bt_blk, mask=real, other=0)
-                row = gl.where(real, blk.to(gl.int32) * rows_per_page + pos % block_size,
-                               total_rows)  # fmt: skip
+                row = gl.where(
+                    real, blk.to(gl.int32) * rows_per_page + pos % block_size, total_rows
+                )
                 tma.async_copy_global_to_shared(
                     k_desc, [row, kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
                 )
-            mbarrier.expect(v_bars.index(s), TILE_BYTES)
-            for b in gl.static_range(NB):
-                pos = t * BLOCK_N + b * BOX
-                real = pos < seq_len
-                blk = gl.load(bt_row + (pos // block_size) * stride_bt_blk, mask=real, other=0)
-                row = gl.where(real, blk.to(gl.int32) * rows_per_page + pos % block_size,
-                               total_rows)  # fmt: skip
                 tma.async_copy_global_to_shared(
                     v_desc, [row, vcol], v_bars.index(s), v_buf.slice(b * BOX, BOX)
                 )
@@ -486,7 +481,7 @@ def sm90_prefill_errors(
 ) -> list[str]:  # fmt: skip
     """Why this kernel cannot serve a launch (empty: it can); module doc, Requirements."""
     head_dim = query.shape[-1]
-    tile = SM90_PREFILL_TILES.get(head_dim)
+    tile = paged_policy.SM90_PREFILL_TILES.get(head_dim)
     rules = [
         (target.arch == "sm_90", f"target {target.arch} is not sm_90"),
         (query.dtype in _GL_DTYPES, f"dtype {query.dtype} is not fp16/bf16"),
@@ -500,6 +495,13 @@ def sm90_prefill_errors(
             (smem <= target.max_shared_mem, f"shared memory {smem} B > {target.max_shared_mem}")
         )
     elem = query.element_size()
+    rules.append(
+        (
+            key_cache.stride() == value_cache.stride(),
+            f"key_cache strides {tuple(key_cache.stride())} differ from value_cache's "
+            f"{tuple(value_cache.stride())} (one row map serves both)",
+        )
+    )
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
         bs = c.shape[1]
         rules += [
@@ -550,7 +552,7 @@ def sm90_prefill_launches(
     q_len_lo``) by this kernel: the work-list launch, then the kernel's (same outputs)."""
     a = main.args
     head_dim = key_cache.shape[3]
-    tile = SM90_PREFILL_TILES[head_dim]
+    tile = paged_policy.SM90_PREFILL_TILES[head_dim]
     group = a["GROUP"]
     head_tile = min(group, BLOCK_M)
     block_q = BLOCK_M // head_tile

@@ -199,8 +199,8 @@ SM90_PREFILL_MIN_ROWS = 128
 #: The kernel's schedule (`portattn.kernels.paged_prefill_sm90`, module doc): scores of tile t
 #: issued with P V of tile t-1 (OVERLAP), and the two warpgroups issuing their MMAs in turns
 #: (PINGPONG). Both off: each warpgroup scores, softmaxes and accumulates one tile at a time.
-SM90_PREFILL_OVERLAP = True
-SM90_PREFILL_PINGPONG = True
+SM90_PREFILL_OVERLAP = False
+SM90_PREFILL_PINGPONG = False
 
 
 @dataclass(frozen=True)
@@ -212,10 +212,10 @@ class Sm90PrefillTile:
     stages: int
 
 
-#: head_dim -> tile (bf16/fp16). 128: 32 KB Q + 2 x 64 KB K/V stages = 160 KB of the H100's 227.
+#: head_dim -> tile (bf16/fp16). 128: 32 KB Q + 3 x 64 KB K/V stages = 224 KB of the H100's 227.
 SM90_PREFILL_TILES = {
     64: Sm90PrefillTile(block_n=128, stages=3),
-    128: Sm90PrefillTile(block_n=128, stages=2),
+    128: Sm90PrefillTile(block_n=128, stages=3),
 }
 
 
