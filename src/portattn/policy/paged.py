@@ -212,10 +212,11 @@ class Sm90PrefillTile:
     stages: int
 
 
-#: head_dim -> tile (bf16/fp16). 128: 32 KB Q + 3 x 64 KB K/V stages = 224 KB of the H100's 227.
+#: head_dim -> tile (bf16/fp16). 128: 32 KB Q + 2 x 64 KB K/V stages = 160 KB of the H100's 227
+#: (3 stages, 224 KB, measured the same: bench/RESULTS.md 2026-11-25, issue 19 schedules).
 SM90_PREFILL_TILES = {
     64: Sm90PrefillTile(block_n=128, stages=3),
-    128: Sm90PrefillTile(block_n=128, stages=3),
+    128: Sm90PrefillTile(block_n=128, stages=2),
 }
 
 
