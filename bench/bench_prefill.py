@@ -200,6 +200,9 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         three = dict(paged_policy.SM90_PREFILL_TILES)
         three[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=3)
         out["3 stages"] = dict(SM90_PREFILL_TILES=three)
+        wide = dict(paged_policy.SM90_PREFILL_TILES)
+        wide[128] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
+        out["3 warpgroups"] = dict(SM90_PREFILL_TILES=wide)
         out["overlap"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=False)
         out["overlap+pingpong"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=True)
     if portable:
@@ -318,7 +321,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--points", default="", help="comma-separated substrings of point names")
     ap.add_argument("--schedules", action="store_true",
-                    help="also the sm_90 kernel at 3 stages, overlapped, ping-pong")  # fmt: skip
+                    help="also the sm_90 kernel's other tiles and schedules")  # fmt: skip
     ap.add_argument("--portable", action="store_true",
                     help="also the portable kernel alone (SM90_PREFILL off) on sm_90")  # fmt: skip
     ap.add_argument("--target", action="append", default=[], choices=["gfx942", "gfx950"],

@@ -261,6 +261,38 @@ def test_gpu_sm90_prefill(heads, head_dim, block_size, kind, dtype, state_bytes)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["overlap", "overlap+pingpong", "3 warpgroups"])
+def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
+    """The kernel's other schedules (policy switches, bench_prefill --schedules) on a mixed batch
+    of the GPU cases: 192-row tiles of three warpgroups, the overlapped loop, ping-pong turns."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90 kernel needs an sm_90 GPU")
+    from portattn.kernels._plans import PLANS
+
+    if schedule == "3 warpgroups":
+        tiles = dict(paged_policy.SM90_PREFILL_TILES)
+        tiles[128] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
+        tiles[64] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
+    else:
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_OVERLAP", True)
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_PINGPONG", schedule.endswith("pingpong"))
+    PLANS.clear()  # the switches are not in a plan's key
+    for heads, head_dim, block_size in (((32, 8), 128, 16), ((40, 8), 64, 2048)):
+        b = make_batch(GPU_SEQS, block_size=block_size, heads=heads, head_dim=head_dim,
+                       dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
+        launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
+        (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
+        if schedule == "3 warpgroups":
+            assert main.args["NUM_WG"] == 3
+        out = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
+        torch.cuda.synchronize()
+        check(b, out)
+    PLANS.clear()
+
+
+@pytest.mark.gpu
 def test_gpu_sm90_prefill_graph_replay_with_new_lengths():
     """Captured with the maxima given (the work list is built on the device), replayed after the
     batch's lengths change in place: other sequences prefill, others decode."""

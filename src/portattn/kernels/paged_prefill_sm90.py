@@ -66,17 +66,16 @@ from portattn.policy.common import LaunchOptions
 from portattn.policy.paged import SM90_PREFILL_TILES, Sm90PrefillTile
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-#: Rows per program (two warpgroups of 64).
-BLOCK_M = 128
 #: Head dims this kernel is written for (each with its tile in `SM90_PREFILL_TILES`).
 HEAD_DIMS = tuple(sorted(SM90_PREFILL_TILES))
 #: Warps of the default partition (consumer warpgroup 0); warpgroup 1 and the producer are
 #: worker partitions of 4 and 1 warps.
 NUM_WARPS = 4
 PRODUCER_WARPS = 1
-#: Registers per thread asked for (`setmaxnreg`): consumer warpgroup 1, the producer warp.
-CONSUMER_REGS = 216
-PRODUCER_REGS = 64
+#: Registers per thread asked for (`setmaxnreg`): the worker consumer warpgroups and the
+#: producer warp, by the number of consumer warpgroups (Triton gives the default partition
+#: what is left of the register file).
+REGS = {2: (216, 64), 3: (152, 56)}
 #: Smallest TMA box (rows of one page): pages must be a multiple of it.
 MIN_BOX = 16
 
@@ -410,11 +409,12 @@ def _paged_prefill_sm90_kernel(
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     PRODUCER_WARPS_: gl.constexpr,
+    NUM_WG: gl.constexpr,  # consumer warpgroups (64 rows each)
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     KV_LAYOUT: gl.constexpr = k_desc.layout
     HEAD_TILES: gl.constexpr = (GROUP + HEAD_TILE - 1) // HEAD_TILE
-    q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_D], Q_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 64, HEAD_D], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -424,7 +424,7 @@ def _paged_prefill_sm90_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(s), count=1)
         mbarrier.init(v_bars.index(s), count=1)
-        mbarrier.init(empty_bars.index(s), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(empty_bars.index(s), count=NUM_WG)  # one arrival per consumer warpgroup
     for w in gl.static_range(2):
         mbarrier.init(turn_bars.index(w), count=1)
     mbarrier.arrive(turn_bars.index(0), count=1, pred=PINGPONG)  # warpgroup 0 goes first
@@ -437,21 +437,33 @@ def _paged_prefill_sm90_kernel(
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
             scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem,
             turn_bars)  # fmt: skip
-    gl.warp_specialize(
-        [
-            (
-                _consumer,
-                (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES, OVERLAP, PINGPONG),
-            ),
-            (
-                _consumer,
-                (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES, OVERLAP, PINGPONG),
-            ),
-            (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX)),
-        ],
-        [4, PRODUCER_WARPS_],
-        [CONSUMER_REGS, PRODUCER_REGS],
-    )
+    if NUM_WG == 2:
+        gl.warp_specialize(
+            [
+                (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
+                             OVERLAP, PINGPONG)),
+                (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
+                             OVERLAP, PINGPONG)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX)),
+            ],
+            [4, PRODUCER_WARPS_],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+    else:
+        gl.static_assert(NUM_WG == 3)
+        gl.warp_specialize(
+            [
+                (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
+                             OVERLAP, False)),
+                (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
+                             OVERLAP, False)),
+                (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
+                             OVERLAP, False)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX)),
+            ],
+            [4, 4, PRODUCER_WARPS_],
+            [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
 
 
 # -- host side ----------------------------------------------------------------------------------
@@ -466,7 +478,7 @@ def box_rows(block_size: int, block_n: int) -> int:
 def smem_bytes(tile: Sm90PrefillTile, head_dim: int, elem: int = 2) -> int:
     """Shared memory this kernel allocates, an upper bound: Q (128 rows), ``stages`` K and V
     tiles, 3 barriers per stage and 1 KB for Triton's alignment."""
-    q = BLOCK_M * head_dim * elem
+    q = 64 * tile.warpgroups * head_dim * elem
     kv = 2 * tile.stages * tile.block_n * head_dim * elem
     return q + kv + (3 * tile.stages + 2) * 8 + 1024
 
@@ -554,8 +566,9 @@ def sm90_prefill_launches(
     head_dim = key_cache.shape[3]
     tile = paged_policy.SM90_PREFILL_TILES[head_dim]
     group = a["GROUP"]
-    head_tile = min(group, BLOCK_M)
-    block_q = BLOCK_M // head_tile
+    block_m = 64 * tile.warpgroups
+    head_tile = min(group, block_m)
+    block_q = block_m // head_tile
     slots = a["num_kv_heads"] * -(-group // head_tile)
     num_seqs = a["num_seqs"]
     num_q_tiles = max(1, -(-a["num_q_tiles"] * a["BLOCK_Q"] // block_q))
@@ -616,10 +629,11 @@ def sm90_prefill_launches(
         BOX=box,
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([64, head_dim], dtype),
         OVERLAP=paged_policy.SM90_PREFILL_OVERLAP,
-        PINGPONG=paged_policy.SM90_PREFILL_PINGPONG,
-        CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS,
+        PINGPONG=paged_policy.SM90_PREFILL_PINGPONG and tile.warpgroups == 2,
+        CONSUMER_REGS=REGS[tile.warpgroups][0],
+        PRODUCER_REGS=REGS[tile.warpgroups][1],
         PRODUCER_WARPS_=PRODUCER_WARPS,
+        NUM_WG=tile.warpgroups,
     )
     kernel = Launch(
         kernel=_paged_prefill_sm90_kernel,

@@ -205,11 +205,13 @@ SM90_PREFILL_PINGPONG = False
 
 @dataclass(frozen=True)
 class Sm90PrefillTile:
-    """The sm_90 prefill kernel's KV tile for one head_dim: ``block_n`` context tokens per K/V
-    tile, ``stages`` of them in flight (shared memory: Q 128 x d + 2 x stages x block_n x d)."""
+    """The sm_90 prefill kernel's tile for one head_dim: ``warpgroups`` consumer warpgroups of
+    64 rows each (2 or 3), ``block_n`` context tokens per K/V tile, ``stages`` of them in flight
+    (shared memory: Q 64 x warpgroups x d + 2 x stages x block_n x d)."""
 
     block_n: int
     stages: int
+    warpgroups: int = 2
 
 
 #: head_dim -> tile (bf16/fp16). 128: 32 KB Q + 2 x 64 KB K/V stages = 160 KB of the H100's 227
