@@ -179,6 +179,19 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
 
 
 @gluon.jit
+def _rows(WG: gl.constexpr, q_tile, head_tile, kv_head, q_start, q_len, GROUP: gl.constexpr,
+          HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """Warpgroup WG's 64 rows in ``layout``: row ``r`` is query token ``r // HEAD_TILE`` of the
+    q tile and head ``r % HEAD_TILE`` of the head tile; returns each row's token (int64, in the
+    batch), query head and whether it is real (a token of the sequence, a head of the group)."""
+    r = WG * 64 + gl.arange(0, 64, layout=layout)
+    tok = q_tile * BLOCK_Q + r // HEAD_TILE
+    hig = head_tile * HEAD_TILE + r % HEAD_TILE
+    real = (r // HEAD_TILE < BLOCK_Q) & (tok < q_len) & (hig < GROUP)
+    return (q_start + tok).to(gl.int64), kv_head * GROUP + hig, real
+
+
+@gluon.jit
 def _scores(qk, scale_log2, start, full_end, kv_end, limit, cols):
     """Scaled scores (base 2) of the tile at ``start``; past ``full_end`` each row's causal
     limit and ``kv_end`` mask them to -inf."""
@@ -258,14 +271,10 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
         kv_head = slot // HEAD_TILES
         head_tile = slot % HEAD_TILES
         # -- this warpgroup's query rows into shared memory (the score MMA's A operand) --
-        r = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LOAD))
-        tok = q_tile * BLOCK_Q + r // HEAD_TILE
-        hig = head_tile * HEAD_TILE + r % HEAD_TILE
-        real = (r // HEAD_TILE < BLOCK_Q) & (tok < q_len) & (hig < GROUP)
+        tok, head, real = _rows(WG, q_tile, head_tile, kv_head, q_start, q_len, GROUP, HEAD_TILE,
+                                BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
         dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
-        q_rows = (q_start + tok).to(gl.int64) * stride_q_tok + (
-            kv_head * GROUP + hig
-        ) * stride_q_head
+        q_rows = tok * stride_q_tok + head * stride_q_head
         q = gl.load(q_ptr + q_rows[:, None] + dq[None, :] * stride_q_dim, mask=real[:, None],
                     other=0.0)  # fmt: skip
         q_buf.store(q)
@@ -358,14 +367,10 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 it += 1
         # -- epilogue: this warpgroup's rows to the output --
         o = acc / gl.convert_layout(l_i, PV_ROW)[:, None]
-        ro = WG * ROWS + gl.arange(0, ROWS, layout=PV_ROW)
-        tok_o = q_tile * BLOCK_Q + ro // HEAD_TILE
-        hig_o = head_tile * HEAD_TILE + ro % HEAD_TILE
-        real_o = (ro // HEAD_TILE < BLOCK_Q) & (tok_o < q_len) & (hig_o < GROUP)
+        tok_o, head_o, real_o = _rows(WG, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
+                                      HEAD_TILE, BLOCK_Q, PV_ROW)  # fmt: skip
         do = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, PV))
-        o_rows = (q_start + tok_o).to(gl.int64) * stride_o_tok + (
-            kv_head * GROUP + hig_o
-        ) * stride_o_head
+        o_rows = tok_o * stride_o_tok + head_o * stride_o_head
         gl.store(out_ptr + o_rows[:, None] + do[None, :] * stride_o_dim, o.to(dtype),
                  mask=real_o[:, None])  # fmt: skip
 
