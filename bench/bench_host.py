@@ -68,52 +68,29 @@ def _empty_kernel(a_ptr, b_ptr, n, m, BLOCK: tl.constexpr):
     pass
 
 
-def _paged():
-    g = torch.Generator().manual_seed(0)
-    seqs, hq, hkv, d, bs, ctx = 4, 32, 8, 128, 16, 64
-    nb = seqs * ctx // bs
-    kc = torch.randn(nb, bs, hkv, d, generator=g).bfloat16().cuda()
-    vc = torch.randn(nb, bs, hkv, d, generator=g).bfloat16().cuda()
-    q = torch.randn(seqs, hq, d, generator=g).bfloat16().cuda()
-    table = torch.randperm(nb, generator=g).view(seqs, -1).int().cuda()
-    sl = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
-    qsl = torch.arange(seqs + 1, dtype=torch.int32, device="cuda")
-    args = (q, kc, vc, table, sl, qsl)
+def paged_parts(args, ctx: int):
+    """A decode call of `paged_attention` on ``args`` (its six tensors; maxima 1 and ``ctx``) and
+    its cache parts as the op builds them: ``(call, key, inputs, guarded)`` (`stages`)."""
 
     def call():
         return paged_attention(*args, max_query_len=1, max_seq_len=ctx)
 
-    def check():
-        ref = reference.paged_attention(*(t.cpu() for t in args))
-        torch.testing.assert_close(call().double().cpu(), ref, rtol=2e-2, atol=2e-2)
-
     inputs = (*args, None)
-    key = lambda: call_key("paged_attention", *inputs, None, "NHD", None, 1, ctx)  # noqa: E731
+
+    def key():
+        return call_key("paged_attention", *inputs, None, "NHD", None, 1, ctx)
 
     def guarded():  # as paged_attention's probe: its scalars, then its tensors
         scalars = ("paged_attention", _plans._current_device(), override_key(), True,
                    type(None), None, str, "NHD", int, 1, int, ctx)  # fmt: skip
         return PLANS.guarded(scalars, args)
 
-    call.stages = stages(call, key, inputs, guarded)
-    call.guarded = guarded
-    return call, check
+    return call, key, inputs, guarded
 
 
-def _mla():
-    g = torch.Generator().manual_seed(0)
-    seqs, heads, dk, r, bs, ctx = 4, 16, 576, 512, 64, 256
-    nb = seqs * ctx // bs
-    cache = torch.randn(nb, bs, dk, generator=g).bfloat16().cuda()
-    q = torch.randn(seqs, heads, dk, generator=g).bfloat16().cuda()
-    table = torch.randperm(nb, generator=g).view(seqs, -1).int().cuda()
-    sl = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
-    builder = MlaMetadataBuilder(
-        current_target(), max_batch=seqs, num_heads=heads, kv_lora_rank=r, head_dim_k=dk,
-        dtype=torch.bfloat16, device="cuda", max_seq_len=ctx,
-    )  # fmt: skip
-    md = builder.build(sl)
-    scale = 1 / math.sqrt(dk)
+def mla_parts(q, cache, table, sl, md, r: int, scale: float):
+    """An `mla_decode` call with metadata ``md`` and its cache parts as the op builds them:
+    ``(call, key, inputs, guarded)`` (`stages`)."""
 
     def call():
         return mla_decode(q, cache, table, sl, kv_lora_rank=r, scale=scale, metadata=md)
@@ -135,6 +112,46 @@ def _mla():
                    float, scale, bool, False, True)  # fmt: skip
         return PLANS.guarded(scalars, tensors)
 
+    return call, key, inputs, guarded
+
+
+def _paged():
+    g = torch.Generator().manual_seed(0)
+    seqs, hq, hkv, d, bs, ctx = 4, 32, 8, 128, 16, 64
+    nb = seqs * ctx // bs
+    kc = torch.randn(nb, bs, hkv, d, generator=g).bfloat16().cuda()
+    vc = torch.randn(nb, bs, hkv, d, generator=g).bfloat16().cuda()
+    q = torch.randn(seqs, hq, d, generator=g).bfloat16().cuda()
+    table = torch.randperm(nb, generator=g).view(seqs, -1).int().cuda()
+    sl = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(seqs + 1, dtype=torch.int32, device="cuda")
+    args = (q, kc, vc, table, sl, qsl)
+    call, key, inputs, guarded = paged_parts(args, ctx)
+
+    def check():
+        ref = reference.paged_attention(*(t.cpu() for t in args))
+        torch.testing.assert_close(call().double().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+    call.stages = stages(call, key, inputs, guarded)
+    call.guarded = guarded
+    return call, check
+
+
+def _mla():
+    g = torch.Generator().manual_seed(0)
+    seqs, heads, dk, r, bs, ctx = 4, 16, 576, 512, 64, 256
+    nb = seqs * ctx // bs
+    cache = torch.randn(nb, bs, dk, generator=g).bfloat16().cuda()
+    q = torch.randn(seqs, heads, dk, generator=g).bfloat16().cuda()
+    table = torch.randperm(nb, generator=g).view(seqs, -1).int().cuda()
+    sl = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
+    builder = MlaMetadataBuilder(
+        current_target(), max_batch=seqs, num_heads=heads, kv_lora_rank=r, head_dim_k=dk,
+        dtype=torch.bfloat16, device="cuda", max_seq_len=ctx,
+    )  # fmt: skip
+    md = builder.build(sl)
+    scale = 1 / math.sqrt(dk)
+    call, key, inputs, guarded = mla_parts(q, cache, table, sl, md, r, scale)
     call.stages = stages(call, key, inputs, guarded)
     call.guarded = guarded
 

@@ -35,15 +35,13 @@ import sys
 import timeit
 
 import torch
-from bench_host import stages
+from bench_host import mla_parts, paged_parts, stages
 
 from portattn.kernels import _plans
 from portattn.kernels._launch import Launch
-from portattn.kernels._plans import PLANS, call_key
-from portattn.kernels.mla_decode import _metadata_key, mla_decode
-from portattn.kernels.paged_attention import paged_attention
+from portattn.kernels._plans import PLANS
 from portattn.mla_metadata import MlaMetadataBuilder
-from portattn.platform import get_target, override_key
+from portattn.platform import get_target
 
 META = "meta"
 _SINK = "".format  # a C function that accepts any arguments and does nothing with them
@@ -90,22 +88,7 @@ def _paged(split: bool):
     table = torch.empty(seqs, nb // seqs, dtype=torch.int32, device=META)
     sl = torch.empty(seqs, dtype=torch.int32, device=META)
     qsl = torch.empty(seqs + 1, dtype=torch.int32, device=META)
-    args = (q, kc, vc, table, sl, qsl)
-
-    def call():
-        return paged_attention(*args, max_query_len=1, max_seq_len=ctx)
-
-    inputs = (*args, None)
-
-    def key():
-        return call_key("paged_attention", *inputs, None, "NHD", None, 1, ctx)
-
-    def guarded():  # as paged_attention's probe: its scalars, then its tensors
-        scalars = ("paged_attention", _plans._current_device(), override_key(), True,
-                   type(None), None, str, "NHD", int, 1, int, ctx)  # fmt: skip
-        return PLANS.guarded(scalars, args)
-
-    return call, key, inputs, guarded
+    return paged_parts((q, kc, vc, table, sl, qsl), ctx)
 
 
 def _mla(ctx: int = 256):
@@ -120,29 +103,7 @@ def _mla(ctx: int = 256):
         dtype=torch.bfloat16, device=META, max_seq_len=ctx,
     )  # fmt: skip
     md = builder.build(sl)
-    scale = 1 / math.sqrt(dk)
-
-    def call():
-        return mla_decode(q, cache, table, sl, kv_lora_rank=r, scale=scale, metadata=md)
-
-    _, part_out, part_lse = _metadata_key(md)  # None, None with one split: not read
-    inputs = (q, cache, table, sl, None, None, None, None, part_out, part_lse)
-
-    def key():  # as mla_decode's: the metadata's part, then the call's
-        exact, po, pl = _metadata_key(md)
-        return call_key(
-            "mla_decode", q, cache, table, sl, None, None, None, None, po, pl, r, scale, False,
-            True, None, exact=exact,
-        )  # fmt: skip
-
-    def guarded():  # as mla_decode's probe
-        exact = _metadata_key(md)[0]
-        mask, tensors = _plans.present(inputs)
-        scalars = ("mla_decode", _plans._current_device(), override_key(), exact, mask, int, r,
-                   float, scale, bool, False, True)  # fmt: skip
-        return PLANS.guarded(scalars, tensors)
-
-    return call, key, inputs, guarded
+    return mla_parts(q, cache, table, sl, md, r, 1 / math.sqrt(dk))
 
 
 CASES = {
