@@ -148,13 +148,14 @@ def test_shared_memory_estimate_fits_the_h100(head_dim):
 # -- the work list, on the interpreter ------------------------------------------------------------
 
 
-def _work_list(q_lens, q_len_lo, block_q, device):
+def _work_list(q_lens, q_len_lo, block_q, device, max_query_len=None):
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
     qsl = qsl.to(device)
-    mql = max(q_lens, default=1)
+    mql = max(q_lens, default=1) if max_query_len is None else max_query_len
     num_q_tiles = max(1, -(-mql // block_q))
-    work = torch.full((1 + len(q_lens) * num_q_tiles,), -7, dtype=torch.int32, device=device)
+    size = 1 + len(q_lens) * num_q_tiles  # the launcher's; 8 more sentinels must stay as they are
+    work = torch.full((size + 8,), -7, dtype=torch.int32, device=device)
     Launch(
         kernel=_work_list_kernel,
         grid=(len(q_lens),),
@@ -171,6 +172,7 @@ def _work_list(q_lens, q_len_lo, block_q, device):
         target=SM90,
     ).run()
     work = work.cpu()
+    assert (work[size:] == -7).all(), "written past the list"
     n = int(work[0])
     return [divmod(int(e), num_q_tiles) for e in work[1 : 1 + n]], num_q_tiles
 
@@ -193,6 +195,14 @@ def test_work_list_lists_each_prefill_tile_once_heaviest_first(q_lens, q_len_lo,
         for t in reversed(range(-(-q // block_q)))
     ]
     assert entries == expect
+
+
+def test_work_list_stays_in_its_bounds_when_a_q_len_exceeds_the_maximum(device):
+    """A caller that vouches max_query_len 64 but sends a 200-token chunk: the list keeps the
+    chunk's first two q tiles (what the grid was sized for) and writes nothing past its end."""
+    entries, num_q_tiles = _work_list([200, 3, 64], 4, 32, device, max_query_len=64)
+    assert num_q_tiles == 2
+    assert entries == [(0, 1), (0, 0), (2, 1), (2, 0)]
 
 
 # -- compile for sm_90 (no GPU) ------------------------------------------------------------------

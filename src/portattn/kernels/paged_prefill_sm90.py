@@ -101,9 +101,12 @@ def _work_list_kernel(
         lo = tl.load(qsl_ptr + idx, mask=m, other=0)
         hi = tl.load(qsl_ptr + idx + 1, mask=m, other=0)
         q_len = hi - lo
-        base += tl.sum(tl.where(m & (q_len > q_len_lo), tl.cdiv(q_len, BLOCK_Q), 0), axis=0)
+        tiles = tl.minimum(tl.cdiv(q_len, BLOCK_Q), num_q_tiles)
+        base += tl.sum(tl.where(m & (q_len > q_len_lo), tiles, 0), axis=0)
     q_len = tl.load(qsl_ptr + seq + 1) - tl.load(qsl_ptr + seq)
-    n = tl.where(q_len > q_len_lo, tl.cdiv(q_len, BLOCK_Q), 0)
+    # at most num_q_tiles per sequence (max_query_len's): a caller whose q_len exceeds the
+    # maximum it gave loses that work, as with the portable kernel, and the list its bounds
+    n = tl.where(q_len > q_len_lo, tl.minimum(tl.cdiv(q_len, BLOCK_Q), num_q_tiles), 0)
     for t0 in range(0, n, BLOCK_S):
         t = t0 + tl.arange(0, BLOCK_S)
         entry = seq * num_q_tiles + (n - 1 - t)
