@@ -1,12 +1,13 @@
 """Paged attention, Hopper (sm_90) prefill kernel in Gluon: TMA page boxes, a producer warp, two
-consumer warpgroups on wgmma (issue 19).
+(or three) consumer warpgroups on wgmma (issue 19).
 
 Same math, arguments and output as `portattn.kernels.paged_attention` (whose launcher picks this
 kernel for the prefill part of a batch, `portattn.policy.paged.sm90_prefill`); the decode part of
 a mixed batch stays on the portable kernel (its decode row tile), in a launch of its own.
 
-Work. A program's 128 rows are ``BLOCK_Q`` query tokens x ``HEAD_TILE`` query heads of one KV head
-(as the portable kernel packs GQA groups); warpgroup ``w`` owns rows ``[64 w, 64 w + 64)``. The
+Work. A program's 128 rows (192 with `Sm90PrefillTile.warpgroups` 3) are ``BLOCK_Q`` query
+tokens x ``HEAD_TILE`` query heads of one KV head (as the portable kernel packs GQA groups);
+warpgroup ``w`` owns rows ``[64 w, 64 w + 64)``. The
 grid is persistent (one program per multiprocessor): a first, small launch (`_work_list_kernel`,
 one program per sequence) writes the list of (sequence, q tile) entries of the sequences this
 kernel serves (``q_len > q_len_lo``), heaviest q tile first within each sequence, and their
@@ -29,7 +30,9 @@ its first row, base-2 online softmax in registers, then O += P V with P as the r
   warpgroup 0 first), so one's softmax runs under the other's MMAs instead of both warpgroups,
   which wait on the same K tile, scoring at once and then both leaving the tensor cores idle.
 
-Both off, a warpgroup scores, softmaxes and accumulates one tile at a time.
+Both off (the default: on an H100 neither the overlapped schedules, nor 3 stages, nor 192-row
+tiles measured faster, bench/RESULTS.md 2026-11-25), a warpgroup scores, softmaxes and
+accumulates one tile at a time.
 
 The rows of the sequence's last page past ``seq_len`` are real memory that may hold anything
 (NaN): their scores are masked, and before P V each warpgroup zeroes them in the V tile (both
