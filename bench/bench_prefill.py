@@ -203,7 +203,6 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         wide = dict(paged_policy.SM90_PREFILL_TILES)
         wide[128] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
         out["3 warpgroups"] = dict(SM90_PREFILL_TILES=wide)
-        out["thread release"] = dict(SM90_PREFILL_THREAD_RELEASE=True)
         out["overlap"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=False)
         out["overlap+pingpong"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=True)
     if portable:

@@ -271,20 +271,15 @@ def test_gpu_sm90_prefill(heads, head_dim, block_size, kind, dtype, state_bytes)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "schedule", ["overlap", "overlap+pingpong", "3 warpgroups", "thread release"]
-)
+@pytest.mark.parametrize("schedule", ["overlap", "overlap+pingpong", "3 warpgroups"])
 def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
     """The kernel's other schedules (policy switches, bench_prefill --schedules) on a mixed batch
-    of the GPU cases: 192-row tiles of three warpgroups, the overlapped loop, ping-pong turns,
-    stages released by every thread."""
+    of the GPU cases: 192-row tiles of three warpgroups, the overlapped loop, ping-pong turns."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
     from portattn.kernels._plans import PLANS
 
-    if schedule == "thread release":
-        monkeypatch.setattr(paged_policy, "SM90_PREFILL_THREAD_RELEASE", True)
-    elif schedule == "3 warpgroups":
+    if schedule == "3 warpgroups":
         tiles = dict(paged_policy.SM90_PREFILL_TILES)
         tiles[128] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
         tiles[64] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)

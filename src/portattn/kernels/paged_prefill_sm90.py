@@ -53,7 +53,6 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -199,18 +198,6 @@ def _rows(WG: gl.constexpr, q_tile, head_tile, kv_head, q_start, q_len, GROUP: g
 
 
 @gluon.jit
-def _release(bar, THREAD_RELEASE: gl.constexpr):
-    """This warpgroup is done with a stage (its MMAs waited): each of its threads arrives on
-    ``bar`` (THREAD_RELEASE; the barrier counts every consumer thread), or the warpgroup meets
-    at a barrier and one thread arrives (the barrier counts warpgroups)."""
-    if THREAD_RELEASE:
-        async_copy.mbarrier_arrive(bar, increment_count=False)  # no cp.async pending: at once
-    else:
-        gl.thread_barrier()
-        mbarrier.arrive(bar, count=1)
-
-
-@gluon.jit
 def _scores(qk, scale_log2, start, full_end, kv_end, limit, cols):
     """Scaled scores (base 2) of the tile at ``start``; past ``full_end`` each row's causal
     limit and ``kv_end`` mask them to -inf."""
@@ -254,8 +241,7 @@ def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
 @gluon.jit
 def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr,
               GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr,
-              STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              THREAD_RELEASE: gl.constexpr):  # fmt: skip
+              STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
     scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
     PINGPONG: the two warpgroups issue their MMAs in turns (module doc)."""
@@ -343,7 +329,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 l_i = l_i * alpha + gl.sum(p, 1)
                 m_i = m_new
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
-                _release(empty_bars.index(sp), THREAD_RELEASE)
+                gl.thread_barrier()
+                mbarrier.arrive(empty_bars.index(sp), count=1)
                 acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
                 p_op = gl.convert_layout(p.to(dtype), PA)
             # the last tile's P V
@@ -355,7 +342,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
             _turn_pass(turn_bars, WG, PINGPONG)
             acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
-            _release(empty_bars.index(s), THREAD_RELEASE)
+            gl.thread_barrier()
+            mbarrier.arrive(empty_bars.index(s), count=1)
             it += 1
         else:
             for t in range(n_tiles):
@@ -380,7 +368,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 _zero_tail(v_buf, start, seq_len, LOAD)
                 acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-                _release(empty_bars.index(s), THREAD_RELEASE)
+                gl.thread_barrier()
+                mbarrier.arrive(empty_bars.index(s), count=1)
                 it += 1
         # -- epilogue: this warpgroup's rows to the output --
         o = acc / gl.convert_layout(l_i, PV_ROW)[:, None]
@@ -432,7 +421,6 @@ def _paged_prefill_sm90_kernel(
     PRODUCER_REGS: gl.constexpr,
     PRODUCER_WARPS_: gl.constexpr,
     NUM_WG: gl.constexpr,  # consumer warpgroups (64 rows each)
-    THREAD_RELEASE: gl.constexpr,
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     KV_LAYOUT: gl.constexpr = k_desc.layout
@@ -447,8 +435,7 @@ def _paged_prefill_sm90_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(s), count=1)
         mbarrier.init(v_bars.index(s), count=1)
-        # one arrival per consumer warpgroup, or per consumer thread (`_release`)
-        mbarrier.init(empty_bars.index(s), count=NUM_WG * 128 if THREAD_RELEASE else NUM_WG)
+        mbarrier.init(empty_bars.index(s), count=NUM_WG)  # one arrival per consumer warpgroup
     for w in gl.static_range(2):
         mbarrier.init(turn_bars.index(w), count=1)
     mbarrier.arrive(turn_bars.index(0), count=1, pred=PINGPONG)  # warpgroup 0 goes first
@@ -465,9 +452,9 @@ def _paged_prefill_sm90_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, PINGPONG, THREAD_RELEASE)),
+                             OVERLAP, PINGPONG)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, PINGPONG, THREAD_RELEASE)),
+                             OVERLAP, PINGPONG)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX)),
             ],
             [4, PRODUCER_WARPS_],
@@ -478,11 +465,11 @@ def _paged_prefill_sm90_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False, THREAD_RELEASE)),
+                             OVERLAP, False)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False, THREAD_RELEASE)),
+                             OVERLAP, False)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False, THREAD_RELEASE)),
+                             OVERLAP, False)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX)),
             ],
             [4, 4, PRODUCER_WARPS_],
@@ -658,7 +645,6 @@ def sm90_prefill_launches(
         PRODUCER_REGS=REGS[tile.warpgroups][1],
         PRODUCER_WARPS_=PRODUCER_WARPS,
         NUM_WG=tile.warpgroups,
-        THREAD_RELEASE=paged_policy.SM90_PREFILL_THREAD_RELEASE,
     )
     kernel = Launch(
         kernel=_paged_prefill_sm90_kernel,

@@ -201,8 +201,6 @@ SM90_PREFILL_MIN_ROWS = 128
 #: (PINGPONG). Both off: each warpgroup scores, softmaxes and accumulates one tile at a time.
 SM90_PREFILL_OVERLAP = False
 SM90_PREFILL_PINGPONG = False
-#: Each consumer thread arrives on a stage's release barrier itself (no warpgroup barrier first).
-SM90_PREFILL_THREAD_RELEASE = False
 
 
 @dataclass(frozen=True)
