@@ -607,7 +607,7 @@ def sm90_errors(
     elem = kv_cache.element_size()
     smem = sm90_smem_bytes(kv_lora_rank, rope, elem)
     gather = sm90_gathers(kv_cache, paged_slots)
-    allow = mla_policy.SM90_GATHER  # read at each call: the switch can be flipped at run time
+    allow = mla_policy.SM90_GATHER  # read at each planning (a cached plan keeps its launches)
     rules = [
         (target.arch == "sm_90", f"target {target.arch} is not sm_90"),
         (kv_cache.dtype in _GL_DTYPES, f"dtype {kv_cache.dtype} is not fp16/bf16"),
