@@ -143,7 +143,7 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
     """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page."""
     (work_ptr, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq, stride_bt_blk,
      block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc, k_smem,
-     v_smem, k_bars, v_bars, empty_bars, q_smem, q_bars, wg_bars) = rt  # fmt: skip
+     v_smem, k_bars, v_bars, empty_bars) = rt  # fmt: skip
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_D: gl.constexpr = k_smem.shape[2]
     NB: gl.constexpr = BLOCK_N // BOX
@@ -442,8 +442,7 @@ def _paged_prefill_sm90_kernel(
     fence_async_shared()
     prod = (work_ptr, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
             stride_bt_seq, stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol,
-            stride_vcol, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem,
-            k_bars, k_bars)  # fmt: skip
+            stride_vcol, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars)  # fmt: skip
     cons = (work_ptr, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
             scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem,
