@@ -205,6 +205,8 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         out["3 warpgroups"] = dict(SM90_PREFILL_TILES=wide)
         out["overlap"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=False)
         out["overlap+pingpong"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=True)
+        # the decode sequences as items of the sm_90 kernel (no decode launch)
+        out["fused decode"] = dict(SM90_PREFILL_FUSE_DECODE=True)
     if portable:
         out["portable"] = dict(SM90_PREFILL=False)
     for arch in targets:
@@ -326,6 +328,8 @@ def main(argv=None) -> int:
                     help="also the portable kernel alone (SM90_PREFILL off) on sm_90")  # fmt: skip
     ap.add_argument("--target", action="append", default=[], choices=["gfx942", "gfx950"],
                     help="also that target's policy, forced on this GPU (repeatable)")  # fmt: skip
+    ap.add_argument("--variants", default="",
+                    help="comma-separated variant names to keep (default: all)")  # fmt: skip
     ap.add_argument("--check-rows", type=int, default=CHECK_ROWS,
                     help="rows per checked window of a prefill sequence")  # fmt: skip
     opts = ap.parse_args(argv)
@@ -336,6 +340,12 @@ def main(argv=None) -> int:
     if not points:
         sys.exit(f"bench_prefill: --points {opts.points!r} matches none of {list(POINTS)}")
     var = variants(opts.target, opts.portable, opts.schedules)
+    if opts.variants:
+        keep = opts.variants.split(",")
+        unknown = sorted(set(keep) - set(var))
+        if unknown:
+            sys.exit(f"bench_prefill: --variants {unknown} not among {list(var)}")
+        var = {k: v for k, v in var.items() if k in keep}
     elem = torch.finfo(dtype).bits // 8
     # the copy as large as the largest decode part (at least 256 MB: pure prefill has none)
     copy_gbs, copy_ms = copy_ceiling(

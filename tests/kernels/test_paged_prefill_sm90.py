@@ -13,6 +13,7 @@ from portattn.kernels.paged_attention import paged_attention, plan_paged_attenti
 from portattn.kernels.paged_prefill_sm90 import (
     _work_list_kernel,
     box_rows,
+    program_items,
     sm90_prefill_errors,
     smem_bytes,
 )
@@ -62,7 +63,17 @@ def test_mixed_batch_takes_the_sm90_kernel_and_the_decode_tile():
     assert dec.args["num_q_tiles"] == 0 and dec.args["DECODE_ROLE"]
     assert dec.grid == (8 * 64,)
     # sequences the decode tile serves are left out of the work list
-    assert work.args["q_len_lo"] == dec.args["DEC_BLOCK_Q"]
+    assert work.args["q_len_lo"] == work.args["q_len_min"] == dec.args["DEC_BLOCK_Q"]
+
+
+def test_fused_decode_has_no_decode_launch(monkeypatch):
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
+    launches = _plan()
+    assert _names(launches) == MIXED[:2]
+    work, main = launches
+    # the decode tile's sequences (q_len <= 4) form the work list's second list
+    assert work.args["q_len_lo"] == 4 and work.args["q_len_min"] == 0
+    assert main.args["b_off"] == 2 + 64 * work.args["num_q_tiles"]
 
 
 @pytest.mark.parametrize(("block_size", "box"), [(16, 16), (80, 16), (544, 32), (2048, 128)])
@@ -148,13 +159,14 @@ def test_shared_memory_estimate_fits_the_h100(head_dim):
 # -- the work list, on the interpreter ------------------------------------------------------------
 
 
-def _work_list(q_lens, q_len_lo, block_q, device, max_query_len=None):
+def _work_list(q_lens, q_len_lo, block_q, device, max_query_len=None, q_len_min=None):
+    """The main list's (sequence, q tile) entries, ``num_q_tiles``, and the second list's."""
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
     qsl = qsl.to(device)
     mql = max(q_lens, default=1) if max_query_len is None else max_query_len
     num_q_tiles = max(1, -(-mql // block_q))
-    size = 1 + len(q_lens) * num_q_tiles  # the launcher's; 8 more sentinels must stay as they are
+    size = 2 + 2 * len(q_lens) * num_q_tiles  # the launcher's; 8 sentinels past it stay
     work = torch.full((size + 8,), -7, dtype=torch.int32, device=device)
     Launch(
         kernel=_work_list_kernel,
@@ -164,6 +176,7 @@ def _work_list(q_lens, q_len_lo, block_q, device, max_query_len=None):
             work_ptr=work,
             num_seqs=len(q_lens),
             q_len_lo=q_len_lo,
+            q_len_min=q_len_lo if q_len_min is None else q_len_min,
             num_q_tiles=num_q_tiles,
             BLOCK_Q=block_q,
             BLOCK_S=4,
@@ -173,8 +186,12 @@ def _work_list(q_lens, q_len_lo, block_q, device, max_query_len=None):
     ).run()
     work = work.cpu()
     assert (work[size:] == -7).all(), "written past the list"
-    n = int(work[0])
-    return [divmod(int(e), num_q_tiles) for e in work[1 : 1 + n]], num_q_tiles
+    n_a, n_b, b_off = int(work[0]), int(work[1]), 2 + len(q_lens) * num_q_tiles
+    main = [divmod(int(e), num_q_tiles) for e in work[2 : 2 + n_a]]
+    second = [divmod(int(e), num_q_tiles) for e in work[b_off : b_off + n_b]]
+    if q_len_min is None:
+        assert second == []
+    return main, num_q_tiles, second
 
 
 @pytest.mark.parametrize(
@@ -187,7 +204,7 @@ def _work_list(q_lens, q_len_lo, block_q, device, max_query_len=None):
     ],
 )
 def test_work_list_lists_each_prefill_tile_once_heaviest_first(q_lens, q_len_lo, block_q, device):
-    entries, _ = _work_list(list(q_lens), q_len_lo, block_q, device)
+    entries, _, _ = _work_list(list(q_lens), q_len_lo, block_q, device)
     expect = [
         (seq, t)
         for seq, q in enumerate(q_lens)
@@ -200,9 +217,46 @@ def test_work_list_lists_each_prefill_tile_once_heaviest_first(q_lens, q_len_lo,
 def test_work_list_stays_in_its_bounds_when_a_q_len_exceeds_the_maximum(device):
     """A caller that vouches max_query_len 64 but sends a 200-token chunk: the list keeps the
     chunk's first two q tiles (what the grid was sized for) and writes nothing past its end."""
-    entries, num_q_tiles = _work_list([200, 3, 64], 4, 32, device, max_query_len=64)
+    entries, num_q_tiles, second = _work_list([200, 3, 64, 1], 4, 32, device, max_query_len=64,
+                                              q_len_min=0)  # fmt: skip
     assert num_q_tiles == 2
     assert entries == [(0, 1), (0, 0), (2, 1), (2, 0)]
+    assert second == [(1, 0), (3, 0)]
+
+
+@pytest.mark.parametrize("q_len_min", [0, 1])
+def test_work_list_second_list_holds_the_fused_decodes(q_len_min, device):
+    """Fused decodes: the sequences with q_len_min < q_len <= q_len_lo (idle slots never)."""
+    q_lens = (512, 1, 1, 3, 512, 0, 2, 40, 4, 5)
+    main, _, second = _work_list(list(q_lens), 4, 32, device, q_len_min=q_len_min)
+    assert main == [
+        (s, t) for s, q in enumerate(q_lens) if q > 4 for t in reversed(range(-(-q // 32)))
+    ]
+    assert second == [(s, 0) for s, q in enumerate(q_lens) if q_len_min < q <= 4]
+
+
+@pytest.mark.parametrize(
+    ("nprog", "n_a", "n_b"),
+    [(132, 4096, 448), (132, 1024, 448), (132, 448, 4096), (132, 0, 448), (132, 100, 0), (7, 5, 3),
+     (132, 131, 1)],
+)  # fmt: skip
+def test_each_item_runs_once_and_decodes_are_spread(nprog, n_a, n_b):
+    """`program_items` (the kernel's `_share` / `_item`): every item of both lists on exactly
+    one program, the main list dealt as before (program p: p, p + nprog, ... in order), each
+    program's decode count within one of the others', and at every step few programs on
+    decodes at once (not all of them, as a decode list placed before or after would do)."""
+    per = [program_items(p, nprog, n_a, n_b) for p in range(nprog)]
+    flat = [x for items in per for x in items]
+    assert sorted(flat) == [(False, j) for j in range(n_a)] + [(True, j) for j in range(n_b)]
+    for p, items in enumerate(per):
+        assert [j for second, j in items if not second] == list(range(p, n_a, nprog))
+    counts = [sum(second for second, _ in items) for items in per]
+    assert max(counts) - min(counts) <= 1
+    if n_a >= nprog and n_b:
+        share = n_b / (n_a + n_b)
+        for step in range(min(len(items) for items in per)):
+            busy = sum(items[step][0] for items in per)
+            assert busy <= share * nprog + max(counts) + 1, (step, busy)
 
 
 # -- compile for sm_90 (no GPU) ------------------------------------------------------------------
@@ -271,10 +325,13 @@ def test_gpu_sm90_prefill(heads, head_dim, block_size, kind, dtype, state_bytes)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["overlap", "overlap+pingpong", "3 warpgroups"])
+@pytest.mark.parametrize(
+    "schedule", ["overlap", "overlap+pingpong", "3 warpgroups", "fused decode", "fused+overlap"]
+)
 def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
     """The kernel's other schedules (policy switches, bench_prefill --schedules) on a mixed batch
-    of the GPU cases: 192-row tiles of three warpgroups, the overlapped loop, ping-pong turns."""
+    of the GPU cases: 192-row tiles of three warpgroups, the overlapped loop, ping-pong turns,
+    the decode sequences as items of the kernel (alone and with the overlapped loop)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
     from portattn.kernels._plans import PLANS
@@ -284,9 +341,12 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         tiles[128] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
         tiles[64] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
+    elif schedule == "fused decode":
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
     else:
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_OVERLAP", True)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_PINGPONG", schedule.endswith("pingpong"))
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", schedule.startswith("fused"))
     PLANS.clear()  # the switches are not in a plan's key
     for heads, head_dim, block_size in (((32, 8), 128, 16), ((40, 8), 64, 2048)):
         b = make_batch(GPU_SEQS, block_size=block_size, heads=heads, head_dim=head_dim,
@@ -296,6 +356,7 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
         if schedule == "3 warpgroups":
             assert main.args["NUM_WG"] == 3
+        assert (len(launches) == 2) == schedule.startswith("fused")  # no decode launch
         out = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
         torch.cuda.synchronize()
         check(b, out)
@@ -303,11 +364,16 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_sm90_prefill_graph_replay_with_new_lengths():
+@pytest.mark.parametrize("fuse", [False, True], ids=["decode launch", "fused decode"])
+def test_gpu_sm90_prefill_graph_replay_with_new_lengths(fuse, monkeypatch):
     """Captured with the maxima given (the work list is built on the device), replayed after the
     batch's lengths change in place: other sequences prefill, others decode."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
+    from portattn.kernels._plans import PLANS
+
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", fuse)
+    PLANS.clear()  # the switches are not in a plan's key
     seqs = ((3000, 300), (2000, 1), (999, 1), (1500, 250))
     b = make_batch(seqs, block_size=16, heads=(32, 8), head_dim=128, dtype=torch.bfloat16,
                    device="cuda")  # fmt: skip
@@ -328,3 +394,4 @@ def test_gpu_sm90_prefill_graph_replay_with_new_lengths():
     graph.replay()
     torch.cuda.synchronize()
     check(b, out)
+    PLANS.clear()

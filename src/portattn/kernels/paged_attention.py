@@ -72,6 +72,7 @@ from portattn.kernels._plans import PLANS, _current_device, call_key
 from portattn.kernels.paged_prefill_sm90 import sm90_prefill_errors, sm90_prefill_launches
 from portattn.layout import CacheAddressing, describe_kv_cache, packed_runs, vector_width
 from portattn.platform import Target, override_key, target_for_tensor
+from portattn.policy import paged as paged_policy
 from portattn.policy.common import launch_options
 from portattn.policy.paged import (
     MAX_HEAD_DIM,
@@ -884,11 +885,13 @@ def plan_paged_attention(
         and not sm90_prefill_errors(query, key_cache, value_cache, layout, target)
     ):
         # the prefill part on the sm_90 kernel; the decode row tile's sequences (if any) on
-        # the portable kernel, its decode-role programs alone (no main-tile program)
+        # the portable kernel, its decode-role programs alone (no main-tile program), or with
+        # SM90_PREFILL_FUSE_DECODE as items of the sm_90 kernel's persistent loop
+        fuse = paged_policy.SM90_PREFILL_FUSE_DECODE and dec is not None
         launches = sm90_prefill_launches(
-            launches[0], key_cache, value_cache, dec.block_q if dec is not None else 0
+            launches[0], key_cache, value_cache, dec.block_q if dec is not None else 0, fuse
         )
-        if dec is not None:
+        if dec is not None and not fuse:
             launches.append(
                 Launch(
                     kernel=_paged_attention_kernel,

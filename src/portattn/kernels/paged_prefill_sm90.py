@@ -3,17 +3,23 @@
 
 Same math, arguments and output as `portattn.kernels.paged_attention` (whose launcher picks this
 kernel for the prefill part of a batch, `portattn.policy.paged.sm90_prefill`); the decode part of
-a mixed batch stays on the portable kernel (its decode row tile), in a launch of its own.
+a mixed batch stays on the portable kernel (its decode row tile), in a launch of its own, or,
+with ``SM90_PREFILL_FUSE_DECODE``, runs in this kernel too (below).
 
 Work. A program's 128 rows (192 with `Sm90PrefillTile.warpgroups` 3) are ``BLOCK_Q`` query
 tokens x ``HEAD_TILE`` query heads of one KV head (as the portable kernel packs GQA groups);
 warpgroup ``w`` owns rows ``[64 w, 64 w + 64)``. The
 grid is persistent (one program per multiprocessor): a first, small launch (`_work_list_kernel`,
-one program per sequence) writes the list of (sequence, q tile) entries of the sequences this
-kernel serves (``q_len > q_len_lo``), heaviest q tile first within each sequence, and their
-count; item ``i`` of the list (entry ``i // SLOTS``, head slot ``i % SLOTS``) goes to program
-``i % num_programs``. So no program is spent on a decode sequence, and the launch needs no host
-read of the metadata (CUDA graphs).
+one program per sequence) writes the list of (sequence, q tile) entries of the prefill sequences
+(``q_len > q_len_lo``), heaviest q tile first within each sequence, and their count; item ``i``
+of the list (entry ``i // SLOTS``, head slot ``i % SLOTS``) goes to program ``i %
+num_programs``. So the launch needs no host read of the metadata (CUDA graphs). With the decode
+sequences fused, they form a second list, dealt round-robin too, and each program spreads its
+decode items evenly among its prefill items from a phase of its own (`program_items`): at any
+moment a few programs stream a decode item's cache (memory-bound) while the rest run prefill
+tiles (compute-bound), where a decode launch after the prefill would leave the tensor cores
+idle. A warpgroup whose rows are all padding (a decode item's second warpgroup) skips the math
+and only releases each tile.
 
 Schedule (`gl.warp_specialize`): a one-warp producer walks the same items and KV tiles as the
 consumers and, for each tile, waits until both warpgroups released its stage, then loads K and
@@ -86,18 +92,23 @@ MIN_BOX = 16
 @triton.jit
 def _work_list_kernel(
     qsl_ptr,  # [num_seqs + 1]
-    work_ptr,  # int32 [1 + num_seqs * num_q_tiles]: count, then (seq * num_q_tiles + q_tile)
+    work_ptr,  # int32 [2 + 2 * num_seqs * num_q_tiles]: counts, then the two lists (below)
     num_seqs,
-    q_len_lo,  # sequences with q_len <= q_len_lo are not listed (the decode launch serves them)
+    q_len_lo,  # sequences with q_len > q_len_lo: the main list
+    q_len_min,  # sequences with q_len_min < q_len <= q_len_lo: the second list (fused decodes)
     num_q_tiles,
     BLOCK_Q: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """One program per sequence: its entries, heaviest q tile first, after those of the
-    sequences before it (their count summed here, ``BLOCK_S`` at a time); the last program
-    writes the number of entries to ``work[0]``."""
+    """One program per sequence: its entries (``seq * num_q_tiles + q_tile``), heaviest q tile
+    first, after those of the sequences before it in the same list (their count summed here,
+    ``BLOCK_S`` at a time). The main list starts at ``work[2]``, the second at ``work[2 +
+    num_seqs * num_q_tiles]``; the last program writes their entry counts to ``work[0]`` and
+    ``work[1]``. Sequences with ``q_len <= q_len_min`` are in neither (the decode launch serves
+    them; ``q_len_min == q_len_lo`` leaves the second list empty)."""
     seq = tl.program_id(0)
-    base = 0
+    base_a = 0
+    base_b = 0
     for s0 in range(0, seq, BLOCK_S):
         idx = s0 + tl.arange(0, BLOCK_S)
         m = idx < seq
@@ -105,26 +116,80 @@ def _work_list_kernel(
         hi = tl.load(qsl_ptr + idx + 1, mask=m, other=0)
         q_len = hi - lo
         tiles = tl.minimum(tl.cdiv(q_len, BLOCK_Q), num_q_tiles)
-        base += tl.sum(tl.where(m & (q_len > q_len_lo), tiles, 0), axis=0)
+        base_a += tl.sum(tl.where(m & (q_len > q_len_lo), tiles, 0), axis=0)
+        second = m & (q_len > q_len_min) & (q_len <= q_len_lo)
+        base_b += tl.sum(tl.where(second, tiles, 0), axis=0)
     q_len = tl.load(qsl_ptr + seq + 1) - tl.load(qsl_ptr + seq)
+    in_a = q_len > q_len_lo
     # at most num_q_tiles per sequence (max_query_len's): a caller whose q_len exceeds the
     # maximum it gave loses that work, as with the portable kernel, and the list its bounds
-    n = tl.where(q_len > q_len_lo, tl.minimum(tl.cdiv(q_len, BLOCK_Q), num_q_tiles), 0)
+    n = tl.where(q_len > q_len_min, tl.minimum(tl.cdiv(q_len, BLOCK_Q), num_q_tiles), 0)
+    start = 2 + tl.where(in_a, base_a, num_seqs * num_q_tiles + base_b)
     for t0 in range(0, n, BLOCK_S):
         t = t0 + tl.arange(0, BLOCK_S)
         entry = seq * num_q_tiles + (n - 1 - t)
-        tl.store(work_ptr + 1 + base + t, entry.to(tl.int32), mask=t < n)
+        tl.store(work_ptr + start + t, entry.to(tl.int32), mask=t < n)
     if seq == num_seqs - 1:
-        tl.store(work_ptr, (base + n).to(tl.int32))
+        tl.store(work_ptr, (base_a + tl.where(in_a, n, 0)).to(tl.int32))
+        tl.store(work_ptr + 1, (base_b + tl.where(in_a, 0, n)).to(tl.int32))
+
+
+def program_items(pid: int, nprog: int, n_a: int, n_b: int) -> list[tuple[bool, int]]:
+    """Program ``pid``'s items in its order (`_share` and `_item` compute the same on the
+    device): ``(False, j)`` item ``j`` of the main list, ``(True, j)`` of the second.
+
+    Each list is dealt round-robin (program ``pid`` takes items ``pid, pid + nprog, ...``, the
+    main list's order as before the second list existed), and a program spreads its second-list
+    items evenly among its main-list ones, from a phase of its own (`phase`), so at any step
+    only some programs run a (memory-bound) decode item while the others run (compute-bound)
+    prefill items."""
+    mine_a = max(0, -(-(n_a - pid) // nprog))
+    mine_b = max(0, -(-(n_b - pid) // nprog))
+    n = mine_a + mine_b
+    off = phase(pid, n)
+    items = []
+    for step in range(n):
+        k = (step * mine_b + off) // n
+        second = ((step + 1) * mine_b + off) // n > k
+        items.append((second, pid + (k if second else step - k) * nprog))
+    return items
+
+
+def phase(pid: int, n: int) -> int:
+    """Program ``pid``'s phase in its ``n`` steps: the fraction ``pid x 0.618`` mod 1 (10 bits)
+    of them, spread evenly over the programs whatever their count and ``n`` (the golden-ratio
+    sequence); `_share` computes the same."""
+    return (pid * 633) % 1024 * n // 1024
 
 
 @gluon.jit
-def _item(work_ptr, i, num_q_tiles, qsl_ptr, seq_lens_ptr, SLOTS: gl.constexpr,
-          BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-    """Item ``i``: its sequence, head slot, q tile, query start and length, context length
-    before the queries, the end of its KV range, where its masked tiles start, and its tiles."""
-    e = gl.load(work_ptr + 1 + i // SLOTS)
-    slot = i % SLOTS
+def _share(work_ptr, SLOTS: gl.constexpr):
+    """This program's share of the two lists (`program_items`): its second-list items, its
+    steps and its phase."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_a = gl.load(work_ptr) * SLOTS  # work[0], work[1] count (sequence, q tile) entries
+    n_b = gl.load(work_ptr + 1) * SLOTS
+    mine_a = gl.maximum(n_a - pid + nprog - 1, 0) // nprog
+    mine_b = gl.maximum(n_b - pid + nprog - 1, 0) // nprog
+    n = mine_a + mine_b
+    return mine_b, n, (pid * 633) % 1024 * n // 1024  # `phase`
+
+
+@gluon.jit
+def _item(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr):
+    """This program's item at ``step`` (`program_items`; ``mine_b``, ``n``, ``off`` from
+    `_share`, the second list at ``work[b_off]``): its sequence, head slot, q tile, query start and
+    length, context length before the queries, the end of its KV range, where its masked
+    tiles start, and its tiles."""
+    work_ptr, mine_b, n, off, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr = lists
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    k = (step * mine_b + off) // n
+    second = ((step + 1) * mine_b + off) // n > k
+    j = pid + gl.where(second, k, step - k) * nprog
+    e = gl.load(work_ptr + gl.where(second, b_off, 2) + j // SLOTS)
+    slot = j % SLOTS
     seq = e // num_q_tiles
     q_tile = e % num_q_tiles
     q_start = gl.load(qsl_ptr + seq)
@@ -141,21 +206,18 @@ def _item(work_ptr, i, num_q_tiles, qsl_ptr, seq_lens_ptr, SLOTS: gl.constexpr,
 def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, BOX: gl.constexpr):  # fmt: skip
     """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page."""
-    (work_ptr, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq, stride_bt_blk,
-     block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc, k_smem,
-     v_smem, k_bars, v_bars, empty_bars) = rt  # fmt: skip
+    (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq,
+     stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc,
+     k_smem, v_smem, k_bars, v_bars, empty_bars) = rt  # fmt: skip
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_D: gl.constexpr = k_smem.shape[2]
     NB: gl.constexpr = BLOCK_N // BOX
     TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_D * k_smem.dtype.primitive_bitwidth // 8
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    n_items = gl.load(work_ptr) * SLOTS  # work[0] counts (sequence, q tile) entries
+    mine_b, n, off = _share(work_ptr, SLOTS)
+    lists = (work_ptr, mine_b, n, off, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr)
     it = 0
-    for i in range(pid, n_items, nprog):
-        seq, slot, _, _, _, seq_len, _, _, _, n_tiles = _item(
-            work_ptr, i, num_q_tiles, qsl_ptr, seq_lens_ptr, SLOTS, BLOCK_Q, BLOCK_N
-        )
+    for step in range(n):
+        seq, slot, _, _, _, seq_len, _, _, _, n_tiles = _item(lists, step, SLOTS, BLOCK_Q, BLOCK_N)
         kv_head = slot // HEAD_TILES
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt_seq
         kcol = kv_head * stride_kcol
@@ -245,9 +307,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
     scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
     PINGPONG: the two warpgroups issue their MMAs in turns (module doc)."""
-    (work_ptr, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok, stride_q_head,
-     stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim, scale_log2, k_smem, v_smem, k_bars,
-     v_bars, empty_bars, q_smem, turn_bars) = rt  # fmt: skip
+    (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok,
+     stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim, scale_log2, k_smem,
+     v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars) = rt  # fmt: skip
     dtype: gl.constexpr = k_smem.dtype
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_D: gl.constexpr = k_smem.shape[2]
@@ -265,120 +327,138 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     COL: gl.constexpr = gl.SliceLayout(0, QK)
     PV_ROW: gl.constexpr = gl.SliceLayout(1, PV)
     q_buf = q_smem.index(WG)
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    n_items = gl.load(work_ptr) * SLOTS  # work[0] counts (sequence, q tile) entries
+    mine_b, n, off = _share(work_ptr, SLOTS)
+    lists = (work_ptr, mine_b, n, off, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr)
     it = 0
     tk = 0  # turns taken (PINGPONG)
-    for i in range(pid, n_items, nprog):
+    for step in range(n):
         seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles = _item(
-            work_ptr, i, num_q_tiles, qsl_ptr, seq_lens_ptr, SLOTS, BLOCK_Q, BLOCK_N
+            lists, step, SLOTS, BLOCK_Q, BLOCK_N
         )
         kv_head = slot // HEAD_TILES
         head_tile = slot % HEAD_TILES
-        # -- this warpgroup's query rows into shared memory (the score MMA's A operand) --
-        tok, head, real = _rows(WG, q_tile, head_tile, kv_head, q_start, q_len, GROUP, HEAD_TILE,
-                                BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
-        dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
-        q_rows = tok * stride_q_tok + head * stride_q_head
-        q = gl.load(q_ptr + q_rows[:, None] + dq[None, :] * stride_q_dim, mask=real[:, None],
-                    other=0.0)  # fmt: skip
-        q_buf.store(q)
-        fence_async_shared()
-        gl.thread_barrier()
-        # each row sees the positions < its limit (>= 1: no row is ever fully masked)
-        rs = WG * ROWS + gl.arange(0, ROWS, layout=ROW)
-        limit = ctx_len + q_tile * BLOCK_Q + rs // HEAD_TILE + 1
-        cols = gl.arange(0, BLOCK_N, layout=COL)
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=ROW)
-        l_i = gl.zeros([ROWS], gl.float32, layout=ROW)
-        acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=PV)
-        if OVERLAP:
-            # tile 0: its scores alone
-            s = it % STAGES
-            mbarrier.wait(k_bars.index(s), (it // STAGES) & 1)
-            tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
-            qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)), gl.zeros([ROWS, BLOCK_N],
-                               gl.float32, layout=QK), use_acc=False, is_async=True)  # fmt: skip
-            _turn_pass(turn_bars, WG, PINGPONG)
-            qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-            sc = _scores(qk, scale_log2, 0, full_end, kv_end, limit, cols)
-            m_i = gl.max(sc, 1)
-            p = gl.exp2(sc - m_i[:, None])
-            l_i = gl.sum(p, 1)
-            p_op = gl.convert_layout(p.to(dtype), PA)
-            for t in range(1, n_tiles):
-                sp = it % STAGES  # tile t-1's stage
-                php = (it // STAGES) & 1
+        # a warpgroup none of whose rows is real (a decode item's second warpgroup, or a short
+        # last q tile) only passes the item's tiles on: waits for each, releases it (in order,
+        # so its release lands in the stage's current phase). Ping-pong needs both in turn.
+        if PINGPONG or WG == 0:
+            idle = False
+        else:
+            r0: gl.constexpr = WG * ROWS
+            idle = (r0 // HEAD_TILE >= BLOCK_Q) | (q_tile * BLOCK_Q + r0 // HEAD_TILE >= q_len)
+            idle = idle | (head_tile * HEAD_TILE + r0 % HEAD_TILE >= GROUP)
+        if idle:
+            for _t in range(n_tiles):
+                s = it % STAGES
+                ph = (it // STAGES) & 1
+                mbarrier.wait(k_bars.index(s), ph)
+                mbarrier.wait(v_bars.index(s), ph)
+                mbarrier.arrive(empty_bars.index(s), count=1)
                 it += 1
+        else:
+            # -- this warpgroup's query rows into shared memory (the score MMA's A operand) --
+            tok, head, real = _rows(WG, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
+                                    HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
+            dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
+            q_rows = tok * stride_q_tok + head * stride_q_head
+            q = gl.load(q_ptr + q_rows[:, None] + dq[None, :] * stride_q_dim, mask=real[:, None],
+                        other=0.0)  # fmt: skip
+            q_buf.store(q)
+            fence_async_shared()
+            gl.thread_barrier()
+            # each row sees the positions < its limit (>= 1: no row is ever fully masked)
+            rs = WG * ROWS + gl.arange(0, ROWS, layout=ROW)
+            limit = ctx_len + q_tile * BLOCK_Q + rs // HEAD_TILE + 1
+            cols = gl.arange(0, BLOCK_N, layout=COL)
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=ROW)
+            l_i = gl.zeros([ROWS], gl.float32, layout=ROW)
+            acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=PV)
+            if OVERLAP:
+                # tile 0: its scores alone
                 s = it % STAGES
                 mbarrier.wait(k_bars.index(s), (it // STAGES) & 1)
-                # (tile t-1 ends before kv_end <= seq_len: its V rows are all real)
-                mbarrier.wait(v_bars.index(sp), php)
                 tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
                 qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)),
                                    gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
                                    use_acc=False, is_async=True)  # fmt: skip
-                acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
                 _turn_pass(turn_bars, WG, PINGPONG)
-                qk = warpgroup_mma_wait(num_outstanding=1, deps=[qk])
-                sc = _scores(qk, scale_log2, t * BLOCK_N, full_end, kv_end, limit, cols)
-                m_new = gl.maximum(m_i, gl.max(sc, 1))
-                p = gl.exp2(sc - m_new[:, None])
-                alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
-                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
-                gl.thread_barrier()
-                mbarrier.arrive(empty_bars.index(sp), count=1)
-                acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
-                p_op = gl.convert_layout(p.to(dtype), PA)
-            # the last tile's P V
-            s = it % STAGES
-            v_buf = v_smem.index(s)
-            mbarrier.wait(v_bars.index(s), (it // STAGES) & 1)
-            _zero_tail(v_buf, (n_tiles - 1) * BLOCK_N, seq_len, LOAD)
-            tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
-            acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-            _turn_pass(turn_bars, WG, PINGPONG)
-            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
-            gl.thread_barrier()
-            mbarrier.arrive(empty_bars.index(s), count=1)
-            it += 1
-        else:
-            for t in range(n_tiles):
-                s = it % STAGES
-                ph = (it // STAGES) & 1
-                start = t * BLOCK_N
-                mbarrier.wait(k_bars.index(s), ph)
-                qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK)
-                qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)), qk, use_acc=False,
-                                   is_async=True)  # fmt: skip
                 qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-                sc = _scores(qk, scale_log2, start, full_end, kv_end, limit, cols)
-                m_new = gl.maximum(m_i, gl.max(sc, 1))
-                p = gl.exp2(sc - m_new[:, None])
-                alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha + gl.sum(p, 1)
-                acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
-                m_i = m_new
+                sc = _scores(qk, scale_log2, 0, full_end, kv_end, limit, cols)
+                m_i = gl.max(sc, 1)
+                p = gl.exp2(sc - m_i[:, None])
+                l_i = gl.sum(p, 1)
                 p_op = gl.convert_layout(p.to(dtype), PA)
+                for t in range(1, n_tiles):
+                    sp = it % STAGES  # tile t-1's stage
+                    php = (it // STAGES) & 1
+                    it += 1
+                    s = it % STAGES
+                    mbarrier.wait(k_bars.index(s), (it // STAGES) & 1)
+                    # (tile t-1 ends before kv_end <= seq_len: its V rows are all real)
+                    mbarrier.wait(v_bars.index(sp), php)
+                    tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
+                    qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)),
+                                       gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
+                                       use_acc=False, is_async=True)  # fmt: skip
+                    acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+                    _turn_pass(turn_bars, WG, PINGPONG)
+                    qk = warpgroup_mma_wait(num_outstanding=1, deps=[qk])
+                    sc = _scores(qk, scale_log2, t * BLOCK_N, full_end, kv_end, limit, cols)
+                    m_new = gl.maximum(m_i, gl.max(sc, 1))
+                    p = gl.exp2(sc - m_new[:, None])
+                    alpha = gl.exp2(m_i - m_new)
+                    l_i = l_i * alpha + gl.sum(p, 1)
+                    m_i = m_new
+                    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty_bars.index(sp), count=1)
+                    acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+                    p_op = gl.convert_layout(p.to(dtype), PA)
+                # the last tile's P V
+                s = it % STAGES
                 v_buf = v_smem.index(s)
-                mbarrier.wait(v_bars.index(s), ph)
-                _zero_tail(v_buf, start, seq_len, LOAD)
+                mbarrier.wait(v_bars.index(s), (it // STAGES) & 1)
+                _zero_tail(v_buf, (n_tiles - 1) * BLOCK_N, seq_len, LOAD)
+                tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
                 acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                _turn_pass(turn_bars, WG, PINGPONG)
+                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
                 gl.thread_barrier()
                 mbarrier.arrive(empty_bars.index(s), count=1)
                 it += 1
-        # -- epilogue: this warpgroup's rows to the output --
-        o = acc / gl.convert_layout(l_i, PV_ROW)[:, None]
-        tok_o, head_o, real_o = _rows(WG, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
-                                      HEAD_TILE, BLOCK_Q, PV_ROW)  # fmt: skip
-        do = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, PV))
-        o_rows = tok_o * stride_o_tok + head_o * stride_o_head
-        gl.store(out_ptr + o_rows[:, None] + do[None, :] * stride_o_dim, o.to(dtype),
-                 mask=real_o[:, None])  # fmt: skip
+            else:
+                for t in range(n_tiles):
+                    s = it % STAGES
+                    ph = (it // STAGES) & 1
+                    start = t * BLOCK_N
+                    mbarrier.wait(k_bars.index(s), ph)
+                    qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK)
+                    qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)), qk, use_acc=False,
+                                       is_async=True)  # fmt: skip
+                    qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+                    sc = _scores(qk, scale_log2, start, full_end, kv_end, limit, cols)
+                    m_new = gl.maximum(m_i, gl.max(sc, 1))
+                    p = gl.exp2(sc - m_new[:, None])
+                    alpha = gl.exp2(m_i - m_new)
+                    l_i = l_i * alpha + gl.sum(p, 1)
+                    acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+                    m_i = m_new
+                    p_op = gl.convert_layout(p.to(dtype), PA)
+                    v_buf = v_smem.index(s)
+                    mbarrier.wait(v_bars.index(s), ph)
+                    _zero_tail(v_buf, start, seq_len, LOAD)
+                    acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty_bars.index(s), count=1)
+                    it += 1
+            # -- epilogue: this warpgroup's rows to the output --
+            o = acc / gl.convert_layout(l_i, PV_ROW)[:, None]
+            tok_o, head_o, real_o = _rows(WG, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
+                                          HEAD_TILE, BLOCK_Q, PV_ROW)  # fmt: skip
+            do = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, PV))
+            o_rows = tok_o * stride_o_tok + head_o * stride_o_head
+            gl.store(out_ptr + o_rows[:, None] + do[None, :] * stride_o_dim, o.to(dtype),
+                     mask=real_o[:, None])  # fmt: skip
 
 
 @gluon.jit
@@ -387,7 +467,8 @@ def _paged_prefill_sm90_kernel(
     q_ptr,
     k_desc,  # 2-D view of the key cache's rows: [total_rows, cols], box [BOX, HEAD_D]
     v_desc,
-    work_ptr,  # `_work_list_kernel`'s list
+    work_ptr,  # `_work_list_kernel`'s lists
+    b_off,  # where the second list starts (``2 + num_seqs * num_q_tiles``)
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -440,10 +521,10 @@ def _paged_prefill_sm90_kernel(
         mbarrier.init(turn_bars.index(w), count=1)
     mbarrier.arrive(turn_bars.index(0), count=1, pred=PINGPONG)  # warpgroup 0 goes first
     fence_async_shared()
-    prod = (work_ptr, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    prod = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
             stride_bt_seq, stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol,
             stride_vcol, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars)  # fmt: skip
-    cons = (work_ptr, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
+    cons = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
             scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem,
             turn_bars)  # fmt: skip
@@ -568,10 +649,16 @@ def _descriptor(cache: torch.Tensor, tile: Sm90PrefillTile, box: int) -> TensorD
 
 
 def sm90_prefill_launches(
-    main: Launch, key_cache: torch.Tensor, value_cache: torch.Tensor, q_len_lo: int
+    main: Launch,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    q_len_lo: int,
+    fuse_decode: bool = False,
 ) -> list[Launch]:
     """The portable kernel's launch ``main``'s prefill part (sequences with ``q_len >
-    q_len_lo``) by this kernel: the work-list launch, then the kernel's (same outputs)."""
+    q_len_lo``) by this kernel: the work-list launch, then the kernel's (same outputs).
+    ``fuse_decode``: the other sequences (``0 < q_len <= q_len_lo``) too, their items spread
+    among the prefill items (`program_items`); the caller then launches no decode part."""
     a = main.args
     head_dim = key_cache.shape[3]
     tile = paged_policy.SM90_PREFILL_TILES[head_dim]
@@ -583,7 +670,7 @@ def sm90_prefill_launches(
     num_seqs = a["num_seqs"]
     num_q_tiles = max(1, -(-a["num_q_tiles"] * a["BLOCK_Q"] // block_q))
     device = main.args["q_ptr"].device
-    work = torch.empty(1 + num_seqs * num_q_tiles, dtype=torch.int32, device=device)
+    work = torch.empty(2 + 2 * num_seqs * num_q_tiles, dtype=torch.int32, device=device)
     box = min(
         box_rows(key_cache.shape[1], tile.block_n), box_rows(value_cache.shape[1], tile.block_n)
     )
@@ -595,6 +682,7 @@ def sm90_prefill_launches(
             work_ptr=work,
             num_seqs=num_seqs,
             q_len_lo=q_len_lo,
+            q_len_min=0 if fuse_decode else q_len_lo,
             num_q_tiles=num_q_tiles,
             BLOCK_Q=block_q,
             BLOCK_S=128,
@@ -611,6 +699,7 @@ def sm90_prefill_launches(
         k_desc=_descriptor(key_cache, tile, box),
         v_desc=_descriptor(value_cache, tile, box),
         work_ptr=work,
+        b_off=2 + num_seqs * num_q_tiles,
         block_table_ptr=a["block_table_ptr"],
         seq_lens_ptr=a["seq_lens_ptr"],
         query_start_loc_ptr=a["query_start_loc_ptr"],

@@ -201,6 +201,11 @@ SM90_PREFILL_MIN_ROWS = 128
 #: (PINGPONG). Both off: each warpgroup scores, softmaxes and accumulates one tile at a time.
 SM90_PREFILL_OVERLAP = False
 SM90_PREFILL_PINGPONG = False
+#: The decode sequences of a mixed batch (those of the portable kernel's decode row tile) as
+#: items of the sm_90 kernel's persistent loop, spread among the prefill items so that their
+#: memory-bound cache reads run beside the prefill's matrix math (one warpgroup each: the other's
+#: rows are padding and it only passes the tiles on), instead of a decode launch after it.
+SM90_PREFILL_FUSE_DECODE = False
 
 
 @dataclass(frozen=True)
