@@ -207,6 +207,8 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         out["overlap+pingpong"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=True)
         # the decode sequences as items of the sm_90 kernel (no decode launch)
         out["fused decode"] = dict(SM90_PREFILL_FUSE_DECODE=True)
+        # ... each on warpgroup 0 alone (the other idle), not split over both by keys
+        out["fused 1wg"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_SPLIT_SHORT=False)
     if portable:
         out["portable"] = dict(SM90_PREFILL=False)
     for arch in targets:

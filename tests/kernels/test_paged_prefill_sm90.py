@@ -16,6 +16,7 @@ from portattn.kernels.paged_prefill_sm90 import (
     program_items,
     sm90_prefill_errors,
     smem_bytes,
+    split_short,
 )
 from portattn.platform import get_target
 from portattn.policy import paged as paged_policy
@@ -153,7 +154,11 @@ def test_policy_rule_is_pure():
 
 @pytest.mark.parametrize("head_dim", sorted(SM90_PREFILL_TILES))
 def test_shared_memory_estimate_fits_the_h100(head_dim):
-    assert smem_bytes(SM90_PREFILL_TILES[head_dim], head_dim) <= SM90.max_shared_mem
+    tile = SM90_PREFILL_TILES[head_dim]
+    assert smem_bytes(tile, head_dim) <= SM90.max_shared_mem
+    # short items on both warpgroups: the merge buffer fits beside the shipped tiles
+    assert split_short(tile, head_dim, 2, SM90)
+    assert not split_short(paged_policy.Sm90PrefillTile(128, 3), 128, 2, SM90)  # 224 KB + 33
 
 
 # -- the work list, on the interpreter ------------------------------------------------------------
@@ -273,7 +278,9 @@ def test_compiles_for_sm90_without_spills(case_id):
     (cell,) = run_matrix([case], ["sm_90"])
     (r,) = [launch for launch in cell.launches if launch.name == "paged_prefill_sm90"]
     assert r.ok, r.error
-    assert r.shared <= smem_bytes(SM90_PREFILL_TILES[128], 128) <= SM90.max_shared_mem
+    tile = SM90_PREFILL_TILES[128]
+    assert r.shared <= smem_bytes(tile, 128, split=split_short(tile, 128, 2, SM90))
+    assert smem_bytes(tile, 128, split=True) <= SM90.max_shared_mem
     assert r.spills <= 16
 
 
@@ -326,7 +333,15 @@ def test_gpu_sm90_prefill(heads, head_dim, block_size, kind, dtype, state_bytes)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "schedule", ["overlap", "overlap+pingpong", "3 warpgroups", "fused decode", "fused+overlap"]
+    "schedule",
+    [
+        "overlap",
+        "overlap+pingpong",
+        "3 warpgroups",
+        "fused decode",
+        "fused decode, one warpgroup",
+        "fused+overlap",
+    ],
 )
 def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
     """The kernel's other schedules (policy switches, bench_prefill --schedules) on a mixed batch
@@ -341,8 +356,9 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         tiles[128] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
         tiles[64] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
-    elif schedule == "fused decode":
+    elif schedule.startswith("fused decode"):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_SPLIT_SHORT", "one" not in schedule)
     else:
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_OVERLAP", True)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_PINGPONG", schedule.endswith("pingpong"))
@@ -356,6 +372,7 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
         if schedule == "3 warpgroups":
             assert main.args["NUM_WG"] == 3
+        assert main.args["SPLIT"] == (schedule in ("fused decode",))
         assert (len(launches) == 2) == schedule.startswith("fused")  # no decode launch
         out = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
         torch.cuda.synchronize()

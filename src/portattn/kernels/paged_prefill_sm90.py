@@ -301,15 +301,70 @@ def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
+def _half_keys(WG: gl.constexpr, q_buf, k_smem, v_smem, k_bars, v_bars, empty_bars, it, n_tiles,
+               scale_log2, full_end, kv_end, seq_len, limit, STAGES: gl.constexpr):  # fmt: skip
+    """A short item (its real rows all in the first 64) on both warpgroups: warpgroup WG scores
+    rows ``[0, 64)`` against keys ``[WG H, WG H + H)`` of every tile (``H = BLOCK_N / 2``) and
+    accumulates their P V, releasing each tile as the full path does. Returns its row maxima
+    (from -1e30: a row may see no key in this half), row sums, accumulator and ``it``."""
+    dtype: gl.constexpr = k_smem.dtype
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    HEAD_D: gl.constexpr = k_smem.shape[2]
+    HALF: gl.constexpr = BLOCK_N // 2
+    QK: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
+    PV: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16]
+    )
+    PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=PV, k_width=2)
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_D // 8), HEAD_D // 8], [4, 1],
+                                          [1, 0])  # fmt: skip
+    PV_ROW: gl.constexpr = gl.SliceLayout(1, PV)
+    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, QK))
+    m_i = gl.full([64], -1.0e30, gl.float32, layout=gl.SliceLayout(1, QK))
+    l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, QK))
+    acc = gl.zeros([64, HEAD_D], gl.float32, layout=PV)
+    for t in range(n_tiles):
+        s = it % STAGES
+        ph = (it // STAGES) & 1
+        start = t * BLOCK_N + WG * HALF
+        mbarrier.wait(k_bars.index(s), ph)
+        k_half = k_smem.index(s).slice(WG * HALF, HALF)
+        qk = gl.zeros([64, HALF], gl.float32, layout=QK)
+        qk = warpgroup_mma(q_buf, k_half.permute((1, 0)), qk, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+        sc = _scores(qk, scale_log2, start, full_end, kv_end, limit, cols)
+        m_new = gl.maximum(m_i, gl.max(sc, 1))
+        p = gl.exp2(sc - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+        m_i = m_new
+        p_op = gl.convert_layout(p.to(dtype), PA)
+        v_half = v_smem.index(s).slice(WG * HALF, HALF)
+        mbarrier.wait(v_bars.index(s), ph)
+        _zero_tail(v_half, start, seq_len, LOAD)
+        acc = warpgroup_mma(p_op, v_half, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.thread_barrier()
+        mbarrier.arrive(empty_bars.index(s), count=1)
+        it += 1
+    return m_i, l_i, acc, it
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr,
               GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr,
-              STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
+              STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+              SPLIT: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
     scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
     PINGPONG: the two warpgroups issue their MMAs in turns (module doc)."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok,
      stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim, scale_log2, k_smem,
-     v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars) = rt  # fmt: skip
+     v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, merge_acc, merge_m,
+     merge_l, merge_bars) = rt  # fmt: skip
     dtype: gl.constexpr = k_smem.dtype
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_D: gl.constexpr = k_smem.shape[2]
@@ -331,6 +386,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     lists = (work_ptr, mine_b, n, off, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr)
     it = 0
     tk = 0  # turns taken (PINGPONG)
+    nm = 0  # short items merged (SPLIT)
     for step in range(n):
         seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles = _item(
             lists, step, SLOTS, BLOCK_Q, BLOCK_N
@@ -340,13 +396,69 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
         # a warpgroup none of whose rows is real (a decode item's second warpgroup, or a short
         # last q tile) only passes the item's tiles on: waits for each, releases it (in order,
         # so its release lands in the stage's current phase). Ping-pong needs both in turn.
+        # SPLIT: an item whose real rows all lie in the first 64 (a decode item, a short last q
+        # tile) runs on both warpgroups instead, each on half of every tile's keys (`_half_keys`),
+        # warpgroup 1 handing its row maxima, sums and accumulator to warpgroup 0 through shared
+        # memory at the end (one merge buffer: warpgroup 1 waits until 0 has read the last one)
+        if SPLIT:
+            short = (ROWS // HEAD_TILE >= BLOCK_Q) | (q_tile * BLOCK_Q + ROWS // HEAD_TILE >= q_len)
+            short = short | (head_tile * HEAD_TILE + ROWS % HEAD_TILE >= GROUP)
+        else:
+            short = False
         if PINGPONG or WG == 0:
             idle = False
         else:
             r0: gl.constexpr = WG * ROWS
             idle = (r0 // HEAD_TILE >= BLOCK_Q) | (q_tile * BLOCK_Q + r0 // HEAD_TILE >= q_len)
             idle = idle | (head_tile * HEAD_TILE + r0 % HEAD_TILE >= GROUP)
-        if idle:
+        if short:
+            tok, head, real = _rows(0, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
+                                    HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
+            dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
+            q_rows = tok * stride_q_tok + head * stride_q_head
+            q = gl.load(q_ptr + q_rows[:, None] + dq[None, :] * stride_q_dim, mask=real[:, None],
+                        other=0.0)  # fmt: skip
+            q_buf.store(q)
+            fence_async_shared()
+            gl.thread_barrier()
+            QK_H: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N // 2, 16]
+            )
+            rs_h = gl.arange(0, ROWS, layout=gl.SliceLayout(1, QK_H))
+            limit_h = ctx_len + q_tile * BLOCK_Q + rs_h // HEAD_TILE + 1
+            m_h, l_h, acc_h, it = _half_keys(WG, q_buf, k_smem, v_smem, k_bars, v_bars,
+                                             empty_bars, it, n_tiles, scale_log2, full_end,
+                                             kv_end, seq_len, limit_h, STAGES)  # fmt: skip
+            ML: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            if WG == 1:
+                mbarrier.wait(merge_bars.index(1), (nm & 1) ^ 1, pred=nm > 0)
+                merge_acc.store(acc_h)
+                merge_m.store(gl.convert_layout(m_h, ML))
+                merge_l.store(gl.convert_layout(l_h, ML))
+                gl.thread_barrier()
+                mbarrier.arrive(merge_bars.index(0), count=1)
+            else:
+                mbarrier.wait(merge_bars.index(0), nm & 1)
+                acc_o = merge_acc.load(PV)
+                m_o = gl.convert_layout(merge_m.load(ML), m_h.type.layout)
+                l_o = gl.convert_layout(merge_l.load(ML), m_h.type.layout)
+                gl.thread_barrier()
+                mbarrier.arrive(merge_bars.index(1), count=1)
+                m_new = gl.maximum(m_h, m_o)
+                a_h = gl.exp2(m_h - m_new)
+                a_o = gl.exp2(m_o - m_new)
+                l_new = l_h * a_h + l_o * a_o
+                acc = acc_h * gl.convert_layout(a_h, PV_ROW)[:, None]
+                acc = acc + acc_o * gl.convert_layout(a_o, PV_ROW)[:, None]
+                o = acc / gl.convert_layout(l_new, PV_ROW)[:, None]
+                tok_o, head_o, real_o = _rows(0, q_tile, head_tile, kv_head, q_start, q_len,
+                                              GROUP, HEAD_TILE, BLOCK_Q, PV_ROW)  # fmt: skip
+                do = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, PV))
+                o_rows = tok_o * stride_o_tok + head_o * stride_o_head
+                gl.store(out_ptr + o_rows[:, None] + do[None, :] * stride_o_dim, o.to(dtype),
+                         mask=real_o[:, None])  # fmt: skip
+            nm += 1
+        elif idle:
             for _t in range(n_tiles):
                 s = it % STAGES
                 ph = (it // STAGES) & 1
@@ -502,6 +614,7 @@ def _paged_prefill_sm90_kernel(
     PRODUCER_REGS: gl.constexpr,
     PRODUCER_WARPS_: gl.constexpr,
     NUM_WG: gl.constexpr,  # consumer warpgroups (64 rows each)
+    SPLIT: gl.constexpr,  # short items on both warpgroups, half the keys each (two, sequential)
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     KV_LAYOUT: gl.constexpr = k_desc.layout
@@ -513,12 +626,22 @@ def _paged_prefill_sm90_kernel(
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # SPLIT: warpgroup 1's accumulator, row maxima and sums for warpgroup 0 (`_consumer`)
+    MR: gl.constexpr = 64 if SPLIT else 2
+    MD: gl.constexpr = HEAD_D if SPLIT else 2
+    PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    merge_acc = gl.allocate_shared_memory(gl.float32, [MR, MD], PLAIN)
+    ROW1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    merge_m = gl.allocate_shared_memory(gl.float32, [MR], ROW1)
+    merge_l = gl.allocate_shared_memory(gl.float32, [MR], ROW1)
+    merge_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(s), count=1)
         mbarrier.init(v_bars.index(s), count=1)
         mbarrier.init(empty_bars.index(s), count=NUM_WG)  # one arrival per consumer warpgroup
     for w in gl.static_range(2):
         mbarrier.init(turn_bars.index(w), count=1)
+        mbarrier.init(merge_bars.index(w), count=1)
     mbarrier.arrive(turn_bars.index(0), count=1, pred=PINGPONG)  # warpgroup 0 goes first
     fence_async_shared()
     prod = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
@@ -526,15 +649,15 @@ def _paged_prefill_sm90_kernel(
             stride_vcol, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars)  # fmt: skip
     cons = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
-            scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem,
-            turn_bars)  # fmt: skip
+            scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, merge_acc,
+            merge_m, merge_l, merge_bars)  # fmt: skip
     if NUM_WG == 2:
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, PINGPONG)),
+                             OVERLAP, PINGPONG, SPLIT)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, PINGPONG)),
+                             OVERLAP, PINGPONG, SPLIT)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX)),
             ],
             [4, PRODUCER_WARPS_],
@@ -545,11 +668,11 @@ def _paged_prefill_sm90_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False)),
+                             OVERLAP, False, False)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False)),
+                             OVERLAP, False, False)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False)),
+                             OVERLAP, False, False)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX)),
             ],
             [4, 4, PRODUCER_WARPS_],
@@ -566,12 +689,27 @@ def box_rows(block_size: int, block_n: int) -> int:
     return min(block_n, block_size & -block_size)
 
 
-def smem_bytes(tile: Sm90PrefillTile, head_dim: int, elem: int = 2) -> int:
-    """Shared memory this kernel allocates, an upper bound: Q (128 rows), ``stages`` K and V
-    tiles, 3 barriers per stage and 1 KB for Triton's alignment."""
+def smem_bytes(tile: Sm90PrefillTile, head_dim: int, elem: int = 2, split: bool = False) -> int:
+    """Shared memory this kernel allocates, an upper bound: Q (64 rows a warpgroup), ``stages``
+    K and V tiles, the merge buffer of short items on two warpgroups (``split``: 64 rows of fp32
+    accumulator, maxima and sums), the barriers and 1 KB for Triton's alignment."""
     q = 64 * tile.warpgroups * head_dim * elem
     kv = 2 * tile.stages * tile.block_n * head_dim * elem
-    return q + kv + (3 * tile.stages + 2) * 8 + 1024
+    merge = 64 * (head_dim + 2) * 4 if split else 2 * 2 * 4 + 2 * 2 * 4
+    return q + kv + merge + (3 * tile.stages + 4) * 8 + 1024
+
+
+def split_short(tile: Sm90PrefillTile, head_dim: int, elem: int, target: Target) -> bool:
+    """Whether a short item (real rows all in the first 64) runs on both warpgroups, half of
+    each tile's keys apiece (`SM90_PREFILL_SPLIT_SHORT`): two warpgroups, the sequential
+    schedule, and the merge buffer within the target's shared memory."""
+    return (
+        paged_policy.SM90_PREFILL_SPLIT_SHORT
+        and tile.warpgroups == 2
+        and not paged_policy.SM90_PREFILL_OVERLAP
+        and not paged_policy.SM90_PREFILL_PINGPONG
+        and smem_bytes(tile, head_dim, elem, split=True) <= target.max_shared_mem
+    )
 
 
 def _rows_per_page(cache: torch.Tensor) -> int:
@@ -733,6 +871,7 @@ def sm90_prefill_launches(
         PRODUCER_REGS=REGS[tile.warpgroups][1],
         PRODUCER_WARPS_=PRODUCER_WARPS,
         NUM_WG=tile.warpgroups,
+        SPLIT=split_short(tile, head_dim, key_cache.element_size(), main.target),
     )
     kernel = Launch(
         kernel=_paged_prefill_sm90_kernel,

@@ -206,6 +206,9 @@ SM90_PREFILL_PINGPONG = False
 #: memory-bound cache reads run beside the prefill's matrix math (one warpgroup each: the other's
 #: rows are padding and it only passes the tiles on), instead of a decode launch after it.
 SM90_PREFILL_FUSE_DECODE = False
+#: An item whose real rows all lie in warpgroup 0's 64 (a decode item, a short last q tile) runs on
+#: both warpgroups, each on half of every K/V tile, merged at the item's end (sequential schedule).
+SM90_PREFILL_SPLIT_SHORT = True
 
 
 @dataclass(frozen=True)
