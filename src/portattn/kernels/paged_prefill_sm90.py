@@ -354,6 +354,51 @@ def _half_keys(WG: gl.constexpr, q_buf, k_smem, v_smem, k_bars, v_bars, empty_ba
 
 
 @gluon.jit
+def _merge(WG: gl.constexpr, nm, m_h, l_h, acc_h, merge_acc, merge_m, merge_l, merge_bars, item,
+           outs, GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr,
+           SPLIT: gl.constexpr):  # fmt: skip
+    """A short item's end (`_half_keys` on both warpgroups): warpgroup 1 hands its row maxima,
+    sums and accumulator over in shared memory (once warpgroup 0 has read the previous ones);
+    warpgroup 0 combines them with its own and writes the rows. Nothing without SPLIT (the
+    buffers are then placeholders)."""
+    if SPLIT:
+        q_tile, head_tile, kv_head, q_start, q_len = item
+        out_ptr, stride_o_tok, stride_o_head, stride_o_dim = outs
+        PV: gl.constexpr = acc_h.type.layout
+        PV_ROW: gl.constexpr = gl.SliceLayout(1, PV)
+        HEAD_D: gl.constexpr = acc_h.shape[1]
+        ML: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        if WG == 1:
+            mbarrier.wait(merge_bars.index(1), (nm & 1) ^ 1, pred=nm > 0)
+            merge_acc.store(acc_h)
+            merge_m.store(gl.convert_layout(m_h, ML))
+            merge_l.store(gl.convert_layout(l_h, ML))
+            gl.thread_barrier()
+            mbarrier.arrive(merge_bars.index(0), count=1)
+        else:
+            mbarrier.wait(merge_bars.index(0), nm & 1)
+            acc_o = merge_acc.load(PV)
+            m_o = gl.convert_layout(merge_m.load(ML), m_h.type.layout)
+            l_o = gl.convert_layout(merge_l.load(ML), m_h.type.layout)
+            gl.thread_barrier()
+            mbarrier.arrive(merge_bars.index(1), count=1)
+            m_new = gl.maximum(m_h, m_o)
+            a_h = gl.exp2(m_h - m_new)
+            a_o = gl.exp2(m_o - m_new)
+            l_new = l_h * a_h + l_o * a_o
+            acc = acc_h * gl.convert_layout(a_h, PV_ROW)[:, None]
+            acc = acc + acc_o * gl.convert_layout(a_o, PV_ROW)[:, None]
+            o = acc / gl.convert_layout(l_new, PV_ROW)[:, None]
+            tok_o, head_o, real_o = _rows(0, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
+                                          HEAD_TILE, BLOCK_Q, PV_ROW)  # fmt: skip
+            do = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, PV))
+            o_rows = tok_o * stride_o_tok + head_o * stride_o_head
+            dtype: gl.constexpr = out_ptr.dtype.element_ty
+            gl.store(out_ptr + o_rows[:, None] + do[None, :] * stride_o_dim, o.to(dtype),
+                     mask=real_o[:, None])  # fmt: skip
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr,
               GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
@@ -411,7 +456,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             r0: gl.constexpr = WG * ROWS
             idle = (r0 // HEAD_TILE >= BLOCK_Q) | (q_tile * BLOCK_Q + r0 // HEAD_TILE >= q_len)
             idle = idle | (head_tile * HEAD_TILE + r0 % HEAD_TILE >= GROUP)
-        if short:
+        if SPLIT and short:  # (SPLIT first: no dead branch reaches the compiler)
             tok, head, real = _rows(0, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
                                     HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
             dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
@@ -429,34 +474,10 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             m_h, l_h, acc_h, it = _half_keys(WG, q_buf, k_smem, v_smem, k_bars, v_bars,
                                              empty_bars, it, n_tiles, scale_log2, full_end,
                                              kv_end, seq_len, limit_h, STAGES)  # fmt: skip
-            ML: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-            if WG == 1:
-                mbarrier.wait(merge_bars.index(1), (nm & 1) ^ 1, pred=nm > 0)
-                merge_acc.store(acc_h)
-                merge_m.store(gl.convert_layout(m_h, ML))
-                merge_l.store(gl.convert_layout(l_h, ML))
-                gl.thread_barrier()
-                mbarrier.arrive(merge_bars.index(0), count=1)
-            else:
-                mbarrier.wait(merge_bars.index(0), nm & 1)
-                acc_o = merge_acc.load(PV)
-                m_o = gl.convert_layout(merge_m.load(ML), m_h.type.layout)
-                l_o = gl.convert_layout(merge_l.load(ML), m_h.type.layout)
-                gl.thread_barrier()
-                mbarrier.arrive(merge_bars.index(1), count=1)
-                m_new = gl.maximum(m_h, m_o)
-                a_h = gl.exp2(m_h - m_new)
-                a_o = gl.exp2(m_o - m_new)
-                l_new = l_h * a_h + l_o * a_o
-                acc = acc_h * gl.convert_layout(a_h, PV_ROW)[:, None]
-                acc = acc + acc_o * gl.convert_layout(a_o, PV_ROW)[:, None]
-                o = acc / gl.convert_layout(l_new, PV_ROW)[:, None]
-                tok_o, head_o, real_o = _rows(0, q_tile, head_tile, kv_head, q_start, q_len,
-                                              GROUP, HEAD_TILE, BLOCK_Q, PV_ROW)  # fmt: skip
-                do = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, PV))
-                o_rows = tok_o * stride_o_tok + head_o * stride_o_head
-                gl.store(out_ptr + o_rows[:, None] + do[None, :] * stride_o_dim, o.to(dtype),
-                         mask=real_o[:, None])  # fmt: skip
+            outs = (out_ptr, stride_o_tok, stride_o_head, stride_o_dim)
+            item = (q_tile, head_tile, kv_head, q_start, q_len)
+            _merge(WG, nm, m_h, l_h, acc_h, merge_acc, merge_m, merge_l, merge_bars, item, outs,
+                   GROUP, HEAD_TILE, BLOCK_Q, SPLIT)  # fmt: skip
             nm += 1
         elif idle:
             for _t in range(n_tiles):
