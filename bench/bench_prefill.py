@@ -86,7 +86,12 @@ POINTS = {
     "mixed 8x512 + 56x1 @4k": (mixed(8, 512, 56, 4096), (16, 544, 2048)),
     "mixed 8x2048 + 56x1 @4k": (mixed(8, 2048, 56, 4096), (16, 544, 2048)),
     "prefill 8x4096": (prefill(8, 4096), (16, 544, 2048)),
+    # the mixed 8x2048 point's two parts alone (where its time goes; not goals of issue 19)
+    "part: chunks 8x2048 @4k": (mixed(8, 2048, 0, 4096), (2048,)),
+    "part: decodes 56x1 @4k": (mixed(0, 2048, 56, 4096), (2048,)),
 }
+#: Points run unless --points names them (the parts above)
+DEFAULT_POINTS = tuple(n for n in POINTS if not n.startswith("part:"))
 
 
 def metadata(seqs) -> tuple[list[int], list[int], list[int]]:
@@ -209,6 +214,7 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         out["fused decode"] = dict(SM90_PREFILL_FUSE_DECODE=True)
         # ... each on warpgroup 0 alone (the other idle), not split over both by keys
         out["fused 1wg"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_SPLIT_SHORT=False)
+        out["fused 3 stages"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_TILES=three)
     if portable:
         out["portable"] = dict(SM90_PREFILL=False)
     for arch in targets:
@@ -338,7 +344,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("bench_prefill: needs a CUDA/HIP device")
     dtype = DTYPES[opts.dtype]
-    points = {n: p for n, p in POINTS.items() if any(s in n for s in opts.points.split(","))}
+    if opts.points:
+        wanted = opts.points.split(",")
+        points = {n: p for n, p in POINTS.items() if any(s in n for s in wanted)}
+    else:
+        points = {n: POINTS[n] for n in DEFAULT_POINTS}
     if not points:
         sys.exit(f"bench_prefill: --points {opts.points!r} matches none of {list(POINTS)}")
     var = variants(opts.target, opts.portable, opts.schedules)

@@ -67,7 +67,10 @@ def test_scenarios_metadata():
     assert qsl[-1] == 8 * 2048 + 56 and seq_lens == [4096] * 64
     q_lens, seq_lens, qsl = bp.metadata(bp.POINTS["prefill 8x4096"][0])
     assert q_lens == seq_lens == [4096] * 8 and qsl == [4096 * i for i in range(9)]
-    assert all(544 in bs and 16 in bs and 2048 in bs for _, bs in bp.POINTS.values())
+    assert all(544 in bp.POINTS[n][1] and 16 in bp.POINTS[n][1] and 2048 in bp.POINTS[n][1]
+               for n in bp.DEFAULT_POINTS)  # fmt: skip
+    parts = {n for n in bp.POINTS if n.startswith("part:")}
+    assert set(bp.POINTS) - set(bp.DEFAULT_POINTS) == parts
 
 
 @pytest.mark.parametrize("block_size", [2, 3, 16])
@@ -156,6 +159,7 @@ def test_main_runs_check_time_and_summary_on_the_interpreter(monkeypatch, tmp_pa
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(bp, "POINTS", {"mixed 2x12 + 3x1 @20": (bp.mixed(2, 12, 3, 20), (3, 5))})
+    monkeypatch.setattr(bp, "DEFAULT_POINTS", ("mixed 2x12 + 3x1 @20",))
     monkeypatch.setenv("OUT", str(tmp_path))
     assert bp.main(["--dtype", "fp16", "--check-rows", "4"]) == 0
     text = capsys.readouterr().out
