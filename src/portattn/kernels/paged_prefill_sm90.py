@@ -213,6 +213,7 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
     HEAD_D: gl.constexpr = k_smem.shape[2]
     NB: gl.constexpr = BLOCK_N // BOX
     TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_D * k_smem.dtype.primitive_bitwidth // 8
+    boxes = gl.arange(0, NB, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
     mine_b, n, off = _share(work_ptr, SLOTS)
     lists = (work_ptr, mine_b, n, off, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr)
     it = 0
@@ -224,19 +225,21 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
         vcol = kv_head * stride_vcol
         for t in range(n_tiles):
             s = it % STAGES
+            # the tile's block-table reads (one per box, for K and V) before the wait for its
+            # stage: their latency runs under the wait instead of after it (a decode item, whose
+            # math is short, waited for both in turn on every tile)
+            pos = t * BLOCK_N + boxes * BOX
+            real = pos < seq_len
+            blk = gl.load(bt_row + (pos // block_size) * stride_bt_blk, mask=real, other=0)
+            rows = gl.where(real, blk.to(gl.int32) * rows_per_page + pos % block_size, total_rows)
             # the stage's previous tile released by both warpgroups (none before the first use)
             mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
             k_buf = k_smem.index(s)
             v_buf = v_smem.index(s)
             mbarrier.expect(k_bars.index(s), TILE_BYTES)
             mbarrier.expect(v_bars.index(s), TILE_BYTES)
-            for b in gl.static_range(NB):  # one block-table read per box, for K and V
-                pos = t * BLOCK_N + b * BOX
-                real = pos < seq_len
-                blk = gl.load(bt_row + (pos // block_size) * stride_bt_blk, mask=real, other=0)
-                row = gl.where(
-                    real, blk.to(gl.int32) * rows_per_page + pos % block_size, total_rows
-                )
+            for b in gl.static_range(NB):
+                row = gl.sum(gl.where(boxes == b, rows, 0), axis=0)
                 tma.async_copy_global_to_shared(
                     k_desc, [row, kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
                 )
