@@ -210,10 +210,10 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         out["3 warpgroups"] = dict(SM90_PREFILL_TILES=wide)
         out["overlap"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=False)
         out["overlap+pingpong"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=True)
-        # the decode sequences as items of the sm_90 kernel (no decode launch)
-        out["fused decode"] = dict(SM90_PREFILL_FUSE_DECODE=True)
-        # ... each on warpgroup 0 alone (the other idle), not split over both by keys
-        out["fused 1wg"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_SPLIT_SHORT=False)
+        # the decode sequences of a mixed batch in a launch of their own after the sm_90 kernel
+        out["decode launch"] = dict(SM90_PREFILL_FUSE_DECODE=False)
+        # ... fused (the default), each split over both warpgroups by keys, not on warpgroup 0
+        out["fused split"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_SPLIT_SHORT=True)
         out["fused 3 stages"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_TILES=three)
     if portable:
         out["portable"] = dict(SM90_PREFILL=False)

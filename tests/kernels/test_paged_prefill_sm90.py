@@ -51,7 +51,8 @@ def _names(launches: list[Launch]) -> list[str]:
 MIXED = ["paged_attention:work_list", "paged_prefill_sm90", "paged_attention:decode"]
 
 
-def test_mixed_batch_takes_the_sm90_kernel_and_the_decode_tile():
+def test_mixed_batch_takes_the_sm90_kernel_and_the_decode_tile(monkeypatch):
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", False)
     launches = _plan()
     assert _names(launches) == MIXED
     work, main, dec = launches
@@ -153,10 +154,12 @@ def test_policy_rule_is_pure():
 
 
 @pytest.mark.parametrize("head_dim", sorted(SM90_PREFILL_TILES))
-def test_shared_memory_estimate_fits_the_h100(head_dim):
+def test_shared_memory_estimate_fits_the_h100(head_dim, monkeypatch):
     tile = SM90_PREFILL_TILES[head_dim]
     assert smem_bytes(tile, head_dim) <= SM90.max_shared_mem
-    # short items on both warpgroups: the merge buffer fits beside the shipped tiles
+    # short items on both warpgroups (off by default): the merge buffer fits beside the tiles
+    assert not split_short(tile, head_dim, 2, SM90)
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_SPLIT_SHORT", True)
     assert split_short(tile, head_dim, 2, SM90)
     assert not split_short(paged_policy.Sm90PrefillTile(128, 3), 128, 2, SM90)  # 224 KB + 33
 
@@ -356,6 +359,7 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         tiles[128] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
         tiles[64] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", False)
     elif schedule.startswith("fused decode"):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_SPLIT_SHORT", "one" not in schedule)
@@ -373,7 +377,8 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         if schedule == "3 warpgroups":
             assert main.args["NUM_WG"] == 3
         assert main.args["SPLIT"] == (schedule in ("fused decode",))
-        assert (len(launches) == 2) == schedule.startswith("fused")  # no decode launch
+        # the decodes fused: no decode launch
+        assert (len(launches) == 2) == paged_policy.SM90_PREFILL_FUSE_DECODE
         out = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
         torch.cuda.synchronize()
         check(b, out)

@@ -205,10 +205,16 @@ SM90_PREFILL_PINGPONG = False
 #: items of the sm_90 kernel's persistent loop, spread among the prefill items so that their
 #: memory-bound cache reads run beside the prefill's matrix math (one warpgroup each: the other's
 #: rows are padding and it only passes the tiles on), instead of a decode launch after it.
-SM90_PREFILL_FUSE_DECODE = False
+#: On: measured faster on the mixed 8x512 point in two H100 runs (1.15-1.19x its roofline against
+#: 1.25-1.31x with the decode launch; bench/RESULTS.md 2026-11-26), level to 8% either way on
+#: 8x2048 (the runs disagree); the separate decode launch stays behind this switch.
+SM90_PREFILL_FUSE_DECODE = True
 #: An item whose real rows all lie in warpgroup 0's 64 (a decode item, a short last q tile) runs on
 #: both warpgroups, each on half of every K/V tile, merged at the item's end (sequential schedule).
-SM90_PREFILL_SPLIT_SHORT = True
+#: Off: the merge buffer (+33 KB at head_dim 128) makes ptxas spill 24-52 B in the consumer
+#: warpgroups (compile matrix, sm_90), and the H100 run measured it slower on mixed 8x512
+#: (781-857 us against 768-796 us with the decodes on one warpgroup).
+SM90_PREFILL_SPLIT_SHORT = False
 
 
 @dataclass(frozen=True)
