@@ -30,6 +30,24 @@ def git_commit() -> str:
         return "unknown"
 
 
+def set_switch(module, item: str) -> None:
+    """Set a boolean policy switch from ``NAME=0`` / ``NAME=1`` (a bench's ``--set``), for an A/B
+    in one run; the plan cache is emptied (switches are read at planning, not in a plan's key).
+
+    Raises:
+        SystemExit: ``item`` is not ``NAME=0|1`` or ``NAME`` is not a boolean switch of ``module``.
+    """
+    name, sep, value = item.partition("=")
+    if not sep or value not in ("0", "1"):
+        sys.exit(f"--set must be SWITCH=0 or SWITCH=1; got {item!r}")
+    if not isinstance(getattr(module, name, None), bool):
+        sys.exit(f"--set {name}: not a boolean switch of {module.__name__}")
+    setattr(module, name, value == "1")
+    from portattn.kernels._plans import PLANS
+
+    PLANS.clear()
+
+
 def save_record(name: str, **fields) -> str | None:
     """Write ``$OUT/<name>.json``: ``fields`` plus the device, commit, date, torch and Triton
     versions and the command line (fields win on a clash). Nothing without ``$OUT``; returns

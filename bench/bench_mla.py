@@ -60,7 +60,14 @@ import time
 
 import torch
 import triton
-from _common import copy_ceiling, git_commit, matmul_rate, plan_with_target, save_record
+from _common import (
+    copy_ceiling,
+    git_commit,
+    matmul_rate,
+    plan_with_target,
+    save_record,
+    set_switch,
+)
 from triton.testing import do_bench, do_bench_cudagraph
 
 from portattn.kernels._launch import run_all
@@ -674,7 +681,14 @@ def main(argv=None) -> int:
         "--q-len", type=int, nargs="+", default=None,
         help="verification points with these query tokens per sequence (module doc)",
     )  # fmt: skip
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="SWITCH=0|1",
+        help="set a boolean switch of portattn.policy.mla for the run (an A/B), e.g. "
+             "--set SM90_ROWS_AHEAD=0",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    for item in args.set:
+        set_switch(mla_policy, item)
     if not torch.cuda.is_available():
         sys.exit("bench_mla: needs a CUDA/HIP device")
 

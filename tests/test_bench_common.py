@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 _SPEC = importlib.util.spec_from_file_location(
     "bench_common", Path(__file__).resolve().parents[1] / "bench" / "_common.py"
 )
@@ -30,3 +32,29 @@ def test_save_record_without_out_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert bench_common.save_record("bench_x", rows=[]) is None
     assert list(tmp_path.iterdir()) == []
+
+
+def test_set_switch_sets_a_boolean_policy_switch(monkeypatch):
+    from portattn.policy import mla as mla_policy
+
+    monkeypatch.setattr(mla_policy, "SM90_ROWS_AHEAD", True)
+    bench_common.set_switch(mla_policy, "SM90_ROWS_AHEAD=0")
+    assert mla_policy.SM90_ROWS_AHEAD is False
+    bench_common.set_switch(mla_policy, "SM90_ROWS_AHEAD=1")
+    assert mla_policy.SM90_ROWS_AHEAD is True
+
+
+@pytest.mark.parametrize(
+    ("item", "why"),
+    [
+        ("SM90_ROWS_AHEAD", "SWITCH=0 or SWITCH=1"),
+        ("SM90_ROWS_AHEAD=yes", "SWITCH=0 or SWITCH=1"),
+        ("NO_SUCH=1", "not a boolean switch"),
+        ("SM90_KERNEL_ARCHS=1", "not a boolean switch"),
+    ],
+)
+def test_set_switch_refuses_what_is_not_a_switch(item, why):
+    from portattn.policy import mla as mla_policy
+
+    with pytest.raises(SystemExit, match=why):
+        bench_common.set_switch(mla_policy, item)

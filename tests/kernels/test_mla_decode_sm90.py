@@ -34,6 +34,8 @@ def test_takes_the_deepseek_shape():
         ({"width": 128}, 64, (64, 64), SM90, False, "kv_lora_rank 64 not in 128/256/512"),
         ({"width": 560}, 512, (64, 64), SM90, False, "rope width 48"),
         ({"width": 640}, 512, (64, 64), SM90, False, "shared memory"),
+        ({"pages": 2**25, "block_size": 64}, 512, (64, 64), SM90, False, "cache rows >= 2^31"),
+        ({"pages": 2**31, "block_size": 1}, 512, (64, 64), SM90, True, "cache rows >= 2^31"),
     ],
 )
 def test_refuses_what_it_cannot_run(kwargs, rank, tile, target, slots, why):

@@ -105,39 +105,61 @@ def _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H: gl.constexpr, layout: g
 
 
 @gluon.jit
-def _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, t, start, num_tiles, steps, block_size,
-               bar, lat_buf, pe_buf, RIGHT: gl.constexpr, gather, GATHER: gl.constexpr,
-               PAGE_INDICES: gl.constexpr):  # fmt: skip
+def _tile_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end, BLOCK_N: gl.constexpr,
+               GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr):  # fmt: skip
+    """Where tile t's rows lie in the cache, read ahead of `_load_half` (the warpgroups call it
+    at the top of a pair, so that the read's latency runs under the pair's MMAs, not between
+    them). Without GATHER: the first row of the tile's TMA box (one block-table entry). With it:
+    the tile's 64 rows (flat slots from ``page_indices``, or ``block_table[pos // bs] * bs + pos
+    % bs``; int32, a cache holds < 2^31 rows) in the gather's row layout, 0 past ``end`` and for
+    a phantom tile (``t >= num_tiles``), which read nothing."""
+    n = start + t * BLOCK_N
+    if GATHER:
+        CH: gl.constexpr = 64
+        L64: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CH // 8), CH // 8], [4, 1], [1, 0])
+        pos = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L64))
+        ok = (pos < end) & (t < num_tiles)
+        if PAGE_INDICES:
+            rows = gl.load(bt_row + pos * stride_bt_blk, mask=ok, other=0)
+        else:
+            blk = gl.load(bt_row + (pos // block_size) * stride_bt_blk, mask=ok, other=0)
+            rows = blk * block_size + pos % block_size
+        return rows.to(gl.int32)
+    else:
+        blk = gl.load(bt_row + (n // block_size) * stride_bt_blk, mask=t < num_tiles, other=0)
+        return blk.to(gl.int32) * block_size + n % block_size
+
+
+@gluon.jit
+def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf,
+               RIGHT: gl.constexpr, gather, GATHER: gl.constexpr):  # fmt: skip
     """Tile t's left latent half, or (RIGHT) its right latent half and rope part, into its
-    buffer; a phantom tile (``num_tiles <= t < steps``) only completes the barrier. Without
-    GATHER by TMA boxes (64 consecutive rows of one page), else by `_gather_half` (``gather``:
-    its runtime values, the cache pointer, its row stride and the split's end)."""
+    buffer, from the rows `_tile_rows` read; a phantom tile (``num_tiles <= t < steps``) only
+    completes the barrier. Without GATHER by TMA boxes (64 consecutive rows of one page), else by
+    `_gather_half` (``gather``: its runtime values, the cache pointer, its row stride and the
+    split's end)."""
     if not GATHER:
         BLOCK_N: gl.constexpr = lat_buf.shape[0]
         HALF: gl.constexpr = lat_buf.shape[1]
         ROPE_DIM: gl.constexpr = pe_buf.shape[1]
-        n = start + t * BLOCK_N
         real = t < num_tiles
-        blk = gl.load(bt_row + (n // block_size) * stride_bt_blk, mask=real, other=0)
-        row = blk.to(gl.int32) * block_size + n % block_size
         if RIGHT:
             mbarrier.expect(bar, BLOCK_N * (HALF + ROPE_DIM) * 2, pred=real)
-            tma.async_copy_global_to_shared(lat_desc, [row, HALF], bar, lat_buf, pred=real)
-            tma.async_copy_global_to_shared(pe_desc, [row, 2 * HALF], bar, pe_buf, pred=real)
+            tma.async_copy_global_to_shared(lat_desc, [rows, HALF], bar, lat_buf, pred=real)
+            tma.async_copy_global_to_shared(pe_desc, [rows, 2 * HALF], bar, pe_buf, pred=real)
         else:
             mbarrier.expect(bar, BLOCK_N * HALF * 2, pred=real)
-            tma.async_copy_global_to_shared(lat_desc, [row, 0], bar, lat_buf, pred=real)
+            tma.async_copy_global_to_shared(lat_desc, [rows, 0], bar, lat_buf, pred=real)
         mbarrier.arrive(bar, count=1, pred=(t >= num_tiles) & (t < steps))
     else:
-        _gather_half(bt_row, stride_bt_blk, t, start, num_tiles, steps, block_size, bar, lat_buf,
-                     pe_buf, RIGHT, gather, PAGE_INDICES)  # fmt: skip
+        _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT, gather)
 
 
 @gluon.jit
 def _gather_part(kv_ptr, stride_row, rows, ok, buf, col0, W: gl.constexpr, LOAD: gl.constexpr):
-    """``cp.async`` of columns ``col0 .. col0 + W`` of the gathered ``rows`` (int64, masked by
-    ``ok``: those read as zeros) into ``buf`` ([BLOCK_N, W], any NVMMA swizzle), 16-byte pieces."""
-    r = gl.convert_layout(rows, gl.SliceLayout(1, LOAD))
+    """``cp.async`` of columns ``col0 .. col0 + W`` of the gathered ``rows`` (masked by ``ok``:
+    those read as zeros) into ``buf`` ([BLOCK_N, W], any NVMMA swizzle), 16-byte pieces."""
+    r = gl.convert_layout(rows, gl.SliceLayout(1, LOAD)).to(gl.int64)
     keep = gl.convert_layout(ok, gl.SliceLayout(1, LOAD))
     cols = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, LOAD))
     ptrs = kv_ptr + r[:, None] * stride_row + cols[None, :]
@@ -145,10 +167,9 @@ def _gather_part(kv_ptr, stride_row, rows, ok, buf, col0, W: gl.constexpr, LOAD:
 
 
 @gluon.jit
-def _gather_half(idx_row, stride_idx, t, start, num_tiles, steps, block_size, bar, lat_buf,
-                 pe_buf, RIGHT: gl.constexpr, gather, PAGE_INDICES: gl.constexpr):  # fmt: skip
-    """`_load_half` by row gather: tile t's 64 row indices (flat slots from ``page_indices``, or
-    ``block_table[pos // bs] * bs + pos % bs``) loaded once, then each 64-column part by
+def _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT: gl.constexpr,
+                 gather):  # fmt: skip
+    """`_load_half` by row gather: each 64-column part of tile t's ``rows`` (`_tile_rows`) by
     ``cp.async`` into the same swizzled buffers the TMA path fills. Every thread of the issuing
     warpgroup (128) then arrives on ``bar`` once its copies land (``.noinc``; the barrier counts
     128 in gather mode); a phantom tile copies nothing and arrives at once; past ``steps`` (no
@@ -164,13 +185,7 @@ def _gather_half(idx_row, stride_idx, t, start, num_tiles, steps, block_size, ba
     if t < steps:
         if t < num_tiles:
             n = start + t * BLOCK_N
-            pos = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L64))
-            ok = pos < end
-            if PAGE_INDICES:
-                rows = gl.load(idx_row + pos * stride_idx, mask=ok, other=0).to(gl.int64)
-            else:
-                blk = gl.load(idx_row + (pos // block_size) * stride_idx, mask=ok, other=0)
-                rows = blk.to(gl.int64) * block_size + pos % block_size
+            ok = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L64)) < end
             col0: gl.constexpr = HALF if RIGHT else 0
             for c in gl.static_range(HALF // CH):
                 _gather_part(kv_ptr, stride_row, rows, ok, lat_buf.slice(c * CH, CH, dim=1),
@@ -200,10 +215,12 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 
 @gluon.jit
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
-               GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr):  # fmt: skip
+               GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
+               ROWS_AHEAD: gl.constexpr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
-    one sequence (`_packed_rows`), each masked at its own causal limit."""
+    one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
+    pair's rows are read at the top of this pair (`portattn.policy.mla.SM90_ROWS_AHEAD`)."""
     (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
      stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
      latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
@@ -276,6 +293,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         own = WG ^ b0  # the buffer of the tile this warpgroup scores
         n_a = start + (2 * j) * BLOCK_N
         n_b = n_a + BLOCK_N
+        if ROWS_AHEAD:  # the next pair's rows, read now: their latency runs under the MMAs
+            rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+            rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         # scores of this warpgroup's tile: latent halves as they land, then rope (registers)
         mbarrier.wait(tma_bars.index(2 * own), ph)
         if GATHER:  # cp.async wrote through the generic proxy; the MMAs read through the async
@@ -336,9 +358,12 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             m_b = m_smem.index(1).load(ROW)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
-        _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, steps,
-                   block_size, tma_bars.index(2 * b0 + WG), lat_half.index(b0),
-                   pe_smem.index(b0), WG == 1, gather, GATHER, PAGE_INDICES)  # fmt: skip
+        if not ROWS_AHEAD:
+            rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
+                   gather, GATHER)  # fmt: skip
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
         if WG == 1:
@@ -348,9 +373,12 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
-        _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, steps,
-                   block_size, tma_bars.index(2 * b1 + WG), lat_half.index(b1),
-                   pe_smem.index(b1), WG == 1, gather, GATHER, PAGE_INDICES)  # fmt: skip
+        if not ROWS_AHEAD:
+            rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
+                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
+                   gather, GATHER)  # fmt: skip
         m_i = m_b
 
     # -- row sums: each warpgroup summed the tiles it scored (both at the final max) --
@@ -461,6 +489,7 @@ def _mla_decode_sm90_kernel(
     GATHER: gl.constexpr,  # rows by cp.async gather (`_gather_half`), not TMA boxes
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
+    ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = KV_LORA_RANK // 2
@@ -559,12 +588,14 @@ def _mla_decode_sm90_kernel(
 
     # -- prologue: tiles 0 and 1 in flight --
     for t in gl.static_range(2):
-        _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, t, start, num_tiles, steps,
-                   block_size, tma_bars.index(2 * t), latl_smem.index(t), pe_smem.index(t),
-                   False, (kv_ptr, stride_kv_row, end), GATHER, PAGE_INDICES)  # fmt: skip
-        _load_half(lat_desc, pe_desc, bt_row, stride_bt_blk, t, start, num_tiles, steps,
-                   block_size, tma_bars.index(2 * t + 1), latr_smem.index(t), pe_smem.index(t),
-                   True, (kv_ptr, stride_kv_row, end), GATHER, PAGE_INDICES)  # fmt: skip
+        rows = _tile_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end, BLOCK_N,
+                          GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t),
+                   latl_smem.index(t), pe_smem.index(t), False, (kv_ptr, stride_kv_row, end),
+                   GATHER)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t + 1),
+                   latr_smem.index(t), pe_smem.index(t), True, (kv_ptr, stride_kv_row, end),
+                   GATHER)  # fmt: skip
     qk_scale = scale * 1.4426950408889634  # exp2 domain
     # runtime values for both warpgroups (the constexprs go in the call tuples themselves: a
     # tuple assigned to a name turns them into tensors)
@@ -578,8 +609,8 @@ def _mla_decode_sm90_kernel(
           seq_len)  # fmt: skip
     gl.warp_specialize(
         [
-            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED)),
-            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED)),
+            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD)),
+            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD)),
         ],
         [4],
         [WG_REGS],
@@ -631,6 +662,10 @@ def sm90_errors(
             and kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1),
             f"cache strides {tuple(kv_cache.stride())} are not pages one after another",
         ),
+        (
+            kv_cache.shape[0] * kv_cache.shape[1] < 2**31,
+            f"{kv_cache.shape[0]} x {kv_cache.shape[1]} cache rows >= 2^31 (32-bit row indices)",
+        ),
         ((kv_cache.stride(1) * elem) % 16 == 0, "row stride not 16-byte aligned"),
         (kv_cache.data_ptr() % 16 == 0, "cache base not 16-byte aligned"),
         (kv_cache.device.type in ("cuda", "meta"), "not a CUDA (or meta) tensor"),
@@ -670,6 +705,7 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, half], dtype),
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
+        ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
     )
     options = LaunchOptions(NUM_WARPS, main.options.num_stages)
     return dataclasses.replace(

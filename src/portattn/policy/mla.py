@@ -131,6 +131,11 @@ SM90_KERNEL_ARCHS = ("sm_90",)
 #: shared buffers (`portattn.kernels.mla_decode_sm90`, ``GATHER``). Off: those launches run the
 #: portable kernel, as before (issue 18: 128 heads, 4k, page 1 344 us against 155 us at 64).
 SM90_GATHER = True
+#: The Hopper kernel reads the next pair's rows (block-table entries, or the gathered rows'
+#: ``page_indices`` / block-table slots) at the top of each pair, so that the read's latency runs
+#: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
+#: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
+SM90_ROWS_AHEAD = True
 #: Verification row packing (issue 18; the switch: False turns it off everywhere). A packed tile's
 #: row ``r`` is (query token ``r // num_heads``, head ``r % num_heads``) of ONE sequence, so the
 #: ``q_len`` tokens of a sequence read its latent cache once per tile instead of once per token;
