@@ -17,5 +17,5 @@ done
 for ahead in 1 0; do
   timeout 150 python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128 \
     --set SM90_ROWS_AHEAD=$ahead > "$OUT/bench_mla_verify_ahead$ahead.log" 2>&1
-  echo "== verification, SM90_ROWS_AHEAD=$ahead"; sed -n '/^== summary/,$p' "$OUT/bench_mla_verify_ahead$ahead.log"
+  echo "== verification, SM90_ROWS_AHEAD=$ahead"; tail -22 "$OUT/bench_mla_verify_ahead$ahead.log"
 done
