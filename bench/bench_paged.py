@@ -43,7 +43,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from _common import git_commit, plan_with_target, save_record
+from _common import git_commit, plan_with_target, save_record, set_switch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from triton.testing import do_bench
@@ -53,6 +53,7 @@ from portattn.kernels._launch import run_all
 from portattn.kernels.paged_attention import paged_attention, plan_paged_attention
 from portattn.layout import from_logical
 from portattn.platform import current_target
+from portattn.policy import paged as paged_policy
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HQ, HKV, D = 32, 8, 128
@@ -265,7 +266,12 @@ def main() -> None:
     ap.add_argument("--no-hip", action="store_true", help="skip the gfx942-policy rows")
     ap.add_argument("--shuffle", action="store_true",
                     help="only SHUFFLE vs NHD at the decode points (issue 18)")  # fmt: skip
+    ap.add_argument("--set", action="append", default=[], metavar="SWITCH=0|1",
+                    help="set a boolean switch of portattn.policy.paged for the run (an A/B), "
+                         "e.g. --set SHUFFLE_LINES=0")  # fmt: skip
     opts = ap.parse_args()
+    for item in opts.set:
+        set_switch(paged_policy, item)
     dtype = DTYPES[opts.dtype]
     target = current_target()
     commit = git_commit()

@@ -328,8 +328,54 @@ def test_shuffle_full_tiles(device, block_size, block_n, kind, state_bytes, dtyp
         launches = plan_paged_attention(*b.args(), layout="SHUFFLE", tiles=t)
         a = launches[0].args
         assert (a["BLOCK_N"], a["V_TOK_SPLIT"], a["K_VEC"], a["V_VEC"]) == (block_n, x, *vec)
+        # 16-bit caches with aligned runs read K and V in the cache's order (sm_90's policy)
+        assert a["LINES"] == (dtype != torch.float32 and vec == (x, x))
         run_all(launches)
         check(b, launches[0].outputs[0])
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype", "head_dim", "switch", "lines"),
+    [
+        ("sm_90", torch.bfloat16, 128, True, True),
+        ("sm_80", torch.float16, 64, True, True),
+        ("sm_90", torch.bfloat16, 128, False, False),  # SHUFFLE_LINES off
+        ("gfx942", torch.bfloat16, 128, True, False),  # AMD compile: Triton scalarizes them
+        ("sm_90", torch.float32, 128, True, False),  # fp32 keeps its held code
+        ("sm_90", torch.bfloat16, 80, True, False),  # head_dim < BLOCK_D: masked dims
+    ],
+)
+def test_shuffle_reads_in_cache_order_where_it_can(
+    arch, dtype, head_dim, switch, lines, monkeypatch
+):
+    """`SHUFFLE_LINES`: the K and V tiles read as [runs, tokens * x] / [runs, head_dim * x]
+    (whole lines per warp) on NVIDIA targets, 16-bit, head_dim == BLOCK_D, aligned runs; NHD
+    never."""
+    from portattn.policy import paged as paged_policy
+
+    monkeypatch.setattr(paged_policy, "SHUFFLE_LINES", switch)
+    for layout in ("SHUFFLE", "NHD"):
+        k, v = empty_kv_cache(64, 16, 8, head_dim, layout=layout, dtype=dtype, device="meta")
+        q = torch.empty(4, 32, head_dim, dtype=dtype, device="meta")
+        bt = torch.empty(4, 16, dtype=torch.int32, device="meta")
+        sl = torch.empty(4, dtype=torch.int32, device="meta")
+        qsl = torch.empty(5, dtype=torch.int32, device="meta")
+        launches = plan_paged_attention(q, k, v, bt, sl, qsl, layout=layout,
+                                        target=get_target(arch), max_query_len=1)  # fmt: skip
+        assert launches[0].args["LINES"] == (lines and layout == "SHUFFLE")
+
+
+def test_shuffle_cache_order_follows_the_compiling_backend():
+    """A HIP policy forced on tensors an NVIDIA compiler runs (here the interpreter's sm_90)
+    keeps the cache-order reads: the AMD limit is the backend's, not the tiles'."""
+    k, v = empty_kv_cache(64, 16, 8, 128, layout="SHUFFLE", dtype=torch.float16, device="cpu")
+    q = torch.empty(4, 32, 128, dtype=torch.float16)
+    bt = torch.zeros(4, 16, dtype=torch.int32)
+    sl = torch.ones(4, dtype=torch.int32)
+    qsl = torch.arange(5, dtype=torch.int32)
+    [launch] = plan_paged_attention(q, k, v, bt, sl, qsl, layout="SHUFFLE",
+                                    target=get_target("gfx942"), max_query_len=1)  # fmt: skip
+    assert launch.args["LINES"] and launch.target.arch == "gfx942"
 
 
 # -- the plan -----------------------------------------------------------------------------------

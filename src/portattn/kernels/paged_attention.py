@@ -124,6 +124,15 @@ def _split_offsets(idx, stride_hi, stride_lo, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _run_major(start, N: tl.constexpr, X: tl.constexpr):
+    """``[N * X]`` offsets: element ``i * X + l`` is ``start[i] + l``; each ``start`` a multiple of
+    X, so the X elements of a run are contiguous and aligned, as stated to the compiler."""
+    rep = tl.reshape(tl.broadcast_to(start[:, None], (N, X)), (N * X,))
+    rep = rep + tl.arange(0, N * X) % X
+    return tl.max_contiguous(tl.multiple_of(rep, X), X)
+
+
+@triton.jit
 def _kv_step(
     q,  # [BLOCK_M, BLOCK_D] query rows
     m_i,  # [BLOCK_M] running max (base 2)
@@ -154,6 +163,7 @@ def _kv_step(
     MASKED: tl.constexpr,  # False: every position of the tile is < kv_end and < every row_limit
     TAIL: tl.constexpr,  # SHUFFLE V: kv_end may fall inside a run: zero V past it
     EVEN_D: tl.constexpr,  # head_dim == BLOCK_D: no head-dim mask on the gathers
+    LINES: tl.constexpr,  # SHUFFLE 16-bit, EVEN_D, aligned runs: K and V read in cache order
     K_TOK_SPLIT: tl.constexpr,
     K_DIM_SPLIT: tl.constexpr,
     V_TOK_SPLIT: tl.constexpr,
@@ -167,6 +177,8 @@ def _kv_step(
     its own vector and broadcast once, so the compiler sees the runs of contiguous elements (the
     head dim of NHD, the x-element runs of SHUFFLE) and loads them as vectors.
     """
+    BLOCK_D: tl.constexpr = offs_d.shape[0]
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
     # -- gather: context position -> (physical block, in-block offset) -----------------------
     pos = start + offs_n  # [BLOCK_N]
     if V_TOK_SPLIT > 1:
@@ -220,7 +232,26 @@ def _kv_step(
             K_TOK_SPLIT,
             K_DIM_SPLIT,
         )
-    if EVEN_D:
+    if LINES:
+        # SHUFFLE K read as [runs, tokens * x], the cache's own order: its second axis is
+        # contiguous in runs of x (said with max_contiguous: Triton sees no contiguity across the
+        # token stride), so the coalescer puts a warp's threads along the tokens of one run, whole
+        # 128-byte lines, not across the runs of two tokens; viewed as [BLOCK_D, BLOCK_N] for the
+        # dot. (Both [runs, tokens, x] and the old [BLOCK_D, BLOCK_N] tile get threads across runs:
+        # one 32-byte sector per line, 6.8x NHD's L2 requests; bench/NOTES.md, issue 18.)
+        RUNS: tl.constexpr = BLOCK_D // K_DIM_SPLIT
+        k_runs = tl.multiple_of(tl.arange(0, RUNS) * stride_k_dim_hi, K_DIM_SPLIT)
+        k_toks = _run_major(k_tok, BLOCK_N, K_DIM_SPLIT)
+        k_off2 = k_runs[:, None] + k_toks[None, :]
+        if MASKED:  # position of each element's token (constant over its run: vector loads)
+            keep = start + tl.arange(0, BLOCK_N * K_DIM_SPLIT) // K_DIM_SPLIT < kv_end
+            k2 = tl.load(k_base + k_off2, mask=keep[None, :], other=0.0)
+        else:
+            k2 = tl.load(k_base + k_off2)
+        k = tl.reshape(
+            tl.permute(tl.reshape(k2, (RUNS, BLOCK_N, K_DIM_SPLIT)), (0, 2, 1)), (BLOCK_D, BLOCK_N)
+        )
+    elif EVEN_D:
         if MASKED:
             k = tl.load(k_base + k_off, mask=pos_mask[None, :], other=0.0)
         else:
@@ -266,7 +297,33 @@ def _kv_step(
             V_TOK_SPLIT,
             V_DIM_SPLIT,
         )
-    if EVEN_D:
+    if LINES:
+        # SHUFFLE V read as [runs, head_dim * x] (each run of x tokens is head_dim * x contiguous
+        # elements): a warp's threads along one run's dims, whole lines; viewed as [BLOCK_N,
+        # BLOCK_D]. The runs' blocks are read again at run granularity (L1 hits).
+        V_RUNS: tl.constexpr = BLOCK_N // V_TOK_SPLIT
+        run_pos = start + tl.arange(0, V_RUNS) * V_TOK_SPLIT
+        urun_pos = run_pos.to(tl.uint32)
+        run_blk = (urun_pos // block_size.to(tl.uint32)).to(tl.int32)
+        run_off = (urun_pos % block_size.to(tl.uint32)).to(tl.int32)
+        if MASKED:
+            run_keep = run_pos < kv_end
+            run_phys = tl.load(bt_row + run_blk * stride_bt_blk, mask=run_keep, other=0)
+        else:
+            run_phys = tl.load(bt_row + run_blk * stride_bt_blk)
+        v_runs = run_phys.to(tl.int64) * stride_v_block + (run_off // V_TOK_SPLIT) * stride_v_tok_hi
+        v_runs = tl.multiple_of(v_runs, V_TOK_SPLIT)
+        v_dims = _run_major(offs_d * stride_v_dim_hi, BLOCK_D, V_TOK_SPLIT)
+        v_off2 = v_runs[:, None] + v_dims[None, :]
+        if MASKED:
+            v2 = tl.load(v_base + v_off2, mask=run_keep[:, None], other=0.0)
+        else:
+            v2 = tl.load(v_base + v_off2)
+        v = tl.reshape(
+            tl.permute(tl.reshape(v2, (V_RUNS, BLOCK_D, V_TOK_SPLIT)), (0, 2, 1)),
+            (BLOCK_N, BLOCK_D),
+        )
+    elif EVEN_D:
         if MASKED:
             v = tl.load(v_base + v_off, mask=run_mask[:, None], other=0.0)
         else:
@@ -339,6 +396,7 @@ def _attend(
     K_PACKED: tl.constexpr,
     V_PACKED: tl.constexpr,
     EVEN_D: tl.constexpr,
+    LINES: tl.constexpr,
 ):
     """One program's work: ``BLOCK_Q`` tokens x ``HEAD_TILE`` heads of one sequence."""
     tl.static_assert(BLOCK_Q * HEAD_TILE <= BLOCK_M)
@@ -420,7 +478,7 @@ def _attend(
                     stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi,
                     stride_k_dim_lo, stride_v_block, stride_v_tok_hi, stride_v_tok_lo,
                     stride_v_dim_hi, stride_v_dim_lo,
-                    True, True, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
+                    True, True, EVEN_D, LINES, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
                     K_VEC, V_VEC,
                 )  # fmt: skip
         if IN_PLACE:
@@ -432,7 +490,7 @@ def _attend(
                 offs_d, d_mask, scale_log2, block_size, stride_bt_blk,
                 stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
                 stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
-                False, False, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
+                False, False, EVEN_D, LINES, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
                 K_VEC, V_VEC,
             )  # fmt: skip
         for start in range(tl.maximum(kv_lo, full_end), run_end, BLOCK_N):
@@ -441,7 +499,7 @@ def _attend(
                 offs_d, d_mask, scale_log2, block_size, stride_bt_blk,
                 stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
                 stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
-                True, IN_PLACE, EVEN_D, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
+                True, IN_PLACE, EVEN_D, LINES, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
                 K_VEC, V_VEC,
             )  # fmt: skip
 
@@ -524,6 +582,7 @@ def _paged_attention_kernel(
     K_PACKED: tl.constexpr,  # SHUFFLE K: stride_k_tok_hi == x (`layout.packed_runs`)
     V_PACKED: tl.constexpr,  # SHUFFLE V: stride_v_dim_hi == x
     EVEN_D: tl.constexpr,  # head_dim == BLOCK_D (no head-dim masks on the K/V gathers)
+    LINES: tl.constexpr,  # SHUFFLE: K and V read in the cache's order (`_kv_step`)
 ):
     """1-D grid: main-tile programs first, heaviest q tile first; then the decode-role ones.
 
@@ -553,7 +612,7 @@ def _paged_attention_kernel(
             stride_v_dim_lo,
             GROUP, HEAD_TILE, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, NUM_SPLITS,
             K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, K_VEC, V_VEC, K_PACKED, V_PACKED,
-            EVEN_D,
+            EVEN_D, LINES,
         )  # fmt: skip
     elif DECODE_ROLE:
         d = pid - n_main
@@ -571,7 +630,7 @@ def _paged_attention_kernel(
             stride_v_dim_lo,
             GROUP, DEC_HEAD_TILE, DEC_BLOCK_Q, DEC_BLOCK_M, BLOCK_N, BLOCK_D, 1,
             K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, K_VEC, V_VEC, K_PACKED, V_PACKED,
-            EVEN_D,
+            EVEN_D, LINES,
         )  # fmt: skip
 
 
@@ -864,6 +923,17 @@ def plan_paged_attention(
         V_PACKED=packed_runs(v),
         # SHUFFLE only: NHD's code stays as it was (its fp32 spills are held figures)
         EVEN_D=layout == "SHUFFLE" and head_dim == tiles.block_d,
+        # NVIDIA compiles only: Triton 3.6's AMD backend scalarizes these K loads (72 16-bit
+        # loads in the gfx942 compile of the decode tile; bench/NOTES.md, issue 18). The backend
+        # is the device's (a forced HIP policy on an NVIDIA GPU compiles for NVIDIA), or the
+        # target's for meta tensors (the compile matrix)
+        LINES=paged_policy.SHUFFLE_LINES
+        and (target if query.device.type == "meta" else target_for_tensor(query)).vendor == "cuda"
+        and layout == "SHUFFLE"
+        and head_dim == tiles.block_d
+        and query.element_size() == 2
+        and vector_width(k) == k.dim_split
+        and vector_width(v) == v.tok_split,
     )
     grid = ((n_main + n_dec) if num_tokens else 0,)
     launches = [

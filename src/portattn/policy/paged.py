@@ -187,6 +187,16 @@ MIN_SPLIT_TOKENS = 1024
 MAX_SPLITS = 16
 SPLIT_PROGRAMS_PER_SM = 2
 
+#: SHUFFLE caches (16-bit, head_dim == BLOCK_D, 16-byte aligned runs): K and V tiles are read in
+#: the cache's own order, [runs, tokens * x] and [runs, head_dim * x], so that a warp's 16-byte
+#: copies cover whole 128-byte lines (issue 18: the [BLOCK_D, BLOCK_N] tile put a warp's threads
+#: across the runs of two tokens, one 32-byte sector per line: 6.8x NHD's L2 requests for the
+#: same bytes, L2-bound at 93%, SHUFFLE 1.5x NHD; bench/NOTES.md). NVIDIA targets: Triton 3.6's
+#: AMD backend scalarizes the K loads of this form (the compile matrix's vector-load test). Read
+#: at planning.
+SHUFFLE_LINES = True
+
+
 # -- sm_90 prefill kernel (issue 19, `portattn.kernels.paged_prefill_sm90`) ----------------------
 # On sm_90 the prefill part of a batch (sequences with more query tokens than the decode row tile
 # holds) runs on a Gluon kernel: 128-row tiles on two warpgroups (wgmma), K/V by TMA page boxes
