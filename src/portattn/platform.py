@@ -197,6 +197,23 @@ def current_target(device=None) -> Target:
     )
 
 
+def compile_arch(t, target: Target) -> str:
+    """The arch whose compiler builds a launch on tensor ``t``: for a GPU tensor the live
+    device's (whatever policy ``target`` or the override forced: HIP tiles on an H100 still
+    compile for sm_90); for a meta tensor (the compile matrix) ``target``'s; on the CPU (Triton's
+    interpreter) `target_for_tensor`'s."""
+    if t.device.type in ("cuda", "hip"):
+        import torch
+
+        props = torch.cuda.get_device_properties(t.device)
+        if getattr(torch.version, "hip", None):
+            return props.gcnArchName.split(":")[0]
+        return f"sm_{props.major}{props.minor}"
+    if t.device.type == "meta":
+        return target.arch
+    return target_for_tensor(t).arch
+
+
 def target_for_tensor(t) -> Target:
     """The target a kernel launch on tensor ``t`` compiles for.
 

@@ -338,7 +338,8 @@ def test_shuffle_full_tiles(device, block_size, block_n, kind, state_bytes, dtyp
     ("arch", "dtype", "head_dim", "switch", "lines"),
     [
         ("sm_90", torch.bfloat16, 128, True, True),
-        ("sm_80", torch.float16, 64, True, True),
+        ("sm_120", torch.float16, 64, True, True),
+        ("sm_86", torch.float16, 128, True, False),  # ptxas spills there
         ("sm_90", torch.bfloat16, 128, False, False),  # SHUFFLE_LINES off
         ("gfx942", torch.bfloat16, 128, True, False),  # AMD compile: Triton scalarizes them
         ("sm_90", torch.float32, 128, True, False),  # fp32 keeps its held code
@@ -701,3 +702,17 @@ def test_gpu_cuda_graph_capture_and_replay(max_seq_len):
     graph.replay()
     torch.cuda.synchronize()
     check(b, out)
+
+
+def test_compile_arch_is_the_compilers_not_the_forced_policys(monkeypatch):
+    """`platform.compile_arch`: meta tensors compile for the target asked; CPU tensors (the
+    interpreter) for the default target or PORTATTN_TARGET's."""
+    from portattn import platform
+
+    meta = torch.empty(1, device="meta")
+    assert platform.compile_arch(meta, get_target("gfx942")) == "gfx942"
+    assert platform.compile_arch(meta, get_target("sm_86")) == "sm_86"
+    cpu = torch.empty(1)
+    assert platform.compile_arch(cpu, get_target("gfx942")) == "sm_90"  # the default
+    monkeypatch.setenv("PORTATTN_TARGET", "gfx950")
+    assert platform.compile_arch(cpu, get_target("sm_90")) == "gfx950"

@@ -71,7 +71,7 @@ from portattn.kernels._launch import Launch
 from portattn.kernels._plans import PLANS, _current_device, call_key
 from portattn.kernels.paged_prefill_sm90 import sm90_prefill_errors, sm90_prefill_launches
 from portattn.layout import CacheAddressing, describe_kv_cache, packed_runs, vector_width
-from portattn.platform import Target, override_key, target_for_tensor
+from portattn.platform import Target, compile_arch, override_key, target_for_tensor
 from portattn.policy import paged as paged_policy
 from portattn.policy.common import launch_options
 from portattn.policy.paged import (
@@ -923,12 +923,8 @@ def plan_paged_attention(
         V_PACKED=packed_runs(v),
         # SHUFFLE only: NHD's code stays as it was (its fp32 spills are held figures)
         EVEN_D=layout == "SHUFFLE" and head_dim == tiles.block_d,
-        # NVIDIA compiles only: Triton 3.6's AMD backend scalarizes these K loads (72 16-bit
-        # loads in the gfx942 compile of the decode tile; bench/NOTES.md, issue 18). The backend
-        # is the device's (a forced HIP policy on an NVIDIA GPU compiles for NVIDIA), or the
-        # target's for meta tensors (the compile matrix)
-        LINES=paged_policy.SHUFFLE_LINES
-        and (target if query.device.type == "meta" else target_for_tensor(query)).vendor == "cuda"
+        # where the compiler building it does well with them (`paged_policy.shuffle_lines`)
+        LINES=paged_policy.shuffle_lines(compile_arch(query, target))
         and layout == "SHUFFLE"
         and head_dim == tiles.block_d
         and query.element_size() == 2

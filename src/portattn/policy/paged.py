@@ -191,10 +191,19 @@ SPLIT_PROGRAMS_PER_SM = 2
 #: the cache's own order, [runs, tokens * x] and [runs, head_dim * x], so that a warp's 16-byte
 #: copies cover whole 128-byte lines (issue 18: the [BLOCK_D, BLOCK_N] tile put a warp's threads
 #: across the runs of two tokens, one 32-byte sector per line: 6.8x NHD's L2 requests for the
-#: same bytes, L2-bound at 93%, SHUFFLE 1.5x NHD; bench/NOTES.md). NVIDIA targets: Triton 3.6's
-#: AMD backend scalarizes the K loads of this form (the compile matrix's vector-load test). Read
-#: at planning.
+#: same bytes, L2-bound at 93%, SHUFFLE 1.5x NHD; bench/NOTES.md). Read at planning.
 SHUFFLE_LINES = True
+#: The compilers that build those reads well: sm_90 and newer. Triton 3.6's AMD backend
+#: scalarizes their K loads (72 16-bit loads in the gfx942 decode tile), and on sm_86 / sm_89
+#: ptxas spills 24 B at 128 registers (hd128 MHA decode; sm_80 8 B), where the old reads spill
+#: none (compile matrix).
+SHUFFLE_LINES_ARCHS = ("sm_90", "sm_100", "sm_120")
+
+
+def shuffle_lines(compile_arch: str) -> bool:
+    """Whether a SHUFFLE launch compiled for ``compile_arch`` (the compiler's arch, not the
+    forced policy's: `portattn.platform.compile_arch`) reads K and V in the cache's order."""
+    return SHUFFLE_LINES and compile_arch in SHUFFLE_LINES_ARCHS
 
 
 # -- sm_90 prefill kernel (issue 19, `portattn.kernels.paged_prefill_sm90`) ----------------------
