@@ -446,3 +446,37 @@ def test_decode_row_tile_only_when_it_differs_and_is_exceeded():
     assert paged_tiles(sm90, _problem(num_q_heads=8, max_query_len=6)).decode is None
     # pure decode never has one
     assert paged_tiles(sm90, _problem()).decode is None
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype_bytes", "head_dim", "shuffled", "narrow"),
+    [
+        ("sm_90", 2, 128, True, True),
+        ("sm_90", 2, 128, False, False),  # NHD keeps its tile
+        ("sm_90", 2, 80, True, False),  # head_dim < BLOCK_D: no cache-order reads
+        ("sm_90", 4, 128, True, False),  # fp32
+        ("sm_86", 2, 128, True, False),  # no cache-order reads on sm_86
+        ("gfx942", 2, 128, True, False),
+    ],
+)
+def test_shuffle_lines_narrow_caps_block_n_where_the_reads_apply(
+    arch, dtype_bytes, head_dim, shuffled, narrow, monkeypatch
+):
+    """`SHUFFLE_LINES_NARROW` (off by default: unmeasured on the sm_90 policy) caps block_n at 32
+    for SHUFFLE problems that take the cache-order reads, and changes nothing else."""
+    from portattn.policy import paged as paged_policy
+
+    p = PagedProblem(32, 8, head_dim, dtype_bytes, max_query_len=1, max_seq_len=16384,
+                     num_seqs=64, shuffled=shuffled)  # fmt: skip
+    target = get_target(arch)
+    before = paged_tiles(target, p)
+    monkeypatch.setattr(paged_policy, "SHUFFLE_LINES_NARROW", True)
+    after = paged_tiles(target, p)
+    if narrow:
+        assert before.block_n == 64 and after.block_n == 32
+        assert (after.block_m, after.options.num_warps) == (
+            before.block_m,
+            before.options.num_warps,
+        )
+    else:
+        assert after == before

@@ -200,6 +200,15 @@ SHUFFLE_LINES = True
 SHUFFLE_LINES_ARCHS = ("sm_90", "sm_100", "sm_120")
 
 
+#: Unmeasured, off: SHUFFLE problems that take the cache-order reads (16-bit, head_dim ==
+#: BLOCK_D, `shuffle_lines` on the policy's target) on KV tiles of at most 32 tokens. On the H100
+#: the reads cost 142 registers at the sm_90 policy's 64-token tile (3 programs per SM; 1.19-1.25x
+#: NHD) and 96 at 32; the gfx942 policy's 32-token tiles forced there measured 0.98-1.04x NHD
+#: (bench/RESULTS.md 2026-11-26). To measure: bench_paged.py --shuffle --set SHUFFLE_LINES_NARROW=1.
+SHUFFLE_LINES_NARROW = False
+SHUFFLE_NARROW_BLOCK_N = 32
+
+
 def shuffle_lines(compile_arch: str) -> bool:
     """Whether a SHUFFLE launch compiled for ``compile_arch`` (the compiler's arch, not the
     forced policy's: `portattn.platform.compile_arch`) reads K and V in the cache's order."""
@@ -543,8 +552,17 @@ def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
     block_m = _block_m(target, rows, block_d, p.elem_bytes, WIDE_BLOCK_M, p.shuffled)
     max_stages = max(1, min(PREFERRED_STAGES, target.max_num_stages))
     max_words = FP32_MAX_WORDS if _fma_dots(target, p.elem_bytes) else MAX_WORDS_8_WARPS
+    narrow = (
+        SHUFFLE_LINES_NARROW
+        and p.shuffled
+        and p.elem_bytes == 2
+        and p.head_dim == block_d
+        and shuffle_lines(target.arch)
+    )
     while True:
         ladder = _ladder(max_stages)
+        if narrow:
+            ladder = [(n, s) for n, s in ladder if n <= SHUFFLE_NARROW_BLOCK_N]
         if block_m == WIDE_BLOCK_M:  # the wide tile is 128 x 64, pipelined (see _wide_fits)
             ladder = [(n, s) for n, s in ladder if n == WIDE_BLOCK_N and s >= 2]
         for block_n, stages in ladder:
