@@ -89,7 +89,15 @@ def _loads(arch: str, layout: str, max_query_len: int, hybrid: bool = False) -> 
         asm, wide, narrow = compiled.asm["amdgcn"], _GCN_WIDE, _GCN_NARROW
     regs, spills, _ = _resources(compiled, target)
     a = launch.args
+    ttgir = compiled.asm.get("ttgir", "")
+    layouts = dict(re.findall(r"^(#blocked\d*) = #ttg\.blocked<\{(.*)\}>", ttgir, re.MULTILINE))
+    copy = re.compile(
+        r"ttg\.async_copy_global_to_local .*: tensor<([0-9x]+)x!tt\.ptr<\w+>, (#blocked\d*)>"
+    )
+    copies = sorted({(shape, layouts.get(layout, "")) for shape, layout in copy.findall(ttgir)})
     return dict(
+        copies=copies,
+        lines=a.get("LINES"),
         wide=len(wide.findall(asm)),
         narrow=len(narrow.findall(asm)),
         regs=regs,
@@ -132,3 +140,20 @@ def test_shuffle_hybrid_pages_load_vectors_too(loads):
     contiguous = loads["sm_90", "SHUFFLE", 1]
     assert hybrid["vec"] == (8, 8)
     assert hybrid["narrow"] == 0 and hybrid["wide"] == contiguous["wide"], (hybrid, contiguous)
+
+
+def test_shuffle_copies_read_whole_lines_on_sm90(loads):
+    """The SHUFFLE decode's pipelined K/V copies (sm_90, `SHUFFLE_LINES`) are tiles in the cache's
+    own order, K [runs, tokens * x] and V [runs, head_dim * x], with a warp's 32 threads along one
+    run (16 bytes each: 512 contiguous bytes), not across the runs of two tokens (one 32-byte
+    sector per line: the L2-request bound the H100 profile showed, bench/NOTES.md, issue 18)."""
+    shuffle = loads["sm_90", "SHUFFLE", 1]
+    assert shuffle["lines"] is True
+    block_n = shuffle["tiles"][1]
+    runs_k, runs_v, x = SHAPE["head_dim"] // 8, block_n // 8, 8
+    want = {f"{runs_k}x{block_n * x}", f"{runs_v}x{SHAPE['head_dim'] * x}"}
+    assert {shape for shape, _ in shuffle["copies"]} == want, shuffle["copies"]
+    for _, layout in shuffle["copies"]:
+        assert "sizePerThread = [1, 8]" in layout and "threadsPerWarp = [1, 32]" in layout, layout
+    # gfx942 keeps the earlier reads (Triton's AMD backend scalarizes the cache-order K loads)
+    assert loads["gfx942", "SHUFFLE", 1]["lines"] is False
