@@ -19,6 +19,7 @@ from triton.testing import do_bench
 
 from portattn import platform
 from portattn.kernels._launch import Launch
+from portattn.kernels._plans import PLANS
 
 
 def git_commit() -> str:
@@ -43,8 +44,6 @@ def set_switch(module, item: str) -> None:
     if not isinstance(getattr(module, name, None), bool):
         sys.exit(f"--set {name}: not a boolean switch of {module.__name__}")
     setattr(module, name, value == "1")
-    from portattn.kernels._plans import PLANS
-
     PLANS.clear()
 
 

@@ -167,8 +167,8 @@ def current_target(device=None) -> Target:
             "PORTATTN_TARGET (e.g. sm_90, gfx942)"
         )
     props = torch.cuda.get_device_properties(device)
+    arch = _device_arch(props)
     if getattr(torch.version, "hip", None):
-        arch = props.gcnArchName.split(":")[0]
         base = TARGETS.get(arch)
         if base is None:
             raise RuntimeError(f"current_target: unsupported HIP arch {arch!r}")
@@ -181,7 +181,6 @@ def current_target(device=None) -> Target:
             base.mma_min_rows,
             base.max_num_stages,
         )
-    arch = f"sm_{props.major}{props.minor}"
     base = TARGETS.get(arch)
     if base is None:
         raise RuntimeError(f"current_target: unsupported CUDA arch {arch!r}")
@@ -197,6 +196,15 @@ def current_target(device=None) -> Target:
     )
 
 
+def _device_arch(props) -> str:
+    """The arch name of a device from its torch properties (``sm_90``, ``gfx942``)."""
+    import torch
+
+    if getattr(torch.version, "hip", None):
+        return props.gcnArchName.split(":")[0]
+    return f"sm_{props.major}{props.minor}"
+
+
 def compile_arch(t, target: Target) -> str:
     """The arch whose compiler builds a launch on tensor ``t``: for a GPU tensor the live
     device's (whatever policy ``target`` or the override forced: HIP tiles on an H100 still
@@ -205,10 +213,7 @@ def compile_arch(t, target: Target) -> str:
     if t.device.type in ("cuda", "hip"):
         import torch
 
-        props = torch.cuda.get_device_properties(t.device)
-        if getattr(torch.version, "hip", None):
-            return props.gcnArchName.split(":")[0]
-        return f"sm_{props.major}{props.minor}"
+        return _device_arch(torch.cuda.get_device_properties(t.device))
     if t.device.type == "meta":
         return target.arch
     return target_for_tensor(t).arch

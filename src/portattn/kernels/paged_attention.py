@@ -875,6 +875,8 @@ def plan_paged_attention(
                           device=query.device)  # fmt: skip
     else:
         part = lse = out  # never touched (NUM_SPLITS == 1)
+    # SHUFFLE only: NHD's code stays as it was (its fp32 spills are held figures)
+    even_d = layout == "SHUFFLE" and head_dim == tiles.block_d
     args = dict(
         out_ptr=out,
         q_ptr=query,
@@ -921,12 +923,10 @@ def plan_paged_attention(
         V_VEC=vector_width(v),
         K_PACKED=packed_runs(k),
         V_PACKED=packed_runs(v),
-        # SHUFFLE only: NHD's code stays as it was (its fp32 spills are held figures)
-        EVEN_D=layout == "SHUFFLE" and head_dim == tiles.block_d,
+        EVEN_D=even_d,
         # where the compiler building it does well with them (`paged_policy.shuffle_lines`)
-        LINES=paged_policy.shuffle_lines(compile_arch(query, target))
-        and layout == "SHUFFLE"
-        and head_dim == tiles.block_d
+        LINES=even_d
+        and paged_policy.shuffle_lines(compile_arch(query, target))
         and query.element_size() == 2
         and vector_width(k) == k.dim_split
         and vector_width(v) == v.tok_split,
