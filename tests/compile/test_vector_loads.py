@@ -18,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from portattn.compile.matrix import _worker_env
+from portattn.policy.paged import SHUFFLE_NARROW_BLOCK_N, SHUFFLE_NARROW_MAX_M
 
 pytestmark = pytest.mark.compile
 
@@ -123,12 +124,18 @@ def test_shuffle_loads_are_as_wide_as_nhd(loads, arch, max_query_len):
     nhd = loads[arch, "NHD", max_query_len]
     shuffle = loads[arch, "SHUFFLE", max_query_len]
     assert shuffle["vec"] == (8, 8) and nhd["vec"] == (1, 1)
-    # the same tiles (the policy's SHUFFLE register term is 0 since the loads are vectors)
-    assert shuffle["tiles"] == nhd["tiles"]
+    # the same tiles (the policy's SHUFFLE register term is 0 since the loads are vectors), but
+    # the cache-order reads' narrower KV tile (`SHUFFLE_LINES_NARROW`, sm_90 decode)
+    want = nhd["tiles"]
+    if shuffle["lines"] and want[0] <= SHUFFLE_NARROW_MAX_M:
+        want = (want[0], min(want[1], SHUFFLE_NARROW_BLOCK_N), *want[2:])
+    assert shuffle["tiles"] == want
     assert nhd["narrow"] == 0 and nhd["wide"] > 0
-    # no 16-bit K/V element loads, and every 16-byte load NHD has (SHUFFLE's tail step adds some)
+    # no 16-bit K/V element loads, and every 16-byte load NHD has per KV token (SHUFFLE's tail
+    # step adds some)
     assert shuffle["narrow"] == 0, shuffle
-    assert shuffle["wide"] >= nhd["wide"], (shuffle, nhd)
+    per_tile = nhd["tiles"][1] // shuffle["tiles"][1]
+    assert shuffle["wide"] * per_tile >= nhd["wide"], (shuffle, nhd)
     assert shuffle["spills"] == 0, shuffle
 
 

@@ -200,13 +200,15 @@ SHUFFLE_LINES = True
 SHUFFLE_LINES_ARCHS = ("sm_90", "sm_100", "sm_120")
 
 
-#: Unmeasured, off: SHUFFLE problems that take the cache-order reads (16-bit, head_dim ==
-#: BLOCK_D, `shuffle_lines` on the policy's target) on KV tiles of at most 32 tokens. On the H100
-#: the reads cost 142 registers at the sm_90 policy's 64-token tile (3 programs per SM; 1.19-1.25x
-#: NHD) and 96 at 32; the gfx942 policy's 32-token tiles forced there measured 0.98-1.04x NHD
-#: (bench/RESULTS.md 2026-11-26). To measure: bench_paged.py --shuffle --set SHUFFLE_LINES_NARROW=1.
-SHUFFLE_LINES_NARROW = False
+#: SHUFFLE problems that take the cache-order reads (16-bit, head_dim == BLOCK_D, `shuffle_lines`
+#: on the policy's target) use KV tiles of at most 32 tokens. On the H100 the reads cost 142
+#: registers at the sm_90 policy's 64-token tile (3 programs per SM: 1.21-1.25x NHD) and 96 at
+#: 32 tokens: 1.02-1.04x NHD at every bench_paged --shuffle point (bench/RESULTS.md 2026-11-26,
+#: second session). NHD keeps its 64-token tile; so do row tiles above 16 (prefill and mixed
+#: batches: not measured with 32-token tiles).
+SHUFFLE_LINES_NARROW = True
 SHUFFLE_NARROW_BLOCK_N = 32
+SHUFFLE_NARROW_MAX_M = 16
 
 
 def shuffle_lines(compile_arch: str) -> bool:
@@ -558,6 +560,7 @@ def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
         and p.elem_bytes == 2
         and p.head_dim == block_d
         and shuffle_lines(target.arch)
+        and block_m <= SHUFFLE_NARROW_MAX_M
     )
     while True:
         ladder = _ladder(max_stages)
