@@ -216,11 +216,13 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 @gluon.jit
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
-               ROWS_AHEAD: gl.constexpr):  # fmt: skip
+               ROWS_AHEAD: gl.constexpr, LOAD_UNDER_PV: gl.constexpr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
-    pair's rows are read at the top of this pair (`portattn.policy.mla.SM90_ROWS_AHEAD`)."""
+    pair's rows are read at the top of this pair (`portattn.policy.mla.SM90_ROWS_AHEAD`).
+    LOAD_UNDER_PV: the copy into the half the first P V freed is issued under the second
+    (`portattn.policy.mla.SM90_LOAD_UNDER_PV`)."""
     (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
      stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
      latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
@@ -361,9 +363,10 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         if not ROWS_AHEAD:
             rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
-                   gather, GATHER)  # fmt: skip
+        if not LOAD_UNDER_PV:
+            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                       tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0),
+                       WG == 1, gather, GATHER)  # fmt: skip
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
         if WG == 1:
@@ -371,6 +374,10 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
         _zero_tail(lat_half.index(b1), n_b, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
+        if LOAD_UNDER_PV:  # the freed half's copy issued under this MMA (SM90_LOAD_UNDER_PV)
+            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                       tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0),
+                       WG == 1, gather, GATHER)  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         if not ROWS_AHEAD:
@@ -490,6 +497,7 @@ def _mla_decode_sm90_kernel(
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
+    LOAD_UNDER_PV: gl.constexpr,  # the freed half's copy issued under the next P V
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = KV_LORA_RANK // 2
@@ -609,12 +617,14 @@ def _mla_decode_sm90_kernel(
           seq_len)  # fmt: skip
     gl.warp_specialize(
         [
-            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD)),
-            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD)),
+            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
+                          LOAD_UNDER_PV)),
+            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
+                          LOAD_UNDER_PV)),
         ],
         [4],
         [WG_REGS],
-    )
+    )  # fmt: skip
 
 
 def sm90_smem_bytes(kv_lora_rank: int, rope: int, elem: int = 2) -> int:
@@ -706,6 +716,7 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
+        LOAD_UNDER_PV=mla_policy.SM90_LOAD_UNDER_PV,
     )
     options = LaunchOptions(NUM_WARPS, main.options.num_stages)
     return dataclasses.replace(

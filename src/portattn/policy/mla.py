@@ -136,6 +136,11 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
+#: The Hopper kernel issues the copy of the tile its first P V freed after its second P V is
+#: issued, so the copy's issue (on the gather path: each thread's ``cp.async`` pieces and their
+#: addresses, 16-20 per thread a half tile) runs under that MMA instead of between the two MMAs.
+#: Off: issued between them, as before. Unmeasured. Read at planning.
+SM90_LOAD_UNDER_PV = False
 #: Verification row packing (issue 18; the switch: False turns it off everywhere). A packed tile's
 #: row ``r`` is (query token ``r // num_heads``, head ``r % num_heads``) of ONE sequence, so the
 #: ``q_len`` tokens of a sequence read its latent cache once per tile instead of once per token;
