@@ -1,23 +1,39 @@
 #!/usr/bin/env bash
-# Issue 18/19 MLA device call: the MLA GPU tests, then bench_mla's page-size and verification
-# points with a boolean switch of portattn.policy.mla on and off (an A/B in one machine hold).
+# Issue 18/19 MLA device call: bench_mla's page-size and verification points under each given
+# configuration of portattn.policy.mla's boolean switches (an A/B in one machine hold), after the
+# sm_90 MLA GPU tests run with the first configuration's switches set.
 # Usage on the GPU machine, from the repository root:
-#   bash bench/i18_mla_session.sh [SWITCH]     # default SWITCH: SM90_ROWS_AHEAD
+#   bash bench/i18_mla_session.sh "SM90_ROWS_AHEAD=1" "SM90_ROWS_AHEAD=0"     (the default)
+#   bash bench/i18_mla_session.sh "A=1 B=1" "A=0 B=0" "A=1 B=0"              (several switches)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/portattn-out}; mkdir -p "$OUT"
-sw=${1:-SM90_ROWS_AHEAD}
+(( $# )) || set -- "SM90_ROWS_AHEAD=1" "SM90_ROWS_AHEAD=0"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-python3 -m pytest -q -m gpu tests/kernels/test_mla_packed.py tests/kernels/test_mla_decode.py \
-  tests/kernels/test_mla_decode_sm90.py 2>&1 | tail -8 | tee "$OUT/tests_mla.log"
+# the GPU tests with the first configuration's switches (pytest in-process, policy set first)
+python3 - "$1" <<'PY' 2>&1 | tail -8 | tee "$OUT/tests_mla.log"
+import sys
+import pytest
+from portattn.policy import mla
+for item in sys.argv[1].split():
+    name, value = item.split("=")
+    assert isinstance(getattr(mla, name), bool), name
+    setattr(mla, name, value == "1")
+print("switches:", sys.argv[1])
+sys.exit(pytest.main(["-q", "-m", "gpu", "tests/kernels/test_mla_packed.py",
+                      "tests/kernels/test_mla_decode.py", "tests/kernels/test_mla_decode_sm90.py"]))
+PY
 page="--contexts 4096 16384 --heads 16 128 --page 64 1 --page-indices --no-hip"
-for on in 1 0; do
+for i in $(seq 1 $#); do
+  cfg=${!i}; sets=(); for item in $cfg; do sets+=(--set "$item"); done
   # shellcheck disable=SC2086  # $page is several words on purpose
-  timeout 200 python3 bench/bench_mla.py $page --set "$sw=$on" > "$OUT/bench_mla_page_$sw$on.log" 2>&1
-  echo "== page sizes, $sw=$on"; sed -n '/^== summary/,$p' "$OUT/bench_mla_page_$sw$on.log"
+  timeout 200 python3 bench/bench_mla.py $page "${sets[@]}" > "$OUT/bench_mla_page_c$i.log" 2>&1
+  echo "== page sizes, config $i: $cfg"; sed -n '/^== page ratios/,$p' "$OUT/bench_mla_page_c$i.log"
+  grep -E "^ +128 .*policy|^ +128 .*slots" "$OUT/bench_mla_page_c$i.log" | tail -8
 done
-for on in 1 0; do
-  timeout 150 python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128 \
-    --set "$sw=$on" > "$OUT/bench_mla_verify_$sw$on.log" 2>&1
-  echo "== verification, $sw=$on"; tail -22 "$OUT/bench_mla_verify_$sw$on.log"
+for i in $(seq 1 $#); do
+  cfg=${!i}; sets=(); for item in $cfg; do sets+=(--set "$item"); done
+  timeout 150 python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128 "${sets[@]}" \
+    > "$OUT/bench_mla_verify_c$i.log" 2>&1
+  echo "== verification, config $i: $cfg"; grep -E "policy|goal" "$OUT/bench_mla_verify_c$i.log" | tail -8
 done
