@@ -214,45 +214,13 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 
 
 @gluon.jit
-def _score(tma_bars, own, ph, b0, ql_smem, qr_smem, latl_smem, latr_smem, pe_smem, q_pe, n_own,
-           cols, end, row_end, qk_scale, GATHER: gl.constexpr, PACKED: gl.constexpr,
-           QK: gl.constexpr):  # fmt: skip
-    """Scaled scores (base 2) of the tile in buffer ``own``: the latent halves as they land (the
-    query's from shared memory), then the rope part (the query's from registers); columns past
-    ``end`` (PACKED: past each row's ``row_end``) masked to -inf."""
-    BLOCK_H: gl.constexpr = ql_smem.shape[1]
-    BLOCK_N: gl.constexpr = latl_smem.shape[1]
-    mbarrier.wait(tma_bars.index(2 * own), ph)
-    if GATHER:  # cp.async wrote through the generic proxy; the MMAs read through the async
-        fence_async_shared()
-    qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=QK)
-    qk = warpgroup_mma(ql_smem.index(b0), latl_smem.index(own).permute((1, 0)), qk,
-                       use_acc=False, is_async=True)  # fmt: skip
-    mbarrier.wait(tma_bars.index(2 * own + 1), ph)
-    if GATHER:
-        fence_async_shared()
-    qk = warpgroup_mma(qr_smem.index(b0), latr_smem.index(own).permute((1, 0)), qk,
-                       is_async=True)  # fmt: skip
-    qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
-    qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-    if PACKED:
-        return gl.where((n_own + cols)[None, :] < row_end[:, None], qk * qk_scale, float("-inf"))
-    else:
-        return gl.where(((n_own + cols) < end)[None, :], qk * qk_scale, float("-inf"))
-
-
-@gluon.jit
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
-               ROWS_AHEAD: gl.constexpr, COPY_BEFORE_PB: gl.constexpr,
-               PV_FIRST: gl.constexpr):  # fmt: skip
+               ROWS_AHEAD: gl.constexpr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
-    pair's rows are read at the top of this pair (`portattn.policy.mla.SM90_ROWS_AHEAD`).
-    COPY_BEFORE_PB: warpgroup 0 issues the copy its first P V freed before it waits for P_B
-    (`portattn.policy.mla.SM90_COPY_BEFORE_PB`). PV_FIRST: warpgroup 1 runs P_A V_A before
-    it scores B (`portattn.policy.mla.SM90_WG1_PV_FIRST`)."""
+    pair's rows are read at the top of this pair (`portattn.policy.mla.SM90_ROWS_AHEAD`)."""
     (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
      stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
      latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
@@ -308,7 +276,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         row_end = gl.minimum(gl.where(real_s, seq_len - q_len + qi_s + 1, 0), end)
         m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=ROW)
     else:
-        row_end = end  # unused (`_score` masks at end)
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=ROW)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=PV)
@@ -331,28 +298,43 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
             rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        # scores of this warpgroup's tile: latent halves as they land, then rope (registers)
+        mbarrier.wait(tma_bars.index(2 * own), ph)
+        if GATHER:  # cp.async wrote through the generic proxy; the MMAs read through the async
+            fence_async_shared()
+        qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=QK)
+        qk = warpgroup_mma(ql_smem.index(b0), latl_smem.index(own).permute((1, 0)), qk,
+                           use_acc=False, is_async=True)  # fmt: skip
+        mbarrier.wait(tma_bars.index(2 * own + 1), ph)
+        if GATHER:
+            fence_async_shared()
+        qk = warpgroup_mma(qr_smem.index(b0), latr_smem.index(own).permute((1, 0)), qk,
+                           is_async=True)  # fmt: skip
+        qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
         n_own = n_a + WG * BLOCK_N
-        if WG == 1 and PV_FIRST:
-            # (SM90_WG1_PV_FIRST) P_A V_A,R first, so that A's right half and rope part are
-            # copied before this warpgroup waits for B; then S_B, P_B and P_B V_B,R
+        if PACKED:
+            s = gl.where((n_own + cols)[None, :] < row_end[:, None], qk * qk_scale, float("-inf"))
+        else:
+            s = gl.where(((n_own + cols) < end)[None, :], qk * qk_scale, float("-inf"))
+        if WG == 0:
+            # m_A first (WG1's softmax waits for it), then P_A
+            m_a = gl.maximum(m_i, gl.max(s, 1))  # finite: tile A always has a real column
+            m_smem.index(0).store(m_a)
+            gl.thread_barrier()
+            mbarrier.arrive(bar_ma, count=1)
+            p = gl.exp2(s - m_a[:, None])
+            alpha = gl.exp2(m_i - m_a)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+            p_smem.index(b0).store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(bar_pa, count=1)
+            lat_half = latl_smem  # this warpgroup's output columns: the latent's left half
+        else:
             mbarrier.wait(bar_ma, ph)
             m_a = m_smem.index(0).load(ROW)
-            mbarrier.wait(bar_pa, ph)
-            alpha = gl.exp2(m_i - m_a)
-            l_i = l_i * alpha
-            acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
-            _zero_tail(latr_smem.index(b0), n_a, end, LOAD)
-            acc = warpgroup_mma(p_smem.index(b0), latr_smem.index(b0), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            if not ROWS_AHEAD:
-                rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles,
-                                    block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                       tma_bars.index(2 * b0 + 1), latr_smem.index(b0), pe_smem.index(b0), True,
-                       gather, GATHER)  # fmt: skip
-            s = _score(tma_bars, own, ph, b0, ql_smem, qr_smem, latl_smem, latr_smem, pe_smem,
-                       q_pe, n_own, cols, end, row_end, qk_scale, GATHER, PACKED, QK)  # fmt: skip
             m_b = gl.maximum(m_a, gl.max(s, 1))
             p = gl.exp2(s - m_b[:, None])
             m_smem.index(1).store(m_b)
@@ -360,89 +342,44 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(bar_pb, count=1)
-            beta = gl.exp2(m_a - m_b)
-            l_i = l_i * beta + gl.sum(p, 1)
-            acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
-            _zero_tail(latr_smem.index(b1), n_b, end, LOAD)
-            acc = warpgroup_mma(p_smem.index(b1), latr_smem.index(b1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            if not ROWS_AHEAD:
-                rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles,
-                                    block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
-                       tma_bars.index(2 * b1 + 1), latr_smem.index(b1), pe_smem.index(b1), True,
-                       gather, GATHER)  # fmt: skip
-            m_i = m_b
-        else:
-            s = _score(tma_bars, own, ph, b0, ql_smem, qr_smem, latl_smem, latr_smem, pe_smem,
-                       q_pe, n_own, cols, end, row_end, qk_scale, GATHER, PACKED, QK)  # fmt: skip
-            if WG == 0:
-                # m_A first (WG1's softmax waits for it), then P_A
-                m_a = gl.maximum(m_i, gl.max(s, 1))  # finite: tile A always has a real column
-                m_smem.index(0).store(m_a)
-                gl.thread_barrier()
-                mbarrier.arrive(bar_ma, count=1)
-                p = gl.exp2(s - m_a[:, None])
-                alpha = gl.exp2(m_i - m_a)
-                l_i = l_i * alpha + gl.sum(p, 1)
-                acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
-                p_smem.index(b0).store(p.to(dtype))
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(bar_pa, count=1)
-                lat_half = latl_smem  # this warpgroup's output columns: the latent's left half
-            else:
-                mbarrier.wait(bar_ma, ph)
-                m_a = m_smem.index(0).load(ROW)
-                m_b = gl.maximum(m_a, gl.max(s, 1))
-                p = gl.exp2(s - m_b[:, None])
-                m_smem.index(1).store(m_b)
-                p_smem.index(b1).store(p.to(dtype))
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(bar_pb, count=1)
-                l_b = gl.sum(p, 1)
-                mbarrier.wait(bar_pa, ph)
-                alpha = gl.exp2(m_i - m_a)
-                l_i = l_i * alpha
-                acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
-                lat_half = latr_smem
-            # PV on A (scaled at m_A), then on B (at m_B); after each, this warpgroup's half of
-            # that buffer is free and takes the next pair's tile (WG1's half with the rope part,
-            # which WG0's S_A, finished before P_A, no longer reads)
-            _zero_tail(lat_half.index(b0), n_a, end, LOAD)
-            acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
-            if WG == 0 and not COPY_BEFORE_PB:
-                mbarrier.wait(bar_pb, ph)
-                m_b = m_smem.index(1).load(ROW)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            if not ROWS_AHEAD:
-                rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
-                                    end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                       tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
-                       gather, GATHER)  # fmt: skip
-            if WG == 0 and COPY_BEFORE_PB:  # the copy is out before P_B (SM90_COPY_BEFORE_PB)
-                mbarrier.wait(bar_pb, ph)
-                m_b = m_smem.index(1).load(ROW)
-            beta = gl.exp2(m_a - m_b)
-            l_i = l_i * beta
-            if WG == 1:
-                l_i = l_i + l_b
-            acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
-            _zero_tail(lat_half.index(b1), n_b, end, LOAD)
-            acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            if not ROWS_AHEAD:
-                rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
-                                    end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
-                       tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
-                       gather, GATHER)  # fmt: skip
-            m_i = m_b
+            l_b = gl.sum(p, 1)
+            mbarrier.wait(bar_pa, ph)
+            alpha = gl.exp2(m_i - m_a)
+            l_i = l_i * alpha
+            acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+            lat_half = latr_smem
+        # PV on A (scaled at m_A), then on B (at m_B); after each, this warpgroup's half of
+        # that buffer is free and takes the next pair's tile (WG1's half with the rope part,
+        # which WG0's S_A, finished before P_A, no longer reads)
+        _zero_tail(lat_half.index(b0), n_a, end, LOAD)
+        acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
+        if WG == 0:
+            mbarrier.wait(bar_pb, ph)
+            m_b = m_smem.index(1).load(ROW)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.thread_barrier()
+        if not ROWS_AHEAD:
+            rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
+                   gather, GATHER)  # fmt: skip
+        beta = gl.exp2(m_a - m_b)
+        l_i = l_i * beta
+        if WG == 1:
+            l_i = l_i + l_b
+        acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
+        _zero_tail(lat_half.index(b1), n_b, end, LOAD)
+        acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.thread_barrier()
+        if not ROWS_AHEAD:
+            rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
+                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
+                   gather, GATHER)  # fmt: skip
+        m_i = m_b
 
     # -- row sums: each warpgroup summed the tiles it scored (both at the final max) --
     l_smem.index(WG).store(l_i)
@@ -553,8 +490,6 @@ def _mla_decode_sm90_kernel(
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
-    COPY_BEFORE_PB: gl.constexpr,  # WG0's freed half copied before the P_B wait
-    PV_FIRST: gl.constexpr,  # WG1: P_A V_A before S_B (SM90_WG1_PV_FIRST)
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = KV_LORA_RANK // 2
@@ -674,14 +609,12 @@ def _mla_decode_sm90_kernel(
           seq_len)  # fmt: skip
     gl.warp_specialize(
         [
-            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          COPY_BEFORE_PB, PV_FIRST)),
-            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          COPY_BEFORE_PB, PV_FIRST)),
+            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD)),
+            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD)),
         ],
         [4],
         [WG_REGS],
-    )  # fmt: skip
+    )
 
 
 def sm90_smem_bytes(kv_lora_rank: int, rope: int, elem: int = 2) -> int:
@@ -773,8 +706,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
-        COPY_BEFORE_PB=mla_policy.SM90_COPY_BEFORE_PB,
-        PV_FIRST=mla_policy.SM90_WG1_PV_FIRST,
     )
     options = LaunchOptions(NUM_WARPS, main.options.num_stages)
     return dataclasses.replace(

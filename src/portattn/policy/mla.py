@@ -136,14 +136,6 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
-#: Warpgroup 0 of the Hopper kernel issues the copy into the latent half its first P V freed
-#: before it waits for warpgroup 1's P_B (which waits on the pair's second tile); off, it waits
-#: for P_B while that P V runs and issues the copy after both. Unmeasured. Read at planning.
-SM90_COPY_BEFORE_PB = False
-#: Warpgroup 1 of the Hopper kernel runs P_A V_A (its half of the output) before it scores tile
-#: B, so that tile A's right half and rope part are copied before it waits for B's; off, it
-#: scores B first (P_B sooner for warpgroup 0). Unmeasured. Read at planning.
-SM90_WG1_PV_FIRST = False
 #: Verification row packing (issue 18; the switch: False turns it off everywhere). A packed tile's
 #: row ``r`` is (query token ``r // num_heads``, head ``r % num_heads``) of ONE sequence, so the
 #: ``q_len`` tokens of a sequence read its latent cache once per tile instead of once per token;
