@@ -328,8 +328,9 @@ def test_shuffle_full_tiles(device, block_size, block_n, kind, state_bytes, dtyp
         launches = plan_paged_attention(*b.args(), layout="SHUFFLE", tiles=t)
         a = launches[0].args
         assert (a["BLOCK_N"], a["V_TOK_SPLIT"], a["K_VEC"], a["V_VEC"]) == (block_n, x, *vec)
-        # 16-bit caches with aligned runs read K and V in the cache's order (sm_90's policy)
-        assert a["LINES"] == (dtype != torch.float32 and vec == (x, x))
+        # 16-bit caches with aligned runs read K and V in the cache's order (sm_90's policy), on
+        # the tiles Triton builds right for it (4 runs: up to 32 tokens)
+        assert a["LINES"] == (dtype != torch.float32 and vec == (x, x) and block_n <= 32)
         run_all(launches)
         check(b, launches[0].outputs[0])
 
@@ -608,6 +609,36 @@ GPU_DTYPES = (torch.bfloat16, torch.float16)
 GPU_SEQS = ((16384, 1), (9000, 128), (700, 700), (1, 1), (4097, 1), (3001, 37))
 GPU_CACHES = [(16, "contiguous", "NHD"), (2048, "contiguous", "NHD"), (2048, "hybrid", "NHD"),
               (544, "hybrid", "SHUFFLE"), (16, "slice", "SHUFFLE")]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "head_dim,block_n",
+    [(hd, n) for hd in (32, 64, 128, 256) for n in (16, 32, 64) if (hd, n) != (256, 64)],
+)
+def test_gpu_shuffle_lines_tiles(head_dim, block_n):
+    """The SHUFFLE cache-order reads on the GPU's own build at every head dim x KV tile width they
+    may take (a mixed batch on the prefill tile, a decode batch split over 2 KV ranges): Triton
+    3.6 built head_dim 32 x 64 tokens wrong on sm_90 (error 1349x torch's), which
+    `shuffle_lines_tile` now routes to the earlier reads; the other shapes are pinned here."""
+    from portattn.platform import compile_arch
+    from portattn.policy import paged as paged_policy
+
+    problem = PagedProblem(4, 2, head_dim, 2, max_query_len=20, shuffled=True)
+    tiles = dataclasses.replace(paged_tiles(get_target("sm_90"), problem), block_n=block_n)
+    split = dataclasses.replace(tiles, num_splits=2, decode=None)
+    mixed = ((200, 1), (150, 20), (2 * block_n, 1), (block_n + 9, 3))
+    decode = ((200, 1), (3 * block_n + 1, 1), (2 * block_n, 1))
+    for seqs, t in ((mixed, tiles), (decode, split)):
+        b = make_batch(seqs, block_size=16, heads=(4, 2), head_dim=head_dim, dtype=torch.float16,
+                       layout="SHUFFLE", device="cuda")  # fmt: skip
+        launches = plan_paged_attention(*b.args(), layout="SHUFFLE", tiles=t)
+        want = paged_policy.shuffle_lines(
+            compile_arch(b.query, None)
+        ) and paged_policy.shuffle_lines_tile(t.block_d, block_n, 8)
+        assert launches[0].args["LINES"] == want
+        run_all(launches)
+        check(b, launches[0].outputs[0])
 
 
 @pytest.mark.gpu

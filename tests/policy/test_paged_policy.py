@@ -497,3 +497,17 @@ def test_shuffle_lines_narrow_caps_block_n_where_the_reads_apply(
             )
         else:
             assert after == before, max_query_len
+
+
+@pytest.mark.parametrize(
+    "block_d,block_n,lines",
+    [(32, 16, True), (32, 32, True), (32, 64, False), (64, 64, True), (128, 64, True),
+     (256, 64, True), (64, 128, True)],
+)  # fmt: skip
+def test_shuffle_lines_tile_keeps_the_shape_triton_builds_wrong_off(block_d, block_n, lines):
+    """Four runs (head_dim 32, x 8) at 64 tokens came out wrong from Triton 3.6's sm_90 build
+    (bench/diag_shuffle_lines.py); those tiles take the earlier reads, every other shape keeps the
+    cache-order reads."""
+    from portattn.policy.paged import shuffle_lines_tile
+
+    assert shuffle_lines_tile(block_d, block_n, 8) is lines

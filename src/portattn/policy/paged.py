@@ -211,6 +211,22 @@ SHUFFLE_NARROW_BLOCK_N = 32
 SHUFFLE_NARROW_MAX_M = 16
 
 
+#: The cache-order K tile is [block_d // x runs, block_n * x]. With 4 runs (head_dim 32, x 8) and
+#: 64 tokens, Triton 3.6's sm_90 build of it returns garbage (error 1349x torch's on an H200,
+#: 2026-11-26; the interpreter is right): a miscompile of the run permute, found by the paged
+#: matrix cell. Right on the GPU: 4 runs at 16 and 32 tokens, 8 and 16 runs (head_dim 64, 128) at
+#: 16, 32 and 64 tokens (bench/diag_shuffle_lines.py). Tiles with fewer runs than
+#: SHUFFLE_LINES_MIN_RUNS take the cache-order reads only up to SHUFFLE_LINES_FEW_RUNS_MAX_N tokens.
+SHUFFLE_LINES_MIN_RUNS = 8
+SHUFFLE_LINES_FEW_RUNS_MAX_N = 32
+
+
+def shuffle_lines_tile(block_d: int, block_n: int, x: int) -> bool:
+    """Whether the cache-order reads build right for a ``block_d x block_n`` tile of a SHUFFLE
+    cache with ``x``-element runs (see SHUFFLE_LINES_MIN_RUNS)."""
+    return block_d // x >= SHUFFLE_LINES_MIN_RUNS or block_n <= SHUFFLE_LINES_FEW_RUNS_MAX_N
+
+
 def shuffle_lines(compile_arch: str) -> bool:
     """Whether a SHUFFLE launch compiled for ``compile_arch`` (the compiler's arch, not the
     forced policy's: `portattn.platform.compile_arch`) reads K and V in the cache's order."""
