@@ -215,8 +215,6 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         # ... fused (the default), each split over both warpgroups by keys, not on warpgroup 0
         out["fused split"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_SPLIT_SHORT=True)
         out["fused 3 stages"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_TILES=three)
-        # the producer's box rows taken after the stage wait (before 2026-11-26's change)
-        out["box rows late"] = dict(SM90_PREFILL_BOX_ROWS_EARLY=False)
     if portable:
         out["portable"] = dict(SM90_PREFILL=False)
     for arch in targets:

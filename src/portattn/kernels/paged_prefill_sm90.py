@@ -204,7 +204,7 @@ def _item(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.c
 
 @gluon.jit
 def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.constexpr,
-              STAGES: gl.constexpr, BOX: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
+              STAGES: gl.constexpr, BOX: gl.constexpr):  # fmt: skip
     """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq,
      stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc,
@@ -232,29 +232,19 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
             real = pos < seq_len
             blk = gl.load(bt_row + (pos // block_size) * stride_bt_blk, mask=real, other=0)
             rows = gl.where(real, blk.to(gl.int32) * rows_per_page + pos % block_size, total_rows)
-            # each box's row as a scalar, also before the wait (a warp reduction each: with
-            # 16-token pages, 8 of them a tile, which after the wait delayed the stage's refill)
-            # (SM90_PREFILL_BOX_ROWS_EARLY; late: taken after the wait, as before)
-            if EARLY:
-                box_rows = ()
-                for b in gl.static_range(NB):
-                    box_rows = box_rows + (gl.sum(gl.where(boxes == b, rows, 0), axis=0),)
             # the stage's previous tile released by both warpgroups (none before the first use)
             mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
-            if not EARLY:
-                box_rows = ()
-                for b in gl.static_range(NB):
-                    box_rows = box_rows + (gl.sum(gl.where(boxes == b, rows, 0), axis=0),)
             k_buf = k_smem.index(s)
             v_buf = v_smem.index(s)
             mbarrier.expect(k_bars.index(s), TILE_BYTES)
             mbarrier.expect(v_bars.index(s), TILE_BYTES)
             for b in gl.static_range(NB):
+                row = gl.sum(gl.where(boxes == b, rows, 0), axis=0)
                 tma.async_copy_global_to_shared(
-                    k_desc, [box_rows[b], kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
+                    k_desc, [row, kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
                 )
                 tma.async_copy_global_to_shared(
-                    v_desc, [box_rows[b], vcol], v_bars.index(s), v_buf.slice(b * BOX, BOX)
+                    v_desc, [row, vcol], v_bars.index(s), v_buf.slice(b * BOX, BOX)
                 )
             it += 1
 
@@ -644,7 +634,6 @@ def _paged_prefill_sm90_kernel(
     Q_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [64, HEAD_D]
     OVERLAP: gl.constexpr,
     PINGPONG: gl.constexpr,
-    BOX_ROWS_EARLY: gl.constexpr,  # the producer's box rows taken before the stage wait
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     PRODUCER_WARPS_: gl.constexpr,
@@ -693,7 +682,7 @@ def _paged_prefill_sm90_kernel(
                              OVERLAP, PINGPONG, SPLIT)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT)),
-                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, BOX_ROWS_EARLY)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX)),
             ],
             [4, PRODUCER_WARPS_],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -708,7 +697,7 @@ def _paged_prefill_sm90_kernel(
                              OVERLAP, False, False)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False)),
-                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, BOX_ROWS_EARLY)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX)),
             ],
             [4, 4, PRODUCER_WARPS_],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
@@ -902,7 +891,6 @@ def sm90_prefill_launches(
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([64, head_dim], dtype),
         OVERLAP=paged_policy.SM90_PREFILL_OVERLAP,
         PINGPONG=paged_policy.SM90_PREFILL_PINGPONG and tile.warpgroups == 2,
-        BOX_ROWS_EARLY=paged_policy.SM90_PREFILL_BOX_ROWS_EARLY,
         CONSUMER_REGS=REGS[tile.warpgroups][0],
         PRODUCER_REGS=REGS[tile.warpgroups][1],
         PRODUCER_WARPS_=PRODUCER_WARPS,

@@ -247,10 +247,6 @@ SM90_PREFILL_MIN_ROWS = 128
 #: (PINGPONG). Both off: each warpgroup scores, softmaxes and accumulates one tile at a time.
 SM90_PREFILL_OVERLAP = False
 SM90_PREFILL_PINGPONG = False
-#: The producer warp takes each TMA box's cache row out of the tile's row vector (a warp
-#: reduction per box: 8 a 128-token tile with 16-token pages) before it waits for the tile's
-#: stage, not after (where they delayed the stage's refill). Unmeasured. Read at planning.
-SM90_PREFILL_BOX_ROWS_EARLY = True
 #: The decode sequences of a mixed batch (those of the portable kernel's decode row tile) as
 #: items of the sm_90 kernel's persistent loop, spread among the prefill items so that their
 #: memory-bound cache reads run beside the prefill's matrix math (one warpgroup each: the other's
