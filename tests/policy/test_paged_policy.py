@@ -375,7 +375,7 @@ def test_16_bit_shuffle_takes_nhd_tiles_up_to_head_dim_128(arch):
     """Issue 18: SHUFFLE loads are vectors (no per-element offsets), so in 16-bit a SHUFFLE cache
     gets NHD's tiles and warps; the exceptions are head_dim 256 (the per-program words bound
     halves block_n), NHD's wide tile (sm_100), and the cache-order reads' 32-token KV tile
-    (`SHUFFLE_LINES_NARROW`: decode row tiles, head_dim == BLOCK_D, sm_90 and newer)."""
+    (`SHUFFLE_LINES_NARROW`: decode row tiles, head_dim == BLOCK_D, sm_90)."""
     from portattn.policy import paged as paged_policy
 
     target = get_target(arch)
