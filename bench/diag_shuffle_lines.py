@@ -2,7 +2,8 @@
 read correctly. Each (head_dim, block_n, state bytes, LINES on/off) runs the same two batches as
 tests/kernels/test_paged_attention.py::test_shuffle_full_tiles (a mixed batch on the policy's
 prefill tile with block_n forced, then a decode batch split over 2 KV ranges) and prints the
-kernel's error over torch's low-precision error against the fp64 oracle (> 2: wrong).
+kernel's error over torch's low-precision error against the fp64 oracle (> 2: wrong). The reads
+are forced on every shape, the ones `policy.paged.shuffle_lines_tile` keeps off included.
 
 Usage on the GPU machine, from the repository root:  python3 bench/diag_shuffle_lines.py
 """
@@ -47,6 +48,9 @@ def main() -> None:
         if state == 0 and hd != 32:
             continue
         paged_policy.SHUFFLE_LINES = lines
+        # every shape the reads may take, the ones `shuffle_lines_tile` keeps off too (the point
+        # is what Triton builds, e.g. after an upgrade)
+        paged_policy.shuffle_lines_tile = lambda block_d, block_n, x: True
         problem = PagedProblem(4, 2, hd, 2, max_query_len=20, shuffled=True)
         tiles = dataclasses.replace(paged_tiles(get_target("sm_90"), problem), block_n=bn)
         split = dataclasses.replace(tiles, num_splits=2, decode=None)

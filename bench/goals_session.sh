@@ -6,19 +6,20 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/portattn-out}; mkdir -p "$OUT"
-rec=/tmp/portattn-records; mkdir -p "$rec"
+rec=/tmp/portattn-records; rm -rf "$rec"; mkdir -p "$rec"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-run() {  # run LOG CMD...: the command's output to $OUT/LOG, its summary to stdout
-  local log=$1; shift
+run() {  # run SECONDS LOG CMD...: the command's output to $OUT/LOG, its summary to stdout
+  local limit=$1 log=$2; shift 2
   echo "== $*"
-  OUT=$rec timeout 240 "$@" > "$OUT/$log" 2>&1; echo "rc $?"
+  OUT=$rec timeout "$limit" "$@" > "$OUT/$log" 2>&1; echo "rc $?"
 }
-run host.log python3 bench/bench_host.py; tail -7 "$OUT/host.log"
-run shuffle.log python3 bench/bench_paged.py --shuffle; tail -14 "$OUT/shuffle.log"
-run mla_page.log python3 bench/bench_mla.py --contexts 4096 16384 --heads 16 128 --page 64 1 \
+# limits total 560 s, under the device tool's 600 s a call (the whole run took 159 s on an H100)
+run 60 host.log python3 bench/bench_host.py; tail -7 "$OUT/host.log"
+run 120 shuffle.log python3 bench/bench_paged.py --shuffle; tail -14 "$OUT/shuffle.log"
+run 120 mla_page.log python3 bench/bench_mla.py --contexts 4096 16384 --heads 16 128 --page 64 1 \
   --page-indices --no-hip
 sed -n '/^== page ratios/,$p' "$OUT/mla_page.log"; grep -E "^ +128 +(4096|16384) +64 +policy" "$OUT/mla_page.log"
-run mla_verify.log python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128
+run 100 mla_verify.log python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128
 grep -E "policy|goal" "$OUT/mla_verify.log" | tail -8
-run prefill.log python3 bench/bench_prefill.py; sed -n '/^== summary/,$p' "$OUT/prefill.log"
+run 160 prefill.log python3 bench/bench_prefill.py; sed -n '/^== summary/,$p' "$OUT/prefill.log"
 tar czf "$OUT/records.tgz" -C "$rec" .

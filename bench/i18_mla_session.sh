@@ -14,11 +14,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 - "$1" <<'PY' 2>&1 | tail -8 | tee "$OUT/tests_mla.log"
 import sys
 import pytest
+sys.path.insert(0, "bench")
+from _common import set_switch  # checks each item: NAME=0|1, NAME a boolean switch
 from portattn.policy import mla
 for item in sys.argv[1].split():
-    name, value = item.split("=")
-    assert isinstance(getattr(mla, name), bool), name
-    setattr(mla, name, value == "1")
+    set_switch(mla, item)
 print("switches:", sys.argv[1])
 sys.exit(pytest.main(["-q", "-m", "gpu", "tests/kernels/test_mla_packed.py",
                       "tests/kernels/test_mla_decode.py", "tests/kernels/test_mla_decode_sm90.py"]))

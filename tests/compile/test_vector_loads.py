@@ -131,11 +131,11 @@ def test_shuffle_loads_are_as_wide_as_nhd(loads, arch, max_query_len):
         want = (want[0], min(want[1], SHUFFLE_NARROW_BLOCK_N), *want[2:])
     assert shuffle["tiles"] == want
     assert nhd["narrow"] == 0 and nhd["wide"] > 0
-    # no 16-bit K/V element loads, and every 16-byte load NHD has per KV token (SHUFFLE's tail
-    # step adds some)
-    assert shuffle["narrow"] == 0, shuffle
-    per_tile = nhd["tiles"][1] // shuffle["tiles"][1]
-    assert shuffle["wide"] * per_tile >= nhd["wide"], (shuffle, nhd)
+    # no 16-bit K/V element loads, and (on the same tile) every 16-byte load NHD has (SHUFFLE's
+    # tail step adds some); the narrower tile's loads are pinned by the copy-shape test below
+    assert shuffle["narrow"] == 0 and shuffle["wide"] > 0, shuffle
+    if shuffle["tiles"] == nhd["tiles"]:
+        assert shuffle["wide"] >= nhd["wide"], (shuffle, nhd)
     assert shuffle["spills"] == 0, shuffle
 
 

@@ -313,6 +313,9 @@ SHUFFLE_FULL_TILES = [
 def test_shuffle_full_tiles(device, block_size, block_n, kind, state_bytes, dtype, vec):
     """SHUFFLE over contexts of several full KV tiles (unmasked loop), then a partial one: decode
     and chunked prefill, then a decode batch split over 2 KV ranges; NaN past each sequence."""
+    from portattn.platform import compile_arch
+    from portattn.policy import paged as paged_policy
+
     x = 16 // dtype.itemsize
     problem = PagedProblem(4, 2, 32, dtype.itemsize, max_query_len=20, shuffled=True)
     tiles = dataclasses.replace(paged_tiles(get_target("sm_90"), problem), block_n=block_n)
@@ -328,9 +331,12 @@ def test_shuffle_full_tiles(device, block_size, block_n, kind, state_bytes, dtyp
         launches = plan_paged_attention(*b.args(), layout="SHUFFLE", tiles=t)
         a = launches[0].args
         assert (a["BLOCK_N"], a["V_TOK_SPLIT"], a["K_VEC"], a["V_VEC"]) == (block_n, x, *vec)
-        # 16-bit caches with aligned runs read K and V in the cache's order (sm_90's policy), on
-        # the tiles Triton builds right for it (4 runs: up to 32 tokens)
-        assert a["LINES"] == (dtype != torch.float32 and vec == (x, x) and block_n <= 32)
+        # 16-bit caches with aligned runs read K and V in the cache's order where the compiling
+        # arch takes them (sm_90; the interpreter's target), on the tiles Triton builds right
+        # (4 runs: up to 32 tokens)
+        arch_ok = paged_policy.shuffle_lines(compile_arch(b.query, get_target("sm_90")))
+        lines = arch_ok and dtype != torch.float32 and vec == (x, x) and block_n <= 32
+        assert a["LINES"] == lines
         run_all(launches)
         check(b, launches[0].outputs[0])
 
@@ -620,7 +626,8 @@ def test_gpu_shuffle_lines_tiles(head_dim, block_n):
     """The SHUFFLE cache-order reads on the GPU's own build at every head dim x KV tile width they
     may take (a mixed batch on the prefill tile, a decode batch split over 2 KV ranges): Triton
     3.6 built head_dim 32 x 64 tokens wrong on sm_90 (error 1349x torch's), which
-    `shuffle_lines_tile` now routes to the earlier reads; the other shapes are pinned here."""
+    `shuffle_lines_tile` routes to the earlier reads; every other shape here reads in cache
+    order where the GPU's arch takes the reads (sm_90) and must be right."""
     from portattn.platform import compile_arch
     from portattn.policy import paged as paged_policy
 
@@ -633,10 +640,8 @@ def test_gpu_shuffle_lines_tiles(head_dim, block_n):
         b = make_batch(seqs, block_size=16, heads=(4, 2), head_dim=head_dim, dtype=torch.float16,
                        layout="SHUFFLE", device="cuda")  # fmt: skip
         launches = plan_paged_attention(*b.args(), layout="SHUFFLE", tiles=t)
-        want = paged_policy.shuffle_lines(
-            compile_arch(b.query, None)
-        ) and paged_policy.shuffle_lines_tile(t.block_d, block_n, 8)
-        assert launches[0].args["LINES"] == want
+        if paged_policy.shuffle_lines(compile_arch(b.query, None)):
+            assert launches[0].args["LINES"] == ((head_dim, block_n) != (32, 64))
         run_all(launches)
         check(b, launches[0].outputs[0])
 

@@ -388,6 +388,7 @@ def test_16_bit_shuffle_takes_nhd_tiles_up_to_head_dim_128(arch):
                                                max_query_len=mql, shuffled=True))  # fmt: skip
         narrow = (
             paged_policy.shuffle_lines(arch)
+            and paged_policy.shuffle_lines_tile(nhd.block_d, 32, 8)
             and hd == nhd.block_d
             and nhd.block_m <= paged_policy.SHUFFLE_NARROW_MAX_M
         )
@@ -502,12 +503,12 @@ def test_shuffle_lines_narrow_caps_block_n_where_the_reads_apply(
 @pytest.mark.parametrize(
     "block_d,block_n,lines",
     [(32, 16, True), (32, 32, True), (32, 64, False), (64, 64, True), (128, 64, True),
-     (256, 64, True), (64, 128, True)],
+     (128, 128, False), (256, 32, True), (256, 64, False), (16, 32, False), (64, 128, False)],
 )  # fmt: skip
-def test_shuffle_lines_tile_keeps_the_shape_triton_builds_wrong_off(block_d, block_n, lines):
+def test_shuffle_lines_tile_keeps_to_the_shapes_checked_on_a_gpu(block_d, block_n, lines):
     """Four runs (head_dim 32, x 8) at 64 tokens came out wrong from Triton 3.6's sm_90 build
-    (bench/diag_shuffle_lines.py); those tiles take the earlier reads, every other shape keeps the
-    cache-order reads."""
+    (bench/diag_shuffle_lines.py); the cache-order reads keep to the shapes a GPU ran right
+    (head_dim 64/128 up to 64 tokens, 32/256 up to 32), the rest take the earlier reads."""
     from portattn.policy.paged import shuffle_lines_tile
 
     assert shuffle_lines_tile(block_d, block_n, 8) is lines

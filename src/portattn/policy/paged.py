@@ -68,8 +68,10 @@ without spills.
 SHUFFLE caches (``PagedProblem.shuffled``). Since issue 18 the kernel addresses a SHUFFLE cache
 as it does NHD: a token term plus a dim term, each on its own vector, with the x-element runs
 (16 bytes) stated aligned, so K and V load as 16-byte vectors through the same pipelined path
-(sm_90 decode: 64 ``cp.async`` of 16 B, no 16-bit loads, 110 registers against NHD's 123). In
-16-bit a SHUFFLE cache therefore takes NHD's warp count. `SHUFFLE_ADDR_WORDS` (1 word per
+(sm_90 decode, before the cache-order reads below: 64 ``cp.async`` of 16 B, no 16-bit loads,
+110 registers against NHD's 123). In 16-bit a SHUFFLE cache therefore takes NHD's warp count;
+on sm_90 its decode tiles then take 32 tokens with the cache-order reads (`SHUFFLE_LINES`,
+`SHUFFLE_LINES_NARROW`). `SHUFFLE_ADDR_WORDS` (1 word per
 gathered K/V element, the old per-element offsets) still counts in the per-program words bound
 (`MAX_WORDS_8_WARPS`), which halves block_n at head_dim 256 only: at NHD's 16 x 64 decode tile,
 8 warps, ptxas parks 16-28 B at 128 registers on sm_80-sm_100 (NHD uses 155 there); prefill
@@ -205,9 +207,10 @@ SHUFFLE_LINES_ARCHS = ("sm_90",)
 #: SHUFFLE problems that take the cache-order reads (16-bit, head_dim == BLOCK_D, `shuffle_lines`
 #: on the policy's target) use KV tiles of at most 32 tokens. On the H100 the reads cost 142
 #: registers at the sm_90 policy's 64-token tile (3 programs per SM: 1.21-1.25x NHD) and 96 at
-#: 32 tokens: 1.02-1.04x NHD at every bench_paged --shuffle point (bench/RESULTS.md 2026-11-26,
-#: second session). NHD keeps its 64-token tile; so do row tiles above 16 (prefill and mixed
-#: batches: not measured with 32-token tiles).
+#: 32 tokens: 1.02-1.04x NHD at every sm_90-policy point of bench_paged --shuffle (GQA 4:1;
+#: bench/RESULTS.md 2026-11-26, second session). NHD keeps its 64-token tile; so do row tiles
+#: above 16 rows (prefill, mixed batches, and decode of GQA groups above 16, e.g. MQA: not
+#: measured with 32-token tiles).
 SHUFFLE_LINES_NARROW = True
 SHUFFLE_NARROW_BLOCK_N = 32
 SHUFFLE_NARROW_MAX_M = 16
@@ -216,17 +219,23 @@ SHUFFLE_NARROW_MAX_M = 16
 #: The cache-order K tile is [block_d // x runs, block_n * x]. With 4 runs (head_dim 32, x 8) and
 #: 64 tokens, Triton 3.6's sm_90 build of it returns garbage (error 1349x torch's on an H200,
 #: 2026-11-26; the interpreter is right): a miscompile of the run permute, found by the paged
-#: matrix cell. Right on the GPU: 4 runs at 16 and 32 tokens, 8 and 16 runs (head_dim 64, 128) at
-#: 16, 32 and 64 tokens (bench/diag_shuffle_lines.py). Tiles with fewer runs than
-#: SHUFFLE_LINES_MIN_RUNS take the cache-order reads only up to SHUFFLE_LINES_FEW_RUNS_MAX_N tokens.
-SHUFFLE_LINES_MIN_RUNS = 8
-SHUFFLE_LINES_FEW_RUNS_MAX_N = 32
+#: matrix cell. Checked right on the GPU (bench/diag_shuffle_lines.py, the GPU test
+#: test_gpu_shuffle_lines_tiles): 8 and 16 runs (head_dim 64, 128) at 16-64 tokens; 4 and 32
+#: runs (head_dim 32, 256) at 16 and 32 tokens. Only those shapes take the cache-order reads; the
+#: rest keep the earlier ones.
+SHUFFLE_LINES_RUNS = (4, 32)
+SHUFFLE_LINES_WIDE_RUNS = (8, 16)
+SHUFFLE_LINES_MAX_N = 32
+SHUFFLE_LINES_WIDE_MAX_N = 64
 
 
 def shuffle_lines_tile(block_d: int, block_n: int, x: int) -> bool:
-    """Whether the cache-order reads build right for a ``block_d x block_n`` tile of a SHUFFLE
-    cache with ``x``-element runs (see SHUFFLE_LINES_MIN_RUNS)."""
-    return block_d // x >= SHUFFLE_LINES_MIN_RUNS or block_n <= SHUFFLE_LINES_FEW_RUNS_MAX_N
+    """Whether the cache-order reads were checked right on a GPU for a ``block_d x block_n`` tile
+    of a SHUFFLE cache with ``x``-element runs (see SHUFFLE_LINES_RUNS)."""
+    runs = block_d // x
+    if SHUFFLE_LINES_WIDE_RUNS[0] <= runs <= SHUFFLE_LINES_WIDE_RUNS[1]:
+        return block_n <= SHUFFLE_LINES_WIDE_MAX_N
+    return SHUFFLE_LINES_RUNS[0] <= runs <= SHUFFLE_LINES_RUNS[1] and block_n <= SHUFFLE_LINES_MAX_N
 
 
 def shuffle_lines(compile_arch: str) -> bool:
@@ -578,6 +587,7 @@ def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
         and p.elem_bytes == 2
         and p.head_dim == block_d
         and shuffle_lines(target.arch)
+        and shuffle_lines_tile(block_d, SHUFFLE_NARROW_BLOCK_N, 16 // p.elem_bytes)
         and block_m <= SHUFFLE_NARROW_MAX_M
     )
     while True:
