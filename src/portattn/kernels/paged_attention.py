@@ -924,12 +924,14 @@ def plan_paged_attention(
         K_PACKED=packed_runs(k),
         V_PACKED=packed_runs(v),
         EVEN_D=even_d,
-        # where the compiler building it does well with them (`paged_policy.shuffle_lines`), on
-        # tiles it builds right (`paged_policy.shuffle_lines_tile`)
         LINES=even_d
-        and paged_policy.shuffle_lines(compile_arch(query, target))
-        and paged_policy.shuffle_lines_tile(tiles.block_d, tiles.block_n, k.dim_split)
-        and query.element_size() == 2
+        and paged_policy.cache_order_reads(
+            compile_arch(query, target),
+            head_dim,
+            tiles.block_d,
+            tiles.block_n,
+            query.element_size(),
+        )
         and vector_width(k) == k.dim_split
         and vector_width(v) == v.tok_split,
     )

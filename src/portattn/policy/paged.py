@@ -222,26 +222,34 @@ SHUFFLE_NARROW_MAX_M = 16
 #: matrix cell. Checked right on the GPU (bench/diag_shuffle_lines.py, the GPU test
 #: test_gpu_shuffle_lines_tiles): 8 and 16 runs (head_dim 64, 128) at 16-64 tokens; 4 and 32
 #: runs (head_dim 32, 256) at 16 and 32 tokens. Only those shapes take the cache-order reads; the
-#: rest keep the earlier ones.
-SHUFFLE_LINES_RUNS = (4, 32)
-SHUFFLE_LINES_WIDE_RUNS = (8, 16)
-SHUFFLE_LINES_MAX_N = 32
-SHUFFLE_LINES_WIDE_MAX_N = 64
+#: rest keep the earlier ones. By number of runs: the most tokens a KV tile may take with them.
+SHUFFLE_LINES_MAX_N = {4: 32, 8: 64, 16: 64, 32: 32}
 
 
 def shuffle_lines_tile(block_d: int, block_n: int, x: int) -> bool:
     """Whether the cache-order reads were checked right on a GPU for a ``block_d x block_n`` tile
-    of a SHUFFLE cache with ``x``-element runs (see SHUFFLE_LINES_RUNS)."""
-    runs = block_d // x
-    if SHUFFLE_LINES_WIDE_RUNS[0] <= runs <= SHUFFLE_LINES_WIDE_RUNS[1]:
-        return block_n <= SHUFFLE_LINES_WIDE_MAX_N
-    return SHUFFLE_LINES_RUNS[0] <= runs <= SHUFFLE_LINES_RUNS[1] and block_n <= SHUFFLE_LINES_MAX_N
+    of a SHUFFLE cache with ``x``-element runs (see SHUFFLE_LINES_MAX_N)."""
+    return block_n <= SHUFFLE_LINES_MAX_N.get(block_d // x, 0)
 
 
 def shuffle_lines(compile_arch: str) -> bool:
     """Whether a SHUFFLE launch compiled for ``compile_arch`` (the compiler's arch, not the
     forced policy's: `portattn.platform.compile_arch`) reads K and V in the cache's order."""
     return SHUFFLE_LINES and compile_arch in SHUFFLE_LINES_ARCHS
+
+
+def cache_order_reads(
+    compile_arch: str, head_dim: int, block_d: int, block_n: int, elem_bytes: int
+) -> bool:
+    """Whether a 16-bit SHUFFLE launch of these tiles reads K and V in the cache's order: the
+    one rule the policy (`SHUFFLE_LINES_NARROW`) and the launcher use; the launcher adds what
+    only tensors tell (16-byte aligned runs)."""
+    return (
+        shuffle_lines(compile_arch)
+        and elem_bytes == 2
+        and head_dim == block_d
+        and shuffle_lines_tile(block_d, block_n, 16 // elem_bytes)
+    )
 
 
 # -- sm_90 prefill kernel (issue 19, `portattn.kernels.paged_prefill_sm90`) ----------------------
@@ -584,11 +592,10 @@ def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
     narrow = (
         SHUFFLE_LINES_NARROW
         and p.shuffled
-        and p.elem_bytes == 2
-        and p.head_dim == block_d
-        and shuffle_lines(target.arch)
-        and shuffle_lines_tile(block_d, SHUFFLE_NARROW_BLOCK_N, 16 // p.elem_bytes)
         and block_m <= SHUFFLE_NARROW_MAX_M
+        and cache_order_reads(
+            target.arch, p.head_dim, block_d, SHUFFLE_NARROW_BLOCK_N, p.elem_bytes
+        )
     )
     while True:
         ladder = _ladder(max_stages)
