@@ -111,12 +111,18 @@ PREFETCH_SHAPES = {
 }
 
 
-def make_inputs(batch, context, heads, dk, page, dtype, seed=0):
+def make_inputs(batch, context, heads, dk, page, dtype, seed=0, resident=0):
+    """Random query and cache, the pages of each sequence scattered over the cache. ``resident``
+    (a diagnostic, `--resident`): every sequence's pages are taken from the first ``resident``
+    tokens' pages only, so the whole read stays in L2; the times then say what the kernel does
+    without DRAM, not what a serving call costs."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     per_seq = -(-context // page)
     num_blocks = batch * per_seq
     cache = torch.randn(num_blocks, page, dk, device="cuda", dtype=dtype, generator=g)
     perm = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32)
+    if resident:
+        perm = perm % max(1, resident // page)
     block_table = perm.view(batch, per_seq)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     query = torch.randn(batch, heads, dk, device="cuda", dtype=dtype, generator=g)
@@ -225,7 +231,9 @@ class Point:
         self.page = page
         dk, r = args.head_dim_k, args.kv_lora_rank
         self.scale = 1 / math.sqrt(dk)
-        self.q, self.cache, self.bt, self.sl = make_inputs(args.batch, ctx, heads, dk, page, dtype)
+        self.q, self.cache, self.bt, self.sl = make_inputs(
+            args.batch, ctx, heads, dk, page, dtype, resident=args.resident
+        )
         self.out = torch.empty(args.batch, heads, r, dtype=dtype, device="cuda")
         self.kw = dict(kv_lora_rank=r, scale=self.scale, out=self.out)
         self.check = Checker(self.q, self.cache, self.bt, self.sl, r, self.scale, dtype)
@@ -674,6 +682,11 @@ def main(argv=None) -> int:
         help="also time each page size through page_indices (expand_page_indices)",
     )
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument(
+        "--resident", type=int, default=0, metavar="TOKENS",
+        help="diagnostic: every sequence reads the same first TOKENS tokens' pages (L2-resident; "
+             "x roofline is then not a serving figure)",
+    )  # fmt: skip
     ap.add_argument("--sweep", action="store_true", help="also sweep tile variants")
     ap.add_argument("--budget-s", type=float, default=330.0, help="wall budget of the sweep")
     ap.add_argument("--no-hip", action="store_true", help="skip the gfx942-policy rows")

@@ -545,6 +545,41 @@ def test_gpu_sm90_gather(dk, r, heads, bs, form, q_lens, seq_lens, splits):
     assert launch.args["GATHER"] is True
 
 
+def _restride(q, form):
+    """``q`` copied into a view of another layout: ``dim2`` (head dim stride 2), ``odd`` (head
+    stride of 577 elements, not 16-byte aligned)."""
+    if form == "contiguous":
+        return q
+    t, h, d = q.shape
+    width = {"dim2": 2 * d, "odd": d + 1}[form]
+    base = torch.full((t, h, width), float("nan"), dtype=q.dtype, device=q.device)
+    view = base[..., ::2] if form == "dim2" else base[..., :d]
+    view.copy_(q)
+    return view
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["contiguous", "dim2", "odd"])
+@pytest.mark.parametrize(("q_async", "store_smem"), [(True, True), (False, False), (True, False)])
+def test_gpu_sm90_query_and_output_paths(form, q_async, store_smem, monkeypatch):
+    """One split (the kernel writes the bf16 output itself): the query by cp.async or through
+    registers (a strided or misaligned query always through registers), the output through
+    shared memory or straight from the accumulators; every path against the oracle."""
+    from portattn.policy import mla as mla_policy
+
+    target = _sm90_target()
+    monkeypatch.setattr(mla_policy, "SM90_Q_ASYNC", q_async)
+    monkeypatch.setattr(mla_policy, "SM90_STORE_SMEM", store_smem)
+    q, cache, bt, sl, qsl = make_inputs(576, 512, 128, 64, (1, 3, 2), (4100, 70, 3),
+                                        torch.bfloat16, "cuda")  # fmt: skip
+    _poison_unowned_rows(cache, bt, sl)
+    q = _restride(q, form)
+    launch = _check_sm90(target, q, cache, bt, sl, qsl, 512, 1)
+    assert launch.args["NUM_SPLITS"] == 1
+    assert launch.args["Q_ASYNC"] is (q_async and form == "contiguous")
+    assert launch.args["STORE_SMEM"] is store_smem
+
+
 def _sm90_target():
     from portattn.platform import current_target
 

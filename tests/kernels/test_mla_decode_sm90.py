@@ -9,7 +9,7 @@ import torch
 
 from portattn.compile import default_cases, run_matrix
 from portattn.kernels.mla_decode import plan_mla_decode
-from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_gathers, sm90_smem_bytes
+from portattn.kernels.mla_decode_sm90 import q_copies, sm90_errors, sm90_gathers, sm90_smem_bytes
 from portattn.platform import get_target
 from portattn.policy import mla as mla_policy
 
@@ -99,10 +99,19 @@ def test_refuses_interleaved_pages():
     )
 
 
-def test_compiles_for_sm90_within_its_estimate_without_spills():
+@pytest.mark.parametrize(
+    "name",
+    [
+        "576/512 h128 page64",  # split partial results (fp32)
+        "576/512 h128 page64 b64",  # one split: the output through shared memory, the query async
+        "576/512 h128 page1 b64",
+        "576/512 h16 q8 page64 b64",  # packed rows, one split
+    ],
+)
+def test_compiles_for_sm90_within_its_estimate_without_spills(name):
     """Shared memory at most `sm90_smem_bytes` (and the target's), and no spills: ptxas spilled
     260 B when the loop's shared-memory descriptors were loop-invariant (module doc)."""
-    case = {c.id: c for c in default_cases()}["mla_decode/576/512 h128 page64"]
+    case = {c.id: c for c in default_cases()}[f"mla_decode/{name}"]
     (cell,) = run_matrix([case], ["sm_90"])  # spawned workers: no interpreter
     (r,) = [launch for launch in cell.launches if launch.name == "mla_decode_sm90"]
     assert r.ok, r.error
@@ -120,3 +129,36 @@ def test_gather_compiles_for_sm90_without_spills(form):
     assert r.ok, r.error
     assert r.shared <= sm90_smem_bytes(512, 64) <= SM90.max_shared_mem
     assert r.spills == 0
+
+
+@pytest.mark.parametrize(
+    ("width", "view", "ok"),
+    [
+        (576, lambda t: t, True),
+        (1152, lambda t: t[..., ::2], False),  # head dim not contiguous
+        (577, lambda t: t[..., :576], False),  # head stride 1154 B: not 16-byte aligned
+        (584, lambda t: t[..., :576], True),  # head stride 1168 B
+        (576, lambda t: t[:, 1:], True),  # base offset 1152 B
+    ],
+)
+def test_query_copies_need_aligned_contiguous_rows(width, view, ok):
+    q = view(torch.empty(4, 17, width, dtype=torch.bfloat16))
+    assert q_copies(q) is ok
+
+
+def test_launch_takes_the_query_and_store_switches(monkeypatch):
+    """The query by cp.async only where `q_copies` allows it; both read at planning."""
+    meta = dict(device="meta")
+    cache = _cache(pages=65, block_size=64)
+    sl = torch.empty(4, dtype=torch.int32, **meta)
+    bt = torch.empty(4, 16, dtype=torch.int32, **meta)
+    kw = dict(kv_lora_rank=512, scale=0.05, target=SM90)
+    q = torch.empty(4, 128, 576, dtype=torch.bfloat16, **meta)
+    strided = torch.empty(4, 128, 1152, dtype=torch.bfloat16, **meta)[..., ::2]
+    main = plan_mla_decode(q, cache, bt, sl, **kw)[0]
+    assert (main.args["Q_ASYNC"], main.args["STORE_SMEM"]) == (True, True)
+    assert plan_mla_decode(strided, cache, bt, sl, **kw)[0].args["Q_ASYNC"] is False
+    monkeypatch.setattr(mla_policy, "SM90_Q_ASYNC", False)
+    monkeypatch.setattr(mla_policy, "SM90_STORE_SMEM", False)
+    main = plan_mla_decode(q, cache, bt, sl, **kw)[0]
+    assert (main.args["Q_ASYNC"], main.args["STORE_SMEM"]) == (False, False)

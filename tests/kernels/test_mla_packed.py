@@ -268,6 +268,38 @@ def test_gpu_sm90_packed(dk, r, heads, q_lens, seq_lens, splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("q_async", "store_smem"), [(True, True), (False, False)])
+def test_gpu_sm90_packed_one_split(q_async, store_smem, monkeypatch):
+    """Packed rows with one split: the kernel writes each real row's bf16 output to its (token,
+    head) itself, through shared memory or from the accumulators; the query by cp.async or
+    through registers (padded rows zero either way)."""
+    from portattn.policy import mla as mla_policy
+
+    target = _sm90_target()
+    monkeypatch.setattr(mla_policy, "SM90_Q_ASYNC", q_async)
+    monkeypatch.setattr(mla_policy, "SM90_STORE_SMEM", store_smem)
+    dk, r, heads, q_lens, seq_lens = 576, 512, 16, (8, 3, 6), (5000, 130, 6)
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 64, q_lens, seq_lens, torch.bfloat16, "cuda")
+    _poison_unowned_rows(cache, bt, sl)
+    base = mla_decode_tiles(target, MlaProblem(heads, dk, r, 2, q.shape[0], max(seq_lens), 8))
+    tiles = dataclasses.replace(base, packed=True, sm90_kernel=True, block_h=64, block_n=64,
+                                padded_heads=64, num_kv_splits=1)  # fmt: skip
+    scale = 1 / math.sqrt(dk)
+    launches = plan_mla_decode(
+        q, cache, bt, sl, kv_lora_rank=r, scale=scale, query_start_loc=qsl, return_lse=True,
+        tiles=tiles,
+    )  # fmt: skip
+    main = launches[0]
+    assert main.name == "mla_decode_sm90" and main.args["PACKED"] is True
+    assert (main.args["NUM_SPLITS"], main.args["Q_ASYNC"], main.args["STORE_SMEM"]) == (
+        1, q_async, store_smem,
+    )  # fmt: skip
+    run_all(launches)
+    out, lse = main.outputs
+    check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("q_len", [2, 4, 8])
 def test_gpu_policy_packed_with_metadata(q_len):
     """The policy's route (metadata, CUDA-graph path) at 16 heads: packed, sm_90 kernel."""

@@ -226,26 +226,27 @@ def build_mla_decode(
     tiles: Any = None,
     dtype: str = DTYPE_NAME,
     page_indices: bool = False,
+    num_seqs: int = NUM_SEQS,
 ) -> list[Launch]:
     from portattn.kernels.mla_decode import plan_mla_decode
 
     dt = getattr(torch, dtype)
     blocks_per_seq = -(-MLA_CONTEXT // block_size)
-    num_blocks = NUM_SEQS * blocks_per_seq + 1
-    num_tokens = NUM_SEQS * q_len
+    num_blocks = num_seqs * blocks_per_seq + 1
+    num_tokens = num_seqs * q_len
     query = torch.empty((num_tokens, num_q_heads, head_dim_k), dtype=dt, device=META)
     kv_cache = torch.empty((num_blocks, block_size, head_dim_k), dtype=dt, device=META)
-    block_table = torch.empty((NUM_SEQS, blocks_per_seq), dtype=torch.int32, device=META)
-    seq_lens = torch.empty((NUM_SEQS,), dtype=torch.int32, device=META)
+    block_table = torch.empty((num_seqs, blocks_per_seq), dtype=torch.int32, device=META)
+    seq_lens = torch.empty((num_seqs,), dtype=torch.int32, device=META)
     kwargs: dict[str, Any] = {"target": target}
     if q_len > 1:
-        kwargs["query_start_loc"] = torch.empty((NUM_SEQS + 1,), dtype=torch.int32, device=META)
+        kwargs["query_start_loc"] = torch.empty((num_seqs + 1,), dtype=torch.int32, device=META)
     if tiles is not None:
         kwargs["tiles"] = tiles
     if page_indices:  # flat slots (expand_page_indices) instead of the block table
         kwargs["page_indices"] = (
-            torch.empty((NUM_SEQS + 1,), dtype=torch.int32, device=META),
-            torch.empty((NUM_SEQS * MLA_CONTEXT,), dtype=torch.int32, device=META),
+            torch.empty((num_seqs + 1,), dtype=torch.int32, device=META),
+            torch.empty((num_seqs * MLA_CONTEXT,), dtype=torch.int32, device=META),
         )
     return plan_mla_decode(
         query,
@@ -321,6 +322,17 @@ def mla_cases() -> list[Case]:
     cases.append(
         _mla_case("576/512 h16 q4 page64", 576, 512, num_q_heads=16, q_len=4, block_size=64)
     )
+    # A batch that fills the GPU (bench_mla's points): one split, so the sm_90 kernel writes the
+    # output itself (bf16, through shared memory) instead of fp32 partial results.
+    cases += [
+        _mla_case(f"576/512 h128 page{bs} b64", 576, 512, num_q_heads=128, block_size=bs,
+                  num_seqs=64)
+        for bs in (64, 1)
+    ]  # fmt: skip
+    cases.append(
+        _mla_case("576/512 h16 q8 page64 b64", 576, 512, num_q_heads=16, q_len=8, block_size=64,
+                  num_seqs=64)
+    )  # fmt: skip
     return cases
 
 

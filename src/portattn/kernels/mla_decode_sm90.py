@@ -78,6 +78,14 @@ BLOCK_N = 64
 NUM_WARPS = 4
 #: Registers per thread each warpgroup asks for (`setmaxnreg`; 8 warps share the 64K file).
 WG_REGS = 256
+#: Diagnostic trace (`TRACE`): clock stamps per pair and warpgroup, for the first pairs.
+TRACE_EVENTS = gl.constexpr(16)
+TRACE_PAIRS = gl.constexpr(256)
+#: When set (an int64 CUDA tensor of at least ``programs * 2 * (TRACE_PAIRS + 1) *
+#: TRACE_EVENTS`` elements), `sm90_launch` builds traced launches: clock64 stamps indexed
+#: ``[program, warpgroup, pair, event]`` (the last "pair" holds the epilogue's; bench/trace_mla.py).
+#: Diagnostic only; the library never sets it.
+TRACE_BUFFER = None
 
 
 @gluon.jit
@@ -92,6 +100,25 @@ def _find_seq_sm90(qsl_ptr, stride_qsl, tok, num_seqs):
         else:
             hi = mid
     return lo - 1
+
+
+@gluon.jit
+def _stamp(tr, slot, k: gl.constexpr, TRACE: gl.constexpr, GLOBAL: gl.constexpr = False):
+    """Diagnostic (``TRACE``): this SM's clock (GLOBAL: the global timer, ns) at event ``k``
+    into slot ``slot`` of this warpgroup's trace (``tr``: the buffer and this warpgroup's
+    offset; slots ``0 .. TRACE_PAIRS - 1`` are pairs, slot ``TRACE_PAIRS`` the kernel's own
+    events, anything past it is dropped). Compiled out when off."""
+    if TRACE:
+        trace_ptr, base = tr
+        if GLOBAL:
+            now = gl.inline_asm_elementwise(
+                "mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
+            )
+        else:
+            now = gl.inline_asm_elementwise(
+                "mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
+            )
+        gl.store(trace_ptr + base + slot * TRACE_EVENTS + k, now, mask=slot <= TRACE_PAIRS)
 
 
 @gluon.jit
@@ -216,7 +243,8 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 @gluon.jit
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
-               ROWS_AHEAD: gl.constexpr):  # fmt: skip
+               ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, TRACE: gl.constexpr,
+               tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -230,6 +258,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
      stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
      seq_len) = rt  # fmt: skip
     gather = (kv_ptr, stride_kv_row, end)
+    trace_ptr, pid = tr
+    tr = (trace_ptr, (pid * 2 + WG).to(gl.int64) * ((TRACE_PAIRS + 1) * TRACE_EVENTS))
     dtype: gl.constexpr = ql_smem.dtype
     BLOCK_H: gl.constexpr = ql_smem.shape[1]
     HALF: gl.constexpr = ql_smem.shape[2]
@@ -293,6 +323,10 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         own = WG ^ b0  # the buffer of the tile this warpgroup scores
         n_a = start + (2 * j) * BLOCK_N
         n_b = n_a + BLOCK_N
+        jt = j  # the trace slot: pairs past the buffer's are dropped
+        if TRACE:
+            jt = gl.where(j < TRACE_PAIRS, j, TRACE_PAIRS + 1)
+        _stamp(tr, jt, 0, TRACE)
         if ROWS_AHEAD:  # the next pair's rows, read now: their latency runs under the MMAs
             rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
@@ -300,18 +334,21 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         # scores of this warpgroup's tile: latent halves as they land, then rope (registers)
         mbarrier.wait(tma_bars.index(2 * own), ph)
+        _stamp(tr, jt, 1, TRACE)
         if GATHER:  # cp.async wrote through the generic proxy; the MMAs read through the async
             fence_async_shared()
         qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=QK)
         qk = warpgroup_mma(ql_smem.index(b0), latl_smem.index(own).permute((1, 0)), qk,
                            use_acc=False, is_async=True)  # fmt: skip
         mbarrier.wait(tma_bars.index(2 * own + 1), ph)
+        _stamp(tr, jt, 2, TRACE)
         if GATHER:
             fence_async_shared()
         qk = warpgroup_mma(qr_smem.index(b0), latr_smem.index(own).permute((1, 0)), qk,
                            is_async=True)  # fmt: skip
         qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+        _stamp(tr, jt, 3, TRACE)
         n_own = n_a + WG * BLOCK_N
         if PACKED:
             s = gl.where((n_own + cols)[None, :] < row_end[:, None], qk * qk_scale, float("-inf"))
@@ -323,6 +360,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             m_smem.index(0).store(m_a)
             gl.thread_barrier()
             mbarrier.arrive(bar_ma, count=1)
+            _stamp(tr, jt, 4, TRACE)
             p = gl.exp2(s - m_a[:, None])
             alpha = gl.exp2(m_i - m_a)
             l_i = l_i * alpha + gl.sum(p, 1)
@@ -331,9 +369,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(bar_pa, count=1)
+            _stamp(tr, jt, 5, TRACE)
             lat_half = latl_smem  # this warpgroup's output columns: the latent's left half
         else:
             mbarrier.wait(bar_ma, ph)
+            _stamp(tr, jt, 4, TRACE)
             m_a = m_smem.index(0).load(ROW)
             m_b = gl.maximum(m_a, gl.max(s, 1))
             p = gl.exp2(s - m_b[:, None])
@@ -342,8 +382,10 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(bar_pb, count=1)
+            _stamp(tr, jt, 5, TRACE)
             l_b = gl.sum(p, 1)
             mbarrier.wait(bar_pa, ph)
+            _stamp(tr, jt, 6, TRACE)
             alpha = gl.exp2(m_i - m_a)
             l_i = l_i * alpha
             acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
@@ -353,17 +395,21 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         # which WG0's S_A, finished before P_A, no longer reads)
         _zero_tail(lat_half.index(b0), n_a, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
+        _stamp(tr, jt, 7, TRACE)
         if WG == 0:
             mbarrier.wait(bar_pb, ph)
+            _stamp(tr, jt, 8, TRACE)
             m_b = m_smem.index(1).load(ROW)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
+        _stamp(tr, jt, 9, TRACE)
         if not ROWS_AHEAD:
             rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
                    tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
                    gather, GATHER)  # fmt: skip
+        _stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
         if WG == 1:
@@ -371,34 +417,58 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
         _zero_tail(lat_half.index(b1), n_b, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
+        _stamp(tr, jt, 11, TRACE)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
+        _stamp(tr, jt, 12, TRACE)
         if not ROWS_AHEAD:
             rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
                    tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
                    gather, GATHER)  # fmt: skip
+        _stamp(tr, jt, 13, TRACE)
         m_i = m_b
 
     # -- row sums: each warpgroup summed the tiles it scored (both at the final max) --
+    last = TRACE_PAIRS + 0 * steps  # the kernel's own slot
+    _stamp(tr, last, 0, TRACE)
     l_smem.index(WG).store(l_i)
     gl.thread_barrier()
     mbarrier.arrive(sync_bars.index(3 + WG), count=1)
     mbarrier.wait(sync_bars.index(4 - WG), 0)
     l_i = l_i + l_smem.index(1 - WG).load(ROW)
+    _stamp(tr, last, 1, TRACE)
 
     # -- epilogue: this warpgroup's output columns; the lse from warpgroup 0 --
     has = l_i > 0
     l_safe = gl.where(has, l_i, 1.0)
     lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     o = acc / gl.convert_layout(l_safe, PV_ROW)[:, None]
-    oh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=PV_ROW)
-    od = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, PV))
+    if NUM_SPLITS == 1 and STORE_SMEM:
+        # through shared memory, read back 8 columns a thread: every MMA of both warpgroups
+        # has returned (the row sums' exchange follows both loops) and no copy is in flight
+        # (nothing is issued past the last tile), so this warpgroup's buffer 0 half is free
+        if WG == 0:  # noqa: SIM108 (a constexpr branch)
+            obuf = latl_smem.index(0)
+        else:
+            obuf = latr_smem.index(0)
+        fence_async_shared()
+        obuf.store(o.to(dtype))
+        gl.thread_barrier()
+        TPC: gl.constexpr = 32 if HALF >= 256 else HALF // 8
+        OUT: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [4, 1], [1, 0])
+        o = obuf.load(OUT)
+        O_ROW: gl.constexpr = gl.SliceLayout(1, OUT)
+        od = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, OUT))
+    else:
+        O_ROW: gl.constexpr = PV_ROW
+        od = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, PV))
+    oh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROW)
     lh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW)
     tok64 = tok.to(gl.int64)
     if PACKED:  # each real row to its (token, head); padded rows nowhere
-        to, ho, _, ro = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H, PV_ROW)
+        to, ho, _, ro = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H, O_ROW)
         tl_, hl, _, rl = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H, ROW)
         mask_o = ro[:, None] & (od >= 0)[None, :]
         if NUM_SPLITS == 1:
@@ -431,6 +501,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         if WG == 0:
             pl = part_lse_ptr + tok64 * stride_pl_tok + split * stride_pl_split
             gl.store(pl + lh * stride_pl_head, lse, mask=(lh >= 0) & valid)
+    _stamp(tr, last, 2, TRACE)
+    _stamp(tr, last, 3, TRACE, True)
 
 
 @gluon.jit
@@ -490,6 +562,10 @@ def _mla_decode_sm90_kernel(
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
+    trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
+    TRACE: gl.constexpr,
+    Q_ASYNC: gl.constexpr,  # the query by cp.async, streamed with the first tiles (SM90_Q_ASYNC)
+    STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = KV_LORA_RANK // 2
@@ -500,6 +576,9 @@ def _mla_decode_sm90_kernel(
 
     # -- which (token, split, head group), the causal range (as in the portable kernel) --
     pid = gl.program_id(0)
+    tr0 = (trace_ptr, pid.to(gl.int64) * (2 * (TRACE_PAIRS + 1) * TRACE_EVENTS))
+    _stamp(tr0, TRACE_PAIRS + 0 * pid, 4, TRACE)
+    _stamp(tr0, TRACE_PAIRS + 0 * pid, 5, TRACE, True)
     if PACKED:
         # (sequence, split, row group) (`_packed_rows`); the tile's range comes from its last
         # real row, whose causal limit is the largest
@@ -563,11 +642,12 @@ def _mla_decode_sm90_kernel(
         mask_h = (offs_h < num_heads)[:, None]
         q_row = q_ptr + q_row_off + offs_h[:, None] * stride_q_head
     ql_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
-    ql_smem.index(0).store(gl.load(q_row + offs_d[None, :] * stride_q_dim, mask=mask_h, other=0.0))
     qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
-    qr_smem.index(0).store(
-        gl.load(q_row + (HALF + offs_d[None, :]) * stride_q_dim, mask=mask_h, other=0.0)
-    )
+    if not Q_ASYNC:
+        ql = gl.load(q_row + offs_d[None, :] * stride_q_dim, mask=mask_h, other=0.0)
+        ql_smem.index(0).store(ql)
+        qr = gl.load(q_row + (HALF + offs_d[None, :]) * stride_q_dim, mask=mask_h, other=0.0)
+        qr_smem.index(0).store(qr)
     latl_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
     latr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
     pe_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], PE_LAYOUT)
@@ -585,6 +665,27 @@ def _mla_decode_sm90_kernel(
     for k in gl.static_range(5):
         mbarrier.init(sync_bars.index(k), count=1)
     fence_async_shared()
+    if Q_ASYNC:  # the query's halves, 64 columns (one swizzle row) a copy, in one group
+        QCH: gl.constexpr = 64 if HALF >= 64 else HALF
+        QL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (QCH // 8), QCH // 8], [4, 1], [1, 0])
+        if PACKED:
+            tq_c, hq_c, _, rq_c = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H,
+                                               gl.SliceLayout(1, QL))  # fmt: skip
+            q_rows = q_ptr + tq_c[:, None] * stride_q_tok + hq_c[:, None] * stride_q_head
+            q_keep = rq_c[:, None]
+        else:
+            qh_c = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
+            q_rows = q_ptr + q_row_off + qh_c[:, None] * stride_q_head
+            q_keep = (qh_c < num_heads)[:, None]
+        qc = gl.arange(0, QCH, layout=gl.SliceLayout(0, QL))
+        for c in gl.static_range(2 * HALF // QCH):
+            dst = ql_smem.index(0) if c * QCH < HALF else qr_smem.index(0)
+            async_copy.async_copy_global_to_shared(
+                dst.slice((c * QCH) % HALF, QCH, dim=1),
+                q_rows + (c * QCH + qc)[None, :] * stride_q_dim,
+                mask=q_keep,
+            )
+        async_copy.commit_group()
 
     # -- prologue: tiles 0 and 1 in flight --
     for t in gl.static_range(2):
@@ -596,6 +697,11 @@ def _mla_decode_sm90_kernel(
         _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t + 1),
                    latr_smem.index(t), pe_smem.index(t), True, (kv_ptr, stride_kv_row, end),
                    GATHER)  # fmt: skip
+    if Q_ASYNC:  # the query landed (the tiles' copies stay in flight); the MMAs read it through
+        # the async proxy
+        async_copy.wait_group(0)
+        fence_async_shared()
+    _stamp(tr0, TRACE_PAIRS + 0 * pid, 6, TRACE)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
     # runtime values for both warpgroups (the constexprs go in the call tuples themselves: a
     # tuple assigned to a name turns them into tensors)
@@ -607,14 +713,18 @@ def _mla_decode_sm90_kernel(
           stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
           stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
           seq_len)  # fmt: skip
+    # fmt: off
     gl.warp_specialize(
         [
-            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD)),
-            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD)),
+            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
+                          STORE_SMEM, TRACE, (trace_ptr, pid))),
+            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
+                          STORE_SMEM, TRACE, (trace_ptr, pid))),
         ],
         [4],
         [WG_REGS],
     )
+    # fmt: on
 
 
 def sm90_smem_bytes(kv_lora_rank: int, rope: int, elem: int = 2) -> int:
@@ -679,6 +789,17 @@ def sm90_gathers(kv_cache: torch.Tensor, paged_slots: bool) -> bool:
     return paged_slots or kv_cache.shape[1] % BLOCK_N != 0
 
 
+def q_copies(query: torch.Tensor) -> bool:
+    """Whether the query can come by 16-byte ``cp.async`` pieces (`SM90_Q_ASYNC`): contiguous
+    head dim, 16-byte aligned strides and base; otherwise it goes through registers."""
+    elem = query.element_size()
+    return (
+        query.stride(-1) == 1
+        and all((st * elem) % 16 == 0 for st in query.stride()[:-1])
+        and query.data_ptr() % 16 == 0
+    )
+
+
 def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Launch:
     """The portable kernel's launch ``main``, run by this kernel (same arguments and outputs)."""
     a = main.args
@@ -706,6 +827,11 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
+        Q_ASYNC=mla_policy.SM90_Q_ASYNC and q_copies(a["q_ptr"]),
+        STORE_SMEM=mla_policy.SM90_STORE_SMEM,
+        # a placeholder pointer when off (never read)
+        trace_ptr=TRACE_BUFFER if TRACE_BUFFER is not None else a["seq_lens_ptr"],
+        TRACE=TRACE_BUFFER is not None,
     )
     options = LaunchOptions(NUM_WARPS, main.options.num_stages)
     return dataclasses.replace(
