@@ -30,13 +30,14 @@ import sys
 
 import numpy as np
 import torch
-from _common import git_commit
+from _common import git_commit, set_switch
 from bench_mla import Checker, make_inputs
 from triton.testing import do_bench_cudagraph
 
 import portattn.kernels.mla_decode_sm90 as sm90
 from portattn.kernels._launch import run_all
 from portattn.kernels.mla_decode import plan_mla_decode
+from portattn.policy import mla as mla_policy
 
 #: (name, warpgroup, from event, to event); event "+0" is the next pair's event 0.
 STEPS = {
@@ -140,7 +141,12 @@ def main(argv=None) -> int:
     ap.add_argument("points", nargs="+", help="heads:context:page")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--resident", type=int, default=0, help="as bench_mla.py --resident")
+    ap.add_argument("--set", action="append", default=[], metavar="SWITCH=0|1",
+                    help="as bench_mla.py --set")  # fmt: skip
     args = ap.parse_args(argv)
+    for item in args.set:
+        set_switch(mla_policy, item)
+    print(f"switches: {args.set}")
     print(f"device: {torch.cuda.get_device_name()}, commit {git_commit()}")
     dk, r = 576, 512
     scale = 1 / math.sqrt(dk)

@@ -564,7 +564,8 @@ def _restride(q, form):
 def test_gpu_sm90_query_and_output_paths(form, q_async, store_smem, monkeypatch):
     """One split (the kernel writes the bf16 output itself): the query by cp.async or through
     registers (a strided or misaligned query always through registers), the output through
-    shared memory or straight from the accumulators; every path against the oracle."""
+    shared memory or straight from the accumulators, into an output of the same form (16-byte
+    stores only into aligned rows); every path against the oracle."""
     from portattn.policy import mla as mla_policy
 
     target = _sm90_target()
@@ -574,9 +575,11 @@ def test_gpu_sm90_query_and_output_paths(form, q_async, store_smem, monkeypatch)
                                         torch.bfloat16, "cuda")  # fmt: skip
     _poison_unowned_rows(cache, bt, sl)
     q = _restride(q, form)
-    launch = _check_sm90(target, q, cache, bt, sl, qsl, 512, 1)
-    assert launch.args["NUM_SPLITS"] == 1
+    out = _restride(torch.zeros(q.shape[0], 128, 512, dtype=q.dtype, device="cuda"), form)
+    launch = _check_sm90(target, q, cache, bt, sl, qsl, 512, 1, out=out)
+    assert launch.args["NUM_SPLITS"] == 1 and launch.outputs[0] is out
     assert launch.args["Q_ASYNC"] is (q_async and form == "contiguous")
+    assert launch.args["OUT_VEC"] is (form == "contiguous")
     assert launch.args["STORE_SMEM"] is store_smem
 
 
@@ -597,9 +600,10 @@ def check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale):
     torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-3, atol=1e-3)
 
 
-def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None):
+def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None, out=None):
     """Run the sm_90 kernel (the policy's tiles, ``splits`` when given; ``pages``: page_indices
-    instead of ``bt``) and check it against the fp64 oracle, output and lse. The main launch."""
+    instead of ``bt``; ``out``: the output tensor to write) and check it against the fp64
+    oracle, output and lse. The main launch."""
     heads, dk = q.shape[1:]
     scale = 1 / math.sqrt(dk)
     max_len = int(sl.max())
@@ -609,7 +613,7 @@ def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None):
         tiles = dataclasses.replace(tiles, num_kv_splits=splits)
     launches = plan_mla_decode(
         q, cache, None if pages is not None else bt, sl, kv_lora_rank=r, scale=scale,
-        query_start_loc=qsl, return_lse=True, tiles=tiles, page_indices=pages,
+        query_start_loc=qsl, return_lse=True, tiles=tiles, page_indices=pages, out=out,
     )  # fmt: skip
     assert launches[0].name == "mla_decode_sm90"
     run_all(launches)

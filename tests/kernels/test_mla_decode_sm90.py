@@ -4,12 +4,19 @@ memory within the estimate, no spills). Its numerics run on the GPU (test_mla_de
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from portattn.compile import default_cases, run_matrix
 from portattn.kernels.mla_decode import plan_mla_decode
-from portattn.kernels.mla_decode_sm90 import q_copies, sm90_errors, sm90_gathers, sm90_smem_bytes
+from portattn.kernels.mla_decode_sm90 import (
+    rows_aligned,
+    sm90_errors,
+    sm90_gathers,
+    sm90_smem_bytes,
+)
 from portattn.platform import get_target
 from portattn.policy import mla as mla_policy
 
@@ -143,11 +150,18 @@ def test_gather_compiles_for_sm90_without_spills(form):
 )
 def test_query_copies_need_aligned_contiguous_rows(width, view, ok):
     q = view(torch.empty(4, 17, width, dtype=torch.bfloat16))
-    assert q_copies(q) is ok
+    assert rows_aligned(q) is ok
+
+
+def main_tiles(q, cache, bt, sl):
+    """The policy's tiles for these (meta) tensors, read back from a plan."""
+    from portattn.policy.mla import MlaProblem, mla_decode_tiles
+
+    return mla_decode_tiles(SM90, MlaProblem(q.shape[1], 576, 512, 2, q.shape[0], 4096))
 
 
 def test_launch_takes_the_query_and_store_switches(monkeypatch):
-    """The query by cp.async only where `q_copies` allows it; both read at planning."""
+    """The query by cp.async only where `rows_aligned` allows it; both read at planning."""
     meta = dict(device="meta")
     cache = _cache(pages=65, block_size=64)
     sl = torch.empty(4, dtype=torch.int32, **meta)
@@ -156,8 +170,12 @@ def test_launch_takes_the_query_and_store_switches(monkeypatch):
     q = torch.empty(4, 128, 576, dtype=torch.bfloat16, **meta)
     strided = torch.empty(4, 128, 1152, dtype=torch.bfloat16, **meta)[..., ::2]
     main = plan_mla_decode(q, cache, bt, sl, **kw)[0]
-    assert (main.args["Q_ASYNC"], main.args["STORE_SMEM"]) == (True, True)
+    assert (main.args["Q_ASYNC"], main.args["STORE_SMEM"], main.args["OUT_VEC"]) == (True,) * 3
     assert plan_mla_decode(strided, cache, bt, sl, **kw)[0].args["Q_ASYNC"] is False
+    one = dict(kw, tiles=dataclasses.replace(main_tiles(q, cache, bt, sl), num_kv_splits=1))
+    odd_out = torch.empty(4, 128, 520, dtype=torch.bfloat16, **meta)[..., 1:513]
+    assert plan_mla_decode(q, cache, bt, sl, out=odd_out, **one)[0].args["OUT_VEC"] is False
+    assert plan_mla_decode(q, cache, bt, sl, **one)[0].args["OUT_VEC"] is True
     monkeypatch.setattr(mla_policy, "SM90_Q_ASYNC", False)
     monkeypatch.setattr(mla_policy, "SM90_STORE_SMEM", False)
     main = plan_mla_decode(q, cache, bt, sl, **kw)[0]

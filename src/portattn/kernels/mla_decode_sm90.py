@@ -243,8 +243,8 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 @gluon.jit
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
-               ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, TRACE: gl.constexpr,
-               tr):  # fmt: skip
+               ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
+               TRACE: gl.constexpr, tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -470,23 +470,32 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     if PACKED:  # each real row to its (token, head); padded rows nowhere
         to, ho, _, ro = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H, O_ROW)
         tl_, hl, _, rl = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H, ROW)
-        mask_o = ro[:, None] & (od >= 0)[None, :]
+        mask_o = ro[:, None]  # broadcast along the row (a column term cost the vector stores)
         if NUM_SPLITS == 1:
             ptrs = out_ptr + to[:, None] * stride_out_tok + ho[:, None] * stride_out_head
-            gl.store(ptrs + od[None, :] * stride_out_dim, o.to(dtype), mask=mask_o)
+            ptrs = ptrs + od[None, :] * stride_out_dim
+            if OUT_VEC:
+                ptrs = gl.max_contiguous(gl.multiple_of(ptrs, [16, 16]), [1, 8])
+            gl.store(ptrs, o.to(dtype), mask=mask_o)
             if RETURN_LSE and WG == 0:
                 gl.store(lse_ptr + tl_ * stride_lse_tok + hl * stride_lse_head, lse, mask=rl)
         else:
             po = part_out_ptr + split * stride_po_split
             ptrs = po + to[:, None] * stride_po_tok + ho[:, None] * stride_po_head
-            gl.store(ptrs + od[None, :] * stride_po_dim, o, mask=mask_o)
+            ptrs = ptrs + od[None, :] * stride_po_dim
+            if OUT_VEC:
+                ptrs = gl.max_contiguous(gl.multiple_of(ptrs, [16, 16]), [1, 4])
+            gl.store(ptrs, o, mask=mask_o)
             if WG == 0:
                 pl = part_lse_ptr + split * stride_pl_split
                 gl.store(pl + tl_ * stride_pl_tok + hl * stride_pl_head, lse, mask=rl)
     elif NUM_SPLITS == 1:
-        mask_o = ((oh < num_heads) & valid)[:, None] & (od >= 0)[None, :]
+        mask_o = ((oh < num_heads) & valid)[:, None]
         ptrs = out_ptr + tok64 * stride_out_tok + oh[:, None] * stride_out_head
-        gl.store(ptrs + od[None, :] * stride_out_dim, o.to(dtype), mask=mask_o)
+        ptrs = ptrs + od[None, :] * stride_out_dim
+        if OUT_VEC:
+            ptrs = gl.max_contiguous(gl.multiple_of(ptrs, [16, 16]), [1, 8])
+        gl.store(ptrs, o.to(dtype), mask=mask_o)
         if RETURN_LSE and WG == 0:
             gl.store(
                 lse_ptr + tok64 * stride_lse_tok + lh * stride_lse_head,
@@ -496,8 +505,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     else:
         # every padded head row: the workspace has padded_heads rows
         po = part_out_ptr + tok64 * stride_po_tok + split * stride_po_split
-        mask_o = ((oh >= 0) & valid)[:, None] & (od >= 0)[None, :]
-        gl.store(po + oh[:, None] * stride_po_head + od[None, :] * stride_po_dim, o, mask=mask_o)
+        mask_o = ((oh >= 0) & valid)[:, None]
+        ptrs = po + oh[:, None] * stride_po_head + od[None, :] * stride_po_dim
+        if OUT_VEC:
+            ptrs = gl.max_contiguous(gl.multiple_of(ptrs, [16, 16]), [1, 4])
+        gl.store(ptrs, o, mask=mask_o)
         if WG == 0:
             pl = part_lse_ptr + tok64 * stride_pl_tok + split * stride_pl_split
             gl.store(pl + lh * stride_pl_head, lse, mask=(lh >= 0) & valid)
@@ -566,6 +578,7 @@ def _mla_decode_sm90_kernel(
     TRACE: gl.constexpr,
     Q_ASYNC: gl.constexpr,  # the query by cp.async, streamed with the first tiles (SM90_Q_ASYNC)
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
+    OUT_VEC: gl.constexpr,  # the rows it writes (output or partials) are aligned (`rows_aligned`)
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = KV_LORA_RANK // 2
@@ -717,9 +730,9 @@ def _mla_decode_sm90_kernel(
     gl.warp_specialize(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, TRACE, (trace_ptr, pid))),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, TRACE, (trace_ptr, pid))),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
         ],
         [4],
         [WG_REGS],
@@ -789,14 +802,16 @@ def sm90_gathers(kv_cache: torch.Tensor, paged_slots: bool) -> bool:
     return paged_slots or kv_cache.shape[1] % BLOCK_N != 0
 
 
-def q_copies(query: torch.Tensor) -> bool:
-    """Whether the query can come by 16-byte ``cp.async`` pieces (`SM90_Q_ASYNC`): contiguous
-    head dim, 16-byte aligned strides and base; otherwise it goes through registers."""
-    elem = query.element_size()
+def rows_aligned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s rows (its last dim) are contiguous with 16-byte aligned strides and base:
+    then the query comes by 16-byte ``cp.async`` pieces (`SM90_Q_ASYNC`; otherwise through
+    registers), and the output goes out in 16-byte stores (``OUT_VEC``: the warpgroups' code
+    cannot see the launch's alignment, so the kernel is told)."""
+    elem = t.element_size()
     return (
-        query.stride(-1) == 1
-        and all((st * elem) % 16 == 0 for st in query.stride()[:-1])
-        and query.data_ptr() % 16 == 0
+        t.stride(-1) == 1
+        and all((st * elem) % 16 == 0 for st in t.stride()[:-1])
+        and t.data_ptr() % 16 == 0
     )
 
 
@@ -827,7 +842,8 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
-        Q_ASYNC=mla_policy.SM90_Q_ASYNC and q_copies(a["q_ptr"]),
+        Q_ASYNC=mla_policy.SM90_Q_ASYNC and rows_aligned(a["q_ptr"]),
+        OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM,
         # a placeholder pointer when off (never read)
         trace_ptr=TRACE_BUFFER if TRACE_BUFFER is not None else a["seq_lens_ptr"],

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call: an A/B of portattn.policy.mla's boolean switches on the sm_90 MLA kernel's
+# 128-head points. The sm_90 MLA GPU tests run first with the first configuration's switches;
+# then, per configuration, bench_mla's page points (128 heads, 4k/16k, page 64 and 1) and its
+# verification points (q_len 2/4/8, 16 and 128 heads, 4k), and the clock trace at 128 heads 4k.
+# Usage on the GPU machine, from the repository root:
+#   bash bench/mla_ab_session.sh "A=1 B=1" "A=0 B=0" ...
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=src
+OUT=${OUT:-/tmp/portattn-out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 - "$1" <<'PY' 2>&1 | tail -4 | tee "$OUT/tests_mla.log"
+import sys
+import pytest
+sys.path.insert(0, "bench")
+from _common import set_switch
+from portattn.policy import mla
+for item in sys.argv[1].split():
+    set_switch(mla, item)
+print("switches:", sys.argv[1])
+sys.exit(pytest.main(["-q", "-m", "gpu", "tests/kernels/test_mla_packed.py",
+                      "tests/kernels/test_mla_decode.py", "tests/kernels/test_mla_decode_sm90.py"]))
+PY
+for i in $(seq 1 $#); do
+  cfg=${!i}; sets=(); for item in $cfg; do sets+=(--set "$item"); done
+  echo "== config $i: $cfg"
+  timeout 100 python3 bench/bench_mla.py --heads 128 --contexts 4096 16384 --page 64 1 --no-hip \
+    "${sets[@]}" > "$OUT/page_c$i.log" 2>&1
+  grep -E "copy ceiling" "$OUT/page_c$i.log"; sed -n '/^== page ratios/,$p' "$OUT/page_c$i.log"
+  grep -E "^ +128 +[0-9]+ +64 +policy" "$OUT/page_c$i.log" | head -2
+  timeout 100 python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128 \
+    "${sets[@]}" > "$OUT/verify_c$i.log" 2>&1
+  grep -E "copy ceiling|policy|goal" "$OUT/verify_c$i.log" | tail -8
+  timeout 60 python3 bench/trace_mla.py 128:4096:64 "${sets[@]}" > "$OUT/trace_c$i.log" 2>&1
+  grep -E "graph median|pair period|span|start to|first pair|row sums to" "$OUT/trace_c$i.log"
+done
