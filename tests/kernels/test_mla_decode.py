@@ -560,16 +560,15 @@ def _restride(q, form):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["contiguous", "dim2", "odd"])
-@pytest.mark.parametrize(("q_async", "store_smem"), [(True, True), (False, False), (True, False)])
-def test_gpu_sm90_query_and_output_paths(form, q_async, store_smem, monkeypatch):
-    """One split (the kernel writes the bf16 output itself): the query by cp.async or through
-    registers (a strided or misaligned query always through registers), the output through
-    shared memory or straight from the accumulators, into an output of the same form (16-byte
-    stores only into aligned rows); every path against the oracle."""
+@pytest.mark.parametrize("store_smem", [True, False])
+def test_gpu_sm90_query_and_output_forms(form, store_smem, monkeypatch):
+    """One split (the kernel writes the bf16 output itself) with a query and an output of the
+    same form: contiguous, head dim stride 2, or rows not 16-byte aligned (16-byte stores only
+    into aligned rows, ``OUT_VEC``); the output through shared memory or straight from the
+    accumulators. Every path against the oracle."""
     from portattn.policy import mla as mla_policy
 
     target = _sm90_target()
-    monkeypatch.setattr(mla_policy, "SM90_Q_ASYNC", q_async)
     monkeypatch.setattr(mla_policy, "SM90_STORE_SMEM", store_smem)
     q, cache, bt, sl, qsl = make_inputs(576, 512, 128, 64, (1, 3, 2), (4100, 70, 3),
                                         torch.bfloat16, "cuda")  # fmt: skip
@@ -578,7 +577,6 @@ def test_gpu_sm90_query_and_output_paths(form, q_async, store_smem, monkeypatch)
     out = _restride(torch.zeros(q.shape[0], 128, 512, dtype=q.dtype, device="cuda"), form)
     launch = _check_sm90(target, q, cache, bt, sl, qsl, 512, 1, out=out)
     assert launch.args["NUM_SPLITS"] == 1 and launch.outputs[0] is out
-    assert launch.args["Q_ASYNC"] is (q_async and form == "contiguous")
     assert launch.args["OUT_VEC"] is (form == "contiguous")
     assert launch.args["STORE_SMEM"] is store_smem
 

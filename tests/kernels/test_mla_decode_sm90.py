@@ -10,13 +10,9 @@ import pytest
 import torch
 
 from portattn.compile import default_cases, run_matrix
+from portattn.kernels._launch import rows_aligned
 from portattn.kernels.mla_decode import plan_mla_decode
-from portattn.kernels.mla_decode_sm90 import (
-    rows_aligned,
-    sm90_errors,
-    sm90_gathers,
-    sm90_smem_bytes,
-)
+from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_gathers, sm90_smem_bytes
 from portattn.platform import get_target
 from portattn.policy import mla as mla_policy
 
@@ -148,7 +144,7 @@ def test_gather_compiles_for_sm90_without_spills(form):
         (576, lambda t: t[:, 1:], True),  # base offset 1152 B
     ],
 )
-def test_query_copies_need_aligned_contiguous_rows(width, view, ok):
+def test_rows_aligned_needs_contiguous_16_byte_rows(width, view, ok):
     q = view(torch.empty(4, 17, width, dtype=torch.bfloat16))
     assert rows_aligned(q) is ok
 
@@ -160,23 +156,21 @@ def main_tiles(q, cache, bt, sl):
     return mla_decode_tiles(SM90, MlaProblem(q.shape[1], 576, 512, 2, q.shape[0], 4096))
 
 
-def test_launch_takes_the_query_and_store_switches(monkeypatch):
-    """The query by cp.async only where `rows_aligned` allows it; both read at planning."""
+def test_launch_takes_the_store_switch_and_the_output_alignment(monkeypatch):
+    """16-byte output stores only into aligned rows (``OUT_VEC``, the one-split output or the
+    partial results); the output through shared memory by the switch, read at planning."""
     meta = dict(device="meta")
     cache = _cache(pages=65, block_size=64)
     sl = torch.empty(4, dtype=torch.int32, **meta)
     bt = torch.empty(4, 16, dtype=torch.int32, **meta)
     kw = dict(kv_lora_rank=512, scale=0.05, target=SM90)
     q = torch.empty(4, 128, 576, dtype=torch.bfloat16, **meta)
-    strided = torch.empty(4, 128, 1152, dtype=torch.bfloat16, **meta)[..., ::2]
     main = plan_mla_decode(q, cache, bt, sl, **kw)[0]
-    assert (main.args["Q_ASYNC"], main.args["STORE_SMEM"], main.args["OUT_VEC"]) == (True,) * 3
-    assert plan_mla_decode(strided, cache, bt, sl, **kw)[0].args["Q_ASYNC"] is False
+    assert main.args["NUM_SPLITS"] > 1
+    assert (main.args["STORE_SMEM"], main.args["OUT_VEC"]) == (True, True)
     one = dict(kw, tiles=dataclasses.replace(main_tiles(q, cache, bt, sl), num_kv_splits=1))
     odd_out = torch.empty(4, 128, 520, dtype=torch.bfloat16, **meta)[..., 1:513]
     assert plan_mla_decode(q, cache, bt, sl, out=odd_out, **one)[0].args["OUT_VEC"] is False
     assert plan_mla_decode(q, cache, bt, sl, **one)[0].args["OUT_VEC"] is True
-    monkeypatch.setattr(mla_policy, "SM90_Q_ASYNC", False)
     monkeypatch.setattr(mla_policy, "SM90_STORE_SMEM", False)
-    main = plan_mla_decode(q, cache, bt, sl, **kw)[0]
-    assert (main.args["Q_ASYNC"], main.args["STORE_SMEM"]) == (False, False)
+    assert plan_mla_decode(q, cache, bt, sl, **kw)[0].args["STORE_SMEM"] is False

@@ -268,15 +268,13 @@ def test_gpu_sm90_packed(dk, r, heads, q_lens, seq_lens, splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("q_async", "store_smem"), [(True, True), (False, False)])
-def test_gpu_sm90_packed_one_split(q_async, store_smem, monkeypatch):
+@pytest.mark.parametrize("store_smem", [True, False])
+def test_gpu_sm90_packed_one_split(store_smem, monkeypatch):
     """Packed rows with one split: the kernel writes each real row's bf16 output to its (token,
-    head) itself, through shared memory or from the accumulators; the query by cp.async or
-    through registers (padded rows zero either way)."""
+    head) itself, through shared memory or from the accumulators."""
     from portattn.policy import mla as mla_policy
 
     target = _sm90_target()
-    monkeypatch.setattr(mla_policy, "SM90_Q_ASYNC", q_async)
     monkeypatch.setattr(mla_policy, "SM90_STORE_SMEM", store_smem)
     dk, r, heads, q_lens, seq_lens = 576, 512, 16, (8, 3, 6), (5000, 130, 6)
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 64, q_lens, seq_lens, torch.bfloat16, "cuda")
@@ -291,8 +289,8 @@ def test_gpu_sm90_packed_one_split(q_async, store_smem, monkeypatch):
     )  # fmt: skip
     main = launches[0]
     assert main.name == "mla_decode_sm90" and main.args["PACKED"] is True
-    assert (main.args["NUM_SPLITS"], main.args["Q_ASYNC"], main.args["STORE_SMEM"]) == (
-        1, q_async, store_smem,
+    assert (main.args["NUM_SPLITS"], main.args["STORE_SMEM"], main.args["OUT_VEC"]) == (
+        1, store_smem, True,
     )  # fmt: skip
     run_all(launches)
     out, lse = main.outputs

@@ -94,3 +94,16 @@ class Launch:
 def run_all(launches: list[Launch]) -> None:
     for launch in launches:
         launch.run()
+
+
+def rows_aligned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s rows (its last dim) are contiguous with 16-byte aligned strides and base.
+    The Gluon kernels' warp-specialized partitions cannot see the launch's alignment of their
+    arguments (Triton drops it at the partition boundary), so their launchers tell them: then
+    their loads and stores of such rows go in 16-byte pieces, otherwise element by element."""
+    elem = t.element_size()
+    return (
+        t.stride(-1) == 1
+        and all((st * elem) % 16 == 0 for st in t.stride()[:-1])
+        and t.data_ptr() % 16 == 0
+    )

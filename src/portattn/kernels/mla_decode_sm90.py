@@ -65,7 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from portattn.kernels._launch import Launch
+from portattn.kernels._launch import Launch, rows_aligned
 from portattn.platform import Target
 from portattn.policy import mla as mla_policy
 from portattn.policy.common import LaunchOptions
@@ -576,7 +576,6 @@ def _mla_decode_sm90_kernel(
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
-    Q_ASYNC: gl.constexpr,  # the query by cp.async, streamed with the first tiles (SM90_Q_ASYNC)
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
     OUT_VEC: gl.constexpr,  # the rows it writes (output or partials) are aligned (`rows_aligned`)
 ):
@@ -656,11 +655,10 @@ def _mla_decode_sm90_kernel(
         q_row = q_ptr + q_row_off + offs_h[:, None] * stride_q_head
     ql_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
     qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
-    if not Q_ASYNC:
-        ql = gl.load(q_row + offs_d[None, :] * stride_q_dim, mask=mask_h, other=0.0)
-        ql_smem.index(0).store(ql)
-        qr = gl.load(q_row + (HALF + offs_d[None, :]) * stride_q_dim, mask=mask_h, other=0.0)
-        qr_smem.index(0).store(qr)
+    ql_smem.index(0).store(gl.load(q_row + offs_d[None, :] * stride_q_dim, mask=mask_h, other=0.0))
+    qr_smem.index(0).store(
+        gl.load(q_row + (HALF + offs_d[None, :]) * stride_q_dim, mask=mask_h, other=0.0)
+    )
     latl_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
     latr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
     pe_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], PE_LAYOUT)
@@ -678,28 +676,6 @@ def _mla_decode_sm90_kernel(
     for k in gl.static_range(5):
         mbarrier.init(sync_bars.index(k), count=1)
     fence_async_shared()
-    if Q_ASYNC:  # the query's halves, 64 columns (one swizzle row) a copy, in one group
-        QCH: gl.constexpr = 64 if HALF >= 64 else HALF
-        QL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (QCH // 8), QCH // 8], [4, 1], [1, 0])
-        if PACKED:
-            tq_c, hq_c, _, rq_c = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H,
-                                               gl.SliceLayout(1, QL))  # fmt: skip
-            q_rows = q_ptr + tq_c[:, None] * stride_q_tok + hq_c[:, None] * stride_q_head
-            q_keep = rq_c[:, None]
-        else:
-            qh_c = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QL))
-            q_rows = q_ptr + q_row_off + qh_c[:, None] * stride_q_head
-            q_keep = (qh_c < num_heads)[:, None]
-        qc = gl.arange(0, QCH, layout=gl.SliceLayout(0, QL))
-        for c in gl.static_range(2 * HALF // QCH):
-            dst = ql_smem.index(0) if c * QCH < HALF else qr_smem.index(0)
-            async_copy.async_copy_global_to_shared(
-                dst.slice((c * QCH) % HALF, QCH, dim=1),
-                q_rows + (c * QCH + qc)[None, :] * stride_q_dim,
-                mask=q_keep,
-            )
-        async_copy.commit_group()
-
     # -- prologue: tiles 0 and 1 in flight --
     for t in gl.static_range(2):
         rows = _tile_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end, BLOCK_N,
@@ -710,10 +686,6 @@ def _mla_decode_sm90_kernel(
         _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t + 1),
                    latr_smem.index(t), pe_smem.index(t), True, (kv_ptr, stride_kv_row, end),
                    GATHER)  # fmt: skip
-    if Q_ASYNC:  # the query landed (the tiles' copies stay in flight); the MMAs read it through
-        # the async proxy
-        async_copy.wait_group(0)
-        fence_async_shared()
     _stamp(tr0, TRACE_PAIRS + 0 * pid, 6, TRACE)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
     # runtime values for both warpgroups (the constexprs go in the call tuples themselves: a
@@ -802,19 +774,6 @@ def sm90_gathers(kv_cache: torch.Tensor, paged_slots: bool) -> bool:
     return paged_slots or kv_cache.shape[1] % BLOCK_N != 0
 
 
-def rows_aligned(t: torch.Tensor) -> bool:
-    """Whether ``t``'s rows (its last dim) are contiguous with 16-byte aligned strides and base:
-    then the query comes by 16-byte ``cp.async`` pieces (`SM90_Q_ASYNC`; otherwise through
-    registers), and the output goes out in 16-byte stores (``OUT_VEC``: the warpgroups' code
-    cannot see the launch's alignment, so the kernel is told)."""
-    elem = t.element_size()
-    return (
-        t.stride(-1) == 1
-        and all((st * elem) % 16 == 0 for st in t.stride()[:-1])
-        and t.data_ptr() % 16 == 0
-    )
-
-
 def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Launch:
     """The portable kernel's launch ``main``, run by this kernel (same arguments and outputs)."""
     a = main.args
@@ -842,7 +801,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
-        Q_ASYNC=mla_policy.SM90_Q_ASYNC and rows_aligned(a["q_ptr"]),
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM,
         # a placeholder pointer when off (never read)

@@ -136,17 +136,13 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
-#: The Hopper kernel's prologue copies the query into shared memory by ``cp.async``, issued
-#: before the first tiles' copies and waited once they are issued, so that the query and the
-#: tiles stream together; off, the query goes through registers (load, then store) before any
-#: tile copy is issued. bench/trace_mla.py (H100, 128 heads): off, 11-12k cycles from a program's
-#: start to its first tile copy, then 7k more until the tile lands. Read at planning.
-SM90_Q_ASYNC = True
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
-#: bench/trace_mla.py (H100, 128 heads): off, 16-22k cycles from the row sums to the stores'
-#: end. Read at planning.
+#: bench/trace_mla.py (H100, 128 heads, 4k; bench/RESULTS.md 2026-11-26 third session): 4.1k
+#: cycles from the row sums to the stores' end against 13.2k off (20-22k before the stores were
+#: vectorized in both warpgroups, ``OUT_VEC``); 128 heads 4k 147.4 -> 143.2 us, verification
+#: 16 heads q8 146.7 -> 140.4 us. Read at planning.
 SM90_STORE_SMEM = True
 #: Verification row packing (issue 18; the switch: False turns it off everywhere). A packed tile's
 #: row ``r`` is (query token ``r // num_heads``, head ``r % num_heads``) of ONE sequence, so the
