@@ -334,6 +334,57 @@ def test_gpu_sm90_prefill(heads, head_dim, block_size, kind, dtype, state_bytes)
     check(b, out2)
 
 
+def test_launch_tells_the_kernel_which_rows_are_aligned():
+    """Q_VEC / O_VEC (`rows_aligned`): 16-byte query loads and 4-byte output stores only on
+    rows the launcher found contiguous and aligned; anything else element by element."""
+    (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
+    assert (main.args["Q_VEC"], main.args["O_VEC"]) == (True, True)
+    cache = torch.empty(64 * 4096 // 16 + 1, 16, 8, 128, dtype=torch.bfloat16, **META)
+    bt = torch.empty(64, 256, dtype=torch.int32, **META)
+    sl = torch.empty(64, dtype=torch.int32, **META)
+    qsl = torch.empty(65, dtype=torch.int32, **META)
+    tokens = 8 * 512 + 56
+    q = torch.empty(tokens, 32, 129, dtype=torch.bfloat16, **META)[..., :128]  # head stride 129
+    out = torch.empty(tokens, 32, 256, dtype=torch.bfloat16, **META)[..., ::2]
+    launches = plan_paged_attention(q, cache, cache, bt, sl, qsl, target=SM90, out=out,
+                                    max_query_len=512, max_seq_len=4096)  # fmt: skip
+    (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
+    assert (main.args["Q_VEC"], main.args["O_VEC"]) == (False, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["aligned", "odd head stride", "dim stride 2"])
+def test_gpu_sm90_prefill_query_and_output_forms(form):
+    """A query and an output of the same form: aligned rows (16-byte query loads, 4-byte
+    stores), rows whose head stride is not a multiple of 8 elements, or a head dim of stride 2
+    (both element by element); each against the oracle."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90 kernel needs an sm_90 GPU")
+    b = make_batch(GPU_SEQS, block_size=16, heads=(32, 8), head_dim=128, dtype=torch.bfloat16,
+                   device="cuda")  # fmt: skip
+
+    def restride(t):
+        if form == "aligned":
+            return t
+        n, h, d = t.shape
+        wide = torch.full((n, h, 2 * d if form == "dim stride 2" else d + 1), float("nan"),
+                          dtype=t.dtype, device=t.device)  # fmt: skip
+        view = wide[..., ::2] if form == "dim stride 2" else wide[..., :d]
+        view.copy_(t)
+        return view
+
+    b.query = restride(b.query)
+    out = restride(torch.zeros_like(b.query))
+    mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
+    launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl, out=out)
+    (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
+    assert main.args["Q_VEC"] is main.args["O_VEC"] is (form == "aligned")
+    got = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl, out=out)
+    torch.cuda.synchronize()
+    assert got is out
+    check(b, out)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "schedule",

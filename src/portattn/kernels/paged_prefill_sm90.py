@@ -68,7 +68,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from portattn.kernels._launch import Launch
+from portattn.kernels._launch import Launch, rows_aligned
 from portattn.platform import Target
 from portattn.policy import paged as paged_policy
 from portattn.policy.common import LaunchOptions
@@ -263,6 +263,19 @@ def _rows(WG: gl.constexpr, q_tile, head_tile, kv_head, q_start, q_len, GROUP: g
 
 
 @gluon.jit
+def _row_ptrs(base, rows, cols, stride_dim, ALIGNED: gl.constexpr):
+    """``base + rows[:, None] + cols[None, :] * stride_dim`` ([rows, HEAD_D], up to 8
+    consecutive elements a thread), told 16-byte aligned and contiguous when the launcher found
+    the rows so (`rows_aligned`): the warpgroups' code cannot see the launch's alignment, and their
+    loads and stores would go element by element. (The hint must sit on the op that makes the
+    pointers, so they are made here.)"""
+    ptrs = base + rows[:, None] + cols[None, :] * stride_dim
+    if ALIGNED:
+        ptrs = gl.max_contiguous(gl.multiple_of(ptrs, [16, 16]), [1, 8])
+    return ptrs
+
+
+@gluon.jit
 def _scores(qk, scale_log2, start, full_end, kv_end, limit, cols):
     """Scaled scores (base 2) of the tile at ``start``; past ``full_end`` each row's causal
     limit and ``kv_end`` mask them to -inf."""
@@ -405,10 +418,12 @@ def _merge(WG: gl.constexpr, nm, m_h, l_h, acc_h, merge_acc, merge_m, merge_l, m
 def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr,
               GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              SPLIT: gl.constexpr):  # fmt: skip
+              SPLIT: gl.constexpr, Q_VEC: gl.constexpr, O_VEC: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
     scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
-    PINGPONG: the two warpgroups issue their MMAs in turns (module doc)."""
+    PINGPONG: the two warpgroups issue their MMAs in turns (module doc). Q_VEC / O_VEC: the
+    query's / output's rows are aligned (`rows_aligned`): the query is read 16 bytes a thread,
+    the output written 4; else element by element."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok,
      stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim, scale_log2, k_smem,
      v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, merge_acc, merge_m,
@@ -464,8 +479,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                                     HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
             dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
             q_rows = tok * stride_q_tok + head * stride_q_head
-            q = gl.load(q_ptr + q_rows[:, None] + dq[None, :] * stride_q_dim, mask=real[:, None],
-                        other=0.0)  # fmt: skip
+            q_ptrs = _row_ptrs(q_ptr, q_rows, dq, stride_q_dim, Q_VEC)
+            q = gl.load(q_ptrs, mask=real[:, None], other=0.0)
             q_buf.store(q)
             fence_async_shared()
             gl.thread_barrier()
@@ -496,8 +511,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                                     HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
             dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
             q_rows = tok * stride_q_tok + head * stride_q_head
-            q = gl.load(q_ptr + q_rows[:, None] + dq[None, :] * stride_q_dim, mask=real[:, None],
-                        other=0.0)  # fmt: skip
+            q_ptrs = _row_ptrs(q_ptr, q_rows, dq, stride_q_dim, Q_VEC)
+            q = gl.load(q_ptrs, mask=real[:, None], other=0.0)
             q_buf.store(q)
             fence_async_shared()
             gl.thread_barrier()
@@ -587,14 +602,15 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     gl.thread_barrier()
                     mbarrier.arrive(empty_bars.index(s), count=1)
                     it += 1
-            # -- epilogue: this warpgroup's rows to the output --
+            # -- epilogue: this warpgroup's rows to the output (4-byte stores into aligned rows;
+            # through the query buffer for 16-byte ones, ptxas spilled 12 B) --
             o = acc / gl.convert_layout(l_i, PV_ROW)[:, None]
             tok_o, head_o, real_o = _rows(WG, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
                                           HEAD_TILE, BLOCK_Q, PV_ROW)  # fmt: skip
             do = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, PV))
             o_rows = tok_o * stride_o_tok + head_o * stride_o_head
-            gl.store(out_ptr + o_rows[:, None] + do[None, :] * stride_o_dim, o.to(dtype),
-                     mask=real_o[:, None])  # fmt: skip
+            o_ptrs = _row_ptrs(out_ptr, o_rows, do, stride_o_dim, O_VEC)
+            gl.store(o_ptrs, o.to(dtype), mask=real_o[:, None])
 
 
 @gluon.jit
@@ -639,6 +655,8 @@ def _paged_prefill_sm90_kernel(
     PRODUCER_WARPS_: gl.constexpr,
     NUM_WG: gl.constexpr,  # consumer warpgroups (64 rows each)
     SPLIT: gl.constexpr,  # short items on both warpgroups, half the keys each (two, sequential)
+    Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
+    O_VEC: gl.constexpr,  # the output's rows aligned
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     KV_LAYOUT: gl.constexpr = k_desc.layout
@@ -679,9 +697,9 @@ def _paged_prefill_sm90_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, PINGPONG, SPLIT)),
+                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, PINGPONG, SPLIT)),
+                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX)),
             ],
             [4, PRODUCER_WARPS_],
@@ -692,11 +710,11 @@ def _paged_prefill_sm90_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False, False)),
+                             OVERLAP, False, False, Q_VEC, O_VEC)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False, False)),
+                             OVERLAP, False, False, Q_VEC, O_VEC)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False, False)),
+                             OVERLAP, False, False, Q_VEC, O_VEC)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX)),
             ],
             [4, 4, PRODUCER_WARPS_],
@@ -896,6 +914,8 @@ def sm90_prefill_launches(
         PRODUCER_WARPS_=PRODUCER_WARPS,
         NUM_WG=tile.warpgroups,
         SPLIT=split_short(tile, head_dim, key_cache.element_size(), main.target),
+        Q_VEC=rows_aligned(a["q_ptr"]),
+        O_VEC=rows_aligned(a["out_ptr"]),
     )
     kernel = Launch(
         kernel=_paged_prefill_sm90_kernel,
