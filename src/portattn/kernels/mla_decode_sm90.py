@@ -122,6 +122,16 @@ def _stamp(tr, slot, k: gl.constexpr, TRACE: gl.constexpr, GLOBAL: gl.constexpr 
 
 
 @gluon.jit
+def _query_halves(q_row, mask, stride_q_dim, HALF: gl.constexpr, LOAD: gl.constexpr):
+    """The query's latent halves ([BLOCK_H, HALF] each, in ``LOAD``) from its rows' pointers
+    (``q_row``, [BLOCK_H, 1]); rows off ``mask`` read as 0."""
+    offs_d = gl.arange(0, HALF, layout=gl.SliceLayout(0, LOAD))
+    ql = gl.load(q_row + offs_d[None, :] * stride_q_dim, mask=mask, other=0.0)
+    qr = gl.load(q_row + (HALF + offs_d[None, :]) * stride_q_dim, mask=mask, other=0.0)
+    return ql, qr
+
+
+@gluon.jit
 def _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H: gl.constexpr, layout: gl.constexpr):
     """A packed tile's rows in ``layout``: row ``r`` is (query token ``r // num_heads``, head
     ``r % num_heads``) of one sequence; returns each row's token (int64), head, query index and
@@ -614,6 +624,12 @@ def _mla_decode_sm90_kernel(
         rest = pid // HEAD_GROUPS
         split = rest % NUM_SPLITS
         tok = rest // NUM_SPLITS
+        # the query's rows need no metadata: read first, so that their latency runs under the
+        # metadata reads and the first tiles' issue (stored once those are issued)
+        q_row_off = tok.to(gl.int64) * stride_q_tok
+        offs_h = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
+        q_row = q_ptr + q_row_off + offs_h[:, None] * stride_q_head
+        ql, qr = _query_halves(q_row, (offs_h < num_heads)[:, None], stride_q_dim, HALF, LOAD)
         if VARLEN:
             seq = gl.maximum(_find_seq_sm90(qsl_ptr, stride_qsl, tok, num_seqs), 0)
             q_start = gl.load(qsl_ptr + seq * stride_qsl)
@@ -642,23 +658,14 @@ def _mla_decode_sm90_kernel(
     # -- shared memory: the query's latent halves ([1, ...]: indexed with the opaque 0), two
     # tile buffers (latent halves, rope part), both tiles' P, the running max and row sums
     # handed between the warpgroups, the barriers --
-    offs_d = gl.arange(0, HALF, layout=gl.SliceLayout(0, LOAD))
-    q_row_off = tok.to(gl.int64) * stride_q_tok
-    if PACKED:
+    if PACKED:  # the rows come from the sequence's query tokens
+        q_row_off = tok.to(gl.int64) * stride_q_tok
         tq, hq, _, rq = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H,
                                      gl.SliceLayout(1, LOAD))  # fmt: skip
-        mask_h = rq[:, None]
         q_row = q_ptr + tq[:, None] * stride_q_tok + hq[:, None] * stride_q_head
-    else:
-        offs_h = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
-        mask_h = (offs_h < num_heads)[:, None]
-        q_row = q_ptr + q_row_off + offs_h[:, None] * stride_q_head
+        ql, qr = _query_halves(q_row, rq[:, None], stride_q_dim, HALF, LOAD)
     ql_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
     qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
-    ql_smem.index(0).store(gl.load(q_row + offs_d[None, :] * stride_q_dim, mask=mask_h, other=0.0))
-    qr_smem.index(0).store(
-        gl.load(q_row + (HALF + offs_d[None, :]) * stride_q_dim, mask=mask_h, other=0.0)
-    )
     latl_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
     latr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
     pe_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], PE_LAYOUT)
@@ -676,16 +683,24 @@ def _mla_decode_sm90_kernel(
     for k in gl.static_range(5):
         mbarrier.init(sync_bars.index(k), count=1)
     fence_async_shared()
-    # -- prologue: tiles 0 and 1 in flight --
+    # -- prologue: tiles 0 and 1 in flight (both tiles' rows read first: one wait, not two) --
+    rows_01 = (
+        _tile_rows(bt_row, stride_bt_blk, 0, start, num_tiles, block_size, end, BLOCK_N, GATHER,
+                   PAGE_INDICES),
+        _tile_rows(bt_row, stride_bt_blk, 1, start, num_tiles, block_size, end, BLOCK_N, GATHER,
+                   PAGE_INDICES),
+    )  # fmt: skip
     for t in gl.static_range(2):
-        rows = _tile_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end, BLOCK_N,
-                          GATHER, PAGE_INDICES)  # fmt: skip
+        rows = rows_01[t]
         _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t),
                    latl_smem.index(t), pe_smem.index(t), False, (kv_ptr, stride_kv_row, end),
                    GATHER)  # fmt: skip
         _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t + 1),
                    latr_smem.index(t), pe_smem.index(t), True, (kv_ptr, stride_kv_row, end),
                    GATHER)  # fmt: skip
+    ql_smem.index(0).store(ql)
+    qr_smem.index(0).store(qr)
+    fence_async_shared()  # the score MMAs read the query through the async proxy
     _stamp(tr0, TRACE_PAIRS + 0 * pid, 6, TRACE)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
     # runtime values for both warpgroups (the constexprs go in the call tuples themselves: a
