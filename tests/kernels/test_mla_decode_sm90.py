@@ -174,3 +174,16 @@ def test_launch_takes_the_store_switch_and_the_output_alignment(monkeypatch):
     assert plan_mla_decode(q, cache, bt, sl, **one)[0].args["OUT_VEC"] is True
     monkeypatch.setattr(mla_policy, "SM90_STORE_SMEM", False)
     assert plan_mla_decode(q, cache, bt, sl, **kw)[0].args["STORE_SMEM"] is False
+
+
+def test_trace_buffer_builds_traced_launches_only_while_set(monkeypatch):
+    """The diagnostic trace (bench/trace_mla.py) is a launch argument read at planning: set, the
+    launch stamps into the buffer; unset, the kernel is built without the stamps."""
+    import portattn.kernels.mla_decode_sm90 as sm90
+
+    main = _plan(64, False)[0]
+    assert main.args["TRACE"] is False
+    buf = torch.empty(1 << 20, dtype=torch.int64, device="meta")
+    monkeypatch.setattr(sm90, "TRACE_BUFFER", buf)
+    main = _plan(64, False)[0]
+    assert main.args["TRACE"] is True and main.args["trace_ptr"] is buf

@@ -40,6 +40,14 @@ head) pairs of one sequence (`_packed_rows`; 16 heads x 4 tokens fill the tile),
 comes from its last real row, and each row's scores are masked at its own causal limit (the
 running max starts at -1e30, so a row with no column in a tile or split stays finite, p = 0).
 
+Prologue and epilogue. The query's rows are read first (their addresses need no metadata), both
+first tiles' rows next, and the query goes into shared memory once the first copies are issued.
+With one split each warpgroup writes its output columns through its buffer-0 half, which no MMA
+reads any more (`portattn.policy.mla.SM90_STORE_SMEM`; then 16-byte stores, a warp a row). A
+warpgroup's code does not see the launch's alignment, so the launcher tells it (``OUT_VEC``,
+`rows_aligned`); without it, stores go element by element. Diagnostic: with `TRACE_BUFFER`
+set, the launcher builds a kernel that stamps each pair's steps (bench/trace_mla.py).
+
 Requirements (checked by the launcher, `sm90_errors`): sm_90, fp16/bf16, ``BLOCK_H = BLOCK_N =
 64``, ``kv_lora_rank`` in 128 / 256 / 512, rope width a power of two in 16..128, the shared
 memory (`sm90_smem_bytes`; 576/512: 230788 B) within the target's, pages laid out one after

@@ -40,6 +40,10 @@ Both off (the default: on an H100 neither the overlapped schedules, nor 3 stages
 tiles measured faster, bench/RESULTS.md 2026-11-25), a warpgroup scores, softmaxes and
 accumulates one tile at a time.
 
+Query rows are read 16 bytes a thread and output rows written 4 bytes a thread where the launcher
+found them aligned (``Q_VEC`` / ``O_VEC``, `rows_aligned`: a warpgroup's code does not see the
+launch's alignment); otherwise both go element by element.
+
 The rows of the sequence's last page past ``seq_len`` are real memory that may hold anything
 (NaN): their scores are masked, and before P V each warpgroup zeroes them in the V tile (both
 write the same zeros; the other warpgroup reads either its own zeros or these).
