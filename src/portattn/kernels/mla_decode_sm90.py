@@ -479,8 +479,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         o = obuf.load(OUT)
         O_ROW: gl.constexpr = gl.SliceLayout(1, OUT)
         od = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, OUT))
-    else:
-        O_ROW: gl.constexpr = PV_ROW
+    else:  # (a constexpr branch: Gluon needs the annotation in each)
+        O_ROW: gl.constexpr = PV_ROW  # type: ignore[no-redef]
         od = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, PV))
     oh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROW)
     lh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW)
