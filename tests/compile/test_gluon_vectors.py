@@ -1,0 +1,128 @@
+"""Issues 18/19 on a CPU: the sm_90 Gluon kernels' warpgroups move rows in vectors.
+
+A `gl.warp_specialize` partition does not see the launch's alignment of its arguments, so its
+global accesses went element by element: the MLA kernel's second warpgroup stored its output 2
+bytes at a time (10-13 us of a 146 us call on an H100), and one prefill warpgroup loaded its
+query and stored its output the same way. The launchers now tell the kernels which rows are
+aligned (`kernels._launch.rows_aligned`). Here the planned launches are compiled for sm_90 (no
+GPU; in spawned processes, as the compile matrix does) and their PTX's global accesses counted:
+aligned rows give no 16-bit element accesses outside the MLA query's rope part, and rows that
+are not aligned still compile, to element accesses (the fallback the count must see).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import re
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from portattn.compile.matrix import _worker_env
+
+pytestmark = pytest.mark.compile
+
+_NARROW_LOAD = re.compile(r"ld\.global(?:\.\w+)*\.(?:b|u|s|f)16\b")
+_NARROW_STORE = re.compile(r"st\.global(?:\.\w+)*\.(?:b|u|s|f)16\b")
+_VECTOR_STORE = re.compile(r"st\.global(?:\.\w+)*\.v[24]\.b32\b")
+
+
+def _mla(aligned: bool):
+    """The bench's point (128 heads, batch 64: one split, the kernel writes the bf16 output)."""
+    import torch
+
+    from portattn.kernels.mla_decode import plan_mla_decode
+    from portattn.platform import get_target
+
+    meta = dict(device="meta")
+    q = torch.empty(64, 128, 576, dtype=torch.bfloat16, **meta)
+    cache = torch.empty(64 * 64 + 1, 64, 576, dtype=torch.bfloat16, **meta)
+    bt = torch.empty(64, 64, dtype=torch.int32, **meta)
+    sl = torch.empty(64, dtype=torch.int32, **meta)
+    out = None if aligned else torch.empty(64, 128, 520, dtype=torch.bfloat16, **meta)[..., 1:513]
+    launches = plan_mla_decode(
+        q, cache, bt, sl, kv_lora_rank=512, scale=0.05, out=out, target=get_target("sm_90")
+    )
+    (main,) = [launch for launch in launches if launch.name == "mla_decode_sm90"]
+    assert main.args["NUM_SPLITS"] == 1 and main.args["OUT_VEC"] is aligned
+    return main
+
+
+def _prefill(aligned: bool):
+    """A mixed batch's prefill part (32 q / 8 KV heads, head_dim 128, 16-token pages)."""
+    import torch
+
+    from portattn.kernels.paged_attention import plan_paged_attention
+    from portattn.platform import get_target
+
+    meta = dict(device="meta")
+    tokens = 8 * 512 + 56
+    width = 128 if aligned else 129  # a head stride of 129 elements: rows not 16-byte aligned
+    q = torch.empty(tokens, 32, width, dtype=torch.bfloat16, **meta)[..., :128]
+    out = torch.empty(tokens, 32, width, dtype=torch.bfloat16, **meta)[..., :128]
+    cache = torch.empty(64 * 256 + 1, 16, 8, 128, dtype=torch.bfloat16, **meta)
+    bt = torch.empty(64, 256, dtype=torch.int32, **meta)
+    sl = torch.empty(64, dtype=torch.int32, **meta)
+    qsl = torch.empty(65, dtype=torch.int32, **meta)
+    launches = plan_paged_attention(
+        q, cache, cache, bt, sl, qsl, out=out, target=get_target("sm_90"), max_query_len=512,
+        max_seq_len=4096,
+    )  # fmt: skip
+    (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
+    assert (main.args["Q_VEC"], main.args["O_VEC"]) == (aligned, aligned)
+    return main
+
+
+def _accesses(kernel: str, aligned: bool) -> dict:
+    """Compile the launch (worker process) and count its global loads and stores by width."""
+    import triton
+
+    from portattn.compile.worker import _resources, bind, source_for
+    from portattn.platform import get_target
+
+    target = get_target("sm_90")
+    launch = _mla(aligned) if kernel == "mla" else _prefill(aligned)
+    options, signature, constexprs, attrs = bind(launch, target)
+    src = source_for(launch.kernel)(launch.kernel, signature, constexprs, attrs)
+    compiled = triton.compile(src, target=target.gpu_target(), options=options.__dict__)
+    ptx = compiled.asm["ptx"]
+    _, spills, _ = _resources(compiled, target)
+    return dict(
+        narrow_loads=len(_NARROW_LOAD.findall(ptx)),
+        narrow_stores=len(_NARROW_STORE.findall(ptx)),
+        vector_stores=len(_VECTOR_STORE.findall(ptx)),
+        spills=spills,
+    )
+
+
+@pytest.fixture(scope="module")
+def accesses() -> dict:
+    jobs = [(kernel, aligned) for kernel in ("mla", "prefill") for aligned in (True, False)]
+    with _worker_env(None):
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
+            futures = {job: pool.submit(_accesses, *job) for job in jobs}
+            return {job: f.result() for job, f in futures.items()}
+
+
+def test_mla_output_goes_out_in_vectors(accesses):
+    got = accesses["mla", True]
+    # both warpgroups: 16 16-byte stores a thread through shared memory (SM90_STORE_SMEM)
+    assert got["narrow_stores"] == 0 and got["vector_stores"] == 32, got
+    # left alone: the query's rope part, read once a program into the score MMA's registers
+    # (64 x 64 over a warpgroup: 32 elements a thread, in warpgroup 1 only)
+    assert got["narrow_loads"] == 32, got
+    assert got["spills"] == 0
+
+
+def test_prefill_query_and_output_go_in_vectors(accesses):
+    got = accesses["prefill", True]
+    assert got["narrow_loads"] == 0 and got["narrow_stores"] == 0, got
+    assert got["spills"] == 0
+
+
+@pytest.mark.parametrize("kernel", ["mla", "prefill"])
+def test_rows_that_are_not_aligned_fall_back_to_elements(accesses, kernel):
+    """The count sees element accesses: rows the launcher cannot vouch for take them."""
+    got = accesses[kernel, False]
+    assert got["narrow_stores"] > 0, got
