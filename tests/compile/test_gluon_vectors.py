@@ -126,3 +126,5 @@ def test_rows_that_are_not_aligned_fall_back_to_elements(accesses, kernel):
     """The count sees element accesses: rows the launcher cannot vouch for take them."""
     got = accesses[kernel, False]
     assert got["narrow_stores"] > 0, got
+    if kernel == "prefill":  # the query too (MLA's unaligned case keeps an aligned query)
+        assert got["narrow_loads"] > 0, got

@@ -546,12 +546,13 @@ def test_gpu_sm90_gather(dk, r, heads, bs, form, q_lens, seq_lens, splits):
 
 
 def _restride(q, form):
-    """``q`` copied into a view of another layout: ``dim2`` (head dim stride 2), ``odd`` (head
-    stride of 577 elements, not 16-byte aligned)."""
+    """``q`` copied into a view of another layout over NaN: ``padded`` (8 elements of padding a
+    row: still 16-byte aligned), ``dim2`` (head dim stride 2), ``odd`` (one element of padding:
+    not aligned)."""
     if form == "contiguous":
         return q
     t, h, d = q.shape
-    width = {"dim2": 2 * d, "odd": d + 1}[form]
+    width = {"padded": d + 8, "dim2": 2 * d, "odd": d + 1}[form]
     base = torch.full((t, h, width), float("nan"), dtype=q.dtype, device=q.device)
     view = base[..., ::2] if form == "dim2" else base[..., :d]
     view.copy_(q)
@@ -559,13 +560,13 @@ def _restride(q, form):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["contiguous", "dim2", "odd"])
+@pytest.mark.parametrize("form", ["contiguous", "padded", "dim2", "odd"])
 @pytest.mark.parametrize("store_smem", [True, False])
 def test_gpu_sm90_query_and_output_forms(form, store_smem, monkeypatch):
     """One split (the kernel writes the bf16 output itself) with a query and an output of the
-    same form: contiguous, head dim stride 2, or rows not 16-byte aligned (16-byte stores only
-    into aligned rows, ``OUT_VEC``); the output through shared memory or straight from the
-    accumulators. Every path against the oracle."""
+    same form: contiguous, padded rows (still aligned), head dim stride 2, or rows not 16-byte
+    aligned (16-byte stores only into aligned rows, ``OUT_VEC``); the output through shared
+    memory or straight from the accumulators. Every path against the oracle."""
     from portattn.policy import mla as mla_policy
 
     target = _sm90_target()
@@ -577,8 +578,10 @@ def test_gpu_sm90_query_and_output_forms(form, store_smem, monkeypatch):
     out = _restride(torch.zeros(q.shape[0], 128, 512, dtype=q.dtype, device="cuda"), form)
     launch = _check_sm90(target, q, cache, bt, sl, qsl, 512, 1, out=out)
     assert launch.args["NUM_SPLITS"] == 1 and launch.outputs[0] is out
-    assert launch.args["OUT_VEC"] is (form == "contiguous")
+    assert launch.args["OUT_VEC"] is (form in ("contiguous", "padded"))
     assert launch.args["STORE_SMEM"] is store_smem
+    if form == "padded":  # 16-byte stores into aligned rows wrote nothing past them
+        assert torch.isnan(out._base[..., 512:]).all()
 
 
 def _sm90_target():

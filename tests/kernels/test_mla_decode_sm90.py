@@ -106,9 +106,10 @@ def test_refuses_interleaved_pages():
     "name",
     [
         "576/512 h128 page64",  # split partial results (fp32)
-        "576/512 h128 page64 b64",  # one split: the output through shared memory, the query async
+        "576/512 h128 page64 b64",  # one split: the output through shared memory
         "576/512 h128 page1 b64",
         "576/512 h16 q8 page64 b64",  # packed rows, one split
+        "320/256 h128 page64 b64",  # one split at rank 256: the output from the accumulators
     ],
 )
 def test_compiles_for_sm90_within_its_estimate_without_spills(name):
@@ -149,11 +150,12 @@ def test_rows_aligned_needs_contiguous_16_byte_rows(width, view, ok):
     assert rows_aligned(q) is ok
 
 
-def main_tiles(q, cache, bt, sl):
-    """The policy's tiles for these (meta) tensors, read back from a plan."""
+def _policy_tiles(q, kv_lora_rank=512):
+    """The policy's sm_90 tiles for ``q`` (tokens x heads x head dim) at 4k context."""
     from portattn.policy.mla import MlaProblem, mla_decode_tiles
 
-    return mla_decode_tiles(SM90, MlaProblem(q.shape[1], 576, 512, 2, q.shape[0], 4096))
+    problem = MlaProblem(q.shape[1], q.shape[2], kv_lora_rank, 2, q.shape[0], 4096)
+    return mla_decode_tiles(SM90, problem)
 
 
 def test_launch_takes_the_store_switch_and_the_output_alignment(monkeypatch):
@@ -168,7 +170,7 @@ def test_launch_takes_the_store_switch_and_the_output_alignment(monkeypatch):
     main = plan_mla_decode(q, cache, bt, sl, **kw)[0]
     assert main.args["NUM_SPLITS"] > 1
     assert (main.args["STORE_SMEM"], main.args["OUT_VEC"]) == (True, True)
-    one = dict(kw, tiles=dataclasses.replace(main_tiles(q, cache, bt, sl), num_kv_splits=1))
+    one = dict(kw, tiles=dataclasses.replace(_policy_tiles(q), num_kv_splits=1))
     odd_out = torch.empty(4, 128, 520, dtype=torch.bfloat16, **meta)[..., 1:513]
     assert plan_mla_decode(q, cache, bt, sl, out=odd_out, **one)[0].args["OUT_VEC"] is False
     assert plan_mla_decode(q, cache, bt, sl, **one)[0].args["OUT_VEC"] is True
@@ -183,7 +185,30 @@ def test_trace_buffer_builds_traced_launches_only_while_set(monkeypatch):
 
     main = _plan(64, False)[0]
     assert main.args["TRACE"] is False
-    buf = torch.empty(1 << 20, dtype=torch.int64, device="meta")
+    buf = torch.empty(1 << 22, dtype=torch.int64, device="meta")
     monkeypatch.setattr(sm90, "TRACE_BUFFER", buf)
     main = _plan(64, False)[0]
     assert main.args["TRACE"] is True and main.args["trace_ptr"] is buf
+
+
+def test_output_through_shared_memory_only_at_the_rank_a_gpu_ran():
+    """`SM90_STORE_SMEM_RANKS`: rank 512 writes through shared memory, rank 256 from the
+    accumulators (its read-back layout never ran on a GPU)."""
+    meta = dict(device="meta")
+    sl = torch.empty(4, dtype=torch.int32, **meta)
+    bt = torch.empty(4, 16, dtype=torch.int32, **meta)
+    for dk, rank, smem in ((576, 512, True), (320, 256, False)):
+        q = torch.empty(4, 128, dk, dtype=torch.bfloat16, **meta)
+        cache = _cache(pages=65, block_size=64, width=dk)
+        tiles = dataclasses.replace(_policy_tiles(q, rank), num_kv_splits=1)
+        main = plan_mla_decode(q, cache, bt, sl, kv_lora_rank=rank, scale=0.05, target=SM90,
+                               tiles=tiles)[0]  # fmt: skip
+        assert (main.name, main.args["STORE_SMEM"]) == ("mla_decode_sm90", smem)
+
+
+def test_trace_buffer_too_small_is_refused(monkeypatch):
+    import portattn.kernels.mla_decode_sm90 as sm90
+
+    monkeypatch.setattr(sm90, "TRACE_BUFFER", torch.empty(16, dtype=torch.int64, device="meta"))
+    with pytest.raises(ValueError, match="TRACE_BUFFER must be an int64 tensor on meta of at"):
+        _plan(64, False)

@@ -353,11 +353,12 @@ def test_launch_tells_the_kernel_which_rows_are_aligned():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["aligned", "odd head stride", "dim stride 2"])
+@pytest.mark.parametrize("form", ["aligned", "padded", "odd head stride", "dim stride 2"])
 def test_gpu_sm90_prefill_query_and_output_forms(form):
     """A query and an output of the same form: aligned rows (16-byte query loads, 4-byte
-    stores), rows whose head stride is not a multiple of 8 elements, or a head dim of stride 2
-    (both element by element); each against the oracle."""
+    stores), padded rows (8 elements of NaN a row: still aligned, and left untouched), rows
+    whose head stride is not a multiple of 8 elements, or a head dim of stride 2 (both element
+    by element); each against the oracle."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
     b = make_batch(GPU_SEQS, block_size=16, heads=(32, 8), head_dim=128, dtype=torch.bfloat16,
@@ -367,8 +368,8 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
         if form == "aligned":
             return t
         n, h, d = t.shape
-        wide = torch.full((n, h, 2 * d if form == "dim stride 2" else d + 1), float("nan"),
-                          dtype=t.dtype, device=t.device)  # fmt: skip
+        width = {"padded": d + 8, "odd head stride": d + 1, "dim stride 2": 2 * d}[form]
+        wide = torch.full((n, h, width), float("nan"), dtype=t.dtype, device=t.device)
         view = wide[..., ::2] if form == "dim stride 2" else wide[..., :d]
         view.copy_(t)
         return view
@@ -378,11 +379,13 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
     mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
     launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl, out=out)
     (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
-    assert main.args["Q_VEC"] is main.args["O_VEC"] is (form == "aligned")
+    assert main.args["Q_VEC"] is main.args["O_VEC"] is (form in ("aligned", "padded"))
     got = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl, out=out)
     torch.cuda.synchronize()
     assert got is out
     check(b, out)
+    if form == "padded":  # nothing written past the rows
+        assert torch.isnan(out._base[..., 128:]).all()
 
 
 @pytest.mark.gpu

@@ -333,6 +333,9 @@ def mla_cases() -> list[Case]:
         _mla_case("576/512 h16 q8 page64 b64", 576, 512, num_q_heads=16, q_len=8, block_size=64,
                   num_seqs=64)
     )  # fmt: skip
+    # rank 256, one split: the output straight from the accumulators (SM90_STORE_SMEM_RANKS)
+    cases.append(_mla_case("320/256 h128 page64 b64", 320, 256, num_q_heads=128, block_size=64,
+                           num_seqs=64))  # fmt: skip
     return cases
 
 

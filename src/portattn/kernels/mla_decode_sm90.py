@@ -40,10 +40,12 @@ head) pairs of one sequence (`_packed_rows`; 16 heads x 4 tokens fill the tile),
 comes from its last real row, and each row's scores are masked at its own causal limit (the
 running max starts at -1e30, so a row with no column in a tile or split stays finite, p = 0).
 
-Prologue and epilogue. The query's rows are read first (their addresses need no metadata), both
-first tiles' rows next, and the query goes into shared memory once the first copies are issued.
+Prologue and epilogue. Unpacked, the query's rows are read first (their addresses need no
+metadata); both first tiles' rows are read before either copy, and the query goes into shared
+memory once the first copies are issued.
 With one split each warpgroup writes its output columns through its buffer-0 half, which no MMA
-reads any more (`portattn.policy.mla.SM90_STORE_SMEM`; then 16-byte stores, a warp a row). A
+reads any more (`portattn.policy.mla.SM90_STORE_SMEM`, at rank 512; then 16-byte stores, a warp
+a row). A
 warpgroup's code does not see the launch's alignment, so the launcher tells it (``OUT_VEC``,
 `rows_aligned`); without it, stores go element by element. Diagnostic: with `TRACE_BUFFER`
 set, the launcher builds a kernel that stamps each pair's steps (bench/trace_mla.py).
@@ -73,6 +75,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from portattn.kernels._gluon import row_ptrs
 from portattn.kernels._launch import Launch, rows_aligned
 from portattn.platform import Target
 from portattn.policy import mla as mla_policy
@@ -92,7 +95,8 @@ TRACE_PAIRS = gl.constexpr(256)
 #: When set (an int64 CUDA tensor of at least ``programs * 2 * (TRACE_PAIRS + 1) *
 #: TRACE_EVENTS`` elements), `sm90_launch` builds traced launches: clock64 stamps indexed
 #: ``[program, warpgroup, pair, event]`` (the last "pair" holds the epilogue's; bench/trace_mla.py).
-#: Diagnostic only; the library never sets it.
+#: Diagnostic only; the library never sets it. It is read when a launch is planned and is not part
+#: of the op's plan-cache key: set it only around `plan_mla_decode` (as bench/trace_mla.py does).
 TRACE_BUFFER = None
 
 
@@ -266,7 +270,10 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
-    pair's rows are read at the top of this pair (`portattn.policy.mla.SM90_ROWS_AHEAD`)."""
+    pair's rows are read at the top of this pair (`portattn.policy.mla.SM90_ROWS_AHEAD`).
+    STORE_SMEM: a one-split output goes through this warpgroup's buffer-0 half. OUT_VEC: the rows
+    it writes are aligned (`rows_aligned`). TRACE, ``tr``: the diagnostic stamps and (trace
+    buffer, program id)."""
     (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
      stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
      latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
@@ -490,29 +497,23 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         tl_, hl, _, rl = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H, ROW)
         mask_o = ro[:, None]  # broadcast along the row (a column term cost the vector stores)
         if NUM_SPLITS == 1:
-            ptrs = out_ptr + to[:, None] * stride_out_tok + ho[:, None] * stride_out_head
-            ptrs = ptrs + od[None, :] * stride_out_dim
-            if OUT_VEC:
-                ptrs = gl.max_contiguous(gl.multiple_of(ptrs, [16, 16]), [1, 8])
+            base = out_ptr + to[:, None] * stride_out_tok  # [rows, 1]: each row's token
+            ptrs = row_ptrs(base, ho * stride_out_head, od, stride_out_dim, OUT_VEC, 8)
             gl.store(ptrs, o.to(dtype), mask=mask_o)
             if RETURN_LSE and WG == 0:
                 gl.store(lse_ptr + tl_ * stride_lse_tok + hl * stride_lse_head, lse, mask=rl)
         else:
             po = part_out_ptr + split * stride_po_split
-            ptrs = po + to[:, None] * stride_po_tok + ho[:, None] * stride_po_head
-            ptrs = ptrs + od[None, :] * stride_po_dim
-            if OUT_VEC:
-                ptrs = gl.max_contiguous(gl.multiple_of(ptrs, [16, 16]), [1, 4])
+            base = po + to[:, None] * stride_po_tok
+            ptrs = row_ptrs(base, ho * stride_po_head, od, stride_po_dim, OUT_VEC, 4)
             gl.store(ptrs, o, mask=mask_o)
             if WG == 0:
                 pl = part_lse_ptr + split * stride_pl_split
                 gl.store(pl + tl_ * stride_pl_tok + hl * stride_pl_head, lse, mask=rl)
     elif NUM_SPLITS == 1:
         mask_o = ((oh < num_heads) & valid)[:, None]
-        ptrs = out_ptr + tok64 * stride_out_tok + oh[:, None] * stride_out_head
-        ptrs = ptrs + od[None, :] * stride_out_dim
-        if OUT_VEC:
-            ptrs = gl.max_contiguous(gl.multiple_of(ptrs, [16, 16]), [1, 8])
+        ptrs = row_ptrs(out_ptr + tok64 * stride_out_tok, oh * stride_out_head, od,
+                        stride_out_dim, OUT_VEC, 8)  # fmt: skip
         gl.store(ptrs, o.to(dtype), mask=mask_o)
         if RETURN_LSE and WG == 0:
             gl.store(
@@ -524,9 +525,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         # every padded head row: the workspace has padded_heads rows
         po = part_out_ptr + tok64 * stride_po_tok + split * stride_po_split
         mask_o = ((oh >= 0) & valid)[:, None]
-        ptrs = po + oh[:, None] * stride_po_head + od[None, :] * stride_po_dim
-        if OUT_VEC:
-            ptrs = gl.max_contiguous(gl.multiple_of(ptrs, [16, 16]), [1, 4])
+        ptrs = row_ptrs(po, oh * stride_po_head, od, stride_po_dim, OUT_VEC, 4)
         gl.store(ptrs, o, mask=mask_o)
         if WG == 0:
             pl = part_lse_ptr + tok64 * stride_pl_tok + split * stride_pl_split
@@ -825,11 +824,20 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
-        STORE_SMEM=mla_policy.SM90_STORE_SMEM,
+        STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
         # a placeholder pointer when off (never read)
         trace_ptr=TRACE_BUFFER if TRACE_BUFFER is not None else a["seq_lens_ptr"],
         TRACE=TRACE_BUFFER is not None,
     )
+    if TRACE_BUFFER is not None:
+        need = main.grid[0] * 2 * (TRACE_PAIRS.value + 1) * TRACE_EVENTS.value
+        buf = TRACE_BUFFER
+        if buf.dtype != torch.int64 or buf.device != kv_cache.device or buf.numel() < need:
+            raise ValueError(
+                f"TRACE_BUFFER must be an int64 tensor on {kv_cache.device} of at least {need} "
+                f"elements (programs x 2 x (TRACE_PAIRS + 1) x TRACE_EVENTS); got {buf.dtype} on "
+                f"{buf.device}, {buf.numel()} elements"
+            )
     options = LaunchOptions(NUM_WARPS, main.options.num_stages)
     return dataclasses.replace(
         main, kernel=_mla_decode_sm90_kernel, args=args, options=options, name="mla_decode_sm90"

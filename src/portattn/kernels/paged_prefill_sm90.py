@@ -72,6 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from portattn.kernels._gluon import row_ptrs
 from portattn.kernels._launch import Launch, rows_aligned
 from portattn.platform import Target
 from portattn.policy import paged as paged_policy
@@ -264,19 +265,6 @@ def _rows(WG: gl.constexpr, q_tile, head_tile, kv_head, q_start, q_len, GROUP: g
     hig = head_tile * HEAD_TILE + r % HEAD_TILE
     real = (r // HEAD_TILE < BLOCK_Q) & (tok < q_len) & (hig < GROUP)
     return (q_start + tok).to(gl.int64), kv_head * GROUP + hig, real
-
-
-@gluon.jit
-def _row_ptrs(base, rows, cols, stride_dim, ALIGNED: gl.constexpr):
-    """``base + rows[:, None] + cols[None, :] * stride_dim`` ([rows, HEAD_D], up to 8
-    consecutive elements a thread), told 16-byte aligned and contiguous when the launcher found
-    the rows so (`rows_aligned`): the warpgroups' code cannot see the launch's alignment, and their
-    loads and stores would go element by element. (The hint must sit on the op that makes the
-    pointers, so they are made here.)"""
-    ptrs = base + rows[:, None] + cols[None, :] * stride_dim
-    if ALIGNED:
-        ptrs = gl.max_contiguous(gl.multiple_of(ptrs, [16, 16]), [1, 8])
-    return ptrs
 
 
 @gluon.jit
@@ -483,7 +471,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                                     HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
             dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
             q_rows = tok * stride_q_tok + head * stride_q_head
-            q_ptrs = _row_ptrs(q_ptr, q_rows, dq, stride_q_dim, Q_VEC)
+            q_ptrs = row_ptrs(q_ptr, q_rows, dq, stride_q_dim, Q_VEC, 8)
             q = gl.load(q_ptrs, mask=real[:, None], other=0.0)
             q_buf.store(q)
             fence_async_shared()
@@ -515,7 +503,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                                     HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
             dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
             q_rows = tok * stride_q_tok + head * stride_q_head
-            q_ptrs = _row_ptrs(q_ptr, q_rows, dq, stride_q_dim, Q_VEC)
+            q_ptrs = row_ptrs(q_ptr, q_rows, dq, stride_q_dim, Q_VEC, 8)
             q = gl.load(q_ptrs, mask=real[:, None], other=0.0)
             q_buf.store(q)
             fence_async_shared()
@@ -613,7 +601,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                                           HEAD_TILE, BLOCK_Q, PV_ROW)  # fmt: skip
             do = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, PV))
             o_rows = tok_o * stride_o_tok + head_o * stride_o_head
-            o_ptrs = _row_ptrs(out_ptr, o_rows, do, stride_o_dim, O_VEC)
+            o_ptrs = row_ptrs(out_ptr, o_rows, do, stride_o_dim, O_VEC, 8)
             gl.store(o_ptrs, o.to(dtype), mask=real_o[:, None])
 
 

@@ -144,6 +144,9 @@ SM90_ROWS_AHEAD = True
 #: vectorized in both warpgroups, ``OUT_VEC``); 128 heads 4k 147.4 -> 143.2 us, verification
 #: 16 heads q8 146.7 -> 140.4 us. Read at planning.
 SM90_STORE_SMEM = True
+#: The latent ranks it is taken at: those a GPU ran it at (its read-back layout depends on the
+#: half width); the others write straight from the accumulators.
+SM90_STORE_SMEM_RANKS = (512,)
 #: Verification row packing (issue 18; the switch: False turns it off everywhere). A packed tile's
 #: row ``r`` is (query token ``r // num_heads``, head ``r % num_heads``) of ONE sequence, so the
 #: ``q_len`` tokens of a sequence read its latent cache once per tile instead of once per token;
