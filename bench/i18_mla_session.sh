@@ -10,19 +10,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/portattn-out}; mkdir -p "$OUT"
 (( $# )) || set -- "SM90_ROWS_AHEAD=1" "SM90_ROWS_AHEAD=0"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-# the GPU tests with the first configuration's switches (pytest in-process, policy set first)
-python3 - "$1" <<'PY' 2>&1 | tail -8 | tee "$OUT/tests_mla.log"
-import sys
-import pytest
-sys.path.insert(0, "bench")
-from _common import set_switch  # checks each item: NAME=0|1, NAME a boolean switch
-from portattn.policy import mla
-for item in sys.argv[1].split():
-    set_switch(mla, item)
-print("switches:", sys.argv[1])
-sys.exit(pytest.main(["-q", "-m", "gpu", "tests/kernels/test_mla_packed.py",
-                      "tests/kernels/test_mla_decode.py", "tests/kernels/test_mla_decode_sm90.py"]))
-PY
+# the GPU tests with the first configuration's switches
+python3 bench/mla_gpu_tests.py "$1" 2>&1 | tail -8 | tee "$OUT/tests_mla.log"
 page="--contexts 4096 16384 --heads 16 128 --page 64 1 --page-indices --no-hip"
 for i in $(seq 1 $#); do
   cfg=${!i}; sets=(); for item in $cfg; do sets+=(--set "$item"); done

@@ -9,18 +9,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/portattn-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-python3 - "$1" <<'PY' 2>&1 | tail -4 | tee "$OUT/tests_mla.log"
-import sys
-import pytest
-sys.path.insert(0, "bench")
-from _common import set_switch
-from portattn.policy import mla
-for item in sys.argv[1].split():
-    set_switch(mla, item)
-print("switches:", sys.argv[1])
-sys.exit(pytest.main(["-q", "-m", "gpu", "tests/kernels/test_mla_packed.py",
-                      "tests/kernels/test_mla_decode.py", "tests/kernels/test_mla_decode_sm90.py"]))
-PY
+python3 bench/mla_gpu_tests.py "$1" 2>&1 | tail -4 | tee "$OUT/tests_mla.log"
 for i in $(seq 1 $#); do
   cfg=${!i}; sets=(); for item in $cfg; do sets+=(--set "$item"); done
   echo "== config $i: $cfg"

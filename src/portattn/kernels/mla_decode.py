@@ -77,7 +77,7 @@ from portattn.kernels._checks import (
     tensor_reads_contents,
     to_host,
 )
-from portattn.kernels._launch import Launch
+from portattn.kernels._launch import Launch, rows_aligned
 from portattn.kernels._plans import PLANS, _current_device, call_key, exact_id, present
 from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_launch
 from portattn.layout import describe_kv_cache
@@ -882,10 +882,10 @@ def _tma_ok(kv_cache: torch.Tensor, kv_lora_rank: int, tiles: MlaTiles, paged_sl
     Each tile must lie inside one page (``block_size % block_n == 0``; not with flat
     ``page_indices`` slots), the latent and rope tiles must be exactly the cache's columns (no
     padded columns, which a descriptor would fill from the neighbouring part), and the cache must
-    meet the copy engine's rules: contiguous last dimension, 16-byte aligned base and strides.
+    meet the copy engine's rules: contiguous last dimension, 16-byte aligned base and strides
+    (`rows_aligned`).
     """
     t = tiles
-    elem = kv_cache.element_size()
     rope = kv_cache.shape[2] - kv_lora_rank
     return (
         not paged_slots
@@ -893,9 +893,7 @@ def _tma_ok(kv_cache: torch.Tensor, kv_lora_rank: int, tiles: MlaTiles, paged_sl
         and t.block_dv == kv_lora_rank
         and t.block_dpe == rope
         and rope > 0
-        and kv_cache.stride(2) == 1
-        and all((st * elem) % 16 == 0 for st in kv_cache.stride()[:2])
-        and kv_cache.data_ptr() % 16 == 0
+        and rows_aligned(kv_cache)
     )
 
 

@@ -45,10 +45,10 @@ metadata); both first tiles' rows are read before either copy, and the query goe
 memory once the first copies are issued.
 With one split each warpgroup writes its output columns through its buffer-0 half, which no MMA
 reads any more (`portattn.policy.mla.SM90_STORE_SMEM`, at rank 512; then 16-byte stores, a warp
-a row). A
-warpgroup's code does not see the launch's alignment, so the launcher tells it (``OUT_VEC``,
-`rows_aligned`); without it, stores go element by element. Diagnostic: with `TRACE_BUFFER`
-set, the launcher builds a kernel that stamps each pair's steps (bench/trace_mla.py).
+a row). A warpgroup's code does not see the launch's alignment, so the launcher tells it
+(``OUT_VEC``, `rows_aligned`); without it, stores go element by element. Diagnostic: with
+`TRACE_BUFFER` set, the launcher builds a kernel that stamps each pair's steps
+(bench/trace_mla.py).
 
 Requirements (checked by the launcher, `sm90_errors`): sm_90, fp16/bf16, ``BLOCK_H = BLOCK_N =
 64``, ``kv_lora_rank`` in 128 / 256 / 512, rope width a power of two in 16..128, the shared
