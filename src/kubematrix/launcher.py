@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import sys
 import threading
@@ -261,7 +262,7 @@ class Launcher:
         self._lock = threading.Lock()
         self._launched: set[str] = set()  # created (or attached) and not yet deleted
         self._deleting: set[str] = set()
-        self._streams: set[Any] = set()  # open log responses and watches (see _abort_streams)
+        self._streams: set[Any] = set()  # open log and watch responses (see _abort_streams)
         self.leftovers: dict[str, str] = {}
 
     # ------------------------------------------------------------------ plumbing
@@ -287,15 +288,46 @@ class Launcher:
         (self._sleep_fn or time.sleep)(seconds)
 
     def _abort_streams(self) -> None:
-        """Unblock every worker reading a log or a watch (on cancel): shut the sockets down."""
+        """Unblock every worker reading a log or a watch (on cancel): shut the sockets down.
+
+        Called after :attr:`cancel` is set; a response opened after this snapshot is caught
+        by :meth:`_track`, which checks the cancel after registering it.
+        """
         with self._lock:
             streams = list(self._streams)
-        for stream in streams:
-            # A Watch keeps its response in _resp (kubernetes 37); a log stream is the response.
-            resp = getattr(stream, "_resp", stream)
+        for resp in streams:
             # Already released or closed (or an older urllib3): nothing to wake.
             with contextlib.suppress(AttributeError, ValueError, RuntimeError, OSError):
                 resp.shutdown()  # urllib3 >= 2.3: wakes a read blocked in another thread
+
+    def _track(self, resp: Any) -> None:
+        """Register an open streaming response for :meth:`_abort_streams`, then check the cancel.
+
+        Registering first closes the race with a Ctrl-C that arrives while the request is in
+        flight: either the abort's snapshot sees the response, or the cancel was set before
+        the registration and is seen here (raises :class:`Cancelled`; the caller's cleanup
+        releases the response).
+        """
+        with self._lock:
+            self._streams.add(resp)
+        self._check_cancel()
+
+    def _tracked(self, fn: Callable[..., Any], opened: list[Any]) -> Callable[..., Any]:
+        """``fn`` (a streaming API call) whose responses are appended to ``opened`` and
+        :meth:`_track`-ed as soon as they open; its doc string is kept (the Watch reads it)."""
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            resp = fn(*args, **kwargs)
+            opened.append(resp)
+            self._track(resp)
+            return resp
+
+        return call
+
+    def _untrack(self, resp: Any) -> None:
+        with self._lock:
+            self._streams.discard(resp)
 
     def kubectl_delete(self, name: str) -> str:
         """The command that removes Job ``name`` and its pods by hand."""
@@ -617,11 +649,10 @@ class Launcher:
             # The client stops reading at the deadline even when the server would go on.
             read_timeout = min(server_timeout + 5, max(remaining, 0.05))
             w = watch.Watch()
-            with self._lock:
-                self._streams.add(w)
+            opened: list[Any] = []
             try:
                 for event in w.stream(
-                    self.core.list_namespaced_pod,
+                    self._tracked(self.core.list_namespaced_pod, opened),
                     self.namespace,
                     label_selector=selector,
                     resource_version=rv,
@@ -651,8 +682,9 @@ class Launcher:
             except _NET_ERRORS:
                 rv = None  # dropped without a 410: list again (the list retries its own errors)
             finally:
-                with self._lock:
-                    self._streams.discard(w)
+                for resp in opened:
+                    self._untrack(resp)
+                    resp.release_conn()  # idempotent; the Watch releases it when it ends
                 w.stop()
             yield None
 
@@ -711,9 +743,8 @@ class Launcher:
                     _request_timeout=(self.t.connect_s, min(self.t.log_idle_s, remaining)),
                 )
                 backoff.reset()
-                with self._lock:
-                    self._streams.add(resp)
                 try:
+                    self._track(resp)
                     for stamp, text in _iter_log(resp):
                         self._check_cancel()
                         if time.monotonic() >= deadline:
@@ -729,8 +760,7 @@ class Launcher:
                             inside_report = False
                     clean = True
                 finally:
-                    with self._lock:
-                        self._streams.discard(resp)
+                    self._untrack(resp)
                     resp.release_conn()
             except ApiException as exc:
                 if exc.status == 404:

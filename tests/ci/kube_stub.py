@@ -80,6 +80,7 @@ class KubeStub:
         self.log_cuts: dict[str, list[int]] = {}
         self.watch_drops: list[int] = []
         self.lost: dict[str, int] = {}
+        self.before: dict[str, Callable[[], None]] = {}
         self.terminating: dict[str, int] = {}  # job -> GETs it survives while being deleted
         self.delete_linger_gets = 0
         self.requests: list[tuple[str, str, dict]] = []
@@ -129,6 +130,11 @@ class KubeStub:
         """The next pod watch sends ``after_events`` events, then half of the next one, and
         breaks the connection: no 410, no final chunk."""
         self.watch_drops.append(after_events)
+
+    def before_answering(self, route: str, action: Callable[[], None]) -> None:
+        """The next request to ``route`` runs ``action`` (in the server's thread) after it is
+        recorded and before any of its response is sent: the client is waiting for headers."""
+        self.before[route] = action
 
     def lose_response(self, route: str, times: int = 1) -> None:
         """The next ``times`` requests to ``route`` are carried out, but the connection is closed
@@ -421,6 +427,9 @@ def _handler(stub: KubeStub) -> type[BaseHTTPRequestHandler]:
                 lose = stub.lost.get(route, 0) > 0
                 if lose:
                     stub.lost[route] -= 1
+                action = stub.before.pop(route, None)
+            if action is not None:
+                action()
             if injected:
                 code, headers, _ = injected
                 self._json(code, _status(code, "Injected", f"injected {code}"), headers)

@@ -741,6 +741,40 @@ def test_409_on_a_job_stuck_terminating_fails_naming_the_job():
     assert _requests(stub, "POST", "/jobs") == 1
 
 
+def _ctrl_c_now(launcher: Launcher) -> Callable[[], None]:
+    """Ctrl-C (a real SIGINT to the main thread), returning once the main thread has set the
+    launcher's cancel and had time to shut the open streams down: run by the stub while a
+    request waits for its answer, it puts the Ctrl-C between the request and its response."""
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def press() -> None:
+        signal.pthread_kill(main, signal.SIGINT)
+        _wait_for(launcher.cancel.is_set, timeout=5.0)
+        time.sleep(0.2)  # _abort_streams has run: the response about to open was not in it
+
+    return press
+
+
+@pytest.mark.parametrize("route", ["GET log", "GET pods watch"])
+def test_fan_out_ctrl_c_while_a_stream_is_being_opened_does_not_wait_for_it(sigint_raises, route):
+    def silent(k: KubeStub, job: dict) -> None:
+        k.start(k.add_pod(job))  # runs, prints nothing
+
+    job = _job()
+    slow = _fast(log_idle_s=30.0, watch_s=30, pending_s=30.0, overall_s=60.0)
+    with KubeStub(silent if route == "GET log" else None) as stub:
+        launcher = Launcher(stub.api_client(), "portattn-ci", timeouts=slow, emit=lambda _: None)
+        stub.before_answering(route, _ctrl_c_now(launcher))
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            launcher.run_many([job], max_parallel=1)
+        # Not the 30 s read timeout of the stream opened after the abort's snapshot.
+        assert time.monotonic() - start < 3.0
+        assert not stub.jobs and not launcher.leftovers
+        assert {d for d in stub.deletes} == {(job["metadata"]["name"], "Foreground")}
+
+
 def test_fan_out_ctrl_c_does_not_wait_for_silent_logs(sigint_raises):
     def silent(k: KubeStub, job: dict) -> None:
         k.start(k.add_pod(job))  # runs, prints nothing: the launcher blocks reading its log
