@@ -81,6 +81,7 @@ class KubeStub:
         self.watch_drops: list[int] = []
         self.lost: dict[str, int] = {}
         self.before: dict[str, Callable[[], None]] = {}
+        self.watch_hold_s: float | None = None  # None: a watch ends at its timeoutSeconds
         self.terminating: dict[str, int] = {}  # job -> GETs it survives while being deleted
         self.delete_linger_gets = 0
         self.requests: list[tuple[str, str, dict]] = []
@@ -514,7 +515,9 @@ def _handler(stub: KubeStub) -> type[BaseHTTPRequestHandler]:
                 )
                 return
             since = int(query.get("resourceVersion") or 0)
-            end = time.monotonic() + float(query.get("timeoutSeconds") or 30)
+            # A server (or a proxy in front of it) may hold a watch past its timeoutSeconds.
+            hold = stub.watch_hold_s or float(query.get("timeoutSeconds") or 30)
+            end = time.monotonic() + hold
             self._start_chunked("application/json")
             with stub.cond:
                 epoch = stub.compacted_epoch

@@ -654,9 +654,12 @@ def test_overall_deadline_while_the_pod_is_pending():
     def scenario(k: KubeStub, job: dict) -> None:
         k.add_pod(job)
 
+    def hold(k: KubeStub, job: dict) -> None:
+        k.watch_hold_s = 30.0  # the watch outlives its 1 s timeoutSeconds: only the client cuts it
+
     start = time.monotonic()
-    result, _, stub = _run(scenario, timeouts=_fast(overall_s=0.3, pending_s=30.0))
-    assert time.monotonic() - start < 0.9  # the client cuts the 1 s watch at the deadline
+    result, _, stub = _run(scenario, setup=hold, timeouts=_fast(overall_s=0.3, pending_s=30.0))
+    assert time.monotonic() - start < 3.0  # the client cut the watch at the 0.3 s deadline
     assert result.outcome == "error"
     assert result.message == (
         f"launcher deadline (0.3 s): job {result.name} still had no running pod "
