@@ -268,15 +268,26 @@ def _rows(WG: gl.constexpr, q_tile, head_tile, kv_head, q_start, q_len, GROUP: g
 
 
 @gluon.jit
-def _scores(qk, scale_log2, start, full_end, kv_end, limit, cols):
-    """Scaled scores (base 2) of the tile at ``start``; past ``full_end`` each row's causal
-    limit and ``kv_end`` mask them to -inf."""
-    sc = qk * scale_log2
+def _scores(qk, start, full_end, kv_end, limit, cols):
+    """The raw scores of the tile at ``start``; past ``full_end`` each row's causal limit and
+    ``kv_end`` mask them to -inf."""
+    sc = qk
     if start + cols.shape[0] > full_end:
         pos = start + cols
         keep = (pos < kv_end)[None, :] & (pos[None, :] < limit[:, None])
         sc = gl.where(keep, sc, float("-inf"))
     return sc
+
+
+@gluon.jit
+def _probs(sc, m_i, scale_log2):
+    """The new row maxima (scaled, base 2) and ``P = 2^(sc scale_log2 - m)`` of raw scores
+    ``sc``. The scale goes inside the exponent, one FFMA an element: the maximum is taken of the
+    raw scores and scaled once a row (``scale_log2 > 0``: the launcher checks the scale), where
+    scaling the scores first cost an FMUL an element before the maximum could start."""
+    m_new = gl.maximum(m_i, gl.max(sc, 1) * scale_log2)
+    p = gl.exp2(sc * scale_log2 - m_new[:, None])
+    return m_new, p
 
 
 @gluon.jit
@@ -342,9 +353,8 @@ def _half_keys(WG: gl.constexpr, q_buf, k_smem, v_smem, k_bars, v_bars, empty_ba
         qk = gl.zeros([64, HALF], gl.float32, layout=QK)
         qk = warpgroup_mma(q_buf, k_half.permute((1, 0)), qk, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-        sc = _scores(qk, scale_log2, start, full_end, kv_end, limit, cols)
-        m_new = gl.maximum(m_i, gl.max(sc, 1))
-        p = gl.exp2(sc - m_new[:, None])
+        sc = _scores(qk, start, full_end, kv_end, limit, cols)
+        m_new, p = _probs(sc, m_i, scale_log2)
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
@@ -525,9 +535,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                                    use_acc=False, is_async=True)  # fmt: skip
                 _turn_pass(turn_bars, WG, PINGPONG)
                 qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-                sc = _scores(qk, scale_log2, 0, full_end, kv_end, limit, cols)
-                m_i = gl.max(sc, 1)
-                p = gl.exp2(sc - m_i[:, None])
+                sc = _scores(qk, 0, full_end, kv_end, limit, cols)
+                m_i, p = _probs(sc, m_i, scale_log2)  # from -inf: m_i is the tile's
                 l_i = gl.sum(p, 1)
                 p_op = gl.convert_layout(p.to(dtype), PA)
                 for t in range(1, n_tiles):
@@ -545,9 +554,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
                     _turn_pass(turn_bars, WG, PINGPONG)
                     qk = warpgroup_mma_wait(num_outstanding=1, deps=[qk])
-                    sc = _scores(qk, scale_log2, t * BLOCK_N, full_end, kv_end, limit, cols)
-                    m_new = gl.maximum(m_i, gl.max(sc, 1))
-                    p = gl.exp2(sc - m_new[:, None])
+                    sc = _scores(qk, t * BLOCK_N, full_end, kv_end, limit, cols)
+                    m_new, p = _probs(sc, m_i, scale_log2)
                     alpha = gl.exp2(m_i - m_new)
                     l_i = l_i * alpha + gl.sum(p, 1)
                     m_i = m_new
@@ -578,9 +586,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)), qk, use_acc=False,
                                        is_async=True)  # fmt: skip
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-                    sc = _scores(qk, scale_log2, start, full_end, kv_end, limit, cols)
-                    m_new = gl.maximum(m_i, gl.max(sc, 1))
-                    p = gl.exp2(sc - m_new[:, None])
+                    sc = _scores(qk, start, full_end, kv_end, limit, cols)
+                    m_new, p = _probs(sc, m_i, scale_log2)
                     alpha = gl.exp2(m_i - m_new)
                     l_i = l_i * alpha + gl.sum(p, 1)
                     acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
