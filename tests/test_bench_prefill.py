@@ -127,6 +127,16 @@ def test_variants_are_call_keywords():
     assert var["policy"] == {} and var["gfx942 policy"]["target"].arch == "gfx942"
 
 
+def test_schedule_variants_set_real_switches():
+    """Every upper-case key of a schedule variant is a switch of `portattn.policy.paged` (a typo
+    would time the policy under another name)."""
+    var = bp.variants([], schedules=True)
+    assert {"pingpong", "overlap", "overlap+pingpong"} <= set(var)
+    for name, extra in var.items():
+        for key in (k for k in extra if k.isupper()):
+            assert hasattr(bp.paged_policy, key), (name, key)
+
+
 @pytest.mark.parametrize("variant", ["policy", "gfx942 policy"])
 def test_oracle_passes_the_kernel_and_stops_a_corrupted_output(device, variant):
     """The bench's check on a small mixed batch (32/8 heads, d 128 as the bench) at block 3, for
