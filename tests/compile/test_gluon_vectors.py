@@ -91,6 +91,7 @@ def _accesses(kernel: str, aligned: bool) -> dict:
         narrow_loads=len(_NARROW_LOAD.findall(ptx)),
         narrow_stores=len(_NARROW_STORE.findall(ptx)),
         vector_stores=len(_VECTOR_STORE.findall(ptx)),
+        fma=ptx.count("fma.rn.f32"),
         spills=spills,
     )
 
@@ -119,6 +120,13 @@ def test_prefill_query_and_output_go_in_vectors(accesses):
     got = accesses["prefill", True]
     assert got["narrow_loads"] == 0 and got["narrow_stores"] == 0, got
     assert got["spills"] == 0
+
+
+def test_prefill_scales_scores_inside_the_exponent(accesses):
+    """Each score's exponent argument is one fma (`_probs`): 64 scores a thread in each consumer
+    warpgroup's code (a warp-specialized partition each). Scaling the scores first (an FMUL
+    each before the row max, then a subtraction) gave 4 fmas in the whole kernel."""
+    assert accesses["prefill", True]["fma"] >= 2 * 64, accesses["prefill", True]
 
 
 @pytest.mark.parametrize("kernel", ["mla", "prefill"])
