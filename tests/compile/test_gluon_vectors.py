@@ -122,11 +122,13 @@ def test_prefill_query_and_output_go_in_vectors(accesses):
     assert got["spills"] == 0
 
 
-def test_prefill_scales_scores_inside_the_exponent(accesses):
-    """Each score's exponent argument is one fma (`_probs`): 64 scores a thread in each consumer
-    warpgroup's code (a warp-specialized partition each). Scaling the scores first (an FMUL
-    each before the row max, then a subtraction) gave 4 fmas in the whole kernel."""
-    assert accesses["prefill", True]["fma"] >= 2 * 64, accesses["prefill", True]
+@pytest.mark.parametrize(("kernel", "scores"), [("prefill", 64), ("mla", 32)])
+def test_scores_are_scaled_inside_the_exponent(accesses, kernel, scores):
+    """Each score's exponent argument is one fma: ``scores`` a thread (a 64 x 128 / 64 x 64 tile
+    over a warpgroup) in each warpgroup's code (a warp-specialized partition each). Scaling the
+    scores first (an FMUL each before the row max, then a subtraction) gave 4 fmas in either
+    kernel."""
+    assert accesses[kernel, True]["fma"] >= 2 * scores, accesses[kernel, True]
 
 
 @pytest.mark.parametrize("kernel", ["mla", "prefill"])

@@ -375,18 +375,20 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
         _stamp(tr, jt, 3, TRACE)
         n_own = n_a + WG * BLOCK_N
+        # raw scores, masked; the scale goes inside the exponent (one fma a score): the row
+        # max of the raw scores is scaled once a row (qk_scale > 0: the launcher checks it)
         if PACKED:
-            s = gl.where((n_own + cols)[None, :] < row_end[:, None], qk * qk_scale, float("-inf"))
+            s = gl.where((n_own + cols)[None, :] < row_end[:, None], qk, float("-inf"))
         else:
-            s = gl.where(((n_own + cols) < end)[None, :], qk * qk_scale, float("-inf"))
+            s = gl.where(((n_own + cols) < end)[None, :], qk, float("-inf"))
         if WG == 0:
             # m_A first (WG1's softmax waits for it), then P_A
-            m_a = gl.maximum(m_i, gl.max(s, 1))  # finite: tile A always has a real column
+            m_a = gl.maximum(m_i, gl.max(s, 1) * qk_scale)  # finite: tile A has a real column
             m_smem.index(0).store(m_a)
             gl.thread_barrier()
             mbarrier.arrive(bar_ma, count=1)
             _stamp(tr, jt, 4, TRACE)
-            p = gl.exp2(s - m_a[:, None])
+            p = gl.exp2(s * qk_scale - m_a[:, None])
             alpha = gl.exp2(m_i - m_a)
             l_i = l_i * alpha + gl.sum(p, 1)
             acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
@@ -400,8 +402,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             mbarrier.wait(bar_ma, ph)
             _stamp(tr, jt, 4, TRACE)
             m_a = m_smem.index(0).load(ROW)
-            m_b = gl.maximum(m_a, gl.max(s, 1))
-            p = gl.exp2(s - m_b[:, None])
+            m_b = gl.maximum(m_a, gl.max(s, 1) * qk_scale)
+            p = gl.exp2(s * qk_scale - m_b[:, None])
             m_smem.index(1).store(m_b)
             p_smem.index(b1).store(p.to(dtype))
             fence_async_shared()
