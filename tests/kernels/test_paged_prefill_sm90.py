@@ -334,6 +334,19 @@ def test_gpu_sm90_prefill(heads, head_dim, block_size, kind, dtype, state_bytes)
     check(b, out2)
 
 
+@pytest.mark.parametrize(
+    ("overlap", "pingpong", "turns"),
+    [(False, False, False), (False, True, False), (True, False, False), (True, True, True)],
+)
+def test_pingpong_is_passed_only_with_the_overlapped_loop(monkeypatch, overlap, pingpong, turns):
+    """The turns exist in the overlapped loop only: PINGPONG alone would leave the sequential
+    schedule and only change which warpgroup passes a decode item's tiles on."""
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_OVERLAP", overlap)
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_PINGPONG", pingpong)
+    (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
+    assert (main.args["OVERLAP"], main.args["PINGPONG"]) == (overlap, turns)
+
+
 def test_launch_tells_the_kernel_which_rows_are_aligned():
     """Q_VEC / O_VEC (`rows_aligned`): 16-byte query loads and 4-byte output stores only on
     rows the launcher found contiguous and aligned; anything else element by element."""

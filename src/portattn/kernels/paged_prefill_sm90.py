@@ -32,9 +32,10 @@ its first row, base-2 online softmax in registers, then O += P V with P as the r
 
 * ``SM90_PREFILL_OVERLAP``: tile t's scores are issued together with tile t-1's P V, and tile t's
   softmax runs while the latter is in flight (the accumulator is rescaled once it lands);
-* ``SM90_PREFILL_PINGPONG``: the two warpgroups take turns issuing their MMAs (an mbarrier each;
-  warpgroup 0 first), so one's softmax runs under the other's MMAs instead of both warpgroups,
-  which wait on the same K tile, scoring at once and then both leaving the tensor cores idle.
+* ``SM90_PREFILL_PINGPONG`` (with ``SM90_PREFILL_OVERLAP`` only; alone it has no effect): the
+  two warpgroups take turns issuing their MMAs (an mbarrier each; warpgroup 0 first), so one's
+  softmax runs under the other's MMAs instead of both warpgroups, which wait on the same K tile,
+  scoring at once and then both leaving the tensor cores idle.
 
 Both off (the default: on an H100 neither the overlapped schedules, nor 3 stages, nor 192-row
 tiles measured faster, bench/RESULTS.md 2026-11-25), a warpgroup scores, softmaxes and
@@ -907,7 +908,12 @@ def sm90_prefill_launches(
         BOX=box,
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([64, head_dim], dtype),
         OVERLAP=paged_policy.SM90_PREFILL_OVERLAP,
-        PINGPONG=paged_policy.SM90_PREFILL_PINGPONG and tile.warpgroups == 2,
+        # the turns are taken in the overlapped loop only (the sequential one has none)
+        PINGPONG=(
+            paged_policy.SM90_PREFILL_PINGPONG
+            and paged_policy.SM90_PREFILL_OVERLAP
+            and tile.warpgroups == 2
+        ),
         CONSUMER_REGS=REGS[tile.warpgroups][0],
         PRODUCER_REGS=REGS[tile.warpgroups][1],
         PRODUCER_WARPS_=PRODUCER_WARPS,
