@@ -287,6 +287,61 @@ def test_compiles_for_sm90_without_spills(case_id):
     assert r.spills <= 16
 
 
+def test_trace_buffer_builds_traced_launches_only_while_set(monkeypatch):
+    """The diagnostic trace (bench/trace_prefill.py) is a launch argument read at planning: set,
+    the launch stamps into the buffer; unset, the kernel is built without the stamps."""
+    import portattn.kernels.paged_prefill_sm90 as sm90
+
+    (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
+    assert main.args["TRACE"] is False
+    need = SM90.num_sms * sm90.TRACE_PARTS.value * (sm90.TRACE_TILES.value + 1) * 8
+    buf = torch.empty(need, dtype=torch.int64, device="meta")
+    monkeypatch.setattr(sm90, "TRACE_BUFFER", buf)
+    (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
+    assert main.args["TRACE"] is True and main.args["trace_ptr"] is buf
+
+
+@pytest.mark.parametrize(
+    ("size", "switch", "match"),
+    [
+        (16, None, "TRACE_BUFFER must be an int64 tensor on meta of at least"),
+        (None, "SM90_PREFILL_OVERLAP", "the trace stamps the sequential schedule only"),
+    ],
+)
+def test_trace_buffer_refuses_what_it_cannot_stamp(monkeypatch, size, switch, match):
+    import portattn.kernels.paged_prefill_sm90 as sm90
+
+    size = size or SM90.num_sms * sm90.TRACE_PARTS.value * (sm90.TRACE_TILES.value + 1) * 8
+    monkeypatch.setattr(sm90, "TRACE_BUFFER", torch.empty(size, dtype=torch.int64, device="meta"))
+    if switch:
+        monkeypatch.setattr(paged_policy, switch, True)
+    with pytest.raises(ValueError, match=match):
+        _plan()
+
+
+def test_traced_kernel_compiles_for_sm90_without_spills(monkeypatch):
+    """The traced build stamps in all three partitions (CPU compile, sm_90 PTX): the clock at
+    each of the consumers' and the producer's steps, the global timer at their ends."""
+    import triton
+
+    import portattn.kernels.paged_prefill_sm90 as sm90
+    from portattn.compile.worker import _resources, bind, source_for
+
+    need = SM90.num_sms * sm90.TRACE_PARTS.value * (sm90.TRACE_TILES.value + 1) * 8
+    monkeypatch.setattr(sm90, "TRACE_BUFFER", torch.empty(need, dtype=torch.int64, device="meta"))
+    (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
+    options, signature, constexprs, attrs = bind(main, SM90)
+    src = source_for(main.kernel)(main.kernel, signature, constexprs, attrs)
+    compiled = triton.compile(src, target=SM90.gpu_target(), options=options.__dict__)
+    ptx = compiled.asm["ptx"]
+    # the global timer at both ends of the 3 partitions; the clock at both ends, and: warpgroup
+    # 0 at 7 steps a tile and an item's start; warpgroup 1 the same, and 4 on the path that
+    # passes a decode item's tiles on (warpgroup 0 never takes it); the producer 3 a tile
+    assert ptx.count("%globaltimer") == 6
+    assert ptx.count("%clock64") == (2 + 7 + 1) + (2 + 7 + 1 + 4) + (2 + 3)
+    assert _resources(compiled, SM90)[1] == 0
+
+
 # -- GPU: numerics against the fp64 oracle ------------------------------------------------------
 
 # (seq_len, q_len): chunks at odd offsets, a chunk ending on a tile edge, pure prefill, decodes,

@@ -75,7 +75,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from portattn.kernels._gluon import row_ptrs
+from portattn.kernels._gluon import clock_stamp, row_ptrs
 from portattn.kernels._launch import Launch, rows_aligned
 from portattn.platform import Target
 from portattn.policy import mla as mla_policy
@@ -116,21 +116,9 @@ def _find_seq_sm90(qsl_ptr, stride_qsl, tok, num_seqs):
 
 @gluon.jit
 def _stamp(tr, slot, k: gl.constexpr, TRACE: gl.constexpr, GLOBAL: gl.constexpr = False):
-    """Diagnostic (``TRACE``): this SM's clock (GLOBAL: the global timer, ns) at event ``k``
-    into slot ``slot`` of this warpgroup's trace (``tr``: the buffer and this warpgroup's
-    offset; slots ``0 .. TRACE_PAIRS - 1`` are pairs, slot ``TRACE_PAIRS`` the kernel's own
-    events, anything past it is dropped). Compiled out when off."""
-    if TRACE:
-        trace_ptr, base = tr
-        if GLOBAL:
-            now = gl.inline_asm_elementwise(
-                "mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
-            )
-        else:
-            now = gl.inline_asm_elementwise(
-                "mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
-            )
-        gl.store(trace_ptr + base + slot * TRACE_EVENTS + k, now, mask=slot <= TRACE_PAIRS)
+    """Diagnostic (``TRACE``): `clock_stamp` into this warpgroup's trace (slots ``0 ..
+    TRACE_PAIRS - 1`` are pairs, slot ``TRACE_PAIRS`` the kernel's own events)."""
+    clock_stamp(tr, slot, k, TRACE, TRACE_PAIRS, TRACE_EVENTS, GLOBAL)
 
 
 @gluon.jit

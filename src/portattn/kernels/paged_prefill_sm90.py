@@ -73,7 +73,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from portattn.kernels._gluon import row_ptrs
+from portattn.kernels._gluon import clock_stamp, row_ptrs, trace_slot
 from portattn.kernels._launch import Launch, rows_aligned
 from portattn.platform import Target
 from portattn.policy import paged as paged_policy
@@ -93,6 +93,37 @@ PRODUCER_WARPS = 1
 REGS = {2: (216, 64), 3: (152, 56)}
 #: Smallest TMA box (rows of one page): pages must be a multiple of it.
 MIN_BOX = 16
+#: Diagnostic trace (`TRACE`, bench/trace_prefill.py): clock stamps per K/V tile (the
+#: program's tile counter: the same tile in every partition) for the first ``TRACE_TILES`` tiles
+#: of each program, in four partitions (consumer warpgroups 0..2, the producer at 3).
+TRACE_EVENTS = gl.constexpr(8)
+TRACE_TILES = gl.constexpr(2048)
+TRACE_PARTS = gl.constexpr(4)
+#: When set (an int64 CUDA tensor of at least ``programs * TRACE_PARTS * (TRACE_TILES + 1) *
+#: TRACE_EVENTS`` elements), `sm90_prefill_launches` builds traced launches, stamping
+#: ``[program, partition, tile, event]`` (the last "tile" holds each partition's start and end).
+#: Consumer events: 0 tile start, 1 K landed, 2 scores done, 3 P ready, 4 V landed (tail
+#: zeroed), 5 P V done, 6 stage released, 7 (an item's first tile) item start, before its query
+#: is read. A warpgroup passing an item's tiles on stamps 0, 1, 4 and 6. Producer: 0 block table
+#: read, 1 stage free, 2 copies issued. Kernel slot, every partition: 0 start (clock), 1 start
+#: (global timer, ns), 2 end (clock), 3 end (ns). The sequential schedule only (OVERLAP and
+#: SPLIT off: the launcher refuses the rest). Diagnostic only; the library never sets it. It is
+#: read at planning and is not part of the op's plan-cache key: set it only around
+#: `plan_paged_attention` (as bench/trace_prefill.py does).
+TRACE_BUFFER = None
+
+
+@gluon.jit
+def _stamp(tr, slot, k: gl.constexpr, TRACE: gl.constexpr, GLOBAL: gl.constexpr = False):
+    """Diagnostic (``TRACE``): `clock_stamp` into this partition's trace."""
+    clock_stamp(tr, slot, k, TRACE, TRACE_TILES, TRACE_EVENTS, GLOBAL)
+
+
+@gluon.jit
+def _trace_part(trace_ptr, PART: gl.constexpr):
+    """This program's partition ``PART``'s trace: (buffer, first element)."""
+    pid = gl.program_id(0).to(gl.int64)
+    return trace_ptr, (pid * TRACE_PARTS + PART) * ((TRACE_TILES + 1) * TRACE_EVENTS)
 
 
 @triton.jit
@@ -210,11 +241,14 @@ def _item(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.c
 
 @gluon.jit
 def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.constexpr,
-              STAGES: gl.constexpr, BOX: gl.constexpr):  # fmt: skip
+              STAGES: gl.constexpr, BOX: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
     """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq,
      stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc,
-     k_smem, v_smem, k_bars, v_bars, empty_bars) = rt  # fmt: skip
+     k_smem, v_smem, k_bars, v_bars, empty_bars, trace_ptr) = rt  # fmt: skip
+    tr = _trace_part(trace_ptr, TRACE_PARTS - 1)
+    _stamp(tr, TRACE_TILES + 0 * b_off, 0, TRACE)
+    _stamp(tr, TRACE_TILES + 0 * b_off, 1, TRACE, True)
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_D: gl.constexpr = k_smem.shape[2]
     NB: gl.constexpr = BLOCK_N // BOX
@@ -231,6 +265,8 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
         vcol = kv_head * stride_vcol
         for t in range(n_tiles):
             s = it % STAGES
+            jt = trace_slot(it, TRACE, TRACE_TILES)
+            _stamp(tr, jt, 0, TRACE)
             # the tile's block-table reads (one per box, for K and V) before the wait for its
             # stage: their latency runs under the wait instead of after it (a decode item, whose
             # math is short, waited for both in turn on every tile)
@@ -240,6 +276,7 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
             rows = gl.where(real, blk.to(gl.int32) * rows_per_page + pos % block_size, total_rows)
             # the stage's previous tile released by both warpgroups (none before the first use)
             mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
+            _stamp(tr, jt, 1, TRACE)
             k_buf = k_smem.index(s)
             v_buf = v_smem.index(s)
             mbarrier.expect(k_bars.index(s), TILE_BYTES)
@@ -252,7 +289,10 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
                 tma.async_copy_global_to_shared(
                     v_desc, [row, vcol], v_bars.index(s), v_buf.slice(b * BOX, BOX)
                 )
+            _stamp(tr, jt, 2, TRACE)
             it += 1
+    _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
+    _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
 
 
 @gluon.jit
@@ -421,7 +461,8 @@ def _merge(WG: gl.constexpr, nm, m_h, l_h, acc_h, merge_acc, merge_m, merge_l, m
 def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr,
               GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-              SPLIT: gl.constexpr, Q_VEC: gl.constexpr, O_VEC: gl.constexpr):  # fmt: skip
+              SPLIT: gl.constexpr, Q_VEC: gl.constexpr, O_VEC: gl.constexpr,
+              TRACE: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
     scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
     PINGPONG: the two warpgroups issue their MMAs in turns (module doc). Q_VEC / O_VEC: the
@@ -430,7 +471,10 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok,
      stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim, scale_log2, k_smem,
      v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, merge_acc, merge_m,
-     merge_l, merge_bars) = rt  # fmt: skip
+     merge_l, merge_bars, trace_ptr) = rt  # fmt: skip
+    tr = _trace_part(trace_ptr, WG)
+    _stamp(tr, TRACE_TILES + 0 * b_off, 0, TRACE)
+    _stamp(tr, TRACE_TILES + 0 * b_off, 1, TRACE, True)
     dtype: gl.constexpr = k_smem.dtype
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_D: gl.constexpr = k_smem.shape[2]
@@ -504,11 +548,17 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             for _t in range(n_tiles):
                 s = it % STAGES
                 ph = (it // STAGES) & 1
+                jt = trace_slot(it, TRACE, TRACE_TILES)
+                _stamp(tr, jt, 0, TRACE)
                 mbarrier.wait(k_bars.index(s), ph)
+                _stamp(tr, jt, 1, TRACE)
                 mbarrier.wait(v_bars.index(s), ph)
+                _stamp(tr, jt, 4, TRACE)
                 mbarrier.arrive(empty_bars.index(s), count=1)
+                _stamp(tr, jt, 6, TRACE)
                 it += 1
         else:
+            _stamp(tr, trace_slot(it, TRACE, TRACE_TILES), 7, TRACE)
             # -- this warpgroup's query rows into shared memory (the score MMA's A operand) --
             tok, head, real = _rows(WG, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
                                     HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
@@ -582,11 +632,15 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     s = it % STAGES
                     ph = (it // STAGES) & 1
                     start = t * BLOCK_N
+                    jt = trace_slot(it, TRACE, TRACE_TILES)
+                    _stamp(tr, jt, 0, TRACE)
                     mbarrier.wait(k_bars.index(s), ph)
+                    _stamp(tr, jt, 1, TRACE)
                     qk = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK)
                     qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)), qk, use_acc=False,
                                        is_async=True)  # fmt: skip
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+                    _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, start, full_end, kv_end, limit, cols)
                     m_new, p = _probs(sc, m_i, scale_log2)
                     alpha = gl.exp2(m_i - m_new)
@@ -594,13 +648,17 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
                     m_i = m_new
                     p_op = gl.convert_layout(p.to(dtype), PA)
+                    _stamp(tr, jt, 3, TRACE)
                     v_buf = v_smem.index(s)
                     mbarrier.wait(v_bars.index(s), ph)
                     _zero_tail(v_buf, start, seq_len, LOAD)
+                    _stamp(tr, jt, 4, TRACE)
                     acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+                    _stamp(tr, jt, 5, TRACE)
                     gl.thread_barrier()
                     mbarrier.arrive(empty_bars.index(s), count=1)
+                    _stamp(tr, jt, 6, TRACE)
                     it += 1
             # -- epilogue: this warpgroup's rows to the output (4-byte stores into aligned rows;
             # through the query buffer for 16-byte ones, ptxas spilled 12 B) --
@@ -611,6 +669,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             o_rows = tok_o * stride_o_tok + head_o * stride_o_head
             o_ptrs = row_ptrs(out_ptr, o_rows, do, stride_o_dim, O_VEC, 8)
             gl.store(o_ptrs, o.to(dtype), mask=real_o[:, None])
+    _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
+    _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
 
 
 @gluon.jit
@@ -657,6 +717,8 @@ def _paged_prefill_sm90_kernel(
     SPLIT: gl.constexpr,  # short items on both warpgroups, half the keys each (two, sequential)
     Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
     O_VEC: gl.constexpr,  # the output's rows aligned
+    trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
+    TRACE: gl.constexpr,
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     KV_LAYOUT: gl.constexpr = k_desc.layout
@@ -688,19 +750,20 @@ def _paged_prefill_sm90_kernel(
     fence_async_shared()
     prod = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
             stride_bt_seq, stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol,
-            stride_vcol, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars)  # fmt: skip
+            stride_vcol, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars,
+            trace_ptr)  # fmt: skip
     cons = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
             scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, merge_acc,
-            merge_m, merge_l, merge_bars)  # fmt: skip
+            merge_m, merge_l, merge_bars, trace_ptr)  # fmt: skip
     if NUM_WG == 2:
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC)),
+                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC)),
-                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX)),
+                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, TRACE)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, TRACE)),
             ],
             [4, PRODUCER_WARPS_],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -710,12 +773,12 @@ def _paged_prefill_sm90_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False, False, Q_VEC, O_VEC)),
+                             OVERLAP, False, False, Q_VEC, O_VEC, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False, False, Q_VEC, O_VEC)),
+                             OVERLAP, False, False, Q_VEC, O_VEC, TRACE)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False, False, Q_VEC, O_VEC)),
-                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX)),
+                             OVERLAP, False, False, Q_VEC, O_VEC, TRACE)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, TRACE)),
             ],
             [4, 4, PRODUCER_WARPS_],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
@@ -828,6 +891,23 @@ def _descriptor(cache: torch.Tensor, tile: Sm90PrefillTile, box: int) -> TensorD
     )
 
 
+def _check_trace(buf: torch.Tensor, programs: int, args: dict, device: torch.device) -> None:
+    """`TRACE_BUFFER` fits the launch, and the launch runs the schedule the trace stamps."""
+    need = programs * TRACE_PARTS.value * (TRACE_TILES.value + 1) * TRACE_EVENTS.value
+    if buf.dtype != torch.int64 or buf.device != device or buf.numel() < need:
+        raise ValueError(
+            f"TRACE_BUFFER must be an int64 tensor on {device} of at least {need} elements "
+            f"(programs x TRACE_PARTS x (TRACE_TILES + 1) x TRACE_EVENTS); got {buf.dtype} on "
+            f"{buf.device}, {buf.numel()} elements"
+        )
+    if args["OVERLAP"] or args["SPLIT"]:
+        raise ValueError(
+            "TRACE_BUFFER: the trace stamps the sequential schedule only; set "
+            "SM90_PREFILL_OVERLAP and SM90_PREFILL_SPLIT_SHORT off (got OVERLAP="
+            f"{args['OVERLAP']}, SPLIT={args['SPLIT']})"
+        )
+
+
 def sm90_prefill_launches(
     main: Launch,
     key_cache: torch.Tensor,
@@ -921,7 +1001,12 @@ def sm90_prefill_launches(
         SPLIT=split_short(tile, head_dim, key_cache.element_size(), main.target),
         Q_VEC=rows_aligned(a["q_ptr"]),
         O_VEC=rows_aligned(a["out_ptr"]),
+        # a placeholder pointer when off (never read)
+        trace_ptr=TRACE_BUFFER if TRACE_BUFFER is not None else a["seq_lens_ptr"],
+        TRACE=TRACE_BUFFER is not None,
     )
+    if TRACE_BUFFER is not None:
+        _check_trace(TRACE_BUFFER, main.target.num_sms, args, key_cache.device)
     kernel = Launch(
         kernel=_paged_prefill_sm90_kernel,
         grid=(main.target.num_sms,),

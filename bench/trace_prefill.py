@@ -1,0 +1,206 @@
+"""Where the sm_90 prefill kernel's time goes: clock stamps at each step of each K/V tile (a
+diagnostic, the twin of bench/trace_mla.py).
+
+The kernel built with `portattn.kernels.paged_prefill_sm90.TRACE_BUFFER` set stamps the SM's
+clock (``%clock64``) at each step of every K/V tile in the two consumer warpgroups and the
+producer warp, and the global timer at each partition's start and end (events: the module's
+``TRACE_BUFFER`` comment). This script runs bench_prefill's points with the trace on (output
+checked against the fp64 oracle first, as bench_prefill does), times the traced and the plain
+call (``do_bench_cudagraph`` medians: what the stamps cost), and prints:
+
+* per consumer warpgroup, the median and mean cycles of each step over the tiles it computed
+  (its first two tiles of each program left out): the wait for K, the score MMA, the softmax,
+  the wait for V, the P V MMA, the release, and from the release to the next tile's start
+  (an item's end and the next one's query read, where an item ends);
+* the tile period of each warpgroup and its cycles at the tensor cores' peak (2048 bf16
+  MAC/clk/SM, both warpgroups' 64-row tiles), the ratio; tiles a warpgroup only passed on;
+* the producer: the wait for a free stage, the copies' issue; how far ahead of the consumers'
+  K wait its copies are issued; how far apart the two warpgroups release each tile;
+* the kernel's ends: the launch's spread (global timer), the start to the first tile, the last
+  release to the end (the epilogue), and the clock rate.
+
+Usage (GPU machine)::
+
+    python3 bench/trace_prefill.py --points "prefill 8x4096" "mixed 8x2048 + 56x1 @4k" \\
+        --blocks 16 2048
+
+Numbers are diagnostics, not serving figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import git_commit  # noqa: E402
+from bench_paged import make_inputs  # noqa: E402
+from bench_prefill import POINTS, Oracle  # noqa: E402
+
+import portattn.kernels.paged_prefill_sm90 as sm90  # noqa: E402
+from portattn.kernels._launch import run_all  # noqa: E402
+from portattn.kernels.paged_attention import plan_paged_attention  # noqa: E402
+
+#: consumer steps: (name, from event, to event); "+0" is the warpgroup's next tile's event 0
+STEPS = [
+    ("wait K", 0, 1),
+    ("S = Q K^T", 1, 2),
+    ("softmax, P", 2, 3),
+    ("wait V, zero tail", 3, 4),
+    ("O += P V", 4, 5),
+    ("release", 5, 6),
+    ("to next tile", 6, "+0"),
+]
+PRODUCER = [("block table to stage free", 0, 1), ("copies issued", 1, 2), ("to next", 2, "+0")]
+#: bf16 MACs per clock per SM at the tensor cores' peak (H100 dense)
+PEAK_MACS = 2048
+
+
+def tile_macs(head_dim: int = 128, block_n: int = 128, warpgroups: int = 2) -> int:
+    """MACs of one K/V tile in one program: every warpgroup's 64 rows, scores and P V."""
+    return warpgroups * 64 * block_n * head_dim * 2
+
+
+def _next(ev: np.ndarray) -> np.ndarray:
+    """Each tile's next tile's event 0 (NaN for the last)."""
+    pad = np.full(ev.shape[:-1] + (1,), np.nan)
+    return np.concatenate([ev[..., 1:], pad], axis=-1)
+
+
+def analyse(stamps: np.ndarray, head_dim: int = 128, block_n: int = 128, out=print) -> dict:
+    """Print the trace's summary; returns the medians it printed (for tests and records).
+
+    ``stamps``: ``[programs, TRACE_PARTS, TRACE_TILES + 1, TRACE_EVENTS]`` int64, -1 where no
+    stamp was written (a partition that does not exist, tiles past a program's work).
+    """
+    ev = np.where(stamps < 0, np.nan, stamps.astype(np.float64))
+    programs, parts, slots, _ = ev.shape
+    tiles = slots - 1
+    prod = parts - 1
+    res: dict = {}
+    computed = np.isfinite(ev[:, :, :tiles, 2])  # a score MMA stamped: the warpgroup computed it
+    steady = np.zeros_like(computed)
+    steady[:, :, 2:] = True
+    out(f"  programs {programs}, tiles per program: median "
+        f"{np.median(np.isfinite(ev[:, prod, :tiles, 0]).sum(axis=1)):.0f}")  # fmt: skip
+    for wg in range(2):
+        keep = (computed & steady)[:, wg]
+        out(f"  warpgroup {wg}: step, median / mean cycles ({int(keep.sum())} tiles; "
+            f"{int((np.isfinite(ev[:, wg, :tiles, 0]) & ~computed[:, wg]).sum())} "
+            "passed on)")  # fmt: skip
+        for name, a, b in STEPS:
+            x = ev[:, wg, :tiles, a]
+            y = _next(ev[:, wg, :tiles, 0]) if b == "+0" else ev[:, wg, :tiles, b]
+            d = (y - x)[keep]
+            d = d[np.isfinite(d)]
+            if d.size:
+                out(f"    {name:28s} {np.median(d):8.0f} {d.mean():8.0f}")
+                res[(wg, name)] = float(np.median(d))
+        period = (_next(ev[:, wg, :tiles, 0]) - ev[:, wg, :tiles, 0])[keep]
+        period = period[np.isfinite(period)]
+        if period.size:
+            ideal = tile_macs(head_dim, block_n) / PEAK_MACS
+            per = float(np.median(period))
+            res[(wg, "period")] = per
+            out(f"    tile period median {per:.0f} cycles (mean {period.mean():.0f}); at the "
+                f"tensor peak {ideal:.0f}: {per / ideal:.2f}x")  # fmt: skip
+    out("  producer: step, median / mean cycles")
+    for name, a, b in PRODUCER:
+        x = ev[:, prod, :tiles, a]
+        y = _next(ev[:, prod, :tiles, 0]) if b == "+0" else ev[:, prod, :tiles, b]
+        d = (y - x)[:, 2:]
+        d = d[np.isfinite(d)]
+        if d.size:
+            out(f"    {name:28s} {np.median(d):8.0f} {d.mean():8.0f}")
+            res[("producer", name)] = float(np.median(d))
+    ahead = (ev[:, 0, :tiles, 0] - ev[:, prod, :tiles, 2])[:, 2:]
+    skew = np.abs(ev[:, 0, :tiles, 6] - ev[:, 1, :tiles, 6])[:, 2:]
+    for name, d in (("copies issued before WG0 waits", ahead), ("release skew WG0/WG1", skew)):
+        d = d[np.isfinite(d)]
+        if d.size:
+            out(f"  {name:30s} median {np.median(d):8.0f} cycles, share > 0: "
+                f"{(d > 0).mean():.2f}")  # fmt: skip
+            res[name] = float(np.median(d))
+    k = ev[:, :, tiles, :]  # [program, part, event]: 0/2 clock start/end, 1/3 ns start/end
+    live = [p for p in range(parts) if np.isfinite(k[:, p, 1]).any()]
+    start_ns = np.nanmin(k[:, live, 1], axis=1)
+    end_ns = np.nanmax(k[:, live, 3], axis=1)
+    start_clk = np.nanmin(k[:, live, 0], axis=1)
+    end_clk = np.nanmax(k[:, live, 2], axis=1)
+    ghz = (end_clk - start_clk) / (end_ns - start_ns)
+    out(f"  span {(np.nanmax(end_ns) - np.nanmin(start_ns)) / 1e3:.1f} us (global timer); starts "
+        f"spread {(np.nanmax(start_ns) - np.nanmin(start_ns)) / 1e3:.2f} us, ends spread "
+        f"{(np.nanmax(end_ns) - np.nanmin(end_ns)) / 1e3:.2f} us; clock "
+        f"{np.nanmedian(ghz):.3f} GHz")  # fmt: skip
+    first = np.nanmin(ev[:, 0, :tiles, 0], axis=1) - k[:, 0, 0]
+    last_release = np.nanmax(ev[:, :2, :tiles, 6], axis=(1, 2))
+    tail = np.nanmax(k[:, :2, 2], axis=1) - last_release
+    for name, d in (("start to first tile (WG0)", first), ("last release to end", tail)):
+        d = d[np.isfinite(d)]
+        if d.size:
+            out(f"  {name:30s} median {np.median(d):8.0f} cycles")
+            res[name] = float(np.median(d))
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--points", nargs="+", default=["prefill 8x4096"], choices=sorted(POINTS))
+    ap.add_argument("--blocks", type=int, nargs="+", default=[16])
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("trace_prefill: needs a CUDA device")
+    from triton.testing import do_bench_cudagraph
+
+    print(f"device: {torch.cuda.get_device_name()}, commit {git_commit()}")
+    for name in args.points:
+        seqs = POINTS[name][0]
+        for bs in args.blocks:
+            inputs = make_inputs(seqs, bs, torch.bfloat16)
+            oracle = Oracle(seqs, inputs)
+            out = torch.empty_like(inputs[0])
+            kw = dict(max_query_len=max(q for _, q in seqs), max_seq_len=max(s for s, _ in seqs))
+            plain = plan_paged_attention(*inputs, out=out, **kw)
+            main_launch = [x for x in plain if x.name == "paged_prefill_sm90"]
+            if not main_launch:
+                print(f"== {name} block {bs}: no sm_90 prefill launch; skipped")
+                continue
+            programs = main_launch[0].grid[0]
+            n = programs * sm90.TRACE_PARTS.value * (sm90.TRACE_TILES.value + 1)
+            buf = torch.full((n * sm90.TRACE_EVENTS.value,), -1, dtype=torch.int64, device="cuda")
+            sm90.TRACE_BUFFER = buf
+            try:
+                traced = plan_paged_attention(*inputs, out=out, **kw)
+            finally:
+                sm90.TRACE_BUFFER = None
+            out.normal_()  # stale values must not pass the check
+            run_all(traced)
+            torch.cuda.synchronize()
+            ok, e = oracle.check(out)
+            print(f"== {name} block {bs}: check ok={ok} err {e:.2e} (torch {oracle.e_torch:.2e})")
+            if not ok:
+                return 1
+            buf.fill_(-1)
+            run_all(traced)
+            torch.cuda.synchronize()
+            stamps = buf.view(programs, sm90.TRACE_PARTS.value, sm90.TRACE_TILES.value + 1,
+                              sm90.TRACE_EVENTS.value).cpu().numpy()  # fmt: skip
+            us = {}
+            for label, launches in (("plain", plain), ("traced", traced)):
+                call = functools.partial(run_all, launches)
+                us[label] = do_bench_cudagraph(call, return_mode="median") * 1e3
+            print(f"  graph median: plain {us['plain']:.1f} us, traced {us['traced']:.1f} us")
+            a = main_launch[0].args
+            analyse(stamps, head_dim=a["HEAD_D"], block_n=a["BLOCK_N"])
+            del inputs, oracle
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
