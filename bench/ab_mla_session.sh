@@ -2,7 +2,8 @@
 # One device call: the sm_90 MLA GPU tests at this tree, then bench_mla's 128-head page points
 # and its verification points at this tree, at an earlier tree's src (.ab_old/src: `git archive
 # REV src | tar -x -C .ab_old`, carried to the device) and at this tree again: an A/B of kernel
-# code with no switch, in one machine hold (the MLA twin of ab_prefill_session.sh).
+# code with no switch, in one machine hold (the MLA twin of ab_prefill_session.sh; for an A/B of
+# portattn.policy.mla's switches in one tree, see mla_ab_session.sh).
 # Usage on the GPU machine, from the repository root:  bash bench/ab_mla_session.sh
 # RUNS (default "new old new2") picks the runs; TESTS=0 skips the tests (each run is up to 200 s:
 # with the tests, all three may pass a 600 s call: split them over two calls).

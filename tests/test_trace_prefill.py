@@ -52,7 +52,7 @@ def test_steps_measure_what_they_name():
     for i, (name, _, _) in enumerate(tp.STEPS):
         assert res[(0, name)] == STEP[i], (name, text)
     assert res[(0, "period")] == PERIOD
-    assert res[("producer", "block table to stage free")] == 50
+    assert res[("producer", "block-table loads, stage free")] == 50
     assert res[("producer", "copies issued")] == 50
     assert res["copies issued before WG0 waits"] == 300
     assert res["release skew WG0/WG1"] == 7
@@ -60,6 +60,26 @@ def test_steps_measure_what_they_name():
     assert res["last release to end"] == 100 + STEP[-1] - 7
     assert "warpgroup 1" in text and "passed on" in text
     assert "clock 0.100 GHz" in text  # 1 cycle per 10 ns in the synthetic timer
+    assert res["programs past the buffer"] == 0 and "ran past" not in text
+
+
+def test_programs_past_the_buffer_are_reported():
+    lines: list[str] = []
+    res = tp.analyse(synthetic(tiles=8, slots=8), out=lines.append)
+    assert res["programs past the buffer"] == 3
+    assert "3 programs ran past the trace's 8 tiles" in "\n".join(lines)
+
+
+def test_three_warpgroups_count_in_the_peak():
+    """A 3-warpgroup tile: the third warpgroup's steps are printed and the tensor peak counts
+    its 64 rows."""
+    st = synthetic()
+    st[:, 2] = st[:, 0]
+    lines: list[str] = []
+    res = tp.analyse(st, warpgroups=3, out=lines.append)
+    assert res[(2, "period")] == PERIOD
+    ideal = tp.tile_macs(128, 128, 3) / tp.PEAK_MACS
+    assert f"at the tensor peak {ideal:.0f}:" in "\n".join(lines)
 
 
 def test_passed_on_tiles_are_not_steady_steps():

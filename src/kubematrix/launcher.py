@@ -305,8 +305,10 @@ class Launcher:
 
         Registering first closes the race with a Ctrl-C that arrives while the request is in
         flight: either the abort's snapshot sees the response, or the cancel was set before
-        the registration and is seen here (raises :class:`Cancelled`; the caller's cleanup
-        releases the response).
+        the registration and is seen here (raises :class:`Cancelled`; the caller's
+        :meth:`_release` closes the response). A Ctrl-C while the request still waits for its
+        response headers has no response to shut down yet: that wait runs its course (at most
+        the request's read timeout), then this check ends the worker.
         """
         with self._lock:
             self._streams.add(resp)
@@ -325,9 +327,17 @@ class Launcher:
 
         return call
 
-    def _untrack(self, resp: Any) -> None:
+    def _release(self, resp: Any, read_to_end: bool) -> None:
+        """Unregister a streaming response and give its connection back. One not read to its end
+        is closed first: its server is still streaming on that connection (HTTP keep-alive),
+        and a request reusing it from the pool (the cleanup's DELETE, say) would wait out its
+        read timeout."""
         with self._lock:
             self._streams.discard(resp)
+        if not read_to_end:
+            with contextlib.suppress(AttributeError, ValueError, RuntimeError, OSError):
+                resp.close()
+        resp.release_conn()
 
     def kubectl_delete(self, name: str) -> str:
         """The command that removes Job ``name`` and its pods by hand."""
@@ -683,8 +693,8 @@ class Launcher:
                 rv = None  # dropped without a 410: list again (the list retries its own errors)
             finally:
                 for resp in opened:
-                    self._untrack(resp)
-                    resp.release_conn()  # idempotent; the Watch releases it when it ends
+                    # (the Watch closes a response it read to its end: closing again is a no-op)
+                    self._release(resp, read_to_end=False)
                 w.stop()
             yield None
 
@@ -760,8 +770,7 @@ class Launcher:
                             inside_report = False
                     clean = True
                 finally:
-                    self._untrack(resp)
-                    resp.release_conn()
+                    self._release(resp, read_to_end=clean)
             except ApiException as exc:
                 if exc.status == 404:
                     return  # the pod is gone; the caller reads why

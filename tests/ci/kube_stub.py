@@ -82,6 +82,11 @@ class KubeStub:
         self.lost: dict[str, int] = {}
         self.before: dict[str, Callable[[], None]] = {}
         self.watch_hold_s: float | None = None  # None: a watch ends at its timeoutSeconds
+        # False: a log or watch response ends its connection (Connection: close). True: as a real
+        # API server, it keeps it alive: a client that reuses it before the stream ended
+        # writes its next request into a socket the server is still streaming on.
+        self.keep_alive_streams = False
+        self.closed = False  # set on exit: held watches end
         self.terminating: dict[str, int] = {}  # job -> GETs it survives while being deleted
         self.delete_linger_gets = 0
         self.requests: list[tuple[str, str, dict]] = []
@@ -102,6 +107,7 @@ class KubeStub:
 
     def __exit__(self, *exc: object) -> None:
         with self.cond:
+            self.closed = True
             self.log_closed.update(self.logs)
             self.cond.notify_all()
         self.server.shutdown()
@@ -394,9 +400,10 @@ def _handler(stub: KubeStub) -> type[BaseHTTPRequestHandler]:
             self.send_response(200)
             self.send_header("Content-Type", content_type)
             self.send_header("Transfer-Encoding", "chunked")
-            self.send_header("Connection", "close")
+            if not stub.keep_alive_streams:
+                self.send_header("Connection", "close")
             self.end_headers()
-            self.close_connection = True
+            self.close_connection = not stub.keep_alive_streams
 
         def _chunk(self, data: bytes) -> None:
             self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
@@ -539,7 +546,7 @@ def _handler(stub: KubeStub) -> type[BaseHTTPRequestHandler]:
                         ]
                         if not new:
                             remaining = end - time.monotonic()
-                            if remaining <= 0:
+                            if remaining <= 0 or stub.closed:
                                 break
                             stub.cond.wait(min(remaining, 0.2))
                             continue

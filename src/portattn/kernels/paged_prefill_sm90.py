@@ -104,12 +104,13 @@ TRACE_PARTS = gl.constexpr(4)
 #: ``[program, partition, tile, event]`` (the last "tile" holds each partition's start and end).
 #: Consumer events: 0 tile start, 1 K landed, 2 scores done, 3 P ready, 4 V landed (tail
 #: zeroed), 5 P V done, 6 stage released, 7 (an item's first tile) item start, before its query
-#: is read. A warpgroup passing an item's tiles on stamps 0, 1, 4 and 6. Producer: 0 block table
-#: read, 1 stage free, 2 copies issued. Kernel slot, every partition: 0 start (clock), 1 start
-#: (global timer, ns), 2 end (clock), 3 end (ns). The sequential schedule only (OVERLAP and
-#: SPLIT off: the launcher refuses the rest). Diagnostic only; the library never sets it. It is
-#: read at planning and is not part of the op's plan-cache key: set it only around
-#: `plan_paged_attention` (as bench/trace_prefill.py does).
+#: is read. A warpgroup passing an item's tiles on stamps 0, 1, 4 and 6. Producer: 0 tile start
+#: (before its block-table loads are issued), 1 stage free, 2 copies issued. Kernel slot,
+#: every partition: 0 start (clock), 1 start (global timer, ns), 2 end (clock), 3 end (ns).
+#: The sequential schedule only (OVERLAP and SPLIT off: the launcher refuses the rest).
+#: Diagnostic only; the library never sets it. It is read at planning and is not part of the
+#: op's plan-cache key: set it only around `plan_paged_attention` (as bench/trace_prefill.py
+#: does).
 TRACE_BUFFER = None
 
 
@@ -812,7 +813,6 @@ def split_short(tile: Sm90PrefillTile, head_dim: int, elem: int, target: Target)
         paged_policy.SM90_PREFILL_SPLIT_SHORT
         and tile.warpgroups == 2
         and not paged_policy.SM90_PREFILL_OVERLAP
-        and not paged_policy.SM90_PREFILL_PINGPONG
         and smem_bytes(tile, head_dim, elem, split=True) <= target.max_shared_mem
     )
 
