@@ -107,3 +107,13 @@ def rows_aligned(t: torch.Tensor) -> bool:
         and all((st * elem) % 16 == 0 for st in t.stride()[:-1])
         and t.data_ptr() % 16 == 0
     )
+
+
+def check_trace_buffer(buf: torch.Tensor, need: int, device: torch.device, layout: str) -> None:
+    """A Gluon kernel's diagnostic ``TRACE_BUFFER``: int64, on the launch's device, at least
+    ``need`` elements (``layout`` names its dimensions in the error)."""
+    if buf.dtype != torch.int64 or buf.device != device or buf.numel() < need:
+        raise ValueError(
+            f"TRACE_BUFFER must be an int64 tensor on {device} of at least {need} elements "
+            f"({layout}); got {buf.dtype} on {buf.device}, {buf.numel()} elements"
+        )

@@ -75,8 +75,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from portattn.kernels._gluon import clock_stamp, row_ptrs
-from portattn.kernels._launch import Launch, rows_aligned
+from portattn.kernels._gluon import clock_stamp, row_ptrs, trace_slot
+from portattn.kernels._launch import Launch, check_trace_buffer, rows_aligned
 from portattn.platform import Target
 from portattn.policy import mla as mla_policy
 from portattn.policy.common import LaunchOptions
@@ -336,9 +336,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         own = WG ^ b0  # the buffer of the tile this warpgroup scores
         n_a = start + (2 * j) * BLOCK_N
         n_b = n_a + BLOCK_N
-        jt = j  # the trace slot: pairs past the buffer's are dropped
-        if TRACE:
-            jt = gl.where(j < TRACE_PAIRS, j, TRACE_PAIRS + 1)
+        jt = trace_slot(j, TRACE, TRACE_PAIRS)  # pairs past the buffer's are dropped
         _stamp(tr, jt, 0, TRACE)
         if ROWS_AHEAD:  # the next pair's rows, read now: their latency runs under the MMAs
             rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
@@ -821,13 +819,8 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
     )
     if TRACE_BUFFER is not None:
         need = main.grid[0] * 2 * (TRACE_PAIRS.value + 1) * TRACE_EVENTS.value
-        buf = TRACE_BUFFER
-        if buf.dtype != torch.int64 or buf.device != kv_cache.device or buf.numel() < need:
-            raise ValueError(
-                f"TRACE_BUFFER must be an int64 tensor on {kv_cache.device} of at least {need} "
-                f"elements (programs x 2 x (TRACE_PAIRS + 1) x TRACE_EVENTS); got {buf.dtype} on "
-                f"{buf.device}, {buf.numel()} elements"
-            )
+        check_trace_buffer(TRACE_BUFFER, need, kv_cache.device,
+                           "programs x 2 x (TRACE_PAIRS + 1) x TRACE_EVENTS")  # fmt: skip
     options = LaunchOptions(NUM_WARPS, main.options.num_stages)
     return dataclasses.replace(
         main, kernel=_mla_decode_sm90_kernel, args=args, options=options, name="mla_decode_sm90"

@@ -74,7 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from portattn.kernels._gluon import clock_stamp, row_ptrs, trace_slot
-from portattn.kernels._launch import Launch, rows_aligned
+from portattn.kernels._launch import Launch, check_trace_buffer, rows_aligned
 from portattn.platform import Target
 from portattn.policy import paged as paged_policy
 from portattn.policy.common import LaunchOptions
@@ -894,12 +894,9 @@ def _descriptor(cache: torch.Tensor, tile: Sm90PrefillTile, box: int) -> TensorD
 def _check_trace(buf: torch.Tensor, programs: int, args: dict, device: torch.device) -> None:
     """`TRACE_BUFFER` fits the launch, and the launch runs the schedule the trace stamps."""
     need = programs * TRACE_PARTS.value * (TRACE_TILES.value + 1) * TRACE_EVENTS.value
-    if buf.dtype != torch.int64 or buf.device != device or buf.numel() < need:
-        raise ValueError(
-            f"TRACE_BUFFER must be an int64 tensor on {device} of at least {need} elements "
-            f"(programs x TRACE_PARTS x (TRACE_TILES + 1) x TRACE_EVENTS); got {buf.dtype} on "
-            f"{buf.device}, {buf.numel()} elements"
-        )
+    check_trace_buffer(
+        buf, need, device, "programs x TRACE_PARTS x (TRACE_TILES + 1) x TRACE_EVENTS"
+    )
     if args["OVERLAP"] or args["SPLIT"]:
         raise ValueError(
             "TRACE_BUFFER: the trace stamps the sequential schedule only; set "
