@@ -210,6 +210,8 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         out["3 warpgroups"] = dict(SM90_PREFILL_TILES=wide)
         out["overlap"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=False)
         out["overlap+pingpong"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=True)
+        # turns in the sequential loop (P V of tile t and the scores of t+1 in one turn)
+        out["pingpong"] = dict(SM90_PREFILL_OVERLAP=False, SM90_PREFILL_PINGPONG=True)
         # the decode sequences of a mixed batch in a launch of their own after the sm_90 kernel
         out["decode launch"] = dict(SM90_PREFILL_FUSE_DECODE=False)
         # ... fused (the default), each split over both warpgroups by keys, not on warpgroup 0

@@ -38,13 +38,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import git_commit  # noqa: E402
+from _common import git_commit, set_switch  # noqa: E402
 from bench_paged import make_inputs  # noqa: E402
 from bench_prefill import POINTS, Oracle  # noqa: E402
 
 import portattn.kernels.paged_prefill_sm90 as sm90  # noqa: E402
 from portattn.kernels._launch import run_all  # noqa: E402
 from portattn.kernels.paged_attention import plan_paged_attention  # noqa: E402
+from portattn.policy import paged as paged_policy  # noqa: E402
 
 #: consumer steps: (name, from event, to event); "+0" is the warpgroup's next tile's event 0
 STEPS = [
@@ -164,7 +165,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", nargs="+", default=["prefill 8x4096"], choices=sorted(POINTS))
     ap.add_argument("--blocks", type=int, nargs="+", default=[16])
+    ap.add_argument("--set", action="append", default=[], metavar="SWITCH=0|1",
+                    help="set a boolean switch of portattn.policy.paged (a schedule)")  # fmt: skip
     args = ap.parse_args(argv)
+    for item in args.set:
+        set_switch(paged_policy, item)
     if not torch.cuda.is_available():
         sys.exit("trace_prefill: needs a CUDA device")
     from triton.testing import do_bench_cudagraph

@@ -131,7 +131,7 @@ def test_schedule_variants_set_real_switches():
     """Every upper-case key of a schedule variant is a switch of `portattn.policy.paged` (a typo
     would time the policy under another name)."""
     var = bp.variants([], schedules=True)
-    assert {"overlap", "overlap+pingpong"} <= set(var)
+    assert {"overlap", "overlap+pingpong", "pingpong"} <= set(var)
     for name, extra in var.items():
         for key in (k for k in extra if k.isupper()):
             assert hasattr(bp.paged_policy, key), (name, key)

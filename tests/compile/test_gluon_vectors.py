@@ -48,7 +48,7 @@ def _mla(aligned: bool):
     return main
 
 
-def _prefill(aligned: bool):
+def _prefill(aligned: bool, block_size: int = 16):
     """A mixed batch's prefill part (32 q / 8 KV heads, head_dim 128, 16-token pages)."""
     import torch
 
@@ -60,8 +60,9 @@ def _prefill(aligned: bool):
     width = 128 if aligned else 129  # a head stride of 129 elements: rows not 16-byte aligned
     q = torch.empty(tokens, 32, width, dtype=torch.bfloat16, **meta)[..., :128]
     out = torch.empty(tokens, 32, width, dtype=torch.bfloat16, **meta)[..., :128]
-    cache = torch.empty(64 * 256 + 1, 16, 8, 128, dtype=torch.bfloat16, **meta)
-    bt = torch.empty(64, 256, dtype=torch.int32, **meta)
+    pages = 4096 // block_size
+    cache = torch.empty(64 * pages + 1, block_size, 8, 128, dtype=torch.bfloat16, **meta)
+    bt = torch.empty(64, pages, dtype=torch.int32, **meta)
     sl = torch.empty(64, dtype=torch.int32, **meta)
     qsl = torch.empty(65, dtype=torch.int32, **meta)
     launches = plan_paged_attention(
@@ -81,7 +82,10 @@ def _accesses(kernel: str, aligned: bool) -> dict:
     from portattn.platform import get_target
 
     target = get_target("sm_90")
-    launch = _mla(aligned) if kernel == "mla" else _prefill(aligned)
+    if kernel == "mla":
+        launch = _mla(aligned)
+    else:  # "prefill", or "prefill128": 128-token pages (one TMA box a K or V tile)
+        launch = _prefill(aligned, 128 if kernel == "prefill128" else 16)
     options, signature, constexprs, attrs = bind(launch, target)
     src = source_for(launch.kernel)(launch.kernel, signature, constexprs, attrs)
     compiled = triton.compile(src, target=target.gpu_target(), options=options.__dict__)
@@ -92,6 +96,7 @@ def _accesses(kernel: str, aligned: bool) -> dict:
         narrow_stores=len(_NARROW_STORE.findall(ptx)),
         vector_stores=len(_VECTOR_STORE.findall(ptx)),
         fma=ptx.count("fma.rn.f32"),
+        shuffles=ptx.count("shfl.sync"),
         spills=spills,
     )
 
@@ -99,6 +104,7 @@ def _accesses(kernel: str, aligned: bool) -> dict:
 @pytest.fixture(scope="module")
 def accesses() -> dict:
     jobs = [(kernel, aligned) for kernel in ("mla", "prefill") for aligned in (True, False)]
+    jobs.append(("prefill128", True))
     with _worker_env(None):
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
@@ -138,3 +144,15 @@ def test_rows_that_are_not_aligned_fall_back_to_elements(accesses, kernel):
     assert got["narrow_stores"] > 0, got
     if kernel == "prefill":  # the query too (MLA's unaligned case keeps an aligned query)
         assert got["narrow_loads"] > 0, got
+
+
+def test_prefill_producer_picks_box_rows_without_shuffles(accesses):
+    """The producer warp issues a K and a V copy per box of ``BOX`` rows (8 boxes a tile on
+    16-token pages, 1 on 128-token ones), each at its own page's row. Those rows sit in every
+    thread's registers, so picking one is a register move: the kernel has as many warp shuffles
+    (the consumers' row reductions) with 8 boxes as with 1. With one box per lane, each pick was
+    a three-shuffle reduction (24 more), about 1200 cycles a tile in the producer on an H200:
+    the producer, not the tensor cores, then set the pace at 16-token pages."""
+    got, one_box = accesses["prefill", True], accesses["prefill128", True]
+    assert got["shuffles"] == one_box["shuffles"], (got, one_box)
+    assert got["spills"] == 0

@@ -406,15 +406,15 @@ def test_gpu_sm90_prefill(heads, head_dim, block_size, kind, dtype, state_bytes)
 
 
 @pytest.mark.parametrize(
-    ("overlap", "pingpong", "turns"),
-    [(False, False, False), (False, True, False), (True, False, False), (True, True, True)],
+    ("overlap", "pingpong"), [(False, False), (False, True), (True, False), (True, True)]
 )
-def test_pingpong_is_passed_only_with_the_overlapped_loop(monkeypatch, overlap, pingpong, turns):
-    """The turns exist in the overlapped loop only: PINGPONG alone would leave the sequential
-    schedule and only change which warpgroup passes a decode item's tiles on."""
+def test_pingpong_is_passed_to_either_loop(monkeypatch, overlap, pingpong):
+    """The turns exist in both loops (the sequential one takes a turn for P V of tile t with the
+    scores of tile t+1): PINGPONG reaches the launch whatever OVERLAP is."""
     monkeypatch.setattr(paged_policy, "SM90_PREFILL_OVERLAP", overlap)
     monkeypatch.setattr(paged_policy, "SM90_PREFILL_PINGPONG", pingpong)
     (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
+    turns = pingpong
     assert (main.args["OVERLAP"], main.args["PINGPONG"]) == (overlap, turns)
 
 
@@ -478,6 +478,8 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
     [
         "overlap",
         "overlap+pingpong",
+        "pingpong",
+        "fused+pingpong",
         "3 warpgroups",
         "fused decode",
         "fused decode, one warpgroup",
@@ -502,7 +504,7 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_SPLIT_SHORT", "one" not in schedule)
     else:
-        monkeypatch.setattr(paged_policy, "SM90_PREFILL_OVERLAP", True)
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_OVERLAP", "overlap" in schedule)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_PINGPONG", schedule.endswith("pingpong"))
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", schedule.startswith("fused"))
     PLANS.clear()  # the switches are not in a plan's key

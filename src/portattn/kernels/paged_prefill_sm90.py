@@ -32,10 +32,12 @@ its first row, base-2 online softmax in registers, then O += P V with P as the r
 
 * ``SM90_PREFILL_OVERLAP``: tile t's scores are issued together with tile t-1's P V, and tile t's
   softmax runs while the latter is in flight (the accumulator is rescaled once it lands);
-* ``SM90_PREFILL_PINGPONG`` (with ``SM90_PREFILL_OVERLAP`` only; alone it has no effect): the
-  two warpgroups take turns issuing their MMAs (an mbarrier each; warpgroup 0 first), so one's
-  softmax runs under the other's MMAs instead of both warpgroups, which wait on the same K tile,
-  scoring at once and then both leaving the tensor cores idle.
+* ``SM90_PREFILL_PINGPONG``: the two warpgroups take turns issuing their MMAs (an mbarrier
+  each; warpgroup 0 first), so one's softmax runs under the other's MMAs instead of both
+  warpgroups, which wait on the same K tile, scoring at once and then both leaving the tensor
+  cores idle. Overlapped, a turn issues tile t's scores with tile t-1's P V; sequential, it
+  issues tile t's P V with tile t+1's scores (the item's first scores and its last P V take
+  turns of their own). A warpgroup with no real rows takes the same turns without MMAs.
 
 Both off (the default: on an H100 neither the overlapped schedules, nor 3 stages, nor 192-row
 tiles measured faster, bench/RESULTS.md 2026-11-25), a warpgroup scores, softmaxes and
@@ -254,7 +256,9 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
     HEAD_D: gl.constexpr = k_smem.shape[2]
     NB: gl.constexpr = BLOCK_N // BOX
     TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_D * k_smem.dtype.primitive_bitwidth // 8
-    boxes = gl.arange(0, NB, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    # every box's row in each thread's registers: picking box b's below is a register move (one
+    # box per lane made each pick a three-step shuffle reduction, 8 boxes ~1200 cycles a tile)
+    boxes = gl.arange(0, NB, layout=gl.BlockedLayout([NB], [32], [gl.num_warps()], [0]))
     mine_b, n, off = _share(work_ptr, SLOTS)
     lists = (work_ptr, mine_b, n, off, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr)
     it = 0
@@ -330,6 +334,17 @@ def _probs(sc, m_i, scale_log2):
     m_new = gl.maximum(m_i, gl.max(sc, 1) * scale_log2)
     p = gl.exp2(sc * scale_log2 - m_new[:, None])
     return m_new, p
+
+
+@gluon.jit
+def _softmax(sc, m_i, l_i, acc, scale_log2, dtype: gl.constexpr, PA: gl.constexpr):
+    """One tile's online-softmax step on its masked raw scores ``sc``: the new row maxima and
+    sums, the accumulator rescaled to the new maxima, and P as the P V MMA's register operand."""
+    m_new, p = _probs(sc, m_i, scale_log2)
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    return m_new, l_i, acc, gl.convert_layout(p.to(dtype), PA)
 
 
 @gluon.jit
@@ -516,7 +531,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             short = short | (head_tile * HEAD_TILE + ROWS % HEAD_TILE >= GROUP)
         else:
             short = False
-        if PINGPONG or WG == 0:
+        if WG == 0:
             idle = False
         else:
             r0: gl.constexpr = WG * ROWS
@@ -546,6 +561,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                    GROUP, HEAD_TILE, BLOCK_Q, SPLIT)  # fmt: skip
             nm += 1
         elif idle:
+            # PINGPONG: the item's turns (n_tiles + 1, as either loop takes) without MMAs
+            tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
+            _turn_pass(turn_bars, WG, PINGPONG)
             for _t in range(n_tiles):
                 s = it % STAGES
                 ph = (it // STAGES) & 1
@@ -555,6 +573,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 _stamp(tr, jt, 1, TRACE)
                 mbarrier.wait(v_bars.index(s), ph)
                 _stamp(tr, jt, 4, TRACE)
+                tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
+                _turn_pass(turn_bars, WG, PINGPONG)
                 mbarrier.arrive(empty_bars.index(s), count=1)
                 _stamp(tr, jt, 6, TRACE)
                 it += 1
@@ -627,6 +647,72 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
                 gl.thread_barrier()
                 mbarrier.arrive(empty_bars.index(s), count=1)
+                it += 1
+            elif PINGPONG:
+                # turns in the sequential loop: one turn issues P V of tile t and the scores of
+                # tile t+1 (the item's first scores, and the last tile's P V, take a turn of
+                # their own), then passes, so that the other warpgroup's MMAs run under this
+                # one's softmax. Both are waited after the pass (P V first: issued first).
+                # Trace steps: 1 = 0 (K is waited before the turn), 2 the softmax's start, 5
+                # the turn, the issues and the P V wait, 6 the release and the scores' wait
+                s = it % STAGES
+                mbarrier.wait(k_bars.index(s), (it // STAGES) & 1)
+                tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
+                qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)),
+                                   gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
+                                   use_acc=False, is_async=True)  # fmt: skip
+                _turn_pass(turn_bars, WG, PINGPONG)
+                qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+                for t in range(n_tiles - 1):
+                    s = it % STAGES
+                    jt = trace_slot(it, TRACE, TRACE_TILES)
+                    _stamp(tr, jt, 0, TRACE)
+                    _stamp(tr, jt, 1, TRACE)
+                    _stamp(tr, jt, 2, TRACE)
+                    sc = _scores(qk, t * BLOCK_N, full_end, kv_end, limit, cols)
+                    m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA)
+                    _stamp(tr, jt, 3, TRACE)
+                    # tile t is not the item's last: it ends before kv_end <= seq_len, its V
+                    # rows are all real
+                    mbarrier.wait(v_bars.index(s), (it // STAGES) & 1)
+                    s2 = (it + 1) % STAGES
+                    mbarrier.wait(k_bars.index(s2), ((it + 1) // STAGES) & 1)
+                    _stamp(tr, jt, 4, TRACE)
+                    tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
+                    acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
+                    qk = warpgroup_mma(q_buf, k_smem.index(s2).permute((1, 0)),
+                                       gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
+                                       use_acc=False, is_async=True)  # fmt: skip
+                    _turn_pass(turn_bars, WG, PINGPONG)
+                    acc, p_op = warpgroup_mma_wait(num_outstanding=1, deps=[acc, p_op])
+                    _stamp(tr, jt, 5, TRACE)
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty_bars.index(s), count=1)
+                    qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+                    _stamp(tr, jt, 6, TRACE)
+                    it += 1
+                # the last tile: its softmax, then its P V in a turn of its own
+                s = it % STAGES
+                start = (n_tiles - 1) * BLOCK_N
+                jt = trace_slot(it, TRACE, TRACE_TILES)
+                _stamp(tr, jt, 0, TRACE)
+                _stamp(tr, jt, 1, TRACE)
+                _stamp(tr, jt, 2, TRACE)
+                sc = _scores(qk, start, full_end, kv_end, limit, cols)
+                m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA)
+                _stamp(tr, jt, 3, TRACE)
+                v_buf = v_smem.index(s)
+                mbarrier.wait(v_bars.index(s), (it // STAGES) & 1)
+                _zero_tail(v_buf, start, seq_len, LOAD)
+                _stamp(tr, jt, 4, TRACE)
+                tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
+                acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+                _turn_pass(turn_bars, WG, PINGPONG)
+                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
+                _stamp(tr, jt, 5, TRACE)
+                gl.thread_barrier()
+                mbarrier.arrive(empty_bars.index(s), count=1)
+                _stamp(tr, jt, 6, TRACE)
                 it += 1
             else:
                 for t in range(n_tiles):
@@ -985,12 +1071,7 @@ def sm90_prefill_launches(
         BOX=box,
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([64, head_dim], dtype),
         OVERLAP=paged_policy.SM90_PREFILL_OVERLAP,
-        # the turns are taken in the overlapped loop only (the sequential one has none)
-        PINGPONG=(
-            paged_policy.SM90_PREFILL_PINGPONG
-            and paged_policy.SM90_PREFILL_OVERLAP
-            and tile.warpgroups == 2
-        ),
+        PINGPONG=paged_policy.SM90_PREFILL_PINGPONG and tile.warpgroups == 2,
         CONSUMER_REGS=REGS[tile.warpgroups][0],
         PRODUCER_REGS=REGS[tile.warpgroups][1],
         PRODUCER_WARPS_=PRODUCER_WARPS,

@@ -263,8 +263,8 @@ SM90_PREFILL = True
 SM90_PREFILL_MIN_ROWS = 128
 #: The kernel's schedule (`portattn.kernels.paged_prefill_sm90`, module doc): scores of tile t
 #: issued with P V of tile t-1 (OVERLAP), and the two warpgroups issuing their MMAs in turns
-#: (PINGPONG; in the overlapped loop only: without OVERLAP it has no effect). Both off: each
-#: warpgroup scores, softmaxes and accumulates one tile at a time.
+#: (PINGPONG; in either loop: sequential, a turn issues P V of tile t with the scores of t+1).
+#: Both off: each warpgroup scores, softmaxes and accumulates one tile at a time.
 SM90_PREFILL_OVERLAP = False
 SM90_PREFILL_PINGPONG = False
 #: The decode sequences of a mixed batch (those of the portable kernel's decode row tile) as
