@@ -13,7 +13,6 @@ from portattn.kernels.paged_attention import paged_attention, plan_paged_attenti
 from portattn.kernels.paged_prefill_sm90 import (
     _work_list_kernel,
     box_rows,
-    prefetches,
     program_items,
     sm90_prefill_errors,
     smem_bytes,
@@ -283,49 +282,9 @@ def test_compiles_for_sm90_without_spills(case_id):
     (r,) = [launch for launch in cell.launches if launch.name == "paged_prefill_sm90"]
     assert r.ok, r.error
     tile = SM90_PREFILL_TILES[128]
-    split = split_short(tile, 128, 2, SM90)
-    prefetch = prefetches(tile, 128, 2, split, True, SM90)  # the case's query rows are aligned
-    assert prefetch
-    assert r.shared <= smem_bytes(tile, 128, split=split, prefetch=prefetch)
+    assert r.shared <= smem_bytes(tile, 128, split=split_short(tile, 128, 2, SM90))
     assert smem_bytes(tile, 128, split=True) <= SM90.max_shared_mem
-    assert smem_bytes(tile, 128, prefetch=True) <= SM90.max_shared_mem
     assert r.spills <= 16
-
-
-@pytest.mark.parametrize(
-    ("tile", "split", "aligned", "expected"),
-    [
-        (paged_policy.Sm90PrefillTile(block_n=128, stages=2), False, True, True),
-        # cp.async moves 16-byte pieces: rows that are not aligned keep the register load
-        (paged_policy.Sm90PrefillTile(block_n=128, stages=2), False, False, False),
-        # the split's merge buffer takes the room (and its items load warpgroup 0's rows)
-        (paged_policy.Sm90PrefillTile(block_n=128, stages=2), True, True, False),
-        # second query buffers past sm_90's 227 KB: 3 stages of 128 x 128
-        (paged_policy.Sm90PrefillTile(block_n=128, stages=3), False, True, False),
-        # 3 warpgroups of 64 x 64 tiles, 4 stages: 225 KB estimated (229724 B compiled)
-        (paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3), False, True, True),
-    ],
-)
-def test_query_prefetch_only_where_it_fits(tile, split, aligned, expected):
-    assert prefetches(tile, 128, 2, split, aligned, SM90) is expected
-    if expected:
-        assert smem_bytes(tile, 128, prefetch=True) <= SM90.max_shared_mem
-
-
-def test_plan_prefetches_aligned_query_rows_only():
-    """The launch's PREFETCH follows the query's alignment (a head stride of 129 elements: rows
-    not 16-byte aligned)."""
-    (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
-    assert main.args["PREFETCH"] is True
-    q = torch.empty(8 * 512 + 56, 32, 129, dtype=torch.bfloat16, **META)[..., :128]
-    cache = torch.empty(64 * 256 + 1, 16, 8, 128, dtype=torch.bfloat16, **META)
-    bt = torch.empty(64, 256, dtype=torch.int32, **META)
-    sl = torch.empty(64, dtype=torch.int32, **META)
-    qsl = torch.empty(65, dtype=torch.int32, **META)
-    launches = plan_paged_attention(q, cache, cache, bt, sl, qsl, target=SM90, max_query_len=512,
-                                    max_seq_len=4096)  # fmt: skip
-    (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
-    assert main.args["PREFETCH"] is False and main.args["Q_VEC"] is False
 
 
 def test_trace_buffer_builds_traced_launches_only_while_set(monkeypatch):

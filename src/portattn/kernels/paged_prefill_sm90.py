@@ -45,11 +45,7 @@ accumulates one tile at a time.
 
 Query rows are read 16 bytes a thread and output rows written 4 bytes a thread where the launcher
 found them aligned (``Q_VEC`` / ``O_VEC``, `rows_aligned`: a warpgroup's code does not see the
-launch's alignment); otherwise both go element by element. With aligned rows (``PREFETCH``,
-`prefetches`) each warpgroup has two query buffers and reads one item ahead: during item i it
-reads item i+1's metadata and copies its query rows into the other buffer by ``cp.async``, so an
-item starts without waiting for its metadata reads and then its query rows (an H200 trace put
-the start of an item at several thousand cycles, both warpgroups idle at once).
+launch's alignment); otherwise both go element by element.
 
 The rows of the sequence's last page past ``seq_len`` are real memory that may hold anything
 (NaN): their scores are masked, and before P V each warpgroup zeroes them in the V tile (both
@@ -70,7 +66,6 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -226,16 +221,14 @@ def _item(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.c
     """This program's item at ``step`` (`program_items`; ``mine_b``, ``n``, ``off`` from
     `_share`, the second list at ``work[b_off]``): its sequence, head slot, q tile, query start and
     length, context length before the queries, the end of its KV range, where its masked
-    tiles start, and its tiles. A ``step`` past the program's ``n`` items (the consumers read
-    one ahead) gives sequence 0's first q tile: every read stays inside the lists and metadata."""
+    tiles start, and its tiles."""
     work_ptr, mine_b, n, off, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr = lists
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    nn = gl.maximum(n, 1)
-    k = (step * mine_b + off) // nn
-    second = ((step + 1) * mine_b + off) // nn > k
+    k = (step * mine_b + off) // n
+    second = ((step + 1) * mine_b + off) // n > k
     j = pid + gl.where(second, k, step - k) * nprog
-    e = gl.load(work_ptr + gl.where(second, b_off, 2) + j // SLOTS, mask=step < n, other=0)
+    e = gl.load(work_ptr + gl.where(second, b_off, 2) + j // SLOTS)
     slot = j % SLOTS
     seq = e // num_q_tiles
     q_tile = e % num_q_tiles
@@ -481,27 +474,11 @@ def _merge(WG: gl.constexpr, nm, m_h, l_h, acc_h, merge_acc, merge_m, merge_l, m
 
 
 @gluon.jit
-def _q_copy(q_ptr, dst, item, valid, stride_q_tok, stride_q_head, stride_q_dim, WG: gl.constexpr,
-            HEAD_TILES: gl.constexpr, GROUP: gl.constexpr, HEAD_TILE: gl.constexpr,
-            BLOCK_Q: gl.constexpr, LOAD: gl.constexpr):  # fmt: skip
-    """``cp.async`` of warpgroup WG's query rows of ``item`` (`_item`'s values) into ``dst``
-    (16-byte pieces: aligned rows only), rows that are not real (or all, unless ``valid``) as
-    zeros; one commit group."""
-    slot, q_tile, q_start, q_len = item[1], item[2], item[3], item[4]
-    tok, head, real = _rows(WG, q_tile, slot % HEAD_TILES, slot // HEAD_TILES, q_start, q_len,
-                            GROUP, HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
-    dq = gl.arange(0, dst.shape[1], layout=gl.SliceLayout(0, LOAD))
-    q_ptrs = row_ptrs(q_ptr, tok * stride_q_tok + head * stride_q_head, dq, stride_q_dim, True, 8)
-    async_copy.async_copy_global_to_shared(dst, q_ptrs, mask=(real & valid)[:, None])
-    async_copy.commit_group()
-
-
-@gluon.jit
 def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr,
               GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
               SPLIT: gl.constexpr, Q_VEC: gl.constexpr, O_VEC: gl.constexpr,
-              PREFETCH: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+              TRACE: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
     scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
     PINGPONG: the two warpgroups issue their MMAs in turns (module doc). Q_VEC / O_VEC: the
@@ -530,34 +507,16 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     ROW: gl.constexpr = gl.SliceLayout(1, QK)
     COL: gl.constexpr = gl.SliceLayout(0, QK)
     PV_ROW: gl.constexpr = gl.SliceLayout(1, PV)
-    # PREFETCH: two query buffers a warpgroup; each item's rows are copied in during the item
-    # before it (cp.async), its metadata read then too (`_item` one step ahead): an item's
-    # start no longer waits for two rounds of metadata reads and then its query rows
-    QB: gl.constexpr = 2 if PREFETCH else 1
-    q_buf = q_smem.index(QB * WG)
+    q_buf = q_smem.index(WG)
     mine_b, n, off = _share(work_ptr, SLOTS)
     lists = (work_ptr, mine_b, n, off, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr)
     it = 0
     tk = 0  # turns taken (PINGPONG)
     nm = 0  # short items merged (SPLIT)
-    nxt = _item(lists, 0, SLOTS, BLOCK_Q, BLOCK_N)
-    if PREFETCH:
-        _q_copy(q_ptr, q_buf, nxt, n > 0, stride_q_tok, stride_q_head, stride_q_dim, WG,
-                HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, LOAD)  # fmt: skip
     for step in range(n):
-        seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles = nxt
-        nxt = _item(lists, step + 1, SLOTS, BLOCK_Q, BLOCK_N)
-        if PREFETCH:
-            q_buf = q_smem.index(QB * WG + (step & 1))
-            # the next item's rows into the other buffer (its last MMA was waited before the
-            # previous item's epilogue), then this item's rows landed (this thread's copies;
-            # the barrier: everyone's), made visible to the MMAs (async proxy)
-            _q_copy(q_ptr, q_smem.index(QB * WG + ((step + 1) & 1)), nxt, step + 1 < n,
-                    stride_q_tok, stride_q_head, stride_q_dim, WG, HEAD_TILES, GROUP, HEAD_TILE,
-                    BLOCK_Q, LOAD)  # fmt: skip
-            async_copy.wait_group(1)
-            fence_async_shared()
-            gl.thread_barrier()
+        seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles = _item(
+            lists, step, SLOTS, BLOCK_Q, BLOCK_N
+        )
         kv_head = slot // HEAD_TILES
         head_tile = slot % HEAD_TILES
         # a warpgroup none of whose rows is real (a decode item's second warpgroup, or a short
@@ -621,17 +580,16 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 it += 1
         else:
             _stamp(tr, trace_slot(it, TRACE, TRACE_TILES), 7, TRACE)
-            if not PREFETCH:
-                # -- this warpgroup's query rows into shared memory (the score MMA's A operand)
-                tok, head, real = _rows(WG, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
-                                        HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
-                dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
-                q_rows = tok * stride_q_tok + head * stride_q_head
-                q_ptrs = row_ptrs(q_ptr, q_rows, dq, stride_q_dim, Q_VEC, 8)
-                q = gl.load(q_ptrs, mask=real[:, None], other=0.0)
-                q_buf.store(q)
-                fence_async_shared()
-                gl.thread_barrier()
+            # -- this warpgroup's query rows into shared memory (the score MMA's A operand) --
+            tok, head, real = _rows(WG, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
+                                    HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
+            dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
+            q_rows = tok * stride_q_tok + head * stride_q_head
+            q_ptrs = row_ptrs(q_ptr, q_rows, dq, stride_q_dim, Q_VEC, 8)
+            q = gl.load(q_ptrs, mask=real[:, None], other=0.0)
+            q_buf.store(q)
+            fence_async_shared()
+            gl.thread_barrier()
             # each row sees the positions < its limit (>= 1: no row is ever fully masked)
             rs = WG * ROWS + gl.arange(0, ROWS, layout=ROW)
             limit = ctx_len + q_tile * BLOCK_Q + rs // HEAD_TILE + 1
@@ -846,15 +804,13 @@ def _paged_prefill_sm90_kernel(
     SPLIT: gl.constexpr,  # short items on both warpgroups, half the keys each (two, sequential)
     Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
     O_VEC: gl.constexpr,  # the output's rows aligned
-    PREFETCH: gl.constexpr,  # each item's query rows copied in during the item before (aligned)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     KV_LAYOUT: gl.constexpr = k_desc.layout
     HEAD_TILES: gl.constexpr = (GROUP + HEAD_TILE - 1) // HEAD_TILE
-    QB: gl.constexpr = 2 if PREFETCH else 1  # two query buffers a warpgroup (`_consumer`)
-    q_smem = gl.allocate_shared_memory(dtype, [QB * NUM_WG, 64, HEAD_D], Q_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 64, HEAD_D], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -891,9 +847,9 @@ def _paged_prefill_sm90_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, PREFETCH, TRACE)),
+                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, PREFETCH, TRACE)),
+                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, TRACE)),
             ],
             [4, PRODUCER_WARPS_],
@@ -904,11 +860,11 @@ def _paged_prefill_sm90_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False, False, Q_VEC, O_VEC, PREFETCH, TRACE)),
+                             OVERLAP, False, False, Q_VEC, O_VEC, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False, False, Q_VEC, O_VEC, PREFETCH, TRACE)),
+                             OVERLAP, False, False, Q_VEC, O_VEC, TRACE)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False, False, Q_VEC, O_VEC, PREFETCH, TRACE)),
+                             OVERLAP, False, False, Q_VEC, O_VEC, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, TRACE)),
             ],
             [4, 4, PRODUCER_WARPS_],
@@ -925,18 +881,11 @@ def box_rows(block_size: int, block_n: int) -> int:
     return min(block_n, block_size & -block_size)
 
 
-def smem_bytes(
-    tile: Sm90PrefillTile,
-    head_dim: int,
-    elem: int = 2,
-    split: bool = False,
-    prefetch: bool = False,
-) -> int:
-    """Shared memory this kernel allocates, an upper bound: Q (64 rows a warpgroup; two buffers
-    with ``prefetch``), ``stages`` K and V tiles, the merge buffer of short items on two
-    warpgroups (``split``: 64 rows of fp32 accumulator, maxima and sums), the barriers and 1 KB
-    for Triton's alignment."""
-    q = 64 * tile.warpgroups * head_dim * elem * (2 if prefetch else 1)
+def smem_bytes(tile: Sm90PrefillTile, head_dim: int, elem: int = 2, split: bool = False) -> int:
+    """Shared memory this kernel allocates, an upper bound: Q (64 rows a warpgroup), ``stages``
+    K and V tiles, the merge buffer of short items on two warpgroups (``split``: 64 rows of fp32
+    accumulator, maxima and sums), the barriers and 1 KB for Triton's alignment."""
+    q = 64 * tile.warpgroups * head_dim * elem
     kv = 2 * tile.stages * tile.block_n * head_dim * elem
     merge = 64 * (head_dim + 2) * 4 if split else 2 * 2 * 4 + 2 * 2 * 4
     return q + kv + merge + (3 * tile.stages + 4) * 8 + 1024
@@ -951,19 +900,6 @@ def split_short(tile: Sm90PrefillTile, head_dim: int, elem: int, target: Target)
         and tile.warpgroups == 2
         and not paged_policy.SM90_PREFILL_OVERLAP
         and smem_bytes(tile, head_dim, elem, split=True) <= target.max_shared_mem
-    )
-
-
-def prefetches(tile: Sm90PrefillTile, head_dim: int, elem: int, split: bool, q_aligned: bool,
-               target: Target) -> bool:  # fmt: skip
-    """Whether the consumers copy each item's query rows in during the item before
-    (``PREFETCH``, by ``cp.async``: 16-byte pieces, so aligned rows only): not with the split's
-    merge buffer, and only where the second query buffers fit the target's shared memory (not
-    with 3 stages of 128 x 128 K/V tiles on sm_90)."""
-    return (
-        q_aligned
-        and not split
-        and smem_bytes(tile, head_dim, elem, prefetch=True) <= target.max_shared_mem
     )
 
 
@@ -1100,8 +1036,6 @@ def sm90_prefill_launches(
         outputs=main.outputs,  # (the op's outputs: the plan cache returns the first launch's)
     )
     dtype = _GL_DTYPES[key_cache.dtype]
-    elem = key_cache.element_size()
-    split = split_short(tile, head_dim, elem, main.target)
     args = dict(
         out_ptr=a["out_ptr"],
         q_ptr=a["q_ptr"],
@@ -1142,9 +1076,8 @@ def sm90_prefill_launches(
         PRODUCER_REGS=REGS[tile.warpgroups][1],
         PRODUCER_WARPS_=PRODUCER_WARPS,
         NUM_WG=tile.warpgroups,
-        SPLIT=split,
+        SPLIT=split_short(tile, head_dim, key_cache.element_size(), main.target),
         Q_VEC=rows_aligned(a["q_ptr"]),
-        PREFETCH=prefetches(tile, head_dim, elem, split, rows_aligned(a["q_ptr"]), main.target),
         O_VEC=rows_aligned(a["out_ptr"]),
         # a placeholder pointer when off (never read)
         trace_ptr=TRACE_BUFFER if TRACE_BUFFER is not None else a["seq_lens_ptr"],
