@@ -37,7 +37,8 @@ its first row, base-2 online softmax in registers, then O += P V with P as the r
   warpgroups, which wait on the same K tile, scoring at once and then both leaving the tensor
   cores idle. Overlapped, a turn issues tile t's scores with tile t-1's P V; sequential, it
   issues tile t's P V with tile t+1's scores (the item's first scores and its last P V take
-  turns of their own). A warpgroup with no real rows takes the same turns without MMAs.
+  turns of their own). An item whose second warpgroup has no real rows (a decode item) takes
+  no turns: warpgroup 0 runs it alone while warpgroup 1 passes its tiles on.
 
 Both off (the default: on an H100 neither the overlapped schedules, nor 3 stages, nor 192-row
 tiles measured faster, bench/RESULTS.md 2026-11-25), a warpgroup scores, softmaxes and
@@ -361,19 +362,20 @@ def _zero_tail(v_buf, start, seq_len, LOAD: gl.constexpr):
 
 
 @gluon.jit
-def _turn_wait(turn_bars, WG: gl.constexpr, tk, PINGPONG: gl.constexpr):
-    """PINGPONG: wait for this warpgroup's turn to issue MMAs; returns the turns taken."""
+def _turn_wait(turn_bars, WG: gl.constexpr, tk, PINGPONG: gl.constexpr, on):
+    """PINGPONG and ``on`` (the item takes turns): wait for this warpgroup's turn to issue MMAs;
+    returns the turns taken."""
     if PINGPONG:
-        mbarrier.wait(turn_bars.index(WG), tk & 1)
-        tk += 1
+        mbarrier.wait(turn_bars.index(WG), tk & 1, pred=on)
+        tk += on.to(gl.int32)
     return tk
 
 
 @gluon.jit
-def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """PINGPONG: MMAs issued; the other warpgroup's turn."""
+def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr, on):
+    """PINGPONG and ``on``: MMAs issued; the other warpgroup's turn."""
     if PINGPONG:
-        mbarrier.arrive(turn_bars.index(1 - WG), count=1)
+        mbarrier.arrive(turn_bars.index(1 - WG), count=1, pred=on)
 
 
 @gluon.jit
@@ -537,6 +539,10 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             r0: gl.constexpr = WG * ROWS
             idle = (r0 // HEAD_TILE >= BLOCK_Q) | (q_tile * BLOCK_Q + r0 // HEAD_TILE >= q_len)
             idle = idle | (head_tile * HEAD_TILE + r0 % HEAD_TILE >= GROUP)
+        # PINGPONG: an item takes turns only where warpgroup 1 has real rows (both warpgroups
+        # compute the same); else warpgroup 1 only passes its tiles on and 0 runs alone
+        turns = (q_tile * BLOCK_Q + ROWS // HEAD_TILE < q_len) & (ROWS // HEAD_TILE < BLOCK_Q)
+        turns = turns & (head_tile * HEAD_TILE + ROWS % HEAD_TILE < GROUP)
         if SPLIT and short:  # (SPLIT first: no dead branch reaches the compiler)
             tok, head, real = _rows(0, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
                                     HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
@@ -561,9 +567,6 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                    GROUP, HEAD_TILE, BLOCK_Q, SPLIT)  # fmt: skip
             nm += 1
         elif idle:
-            # PINGPONG: the item's turns (n_tiles + 1, as either loop takes) without MMAs
-            tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
-            _turn_pass(turn_bars, WG, PINGPONG)
             for _t in range(n_tiles):
                 s = it % STAGES
                 ph = (it // STAGES) & 1
@@ -573,8 +576,6 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 _stamp(tr, jt, 1, TRACE)
                 mbarrier.wait(v_bars.index(s), ph)
                 _stamp(tr, jt, 4, TRACE)
-                tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
-                _turn_pass(turn_bars, WG, PINGPONG)
                 mbarrier.arrive(empty_bars.index(s), count=1)
                 _stamp(tr, jt, 6, TRACE)
                 it += 1
@@ -601,11 +602,11 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 # tile 0: its scores alone
                 s = it % STAGES
                 mbarrier.wait(k_bars.index(s), (it // STAGES) & 1)
-                tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
+                tk = _turn_wait(turn_bars, WG, tk, PINGPONG, turns)
                 qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)),
                                    gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
                                    use_acc=False, is_async=True)  # fmt: skip
-                _turn_pass(turn_bars, WG, PINGPONG)
+                _turn_pass(turn_bars, WG, PINGPONG, turns)
                 qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
                 sc = _scores(qk, 0, full_end, kv_end, limit, cols)
                 m_i, p = _probs(sc, m_i, scale_log2)  # from -inf: m_i is the tile's
@@ -619,12 +620,12 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     mbarrier.wait(k_bars.index(s), (it // STAGES) & 1)
                     # (tile t-1 ends before kv_end <= seq_len: its V rows are all real)
                     mbarrier.wait(v_bars.index(sp), php)
-                    tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
+                    tk = _turn_wait(turn_bars, WG, tk, PINGPONG, turns)
                     qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)),
                                        gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
                                        use_acc=False, is_async=True)  # fmt: skip
                     acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
-                    _turn_pass(turn_bars, WG, PINGPONG)
+                    _turn_pass(turn_bars, WG, PINGPONG, turns)
                     qk = warpgroup_mma_wait(num_outstanding=1, deps=[qk])
                     sc = _scores(qk, t * BLOCK_N, full_end, kv_end, limit, cols)
                     m_new, p = _probs(sc, m_i, scale_log2)
@@ -641,9 +642,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 v_buf = v_smem.index(s)
                 mbarrier.wait(v_bars.index(s), (it // STAGES) & 1)
                 _zero_tail(v_buf, (n_tiles - 1) * BLOCK_N, seq_len, LOAD)
-                tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
+                tk = _turn_wait(turn_bars, WG, tk, PINGPONG, turns)
                 acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-                _turn_pass(turn_bars, WG, PINGPONG)
+                _turn_pass(turn_bars, WG, PINGPONG, turns)
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
                 gl.thread_barrier()
                 mbarrier.arrive(empty_bars.index(s), count=1)
@@ -657,11 +658,11 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 # the turn, the issues and the P V wait, 6 the release and the scores' wait
                 s = it % STAGES
                 mbarrier.wait(k_bars.index(s), (it // STAGES) & 1)
-                tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
+                tk = _turn_wait(turn_bars, WG, tk, PINGPONG, turns)
                 qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)),
                                    gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
                                    use_acc=False, is_async=True)  # fmt: skip
-                _turn_pass(turn_bars, WG, PINGPONG)
+                _turn_pass(turn_bars, WG, PINGPONG, turns)
                 qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
                 for t in range(n_tiles - 1):
                     s = it % STAGES
@@ -678,12 +679,12 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     s2 = (it + 1) % STAGES
                     mbarrier.wait(k_bars.index(s2), ((it + 1) // STAGES) & 1)
                     _stamp(tr, jt, 4, TRACE)
-                    tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
+                    tk = _turn_wait(turn_bars, WG, tk, PINGPONG, turns)
                     acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
                     qk = warpgroup_mma(q_buf, k_smem.index(s2).permute((1, 0)),
                                        gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
                                        use_acc=False, is_async=True)  # fmt: skip
-                    _turn_pass(turn_bars, WG, PINGPONG)
+                    _turn_pass(turn_bars, WG, PINGPONG, turns)
                     acc, p_op = warpgroup_mma_wait(num_outstanding=1, deps=[acc, p_op])
                     _stamp(tr, jt, 5, TRACE)
                     gl.thread_barrier()
@@ -705,9 +706,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 mbarrier.wait(v_bars.index(s), (it // STAGES) & 1)
                 _zero_tail(v_buf, start, seq_len, LOAD)
                 _stamp(tr, jt, 4, TRACE)
-                tk = _turn_wait(turn_bars, WG, tk, PINGPONG)
+                tk = _turn_wait(turn_bars, WG, tk, PINGPONG, turns)
                 acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-                _turn_pass(turn_bars, WG, PINGPONG)
+                _turn_pass(turn_bars, WG, PINGPONG, turns)
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
                 _stamp(tr, jt, 5, TRACE)
                 gl.thread_barrier()
