@@ -246,7 +246,7 @@ def test_work_list_second_list_holds_the_fused_decodes(q_len_min, device):
 @pytest.mark.parametrize(
     ("nprog", "n_a", "n_b"),
     [(132, 4096, 448), (132, 1024, 448), (132, 448, 4096), (132, 0, 448), (132, 100, 0), (7, 5, 3),
-     (132, 131, 1)],
+     (132, 131, 1), (132, 131, 131), (7, 12, 9)],
 )  # fmt: skip
 def test_each_item_runs_once_and_decodes_are_spread(nprog, n_a, n_b):
     """`program_items` (the kernel's `_share` / `_item`): every item of both lists on exactly
@@ -260,6 +260,11 @@ def test_each_item_runs_once_and_decodes_are_spread(nprog, n_a, n_b):
         assert [j for second, j in items if not second] == list(range(p, n_a, nprog))
     counts = [sum(second for second, _ in items) for items in per]
     assert max(counts) - min(counts) <= 1
+    # the second list is dealt from the last program: a program with one main item more than
+    # others gets no decode item more unless the two lists' remainders overlap
+    lengths = [len(items) for items in per]
+    if n_a % nprog + n_b % nprog <= nprog:
+        assert max(lengths) - min(lengths) <= 1, (max(lengths), min(lengths))
     if n_a >= nprog and n_b:
         share = n_b / (n_a + n_b)
         for step in range(min(len(items) for items in per)):

@@ -179,20 +179,24 @@ def program_items(pid: int, nprog: int, n_a: int, n_b: int) -> list[tuple[bool, 
     """Program ``pid``'s items in its order (`_share` and `_item` compute the same on the
     device): ``(False, j)`` item ``j`` of the main list, ``(True, j)`` of the second.
 
-    Each list is dealt round-robin (program ``pid`` takes items ``pid, pid + nprog, ...``, the
-    main list's order as before the second list existed), and a program spreads its second-list
-    items evenly among its main-list ones, from a phase of its own (`phase`), so at any step
-    only some programs run a (memory-bound) decode item while the others run (compute-bound)
-    prefill items."""
+    Each list is dealt round-robin, the main list from program 0 (program ``pid`` takes items
+    ``pid, pid + nprog, ...``), the second from the last program (``rp = nprog - 1 - pid``
+    takes ``rp, rp + nprog, ...``), so the programs left with one main-list item more than the
+    others are the last to get one decode item more (dealt from program 0 as well, both
+    extras landed on the same programs, whose end the whole launch waited for). A program
+    spreads its second-list items evenly among its main-list ones, from a phase of its own
+    (`phase`), so at any step only some programs run a (memory-bound) decode item while the
+    others run (compute-bound) prefill items."""
+    rp = nprog - 1 - pid
     mine_a = max(0, -(-(n_a - pid) // nprog))
-    mine_b = max(0, -(-(n_b - pid) // nprog))
+    mine_b = max(0, -(-(n_b - rp) // nprog))
     n = mine_a + mine_b
     off = phase(pid, n)
     items = []
     for step in range(n):
         k = (step * mine_b + off) // n
         second = ((step + 1) * mine_b + off) // n > k
-        items.append((second, pid + (k if second else step - k) * nprog))
+        items.append((second, rp + k * nprog if second else pid + (step - k) * nprog))
     return items
 
 
@@ -212,7 +216,7 @@ def _share(work_ptr, SLOTS: gl.constexpr):
     n_a = gl.load(work_ptr) * SLOTS  # work[0], work[1] count (sequence, q tile) entries
     n_b = gl.load(work_ptr + 1) * SLOTS
     mine_a = gl.maximum(n_a - pid + nprog - 1, 0) // nprog
-    mine_b = gl.maximum(n_b - pid + nprog - 1, 0) // nprog
+    mine_b = gl.maximum(n_b - (nprog - 1 - pid) + nprog - 1, 0) // nprog  # dealt from the last
     n = mine_a + mine_b
     return mine_b, n, (pid * 633) % 1024 * n // 1024  # `phase`
 
@@ -228,7 +232,7 @@ def _item(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.c
     nprog = gl.num_programs(0)
     k = (step * mine_b + off) // n
     second = ((step + 1) * mine_b + off) // n > k
-    j = pid + gl.where(second, k, step - k) * nprog
+    j = gl.where(second, nprog - 1 - pid + k * nprog, pid + (step - k) * nprog)
     e = gl.load(work_ptr + gl.where(second, b_off, 2) + j // SLOTS)
     slot = j % SLOTS
     seq = e // num_q_tiles
