@@ -13,7 +13,7 @@ run() {  # run SECONDS LOG CMD...: the command's output to $OUT/LOG, its summary
   echo "== $*"
   OUT=$rec timeout "$limit" "$@" > "$OUT/$log" 2>&1; echo "rc $?"
 }
-# limits total 600 s, the device tool's limit a call (the whole run took 159 s on an H100)
+# limits total 580 s, under the device tool's 600 s a call (the whole run took 159 s on an H100)
 run 60 host.log python3 bench/bench_host.py; tail -7 "$OUT/host.log"
 run 120 shuffle.log python3 bench/bench_paged.py --shuffle; tail -14 "$OUT/shuffle.log"
 run 120 mla_page.log python3 bench/bench_mla.py --contexts 4096 16384 --heads 16 128 --page 64 1 \
@@ -23,6 +23,6 @@ run 100 mla_verify.log python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 
 grep -E "policy|goal" "$OUT/mla_verify.log" | tail -8
 # PREFILL_ARGS: e.g. '--schedules --variants policy,pingpong' (a schedule's rows beside the policy's)
 # shellcheck disable=SC2086
-run 200 prefill.log python3 bench/bench_prefill.py ${PREFILL_ARGS:-}
+run 180 prefill.log python3 bench/bench_prefill.py ${PREFILL_ARGS:-}
 sed -n '/^== summary/,$p' "$OUT/prefill.log"
 tar czf "$OUT/records.tgz" -C "$rec" .

@@ -170,6 +170,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     for item in args.set:
         set_switch(paged_policy, item)
+    if paged_policy.SM90_PREFILL_PINGPONG and not paged_policy.SM90_PREFILL_OVERLAP:
+        print("ping-pong (sequential) steps: 'wait K' and 'S = Q K^T' are 0 (waited elsewhere);"
+              " 'wait V, zero tail' includes the next tile's K; 'O += P V' the turn, both issues"
+              " and the P V wait; 'release' the next scores' wait")  # fmt: skip
     if not torch.cuda.is_available():
         sys.exit("trace_prefill: needs a CUDA device")
     from triton.testing import do_bench_cudagraph

@@ -246,7 +246,7 @@ def test_work_list_second_list_holds_the_fused_decodes(q_len_min, device):
 @pytest.mark.parametrize(
     ("nprog", "n_a", "n_b"),
     [(132, 4096, 448), (132, 1024, 448), (132, 448, 4096), (132, 0, 448), (132, 100, 0), (7, 5, 3),
-     (132, 131, 1), (132, 131, 131), (7, 12, 9)],
+     (132, 131, 1), (132, 133, 131), (7, 12, 9)],
 )  # fmt: skip
 def test_each_item_runs_once_and_decodes_are_spread(nprog, n_a, n_b):
     """`program_items` (the kernel's `_share` / `_item`): every item of both lists on exactly
@@ -419,8 +419,13 @@ def test_pingpong_is_passed_to_either_loop(monkeypatch, overlap, pingpong):
     monkeypatch.setattr(paged_policy, "SM90_PREFILL_OVERLAP", overlap)
     monkeypatch.setattr(paged_policy, "SM90_PREFILL_PINGPONG", pingpong)
     (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
-    turns = pingpong
-    assert (main.args["OVERLAP"], main.args["PINGPONG"]) == (overlap, turns)
+    assert (main.args["OVERLAP"], main.args["PINGPONG"]) == (overlap, pingpong)
+    # 3 warpgroups take no turns (the turn barriers are a pair)
+    tiles = dict(paged_policy.SM90_PREFILL_TILES)
+    tiles[128] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
+    (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
+    assert main.args["NUM_WG"] == 3 and main.args["PINGPONG"] is False
 
 
 def test_launch_tells_the_kernel_which_rows_are_aligned():

@@ -14,7 +14,9 @@ one program per sequence) writes the list of (sequence, q tile) entries of the p
 (``q_len > q_len_lo``), heaviest q tile first within each sequence, and their count; item ``i``
 of the list (entry ``i // SLOTS``, head slot ``i % SLOTS``) goes to program ``i %
 num_programs``. So the launch needs no host read of the metadata (CUDA graphs). With the decode
-sequences fused, they form a second list, dealt round-robin too, and each program spreads its
+sequences fused, they form a second list, dealt round-robin too but from the last program (the
+programs left with one prefill item more are the last to get one decode item more), and each
+program spreads its
 decode items evenly among its prefill items from a phase of its own (`program_items`): at any
 moment a few programs stream a decode item's cache (memory-bound) while the rest run prefill
 tiles (compute-bound), where a decode launch after the prefill would leave the tensor cores
@@ -37,8 +39,9 @@ its first row, base-2 online softmax in registers, then O += P V with P as the r
   warpgroups, which wait on the same K tile, scoring at once and then both leaving the tensor
   cores idle. Overlapped, a turn issues tile t's scores with tile t-1's P V; sequential, it
   issues tile t's P V with tile t+1's scores (the item's first scores and its last P V take
-  turns of their own). An item whose second warpgroup has no real rows (a decode item) takes
-  no turns: warpgroup 0 runs it alone while warpgroup 1 passes its tiles on.
+  turns of their own). An item whose second warpgroup has no real rows (a decode item, a short
+  last q tile) takes no turns: warpgroup 0 runs it alone while warpgroup 1 passes its tiles on
+  (with ``SM90_PREFILL_SPLIT_SHORT``, both run it by halves of the keys, without turns).
 
 Both off (the default: on an H100 neither the overlapped schedules, nor 3 stages, nor 192-row
 tiles measured faster, bench/RESULTS.md 2026-11-25), a warpgroup scores, softmaxes and
@@ -527,7 +530,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
         head_tile = slot % HEAD_TILES
         # a warpgroup none of whose rows is real (a decode item's second warpgroup, or a short
         # last q tile) only passes the item's tiles on: waits for each, releases it (in order,
-        # so its release lands in the stage's current phase). Ping-pong needs both in turn.
+        # so its release lands in the stage's current phase), and takes no ping-pong turns.
         # SPLIT: an item whose real rows all lie in the first 64 (a decode item, a short last q
         # tile) runs on both warpgroups instead, each on half of every tile's keys (`_half_keys`),
         # warpgroup 1 handing its row maxima, sums and accumulator to warpgroup 0 through shared
@@ -544,7 +547,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             idle = (r0 // HEAD_TILE >= BLOCK_Q) | (q_tile * BLOCK_Q + r0 // HEAD_TILE >= q_len)
             idle = idle | (head_tile * HEAD_TILE + r0 % HEAD_TILE >= GROUP)
         # PINGPONG: an item takes turns only where warpgroup 1 has real rows (both warpgroups
-        # compute the same); else warpgroup 1 only passes its tiles on and 0 runs alone
+        # compute the same: a prefix of the rows is real); else (a decode item, a short last q
+        # tile) warpgroup 0 runs it alone while 1 passes its tiles on, or with SPLIT both run it
+        # by halves of the keys (`_half_keys`), neither taking turns
         turns = (q_tile * BLOCK_Q + ROWS // HEAD_TILE < q_len) & (ROWS // HEAD_TILE < BLOCK_Q)
         turns = turns & (head_tile * HEAD_TILE + ROWS % HEAD_TILE < GROUP)
         if SPLIT and short:  # (SPLIT first: no dead branch reaches the compiler)
