@@ -14,8 +14,7 @@ call (``do_bench_cudagraph`` medians: what the stamps cost), and prints:
   (an item's end and the next one's query read, where an item ends);
 * the tile period of each warpgroup and its cycles at the tensor cores' peak (2048 bf16
   MAC/clk/SM, both warpgroups' 64-row tiles), the ratio; tiles a warpgroup only passed on;
-* the producer: the wait for a free K stage, then the K copies, the wait for the V stage and the
-  V copies; how far ahead of the consumers'
+* the producer: the wait for a free stage, the copies' issue; how far ahead of the consumers'
   K wait its copies are issued; how far apart the two warpgroups release each tile;
 * the kernel's ends: the launch's spread (global timer), the start to the first tile, the last
   release to the end (the epilogue), and the clock rate.
@@ -59,9 +58,8 @@ STEPS = [
     ("to next tile", 6, "+0"),
 ]
 PRODUCER = [
-    # the loads' issue (their latency shows at the copies), then the wait for the K tile's stage
-    ("block-table loads, K stage free", 0, 1),
-    ("K copies, V stage free, V copies", 1, 2),
+    ("block-table loads, stage free", 0, 1),  # the loads' issue; their latency shows at the copies
+    ("copies issued", 1, 2),
     ("to next", 2, "+0"),
 ]
 #: bf16 MACs per clock per SM at the tensor cores' peak (H100 dense)

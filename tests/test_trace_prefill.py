@@ -52,8 +52,8 @@ def test_steps_measure_what_they_name():
     for i, (name, _, _) in enumerate(tp.STEPS):
         assert res[(0, name)] == STEP[i], (name, text)
     assert res[(0, "period")] == PERIOD
-    assert res[("producer", "block-table loads, K stage free")] == 50
-    assert res[("producer", "K copies, V stage free, V copies")] == 50
+    assert res[("producer", "block-table loads, stage free")] == 50
+    assert res[("producer", "copies issued")] == 50
     assert res["copies issued before WG0 waits"] == 300
     assert res["release skew WG0/WG1"] == 7
     # the end is 100 cycles after the last tile's period; warpgroup 1 releases 7 cycles after 0

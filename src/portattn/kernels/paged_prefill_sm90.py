@@ -24,15 +24,13 @@ idle. A warpgroup whose rows are all padding (a decode item's second warpgroup) 
 and only releases each tile.
 
 Schedule (`gl.warp_specialize`): a one-warp producer walks the same items and KV tiles as the
-consumers and, for each tile, loads K by TMA once both warpgroups have scored the stage's
-previous tile, and V once both have accumulated it, one box per ``BOX`` rows of one cache page
-(the block table read per box; a box past the sequence's last page is given a row past the
-tensor, which TMA fills with zeros), each into its own barrier so the score MMA starts as soon
-as K lands. K's earlier release puts its copies a P V ahead of V's: at small pages (16 copies a
-tile) fewer of them land while the P V MMAs read shared memory. Each consumer warpgroup: S =
-Q K^T (wgmma, both operands in shared memory), releases K, masks on the tiles that reach past
-the causal limit of its first row, base-2 online softmax in registers, then O += P V with P as
-the register operand (wgmma RS), and releases V. Two schedule switches (`portattn.policy.paged`):
+consumers and, for each tile, waits until both warpgroups released its stage, then loads K and
+V by TMA, one box per ``BOX`` rows of one cache page (the block table read per box; a box past
+the sequence's last page is given a row past the tensor, which TMA fills with zeros), each into
+its own barrier so the score MMA starts as soon as K lands. Each consumer warpgroup: S = Q K^T
+(wgmma, both operands in shared memory), masks on the tiles that reach past the causal limit of
+its first row, base-2 online softmax in registers, then O += P V with P as the register operand
+(wgmma RS), and releases the stage. Two schedule switches (`portattn.policy.paged`):
 
 * ``SM90_PREFILL_OVERLAP``: tile t's scores are issued together with tile t-1's P V, and tile t's
   softmax runs while the latter is in flight (the accumulator is rescaled once it lands);
@@ -289,24 +287,18 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
             real = pos < seq_len
             blk = gl.load(bt_row + (pos // block_size) * stride_bt_blk, mask=real, other=0)
             rows = gl.where(real, blk.to(gl.int32) * rows_per_page + pos % block_size, total_rows)
-            # the stage's previous K tile released by both warpgroups once scored (none before
-            # the first use), its V tile once accumulated: K is loaded a P V earlier than V, so
-            # fewer of a tile's copies land while the warpgroups' P V MMAs read shared memory
-            free = ((it // STAGES) & 1) ^ 1
-            mbarrier.wait(empty_bars.index(STAGES + s), free, pred=it >= STAGES)
+            # the stage's previous tile released by both warpgroups (none before the first use)
+            mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
             _stamp(tr, jt, 1, TRACE)
             k_buf = k_smem.index(s)
             v_buf = v_smem.index(s)
             mbarrier.expect(k_bars.index(s), TILE_BYTES)
+            mbarrier.expect(v_bars.index(s), TILE_BYTES)
             for b in gl.static_range(NB):
                 row = gl.sum(gl.where(boxes == b, rows, 0), axis=0)
                 tma.async_copy_global_to_shared(
                     k_desc, [row, kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
                 )
-            mbarrier.wait(empty_bars.index(s), free, pred=it >= STAGES)
-            mbarrier.expect(v_bars.index(s), TILE_BYTES)
-            for b in gl.static_range(NB):
-                row = gl.sum(gl.where(boxes == b, rows, 0), axis=0)
                 tma.async_copy_global_to_shared(
                     v_desc, [row, vcol], v_bars.index(s), v_buf.slice(b * BOX, BOX)
                 )
@@ -361,15 +353,6 @@ def _softmax(sc, m_i, l_i, acc, scale_log2, dtype: gl.constexpr, PA: gl.constexp
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     return m_new, l_i, acc, gl.convert_layout(p.to(dtype), PA)
-
-
-@gluon.jit
-def _k_scored(empty_bars, s, STAGES: gl.constexpr):
-    """This warpgroup no longer reads stage ``s``'s K tile (its scores landed, in every warp):
-    the producer may load the next K tile there (``empty_bars[STAGES + s]``; ``empty_bars[s]``
-    frees the V tile after P V)."""
-    gl.thread_barrier()
-    mbarrier.arrive(empty_bars.index(STAGES + s), count=1)
 
 
 @gluon.jit
@@ -436,7 +419,6 @@ def _half_keys(WG: gl.constexpr, q_buf, k_smem, v_smem, k_bars, v_bars, empty_ba
         qk = gl.zeros([64, HALF], gl.float32, layout=QK)
         qk = warpgroup_mma(q_buf, k_half.permute((1, 0)), qk, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-        _k_scored(empty_bars, s, STAGES)
         sc = _scores(qk, start, full_end, kv_end, limit, cols)
         m_new, p = _probs(sc, m_i, scale_log2)
         alpha = gl.exp2(m_i - m_new)
@@ -601,7 +583,6 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 _stamp(tr, jt, 0, TRACE)
                 mbarrier.wait(k_bars.index(s), ph)
                 _stamp(tr, jt, 1, TRACE)
-                mbarrier.arrive(empty_bars.index(STAGES + s), count=1)
                 mbarrier.wait(v_bars.index(s), ph)
                 _stamp(tr, jt, 4, TRACE)
                 mbarrier.arrive(empty_bars.index(s), count=1)
@@ -636,7 +617,6 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                                    use_acc=False, is_async=True)  # fmt: skip
                 _turn_pass(turn_bars, WG, PINGPONG, turns)
                 qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-                _k_scored(empty_bars, s, STAGES)
                 sc = _scores(qk, 0, full_end, kv_end, limit, cols)
                 m_i, p = _probs(sc, m_i, scale_log2)  # from -inf: m_i is the tile's
                 l_i = gl.sum(p, 1)
@@ -656,7 +636,6 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     acc = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
                     _turn_pass(turn_bars, WG, PINGPONG, turns)
                     qk = warpgroup_mma_wait(num_outstanding=1, deps=[qk])
-                    _k_scored(empty_bars, s, STAGES)
                     sc = _scores(qk, t * BLOCK_N, full_end, kv_end, limit, cols)
                     m_new, p = _probs(sc, m_i, scale_log2)
                     alpha = gl.exp2(m_i - m_new)
@@ -694,7 +673,6 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                                    use_acc=False, is_async=True)  # fmt: skip
                 _turn_pass(turn_bars, WG, PINGPONG, turns)
                 qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-                _k_scored(empty_bars, s, STAGES)
                 for t in range(n_tiles - 1):
                     s = it % STAGES
                     jt = trace_slot(it, TRACE, TRACE_TILES)
@@ -721,7 +699,6 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     gl.thread_barrier()
                     mbarrier.arrive(empty_bars.index(s), count=1)
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-                    _k_scored(empty_bars, s2, STAGES)
                     _stamp(tr, jt, 6, TRACE)
                     it += 1
                 # the last tile: its softmax, then its P V in a turn of its own
@@ -760,7 +737,6 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)), qk, use_acc=False,
                                        is_async=True)  # fmt: skip
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-                    _k_scored(empty_bars, s, STAGES)
                     _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, start, full_end, kv_end, limit, cols)
                     m_new, p = _probs(sc, m_i, scale_log2)
@@ -849,8 +825,7 @@ def _paged_prefill_sm90_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # [s]: stage s's V tile free (after P V); [STAGES + s]: its K tile free (after the scores)
-    empty_bars = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # SPLIT: warpgroup 1's accumulator, row maxima and sums for warpgroup 0 (`_consumer`)
     MR: gl.constexpr = 64 if SPLIT else 2
@@ -865,7 +840,6 @@ def _paged_prefill_sm90_kernel(
         mbarrier.init(k_bars.index(s), count=1)
         mbarrier.init(v_bars.index(s), count=1)
         mbarrier.init(empty_bars.index(s), count=NUM_WG)  # one arrival per consumer warpgroup
-        mbarrier.init(empty_bars.index(STAGES + s), count=NUM_WG)
     for w in gl.static_range(2):
         mbarrier.init(turn_bars.index(w), count=1)
         mbarrier.init(merge_bars.index(w), count=1)
@@ -924,7 +898,7 @@ def smem_bytes(tile: Sm90PrefillTile, head_dim: int, elem: int = 2, split: bool 
     q = 64 * tile.warpgroups * head_dim * elem
     kv = 2 * tile.stages * tile.block_n * head_dim * elem
     merge = 64 * (head_dim + 2) * 4 if split else 2 * 2 * 4 + 2 * 2 * 4
-    return q + kv + merge + (4 * tile.stages + 4) * 8 + 1024
+    return q + kv + merge + (3 * tile.stages + 4) * 8 + 1024
 
 
 def split_short(tile: Sm90PrefillTile, head_dim: int, elem: int, target: Target) -> bool:
