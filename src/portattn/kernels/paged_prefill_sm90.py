@@ -345,6 +345,24 @@ def _probs(sc, m_i, scale_log2):
 
 
 @gluon.jit
+def _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG: gl.constexpr, tk,
+                  PINGPONG: gl.constexpr, turns, QK: gl.constexpr):  # fmt: skip
+    """An item's first tile's scores (K tile ``it``), in a turn of their own under PINGPONG
+    (both loops that take turns start so); returns them and the turns taken."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    ROWS: gl.constexpr = q_buf.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    s = it % STAGES
+    mbarrier.wait(k_bars.index(s), (it // STAGES) & 1)
+    tk = _turn_wait(turn_bars, WG, tk, PINGPONG, turns)
+    qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)),
+                       gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
+                       use_acc=False, is_async=True)  # fmt: skip
+    _turn_pass(turn_bars, WG, PINGPONG, turns)
+    return warpgroup_mma_wait(num_outstanding=0, deps=[qk]), tk
+
+
+@gluon.jit
 def _softmax(sc, m_i, l_i, acc, scale_log2, dtype: gl.constexpr, PA: gl.constexpr):
     """One tile's online-softmax step on its masked raw scores ``sc``: the new row maxima and
     sums, the accumulator rescaled to the new maxima, and P as the P V MMA's register operand."""
@@ -405,7 +423,6 @@ def _half_keys(WG: gl.constexpr, q_buf, k_smem, v_smem, k_bars, v_bars, empty_ba
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=PV, k_width=2)
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_D // 8), HEAD_D // 8], [4, 1],
                                           [1, 0])  # fmt: skip
-    PV_ROW: gl.constexpr = gl.SliceLayout(1, PV)
     cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, QK))
     m_i = gl.full([64], -1.0e30, gl.float32, layout=gl.SliceLayout(1, QK))
     l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, QK))
@@ -420,12 +437,7 @@ def _half_keys(WG: gl.constexpr, q_buf, k_smem, v_smem, k_bars, v_bars, empty_ba
         qk = warpgroup_mma(q_buf, k_half.permute((1, 0)), qk, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
         sc = _scores(qk, start, full_end, kv_end, limit, cols)
-        m_new, p = _probs(sc, m_i, scale_log2)
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
-        m_i = m_new
-        p_op = gl.convert_layout(p.to(dtype), PA)
+        m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA)
         v_half = v_smem.index(s).slice(WG * HALF, HALF)
         mbarrier.wait(v_bars.index(s), ph)
         _zero_tail(v_half, start, seq_len, LOAD)
@@ -609,14 +621,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=PV)
             if OVERLAP:
                 # tile 0: its scores alone
-                s = it % STAGES
-                mbarrier.wait(k_bars.index(s), (it // STAGES) & 1)
-                tk = _turn_wait(turn_bars, WG, tk, PINGPONG, turns)
-                qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)),
-                                   gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
-                                   use_acc=False, is_async=True)  # fmt: skip
-                _turn_pass(turn_bars, WG, PINGPONG, turns)
-                qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+                qk, tk = _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG, tk, PINGPONG,
+                                       turns, QK)  # fmt: skip
                 sc = _scores(qk, 0, full_end, kv_end, limit, cols)
                 m_i, p = _probs(sc, m_i, scale_log2)  # from -inf: m_i is the tile's
                 l_i = gl.sum(p, 1)
@@ -665,14 +671,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 # one's softmax. Both are waited after the pass (P V first: issued first).
                 # Trace steps: 1 = 0 (K is waited before the turn), 2 the softmax's start, 5
                 # the turn, the issues and the P V wait, 6 the release and the scores' wait
-                s = it % STAGES
-                mbarrier.wait(k_bars.index(s), (it // STAGES) & 1)
-                tk = _turn_wait(turn_bars, WG, tk, PINGPONG, turns)
-                qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)),
-                                   gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
-                                   use_acc=False, is_async=True)  # fmt: skip
-                _turn_pass(turn_bars, WG, PINGPONG, turns)
-                qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+                qk, tk = _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG, tk, PINGPONG,
+                                       turns, QK)  # fmt: skip
                 for t in range(n_tiles - 1):
                     s = it % STAGES
                     jt = trace_slot(it, TRACE, TRACE_TILES)
@@ -739,12 +739,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
                     _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, start, full_end, kv_end, limit, cols)
-                    m_new, p = _probs(sc, m_i, scale_log2)
-                    alpha = gl.exp2(m_i - m_new)
-                    l_i = l_i * alpha + gl.sum(p, 1)
-                    acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
-                    m_i = m_new
-                    p_op = gl.convert_layout(p.to(dtype), PA)
+                    m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA)
                     _stamp(tr, jt, 3, TRACE)
                     v_buf = v_smem.index(s)
                     mbarrier.wait(v_bars.index(s), ph)
