@@ -534,21 +534,15 @@ def test_gpu_sm90_kernel(dk, r, heads, bs, q_lens, seq_lens, splits):
         (384, 256, 64, 32, "page_indices", (3, 1), (129, 4000), None),  # rope 128
     ],
 )
-@pytest.mark.parametrize("producer", [True, False], ids=["producer", "mma_warpgroups"])
-def test_gpu_sm90_gather(dk, r, heads, bs, form, q_lens, seq_lens, splits, producer, monkeypatch):
+def test_gpu_sm90_gather(dk, r, heads, bs, form, q_lens, seq_lens, splits):
     """The Hopper kernel's row gather (rows not 64 consecutive rows of one page) against the
-    oracle, its copies issued by the producer warpgroup or by the MMA warpgroups
-    (`SM90_GATHER_PRODUCER`); unowned cache rows are NaN, so a row read past the context or a
-    wrong slot shows."""
-    from portattn.policy import mla as mla_policy
-
+    oracle; unowned cache rows are NaN, so a row read past the context or a wrong slot shows."""
     target = _sm90_target()
-    monkeypatch.setattr(mla_policy, "SM90_GATHER_PRODUCER", producer)
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.bfloat16, "cuda")
     _poison_unowned_rows(cache, bt, sl)
     pages = expand_page_indices(bt, sl, bs) if form == "page_indices" else None
     launch = _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=pages)
-    assert (launch.args["GATHER"], launch.args["PRODUCER"]) == (True, producer)
+    assert launch.args["GATHER"] is True
 
 
 def _restride(q, form):

@@ -89,9 +89,6 @@ BLOCK_N = 64
 NUM_WARPS = 4
 #: Registers per thread each warpgroup asks for (`setmaxnreg`; 8 warps share the 64K file).
 WG_REGS = 256
-#: With the gather's producer warpgroup (12 warps): the MMA warpgroups' and the producer's.
-WG_REGS_WITH_PRODUCER = 240
-PRODUCER_REGS = 32
 #: Diagnostic trace (`TRACE`): clock stamps per pair and warpgroup, for the first pairs.
 TRACE_EVENTS = gl.constexpr(16)
 TRACE_PAIRS = gl.constexpr(256)
@@ -257,16 +254,14 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               PRODUCER: gl.constexpr, TRACE: gl.constexpr, tr):  # fmt: skip
+               TRACE: gl.constexpr, tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
     pair's rows are read at the top of this pair (`portattn.policy.mla.SM90_ROWS_AHEAD`).
     STORE_SMEM: a one-split output goes through this warpgroup's buffer-0 half. OUT_VEC: the rows
-    it writes are aligned (`rows_aligned`). PRODUCER (gather only): the producer warpgroup
-    (`_gather_producer`) loads the tiles after the first two; this warpgroup arrives on
-    ``free_bars[2 b + WG]`` once its PV no longer reads its half of buffer b, instead of
-    loading it. TRACE, ``tr``: the diagnostic stamps and (trace buffer, program id)."""
+    it writes are aligned (`rows_aligned`). TRACE, ``tr``: the diagnostic stamps and (trace
+    buffer, program id)."""
     (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
      stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
      latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
@@ -274,7 +269,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
      stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
      stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
      stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
-     seq_len, free_bars) = rt  # fmt: skip
+     seq_len) = rt  # fmt: skip
     gather = (kv_ptr, stride_kv_row, end)
     trace_ptr, pid = tr
     tr = (trace_ptr, (pid * 2 + WG).to(gl.int64) * ((TRACE_PAIRS + 1) * TRACE_EVENTS))
@@ -343,8 +338,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         n_b = n_a + BLOCK_N
         jt = trace_slot(j, TRACE, TRACE_PAIRS)  # pairs past the buffer's are dropped
         _stamp(tr, jt, 0, TRACE)
-        if ROWS_AHEAD and not PRODUCER:  # the next pair's rows, read now: their latency runs
-            # under the MMAs
+        if ROWS_AHEAD:  # the next pair's rows, read now: their latency runs under the MMAs
             rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
             rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
@@ -422,15 +416,12 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _stamp(tr, jt, 9, TRACE)
-        if PRODUCER:  # (the last pair's arrivals are never waited: nothing follows them)
-            mbarrier.arrive(free_bars.index(2 * b0 + WG), count=1)
-        else:
-            if not ROWS_AHEAD:
-                rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles,
-                                    block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                       tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0),
-                       WG == 1, gather, GATHER)  # fmt: skip
+        if not ROWS_AHEAD:
+            rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
+                   gather, GATHER)  # fmt: skip
         _stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
@@ -443,15 +434,12 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _stamp(tr, jt, 12, TRACE)
-        if PRODUCER:
-            mbarrier.arrive(free_bars.index(2 * b1 + WG), count=1)
-        else:
-            if not ROWS_AHEAD:
-                rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles,
-                                    block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
-                       tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1),
-                       WG == 1, gather, GATHER)  # fmt: skip
+        if not ROWS_AHEAD:
+            rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
+                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
+                   gather, GATHER)  # fmt: skip
         _stamp(tr, jt, 13, TRACE)
         m_i = m_b
 
@@ -535,37 +523,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
 
 
 @gluon.jit
-def _gather_producer(rt, PAGE_INDICES: gl.constexpr):
-    """The producer warpgroup (gather mode, ``PRODUCER``): tiles ``2 .. steps - 1`` by
-    `_gather_half`, each half once the warpgroup whose PV reads it last has arrived on its free
-    barrier (tile t, buffer ``t % 2``, waits the arrival of pair ``t // 2 - 1``). Each tile's rows
-    are read before its first wait, so that their latency runs under the MMAs. Its 128 threads
-    arrive on the tile barriers as the MMA warpgroups' did (count 128)."""
-    (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
-     stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
-     latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
-     part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
-     stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
-     stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
-     stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
-     seq_len, free_bars) = rt  # fmt: skip
-    BLOCK_N: gl.constexpr = latl_smem.shape[1]
-    gather = (kv_ptr, stride_kv_row, end)
-    steps = gl.cdiv(num_tiles, 2) * 2
-    for t in range(2, steps):
-        b = t % 2
-        ph = (t // 2 - 1) & 1
-        rows = _tile_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end, BLOCK_N,
-                          True, PAGE_INDICES)  # fmt: skip
-        mbarrier.wait(free_bars.index(2 * b), ph)
-        _gather_half(rows, t, start, num_tiles, steps, tma_bars.index(2 * b), latl_smem.index(b),
-                     pe_smem.index(b), False, gather)  # fmt: skip
-        mbarrier.wait(free_bars.index(2 * b + 1), ph)
-        _gather_half(rows, t, start, num_tiles, steps, tma_bars.index(2 * b + 1),
-                     latr_smem.index(b), pe_smem.index(b), True, gather)  # fmt: skip
-
-
-@gluon.jit
 def _mla_decode_sm90_kernel(
     q_ptr,
     lat_desc,  # [num_blocks * block_size, head_dim_k], box [BLOCK_N, KV_LORA_RANK // 2]
@@ -622,8 +579,6 @@ def _mla_decode_sm90_kernel(
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
-    PRODUCER: gl.constexpr,  # gather by a producer warpgroup (SM90_GATHER_PRODUCER; GATHER only)
-    PRODUCER_REGS: gl.constexpr,  # its registers; the MMA warpgroups then get WG_REGS each
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
@@ -716,16 +671,12 @@ def _mla_decode_sm90_kernel(
     tma_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     # hand-offs (see _warpgroup), then 3 / 4: warpgroup 0 / 1's row sums written
     sync_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
-    # PRODUCER: buffer b's half h no longer read (2b + h), arrived by warpgroup h after its PV
-    free_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     # TMA: one arrival (the expect) plus the bytes; gather: each of the issuing warpgroup's
     # 128 threads once its cp.async copies land
     for k in gl.static_range(4):
         mbarrier.init(tma_bars.index(k), count=128 if GATHER else 1)
     for k in gl.static_range(5):
         mbarrier.init(sync_bars.index(k), count=1)
-    for k in gl.static_range(4):
-        mbarrier.init(free_bars.index(k), count=1)
     fence_async_shared()
     # -- prologue: tiles 0 and 1 in flight (both tiles' rows read first: one wait, not two) --
     rows_01 = (
@@ -756,31 +707,18 @@ def _mla_decode_sm90_kernel(
           stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
           stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
           stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
-          seq_len, free_bars)  # fmt: skip
+          seq_len)  # fmt: skip
     # fmt: off
-    if PRODUCER:
-        gl.warp_specialize(
-            [
-                (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, PRODUCER, TRACE, (trace_ptr, pid))),
-                (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, PRODUCER, TRACE, (trace_ptr, pid))),
-                (_gather_producer, (rt, PAGE_INDICES)),
-            ],
-            [4, 4],
-            [WG_REGS, PRODUCER_REGS],
-        )
-    else:
-        gl.warp_specialize(
-            [
-                (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, PRODUCER, TRACE, (trace_ptr, pid))),
-                (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, PRODUCER, TRACE, (trace_ptr, pid))),
-            ],
-            [4],
-            [WG_REGS],
-        )
+    gl.warp_specialize(
+        [
+            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+        ],
+        [4],
+        [WG_REGS],
+    )
     # fmt: on
 
 
@@ -854,8 +792,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
     half = kv_lora_rank // 2
     rows = kv_cache.shape[0] * kv_cache.shape[1]
     shape, strides = [rows, kv_cache.shape[2]], [kv_cache.stride(1), 1]
-    gather = sm90_gathers(kv_cache, bool(a["PAGE_INDICES"]))
-    producer = gather and mla_policy.SM90_GATHER_PRODUCER
     lat_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, half], dtype)
     pe_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], dtype)
     args = {
@@ -866,16 +802,14 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
     args.update(
         kv_ptr=kv_cache,
         stride_kv_row=kv_cache.stride(1),
-        GATHER=gather,
+        GATHER=sm90_gathers(kv_cache, bool(a["PAGE_INDICES"])),
         lat_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, half], lat_layout),
         pe_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, rope], pe_layout),
         BLOCK_H=BLOCK_H,
         BLOCK_N=BLOCK_N,
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, half], dtype),
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
-        WG_REGS=WG_REGS_WITH_PRODUCER if producer else WG_REGS,
-        PRODUCER=producer,
-        PRODUCER_REGS=PRODUCER_REGS,
+        WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,

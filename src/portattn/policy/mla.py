@@ -131,12 +131,6 @@ SM90_KERNEL_ARCHS = ("sm_90",)
 #: shared buffers (`portattn.kernels.mla_decode_sm90`, ``GATHER``). Off: those launches run the
 #: portable kernel, as before (issue 18: 128 heads, 4k, page 1 344 us against 155 us at 64).
 SM90_GATHER = True
-#: In gather mode (`SM90_GATHER`) a third warpgroup, the producer, issues every tile's
-#: ``cp.async`` copies after the first two (`portattn.kernels.mla_decode_sm90`,
-#: ``_gather_producer``); the two MMA warpgroups only signal each tile half free. Off, each MMA
-#: warpgroup issues the copies of the half its PV frees, in its own critical path (trace, H200:
-#: 640-1250 cycles per tile half against 130-200 for a TMA box). Read at planning.
-SM90_GATHER_PRODUCER = True
 #: The Hopper kernel reads the next pair's rows (block-table entries, or the gathered rows'
 #: ``page_indices`` / block-table slots) at the top of each pair, so that the read's latency runs
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
