@@ -167,9 +167,17 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, nargs="+", default=[16])
     ap.add_argument("--set", action="append", default=[], metavar="SWITCH=0|1",
                     help="set a boolean switch of portattn.policy.paged (a schedule)")  # fmt: skip
+    ap.add_argument("--tile", default="", metavar="STAGES:LAG",
+                    help="head_dim 128's tile: its stages and release_lag (e.g. 3:2)")  # fmt: skip
     args = ap.parse_args(argv)
     for item in args.set:
         set_switch(paged_policy, item)
+    if args.tile:
+        stages, lag = (int(x) for x in args.tile.split(":"))
+        tiles = dict(paged_policy.SM90_PREFILL_TILES)
+        tiles[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=stages, release_lag=lag)
+        paged_policy.SM90_PREFILL_TILES = tiles
+        print(f"head_dim 128 tile: {tiles[128]}")
     if paged_policy.SM90_PREFILL_PINGPONG and not paged_policy.SM90_PREFILL_OVERLAP:
         print("ping-pong (sequential) steps: 'wait K' and 'S = Q K^T' are 0 (waited elsewhere);"
               " 'wait V, zero tail' includes the next tile's K; 'O += P V' the turn, both issues"

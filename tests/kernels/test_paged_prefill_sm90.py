@@ -4,6 +4,8 @@ on an H100, its numerics against the fp64 oracle (`gpu`). Triton's interpreter c
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -136,6 +138,40 @@ def test_hybrid_page_of_odd_state_size_is_refused():
     whole = make_hybrid_cache(64, 544, 8, 128, mamba_state_bytes=3 * 2048, dtype=torch.bfloat16,
                               **META)  # fmt: skip
     assert sm90_prefill_errors(q, whole.key_cache, whole.value_cache, "NHD", SM90) == []
+
+
+@pytest.mark.parametrize(
+    ("stages", "lag", "switch", "why"),
+    [
+        (3, 1, None, None),
+        (3, 2, None, None),
+        (3, 3, None, "release_lag 3 not in (0, 1, 2)"),
+        (2, 1, None, "release_lag 1 needs stages >= 3, got 2"),
+        (3, 2, "SM90_PREFILL_PINGPONG", "release_lag 2 is for the sequential schedule"),
+        (3, 1, "SM90_PREFILL_OVERLAP", "release_lag 1 is for the sequential schedule"),
+    ],
+)
+def test_release_lag_needs_three_stages_and_the_sequential_loop(stages, lag, switch, why,
+                                                                 monkeypatch):  # fmt: skip
+    """A stage released in the next tile: the tile after next must have a stage of its own, and
+    only the sequential loop releases late; otherwise the launch goes to the portable kernel
+    with the reason."""
+    tiles = dict(SM90_PREFILL_TILES)
+    tiles[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=stages, release_lag=lag)
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
+    if switch is not None:
+        monkeypatch.setattr(paged_policy, switch, True)
+    q = torch.empty(1, 32, 128, dtype=torch.bfloat16, **META)
+    cache = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16, **META)
+    errors = sm90_prefill_errors(q, cache, cache, "NHD", SM90)
+    names = _names(_plan())
+    if why is None:
+        assert errors == [] and "paged_prefill_sm90" in names
+        main = [x for x in _plan() if x.name == "paged_prefill_sm90"][0]
+        assert (main.args["STAGES"], main.args["RELEASE_LAG"]) == (stages, lag)
+    else:
+        assert any(why in e for e in errors), errors
+        assert "paged_prefill_sm90" not in names
 
 
 def test_switch_off_sends_it_back(monkeypatch):
@@ -494,6 +530,8 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
         "fused decode",
         "fused decode, one warpgroup",
         "fused+overlap",
+        "release 1",
+        "release 2",
     ],
 )
 def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
@@ -510,6 +548,12 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         tiles[64] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", False)
+    elif schedule.startswith("release"):  # 3 stages, each released later (fused decodes)
+        lag = int(schedule.split()[1])
+        tiles = {d: dataclasses.replace(t, stages=3, release_lag=lag)
+                 for d, t in paged_policy.SM90_PREFILL_TILES.items()}  # fmt: skip
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
     elif schedule.startswith("fused decode"):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_SPLIT_SHORT", "one" not in schedule)
@@ -526,6 +570,8 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
         if schedule == "3 warpgroups":
             assert main.args["NUM_WG"] == 3
+        if schedule.startswith("release"):
+            assert (main.args["STAGES"], main.args["RELEASE_LAG"]) == (3, lag)
         assert main.args["SPLIT"] == (schedule in ("fused decode",))
         # the decodes fused: no decode launch
         assert (len(launches) == 2) == paged_policy.SM90_PREFILL_FUSE_DECODE

@@ -387,6 +387,16 @@ def _zero_tail(v_buf, start, seq_len, LOAD: gl.constexpr):
 
 
 @gluon.jit
+def _release_prev(empty_bars, it, t, STAGES: gl.constexpr):
+    """RELEASE_LAG: this warpgroup releases the stage of its tile before tile ``t`` of the
+    item (global tile count ``it``; nothing when ``t == 0``). The warpgroup's barrier first: every
+    warp's P V of that tile has returned."""
+    if t > 0:
+        gl.thread_barrier()
+        mbarrier.arrive(empty_bars.index((it - 1) % STAGES), count=1)
+
+
+@gluon.jit
 def _turn_wait(turn_bars, WG: gl.constexpr, tk, PINGPONG: gl.constexpr, on):
     """PINGPONG and ``on`` (the item takes turns): wait for this warpgroup's turn to issue MMAs;
     returns the turns taken."""
@@ -499,10 +509,13 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
               GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
               SPLIT: gl.constexpr, Q_VEC: gl.constexpr, O_VEC: gl.constexpr,
-              TRACE: gl.constexpr):  # fmt: skip
+              RELEASE_LAG: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
     scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
-    PINGPONG: the two warpgroups issue their MMAs in turns (module doc). Q_VEC / O_VEC: the
+    PINGPONG: the two warpgroups issue their MMAs in turns (module doc). RELEASE_LAG (the
+    sequential loop only, `Sm90PrefillTile.release_lag`): tile t's stage is released after tile
+    t+1's scores (1) or just before its P V (2), not after tile t's P V (0); an item's last tile
+    at the item's end. Q_VEC / O_VEC: the
     query's / output's rows are aligned (`rows_aligned`): the query is read 16 bytes a thread,
     the output written 4; else element by element."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok,
@@ -737,6 +750,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)), qk, use_acc=False,
                                        is_async=True)  # fmt: skip
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+                    if RELEASE_LAG == 1:  # the previous tile's stage (its P V has returned)
+                        _release_prev(empty_bars, it, t, STAGES)
                     _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, start, full_end, kv_end, limit, cols)
                     m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA)
@@ -744,14 +759,19 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     v_buf = v_smem.index(s)
                     mbarrier.wait(v_bars.index(s), ph)
                     _zero_tail(v_buf, start, seq_len, LOAD)
+                    if RELEASE_LAG == 2:
+                        _release_prev(empty_bars, it, t, STAGES)
                     _stamp(tr, jt, 4, TRACE)
                     acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                     _stamp(tr, jt, 5, TRACE)
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty_bars.index(s), count=1)
+                    if RELEASE_LAG == 0:
+                        gl.thread_barrier()
+                        mbarrier.arrive(empty_bars.index(s), count=1)
                     _stamp(tr, jt, 6, TRACE)
                     it += 1
+                if RELEASE_LAG != 0:  # the item's last tile
+                    _release_prev(empty_bars, it, n_tiles, STAGES)
             # -- epilogue: this warpgroup's rows to the output (4-byte stores into aligned rows;
             # through the query buffer for 16-byte ones, ptxas spilled 12 B) --
             o = acc / gl.convert_layout(l_i, PV_ROW)[:, None]
@@ -807,6 +827,7 @@ def _paged_prefill_sm90_kernel(
     PRODUCER_WARPS_: gl.constexpr,
     NUM_WG: gl.constexpr,  # consumer warpgroups (64 rows each)
     SPLIT: gl.constexpr,  # short items on both warpgroups, half the keys each (two, sequential)
+    RELEASE_LAG: gl.constexpr,  # when a stage is released (`Sm90PrefillTile.release_lag`)
     Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
     O_VEC: gl.constexpr,  # the output's rows aligned
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
@@ -852,9 +873,11 @@ def _paged_prefill_sm90_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, TRACE)),
+                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
+                             TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, TRACE)),
+                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
+                             TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, TRACE)),
             ],
             [4, PRODUCER_WARPS_],
@@ -865,11 +888,14 @@ def _paged_prefill_sm90_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False, False, Q_VEC, O_VEC, TRACE)),
+                             OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
+                             TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False, False, Q_VEC, O_VEC, TRACE)),
+                             OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
+                             TRACE)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, False, False, Q_VEC, O_VEC, TRACE)),
+                             OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
+                             TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, TRACE)),
             ],
             [4, 4, PRODUCER_WARPS_],
@@ -931,6 +957,21 @@ def sm90_prefill_errors(
         rules.append(
             (smem <= target.max_shared_mem, f"shared memory {smem} B > {target.max_shared_mem}")
         )
+        lag = tile.release_lag
+        schedule = paged_policy.SM90_PREFILL_OVERLAP or paged_policy.SM90_PREFILL_PINGPONG
+        rules += [
+            (lag in (0, 1, 2), f"tile release_lag {lag} not in (0, 1, 2)"),
+            (
+                lag == 0 or tile.stages >= 3,
+                f"tile release_lag {lag} needs stages >= 3, got {tile.stages} (the producer would "
+                "wait for the stage of the tile the consumers need next)",
+            ),
+            (
+                lag == 0 or not schedule,
+                f"tile release_lag {lag} is for the sequential schedule (SM90_PREFILL_OVERLAP / "
+                "SM90_PREFILL_PINGPONG are on)",
+            ),
+        ]
     elem = query.element_size()
     rules.append(
         (
@@ -1082,6 +1123,7 @@ def sm90_prefill_launches(
         PRODUCER_WARPS_=PRODUCER_WARPS,
         NUM_WG=tile.warpgroups,
         SPLIT=split_short(tile, head_dim, key_cache.element_size(), main.target),
+        RELEASE_LAG=tile.release_lag,
         Q_VEC=rows_aligned(a["q_ptr"]),
         O_VEC=rows_aligned(a["out_ptr"]),
         # a placeholder pointer when off (never read)

@@ -292,6 +292,12 @@ class Sm90PrefillTile:
     block_n: int
     stages: int
     warpgroups: int = 2
+    #: When each consumer warpgroup releases a tile's stage to the producer (sequential schedule
+    #: only; needs ``stages >= 3``): 0 after the tile's P V (the producer then loads tile t +
+    #: stages at once), 1 after the next tile's scores, 2 just before the next tile's P V. A
+    #: later release moves the producer's copies of a tile later in the consumers' tile period
+    #: (bench/NOTES.md: copies that land during the MMAs slow them).
+    release_lag: int = 0
 
 
 #: head_dim -> tile (bf16/fp16). 128: 32 KB Q + 2 x 64 KB K/V stages = 160 KB of the H100's 227
