@@ -464,21 +464,6 @@ def test_pingpong_is_passed_to_either_loop(monkeypatch, overlap, pingpong):
     assert main.args["NUM_WG"] == 3 and main.args["PINGPONG"] is False
 
 
-def test_two_producers_only_beside_two_warpgroups(monkeypatch):
-    """SM90_PREFILL_TWO_PRODUCERS reaches two-warpgroup launches (a K and a V load warp); the
-    three-warpgroup tile keeps one load warp (its partitions fill the register file)."""
-    (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
-    assert main.args["TWO_PRODUCERS"] is False
-    monkeypatch.setattr(paged_policy, "SM90_PREFILL_TWO_PRODUCERS", True)
-    (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
-    assert main.args["TWO_PRODUCERS"] is True
-    tiles = dict(paged_policy.SM90_PREFILL_TILES)
-    tiles[128] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
-    monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
-    (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
-    assert main.args["NUM_WG"] == 3 and main.args["TWO_PRODUCERS"] is False
-
-
 def test_launch_tells_the_kernel_which_rows_are_aligned():
     """Q_VEC / O_VEC (`rows_aligned`): 16-byte query loads and 4-byte output stores only on
     rows the launcher found contiguous and aligned; anything else element by element."""
@@ -547,7 +532,6 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
         "fused+overlap",
         "release 1",
         "release 2",
-        "two producers",
     ],
 )
 def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
@@ -570,9 +554,6 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
                  for d, t in paged_policy.SM90_PREFILL_TILES.items()}  # fmt: skip
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
-    elif schedule == "two producers":
-        monkeypatch.setattr(paged_policy, "SM90_PREFILL_TWO_PRODUCERS", True)
-        monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
     elif schedule.startswith("fused decode"):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_SPLIT_SHORT", "one" not in schedule)
@@ -591,7 +572,6 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
             assert main.args["NUM_WG"] == 3
         if schedule.startswith("release"):
             assert (main.args["STAGES"], main.args["RELEASE_LAG"]) == (3, lag)
-        assert main.args["TWO_PRODUCERS"] == (schedule == "two producers")
         assert main.args["SPLIT"] == (schedule in ("fused decode",))
         # the decodes fused: no decode launch
         assert (len(launches) == 2) == paged_policy.SM90_PREFILL_FUSE_DECODE

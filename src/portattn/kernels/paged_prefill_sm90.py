@@ -252,18 +252,14 @@ def _item(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.c
 
 @gluon.jit
 def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.constexpr,
-              STAGES: gl.constexpr, BOX: gl.constexpr, TRACE: gl.constexpr,
-              PART: gl.constexpr = 0):  # fmt: skip
-    """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page
-    (PART 0); with two load warps (`SM90_PREFILL_TWO_PRODUCERS`), the K tiles only (1) or the
-    V tiles only (2, no trace stamps), each warp reading the block table itself."""
+              STAGES: gl.constexpr, BOX: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+    """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq,
      stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc,
      k_smem, v_smem, k_bars, v_bars, empty_bars, trace_ptr) = rt  # fmt: skip
-    TRACE_ME: gl.constexpr = TRACE and PART != 2
     tr = _trace_part(trace_ptr, TRACE_PARTS - 1)
-    _stamp(tr, TRACE_TILES + 0 * b_off, 0, TRACE_ME)
-    _stamp(tr, TRACE_TILES + 0 * b_off, 1, TRACE_ME, True)
+    _stamp(tr, TRACE_TILES + 0 * b_off, 0, TRACE)
+    _stamp(tr, TRACE_TILES + 0 * b_off, 1, TRACE, True)
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_D: gl.constexpr = k_smem.shape[2]
     NB: gl.constexpr = BLOCK_N // BOX
@@ -283,7 +279,7 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
         for t in range(n_tiles):
             s = it % STAGES
             jt = trace_slot(it, TRACE, TRACE_TILES)
-            _stamp(tr, jt, 0, TRACE_ME)
+            _stamp(tr, jt, 0, TRACE)
             # the tile's block-table reads (one per box, for K and V) before the wait for its
             # stage: their latency runs under the wait instead of after it (a decode item, whose
             # math is short, waited for both in turn on every tile)
@@ -293,27 +289,23 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
             rows = gl.where(real, blk.to(gl.int32) * rows_per_page + pos % block_size, total_rows)
             # the stage's previous tile released by both warpgroups (none before the first use)
             mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
-            _stamp(tr, jt, 1, TRACE_ME)
+            _stamp(tr, jt, 1, TRACE)
             k_buf = k_smem.index(s)
             v_buf = v_smem.index(s)
-            if PART != 2:
-                mbarrier.expect(k_bars.index(s), TILE_BYTES)
-            if PART != 1:
-                mbarrier.expect(v_bars.index(s), TILE_BYTES)
+            mbarrier.expect(k_bars.index(s), TILE_BYTES)
+            mbarrier.expect(v_bars.index(s), TILE_BYTES)
             for b in gl.static_range(NB):
                 row = gl.sum(gl.where(boxes == b, rows, 0), axis=0)
-                if PART != 2:
-                    tma.async_copy_global_to_shared(
-                        k_desc, [row, kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
-                    )
-                if PART != 1:
-                    tma.async_copy_global_to_shared(
-                        v_desc, [row, vcol], v_bars.index(s), v_buf.slice(b * BOX, BOX)
-                    )
-            _stamp(tr, jt, 2, TRACE_ME)
+                tma.async_copy_global_to_shared(
+                    k_desc, [row, kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
+                )
+                tma.async_copy_global_to_shared(
+                    v_desc, [row, vcol], v_bars.index(s), v_buf.slice(b * BOX, BOX)
+                )
+            _stamp(tr, jt, 2, TRACE)
             it += 1
-    _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE_ME)
-    _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE_ME, True)
+    _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
+    _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
 
 
 @gluon.jit
@@ -836,7 +828,6 @@ def _paged_prefill_sm90_kernel(
     NUM_WG: gl.constexpr,  # consumer warpgroups (64 rows each)
     SPLIT: gl.constexpr,  # short items on both warpgroups, half the keys each (two, sequential)
     RELEASE_LAG: gl.constexpr,  # when a stage is released (`Sm90PrefillTile.release_lag`)
-    TWO_PRODUCERS: gl.constexpr,  # K and V loaded by two warps (SM90_PREFILL_TWO_PRODUCERS)
     Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
     O_VEC: gl.constexpr,  # the output's rows aligned
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
@@ -878,22 +869,7 @@ def _paged_prefill_sm90_kernel(
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
             scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, merge_acc,
             merge_m, merge_l, merge_bars, trace_ptr)  # fmt: skip
-    if NUM_WG == 2 and TWO_PRODUCERS:  # K and V loads from two warps (on two SM sub-partitions)
-        gl.warp_specialize(
-            [
-                (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             TRACE)),
-                (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             TRACE)),
-                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, TRACE, 1)),
-                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, TRACE, 2)),
-            ],
-            [4, 1, 1],
-            [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS],
-        )  # fmt: skip
-    elif NUM_WG == 2:
+    if NUM_WG == 2:
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
@@ -1148,7 +1124,6 @@ def sm90_prefill_launches(
         NUM_WG=tile.warpgroups,
         SPLIT=split_short(tile, head_dim, key_cache.element_size(), main.target),
         RELEASE_LAG=tile.release_lag,
-        TWO_PRODUCERS=paged_policy.SM90_PREFILL_TWO_PRODUCERS and tile.warpgroups == 2,
         Q_VEC=rows_aligned(a["q_ptr"]),
         O_VEC=rows_aligned(a["out_ptr"]),
         # a placeholder pointer when off (never read)

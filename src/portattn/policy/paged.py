@@ -281,12 +281,6 @@ SM90_PREFILL_FUSE_DECODE = True
 #: warpgroups (compile matrix, sm_90), and the H100 run measured it slower on mixed 8x512
 #: (781-857 us against 768-796 us with the decodes on one warpgroup).
 SM90_PREFILL_SPLIT_SHORT = False
-#: Two load warps instead of one (two-warpgroup tiles): one issues the K tiles' TMA copies, the
-#: other the V tiles', each reading the block table itself. The warps of a CTA share the SM's
-#: four sub-partitions' issue slots; one load warp puts its whole copy issue (about 500 cycles a
-#: tile at 16-token pages, 80 at 2048: bench/trace_prefill.py) on one sub-partition, beside two
-#: consumer warps whose softmax it delays, and a warpgroup's MMAs wait for its slowest warp.
-SM90_PREFILL_TWO_PRODUCERS = False
 
 
 @dataclass(frozen=True)
