@@ -217,6 +217,7 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         # ... fused (the default), each split over both warpgroups by keys, not on warpgroup 0
         out["fused split"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_SPLIT_SHORT=True)
         out["fused 3 stages"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_TILES=three)
+        out["v pages"] = dict(SM90_PREFILL_V_PAGES=True)  # V in one copy a page box
         # 3 stages, each released later in the next tile (Sm90PrefillTile.release_lag)
         for lag in (1, 2):
             late = dict(paged_policy.SM90_PREFILL_TILES)

@@ -464,6 +464,45 @@ def test_pingpong_is_passed_to_either_loop(monkeypatch, overlap, pingpong):
     assert main.args["NUM_WG"] == 3 and main.args["PINGPONG"] is False
 
 
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "stride_pad", "switches", "want"),
+    [
+        (16, 128, 0, {}, 8),
+        (32, 128, 0, {}, 4),
+        (544, 128, 0, {}, 4),  # 32-row boxes
+        (64, 128, 0, {}, 2),
+        (128, 128, 0, {}, 1),  # one box a tile already
+        (2048, 128, 0, {}, 1),
+        (16, 64, 0, {}, 1),  # one 64-column group: nothing to join
+        (16, 128, 32, {}, 1),  # KV heads 160 columns apart: not in 64-column groups
+        (16, 128, 0, {"SM90_PREFILL_V_PAGES": False}, 1),
+        (16, 128, 0, {"SM90_PREFILL_PINGPONG": True}, 1),
+        (16, 128, 0, {"SM90_PREFILL_OVERLAP": True}, 1),
+        (16, 128, 0, {"SM90_PREFILL_SPLIT_SHORT": True}, 1),
+    ],
+)
+def test_v_pages_where_a_page_box_is_shorter_than_the_tile(block_size, head_dim, stride_pad,
+                                                          switches, want, monkeypatch):  # fmt: skip
+    """V tiles as one-copy page boxes (V_PAGES) where a tile spans several boxes, the head dim
+    has 64-column groups to join, and the sequential loop reads V (not overlap, ping-pong or
+    the short items' split); the descriptor is then the 3-D view, one box a page."""
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_V_PAGES", True)
+    for k, v in switches.items():
+        monkeypatch.setattr(paged_policy, k, v)
+    heads = 8 * (head_dim + stride_pad)
+    base = torch.empty(64, block_size, heads, dtype=torch.bfloat16, **META)
+    cache = base.view(64, block_size, 8, head_dim + stride_pad)[..., :head_dim]
+    launches = _plan(cache=cache, head_dim=head_dim)
+    (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
+    assert main.args["V_PAGES"] == want
+    desc = main.args["v_desc"]
+    if want > 1:
+        assert desc.block_shape == [head_dim // 64, block_size & -block_size, 64]
+        assert desc.strides == [64, cache.stride(1), 1]
+    else:
+        assert len(desc.block_shape) == 2
+
+
 def test_launch_tells_the_kernel_which_rows_are_aligned():
     """Q_VEC / O_VEC (`rows_aligned`): 16-byte query loads and 4-byte output stores only on
     rows the launcher found contiguous and aligned; anything else element by element."""
@@ -532,6 +571,7 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
         "fused+overlap",
         "release 1",
         "release 2",
+        "v pages",
     ],
 )
 def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
@@ -554,6 +594,9 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
                  for d, t in paged_policy.SM90_PREFILL_TILES.items()}  # fmt: skip
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
+    elif schedule == "v pages":
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_V_PAGES", True)
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
     elif schedule.startswith("fused decode"):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_SPLIT_SHORT", "one" not in schedule)
@@ -562,7 +605,10 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_PINGPONG", schedule.endswith("pingpong"))
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", schedule.startswith("fused"))
     PLANS.clear()  # the switches are not in a plan's key
-    for heads, head_dim, block_size in (((32, 8), 128, 16), ((40, 8), 64, 2048)):
+    cases = [((32, 8), 128, 16), ((40, 8), 64, 2048)]
+    if schedule == "v pages":  # pages of 2 and 4 boxes a tile (8 at 16 above)
+        cases += [((32, 8), 128, 32), ((32, 8), 128, 64)]
+    for heads, head_dim, block_size in cases:
         b = make_batch(GPU_SEQS, block_size=block_size, heads=heads, head_dim=head_dim,
                        dtype=torch.bfloat16, device="cuda")  # fmt: skip
         mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
@@ -572,6 +618,8 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
             assert main.args["NUM_WG"] == 3
         if schedule.startswith("release"):
             assert (main.args["STAGES"], main.args["RELEASE_LAG"]) == (3, lag)
+        want = 128 // block_size if schedule == "v pages" and head_dim == 128 else 1
+        assert main.args["V_PAGES"] == want
         assert main.args["SPLIT"] == (schedule in ("fused decode",))
         # the decodes fused: no decode launch
         assert (len(launches) == 2) == paged_policy.SM90_PREFILL_FUSE_DECODE

@@ -252,8 +252,12 @@ def _item(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.c
 
 @gluon.jit
 def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.constexpr,
-              STAGES: gl.constexpr, BOX: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
-    """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page."""
+              STAGES: gl.constexpr, BOX: gl.constexpr, V_PAGES: gl.constexpr,
+              TRACE: gl.constexpr):  # fmt: skip
+    """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page. K: a
+    2-D box of [BOX, HEAD_D] (two copies under the 128-byte swizzle). V with V_PAGES (> 1): one
+    copy a box, through the 3-D view ``[column halves, rows, 64]`` of ``v_desc``, into the
+    box's own [BOX, HEAD_D] tile (`_v_page`)."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq,
      stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc,
      k_smem, v_smem, k_bars, v_bars, empty_bars, trace_ptr) = rt  # fmt: skip
@@ -264,6 +268,7 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
     HEAD_D: gl.constexpr = k_smem.shape[2]
     NB: gl.constexpr = BLOCK_N // BOX
     TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_D * k_smem.dtype.primitive_bitwidth // 8
+    L3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
     # every box's row in each thread's registers: picking box b's below is a register move (one
     # box per lane made each pick a three-step shuffle reduction, 8 boxes ~1200 cycles a tile)
     boxes = gl.arange(0, NB, layout=gl.BlockedLayout([NB], [32], [gl.num_warps()], [0]))
@@ -299,9 +304,17 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
                 tma.async_copy_global_to_shared(
                     k_desc, [row, kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
                 )
-                tma.async_copy_global_to_shared(
-                    v_desc, [row, vcol], v_bars.index(s), v_buf.slice(b * BOX, BOX)
-                )
+                if V_PAGES > 1:
+                    page = _v_page(v_buf, b, V_PAGES)._reinterpret(
+                        v_buf.dtype, [HEAD_D // 64, BOX, 64], L3
+                    )
+                    tma.async_copy_global_to_shared(
+                        v_desc, [vcol // 64, row, 0], v_bars.index(s), page
+                    )
+                else:
+                    tma.async_copy_global_to_shared(
+                        v_desc, [row, vcol], v_bars.index(s), v_buf.slice(b * BOX, BOX)
+                    )
             _stamp(tr, jt, 2, TRACE)
             it += 1
     _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
@@ -363,14 +376,20 @@ def _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG: gl.constexpr, tk,
 
 
 @gluon.jit
-def _softmax(sc, m_i, l_i, acc, scale_log2, dtype: gl.constexpr, PA: gl.constexpr):
+def _softmax(sc, m_i, l_i, acc, scale_log2, dtype: gl.constexpr, PA: gl.constexpr,
+             RAW: gl.constexpr = False):  # fmt: skip
     """One tile's online-softmax step on its masked raw scores ``sc``: the new row maxima and
-    sums, the accumulator rescaled to the new maxima, and P as the P V MMA's register operand."""
+    sums, the accumulator rescaled to the new maxima, and P as the P V MMA's register operand
+    (RAW: in ``dtype`` and the scores' layout, for `_pv_pages`)."""
     m_new, p = _probs(sc, m_i, scale_log2)
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-    return m_new, l_i, acc, gl.convert_layout(p.to(dtype), PA)
+    if RAW:
+        p_op = p.to(dtype)
+    else:
+        p_op = gl.convert_layout(p.to(dtype), PA)
+    return m_new, l_i, acc, p_op
 
 
 @gluon.jit
@@ -384,6 +403,75 @@ def _zero_tail(v_buf, start, seq_len, LOAD: gl.constexpr):
         v_buf.store(gl.where((vr < seq_len)[:, None], x, gl.zeros_like(x)))
         fence_async_shared()
         gl.thread_barrier()
+
+
+@gluon.jit
+def _v_page(v_buf, b, NB: gl.constexpr):
+    """V_PAGES: page box ``b`` of a stage's V tile ([BLOCK_N, HEAD_D], NVMMA) as its own
+    [BLOCK_N // NB, HEAD_D] NVMMA tile (the same bytes: the box's rows, column halves major)."""
+    BLOCK_N: gl.constexpr = v_buf.shape[0]
+    HEAD_D: gl.constexpr = v_buf.shape[1]
+    # (a buffer's layout has the rank of its tiles: a leading dimension indexes them)
+    L2: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    return v_buf._reinterpret(v_buf.dtype, [NB, BLOCK_N // NB, HEAD_D], L2).index(b)
+
+
+@gluon.jit
+def _zero_tail_pages(v_buf, start, seq_len, NB: gl.constexpr, LOAD: gl.constexpr):
+    """`_zero_tail` of a V tile held as NB page boxes (V_PAGES)."""
+    BLOCK_N: gl.constexpr = v_buf.shape[0]
+    BOX: gl.constexpr = BLOCK_N // NB
+    if start + BLOCK_N > seq_len:
+        for b in gl.static_range(NB):
+            page = _v_page(v_buf, b, NB)
+            vr = start + b * BOX + gl.arange(0, BOX, layout=gl.SliceLayout(1, LOAD))
+            x = page.load(LOAD)
+            page.store(gl.where((vr < seq_len)[:, None], x, gl.zeros_like(x)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _pv_pages(p, v_buf, acc, NB: gl.constexpr, PA: gl.constexpr):
+    """V_PAGES: O += P V as NB MMAs, one a page box: P's columns of box b (``p``: the
+    probabilities in the scores' layout, 16-bit) against box b's [BOX, HEAD_D] tile. The column
+    groups are split off in registers (reshape, permute, split: no data moves), issued async."""
+    ROWS: gl.constexpr = p.shape[0]
+    BLOCK_N: gl.constexpr = p.shape[1]
+    BOX: gl.constexpr = BLOCK_N // NB
+    gl.static_assert((NB == 2) or (NB == 4) or (NB == 8))
+    if NB == 2:
+        h = gl.permute(gl.reshape(p, [ROWS, 2, BOX]), (0, 2, 1))
+        c0, c1 = gl.split(h)
+        acc = warpgroup_mma(gl.convert_layout(c0, PA), _v_page(v_buf, 0, NB), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(c1, PA), _v_page(v_buf, 1, NB), acc, is_async=True)
+    elif NB == 4:
+        h = gl.permute(gl.reshape(p, [ROWS, 2, 2, BOX]), (0, 3, 2, 1))
+        a, b = gl.split(h)  # column bit 6
+        c0, c1 = gl.split(a)  # bit 5
+        c2, c3 = gl.split(b)
+        acc = warpgroup_mma(gl.convert_layout(c0, PA), _v_page(v_buf, 0, NB), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(c1, PA), _v_page(v_buf, 1, NB), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(c2, PA), _v_page(v_buf, 2, NB), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(c3, PA), _v_page(v_buf, 3, NB), acc, is_async=True)
+    else:
+        h = gl.permute(gl.reshape(p, [ROWS, 2, 2, 2, BOX]), (0, 4, 3, 2, 1))
+        a, b = gl.split(h)  # column bit 6
+        a0, a1 = gl.split(a)  # bit 5
+        b0, b1 = gl.split(b)
+        c0, c1 = gl.split(a0)  # bit 4
+        c2, c3 = gl.split(a1)
+        c4, c5 = gl.split(b0)
+        c6, c7 = gl.split(b1)
+        acc = warpgroup_mma(gl.convert_layout(c0, PA), _v_page(v_buf, 0, NB), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(c1, PA), _v_page(v_buf, 1, NB), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(c2, PA), _v_page(v_buf, 2, NB), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(c3, PA), _v_page(v_buf, 3, NB), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(c4, PA), _v_page(v_buf, 4, NB), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(c5, PA), _v_page(v_buf, 5, NB), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(c6, PA), _v_page(v_buf, 6, NB), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(c7, PA), _v_page(v_buf, 7, NB), acc, is_async=True)
+    return acc
 
 
 @gluon.jit
@@ -509,13 +597,15 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
               GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
               SPLIT: gl.constexpr, Q_VEC: gl.constexpr, O_VEC: gl.constexpr,
-              RELEASE_LAG: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+              RELEASE_LAG: gl.constexpr, V_PAGES: gl.constexpr,
+              TRACE: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
     scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
     PINGPONG: the two warpgroups issue their MMAs in turns (module doc). RELEASE_LAG (the
     sequential loop only, `Sm90PrefillTile.release_lag`): tile t's stage is released after tile
     t+1's scores (1) or just before its P V (2), not after tile t's P V (0); an item's last tile
-    at the item's end. Q_VEC / O_VEC: the
+    at the item's end. V_PAGES (> 1; the sequential loop only): V tiles arrive as that many page
+    boxes of one copy each (`_v_page`), P V is one MMA a box (`_pv_pages`). Q_VEC / O_VEC: the
     query's / output's rows are aligned (`rows_aligned`): the query is read 16 bytes a thread,
     the output written 4; else element by element."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok,
@@ -754,15 +844,22 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                         _release_prev(empty_bars, it, t, STAGES)
                     _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, start, full_end, kv_end, limit, cols)
-                    m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA)
+                    m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
+                                                   V_PAGES > 1)  # fmt: skip
                     _stamp(tr, jt, 3, TRACE)
                     v_buf = v_smem.index(s)
                     mbarrier.wait(v_bars.index(s), ph)
-                    _zero_tail(v_buf, start, seq_len, LOAD)
+                    if V_PAGES > 1:
+                        _zero_tail_pages(v_buf, start, seq_len, V_PAGES, LOAD)
+                    else:
+                        _zero_tail(v_buf, start, seq_len, LOAD)
                     if RELEASE_LAG == 2:
                         _release_prev(empty_bars, it, t, STAGES)
                     _stamp(tr, jt, 4, TRACE)
-                    acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+                    if V_PAGES > 1:
+                        acc = _pv_pages(p_op, v_buf, acc, V_PAGES, PA)
+                    else:
+                        acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                     _stamp(tr, jt, 5, TRACE)
                     if RELEASE_LAG == 0:
@@ -828,6 +925,7 @@ def _paged_prefill_sm90_kernel(
     NUM_WG: gl.constexpr,  # consumer warpgroups (64 rows each)
     SPLIT: gl.constexpr,  # short items on both warpgroups, half the keys each (two, sequential)
     RELEASE_LAG: gl.constexpr,  # when a stage is released (`Sm90PrefillTile.release_lag`)
+    V_PAGES: gl.constexpr,  # > 1: V tiles as that many one-copy page boxes (`v_pages`)
     Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
     O_VEC: gl.constexpr,  # the output's rows aligned
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
@@ -874,11 +972,11 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             TRACE)),
+                             V_PAGES, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             TRACE)),
-                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, TRACE)),
+                             V_PAGES, TRACE)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, TRACE)),
             ],
             [4, PRODUCER_WARPS_],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -889,14 +987,14 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             TRACE)),
+                             V_PAGES, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             TRACE)),
+                             V_PAGES, TRACE)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             TRACE)),
-                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, TRACE)),
+                             V_PAGES, TRACE)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, TRACE)),
             ],
             [4, 4, PRODUCER_WARPS_],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
@@ -1023,6 +1121,39 @@ def _descriptor(cache: torch.Tensor, tile: Sm90PrefillTile, box: int) -> TensorD
     )
 
 
+def v_pages(tile: Sm90PrefillTile, box: int, value_cache: torch.Tensor, split: bool) -> int:
+    """How many one-copy page boxes a V tile arrives in (`portattn.policy.paged.SM90_PREFILL_V_PAGES`;
+    1: the tile's 2-D boxes, two copies each at head_dim 128): pages shorter than the tile,
+    head_dim a multiple of 64 above 64, KV heads 64 columns apart, and the sequential schedule
+    (the overlapped and ping-pong loops and the short items' split read V as one tile)."""
+    d = value_cache.shape[3]
+    ok = (
+        paged_policy.SM90_PREFILL_V_PAGES
+        and box < tile.block_n
+        and d > 64
+        and d % 64 == 0
+        and value_cache.stride(2) % 64 == 0
+        and not paged_policy.SM90_PREFILL_OVERLAP
+        and not paged_policy.SM90_PREFILL_PINGPONG
+        and not split
+    )
+    return tile.block_n // box if ok else 1
+
+
+def _v_descriptor(cache: torch.Tensor, tile: Sm90PrefillTile, box: int) -> TensorDescriptor:
+    """V_PAGES: the value cache's rows as ``[column groups of 64, rows, 64]`` (strides 64, the
+    token stride, 1: the outer dimension's stride is the smaller one, which TMA allows; H100
+    checked, bench/probe_v3d.py), box ``[head_dim // 64, box, 64]``: one copy lays a page box
+    down as its own [box, head_dim] NVMMA tile (column halves major)."""
+    d = cache.shape[3]
+    cols = (cache.shape[2] - 1) * cache.stride(2) + d
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    return TensorDescriptor(
+        cache, [cols // 64, _total_rows(cache), 64], [64, cache.stride(1), 1],
+        [d // 64, box, 64], layout,
+    )  # fmt: skip
+
+
 def _check_trace(buf: torch.Tensor, programs: int, args: dict, device: torch.device) -> None:
     """`TRACE_BUFFER` fits the launch, and the launch runs the schedule the trace stamps."""
     need = programs * TRACE_PARTS.value * (TRACE_TILES.value + 1) * TRACE_EVENTS.value
@@ -1082,11 +1213,13 @@ def sm90_prefill_launches(
         outputs=main.outputs,  # (the op's outputs: the plan cache returns the first launch's)
     )
     dtype = _GL_DTYPES[key_cache.dtype]
+    nv = v_pages(tile, box, value_cache, split_short(tile, head_dim, key_cache.element_size(),
+                                                     main.target))  # fmt: skip
     args = dict(
         out_ptr=a["out_ptr"],
         q_ptr=a["q_ptr"],
         k_desc=_descriptor(key_cache, tile, box),
-        v_desc=_descriptor(value_cache, tile, box),
+        v_desc=_v_descriptor(value_cache, tile, box) if nv > 1 else _descriptor(value_cache, tile, box),
         work_ptr=work,
         b_off=2 + num_seqs * num_q_tiles,
         block_table_ptr=a["block_table_ptr"],
@@ -1124,6 +1257,7 @@ def sm90_prefill_launches(
         NUM_WG=tile.warpgroups,
         SPLIT=split_short(tile, head_dim, key_cache.element_size(), main.target),
         RELEASE_LAG=tile.release_lag,
+        V_PAGES=nv,
         Q_VEC=rows_aligned(a["q_ptr"]),
         O_VEC=rows_aligned(a["out_ptr"]),
         # a placeholder pointer when off (never read)
