@@ -1122,8 +1122,8 @@ def _descriptor(cache: torch.Tensor, tile: Sm90PrefillTile, box: int) -> TensorD
 
 
 def v_pages(tile: Sm90PrefillTile, box: int, value_cache: torch.Tensor, split: bool) -> int:
-    """How many one-copy page boxes a V tile arrives in (`portattn.policy.paged.SM90_PREFILL_V_PAGES`;
-    1: the tile's 2-D boxes, two copies each at head_dim 128): pages shorter than the tile,
+    """How many one-copy page boxes a V tile arrives in (`paged_policy.SM90_PREFILL_V_PAGES`; 1:
+    the tile's 2-D boxes, two copies each at head_dim 128): pages shorter than the tile,
     head_dim a multiple of 64 above 64, KV heads 64 columns apart, and the sequential schedule
     (the overlapped and ping-pong loops and the short items' split read V as one tile)."""
     d = value_cache.shape[3]
@@ -1219,7 +1219,7 @@ def sm90_prefill_launches(
         out_ptr=a["out_ptr"],
         q_ptr=a["q_ptr"],
         k_desc=_descriptor(key_cache, tile, box),
-        v_desc=_v_descriptor(value_cache, tile, box) if nv > 1 else _descriptor(value_cache, tile, box),
+        v_desc=(_v_descriptor if nv > 1 else _descriptor)(value_cache, tile, box),
         work_ptr=work,
         b_off=2 + num_seqs * num_q_tiles,
         block_table_ptr=a["block_table_ptr"],
