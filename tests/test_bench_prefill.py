@@ -179,3 +179,40 @@ def test_main_runs_check_time_and_summary_on_the_interpreter(monkeypatch, tmp_pa
     flops = bp.prefill_flops(bp.mixed(2, 12, 3, 20))
     assert rec["rows"][0]["prefill_tflops"] == pytest.approx(flops / 1e-3 / 1e12)
     assert rec["rows"][0]["checked_rows"] == 4 + 4 + 4 + 1 + 1
+
+
+@pytest.mark.cpu
+def test_rounds_take_the_variants_in_turns_and_report_the_median(monkeypatch, tmp_path, capsys):
+    """``--rounds 3``: each point's variants are timed A B, A B, A B (the switch set for each),
+    and a row's graph time is the median of its three rounds."""
+    seen = []
+    times = iter([5.0, 50.0, 1.0, 10.0, 3.0, 30.0] * 2)  # ms, per call in order
+
+    def graph(fn, return_mode):
+        fn()
+        seen.append(bp.paged_policy.SM90_PREFILL_V_PAGES)
+        return next(times)
+
+    monkeypatch.setattr(bp, "make_inputs", lambda *a, **k: make_inputs(*a, **k, device="cpu"))
+    monkeypatch.setattr(bp, "do_bench", lambda fn, return_mode: (fn(), 1.0)[1])
+    monkeypatch.setattr(bp, "do_bench_cudagraph", graph)
+    monkeypatch.setattr(bp, "copy_ceiling", lambda n: (3000.0, 0.1))
+    monkeypatch.setattr(bp, "matmul_rate", lambda: (750.0, 1.0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bp, "POINTS", {"mixed 2x12 + 3x1 @20": (bp.mixed(2, 12, 3, 20), (3, 5))})
+    monkeypatch.setattr(bp, "DEFAULT_POINTS", ("mixed 2x12 + 3x1 @20",))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = ["--dtype", "fp16", "--check-rows", "4", "--schedules", "--variants", "policy,v pages",
+            "--rounds", "3"]  # fmt: skip
+    assert bp.main(argv) == 0
+    assert seen == [False, True] * 6  # in turns, at each of the two block sizes
+    rec = json.loads((tmp_path / "bench_prefill.json").read_text())
+    got = {(r["block_size"], r["variant"]): r["graph_us"] for r in rec["rows"]}
+    assert got == {(3, "policy"): 3000.0, (3, "v pages"): 30000.0,
+                   (5, "policy"): 3000.0, (5, "v pages"): 30000.0}  # fmt: skip
+    assert rec["rows"][0]["graph_rounds"] == [5000.0, 1000.0, 3000.0]
+    assert "median of 3 rounds" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--rounds must be >= 1; got 0"):
+        bp.main(["--rounds", "0"])
