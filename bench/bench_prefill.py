@@ -273,8 +273,9 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows, rounds=1) -> l
             PLANS.clear()
             try:
                 if rnd == 0:
-                    rows.append(_bench_variant(name, seqs, bs, dtype, args, oracle, oracle_s,
-                                               vname, extra, mql, msl, flops, nbytes, roof))  # fmt: skip
+                    row = _bench_variant(name, seqs, bs, dtype, args, oracle, oracle_s, vname,
+                                         extra, mql, msl, flops, nbytes, roof)  # fmt: skip
+                    rows.append(row)
                     rows[-1]["graph_rounds"] = [rows[-1]["graph_us"]]
                 else:  # the same call again (planned anew under the same switches), timed only
                     kw = dict(max_query_len=mql, max_seq_len=msl, out=torch.empty_like(args[0]),
