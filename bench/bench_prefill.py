@@ -372,7 +372,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check-rows", type=int, default=CHECK_ROWS,
                     help="rows per checked window of a prefill sequence")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=1,
-                    help="graph timings per variant, taken in turns; the median is reported")  # fmt: skip
+                    help="graph timings a variant, in turns; the median is kept")  # fmt: skip
     opts = ap.parse_args(argv)
     if opts.rounds < 1:
         sys.exit(f"bench_prefill: --rounds must be >= 1; got {opts.rounds}")
