@@ -293,9 +293,10 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows, rounds=1) -> l
             row["graph_us"] = float(np.median(row["graph_rounds"]))
             row["x_roof"] = row["graph_us"] / roof
             row["prefill_tflops"] = flops / (row["graph_us"] * 1e-6) / 1e12
-            spread = max(row["graph_rounds"]) / min(row["graph_rounds"])
-            print(f"  {row['variant']}: median of {rounds} rounds {row['graph_us']:.1f} us "
-                  f"(rounds max/min {spread:.3f})")  # fmt: skip
+            lo = min(row["graph_rounds"])
+            spread = max(row["graph_rounds"]) / lo
+            print(f"  {row['variant']}: median of {rounds} rounds {row['graph_us']:.1f} us, "
+                  f"min {lo:.1f} (rounds max/min {spread:.3f})")  # fmt: skip
     del args, oracle
     torch.cuda.empty_cache()
     return rows
