@@ -218,7 +218,9 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         # ... fused (the default), each split over both warpgroups by keys, not on warpgroup 0
         out["fused split"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_SPLIT_SHORT=True)
         out["fused 3 stages"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_TILES=three)
-        out["v pages"] = dict(SM90_PREFILL_V_PAGES=True)  # V in one copy a page box
+        # V in two copies a page box (the switch off), or in one at every box count (2+ boxes)
+        out["v pages off"] = dict(SM90_PREFILL_V_PAGES=False)
+        out["v pages 2+"] = dict(SM90_PREFILL_V_PAGES=True, SM90_PREFILL_V_PAGES_MIN_BOXES=2)
         # 3 stages, each released later in the next tile (Sm90PrefillTile.release_lag)
         for lag in (1, 2):
             late = dict(paged_policy.SM90_PREFILL_TILES)

@@ -190,7 +190,7 @@ def test_rounds_take_the_variants_in_turns_and_report_the_median(monkeypatch, tm
 
     def graph(fn, return_mode):
         fn()
-        seen.append(bp.paged_policy.SM90_PREFILL_V_PAGES)
+        seen.append(bp.paged_policy.SM90_PREFILL_V_PAGES_MIN_BOXES == 2)
         return next(times)
 
     monkeypatch.setattr(bp, "make_inputs", lambda *a, **k: make_inputs(*a, **k, device="cpu"))
@@ -204,14 +204,14 @@ def test_rounds_take_the_variants_in_turns_and_report_the_median(monkeypatch, tm
     monkeypatch.setattr(bp, "POINTS", {"mixed 2x12 + 3x1 @20": (bp.mixed(2, 12, 3, 20), (3, 5))})
     monkeypatch.setattr(bp, "DEFAULT_POINTS", ("mixed 2x12 + 3x1 @20",))
     monkeypatch.setenv("OUT", str(tmp_path))
-    argv = ["--dtype", "fp16", "--check-rows", "4", "--schedules", "--variants", "policy,v pages",
-            "--rounds", "3"]  # fmt: skip
+    argv = ["--dtype", "fp16", "--check-rows", "4", "--schedules", "--variants",
+            "policy,v pages 2+", "--rounds", "3"]  # fmt: skip
     assert bp.main(argv) == 0
     assert seen == [False, True] * 6  # in turns, at each of the two block sizes
     rec = json.loads((tmp_path / "bench_prefill.json").read_text())
     got = {(r["block_size"], r["variant"]): r["graph_us"] for r in rec["rows"]}
-    assert got == {(3, "policy"): 3000.0, (3, "v pages"): 30000.0,
-                   (5, "policy"): 3000.0, (5, "v pages"): 30000.0}  # fmt: skip
+    assert got == {(3, "policy"): 3000.0, (3, "v pages 2+"): 30000.0,
+                   (5, "policy"): 3000.0, (5, "v pages 2+"): 30000.0}  # fmt: skip
     assert rec["rows"][0]["graph_rounds"] == [5000.0, 1000.0, 3000.0]
     assert "median of 3 rounds" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--rounds must be >= 1; got 0"):

@@ -487,6 +487,7 @@ def test_v_pages_where_a_page_box_is_shorter_than_the_tile(block_size, head_dim,
     has 64-column groups to join, and the sequential loop reads V (not overlap, ping-pong or
     the short items' split); the descriptor is then the 3-D view, one box a page."""
     monkeypatch.setattr(paged_policy, "SM90_PREFILL_V_PAGES", True)
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_V_PAGES_MIN_BOXES", 2)
     for k, v in switches.items():
         monkeypatch.setattr(paged_policy, k, v)
     heads = 8 * (head_dim + stride_pad)
@@ -501,6 +502,15 @@ def test_v_pages_where_a_page_box_is_shorter_than_the_tile(block_size, head_dim,
         assert desc.strides == [64, cache.stride(1), 1]
     else:
         assert len(desc.block_shape) == 2
+
+
+@pytest.mark.parametrize(("block_size", "want"), [(16, 8), (48, 8), (32, 1), (544, 1), (64, 1)])
+def test_v_pages_by_default_at_sixteen_row_boxes(block_size, want):
+    """The default takes V pages where a tile has 8 boxes (16-row boxes: measured faster) and
+    not at 2 or 4 (32-row boxes measured slower)."""
+    cache = torch.empty(64, block_size, 8, 128, dtype=torch.bfloat16, **META)
+    (main,) = [x for x in _plan(cache=cache) if x.name == "paged_prefill_sm90"]
+    assert main.args["V_PAGES"] == want
 
 
 def test_launch_tells_the_kernel_which_rows_are_aligned():
@@ -594,8 +604,9 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
                  for d, t in paged_policy.SM90_PREFILL_TILES.items()}  # fmt: skip
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
-    elif schedule == "v pages":
+    elif schedule == "v pages":  # at every box count (the default takes 8 boxes a tile only)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_V_PAGES", True)
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_V_PAGES_MIN_BOXES", 2)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
     elif schedule.startswith("fused decode"):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
@@ -618,8 +629,8 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
             assert main.args["NUM_WG"] == 3
         if schedule.startswith("release"):
             assert (main.args["STAGES"], main.args["RELEASE_LAG"]) == (3, lag)
-        want = 128 // block_size if schedule == "v pages" and head_dim == 128 else 1
-        assert main.args["V_PAGES"] == want
+        if schedule == "v pages":
+            assert main.args["V_PAGES"] == (128 // block_size if head_dim == 128 else 1)
         assert main.args["SPLIT"] == (schedule in ("fused decode",))
         # the decodes fused: no decode launch
         assert (len(launches) == 2) == paged_policy.SM90_PREFILL_FUSE_DECODE

@@ -1129,7 +1129,7 @@ def v_pages(tile: Sm90PrefillTile, box: int, value_cache: torch.Tensor, split: b
     d = value_cache.shape[3]
     ok = (
         paged_policy.SM90_PREFILL_V_PAGES
-        and box < tile.block_n
+        and tile.block_n // box >= max(2, paged_policy.SM90_PREFILL_V_PAGES_MIN_BOXES)
         and d > 64
         and d % 64 == 0
         and value_cache.stride(2) % 64 == 0

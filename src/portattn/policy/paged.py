@@ -281,12 +281,15 @@ SM90_PREFILL_FUSE_DECODE = True
 #: warpgroups (compile matrix, sm_90), and the H100 run measured it slower on mixed 8x512
 #: (781-857 us against 768-796 us with the decodes on one warpgroup).
 SM90_PREFILL_SPLIT_SHORT = False
-#: V tiles of pages shorter than the 128-token tile arrive one TMA copy a page (a 3-D view of
-#: the cache puts both 64-column halves of a page's rows in one box) into per-page tiles, and
-#: P V is one MMA a page; off, each page is two copies (one per 64-column half, the 128-byte
-#: swizzle's width). At 16-token pages a tile's copies go from 32 to 24 (bench/NOTES.md: the
-#: kernel's tile period grows with its copy count).
-SM90_PREFILL_V_PAGES = False
+#: V tiles of pages shorter than the 128-token tile arrive one TMA copy a page box (a 3-D view
+#: of the cache puts both 64-column halves of a box's rows in one copy) into per-box tiles, and
+#: P V is one MMA a box; off, each box is two copies (one per 64-column half, the 128-byte
+#: swizzle's width). Taken where a tile has at least `SM90_PREFILL_V_PAGES_MIN_BOXES` boxes. At
+#: 16-token pages a tile's copies go from 32 to 24 (bench/NOTES.md: the kernel's tile period
+#: grows with its copy count). H100, 11 rounds in turns (bench/RESULTS.md, sixth session): 16-row
+#: boxes 1.2-3.6% faster (mixed 8x2048, prefill 8x4096), 32-row boxes (block 544) 1.1-1.5% slower.
+SM90_PREFILL_V_PAGES = True
+SM90_PREFILL_V_PAGES_MIN_BOXES = 8
 
 
 @dataclass(frozen=True)
