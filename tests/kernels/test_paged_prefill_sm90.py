@@ -15,6 +15,7 @@ from portattn.kernels.paged_attention import paged_attention, plan_paged_attenti
 from portattn.kernels.paged_prefill_sm90 import (
     _work_list_kernel,
     box_rows,
+    launch_tile,
     program_items,
     sm90_prefill_errors,
     smem_bytes,
@@ -323,8 +324,11 @@ def test_compiles_for_sm90_without_spills(case_id):
     (r,) = [launch for launch in cell.launches if launch.name == "paged_prefill_sm90"]
     assert r.ok, r.error
     tile = SM90_PREFILL_TILES[128]
-    assert r.shared <= smem_bytes(tile, 128, split=split_short(tile, 128, 2, SM90))
     assert smem_bytes(tile, 128, split=True) <= SM90.max_shared_mem
+    # the launch's tile (block 544, four 32-row boxes a tile: 3 stages, release lag 2)
+    tile = launch_tile(tile, box_rows(int(case_id[2:]), tile.block_n), 128, 2, SM90)
+    assert (tile.stages, tile.release_lag) == ((3, 2) if case_id == "bs544" else (2, 0))
+    assert r.shared <= smem_bytes(tile, 128, split=split_short(tile, 128, 2, SM90))
     assert r.spills <= 16
 
 
@@ -511,6 +515,30 @@ def test_v_pages_by_default_at_sixteen_row_boxes(block_size, want):
     cache = torch.empty(64, block_size, 8, 128, dtype=torch.bfloat16, **META)
     (main,) = [x for x in _plan(cache=cache) if x.name == "paged_prefill_sm90"]
     assert main.args["V_PAGES"] == want
+
+
+@pytest.mark.parametrize(
+    ("block_size", "switch", "want"),
+    [
+        (16, None, (2, 0)),  # 8 boxes a tile
+        (544, None, (3, 2)),  # 4 boxes of 32 rows
+        (64, None, (3, 2)),  # 2 boxes
+        (2048, None, (2, 0)),  # 1 box
+        (544, "SM90_PREFILL_PINGPONG", (2, 0)),
+        (544, "SM90_PREFILL_OVERLAP", (2, 0)),
+    ],
+)
+def test_late_release_at_two_to_four_boxes_a_tile(block_size, switch, want, monkeypatch):
+    """The launch's tile: 3 stages released late where a tile has 2 or 4 page boxes and the
+    schedule is sequential; otherwise the policy's two stages."""
+    if switch is not None:
+        monkeypatch.setattr(paged_policy, switch, True)
+    cache = torch.empty(64, block_size, 8, 128, dtype=torch.bfloat16, **META)
+    (main,) = [x for x in _plan(cache=cache) if x.name == "paged_prefill_sm90"]
+    assert (main.args["STAGES"], main.args["RELEASE_LAG"]) == want
+    small = dataclasses.replace(SM90, max_shared_mem=200 * 1024)  # 3 stages do not fit
+    tile = launch_tile(SM90_PREFILL_TILES[128], box_rows(block_size, 128), 128, 2, small)
+    assert (tile.stages, tile.release_lag) == (2, 0)
 
 
 def test_launch_tells_the_kernel_which_rows_are_aligned():

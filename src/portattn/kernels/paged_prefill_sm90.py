@@ -65,6 +65,8 @@ shared memory within the target's. Anything else runs on the portable kernel.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -1121,6 +1123,23 @@ def _descriptor(cache: torch.Tensor, tile: Sm90PrefillTile, box: int) -> TensorD
     )
 
 
+def launch_tile(tile: Sm90PrefillTile, box: int, head_dim: int, elem: int,
+                target: Target) -> Sm90PrefillTile:  # fmt: skip
+    """The policy's tile for a launch whose pages are ``box``-row boxes: where a tile has a
+    count of boxes in `paged_policy.SM90_PREFILL_LATE_RELEASE_BOXES`, a two-stage tile of the
+    sequential schedule runs 3 stages with release lag 2 (`Sm90PrefillTile.release_lag`) if they
+    fit the target's shared memory; any other tile is the policy's."""
+    late = dataclasses.replace(tile, stages=3, release_lag=2)
+    take = (
+        tile.block_n // box in paged_policy.SM90_PREFILL_LATE_RELEASE_BOXES
+        and (tile.stages, tile.release_lag) == (2, 0)
+        and not paged_policy.SM90_PREFILL_OVERLAP
+        and not paged_policy.SM90_PREFILL_PINGPONG
+        and smem_bytes(late, head_dim, elem) <= target.max_shared_mem
+    )
+    return late if take else tile
+
+
 def v_pages(tile: Sm90PrefillTile, box: int, value_cache: torch.Tensor, split: bool) -> int:
     """How many one-copy page boxes a V tile arrives in (`paged_policy.SM90_PREFILL_V_PAGES`; 1:
     the tile's 2-D boxes, two copies each at head_dim 128): pages shorter than the tile,
@@ -1194,6 +1213,7 @@ def sm90_prefill_launches(
     box = min(
         box_rows(key_cache.shape[1], tile.block_n), box_rows(value_cache.shape[1], tile.block_n)
     )
+    tile = launch_tile(tile, box, head_dim, key_cache.element_size(), main.target)
     work_launch = Launch(
         kernel=_work_list_kernel,
         grid=(num_seqs,),

@@ -290,6 +290,12 @@ SM90_PREFILL_SPLIT_SHORT = False
 #: boxes 1.2-3.6% faster (mixed 8x2048, prefill 8x4096), 32-row boxes (block 544) 1.1-1.5% slower.
 SM90_PREFILL_V_PAGES = True
 SM90_PREFILL_V_PAGES_MIN_BOXES = 8
+#: Box counts a tile (``block_n`` over the pages' box rows) at which a two-stage tile runs 3
+#: stages with each stage released just before the next tile's P V (`Sm90PrefillTile.release_lag`
+#: 2; `portattn.kernels.paged_prefill_sm90.launch_tile`). H100, four runs (bench/RESULTS.md,
+#: sixth session): block 544 (4 boxes of 32 rows) 1-5% faster in all of them; block 2048 (1 box)
+#: level; block 16 (8 boxes, V pages) 1-1.5% slower. 2 boxes (64-row boxes) is not measured.
+SM90_PREFILL_LATE_RELEASE_BOXES = (2, 4)
 
 
 @dataclass(frozen=True)
