@@ -47,6 +47,18 @@ Both off (the default: on an H100 neither the overlapped schedules, nor 3 stages
 tiles measured faster, bench/RESULTS.md 2026-11-25), a warpgroup scores, softmaxes and
 accumulates one tile at a time.
 
+Pages shorter than the tile (bench/RESULTS.md, sixth session; the launch picks both,
+`launch_tile` and `v_pages`):
+
+* V pages (``V_PAGES``, where a tile has `SM90_PREFILL_V_PAGES_MIN_BOXES` boxes: 16-row boxes):
+  a [box, 128] box is two TMA copies under the 128-byte swizzle. The value cache's 3-D view
+  ``[column groups of 64, rows, 64]`` copies both halves of a box at once, laid down as the box's
+  own [box, 128] NVMMA tile (`_v_page`), and P V is one MMA a box (`_pv_pages`: P's column groups
+  split in registers). K keeps two copies a box (the score MMA reads the tile's rows at one
+  stride). At 16-token pages a tile's copies fall from 32 to 24.
+* Late release (``RELEASE_LAG``, where a tile has 2 or 4 boxes: `SM90_PREFILL_LATE_RELEASE_BOXES`):
+  3 stages, each released just before the next tile's P V instead of after its own.
+
 Query rows are read 16 bytes a thread and output rows written 4 bytes a thread where the launcher
 found them aligned (``Q_VEC`` / ``O_VEC``, `rows_aligned`: a warpgroup's code does not see the
 launch's alignment); otherwise both go element by element.
