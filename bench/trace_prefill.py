@@ -45,6 +45,7 @@ from bench_prefill import POINTS, Oracle  # noqa: E402
 import portattn.kernels.paged_prefill_sm90 as sm90  # noqa: E402
 from portattn.kernels._launch import run_all  # noqa: E402
 from portattn.kernels.paged_attention import plan_paged_attention  # noqa: E402
+from portattn.platform import current_target  # noqa: E402
 from portattn.policy import paged as paged_policy  # noqa: E402
 
 #: consumer steps: (name, from event, to event); "+0" is the warpgroup's next tile's event 0
@@ -161,22 +162,32 @@ def analyse(
     return res
 
 
+def _tile_arg(text: str) -> tuple[int, int]:
+    """``--tile STAGES:LAG``: two integers."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"--tile must be STAGES:LAG, two integers; got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", nargs="+", default=["prefill 8x4096"], choices=sorted(POINTS))
     ap.add_argument("--blocks", type=int, nargs="+", default=[16])
     ap.add_argument("--set", action="append", default=[], metavar="SWITCH=0|1",
                     help="set a boolean switch of portattn.policy.paged (a schedule)")  # fmt: skip
-    ap.add_argument("--tile", default="", metavar="STAGES:LAG",
-                    help="head_dim 128's tile: its stages and release_lag (e.g. 3:2)")  # fmt: skip
+    ap.add_argument("--tile", default=None, type=_tile_arg, metavar="STAGES:LAG",
+                    help="head_dim 128's tile at every block size: its stages and release_lag "
+                         "(e.g. 3:2); the launch's own late release is off then")  # fmt: skip
     args = ap.parse_args(argv)
     for item in args.set:
         set_switch(paged_policy, item)
-    if args.tile:
-        stages, lag = (int(x) for x in args.tile.split(":"))
+    if args.tile is not None:
+        stages, lag = args.tile
         tiles = dict(paged_policy.SM90_PREFILL_TILES)
         tiles[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=stages, release_lag=lag)
         paged_policy.SM90_PREFILL_TILES = tiles
+        paged_policy.SM90_PREFILL_LATE_RELEASE_BOXES = ()  # the tile asked for, as it is
         print(f"head_dim 128 tile: {tiles[128]}")
     if paged_policy.SM90_PREFILL_PINGPONG and not paged_policy.SM90_PREFILL_OVERLAP:
         print("ping-pong (sequential) steps: 'wait K' and 'S = Q K^T' are 0 (waited elsewhere);"
@@ -197,7 +208,10 @@ def main(argv=None) -> int:
             plain = plan_paged_attention(*inputs, out=out, **kw)
             main_launch = [x for x in plain if x.name == "paged_prefill_sm90"]
             if not main_launch:
-                print(f"== {name} block {bs}: no sm_90 prefill launch; skipped")
+                why = sm90.sm90_prefill_errors(inputs[0], inputs[1], inputs[2], "NHD",
+                                               current_target())  # fmt: skip
+                reason = "; ".join(why) or "the policy"
+                print(f"== {name} block {bs}: no sm_90 prefill launch ({reason}); skipped")
                 continue
             programs = main_launch[0].grid[0]
             n = programs * sm90.TRACE_PARTS.value * (sm90.TRACE_TILES.value + 1)
@@ -225,6 +239,13 @@ def main(argv=None) -> int:
                 us[label] = do_bench_cudagraph(call, return_mode="median") * 1e3
             print(f"  graph median: plain {us['plain']:.1f} us, traced {us['traced']:.1f} us")
             a = main_launch[0].args
+            print(f"  launch: {a['STAGES']} stages, release lag {a['RELEASE_LAG']}, V pages "
+                  f"{a['V_PAGES']}, box {a['BOX']} rows")  # fmt: skip
+            if a["RELEASE_LAG"]:
+                print("  (release lag: 'release' is the barrier after P V only; the stage's "
+                      "release is in the next tile's 'S = Q K^T' (lag 1) or 'wait V, zero tail' "
+                      "(lag 2), and 'release skew' / 'last release to end' count from that "
+                      "barrier)")  # fmt: skip
             analyse(stamps, head_dim=a["HEAD_D"], block_n=a["BLOCK_N"], warpgroups=a["NUM_WG"])
             del inputs, oracle
             torch.cuda.empty_cache()

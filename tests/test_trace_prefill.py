@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 _BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(_BENCH))
@@ -97,3 +98,13 @@ def test_an_absent_partition_prints_nothing_for_it():
     lines: list[str] = []
     tp.analyse(st, out=lines.append)
     assert not any("warpgroup 2" in line for line in lines)
+
+
+def test_tile_argument_is_two_integers():
+    """``--tile STAGES:LAG``: parsed to two integers, anything else refused with the rule."""
+    import argparse
+
+    assert tp._tile_arg("3:2") == (3, 2)
+    for bad in ("3", "a:b", "3:2:1", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="STAGES:LAG, two integers"):
+            tp._tile_arg(bad)

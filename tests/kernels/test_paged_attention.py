@@ -84,6 +84,11 @@ def _caches(kind, layout, num_blocks, block_size, hkv, d, dtype, device, state_b
         )
         k.fill_(NAN), v.fill_(NAN)
         return k, v
+    if kind == "wide":  # NHD heads 64 columns further apart than head_dim (padding: NaN)
+        wk, wv = empty_kv_cache(num_blocks, block_size, hkv, d + 64, layout=layout, dtype=dtype,
+                                device=device)  # fmt: skip
+        wk.fill_(NAN), wv.fill_(NAN)
+        return wk[..., :d], wv[..., :d]
     if kind == "slice":  # every other block, one head more, (NHD) a wider head_dim
         wide_d = d + 8 if layout == "NHD" else d
         wk, wv = empty_kv_cache(

@@ -526,6 +526,7 @@ def test_v_pages_by_default_at_sixteen_row_boxes(block_size, want):
         (2048, None, (2, 0)),  # 1 box
         (544, "SM90_PREFILL_PINGPONG", (2, 0)),
         (544, "SM90_PREFILL_OVERLAP", (2, 0)),
+        (544, "SM90_PREFILL_SPLIT_SHORT", (2, 0)),  # its merge buffer does not fit 3 stages
     ],
 )
 def test_late_release_at_two_to_four_boxes_a_tile(block_size, switch, want, monkeypatch):
@@ -536,9 +537,11 @@ def test_late_release_at_two_to_four_boxes_a_tile(block_size, switch, want, monk
     cache = torch.empty(64, block_size, 8, 128, dtype=torch.bfloat16, **META)
     (main,) = [x for x in _plan(cache=cache) if x.name == "paged_prefill_sm90"]
     assert (main.args["STAGES"], main.args["RELEASE_LAG"]) == want
-    small = dataclasses.replace(SM90, max_shared_mem=200 * 1024)  # 3 stages do not fit
-    tile = launch_tile(SM90_PREFILL_TILES[128], box_rows(block_size, 128), 128, 2, small)
-    assert (tile.stages, tile.release_lag) == (2, 0)
+    assert main.args["SPLIT"] is (switch == "SM90_PREFILL_SPLIT_SHORT")
+    if want == (3, 2):  # where it is taken, not where 3 stages do not fit
+        small = dataclasses.replace(SM90, max_shared_mem=200 * 1024)
+        tile = launch_tile(SM90_PREFILL_TILES[128], box_rows(block_size, 128), 128, 2, small)
+        assert (tile.stages, tile.release_lag) == (2, 0)
 
 
 def test_launch_tells_the_kernel_which_rows_are_aligned():
@@ -644,12 +647,15 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_PINGPONG", schedule.endswith("pingpong"))
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", schedule.startswith("fused"))
     PLANS.clear()  # the switches are not in a plan's key
-    cases = [((32, 8), 128, 16), ((40, 8), 64, 2048)]
-    if schedule == "v pages":  # pages of 2 and 4 boxes a tile (8 at 16 above)
-        cases += [((32, 8), 128, 32), ((32, 8), 128, 64)]
-    for heads, head_dim, block_size in cases:
+    cases = [((32, 8), 128, 16, "contiguous"), ((40, 8), 64, 2048, "contiguous")]
+    if schedule == "v pages":  # 2 and 4 boxes a tile (8 above); heads 192 columns apart; hybrid
+        cases += [((32, 8), 128, 32, "contiguous"), ((32, 8), 128, 64, "contiguous"),
+                  ((32, 8), 128, 16, "wide"), ((32, 8), 128, 80, "hybrid")]  # fmt: skip
+    for heads, head_dim, block_size, kind in cases:
+        state = 3 * 8 * 128 * 2  # hybrid: a state of three token rows a page
         b = make_batch(GPU_SEQS, block_size=block_size, heads=heads, head_dim=head_dim,
-                       dtype=torch.bfloat16, device="cuda")  # fmt: skip
+                       dtype=torch.bfloat16, device="cuda", kind=kind,
+                       state_bytes=state)  # fmt: skip
         mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
         launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
         (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
@@ -658,7 +664,8 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         if schedule.startswith("release"):
             assert (main.args["STAGES"], main.args["RELEASE_LAG"]) == (3, lag)
         if schedule == "v pages":
-            assert main.args["V_PAGES"] == (128 // block_size if head_dim == 128 else 1)
+            want = 128 // box_rows(block_size, 128) if head_dim == 128 else 1
+            assert main.args["V_PAGES"] == want
         assert main.args["SPLIT"] == (schedule in ("fused decode",))
         # the decodes fused: no decode launch
         assert (len(launches) == 2) == paged_policy.SM90_PREFILL_FUSE_DECODE

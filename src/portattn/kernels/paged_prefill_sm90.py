@@ -44,8 +44,9 @@ its first row, base-2 online softmax in registers, then O += P V with P as the r
   (with ``SM90_PREFILL_SPLIT_SHORT``, both run it by halves of the keys, without turns).
 
 Both off (the default: on an H100 neither the overlapped schedules, nor 3 stages, nor 192-row
-tiles measured faster, bench/RESULTS.md 2026-11-25), a warpgroup scores, softmaxes and
-accumulates one tile at a time.
+tiles measured faster, bench/RESULTS.md 2026-11-25, at whole-tile boxes; 3 stages with a late
+release did, at 2-4 boxes a tile: below), a warpgroup scores, softmaxes and accumulates one tile
+at a time.
 
 Pages shorter than the tile (bench/RESULTS.md, sixth session; the launch picks both,
 `launch_tile` and `v_pages`):
@@ -269,9 +270,9 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
               STAGES: gl.constexpr, BOX: gl.constexpr, V_PAGES: gl.constexpr,
               TRACE: gl.constexpr):  # fmt: skip
     """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page. K: a
-    2-D box of [BOX, HEAD_D] (two copies under the 128-byte swizzle). V with V_PAGES (> 1): one
-    copy a box, through the 3-D view ``[column halves, rows, 64]`` of ``v_desc``, into the
-    box's own [BOX, HEAD_D] tile (`_v_page`)."""
+    2-D box of [BOX, HEAD_D] (one copy a 64-column group under the 128-byte swizzle). V with
+    V_PAGES (> 1): one copy a box, through the 3-D view ``[column groups, rows, 64]`` of
+    ``v_desc``, into the box's own [BOX, HEAD_D] tile (`_v_page`)."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq,
      stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc,
      k_smem, v_smem, k_bars, v_bars, empty_bars, trace_ptr) = rt  # fmt: skip
@@ -1070,7 +1071,7 @@ def sm90_prefill_errors(
             (smem <= target.max_shared_mem, f"shared memory {smem} B > {target.max_shared_mem}")
         )
         lag = tile.release_lag
-        schedule = paged_policy.SM90_PREFILL_OVERLAP or paged_policy.SM90_PREFILL_PINGPONG
+        schedule = _turns_or_overlap(tile)
         rules += [
             (lag in (0, 1, 2), f"tile release_lag {lag} not in (0, 1, 2)"),
             (
@@ -1140,23 +1141,32 @@ def launch_tile(tile: Sm90PrefillTile, box: int, head_dim: int, elem: int,
     """The policy's tile for a launch whose pages are ``box``-row boxes: where a tile has a
     count of boxes in `paged_policy.SM90_PREFILL_LATE_RELEASE_BOXES`, a two-stage tile of the
     sequential schedule runs 3 stages with release lag 2 (`Sm90PrefillTile.release_lag`) if they
-    fit the target's shared memory; any other tile is the policy's."""
+    fit the target's shared memory and the short items' split (`split_short`, whose merge buffer
+    would no longer fit) is not on; any other tile is the policy's."""
     late = dataclasses.replace(tile, stages=3, release_lag=2)
     take = (
         tile.block_n // box in paged_policy.SM90_PREFILL_LATE_RELEASE_BOXES
         and (tile.stages, tile.release_lag) == (2, 0)
-        and not paged_policy.SM90_PREFILL_OVERLAP
-        and not paged_policy.SM90_PREFILL_PINGPONG
+        and not _turns_or_overlap(tile)
+        and not split_short(tile, head_dim, elem, target)
         and smem_bytes(late, head_dim, elem) <= target.max_shared_mem
     )
     return late if take else tile
 
 
+def _turns_or_overlap(tile: Sm90PrefillTile) -> bool:
+    """Whether the launch runs the overlapped loop or takes ping-pong turns (two warpgroups
+    only): the loops that release each stage after its own P V and read V as one tile."""
+    pingpong = paged_policy.SM90_PREFILL_PINGPONG and tile.warpgroups == 2
+    return paged_policy.SM90_PREFILL_OVERLAP or pingpong
+
+
 def v_pages(tile: Sm90PrefillTile, box: int, value_cache: torch.Tensor, split: bool) -> int:
     """How many one-copy page boxes a V tile arrives in (`paged_policy.SM90_PREFILL_V_PAGES`; 1:
     the tile's 2-D boxes, two copies each at head_dim 128): pages shorter than the tile,
-    head_dim a multiple of 64 above 64, KV heads 64 columns apart, and the sequential schedule
-    (the overlapped and ping-pong loops and the short items' split read V as one tile)."""
+    head_dim a multiple of 64 above 64, KV heads a multiple of 64 columns apart, and the
+    sequential schedule (the overlapped and ping-pong loops and the short items' split read V
+    as one tile)."""
     d = value_cache.shape[3]
     ok = (
         paged_policy.SM90_PREFILL_V_PAGES
@@ -1164,8 +1174,8 @@ def v_pages(tile: Sm90PrefillTile, box: int, value_cache: torch.Tensor, split: b
         and d > 64
         and d % 64 == 0
         and value_cache.stride(2) % 64 == 0
-        and not paged_policy.SM90_PREFILL_OVERLAP
-        and not paged_policy.SM90_PREFILL_PINGPONG
+        and tile.block_n // box in (2, 4, 8)  # `_pv_pages`' splits
+        and not _turns_or_overlap(tile)
         and not split
     )
     return tile.block_n // box if ok else 1

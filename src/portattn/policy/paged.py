@@ -286,8 +286,9 @@ SM90_PREFILL_SPLIT_SHORT = False
 #: P V is one MMA a box; off, each box is two copies (one per 64-column half, the 128-byte
 #: swizzle's width). Taken where a tile has at least `SM90_PREFILL_V_PAGES_MIN_BOXES` boxes. At
 #: 16-token pages a tile's copies go from 32 to 24 (bench/NOTES.md: the kernel's tile period
-#: grows with its copy count). H100, 11 rounds in turns (bench/RESULTS.md, sixth session): 16-row
-#: boxes 1.2-3.6% faster (mixed 8x2048, prefill 8x4096), 32-row boxes (block 544) 1.1-1.5% slower.
+#: grows with its copy count). H100, medians of 9-11 rounds in turns (bench/RESULTS.md, sixth
+#: session): 16-row boxes 1.5-4.3% faster, 32-row boxes (block 544) 1.2-1.5% slower. Like the
+#: other switches here, read at planning and not in the plan cache's key.
 SM90_PREFILL_V_PAGES = True
 SM90_PREFILL_V_PAGES_MIN_BOXES = 8
 #: Box counts a tile (``block_n`` over the pages' box rows) at which a two-stage tile runs 3
@@ -295,6 +296,8 @@ SM90_PREFILL_V_PAGES_MIN_BOXES = 8
 #: 2; `portattn.kernels.paged_prefill_sm90.launch_tile`). H100, four runs (bench/RESULTS.md,
 #: sixth session): block 544 (4 boxes of 32 rows) 1-5% faster in all of them; block 2048 (1 box)
 #: level; block 16 (8 boxes, V pages) 1-1.5% slower. 2 boxes (64-row boxes) is not measured.
+#: Not with the short items' split (its merge buffer does not fit beside 3 stages). Read at
+#: planning.
 SM90_PREFILL_LATE_RELEASE_BOXES = (2, 4)
 
 
@@ -316,7 +319,8 @@ class Sm90PrefillTile:
 
 
 #: head_dim -> tile (bf16/fp16). 128: 32 KB Q + 2 x 64 KB K/V stages = 160 KB of the H100's 227
-#: (3 stages, 224 KB, measured the same: bench/RESULTS.md 2026-11-25, issue 19 schedules).
+#: (3 stages, 224 KB, measured the same: bench/RESULTS.md 2026-11-25, issue 19 schedules). The
+#: launch may run 3 stages released late instead (`SM90_PREFILL_LATE_RELEASE_BOXES`).
 SM90_PREFILL_TILES = {
     64: Sm90PrefillTile(block_n=128, stages=3),
     128: Sm90PrefillTile(block_n=128, stages=2),
