@@ -156,13 +156,12 @@ def test_oracle_passes_the_kernel_and_stops_a_corrupted_output(device, variant):
     assert not oracle.check(bad)[0]
 
 
-@pytest.mark.cpu
-def test_main_runs_check_time_and_summary_on_the_interpreter(monkeypatch, tmp_path, capsys):
-    """The whole flow of `main` on one tiny point: the interpreter's kernel, timers and ceilings
-    stubbed (1 ms each, 3000 GB/s, 750 TFLOP/s), the JSON record written."""
+def _on_the_interpreter(monkeypatch, tmp_path, graph):
+    """`main` on one tiny point (two block sizes) with CPU inputs: eager timer 1 ms, graph timer
+    ``graph``, ceilings 3000 GB/s and 750 TFLOP/s, the record in ``tmp_path``."""
     monkeypatch.setattr(bp, "make_inputs", lambda *a, **k: make_inputs(*a, **k, device="cpu"))
     monkeypatch.setattr(bp, "do_bench", lambda fn, return_mode: (fn(), 1.0)[1])
-    monkeypatch.setattr(bp, "do_bench_cudagraph", lambda fn, return_mode: (fn(), 1.0)[1])
+    monkeypatch.setattr(bp, "do_bench_cudagraph", graph)
     monkeypatch.setattr(bp, "copy_ceiling", lambda n: (3000.0, 0.1))
     monkeypatch.setattr(bp, "matmul_rate", lambda: (750.0, 1.0))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -171,6 +170,13 @@ def test_main_runs_check_time_and_summary_on_the_interpreter(monkeypatch, tmp_pa
     monkeypatch.setattr(bp, "POINTS", {"mixed 2x12 + 3x1 @20": (bp.mixed(2, 12, 3, 20), (3, 5))})
     monkeypatch.setattr(bp, "DEFAULT_POINTS", ("mixed 2x12 + 3x1 @20",))
     monkeypatch.setenv("OUT", str(tmp_path))
+
+
+@pytest.mark.cpu
+def test_main_runs_check_time_and_summary_on_the_interpreter(monkeypatch, tmp_path, capsys):
+    """The whole flow of `main` on one tiny point: the interpreter's kernel, timers and ceilings
+    stubbed (1 ms each, 3000 GB/s, 750 TFLOP/s), the JSON record written."""
+    _on_the_interpreter(monkeypatch, tmp_path, lambda fn, return_mode: (fn(), 1.0)[1])
     assert bp.main(["--dtype", "fp16", "--check-rows", "4"]) == 0
     text = capsys.readouterr().out
     assert "== summary" in text and "max/min 1.000 (goal <= 1.05: met)" in text
@@ -193,17 +199,7 @@ def test_rounds_take_the_variants_in_turns_and_report_the_median(monkeypatch, tm
         seen.append(bp.paged_policy.SM90_PREFILL_V_PAGES_MIN_BOXES == 2)
         return next(times)
 
-    monkeypatch.setattr(bp, "make_inputs", lambda *a, **k: make_inputs(*a, **k, device="cpu"))
-    monkeypatch.setattr(bp, "do_bench", lambda fn, return_mode: (fn(), 1.0)[1])
-    monkeypatch.setattr(bp, "do_bench_cudagraph", graph)
-    monkeypatch.setattr(bp, "copy_ceiling", lambda n: (3000.0, 0.1))
-    monkeypatch.setattr(bp, "matmul_rate", lambda: (750.0, 1.0))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bp, "POINTS", {"mixed 2x12 + 3x1 @20": (bp.mixed(2, 12, 3, 20), (3, 5))})
-    monkeypatch.setattr(bp, "DEFAULT_POINTS", ("mixed 2x12 + 3x1 @20",))
-    monkeypatch.setenv("OUT", str(tmp_path))
+    _on_the_interpreter(monkeypatch, tmp_path, graph)
     argv = ["--dtype", "fp16", "--check-rows", "4", "--schedules", "--variants",
             "policy,v pages 2+", "--rounds", "3"]  # fmt: skip
     assert bp.main(argv) == 0
