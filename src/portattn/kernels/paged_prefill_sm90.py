@@ -408,14 +408,18 @@ def _softmax(sc, m_i, l_i, acc, scale_log2, dtype: gl.constexpr, PA: gl.constexp
 
 
 @gluon.jit
-def _zero_tail(v_buf, start, seq_len, LOAD: gl.constexpr):
+def _zero_tail(v_buf, start, seq_len, LOAD: gl.constexpr, NB: gl.constexpr = 1):
     """Rows of the V tile at ``start`` past the sequence (its last page's tail: any values,
-    NaN included) set to 0 before P V (their P is 0, but 0 x NaN is NaN)."""
+    NaN included) set to 0 before P V (their P is 0, but 0 x NaN is NaN); NB > 1: the tile is
+    held as NB page boxes (V_PAGES, `_v_page`), zeroed box by box."""
     BLOCK_N: gl.constexpr = v_buf.shape[0]
+    BOX: gl.constexpr = BLOCK_N // NB
     if start + BLOCK_N > seq_len:
-        vr = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
-        x = v_buf.load(LOAD)
-        v_buf.store(gl.where((vr < seq_len)[:, None], x, gl.zeros_like(x)))
+        for b in gl.static_range(NB):
+            part = v_buf if NB == 1 else _v_page(v_buf, b, NB)
+            vr = start + b * BOX + gl.arange(0, BOX, layout=gl.SliceLayout(1, LOAD))
+            x = part.load(LOAD)
+            part.store(gl.where((vr < seq_len)[:, None], x, gl.zeros_like(x)))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -432,60 +436,30 @@ def _v_page(v_buf, b, NB: gl.constexpr):
 
 
 @gluon.jit
-def _zero_tail_pages(v_buf, start, seq_len, NB: gl.constexpr, LOAD: gl.constexpr):
-    """`_zero_tail` of a V tile held as NB page boxes (V_PAGES)."""
-    BLOCK_N: gl.constexpr = v_buf.shape[0]
-    BOX: gl.constexpr = BLOCK_N // NB
-    if start + BLOCK_N > seq_len:
-        for b in gl.static_range(NB):
-            page = _v_page(v_buf, b, NB)
-            vr = start + b * BOX + gl.arange(0, BOX, layout=gl.SliceLayout(1, LOAD))
-            x = page.load(LOAD)
-            page.store(gl.where((vr < seq_len)[:, None], x, gl.zeros_like(x)))
-        fence_async_shared()
-        gl.thread_barrier()
+def _halves(x):
+    """``x``'s left and right halves of columns, split in registers (reshape, permute, split:
+    no data moves)."""
+    ROWS: gl.constexpr = x.shape[0]
+    W: gl.constexpr = x.shape[1]
+    return gl.split(gl.permute(gl.reshape(x, [ROWS, 2, W // 2]), (0, 2, 1)))
 
 
 @gluon.jit
 def _pv_pages(p, v_buf, acc, NB: gl.constexpr, PA: gl.constexpr):
     """V_PAGES: O += P V as NB MMAs, one a page box: P's columns of box b (``p``: the
-    probabilities in the scores' layout, 16-bit) against box b's [BOX, HEAD_D] tile. The column
-    groups are split off in registers (reshape, permute, split: no data moves), issued async."""
-    ROWS: gl.constexpr = p.shape[0]
-    BLOCK_N: gl.constexpr = p.shape[1]
-    BOX: gl.constexpr = BLOCK_N // NB
+    probabilities in the scores' layout, 16-bit) against box b's [BOX, HEAD_D] tile, issued
+    async. P's column groups come from halving in registers (`_halves`)."""
     gl.static_assert((NB == 2) or (NB == 4) or (NB == 8))
-    if NB == 2:
-        h = gl.permute(gl.reshape(p, [ROWS, 2, BOX]), (0, 2, 1))
-        c0, c1 = gl.split(h)
-        acc = warpgroup_mma(gl.convert_layout(c0, PA), _v_page(v_buf, 0, NB), acc, is_async=True)
-        acc = warpgroup_mma(gl.convert_layout(c1, PA), _v_page(v_buf, 1, NB), acc, is_async=True)
-    elif NB == 4:
-        h = gl.permute(gl.reshape(p, [ROWS, 2, 2, BOX]), (0, 3, 2, 1))
-        a, b = gl.split(h)  # column bit 6
-        c0, c1 = gl.split(a)  # bit 5
-        c2, c3 = gl.split(b)
-        acc = warpgroup_mma(gl.convert_layout(c0, PA), _v_page(v_buf, 0, NB), acc, is_async=True)
-        acc = warpgroup_mma(gl.convert_layout(c1, PA), _v_page(v_buf, 1, NB), acc, is_async=True)
-        acc = warpgroup_mma(gl.convert_layout(c2, PA), _v_page(v_buf, 2, NB), acc, is_async=True)
-        acc = warpgroup_mma(gl.convert_layout(c3, PA), _v_page(v_buf, 3, NB), acc, is_async=True)
-    else:
-        h = gl.permute(gl.reshape(p, [ROWS, 2, 2, 2, BOX]), (0, 4, 3, 2, 1))
-        a, b = gl.split(h)  # column bit 6
-        a0, a1 = gl.split(a)  # bit 5
-        b0, b1 = gl.split(b)
-        c0, c1 = gl.split(a0)  # bit 4
-        c2, c3 = gl.split(a1)
-        c4, c5 = gl.split(b0)
-        c6, c7 = gl.split(b1)
-        acc = warpgroup_mma(gl.convert_layout(c0, PA), _v_page(v_buf, 0, NB), acc, is_async=True)
-        acc = warpgroup_mma(gl.convert_layout(c1, PA), _v_page(v_buf, 1, NB), acc, is_async=True)
-        acc = warpgroup_mma(gl.convert_layout(c2, PA), _v_page(v_buf, 2, NB), acc, is_async=True)
-        acc = warpgroup_mma(gl.convert_layout(c3, PA), _v_page(v_buf, 3, NB), acc, is_async=True)
-        acc = warpgroup_mma(gl.convert_layout(c4, PA), _v_page(v_buf, 4, NB), acc, is_async=True)
-        acc = warpgroup_mma(gl.convert_layout(c5, PA), _v_page(v_buf, 5, NB), acc, is_async=True)
-        acc = warpgroup_mma(gl.convert_layout(c6, PA), _v_page(v_buf, 6, NB), acc, is_async=True)
-        acc = warpgroup_mma(gl.convert_layout(c7, PA), _v_page(v_buf, 7, NB), acc, is_async=True)
+    parts = (p,)
+    for _ in gl.static_range(NB.bit_length() - 1):  # halve every part: 1 -> 2 -> 4 -> 8
+        halved = ()
+        for i in gl.static_range(len(parts)):
+            left, right = _halves(parts[i])
+            halved = halved + (left, right)  # type: ignore[assignment]
+        parts = halved  # type: ignore[assignment]
+    for b in gl.static_range(NB):
+        acc = warpgroup_mma(gl.convert_layout(parts[b], PA), _v_page(v_buf, b, NB), acc,
+                            is_async=True)  # fmt: skip
     return acc
 
 
@@ -864,10 +838,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _stamp(tr, jt, 3, TRACE)
                     v_buf = v_smem.index(s)
                     mbarrier.wait(v_bars.index(s), ph)
-                    if V_PAGES > 1:
-                        _zero_tail_pages(v_buf, start, seq_len, V_PAGES, LOAD)
-                    else:
-                        _zero_tail(v_buf, start, seq_len, LOAD)
+                    _zero_tail(v_buf, start, seq_len, LOAD, V_PAGES)
                     if RELEASE_LAG == 2:
                         _release_prev(empty_bars, it, t, STAGES)
                     _stamp(tr, jt, 4, TRACE)
