@@ -76,7 +76,9 @@ def _prefill(aligned: bool, block_size: int = 16):
 
 def _accesses(kernel: str, aligned: bool) -> dict:
     """Compile the launch (worker process) and count its global loads and stores by width."""
-    from portattn.compile.worker import _resources, compile_kernel
+    import triton
+
+    from portattn.compile.worker import _resources, bind, source_for
     from portattn.platform import get_target
 
     target = get_target("sm_90")
@@ -84,7 +86,9 @@ def _accesses(kernel: str, aligned: bool) -> dict:
         launch = _mla(aligned)
     else:  # "prefill", or "prefill128": 128-token pages (one TMA box a K or V tile)
         launch = _prefill(aligned, 128 if kernel == "prefill128" else 16)
-    compiled = compile_kernel(launch, target)
+    options, signature, constexprs, attrs = bind(launch, target)
+    src = source_for(launch.kernel)(launch.kernel, signature, constexprs, attrs)
+    compiled = triton.compile(src, target=target.gpu_target(), options=options.__dict__)
     ptx = compiled.asm["ptx"]
     _, spills, _ = _resources(compiled, target)
     return dict(

@@ -103,23 +103,6 @@ def source_for(kernel):
     return ASTSource
 
 
-def compile_kernel(launch: Launch, target: Target) -> Any:
-    """Triton's `CompiledKernel` of ``launch`` for ``target``, as a launch would run it: a
-    paired kernel (`portattn.kernels._cluster.ClusterKernel`) compiled from its Gluon source,
-    then rewritten and assembled (`clustered`)."""
-    import triton
-
-    options, signature, constexprs, attrs = bind(launch, target)
-    jit = getattr(launch.kernel, "jit", launch.kernel)  # a ClusterKernel's Gluon kernel
-    src = source_for(jit)(jit, signature, constexprs, attrs)
-    compiled = triton.compile(src, target=target.gpu_target(), options=options.__dict__)
-    if jit is not launch.kernel:
-        from portattn.kernels._cluster import clustered
-
-        compiled = clustered(compiled)
-    return compiled
-
-
 def bind(launch: Launch, target: Target):
     """Triton's (signature, constexprs, attrs, options) for ``launch`` compiled for ``target``.
 
@@ -313,13 +296,14 @@ def compile_launch(
         log = os.path.join(tmp, "stderr.log")
         try:
             with _stderr_to(log):
+                options, signature, constexprs, attrs = bind(launch, target)
+                src = source_for(launch.kernel)(launch.kernel, signature, constexprs, attrs)
                 if shared_only:
-                    options, signature, constexprs, attrs = bind(launch, target)
-                    jit = getattr(launch.kernel, "jit", launch.kernel)
-                    src = source_for(jit)(jit, signature, constexprs, attrs)
                     shared = shared_memory_only(src, target, options)
                 else:
-                    compiled = compile_kernel(launch, target)
+                    compiled = triton.compile(
+                        src, target=target.gpu_target(), options=options.__dict__
+                    )
         except Exception as exc:  # noqa: BLE001 - any compiler failure is this cell's result
             result.compile_s = time.perf_counter() - t0
             with open(log, errors="replace") as f:

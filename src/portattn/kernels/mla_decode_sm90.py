@@ -75,7 +75,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from portattn.kernels._cluster import ClusterKernel, cluster_sync, release_both
 from portattn.kernels._gluon import clock_stamp, row_ptrs, trace_slot
 from portattn.kernels._launch import Launch, check_trace_buffer, rows_aligned
 from portattn.platform import Target
@@ -90,9 +89,6 @@ BLOCK_N = 64
 NUM_WARPS = 4
 #: Registers per thread each warpgroup asks for (`setmaxnreg`; 8 warps share the 64K file).
 WG_REGS = 256
-#: With a producer warpgroup (paired launches, `_pair_producer`): 12 warps share the file.
-WG_REGS_WITH_PRODUCER = gl.constexpr(240)
-PRODUCER_REGS = gl.constexpr(32)
 #: Diagnostic trace (`TRACE`): clock stamps per pair and warpgroup, for the first pairs.
 TRACE_EVENTS = gl.constexpr(16)
 TRACE_PAIRS = gl.constexpr(256)
@@ -173,44 +169,16 @@ def _tile_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end, BLOC
 
 @gluon.jit
 def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf,
-               RIGHT: gl.constexpr, gather, GATHER: gl.constexpr, CLUSTER: gl.constexpr = False,
-               rank=0):  # fmt: skip
+               RIGHT: gl.constexpr, gather, GATHER: gl.constexpr):  # fmt: skip
     """Tile t's left latent half, or (RIGHT) its right latent half and rope part, into its
     buffer, from the rows `_tile_rows` read; a phantom tile (``num_tiles <= t < steps``) only
     completes the barrier. Without GATHER by TMA boxes (64 consecutive rows of one page), else by
     `_gather_half` (``gather``: its runtime values, the cache pointer, its row stride and the
-    split's end). CLUSTER: this CTA (cluster rank ``rank``) copies its half of the rows (boxes
-    of BLOCK_N / 2 rows), which `portattn.kernels._cluster` turns into a multicast to both CTAs
-    of the pair; the barrier expects the whole tile (both CTAs' halves land in each)."""
-    if CLUSTER:
+    split's end)."""
+    if not GATHER:
         BLOCK_N: gl.constexpr = lat_buf.shape[0]
-        HB: gl.constexpr = BLOCK_N // 2
         HALF: gl.constexpr = lat_buf.shape[1]
         ROPE_DIM: gl.constexpr = pe_buf.shape[1]
-        real = t < num_tiles
-        lo = real & (rank == 0)
-        hi = real & (rank != 0)
-        if RIGHT:
-            mbarrier.expect(bar, BLOCK_N * (HALF + ROPE_DIM) * 2, pred=real)
-            tma.async_copy_global_to_shared(lat_desc, [rows, HALF], bar,
-                                            lat_buf.slice(0, HB, dim=0), pred=lo)  # fmt: skip
-            tma.async_copy_global_to_shared(lat_desc, [rows + HB, HALF], bar,
-                                            lat_buf.slice(HB, HB, dim=0), pred=hi)  # fmt: skip
-            tma.async_copy_global_to_shared(pe_desc, [rows, 2 * HALF], bar,
-                                            pe_buf.slice(0, HB, dim=0), pred=lo)  # fmt: skip
-            tma.async_copy_global_to_shared(pe_desc, [rows + HB, 2 * HALF], bar,
-                                            pe_buf.slice(HB, HB, dim=0), pred=hi)  # fmt: skip
-        else:
-            mbarrier.expect(bar, BLOCK_N * HALF * 2, pred=real)
-            tma.async_copy_global_to_shared(lat_desc, [rows, 0], bar,
-                                            lat_buf.slice(0, HB, dim=0), pred=lo)  # fmt: skip
-            tma.async_copy_global_to_shared(lat_desc, [rows + HB, 0], bar,
-                                            lat_buf.slice(HB, HB, dim=0), pred=hi)  # fmt: skip
-        mbarrier.arrive(bar, count=1, pred=(t >= num_tiles) & (t < steps))
-    elif not GATHER:
-        BLOCK_N: gl.constexpr = lat_buf.shape[0]  # type: ignore[no-redef]
-        HALF: gl.constexpr = lat_buf.shape[1]  # type: ignore[no-redef]
-        ROPE_DIM: gl.constexpr = pe_buf.shape[1]  # type: ignore[no-redef]
         real = t < num_tiles
         if RIGHT:
             mbarrier.expect(bar, BLOCK_N * (HALF + ROPE_DIM) * 2, pred=real)
@@ -286,7 +254,7 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr, CLUSTER: gl.constexpr):  # fmt: skip
+               TRACE: gl.constexpr, tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -301,7 +269,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
      stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
      stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
      stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
-     seq_len, free_bars, rank) = rt  # fmt: skip
+     seq_len) = rt  # fmt: skip
     gather = (kv_ptr, stride_kv_row, end)
     trace_ptr, pid = tr
     tr = (trace_ptr, (pid * 2 + WG).to(gl.int64) * ((TRACE_PAIRS + 1) * TRACE_EVENTS))
@@ -356,8 +324,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=PV)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, QK))
     steps = gl.cdiv(num_tiles, 2) * 2
-    if CLUSTER:  # both CTAs' barriers initialized before either copies into the other
-        cluster_sync()
     # block_size may be 1, which Triton passes as a constant: gather takes the row stride
     if GATHER:  # noqa: SIM108 (a constexpr branch, not a runtime select)
         opaque = (stride_kv_row < 0).to(gl.int32)
@@ -372,7 +338,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         n_b = n_a + BLOCK_N
         jt = trace_slot(j, TRACE, TRACE_PAIRS)  # pairs past the buffer's are dropped
         _stamp(tr, jt, 0, TRACE)
-        if ROWS_AHEAD and not CLUSTER:  # the next pair's rows, read now (under the MMAs)
+        if ROWS_AHEAD:  # the next pair's rows, read now: their latency runs under the MMAs
             rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
             rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
@@ -450,15 +416,12 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _stamp(tr, jt, 9, TRACE)
-        if CLUSTER:  # the producer refills it once the peer's warpgroup has read it too
-            release_both(free_bars.index(2 * b0 + WG), 2 * j + 2 < steps)
-        else:
-            if not ROWS_AHEAD:
-                rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles,
-                                    block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                       tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0),
-                       WG == 1, gather, GATHER)  # fmt: skip
+        if not ROWS_AHEAD:
+            rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
+                   gather, GATHER)  # fmt: skip
         _stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
@@ -471,15 +434,12 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _stamp(tr, jt, 12, TRACE)
-        if CLUSTER:
-            release_both(free_bars.index(2 * b1 + WG), 2 * j + 3 < steps)
-        else:
-            if not ROWS_AHEAD:
-                rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles,
-                                    block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
-                       tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1),
-                       WG == 1, gather, GATHER)  # fmt: skip
+        if not ROWS_AHEAD:
+            rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
+                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
+                   gather, GATHER)  # fmt: skip
         _stamp(tr, jt, 13, TRACE)
         m_i = m_b
 
@@ -563,42 +523,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
 
 
 @gluon.jit
-def _pair_producer(rt):
-    """The producer warpgroup of a paired launch (``CLUSTER``): every tile's two halves, this
-    CTA's share of the rows multicast to both CTAs (`_load_half`). A half's buffer is refilled
-    once both CTAs' warpgroups that read it have released it (`release_both`; tile t, buffer
-    ``t % 2``, waits the release of pair ``t // 2 - 1``); tiles 0 and 1 go at once, after the
-    cluster barrier. Each tile's rows are read before its first wait (their latency runs under
-    it). One warp issues; the others only take part in the cluster barrier."""
-    (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
-     stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
-     latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
-     part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
-     stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
-     stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
-     stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
-     seq_len, free_bars, rank) = rt  # fmt: skip
-    BLOCK_N: gl.constexpr = latl_smem.shape[1]
-    gather = (kv_ptr, stride_kv_row, end)
-    steps = gl.cdiv(num_tiles, 2) * 2
-    cluster_sync()
-    for t in range(steps):
-        b = t % 2
-        rows = _tile_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end, BLOCK_N,
-                          False, False)  # fmt: skip
-        # a fresh barrier's "previous" phase (parity 1) counts as complete: tiles 0 and 1
-        ph = (t // 2 - 1) & 1
-        mbarrier.wait(free_bars.index(2 * b), ph)
-        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * b),
-                   latl_smem.index(b), pe_smem.index(b), False, gather, False, True,
-                   rank)  # fmt: skip
-        mbarrier.wait(free_bars.index(2 * b + 1), ph)
-        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps,
-                   tma_bars.index(2 * b + 1), latr_smem.index(b), pe_smem.index(b), True, gather,
-                   False, True, rank)  # fmt: skip
-
-
-@gluon.jit
 def _mla_decode_sm90_kernel(
     q_ptr,
     lat_desc,  # [num_blocks * block_size, head_dim_k], box [BLOCK_N, KV_LORA_RANK // 2]
@@ -659,7 +583,6 @@ def _mla_decode_sm90_kernel(
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
     OUT_VEC: gl.constexpr,  # the rows it writes (output or partials) are aligned (`rows_aligned`)
-    CLUSTER: gl.constexpr = False,  # head-group pairs share each tile (`portattn.kernels._cluster`)
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = KV_LORA_RANK // 2
@@ -754,17 +677,6 @@ def _mla_decode_sm90_kernel(
         mbarrier.init(tma_bars.index(k), count=128 if GATHER else 1)
     for k in gl.static_range(5):
         mbarrier.init(sync_bars.index(k), count=1)
-    if CLUSTER:
-        # CLUSTER: a tile half's buffer is free once both CTAs' warpgroups read it (each arrives
-        # on its own and on the peer's: `release_to_peer`); the pair is CTAs pid ^ 1, head
-        # groups 2g and 2g + 1 of one (token, split), cluster rank pid % 2
-        free_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        for k in gl.static_range(4):
-            mbarrier.init(free_bars.index(k), count=2)
-        rank = pid % 2
-    else:
-        free_bars = tma_bars  # (unused)
-        rank = pid * 0
     fence_async_shared()
     # -- prologue: tiles 0 and 1 in flight (both tiles' rows read first: one wait, not two) --
     rows_01 = (
@@ -773,7 +685,7 @@ def _mla_decode_sm90_kernel(
         _tile_rows(bt_row, stride_bt_blk, 1, start, num_tiles, block_size, end, BLOCK_N, GATHER,
                    PAGE_INDICES),
     )  # fmt: skip
-    for t in gl.static_range(2 * (not CLUSTER)):  # CLUSTER: each warpgroup issues its halves
+    for t in gl.static_range(2):
         rows = rows_01[t]
         _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t),
                    latl_smem.index(t), pe_smem.index(t), False, (kv_ptr, stride_kv_row, end),
@@ -795,31 +707,18 @@ def _mla_decode_sm90_kernel(
           stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
           stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
           stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
-          seq_len, free_bars, rank)  # fmt: skip
+          seq_len)  # fmt: skip
     # fmt: off
-    if CLUSTER:
-        gl.warp_specialize(
-            [
-                (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), CLUSTER)),
-                (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), CLUSTER)),
-                (_pair_producer, (rt,)),
-            ],
-            [4, 4],
-            [WG_REGS_WITH_PRODUCER, PRODUCER_REGS],
-        )
-    else:
-        gl.warp_specialize(
-            [
-                (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), CLUSTER)),
-                (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), CLUSTER)),
-            ],
-            [4],
-            [WG_REGS],
-        )
+    gl.warp_specialize(
+        [
+            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+        ],
+        [4],
+        [WG_REGS],
+    )
     # fmt: on
 
 
@@ -900,16 +799,12 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         for name in _mla_decode_sm90_kernel.arg_names
         if name in a and name not in ("BLOCK_H", "BLOCK_N")
     }
-    gather = sm90_gathers(kv_cache, bool(a["PAGE_INDICES"]))
-    pair = sm90_pairs(a, gather) and main.grid[0] % 2 == 0
-    box = BLOCK_N // 2 if pair else BLOCK_N  # paired: each CTA copies half the rows
     args.update(
         kv_ptr=kv_cache,
         stride_kv_row=kv_cache.stride(1),
-        GATHER=gather,
-        lat_desc=TensorDescriptor(kv_cache, shape, strides, [box, half], lat_layout),
-        pe_desc=TensorDescriptor(kv_cache, shape, strides, [box, rope], pe_layout),
-        CLUSTER=pair,
+        GATHER=sm90_gathers(kv_cache, bool(a["PAGE_INDICES"])),
+        lat_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, half], lat_layout),
+        pe_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, rope], pe_layout),
         BLOCK_H=BLOCK_H,
         BLOCK_N=BLOCK_N,
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, half], dtype),
@@ -927,28 +822,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         check_trace_buffer(TRACE_BUFFER, need, kv_cache.device,
                            "programs x 2 x (TRACE_PAIRS + 1) x TRACE_EVENTS")  # fmt: skip
     options = LaunchOptions(NUM_WARPS, main.options.num_stages)
-    if pair:  # clusters of 2: the grid counts pairs (`portattn.kernels._cluster`)
-        return dataclasses.replace(
-            main, kernel=PAIRED_KERNEL, grid=(main.grid[0] // 2, *main.grid[1:]), args=args,
-            options=options, name="mla_decode_sm90",
-        )  # fmt: skip
     return dataclasses.replace(
         main, kernel=_mla_decode_sm90_kernel, args=args, options=options, name="mla_decode_sm90"
     )
-
-
-def sm90_pairs(args: dict, gather: bool) -> bool:
-    """Whether a launch runs head-group pairs in clusters (`portattn.policy.mla.SM90_PAIRS`):
-    TMA tiles (not the gather), unpacked rows, an even number of head groups (the pair is head
-    groups 2g and 2g + 1 of one token and split: the same rows, the same tiles)."""
-    return (
-        mla_policy.SM90_PAIRS
-        and not gather
-        and not args["PACKED"]
-        and args["HEAD_GROUPS"] % 2 == 0
-    )
-
-
-#: The kernel of paired launches: `_mla_decode_sm90_kernel` with ``CLUSTER`` on, finished and
-#: launched in clusters of 2 by `portattn.kernels._cluster`.
-PAIRED_KERNEL = ClusterKernel(_mla_decode_sm90_kernel)

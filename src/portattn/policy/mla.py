@@ -147,13 +147,6 @@ SM90_STORE_SMEM = True
 #: The latent ranks it is taken at: those a GPU ran it at (its read-back layout depends on the
 #: half width); the others write straight from the accumulators.
 SM90_STORE_SMEM_RANKS = (512,)
-#: With two or more head groups of 64 (e.g. 128 heads), the Hopper kernel runs head groups 2g
-#: and 2g + 1 of a token as a 2-CTA cluster that reads each tile from L2 once: each CTA copies
-#: half the tile's rows, multicast to both (`portattn.kernels._cluster`). Without it each head
-#: group reads the whole tile, and 128 heads is bound by L2-to-SM traffic (bench/NOTES.md,
-#: third session). Gathered rows (``page_indices``, pages not a multiple of 64) and packed
-#: verification rows are never paired. Read at planning.
-SM90_PAIRS = True
 #: Verification row packing (issue 18; the switch: False turns it off everywhere). A packed tile's
 #: row ``r`` is (query token ``r // num_heads``, head ``r % num_heads``) of ONE sequence, so the
 #: ``q_len`` tokens of a sequence read its latent cache once per tile instead of once per token;
