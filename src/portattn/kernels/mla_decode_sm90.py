@@ -63,7 +63,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -252,41 +251,14 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 
 
 @gluon.jit
-def _prefetch_half(kv_ptr, stride_row, rows, RIGHT: gl.constexpr, HALF: gl.constexpr,
-                   ROPE_DIM: gl.constexpr, BLOCK_N: gl.constexpr, GATHER: gl.constexpr):  # fmt: skip
-    """L2 prefetch (``prefetch.global.L2``) of the 128-byte lines of a tile's half that
-    `_load_half` copies (RIGHT: the right latent half and the rope part), from its rows as
-    `_tile_rows` read them: a TMA box's first row, or (GATHER) the tile's 64 rows. Nothing waits
-    for it; the later copy then finds the lines in L2 (``PREFETCH``, module doc)."""
-    LINE: gl.constexpr = 128 // (kv_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    C0: gl.constexpr = HALF if RIGHT else 0
-    WIDTH: gl.constexpr = HALF + ROPE_DIM if RIGHT else HALF
-    NL: gl.constexpr = (WIDTH + LINE - 1) // LINE
-    NLP: gl.constexpr = triton.next_power_of_2(NL)
-    PF: gl.constexpr = gl.BlockedLayout([1, max(NLP // 2, 1)], [16, 2], [4, 1], [1, 0])
-    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, PF))
-    if GATHER:
-        row = gl.convert_layout(rows, gl.SliceLayout(1, PF)).to(gl.int64)
-    else:
-        row = (rows + r).to(gl.int64)
-    c = gl.minimum(gl.arange(0, NLP, layout=gl.SliceLayout(0, PF)), NL - 1)
-    ptrs = kv_ptr + row[:, None] * stride_row + (C0 + c * LINE)[None, :]
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptrs],
-                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
-@gluon.jit
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr, PREFETCH: gl.constexpr):  # fmt: skip
+               TRACE: gl.constexpr, tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
     pair's rows are read at the top of this pair (`portattn.policy.mla.SM90_ROWS_AHEAD`).
-    PREFETCH (with ROWS_AHEAD): the rows are read a pair earlier still, and this warpgroup's
-    halves of the pair after next are prefetched into L2 mid-pair (`_prefetch_half`), a pair
-    period before their copies are issued (`portattn.policy.mla.SM90_L2_PREFETCH`).
     STORE_SMEM: a one-split output goes through this warpgroup's buffer-0 half. OUT_VEC: the rows
     it writes are aligned (`rows_aligned`). TRACE, ``tr``: the diagnostic stamps and (trace
     buffer, program id)."""
@@ -357,11 +329,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         opaque = (stride_kv_row < 0).to(gl.int32)
     else:
         opaque = (block_size < 0).to(gl.int32)  # 0, unknown to ptxas (module doc)
-    if PREFETCH:  # tiles 2 and 3's rows (their lines are not prefetched: copied too soon)
-        nxt_a = _tile_rows(bt_row, stride_bt_blk, 2, start, num_tiles, block_size, end,
-                           BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-        nxt_b = _tile_rows(bt_row, stride_bt_blk, 3, start, num_tiles, block_size, end,
-                           BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
     for j in range(steps // 2):
         ph = j & 1
         b0 = ph & opaque  # buffer 0 (tile A), written so that ptxas cannot hoist it
@@ -371,14 +338,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         n_b = n_a + BLOCK_N
         jt = trace_slot(j, TRACE, TRACE_PAIRS)  # pairs past the buffer's are dropped
         _stamp(tr, jt, 0, TRACE)
-        if PREFETCH:  # the next pair's rows were read a pair ago; the pair after next's now
-            rows_a = nxt_a
-            rows_b = nxt_b
-            nxt_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 4, start, num_tiles, block_size,
-                               end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            nxt_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 5, start, num_tiles, block_size,
-                               end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-        elif ROWS_AHEAD:  # the next pair's rows, read now: their latency runs under the MMAs
+        if ROWS_AHEAD:  # the next pair's rows, read now: their latency runs under the MMAs
             rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
             rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
@@ -462,9 +422,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
                    tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
                    gather, GATHER)  # fmt: skip
-        if PREFETCH:  # this warpgroup's halves of the pair after next (copied a pair from now)
-            _prefetch_half(kv_ptr, stride_kv_row, nxt_a, WG == 1, HALF, ROPE_DIM, BLOCK_N, GATHER)
-            _prefetch_half(kv_ptr, stride_kv_row, nxt_b, WG == 1, HALF, ROPE_DIM, BLOCK_N, GATHER)
         _stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
@@ -622,7 +579,6 @@ def _mla_decode_sm90_kernel(
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
-    PREFETCH: gl.constexpr,  # L2 prefetch of the pair after next (SM90_L2_PREFETCH; ROWS_AHEAD)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
@@ -756,9 +712,9 @@ def _mla_decode_sm90_kernel(
     gl.warp_specialize(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), PREFETCH)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), PREFETCH)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
         ],
         [4],
         [WG_REGS],
@@ -855,7 +811,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
-        PREFETCH=mla_policy.SM90_ROWS_AHEAD and mla_policy.SM90_L2_PREFETCH,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
         # a placeholder pointer when off (never read)

@@ -136,13 +136,6 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
-#: With SM90_ROWS_AHEAD, the Hopper kernel reads the rows a pair earlier still and prefetches
-#: the pair after next into L2 (``prefetch.global.L2``, each warpgroup the lines of the halves it
-#: copies), mid-pair, a pair period before those tiles' copies are issued. The kernel keeps two
-#: tile buffers (no room for a third), so a copy issued when its buffer frees has about half a
-#: pair to land; at 128 heads the warpgroups waited 600-1200 cycles a pair for tiles
-#: (bench/trace_mla.py, H100, 2026-11-26 seventh session). Read at planning.
-SM90_L2_PREFETCH = True
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
