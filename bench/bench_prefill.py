@@ -20,7 +20,9 @@ For each point and each variant (``VARIANTS``: the live device's policy, plus on
 2. times: ``do_bench_cudagraph`` median of the call captured in a CUDA graph (the serving case) and
    ``do_bench`` median of the eager call (host planning included: cached plan, no host read);
 3. roofline (issue 19): prefill flops / bf16 matmul rate + decode bytes / copy rate, both
-   ceilings measured in this run (`_common.matmul_rate`, `_common.copy_ceiling`). Prefill flops =
+   ceilings measured in this run (`_common.matmul_rate`, `_common.copy_ceiling`; with
+   ``--rounds N`` the matmul rate also before each round, and each row gets a second ratio at
+   the rounds' median rate, ``x_roof_turns``). Prefill flops =
    ``4 * num_q_heads * head_dim * pairs`` over the sequences with ``q_len > 1``, ``pairs`` the
    causal (query, key) pairs ``sum_j (ctx_len + j + 1)``; decode bytes = K + V of every context
    token per KV head + query + output, per decode sequence. Reported: time / roofline and the
@@ -257,7 +259,10 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows, rounds=1) -> l
     """Check, then time every variant at one point; returns the rows (stops on a failed check).
     ``rounds`` > 1: the graph timing is repeated that many times over all variants in turn
     (A B C, A B C, ...), and a row's ``graph_us`` is the median of its rounds (``graph_rounds``):
-    clock and power drift during a run then falls on every variant alike."""
+    clock and power drift during a run then falls on every variant alike. The matmul ceiling is
+    measured again before each round (``mm_rounds``, the point's), and each row also gets its
+    ratio to the roofline at the median of those (``x_roof_turns``): the run's one ceiling is
+    taken at its start, on a card not yet warm from the timings that follow."""
     copy_gbs, mm_tflops = ceilings
     args = make_inputs(seqs, bs, dtype)
     t0 = time.time()
@@ -268,7 +273,10 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows, rounds=1) -> l
     flops, nbytes = prefill_flops(seqs), decode_bytes(seqs, elem)
     roof = roofline_us(flops, nbytes, mm_tflops, copy_gbs)
     rows = []
+    mm_rounds = []
     for rnd in range(rounds):
+        if rounds > 1:
+            mm_rounds.append(matmul_rate()[0])
         for i, (vname, extra) in enumerate(var.items()):
             switches = {k: v for k, v in extra.items() if k.isupper()}
             extra = {k: v for k, v in extra.items() if not k.isupper()}
@@ -294,14 +302,22 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows, rounds=1) -> l
                     setattr(paged_policy, k, v)
                 PLANS.clear()
     if rounds > 1:
+        mm_turns = float(np.median(mm_rounds))
+        roof_turns = roofline_us(flops, nbytes, mm_turns, copy_gbs)
+        print(f"  matmul ceiling in turns: median {mm_turns:.0f} TFLOP/s of "
+              f"{[round(x) for x in mm_rounds]} (the run's: {mm_tflops:.0f})")  # fmt: skip
         for row in rows:
             row["graph_us"] = float(np.median(row["graph_rounds"]))
             row["x_roof"] = row["graph_us"] / roof
             row["prefill_tflops"] = flops / (row["graph_us"] * 1e-6) / 1e12
+            row["mm_rounds"] = mm_rounds
+            row["roofline_turns_us"] = roof_turns
+            row["x_roof_turns"] = row["graph_us"] / roof_turns
             lo = min(row["graph_rounds"])
             spread = max(row["graph_rounds"]) / lo
             print(f"  {row['variant']}: median of {rounds} rounds {row['graph_us']:.1f} us, "
-                  f"min {lo:.1f} (rounds max/min {spread:.3f})")  # fmt: skip
+                  f"min {lo:.1f} (rounds max/min {spread:.3f}); x roof {row['x_roof']:.3f}, "
+                  f"{row['x_roof_turns']:.3f} at the ceiling in turns")  # fmt: skip
     del args, oracle
     torch.cuda.empty_cache()
     return rows
@@ -435,6 +451,11 @@ def main(argv=None) -> int:
     print(HEADER)
     for r in rows:
         print(fmt_row(r))
+    for r in rows:
+        if "x_roof_turns" in r:
+            print(f"{r['scenario']} bs {r['block_size']} {r['variant']}: x roof "
+                  f"{r['x_roof']:.3f} at the run's ceiling, {r['x_roof_turns']:.3f} at the "
+                  f"ceiling in turns ({r['roofline_turns_us']:.1f} us)")  # fmt: skip
     for s in spread:
         ok = "met" if s["spread"] <= SPREAD_GOAL else "NOT met"
         print(f"block sizes {s['block_sizes']} {s['scenario']:24} {s['variant']:>14}: max/min "

@@ -200,6 +200,8 @@ def test_rounds_take_the_variants_in_turns_and_report_the_median(monkeypatch, tm
         return next(times)
 
     _on_the_interpreter(monkeypatch, tmp_path, graph)
+    rates = iter([800.0, 500.0, 600.0, 800.0, 500.0, 600.0])  # TFLOP/s, before each round
+    monkeypatch.setattr(bp, "matmul_rate", lambda: (next(rates, 750.0), 1.0))
     argv = ["--dtype", "fp16", "--check-rows", "4", "--schedules", "--variants",
             "policy,v pages 2+", "--rounds", "3"]  # fmt: skip
     assert bp.main(argv) == 0
@@ -209,6 +211,15 @@ def test_rounds_take_the_variants_in_turns_and_report_the_median(monkeypatch, tm
     assert got == {(3, "policy"): 3000.0, (3, "v pages 2+"): 30000.0,
                    (5, "policy"): 3000.0, (5, "v pages 2+"): 30000.0}  # fmt: skip
     assert rec["rows"][0]["graph_rounds"] == [5000.0, 1000.0, 3000.0]
+    # the run's ceiling (the first rate, 800) and the rounds' median (600) give two ratios
+    seqs = bp.mixed(2, 12, 3, 20)
+    flops, nbytes = bp.prefill_flops(seqs), bp.decode_bytes(seqs, 2)
+    row = rec["rows"][0]
+    assert rec["mm_tflops"] == 800.0 and row["mm_rounds"] == [500.0, 600.0, 800.0]
+    assert row["x_roof"] == pytest.approx(3000.0 / bp.roofline_us(flops, nbytes, 800.0, 3000.0))
+    assert row["x_roof_turns"] == pytest.approx(
+        3000.0 / bp.roofline_us(flops, nbytes, 600.0, 3000.0)
+    )
     assert "median of 3 rounds" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--rounds must be >= 1; got 0"):
         bp.main(["--rounds", "0"])
