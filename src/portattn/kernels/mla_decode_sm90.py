@@ -251,17 +251,6 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 
 
 @gluon.jit
-def _first_rows(bufs, ROWS: gl.constexpr):
-    """The first ``ROWS`` rows of a [NBUF, BLOCK_N, W] buffer array as one [ROWS, W] tile (the
-    same bytes: ``ROWS`` is a multiple of BLOCK_N), for the epilogue's staging."""
-    NBUF: gl.constexpr = bufs.shape[0]
-    BLOCK_N: gl.constexpr = bufs.shape[1]
-    W: gl.constexpr = bufs.shape[2]
-    L2: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, W], bufs.dtype)
-    return bufs._reinterpret(bufs.dtype, [NBUF * BLOCK_N // ROWS, ROWS, W], L2).index(0)
-
-
-@gluon.jit
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
@@ -340,37 +329,29 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         opaque = (stride_kv_row < 0).to(gl.int32)
     else:
         opaque = (block_size < 0).to(gl.int32)  # 0, unknown to ptxas (module doc)
-    NBUF: gl.constexpr = latl_smem.shape[0]  # tile buffers: 2, or 4 (a pair ahead, `sm90_launch`)
     for j in range(steps // 2):
         ph = j & 1
-        b0 = ph & opaque  # P_A's buffer, 0, written so that ptxas cannot hoist it
-        b1 = b0 ^ 1  # P_B's
-        if NBUF == 2:  # tile A in buffer 0, B in 1; each buffer's barriers complete once a pair
-            ta = b0
-            tph = ph
-        else:  # pair j in buffers 2 (j % 2), + 1: each buffer's barriers once every other pair
-            ta = (j & 1) * 2 + b0
-            tph = (j >> 1) & 1
-        tb = ta + 1
-        own = ta + WG  # the buffer of the tile this warpgroup scores
+        b0 = ph & opaque  # buffer 0 (tile A), written so that ptxas cannot hoist it
+        b1 = b0 ^ 1
+        own = WG ^ b0  # the buffer of the tile this warpgroup scores
         n_a = start + (2 * j) * BLOCK_N
         n_b = n_a + BLOCK_N
         jt = trace_slot(j, TRACE, TRACE_PAIRS)  # pairs past the buffer's are dropped
         _stamp(tr, jt, 0, TRACE)
-        if ROWS_AHEAD:  # the rows of the pair these buffers take next, read now (under MMAs)
-            rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + NBUF, start, num_tiles,
-                                block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + NBUF + 1, start, num_tiles,
-                                block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        if ROWS_AHEAD:  # the next pair's rows, read now: their latency runs under the MMAs
+            rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+            rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         # scores of this warpgroup's tile: latent halves as they land, then rope (registers)
-        mbarrier.wait(tma_bars.index(2 * own), tph)
+        mbarrier.wait(tma_bars.index(2 * own), ph)
         _stamp(tr, jt, 1, TRACE)
         if GATHER:  # cp.async wrote through the generic proxy; the MMAs read through the async
             fence_async_shared()
         qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=QK)
         qk = warpgroup_mma(ql_smem.index(b0), latl_smem.index(own).permute((1, 0)), qk,
                            use_acc=False, is_async=True)  # fmt: skip
-        mbarrier.wait(tma_bars.index(2 * own + 1), tph)
+        mbarrier.wait(tma_bars.index(2 * own + 1), ph)
         _stamp(tr, jt, 2, TRACE)
         if GATHER:
             fence_async_shared()
@@ -425,8 +406,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         # PV on A (scaled at m_A), then on B (at m_B); after each, this warpgroup's half of
         # that buffer is free and takes the next pair's tile (WG1's half with the rope part,
         # which WG0's S_A, finished before P_A, no longer reads)
-        _zero_tail(lat_half.index(ta), n_a, end, LOAD)
-        acc = warpgroup_mma(p_smem.index(b0), lat_half.index(ta), acc, is_async=True)
+        _zero_tail(lat_half.index(b0), n_a, end, LOAD)
+        acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
         _stamp(tr, jt, 7, TRACE)
         if WG == 0:
             mbarrier.wait(bar_pb, ph)
@@ -436,10 +417,10 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         gl.thread_barrier()
         _stamp(tr, jt, 9, TRACE)
         if not ROWS_AHEAD:
-            rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + NBUF, start, num_tiles,
-                                block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-        _load_half(lat_desc, pe_desc, rows_a, 2 * j + NBUF, start, num_tiles, steps,
-                   tma_bars.index(2 * ta + WG), lat_half.index(ta), pe_smem.index(ta), WG == 1,
+            rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
                    gather, GATHER)  # fmt: skip
         _stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
@@ -447,17 +428,17 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         if WG == 1:
             l_i = l_i + l_b
         acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
-        _zero_tail(lat_half.index(tb), n_b, end, LOAD)
-        acc = warpgroup_mma(p_smem.index(b1), lat_half.index(tb), acc, is_async=True)
+        _zero_tail(lat_half.index(b1), n_b, end, LOAD)
+        acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
         _stamp(tr, jt, 11, TRACE)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _stamp(tr, jt, 12, TRACE)
         if not ROWS_AHEAD:
-            rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + NBUF + 1, start, num_tiles,
-                                block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-        _load_half(lat_desc, pe_desc, rows_b, 2 * j + NBUF + 1, start, num_tiles, steps,
-                   tma_bars.index(2 * tb + WG), lat_half.index(tb), pe_smem.index(tb), WG == 1,
+            rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
+                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
                    gather, GATHER)  # fmt: skip
         _stamp(tr, jt, 13, TRACE)
         m_i = m_b
@@ -481,11 +462,10 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         # through shared memory, read back 8 columns a thread: every MMA of both warpgroups
         # has returned (the row sums' exchange follows both loops) and no copy is in flight
         # (nothing is issued past the last tile), so this warpgroup's buffer 0 half is free
-        # (the first BLOCK_H rows of this half's buffers: with 32-row tiles, buffers 0 and 1)
         if WG == 0:  # noqa: SIM108 (a constexpr branch)
-            obuf = _first_rows(latl_smem, BLOCK_H)
+            obuf = latl_smem.index(0)
         else:
-            obuf = _first_rows(latr_smem, BLOCK_H)
+            obuf = latr_smem.index(0)
         fence_async_shared()
         obuf.store(o.to(dtype))
         gl.thread_barrier()
@@ -603,7 +583,6 @@ def _mla_decode_sm90_kernel(
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
     OUT_VEC: gl.constexpr,  # the rows it writes (output or partials) are aligned (`rows_aligned`)
-    NBUF: gl.constexpr = 2,  # tile buffers of BLOCK_N rows: 2 (64 rows), or 4 (32 rows)
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = KV_LORA_RANK // 2
@@ -682,31 +661,32 @@ def _mla_decode_sm90_kernel(
         ql, qr = _query_halves(q_row, rq[:, None], stride_q_dim, HALF, LOAD)
     ql_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
     qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
-    latl_smem = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, HALF], LAT_LAYOUT)
-    latr_smem = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, HALF], LAT_LAYOUT)
-    pe_smem = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, ROPE_DIM], PE_LAYOUT)
+    latl_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
+    latr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
+    pe_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], PE_LAYOUT)
     p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_N], P_LAYOUT)
     m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
     l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
     # tile barriers: buffer b's left half (2b), its right half and rope part (2b + 1)
-    tma_bars = gl.allocate_shared_memory(gl.int64, [2 * NBUF, 1], mbarrier.MBarrierLayout())
+    tma_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     # hand-offs (see _warpgroup), then 3 / 4: warpgroup 0 / 1's row sums written
     sync_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
     # TMA: one arrival (the expect) plus the bytes; gather: each of the issuing warpgroup's
     # 128 threads once its cp.async copies land
-    for k in gl.static_range(2 * NBUF):
+    for k in gl.static_range(4):
         mbarrier.init(tma_bars.index(k), count=128 if GATHER else 1)
     for k in gl.static_range(5):
         mbarrier.init(sync_bars.index(k), count=1)
     fence_async_shared()
-    # -- prologue: tiles 0 .. NBUF - 1 in flight (their rows read first: one wait) --
-    rows_first = ()
-    for t in gl.static_range(NBUF):
-        rows_first = rows_first + (_tile_rows(bt_row, stride_bt_blk, t, start, num_tiles,
-                                              block_size, end, BLOCK_N, GATHER,
-                                              PAGE_INDICES),)  # fmt: skip
-    for t in gl.static_range(NBUF):
-        rows = rows_first[t]
+    # -- prologue: tiles 0 and 1 in flight (both tiles' rows read first: one wait, not two) --
+    rows_01 = (
+        _tile_rows(bt_row, stride_bt_blk, 0, start, num_tiles, block_size, end, BLOCK_N, GATHER,
+                   PAGE_INDICES),
+        _tile_rows(bt_row, stride_bt_blk, 1, start, num_tiles, block_size, end, BLOCK_N, GATHER,
+                   PAGE_INDICES),
+    )  # fmt: skip
+    for t in gl.static_range(2):
+        rows = rows_01[t]
         _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t),
                    latl_smem.index(t), pe_smem.index(t), False, (kv_ptr, stride_kv_row, end),
                    GATHER)  # fmt: skip
@@ -804,12 +784,6 @@ def sm90_gathers(kv_cache: torch.Tensor, paged_slots: bool) -> bool:
     return paged_slots or kv_cache.shape[1] % BLOCK_N != 0
 
 
-def sm90_tile_rows() -> int:
-    """Rows of the kernel's tiles: 64 in two buffers, or 32 in four
-    (`portattn.policy.mla.SM90_FOUR_BUFFERS`, read at planning)."""
-    return 32 if mla_policy.SM90_FOUR_BUFFERS else 64
-
-
 def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Launch:
     """The portable kernel's launch ``main``, run by this kernel (same arguments and outputs)."""
     a = main.args
@@ -818,9 +792,8 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
     half = kv_lora_rank // 2
     rows = kv_cache.shape[0] * kv_cache.shape[1]
     shape, strides = [rows, kv_cache.shape[2]], [kv_cache.stride(1), 1]
-    n = sm90_tile_rows()  # 64 rows in 2 buffers, or 32 in 4 (the same shared memory)
-    lat_layout = gl.NVMMASharedLayout.get_default_for([n, half], dtype)
-    pe_layout = gl.NVMMASharedLayout.get_default_for([n, rope], dtype)
+    lat_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, half], dtype)
+    pe_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], dtype)
     args = {
         name: a[name]
         for name in _mla_decode_sm90_kernel.arg_names
@@ -830,13 +803,12 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         kv_ptr=kv_cache,
         stride_kv_row=kv_cache.stride(1),
         GATHER=sm90_gathers(kv_cache, bool(a["PAGE_INDICES"])),
-        lat_desc=TensorDescriptor(kv_cache, shape, strides, [n, half], lat_layout),
-        pe_desc=TensorDescriptor(kv_cache, shape, strides, [n, rope], pe_layout),
+        lat_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, half], lat_layout),
+        pe_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, rope], pe_layout),
         BLOCK_H=BLOCK_H,
-        BLOCK_N=n,
-        NBUF=2 * BLOCK_N // n,
+        BLOCK_N=BLOCK_N,
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, half], dtype),
-        P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, n], dtype),
+        P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),

@@ -136,12 +136,6 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
-#: The Hopper kernel's K/V tiles as 32 rows in four buffers instead of 64 rows in two (the same
-#: shared memory). With two, a buffer's next copy is issued when its readers free it, about
-#: 1300 cycles before it is read again; at 128 heads the warpgroups waited 600-1200 cycles a
-#: pair for tiles (bench/trace_mla.py, H100, seventh session). With four, each copy is issued
-#: a whole pair earlier. Read at planning.
-SM90_FOUR_BUFFERS = False
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
