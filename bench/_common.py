@@ -91,6 +91,20 @@ def matmul_rate(n: int = 8192) -> tuple[float, float]:
     return 2 * n**3 / (ms * 1e-3) / 1e12, ms
 
 
+def at_point_ceiling(rows: list[dict], copy_gbs: float, mm_run: float, mm_point: float) -> None:
+    """Give each row (its ``x_roofline`` taken at the run's matmul rate ``mm_run``; its
+    ``roof_bytes`` and ``roof_flops``) its ratio at ``mm_point`` too, the rate measured just
+    before its point was timed (``x_roofline_point``, ``mm_point``). The run's one rate is taken
+    at its start, on a card not yet warm from the timings that follow (2026-11-26: 746 TFLOP/s
+    there, 562-746 before the rounds of the same run, median 685)."""
+    for row in rows:
+        t_bytes = row["roof_bytes"] / (copy_gbs * 1e9)
+        run = max(t_bytes, row["roof_flops"] / (mm_run * 1e12))
+        here = max(t_bytes, row["roof_flops"] / (mm_point * 1e12))
+        row["mm_point"] = mm_point
+        row["x_roofline_point"] = row["x_roofline"] * run / here
+
+
 def plan_with_target(arch: str, plan, *args, **kwargs) -> list[Launch]:
     """Plan under a forced target's policy (e.g. ``gfx942``), runnable on the live CUDA device.
 

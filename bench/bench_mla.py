@@ -13,7 +13,10 @@ rate (``torch.mm`` 8192^3). For each point:
    CUDA graph (no launch overhead);
 3. roofline: bytes (latent + rope cache read once, query, output) / copy ceiling and flops
    (``2 * heads * context * (head_dim_k + kv_lora_rank)`` per token) / matmul rate; the larger is
-   the roofline time, and ``x roof`` = measured / roofline (1.0 is ideal);
+   the roofline time, and ``x roof`` = measured / roofline (1.0 is ideal). The matmul rate is
+   also measured again just before each point (and each verification point); the summary ends
+   with every policy row's ratio at the run's rate and at its point's (``x_roofline_point``):
+   the run's rate is taken on a card not yet warm from the timings that follow;
 4. the HIP (gfx942) policy's tiles on this GPU (HIP-only launch options dropped): check + time;
 5. ``--sweep``: tile variants, each checked then timed with ``do_bench_cudagraph``. Phase A varies
    the shape (BLOCK_H 16/32/64, BLOCK_N, stages, warps) at a 2-wave split count, phase B the split
@@ -61,6 +64,7 @@ import time
 import torch
 import triton
 from _common import (
+    at_point_ceiling,
     copy_ceiling,
     git_commit,
     matmul_rate,
@@ -637,7 +641,9 @@ def main_verify(args, target, dtype, copy_gbs, mm_tflops) -> int:
     for heads in args.heads:
         for ctx in args.contexts:
             for q_len in args.q_len:
+                mm_here = matmul_rate()[0]  # the card as warm as the point's own timings
                 point = bench_verify(args, target, dtype, heads, ctx, q_len, copy_gbs, mm_tflops)
+                at_point_ceiling(point, copy_gbs, mm_tflops, mm_here)
                 failed += not point
                 sep = [x["us_graph"] for x in point if x["kind"] == "qsep"]
                 for x in point:
@@ -661,9 +667,21 @@ def main_verify(args, target, dtype, copy_gbs, mm_tflops) -> int:
             f"(q{worst['q_len']} h{worst['heads']} {worst['context']}); worst vs qsep "
             f"{max(x['vs_qsep'] or 0 for x in goal):.2f}"
         )
+        print_point_ceilings(goal, mm_tflops)
     result = dict(arch=target.arch, copy_gb_per_s=copy_gbs, mm_tflops=mm_tflops)
     save_record("bench_mla_verify", **result, rows=rows)
     return 1 if failed else 0
+
+
+def print_point_ceilings(rows, mm_run) -> None:
+    """Each row's roofline ratio at the run's matmul rate and at its own point's
+    (`_common.at_point_ceiling`)."""
+    print(f"== x roofline at the run's matmul rate ({mm_run:.0f} TFLOP/s) and at each point's")
+    for x in rows:
+        label = f"q{x['q_len']} " if "q_len" in x else f"page {x['page']:>2} "
+        print(f"  {x['heads']:>4} h {x['context']:>6} {label}{x['kind']:>8}: "
+              f"{x['x_roofline']:.3f} / {x['x_roofline_point']:.3f} "
+              f"(point: {x['mm_point']:.0f} TFLOP/s)")  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -730,9 +748,12 @@ def main(argv=None) -> int:
     for heads in args.heads:
         for ctx in args.contexts:
             for page in args.page:
+                mm_here = matmul_rate()[0]  # the card as warm as the point's own timings
                 p = Point(args, target, dtype, heads, ctx, copy_gbs, mm_tflops, page)
+                first = len(rows)
                 if bench_point(p, args, rows, sweep_rows, failures, page == args.page[0]):
                     return 1
+                at_point_ceiling(rows[first:], copy_gbs, mm_tflops, mm_here)
                 del p
                 torch.cuda.empty_cache()
 
@@ -746,6 +767,7 @@ def main(argv=None) -> int:
                 print(fmt_row(x))
     if len(args.page) > 1 or args.page_indices:
         page_ratios(rows, args.page)
+    print_point_ceilings([x for x in rows if x["kind"] == "policy"], mm_tflops)
     if args.sweep:
         print(
             f"sweep: {len(sweep_rows)} variants timed"

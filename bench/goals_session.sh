@@ -21,6 +21,8 @@ run 120 mla_page.log python3 bench/bench_mla.py --contexts 4096 16384 --heads 16
 sed -n '/^== page ratios/,$p' "$OUT/mla_page.log"; grep -E "^ +128 +(4096|16384) +64 +policy" "$OUT/mla_page.log"
 run 100 mla_verify.log python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128
 grep -E "policy|goal" "$OUT/mla_verify.log" | tail -8
+sed -n '/^== x roofline at the run/,$p' "$OUT/mla_verify.log"
+# (the page ratios' summary above ends with each policy row's ratio at its point's matmul rate)
 # PREFILL_ARGS: e.g. '--schedules --variants policy,pingpong' (a schedule's rows beside the policy's)
 # shellcheck disable=SC2086
 run 180 prefill.log python3 bench/bench_prefill.py ${PREFILL_ARGS:-}

@@ -58,3 +58,18 @@ def test_set_switch_refuses_what_is_not_a_switch(item, why):
 
     with pytest.raises(SystemExit, match=why):
         bench_common.set_switch(mla_policy, item)
+
+
+def test_at_point_ceiling_rescales_the_flops_bound_rows_only():
+    """A row bound by flops at both rates moves with the rate; one bound by bytes at both does
+    not; one that changes bound takes the new maximum."""
+    rows = [
+        dict(x_roofline=1.30, roof_bytes=3e9, roof_flops=1e12),  # bytes 1 ms, flops 1.25 / 1.5
+        dict(x_roofline=1.10, roof_bytes=6e9, roof_flops=1e12),  # bytes 2 ms: bound by bytes
+        dict(x_roofline=1.20, roof_bytes=4e9, roof_flops=1.1e12),  # 1.33 ms; flops 1.375 / 1.65
+    ]
+    bench_common.at_point_ceiling(rows, 3000.0, 800.0, 666.6666666666666)
+    assert rows[0]["x_roofline_point"] == pytest.approx(1.30 * 1.25 / 1.5)
+    assert rows[1]["x_roofline_point"] == pytest.approx(1.10)
+    assert rows[2]["x_roofline_point"] == pytest.approx(1.20 * 1.375 / 1.65)
+    assert all(r["mm_point"] == pytest.approx(666.6666666666666) for r in rows)
