@@ -13,13 +13,14 @@ run() {  # run SECONDS LOG CMD...: the command's output to $OUT/LOG, its summary
   echo "== $*"
   OUT=$rec timeout "$limit" "$@" > "$OUT/$log" 2>&1; echo "rc $?"
 }
-# limits total 580 s, under the device tool's 600 s a call (the whole run took 159 s on an H100)
+# limits total 580 s, under the device tool's 600 s a call (the whole run took 159-195 s on H100s)
 run 60 host.log python3 bench/bench_host.py; tail -7 "$OUT/host.log"
-run 120 shuffle.log python3 bench/bench_paged.py --shuffle; tail -14 "$OUT/shuffle.log"
-run 120 mla_page.log python3 bench/bench_mla.py --contexts 4096 16384 --heads 16 128 --page 64 1 \
+run 110 shuffle.log python3 bench/bench_paged.py --shuffle; tail -14 "$OUT/shuffle.log"
+run 110 mla_page.log python3 bench/bench_mla.py --contexts 4096 16384 --heads 16 128 --page 64 1 \
   --page-indices --no-hip
 sed -n '/^== page ratios/,$p' "$OUT/mla_page.log"; grep -E "^ +128 +(4096|16384) +64 +policy" "$OUT/mla_page.log"
-run 100 mla_verify.log python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128
+run 120 mla_verify.log python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128 \
+  --rounds 3
 grep -E "policy|goal" "$OUT/mla_verify.log" | tail -8
 sed -n '/^== x roofline at the run/,$p' "$OUT/mla_verify.log"
 # (the page ratios' summary above ends with each policy row's ratio at its point's matmul rate)
