@@ -222,12 +222,9 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         out["fused 3 stages"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_TILES=three)
         # V in two copies a page box (the switch off), or in one at every box count (2+ boxes)
         out["v pages off"] = dict(SM90_PREFILL_V_PAGES=False)
-        # K in two copies a page box (one per 64-column group), where one would take it
-        out["k pages off"] = dict(SM90_PREFILL_K_PAGES=False)
         # the policy's two stages wherever the late release would take three
         out["late release off"] = dict(SM90_PREFILL_LATE_RELEASE_BOXES=())
-        out["before"] = dict(SM90_PREFILL_V_PAGES=False, SM90_PREFILL_K_PAGES=False,
-                             SM90_PREFILL_LATE_RELEASE_BOXES=())
+        out["before"] = dict(SM90_PREFILL_V_PAGES=False, SM90_PREFILL_LATE_RELEASE_BOXES=())
         out["v pages 2+"] = dict(SM90_PREFILL_V_PAGES=True, SM90_PREFILL_V_PAGES_MIN_BOXES=2)
         # 3 stages, each released later in the next tile (Sm90PrefillTile.release_lag)
         for lag in (1, 2):

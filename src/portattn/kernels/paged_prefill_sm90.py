@@ -268,13 +268,11 @@ def _item(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.c
 @gluon.jit
 def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, BOX: gl.constexpr, V_PAGES: gl.constexpr,
-              TRACE: gl.constexpr, K_PAGES: gl.constexpr = False):  # fmt: skip
+              TRACE: gl.constexpr):  # fmt: skip
     """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page. K: a
     2-D box of [BOX, HEAD_D] (one copy a 64-column group under the 128-byte swizzle). V with
     V_PAGES (> 1): one copy a box, through the 3-D view ``[column groups, rows, 64]`` of
-    ``v_desc``, into the box's own [BOX, HEAD_D] tile (`_v_page`). K with K_PAGES: one copy a
-    box, through the 4-D view ``[row groups of 8, column groups, 8, 64]`` of ``k_desc``, into
-    the K tile held row group by row group (`_k_layout`)."""
+    ``v_desc``, into the box's own [BOX, HEAD_D] tile (`_v_page`)."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq,
      stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc,
      k_smem, v_smem, k_bars, v_bars, empty_bars, trace_ptr) = rt  # fmt: skip
@@ -286,7 +284,6 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
     NB: gl.constexpr = BLOCK_N // BOX
     TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_D * k_smem.dtype.primitive_bitwidth // 8
     L3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-    L4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     # every box's row in each thread's registers: picking box b's below is a register move (one
     # box per lane made each pick a three-step shuffle reduction, 8 boxes ~1200 cycles a tile)
     boxes = gl.arange(0, NB, layout=gl.BlockedLayout([NB], [32], [gl.num_warps()], [0]))
@@ -319,17 +316,9 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
             mbarrier.expect(v_bars.index(s), TILE_BYTES)
             for b in gl.static_range(NB):
                 row = gl.sum(gl.where(boxes == b, rows, 0), axis=0)
-                if K_PAGES:  # box b: BOX // 8 row groups of [column groups][8][64], one copy
-                    kpage = k_buf._reinterpret(
-                        k_buf.dtype, [NB, BOX // 8, HEAD_D // 64, 8, 64], L4
-                    ).index(b)
-                    tma.async_copy_global_to_shared(
-                        k_desc, [row // 8, kcol // 64, 0, 0], k_bars.index(s), kpage
-                    )
-                else:
-                    tma.async_copy_global_to_shared(
-                        k_desc, [row, kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
-                    )
+                tma.async_copy_global_to_shared(
+                    k_desc, [row, kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
+                )
                 if V_PAGES > 1:
                     page = _v_page(v_buf, b, V_PAGES)._reinterpret(
                         v_buf.dtype, [HEAD_D // 64, BOX, 64], L3
@@ -923,18 +912,16 @@ def _paged_prefill_sm90_kernel(
     SPLIT: gl.constexpr,  # short items on both warpgroups, half the keys each (two, sequential)
     RELEASE_LAG: gl.constexpr,  # when a stage is released (`Sm90PrefillTile.release_lag`)
     V_PAGES: gl.constexpr,  # > 1: V tiles as that many one-copy page boxes (`v_pages`)
-    K_PAGES: gl.constexpr,  # K tiles one copy a page box, held by row groups (`k_pages`)
-    KV_LAYOUT: gl.constexpr,  # the K/V tiles' NVMMA layout ([BLOCK_N, HEAD_D])
-    K_LAYOUT: gl.constexpr,  # the K tiles' (KV_LAYOUT, or `_k_layout` with K_PAGES)
     Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
     O_VEC: gl.constexpr,  # the output's rows aligned
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
+    KV_LAYOUT: gl.constexpr = k_desc.layout
     HEAD_TILES: gl.constexpr = (GROUP + HEAD_TILE - 1) // HEAD_TILE
     q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 64, HEAD_D], Q_LAYOUT)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], K_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -975,8 +962,7 @@ def _paged_prefill_sm90_kernel(
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
                              V_PAGES, TRACE)),
-                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, TRACE,
-                             K_PAGES)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, TRACE)),
             ],
             [4, PRODUCER_WARPS_],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -994,8 +980,7 @@ def _paged_prefill_sm90_kernel(
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
                              V_PAGES, TRACE)),
-                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, TRACE,
-                             K_PAGES)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, TRACE)),
             ],
             [4, 4, PRODUCER_WARPS_],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
@@ -1167,53 +1152,6 @@ def v_pages(tile: Sm90PrefillTile, box: int, value_cache: torch.Tensor, split: b
     return tile.block_n // box if ok else 1
 
 
-def k_pages(tile: Sm90PrefillTile, box: int, key_cache: torch.Tensor, split: bool) -> bool:
-    """Whether a K tile arrives in one copy a page box (`paged_policy.SM90_PREFILL_K_PAGES`):
-    where V tiles do (`v_pages`' box counts, head_dim and schedule), 16-bit elements, and rows in
-    groups of 8 (boxes, pages and the cache's rows a multiple of 8)."""
-    d = key_cache.shape[3]
-    return (
-        paged_policy.SM90_PREFILL_K_PAGES
-        and tile.block_n // box >= max(2, paged_policy.SM90_PREFILL_V_PAGES_MIN_BOXES)
-        and d > 64
-        and d % 64 == 0
-        and key_cache.element_size() == 2
-        and key_cache.stride(2) % 64 == 0
-        and box % 8 == 0
-        and _rows_per_page(key_cache) % 8 == 0
-        and _total_rows(key_cache) % 8 == 0
-        and not _turns_or_overlap(tile)
-        and not split
-    )
-
-
-def _k_layout(block_n: int, d: int) -> gl.SharedLinearLayout:
-    """K_PAGES: the K tile's shared layout, [block_n, d] 16-bit, held row group by row group:
-    8 rows of each 64-column group (a 1024-byte atom under the 128-byte swizzle), the row group's
-    column groups one after another, then the next row group. The score MMA reads it with the
-    8-row groups ``d * 16`` bytes apart (the descriptor's stride; Triton derives it from this
-    layout), and one page box is one copy of consecutive row groups (`_k_descriptor`)."""
-    bases = [[0, 1 << i] for i in range(6)]  # a row's 64 columns (16-byte pieces below)
-    bases += [[1 << i, 1 << (3 + i)] for i in range(3)]  # rows 0-7: the swizzle's XOR
-    bases += [[0, 64 << i] for i in range((d // 64).bit_length() - 1)]  # column groups
-    bases += [[8 << i, 0] for i in range((block_n // 8).bit_length() - 1)]  # row groups
-    return gl.SharedLinearLayout(offset_bases=bases, alignment=1024)
-
-
-def _k_descriptor(cache: torch.Tensor, tile: Sm90PrefillTile, box: int) -> TensorDescriptor:
-    """K_PAGES: the key cache's rows as ``[row groups of 8, column groups of 64, 8, 64]``
-    (strides 8 rows, 64, the token stride, 1), box ``[box // 8, head_dim // 64, 8, 64]``: one
-    copy lays a page box down row group by row group (`_k_layout`)."""
-    d = cache.shape[3]
-    cols = (cache.shape[2] - 1) * cache.stride(2) + d
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
-    ts = cache.stride(1)
-    return TensorDescriptor(
-        cache, [_total_rows(cache) // 8, cols // 64, 8, 64], [8 * ts, 64, ts, 1],
-        [box // 8, d // 64, 8, 64], layout,
-    )  # fmt: skip
-
-
 def _v_descriptor(cache: torch.Tensor, tile: Sm90PrefillTile, box: int) -> TensorDescriptor:
     """V_PAGES: the value cache's rows as ``[column groups of 64, rows, 64]`` (strides 64, the
     token stride, 1: the outer dimension's stride is the smaller one, which TMA allows; H100
@@ -1288,14 +1226,12 @@ def sm90_prefill_launches(
         outputs=main.outputs,  # (the op's outputs: the plan cache returns the first launch's)
     )
     dtype = _GL_DTYPES[key_cache.dtype]
-    split = split_short(tile, head_dim, key_cache.element_size(), main.target)
-    nv = v_pages(tile, box, value_cache, split)
-    kp = k_pages(tile, box, key_cache, split)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([tile.block_n, head_dim], dtype)
+    nv = v_pages(tile, box, value_cache, split_short(tile, head_dim, key_cache.element_size(),
+                                                     main.target))  # fmt: skip
     args = dict(
         out_ptr=a["out_ptr"],
         q_ptr=a["q_ptr"],
-        k_desc=(_k_descriptor if kp else _descriptor)(key_cache, tile, box),
+        k_desc=_descriptor(key_cache, tile, box),
         v_desc=(_v_descriptor if nv > 1 else _descriptor)(value_cache, tile, box),
         work_ptr=work,
         b_off=2 + num_seqs * num_q_tiles,
@@ -1335,9 +1271,6 @@ def sm90_prefill_launches(
         SPLIT=split_short(tile, head_dim, key_cache.element_size(), main.target),
         RELEASE_LAG=tile.release_lag,
         V_PAGES=nv,
-        K_PAGES=kp,
-        KV_LAYOUT=kv_layout,
-        K_LAYOUT=_k_layout(tile.block_n, head_dim) if kp else kv_layout,
         Q_VEC=rows_aligned(a["q_ptr"]),
         O_VEC=rows_aligned(a["out_ptr"]),
         # a placeholder pointer when off (never read)

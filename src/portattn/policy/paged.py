@@ -291,12 +291,6 @@ SM90_PREFILL_SPLIT_SHORT = False
 #: other switches here, read at planning and not in the plan cache's key.
 SM90_PREFILL_V_PAGES = True
 SM90_PREFILL_V_PAGES_MIN_BOXES = 8
-#: K tiles likewise one copy a page box where V's are (`SM90_PREFILL_V_PAGES_MIN_BOXES`), through
-#: a 4-D view of the key cache (row groups of 8, column groups of 64, 8 rows, 64 columns). The
-#: tile is then held row group by row group, which the score MMA reads as one operand with its
-#: 8-row groups head_dim x 16 bytes apart (`paged_prefill_sm90._k_layout`): at block 16 a tile's
-#: copies fall from 24 to 16 (K's two copies a box, one per 64-column group, become one).
-SM90_PREFILL_K_PAGES = True
 #: Box counts a tile (``block_n`` over the pages' box rows) at which a two-stage tile runs 3
 #: stages with each stage released just before the next tile's P V (`Sm90PrefillTile.release_lag`
 #: 2; `portattn.kernels.paged_prefill_sm90.launch_tile`). H100, four runs (bench/RESULTS.md,
