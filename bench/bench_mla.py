@@ -748,6 +748,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         sys.exit(f"bench_mla: --rounds must be >= 1; got {args.rounds}")
+    if args.rounds > 1 and not args.q_len:
+        sys.exit("bench_mla: --rounds times verification points; give --q-len too")
     for item in args.set:
         set_switch(mla_policy, item)
     if not torch.cuda.is_available():
