@@ -13,7 +13,7 @@ run() {  # run SECONDS LOG CMD...: the command's output to $OUT/LOG, its summary
   echo "== $*"
   OUT=$rec timeout "$limit" "$@" > "$OUT/$log" 2>&1; echo "rc $?"
 }
-# limits total 580 s, under the device tool's 600 s a call (the whole run took 159-195 s on H100s)
+# limits total 580 s, under the device tool's 600 s a call (the whole run took 80-195 s on H100s)
 run 60 host.log python3 bench/bench_host.py; tail -7 "$OUT/host.log"
 run 110 shuffle.log python3 bench/bench_paged.py --shuffle; tail -14 "$OUT/shuffle.log"
 run 110 mla_page.log python3 bench/bench_mla.py --contexts 4096 16384 --heads 16 128 --page 64 1 \
