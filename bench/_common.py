@@ -95,8 +95,8 @@ def at_point_ceiling(rows: list[dict], copy_gbs: float, mm_run: float, mm_point:
     """Give each row (its ``x_roofline`` taken at the run's matmul rate ``mm_run``; its
     ``roof_bytes`` and ``roof_flops``) its ratio at ``mm_point`` too, the rate measured just
     before its point was timed (``x_roofline_point``, ``mm_point``). The run's one rate is taken
-    at its start, on a card not yet warm from the timings that follow (2026-11-26: 746 TFLOP/s
-    there, 562-746 before the rounds of the same run, median 685)."""
+    at its start, on a card not yet warm from the timings that follow (bench/NOTES.md, seventh
+    session, "Method")."""
     for row in rows:
         t_bytes = row["roof_bytes"] / (copy_gbs * 1e9)
         run = max(t_bytes, row["roof_flops"] / (mm_run * 1e12))

@@ -272,7 +272,7 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows, rounds=1) -> l
     elem = torch.finfo(dtype).bits // 8
     flops, nbytes = prefill_flops(seqs), decode_bytes(seqs, elem)
     roof = roofline_us(flops, nbytes, mm_tflops, copy_gbs)
-    rows = []
+    rows, calls = [], []
     mm_rounds = []
     for rnd in range(rounds):
         if rounds > 1:
@@ -286,16 +286,15 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows, rounds=1) -> l
             PLANS.clear()
             try:
                 if rnd == 0:
-                    row = _bench_variant(name, seqs, bs, dtype, args, oracle, oracle_s, vname,
-                                         extra, mql, msl, flops, nbytes, roof)  # fmt: skip
+                    row, call = _bench_variant(name, seqs, bs, dtype, args, oracle, oracle_s,
+                                               vname, extra, mql, msl, flops, nbytes,
+                                               roof)  # fmt: skip
+                    row["graph_rounds"] = [row["graph_us"]]
                     rows.append(row)
-                    rows[-1]["graph_rounds"] = [rows[-1]["graph_us"]]
+                    calls.append(call)
                 else:  # the same call again (planned anew under the same switches), timed only
-                    kw = dict(max_query_len=mql, max_seq_len=msl, out=torch.empty_like(args[0]),
-                              **extra)  # fmt: skip
-                    call = functools.partial(paged_attention, *args, **kw)
                     rows[i]["graph_rounds"].append(
-                        do_bench_cudagraph(call, return_mode="median") * 1e3
+                        do_bench_cudagraph(calls[i], return_mode="median") * 1e3
                     )
             finally:
                 for k, v in saved.items():
@@ -324,8 +323,9 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows, rounds=1) -> l
 
 
 def _bench_variant(name, seqs, bs, dtype, args, oracle, oracle_s, vname, extra, mql, msl, flops,
-                   nbytes, roof) -> dict:  # fmt: skip
-    """One variant at one point: checked, then timed (graph and eager medians)."""
+                   nbytes, roof) -> tuple[dict, functools.partial]:  # fmt: skip
+    """One variant at one point: checked, then timed (graph and eager medians); its row and
+    the call (`bench_point`'s later rounds time it again)."""
     out = torch.empty_like(args[0])
     kw = dict(max_query_len=mql, max_seq_len=msl, out=out, **extra)
     call = functools.partial(paged_attention, *args, **kw)
@@ -349,7 +349,7 @@ def _bench_variant(name, seqs, bs, dtype, args, oracle, oracle_s, vname, extra, 
     )  # fmt: skip
     print(fmt_row(row))
     print(f"  {len(oracle.rows)} rows checked (oracle {oracle_s:.1f} s); plan: {row['plan']}")
-    return row
+    return row, call
 
 
 HEADER = (

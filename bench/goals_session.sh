@@ -18,12 +18,12 @@ run 60 host.log python3 bench/bench_host.py; tail -7 "$OUT/host.log"
 run 110 shuffle.log python3 bench/bench_paged.py --shuffle; tail -14 "$OUT/shuffle.log"
 run 110 mla_page.log python3 bench/bench_mla.py --contexts 4096 16384 --heads 16 128 --page 64 1 \
   --page-indices --no-hip
+# (the page ratios' summary ends with each policy row's ratio at its point's matmul rate)
 sed -n '/^== page ratios/,$p' "$OUT/mla_page.log"; grep -E "^ +128 +(4096|16384) +64 +policy" "$OUT/mla_page.log"
 run 120 mla_verify.log python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128 \
   --rounds 3
 grep -E "policy|goal" "$OUT/mla_verify.log" | tail -8
 sed -n '/^== x roofline at the run/,$p' "$OUT/mla_verify.log"
-# (the page ratios' summary above ends with each policy row's ratio at its point's matmul rate)
 # PREFILL_ARGS: e.g. '--schedules --variants policy,pingpong' (a schedule's rows beside the policy's)
 # shellcheck disable=SC2086
 run 180 prefill.log python3 bench/bench_prefill.py ${PREFILL_ARGS:-}

@@ -1226,8 +1226,8 @@ def sm90_prefill_launches(
         outputs=main.outputs,  # (the op's outputs: the plan cache returns the first launch's)
     )
     dtype = _GL_DTYPES[key_cache.dtype]
-    nv = v_pages(tile, box, value_cache, split_short(tile, head_dim, key_cache.element_size(),
-                                                     main.target))  # fmt: skip
+    split = split_short(tile, head_dim, key_cache.element_size(), main.target)
+    nv = v_pages(tile, box, value_cache, split)
     args = dict(
         out_ptr=a["out_ptr"],
         q_ptr=a["q_ptr"],
@@ -1268,7 +1268,7 @@ def sm90_prefill_launches(
         PRODUCER_REGS=REGS[tile.warpgroups][1],
         PRODUCER_WARPS_=PRODUCER_WARPS,
         NUM_WG=tile.warpgroups,
-        SPLIT=split_short(tile, head_dim, key_cache.element_size(), main.target),
+        SPLIT=split,
         RELEASE_LAG=tile.release_lag,
         V_PAGES=nv,
         Q_VEC=rows_aligned(a["q_ptr"]),
