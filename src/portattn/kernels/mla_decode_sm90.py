@@ -703,7 +703,7 @@ def _mla_decode_sm90_kernel(
         _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t + 1),
                    latr_smem.index(t), pe_smem.index(t), True, (kv_ptr, stride_kv_row, end),
                    GATHER)  # fmt: skip
-    if QUERY_LATE:  # the query's reads queue behind the first copies, not the metadata's behind them
+    if QUERY_LATE:  # its reads queue behind the first copies, not the metadata reads behind it
         ql, qr = _query_halves(q_row, q_mask, stride_q_dim, HALF, LOAD)
     ql_smem.index(0).store(ql)
     qr_smem.index(0).store(qr)
