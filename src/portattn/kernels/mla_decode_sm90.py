@@ -254,7 +254,7 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr, P_FIRST: gl.constexpr):  # fmt: skip
+               TRACE: gl.constexpr, tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -376,17 +376,13 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             _stamp(tr, jt, 4, TRACE)
             p = gl.exp2(s * qk_scale - m_a[:, None])
             alpha = gl.exp2(m_i - m_a)
-            if not P_FIRST:
-                l_i = l_i * alpha + gl.sum(p, 1)
-                acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
             p_smem.index(b0).store(p.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(bar_pa, count=1)
             _stamp(tr, jt, 5, TRACE)
-            if P_FIRST:  # WG1 waits for P_A; this warpgroup's own rescale can follow
-                l_i = l_i * alpha + gl.sum(p, 1)
-                acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
             lat_half = latl_smem  # this warpgroup's output columns: the latent's left half
         else:
             mbarrier.wait(bar_ma, ph)
@@ -583,8 +579,6 @@ def _mla_decode_sm90_kernel(
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
-    QUERY_LATE: gl.constexpr,  # the query read after the first copies' issue (SM90_QUERY_LATE)
-    P_FIRST: gl.constexpr,  # warpgroup 0 hands P_A over before its own rescale (SM90_P_FIRST)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
@@ -630,9 +624,7 @@ def _mla_decode_sm90_kernel(
         q_row_off = tok.to(gl.int64) * stride_q_tok
         offs_h = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
         q_row = q_ptr + q_row_off + offs_h[:, None] * stride_q_head
-        q_mask = (offs_h < num_heads)[:, None]
-        if not QUERY_LATE:
-            ql, qr = _query_halves(q_row, q_mask, stride_q_dim, HALF, LOAD)
+        ql, qr = _query_halves(q_row, (offs_h < num_heads)[:, None], stride_q_dim, HALF, LOAD)
         if VARLEN:
             seq = gl.maximum(_find_seq_sm90(qsl_ptr, stride_qsl, tok, num_seqs), 0)
             q_start = gl.load(qsl_ptr + seq * stride_qsl)
@@ -666,9 +658,7 @@ def _mla_decode_sm90_kernel(
         tq, hq, _, rq = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H,
                                      gl.SliceLayout(1, LOAD))  # fmt: skip
         q_row = q_ptr + tq[:, None] * stride_q_tok + hq[:, None] * stride_q_head
-        q_mask = rq[:, None]
-        if not QUERY_LATE:
-            ql, qr = _query_halves(q_row, q_mask, stride_q_dim, HALF, LOAD)
+        ql, qr = _query_halves(q_row, rq[:, None], stride_q_dim, HALF, LOAD)
     ql_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
     qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
     latl_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
@@ -703,8 +693,6 @@ def _mla_decode_sm90_kernel(
         _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t + 1),
                    latr_smem.index(t), pe_smem.index(t), True, (kv_ptr, stride_kv_row, end),
                    GATHER)  # fmt: skip
-    if QUERY_LATE:  # its reads queue behind the first copies, not the metadata reads behind it
-        ql, qr = _query_halves(q_row, q_mask, stride_q_dim, HALF, LOAD)
     ql_smem.index(0).store(ql)
     qr_smem.index(0).store(qr)
     fence_async_shared()  # the score MMAs read the query through the async proxy
@@ -724,9 +712,9 @@ def _mla_decode_sm90_kernel(
     gl.warp_specialize(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), P_FIRST)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), P_FIRST)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
         ],
         [4],
         [WG_REGS],
@@ -823,8 +811,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
-        QUERY_LATE=mla_policy.SM90_QUERY_LATE,
-        P_FIRST=mla_policy.SM90_P_FIRST,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
         # a placeholder pointer when off (never read)

@@ -136,16 +136,6 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
-#: The Hopper kernel reads its query after the first two tiles' copies are issued, not before
-#: the metadata: in the start-up rush every program's 64 KB of query reads are in flight at
-#: once, and the metadata reads the copies wait on (sequence length, then block-table entries)
-#: queued behind them (trace: 11-12k cycles from a program's start to its first copy).
-#: Unmeasured. Read at planning.
-SM90_QUERY_LATE = True
-#: In the Hopper kernel, warpgroup 0 stores and signals P_A before it rescales its own
-#: accumulator and row sums (128 multiplies a thread, a row-sum reduction): warpgroup 1's PV on
-#: tile A waits for P_A. Unmeasured. Read at planning.
-SM90_P_FIRST = True
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
