@@ -1,0 +1,102 @@
+"""Diagnostic (issue 18, MLA page 1): how fast this GPU reads an MLA cache's rows in the orders
+the MLA benchmark's caches are read, with no attention maths in the way.
+
+Each program of a small Triton kernel reads 64 rows of ``[rows, 576]`` bf16 (1152 bytes a row)
+through an index array and writes one fp32 sum (checked against torch first). Orders, for the
+caches of ``bench_mla.py``'s 128-head points (64 sequences x context tokens):
+
+- ``sequential``: rows in memory order (the copy-like ceiling of a read-only stream);
+- ``pages 64``: 64-row pages in a random order (each program one page: the TMA path's reads);
+- ``rows 1``: single rows in a random order (page size 1: the gather path's reads).
+
+The rate is bytes read / median time (``do_bench``). If ``rows 1`` reads much slower than
+``pages 64`` here, the page-1 gather's gap to page 64 is the memory system's, not the kernel's.
+
+Usage (GPU machine, repository root)::
+
+    python3 bench/diag_row_reads.py                      # contexts 4096 16384
+    OUT=/tmp/out python3 bench/diag_row_reads.py --contexts 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+from _common import save_record
+from triton.testing import do_bench
+
+ROW = 576  # MLA head_dim_k: 512 latent + 64 rope
+ROWS = 64  # rows a program reads (one page of 64 / 64 gathered rows)
+CHUNK = 64  # columns a load
+
+
+@triton.jit
+def _row_sums(cache, idx, out, stride_row, ROWS: tl.constexpr, D: tl.constexpr,
+              CHUNK: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    r = tl.load(idx + pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, CHUNK)
+    acc = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
+    for c in tl.range(0, D, CHUNK):
+        acc += tl.load(cache + r[:, None] * stride_row + (c + cols)[None, :]).to(tl.float32)
+    tl.store(out + pid, tl.sum(acc))
+
+
+def orders(num_rows: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The row index arrays (int32, ``num_rows``) of each order."""
+    seq = torch.arange(num_rows, device="cuda", dtype=torch.int32)
+    pages = torch.randperm(num_rows // ROWS, device="cuda", generator=gen).to(torch.int32)
+    paged = (pages[:, None] * ROWS + torch.arange(ROWS, device="cuda", dtype=torch.int32)).flatten()
+    rows = torch.randperm(num_rows, device="cuda", generator=gen).to(torch.int32)
+    return {"sequential": seq, "pages 64": paged, "rows 1": rows}
+
+
+def run(context: int, batch: int, num_warps: int, gen: torch.Generator) -> list[dict]:
+    num_rows = batch * context
+    cache = torch.randn(num_rows, ROW, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = torch.empty(num_rows // ROWS, device="cuda", dtype=torch.float32)
+    grid = (num_rows // ROWS,)
+    nbytes = num_rows * ROW * cache.element_size()
+    rows = []
+    for name, idx in orders(num_rows, gen).items():
+
+        def call(idx=idx):
+            _row_sums[grid](cache, idx, out, cache.stride(0), ROWS, ROW, CHUNK,
+                            num_warps=num_warps)  # fmt: skip
+
+        call()
+        ref = cache[idx.long()].float().view(-1, ROWS * ROW).sum(1)
+        ok = torch.allclose(out, ref, rtol=1e-3, atol=1e-2)
+        ms = do_bench(call, warmup=25, rep=200, return_mode="median")
+        rows.append(dict(context=context, order=name, ok=bool(ok), us=ms * 1e3,
+                         gbs=nbytes / ms / 1e6, gb=nbytes / 1e9))  # fmt: skip
+        r = rows[-1]
+        print(f"  ctx {context:6d} {name:10s} check ok={ok}  {r['us']:9.1f} us  "
+              f"{r['gbs']:7.0f} GB/s  ({r['gb']:.2f} GB read)")  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--warps", type=int, default=4)
+    args = ap.parse_args()
+    if args.batch < 1 or any(c < ROWS or c % ROWS for c in args.contexts):
+        ap.error(f"--batch must be >= 1 and each --contexts a positive multiple of {ROWS}")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}; rows of {ROW} bf16, {ROWS} a program, "
+          f"{args.warps} warps")  # fmt: skip
+    rows = []
+    for ctx in args.contexts:
+        rows += run(ctx, args.batch, args.warps, gen)
+    if not all(r["ok"] for r in rows):
+        raise SystemExit("a check failed: the rates above are not valid")
+    save_record("diag_row_reads", rows=rows)
+
+
+if __name__ == "__main__":
+    main()
