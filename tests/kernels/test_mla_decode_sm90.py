@@ -212,3 +212,40 @@ def test_trace_buffer_too_small_is_refused(monkeypatch):
     monkeypatch.setattr(sm90, "TRACE_BUFFER", torch.empty(16, dtype=torch.int64, device="meta"))
     with pytest.raises(ValueError, match="TRACE_BUFFER must be an int64 tensor on meta of at"):
         _plan(64, False)
+
+
+def test_l2_prefetch_on_the_tma_path_only_and_by_the_switch(monkeypatch):
+    """`SM90_L2_PREFETCH`: the TMA path's launches carry each warpgroup's prefetch PTX (the left
+    half's 4 boxes; the right half's 4 and the rope part's), the gather's none; off, none."""
+    main = _plan(64, False)[0]
+    left, right = main.args["PF_ASM_L"], main.args["PF_ASM_R"]
+    assert left.count("cp.async.bulk.prefetch.tensor") == 4
+    assert right.count("cp.async.bulk.prefetch.tensor") == 5
+    assert [_plan(bs, slots)[0].args["PF_ASM_L"] for bs, slots in ((1, True), (16, False))] == [
+        "",
+        "",
+    ]
+    monkeypatch.setattr(mla_policy, "SM90_L2_PREFETCH", False)
+    assert (_plan(64, False)[0].args["PF_ASM_L"], _plan(64, False)[0].args["PF_ASM_R"]) == ("", "")
+
+
+def test_l2_prefetch_names_the_kernels_tensor_map_parameters():
+    """The prefetch PTX names the descriptors' parameters by position (`LAT_MAP_PARAM`,
+    `PE_MAP_PARAM`); in the compiled kernel those must be the two 128-byte tensor maps, in the
+    order of ``lat_desc`` and ``pe_desc`` (else ptxas would fail or prefetch the wrong rows)."""
+    import re
+
+    import triton
+
+    from portattn.compile.worker import bind, source_for
+    from portattn.kernels.mla_decode_sm90 import LAT_MAP_PARAM, PE_MAP_PARAM
+
+    (launch,) = [ln for ln in _plan(64, False) if ln.name == "mla_decode_sm90"]
+    kernel = getattr(launch.kernel, "jit", launch.kernel)
+    launch = dataclasses.replace(launch, kernel=kernel)
+    options, signature, constexprs, attrs = bind(launch, SM90)
+    src = source_for(kernel)(kernel, signature, constexprs, attrs)
+    ptx = triton.compile(src, target=SM90.gpu_target(), options=options.__dict__).asm["ptx"]
+    maps = re.findall(r"\.param \.align 64 \.b8 (\w+)\[128\]", ptx)
+    assert maps == [LAT_MAP_PARAM, PE_MAP_PARAM]
+    assert ptx.count("cp.async.bulk.prefetch.tensor.2d.L2.global.tile") == 2 * (4 + 5)
