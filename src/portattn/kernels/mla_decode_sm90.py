@@ -250,58 +250,11 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
         gl.thread_barrier()
 
 
-#: The PTX names of the kernel's two tensor-map parameters (``lat_desc``, ``pe_desc``): Triton
-#: passes a 2-D descriptor as the 128-byte map then its 2 sizes and 2 strides, so ``lat_desc``
-#: (argument 1) is parameter 1 and ``pe_desc`` parameter 6 (checked against the compiled PTX by
-#: tests/kernels/test_mla_decode_sm90.py).
-LAT_MAP_PARAM = "_mla_decode_sm90_kernel_param_1"
-PE_MAP_PARAM = "_mla_decode_sm90_kernel_param_6"
-
-
-def l2_prefetch_asm(right: bool, half: int, rope: int) -> str:
-    """PTX for `_l2_prefetch_half`: the first thread of the warpgroup asks the TMA unit to bring
-    a tile's left latent half, or (``right``) its right half and rope part, into L2, box by box
-    as `_load_half` later copies them (64-column boxes under the 128-byte swizzle), at box row
-    ``$1`` when ``$2`` is nonzero (``cp.async.bulk.prefetch.tensor``: nothing lands in shared
-    memory, nothing waits)."""
-    lb, pb = min(half, 64), min(rope, 64)
-    boxes = [(LAT_MAP_PARAM, (half if right else 0) + c * lb) for c in range(half // lb)]
-    if right:
-        boxes += [(PE_MAP_PARAM, 2 * half + c * pb) for c in range(rope // pb)]
-    lines = [
-        "{",
-        ".reg .b64 %pfm;",
-        ".reg .b32 %pft, %pfc;",
-        ".reg .pred %pfp;",
-        "mov.u32 %pft, %tid.x;",
-        "and.b32 %pft, %pft, 127;",
-        "setp.eq.u32 %pfp, %pft, 0;",
-        "setp.ne.and.b32 %pfp, $2, 0, %pfp;",
-    ]
-    for param, col in boxes:
-        lines += [
-            f"mov.b64 %pfm, {param};",
-            "cvta.param.u64 %pfm, %pfm;",
-            f"mov.b32 %pfc, {col};",
-            "@%pfp cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%pfm, {%pfc, $1}];",
-        ]
-    lines += ["mov.b32 $0, 0;", "}"]
-    return "\n\t".join(lines)
-
-
-@gluon.jit
-def _l2_prefetch_half(row, real, ASM: gl.constexpr):
-    """L2 prefetch of this warpgroup's half of a tile (``ASM``: `l2_prefetch_asm`) from the box
-    row `_tile_rows` read; ``real``: the tile exists (module doc)."""
-    gl.inline_asm_elementwise(ASM, "=r,r,r", [row, real.to(gl.int32)], dtype=gl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
-
-
 @gluon.jit
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr, PF_ASM: gl.constexpr):  # fmt: skip
+               TRACE: gl.constexpr, tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -376,12 +329,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         opaque = (stride_kv_row < 0).to(gl.int32)
     else:
         opaque = (block_size < 0).to(gl.int32)  # 0, unknown to ptxas (module doc)
-    L2_PREFETCH: gl.constexpr = PF_ASM != ""
-    if L2_PREFETCH:  # tiles 2 and 3's rows (not prefetched: their copies are issued this pair)
-        nxt_a = _tile_rows(bt_row, stride_bt_blk, 2, start, num_tiles, block_size, end, BLOCK_N,
-                           GATHER, PAGE_INDICES)  # fmt: skip
-        nxt_b = _tile_rows(bt_row, stride_bt_blk, 3, start, num_tiles, block_size, end, BLOCK_N,
-                           GATHER, PAGE_INDICES)  # fmt: skip
     for j in range(steps // 2):
         ph = j & 1
         b0 = ph & opaque  # buffer 0 (tile A), written so that ptxas cannot hoist it
@@ -391,14 +338,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         n_b = n_a + BLOCK_N
         jt = trace_slot(j, TRACE, TRACE_PAIRS)  # pairs past the buffer's are dropped
         _stamp(tr, jt, 0, TRACE)
-        if L2_PREFETCH:  # the next pair's rows were read a pair ago; the pair after next's now
-            rows_a = nxt_a
-            rows_b = nxt_b
-            nxt_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 4, start, num_tiles, block_size,
-                               end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            nxt_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 5, start, num_tiles, block_size,
-                               end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-        elif ROWS_AHEAD:  # the next pair's rows, read now: their latency runs under the MMAs
+        if ROWS_AHEAD:  # the next pair's rows, read now: their latency runs under the MMAs
             rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
             rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
@@ -482,9 +422,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
                    tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
                    gather, GATHER)  # fmt: skip
-        if L2_PREFETCH:  # this warpgroup's halves of the pair after next, a pair before its copies
-            _l2_prefetch_half(nxt_a, 2 * j + 4 < num_tiles, PF_ASM)
-            _l2_prefetch_half(nxt_b, 2 * j + 5 < num_tiles, PF_ASM)
         _stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
@@ -642,8 +579,6 @@ def _mla_decode_sm90_kernel(
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
-    PF_ASM_L: gl.constexpr,  # TMA L2 prefetch of the pair after next (SM90_L2_PREFETCH): each
-    PF_ASM_R: gl.constexpr,  # warpgroup's `l2_prefetch_asm`, "" when off
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
@@ -777,9 +712,9 @@ def _mla_decode_sm90_kernel(
     gl.warp_specialize(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), PF_ASM_L)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), PF_ASM_R)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
         ],
         [4],
         [WG_REGS],
@@ -859,7 +794,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
     shape, strides = [rows, kv_cache.shape[2]], [kv_cache.stride(1), 1]
     lat_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, half], dtype)
     pe_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], dtype)
-    prefetch = mla_policy.SM90_L2_PREFETCH and not sm90_gathers(kv_cache, bool(a["PAGE_INDICES"]))
     args = {
         name: a[name]
         for name in _mla_decode_sm90_kernel.arg_names
@@ -877,8 +811,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
-        PF_ASM_L=l2_prefetch_asm(False, half, rope) if prefetch else "",
-        PF_ASM_R=l2_prefetch_asm(True, half, rope) if prefetch else "",
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
         # a placeholder pointer when off (never read)

@@ -136,12 +136,6 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
-#: The Hopper kernel's TMA path asks for the pair after next in L2 (one
-#: ``cp.async.bulk.prefetch.tensor`` a box, from one thread of each warpgroup) a pair before
-#: its copies: with two tile buffers in shared memory a copy is issued when its buffer frees,
-#: too late to hide a DRAM read under load (trace, 128 heads: 1.3-2k cycles a pair waiting for
-#: tiles). Unmeasured. Read at planning.
-SM90_L2_PREFETCH = True
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
