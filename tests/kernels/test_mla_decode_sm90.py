@@ -212,16 +212,3 @@ def test_trace_buffer_too_small_is_refused(monkeypatch):
     monkeypatch.setattr(sm90, "TRACE_BUFFER", torch.empty(16, dtype=torch.int64, device="meta"))
     with pytest.raises(ValueError, match="TRACE_BUFFER must be an int64 tensor on meta of at"):
         _plan(64, False)
-
-
-def test_half_box_view_on_the_tma_path_only_and_by_the_switch(monkeypatch):
-    """`SM90_HALF_BOX`: the TMA path's latent descriptor is the 3-D view ``[column groups of 64,
-    rows, 64]`` (strides 64, the row stride, 1) with a half's groups as one box; the gather's
-    launches and the switch off keep the 2-D one."""
-    main = _plan(64, False)[0]
-    desc = main.args["lat_desc"]
-    assert (list(desc.block_shape), list(desc.strides)) == ([4, 64, 64], [64, 576, 1])
-    assert list(desc.shape)[0] == 9
-    assert len(_plan(1, True)[0].args["lat_desc"].block_shape) == 2
-    monkeypatch.setattr(mla_policy, "SM90_HALF_BOX", False)
-    assert list(_plan(64, False)[0].args["lat_desc"].block_shape) == [64, 256]

@@ -179,26 +179,14 @@ def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf
         BLOCK_N: gl.constexpr = lat_buf.shape[0]
         HALF: gl.constexpr = lat_buf.shape[1]
         ROPE_DIM: gl.constexpr = pe_buf.shape[1]
-        # HALF_BOX: ``lat_desc`` is the 3-D view [column groups of 64, rows, 64] and a half is one
-        # copy, laid down as its [BLOCK_N, HALF] tile's column groups (`sm90_launch`)
-        HALF_BOX: gl.constexpr = len(lat_desc.block_shape) == 3
         real = t < num_tiles
-        if HALF_BOX:
-            G: gl.constexpr = lat_desc.block_shape[0]
-            dst = lat_buf._reinterpret(lat_buf.dtype, [G, BLOCK_N, 64], lat_desc.layout)
         if RIGHT:
             mbarrier.expect(bar, BLOCK_N * (HALF + ROPE_DIM) * 2, pred=real)
-            if HALF_BOX:
-                tma.async_copy_global_to_shared(lat_desc, [G, rows, 0], bar, dst, pred=real)
-            else:
-                tma.async_copy_global_to_shared(lat_desc, [rows, HALF], bar, lat_buf, pred=real)
+            tma.async_copy_global_to_shared(lat_desc, [rows, HALF], bar, lat_buf, pred=real)
             tma.async_copy_global_to_shared(pe_desc, [rows, 2 * HALF], bar, pe_buf, pred=real)
         else:
             mbarrier.expect(bar, BLOCK_N * HALF * 2, pred=real)
-            if HALF_BOX:
-                tma.async_copy_global_to_shared(lat_desc, [0, rows, 0], bar, dst, pred=real)
-            else:
-                tma.async_copy_global_to_shared(lat_desc, [rows, 0], bar, lat_buf, pred=real)
+            tma.async_copy_global_to_shared(lat_desc, [rows, 0], bar, lat_buf, pred=real)
         mbarrier.arrive(bar, count=1, pred=(t >= num_tiles) & (t < steps))
     else:
         _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT, gather)
@@ -599,10 +587,7 @@ def _mla_decode_sm90_kernel(
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = KV_LORA_RANK // 2
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    if len(lat_desc.block_shape) == 3:  # HALF_BOX (`_load_half`): the tiles keep the 2-D layout
-        LAT_LAYOUT: gl.constexpr = gl.NVMMASharedLayout(128, 16, rank=2)
-    else:
-        LAT_LAYOUT: gl.constexpr = lat_desc.layout  # type: ignore[no-redef]
+    LAT_LAYOUT: gl.constexpr = lat_desc.layout
     PE_LAYOUT: gl.constexpr = pe_desc.layout
     VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
 
@@ -809,16 +794,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
     shape, strides = [rows, kv_cache.shape[2]], [kv_cache.stride(1), 1]
     lat_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, half], dtype)
     pe_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], dtype)
-    if mla_policy.SM90_HALF_BOX and not sm90_gathers(kv_cache, bool(a["PAGE_INDICES"])):
-        # [column groups of 64, rows, 64] (strides 64, the row stride, 1): a latent half in one
-        # box that lands as its tile's column groups (as the prefill kernel's V pages)
-        l3 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-        lat_desc = TensorDescriptor(
-            kv_cache, [kv_cache.shape[2] // 64, rows, 64], [64, kv_cache.stride(1), 1],
-            [half // 64, BLOCK_N, 64], l3,
-        )  # fmt: skip
-    else:
-        lat_desc = TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, half], lat_layout)
     args = {
         name: a[name]
         for name in _mla_decode_sm90_kernel.arg_names
@@ -828,7 +803,7 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         kv_ptr=kv_cache,
         stride_kv_row=kv_cache.stride(1),
         GATHER=sm90_gathers(kv_cache, bool(a["PAGE_INDICES"])),
-        lat_desc=lat_desc,
+        lat_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, half], lat_layout),
         pe_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, rope], pe_layout),
         BLOCK_H=BLOCK_H,
         BLOCK_N=BLOCK_N,

@@ -136,10 +136,6 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
-#: The Hopper kernel's TMA path copies each latent half of a tile in one box of a 3-D view
-#: of the cache (``[column groups of 64, rows, 64]``), not one box per 64-column group (4 a half
-#: at rank 512): 3 copies a tile instead of 9. Unmeasured. Read at planning.
-SM90_HALF_BOX = True
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
