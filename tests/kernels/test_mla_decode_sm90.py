@@ -212,23 +212,3 @@ def test_trace_buffer_too_small_is_refused(monkeypatch):
     monkeypatch.setattr(sm90, "TRACE_BUFFER", torch.empty(16, dtype=torch.int64, device="meta"))
     with pytest.raises(ValueError, match="TRACE_BUFFER must be an int64 tensor on meta of at"):
         _plan(64, False)
-
-
-def test_query_by_tma_only_where_a_head_group_is_whole_rows(monkeypatch):
-    """`SM90_QUERY_TMA`: a 128-head contiguous query is a TMA view ``[tokens * heads, 576]`` with
-    64-row boxes of each latent half; heads not a multiple of the group (96), a query whose
-    tokens are not one after another, and the switch off keep the register path (``q_desc``
-    None)."""
-    main = _plan(64, False)[0]
-    desc = main.args["q_desc"]
-    assert (list(desc.shape), list(desc.block_shape)) == ([4 * 128, 576], [64, 256])
-    assert _plan(64, False, heads=96)[0].args["q_desc"] is None
-    meta = dict(device="meta")
-    wide = torch.empty(4, 256, 576, dtype=torch.bfloat16, **meta)[:, :128]  # tokens 256 heads apart
-    cache = _cache(pages=4 * 4096 // 64 + 1, block_size=64)
-    sl = torch.empty(4, dtype=torch.int32, **meta)
-    bt = torch.empty(4, 4096 // 64, dtype=torch.int32, **meta)
-    kw = dict(kv_lora_rank=512, scale=0.05, target=SM90)
-    assert plan_mla_decode(wide, cache, bt, sl, **kw)[0].args["q_desc"] is None
-    monkeypatch.setattr(mla_policy, "SM90_QUERY_TMA", False)
-    assert _plan(64, False)[0].args["q_desc"] is None

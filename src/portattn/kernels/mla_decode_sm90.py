@@ -254,7 +254,7 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr, Q_TMA: gl.constexpr):  # fmt: skip
+               TRACE: gl.constexpr, tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -329,8 +329,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         opaque = (stride_kv_row < 0).to(gl.int32)
     else:
         opaque = (block_size < 0).to(gl.int32)  # 0, unknown to ptxas (module doc)
-    if Q_TMA:  # the query's copies (issued before the first tiles')
-        mbarrier.wait(sync_bars.index(5), 0)
     for j in range(steps // 2):
         ph = j & 1
         b0 = ph & opaque  # buffer 0 (tile A), written so that ptxas cannot hoist it
@@ -566,7 +564,6 @@ def _mla_decode_sm90_kernel(
     page_indices_ptr,  # [total_context_tokens] flat slots (PAGE_INDICES only)
     stride_indptr,
     stride_indices,
-    q_desc,  # the query's rows [tokens * heads, head_dim_k], box [BLOCK_H, HALF]; None: registers
     KV_LORA_RANK: gl.constexpr,
     ROPE_DIM: gl.constexpr,
     BLOCK_H: gl.constexpr,
@@ -599,29 +596,6 @@ def _mla_decode_sm90_kernel(
     tr0 = (trace_ptr, pid.to(gl.int64) * (2 * (TRACE_PAIRS + 1) * TRACE_EVENTS))
     _stamp(tr0, TRACE_PAIRS + 0 * pid, 4, TRACE)
     _stamp(tr0, TRACE_PAIRS + 0 * pid, 5, TRACE, True)
-    # -- shared memory (first: the query's copies need only the program id): the query's latent
-    # halves ([1, ...]: indexed with the opaque 0), two tile buffers (latent halves, rope part),
-    # both tiles' P, the running max and row sums handed between the warpgroups, the barriers --
-    ql_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
-    qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
-    latl_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
-    latr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
-    pe_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], PE_LAYOUT)
-    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_N], P_LAYOUT)
-    m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
-    l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
-    # tile barriers: buffer b's left half (2b), its right half and rope part (2b + 1)
-    tma_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    # hand-offs (see _warpgroup), then 3 / 4: warpgroup 0 / 1's row sums written
-    # (5: the query's copies, with q_desc)
-    sync_bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
-    # TMA: one arrival (the expect) plus the bytes; gather: each of the issuing warpgroup's
-    # 128 threads once its cp.async copies land
-    for k in gl.static_range(4):
-        mbarrier.init(tma_bars.index(k), count=128 if GATHER else 1)
-    for k in gl.static_range(6):
-        mbarrier.init(sync_bars.index(k), count=1)
-    fence_async_shared()
     if PACKED:
         # (sequence, split, row group) (`_packed_rows`); the tile's range comes from its last
         # real row, whose causal limit is the largest
@@ -649,16 +623,8 @@ def _mla_decode_sm90_kernel(
         # metadata reads and the first tiles' issue (stored once those are issued)
         q_row_off = tok.to(gl.int64) * stride_q_tok
         offs_h = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
-        if q_desc is None:
-            q_row = q_ptr + q_row_off + offs_h[:, None] * stride_q_head
-            ql, qr = _query_halves(q_row, (offs_h < num_heads)[:, None], stride_q_dim, HALF, LOAD)
-        else:  # by TMA, before any metadata read: its 64 rows are consecutive rows of the view
-            q_first = tok * num_heads + hg * BLOCK_H
-            mbarrier.expect(sync_bars.index(5), 4 * BLOCK_H * HALF)  # two 16-bit halves
-            tma.async_copy_global_to_shared(q_desc, [q_first, 0], sync_bars.index(5),
-                                            ql_smem.index(0))  # fmt: skip
-            tma.async_copy_global_to_shared(q_desc, [q_first, HALF], sync_bars.index(5),
-                                            qr_smem.index(0))  # fmt: skip
+        q_row = q_ptr + q_row_off + offs_h[:, None] * stride_q_head
+        ql, qr = _query_halves(q_row, (offs_h < num_heads)[:, None], stride_q_dim, HALF, LOAD)
         if VARLEN:
             seq = gl.maximum(_find_seq_sm90(qsl_ptr, stride_qsl, tok, num_seqs), 0)
             q_start = gl.load(qsl_ptr + seq * stride_qsl)
@@ -684,12 +650,34 @@ def _mla_decode_sm90_kernel(
         bt_row = page_indices_ptr + page_start * stride_indices
         stride_bt_blk = stride_indices
 
+    # -- shared memory: the query's latent halves ([1, ...]: indexed with the opaque 0), two
+    # tile buffers (latent halves, rope part), both tiles' P, the running max and row sums
+    # handed between the warpgroups, the barriers --
     if PACKED:  # the rows come from the sequence's query tokens
         q_row_off = tok.to(gl.int64) * stride_q_tok
         tq, hq, _, rq = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H,
                                      gl.SliceLayout(1, LOAD))  # fmt: skip
         q_row = q_ptr + tq[:, None] * stride_q_tok + hq[:, None] * stride_q_head
         ql, qr = _query_halves(q_row, rq[:, None], stride_q_dim, HALF, LOAD)
+    ql_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
+    qr_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, HALF], Q_LAYOUT)
+    latl_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
+    latr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
+    pe_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], PE_LAYOUT)
+    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_N], P_LAYOUT)
+    m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
+    l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
+    # tile barriers: buffer b's left half (2b), its right half and rope part (2b + 1)
+    tma_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    # hand-offs (see _warpgroup), then 3 / 4: warpgroup 0 / 1's row sums written
+    sync_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    # TMA: one arrival (the expect) plus the bytes; gather: each of the issuing warpgroup's
+    # 128 threads once its cp.async copies land
+    for k in gl.static_range(4):
+        mbarrier.init(tma_bars.index(k), count=128 if GATHER else 1)
+    for k in gl.static_range(5):
+        mbarrier.init(sync_bars.index(k), count=1)
+    fence_async_shared()
     # -- prologue: tiles 0 and 1 in flight (both tiles' rows read first: one wait, not two) --
     rows_01 = (
         _tile_rows(bt_row, stride_bt_blk, 0, start, num_tiles, block_size, end, BLOCK_N, GATHER,
@@ -705,10 +693,9 @@ def _mla_decode_sm90_kernel(
         _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t + 1),
                    latr_smem.index(t), pe_smem.index(t), True, (kv_ptr, stride_kv_row, end),
                    GATHER)  # fmt: skip
-    if q_desc is None:
-        ql_smem.index(0).store(ql)
-        qr_smem.index(0).store(qr)
-        fence_async_shared()  # the score MMAs read the query through the async proxy
+    ql_smem.index(0).store(ql)
+    qr_smem.index(0).store(qr)
+    fence_async_shared()  # the score MMAs read the query through the async proxy
     _stamp(tr0, TRACE_PAIRS + 0 * pid, 6, TRACE)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
     # runtime values for both warpgroups (the constexprs go in the call tuples themselves: a
@@ -725,9 +712,9 @@ def _mla_decode_sm90_kernel(
     gl.warp_specialize(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), q_desc is not None)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), q_desc is not None)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
         ],
         [4],
         [WG_REGS],
@@ -797,29 +784,6 @@ def sm90_gathers(kv_cache: torch.Tensor, paged_slots: bool) -> bool:
     return paged_slots or kv_cache.shape[1] % BLOCK_N != 0
 
 
-def _query_descriptor(a: dict, half: int, dtype) -> TensorDescriptor | None:
-    """The query's rows as a TMA view ``[tokens * heads, head_dim_k]`` (`portattn.policy.mla
-    .SM90_QUERY_TMA`), where one token's 64-head groups are whole boxes of consecutive rows:
-    unpacked, heads a multiple of 64, each token's heads one after another, 16-byte aligned rows;
-    None otherwise (the query then goes through registers)."""
-    q = a["q_ptr"]
-    heads, elem = q.shape[1], q.element_size()
-    ok = (
-        mla_policy.SM90_QUERY_TMA
-        and not a["PACKED"]
-        and heads % BLOCK_H == 0
-        and q.stride(2) == 1
-        and q.stride(0) == heads * q.stride(1)
-        and (q.stride(1) * elem) % 16 == 0
-        and q.data_ptr() % 16 == 0
-    )
-    if not ok:
-        return None
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_H, half], dtype)
-    rows = q.shape[0] * heads
-    return TensorDescriptor(q, [rows, q.shape[2]], [q.stride(1), 1], [BLOCK_H, half], layout)
-
-
 def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Launch:
     """The portable kernel's launch ``main``, run by this kernel (same arguments and outputs)."""
     a = main.args
@@ -840,7 +804,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         stride_kv_row=kv_cache.stride(1),
         GATHER=sm90_gathers(kv_cache, bool(a["PAGE_INDICES"])),
         lat_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, half], lat_layout),
-        q_desc=_query_descriptor(a, half, dtype),
         pe_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, rope], pe_layout),
         BLOCK_H=BLOCK_H,
         BLOCK_N=BLOCK_N,

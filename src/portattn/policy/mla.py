@@ -136,12 +136,6 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
-#: The Hopper kernel copies its query (latent part) by TMA, issued before the first tiles', where
-#: a token's 64-head groups are whole boxes (unpacked, heads a multiple of 64, rows one after
-#: another): not through registers, whose 64 KB of loads a program hold the metadata reads, and
-#: so the first copies, behind them (trace, 128 heads 4k: 11k cycles from a program's start to
-#: its first copy, ~21k to its first MMA). Unmeasured. Read at planning.
-SM90_QUERY_TMA = True
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
