@@ -212,35 +212,3 @@ def test_trace_buffer_too_small_is_refused(monkeypatch):
     monkeypatch.setattr(sm90, "TRACE_BUFFER", torch.empty(16, dtype=torch.int64, device="meta"))
     with pytest.raises(ValueError, match="TRACE_BUFFER must be an int64 tensor on meta of at"):
         _plan(64, False)
-
-
-def test_prefetch_warp_on_the_tma_path_only_and_by_the_switch(monkeypatch):
-    """`SM90_PREFETCH_WARP`: the TMA path's launches carry the prefetch warp's PTX (a tile's 9
-    boxes: 8 latent, 1 rope), the gather's none; off, none."""
-    asm = _plan(64, False)[0].args["PF_ASM"]
-    assert asm.count("cp.async.bulk.prefetch.tensor") == 9
-    assert _plan(1, True)[0].args["PF_ASM"] == _plan(16, False)[0].args["PF_ASM"] == ""
-    monkeypatch.setattr(mla_policy, "SM90_PREFETCH_WARP", False)
-    assert _plan(64, False)[0].args["PF_ASM"] == ""
-
-
-def test_prefetch_names_the_kernels_tensor_map_parameters():
-    """The prefetch PTX names the descriptors' parameters by position (`LAT_MAP_PARAM`,
-    `PE_MAP_PARAM`); in the compiled kernel those must be the two 128-byte tensor maps, in the
-    order of ``lat_desc`` and ``pe_desc`` (else ptxas fails or the wrong rows are prefetched)."""
-    import re
-
-    import triton
-
-    from portattn.compile.worker import bind, source_for
-    from portattn.kernels.mla_decode_sm90 import LAT_MAP_PARAM, PE_MAP_PARAM
-
-    (launch,) = [ln for ln in _plan(64, False) if ln.name == "mla_decode_sm90"]
-    kernel = getattr(launch.kernel, "jit", launch.kernel)
-    launch = dataclasses.replace(launch, kernel=kernel)
-    options, signature, constexprs, attrs = bind(launch, SM90)
-    src = source_for(kernel)(kernel, signature, constexprs, attrs)
-    ptx = triton.compile(src, target=SM90.gpu_target(), options=options.__dict__).asm["ptx"]
-    assert re.findall(r"\.param \.align 64 \.b8 (\w+)\[128\]", ptx) == [LAT_MAP_PARAM, PE_MAP_PARAM]
-    # tiles 2 and 3, then the loop's two tiles a pair: 4 inlined copies of the tile's 9 boxes
-    assert ptx.count("cp.async.bulk.prefetch.tensor.2d.L2.global.tile") == 4 * 9

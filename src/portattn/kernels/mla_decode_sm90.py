@@ -250,81 +250,11 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
         gl.thread_barrier()
 
 
-#: The PTX names of the kernel's two tensor-map parameters (``lat_desc``, ``pe_desc``): Triton
-#: passes a 2-D descriptor as the 128-byte map then its 2 sizes and 2 strides, so ``lat_desc``
-#: (argument 1) is parameter 1 and ``pe_desc`` parameter 6 (checked against the compiled PTX by
-#: tests/kernels/test_mla_decode_sm90.py).
-LAT_MAP_PARAM = "_mla_decode_sm90_kernel_param_1"
-PE_MAP_PARAM = "_mla_decode_sm90_kernel_param_6"
-#: Registers of the prefetch warp (`SM90_PREFETCH_WARP`); the MMA warpgroups then get
-#: `WG_REGS_PF` each.
-PF_REGS = gl.constexpr(24)
-WG_REGS_PF = gl.constexpr(248)
-
-
-def l2_prefetch_asm(half: int, rope: int) -> str:
-    """PTX for `_prefetcher`: lane 0 asks the TMA unit to bring a whole tile into L2 at box row
-    ``$1`` when ``$2`` is nonzero, box by box as `_load_half` copies it (64-column boxes under
-    the 128-byte swizzle; ``cp.async.bulk.prefetch.tensor``: nothing lands in shared memory and
-    nothing waits for it)."""
-    lb, pb = min(half, 64), min(rope, 64)
-    boxes = [(LAT_MAP_PARAM, c * lb) for c in range(2 * half // lb)]
-    boxes += [(PE_MAP_PARAM, 2 * half + c * pb) for c in range(rope // pb)]
-    lines = [
-        "{",
-        ".reg .b64 %pfm;",
-        ".reg .b32 %pft, %pfc;",
-        ".reg .pred %pfp;",
-        "mov.u32 %pft, %laneid;",
-        "setp.eq.u32 %pfp, %pft, 0;",
-        "setp.ne.and.b32 %pfp, $2, 0, %pfp;",
-    ]
-    for param, col in boxes:
-        lines += [
-            f"mov.b64 %pfm, {param};",
-            "cvta.param.u64 %pfm, %pfm;",
-            f"mov.b32 %pfc, {col};",
-            "@%pfp cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%pfm, {%pfc, $1}];",
-        ]
-    lines += ["mov.b32 $0, 0;", "}"]
-    return "\n\t".join(lines)
-
-
-@gluon.jit
-def _prefetch_tile(t, bt_row, stride_bt_blk, start, num_tiles, block_size, end,
-                   BLOCK_N: gl.constexpr, ASM: gl.constexpr):  # fmt: skip
-    """Tile t into L2 (`l2_prefetch_asm`), nothing past the split's tiles."""
-    row = _tile_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end, BLOCK_N, False,
-                     False)  # fmt: skip
-    gl.inline_asm_elementwise(ASM, "=r,r,r", [row, (t < num_tiles).to(gl.int32)],
-                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
-@gluon.jit
-def _prefetcher(pf, ASM: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The prefetch warp (`portattn.policy.mla.SM90_PREFETCH_WARP`): tiles 2 and 3 at once, then
-    at the top of each pair j (warpgroup 0's go, ``sync_bars[5]``) the pair after next, 2j + 4
-    and 2j + 5, whose copies are issued during pair j + 1; then it answers (``sync_bars[6]``),
-    which warpgroup 0 waits for before its next go, so neither barrier is ever two phases ahead
-    of its waiter. Its issue (about 100 cycles a box) stays off the MMA warpgroups."""
-    bt_row, stride_bt_blk, start, num_tiles, block_size, end, sync_bars = pf
-    steps = gl.cdiv(num_tiles, 2) * 2
-    for t in gl.static_range(2, 4):
-        _prefetch_tile(t, bt_row, stride_bt_blk, start, num_tiles, block_size, end, BLOCK_N, ASM)
-    for j in range(steps // 2):
-        mbarrier.wait(sync_bars.index(5), j & 1)
-        _prefetch_tile(2 * j + 4, bt_row, stride_bt_blk, start, num_tiles, block_size, end,
-                       BLOCK_N, ASM)  # fmt: skip
-        _prefetch_tile(2 * j + 5, bt_row, stride_bt_blk, start, num_tiles, block_size, end,
-                       BLOCK_N, ASM)  # fmt: skip
-        mbarrier.arrive(sync_bars.index(6), count=1)
-
-
 @gluon.jit
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr, PREFETCH: gl.constexpr):  # fmt: skip
+               TRACE: gl.constexpr, tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -408,9 +338,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         n_b = n_a + BLOCK_N
         jt = trace_slot(j, TRACE, TRACE_PAIRS)  # pairs past the buffer's are dropped
         _stamp(tr, jt, 0, TRACE)
-        if PREFETCH and WG == 0:  # the prefetch warp's go for this pair, once it answered the last
-            mbarrier.wait(sync_bars.index(6), (j & 1) ^ 1, pred=j > 0)
-            mbarrier.arrive(sync_bars.index(5), count=1)
         if ROWS_AHEAD:  # the next pair's rows, read now: their latency runs under the MMAs
             rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
@@ -652,7 +579,6 @@ def _mla_decode_sm90_kernel(
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
-    PF_ASM: gl.constexpr,  # the prefetch warp's PTX (`l2_prefetch_asm`; SM90_PREFETCH_WARP), or ""
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
@@ -744,13 +670,12 @@ def _mla_decode_sm90_kernel(
     # tile barriers: buffer b's left half (2b), its right half and rope part (2b + 1)
     tma_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     # hand-offs (see _warpgroup), then 3 / 4: warpgroup 0 / 1's row sums written
-    # (5 / 6: the prefetch warp's go and answer, `_prefetcher`)
-    sync_bars = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
+    sync_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
     # TMA: one arrival (the expect) plus the bytes; gather: each of the issuing warpgroup's
     # 128 threads once its cp.async copies land
     for k in gl.static_range(4):
         mbarrier.init(tma_bars.index(k), count=128 if GATHER else 1)
-    for k in gl.static_range(7):
+    for k in gl.static_range(5):
         mbarrier.init(sync_bars.index(k), count=1)
     fence_async_shared()
     # -- prologue: tiles 0 and 1 in flight (both tiles' rows read first: one wait, not two) --
@@ -784,30 +709,16 @@ def _mla_decode_sm90_kernel(
           stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
           seq_len)  # fmt: skip
     # fmt: off
-    if PF_ASM == "":
-        gl.warp_specialize(
-            [
-                (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), False)),
-                (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), False)),
-            ],
-            [4],
-            [WG_REGS],
-        )
-    else:
-        pf = (bt_row, stride_bt_blk, start, num_tiles, block_size, end, sync_bars)
-        gl.warp_specialize(
-            [
-                (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), True)),
-                (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), True)),
-                (_prefetcher, (pf, PF_ASM, BLOCK_N)),
-            ],
-            [4, 1],
-            [WG_REGS_PF, PF_REGS],
-        )
+    gl.warp_specialize(
+        [
+            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+        ],
+        [4],
+        [WG_REGS],
+    )
     # fmt: on
 
 
@@ -883,7 +794,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
     shape, strides = [rows, kv_cache.shape[2]], [kv_cache.stride(1), 1]
     lat_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, half], dtype)
     pe_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], dtype)
-    prefetch = mla_policy.SM90_PREFETCH_WARP and not sm90_gathers(kv_cache, bool(a["PAGE_INDICES"]))
     args = {
         name: a[name]
         for name in _mla_decode_sm90_kernel.arg_names
@@ -901,7 +811,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
-        PF_ASM=l2_prefetch_asm(half, rope) if prefetch else "",
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
         # a placeholder pointer when off (never read)

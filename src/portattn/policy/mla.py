@@ -136,13 +136,6 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
-#: The Hopper kernel's TMA path gets a ninth warp that asks for the pair after next in L2
-#: (``cp.async.bulk.prefetch.tensor``, one instruction a box) at the top of each pair. Issued by
-#: the MMA warpgroups themselves it cost them about 100 cycles a box and made the kernel slower
-#: (bench/NOTES.md, eighth session), though warpgroup 1's tile waits fell; a warp of its own
-#: keeps that off them (both MMA warpgroups then get 248 registers, not 256). Unmeasured.
-#: Read at planning.
-SM90_PREFETCH_WARP = True
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
