@@ -50,11 +50,12 @@ def _row_sums(cache, idx, out, stride_row, ROWS: tl.constexpr, D: tl.constexpr,
 
 
 def orders(num_rows: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """The row index arrays (int32, ``num_rows``) of each order."""
-    seq = torch.arange(num_rows, device="cuda", dtype=torch.int32)
-    pages = torch.randperm(num_rows // ROWS, device="cuda", generator=gen).to(torch.int32)
-    paged = (pages[:, None] * ROWS + torch.arange(ROWS, device="cuda", dtype=torch.int32)).flatten()
-    rows = torch.randperm(num_rows, device="cuda", generator=gen).to(torch.int32)
+    """The row index arrays (int32, ``num_rows``, on ``gen``'s device) of each order."""
+    dev = gen.device
+    seq = torch.arange(num_rows, device=dev, dtype=torch.int32)
+    pages = torch.randperm(num_rows // ROWS, device=dev, generator=gen).to(torch.int32)
+    paged = (pages[:, None] * ROWS + torch.arange(ROWS, device=dev, dtype=torch.int32)).flatten()
+    rows = torch.randperm(num_rows, device=dev, generator=gen).to(torch.int32)
     return {"sequential": seq, "pages 64": paged, "rows 1": rows}
 
 
