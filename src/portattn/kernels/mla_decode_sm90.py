@@ -254,7 +254,7 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr):  # fmt: skip
+               TRACE: gl.constexpr, tr, ONE_TILE: gl.constexpr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -333,7 +333,9 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         ph = j & 1
         b0 = ph & opaque  # buffer 0 (tile A), written so that ptxas cannot hoist it
         b1 = b0 ^ 1
-        own = WG ^ b0  # the buffer of the tile this warpgroup scores
+        # the buffer of the tile this warpgroup scores (ONE_TILE, a diagnostic with a wrong
+        # output: both score tile A; tile B is never copied)
+        own = b0 if ONE_TILE else WG ^ b0
         n_a = start + (2 * j) * BLOCK_N
         n_b = n_a + BLOCK_N
         jt = trace_slot(j, TRACE, TRACE_PAIRS)  # pairs past the buffer's are dropped
@@ -437,9 +439,10 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         if not ROWS_AHEAD:
             rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
-                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
-                   gather, GATHER)  # fmt: skip
+        if not ONE_TILE:
+            _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
+                       tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1),
+                       WG == 1, gather, GATHER)  # fmt: skip
         _stamp(tr, jt, 13, TRACE)
         m_i = m_b
 
@@ -583,6 +586,7 @@ def _mla_decode_sm90_kernel(
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
     OUT_VEC: gl.constexpr,  # the rows it writes (output or partials) are aligned (`rows_aligned`)
+    ONE_TILE: gl.constexpr = False,  # diagnostic only (bench/trace_mla.py --one-tile): wrong output
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = KV_LORA_RANK // 2
@@ -685,7 +689,7 @@ def _mla_decode_sm90_kernel(
         _tile_rows(bt_row, stride_bt_blk, 1, start, num_tiles, block_size, end, BLOCK_N, GATHER,
                    PAGE_INDICES),
     )  # fmt: skip
-    for t in gl.static_range(2):
+    for t in gl.static_range(1 if ONE_TILE else 2):
         rows = rows_01[t]
         _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t),
                    latl_smem.index(t), pe_smem.index(t), False, (kv_ptr, stride_kv_row, end),
@@ -712,9 +716,9 @@ def _mla_decode_sm90_kernel(
     gl.warp_specialize(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), ONE_TILE)),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), ONE_TILE)),
         ],
         [4],
         [WG_REGS],
