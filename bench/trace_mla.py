@@ -16,11 +16,6 @@ program's start and end. This script runs the policy's launch once per point wit
 Usage (GPU machine)::
 
     python3 bench/trace_mla.py 128:4096:64 128:16384:64 128:16384:1 [--resident TOKENS]
-    python3 bench/trace_mla.py 128:16384:64 --one-tile   # also each pair with one tile's bytes
-
-``--one-tile`` (a diagnostic of what bounds the pair) also runs the point's launches with
-``ONE_TILE``: both warpgroups score tile A and tile B is never copied, so each pair receives half
-the bytes with the same MMAs, softmax and hand-offs (its output is wrong and is not checked).
 
 A point is ``heads:context:page`` (batch 64, 576/512, bf16); page sizes that are not a multiple
 of 64 run the kernel's row gather. Numbers are diagnostics, not serving figures.
@@ -29,7 +24,6 @@ of 64 run the kernel's row gather. Numbers are diagnostics, not serving figures.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import math
 import sys
@@ -147,8 +141,6 @@ def main(argv=None) -> int:
     ap.add_argument("points", nargs="+", help="heads:context:page")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--resident", type=int, default=0, help="as bench_mla.py --resident")
-    ap.add_argument("--one-tile", action="store_true",
-                    help="also the diagnostic ONE_TILE launch (module doc)")  # fmt: skip
     ap.add_argument("--set", action="append", default=[], metavar="SWITCH=0|1",
                     help="as bench_mla.py --set")  # fmt: skip
     args = ap.parse_args(argv)
@@ -197,26 +189,7 @@ def main(argv=None) -> int:
         print(f"  graph median: plain {us_plain:.1f} us, traced {us_traced:.1f} us")
         pairs = math.ceil(math.ceil(ctx / 64) / 2)
         analyse(stamps, programs, pairs)
-        if args.one_tile:
-            one_tile(plain, traced, buf, programs, pairs)
     return 0
-
-
-def one_tile(plain, traced, buf, programs, pairs):
-    """``--one-tile`` (diagnostic; the output is wrong by design, so not checked): the same
-    launches with ``ONE_TILE``, where both warpgroups score tile A and tile B is never copied.
-    The MMAs, softmax and hand-offs are the same; each pair receives one tile's bytes, not two."""
-    plain, traced = ([dataclasses.replace(x, args={**x.args, "ONE_TILE": True}) for x in ls]
-                     for ls in (plain, traced))  # fmt: skip
-    buf.fill_(-1)
-    run_all(traced)
-    torch.cuda.synchronize()
-    stamps = buf.view(programs, 2, sm90.TRACE_PAIRS.value + 1, sm90.TRACE_EVENTS.value)
-    us_plain = do_bench_cudagraph(functools.partial(run_all, plain), return_mode="median") * 1e3
-    us_traced = do_bench_cudagraph(functools.partial(run_all, traced), return_mode="median") * 1e3
-    print(f"== one tile a pair (diagnostic, output not checked): graph median plain "
-          f"{us_plain:.1f} us, traced {us_traced:.1f} us")  # fmt: skip
-    analyse(stamps.cpu().numpy(), programs, pairs)
 
 
 if __name__ == "__main__":

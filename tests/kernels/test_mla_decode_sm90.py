@@ -212,11 +212,3 @@ def test_trace_buffer_too_small_is_refused(monkeypatch):
     monkeypatch.setattr(sm90, "TRACE_BUFFER", torch.empty(16, dtype=torch.int64, device="meta"))
     with pytest.raises(ValueError, match="TRACE_BUFFER must be an int64 tensor on meta of at"):
         _plan(64, False)
-
-
-def test_the_library_never_sets_the_one_tile_diagnostic():
-    """``ONE_TILE`` (bench/trace_mla.py --one-tile) gives a wrong output by design: no plan the
-    library builds passes it, so the kernel's default (off) applies."""
-    for block_size, slots in ((64, False), (1, True), (16, False)):
-        for launch in _plan(block_size, slots):
-            assert "ONE_TILE" not in launch.args

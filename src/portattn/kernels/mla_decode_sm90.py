@@ -46,11 +46,9 @@ memory once the first copies are issued.
 With one split each warpgroup writes its output columns through its buffer-0 half, which no MMA
 reads any more (`portattn.policy.mla.SM90_STORE_SMEM`, at rank 512; then 16-byte stores, a warp
 a row). A warpgroup's code does not see the launch's alignment, so the launcher tells it
-(``OUT_VEC``, `rows_aligned`); without it, stores go element by element. Diagnostics: with
+(``OUT_VEC``, `rows_aligned`); without it, stores go element by element. Diagnostic: with
 `TRACE_BUFFER` set, the launcher builds a kernel that stamps each pair's steps
-(bench/trace_mla.py); ``ONE_TILE`` (a kernel argument only bench/trace_mla.py ``--one-tile``
-sets; its output is wrong) has both warpgroups score tile A and never copies tile B, to time a
-pair that receives one tile's bytes.
+(bench/trace_mla.py).
 
 Requirements (checked by the launcher, `sm90_errors`): sm_90, fp16/bf16, ``BLOCK_H = BLOCK_N =
 64``, ``kv_lora_rank`` in 128 / 256 / 512, rope width a power of two in 16..128, the shared
@@ -256,7 +254,7 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr, ONE_TILE: gl.constexpr):  # fmt: skip
+               TRACE: gl.constexpr, tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -335,9 +333,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         ph = j & 1
         b0 = ph & opaque  # buffer 0 (tile A), written so that ptxas cannot hoist it
         b1 = b0 ^ 1
-        # the buffer of the tile this warpgroup scores (ONE_TILE, a diagnostic with a wrong
-        # output: both score tile A; tile B is never copied)
-        own = b0 if ONE_TILE else WG ^ b0
+        own = WG ^ b0  # the buffer of the tile this warpgroup scores
         n_a = start + (2 * j) * BLOCK_N
         n_b = n_a + BLOCK_N
         jt = trace_slot(j, TRACE, TRACE_PAIRS)  # pairs past the buffer's are dropped
@@ -441,10 +437,9 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         if not ROWS_AHEAD:
             rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-        if not ONE_TILE:
-            _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
-                       tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1),
-                       WG == 1, gather, GATHER)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
+                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
+                   gather, GATHER)  # fmt: skip
         _stamp(tr, jt, 13, TRACE)
         m_i = m_b
 
@@ -584,12 +579,10 @@ def _mla_decode_sm90_kernel(
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
-    STAGGER: gl.constexpr,  # tile 1's copies once the query has landed (SM90_STAGGER)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
     OUT_VEC: gl.constexpr,  # the rows it writes (output or partials) are aligned (`rows_aligned`)
-    ONE_TILE: gl.constexpr = False,  # diagnostic only (bench/trace_mla.py --one-tile): wrong output
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = KV_LORA_RANK // 2
@@ -692,9 +685,7 @@ def _mla_decode_sm90_kernel(
         _tile_rows(bt_row, stride_bt_blk, 1, start, num_tiles, block_size, end, BLOCK_N, GATHER,
                    PAGE_INDICES),
     )  # fmt: skip
-    # (STAGGER: tile 1 only once the query has landed, so that tile 0 and the query do not share
-    # the start-up rush with it; ONE_TILE: never)
-    for t in gl.static_range(1 if ONE_TILE or STAGGER else 2):
+    for t in gl.static_range(2):
         rows = rows_01[t]
         _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t),
                    latl_smem.index(t), pe_smem.index(t), False, (kv_ptr, stride_kv_row, end),
@@ -705,14 +696,6 @@ def _mla_decode_sm90_kernel(
     ql_smem.index(0).store(ql)
     qr_smem.index(0).store(qr)
     fence_async_shared()  # the score MMAs read the query through the async proxy
-    if STAGGER and not ONE_TILE:
-        rows = rows_01[1]
-        _load_half(lat_desc, pe_desc, rows, 1, start, num_tiles, steps, tma_bars.index(2),
-                   latl_smem.index(1), pe_smem.index(1), False, (kv_ptr, stride_kv_row, end),
-                   GATHER)  # fmt: skip
-        _load_half(lat_desc, pe_desc, rows, 1, start, num_tiles, steps, tma_bars.index(3),
-                   latr_smem.index(1), pe_smem.index(1), True, (kv_ptr, stride_kv_row, end),
-                   GATHER)  # fmt: skip
     _stamp(tr0, TRACE_PAIRS + 0 * pid, 6, TRACE)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
     # runtime values for both warpgroups (the constexprs go in the call tuples themselves: a
@@ -729,9 +712,9 @@ def _mla_decode_sm90_kernel(
     gl.warp_specialize(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), ONE_TILE)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), ONE_TILE)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
         ],
         [4],
         [WG_REGS],
@@ -828,7 +811,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
-        STAGGER=mla_policy.SM90_STAGGER,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
         # a placeholder pointer when off (never read)

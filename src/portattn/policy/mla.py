@@ -136,12 +136,6 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
-#: The Hopper kernel issues tile 1's copies once its query has landed, not beside tile 0's:
-#: in the start-up rush the second tile delayed the first. Trace (H100, 128 heads 4k, bench/
-#: trace_mla.py --one-tile): with tile 1 never copied the first tile waited 0.7k cycles after
-#: the query, not 9.2k, and the query itself landed 4.6k cycles sooner. Unmeasured. Read at
-#: planning.
-SM90_STAGGER = True
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
