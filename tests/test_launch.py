@@ -51,3 +51,19 @@ def test_forced_hip_policy_keeps_tiles_and_drops_hip_hints_on_cuda():
         "waves_per_eu": 2,
     }
     assert _launch("gfx942", opts).backend() == "hip"  # CPU tensors: the target's own backend
+
+
+@triton.jit
+def _defaulted_kernel(a_ptr, n, BLOCK: tl.constexpr, DIAG: tl.constexpr = False):
+    pass
+
+
+def test_every_kernel_parameter_needs_an_argument():
+    """A parameter left to its default (here ``DIAG``) would run under Triton's JIT but not
+    through the plan's direct launch or the compile matrix: refused when the launch is built."""
+    args = {"a_ptr": torch.empty(4, dtype=torch.float16), "n": 3, "BLOCK": 16}
+    with pytest.raises(ValueError, match=r"launch toy: args lack kernel parameters \['DIAG'\]"):
+        Launch(_defaulted_kernel, (1,), args, LaunchOptions(4, 2), get_target("sm_90"), "toy")
+    ok = Launch(_defaulted_kernel, (1,), {**args, "DIAG": False}, LaunchOptions(4, 2),
+                get_target("sm_90"), "toy")  # fmt: skip
+    assert ok.constexprs() == {"BLOCK": 16, "DIAG": False}

@@ -42,6 +42,21 @@ class Launch:
     name: str = ""
     outputs: tuple[torch.Tensor, ...] = field(default=())
 
+    def __post_init__(self) -> None:
+        """Every kernel parameter has an argument, constexprs and defaulted ones included: the
+        plan cache's direct launch, `signature` and the compile matrix read them by name.
+
+        Raises:
+            ValueError: ``args`` lacks a parameter (naming the launch and each one missing).
+        """
+        missing = [name for name, _ in self._params() if name not in self.args]
+        if missing:
+            raise ValueError(
+                f"launch {self.name or getattr(self.kernel, '__name__', self.kernel)!s}: args "
+                f"lack kernel parameters {missing} (every parameter must be given, constexprs "
+                "and defaulted ones included)"
+            )
+
     def run(self) -> Any:
         """Launch through Triton's JIT; return the compiled kernel (``None`` under the
         interpreter, or when the grid is empty and nothing ran)."""
