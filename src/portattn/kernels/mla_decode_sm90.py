@@ -254,7 +254,7 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr, B_FIRST: gl.constexpr):  # fmt: skip
+               TRACE: gl.constexpr, tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -344,37 +344,20 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         # scores of this warpgroup's tile: latent halves as they land, then rope (registers)
+        mbarrier.wait(tma_bars.index(2 * own), ph)
+        _stamp(tr, jt, 1, TRACE)
+        if GATHER:  # cp.async wrote through the generic proxy; the MMAs read through the async
+            fence_async_shared()
         qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=QK)
-        if B_FIRST and WG == 1:
-            # tile B's right half and rope part first: its left half is refilled last (after
-            # warpgroup 0's PV_B), and this order gives that copy the first MMAs' time
-            mbarrier.wait(tma_bars.index(2 * own + 1), ph)
-            _stamp(tr, jt, 1, TRACE)
-            if GATHER:
-                fence_async_shared()
-            qk = warpgroup_mma(qr_smem.index(b0), latr_smem.index(own).permute((1, 0)), qk,
-                               use_acc=False, is_async=True)  # fmt: skip
-            qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
-            mbarrier.wait(tma_bars.index(2 * own), ph)
-            _stamp(tr, jt, 2, TRACE)
-            if GATHER:
-                fence_async_shared()
-            qk = warpgroup_mma(ql_smem.index(b0), latl_smem.index(own).permute((1, 0)), qk,
-                               is_async=True)  # fmt: skip
-        else:
-            mbarrier.wait(tma_bars.index(2 * own), ph)
-            _stamp(tr, jt, 1, TRACE)
-            if GATHER:  # cp.async wrote through the generic proxy; the MMAs read through async
-                fence_async_shared()
-            qk = warpgroup_mma(ql_smem.index(b0), latl_smem.index(own).permute((1, 0)), qk,
-                               use_acc=False, is_async=True)  # fmt: skip
-            mbarrier.wait(tma_bars.index(2 * own + 1), ph)
-            _stamp(tr, jt, 2, TRACE)
-            if GATHER:
-                fence_async_shared()
-            qk = warpgroup_mma(qr_smem.index(b0), latr_smem.index(own).permute((1, 0)), qk,
-                               is_async=True)  # fmt: skip
-            qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
+        qk = warpgroup_mma(ql_smem.index(b0), latl_smem.index(own).permute((1, 0)), qk,
+                           use_acc=False, is_async=True)  # fmt: skip
+        mbarrier.wait(tma_bars.index(2 * own + 1), ph)
+        _stamp(tr, jt, 2, TRACE)
+        if GATHER:
+            fence_async_shared()
+        qk = warpgroup_mma(qr_smem.index(b0), latr_smem.index(own).permute((1, 0)), qk,
+                           is_async=True)  # fmt: skip
+        qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
         _stamp(tr, jt, 3, TRACE)
         n_own = n_a + WG * BLOCK_N
@@ -414,90 +397,50 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             mbarrier.arrive(bar_pb, count=1)
             _stamp(tr, jt, 5, TRACE)
             l_b = gl.sum(p, 1)
-            lat_half = latr_smem
-            if not B_FIRST:
-                mbarrier.wait(bar_pa, ph)
-                _stamp(tr, jt, 6, TRACE)
-                alpha = gl.exp2(m_i - m_a)
-                l_i = l_i * alpha
-                acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
-        if B_FIRST and WG == 1:
-            # PV on B first (own P_B at m_B), so that B's right half and rope part are refilled
-            # mid-pair; then P_A, rescaled from m_A to m_B in registers, on A's right half
-            alpha = gl.exp2(m_i - m_b)
-            l_i = l_i * alpha + l_b
-            acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
-            _zero_tail(lat_half.index(b1), n_b, end, LOAD)
-            acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
-            _stamp(tr, jt, 6, TRACE)
             mbarrier.wait(bar_pa, ph)
-            _stamp(tr, jt, 7, TRACE)
-            beta = gl.exp2(m_a - m_b)
-            p_a = p_smem.index(b0).load(QK).to(gl.float32) * beta[:, None]
-            p_a = gl.convert_layout(p_a.to(dtype), gl.DotOperandLayout(0, PV, k_width=2))
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
+            _stamp(tr, jt, 6, TRACE)
+            alpha = gl.exp2(m_i - m_a)
+            l_i = l_i * alpha
+            acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+            lat_half = latr_smem
+        # PV on A (scaled at m_A), then on B (at m_B); after each, this warpgroup's half of
+        # that buffer is free and takes the next pair's tile (WG1's half with the rope part,
+        # which WG0's S_A, finished before P_A, no longer reads)
+        _zero_tail(lat_half.index(b0), n_a, end, LOAD)
+        acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
+        _stamp(tr, jt, 7, TRACE)
+        if WG == 0:
+            mbarrier.wait(bar_pb, ph)
             _stamp(tr, jt, 8, TRACE)
-            if not ROWS_AHEAD:
-                rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles,
-                                    block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
-                       tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), True,
-                       gather, GATHER)  # fmt: skip
-            _stamp(tr, jt, 9, TRACE)
-            _zero_tail(lat_half.index(b0), n_a, end, LOAD)
-            acc = warpgroup_mma(p_a, lat_half.index(b0), acc, is_async=True)
-            _stamp(tr, jt, 10, TRACE)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            _stamp(tr, jt, 11, TRACE)
-            if not ROWS_AHEAD:
-                rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles,
-                                    block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                       tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), True,
-                       gather, GATHER)  # fmt: skip
-            _stamp(tr, jt, 12, TRACE)
-            _stamp(tr, jt, 13, TRACE)
-        else:
-            # PV on A (scaled at m_A), then on B (at m_B); after each, this warpgroup's half of
-            # that buffer is free and takes the next pair's tile (WG1's half with the rope part,
-            # which WG0's S_A, finished before P_A, no longer reads)
-            _zero_tail(lat_half.index(b0), n_a, end, LOAD)
-            acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
-            _stamp(tr, jt, 7, TRACE)
-            if WG == 0:
-                mbarrier.wait(bar_pb, ph)
-                _stamp(tr, jt, 8, TRACE)
-                m_b = m_smem.index(1).load(ROW)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            _stamp(tr, jt, 9, TRACE)
-            if not ROWS_AHEAD:
-                rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
-                                    end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                       tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
-                       gather, GATHER)  # fmt: skip
-            _stamp(tr, jt, 10, TRACE)
-            beta = gl.exp2(m_a - m_b)
-            l_i = l_i * beta
-            if WG == 1:
-                l_i = l_i + l_b
-            acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
-            _zero_tail(lat_half.index(b1), n_b, end, LOAD)
-            acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
-            _stamp(tr, jt, 11, TRACE)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            _stamp(tr, jt, 12, TRACE)
-            if not ROWS_AHEAD:
-                rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
-                                    end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
-                       tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
-                       gather, GATHER)  # fmt: skip
-            _stamp(tr, jt, 13, TRACE)
+            m_b = m_smem.index(1).load(ROW)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.thread_barrier()
+        _stamp(tr, jt, 9, TRACE)
+        if not ROWS_AHEAD:
+            rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
+                   gather, GATHER)  # fmt: skip
+        _stamp(tr, jt, 10, TRACE)
+        beta = gl.exp2(m_a - m_b)
+        l_i = l_i * beta
+        if WG == 1:
+            l_i = l_i + l_b
+        acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
+        _zero_tail(lat_half.index(b1), n_b, end, LOAD)
+        acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
+        _stamp(tr, jt, 11, TRACE)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.thread_barrier()
+        _stamp(tr, jt, 12, TRACE)
+        if not ROWS_AHEAD:
+            rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
+                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
+                   gather, GATHER)  # fmt: skip
+        _stamp(tr, jt, 13, TRACE)
         m_i = m_b
 
     # -- row sums: each warpgroup summed the tiles it scored (both at the final max) --
@@ -636,7 +579,6 @@ def _mla_decode_sm90_kernel(
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
-    B_FIRST: gl.constexpr,  # warpgroup 1 runs tile B's MMAs first (SM90_B_FIRST)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
@@ -770,9 +712,9 @@ def _mla_decode_sm90_kernel(
     gl.warp_specialize(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), B_FIRST)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), B_FIRST)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
         ],
         [4],
         [WG_REGS],
@@ -869,7 +811,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
-        B_FIRST=mla_policy.SM90_B_FIRST,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
         # a placeholder pointer when off (never read)

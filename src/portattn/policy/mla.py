@@ -136,13 +136,6 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
-#: In the Hopper kernel, warpgroup 1 scores tile B's right half and rope part first and runs
-#: its PV on B before its PV on A (P_A rescaled from m_A to m_B in registers), so that B's right
-#: half is refilled mid-pair and its left half (refilled last, after warpgroup 0's PV_B) has
-#: the first score MMAs' time to land. L2-resident trace (H100, 16k): warpgroup 1 waited 606 +
-#: 878 cycles a pair for tile B, whose buffer freed at the pair's very end. Unmeasured. Read at
-#: planning.
-SM90_B_FIRST = True
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
