@@ -30,7 +30,11 @@ Page sizes (issue 18): ``--page`` takes several sizes; each gets its own cache (
 order, blocks shuffled) and a policy row, and ``--page-indices`` adds, for each size, a row
 whose call passes ``page_indices`` from ``expand_page_indices`` instead of the block table (the
 speculative-decoding path). The summary ends with each row's time over the first page size's
-block-table row at the same point (goal for page 1 against 64: <= 1.15).
+block-table row at the same point (goal for page 1 against 64: <= 1.15). With ``--rounds R``
+every point's inputs stay alive and, once all have run, each policy (and page_indices) row's call
+is timed ``R - 1`` more times in turns, the bf16 matmul rate measured before each round; each
+row keeps its median (``us_rounds``), and its ratio at the rounds' median rate
+(``x_roof_turns``) is printed beside the others (`_page_rounds`).
 
 ``--q-len N [N ...]`` (speculative verification, issue 18) replaces the decode points: each
 sequence has ``N`` query tokens (varlen ``query_start_loc``, context ``ctx`` including them; token
@@ -52,6 +56,7 @@ Usage::
     python bench/bench_mla.py --contexts 4096 16384 --heads 16 128 --page 64 1 --page-indices \
         --no-hip                                  # page 1 (both index forms) against page 64
     python bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128   # verification
+    python bench/bench_mla.py --heads 128 --contexts 4096 16384 --page 64 1 --no-hip --rounds 5
     python bench/bench_mla.py --sweep             # also the tile sweep (best 3 per point at end)
     OUT=/tmp/out python bench/bench_mla.py        # also writes $OUT/bench_mla.json (+ _sweep.json)
 """
@@ -305,9 +310,10 @@ HEADER = (
 )
 
 
-def bench_policy(p: Point, slots: bool = False):
+def bench_policy(p: Point, slots: bool = False, timed: list | None = None):
     """The policy's tiles through `MlaMetadataBuilder` (the serving path); None on a failure.
-    ``slots``: pass ``page_indices`` (`expand_page_indices` of the block table) instead."""
+    ``slots``: pass ``page_indices`` (`expand_page_indices` of the block table) instead.
+    ``timed``: where (row, call) goes for `_page_rounds`."""
     a = p.args
     builder = MlaMetadataBuilder(
         p.target, max_batch=a.batch, num_heads=p.heads, kv_lora_rank=a.kv_lora_rank,
@@ -330,6 +336,8 @@ def bench_policy(p: Point, slots: bool = False):
     ms_graph = do_bench_cudagraph(fn, return_mode="median")
     row = p.row(kind, builder.tiles, errs, ms_graph * 1e3, ms * 1e3)
     row["kernel"] = _main_kernel(p, slots)
+    if timed is not None:
+        timed.append((row, fn))
     return row, builder.tiles
 
 
@@ -429,9 +437,11 @@ def sweep_point(p: Point, base: MlaTiles, shapes, deadline, failures):
     return sorted(rows, key=lambda r: r["us_graph"])
 
 
-def bench_point(p: Point, args, rows, sweep_rows, failures, first_page: bool) -> bool:
+def bench_point(p: Point, args, rows, sweep_rows, failures, first_page: bool,
+                timed: list | None = None) -> bool:  # fmt: skip
     """The policy row (and with ``--page-indices`` the page_indices row) of one point, then for
-    the first page size the HIP row and the sweep. True on a failed policy check."""
+    the first page size the HIP row and the sweep. True on a failed policy check. ``timed``:
+    where the policy rows' calls go (`bench_policy`)."""
     target, elem = p.target, p.cache.element_size()
     r = p.roof
     print(
@@ -440,7 +450,7 @@ def bench_point(p: Point, args, rows, sweep_rows, failures, first_page: bool) ->
     )
     print(HEADER)
     for slots in (False, True) if args.page_indices else (False,):
-        policy_row, base = bench_policy(p, slots)
+        policy_row, base = bench_policy(p, slots, timed)
         if policy_row is None:
             return True
         rows.append(policy_row)
@@ -628,6 +638,35 @@ def bench_verify(args, target, dtype, heads, ctx, q_len, copy_gbs, mm_tflops) ->
     return rows
 
 
+def _page_rounds(timed, rounds, copy_gbs, mm_run) -> list[float]:
+    """``--rounds`` at the page points: each policy row's call (``timed``: (row, call), from
+    `bench_policy`) is timed ``rounds - 1`` more times, in turns, with the matmul rate measured
+    before each round. Each row keeps the median of its timings (``us_rounds``; the figures that
+    derive from the graph time are recomputed from it, ``x_roofline_point`` at the rate measured
+    before its point) and its ratio at the rounds' median rate (``mm_turns``, ``x_roof_turns``).
+    Returns the rounds' rates."""
+    for row, _ in timed:
+        row["us_rounds"] = [row["us_graph"]]
+    rates = []
+    for _ in range(rounds - 1):
+        rates.append(matmul_rate()[0])
+        for row, fn in timed:
+            row["us_rounds"].append(do_bench_cudagraph(fn, return_mode="median") * 1e3)
+    mm = float(statistics.median(rates))
+    for row, _ in timed:
+        us = float(statistics.median(row["us_rounds"]))
+        row["us_graph"] = us
+        eff = us if row["us_events"] is None else min(us, row["us_events"])
+        row["gb_per_s"] = row["roof_bytes"] / (eff * 1e-6) / 1e9
+        row["pct_of_copy"] = 100 * row["gb_per_s"] / copy_gbs
+        row["x_roofline"] = eff / row["roof_us_roof"]
+        at_point_ceiling([row], copy_gbs, mm_run, row["mm_point"])
+        turns = max(row["roof_bytes"] / (copy_gbs * 1e9), row["roof_flops"] / (mm * 1e12))
+        row["mm_turns"] = mm
+        row["x_roof_turns"] = eff * 1e-6 / turns
+    return rates
+
+
 def _verify_rounds(rows, timings, rounds, copy_gbs) -> None:
     """Time every row's call ``rounds - 1`` more times, in turns, and keep the median."""
     for row in rows:
@@ -738,7 +777,8 @@ def main(argv=None) -> int:
     )  # fmt: skip
     ap.add_argument(
         "--rounds", type=int, default=1,
-        help="verification: time each call this many times in turns and keep the median",
+        help="time each policy call this many times in turns and keep the median (page "
+        "points: the matmul rate measured before each round too)",
     )  # fmt: skip
     ap.add_argument(
         "--set", action="append", default=[], metavar="SWITCH=0|1",
@@ -748,8 +788,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         sys.exit(f"bench_mla: --rounds must be >= 1; got {args.rounds}")
-    if args.rounds > 1 and not args.q_len:
-        sys.exit("bench_mla: --rounds times verification points; give --q-len too")
     for item in args.set:
         set_switch(mla_policy, item)
     if not torch.cuda.is_available():
@@ -777,17 +815,29 @@ def main(argv=None) -> int:
     failures: list[str] = []
     # each sweep point gets an equal share of what is left of the budget
     SWEEP_STATE.update(deadline=time.monotonic() + args.budget_s, done=[], top={})
+    timed: list = []  # (policy row, its call) for --rounds: the points' inputs stay alive
     for heads in args.heads:
         for ctx in args.contexts:
             for page in args.page:
                 mm_here = matmul_rate()[0]  # the card as warm as the point's own timings
                 p = Point(args, target, dtype, heads, ctx, copy_gbs, mm_tflops, page)
                 first = len(rows)
-                if bench_point(p, args, rows, sweep_rows, failures, page == args.page[0]):
+                keep = timed if args.rounds > 1 else None
+                if bench_point(p, args, rows, sweep_rows, failures, page == args.page[0], keep):
                     return 1
                 at_point_ceiling(rows[first:], copy_gbs, mm_tflops, mm_here)
                 del p
                 torch.cuda.empty_cache()
+    if args.rounds > 1:
+        rates = _page_rounds(timed, args.rounds, copy_gbs, mm_tflops)
+        print(
+            f"== {args.rounds} rounds in turns (the policy rows keep their medians); matmul "
+            f"rate before each round: {', '.join(f'{r:.0f}' for r in rates)} TFLOP/s"
+        )
+        for x, _ in timed:
+            print(f"  {x['heads']:>4} h {x['context']:>6} page {x['page']:>2} {x['kind']:>6}: "
+                  f"{x['us_graph']:.1f} us (of {', '.join(f'{u:.1f}' for u in x['us_rounds'])})"
+                  f", x roofline at the rounds' rate {x['x_roof_turns']:.3f}")  # fmt: skip
 
     print("== summary (policy, gfx942 policy, best 3 sweep variants per point)")
     print(HEADER)
