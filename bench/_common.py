@@ -91,6 +91,11 @@ def matmul_rate(n: int = 8192) -> tuple[float, float]:
     return 2 * n**3 / (ms * 1e-3) / 1e12, ms
 
 
+def roofline_s(row: dict, copy_gbs: float, mm_tflops: float) -> float:
+    """A row's roofline in seconds (its ``roof_bytes`` and ``roof_flops``) at these ceilings."""
+    return max(row["roof_bytes"] / (copy_gbs * 1e9), row["roof_flops"] / (mm_tflops * 1e12))
+
+
 def at_point_ceiling(rows: list[dict], copy_gbs: float, mm_run: float, mm_point: float) -> None:
     """Give each row (its ``x_roofline`` taken at the run's matmul rate ``mm_run``; its
     ``roof_bytes`` and ``roof_flops``) its ratio at ``mm_point`` too, the rate measured just
@@ -98,9 +103,7 @@ def at_point_ceiling(rows: list[dict], copy_gbs: float, mm_run: float, mm_point:
     at its start, on a card not yet warm from the timings that follow (bench/NOTES.md, seventh
     session, "Method")."""
     for row in rows:
-        t_bytes = row["roof_bytes"] / (copy_gbs * 1e9)
-        run = max(t_bytes, row["roof_flops"] / (mm_run * 1e12))
-        here = max(t_bytes, row["roof_flops"] / (mm_point * 1e12))
+        run, here = roofline_s(row, copy_gbs, mm_run), roofline_s(row, copy_gbs, mm_point)
         row["mm_point"] = mm_point
         row["x_roofline_point"] = row["x_roofline"] * run / here
 

@@ -78,6 +78,7 @@ from _common import (
     git_commit,
     matmul_rate,
     plan_with_target,
+    roofline_s,
     save_record,
     set_switch,
 )
@@ -269,9 +270,7 @@ class Point:
         return self.check(self.out)
 
     def row(self, kind, t: MlaTiles, errs, us_graph, us_events=None):
-        us = us_graph if us_events is None else min(us_graph, us_events)
-        gbs = self.roof["bytes"] / (us * 1e-6) / 1e9
-        return dict(
+        row = dict(
             kind=kind, heads=self.heads, context=self.ctx, batch=self.args.batch,
             head_dim_k=self.args.head_dim_k, kv_lora_rank=self.args.kv_lora_rank,
             page=self.page, dtype=str(self.dtype).removeprefix("torch."),
@@ -281,10 +280,21 @@ class Point:
             prefetch_rows=t.prefetch_rows, v_reload=t.v_reload, tma=t.tma,
             sm90_kernel=t.sm90_kernel,
             rel_err_kernel=errs[1], rel_err_torch=errs[2],
-            us_events=us_events, us_graph=us_graph, gb_per_s=gbs,
-            pct_of_copy=100 * gbs / self.copy_gbs, x_roofline=us / self.roof["us_roof"],
-            **{f"roof_{k}": v for k, v in self.roof.items()},
+            us_events=us_events, **{f"roof_{k}": v for k, v in self.roof.items()},
         )  # fmt: skip
+        set_graph_time(row, us_graph, self.copy_gbs)
+        return row
+
+
+def set_graph_time(row: dict, us_graph: float, copy_gbs: float) -> None:
+    """A page row's graph time and the figures that derive from it, taken at the faster of it
+    and the row's events time (``gb_per_s``, ``pct_of_copy``, ``x_roofline`` at the run's
+    ceilings)."""
+    us = us_graph if row["us_events"] is None else min(us_graph, row["us_events"])
+    row["us_graph"] = us_graph
+    row["gb_per_s"] = row["roof_bytes"] / (us * 1e-6) / 1e9
+    row["pct_of_copy"] = 100 * row["gb_per_s"] / copy_gbs
+    row["x_roofline"] = us / row["roof_us_roof"]
 
 
 def fmt_row(row) -> str:
@@ -645,38 +655,38 @@ def _page_rounds(timed, rounds, copy_gbs, mm_run) -> list[float]:
     derive from the graph time are recomputed from it, ``x_roofline_point`` at the rate measured
     before its point) and its ratio at the rounds' median rate (``mm_turns``, ``x_roof_turns``).
     Returns the rounds' rates."""
-    for row, _ in timed:
-        row["us_rounds"] = [row["us_graph"]]
-    rates = []
-    for _ in range(rounds - 1):
-        rates.append(matmul_rate()[0])
-        for row, fn in timed:
-            row["us_rounds"].append(do_bench_cudagraph(fn, return_mode="median") * 1e3)
+    rates = _rounds_in_turns(timed, rounds, lambda: matmul_rate()[0])
     mm = float(statistics.median(rates))
     for row, _ in timed:
-        us = float(statistics.median(row["us_rounds"]))
-        row["us_graph"] = us
-        eff = us if row["us_events"] is None else min(us, row["us_events"])
-        row["gb_per_s"] = row["roof_bytes"] / (eff * 1e-6) / 1e9
-        row["pct_of_copy"] = 100 * row["gb_per_s"] / copy_gbs
-        row["x_roofline"] = eff / row["roof_us_roof"]
+        set_graph_time(row, row["us_graph"], copy_gbs)
         at_point_ceiling([row], copy_gbs, mm_run, row["mm_point"])
-        turns = max(row["roof_bytes"] / (copy_gbs * 1e9), row["roof_flops"] / (mm * 1e12))
         row["mm_turns"] = mm
-        row["x_roof_turns"] = eff * 1e-6 / turns
+        run, turns = roofline_s(row, copy_gbs, mm_run), roofline_s(row, copy_gbs, mm)
+        row["x_roof_turns"] = row["x_roofline"] * run / turns
     return rates
+
+
+def _rounds_in_turns(calls, rounds, before_round=lambda: None) -> list:
+    """Time each (row, call) of ``calls`` ``rounds - 1`` more times, in turns (a, b, a, b, ...);
+    each row's ``us_rounds`` then holds its timings (``us_graph`` first) and ``us_graph`` their
+    median. ``before_round`` runs before each round; returns its results."""
+    for row, _ in calls:
+        row["us_rounds"] = [row["us_graph"]]
+    seen = []
+    for _ in range(rounds - 1):
+        seen.append(before_round())
+        for row, fn in calls:
+            row["us_rounds"].append(do_bench_cudagraph(fn, return_mode="median") * 1e3)
+    for row, _ in calls:
+        row["us_graph"] = float(statistics.median(row["us_rounds"]))
+    return seen
 
 
 def _verify_rounds(rows, timings, rounds, copy_gbs) -> None:
     """Time every row's call ``rounds - 1`` more times, in turns, and keep the median."""
-    for row in rows:
-        row["us_rounds"] = [row["us_graph"]]
-    for _ in range(rounds - 1):
-        for row, (fn, _) in zip(rows, timings, strict=True):
-            row["us_rounds"].append(do_bench_cudagraph(fn, return_mode="median") * 1e3)
+    _rounds_in_turns([(row, fn) for row, (fn, _) in zip(rows, timings, strict=True)], rounds)
     for row, (_, nb) in zip(rows, timings, strict=True):
-        us = float(statistics.median(row["us_rounds"]))
-        row["us_graph"] = us
+        us = row["us_graph"]
         row["gb_per_s"] = nb / (us * 1e-6) / 1e9
         row["pct_of_copy"] = 100 * row["gb_per_s"] / copy_gbs
         row["x_roofline"] = us / row["roof_us"]
