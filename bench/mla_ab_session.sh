@@ -5,21 +5,26 @@
 # verification points (q_len 2/4/8, 16 and 128 heads, 4k), and the clock trace at 128 heads 4k.
 # Usage on the GPU machine, from the repository root:
 #   bash bench/mla_ab_session.sh "A=1 B=1" "A=0 B=0" ...
+# ROUNDS=R (default 1): the page points' calls timed R times in turns (`bench_mla.py --rounds`);
+# TRACE=0 skips the clock traces; DIAG=1 runs bench/diag_wgmma.py first.
 set -uo pipefail
+ROUNDS=${ROUNDS:-1}; TRACE=${TRACE:-1}; DIAG=${DIAG:-0}
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/portattn-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+if [ "$DIAG" = 1 ]; then timeout 120 python3 bench/diag_wgmma.py 2>&1 | tee "$OUT/diag_wgmma.log"; fi
 python3 bench/mla_gpu_tests.py "$1" 2>&1 | tail -4 | tee "$OUT/tests_mla.log"
 for i in $(seq 1 $#); do
   cfg=${!i}; sets=(); for item in $cfg; do sets+=(--set "$item"); done
   echo "== config $i: $cfg"
-  timeout 100 python3 bench/bench_mla.py --heads 128 --contexts 4096 16384 --page 64 1 --no-hip \
-    "${sets[@]}" > "$OUT/page_c$i.log" 2>&1
+  timeout $((60 + 60 * ROUNDS)) python3 bench/bench_mla.py --heads 128 --contexts 4096 16384 \
+    --page 64 1 --no-hip --rounds "$ROUNDS" "${sets[@]}" > "$OUT/page_c$i.log" 2>&1
   grep -E "copy ceiling" "$OUT/page_c$i.log"; sed -n '/^== page ratios/,$p' "$OUT/page_c$i.log"
   grep -E "^ +128 +[0-9]+ +64 +policy" "$OUT/page_c$i.log" | head -2
   timeout 100 python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128 \
     "${sets[@]}" > "$OUT/verify_c$i.log" 2>&1
   grep -E "copy ceiling|policy|goal" "$OUT/verify_c$i.log" | tail -8
+  [ "$TRACE" = 1 ] || continue
   timeout 60 python3 bench/trace_mla.py 128:4096:64 "${sets[@]}" > "$OUT/trace_c$i.log" 2>&1
   grep -E "graph median|pair period|span|start to|first pair|row sums to" "$OUT/trace_c$i.log"
 done

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.compile
 _NARROW_LOAD = re.compile(r"ld\.global(?:\.\w+)*\.(?:b|u|s|f)16\b")
 _NARROW_STORE = re.compile(r"st\.global(?:\.\w+)*\.(?:b|u|s|f)16\b")
 _VECTOR_STORE = re.compile(r"st\.global(?:\.\w+)*\.v[24]\.b32\b")
+# a wgmma whose A operand is registers: the accumulator's brace list, then the A operand's
+_RS_PV = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\S*\s*\{[^}]*\},\s*\{")
 
 
 def _mla(aligned: bool):
@@ -75,14 +77,19 @@ def _prefill(aligned: bool, block_size: int = 16):
 
 
 def _accesses(kernel: str, aligned: bool) -> dict:
-    """Compile the launch (worker process) and count its global loads and stores by width."""
+    """Compile the launch (worker process) and count its global loads and stores by width.
+    ``mla-sharedp``: the MLA launch planned with `SM90_P_REGS` off."""
     import triton
 
     from portattn.compile.worker import _resources, bind, source_for
     from portattn.platform import get_target
+    from portattn.policy import mla as mla_policy
 
     target = get_target("sm_90")
-    if kernel == "mla":
+    if kernel == "mla-sharedp":
+        mla_policy.SM90_P_REGS = False
+        launch = _mla(aligned)
+    elif kernel == "mla":
         launch = _mla(aligned)
     else:  # "prefill", or "prefill128": 128-token pages (one TMA box a K or V tile)
         launch = _prefill(aligned, 128 if kernel == "prefill128" else 16)
@@ -97,6 +104,8 @@ def _accesses(kernel: str, aligned: bool) -> dict:
         vector_stores=len(_VECTOR_STORE.findall(ptx)),
         fma=ptx.count("fma.rn.f32"),
         shuffles=ptx.count("shfl.sync"),
+        register_pv=len(_RS_PV.findall(ptx)),
+        shared_loads=ptx.count("ld.shared"),
         spills=spills,
     )
 
@@ -104,7 +113,7 @@ def _accesses(kernel: str, aligned: bool) -> dict:
 @pytest.fixture(scope="module")
 def accesses() -> dict:
     jobs = [(kernel, aligned) for kernel in ("mla", "prefill") for aligned in (True, False)]
-    jobs.append(("prefill128", True))
+    jobs += [("prefill128", True), ("mla-sharedp", True)]
     with _worker_env(None):
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
@@ -156,3 +165,14 @@ def test_prefill_producer_picks_box_rows_without_shuffles(accesses):
     got, one_box = accesses["prefill", True], accesses["prefill128", True]
     assert got["shuffles"] == one_box["shuffles"], (got, one_box)
     assert got["spills"] == 0
+
+
+def test_mla_own_tile_pv_takes_p_from_registers(accesses):
+    """`SM90_P_REGS`: each warpgroup's PV on the tile it scored takes P as the MMA's register
+    operand (4 k-steps of 16 tokens, in each warpgroup's code: 8 m64n256k16 with a register A
+    operand), where P otherwise comes from shared memory (none). P's layout change is a register
+    move: no more shared-memory loads than with P from shared memory, and no spills."""
+    on, off = accesses["mla", True], accesses["mla-sharedp", True]
+    assert (on["register_pv"], off["register_pv"]) == (8, 0), (on, off)
+    assert on["shared_loads"] <= off["shared_loads"], (on, off)
+    assert on["spills"] == 0 and off["spills"] == 0

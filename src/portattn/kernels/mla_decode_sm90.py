@@ -254,7 +254,7 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr):  # fmt: skip
+               TRACE: gl.constexpr, tr, P_REGS: gl.constexpr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -285,6 +285,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
     )
     QPE: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=QK, k_width=2)
+    PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=PV, k_width=2)
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     ROW: gl.constexpr = gl.SliceLayout(1, QK)
     PV_ROW: gl.constexpr = gl.SliceLayout(1, PV)
@@ -378,7 +379,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             alpha = gl.exp2(m_i - m_a)
             l_i = l_i * alpha + gl.sum(p, 1)
             acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
-            p_smem.index(b0).store(p.to(dtype))
+            p_own = p.to(dtype)
+            p_smem.index(b0).store(p_own)
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(bar_pa, count=1)
@@ -391,7 +393,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             m_b = gl.maximum(m_a, gl.max(s, 1) * qk_scale)
             p = gl.exp2(s * qk_scale - m_b[:, None])
             m_smem.index(1).store(m_b)
-            p_smem.index(b1).store(p.to(dtype))
+            p_own = p.to(dtype)
+            p_smem.index(b1).store(p_own)
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(bar_pb, count=1)
@@ -407,7 +410,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         # that buffer is free and takes the next pair's tile (WG1's half with the rope part,
         # which WG0's S_A, finished before P_A, no longer reads)
         _zero_tail(lat_half.index(b0), n_a, end, LOAD)
-        acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
+        if P_REGS and WG == 0:  # its own P_A as the register operand: no shared-memory read
+            acc = warpgroup_mma(gl.convert_layout(p_own, PA), lat_half.index(b0), acc,
+                                is_async=True)  # fmt: skip
+        else:
+            acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
         _stamp(tr, jt, 7, TRACE)
         if WG == 0:
             mbarrier.wait(bar_pb, ph)
@@ -429,7 +436,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             l_i = l_i + l_b
         acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
         _zero_tail(lat_half.index(b1), n_b, end, LOAD)
-        acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
+        if P_REGS and WG == 1:  # its own P_B, likewise
+            acc = warpgroup_mma(gl.convert_layout(p_own, PA), lat_half.index(b1), acc,
+                                is_async=True)  # fmt: skip
+        else:
+            acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
         _stamp(tr, jt, 11, TRACE)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
@@ -579,6 +590,7 @@ def _mla_decode_sm90_kernel(
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
+    P_REGS: gl.constexpr,  # each warpgroup's own-tile PV takes P from registers (SM90_P_REGS)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
@@ -712,9 +724,9 @@ def _mla_decode_sm90_kernel(
     gl.warp_specialize(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), P_REGS)),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), P_REGS)),
         ],
         [4],
         [WG_REGS],
@@ -811,6 +823,7 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
+        P_REGS=mla_policy.SM90_P_REGS,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
         # a placeholder pointer when off (never read)
