@@ -78,7 +78,7 @@ def _prefill(aligned: bool, block_size: int = 16):
 
 def _accesses(kernel: str, aligned: bool) -> dict:
     """Compile the launch (worker process) and count its global loads and stores by width.
-    ``mla-sharedp``: the MLA launch planned with `SM90_P_REGS` off."""
+    ``mla-two-rescales``: the MLA launch planned with `SM90_ONE_RESCALE` off."""
     import triton
 
     from portattn.compile.worker import _resources, bind, source_for
@@ -86,8 +86,8 @@ def _accesses(kernel: str, aligned: bool) -> dict:
     from portattn.policy import mla as mla_policy
 
     target = get_target("sm_90")
-    if kernel == "mla-sharedp":
-        mla_policy.SM90_P_REGS = False
+    if kernel == "mla-two-rescales":
+        mla_policy.SM90_ONE_RESCALE = False
         launch = _mla(aligned)
     elif kernel == "mla":
         launch = _mla(aligned)
@@ -105,7 +105,7 @@ def _accesses(kernel: str, aligned: bool) -> dict:
         fma=ptx.count("fma.rn.f32"),
         shuffles=ptx.count("shfl.sync"),
         register_pv=len(_RS_PV.findall(ptx)),
-        shared_loads=ptx.count("ld.shared"),
+        fmul=ptx.count("mul.f32"),
         spills=spills,
     )
 
@@ -113,7 +113,7 @@ def _accesses(kernel: str, aligned: bool) -> dict:
 @pytest.fixture(scope="module")
 def accesses() -> dict:
     jobs = [(kernel, aligned) for kernel in ("mla", "prefill") for aligned in (True, False)]
-    jobs += [("prefill128", True), ("mla-sharedp", True)]
+    jobs += [("prefill128", True), ("mla-two-rescales", True)]
     with _worker_env(None):
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
@@ -167,12 +167,12 @@ def test_prefill_producer_picks_box_rows_without_shuffles(accesses):
     assert got["spills"] == 0
 
 
-def test_mla_own_tile_pv_takes_p_from_registers(accesses):
-    """`SM90_P_REGS`: each warpgroup's PV on the tile it scored takes P as the MMA's register
-    operand (4 k-steps of 16 tokens, in each warpgroup's code: 8 m64n256k16 with a register A
-    operand), where P otherwise comes from shared memory (none). P's layout change is a register
-    move: no more shared-memory loads than with P from shared memory, and no spills."""
-    on, off = accesses["mla", True], accesses["mla-sharedp", True]
-    assert (on["register_pv"], off["register_pv"]) == (8, 0), (on, off)
-    assert on["shared_loads"] <= off["shared_loads"], (on, off)
+def test_mla_warpgroup_1_rescales_once_a_pair(accesses):
+    """`SM90_ONE_RESCALE`: warpgroup 1 multiplies its 64 x 256 accumulator once a pair (128
+    multiplies a thread), not twice, and rescales P_A instead as it reads it into registers (32 a
+    thread) for its PV on tile A, which then takes P as the register operand (4 k-steps of 16
+    tokens: 4 m64n256k16 with a register A operand). No spills either way."""
+    on, off = accesses["mla", True], accesses["mla-two-rescales", True]
+    assert (on["register_pv"], off["register_pv"]) == (4, 0), (on, off)
+    assert off["fmul"] - on["fmul"] >= 128 - 32, (on, off)
     assert on["spills"] == 0 and off["spills"] == 0
