@@ -25,8 +25,6 @@ pytestmark = pytest.mark.compile
 _NARROW_LOAD = re.compile(r"ld\.global(?:\.\w+)*\.(?:b|u|s|f)16\b")
 _NARROW_STORE = re.compile(r"st\.global(?:\.\w+)*\.(?:b|u|s|f)16\b")
 _VECTOR_STORE = re.compile(r"st\.global(?:\.\w+)*\.v[24]\.b32\b")
-# a wgmma whose A operand is registers: the accumulator's brace list, then the A operand's
-_RS_PV = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\S*\s*\{[^}]*\},\s*\{")
 
 
 def _mla(aligned: bool):
@@ -77,19 +75,14 @@ def _prefill(aligned: bool, block_size: int = 16):
 
 
 def _accesses(kernel: str, aligned: bool) -> dict:
-    """Compile the launch (worker process) and count its global loads and stores by width.
-    ``mla-two-rescales``: the MLA launch planned with `SM90_ONE_RESCALE` off."""
+    """Compile the launch (worker process) and count its global loads and stores by width."""
     import triton
 
     from portattn.compile.worker import _resources, bind, source_for
     from portattn.platform import get_target
-    from portattn.policy import mla as mla_policy
 
     target = get_target("sm_90")
-    if kernel == "mla-two-rescales":
-        mla_policy.SM90_ONE_RESCALE = False
-        launch = _mla(aligned)
-    elif kernel == "mla":
+    if kernel == "mla":
         launch = _mla(aligned)
     else:  # "prefill", or "prefill128": 128-token pages (one TMA box a K or V tile)
         launch = _prefill(aligned, 128 if kernel == "prefill128" else 16)
@@ -104,8 +97,6 @@ def _accesses(kernel: str, aligned: bool) -> dict:
         vector_stores=len(_VECTOR_STORE.findall(ptx)),
         fma=ptx.count("fma.rn.f32"),
         shuffles=ptx.count("shfl.sync"),
-        register_pv=len(_RS_PV.findall(ptx)),
-        fmul=ptx.count("mul.f32"),
         spills=spills,
     )
 
@@ -113,7 +104,7 @@ def _accesses(kernel: str, aligned: bool) -> dict:
 @pytest.fixture(scope="module")
 def accesses() -> dict:
     jobs = [(kernel, aligned) for kernel in ("mla", "prefill") for aligned in (True, False)]
-    jobs += [("prefill128", True), ("mla-two-rescales", True)]
+    jobs.append(("prefill128", True))
     with _worker_env(None):
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
@@ -165,14 +156,3 @@ def test_prefill_producer_picks_box_rows_without_shuffles(accesses):
     got, one_box = accesses["prefill", True], accesses["prefill128", True]
     assert got["shuffles"] == one_box["shuffles"], (got, one_box)
     assert got["spills"] == 0
-
-
-def test_mla_warpgroup_1_rescales_once_a_pair(accesses):
-    """`SM90_ONE_RESCALE`: warpgroup 1 multiplies its 64 x 256 accumulator once a pair (128
-    multiplies a thread), not twice, and rescales P_A instead as it reads it into registers (32 a
-    thread) for its PV on tile A, which then takes P as the register operand (4 k-steps of 16
-    tokens: 4 m64n256k16 with a register A operand). No spills either way."""
-    on, off = accesses["mla", True], accesses["mla-two-rescales", True]
-    assert (on["register_pv"], off["register_pv"]) == (4, 0), (on, off)
-    assert off["fmul"] - on["fmul"] >= 128 - 32, (on, off)
-    assert on["spills"] == 0 and off["spills"] == 0

@@ -254,7 +254,7 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr, ONE_RESCALE: gl.constexpr):  # fmt: skip
+               TRACE: gl.constexpr, tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -285,7 +285,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
     )
     QPE: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=QK, k_width=2)
-    PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=PV, k_width=2)
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     ROW: gl.constexpr = gl.SliceLayout(1, QK)
     PV_ROW: gl.constexpr = gl.SliceLayout(1, PV)
@@ -400,88 +399,48 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             l_b = gl.sum(p, 1)
             mbarrier.wait(bar_pa, ph)
             _stamp(tr, jt, 6, TRACE)
-            if ONE_RESCALE:
-                # the accumulator rescaled once, to m_B; P_A (at m_A) rescaled to m_B as it is
-                # read into registers, the PV's register operand
-                gamma = gl.exp2(m_i - m_b)
-                l_i = l_i * gamma + l_b
-                acc = acc * gl.convert_layout(gamma, PV_ROW)[:, None]
-                beta_a = gl.convert_layout(gl.exp2(m_a - m_b), gl.SliceLayout(1, PA))
-                p_a = p_smem.index(b0).load(PA).to(gl.float32) * beta_a[:, None]
-                p_a = p_a.to(dtype)
-            else:
-                alpha = gl.exp2(m_i - m_a)
-                l_i = l_i * alpha
-                acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+            alpha = gl.exp2(m_i - m_a)
+            l_i = l_i * alpha
+            acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
             lat_half = latr_smem
         # PV on A (scaled at m_A), then on B (at m_B); after each, this warpgroup's half of
         # that buffer is free and takes the next pair's tile (WG1's half with the rope part,
         # which WG0's S_A, finished before P_A, no longer reads)
-        if ONE_RESCALE and WG == 1:
-            # both PVs back to back (no rescale between them); each buffer half refilled as
-            # soon as its PV returns
-            _zero_tail(lat_half.index(b0), n_a, end, LOAD)
-            _zero_tail(lat_half.index(b1), n_b, end, LOAD)
-            acc = warpgroup_mma(p_a, lat_half.index(b0), acc, is_async=True)
-            _stamp(tr, jt, 7, TRACE)
-            acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-            gl.thread_barrier()
-            _stamp(tr, jt, 9, TRACE)
-            if not ROWS_AHEAD:
-                rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
-                                    end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                       tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), True,
-                       gather, GATHER)  # fmt: skip
-            _stamp(tr, jt, 10, TRACE)
-            _stamp(tr, jt, 11, TRACE)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            _stamp(tr, jt, 12, TRACE)
-            if not ROWS_AHEAD:
-                rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
-                                    end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
-                       tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), True,
-                       gather, GATHER)  # fmt: skip
-            _stamp(tr, jt, 13, TRACE)
-        else:
-            _zero_tail(lat_half.index(b0), n_a, end, LOAD)
-            acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
-            _stamp(tr, jt, 7, TRACE)
-            if WG == 0:
-                mbarrier.wait(bar_pb, ph)
-                _stamp(tr, jt, 8, TRACE)
-                m_b = m_smem.index(1).load(ROW)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            _stamp(tr, jt, 9, TRACE)
-            if not ROWS_AHEAD:
-                rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
-                                    end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                       tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
-                       gather, GATHER)  # fmt: skip
-            _stamp(tr, jt, 10, TRACE)
-            beta = gl.exp2(m_a - m_b)
-            l_i = l_i * beta
-            if WG == 1:
-                l_i = l_i + l_b
-            acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
-            _zero_tail(lat_half.index(b1), n_b, end, LOAD)
-            acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
-            _stamp(tr, jt, 11, TRACE)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            _stamp(tr, jt, 12, TRACE)
-            if not ROWS_AHEAD:
-                rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
-                                    end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
-                       tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
-                       gather, GATHER)  # fmt: skip
-            _stamp(tr, jt, 13, TRACE)
+        _zero_tail(lat_half.index(b0), n_a, end, LOAD)
+        acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
+        _stamp(tr, jt, 7, TRACE)
+        if WG == 0:
+            mbarrier.wait(bar_pb, ph)
+            _stamp(tr, jt, 8, TRACE)
+            m_b = m_smem.index(1).load(ROW)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.thread_barrier()
+        _stamp(tr, jt, 9, TRACE)
+        if not ROWS_AHEAD:
+            rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
+                   gather, GATHER)  # fmt: skip
+        _stamp(tr, jt, 10, TRACE)
+        beta = gl.exp2(m_a - m_b)
+        l_i = l_i * beta
+        if WG == 1:
+            l_i = l_i + l_b
+        acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
+        _zero_tail(lat_half.index(b1), n_b, end, LOAD)
+        acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
+        _stamp(tr, jt, 11, TRACE)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.thread_barrier()
+        _stamp(tr, jt, 12, TRACE)
+        if not ROWS_AHEAD:
+            rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
+                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
+                   gather, GATHER)  # fmt: skip
+        _stamp(tr, jt, 13, TRACE)
         m_i = m_b
 
     # -- row sums: each warpgroup summed the tiles it scored (both at the final max) --
@@ -620,7 +579,6 @@ def _mla_decode_sm90_kernel(
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
-    ONE_RESCALE: gl.constexpr,  # warpgroup 1 rescales once a pair (SM90_ONE_RESCALE)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
@@ -754,9 +712,9 @@ def _mla_decode_sm90_kernel(
     gl.warp_specialize(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), ONE_RESCALE)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), ONE_RESCALE)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
         ],
         [4],
         [WG_REGS],
@@ -853,7 +811,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
-        ONE_RESCALE=mla_policy.SM90_ONE_RESCALE,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
         # a placeholder pointer when off (never read)

@@ -136,11 +136,6 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
-#: In the Hopper kernel warpgroup 1 rescales its accumulator once a pair (to m_B), not twice (to
-#: m_A, then m_B), and takes P_A rescaled to m_B in registers (the PV's register operand, 32
-#: multiplies a thread instead of 128); its two PVs then go back to back. Unmeasured. Read at
-#: planning.
-SM90_ONE_RESCALE = True
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
