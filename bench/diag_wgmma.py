@@ -21,7 +21,11 @@ Modes (``--modes``):
 * ``s`` / ``pv``: only the score MMA / only the two PVs, both warpgroups;
 * ``pair-one``: ``pair`` in warpgroup 0 only (warpgroup 1 idles): one warpgroup's rate;
 * ``s128``: the score MMA as 64 x 128 x 576 over both tiles at once (a 128-token score tile,
-  which reads the query once per two tiles), both warpgroups: MACs twice ``s``'s.
+  which reads the query once per two tiles), both warpgroups: MACs twice ``s``'s;
+* ``st-alone`` / ``st-beside``: warpgroup 0 stores and reads back one P tile (8 KB each way)
+  an iteration through shared memory, then its barrier, as the kernel's hand-offs do; alone, or
+  while warpgroup 1 runs ``pair``'s MMAs: how much the MMAs' operand reads slow the CUDA
+  cores' shared-memory traffic.
 
 Printed per mode: cycles an iteration (median over programs, ``%clock64``), MACs a cycle an SM
 against the 2048 peak, and the ratio to the kernel's own MAC count for a pair where it applies.
@@ -52,7 +56,8 @@ N = 64  # tokens a tile
 HALF = 256  # latent half (kv_lora_rank 512)
 ROPE = 64
 PEAK_MACS = 2048  # bf16 MACs a cycle an SM (H100 dense)
-MODES = {"pair": 0, "pair-preg": 1, "s": 2, "pv": 3, "pair-one": 4, "s128": 5}
+MODES = {"pair": 0, "pair-preg": 1, "s": 2, "pv": 3, "pair-one": 4, "s128": 5, "st-alone": 6,
+         "st-beside": 7}  # fmt: skip
 
 
 def macs(mode: str) -> int:
@@ -60,7 +65,7 @@ def macs(mode: str) -> int:
     s = H * N * (2 * HALF + ROPE)
     pv = 2 * H * N * HALF
     one = {"pair": s + pv, "pair-preg": s + pv, "s": s, "pv": pv, "pair-one": s + pv,
-           "s128": 2 * s}[mode]  # fmt: skip
+           "s128": 2 * s, "st-alone": 0, "st-beside": 0}[mode]  # fmt: skip
     return one if mode == "pair-one" else 2 * one
 
 
@@ -87,10 +92,23 @@ def _wg(WG: gl.constexpr, q_smem, lat_smem, pe_smem, p_smem, out_ptr, cyc_ptr, i
     QPE: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=QK, k_width=2)
     QPE2: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=QK2, k_width=2)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=PV, k_width=2)
-    active = (MODE != 4) or (WG == 0)
+    active = ((MODE != 4) and (MODE != 6)) or (WG == 0)
     # each accumulator is carried (use_acc) so that no MMA is dead code; registers as the kernel
     t0 = _clock()
-    if MODE == 5:
+    if (MODE == 6 or MODE == 7) and WG == 0:
+        # shared-memory stores and loads from the CUDA cores, as the kernel's P hand-off: one P
+        # tile (8 KB) read and written an iteration, then the warpgroup's barrier; alone
+        # (st-alone) or while warpgroup 1 runs the pair's MMAs (st-beside)
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        x = p_smem.index(0).load(LD)
+        opaque = (pos < 0).to(gl.int32)
+        for i in range(iters):
+            z = (i & 1) | opaque
+            p_smem.index(z).store(x)
+            gl.thread_barrier()
+            x = p_smem.index(1 - z).load(LD)
+        total = gl.sum(gl.sum(x.to(gl.float32), 1), 0)
+    elif MODE == 5:
         q_pe2 = gl.full([64, 64], 0.01, dtype, QPE2)
         lat2 = lat_smem._reinterpret(dtype, [2, 128, 256], lat_smem.layout)
         s2 = gl.zeros([64, 128], gl.float32, QK2)
@@ -189,6 +207,9 @@ def run_mode(mode: str, iters: int, programs: int) -> dict:
     per = cyc.view(programs, 2)[:, 0].double() / iters  # warpgroup 0's loop
     cycles = float(per.median())
     m = macs(mode)
+    if m == 0:  # st-alone / st-beside: 16 KB of shared-memory traffic an iteration
+        return {"mode": mode, "cycles_per_iter": round(cycles, 1),
+                "bytes_per_clk": round(2 * 64 * 64 * 2 / cycles, 1)}  # fmt: skip
     return {
         "mode": mode,
         "cycles_per_iter": round(cycles, 1),
@@ -211,6 +232,10 @@ def main() -> None:
     for mode in a.modes:
         r = run_mode(mode, a.iters, programs)
         rows.append(r)
+        if "bytes_per_clk" in r:
+            print(f"{mode:10} {r['cycles_per_iter']:12.1f}   ({r['bytes_per_clk']} B/clk of "
+                  "shared-memory stores and loads)")  # fmt: skip
+            continue
         print(f"{mode:10} {r['cycles_per_iter']:12.1f} {r['macs_per_clk_sm']:11.1f} "
               f"{r['of_peak']:8.3f} {r['clock_ghz']:6.3f}")  # fmt: skip
     save_record("diag_wgmma", commit=git_commit(), iters=a.iters, rows=rows)

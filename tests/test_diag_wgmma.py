@@ -77,6 +77,8 @@ def compiled() -> dict:
         ("pv", {"m64n256k16": 16}),
         ("pair-one", {"m64n64k16": 36, "m64n256k16": 8}),
         ("s128", {"m64n128k16": 72}),
+        ("st-alone", {}),
+        ("st-beside", {"m64n64k16": 36, "m64n256k16": 8}),  # warpgroup 1's pair
     ],
 )
 def test_each_mode_issues_its_mmas_without_spills(compiled, mode, mmas):
