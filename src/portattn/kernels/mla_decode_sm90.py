@@ -89,9 +89,6 @@ BLOCK_N = 64
 NUM_WARPS = 4
 #: Registers per thread each warpgroup asks for (`setmaxnreg`; 8 warps share the 64K file).
 WG_REGS = 256
-#: With the copy warp (`SM90_COPY_WARP`): warpgroup 1's and the copy warp's registers.
-WG_REGS_CW = gl.constexpr(232)
-CW_REGS = gl.constexpr(24)
 #: Diagnostic trace (`TRACE`): clock stamps per pair and warpgroup, for the first pairs.
 TRACE_EVENTS = gl.constexpr(16)
 TRACE_PAIRS = gl.constexpr(256)
@@ -254,36 +251,10 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 
 
 @gluon.jit
-def _copier(cw):
-    """The copy warp (`portattn.policy.mla.SM90_COPY_WARP`, TMA path only): refills each tile
-    buffer half once the warpgroup whose PV reads it last says it is free (``sync_bars[5 + 2b +
-    h]``: buffer b, half h, arrived once a pair), in the order they free (A left, A right, B left,
-    B right), so that no copy's issue runs in an MMA warpgroup's chain."""
-    (lat_desc, pe_desc, bt_row, stride_bt_blk, start, num_tiles, block_size, end, latl_smem,
-     latr_smem, pe_smem, tma_bars, sync_bars, kv_ptr, stride_kv_row) = cw  # fmt: skip
-    BLOCK_N: gl.constexpr = latl_smem.shape[1]
-    steps = gl.cdiv(num_tiles, 2) * 2
-    gather = (kv_ptr, stride_kv_row, end)
-    for j in range(steps // 2):
-        for b in gl.static_range(2):
-            t = 2 * j + 2 + b
-            rows = _tile_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end,
-                              BLOCK_N, False, False)  # fmt: skip
-            mbarrier.wait(sync_bars.index(5 + 2 * b), j & 1)
-            _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps,
-                       tma_bars.index(2 * b), latl_smem.index(b), pe_smem.index(b), False,
-                       gather, False)  # fmt: skip
-            mbarrier.wait(sync_bars.index(5 + 2 * b + 1), j & 1)
-            _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps,
-                       tma_bars.index(2 * b + 1), latr_smem.index(b), pe_smem.index(b), True,
-                       gather, False)  # fmt: skip
-
-
-@gluon.jit
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr, COPY_WARP: gl.constexpr):  # fmt: skip
+               TRACE: gl.constexpr, tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -367,7 +338,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         n_b = n_a + BLOCK_N
         jt = trace_slot(j, TRACE, TRACE_PAIRS)  # pairs past the buffer's are dropped
         _stamp(tr, jt, 0, TRACE)
-        if ROWS_AHEAD and not COPY_WARP:  # the next pair's rows, read now (under the MMAs)
+        if ROWS_AHEAD:  # the next pair's rows, read now: their latency runs under the MMAs
             rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
             rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
@@ -445,15 +416,12 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _stamp(tr, jt, 9, TRACE)
-        if COPY_WARP:  # the copy warp refills this half (`_copier`)
-            mbarrier.arrive(sync_bars.index(5 + 2 * b0 + WG), count=1)
-        else:
-            if not ROWS_AHEAD:
-                rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles,
-                                    block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                       tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0),
-                       WG == 1, gather, GATHER)  # fmt: skip
+        if not ROWS_AHEAD:
+            rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
+                   gather, GATHER)  # fmt: skip
         _stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
@@ -466,15 +434,12 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _stamp(tr, jt, 12, TRACE)
-        if COPY_WARP:
-            mbarrier.arrive(sync_bars.index(5 + 2 * b1 + WG), count=1)
-        else:
-            if not ROWS_AHEAD:
-                rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles,
-                                    block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
-                       tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1),
-                       WG == 1, gather, GATHER)  # fmt: skip
+        if not ROWS_AHEAD:
+            rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
+                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
+                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
+                   gather, GATHER)  # fmt: skip
         _stamp(tr, jt, 13, TRACE)
         m_i = m_b
 
@@ -614,7 +579,6 @@ def _mla_decode_sm90_kernel(
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
-    COPY_WARP: gl.constexpr,  # a ninth warp issues the refills (`_copier`; SM90_COPY_WARP)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
@@ -706,13 +670,12 @@ def _mla_decode_sm90_kernel(
     # tile barriers: buffer b's left half (2b), its right half and rope part (2b + 1)
     tma_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     # hand-offs (see _warpgroup), then 3 / 4: warpgroup 0 / 1's row sums written
-    # (5 + 2b + h: buffer b's half h is free, for the copy warp, `_copier`)
-    sync_bars = gl.allocate_shared_memory(gl.int64, [9, 1], mbarrier.MBarrierLayout())
+    sync_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
     # TMA: one arrival (the expect) plus the bytes; gather: each of the issuing warpgroup's
     # 128 threads once its cp.async copies land
     for k in gl.static_range(4):
         mbarrier.init(tma_bars.index(k), count=128 if GATHER else 1)
-    for k in gl.static_range(9):
+    for k in gl.static_range(5):
         mbarrier.init(sync_bars.index(k), count=1)
     fence_async_shared()
     # -- prologue: tiles 0 and 1 in flight (both tiles' rows read first: one wait, not two) --
@@ -746,42 +709,27 @@ def _mla_decode_sm90_kernel(
           stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
           seq_len)  # fmt: skip
     # fmt: off
-    if COPY_WARP:
-        cw = (lat_desc, pe_desc, bt_row, stride_bt_blk, start, num_tiles, block_size, end,
-              latl_smem, latr_smem, pe_smem, tma_bars, sync_bars, kv_ptr, stride_kv_row)
-        gl.warp_specialize(
-            [
-                (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), True)),
-                (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), True)),
-                (_copier, (cw,)),
-            ],
-            [4, 1],
-            [WG_REGS_CW, CW_REGS],
-        )
-    else:
-        gl.warp_specialize(
-            [
-                (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), False)),
-                (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              ROWS_AHEAD, STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), False)),
-            ],
-            [4],
-            [WG_REGS],
-        )
+    gl.warp_specialize(
+        [
+            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+        ],
+        [4],
+        [WG_REGS],
+    )
     # fmt: on
 
 
 def sm90_smem_bytes(kv_lora_rank: int, rope: int, elem: int = 2) -> int:
     """Shared memory this kernel allocates, an upper bound: the query's latent part, two tiles,
-    two P tiles, the max / row-sum vectors, 13 barriers and 1 KB for Triton's alignment
-    (576/512 bf16: 231528 B; Triton allocates 230820)."""
+    two P tiles, the max / row-sum vectors, 9 barriers and 1 KB for Triton's alignment
+    (576/512 bf16: 231496 B; Triton allocates 230788)."""
     query = BLOCK_H * kv_lora_rank * elem
     tiles = 2 * BLOCK_N * (kv_lora_rank + rope) * elem
     p = 2 * BLOCK_H * BLOCK_N * elem
-    return query + tiles + p + 2 * 2 * BLOCK_H * 4 + 13 * 8 + 1024
+    return query + tiles + p + 2 * 2 * BLOCK_H * 4 + 9 * 8 + 1024
 
 
 def sm90_errors(
@@ -863,7 +811,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
-        COPY_WARP=mla_policy.SM90_COPY_WARP and not sm90_gathers(kv_cache, bool(a["PAGE_INDICES"])),
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
         # a placeholder pointer when off (never read)

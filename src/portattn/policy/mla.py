@@ -136,11 +136,6 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
-#: The Hopper kernel's TMA path refills its tile buffers from a ninth warp (`_copier`): each MMA
-#: warpgroup only signals a buffer half free instead of reading the next rows and issuing the
-#: copies itself (130-200 cycles a copy in its chain; bench/NOTES.md, ninth session). The
-#: gather path keeps its own copies. Unmeasured. Read at planning.
-SM90_COPY_WARP = True
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
