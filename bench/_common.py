@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
@@ -22,11 +23,30 @@ from portattn.kernels._launch import Launch
 from portattn.kernels._plans import PLANS
 
 
-def git_commit() -> str:
+def _git(*args: str, cwd: str | None = None, env: dict | None = None) -> str:
+    return subprocess.run(
+        ["git", *args], capture_output=True, text=True, check=True, cwd=cwd, env=env
+    ).stdout.strip()
+
+
+def git_commit(cwd: str | None = None) -> str:
+    """The commit a record's figures came from: ``HEAD``'s short hash when the working tree is
+    that commit's, else ``HEAD+tree:<hash>``, the git tree hash of the working tree as it ran
+    (tracked and new files, .gitignore respected). It is built in a scratch index: the
+    repository's own index and refs are left as they were (the files' blobs are written as
+    loose objects). A working tree copied onto a GPU machine over a stale ``.git`` (as the
+    device tool does) thus still names what ran: the commit whose ``%T`` is that hash
+    (``git log --all --format='%h %T' | grep <hash>``)."""
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
+        head = _git("rev-parse", "--short", "HEAD", cwd=cwd)
+        if not _git("status", "--porcelain", cwd=cwd):
+            return head
+        with tempfile.TemporaryDirectory() as tmp:
+            env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
+            _git("read-tree", "HEAD", cwd=cwd, env=env)
+            _git("add", "-A", cwd=cwd, env=env)
+            tree = _git("write-tree", cwd=cwd, env=env)
+        return f"{head}+tree:{tree[:12]}"
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

@@ -73,3 +73,47 @@ def test_at_point_ceiling_rescales_the_flops_bound_rows_only():
     assert rows[1]["x_roofline_point"] == pytest.approx(1.10)
     assert rows[2]["x_roofline_point"] == pytest.approx(1.20 * 1.375 / 1.65)
     assert all(r["mm_point"] == pytest.approx(666.6666666666666) for r in rows)
+
+
+def _repo(tmp_path):
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / ".gitignore").write_text("build/\n")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    return git
+
+
+def test_git_commit_names_a_clean_tree_by_its_commit(tmp_path):
+    git = _repo(tmp_path)
+    assert bench_common.git_commit(str(tmp_path)) == git("rev-parse", "--short", "HEAD")
+
+
+def test_git_commit_names_a_changed_tree_by_its_tree_hash(tmp_path):
+    """A tree that differs from HEAD (an edit, a new file; ignored files do not count) is named
+    by the tree hash the same files get once committed, and the repository's index is left
+    alone."""
+    git = _repo(tmp_path)
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "new.py").write_text("y = 3\n")
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "out.bin").write_text("ignored\n")
+    got = bench_common.git_commit(str(tmp_path))
+    assert got.startswith(f"{head}+tree:")
+    assert git("diff", "--cached", "--name-only") == ""  # nothing staged in the real index
+    git("add", "-A")
+    git("commit", "-qm", "two")
+    assert git("rev-parse", "HEAD^{tree}").startswith(got.split("+tree:")[1])
+
+
+def test_git_commit_outside_a_repository_is_unknown(tmp_path):
+    assert bench_common.git_commit(str(tmp_path)) == "unknown"
