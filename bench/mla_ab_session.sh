@@ -6,9 +6,10 @@
 # Usage on the GPU machine, from the repository root:
 #   bash bench/mla_ab_session.sh "A=1 B=1" "A=0 B=0" ...
 # ROUNDS=R (default 1): the page points' calls timed R times in turns (`bench_mla.py --rounds`);
-# TRACE=0 skips the clock traces; DIAG=1 runs bench/diag_wgmma.py first.
+# TRACE=0 skips the clock traces, VERIFY=0 the verification points; DIAG=1 runs
+# bench/diag_wgmma.py first.
 set -uo pipefail
-ROUNDS=${ROUNDS:-1}; TRACE=${TRACE:-1}; DIAG=${DIAG:-0}
+ROUNDS=${ROUNDS:-1}; TRACE=${TRACE:-1}; DIAG=${DIAG:-0}; VERIFY=${VERIFY:-1}
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/portattn-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -21,9 +22,11 @@ for i in $(seq 1 $#); do
     --page 64 1 --no-hip --rounds "$ROUNDS" "${sets[@]}" > "$OUT/page_c$i.log" 2>&1
   grep -E "copy ceiling" "$OUT/page_c$i.log"; sed -n '/^== page ratios/,$p' "$OUT/page_c$i.log"
   grep -E "^ +128 +[0-9]+ +64 +policy" "$OUT/page_c$i.log" | head -2
-  timeout 100 python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128 \
-    "${sets[@]}" > "$OUT/verify_c$i.log" 2>&1
-  grep -E "copy ceiling|policy|goal" "$OUT/verify_c$i.log" | tail -8
+  if [ "$VERIFY" = 1 ]; then
+    timeout 100 python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128 \
+      "${sets[@]}" > "$OUT/verify_c$i.log" 2>&1
+    grep -E "copy ceiling|policy|goal" "$OUT/verify_c$i.log" | tail -8
+  fi
   [ "$TRACE" = 1 ] || continue
   timeout 60 python3 bench/trace_mla.py 128:4096:64 "${sets[@]}" > "$OUT/trace_c$i.log" 2>&1
   grep -E "graph median|pair period|span|start to|first pair|row sums to" "$OUT/trace_c$i.log"
