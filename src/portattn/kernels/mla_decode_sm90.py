@@ -168,9 +168,8 @@ def _tile_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end, BLOC
 
 
 @gluon.jit
-def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bars, base, lat_buf, pe_buf,
-               RIGHT: gl.constexpr, gather, GATHER: gl.constexpr,
-               PHANTOM_COPY: gl.constexpr = False):  # fmt: skip
+def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf,
+               RIGHT: gl.constexpr, gather, GATHER: gl.constexpr):  # fmt: skip
     """Tile t's left latent half, or (RIGHT) its right latent half and rope part, into its
     buffer, from the rows `_tile_rows` read; a phantom tile (``num_tiles <= t < steps``) only
     completes the barrier. Without GATHER by TMA boxes (64 consecutive rows of one page), else by
@@ -180,30 +179,17 @@ def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bars, base, 
         BLOCK_N: gl.constexpr = lat_buf.shape[0]
         HALF: gl.constexpr = lat_buf.shape[1]
         ROPE_DIM: gl.constexpr = pe_buf.shape[1]
-        W: gl.constexpr = lat_desc.block_shape[1]  # a chunk's columns (`box_chunks`)
-        CH: gl.constexpr = HALF // W
-        # a phantom tile's copy (PHANTOM_COPY) reads page 0's rows (`_tile_rows` gives 0), which
-        # its masks never let through: one barrier op a chunk instead of two
-        real = (t < steps) if PHANTOM_COPY else (t < num_tiles)
-        col0: gl.constexpr = HALF if RIGHT else 0
-        for c in gl.static_range(CH):
-            bar = bars.index(base + c)
-            if CH == 1:  # noqa: SIM108 (a constexpr branch)
-                dst = lat_buf
-            else:
-                dst = lat_buf.slice(c * W, W, dim=1)
-            if RIGHT and c == CH - 1:  # the rope part lands with the half's last chunk
-                mbarrier.expect(bar, BLOCK_N * (W + ROPE_DIM) * 2, pred=real)
-                tma.async_copy_global_to_shared(lat_desc, [rows, col0 + c * W], bar, dst, pred=real)
-                tma.async_copy_global_to_shared(pe_desc, [rows, 2 * HALF], bar, pe_buf, pred=real)
-            else:
-                mbarrier.expect(bar, BLOCK_N * W * 2, pred=real)
-                tma.async_copy_global_to_shared(lat_desc, [rows, col0 + c * W], bar, dst, pred=real)
-            if not PHANTOM_COPY:
-                mbarrier.arrive(bar, count=1, pred=(t >= num_tiles) & (t < steps))
+        real = t < num_tiles
+        if RIGHT:
+            mbarrier.expect(bar, BLOCK_N * (HALF + ROPE_DIM) * 2, pred=real)
+            tma.async_copy_global_to_shared(lat_desc, [rows, HALF], bar, lat_buf, pred=real)
+            tma.async_copy_global_to_shared(pe_desc, [rows, 2 * HALF], bar, pe_buf, pred=real)
+        else:
+            mbarrier.expect(bar, BLOCK_N * HALF * 2, pred=real)
+            tma.async_copy_global_to_shared(lat_desc, [rows, 0], bar, lat_buf, pred=real)
+        mbarrier.arrive(bar, count=1, pred=(t >= num_tiles) & (t < steps))
     else:
-        _gather_half(rows, t, start, num_tiles, steps, bars.index(base), lat_buf, pe_buf, RIGHT,
-                     gather)  # fmt: skip
+        _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT, gather)
 
 
 @gluon.jit
@@ -268,7 +254,7 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr, PHANTOM_COPY: gl.constexpr):  # fmt: skip
+               TRACE: gl.constexpr, tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -292,8 +278,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     HALF: gl.constexpr = ql_smem.shape[2]
     BLOCK_N: gl.constexpr = latl_smem.shape[1]
     ROPE_DIM: gl.constexpr = pe_smem.shape[2]
-    W: gl.constexpr = lat_desc.block_shape[1]  # the tile barriers' chunk (`box_chunks`)
-    CH: gl.constexpr = HALF // W
     QK: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -360,26 +344,19 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         # scores of this warpgroup's tile: latent halves as they land, then rope (registers)
+        mbarrier.wait(tma_bars.index(2 * own), ph)
+        _stamp(tr, jt, 1, TRACE)
+        if GATHER:  # cp.async wrote through the generic proxy; the MMAs read through the async
+            fence_async_shared()
         qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=QK)
-        for h in gl.static_range(2):  # left half, then right; each by chunks as they land
-            if h == 0:
-                q_half = ql_smem.index(b0)
-                k_half = latl_smem.index(own)
-            else:
-                q_half = qr_smem.index(b0)
-                k_half = latr_smem.index(own)
-            for c in gl.static_range(CH):
-                mbarrier.wait(tma_bars.index((2 * own + h) * CH + c), ph)
-                if GATHER:  # cp.async wrote through the generic proxy; MMAs read the async one
-                    fence_async_shared()
-                if CH == 1:
-                    qc = q_half
-                    kc = k_half
-                else:
-                    qc = q_half.slice(c * W, W, dim=1)
-                    kc = k_half.slice(c * W, W, dim=1)
-                qk = warpgroup_mma(qc, kc.permute((1, 0)), qk, use_acc=(h + c > 0), is_async=True)
-            _stamp(tr, jt, 1 + h, TRACE)
+        qk = warpgroup_mma(ql_smem.index(b0), latl_smem.index(own).permute((1, 0)), qk,
+                           use_acc=False, is_async=True)  # fmt: skip
+        mbarrier.wait(tma_bars.index(2 * own + 1), ph)
+        _stamp(tr, jt, 2, TRACE)
+        if GATHER:
+            fence_async_shared()
+        qk = warpgroup_mma(qr_smem.index(b0), latr_smem.index(own).permute((1, 0)), qk,
+                           is_async=True)  # fmt: skip
         qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
         _stamp(tr, jt, 3, TRACE)
@@ -443,8 +420,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                   tma_bars, (2 * b0 + WG) * CH, lat_half.index(b0), pe_smem.index(b0), WG == 1,
-                   gather, GATHER, PHANTOM_COPY)  # fmt: skip
+                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
+                   gather, GATHER)  # fmt: skip
         _stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
@@ -461,8 +438,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
-                   tma_bars, (2 * b1 + WG) * CH, lat_half.index(b1), pe_smem.index(b1), WG == 1,
-                   gather, GATHER, PHANTOM_COPY)  # fmt: skip
+                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
+                   gather, GATHER)  # fmt: skip
         _stamp(tr, jt, 13, TRACE)
         m_i = m_b
 
@@ -602,7 +579,6 @@ def _mla_decode_sm90_kernel(
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
-    PHANTOM_COPY: gl.constexpr,  # a phantom tile is copied, not arrived for (SM90_PHANTOM_COPY)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
@@ -692,14 +668,12 @@ def _mla_decode_sm90_kernel(
     m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
     l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
     # tile barriers: buffer b's left half (2b), its right half and rope part (2b + 1)
-    # (each half in CH chunks, `box_chunks`: barrier (2b + h) * CH + c)
-    CH: gl.constexpr = HALF // lat_desc.block_shape[1]
-    tma_bars = gl.allocate_shared_memory(gl.int64, [4 * CH, 1], mbarrier.MBarrierLayout())
+    tma_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     # hand-offs (see _warpgroup), then 3 / 4: warpgroup 0 / 1's row sums written
     sync_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
     # TMA: one arrival (the expect) plus the bytes; gather: each of the issuing warpgroup's
     # 128 threads once its cp.async copies land
-    for k in gl.static_range(4 * CH):
+    for k in gl.static_range(4):
         mbarrier.init(tma_bars.index(k), count=128 if GATHER else 1)
     for k in gl.static_range(5):
         mbarrier.init(sync_bars.index(k), count=1)
@@ -713,12 +687,12 @@ def _mla_decode_sm90_kernel(
     )  # fmt: skip
     for t in gl.static_range(2):
         rows = rows_01[t]
-        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars, 2 * t * CH,
+        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t),
                    latl_smem.index(t), pe_smem.index(t), False, (kv_ptr, stride_kv_row, end),
-                   GATHER, PHANTOM_COPY)  # fmt: skip
-        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars, (2 * t + 1) * CH,
+                   GATHER)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t + 1),
                    latr_smem.index(t), pe_smem.index(t), True, (kv_ptr, stride_kv_row, end),
-                   GATHER, PHANTOM_COPY)  # fmt: skip
+                   GATHER)  # fmt: skip
     ql_smem.index(0).store(ql)
     qr_smem.index(0).store(qr)
     fence_async_shared()  # the score MMAs read the query through the async proxy
@@ -738,9 +712,9 @@ def _mla_decode_sm90_kernel(
     gl.warp_specialize(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), PHANTOM_COPY)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), PHANTOM_COPY)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
         ],
         [4],
         [WG_REGS],
@@ -750,12 +724,12 @@ def _mla_decode_sm90_kernel(
 
 def sm90_smem_bytes(kv_lora_rank: int, rope: int, elem: int = 2) -> int:
     """Shared memory this kernel allocates, an upper bound: the query's latent part, two tiles,
-    two P tiles, the max / row-sum vectors, at most 21 barriers (16 tile chunks, 5 hand-offs) and
-    1 KB for Triton's alignment (576/512 bf16: 231592 B; Triton allocates 230788-230912)."""
+    two P tiles, the max / row-sum vectors, 9 barriers and 1 KB for Triton's alignment
+    (576/512 bf16: 231496 B; Triton allocates 230788)."""
     query = BLOCK_H * kv_lora_rank * elem
     tiles = 2 * BLOCK_N * (kv_lora_rank + rope) * elem
     p = 2 * BLOCK_H * BLOCK_N * elem
-    return query + tiles + p + 2 * 2 * BLOCK_H * 4 + 21 * 8 + 1024
+    return query + tiles + p + 2 * 2 * BLOCK_H * 4 + 9 * 8 + 1024
 
 
 def sm90_errors(
@@ -804,15 +778,6 @@ def sm90_errors(
     return [why for ok, why in rules if not ok]
 
 
-def box_chunks(kv_lora_rank: int, gathers: bool) -> int:
-    """Chunks a tile's latent half is copied and waited in: one barrier each, so that the score
-    MMA starts on a chunk as soon as it lands (`portattn.policy.mla.SM90_BOX_BARRIERS`: one per
-    64-column TMA box); 1 (a barrier a half) when off or on the gather path."""
-    if not mla_policy.SM90_BOX_BARRIERS or gathers:
-        return 1
-    return max(1, kv_lora_rank // 2 // 64)
-
-
 def sm90_gathers(kv_cache: torch.Tensor, paged_slots: bool) -> bool:
     """Whether the kernel loads rows by gather (``page_indices``, or pages that are not a
     multiple of 64 tokens) rather than by TMA boxes."""
@@ -827,9 +792,7 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
     half = kv_lora_rank // 2
     rows = kv_cache.shape[0] * kv_cache.shape[1]
     shape, strides = [rows, kv_cache.shape[2]], [kv_cache.stride(1), 1]
-    gathers = sm90_gathers(kv_cache, bool(a["PAGE_INDICES"]))
-    width = half // box_chunks(kv_lora_rank, gathers)
-    lat_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, width], dtype)
+    lat_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, half], dtype)
     pe_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], dtype)
     args = {
         name: a[name]
@@ -839,8 +802,8 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
     args.update(
         kv_ptr=kv_cache,
         stride_kv_row=kv_cache.stride(1),
-        GATHER=gathers,
-        lat_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, width], lat_layout),
+        GATHER=sm90_gathers(kv_cache, bool(a["PAGE_INDICES"])),
+        lat_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, half], lat_layout),
         pe_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, rope], pe_layout),
         BLOCK_H=BLOCK_H,
         BLOCK_N=BLOCK_N,
@@ -848,7 +811,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
-        PHANTOM_COPY=mla_policy.SM90_PHANTOM_COPY,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
         # a placeholder pointer when off (never read)

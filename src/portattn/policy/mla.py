@@ -136,16 +136,6 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
-#: The Hopper kernel's TMA path waits for each 64-column box of a tile with its own barrier
-#: (`portattn.kernels.mla_decode_sm90.box_chunks`), so the score MMA starts on the first box of a
-#: half instead of waiting for the whole half (FlashMLA's fine-grained copy-GEMM pipelining).
-#: Unmeasured. Read at planning.
-SM90_BOX_BARRIERS = True
-#: The Hopper kernel's TMA path copies a phantom tile (an odd tile count's last, fully masked)
-#: from page 0's rows instead of arriving on its barriers without a copy: each copy then takes
-#: one barrier operation, not two (every barrier operation costs the warpgroup a `bar.sync` or
-#: two in Triton's lowering). Unmeasured. Read at planning.
-SM90_PHANTOM_COPY = True
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
