@@ -3,6 +3,7 @@
 # each goal from one run" the issues ask for): host time, SHUFFLE vs NHD, MLA page sizes and
 # verification, prefill / mixed batches. Logs in $OUT; the JSON records in $OUT/records.tgz.
 # Usage on the GPU machine, from the repository root:  bash bench/goals_session.sh
+# MLA_ROUNDS=R (default 1): the MLA page points timed R times in turns (`bench_mla.py --rounds`).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/portattn-out}; mkdir -p "$OUT"
@@ -16,10 +17,11 @@ run() {  # run SECONDS LOG CMD...: the command's output to $OUT/LOG, its summary
 # limits total 580 s, under the device tool's 600 s a call (the whole run took 80-195 s on H100s)
 run 60 host.log python3 bench/bench_host.py; tail -7 "$OUT/host.log"
 run 110 shuffle.log python3 bench/bench_paged.py --shuffle; tail -14 "$OUT/shuffle.log"
-run 110 mla_page.log python3 bench/bench_mla.py --contexts 4096 16384 --heads 16 128 --page 64 1 \
-  --page-indices --no-hip
+MLA_ROUNDS=${MLA_ROUNDS:-1}
+run $((80 + 40 * MLA_ROUNDS)) mla_page.log python3 bench/bench_mla.py --contexts 4096 16384 \
+  --heads 16 128 --page 64 1 --page-indices --no-hip --rounds "$MLA_ROUNDS"
 # (the page ratios' summary ends with each policy row's ratio at its point's matmul rate)
-sed -n '/^== page ratios/,$p' "$OUT/mla_page.log"; grep -E "^ +128 +(4096|16384) +64 +policy" "$OUT/mla_page.log"
+sed -n '/^== page ratios/,$p' "$OUT/mla_page.log"; sed -n '/rounds in turns/,/^== summary/p' "$OUT/mla_page.log"; grep -E "^ +128 +(4096|16384) +64 +policy" "$OUT/mla_page.log"
 run 120 mla_verify.log python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 --heads 16 128 \
   --rounds 3
 grep -E "policy|goal" "$OUT/mla_verify.log" | tail -8
