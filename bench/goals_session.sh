@@ -14,7 +14,8 @@ run() {  # run SECONDS LOG CMD...: the command's output to $OUT/LOG, its summary
   echo "== $*"
   OUT=$rec timeout "$limit" "$@" > "$OUT/$log" 2>&1; echo "rc $?"
 }
-# limits total 580 s, under the device tool's 600 s a call (the whole run took 80-195 s on H100s)
+# limits total 580 s at MLA_ROUNDS=1 (+40 s a round), under the device tool's 600 s a call (the
+# whole run took 80-195 s on H100s; 180 s with MLA_ROUNDS=3)
 run 60 host.log python3 bench/bench_host.py; tail -7 "$OUT/host.log"
 run 110 shuffle.log python3 bench/bench_paged.py --shuffle; tail -14 "$OUT/shuffle.log"
 MLA_ROUNDS=${MLA_ROUNDS:-1}
