@@ -100,6 +100,45 @@ TRACE_PAIRS = gl.constexpr(256)
 TRACE_BUFFER = None
 
 
+#: Lazy running max (`portattn.policy.mla.SM90_LAZY_RESCALE`): the reference max moves only when a
+#: row's tile max exceeds it by more than this (log2 units), so P <= 2^LAZY_T; exact otherwise.
+LAZY_T = gl.constexpr(8.0)
+
+
+def rescale_asm(n: int) -> tuple[str, str]:
+    """PTX and constraints for `_rescale`'s lazy form: one thread's ``n`` accumulator registers
+    (outputs tied to the inputs ``$n .. $2n-1``) times their row factors (``$2n .. $3n-1``),
+    skipped with one branch when the thread's factors are exactly 1.
+
+    A thread of the 64 x 256 wgmma accumulator holds two rows (r, r + 8); the factors tested are
+    elements 0-3 and n/2 .. n/2+3, which cover both rows whether the thread's elements run in
+    column pairs per row (the NVMMA order), alternate rows, or run row by row. Testing every
+    element is not folded by ptxas (128 FSETP a rescale: no cheaper than the multiplies)."""
+    probes = [0, 1, 2, 3] + [n // 2 + i for i in range(4)]
+    lines = ["{", ".reg .pred %lz;", f"setp.neu.f32 %lz, ${2 * n + probes[0]}, 0f3F800000;"]
+    lines += [f"setp.neu.or.f32 %lz, ${2 * n + i}, 0f3F800000, %lz;" for i in probes[1:]]
+    lines.append("@!%lz bra lazy_skip_${:uid};")
+    lines += [f"mul.f32 ${i}, ${i}, ${2 * n + i};" for i in range(n)]
+    lines += ["lazy_skip_${:uid}:", "}"]
+    constraints = ",".join(["=r"] * n + [str(i) for i in range(n)] + ["r"] * n)
+    return "\n\t".join(lines), constraints
+
+
+_RESCALE_ASM = gl.constexpr(rescale_asm(128)[0])
+_RESCALE_CONSTRAINTS = gl.constexpr(rescale_asm(128)[1])
+
+
+@gluon.jit
+def _rescale(acc, factor, LAZY: gl.constexpr):
+    """``acc * factor[:, None]`` (``factor`` in the accumulator's row layout); LAZY: a thread
+    whose factors are all exactly 1 skips its multiplies (`rescale_asm`; 128 values a thread)."""
+    if LAZY:
+        return gl.inline_asm_elementwise(_RESCALE_ASM, _RESCALE_CONSTRAINTS, [acc, factor[:, None]],
+                                         dtype=gl.float32, is_pure=True, pack=128)  # fmt: skip
+    else:
+        return acc * factor[:, None]
+
+
 @gluon.jit
 def _find_seq_sm90(qsl_ptr, stride_qsl, tok, num_seqs):
     """The last sequence ``i < num_seqs`` with ``qsl[i] <= tok`` (binary search)."""
@@ -254,7 +293,7 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr):  # fmt: skip
+               TRACE: gl.constexpr, tr, LAZY: gl.constexpr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -369,7 +408,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             s = gl.where(((n_own + cols) < end)[None, :], qk, float("-inf"))
         if WG == 0:
             # m_A first (WG1's softmax waits for it), then P_A
-            m_a = gl.maximum(m_i, gl.max(s, 1) * qk_scale)  # finite: tile A has a real column
+            rm = gl.max(s, 1) * qk_scale
+            if LAZY:  # the reference moves only past LAZY_T (P <= 2^LAZY_T)
+                m_a = gl.where(rm > m_i + LAZY_T, rm, m_i)
+            else:
+                m_a = gl.maximum(m_i, rm)  # finite: tile A has a real column
             m_smem.index(0).store(m_a)
             gl.thread_barrier()
             mbarrier.arrive(bar_ma, count=1)
@@ -377,7 +420,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             p = gl.exp2(s * qk_scale - m_a[:, None])
             alpha = gl.exp2(m_i - m_a)
             l_i = l_i * alpha + gl.sum(p, 1)
-            acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+            acc = _rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
             p_smem.index(b0).store(p.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
@@ -388,7 +431,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             mbarrier.wait(bar_ma, ph)
             _stamp(tr, jt, 4, TRACE)
             m_a = m_smem.index(0).load(ROW)
-            m_b = gl.maximum(m_a, gl.max(s, 1) * qk_scale)
+            rm = gl.max(s, 1) * qk_scale
+            if LAZY:
+                m_b = gl.where(rm > m_a + LAZY_T, rm, m_a)
+            else:
+                m_b = gl.maximum(m_a, rm)
             p = gl.exp2(s * qk_scale - m_b[:, None])
             m_smem.index(1).store(m_b)
             p_smem.index(b1).store(p.to(dtype))
@@ -401,7 +448,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             _stamp(tr, jt, 6, TRACE)
             alpha = gl.exp2(m_i - m_a)
             l_i = l_i * alpha
-            acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+            acc = _rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
             lat_half = latr_smem
         # PV on A (scaled at m_A), then on B (at m_B); after each, this warpgroup's half of
         # that buffer is free and takes the next pair's tile (WG1's half with the rope part,
@@ -427,7 +474,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         l_i = l_i * beta
         if WG == 1:
             l_i = l_i + l_b
-        acc = acc * gl.convert_layout(beta, PV_ROW)[:, None]
+        acc = _rescale(acc, gl.convert_layout(beta, PV_ROW), LAZY)
         _zero_tail(lat_half.index(b1), n_b, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
         _stamp(tr, jt, 11, TRACE)
@@ -579,6 +626,7 @@ def _mla_decode_sm90_kernel(
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
+    LAZY: gl.constexpr,  # lazy running max, rescales skipped at factor 1 (SM90_LAZY_RESCALE)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
@@ -712,9 +760,9 @@ def _mla_decode_sm90_kernel(
     gl.warp_specialize(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY)),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY)),
         ],
         [4],
         [WG_REGS],
@@ -811,6 +859,7 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
+        LAZY=mla_policy.SM90_LAZY_RESCALE,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
         # a placeholder pointer when off (never read)

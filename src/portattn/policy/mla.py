@@ -136,6 +136,12 @@ SM90_GATHER = True
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
+#: The Hopper kernel keeps a lazy running max (it moves only when a row's tile max exceeds it by
+#: more than 2^8, so P <= 256; exact) and skips a thread's accumulator rescale (128 multiplies)
+#: when its factors are exactly 1, which they then almost always are. Each warpgroup rescales
+#: twice a pair, in its serial chain (bench/NOTES.md, ninth session). Unmeasured. Read at
+#: planning.
+SM90_LAZY_RESCALE = True
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
