@@ -409,7 +409,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         if WG == 0:
             # m_A first (WG1's softmax waits for it), then P_A
             rm = gl.max(s, 1) * qk_scale
-            if LAZY:  # the reference moves only past LAZY_T (P <= 2^LAZY_T)
+            if LAZY:  # noqa: SIM108 (constexpr) the reference moves only past LAZY_T
                 m_a = gl.where(rm > m_i + LAZY_T, rm, m_i)
             else:
                 m_a = gl.maximum(m_i, rm)  # finite: tile A has a real column
