@@ -432,7 +432,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             _stamp(tr, jt, 4, TRACE)
             m_a = m_smem.index(0).load(ROW)
             rm = gl.max(s, 1) * qk_scale
-            if LAZY:
+            if LAZY:  # noqa: SIM108 (a constexpr branch)
                 m_b = gl.where(rm > m_a + LAZY_T, rm, m_a)
             else:
                 m_b = gl.maximum(m_a, rm)
