@@ -75,14 +75,19 @@ def _prefill(aligned: bool, block_size: int = 16):
 
 
 def _accesses(kernel: str, aligned: bool) -> dict:
-    """Compile the launch (worker process) and count its global loads and stores by width."""
+    """Compile the launch (worker process) and count its global loads and stores by width.
+    ``mla-eager``: the MLA launch planned with `SM90_LAZY_RESCALE` off."""
     import triton
 
     from portattn.compile.worker import _resources, bind, source_for
     from portattn.platform import get_target
+    from portattn.policy import mla as mla_policy
 
     target = get_target("sm_90")
-    if kernel == "mla":
+    if kernel == "mla-eager":
+        mla_policy.SM90_LAZY_RESCALE = False
+        launch = _mla(aligned)
+    elif kernel == "mla":
         launch = _mla(aligned)
     else:  # "prefill", or "prefill128": 128-token pages (one TMA box a K or V tile)
         launch = _prefill(aligned, 128 if kernel == "prefill128" else 16)
@@ -97,6 +102,7 @@ def _accesses(kernel: str, aligned: bool) -> dict:
         vector_stores=len(_VECTOR_STORE.findall(ptx)),
         fma=ptx.count("fma.rn.f32"),
         shuffles=ptx.count("shfl.sync"),
+        lazy_branches=len(re.findall(r"bra lazy_skip_\d+;", ptx)),
         spills=spills,
     )
 
@@ -104,7 +110,7 @@ def _accesses(kernel: str, aligned: bool) -> dict:
 @pytest.fixture(scope="module")
 def accesses() -> dict:
     jobs = [(kernel, aligned) for kernel in ("mla", "prefill") for aligned in (True, False)]
-    jobs.append(("prefill128", True))
+    jobs += [("prefill128", True), ("mla-eager", True)]
     with _worker_env(None):
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
@@ -156,3 +162,27 @@ def test_prefill_producer_picks_box_rows_without_shuffles(accesses):
     got, one_box = accesses["prefill", True], accesses["prefill128", True]
     assert got["shuffles"] == one_box["shuffles"], (got, one_box)
     assert got["spills"] == 0
+
+
+def test_mla_rescales_branch_around_their_multiplies(accesses):
+    """`SM90_LAZY_RESCALE`: each of the four rescales (two a warpgroup) is one branch a thread
+    around its 128 multiplies, decided by 8 of its factors. The probes cover both of the thread's
+    rows whether its elements run in column pairs per row, alternate rows or run row by row (a
+    64-row wgmma accumulator gives each thread rows r and r + 8)."""
+    from portattn.kernels.mla_decode_sm90 import rescale_asm
+
+    asm, constraints = rescale_asm(128)
+    probes = [int(m) - 256 for m in re.findall(r"setp\.neu(?:\.or)?\.f32 %lz, \$(\d+)", asm)]
+    assert probes == [0, 1, 2, 3, 64, 65, 66, 67]
+    orders = {
+        "pairs": [(i // 2) % 2 for i in range(128)],
+        "alternating": [i % 2 for i in range(128)],
+        "row by row": [i // 64 for i in range(128)],
+    }
+    for rows in orders.values():
+        assert {rows[i] for i in probes} == {0, 1}
+    assert len(re.findall(r"mul\.f32 \$(\d+), \$\1, ", asm)) == 128
+    assert constraints.split(",")[128:256] == [str(i) for i in range(128)]  # tied in place
+    lazy, eager = accesses["mla", True], accesses["mla-eager", True]
+    assert (lazy["lazy_branches"], eager["lazy_branches"]) == (4, 0), (lazy, eager)
+    assert lazy["spills"] == 0 and eager["spills"] == 0

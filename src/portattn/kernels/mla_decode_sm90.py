@@ -20,6 +20,12 @@ shared memory (P, the running max, the final row sums) with an mbarrier each; ev
 every barrier is waited before the next is signalled (module code, comments). Row sums are kept
 per warpgroup over the tiles it scored and added once at the end.
 
+The running max is lazy (`portattn.policy.mla.SM90_LAZY_RESCALE`): it moves only when a row's
+tile max passes it by more than ``LAZY_T`` (P <= 2^8; exact), so the accumulator's factors are
+almost always exactly 1, and each rescale (`_rescale`) is one branch a thread around its 128
+multiplies, which the warpgroups' serial chains otherwise pay twice a pair (bench/NOTES.md, ninth
+session).
+
 In a split's partial last tile the latent rows past the context are zeroed in shared memory
 before PV (each warpgroup its own half; their scores are masked to -inf); an odd tile count
 ends with a phantom tile (no copy, every score masked, buffer zeroed). ptxas hoists every

@@ -137,9 +137,12 @@ SM90_GATHER = True
 #: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
 SM90_ROWS_AHEAD = True
 #: The Hopper kernel keeps a lazy running max (it moves only when a row's tile max exceeds it by
-#: more than 2^8, so P <= 256; exact) and skips a thread's accumulator rescale (128 multiplies)
-#: when its factors are exactly 1, which they then almost always are. Each warpgroup rescales
-#: twice a pair, in its serial chain (bench/NOTES.md, ninth session). Unmeasured. Read at
+#: more than 8 in log2 units, so P <= 256; exact) and skips a thread's accumulator rescale (128
+#: multiplies) when its factors are exactly 1, which they then almost always are. Each warpgroup
+#: rescales twice a pair, in its serial chain. Measured on an H100 (bench/RESULTS.md, ninth
+#: session, calls 8-9; medians of three in turns, on / off, both orders): 128 heads page 64 4k
+#: 138.4 / 141.0 and 136.7 / 140.0 us, 16k 524.8 / 543.7 and 504.4 / 536.5 us; page 1 16k 656.5 /
+#: 685.1 and 665.7 / 700.8; verification at most 1.295x roofline on, 1.307-1.387 off. Read at
 #: planning.
 SM90_LAZY_RESCALE = True
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
