@@ -130,8 +130,7 @@ def rescale_asm(n: int) -> tuple[str, str]:
     return "\n\t".join(lines), constraints
 
 
-_RESCALE_ASM = gl.constexpr(rescale_asm(128)[0])
-_RESCALE_CONSTRAINTS = gl.constexpr(rescale_asm(128)[1])
+_RESCALE_ASM, _RESCALE_CONSTRAINTS = (gl.constexpr(x) for x in rescale_asm(128))
 
 
 @gluon.jit
