@@ -27,8 +27,9 @@ _NARROW_STORE = re.compile(r"st\.global(?:\.\w+)*\.(?:b|u|s|f)16\b")
 _VECTOR_STORE = re.compile(r"st\.global(?:\.\w+)*\.v[24]\.b32\b")
 
 
-def _mla(aligned: bool):
-    """The bench's point (128 heads, batch 64: one split, the kernel writes the bf16 output)."""
+def _mla(aligned: bool, block_size: int = 64):
+    """The bench's point (128 heads, batch 64: one split, the kernel writes the bf16 output);
+    ``block_size`` 1: the page-1 cache, whose rows the kernel gathers."""
     import torch
 
     from portattn.kernels.mla_decode import plan_mla_decode
@@ -36,8 +37,9 @@ def _mla(aligned: bool):
 
     meta = dict(device="meta")
     q = torch.empty(64, 128, 576, dtype=torch.bfloat16, **meta)
-    cache = torch.empty(64 * 64 + 1, 64, 576, dtype=torch.bfloat16, **meta)
-    bt = torch.empty(64, 64, dtype=torch.int32, **meta)
+    pages = 4096 // block_size
+    cache = torch.empty(64 * pages + 1, block_size, 576, dtype=torch.bfloat16, **meta)
+    bt = torch.empty(64, pages, dtype=torch.int32, **meta)
     sl = torch.empty(64, dtype=torch.int32, **meta)
     out = None if aligned else torch.empty(64, 128, 520, dtype=torch.bfloat16, **meta)[..., 1:513]
     launches = plan_mla_decode(
@@ -76,7 +78,8 @@ def _prefill(aligned: bool, block_size: int = 16):
 
 def _accesses(kernel: str, aligned: bool) -> dict:
     """Compile the launch (worker process) and count its global loads and stores by width.
-    ``mla-eager``: the MLA launch planned with `SM90_LAZY_RESCALE` off."""
+    ``mla-eager``: the MLA launch planned with `SM90_LAZY_RESCALE` off; ``mla-gather``: at page
+    size 1 (``mla-gather-parts``: with `SM90_GATHER_ONE_COPY` off)."""
     import triton
 
     from portattn.compile.worker import _resources, bind, source_for
@@ -89,6 +92,9 @@ def _accesses(kernel: str, aligned: bool) -> dict:
         launch = _mla(aligned)
     elif kernel == "mla":
         launch = _mla(aligned)
+    elif kernel.startswith("mla-gather"):
+        mla_policy.SM90_GATHER_ONE_COPY = kernel == "mla-gather"
+        launch = _mla(aligned, block_size=1)
     else:  # "prefill", or "prefill128": 128-token pages (one TMA box a K or V tile)
         launch = _prefill(aligned, 128 if kernel == "prefill128" else 16)
     options, signature, constexprs, attrs = bind(launch, target)
@@ -103,14 +109,39 @@ def _accesses(kernel: str, aligned: bool) -> dict:
         fma=ptx.count("fma.rn.f32"),
         shuffles=ptx.count("shfl.sync"),
         lazy_branches=len(re.findall(r"bra lazy_skip_\d+;", ptx)),
+        gathers=_gather_runs(ptx),
         spills=spills,
     )
+
+
+def _gather_runs(ptx: str) -> list[tuple[int, int]]:
+    """Each run of ``cp.async`` copies in one basic block: (copies, bar.syncs between its first
+    and its last copy)."""
+    runs: list[tuple[int, int]] = []
+    copies, bars, pending = 0, 0, 0  # pending: bar.syncs since the run's last copy
+
+    def close() -> None:
+        if copies:
+            runs.append((copies, bars))
+
+    for line in ptx.splitlines():
+        if "cp.async.cg.shared.global" in line:
+            bars += pending if copies else 0
+            copies, pending = copies + 1, 0
+        elif "bar.sync" in line:
+            pending += 1
+        elif line.startswith("$L__BB") or "cp.async.mbarrier.arrive" in line:
+            close()
+            copies, bars, pending = 0, 0, 0
+    close()
+    return runs
 
 
 @pytest.fixture(scope="module")
 def accesses() -> dict:
     jobs = [(kernel, aligned) for kernel in ("mla", "prefill") for aligned in (True, False)]
-    jobs += [("prefill128", True), ("mla-eager", True)]
+    jobs += [("prefill128", True), ("mla-eager", True), ("mla-gather", True)]
+    jobs += [("mla-gather-parts", True)]
     with _worker_env(None):
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
@@ -186,3 +217,16 @@ def test_mla_rescales_branch_around_their_multiplies(accesses):
     lazy, eager = accesses["mla", True], accesses["mla-eager", True]
     assert (lazy["lazy_branches"], eager["lazy_branches"]) == (4, 0), (lazy, eager)
     assert lazy["spills"] == 0 and eager["spills"] == 0
+
+
+def test_mla_gather_issues_its_copies_without_barriers(accesses):
+    """`SM90_GATHER_ONE_COPY`: at page size 1 each gathered buffer (a latent half, the rope part)
+    is one ``cp.async`` op, so a tile half's copies (16 a thread on the left, 20 with the rope
+    part on the right) run with no ``bar.sync`` between them: the issuing warpgroup's four warps
+    do not wait for one another mid-issue. As one op per 64-column block, Triton's barrier
+    analysis put one between every two blocks' copies (what the count must see)."""
+    one, parts = accesses["mla-gather", True], accesses["mla-gather-parts", True]
+    assert one["gathers"] and {c for c, _ in one["gathers"]} <= {16, 20}, one["gathers"]
+    assert all(b == 0 for _, b in one["gathers"]), one["gathers"]
+    assert all(b >= 3 for _, b in parts["gathers"]), parts["gathers"]
+    assert one["spills"] == 0 and parts["spills"] == 0

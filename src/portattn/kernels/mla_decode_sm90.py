@@ -213,7 +213,8 @@ def _tile_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end, BLOC
 
 @gluon.jit
 def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf,
-               RIGHT: gl.constexpr, gather, GATHER: gl.constexpr):  # fmt: skip
+               RIGHT: gl.constexpr, gather, GATHER: gl.constexpr,
+               GATHER_ONE: gl.constexpr):  # fmt: skip
     """Tile t's left latent half, or (RIGHT) its right latent half and rope part, into its
     buffer, from the rows `_tile_rows` read; a phantom tile (``num_tiles <= t < steps``) only
     completes the barrier. Without GATHER by TMA boxes (64 consecutive rows of one page), else by
@@ -233,7 +234,8 @@ def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf
             tma.async_copy_global_to_shared(lat_desc, [rows, 0], bar, lat_buf, pred=real)
         mbarrier.arrive(bar, count=1, pred=(t >= num_tiles) & (t < steps))
     else:
-        _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT, gather)
+        _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT, gather,
+                     GATHER_ONE)  # fmt: skip
 
 
 @gluon.jit
@@ -249,7 +251,7 @@ def _gather_part(kv_ptr, stride_row, rows, ok, buf, col0, W: gl.constexpr, LOAD:
 
 @gluon.jit
 def _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT: gl.constexpr,
-                 gather):  # fmt: skip
+                 gather, ONE: gl.constexpr):  # fmt: skip
     """`_load_half` by row gather: each 64-column part of tile t's ``rows`` (`_tile_rows`) by
     ``cp.async`` into the same swizzled buffers the TMA path fills. Every thread of the issuing
     warpgroup (128) then arrives on ``bar`` once its copies land (``.noinc``; the barrier counts
@@ -268,13 +270,19 @@ def _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT: 
             n = start + t * BLOCK_N
             ok = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L64)) < end
             col0: gl.constexpr = HALF if RIGHT else 0
-            for c in gl.static_range(HALF // CH):
-                _gather_part(kv_ptr, stride_row, rows, ok, lat_buf.slice(c * CH, CH, dim=1),
-                             col0 + c * CH, CH, L64)  # fmt: skip
-            if RIGHT:
-                for c in gl.static_range(ROPE_DIM // PCH):
-                    _gather_part(kv_ptr, stride_row, rows, ok, pe_buf.slice(c * PCH, PCH, dim=1),
-                                 2 * HALF + c * PCH, PCH, LPE)  # fmt: skip
+            if ONE:  # one copy a buffer (`portattn.policy.mla.SM90_GATHER_ONE_COPY`)
+                _gather_part(kv_ptr, stride_row, rows, ok, lat_buf, col0, HALF, L64)
+                if RIGHT:
+                    _gather_part(kv_ptr, stride_row, rows, ok, pe_buf, 2 * HALF, ROPE_DIM, LPE)
+            else:
+                for c in gl.static_range(HALF // CH):
+                    _gather_part(kv_ptr, stride_row, rows, ok, lat_buf.slice(c * CH, CH, dim=1),
+                                 col0 + c * CH, CH, L64)  # fmt: skip
+                if RIGHT:
+                    for c in gl.static_range(ROPE_DIM // PCH):
+                        _gather_part(kv_ptr, stride_row, rows, ok,
+                                     pe_buf.slice(c * PCH, PCH, dim=1), 2 * HALF + c * PCH, PCH,
+                                     LPE)  # fmt: skip
         async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
@@ -298,7 +306,8 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr, LAZY: gl.constexpr):  # fmt: skip
+               TRACE: gl.constexpr, tr, LAZY: gl.constexpr,
+               GATHER_ONE: gl.constexpr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -473,7 +482,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
                    tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
-                   gather, GATHER)  # fmt: skip
+                   gather, GATHER, GATHER_ONE)  # fmt: skip
         _stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
@@ -491,7 +500,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
                    tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
-                   gather, GATHER)  # fmt: skip
+                   gather, GATHER, GATHER_ONE)  # fmt: skip
         _stamp(tr, jt, 13, TRACE)
         m_i = m_b
 
@@ -628,6 +637,7 @@ def _mla_decode_sm90_kernel(
     P_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, BLOCK_N]
     WG_REGS: gl.constexpr,
     GATHER: gl.constexpr,  # rows by cp.async gather (`_gather_half`), not TMA boxes
+    GATHER_ONE: gl.constexpr,  # a gathered buffer in one copy (SM90_GATHER_ONE_COPY)
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
@@ -742,10 +752,10 @@ def _mla_decode_sm90_kernel(
         rows = rows_01[t]
         _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t),
                    latl_smem.index(t), pe_smem.index(t), False, (kv_ptr, stride_kv_row, end),
-                   GATHER)  # fmt: skip
+                   GATHER, GATHER_ONE)  # fmt: skip
         _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t + 1),
                    latr_smem.index(t), pe_smem.index(t), True, (kv_ptr, stride_kv_row, end),
-                   GATHER)  # fmt: skip
+                   GATHER, GATHER_ONE)  # fmt: skip
     ql_smem.index(0).store(ql)
     qr_smem.index(0).store(qr)
     fence_async_shared()  # the score MMAs read the query through the async proxy
@@ -765,9 +775,9 @@ def _mla_decode_sm90_kernel(
     gl.warp_specialize(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY, GATHER_ONE)),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY)),
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY, GATHER_ONE)),
         ],
         [4],
         [WG_REGS],
@@ -865,6 +875,7 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
         LAZY=mla_policy.SM90_LAZY_RESCALE,
+        GATHER_ONE=mla_policy.SM90_GATHER_ONE_COPY,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
         # a placeholder pointer when off (never read)

@@ -131,6 +131,11 @@ SM90_KERNEL_ARCHS = ("sm_90",)
 #: shared buffers (`portattn.kernels.mla_decode_sm90`, ``GATHER``). Off: those launches run the
 #: portable kernel, as before (issue 18: 128 heads, 4k, page 1 344 us against 155 us at 64).
 SM90_GATHER = True
+#: The gather copies each tile buffer (a latent half, the rope part) in one ``cp.async`` op, not
+#: one op per 64-column block: Triton's barrier analysis put a ``bar.sync`` between any two copies
+#: into one buffer (3-4 a tile half, in the issuing warpgroup's chain); one op has none. Read at
+#: planning.
+SM90_GATHER_ONE_COPY = True
 #: The Hopper kernel reads the next pair's rows (block-table entries, or the gathered rows'
 #: ``page_indices`` / block-table slots) at the top of each pair, so that the read's latency runs
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
