@@ -117,8 +117,9 @@ def _kernel(kv_ptr, idx_ptr, out_ptr, cyc_ptr, lat_desc, pe_desc, row_lat, row_p
         s = i % 2
         if i + 1 < tiles_per:
             c0 = _clock()
+            nxt = 1 - s
             _issue(MODE, kv_ptr, idx_ptr, lat_desc, pe_desc, row_lat, row_pe, t0 + i + 1,
-                   bars.index(1 - s), lat0.index(1 - s), lat1.index(1 - s), pe.index(1 - s))  # fmt: skip
+                   bars.index(nxt), lat0.index(nxt), lat1.index(nxt), pe.index(nxt))  # fmt: skip
             issue += _clock() - c0
         mbarrier.wait(bars.index(s), (i // 2) & 1)
         fence_async_shared()
