@@ -6,15 +6,17 @@
 # Usage on the GPU machine, from the repository root:
 #   bash bench/mla_ab_session.sh "A=1 B=1" "A=0 B=0" ...
 # ROUNDS=R (default 1): the page points' calls timed R times in turns (`bench_mla.py --rounds`);
-# TRACE=0 skips the clock traces, VERIFY=0 the verification points; DIAG=1 runs
-# bench/diag_wgmma.py first.
+# TRACE=0 skips the clock traces, VERIFY=0 the verification points, TESTS=0 the GPU tests (for a
+# second A/B in the other order within one hold); DIAG=1 runs bench/diag_wgmma.py first.
 set -uo pipefail
-ROUNDS=${ROUNDS:-1}; TRACE=${TRACE:-1}; DIAG=${DIAG:-0}; VERIFY=${VERIFY:-1}
+ROUNDS=${ROUNDS:-1}; TRACE=${TRACE:-1}; DIAG=${DIAG:-0}; VERIFY=${VERIFY:-1}; TESTS=${TESTS:-1}
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/portattn-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 if [ "$DIAG" = 1 ]; then timeout 120 python3 bench/diag_wgmma.py 2>&1 | tee "$OUT/diag_wgmma.log"; fi
-python3 bench/mla_gpu_tests.py "$1" 2>&1 | tail -4 | tee "$OUT/tests_mla.log"
+if [ "$TESTS" = 1 ]; then
+  python3 bench/mla_gpu_tests.py "$1" 2>&1 | tail -4 | tee "$OUT/tests_mla.log"
+fi
 for i in $(seq 1 $#); do
   cfg=${!i}; sets=(); for item in $cfg; do sets+=(--set "$item"); done
   echo "== config $i: $cfg"
