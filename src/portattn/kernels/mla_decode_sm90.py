@@ -35,8 +35,10 @@ therefore computed from an opaque 0 (``block_size < 0``), which keeps them in th
 Loads (``GATHER``): with a block table of pages of a multiple of 64 tokens each tile half is one
 or two TMA boxes (an expect-tx barrier, count 1). Otherwise (``page_indices``, speculative
 decoding's page size 1, or pages of any other size) a tile's rows are scattered: the issuing
-warpgroup loads its 64 row indices once, copies each 64-column part by ``cp.async`` (16-byte
-pieces, rows past the context zero-filled) into the same NVMMA-swizzled buffers, and each of
+warpgroup loads its 64 row indices once, copies each buffer (a latent half, the rope part) by
+``cp.async`` in one op (16-byte pieces, rows past the context zero-filled; one op per 64-column
+block got a ``bar.sync`` between blocks: `portattn.policy.mla.SM90_GATHER_ONE_COPY`) into the same
+NVMMA-swizzled buffers, and each of
 its 128 threads arrives on the tile barrier once its copies land (``cp.async.mbarrier.arrive
 .noinc``; the barriers count 128), so the hand-offs are unchanged. The MMAs read through the
 async proxy what cp.async wrote through the generic one: a proxy fence after each tile wait.

@@ -133,8 +133,10 @@ SM90_KERNEL_ARCHS = ("sm_90",)
 SM90_GATHER = True
 #: The gather copies each tile buffer (a latent half, the rope part) in one ``cp.async`` op, not
 #: one op per 64-column block: Triton's barrier analysis put a ``bar.sync`` between any two copies
-#: into one buffer (3-4 a tile half, in the issuing warpgroup's chain); one op has none. Read at
-#: planning.
+#: into one buffer (3-4 a tile half, in the issuing warpgroup's chain); one op has none. Measured
+#: on an H200 (bench/RESULTS.md, tenth session, calls 2-3; medians of three in turns, on / off,
+#: both orders): 128 heads page 1 16k 551.8 / 631.1 and 545.9 / 633.3 us, 4k 142.2 / 145.7 and
+#: 141.8 / 145.9 us (page 64 unchanged). Read at planning.
 SM90_GATHER_ONE_COPY = True
 #: The Hopper kernel reads the next pair's rows (block-table entries, or the gathered rows'
 #: ``page_indices`` / block-table slots) at the top of each pair, so that the read's latency runs
