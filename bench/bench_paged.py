@@ -215,14 +215,42 @@ def _tiles(plan):
     return (a["BLOCK_M"], a["BLOCK_N"], o.num_warps, o.num_stages, a["NUM_SPLITS"])
 
 
-def shuffle_main(dtype, arch) -> None:
-    """SHUFFLE vs NHD at the decode points (``--shuffle``; module docstring)."""
+def shuffle_variant_plans(args, spec: str):
+    """``plan_paged_attention`` of ``args`` (a SHUFFLE cache) at this GPU's policy tiles with
+    ``spec`` = ``N,stages,warps,splits`` in place of theirs (``--shuffle-variants``)."""
+    import dataclasses
+
+    from sweep_paged import _tiles_of
+
+    from portattn.platform import current_target
+    from portattn.policy.common import launch_options
+
+    try:
+        n, stages, warps, splits = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise SystemExit(f"--shuffle-variants: want N,stages,warps,splits; got {spec!r}") from None
+    base = _tiles_of(plan_paged_attention(*args, layout="SHUFFLE"))
+    tiles = dataclasses.replace(
+        base, block_n=n, num_splits=splits,
+        options=launch_options(current_target(), warps, stages),
+    )  # fmt: skip
+
+    def plan_fn(*a, **kw):
+        return plan_paged_attention(*a, tiles=tiles, **kw)
+
+    return plan_fn
+
+
+def shuffle_main(dtype, arch, variants=()) -> None:
+    """SHUFFLE vs NHD at the decode points (``--shuffle``; module docstring); ``variants``
+    (``N,stages,warps,splits``) add SHUFFLE rows at other tiles of this GPU's policy, each
+    against the policy's NHD time."""
     policies = {arch: plan_paged_attention, "gfx942": hip_plan}
     print(
         f"{'scenario':16} {'bs':>5} {'policy':>7} {'tiles NHD (M,N,w,s,splits)':>27} "
         f"{'tiles SHUFFLE':>19} {'NHD us':>8} {'SHUF us':>8} {'ratio':>6} {'err/torch':>10}"
     )
-    rows = []
+    rows, variant_rows = [], []
     for name, seqs in SCENARIOS.items():
         if seqs[0][1] != 1:
             continue  # decode points only
@@ -249,6 +277,22 @@ def shuffle_main(dtype, arch) -> None:
                 )
                 rows.append(dict(scenario=name, block_size=bs, policy=pname, ratio=ratio,
                                  nhd=res["NHD"], shuffle=res["SHUFFLE"]))  # fmt: skip
+                if pname != arch:
+                    continue
+                for spec in variants:
+                    plan_v = shuffle_variant_plans(shuf, spec)
+                    ok, e_k, e_t = check_plan(plan_v, shuf, layout="SHUFFLE")
+                    if not ok:
+                        raise SystemExit(f"correctness: {name} bs {bs} SHUFFLE variant {spec}: "
+                                         f"error {e_k:.3e} > 2 x torch {e_t:.3e}")  # fmt: skip
+                    plan = plan_v(*shuf, layout="SHUFFLE")
+                    us = do_bench(lambda plan=plan: run_all(plan)) * 1e3
+                    print(f"{name:16} {bs:>5} {'variant':>7} {spec:>27} {str(_tiles(plan)):>19} "
+                          f"{'':>8} {us:>8.1f} {us / res['NHD']['us']:>6.2f} "
+                          f"{e_k / e_t:>10.2f}")  # fmt: skip
+                    variant_rows.append(dict(scenario=name, block_size=bs, variant=spec, us=us,
+                                             ratio=us / res["NHD"]["us"],
+                                             tiles=_tiles(plan)))  # fmt: skip
             del nhd, shuf
             torch.cuda.empty_cache()
     worst = max(rows, key=lambda r: r["ratio"])
@@ -256,7 +300,8 @@ def shuffle_main(dtype, arch) -> None:
           f"{worst['block_size']}, {worst['policy']} policy); goal <= 1.1: "
           f"{'met' if worst['ratio'] <= 1.1 else 'NOT met'}")  # fmt: skip
     dtype_name = str(dtype).removeprefix("torch.")
-    save_record("bench_paged_shuffle", arch=arch, dtype=dtype_name, rows=rows)
+    save_record("bench_paged_shuffle", arch=arch, dtype=dtype_name, rows=rows,
+                variants=variant_rows)  # fmt: skip
 
 
 def main() -> None:
@@ -266,6 +311,9 @@ def main() -> None:
     ap.add_argument("--no-hip", action="store_true", help="skip the gfx942-policy rows")
     ap.add_argument("--shuffle", action="store_true",
                     help="only SHUFFLE vs NHD at the decode points (issue 18)")  # fmt: skip
+    ap.add_argument("--shuffle-variants", nargs="*", default=[], metavar="N,STAGES,WARPS,SPLITS",
+                    help="with --shuffle: SHUFFLE rows at these tiles too (this GPU's policy "
+                         "otherwise)")  # fmt: skip
     ap.add_argument("--set", action="append", default=[], metavar="SWITCH=0|1",
                     help="set a boolean switch of portattn.policy.paged for the run (an A/B), "
                          "e.g. --set SHUFFLE_LINES=0")  # fmt: skip
@@ -278,7 +326,7 @@ def main() -> None:
     if opts.shuffle:
         print(f"# {torch.cuda.get_device_name()} ({target.arch}), {opts.dtype}, commit {commit}, "
               f"SHUFFLE vs NHD")  # fmt: skip
-        shuffle_main(dtype, target.arch)
+        shuffle_main(dtype, target.arch, opts.shuffle_variants)
         return
     rows, sdpa_rows, summary = [], [], []
     print(f"# {torch.cuda.get_device_name()} ({target.arch}), {opts.dtype}, commit {commit}, "

@@ -115,6 +115,26 @@ def test_page_indices_identical_to_block_table(block_size, device):
     assert torch.equal(a, b) and torch.equal(la, lb)
 
 
+@pytest.mark.parametrize("gap", [0, 3])
+def test_page_indices_on_pages_with_gaps(gap, device):
+    """``page_indices`` are flat slots (``block * block_size + offset``). Into a cache whose pages
+    lie one after another the kernel reads slot ``s`` at ``s`` rows (FLAT_SLOTS: no division by
+    the block size); with ``gap`` rows between pages (a view of a wider buffer) it splits the
+    slot into block and offset. Both agree with the block table's result on the same cache."""
+    q, cache, bt, sl, qsl = make_inputs(320, 256, 4, 16, (3, 1), (20, 33), torch.float16, device)
+    wide = torch.zeros(cache.shape[0], 16 + gap, 320, dtype=cache.dtype, device=device)
+    wide[:, :16] = cache
+    cache = wide[:, :16]  # stride(0) = (16 + gap) rows
+    kw = dict(kv_lora_rank=256, scale=0.06, query_start_loc=qsl, return_lse=True)
+    pages = expand_page_indices(bt, sl, 16)
+    (main, *_) = plan_mla_decode(q, cache, None, sl, page_indices=pages, **kw)
+    assert main.args["FLAT_SLOTS"] is (gap == 0)
+    a, la = mla_decode(q, cache, bt, sl, **kw)
+    b, lb = mla_decode(q, cache, None, sl, page_indices=pages, **kw)
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    check(b, lb, q, cache, bt, sl, qsl, 256, 0.06, torch.float16)
+
+
 def _split_tiles(target, dk, r, heads, splits, block_n=16, elem=4):
     base = mla_decode_tiles(target, MlaProblem(heads, dk, r, elem, 8, 64))
     return dataclasses.replace(base, num_kv_splits=splits, block_n=block_n)
