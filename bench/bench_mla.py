@@ -328,6 +328,7 @@ def bench_policy(p: Point, slots: bool = False, timed: list | None = None):
     builder = MlaMetadataBuilder(
         p.target, max_batch=a.batch, num_heads=p.heads, kv_lora_rank=a.kv_lora_rank,
         head_dim_k=a.head_dim_k, dtype=p.dtype, device="cuda", max_seq_len=p.ctx,
+        page_size=1 if slots else p.page,
     )  # fmt: skip
     md = builder.build(p.sl)
     if slots:

@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.set_defaults(resident=0)  # bench_mla's Point reads it (its diagnostic --resident)
     args = ap.parse_args(argv)
     target = current_target()
     dtype = DTYPES[args.dtype]
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     deadline = time.monotonic() + args.budget_s
     rows, failures = [], []
     for heads, ctx in points:
-        p = Point(args, target, dtype, heads, ctx, copy_gbs, mm_tflops)
+        p = Point(args, target, dtype, heads, ctx, copy_gbs, mm_tflops, args.page)
         print(HEADER)
         base = None
         for spec in args.variants:

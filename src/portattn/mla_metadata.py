@@ -84,6 +84,10 @@ class MlaMetadataBuilder:
         device: where the workspaces live.
         max_query_len: most query tokens per sequence (1 + speculative tokens).
         max_seq_len: longest context served (the split count is chosen for it).
+        page_size: tokens per page of the cache the steps read, 1 when they pass
+            ``page_indices`` (single slots); None: not known, and the tiles are those for pages
+            of a multiple of 64 tokens. Pages of other sizes are gathered row by row, which on
+            sm_90 takes the Hopper kernel below 64 heads too (`policy.mla.SM90_GATHER_WIDE`).
 
     Example::
 
@@ -104,6 +108,7 @@ class MlaMetadataBuilder:
         "max_batch",
         "max_query_len",
         "max_tokens",
+        "page_size",
         "_partial_out",
         "_partial_lse",
     )
@@ -120,6 +125,7 @@ class MlaMetadataBuilder:
         device: torch.device | str,
         max_query_len: int = 1,
         max_seq_len: int,
+        page_size: int | None = None,
     ) -> None:
         op = "MlaMetadataBuilder"
         if not isinstance(target, Target):
@@ -137,6 +143,10 @@ class MlaMetadataBuilder:
         ):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 errors.append(f"{name} must be an int >= 1; got {v!r}")
+        if page_size is not None and (
+            not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1
+        ):
+            errors.append(f"page_size must be None or an int >= 1; got {page_size!r}")
         if not errors and kv_lora_rank > head_dim_k:
             errors.append(f"kv_lora_rank must be <= head_dim_k; got {kv_lora_rank} > {head_dim_k}")
         if errors:
@@ -149,6 +159,7 @@ class MlaMetadataBuilder:
         self.max_batch = max_batch
         self.max_query_len = max_query_len
         self.max_tokens = max_batch * max_query_len
+        self.page_size = page_size
         elem = torch.empty((), dtype=dtype).element_size()
         # The one policy call: the launch consumes this object through every metadata.
         self.tiles = mla_decode_tiles(
@@ -161,6 +172,7 @@ class MlaMetadataBuilder:
                 self.max_tokens,
                 max_seq_len,
                 max_query_len,
+                gathers=page_size is not None and page_size % 64 != 0,
             ),
         )
         t = self.tiles

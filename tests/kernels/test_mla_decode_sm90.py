@@ -95,6 +95,18 @@ def test_launcher_picks_the_gather(block_size, slots, monkeypatch):
     assert _plan(64, False)[0].name == "mla_decode_sm90"
 
 
+@pytest.mark.parametrize(("block_size", "slots", "name"), [(1, True, "mla_decode_sm90"),
+                                                           (1, False, "mla_decode_sm90"),
+                                                           (64, False, "mla_decode")])  # fmt: skip
+def test_sixteen_heads_gathered_run_the_hopper_kernel(block_size, slots, name):
+    """`SM90_GATHER_WIDE` through the planner: 16 heads at page size 1 (either index form) run
+    the Hopper kernel's gather on 64 padded rows; 64-token pages stay on the portable kernel."""
+    main = _plan(block_size, slots, heads=16, seqs=64)[0]
+    assert main.name == name
+    if name == "mla_decode_sm90":
+        assert main.args["GATHER"] is True and main.args["NUM_SPLITS"] == 2
+
+
 def test_refuses_interleaved_pages():
     cache = torch.empty(64, 4, 576, dtype=torch.bfloat16, device="meta").transpose(0, 1)
     assert any(

@@ -220,3 +220,26 @@ def test_pure_and_frozen():
     assert a == b
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.block_n = 16  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("arch", "elem", "wide"),
+    [("sm_90", 2, True), ("sm_90", 4, False), ("sm_80", 2, False), ("gfx942", 2, False)],
+)
+def test_gathered_rows_take_the_sm90_kernel_below_64_heads(arch, elem, wide, monkeypatch):
+    """`SM90_GATHER_WIDE`: 16 heads whose rows are gathered (page size 1, ``page_indices``) take
+    the wide tile the sm_90 kernel runs (rows padded to 64, two splits at batch 64), only in
+    16-bit on sm_90; 64-token pages keep the narrow tile; the switch off restores it."""
+    from portattn.policy import mla as mla_policy
+
+    target = get_target(arch)
+    narrow = mla_decode_tiles(target, problem(elem=elem))
+    got = mla_decode_tiles(target, dataclasses.replace(problem(elem=elem), gathers=True))
+    if wide:
+        assert (got.block_h, got.block_n, got.padded_heads, got.sm90_kernel) == (64, 64, 64, True)
+        assert got.num_kv_splits == 2
+    else:
+        assert got == narrow
+    assert narrow.block_h < 64 and not narrow.sm90_kernel
+    monkeypatch.setattr(mla_policy, "SM90_GATHER_WIDE", False)
+    assert mla_decode_tiles(target, dataclasses.replace(problem(elem=elem), gathers=True)) == narrow

@@ -1004,9 +1004,13 @@ def plan_mla_decode(
         if metadata is not None:
             tiles = metadata.tiles
         else:
+            # rows gathered, by a launch the sm_90 kernel could take (SM90_GATHER_WIDE)
+            gathers = (page_indices is not None or block_size % 64 != 0) and not sm90_errors(
+                kv_cache, kv_lora_rank, 64, 64, target, page_indices is not None
+            )
             problem = MlaProblem(
                 num_heads, head_dim_k, kv_lora_rank, query.element_size(), num_tokens,
-                max_context, max_query_len,
+                max_context, max_query_len, gathers,
             )  # fmt: skip
             tiles = mla_decode_tiles(target, problem)
     splits = tiles.num_kv_splits

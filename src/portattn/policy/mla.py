@@ -138,6 +138,13 @@ SM90_GATHER = True
 #: both orders): 128 heads page 1 16k 551.8 / 631.1 and 545.9 / 633.3 us, 4k 142.2 / 145.7 and
 #: 141.8 / 145.9 us (page 64 unchanged). Read at planning.
 SM90_GATHER_ONE_COPY = True
+#: Below 64 heads, 16-bit launches whose rows are gathered (`MlaProblem.gathers`) take the wide
+#: tile too, so the sm_90 kernel runs them (its rows padded to 64): its ``cp.async`` gather keeps
+#: more bytes in flight than the narrow tile's loads. Measured on an H200 (bench/RESULTS.md, tenth
+#: session, call 6; 16 heads, batch 64, graph us): page 1 4k 92.1 against the narrow tile's
+#: 101.2, 16k 322.8 against 367.5 (page 64 by TMA: narrow 85.2 / 308.0, wide 87.4 / 301.6, so
+#: 64-row pages keep the narrow tile). Not measured on an H100. Read at planning.
+SM90_GATHER_WIDE = True
 #: The Hopper kernel reads the next pair's rows (block-table entries, or the gathered rows'
 #: ``page_indices`` / block-table slots) at the top of each pair, so that the read's latency runs
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
@@ -193,6 +200,9 @@ class MlaProblem:
         max_context: an upper bound on any sequence's context length.
         max_query_len: an upper bound on any sequence's query tokens (1: plain decode); decides
             row packing (`PACK_QUERY_ROWS`).
+        gathers: the launch's cache rows are gathered (``page_indices``, or pages that are not a
+            multiple of 64 tokens), not read as 64-row runs of one page; decides
+            `SM90_GATHER_WIDE`.
     """
 
     num_heads: int
@@ -202,6 +212,7 @@ class MlaProblem:
     num_tokens: int
     max_context: int
     max_query_len: int = 1
+    gathers: bool = False
 
 
 @dataclass(frozen=True)
@@ -403,7 +414,16 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         and problem.num_heads < WIDE_BLOCK_H
         and problem.max_query_len * problem.num_heads >= PACK_MIN_ROWS
     )
-    if target.arch in WIDE_ARCHS and (problem.num_heads >= WIDE_BLOCK_H or pack) and not fp32:
+    gather_wide = (
+        SM90_GATHER_WIDE
+        and SM90_GATHER
+        and problem.gathers
+        and target.arch in SM90_KERNEL_ARCHS
+        and elem == 2
+        and block_dv <= 512
+    )
+    wide = problem.num_heads >= WIDE_BLOCK_H or pack or gather_wide
+    if target.arch in WIDE_ARCHS and wide and not fp32:
         for block_n in BLOCK_N_CANDIDATES:
             smem = fits(WIDE_BLOCK_H, block_n, top, WIDE_NUM_WARPS)
             if smem is not None and block_n >= 32:
