@@ -116,11 +116,13 @@ def test_page_indices_identical_to_block_table(block_size, device):
 
 
 @pytest.mark.parametrize("gap", [0, 3])
-def test_page_indices_on_pages_with_gaps(gap, device):
+def test_page_indices_on_pages_with_gaps(gap, device, monkeypatch):
     """``page_indices`` are flat slots (``block * block_size + offset``). Into a cache whose pages
-    lie one after another the kernel reads slot ``s`` at ``s`` rows (FLAT_SLOTS: no division by
-    the block size); with ``gap`` rows between pages (a view of a wider buffer) it splits the
-    slot into block and offset. Both agree with the block table's result on the same cache."""
+    lie one after another the portable kernel reads slot ``s`` at ``s`` rows (FLAT_SLOTS: no
+    division by the block size); with ``gap`` rows between pages (a view of a wider buffer) it
+    splits the slot into block and offset. Both agree with the block table's result on the same
+    cache. (On sm_90 gathered rows would take the Hopper kernel: `SM90_GATHER_WIDE` off here.)"""
+    monkeypatch.setattr(mla_policy, "SM90_GATHER_WIDE", False)
     q, cache, bt, sl, qsl = make_inputs(320, 256, 4, 16, (3, 1), (20, 33), torch.float16, device)
     wide = torch.zeros(cache.shape[0], 16 + gap, 320, dtype=cache.dtype, device=device)
     wide[:, :16] = cache
