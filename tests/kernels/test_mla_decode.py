@@ -14,6 +14,7 @@ from portattn.kernels._launch import run_all
 from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
 from portattn.kernels.page_indices import expand_page_indices
 from portattn.platform import get_target
+from portattn.policy import mla as mla_policy
 from portattn.policy.common import next_pow2
 from portattn.policy.mla import MlaProblem, mla_decode_tiles
 from tests.helpers import assert_low_precision_close
