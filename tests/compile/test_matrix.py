@@ -19,7 +19,13 @@ import dataclasses
 import pytest
 
 from portattn.compile import Case, default_cases, make_case, run_matrix
-from portattn.compile.cases import MLA_CONTEXT, NUM_SEQS, build_mla_decode, build_paged_attention
+from portattn.compile.cases import (
+    MLA_CONTEXT,
+    NUM_SEQS,
+    _mla_case,
+    build_mla_decode,
+    build_paged_attention,
+)
 from portattn.kernels._launch import Launch
 from portattn.platform import Target, get_target
 from portattn.policy.common import next_pow2
@@ -53,7 +59,9 @@ def naive_mla_widths(head_dim_k: int) -> tuple[int, int]:
     return next_pow2(head_dim_k), 0
 
 
-def build_naive_mla(target: Target, *, head_dim_k: int, kv_lora_rank: int, num_q_heads: int):
+def build_naive_mla(
+    target: Target, *, head_dim_k: int, kv_lora_rank: int, num_q_heads: int, block_size: int
+):
     """`build_mla_decode` with the policy's tiles but upstream's widths injected via ``tiles=``."""
     problem = MlaProblem(num_q_heads, head_dim_k, kv_lora_rank, 2, NUM_SEQS, MLA_CONTEXT)
     real = mla_decode_tiles(target, problem)
@@ -65,6 +73,7 @@ def build_naive_mla(target: Target, *, head_dim_k: int, kv_lora_rank: int, num_q
         kv_lora_rank=kv_lora_rank,
         num_q_heads=num_q_heads,
         tiles=naive,
+        block_size=block_size,
     )
 
 
@@ -93,12 +102,17 @@ def test_real_policies_pass_on_both_vendors():
     for c in cells:
         assert c.compiled and c.shared is not None and c.shared <= c.limit
         assert all(r.regs and r.hash for r in c.launches), c.id
-    mla = [c for c in cells if c.kernel == "mla_decode"]
-    # The long MLA context splits, so the reduce kernel is compiled as well.
-    assert all([r.name for r in c.launches] == ["mla_decode", "mla_decode_reduce"] for c in mla)
+    # The long MLA context splits, so the reduce kernel is compiled as well. 16 heads on 16-token
+    # pages gather their rows, which on sm_90 the Hopper kernel does (SM90_GATHER_WIDE).
+    for c in (c for c in cells if c.kernel == "mla_decode"):
+        main = "mla_decode_sm90" if c.arch == "sm_90" else "mla_decode"
+        assert [r.name for r in c.launches] == [main, "mla_decode_reduce"], c.id
 
 
 def test_naive_mla_widths_break_exactly_the_320_256_cells():
+    # 64-token pages: the portable kernel (the one upstream's widths are about) on every target;
+    # 16 heads on 16-token pages gather, which on sm_90 the Hopper kernel does (SM90_GATHER_WIDE)
+    params = dict(num_q_heads=16, block_size=64)
     naive = [
         make_case(
             "mla_decode",
@@ -106,11 +120,11 @@ def test_naive_mla_widths_break_exactly_the_320_256_cells():
             build_naive_mla,
             head_dim_k=dk,
             kv_lora_rank=dv,
-            num_q_heads=16,
-        )
+            **params,
+        )  # fmt: skip
         for dk, dv in MLA_SHAPES
     ]
-    real = _cases([f"mla_decode/{dk}/{dv} h16" for dk, dv in MLA_SHAPES])
+    real = [_mla_case(f"{dk}/{dv} h16", dk, dv, **params) for dk, dv in MLA_SHAPES]
     cells = {c.id: c for c in run_matrix(naive + real, NAIVE_MLA_TARGETS, jobs=2)}
     broken = sorted(i for i, c in cells.items() if not c.compiled)
     assert broken == [f"mla_decode/naive 320/256 h16@{a}" for a in sorted(NAIVE_MLA_TARGETS)]

@@ -247,8 +247,9 @@ def shared_memory_only(src, target: Target, options) -> int:
         gpu, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context
     )
     metadata: dict[str, Any] = {"hash": src.hash(), "target": gpu, **opts.__dict__}
-    for ext in ("ttir", "ttgir"):
-        module = stages[ext](module, metadata)
+    for ext in ("ttir", "ttgir"):  # a Gluon source starts at ttgir (its stages have no ttir)
+        if ext in stages:
+            module = stages[ext](module, metadata)
     pm = ir.pass_manager(module.context)
     if target.vendor == "hip":
         amd.passes.ttgpuir.add_update_async_wait_count(pm, opts.arch)
