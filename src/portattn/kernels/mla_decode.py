@@ -23,7 +23,8 @@ positions ``< seq_lens[i] - q_len_i + j + 1``.
 
 The cache is addressed by block and in-block offset separately (`layout.describe_kv_cache`), so
 any ``block_size >= 1`` works; with ``page_indices`` (from ``expand_page_indices``) each context
-token's slot is ``block * block_size + offset``. Tiles (lesson 1): one latent tile
+token's slot is ``block * block_size + offset``, read at ``slot`` rows where the pages lie one
+after another (``FLAT_SLOTS``; split into block and offset otherwise). Tiles (lesson 1): one latent tile
 ``[BLOCK_N, BLOCK_DV]`` per step feeds both QK (with the rope tile ``[BLOCK_N, BLOCK_DPE]``) and
 PV; no tile is sized from ``head_dim_k``. Heads (lesson 2): a program owns ``BLOCK_H`` (>= 16)
 heads of one token; padded rows compute on zero queries and are written only to the workspaces.
@@ -45,7 +46,8 @@ rows past the context are never read. On sm_90 the wide 64-head tile runs the Gl
 `portattn.kernels.mla_decode_sm90` (``MlaTiles.sm90_kernel``: same arguments, explicit copy/MMA
 schedule) where its requirements hold (pages of a multiple of 64 tokens by TMA; other pages and
 ``page_indices``, e.g. speculative decoding's page size 1, by row gather, while
-``policy.mla.SM90_GATHER`` is on); everything else runs the portable kernel below.
+``policy.mla.SM90_GATHER`` is on; below 64 heads the policy takes the wide tile for gathered rows
+only, ``policy.mla.SM90_GATHER_WIDE``); everything else runs the portable kernel below.
 
 Not supported: fp8 caches, a separate V cache, negative (padding) entries inside a sequence's
 context (rejected where the metadata is checked: `mla_decode`'s Raises). Query rows past
