@@ -25,8 +25,8 @@ The cache is addressed by block and in-block offset separately (`layout.describe
 any ``block_size >= 1`` works; with ``page_indices`` (from ``expand_page_indices``) each context
 token's slot is ``block * block_size + offset``, read at ``slot`` rows where the pages lie one
 after another (``FLAT_SLOTS``; split into block and offset otherwise). Tiles (lesson 1): one
-latent tile ``[BLOCK_N, BLOCK_DV]`` per step feeds both QK (with the rope tile ``[BLOCK_N, BLOCK_DPE]``) and
-PV; no tile is sized from ``head_dim_k``. Heads (lesson 2): a program owns ``BLOCK_H`` (>= 16)
+latent tile ``[BLOCK_N, BLOCK_DV]`` per step feeds both QK (with the rope tile ``[BLOCK_N,
+BLOCK_DPE]``) and PV; no tile is sized from ``head_dim_k``. Heads (lesson 2): a program owns ``BLOCK_H`` (>= 16)
 heads of one token; padded rows compute on zero queries and are written only to the workspaces.
 Split-KV: ``NUM_SPLITS > 1`` programs per (token, head group) write normalised partial outputs and
 their lse; `_mla_reduce_kernel` merges them.
