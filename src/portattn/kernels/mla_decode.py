@@ -21,15 +21,15 @@ positions ``< seq_lens[i] - q_len_i + j + 1``.
 | out             | [num_tokens, num_q_heads, kv_lora_rank]   | = query (any strides)  |
 | lse             | [num_tokens, num_q_heads]                 | fp32                   |
 
-The cache is addressed by block and in-block offset separately (`layout.describe_kv_cache`), so
-any ``block_size >= 1`` works; with ``page_indices`` (from ``expand_page_indices``) each context
-token's slot is ``block * block_size + offset``, read at ``slot`` rows where the pages lie one
-after another (``FLAT_SLOTS``; split into block and offset otherwise). Tiles (lesson 1): one
-latent tile ``[BLOCK_N, BLOCK_DV]`` per step feeds both QK (with the rope tile ``[BLOCK_N,
-BLOCK_DPE]``) and PV; no tile is sized from ``head_dim_k``. Heads (lesson 2): a program owns ``BLOCK_H`` (>= 16)
-heads of one token; padded rows compute on zero queries and are written only to the workspaces.
-Split-KV: ``NUM_SPLITS > 1`` programs per (token, head group) write normalised partial outputs and
-their lse; `_mla_reduce_kernel` merges them.
+The cache is addressed by block and in-block offset separately (`layout.describe_kv_cache`), so any
+``block_size >= 1`` works; with ``page_indices`` (from ``expand_page_indices``) each context token's
+slot is ``block * block_size + offset``, read at ``slot`` rows where the pages lie one after another
+(``FLAT_SLOTS``; split into block and offset otherwise). Tiles (lesson 1): one latent tile
+``[BLOCK_N, BLOCK_DV]`` per step feeds both QK (with the rope tile ``[BLOCK_N, BLOCK_DPE]``) and PV;
+no tile is sized from ``head_dim_k``. Heads (lesson 2): a program owns ``BLOCK_H`` (>= 16) heads of
+one token; padded rows compute on zero queries and are written only to the workspaces. Split-KV:
+``NUM_SPLITS > 1`` programs per (token, head group) write normalised partial outputs and their lse;
+`_mla_reduce_kernel` merges them.
 
 Packed rows (``MlaTiles.packed``, verification; `portattn.policy.mla.PACK_QUERY_ROWS`): a program
 owns ``BLOCK_H`` rows of ONE sequence, row ``r`` being (query token ``r // num_heads``, head ``r %
