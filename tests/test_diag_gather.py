@@ -42,7 +42,8 @@ def _compile(mode: str) -> dict:
     meta = dict(device="meta")
     cache = torch.empty(64 * 512, d.ROW_, dtype=torch.bfloat16, **meta)
     lat, pe = d.layouts()
-    descs = dict(zip(["lat_desc", "pe_desc", "row_lat", "row_pe"], d.descriptors(cache)))
+    names = ["lat_desc", "pe_desc", "row_lat", "row_pe"]
+    descs = dict(zip(names, d.descriptors(cache), strict=True))
     args = dict(
         kv_ptr=cache,
         idx_ptr=torch.empty(64 * 512, dtype=torch.int32, **meta),
