@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from portattn.platform import Target
-from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles
+from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles, sm90_gathers
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX = (torch.int32, torch.int64)
@@ -172,7 +172,7 @@ class MlaMetadataBuilder:
                 self.max_tokens,
                 max_seq_len,
                 max_query_len,
-                gathers=page_size is not None and page_size % 64 != 0,
+                gathers=page_size is not None and sm90_gathers(page_size, False),
             ),
         )
         t = self.tiles

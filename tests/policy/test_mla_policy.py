@@ -243,3 +243,16 @@ def test_gathered_rows_take_the_sm90_kernel_below_64_heads(arch, elem, wide, mon
     assert narrow.block_h < 64 and not narrow.sm90_kernel
     monkeypatch.setattr(mla_policy, "SM90_GATHER_WIDE", False)
     assert mla_decode_tiles(target, dataclasses.replace(problem(elem=elem), gathers=True)) == narrow
+
+
+def test_sm90_gathers_rows_of_slots_and_odd_pages():
+    from portattn.policy.mla import sm90_gathers
+
+    assert [sm90_gathers(p, False) for p in (1, 16, 64, 128, 96)] == [
+        True,
+        True,
+        False,
+        False,
+        True,
+    ]
+    assert sm90_gathers(64, True)  # page_indices address single slots

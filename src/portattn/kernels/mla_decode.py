@@ -81,7 +81,9 @@ from portattn.kernels._checks import (
 )
 from portattn.kernels._launch import Launch, rows_aligned
 from portattn.kernels._plans import PLANS, _current_device, call_key, exact_id, present
-from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_launch
+from portattn.kernels.mla_decode_sm90 import BLOCK_H as SM90_BLOCK_H
+from portattn.kernels.mla_decode_sm90 import BLOCK_N as SM90_BLOCK_N
+from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_gathers, sm90_launch
 from portattn.layout import describe_kv_cache, is_block_contiguous
 from portattn.mla_metadata import MlaMetadata
 from portattn.platform import Target, override_key, target_for_tensor
@@ -1007,8 +1009,9 @@ def plan_mla_decode(
             tiles = metadata.tiles
         else:
             # rows gathered, by a launch the sm_90 kernel could take (SM90_GATHER_WIDE)
-            gathers = (page_indices is not None or block_size % 64 != 0) and not sm90_errors(
-                kv_cache, kv_lora_rank, 64, 64, target, page_indices is not None
+            slots = page_indices is not None
+            gathers = sm90_gathers(kv_cache, slots) and not sm90_errors(
+                kv_cache, kv_lora_rank, SM90_BLOCK_H, SM90_BLOCK_N, target, slots
             )
             problem = MlaProblem(
                 num_heads, head_dim_k, kv_lora_rank, query.element_size(), num_tokens,

@@ -37,11 +37,11 @@ or two TMA boxes (an expect-tx barrier, count 1). Otherwise (``page_indices``, s
 decoding's page size 1, or pages of any other size) a tile's rows are scattered: the issuing
 warpgroup loads its 64 row indices once, copies each buffer (a latent half, the rope part) by
 ``cp.async`` in one op (16-byte pieces, rows past the context zero-filled; one op per 64-column
-block got a ``bar.sync`` between blocks: `portattn.policy.mla.SM90_GATHER_ONE_COPY`) into the same
-NVMMA-swizzled buffers, and each of
-its 128 threads arrives on the tile barrier once its copies land (``cp.async.mbarrier.arrive
-.noinc``; the barriers count 128), so the hand-offs are unchanged. The MMAs read through the
-async proxy what cp.async wrote through the generic one: a proxy fence after each tile wait.
+block got a ``bar.sync`` between blocks: `portattn.policy.mla.SM90_GATHER_ONE_COPY`) into the
+same NVMMA-swizzled buffers, and each of its 128 threads arrives on the tile barrier once its
+copies land (``cp.async.mbarrier.arrive .noinc``; the barriers count 128), so the hand-offs are
+unchanged. The MMAs read through the async proxy what cp.async wrote through the generic one: a
+proxy fence after each tile wait.
 
 Packed rows (``PACKED``, `portattn.policy.mla.PACK_QUERY_ROWS`): the 64 rows are (query token,
 head) pairs of one sequence (`_packed_rows`; 16 heads x 4 tokens fill the tile), the tile's range
@@ -92,7 +92,7 @@ from portattn.policy.common import LaunchOptions
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 #: The tile this kernel is written for (the policy's wide CUDA tile).
 BLOCK_H = 64
-BLOCK_N = 64
+BLOCK_N = mla_policy.SM90_BLOCK_N
 #: Warps of the default partition (warpgroup 0); warpgroup 1 is a worker partition of 4 more.
 NUM_WARPS = 4
 #: Registers per thread each warpgroup asks for (`setmaxnreg`; 8 warps share the 64K file).
@@ -844,9 +844,9 @@ def sm90_errors(
 
 
 def sm90_gathers(kv_cache: torch.Tensor, paged_slots: bool) -> bool:
-    """Whether the kernel loads rows by gather (``page_indices``, or pages that are not a
-    multiple of 64 tokens) rather than by TMA boxes."""
-    return paged_slots or kv_cache.shape[1] % BLOCK_N != 0
+    """Whether the kernel loads rows by gather rather than by TMA boxes
+    (`portattn.policy.mla.sm90_gathers` of the cache's page size)."""
+    return mla_policy.sm90_gathers(kv_cache.shape[1], paged_slots)
 
 
 def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Launch:

@@ -145,6 +145,18 @@ SM90_GATHER_ONE_COPY = True
 #: 101.2, 16k 322.8 against 367.5 (page 64 by TMA: narrow 85.2 / 308.0, wide 87.4 / 301.6, so
 #: 64-row pages keep the narrow tile). Not measured on an H100. Read at planning.
 SM90_GATHER_WIDE = True
+#: The sm_90 kernel's KV tile: pages of a multiple of it are copied by TMA boxes, others gathered.
+SM90_BLOCK_N = 64
+
+
+def sm90_gathers(page_size: int, page_indices: bool) -> bool:
+    """Whether the sm_90 kernel gathers a launch's rows (``page_indices``, whose slots are single
+    rows, or pages that are not a multiple of `SM90_BLOCK_N` tokens) rather than copying page
+    boxes: the one rule its launcher, the planner (`MlaProblem.gathers`) and
+    `MlaMetadataBuilder` (``page_size``) use."""
+    return page_indices or page_size % SM90_BLOCK_N != 0
+
+
 #: The Hopper kernel reads the next pair's rows (block-table entries, or the gathered rows'
 #: ``page_indices`` / block-table slots) at the top of each pair, so that the read's latency runs
 #: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
