@@ -36,18 +36,13 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.testing import do_bench
 
+from portattn.kernels._gluon import clock64
+
 ROW = gl.constexpr(576)
 HALF = gl.constexpr(256)
 ROPE = gl.constexpr(64)
 ROWS = gl.constexpr(64)
 MODES = {"cp.async": 0, "tma-rows": 1, "tma-pages": 2}
-
-
-@gluon.jit
-def _clock():
-    return gl.inline_asm_elementwise(
-        "mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
-    )
 
 
 @gluon.jit
@@ -116,11 +111,11 @@ def _kernel(kv_ptr, idx_ptr, out_ptr, cyc_ptr, lat_desc, pe_desc, row_lat, row_p
     for i in range(tiles_per):
         s = i % 2
         if i + 1 < tiles_per:
-            c0 = _clock()
+            c0 = clock64()
             nxt = 1 - s
             _issue(MODE, kv_ptr, idx_ptr, lat_desc, pe_desc, row_lat, row_pe, t0 + i + 1,
                    bars.index(nxt), lat0.index(nxt), lat1.index(nxt), pe.index(nxt))  # fmt: skip
-            issue += _clock() - c0
+            issue += clock64() - c0
         mbarrier.wait(bars.index(s), (i // 2) & 1)
         fence_async_shared()
         x = lat0.index(s).slice(0, 64, dim=1).load(L).to(gl.float32)

@@ -51,6 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from portattn.kernels._gluon import clock64
+
 H = 64  # heads a tile (rows)
 N = 64  # tokens a tile
 HALF = 256  # latent half (kv_lora_rank 512)
@@ -67,13 +69,6 @@ def macs(mode: str) -> int:
     one = {"pair": s + pv, "pair-preg": s + pv, "s": s, "pv": pv, "pair-one": s + pv,
            "s128": 2 * s, "st-alone": 0, "st-beside": 0}[mode]  # fmt: skip
     return one if mode == "pair-one" else 2 * one
-
-
-@gluon.jit
-def _clock():
-    return gl.inline_asm_elementwise(
-        "mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
-    )
 
 
 @gluon.jit
@@ -94,7 +89,7 @@ def _wg(WG: gl.constexpr, q_smem, lat_smem, pe_smem, p_smem, out_ptr, cyc_ptr, i
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=PV, k_width=2)
     active = ((MODE != 4) and (MODE != 6)) or (WG == 0)
     # each accumulator is carried (use_acc) so that no MMA is dead code; registers as the kernel
-    t0 = _clock()
+    t0 = clock64()
     if (MODE == 6 or MODE == 7) and WG == 0:
         # shared-memory stores and loads from the CUDA cores, as the kernel's P hand-off: one P
         # tile (8 KB) read and written an iteration, then the warpgroup's barrier; alone
@@ -145,7 +140,7 @@ def _wg(WG: gl.constexpr, q_smem, lat_smem, pe_smem, p_smem, out_ptr, cyc_ptr, i
                             acc = warpgroup_mma(p_smem.index(b + z), v, acc, is_async=True)
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         total = gl.sum(gl.sum(acc, 1), 0) + gl.sum(gl.sum(s, 1), 0)
-    t1 = _clock()
+    t1 = clock64()
     pid = gl.program_id(0)
     gl.store(cyc_ptr + pid * 2 + WG, t1 - t0)
     gl.store(out_ptr + pid * 2 + WG, total)

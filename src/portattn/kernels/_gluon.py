@@ -24,6 +24,14 @@ def row_ptrs(base, rows, cols, stride_dim, ALIGNED: gl.constexpr, VEC: gl.conste
 
 
 @gluon.jit
+def clock64():
+    """This SM's cycle counter (``%clock64``): the diagnostics' stamps and timings."""
+    return gl.inline_asm_elementwise(
+        "mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
 def clock_stamp(tr, slot, k: gl.constexpr, TRACE: gl.constexpr, SLOTS: gl.constexpr,
                 EVENTS: gl.constexpr, GLOBAL: gl.constexpr = False):  # fmt: skip
     """Diagnostic (``TRACE``): this SM's clock (``GLOBAL``: the global timer, ns) at event ``k``
@@ -39,9 +47,7 @@ def clock_stamp(tr, slot, k: gl.constexpr, TRACE: gl.constexpr, SLOTS: gl.conste
                 "mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
             )
         else:
-            now = gl.inline_asm_elementwise(
-                "mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
-            )
+            now = clock64()
         gl.store(trace_ptr + base + slot * EVENTS + k, now, mask=slot <= SLOTS)
 
 
