@@ -23,3 +23,20 @@ def assert_low_precision_close(out, oracle, torch_lowp, *, factor: float = 2.0, 
         f"kernel error {e_kernel:.3e} > {factor} x torch low-precision error {e_torch:.3e}"
         f" + {floor:.1e}"
     )
+
+
+def in_spawned_workers(fn, jobs, workers: int = 2) -> dict:
+    """``{job: fn(*job)}`` computed in spawned processes under the compile matrix's worker
+    environment (`portattn.compile.matrix._worker_env`): for tests that compile kernels for
+    other targets, which must not touch this process's Triton state. ``fn``: a module-level
+    function; ``jobs``: tuples of its arguments."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from portattn.compile.matrix import _worker_env
+
+    with _worker_env(None):
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            futures = {job: pool.submit(fn, *job) for job in jobs}
+            return {job: f.result() for job, f in futures.items()}

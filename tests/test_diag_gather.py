@@ -6,16 +6,14 @@ wrong place is seen, which a plain sum would not)."""
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
 import re
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from portattn.compile.matrix import _worker_env
+from tests.helpers import in_spawned_workers
 
 _BENCH = Path(__file__).resolve().parents[1] / "bench"
 _TMA = re.compile(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global")
@@ -30,9 +28,7 @@ def _load():
 
 
 def _compile(mode: str) -> dict:
-    import triton
-
-    from portattn.compile.worker import _resources, bind, source_for
+    from portattn.compile.worker import _resources, compile_kernel
     from portattn.kernels._launch import Launch
     from portattn.platform import get_target
     from portattn.policy.common import LaunchOptions
@@ -56,9 +52,7 @@ def _compile(mode: str) -> dict:
         PE_LAYOUT=pe,
     )
     launch = Launch(d._kernel, (64,), args, LaunchOptions(num_warps=4, num_stages=1), target)
-    options, signature, constexprs, attrs = bind(launch, target)
-    src = source_for(launch.kernel)(launch.kernel, signature, constexprs, attrs)
-    compiled = triton.compile(src, target=target.gpu_target(), options=options.__dict__)
+    compiled = compile_kernel(launch, target)
     ptx = compiled.asm["ptx"]
     _, spills, _ = _resources(compiled, target)
     return dict(
@@ -68,12 +62,8 @@ def _compile(mode: str) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    modes = list(_load().MODES)
-    with _worker_env(None):
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
-            futures = {mode: pool.submit(_compile, mode) for mode in modes}
-            return {mode: f.result() for mode, f in futures.items()}
+    got = in_spawned_workers(_compile, [(mode,) for mode in _load().MODES])
+    return {job[0]: result for job, result in got.items()}
 
 
 # copies in the PTX, over the kernel's two issue sites (the first tile, then each next one):

@@ -4,15 +4,13 @@ timed with the MMAs), and its MAC count is the one the rate is computed from."""
 
 from __future__ import annotations
 
-import multiprocessing
 import re
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from portattn.compile.matrix import _worker_env
+from tests.helpers import in_spawned_workers
 
 pytestmark = pytest.mark.compile
 
@@ -58,12 +56,8 @@ def _compile(mode: str) -> tuple[dict, int]:
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    modes = list(_load().MODES)
-    with _worker_env(None):
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
-            futures = {mode: pool.submit(_compile, mode) for mode in modes}
-            return {mode: f.result() for mode, f in futures.items()}
+    got = in_spawned_workers(_compile, [(mode,) for mode in _load().MODES])
+    return {job[0]: result for job, result in got.items()}
 
 
 # per warpgroup: the score MMA is 36 k-steps (512 latent from shared memory, 64 rope from

@@ -12,13 +12,11 @@ are not aligned still compile, to element accesses (the fallback the count must 
 
 from __future__ import annotations
 
-import multiprocessing
 import re
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from portattn.compile.matrix import _worker_env
+from tests.helpers import in_spawned_workers
 
 pytestmark = pytest.mark.compile
 
@@ -80,9 +78,7 @@ def _accesses(kernel: str, aligned: bool) -> dict:
     """Compile the launch (worker process) and count its global loads and stores by width.
     ``mla-eager``: the MLA launch planned with `SM90_LAZY_RESCALE` off; ``mla-gather``: at page
     size 1 (``mla-gather-parts``: with `SM90_GATHER_ONE_COPY` off)."""
-    import triton
-
-    from portattn.compile.worker import _resources, bind, source_for
+    from portattn.compile.worker import _resources, compile_kernel
     from portattn.platform import get_target
     from portattn.policy import mla as mla_policy
 
@@ -97,9 +93,7 @@ def _accesses(kernel: str, aligned: bool) -> dict:
         launch = _mla(aligned, block_size=1)
     else:  # "prefill", or "prefill128": 128-token pages (one TMA box a K or V tile)
         launch = _prefill(aligned, 128 if kernel == "prefill128" else 16)
-    options, signature, constexprs, attrs = bind(launch, target)
-    src = source_for(launch.kernel)(launch.kernel, signature, constexprs, attrs)
-    compiled = triton.compile(src, target=target.gpu_target(), options=options.__dict__)
+    compiled = compile_kernel(launch, target)
     ptx = compiled.asm["ptx"]
     _, spills, _ = _resources(compiled, target)
     return dict(
@@ -142,11 +136,7 @@ def accesses() -> dict:
     jobs = [(kernel, aligned) for kernel in ("mla", "prefill") for aligned in (True, False)]
     jobs += [("prefill128", True), ("mla-eager", True), ("mla-gather", True)]
     jobs += [("mla-gather-parts", True)]
-    with _worker_env(None):
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
-            futures = {job: pool.submit(_accesses, *job) for job in jobs}
-            return {job: f.result() for job, f in futures.items()}
+    return in_spawned_workers(_accesses, jobs)
 
 
 def test_mla_output_goes_out_in_vectors(accesses):

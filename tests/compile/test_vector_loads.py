@@ -11,14 +11,12 @@ loads, and as many 16-byte ones as NHD at the same tiles.
 
 from __future__ import annotations
 
-import multiprocessing
 import re
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from portattn.compile.matrix import _worker_env
 from portattn.policy.paged import SHUFFLE_NARROW_BLOCK_N, SHUFFLE_NARROW_MAX_M
+from tests.helpers import in_spawned_workers
 
 pytestmark = pytest.mark.compile
 
@@ -64,10 +62,8 @@ def _hybrid_launch(target, layout: str, max_query_len: int):
 
 def _loads(arch: str, layout: str, max_query_len: int, hybrid: bool = False) -> dict:
     """Compile the planned launch (worker process) and count its wide and narrow global loads."""
-    import triton
-
     from portattn.compile.cases import build_paged_attention
-    from portattn.compile.worker import _resources, bind, source_for
+    from portattn.compile.worker import _resources, compile_kernel
     from portattn.platform import get_target
     from portattn.policy import paged as paged_policy
 
@@ -81,9 +77,7 @@ def _loads(arch: str, layout: str, max_query_len: int, hybrid: bool = False) -> 
         [launch] = build_paged_attention(
             target, layout=layout, max_query_len=max_query_len, **SHAPE
         )
-    options, signature, constexprs, attrs = bind(launch, target)
-    src = source_for(launch.kernel)(launch.kernel, signature, constexprs, attrs)
-    compiled = triton.compile(src, target=target.gpu_target(), options=options.__dict__)
+    compiled = compile_kernel(launch, target)
     if target.vendor == "cuda":
         asm, wide, narrow = compiled.asm["ptx"], _PTX_WIDE, _PTX_NARROW
     else:
@@ -112,11 +106,7 @@ def _loads(arch: str, layout: str, max_query_len: int, hybrid: bool = False) -> 
 def loads() -> dict:
     jobs = [(arch, layout, mql) for arch, mql in CASES for layout in ("NHD", "SHUFFLE")]
     jobs += [("sm_90", "SHUFFLE", 1, True)]
-    with _worker_env(None):
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
-            futures = {job: pool.submit(_loads, *job) for job in jobs}
-            return {job: f.result() for job, f in futures.items()}
+    return in_spawned_workers(_loads, jobs)
 
 
 @pytest.mark.parametrize("arch,max_query_len", CASES, ids=[f"{a}-q{q}" for a, q in CASES])

@@ -368,17 +368,13 @@ def _traced_ptx_counts() -> tuple[int, int, int | None]:
     """(global timer reads, clock reads, ptxas spill bytes) of the traced launch compiled for
     sm_90. Run in a spawned process without the interpreter (as the compile matrix compiles):
     a Gluon kernel compiled in a process that has run the interpreter can fail to build."""
-    import triton
-
     import portattn.kernels.paged_prefill_sm90 as sm90
-    from portattn.compile.worker import _resources, bind, source_for
+    from portattn.compile.worker import _resources, compile_kernel
 
     need = SM90.num_sms * sm90.TRACE_PARTS.value * (sm90.TRACE_TILES.value + 1) * 8
     sm90.TRACE_BUFFER = torch.empty(need, dtype=torch.int64, device="meta")
     (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
-    options, signature, constexprs, attrs = bind(main, SM90)
-    src = source_for(main.kernel)(main.kernel, signature, constexprs, attrs)
-    compiled = triton.compile(src, target=SM90.gpu_target(), options=options.__dict__)
+    compiled = compile_kernel(main, SM90)
     ptx = compiled.asm["ptx"]
     return ptx.count("%globaltimer"), ptx.count("%clock64"), _resources(compiled, SM90)[1]
 
@@ -386,15 +382,9 @@ def _traced_ptx_counts() -> tuple[int, int, int | None]:
 def test_traced_kernel_compiles_for_sm90_without_spills():
     """The traced build stamps in all three partitions (CPU compile, sm_90 PTX): the clock at
     each of the consumers' and the producer's steps, the global timer at their ends."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from tests.helpers import in_spawned_workers
 
-    from portattn.compile.matrix import _worker_env
-
-    with _worker_env(None):
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-            timer, clock, spills = pool.submit(_traced_ptx_counts).result()
+    ((timer, clock, spills),) = in_spawned_workers(_traced_ptx_counts, [()], workers=1).values()
     # the global timer at both ends of the 3 partitions; the clock at both ends, and: warpgroup
     # 0 at 7 steps a tile and an item's start; warpgroup 1 the same, and 4 on the path that
     # passes a decode item's tiles on (warpgroup 0 never takes it); the producer 3 a tile

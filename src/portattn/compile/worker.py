@@ -127,6 +127,21 @@ def bind(launch: Launch, target: Target):
     return kernel._pack_args(backend, kwargs, bound, specialization, options)
 
 
+def _source(launch: Launch, target: Target):
+    """``(src, options)``: the launch bound for ``target`` (`bind`) and its compiler front end."""
+    options, signature, constexprs, attrs = bind(launch, target)
+    return source_for(launch.kernel)(launch.kernel, signature, constexprs, attrs), options
+
+
+def compile_kernel(launch: Launch, target: Target):
+    """Triton's compiled kernel of ``launch`` for ``target`` (its ``asm`` holds the PTX / AMDGCN;
+    compile errors raise): what `compile_launch` measures, for callers that read the code."""
+    import triton
+
+    src, options = _source(launch, target)
+    return triton.compile(src, target=target.gpu_target(), options=options.__dict__)
+
+
 @contextlib.contextmanager
 def _stderr_to(path: str) -> Iterator[None]:
     """Send file descriptor 2 (where MLIR and LLVM diagnostics go) to ``path`` for a while."""
@@ -280,8 +295,6 @@ def compile_launch(
     With ``shared_only`` the pipeline stops at shared-memory allocation (`shared_memory_only`):
     the result has the shared memory but no registers, spills or hash.
     """
-    import triton
-
     kernel_name = getattr(launch.kernel, "__name__", str(launch.kernel))
     opts = launch.options
     result = LaunchResult(
@@ -297,14 +310,11 @@ def compile_launch(
         log = os.path.join(tmp, "stderr.log")
         try:
             with _stderr_to(log):
-                options, signature, constexprs, attrs = bind(launch, target)
-                src = source_for(launch.kernel)(launch.kernel, signature, constexprs, attrs)
                 if shared_only:
+                    src, options = _source(launch, target)
                     shared = shared_memory_only(src, target, options)
                 else:
-                    compiled = triton.compile(
-                        src, target=target.gpu_target(), options=options.__dict__
-                    )
+                    compiled = compile_kernel(launch, target)
         except Exception as exc:  # noqa: BLE001 - any compiler failure is this cell's result
             result.compile_s = time.perf_counter() - t0
             with open(log, errors="replace") as f:
