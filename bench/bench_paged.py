@@ -217,7 +217,8 @@ def _tiles(plan):
 
 def shuffle_variant_plans(args, spec: str):
     """``plan_paged_attention`` of ``args`` (a SHUFFLE cache) at this GPU's policy tiles with
-    ``spec`` = ``N,stages,warps,splits`` in place of theirs (``--shuffle-variants``)."""
+    ``spec`` = ``N,stages,warps,splits[,maxnreg]`` in place of theirs (``--shuffle-variants``;
+    ``maxnreg``: a CUDA register cap, `LaunchOptions.maxnreg`)."""
     import dataclasses
 
     from sweep_paged import _tiles_of
@@ -226,13 +227,19 @@ def shuffle_variant_plans(args, spec: str):
     from portattn.policy.common import launch_options
 
     try:
-        n, stages, warps, splits = (int(x) for x in spec.split(","))
+        fields = [int(x) for x in spec.split(",")]
+        if len(fields) not in (4, 5):
+            raise ValueError(spec)
     except ValueError:
-        raise SystemExit(f"--shuffle-variants: want N,stages,warps,splits; got {spec!r}") from None
+        raise SystemExit(
+            f"--shuffle-variants: want N,stages,warps,splits[,maxnreg]; got {spec!r}"
+        ) from None
+    n, stages, warps, splits = fields[:4]
+    maxnreg = fields[4] if len(fields) == 5 else None
     base = _tiles_of(plan_paged_attention(*args, layout="SHUFFLE"))
     tiles = dataclasses.replace(
         base, block_n=n, num_splits=splits,
-        options=launch_options(current_target(), warps, stages),
+        options=launch_options(current_target(), warps, stages, maxnreg),
     )  # fmt: skip
 
     def plan_fn(*a, **kw):
@@ -311,7 +318,8 @@ def main() -> None:
     ap.add_argument("--no-hip", action="store_true", help="skip the gfx942-policy rows")
     ap.add_argument("--shuffle", action="store_true",
                     help="only SHUFFLE vs NHD at the decode points (issue 18)")  # fmt: skip
-    ap.add_argument("--shuffle-variants", nargs="*", default=[], metavar="N,STAGES,WARPS,SPLITS",
+    ap.add_argument("--shuffle-variants", nargs="*", default=[],
+                    metavar="N,STAGES,WARPS,SPLITS[,MAXNREG]",
                     help="with --shuffle: SHUFFLE rows at these tiles too (this GPU's policy "
                          "otherwise)")  # fmt: skip
     ap.add_argument("--set", action="append", default=[], metavar="SWITCH=0|1",

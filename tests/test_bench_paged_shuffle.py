@@ -41,8 +41,22 @@ def test_variant_takes_its_tiles_and_is_right(monkeypatch):
     assert ok, (e_kernel, e_torch)
 
 
-@pytest.mark.parametrize("spec", ["32,3,4", "32,3,4,x"])
+@pytest.mark.cpu
+def test_variant_register_cap(monkeypatch):
+    monkeypatch.setenv("PORTATTN_TARGET", "sm_90")
+    args = _args()
+    launch = bp.shuffle_variant_plans(args, "64,2,4,1,128")(*args, layout="SHUFFLE")[0]
+    assert launch.options.maxnreg == 128
+    assert (
+        bp.shuffle_variant_plans(args, "64,2,4,1")(*args, layout="SHUFFLE")[0].options.maxnreg
+        is None
+    )
+
+
+@pytest.mark.parametrize("spec", ["32,3,4", "32,3,4,x", "64,2,4,1,128,9"])
 def test_malformed_variant_is_refused(spec, monkeypatch):
     monkeypatch.setenv("PORTATTN_TARGET", "sm_90")
-    with pytest.raises(SystemExit, match=r"--shuffle-variants: want N,stages,warps,splits; got"):
+    with pytest.raises(
+        SystemExit, match=r"--shuffle-variants: want N,stages,warps,splits\[,maxnreg\]; got"
+    ):
         bp.shuffle_variant_plans(_args(), spec)

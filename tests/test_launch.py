@@ -41,6 +41,21 @@ def test_hip_only_option_refused_on_cuda():
         opts.kwargs(get_target("sm_90"))
 
 
+def test_cuda_only_register_cap_refused_on_hip():
+    opts = LaunchOptions(4, 2, maxnreg=128)
+    assert opts.kwargs(get_target("sm_90")) == {"num_warps": 4, "num_stages": 2, "maxnreg": 128}
+    with pytest.raises(ValueError, match="maxnreg is a CUDA-only option; target is gfx942"):
+        opts.kwargs(get_target("gfx942"))
+    # a CUDA policy forced onto an AMD GPU keeps its tiles and drops the cap
+    assert opts.backend_kwargs(get_target("sm_90"), "hip") == {"num_warps": 4, "num_stages": 2}
+
+
+@pytest.mark.parametrize("bad", [0, 16, 256])
+def test_register_cap_out_of_range(bad):
+    with pytest.raises(ValueError, match=rf"maxnreg must be in \[24, 255\]; got {bad}"):
+        LaunchOptions(4, 2, maxnreg=bad)
+
+
 def test_forced_hip_policy_keeps_tiles_and_drops_hip_hints_on_cuda():
     opts = LaunchOptions(8, 2, waves_per_eu=2)
     gfx942 = get_target("gfx942")
