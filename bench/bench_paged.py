@@ -26,7 +26,8 @@ outputs are compared too):
 ``--shuffle`` (issue 18) times instead the SHUFFLE layout next to NHD at the decode points: the
 same cache contents converted with `layout.from_logical`, each checked against the oracle first,
 under this GPU's policy and under the gfx942 policy forced, with the SHUFFLE / NHD kernel-time
-ratio per point (goal: <= 1.1 everywhere). A few minutes on an H100; writes
+ratio per point (goal: <= 1.1 everywhere); ``--rounds R`` times every launch of a point R times
+in turns and keeps the medians. A few minutes on an H100; writes
 ``$OUT/bench_paged_shuffle.json``.
 
 Usage::
@@ -248,10 +249,23 @@ def shuffle_variant_plans(args, spec: str):
     return plan_fn
 
 
-def shuffle_main(dtype, arch, variants=()) -> None:
+def _timed_in_turns(plans: dict, rounds: int) -> dict[str, list[float]]:
+    """``do_bench`` µs of each plan, ``rounds`` times in turns (A B C, A B C, ...): a drift of
+    the clock or a one-off slow timing falls on every plan alike and shows in its list."""
+    times: dict[str, list[float]] = {k: [] for k in plans}
+    for _ in range(rounds):
+        for key, plan in plans.items():
+            times[key].append(do_bench(lambda plan=plan: run_all(plan)) * 1e3)
+    return times
+
+
+def shuffle_main(dtype, arch, variants=(), rounds: int = 1) -> None:
     """SHUFFLE vs NHD at the decode points (``--shuffle``; module docstring); ``variants``
-    (``N,stages,warps,splits``) add SHUFFLE rows at other tiles of this GPU's policy, each
-    against the policy's NHD time."""
+    (``N,stages,warps,splits[,maxnreg]``) add SHUFFLE rows at other tiles of this GPU's policy,
+    each against the policy's NHD time. Every launch is checked first; then, per point, all of
+    them are timed ``rounds`` times in turns and each keeps its median (``--rounds``)."""
+    import statistics
+
     policies = {arch: plan_paged_attention, "gfx942": hip_plan}
     print(
         f"{'scenario':16} {'bs':>5} {'policy':>7} {'tiles NHD (M,N,w,s,splits)':>27} "
@@ -264,16 +278,33 @@ def shuffle_main(dtype, arch, variants=()) -> None:
         for bs in BLOCK_SIZES:
             nhd = make_inputs(seqs, bs, dtype)
             shuf = to_shuffle(nhd)
+            plans, errs = {}, {}
             for pname, plan_fn in policies.items():
-                res = {}
                 for layout, args in (("NHD", nhd), ("SHUFFLE", shuf)):
                     ok, e_k, e_t = check_plan(plan_fn, args, layout=layout)
                     if not ok:
                         raise SystemExit(f"correctness: {name} bs {bs} {pname} {layout}: kernel "
                                          f"error {e_k:.3e} > 2 x torch {e_t:.3e}")  # fmt: skip
-                    plan = plan_fn(*args, layout=layout)
-                    us = do_bench(lambda plan=plan: run_all(plan)) * 1e3
-                    res[layout] = dict(us=us, tiles=_tiles(plan), err=e_k / e_t)
+                    plans[(pname, layout)] = plan_fn(*args, layout=layout)
+                    errs[(pname, layout)] = e_k / e_t
+            for spec in variants:
+                plan_v = shuffle_variant_plans(shuf, spec)
+                ok, e_k, e_t = check_plan(plan_v, shuf, layout="SHUFFLE")
+                if not ok:
+                    raise SystemExit(f"correctness: {name} bs {bs} SHUFFLE variant {spec}: "
+                                     f"error {e_k:.3e} > 2 x torch {e_t:.3e}")  # fmt: skip
+                plans[("variant", spec)] = plan_v(*shuf, layout="SHUFFLE")
+                errs[("variant", spec)] = e_k / e_t
+            times = _timed_in_turns(plans, rounds)
+            us = {k: statistics.median(v) for k, v in times.items()}
+            spread = " ".join(f"{t:.1f}" for t in times[(arch, "SHUFFLE")]) if rounds > 1 else ""
+            for pname in policies:
+                res = {
+                    layout: dict(us=us[(pname, layout)], rounds=times[(pname, layout)],
+                                 tiles=_tiles(plans[(pname, layout)]),
+                                 err=errs[(pname, layout)])
+                    for layout in ("NHD", "SHUFFLE")
+                }  # fmt: skip
                 ratio = res["SHUFFLE"]["us"] / res["NHD"]["us"]
                 flag = "" if ratio <= 1.1 else "  > 1.1"
                 print(
@@ -281,26 +312,21 @@ def shuffle_main(dtype, arch, variants=()) -> None:
                     f"{str(res['SHUFFLE']['tiles']):>19} {res['NHD']['us']:>8.1f} "
                     f"{res['SHUFFLE']['us']:>8.1f} {ratio:>6.2f} "
                     f"{max(r['err'] for r in res.values()):>10.2f}{flag}"
+                    + (f"   rounds {spread}" if pname == arch and spread else "")
                 )
                 rows.append(dict(scenario=name, block_size=bs, policy=pname, ratio=ratio,
                                  nhd=res["NHD"], shuffle=res["SHUFFLE"]))  # fmt: skip
-                if pname != arch:
-                    continue
-                for spec in variants:
-                    plan_v = shuffle_variant_plans(shuf, spec)
-                    ok, e_k, e_t = check_plan(plan_v, shuf, layout="SHUFFLE")
-                    if not ok:
-                        raise SystemExit(f"correctness: {name} bs {bs} SHUFFLE variant {spec}: "
-                                         f"error {e_k:.3e} > 2 x torch {e_t:.3e}")  # fmt: skip
-                    plan = plan_v(*shuf, layout="SHUFFLE")
-                    us = do_bench(lambda plan=plan: run_all(plan)) * 1e3
-                    print(f"{name:16} {bs:>5} {'variant':>7} {spec:>27} {str(_tiles(plan)):>19} "
-                          f"{'':>8} {us:>8.1f} {us / res['NHD']['us']:>6.2f} "
-                          f"{e_k / e_t:>10.2f}")  # fmt: skip
-                    variant_rows.append(dict(scenario=name, block_size=bs, variant=spec, us=us,
-                                             ratio=us / res["NHD"]["us"],
-                                             tiles=_tiles(plan)))  # fmt: skip
-            del nhd, shuf
+            nhd_us = us[(arch, "NHD")]
+            for spec in variants:
+                key = ("variant", spec)
+                laps = " ".join(f"{t:.1f}" for t in times[key]) if rounds > 1 else ""
+                print(f"{name:16} {bs:>5} {'variant':>7} {spec:>27} {str(_tiles(plans[key])):>19} "
+                      f"{'':>8} {us[key]:>8.1f} {us[key] / nhd_us:>6.2f} "
+                      f"{errs[key]:>10.2f}" + (f"   rounds {laps}" if laps else ""))  # fmt: skip
+                variant_rows.append(dict(scenario=name, block_size=bs, variant=spec, us=us[key],
+                                         rounds=times[key], ratio=us[key] / nhd_us,
+                                         tiles=_tiles(plans[key])))  # fmt: skip
+            del nhd, shuf, plans
             torch.cuda.empty_cache()
     worst = max(rows, key=lambda r: r["ratio"])
     print(f"== worst SHUFFLE / NHD: {worst['ratio']:.2f} ({worst['scenario']}, bs "
@@ -308,7 +334,7 @@ def shuffle_main(dtype, arch, variants=()) -> None:
           f"{'met' if worst['ratio'] <= 1.1 else 'NOT met'}")  # fmt: skip
     dtype_name = str(dtype).removeprefix("torch.")
     save_record("bench_paged_shuffle", arch=arch, dtype=dtype_name, rows=rows,
-                variants=variant_rows)  # fmt: skip
+                variants=variant_rows, rounds=rounds)  # fmt: skip
 
 
 def main() -> None:
@@ -322,10 +348,15 @@ def main() -> None:
                     metavar="N,STAGES,WARPS,SPLITS[,MAXNREG]",
                     help="with --shuffle: SHUFFLE rows at these tiles too (this GPU's policy "
                          "otherwise)")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --shuffle: every launch of a point timed this many times in "
+                         "turns; the median is kept")  # fmt: skip
     ap.add_argument("--set", action="append", default=[], metavar="SWITCH=0|1",
                     help="set a boolean switch of portattn.policy.paged for the run (an A/B), "
                          "e.g. --set SHUFFLE_LINES=0")  # fmt: skip
     opts = ap.parse_args()
+    if opts.rounds < 1:
+        raise SystemExit(f"bench_paged: --rounds must be >= 1; got {opts.rounds}")
     for item in opts.set:
         set_switch(paged_policy, item)
     dtype = DTYPES[opts.dtype]
@@ -334,7 +365,7 @@ def main() -> None:
     if opts.shuffle:
         print(f"# {torch.cuda.get_device_name()} ({target.arch}), {opts.dtype}, commit {commit}, "
               f"SHUFFLE vs NHD")  # fmt: skip
-        shuffle_main(dtype, target.arch, opts.shuffle_variants)
+        shuffle_main(dtype, target.arch, opts.shuffle_variants, opts.rounds)
         return
     rows, sdpa_rows, summary = [], [], []
     print(f"# {torch.cuda.get_device_name()} ({target.arch}), {opts.dtype}, commit {commit}, "

@@ -15,7 +15,13 @@ import re
 
 import pytest
 
-from portattn.policy.paged import SHUFFLE_NARROW_BLOCK_N, SHUFFLE_NARROW_MAX_M
+from portattn.compile.matrix import SPILL_THRESHOLD
+from portattn.policy.paged import (
+    SHUFFLE_NARROW_BLOCK_N,
+    SHUFFLE_NARROW_MAX_M,
+    SHUFFLE_REG_CAP,
+    SHUFFLE_REG_CAP_BLOCK_D,
+)
 from tests.helpers import in_spawned_workers
 
 pytestmark = pytest.mark.compile
@@ -97,6 +103,7 @@ def _loads(arch: str, layout: str, max_query_len: int, hybrid: bool = False) -> 
         narrow=len(narrow.findall(asm)),
         regs=regs,
         spills=spills,
+        maxnreg=launch.options.maxnreg,
         tiles=(a["BLOCK_M"], a["BLOCK_N"], launch.options.num_warps, launch.options.num_stages),
         vec=(a["K_VEC"], a["V_VEC"]),
     )
@@ -114,11 +121,18 @@ def test_shuffle_loads_are_as_wide_as_nhd(loads, arch, max_query_len):
     nhd = loads[arch, "NHD", max_query_len]
     shuffle = loads[arch, "SHUFFLE", max_query_len]
     assert shuffle["vec"] == (8, 8) and nhd["vec"] == (1, 1)
-    # the same tiles (the policy's SHUFFLE register term is 0 since the loads are vectors), but
-    # the cache-order reads' narrower KV tile (`SHUFFLE_LINES_NARROW`, sm_90 decode)
+    # the same tiles (the policy's SHUFFLE register term is 0 since the loads are vectors); the
+    # cache-order reads' decode tile at head_dim 128 is held to SHUFFLE_REG_CAP registers (elsewhere
+    # it is the narrower KV tile, `SHUFFLE_LINES_NARROW`)
     want = nhd["tiles"]
     if shuffle["lines"] and want[0] <= SHUFFLE_NARROW_MAX_M:
-        want = (want[0], min(want[1], SHUFFLE_NARROW_BLOCK_N), *want[2:])
+        if SHUFFLE_REG_CAP is not None and SHAPE["head_dim"] in SHUFFLE_REG_CAP_BLOCK_D:
+            assert shuffle["maxnreg"] == SHUFFLE_REG_CAP
+            assert nhd["regs"] <= shuffle["regs"] <= SHUFFLE_REG_CAP, (shuffle, nhd)
+        else:
+            want = (want[0], min(want[1], SHUFFLE_NARROW_BLOCK_N), *want[2:])
+    else:
+        assert shuffle["maxnreg"] is None
     assert shuffle["tiles"] == want
     assert nhd["narrow"] == 0 and nhd["wide"] > 0
     # no 16-bit K/V element loads, and (on the same tile) every 16-byte load NHD has (SHUFFLE's
@@ -126,7 +140,8 @@ def test_shuffle_loads_are_as_wide_as_nhd(loads, arch, max_query_len):
     assert shuffle["narrow"] == 0 and shuffle["wide"] > 0, shuffle
     if shuffle["tiles"] == nhd["tiles"]:
         assert shuffle["wide"] >= nhd["wide"], (shuffle, nhd)
-    assert shuffle["spills"] == 0, shuffle
+    # held to 128 registers, ptxas parks one word (4 B) of the capped tile: within the gate
+    assert shuffle["spills"] <= (SPILL_THRESHOLD["cuda"] if shuffle["maxnreg"] else 0), shuffle
 
 
 def test_shuffle_hybrid_pages_load_vectors_too(loads):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -169,12 +170,19 @@ EXACT = [
     # bound (at most MAX_WORDS_8_WARPS, 24576, below block_n 16), in the warp count only in fp32
     # (16-bit: vector loads since issue 18), never the wide tile.
     # MHA decode, head_dim 128: 4 warps like NHD, (2048 + 1024 + 4096) / 128 = 56 (the address
-    # words made it 120 -> 8 warps before); on sm_90 the cache-order reads take 32-token KV tiles
-    # (`SHUFFLE_LINES_NARROW`: 142 registers at 64 tokens, 96 at 32; 1.02-1.04x NHD on the H100)
+    # words made it 120 -> 8 warps before); on sm_90 the cache-order reads keep the 64-token KV
+    # tile under a register cap (`SHUFFLE_REG_CAP`: 142 registers uncapped, 3 programs per SM;
+    # 128 capped, 4 like NHD; 1.01-1.02x NHD on an H200 where 32 tokens gave 1.20-1.25x)
     (
         "sm_90",
         _problem(num_q_heads=8, head_dim=128, shuffled=True),
-        PagedTiles(16, 16, 1, 32, 128, LaunchOptions(4, 2), 32768 + 4096 + 1024),
+        PagedTiles(16, 16, 1, 64, 128, LaunchOptions(4, 2, maxnreg=128), 65536 + 4096 + 2048),
+    ),
+    # head_dim 64 keeps the narrow 32-token tile (the cap is for head_dim 128 only)
+    (
+        "sm_90",
+        _problem(num_q_heads=8, head_dim=64, shuffled=True),
+        PagedTiles(16, 16, 1, 32, 64, LaunchOptions(4, 2), 16384 + 2048 + 1024),
     ),
     (
         "gfx950",  # 64 lanes: 7168 / 256 = 28 <= 64 -> 4 warps (166 VGPRs, no spills)
@@ -374,8 +382,9 @@ def test_fp32_fma_rule_on_nvidia_only():
 def test_16_bit_shuffle_takes_nhd_tiles_up_to_head_dim_128(arch):
     """Issue 18: SHUFFLE loads are vectors (no per-element offsets), so in 16-bit a SHUFFLE cache
     gets NHD's tiles and warps; the exceptions are head_dim 256 (the per-program words bound
-    halves block_n), NHD's wide tile (sm_100), and the cache-order reads' 32-token KV tile
-    (`SHUFFLE_LINES_NARROW`: decode row tiles, head_dim == BLOCK_D, sm_90)."""
+    halves block_n), NHD's wide tile (sm_100), and the cache-order reads' decode row tiles on
+    sm_90 (head_dim == BLOCK_D): a 32-token KV tile (`SHUFFLE_LINES_NARROW`), or at head_dim 128
+    NHD's tile under a register cap (`SHUFFLE_REG_CAP`)."""
     from portattn.policy import paged as paged_policy
 
     target = get_target(arch)
@@ -392,7 +401,10 @@ def test_16_bit_shuffle_takes_nhd_tiles_up_to_head_dim_128(arch):
             and hd == nhd.block_d
             and nhd.block_m <= paged_policy.SHUFFLE_NARROW_MAX_M
         )
-        if narrow:
+        if narrow and hd == 128 and (nhd.block_n, nhd.num_warps) == (64, 4):
+            assert shuffle.block_n == nhd.block_n, (hd, hq, hkv, mql)
+            assert shuffle.options == LaunchOptions(4, nhd.options.num_stages, maxnreg=128)
+        elif narrow:
             block_n = min(nhd.block_n, paged_policy.SHUFFLE_NARROW_BLOCK_N)
             assert shuffle.block_n == block_n, (hd, hq, hkv, mql)
             assert (shuffle.block_m, shuffle.options) == (nhd.block_m, nhd.options)
@@ -466,7 +478,7 @@ def test_decode_row_tile_only_when_it_differs_and_is_exceeded():
 @pytest.mark.parametrize(
     ("arch", "dtype_bytes", "head_dim", "shuffled", "narrow"),
     [
-        ("sm_90", 2, 128, True, True),
+        ("sm_90", 2, 64, True, True),
         ("sm_90", 2, 128, False, False),  # NHD keeps its tile
         ("sm_90", 2, 80, True, False),  # head_dim < BLOCK_D: no cache-order reads
         ("sm_90", 4, 128, True, False),  # fp32
@@ -492,6 +504,7 @@ def test_shuffle_lines_narrow_caps_block_n_where_the_reads_apply(
         monkeypatch.setattr(paged_policy, "SHUFFLE_LINES_NARROW", True)
         if narrow and max_query_len == 1:
             assert before.block_n == 64 and after.block_n == 32
+            assert after.options.maxnreg is None
             assert (after.block_m, after.options.num_warps) == (
                 before.block_m,
                 before.options.num_warps,
@@ -512,3 +525,28 @@ def test_shuffle_lines_tile_keeps_to_the_shapes_checked_on_a_gpu(block_d, block_
     from portattn.policy.paged import shuffle_lines_tile
 
     assert shuffle_lines_tile(block_d, block_n, 8) is lines
+
+
+@pytest.mark.parametrize("cap", [128, None])
+def test_shuffle_reg_cap_keeps_nhd_tile_at_head_dim_128(cap, monkeypatch):
+    """`SHUFFLE_REG_CAP`: sm_90 SHUFFLE decode at head_dim 128 (cache-order reads) keeps NHD's
+    64-token, 4-warp tile with ``maxnreg`` = the cap; off (None), the narrow 32-token tile
+    without a cap. Prefill row tiles, NHD, fp32, HIP and other CUDA archs never get a cap."""
+    from portattn.policy import paged as paged_policy
+
+    monkeypatch.setattr(paged_policy, "SHUFFLE_REG_CAP", cap)
+    sm90 = get_target("sm_90")
+    for hq, hkv in ((8, 8), (32, 8), (64, 8)):
+        p = PagedProblem(hq, hkv, 128, 2, 1, max_seq_len=16384, num_seqs=64, shuffled=True)
+        nhd = paged_tiles(sm90, replace(p, shuffled=False))
+        got = paged_tiles(sm90, p)
+        if cap is None:
+            assert (got.block_n, got.options.maxnreg) == (32, None)
+        else:
+            assert got.block_n == nhd.block_n == 64
+            assert got.options == replace(nhd.options, maxnreg=cap)
+    prefill = PagedProblem(32, 8, 128, 2, max_query_len=64, shuffled=True)
+    assert paged_tiles(sm90, prefill).options.maxnreg is None
+    for arch, elem in (("sm_90", 4), ("sm_86", 2), ("sm_100", 2), ("gfx942", 2)):
+        p = PagedProblem(32, 8, 128, elem, 1, max_seq_len=16384, num_seqs=64, shuffled=True)
+        assert paged_tiles(get_target(arch), p).options.maxnreg is None, arch

@@ -214,6 +214,16 @@ SHUFFLE_LINES_ARCHS = ("sm_90",)
 SHUFFLE_LINES_NARROW = True
 SHUFFLE_NARROW_BLOCK_N = 32
 SHUFFLE_NARROW_MAX_M = 16
+#: ... except at head_dim 128, where the decode row tile keeps NHD's 64 tokens and 4 warps and
+#: the compiler is held to `SHUFFLE_REG_CAP` registers (`LaunchOptions.maxnreg`): 4 programs per
+#: SM, as NHD's 123-register tile, with the same 32 KB of K/V in flight per program (ptxas: 128
+#: registers, 0-4 B of spills). On an H200 the 32-token tile kept too few bytes in flight
+#: (1.20-1.25x NHD) and 64 tokens at 142 registers ran 3 programs per SM (1.37-1.55x); capped:
+#: 1.01-1.02x (bench/RESULTS.md, eleventh session). Off (None): the narrow tile above.
+SHUFFLE_REG_CAP: int | None = 128
+SHUFFLE_REG_CAP_BLOCK_D = (128,)
+SHUFFLE_REG_CAP_BLOCK_N = 64
+SHUFFLE_REG_CAP_WARPS = 4
 
 
 #: The cache-order K tile is [block_d // x runs, block_n * x]. With 4 runs (head_dim 32, x 8) and
@@ -610,7 +620,6 @@ def _wide_fits(target: Target, block_d: int, elem_bytes: int) -> bool:
 
 
 def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
-    min_m = max(MIN_DOT_DIM, target.mma_min_rows)
     rows = p.max_query_len * p.group
     block_m = _block_m(target, rows, block_d, p.elem_bytes, WIDE_BLOCK_M, p.shuffled)
     max_stages = max(1, min(PREFERRED_STAGES, target.max_num_stages))
@@ -623,6 +632,34 @@ def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
             target.arch, p.head_dim, block_d, SHUFFLE_NARROW_BLOCK_N, p.elem_bytes
         )
     )
+    if (
+        narrow
+        and SHUFFLE_REG_CAP is not None
+        and block_d in SHUFFLE_REG_CAP_BLOCK_D
+        and cache_order_reads(
+            target.arch, p.head_dim, block_d, SHUFFLE_REG_CAP_BLOCK_N, p.elem_bytes
+        )
+    ):
+        wide = _ladder_tiles(target, p, block_m, block_d, max_stages, max_words, False)
+        if wide.block_n == SHUFFLE_REG_CAP_BLOCK_N and wide.num_warps == SHUFFLE_REG_CAP_WARPS:
+            opts = wide.options
+            capped = launch_options(target, opts.num_warps, opts.num_stages, SHUFFLE_REG_CAP)
+            return replace(wide, options=capped)
+    return _ladder_tiles(target, p, block_m, block_d, max_stages, max_words, narrow)
+
+
+def _ladder_tiles(
+    target: Target,
+    p: PagedProblem,
+    block_m: int,
+    block_d: int,
+    max_stages: int,
+    max_words: int,
+    narrow: bool,
+) -> PagedTiles:
+    """The first (KV tile, stages) of the ladder that fits at ``block_m`` rows (halved until one
+    does); ``narrow``: KV tiles of at most `SHUFFLE_NARROW_BLOCK_N` tokens."""
+    min_m = max(MIN_DOT_DIM, target.mma_min_rows)
     while True:
         ladder = _ladder(max_stages)
         if narrow:
