@@ -68,6 +68,20 @@ SCENARIOS = {
 BLOCK_SIZES = (16, 2048)
 
 
+def set_heads(spec: str) -> None:
+    """``--heads HQ:HKV``: the query and KV head counts every point of this run uses."""
+    global HQ, HKV
+    try:
+        hq, hkv = (int(x) for x in spec.split(":"))
+        if hq < 1 or hkv < 1 or hq % hkv:
+            raise ValueError(spec)
+    except ValueError:
+        raise SystemExit(
+            f"--heads: want HQ:HKV, positive, HQ a multiple of HKV; got {spec!r}"
+        ) from None
+    HQ, HKV = hq, hkv
+
+
 def make_inputs(seqs, block_size, dtype, seed=0, device="cuda"):
     """Random ``(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)`` for
     ``seqs`` (``(seq_len, q_len)`` each) in NHD caches of ``block_size``, blocks a random
@@ -334,7 +348,7 @@ def shuffle_main(dtype, arch, variants=(), rounds: int = 1) -> None:
           f"{'met' if worst['ratio'] <= 1.1 else 'NOT met'}")  # fmt: skip
     dtype_name = str(dtype).removeprefix("torch.")
     save_record("bench_paged_shuffle", arch=arch, dtype=dtype_name, rows=rows,
-                variants=variant_rows, rounds=rounds)  # fmt: skip
+                variants=variant_rows, rounds=rounds, heads=[HQ, HKV])  # fmt: skip
 
 
 def main() -> None:
@@ -348,6 +362,8 @@ def main() -> None:
                     metavar="N,STAGES,WARPS,SPLITS[,MAXNREG]",
                     help="with --shuffle: SHUFFLE rows at these tiles too (this GPU's policy "
                          "otherwise)")  # fmt: skip
+    ap.add_argument("--heads", default=f"{HQ}:{HKV}", metavar="HQ:HKV",
+                    help="query and KV heads (head_dim 128; default %(default)s)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=1,
                     help="with --shuffle: every launch of a point timed this many times in "
                          "turns; the median is kept")  # fmt: skip
@@ -357,6 +373,7 @@ def main() -> None:
     opts = ap.parse_args()
     if opts.rounds < 1:
         raise SystemExit(f"bench_paged: --rounds must be >= 1; got {opts.rounds}")
+    set_heads(opts.heads)
     for item in opts.set:
         set_switch(paged_policy, item)
     dtype = DTYPES[opts.dtype]
@@ -364,12 +381,12 @@ def main() -> None:
     commit = git_commit()
     if opts.shuffle:
         print(f"# {torch.cuda.get_device_name()} ({target.arch}), {opts.dtype}, commit {commit}, "
-              f"SHUFFLE vs NHD")  # fmt: skip
+              f"SHUFFLE vs NHD, {HQ}/{HKV} heads x {D}")  # fmt: skip
         shuffle_main(dtype, target.arch, opts.shuffle_variants, opts.rounds)
         return
     rows, sdpa_rows, summary = [], [], []
     print(f"# {torch.cuda.get_device_name()} ({target.arch}), {opts.dtype}, commit {commit}, "
-          f"torch {torch.__version__}")  # fmt: skip
+          f"torch {torch.__version__}, {HQ}/{HKV} heads x {D}")  # fmt: skip
     print(
         f"{'scenario':24} {'bs':>5} {'tiles (M,Q,H,N,stages)':>24} {'kernel us':>10} "
         f"{'call us':>9} {'GB/s':>7} {'copy GB/s':>9} {'err/torch':>10}"

@@ -60,3 +60,14 @@ def test_malformed_variant_is_refused(spec, monkeypatch):
         SystemExit, match=r"--shuffle-variants: want N,stages,warps,splits\[,maxnreg\]; got"
     ):
         bp.shuffle_variant_plans(_args(), spec)
+
+
+def test_heads_option(monkeypatch):
+    monkeypatch.setattr(bp, "HQ", bp.HQ)
+    monkeypatch.setattr(bp, "HKV", bp.HKV)
+    bp.set_heads("64:8")
+    q, k, *_ = bp.make_inputs(((20, 1),), 16, torch.float16, device="cpu")
+    assert q.shape[1] == 64 and k.shape[2] == 8
+    for bad in ("8", "12:8", "0:1", "a:b"):
+        with pytest.raises(SystemExit, match="--heads: want HQ:HKV, positive, HQ a multiple"):
+            bp.set_heads(bad)
