@@ -70,8 +70,9 @@ as it does NHD: a token term plus a dim term, each on its own vector, with the x
 (16 bytes) stated aligned, so K and V load as 16-byte vectors through the same pipelined path
 (sm_90 decode, before the cache-order reads below: 64 ``cp.async`` of 16 B, no 16-bit loads,
 110 registers against NHD's 123). In 16-bit a SHUFFLE cache therefore takes NHD's warp count;
-on sm_90 its decode tiles then take 32 tokens with the cache-order reads (`SHUFFLE_LINES`,
-`SHUFFLE_LINES_NARROW`). `SHUFFLE_ADDR_WORDS` (1 word per
+on sm_90 its decode tiles, read in the cache's order (`SHUFFLE_LINES`), keep NHD's 64 tokens
+under a 128-register cap at head_dim 128 (`SHUFFLE_REG_CAP`) and take 32 tokens at the other
+head dims (`SHUFFLE_LINES_NARROW`). `SHUFFLE_ADDR_WORDS` (1 word per
 gathered K/V element, the old per-element offsets) still counts in the per-program words bound
 (`MAX_WORDS_8_WARPS`), which halves block_n at head_dim 256 only: at NHD's 16 x 64 decode tile,
 8 warps, ptxas parks 16-28 B at 128 registers on sm_80-sm_100 (NHD uses 155 there); prefill
