@@ -932,6 +932,62 @@ def test_paged_probe_runs_the_keys_plan(no_launch, monkeypatch):
         paged_attention(*t, max_query_len=True)  # True, after 1 was guarded
 
 
+@pytest.mark.parametrize("layout", ["NHD", "SHUFFLE"])
+def test_kv_cache_probes_run_the_keys_plan(layout, no_launch, monkeypatch):
+    """write_kv_cache and gather_kv_cache (``out`` given) on a device whose contents are not
+    read: the second call of a description keeps its plan for the probe, the third finds it
+    without building a key, and any change of what a plan reads plans afresh."""
+    meta = dict(device="meta", dtype=torch.float16)
+
+    def tensors(tokens=5, total=17, slot_dtype=torch.int64):
+        kc, vc = empty_kv_cache(6, 8, 2, 16, layout=layout, **meta)
+        k, v = torch.empty(tokens, 2, 16, **meta), torch.empty(tokens, 2, 16, **meta)
+        slots = torch.empty(tokens, dtype=slot_dtype, device="meta")
+        table = torch.empty(2, 3, dtype=torch.int32, device="meta")
+        cu = torch.empty(3, dtype=torch.int32, device="meta")
+        out = (torch.empty(total, 2, 16, **meta), torch.empty(total, 2, 16, **meta))
+        return (k, v, kc, vc, slots), (kc, vc, table, cu), out
+
+    keys = []
+    real_key = call_key
+    monkeypatch.setattr(
+        "portattn.kernels.kv_cache.call_key", lambda *a: keys.append(a[0]) or real_key(*a)
+    )
+    w, g, out = tensors()
+    for _ in range(3):
+        write_kv_cache(*w, layout=layout)
+        ko, vo = gather_kv_cache(*g, layout=layout, out=out)
+        assert ko is out[0] and vo is out[1]
+    # a miss each, which keeps its plan for the probe too; then the probe's hits, no key built
+    assert (PLANS.hits, PLANS.misses, len(PLANS._guarded)) == (4, 2, 2)
+    assert keys == ["write_kv_cache", "gather_kv_cache"]
+    w2, g2, out2 = tensors()  # other tensors of the same description: the probe's hits
+    write_kv_cache(*w2, layout=layout)
+    assert gather_kv_cache(*g2, layout=layout, out=out2)[1] is out2[1]
+    assert (PLANS.hits, PLANS.misses, len(keys)) == (6, 2, 2)
+    variants = {
+        "tokens": lambda: write_kv_cache(*tensors(tokens=4)[0], layout=layout),
+        "slot dtype": lambda: write_kv_cache(*tensors(slot_dtype=torch.int32)[0], layout=layout),
+        "out rows": lambda: gather_kv_cache(*g, layout=layout, out=tensors(total=16)[2]),
+        "out as a list": lambda: gather_kv_cache(*g, layout=layout, out=list(out)),
+        "target": lambda: write_kv_cache(*w, layout=layout, target=get_target("gfx942")),
+    }
+    for name, call in variants.items():
+        misses = PLANS.misses
+        call()
+        assert PLANS.misses == misses + 1, name
+    set_target_override("gfx950")
+    try:
+        misses = PLANS.misses
+        write_kv_cache(*w, layout=layout)
+        assert PLANS.misses == misses + 1
+    finally:
+        set_target_override(None)
+    # validation is never skipped: a value cache of another dtype is still reported
+    with pytest.raises(TypeError, match="value_cache"):
+        write_kv_cache(w[0], w[1], w[2], torch.empty(w[3].shape, device="meta"), w[4])
+
+
 def test_mla_probe_follows_the_metadata(no_launch):
     call, build = _meta_mla(256)
     md = build()

@@ -40,10 +40,10 @@ from portattn.kernels._checks import (
     to_host,
 )
 from portattn.kernels._launch import Launch
-from portattn.kernels._plans import PLANS, call_key
+from portattn.kernels._plans import PLANS, _current_device, call_key
 from portattn.kernels.page_indices import _find_seq, _num_steps
 from portattn.layout import CacheAddressing, describe_kv_cache, is_block_contiguous
-from portattn.platform import Target, target_for_tensor
+from portattn.platform import Target, override_key, target_for_tensor
 from portattn.policy.cache import CacheCopyProblem, gather_kv_cache_tiles, write_kv_cache_tiles
 
 # Any block size for NHD (block and offset are addressed separately); SHUFFLE's V cache splits
@@ -325,7 +325,13 @@ def write_kv_cache(
     """
     inputs = (key, value, key_cache, value_cache, slot_mapping)
     cache_key = None
+    guard: tuple | None = None
     if isinstance(slot_mapping, torch.Tensor) and not reads_contents(slot_mapping.device, True):
+        if target is None:  # the rest of `call_key`'s description (`PlanCache.probe`)
+            scalars = ("write_kv_cache", _current_device(), override_key(), type(layout), layout)
+            if PLANS.probe(scalars, inputs, inputs) is not None:
+                return
+            guard = (scalars, inputs)
         cache_key = call_key("write_kv_cache", *inputs, layout, target)
     PLANS.call(
         cache_key,
@@ -333,6 +339,7 @@ def write_kv_cache(
         lambda: plan_write_kv_cache(
             key, value, key_cache, value_cache, slot_mapping, layout=layout, target=target
         ),
+        guard,
     )
 
 
@@ -615,11 +622,19 @@ def gather_kv_cache(
     """
     inputs: tuple = (key_cache, value_cache, block_table, cu_seq_lens)
     cache_key = None
+    guard: tuple | None = None
     given = isinstance(out, (tuple, list)) and len(out) == 2
     if given and isinstance(cu_seq_lens, torch.Tensor):
         assert out is not None
         inputs += tuple(out)
         if not reads_contents(cu_seq_lens.device, vouched=True):
+            if target is None:  # the rest of `call_key`'s description (`PlanCache.probe`)
+                scalars = ("gather_kv_cache", _current_device(), override_key(),
+                           isinstance(out, tuple), type(layout), layout)  # fmt: skip
+                outputs = PLANS.probe(scalars, inputs, inputs)
+                if outputs is not None:
+                    return outputs[0], outputs[1]
+                guard = (scalars, inputs)
             cache_key = call_key("gather_kv_cache", *inputs, isinstance(out, tuple), layout, target)
     k, v = PLANS.call(
         cache_key,
@@ -627,5 +642,6 @@ def gather_kv_cache(
         lambda: plan_gather_kv_cache(
             key_cache, value_cache, block_table, cu_seq_lens, layout=layout, out=out, target=target
         ),
+        guard,
     )
     return k, v
