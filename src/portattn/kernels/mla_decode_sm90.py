@@ -272,19 +272,16 @@ def _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT: 
             n = start + t * BLOCK_N
             ok = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L64)) < end
             col0: gl.constexpr = HALF if RIGHT else 0
-            if ONE:  # one copy a buffer (`portattn.policy.mla.SM90_GATHER_ONE_COPY`)
-                _gather_part(kv_ptr, stride_row, rows, ok, lat_buf, col0, HALF, L64)
-                if RIGHT:
-                    _gather_part(kv_ptr, stride_row, rows, ok, pe_buf, 2 * HALF, ROPE_DIM, LPE)
-            else:
-                for c in gl.static_range(HALF // CH):
-                    _gather_part(kv_ptr, stride_row, rows, ok, lat_buf.slice(c * CH, CH, dim=1),
-                                 col0 + c * CH, CH, L64)  # fmt: skip
-                if RIGHT:
-                    for c in gl.static_range(ROPE_DIM // PCH):
-                        _gather_part(kv_ptr, stride_row, rows, ok,
-                                     pe_buf.slice(c * PCH, PCH, dim=1), 2 * HALF + c * PCH, PCH,
-                                     LPE)  # fmt: skip
+            # one copy a buffer (`portattn.policy.mla.SM90_GATHER_ONE_COPY`), or one a block
+            LW: gl.constexpr = HALF if ONE else CH
+            PW: gl.constexpr = ROPE_DIM if ONE else PCH
+            for c in gl.static_range(HALF // LW):
+                _gather_part(kv_ptr, stride_row, rows, ok, lat_buf.slice(c * LW, LW, dim=1),
+                             col0 + c * LW, LW, L64)  # fmt: skip
+            if RIGHT:
+                for c in gl.static_range(ROPE_DIM // PW):
+                    _gather_part(kv_ptr, stride_row, rows, ok, pe_buf.slice(c * PW, PW, dim=1),
+                                 2 * HALF + c * PW, PW, LPE)  # fmt: skip
         async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
