@@ -15,7 +15,6 @@ import re
 
 import pytest
 
-from portattn.compile.matrix import SPILL_THRESHOLD
 from portattn.policy.paged import (
     SHUFFLE_NARROW_BLOCK_N,
     SHUFFLE_NARROW_MAX_M,
@@ -140,8 +139,8 @@ def test_shuffle_loads_are_as_wide_as_nhd(loads, arch, max_query_len):
     assert shuffle["narrow"] == 0 and shuffle["wide"] > 0, shuffle
     if shuffle["tiles"] == nhd["tiles"]:
         assert shuffle["wide"] >= nhd["wide"], (shuffle, nhd)
-    # held to 128 registers, ptxas parks one word (4 B) of the capped tile: within the gate
-    assert shuffle["spills"] <= (SPILL_THRESHOLD["cuda"] if shuffle["maxnreg"] else 0), shuffle
+    # held to 128 registers, ptxas parks one word (4 B) of the capped tile (the gate allows 16)
+    assert shuffle["spills"] <= (4 if shuffle["maxnreg"] else 0), shuffle
 
 
 def test_shuffle_hybrid_pages_load_vectors_too(loads):
