@@ -226,6 +226,9 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         out["late release off"] = dict(SM90_PREFILL_LATE_RELEASE_BOXES=())
         # ... and at every box count (1 box: block 2048; 8 boxes: block 16)
         out["late release all"] = dict(SM90_PREFILL_LATE_RELEASE_BOXES=(1, 2, 4, 8))
+        # the softmax's exponentials: that many of every 4 by the polynomial (0: all on the MUFU)
+        for k in range(5):
+            out[f"exp2 poly {k}"] = dict(SM90_PREFILL_EXP2_POLY=k)
         out["before"] = dict(SM90_PREFILL_V_PAGES=False, SM90_PREFILL_LATE_RELEASE_BOXES=())
         out["v pages 2+"] = dict(SM90_PREFILL_V_PAGES=True, SM90_PREFILL_V_PAGES_MIN_BOXES=2)
         # 3 stages, each released later in the next tile (Sm90PrefillTile.release_lag)

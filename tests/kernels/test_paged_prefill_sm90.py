@@ -603,6 +603,8 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
         "release 1",
         "release 2",
         "v pages",
+        "exp2 poly 0",
+        "exp2 poly 4",
     ],
 )
 def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
@@ -629,6 +631,8 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_V_PAGES", True)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_V_PAGES_MIN_BOXES", 2)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
+    elif schedule.startswith("exp2 poly"):  # none / all of P's exponentials on the polynomial
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_EXP2_POLY", int(schedule.split()[-1]))
     elif schedule.startswith("fused decode"):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_SPLIT_SHORT", "one" not in schedule)
@@ -656,6 +660,8 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         if schedule == "v pages":
             want = 128 // box_rows(block_size, 128) if head_dim == 128 else 1
             assert main.args["V_PAGES"] == want
+        if schedule.startswith("exp2 poly"):
+            assert main.args["EXP2_POLY"] == int(schedule.split()[-1])
         assert main.args["SPLIT"] == (schedule in ("fused decode",))
         # the decodes fused: no decode launch
         assert (len(launches) == 2) == paged_policy.SM90_PREFILL_FUSE_DECODE

@@ -310,6 +310,12 @@ SM90_PREFILL_V_PAGES_MIN_BOXES = 8
 #: Not with the short items' split (its merge buffer does not fit beside 3 stages). Read at
 #: planning.
 SM90_PREFILL_LATE_RELEASE_BOXES = (2, 4)
+#: Exponentials of every 4 of the softmax (P's) taken by a degree-3 polynomial on the FMA pipe
+#: instead of the MUFU (`portattn.kernels._gluon.exp2_split`; 0: all on the MUFU). Both consumer
+#: warpgroups run their softmax at once, and it is bound by the MUFU: 16 384 exponentials a
+#: 128 x 128 tile at 16 a cycle an SM is 1024 of the tile's ~3000 cycles (the traces' softmax
+#: step: 1200-1300). Read at planning.
+SM90_PREFILL_EXP2_POLY = 1
 
 
 @dataclass(frozen=True)

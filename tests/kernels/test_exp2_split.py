@@ -1,0 +1,143 @@
+"""`exp2_split` (kernels/_gluon.py): the softmax's exponentials shared between the MUFU and a
+polynomial on the FMA pipe (issue 19, the sm_90 prefill kernel's `SM90_PREFILL_EXP2_POLY`).
+
+On a CPU: the polynomial's method step for step in fp32 (`exp2_poly_reference`) against fp64,
+the PTX each share emits, the switch reaching the prefill kernel's PTX, and the launcher's check
+of the switch. On an sm_90 GPU (`gpu`): the inline PTX itself against torch's exp2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from portattn.compile.worker import compile_kernel
+from portattn.kernels._gluon import (
+    EXP2_PACK,
+    EXP2_POLY_FLOOR,
+    EXP2_SPLIT_ASM,
+    exp2_poly_reference,
+    exp2_split,
+    exp2_split_asm,
+)
+from portattn.policy import paged as paged_policy
+from tests.kernels.test_paged_prefill_sm90 import SM90, _plan
+
+#: The fit's bound (1.0e-4 measured in fp32, module doc of _gluon.py), with room for rounding.
+POLY_REL = 1.1e-4
+TINY = 2.0**EXP2_POLY_FLOOR
+
+
+def test_polynomial_is_within_its_bound_down_to_the_floor():
+    x = np.concatenate(
+        [np.linspace(-126, 0, 1_000_001, dtype=np.float32), np.float32([-0.5, 0.5, -125.5])]
+    )
+    got = exp2_poly_reference(x).astype(np.float64)
+    rel = np.abs(got / np.exp2(x.astype(np.float64)) - 1)
+    assert rel.max() <= POLY_REL
+    # whole numbers come out exact: 2^k is the polynomial's 1 shifted into the exponent
+    k = np.arange(-126, 1, dtype=np.float32)
+    assert np.array_equal(exp2_poly_reference(k), np.exp2(k))
+
+
+def test_polynomial_below_the_floor_gives_the_floor_not_garbage():
+    """Masked scores (-inf) and anything under -126 come out 2^-126 (positive, finite): the
+    exponent arithmetic never wraps into the sign bit."""
+    x = np.float32([-np.inf, -1e30, -200.0, -126.4, -127.0])
+    got = exp2_poly_reference(x)
+    assert np.all(got > 0) and np.all(got <= np.float32(TINY) * (1 + POLY_REL))
+
+
+@pytest.mark.parametrize("poly", range(EXP2_PACK + 1))
+def test_asm_takes_poly_of_every_four_through_the_polynomial(poly):
+    asm = exp2_split_asm(poly)
+    assert asm == EXP2_SPLIT_ASM[poly]
+    assert asm.count("ex2.approx.ftz.f32") == EXP2_PACK - poly
+    assert asm.count("fma.rn.ftz.f32") == 3 * poly
+    # every output is written once, from its own input
+    for i in range(EXP2_PACK):
+        src = f"${i + EXP2_PACK}"
+        assert sum(line.split()[1].rstrip(",") == f"${i}" for line in asm.splitlines()
+                   if len(line.split()) > 1) == 1  # fmt: skip
+        assert src in asm
+
+
+@pytest.mark.parametrize("poly", [-1, EXP2_PACK + 1])
+def test_asm_refuses_a_share_out_of_range(poly):
+    with pytest.raises(ValueError, match=f"poly {poly} is not in"):
+        exp2_split_asm(poly)
+
+
+@pytest.mark.parametrize("value", [5, -1, 1.0, True, "1"])
+def test_launcher_refuses_a_bad_switch(value, monkeypatch):
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_EXP2_POLY", value)
+    with pytest.raises(ValueError, match="SM90_PREFILL_EXP2_POLY .* is not an int in"):
+        _plan()
+
+
+def test_switch_reaches_the_prefill_kernel(monkeypatch):
+    """The launch carries the switch, and the sm_90 PTX has that share of ``ex2`` ops fewer (64
+    exponentials a thread a tile, in each of the two consumer partitions; 4 of the row rescales'
+    stay on the MUFU)."""
+    counts = {}
+    for poly in (0, 2):
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_EXP2_POLY", poly)
+        (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
+        assert main.args["EXP2_POLY"] == poly
+        counts[poly] = compile_kernel(main, SM90).asm["ptx"].count("ex2.approx")
+    assert counts[0] - counts[2] == 2 * 64 * 2 // EXP2_PACK
+
+
+@gluon.jit
+def _exp2_kernel(x_ptr, y_ptr, n, POLY: gl.constexpr, BLOCK: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([EXP2_PACK_K], [32], [4], [0])
+    offs = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=layout)
+    m = offs < n
+    x = gl.load(x_ptr + offs, mask=m, other=0.0)
+    gl.store(y_ptr + offs, exp2_split(x, POLY), mask=m)
+
+
+EXP2_PACK_K = gl.constexpr(EXP2_PACK)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("poly", range(EXP2_PACK + 1))
+def test_gpu_exp2_split_matches_exp2(poly):
+    """Each thread's 4 consecutive elements go through one asm block: with ``poly`` of them on
+    the polynomial, every element is within its bound of fp64's 2^x, and below the floor (-inf
+    included) every output is in [0, 2^-126]."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the inline PTX is built for sm_90 (an NVIDIA GPU)")
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat(
+        [
+            torch.linspace(-126, 0, 200_003),
+            -126 * torch.rand(100_000, generator=g),
+            torch.tensor([-0.5, 0.5, -125.5, 0.0]),
+        ]  # fmt: skip
+    ).float()
+    low = torch.tensor([float("-inf"), -1e30, -200.0, -126.4, -127.0, -150.0, -1e4, -130.0])
+    x = torch.cat([x, low]).cuda()
+    y = torch.empty_like(x)
+    n = x.numel()
+    _exp2_kernel[(triton_cdiv(n, 512),)](x, y, n, POLY=poly, BLOCK=512, num_warps=4)
+    torch.cuda.synchronize()
+    want = torch.exp2(x.double())
+    ok = x >= EXP2_POLY_FLOOR
+    rel = (y[ok].double() / want[ok] - 1).abs()
+    assert rel.max().item() <= POLY_REL
+    below = y[~ok].double()
+    assert bool(((below >= 0) & (below <= TINY * (1 + POLY_REL))).all())
+    # the polynomial's elements (the first ``poly`` of every 4) are the CPU reference's, to an
+    # ulp (the reference rounds each FMA through fp64)
+    idx = torch.arange(n, device="cuda")
+    on_poly = (idx % EXP2_PACK) < poly
+    ref = torch.from_numpy(exp2_poly_reference(x.cpu().numpy())).cuda()
+    diff = (y[on_poly].double() / ref[on_poly].double() - 1).abs()
+    assert diff.numel() == 0 or diff.max().item() <= 2.0**-22
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
