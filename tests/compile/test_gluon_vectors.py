@@ -190,7 +190,7 @@ def test_mla_rescales_branch_around_their_multiplies(accesses):
     around its 128 multiplies, decided by 8 of its factors. The probes cover both of the thread's
     rows whether its elements run in column pairs per row, alternate rows or run row by row (a
     64-row wgmma accumulator gives each thread rows r and r + 8)."""
-    from portattn.kernels.mla_decode_sm90 import rescale_asm
+    from portattn.kernels._gluon import rescale_asm
 
     asm, constraints = rescale_asm(128)
     probes = [int(m) - 256 for m in re.findall(r"setp\.neu(?:\.or)?\.f32 %lz, \$(\d+)", asm)]

@@ -605,6 +605,7 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
         "v pages",
         "exp2 poly 0",
         "exp2 poly 4",
+        "eager rescale",
     ],
 )
 def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
@@ -631,6 +632,8 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_V_PAGES", True)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_V_PAGES_MIN_BOXES", 2)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
+    elif schedule == "eager rescale":  # the running max moved at every new maximum
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_LAZY_RESCALE", False)
     elif schedule.startswith("exp2 poly"):  # none / all of P's exponentials on the polynomial
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_EXP2_POLY", int(schedule.split()[-1]))
     elif schedule.startswith("fused decode"):
@@ -662,6 +665,7 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
             assert main.args["V_PAGES"] == want
         if schedule.startswith("exp2 poly"):
             assert main.args["EXP2_POLY"] == int(schedule.split()[-1])
+        assert main.args["LAZY"] == (schedule != "eager rescale")
         assert main.args["SPLIT"] == (schedule in ("fused decode",))
         # the decodes fused: no decode launch
         assert (len(launches) == 2) == paged_policy.SM90_PREFILL_FUSE_DECODE
@@ -700,6 +704,46 @@ def test_gpu_sm90_prefill_graph_replay_with_new_lengths(fuse, monkeypatch):
     b.seq_lens.copy_(torch.tensor([2500, 1900, 999, 1500], device="cuda"))
     out.fill_(float("nan"))
     graph.replay()
+    torch.cuda.synchronize()
+    check(b, out)
+    PLANS.clear()
+
+
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
+def test_lazy_rescale_reaches_the_kernel(lazy, monkeypatch):
+    """`SM90_PREFILL_LAZY_RESCALE`: the launch carries it, and the sm_90 PTX has one skippable
+    rescale a consumer warpgroup (the sequential loop's), or none when off."""
+    from portattn.compile.worker import compile_kernel
+
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_LAZY_RESCALE", lazy)
+    (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
+    assert main.args["LAZY"] is lazy
+    ptx = compile_kernel(main, SM90).asm["ptx"]
+    assert ptx.count("bra lazy_skip_") == (2 if lazy else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
+@pytest.mark.parametrize("q_scale", [1.0, 4.0, 40.0])
+@pytest.mark.parametrize("block_size", [16, 2048])
+def test_gpu_sm90_prefill_lazy_rescale(lazy, q_scale, block_size, monkeypatch):
+    """The lazy running max against the fp64 oracle where the maxima move little (random
+    scores: P up to 2^8 against a stale max, rescales mostly skipped) and where they jump by far
+    more than its 8 (a query scaled 4x and 40x: rescales taken, P near one-hot)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90 kernel needs an sm_90 GPU")
+    from portattn.kernels._plans import PLANS
+
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_LAZY_RESCALE", lazy)
+    PLANS.clear()  # the switches are not in a plan's key
+    b = make_batch(GPU_SEQS, block_size=block_size, heads=(32, 8), head_dim=128,
+                   dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    b.query.mul_(q_scale)
+    mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
+    launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
+    (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
+    assert main.args["LAZY"] is lazy
+    out = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
     torch.cuda.synchronize()
     check(b, out)
     PLANS.clear()

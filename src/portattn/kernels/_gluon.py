@@ -158,3 +158,53 @@ def exp2_split(x, POLY: gl.constexpr):
             pack=4,  # EXP2_PACK
         )
     return y
+
+
+# -- lazy rescale (both sm_90 kernels' online softmax) -------------------------------------------
+#: Lazy running max (`portattn.policy.mla.SM90_LAZY_RESCALE`, `portattn.policy.paged.
+#: SM90_PREFILL_LAZY_RESCALE`): the reference max moves only when a row's tile max exceeds it by
+#: more than this (log2 units), so P <= 2^LAZY_T; exact otherwise.
+LAZY_T = gl.constexpr(8.0)
+
+
+def rescale_asm(n: int) -> tuple[str, str]:
+    """PTX and constraints for `lazy_rescale`: one thread's ``n`` accumulator registers (outputs
+    tied to the inputs ``$n .. $2n-1``) times their row factors (``$2n .. $3n-1``), skipped with
+    one branch when the thread's factors are exactly 1.
+
+    A thread of a 64-row wgmma accumulator (one warpgroup) holds two rows (r, r + 8); the factors
+    tested are elements 0-3 and n/2 .. n/2+3, which cover both rows whether the thread's elements
+    run in column pairs per row (the NVMMA order), alternate rows, or run row by row. Testing
+    every element is not folded by ptxas (n FSETP a rescale: no cheaper than the multiplies)."""
+    probes = [0, 1, 2, 3] + [n // 2 + i for i in range(4)]
+    lines = ["{", ".reg .pred %lz;", f"setp.neu.f32 %lz, ${2 * n + probes[0]}, 0f3F800000;"]
+    lines += [f"setp.neu.or.f32 %lz, ${2 * n + i}, 0f3F800000, %lz;" for i in probes[1:]]
+    lines.append("@!%lz bra lazy_skip_${:uid};")
+    lines += [f"mul.f32 ${i}, ${i}, ${2 * n + i};" for i in range(n)]
+    lines += ["lazy_skip_${:uid}:", "}"]
+    constraints = ",".join(["=r"] * n + [str(i) for i in range(n)] + ["r"] * n)
+    return "\n\t".join(lines), constraints
+
+
+#: `rescale_asm` for the accumulators the kernels hold: 64 x 128 (the prefill kernel, 64 values
+#: a thread) and 64 x 256 (MLA, 128).
+RESCALE_ASM = {n: rescale_asm(n) for n in (64, 128)}
+
+
+@gluon.constexpr_function
+def _rescale_parts(n):
+    return RESCALE_ASM[n]
+
+
+@gluon.jit
+def lazy_rescale(acc, factor, LAZY: gl.constexpr):
+    """``acc * factor[:, None]`` (``acc``: one warpgroup's wgmma accumulator; ``factor`` in its
+    row layout); LAZY: a thread whose factors are all exactly 1 skips its multiplies
+    (`rescale_asm`)."""
+    if LAZY:
+        N: gl.constexpr = acc.shape[0] * acc.shape[1] // 128  # values a thread
+        parts: gl.constexpr = _rescale_parts(N)
+        return gl.inline_asm_elementwise(parts[0], parts[1], [acc, factor[:, None]],
+                                         dtype=gl.float32, is_pure=True, pack=N)  # fmt: skip
+    else:
+        return acc * factor[:, None]

@@ -22,7 +22,7 @@ per warpgroup over the tiles it scored and added once at the end.
 
 The running max is lazy (`portattn.policy.mla.SM90_LAZY_RESCALE`): it moves only when a row's
 tile max passes it by more than ``LAZY_T`` (P <= 2^8; exact), so the accumulator's factors are
-almost always exactly 1, and each rescale (`_rescale`) is one branch a thread around its 128
+almost always exactly 1, and each rescale (`lazy_rescale`) is one branch a thread around its 128
 multiplies, which the warpgroups' serial chains otherwise pay twice a pair (bench/NOTES.md, ninth
 session).
 
@@ -83,7 +83,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from portattn.kernels._gluon import clock_stamp, row_ptrs, trace_slot
+from portattn.kernels._gluon import LAZY_T, clock_stamp, lazy_rescale, row_ptrs, trace_slot
 from portattn.kernels._launch import Launch, check_trace_buffer, rows_aligned
 from portattn.platform import Target
 from portattn.policy import mla as mla_policy
@@ -106,44 +106,6 @@ TRACE_PAIRS = gl.constexpr(256)
 #: Diagnostic only; the library never sets it. It is read when a launch is planned and is not part
 #: of the op's plan-cache key: set it only around `plan_mla_decode` (as bench/trace_mla.py does).
 TRACE_BUFFER = None
-
-
-#: Lazy running max (`portattn.policy.mla.SM90_LAZY_RESCALE`): the reference max moves only when a
-#: row's tile max exceeds it by more than this (log2 units), so P <= 2^LAZY_T; exact otherwise.
-LAZY_T = gl.constexpr(8.0)
-
-
-def rescale_asm(n: int) -> tuple[str, str]:
-    """PTX and constraints for `_rescale`'s lazy form: one thread's ``n`` accumulator registers
-    (outputs tied to the inputs ``$n .. $2n-1``) times their row factors (``$2n .. $3n-1``),
-    skipped with one branch when the thread's factors are exactly 1.
-
-    A thread of the 64 x 256 wgmma accumulator holds two rows (r, r + 8); the factors tested are
-    elements 0-3 and n/2 .. n/2+3, which cover both rows whether the thread's elements run in
-    column pairs per row (the NVMMA order), alternate rows, or run row by row. Testing every
-    element is not folded by ptxas (128 FSETP a rescale: no cheaper than the multiplies)."""
-    probes = [0, 1, 2, 3] + [n // 2 + i for i in range(4)]
-    lines = ["{", ".reg .pred %lz;", f"setp.neu.f32 %lz, ${2 * n + probes[0]}, 0f3F800000;"]
-    lines += [f"setp.neu.or.f32 %lz, ${2 * n + i}, 0f3F800000, %lz;" for i in probes[1:]]
-    lines.append("@!%lz bra lazy_skip_${:uid};")
-    lines += [f"mul.f32 ${i}, ${i}, ${2 * n + i};" for i in range(n)]
-    lines += ["lazy_skip_${:uid}:", "}"]
-    constraints = ",".join(["=r"] * n + [str(i) for i in range(n)] + ["r"] * n)
-    return "\n\t".join(lines), constraints
-
-
-_RESCALE_ASM, _RESCALE_CONSTRAINTS = (gl.constexpr(x) for x in rescale_asm(128))
-
-
-@gluon.jit
-def _rescale(acc, factor, LAZY: gl.constexpr):
-    """``acc * factor[:, None]`` (``factor`` in the accumulator's row layout); LAZY: a thread
-    whose factors are all exactly 1 skips its multiplies (`rescale_asm`; 128 values a thread)."""
-    if LAZY:
-        return gl.inline_asm_elementwise(_RESCALE_ASM, _RESCALE_CONSTRAINTS, [acc, factor[:, None]],
-                                         dtype=gl.float32, is_pure=True, pack=128)  # fmt: skip
-    else:
-        return acc * factor[:, None]
 
 
 @gluon.jit
@@ -433,7 +395,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             p = gl.exp2(s * qk_scale - m_a[:, None])
             alpha = gl.exp2(m_i - m_a)
             l_i = l_i * alpha + gl.sum(p, 1)
-            acc = _rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
+            acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
             p_smem.index(b0).store(p.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
@@ -461,7 +423,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             _stamp(tr, jt, 6, TRACE)
             alpha = gl.exp2(m_i - m_a)
             l_i = l_i * alpha
-            acc = _rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
+            acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
             lat_half = latr_smem
         # PV on A (scaled at m_A), then on B (at m_B); after each, this warpgroup's half of
         # that buffer is free and takes the next pair's tile (WG1's half with the rope part,
@@ -487,7 +449,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         l_i = l_i * beta
         if WG == 1:
             l_i = l_i + l_b
-        acc = _rescale(acc, gl.convert_layout(beta, PV_ROW), LAZY)
+        acc = lazy_rescale(acc, gl.convert_layout(beta, PV_ROW), LAZY)
         _zero_tail(lat_half.index(b1), n_b, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
         _stamp(tr, jt, 11, TRACE)

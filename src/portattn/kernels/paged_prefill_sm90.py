@@ -94,7 +94,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from portattn.kernels._gluon import EXP2_PACK, clock_stamp, exp2_split, row_ptrs, trace_slot
+from portattn.kernels._gluon import (
+    EXP2_PACK,
+    LAZY_T,
+    clock_stamp,
+    exp2_split,
+    lazy_rescale,
+    row_ptrs,
+    trace_slot,
+)
 from portattn.kernels._launch import Launch, check_trace_buffer, rows_aligned
 from portattn.platform import Target
 from portattn.policy import paged as paged_policy
@@ -362,14 +370,21 @@ def _scores(qk, start, full_end, kv_end, limit, cols):
 
 
 @gluon.jit
-def _probs(sc, m_i, scale_log2, POLY: gl.constexpr = 0):
+def _probs(sc, m_i, scale_log2, POLY: gl.constexpr = 0, LAZY: gl.constexpr = False):
     """The new row maxima (scaled, base 2) and ``P = 2^(sc scale_log2 - m)`` of raw scores
     ``sc``. The scale goes inside the exponent, one FFMA an element: the maximum is taken of the
     raw scores and scaled once a row (``scale_log2 > 0``: the launcher checks the scale), where
     scaling the scores first cost an FMUL an element before the maximum could start. ``POLY``:
     that many of every 4 exponentials by a polynomial on the FMA pipe (`exp2_split`; a masked
-    score then gives ``2^-126`` where the MUFU gives 0: nothing, beside a row's sum >= 1)."""
-    m_new = gl.maximum(m_i, gl.max(sc, 1) * scale_log2)
+    score then gives ``2^-126`` where the MUFU gives 0: nothing, beside a row's sum >= 1). LAZY:
+    the row's reference max moves only when the tile's passes it by more than `LAZY_T` (P <=
+    2^8; from -inf, the first tile's max), so it mostly stays, and with it the rescale factors
+    at exactly 1 (`_softmax`)."""
+    rm = gl.max(sc, 1) * scale_log2
+    if LAZY:  # noqa: SIM108 (a constexpr branch)
+        m_new = gl.where(rm > m_i + LAZY_T, rm, m_i)
+    else:
+        m_new = gl.maximum(m_i, rm)
     p = exp2_split(sc * scale_log2 - m_new[:, None], POLY)
     return m_new, p
 
@@ -394,14 +409,17 @@ def _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG: gl.constexpr, tk,
 
 @gluon.jit
 def _softmax(sc, m_i, l_i, acc, scale_log2, dtype: gl.constexpr, PA: gl.constexpr,
-             RAW: gl.constexpr = False, POLY: gl.constexpr = 0):  # fmt: skip
+             RAW: gl.constexpr = False, POLY: gl.constexpr = 0,
+             LAZY: gl.constexpr = False):  # fmt: skip
     """One tile's online-softmax step on its masked raw scores ``sc``: the new row maxima and
     sums, the accumulator rescaled to the new maxima, and P as the P V MMA's register operand
-    (RAW: in ``dtype`` and the scores' layout, for `_pv_pages`; POLY: `_probs`)."""
-    m_new, p = _probs(sc, m_i, scale_log2, POLY)
+    (RAW: in ``dtype`` and the scores' layout, for `_pv_pages`; POLY: `_probs`). LAZY: the
+    lazy max (`_probs`), and a thread whose factors are exactly 1 skips its 64 multiplies
+    (`lazy_rescale`)."""
+    m_new, p = _probs(sc, m_i, scale_log2, POLY, LAZY)
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    acc = lazy_rescale(acc, gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), LAZY)
     if RAW:  # noqa: SIM108 (a constexpr branch, not a runtime select)
         p_op = p.to(dtype)
     else:
@@ -589,7 +607,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
               STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
               SPLIT: gl.constexpr, Q_VEC: gl.constexpr, O_VEC: gl.constexpr,
               RELEASE_LAG: gl.constexpr, V_PAGES: gl.constexpr, POLY: gl.constexpr,
-              TRACE: gl.constexpr):  # fmt: skip
+              LAZY: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
     scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
     PINGPONG: the two warpgroups issue their MMAs in turns (module doc). RELEASE_LAG (the
@@ -718,7 +736,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 qk, tk = _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG, tk, PINGPONG,
                                        turns, QK)  # fmt: skip
                 sc = _scores(qk, 0, full_end, kv_end, limit, cols)
-                m_i, p = _probs(sc, m_i, scale_log2, POLY)  # from -inf: m_i is the tile's
+                m_i, p = _probs(sc, m_i, scale_log2, POLY, LAZY)  # from -inf: m_i is the tile's
                 l_i = gl.sum(p, 1)
                 p_op = gl.convert_layout(p.to(dtype), PA)
                 for t in range(1, n_tiles):
@@ -737,7 +755,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _turn_pass(turn_bars, WG, PINGPONG, turns)
                     qk = warpgroup_mma_wait(num_outstanding=1, deps=[qk])
                     sc = _scores(qk, t * BLOCK_N, full_end, kv_end, limit, cols)
-                    m_new, p = _probs(sc, m_i, scale_log2, POLY)
+                    m_new, p = _probs(sc, m_i, scale_log2, POLY, LAZY)
                     alpha = gl.exp2(m_i - m_new)
                     l_i = l_i * alpha + gl.sum(p, 1)
                     m_i = m_new
@@ -775,7 +793,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, t * BLOCK_N, full_end, kv_end, limit, cols)
                     m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
-                                                   False, POLY)  # fmt: skip
+                                                   False, POLY, LAZY)  # fmt: skip
                     _stamp(tr, jt, 3, TRACE)
                     # tile t is not the item's last: it ends before kv_end <= seq_len, its V
                     # rows are all real
@@ -805,7 +823,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 _stamp(tr, jt, 2, TRACE)
                 sc = _scores(qk, start, full_end, kv_end, limit, cols)
                 m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA, False,
-                                               POLY)  # fmt: skip
+                                               POLY, LAZY)  # fmt: skip
                 _stamp(tr, jt, 3, TRACE)
                 v_buf = v_smem.index(s)
                 mbarrier.wait(v_bars.index(s), (it // STAGES) & 1)
@@ -838,7 +856,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, start, full_end, kv_end, limit, cols)
                     m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
-                                                   V_PAGES > 1, POLY)  # fmt: skip
+                                                   V_PAGES > 1, POLY, LAZY)  # fmt: skip
                     _stamp(tr, jt, 3, TRACE)
                     v_buf = v_smem.index(s)
                     mbarrier.wait(v_bars.index(s), ph)
@@ -917,6 +935,7 @@ def _paged_prefill_sm90_kernel(
     RELEASE_LAG: gl.constexpr,  # when a stage is released (`Sm90PrefillTile.release_lag`)
     V_PAGES: gl.constexpr,  # > 1: V tiles as that many one-copy page boxes (`v_pages`)
     EXP2_POLY: gl.constexpr,  # exponentials of every 4 by the polynomial (`exp2_split`)
+    LAZY: gl.constexpr,  # lazy running max, rescales skipped at factor 1 (`_softmax`)
     Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
     O_VEC: gl.constexpr,  # the output's rows aligned
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
@@ -963,10 +982,10 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, TRACE)),
             ],
             [4, PRODUCER_WARPS_],
@@ -978,13 +997,13 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TRACE)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, TRACE)),
             ],
             [4, 4, PRODUCER_WARPS_],
@@ -1283,6 +1302,7 @@ def sm90_prefill_launches(
         RELEASE_LAG=tile.release_lag,
         V_PAGES=nv,
         EXP2_POLY=poly,
+        LAZY=bool(paged_policy.SM90_PREFILL_LAZY_RESCALE),
         Q_VEC=rows_aligned(a["q_ptr"]),
         O_VEC=rows_aligned(a["out_ptr"]),
         # a placeholder pointer when off (never read)

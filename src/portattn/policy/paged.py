@@ -311,11 +311,18 @@ SM90_PREFILL_V_PAGES_MIN_BOXES = 8
 #: planning.
 SM90_PREFILL_LATE_RELEASE_BOXES = (2, 4)
 #: Exponentials of every 4 of the softmax (P's) taken by a degree-3 polynomial on the FMA pipe
-#: instead of the MUFU (`portattn.kernels._gluon.exp2_split`; 0: all on the MUFU). Both consumer
-#: warpgroups run their softmax at once, and it is bound by the MUFU: 16 384 exponentials a
-#: 128 x 128 tile at 16 a cycle an SM is 1024 of the tile's ~3000 cycles (the traces' softmax
-#: step: 1200-1300). Read at planning.
-SM90_PREFILL_EXP2_POLY = 1
+#: instead of the MUFU (`portattn.kernels._gluon.exp2_split`; 0: all on the MUFU). The idea: both
+#: consumer warpgroups run their softmax at once, 16 384 exponentials a 128 x 128 tile, 1024
+#: cycles at the MUFU's 16 a cycle an SM, against the traces' 1200-1300 cycle softmax step.
+#: Measured slower (H200, bench/RESULTS.md twelfth session, 3 rounds in turns): 1 of 4 +3-6% at
+#: blocks 16 and 544 (level at 2048), 2 of 4 +7-13%; so the step is not bound by the MUFU. Off;
+#: kept as a bench variant (`bench_prefill.py --schedules`, "exp2 poly K"). Read at planning.
+SM90_PREFILL_EXP2_POLY = 0
+#: A lazy running max in the softmax (as the MLA kernel's, `portattn.policy.mla.SM90_LAZY_RESCALE`):
+#: a row's reference max moves only when a tile's passes it by more than 8 (log2 units; P <=
+#: 256, exact), and a thread whose rescale factors are exactly 1 skips its accumulator's 64
+#: multiplies a tile. Read at planning.
+SM90_PREFILL_LAZY_RESCALE = True
 
 
 @dataclass(frozen=True)
