@@ -229,7 +229,8 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         # the softmax's exponentials: that many of every 4 by the polynomial (0: all on the MUFU)
         for k in range(5):
             out[f"exp2 poly {k}"] = dict(SM90_PREFILL_EXP2_POLY=k)
-        # the running max moved at every new maximum, every rescale done (the switch off)
+        # the lazy running max, rescales skipped at factor 1 (the switch on), and off
+        out["lazy rescale"] = dict(SM90_PREFILL_LAZY_RESCALE=True)
         out["eager rescale"] = dict(SM90_PREFILL_LAZY_RESCALE=False)
         out["before"] = dict(SM90_PREFILL_V_PAGES=False, SM90_PREFILL_LATE_RELEASE_BOXES=())
         out["v pages 2+"] = dict(SM90_PREFILL_V_PAGES=True, SM90_PREFILL_V_PAGES_MIN_BOXES=2)

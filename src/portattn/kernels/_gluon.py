@@ -186,9 +186,9 @@ def rescale_asm(n: int) -> tuple[str, str]:
     return "\n\t".join(lines), constraints
 
 
-#: `rescale_asm` for the accumulators the kernels hold: 64 x 128 (the prefill kernel, 64 values
-#: a thread) and 64 x 256 (MLA, 128).
-RESCALE_ASM = {n: rescale_asm(n) for n in (64, 128)}
+#: `rescale_asm` by values a thread: a warpgroup's 64-row accumulator of 32 to 256 columns (the
+#: prefill kernel at head_dim 64 / 128: 32 / 64; MLA's 64 x 256: 128).
+RESCALE_ASM = {n: rescale_asm(n) for n in (16, 32, 64, 128)}
 
 
 @gluon.constexpr_function
@@ -202,7 +202,7 @@ def lazy_rescale(acc, factor, LAZY: gl.constexpr):
     row layout); LAZY: a thread whose factors are all exactly 1 skips its multiplies
     (`rescale_asm`)."""
     if LAZY:
-        N: gl.constexpr = acc.shape[0] * acc.shape[1] // 128  # values a thread
+        N: gl.constexpr = acc.shape[0] * acc.shape[1] // 128  # values a thread (RESCALE_ASM's)
         parts: gl.constexpr = _rescale_parts(N)
         return gl.inline_asm_elementwise(parts[0], parts[1], [acc, factor[:, None]],
                                          dtype=gl.float32, is_pure=True, pack=N)  # fmt: skip

@@ -320,9 +320,11 @@ SM90_PREFILL_LATE_RELEASE_BOXES = (2, 4)
 SM90_PREFILL_EXP2_POLY = 0
 #: A lazy running max in the softmax (as the MLA kernel's, `portattn.policy.mla.SM90_LAZY_RESCALE`):
 #: a row's reference max moves only when a tile's passes it by more than 8 (log2 units; P <=
-#: 256, exact), and a thread whose rescale factors are exactly 1 skips its accumulator's 64
-#: multiplies a tile. Read at planning.
-SM90_PREFILL_LAZY_RESCALE = True
+#: 256, exact), and a thread whose rescale factors are exactly 1 skips its accumulator's
+#: multiplies (64 a tile at head_dim 128). Measured level (H200, bench/RESULTS.md twelfth
+#: session, 3 rounds in turns, on / off): block 16 0.7-1.2% faster, block 544 1.4-2.5% slower,
+#: block 2048 0.3-1.0% faster. Off; kept as a bench variant ("lazy rescale"). Read at planning.
+SM90_PREFILL_LAZY_RESCALE = False
 
 
 @dataclass(frozen=True)
