@@ -25,6 +25,8 @@ from portattn.kernels._gluon import (
 from portattn.policy import paged as paged_policy
 from tests.kernels.test_paged_prefill_sm90 import SM90, _plan
 
+pytestmark = pytest.mark.paged
+
 #: The fit's bound (1.0e-4 measured in fp32, module doc of _gluon.py), with room for rounding.
 POLY_REL = 1.1e-4
 TINY = 2.0**EXP2_POLY_FLOOR
