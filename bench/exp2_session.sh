@@ -14,7 +14,7 @@ run() {  # name, timeout seconds, command...
   OUT=$OUT timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "### $name: rc=$?, $((SECONDS - t0)) s"
 }
-run tests 200 python3 -m pytest -q -m gpu tests/kernels/test_exp2_split.py \
+run tests 200 python3 -m pytest -q -m gpu tests/kernels/test_gluon_softmax.py \
   tests/kernels/test_paged_prefill_sm90.py
 tail -5 "$OUT/tests.log"
 run prefill 330 python3 bench/bench_prefill.py --schedules --rounds ${ROUNDS:-3} \

@@ -141,11 +141,12 @@ def _split_asm(poly):
 @gluon.jit
 def exp2_split(x, POLY: gl.constexpr):
     """``2^x`` (fp32), ``POLY`` of every `EXP2_PACK` elements of a thread by a polynomial on the
-    FMA pipe (`exp2_split_asm`), the rest on the MUFU. A softmax over wgmma tiles is bound by
-    the MUFU's 16 results a cycle an SM (one ``ex2`` an element); the FMA pipe does the
-    polynomial's seven ops at 128 a cycle, so a share of the elements there shortens the step.
-    ``POLY`` 0 is ``gl.exp2``. Inputs below `EXP2_POLY_FLOOR` (-inf included) give at least
-    ``2^-126`` on the polynomial path; NaN gives ``2^-126`` there too (``max`` drops it)."""
+    FMA pipe (`exp2_split_asm`), the rest on the MUFU (one ``ex2`` an element, 16 results a cycle
+    an SM by the CUDA guide; the polynomial's 8 ops an element run on 128 FMA lanes). Meant for a
+    softmax bound by the MUFU; the sm_90 prefill kernel's is not (bench/NOTES.md, twelfth
+    session: slower at every share), so its switch is off. ``POLY`` 0 is ``gl.exp2``. Inputs
+    below `EXP2_POLY_FLOOR` (-inf included) give at least ``2^-126`` on the polynomial path;
+    NaN gives ``2^-126`` there too (``max`` drops it)."""
     if POLY == 0:
         y = gl.exp2(x)
     else:
@@ -193,6 +194,10 @@ RESCALE_ASM = {n: rescale_asm(n) for n in (16, 32, 64, 128)}
 
 @gluon.constexpr_function
 def _rescale_parts(n):
+    if n not in RESCALE_ASM:
+        raise ValueError(
+            f"lazy_rescale: {n} accumulator values a thread, not in {list(RESCALE_ASM)}"
+        )
     return RESCALE_ASM[n]
 
 

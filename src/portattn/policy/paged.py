@@ -323,7 +323,9 @@ SM90_PREFILL_EXP2_POLY = 0
 #: 256, exact), and a thread whose rescale factors are exactly 1 skips its accumulator's
 #: multiplies (64 a tile at head_dim 128). Measured level (H200, bench/RESULTS.md twelfth
 #: session, 3 rounds in turns, on / off): block 16 0.7-1.2% faster, block 544 1.4-2.5% slower,
-#: block 2048 0.3-1.0% faster. Off; kept as a bench variant ("lazy rescale"). Read at planning.
+#: block 2048 0.3-1.0% faster. Off; kept as a bench variant ("lazy rescale"). Both switches
+#: cover the sequential, ping-pong and overlapped loops, not the split short items (exact form).
+#: Read at planning.
 SM90_PREFILL_LAZY_RESCALE = False
 
 

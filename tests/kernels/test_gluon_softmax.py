@@ -1,9 +1,13 @@
-"""`exp2_split` (kernels/_gluon.py): the softmax's exponentials shared between the MUFU and a
-polynomial on the FMA pipe (issue 19, the sm_90 prefill kernel's `SM90_PREFILL_EXP2_POLY`).
+"""The sm_90 kernels' softmax helpers (kernels/_gluon.py).
 
-On a CPU: the polynomial's method step for step in fp32 (`exp2_poly_reference`) against fp64,
-the PTX each share emits, the switch reaching the prefill kernel's PTX, and the launcher's check
-of the switch. On an sm_90 GPU (`gpu`): the inline PTX itself against torch's exp2."""
+`exp2_split`: the softmax's exponentials shared between the MUFU and a polynomial on the FMA pipe
+(issue 19, the sm_90 prefill kernel's `SM90_PREFILL_EXP2_POLY`). On a CPU: the polynomial's
+method step for step in fp32 (`exp2_poly_reference`) against fp64, the PTX each share emits, the
+switch reaching the prefill kernel's PTX, and the launcher's check of the switch. On an sm_90 GPU
+(`gpu`): the inline PTX itself against torch's exp2.
+
+`lazy_rescale`: its PTX exists for the accumulators the kernels hold, and any other is refused
+by name when the kernel compiles (its numerics: the MLA and prefill kernels' GPU tests)."""
 
 from __future__ import annotations
 
@@ -18,11 +22,15 @@ from portattn.kernels._gluon import (
     EXP2_PACK,
     EXP2_POLY_FLOOR,
     EXP2_SPLIT_ASM,
+    RESCALE_ASM,
     exp2_poly_reference,
     exp2_split,
     exp2_split_asm,
+    lazy_rescale,
 )
+from portattn.kernels._launch import Launch
 from portattn.policy import paged as paged_policy
+from portattn.policy.common import LaunchOptions
 from tests.kernels.test_paged_prefill_sm90 import SM90, _plan
 
 pytestmark = pytest.mark.paged
@@ -143,3 +151,36 @@ def test_gpu_exp2_split_matches_exp2(poly):
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@gluon.jit
+def _rescale_kernel(out_ptr, COLS: gl.constexpr):
+    layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, COLS, 16]
+    )
+    rows: gl.constexpr = gl.SliceLayout(1, layout)
+    acc = gl.full([64, COLS], 2.0, gl.float32, layout=layout)
+    acc = lazy_rescale(acc, gl.full([64], 1.0, gl.float32, layout=rows), True)
+    gl.store(out_ptr + gl.arange(0, 64, layout=rows), gl.sum(acc, 1))
+
+
+@pytest.mark.parametrize(("cols", "known"), [(64, True), (16, False)])
+def test_lazy_rescale_ptx_exists_or_is_refused_by_name(cols, known):
+    """A warpgroup's 64 x ``cols`` accumulator holds ``cols / 2`` values a thread: 64 columns
+    (the prefill kernel at head_dim 64) compiles with its skip branch; 16 columns has no PTX in
+    `RESCALE_ASM` and the compile says so."""
+    n = cols // 2
+    assert (n in RESCALE_ASM) is known
+    out = torch.empty(64, device="meta")
+    launch = Launch(_rescale_kernel, (1,), dict(out_ptr=out, COLS=cols), LaunchOptions(4, 1), SM90,
+                    name="lazy_rescale")  # fmt: skip
+    if known:
+        assert compile_kernel(launch, SM90).asm["ptx"].count("bra lazy_skip_") == 1
+    else:
+        with pytest.raises(Exception) as err:  # noqa: PT011 (Triton wraps it in CompilationError)
+            compile_kernel(launch, SM90)
+        chain, e = [], err.value
+        while e is not None:
+            chain.append(str(e))
+            e = e.__cause__
+        assert any(f"lazy_rescale: {n} accumulator values a thread" in m for m in chain)
