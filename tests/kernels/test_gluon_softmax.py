@@ -7,9 +7,16 @@ switch reaching the prefill kernel's PTX, and the launcher's check of the switch
 (`gpu`): the inline PTX itself against torch's exp2.
 
 `lazy_rescale`: its PTX exists for the accumulators the kernels hold, and any other is refused
-by name when the kernel compiles (its numerics: the MLA and prefill kernels' GPU tests)."""
+by name when the kernel compiles (its numerics: the MLA and prefill kernels' GPU tests).
+
+`row_max` / `row_sum` (`SM90_PREFILL_TREE_REDUCE`, `SM90_TREE_REDUCE`): in both kernels' sm_90
+PTX the same ``max.f32`` / ``add.f32`` ops and shuffles as ``gl.max`` / ``gl.sum``, with the
+longest chain of dependent ops cut from a thread's columns a row to a tree's depth (their
+numerics: the kernels' GPU tests with the switches on)."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -29,8 +36,10 @@ from portattn.kernels._gluon import (
     lazy_rescale,
 )
 from portattn.kernels._launch import Launch
+from portattn.policy import mla as mla_policy
 from portattn.policy import paged as paged_policy
 from portattn.policy.common import LaunchOptions
+from tests.helpers import in_spawned_workers
 from tests.kernels.test_paged_prefill_sm90 import SM90, _plan
 
 pytestmark = pytest.mark.paged
@@ -87,17 +96,50 @@ def test_launcher_refuses_a_bad_switch(value, monkeypatch):
         _plan()
 
 
-def test_switch_reaches_the_prefill_kernel(monkeypatch):
+def _kernel_ptx(kind: str, switches: tuple, heads=(32, 8), head_dim=128) -> tuple[dict, str]:
+    """The sm_90 launch of ``kind`` ("prefill": `_plan`'s mixed batch; "mla": the compile
+    matrix's 128-head page-64 case) planned under ``switches`` ((module, name, value): module
+    "paged" or "mla" of `portattn.policy`): its softmax switches' args and its PTX. Run in a
+    spawned process without the interpreter (`tests.helpers.in_spawned_workers`): a Gluon
+    kernel compiled in a process that has run the interpreter can fail to build."""
+    policies = {"paged": paged_policy, "mla": mla_policy}
+    for module, name, value in switches:
+        setattr(policies[module], name, value)
+    if kind == "prefill":
+        (launch,) = [x for x in _plan(heads=heads, head_dim=head_dim)
+                     if x.name == "paged_prefill_sm90"]  # fmt: skip
+    else:
+        from portattn.compile.cases import default_cases
+
+        case = {c.id: c for c in default_cases()}["mla_decode/576/512 h128 page64"]
+        (launch,) = [x for x in case.plan(SM90) if x.name == "mla_decode_sm90"]
+    args = {k: launch.args[k] for k in ("EXP2_POLY", "LAZY", "TREE") if k in launch.args}
+    return args, compile_kernel(launch, SM90).asm["ptx"]
+
+
+def test_switch_reaches_the_prefill_kernel():
     """The launch carries the switch, and the sm_90 PTX has that share of ``ex2`` ops fewer (64
     exponentials a thread a tile, in each of the two consumer partitions; 4 of the row rescales'
     stay on the MUFU)."""
+    jobs = [("prefill", (("paged", "SM90_PREFILL_EXP2_POLY", poly),)) for poly in (0, 2)]
+    got = in_spawned_workers(_kernel_ptx, jobs)
     counts = {}
-    for poly in (0, 2):
-        monkeypatch.setattr(paged_policy, "SM90_PREFILL_EXP2_POLY", poly)
-        (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
-        assert main.args["EXP2_POLY"] == poly
-        counts[poly] = compile_kernel(main, SM90).asm["ptx"].count("ex2.approx")
+    for (_, ((_, _, poly),)), (args, ptx) in got.items():
+        assert args["EXP2_POLY"] == poly
+        counts[poly] = ptx.count("ex2.approx")
     assert counts[0] - counts[2] == 2 * 64 * 2 // EXP2_PACK
+
+
+@pytest.mark.parametrize(("head_dim", "heads"), [(128, (32, 8)), (64, (40, 8))])
+def test_lazy_rescale_reaches_the_prefill_kernel(head_dim, heads):
+    """`SM90_PREFILL_LAZY_RESCALE`: the launch carries it, and the sm_90 PTX has one skippable
+    rescale a consumer warpgroup (the sequential loop's; 64 / 32 accumulator values a thread at
+    head_dim 128 / 64), or none when off."""
+    jobs = [("prefill", (("paged", "SM90_PREFILL_LAZY_RESCALE", lazy),), heads, head_dim)
+            for lazy in (True, False)]  # fmt: skip
+    for (_, ((_, _, lazy),), _, _), (args, ptx) in in_spawned_workers(_kernel_ptx, jobs).items():
+        assert args["LAZY"] is lazy
+        assert ptx.count("bra lazy_skip_") == (2 if lazy else 0)
 
 
 @gluon.jit
@@ -164,23 +206,60 @@ def _rescale_kernel(out_ptr, COLS: gl.constexpr):
     gl.store(out_ptr + gl.arange(0, 64, layout=rows), gl.sum(acc, 1))
 
 
-@pytest.mark.parametrize(("cols", "known"), [(64, True), (16, False)])
-def test_lazy_rescale_ptx_exists_or_is_refused_by_name(cols, known):
-    """A warpgroup's 64 x ``cols`` accumulator holds ``cols / 2`` values a thread: 64 columns
-    (the prefill kernel at head_dim 64) compiles with its skip branch; 16 columns has no PTX in
-    `RESCALE_ASM` and the compile says so."""
-    n = cols // 2
-    assert (n in RESCALE_ASM) is known
+def _rescale_ptx(cols: int) -> str:
+    """`_rescale_kernel`'s sm_90 PTX at ``cols`` columns, or its compile error's chain of
+    messages (in a spawned process, as `_kernel_ptx`)."""
     out = torch.empty(64, device="meta")
     launch = Launch(_rescale_kernel, (1,), dict(out_ptr=out, COLS=cols), LaunchOptions(4, 1), SM90,
                     name="lazy_rescale")  # fmt: skip
-    if known:
-        assert compile_kernel(launch, SM90).asm["ptx"].count("bra lazy_skip_") == 1
-    else:
-        with pytest.raises(Exception) as err:  # noqa: PT011 (Triton wraps it in CompilationError)
-            compile_kernel(launch, SM90)
-        chain, e = [], err.value
+    try:
+        return compile_kernel(launch, SM90).asm["ptx"]
+    except Exception as err:  # Triton wraps the helper's ValueError in a CompilationError
+        chain, e = [], err
         while e is not None:
             chain.append(str(e))
             e = e.__cause__
-        assert any(f"lazy_rescale: {n} accumulator values a thread" in m for m in chain)
+        return "\n".join(chain)
+
+
+def test_lazy_rescale_ptx_exists_or_is_refused_by_name():
+    """A warpgroup's 64 x ``cols`` accumulator holds ``cols / 2`` values a thread: 64 columns
+    (the prefill kernel at head_dim 64) compiles with its skip branch; 16 columns has no PTX in
+    `RESCALE_ASM` and the compile says so."""
+    assert 32 in RESCALE_ASM and 8 not in RESCALE_ASM
+    got = in_spawned_workers(_rescale_ptx, [(64,), (16,)])
+    assert got[(64,)].count("bra lazy_skip_") == 1
+    assert "lazy_rescale: 8 accumulator values a thread, not in" in got[(16,)]
+
+
+def _chain(ptx: str, op: str) -> tuple[int, int]:
+    """``(longest chain of dependent ``op`` ops, ops)`` in ``ptx`` (virtual registers are
+    written once, so a register's depth is fixed where it is written)."""
+    depth: dict[str, int] = {}
+    pat = rf"^\s*{op}\s+(%\w+),\s*(%\w+),\s*(%\w+);"
+    for dst, a, b in re.findall(pat, ptx, re.M):
+        depth[dst] = 1 + max(depth.get(a, 0), depth.get(b, 0))
+    return max(depth.values(), default=0), len(re.findall(rf"^\s*{op}\s", ptx, re.M))
+
+
+@pytest.mark.parametrize(
+    ("kind", "module", "switch", "columns"),
+    [
+        ("prefill", "paged", "SM90_PREFILL_TREE_REDUCE", 32),  # a 64 x 128 tile
+        ("mla", "mla", "SM90_TREE_REDUCE", 16),  # a 64 x 64 tile
+    ],
+)
+def test_tree_reduce_cuts_the_dependent_chain(kind, module, switch, columns):
+    jobs = [(kind, ((module, switch, tree),)) for tree in (False, True)]
+    got = {}
+    for (_, ((_, _, tree),)), (args, ptx) in in_spawned_workers(_kernel_ptx, jobs).items():
+        assert args["TREE"] is tree
+        got[tree] = (_chain(ptx, r"max\.f32"), _chain(ptx, r"add\.f32"), ptx.count("shfl.sync"))
+    (max_chain, max_ops), (add_chain, add_ops), shuffles = got[False]
+    # gl.max / gl.sum: one op after another over a thread's columns of a row (+1: the running
+    # max / the scaled sum joins it)
+    assert max_chain >= columns and add_chain >= columns
+    (max_tree, max_ops_t), (add_tree, add_ops_t), shuffles_t = got[True]
+    assert (max_ops_t, add_ops_t, shuffles_t) == (max_ops, add_ops, shuffles)
+    levels = (columns // 2).bit_length() - 1  # halvings down to 2 columns a thread
+    assert max_tree <= levels + 4 and add_tree <= levels + 4

@@ -671,3 +671,22 @@ def test_gpu_sm90_running_max_moves(ramp, splits):
     q = (q.float() * torch.linspace(0.25, 2.0, heads, device="cuda")[None, :, None]).to(dtype)
     _poison_unowned_rows(cache, bt, sl)
     _check_sm90(target, q, cache, bt, sl, qsl, r, splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dk", "r", "heads", "bs", "q_lens", "seq_lens", "splits"),
+    [
+        (576, 512, 128, 64, (1, 3, 6, 2), (32768, 4100, 6, 1000), None),
+        (576, 512, 64, 128, None, (1, 64, 65, 5000), 7),  # empty splits, one-row sequence
+        (320, 256, 100, 64, (2, 1), (127, 9000), 3),  # padded heads
+    ],
+)
+def test_gpu_sm90_tree_reduce(dk, r, heads, bs, q_lens, seq_lens, splits, monkeypatch):
+    """`SM90_TREE_REDUCE` (row maxima and sums by trees) against the fp64 oracle."""
+    monkeypatch.setattr(mla_policy, "SM90_TREE_REDUCE", True)
+    target = _sm90_target()
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.bfloat16, "cuda")
+    _poison_unowned_rows(cache, bt, sl)
+    launch = _check_sm90(target, q, cache, bt, sl, qsl, r, splits)
+    assert launch.args["TREE"] is True

@@ -606,6 +606,7 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
         "exp2 poly 0",
         "exp2 poly 4",
         "lazy rescale",
+        "tree reduce",
     ],
 )
 def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
@@ -632,6 +633,8 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_V_PAGES", True)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_V_PAGES_MIN_BOXES", 2)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
+    elif schedule == "tree reduce":  # the row maxima and sums by trees
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_TREE_REDUCE", True)
     elif schedule == "lazy rescale":  # the running max moved only past 8, rescales skipped at 1
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_LAZY_RESCALE", True)
     elif schedule.startswith("exp2 poly"):  # none / all of P's exponentials on the polynomial
@@ -666,6 +669,7 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         if schedule.startswith("exp2 poly"):
             assert main.args["EXP2_POLY"] == int(schedule.split()[-1])
         assert main.args["LAZY"] == (schedule == "lazy rescale")
+        assert main.args["TREE"] == (schedule == "tree reduce")
         assert main.args["SPLIT"] == (schedule in ("fused decode",))
         # the decodes fused: no decode launch
         assert (len(launches) == 2) == paged_policy.SM90_PREFILL_FUSE_DECODE
@@ -707,22 +711,6 @@ def test_gpu_sm90_prefill_graph_replay_with_new_lengths(fuse, monkeypatch):
     torch.cuda.synchronize()
     check(b, out)
     PLANS.clear()
-
-
-@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
-@pytest.mark.parametrize(("head_dim", "heads"), [(128, (32, 8)), (64, (40, 8))])
-def test_lazy_rescale_reaches_the_kernel(lazy, head_dim, heads, monkeypatch):
-    """`SM90_PREFILL_LAZY_RESCALE`: the launch carries it, and the sm_90 PTX has one skippable
-    rescale a consumer warpgroup (the sequential loop's; 64 / 32 accumulator values a thread at
-    head_dim 128 / 64), or none when off."""
-    from portattn.compile.worker import compile_kernel
-
-    monkeypatch.setattr(paged_policy, "SM90_PREFILL_LAZY_RESCALE", lazy)
-    launches = _plan(heads=heads, head_dim=head_dim)
-    (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
-    assert main.args["LAZY"] is lazy
-    ptx = compile_kernel(main, SM90).asm["ptx"]
-    assert ptx.count("bra lazy_skip_") == (2 if lazy else 0)
 
 
 @pytest.mark.gpu

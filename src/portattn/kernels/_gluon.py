@@ -213,3 +213,53 @@ def lazy_rescale(acc, factor, LAZY: gl.constexpr):
                                          dtype=gl.float32, is_pure=True, pack=N)  # fmt: skip
     else:
         return acc * factor[:, None]
+
+
+# -- row reductions of a wgmma tile ---------------------------------------------------------------
+@gluon.jit
+def halves(x):
+    """``x``'s left and right halves of columns, split in registers (reshape, permute, split: no
+    data moves where each thread holds columns of both halves, as in a wgmma tile)."""
+    ROWS: gl.constexpr = x.shape[0]
+    W: gl.constexpr = x.shape[1]
+    return gl.split(gl.permute(gl.reshape(x, [ROWS, 2, W // 2]), (0, 2, 1)))
+
+
+#: Columns a row keeps before `row_max` / `row_sum` hand over to ``gl.max`` / ``gl.sum``: a wgmma
+#: tile's 8-column group, which the 4 threads of a row hold 2 each.
+TREE_MIN_COLS = gl.constexpr(8)
+
+
+@gluon.jit
+def _tree(x, MAX: gl.constexpr):
+    """``x`` halved down to `TREE_MIN_COLS` columns, the halves combined element by element."""
+    LEVELS: gl.constexpr = (x.shape[1] // TREE_MIN_COLS).bit_length() - 1
+    for _ in gl.static_range(LEVELS):
+        left, right = halves(x)
+        if MAX:  # noqa: SIM108 (a constexpr branch)
+            x = gl.maximum(left, right)
+        else:
+            x = left + right
+    return x
+
+
+@gluon.jit
+def row_max(x, TREE: gl.constexpr):
+    """``gl.max(x, 1)``. TREE: as a tree, halves combined first (depth log2 of a thread's columns
+    a row), where ``gl.max`` folds a thread's 32 columns a row (a 128-column wgmma tile) one after
+    another, each op waiting on the last."""
+    if TREE:
+        m = gl.convert_layout(gl.max(_tree(x, True), 1), gl.SliceLayout(1, x.type.layout))
+    else:
+        m = gl.max(x, 1)
+    return m
+
+
+@gluon.jit
+def row_sum(x, TREE: gl.constexpr):
+    """``gl.sum(x, 1)``; TREE: as a tree (`row_max`; the sum's rounding order changes)."""
+    if TREE:
+        s = gl.convert_layout(gl.sum(_tree(x, False), 1), gl.SliceLayout(1, x.type.layout))
+    else:
+        s = gl.sum(x, 1)
+    return s

@@ -99,8 +99,11 @@ from portattn.kernels._gluon import (
     LAZY_T,
     clock_stamp,
     exp2_split,
+    halves,
     lazy_rescale,
+    row_max,
     row_ptrs,
+    row_sum,
     trace_slot,
 )
 from portattn.kernels._launch import Launch, check_trace_buffer, rows_aligned
@@ -370,7 +373,8 @@ def _scores(qk, start, full_end, kv_end, limit, cols):
 
 
 @gluon.jit
-def _probs(sc, m_i, scale_log2, POLY: gl.constexpr = 0, LAZY: gl.constexpr = False):
+def _probs(sc, m_i, scale_log2, POLY: gl.constexpr = 0, LAZY: gl.constexpr = False,
+           TREE: gl.constexpr = False):  # fmt: skip
     """The new row maxima (scaled, base 2) and ``P = 2^(sc scale_log2 - m)`` of raw scores
     ``sc``. The scale goes inside the exponent, one FFMA an element: the maximum is taken of the
     raw scores and scaled once a row (``scale_log2 > 0``: the launcher checks the scale), where
@@ -379,8 +383,8 @@ def _probs(sc, m_i, scale_log2, POLY: gl.constexpr = 0, LAZY: gl.constexpr = Fal
     score then gives ``2^-126`` where the MUFU gives 0: nothing, beside a row's sum >= 1). LAZY:
     the row's reference max moves only when the tile's passes it by more than `LAZY_T` (P <=
     2^8; from -inf, the first tile's max), so it mostly stays, and with it the rescale factors
-    at exactly 1 (`_softmax`)."""
-    rm = gl.max(sc, 1) * scale_log2
+    at exactly 1 (`_softmax`). TREE: the row maxima by a tree (`row_max`)."""
+    rm = row_max(sc, TREE) * scale_log2
     if LAZY:  # noqa: SIM108 (a constexpr branch)
         m_new = gl.where(rm > m_i + LAZY_T, rm, m_i)
     else:
@@ -410,15 +414,15 @@ def _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG: gl.constexpr, tk,
 @gluon.jit
 def _softmax(sc, m_i, l_i, acc, scale_log2, dtype: gl.constexpr, PA: gl.constexpr,
              RAW: gl.constexpr = False, POLY: gl.constexpr = 0,
-             LAZY: gl.constexpr = False):  # fmt: skip
+             LAZY: gl.constexpr = False, TREE: gl.constexpr = False):  # fmt: skip
     """One tile's online-softmax step on its masked raw scores ``sc``: the new row maxima and
     sums, the accumulator rescaled to the new maxima, and P as the P V MMA's register operand
     (RAW: in ``dtype`` and the scores' layout, for `_pv_pages`; POLY: `_probs`). LAZY: the
     lazy max (`_probs`), and a thread whose factors are exactly 1 skips its 64 multiplies
-    (`lazy_rescale`)."""
-    m_new, p = _probs(sc, m_i, scale_log2, POLY, LAZY)
+    (`lazy_rescale`). TREE: the row maxima and sums by trees (`row_max`, `row_sum`)."""
+    m_new, p = _probs(sc, m_i, scale_log2, POLY, LAZY, TREE)
     alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
+    l_i = l_i * alpha + row_sum(p, TREE)
     acc = lazy_rescale(acc, gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), LAZY)
     if RAW:  # noqa: SIM108 (a constexpr branch, not a runtime select)
         p_op = p.to(dtype)
@@ -456,25 +460,16 @@ def _v_page(v_buf, b, NB: gl.constexpr):
 
 
 @gluon.jit
-def _halves(x):
-    """``x``'s left and right halves of columns, split in registers (reshape, permute, split:
-    no data moves)."""
-    ROWS: gl.constexpr = x.shape[0]
-    W: gl.constexpr = x.shape[1]
-    return gl.split(gl.permute(gl.reshape(x, [ROWS, 2, W // 2]), (0, 2, 1)))
-
-
-@gluon.jit
 def _pv_pages(p, v_buf, acc, NB: gl.constexpr, PA: gl.constexpr):
     """V_PAGES: O += P V as NB MMAs, one a page box: P's columns of box b (``p``: the
     probabilities in the scores' layout, 16-bit) against box b's [BOX, HEAD_D] tile, issued
-    async. P's column groups come from halving in registers (`_halves`)."""
+    async. P's column groups come from halving in registers (`halves`)."""
     gl.static_assert((NB == 2) or (NB == 4) or (NB == 8))
     parts = (p,)
     for _ in gl.static_range(NB.bit_length() - 1):  # halve every part: 1 -> 2 -> 4 -> 8
         halved = ()
         for i in gl.static_range(len(parts)):
-            left, right = _halves(parts[i])
+            left, right = halves(parts[i])
             halved = halved + (left, right)  # type: ignore[assignment]
         parts = halved  # type: ignore[assignment]
     for b in gl.static_range(NB):
@@ -607,7 +602,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
               STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
               SPLIT: gl.constexpr, Q_VEC: gl.constexpr, O_VEC: gl.constexpr,
               RELEASE_LAG: gl.constexpr, V_PAGES: gl.constexpr, POLY: gl.constexpr,
-              LAZY: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+              LAZY: gl.constexpr, TREE: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
     scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
     PINGPONG: the two warpgroups issue their MMAs in turns (module doc). RELEASE_LAG (the
@@ -736,8 +731,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 qk, tk = _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG, tk, PINGPONG,
                                        turns, QK)  # fmt: skip
                 sc = _scores(qk, 0, full_end, kv_end, limit, cols)
-                m_i, p = _probs(sc, m_i, scale_log2, POLY, LAZY)  # from -inf: m_i is the tile's
-                l_i = gl.sum(p, 1)
+                m_i, p = _probs(sc, m_i, scale_log2, POLY, LAZY, TREE)  # from -inf: the tile's
+                l_i = row_sum(p, TREE)
                 p_op = gl.convert_layout(p.to(dtype), PA)
                 for t in range(1, n_tiles):
                     sp = it % STAGES  # tile t-1's stage
@@ -755,9 +750,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _turn_pass(turn_bars, WG, PINGPONG, turns)
                     qk = warpgroup_mma_wait(num_outstanding=1, deps=[qk])
                     sc = _scores(qk, t * BLOCK_N, full_end, kv_end, limit, cols)
-                    m_new, p = _probs(sc, m_i, scale_log2, POLY, LAZY)
+                    m_new, p = _probs(sc, m_i, scale_log2, POLY, LAZY, TREE)
                     alpha = gl.exp2(m_i - m_new)
-                    l_i = l_i * alpha + gl.sum(p, 1)
+                    l_i = l_i * alpha + row_sum(p, TREE)
                     m_i = m_new
                     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
                     gl.thread_barrier()
@@ -793,7 +788,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, t * BLOCK_N, full_end, kv_end, limit, cols)
                     m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
-                                                   False, POLY, LAZY)  # fmt: skip
+                                                   False, POLY, LAZY, TREE)  # fmt: skip
                     _stamp(tr, jt, 3, TRACE)
                     # tile t is not the item's last: it ends before kv_end <= seq_len, its V
                     # rows are all real
@@ -823,7 +818,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 _stamp(tr, jt, 2, TRACE)
                 sc = _scores(qk, start, full_end, kv_end, limit, cols)
                 m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA, False,
-                                               POLY, LAZY)  # fmt: skip
+                                               POLY, LAZY, TREE)  # fmt: skip
                 _stamp(tr, jt, 3, TRACE)
                 v_buf = v_smem.index(s)
                 mbarrier.wait(v_bars.index(s), (it // STAGES) & 1)
@@ -856,7 +851,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, start, full_end, kv_end, limit, cols)
                     m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
-                                                   V_PAGES > 1, POLY, LAZY)  # fmt: skip
+                                                   V_PAGES > 1, POLY, LAZY, TREE)  # fmt: skip
                     _stamp(tr, jt, 3, TRACE)
                     v_buf = v_smem.index(s)
                     mbarrier.wait(v_bars.index(s), ph)
@@ -936,6 +931,7 @@ def _paged_prefill_sm90_kernel(
     V_PAGES: gl.constexpr,  # > 1: V tiles as that many one-copy page boxes (`v_pages`)
     EXP2_POLY: gl.constexpr,  # exponentials of every 4 by the polynomial (`exp2_split`)
     LAZY: gl.constexpr,  # lazy running max, rescales skipped at factor 1 (`_softmax`)
+    TREE: gl.constexpr,  # row maxima and sums by trees (`_softmax`)
     Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
     O_VEC: gl.constexpr,  # the output's rows aligned
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
@@ -982,10 +978,10 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, TRACE)),
             ],
             [4, PRODUCER_WARPS_],
@@ -997,13 +993,13 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, TRACE)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, TRACE)),
             ],
             [4, 4, PRODUCER_WARPS_],
@@ -1303,6 +1299,7 @@ def sm90_prefill_launches(
         V_PAGES=nv,
         EXP2_POLY=poly,
         LAZY=bool(paged_policy.SM90_PREFILL_LAZY_RESCALE),
+        TREE=bool(paged_policy.SM90_PREFILL_TREE_REDUCE),
         Q_VEC=rows_aligned(a["q_ptr"]),
         O_VEC=rows_aligned(a["out_ptr"]),
         # a placeholder pointer when off (never read)

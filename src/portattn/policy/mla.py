@@ -171,6 +171,12 @@ SM90_ROWS_AHEAD = True
 #: 685.1 and 665.7 / 700.8; verification at most 1.295x roofline on, 1.307-1.387 off. Read at
 #: planning.
 SM90_LAZY_RESCALE = True
+#: The Hopper kernel's row maxima and sums as trees (`portattn.kernels._gluon.row_max`,
+#: `row_sum`), where ``gl.max`` / ``gl.sum`` fold a thread's 16 values a row (64-token tiles) in a
+#: chain of dependent ops; the row max sits in each warpgroup's serial chain (bench/NOTES.md,
+#: ninth session: 550-720 cycles a pair). Same op count. Not yet measured on a GPU (prepared in
+#: the twelfth session, whose device time was spent): off. Read at planning.
+SM90_TREE_REDUCE = False
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).

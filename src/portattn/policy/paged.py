@@ -327,6 +327,13 @@ SM90_PREFILL_EXP2_POLY = 0
 #: cover the sequential, ping-pong and overlapped loops, not the split short items (exact form).
 #: Read at planning.
 SM90_PREFILL_LAZY_RESCALE = False
+#: The softmax's row maxima and sums as trees (`portattn.kernels._gluon.row_max`, `row_sum`):
+#: ``gl.max`` / ``gl.sum`` fold a thread's 32 values a row (a 128-column tile) in a chain of 32
+#: dependent ops, each waiting on the last, in both warpgroups at once; halving first makes it 4
+#: levels of independent ops, then 1 op and the 2 shuffles. Same op count; the sum's rounding
+#: order changes. Not yet measured on a GPU (prepared in the twelfth session, whose device time
+#: was spent): off. Read at planning.
+SM90_PREFILL_TREE_REDUCE = False
 
 
 @dataclass(frozen=True)
