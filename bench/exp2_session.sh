@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One device call (issue 19, twelfth session): the sm_90 prefill kernel's softmax exponentials
-# shared with a polynomial (`SM90_PREFILL_EXP2_POLY`): the GPU tests of the helper and the
-# kernel, then every prefill point with 0 / 1 / 2 of every 4 exponentials on the polynomial,
-# rounds in turns. Logs in $OUT.
-# Usage on the GPU machine, from the repository root:  bash bench/exp2_session.sh
+# One device call (issue 19, from the twelfth session): the sm_90 prefill kernel's softmax
+# switches (`SM90_PREFILL_EXP2_POLY`, `SM90_PREFILL_LAZY_RESCALE`, `SM90_PREFILL_TREE_REDUCE`):
+# the GPU tests of the `_gluon` softmax helpers and of the kernel (its schedule cases run each
+# switch), then every prefill point under the policy and VARIANTS (`bench_prefill.py
+# --schedules` names), rounds in turns. Logs in $OUT.
+# Usage on the GPU machine, from the repository root:
+#   VARIANTS="policy,tree reduce" ROUNDS=3 bash bench/exp2_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/portattn-out}; mkdir -p "$OUT"
