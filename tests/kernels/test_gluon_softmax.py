@@ -62,10 +62,10 @@ def test_polynomial_is_within_its_bound_down_to_the_floor():
 
 
 def test_polynomial_below_the_floor_gives_the_floor_not_garbage():
-    """Masked scores (-inf) and anything under -126 come out 2^-126 (positive, finite): the
+    """Masked scores (-inf), NaN and anything under -126 come out 2^-126 (positive, finite): the
     exponent arithmetic never wraps into the sign bit."""
-    x = np.float32([-np.inf, -1e30, -200.0, -126.4, -127.0])
-    got = exp2_poly_reference(x)
+    x = np.float32([-np.inf, -1e30, -200.0, -126.4, -127.0, np.nan])
+    got = exp2_poly_reference(x)  # NaN too: PTX's max returns the other operand
     assert np.all(got > 0) and np.all(got <= np.float32(TINY) * (1 + POLY_REL))
 
 
@@ -223,12 +223,16 @@ def _rescale_ptx(cols: int) -> str:
 
 
 def test_lazy_rescale_ptx_exists_or_is_refused_by_name():
-    """A warpgroup's 64 x ``cols`` accumulator holds ``cols / 2`` values a thread: 64 columns
-    (the prefill kernel at head_dim 64) compiles with its skip branch; 16 columns has no PTX in
+    """A warpgroup's 64 x ``cols`` accumulator holds ``cols / 2`` values a thread: 64, 128 and
+    256 columns (the prefill kernel at head_dim 64 / 128, MLA's rank-512 half) compile with one
+    skip branch around exactly that many multiplies (one rescale PTX for every width multiplied
+    padding lanes and tested unwritten registers below 256 columns); 16 columns has no PTX in
     `RESCALE_ASM` and the compile says so."""
-    assert 32 in RESCALE_ASM and 8 not in RESCALE_ASM
-    got = in_spawned_workers(_rescale_ptx, [(64,), (16,)])
-    assert got[(64,)].count("bra lazy_skip_") == 1
+    assert {32, 64, 128} <= set(RESCALE_ASM) and 8 not in RESCALE_ASM
+    got = in_spawned_workers(_rescale_ptx, [(64,), (128,), (256,), (16,)])
+    for cols in (64, 128, 256):
+        assert got[(cols,)].count("bra lazy_skip_") == 1
+        assert len(re.findall(r"^\s*mul\.f32\s", got[(cols,)], re.M)) == cols // 2
     assert "lazy_rescale: 8 accumulator values a thread, not in" in got[(16,)]
 
 
@@ -254,12 +258,32 @@ def test_tree_reduce_cuts_the_dependent_chain(kind, module, switch, columns):
     got = {}
     for (_, ((_, _, tree),)), (args, ptx) in in_spawned_workers(_kernel_ptx, jobs).items():
         assert args["TREE"] is tree
-        got[tree] = (_chain(ptx, r"max\.f32"), _chain(ptx, r"add\.f32"), ptx.count("shfl.sync"))
+        moves = (ptx.count("shfl.sync"), ptx.count("st.shared"), ptx.count("ld.shared"))
+        got[tree] = (_chain(ptx, r"max\.f32"), _chain(ptx, r"add\.f32"), moves)
     (max_chain, max_ops), (add_chain, add_ops), shuffles = got[False]
     # gl.max / gl.sum: one op after another over a thread's columns of a row (+1: the running
     # max / the scaled sum joins it)
     assert max_chain >= columns and add_chain >= columns
     (max_tree, max_ops_t), (add_tree, add_ops_t), shuffles_t = got[True]
+    # the same ops, and no data moved for the halving: the same shuffles and shared traffic
     assert (max_ops_t, add_ops_t, shuffles_t) == (max_ops, add_ops, shuffles)
     levels = (columns // 2).bit_length() - 1  # halvings down to 2 columns a thread
     assert max_tree <= levels + 4 and add_tree <= levels + 4
+
+
+@pytest.mark.parametrize("loop", ["overlap", "pingpong"])
+def test_softmax_switches_compile_in_the_other_loops(loop):
+    """All three softmax switches on in the overlapped and the ping-pong loops (the policy says
+    they cover both): the kernel builds for sm_90 with fewer ``ex2``, the lazy rescale's skip
+    branches and the trees' short chains."""
+    on = (("paged", "SM90_PREFILL_EXP2_POLY", 2), ("paged", "SM90_PREFILL_LAZY_RESCALE", True),
+          ("paged", "SM90_PREFILL_TREE_REDUCE", True))  # fmt: skip
+    schedule = (("paged", "SM90_PREFILL_OVERLAP", loop == "overlap"),
+                ("paged", "SM90_PREFILL_PINGPONG", loop == "pingpong"))  # fmt: skip
+    jobs = [("prefill", schedule), ("prefill", schedule + on)]
+    got = in_spawned_workers(_kernel_ptx, jobs)
+    (_, off), (args, ptx) = got[jobs[0]], got[jobs[1]]
+    assert args == {"EXP2_POLY": 2, "LAZY": True, "TREE": True}
+    assert ptx.count("ex2.approx") < off.count("ex2.approx")
+    assert ptx.count("bra lazy_skip_") >= 2
+    assert _chain(ptx, r"max\.f32")[0] < 16 and _chain(ptx, r"add\.f32")[0] < 16

@@ -607,6 +607,8 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
         "exp2 poly 4",
         "lazy rescale",
         "tree reduce",
+        "overlap, softmax switches",
+        "pingpong, softmax switches",
     ],
 )
 def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
@@ -633,6 +635,12 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_V_PAGES", True)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_V_PAGES_MIN_BOXES", 2)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
+    elif schedule.endswith("softmax switches"):  # all three on, in another loop
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_EXP2_POLY", 2)
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_LAZY_RESCALE", True)
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_TREE_REDUCE", True)
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_OVERLAP", schedule.startswith("overlap"))
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_PINGPONG", schedule.startswith("pingpong"))
     elif schedule == "tree reduce":  # the row maxima and sums by trees
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_TREE_REDUCE", True)
     elif schedule == "lazy rescale":  # the running max moved only past 8, rescales skipped at 1
@@ -668,8 +676,11 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
             assert main.args["V_PAGES"] == want
         if schedule.startswith("exp2 poly"):
             assert main.args["EXP2_POLY"] == int(schedule.split()[-1])
-        assert main.args["LAZY"] == (schedule == "lazy rescale")
-        assert main.args["TREE"] == (schedule == "tree reduce")
+        all_on = schedule.endswith("softmax switches")
+        assert main.args["LAZY"] == (schedule == "lazy rescale" or all_on)
+        assert main.args["TREE"] == (schedule == "tree reduce" or all_on)
+        if all_on:
+            assert main.args["EXP2_POLY"] == 2
         assert main.args["SPLIT"] == (schedule in ("fused decode",))
         # the decodes fused: no decode launch
         assert (len(launches) == 2) == paged_policy.SM90_PREFILL_FUSE_DECODE

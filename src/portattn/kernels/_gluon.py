@@ -61,7 +61,8 @@ def trace_slot(step, TRACE: gl.constexpr, SLOTS: gl.constexpr):
 
 # -- exp2 split between the MUFU and the FMA pipe ------------------------------------------------
 #: ``2^f`` on ``f`` in [-0.5, 0.5]: ``1 + f (C1 + f (C2 + f C3))``, a degree-3 fit of the relative
-#: error (at most 1.0e-4 evaluated in fp32: a twentieth of a bf16 ulp, a fifth of an fp16 ulp).
+#: error (at most 1.0e-4 evaluated in fp32: about a fortieth of a bf16 ulp, a fifth of an fp16
+#: ulp).
 EXP2_POLY_COEFFS = (0.6932829022407532, 0.2422109693288803, 0.055008936673402786)
 #: Elements ``exp2_split`` takes at a time; ``poly`` of them go through the polynomial.
 EXP2_PACK = 4
@@ -84,13 +85,15 @@ def exp2_poly_reference(x):
     import numpy as np
 
     f32 = np.float32
-    x = np.maximum(np.asarray(x, dtype=f32), f32(EXP2_POLY_FLOOR))
+    # fmax, as PTX's max: NaN gives the other operand
+    x = np.fmax(np.asarray(x, dtype=f32), f32(EXP2_POLY_FLOOR))
     t = (x + f32(_MAGIC)).astype(f32)  # round to nearest: the integer part in the low bits
     r = (t - f32(_MAGIC)).astype(f32)
     f = (x - r).astype(f32)
     c1, c2, c3 = (np.float64(f32(c)) for c in EXP2_POLY_COEFFS)
 
-    def fma(a, b, c):  # one rounding, as ``fma.rn.f32`` (the fp32 product is exact in fp64)
+    def fma(a, b, c):  # ``fma.rn.f32`` through fp64: the product is exact there, the sum is
+        # rounded twice (to fp64, then fp32), which can differ from one rounding by an ulp, rarely
         return (a.astype(np.float64) * b + c).astype(f32)
 
     p = fma(f, c3, c2)
@@ -142,11 +145,13 @@ def _split_asm(poly):
 def exp2_split(x, POLY: gl.constexpr):
     """``2^x`` (fp32), ``POLY`` of every `EXP2_PACK` elements of a thread by a polynomial on the
     FMA pipe (`exp2_split_asm`), the rest on the MUFU (one ``ex2`` an element, 16 results a cycle
-    an SM by the CUDA guide; the polynomial's 8 ops an element run on 128 FMA lanes). Meant for a
-    softmax bound by the MUFU; the sm_90 prefill kernel's is not (bench/NOTES.md, twelfth
-    session: slower at every share), so its switch is off. ``POLY`` 0 is ``gl.exp2``. Inputs
+    an SM by the CUDA guide; the polynomial's 9 PTX ops an element, 8 after ptxas, run on 128 FMA
+    lanes). Meant for a softmax bound by the MUFU; the sm_90 prefill kernel's is not
+    (bench/NOTES.md, twelfth session: slower at every share), so its switch is off. ``POLY`` 0
+    is ``gl.exp2``. Inputs
     below `EXP2_POLY_FLOOR` (-inf included) give at least ``2^-126`` on the polynomial path;
-    NaN gives ``2^-126`` there too (``max`` drops it)."""
+    NaN gives ``2^-126`` there too (``max`` drops it). Inputs above 127 overflow the exponent
+    field there (a softmax's are at most 0, or `LAZY_T` with the lazy max)."""
     if POLY == 0:
         y = gl.exp2(x)
     else:

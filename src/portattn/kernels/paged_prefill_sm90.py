@@ -757,7 +757,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
                     gl.thread_barrier()
                     mbarrier.arrive(empty_bars.index(sp), count=1)
-                    acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+                    acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
                     p_op = gl.convert_layout(p.to(dtype), PA)
                 # the last tile's P V
                 s = it % STAGES
@@ -930,7 +930,7 @@ def _paged_prefill_sm90_kernel(
     RELEASE_LAG: gl.constexpr,  # when a stage is released (`Sm90PrefillTile.release_lag`)
     V_PAGES: gl.constexpr,  # > 1: V tiles as that many one-copy page boxes (`v_pages`)
     EXP2_POLY: gl.constexpr,  # exponentials of every 4 by the polynomial (`exp2_split`)
-    LAZY: gl.constexpr,  # lazy running max, rescales skipped at factor 1 (`_softmax`)
+    LAZY: gl.constexpr,  # lazy running max, rescales skipped at factor 1 (`lazy_rescale`)
     TREE: gl.constexpr,  # row maxima and sums by trees (`_softmax`)
     Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
     O_VEC: gl.constexpr,  # the output's rows aligned
