@@ -6,16 +6,8 @@
 # --schedules` names), rounds in turns. Logs in $OUT.
 # Usage on the GPU machine, from the repository root:
 #   VARIANTS="policy,tree reduce" ROUNDS=3 bash bench/exp2_session.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=src
-OUT=${OUT:-/tmp/portattn-out}; mkdir -p "$OUT"
-{ nvidia-smi --query-gpu=name,clocks.sm,memory.total --format=csv,noheader; } 2>&1 | tee "$OUT/device.txt"
-run() {  # name, timeout seconds, command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  OUT=$OUT timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "### $name: rc=$?, $((SECONDS - t0)) s"
-}
+# shellcheck source=bench/_session_lib.sh
+source "$(dirname "$0")/_session_lib.sh"  # strict mode, $OUT, device.txt, run
 run tests 200 python3 -m pytest -q -m gpu tests/kernels/test_gluon_softmax.py \
   tests/kernels/test_paged_prefill_sm90.py
 tail -5 "$OUT/tests.log"

@@ -3,16 +3,8 @@
 # (`--shuffle-variants N,stages,warps,splits[,maxnreg]`), then the mixed 8x2048 batch under the
 # sm_90 prefill kernel's schedule switches, 3 rounds in turns. Logs in $OUT.
 # Usage on the GPU machine, from the repository root:  bash bench/shuffle_mixed_session.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=src
-OUT=${OUT:-/tmp/portattn-out}; mkdir -p "$OUT"
-{ nvidia-smi --query-gpu=name,clocks.sm,memory.total --format=csv,noheader; } 2>&1 | tee "$OUT/device.txt"
-run() {  # name, timeout seconds, command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  OUT=$OUT timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "### $name: rc=$?, $((SECONDS - t0)) s"
-}
+# shellcheck source=bench/_session_lib.sh
+source "$(dirname "$0")/_session_lib.sh"  # strict mode, $OUT, device.txt, run
 run shuffle 240 python3 bench/bench_paged.py --shuffle --shuffle-variants ${SHUFFLE_VARIANTS:-\
 64,2,4,1,128 64,3,4,1,128 32,3,4,1 32,3,4,1,102 64,2,4,1}
 grep -v "^$" "$OUT/shuffle.log" | tail -40

@@ -603,7 +603,6 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
         "release 1",
         "release 2",
         "v pages",
-        "exp2 poly 0",
         "exp2 poly 4",
         "lazy rescale",
         "tree reduce",
@@ -645,7 +644,7 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_TREE_REDUCE", True)
     elif schedule == "lazy rescale":  # the running max moved only past 8, rescales skipped at 1
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_LAZY_RESCALE", True)
-    elif schedule.startswith("exp2 poly"):  # none / all of P's exponentials on the polynomial
+    elif schedule.startswith("exp2 poly"):  # all of P's exponentials on the polynomial
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_EXP2_POLY", int(schedule.split()[-1]))
     elif schedule.startswith("fused decode"):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)

@@ -132,8 +132,11 @@ def exp2_split_asm(poly: int) -> str:
     return "\n".join(lines + ["}"])
 
 
-#: `exp2_split_asm` for each ``poly`` (a kernel reads a global's value, not a Python call).
+#: `exp2_split_asm` for each ``poly`` (a kernel reads a global's value, not a Python call), and
+#: the asm's constraints and pack, as the kernel reads them.
 EXP2_SPLIT_ASM = tuple(exp2_split_asm(k) for k in range(EXP2_PACK + 1))
+_EXP2_CONSTRAINTS = gl.constexpr(",".join(["=r"] * EXP2_PACK + ["r"] * EXP2_PACK))
+_EXP2_PACK = gl.constexpr(EXP2_PACK)
 
 
 @gluon.constexpr_function
@@ -157,11 +160,11 @@ def exp2_split(x, POLY: gl.constexpr):
     else:
         y = gl.inline_asm_elementwise(
             _split_asm(POLY),
-            "=r,=r,=r,=r,r,r,r,r",
+            _EXP2_CONSTRAINTS,
             [x],
             dtype=gl.float32,
             is_pure=True,
-            pack=4,  # EXP2_PACK
+            pack=_EXP2_PACK,
         )
     return y
 
