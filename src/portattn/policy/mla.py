@@ -174,8 +174,9 @@ SM90_LAZY_RESCALE = True
 #: The Hopper kernel's row maxima and sums as trees (`portattn.kernels._gluon.row_max`,
 #: `row_sum`), where ``gl.max`` / ``gl.sum`` fold a thread's 16 values a row (64-token tiles) in a
 #: chain of dependent ops; the row max sits in each warpgroup's serial chain (bench/NOTES.md,
-#: ninth session: 550-720 cycles a pair). Same op count. Not yet measured on a GPU (prepared in
-#: the twelfth session, whose device time was spent): off. Read at planning.
+#: ninth session: 550-720 cycles a pair). Same op count. Measured level (H200, bench/RESULTS.md
+#: thirteenth session, 3 rounds in turns, 128 heads page 64: 130.2 / 129.3 µs at 4k, 509.5 / 509.9
+#: at 16k, on / off; the sm_90 MLA GPU tests passed with it on). Off. Read at planning.
 SM90_TREE_REDUCE = False
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the

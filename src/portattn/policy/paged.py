@@ -331,8 +331,9 @@ SM90_PREFILL_LAZY_RESCALE = False
 #: ``gl.max`` / ``gl.sum`` fold a thread's 32 values a row (a 128-column tile) in a chain of 32
 #: dependent ops, each waiting on the last, in both warpgroups at once; halving first makes it 4
 #: levels of independent ops, then 1 op and the 2 shuffles. Same op count; the sum's rounding
-#: order changes. Not yet measured on a GPU (prepared in the twelfth session, whose device time
-#: was spent): off. Read at planning.
+#: order changes. Measured (H200, bench/RESULTS.md thirteenth session, 3 rounds in turns): level
+#: at block 16 (0.0-0.3%), 1.4-3.8% slower at blocks 544 and 2048; so the softmax step is not
+#: bound by these chains either. Off; kept as a bench variant ("tree reduce"). Read at planning.
 SM90_PREFILL_TREE_REDUCE = False
 
 
