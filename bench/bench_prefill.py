@@ -235,6 +235,9 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         # the row maxima and sums as trees (halves combined first), and as gl.max / gl.sum's chains
         out["tree reduce"] = dict(SM90_PREFILL_TREE_REDUCE=True)
         out["chain reduce"] = dict(SM90_PREFILL_TREE_REDUCE=False)
+        # items taken from a counter as programs free up, or dealt when the launch starts
+        out["dynamic deal"] = dict(SM90_PREFILL_DYNAMIC=True)
+        out["static deal"] = dict(SM90_PREFILL_DYNAMIC=False)
         out["before"] = dict(SM90_PREFILL_V_PAGES=False, SM90_PREFILL_LATE_RELEASE_BOXES=())
         out["v pages 2+"] = dict(SM90_PREFILL_V_PAGES=True, SM90_PREFILL_V_PAGES_MIN_BOXES=2)
         # 3 stages, each released later in the next tile (Sm90PrefillTile.release_lag)

@@ -211,7 +211,7 @@ def _work_list(q_lens, q_len_lo, block_q, device, max_query_len=None, q_len_min=
     qsl = qsl.to(device)
     mql = max(q_lens, default=1) if max_query_len is None else max_query_len
     num_q_tiles = max(1, -(-mql // block_q))
-    size = 2 + 2 * len(q_lens) * num_q_tiles  # the launcher's; 8 sentinels past it stay
+    size = 3 + 2 * len(q_lens) * num_q_tiles  # the launcher's; 8 sentinels past it stay
     work = torch.full((size + 8,), -7, dtype=torch.int32, device=device)
     Launch(
         kernel=_work_list_kernel,
@@ -231,6 +231,7 @@ def _work_list(q_lens, q_len_lo, block_q, device, max_query_len=None, q_len_min=
     ).run()
     work = work.cpu()
     assert (work[size:] == -7).all(), "written past the list"
+    assert work[size - 1] == 0, "the dynamic deal's counter not zeroed"
     n_a, n_b, b_off = int(work[0]), int(work[1]), 2 + len(q_lens) * num_q_tiles
     main = [divmod(int(e), num_q_tiles) for e in work[2 : 2 + n_a]]
     second = [divmod(int(e), num_q_tiles) for e in work[b_off : b_off + n_b]]
@@ -307,6 +308,52 @@ def test_each_item_runs_once_and_decodes_are_spread(nprog, n_a, n_b):
         for step in range(min(len(items) for items in per)):
             busy = sum(items[step][0] for items in per)
             assert busy <= share * nprog + max(counts) + 1, (step, busy)
+
+
+def test_dynamic_deal_orders_the_launch_as_one_program():
+    """`SM90_PREFILL_DYNAMIC`: the launch's steps are `program_items` of one program (what
+    `_share` / `_item` compute with DYNAMIC): every item once, the main list in its order
+    (heaviest q tiles of a sequence first), the decodes spread evenly over the whole order."""
+    n_a, n_b = 4096, 448
+    order = program_items(0, 1, n_a, n_b)
+    assert sorted(order) == [(False, j) for j in range(n_a)] + [(True, j) for j in range(n_b)]
+    assert [j for second, j in order if not second] == list(range(n_a))
+    assert [j for second, j in order if second] == list(range(n_b))
+    window = 400  # any stretch of the order holds its share of decodes, within one
+    for start in range(0, n_a + n_b - window, 97):
+        got = sum(second for second, _ in order[start : start + window])
+        assert abs(got - window * n_b / (n_a + n_b)) <= 1, (start, got)
+
+
+def _dynamic_compile(dynamic: bool, block_size: int) -> tuple[int, int, int, int]:
+    """(DYNAMIC arg, spills, shared bytes, atomics in the PTX) of the mixed batch's sm_90 launch
+    planned with `SM90_PREFILL_DYNAMIC` = ``dynamic``, compiled for sm_90 (a spawned worker:
+    `tests.helpers.in_spawned_workers`)."""
+    from portattn.compile.worker import compile_kernel, _nvidia_resources
+
+    paged_policy.SM90_PREFILL_DYNAMIC = dynamic
+    (launch,) = [x for x in _plan(block_size=block_size) if x.name == "paged_prefill_sm90"]
+    compiled = compile_kernel(launch, SM90)
+    _, spills, _ = _nvidia_resources(compiled, 90)
+    ptx = compiled.asm["ptx"]
+    return launch.args["DYNAMIC"], spills, compiled.metadata.shared, ptx.count("atom.global")
+
+
+def test_dynamic_deal_compiles_for_sm90_without_spills():
+    """With the dynamic deal the producer takes each item by an atomic increment (one before its
+    loop, one at each item's end) and hands it over through shared memory: no spills, shared
+    memory within `smem_bytes`; the fixed deal has no atomic."""
+    from tests.helpers import in_spawned_workers
+
+    jobs = [(dynamic, bs) for dynamic in (True, False) for bs in (16, 544)]
+    for (dynamic, bs), (arg, spills, shared, atomics) in in_spawned_workers(
+        _dynamic_compile, jobs
+    ).items():
+        assert arg is dynamic
+        assert spills == 0, (dynamic, bs)
+        tile = launch_tile(SM90_PREFILL_TILES[128], box_rows(bs, 128), 128, 2, SM90)
+        assert shared <= smem_bytes(tile, 128), (dynamic, bs, shared)
+        assert atomics == (2 if dynamic else 0)
 
 
 # -- compile for sm_90 (no GPU) ------------------------------------------------------------------
@@ -608,6 +655,12 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
         "tree reduce",
         "overlap, softmax switches",
         "pingpong, softmax switches",
+        "dynamic, fused decode, one warpgroup",
+        "dynamic, fused decode",
+        "dynamic, overlap+pingpong",
+        "dynamic, pingpong",
+        "dynamic, 3 warpgroups",
+        "dynamic, release 2",
     ],
 )
 def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
@@ -618,6 +671,10 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
     from portattn.kernels._plans import PLANS
 
+    # the dynamic deal (items from a counter) under each loop it changes
+    dynamic = schedule.startswith("dynamic, ")
+    schedule = schedule.removeprefix("dynamic, ")
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_DYNAMIC", dynamic)
     if schedule == "3 warpgroups":
         tiles = dict(paged_policy.SM90_PREFILL_TILES)
         tiles[128] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
@@ -681,6 +738,7 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         if all_on:
             assert main.args["EXP2_POLY"] == 2
         assert main.args["SPLIT"] == (schedule in ("fused decode",))
+        assert main.args["DYNAMIC"] is dynamic
         # the decodes fused: no decode launch
         assert (len(launches) == 2) == paged_policy.SM90_PREFILL_FUSE_DECODE
         out = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
@@ -690,15 +748,19 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [False, True], ids=["dealt", "dynamic"])
 @pytest.mark.parametrize("fuse", [False, True], ids=["decode launch", "fused decode"])
-def test_gpu_sm90_prefill_graph_replay_with_new_lengths(fuse, monkeypatch):
+def test_gpu_sm90_prefill_graph_replay_with_new_lengths(fuse, dynamic, monkeypatch):
     """Captured with the maxima given (the work list is built on the device), replayed after the
-    batch's lengths change in place: other sequences prefill, others decode."""
+    batch's lengths change in place: other sequences prefill, others decode. Dynamic: each
+    replay's work-list launch zeroes the counter again (else a replay would find every item
+    taken and write nothing)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
     from portattn.kernels._plans import PLANS
 
     monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", fuse)
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_DYNAMIC", dynamic)
     PLANS.clear()  # the switches are not in a plan's key
     seqs = ((3000, 300), (2000, 1), (999, 1), (1500, 250))
     b = make_batch(seqs, block_size=16, heads=(32, 8), head_dim=128, dtype=torch.bfloat16,

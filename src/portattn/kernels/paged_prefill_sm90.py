@@ -162,7 +162,7 @@ def _trace_part(trace_ptr, PART: gl.constexpr):
 @triton.jit
 def _work_list_kernel(
     qsl_ptr,  # [num_seqs + 1]
-    work_ptr,  # int32 [2 + 2 * num_seqs * num_q_tiles]: counts, then the two lists (below)
+    work_ptr,  # int32 [3 + 2 * num_seqs * num_q_tiles]: counts, the two lists, the counter
     num_seqs,
     q_len_lo,  # sequences with q_len > q_len_lo: the main list
     q_len_min,  # sequences with q_len_min < q_len <= q_len_lo: the second list (fused decodes)
@@ -174,8 +174,9 @@ def _work_list_kernel(
     first, after those of the sequences before it in the same list (their count summed here,
     ``BLOCK_S`` at a time). The main list starts at ``work[2]``, the second at ``work[2 +
     num_seqs * num_q_tiles]``; the last program writes their entry counts to ``work[0]`` and
-    ``work[1]``. Sequences with ``q_len <= q_len_min`` are in neither (the decode launch serves
-    them; ``q_len_min == q_len_lo`` leaves the second list empty)."""
+    ``work[1]``, and zeroes the dynamic deal's counter after the lists (`DYNAMIC`). Sequences with
+    ``q_len <= q_len_min`` are in neither (the decode launch serves them; ``q_len_min ==
+    q_len_lo`` leaves the second list empty)."""
     seq = tl.program_id(0)
     base_a = 0
     base_b = 0
@@ -202,6 +203,7 @@ def _work_list_kernel(
     if seq == num_seqs - 1:
         tl.store(work_ptr, (base_a + tl.where(in_a, n, 0)).to(tl.int32))
         tl.store(work_ptr + 1, (base_b + tl.where(in_a, 0, n)).to(tl.int32))
+        tl.store(work_ptr + 2 + 2 * num_seqs * num_q_tiles, 0)
 
 
 def program_items(pid: int, nprog: int, n_a: int, n_b: int) -> list[tuple[bool, int]]:
@@ -237,11 +239,20 @@ def phase(pid: int, n: int) -> int:
 
 
 @gluon.jit
-def _share(work_ptr, SLOTS: gl.constexpr):
+def _programs(DYNAMIC: gl.constexpr):
+    """``(pid, nprog)`` of the deal: this program's, or with DYNAMIC the whole launch as one
+    program (its steps taken by whichever program is free: `_grab`)."""
+    if DYNAMIC:
+        return 0, 1
+    else:
+        return gl.program_id(0), gl.num_programs(0)
+
+
+@gluon.jit
+def _share(work_ptr, SLOTS: gl.constexpr, DYNAMIC: gl.constexpr):
     """This program's share of the two lists (`program_items`): its second-list items, its
-    steps and its phase."""
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
+    steps and its phase (DYNAMIC: the launch's, as one program's)."""
+    pid, nprog = _programs(DYNAMIC)
     n_a = gl.load(work_ptr) * SLOTS  # work[0], work[1] count (sequence, q tile) entries
     n_b = gl.load(work_ptr + 1) * SLOTS
     mine_a = gl.maximum(n_a - pid + nprog - 1, 0) // nprog
@@ -251,16 +262,20 @@ def _share(work_ptr, SLOTS: gl.constexpr):
 
 
 @gluon.jit
-def _item(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr):
+def _item(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
+          DYNAMIC: gl.constexpr):  # fmt: skip
     """This program's item at ``step`` (`program_items`; ``mine_b``, ``n``, ``off`` from
-    `_share`, the second list at ``work[b_off]``): its sequence, head slot, q tile, query start and
-    length, context length before the queries, the end of its KV range, where its masked
-    tiles start, and its tiles."""
+    `_share`, the second list at ``work[b_off]``; DYNAMIC: the launch's step ``step``): its
+    sequence, head slot, q tile, query start and length, context length before the queries, the
+    end of its KV range, where its masked tiles start, and its tiles."""
     work_ptr, mine_b, n, off, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr = lists
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    k = (step * mine_b + off) // n
-    second = ((step + 1) * mine_b + off) // n > k
+    pid, nprog = _programs(DYNAMIC)
+    if DYNAMIC:  # the launch's steps x second-list items can pass 2^31
+        k = ((step.to(gl.int64) * mine_b + off) // n).to(gl.int32)
+        second = ((step.to(gl.int64) + 1) * mine_b + off) // n > k
+    else:
+        k = (step * mine_b + off) // n
+        second = ((step + 1) * mine_b + off) // n > k
     j = gl.where(second, nprog - 1 - pid + k * nprog, pid + (step - k) * nprog)
     e = gl.load(work_ptr + gl.where(second, b_off, 2) + j // SLOTS)
     slot = j % SLOTS
@@ -276,17 +291,53 @@ def _item(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.c
     return seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles
 
 
+#: Slots of the dynamic deal's ring (`_grab`): the producer is at most ``STAGES + 1`` items ahead of
+#: the slowest consumer's read (it writes item s's slot after the wait for the stage of item s-1's
+#: last tile, which both warpgroups release only once past the read of item s-1-STAGES).
+ITEM_RING_EXTRA = gl.constexpr(2)
+
+
+@gluon.jit
+def _grab(ctr_ptr, ring, ring_bars, step, DYNAMIC: gl.constexpr):
+    """The producer's next step: ``step`` itself, or with DYNAMIC the launch's next free step (one
+    atomic increment), handed to the consumer warpgroups through slot ``step % R`` of ``ring``
+    (their `_take`); a step past the last tells them to stop."""
+    if DYNAMIC:
+        R: gl.constexpr = ring.shape[0]
+        g = gl.atomic_add(ctr_ptr, 1)
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        ring.index(step % R).store(gl.full([1], g, gl.int32, layout=one))
+        gl.thread_barrier()  # every lane's store before the arrival (as before a stage release)
+        mbarrier.arrive(ring_bars.index(step % R), count=1)
+        return g
+    else:
+        return step
+
+
+@gluon.jit
+def _take(ring, ring_bars, step, DYNAMIC: gl.constexpr):
+    """A consumer warpgroup's next step: ``step``, or with DYNAMIC what the producer's `_grab`
+    put in slot ``step % R``."""
+    if DYNAMIC:
+        R: gl.constexpr = ring.shape[0]
+        mbarrier.wait(ring_bars.index(step % R), (step // R) & 1)
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        return gl.max(ring.index(step % R).load(one), axis=0)
+    else:
+        return step
+
+
 @gluon.jit
 def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, BOX: gl.constexpr, V_PAGES: gl.constexpr,
-              TRACE: gl.constexpr):  # fmt: skip
+              DYNAMIC: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
     """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page. K: a
     2-D box of [BOX, HEAD_D] (one copy a 64-column group under the 128-byte swizzle). V with
     V_PAGES (> 1): one copy a box, through the 3-D view ``[column groups, rows, 64]`` of
     ``v_desc``, into the box's own [BOX, HEAD_D] tile (`_v_page`)."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq,
      stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc,
-     k_smem, v_smem, k_bars, v_bars, empty_bars, trace_ptr) = rt  # fmt: skip
+     k_smem, v_smem, k_bars, v_bars, empty_bars, ctr_ptr, ring, ring_bars, trace_ptr) = rt  # fmt: skip
     tr = _trace_part(trace_ptr, TRACE_PARTS - 1)
     _stamp(tr, TRACE_TILES + 0 * b_off, 0, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 1, TRACE, True)
@@ -298,11 +349,14 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
     # every box's row in each thread's registers: picking box b's below is a register move (one
     # box per lane made each pick a three-step shuffle reduction, 8 boxes ~1200 cycles a tile)
     boxes = gl.arange(0, NB, layout=gl.BlockedLayout([NB], [32], [gl.num_warps()], [0]))
-    mine_b, n, off = _share(work_ptr, SLOTS)
+    mine_b, n, off = _share(work_ptr, SLOTS, DYNAMIC)
     lists = (work_ptr, mine_b, n, off, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr)
     it = 0
-    for step in range(n):
-        seq, slot, _, _, _, seq_len, _, _, _, n_tiles = _item(lists, step, SLOTS, BLOCK_Q, BLOCK_N)
+    step = 0
+    g = _grab(ctr_ptr, ring, ring_bars, step, DYNAMIC)
+    while g < n:
+        seq, slot, _, _, _, seq_len, _, _, _, n_tiles = _item(lists, g, SLOTS, BLOCK_Q, BLOCK_N,
+                                                              DYNAMIC)  # fmt: skip
         kv_head = slot // HEAD_TILES
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt_seq
         kcol = kv_head * stride_kcol
@@ -343,6 +397,8 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
                     )
             _stamp(tr, jt, 2, TRACE)
             it += 1
+        step += 1
+        g = _grab(ctr_ptr, ring, ring_bars, step, DYNAMIC)
     _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
 
@@ -602,7 +658,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
               STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
               SPLIT: gl.constexpr, Q_VEC: gl.constexpr, O_VEC: gl.constexpr,
               RELEASE_LAG: gl.constexpr, V_PAGES: gl.constexpr, POLY: gl.constexpr,
-              LAZY: gl.constexpr, TREE: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+              LAZY: gl.constexpr, TREE: gl.constexpr, DYNAMIC: gl.constexpr,
+              TRACE: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
     scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
     PINGPONG: the two warpgroups issue their MMAs in turns (module doc). RELEASE_LAG (the
@@ -615,7 +672,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok,
      stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim, scale_log2, k_smem,
      v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, merge_acc, merge_m,
-     merge_l, merge_bars, trace_ptr) = rt  # fmt: skip
+     merge_l, merge_bars, ring, ring_bars, trace_ptr) = rt  # fmt: skip
     tr = _trace_part(trace_ptr, WG)
     _stamp(tr, TRACE_TILES + 0 * b_off, 0, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 1, TRACE, True)
@@ -636,14 +693,16 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     COL: gl.constexpr = gl.SliceLayout(0, QK)
     PV_ROW: gl.constexpr = gl.SliceLayout(1, PV)
     q_buf = q_smem.index(WG)
-    mine_b, n, off = _share(work_ptr, SLOTS)
+    mine_b, n, off = _share(work_ptr, SLOTS, DYNAMIC)
     lists = (work_ptr, mine_b, n, off, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr)
     it = 0
     tk = 0  # turns taken (PINGPONG)
     nm = 0  # short items merged (SPLIT)
-    for step in range(n):
+    step = 0
+    g = _take(ring, ring_bars, step, DYNAMIC)
+    while g < n:
         seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles = _item(
-            lists, step, SLOTS, BLOCK_Q, BLOCK_N
+            lists, g, SLOTS, BLOCK_Q, BLOCK_N, DYNAMIC
         )
         kv_head = slot // HEAD_TILES
         head_tile = slot % HEAD_TILES
@@ -881,6 +940,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             o_rows = tok_o * stride_o_tok + head_o * stride_o_head
             o_ptrs = row_ptrs(out_ptr, o_rows, do, stride_o_dim, O_VEC, 8)
             gl.store(o_ptrs, o.to(dtype), mask=real_o[:, None])
+        step += 1
+        g = _take(ring, ring_bars, step, DYNAMIC)
     _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
 
@@ -934,6 +995,7 @@ def _paged_prefill_sm90_kernel(
     TREE: gl.constexpr,  # row maxima and sums by trees (`_softmax`)
     Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
     O_VEC: gl.constexpr,  # the output's rows aligned
+    DYNAMIC: gl.constexpr,  # items taken from a counter as programs free up (`_grab`), not dealt
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
 ):
@@ -956,6 +1018,12 @@ def _paged_prefill_sm90_kernel(
     merge_m = gl.allocate_shared_memory(gl.float32, [MR], ROW1)
     merge_l = gl.allocate_shared_memory(gl.float32, [MR], ROW1)
     merge_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # DYNAMIC: the producer's ring of item steps for the consumers (`_grab`, `_take`)
+    RING: gl.constexpr = STAGES + ITEM_RING_EXTRA if DYNAMIC else 1
+    ring = gl.allocate_shared_memory(gl.int32, [RING, 1], ROW1)  # (the layout of one slot)
+    ring_bars = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    for r in gl.static_range(RING):
+        mbarrier.init(ring_bars.index(r), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(s), count=1)
         mbarrier.init(v_bars.index(s), count=1)
@@ -968,21 +1036,21 @@ def _paged_prefill_sm90_kernel(
     prod = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
             stride_bt_seq, stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol,
             stride_vcol, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars,
-            trace_ptr)  # fmt: skip
+            work_ptr + 2 * b_off - 2, ring, ring_bars, trace_ptr)  # fmt: skip
     cons = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
             scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, merge_acc,
-            merge_m, merge_l, merge_bars, trace_ptr)  # fmt: skip
+            merge_m, merge_l, merge_bars, ring, ring_bars, trace_ptr)  # fmt: skip
     if NUM_WG == 2:
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, TRACE)),
-                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC, TRACE)),
             ],
             [4, PRODUCER_WARPS_],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -993,14 +1061,14 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, TRACE)),
-                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC, TRACE)),
             ],
             [4, 4, PRODUCER_WARPS_],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
@@ -1019,11 +1087,13 @@ def box_rows(block_size: int, block_n: int) -> int:
 def smem_bytes(tile: Sm90PrefillTile, head_dim: int, elem: int = 2, split: bool = False) -> int:
     """Shared memory this kernel allocates, an upper bound: Q (64 rows a warpgroup), ``stages``
     K and V tiles, the merge buffer of short items on two warpgroups (``split``: 64 rows of fp32
-    accumulator, maxima and sums), the barriers and 1 KB for Triton's alignment."""
+    accumulator, maxima and sums), the barriers, the dynamic deal's ring (`_grab`: a step and a
+    barrier a slot) and 1 KB for Triton's alignment."""
     q = 64 * tile.warpgroups * head_dim * elem
     kv = 2 * tile.stages * tile.block_n * head_dim * elem
     merge = 64 * (head_dim + 2) * 4 if split else 2 * 2 * 4 + 2 * 2 * 4
-    return q + kv + merge + (3 * tile.stages + 4) * 8 + 1024
+    ring = (tile.stages + ITEM_RING_EXTRA.value) * (4 + 8)
+    return q + kv + merge + (3 * tile.stages + 4) * 8 + ring + 1024
 
 
 def split_short(tile: Sm90PrefillTile, head_dim: int, elem: int, target: Target) -> bool:
@@ -1222,7 +1292,8 @@ def sm90_prefill_launches(
     num_seqs = a["num_seqs"]
     num_q_tiles = max(1, -(-a["num_q_tiles"] * a["BLOCK_Q"] // block_q))
     device = main.args["q_ptr"].device
-    work = torch.empty(2 + 2 * num_seqs * num_q_tiles, dtype=torch.int32, device=device)
+    # counts, the two lists, the dynamic deal's counter (`_work_list_kernel`)
+    work = torch.empty(3 + 2 * num_seqs * num_q_tiles, dtype=torch.int32, device=device)
     box = min(
         box_rows(key_cache.shape[1], tile.block_n), box_rows(value_cache.shape[1], tile.block_n)
     )
@@ -1302,6 +1373,7 @@ def sm90_prefill_launches(
         TREE=bool(paged_policy.SM90_PREFILL_TREE_REDUCE),
         Q_VEC=rows_aligned(a["q_ptr"]),
         O_VEC=rows_aligned(a["out_ptr"]),
+        DYNAMIC=bool(paged_policy.SM90_PREFILL_DYNAMIC),
         # a placeholder pointer when off (never read)
         trace_ptr=TRACE_BUFFER if TRACE_BUFFER is not None else a["seq_lens_ptr"],
         TRACE=TRACE_BUFFER is not None,

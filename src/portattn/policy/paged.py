@@ -335,6 +335,16 @@ SM90_PREFILL_LAZY_RESCALE = False
 #: at block 16 (0.0-0.3%), 1.4-3.8% slower at blocks 544 and 2048; so the softmax step is not
 #: bound by these chains either. Off; kept as a bench variant ("tree reduce"). Read at planning.
 SM90_PREFILL_TREE_REDUCE = False
+#: How the persistent programs get their items (`portattn.kernels.paged_prefill_sm90`). Off:
+#: dealt round-robin when the launch starts (`program_items`), so a program's share is fixed
+#: whatever its items cost. On: each program's producer takes the next item from a counter in
+#: global memory (one atomic an item; the launch's order is `program_items` of one program:
+#: heaviest q tiles first within a sequence, the decode items spread evenly) as soon as it
+#: is free, and hands it to its warpgroups. Model (tiles an item, bench/NOTES.md thirteenth
+#: session): the last program ends 2.7% (pure prefill 8x4096), 2.4-2.7% (mixed 8x2048) and
+#: 5-7% (mixed 8x512) after the mean with the fixed deal, 0.1-1.3% taken from a counter;
+#: Nsight Compute saw the SMs idle 4.4-5.6% of the pure-prefill launch. Read at planning.
+SM90_PREFILL_DYNAMIC = False
 
 
 @dataclass(frozen=True)
