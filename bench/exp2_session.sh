@@ -10,7 +10,7 @@
 #   PYTEST_K="dynamic" VARIANTS="policy,dynamic deal" bash bench/exp2_session.sh
 # shellcheck source=bench/_session_lib.sh
 source "$(dirname "$0")/_session_lib.sh"  # strict mode, $OUT, device.txt, run
-run tests 200 python3 -m pytest -q -m gpu tests/kernels/test_gluon_softmax.py \
+run tests 300 python3 -m pytest -q -m gpu tests/kernels/test_gluon_softmax.py \
   tests/kernels/test_paged_prefill_sm90.py ${PYTEST_K:+-k "$PYTEST_K"}
 tail -5 "$OUT/tests.log"
 run prefill 330 python3 bench/bench_prefill.py --schedules --rounds ${ROUNDS:-3} \
