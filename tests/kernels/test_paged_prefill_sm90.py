@@ -329,7 +329,7 @@ def _dynamic_compile(dynamic: bool, block_size: int) -> tuple[int, int, int, int
     """(DYNAMIC arg, spills, shared bytes, atomics in the PTX) of the mixed batch's sm_90 launch
     planned with `SM90_PREFILL_DYNAMIC` = ``dynamic``, compiled for sm_90 (a spawned worker:
     `tests.helpers.in_spawned_workers`)."""
-    from portattn.compile.worker import compile_kernel, _nvidia_resources
+    from portattn.compile.worker import _nvidia_resources, compile_kernel
 
     paged_policy.SM90_PREFILL_DYNAMIC = dynamic
     (launch,) = [x for x in _plan(block_size=block_size) if x.name == "paged_prefill_sm90"]
@@ -426,9 +426,11 @@ def _traced_ptx_counts() -> tuple[int, int, int | None]:
     return ptx.count("%globaltimer"), ptx.count("%clock64"), _resources(compiled, SM90)[1]
 
 
-def test_traced_kernel_compiles_for_sm90_without_spills():
+def test_traced_kernel_compiles_for_sm90_within_the_spill_gate():
     """The traced build stamps in all three partitions (CPU compile, sm_90 PTX): the clock at
-    each of the consumers' and the producer's steps, the global timer at their ends."""
+    each of the consumers' and the producer's steps, the global timer at their ends. Spills
+    within the compile gate's 16 B (a diagnostic build: 0 B with the items dealt, 8 B with the
+    dynamic deal's atomic beside the stamps)."""
     from tests.helpers import in_spawned_workers
 
     ((timer, clock, spills),) = in_spawned_workers(_traced_ptx_counts, [()], workers=1).values()
@@ -437,7 +439,7 @@ def test_traced_kernel_compiles_for_sm90_without_spills():
     # passes a decode item's tiles on (warpgroup 0 never takes it); the producer 3 a tile
     assert timer == 6
     assert clock == (2 + 7 + 1) + (2 + 7 + 1 + 4) + (2 + 3)
-    assert spills == 0
+    assert spills <= 16
 
 
 # -- GPU: numerics against the fp64 oracle ------------------------------------------------------
@@ -655,12 +657,11 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
         "tree reduce",
         "overlap, softmax switches",
         "pingpong, softmax switches",
-        "dynamic, fused decode, one warpgroup",
-        "dynamic, fused decode",
-        "dynamic, overlap+pingpong",
-        "dynamic, pingpong",
-        "dynamic, 3 warpgroups",
-        "dynamic, release 2",
+        "dealt, fused decode, one warpgroup",
+        "dealt, fused decode",
+        "dealt, overlap+pingpong",
+        "dealt, 3 warpgroups",
+        "dealt, release 2",
     ],
 )
 def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
@@ -671,9 +672,9 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
     from portattn.kernels._plans import PLANS
 
-    # the dynamic deal (items from a counter) under each loop it changes
-    dynamic = schedule.startswith("dynamic, ")
-    schedule = schedule.removeprefix("dynamic, ")
+    # the items taken from a counter (the default), or dealt when the launch starts ("dealt, ")
+    dynamic = not schedule.startswith("dealt, ")
+    schedule = schedule.removeprefix("dealt, ")
     monkeypatch.setattr(paged_policy, "SM90_PREFILL_DYNAMIC", dynamic)
     if schedule == "3 warpgroups":
         tiles = dict(paged_policy.SM90_PREFILL_TILES)

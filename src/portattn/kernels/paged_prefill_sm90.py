@@ -11,9 +11,14 @@ tokens x ``HEAD_TILE`` query heads of one KV head (as the portable kernel packs 
 warpgroup ``w`` owns rows ``[64 w, 64 w + 64)``. The
 grid is persistent (one program per multiprocessor): a first, small launch (`_work_list_kernel`,
 one program per sequence) writes the list of (sequence, q tile) entries of the prefill sequences
-(``q_len > q_len_lo``), heaviest q tile first within each sequence, and their count; item ``i``
-of the list (entry ``i // SLOTS``, head slot ``i % SLOTS``) goes to program ``i %
-num_programs``. So the launch needs no host read of the metadata (CUDA graphs). With the decode
+(``q_len > q_len_lo``), heaviest q tile first within each sequence, and their count (item ``i``
+of the list: entry ``i // SLOTS``, head slot ``i % SLOTS``). So the launch needs no host read of
+the metadata (CUDA graphs). ``DYNAMIC`` (`SM90_PREFILL_DYNAMIC`, on): the launch's items form one
+order (`program_items` of a single program) and each program's producer takes the next one from a
+counter (an atomic increment, the counter zeroed by the work-list launch) whenever it is free,
+handing it to the consumer warpgroups through a ring in shared memory (`_grab`, `_take`); so
+the programs end together whatever their items cost. Off, the lists are dealt when the launch
+starts: item ``i`` to program ``i % num_programs`` (below). With the decode
 sequences fused, they form a second list, dealt round-robin too but from the last program (the
 programs left with one prefill item more are the last to get one decode item more), and each
 program spreads its
@@ -337,7 +342,8 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
     ``v_desc``, into the box's own [BOX, HEAD_D] tile (`_v_page`)."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq,
      stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc,
-     k_smem, v_smem, k_bars, v_bars, empty_bars, ctr_ptr, ring, ring_bars, trace_ptr) = rt  # fmt: skip
+     k_smem, v_smem, k_bars, v_bars, empty_bars, ctr_ptr, ring, ring_bars,
+     trace_ptr) = rt  # fmt: skip
     tr = _trace_part(trace_ptr, TRACE_PARTS - 1)
     _stamp(tr, TRACE_TILES + 0 * b_off, 0, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 1, TRACE, True)
@@ -1050,7 +1056,8 @@ def _paged_prefill_sm90_kernel(
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
                              V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
-                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC, TRACE)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC,
+                             TRACE)),
             ],
             [4, PRODUCER_WARPS_],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -1068,7 +1075,8 @@ def _paged_prefill_sm90_kernel(
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
                              V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
-                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC, TRACE)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC,
+                             TRACE)),
             ],
             [4, 4, PRODUCER_WARPS_],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
