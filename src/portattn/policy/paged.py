@@ -344,7 +344,7 @@ SM90_PREFILL_TREE_REDUCE = False
 #: session): the last program ends 2.7% (pure prefill 8x4096), 2.4-2.7% (mixed 8x2048) and
 #: 5-7% (mixed 8x512) after the mean with the fixed deal, 0.1-1.3% taken from a counter;
 #: Nsight Compute saw the SMs idle 4.4-5.6% of the pure-prefill launch. Measured (H200,
-#: bench/RESULTS.md thirteenth session, 3 rounds in turns, on / off): block 16 2.1-3.1% faster,
+#: bench/RESULTS.md thirteenth session, 3 rounds in turns, on / off): block 16 2.0-2.8% faster,
 #: block 2048 1.6-2.5%, block 544 level (0.1-0.2%; its 3 stages released late already end
 #: closer together); mixed 8x2048 at block 16 from 1.33 to 1.29 of its roofline, the block-size
 #: spreads from 1.039-1.043 to 1.014-1.023. On. Read at planning.
