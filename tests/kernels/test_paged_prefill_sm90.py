@@ -429,8 +429,8 @@ def _traced_ptx_counts() -> tuple[int, int, int | None]:
 def test_traced_kernel_compiles_for_sm90_within_the_spill_gate():
     """The traced build stamps in all three partitions (CPU compile, sm_90 PTX): the clock at
     each of the consumers' and the producer's steps, the global timer at their ends. Spills
-    within the compile gate's 16 B (a diagnostic build: 0 B with the items dealt, 8 B with the
-    dynamic deal's atomic beside the stamps)."""
+    within the compile gate's 16 B (a diagnostic build: with the dynamic deal's atomic beside
+    the stamps ptxas spilled 8 B)."""
     from tests.helpers import in_spawned_workers
 
     ((timer, clock, spills),) = in_spawned_workers(_traced_ptx_counts, [()], workers=1).values()
@@ -781,6 +781,32 @@ def test_gpu_sm90_prefill_graph_replay_with_new_lengths(fuse, dynamic, monkeypat
     b.seq_lens.copy_(torch.tensor([2500, 1900, 999, 1500], device="cuda"))
     out.fill_(float("nan"))
     graph.replay()
+    torch.cuda.synchronize()
+    check(b, out)
+    PLANS.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "dealt"])
+def test_gpu_sm90_prefill_many_items_a_program(dynamic, monkeypatch):
+    """About seven items a program, many of one or two tiles (GQA 16:1: 8-token q tiles of a
+    1024-token prefill), so the dynamic deal's ring (`STAGES + 2` slots) wraps and its
+    producer runs as far ahead as the stages let it; a chunk and a decode beside them."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90 kernel needs an sm_90 GPU")
+    from portattn.kernels._plans import PLANS
+
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_DYNAMIC", dynamic)
+    PLANS.clear()  # the switches are not in a plan's key
+    seqs = ((1024, 1024), (1500, 600), (2000, 1))
+    b = make_batch(seqs, block_size=16, heads=(64, 4), head_dim=64, dtype=torch.bfloat16,
+                   device="cuda")  # fmt: skip
+    launches = plan_paged_attention(*b.args(), max_query_len=1024, max_seq_len=2000)
+    (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
+    assert main.args["DYNAMIC"] is dynamic
+    items = main.args["SLOTS"] * sum(-(-q // main.args["BLOCK_Q"]) for _, q in seqs if q > 1)
+    assert items > 2 * (main.args["STAGES"] + 2) * SM90.num_sms  # the ring wraps twice or more
+    out = paged_attention(*b.args(), max_query_len=1024, max_seq_len=2000)
     torch.cuda.synchronize()
     check(b, out)
     PLANS.clear()

@@ -15,18 +15,19 @@ one program per sequence) writes the list of (sequence, q tile) entries of the p
 of the list: entry ``i // SLOTS``, head slot ``i % SLOTS``). So the launch needs no host read of
 the metadata (CUDA graphs). ``DYNAMIC`` (`SM90_PREFILL_DYNAMIC`, on): the launch's items form one
 order (`program_items` of a single program) and each program's producer takes the next one from a
-counter (an atomic increment, the counter zeroed by the work-list launch) whenever it is free,
-handing it to the consumer warpgroups through a ring in shared memory (`_grab`, `_take`); so
-the programs end together whatever their items cost. Off, the lists are dealt when the launch
-starts: item ``i`` to program ``i % num_programs`` (below). With the decode
+counter (an atomic increment, the counter zeroed by the work-list launch) once it has issued
+its previous item's copies (up to ``STAGES`` tiles before its warpgroups are free), handing it to
+the consumer warpgroups through a ring in shared memory (`_grab`, `_take`); so the programs end
+within about an item of each other, whatever their items cost. Off, the lists are dealt when
+the launch starts: item ``i`` to program ``i % num_programs`` (below). With the decode
 sequences fused, they form a second list, dealt round-robin too but from the last program (the
 programs left with one prefill item more are the last to get one decode item more), and each
-program spreads its
-decode items evenly among its prefill items from a phase of its own (`program_items`): at any
-moment a few programs stream a decode item's cache (memory-bound) while the rest run prefill
-tiles (compute-bound), where a decode launch after the prefill would leave the tensor cores
-idle. A warpgroup whose rows are all padding (a decode item's second warpgroup) skips the math
-and only releases each tile.
+program spreads its decode items evenly among its prefill items from a phase of its own
+(`program_items`): at any moment a few programs stream a decode item's cache (memory-bound)
+while the rest run prefill tiles (compute-bound), where a decode launch after the prefill would
+leave the tensor cores idle (the dynamic deal spreads them so over the launch's one order). A
+warpgroup whose rows are all padding (a decode item's second warpgroup) skips the math and only
+releases each tile.
 
 Schedule (`gl.warp_specialize`): a one-warp producer walks the same items and KV tiles as the
 consumers and, for each tile, waits until both warpgroups released its stage, then loads K and
@@ -292,13 +293,17 @@ def _item(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.c
     ctx_len = seq_len - q_len
     kv_end = gl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
     full_end = (ctx_len + q_tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
-    n_tiles = gl.cdiv(kv_end, BLOCK_N)
+    # at least one tile: a sequence with seq_len < q_len (outside the op's contract; unchecked in
+    # a CUDA graph) would give none, and items without tiles would let the producer run more than
+    # the dynamic deal's ring ahead of the warpgroups (`ITEM_RING_EXTRA`); its rows come out NaN
+    n_tiles = gl.maximum(gl.cdiv(kv_end, BLOCK_N), 1)
     return seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles
 
 
 #: Slots of the dynamic deal's ring (`_grab`): the producer is at most ``STAGES + 1`` items ahead of
-#: the slowest consumer's read (it writes item s's slot after the wait for the stage of item s-1's
-#: last tile, which both warpgroups release only once past the read of item s-1-STAGES).
+#: the slowest consumer's read. It writes item s's slot after the wait for the stage of item s-1's
+#: last tile, which every consumer warpgroup releases only once all its warps have read item
+#: s-1-STAGES (`_take`'s barrier; every item has a tile, `_item`).
 ITEM_RING_EXTRA = gl.constexpr(2)
 
 
@@ -327,7 +332,11 @@ def _take(ring, ring_bars, step, DYNAMIC: gl.constexpr):
         R: gl.constexpr = ring.shape[0]
         mbarrier.wait(ring_bars.index(step % R), (step // R) & 1)
         one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        return gl.max(ring.index(step % R).load(one), axis=0)
+        g = gl.max(ring.index(step % R).load(one), axis=0)
+        # every warp has read the slot before any of them releases a stage (a release is one
+        # thread's arrival; the path that passes tiles on has no barrier before it)
+        gl.thread_barrier()
+        return g
     else:
         return step
 

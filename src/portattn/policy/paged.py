@@ -339,16 +339,17 @@ SM90_PREFILL_TREE_REDUCE = False
 #: dealt round-robin when the launch starts (`program_items`), so a program's share is fixed
 #: whatever its items cost. On: each program's producer takes the next item from a counter in
 #: global memory (one atomic an item; the launch's order is `program_items` of one program:
-#: heaviest q tiles first within a sequence, the decode items spread evenly) as soon as it
-#: is free, and hands it to its warpgroups. Model (`bench/model_deal.py`: tiles an item, a guess
-#: for a decode item): the last program ends after the mean by 2.7% (pure prefill 8x4096),
-#: 2.2-2.7% (mixed 8x2048) and 4.1-6.6% (mixed 8x512) with the fixed deal; by 0.1%, 0.7-1.5% and
-#: 5.1-6.0% (the decodes, spread to the order's end, keep 8x512 uneven) taken from a counter.
-#: Nsight Compute saw the SMs idle 4.4-5.6% of the pure-prefill launch. Measured (H200,
-#: bench/RESULTS.md thirteenth session, 3 rounds in turns, on / off): block 16 2.0-2.8% faster,
-#: block 2048 1.6-2.5%, block 544 level (0.1-0.2%, not explained: the model predicts a gain
-#: there too); mixed 8x2048 at block 16 from 1.33 to 1.29 of its roofline, the block-size
-#: spreads from 1.039-1.043 to 1.014-1.023. On. Read at planning.
+#: heaviest q tiles first within a sequence, the decode items spread evenly) once it has
+#: issued its previous item's copies, and hands it to its warpgroups. Model
+#: (`bench/model_deal.py`: tiles an item, a guess for a decode item): the last program ends
+#: after the mean by 2.7% (pure prefill 8x4096), 2.2-2.7% (mixed 8x2048) and 4.1-6.6% (mixed
+#: 8x512) with the fixed deal; by 0.1%, 0.7-1.5% and 5.1-6.0% taken from a counter (the
+#: decodes, spread to the order's end, keep 8x512 uneven). Nsight Compute saw the SMs idle
+#: 4.4-5.6% of the pure-prefill launch. Measured (H200, bench/RESULTS.md thirteenth session, 3
+#: rounds in turns, on / off): block 16 2.0-2.8% faster, block 2048 1.6-2.5%, block 544 level
+#: (0.1-0.2%, not explained: the model predicts a gain there too); mixed 8x2048 at block 16
+#: from 1.33 to 1.29 of its roofline, the block-size spreads from 1.039-1.043 to 1.014-1.023.
+#: On. Read at planning.
 SM90_PREFILL_DYNAMIC = True
 
 
