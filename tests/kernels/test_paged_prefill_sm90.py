@@ -789,24 +789,24 @@ def test_gpu_sm90_prefill_graph_replay_with_new_lengths(fuse, dynamic, monkeypat
 @pytest.mark.gpu
 @pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "dealt"])
 def test_gpu_sm90_prefill_many_items_a_program(dynamic, monkeypatch):
-    """About seven items a program, many of one or two tiles (GQA 16:1: 8-token q tiles of a
-    1024-token prefill), so the dynamic deal's ring (`STAGES + 2` slots) wraps and its
-    producer runs as far ahead as the stages let it; a chunk and a decode beside them."""
+    """About 14 items a program, many of one or two tiles (GQA 16:1: 8-token q tiles of a
+    3072-token prefill), so the dynamic deal's ring (`STAGES + 2` slots) wraps and its producer
+    runs as far ahead as the stages let it; a chunk and a decode beside them."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
     from portattn.kernels._plans import PLANS
 
     monkeypatch.setattr(paged_policy, "SM90_PREFILL_DYNAMIC", dynamic)
     PLANS.clear()  # the switches are not in a plan's key
-    seqs = ((1024, 1024), (1500, 600), (2000, 1))
+    seqs = ((3072, 3072), (1500, 600), (2000, 1))
     b = make_batch(seqs, block_size=16, heads=(64, 4), head_dim=64, dtype=torch.bfloat16,
                    device="cuda")  # fmt: skip
-    launches = plan_paged_attention(*b.args(), max_query_len=1024, max_seq_len=2000)
+    launches = plan_paged_attention(*b.args(), max_query_len=3072, max_seq_len=3072)
     (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
     assert main.args["DYNAMIC"] is dynamic
     items = main.args["SLOTS"] * sum(-(-q // main.args["BLOCK_Q"]) for _, q in seqs if q > 1)
     assert items > 2 * (main.args["STAGES"] + 2) * SM90.num_sms  # the ring wraps twice or more
-    out = paged_attention(*b.args(), max_query_len=1024, max_seq_len=2000)
+    out = paged_attention(*b.args(), max_query_len=3072, max_seq_len=3072)
     torch.cuda.synchronize()
     check(b, out)
     PLANS.clear()
