@@ -351,6 +351,17 @@ SM90_PREFILL_TREE_REDUCE = False
 #: from 1.33 to 1.29 of its roofline, the block-size spreads from 1.039-1.043 to 1.014-1.023.
 #: On. Read at planning.
 SM90_PREFILL_DYNAMIC = True
+#: With the dynamic deal: the producer, which reads each item's place in the lists and its
+#: sequence's metadata anyway, hands those values over in the ring slot with the item
+#: (`RING_WORDS` words), so the consumer warpgroups start an item without their own chain of
+#: dependent global reads (the list entry, then the sequence's query start, length and
+#: context: two rounds of L2 latency at every item start, both warpgroups at once while the
+#: tensor cores wait). Prepared in the thirteenth session and not yet run on a GPU: off.
+#: Estimate: ~1000-1500 cycles an item, 62 items a program at pure prefill 8x4096 (about 1.5-2%).
+#: Compiled for sm_90 (CPU): 0 spills in the sequential schedule at every block size and head
+#: dim; the 3-warpgroup tile's spills go from 20 to 56 B, the overlapped ping-pong's from 88 to
+#: 32 B (both off by default). Read at planning.
+SM90_PREFILL_RING_ITEMS = False
 
 
 @dataclass(frozen=True)
