@@ -435,9 +435,9 @@ def _traced_ptx_counts() -> tuple[int, int, int | None]:
 
 def test_traced_kernel_compiles_for_sm90_within_the_spill_gate():
     """The traced build stamps in all three partitions (CPU compile, sm_90 PTX): the clock at
-    each of the consumers' and the producer's steps, the global timer at their ends. Spills
-    within the compile gate's 16 B (a diagnostic build: with the dynamic deal's atomic beside
-    the stamps ptxas spilled 8 B)."""
+    each of the consumers' and the producer's steps, the global timer at their ends. Spills at
+    most the 8 B ptxas parks with the dynamic deal's atomic beside the stamps (a diagnostic
+    build; the compile gate allows 16 B)."""
     from tests.helpers import in_spawned_workers
 
     ((timer, clock, spills),) = in_spawned_workers(_traced_ptx_counts, [()], workers=1).values()
@@ -446,7 +446,7 @@ def test_traced_kernel_compiles_for_sm90_within_the_spill_gate():
     # passes a decode item's tiles on (warpgroup 0 never takes it); the producer 3 a tile
     assert timer == 6
     assert clock == (2 + 7 + 1) + (2 + 7 + 1 + 4) + (2 + 3)
-    assert spills <= 16
+    assert spills <= 8
 
 
 # -- GPU: numerics against the fp64 oracle ------------------------------------------------------

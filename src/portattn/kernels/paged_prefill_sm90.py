@@ -313,8 +313,8 @@ RING_WORDS = gl.constexpr(16)
 
 @gluon.jit
 def _pack(g, item, L: gl.constexpr):
-    """The step ``g`` and `_item`'s ten values ``item`` as a ring slot's words (layout ``L``:
-    every thread holds all of them)."""
+    """The step ``g`` and `_item`'s ten values ``item`` as a ring slot's words, in layout
+    ``L``."""
     w = gl.arange(0, RING_WORDS, layout=L)
     v = gl.where(w == 0, g, 0)
     for k in gl.static_range(10):
@@ -340,17 +340,16 @@ def _grab(ctr_ptr, ring, ring_bars, step, lists, SLOTS: gl.constexpr, BLOCK_Q: g
     if DYNAMIC:
         R: gl.constexpr = ring.shape[0]
         g = gl.atomic_add(ctr_ptr, 1)
+        # a word a lane (the warp's registers are few; with RING_ITEMS its words are read by
+        # shuffles, once an item), where `_take` gives each consumer thread every word
+        L: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         if RING_ITEMS:
-            # a word a lane (the warp's registers are few; its words are read by shuffles, once
-            # an item), where `_take` gives each consumer thread every word
-            L: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
             if g < lists[2]:  # (past the last step there is no item to read)
                 v = _pack(g, _item(lists, g, SLOTS, BLOCK_Q, BLOCK_N, DYNAMIC), L)
             else:
                 v = gl.full([RING_WORDS], g, gl.int32, layout=L)
         else:
-            one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-            v = gl.full([1], g, gl.int32, layout=one)
+            v = gl.full([1], g, gl.int32, layout=L)
         ring.index(step % R).store(v)
         gl.thread_barrier()  # every lane's store before the arrival (as before a stage release)
         mbarrier.arrive(ring_bars.index(step % R), count=1)
