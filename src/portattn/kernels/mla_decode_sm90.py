@@ -494,69 +494,73 @@ def _piece(WG: gl.constexpr, rt, pc, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     l_safe = gl.where(has, l_i, 1.0)
     lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     o = acc / gl.convert_layout(l_safe, PV_ROW)[:, None]
-    if SK:  # through shared memory, 16 rows at a time; merged / published / written
-        _sk_epilogue(o, lse, WG, rt, pc, pid, RETURN_LSE, OUT_VEC)
-    else:
-        if NUM_SPLITS == 1 and STORE_SMEM:
-            # through shared memory, read back 8 columns a thread: every MMA of both warpgroups
-            # has returned (the row sums' exchange follows both loops) and no copy is in flight
-            # (nothing is issued past the last tile), so this warpgroup's buffer 0 half is free
-            if WG == 0:  # noqa: SIM108 (a constexpr branch)
-                obuf = latl_smem.index(0)
-            else:
-                obuf = latr_smem.index(0)
-            fence_async_shared()
-            obuf.store(o.to(dtype))
-            gl.thread_barrier()
-            TPC: gl.constexpr = 32 if HALF >= 256 else HALF // 8
-            OUT: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [4, 1], [1, 0])
-            o = obuf.load(OUT)
-            O_ROW: gl.constexpr = gl.SliceLayout(1, OUT)
-            od = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, OUT))
-        else:  # (a constexpr branch: Gluon needs the annotation in each)
-            O_ROW: gl.constexpr = PV_ROW  # type: ignore[no-redef]
-            od = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, PV))
-        oh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROW)
-        lh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW)
-        tok64 = tok.to(gl.int64)
-        if PACKED:  # each real row to its (token, head); padded rows nowhere
-            to, ho, _, ro = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H, O_ROW)
-            tl_, hl, _, rl = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H, ROW)
-            mask_o = ro[:, None]  # broadcast along the row (a column term cost the vector stores)
-            if NUM_SPLITS == 1:
-                base = out_ptr + to[:, None] * stride_out_tok  # [rows, 1]: each row's token
-                ptrs = row_ptrs(base, ho * stride_out_head, od, stride_out_dim, OUT_VEC, 8)
-                gl.store(ptrs, o.to(dtype), mask=mask_o)
-                if RETURN_LSE and WG == 0:
-                    gl.store(lse_ptr + tl_ * stride_lse_tok + hl * stride_lse_head, lse, mask=rl)
-            else:
-                po = part_out_ptr + split * stride_po_split
-                base = po + to[:, None] * stride_po_tok
-                ptrs = row_ptrs(base, ho * stride_po_head, od, stride_po_dim, OUT_VEC, 4)
-                gl.store(ptrs, o, mask=mask_o)
-                if WG == 0:
-                    pl = part_lse_ptr + split * stride_pl_split
-                    gl.store(pl + tl_ * stride_pl_tok + hl * stride_pl_head, lse, mask=rl)
-        elif NUM_SPLITS == 1:
-            mask_o = ((oh < num_heads) & valid)[:, None]
-            ptrs = row_ptrs(out_ptr + tok64 * stride_out_tok, oh * stride_out_head, od,
-                            stride_out_dim, OUT_VEC, 8)  # fmt: skip
+    if SK:
+        if kind == 2:  # the unit's head: the later pieces' partial results merged in
+            o, lse = _sk_merge(o, lse, WG, pid // n_hg, q_last, total, lanes, hg, n_hg,
+                               sk_out_ptr, sk_lse_ptr, sk_flags_ptr)  # fmt: skip
+        if kind == 1:  # a later piece: this warpgroup's partial result, then its flag
+            _sk_publish(o, lse, WG, pid, sk_out_ptr, sk_lse_ptr, sk_flags_ptr)
+        valid = valid & (kind != 1)  # only a whole unit or its head writes the output
+    if NUM_SPLITS == 1 and STORE_SMEM:
+        # through shared memory, read back 8 columns a thread: every MMA of both warpgroups
+        # has returned (the row sums' exchange follows both loops) and no copy is in flight
+        # (nothing is issued past the last tile), so this warpgroup's buffer 0 half is free
+        if WG == 0:  # noqa: SIM108 (a constexpr branch)
+            obuf = latl_smem.index(0)
+        else:
+            obuf = latr_smem.index(0)
+        fence_async_shared()
+        obuf.store(o.to(dtype))
+        gl.thread_barrier()
+        TPC: gl.constexpr = 32 if HALF >= 256 else HALF // 8
+        OUT: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [4, 1], [1, 0])
+        o = obuf.load(OUT)
+        O_ROW: gl.constexpr = gl.SliceLayout(1, OUT)
+        od = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, OUT))
+    else:  # (a constexpr branch: Gluon needs the annotation in each)
+        O_ROW: gl.constexpr = PV_ROW  # type: ignore[no-redef]
+        od = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, PV))
+    oh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROW)
+    lh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW)
+    tok64 = tok.to(gl.int64)
+    if PACKED:  # each real row to its (token, head); padded rows nowhere
+        to, ho, _, ro = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H, O_ROW)
+        tl_, hl, _, rl = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H, ROW)
+        mask_o = ro[:, None]  # broadcast along the row (a column term cost the vector stores)
+        if NUM_SPLITS == 1:
+            base = out_ptr + to[:, None] * stride_out_tok  # [rows, 1]: each row's token
+            ptrs = row_ptrs(base, ho * stride_out_head, od, stride_out_dim, OUT_VEC, 8)
             gl.store(ptrs, o.to(dtype), mask=mask_o)
             if RETURN_LSE and WG == 0:
-                gl.store(
-                    lse_ptr + tok64 * stride_lse_tok + lh * stride_lse_head,
-                    lse,
-                    mask=(lh < num_heads) & valid,
-                )
+                gl.store(lse_ptr + tl_ * stride_lse_tok + hl * stride_lse_head, lse, mask=rl)
         else:
-            # every padded head row: the workspace has padded_heads rows
-            po = part_out_ptr + tok64 * stride_po_tok + split * stride_po_split
-            mask_o = ((oh >= 0) & valid)[:, None]
-            ptrs = row_ptrs(po, oh * stride_po_head, od, stride_po_dim, OUT_VEC, 4)
+            po = part_out_ptr + split * stride_po_split
+            base = po + to[:, None] * stride_po_tok
+            ptrs = row_ptrs(base, ho * stride_po_head, od, stride_po_dim, OUT_VEC, 4)
             gl.store(ptrs, o, mask=mask_o)
             if WG == 0:
-                pl = part_lse_ptr + tok64 * stride_pl_tok + split * stride_pl_split
-                gl.store(pl + lh * stride_pl_head, lse, mask=(lh >= 0) & valid)
+                pl = part_lse_ptr + split * stride_pl_split
+                gl.store(pl + tl_ * stride_pl_tok + hl * stride_pl_head, lse, mask=rl)
+    elif NUM_SPLITS == 1:
+        mask_o = ((oh < num_heads) & valid)[:, None]
+        ptrs = row_ptrs(out_ptr + tok64 * stride_out_tok, oh * stride_out_head, od,
+                        stride_out_dim, OUT_VEC, 8)  # fmt: skip
+        gl.store(ptrs, o.to(dtype), mask=mask_o)
+        if RETURN_LSE and WG == 0:
+            gl.store(
+                lse_ptr + tok64 * stride_lse_tok + lh * stride_lse_head,
+                lse,
+                mask=(lh < num_heads) & valid,
+            )
+    else:
+        # every padded head row: the workspace has padded_heads rows
+        po = part_out_ptr + tok64 * stride_po_tok + split * stride_po_split
+        mask_o = ((oh >= 0) & valid)[:, None]
+        ptrs = row_ptrs(po, oh * stride_po_head, od, stride_po_dim, OUT_VEC, 4)
+        gl.store(ptrs, o, mask=mask_o)
+        if WG == 0:
+            pl = part_lse_ptr + tok64 * stride_pl_tok + split * stride_pl_split
+            gl.store(pl + lh * stride_pl_head, lse, mask=(lh >= 0) & valid)
     _stamp(tr, last, 2, TRACE)
     _stamp(tr, last, 3, TRACE, True)
 
@@ -706,105 +710,65 @@ def _sk_start(WG: gl.constexpr, rt, k, steps, gather, GATHER: gl.constexpr,
 
 
 @gluon.jit
-def _sk_epilogue(o, lse, WG: gl.constexpr, rt, pc, pid, RETURN_LSE: gl.constexpr,
-                 OUT_VEC: gl.constexpr):  # fmt: skip
-    """A stream-K piece's end, in warpgroup WG: its output columns ``o`` (normalised, fp32, the
-    accumulator's layout) and ``lse`` go to shared memory (the warpgroup's two tile halves, free:
-    no copy is in flight, read as one fp32 [BLOCK_H, HALF] buffer; the lse, in log2 units, into
-    its running-max slot, which the other warpgroup reads only after this warpgroup's next
-    hand-off), then come back 16 rows at a time in a row-major layout, so every global access is
-    a coalesced 16-byte one (scattered from the accumulator's layout, a 64 KB partial took about
-    as long as 3 pairs). Kind 1 (a later piece of a unit cut between lanes): the rows go to this
-    program's workspace slot, then its flag is set (release). Kind 2 (the unit's head): once the
-    flags of lanes ``lane + 1 .. q_last`` are set (acquire), their partials are merged by their
-    lse, the flags cleared (so every launch leaves them zero), and the rows written as the
-    output, as for kind 0 (a whole unit). Module doc, `_stream_k`."""
-    (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
-     stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
-     latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
-     part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
-     stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
-     stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
-     stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
-     seq_len) = rt  # fmt: skip
-    jg, k, kind, q_last, total, lanes, n_hg, sk_out_ptr, sk_lse_ptr, sk_flags_ptr = pc
+def _sk_publish(o, lse, WG: gl.constexpr, pid, sk_out_ptr, sk_lse_ptr, sk_flags_ptr):
+    """A later piece's partial result (normalised output columns of this warpgroup, fp32, and
+    the natural-log lse) into program ``pid``'s workspace slot, then its flag ``[pid, WG]`` set
+    with release semantics once every thread of the warpgroup has stored."""
     BLOCK_H: gl.constexpr = o.shape[0]
     HALF: gl.constexpr = o.shape[1]
-    R: gl.constexpr = 2 * HALF  # the workspace's row: both warpgroups' columns
-    CH: gl.constexpr = 16
-    TPC: gl.constexpr = 32 if HALF >= 256 else HALF // 8  # threads a row, 8 columns each
-    ROWS: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [4, 1], [1, 0])
-    RL: gl.constexpr = gl.SliceLayout(1, ROWS)
-    F32: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0])
-    if WG == 0:
-        own = latl_smem._reinterpret(gl.float32, [BLOCK_H, HALF], F32)
-    else:
-        own = latr_smem._reinterpret(gl.float32, [BLOCK_H, HALF], F32)
-    lse_s = m_smem.index(WG)
-    own.store(o)
-    lse_s.store(lse * 1.4426950408889634)
+    O_L: gl.constexpr = o.type.layout
+    L_L: gl.constexpr = lse.type.layout
+    r = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+    c = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
+    base = sk_out_ptr + pid.to(gl.int64) * (BLOCK_H * 2 * HALF)
+    gl.store(base + r[:, None] * (2 * HALF) + c[None, :], o)
+    rl = gl.arange(0, BLOCK_H, layout=L_L)
+    gl.store(sk_lse_ptr + (pid * 2 + WG) * BLOCK_H + rl, lse)
     gl.thread_barrier()
-    lane = pid // n_hg
-    if kind == 2:  # every later piece's partial result published (acquire)
-        for q in range(lane + 1, q_last + 1):
-            q64 = q.to(gl.int64)
-            if (q64 + 1) * total // lanes > q64 * total // lanes:  # lane q has pairs
-                flag = sk_flags_ptr + (q * n_hg + hg) * 2 + WG
+    gl.atomic_xchg(sk_flags_ptr + pid * 2 + WG, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _sk_merge(o, lse, WG: gl.constexpr, lane, q_last, total, lanes, hg, n_hg, sk_out_ptr,
+              sk_lse_ptr, sk_flags_ptr):  # fmt: skip
+    """The unit's head piece (in lane ``lane``): the partial results of lanes ``lane + 1 ..
+    q_last`` (their program ``q * n_hg + hg``: each a later piece of this unit; lanes with no
+    pairs are skipped) merged into ``o`` / ``lse`` by their lse, each once its flag is set; each
+    flag is then cleared, so the workspace's flags are zero again when the launch ends (the next
+    launch, or a CUDA-graph replay, starts from zero). Returns the merged ``(o, lse)``."""
+    BLOCK_H: gl.constexpr = o.shape[0]
+    HALF: gl.constexpr = o.shape[1]
+    O_L: gl.constexpr = o.type.layout
+    L_L: gl.constexpr = lse.type.layout
+    O_ROW: gl.constexpr = gl.SliceLayout(1, O_L)
+    r = gl.arange(0, BLOCK_H, layout=O_ROW)
+    c = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
+    rl = gl.arange(0, BLOCK_H, layout=L_L)
+    lo = lse * 1.4426950408889634  # log2 domain
+    for q in range(lane + 1, q_last + 1):
+        q64 = q.to(gl.int64)
+        if (q64 + 1) * total // lanes > q64 * total // lanes:  # lane q has pairs
+            prog = q * n_hg + hg
+            flag = sk_flags_ptr + prog * 2 + WG
+            seen = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+            while seen == 0:
                 seen = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-                while seen == 0:
-                    seen = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-    cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, ROWS))
-    tok64 = tok.to(gl.int64)
-    for c in gl.static_range(BLOCK_H // CH):
-        r = c * CH + gl.arange(0, CH, layout=RL)
-        x = own.slice(c * CH, CH, dim=0).load(ROWS)
-        lo = lse_s.slice(c * CH, CH).load(RL)
-        if kind == 2:
-            # the total lse first, then each part at its weight 2^(lse_i - total)
-            tot = lo
-            for q in range(lane + 1, q_last + 1):
-                q64 = q.to(gl.int64)
-                if (q64 + 1) * total // lanes > q64 * total // lanes:
-                    prog = q * n_hg + hg
-                    lq = gl.load(sk_lse_ptr + (prog * 2 + WG) * BLOCK_H + r, cache_modifier=".cg")
-                    lq *= 1.4426950408889634
-                    mx = gl.maximum(tot, lq)
-                    mx_s = gl.where(mx == float("-inf"), 0.0, mx)  # both empty: no NaN
-                    s = gl.exp2(tot - mx_s) + gl.exp2(lq - mx_s)
-                    tot = gl.where(s > 0, mx_s + gl.log2(gl.where(s > 0, s, 1.0)), float("-inf"))
-            tot_s = gl.where(tot == float("-inf"), 0.0, tot)
-            x = x * gl.exp2(lo - tot_s)[:, None]
-            for q in range(lane + 1, q_last + 1):
-                q64 = q.to(gl.int64)
-                if (q64 + 1) * total // lanes > q64 * total // lanes:
-                    prog = q * n_hg + hg
-                    lq = gl.load(sk_lse_ptr + (prog * 2 + WG) * BLOCK_H + r, cache_modifier=".cg")
-                    lq *= 1.4426950408889634
-                    slot = sk_out_ptr + prog.to(gl.int64) * (BLOCK_H * R) + WG * HALF
-                    ptrs = row_ptrs(slot, r * R, cols, 1, True, 4)  # (16-byte runs)
-                    oq = gl.load(ptrs, cache_modifier=".cg")
-                    x += oq * gl.exp2(lq - tot_s)[:, None]
-            lo = tot
-        if kind == 1:
-            slot = sk_out_ptr + pid.to(gl.int64) * (BLOCK_H * R) + WG * HALF
-            gl.store(row_ptrs(slot, r * R, cols, 1, True, 4), x)
-            gl.store(sk_lse_ptr + (pid * 2 + WG) * BLOCK_H + r, lo * 0.6931471805599453)
-        else:
-            heads = hg * BLOCK_H + r
-            ptrs = row_ptrs(out_ptr + tok64 * stride_out_tok, heads * stride_out_head,
-                            WG * HALF + cols, stride_out_dim, OUT_VEC, 8)  # fmt: skip
-            gl.store(ptrs, x.to(out_ptr.dtype.element_ty), mask=(heads < num_heads)[:, None])
-            if RETURN_LSE and WG == 0:
-                gl.store(lse_ptr + tok64 * stride_lse_tok + heads * stride_lse_head,
-                         lo * 0.6931471805599453, mask=heads < num_heads)  # fmt: skip
-    gl.thread_barrier()  # every thread's reads of the buffers and stores done
-    if kind == 1:
-        gl.atomic_xchg(sk_flags_ptr + pid * 2 + WG, 1, sem="release", scope="gpu")
-    if kind == 2:
-        for q in range(lane + 1, q_last + 1):
-            q64 = q.to(gl.int64)
-            if (q64 + 1) * total // lanes > q64 * total // lanes:
-                gl.atomic_xchg(sk_flags_ptr + (q * n_hg + hg) * 2 + WG, 0, scope="gpu")
+            lq = gl.load(sk_lse_ptr + (prog * 2 + WG) * BLOCK_H + rl, cache_modifier=".cg")
+            lq *= 1.4426950408889634
+            slot = sk_out_ptr + prog.to(gl.int64) * (BLOCK_H * 2 * HALF)
+            oq = gl.load(slot + r[:, None] * (2 * HALF) + c[None, :], cache_modifier=".cg")
+            m = gl.maximum(lo, lq)
+            m = gl.where(m == float("-inf"), 0.0, m)  # both empty: weights 0, no NaN
+            w = gl.exp2(lo - m)
+            wq = gl.exp2(lq - m)
+            s = w + wq
+            s_safe = gl.where(s > 0, s, 1.0)
+            a = gl.convert_layout(w / s_safe, O_ROW)
+            b = gl.convert_layout(wq / s_safe, O_ROW)
+            o = o * a[:, None] + oq * b[:, None]
+            lo = gl.where(s > 0, m + gl.log2(s_safe), float("-inf"))
+            gl.atomic_xchg(flag, 0, scope="gpu")
+    return o, lo * 0.6931471805599453
 
 
 @gluon.jit
