@@ -295,7 +295,7 @@ def _piece(WG: gl.constexpr, rt, pc, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
      stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
      stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
      seq_len) = rt  # fmt: skip
-    jg, k, kind, q_last, total, lanes, n_hg, sk_out_ptr, sk_lse_ptr, sk_flags_ptr = pc
+    jg, k, kind, q_last, total, sk_out_ptr, sk_lse_ptr, sk_flags_ptr = pc
     gather = (kv_ptr, stride_kv_row, end)
     trace_ptr, pid = tr
     tr = (trace_ptr, (pid * 2 + WG).to(gl.int64) * ((TRACE_PAIRS + 1) * TRACE_EVENTS))
@@ -496,8 +496,8 @@ def _piece(WG: gl.constexpr, rt, pc, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     o = acc / gl.convert_layout(l_safe, PV_ROW)[:, None]
     if SK:
         if kind == 2:  # the unit's head: the later pieces' partial results merged in
-            o, lse = _sk_merge(o, lse, WG, pid // n_hg, q_last, total, lanes, hg, n_hg,
-                               sk_out_ptr, sk_lse_ptr, sk_flags_ptr)  # fmt: skip
+            o, lse = _sk_merge(o, lse, WG, pid, q_last, total, sk_out_ptr, sk_lse_ptr,
+                               sk_flags_ptr)  # fmt: skip
         if kind == 1:  # a later piece: this warpgroup's partial result, then its flag
             _sk_publish(o, lse, WG, pid, sk_out_ptr, sk_lse_ptr, sk_flags_ptr)
         valid = valid & (kind != 1)  # only a whole unit or its head writes the output
@@ -579,7 +579,7 @@ def _warpgroup(WG: gl.constexpr, rt, sk, NUM_SPLITS: gl.constexpr, RETURN_LSE: g
                   TRACE, tr, LAZY, GATHER_ONE, TREE, HEAD_GROUPS)  # fmt: skip
     else:
         z = rt[4] * 0  # (hg: a runtime zero)
-        pc = (z, z, z, z, z, z, z, rt[0], rt[0], rt[0])
+        pc = (z, z, z, z, z, rt[0], rt[0], rt[0])
         _piece(WG, rt, pc, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
                STORE_SMEM, OUT_VEC, TRACE, tr, LAZY, GATHER_ONE, TREE, False)  # fmt: skip
 
@@ -590,18 +590,14 @@ def _stream_k(WG: gl.constexpr, rt, sk, RETURN_LSE: gl.constexpr, GATHER: gl.con
               OUT_VEC: gl.constexpr, TRACE: gl.constexpr, tr, LAZY: gl.constexpr,
               GATHER_ONE: gl.constexpr, TREE: gl.constexpr,
               HEAD_GROUPS: gl.constexpr):  # fmt: skip
-    """Stream-K (`portattn.policy.mla.SM90_STREAM_K`): the launch's tokens, each ``max(cdiv(
-    kv_len, 2 * BLOCK_N), 1)`` pairs, laid end to end; the programs form ``lanes = G //
-    HEAD_GROUPS`` lanes of one program a head group (program ``lane * HEAD_GROUPS + hg``), and
-    lane l takes pairs ``[l * total // lanes, (l + 1) * total // lanes)`` (`_sk_range`), in
-    pieces of one token each. So a token's head groups read the same cache rows at the same time,
-    as in a launch of a program a unit, and the second read hits L2 (a flat order over (token,
-    head group) put them ~4 pairs apart, which L2 does not hold at 132 programs: 25% slower, the
-    cache read twice from DRAM). A piece that holds a whole unit (token, head group) writes its
-    output. A unit cut between lanes: each later piece is its program's first, done first, and
-    publishes a partial result (kind 1); the piece with the unit's first pair is its program's
-    last and merges them into its own (kind 2). Pairs are counted across pieces for the
-    barriers' phases (``jg``), pieces for the once-a-piece barriers (``k``)."""
+    """Stream-K (`portattn.policy.mla.SM90_STREAM_K`): the launch's units (token, head group),
+    each ``max(cdiv(kv_len, 2 * BLOCK_N), 1)`` pairs, laid end to end; program p takes pairs
+    ``[p * total // G, (p + 1) * total // G)`` (`_sk_range`), in pieces of one unit each. A piece
+    that holds a whole unit writes its output. A unit cut between programs: each later piece is
+    its program's first, done first, and publishes a partial result (kind 1); the piece with
+    the unit's first pair is its program's last and merges them into its own (kind 2). Pairs
+    are counted across pieces for the barriers' phases (``jg``), pieces for the once-a-piece
+    barriers (``k``)."""
     (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
      stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
      latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
@@ -613,15 +609,15 @@ def _stream_k(WG: gl.constexpr, rt, sk, RETURN_LSE: gl.constexpr, GATHER: gl.con
     (a_p, b_p, u0, cs0, total, sk_out_ptr, sk_lse_ptr, sk_flags_ptr, seq_lens_ptr,
      stride_seq_lens, bt_base, stride_bt_seq, indptr_ptr, stride_indptr) = sk  # fmt: skip
     BLOCK_N: gl.constexpr = latl_smem.shape[1]
-    lanes = gl.num_programs(0) // HEAD_GROUPS
-    hg = gl.program_id(0) % HEAD_GROUPS
+    G = gl.num_programs(0)
     g = a_p
     u = u0
     cs = cs0
     jg = a_p * 0
     k = a_p * 0
     while g < b_p:
-        tok = u
+        tok = u // HEAD_GROUPS
+        hg = u % HEAD_GROUPS
         kv_len = gl.load(seq_lens_ptr + tok * stride_seq_lens).to(gl.int32)
         pairs = gl.maximum(gl.cdiv(kv_len, 2 * BLOCK_N), 1)
         j0 = g - cs
@@ -631,8 +627,8 @@ def _stream_k(WG: gl.constexpr, rt, sk, RETURN_LSE: gl.constexpr, GATHER: gl.con
         num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
         # 0: the whole unit; 1: a later piece (publishes); 2: the unit's head (merges)
         kind = gl.where(j0 == 0, gl.where(j1 == pairs, 0, 2), 1)
-        # the lane holding the unit's last pair: the last that may hold a later piece
-        q_last = (((cs + pairs).to(gl.int64) * lanes - 1) // total).to(gl.int32)
+        # the program holding the unit's last pair: the last that may hold a later piece
+        q_last = (((cs + pairs).to(gl.int64) * G - 1) // total).to(gl.int32)
         if PAGE_INDICES:
             page_start = gl.load(indptr_ptr + tok * stride_indptr).to(gl.int64)
             bt_row = bt_base + page_start * stride_bt_blk
@@ -647,8 +643,7 @@ def _stream_k(WG: gl.constexpr, rt, sk, RETURN_LSE: gl.constexpr, GATHER: gl.con
                stride_po_tok, stride_po_split, stride_po_head, stride_po_dim, stride_pl_tok,
                stride_pl_split, stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, tok,
                tok * 0 + 1, kv_len)  # fmt: skip
-        pc = (jg, k, kind, q_last, total, lanes, HEAD_GROUPS + hg * 0, sk_out_ptr, sk_lse_ptr,
-              sk_flags_ptr)  # fmt: skip
+        pc = (jg, k, kind, q_last, total, sk_out_ptr, sk_lse_ptr, sk_flags_ptr)
         _piece(WG, rt2, pc, 1, RETURN_LSE, GATHER, PAGE_INDICES, False, ROWS_AHEAD, STORE_SMEM,
                OUT_VEC, TRACE, tr, LAZY, GATHER_ONE, TREE, True)  # fmt: skip
         jg += gl.cdiv(num_tiles, 2)  # the pairs the piece ran (an empty unit runs none)
@@ -729,13 +724,13 @@ def _sk_publish(o, lse, WG: gl.constexpr, pid, sk_out_ptr, sk_lse_ptr, sk_flags_
 
 
 @gluon.jit
-def _sk_merge(o, lse, WG: gl.constexpr, lane, q_last, total, lanes, hg, n_hg, sk_out_ptr,
-              sk_lse_ptr, sk_flags_ptr):  # fmt: skip
-    """The unit's head piece (in lane ``lane``): the partial results of lanes ``lane + 1 ..
-    q_last`` (their program ``q * n_hg + hg``: each a later piece of this unit; lanes with no
-    pairs are skipped) merged into ``o`` / ``lse`` by their lse, each once its flag is set; each
-    flag is then cleared, so the workspace's flags are zero again when the launch ends (the next
-    launch, or a CUDA-graph replay, starts from zero). Returns the merged ``(o, lse)``."""
+def _sk_merge(o, lse, WG: gl.constexpr, pid, q_last, total, sk_out_ptr, sk_lse_ptr,
+              sk_flags_ptr):  # fmt: skip
+    """The unit's head piece (program ``pid``): the partial results of programs ``pid + 1 ..
+    q_last`` (each a later piece of this unit; programs with no pairs are skipped) merged into
+    ``o`` / ``lse`` by their lse, each once its flag is set; each flag is then cleared, so the
+    workspace's flags are zero again when the launch ends (the next launch, or a CUDA-graph
+    replay, starts from zero). Returns the merged ``(o, lse)``."""
     BLOCK_H: gl.constexpr = o.shape[0]
     HALF: gl.constexpr = o.shape[1]
     O_L: gl.constexpr = o.type.layout
@@ -744,19 +739,19 @@ def _sk_merge(o, lse, WG: gl.constexpr, lane, q_last, total, lanes, hg, n_hg, sk
     r = gl.arange(0, BLOCK_H, layout=O_ROW)
     c = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
     rl = gl.arange(0, BLOCK_H, layout=L_L)
+    G = gl.num_programs(0)
     lo = lse * 1.4426950408889634  # log2 domain
-    for q in range(lane + 1, q_last + 1):
+    for q in range(pid + 1, q_last + 1):
         q64 = q.to(gl.int64)
-        if (q64 + 1) * total // lanes > q64 * total // lanes:  # lane q has pairs
-            prog = q * n_hg + hg
-            flag = sk_flags_ptr + prog * 2 + WG
+        if (q64 + 1) * total // G > q64 * total // G:  # program q has pairs
+            flag = sk_flags_ptr + q * 2 + WG
             seen = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
             while seen == 0:
                 seen = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-            lq = gl.load(sk_lse_ptr + (prog * 2 + WG) * BLOCK_H + rl, cache_modifier=".cg")
-            lq *= 1.4426950408889634
-            slot = sk_out_ptr + prog.to(gl.int64) * (BLOCK_H * 2 * HALF)
-            oq = gl.load(slot + r[:, None] * (2 * HALF) + c[None, :], cache_modifier=".cg")
+            lq = gl.load(sk_lse_ptr + (q * 2 + WG) * BLOCK_H + rl, cache_modifier=".cg")
+            lq = lq * 1.4426950408889634
+            oq = gl.load(sk_out_ptr + q64 * (BLOCK_H * 2 * HALF) + r[:, None] * (2 * HALF)
+                         + c[None, :], cache_modifier=".cg")  # fmt: skip
             m = gl.maximum(lo, lq)
             m = gl.where(m == float("-inf"), 0.0, m)  # both empty: weights 0, no NaN
             w = gl.exp2(lo - m)
@@ -777,38 +772,38 @@ def _sk_add(a, b):
 
 
 @gluon.jit
-def _sk_unit_pairs(seq_lens_ptr, stride_seq_lens, u, units, BLOCK_N: gl.constexpr):
-    """Pairs of tokens ``u`` (a vector): ``max(cdiv(seq_len, 2 * BLOCK_N), 1)``, 0 past
-    ``units``."""
+def _sk_unit_pairs(seq_lens_ptr, stride_seq_lens, u, units, HEAD_GROUPS: gl.constexpr,
+                   BLOCK_N: gl.constexpr):  # fmt: skip
+    """Pairs of units ``u`` (a vector): ``max(cdiv(seq_len, 2 * BLOCK_N), 1)``, 0 past ``units``."""
     ok = u < units
-    n = gl.load(seq_lens_ptr + u * stride_seq_lens, mask=ok, other=0)
+    n = gl.load(seq_lens_ptr + (u // HEAD_GROUPS) * stride_seq_lens, mask=ok, other=0)
     return gl.where(ok, gl.maximum(gl.cdiv(n.to(gl.int32), 2 * BLOCK_N), 1), 0)
 
 
 @gluon.jit
 def _sk_range(seq_lens_ptr, stride_seq_lens, units, HEAD_GROUPS: gl.constexpr,
               BLOCK_N: gl.constexpr):  # fmt: skip
-    """This program's stream-K range (`_stream_k`): the launch's pairs ``total`` (over its
-    ``units`` tokens), its lane's first and end pair ``a``, ``b`` (both ``total`` for a program
-    past the last whole lane), the token of its first pair ``u0`` and the pairs before that
-    token ``cs0``. Two passes over the tokens, 512 at a time."""
+    """This program's stream-K range (`_stream_k`): the launch's pairs ``total``, its first and
+    end pair ``a``, ``b``, the unit of its first pair ``u0`` and the pairs before that unit
+    ``cs0``. Two passes over the units, 512 at a time."""
     CH: gl.constexpr = 512
     L: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
-    lanes = gl.num_programs(0) // HEAD_GROUPS
-    lane = (gl.program_id(0) // HEAD_GROUPS).to(gl.int64)
+    G = gl.num_programs(0)
+    pid = gl.program_id(0).to(gl.int64)
     idx = gl.arange(0, CH, layout=L)
-    total = lane * 0
+    total = pid * 0
     for c in range(gl.cdiv(units, CH)):
-        pr = _sk_unit_pairs(seq_lens_ptr, stride_seq_lens, c * CH + idx, units, BLOCK_N)
+        pr = _sk_unit_pairs(seq_lens_ptr, stride_seq_lens, c * CH + idx, units, HEAD_GROUPS,
+                            BLOCK_N)  # fmt: skip
         total += gl.sum(pr, axis=0).to(gl.int64)
-    a = gl.where(lane < lanes, lane * total // lanes, total)
-    b = gl.where(lane < lanes, (lane + 1) * total // lanes, total)
+    a = pid * total // G
+    b = (pid + 1) * total // G
     u0 = a * 0
     cs0 = a * 0
     seen = a * 0
     for c in range(gl.cdiv(units, CH)):
-        pr = _sk_unit_pairs(seq_lens_ptr, stride_seq_lens, c * CH + idx, units, BLOCK_N)
-        pr = pr.to(gl.int64)
+        pr = _sk_unit_pairs(seq_lens_ptr, stride_seq_lens, c * CH + idx, units, HEAD_GROUPS,
+                            BLOCK_N).to(gl.int64)  # fmt: skip
         before = (seen + gl.associative_scan(pr, 0, _sk_add)) <= a  # units wholly before a
         before = before & (c * CH + idx < units)
         u0 += gl.sum(before.to(gl.int64), axis=0)
@@ -901,7 +896,7 @@ def _mla_decode_sm90_kernel(
     if STREAM_K:
         # the program's range of the launch's pairs; its units are taken in the warpgroups
         # (`_stream_k`), so the values below are placeholders
-        units = num_seqs  # one token a sequence (single-token decode)
+        units = num_seqs * HEAD_GROUPS
         total, a_p, b_p, u0, cs0 = _sk_range(seq_lens_ptr, stride_seq_lens, units, HEAD_GROUPS,
                                              BLOCK_N)  # fmt: skip
         hg = pid * 0
