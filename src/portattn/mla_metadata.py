@@ -9,11 +9,6 @@ to ``max_seq_len``), keeps that frozen `MlaTiles`, and allocates the split-KV wo
 |----------------|--------------------------------------------------------|-------|
 | partial_out    | [max_tokens, num_kv_splits, padded_heads, block_dv]    | fp32  |
 | partial_lse    | [max_tokens, num_kv_splits, padded_heads]              | fp32  |
-| stream_k       | [num_sms, 64, kv_lora_rank]; [num_sms, 2, 64]; [num_sms, 2] | fp32; fp32; int32 |
-
-``stream_k`` exists only where the tiles may run stream-K (`MlaTiles.stream_k`): each program's
-partial result and the flags that hand it over (`portattn.kernels.mla_decode_sm90`); every
-launch leaves the flags zero, so they are zeroed once, here.
 
 ``max_tokens = max_batch * max_query_len``; ``padded_heads`` and ``block_dv`` are the tiles' own
 (heads padded to the matrix units' 16 rows, lesson 2), so the kernel, which writes every padded
@@ -36,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 
-from portattn.kernels.mla_decode_sm90 import stream_k_workspaces
 from portattn.platform import Target
 from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles, sm90_gathers
 
@@ -57,8 +51,6 @@ class MlaMetadata:
         partial_lse: ``[max_tokens, num_kv_splits, padded_heads]`` fp32 workspace.
         num_seqs: sequences in this step.
         max_query_len: the longest query of this step (1 for plain decode).
-        stream_k: the stream-K workspaces (out, lse, flags), or None where the tiles never run
-            stream-K.
     """
 
     target: Target
@@ -72,7 +64,6 @@ class MlaMetadata:
     partial_lse: torch.Tensor
     num_seqs: int
     max_query_len: int
-    stream_k: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def decode(self) -> bool:
@@ -120,7 +111,6 @@ class MlaMetadataBuilder:
         "page_size",
         "_partial_out",
         "_partial_lse",
-        "_stream_k",
     )
 
     def __init__(
@@ -195,9 +185,6 @@ class MlaMetadataBuilder:
         self._partial_lse = torch.empty(
             (self.max_tokens, splits, t.padded_heads), dtype=torch.float32, device=device
         )
-        self._stream_k = (
-            stream_k_workspaces(target.num_sms, kv_lora_rank, device) if t.stream_k else None
-        )
 
     def build(
         self,
@@ -267,7 +254,6 @@ class MlaMetadataBuilder:
             partial_lse=self._partial_lse,
             num_seqs=num_seqs,
             max_query_len=max_query_len,
-            stream_k=self._stream_k,
         )
 
 

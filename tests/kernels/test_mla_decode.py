@@ -624,111 +624,26 @@ def check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale):
     torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-3, atol=1e-3)
 
 
-def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None, out=None, stream_k=False,
-                runs=1):  # fmt: skip
+def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None, out=None):
     """Run the sm_90 kernel (the policy's tiles, ``splits`` when given; ``pages``: page_indices
-    instead of ``bt``; ``out``: the output tensor to write; ``stream_k``: tiles that run
-    stream-K) ``runs`` times and check each run against the fp64 oracle, output and lse. The
-    main launch."""
+    instead of ``bt``; ``out``: the output tensor to write) and check it against the fp64
+    oracle, output and lse. The main launch."""
     heads, dk = q.shape[1:]
     scale = 1 / math.sqrt(dk)
     max_len = int(sl.max())
     base = mla_decode_tiles(target, MlaProblem(heads, dk, r, 2, q.shape[0], max_len))
-    tiles = dataclasses.replace(base, sm90_kernel=True, stream_k=stream_k)
+    tiles = dataclasses.replace(base, sm90_kernel=True)
     if splits is not None:
         tiles = dataclasses.replace(tiles, num_kv_splits=splits)
     launches = plan_mla_decode(
         q, cache, None if pages is not None else bt, sl, kv_lora_rank=r, scale=scale,
         query_start_loc=qsl, return_lse=True, tiles=tiles, page_indices=pages, out=out,
-        target=target,
     )  # fmt: skip
     assert launches[0].name == "mla_decode_sm90"
-    for _ in range(runs):
-        out, lse = launches[0].outputs
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        run_all(launches)
-        check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale)
+    run_all(launches)
+    out, lse = launches[0].outputs
+    check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale)
     return launches[0]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("dk", "r", "heads", "seq_lens", "sms"),
-    [
-        # 8 units of uneven length over 7 programs: units cut in two and three pieces
-        (576, 512, 128, (32768, 4100, 6, 1000), 7),
-        # 128 units on the real SMs (the bench's shape, shorter): each program's range crosses
-        # a unit boundary
-        (576, 512, 128, (2000,) * 64, None),
-        # one-row and one-tile sequences, 13 programs: pieces of a single pair, empty-ish units
-        (576, 512, 64, (1, 64, 65, 5000, 129, 3, 4096), 13),
-        # more programs than pairs: programs with no pairs, whose flags nobody waits for
-        (576, 512, 128, (100, 300), 11),
-        # padded heads (100 -> 128), rank 256, rope 64; a program count that divides nothing
-        (320, 256, 100, (127, 9000, 700), 5),
-    ],
-)
-def test_gpu_sm90_stream_k(dk, r, heads, seq_lens, sms):
-    """Stream-K (`portattn.policy.mla.SM90_STREAM_K`) against the oracle, output and lse, on
-    targets told they have ``sms`` SMs (the grid), so that units are cut between programs in
-    every way: the head piece merges the later pieces' partial results. Three runs of the same
-    launch: every launch must leave its flags zero for the next (unowned cache rows are NaN, the
-    outputs are NaN before each run)."""
-    target = _sm90_target()
-    if sms is not None:
-        target = dataclasses.replace(target, num_sms=sms)
-    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 64, None, seq_lens, torch.bfloat16, "cuda")
-    _poison_unowned_rows(cache, bt, sl)
-    launch = _check_sm90(target, q, cache, bt, sl, qsl, r, 1, stream_k=True, runs=3)
-    assert launch.args["STREAM_K"] is True and launch.grid == (target.num_sms,)
-    assert int(launch.args["sk_flags_ptr"].abs().sum()) == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ramp", ["climb", "jumps"])
-def test_gpu_sm90_stream_k_running_max_moves(ramp):
-    """Stream-K where the pieces of a unit see different running maxima (scores that climb or
-    jump along the context): the merge weights each piece by its own lse."""
-    target = dataclasses.replace(_sm90_target(), num_sms=5)
-    q, cache, bt, sl, qsl = _ramp_inputs(ramp)
-    _check_sm90(target, q, cache, bt, sl, qsl, 512, 1, stream_k=True)
-
-
-@pytest.mark.gpu
-def test_gpu_sm90_stream_k_metadata_and_graph():
-    """The metadata path (the builder's workspaces, zeroed once) captured in a CUDA graph and
-    replayed with new lengths: every replay against the oracle, the flags zero after each."""
-    from portattn.mla_metadata import MlaMetadataBuilder
-
-    target = _sm90_target()
-    mp = pytest.MonkeyPatch()
-    mp.setattr(mla_policy, "SM90_STREAM_K", True)
-    try:
-        builder = MlaMetadataBuilder(
-            target, max_batch=64, num_heads=128, kv_lora_rank=512, head_dim_k=576,
-            dtype=torch.bfloat16, device="cuda", max_seq_len=4096, page_size=64,
-        )  # fmt: skip
-        assert builder.tiles.stream_k and builder.tiles.num_kv_splits == 1
-        q, cache, bt, sl, _ = make_inputs(576, 512, 128, 64, None, (4096,) * 64, torch.bfloat16,
-                                          "cuda")  # fmt: skip
-        md = builder.build(sl)
-        scale = 576**-0.5
-        kw = dict(kv_lora_rank=512, scale=scale, metadata=md, return_lse=True)
-        out, lse = mla_decode(q, cache, bt, sl, **kw)  # plans (and caches) the launch
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out, lse = mla_decode(q, cache, bt, sl, **kw)
-        flags = md.stream_k[2]
-        for lens in [(4096,) * 64, tuple(range(1, 4097, 64)), (33,) * 63 + (4096,)]:
-            sl.copy_(torch.tensor(lens, dtype=sl.dtype))
-            graph.replay()
-            torch.cuda.synchronize()
-            check_out_lse(out, lse, q, cache, bt, sl, None, 512, scale)
-            assert int(flags.abs().sum()) == 0
-    finally:
-        mp.undo()
 
 
 @pytest.mark.gpu
@@ -740,13 +655,6 @@ def test_gpu_sm90_running_max_moves(ramp, splits):
     thread holds), that fall (the first tile's max stays), and that jump twice (every row
     rescales on the same tile). Random scores move the max almost only on the first tiles."""
     target = _sm90_target()
-    q, cache, bt, sl, qsl = _ramp_inputs(ramp)
-    _check_sm90(target, q, cache, bt, sl, qsl, 512, splits)
-
-
-def _ramp_inputs(ramp):
-    """128 heads, rank 512, three sequences whose scores climb, fall or jump along the context
-    (`test_gpu_sm90_running_max_moves`); unowned cache rows NaN."""
     dk, r, heads, bs, dtype = 576, 512, 128, 64, torch.bfloat16
     seq_lens = (3000, 64 * 37 + 5, 700)
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, None, seq_lens, dtype, "cuda")
@@ -762,7 +670,7 @@ def _ramp_inputs(ramp):
         cache[rows] = (cache[rows].float() * factor[:, None]).to(dtype)
     q = (q.float() * torch.linspace(0.25, 2.0, heads, device="cuda")[None, :, None]).to(dtype)
     _poison_unowned_rows(cache, bt, sl)
-    return q, cache, bt, sl, qsl
+    _check_sm90(target, q, cache, bt, sl, qsl, r, splits)
 
 
 @pytest.mark.gpu

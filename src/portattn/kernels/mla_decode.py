@@ -83,22 +83,11 @@ from portattn.kernels._launch import Launch, rows_aligned
 from portattn.kernels._plans import PLANS, _current_device, call_key, exact_id, present
 from portattn.kernels.mla_decode_sm90 import BLOCK_H as SM90_BLOCK_H
 from portattn.kernels.mla_decode_sm90 import BLOCK_N as SM90_BLOCK_N
-from portattn.kernels.mla_decode_sm90 import (
-    sm90_errors,
-    sm90_gathers,
-    sm90_launch,
-    stream_k_workspaces,
-)
+from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_gathers, sm90_launch
 from portattn.layout import describe_kv_cache, is_block_contiguous
 from portattn.mla_metadata import MlaMetadata
 from portattn.platform import Target, override_key, target_for_tensor
-from portattn.policy.mla import (
-    MlaProblem,
-    MlaTiles,
-    mla_decode_tiles,
-    mla_row_groups,
-    sm90_stream_k,
-)
+from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles, mla_row_groups
 
 # Any block size: the kernel addresses block and in-block offset separately.
 SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
@@ -109,9 +98,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 _OP = "mla_decode"
 # The metadata's value fields (its two workspaces are tensor inputs of the plan cache's key).
 _METADATA_VALUES = tuple(
-    f.name
-    for f in dataclasses.fields(MlaMetadata)
-    if f.name not in ("partial_out", "partial_lse", "stream_k")
+    f.name for f in dataclasses.fields(MlaMetadata) if f.name not in ("partial_out", "partial_lse")
 )
 _metadata_values = operator.attrgetter(*_METADATA_VALUES)  # one tuple of them, in C
 #: With one KV split the plan never reads the metadata's workspaces: the plan cache's key leaves
@@ -864,23 +851,6 @@ def _workspace_errors(tiles: MlaTiles, md: MlaMetadata, num_tokens: int) -> list
     return errors
 
 
-def _stream_k_errors(sk, target: Target, kv_lora_rank: int) -> list[str]:
-    """A stream-K launch's workspaces from the metadata must be `stream_k_workspaces`' for the
-    metadata's target (one program an SM) and rank."""
-    if sk is None:
-        return ["metadata.stream_k is None, but its tiles run stream-K (build it with the builder)"]
-    want = stream_k_workspaces(0, kv_lora_rank, "meta")
-    errors = []
-    for name, t, w in zip(("out", "lse", "flags"), sk, want, strict=True):
-        shape = (target.num_sms, *w.shape[1:])
-        if tuple(t.shape) != shape or t.dtype != w.dtype:
-            errors.append(
-                f"metadata.stream_k {name} must be {w.dtype} {shape}; got {t.dtype} "
-                f"{tuple(t.shape)}"
-            )
-    return errors
-
-
 def _check_contents(
     query, kv_cache, block_table, seq_lens, query_start_loc, page_indices, metadata
 ) -> int:
@@ -1184,17 +1154,7 @@ def plan_mla_decode(
     if tiles.sm90_kernel and not sm90_errors(
         kv_cache, kv_lora_rank, tiles.block_h, tiles.block_n, target, page_indices is not None
     ):
-        sk = None
-        gathers = sm90_gathers(kv_cache, page_indices is not None)
-        if sm90_stream_k(tiles, target, num_tokens, varlen, gathers):
-            if metadata is not None:
-                sk = metadata.stream_k
-                errors = _stream_k_errors(sk, target, kv_lora_rank)
-                if errors:
-                    raise ValueError(f"{_OP}: " + "; ".join(errors))
-            else:
-                sk = stream_k_workspaces(target.num_sms, kv_lora_rank, dev)
-        main = sm90_launch(main, kv_cache, kv_lora_rank, sk)
+        main = sm90_launch(main, kv_cache, kv_lora_rank)
     if splits == 1:
         return [main]
     reduce = Launch(

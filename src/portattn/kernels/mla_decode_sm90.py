@@ -272,17 +272,14 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 
 
 @gluon.jit
-def _piece(WG: gl.constexpr, rt, pc, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
-           GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
-           ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-           TRACE: gl.constexpr, tr, LAZY: gl.constexpr,
-           GATHER_ONE: gl.constexpr, TREE: gl.constexpr, SK: gl.constexpr):  # fmt: skip
-    """Warpgroup WG's loop over one piece of work and its half of the piece's epilogue (module
-    doc). ``rt``: the runtime values, in the order the kernel packs them; ``pc``: the piece's
-    place in the program's work (pairs before it, its index, its kind; `_stream_k`). SK: a
-    stream-K piece, which issues its own first tiles and query half. PACKED: rows are (query
-    token, head) pairs of one sequence (`_packed_rows`), each masked at its own causal limit.
-    ROWS_AHEAD: the next
+def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
+               GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
+               ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
+               TRACE: gl.constexpr, tr, LAZY: gl.constexpr,
+               GATHER_ONE: gl.constexpr, TREE: gl.constexpr):  # fmt: skip
+    """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
+    values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
+    one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
     pair's rows are read at the top of this pair (`portattn.policy.mla.SM90_ROWS_AHEAD`).
     STORE_SMEM: a one-split output goes through this warpgroup's buffer-0 half. OUT_VEC: the rows
     it writes are aligned (`rows_aligned`). TRACE, ``tr``: the diagnostic stamps and (trace
@@ -295,7 +292,6 @@ def _piece(WG: gl.constexpr, rt, pc, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
      stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
      stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
      seq_len) = rt  # fmt: skip
-    jg, k, kind, q_last, total, sk_out_ptr, sk_lse_ptr, sk_flags_ptr = pc
     gather = (kv_ptr, stride_kv_row, end)
     trace_ptr, pid = tr
     tr = (trace_ptr, (pid * 2 + WG).to(gl.int64) * ((TRACE_PAIRS + 1) * TRACE_EVENTS))
@@ -350,15 +346,13 @@ def _piece(WG: gl.constexpr, rt, pc, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=PV)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, QK))
     steps = gl.cdiv(num_tiles, 2) * 2
-    if SK:
-        _sk_start(WG, rt, k, steps, gather, GATHER, PAGE_INDICES, GATHER_ONE)
     # block_size may be 1, which Triton passes as a constant: gather takes the row stride
     if GATHER:  # noqa: SIM108 (a constexpr branch, not a runtime select)
         opaque = (stride_kv_row < 0).to(gl.int32)
     else:
         opaque = (block_size < 0).to(gl.int32)  # 0, unknown to ptxas (module doc)
     for j in range(steps // 2):
-        ph = (jg + j) & 1  # the barriers' phase: the program's pairs before this piece count
+        ph = j & 1
         b0 = ph & opaque  # buffer 0 (tile A), written so that ptxas cannot hoist it
         b1 = b0 ^ 1
         own = WG ^ b0  # the buffer of the tile this warpgroup scores
@@ -485,7 +479,7 @@ def _piece(WG: gl.constexpr, rt, pc, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     l_smem.index(WG).store(l_i)
     gl.thread_barrier()
     mbarrier.arrive(sync_bars.index(3 + WG), count=1)
-    mbarrier.wait(sync_bars.index(4 - WG), k & 1)
+    mbarrier.wait(sync_bars.index(4 - WG), 0)
     l_i = l_i + l_smem.index(1 - WG).load(ROW)
     _stamp(tr, last, 1, TRACE)
 
@@ -494,13 +488,6 @@ def _piece(WG: gl.constexpr, rt, pc, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     l_safe = gl.where(has, l_i, 1.0)
     lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     o = acc / gl.convert_layout(l_safe, PV_ROW)[:, None]
-    if SK:
-        if kind == 2:  # the unit's head: the later pieces' partial results merged in
-            o, lse = _sk_merge(o, lse, WG, pid, q_last, total, sk_out_ptr, sk_lse_ptr,
-                               sk_flags_ptr)  # fmt: skip
-        if kind == 1:  # a later piece: this warpgroup's partial result, then its flag
-            _sk_publish(o, lse, WG, pid, sk_out_ptr, sk_lse_ptr, sk_flags_ptr)
-        valid = valid & (kind != 1)  # only a whole unit or its head writes the output
     if NUM_SPLITS == 1 and STORE_SMEM:
         # through shared memory, read back 8 columns a thread: every MMA of both warpgroups
         # has returned (the row sums' exchange follows both loops) and no copy is in flight
@@ -566,253 +553,6 @@ def _piece(WG: gl.constexpr, rt, pc, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
 
 
 @gluon.jit
-def _warpgroup(WG: gl.constexpr, rt, sk, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
-               GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
-               ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr, LAZY: gl.constexpr,
-               GATHER_ONE: gl.constexpr, TREE: gl.constexpr, SK: gl.constexpr,
-               HEAD_GROUPS: gl.constexpr):  # fmt: skip
-    """Warpgroup WG's work: its program's one (token, split, head group) as one piece, or with
-    SK (stream-K) the pieces of the program's range of the launch's pairs (`_stream_k`)."""
-    if SK:
-        _stream_k(WG, rt, sk, RETURN_LSE, GATHER, PAGE_INDICES, ROWS_AHEAD, STORE_SMEM, OUT_VEC,
-                  TRACE, tr, LAZY, GATHER_ONE, TREE, HEAD_GROUPS)  # fmt: skip
-    else:
-        z = rt[4] * 0  # (hg: a runtime zero)
-        pc = (z, z, z, z, z, rt[0], rt[0], rt[0])
-        _piece(WG, rt, pc, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-               STORE_SMEM, OUT_VEC, TRACE, tr, LAZY, GATHER_ONE, TREE, False)  # fmt: skip
-
-
-@gluon.jit
-def _stream_k(WG: gl.constexpr, rt, sk, RETURN_LSE: gl.constexpr, GATHER: gl.constexpr,
-              PAGE_INDICES: gl.constexpr, ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr,
-              OUT_VEC: gl.constexpr, TRACE: gl.constexpr, tr, LAZY: gl.constexpr,
-              GATHER_ONE: gl.constexpr, TREE: gl.constexpr,
-              HEAD_GROUPS: gl.constexpr):  # fmt: skip
-    """Stream-K (`portattn.policy.mla.SM90_STREAM_K`): the launch's units (token, head group),
-    each ``max(cdiv(kv_len, 2 * BLOCK_N), 1)`` pairs, laid end to end; program p takes pairs
-    ``[p * total // G, (p + 1) * total // G)`` (`_sk_range`), in pieces of one unit each. A piece
-    that holds a whole unit writes its output. A unit cut between programs: each later piece is
-    its program's first, done first, and publishes a partial result (kind 1); the piece with
-    the unit's first pair is its program's last and merges them into its own (kind 2). Pairs
-    are counted across pieces for the barriers' phases (``jg``), pieces for the once-a-piece
-    barriers (``k``)."""
-    (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
-     stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
-     latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
-     part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
-     stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
-     stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
-     stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
-     seq_len) = rt  # fmt: skip
-    (a_p, b_p, u0, cs0, total, sk_out_ptr, sk_lse_ptr, sk_flags_ptr, seq_lens_ptr,
-     stride_seq_lens, bt_base, stride_bt_seq, indptr_ptr, stride_indptr) = sk  # fmt: skip
-    BLOCK_N: gl.constexpr = latl_smem.shape[1]
-    G = gl.num_programs(0)
-    g = a_p
-    u = u0
-    cs = cs0
-    jg = a_p * 0
-    k = a_p * 0
-    while g < b_p:
-        tok = u // HEAD_GROUPS
-        hg = u % HEAD_GROUPS
-        kv_len = gl.load(seq_lens_ptr + tok * stride_seq_lens).to(gl.int32)
-        pairs = gl.maximum(gl.cdiv(kv_len, 2 * BLOCK_N), 1)
-        j0 = g - cs
-        j1 = gl.minimum(b_p - cs, pairs)
-        start = j0 * (2 * BLOCK_N)
-        end = gl.minimum(j1 * (2 * BLOCK_N), kv_len)
-        num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-        # 0: the whole unit; 1: a later piece (publishes); 2: the unit's head (merges)
-        kind = gl.where(j0 == 0, gl.where(j1 == pairs, 0, 2), 1)
-        # the program holding the unit's last pair: the last that may hold a later piece
-        q_last = (((cs + pairs).to(gl.int64) * G - 1) // total).to(gl.int32)
-        if PAGE_INDICES:
-            page_start = gl.load(indptr_ptr + tok * stride_indptr).to(gl.int64)
-            bt_row = bt_base + page_start * stride_bt_blk
-        else:
-            bt_row = bt_base + tok.to(gl.int64) * stride_bt_seq
-        q_row_off = tok.to(gl.int64) * stride_q_tok
-        rt2 = (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc,
-               bt_row, stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem,
-               qr_smem, latl_smem, latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars,
-               sync_bars, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, tok, tok >= 0, split,
-               stride_out_tok, stride_out_head, stride_out_dim, stride_lse_tok, stride_lse_head,
-               stride_po_tok, stride_po_split, stride_po_head, stride_po_dim, stride_pl_tok,
-               stride_pl_split, stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, tok,
-               tok * 0 + 1, kv_len)  # fmt: skip
-        pc = (jg, k, kind, q_last, total, sk_out_ptr, sk_lse_ptr, sk_flags_ptr)
-        _piece(WG, rt2, pc, 1, RETURN_LSE, GATHER, PAGE_INDICES, False, ROWS_AHEAD, STORE_SMEM,
-               OUT_VEC, TRACE, tr, LAZY, GATHER_ONE, TREE, True)  # fmt: skip
-        jg += gl.cdiv(num_tiles, 2)  # the pairs the piece ran (an empty unit runs none)
-        k += 1
-        g = cs + j1
-        if j1 == pairs:
-            u += 1
-            cs += pairs
-
-
-@gluon.jit
-def _sk_start(WG: gl.constexpr, rt, k, steps, gather, GATHER: gl.constexpr,
-              PAGE_INDICES: gl.constexpr, GATHER_ONE: gl.constexpr):  # fmt: skip
-    """A stream-K piece's start, in warpgroup WG: its halves of tiles 0 and 1 (as the kernel's
-    prologue issues them for a one-piece program) and its latent half of the unit's query, then
-    the query hand-off (barriers 5 and 6, phase ``k``). Safe to overwrite: at the end of the
-    previous piece each warpgroup had the other's last score MMA's P, so neither reads the query
-    or the tiles any more; no copy is in flight (nothing is issued past a piece's last tile)."""
-    (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
-     stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
-     latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
-     part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
-     stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
-     stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
-     stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
-     seq_len) = rt  # fmt: skip
-    BLOCK_H: gl.constexpr = ql_smem.shape[1]
-    HALF: gl.constexpr = ql_smem.shape[2]
-    BLOCK_N: gl.constexpr = latl_smem.shape[1]
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    if WG == 0:
-        lat_own = latl_smem
-        q_own = ql_smem
-    else:
-        lat_own = latr_smem
-        q_own = qr_smem
-    rows_0 = _tile_rows(bt_row, stride_bt_blk, 0, start, num_tiles, block_size, end, BLOCK_N,
-                        GATHER, PAGE_INDICES)  # fmt: skip
-    rows_1 = _tile_rows(bt_row, stride_bt_blk, 1, start, num_tiles, block_size, end, BLOCK_N,
-                        GATHER, PAGE_INDICES)  # fmt: skip
-    _load_half(lat_desc, pe_desc, rows_0, 0, start, num_tiles, steps, tma_bars.index(WG),
-               lat_own.index(0), pe_smem.index(0), WG == 1, gather, GATHER,
-               GATHER_ONE)  # fmt: skip
-    _load_half(lat_desc, pe_desc, rows_1, 1, start, num_tiles, steps, tma_bars.index(2 + WG),
-               lat_own.index(1), pe_smem.index(1), WG == 1, gather, GATHER,
-               GATHER_ONE)  # fmt: skip
-    offs_h = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
-    offs_d = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, LOAD))
-    q = gl.load(
-        q_ptr + q_row_off + offs_h[:, None] * stride_q_head + offs_d[None, :] * stride_q_dim,
-        mask=(offs_h < num_heads)[:, None],
-        other=0.0,
-    )
-    q_own.index(0).store(q)
-    fence_async_shared()  # the score MMAs read the query through the async proxy
-    gl.thread_barrier()
-    mbarrier.arrive(sync_bars.index(5 + WG), count=1)
-    mbarrier.wait(sync_bars.index(6 - WG), k & 1)
-
-
-@gluon.jit
-def _sk_publish(o, lse, WG: gl.constexpr, pid, sk_out_ptr, sk_lse_ptr, sk_flags_ptr):
-    """A later piece's partial result (normalised output columns of this warpgroup, fp32, and
-    the natural-log lse) into program ``pid``'s workspace slot, then its flag ``[pid, WG]`` set
-    with release semantics once every thread of the warpgroup has stored."""
-    BLOCK_H: gl.constexpr = o.shape[0]
-    HALF: gl.constexpr = o.shape[1]
-    O_L: gl.constexpr = o.type.layout
-    L_L: gl.constexpr = lse.type.layout
-    r = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
-    c = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
-    base = sk_out_ptr + pid.to(gl.int64) * (BLOCK_H * 2 * HALF)
-    gl.store(base + r[:, None] * (2 * HALF) + c[None, :], o)
-    rl = gl.arange(0, BLOCK_H, layout=L_L)
-    gl.store(sk_lse_ptr + (pid * 2 + WG) * BLOCK_H + rl, lse)
-    gl.thread_barrier()
-    gl.atomic_xchg(sk_flags_ptr + pid * 2 + WG, 1, sem="release", scope="gpu")
-
-
-@gluon.jit
-def _sk_merge(o, lse, WG: gl.constexpr, pid, q_last, total, sk_out_ptr, sk_lse_ptr,
-              sk_flags_ptr):  # fmt: skip
-    """The unit's head piece (program ``pid``): the partial results of programs ``pid + 1 ..
-    q_last`` (each a later piece of this unit; programs with no pairs are skipped) merged into
-    ``o`` / ``lse`` by their lse, each once its flag is set; each flag is then cleared, so the
-    workspace's flags are zero again when the launch ends (the next launch, or a CUDA-graph
-    replay, starts from zero). Returns the merged ``(o, lse)``."""
-    BLOCK_H: gl.constexpr = o.shape[0]
-    HALF: gl.constexpr = o.shape[1]
-    O_L: gl.constexpr = o.type.layout
-    L_L: gl.constexpr = lse.type.layout
-    O_ROW: gl.constexpr = gl.SliceLayout(1, O_L)
-    r = gl.arange(0, BLOCK_H, layout=O_ROW)
-    c = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
-    rl = gl.arange(0, BLOCK_H, layout=L_L)
-    G = gl.num_programs(0)
-    lo = lse * 1.4426950408889634  # log2 domain
-    for q in range(pid + 1, q_last + 1):
-        q64 = q.to(gl.int64)
-        if (q64 + 1) * total // G > q64 * total // G:  # program q has pairs
-            flag = sk_flags_ptr + q * 2 + WG
-            seen = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-            while seen == 0:
-                seen = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-            lq = gl.load(sk_lse_ptr + (q * 2 + WG) * BLOCK_H + rl, cache_modifier=".cg")
-            lq = lq * 1.4426950408889634
-            oq = gl.load(sk_out_ptr + q64 * (BLOCK_H * 2 * HALF) + r[:, None] * (2 * HALF)
-                         + c[None, :], cache_modifier=".cg")  # fmt: skip
-            m = gl.maximum(lo, lq)
-            m = gl.where(m == float("-inf"), 0.0, m)  # both empty: weights 0, no NaN
-            w = gl.exp2(lo - m)
-            wq = gl.exp2(lq - m)
-            s = w + wq
-            s_safe = gl.where(s > 0, s, 1.0)
-            a = gl.convert_layout(w / s_safe, O_ROW)
-            b = gl.convert_layout(wq / s_safe, O_ROW)
-            o = o * a[:, None] + oq * b[:, None]
-            lo = gl.where(s > 0, m + gl.log2(s_safe), float("-inf"))
-            gl.atomic_xchg(flag, 0, scope="gpu")
-    return o, lo * 0.6931471805599453
-
-
-@gluon.jit
-def _sk_add(a, b):
-    return a + b
-
-
-@gluon.jit
-def _sk_unit_pairs(seq_lens_ptr, stride_seq_lens, u, units, HEAD_GROUPS: gl.constexpr,
-                   BLOCK_N: gl.constexpr):  # fmt: skip
-    """Pairs of units ``u`` (a vector): ``max(cdiv(seq_len, 2 * BLOCK_N), 1)``, 0 past ``units``."""
-    ok = u < units
-    n = gl.load(seq_lens_ptr + (u // HEAD_GROUPS) * stride_seq_lens, mask=ok, other=0)
-    return gl.where(ok, gl.maximum(gl.cdiv(n.to(gl.int32), 2 * BLOCK_N), 1), 0)
-
-
-@gluon.jit
-def _sk_range(seq_lens_ptr, stride_seq_lens, units, HEAD_GROUPS: gl.constexpr,
-              BLOCK_N: gl.constexpr):  # fmt: skip
-    """This program's stream-K range (`_stream_k`): the launch's pairs ``total``, its first and
-    end pair ``a``, ``b``, the unit of its first pair ``u0`` and the pairs before that unit
-    ``cs0``. Two passes over the units, 512 at a time."""
-    CH: gl.constexpr = 512
-    L: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
-    G = gl.num_programs(0)
-    pid = gl.program_id(0).to(gl.int64)
-    idx = gl.arange(0, CH, layout=L)
-    total = pid * 0
-    for c in range(gl.cdiv(units, CH)):
-        pr = _sk_unit_pairs(seq_lens_ptr, stride_seq_lens, c * CH + idx, units, HEAD_GROUPS,
-                            BLOCK_N)  # fmt: skip
-        total += gl.sum(pr, axis=0).to(gl.int64)
-    a = pid * total // G
-    b = (pid + 1) * total // G
-    u0 = a * 0
-    cs0 = a * 0
-    seen = a * 0
-    for c in range(gl.cdiv(units, CH)):
-        pr = _sk_unit_pairs(seq_lens_ptr, stride_seq_lens, c * CH + idx, units, HEAD_GROUPS,
-                            BLOCK_N).to(gl.int64)  # fmt: skip
-        before = (seen + gl.associative_scan(pr, 0, _sk_add)) <= a  # units wholly before a
-        before = before & (c * CH + idx < units)
-        u0 += gl.sum(before.to(gl.int64), axis=0)
-        cs0 += gl.sum(gl.where(before, pr, 0), axis=0)
-        seen += gl.sum(pr, axis=0)
-    return (total, a.to(gl.int32), b.to(gl.int32), u0.to(gl.int32), cs0.to(gl.int32))
-
-
-@gluon.jit
 def _mla_decode_sm90_kernel(
     q_ptr,
     lat_desc,  # [num_blocks * block_size, head_dim_k], box [BLOCK_N, KV_LORA_RANK // 2]
@@ -854,9 +594,6 @@ def _mla_decode_sm90_kernel(
     page_indices_ptr,  # [total_context_tokens] flat slots (PAGE_INDICES only)
     stride_indptr,
     stride_indices,
-    sk_out_ptr,  # [programs, BLOCK_H, KV_LORA_RANK] fp32 (STREAM_K only)
-    sk_lse_ptr,  # [programs, 2, BLOCK_H] fp32 (STREAM_K only)
-    sk_flags_ptr,  # [programs, 2] int32, zero before and after every launch (STREAM_K only)
     KV_LORA_RANK: gl.constexpr,
     ROPE_DIM: gl.constexpr,
     BLOCK_H: gl.constexpr,
@@ -879,7 +616,6 @@ def _mla_decode_sm90_kernel(
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
     OUT_VEC: gl.constexpr,  # the rows it writes (output or partials) are aligned (`rows_aligned`)
-    STREAM_K: gl.constexpr,  # the launch's pairs split evenly over the programs (`_stream_k`)
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     HALF: gl.constexpr = KV_LORA_RANK // 2
@@ -893,23 +629,7 @@ def _mla_decode_sm90_kernel(
     tr0 = (trace_ptr, pid.to(gl.int64) * (2 * (TRACE_PAIRS + 1) * TRACE_EVENTS))
     _stamp(tr0, TRACE_PAIRS + 0 * pid, 4, TRACE)
     _stamp(tr0, TRACE_PAIRS + 0 * pid, 5, TRACE, True)
-    if STREAM_K:
-        # the program's range of the launch's pairs; its units are taken in the warpgroups
-        # (`_stream_k`), so the values below are placeholders
-        units = num_seqs * HEAD_GROUPS
-        total, a_p, b_p, u0, cs0 = _sk_range(seq_lens_ptr, stride_seq_lens, units, HEAD_GROUPS,
-                                             BLOCK_N)  # fmt: skip
-        hg = pid * 0
-        split = hg
-        tok = hg
-        seq = hg
-        q_start = hg
-        q_len = hg + 1
-        kv_len = hg
-        seq_len = hg
-        valid = tok >= 0
-        q_row_off = tok.to(gl.int64) * stride_q_tok
-    elif PACKED:
+    if PACKED:
         # (sequence, split, row group) (`_packed_rows`); the tile's range comes from its last
         # real row, whose causal limit is the largest
         hg = pid % row_groups
@@ -983,35 +703,31 @@ def _mla_decode_sm90_kernel(
     # tile barriers: buffer b's left half (2b), its right half and rope part (2b + 1)
     tma_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     # hand-offs (see _warpgroup), then 3 / 4: warpgroup 0 / 1's row sums written
-    # (STREAM_K: 5 / 6, warpgroup 0 / 1's query half stored, once a piece)
-    NSYNC: gl.constexpr = 7 if STREAM_K else 5
-    sync_bars = gl.allocate_shared_memory(gl.int64, [NSYNC, 1], mbarrier.MBarrierLayout())
+    sync_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
     # TMA: one arrival (the expect) plus the bytes; gather: each of the issuing warpgroup's
     # 128 threads once its cp.async copies land
     for k in gl.static_range(4):
         mbarrier.init(tma_bars.index(k), count=128 if GATHER else 1)
-    for k in gl.static_range(NSYNC):
+    for k in gl.static_range(5):
         mbarrier.init(sync_bars.index(k), count=1)
     fence_async_shared()
-    # -- prologue: tiles 0 and 1 in flight (both tiles' rows read first: one wait, not two);
-    # with STREAM_K each piece's warpgroups issue their own (`_sk_start`) --
-    if not STREAM_K:
-        rows_01 = (
-            _tile_rows(bt_row, stride_bt_blk, 0, start, num_tiles, block_size, end, BLOCK_N,
-                       GATHER, PAGE_INDICES),
-            _tile_rows(bt_row, stride_bt_blk, 1, start, num_tiles, block_size, end, BLOCK_N,
-                       GATHER, PAGE_INDICES),
-        )  # fmt: skip
-        for t in gl.static_range(2):
-            rows = rows_01[t]
-            _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps,
-                       tma_bars.index(2 * t), latl_smem.index(t), pe_smem.index(t), False,
-                       (kv_ptr, stride_kv_row, end), GATHER, GATHER_ONE)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps,
-                       tma_bars.index(2 * t + 1), latr_smem.index(t), pe_smem.index(t), True,
-                       (kv_ptr, stride_kv_row, end), GATHER, GATHER_ONE)  # fmt: skip
-        ql_smem.index(0).store(ql)
-        qr_smem.index(0).store(qr)
+    # -- prologue: tiles 0 and 1 in flight (both tiles' rows read first: one wait, not two) --
+    rows_01 = (
+        _tile_rows(bt_row, stride_bt_blk, 0, start, num_tiles, block_size, end, BLOCK_N, GATHER,
+                   PAGE_INDICES),
+        _tile_rows(bt_row, stride_bt_blk, 1, start, num_tiles, block_size, end, BLOCK_N, GATHER,
+                   PAGE_INDICES),
+    )  # fmt: skip
+    for t in gl.static_range(2):
+        rows = rows_01[t]
+        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t),
+                   latl_smem.index(t), pe_smem.index(t), False, (kv_ptr, stride_kv_row, end),
+                   GATHER, GATHER_ONE)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t + 1),
+                   latr_smem.index(t), pe_smem.index(t), True, (kv_ptr, stride_kv_row, end),
+                   GATHER, GATHER_ONE)  # fmt: skip
+    ql_smem.index(0).store(ql)
+    qr_smem.index(0).store(qr)
     fence_async_shared()  # the score MMAs read the query through the async proxy
     _stamp(tr0, TRACE_PAIRS + 0 * pid, 6, TRACE)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
@@ -1025,24 +741,15 @@ def _mla_decode_sm90_kernel(
           stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
           stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
           seq_len)  # fmt: skip
-    if STREAM_K:
-        if PAGE_INDICES:  # noqa: SIM108 (a constexpr branch)
-            bt_base = page_indices_ptr
-        else:
-            bt_base = block_table_ptr
-        sk = (a_p, b_p, u0, cs0, total, sk_out_ptr, sk_lse_ptr, sk_flags_ptr, seq_lens_ptr,
-              stride_seq_lens, bt_base, stride_bt_seq, page_indptr_ptr, stride_indptr)  # fmt: skip
-    else:
-        sk = (pid,)
     # fmt: off
     gl.warp_specialize(
         [
-            (_warpgroup, (0, rt, sk, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                          ROWS_AHEAD, STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY,
-                          GATHER_ONE, TREE, STREAM_K, HEAD_GROUPS)),
-            (_warpgroup, (1, rt, sk, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                          ROWS_AHEAD, STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY,
-                          GATHER_ONE, TREE, STREAM_K, HEAD_GROUPS)),
+            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY, GATHER_ONE,
+                          TREE)),
+            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
+                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY, GATHER_ONE,
+                          TREE)),
         ],
         [4],
         [WG_REGS],
@@ -1052,13 +759,12 @@ def _mla_decode_sm90_kernel(
 
 def sm90_smem_bytes(kv_lora_rank: int, rope: int, elem: int = 2) -> int:
     """Shared memory this kernel allocates, an upper bound: the query's latent part, two tiles,
-    two P tiles, the max / row-sum vectors, 11 barriers (9 without stream-K) and 1 KB for
-    Triton's alignment
+    two P tiles, the max / row-sum vectors, 9 barriers and 1 KB for Triton's alignment
     (576/512 bf16: 231496 B; Triton allocates 230788)."""
     query = BLOCK_H * kv_lora_rank * elem
     tiles = 2 * BLOCK_N * (kv_lora_rank + rope) * elem
     p = 2 * BLOCK_H * BLOCK_N * elem
-    return query + tiles + p + 2 * 2 * BLOCK_H * 4 + 11 * 8 + 1024
+    return query + tiles + p + 2 * 2 * BLOCK_H * 4 + 9 * 8 + 1024
 
 
 def sm90_errors(
@@ -1113,16 +819,8 @@ def sm90_gathers(kv_cache: torch.Tensor, paged_slots: bool) -> bool:
     return mla_policy.sm90_gathers(kv_cache.shape[1], paged_slots)
 
 
-def sm90_launch(
-    main: Launch,
-    kv_cache: torch.Tensor,
-    kv_lora_rank: int,
-    stream_k: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> Launch:
-    """The portable kernel's launch ``main``, run by this kernel (same arguments and outputs).
-    ``stream_k``: its workspaces (`stream_k_workspaces`; the flags zero), for a stream-K launch
-    of ``flags.shape[0]`` programs (one split, unpacked, single-token decode: the caller's
-    rule, `portattn.policy.mla.sm90_stream_k`)."""
+def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Launch:
+    """The portable kernel's launch ``main``, run by this kernel (same arguments and outputs)."""
     a = main.args
     dtype = _GL_DTYPES[kv_cache.dtype]
     rope = kv_cache.shape[2] - kv_lora_rank
@@ -1156,41 +854,12 @@ def sm90_launch(
         # a placeholder pointer when off (never read)
         trace_ptr=TRACE_BUFFER if TRACE_BUFFER is not None else a["seq_lens_ptr"],
         TRACE=TRACE_BUFFER is not None,
-        STREAM_K=stream_k is not None,
     )
-    grid = main.grid
-    if stream_k is not None:
-        assert a["NUM_SPLITS"] == 1 and not a["PACKED"] and not a["VARLEN"], "stream-K: one split"
-        sk_out, sk_lse, sk_flags = stream_k
-        args.update(sk_out_ptr=sk_out, sk_lse_ptr=sk_lse, sk_flags_ptr=sk_flags)
-        grid = (sk_flags.shape[0],)
-    else:  # placeholders, never read
-        args.update(sk_out_ptr=a["seq_lens_ptr"], sk_lse_ptr=a["seq_lens_ptr"],
-                    sk_flags_ptr=a["seq_lens_ptr"])  # fmt: skip
     if TRACE_BUFFER is not None:
-        need = grid[0] * 2 * (TRACE_PAIRS.value + 1) * TRACE_EVENTS.value
+        need = main.grid[0] * 2 * (TRACE_PAIRS.value + 1) * TRACE_EVENTS.value
         check_trace_buffer(TRACE_BUFFER, need, kv_cache.device,
                            "programs x 2 x (TRACE_PAIRS + 1) x TRACE_EVENTS")  # fmt: skip
     options = LaunchOptions(NUM_WARPS, main.options.num_stages)
     return dataclasses.replace(
-        main,
-        kernel=_mla_decode_sm90_kernel,
-        grid=grid,
-        args=args,
-        options=options,
-        name="mla_decode_sm90",
-    )
-
-
-def stream_k_workspaces(
-    programs: int, kv_lora_rank: int, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A stream-K launch's workspaces for ``programs`` programs: each program's partial output
-    (fp32 ``[programs, BLOCK_H, kv_lora_rank]``) and lse (fp32 ``[programs, 2, BLOCK_H]``, one
-    copy a warpgroup), and the flags (int32 ``[programs, 2]``, zero: every launch leaves them
-    zero). Allocate them outside CUDA-graph capture (the zeroing is a kernel)."""
-    return (
-        torch.empty((programs, BLOCK_H, kv_lora_rank), dtype=torch.float32, device=device),
-        torch.empty((programs, 2, BLOCK_H), dtype=torch.float32, device=device),
-        torch.zeros((programs, 2), dtype=torch.int32, device=device),
+        main, kernel=_mla_decode_sm90_kernel, args=args, options=options, name="mla_decode_sm90"
     )

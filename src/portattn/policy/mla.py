@@ -189,14 +189,6 @@ SM90_STORE_SMEM = True
 #: The latent ranks it is taken at: those a GPU ran it at (its read-back layout depends on the
 #: half width); the others write straight from the accumulators.
 SM90_STORE_SMEM_RANKS = (512,)
-#: Stream-K on the Hopper kernel: a one-split, single-token decode launch whose programs (token x
-#: head group) do not fill whole waves of the SMs (128 heads at batch 64: 128 programs, one an
-#: SM, on 132 SMs) runs ``num_sms`` programs instead, each taking an equal share of the launch's
-#: tile pairs laid end to end; a unit cut between programs is merged in the kernel, by the
-#: program holding its first pair, from the others' partial results (flags in a workspace, no
-#: reduce launch; `portattn.kernels.mla_decode_sm90`, ``_stream_k``). The rule: `sm90_stream_k`.
-#: Read at planning.
-SM90_STREAM_K = False
 #: Verification row packing (issue 18; the switch: False turns it off everywhere). A packed tile's
 #: row ``r`` is (query token ``r // num_heads``, head ``r % num_heads``) of ONE sequence, so the
 #: ``q_len`` tokens of a sequence read its latent cache once per tile instead of once per token;
@@ -271,8 +263,6 @@ class MlaTiles:
         packed: a program's ``block_h`` rows are (query token, head) pairs of one sequence
             (`PACK_QUERY_ROWS`); its grid has `mla_row_groups` programs per sequence and split.
             The workspaces keep ``padded_heads`` rows per token; only real heads are written.
-        stream_k: the Hopper kernel may run single-token decode launches stream-K
-            (`SM90_STREAM_K`, `sm90_stream_k`); its workspaces are sized from the target's SMs.
     """
 
     block_h: int
@@ -289,7 +279,6 @@ class MlaTiles:
     tma: bool = False
     sm90_kernel: bool = False
     packed: bool = False
-    stream_k: bool = False
 
     @property
     def head_groups(self) -> int:
@@ -534,17 +523,4 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         tma=tma,
         sm90_kernel=sm90,
         packed=pack,
-        stream_k=SM90_STREAM_K and sm90 and not pack and splits == 1,
     )
-
-
-def sm90_stream_k(
-    tiles: MlaTiles, target: Target, num_tokens: int, varlen: bool, gathers: bool
-) -> bool:
-    """Whether a launch with ``tiles`` runs stream-K (`SM90_STREAM_K`): tiles that allow it
-    (``tiles.stream_k``: the Hopper kernel, unpacked, one split), a single-token decode (no
-    query offsets), tiles copied by TMA boxes (not ``gathers``: the gathering build spills 56 B
-    with it), and programs (``num_tokens`` x head groups) that leave SMs idle in their last wave
-    (not a multiple of ``target.num_sms``)."""
-    programs = num_tokens * tiles.head_groups
-    return tiles.stream_k and not varlen and not gathers and programs % target.num_sms != 0
