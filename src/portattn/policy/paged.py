@@ -356,11 +356,11 @@ SM90_PREFILL_DYNAMIC = True
 #: (`RING_WORDS` words), so the consumer warpgroups start an item without their own chain of
 #: dependent global reads (the list entry, then the sequence's query start, length and
 #: context: two rounds of L2 latency at every item start, both warpgroups at once while the
-#: tensor cores wait). Prepared in the thirteenth session and not yet run on a GPU: off.
-#: Estimate: ~1000-1500 cycles an item, 62 items a program at pure prefill 8x4096 (about 1.5-2%).
-#: Compiled for sm_90 (CPU): 0 spills in the sequential schedule at every block size and head
-#: dim; the 3-warpgroup tile's spills go from 20 to 56 B, the overlapped ping-pong's from 88 to
-#: 32 B (both off by default). Read at planning.
+#: tensor cores wait). Estimated 1.5-2% faster; measured slower at every point (H200,
+#: bench/RESULTS.md fourteenth session, call 3, 3 rounds in turns): block 16 +7.6 to +9.3%,
+#: blocks 544 / 2048 +1.2 to +2.6% (the producer's own reads now come before an item's first
+#: copies; its GPU tests passed). Off. Compiled for sm_90 (CPU): 0 spills in the sequential
+#: schedule at every block size and head dim. Read at planning.
 SM90_PREFILL_RING_ITEMS = False
 
 
