@@ -238,8 +238,6 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         # items taken from a counter as programs free up, or dealt when the launch starts
         out["dynamic deal"] = dict(SM90_PREFILL_DYNAMIC=True)
         out["static deal"] = dict(SM90_PREFILL_DYNAMIC=False)
-        # ... with each item's values in its ring slot (the warpgroups read no metadata)
-        out["ring items"] = dict(SM90_PREFILL_DYNAMIC=True, SM90_PREFILL_RING_ITEMS=True)
         out["before"] = dict(SM90_PREFILL_V_PAGES=False, SM90_PREFILL_LATE_RELEASE_BOXES=())
         out["v pages 2+"] = dict(SM90_PREFILL_V_PAGES=True, SM90_PREFILL_V_PAGES_MIN_BOXES=2)
         # 3 stages, each released later in the next tile (Sm90PrefillTile.release_lag)

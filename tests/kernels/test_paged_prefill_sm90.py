@@ -325,42 +325,34 @@ def test_dynamic_deal_orders_the_launch_as_one_program():
         assert abs(got - window * n_b / (n_a + n_b)) <= 1, (start, got)
 
 
-def _dynamic_compile(deal: str, block_size: int) -> tuple[tuple, int, int, int, int]:
-    """((DYNAMIC, RING_ITEMS) args, spills, shared bytes, atomics and global loads in the PTX) of
-    the mixed batch's sm_90 launch planned with the deal ``deal`` ("dealt", "dynamic", "ring
-    items"), compiled for sm_90 (a spawned worker: `tests.helpers.in_spawned_workers`)."""
+def _dynamic_compile(deal: str, block_size: int) -> tuple[bool, int, int, int]:
+    """(the DYNAMIC arg, spills, shared bytes, atomics in the PTX) of the mixed batch's sm_90
+    launch planned with the deal ``deal`` ("dealt", "dynamic"), compiled for sm_90 (a spawned
+    worker: `tests.helpers.in_spawned_workers`)."""
     from portattn.compile.worker import _nvidia_resources, compile_kernel
 
     paged_policy.SM90_PREFILL_DYNAMIC = deal != "dealt"
-    paged_policy.SM90_PREFILL_RING_ITEMS = deal == "ring items"
     (launch,) = [x for x in _plan(block_size=block_size) if x.name == "paged_prefill_sm90"]
     compiled = compile_kernel(launch, SM90)
     _, spills, _ = _nvidia_resources(compiled, 90)
-    ptx = compiled.asm["ptx"]
-    args = (launch.args["DYNAMIC"], launch.args["RING_ITEMS"])
-    return args, spills, compiled.metadata.shared, ptx.count("atom.global"), ptx.count("ld.global")
+    atomics = compiled.asm["ptx"].count("atom.global")
+    return launch.args["DYNAMIC"], spills, compiled.metadata.shared, atomics
 
 
 def test_dynamic_deal_compiles_for_sm90_without_spills():
     """With the dynamic deal the producer takes each item by an atomic increment (one before its
     loop, one at each item's end) and hands it over through shared memory: no spills, shared
-    memory within `smem_bytes`; the fixed deal has no atomic. With the item's values in the
-    ring slot the two warpgroups read no lists or metadata (4 global loads an item each: the
-    list entry, the sequence's query start and end, its length), and the producer, which
-    computes the item in `_grab` before its loop and in it, 4 more: 4 fewer in all."""
+    memory within `smem_bytes`; the fixed deal has no atomic."""
     from tests.helpers import in_spawned_workers
 
-    deals = ("dynamic", "dealt", "ring items")
-    jobs = [(deal, bs) for deal in deals for bs in (16, 544)]
+    jobs = [(deal, bs) for deal in ("dynamic", "dealt") for bs in (16, 544)]
     got = in_spawned_workers(_dynamic_compile, jobs)
-    for (deal, bs), (args, spills, shared, atomics, _) in got.items():
-        assert args == (deal != "dealt", deal == "ring items")
+    for (deal, bs), (dynamic, spills, shared, atomics) in got.items():
+        assert dynamic == (deal != "dealt")
         assert spills == 0, (deal, bs)
         tile = launch_tile(SM90_PREFILL_TILES[128], box_rows(bs, 128), 128, 2, SM90)
         assert shared <= smem_bytes(tile, 128), (deal, bs, shared)
         assert atomics == (0 if deal == "dealt" else 2)
-    for bs in (16, 544):
-        assert got[("ring items", bs)][4] == got[("dynamic", bs)][4] - 4
 
 
 # -- compile for sm_90 (no GPU) ------------------------------------------------------------------
@@ -669,9 +661,6 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
         "dealt, overlap+pingpong",
         "dealt, 3 warpgroups",
         "dealt, release 2",
-        "ring items, fused decode, one warpgroup",
-        "ring items, overlap+pingpong",
-        "ring items, 3 warpgroups",
     ],
 )
 def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
@@ -682,13 +671,10 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
     from portattn.kernels._plans import PLANS
 
-    # the items taken from a counter (the default), or dealt when the launch starts ("dealt, "),
-    # or taken with their values in the ring ("ring items, ")
+    # the items taken from a counter (the default), or dealt when the launch starts ("dealt, ")
     dynamic = not schedule.startswith("dealt, ")
-    ring_items = schedule.startswith("ring items, ")
-    schedule = schedule.removeprefix("dealt, ").removeprefix("ring items, ")
+    schedule = schedule.removeprefix("dealt, ")
     monkeypatch.setattr(paged_policy, "SM90_PREFILL_DYNAMIC", dynamic)
-    monkeypatch.setattr(paged_policy, "SM90_PREFILL_RING_ITEMS", ring_items)
     if schedule == "3 warpgroups":
         tiles = dict(paged_policy.SM90_PREFILL_TILES)
         tiles[128] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
@@ -753,7 +739,6 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
             assert main.args["EXP2_POLY"] == 2
         assert main.args["SPLIT"] == (schedule in ("fused decode",))
         assert main.args["DYNAMIC"] is dynamic
-        assert main.args["RING_ITEMS"] is ring_items
         # the decodes fused: no decode launch
         assert (len(launches) == 2) == paged_policy.SM90_PREFILL_FUSE_DECODE
         out = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
@@ -801,7 +786,7 @@ def test_gpu_sm90_prefill_graph_replay_with_new_lengths(fuse, dynamic, monkeypat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deal", ["dynamic", "dealt", "ring items"])
+@pytest.mark.parametrize("deal", ["dynamic", "dealt"])
 def test_gpu_sm90_prefill_many_items_a_program(deal, monkeypatch):
     """About 14 items a program, many of one or two tiles (GQA 16:1: 8-token q tiles of a
     3072-token prefill), so the dynamic deal's ring (`STAGES + 2` slots) wraps and its producer
@@ -811,17 +796,13 @@ def test_gpu_sm90_prefill_many_items_a_program(deal, monkeypatch):
     from portattn.kernels._plans import PLANS
 
     monkeypatch.setattr(paged_policy, "SM90_PREFILL_DYNAMIC", deal != "dealt")
-    monkeypatch.setattr(paged_policy, "SM90_PREFILL_RING_ITEMS", deal == "ring items")
     PLANS.clear()  # the switches are not in a plan's key
     seqs = ((3072, 3072), (1500, 600), (2000, 1))
     b = make_batch(seqs, block_size=16, heads=(64, 4), head_dim=64, dtype=torch.bfloat16,
                    device="cuda")  # fmt: skip
     launches = plan_paged_attention(*b.args(), max_query_len=3072, max_seq_len=3072)
     (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
-    assert (main.args["DYNAMIC"], main.args["RING_ITEMS"]) == (
-        deal != "dealt",
-        deal == "ring items",
-    )
+    assert main.args["DYNAMIC"] is (deal != "dealt")
     items = main.args["SLOTS"] * sum(-(-q // main.args["BLOCK_Q"]) for _, q in seqs if q > 1)
     assert items > 2 * (main.args["STAGES"] + 2) * SM90.num_sms  # the ring wraps twice or more
     out = paged_attention(*b.args(), max_query_len=3072, max_seq_len=3072)

@@ -307,105 +307,44 @@ def _item(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.c
 ITEM_RING_EXTRA = gl.constexpr(2)
 
 
-#: A ring slot's int32 words: the step, then (RING_ITEMS) `_item`'s ten values.
-RING_WORDS = gl.constexpr(16)
-
-
 @gluon.jit
-def _pack(g, item, L: gl.constexpr):
-    """The step ``g`` and `_item`'s ten values ``item`` as a ring slot's words, in layout
-    ``L``."""
-    w = gl.arange(0, RING_WORDS, layout=L)
-    v = gl.where(w == 0, g, 0)
-    for k in gl.static_range(10):
-        v = gl.where(w == k + 1, item[k].to(gl.int32), v)
-    return v
-
-
-@gluon.jit
-def _word(v, k: gl.constexpr):
-    """Word ``k`` of a ring slot's words ``v`` (each thread holds all: no shuffle)."""
-    w = gl.arange(0, RING_WORDS, layout=v.type.layout)
-    return gl.sum(gl.where(w == k, v, 0), axis=0)
-
-
-@gluon.jit
-def _grab(ctr_ptr, ring, ring_bars, step, lists, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr,
-          BLOCK_N: gl.constexpr, DYNAMIC: gl.constexpr, RING_ITEMS: gl.constexpr):  # fmt: skip
+def _grab(ctr_ptr, ring, ring_bars, step, DYNAMIC: gl.constexpr):
     """The producer's next step: ``step`` itself, or with DYNAMIC the launch's next free step (one
     atomic increment), handed to the consumer warpgroups through slot ``step % R`` of ``ring``
-    (their `_take`); a step past the last tells them to stop. RING_ITEMS: the slot also holds
-    the item's `_item` values, which the warpgroups then take from it instead of reading the
-    lists and the metadata themselves; returns the slot's words (`_cur_step`, `_cur_item`)."""
+    (their `_take`); a step past the last tells them to stop."""
     if DYNAMIC:
         R: gl.constexpr = ring.shape[0]
         g = gl.atomic_add(ctr_ptr, 1)
-        # a word a lane (the warp's registers are few; with RING_ITEMS its words are read by
-        # shuffles, once an item), where `_take` gives each consumer thread every word
         L: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        if RING_ITEMS:
-            if g < lists[2]:  # (past the last step there is no item to read)
-                v = _pack(g, _item(lists, g, SLOTS, BLOCK_Q, BLOCK_N, DYNAMIC), L)
-            else:
-                v = gl.full([RING_WORDS], g, gl.int32, layout=L)
-        else:
-            v = gl.full([1], g, gl.int32, layout=L)
-        ring.index(step % R).store(v)
+        ring.index(step % R).store(gl.full([1], g, gl.int32, layout=L))
         gl.thread_barrier()  # every lane's store before the arrival (as before a stage release)
         mbarrier.arrive(ring_bars.index(step % R), count=1)
-        if RING_ITEMS:
-            return v
-        else:
-            return g
+        return g
     else:
         return step
 
 
 @gluon.jit
-def _take(ring, ring_bars, step, DYNAMIC: gl.constexpr, RING_ITEMS: gl.constexpr):
+def _take(ring, ring_bars, step, DYNAMIC: gl.constexpr):
     """A consumer warpgroup's next step: ``step``, or with DYNAMIC what the producer's `_grab`
-    put in slot ``step % R`` (RING_ITEMS: the slot's words)."""
+    put in slot ``step % R``."""
     if DYNAMIC:
         R: gl.constexpr = ring.shape[0]
         mbarrier.wait(ring_bars.index(step % R), (step // R) & 1)
-        W: gl.constexpr = ring.shape[1]
-        L: gl.constexpr = gl.BlockedLayout([W], [32], [gl.num_warps()], [0])
+        L: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         v = ring.index(step % R).load(L)
         # every warp has read the slot before any of them releases a stage (a release is one
         # thread's arrival; the path that passes tiles on has no barrier before it)
         gl.thread_barrier()
-        if RING_ITEMS:
-            return v
-        else:
-            return gl.max(v, axis=0)
+        return gl.max(v, axis=0)
     else:
         return step
-
-
-@gluon.jit
-def _cur_step(cur, RING_ITEMS: gl.constexpr):
-    """The step of `_grab` / `_take`'s result."""
-    if RING_ITEMS:
-        return _word(cur, 0)
-    else:
-        return cur
-
-
-@gluon.jit
-def _cur_item(cur, lists, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
-              DYNAMIC: gl.constexpr, RING_ITEMS: gl.constexpr):  # fmt: skip
-    """`_item`'s values for `_grab` / `_take`'s result: from the ring slot's words, or read."""
-    if RING_ITEMS:
-        w = (_word(cur, 1), _word(cur, 2), _word(cur, 3), _word(cur, 4), _word(cur, 5))
-        return w + (_word(cur, 6), _word(cur, 7), _word(cur, 8), _word(cur, 9), _word(cur, 10))
-    else:
-        return _item(lists, cur, SLOTS, BLOCK_Q, BLOCK_N, DYNAMIC)
 
 
 @gluon.jit
 def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, BOX: gl.constexpr, V_PAGES: gl.constexpr,
-              DYNAMIC: gl.constexpr, RING_ITEMS: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+              DYNAMIC: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
     """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page. K: a
     2-D box of [BOX, HEAD_D] (one copy a 64-column group under the 128-byte swizzle). V with
     V_PAGES (> 1): one copy a box, through the 3-D view ``[column groups, rows, 64]`` of
@@ -429,11 +368,10 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
     lists = (work_ptr, mine_b, n, off, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr)
     it = 0
     step = 0
-    cur = _grab(ctr_ptr, ring, ring_bars, step, lists, SLOTS, BLOCK_Q, BLOCK_N, DYNAMIC,
-                RING_ITEMS)  # fmt: skip
-    while _cur_step(cur, RING_ITEMS) < n:
-        seq, slot, _, _, _, seq_len, _, _, _, n_tiles = _cur_item(
-            cur, lists, SLOTS, BLOCK_Q, BLOCK_N, DYNAMIC, RING_ITEMS
+    cur = _grab(ctr_ptr, ring, ring_bars, step, DYNAMIC)
+    while cur < n:
+        seq, slot, _, _, _, seq_len, _, _, _, n_tiles = _item(
+            lists, cur, SLOTS, BLOCK_Q, BLOCK_N, DYNAMIC
         )
         kv_head = slot // HEAD_TILES
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt_seq
@@ -476,8 +414,7 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
             _stamp(tr, jt, 2, TRACE)
             it += 1
         step += 1
-        cur = _grab(ctr_ptr, ring, ring_bars, step, lists, SLOTS, BLOCK_Q, BLOCK_N, DYNAMIC,
-                    RING_ITEMS)  # fmt: skip
+        cur = _grab(ctr_ptr, ring, ring_bars, step, DYNAMIC)
     _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
 
@@ -738,7 +675,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
               SPLIT: gl.constexpr, Q_VEC: gl.constexpr, O_VEC: gl.constexpr,
               RELEASE_LAG: gl.constexpr, V_PAGES: gl.constexpr, POLY: gl.constexpr,
               LAZY: gl.constexpr, TREE: gl.constexpr, DYNAMIC: gl.constexpr,
-              RING_ITEMS: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+              TRACE: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
     scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
     PINGPONG: the two warpgroups issue their MMAs in turns (module doc). RELEASE_LAG (the
@@ -778,10 +715,10 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     tk = 0  # turns taken (PINGPONG)
     nm = 0  # short items merged (SPLIT)
     step = 0
-    cur = _take(ring, ring_bars, step, DYNAMIC, RING_ITEMS)
-    while _cur_step(cur, RING_ITEMS) < n:
-        seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles = _cur_item(
-            cur, lists, SLOTS, BLOCK_Q, BLOCK_N, DYNAMIC, RING_ITEMS
+    cur = _take(ring, ring_bars, step, DYNAMIC)
+    while cur < n:
+        seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles = _item(
+            lists, cur, SLOTS, BLOCK_Q, BLOCK_N, DYNAMIC
         )
         kv_head = slot // HEAD_TILES
         head_tile = slot % HEAD_TILES
@@ -1020,7 +957,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             o_ptrs = row_ptrs(out_ptr, o_rows, do, stride_o_dim, O_VEC, 8)
             gl.store(o_ptrs, o.to(dtype), mask=real_o[:, None])
         step += 1
-        cur = _take(ring, ring_bars, step, DYNAMIC, RING_ITEMS)
+        cur = _take(ring, ring_bars, step, DYNAMIC)
     _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
 
@@ -1075,7 +1012,6 @@ def _paged_prefill_sm90_kernel(
     Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
     O_VEC: gl.constexpr,  # the output's rows aligned
     DYNAMIC: gl.constexpr,  # items taken from a counter as programs free up (`_grab`), not dealt
-    RING_ITEMS: gl.constexpr,  # DYNAMIC: the items' values handed over with them (`_grab`)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
 ):
@@ -1100,8 +1036,7 @@ def _paged_prefill_sm90_kernel(
     merge_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # DYNAMIC: the producer's ring of item steps for the consumers (`_grab`, `_take`)
     RING: gl.constexpr = STAGES + ITEM_RING_EXTRA if DYNAMIC else 1
-    RING_W: gl.constexpr = RING_WORDS if RING_ITEMS else 1  # a slot's words: the step (and item)
-    ring = gl.allocate_shared_memory(gl.int32, [RING, RING_W], ROW1)  # (one slot's layout)
+    ring = gl.allocate_shared_memory(gl.int32, [RING, 1], ROW1)  # (one slot's layout)
     ring_bars = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     for r in gl.static_range(RING):
         mbarrier.init(ring_bars.index(r), count=1)
@@ -1127,12 +1062,12 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, RING_ITEMS, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, RING_ITEMS, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC,
-                             RING_ITEMS, TRACE)),
+                             TRACE)),
             ],
             [4, PRODUCER_WARPS_],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -1143,15 +1078,15 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, RING_ITEMS, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, RING_ITEMS, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, RING_ITEMS, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC,
-                             RING_ITEMS, TRACE)),
+                             TRACE)),
             ],
             [4, 4, PRODUCER_WARPS_],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
@@ -1170,12 +1105,12 @@ def box_rows(block_size: int, block_n: int) -> int:
 def smem_bytes(tile: Sm90PrefillTile, head_dim: int, elem: int = 2, split: bool = False) -> int:
     """Shared memory this kernel allocates, an upper bound: Q (64 rows a warpgroup), ``stages``
     K and V tiles, the merge buffer of short items on two warpgroups (``split``: 64 rows of fp32
-    accumulator, maxima and sums), the barriers, the dynamic deal's ring (`_grab`: `RING_WORDS`
-    words and a barrier a slot) and 1 KB for Triton's alignment."""
+    accumulator, maxima and sums), the barriers, the dynamic deal's ring (`_grab`: a word and a
+    barrier a slot) and 1 KB for Triton's alignment."""
     q = 64 * tile.warpgroups * head_dim * elem
     kv = 2 * tile.stages * tile.block_n * head_dim * elem
     merge = 64 * (head_dim + 2) * 4 if split else 2 * 2 * 4 + 2 * 2 * 4
-    ring = (tile.stages + ITEM_RING_EXTRA.value) * (4 * RING_WORDS.value + 8)
+    ring = (tile.stages + ITEM_RING_EXTRA.value) * (4 + 8)
     return q + kv + merge + (3 * tile.stages + 4) * 8 + ring + 1024
 
 
@@ -1457,7 +1392,6 @@ def sm90_prefill_launches(
         Q_VEC=rows_aligned(a["q_ptr"]),
         O_VEC=rows_aligned(a["out_ptr"]),
         DYNAMIC=bool(paged_policy.SM90_PREFILL_DYNAMIC),
-        RING_ITEMS=bool(paged_policy.SM90_PREFILL_DYNAMIC and paged_policy.SM90_PREFILL_RING_ITEMS),
         # a placeholder pointer when off (never read)
         trace_ptr=TRACE_BUFFER if TRACE_BUFFER is not None else a["seq_lens_ptr"],
         TRACE=TRACE_BUFFER is not None,

@@ -349,19 +349,10 @@ SM90_PREFILL_TREE_REDUCE = False
 #: rounds in turns, on / off): block 16 2.0-2.8% faster, block 2048 1.6-2.5%, block 544 level
 #: (0.1-0.2%, not explained: the model predicts a gain there too); mixed 8x2048 at block 16
 #: from 1.33 to 1.29 of its roofline, the block-size spreads from 1.039-1.043 to 1.014-1.023.
-#: On. Read at planning.
+#: On. Read at planning. (Handing each item's values to the warpgroups in the ring slot too,
+#: `SM90_PREFILL_RING_ITEMS` from 3227fdb, measured 1-9% slower on the H200 and was removed:
+#: bench/NOTES.md, fourteenth session.)
 SM90_PREFILL_DYNAMIC = True
-#: With the dynamic deal: the producer, which reads each item's place in the lists and its
-#: sequence's metadata anyway, hands those values over in the ring slot with the item
-#: (`RING_WORDS` words), so the consumer warpgroups start an item without their own chain of
-#: dependent global reads (the list entry, then the sequence's query start, length and
-#: context: two rounds of L2 latency at every item start, both warpgroups at once while the
-#: tensor cores wait). Estimated 1.5-2% faster; measured slower at every point (H200,
-#: bench/RESULTS.md fourteenth session, call 3, 3 rounds in turns): block 16 +7.6 to +9.3%,
-#: blocks 544 / 2048 +1.2 to +2.6% (the producer's own reads now come before an item's first
-#: copies; its GPU tests passed). Off. Compiled for sm_90 (CPU): 0 spills in the sequential
-#: schedule at every block size and head dim. Read at planning.
-SM90_PREFILL_RING_ITEMS = False
 
 
 @dataclass(frozen=True)
