@@ -690,3 +690,27 @@ def test_gpu_sm90_tree_reduce(dk, r, heads, bs, q_lens, seq_lens, splits, monkey
     _poison_unowned_rows(cache, bt, sl)
     launch = _check_sm90(target, q, cache, bt, sl, qsl, r, splits)
     assert launch.args["TREE"] is True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["SM90_MASK_LAST_ONLY", "SM90_REFILL_LATE"])
+@pytest.mark.parametrize(
+    ("dk", "r", "heads", "bs", "q_lens", "seq_lens", "splits"),
+    [
+        (576, 512, 128, 64, None, (4100, 6, 1000, 8192), None),  # partial last tiles, odd counts
+        (576, 512, 64, 128, None, (1, 64, 65, 5000), 7),  # empty splits, one-row sequence
+        (576, 512, 128, 1, None, (3001, 130), 2),  # page size 1: the rows gathered
+        (320, 256, 100, 64, (2, 1), (127, 9000), 3),  # padded heads, packed rows
+    ],
+)
+def test_gpu_sm90_schedule_switches(switch, dk, r, heads, bs, q_lens, seq_lens, splits,
+                                    monkeypatch):  # fmt: skip
+    """`SM90_MASK_LAST_ONLY` (full tiles unmasked) and `SM90_REFILL_LATE` (A's halves refilled
+    after PV on B is issued) against the fp64 oracle, with NaN in every row no sequence owns."""
+    monkeypatch.setattr(mla_policy, switch, True)
+    target = _sm90_target()
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.bfloat16, "cuda")
+    _poison_unowned_rows(cache, bt, sl)
+    launch = _check_sm90(target, q, cache, bt, sl, qsl, r, splits)
+    arg = {"SM90_MASK_LAST_ONLY": "MASK_LAST", "SM90_REFILL_LATE": "REFILL_LATE"}[switch]
+    assert launch.args[arg] is True

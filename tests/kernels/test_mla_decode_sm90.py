@@ -5,16 +5,19 @@ memory within the estimate, no spills). Its numerics run on the GPU (test_mla_de
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
 
 from portattn.compile import default_cases, run_matrix
+from portattn.compile.worker import compile_kernel
 from portattn.kernels._launch import rows_aligned
 from portattn.kernels.mla_decode import plan_mla_decode
 from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_gathers, sm90_smem_bytes
 from portattn.platform import get_target
 from portattn.policy import mla as mla_policy
+from tests.helpers import in_spawned_workers
 
 SM90 = get_target("sm_90")
 
@@ -224,3 +227,62 @@ def test_trace_buffer_too_small_is_refused(monkeypatch):
     monkeypatch.setattr(sm90, "TRACE_BUFFER", torch.empty(16, dtype=torch.int64, device="meta"))
     with pytest.raises(ValueError, match="TRACE_BUFFER must be an int64 tensor on meta of at"):
         _plan(64, False)
+
+
+def _switched_ptx(switches: tuple) -> tuple[dict, str]:
+    """The 128-head page-64 case's sm_90 launch planned with ``switches`` ((name, value) of
+    `portattn.policy.mla`): its schedule args and PTX (in a spawned worker: no interpreter)."""
+    for name, value in switches:
+        setattr(mla_policy, name, value)
+    case = {c.id: c for c in default_cases()}["mla_decode/576/512 h128 page64"]
+    (launch,) = [x for x in case.plan(SM90) if x.name == "mla_decode_sm90"]
+    args = {k: launch.args[k] for k in ("MASK_LAST", "REFILL_LATE")}
+    return args, compile_kernel(launch, SM90).asm["ptx"]
+
+
+def _events(ptx: str) -> list[str]:
+    """The PTX's MMAs ("S" a 64x64 score op, "V" a 64x256 PV op), TMA copies ("C"), branches
+    ("B"), -inf selects ("M": the score masks) and wgmma commits ("G"), in order, runs merged."""
+    kinds = [("S", "wgmma.mma_async.sync.aligned.m64n64k16"),
+             ("V", "wgmma.mma_async.sync.aligned.m64n256k16"), ("C", "cp.async.bulk.tensor"),
+             ("G", "wgmma.commit_group"), ("M", "0fFF800000")]  # fmt: skip
+    out = []
+    for line in ptx.splitlines():
+        kind = next((k for k, pat in kinds if pat in line), None)
+        if kind is None and re.match(r"\s*@%p\d+ bra\s", line):
+            kind = "B"
+        if kind and not (kind in "SVCM" and out and out[-1] == kind):
+            out.append(kind)
+    return out
+
+
+def test_schedule_switches_reach_the_kernel():
+    """`SM90_MASK_LAST_ONLY`: each warpgroup branches between its score MMAs' commit and its
+    mask selects (off: the selects follow at once). `SM90_REFILL_LATE`: the copies into tile A's
+    freed halves follow PV on B, so one PV group of each warpgroup is followed by no copy (off:
+    each PV group by its own half's copies)."""
+    off = (("SM90_MASK_LAST_ONLY", False), ("SM90_REFILL_LATE", False))
+    jobs = [off, (off[0], ("SM90_REFILL_LATE", True)), (("SM90_MASK_LAST_ONLY", True), off[1])]
+    got = in_spawned_workers(_switched_ptx, [(j,) for j in jobs])
+    (a0, base), (a1, late), (a2, mask) = (got[(j,)] for j in jobs)
+    assert a0 == {"MASK_LAST": False, "REFILL_LATE": False}
+    assert a1 == {"MASK_LAST": False, "REFILL_LATE": True}
+    assert a2 == {"MASK_LAST": True, "REFILL_LATE": False}
+
+    def after_scores(ev):  # the two events after each warpgroup's last score commit
+        return ["".join(ev[i + 1 : i + 3]) for i in range(1, len(ev) - 1)
+                if ev[i - 1 : i + 1] == ["S", "G"] and ev[i + 1] != "S"]  # fmt: skip
+
+    def copies_after_pv(ev):  # copies between each PV group's commit and the next MMA
+        counts = []
+        for i, e in enumerate(ev):
+            if e == "V":
+                rest = ev[i + 2 :]
+                stop = next((k for k, x in enumerate(rest) if x in "SV"), len(rest))
+                counts.append(rest[:stop].count("C"))
+        return counts
+
+    assert after_scores(_events(base)) == ["MB", "MB"]
+    assert after_scores(_events(mask)) == ["BM", "BM"]
+    assert all(n >= 1 for n in copies_after_pv(_events(base)))
+    assert sorted(copies_after_pv(_events(late)))[:2] == [0, 0]

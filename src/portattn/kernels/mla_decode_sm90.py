@@ -276,7 +276,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
                TRACE: gl.constexpr, tr, LAZY: gl.constexpr,
-               GATHER_ONE: gl.constexpr, TREE: gl.constexpr):  # fmt: skip
+               GATHER_ONE: gl.constexpr, TREE: gl.constexpr, MASK_LAST: gl.constexpr,
+               REFILL_LATE: gl.constexpr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -387,6 +388,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         # max of the raw scores is scaled once a row (qk_scale > 0: the launcher checks it)
         if PACKED:
             s = gl.where((n_own + cols)[None, :] < row_end[:, None], qk, float("-inf"))
+        elif MASK_LAST:  # only a tile that reaches past the split's end is masked
+            if n_own + BLOCK_N <= end:
+                s = qk
+            else:
+                s = gl.where(((n_own + cols) < end)[None, :], qk, float("-inf"))
         else:
             s = gl.where(((n_own + cols) < end)[None, :], qk, float("-inf"))
         if WG == 0:
@@ -449,9 +455,10 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         if not ROWS_AHEAD:
             rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
-                   gather, GATHER, GATHER_ONE)  # fmt: skip
+        if not REFILL_LATE:
+            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                       tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0),
+                       WG == 1, gather, GATHER, GATHER_ONE)  # fmt: skip
         _stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
@@ -460,6 +467,10 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = lazy_rescale(acc, gl.convert_layout(beta, PV_ROW), LAZY)
         _zero_tail(lat_half.index(b1), n_b, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
+        if REFILL_LATE:  # A's half is free since the wait above: refilled under PV on B
+            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                       tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0),
+                       WG == 1, gather, GATHER, GATHER_ONE)  # fmt: skip
         _stamp(tr, jt, 11, TRACE)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
@@ -612,6 +623,8 @@ def _mla_decode_sm90_kernel(
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
     LAZY: gl.constexpr,  # lazy running max, rescales skipped at factor 1 (SM90_LAZY_RESCALE)
     TREE: gl.constexpr,  # row maxima and sums by trees (SM90_TREE_REDUCE)
+    MASK_LAST: gl.constexpr,  # only tiles past the split's end masked (SM90_MASK_LAST_ONLY)
+    REFILL_LATE: gl.constexpr,  # A's halves refilled after PV on B is issued (SM90_REFILL_LATE)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
@@ -746,10 +759,10 @@ def _mla_decode_sm90_kernel(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
                           STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY, GATHER_ONE,
-                          TREE)),
+                          TREE, MASK_LAST, REFILL_LATE)),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
                           STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY, GATHER_ONE,
-                          TREE)),
+                          TREE, MASK_LAST, REFILL_LATE)),
         ],
         [4],
         [WG_REGS],
@@ -848,6 +861,8 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
         LAZY=mla_policy.SM90_LAZY_RESCALE,
         TREE=bool(mla_policy.SM90_TREE_REDUCE),
+        MASK_LAST=bool(mla_policy.SM90_MASK_LAST_ONLY),
+        REFILL_LATE=bool(mla_policy.SM90_REFILL_LATE),
         GATHER_ONE=mla_policy.SM90_GATHER_ONE_COPY,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,

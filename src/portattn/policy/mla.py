@@ -178,6 +178,16 @@ SM90_LAZY_RESCALE = True
 #: thirteenth session, 3 rounds in turns, 128 heads page 64: 130.2 / 129.3 µs at 4k, 509.5 / 509.9
 #: at 16k, on / off; the sm_90 MLA GPU tests passed with it on). Off. Read at planning.
 SM90_TREE_REDUCE = False
+#: The Hopper kernel masks only the tiles that reach past their split's end (a scalar test a
+#: tile): a full tile's scores skip the 16 column compares and 32 selects a thread (about 50
+#: instructions before each warpgroup's row max, in its serial chain). Packed tiles keep their
+#: per-row causal masks. Unmeasured. Read at planning.
+SM90_MASK_LAST_ONLY = False
+#: Each warpgroup issues its copy into tile A's freed half after its PV MMA on tile B is issued,
+#: not between the two PVs: the copy's issue (its barrier operations and ``bar.sync``s, 140-200
+#: cycles in the ninth session's trace) leaves the path from PV on A to PV on B, and the copy goes
+#: out that much later. Unmeasured. Read at planning.
+SM90_REFILL_LATE = False
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
