@@ -693,7 +693,11 @@ def test_gpu_sm90_tree_reduce(dk, r, heads, bs, q_lens, seq_lens, splits, monkey
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["SM90_MASK_LAST_ONLY", "SM90_REFILL_LATE"])
+@pytest.mark.parametrize(
+    "switch",
+    ["SM90_MASK_LAST_ONLY", "SM90_REFILL_LATE", "SM90_ROWMAX_FIRST", "SM90_RESCALE_FIRST",
+     "SM90_REFILL_EARLY"],
+)  # fmt: skip
 @pytest.mark.parametrize(
     ("dk", "r", "heads", "bs", "q_lens", "seq_lens", "splits"),
     [
@@ -705,12 +709,12 @@ def test_gpu_sm90_tree_reduce(dk, r, heads, bs, q_lens, seq_lens, splits, monkey
 )
 def test_gpu_sm90_schedule_switches(switch, dk, r, heads, bs, q_lens, seq_lens, splits,
                                     monkeypatch):  # fmt: skip
-    """`SM90_MASK_LAST_ONLY` (full tiles unmasked) and `SM90_REFILL_LATE` (A's halves refilled
-    after PV on B is issued) against the fp64 oracle, with NaN in every row no sequence owns."""
+    """The sm_90 kernel's schedule switches (`portattn.policy.mla`: `SM90_MASK_LAST_ONLY`,
+    `SM90_REFILL_LATE`, `SM90_ROWMAX_FIRST`, `SM90_RESCALE_FIRST`, `SM90_REFILL_EARLY`), each
+    alone, against the fp64 oracle, with NaN in every row no sequence owns."""
     monkeypatch.setattr(mla_policy, switch, True)
     target = _sm90_target()
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.bfloat16, "cuda")
     _poison_unowned_rows(cache, bt, sl)
     launch = _check_sm90(target, q, cache, bt, sl, qsl, r, splits)
-    arg = {"SM90_MASK_LAST_ONLY": "MASK_LAST", "SM90_REFILL_LATE": "REFILL_LATE"}[switch]
-    assert launch.args[arg] is True
+    assert launch.args[switch.removeprefix("SM90_").replace("_ONLY", "")] is True

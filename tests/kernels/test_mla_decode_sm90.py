@@ -229,60 +229,77 @@ def test_trace_buffer_too_small_is_refused(monkeypatch):
         _plan(64, False)
 
 
-def _switched_ptx(switches: tuple) -> tuple[dict, str]:
-    """The 128-head page-64 case's sm_90 launch planned with ``switches`` ((name, value) of
-    `portattn.policy.mla`): its schedule args and PTX (in a spawned worker: no interpreter)."""
-    for name, value in switches:
-        setattr(mla_policy, name, value)
+_SWITCHES = ("SM90_MASK_LAST_ONLY", "SM90_REFILL_LATE", "SM90_ROWMAX_FIRST", "SM90_RESCALE_FIRST",
+             "SM90_REFILL_EARLY")  # fmt: skip
+
+
+def _switched_ptx(on: str | None) -> tuple[dict, str]:
+    """The 128-head page-64 case's sm_90 launch planned with the schedule switch ``on`` set (the
+    others off): its schedule args and PTX (in a spawned worker: no interpreter)."""
+    for name in _SWITCHES:
+        setattr(mla_policy, name, name == on)
     case = {c.id: c for c in default_cases()}["mla_decode/576/512 h128 page64"]
     (launch,) = [x for x in case.plan(SM90) if x.name == "mla_decode_sm90"]
-    args = {k: launch.args[k] for k in ("MASK_LAST", "REFILL_LATE")}
-    return args, compile_kernel(launch, SM90).asm["ptx"]
+    keys = ("MASK_LAST", "REFILL_LATE", "ROWMAX_FIRST", "RESCALE_FIRST", "REFILL_EARLY")
+    return {k: launch.args[k] for k in keys}, compile_kernel(launch, SM90).asm["ptx"]
 
 
-def _events(ptx: str) -> list[str]:
-    """The PTX's MMAs ("S" a 64x64 score op, "V" a 64x256 PV op), TMA copies ("C"), branches
-    ("B"), -inf selects ("M": the score masks) and wgmma commits ("G"), in order, runs merged."""
+def _events(ptx: str) -> str:
+    """The PTX's steps in order, one letter each, runs of S V C M X merged: "S" a 64x64 score
+    MMA, "V" a 64x256 PV MMA, "G" a wgmma commit, "C" a TMA copy, "M" a -inf select (the score
+    masks), "W" an mbarrier wait, "X" a shuffle (row max or sum), "L" a lazy rescale's skip
+    branch, "B" another predicated branch."""
     kinds = [("S", "wgmma.mma_async.sync.aligned.m64n64k16"),
              ("V", "wgmma.mma_async.sync.aligned.m64n256k16"), ("C", "cp.async.bulk.tensor"),
-             ("G", "wgmma.commit_group"), ("M", "0fFF800000")]  # fmt: skip
+             ("G", "wgmma.commit_group"), ("M", "0fFF800000"), ("W", "mbarrier.try_wait"),
+             ("X", "shfl.sync.bfly"), ("L", "bra lazy_skip")]  # fmt: skip
     out = []
     for line in ptx.splitlines():
         kind = next((k for k, pat in kinds if pat in line), None)
         if kind is None and re.match(r"\s*@%p\d+ bra\s", line):
             kind = "B"
-        if kind and not (kind in "SVCM" and out and out[-1] == kind):
+        if kind and not (kind in "SVCMX" and out and out[-1] == kind):
             out.append(kind)
-    return out
+    return "".join(out)
+
+
+def _after_scores(ev: str) -> list[str]:
+    """Each warpgroup's steps from its last score commit (the rope part's, after the two latent
+    halves') to its first PV MMA."""
+    return [ev[i + 4 : ev.index("V", i)] for i in range(len(ev) - 4)
+            if ev[i : i + 4] == "SGSG" and ev[i + 4] != "S"]  # fmt: skip
+
+
+def _after_pv(ev: str) -> list[str]:
+    """The steps from each PV MMA's commit to the next lazy rescale (or MMA)."""
+    return [re.match(r"[^LSV]*", ev[i + 2 :]).group(0) for i in range(len(ev) - 1)
+            if ev[i : i + 2] == "VG"]  # fmt: skip
 
 
 def test_schedule_switches_reach_the_kernel():
-    """`SM90_MASK_LAST_ONLY`: each warpgroup branches between its score MMAs' commit and its
-    mask selects (off: the selects follow at once). `SM90_REFILL_LATE`: the copies into tile A's
-    freed halves follow PV on B, so one PV group of each warpgroup is followed by no copy (off:
-    each PV group by its own half's copies)."""
-    off = (("SM90_MASK_LAST_ONLY", False), ("SM90_REFILL_LATE", False))
-    jobs = [off, (off[0], ("SM90_REFILL_LATE", True)), (("SM90_MASK_LAST_ONLY", True), off[1])]
-    got = in_spawned_workers(_switched_ptx, [(j,) for j in jobs])
-    (a0, base), (a1, late), (a2, mask) = (got[(j,)] for j in jobs)
-    assert a0 == {"MASK_LAST": False, "REFILL_LATE": False}
-    assert a1 == {"MASK_LAST": False, "REFILL_LATE": True}
-    assert a2 == {"MASK_LAST": True, "REFILL_LATE": False}
+    """Each schedule switch of the sm_90 MLA kernel (`portattn.policy.mla`), alone, moves what
+    it says in the PTX; warpgroup 0's code comes first, then warpgroup 1's.
 
-    def after_scores(ev):  # the two events after each warpgroup's last score commit
-        return ["".join(ev[i + 1 : i + 3]) for i in range(1, len(ev) - 1)
-                if ev[i - 1 : i + 1] == ["S", "G"] and ev[i + 1] != "S"]  # fmt: skip
-
-    def copies_after_pv(ev):  # copies between each PV group's commit and the next MMA
-        counts = []
-        for i, e in enumerate(ev):
-            if e == "V":
-                rest = ev[i + 2 :]
-                stop = next((k for k, x in enumerate(rest) if x in "SV"), len(rest))
-                counts.append(rest[:stop].count("C"))
-        return counts
-
-    assert after_scores(_events(base)) == ["MB", "MB"]
-    assert after_scores(_events(mask)) == ["BM", "BM"]
-    assert all(n >= 1 for n in copies_after_pv(_events(base)))
-    assert sorted(copies_after_pv(_events(late)))[:2] == [0, 0]
+    - `SM90_MASK_LAST_ONLY`: a branch between the score MMAs' commit and the mask selects.
+    - `SM90_REFILL_LATE`: the copies into tile A's freed halves follow PV on B, so one PV group
+      of each warpgroup is followed by no copy.
+    - `SM90_ROWMAX_FIRST`: warpgroup 1's row-max shuffles before its wait for m_A.
+    - `SM90_RESCALE_FIRST`: warpgroup 1's rescale before its wait for P_A.
+    - `SM90_REFILL_EARLY`: warpgroup 0's copy after PV on A before its wait for P_B.
+    """
+    jobs = [(None,)] + [(name,) for name in _SWITCHES]
+    got = {job[0]: v for job, v in in_spawned_workers(_switched_ptx, jobs).items()}
+    for name, (args, _) in got.items():
+        assert sum(args.values()) == (name is not None)
+    ev = {name: _events(ptx) for name, (_, ptx) in got.items()}
+    # off: WG0 masks, takes its max and sum, rescales, then PV on A; WG1 waits for m_A first,
+    # then its max and sum, waits for P_A, rescales
+    assert _after_scores(ev[None]) == ["MXLB", "MWXWLB"]
+    # the loop is rotated: PV on B comes first (its copy, then the next pair's tile wait), then
+    # PV on A (WG0: the wait for P_B, then its copy)
+    assert _after_pv(ev[None]) == ["CBW", "WC", "CBW", "C"]
+    assert [x[:2] for x in _after_scores(ev["SM90_MASK_LAST_ONLY"])] == ["BM", "BM"]
+    assert _after_pv(ev["SM90_REFILL_LATE"]) == ["CBW", "W", "CBW", ""]
+    assert _after_scores(ev["SM90_ROWMAX_FIRST"]) == ["MXLB", "MXWXWLB"]
+    assert _after_scores(ev["SM90_RESCALE_FIRST"]) == ["MXLB", "MWXLWB"]
+    assert _after_pv(ev["SM90_REFILL_EARLY"]) == ["CBW", "CW", "CBW", "C"]

@@ -277,7 +277,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
                TRACE: gl.constexpr, tr, LAZY: gl.constexpr,
                GATHER_ONE: gl.constexpr, TREE: gl.constexpr, MASK_LAST: gl.constexpr,
-               REFILL_LATE: gl.constexpr):  # fmt: skip
+               REFILL_LATE: gl.constexpr, ROWMAX_FIRST: gl.constexpr,
+               RESCALE_FIRST: gl.constexpr, REFILL_EARLY: gl.constexpr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -417,10 +418,13 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             _stamp(tr, jt, 5, TRACE)
             lat_half = latl_smem  # this warpgroup's output columns: the latent's left half
         else:
+            if ROWMAX_FIRST:  # S_B's row max needs no m_A: taken while WG0 still works on it
+                rm = row_max(s, TREE) * qk_scale
             mbarrier.wait(bar_ma, ph)
             _stamp(tr, jt, 4, TRACE)
             m_a = m_smem.index(0).load(ROW)
-            rm = row_max(s, TREE) * qk_scale
+            if not ROWMAX_FIRST:
+                rm = row_max(s, TREE) * qk_scale
             if LAZY:  # noqa: SIM108 (a constexpr branch)
                 m_b = gl.where(rm > m_a + LAZY_T, rm, m_a)
             else:
@@ -433,11 +437,16 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             mbarrier.arrive(bar_pb, count=1)
             _stamp(tr, jt, 5, TRACE)
             l_b = row_sum(p, TREE)
+            if RESCALE_FIRST:  # the rescale to m_A needs no P_A: done before waiting for it
+                alpha = gl.exp2(m_i - m_a)
+                l_i = l_i * alpha
+                acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
             mbarrier.wait(bar_pa, ph)
             _stamp(tr, jt, 6, TRACE)
-            alpha = gl.exp2(m_i - m_a)
-            l_i = l_i * alpha
-            acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
+            if not RESCALE_FIRST:
+                alpha = gl.exp2(m_i - m_a)
+                l_i = l_i * alpha
+                acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
             lat_half = latr_smem
         # PV on A (scaled at m_A), then on B (at m_B); after each, this warpgroup's half of
         # that buffer is free and takes the next pair's tile (WG1's half with the rope part,
@@ -445,10 +454,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         _zero_tail(lat_half.index(b0), n_a, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
         _stamp(tr, jt, 7, TRACE)
-        if WG == 0:
-            mbarrier.wait(bar_pb, ph)
-            _stamp(tr, jt, 8, TRACE)
-            m_b = m_smem.index(1).load(ROW)
+        if WG == 0:  # noqa: SIM102 (constexpr branches, each resolved when traced)
+            if not REFILL_EARLY:
+                mbarrier.wait(bar_pb, ph)
+                _stamp(tr, jt, 8, TRACE)
+                m_b = m_smem.index(1).load(ROW)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _stamp(tr, jt, 9, TRACE)
@@ -459,6 +469,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
                        tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0),
                        WG == 1, gather, GATHER, GATHER_ONE)  # fmt: skip
+        if WG == 0:  # noqa: SIM102 (constexpr branches)
+            if REFILL_EARLY:  # A's left half refilled before the wait for P_B, not after it
+                mbarrier.wait(bar_pb, ph)
+                _stamp(tr, jt, 8, TRACE)
+                m_b = m_smem.index(1).load(ROW)
         _stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
@@ -625,6 +640,9 @@ def _mla_decode_sm90_kernel(
     TREE: gl.constexpr,  # row maxima and sums by trees (SM90_TREE_REDUCE)
     MASK_LAST: gl.constexpr,  # only tiles past the split's end masked (SM90_MASK_LAST_ONLY)
     REFILL_LATE: gl.constexpr,  # A's halves refilled after PV on B is issued (SM90_REFILL_LATE)
+    ROWMAX_FIRST: gl.constexpr,  # WG1's row max before its wait for m_A (SM90_ROWMAX_FIRST)
+    RESCALE_FIRST: gl.constexpr,  # WG1's rescale to m_A before its wait for P_A (same name)
+    REFILL_EARLY: gl.constexpr,  # WG0 refills A's half before waiting for P_B (SM90_REFILL_EARLY)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
@@ -759,10 +777,12 @@ def _mla_decode_sm90_kernel(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
                           STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY, GATHER_ONE,
-                          TREE, MASK_LAST, REFILL_LATE)),
+                          TREE, MASK_LAST, REFILL_LATE, ROWMAX_FIRST, RESCALE_FIRST,
+                          REFILL_EARLY)),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
                           STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY, GATHER_ONE,
-                          TREE, MASK_LAST, REFILL_LATE)),
+                          TREE, MASK_LAST, REFILL_LATE, ROWMAX_FIRST, RESCALE_FIRST,
+                          REFILL_EARLY)),
         ],
         [4],
         [WG_REGS],
@@ -863,6 +883,9 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         TREE=bool(mla_policy.SM90_TREE_REDUCE),
         MASK_LAST=bool(mla_policy.SM90_MASK_LAST_ONLY),
         REFILL_LATE=bool(mla_policy.SM90_REFILL_LATE),
+        ROWMAX_FIRST=bool(mla_policy.SM90_ROWMAX_FIRST),
+        RESCALE_FIRST=bool(mla_policy.SM90_RESCALE_FIRST),
+        REFILL_EARLY=bool(mla_policy.SM90_REFILL_EARLY),
         GATHER_ONE=mla_policy.SM90_GATHER_ONE_COPY,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,

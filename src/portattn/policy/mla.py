@@ -188,6 +188,17 @@ SM90_MASK_LAST_ONLY = False
 #: cycles in the ninth session's trace) leaves the path from PV on A to PV on B, and the copy goes
 #: out that much later. Unmeasured. Read at planning.
 SM90_REFILL_LATE = False
+#: Warpgroup 1 takes its tile's row max before it waits for warpgroup 0's running max m_A (the
+#: row max needs only its own scores), so only the compare, the exponentials and the hand-off
+#: follow the wait. Unmeasured. Read at planning.
+SM90_ROWMAX_FIRST = False
+#: Warpgroup 1 rescales its accumulator and row sums to m_A before it waits for P_A (the factor
+#: needs only m_A), so only the PV MMA's issue follows the wait. Unmeasured. Read at planning.
+SM90_RESCALE_FIRST = False
+#: Warpgroup 0 waits for its PV on tile A and refills A's left half before it waits for warpgroup
+#: 1's P_B and m_B, not after: the copy goes out sooner, under the wait it had anyway. Unmeasured.
+#: Read at planning.
+SM90_REFILL_EARLY = False
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
