@@ -693,11 +693,7 @@ def test_gpu_sm90_tree_reduce(dk, r, heads, bs, q_lens, seq_lens, splits, monkey
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "switch",
-    ["SM90_MASK_LAST_ONLY", "SM90_REFILL_LATE", "SM90_ROWMAX_FIRST", "SM90_RESCALE_FIRST",
-     "SM90_REFILL_EARLY"],
-)  # fmt: skip
+@pytest.mark.parametrize("mask_last", [True, False])
 @pytest.mark.parametrize(
     ("dk", "r", "heads", "bs", "q_lens", "seq_lens", "splits"),
     [
@@ -707,14 +703,14 @@ def test_gpu_sm90_tree_reduce(dk, r, heads, bs, q_lens, seq_lens, splits, monkey
         (320, 256, 100, 64, (2, 1), (127, 9000), 3),  # padded heads, packed rows
     ],
 )
-def test_gpu_sm90_schedule_switches(switch, dk, r, heads, bs, q_lens, seq_lens, splits,
-                                    monkeypatch):  # fmt: skip
-    """The sm_90 kernel's schedule switches (`portattn.policy.mla`: `SM90_MASK_LAST_ONLY`,
-    `SM90_REFILL_LATE`, `SM90_ROWMAX_FIRST`, `SM90_RESCALE_FIRST`, `SM90_REFILL_EARLY`), each
-    alone, against the fp64 oracle, with NaN in every row no sequence owns."""
-    monkeypatch.setattr(mla_policy, switch, True)
+def test_gpu_sm90_mask_last_only(mask_last, dk, r, heads, bs, q_lens, seq_lens, splits,
+                                 monkeypatch):  # fmt: skip
+    """`SM90_MASK_LAST_ONLY` on (full tiles unmasked) and off (every tile masked) against the
+    fp64 oracle, with NaN in every row no sequence owns: a tile past the context's end must
+    still be masked."""
+    monkeypatch.setattr(mla_policy, "SM90_MASK_LAST_ONLY", mask_last)
     target = _sm90_target()
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.bfloat16, "cuda")
     _poison_unowned_rows(cache, bt, sl)
     launch = _check_sm90(target, q, cache, bt, sl, qsl, r, splits)
-    assert launch.args[switch.removeprefix("SM90_").replace("_ONLY", "")] is True
+    assert launch.args["MASK_LAST"] is mask_last

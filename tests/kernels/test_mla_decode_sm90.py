@@ -229,19 +229,13 @@ def test_trace_buffer_too_small_is_refused(monkeypatch):
         _plan(64, False)
 
 
-_SWITCHES = ("SM90_MASK_LAST_ONLY", "SM90_REFILL_LATE", "SM90_ROWMAX_FIRST", "SM90_RESCALE_FIRST",
-             "SM90_REFILL_EARLY")  # fmt: skip
-
-
-def _switched_ptx(on: str | None) -> tuple[dict, str]:
-    """The 128-head page-64 case's sm_90 launch planned with the schedule switch ``on`` set (the
-    others off): its schedule args and PTX (in a spawned worker: no interpreter)."""
-    for name in _SWITCHES:
-        setattr(mla_policy, name, name == on)
+def _switched_ptx(mask_last: bool) -> tuple[bool, str]:
+    """The 128-head page-64 case's sm_90 launch planned with `SM90_MASK_LAST_ONLY` set so: its
+    ``MASK_LAST`` arg and PTX (in a spawned worker: no interpreter)."""
+    mla_policy.SM90_MASK_LAST_ONLY = mask_last
     case = {c.id: c for c in default_cases()}["mla_decode/576/512 h128 page64"]
     (launch,) = [x for x in case.plan(SM90) if x.name == "mla_decode_sm90"]
-    keys = ("MASK_LAST", "REFILL_LATE", "ROWMAX_FIRST", "RESCALE_FIRST", "REFILL_EARLY")
-    return {k: launch.args[k] for k in keys}, compile_kernel(launch, SM90).asm["ptx"]
+    return launch.args["MASK_LAST"], compile_kernel(launch, SM90).asm["ptx"]
 
 
 def _events(ptx: str) -> str:
@@ -270,36 +264,12 @@ def _after_scores(ev: str) -> list[str]:
             if ev[i : i + 4] == "SGSG" and ev[i + 4] != "S"]  # fmt: skip
 
 
-def _after_pv(ev: str) -> list[str]:
-    """The steps from each PV MMA's commit to the next lazy rescale (or MMA)."""
-    return [re.match(r"[^LSV]*", ev[i + 2 :]).group(0) for i in range(len(ev) - 1)
-            if ev[i : i + 2] == "VG"]  # fmt: skip
-
-
-def test_schedule_switches_reach_the_kernel():
-    """Each schedule switch of the sm_90 MLA kernel (`portattn.policy.mla`), alone, moves what
-    it says in the PTX; warpgroup 0's code comes first, then warpgroup 1's.
-
-    - `SM90_MASK_LAST_ONLY`: a branch between the score MMAs' commit and the mask selects.
-    - `SM90_REFILL_LATE`: the copies into tile A's freed halves follow PV on B, so one PV group
-      of each warpgroup is followed by no copy.
-    - `SM90_ROWMAX_FIRST`: warpgroup 1's row-max shuffles before its wait for m_A.
-    - `SM90_RESCALE_FIRST`: warpgroup 1's rescale before its wait for P_A.
-    - `SM90_REFILL_EARLY`: warpgroup 0's copy after PV on A before its wait for P_B.
-    """
-    jobs = [(None,)] + [(name,) for name in _SWITCHES]
-    got = {job[0]: v for job, v in in_spawned_workers(_switched_ptx, jobs).items()}
-    for name, (args, _) in got.items():
-        assert sum(args.values()) == (name is not None)
-    ev = {name: _events(ptx) for name, (_, ptx) in got.items()}
-    # off: WG0 masks, takes its max and sum, rescales, then PV on A; WG1 waits for m_A first,
-    # then its max and sum, waits for P_A, rescales
-    assert _after_scores(ev[None]) == ["MXLB", "MWXWLB"]
-    # the loop is rotated: PV on B comes first (its copy, then the next pair's tile wait), then
-    # PV on A (WG0: the wait for P_B, then its copy)
-    assert _after_pv(ev[None]) == ["CBW", "WC", "CBW", "C"]
-    assert [x[:2] for x in _after_scores(ev["SM90_MASK_LAST_ONLY"])] == ["BM", "BM"]
-    assert _after_pv(ev["SM90_REFILL_LATE"]) == ["CBW", "W", "CBW", ""]
-    assert _after_scores(ev["SM90_ROWMAX_FIRST"]) == ["MXLB", "MXWXWLB"]
-    assert _after_scores(ev["SM90_RESCALE_FIRST"]) == ["MXLB", "MWXLWB"]
-    assert _after_pv(ev["SM90_REFILL_EARLY"]) == ["CBW", "CW", "CBW", "C"]
+def test_mask_last_only_branches_around_the_masks():
+    """`SM90_MASK_LAST_ONLY` on: each warpgroup branches between its score MMAs' commit and its
+    mask selects (a full tile skips them); off: the selects follow the commit at once. Then
+    warpgroup 0 (its code comes first) takes its row max and sum and rescales, warpgroup 1 waits
+    for m_A first."""
+    got = in_spawned_workers(_switched_ptx, [(True,), (False,)])
+    assert got[(True,)][0] is True and got[(False,)][0] is False
+    assert _after_scores(_events(got[(False,)][1])) == ["MXLB", "MWXWLB"]
+    assert _after_scores(_events(got[(True,)][1])) == ["BMXLB", "BMWXWLB"]

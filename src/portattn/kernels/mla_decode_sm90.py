@@ -26,8 +26,10 @@ almost always exactly 1, and each rescale (`lazy_rescale`) is one branch a threa
 multiplies, which the warpgroups' serial chains otherwise pay twice a pair (bench/NOTES.md, ninth
 session).
 
-In a split's partial last tile the latent rows past the context are zeroed in shared memory
-before PV (each warpgroup its own half; their scores are masked to -inf); an odd tile count
+Only a tile that reaches past its split's end has its scores masked (one scalar test a tile,
+`portattn.policy.mla.SM90_MASK_LAST_ONLY`: a full tile skips 64 instructions in each warpgroup's
+chain). In a split's partial last tile the latent rows past the context are zeroed in shared
+memory before PV (each warpgroup its own half; their scores are masked to -inf); an odd tile count
 ends with a phantom tile (no copy, every score masked, buffer zeroed). ptxas hoists every
 loop-invariant MMA descriptor out of the loop and spills them (260 B); the buffer indices are
 therefore computed from an opaque 0 (``block_size < 0``), which keeps them in the loop (0 spills).
@@ -276,9 +278,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
                TRACE: gl.constexpr, tr, LAZY: gl.constexpr,
-               GATHER_ONE: gl.constexpr, TREE: gl.constexpr, MASK_LAST: gl.constexpr,
-               REFILL_LATE: gl.constexpr, ROWMAX_FIRST: gl.constexpr,
-               RESCALE_FIRST: gl.constexpr, REFILL_EARLY: gl.constexpr):  # fmt: skip
+               GATHER_ONE: gl.constexpr, TREE: gl.constexpr,
+               MASK_LAST: gl.constexpr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -418,13 +419,10 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             _stamp(tr, jt, 5, TRACE)
             lat_half = latl_smem  # this warpgroup's output columns: the latent's left half
         else:
-            if ROWMAX_FIRST:  # S_B's row max needs no m_A: taken while WG0 still works on it
-                rm = row_max(s, TREE) * qk_scale
             mbarrier.wait(bar_ma, ph)
             _stamp(tr, jt, 4, TRACE)
             m_a = m_smem.index(0).load(ROW)
-            if not ROWMAX_FIRST:
-                rm = row_max(s, TREE) * qk_scale
+            rm = row_max(s, TREE) * qk_scale
             if LAZY:  # noqa: SIM108 (a constexpr branch)
                 m_b = gl.where(rm > m_a + LAZY_T, rm, m_a)
             else:
@@ -437,16 +435,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             mbarrier.arrive(bar_pb, count=1)
             _stamp(tr, jt, 5, TRACE)
             l_b = row_sum(p, TREE)
-            if RESCALE_FIRST:  # the rescale to m_A needs no P_A: done before waiting for it
-                alpha = gl.exp2(m_i - m_a)
-                l_i = l_i * alpha
-                acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
             mbarrier.wait(bar_pa, ph)
             _stamp(tr, jt, 6, TRACE)
-            if not RESCALE_FIRST:
-                alpha = gl.exp2(m_i - m_a)
-                l_i = l_i * alpha
-                acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
+            alpha = gl.exp2(m_i - m_a)
+            l_i = l_i * alpha
+            acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
             lat_half = latr_smem
         # PV on A (scaled at m_A), then on B (at m_B); after each, this warpgroup's half of
         # that buffer is free and takes the next pair's tile (WG1's half with the rope part,
@@ -454,26 +447,19 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         _zero_tail(lat_half.index(b0), n_a, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
         _stamp(tr, jt, 7, TRACE)
-        if WG == 0:  # noqa: SIM102 (constexpr branches, each resolved when traced)
-            if not REFILL_EARLY:
-                mbarrier.wait(bar_pb, ph)
-                _stamp(tr, jt, 8, TRACE)
-                m_b = m_smem.index(1).load(ROW)
+        if WG == 0:
+            mbarrier.wait(bar_pb, ph)
+            _stamp(tr, jt, 8, TRACE)
+            m_b = m_smem.index(1).load(ROW)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _stamp(tr, jt, 9, TRACE)
         if not ROWS_AHEAD:
             rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
                                 end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-        if not REFILL_LATE:
-            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                       tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0),
-                       WG == 1, gather, GATHER, GATHER_ONE)  # fmt: skip
-        if WG == 0:  # noqa: SIM102 (constexpr branches)
-            if REFILL_EARLY:  # A's left half refilled before the wait for P_B, not after it
-                mbarrier.wait(bar_pb, ph)
-                _stamp(tr, jt, 8, TRACE)
-                m_b = m_smem.index(1).load(ROW)
+        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
+                   gather, GATHER, GATHER_ONE)  # fmt: skip
         _stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
@@ -482,10 +468,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = lazy_rescale(acc, gl.convert_layout(beta, PV_ROW), LAZY)
         _zero_tail(lat_half.index(b1), n_b, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
-        if REFILL_LATE:  # A's half is free since the wait above: refilled under PV on B
-            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                       tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0),
-                       WG == 1, gather, GATHER, GATHER_ONE)  # fmt: skip
         _stamp(tr, jt, 11, TRACE)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
@@ -639,10 +621,6 @@ def _mla_decode_sm90_kernel(
     LAZY: gl.constexpr,  # lazy running max, rescales skipped at factor 1 (SM90_LAZY_RESCALE)
     TREE: gl.constexpr,  # row maxima and sums by trees (SM90_TREE_REDUCE)
     MASK_LAST: gl.constexpr,  # only tiles past the split's end masked (SM90_MASK_LAST_ONLY)
-    REFILL_LATE: gl.constexpr,  # A's halves refilled after PV on B is issued (SM90_REFILL_LATE)
-    ROWMAX_FIRST: gl.constexpr,  # WG1's row max before its wait for m_A (SM90_ROWMAX_FIRST)
-    RESCALE_FIRST: gl.constexpr,  # WG1's rescale to m_A before its wait for P_A (same name)
-    REFILL_EARLY: gl.constexpr,  # WG0 refills A's half before waiting for P_B (SM90_REFILL_EARLY)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
@@ -777,12 +755,10 @@ def _mla_decode_sm90_kernel(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
                           STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY, GATHER_ONE,
-                          TREE, MASK_LAST, REFILL_LATE, ROWMAX_FIRST, RESCALE_FIRST,
-                          REFILL_EARLY)),
+                          TREE, MASK_LAST)),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
                           STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY, GATHER_ONE,
-                          TREE, MASK_LAST, REFILL_LATE, ROWMAX_FIRST, RESCALE_FIRST,
-                          REFILL_EARLY)),
+                          TREE, MASK_LAST)),
         ],
         [4],
         [WG_REGS],
@@ -882,10 +858,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         LAZY=mla_policy.SM90_LAZY_RESCALE,
         TREE=bool(mla_policy.SM90_TREE_REDUCE),
         MASK_LAST=bool(mla_policy.SM90_MASK_LAST_ONLY),
-        REFILL_LATE=bool(mla_policy.SM90_REFILL_LATE),
-        ROWMAX_FIRST=bool(mla_policy.SM90_ROWMAX_FIRST),
-        RESCALE_FIRST=bool(mla_policy.SM90_RESCALE_FIRST),
-        REFILL_EARLY=bool(mla_policy.SM90_REFILL_EARLY),
         GATHER_ONE=mla_policy.SM90_GATHER_ONE_COPY,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,

@@ -178,27 +178,14 @@ SM90_LAZY_RESCALE = True
 #: thirteenth session, 3 rounds in turns, 128 heads page 64: 130.2 / 129.3 µs at 4k, 509.5 / 509.9
 #: at 16k, on / off; the sm_90 MLA GPU tests passed with it on). Off. Read at planning.
 SM90_TREE_REDUCE = False
-#: The Hopper kernel masks only the tiles that reach past their split's end (a scalar test a
-#: tile): a full tile's scores skip the 16 column compares and 32 selects a thread (about 50
-#: instructions before each warpgroup's row max, in its serial chain). Packed tiles keep their
-#: per-row causal masks. Unmeasured. Read at planning.
-SM90_MASK_LAST_ONLY = False
-#: Each warpgroup issues its copy into tile A's freed half after its PV MMA on tile B is issued,
-#: not between the two PVs: the copy's issue (its barrier operations and ``bar.sync``s, 140-200
-#: cycles in the ninth session's trace) leaves the path from PV on A to PV on B, and the copy goes
-#: out that much later. Unmeasured. Read at planning.
-SM90_REFILL_LATE = False
-#: Warpgroup 1 takes its tile's row max before it waits for warpgroup 0's running max m_A (the
-#: row max needs only its own scores), so only the compare, the exponentials and the hand-off
-#: follow the wait. Unmeasured. Read at planning.
-SM90_ROWMAX_FIRST = False
-#: Warpgroup 1 rescales its accumulator and row sums to m_A before it waits for P_A (the factor
-#: needs only m_A), so only the PV MMA's issue follows the wait. Unmeasured. Read at planning.
-SM90_RESCALE_FIRST = False
-#: Warpgroup 0 waits for its PV on tile A and refills A's left half before it waits for warpgroup
-#: 1's P_B and m_B, not after: the copy goes out sooner, under the wait it had anyway. Unmeasured.
-#: Read at planning.
-SM90_REFILL_EARLY = False
+#: The Hopper kernel masks only the tiles that reach past their split's end (one scalar test a
+#: tile): a full tile's scores skip the 16 column compares and 32 selects a thread, about 64
+#: instructions before each warpgroup's row max, in its serial chain. Measured on an H200
+#: (bench/RESULTS.md, fifteenth session, calls 1-2; `bench/ab_mla.py`, medians of five rounds in
+#: turns, the ratio to the switch off taken round by round): 128 heads page 64 16k 0.964 and
+#: 0.979, 4k 0.988 and 0.979; page 1 16k 0.985 and 0.991, 4k 1.001 and 1.012. Packed tiles keep
+#: their per-row causal masks. Read at planning.
+SM90_MASK_LAST_ONLY = True
 #: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
 #: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
 #: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
