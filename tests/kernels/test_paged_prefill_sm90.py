@@ -20,6 +20,7 @@ from portattn.kernels.paged_prefill_sm90 import (
     sm90_prefill_errors,
     smem_bytes,
     split_short,
+    work_list_layout,
 )
 from portattn.platform import get_target
 from portattn.policy import paged as paged_policy
@@ -78,7 +79,8 @@ def test_fused_decode_has_no_decode_launch(monkeypatch):
     work, main = launches
     # the decode tile's sequences (q_len <= 4) form the work list's second list
     assert work.args["q_len_lo"] == 4 and work.args["q_len_min"] == 0
-    assert main.args["b_off"] == 2 + 64 * work.args["num_q_tiles"]
+    assert main.args["b_off"] == work.args["b_off"] == 2 + 64 * work.args["num_q_tiles"]
+    assert main.args["counter"] == work.args["counter"] == 2 + 2 * 64 * work.args["num_q_tiles"]
 
 
 @pytest.mark.parametrize(("block_size", "box"), [(16, 16), (80, 16), (544, 32), (2048, 128)])
@@ -211,7 +213,9 @@ def _work_list(q_lens, q_len_lo, block_q, device, max_query_len=None, q_len_min=
     qsl = qsl.to(device)
     mql = max(q_lens, default=1) if max_query_len is None else max_query_len
     num_q_tiles = max(1, -(-mql // block_q))
-    size = 3 + 2 * len(q_lens) * num_q_tiles  # the launcher's; 8 sentinels past it stay
+    layout = work_list_layout(len(q_lens), num_q_tiles)  # the launcher's
+    size = layout.size  # 8 sentinels past it stay
+    assert (layout.b_off, layout.counter) == (2 + len(q_lens) * num_q_tiles, size - 1)
     work = torch.full((size + 8,), -7, dtype=torch.int32, device=device)
     Launch(
         kernel=_work_list_kernel,
@@ -219,6 +223,8 @@ def _work_list(q_lens, q_len_lo, block_q, device, max_query_len=None, q_len_min=
         args=dict(
             qsl_ptr=qsl,
             work_ptr=work,
+            b_off=layout.b_off,
+            counter=layout.counter,
             num_seqs=len(q_lens),
             q_len_lo=q_len_lo,
             q_len_min=q_len_lo if q_len_min is None else q_len_min,
@@ -232,7 +238,7 @@ def _work_list(q_lens, q_len_lo, block_q, device, max_query_len=None, q_len_min=
     work = work.cpu()
     assert (work[size:] == -7).all(), "written past the list"
     assert work[size - 1] == 0, "the dynamic deal's counter not zeroed"
-    n_a, n_b, b_off = int(work[0]), int(work[1]), 2 + len(q_lens) * num_q_tiles
+    n_a, n_b, b_off = int(work[0]), int(work[1]), layout.b_off
     main = [divmod(int(e), num_q_tiles) for e in work[2 : 2 + n_a]]
     second = [divmod(int(e), num_q_tiles) for e in work[b_off : b_off + n_b]]
     if q_len_min is None:

@@ -165,10 +165,31 @@ def _trace_part(trace_ptr, PART: gl.constexpr):
     return trace_ptr, (pid * TRACE_PARTS + PART) * ((TRACE_TILES + 1) * TRACE_EVENTS)
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkListLayout:
+    """Where `_work_list_kernel` writes in its int32 buffer of ``size`` words: the two lists'
+    entry counts at 0 and 1, the main list from 2, the second list from ``b_off``, and the
+    dynamic deal's counter at ``counter`` (`_grab`). The one place these offsets come from: the
+    launcher sizes the buffer and passes ``b_off`` and ``counter`` to both kernels."""
+
+    b_off: int
+    counter: int
+    size: int
+
+
+def work_list_layout(num_seqs: int, num_q_tiles: int) -> WorkListLayout:
+    """The work list's layout for ``num_seqs`` sequences of at most ``num_q_tiles`` q tiles
+    each (each list has room for every entry)."""
+    entries = num_seqs * num_q_tiles
+    return WorkListLayout(b_off=2 + entries, counter=2 + 2 * entries, size=3 + 2 * entries)
+
+
 @triton.jit
 def _work_list_kernel(
     qsl_ptr,  # [num_seqs + 1]
-    work_ptr,  # int32 [3 + 2 * num_seqs * num_q_tiles]: counts, the two lists, the counter
+    work_ptr,  # int32 [`WorkListLayout.size`]: counts, the two lists, the counter
+    b_off,  # where the second list starts (`WorkListLayout`)
+    counter,  # where the dynamic deal's counter is (`WorkListLayout`)
     num_seqs,
     q_len_lo,  # sequences with q_len > q_len_lo: the main list
     q_len_min,  # sequences with q_len_min < q_len <= q_len_lo: the second list (fused decodes)
@@ -178,9 +199,9 @@ def _work_list_kernel(
 ):
     """One program per sequence: its entries (``seq * num_q_tiles + q_tile``), heaviest q tile
     first, after those of the sequences before it in the same list (their count summed here,
-    ``BLOCK_S`` at a time). The main list starts at ``work[2]``, the second at ``work[2 +
-    num_seqs * num_q_tiles]``; the last program writes their entry counts to ``work[0]`` and
-    ``work[1]``, and zeroes the dynamic deal's counter after the lists (`DYNAMIC`). Sequences with
+    ``BLOCK_S`` at a time). The main list starts at ``work[2]``, the second at ``work[b_off]``;
+    the last program writes their entry counts to ``work[0]`` and ``work[1]``, and zeroes the
+    dynamic deal's counter ``work[counter]`` (`DYNAMIC`). Sequences with
     ``q_len <= q_len_min`` are in neither (the decode launch serves them; ``q_len_min ==
     q_len_lo`` leaves the second list empty)."""
     seq = tl.program_id(0)
@@ -201,7 +222,7 @@ def _work_list_kernel(
     # at most num_q_tiles per sequence (max_query_len's): a caller whose q_len exceeds the
     # maximum it gave loses that work, as with the portable kernel, and the list its bounds
     n = tl.where(q_len > q_len_min, tl.minimum(tl.cdiv(q_len, BLOCK_Q), num_q_tiles), 0)
-    start = 2 + tl.where(in_a, base_a, num_seqs * num_q_tiles + base_b)
+    start = tl.where(in_a, 2 + base_a, b_off + base_b)
     for t0 in range(0, n, BLOCK_S):
         t = t0 + tl.arange(0, BLOCK_S)
         entry = seq * num_q_tiles + (n - 1 - t)
@@ -209,7 +230,7 @@ def _work_list_kernel(
     if seq == num_seqs - 1:
         tl.store(work_ptr, (base_a + tl.where(in_a, n, 0)).to(tl.int32))
         tl.store(work_ptr + 1, (base_b + tl.where(in_a, 0, n)).to(tl.int32))
-        tl.store(work_ptr + 2 + 2 * num_seqs * num_q_tiles, 0)
+        tl.store(work_ptr + counter, 0)
 
 
 def program_items(pid: int, nprog: int, n_a: int, n_b: int) -> list[tuple[bool, int]]:
@@ -969,7 +990,8 @@ def _paged_prefill_sm90_kernel(
     k_desc,  # 2-D view of the key cache's rows: [total_rows, cols], box [BOX, HEAD_D]
     v_desc,
     work_ptr,  # `_work_list_kernel`'s lists
-    b_off,  # where the second list starts (``2 + num_seqs * num_q_tiles``)
+    b_off,  # where the second list starts (`WorkListLayout`)
+    counter,  # where the dynamic deal's counter is (`WorkListLayout`)
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -1052,7 +1074,7 @@ def _paged_prefill_sm90_kernel(
     prod = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
             stride_bt_seq, stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol,
             stride_vcol, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars,
-            work_ptr + 2 * b_off - 2, ring, ring_bars, trace_ptr)  # fmt: skip
+            work_ptr + counter, ring, ring_bars, trace_ptr)  # fmt: skip
     cons = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
             scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, merge_acc,
@@ -1310,8 +1332,8 @@ def sm90_prefill_launches(
     num_seqs = a["num_seqs"]
     num_q_tiles = max(1, -(-a["num_q_tiles"] * a["BLOCK_Q"] // block_q))
     device = main.args["q_ptr"].device
-    # counts, the two lists, the dynamic deal's counter (`_work_list_kernel`)
-    work = torch.empty(3 + 2 * num_seqs * num_q_tiles, dtype=torch.int32, device=device)
+    layout = work_list_layout(num_seqs, num_q_tiles)
+    work = torch.empty(layout.size, dtype=torch.int32, device=device)
     box = min(
         box_rows(key_cache.shape[1], tile.block_n), box_rows(value_cache.shape[1], tile.block_n)
     )
@@ -1322,6 +1344,8 @@ def sm90_prefill_launches(
         args=dict(
             qsl_ptr=a["query_start_loc_ptr"],
             work_ptr=work,
+            b_off=layout.b_off,
+            counter=layout.counter,
             num_seqs=num_seqs,
             q_len_lo=q_len_lo,
             q_len_min=0 if fuse_decode else q_len_lo,
@@ -1349,7 +1373,8 @@ def sm90_prefill_launches(
         k_desc=_descriptor(key_cache, tile, box),
         v_desc=(_v_descriptor if nv > 1 else _descriptor)(value_cache, tile, box),
         work_ptr=work,
-        b_off=2 + num_seqs * num_q_tiles,
+        b_off=layout.b_off,
+        counter=layout.counter,
         block_table_ptr=a["block_table_ptr"],
         seq_lens_ptr=a["seq_lens_ptr"],
         query_start_loc_ptr=a["query_start_loc_ptr"],
