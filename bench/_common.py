@@ -7,6 +7,7 @@ Imported by ``bench/bench_*.py`` (run as ``python3 bench/<script>.py``, so this 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -51,20 +52,44 @@ def git_commit(cwd: str | None = None) -> str:
         return "unknown"
 
 
-def set_switch(module, item: str) -> None:
-    """Set a boolean policy switch from ``NAME=0`` / ``NAME=1`` (a bench's ``--set``), for an A/B
-    in one run; the plan cache is emptied (switches are read at planning, not in a plan's key).
+def parse_switch(module, item: str, flag: str = "--set") -> tuple[str, bool]:
+    """``NAME=0`` / ``NAME=1`` (a bench's ``flag`` argument) -> ``(NAME, on)``, ``NAME`` a boolean
+    switch of the policy ``module``.
 
     Raises:
         SystemExit: ``item`` is not ``NAME=0|1`` or ``NAME`` is not a boolean switch of ``module``.
     """
     name, sep, value = item.partition("=")
     if not sep or value not in ("0", "1"):
-        sys.exit(f"--set must be SWITCH=0 or SWITCH=1; got {item!r}")
+        sys.exit(f"{flag} must be SWITCH=0 or SWITCH=1; got {item!r}")
     if not isinstance(getattr(module, name, None), bool):
-        sys.exit(f"--set {name}: not a boolean switch of {module.__name__}")
-    setattr(module, name, value == "1")
+        sys.exit(f"{flag} {name}: not a boolean switch of {module.__name__}")
+    return name, value == "1"
+
+
+def set_switch(module, item: str) -> None:
+    """Set a boolean policy switch from ``NAME=0`` / ``NAME=1`` (a bench's ``--set``,
+    `parse_switch`), for an A/B in one run; the plan cache is emptied (switches are read at
+    planning, not in a plan's key)."""
+    name, on = parse_switch(module, item)
+    setattr(module, name, on)
     PLANS.clear()
+
+
+@contextlib.contextmanager
+def switched(module, switches: dict):
+    """The policy ``module``'s ``switches`` (name -> value) set for a block, then restored; the
+    plan cache emptied on entry and exit (switches are read at planning, not in a plan's key)."""
+    saved = {k: getattr(module, k) for k in switches}
+    for k, v in switches.items():
+        setattr(module, k, v)
+    PLANS.clear()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+        PLANS.clear()
 
 
 def save_record(name: str, **fields) -> str | None:

@@ -25,48 +25,26 @@ import statistics
 import sys
 
 import torch
-from _common import copy_ceiling, git_commit, matmul_rate, roofline_s, save_record
+from _common import (
+    copy_ceiling,
+    git_commit,
+    matmul_rate,
+    parse_switch,
+    roofline_s,
+    save_record,
+    switched,
+)
 from bench_mla import Point, bench_policy
 from triton.testing import do_bench_cudagraph
 
-from portattn.kernels._plans import PLANS
 from portattn.platform import current_target
 from portattn.policy import mla as mla_policy
 
 
 def parse_config(text: str) -> dict[str, bool]:
-    """``"A=1 B=0"`` -> ``{"A": True, "B": False}``, each a boolean switch of the MLA policy.
-
-    Raises:
-        SystemExit: an item is not ``NAME=0|1`` or ``NAME`` is not a boolean switch.
-    """
-    out = {}
-    for item in text.split():
-        name, sep, value = item.partition("=")
-        if not sep or value not in ("0", "1"):
-            sys.exit(f"ab_mla: --config items must be SWITCH=0 or SWITCH=1; got {item!r}")
-        if not isinstance(getattr(mla_policy, name, None), bool):
-            sys.exit(f"ab_mla: --config {name}: not a boolean switch of {mla_policy.__name__}")
-        out[name] = value == "1"
-    return out
-
-
-class switched:  # noqa: N801 (used as a context manager, like a function)
-    """The MLA policy's switches set for a block, the plan cache emptied on entry and exit."""
-
-    def __init__(self, switches: dict[str, bool]):
-        self.switches = switches
-
-    def __enter__(self):
-        self.saved = {k: getattr(mla_policy, k) for k in self.switches}
-        for k, v in self.switches.items():
-            setattr(mla_policy, k, v)
-        PLANS.clear()
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            setattr(mla_policy, k, v)
-        PLANS.clear()
+    """``"A=1 B=0"`` -> ``{"A": True, "B": False}``, each a boolean switch of the MLA policy
+    (`_common.parse_switch`, which exits naming the rule on a bad item)."""
+    return dict(parse_switch(mla_policy, item, "--config") for item in text.split())
 
 
 def time_in_turns(runs_by_point, configs, rounds, rate, timer=None) -> list[float]:
@@ -80,7 +58,7 @@ def time_in_turns(runs_by_point, configs, rounds, rate, timer=None) -> list[floa
         rates.append(rate())
         for runs in runs_by_point:
             for cfg, (row, call) in zip(configs, runs, strict=True):
-                with switched(cfg):
+                with switched(mla_policy, cfg):
                     row["us_rounds"].append(timer(call) * 1e3)
     return rates
 
@@ -135,7 +113,7 @@ def main(argv=None) -> int:
                 p = Point(args, target, dtype, heads, ctx, copy_gbs, mm_run, page)
                 runs = []
                 for cfg in configs:
-                    with switched(cfg):
+                    with switched(mla_policy, cfg):
                         row, _ = bench_policy(p, timed=(timed := []))
                     if row is None:
                         print(f"FAIL: {cfg} at {heads} heads {ctx} page {page}")

@@ -58,11 +58,10 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import copy_ceiling, git_commit, matmul_rate, save_record  # noqa: E402
+from _common import copy_ceiling, git_commit, matmul_rate, save_record, switched  # noqa: E402
 from bench_paged import HKV, HQ, D, make_inputs  # noqa: E402
 
 from portattn import reference  # noqa: E402
-from portattn.kernels._plans import PLANS  # noqa: E402
 from portattn.kernels.paged_attention import paged_attention, plan_paged_attention  # noqa: E402
 from portattn.platform import get_target  # noqa: E402
 from portattn.policy import paged as paged_policy  # noqa: E402
@@ -294,11 +293,7 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows, rounds=1) -> l
         for i, (vname, extra) in enumerate(var.items()):
             switches = {k: v for k, v in extra.items() if k.isupper()}
             extra = {k: v for k, v in extra.items() if not k.isupper()}
-            saved = {k: getattr(paged_policy, k) for k in switches}
-            for k, v in switches.items():
-                setattr(paged_policy, k, v)
-            PLANS.clear()
-            try:
+            with switched(paged_policy, switches):
                 if rnd == 0:
                     row, call = _bench_variant(name, seqs, bs, dtype, args, oracle, oracle_s,
                                                vname, extra, mql, msl, flops, nbytes,
@@ -310,10 +305,6 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows, rounds=1) -> l
                     rows[i]["graph_rounds"].append(
                         do_bench_cudagraph(calls[i], return_mode="median") * 1e3
                     )
-            finally:
-                for k, v in saved.items():
-                    setattr(paged_policy, k, v)
-                PLANS.clear()
     if rounds > 1:
         mm_turns = float(np.median(mm_rounds))
         roof_turns = roofline_us(flops, nbytes, mm_turns, copy_gbs)
