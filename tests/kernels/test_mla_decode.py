@@ -675,42 +675,31 @@ def test_gpu_sm90_running_max_moves(ramp, splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("dk", "r", "heads", "bs", "q_lens", "seq_lens", "splits"),
+    ("switch", "arg", "value"),
     [
-        (576, 512, 128, 64, (1, 3, 6, 2), (32768, 4100, 6, 1000), None),
-        (576, 512, 64, 128, None, (1, 64, 65, 5000), 7),  # empty splits, one-row sequence
-        (320, 256, 100, 64, (2, 1), (127, 9000), 3),  # padded heads
+        ("SM90_TREE_REDUCE", "TREE", True),  # row maxima and sums by trees
+        ("SM90_MASK_LAST_ONLY", "MASK_LAST", True),  # full tiles unmasked (the policy)
+        ("SM90_MASK_LAST_ONLY", "MASK_LAST", False),  # every tile masked
     ],
 )
-def test_gpu_sm90_tree_reduce(dk, r, heads, bs, q_lens, seq_lens, splits, monkeypatch):
-    """`SM90_TREE_REDUCE` (row maxima and sums by trees) against the fp64 oracle."""
-    monkeypatch.setattr(mla_policy, "SM90_TREE_REDUCE", True)
-    target = _sm90_target()
-    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.bfloat16, "cuda")
-    _poison_unowned_rows(cache, bt, sl)
-    launch = _check_sm90(target, q, cache, bt, sl, qsl, r, splits)
-    assert launch.args["TREE"] is True
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mask_last", [True, False])
 @pytest.mark.parametrize(
     ("dk", "r", "heads", "bs", "q_lens", "seq_lens", "splits"),
     [
+        (576, 512, 128, 64, (1, 3, 6, 2), (32768, 4100, 6, 1000), None),
         (576, 512, 128, 64, None, (4100, 6, 1000, 8192), None),  # partial last tiles, odd counts
         (576, 512, 64, 128, None, (1, 64, 65, 5000), 7),  # empty splits, one-row sequence
         (576, 512, 128, 1, None, (3001, 130), 2),  # page size 1: the rows gathered
-        (320, 256, 100, 64, (2, 1), (127, 9000), 3),  # padded heads, packed rows
+        (320, 256, 100, 64, (2, 1), (127, 9000), 3),  # padded heads
     ],
 )
-def test_gpu_sm90_mask_last_only(mask_last, dk, r, heads, bs, q_lens, seq_lens, splits,
-                                 monkeypatch):  # fmt: skip
-    """`SM90_MASK_LAST_ONLY` on (full tiles unmasked) and off (every tile masked) against the
-    fp64 oracle, with NaN in every row no sequence owns: a tile past the context's end must
-    still be masked."""
-    monkeypatch.setattr(mla_policy, "SM90_MASK_LAST_ONLY", mask_last)
+def test_gpu_sm90_softmax_switches(switch, arg, value, dk, r, heads, bs, q_lens, seq_lens,
+                                   splits, monkeypatch):  # fmt: skip
+    """The sm_90 kernel's softmax switches against the fp64 oracle, with NaN in every row no
+    sequence owns (a tile past the context's end must still be masked): `SM90_TREE_REDUCE` on,
+    `SM90_MASK_LAST_ONLY` on and off."""
+    monkeypatch.setattr(mla_policy, switch, value)
     target = _sm90_target()
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.bfloat16, "cuda")
     _poison_unowned_rows(cache, bt, sl)
     launch = _check_sm90(target, q, cache, bt, sl, qsl, r, splits)
-    assert launch.args["MASK_LAST"] is mask_last
+    assert launch.args[arg] is value
