@@ -214,6 +214,13 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         out["overlap+pingpong"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=True)
         # turns in the sequential loop (P V of tile t and the scores of t+1 in one turn)
         out["pingpong"] = dict(SM90_PREFILL_OVERLAP=False, SM90_PREFILL_PINGPONG=True)
+        # ... with a third stage: a turn issues tile t+1's scores, whose stage the lagging
+        # warpgroup frees half a period later than the leading one needs it with two stages
+        out["pingpong 3 stages"] = dict(SM90_PREFILL_OVERLAP=False, SM90_PREFILL_PINGPONG=True,
+                                        SM90_PREFILL_TILES=three)  # fmt: skip
+        out["overlap+pingpong 3 stages"] = dict(SM90_PREFILL_OVERLAP=True,
+                                                SM90_PREFILL_PINGPONG=True,
+                                                SM90_PREFILL_TILES=three)  # fmt: skip
         # the decode sequences of a mixed batch in a launch of their own after the sm_90 kernel
         out["decode launch"] = dict(SM90_PREFILL_FUSE_DECODE=False)
         # ... fused (the default), each split over both warpgroups by keys, not on warpgroup 0

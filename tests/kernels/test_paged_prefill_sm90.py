@@ -649,6 +649,7 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
         "overlap",
         "overlap+pingpong",
         "pingpong",
+        "pingpong, 3 stages",
         "fused+pingpong",
         "3 warpgroups",
         "fused decode",
@@ -680,6 +681,15 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
     # the items taken from a counter (the default), or dealt when the launch starts ("dealt, ")
     dynamic = not schedule.startswith("dealt, ")
     schedule = schedule.removeprefix("dealt, ")
+    if schedule.endswith(", 3 stages"):  # a third stage for the schedule (fused decodes)
+        schedule = schedule.removesuffix(", 3 stages")
+        tiles = {
+            d: dataclasses.replace(t, stages=3) for d, t in paged_policy.SM90_PREFILL_TILES.items()
+        }
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
+        three = True
+    else:
+        three = False
     monkeypatch.setattr(paged_policy, "SM90_PREFILL_DYNAMIC", dynamic)
     if schedule == "3 warpgroups":
         tiles = dict(paged_policy.SM90_PREFILL_TILES)
@@ -716,6 +726,8 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_OVERLAP", "overlap" in schedule)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_PINGPONG", schedule.endswith("pingpong"))
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", schedule.startswith("fused"))
+    if three:
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
     PLANS.clear()  # the switches are not in a plan's key
     cases = [((32, 8), 128, 16, "contiguous"), ((40, 8), 64, 2048, "contiguous")]
     if schedule == "v pages":  # 2 and 4 boxes a tile (8 above); heads 192 columns apart; hybrid
@@ -733,6 +745,8 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
             assert main.args["NUM_WG"] == 3
         if schedule.startswith("release"):
             assert (main.args["STAGES"], main.args["RELEASE_LAG"]) == (3, lag)
+        if three:
+            assert (main.args["STAGES"], main.args["PINGPONG"]) == (3, True)
         if schedule == "v pages":
             want = 128 // box_rows(block_size, 128) if head_dim == 128 else 1
             assert main.args["V_PAGES"] == want
