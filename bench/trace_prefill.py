@@ -78,6 +78,38 @@ def _next(ev: np.ndarray) -> np.ndarray:
     return np.concatenate([ev[..., 1:], pad], axis=-1)
 
 
+def _prev(ev: np.ndarray) -> np.ndarray:
+    """Each tile's previous tile's event (NaN for the first)."""
+    pad = np.full(ev.shape[:-1] + (1,), np.nan)
+    return np.concatenate([pad, ev[..., :-1]], axis=-1)
+
+
+def _item_starts(ev, wg: int, tiles: int, computed: np.ndarray, res: dict, out) -> None:
+    """Warpgroup ``wg``'s item boundaries (the first tile of each item it computed, after its
+    previous tile): from the previous tile's release to the item start (event 7: the epilogue,
+    the next step's hand-over and the item's metadata reads), from there to the first tile's
+    start (the query rows' load), and their sum over the launch against its cycles (the
+    warpgroup's first to last stamp, median over programs)."""
+    first = np.isfinite(ev[:, wg, :tiles, 7]) & computed
+    rel = _prev(ev[:, wg, :tiles, 6])
+    ends = (ev[:, wg, :tiles, 7] - rel)[first]
+    loads = (ev[:, wg, :tiles, 0] - ev[:, wg, :tiles, 7])[first]
+    ends, loads = ends[np.isfinite(ends)], loads[np.isfinite(loads)]
+    if not ends.size or not loads.size:
+        return
+    both = np.where(first, ev[:, wg, :tiles, 0] - rel, 0.0)
+    per_prog = np.nansum(both, axis=1)
+    span = np.nanmax(ev[:, wg, :tiles, 6], axis=1) - np.nanmin(ev[:, wg, :tiles, 0], axis=1)
+    share = float(np.nanmedian(per_prog / span))
+    out(f"    item end to start (epilogue, metadata) {np.median(ends):6.0f} {ends.mean():8.0f}")
+    out(f"    item start to first tile (query)       {np.median(loads):6.0f} {loads.mean():8.0f}")
+    out(f"    item boundaries: {first.sum(axis=1).mean():.1f} items a program, "
+        f"{share:.1%} of the warpgroup's span")  # fmt: skip
+    res[(wg, "item end to start")] = float(np.median(ends))
+    res[(wg, "item start to first tile")] = float(np.median(loads))
+    res[(wg, "item share")] = share
+
+
 def analyse(
     stamps: np.ndarray, head_dim: int = 128, block_n: int = 128, warpgroups: int = 2, out=print
 ) -> dict:
@@ -115,6 +147,7 @@ def analyse(
             if d.size:
                 out(f"    {name:28s} {np.median(d):8.0f} {d.mean():8.0f}")
                 res[(wg, name)] = float(np.median(d))
+        _item_starts(ev, wg, tiles, computed[:, wg], res, out)
         period = (_next(ev[:, wg, :tiles, 0]) - ev[:, wg, :tiles, 0])[keep]
         period = period[np.isfinite(period)]
         if period.size:

@@ -108,3 +108,20 @@ def test_tile_argument_is_two_integers():
     for bad in ("3", "a:b", "3:2:1", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="STAGES:LAG, two integers"):
             tp._tile_arg(bad)
+
+
+def test_item_boundaries_are_split_at_the_item_start():
+    """Event 7 (an item's first tile, before its query load) splits the gap after the previous
+    tile's release: epilogue and metadata before it, the query after; an item with no tile before
+    it in the trace counts only in the second. The share is their sum over the span."""
+    st = synthetic()
+    for t in (0, 3):  # items of three tiles on warpgroup 0
+        st[:, 0, t, 7] = st[:, 0, t, 0] - 15
+    lines: list[str] = []
+    res = tp.analyse(st, out=lines.append)
+    assert res[(0, "item end to start")] == STEP[-1] - 15
+    assert res[(0, "item start to first tile")] == 15
+    span = 5 * PERIOD + sum(STEP[:6])
+    assert res[(0, "item share")] == pytest.approx(STEP[-1] / span)
+    assert (1, "item share") not in res  # warpgroup 1 stamped no item start
+    assert "2.0 items a program" in "\n".join(lines)
