@@ -218,6 +218,12 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         # warpgroup frees half a period later than the leading one needs it with two stages
         out["pingpong 3 stages"] = dict(SM90_PREFILL_OVERLAP=False, SM90_PREFILL_PINGPONG=True,
                                         SM90_PREFILL_TILES=three)  # fmt: skip
+        # the query rows by TMA from the producer, alone and with ping-pong at 3 stages
+        out["q tma"] = dict(SM90_PREFILL_Q_TMA=True)
+        out["q tma+pingpong 3 stages"] = dict(SM90_PREFILL_Q_TMA=True, SM90_PREFILL_OVERLAP=False,
+                                              SM90_PREFILL_PINGPONG=True,
+                                              SM90_PREFILL_TILES=three)  # fmt: skip
+        out["query loads"] = dict(SM90_PREFILL_Q_TMA=False)
         out["overlap+pingpong 3 stages"] = dict(SM90_PREFILL_OVERLAP=True,
                                                 SM90_PREFILL_PINGPONG=True,
                                                 SM90_PREFILL_TILES=three)  # fmt: skip

@@ -361,6 +361,69 @@ def test_dynamic_deal_compiles_for_sm90_without_spills():
         assert atomics == (0 if deal == "dealt" else 2)
 
 
+def _main_args(**kw) -> dict:
+    (launch,) = [x for x in _plan(**kw) if x.name == "paged_prefill_sm90"]
+    return launch.args
+
+
+def test_query_by_tma_where_the_producer_can_address_it(monkeypatch):
+    """``SM90_PREFILL_Q_TMA``: the producer loads the query rows where TMA can address a
+    warpgroup's 64 rows as one box (aligned rows, whole 64-column groups, whole tokens of the
+    head tile) and the short items' split is off; elsewhere, and with the switch off, the
+    warpgroups read them as before. The descriptor's box is the warpgroup's rows."""
+    from portattn.kernels.paged_prefill_sm90 import q_tma
+
+    assert _main_args()["Q_TMA"] is False  # off by default
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_Q_TMA", True)
+    a = _main_args()
+    assert a["Q_TMA"] is True and a["HEAD_TILE"] == 4
+    assert list(a["q_desc"].block_shape) == [2, 16, 4, 64]  # [halves, tokens, heads, 64]
+    assert list(a["q_desc"].strides) == [64, 32 * 128, 128, 1]
+    assert _main_args(heads=(64, 8), head_dim=64)["Q_TMA"] is True  # GQA 8:1, one half
+    assert _main_args(heads=(40, 8), head_dim=64)["Q_TMA"] is False  # 64 rows: 12.8 tokens
+    q = torch.empty(100, 32, 129, dtype=torch.bfloat16, **META)[..., :128]  # head stride 129
+    assert q_tma(q, 128, 4, split=False) is False
+    q = torch.empty(100, 32, 128, dtype=torch.bfloat16, **META)
+    assert q_tma(q, 128, 4, split=False) is True
+    assert q_tma(q, 128, 4, split=True) is False  # split items store their own query
+    assert q_tma(q, 96, 4, split=False) is False  # not whole 64-column groups
+    assert q_tma(q, 128, 128, split=False) is False  # a warpgroup's rows: part of one token
+
+
+def _q_tma_compile(q_tma: bool, block_size: int) -> tuple[bool, int, int, int, int]:
+    """(the Q_TMA arg, spills, shared bytes, TMA copies and global loads in the PTX) of the
+    mixed batch's sm_90 launch with ``SM90_PREFILL_Q_TMA`` at ``q_tma``, compiled for sm_90 (a
+    spawned worker)."""
+    from portattn.compile.worker import _nvidia_resources, compile_kernel
+
+    paged_policy.SM90_PREFILL_Q_TMA = q_tma
+    (launch,) = [x for x in _plan(block_size=block_size) if x.name == "paged_prefill_sm90"]
+    compiled = compile_kernel(launch, SM90)
+    _, spills, _ = _nvidia_resources(compiled, 90)
+    ptx = compiled.asm["ptx"]
+    copies = ptx.count("cp.async.bulk.tensor")
+    loads = ptx.count("ld.global")
+    return launch.args["Q_TMA"], spills, compiled.metadata.shared, copies, loads
+
+
+def test_query_by_tma_compiles_for_sm90_without_spills():
+    """The producer's query copies: more TMA copies, fewer global loads (the warpgroups' query
+    reads gone), no spills, shared memory within `smem_bytes`."""
+    from tests.helpers import in_spawned_workers
+
+    jobs = [(on, bs) for on in (True, False) for bs in (16, 544, 2048)]
+    got = in_spawned_workers(_q_tma_compile, jobs)
+    for bs in (16, 544, 2048):
+        on, spills, shared, copies, loads = got[(True, bs)]
+        off = got[(False, bs)]
+        assert on is True and off[0] is False
+        assert spills == 0 == off[1], bs
+        tile = launch_tile(SM90_PREFILL_TILES[128], box_rows(bs, 128), 128, 2, SM90)
+        assert shared <= smem_bytes(tile, 128), (bs, shared)
+        assert copies > off[3], bs  # (ptxas may duplicate the loop's copies: not a count)
+        assert loads < off[4], bs
+
+
 # -- compile for sm_90 (no GPU) ------------------------------------------------------------------
 
 
@@ -607,14 +670,20 @@ def test_launch_tells_the_kernel_which_rows_are_aligned():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("q_tma", [False, True], ids=["query loads", "query by TMA"])
 @pytest.mark.parametrize("form", ["aligned", "padded", "odd head stride", "dim stride 2"])
-def test_gpu_sm90_prefill_query_and_output_forms(form):
+def test_gpu_sm90_prefill_query_and_output_forms(form, q_tma, monkeypatch):
     """A query and an output of the same form: aligned rows (16-byte query loads, 4-byte
     stores), padded rows (8 elements of NaN a row: still aligned, and left untouched), rows
     whose head stride is not a multiple of 8 elements, or a head dim of stride 2 (both element
-    by element); each against the oracle."""
+    by element); each against the oracle. With ``SM90_PREFILL_Q_TMA`` the aligned forms' query
+    comes by TMA from the producer (the NaN padding never read), the others as before."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
+    from portattn.kernels._plans import PLANS
+
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_Q_TMA", q_tma)
+    PLANS.clear()  # the switches are not in a plan's key
     b = make_batch(GPU_SEQS, block_size=16, heads=(32, 8), head_dim=128, dtype=torch.bfloat16,
                    device="cuda")  # fmt: skip
 
@@ -634,12 +703,14 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
     launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl, out=out)
     (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
     assert main.args["Q_VEC"] is main.args["O_VEC"] is (form in ("aligned", "padded"))
+    assert main.args["Q_TMA"] is (q_tma and form in ("aligned", "padded"))
     got = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl, out=out)
     torch.cuda.synchronize()
     assert got is out
     check(b, out)
     if form == "padded":  # nothing written past the rows
         assert torch.isnan(out._base[..., 128:]).all()
+    PLANS.clear()
 
 
 @pytest.mark.gpu
@@ -650,6 +721,13 @@ def test_gpu_sm90_prefill_query_and_output_forms(form):
         "overlap+pingpong",
         "pingpong",
         "pingpong, 3 stages",
+        "q tma",
+        "q tma, pingpong, 3 stages",
+        "q tma, overlap+pingpong",
+        "q tma, fused decode, one warpgroup",
+        "q tma, 3 warpgroups",
+        "q tma, release 2",
+        "q tma, dealt, v pages",
         "fused+pingpong",
         "3 warpgroups",
         "fused decode",
@@ -678,6 +756,10 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
     from portattn.kernels._plans import PLANS
 
+    # the query rows by TMA from the producer ("q tma, "; where `q_tma` takes them: not GQA 5:1)
+    q_tma = schedule.startswith("q tma")
+    schedule = schedule.removeprefix("q tma").removeprefix(", ") or "policy"
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_Q_TMA", q_tma)
     # the items taken from a counter (the default), or dealt when the launch starts ("dealt, ")
     dynamic = not schedule.startswith("dealt, ")
     schedule = schedule.removeprefix("dealt, ")
@@ -722,6 +804,8 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
     elif schedule.startswith("fused decode"):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_FUSE_DECODE", True)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_SPLIT_SHORT", "one" not in schedule)
+    elif schedule == "policy":  # the policy's switches, as they are
+        pass
     else:
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_OVERLAP", "overlap" in schedule)
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_PINGPONG", schedule.endswith("pingpong"))
@@ -759,6 +843,7 @@ def test_gpu_sm90_prefill_other_schedules(schedule, monkeypatch):
             assert main.args["EXP2_POLY"] == 2
         assert main.args["SPLIT"] == (schedule in ("fused decode",))
         assert main.args["DYNAMIC"] is dynamic
+        assert main.args["Q_TMA"] is (q_tma and heads == (32, 8))
         # the decodes fused: no decode launch
         assert (len(launches) == 2) == paged_policy.SM90_PREFILL_FUSE_DECODE
         out = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
@@ -806,16 +891,19 @@ def test_gpu_sm90_prefill_graph_replay_with_new_lengths(fuse, dynamic, monkeypat
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("q_tma", [False, True], ids=["query loads", "query by TMA"])
 @pytest.mark.parametrize("deal", ["dynamic", "dealt"])
-def test_gpu_sm90_prefill_many_items_a_program(deal, monkeypatch):
+def test_gpu_sm90_prefill_many_items_a_program(deal, q_tma, monkeypatch):
     """About 14 items a program, many of one or two tiles (GQA 16:1: 8-token q tiles of a
     3072-token prefill), so the dynamic deal's ring (`STAGES + 2` slots) wraps and its producer
-    runs as far ahead as the stages let it; a chunk and a decode beside them."""
+    runs as far ahead as the stages let it; a chunk and a decode beside them. With the query by
+    TMA, the query buffers' barriers turn over once an item, many times a program."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
     from portattn.kernels._plans import PLANS
 
     monkeypatch.setattr(paged_policy, "SM90_PREFILL_DYNAMIC", deal != "dealt")
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_Q_TMA", q_tma)
     PLANS.clear()  # the switches are not in a plan's key
     seqs = ((3072, 3072), (1500, 600), (2000, 1))
     b = make_batch(seqs, block_size=16, heads=(64, 4), head_dim=64, dtype=torch.bfloat16,
@@ -823,6 +911,7 @@ def test_gpu_sm90_prefill_many_items_a_program(deal, monkeypatch):
     launches = plan_paged_attention(*b.args(), max_query_len=3072, max_seq_len=3072)
     (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
     assert main.args["DYNAMIC"] is (deal != "dealt")
+    assert main.args["Q_TMA"] is q_tma
     items = main.args["SLOTS"] * sum(-(-q // main.args["BLOCK_Q"]) for _, q in seqs if q > 1)
     assert items > 2 * (main.args["STAGES"] + 2) * SM90.num_sms  # the ring wraps twice or more
     out = paged_attention(*b.args(), max_query_len=3072, max_seq_len=3072)

@@ -68,7 +68,12 @@ Pages shorter than the tile (bench/RESULTS.md, sixth session; the launch picks b
 
 Query rows are read 16 bytes a thread and output rows written 4 bytes a thread where the launcher
 found them aligned (``Q_VEC`` / ``O_VEC``, `rows_aligned`: a warpgroup's code does not see the
-launch's alignment); otherwise both go element by element.
+launch's alignment); otherwise both go element by element. With ``Q_TMA`` (`SM90_PREFILL_Q_TMA`,
+where `q_tma` allows it) the producer loads them instead: after an item's first tile's copies,
+one TMA copy a warpgroup (the 4-D view of `_q_descriptor`), each into the warpgroup's query
+buffer once the warpgroup has freed it (its previous item's last score MMA returned: a "free"
+and a "full" barrier a warpgroup, `_load_query`, `_query_freed`). The warpgroup then starts an
+item with its query already in shared memory, not with a global read behind the item's metadata.
 
 The rows of the sequence's last page past ``seq_len`` are real memory that may hold anything
 (NaN): their scores are masked, and before P V each warpgroup zeroes them in the V tile (both
@@ -365,15 +370,17 @@ def _take(ring, ring_bars, step, DYNAMIC: gl.constexpr):
 @gluon.jit
 def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, BOX: gl.constexpr, V_PAGES: gl.constexpr,
-              DYNAMIC: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+              DYNAMIC: gl.constexpr, GROUP: gl.constexpr, HEAD_TILE: gl.constexpr,
+              NUM_WG: gl.constexpr, Q_TMA: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
     """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page. K: a
     2-D box of [BOX, HEAD_D] (one copy a 64-column group under the 128-byte swizzle). V with
     V_PAGES (> 1): one copy a box, through the 3-D view ``[column groups, rows, 64]`` of
-    ``v_desc``, into the box's own [BOX, HEAD_D] tile (`_v_page`)."""
+    ``v_desc``, into the box's own [BOX, HEAD_D] tile (`_v_page`). Q_TMA: after an item's first
+    tile's copies, each consumer warpgroup's query rows (`_load_query`)."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq,
      stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc,
-     k_smem, v_smem, k_bars, v_bars, empty_bars, ctr_ptr, ring, ring_bars,
-     trace_ptr) = rt  # fmt: skip
+     k_smem, v_smem, k_bars, v_bars, empty_bars, ctr_ptr, ring, ring_bars, q_desc, q_smem, q_full,
+     q_free, trace_ptr) = rt  # fmt: skip
     tr = _trace_part(trace_ptr, TRACE_PARTS - 1)
     _stamp(tr, TRACE_TILES + 0 * b_off, 0, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 1, TRACE, True)
@@ -388,10 +395,11 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
     mine_b, n, off = _share(work_ptr, SLOTS, DYNAMIC)
     lists = (work_ptr, mine_b, n, off, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr)
     it = 0
+    nq = 0  # items whose query rows were loaded (Q_TMA)
     step = 0
     cur = _grab(ctr_ptr, ring, ring_bars, step, DYNAMIC)
     while cur < n:
-        seq, slot, _, _, _, seq_len, _, _, _, n_tiles = _item(
+        seq, slot, q_tile, q_start, _, seq_len, _, _, _, n_tiles = _item(
             lists, cur, SLOTS, BLOCK_Q, BLOCK_N, DYNAMIC
         )
         kv_head = slot // HEAD_TILES
@@ -432,12 +440,58 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
                     tma.async_copy_global_to_shared(
                         v_desc, [row, vcol], v_bars.index(s), v_buf.slice(b * BOX, BOX)
                     )
+            if Q_TMA:  # noqa: SIM102 (a constexpr branch around a runtime one)
+                if t == 0:  # (after the first tile's copies: they wait for an earlier release)
+                    _load_query(
+                        q_desc,
+                        q_smem,
+                        q_full,
+                        q_free,
+                        nq,
+                        q_start + q_tile * BLOCK_Q,
+                        kv_head * GROUP + (slot % HEAD_TILES) * HEAD_TILE,
+                        NUM_WG,
+                    )
+                    nq += 1
             _stamp(tr, jt, 2, TRACE)
             it += 1
         step += 1
         cur = _grab(ctr_ptr, ring, ring_bars, step, DYNAMIC)
     _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
+
+
+@gluon.jit
+def _query_box(q_smem, w: gl.constexpr, box: gl.constexpr):
+    """Warpgroup ``w``'s query buffer ([64, HEAD_D], NVMMA) as the Q_TMA box ``[column groups of
+    64, tokens, heads, 64]`` (`_q_descriptor`): the same bytes, a row ``token x heads + head``
+    (`_rows`), column halves major."""
+    L4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    return q_smem.index(w)._reinterpret(q_smem.dtype, box, L4)
+
+
+@gluon.jit
+def _load_query(q_desc, q_smem, q_full, q_free, nq, tok0, head0, NUM_WG: gl.constexpr):
+    """Q_TMA, the producer: the ``nq``-th item's query rows, one copy a consumer warpgroup, each
+    once the warpgroup has freed its buffer (its last score MMA of the item before returned,
+    `_query_freed`). Rows past the tensor's tokens or heads arrive as zeros; rows past the
+    sequence hold the next one's tokens: their outputs are not written."""
+    BOX: gl.constexpr = q_desc.block_shape
+    TOK: gl.constexpr = BOX[1]
+    for w in gl.static_range(NUM_WG):
+        mbarrier.wait(q_free.index(w), (nq & 1) ^ 1, pred=nq > 0)
+        mbarrier.expect(q_full.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [0, tok0 + w * TOK, head0, 0], q_full.index(w),
+                                        _query_box(q_smem, w, BOX))  # fmt: skip
+
+
+@gluon.jit
+def _query_freed(q_free, WG: gl.constexpr, Q_TMA: gl.constexpr):
+    """Q_TMA, a consumer warpgroup: its query buffer is free for the next item (every warp's
+    score MMAs of this item have returned: the barrier first)."""
+    if Q_TMA:
+        gl.thread_barrier()
+        mbarrier.arrive(q_free.index(WG), count=1)
 
 
 @gluon.jit
@@ -696,7 +750,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
               SPLIT: gl.constexpr, Q_VEC: gl.constexpr, O_VEC: gl.constexpr,
               RELEASE_LAG: gl.constexpr, V_PAGES: gl.constexpr, POLY: gl.constexpr,
               LAZY: gl.constexpr, TREE: gl.constexpr, DYNAMIC: gl.constexpr,
-              TRACE: gl.constexpr):  # fmt: skip
+              Q_TMA: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
     scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
     PINGPONG: the two warpgroups issue their MMAs in turns (module doc). RELEASE_LAG (the
@@ -705,11 +759,14 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     at the item's end. V_PAGES (> 1; the sequential loop only): V tiles arrive as that many page
     boxes of one copy each (`_v_page`), P V is one MMA a box (`_pv_pages`). Q_VEC / O_VEC: the
     query's / output's rows are aligned (`rows_aligned`): the query is read 16 bytes a thread,
-    the output written 4; else element by element."""
+    the output written 4; else element by element. Q_TMA: the producer loads the query rows
+    (`_load_query`); the warpgroup waits for them at the item's start and frees its buffer once
+    the item's last score MMA has returned (`_query_freed`)."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok,
      stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim, scale_log2, k_smem,
      v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, merge_acc, merge_m,
-     merge_l, merge_bars, ring, ring_bars, trace_ptr) = rt  # fmt: skip
+     merge_l, merge_bars, ring, ring_bars, q_full, q_free, trace_ptr) = rt  # fmt: skip
+    gl.static_assert(not (Q_TMA and SPLIT), "Q_TMA: the split short items store their own query")
     tr = _trace_part(trace_ptr, WG)
     _stamp(tr, TRACE_TILES + 0 * b_off, 0, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 1, TRACE, True)
@@ -735,6 +792,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     it = 0
     tk = 0  # turns taken (PINGPONG)
     nm = 0  # short items merged (SPLIT)
+    nq = 0  # items whose query rows the producer loaded (Q_TMA)
     step = 0
     cur = _take(ring, ring_bars, step, DYNAMIC)
     while cur < n:
@@ -791,6 +849,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                    GROUP, HEAD_TILE, BLOCK_Q, SPLIT)  # fmt: skip
             nm += 1
         elif idle:
+            if Q_TMA:  # (the producer loads every warpgroup's rows: pass the buffer on)
+                mbarrier.wait(q_full.index(WG), nq & 1)
+                _query_freed(q_free, WG, Q_TMA)
             for _t in range(n_tiles):
                 s = it % STAGES
                 ph = (it // STAGES) & 1
@@ -806,15 +867,18 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
         else:
             _stamp(tr, trace_slot(it, TRACE, TRACE_TILES), 7, TRACE)
             # -- this warpgroup's query rows into shared memory (the score MMA's A operand) --
-            tok, head, real = _rows(WG, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
-                                    HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
-            dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
-            q_rows = tok * stride_q_tok + head * stride_q_head
-            q_ptrs = row_ptrs(q_ptr, q_rows, dq, stride_q_dim, Q_VEC, 8)
-            q = gl.load(q_ptrs, mask=real[:, None], other=0.0)
-            q_buf.store(q)
-            fence_async_shared()
-            gl.thread_barrier()
+            if Q_TMA:
+                mbarrier.wait(q_full.index(WG), nq & 1)
+            else:
+                tok, head, real = _rows(WG, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
+                                        HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
+                dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
+                q_rows = tok * stride_q_tok + head * stride_q_head
+                q_ptrs = row_ptrs(q_ptr, q_rows, dq, stride_q_dim, Q_VEC, 8)
+                q = gl.load(q_ptrs, mask=real[:, None], other=0.0)
+                q_buf.store(q)
+                fence_async_shared()
+                gl.thread_barrier()
             # each row sees the positions < its limit (>= 1: no row is ever fully masked)
             rs = WG * ROWS + gl.arange(0, ROWS, layout=ROW)
             limit = ctx_len + q_tile * BLOCK_Q + rs // HEAD_TILE + 1
@@ -855,6 +919,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     mbarrier.arrive(empty_bars.index(sp), count=1)
                     acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
                     p_op = gl.convert_layout(p.to(dtype), PA)
+                _query_freed(q_free, WG, Q_TMA)  # (the item's last scores have returned)
                 # the last tile's P V
                 s = it % STAGES
                 v_buf = v_smem.index(s)
@@ -905,6 +970,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
                     _stamp(tr, jt, 6, TRACE)
                     it += 1
+                _query_freed(q_free, WG, Q_TMA)  # (the item's last scores have returned)
                 # the last tile: its softmax, then its P V in a turn of its own
                 s = it % STAGES
                 start = (n_tiles - 1) * BLOCK_N
@@ -942,6 +1008,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)), qk, use_acc=False,
                                        is_async=True)  # fmt: skip
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+                    if Q_TMA:  # noqa: SIM102 (a constexpr branch around a runtime one)
+                        if t == n_tiles - 1:  # the item's last scores have returned
+                            _query_freed(q_free, WG, Q_TMA)
                     if RELEASE_LAG == 1:  # the previous tile's stage (its P V has returned)
                         _release_prev(empty_bars, it, t, STAGES)
                     _stamp(tr, jt, 2, TRACE)
@@ -977,6 +1046,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             o_rows = tok_o * stride_o_tok + head_o * stride_o_head
             o_ptrs = row_ptrs(out_ptr, o_rows, do, stride_o_dim, O_VEC, 8)
             gl.store(o_ptrs, o.to(dtype), mask=real_o[:, None])
+        nq += 1
         step += 1
         cur = _take(ring, ring_bars, step, DYNAMIC)
     _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
@@ -989,6 +1059,7 @@ def _paged_prefill_sm90_kernel(
     q_ptr,
     k_desc,  # 2-D view of the key cache's rows: [total_rows, cols], box [BOX, HEAD_D]
     v_desc,
+    q_desc,  # Q_TMA: the query as [column groups, tokens, heads, 64] (`_q_descriptor`); else k_desc
     work_ptr,  # `_work_list_kernel`'s lists
     b_off,  # where the second list starts (`WorkListLayout`)
     counter,  # where the dynamic deal's counter is (`WorkListLayout`)
@@ -1034,6 +1105,7 @@ def _paged_prefill_sm90_kernel(
     Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
     O_VEC: gl.constexpr,  # the output's rows aligned
     DYNAMIC: gl.constexpr,  # items taken from a counter as programs free up (`_grab`), not dealt
+    Q_TMA: gl.constexpr,  # the producer loads the query rows (`_load_query`)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
 ):
@@ -1069,27 +1141,34 @@ def _paged_prefill_sm90_kernel(
     for w in gl.static_range(2):
         mbarrier.init(turn_bars.index(w), count=1)
         mbarrier.init(merge_bars.index(w), count=1)
+    # Q_TMA: each warpgroup's query buffer loaded (the producer's copy) and freed (the warpgroup)
+    q_full = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(NUM_WG):
+        mbarrier.init(q_full.index(w), count=1)
+        mbarrier.init(q_free.index(w), count=1)
     mbarrier.arrive(turn_bars.index(0), count=1, pred=PINGPONG)  # warpgroup 0 goes first
     fence_async_shared()
     prod = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
             stride_bt_seq, stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol,
             stride_vcol, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars,
-            work_ptr + counter, ring, ring_bars, trace_ptr)  # fmt: skip
+            work_ptr + counter, ring, ring_bars, q_desc, q_smem, q_full, q_free,
+            trace_ptr)  # fmt: skip
     cons = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
             scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, merge_acc,
-            merge_m, merge_l, merge_bars, ring, ring_bars, trace_ptr)  # fmt: skip
+            merge_m, merge_l, merge_bars, ring, ring_bars, q_full, q_free, trace_ptr)  # fmt: skip
     if NUM_WG == 2:
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC,
-                             TRACE)),
+                             GROUP, HEAD_TILE, NUM_WG, Q_TMA, TRACE)),
             ],
             [4, PRODUCER_WARPS_],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -1100,15 +1179,15 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, TRACE)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC,
-                             TRACE)),
+                             GROUP, HEAD_TILE, NUM_WG, Q_TMA, TRACE)),
             ],
             [4, 4, PRODUCER_WARPS_],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
@@ -1127,13 +1206,14 @@ def box_rows(block_size: int, block_n: int) -> int:
 def smem_bytes(tile: Sm90PrefillTile, head_dim: int, elem: int = 2, split: bool = False) -> int:
     """Shared memory this kernel allocates, an upper bound: Q (64 rows a warpgroup), ``stages``
     K and V tiles, the merge buffer of short items on two warpgroups (``split``: 64 rows of fp32
-    accumulator, maxima and sums), the barriers, the dynamic deal's ring (`_grab`: a word and a
-    barrier a slot) and 1 KB for Triton's alignment."""
+    accumulator, maxima and sums), the barriers (Q_TMA's two a warpgroup among them), the dynamic
+    deal's ring (`_grab`: a word and a barrier a slot) and 1 KB for Triton's alignment."""
     q = 64 * tile.warpgroups * head_dim * elem
     kv = 2 * tile.stages * tile.block_n * head_dim * elem
     merge = 64 * (head_dim + 2) * 4 if split else 2 * 2 * 4 + 2 * 2 * 4
     ring = (tile.stages + ITEM_RING_EXTRA.value) * (4 + 8)
-    return q + kv + merge + (3 * tile.stages + 4) * 8 + ring + 1024
+    bars = 3 * tile.stages + 4 + 2 * tile.warpgroups
+    return q + kv + merge + bars * 8 + ring + 1024
 
 
 def split_short(tile: Sm90PrefillTile, head_dim: int, elem: int, target: Target) -> bool:
@@ -1296,6 +1376,34 @@ def _v_descriptor(cache: torch.Tensor, tile: Sm90PrefillTile, box: int) -> Tenso
     )  # fmt: skip
 
 
+def q_tma(q: torch.Tensor, head_dim: int, head_tile: int, split: bool) -> bool:
+    """Whether the producer loads the query rows (`paged_policy.SM90_PREFILL_Q_TMA`): rows that
+    TMA can address (`rows_aligned`), ``head_dim`` in whole 64-column groups (the 128-byte
+    swizzle's), a warpgroup's 64 rows whole tokens of the head tile, and no split short items
+    (they store their query themselves)."""
+    return (
+        paged_policy.SM90_PREFILL_Q_TMA
+        and rows_aligned(q)
+        and head_dim % 64 == 0
+        and head_tile <= 64
+        and 64 % head_tile == 0
+        and not split
+    )
+
+
+def _q_descriptor(q: torch.Tensor, head_tile: int) -> TensorDescriptor:
+    """Q_TMA: the query ``[tokens, heads, head_dim]`` as ``[column groups of 64, tokens, heads,
+    64]`` (strides 64, the token and head strides, 1), box ``[head_dim // 64, 64 // head_tile,
+    head_tile, 64]``: one copy lays a warpgroup's 64 rows (``token x head_tile + head``) down as
+    its [64, head_dim] NVMMA tile, column halves major (as `_v_descriptor` does for V pages)."""
+    d = q.shape[2]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    return TensorDescriptor(
+        q, [d // 64, q.shape[0], q.shape[1], 64], [64, q.stride(0), q.stride(1), 1],
+        [d // 64, 64 // head_tile, head_tile, 64], layout,
+    )  # fmt: skip
+
+
 def _check_trace(buf: torch.Tensor, programs: int, args: dict, device: torch.device) -> None:
     """`TRACE_BUFFER` fits the launch, and the launch runs the schedule the trace stamps."""
     need = programs * TRACE_PARTS.value * (TRACE_TILES.value + 1) * TRACE_EVENTS.value
@@ -1367,11 +1475,15 @@ def sm90_prefill_launches(
     dtype = _GL_DTYPES[key_cache.dtype]
     split = split_short(tile, head_dim, key_cache.element_size(), main.target)
     nv = v_pages(tile, box, value_cache, split)
+    q = a["q_ptr"]
+    use_q_tma = q_tma(q, head_dim, head_tile, split)
+    k_desc = _descriptor(key_cache, tile, box)
     args = dict(
         out_ptr=a["out_ptr"],
         q_ptr=a["q_ptr"],
-        k_desc=_descriptor(key_cache, tile, box),
+        k_desc=k_desc,
         v_desc=(_v_descriptor if nv > 1 else _descriptor)(value_cache, tile, box),
+        q_desc=_q_descriptor(q, head_tile) if use_q_tma else k_desc,  # (off: never read)
         work_ptr=work,
         b_off=layout.b_off,
         counter=layout.counter,
@@ -1417,6 +1529,7 @@ def sm90_prefill_launches(
         Q_VEC=rows_aligned(a["q_ptr"]),
         O_VEC=rows_aligned(a["out_ptr"]),
         DYNAMIC=bool(paged_policy.SM90_PREFILL_DYNAMIC),
+        Q_TMA=use_q_tma,
         # a placeholder pointer when off (never read)
         trace_ptr=TRACE_BUFFER if TRACE_BUFFER is not None else a["seq_lens_ptr"],
         TRACE=TRACE_BUFFER is not None,

@@ -353,6 +353,16 @@ SM90_PREFILL_TREE_REDUCE = False
 #: `SM90_PREFILL_RING_ITEMS` from 3227fdb, measured 1-9% slower on the H200 and was removed:
 #: bench/NOTES.md, fourteenth session.)
 SM90_PREFILL_DYNAMIC = True
+#: Each item's query rows loaded by the producer warp, one TMA copy a consumer warpgroup into its
+#: query buffer, as soon as the warpgroup's last score MMA of its previous item has returned
+#: (`portattn.kernels.paged_prefill_sm90`, ``Q_TMA``); off, each warpgroup reads its rows from
+#: global memory at the item's start, after the item's metadata, while the tensor cores idle. The
+#: clock trace (bench/trace_prefill.py) put each item's start at thousands of cycles, about 62
+#: items a program at pure prefill 8x4096. Taken where the query's rows are 16-byte aligned
+#: (`portattn.kernels._launch.rows_aligned`), head_dim a multiple of 64, a warpgroup's 64 rows
+#: whole tokens of the head tile (``64 % HEAD_TILE == 0``) and the short items' split off; the
+#: rest read the rows as before. Read at planning.
+SM90_PREFILL_Q_TMA = False
 
 
 @dataclass(frozen=True)
