@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call (issue 19, sixteenth session): the sm_90 prefill kernel's query rows by TMA
 # from the producer (`SM90_PREFILL_Q_TMA`), alone and with ping-pong turns at 3 stages. The GPU
-# tests that run it (PYTEST_K), clock traces of the policy and of the switch on (item
-# boundaries: bench/trace_prefill.py; TRACE=0 skips them), then every prefill point under
+# tests that run it (PYTEST_K), clock traces (TRACE_SETS: by default the policy and the switch
+# on; item boundaries: bench/trace_prefill.py; TRACE=0 skips them), then every prefill point under
 # VARIANTS (`bench_prefill.py --schedules` names), rounds in turns. Logs in $OUT.
 # Usage on the GPU machine, from the repository root:
 #   ROUNDS=3 bash bench/qtma_session.sh
@@ -12,10 +12,16 @@ run tests 300 python3 -m pytest -q -m gpu tests/kernels/test_paged_prefill_sm90.
   -k "${PYTEST_K:-tma or query or many_items or pingpong}"
 tail -3 "$OUT/tests.log"
 if [ "${TRACE:-1}" = 1 ]; then
-  for sw in 0 1; do
-    run "trace_q$sw" 200 python3 bench/trace_prefill.py --points "prefill 8x4096" \
-      --blocks ${TRACE_BLOCKS:-2048} --set SM90_PREFILL_Q_TMA=$sw
-    grep -E "^==|period|item|S = Q|softmax|P V" "$OUT/trace_q$sw.log" | head -40
+  # TRACE_SETS: one trace per entry, each a space-separated list of `trace_prefill.py` options
+  IFS=';' read -ra sets <<< "${TRACE_SETS:---set SM90_PREFILL_Q_TMA=0;--set SM90_PREFILL_Q_TMA=1}"
+  i=0
+  for opts in "${sets[@]}"; do
+    # shellcheck disable=SC2086
+    run "trace_$i" 200 python3 bench/trace_prefill.py --points "prefill 8x4096" \
+      --blocks ${TRACE_BLOCKS:-2048} $opts
+    echo "## trace $i: $opts"
+    grep -E "^==|period|item|S = Q|softmax|P V" "$OUT/trace_$i.log" | head -40
+    i=$((i + 1))
   done
 fi
 run prefill 400 python3 bench/bench_prefill.py --schedules --rounds ${ROUNDS:-3} \

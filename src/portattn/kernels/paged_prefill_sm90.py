@@ -62,18 +62,21 @@ Pages shorter than the tile (bench/RESULTS.md, sixth session; the launch picks b
   ``[column groups of 64, rows, 64]`` copies both halves of a box at once, laid down as the box's
   own [box, 128] NVMMA tile (`_v_page`), and P V is one MMA a box (`_pv_pages`: P's column groups
   split in registers). K keeps two copies a box (the score MMA reads the tile's rows at one
-  stride). At 16-token pages a tile's copies fall from 32 to 24.
+  stride). At 16-token pages a tile's copies fall from 32 to 24. In the sequential loop, with
+  or without ping-pong turns (not the overlapped loop).
 * Late release (``RELEASE_LAG``, where a tile has 2 or 4 boxes: `SM90_PREFILL_LATE_RELEASE_BOXES`):
   3 stages, each released just before the next tile's P V instead of after its own.
 
 Query rows are read 16 bytes a thread and output rows written 4 bytes a thread where the launcher
 found them aligned (``Q_VEC`` / ``O_VEC``, `rows_aligned`: a warpgroup's code does not see the
 launch's alignment); otherwise both go element by element. With ``Q_TMA`` (`SM90_PREFILL_Q_TMA`,
-where `q_tma` allows it) the producer loads them instead: after an item's first tile's copies,
-one TMA copy a warpgroup (the 4-D view of `_q_descriptor`), each into the warpgroup's query
-buffer once the warpgroup has freed it (its previous item's last score MMA returned: a "free"
-and a "full" barrier a warpgroup, `_load_query`, `_query_freed`). The warpgroup then starts an
-item with its query already in shared memory, not with a global read behind the item's metadata.
+where `q_tma` allows it) the producer loads them instead: after the copies of an item's tile
+``STAGES - 1`` (or its last: that tile's stage was the previous item's last, released after its
+last scores), one TMA copy a warpgroup (the 4-D view of `_q_descriptor`), each into the
+warpgroup's query buffer once the warpgroup has freed it (its previous item's last score MMA
+returned: a "free" and a "full" barrier a warpgroup, `_load_query`, `_query_freed`). The
+warpgroup then starts an item with its query already in shared memory, not with a global read
+behind the item's metadata.
 
 The rows of the sequence's last page past ``seq_len`` are real memory that may hold anything
 (NaN): their scores are masked, and before P V each warpgroup zeroes them in the V tile (both
@@ -375,8 +378,9 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
     """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page. K: a
     2-D box of [BOX, HEAD_D] (one copy a 64-column group under the 128-byte swizzle). V with
     V_PAGES (> 1): one copy a box, through the 3-D view ``[column groups, rows, 64]`` of
-    ``v_desc``, into the box's own [BOX, HEAD_D] tile (`_v_page`). Q_TMA: after an item's first
-    tile's copies, each consumer warpgroup's query rows (`_load_query`)."""
+    ``v_desc``, into the box's own [BOX, HEAD_D] tile (`_v_page`). Q_TMA: after the copies of an
+    item's tile ``STAGES - 1`` (or its last), each consumer warpgroup's query rows
+    (`_load_query`)."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq,
      stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc,
      k_smem, v_smem, k_bars, v_bars, empty_bars, ctr_ptr, ring, ring_bars, q_desc, q_smem, q_full,
@@ -441,7 +445,11 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
                         v_desc, [row, vcol], v_bars.index(s), v_buf.slice(b * BOX, BOX)
                     )
             if Q_TMA:  # noqa: SIM102 (a constexpr branch around a runtime one)
-                if t == 0:  # (after the first tile's copies: they wait for an earlier release)
+                # after the copies of the item's tile STAGES - 1 (or its last): their stage
+                # was the previous item's last, so its warpgroups' last scores have returned
+                # and the wait for their buffers is over; waiting at an earlier tile held the
+                # copies back to within a tile of the warpgroups at every item boundary
+                if t == gl.minimum(STAGES - 1, n_tiles - 1):
                     _load_query(
                         q_desc,
                         q_smem,
@@ -756,8 +764,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     PINGPONG: the two warpgroups issue their MMAs in turns (module doc). RELEASE_LAG (the
     sequential loop only, `Sm90PrefillTile.release_lag`): tile t's stage is released after tile
     t+1's scores (1) or just before its P V (2), not after tile t's P V (0); an item's last tile
-    at the item's end. V_PAGES (> 1; the sequential loop only): V tiles arrive as that many page
-    boxes of one copy each (`_v_page`), P V is one MMA a box (`_pv_pages`). Q_VEC / O_VEC: the
+    at the item's end. V_PAGES (> 1; the sequential loop, with or without turns): V tiles
+    arrive as that many page boxes of one copy each (`_v_page`), P V is one MMA a box
+    (`_pv_pages`). Q_VEC / O_VEC: the
     query's / output's rows are aligned (`rows_aligned`): the query is read 16 bytes a thread,
     the output written 4; else element by element. Q_TMA: the producer loads the query rows
     (`_load_query`); the warpgroup waits for them at the item's start and frees its buffer once
@@ -949,7 +958,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, t * BLOCK_N, full_end, kv_end, limit, cols)
                     m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
-                                                   False, POLY, LAZY, TREE)  # fmt: skip
+                                                   V_PAGES > 1, POLY, LAZY, TREE)  # fmt: skip
                     _stamp(tr, jt, 3, TRACE)
                     # tile t is not the item's last: it ends before kv_end <= seq_len, its V
                     # rows are all real
@@ -958,7 +967,10 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     mbarrier.wait(k_bars.index(s2), ((it + 1) // STAGES) & 1)
                     _stamp(tr, jt, 4, TRACE)
                     tk = _turn_wait(turn_bars, WG, tk, PINGPONG, turns)
-                    acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
+                    if V_PAGES > 1:
+                        acc = _pv_pages(p_op, v_smem.index(s), acc, V_PAGES, PA)
+                    else:
+                        acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
                     qk = warpgroup_mma(q_buf, k_smem.index(s2).permute((1, 0)),
                                        gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
                                        use_acc=False, is_async=True)  # fmt: skip
@@ -979,15 +991,18 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 _stamp(tr, jt, 1, TRACE)
                 _stamp(tr, jt, 2, TRACE)
                 sc = _scores(qk, start, full_end, kv_end, limit, cols)
-                m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA, False,
-                                               POLY, LAZY, TREE)  # fmt: skip
+                m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
+                                               V_PAGES > 1, POLY, LAZY, TREE)  # fmt: skip
                 _stamp(tr, jt, 3, TRACE)
                 v_buf = v_smem.index(s)
                 mbarrier.wait(v_bars.index(s), (it // STAGES) & 1)
-                _zero_tail(v_buf, start, seq_len, LOAD)
+                _zero_tail(v_buf, start, seq_len, LOAD, V_PAGES)
                 _stamp(tr, jt, 4, TRACE)
                 tk = _turn_wait(turn_bars, WG, tk, PINGPONG, turns)
-                acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+                if V_PAGES > 1:
+                    acc = _pv_pages(p_op, v_buf, acc, V_PAGES, PA)
+                else:
+                    acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
                 _turn_pass(turn_bars, WG, PINGPONG, turns)
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
                 _stamp(tr, jt, 5, TRACE)
@@ -1337,7 +1352,7 @@ def launch_tile(tile: Sm90PrefillTile, box: int, head_dim: int, elem: int,
 
 def _turns_or_overlap(tile: Sm90PrefillTile) -> bool:
     """Whether the launch runs the overlapped loop or takes ping-pong turns (two warpgroups
-    only): the loops that release each stage after its own P V and read V as one tile."""
+    only): the loops that release each stage after its own P V (no late release)."""
     pingpong = paged_policy.SM90_PREFILL_PINGPONG and tile.warpgroups == 2
     return paged_policy.SM90_PREFILL_OVERLAP or pingpong
 
@@ -1346,8 +1361,8 @@ def v_pages(tile: Sm90PrefillTile, box: int, value_cache: torch.Tensor, split: b
     """How many one-copy page boxes a V tile arrives in (`paged_policy.SM90_PREFILL_V_PAGES`; 1:
     the tile's 2-D boxes, two copies each at head_dim 128): pages shorter than the tile,
     head_dim a multiple of 64 above 64, KV heads a multiple of 64 columns apart, and the
-    sequential schedule (the overlapped and ping-pong loops and the short items' split read V
-    as one tile)."""
+    sequential loop, with or without ping-pong turns (the overlapped loop and the short items'
+    split read V as one tile)."""
     d = value_cache.shape[3]
     ok = (
         paged_policy.SM90_PREFILL_V_PAGES
@@ -1356,7 +1371,7 @@ def v_pages(tile: Sm90PrefillTile, box: int, value_cache: torch.Tensor, split: b
         and d % 64 == 0
         and value_cache.stride(2) % 64 == 0
         and tile.block_n // box in (2, 4, 8)  # `_pv_pages`' splits
-        and not _turns_or_overlap(tile)
+        and not paged_policy.SM90_PREFILL_OVERLAP
         and not split
     )
     return tile.block_n // box if ok else 1
