@@ -214,16 +214,18 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         out["overlap+pingpong"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=True)
         # turns in the sequential loop (P V of tile t and the scores of t+1 in one turn)
         out["pingpong"] = dict(SM90_PREFILL_OVERLAP=False, SM90_PREFILL_PINGPONG=True)
-        # ... with a third stage: a turn issues tile t+1's scores, whose stage the lagging
-        # warpgroup frees half a period later than the leading one needs it with two stages
+        # ... with a third stage (the query loaded by the warpgroups: the turns tile without
+        # SM90_PREFILL_Q_TMA), and the sixteenth session's policy (turns, 3 stages, query by TMA)
         out["pingpong 3 stages"] = dict(SM90_PREFILL_OVERLAP=False, SM90_PREFILL_PINGPONG=True,
+                                        SM90_PREFILL_Q_TMA=False,
                                         SM90_PREFILL_TILES=three)  # fmt: skip
-        # the query rows by TMA from the producer, alone and with ping-pong at 3 stages
-        out["q tma"] = dict(SM90_PREFILL_Q_TMA=True)
         out["q tma+pingpong 3 stages"] = dict(SM90_PREFILL_Q_TMA=True, SM90_PREFILL_OVERLAP=False,
                                               SM90_PREFILL_PINGPONG=True,
                                               SM90_PREFILL_TILES=three)  # fmt: skip
-        out["query loads"] = dict(SM90_PREFILL_Q_TMA=False)
+        # the tile before it: sequential at 2 stages (late release at 2-4 boxes a tile)
+        seq = dict(paged_policy.SM90_PREFILL_TILES)
+        seq[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=2)
+        out["sequential"] = dict(SM90_PREFILL_TILES=seq)
         out["overlap+pingpong 3 stages"] = dict(SM90_PREFILL_OVERLAP=True,
                                                 SM90_PREFILL_PINGPONG=True,
                                                 SM90_PREFILL_TILES=three)  # fmt: skip
@@ -252,6 +254,7 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         out["static deal"] = dict(SM90_PREFILL_DYNAMIC=False)
         out["before"] = dict(SM90_PREFILL_V_PAGES=False, SM90_PREFILL_LATE_RELEASE_BOXES=())
         out["v pages 2+"] = dict(SM90_PREFILL_V_PAGES=True, SM90_PREFILL_V_PAGES_MIN_BOXES=2)
+        out["v pages 4+"] = dict(SM90_PREFILL_V_PAGES=True, SM90_PREFILL_V_PAGES_MIN_BOXES=4)
         # 3 stages, each released later in the next tile (Sm90PrefillTile.release_lag)
         for lag in (1, 2):
             late = dict(paged_policy.SM90_PREFILL_TILES)

@@ -40,19 +40,22 @@ its first row, base-2 online softmax in registers, then O += P V with P as the r
 
 * ``SM90_PREFILL_OVERLAP``: tile t's scores are issued together with tile t-1's P V, and tile t's
   softmax runs while the latter is in flight (the accumulator is rescaled once it lands);
-* ``SM90_PREFILL_PINGPONG``: the two warpgroups take turns issuing their MMAs (an mbarrier
-  each; warpgroup 0 first), so one's softmax runs under the other's MMAs instead of both
-  warpgroups, which wait on the same K tile, scoring at once and then both leaving the tensor
-  cores idle. Overlapped, a turn issues tile t's scores with tile t-1's P V; sequential, it
-  issues tile t's P V with tile t+1's scores (the item's first scores and its last P V take
-  turns of their own). An item whose second warpgroup has no real rows (a decode item, a short
-  last q tile) takes no turns: warpgroup 0 runs it alone while warpgroup 1 passes its tiles on
-  (with ``SM90_PREFILL_SPLIT_SHORT``, both run it by halves of the keys, without turns).
+* ``SM90_PREFILL_PINGPONG`` (or the tile's own `Sm90PrefillTile.pingpong`, `takes_turns`): the
+  two warpgroups take turns issuing their MMAs (an mbarrier each; warpgroup 0 first), so one's
+  softmax runs under the other's MMAs instead of both warpgroups, which wait on the same K tile,
+  scoring at once and then both leaving the tensor cores idle. Overlapped, a turn issues tile t's
+  scores with tile t-1's P V; sequential, it issues tile t's P V with tile t+1's scores (the item's
+  first scores and its last P V take turns of their own). An item whose second warpgroup has no
+  real rows (a decode item, a short last q tile) takes no turns: warpgroup 0 runs it alone while
+  warpgroup 1 passes its tiles on (with ``SM90_PREFILL_SPLIT_SHORT``, both run it by halves of
+  the keys, without turns).
 
-Both off (the default: on an H100 neither the overlapped schedules, nor 3 stages, nor 192-row
-tiles measured faster, bench/RESULTS.md 2026-11-25, at whole-tile boxes; 3 stages with a late
-release did, at 2-4 boxes a tile: below), a warpgroup scores, softmaxes and accumulates one tile
-at a time.
+Both off, a warpgroup scores, softmaxes and accumulates one tile at a time (head_dim 64's tile;
+on an H100 neither the overlapped schedules, nor 3 stages, nor 192-row tiles measured faster
+than it, bench/RESULTS.md 2026-11-25, at whole-tile boxes; 3 stages with a late release did, at
+2-4 boxes a tile: below). Head_dim 128's tile takes turns at 3 stages (sixteenth session, H200:
+at 2 stages the turns starved, since a turn issues the scores of a tile whose stage the other
+warpgroup frees only half a tile period before, and measured slower).
 
 Pages shorter than the tile (bench/RESULTS.md, sixth session; the launch picks both,
 `launch_tile` and `v_pages`):
@@ -1277,8 +1280,8 @@ def sm90_prefill_errors(
             ),
             (
                 lag == 0 or not schedule,
-                f"tile release_lag {lag} is for the sequential schedule (SM90_PREFILL_OVERLAP / "
-                "SM90_PREFILL_PINGPONG are on)",
+                f"tile release_lag {lag} is for the sequential schedule without turns "
+                "(SM90_PREFILL_OVERLAP, SM90_PREFILL_PINGPONG or the tile's pingpong is on)",
             ),
         ]
     elem = query.element_size()
@@ -1332,13 +1335,19 @@ def _descriptor(cache: torch.Tensor, tile: Sm90PrefillTile, box: int) -> TensorD
     )
 
 
-def launch_tile(tile: Sm90PrefillTile, box: int, head_dim: int, elem: int,
-                target: Target) -> Sm90PrefillTile:  # fmt: skip
-    """The policy's tile for a launch whose pages are ``box``-row boxes: where a tile has a
+def launch_tile(tile: Sm90PrefillTile, box: int, head_dim: int, elem: int, target: Target,
+                query_by_tma: bool = True) -> Sm90PrefillTile:  # fmt: skip
+    """The policy's tile for a launch whose pages are ``box``-row boxes. A tile that takes turns
+    (`Sm90PrefillTile.pingpong`) where the query cannot come by TMA (``query_by_tma``, `q_tma`)
+    gives way to `paged_policy.SM90_PREFILL_NO_TMA_TILES`'s. Then, where a tile has a
     count of boxes in `paged_policy.SM90_PREFILL_LATE_RELEASE_BOXES`, a two-stage tile of the
     sequential schedule runs 3 stages with release lag 2 (`Sm90PrefillTile.release_lag`) if they
     fit the target's shared memory and the short items' split (`split_short`, whose merge buffer
     would no longer fit) is not on; any other tile is the policy's."""
+    if tile.pingpong and not query_by_tma:
+        tile = paged_policy.SM90_PREFILL_NO_TMA_TILES.get(
+            head_dim, dataclasses.replace(tile, pingpong=False)
+        )
     late = dataclasses.replace(tile, stages=3, release_lag=2)
     take = (
         tile.block_n // box in paged_policy.SM90_PREFILL_LATE_RELEASE_BOXES
@@ -1350,11 +1359,16 @@ def launch_tile(tile: Sm90PrefillTile, box: int, head_dim: int, elem: int,
     return late if take else tile
 
 
+def takes_turns(tile: Sm90PrefillTile) -> bool:
+    """Whether the launch's two warpgroups take ping-pong turns (``PINGPONG``): the tile's own
+    `Sm90PrefillTile.pingpong` or `paged_policy.SM90_PREFILL_PINGPONG`, two warpgroups only."""
+    return (tile.pingpong or paged_policy.SM90_PREFILL_PINGPONG) and tile.warpgroups == 2
+
+
 def _turns_or_overlap(tile: Sm90PrefillTile) -> bool:
-    """Whether the launch runs the overlapped loop or takes ping-pong turns (two warpgroups
-    only): the loops that release each stage after its own P V (no late release)."""
-    pingpong = paged_policy.SM90_PREFILL_PINGPONG and tile.warpgroups == 2
-    return paged_policy.SM90_PREFILL_OVERLAP or pingpong
+    """Whether the launch runs the overlapped loop or takes ping-pong turns: the loops that
+    release each stage after its own P V (no late release)."""
+    return paged_policy.SM90_PREFILL_OVERLAP or takes_turns(tile)
 
 
 def v_pages(tile: Sm90PrefillTile, box: int, value_cache: torch.Tensor, split: bool) -> int:
@@ -1391,18 +1405,18 @@ def _v_descriptor(cache: torch.Tensor, tile: Sm90PrefillTile, box: int) -> Tenso
     )  # fmt: skip
 
 
-def q_tma(q: torch.Tensor, head_dim: int, head_tile: int, split: bool) -> bool:
-    """Whether the producer loads the query rows (`paged_policy.SM90_PREFILL_Q_TMA`): rows that
-    TMA can address (`rows_aligned`), ``head_dim`` in whole 64-column groups (the 128-byte
-    swizzle's), a warpgroup's 64 rows whole tokens of the head tile, and no split short items
-    (they store their query themselves)."""
+def q_tma(q: torch.Tensor, head_dim: int, head_tile: int) -> bool:
+    """Whether the producer may load the query rows (`paged_policy.SM90_PREFILL_Q_TMA`): rows
+    that TMA can address (`rows_aligned`), ``head_dim`` in whole 64-column groups (the 128-byte
+    swizzle's), a warpgroup's 64 rows whole tokens of the head tile. The launch does so where it
+    takes ping-pong turns (where it measured faster) and splits no short items (they store
+    their query themselves)."""
     return (
         paged_policy.SM90_PREFILL_Q_TMA
         and rows_aligned(q)
         and head_dim % 64 == 0
         and head_tile <= 64
         and 64 % head_tile == 0
-        and not split
     )
 
 
@@ -1460,7 +1474,9 @@ def sm90_prefill_launches(
     box = min(
         box_rows(key_cache.shape[1], tile.block_n), box_rows(value_cache.shape[1], tile.block_n)
     )
-    tile = launch_tile(tile, box, head_dim, key_cache.element_size(), main.target)
+    q = a["q_ptr"]
+    q_ok = q_tma(q, head_dim, head_tile)
+    tile = launch_tile(tile, box, head_dim, key_cache.element_size(), main.target, q_ok)
     work_launch = Launch(
         kernel=_work_list_kernel,
         grid=(num_seqs,),
@@ -1490,8 +1506,7 @@ def sm90_prefill_launches(
     dtype = _GL_DTYPES[key_cache.dtype]
     split = split_short(tile, head_dim, key_cache.element_size(), main.target)
     nv = v_pages(tile, box, value_cache, split)
-    q = a["q_ptr"]
-    use_q_tma = q_tma(q, head_dim, head_tile, split)
+    use_q_tma = q_ok and takes_turns(tile) and not split
     k_desc = _descriptor(key_cache, tile, box)
     args = dict(
         out_ptr=a["out_ptr"],
@@ -1530,7 +1545,7 @@ def sm90_prefill_launches(
         BOX=box,
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([64, head_dim], dtype),
         OVERLAP=paged_policy.SM90_PREFILL_OVERLAP,
-        PINGPONG=paged_policy.SM90_PREFILL_PINGPONG and tile.warpgroups == 2,
+        PINGPONG=takes_turns(tile),
         CONSUMER_REGS=REGS[tile.warpgroups][0],
         PRODUCER_REGS=REGS[tile.warpgroups][1],
         PRODUCER_WARPS_=PRODUCER_WARPS,

@@ -275,7 +275,9 @@ SM90_PREFILL_MIN_ROWS = 128
 #: The kernel's schedule (`portattn.kernels.paged_prefill_sm90`, module doc): scores of tile t
 #: issued with P V of tile t-1 (OVERLAP), and the two warpgroups issuing their MMAs in turns
 #: (PINGPONG; in either loop: sequential, a turn issues P V of tile t with the scores of t+1).
-#: Both off: each warpgroup scores, softmaxes and accumulates one tile at a time.
+#: Both off: each warpgroup scores, softmaxes and accumulates one tile at a time, unless the
+#: head_dim's tile takes turns itself (`Sm90PrefillTile.pingpong`: head_dim 128 does). PINGPONG
+#: on makes every two-warpgroup tile take turns.
 SM90_PREFILL_OVERLAP = False
 SM90_PREFILL_PINGPONG = False
 #: The decode sequences of a mixed batch (those of the portable kernel's decode row tile) as
@@ -361,8 +363,15 @@ SM90_PREFILL_DYNAMIC = True
 #: items a program at pure prefill 8x4096. Taken where the query's rows are 16-byte aligned
 #: (`portattn.kernels._launch.rows_aligned`), head_dim a multiple of 64, a warpgroup's 64 rows
 #: whole tokens of the head tile (``64 % HEAD_TILE == 0``) and the short items' split off; the
-#: rest read the rows as before. Read at planning.
-SM90_PREFILL_Q_TMA = False
+#: rest read the rows as before; and only in launches that take ping-pong turns
+#: (`portattn.kernels.paged_prefill_sm90.takes_turns`). Measured (H200, bench/RESULTS.md sixteenth
+#: session, 3 rounds in turns): with turns at 3 stages, pure prefill 8x4096 2.4-5.4% faster than
+#: the same turns without it, mixed 8x2048 1.3-2.5%, 8x512 level; the trace's query wait fell
+#: from 1900-2350 to 250 cycles an item. In the sequential loop it was level to 8% slower (the
+#: first build's producer waited for the freed buffer at the item's first tile; the trace showed
+#: its copies less far ahead and the score step slower), so it stays out of that loop. On. Read
+#: at planning.
+SM90_PREFILL_Q_TMA = True
 
 
 @dataclass(frozen=True)
@@ -380,13 +389,31 @@ class Sm90PrefillTile:
     #: later release moves the producer's copies of a tile later in the consumers' tile period
     #: (bench/NOTES.md: copies that land during the MMAs slow them).
     release_lag: int = 0
+    #: The two warpgroups take turns issuing their MMAs (the sequential loop's ping-pong, as
+    #: ``SM90_PREFILL_PINGPONG`` makes every two-warpgroup tile do): one turn issues P V of tile t
+    #: and the scores of tile t+1, whose stage the lagging warpgroup frees half a tile period
+    #: after the leading one would need it at 2 stages, so turns want ``stages >= 3``.
+    pingpong: bool = False
 
 
-#: head_dim -> tile (bf16/fp16). 128: 32 KB Q + 2 x 64 KB K/V stages = 160 KB of the H100's 227
-#: (3 stages, 224 KB, measured the same: bench/RESULTS.md 2026-11-25, issue 19 schedules). The
-#: launch may run 3 stages released late instead (`SM90_PREFILL_LATE_RELEASE_BOXES`).
+#: head_dim -> tile (bf16/fp16). 128: 32 KB Q + 3 x 64 KB K/V stages = 224 KB of the H100's 227,
+#: ping-pong turns, the query by TMA (`SM90_PREFILL_Q_TMA`). H200, bench/RESULTS.md sixteenth
+#: session (3 rounds in turns, against the sequential 2-stage tile before it): pure prefill
+#: 8x4096 3.2-5.4% faster, mixed 8x2048 2.4-3.5%, mixed 8x512 level to 6% faster (calls 2-3);
+#: the turns alone at 2 stages were 1-3% slower (the producer starved: the trace's tile period
+#: stayed at ~3100 cycles), at 3 stages without the query by TMA level to 2.6% faster. The
+#: sequential tile at 3 stages measured the same as at 2 (2026-11-25). 64: the sequential loop,
+#: not measured with turns.
 SM90_PREFILL_TILES = {
     64: Sm90PrefillTile(block_n=128, stages=3),
+    128: Sm90PrefillTile(block_n=128, stages=3, pingpong=True),
+}
+#: head_dim -> the tile a launch runs instead of its `SM90_PREFILL_TILES` tile where that takes
+#: turns but the query cannot come by TMA (`SM90_PREFILL_Q_TMA` off, or rows `q_tma` refuses:
+#: GQA 5:1, unaligned rows): the sequential tile, as before the sixteenth session. The turns
+#: without the query by TMA spill 56 B at GQA 5:1 (compile matrix), and were not faster
+#: than this tile in every run (bench/RESULTS.md sixteenth session, calls 1-3).
+SM90_PREFILL_NO_TMA_TILES = {
     128: Sm90PrefillTile(block_n=128, stages=2),
 }
 
