@@ -98,15 +98,21 @@ def test_launcher_refuses_a_bad_switch(value, monkeypatch):
 
 
 def _kernel_ptx(kind: str, switches: tuple, heads=(32, 8), head_dim=128) -> tuple[dict, str]:
-    """The sm_90 launch of ``kind`` ("prefill": `_plan`'s mixed batch; "mla": the compile
-    matrix's 128-head page-64 case) planned under ``switches`` ((module, name, value): module
-    "paged" or "mla" of `portattn.policy`): its softmax switches' args and its PTX. Run in a
-    spawned process without the interpreter (`tests.helpers.in_spawned_workers`): a Gluon
-    kernel compiled in a process that has run the interpreter can fail to build."""
+    """The sm_90 launch of ``kind`` ("prefill": `_plan`'s mixed batch, on the sequential tile;
+    "mla": the compile matrix's 128-head page-64 case) planned under ``switches`` ((module,
+    name, value): module "paged" or "mla" of `portattn.policy`): its softmax switches' args and
+    its PTX. Run in a spawned process without the interpreter
+    (`tests.helpers.in_spawned_workers`): a Gluon kernel compiled in a process that has run the
+    interpreter can fail to build."""
     policies = {"paged": paged_policy, "mla": mla_policy}
     for module, name, value in switches:
         setattr(policies[module], name, value)
     if kind == "prefill":
+        # the sequential loop's counts (head_dim 128's policy tile takes turns: a second softmax
+        # site, the last tile's)
+        tiles = dict(paged_policy.SM90_PREFILL_TILES)
+        tiles[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=2)
+        paged_policy.SM90_PREFILL_TILES = tiles
         (launch,) = [x for x in _plan(heads=heads, head_dim=head_dim)
                      if x.name == "paged_prefill_sm90"]  # fmt: skip
     else:
