@@ -918,6 +918,32 @@ def test_gpu_sm90_prefill_graph_replay_with_new_lengths(fuse, dynamic, monkeypat
 
 
 @pytest.mark.gpu
+def test_gpu_sm90_prefill_cached_calls_read_each_calls_query():
+    """Three calls of one description, each with new tensors (query, caches, metadata): the plan
+    cache's hits rebuild the query's TMA descriptor around each call's query (the producer
+    loads it), so each output matches its own batch."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90 kernel needs an sm_90 GPU")
+    from portattn.kernels._plans import PLANS
+
+    PLANS.clear()
+    mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
+    hits = PLANS.hits
+    for seed in range(3):
+        b = make_batch(GPU_SEQS, block_size=16, heads=(32, 8), head_dim=128,
+                       dtype=torch.bfloat16, device="cuda", seed=seed)  # fmt: skip
+        if seed == 0:
+            launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
+            (main,) = [x for x in launches if x.name == "paged_prefill_sm90"]
+            assert main.args["Q_TMA"] is True
+        out = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
+        torch.cuda.synchronize()
+        check(b, out)
+    assert PLANS.hits - hits >= 2
+    PLANS.clear()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("q_tma", [False, True], ids=["query loads", "query by TMA"])
 @pytest.mark.parametrize("deal", ["dynamic", "dealt"])
 def test_gpu_sm90_prefill_many_items_a_program(deal, q_tma, monkeypatch):

@@ -137,6 +137,33 @@ def test_paged_plan_replays_exactly(kw):
     _assert_same_plan(bound, fresh, inputs)
 
 
+def _sm90_prefill_call(seed):
+    """A prefill batch for sm_90's Gluon kernel (meta tensors): its TMA descriptors are the
+    caches' and, with the query by TMA, the query's."""
+    b = make_batch(((300, 100), (50, 1), (200, 64)), block_size=16, heads=(32, 8), head_dim=128,
+                   dtype=torch.bfloat16, seed=seed)  # fmt: skip
+    args = tuple(t.to("meta") for t in b.args())
+
+    def call(plan_fn):
+        launches = plan_fn(*args, target=get_target("sm_90"), max_query_len=100,
+                           max_seq_len=300, check_contents=False)  # fmt: skip
+        return (*args, None), launches
+
+    return call
+
+
+def test_sm90_prefill_plan_rebuilds_the_query_descriptor():
+    """A cached plan of the sm_90 prefill kernel bound to a later call's tensors: the query's
+    TMA descriptor (the producer loads the query rows) is rebuilt around the new query, as the
+    caches' are; a plan that kept the first call's would read a freed query."""
+    bound, fresh, inputs = _replayed(
+        plan_paged_attention, _sm90_prefill_call(0), _sm90_prefill_call(1)
+    )
+    (main,) = [x for x in fresh if x.name == "paged_prefill_sm90"]
+    assert main.args["Q_TMA"] is True and main.args["q_desc"].base is inputs[0]
+    _assert_same_plan(bound, fresh, inputs)
+
+
 def _mla_call(
     seed, device="cpu", *, heads=16, metadata=False, page_indices=False, out=False, lse=False
 ):
