@@ -204,27 +204,32 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
     emptied around it: the switches are not in a plan's key)."""
     out: dict[str, dict] = {"policy": {}}
     if schedules:  # the sm_90 kernel's schedules and depth (kernels/paged_prefill_sm90.py)
+        # the tile before the sixteenth session: sequential at 2 stages (late release at 2-4
+        # boxes a tile); the variants about that loop's switches run on it
+        seq = dict(paged_policy.SM90_PREFILL_TILES)
+        seq[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=2)
         three = dict(paged_policy.SM90_PREFILL_TILES)
         three[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=3)
         out["3 stages"] = dict(SM90_PREFILL_TILES=three)
         wide = dict(paged_policy.SM90_PREFILL_TILES)
         wide[128] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, warpgroups=3)
         out["3 warpgroups"] = dict(SM90_PREFILL_TILES=wide)
-        out["overlap"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=False)
-        out["overlap+pingpong"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=True)
-        # turns in the sequential loop (P V of tile t and the scores of t+1 in one turn)
-        out["pingpong"] = dict(SM90_PREFILL_OVERLAP=False, SM90_PREFILL_PINGPONG=True)
-        # ... with a third stage (the query loaded by the warpgroups: the turns tile without
-        # SM90_PREFILL_Q_TMA), and the sixteenth session's policy (turns, 3 stages, query by TMA)
+        out["overlap"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=False,
+                              SM90_PREFILL_TILES=seq)  # fmt: skip
+        out["overlap+pingpong"] = dict(SM90_PREFILL_OVERLAP=True, SM90_PREFILL_PINGPONG=True,
+                                       SM90_PREFILL_TILES=seq)  # fmt: skip
+        # turns in the sequential loop (P V of tile t and the scores of t+1 in one turn), at 2
+        # stages
+        out["pingpong"] = dict(SM90_PREFILL_OVERLAP=False, SM90_PREFILL_PINGPONG=True,
+                               SM90_PREFILL_TILES=seq)  # fmt: skip
+        # ... with a third stage (the query loaded by the warpgroups), and with the query by TMA
+        # (the sixteenth session's policy at head_dim 128, spelled out)
         out["pingpong 3 stages"] = dict(SM90_PREFILL_OVERLAP=False, SM90_PREFILL_PINGPONG=True,
                                         SM90_PREFILL_Q_TMA=False,
                                         SM90_PREFILL_TILES=three)  # fmt: skip
         out["q tma+pingpong 3 stages"] = dict(SM90_PREFILL_Q_TMA=True, SM90_PREFILL_OVERLAP=False,
                                               SM90_PREFILL_PINGPONG=True,
                                               SM90_PREFILL_TILES=three)  # fmt: skip
-        # the tile before it: sequential at 2 stages (late release at 2-4 boxes a tile)
-        seq = dict(paged_policy.SM90_PREFILL_TILES)
-        seq[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=2)
         out["sequential"] = dict(SM90_PREFILL_TILES=seq)
         out["overlap+pingpong 3 stages"] = dict(SM90_PREFILL_OVERLAP=True,
                                                 SM90_PREFILL_PINGPONG=True,
@@ -232,14 +237,18 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         # the decode sequences of a mixed batch in a launch of their own after the sm_90 kernel
         out["decode launch"] = dict(SM90_PREFILL_FUSE_DECODE=False)
         # ... fused (the default), each split over both warpgroups by keys, not on warpgroup 0
-        out["fused split"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_SPLIT_SHORT=True)
+        # (on the sequential tile: the split's merge buffer does not fit beside 3 stages)
+        out["fused split"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_SPLIT_SHORT=True,
+                                  SM90_PREFILL_TILES=seq)  # fmt: skip
         out["fused 3 stages"] = dict(SM90_PREFILL_FUSE_DECODE=True, SM90_PREFILL_TILES=three)
         # V in two copies a page box (the switch off), or in one at every box count (2+ boxes)
         out["v pages off"] = dict(SM90_PREFILL_V_PAGES=False)
         # the policy's two stages wherever the late release would take three
-        out["late release off"] = dict(SM90_PREFILL_LATE_RELEASE_BOXES=())
+        # (both on the sequential tile, the only one it applies to)
+        out["late release off"] = dict(SM90_PREFILL_LATE_RELEASE_BOXES=(), SM90_PREFILL_TILES=seq)
         # ... and at every box count (1 box: block 2048; 8 boxes: block 16)
-        out["late release all"] = dict(SM90_PREFILL_LATE_RELEASE_BOXES=(1, 2, 4, 8))
+        out["late release all"] = dict(SM90_PREFILL_LATE_RELEASE_BOXES=(1, 2, 4, 8),
+                                       SM90_PREFILL_TILES=seq)  # fmt: skip
         # the softmax's exponentials: that many of every 4 by the polynomial (0: all on the MUFU)
         for k in range(5):
             out[f"exp2 poly {k}"] = dict(SM90_PREFILL_EXP2_POLY=k)
@@ -252,7 +261,8 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         # items taken from a counter as programs free up, or dealt when the launch starts
         out["dynamic deal"] = dict(SM90_PREFILL_DYNAMIC=True)
         out["static deal"] = dict(SM90_PREFILL_DYNAMIC=False)
-        out["before"] = dict(SM90_PREFILL_V_PAGES=False, SM90_PREFILL_LATE_RELEASE_BOXES=())
+        out["before"] = dict(SM90_PREFILL_V_PAGES=False, SM90_PREFILL_LATE_RELEASE_BOXES=(),
+                             SM90_PREFILL_TILES=seq)  # fmt: skip
         out["v pages 2+"] = dict(SM90_PREFILL_V_PAGES=True, SM90_PREFILL_V_PAGES_MIN_BOXES=2)
         out["v pages 4+"] = dict(SM90_PREFILL_V_PAGES=True, SM90_PREFILL_V_PAGES_MIN_BOXES=4)
         # 3 stages, each released later in the next tile (Sm90PrefillTile.release_lag)

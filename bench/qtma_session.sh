@@ -14,6 +14,7 @@ tail -3 "$OUT/tests.log"
 if [ "${TRACE:-1}" = 1 ]; then
   # TRACE_SETS: one trace per entry, each a space-separated list of `trace_prefill.py` options
   IFS=';' read -ra sets <<< "${TRACE_SETS:---set SM90_PREFILL_Q_TMA=0;--set SM90_PREFILL_Q_TMA=1}"
+  # (the policy's head_dim-128 tile takes the query by TMA with turns; off, the sequential tile)
   i=0
   for opts in "${sets[@]}"; do
     # shellcheck disable=SC2086
@@ -26,5 +27,5 @@ if [ "${TRACE:-1}" = 1 ]; then
 fi
 run prefill 400 python3 bench/bench_prefill.py --schedules --rounds ${ROUNDS:-3} \
   ${POINTS:+--points "$POINTS"} \
-  --variants "${VARIANTS:-policy,q tma,pingpong 3 stages,q tma+pingpong 3 stages}"
+  --variants "${VARIANTS:-policy,sequential,pingpong 3 stages}"
 sed -n '/^== summary/,$p' "$OUT/prefill.log"

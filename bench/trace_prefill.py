@@ -222,10 +222,6 @@ def main(argv=None) -> int:
         paged_policy.SM90_PREFILL_TILES = tiles
         paged_policy.SM90_PREFILL_LATE_RELEASE_BOXES = ()  # the tile asked for, as it is
         print(f"head_dim 128 tile: {tiles[128]}")
-    if paged_policy.SM90_PREFILL_PINGPONG and not paged_policy.SM90_PREFILL_OVERLAP:
-        print("ping-pong (sequential) steps: 'wait K' and 'S = Q K^T' are 0 (waited elsewhere);"
-              " 'wait V, zero tail' includes the next tile's K; 'O += P V' the turn, both issues"
-              " and the P V wait; 'release' the next scores' wait")  # fmt: skip
     if not torch.cuda.is_available():
         sys.exit("trace_prefill: needs a CUDA device")
     from triton.testing import do_bench_cudagraph
@@ -273,7 +269,12 @@ def main(argv=None) -> int:
             print(f"  graph median: plain {us['plain']:.1f} us, traced {us['traced']:.1f} us")
             a = main_launch[0].args
             print(f"  launch: {a['STAGES']} stages, release lag {a['RELEASE_LAG']}, V pages "
-                  f"{a['V_PAGES']}, box {a['BOX']} rows")  # fmt: skip
+                  f"{a['V_PAGES']}, box {a['BOX']} rows, turns {a['PINGPONG']}, query by TMA "
+                  f"{a['Q_TMA']}")  # fmt: skip
+            if a["PINGPONG"]:  # the policy's tile or the switch (the trace stamps no overlap)
+                print("  (ping-pong steps: 'wait K' and 'S = Q K^T' are 0, waited elsewhere; "
+                      "'wait V, zero tail' includes the next tile's K; 'O += P V' the turn, both "
+                      "issues and the P V wait; 'release' the next scores' wait)")  # fmt: skip
             if a["RELEASE_LAG"]:
                 print("  (release lag: 'release' is the barrier after P V only; the stage's "
                       "release is in the next tile's 'S = Q K^T' (lag 1) or 'wait V, zero tail' "

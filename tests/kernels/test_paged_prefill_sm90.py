@@ -408,12 +408,43 @@ def test_query_by_tma_where_the_producer_can_address_it(monkeypatch):
     assert q_tma(q, 128, 128) is False  # a warpgroup's rows: part of one token
 
 
+def test_the_fallback_tile_sets_the_launch_rows(monkeypatch):
+    """Where a tile of turns gives way to `SM90_PREFILL_NO_TMA_TILES`' (the query cannot come by
+    TMA), the launch's rows, q tiles and page boxes are the fallback's: a policy tile of turns
+    with another shape (here 64-token tiles, 4 stages) must not leave its q tile or its box on
+    the 2-warpgroup, 128-token fallback."""
+    tiles = dict(SM90_PREFILL_TILES)
+    tiles[128] = paged_policy.Sm90PrefillTile(block_n=64, stages=4, pingpong=True)
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
+    a = _main_args(heads=(32, 8))  # the query by TMA: the policy's tile
+    assert (a["BLOCK_N"], a["STAGES"], a["PINGPONG"], a["Q_TMA"]) == (64, 4, True, True)
+    a = _main_args(heads=(40, 8), block_size=2048)  # GQA 5:1: the fallback, sequential
+    assert (a["BLOCK_N"], a["STAGES"], a["PINGPONG"], a["Q_TMA"]) == (128, 2, False, False)
+    assert a["BLOCK_Q"] == 64 * a["NUM_WG"] // a["HEAD_TILE"] and a["BOX"] == 128
+    # a fallback tile the target cannot run refuses the kernel, with the reason
+    monkeypatch.setattr(
+        paged_policy,
+        "SM90_PREFILL_NO_TMA_TILES",
+        {128: paged_policy.Sm90PrefillTile(block_n=128, stages=2, release_lag=1)},
+    )
+    q = torch.empty(1, 32, 128, dtype=torch.bfloat16, **META)
+    cache = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16, **META)
+    errors = sm90_prefill_errors(q, cache, cache, "NHD", SM90)
+    assert any("fallback tile release_lag 1 needs stages >= 3" in e for e in errors), errors
+
+
 def _q_tma_compile(q_tma: bool, block_size: int) -> tuple[bool, int, int, int, int]:
     """(the Q_TMA arg, spills, shared bytes, TMA copies and global loads in the PTX) of the
-    mixed batch's sm_90 launch with ``SM90_PREFILL_Q_TMA`` at ``q_tma``, compiled for sm_90 (a
+    mixed batch's sm_90 launch taking turns at 3 stages with ``SM90_PREFILL_Q_TMA`` at
+    ``q_tma`` (the same loop either way: the turns by the switch, not the tile's flag, which
+    would fall back to the sequential tile without the query by TMA), compiled for sm_90 (a
     spawned worker)."""
     from portattn.compile.worker import _nvidia_resources, compile_kernel
 
+    tiles = dict(paged_policy.SM90_PREFILL_TILES)
+    tiles[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=3)
+    paged_policy.SM90_PREFILL_TILES = tiles
+    paged_policy.SM90_PREFILL_PINGPONG = True
     paged_policy.SM90_PREFILL_Q_TMA = q_tma
     (launch,) = [x for x in _plan(block_size=block_size) if x.name == "paged_prefill_sm90"]
     compiled = compile_kernel(launch, SM90)
@@ -425,8 +456,10 @@ def _q_tma_compile(q_tma: bool, block_size: int) -> tuple[bool, int, int, int, i
 
 
 def test_query_by_tma_compiles_for_sm90_without_spills():
-    """The producer's query copies: more TMA copies, fewer global loads (the warpgroups' query
-    reads gone), no spills, shared memory within `smem_bytes`."""
+    """The producer's query copies in the turns at 3 stages, against the same loop without them:
+    more TMA copies, fewer global loads (the warpgroups' query reads gone), shared memory within
+    `smem_bytes`; no spills without them, at most the compile gate's 16 B with them (ptxas
+    parks 16 B at four boxes a tile, block 544)."""
     from tests.helpers import in_spawned_workers
 
     jobs = [(on, bs) for on in (True, False) for bs in (16, 544, 2048)]
@@ -437,7 +470,7 @@ def test_query_by_tma_compiles_for_sm90_without_spills():
         assert on is True and off[0] is False
         # (the compile gate's 16 B: ptxas parks 16 B with 4 boxes a tile, block 544)
         assert spills <= 16 and off[1] == 0, bs
-        tile = launch_tile(SM90_PREFILL_TILES[128], box_rows(bs, 128), 128, 2, SM90)
+        tile = paged_policy.Sm90PrefillTile(block_n=128, stages=3)
         assert shared <= smem_bytes(tile, 128), (bs, shared)
         assert copies > off[3], bs  # (ptxas may duplicate the loop's copies: not a count)
         assert loads < off[4], bs
@@ -457,10 +490,13 @@ def test_compiles_for_sm90_without_spills(case_id):
     (cell,) = run_matrix([case], ["sm_90"])
     (r,) = [launch for launch in cell.launches if launch.name == "paged_prefill_sm90"]
     assert r.ok, r.error
+    # the launch the cell compiled: the policy's turns at 3 stages, no late release, the query
+    # by TMA
+    (main,) = [x for x in case.plan(SM90) if x.name == "paged_prefill_sm90"]
+    a = main.args
+    assert (a["STAGES"], a["RELEASE_LAG"], a["PINGPONG"], a["Q_TMA"]) == (3, 0, True, True)
     tile = SM90_PREFILL_TILES[128]
-    # the launch's tile: the policy's turns at 3 stages, no late release (the query by TMA)
     tile = launch_tile(tile, box_rows(int(case_id[2:]), tile.block_n), 128, 2, SM90)
-    assert (tile.stages, tile.release_lag, tile.pingpong) == (3, 0, True)
     assert r.shared <= smem_bytes(tile, 128, split=split_short(tile, 128, 2, SM90))
     assert r.spills <= 16  # (16 B at block 544: four boxes a tile, the turns and the query copy)
 
@@ -497,20 +533,22 @@ def test_trace_buffer_refuses_what_it_cannot_stamp(monkeypatch, size, switch, ma
         _plan()
 
 
-def _traced_ptx_counts() -> tuple[int, int, int | None]:
+def _traced_ptx_counts(turns: bool = False) -> tuple[int, int, int | None]:
     """(global timer reads, clock reads, ptxas spill bytes) of the traced launch compiled for
-    sm_90. Run in a spawned process without the interpreter (as the compile matrix compiles):
+    sm_90: the sequential tile, or with ``turns`` the policy's (turns at 3 stages, the query by
+    TMA). Run in a spawned process without the interpreter (as the compile matrix compiles):
     a Gluon kernel compiled in a process that has run the interpreter can fail to build."""
     import portattn.kernels.paged_prefill_sm90 as sm90
     from portattn.compile.worker import _resources, compile_kernel
 
     need = SM90.num_sms * sm90.TRACE_PARTS.value * (sm90.TRACE_TILES.value + 1) * 8
     sm90.TRACE_BUFFER = torch.empty(need, dtype=torch.int64, device="meta")
-    tiles = dict(paged_policy.SM90_PREFILL_TILES)  # the sequential loop's stamps (no turns)
-    tiles[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=2)
+    tiles = dict(SM90_PREFILL_TILES)  # the policy's (the worker may have run another job)
+    if not turns:  # the sequential loop's stamps
+        tiles[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=2)
     paged_policy.SM90_PREFILL_TILES = tiles
-    (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
-    assert main.args["PINGPONG"] is False
+    (main,) = [launch for launch in _plan(block_size=2048) if launch.name == "paged_prefill_sm90"]
+    assert main.args["PINGPONG"] is main.args["Q_TMA"] is turns
     compiled = compile_kernel(main, SM90)
     ptx = compiled.asm["ptx"]
     return ptx.count("%globaltimer"), ptx.count("%clock64"), _resources(compiled, SM90)[1]
@@ -518,18 +556,21 @@ def _traced_ptx_counts() -> tuple[int, int, int | None]:
 
 def test_traced_kernel_compiles_for_sm90_within_the_spill_gate():
     """The traced build stamps in all three partitions (CPU compile, sm_90 PTX): the clock at
-    each of the consumers' and the producer's steps, the global timer at their ends. Spills at
-    most the 8 B ptxas parks with the dynamic deal's atomic beside the stamps (a diagnostic
-    build; the compile gate allows 16 B)."""
+    each of the consumers' and the producer's steps, the global timer at their ends, in the
+    sequential loop and in the policy's turns. Spills within the compile gate's 16 B (a
+    diagnostic build: ptxas parks 8-16 B beside the stamps)."""
     from tests.helpers import in_spawned_workers
 
-    ((timer, clock, spills),) = in_spawned_workers(_traced_ptx_counts, [()], workers=1).values()
+    got = in_spawned_workers(_traced_ptx_counts, [(False,), (True,)], workers=1)
     # the global timer at both ends of the 3 partitions; the clock at both ends, and: warpgroup
-    # 0 at 7 steps a tile and an item's start; warpgroup 1 the same, and 4 on the path that
-    # passes a decode item's tiles on (warpgroup 0 never takes it); the producer 3 a tile
-    assert timer == 6
-    assert clock == (2 + 7 + 1) + (2 + 7 + 1 + 4) + (2 + 3)
-    assert spills <= 8
+    # 0 at 7 steps a tile and an item's start (with turns, 7 more for the item's last tile,
+    # outside the loop); warpgroup 1 the same, and 4 on the path that passes a decode item's
+    # tiles on (warpgroup 0 never takes it); the producer 3 a tile
+    for turns, last in ((False, 0), (True, 7)):
+        timer, clock, spills = got[(turns,)]
+        assert timer == 6
+        assert clock == (2 + 7 + last + 1) + (2 + 7 + last + 1 + 4) + (2 + 3), turns
+        assert spills <= 16, turns
 
 
 # -- GPU: numerics against the fp64 oracle ------------------------------------------------------

@@ -27,7 +27,7 @@ program spreads its decode items evenly among its prefill items from a phase of 
 while the rest run prefill tiles (compute-bound), where a decode launch after the prefill would
 leave the tensor cores idle (the dynamic deal spreads them so over the launch's one order). A
 warpgroup whose rows are all padding (a decode item's second warpgroup) skips the math and only
-releases each tile.
+releases each tile (with ``Q_TMA``, also its query buffer, which the producer fills anyway).
 
 Schedule (`gl.warp_specialize`): a one-warp producer walks the same items and KV tiles as the
 consumers and, for each tile, waits until both warpgroups released its stage, then loads K and
@@ -53,9 +53,12 @@ its first row, base-2 online softmax in registers, then O += P V with P as the r
 Both off, a warpgroup scores, softmaxes and accumulates one tile at a time (head_dim 64's tile;
 on an H100 neither the overlapped schedules, nor 3 stages, nor 192-row tiles measured faster
 than it, bench/RESULTS.md 2026-11-25, at whole-tile boxes; 3 stages with a late release did, at
-2-4 boxes a tile: below). Head_dim 128's tile takes turns at 3 stages (sixteenth session, H200:
-at 2 stages the turns starved, since a turn issues the scores of a tile whose stage the other
-warpgroup frees only half a tile period before, and measured slower).
+2-4 boxes a tile: below). Head_dim 128's tile takes turns at 3 stages with the query by TMA
+(sixteenth session, H200: at 2 stages the turns starved, since a turn issues the scores of a
+tile whose stage the other warpgroup frees only half a tile period before, and measured
+slower); where the query cannot come by TMA (GQA whose group does not divide 64, unaligned
+rows, ``SM90_PREFILL_Q_TMA`` off) the launch runs the sequential 2-stage tile instead
+(`query_tile`, `paged_policy.SM90_PREFILL_NO_TMA_TILES`).
 
 Pages shorter than the tile (bench/RESULTS.md, sixth session; the launch picks both,
 `launch_tile` and `v_pages`):
@@ -74,8 +77,9 @@ Query rows are read 16 bytes a thread and output rows written 4 bytes a thread w
 found them aligned (``Q_VEC`` / ``O_VEC``, `rows_aligned`: a warpgroup's code does not see the
 launch's alignment); otherwise both go element by element. With ``Q_TMA`` (`SM90_PREFILL_Q_TMA`,
 where `q_tma` allows it) the producer loads them instead: after the copies of an item's tile
-``STAGES - 1`` (or its last: that tile's stage was the previous item's last, released after its
-last scores), one TMA copy a warpgroup (the 4-D view of `_q_descriptor`), each into the
+``STAGES - 1`` (or its last; in an item of at least ``STAGES`` tiles that tile's stage was the
+previous item's last, released after its last scores, so the copy does not wait; a shorter
+item's may wait for them), one TMA copy a warpgroup (the 4-D view of `_q_descriptor`), each into the
 warpgroup's query buffer once the warpgroup has freed it (its previous item's last score MMA
 returned: a "free" and a "full" barrier a warpgroup, `_load_query`, `_query_freed`). The
 warpgroup then starts an item with its query already in shared memory, not with a global read
@@ -448,9 +452,10 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
                         v_desc, [row, vcol], v_bars.index(s), v_buf.slice(b * BOX, BOX)
                     )
             if Q_TMA:  # noqa: SIM102 (a constexpr branch around a runtime one)
-                # after the copies of the item's tile STAGES - 1 (or its last): their stage
-                # was the previous item's last, so its warpgroups' last scores have returned
-                # and the wait for their buffers is over; waiting at an earlier tile held the
+                # after the copies of the item's tile STAGES - 1 (or its last): in an item of
+                # at least STAGES tiles their stage was the previous item's last, so its
+                # warpgroups' last scores have returned and the wait for their buffers is over
+                # (a shorter item may wait here); waiting at the item's first tile held the
                 # copies back to within a tile of the warpgroups at every item boundary
                 if t == gl.minimum(STAGES - 1, n_tiles - 1):
                     _load_query(
@@ -475,7 +480,7 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
 @gluon.jit
 def _query_box(q_smem, w: gl.constexpr, box: gl.constexpr):
     """Warpgroup ``w``'s query buffer ([64, HEAD_D], NVMMA) as the Q_TMA box ``[column groups of
-    64, tokens, heads, 64]`` (`_q_descriptor`): the same bytes, a row ``token x heads + head``
+    64, tokens, heads, 64]`` (`_q_descriptor`): the same bytes, row ``token x HEAD_TILE + head``
     (`_rows`), column halves major."""
     L4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     return q_smem.index(w)._reinterpret(q_smem.dtype, box, L4)
@@ -485,8 +490,10 @@ def _query_box(q_smem, w: gl.constexpr, box: gl.constexpr):
 def _load_query(q_desc, q_smem, q_full, q_free, nq, tok0, head0, NUM_WG: gl.constexpr):
     """Q_TMA, the producer: the ``nq``-th item's query rows, one copy a consumer warpgroup, each
     once the warpgroup has freed its buffer (its last score MMA of the item before returned,
-    `_query_freed`). Rows past the tensor's tokens or heads arrive as zeros; rows past the
-    sequence hold the next one's tokens: their outputs are not written."""
+    `_query_freed`). Rows past the tensor's tokens arrive as zeros; rows past the sequence hold
+    the next one's tokens (or, for a warpgroup with no real rows, anything): their outputs are
+    not written. (A head tile never passes its group: `q_tma` needs ``HEAD_TILE`` to divide 64
+    and it is the whole group.)"""
     BOX: gl.constexpr = q_desc.block_shape
     TOK: gl.constexpr = BOX[1]
     for w in gl.static_range(NUM_WG):
@@ -1264,23 +1271,30 @@ def sm90_prefill_errors(
         (tile is not None, f"head_dim {head_dim} not in {HEAD_DIMS}"),
         (query.device.type in ("cuda", "meta"), "not a CUDA (or meta) tensor"),
     ]
-    if tile is not None:
-        smem = smem_bytes(tile, head_dim, query.element_size())
+    # the policy's tile and the one a launch may take instead (`query_tile`): both must run
+    fallback = paged_policy.SM90_PREFILL_NO_TMA_TILES.get(head_dim)
+    for which, t in (("tile", tile), ("fallback tile", fallback)):
+        if t is None or (which != "tile" and t == tile):
+            continue
+        smem = smem_bytes(t, head_dim, query.element_size())
         rules.append(
-            (smem <= target.max_shared_mem, f"shared memory {smem} B > {target.max_shared_mem}")
-        )
-        lag = tile.release_lag
-        schedule = _turns_or_overlap(tile)
-        rules += [
-            (lag in (0, 1, 2), f"tile release_lag {lag} not in (0, 1, 2)"),
             (
-                lag == 0 or tile.stages >= 3,
-                f"tile release_lag {lag} needs stages >= 3, got {tile.stages} (the producer would "
-                "wait for the stage of the tile the consumers need next)",
+                smem <= target.max_shared_mem,
+                f"{which} shared memory {smem} B > {target.max_shared_mem}",
+            )
+        )
+        lag = t.release_lag
+        schedule = _turns_or_overlap(t)
+        rules += [
+            (lag in (0, 1, 2), f"{which} release_lag {lag} not in (0, 1, 2)"),
+            (
+                lag == 0 or t.stages >= 3,
+                f"{which} release_lag {lag} needs stages >= 3, got {t.stages} (the producer "
+                "would wait for the stage of the tile the consumers need next)",
             ),
             (
                 lag == 0 or not schedule,
-                f"tile release_lag {lag} is for the sequential schedule without turns "
+                f"{which} release_lag {lag} is for the sequential schedule without turns "
                 "(SM90_PREFILL_OVERLAP, SM90_PREFILL_PINGPONG or the tile's pingpong is on)",
             ),
         ]
@@ -1335,19 +1349,26 @@ def _descriptor(cache: torch.Tensor, tile: Sm90PrefillTile, box: int) -> TensorD
     )
 
 
-def launch_tile(tile: Sm90PrefillTile, box: int, head_dim: int, elem: int, target: Target,
-                query_by_tma: bool = True) -> Sm90PrefillTile:  # fmt: skip
-    """The policy's tile for a launch whose pages are ``box``-row boxes. A tile that takes turns
-    (`Sm90PrefillTile.pingpong`) where the query cannot come by TMA (``query_by_tma``, `q_tma`)
-    gives way to `paged_policy.SM90_PREFILL_NO_TMA_TILES`'s. Then, where a tile has a
+def query_tile(tile: Sm90PrefillTile, head_dim: int, query_by_tma: bool) -> Sm90PrefillTile:
+    """The launch's tile before its page boxes are known: the policy's ``tile``, or where that
+    takes turns of its own (`Sm90PrefillTile.pingpong`) but the query cannot come by TMA
+    (``query_by_tma``: `q_tma`, and no split short items), `paged_policy.SM90_PREFILL_NO_TMA_TILES`'
+    (the turns measured faster only with it; without it they spilled at GQA 5:1). The caller
+    derives the launch's rows and q tiles from the tile this returns."""
+    if tile.pingpong and tile.warpgroups == 2 and not query_by_tma:
+        return paged_policy.SM90_PREFILL_NO_TMA_TILES.get(
+            head_dim, dataclasses.replace(tile, pingpong=False)
+        )
+    return tile
+
+
+def launch_tile(tile: Sm90PrefillTile, box: int, head_dim: int, elem: int,
+                target: Target) -> Sm90PrefillTile:  # fmt: skip
+    """The tile (`query_tile`'s) for a launch whose pages are ``box``-row boxes: where a tile has a
     count of boxes in `paged_policy.SM90_PREFILL_LATE_RELEASE_BOXES`, a two-stage tile of the
     sequential schedule runs 3 stages with release lag 2 (`Sm90PrefillTile.release_lag`) if they
     fit the target's shared memory and the short items' split (`split_short`, whose merge buffer
     would no longer fit) is not on; any other tile is the policy's."""
-    if tile.pingpong and not query_by_tma:
-        tile = paged_policy.SM90_PREFILL_NO_TMA_TILES.get(
-            head_dim, dataclasses.replace(tile, pingpong=False)
-        )
     late = dataclasses.replace(tile, stages=3, release_lag=2)
     take = (
         tile.block_n // box in paged_policy.SM90_PREFILL_LATE_RELEASE_BOXES
@@ -1460,8 +1481,13 @@ def sm90_prefill_launches(
     among the prefill items (`program_items`); the caller then launches no decode part."""
     a = main.args
     head_dim = key_cache.shape[3]
-    tile = paged_policy.SM90_PREFILL_TILES[head_dim]
+    elem = key_cache.element_size()
     group = a["GROUP"]
+    q = a["q_ptr"]
+    tile = paged_policy.SM90_PREFILL_TILES[head_dim]
+    by_tma = q_tma(q, head_dim, min(group, 64 * tile.warpgroups))
+    by_tma = by_tma and not split_short(tile, head_dim, elem, main.target)
+    tile = query_tile(tile, head_dim, by_tma)
     block_m = 64 * tile.warpgroups
     head_tile = min(group, block_m)
     block_q = block_m // head_tile
@@ -1474,9 +1500,7 @@ def sm90_prefill_launches(
     box = min(
         box_rows(key_cache.shape[1], tile.block_n), box_rows(value_cache.shape[1], tile.block_n)
     )
-    q = a["q_ptr"]
-    q_ok = q_tma(q, head_dim, head_tile)
-    tile = launch_tile(tile, box, head_dim, key_cache.element_size(), main.target, q_ok)
+    tile = launch_tile(tile, box, head_dim, elem, main.target)
     work_launch = Launch(
         kernel=_work_list_kernel,
         grid=(num_seqs,),
@@ -1504,9 +1528,9 @@ def sm90_prefill_launches(
             f"{EXP2_PACK}] (exponentials of every {EXP2_PACK} by the polynomial)"
         )
     dtype = _GL_DTYPES[key_cache.dtype]
-    split = split_short(tile, head_dim, key_cache.element_size(), main.target)
+    split = split_short(tile, head_dim, elem, main.target)
     nv = v_pages(tile, box, value_cache, split)
-    use_q_tma = q_ok and takes_turns(tile) and not split
+    use_q_tma = q_tma(q, head_dim, head_tile) and takes_turns(tile) and not split
     k_desc = _descriptor(key_cache, tile, box)
     args = dict(
         out_ptr=a["out_ptr"],

@@ -356,21 +356,21 @@ SM90_PREFILL_TREE_REDUCE = False
 #: bench/NOTES.md, fourteenth session.)
 SM90_PREFILL_DYNAMIC = True
 #: Each item's query rows loaded by the producer warp, one TMA copy a consumer warpgroup into its
-#: query buffer, as soon as the warpgroup's last score MMA of its previous item has returned
-#: (`portattn.kernels.paged_prefill_sm90`, ``Q_TMA``); off, each warpgroup reads its rows from
-#: global memory at the item's start, after the item's metadata, while the tensor cores idle. The
-#: clock trace (bench/trace_prefill.py) put each item's start at thousands of cycles, about 62
-#: items a program at pure prefill 8x4096. Taken where the query's rows are 16-byte aligned
-#: (`portattn.kernels._launch.rows_aligned`), head_dim a multiple of 64, a warpgroup's 64 rows
-#: whole tokens of the head tile (``64 % HEAD_TILE == 0``) and the short items' split off; the
-#: rest read the rows as before; and only in launches that take ping-pong turns
-#: (`portattn.kernels.paged_prefill_sm90.takes_turns`). Measured (H200, bench/RESULTS.md sixteenth
-#: session, 3 rounds in turns): with turns at 3 stages, pure prefill 8x4096 2.4-5.4% faster than
-#: the same turns without it, mixed 8x2048 1.3-2.5%, 8x512 level; the trace's query wait fell
-#: from 1900-2350 to 250 cycles an item. In the sequential loop it was level to 8% slower (the
-#: first build's producer waited for the freed buffer at the item's first tile; the trace showed
-#: its copies less far ahead and the score step slower), so it stays out of that loop. On. Read
-#: at planning.
+#: query buffer (`portattn.kernels.paged_prefill_sm90`, ``Q_TMA``): after the copies of the item's
+#: tile ``STAGES - 1`` (or its last), once the warpgroup's last score MMA of its previous item has
+#: returned. Off, each warpgroup reads its rows from global memory at the item's start, after the
+#: item's metadata, while the tensor cores idle. The clock trace (bench/trace_prefill.py) put
+#: that load at 1900-2350 cycles an item, about 62 items a program at pure prefill 8x4096. Taken
+#: where the query's rows are 16-byte aligned (`portattn.kernels._launch.rows_aligned`),
+#: head_dim a multiple of 64, a warpgroup's 64 rows whole tokens of the head tile (``64 %
+#: HEAD_TILE == 0``) and the short items' split off, and only in launches that take ping-pong
+#: turns (`portattn.kernels.paged_prefill_sm90.takes_turns`). Measured (H200, bench/RESULTS.md
+#: sixteenth session, 3 rounds in turns, against the same turns at 3 stages without it): pure
+#: prefill 8x4096 2.5-4.5% faster (call 3; 1.5-5.0% with the first build, call 2), mixed 8x2048
+#: 1.3-2.5% (2.6-5.3%), 8x512 level (-0.9 to +2.3%); the query wait fell to ~250 cycles. In the
+#: sequential loop it was level to 8% slower (the first build's producer waited for the freed
+#: buffer at the item's first tile: its copies ran less far ahead, the score step got slower),
+#: so the launcher does not take it there (the kernel still can). On. Read at planning.
 SM90_PREFILL_Q_TMA = True
 
 
@@ -397,13 +397,13 @@ class Sm90PrefillTile:
 
 
 #: head_dim -> tile (bf16/fp16). 128: 32 KB Q + 3 x 64 KB K/V stages = 224 KB of the H100's 227,
-#: ping-pong turns, the query by TMA (`SM90_PREFILL_Q_TMA`). H200, bench/RESULTS.md sixteenth
-#: session (3 rounds in turns, against the sequential 2-stage tile before it): pure prefill
-#: 8x4096 3.2-5.4% faster, mixed 8x2048 2.4-3.5%, mixed 8x512 level to 6% faster (calls 2-3);
-#: the turns alone at 2 stages were 1-3% slower (the producer starved: the trace's tile period
-#: stayed at ~3100 cycles), at 3 stages without the query by TMA level to 2.6% faster. The
-#: sequential tile at 3 stages measured the same as at 2 (2026-11-25). 64: the sequential loop,
-#: not measured with turns.
+#: ping-pong turns, the query by TMA (`SM90_PREFILL_Q_TMA`; where it cannot come so, the launch
+#: takes `SM90_PREFILL_NO_TMA_TILES`'). H200, bench/RESULTS.md sixteenth session (3 rounds in
+#: turns, against the sequential 2-stage tile before it in the same run, calls 2-4): pure
+#: prefill 8x4096 1.8-6.0% faster, mixed 8x2048 1.5-4.3%, mixed 8x512 -0.3 to +6.4%. The turns
+#: at 2 stages were 1-3% slower (the producer starved: the trace's tile period stayed at ~3100
+#: cycles); at 3 stages without the query by TMA, -1 to +2.6%. The sequential tile at 3 stages
+#: measured the same as at 2 (2026-11-25). 64: the sequential loop, not measured with turns.
 SM90_PREFILL_TILES = {
     64: Sm90PrefillTile(block_n=128, stages=3),
     128: Sm90PrefillTile(block_n=128, stages=3, pingpong=True),
