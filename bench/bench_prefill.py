@@ -231,6 +231,8 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
                                               SM90_PREFILL_PINGPONG=True,
                                               SM90_PREFILL_TILES=three)  # fmt: skip
         out["sequential"] = dict(SM90_PREFILL_TILES=seq)
+        # each warpgroup's next item taken before its epilogue (prepared, off)
+        out["item ahead"] = dict(SM90_PREFILL_ITEM_AHEAD=True)
         out["overlap+pingpong 3 stages"] = dict(SM90_PREFILL_OVERLAP=True,
                                                 SM90_PREFILL_PINGPONG=True,
                                                 SM90_PREFILL_TILES=three)  # fmt: skip

@@ -433,6 +433,32 @@ def test_the_fallback_tile_sets_the_launch_rows(monkeypatch):
     assert any("fallback tile release_lag 1 needs stages >= 3" in e for e in errors), errors
 
 
+def _ahead_compile(ahead: bool, block_size: int) -> tuple[bool, int]:
+    """(the AHEAD arg, spills) of the mixed batch's sm_90 launch (the policy's tile) with
+    ``SM90_PREFILL_ITEM_AHEAD`` at ``ahead``, compiled for sm_90 (a spawned worker)."""
+    from portattn.compile.worker import _nvidia_resources, compile_kernel
+
+    paged_policy.SM90_PREFILL_ITEM_AHEAD = ahead
+    (launch,) = [x for x in _plan(block_size=block_size) if x.name == "paged_prefill_sm90"]
+    _, spills, _ = _nvidia_resources(compile_kernel(launch, SM90), 90)
+    return launch.args["AHEAD"], spills
+
+
+def test_item_ahead_compiles_for_sm90_with_the_same_spills():
+    """``SM90_PREFILL_ITEM_AHEAD`` (off by default): the launch carries it, and taking the next
+    item before the epilogue costs no spills beyond the policy's own (0 at blocks 16 and 2048,
+    the gate's 16 B at 544)."""
+    from tests.helpers import in_spawned_workers
+
+    assert _main_args()["AHEAD"] is False
+    jobs = [(on, bs) for on in (True, False) for bs in (16, 544, 2048)]
+    got = in_spawned_workers(_ahead_compile, jobs)
+    for bs in (16, 544, 2048):
+        (on, spills), (off, spills_off) = got[(True, bs)], got[(False, bs)]
+        assert on is True and off is False
+        assert spills <= spills_off <= 16, bs
+
+
 def _q_tma_compile(q_tma: bool, block_size: int) -> tuple[bool, int, int, int, int]:
     """(the Q_TMA arg, spills, shared bytes, TMA copies and global loads in the PTX) of the
     mixed batch's sm_90 launch taking turns at 3 stages with ``SM90_PREFILL_Q_TMA`` at
@@ -1013,6 +1039,43 @@ def test_gpu_sm90_prefill_many_items_a_program(deal, q_tma, monkeypatch):
     out = paged_attention(*b.args(), max_query_len=3072, max_seq_len=3072)
     torch.cuda.synchronize()
     check(b, out)
+    PLANS.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["policy", "sequential", "split", "dealt"])
+def test_gpu_sm90_prefill_item_ahead(schedule, monkeypatch):
+    """``SM90_PREFILL_ITEM_AHEAD`` (prepared, off): each warpgroup takes its next item before its
+    epilogue, in every branch (computing, passing tiles on, the split short items), under the
+    policy's turns, the sequential tile, the split and the fixed deal; on the GPU cases and on a
+    batch of many short items (the ring wraps, the last step's read is past the list)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90 kernel needs an sm_90 GPU")
+    from portattn.kernels._plans import PLANS
+
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_ITEM_AHEAD", True)
+    if schedule in ("sequential", "split"):
+        tiles = dict(paged_policy.SM90_PREFILL_TILES)
+        tiles[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=2)
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_SPLIT_SHORT", schedule == "split")
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_DYNAMIC", schedule != "dealt")
+    PLANS.clear()  # the switches are not in a plan's key
+    cases = [(GPU_SEQS, (32, 8), 128, 16), (GPU_SEQS, (40, 8), 64, 2048),
+             (((3072, 3072), (1500, 600), (2000, 1)), (64, 4), 64, 16)]  # fmt: skip
+    for seqs, heads, head_dim, block_size in cases:
+        b = make_batch(seqs, block_size=block_size, heads=heads, head_dim=head_dim,
+                       dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        mql, msl = max(q for _, q in seqs), max(s for s, _ in seqs)
+        launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
+        (main,) = [x for x in launches if x.name == "paged_prefill_sm90"]
+        assert main.args["AHEAD"] is True
+        if head_dim == 128:
+            assert main.args["PINGPONG"] is (schedule in ("policy", "dealt"))
+            assert main.args["SPLIT"] is (schedule == "split")
+        out = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
+        torch.cuda.synchronize()
+        check(b, out)
     PLANS.clear()
 
 

@@ -305,13 +305,17 @@ def _share(work_ptr, SLOTS: gl.constexpr, DYNAMIC: gl.constexpr):
 
 @gluon.jit
 def _item(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
-          DYNAMIC: gl.constexpr):  # fmt: skip
+          DYNAMIC: gl.constexpr, GUARD: gl.constexpr = False):  # fmt: skip
     """This program's item at ``step`` (`program_items`; ``mine_b``, ``n``, ``off`` from
     `_share`, the second list at ``work[b_off]``; DYNAMIC: the launch's step ``step``): its
     sequence, head slot, q tile, query start and length, context length before the queries, the
-    end of its KV range, where its masked tiles start, and its tiles."""
+    end of its KV range, where its masked tiles start, and its tiles. GUARD: ``step`` may be past
+    the last (`_next_item`): the list is then not read (sequence 0's values, unused)."""
     work_ptr, mine_b, n, off, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr = lists
     pid, nprog = _programs(DYNAMIC)
+    if GUARD:
+        real_step = step < n
+        n = gl.maximum(n, 1)  # (no items: no division by zero either)
     if DYNAMIC:  # the launch's steps x second-list items can pass 2^31
         k = ((step.to(gl.int64) * mine_b + off) // n).to(gl.int32)
         second = ((step.to(gl.int64) + 1) * mine_b + off) // n > k
@@ -319,7 +323,10 @@ def _item(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.c
         k = (step * mine_b + off) // n
         second = ((step + 1) * mine_b + off) // n > k
     j = gl.where(second, nprog - 1 - pid + k * nprog, pid + (step - k) * nprog)
-    e = gl.load(work_ptr + gl.where(second, b_off, 2) + j // SLOTS)
+    if GUARD:
+        e = gl.load(work_ptr + gl.where(second, b_off, 2) + j // SLOTS, mask=real_step, other=0)
+    else:
+        e = gl.load(work_ptr + gl.where(second, b_off, 2) + j // SLOTS)
     slot = j % SLOTS
     seq = e // num_q_tiles
     q_tile = e % num_q_tiles
@@ -358,6 +365,16 @@ def _grab(ctr_ptr, ring, ring_bars, step, DYNAMIC: gl.constexpr):
         return g
     else:
         return step
+
+
+@gluon.jit
+def _next_item(ring, ring_bars, step, lists, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr,
+               BLOCK_N: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
+    """AHEAD, a consumer warpgroup: its next step (`_take`) and that item's values (`_item`,
+    guarded: the step may be past the last), taken before this item's epilogue, so that the
+    metadata reads are in flight under the output's stores instead of after them."""
+    cur = _take(ring, ring_bars, step, DYNAMIC)
+    return cur, _item(lists, cur, SLOTS, BLOCK_Q, BLOCK_N, DYNAMIC, True)
 
 
 @gluon.jit
@@ -768,7 +785,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
               SPLIT: gl.constexpr, Q_VEC: gl.constexpr, O_VEC: gl.constexpr,
               RELEASE_LAG: gl.constexpr, V_PAGES: gl.constexpr, POLY: gl.constexpr,
               LAZY: gl.constexpr, TREE: gl.constexpr, DYNAMIC: gl.constexpr,
-              Q_TMA: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+              Q_TMA: gl.constexpr, AHEAD: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
     scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
     PINGPONG: the two warpgroups issue their MMAs in turns (module doc). RELEASE_LAG (the
@@ -780,7 +797,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     query's / output's rows are aligned (`rows_aligned`): the query is read 16 bytes a thread,
     the output written 4; else element by element. Q_TMA: the producer loads the query rows
     (`_load_query`); the warpgroup waits for them at the item's start and frees its buffer once
-    the item's last score MMA has returned (`_query_freed`)."""
+    the item's last score MMA has returned (`_query_freed`). AHEAD: the next item's step and
+    values are taken before this item's epilogue (`_next_item`)."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok,
      stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim, scale_log2, k_smem,
      v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, merge_acc, merge_m,
@@ -814,10 +832,15 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     nq = 0  # items whose query rows the producer loaded (Q_TMA)
     step = 0
     cur = _take(ring, ring_bars, step, DYNAMIC)
+    if AHEAD:
+        nxt = _item(lists, cur, SLOTS, BLOCK_Q, BLOCK_N, DYNAMIC, True)
     while cur < n:
-        seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles = _item(
-            lists, cur, SLOTS, BLOCK_Q, BLOCK_N, DYNAMIC
-        )
+        if AHEAD:
+            seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles = nxt
+        else:
+            seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles = _item(
+                lists, cur, SLOTS, BLOCK_Q, BLOCK_N, DYNAMIC
+            )
         kv_head = slot // HEAD_TILES
         head_tile = slot % HEAD_TILES
         # a warpgroup none of whose rows is real (a decode item's second warpgroup, or a short
@@ -864,6 +887,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                                              kv_end, seq_len, limit_h, STAGES)  # fmt: skip
             outs = (out_ptr, stride_o_tok, stride_o_head, stride_o_dim)
             item = (q_tile, head_tile, kv_head, q_start, q_len)
+            if AHEAD:
+                cur_n, nxt = _next_item(ring, ring_bars, step + 1, lists, SLOTS, BLOCK_Q, BLOCK_N,
+                                        DYNAMIC)  # fmt: skip
             _merge(WG, nm, m_h, l_h, acc_h, merge_acc, merge_m, merge_l, merge_bars, item, outs,
                    GROUP, HEAD_TILE, BLOCK_Q, SPLIT)  # fmt: skip
             nm += 1
@@ -883,6 +909,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 mbarrier.arrive(empty_bars.index(s), count=1)
                 _stamp(tr, jt, 6, TRACE)
                 it += 1
+            if AHEAD:
+                cur_n, nxt = _next_item(ring, ring_bars, step + 1, lists, SLOTS, BLOCK_Q, BLOCK_N,
+                                        DYNAMIC)  # fmt: skip
         else:
             _stamp(tr, trace_slot(it, TRACE, TRACE_TILES), 7, TRACE)
             # -- this warpgroup's query rows into shared memory (the score MMA's A operand) --
@@ -1062,6 +1091,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     it += 1
                 if RELEASE_LAG != 0:  # the item's last tile
                     _release_prev(empty_bars, it, n_tiles, STAGES)
+            if AHEAD:
+                cur_n, nxt = _next_item(ring, ring_bars, step + 1, lists, SLOTS, BLOCK_Q, BLOCK_N,
+                                        DYNAMIC)  # fmt: skip
             # -- epilogue: this warpgroup's rows to the output (4-byte stores into aligned rows;
             # through the query buffer for 16-byte ones, ptxas spilled 12 B) --
             o = acc / gl.convert_layout(l_i, PV_ROW)[:, None]
@@ -1073,7 +1105,10 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             gl.store(o_ptrs, o.to(dtype), mask=real_o[:, None])
         nq += 1
         step += 1
-        cur = _take(ring, ring_bars, step, DYNAMIC)
+        if AHEAD:  # noqa: SIM108 (a constexpr branch: the other side is never compiled)
+            cur = cur_n
+        else:
+            cur = _take(ring, ring_bars, step, DYNAMIC)
     _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
 
@@ -1131,6 +1166,7 @@ def _paged_prefill_sm90_kernel(
     O_VEC: gl.constexpr,  # the output's rows aligned
     DYNAMIC: gl.constexpr,  # items taken from a counter as programs free up (`_grab`), not dealt
     Q_TMA: gl.constexpr,  # the producer loads the query rows (`_load_query`)
+    AHEAD: gl.constexpr,  # a warpgroup's next item taken before its epilogue (`_next_item`)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
 ):
@@ -1188,10 +1224,10 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC,
                              GROUP, HEAD_TILE, NUM_WG, Q_TMA, TRACE)),
             ],
@@ -1204,13 +1240,13 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, TRACE)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC,
                              GROUP, HEAD_TILE, NUM_WG, Q_TMA, TRACE)),
             ],
@@ -1584,6 +1620,7 @@ def sm90_prefill_launches(
         O_VEC=rows_aligned(a["out_ptr"]),
         DYNAMIC=bool(paged_policy.SM90_PREFILL_DYNAMIC),
         Q_TMA=use_q_tma,
+        AHEAD=bool(paged_policy.SM90_PREFILL_ITEM_AHEAD),
         # a placeholder pointer when off (never read)
         trace_ptr=TRACE_BUFFER if TRACE_BUFFER is not None else a["seq_lens_ptr"],
         TRACE=TRACE_BUFFER is not None,

@@ -372,6 +372,13 @@ SM90_PREFILL_DYNAMIC = True
 #: buffer at the item's first tile: its copies ran less far ahead, the score step got slower),
 #: so the launcher does not take it there (the kernel still can). On. Read at planning.
 SM90_PREFILL_Q_TMA = True
+#: Each consumer warpgroup takes its next item (the ring's step and the item's metadata reads)
+#: before the current item's epilogue instead of after it (`portattn.kernels.paged_prefill_sm90`,
+#: ``AHEAD``, `_next_item`), so the two dependent rounds of global reads run under the output's
+#: stores. The trace (bench/trace_prefill.py, sixteenth session) put an item's release-to-start
+#: gap (epilogue, hand-over, metadata) at 4500-6750 cycles a warpgroup under turns, 12-14% of
+#: the span at pure prefill 8x4096. Prepared, not measured on a GPU: off. Read at planning.
+SM90_PREFILL_ITEM_AHEAD = False
 
 
 @dataclass(frozen=True)
