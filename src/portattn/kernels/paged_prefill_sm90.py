@@ -543,6 +543,27 @@ def _rows(WG: gl.constexpr, q_tile, head_tile, kv_head, q_start, q_len, GROUP: g
 
 
 @gluon.jit
+def _store_query(q_buf, WG: gl.constexpr, query, item, GROUP: gl.constexpr,
+                 HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr, Q_VEC: gl.constexpr,
+                 LOAD: gl.constexpr):  # fmt: skip
+    """Warpgroup WG's query rows (`_rows`; rows that are not real read as 0) from global memory
+    into its buffer ``q_buf``, for the score MMA (16 bytes a thread where Q_VEC); ``query`` is
+    (pointer, token, head and dim strides), ``item`` (q tile, head tile, KV head, query start,
+    query length)."""
+    q_ptr, stride_q_tok, stride_q_head, stride_q_dim = query
+    q_tile, head_tile, kv_head, q_start, q_len = item
+    HEAD_D: gl.constexpr = q_buf.shape[1]
+    tok, head, real = _rows(WG, q_tile, head_tile, kv_head, q_start, q_len, GROUP, HEAD_TILE,
+                            BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
+    dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
+    q_rows = tok * stride_q_tok + head * stride_q_head
+    q_ptrs = row_ptrs(q_ptr, q_rows, dq, stride_q_dim, Q_VEC, 8)
+    q_buf.store(gl.load(q_ptrs, mask=real[:, None], other=0.0))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _scores(qk, start, full_end, kv_end, limit, cols):
     """The raw scores of the tile at ``start``; past ``full_end`` each row's causal limit and
     ``kv_end`` mask them to -inf."""
@@ -868,15 +889,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
         turns = (q_tile * BLOCK_Q + ROWS // HEAD_TILE < q_len) & (ROWS // HEAD_TILE < BLOCK_Q)
         turns = turns & (head_tile * HEAD_TILE + ROWS % HEAD_TILE < GROUP)
         if SPLIT and short:  # (SPLIT first: no dead branch reaches the compiler)
-            tok, head, real = _rows(0, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
-                                    HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
-            dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
-            q_rows = tok * stride_q_tok + head * stride_q_head
-            q_ptrs = row_ptrs(q_ptr, q_rows, dq, stride_q_dim, Q_VEC, 8)
-            q = gl.load(q_ptrs, mask=real[:, None], other=0.0)
-            q_buf.store(q)
-            fence_async_shared()
-            gl.thread_barrier()
+            _store_query(q_buf, 0, (q_ptr, stride_q_tok, stride_q_head, stride_q_dim),
+                         (q_tile, head_tile, kv_head, q_start, q_len), GROUP, HEAD_TILE,
+                         BLOCK_Q, Q_VEC, LOAD)  # fmt: skip
             QK_H: gl.constexpr = gl.NVMMADistributedLayout(
                 version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N // 2, 16]
             )
@@ -918,15 +933,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             if Q_TMA:
                 mbarrier.wait(q_full.index(WG), nq & 1)
             else:
-                tok, head, real = _rows(WG, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
-                                        HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, LOAD))  # fmt: skip
-                dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LOAD))
-                q_rows = tok * stride_q_tok + head * stride_q_head
-                q_ptrs = row_ptrs(q_ptr, q_rows, dq, stride_q_dim, Q_VEC, 8)
-                q = gl.load(q_ptrs, mask=real[:, None], other=0.0)
-                q_buf.store(q)
-                fence_async_shared()
-                gl.thread_barrier()
+                _store_query(q_buf, WG, (q_ptr, stride_q_tok, stride_q_head, stride_q_dim),
+                             (q_tile, head_tile, kv_head, q_start, q_len), GROUP, HEAD_TILE,
+                             BLOCK_Q, Q_VEC, LOAD)  # fmt: skip
             # each row sees the positions < its limit (>= 1: no row is ever fully masked)
             rs = WG * ROWS + gl.arange(0, ROWS, layout=ROW)
             limit = ctx_len + q_tile * BLOCK_Q + rs // HEAD_TILE + 1
