@@ -825,6 +825,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
      v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, merge_acc, merge_m,
      merge_l, merge_bars, ring, ring_bars, q_full, q_free, trace_ptr) = rt  # fmt: skip
     gl.static_assert(not (Q_TMA and SPLIT), "Q_TMA: the split short items store their own query")
+    # (the launcher takes Q_TMA only with turns, `q_tma`: the sequential loop frees no buffer)
+    gl.static_assert(not Q_TMA or PINGPONG, "Q_TMA: only with ping-pong turns")
     tr = _trace_part(trace_ptr, WG)
     _stamp(tr, TRACE_TILES + 0 * b_off, 0, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 1, TRACE, True)
@@ -1071,9 +1073,6 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)), qk, use_acc=False,
                                        is_async=True)  # fmt: skip
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-                    if Q_TMA:  # noqa: SIM102 (a constexpr branch around a runtime one)
-                        if t == n_tiles - 1:  # the item's last scores have returned
-                            _query_freed(q_free, WG, Q_TMA)
                     if RELEASE_LAG == 1:  # the previous tile's stage (its P V has returned)
                         _release_prev(empty_bars, it, t, STAGES)
                     _stamp(tr, jt, 2, TRACE)

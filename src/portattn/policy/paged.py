@@ -370,7 +370,7 @@ SM90_PREFILL_DYNAMIC = True
 #: 1.3-2.5% (2.6-5.3%), 8x512 level (-0.9 to +2.3%); the query wait fell to ~250 cycles. In the
 #: sequential loop it was level to 8% slower (the first build's producer waited for the freed
 #: buffer at the item's first tile: its copies ran less far ahead, the score step got slower),
-#: so the launcher does not take it there (the kernel still can). On. Read at planning.
+#: so it is taken with turns only (the kernel asserts it). On. Read at planning.
 SM90_PREFILL_Q_TMA = True
 #: Each consumer warpgroup takes its next item (the ring's step and the item's metadata reads)
 #: before the current item's epilogue instead of after it (`portattn.kernels.paged_prefill_sm90`,
