@@ -66,10 +66,11 @@ Pages shorter than the tile (bench/RESULTS.md, sixth session; the launch picks b
 * V pages (``V_PAGES``, where a tile has `SM90_PREFILL_V_PAGES_MIN_BOXES` boxes: 16-row boxes):
   a [box, 128] box is two TMA copies under the 128-byte swizzle. The value cache's 3-D view
   ``[column groups of 64, rows, 64]`` copies both halves of a box at once, laid down as the box's
-  own [box, 128] NVMMA tile (`_v_page`), and P V is one MMA a box (`_pv_pages`: P's column groups
-  split in registers). K keeps two copies a box (the score MMA reads the tile's rows at one
-  stride). At 16-token pages a tile's copies fall from 32 to 24. In the sequential loop, with
-  or without ping-pong turns (not the overlapped loop).
+  own [box, 128] NVMMA tile (`_v_page`). P V reads the whole tile through one shared layout of
+  its boxes (`_pages_layout`): one MMA, one commit group (an MMA a box made every k-step a group
+  of its own behind its own fence). K keeps two copies a box (the score MMA reads the tile's
+  rows at one stride). At 16-token pages a tile's copies fall from 32 to 24. In the sequential
+  loop, with or without ping-pong turns (not the overlapped loop).
 * Late release (``RELEASE_LAG``, where a tile has 2 or 4 boxes: `SM90_PREFILL_LATE_RELEASE_BOXES`):
   3 stages, each released just before the next tile's P V instead of after its own.
 
@@ -120,7 +121,6 @@ from portattn.kernels._gluon import (
     LAZY_T,
     clock_stamp,
     exp2_split,
-    halves,
     lazy_rescale,
     row_max,
     row_ptrs,
@@ -616,22 +616,18 @@ def _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG: gl.constexpr, tk,
 
 @gluon.jit
 def _softmax(sc, m_i, l_i, acc, scale_log2, dtype: gl.constexpr, PA: gl.constexpr,
-             RAW: gl.constexpr = False, POLY: gl.constexpr = 0,
+             POLY: gl.constexpr = 0,
              LAZY: gl.constexpr = False, TREE: gl.constexpr = False):  # fmt: skip
     """One tile's online-softmax step on its masked raw scores ``sc``: the new row maxima and
     sums, the accumulator rescaled to the new maxima, and P as the P V MMA's register operand
-    (RAW: in ``dtype`` and the scores' layout, for `_pv_pages`; POLY: `_probs`). LAZY: the
+    (POLY: `_probs`). LAZY: the
     lazy max (`_probs`), and a thread whose factors are exactly 1 skips its 64 multiplies
     (`lazy_rescale`). TREE: the row maxima and sums by trees (`row_max`, `row_sum`)."""
     m_new, p = _probs(sc, m_i, scale_log2, POLY, LAZY, TREE)
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + row_sum(p, TREE)
     acc = lazy_rescale(acc, gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), LAZY)
-    if RAW:  # noqa: SIM108 (a constexpr branch, not a runtime select)
-        p_op = p.to(dtype)
-    else:
-        p_op = gl.convert_layout(p.to(dtype), PA)
-    return m_new, l_i, acc, p_op
+    return m_new, l_i, acc, gl.convert_layout(p.to(dtype), PA)
 
 
 @gluon.jit
@@ -662,23 +658,31 @@ def _v_page(v_buf, b, NB: gl.constexpr):
     return v_buf._reinterpret(v_buf.dtype, [NB, BLOCK_N // NB, HEAD_D], L2).index(b)
 
 
+@gluon.constexpr_function
+def _pages_layout(block_n, head_d, nb):
+    """V_PAGES: a stage's V tile ([block_n, head_d], 16-bit) as its page boxes lay it down
+    (`_v_page`: box after box, each box its 64-column groups one after another under the
+    128-byte swizzle), as one shared layout. The P V MMA reads the whole tile through it: every
+    16-row k-step lies in one box, and Triton derives each step's descriptor (the column groups
+    ``box x 128`` bytes apart) from the layout."""
+    box = block_n // nb
+    bases = [[0, 1 << i] for i in range(6)]  # a row's 64 columns
+    bases += [[1 << i, 8 << i] for i in range(3)]  # rows 0-7: the swizzle's XOR on 16-byte pieces
+    bases += [[8 << i, 0] for i in range((box // 8).bit_length() - 1)]  # the box's row groups
+    bases += [[0, 64 << i] for i in range((head_d // 64).bit_length() - 1)]  # column groups
+    bases += [[box << i, 0] for i in range(nb.bit_length() - 1)]  # the boxes
+    return gl.SharedLinearLayout(offset_bases=bases, alignment=1024)
+
+
 @gluon.jit
-def _pv_pages(p, v_buf, acc, NB: gl.constexpr, PA: gl.constexpr):
-    """V_PAGES: O += P V as NB MMAs, one a page box: P's columns of box b (``p``: the
-    probabilities in the scores' layout, 16-bit) against box b's [BOX, HEAD_D] tile, issued
-    async. P's column groups come from halving in registers (`halves`)."""
-    gl.static_assert((NB == 2) or (NB == 4) or (NB == 8))
-    parts = (p,)
-    for _ in gl.static_range(NB.bit_length() - 1):  # halve every part: 1 -> 2 -> 4 -> 8
-        halved = ()
-        for i in gl.static_range(len(parts)):
-            left, right = halves(parts[i])
-            halved = halved + (left, right)  # type: ignore[assignment]
-        parts = halved  # type: ignore[assignment]
-    for b in gl.static_range(NB):
-        acc = warpgroup_mma(gl.convert_layout(parts[b], PA), _v_page(v_buf, b, NB), acc,
-                            is_async=True)  # fmt: skip
-    return acc
+def _pv_pages(p_op, v_buf, acc, NB: gl.constexpr):
+    """V_PAGES: O += P V over a V tile held as NB page boxes, one async MMA (one fence and one
+    commit group: an MMA a box made each of its 8 k-steps a group of its own at block 16)."""
+    BLOCK_N: gl.constexpr = v_buf.shape[0]
+    HEAD_D: gl.constexpr = v_buf.shape[1]
+    VL: gl.constexpr = _pages_layout(BLOCK_N, HEAD_D, NB)
+    return warpgroup_mma(p_op, v_buf._reinterpret(v_buf.dtype, [BLOCK_N, HEAD_D], VL), acc,
+                         is_async=True)  # fmt: skip
 
 
 @gluon.jit
@@ -813,8 +817,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     sequential loop only, `Sm90PrefillTile.release_lag`): tile t's stage is released after tile
     t+1's scores (1) or just before its P V (2), not after tile t's P V (0); an item's last tile
     at the item's end. V_PAGES (> 1; the sequential loop, with or without turns): V tiles
-    arrive as that many page boxes of one copy each (`_v_page`), P V is one MMA a box
-    (`_pv_pages`). Q_VEC / O_VEC: the
+    arrive as that many page boxes of one copy each (`_v_page`), and P V reads them through one
+    layout (`_pv_pages`). Q_VEC / O_VEC: the
     query's / output's rows are aligned (`rows_aligned`): the query is read 16 bytes a thread,
     the output written 4; else element by element. Q_TMA: the producer loads the query rows
     (`_load_query`); the warpgroup waits for them at the item's start and frees its buffer once
@@ -1008,7 +1012,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, t * BLOCK_N, full_end, kv_end, limit, cols)
                     m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
-                                                   V_PAGES > 1, POLY, LAZY, TREE)  # fmt: skip
+                                                   POLY, LAZY, TREE)  # fmt: skip
                     _stamp(tr, jt, 3, TRACE)
                     # tile t is not the item's last: it ends before kv_end <= seq_len, its V
                     # rows are all real
@@ -1018,7 +1022,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _stamp(tr, jt, 4, TRACE)
                     tk = _turn_wait(turn_bars, WG, tk, PINGPONG, turns)
                     if V_PAGES > 1:
-                        acc = _pv_pages(p_op, v_smem.index(s), acc, V_PAGES, PA)
+                        acc = _pv_pages(p_op, v_smem.index(s), acc, V_PAGES)
                     else:
                         acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
                     qk = warpgroup_mma(q_buf, k_smem.index(s2).permute((1, 0)),
@@ -1042,7 +1046,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 _stamp(tr, jt, 2, TRACE)
                 sc = _scores(qk, start, full_end, kv_end, limit, cols)
                 m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
-                                               V_PAGES > 1, POLY, LAZY, TREE)  # fmt: skip
+                                               POLY, LAZY, TREE)  # fmt: skip
                 _stamp(tr, jt, 3, TRACE)
                 v_buf = v_smem.index(s)
                 mbarrier.wait(v_bars.index(s), (it // STAGES) & 1)
@@ -1050,7 +1054,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 _stamp(tr, jt, 4, TRACE)
                 tk = _turn_wait(turn_bars, WG, tk, PINGPONG, turns)
                 if V_PAGES > 1:
-                    acc = _pv_pages(p_op, v_buf, acc, V_PAGES, PA)
+                    acc = _pv_pages(p_op, v_buf, acc, V_PAGES)
                 else:
                     acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
                 _turn_pass(turn_bars, WG, PINGPONG, turns)
@@ -1078,7 +1082,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, start, full_end, kv_end, limit, cols)
                     m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
-                                                   V_PAGES > 1, POLY, LAZY, TREE)  # fmt: skip
+                                                   POLY, LAZY, TREE)  # fmt: skip
                     _stamp(tr, jt, 3, TRACE)
                     v_buf = v_smem.index(s)
                     mbarrier.wait(v_bars.index(s), ph)
@@ -1087,7 +1091,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                         _release_prev(empty_bars, it, t, STAGES)
                     _stamp(tr, jt, 4, TRACE)
                     if V_PAGES > 1:
-                        acc = _pv_pages(p_op, v_buf, acc, V_PAGES, PA)
+                        acc = _pv_pages(p_op, v_buf, acc, V_PAGES)
                     else:
                         acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
