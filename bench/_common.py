@@ -92,6 +92,14 @@ def switched(module, switches: dict):
         PLANS.clear()
 
 
+def turn_order(n: int, rnd: int) -> list[int]:
+    """The order in which ``n`` calls timed in turns go in round ``rnd``: rotated by one each
+    round (0 1 2, 1 2 0, 2 0 1, ...), so no call always runs first or last in a round. With a
+    fixed order a call timed third ran 1.3-3.9% slower than the same launch timed first
+    (bench/RESULTS.md, seventeenth session, calls 2-3)."""
+    return [(i + rnd) % n for i in range(n)]
+
+
 def save_record(name: str, **fields) -> str | None:
     """Write ``$OUT/<name>.json``: ``fields`` plus the device, commit, date, torch and Triton
     versions and the command line (fields win on a clash). Nothing without ``$OUT``; returns

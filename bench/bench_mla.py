@@ -47,8 +47,9 @@ served by the same packed builder, against ``qsep / N``. Roofline: bytes = the c
 sequence + queries + outputs, flops = ``2 * N * heads * ctx * (head_dim_k + kv_lora_rank)`` per
 sequence; the goal is ``policy`` within 1.3x of it and never slower than ``qsep``. With
 ``--rounds R`` each point's calls are timed R times in turns (policy, unpacked, decode, qsep,
-policy, ...) and each row keeps the median (``us_rounds``): one slow timing (the same launch
-once measured 18% slower than itself in the same run) no longer decides a verdict.
+then the order rotated each round) and each row keeps the median (``us_rounds``): one slow
+timing (the same launch once measured 18% slower than itself in the same run) no longer decides
+a verdict.
 
 Usage::
 
@@ -81,6 +82,7 @@ from _common import (
     roofline_s,
     save_record,
     set_switch,
+    turn_order,
 )
 from triton.testing import do_bench, do_bench_cudagraph
 
@@ -668,15 +670,17 @@ def _page_rounds(timed, rounds, copy_gbs, mm_run) -> list[float]:
 
 
 def _rounds_in_turns(calls, rounds, before_round=lambda: None) -> list:
-    """Time each (row, call) of ``calls`` ``rounds - 1`` more times, in turns (a, b, a, b, ...);
+    """Time each (row, call) of ``calls`` ``rounds - 1`` more times, in turns (b a, a b, ...:
+    the order rotated each round, `turn_order`);
     each row's ``us_rounds`` then holds its timings (``us_graph`` first) and ``us_graph`` their
     median. ``before_round`` runs before each round; returns its results."""
     for row, _ in calls:
         row["us_rounds"] = [row["us_graph"]]
     seen = []
-    for _ in range(rounds - 1):
+    for rnd in range(1, rounds):
         seen.append(before_round())
-        for row, fn in calls:
+        for i in turn_order(len(calls), rnd):
+            row, fn = calls[i]
             row["us_rounds"].append(do_bench_cudagraph(fn, return_mode="median") * 1e3)
     for row, _ in calls:
         row["us_graph"] = float(statistics.median(row["us_rounds"]))

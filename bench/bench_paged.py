@@ -44,7 +44,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from _common import git_commit, plan_with_target, save_record, set_switch
+from _common import git_commit, plan_with_target, save_record, set_switch, turn_order
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from triton.testing import do_bench
@@ -264,12 +264,15 @@ def shuffle_variant_plans(args, spec: str):
 
 
 def _timed_in_turns(plans: dict, rounds: int) -> dict[str, list[float]]:
-    """``do_bench`` µs of each plan, ``rounds`` times in turns (A B C, A B C, ...): a drift of
-    the clock or a one-off slow timing falls on every plan alike and shows in its list."""
+    """``do_bench`` µs of each plan, ``rounds`` times in turns (A B C, B C A, C A B, ...: the
+    order rotated each round, `turn_order`): a drift of the clock, a one-off slow timing or a
+    place in the round falls on every plan alike and shows in its list."""
     times: dict[str, list[float]] = {k: [] for k in plans}
-    for _ in range(rounds):
-        for key, plan in plans.items():
-            times[key].append(do_bench(lambda plan=plan: run_all(plan)) * 1e3)
+    keys = list(plans)
+    for rnd in range(rounds):
+        for i in turn_order(len(keys), rnd):
+            plan = plans[keys[i]]
+            times[keys[i]].append(do_bench(lambda plan=plan: run_all(plan)) * 1e3)
     return times
 
 

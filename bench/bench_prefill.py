@@ -58,7 +58,14 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import copy_ceiling, git_commit, matmul_rate, save_record, switched  # noqa: E402
+from _common import (  # noqa: E402
+    copy_ceiling,
+    git_commit,
+    matmul_rate,
+    save_record,
+    switched,
+    turn_order,
+)
 from bench_paged import HKV, HQ, D, make_inputs  # noqa: E402
 
 from portattn import reference  # noqa: E402
@@ -299,7 +306,8 @@ def describe_plan(args, call_kwargs) -> str:
 def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows, rounds=1) -> list[dict]:
     """Check, then time every variant at one point; returns the rows (stops on a failed check).
     ``rounds`` > 1: the graph timing is repeated that many times over all variants in turn
-    (A B C, A B C, ...), and a row's ``graph_us`` is the median of its rounds (``graph_rounds``):
+    (A B C, then rotated: B C A, C A B, ...: `turn_order`), and a row's ``graph_us`` is the
+    median of its rounds (``graph_rounds``, in round order):
     clock and power drift during a run then falls on every variant alike. The matmul ceiling is
     measured again before each round (``mm_rounds``, the point's), and each row also gets its
     ratio to the roofline at the median of those (``x_roof_turns``): the run's one ceiling is
@@ -318,7 +326,10 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows, rounds=1) -> l
     for rnd in range(rounds):
         if rounds > 1:
             mm_rounds.append(matmul_rate()[0])
-        for i, (vname, extra) in enumerate(var.items()):
+        items = list(var.items())
+        # round 0 checks and times in the variants' order; later rounds rotate it (`turn_order`)
+        for i in turn_order(len(items), rnd) if rnd else range(len(items)):
+            vname, extra = items[i]
             switches = {k: v for k, v in extra.items() if k.isupper()}
             extra = {k: v for k, v in extra.items() if not k.isupper()}
             with switched(paged_policy, switches):

@@ -117,3 +117,16 @@ def test_git_commit_names_a_changed_tree_by_its_tree_hash(tmp_path):
 
 def test_git_commit_outside_a_repository_is_unknown(tmp_path):
     assert bench_common.git_commit(str(tmp_path)) == "unknown"
+
+
+def test_turn_order_rotates_each_round():
+    """Each call takes each place in a round once every ``n`` rounds."""
+    assert [bench_common.turn_order(3, r) for r in range(4)] == [
+        [0, 1, 2],
+        [1, 2, 0],
+        [2, 0, 1],
+        [0, 1, 2],
+    ]
+    assert bench_common.turn_order(1, 5) == [0]
+    for r in range(6):
+        assert sorted(bench_common.turn_order(4, r)) == [0, 1, 2, 3]

@@ -23,7 +23,7 @@ _SPEC.loader.exec_module(bm)
 
 def test_verify_rounds_keep_each_rows_median_taken_in_turns(monkeypatch):
     order = []
-    times = iter([9.0, 1.0, 3.0, 2.0])  # ms: rounds 2 and 3 of rows a and b, in turns
+    times = iter([9.0, 1.0, 3.0, 2.0])  # ms: rounds 2 and 3, in the order the calls ran
 
     def timer(fn, return_mode):
         order.append(fn())
@@ -33,13 +33,13 @@ def test_verify_rounds_keep_each_rows_median_taken_in_turns(monkeypatch):
     rows = [dict(us_graph=5000.0, roof_us=1000.0), dict(us_graph=4000.0, roof_us=2000.0)]
     timings = [(lambda: "a", 3e9), (lambda: "b", 6e9)]  # (call, roofline bytes)
     bm._verify_rounds(rows, timings, 3, copy_gbs=3000.0)
-    assert order == ["a", "b", "a", "b"]
-    assert rows[0]["us_rounds"] == [5000.0, 9000.0, 3000.0]
-    assert rows[1]["us_rounds"] == [4000.0, 1000.0, 2000.0]
-    assert rows[0]["us_graph"] == 5000.0 and rows[1]["us_graph"] == 2000.0
-    assert rows[0]["x_roofline"] == pytest.approx(5.0) and rows[1]["x_roofline"] == 1.0
-    assert rows[1]["gb_per_s"] == pytest.approx(6e9 / 2000e-6 / 1e9)
-    assert rows[1]["pct_of_copy"] == pytest.approx(100 * 3000.0 / 3000.0)
+    assert order == ["b", "a", "a", "b"]  # in turns, the order rotated each round
+    assert rows[0]["us_rounds"] == [5000.0, 1000.0, 3000.0]
+    assert rows[1]["us_rounds"] == [4000.0, 9000.0, 2000.0]
+    assert rows[0]["us_graph"] == 3000.0 and rows[1]["us_graph"] == 4000.0
+    assert rows[0]["x_roofline"] == pytest.approx(3.0) and rows[1]["x_roofline"] == 2.0
+    assert rows[1]["gb_per_s"] == pytest.approx(6e9 / 4000e-6 / 1e9)
+    assert rows[1]["pct_of_copy"] == pytest.approx(100 * 1500.0 / 3000.0)
 
 
 @pytest.mark.parametrize(
@@ -54,11 +54,12 @@ def test_bad_rounds_are_refused_with_the_rule(argv, message):
 
 
 def test_page_rounds_keep_medians_and_the_rounds_matmul_rate(monkeypatch):
-    """Page points: each policy row's call timed again in turns, a matmul rate before each
-    round; the median time, its derived figures, the ratio at the point's rate and at the
-    rounds' median rate all follow from it."""
+    """Page points: each policy row's call timed again in turns (the order rotated each round),
+    a matmul rate before each round; the median time, its derived figures, the ratio at the
+    point's rate and at the rounds' median rate all follow from it."""
     order = []
-    times = iter([4.0, 1.0, 2.0, 3.0, 6.0, 2.5])  # ms: rounds 2-4 of rows a and b, in turns
+    # ms: rounds 2-4 in the order the calls ran (b a, a b, b a): a 4, 2, 6 and b 1, 3, 2.5
+    times = iter([1.0, 4.0, 2.0, 3.0, 2.5, 6.0])
     rates = iter([500.0, 700.0, 600.0])  # TFLOP/s before rounds 2, 3 and 4
 
     def timer(fn, return_mode):
@@ -76,7 +77,7 @@ def test_page_rounds_keep_medians_and_the_rounds_matmul_rate(monkeypatch):
     rates_seen = bm._page_rounds([(rows[0], lambda: "a"), (rows[1], lambda: "b")], 4,
                                  copy_gbs=3000.0, mm_run=750.0)  # fmt: skip
     assert rates_seen == [500.0, 700.0, 600.0]
-    assert order == ["a", "b"] * 3
+    assert order == ["b", "a", "a", "b", "b", "a"]  # in turns, rotated each round
     assert rows[0]["us_rounds"] == [9000.0, 4000.0, 2000.0, 6000.0]
     assert rows[1]["us_rounds"] == [2000.0, 1000.0, 3000.0, 2500.0]
     a, b = rows

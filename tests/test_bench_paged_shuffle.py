@@ -71,3 +71,15 @@ def test_heads_option(monkeypatch):
     for bad in ("8", "12:8", "0:1", "a:b"):
         with pytest.raises(SystemExit, match="--heads: want HQ:HKV, positive, HQ a multiple"):
             bp.set_heads(bad)
+
+
+def test_plans_are_timed_in_turns_with_the_order_rotated(monkeypatch):
+    """``--rounds``: every plan once a round, the round's order rotated (NHD SHUF, SHUF NHD,
+    ...), and each plan's list holds its own timings in round order."""
+    ran = []
+    monkeypatch.setattr(bp, "run_all", ran.append)
+    times = iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])  # ms, in the order the plans ran
+    monkeypatch.setattr(bp, "do_bench", lambda fn: (fn(), next(times))[1])
+    got = bp._timed_in_turns({"nhd": "P_NHD", "shuffle": "P_SHUF"}, 3)
+    assert ran == ["P_NHD", "P_SHUF", "P_SHUF", "P_NHD", "P_NHD", "P_SHUF"]
+    assert got == {"nhd": [1000.0, 4000.0, 5000.0], "shuffle": [2000.0, 3000.0, 6000.0]}

@@ -189,8 +189,9 @@ def test_main_runs_check_time_and_summary_on_the_interpreter(monkeypatch, tmp_pa
 
 @pytest.mark.cpu
 def test_rounds_take_the_variants_in_turns_and_report_the_median(monkeypatch, tmp_path, capsys):
-    """``--rounds 3``: each point's variants are timed A B, A B, A B (the switch set for each),
-    and a row's graph time is the median of its three rounds."""
+    """``--rounds 3``: each point's variants are timed in turns, A B (the check's round), then B
+    A, A B (the order rotated each round), each with its switch set; a row's graph time is the
+    median of its three rounds."""
     seen = []
     times = iter([5.0, 50.0, 1.0, 10.0, 3.0, 30.0] * 2)  # ms, per call in order
 
@@ -205,20 +206,21 @@ def test_rounds_take_the_variants_in_turns_and_report_the_median(monkeypatch, tm
     argv = ["--dtype", "fp16", "--check-rows", "4", "--schedules", "--variants",
             "policy,v pages 2+", "--rounds", "3"]  # fmt: skip
     assert bp.main(argv) == 0
-    assert seen == [False, True] * 6  # in turns, at each of the two block sizes
+    assert seen == [False, True, True, False, False, True] * 2  # at each of the two block sizes
     rec = json.loads((tmp_path / "bench_prefill.json").read_text())
     got = {(r["block_size"], r["variant"]): r["graph_us"] for r in rec["rows"]}
-    assert got == {(3, "policy"): 3000.0, (3, "v pages 2+"): 30000.0,
-                   (5, "policy"): 3000.0, (5, "v pages 2+"): 30000.0}  # fmt: skip
-    assert rec["rows"][0]["graph_rounds"] == [5000.0, 1000.0, 3000.0]
+    # policy's rounds 5, 10, 3 ms; v pages 2+'s 50, 1, 30
+    assert got == {(3, "policy"): 5000.0, (3, "v pages 2+"): 30000.0,
+                   (5, "policy"): 5000.0, (5, "v pages 2+"): 30000.0}  # fmt: skip
+    assert rec["rows"][0]["graph_rounds"] == [5000.0, 10000.0, 3000.0]
     # the run's ceiling (the first rate, 800) and the rounds' median (600) give two ratios
     seqs = bp.mixed(2, 12, 3, 20)
     flops, nbytes = bp.prefill_flops(seqs), bp.decode_bytes(seqs, 2)
     row = rec["rows"][0]
     assert rec["mm_tflops"] == 800.0 and row["mm_rounds"] == [500.0, 600.0, 800.0]
-    assert row["x_roof"] == pytest.approx(3000.0 / bp.roofline_us(flops, nbytes, 800.0, 3000.0))
+    assert row["x_roof"] == pytest.approx(5000.0 / bp.roofline_us(flops, nbytes, 800.0, 3000.0))
     assert row["x_roof_turns"] == pytest.approx(
-        3000.0 / bp.roofline_us(flops, nbytes, 600.0, 3000.0)
+        5000.0 / bp.roofline_us(flops, nbytes, 600.0, 3000.0)
     )
     assert "median of 3 rounds" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--rounds must be >= 1; got 0"):
