@@ -240,6 +240,8 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         out["sequential"] = dict(SM90_PREFILL_TILES=seq)
         # each warpgroup's next item taken before its epilogue (prepared, off)
         out["item ahead"] = dict(SM90_PREFILL_ITEM_AHEAD=True)
+        # a tile's K copies before its V copies (prepared, off)
+        out["k first"] = dict(SM90_PREFILL_K_FIRST=True)
         out["overlap+pingpong 3 stages"] = dict(SM90_PREFILL_OVERLAP=True,
                                                 SM90_PREFILL_PINGPONG=True,
                                                 SM90_PREFILL_TILES=three)  # fmt: skip

@@ -459,6 +459,41 @@ def test_item_ahead_compiles_for_sm90_with_the_same_spills():
         assert spills <= spills_off <= 16, bs
 
 
+def _copy_order(k_first: bool, block_size: int) -> tuple[bool, int, str]:
+    """(the K_FIRST arg, spills, the dimensions of the PTX's tensor copies in program order: 2
+    for a K box or a 2-D V box, 3 for a V page box, 4 for a query box) of the mixed batch's
+    sm_90 launch with ``SM90_PREFILL_K_FIRST`` at ``k_first``, compiled for sm_90 (a spawned
+    worker)."""
+    import re
+
+    from portattn.compile.worker import _nvidia_resources, compile_kernel
+
+    paged_policy.SM90_PREFILL_K_FIRST = k_first
+    (launch,) = [x for x in _plan(block_size=block_size) if x.name == "paged_prefill_sm90"]
+    compiled = compile_kernel(launch, SM90)
+    dims = "".join(re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", compiled.asm["ptx"]))
+    return launch.args["K_FIRST"], _nvidia_resources(compiled, 90)[1], dims
+
+
+def test_k_first_issues_a_tiles_k_boxes_before_its_v_boxes():
+    """``SM90_PREFILL_K_FIRST`` (prepared, off): at block 16 (8 boxes a tile: 16 K copies, two
+    64-column halves a box, and 8 V page copies) the producer's copies go K K V, K K V, ... by
+    default and all 16 K copies before the 8 V copies with it; the same copies either way, the
+    query's two after them; spills within the compile gate's 16 B (block 544 too)."""
+    from tests.helpers import in_spawned_workers
+
+    assert _main_args()["K_FIRST"] is False
+    jobs = [(on, bs) for on in (True, False) for bs in (16, 544)]
+    got = in_spawned_workers(_copy_order, jobs)
+    (on, _, dims_on), (off, _, dims_off) = got[(True, 16)], got[(False, 16)]
+    assert on is True and off is False
+    assert dims_off == "223" * 8 + "44"
+    assert dims_on == "2" * 16 + "3" * 8 + "44"
+    for bs in (16, 544):
+        assert got[(True, bs)][1] <= 16 and got[(False, bs)][1] <= 16, bs
+        assert sorted(got[(True, bs)][2]) == sorted(got[(False, bs)][2]), bs
+
+
 def _q_tma_compile(q_tma: bool, block_size: int) -> tuple[bool, int, int, int, int]:
     """(the Q_TMA arg, spills, shared bytes, TMA copies and global loads in the PTX) of the
     mixed batch's sm_90 launch taking turns at 3 stages with ``SM90_PREFILL_Q_TMA`` at
@@ -1072,6 +1107,36 @@ def test_gpu_sm90_prefill_many_items_a_program(deal, q_tma, monkeypatch):
     out = paged_attention(*b.args(), max_query_len=3072, max_seq_len=3072)
     torch.cuda.synchronize()
     check(b, out)
+    PLANS.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["policy", "sequential"])
+def test_gpu_sm90_prefill_k_first(schedule, monkeypatch):
+    """``SM90_PREFILL_K_FIRST`` (prepared, off): a tile's K boxes copied before its V boxes,
+    under the policy's turns and the sequential tile, at 16-row boxes (V pages), 32-row boxes
+    and one box a tile, against the fp64 oracle."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90 kernel needs an sm_90 GPU")
+    from portattn.kernels._plans import PLANS
+
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_K_FIRST", True)
+    if schedule == "sequential":
+        tiles = dict(paged_policy.SM90_PREFILL_TILES)
+        tiles[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=2)
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
+    PLANS.clear()  # the switches are not in a plan's key
+    for block_size in (16, 32, 2048):
+        b = make_batch(GPU_SEQS, block_size=block_size, heads=(32, 8), head_dim=128,
+                       dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
+        launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
+        (main,) = [x for x in launches if x.name == "paged_prefill_sm90"]
+        assert main.args["K_FIRST"] is True
+        assert main.args["PINGPONG"] is (schedule == "policy")
+        out = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
+        torch.cuda.synchronize()
+        check(b, out)
     PLANS.clear()
 
 

@@ -398,13 +398,13 @@ def _take(ring, ring_bars, step, DYNAMIC: gl.constexpr):
 def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, BOX: gl.constexpr, V_PAGES: gl.constexpr,
               DYNAMIC: gl.constexpr, GROUP: gl.constexpr, HEAD_TILE: gl.constexpr,
-              NUM_WG: gl.constexpr, Q_TMA: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+              NUM_WG: gl.constexpr, Q_TMA: gl.constexpr, K_FIRST: gl.constexpr,
+              TRACE: gl.constexpr):  # fmt: skip
     """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page. K: a
-    2-D box of [BOX, HEAD_D] (one copy a 64-column group under the 128-byte swizzle). V with
-    V_PAGES (> 1): one copy a box, through the 3-D view ``[column groups, rows, 64]`` of
-    ``v_desc``, into the box's own [BOX, HEAD_D] tile (`_v_page`). Q_TMA: after the copies of an
-    item's tile ``STAGES - 1`` (or its last), each consumer warpgroup's query rows
-    (`_load_query`)."""
+    2-D box of [BOX, HEAD_D] (one copy a 64-column group under the 128-byte swizzle). V: see
+    `_copy_v`. The copies go box by box (K, V, K, V, ...), or with K_FIRST all of a tile's K
+    boxes before its V boxes. Q_TMA: after the copies of an item's tile ``STAGES - 1`` (or its
+    last), each consumer warpgroup's query rows (`_load_query`)."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq,
      stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc,
      k_smem, v_smem, k_bars, v_bars, empty_bars, ctr_ptr, ring, ring_bars, q_desc, q_smem, q_full,
@@ -416,7 +416,6 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
     HEAD_D: gl.constexpr = k_smem.shape[2]
     NB: gl.constexpr = BLOCK_N // BOX
     TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_D * k_smem.dtype.primitive_bitwidth // 8
-    L3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
     # every box's row in each thread's registers: picking box b's below is a register move (one
     # box per lane made each pick a three-step shuffle reduction, 8 boxes ~1200 cycles a tile)
     boxes = gl.arange(0, NB, layout=gl.BlockedLayout([NB], [32], [gl.num_warps()], [0]))
@@ -457,17 +456,12 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
                 tma.async_copy_global_to_shared(
                     k_desc, [row, kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
                 )
-                if V_PAGES > 1:
-                    page = _v_page(v_buf, b, V_PAGES)._reinterpret(
-                        v_buf.dtype, [HEAD_D // 64, BOX, 64], L3
-                    )
-                    tma.async_copy_global_to_shared(
-                        v_desc, [vcol // 64, row, 0], v_bars.index(s), page
-                    )
-                else:
-                    tma.async_copy_global_to_shared(
-                        v_desc, [row, vcol], v_bars.index(s), v_buf.slice(b * BOX, BOX)
-                    )
+                if not K_FIRST:
+                    _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
+            if K_FIRST:
+                for b in gl.static_range(NB):
+                    row = gl.sum(gl.where(boxes == b, rows, 0), axis=0)
+                    _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
             if Q_TMA:  # noqa: SIM102 (a constexpr branch around a runtime one)
                 # after the copies of the item's tile STAGES - 1 (or its last): in an item of
                 # at least STAGES tiles their stage was the previous item's last, so its
@@ -492,6 +486,23 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
         cur = _grab(ctr_ptr, ring, ring_bars, step, DYNAMIC)
     _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
+
+
+@gluon.jit
+def _copy_v(v_desc, v_buf, bar, row, vcol, b: gl.constexpr, BOX: gl.constexpr,
+            V_PAGES: gl.constexpr):  # fmt: skip
+    """Box ``b`` of a V tile (``BOX`` rows from cache row ``row``, KV head columns from
+    ``vcol``) into ``v_buf`` on barrier ``bar``. V_PAGES (> 1): one copy, through the 3-D view
+    ``[column groups, rows, 64]`` of ``v_desc``, into the box's own [BOX, HEAD_D] tile
+    (`_v_page`); else a 2-D box like K's."""
+    HEAD_D: gl.constexpr = v_buf.shape[1]
+    if V_PAGES > 1:
+        L3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                rank=3)  # fmt: skip
+        page = _v_page(v_buf, b, V_PAGES)._reinterpret(v_buf.dtype, [HEAD_D // 64, BOX, 64], L3)
+        tma.async_copy_global_to_shared(v_desc, [vcol // 64, row, 0], bar, page)
+    else:
+        tma.async_copy_global_to_shared(v_desc, [row, vcol], bar, v_buf.slice(b * BOX, BOX))
 
 
 @gluon.jit
@@ -1179,6 +1190,7 @@ def _paged_prefill_sm90_kernel(
     DYNAMIC: gl.constexpr,  # items taken from a counter as programs free up (`_grab`), not dealt
     Q_TMA: gl.constexpr,  # the producer loads the query rows (`_load_query`)
     AHEAD: gl.constexpr,  # a warpgroup's next item taken before its epilogue (`_next_item`)
+    K_FIRST: gl.constexpr,  # a tile's K copies before its V copies (`_producer`)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
 ):
@@ -1241,7 +1253,7 @@ def _paged_prefill_sm90_kernel(
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
                              V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC,
-                             GROUP, HEAD_TILE, NUM_WG, Q_TMA, TRACE)),
+                             GROUP, HEAD_TILE, NUM_WG, Q_TMA, K_FIRST, TRACE)),
             ],
             [4, PRODUCER_WARPS_],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -1260,7 +1272,7 @@ def _paged_prefill_sm90_kernel(
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
                              V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC,
-                             GROUP, HEAD_TILE, NUM_WG, Q_TMA, TRACE)),
+                             GROUP, HEAD_TILE, NUM_WG, Q_TMA, K_FIRST, TRACE)),
             ],
             [4, 4, PRODUCER_WARPS_],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
@@ -1633,6 +1645,7 @@ def sm90_prefill_launches(
         DYNAMIC=bool(paged_policy.SM90_PREFILL_DYNAMIC),
         Q_TMA=use_q_tma,
         AHEAD=bool(paged_policy.SM90_PREFILL_ITEM_AHEAD),
+        K_FIRST=bool(paged_policy.SM90_PREFILL_K_FIRST),
         # a placeholder pointer when off (never read)
         trace_ptr=TRACE_BUFFER if TRACE_BUFFER is not None else a["seq_lens_ptr"],
         TRACE=TRACE_BUFFER is not None,

@@ -379,6 +379,13 @@ SM90_PREFILL_Q_TMA = True
 #: gap (epilogue, hand-over, metadata) at 4500-6750 cycles a warpgroup under turns, 12-14% of
 #: the span at pure prefill 8x4096. Prepared, not measured on a GPU: off. Read at planning.
 SM90_PREFILL_ITEM_AHEAD = False
+#: The producer issues a tile's K copies, all boxes, before its V copies (`_producer`, ``K_FIRST``)
+#: instead of box by box (K, V, K, V, ...). Under turns a warpgroup waits for V of tile t and K of
+#: tile t+1 together; box by box, K of t+1 lands only with the last of t+1's copies. At block
+#: 2048 (one box: K, then V) that wait was 161-218 cycles, at block 16 (8 boxes) 443-447
+#: (bench/trace_prefill.py, seventeenth session), while the copies were issued ~4100 cycles
+#: ahead: they land late, not start late. Prepared, not measured on a GPU: off. Read at planning.
+SM90_PREFILL_K_FIRST = False
 
 
 @dataclass(frozen=True)
