@@ -750,6 +750,40 @@ def test_v_pages_by_default_at_sixteen_row_boxes(block_size, want):
     assert main.args["V_PAGES"] == want
 
 
+@pytest.mark.parametrize(("block_n", "head_d", "nb"), [(128, 128, 8), (128, 128, 4),
+                                                       (128, 128, 2), (128, 256, 8)])  # fmt: skip
+def test_pages_layout_is_where_the_page_copies_put_each_element(block_n, head_d, nb):
+    """`_pages_layout` (the shared layout P V reads a V tile of page boxes through) maps each
+    offset to the element the page copies put there: box ``p`` at ``p x box x head_d``, as
+    ``[column groups, box rows, 64]`` under the 128-byte swizzle (a 16-byte piece of 128-byte
+    line ``L`` at piece index XOR ``L mod 8``), every element once."""
+    from portattn.kernels.paged_prefill_sm90 import _pages_layout
+
+    bases = _pages_layout(block_n, head_d, nb).offset_bases
+    assert 1 << len(bases) == block_n * head_d
+    box = block_n // nb
+    for o in range(block_n * head_d):
+        r = c = 0
+        for i, (br, bc) in enumerate(bases):
+            if o >> i & 1:
+                r, c = r ^ br, c ^ bc
+        p, rr, g, cc = r // box, r % box, c // 64, c % 64
+        line = g * box + rr
+        want = p * box * head_d + line * 64 + ((cc // 8) ^ (line % 8)) * 8 + cc % 8
+        assert want == o, (o, r, c)
+
+
+@pytest.mark.parametrize(("block_n", "head_d", "nb"), [(128, 192, 8), (128, 128, 16),
+                                                       (96, 128, 2)])  # fmt: skip
+def test_pages_layout_refuses_what_it_cannot_describe(block_n, head_d, nb):
+    """3 column groups, 8-row boxes (a k-step across two boxes), 48-row boxes: refused, with the
+    rule."""
+    from portattn.kernels.paged_prefill_sm90 import _pages_layout
+
+    with pytest.raises(ValueError, match="must each be a whole power of two; got block_n"):
+        _pages_layout(block_n, head_d, nb)
+
+
 def _pv_groups(v_pages: bool, block_size: int, min_boxes: int) -> tuple[int, int, int, int]:
     """(the V_PAGES arg, wgmma fences, commit groups, spills) of the mixed batch's sm_90 launch
     at ``block_size`` with V pages on or off (taken from ``min_boxes`` boxes a tile), compiled

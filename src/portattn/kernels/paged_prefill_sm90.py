@@ -677,6 +677,13 @@ def _pages_layout(block_n, head_d, nb):
     16-row k-step lies in one box, and Triton derives each step's descriptor (the column groups
     ``box x 128`` bytes apart) from the layout."""
     box = block_n // nb
+    whole = box * nb == block_n and box >= 16 and head_d % 64 == 0
+    if not whole or any(n < 1 or n & (n - 1) for n in (nb, box, head_d // 64)):
+        raise ValueError(
+            f"_pages_layout: the boxes, a box's rows (at least a k-step's 16) and the 64-column "
+            f"groups must each be a whole power of two; got block_n {block_n}, head_d "
+            f"{head_d}, nb {nb}"
+        )
     bases = [[0, 1 << i] for i in range(6)]  # a row's 64 columns
     bases += [[1 << i, 8 << i] for i in range(3)]  # rows 0-7: the swizzle's XOR on 16-byte pieces
     bases += [[8 << i, 0] for i in range((box // 8).bit_length() - 1)]  # the box's row groups
