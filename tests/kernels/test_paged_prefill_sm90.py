@@ -20,6 +20,7 @@ from portattn.kernels.paged_prefill_sm90 import (
     sm90_prefill_errors,
     smem_bytes,
     split_short,
+    v_pages,
     work_list_layout,
 )
 from portattn.platform import get_target
@@ -739,6 +740,15 @@ def test_v_pages_where_a_page_box_is_shorter_than_the_tile(block_size, head_dim,
         assert desc.strides == [64, cache.stride(1), 1]
     else:
         assert len(desc.block_shape) == 2
+
+
+@pytest.mark.parametrize(("head_dim", "want"), [(128, 8), (256, 8), (192, 1), (64, 1)])
+def test_v_pages_need_a_power_of_two_of_column_groups(head_dim, want):
+    """The page boxes' shared layout (`_pages_layout`) holds 2, 4, ... 64-column groups a row:
+    3 (head_dim 192) reads V as one tile instead of failing at the compile."""
+    cache = torch.empty(64, 16, 8, head_dim, dtype=torch.bfloat16, **META)
+    tile = paged_policy.Sm90PrefillTile(block_n=128, stages=3)
+    assert v_pages(tile, 16, cache, split=False) == want
 
 
 @pytest.mark.parametrize(("block_size", "want"), [(16, 8), (48, 8), (32, 1), (544, 1), (64, 1)])

@@ -1462,17 +1462,18 @@ def _turns_or_overlap(tile: Sm90PrefillTile) -> bool:
 def v_pages(tile: Sm90PrefillTile, box: int, value_cache: torch.Tensor, split: bool) -> int:
     """How many one-copy page boxes a V tile arrives in (`paged_policy.SM90_PREFILL_V_PAGES`; 1:
     the tile's 2-D boxes, two copies each at head_dim 128): pages shorter than the tile,
-    head_dim a multiple of 64 above 64, KV heads a multiple of 64 columns apart, and the
-    sequential loop, with or without ping-pong turns (the overlapped loop and the short items'
-    split read V as one tile)."""
+    head_dim a power-of-two multiple of 64 above 64, KV heads a multiple of 64 columns apart,
+    and the sequential loop, with or without ping-pong turns (the overlapped loop and the short
+    items' split read V as one tile)."""
     d = value_cache.shape[3]
     ok = (
         paged_policy.SM90_PREFILL_V_PAGES
         and tile.block_n // box >= max(2, paged_policy.SM90_PREFILL_V_PAGES_MIN_BOXES)
         and d > 64
         and d % 64 == 0
+        and (d // 64) & (d // 64 - 1) == 0  # `_pages_layout`: powers of two
         and value_cache.stride(2) % 64 == 0
-        and tile.block_n // box in (2, 4, 8)  # `_pv_pages`' splits
+        and tile.block_n // box in (2, 4, 8)  # (boxes of 16 rows at least)
         and not paged_policy.SM90_PREFILL_OVERLAP
         and not split
     )

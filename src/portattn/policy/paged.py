@@ -296,11 +296,13 @@ SM90_PREFILL_FUSE_DECODE = True
 SM90_PREFILL_SPLIT_SHORT = False
 #: V tiles of pages shorter than the 128-token tile arrive one TMA copy a page box (a 3-D view
 #: of the cache puts both 64-column halves of a box's rows in one copy) into per-box tiles, and
-#: P V is one MMA a box; off, each box is two copies (one per 64-column half, the 128-byte
+#: P V reads them through one shared layout of the boxes, one MMA (an MMA a box until the
+#: seventeenth session); off, each box is two copies (one per 64-column half, the 128-byte
 #: swizzle's width). Taken where a tile has at least `SM90_PREFILL_V_PAGES_MIN_BOXES` boxes. At
 #: 16-token pages a tile's copies go from 32 to 24 (bench/NOTES.md: the kernel's tile period
 #: grows with its copy count). H100, medians of 9-11 rounds in turns (bench/RESULTS.md, sixth
-#: session): 16-row boxes 1.5-4.3% faster, 32-row boxes (block 544) 1.2-1.5% slower. Like the
+#: session): 16-row boxes 1.5-4.3% faster, 32-row boxes (block 544) 1.2-1.5% slower (H200,
+#: seventeenth session, with one P V MMA and in turns: still 0.5-2.5% slower). Like the
 #: other switches here, read at planning and not in the plan cache's key.
 SM90_PREFILL_V_PAGES = True
 SM90_PREFILL_V_PAGES_MIN_BOXES = 8
