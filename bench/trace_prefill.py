@@ -87,9 +87,10 @@ def _prev(ev: np.ndarray) -> np.ndarray:
 def _item_starts(ev, wg: int, tiles: int, computed: np.ndarray, res: dict, out) -> None:
     """Warpgroup ``wg``'s item boundaries (the first tile of each item it computed, after its
     previous tile): from the previous tile's release to the item start (event 7: the epilogue,
-    the next step's hand-over and the item's metadata reads), from there to the first tile's
-    start (the query rows' load), and their sum over the launch against its cycles (the
-    warpgroup's first to last stamp, median over programs)."""
+    the next step's hand-over and the item's metadata reads; then each of the three, from the
+    previous tile's events 8 and 9), from there to the first tile's start (the query rows'
+    load), and their sum over the launch against its cycles (the warpgroup's first to last
+    stamp, median over programs)."""
     first = np.isfinite(ev[:, wg, :tiles, 7]) & computed
     rel = _prev(ev[:, wg, :tiles, 6])
     ends = (ev[:, wg, :tiles, 7] - rel)[first]
@@ -108,6 +109,19 @@ def _item_starts(ev, wg: int, tiles: int, computed: np.ndarray, res: dict, out) 
     res[(wg, "item end to start")] = float(np.median(ends))
     res[(wg, "item start to first tile")] = float(np.median(loads))
     res[(wg, "item share")] = share
+    # the end-to-start gap in three, from the previous tile's events 8 (the epilogue's stores
+    # issued) and 9 (the next step in hand)
+    epi, step = _prev(ev[:, wg, :tiles, 8]), _prev(ev[:, wg, :tiles, 9])
+    for label, x in (
+        ("release to stores issued (epilogue)", epi - rel),
+        ("stores to next step (ring)", step - epi),
+        ("next step to item start (metadata)", ev[:, wg, :tiles, 7] - step),
+    ):
+        x = x[first]
+        x = x[np.isfinite(x)]
+        if x.size:
+            out(f"      {label:38} {np.median(x):6.0f} {x.mean():8.0f}")
+            res[(wg, label)] = float(np.median(x))
 
 
 def analyse(

@@ -25,10 +25,10 @@ PERIOD = sum(STEP)
 
 
 def synthetic(programs=3, tiles=6, slots=8, passed=(1, 4)) -> np.ndarray:
-    """Stamps ``[programs, 4, slots + 1, 8]``: warpgroups 0 and 1 compute ``tiles`` tiles
+    """Stamps ``[programs, 4, slots + 1, 10]``: warpgroups 0 and 1 compute ``tiles`` tiles
     (warpgroup 1 passes tiles ``passed`` on: events 0, 1, 4, 6 only), warpgroup 2 absent, the
     producer 100 cycles a tile, issuing 300 cycles before warpgroup 0 starts each tile."""
-    st = np.full((programs, 4, slots + 1, 8), -1, dtype=np.int64)
+    st = np.full((programs, 4, slots + 1, 10), -1, dtype=np.int64)
     for p in range(programs):
         t0 = 1000 * (p + 1)
         for t in range(tiles):
@@ -125,3 +125,19 @@ def test_item_boundaries_are_split_at_the_item_start():
     assert res[(0, "item share")] == pytest.approx(STEP[-1] / span)
     assert (1, "item share") not in res  # warpgroup 1 stamped no item start
     assert "2.0 items a program" in "\n".join(lines)
+    assert not any("(epilogue)" in line for line in lines)  # no events 8 and 9 stamped
+
+
+def test_item_end_splits_into_epilogue_ring_and_metadata():
+    """Events 8 (stores issued) and 9 (next step in hand) on an item's last tile split its end
+    to the next item's start into three parts that add up to it."""
+    st = synthetic()
+    st[:, 0, 3, 7] = st[:, 0, 3, 0] - 15
+    st[:, 0, 2, 8] = st[:, 0, 2, 6] + 10  # release + 10: stores issued
+    st[:, 0, 2, 9] = st[:, 0, 2, 6] + 12  # + 2: the next step in hand
+    lines: list[str] = []
+    res = tp.analyse(st, out=lines.append)
+    assert res[(0, "release to stores issued (epilogue)")] == 10
+    assert res[(0, "stores to next step (ring)")] == 2
+    assert res[(0, "next step to item start (metadata)")] == STEP[-1] - 15 - 12
+    assert res[(0, "item end to start")] == STEP[-1] - 15

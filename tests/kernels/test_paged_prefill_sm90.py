@@ -570,7 +570,12 @@ def test_trace_buffer_builds_traced_launches_only_while_set(monkeypatch):
 
     (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
     assert main.args["TRACE"] is False
-    need = SM90.num_sms * sm90.TRACE_PARTS.value * (sm90.TRACE_TILES.value + 1) * 8
+    need = (
+        SM90.num_sms
+        * sm90.TRACE_PARTS.value
+        * (sm90.TRACE_TILES.value + 1)
+        * sm90.TRACE_EVENTS.value
+    )
     buf = torch.empty(need, dtype=torch.int64, device="meta")
     monkeypatch.setattr(sm90, "TRACE_BUFFER", buf)
     (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
@@ -587,7 +592,13 @@ def test_trace_buffer_builds_traced_launches_only_while_set(monkeypatch):
 def test_trace_buffer_refuses_what_it_cannot_stamp(monkeypatch, size, switch, match):
     import portattn.kernels.paged_prefill_sm90 as sm90
 
-    size = size or SM90.num_sms * sm90.TRACE_PARTS.value * (sm90.TRACE_TILES.value + 1) * 8
+    size = (
+        size
+        or SM90.num_sms
+        * sm90.TRACE_PARTS.value
+        * (sm90.TRACE_TILES.value + 1)
+        * sm90.TRACE_EVENTS.value
+    )
     monkeypatch.setattr(sm90, "TRACE_BUFFER", torch.empty(size, dtype=torch.int64, device="meta"))
     if switch:
         monkeypatch.setattr(paged_policy, switch, True)
@@ -603,7 +614,12 @@ def _traced_ptx_counts(turns: bool = False) -> tuple[int, int, int | None]:
     import portattn.kernels.paged_prefill_sm90 as sm90
     from portattn.compile.worker import _resources, compile_kernel
 
-    need = SM90.num_sms * sm90.TRACE_PARTS.value * (sm90.TRACE_TILES.value + 1) * 8
+    need = (
+        SM90.num_sms
+        * sm90.TRACE_PARTS.value
+        * (sm90.TRACE_TILES.value + 1)
+        * sm90.TRACE_EVENTS.value
+    )
     sm90.TRACE_BUFFER = torch.empty(need, dtype=torch.int64, device="meta")
     tiles = dict(SM90_PREFILL_TILES)  # the policy's (the worker may have run another job)
     if not turns:  # the sequential loop's stamps
@@ -625,13 +641,14 @@ def test_traced_kernel_compiles_for_sm90_within_the_spill_gate():
 
     got = in_spawned_workers(_traced_ptx_counts, [(False,), (True,)], workers=1)
     # the global timer at both ends of the 3 partitions; the clock at both ends, and: warpgroup
-    # 0 at 7 steps a tile and an item's start (with turns, 7 more for the item's last tile,
-    # outside the loop); warpgroup 1 the same, and 4 on the path that passes a decode item's
-    # tiles on (warpgroup 0 never takes it); the producer 3 a tile
+    # 0 at 7 steps a tile, an item's start and end (stores issued, next step in hand: 2) (with
+    # turns, 7 more for the item's last tile, outside the loop); warpgroup 1 the same, and 4
+    # on the path that passes a decode item's tiles on (warpgroup 0 never takes it); the
+    # producer 3 a tile
     for turns, last in ((False, 0), (True, 7)):
         timer, clock, spills = got[(turns,)]
         assert timer == 6
-        assert clock == (2 + 7 + last + 1) + (2 + 7 + last + 1 + 4) + (2 + 3), turns
+        assert clock == (2 + 7 + last + 1 + 2) + (2 + 7 + last + 1 + 2 + 4) + (2 + 3), turns
         assert spills <= 16, turns
 
 

@@ -149,7 +149,7 @@ MIN_BOX = 16
 #: Diagnostic trace (`TRACE`, bench/trace_prefill.py): clock stamps per K/V tile (the
 #: program's tile counter: the same tile in every partition) for the first ``TRACE_TILES`` tiles
 #: of each program, in four partitions (consumer warpgroups 0..2, the producer at 3).
-TRACE_EVENTS = gl.constexpr(8)
+TRACE_EVENTS = gl.constexpr(10)
 TRACE_TILES = gl.constexpr(2048)
 TRACE_PARTS = gl.constexpr(4)
 #: When set (an int64 CUDA tensor of at least ``programs * TRACE_PARTS * (TRACE_TILES + 1) *
@@ -157,7 +157,9 @@ TRACE_PARTS = gl.constexpr(4)
 #: ``[program, partition, tile, event]`` (the last "tile" holds each partition's start and end).
 #: Consumer events: 0 tile start, 1 K landed, 2 scores done, 3 P ready, 4 V landed (tail
 #: zeroed), 5 P V done, 6 stage released, 7 (an item's first tile) item start, before its query
-#: is read. A warpgroup passing an item's tiles on stamps 0, 1, 4 and 6. Producer: 0 tile start
+#: is read; on an item's last tile, 8 the epilogue's stores issued and 9 the next step in hand
+#: (`_take`; with AHEAD, taken before the epilogue). A warpgroup passing an item's tiles on
+#: stamps 0, 1, 4, 6 and 9. Producer: 0 tile start
 #: (before its block-table loads are issued), 1 stage free, 2 copies issued. Kernel slot,
 #: every partition: 0 start (clock), 1 start (global timer, ns), 2 end (clock), 3 end (ns).
 #: The sequential schedule only (OVERLAP and SPLIT off: the launcher refuses the rest).
@@ -1133,12 +1135,14 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             o_rows = tok_o * stride_o_tok + head_o * stride_o_head
             o_ptrs = row_ptrs(out_ptr, o_rows, do, stride_o_dim, O_VEC, 8)
             gl.store(o_ptrs, o.to(dtype), mask=real_o[:, None])
+            _stamp(tr, trace_slot(it - 1, TRACE, TRACE_TILES), 8, TRACE)
         nq += 1
         step += 1
         if AHEAD:  # noqa: SIM108 (a constexpr branch: the other side is never compiled)
             cur = cur_n
         else:
             cur = _take(ring, ring_bars, step, DYNAMIC)
+        _stamp(tr, trace_slot(it - 1, TRACE, TRACE_TILES), 9, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
 
