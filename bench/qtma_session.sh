@@ -21,7 +21,7 @@ if [ "${TRACE:-1}" = 1 ]; then
     run "trace_$i" 200 python3 bench/trace_prefill.py --points "prefill 8x4096" \
       --blocks ${TRACE_BLOCKS:-2048} $opts
     echo "## trace $i: $opts"
-    grep -E "^==|period|item|S = Q|softmax|P V" "$OUT/trace_$i.log" | head -40
+    grep -E "^==|period|item|epilogue|ring\)|S = Q|softmax|P V" "$OUT/trace_$i.log" | head -48
     i=$((i + 1))
   done
 fi
