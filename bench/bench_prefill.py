@@ -211,6 +211,9 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
     emptied around it: the switches are not in a plan's key)."""
     out: dict[str, dict] = {"policy": {}}
     if schedules:  # the sm_90 kernel's schedules and depth (kernels/paged_prefill_sm90.py)
+        # the policy's own launch again: a control, its ratio to "policy" is the run's noise
+        # between variants in turns (`against_policy`)
+        out["policy again"] = {}
         # the tile before the sixteenth session: sequential at 2 stages (late release at 2-4
         # boxes a tile); the variants about that loop's switches run on it
         seq = dict(paged_policy.SM90_PREFILL_TILES)
@@ -425,6 +428,20 @@ def spreads(rows) -> list[dict]:
     return out
 
 
+def against_policy(rows) -> list[dict]:
+    """Per scenario and block size: each other variant's graph time over the policy's (< 1:
+    faster), in the rows' order; "policy again" (`variants`) is the control."""
+    base = {(r["scenario"], r["block_size"]): r["graph_us"] for r in rows
+            if r["variant"] == "policy"}  # fmt: skip
+    out = []
+    for r in rows:
+        key = (r["scenario"], r["block_size"])
+        if r["variant"] != "policy" and key in base:
+            out.append(dict(scenario=key[0], block_size=key[1], variant=r["variant"],
+                            ratio=r["graph_us"] / base[key]))  # fmt: skip
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -502,6 +519,11 @@ def main(argv=None) -> int:
             print(f"{r['scenario']} bs {r['block_size']} {r['variant']}: x roof "
                   f"{r['x_roof']:.3f} at the run's ceiling, {r['x_roof_turns']:.3f} at the "
                   f"ceiling in turns ({r['roofline_turns_us']:.1f} us)")  # fmt: skip
+    for a in against_policy(rows):
+        print(
+            f"{a['scenario']} bs {a['block_size']} {a['variant']}: {a['ratio']:.3f} x policy"
+            + (" (control: the policy again)" if a["variant"] == "policy again" else "")
+        )
     for s in spread:
         ok = "met" if s["spread"] <= SPREAD_GOAL else "NOT met"
         print(f"block sizes {s['block_sizes']} {s['scenario']:24} {s['variant']:>14}: max/min "

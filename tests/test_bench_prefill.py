@@ -225,3 +225,22 @@ def test_rounds_take_the_variants_in_turns_and_report_the_median(monkeypatch, tm
     assert "median of 3 rounds" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--rounds must be >= 1; got 0"):
         bp.main(["--rounds", "0"])
+
+
+def test_against_policy_divides_by_the_policy_at_the_same_point():
+    """Each variant's graph time over the policy's at its scenario and block size; the policy
+    itself and points without a policy row are left out."""
+    rows = [dict(scenario="a", block_size=16, variant="policy", graph_us=100.0),
+            dict(scenario="a", block_size=16, variant="k first", graph_us=95.0),
+            dict(scenario="a", block_size=16, variant="policy again", graph_us=101.0),
+            dict(scenario="a", block_size=2048, variant="policy", graph_us=50.0),
+            dict(scenario="a", block_size=2048, variant="k first", graph_us=60.0),
+            dict(scenario="b", block_size=16, variant="k first", graph_us=7.0)]  # fmt: skip
+    got = [(a["block_size"], a["variant"], a["ratio"]) for a in bp.against_policy(rows)]
+    assert got == [(16, "k first", 0.95), (16, "policy again", 1.01), (2048, "k first", 1.2)]
+
+
+def test_schedule_variants_hold_a_control():
+    """``--schedules`` times the policy's own launch a second time ("policy again")."""
+    assert bp.variants([], schedules=True)["policy again"] == {}
+    assert "policy again" not in bp.variants([])
