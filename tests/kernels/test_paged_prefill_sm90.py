@@ -343,16 +343,25 @@ def test_dynamic_deal_orders_the_launch_as_one_program():
         assert abs(got - window * n_b / (n_a + n_b)) <= 1, (start, got)
 
 
+def _compiled_main(block_size: int, **switches):
+    """(the launch, its sm_90 build, its ptxas spill bytes) of the mixed batch's sm_90 prefill
+    launch at ``block_size`` with ``switches`` (names of `portattn.policy.paged`) set: for the
+    compile jobs below, run in spawned workers (`tests.helpers.in_spawned_workers`; a job sets
+    every switch it relies on, a worker may have run another job)."""
+    from portattn.compile.worker import _nvidia_resources, compile_kernel
+
+    for name, value in switches.items():
+        setattr(paged_policy, name, value)
+    (launch,) = [x for x in _plan(block_size=block_size) if x.name == "paged_prefill_sm90"]
+    compiled = compile_kernel(launch, SM90)
+    return launch, compiled, _nvidia_resources(compiled, 90)[1]
+
+
 def _dynamic_compile(deal: str, block_size: int) -> tuple[bool, int, int, int]:
     """(the DYNAMIC arg, spills, shared bytes, atomics in the PTX) of the mixed batch's sm_90
     launch planned with the deal ``deal`` ("dealt", "dynamic"), compiled for sm_90 (a spawned
     worker: `tests.helpers.in_spawned_workers`)."""
-    from portattn.compile.worker import _nvidia_resources, compile_kernel
-
-    paged_policy.SM90_PREFILL_DYNAMIC = deal != "dealt"
-    (launch,) = [x for x in _plan(block_size=block_size) if x.name == "paged_prefill_sm90"]
-    compiled = compile_kernel(launch, SM90)
-    _, spills, _ = _nvidia_resources(compiled, 90)
+    launch, compiled, spills = _compiled_main(block_size, SM90_PREFILL_DYNAMIC=deal != "dealt")
     atomics = compiled.asm["ptx"].count("atom.global")
     return launch.args["DYNAMIC"], spills, compiled.metadata.shared, atomics
 
@@ -437,11 +446,7 @@ def test_the_fallback_tile_sets_the_launch_rows(monkeypatch):
 def _ahead_compile(ahead: bool, block_size: int) -> tuple[bool, int]:
     """(the AHEAD arg, spills) of the mixed batch's sm_90 launch (the policy's tile) with
     ``SM90_PREFILL_ITEM_AHEAD`` at ``ahead``, compiled for sm_90 (a spawned worker)."""
-    from portattn.compile.worker import _nvidia_resources, compile_kernel
-
-    paged_policy.SM90_PREFILL_ITEM_AHEAD = ahead
-    (launch,) = [x for x in _plan(block_size=block_size) if x.name == "paged_prefill_sm90"]
-    _, spills, _ = _nvidia_resources(compile_kernel(launch, SM90), 90)
+    launch, _, spills = _compiled_main(block_size, SM90_PREFILL_ITEM_AHEAD=ahead)
     return launch.args["AHEAD"], spills
 
 
@@ -467,13 +472,9 @@ def _copy_order(k_first: bool, block_size: int) -> tuple[bool, int, str]:
     worker)."""
     import re
 
-    from portattn.compile.worker import _nvidia_resources, compile_kernel
-
-    paged_policy.SM90_PREFILL_K_FIRST = k_first
-    (launch,) = [x for x in _plan(block_size=block_size) if x.name == "paged_prefill_sm90"]
-    compiled = compile_kernel(launch, SM90)
+    launch, compiled, spills = _compiled_main(block_size, SM90_PREFILL_K_FIRST=k_first)
     dims = "".join(re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", compiled.asm["ptx"]))
-    return launch.args["K_FIRST"], _nvidia_resources(compiled, 90)[1], dims
+    return launch.args["K_FIRST"], spills, dims
 
 
 def test_k_first_issues_a_tiles_k_boxes_before_its_v_boxes():
@@ -501,16 +502,11 @@ def _q_tma_compile(q_tma: bool, block_size: int) -> tuple[bool, int, int, int, i
     ``q_tma`` (the same loop either way: the turns by the switch, not the tile's flag, which
     would fall back to the sequential tile without the query by TMA), compiled for sm_90 (a
     spawned worker)."""
-    from portattn.compile.worker import _nvidia_resources, compile_kernel
-
     tiles = dict(paged_policy.SM90_PREFILL_TILES)
     tiles[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=3)
-    paged_policy.SM90_PREFILL_TILES = tiles
-    paged_policy.SM90_PREFILL_PINGPONG = True
-    paged_policy.SM90_PREFILL_Q_TMA = q_tma
-    (launch,) = [x for x in _plan(block_size=block_size) if x.name == "paged_prefill_sm90"]
-    compiled = compile_kernel(launch, SM90)
-    _, spills, _ = _nvidia_resources(compiled, 90)
+    launch, compiled, spills = _compiled_main(
+        block_size, SM90_PREFILL_TILES=tiles, SM90_PREFILL_PINGPONG=True, SM90_PREFILL_Q_TMA=q_tma
+    )
     ptx = compiled.asm["ptx"]
     copies = ptx.count("cp.async.bulk.tensor")
     loads = ptx.count("ld.global")
@@ -815,14 +811,10 @@ def _pv_groups(v_pages: bool, block_size: int, min_boxes: int) -> tuple[int, int
     """(the V_PAGES arg, wgmma fences, commit groups, spills) of the mixed batch's sm_90 launch
     at ``block_size`` with V pages on or off (taken from ``min_boxes`` boxes a tile), compiled
     for sm_90 (a spawned worker)."""
-    from portattn.compile.worker import _nvidia_resources, compile_kernel
-
-    paged_policy.SM90_PREFILL_V_PAGES = v_pages
-    paged_policy.SM90_PREFILL_V_PAGES_MIN_BOXES = min_boxes
-    (launch,) = [x for x in _plan(block_size=block_size) if x.name == "paged_prefill_sm90"]
-    compiled = compile_kernel(launch, SM90)
+    launch, compiled, spills = _compiled_main(
+        block_size, SM90_PREFILL_V_PAGES=v_pages, SM90_PREFILL_V_PAGES_MIN_BOXES=min_boxes
+    )
     ptx = compiled.asm["ptx"]
-    spills = _nvidia_resources(compiled, 90)[1]
     fences, commits = ptx.count("wgmma.fence"), ptx.count("wgmma.commit_group")
     return launch.args["V_PAGES"], fences, commits, spills
 
@@ -1171,6 +1163,20 @@ def test_gpu_sm90_prefill_many_items_a_program(deal, q_tma, monkeypatch):
     PLANS.clear()
 
 
+def _gpu_checked_main(seqs, *, block_size, heads, head_dim) -> dict:
+    """Builds a bf16 batch of ``seqs`` on the GPU, runs the public op on it and checks the
+    output against the fp64 oracle; returns the args of its plan's sm_90 prefill launch."""
+    b = make_batch(seqs, block_size=block_size, heads=heads, head_dim=head_dim,
+                   dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    mql, msl = max(q for _, q in seqs), max(s for s, _ in seqs)
+    launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
+    (main,) = [x for x in launches if x.name == "paged_prefill_sm90"]
+    out = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
+    torch.cuda.synchronize()
+    check(b, out)
+    return main.args
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", ["policy", "sequential"])
 def test_gpu_sm90_prefill_k_first(schedule, monkeypatch):
@@ -1188,16 +1194,9 @@ def test_gpu_sm90_prefill_k_first(schedule, monkeypatch):
         monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
     PLANS.clear()  # the switches are not in a plan's key
     for block_size in (16, 32, 2048):
-        b = make_batch(GPU_SEQS, block_size=block_size, heads=(32, 8), head_dim=128,
-                       dtype=torch.bfloat16, device="cuda")  # fmt: skip
-        mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
-        launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
-        (main,) = [x for x in launches if x.name == "paged_prefill_sm90"]
-        assert main.args["K_FIRST"] is True
-        assert main.args["PINGPONG"] is (schedule == "policy")
-        out = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
-        torch.cuda.synchronize()
-        check(b, out)
+        args = _gpu_checked_main(GPU_SEQS, block_size=block_size, heads=(32, 8), head_dim=128)
+        assert args["K_FIRST"] is True
+        assert args["PINGPONG"] is (schedule == "policy")
     PLANS.clear()
 
 
@@ -1223,18 +1222,11 @@ def test_gpu_sm90_prefill_item_ahead(schedule, monkeypatch):
     cases = [(GPU_SEQS, (32, 8), 128, 16), (GPU_SEQS, (40, 8), 64, 2048),
              (((3072, 3072), (1500, 600), (2000, 1)), (64, 4), 64, 16)]  # fmt: skip
     for seqs, heads, head_dim, block_size in cases:
-        b = make_batch(seqs, block_size=block_size, heads=heads, head_dim=head_dim,
-                       dtype=torch.bfloat16, device="cuda")  # fmt: skip
-        mql, msl = max(q for _, q in seqs), max(s for s, _ in seqs)
-        launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
-        (main,) = [x for x in launches if x.name == "paged_prefill_sm90"]
-        assert main.args["AHEAD"] is True
+        args = _gpu_checked_main(seqs, block_size=block_size, heads=heads, head_dim=head_dim)
+        assert args["AHEAD"] is True
         if head_dim == 128:
-            assert main.args["PINGPONG"] is (schedule in ("policy", "dealt"))
-            assert main.args["SPLIT"] is (schedule == "split")
-        out = paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
-        torch.cuda.synchronize()
-        check(b, out)
+            assert args["PINGPONG"] is (schedule in ("policy", "dealt"))
+            assert args["SPLIT"] is (schedule == "split")
     PLANS.clear()
 
 
