@@ -82,10 +82,11 @@ def set_heads(spec: str) -> None:
     HQ, HKV = hq, hkv
 
 
-def make_inputs(seqs, block_size, dtype, seed=0, device="cuda"):
+def make_inputs(seqs, block_size, dtype, seed=0, device="cuda", shuffle=True):
     """Random ``(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)`` for
     ``seqs`` (``(seq_len, q_len)`` each) in NHD caches of ``block_size``, blocks a random
-    permutation; ``device="cpu"`` for CPU tests (the kernels under ``TRITON_INTERPRET=1``)."""
+    permutation (``shuffle=False``: in order, each sequence's pages one contiguous run);
+    ``device="cpu"`` for CPU tests (the kernels under ``TRITON_INTERPRET=1``)."""
     g = torch.Generator(device=device).manual_seed(seed)
     nblk = [-(-s // block_size) for s, _ in seqs]
     num_blocks = sum(nblk)
@@ -93,6 +94,8 @@ def make_inputs(seqs, block_size, dtype, seed=0, device="cuda"):
     k = torch.randn(shape, device=device, dtype=dtype, generator=g)
     v = torch.randn(shape, device=device, dtype=dtype, generator=g)
     perm = torch.randperm(num_blocks, device=device, generator=g).to(torch.int32)
+    if not shuffle:
+        perm = torch.arange(num_blocks, device=device, dtype=torch.int32)
     table = torch.full((len(seqs), max(nblk)), -1, dtype=torch.int32, device=device)
     first = 0
     for i, n in enumerate(nblk):

@@ -308,7 +308,8 @@ def describe_plan(args, call_kwargs) -> str:
     return "; ".join(parts)
 
 
-def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows, rounds=1) -> list[dict]:
+def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows, rounds=1,
+                shuffle=True) -> list[dict]:  # fmt: skip
     """Check, then time every variant at one point; returns the rows (stops on a failed check).
     ``rounds`` > 1: the graph timing is repeated that many times over all variants in turn
     (A B C, then rotated: B C A, C A B, ...: `turn_order`), and a row's ``graph_us`` is the
@@ -316,9 +317,11 @@ def bench_point(name, seqs, bs, dtype, var, ceilings, check_rows, rounds=1) -> l
     clock and power drift during a run then falls on every variant alike. The matmul ceiling is
     measured again before each round (``mm_rounds``, the point's), and each row also gets its
     ratio to the roofline at the median of those (``x_roof_turns``): the run's one ceiling is
-    taken at its start, on a card not yet warm from the timings that follow."""
+    taken at its start, on a card not yet warm from the timings that follow. ``shuffle=False``:
+    each sequence's pages in order (a diagnostic: the block table's scatter against its
+    absence)."""
     copy_gbs, mm_tflops = ceilings
-    args = make_inputs(seqs, bs, dtype)
+    args = make_inputs(seqs, bs, dtype, shuffle=shuffle)
     t0 = time.time()
     oracle = Oracle(seqs, args, check_rows)
     oracle_s = time.time() - t0
@@ -456,11 +459,23 @@ def main(argv=None) -> int:
                     help="comma-separated variant names to keep (default: all)")  # fmt: skip
     ap.add_argument("--check-rows", type=int, default=CHECK_ROWS,
                     help="rows per checked window of a prefill sequence")  # fmt: skip
+    ap.add_argument("--blocks", default="",
+                    help="comma-separated block sizes every point runs at (default: its own)")
+    ap.add_argument("--ordered-pages", action="store_true",
+                    help="each sequence's pages in order, not a random permutation (diagnostic)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="graph timings a variant, in turns; the median is kept")  # fmt: skip
     opts = ap.parse_args(argv)
     if opts.rounds < 1:
         sys.exit(f"bench_prefill: --rounds must be >= 1; got {opts.rounds}")
+    blocks: tuple[int, ...] = ()
+    if opts.blocks:
+        try:
+            blocks = tuple(int(b) for b in opts.blocks.split(","))
+        except ValueError:
+            blocks = (0,)
+        if min(blocks) < 1:
+            sys.exit(f"bench_prefill: --blocks must be positive integers; got {opts.blocks!r}")
     if not torch.cuda.is_available():
         sys.exit("bench_prefill: needs a CUDA/HIP device")
     dtype = DTYPES[opts.dtype]
@@ -471,6 +486,8 @@ def main(argv=None) -> int:
         points = {n: POINTS[n] for n in DEFAULT_POINTS}
     if not points:
         sys.exit(f"bench_prefill: --points {opts.points!r} matches none of {list(POINTS)}")
+    if blocks:
+        points = {n: (seqs, blocks) for n, (seqs, _) in points.items()}
     var = variants(opts.target, opts.portable, opts.schedules)
     if opts.variants:
         keep = opts.variants.split(",")
@@ -506,7 +523,7 @@ def main(argv=None) -> int:
     for name, (seqs, block_sizes) in points.items():
         for bs in block_sizes:
             rows += bench_point(name, seqs, bs, dtype, var, (copy_gbs, mm_tflops), opts.check_rows,
-                                opts.rounds)  # fmt: skip
+                                opts.rounds, not opts.ordered_pages)  # fmt: skip
     spread = spreads(rows)
     print(f"== summary ({time.time() - t0:.0f} s; every row checked against the fp64 oracle first)")
     print(head)
@@ -534,7 +551,10 @@ def main(argv=None) -> int:
             print(f"pure prefill {r['scenario']} bs {r['block_size']} {r['variant']}: "
                   f"{r['prefill_tflops']:.0f} TFLOP/s effective (goal >= "
                   f"{PREFILL_GOAL_TFLOPS:.0f}: {ok})")  # fmt: skip
+    if opts.ordered_pages:
+        print("(pages in order: --ordered-pages, a diagnostic; the goals take random pages)")
     save_record("bench_prefill", dtype=opts.dtype, copy_gb_per_s=copy_gbs, mm_tflops=mm_tflops,
+                pages="ordered" if opts.ordered_pages else "random",
                 rows=rows, spreads=spread)  # fmt: skip
     return 0
 

@@ -221,6 +221,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", nargs="+", default=["prefill 8x4096"], choices=sorted(POINTS))
     ap.add_argument("--blocks", type=int, nargs="+", default=[16])
+    ap.add_argument("--ordered-pages", action="store_true",
+                    help="each sequence's pages in order, not a random permutation (diagnostic)")
     ap.add_argument("--set", action="append", default=[], metavar="SWITCH=0|1",
                     help="set a boolean switch of portattn.policy.paged (a schedule)")  # fmt: skip
     ap.add_argument("--tile", default=None, type=_tile_arg, metavar="STAGES:LAG",
@@ -244,7 +246,7 @@ def main(argv=None) -> int:
     for name in args.points:
         seqs = POINTS[name][0]
         for bs in args.blocks:
-            inputs = make_inputs(seqs, bs, torch.bfloat16)
+            inputs = make_inputs(seqs, bs, torch.bfloat16, shuffle=not args.ordered_pages)
             oracle = Oracle(seqs, inputs)
             out = torch.empty_like(inputs[0])
             kw = dict(max_query_len=max(q for _, q in seqs), max_seq_len=max(s for s, _ in seqs))

@@ -81,6 +81,10 @@ def test_make_inputs_matches_the_metadata(block_size):
     used = [b for i, (s, _) in enumerate(TINY) for b in table[i, : -(-s // block_size)].tolist()]
     assert sorted(used) == list(range(k.shape[0]))  # every block once: a permutation
     assert k.shape[1] == block_size and bool(k.abs().sum() > 0)
+    # shuffle=False: the same blocks in order, sequence after sequence
+    _, _, _, ordered, *_ = make_inputs(TINY, block_size, torch.float32, device="cpu", shuffle=False)
+    used = [b for i, (s, _) in enumerate(TINY) for b in ordered[i, : -(-s // block_size)].tolist()]
+    assert used == list(range(k.shape[0]))
 
 
 def test_check_windows_and_their_batch_keep_the_causal_limits():
@@ -185,6 +189,20 @@ def test_main_runs_check_time_and_summary_on_the_interpreter(monkeypatch, tmp_pa
     flops = bp.prefill_flops(bp.mixed(2, 12, 3, 20))
     assert rec["rows"][0]["prefill_tflops"] == pytest.approx(flops / 1e-3 / 1e12)
     assert rec["rows"][0]["checked_rows"] == 4 + 4 + 4 + 1 + 1
+
+
+@pytest.mark.cpu
+def test_blocks_replace_every_points_block_sizes(monkeypatch, tmp_path, capsys):
+    """``--blocks 4,7``: each point runs at those block sizes instead of its own (3, 5); bad
+    values stop before anything runs, naming the option."""
+    _on_the_interpreter(monkeypatch, tmp_path, lambda fn, return_mode: (fn(), 1.0)[1])
+    assert bp.main(["--dtype", "fp16", "--check-rows", "4", "--blocks", "4,7"]) == 0
+    rec = json.loads((tmp_path / "bench_prefill.json").read_text())
+    assert [r["block_size"] for r in rec["rows"]] == [4, 7]
+    assert json.loads((tmp_path / "bench_prefill.json").read_text())["pages"] == "random"
+    for bad in ("0", "16,x", "16,,32"):
+        with pytest.raises(SystemExit, match="--blocks must be positive integers"):
+            bp.main(["--blocks", bad])
 
 
 @pytest.mark.cpu
