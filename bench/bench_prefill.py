@@ -243,8 +243,8 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         out["sequential"] = dict(SM90_PREFILL_TILES=seq)
         # each warpgroup's next item taken before its epilogue (prepared, off)
         out["item ahead"] = dict(SM90_PREFILL_ITEM_AHEAD=True)
-        # a tile's K copies before its V copies (prepared, off)
-        out["k first"] = dict(SM90_PREFILL_K_FIRST=True)
+        # K buffers freed at the scores, K copied a tile ahead of V (turns only)
+        out["k ahead"] = dict(SM90_PREFILL_K_AHEAD=True)
         out["overlap+pingpong 3 stages"] = dict(SM90_PREFILL_OVERLAP=True,
                                                 SM90_PREFILL_PINGPONG=True,
                                                 SM90_PREFILL_TILES=three)  # fmt: skip
@@ -279,6 +279,11 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
                              SM90_PREFILL_TILES=seq)  # fmt: skip
         out["v pages 2+"] = dict(SM90_PREFILL_V_PAGES=True, SM90_PREFILL_V_PAGES_MIN_BOXES=2)
         out["v pages 4+"] = dict(SM90_PREFILL_V_PAGES=True, SM90_PREFILL_V_PAGES_MIN_BOXES=4)
+        # half-width tiles in twice the stages (the same bytes in flight, released and refilled
+        # 64 keys at a time; V as one copy a page box at 4 boxes: block 16)
+        half = dict(paged_policy.SM90_PREFILL_TILES)
+        half[128] = paged_policy.Sm90PrefillTile(block_n=64, stages=6, pingpong=True)
+        out["n64 6 stages"] = dict(SM90_PREFILL_TILES=half, SM90_PREFILL_V_PAGES_MIN_BOXES=4)
         # 3 stages, each released later in the next tile (Sm90PrefillTile.release_lag)
         for lag in (1, 2):
             late = dict(paged_policy.SM90_PREFILL_TILES)
@@ -459,10 +464,16 @@ def main(argv=None) -> int:
                     help="comma-separated variant names to keep (default: all)")  # fmt: skip
     ap.add_argument("--check-rows", type=int, default=CHECK_ROWS,
                     help="rows per checked window of a prefill sequence")  # fmt: skip
-    ap.add_argument("--blocks", default="",
-                    help="comma-separated block sizes every point runs at (default: its own)")
-    ap.add_argument("--ordered-pages", action="store_true",
-                    help="each sequence's pages in order, not a random permutation (diagnostic)")
+    ap.add_argument(
+        "--blocks",
+        default="",
+        help="comma-separated block sizes every point runs at (default: its own)",
+    )
+    ap.add_argument(
+        "--ordered-pages",
+        action="store_true",
+        help="each sequence's pages in order, not a random permutation (diagnostic)",
+    )
     ap.add_argument("--rounds", type=int, default=1,
                     help="graph timings a variant, in turns; the median is kept")  # fmt: skip
     opts = ap.parse_args(argv)

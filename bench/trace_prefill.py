@@ -221,8 +221,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", nargs="+", default=["prefill 8x4096"], choices=sorted(POINTS))
     ap.add_argument("--blocks", type=int, nargs="+", default=[16])
-    ap.add_argument("--ordered-pages", action="store_true",
-                    help="each sequence's pages in order, not a random permutation (diagnostic)")
+    ap.add_argument(
+        "--ordered-pages",
+        action="store_true",
+        help="each sequence's pages in order, not a random permutation (diagnostic)",
+    )
     ap.add_argument("--set", action="append", default=[], metavar="SWITCH=0|1",
                     help="set a boolean switch of portattn.policy.paged (a schedule)")  # fmt: skip
     ap.add_argument("--tile", default=None, type=_tile_arg, metavar="STAGES:LAG",

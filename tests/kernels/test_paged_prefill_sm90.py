@@ -465,35 +465,53 @@ def test_item_ahead_compiles_for_sm90_with_the_same_spills():
         assert spills <= spills_off <= 16, bs
 
 
-def _copy_order(k_first: bool, block_size: int) -> tuple[bool, int, str]:
-    """(the K_FIRST arg, spills, the dimensions of the PTX's tensor copies in program order: 2
-    for a K box or a 2-D V box, 3 for a V page box, 4 for a query box) of the mixed batch's
-    sm_90 launch with ``SM90_PREFILL_K_FIRST`` at ``k_first``, compiled for sm_90 (a spawned
-    worker)."""
+def _copy_order(k_ahead: bool, block_size: int) -> tuple[bool, int, int, str]:
+    """(the K_AHEAD arg, the producer's registers, spills, the dimensions of the PTX's tensor
+    copies in program order: 2 for a K box or a 2-D V box, 3 for a V page box, 4 for a query box)
+    of the mixed batch's sm_90 launch with ``SM90_PREFILL_K_AHEAD`` at ``k_ahead``, compiled
+    for sm_90 (a spawned worker)."""
     import re
 
-    launch, compiled, spills = _compiled_main(block_size, SM90_PREFILL_K_FIRST=k_first)
+    launch, compiled, spills = _compiled_main(block_size, SM90_PREFILL_K_AHEAD=k_ahead)
     dims = "".join(re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", compiled.asm["ptx"]))
-    return launch.args["K_FIRST"], spills, dims
+    return launch.args["K_AHEAD"], launch.args["PRODUCER_REGS"], spills, dims
 
 
-def test_k_first_issues_a_tiles_k_boxes_before_its_v_boxes():
-    """``SM90_PREFILL_K_FIRST`` (prepared, off): at block 16 (8 boxes a tile: 16 K copies, two
-    64-column halves a box, and 8 V page copies) the producer's copies go K K V, K K V, ... by
-    default and all 16 K copies before the 8 V copies with it; the same copies either way, the
-    query's two after them; spills within the compile gate's 16 B (block 544 too)."""
+def test_k_ahead_copies_v_of_a_tile_then_k_of_the_next():
+    """``SM90_PREFILL_K_AHEAD`` (off): at block 16 (8 boxes a tile: 16 K copies, two 64-column
+    halves a box, and 8 V page copies) the producer copies K K V, K K V, ... a tile by default;
+    with it, an item's first K tile alone (16 copies), then on each stage's release V of the tile
+    (8) and K of the next (16), the query's two after them. With it no spills at blocks 16 (8
+    more producer registers), 544 and 2048 (one box a tile; 16 more)."""
     from tests.helpers import in_spawned_workers
 
-    assert _main_args()["K_FIRST"] is False
-    jobs = [(on, bs) for on in (True, False) for bs in (16, 544)]
+    assert _main_args()["K_AHEAD"] is False
+    jobs = [(on, bs) for on in (True, False) for bs in (16, 544, 2048)]
     got = in_spawned_workers(_copy_order, jobs)
-    (on, _, dims_on), (off, _, dims_off) = got[(True, 16)], got[(False, 16)]
+    (on, regs_on, _, dims_on), (off, regs_off, _, dims_off) = got[(True, 16)], got[(False, 16)]
     assert on is True and off is False
     assert dims_off == "223" * 8 + "44"
-    assert dims_on == "2" * 16 + "3" * 8 + "44"
-    for bs in (16, 544):
-        assert got[(True, bs)][1] <= 16 and got[(False, bs)][1] <= 16, bs
-        assert sorted(got[(True, bs)][2]) == sorted(got[(False, bs)][2]), bs
+    assert dims_on == "2" * 16 + "3" * 8 + "2" * 16 + "44"
+    assert (regs_on, regs_off, got[(True, 544)][1]) == (72, 64, 80)
+    assert got[(True, 2048)][3] == "22" + "22" + "22" + "44"  # (V one 2-D box of two halves)
+    for bs in (16, 544, 2048):
+        # (off, block 544 spills 16 B: the compile gate's limit)
+        assert got[(True, bs)][2] == 0 and got[(False, bs)][2] <= 16, bs
+
+
+def test_k_ahead_only_where_the_tile_takes_turns(monkeypatch):
+    """The launch takes K_AHEAD only with turns (the loop that frees K buffers at the scores):
+    not on the sequential tile, with OVERLAP, or with the short items' split."""
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_K_AHEAD", True)
+    assert _main_args()["K_AHEAD"] is True
+    seq = dict(paged_policy.SM90_PREFILL_TILES)
+    seq[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=2)
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", seq)
+    assert _main_args()["K_AHEAD"] is False
+    monkeypatch.undo()
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_K_AHEAD", True)
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_OVERLAP", True)
+    assert _main_args()["K_AHEAD"] is False
 
 
 def _q_tma_compile(q_tma: bool, block_size: int) -> tuple[bool, int, int, int, int]:
@@ -1178,25 +1196,32 @@ def _gpu_checked_main(seqs, *, block_size, heads, head_dim) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["policy", "sequential"])
-def test_gpu_sm90_prefill_k_first(schedule, monkeypatch):
-    """``SM90_PREFILL_K_FIRST`` (prepared, off): a tile's K boxes copied before its V boxes,
-    under the policy's turns and the sequential tile, at 16-row boxes (V pages), 32-row boxes
-    and one box a tile, against the fp64 oracle."""
+@pytest.mark.parametrize("schedule", ["policy", "dealt", "q by the warpgroups"])
+def test_gpu_sm90_prefill_k_ahead(schedule, monkeypatch):
+    """``SM90_PREFILL_K_AHEAD``: K buffers freed at the scores and K copied a tile ahead of V,
+    under the policy's turns (the dynamic and the fixed deal; the query by TMA and by the
+    warpgroups), at 16-row boxes (V pages), 32-row boxes, 544 (rows by divisions) and one box a
+    tile, with the decode items' idle warpgroup passing tiles on, and on a batch of many short
+    items (items of 1-2 tiles: K of an item's first tile waits on a buffer freed in an earlier
+    item), against the fp64 oracle."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
     from portattn.kernels._plans import PLANS
 
-    monkeypatch.setattr(paged_policy, "SM90_PREFILL_K_FIRST", True)
-    if schedule == "sequential":
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_K_AHEAD", True)
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_DYNAMIC", schedule != "dealt")
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_Q_TMA", schedule != "q by the warpgroups")
+    if schedule == "q by the warpgroups":  # (the turns at 3 stages with the query not by TMA)
         tiles = dict(paged_policy.SM90_PREFILL_TILES)
-        tiles[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=2)
-        monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
+        tiles[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=3, pingpong=True)
+        monkeypatch.setattr(paged_policy, "SM90_PREFILL_NO_TMA_TILES", tiles)
     PLANS.clear()  # the switches are not in a plan's key
-    for block_size in (16, 32, 2048):
-        args = _gpu_checked_main(GPU_SEQS, block_size=block_size, heads=(32, 8), head_dim=128)
-        assert args["K_FIRST"] is True
-        assert args["PINGPONG"] is (schedule == "policy")
+    many = tuple((n, n) for n in (130, 70, 256, 129, 3, 200) * 6)
+    cases = [(GPU_SEQS, b) for b in (16, 32, 544, 2048)] + [(many, 16)]
+    for seqs, block_size in cases:
+        args = _gpu_checked_main(seqs, block_size=block_size, heads=(32, 8), head_dim=128)
+        assert args["K_AHEAD"] is True and args["PINGPONG"] is True
+        assert args["Q_TMA"] is (schedule != "q by the warpgroups")
     PLANS.clear()
 
 

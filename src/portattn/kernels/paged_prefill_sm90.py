@@ -144,6 +144,11 @@ PRODUCER_WARPS = 1
 #: producer warp, by the number of consumer warpgroups (Triton gives the default partition
 #: what is left of the register file).
 REGS = {2: (216, 64), 3: (152, 56)}
+#: More for the producer with K_AHEAD (two tiles' box rows held), by whether V comes as page
+#: boxes (`V_PAGES` > 1: block 16, where the consumers need their share). ptxas, sm_90, the mixed
+#: batch at 64 + 8 / 64 + 16: blocks 16: 0 / 8 B spilled (a consumer); 32, 64, 544: 16 B (the
+#: producer) / 0; 128, 256, 2048: 0 / 0 (eighteenth session).
+K_AHEAD_REGS = {True: 8, False: 16}
 #: Smallest TMA box (rows of one page): pages must be a multiple of it.
 MIN_BOX = 16
 #: Diagnostic trace (`TRACE`, bench/trace_prefill.py): clock stamps per K/V tile (the
@@ -400,17 +405,20 @@ def _take(ring, ring_bars, step, DYNAMIC: gl.constexpr):
 def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, BOX: gl.constexpr, V_PAGES: gl.constexpr,
               DYNAMIC: gl.constexpr, GROUP: gl.constexpr, HEAD_TILE: gl.constexpr,
-              NUM_WG: gl.constexpr, Q_TMA: gl.constexpr, K_FIRST: gl.constexpr,
+              NUM_WG: gl.constexpr, Q_TMA: gl.constexpr, K_AHEAD: gl.constexpr,
               TRACE: gl.constexpr):  # fmt: skip
     """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page. K: a
     2-D box of [BOX, HEAD_D] (one copy a 64-column group under the 128-byte swizzle). V: see
-    `_copy_v`. The copies go box by box (K, V, K, V, ...), or with K_FIRST all of a tile's K
-    boxes before its V boxes. Q_TMA: after the copies of an item's tile ``STAGES - 1`` (or its
-    last), each consumer warpgroup's query rows (`_load_query`)."""
+    `_copy_v`. The copies go box by box (K, V, K, V, ...) once the stage is released. K_AHEAD:
+    a stage's K buffer has a barrier of its own (``kfree_bars``), released when the tile's scores
+    have returned (`_consumer`, turns), and K runs a tile ahead of V within an item: on the
+    release of stage ``s`` the producer issues V of tile t, then K of tile t+1 (whose K buffer
+    the scores of tile t-2 freed at the same time). Q_TMA: after the copies of an item's tile
+    ``STAGES - 1`` (or its last), each consumer warpgroup's query rows (`_load_query`)."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq,
      stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc,
-     k_smem, v_smem, k_bars, v_bars, empty_bars, ctr_ptr, ring, ring_bars, q_desc, q_smem, q_full,
-     q_free, trace_ptr) = rt  # fmt: skip
+     k_smem, v_smem, k_bars, v_bars, empty_bars, kfree_bars, ctr_ptr, ring, ring_bars, q_desc,
+     q_smem, q_full, q_free, trace_ptr) = rt  # fmt: skip
     tr = _trace_part(trace_ptr, TRACE_PARTS - 1)
     _stamp(tr, TRACE_TILES + 0 * b_off, 0, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 1, TRACE, True)
@@ -435,34 +443,47 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt_seq
         kcol = kv_head * stride_kcol
         vcol = kv_head * stride_vcol
+        if K_AHEAD:  # the item's first K tile: alone, as its K buffer frees
+            rows = _tile_rows(bt_row, 0, boxes, BOX, BLOCK_N, seq_len, block_size, stride_bt_blk,
+                              rows_per_page, total_rows)  # fmt: skip
+            _copy_k_tile(k_desc, k_smem, k_bars, kfree_bars, rows, boxes, kcol, it, NB, BOX,
+                         TILE_BYTES)  # fmt: skip
         for t in range(n_tiles):
             s = it % STAGES
             jt = trace_slot(it, TRACE, TRACE_TILES)
             _stamp(tr, jt, 0, TRACE)
             # the tile's block-table reads (one per box, for K and V) before the wait for its
             # stage: their latency runs under the wait instead of after it (a decode item, whose
-            # math is short, waited for both in turn on every tile)
-            pos = t * BLOCK_N + boxes * BOX
-            real = pos < seq_len
-            blk = gl.load(bt_row + (pos // block_size) * stride_bt_blk, mask=real, other=0)
-            rows = gl.where(real, blk.to(gl.int32) * rows_per_page + pos % block_size, total_rows)
+            # math is short, waited for both in turn on every tile). K_AHEAD: the next tile's
+            # (this tile's, for V, were read a tile ago)
+            if K_AHEAD:
+                rows_v = rows
+                rows = _tile_rows(bt_row, t + 1, boxes, BOX, BLOCK_N, seq_len, block_size,
+                                  stride_bt_blk, rows_per_page, total_rows)  # fmt: skip
+            else:
+                rows = _tile_rows(bt_row, t, boxes, BOX, BLOCK_N, seq_len, block_size,
+                                  stride_bt_blk, rows_per_page, total_rows)  # fmt: skip
             # the stage's previous tile released by both warpgroups (none before the first use)
             mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
             _stamp(tr, jt, 1, TRACE)
-            k_buf = k_smem.index(s)
             v_buf = v_smem.index(s)
-            mbarrier.expect(k_bars.index(s), TILE_BYTES)
-            mbarrier.expect(v_bars.index(s), TILE_BYTES)
-            for b in gl.static_range(NB):
-                row = gl.sum(gl.where(boxes == b, rows, 0), axis=0)
-                tma.async_copy_global_to_shared(
-                    k_desc, [row, kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
-                )
-                if not K_FIRST:
+            if K_AHEAD:
+                mbarrier.expect(v_bars.index(s), TILE_BYTES)
+                for b in gl.static_range(NB):
+                    row = gl.sum(gl.where(boxes == b, rows_v, 0), axis=0)
                     _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
-            if K_FIRST:
+                if t + 1 < n_tiles:
+                    _copy_k_tile(k_desc, k_smem, k_bars, kfree_bars, rows, boxes, kcol, it + 1,
+                                 NB, BOX, TILE_BYTES)  # fmt: skip
+            else:
+                k_buf = k_smem.index(s)
+                mbarrier.expect(k_bars.index(s), TILE_BYTES)
+                mbarrier.expect(v_bars.index(s), TILE_BYTES)
                 for b in gl.static_range(NB):
                     row = gl.sum(gl.where(boxes == b, rows, 0), axis=0)
+                    tma.async_copy_global_to_shared(
+                        k_desc, [row, kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
+                    )
                     _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
             if Q_TMA:  # noqa: SIM102 (a constexpr branch around a runtime one)
                 # after the copies of the item's tile STAGES - 1 (or its last): in an item of
@@ -488,6 +509,33 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
         cur = _grab(ctr_ptr, ring, ring_bars, step, DYNAMIC)
     _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
+
+
+@gluon.jit
+def _tile_rows(bt_row, t, boxes, BOX: gl.constexpr, BLOCK_N: gl.constexpr, seq_len, block_size,
+               stride_bt_blk, rows_per_page, total_rows):  # fmt: skip
+    """The cache row of each box of an item's tile ``t`` (one block-table read a box; a box
+    past the sequence gets ``total_rows``, a row past the tensor, which TMA fills with zeros)."""
+    pos = t * BLOCK_N + boxes * BOX
+    real = pos < seq_len
+    blk = gl.load(bt_row + (pos // block_size) * stride_bt_blk, mask=real, other=0)
+    return gl.where(real, blk.to(gl.int32) * rows_per_page + pos % block_size, total_rows)
+
+
+@gluon.jit
+def _copy_k_tile(k_desc, k_smem, k_bars, kfree_bars, rows, boxes, kcol, it,
+                 NB: gl.constexpr, BOX: gl.constexpr, TILE_BYTES: gl.constexpr):  # fmt: skip
+    """K_AHEAD: global tile ``it``'s K boxes (cache rows ``rows``) into its stage once both
+    warpgroups have freed that stage's K buffer (none before the first use)."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    s = it % STAGES
+    mbarrier.wait(kfree_bars.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
+    k_buf = k_smem.index(s)
+    mbarrier.expect(k_bars.index(s), TILE_BYTES)
+    for b in gl.static_range(NB):
+        row = gl.sum(gl.where(boxes == b, rows, 0), axis=0)
+        tma.async_copy_global_to_shared(k_desc, [row, kcol], k_bars.index(s),
+                                        k_buf.slice(b * BOX, BOX))  # fmt: skip
 
 
 @gluon.jit
@@ -830,7 +878,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
               SPLIT: gl.constexpr, Q_VEC: gl.constexpr, O_VEC: gl.constexpr,
               RELEASE_LAG: gl.constexpr, V_PAGES: gl.constexpr, POLY: gl.constexpr,
               LAZY: gl.constexpr, TREE: gl.constexpr, DYNAMIC: gl.constexpr,
-              Q_TMA: gl.constexpr, AHEAD: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+              Q_TMA: gl.constexpr, AHEAD: gl.constexpr, K_AHEAD: gl.constexpr,
+              TRACE: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of this program. OVERLAP: the
     scores of tile t are issued with P V of tile t-1 and tile t's softmax runs under the latter;
     PINGPONG: the two warpgroups issue their MMAs in turns (module doc). RELEASE_LAG (the
@@ -843,14 +892,18 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     the output written 4; else element by element. Q_TMA: the producer loads the query rows
     (`_load_query`); the warpgroup waits for them at the item's start and frees its buffer once
     the item's last score MMA has returned (`_query_freed`). AHEAD: the next item's step and
-    values are taken before this item's epilogue (`_next_item`)."""
+    values are taken before this item's epilogue (`_next_item`). K_AHEAD (turns only): a tile's
+    K buffer is freed on ``kfree_bars`` as soon as its scores have returned, its V buffer on
+    ``empty_bars`` after its P V (`_producer`); a warpgroup that passes tiles on frees both."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok,
      stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim, scale_log2, k_smem,
-     v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, merge_acc, merge_m,
+     v_smem, k_bars, v_bars, empty_bars, kfree_bars, q_smem, turn_bars, merge_acc, merge_m,
      merge_l, merge_bars, ring, ring_bars, q_full, q_free, trace_ptr) = rt  # fmt: skip
     gl.static_assert(not (Q_TMA and SPLIT), "Q_TMA: the split short items store their own query")
     # (the launcher takes Q_TMA only with turns, `q_tma`: the sequential loop frees no buffer)
     gl.static_assert(not Q_TMA or PINGPONG, "Q_TMA: only with ping-pong turns")
+    gl.static_assert(not K_AHEAD or (PINGPONG and not OVERLAP and not SPLIT),
+                     "K_AHEAD: only the turns' loop frees K buffers early")  # fmt: skip
     tr = _trace_part(trace_ptr, WG)
     _stamp(tr, TRACE_TILES + 0 * b_off, 0, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 1, TRACE, True)
@@ -948,6 +1001,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 mbarrier.wait(v_bars.index(s), ph)
                 _stamp(tr, jt, 4, TRACE)
                 mbarrier.arrive(empty_bars.index(s), count=1)
+                if K_AHEAD:
+                    mbarrier.arrive(kfree_bars.index(s), count=1)
                 _stamp(tr, jt, 6, TRACE)
                 it += 1
             if AHEAD:
@@ -1024,6 +1079,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 # the turn, the issues and the P V wait, 6 the release and the scores' wait
                 qk, tk = _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG, tk, PINGPONG,
                                        turns, QK)  # fmt: skip
+                if K_AHEAD:  # the first tile's K buffer (its scores have returned)
+                    gl.thread_barrier()
+                    mbarrier.arrive(kfree_bars.index(it % STAGES), count=1)
                 for t in range(n_tiles - 1):
                     s = it % STAGES
                     jt = trace_slot(it, TRACE, TRACE_TILES)
@@ -1054,6 +1112,10 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     gl.thread_barrier()
                     mbarrier.arrive(empty_bars.index(s), count=1)
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+                    if K_AHEAD:  # tile t+1's K buffer (its scores have returned; its stage
+                        # from s, live here, not s2: holding s2 through the MMAs spilled 12 B)
+                        gl.thread_barrier()
+                        mbarrier.arrive(kfree_bars.index((s + 1) % STAGES), count=1)
                     _stamp(tr, jt, 6, TRACE)
                     it += 1
                 _query_freed(q_free, WG, Q_TMA)  # (the item's last scores have returned)
@@ -1201,7 +1263,7 @@ def _paged_prefill_sm90_kernel(
     DYNAMIC: gl.constexpr,  # items taken from a counter as programs free up (`_grab`), not dealt
     Q_TMA: gl.constexpr,  # the producer loads the query rows (`_load_query`)
     AHEAD: gl.constexpr,  # a warpgroup's next item taken before its epilogue (`_next_item`)
-    K_FIRST: gl.constexpr,  # a tile's K copies before its V copies (`_producer`)
+    K_AHEAD: gl.constexpr,  # K buffers freed at the scores, K a tile ahead of V (`_producer`)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
 ):
@@ -1214,6 +1276,10 @@ def _paged_prefill_sm90_kernel(
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if K_AHEAD:
+        kfree_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    else:
+        kfree_bars = empty_bars  # (never waited or arrived on)
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # SPLIT: warpgroup 1's accumulator, row maxima and sums for warpgroup 0 (`_consumer`)
     MR: gl.constexpr = 64 if SPLIT else 2
@@ -1234,6 +1300,8 @@ def _paged_prefill_sm90_kernel(
         mbarrier.init(k_bars.index(s), count=1)
         mbarrier.init(v_bars.index(s), count=1)
         mbarrier.init(empty_bars.index(s), count=NUM_WG)  # one arrival per consumer warpgroup
+        if K_AHEAD:
+            mbarrier.init(kfree_bars.index(s), count=NUM_WG)
     for w in gl.static_range(2):
         mbarrier.init(turn_bars.index(w), count=1)
         mbarrier.init(merge_bars.index(w), count=1)
@@ -1247,24 +1315,27 @@ def _paged_prefill_sm90_kernel(
     fence_async_shared()
     prod = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
             stride_bt_seq, stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol,
-            stride_vcol, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars,
+            stride_vcol, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, kfree_bars,
             work_ptr + counter, ring, ring_bars, q_desc, q_smem, q_full, q_free,
             trace_ptr)  # fmt: skip
     cons = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
-            scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, merge_acc,
+            scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, kfree_bars, q_smem, turn_bars,
+            merge_acc,
             merge_m, merge_l, merge_bars, ring, ring_bars, q_full, q_free, trace_ptr)  # fmt: skip
     if NUM_WG == 2:
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, K_AHEAD,
+                             TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, PINGPONG, SPLIT, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, K_AHEAD,
+                             TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC,
-                             GROUP, HEAD_TILE, NUM_WG, Q_TMA, K_FIRST, TRACE)),
+                             GROUP, HEAD_TILE, NUM_WG, Q_TMA, K_AHEAD, TRACE)),
             ],
             [4, PRODUCER_WARPS_],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -1275,15 +1346,18 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, K_AHEAD,
+                             TRACE)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, K_AHEAD,
+                             TRACE)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              OVERLAP, False, False, Q_VEC, O_VEC, RELEASE_LAG,
-                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, TRACE)),
+                             V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, K_AHEAD,
+                             TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC,
-                             GROUP, HEAD_TILE, NUM_WG, Q_TMA, K_FIRST, TRACE)),
+                             GROUP, HEAD_TILE, NUM_WG, Q_TMA, K_AHEAD, TRACE)),
             ],
             [4, 4, PRODUCER_WARPS_],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
@@ -1291,6 +1365,18 @@ def _paged_prefill_sm90_kernel(
 
 
 # -- host side ----------------------------------------------------------------------------------
+
+
+def k_ahead(tile: paged_policy.Sm90PrefillTile, split: bool) -> bool:
+    """Whether the launch frees K buffers at the scores and copies K a tile ahead of V
+    (`SM90_PREFILL_K_AHEAD`): only where the tile takes turns, without OVERLAP or the short
+    items' split (`_consumer`)."""
+    return (
+        bool(paged_policy.SM90_PREFILL_K_AHEAD)
+        and takes_turns(tile)
+        and not paged_policy.SM90_PREFILL_OVERLAP
+        and not split
+    )
 
 
 def box_rows(block_size: int, block_n: int) -> int:
@@ -1603,6 +1689,7 @@ def sm90_prefill_launches(
     split = split_short(tile, head_dim, elem, main.target)
     nv = v_pages(tile, box, value_cache, split)
     use_q_tma = q_tma(q, head_dim, head_tile) and takes_turns(tile) and not split
+    ka = k_ahead(tile, split)
     k_desc = _descriptor(key_cache, tile, box)
     args = dict(
         out_ptr=a["out_ptr"],
@@ -1643,7 +1730,7 @@ def sm90_prefill_launches(
         OVERLAP=paged_policy.SM90_PREFILL_OVERLAP,
         PINGPONG=takes_turns(tile),
         CONSUMER_REGS=REGS[tile.warpgroups][0],
-        PRODUCER_REGS=REGS[tile.warpgroups][1],
+        PRODUCER_REGS=REGS[tile.warpgroups][1] + (K_AHEAD_REGS[nv > 1] if ka else 0),
         PRODUCER_WARPS_=PRODUCER_WARPS,
         NUM_WG=tile.warpgroups,
         SPLIT=split,
@@ -1657,7 +1744,7 @@ def sm90_prefill_launches(
         DYNAMIC=bool(paged_policy.SM90_PREFILL_DYNAMIC),
         Q_TMA=use_q_tma,
         AHEAD=bool(paged_policy.SM90_PREFILL_ITEM_AHEAD),
-        K_FIRST=bool(paged_policy.SM90_PREFILL_K_FIRST),
+        K_AHEAD=ka,
         # a placeholder pointer when off (never read)
         trace_ptr=TRACE_BUFFER if TRACE_BUFFER is not None else a["seq_lens_ptr"],
         TRACE=TRACE_BUFFER is not None,

@@ -381,13 +381,16 @@ SM90_PREFILL_Q_TMA = True
 #: gap (epilogue, hand-over, metadata) at 4500-6750 cycles a warpgroup under turns, 12-14% of
 #: the span at pure prefill 8x4096. Prepared, not measured on a GPU: off. Read at planning.
 SM90_PREFILL_ITEM_AHEAD = False
-#: The producer issues a tile's K copies, all boxes, before its V copies (`_producer`, ``K_FIRST``)
-#: instead of box by box (K, V, K, V, ...). Under turns a warpgroup waits for V of tile t and K of
-#: tile t+1 together; box by box, K of t+1 lands only with the last of t+1's copies. At block
-#: 2048 (one box: K, then V) that wait was 161-218 cycles, at block 16 (8 boxes) 443-447
-#: (bench/trace_prefill.py, seventeenth session), while the copies were issued ~4100 cycles
-#: ahead: they land late, not start late. Prepared, not measured on a GPU: off. Read at planning.
-SM90_PREFILL_K_FIRST = False
+#: Under turns, each K buffer is freed as soon as its tile's scores have returned (a barrier of its
+#: own) and the producer copies K a tile ahead of V within an item: on a stage's release it issues
+#: V of tile t, then K of tile t+1 (`portattn.kernels.paged_prefill_sm90`, ``K_AHEAD``). Box by
+#: box, both land with the stage's last copy: at block 16 (8 boxes, 24 copies a tile) the
+#: warpgroups' wait for V of tile t and K of t+1 was 297-491 cycles, at block 2048 (4 copies)
+#: 173-218, though the copies were issued ~4200 cycles ahead; the same at pages in order, so the
+#: copies' count, not the pages' scatter (bench/trace_prefill.py, eighteenth session). Issuing a
+#: tile's K boxes before its V boxes instead measured 0.99-1.02x the policy (K_FIRST, removed).
+#: Read at planning.
+SM90_PREFILL_K_AHEAD = False
 
 
 @dataclass(frozen=True)
