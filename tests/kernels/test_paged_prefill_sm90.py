@@ -481,7 +481,8 @@ def test_k_ahead_copies_v_of_a_tile_then_k_of_the_next():
     """``SM90_PREFILL_K_AHEAD`` (off): at block 16 (8 boxes a tile: 16 K copies, two 64-column
     halves a box, and 8 V page copies) the producer copies K K V, K K V, ... a tile by default;
     with it, an item's first K tile alone (16 copies), then on each stage's release V of the tile
-    (8) and K of the next (16), the query's two after them. With it no spills at blocks 16 (8
+    (8) and K of the next (16), the query's two between them (K of tile 3 waits for the buffer
+    that the item's first scores free, which need the query). With it no spills at blocks 16 (8
     more producer registers), 544 and 2048 (one box a tile; 16 more)."""
     from tests.helpers import in_spawned_workers
 
@@ -491,9 +492,9 @@ def test_k_ahead_copies_v_of_a_tile_then_k_of_the_next():
     (on, regs_on, _, dims_on), (off, regs_off, _, dims_off) = got[(True, 16)], got[(False, 16)]
     assert on is True and off is False
     assert dims_off == "223" * 8 + "44"
-    assert dims_on == "2" * 16 + "3" * 8 + "2" * 16 + "44"
+    assert dims_on == "2" * 16 + "3" * 8 + "44" + "2" * 16
     assert (regs_on, regs_off, got[(True, 544)][1]) == (72, 64, 80)
-    assert got[(True, 2048)][3] == "22" + "22" + "22" + "44"  # (V one 2-D box of two halves)
+    assert got[(True, 2048)][3] == "22" + "22" + "44" + "22"  # (V one 2-D box of two halves)
     for bs in (16, 544, 2048):
         # (off, block 544 spills 16 B: the compile gate's limit)
         assert got[(True, bs)][2] == 0 and got[(False, bs)][2] <= 16, bs

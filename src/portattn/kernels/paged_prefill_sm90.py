@@ -472,6 +472,11 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
                 for b in gl.static_range(NB):
                     row = gl.sum(gl.where(boxes == b, rows_v, 0), axis=0)
                     _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
+                # the query before K of tile t+1: at t = 2 that K waits for the buffer this
+                # item's first scores free, which need the query (after it, a deadlock)
+                nq = _query_step(q_desc, q_smem, q_full, q_free, nq, t, n_tiles, q_start, q_tile,
+                                 kv_head, slot, STAGES, BLOCK_Q, GROUP, HEAD_TILES, HEAD_TILE,
+                                 NUM_WG, Q_TMA)  # fmt: skip
                 if t + 1 < n_tiles:
                     _copy_k_tile(k_desc, k_smem, k_bars, kfree_bars, rows, boxes, kcol, it + 1,
                                  NB, BOX, TILE_BYTES)  # fmt: skip
@@ -485,30 +490,34 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
                         k_desc, [row, kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
                     )
                     _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
-            if Q_TMA:  # noqa: SIM102 (a constexpr branch around a runtime one)
-                # after the copies of the item's tile STAGES - 1 (or its last): in an item of
-                # at least STAGES tiles their stage was the previous item's last, so its
-                # warpgroups' last scores have returned and the wait for their buffers is over
-                # (a shorter item may wait here); waiting at the item's first tile held the
-                # copies back to within a tile of the warpgroups at every item boundary
-                if t == gl.minimum(STAGES - 1, n_tiles - 1):
-                    _load_query(
-                        q_desc,
-                        q_smem,
-                        q_full,
-                        q_free,
-                        nq,
-                        q_start + q_tile * BLOCK_Q,
-                        kv_head * GROUP + (slot % HEAD_TILES) * HEAD_TILE,
-                        NUM_WG,
-                    )
-                    nq += 1
+                nq = _query_step(q_desc, q_smem, q_full, q_free, nq, t, n_tiles, q_start, q_tile,
+                                 kv_head, slot, STAGES, BLOCK_Q, GROUP, HEAD_TILES, HEAD_TILE,
+                                 NUM_WG, Q_TMA)  # fmt: skip
             _stamp(tr, jt, 2, TRACE)
             it += 1
         step += 1
         cur = _grab(ctr_ptr, ring, ring_bars, step, DYNAMIC)
     _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
+
+
+@gluon.jit
+def _query_step(q_desc, q_smem, q_full, q_free, nq, t, n_tiles, q_start, q_tile, kv_head, slot,
+                STAGES: gl.constexpr, BLOCK_Q: gl.constexpr, GROUP: gl.constexpr,
+                HEAD_TILES: gl.constexpr, HEAD_TILE: gl.constexpr, NUM_WG: gl.constexpr,
+                Q_TMA: gl.constexpr):  # fmt: skip
+    """Q_TMA: the producer's copy of an item's query rows (`_load_query`) at its tile ``t``
+    once that is ``STAGES - 1`` (or the item's last); returns the items whose query was loaded.
+    In an item of at least STAGES tiles that tile's stage was the previous item's last, so its
+    warpgroups' last scores have returned and the wait for their buffers is over (a shorter item
+    may wait here); waiting at the item's first tile held the copies back to within a tile of
+    the warpgroups at every item boundary."""
+    if Q_TMA:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if t == gl.minimum(STAGES - 1, n_tiles - 1):
+            _load_query(q_desc, q_smem, q_full, q_free, nq, q_start + q_tile * BLOCK_Q,
+                        kv_head * GROUP + (slot % HEAD_TILES) * HEAD_TILE, NUM_WG)  # fmt: skip
+            nq += 1
+    return nq
 
 
 @gluon.jit
