@@ -386,10 +386,11 @@ SM90_PREFILL_ITEM_AHEAD = False
 #: V of tile t, then K of tile t+1 (`portattn.kernels.paged_prefill_sm90`, ``K_AHEAD``). Box by
 #: box, both land with the stage's last copy: at block 16 (8 boxes, 24 copies a tile) the
 #: warpgroups' wait for V of tile t and K of t+1 was 297-491 cycles, at block 2048 (4 copies)
-#: 173-218, though the copies were issued ~4200 cycles ahead; the same at pages in order, so the
-#: copies' count, not the pages' scatter (bench/trace_prefill.py, eighteenth session). Issuing a
-#: tile's K boxes before its V boxes instead measured 0.99-1.02x the policy (K_FIRST, removed).
-#: Read at planning.
+#: 173-218, though the copies were issued ~4200 cycles ahead; the same with pages in order, so
+#: the copies' count, not the pages' scatter. Measured (H200, bench/RESULTS.md eighteenth
+#: session, call 5, rounds in turns): 1.006-1.040x the policy (the control 0.985-1.001), the
+#: wait at block 16 longer (355-561 cycles): off. A tile's K boxes before its V boxes (K_FIRST,
+#: call 1) measured 0.988-1.021x and was removed. Read at planning.
 SM90_PREFILL_K_AHEAD = False
 
 
