@@ -1330,8 +1330,8 @@ def _paged_prefill_sm90_kernel(
     cons = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
             scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, kfree_bars, q_smem, turn_bars,
-            merge_acc,
-            merge_m, merge_l, merge_bars, ring, ring_bars, q_full, q_free, trace_ptr)  # fmt: skip
+            merge_acc, merge_m, merge_l, merge_bars, ring, ring_bars, q_full, q_free,
+            trace_ptr)  # fmt: skip
     if NUM_WG == 2:
         gl.warp_specialize(
             [
