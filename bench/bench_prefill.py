@@ -41,6 +41,8 @@ Usage::
     python bench/bench_prefill.py                         # every point, the live policy
     python bench/bench_prefill.py --points prefill --target gfx942 --target gfx950
     python bench/bench_prefill.py --dtype fp16
+    python bench/bench_prefill.py --points part --blocks 16,2048   # other block sizes
+    python bench/bench_prefill.py --ordered-pages         # each sequence's pages in order
     OUT=/tmp/out python bench/bench_prefill.py            # also writes $OUT/bench_prefill.json
 """
 
