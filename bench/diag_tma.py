@@ -32,11 +32,13 @@ import torch
 from _common import git_commit, save_record
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from portattn.kernels._gluon import clock64
 from portattn.kernels._launch import Launch, LaunchOptions
 from portattn.kernels.paged_prefill_sm90 import (
+    _box_row,
+    _copy_k,
     _copy_v,
     _descriptor,
     _pages_layout,
@@ -120,9 +122,8 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, table_
         if not K_ONLY:
             mbarrier.expect(v_bars.index(s), TILE_BYTES)
         for b in gl.static_range(NB):
-            row = gl.sum(gl.where(boxes == b, rows, 0), axis=0)
-            tma.async_copy_global_to_shared(k_desc, [row, 0], k_bars.index(s),
-                                            k_buf.slice(b * BOX, BOX))  # fmt: skip
+            row = _box_row(rows, boxes, b)
+            _copy_k(k_desc, k_buf, k_bars.index(s), row, 0, b, BOX)
             if not K_ONLY:
                 _copy_v(v_desc, v_buf, v_bars.index(s), row, 0, b, BOX, V_PAGES)
 

@@ -470,8 +470,8 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
             if K_AHEAD:
                 mbarrier.expect(v_bars.index(s), TILE_BYTES)
                 for b in gl.static_range(NB):
-                    row = gl.sum(gl.where(boxes == b, rows_v, 0), axis=0)
-                    _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
+                    _copy_v(v_desc, v_buf, v_bars.index(s), _box_row(rows_v, boxes, b), vcol, b,
+                            BOX, V_PAGES)  # fmt: skip
                 # the query before K of tile t+1: at t = 2 that K waits for the buffer this
                 # item's first scores free, which need the query (after it, a deadlock)
                 nq = _query_step(q_desc, q_smem, q_full, q_free, nq, t, n_tiles, q_start, q_tile,
@@ -485,10 +485,8 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
                 mbarrier.expect(k_bars.index(s), TILE_BYTES)
                 mbarrier.expect(v_bars.index(s), TILE_BYTES)
                 for b in gl.static_range(NB):
-                    row = gl.sum(gl.where(boxes == b, rows, 0), axis=0)
-                    tma.async_copy_global_to_shared(
-                        k_desc, [row, kcol], k_bars.index(s), k_buf.slice(b * BOX, BOX)
-                    )
+                    row = _box_row(rows, boxes, b)
+                    _copy_k(k_desc, k_buf, k_bars.index(s), row, kcol, b, BOX)
                     _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
                 nq = _query_step(q_desc, q_smem, q_full, q_free, nq, t, n_tiles, q_start, q_tile,
                                  kv_head, slot, STAGES, BLOCK_Q, GROUP, HEAD_TILES, HEAD_TILE,
@@ -542,9 +540,21 @@ def _copy_k_tile(k_desc, k_smem, k_bars, kfree_bars, rows, boxes, kcol, it,
     k_buf = k_smem.index(s)
     mbarrier.expect(k_bars.index(s), TILE_BYTES)
     for b in gl.static_range(NB):
-        row = gl.sum(gl.where(boxes == b, rows, 0), axis=0)
-        tma.async_copy_global_to_shared(k_desc, [row, kcol], k_bars.index(s),
-                                        k_buf.slice(b * BOX, BOX))  # fmt: skip
+        _copy_k(k_desc, k_buf, k_bars.index(s), _box_row(rows, boxes, b), kcol, b, BOX)
+
+
+@gluon.jit
+def _box_row(rows, boxes, b: gl.constexpr):
+    """Box ``b``'s cache row out of a tile's `_tile_rows` (every box's row is in each thread's
+    registers: a register move)."""
+    return gl.sum(gl.where(boxes == b, rows, 0), axis=0)
+
+
+@gluon.jit
+def _copy_k(k_desc, k_buf, bar, row, kcol, b: gl.constexpr, BOX: gl.constexpr):
+    """Box ``b`` of a K tile (``BOX`` rows from cache row ``row``, KV head columns from
+    ``kcol``) into ``k_buf`` on barrier ``bar``: a 2-D box, one copy a 64-column group."""
+    tma.async_copy_global_to_shared(k_desc, [row, kcol], bar, k_buf.slice(b * BOX, BOX))
 
 
 @gluon.jit
