@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import sys
 
@@ -262,8 +263,8 @@ def main(argv=None) -> int:
                 print(f"== {name} block {bs}: no sm_90 prefill launch ({reason}); skipped")
                 continue
             programs = main_launch[0].grid[0]
-            n = programs * sm90.TRACE_PARTS.value * (sm90.TRACE_TILES.value + 1)
-            buf = torch.full((n * sm90.TRACE_EVENTS.value,), -1, dtype=torch.int64, device="cuda")
+            shape = sm90.trace_shape(programs)
+            buf = torch.full((math.prod(shape),), -1, dtype=torch.int64, device="cuda")
             sm90.TRACE_BUFFER = buf
             try:
                 traced = plan_paged_attention(*inputs, out=out, **kw)
@@ -279,8 +280,7 @@ def main(argv=None) -> int:
             buf.fill_(-1)
             run_all(traced)
             torch.cuda.synchronize()
-            stamps = buf.view(programs, sm90.TRACE_PARTS.value, sm90.TRACE_TILES.value + 1,
-                              sm90.TRACE_EVENTS.value).cpu().numpy()  # fmt: skip
+            stamps = buf.view(shape).cpu().numpy()
             us = {}
             for label, launches in (("plain", plain), ("traced", traced)):
                 call = functools.partial(run_all, launches)

@@ -5,6 +5,7 @@ on an H100, its numerics against the fp64 oracle (`gpu`). Triton's interpreter c
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -585,12 +586,7 @@ def test_trace_buffer_builds_traced_launches_only_while_set(monkeypatch):
 
     (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
     assert main.args["TRACE"] is False
-    need = (
-        SM90.num_sms
-        * sm90.TRACE_PARTS.value
-        * (sm90.TRACE_TILES.value + 1)
-        * sm90.TRACE_EVENTS.value
-    )
+    need = math.prod(sm90.trace_shape(SM90.num_sms))
     buf = torch.empty(need, dtype=torch.int64, device="meta")
     monkeypatch.setattr(sm90, "TRACE_BUFFER", buf)
     (main,) = [launch for launch in _plan() if launch.name == "paged_prefill_sm90"]
@@ -607,13 +603,7 @@ def test_trace_buffer_builds_traced_launches_only_while_set(monkeypatch):
 def test_trace_buffer_refuses_what_it_cannot_stamp(monkeypatch, size, switch, match):
     import portattn.kernels.paged_prefill_sm90 as sm90
 
-    size = (
-        size
-        or SM90.num_sms
-        * sm90.TRACE_PARTS.value
-        * (sm90.TRACE_TILES.value + 1)
-        * sm90.TRACE_EVENTS.value
-    )
+    size = size or math.prod(sm90.trace_shape(SM90.num_sms))
     monkeypatch.setattr(sm90, "TRACE_BUFFER", torch.empty(size, dtype=torch.int64, device="meta"))
     if switch:
         monkeypatch.setattr(paged_policy, switch, True)
@@ -629,12 +619,7 @@ def _traced_ptx_counts(turns: bool = False) -> tuple[int, int, int | None]:
     import portattn.kernels.paged_prefill_sm90 as sm90
     from portattn.compile.worker import _resources, compile_kernel
 
-    need = (
-        SM90.num_sms
-        * sm90.TRACE_PARTS.value
-        * (sm90.TRACE_TILES.value + 1)
-        * sm90.TRACE_EVENTS.value
-    )
+    need = math.prod(sm90.trace_shape(SM90.num_sms))
     sm90.TRACE_BUFFER = torch.empty(need, dtype=torch.int64, device="meta")
     tiles = dict(SM90_PREFILL_TILES)  # the policy's (the worker may have run another job)
     if not turns:  # the sequential loop's stamps

@@ -101,6 +101,7 @@ shared memory within the target's. Anything else runs on the portable kernel.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import triton
@@ -1631,9 +1632,15 @@ def _q_descriptor(q: torch.Tensor, head_tile: int) -> TensorDescriptor:
     )  # fmt: skip
 
 
+def trace_shape(programs: int) -> tuple[int, int, int, int]:
+    """The stamps `TRACE_BUFFER` holds for a launch of ``programs``, as ``[program, partition,
+    tile, event]`` (the buffer needs their product of int64 words)."""
+    return programs, TRACE_PARTS.value, TRACE_TILES.value + 1, TRACE_EVENTS.value
+
+
 def _check_trace(buf: torch.Tensor, programs: int, args: dict, device: torch.device) -> None:
     """`TRACE_BUFFER` fits the launch, and the launch runs the schedule the trace stamps."""
-    need = programs * TRACE_PARTS.value * (TRACE_TILES.value + 1) * TRACE_EVENTS.value
+    need = math.prod(trace_shape(programs))
     check_trace_buffer(
         buf, need, device, "programs x TRACE_PARTS x (TRACE_TILES + 1) x TRACE_EVENTS"
     )
