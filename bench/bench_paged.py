@@ -93,6 +93,7 @@ def make_inputs(seqs, block_size, dtype, seed=0, device="cuda", shuffle=True):
     shape = (num_blocks, block_size, HKV, D)
     k = torch.randn(shape, device=device, dtype=dtype, generator=g)
     v = torch.randn(shape, device=device, dtype=dtype, generator=g)
+    # (drawn either way: the query after it comes from the same generator state)
     perm = torch.randperm(num_blocks, device=device, generator=g).to(torch.int32)
     if not shuffle:
         perm = torch.arange(num_blocks, device=device, dtype=torch.int32)

@@ -481,14 +481,10 @@ def main(argv=None) -> int:
     opts = ap.parse_args(argv)
     if opts.rounds < 1:
         sys.exit(f"bench_prefill: --rounds must be >= 1; got {opts.rounds}")
-    blocks: tuple[int, ...] = ()
-    if opts.blocks:
-        try:
-            blocks = tuple(int(b) for b in opts.blocks.split(","))
-        except ValueError:
-            blocks = (0,)
-        if min(blocks) < 1:
-            sys.exit(f"bench_prefill: --blocks must be positive integers; got {opts.blocks!r}")
+    parts = opts.blocks.split(",") if opts.blocks else []
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        sys.exit(f"bench_prefill: --blocks must be positive integers; got {opts.blocks!r}")
+    blocks = tuple(int(p) for p in parts)
     if not torch.cuda.is_available():
         sys.exit("bench_prefill: needs a CUDA/HIP device")
     dtype = DTYPES[opts.dtype]
