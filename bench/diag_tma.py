@@ -49,7 +49,7 @@ from portattn.kernels.paged_prefill_sm90 import (
     box_rows,
     v_pages,
 )
-from portattn.platform import Target, get_target
+from portattn.platform import Target, current_target
 from portattn.policy.paged import Sm90PrefillTile
 
 TILE = Sm90PrefillTile(block_n=128, stages=3, pingpong=True)  # the policy's head_dim-128 tile
@@ -216,7 +216,7 @@ def expected(k, v, table, block_size: int, tiles: int) -> tuple[torch.Tensor, to
 
 
 def run_block(block_size: int, tiles: int, k_only: bool) -> dict:
-    target = get_target()
+    target = current_target()
     if target.arch != "sm_90":
         sys.exit(f"diag_tma: needs an sm_90 GPU; this one is {target.arch}")
     n_tiles = CTX // TILE.block_n
