@@ -27,8 +27,10 @@ run 120 mla_verify.log python3 bench/bench_mla.py --q-len 2 4 8 --contexts 4096 
   --rounds 3
 grep -E "policy|goal" "$OUT/mla_verify.log" | tail -8
 sed -n '/^== x roofline at the run/,$p' "$OUT/mla_verify.log"
-# PREFILL_ARGS: e.g. '--schedules --variants policy,pingpong' (a schedule's rows beside the policy's)
+# PREFILL_ARGS: e.g. '--rounds 3 --target gfx942'; PREFILL_VARIANTS: `--schedules` names beside
+# the policy's, comma-separated (spaces kept: one argument), e.g. 'policy,v pages off'
 # shellcheck disable=SC2086
-run 180 prefill.log python3 bench/bench_prefill.py ${PREFILL_ARGS:-}
+run 180 prefill.log python3 bench/bench_prefill.py ${PREFILL_ARGS:-} \
+  ${PREFILL_VARIANTS:+--schedules --variants "$PREFILL_VARIANTS"}
 sed -n '/^== summary/,$p' "$OUT/prefill.log"
 tar czf "$OUT/records.tgz" -C "$rec" .
