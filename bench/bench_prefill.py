@@ -247,15 +247,6 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         out["item ahead"] = dict(SM90_PREFILL_ITEM_AHEAD=True)
         # K buffers freed at the scores, K copied a tile ahead of V (turns only)
         out["k ahead"] = dict(SM90_PREFILL_K_AHEAD=True)
-        # a K box in one copy (the 4-D view; the score MMA through the linear layout), and off
-        out["k pages"] = dict(SM90_PREFILL_K_PAGES=True)
-        out["k pages off"] = dict(SM90_PREFILL_K_PAGES=False)
-        # ... with V in two copies a box (24 copies a tile at block 16, as the policy's, but V
-        # in the plain [128, 128] tile: the page boxes' P V layout against the copies' count)
-        out["k pages+v pages off"] = dict(SM90_PREFILL_K_PAGES=True, SM90_PREFILL_V_PAGES=False)
-        # ... with V's page boxes at every box count too (block 544: 8 copies a tile, not 16)
-        out["k pages+v pages 2+"] = dict(SM90_PREFILL_K_PAGES=True, SM90_PREFILL_V_PAGES=True,
-                                         SM90_PREFILL_V_PAGES_MIN_BOXES=2)  # fmt: skip
         out["overlap+pingpong 3 stages"] = dict(SM90_PREFILL_OVERLAP=True,
                                                 SM90_PREFILL_PINGPONG=True,
                                                 SM90_PREFILL_TILES=three)  # fmt: skip

@@ -516,76 +516,6 @@ def test_k_ahead_only_where_the_tile_takes_turns(monkeypatch):
     assert _main_args()["K_AHEAD"] is False
 
 
-def _k_pages_copies(block_size: int, head_dim: int) -> tuple[bool, int, str, int]:
-    """(K_PAGES taken, spills, the dimensions of the PTX's tensor copies in program order, the
-    score MMAs' N) of the mixed batch's sm_90 launch with ``SM90_PREFILL_K_PAGES`` on, compiled
-    for sm_90 (a spawned worker)."""
-    import re
-
-    paged_policy.SM90_PREFILL_K_PAGES = True
-    (launch,) = [x for x in _plan(block_size=block_size, head_dim=head_dim,
-                                  heads=(32, 8) if head_dim == 128 else (64, 8))
-                 if x.name == "paged_prefill_sm90"]  # fmt: skip
-    from portattn.compile.worker import _nvidia_resources, compile_kernel
-
-    compiled = compile_kernel(launch, SM90)
-    ptx = compiled.asm["ptx"]
-    dims = "".join(re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", ptx))
-    n = max(int(x) for x in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
-    taken = len(launch.args["k_desc"].block_shape) == 4
-    return taken, _nvidia_resources(compiled, 90)[1], dims, n
-
-
-def test_k_pages_copies_a_k_box_at_once():
-    """``SM90_PREFILL_K_PAGES`` (off by default): a K box is one 4-D copy instead of one a
-    64-column group: at block 16 the producer copies K V, K V, ... (8 + 8 a tile, 24 before), at
-    544 K V V (4 + 8), at 2048 K V V (1 + 2); at head_dim 64 (one column group) K V a box as
-    before, the copy 4-D. The score MMA still covers the tile's 128 keys at once (N 128), with
-    no spills beyond the compile gate's 16 bytes."""
-    from tests.helpers import in_spawned_workers
-
-    assert len(_main_args()["k_desc"].block_shape) == 2
-    jobs = [(16, 128), (544, 128), (2048, 128), (16, 64)]
-    got = in_spawned_workers(_k_pages_copies, jobs)
-    assert got[(16, 128)][2] == "43" * 8 + "44"
-    assert got[(544, 128)][2] == "422" * 4 + "44"
-    assert got[(2048, 128)][2] == "4" + "22" + "44"
-    assert got[(16, 64)][0] is True and got[(16, 64)][2].startswith("4")
-    for job, (taken, spills, _, n) in got.items():
-        assert taken is True and spills <= 16 and n in (64, 128), (job, spills, n)
-    assert got[(16, 128)][3] == 128
-
-
-def test_k_pages_where_the_view_can_address_the_rows(monkeypatch):
-    """The launch takes K_PAGES where the 4-D view addresses every box: pages a whole number of
-    8-row groups apart, KV heads 64 columns apart, whole power-of-two 64-column groups, 16-bit,
-    and not with the short items' split (which reads K by halves of the tile's rows)."""
-    from portattn.kernels.paged_prefill_sm90 import k_pages
-
-    monkeypatch.setattr(paged_policy, "SM90_PREFILL_K_PAGES", True)
-    a = _main_args()
-    assert list(a["k_desc"].block_shape) == [2, 2, 8, 64]  # [8-row groups, column groups, 8, 64]
-    assert list(a["k_desc"].strides) == [8 * 8 * 128, 64, 8 * 128, 1]
-    assert list(_main_args(block_size=2048)["k_desc"].block_shape) == [16, 2, 8, 64]
-    tile = paged_policy.Sm90PrefillTile(block_n=128, stages=3, pingpong=True)
-
-    def cache(rows_per_page=16, heads=8, d=128, col=128, dtype=torch.bfloat16):
-        base = torch.empty(64 * rows_per_page * heads * col, dtype=dtype, **META)
-        shape = (64, 16, heads, d)
-        return base.as_strided(shape, (rows_per_page * heads * col, heads * col, col, 1))
-
-    assert k_pages(tile, 16, cache(), False) is True
-    assert k_pages(tile, 16, cache(), True) is False  # the split
-    assert k_pages(tile, 16, cache(rows_per_page=24), False) is True
-    assert k_pages(tile, 16, cache(rows_per_page=20), False) is False  # 20 rows: 2.5 groups
-    assert k_pages(tile, 16, cache(col=192), False) is True
-    assert k_pages(tile, 16, cache(col=160), False) is False  # heads 160 columns apart
-    assert k_pages(tile, 16, cache(d=192, col=192), False) is False  # 3 column groups
-    assert k_pages(tile, 16, cache(dtype=torch.float32), False) is False
-    monkeypatch.setattr(paged_policy, "SM90_PREFILL_K_PAGES", False)
-    assert k_pages(tile, 16, cache(), False) is False
-
-
 def _q_tma_compile(q_tma: bool, block_size: int) -> tuple[bool, int, int, int, int]:
     """(the Q_TMA arg, spills, shared bytes, TMA copies and global loads in the PTX) of the
     mixed batch's sm_90 launch taking turns at 3 stages with ``SM90_PREFILL_Q_TMA`` at
@@ -1237,12 +1167,11 @@ def test_gpu_sm90_prefill_many_items_a_program(deal, q_tma, monkeypatch):
     PLANS.clear()
 
 
-def _gpu_checked_main(seqs, *, block_size, heads, head_dim, **batch) -> dict:
-    """Builds a bf16 batch of ``seqs`` on the GPU (``batch``: more of `make_batch`'s arguments),
-    runs the public op on it and checks the output against the fp64 oracle; returns the args of
-    its plan's sm_90 prefill launch."""
+def _gpu_checked_main(seqs, *, block_size, heads, head_dim) -> dict:
+    """Builds a bf16 batch of ``seqs`` on the GPU, runs the public op on it and checks the
+    output against the fp64 oracle; returns the args of its plan's sm_90 prefill launch."""
     b = make_batch(seqs, block_size=block_size, heads=heads, head_dim=head_dim,
-                   dtype=torch.bfloat16, device="cuda", **batch)  # fmt: skip
+                   dtype=torch.bfloat16, device="cuda")  # fmt: skip
     mql, msl = max(q for _, q in seqs), max(s for s, _ in seqs)
     launches = plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl)
     (main,) = [x for x in launches if x.name == "paged_prefill_sm90"]
@@ -1279,44 +1208,6 @@ def test_gpu_sm90_prefill_k_ahead(schedule, monkeypatch):
         args = _gpu_checked_main(seqs, block_size=block_size, heads=(32, 8), head_dim=128)
         assert args["K_AHEAD"] is True and args["PINGPONG"] is True
         assert args["Q_TMA"] is (schedule != "q by the warpgroups")
-    PLANS.clear()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["policy", "sequential", "overlap", "dealt"])
-def test_gpu_sm90_prefill_k_pages(schedule, monkeypatch):
-    """``SM90_PREFILL_K_PAGES``: a K box in one copy (the 4-D view) and the score MMA over the
-    tile through `_k_pages_layout`, under the policy's turns, the sequential 2-stage tile, the
-    overlapped loop and the fixed deal; at 16-row boxes (V pages too), 32-row boxes, 544's and
-    one box a tile, head_dim 128 and 64, heads 192 columns apart, hybrid pages 88 rows apart (a
-    state of 8 token rows: taken) and 83 (3 rows: not), and many short items, against the fp64
-    oracle."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the sm_90 kernel needs an sm_90 GPU")
-    from portattn.kernels._plans import PLANS
-
-    monkeypatch.setattr(paged_policy, "SM90_PREFILL_K_PAGES", True)
-    monkeypatch.setattr(paged_policy, "SM90_PREFILL_DYNAMIC", schedule != "dealt")
-    monkeypatch.setattr(paged_policy, "SM90_PREFILL_OVERLAP", schedule == "overlap")
-    if schedule == "sequential":
-        tiles = dict(paged_policy.SM90_PREFILL_TILES)
-        tiles[128] = paged_policy.Sm90PrefillTile(block_n=128, stages=2)
-        monkeypatch.setattr(paged_policy, "SM90_PREFILL_TILES", tiles)
-    PLANS.clear()  # the switches are not in a plan's key
-    many = tuple((n, n) for n in (130, 70, 256, 129, 3, 200) * 6)
-    row = 8 * 128 * 2  # a token row of the hybrid cache's 8 KV heads x 128, bf16
-    cases = [(GPU_SEQS, b, 128, {}) for b in (16, 32, 544, 2048)] + [
-        (many, 16, 128, {}),
-        (GPU_SEQS, 16, 64, {}),
-        (GPU_SEQS, 16, 128, dict(kind="wide")),
-        (GPU_SEQS, 80, 128, dict(kind="hybrid", state_bytes=8 * row)),
-        (GPU_SEQS, 80, 128, dict(kind="hybrid", state_bytes=3 * row)),
-    ]
-    for seqs, block_size, head_dim, batch in cases:
-        args = _gpu_checked_main(seqs, block_size=block_size, heads=(32, 8), head_dim=head_dim,
-                                 **batch)  # fmt: skip
-        taken = len(args["k_desc"].block_shape) == 4
-        assert taken is (batch.get("state_bytes") != 3 * row), (block_size, head_dim, batch)
     PLANS.clear()
 
 

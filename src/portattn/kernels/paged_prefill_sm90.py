@@ -554,59 +554,8 @@ def _box_row(rows, boxes, b: gl.constexpr):
 @gluon.jit
 def _copy_k(k_desc, k_buf, bar, row, kcol, b: gl.constexpr, BOX: gl.constexpr):
     """Box ``b`` of a K tile (``BOX`` rows from cache row ``row``, KV head columns from
-    ``kcol``) into ``k_buf`` on barrier ``bar``: a 2-D box, one copy a 64-column group; K_PAGES
-    (``k_desc`` 4-D, `_k_pages_descriptor`): one copy, the box's 8-row groups with their column
-    groups inside (`_k_pages_layout`)."""
-    if _rank(k_desc.block_shape) == 4:
-        BLOCK_N: gl.constexpr = k_buf.shape[0]
-        HEAD_D: gl.constexpr = k_buf.shape[1]
-        L2: gl.constexpr = gl.NVMMASharedLayout(
-            swizzle_byte_width=128, element_bitwidth=k_buf.dtype.primitive_bitwidth
-        )
-        L4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
-                                                element_bitwidth=k_buf.dtype.primitive_bitwidth,
-                                                rank=4)  # fmt: skip
-        box = k_buf._reinterpret(k_buf.dtype, [BLOCK_N // BOX, BOX, HEAD_D], L2).index(b)
-        box = box._reinterpret(k_buf.dtype, [BOX // 8, HEAD_D // 64, 8, 64], L4)
-        tma.async_copy_global_to_shared(k_desc, [row // 8, kcol // 64, 0, 0], bar, box)
-    else:
-        tma.async_copy_global_to_shared(k_desc, [row, kcol], bar, k_buf.slice(b * BOX, BOX))
-
-
-@gluon.constexpr_function
-def _rank(shape):
-    return len(shape)
-
-
-@gluon.constexpr_function
-def _k_pages_layout(block_n, head_d):
-    """K_PAGES: a K tile ([block_n, head_d], 16-bit) as its one-copy boxes lay it down (rows of
-    64 columns, 128 bytes, under the 128-byte swizzle; the 64-column groups of each 8-row group
-    next; then the 8-row groups), as one shared layout: the score MMA's 8-row groups one stride
-    apart whatever pages they came from. The buffer of every stage is allocated in it."""
-    if head_d % 64 or (head_d // 64) & (head_d // 64 - 1) or block_n % 8 or block_n & (block_n - 1):
-        raise ValueError(
-            f"_k_pages_layout: head_d must be a power-of-two multiple of 64 and block_n a power "
-            f"of two of at least 8; got block_n {block_n}, head_d {head_d}"
-        )
-    bases = [[0, 1 << i] for i in range(6)]  # a row's 64 columns
-    bases += [[1 << i, 8 << i] for i in range(3)]  # rows 0-7: the swizzle's XOR on 16-byte pieces
-    bases += [[0, 64 << i] for i in range((head_d // 64).bit_length() - 1)]  # column groups
-    bases += [[8 << i, 0] for i in range((block_n // 8).bit_length() - 1)]  # 8-row groups
-    return gl.SharedLinearLayout(offset_bases=bases, alignment=1024)
-
-
-@gluon.constexpr_function
-def _kv_layouts(desc_layout, block_n, head_d):
-    """(K's, V's) stage buffer layouts: the K descriptor's own, or under K_PAGES (a 4-D
-    descriptor) `_k_pages_layout` for K and the 2-D NVMMA tile for V."""
-    if desc_layout.rank != 4:
-        return desc_layout, desc_layout
-    tile = gl.NVMMASharedLayout(
-        swizzle_byte_width=desc_layout.swizzle_byte_width,
-        element_bitwidth=desc_layout.element_bitwidth,
-    )
-    return _k_pages_layout(block_n, head_d), tile
+    ``kcol``) into ``k_buf`` on barrier ``bar``: a 2-D box, one copy a 64-column group."""
+    tma.async_copy_global_to_shared(k_desc, [row, kcol], bar, k_buf.slice(b * BOX, BOX))
 
 
 @gluon.jit
@@ -1284,7 +1233,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
 def _paged_prefill_sm90_kernel(
     out_ptr,
     q_ptr,
-    k_desc,  # the key cache's rows: [total_rows, cols], box [BOX, HEAD_D]; K_PAGES: 4-D
+    k_desc,  # 2-D view of the key cache's rows: [total_rows, cols], box [BOX, HEAD_D]
     v_desc,
     q_desc,  # Q_TMA: the query as [column groups, tokens, heads, 64] (`_q_descriptor`); else k_desc
     work_ptr,  # `_work_list_kernel`'s lists
@@ -1339,11 +1288,11 @@ def _paged_prefill_sm90_kernel(
     TRACE: gl.constexpr,
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    LAYOUTS: gl.constexpr = _kv_layouts(k_desc.layout, BLOCK_N, HEAD_D)
+    KV_LAYOUT: gl.constexpr = k_desc.layout
     HEAD_TILES: gl.constexpr = (GROUP + HEAD_TILE - 1) // HEAD_TILE
     q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 64, HEAD_D], Q_LAYOUT)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], LAYOUTS[0])
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], LAYOUTS[1])
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1641,38 +1590,6 @@ def v_pages(tile: Sm90PrefillTile, box: int, value_cache: torch.Tensor, split: b
     return tile.block_n // box if ok else 1
 
 
-def k_pages(tile: Sm90PrefillTile, box: int, key_cache: torch.Tensor, split: bool) -> bool:
-    """Whether a K box arrives in one copy (`paged_policy.SM90_PREFILL_K_PAGES`, `_copy_k`):
-    head_dim a power-of-two multiple of 64, KV heads a multiple of 64 columns apart, pages a
-    whole number of 8-row groups apart (the 4-D view's rows), 16-bit, and not the short items'
-    split (which reads K by halves of the tile's rows)."""
-    d = key_cache.shape[3]
-    return bool(
-        paged_policy.SM90_PREFILL_K_PAGES
-        and d % 64 == 0
-        and (d // 64) & (d // 64 - 1) == 0
-        and key_cache.stride(2) % 64 == 0
-        and _rows_per_page(key_cache) % 8 == 0
-        and key_cache.element_size() == 2
-        and box % 8 == 0
-        and tile.block_n & (tile.block_n - 1) == 0
-        and not split
-    )
-
-
-def _k_pages_descriptor(cache: torch.Tensor, box: int) -> TensorDescriptor:
-    """K_PAGES: the key cache's rows as ``[rows / 8, column groups of 64, 8, 64]`` (strides 8
-    rows, 64, the token stride, 1), box ``[box / 8, head_dim / 64, 8, 64]``: one copy lays a
-    box down as `_k_pages_layout` orders it."""
-    d, ts = cache.shape[3], cache.stride(1)
-    cols = (cache.shape[2] - 1) * cache.stride(2) + d
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
-    return TensorDescriptor(
-        cache, [_total_rows(cache) // 8, cols // 64, 8, 64], [8 * ts, 64, ts, 1],
-        [box // 8, d // 64, 8, 64], layout,
-    )  # fmt: skip
-
-
 def _v_descriptor(cache: torch.Tensor, tile: Sm90PrefillTile, box: int) -> TensorDescriptor:
     """V_PAGES: the value cache's rows as ``[column groups of 64, rows, 64]`` (strides 64, the
     token stride, 1: the outer dimension's stride is the smaller one, which TMA allows; H100
@@ -1799,8 +1716,7 @@ def sm90_prefill_launches(
     nv = v_pages(tile, box, value_cache, split)
     use_q_tma = q_tma(q, head_dim, head_tile) and takes_turns(tile) and not split
     ka = k_ahead(tile, split)
-    kp = k_pages(tile, box, key_cache, split)
-    k_desc = _k_pages_descriptor(key_cache, box) if kp else _descriptor(key_cache, tile, box)
+    k_desc = _descriptor(key_cache, tile, box)
     args = dict(
         out_ptr=a["out_ptr"],
         q_ptr=a["q_ptr"],

@@ -392,15 +392,6 @@ SM90_PREFILL_ITEM_AHEAD = False
 #: wait at block 16 longer (355-561 cycles): off. A tile's K boxes before its V boxes (K_FIRST,
 #: call 1) measured 0.988-1.021x and was removed. Read at planning.
 SM90_PREFILL_K_AHEAD = False
-#: K tiles arrive one TMA copy a box (`portattn.kernels.paged_prefill_sm90`, ``K_PAGES``): a
-#: 4-D view of the cache's rows ([8-row groups, 64-column groups, 8, 64]) lays a box down with
-#: its column groups inside each 8-row group, so every 8-row group of the tile sits 2048 bytes
-#: (head_dim 128) after the last whatever page it came from, and the score MMA reads the whole
-#: tile through one shared linear layout (`_k_pages_layout`). Off, a box is one copy a
-#: 64-column group: at 16-token pages K takes 16 copies a tile, on 8 (with V's page boxes, 24
-#: copies a tile become 16, block 544's count). Where the launch allows it (`k_pages`). Read at
-#: planning.
-SM90_PREFILL_K_PAGES = False
 
 
 @dataclass(frozen=True)
