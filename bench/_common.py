@@ -1,5 +1,5 @@
 """Helpers the bench scripts share: copy ceiling, bf16 matmul rate, HIP policies on a CUDA GPU,
-the JSON record of a run.
+the JSON record of a run, the SM clock and power sampled during a timing.
 
 Imported by ``bench/bench_*.py`` (run as ``python3 bench/<script>.py``, so this folder is on
 ``sys.path``). Nothing here runs at import.
@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 import torch
 import triton
@@ -173,3 +175,65 @@ def plan_with_target(arch: str, plan, *args, **kwargs) -> list[Launch]:
         return plan(*args, **kwargs)
     finally:
         platform.set_target_override(None)
+
+
+def nvml_reader(index: int = 0):
+    """A function returning the card's ``(SM MHz, W)`` now, through NVML (the driver's
+    ``libnvidia-ml.so.1``, by ctypes: no Python package needed). Raises OSError where NVML is
+    missing, RuntimeError on an NVML error (its code named)."""
+    import ctypes
+
+    lib = ctypes.CDLL("libnvidia-ml.so.1")
+
+    def ok(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"nvml_reader: {what} returned NVML error {rc}")
+
+    ok(lib.nvmlInit_v2(), "nvmlInit_v2")
+    handle = ctypes.c_void_p()
+    ok(lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)), "GetHandleByIndex")
+    mhz, mw = ctypes.c_uint(), ctypes.c_uint()
+
+    def read() -> tuple[float, float]:
+        ok(lib.nvmlDeviceGetClockInfo(handle, 1, ctypes.byref(mhz)), "GetClockInfo(SM)")
+        ok(lib.nvmlDeviceGetPowerUsage(handle, ctypes.byref(mw)), "GetPowerUsage")
+        return float(mhz.value), mw.value / 1000.0
+
+    return read
+
+
+class ClockSampler:
+    """Samples ``read()`` (say `nvml_reader`: the SM clock and power) every ``ms`` ms on a
+    background thread while the ``with`` block runs; after it, ``samples`` holds the values,
+    less ``trim`` at each end (the thread's start and stop fall outside the work). An exception
+    in ``read`` is raised again on leaving the block: no run reports a clock it did not read."""
+
+    def __init__(self, read, ms: float = 20.0, trim: int = 2):
+        if ms <= 0 or trim < 0:
+            raise ValueError(f"ClockSampler: ms must be > 0 and trim >= 0; got {ms}, {trim}")
+        self.read, self.ms, self.trim = read, ms, trim
+        self.samples: list = []
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._got.append(self.read())
+                time.sleep(self.ms / 1e3)
+        except BaseException as e:  # noqa: BLE001 (raised again in __exit__)
+            self._error = e
+
+    def __enter__(self) -> ClockSampler:
+        self._got: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"ClockSampler: read failed: {self._error}") from self._error
+        got = self._got
+        self.samples = got[self.trim : len(got) - self.trim] if self.trim else list(got)
