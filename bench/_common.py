@@ -235,5 +235,4 @@ class ClockSampler:
         self._thread.join()
         if self._error is not None:
             raise RuntimeError(f"ClockSampler: read failed: {self._error}") from self._error
-        got = self._got
-        self.samples = got[self.trim : len(got) - self.trim] if self.trim else list(got)
+        self.samples = self._got[self.trim : len(self._got) - self.trim]

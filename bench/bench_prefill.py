@@ -105,6 +105,15 @@ POINTS = {
 DEFAULT_POINTS = tuple(n for n in POINTS if not n.startswith("part:"))
 
 
+def parse_blocks(text: str, prog: str = "bench_prefill") -> tuple[int, ...]:
+    """``--blocks``: comma-separated positive block sizes (``""``: none, each point's own);
+    anything else stops the script ``prog``, naming the option."""
+    parts = text.split(",") if text else []
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        sys.exit(f"{prog}: --blocks must be positive integers; got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 def metadata(seqs) -> tuple[list[int], list[int], list[int]]:
     """``(q_lens, seq_lens, query_start_loc)`` of ``seqs`` as lists (what make_inputs builds)."""
     q_lens = [q for _, q in seqs]
@@ -481,10 +490,7 @@ def main(argv=None) -> int:
     opts = ap.parse_args(argv)
     if opts.rounds < 1:
         sys.exit(f"bench_prefill: --rounds must be >= 1; got {opts.rounds}")
-    parts = opts.blocks.split(",") if opts.blocks else []
-    if not all(p.isdigit() and int(p) > 0 for p in parts):
-        sys.exit(f"bench_prefill: --blocks must be positive integers; got {opts.blocks!r}")
-    blocks = tuple(int(p) for p in parts)
+    blocks = parse_blocks(opts.blocks)
     if not torch.cuda.is_available():
         sys.exit("bench_prefill: needs a CUDA/HIP device")
     dtype = DTYPES[opts.dtype]

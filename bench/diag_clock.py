@@ -34,22 +34,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import ClockSampler, git_commit, nvml_reader, save_record, turn_order  # noqa: E402
 from bench_paged import make_inputs  # noqa: E402
-from bench_prefill import CHECK_ROWS, POINTS, Oracle  # noqa: E402
+from bench_prefill import CHECK_ROWS, POINTS, Oracle, parse_blocks  # noqa: E402
 
 from portattn.kernels.paged_attention import paged_attention  # noqa: E402
-
-
-def parse_blocks(text: str) -> list[int]:
-    """``--blocks``: comma-separated block sizes, each a positive multiple of 16."""
-    try:
-        blocks = [int(b) for b in text.split(",")]
-    except ValueError:
-        blocks = []
-    if not blocks or any(b < 16 or b % 16 for b in blocks):
-        raise SystemExit(
-            f"diag_clock: --blocks must be comma-separated multiples of 16; got {text!r}"
-        )
-    return blocks
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -59,13 +46,13 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for point in dict.fromkeys(r["point"] for r in rows):
         mine = {r["block_size"]: r for r in rows if r["point"] == point}
-        base = mine[max(mine)]
-        b_us, b_mhz = float(np.median(base["us"])), float(np.median(base["mhz"]))
+        top = max(mine)
+        b_us, b_mhz = float(np.median(mine[top]["us"])), float(np.median(mine[top]["mhz"]))
         for bs, r in sorted(mine.items()):
-            if bs == max(mine):
+            if bs == top:
                 continue
             us, mhz = float(np.median(r["us"])), float(np.median(r["mhz"]))
-            out.append(dict(point=point, block_size=bs, against=max(mine), time=us / b_us,
+            out.append(dict(point=point, block_size=bs, against=top, time=us / b_us,
                             cycles=(us * mhz) / (b_us * b_mhz), clock=mhz / b_mhz))  # fmt: skip
     return out
 
@@ -119,7 +106,9 @@ def main(argv=None) -> int:
     if opts.seconds <= 0 or opts.rounds < 1:
         raise SystemExit(f"diag_clock: --seconds must be > 0 and --rounds >= 1; got "
                          f"{opts.seconds}, {opts.rounds}")  # fmt: skip
-    blocks = parse_blocks(opts.blocks)
+    blocks = parse_blocks(opts.blocks, "diag_clock")
+    if not blocks:
+        raise SystemExit("diag_clock: --blocks names no block size")
     if not torch.cuda.is_available():
         raise SystemExit("diag_clock: needs a CUDA device")
     read = nvml_reader(torch.cuda.current_device())

@@ -67,8 +67,9 @@ def test_summary_splits_time_into_cycles_and_clock():
         (["--points", "nope"], "--points ['nope'] not among"),
         (["--seconds", "0"], "--seconds must be > 0 and --rounds >= 1"),
         (["--rounds", "0"], "--seconds must be > 0 and --rounds >= 1"),
-        (["--blocks", "16,20"], "--blocks must be comma-separated multiples of 16"),
-        (["--blocks", "x"], "--blocks must be comma-separated multiples of 16"),
+        (["--blocks", "16,x"], "diag_clock: --blocks must be positive integers"),
+        (["--blocks", "0"], "diag_clock: --blocks must be positive integers"),
+        (["--blocks", ""], "diag_clock: --blocks names no block size"),
     ],
 )
 def test_bad_arguments_stop_the_script_naming_them(argv, words):
