@@ -256,6 +256,8 @@ def variants(targets, portable: bool = False, schedules: bool = False) -> dict[s
         out["item ahead"] = dict(SM90_PREFILL_ITEM_AHEAD=True)
         # K buffers freed at the scores, K copied a tile ahead of V (turns only)
         out["k ahead"] = dict(SM90_PREFILL_K_AHEAD=True)
+        # the producer's page lookup: a division a box everywhere (`paging` off)
+        out["paging off"] = dict(SM90_PREFILL_PAGING=False)
         out["overlap+pingpong 3 stages"] = dict(SM90_PREFILL_OVERLAP=True,
                                                 SM90_PREFILL_PINGPONG=True,
                                                 SM90_PREFILL_TILES=three)  # fmt: skip

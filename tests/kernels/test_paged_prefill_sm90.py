@@ -17,6 +17,7 @@ from portattn.kernels.paged_prefill_sm90 import (
     _work_list_kernel,
     box_rows,
     launch_tile,
+    paging,
     program_items,
     sm90_prefill_errors,
     smem_bytes,
@@ -99,6 +100,21 @@ def test_boxes_never_cross_a_page(block_size, box):
     assert box_rows(block_size, 128) == box
     (main,) = [launch for launch in _plan(block_size=block_size) if "sm90" in launch.name]
     assert main.args["BOX"] == box and block_size % box == 0
+
+
+@pytest.mark.parametrize(
+    ("block_size", "want"), [(16, 1), (32, 1), (128, 1), (80, 0), (48, 0), (544, 2), (2048, 2)]
+)
+def test_paging_takes_no_division_a_box_where_it_can(block_size, want, monkeypatch):
+    """The producer's page lookup (`paging`): a box a page (16-128-token pages), pages of a tile
+    or more (one division a tile), a division a box only for pages shorter than a tile in boxes
+    of another size (80 = 5 boxes of 16); switched off, a division a box everywhere."""
+    (main,) = [launch for launch in _plan(block_size=block_size) if "sm90" in launch.name]
+    assert main.args["PAGING"] == want
+    assert paging(block_size, main.args["BOX"], main.args["BLOCK_N"]) == want
+    monkeypatch.setattr(paged_policy, "SM90_PREFILL_PAGING", False)
+    (main,) = [launch for launch in _plan(block_size=block_size) if "sm90" in launch.name]
+    assert main.args["PAGING"] == 0
 
 
 def test_pure_prefill_has_no_decode_launch():

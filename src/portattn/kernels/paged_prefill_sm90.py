@@ -407,7 +407,7 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
               STAGES: gl.constexpr, BOX: gl.constexpr, V_PAGES: gl.constexpr,
               DYNAMIC: gl.constexpr, GROUP: gl.constexpr, HEAD_TILE: gl.constexpr,
               NUM_WG: gl.constexpr, Q_TMA: gl.constexpr, K_AHEAD: gl.constexpr,
-              TRACE: gl.constexpr):  # fmt: skip
+              PAGING: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
     """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page. K: a
     2-D box of [BOX, HEAD_D] (one copy a 64-column group under the 128-byte swizzle). V: see
     `_copy_v`. The copies go box by box (K, V, K, V, ...) once the stage is released. K_AHEAD:
@@ -446,7 +446,7 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
         vcol = kv_head * stride_vcol
         if K_AHEAD:  # the item's first K tile: alone, as its K buffer frees
             rows = _tile_rows(bt_row, 0, boxes, BOX, BLOCK_N, seq_len, block_size, stride_bt_blk,
-                              rows_per_page, total_rows)  # fmt: skip
+                              rows_per_page, total_rows, PAGING)  # fmt: skip
             _copy_k_tile(k_desc, k_smem, k_bars, kfree_bars, rows, boxes, kcol, it, NB, BOX,
                          TILE_BYTES)  # fmt: skip
         for t in range(n_tiles):
@@ -460,10 +460,10 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
             if K_AHEAD:
                 rows_v = rows
                 rows = _tile_rows(bt_row, t + 1, boxes, BOX, BLOCK_N, seq_len, block_size,
-                                  stride_bt_blk, rows_per_page, total_rows)  # fmt: skip
+                                  stride_bt_blk, rows_per_page, total_rows, PAGING)  # fmt: skip
             else:
                 rows = _tile_rows(bt_row, t, boxes, BOX, BLOCK_N, seq_len, block_size,
-                                  stride_bt_blk, rows_per_page, total_rows)  # fmt: skip
+                                  stride_bt_blk, rows_per_page, total_rows, PAGING)  # fmt: skip
             # the stage's previous tile released by both warpgroups (none before the first use)
             mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
             _stamp(tr, jt, 1, TRACE)
@@ -521,13 +521,29 @@ def _query_step(q_desc, q_smem, q_full, q_free, nq, t, n_tiles, q_start, q_tile,
 
 @gluon.jit
 def _tile_rows(bt_row, t, boxes, BOX: gl.constexpr, BLOCK_N: gl.constexpr, seq_len, block_size,
-               stride_bt_blk, rows_per_page, total_rows):  # fmt: skip
+               stride_bt_blk, rows_per_page, total_rows, PAGING: gl.constexpr):  # fmt: skip
     """The cache row of each box of an item's tile ``t`` (one block-table read a box; a box
-    past the sequence gets ``total_rows``, a row past the tensor, which TMA fills with zeros)."""
+    past the sequence gets ``total_rows``, a row past the tensor, which TMA fills with zeros).
+    Each box's page and its row in it by `paging`'s case: 1, a box a page (block ``t x boxes +
+    b``, row 0); 2, pages of a tile or more (the tile's first page by one division, then at most
+    one page edge inside the tile); 0, a division a box."""
     pos = t * BLOCK_N + boxes * BOX
     real = pos < seq_len
-    blk = gl.load(bt_row + (pos // block_size) * stride_bt_blk, mask=real, other=0)
-    return gl.where(real, blk.to(gl.int32) * rows_per_page + pos % block_size, total_rows)
+    if PAGING == 1:
+        page = t * (BLOCK_N // BOX) + boxes
+        off = 0
+    elif PAGING == 2:
+        first = t * BLOCK_N
+        p0 = first // block_size
+        r = first - p0 * block_size + boxes * BOX
+        edge = r >= block_size
+        page = p0 + edge.to(gl.int32)
+        off = gl.where(edge, r - block_size, r)
+    else:
+        page = pos // block_size
+        off = pos % block_size
+    blk = gl.load(bt_row + page * stride_bt_blk, mask=real, other=0)
+    return gl.where(real, blk.to(gl.int32) * rows_per_page + off, total_rows)
 
 
 @gluon.jit
@@ -1284,6 +1300,7 @@ def _paged_prefill_sm90_kernel(
     Q_TMA: gl.constexpr,  # the producer loads the query rows (`_load_query`)
     AHEAD: gl.constexpr,  # a warpgroup's next item taken before its epilogue (`_next_item`)
     K_AHEAD: gl.constexpr,  # K buffers freed at the scores, K a tile ahead of V (`_producer`)
+    PAGING: gl.constexpr,  # how a tile's boxes find their pages (`paging`, `_tile_rows`)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
 ):
@@ -1355,7 +1372,7 @@ def _paged_prefill_sm90_kernel(
                              V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, K_AHEAD,
                              TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC,
-                             GROUP, HEAD_TILE, NUM_WG, Q_TMA, K_AHEAD, TRACE)),
+                             GROUP, HEAD_TILE, NUM_WG, Q_TMA, K_AHEAD, PAGING, TRACE)),
             ],
             [4, PRODUCER_WARPS_],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -1377,7 +1394,7 @@ def _paged_prefill_sm90_kernel(
                              V_PAGES, EXP2_POLY, LAZY, TREE, DYNAMIC, Q_TMA, AHEAD, K_AHEAD,
                              TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, DYNAMIC,
-                             GROUP, HEAD_TILE, NUM_WG, Q_TMA, K_AHEAD, TRACE)),
+                             GROUP, HEAD_TILE, NUM_WG, Q_TMA, K_AHEAD, PAGING, TRACE)),
             ],
             [4, 4, PRODUCER_WARPS_],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
@@ -1403,6 +1420,17 @@ def box_rows(block_size: int, block_n: int) -> int:
     """Rows per TMA box: the largest power of two dividing ``block_size``, at most ``block_n``
     (a box never crosses a page)."""
     return min(block_n, block_size & -block_size)
+
+
+def paging(block_size: int, box: int, block_n: int) -> int:
+    """How the producer finds a tile's boxes' pages (`_tile_rows`): 1 where a box is a whole
+    page, 2 where a page holds a tile or more, else 0 (a division a box); 0 with
+    `SM90_PREFILL_PAGING` off."""
+    if not paged_policy.SM90_PREFILL_PAGING:
+        return 0
+    if box == block_size:
+        return 1
+    return 2 if block_size >= block_n else 0
 
 
 def smem_bytes(tile: Sm90PrefillTile, head_dim: int, elem: int = 2, split: bool = False) -> int:
@@ -1771,6 +1799,7 @@ def sm90_prefill_launches(
         Q_TMA=use_q_tma,
         AHEAD=bool(paged_policy.SM90_PREFILL_ITEM_AHEAD),
         K_AHEAD=ka,
+        PAGING=paging(key_cache.shape[1], box, tile.block_n),
         # a placeholder pointer when off (never read)
         trace_ptr=TRACE_BUFFER if TRACE_BUFFER is not None else a["seq_lens_ptr"],
         TRACE=TRACE_BUFFER is not None,

@@ -392,6 +392,12 @@ SM90_PREFILL_ITEM_AHEAD = False
 #: wait at block 16 longer (355-561 cycles): off. A tile's K boxes before its V boxes (K_FIRST,
 #: call 1) measured 0.988-1.021x and was removed. Read at planning.
 SM90_PREFILL_K_AHEAD = False
+#: The producer finds a tile's pages without a division a box where it can
+#: (`portattn.kernels.paged_prefill_sm90.paging`): a box a page (16-128-token pages), or pages of
+#: a tile or more (one division a tile). The clock run (bench/RESULTS.md, twentieth session)
+#: found block 16's extra time in cycles, not the clock, and its SASS differs from block 2048's
+#: only in the producer's loop (~460 instructions a tile against ~140). Read at planning.
+SM90_PREFILL_PAGING = True
 
 
 @dataclass(frozen=True)
