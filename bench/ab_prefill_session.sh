@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/portattn-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 if [ "${TESTS:-1}" = 1 ]; then
-  PYTHONPATH=src timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_paged_prefill_sm90.py \
+  PYTHONPATH=src timeout 300 python3 -m pytest -q -m gpu tests/kernels/test_paged_prefill_sm90.py \
     ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -4 | tee "$OUT/tests.log"
 fi
 for run in ${RUNS:-new old new2}; do

@@ -394,9 +394,12 @@ SM90_PREFILL_ITEM_AHEAD = False
 SM90_PREFILL_K_AHEAD = False
 #: The producer finds a tile's pages without a division a box where it can
 #: (`portattn.kernels.paged_prefill_sm90.paging`): a box a page (16-128-token pages), or pages of
-#: a tile or more (one division a tile). The clock run (bench/RESULTS.md, twentieth session)
-#: found block 16's extra time in cycles, not the clock, and its SASS differs from block 2048's
-#: only in the producer's loop (~460 instructions a tile against ~140). Read at planning.
+#: a tile or more (one division a tile). Block 16's extra time was cycles, not the clock (the
+#: card at its power limit ran block 16 2.7-3.7% faster), and its SASS differed from block
+#: 2048's only in the producer's loop. Measured (H200, bench/RESULTS.md twentieth session, 3
+#: rounds in turns, off over on): block 16 1.030-1.035x, blocks 544 and 2048 0.986-1.010x (the
+#: control 0.983-1.002); block 16's tile period 3069 -> 2887 cycles (2048: 2809), the block-size
+#: spreads 1.034-1.046 off, 1.007-1.014 on. On. Read at planning.
 SM90_PREFILL_PAGING = True
 
 
