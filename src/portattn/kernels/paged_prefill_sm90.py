@@ -31,8 +31,9 @@ releases each tile (with ``Q_TMA``, also its query buffer, which the producer fi
 
 Schedule (`gl.warp_specialize`): a one-warp producer walks the same items and KV tiles as the
 consumers and, for each tile, waits until both warpgroups released its stage, then loads K and
-V by TMA, one box per ``BOX`` rows of one cache page (the block table read per box; a box past
-the sequence's last page is given a row past the tensor, which TMA fills with zeros), each into
+V by TMA, one box per ``BOX`` rows of one cache page (the block table read per box, its page
+found without a division a box where the page size allows, `paging`; a box past the sequence's
+last page is given a row past the tensor, which TMA fills with zeros), each into
 its own barrier so the score MMA starts as soon as K lands. Each consumer warpgroup: S = Q K^T
 (wgmma, both operands in shared memory), masks on the tiles that reach past the causal limit of
 its first row, base-2 online softmax in registers, then O += P V with P as the register operand
