@@ -47,6 +47,7 @@ from portattn.kernels.paged_prefill_sm90 import (
     _total_rows,
     _v_descriptor,
     box_rows,
+    paging,
     v_pages,
 )
 from portattn.platform import Target, current_target
@@ -100,7 +101,7 @@ def _consumer(k_smem, v_smem, k_bars, v_bars, empty_bars, out_k, out_v, cyc_ptr,
 @gluon.jit
 def _producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, table_ptr, tiles,
               n_tiles, block_size, rows_per_page, total_rows, BOX: gl.constexpr,
-              K_ONLY: gl.constexpr, V_PAGES: gl.constexpr):  # fmt: skip
+              K_ONLY: gl.constexpr, V_PAGES: gl.constexpr, PAGING: gl.constexpr):  # fmt: skip
     """The prefill kernel's copies of each tile (box by box: K, then V), tile ``(first + i) %
     n_tiles`` of the sequence at step ``i``, ``first`` the program's own."""
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -114,7 +115,7 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, table_
     for i in range(tiles):
         s = i % STAGES
         rows = _tile_rows(table_ptr, (first + i) % n_tiles, boxes, BOX, BLOCK_N, seq_len,
-                          block_size, 1, rows_per_page, total_rows)  # fmt: skip
+                          block_size, 1, rows_per_page, total_rows, PAGING)  # fmt: skip
         mbarrier.wait(empty_bars.index(s), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
         k_buf = k_smem.index(s)
         v_buf = v_smem.index(s)
@@ -132,7 +133,8 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, table_
 def _copies_kernel(k_desc, v_desc, table_ptr, out_k, out_v, cyc_ptr, tiles, n_tiles, block_size,
                    rows_per_page, total_rows, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                    STAGES: gl.constexpr, BOX: gl.constexpr, V_PAGES: gl.constexpr,
-                   CHECK: gl.constexpr, K_ONLY: gl.constexpr):  # fmt: skip
+                   CHECK: gl.constexpr, K_ONLY: gl.constexpr,
+                   PAGING: gl.constexpr):  # fmt: skip
     dtype: gl.constexpr = k_desc.dtype
     KV_LAYOUT: gl.constexpr = k_desc.layout
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
@@ -151,7 +153,7 @@ def _copies_kernel(k_desc, v_desc, table_ptr, out_k, out_v, cyc_ptr, tiles, n_ti
                          tiles, CHECK, K_ONLY, V_PAGES)),
             (_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, table_ptr,
                          tiles, n_tiles, block_size, rows_per_page, total_rows, BOX, K_ONLY,
-                         V_PAGES)),
+                         V_PAGES, PAGING)),
         ],
         [1],
         [64],
@@ -198,6 +200,7 @@ def make_launch(block_size: int, tiles: int, programs: int, target: Target, devi
         V_PAGES=nv,
         CHECK=check,
         K_ONLY=k_only,
+        PAGING=paging(block_size, box, TILE.block_n),  # the kernel's page lookup, as it runs
     )
     return Launch(kernel=_copies_kernel, grid=(programs,), args=args,
                   options=LaunchOptions(4, 1), target=target, name="diag_tma",
