@@ -1426,7 +1426,8 @@ def box_rows(block_size: int, block_n: int) -> int:
 def paging(block_size: int, box: int, block_n: int) -> int:
     """How the producer finds a tile's boxes' pages (`_tile_rows`): 1 where a box is a whole
     page, 2 where a page holds a tile or more, else 0 (a division a box); 0 with
-    `SM90_PREFILL_PAGING` off."""
+    `SM90_PREFILL_PAGING` off. ``box`` is `box_rows`'s: it divides both the page and the tile, so
+    no box crosses a page and, in case 2, a tile holds at most one page edge."""
     if not paged_policy.SM90_PREFILL_PAGING:
         return 0
     if box == block_size:
