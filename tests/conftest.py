@@ -11,7 +11,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_GPU = torch.cuda.is_available()
 
 
+# Runs first in a GPU cell: the check that the cell's GPU is the architecture it targets.
+FIRST = "test_cell_arch.py::test_the_live_gpu_is_the_cells_architecture"
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.endswith(FIRST))  # stable: the rest keep order
     skip = pytest.mark.skip(reason="needs a CUDA/HIP device (marker gpu)")
     cpu_only = pytest.mark.skip(reason="CPU-only test (marker cpu): needs TRITON_INTERPRET=1")
     for item in items:

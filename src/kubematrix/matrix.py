@@ -3,19 +3,22 @@
 One definition feeds every runner — the local runner (``nox -s matrix``), the Kubernetes fan-out
 (``--runner k8s``) and the generated Buildkite pipeline — so the lanes cannot drift apart.
 
-| suite   | cpu-interpreter | cuda (sm_90) | rocm (gfx942)        |
-|---------|-----------------|--------------|----------------------|
-| paged   | x               | x            | x                    |
-| mla     | x               | x            | x                    |
-| hybrid  | x               | x            | x (experimental)     |
-| specdec | x               | x            | x                    |
-| policy  | x               |              |                      |
-| compile | x               |              |                      |
+| suite   | cpu-interpreter | cuda sm_90 | cuda sm_100 | rocm gfx942      | rocm gfx950 |
+|---------|-----------------|------------|-------------|------------------|-------------|
+| paged   | x               | x          | x (exp.)    | x                | x (exp.)    |
+| mla     | x               | x          | x (exp.)    | x                | x (exp.)    |
+| hybrid  | x               | x          | x (exp.)    | x (experimental) | x (exp.)    |
+| specdec | x               | x          | x (exp.)    | x                | x (exp.)    |
+| policy  | x               |            |             |                  |             |
+| compile | x               |            |             |                  |             |
 
 ``policy`` is pure Python and ``compile`` cross-compiles for every target with Triton's own
 backends, so neither gains anything from a GPU; they are CPU cells only. The kernel suites run on
 CPU through Triton's interpreter (``TRITON_INTERPRET=1``, small fp32/fp16 shapes) and on each GPU
-pool at real shapes. "Target" is the GPU architecture of a pool, and only GPU cells have one.
+pool at real shapes. "Target" is the GPU architecture of a pool, and only GPU cells have one: a
+GPU cell is placed on nodes of exactly its architecture (the ``k8s/overlays/<arch>`` node
+selectors) and its first test checks that the live device is that architecture
+(``ARCH_ENV``). sm_100 and gfx950 cells are experimental until a pool of that kind runs them.
 
 This module is pure data plus a few file-system checks: it never imports triton, torch or portattn
 (docs/design.md §1).
@@ -33,6 +36,27 @@ from pathlib import Path
 
 RUNNERS = ("local", "k8s")
 COMPILE_MODULE = "portattn.compile"
+# The architecture a GPU cell must run on; tests/test_cell_arch.py compares the live device to it.
+ARCH_ENV = "PORTATTN_CELL_ARCH"
+
+
+@dataclass(frozen=True)
+class GpuArch:
+    """One GPU architecture of a backend's pools: a cell per (suite, arch).
+
+    Attributes:
+        name: the ``portattn.platform`` target name (``sm_90``, ``gfx942``), also the name of the
+            ``k8s/overlays/<name>`` overlay that selects its nodes.
+        build_arch: the architecture as the image's native builds spell it (``TORCH_CUDA_ARCH_LIST``
+            ``9.0``; ``HIP_ARCHITECTURES`` ``gfx942``): the Mamba wheels are built for these.
+        pool: the parts such a pool holds (documentation).
+        experimental: why the cells on it may fail without blocking, or None.
+    """
+
+    name: str
+    build_arch: str
+    pool: str
+    experimental: str | None = None
 
 
 @dataclass(frozen=True)
@@ -41,8 +65,8 @@ class Backend:
 
     Attributes:
         name: ``"cpu-interpreter"``, ``"cuda"`` or ``"rocm"``.
-        vendor: the Kubernetes overlay (``"cuda"``, ``"rocm"``); ``None`` on CPU.
-        targets: GPU architectures of the pool (one cell per target), empty on CPU.
+        vendor: the Kubernetes vendor overlay (``"cuda"``, ``"rocm"``); ``None`` on CPU.
+        archs: the GPU architectures of the backend's pools (one cell per arch), empty on CPU.
         device_nodes: a device node whose presence means "this machine has such a GPU".
         gpu_resource: the Kubernetes extended resource a pod asks for, ``None`` on CPU.
         queue: the Buildkite agent queue of the lane.
@@ -53,7 +77,7 @@ class Backend:
 
     name: str
     vendor: str | None
-    targets: tuple[str, ...]
+    archs: tuple[GpuArch, ...]
     device_nodes: tuple[str, ...]
     gpu_resource: str | None
     queue: str
@@ -64,6 +88,18 @@ class Backend:
     @property
     def is_gpu(self) -> bool:
         return self.vendor is not None
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The architectures' names, in cell order."""
+        return tuple(a.name for a in self.archs)
+
+    def arch(self, name: str) -> GpuArch:
+        """The architecture called ``name``; ValueError naming the valid ones otherwise."""
+        for a in self.archs:
+            if a.name == name:
+                return a
+        raise ValueError(f"Backend.arch: name must be one of {self.targets}; got {name!r}")
 
 
 @dataclass(frozen=True)
@@ -81,13 +117,15 @@ class Suite:
     experimental_on: Mapping[str, str] = field(default_factory=dict)  # backend -> why
 
 
+_NO_POOL = "no pool of this architecture has run the matrix yet"
+
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
         Backend(
             name="cpu-interpreter",
             vendor=None,
-            targets=(),
+            archs=(),
             device_nodes=(),
             gpu_resource=None,
             queue="cpu",
@@ -97,7 +135,10 @@ BACKENDS: dict[str, Backend] = {
         Backend(
             name="cuda",
             vendor="cuda",
-            targets=("sm_90",),  # the H100 pool
+            archs=(
+                GpuArch("sm_90", "9.0", "H100 / H200"),
+                GpuArch("sm_100", "10.0", "B200 / GB200", experimental=_NO_POOL),
+            ),
             device_nodes=("/dev/nvidia0",),
             gpu_resource="nvidia.com/gpu",
             queue="gpu-cuda",
@@ -107,7 +148,10 @@ BACKENDS: dict[str, Backend] = {
         Backend(
             name="rocm",
             vendor="rocm",
-            targets=("gfx942",),  # the MI300X pool
+            archs=(
+                GpuArch("gfx942", "gfx942", "MI300X / MI325X"),
+                GpuArch("gfx950", "gfx950", "MI350X / MI355X", experimental=_NO_POOL),
+            ),
             device_nodes=("/dev/kfd",),
             gpu_resource="amd.com/gpu",
             queue="gpu-rocm",
@@ -233,7 +277,11 @@ class Cell:
 
     @property
     def env(self) -> dict[str, str]:
-        return dict(self.spec.env)
+        """The cell's environment: the backend's, plus the architecture a GPU cell must find."""
+        env = dict(self.spec.env)
+        if self.target is not None:
+            env[ARCH_ENV] = self.target
+        return env
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -285,8 +333,10 @@ def all_cells() -> list[Cell]:
         for backend_name in suite.backends:
             backend = BACKENDS[backend_name]
             why = suite.experimental_on.get(backend_name)
-            for target in backend.targets or (None,):
-                cells.append(Cell(suite.name, backend_name, target, why))
+            if not backend.archs:
+                cells.append(Cell(suite.name, backend_name, None, why))
+            for arch in backend.archs:
+                cells.append(Cell(suite.name, backend_name, arch.name, why or arch.experimental))
     return cells
 
 

@@ -26,6 +26,8 @@ from kubematrix.matrix import Cell
 STATUSES = ("passed", "failed", "error", "skipped", "not run")
 _ICON = {"passed": "✅", "failed": "❌", "error": "💥", "skipped": "⏭️", "not run": "⚪"}
 MAX_FAILURES_LISTED = 10
+# The JUnit test-case property in which a GPU cell records the architecture it ran on.
+GPU_ARCH_PROPERTY = "gpu_arch"
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class JunitCounts:
     skipped: int = 0
     seconds: float = 0.0
     failures: tuple[Failure, ...] = ()
+    gpu_arch: str | None = None  # the device the tests found (tests/test_cell_arch.py records it)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,14 @@ class CellResult:
     seconds: float = 0.0
     experimental: bool = False
     counts: JunitCounts = field(default_factory=JunitCounts)
+
+    @property
+    def ran_on(self) -> str:
+        """Where the cell actually ran: the GPU architecture its tests found, ``cpu`` for a CPU
+        cell, ``-`` when nothing ran or the report does not say."""
+        if self.counts.gpu_arch:
+            return self.counts.gpu_arch
+        return "cpu" if self.target is None and self.status != "not run" else "-"
 
     @property
     def blocking_failure(self) -> bool:
@@ -98,6 +109,11 @@ def read_junit(path: str | os.PathLike[str]) -> JunitCounts:
             failures.append(Failure(test, _first_line(node.get("message") or node.text)))
         elif case.find("skipped") is not None:
             skipped += 1
+    archs = {
+        p.get("value")
+        for p in root.iter("property")
+        if p.get("name") == GPU_ARCH_PROPERTY and p.get("value")
+    }
     suite_times = [float(s.get("time") or 0.0) for s in root.iter("testsuite")]
     if root.tag == "testsuite":
         suite_times = [float(root.get("time") or 0.0)]
@@ -109,6 +125,7 @@ def read_junit(path: str | os.PathLike[str]) -> JunitCounts:
         skipped=skipped,
         seconds=sum(suite_times) or seconds,
         failures=tuple(failures),
+        gpu_arch=",".join(sorted(a for a in archs if a)) or None,
     )
 
 
@@ -281,8 +298,8 @@ def _status_text(r: CellResult) -> str:
 
 
 def summary_table(results: Sequence[CellResult]) -> str:
-    """A plain-text table: cell, result, passed/failed/skipped, time, note."""
-    header = ("cell", "result", "passed", "failed", "skipped", "time", "note")
+    """A plain-text table: cell, result, where it ran, passed/failed/skipped, time, note."""
+    header = ("cell", "result", "ran on", "passed", "failed", "skipped", "time", "note")
     rows = [header]
     for r in results:
         c = r.counts
@@ -291,6 +308,7 @@ def summary_table(results: Sequence[CellResult]) -> str:
             (
                 r.cell,
                 _status_text(r),
+                r.ran_on,
                 str(c.passed) if ran else "-",
                 str(c.failed + c.errors) if ran else "-",
                 str(c.skipped) if ran else "-",
@@ -352,8 +370,8 @@ def markdown_report(
         lines += [context, ""]
     lines += [totals_line(results), ""]
     lines += [
-        "| cell | result | passed | failed | skipped | time |",
-        "|------|--------|-------:|-------:|--------:|-----:|",
+        "| cell | result | ran on | passed | failed | skipped | time |",
+        "|------|--------|--------|-------:|-------:|--------:|-----:|",
     ]
     for r in results:
         c, ran = r.counts, r.status != "not run"
@@ -363,7 +381,9 @@ def markdown_report(
             else ["-"] * 4
         )
         lines.append(
-            f"| `{r.cell}` | {_ICON[r.status]} {_status_text(r)} | " + " | ".join(cols) + " |"
+            f"| `{r.cell}` | {_ICON[r.status]} {_status_text(r)} | {r.ran_on} | "
+            + " | ".join(cols)
+            + " |"
         )
     bad = [r for r in results if r.status in ("failed", "error")]
     if bad:

@@ -196,6 +196,16 @@ def current_target(device=None) -> Target:
     )
 
 
+def device_arch(device=None) -> str:
+    """The live device's architecture (``sm_90``, ``gfx942``), whatever policy override is set:
+    what the hardware is, not what the policies were told it is."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("device_arch: no CUDA/HIP device is visible")
+    return _device_arch(torch.cuda.get_device_properties(device))
+
+
 def _device_arch(props) -> str:
     """The arch name of a device from its torch properties (``sm_90``, ``gfx942``)."""
     import torch

@@ -61,8 +61,21 @@ def test_cell_names_are_buildkite_keys_and_targets_are_known_archs():
             assert cell.target in KNOWN_ARCHS
 
 
-def test_only_rocm_hybrid_is_experimental():
-    assert [c.name for c in all_cells() if c.experimental] == ["hybrid-rocm-gfx942"]
+def test_experimental_cells_are_rocm_hybrid_and_the_pools_not_yet_run():
+    experimental = {c.name for c in all_cells() if c.experimental}
+    new_pools = {c.name for c in all_cells() if c.target in ("sm_100", "gfx950")}
+    assert len(new_pools) == 8
+    assert experimental == {"hybrid-rocm-gfx942"} | new_pools
+
+
+def test_gpu_cells_name_their_architecture_in_the_environment():
+    for cell in all_cells():
+        if cell.spec.is_gpu:
+            assert cell.env[matrix.ARCH_ENV] == cell.target
+        else:
+            assert matrix.ARCH_ENV not in cell.env
+    assert [a.name for a in BACKENDS["cuda"].archs] == ["sm_90", "sm_100"]
+    assert [a.name for a in BACKENDS["rocm"].archs] == ["gfx942", "gfx950"]
 
 
 def test_how_cells_run():
@@ -76,7 +89,7 @@ def test_how_cells_run():
     assert cpu.pytest_args("r")[1:3] == ["-m", "mla and not gpu"]
     assert cpu.env == {"TRITON_INTERPRET": "1"}
     assert gpu.pytest_args("r")[1:3] == ["-m", "mla and not cpu"]
-    assert gpu.spec.gpu_resource == "amd.com/gpu" and gpu.env == {}
+    assert gpu.spec.gpu_resource == "amd.com/gpu" and gpu.env == {matrix.ARCH_ENV: "gfx942"}
     assert get_cell("mla-cuda-sm_90").spec.gpu_resource == "nvidia.com/gpu"
     assert comp.nox_command("r") == ["nox", "-s", "compile", "--", "--out", "r/compile"]
     assert gpu.nox_args() == []  # a Kubernetes Job's JUnit path is the launcher's

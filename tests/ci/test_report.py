@@ -84,10 +84,12 @@ def test_a_runner_record_wins_over_the_junit(results_dir):
 
 def test_summary_table(results_dir):
     table = report.summary_table(report.collect(CELLS, results_dir)).splitlines()
-    assert table[0].split() == ["cell", "result", "passed", "failed", "skipped", "time", "note"]
-    assert table[2].split() == ["paged-cpu-interpreter", "passed", "3", "0", "1", "12.5s"]
-    assert table[3].split()[:6] == ["mla-cpu-interpreter", "failed", "1", "2", "0", "8.2s"]
-    assert table[4].split()[:6] == ["mla-cuda-sm_90", "not", "run", "-", "-", "-"]
+    assert table[0].split() == [
+        "cell", "result", "ran", "on", "passed", "failed", "skipped", "time", "note"
+    ]  # fmt: skip
+    assert table[2].split() == ["paged-cpu-interpreter", "passed", "cpu", "3", "0", "1", "12.5s"]
+    assert table[3].split()[:7] == ["mla-cpu-interpreter", "failed", "cpu", "1", "2", "0", "8.2s"]
+    assert table[4].split()[:7] == ["mla-cuda-sm_90", "not", "run", "-", "-", "-", "-"]
     assert table[-1] == "4 cells: 1 passed, 2 failed, 1 not run (cell time 1m02s)"
 
 
@@ -98,8 +100,8 @@ def test_write_summary_files(results_dir):
 
     md = files.markdown.read_text()
     assert md.startswith("## portattn matrix: failed\n\nrunner `local`\n")
-    assert "| `paged-cpu-interpreter` | ✅ passed | 3 | 0 | 1 | 12.5s |" in md
-    assert "| `mla-cuda-sm_90` | ⚪ not run | - | - | - | - |" in md
+    assert "| `paged-cpu-interpreter` | ✅ passed | cpu | 3 | 0 | 1 | 12.5s |" in md
+    assert "| `mla-cuda-sm_90` | ⚪ not run | - | - | - | - | - |" in md
     assert "  - `tests.kernels.test_mla_decode::test_decode[320-256]`: AssertionError" in md
     assert "### Not run\n\n- `mla-cuda-sm_90`: no result in" in md
     assert md.endswith("![compile heatmap](compile/compile_matrix.png)\n")
@@ -204,3 +206,22 @@ def test_buildkite_mode_annotates_the_build(results_dir, tmp_path, monkeypatch, 
     assert annotation.startswith("## portattn matrix: failed\n\nbuild 42, commit `0123456789ab`")
     assert f"![compile heatmap](artifact://{name}/compile/compile_matrix.png)" in annotation
     capsys.readouterr()
+
+
+def test_a_gpu_cell_reports_the_architecture_its_tests_found(tmp_path):
+    # tests/test_cell_arch.py records the live device's arch as a JUnit test-case property.
+    cell = get_cell("mla-cuda-sm_90")
+    junit = tmp_path / f"{cell.name}.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest" time="3.0">'
+        '<testcase classname="tests.test_cell_arch" name="test_the_live_gpu" time="0.1">'
+        f'<properties><property name="{report.GPU_ARCH_PROPERTY}" value="sm_90"/></properties>'
+        "</testcase>"
+        '<testcase classname="tests.kernels.test_mla_decode" name="test_decode" time="2.9"/>'
+        "</testsuite></testsuites>"
+    )
+    result = report.result_from_junit(cell, junit)
+    assert (result.status, result.ran_on, result.counts.passed) == ("passed", "sm_90", 2)
+    assert "| `mla-cuda-sm_90` | ✅ passed | sm_90 | 2 |" in report.markdown_report([result])
+    # The record keeps it (a runner's record wins over the JUnit in collect).
+    assert report.result_from_dict(report.result_to_dict(result)).ran_on == "sm_90"

@@ -1,0 +1,31 @@
+"""A GPU cell runs on the architecture it names: its first test compares the live device with
+``PORTATTN_CELL_ARCH`` (set by every runner of a GPU cell), so a cell scheduled onto the wrong
+GPU fails loudly instead of passing with the wrong tiles. The architecture it found is recorded
+in the JUnit report (property ``gpu_arch``), where the matrix summary reads it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from portattn.platform import device_arch
+
+ARCH_ENV = "PORTATTN_CELL_ARCH"  # kubematrix.matrix.ARCH_ENV (tests do not import the CI layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.paged
+@pytest.mark.mla
+@pytest.mark.hybrid
+@pytest.mark.specdec
+def test_the_live_gpu_is_the_cells_architecture(record_property):
+    found = device_arch()
+    record_property("gpu_arch", found)
+    wanted = os.environ.get(ARCH_ENV)
+    if not wanted:
+        pytest.skip(f"not a matrix cell ({ARCH_ENV} unset); this GPU is {found}")
+    assert found == wanted, (
+        f"this cell targets {wanted} but runs on a {found} GPU: its node selector or the pool's "
+        f"labels are wrong, and its results would test {found}'s tiles"
+    )
