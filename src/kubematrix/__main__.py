@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kubematrix import buildkite, report
+from kubematrix import buildkite, images, report
 from kubematrix.matrix import BACKENDS, RUNNERS, SUITES, Cell, Host, all_cells, select_cells
 from kubematrix.matrix import why_not_runnable as _why_not
 
@@ -355,6 +355,12 @@ register(
 )
 register("pipeline", "print the generated Buildkite pipeline", _configure_pipeline, _run_pipeline)
 register("report", "summary from a results folder (JUnit per cell)", _configure_report, _run_report)
+register(
+    "image",
+    "the CI images: content key, references, build script, base pin",
+    images.configure_cli,
+    images.run_cli,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,14 +3,18 @@
 ``.buildkite/pipeline.yml`` is a bootstrap: one step runs ``nox -s pipeline`` and pipes the result
 to ``buildkite-agent pipeline upload``. What it uploads, built by :func:`generate`:
 
+- one image step per GPU vendor (:mod:`kubematrix.images`): it reuses the vendor's environment
+  image when the registry has one under its content key (else builds it) and adds this commit's
+  project on top; every GPU step ``depends_on`` it and runs inside that image, on both lanes;
 - one command step per cell of :func:`kubematrix.matrix.all_cells` — the CPU, CUDA and ROCm lanes
   come from the same cells, so they cannot drift. Each step only calls nox (the cell's own
   session), uploads the cell's JUnit, has the backend's timeout, retries automatically only on
   infrastructure failures (:data:`INFRA_RETRY`), and may soft-fail only when the cell is declared
   experimental;
-- GPU lanes either on their own agent queues (``lanes="queues"``) or on the agent-stack-k8s
-  queue with the ``kubernetes`` plugin, whose ``podSpec`` is rendered from the same ``k8s/``
-  templates the launcher and ``kubectl apply -k`` use (``lanes="k8s"``);
+- GPU lanes either on their own agent queues with the ``docker`` plugin (``lanes="queues"``) or
+  on the agent-stack-k8s queue with the ``kubernetes`` plugin, whose ``podSpec`` is rendered from
+  the same ``k8s/`` templates the launcher and ``kubectl apply -k`` use (``lanes="k8s"``); the
+  image step builds with docker on a docker-capable queue, or with rootless BuildKit in a pod;
 - selection by changed files: a cell none of whose paths changed is not dropped but put behind
   its own block step ("Run ..."), one click away, with the build staying green while it waits;
 - a final step, after every selected cell whatever its outcome, that annotates the build with the
@@ -27,10 +31,12 @@ import os
 import shlex
 import subprocess
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
 
+from kubematrix import images
 from kubematrix.matrix import BACKENDS, Cell, all_cells
 
 LANES = ("queues", "k8s")
@@ -38,6 +44,20 @@ RESULTS_DIR = "results/matrix"
 K8S_QUEUE = "kubernetes"  # agent-stack-k8s's default queue
 SUMMARY_KEY = "matrix-summary"
 NOT_SELECTED_ENV = "KUBEMATRIX_NOT_SELECTED"
+
+# Where images are built: a queue whose agents run docker (buildx), or BuildKit in a pod.
+IMAGE_QUEUE_ENV, DEFAULT_IMAGE_QUEUE = "KUBEMATRIX_IMAGE_QUEUE", "docker"
+BUILDKIT_IMAGE_ENV, DEFAULT_BUILDKIT_IMAGE = (
+    "KUBEMATRIX_BUILDKIT_IMAGE",
+    "moby/buildkit:v0.18.2-rootless",
+)
+# A kubernetes.io/dockerconfigjson Secret with push rights to the registry (k8s lane's builder).
+REGISTRY_SECRET_ENV, DEFAULT_REGISTRY_SECRET = "KUBEMATRIX_REGISTRY_SECRET", "portattn-ci-registry"
+DOCKER_PLUGIN = "docker#v5.12.0"
+IMAGE_TIMEOUT_MINUTES = 120  # a cold environment builds the Mamba extensions for every arch
+# The cell's writable places under the docker plugin (the image's HOME is for uid 10001; the step
+# runs as the agent's uid so that it can write results into the checkout).
+_DOCKER_HOME = "/tmp/portattn-home"
 
 # Retried automatically: failures of the machine, never of the code under test.
 INFRA_RETRY: tuple[dict[str, Any], ...] = (
@@ -89,6 +109,105 @@ def image_for(vendor: str, commit: str) -> str:
     from kubematrix.k8s import default_image
 
     return default_image(vendor, commit)
+
+
+def image_key(vendor: str) -> str:
+    return f"image-{vendor}"
+
+
+def image_step(vendor: str, *, lanes: str, commit: str, root: str = ".") -> dict[str, Any]:
+    """The step that provides ``vendor``'s cell image for ``commit`` (see :mod:`images`).
+
+    A Dockerfile whose base image is not pinned by digest gets a step that fails at once, saying
+    how to pin it: the image is never built from a movable tag.
+    """
+    spec = images.get_image(vendor)
+    key = images.content_key(vendor, root)
+    dockerfile = Path(root) / spec.dockerfile
+    ref = images.base_ref(dockerfile.read_text())
+    refuse = None
+    if not images.is_pinned(dockerfile.read_text()):
+        why = (
+            f"{spec.dockerfile}: BASE_IMAGE {ref} is not pinned by digest; pin it with "
+            f"'kubematrix image pin --vendor {vendor}' and commit the change"
+        )
+        refuse = f"echo {shlex.quote(why)} >&2\nexit 1"
+    step: dict[str, Any] = {
+        "label": f":docker: {vendor} image",
+        "key": image_key(vendor),
+        "depends_on": [],
+        "timeout_in_minutes": IMAGE_TIMEOUT_MINUTES,
+        "retry": {"automatic": [dict(r) for r in INFRA_RETRY]},
+        "env": {"KUBEMATRIX_IMAGE_KEY": key},
+    }
+    if lanes == "k8s":
+        script = images.buildkit_build_script(vendor, key, commit)
+        step["command"] = refuse or script
+        step["agents"] = {"queue": K8S_QUEUE}
+        step["plugins"] = [{"kubernetes": {"podSpec": _builder_pod(step["command"])}}]
+    else:
+        step["command"] = refuse or images.docker_build_script(vendor, key, commit)
+        step["agents"] = {"queue": os.environ.get(IMAGE_QUEUE_ENV, DEFAULT_IMAGE_QUEUE)}
+    return step
+
+
+def _builder_pod(command: str) -> dict[str, Any]:
+    """Rootless BuildKit in a pod: no privileges, no docker daemon; pushes with the registry
+    Secret's credentials."""
+    return {
+        "containers": [
+            {
+                "name": "build",
+                "image": os.environ.get(BUILDKIT_IMAGE_ENV, DEFAULT_BUILDKIT_IMAGE),
+                "command": ["/bin/sh", "-c"],
+                "args": [command],
+                "env": [
+                    {"name": "BUILDKITD_FLAGS", "value": "--oci-worker-no-process-sandbox"},
+                    {"name": "DOCKER_CONFIG", "value": "/home/user/.docker"},
+                ],
+                "securityContext": {
+                    "seccompProfile": {"type": "Unconfined"},
+                    "appArmorProfile": {"type": "Unconfined"},
+                    "runAsUser": 1000,
+                    "runAsGroup": 1000,
+                },
+                "resources": {"requests": {"cpu": "8", "memory": "32Gi"}},
+                "volumeMounts": [
+                    {"name": "registry-auth", "mountPath": "/home/user/.docker", "readOnly": True},
+                    {"name": "buildkitd", "mountPath": "/home/user/.local/share/buildkit"},
+                ],
+            }
+        ],
+        "volumes": [
+            {
+                "name": "registry-auth",
+                "secret": {
+                    "secretName": os.environ.get(REGISTRY_SECRET_ENV, DEFAULT_REGISTRY_SECRET),
+                    "items": [{"key": ".dockerconfigjson", "path": "config.json"}],
+                },
+            },
+            {"name": "buildkitd", "emptyDir": {}},
+        ],
+    }
+
+
+def docker_plugin(cell: Cell, image: str) -> dict[str, Any]:
+    """The ``docker`` plugin that runs a GPU cell's step in its image on an agent-queue host:
+    the checkout mounted as the working directory, the vendor's devices, the cell's env."""
+    opts: dict[str, Any] = {
+        "image": image,
+        "always-pull": True,
+        "propagate-environment": True,
+        "propagate-uid-gid": True,
+        "shm-size": "8g",
+        "environment": [f"HOME={_DOCKER_HOME}", f"TRITON_CACHE_DIR={_DOCKER_HOME}/.triton"],
+    }
+    if cell.spec.vendor == "cuda":
+        opts["gpus"] = "all"
+    else:  # /dev/kfd and the render nodes, opened through the node's video and render groups
+        opts["devices"] = ["/dev/kfd", "/dev/dri"]
+        opts["additional-groups"] = ["video", "render"]
+    return {DOCKER_PLUGIN: opts}
 
 
 def k8s_pod_spec(cell: Cell, command: Sequence[str], *, commit: str, image: str) -> dict:
@@ -152,22 +271,42 @@ def cell_step(
         "artifact_paths": artifact_paths(cell, results_dir),
         "timeout_in_minutes": cell.timeout_minutes,
         "retry": {"automatic": retry_rules(cell)},
-        "env": {"PORTATTN_CELL": cell.name},
+        "env": {"PORTATTN_CELL": cell.name, **cell.env},
     }
-    if lanes == "k8s" and cell.spec.is_gpu:
-        commit = commit or os.environ.get("BUILDKITE_COMMIT") or "HEAD"
+    if cell.spec.is_gpu:
+        commit = commit or _default_commit()
         image = image_for(cell.spec.vendor or "", commit)
-        pod = k8s_pod_spec(
-            cell, ["nox", "--no-venv", "--no-install", *command[1:]], commit=commit, image=image
-        )
-        step["agents"] = {"queue": K8S_QUEUE}
-        step["plugins"] = [{"kubernetes": {"podSpec": pod}}]
+        # In the image the environment is the image's: nox neither creates nor installs.
+        in_image = ["nox", "--no-venv", "--no-install", *command[1:]]
+        step["depends_on"] = [image_key(cell.spec.vendor or ""), *step["depends_on"]]
+        step["command"] = shlex.join(in_image)
+        if lanes == "k8s":
+            pod = k8s_pod_spec(cell, in_image, commit=commit, image=image)
+            step["agents"] = {"queue": K8S_QUEUE}
+            step["plugins"] = [{"kubernetes": {"podSpec": pod}}]
+        else:
+            step["agents"] = {"queue": cell.spec.queue}
+            step["plugins"] = [docker_plugin(cell, image)]
     else:
         step["agents"] = {"queue": cell.spec.queue}
     if cell.experimental:
         step["soft_fail"] = True
         step["label"] += " (experimental)"
     return step
+
+
+def _default_commit() -> str:
+    """``$BUILDKITE_COMMIT`` in a build, else the checkout's HEAD (a local preview)."""
+    env = os.environ.get("BUILDKITE_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        out = ""
+    return out or "HEAD"
 
 
 def block_step(cell: Cell) -> dict[str, Any]:
@@ -203,6 +342,7 @@ def generate(
     lanes: str = "queues",
     commit: str | None = None,
     results_dir: str = RESULTS_DIR,
+    root: str = ".",
 ) -> dict[str, Any]:
     """The pipeline as a dict: groups per backend, the cells' steps, the summary step.
 
@@ -213,13 +353,23 @@ def generate(
             with a podSpec rendered from ``k8s/``).
         commit: the commit GPU images are pinned to (k8s lanes); default ``$BUILDKITE_COMMIT``.
         results_dir: where steps write JUnit (relative to the checkout).
+        root: the checkout, whose image inputs key the GPU images (the current folder).
     """
     if lanes not in LANES:
         raise ValueError(f"generate: lanes must be one of {LANES}; got {lanes!r}")
     cells = list(all_cells() if cells is None else cells)
     selected = [c for c in cells if is_selected(c, changed_files)]
     not_selected = [c for c in cells if c not in selected]
+    commit = commit or _default_commit()
+    vendors = [
+        b.vendor for b in BACKENDS.values() if b.vendor and any(c.backend == b.name for c in cells)
+    ]
+    image_steps = [image_step(v, lanes=lanes, commit=commit, root=root) for v in vendors]
     groups: list[dict[str, Any]] = []
+    if image_steps:
+        groups.append(
+            {"group": ":docker: images", "key": "images", "depends_on": [], "steps": image_steps}
+        )
     for backend in BACKENDS.values():
         steps: list[dict[str, Any]] = []
         for cell in (c for c in cells if c.backend == backend.name):

@@ -22,6 +22,7 @@ from typing import Any
 
 from kubernetes import client, config
 
+from kubematrix import images
 from kubematrix.launcher import CellResult, Launcher, Timeouts
 from kubematrix.render import DEFAULT_NAMESPACE, VENDORS, render_job
 
@@ -29,7 +30,6 @@ EXIT_INFRA = 3
 EXIT_NO_CLUSTER = 2
 KERNEL_SUITES = ("paged", "mla", "hybrid", "specdec")
 IMAGE_ENV = "KUBEMATRIX_IMAGE_{vendor}"
-DEFAULT_IMAGE = "ghcr.io/portattn/portattn-ci:{vendor}-{commit}"
 
 
 class NoCluster(RuntimeError):
@@ -72,9 +72,12 @@ def git_commit() -> str:
 
 
 def default_image(vendor: str, commit: str) -> str:
-    """``$KUBEMATRIX_IMAGE_<VENDOR>`` (``{commit}`` is filled in) or the project's registry."""
-    template = os.environ.get(IMAGE_ENV.format(vendor=vendor.upper()), DEFAULT_IMAGE)
-    return template.format(vendor=vendor, commit=commit)
+    """``$KUBEMATRIX_IMAGE_<VENDOR>`` (``{commit}`` is filled in), else the cell image the
+    pipeline's image step pushes (``$KUBEMATRIX_REGISTRY``, :func:`images.cell_image`)."""
+    template = os.environ.get(IMAGE_ENV.format(vendor=vendor.upper()))
+    if template:
+        return template.format(vendor=vendor, commit=commit)
+    return images.cell_image(vendor, commit)
 
 
 def exit_status(results: Sequence[CellResult]) -> int:

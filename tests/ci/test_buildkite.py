@@ -39,6 +39,11 @@ def command_steps(pipeline: dict) -> list[dict]:
     return [s for s in steps if "command" in s]
 
 
+def cell_steps(pipeline: dict) -> list[dict]:
+    """The command steps that run a cell or the summary (not the image steps)."""
+    return [s for s in command_steps(pipeline) if not s["key"].startswith("image-")]
+
+
 def by_key(pipeline: dict) -> dict[str, dict]:
     out = {}
     for step in pipeline["steps"]:
@@ -87,8 +92,18 @@ def test_pod_specs_pass_the_kubernetes_schema():
         "kubernetes_validate", reason="kubernetes-validate (the ci extra) is not installed"
     )
     pipeline = buildkite.generate(lanes="k8s", commit=COMMIT)
-    gpu_steps = [s for s in command_steps(pipeline) if "plugins" in s]
+    gpu_steps = [s for s in cell_steps(pipeline) if "plugins" in s]
     assert {s["key"] for s in gpu_steps} == {c.name for c in all_cells() if c.spec.is_gpu}
+    builders = [s for s in command_steps(pipeline) if s["key"].startswith("image-")]
+    assert {s["key"] for s in builders} == {"image-cuda", "image-rocm"}
+    for step in builders:  # the in-cluster image builder's pod is a valid pod too
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": step["key"]},
+            "spec": step["plugins"][0]["kubernetes"]["podSpec"],
+        }
+        kubernetes_validate.validate(pod, "1.30", strict=True)
     for step in gpu_steps:
         (plugin,) = step["plugins"]
         pod = {
@@ -99,9 +114,8 @@ def test_pod_specs_pass_the_kubernetes_schema():
         }
         kubernetes_validate.validate(pod, "1.30", strict=True)
         (container,) = pod["spec"]["containers"]
-        assert container["args"] == [
-            step["command"].replace("nox -s", "nox --no-venv --no-install -s")
-        ]
+        assert container["args"] == [step["command"]]
+        assert step["command"].startswith("nox --no-venv --no-install -s ")  # the image's env
         resource = get_cell(step["key"]).spec.gpu_resource
         assert container["resources"]["limits"][resource] == "1"
         assert container["image"].endswith(COMMIT)
@@ -115,6 +129,8 @@ def _normalised(step: dict, backend: str, target: str) -> dict:
         json.dumps(s).replace(f"{backend}-{target}", "LANE").replace(f"{backend} {target}", "LANE")
     )
     text = text.replace(f"gpu-{backend}", "QUEUE").replace(f'"{backend}"', '"VENDOR"')
+    text = text.replace(f"image-{backend}", "IMAGE").replace(f'"{target}"', '"ARCH"')
+    text = text.replace(f"portattn-ci:{backend}-", "portattn-ci:VENDOR-")
     text = text.replace("amd.com/gpu", "GPU").replace("nvidia.com/gpu", "GPU")
     return json.loads(text)
 
@@ -126,16 +142,23 @@ def test_cuda_and_rocm_lanes_come_from_one_definition(lanes):
     for suite in ("paged", "mla", "specdec"):
         cuda = _normalised(steps[f"{suite}-cuda-sm_90"], "cuda", "sm_90")
         rocm = _normalised(steps[f"{suite}-rocm-gfx942"], "rocm", "gfx942")
-        if lanes == "k8s":  # the pods differ where the vendor overlays of k8s/ do
-            pods = [s.pop("plugins")[0]["kubernetes"]["podSpec"] for s in (cuda, rocm)]
+        # The pods and docker runs differ where the vendors do (devices, overlays).
+        plugins = [s.pop("plugins")[0] for s in (cuda, rocm)]
+        if lanes == "k8s":
+            pods = [p["kubernetes"]["podSpec"] for p in plugins]
             assert pods[0]["containers"][0]["args"] == pods[1]["containers"][0]["args"]
+        else:
+            runs = [p[buildkite.DOCKER_PLUGIN] for p in plugins]
+            assert runs[0]["gpus"] == "all" and runs[1]["devices"] == ["/dev/kfd", "/dev/dri"]
         assert cuda == rocm
 
 
 def test_steps_only_call_nox_with_timeouts_junit_and_infrastructure_retries():
     pipeline = buildkite.generate(lanes="queues")
-    for step in command_steps(pipeline):
-        assert step["command"].startswith("nox -s "), step["command"]
+    for step in cell_steps(pipeline):
+        in_image = get_cell(step["key"]).spec.is_gpu if step["key"] != buildkite.SUMMARY_KEY else 0
+        nox = "nox --no-venv --no-install -s " if in_image else "nox -s "
+        assert step["command"].startswith(nox), step["command"]
         assert step["timeout_in_minutes"] >= 1
         rules = step["retry"]["automatic"]
         for rule in rules:
@@ -158,7 +181,7 @@ def test_steps_only_call_nox_with_timeouts_junit_and_infrastructure_retries():
 
 
 def test_soft_fail_only_for_experimental_cells():
-    steps = command_steps(buildkite.generate())
+    steps = cell_steps(buildkite.generate())
     soft = {s["key"] for s in steps if s.get("soft_fail")}
     experimental = {c.name for c in all_cells() if c.experimental}
     assert soft == experimental and "hybrid-rocm-gfx942" in experimental
@@ -169,7 +192,11 @@ def test_lanes_queues_and_k8s():
     queues = by_key(buildkite.generate(lanes="queues"))
     assert queues["mla-cuda-sm_90"]["agents"] == {"queue": "gpu-cuda"}
     assert queues["mla-rocm-gfx942"]["agents"] == {"queue": "gpu-rocm"}
-    assert "plugins" not in queues["mla-rocm-gfx942"]
+    # On agent queues a GPU cell runs in its commit's image through the docker plugin.
+    (plugin,) = queues["mla-rocm-gfx942"]["plugins"]
+    assert plugin[buildkite.DOCKER_PLUGIN]["image"].startswith("ghcr.io/portattn/portattn-ci:rocm-")
+    assert queues["image-rocm"]["agents"] == {"queue": buildkite.DEFAULT_IMAGE_QUEUE}
+    assert "plugins" not in queues["mla-cpu-interpreter"]
     k8s = by_key(buildkite.generate(lanes="k8s", commit=COMMIT))
     assert k8s["mla-rocm-gfx942"]["agents"] == {"queue": "kubernetes"}
     assert k8s["mla-cpu-interpreter"]["agents"] == {"queue": "cpu"}  # CPU cells: plain agents
@@ -188,11 +215,12 @@ def test_selection_keeps_unselected_cells_one_click_away():
     selected = {"mla", "specdec", "compile"}  # specdec covers MLA as the target model
     for cell in all_cells():
         step = steps[cell.name]
+        image = [f"image-{cell.spec.vendor}"] if cell.spec.is_gpu else []
         if cell.suite in selected:
-            assert step["depends_on"] == [] and f"run-{cell.name}" not in steps
+            assert step["depends_on"] == image and f"run-{cell.name}" not in steps
         else:
             gate = steps[f"run-{cell.name}"]
-            assert step["depends_on"] == [gate["key"]]
+            assert step["depends_on"] == [*image, gate["key"]]
             assert gate["depends_on"] == [] and gate["blocked_state"] == "passed"
             assert gate["block"] == f"Run {cell.label}"
     summary = steps[buildkite.SUMMARY_KEY]
@@ -228,8 +256,8 @@ def test_which_cells_a_change_selects(changed, expected):
 def test_pipeline_command_selection(capsys):
     assert main(["pipeline", "--format", "json", "--changed-files", "Dockerfile.cuda"]) == 0
     steps = by_key(json.loads(capsys.readouterr().out))
-    assert steps["mla-cuda-sm_90"]["depends_on"] == []
-    assert steps["mla-rocm-gfx942"]["depends_on"] == ["run-mla-rocm-gfx942"]
+    assert steps["mla-cuda-sm_90"]["depends_on"] == ["image-cuda"]
+    assert steps["mla-rocm-gfx942"]["depends_on"] == ["image-rocm", "run-mla-rocm-gfx942"]
 
 
 def test_changed_files_since_the_merge_base(tmp_path):

@@ -16,10 +16,11 @@ pytestmark = pytest.mark.ci
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = ("Dockerfile.cuda", "Dockerfile.rocm")
-# Lines allowed to differ: comments, the base image, the GPU architecture variables.
+# Lines allowed to differ: comments, the base image, the GPU architecture variables, the
+# backend's constraints file.
 VENDOR_LINE = re.compile(
     r"^\s*(#|ARG BASE_IMAGE=|ARG GPU_ARCHS=|ENV (TORCH_CUDA_ARCH_LIST|"
-    r"HIP_ARCHITECTURES)=|PYTORCH_ROCM_ARCH=)"
+    r"HIP_ARCHITECTURES)=|PYTORCH_ROCM_ARCH=|COPY constraints/(cuda|rocm)\.txt )"
 )
 
 
@@ -48,7 +49,14 @@ def test_image_matches_the_job(name):
     pod = render_job(vendor=vendor, suite="mla", image="i", commit="c")["spec"]["template"]["spec"]
     uid = pod["securityContext"]["runAsUser"]
     assert f"USER {uid}:{uid}" in text and f"--uid {uid}" in text
-    assert 'ENTRYPOINT ["nox", "--no-venv", "--no-install"]' in text
+    # Two stages: env (content-keyed) and cell (env + the project, the image a GPU step runs).
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS env$", text, re.M)
+    assert re.search(r"^FROM \$\{ENV_IMAGE\} AS cell$", text, re.M) and "ARG ENV_IMAGE=env" in text
+    # nox sessions reuse the image's environment; the build checks torch and Triton by name
+    assert "PORTATTN_IMAGE=1" in text and "ENTRYPOINT" not in text
+    assert f"COPY constraints/{vendor}.txt" in text and "check_image.py /opt/portattn/" in text
+    assert "-c /opt/portattn/constraints.txt" in text  # nothing replaces the base's torch
+    assert "x['test'] + x['hybrid']" in text  # every extra the GPU suites import
     assert "_FORCE_BUILD=TRUE" in text
     # the Mamba wheels come from tools/mamba_wheels.py for the image's GPU_ARCHS only
     assert "COPY tools/mamba_wheels.py" in text and '--arch "${GPU_ARCHS}"' in text

@@ -1,0 +1,317 @@
+"""The CI images: what goes into each vendor's image, its content key, and how CI builds it.
+
+Each Dockerfile has two stages. ``env`` is everything but the project: the vendor's PyTorch base
+(pinned by digest), the Mamba extensions built for the backend's architectures, every extra the
+suites need under the backend's constraints, nox, and a build-time check that the Triton and
+torch in it are the ones the constraints name. ``cell`` is ``env`` plus this commit's project
+(``pip install --no-deps``), and is what a GPU step runs.
+
+``env`` is keyed by a hash of what goes into it (:func:`content_key`), so an unchanged
+environment is pulled, not rebuilt; ``cell`` is a thin layer per commit
+(``<registry>/portattn-ci:<vendor>-<commit>``, the launcher's default image). The registry is one
+setting, ``$KUBEMATRIX_REGISTRY``. Pure: nothing here runs docker or talks to a registry; the
+build commands are returned as shell text for a pipeline step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from kubematrix.matrix import BACKENDS
+
+REGISTRY_ENV = "KUBEMATRIX_REGISTRY"
+DEFAULT_REGISTRY = "ghcr.io/portattn"
+ENV_REPOSITORY = "portattn-ci-env"
+CELL_REPOSITORY = "portattn-ci"
+ENV_TARGET, CELL_TARGET = "env", "cell"
+KEY_LENGTH = 20  # hex digits of the content key in the env image's tag
+# The pyproject.toml tables that reach the env image (the rest of the file does not).
+_PYPROJECT_TABLES = (
+    ("project", "dependencies"),
+    ("project", "optional-dependencies"),
+    ("tool", "portattn", "mamba-extensions"),
+)
+# The extras the GPU suites import (pytest plugins, hypothesis; transformers for hybrid).
+IMAGE_EXTRAS = ("test", "hybrid")
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """One vendor's image: its Dockerfile, constraints and the architectures it is built for."""
+
+    vendor: str
+    dockerfile: str
+    constraints: str
+
+    @property
+    def gpu_archs(self) -> str:
+        """The native builds' architecture list (``9.0;10.0``, ``gfx942;gfx950``): every arch of
+        the backend's pools, in matrix order."""
+        return ";".join(a.build_arch for a in BACKENDS[self.vendor].archs)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The files hashed into the content key (besides pyproject's dependency tables)."""
+        return (self.dockerfile, self.constraints, "tools/mamba_wheels.py", "tools/check_image.py")
+
+
+IMAGES: dict[str, ImageSpec] = {
+    v: ImageSpec(v, f"Dockerfile.{v}", f"constraints/{v}.txt") for v in ("cuda", "rocm")
+}
+
+
+def get_image(vendor: str) -> ImageSpec:
+    if vendor not in IMAGES:
+        raise ValueError(f"images: vendor must be one of {sorted(IMAGES)}; got {vendor!r}")
+    return IMAGES[vendor]
+
+
+def registry() -> str:
+    """``$KUBEMATRIX_REGISTRY`` (no trailing slash), else :data:`DEFAULT_REGISTRY`."""
+    value = os.environ.get(REGISTRY_ENV, "").strip().rstrip("/")
+    return value or DEFAULT_REGISTRY
+
+
+def _pyproject_part(root: Path) -> object:
+    """pyproject.toml's dependency tables; on Python 3.10 (no tomllib) the whole file."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:
+        return (root / "pyproject.toml").read_text()
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    part = {}
+    for keys in _PYPROJECT_TABLES:
+        node = data
+        for k in keys:
+            node = node.get(k, {}) if isinstance(node, dict) else {}
+        part[".".join(keys)] = node
+    return part
+
+
+def content_key(vendor: str, root: str | os.PathLike[str] = ".") -> str:
+    """A hash of everything that goes into ``vendor``'s env image: its input files' bytes,
+    pyproject's dependency tables (canonical JSON) and the architecture list.
+
+    Raises:
+        ValueError: an input file is missing (named).
+    """
+    spec, base = get_image(vendor), Path(root)
+    digest = hashlib.sha256()
+    missing = [p for p in spec.inputs if not (base / p).is_file()]
+    if missing:
+        raise ValueError(f"content_key: image inputs missing under {base}: {missing}")
+    for rel in spec.inputs:
+        digest.update(rel.encode() + b"\0" + (base / rel).read_bytes() + b"\0")
+    digest.update(json.dumps(_pyproject_part(base), sort_keys=True).encode() + b"\0")
+    digest.update(f"GPU_ARCHS={spec.gpu_archs}".encode())
+    return digest.hexdigest()[:KEY_LENGTH]
+
+
+def env_image(vendor: str, key: str, reg: str | None = None) -> str:
+    return f"{reg or registry()}/{ENV_REPOSITORY}:{get_image(vendor).vendor}-{key}"
+
+
+def cell_image(vendor: str, commit: str, reg: str | None = None) -> str:
+    """The image a GPU cell of ``commit`` runs: the env image plus the commit's project."""
+    return f"{reg or registry()}/{CELL_REPOSITORY}:{get_image(vendor).vendor}-{commit}"
+
+
+def _build_args(spec: ImageSpec) -> list[str]:
+    return ["--build-arg", f"GPU_ARCHS={spec.gpu_archs}"]
+
+
+def docker_build_script(vendor: str, key: str, commit: str, reg: str | None = None) -> str:
+    """The image step on a docker-capable agent: pull-or-build the env image, then the cell.
+
+    The env image is built only when the registry has no image under its content key.
+    """
+    spec = get_image(vendor)
+    env, cell = env_image(vendor, key, reg), cell_image(vendor, commit, reg)
+    build_env = shlex.join(
+        ["docker", "buildx", "build", "--file", spec.dockerfile, "--target", ENV_TARGET]
+        + _build_args(spec)
+        + ["--tag", env, "--push", "."]
+    )
+    build_cell = shlex.join(
+        ["docker", "buildx", "build", "--file", spec.dockerfile, "--target", CELL_TARGET]
+        + ["--build-arg", f"ENV_IMAGE={env}", "--tag", cell, "--push", "."]
+    )
+    return "\n".join(
+        [
+            "set -euo pipefail",
+            f"if docker buildx imagetools inspect {shlex.quote(env)} >/dev/null 2>&1; then",
+            f"  echo '--- {vendor} env image unchanged (content key {key}): reusing {env}'",
+            "else",
+            f"  echo '--- building the {vendor} env image {env}'",
+            f"  {build_env}",
+            "fi",
+            f"echo '--- the {vendor} cell image {cell}'",
+            build_cell,
+        ]
+    )
+
+
+def buildkit_build_script(vendor: str, key: str, commit: str, reg: str | None = None) -> str:
+    """The image step in a cluster (agent-stack-k8s): rootless BuildKit, no docker daemon.
+
+    The env image is built with its own registry cache (``<env>-cache``): an unchanged
+    environment hits every layer and pushes nothing new.
+    """
+    spec = get_image(vendor)
+    env, cell = env_image(vendor, key, reg), cell_image(vendor, commit, reg)
+
+    def build(target: str, ref: str, args: list[str], cache: bool) -> str:
+        cmd = ["buildctl-daemonless.sh", "build", "--frontend", "dockerfile.v0"]
+        cmd += ["--local", "context=.", "--local", "dockerfile=."]
+        cmd += ["--opt", f"filename={spec.dockerfile}", "--opt", f"target={target}"]
+        for a in args:
+            cmd += ["--opt", f"build-arg:{a}"]
+        if cache:
+            cache_ref = f"{env}-cache"
+            cmd += ["--import-cache", f"type=registry,ref={cache_ref}"]
+            cmd += ["--export-cache", f"type=registry,ref={cache_ref},mode=max"]
+        cmd += ["--output", f"type=image,name={ref},push=true"]
+        return shlex.join(cmd)
+
+    return "\n".join(
+        [
+            "set -eu",
+            f"echo '--- the {vendor} env image {env} (content key {key})'",
+            build(ENV_TARGET, env, [f"GPU_ARCHS={spec.gpu_archs}"], cache=True),
+            f"echo '--- the {vendor} cell image {cell}'",
+            build(CELL_TARGET, cell, [f"ENV_IMAGE={env}"], cache=False),
+        ]
+    )
+
+
+# -- base images pinned by digest ----------------------------------------------------------------
+
+_BASE_ARG = re.compile(r"^ARG BASE_IMAGE=(?P<ref>\S+)$", re.MULTILINE)
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def base_ref(dockerfile_text: str) -> str:
+    """The ``ARG BASE_IMAGE=`` default of a Dockerfile.
+
+    Raises:
+        ValueError: no such line, or more than one.
+    """
+    refs = _BASE_ARG.findall(dockerfile_text)
+    if len(refs) != 1:
+        raise ValueError(f"expected one 'ARG BASE_IMAGE=<image>' line; found {len(refs)}")
+    return refs[0]
+
+
+def split_ref(ref: str) -> tuple[str, str | None]:
+    """``("name:tag", "sha256:...")``, or ``("name:tag", None)`` when not pinned."""
+    name, _, digest = ref.partition("@")
+    return name, digest or None
+
+
+def is_pinned(dockerfile_text: str) -> bool:
+    """Whether the base image's default carries a digest (a tag can be re-pushed; a digest
+    cannot, so the same content key always starts from the same base)."""
+    _, digest = split_ref(base_ref(dockerfile_text))
+    return digest is not None and bool(_DIGEST.match(digest))
+
+
+def pin(dockerfile_text: str, digest: str) -> str:
+    """The Dockerfile with its base image pinned to ``digest`` (replacing an older one)."""
+    if not _DIGEST.match(digest):
+        raise ValueError(f"digest must be sha256:<64 lowercase hex>; got {digest!r}")
+    name, _ = split_ref(base_ref(dockerfile_text))
+    return _BASE_ARG.sub(f"ARG BASE_IMAGE={name}@{digest}", dockerfile_text, count=1)
+
+
+def resolve_digest(name: str) -> str:
+    """The registry's digest of ``name`` (``repo:tag``; the multi-arch index's, as
+    ``docker pull repo@digest`` takes it), asked through ``docker buildx imagetools``.
+
+    Raises:
+        RuntimeError: no docker here, or the registry did not answer.
+    """
+    docker = shutil.which("docker")
+    if docker is None:
+        raise RuntimeError(
+            "docker is not installed here: resolve the digest where the registry is reachable "
+            f"(docker buildx imagetools inspect {name}) and pass it with --digest"
+        )
+    proc = subprocess.run(
+        [docker, "buildx", "imagetools", "inspect", name, "--format", "{{json .Manifest}}"],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"docker buildx imagetools inspect {name}: {proc.stderr.strip()}")
+    return str(json.loads(proc.stdout)["digest"])
+
+
+# -- the `kubematrix image` command --------------------------------------------------------------
+
+
+def configure_cli(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "action",
+        choices=("key", "refs", "script", "pin", "check"),
+        help="key: the env image's content key; refs: both image references; script: the build "
+        "commands CI runs; pin: pin the base image by digest; check: exit 1 if it is not",
+    )
+    p.add_argument("--vendor", choices=sorted(IMAGES), required=True)
+    p.add_argument("--root", default=".", help="the repository checkout (the current folder)")
+    p.add_argument("--commit", help="the commit of the cell image (refs, script; default HEAD)")
+    p.add_argument("--builder", choices=("docker", "buildkit"), default="docker")
+    p.add_argument("--digest", help="pin: this digest instead of asking the registry")
+
+
+def _commit(root: str, given: str | None) -> str:
+    if given:
+        return given
+    proc = subprocess.run(
+        ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise ValueError(f"--commit is needed: {root} is not a git checkout")
+    return proc.stdout.strip()
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    spec = get_image(args.vendor)
+    dockerfile = Path(args.root) / spec.dockerfile
+    if args.action in ("pin", "check"):
+        text = dockerfile.read_text()
+        ref = base_ref(text)
+        if args.action == "check":
+            pinned = is_pinned(text)
+            print(f"{spec.dockerfile}: {ref} ({'pinned' if pinned else 'NOT pinned by digest'})")
+            return 0 if pinned else 1
+        name, _ = split_ref(ref)
+        try:
+            digest = args.digest or resolve_digest(name)
+        except RuntimeError as exc:
+            print(f"kubematrix image pin: {exc}", file=sys.stderr)
+            return 1
+        dockerfile.write_text(pin(text, digest))
+        print(f"{spec.dockerfile}: ARG BASE_IMAGE={name}@{digest}")
+        return 0
+    key = content_key(args.vendor, args.root)
+    if args.action == "key":
+        print(key)
+        return 0
+    commit = _commit(args.root, args.commit)
+    if args.action == "refs":
+        print(env_image(args.vendor, key))
+        print(cell_image(args.vendor, commit))
+        return 0
+    build = docker_build_script if args.builder == "docker" else buildkit_build_script
+    print(build(args.vendor, key, commit))
+    return 0

@@ -1,0 +1,183 @@
+"""The CI images: content keys, digest pins, the build-time environment check, the image steps."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kubematrix import buildkite, images
+from kubematrix.__main__ import main
+from kubematrix.matrix import BACKENDS
+
+pytestmark = pytest.mark.ci
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+DIGEST = "sha256:" + "ab" * 32
+
+
+@pytest.fixture
+def checkout(tmp_path) -> Path:
+    """A copy of what the image keys read (a fake checkout the tests can edit)."""
+    for rel in {p for spec in images.IMAGES.values() for p in spec.inputs} | {"pyproject.toml"}:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, tmp_path / rel)
+    return tmp_path
+
+
+def test_images_are_built_for_every_architecture_of_their_pools():
+    assert images.get_image("cuda").gpu_archs == "9.0;10.0"
+    assert images.get_image("rocm").gpu_archs == "gfx942;gfx950"
+    for vendor, spec in images.IMAGES.items():
+        assert len(spec.gpu_archs.split(";")) == len(BACKENDS[vendor].archs)
+        text = (ROOT / spec.dockerfile).read_text()
+        assert f'ARG GPU_ARCHS="{spec.gpu_archs}"' in text  # a plain docker build agrees
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "rocm"])
+def test_the_content_key_changes_with_every_input_and_nothing_else(checkout, vendor):
+    spec = images.get_image(vendor)
+    key = images.content_key(vendor, checkout)
+    assert key == images.content_key(vendor, checkout) and len(key) == images.KEY_LENGTH
+    for rel in spec.inputs:  # a byte anywhere in an input is a new image
+        path = checkout / rel
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n# changed\n")
+        assert images.content_key(vendor, checkout) != key, rel
+        path.write_bytes(original)
+    pyproject = checkout / "pyproject.toml"
+    original = pyproject.read_text()
+    # pytest's settings do not reach the image; the extras do.
+    pyproject.write_text(original.replace('addopts = "-ra', 'addopts = "-rA'))
+    assert images.content_key(vendor, checkout) == key
+    pyproject.write_text(original.replace('"pytest>=8"', '"pytest>=8.1"'))
+    assert images.content_key(vendor, checkout) != key
+    pyproject.write_text(original)
+    other = "rocm" if vendor == "cuda" else "cuda"
+    assert images.content_key(other, checkout) != key
+
+
+def test_a_missing_input_is_named(checkout):
+    (checkout / "constraints" / "rocm.txt").unlink()
+    with pytest.raises(ValueError, match=r"image inputs missing under .*constraints/rocm.txt"):
+        images.content_key("rocm", checkout)
+
+
+def test_references_use_one_registry_setting(monkeypatch):
+    monkeypatch.delenv(images.REGISTRY_ENV, raising=False)
+    assert images.env_image("cuda", "k" * 20) == f"ghcr.io/portattn/portattn-ci-env:cuda-{'k' * 20}"
+    monkeypatch.setenv(images.REGISTRY_ENV, "registry.example:5000/team/")
+    assert (
+        images.cell_image("rocm", COMMIT) == f"registry.example:5000/team/portattn-ci:rocm-{COMMIT}"
+    )
+    # the launcher's default image is the same reference
+    from kubematrix.k8s import default_image
+
+    assert default_image("rocm", COMMIT) == images.cell_image("rocm", COMMIT)
+
+
+def test_base_images_pin_and_check(checkout):
+    dockerfile = checkout / "Dockerfile.cuda"
+    text = dockerfile.read_text()
+    name, digest = images.split_ref(images.base_ref(text))
+    assert name == "pytorch/pytorch:2.10.0-cuda12.8-cudnn9-devel"
+    pinned = images.pin(text, DIGEST)
+    assert images.is_pinned(pinned) and images.base_ref(pinned) == f"{name}@{DIGEST}"
+    assert images.base_ref(images.pin(pinned, "sha256:" + "cd" * 32)).endswith("cd" * 32)
+    with pytest.raises(ValueError, match="digest must be sha256:<64 lowercase hex>"):
+        images.pin(text, "sha256:abc")
+    with pytest.raises(ValueError, match="expected one 'ARG BASE_IMAGE=<image>' line; found 0"):
+        images.base_ref("FROM scratch\n")
+    # the CLI: check fails until pinned, pin --digest writes the Dockerfile
+    args = ["image", "--vendor", "cuda", "--root", str(checkout)]
+    assert main(["image", "check", *args[1:]]) == (0 if digest else 1)
+    assert main(["image", "pin", *args[1:], "--digest", DIGEST]) == 0
+    assert images.is_pinned(dockerfile.read_text())
+    assert main(["image", "check", *args[1:]]) == 0
+
+
+def test_an_unpinned_base_gets_an_image_step_that_refuses_by_name(checkout):
+    step = buildkite.image_step("rocm", lanes="queues", commit=COMMIT, root=str(checkout))
+    assert step["command"].endswith("exit 1")
+    assert "Dockerfile.rocm: BASE_IMAGE rocm/pytorch:" in step["command"]
+    assert "kubematrix image pin --vendor rocm" in step["command"]
+    proc = subprocess.run(["bash", "-c", step["command"]], capture_output=True, text=True)
+    assert proc.returncode == 1 and "not pinned by digest" in proc.stderr
+
+
+@pytest.mark.parametrize("lanes", buildkite.LANES)
+def test_a_pinned_base_gets_the_build_or_reuse_script(checkout, lanes):
+    df = checkout / "Dockerfile.cuda"
+    df.write_text(images.pin(df.read_text(), DIGEST))
+    key = images.content_key("cuda", checkout)
+    step = buildkite.image_step("cuda", lanes=lanes, commit=COMMIT, root=str(checkout))
+    env, cell = images.env_image("cuda", key), images.cell_image("cuda", COMMIT)
+    assert step["key"] == "image-cuda" and step["env"] == {"KUBEMATRIX_IMAGE_KEY": key}
+    command = step["command"]
+    assert command.count("--target env") + command.count("target=env") == 1
+    assert f"ENV_IMAGE={env}" in command and cell in command
+    if lanes == "queues":
+        # the env image is reused when the registry has its content key, else built
+        assert f"docker buildx imagetools inspect {env}" in command.splitlines()[1]
+        assert step["agents"] == {"queue": buildkite.DEFAULT_IMAGE_QUEUE}
+    else:
+        assert "buildctl-daemonless.sh build" in command and f"ref={env}-cache" in command
+        pod = step["plugins"][0]["kubernetes"]["podSpec"]
+        assert pod["containers"][0]["args"] == [command]
+    proc = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr  # the script is valid shell
+
+
+def test_cli_key_and_refs(checkout, capsys):
+    assert main(["image", "key", "--vendor", "rocm", "--root", str(checkout)]) == 0
+    assert capsys.readouterr().out.strip() == images.content_key("rocm", checkout)
+    args = ["image", "refs", "--vendor", "rocm", "--root", str(checkout), "--commit", COMMIT]
+    assert main(args) == 0
+    env, cell = capsys.readouterr().out.split()
+    assert env.endswith(images.content_key("rocm", checkout)) and cell.endswith(COMMIT)
+
+
+# -- tools/check_image.py: the image build's torch / Triton check -------------------------------
+
+
+def _check(tmp_path: Path, text: str, *extra: str) -> subprocess.CompletedProcess:
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text(text)
+    cmd = [sys.executable, str(ROOT / "tools" / "check_image.py"), str(constraints), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def test_check_image_passes_the_environment_it_was_pinned_to(tmp_path):
+    import torch
+    import triton
+
+    pins = f"torch=={torch.__version__}\ntriton=={triton.__version__}  # tested\n"
+    proc = _check(tmp_path, pins)
+    assert proc.returncode == 0, proc.stderr
+    assert "torch, triton as pinned" in proc.stdout
+
+
+def test_check_image_fails_the_build_by_name(tmp_path):
+    import torch
+
+    proc = _check(tmp_path, f"torch=={torch.__version__}\ntriton==3.5.1\n")
+    assert proc.returncode == 1
+    assert "check_image: triton: the image has 3.6.0 but" in proc.stderr
+    assert "pins 3.5.1 (the version the kernels are tested with)" in proc.stderr
+    proc = _check(tmp_path, "triton>=3\n", "--package", "triton")
+    assert proc.returncode == 1 and "triton: " in proc.stderr and "pins no version" in proc.stderr
+
+
+def test_constraints_pin_the_triton_the_cpu_sessions_test_with():
+    from nox.project import load_toml
+
+    for vendor, spec in images.IMAGES.items():
+        text = (ROOT / spec.constraints).read_text()
+        assert "triton==3.6.0" in text.split(), vendor
+        assert "torch==" in text, vendor
+    deps = load_toml(ROOT / "pyproject.toml")["project"]["dependencies"]
+    assert not [d for d in deps if "==" in d], deps  # the library declares ranges only
