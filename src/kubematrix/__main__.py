@@ -32,6 +32,15 @@ from kubematrix.matrix import BACKENDS, RUNNERS, SUITES, Cell, Host, all_cells, 
 from kubematrix.matrix import why_not_runnable as _why_not
 
 DEFAULT_RESULTS = "results/matrix"
+EXIT_NO_CLUSTER = 2  # the k8s runner found no usable cluster: nothing was run
+
+#: What ``--help`` says (the module's doc string is for developers).
+HELP = """\
+The CI matrix: every suite x backend x target cell, run on this machine or as Kubernetes
+Jobs, summarized as one report.
+
+Run 'python -m kubematrix COMMAND --help' for the options of a command.
+"""
 
 
 @dataclass(frozen=True)
@@ -168,12 +177,13 @@ def _run_matrix(args: argparse.Namespace) -> int:
     _clear_cell_files(cells, out)
     commit = _git_commit()  # what is tested is what was checked out when the run began
     start = time.monotonic()
+    no_cluster = False
     if args.runner == "local":
         from kubematrix.local import run_local
 
         results = run_local(cells, out, workers=args.workers, compile_args=args.compile_arg)
     else:
-        results = _run_k8s(cells, out, args)
+        results, no_cluster = _run_k8s(cells, out, args)
     wall = time.monotonic() - start
     context = f"runner `{args.runner}`, commit `{commit}`, wall time {wall:.0f} s"
     files = report.write_summary(results, out, context=context)
@@ -185,6 +195,8 @@ def _run_matrix(args: argparse.Namespace) -> int:
         print(f"compile heatmap: {files.heatmap}")
     status = report.overall_status(results)
     print(f"matrix: {status} (wall time {wall:.0f} s)")
+    if no_cluster:
+        return EXIT_NO_CLUSTER
     return 1 if status == "failed" else 0
 
 
@@ -198,21 +210,64 @@ def _git_commit() -> str:
     return out.stdout.strip()
 
 
-def _run_k8s(cells: Sequence[Cell], out: Path, args: argparse.Namespace) -> list[report.CellResult]:
+def _run_k8s(
+    cells: Sequence[Cell], out: Path, args: argparse.Namespace
+) -> tuple[list[report.CellResult], bool]:
     """GPU cells as Kubernetes Jobs through the launcher, CPU cells on this machine meanwhile.
 
-    The launcher runs in the main thread (it owns Ctrl-C and cleans its Jobs up); the CPU cells run
-    in a thread that a Ctrl-C stops too.
+    The cluster is checked first (configured, reachable, credentials and Role accepted): without
+    one nothing runs, the first line says why, and every cell is recorded (the GPU cells as
+    errors). The launcher runs in the main thread (it owns Ctrl-C and cleans its Jobs up); the
+    CPU cells run in a thread that a Ctrl-C stops too.
+
+    Returns:
+        the results in the order of ``cells``, and whether the run stopped for want of a cluster.
     """
     from kubematrix.local import run_local
 
     gpu = [c for c in cells if c.spec.is_gpu]
     cpu = [c for c in cells if not c.spec.is_gpu]
+    api: Any = None
+    if gpu:
+        try:
+            k8s: Any = importlib.import_module("kubematrix.k8s")
+            namespace = os.environ.get("KUBEMATRIX_NAMESPACE", k8s.DEFAULT_NAMESPACE)
+            api = k8s.connect(namespace)
+        except ImportError as exc:
+            why = f"the Kubernetes client is not installed ({exc})"
+        except Exception as exc:  # k8s.NoCluster: configured nowhere, or unusable
+            why = str(exc)
+        if api is None:
+            print(f"matrix: {len(cells)} cells; runner k8s: {why}; nothing run", flush=True)
+            refused = [
+                report.not_run(c, why, status="error")
+                if c.spec.is_gpu
+                else report.not_run(c, "not started: the k8s runner has no usable cluster")
+                for c in cells
+            ]
+            for r in refused:
+                report.write_cell_record(r, out)
+            return refused, True
+        where = f"in namespace {namespace} at {api.configuration.host}"
+        print(
+            f"matrix: {len(cells)} cells; runner k8s: {len(gpu)} GPU cells as Jobs {where}, "
+            f"{len(cpu)} CPU cells here; results in {out}",
+            flush=True,
+        )
+    else:
+        print(f"matrix: {len(cells)} cells; runner k8s: no GPU cell, all run here", flush=True)
     stop = threading.Event()
     local: list[report.CellResult] = []
     thread = threading.Thread(
         target=lambda: local.extend(
-            run_local(cpu, out, workers=args.workers, stop=stop, compile_args=args.compile_arg)
+            run_local(
+                cpu,
+                out,
+                workers=args.workers,
+                stop=stop,
+                compile_args=args.compile_arg,
+                heading="CPU cells here",
+            )
         ),
         name="kubematrix-local",
     )
@@ -220,7 +275,7 @@ def _run_k8s(cells: Sequence[Cell], out: Path, args: argparse.Namespace) -> list
         thread.start()
     results: dict[str, report.CellResult] = {}
     try:
-        launched = _launch(gpu, out) if gpu else []
+        launched = list(k8s.run_cells(gpu, out, api=api)) if gpu else []
     finally:
         if cpu:
             if sys.exc_info()[0] is not None:
@@ -230,16 +285,7 @@ def _run_k8s(cells: Sequence[Cell], out: Path, args: argparse.Namespace) -> list
         results[r.cell] = r
     for r in launched:
         report.write_cell_record(r, out)
-    return [results[c.name] for c in cells]
-
-
-def _launch(cells: Sequence[Cell], out: Path) -> list[report.CellResult]:
-    try:
-        launcher = importlib.import_module("kubematrix.launcher")
-        run_cells = launcher.run_cells
-    except (ImportError, AttributeError):
-        return [report.not_run(c, "the Kubernetes launcher is not available") for c in cells]
-    return list(run_cells(cells, out))
+    return [results[c.name] for c in cells], False
 
 
 # -- pipeline -----------------------------------------------------------------------------------
@@ -366,7 +412,7 @@ register(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m kubematrix",
-        description=__doc__,
+        description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -1,13 +1,9 @@
 """Run cells as Kubernetes Jobs from this machine: ``python -m kubematrix.k8s`` (``nox -s k8s``).
 
 Cluster access is the kubeconfig's current context (or ``--context``), or the in-cluster
-service account when running inside a pod. With neither, it says so and exits 2: a run without a
-cluster is never reported green.
-
-Examples::
-
-    python -m kubematrix.k8s --vendor rocm --suite mla --image ghcr.io/me/portattn-ci:rocm-abc
-    python -m kubematrix.k8s --vendor cuda --vendor rocm --suite paged --suite mla -- -x
+service account when running inside a pod. With neither, or when one request to the cluster
+fails (unreachable, credentials rejected, the Role missing), it says so before creating anything
+and exits 2: a run without a cluster is never reported green.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ from typing import Any
 from kubernetes import client, config
 
 from kubematrix import images
-from kubematrix.launcher import CellResult, Launcher, Timeouts
+from kubematrix.launcher import CellError, CellResult, Launcher, Timeouts
 from kubematrix.render import DEFAULT_NAMESPACE, VENDORS, render_job
 
 EXIT_INFRA = 3
@@ -31,9 +27,23 @@ EXIT_NO_CLUSTER = 2
 KERNEL_SUITES = ("paged", "mla", "hybrid", "specdec")
 IMAGE_ENV = "KUBEMATRIX_IMAGE_{vendor}"
 
+HELP = """\
+Run kernel-suite cells as Kubernetes Jobs and report each cell's result.
+
+Cluster access: the kubeconfig's current context (or --context), or the pod's service
+account. Without a usable cluster nothing is created and the exit status is 2.
+
+Exit status: 0 when every cell passed; the first failing cell's test exit code; 3 when a
+cell hit an infrastructure error (no JUnit report, image pull, scheduling, API).
+
+examples:
+  python -m kubematrix.k8s --vendor rocm --suite mla --image ghcr.io/me/portattn-ci:rocm-abc
+  python -m kubematrix.k8s --vendor cuda --vendor rocm --suite paged --suite mla -- -x
+"""
+
 
 class NoCluster(RuntimeError):
-    """No kubeconfig context and no in-cluster service account."""
+    """No usable cluster: none configured, or the configured one does not answer as it must."""
 
 
 def load_api_client(context: str | None = None) -> client.ApiClient:
@@ -82,11 +92,28 @@ def default_image(vendor: str, commit: str) -> str:
 
 def exit_status(results: Sequence[CellResult]) -> int:
     """One cell: its test exit code (or 3 for an infrastructure error). Several: the first
-    failing cell's exit code, else 3 if any cell errored, else 0."""
+    failing cell's exit code, else 3 if any cell did not pass, else 0."""
     for r in results:
         if r.outcome == "failed" and r.exit_code:
             return r.exit_code
-    return EXIT_INFRA if any(r.outcome == "error" for r in results) else 0
+    return 0 if all(r.outcome == "passed" for r in results) else EXIT_INFRA
+
+
+def connect(
+    namespace: str, context: str | None = None, timeouts: Timeouts | None = None
+) -> client.ApiClient:
+    """An API client whose cluster answered one request (list Jobs in ``namespace``).
+
+    Raises:
+        NoCluster: no cluster configured, or it cannot be used (the message says why).
+    """
+    api = load_api_client(context)
+    host = api.configuration.host
+    try:
+        Launcher(api, namespace, timeouts=timeouts, emit=lambda _: None).check_access()
+    except CellError as exc:
+        raise NoCluster(f"the cluster at {host} cannot run cells: {exc}") from exc
+    return api
 
 
 def run_cells(
@@ -110,7 +137,7 @@ def run_cells(
     namespace = namespace or os.environ.get("KUBEMATRIX_NAMESPACE", DEFAULT_NAMESPACE)
     commit = commit or git_commit()
     try:
-        api = api or load_api_client()
+        api = api or connect(namespace, timeouts=timeouts)
     except NoCluster as exc:
         return [report.not_run(c, str(exc), status="error") for c in cells]
     jobs = [
@@ -141,7 +168,7 @@ def run_cells(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kubematrix.k8s",
-        description=__doc__,
+        description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--vendor", action="append", choices=VENDORS, required=True)
@@ -170,9 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     extra = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
     try:
-        api = load_api_client(args.context)
+        api = connect(args.namespace, args.context)
     except NoCluster as exc:
-        sys.stderr.write(f"kubematrix.k8s: {exc}\n")
+        sys.stderr.write(f"kubematrix.k8s: {exc}; nothing was created\n")
         return EXIT_NO_CLUSTER
     commit = args.commit or git_commit()
     jobs = [

@@ -13,7 +13,14 @@ create/get/list/watch/delete, pods get/list/watch, pods/log get, events list/wat
   ``_request_timeout``; a 410 (history compacted) or a dropped stream resumes by listing again.
 * Logs are followed with ``timestamps=true``; after a cut connection, or no output for
   ``log_idle_s``, the launcher checks the pod, reads the log again and skips what it already
-  printed (same timestamp and ordinal), so no line is duplicated.
+  printed, matched line by line (timestamp and text), never by comparing clocks: a node whose
+  clock steps back loses no line. Reconnects that bring no new line back off, and after
+  ``log_reconnects`` of them in a row the cell is an error saying so.
+* A Job or pod deleted by someone else is reported as such at once, whether its pod was
+  pending or running; a container killed for memory is reported as ``OOMKilled``.
+* A cell that printed no JUnit report never passes: exit 0 without one is an error.
+* An answer that is not JSON (a login page of a proxy in front of the API server) is an error
+  naming what answered; it is never taken as a success, of a create or of a delete.
 * It fails fast on image-pull errors and on pods still pending after ``pending_s``, quoting the
   scheduler's event (``0/4 nodes are available: 4 Insufficient amd.com/gpu.``).
 * An evicted pod is not a test failure (the Job's pod failure policy ignores disruptions): the
@@ -23,7 +30,8 @@ create/get/list/watch/delete, pods get/list/watch, pods/log get, events list/wat
   ``Retry-After`` asks (capped at ``retry_after_max_s``); 403/404/422 are not retried. The sleep
   is injectable (``Launcher(sleep=...)``).
 * The Job is deleted with ``propagationPolicy=Foreground`` (its pods go with it) on every exit:
-  success, failure, timeout, an infrastructure error and Ctrl-C. Cleanup is best effort per
+  success, failure, timeout, an infrastructure error and Ctrl-C; a Job whose create surely did
+  not happen (refused by the server, or never sent) is not. Cleanup is best effort per
   Job: a delete that still fails after its retries (or a 403) is logged with the Job's name and
   the ``kubectl`` command that removes it, kept in :attr:`Launcher.leftovers`, and never
   replaces the cell's result or the KeyboardInterrupt. A second Ctrl-C during cleanup stops it,
@@ -64,8 +72,12 @@ CONFIG_ERRORS = frozenset(
 FINISHED_CONDITIONS = frozenset({"Complete", "Failed", "FailureTarget", "SuccessCriteriaMet"})
 #: The annotation that marks a Job as created by one launcher run (:attr:`Launcher.run_id`).
 RUN_ANNOTATION = "portattn.dev/launcher-run"
+#: Error answers after which a create may still have been carried out (a gateway timed out).
+_MAYBE_PROCESSED = frozenset({500, 502, 504})
 _NET_ERRORS = (urllib3.exceptions.ProtocolError, urllib3.exceptions.TimeoutError)
 _NET_ERRORS_RETRY = (*_NET_ERRORS, urllib3.exceptions.MaxRetryError)
+#: Bytes read from a log response at a time.
+_LOG_CHUNK = 65536
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,8 @@ class Timeouts:
         max_backoff_s: the longest backoff between two attempts.
         retry_after_max_s: the longest ``Retry-After`` the launcher waits; a longer one is cut
             to this.
+        log_reconnects: log connections in a row that end (cut, or closed while the pod runs)
+            without a new line before the cell is an error; they back off like retries.
     """
 
     pending_s: float = 600.0
@@ -97,6 +111,7 @@ class Timeouts:
     connect_s: float = 10.0
     max_backoff_s: float = 10.0
     retry_after_max_s: float = 60.0
+    log_reconnects: int = 10
 
 
 @dataclass
@@ -138,42 +153,60 @@ class DeadlinePassed(CellError):
     """The launcher's overall deadline for the cell passed (the message says where)."""
 
 
+class NotJson(CellError):
+    """A 2xx answer whose body is not JSON (a proxy's login page, say)."""
+
+
+class JobDeleted(CellError):
+    """The cell's Job was deleted by someone other than this launcher."""
+
+
 class Cancelled(Exception):
     """The run was cancelled (Ctrl-C in a fan-out)."""
 
 
-def _ts_key(stamp: str) -> str:
-    """RFC 3339 timestamp -> a string that sorts by time (fraction padded to nanoseconds)."""
-    base, _, frac = stamp.rstrip("Z").partition(".")
-    return f"{base}.{frac:0<9}"
-
-
 class _LogCursor:
-    """What has been printed of one pod's log: the newest timestamp and how many lines had it.
+    """What has been printed of one pod's log: a fingerprint of each line, in order.
 
-    Call :meth:`reconnect` before reading the log again from its start; :meth:`admit` then
-    rejects every line printed before, by (timestamp, ordinal among equal timestamps).
+    Every connection reads the log from its start. :meth:`admit` matches the lines of a new
+    connection against those printed, one by one (timestamp and text together), and admits only
+    what comes after them; no clock is compared, so a timestamp that goes back is just a line.
+    A connection whose first line is not the first printed (the kubelet rotated the log while
+    the launcher was away) is aligned where that line was printed. When a connection does not
+    match what was printed (rotated past it), its lines are admitted from there and
+    :attr:`gaps` counts it: lines may be missing in between.
     """
 
     def __init__(self) -> None:
-        self.last = ""
-        self.count = 0
-        self._replayed = 0
+        self._seen: list[int] = []
+        self._first: dict[int, int] = {}  # fingerprint -> its first position in _seen
+        self._pos: int | None = 0  # where the next line should match; None: not aligned yet
+        self.gaps = 0
 
     def reconnect(self) -> None:
-        self._replayed = 0
+        self._pos = 0 if not self._seen else None
 
-    def admit(self, stamp: str) -> bool:
-        key = _ts_key(stamp)
-        if key < self.last:
-            return False
-        if key == self.last:
-            self._replayed += 1
-            if self._replayed <= self.count:
+    @property
+    def printed(self) -> int:
+        return len(self._seen)
+
+    def admit(self, stamp: str, text: str) -> bool:
+        key = hash((stamp, text))
+        if self._pos is None:  # the first line of a connection: find where it starts
+            start = self._first.get(key)
+            if start is None:
+                self.gaps += 1
+                self._pos = len(self._seen)
+            else:
+                self._pos = start
+        if self._pos < len(self._seen):
+            if self._seen[self._pos] == key:
+                self._pos += 1
                 return False
-            self.count += 1
-            return True
-        self.last, self.count, self._replayed = key, 1, 1
+            self.gaps += 1  # it differs from what was printed here: new from now on
+        self._first.setdefault(key, len(self._seen))
+        self._seen.append(key)
+        self._pos = len(self._seen)
         return True
 
 
@@ -339,6 +372,20 @@ class Launcher:
                 resp.close()
         resp.release_conn()
 
+    def check_access(self) -> None:
+        """One request before anything is created: list the namespace's Jobs (at most one).
+
+        It proves that the API server answers (in JSON), the credentials are accepted and the
+        Role lets the launcher read Jobs in :attr:`namespace`.
+
+        Raises:
+            CellError: why the cluster cannot be used (unreachable, 401, 403, not JSON, ...).
+        """
+        try:
+            self._call(self.batch.list_namespaced_job, self.namespace, limit=1)
+        except ApiException as exc:
+            raise CellError(_describe_api_error(exc, self.namespace)) from exc
+
     def kubectl_delete(self, name: str) -> str:
         """The command that removes Job ``name`` and its pods by hand."""
         return f"kubectl -n {self.namespace} delete job {name} --cascade=foreground"
@@ -349,6 +396,7 @@ class Launcher:
         Raises:
             ApiException: a status that is not retried (403, 404, 409, 422, ...).
             RetriesExhausted: the retries ran out.
+            NotJson: the answer is not JSON (not retried: a proxy's page does not change).
         """
         kwargs.setdefault("_request_timeout", (self.t.connect_s, self.t.request_s))
         kwargs["_preload_content"] = False
@@ -357,7 +405,7 @@ class Launcher:
             self._check_cancel()
             try:
                 resp = fn(*args, **kwargs)
-                return json.loads(resp.data or b"{}")
+                return _json_body(resp, _what(fn))
             except ApiException as exc:
                 if exc.status not in RETRYABLE:
                     raise
@@ -403,8 +451,14 @@ class Launcher:
             result = CellResult(name, "error", None, _describe_api_error(exc, self.namespace))
         except Cancelled:
             result = CellResult(name, "error", None, "cancelled")
+        except Exception as exc:  # a launcher bug must not cost the other cells or the cleanup
+            what = f"{type(exc).__name__}: {exc}"
+            result = CellResult(name, "error", None, f"the launcher failed unexpectedly ({what})")
         finally:
-            self.delete(name, prefix)
+            with self._lock:
+                created = name in self._launched
+            if created:  # not when the create surely did not happen: there is nothing to delete
+                self.delete(name, prefix)
         result.attached = attached
         with self._lock:
             result.cleanup = self.leftovers.get(name)
@@ -421,13 +475,32 @@ class Launcher:
         manifest["metadata"].setdefault("annotations", {})[RUN_ANNOTATION] = self.run_id
         body = client.V1Job.from_dict(manifest)
         with self._lock:
-            self._launched.add(name)
-        for _ in range(3):  # a stale Job replaced, or one that vanished between 409 and read
+            self._launched.add(name)  # from now until proven otherwise, it may exist
+        reached: list[bool] = []  # one entry per attempt that may have created the Job
+
+        @functools.wraps(self.batch.create_namespaced_job)
+        def create(*args: Any, **kwargs: Any) -> Any:
             try:
-                self._call(self.batch.create_namespaced_job, self.namespace, body)
+                return self.batch.create_namespaced_job(*args, **kwargs)
+            except ApiException as exc:
+                if exc.status in _MAYBE_PROCESSED:
+                    reached.append(True)
+                raise
+            except BaseException as exc:
+                if not _never_sent(exc):
+                    reached.append(True)
+                raise
+
+        for attempt in range(3):  # a stale Job replaced, or one that vanished between 409 and read
+            try:
+                self._call(create, self.namespace, body)
             except ApiException as exc:
                 if exc.status != 409:
+                    self._forget_if_never_created(name, attempt, reached)
                     raise
+            except RetriesExhausted:
+                self._forget_if_never_created(name, attempt, reached)
+                raise
             else:
                 self._say(prefix, f"kubematrix: created job {self.namespace}/{name}")
                 return False
@@ -464,6 +537,13 @@ class Launcher:
             f"job {name} keeps reappearing after being replaced; is another launcher creating "
             f"it? Check with: kubectl -n {self.namespace} get job {name} -o yaml"
         )
+
+    def _forget_if_never_created(self, name: str, attempt: int, reached: list[bool]) -> None:
+        """The first create of ``name`` failed: when no attempt can have reached the API server
+        (refused, or never sent), there is no Job to delete and none to report as left."""
+        if attempt == 0 and not reached:
+            with self._lock:
+                self._launched.discard(name)
 
     def _read_job(self, name: str) -> dict | None:
         try:
@@ -544,12 +624,17 @@ class Launcher:
         while True:
             # Not self._call: cleanup must run even after a cancel.
             try:
-                self.batch.delete_namespaced_job(
+                resp = self.batch.delete_namespaced_job(
                     name,
                     self.namespace,
                     propagation_policy="Foreground",
                     _request_timeout=(self.t.connect_s, self.t.request_s),
+                    _preload_content=False,
                 )
+                try:
+                    _json_body(resp, "delete")  # a proxy's page is not a deletion
+                except NotJson as exc:
+                    return f"{exc}; the Job may still exist"
                 self._say(prefix, f"kubematrix: deleted job {name} (foreground propagation)")
                 return None
             except ApiException as exc:
@@ -574,13 +659,30 @@ class Launcher:
 
     def _follow(self, name: str, token: str, deadline: float, prefix: str) -> CellResult:
         evicted: list[str] = []
+        replaced: list[str] = []  # pods deleted by someone else while their Job lived on
         lines: list[str] = []
         while True:
-            pod = self._wait_for_pod(name, deadline, set(evicted), prefix)
+            pod = self._wait_for_pod(name, deadline, {*evicted, *replaced}, prefix)
             pod_name = pod["metadata"]["name"]
             self._stream_logs(pod_name, deadline, lines, prefix)
-            pod = self._call(self.core.read_namespaced_pod, pod_name, self.namespace)
-            state, detail = classify_pod(pod)
+            current = self._read_pod(pod_name)
+            gone = current is None or bool(current["metadata"].get("deletionTimestamp"))
+            finished = (
+                current is not None
+                and classify_pod(current)[0] == "terminated"
+                and decode_results(lines, token)[0] is not None
+            )
+            if gone and not finished:  # deleted before it finished: by whom, and what now?
+                self._check_job_alive(name, f"its pod {pod_name} was running")
+            if current is None:
+                self._say(
+                    prefix,
+                    f"kubematrix: pod {pod_name} was deleted (not by this launcher); "
+                    "following the Job's next pod",
+                )
+                replaced.append(pod_name)
+                continue
+            state, detail = classify_pod(current)
             if state == "evicted":
                 evicted.append(pod_name)
                 self._say(
@@ -593,21 +695,80 @@ class Launcher:
                 raise CellError(f"pod {pod_name} ended its log while {state}: {detail}")
             code = int(detail)
             junit, _ = decode_results(lines, token)
-            outcome = "passed" if code == 0 else "failed"
-            message = f"exit code {code}" + ("" if junit else "; no JUnit report in the log")
+            why = _termination_reason(current)
+            message = f"exit code {code}" + (f" ({why})" if why else "")
+            if junit is None:
+                message += "; no JUnit report in the log"
+                # Whatever the exit code says, the tests' results were not seen: never a pass.
+                outcome = "error" if code == 0 else "failed"
+            else:
+                outcome = "passed" if code == 0 else "failed"
             return CellResult(name, outcome, code, message, junit, evictions=evicted)
+
+    def _read_pod(self, pod_name: str) -> dict | None:
+        """The pod, or ``None`` when it no longer exists."""
+        try:
+            pod: dict = self._call(self.core.read_namespaced_pod, pod_name, self.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return pod
+
+    def _check_job_alive(self, name: str, when: str) -> dict:
+        """The Job, when it still exists and is not being deleted.
+
+        Raises:
+            JobDeleted: someone else deleted it (this launcher deletes only after following).
+            Cancelled: this run is being cancelled (its cleanup deletes the Jobs).
+        """
+        job = self._read_job(name)
+        self._check_cancel()
+        with self._lock:
+            ours = name in self._deleting or name not in self._launched
+        if ours:
+            raise Cancelled("cancelled")
+        if job is None:
+            raise JobDeleted(
+                f"job {name} was deleted by someone else (not this launcher) while {when}; "
+                "its result is lost"
+            )
+        deleting = (job.get("metadata") or {}).get("deletionTimestamp")
+        if deleting:
+            raise JobDeleted(
+                f"job {name} is being deleted by someone else (not this launcher, since "
+                f"{deleting}) while {when}; its result is lost"
+            )
+        return job
 
     # ------------------------------------------------------------------ watching the pod
 
     def _wait_for_pod(self, name: str, deadline: float, skip: set[str], prefix: str) -> dict:
-        """Watch the Job's pods until one (not in ``skip``) runs or has terminated."""
-        start = time.monotonic()
+        """Watch the Job's pods until one (not in ``skip``) runs or has terminated.
+
+        A pod deleted meanwhile makes the launcher read the Job: gone (or going) is reported
+        at once; one that failed is reported with its condition; otherwise the watch goes on
+        for the Job's next pod. The Job is also read every ``watch_s`` while no pod shows up.
+        """
+        start = last_check = time.monotonic()
         waiting: dict[str, tuple[float, str, str]] = {}  # pod -> (first seen, state, detail)
-        for pod in self._watch_pods(name, deadline):
+        for kind, pod in self._watch_pods(name, deadline):
             now = time.monotonic()
             if now >= deadline:
                 break
-            if pod is not None and pod["metadata"]["name"] not in skip:
+            if kind == "DELETED" and pod is not None:
+                pod_name = pod["metadata"]["name"]
+                before = waiting.pop(pod_name, (now, "pending", ""))[1]
+                if pod_name not in skip:
+                    job = self._check_job_alive(name, f"its pod {pod_name} was {before}")
+                    finished = _finished(job)
+                    if finished is not None:
+                        raise CellError(
+                            f"pod {pod_name} was deleted (not by this launcher) and job {name} "
+                            f"ended: {_condition_text(job)}"
+                        )
+                    last_check = now
+            elif pod is not None and pod["metadata"]["name"] not in skip:
                 pod_name = pod["metadata"]["name"]
                 state, detail = classify_pod(pod)
                 if state in ("running", "terminated", "evicted"):
@@ -618,6 +779,9 @@ class Launcher:
                     raise CellError(f"pod {pod_name} cannot start its container: {detail}")
                 since = waiting.get(pod_name, (now, "", ""))[0]
                 waiting[pod_name] = (since, state, detail)
+            elif pod is None and not waiting and now - last_check >= self.t.watch_s:
+                last_check = now
+                self._check_job_alive(name, "no pod of it had started")
             for pod_name, (since, state, detail) in waiting.items():
                 if now - since > self.t.pending_s:
                     event = self._scheduler_event(pod_name)
@@ -633,8 +797,10 @@ class Launcher:
         states = ", ".join(f"{p} {s}" for p, (_, s, _) in waiting.items()) or "no pod yet"
         raise DeadlinePassed(f"job {name} still had no running pod ({states})")
 
-    def _watch_pods(self, name: str, deadline: float) -> Iterator[dict | None]:
-        """Every observed state of the Job's pods; ``None`` ticks at least every ``watch_s``.
+    def _watch_pods(self, name: str, deadline: float) -> Iterator[tuple[str, dict | None]]:
+        """Every observed state of the Job's pods as ``(event type, pod)``: ``ADDED``,
+        ``MODIFIED`` (a listed pod is ``ADDED``), ``DELETED``; ``("TICK", None)`` at least
+        every ``watch_s``.
 
         Lists, then watches from the list's resourceVersion; on 410 Gone or a broken stream it
         lists again (nothing is missed: the list carries the current state). A 429/5xx on the
@@ -652,8 +818,9 @@ class Launcher:
                     self.core.list_namespaced_pod, self.namespace, label_selector=selector
                 )
                 rv = listing["metadata"]["resourceVersion"]
-                yield from listing["items"]
-                yield None
+                for item in listing["items"]:
+                    yield "ADDED", item
+                yield "TICK", None
             remaining = deadline - time.monotonic()
             server_timeout = max(1, int(min(self.t.watch_s, remaining, self.t.pending_s)))
             # The client stops reading at the deadline even when the server would go on.
@@ -673,10 +840,8 @@ class Launcher:
                     self._check_cancel()
                     backoff.reset()
                     rv = w.resource_version or rv
-                    if event["type"] in ("ADDED", "MODIFIED"):
-                        yield event["raw_object"]  # the API's JSON, as lists give it
-                    elif event["type"] == "DELETED":
-                        yield None
+                    if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                        yield event["type"], event["raw_object"]  # the API's JSON, as lists
                 backoff.reset()  # the server ended the watch at its timeout: all is well
             except ApiException as exc:
                 if exc.status == 410:
@@ -691,12 +856,17 @@ class Launcher:
                     raise
             except _NET_ERRORS:
                 rv = None  # dropped without a 410: list again (the list retries its own errors)
+            except json.JSONDecodeError as exc:  # the client could not decode an event
+                raise NotJson(
+                    f"watching the pods of job {name}: an event is not JSON ({exc}); is a proxy "
+                    "in front of the API server?"
+                ) from None
             finally:
                 for resp in opened:
                     # (the Watch closes a response it read to its end: closing again is a no-op)
                     self._release(resp, read_to_end=False)
                 w.stop()
-            yield None
+            yield "TICK", None
 
     def _scheduler_event(self, pod_name: str) -> str:
         """The newest warning event about ``pod_name`` (FailedScheduling first), or ''."""
@@ -716,12 +886,7 @@ class Launcher:
         return f"{event.get('reason')}: {event.get('message', '').strip()}"
 
     def _job_condition(self, name: str) -> str:
-        job = self._call(self.batch.read_namespaced_job, name, self.namespace)
-        conditions = job.get("status", {}).get("conditions") or []
-        if not conditions:
-            return "the Job controller created none"
-        c = conditions[-1]
-        return f"job condition {c.get('type')}: {c.get('reason')}: {c.get('message', '')}"
+        return _condition_text(self._check_job_alive(name, "no pod of it had started"))
 
     # ------------------------------------------------------------------ logs
 
@@ -731,10 +896,15 @@ class Launcher:
         The read timeout is ``log_idle_s``: a log silent that long is not an error, the pod
         is checked and the log read again. 429/5xx (and a 400 "container is waiting to
         start") are retried ``retries`` times in a row, then raise :class:`RetriesExhausted`.
+        A connection that ends (cut, or closed while the pod runs) without a new line is
+        followed by a backoff; ``log_reconnects`` of them in a row raise :class:`CellError`.
+        Returns early when the pod is gone (the caller finds out why).
         """
         cursor = _LogCursor()
         inside_report = False
         backoff = _Backoff(self.t)
+        fruitless = 0  # connections in a row that ended without a new line
+        delay = self.t.backoff_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -742,6 +912,7 @@ class Launcher:
             self._check_cancel()
             clean = idle = False
             cursor.reconnect()
+            printed, gaps = cursor.printed, cursor.gaps
             try:
                 resp: Any = self.core.read_namespaced_pod_log(
                     pod,
@@ -759,8 +930,16 @@ class Launcher:
                         self._check_cancel()
                         if time.monotonic() >= deadline:
                             raise DeadlinePassed(f"pod {pod} was still writing its log")
-                        if not cursor.admit(stamp):
+                        if not cursor.admit(stamp, text):
                             continue
+                        if cursor.gaps != gaps:
+                            gaps = cursor.gaps
+                            self._say(
+                                prefix,
+                                f"kubematrix: the log of {pod} read again does not continue "
+                                "what was printed (rotated by the kubelet?); lines may be "
+                                "missing before this one",
+                            )
                         lines.append(text)
                         if text.startswith("KUBEMATRIX-RESULTS-BEGIN"):
                             inside_report = True
@@ -785,7 +964,10 @@ class Launcher:
             except urllib3.exceptions.MaxRetryError as exc:
                 self._wait_or_give_up(backoff, exc, f"reading the log of pod {pod}")
                 continue
-            state, _ = classify_pod(self._call(self.core.read_namespaced_pod, pod, self.namespace))
+            current = self._read_pod(pod)
+            if current is None:
+                return  # the pod is gone; the caller reads why
+            state, _ = classify_pod(current)
             if state in ("terminated", "evicted") and clean:
                 return
             if state not in ("running", "terminated", "evicted"):
@@ -798,8 +980,24 @@ class Launcher:
                     f"kubematrix: no log output from {pod} for {self.t.log_idle_s:g} s "
                     f"(pod {state}); reading the log again",
                 )
-            else:
+                continue
+            if cursor.printed > printed:
+                fruitless, delay = 0, self.t.backoff_s  # it made progress: reconnect at once
                 self._say(prefix, f"kubematrix: log stream of {pod} ended early; reconnecting")
+                continue
+            fruitless += 1
+            if fruitless >= self.t.log_reconnects:
+                raise CellError(
+                    f"the log stream of pod {pod} ended {fruitless} times in a row without a "
+                    f"new line (pod {state}); giving up: is a proxy cutting long requests?"
+                )
+            self._say(
+                prefix,
+                f"kubematrix: log stream of {pod} ended early without a new line "
+                f"({fruitless} in a row); reconnecting in {delay:g} s",
+            )
+            self._sleep(delay)
+            delay = min(delay * 2, self.t.max_backoff_s)
 
     # ------------------------------------------------------------------ many cells
 
@@ -893,17 +1091,74 @@ def _iter_log(resp: Any) -> Iterator[tuple[str, str]]:
     """``(timestamp, text)`` per complete line of a ``timestamps=true`` log response.
 
     A line cut by a broken connection is never yielded (its bytes come again on reconnect).
+    Linear in the log's size: each chunk is split once, and the pieces of a line longer than a
+    chunk are joined once, when its end arrives.
     """
-    buffer = b""
-    for chunk in resp.stream(8192, decode_content=True):
-        buffer += chunk
-        *complete, buffer = buffer.split(b"\n")
-        for raw in complete:
-            stamp, _, text = raw.decode("utf-8", "replace").partition(" ")
-            yield stamp, text.rstrip("\r")
-    if buffer:  # the stream ended cleanly without a final newline
-        stamp, _, text = buffer.decode("utf-8", "replace").partition(" ")
-        yield stamp, text.rstrip("\r")
+    pending: list[bytes] = []  # the pieces of the line being read
+    for chunk in resp.stream(_LOG_CHUNK, decode_content=True):
+        *complete, rest = chunk.split(b"\n")
+        for piece in complete:
+            pending.append(piece)
+            yield _split_line(b"".join(pending))
+            pending.clear()
+        if rest:
+            pending.append(rest)
+    if pending:  # the stream ended cleanly without a final newline
+        yield _split_line(b"".join(pending))
+
+
+def _split_line(raw: bytes) -> tuple[str, str]:
+    stamp, _, text = raw.decode("utf-8", "replace").partition(" ")
+    return stamp, text.rstrip("\r")
+
+
+def _termination_reason(pod: dict) -> str:
+    """Why the cell's container ended when the kubelet says more than its exit code, else ''."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") != CELL_CONTAINER:
+            continue
+        ended = (cs.get("state") or {}).get("terminated") or {}
+        reason = ended.get("reason") or ""
+        if reason == "OOMKilled":
+            return "OOMKilled: the container went over its memory limit"
+        if reason and reason not in ("Completed", "Error"):
+            message = (ended.get("message") or "").strip()
+            return f"{reason}: {message}" if message else reason
+    return ""
+
+
+def _condition_text(job: dict) -> str:
+    conditions = (job.get("status") or {}).get("conditions") or []
+    if not conditions:
+        return "the Job controller created none"
+    c = conditions[-1]
+    return f"job condition {c.get('type')}: {c.get('reason')}: {c.get('message', '')}"
+
+
+def _json_body(resp: Any, what: str) -> Any:
+    """The JSON of a response read with ``_preload_content=False``.
+
+    Raises:
+        NotJson: the body is not JSON; the message quotes its type and its start.
+    """
+    data = resp.data or b"{}"
+    try:
+        return json.loads(data)
+    except ValueError:
+        kind = (resp.headers or {}).get("Content-Type", "no content type")
+        start = " ".join(data[:120].decode("utf-8", "replace").split())
+        raise NotJson(
+            f"{what}: the API server's answer is not JSON (HTTP {resp.status}, {kind}: "
+            f"{start!r}); is a proxy or a login page in front of it? Check the kubeconfig's "
+            "server and credentials"
+        ) from None
+
+
+def _never_sent(exc: BaseException) -> bool:
+    """The request failed before it reached the server: no connection could be made."""
+    if isinstance(exc, urllib3.exceptions.MaxRetryError):
+        exc = exc.reason or exc
+    return isinstance(exc, urllib3.exceptions.ConnectTimeoutError)  # NewConnectionError too
 
 
 def _retry_after(exc: ApiException) -> float | None:
@@ -972,10 +1227,3 @@ def _print(line: str) -> None:
     with _print_lock:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
-
-
-def run_cells(cells: Sequence[Any], results_dir: Path | str, **kwargs: Any) -> list[Any]:
-    """Matrix cells as Jobs (see :func:`kubematrix.k8s.run_cells`); the matrix runner's hook."""
-    from kubematrix.k8s import run_cells as _run_cells
-
-    return _run_cells(cells, results_dir, **kwargs)

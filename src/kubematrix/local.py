@@ -219,8 +219,11 @@ def run_local(
     cwd: str | os.PathLike[str] | None = None,
     stop: threading.Event | None = None,
     compile_args: Sequence[str] = (),
+    heading: str = "matrix",
 ) -> list[CellResult]:
     """Run every cell the local machine can run; the others become ``not run`` with the reason.
+
+    ``heading`` begins the first line (the k8s runner's CPU part says so: it is not the matrix).
 
     Progress goes to ``stream`` (stdout by default) one line per cell. On Ctrl-C the running cell
     is stopped and recorded as an error, the remaining cells as not run, and the results so far
@@ -239,7 +242,7 @@ def run_local(
     plan = [(cell, why_not_runnable(cell, "local", host)) for cell in cells]
     runnable = [c for c, why in plan if why is None]
     say(
-        f"matrix: {len(cells)} cells; runner local runs {len(runnable)} "
+        f"{heading}: {len(cells)} cells; runner local runs {len(runnable)} "
         f"(pytest -n {workers}), {len(cells) - len(runnable)} not run here; results in {out}"
     )
     results: list[CellResult] = []

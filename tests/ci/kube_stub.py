@@ -3,10 +3,12 @@
 It serves the few endpoints the launcher's Role allows (jobs, pods, pods/log, events) with the
 API server's JSON, watch streams as chunked JSON lines (``ERROR`` events with a ``Status`` for
 410), and followed logs as chunked ``timestamps=true`` lines. Tests script a Job's life
-(pending, unschedulable, image pull, running, logs, exit, eviction) and inject faults (429/5xx/403
-answers with headers, for one route or one Job; a log stream cut mid-line; a compacted watch
+(pending, unschedulable, image pull, running, logs, exit, OOM kill, eviction) and inject faults
+(429/5xx/403 answers with headers, for one route or one Job; 200 answers that are an HTML page; a
+log stream cut mid-line, once or every time; a node clock that steps back; a compacted watch
 history; a watch cut mid-event without a 410; a request processed whose response is lost; a Job
-left by an earlier run, finished or being deleted; foreground deletes that take a while). The real
+left by an earlier run, finished or being deleted; a Job or pod deleted by someone else;
+foreground deletes that take a while). The real
 ``kubernetes`` client talks to it through ``Configuration(host="http://127.0.0.1:<port>")``.
 
 Why not kmock: these tests need exact control of stream cuts and in-stream 410 events; a server
@@ -76,8 +78,9 @@ class KubeStub:
         self.log_closed: set[str] = set()
         self.events: list[dict] = []
         self.history: list[tuple[int, str, dict]] = []  # (rv, type, pod)
-        self.faults: dict[str, list[tuple[int, dict, str | None]]] = {}
+        self.faults: dict[str, list[tuple[int, dict, str | None, bytes | None]]] = {}
         self.log_cuts: dict[str, list[int]] = {}
+        self.log_cut_always: dict[str, int] = {}
         self.watch_drops: list[int] = []
         self.lost: dict[str, int] = {}
         self.before: dict[str, Callable[[], None]] = {}
@@ -131,7 +134,15 @@ class KubeStub:
         """The next ``times`` requests to ``route`` (e.g. ``"POST jobs"``, ``"GET pods watch"``,
         ``"DELETE job"``) answer ``code`` with ``headers``; with ``name``, only requests for the
         object of that name (e.g. one Job's DELETE)."""
-        self.faults.setdefault(route, []).extend([(code, headers or {}, name)] * times)
+        self.faults.setdefault(route, []).extend([(code, headers or {}, name, None)] * times)
+
+    def answer_html(self, route: str, times: int = 1) -> None:
+        """The next ``times`` requests to ``route`` get ``200 OK`` with an HTML page, as from an
+        authenticating proxy in front of the API server; nothing is carried out."""
+        page = b"<!DOCTYPE html><html><head><title>Sign in</title></head><body>SSO</body></html>"
+        self.faults.setdefault(route, []).extend(
+            [(200, {"Content-Type": "text/html; charset=utf-8"}, None, page)] * times
+        )
 
     def drop_watch(self, after_events: int = 0) -> None:
         """The next pod watch sends ``after_events`` events, then half of the next one, and
@@ -151,6 +162,17 @@ class KubeStub:
     def cut_log(self, pod: str, after_lines: int) -> None:
         """The next log connection to ``pod`` breaks after ``after_lines`` lines, mid-line."""
         self.log_cuts.setdefault(pod, []).append(after_lines)
+
+    def cut_log_always(self, pod: str, after_lines: int = 0) -> None:
+        """Every log connection to ``pod`` breaks after ``after_lines`` lines, mid-line (a proxy
+        that cuts each streamed response)."""
+        self.log_cut_always[pod] = after_lines
+
+    def step_clock(self, seconds: int) -> None:
+        """The node's clock jumps by ``seconds`` (negative: back): later log lines carry
+        timestamps older than earlier ones."""
+        with self.cond:
+            self._clock += 3 * seconds
 
     def compact(self) -> None:
         """Drop the watch history: open watches get an in-stream 410 and old versions expire."""
@@ -283,7 +305,14 @@ class KubeStub:
             self.logs[pod].extend((self._stamp(), line) for line in lines)
             self.cond.notify_all()
 
-    def finish(self, pod: str, exit_code: int) -> None:
+    def delete_pod(self, pod: str) -> None:
+        """Someone deletes the pod (``kubectl delete pod``); its Job stays."""
+        with self.cond:
+            if pod in self.pods:
+                self.log_closed.add(pod)
+                self._publish("DELETED", self.pods.pop(pod))
+
+    def finish(self, pod: str, exit_code: int, reason: str | None = None) -> None:
         with self.cond:
             if pod not in self.pods:
                 return  # deleted meanwhile (the launcher gave up on it)
@@ -292,10 +321,11 @@ class KubeStub:
             if job is not None:
                 kind = "Complete" if exit_code == 0 else "Failed"
                 job["status"] = {"conditions": [{"type": kind, "status": "True"}]}
+        reason = reason or ("Completed" if exit_code == 0 else "Error")
         self.set_status(
             pod,
             phase="Succeeded" if exit_code == 0 else "Failed",
-            containerStatuses=_cs({"terminated": {"exitCode": exit_code, "reason": "Completed"}}),
+            containerStatuses=_cs({"terminated": {"exitCode": exit_code, "reason": reason}}),
         )
 
     def evict(self, pod: str) -> None:
@@ -439,7 +469,15 @@ def _handler(stub: KubeStub) -> type[BaseHTTPRequestHandler]:
             if action is not None:
                 action()
             if injected:
-                code, headers, _ = injected
+                code, headers, _, page = injected
+                if page is not None:
+                    self.send_response(code)
+                    for k, v in headers.items():
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(page)))
+                    self.end_headers()
+                    self.wfile.write(page)
+                    return
                 self._json(code, _status(code, "Injected", f"injected {code}"), headers)
                 return
             if lose:
@@ -461,6 +499,21 @@ def _handler(stub: KubeStub) -> type[BaseHTTPRequestHandler]:
 
         # -- endpoints ------------------------------------------------------------------
         def _jobs(self, method, groups, query, body, watching) -> None:
+            if method == "GET":  # a list (the launcher's access check asks for one item)
+                with stub.cond:
+                    items = [copy.deepcopy(j) for j in stub.jobs.values()]
+                    rv = stub.rv
+                limit = int(query.get("limit") or 0)
+                self._json(
+                    200,
+                    {
+                        "kind": "JobList",
+                        "apiVersion": "batch/v1",
+                        "metadata": {"resourceVersion": str(rv)},
+                        "items": items[:limit] if limit else items,
+                    },
+                )
+                return
             code, obj = stub.create_job(json.loads(body))
             self._json(code, obj)
 
@@ -575,7 +628,7 @@ def _handler(stub: KubeStub) -> type[BaseHTTPRequestHandler]:
             stamps = query.get("timestamps") in ("true", "True")
             with stub.cond:
                 cuts = stub.log_cuts.get(pod)
-                cut = cuts.pop(0) if cuts else None
+                cut = cuts.pop(0) if cuts else stub.log_cut_always.get(pod)
             self._start_chunked("text/plain")
             sent = 0
             try:

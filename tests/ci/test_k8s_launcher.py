@@ -811,3 +811,316 @@ def test_fan_out_ctrl_c_does_not_wait_for_silent_logs(sigint_raises):
         assert time.monotonic() - start < 2.0  # not the 30 s read timeout of the silent log
         assert set(stub.jobs) == {names[0]}
     assert set(launcher.leftovers) == {names[0]}
+
+
+# ---------------------------------------------------------------------- a node clock steps back
+
+
+def test_log_lines_stamped_before_earlier_ones_are_kept():
+    def scenario(k: KubeStub, job: dict) -> None:
+        pod = k.add_pod(job)
+        k.start(pod)
+        k.log(pod, *LOG[:5])
+        k.step_clock(-3600)  # the node's clock is set back an hour
+        k.log(pod, *LOG[5:], *_report(job, 0))
+        k.finish(pod, 0)
+
+    result, out, _ = _run(scenario)
+    assert (result.outcome, result.junit) == ("passed", JUNIT)
+    assert _log_lines(out) == LOG
+
+
+def test_a_reconnect_after_a_clock_step_neither_repeats_nor_drops_lines():
+    def scenario(k: KubeStub, job: dict) -> None:
+        pod = k.add_pod(job)
+        k.cut_log(pod, after_lines=7)  # the first connection breaks after the step
+        k.start(pod)
+        k.log(pod, *LOG[:3])
+        k.step_clock(-3600)
+        k.log(pod, *LOG[3:], *_report(job, 0))
+        k.finish(pod, 0)
+
+    result, out, stub = _run(scenario)
+    assert (result.outcome, result.junit) == ("passed", JUNIT)
+    assert _log_lines(out) == LOG  # each line once, whatever its stamp
+    assert _requests(stub, "GET", "/log") == 2
+
+
+def test_exit_0_without_a_junit_report_is_an_error_not_a_pass():
+    def scenario(k: KubeStub, job: dict) -> None:
+        pod = k.add_pod(job)
+        k.start(pod)
+        k.log(pod, *LOG)  # no report: the session never reached pytest, or it was lost
+        k.finish(pod, 0)
+
+    result, _, _ = _run(scenario)
+    assert (result.outcome, result.exit_code, result.junit) == ("error", 0, None)
+    assert result.message == "exit code 0; no JUnit report in the log"
+    assert k8s.exit_status([result]) == k8s.EXIT_INFRA
+
+
+def _stub_kubeconfig(stub: KubeStub, tmp_path, monkeypatch) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: stub\n"
+        f"clusters: [{{name: stub, cluster: {{server: 'http://127.0.0.1:{stub.server.server_port}'}}}}]\n"
+        "users: [{name: stub, user: {token: t}}]\n"
+        "contexts: [{name: stub, context: {cluster: stub, user: stub}}]\n"
+    )
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    # The client reads $KUBECONFIG once, at import: point its default there instead.
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+
+
+def test_cli_does_not_exit_0_for_a_cell_without_a_junit_report(tmp_path, monkeypatch, capsys):
+    def scenario(k: KubeStub, job: dict) -> None:
+        pod = k.add_pod(job)
+        k.start(pod)
+        k.log(pod, "collected 0 items / the report went missing")
+        k.finish(pod, 0)
+
+    with KubeStub(scenario) as stub:
+        _stub_kubeconfig(stub, tmp_path, monkeypatch)
+        argv = ["--vendor", "rocm", "--suite", "mla", "--commit", "abc1234"]
+        code = k8s.main([*argv, "--image", "registry.test/x:1", "--results", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == k8s.EXIT_INFRA
+    assert ": error (exit code 0; no JUnit report in the log)" in out
+
+
+def test_exit_status_is_never_0_unless_every_cell_passed():
+    from kubematrix.launcher import CellResult
+
+    assert k8s.exit_status([CellResult("a", "failed", None, "")]) != 0
+    assert k8s.exit_status([CellResult("a", "failed", 0, "")]) != 0
+    assert k8s.exit_status([CellResult("a", "passed", 0, ""), CellResult("b", "x", 0, "")]) != 0
+
+
+# ---------------------------------------------------------------------- answers that are not JSON
+
+
+def test_an_html_page_instead_of_json_is_an_error_and_no_delete_is_claimed():
+    def setup(k: KubeStub, job: dict) -> None:
+        k.answer_html("POST jobs", times=99)  # an authenticating proxy answers everything
+        k.answer_html("DELETE job", times=99)
+
+    result, out, stub = _run(None, setup=setup, sleep=_recorder([]))
+    assert (result.outcome, result.exit_code) == ("error", None)
+    assert result.message.startswith(
+        "create namespaced job: the API server's answer is not JSON (HTTP 200, text/html"
+    )
+    assert "Sign in" in result.message and "proxy" in result.message
+    assert _requests(stub, "POST", "/jobs") == 1  # a page does not change: no retries
+    assert not any("deleted job" in line for line in out)
+    assert result.cleanup is not None and "may still exist" in result.cleanup
+    assert _kubectl(result.name) in result.cleanup
+
+
+def test_an_html_page_on_a_read_is_an_error_and_the_job_is_deleted():
+    setup = lambda k, job: k.answer_html("GET pods", times=99)  # noqa: E731
+    result, out, stub = _run(_completes(0), setup=setup)
+    assert result.outcome == "error"
+    assert result.message.startswith("list namespaced pod: the API server's answer is not JSON")
+    assert stub.deletes == [(result.name, "Foreground")] and result.cleanup is None
+
+
+# ---------------------------------------------------------------------- a log cut every time
+
+
+def test_a_log_cut_every_time_backs_off_and_gives_up_after_the_budget():
+    def scenario(k: KubeStub, job: dict) -> None:
+        pod = k.add_pod(job)
+        k.cut_log_always(pod, after_lines=0)
+        k.start(pod)
+        k.log(pod, *LOG)
+
+    sleeps: list[float] = []
+    start = time.monotonic()
+    timeouts = _fast(log_reconnects=4, max_backoff_s=0.05, overall_s=5.0)
+    result, out, stub = _run(scenario, timeouts=timeouts, sleep=_recorder(sleeps))
+    assert time.monotonic() - start < 3.0
+    assert result.outcome == "error"
+    assert result.message == (
+        f"the log stream of pod {result.name}-x1 ended 4 times in a row without a new line "
+        "(pod running); giving up: is a proxy cutting long requests?"
+    )
+    assert _requests(stub, "GET", "/log") == 4
+    assert sleeps == [0.02, 0.04, 0.05]  # backoff between the reconnects, capped
+    assert stub.deletes == [(result.name, "Foreground")]
+
+
+def test_log_cuts_that_bring_new_lines_do_not_use_up_the_budget():
+    def scenario(k: KubeStub, job: dict) -> None:
+        pod = k.add_pod(job)
+        for n in range(1, 6):  # five connections, each cut after one more line
+            k.cut_log(pod, after_lines=n)
+        k.start(pod)
+        k.log(pod, *LOG, *_report(job, 0))
+        k.finish(pod, 0)
+
+    sleeps: list[float] = []
+    result, out, stub = _run(scenario, timeouts=_fast(log_reconnects=2), sleep=_recorder(sleeps))
+    assert (result.outcome, result.junit) == ("passed", JUNIT)
+    assert _log_lines(out) == LOG
+    assert _requests(stub, "GET", "/log") == 6 and sleeps == []
+
+
+# ---------------------------------------------------------------------- deleted by someone else
+
+
+def test_a_job_deleted_by_someone_else_while_running_says_so():
+    def scenario(k: KubeStub, job: dict) -> None:
+        pod = k.add_pod(job)
+        k.start(pod)
+        k.log(pod, *LOG[:3])
+        k.wait_log_readers(pod, 1)
+        k.delete_job(job["metadata"]["name"], "Background")  # kubectl delete job
+
+    result, out, stub = _run(scenario)
+    assert (result.outcome, result.exit_code) == ("error", None)
+    assert result.message == (
+        f"job {result.name} was deleted by someone else (not this launcher) while its pod "
+        f"{result.name}-x1 was running; its result is lost"
+    )
+    assert _log_lines(out) == LOG[:3] and result.cleanup is None
+
+
+def test_a_job_deleted_by_someone_else_while_pending_says_so_at_once():
+    def scenario(k: KubeStub, job: dict) -> None:
+        k.add_pod(job)
+        _wait_for(lambda: _requests(k, "GET", "/pods", watch=True) >= 1)
+        k.delete_job(job["metadata"]["name"], "Background")
+
+    start = time.monotonic()
+    result, _, _ = _run(scenario, timeouts=_fast(pending_s=30.0, watch_s=30))
+    assert time.monotonic() - start < 3.0  # not the 30 s pending timeout
+    assert result.outcome == "error"
+    assert result.message == (
+        f"job {result.name} was deleted by someone else (not this launcher) while its pod "
+        f"{result.name}-x1 was pending; its result is lost"
+    )
+
+
+def test_a_job_deleted_before_its_pod_appeared_is_noticed_within_a_watch_period():
+    def scenario(k: KubeStub, job: dict) -> None:
+        _wait_for(lambda: _requests(k, "GET", "/pods", watch=True) >= 1)
+        k.delete_job(job["metadata"]["name"], "Background")  # the controller made no pod yet
+
+    start = time.monotonic()
+    result, _, _ = _run(scenario, timeouts=_fast(pending_s=30.0, watch_s=1))
+    assert time.monotonic() - start < 5.0
+    assert result.message == (
+        f"job {result.name} was deleted by someone else (not this launcher) while no pod of it "
+        "had started; its result is lost"
+    )
+
+
+def test_a_pod_deleted_by_someone_else_is_replaced_and_followed():
+    def scenario(k: KubeStub, job: dict) -> None:
+        first = k.add_pod(job, "aaaaa")
+        k.start(first)
+        k.log(first, "first pod")
+        k.wait_log_readers(first, 1)
+        time.sleep(0.1)
+        k.delete_pod(first)  # kubectl delete pod: the Job makes another
+        second = k.add_pod(job, "bbbbb")
+        k.start(second)
+        k.log(second, "second pod", *_report(job, 0))
+        k.finish(second, 0)
+
+    result, out, _ = _run(scenario)
+    assert (result.outcome, result.junit) == ("passed", JUNIT)
+    assert _log_lines(out) == ["first pod", "second pod"]
+    assert any(f"pod {result.name}-aaaaa was deleted (not by this launcher)" in x for x in out)
+
+
+def test_oom_killed_is_reported_with_its_reason():
+    def scenario(k: KubeStub, job: dict) -> None:
+        pod = k.add_pod(job)
+        k.start(pod)
+        k.log(pod, *LOG[:2])
+        k.finish(pod, 137, reason="OOMKilled")
+
+    result, _, _ = _run(scenario)
+    assert (result.outcome, result.exit_code) == ("failed", 137)
+    assert result.message == (
+        "exit code 137 (OOMKilled: the container went over its memory limit); "
+        "no JUnit report in the log"
+    )
+
+
+# ---------------------------------------------------------------------- a create that never was
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_api_server_is_an_error_and_no_job_is_reported_left():
+    cfg = client.Configuration(host=f"http://127.0.0.1:{_closed_port()}")
+    cfg.retries = False
+    out: list[str] = []
+    launcher = Launcher(
+        client.ApiClient(cfg), "portattn-ci", timeouts=FAST, emit=out.append, sleep=_recorder([])
+    )
+    result = launcher.run(_job())
+    assert result.outcome == "error"
+    assert result.message.startswith("create namespaced job: the API server is unreachable")
+    assert result.message.endswith("gave up after 4 attempts")
+    assert result.cleanup is None and not launcher.leftovers
+    assert not any("WARNING" in line or "not deleted" in line for line in out)
+
+
+@pytest.mark.parametrize("code", [401, 403])
+def test_a_refused_create_deletes_nothing_and_warns_of_nothing(code):
+    setup = lambda k, job: k.fail_next("POST jobs", code, times=9)  # noqa: E731
+    result, out, stub = _run(None, setup=setup)
+    assert result.outcome == "error"
+    assert _requests(stub, "DELETE", result.name) == 0
+    assert result.cleanup is None
+    assert not any("WARNING" in line for line in out)
+
+
+def test_a_create_whose_answer_was_lost_is_still_cleaned_up():
+    def setup(k: KubeStub, job: dict) -> None:
+        k.lose_response("POST jobs", times=99)  # carried out every time, never answered
+
+    result, _, stub = _run(None, setup=setup, sleep=_recorder([]))
+    assert result.outcome == "error"
+    assert stub.deletes == [(result.name, "Foreground")] and not stub.jobs
+
+
+# ---------------------------------------------------------------------- huge lines
+
+
+def test_a_20_mb_log_line_is_read_in_linear_time():
+    huge = "x" * (20 << 20)
+
+    def scenario(k: KubeStub, job: dict) -> None:
+        pod = k.add_pod(job)
+        k.start(pod)
+        k.log(pod, "before", huge, "after", *_report(job, 0))
+        k.finish(pod, 0)
+
+    start = time.monotonic()
+    result, out, _ = _run(scenario)
+    assert time.monotonic() - start < 4.0  # quadratic reading took 8 s
+    assert (result.outcome, result.junit) == ("passed", JUNIT)
+    assert _log_lines(out) == ["before", huge, "after"]
+
+
+def test_log_cursor_aligns_a_rotated_log_and_counts_a_gap():
+    from kubematrix.launcher import _LogCursor
+
+    cursor = _LogCursor()
+    lines = [(f"2026-01-01T00:00:0{i}Z", f"l{i}") for i in range(6)]
+    assert [cursor.admit(*x) for x in lines[:4]] == [True] * 4
+    cursor.reconnect()  # the kubelet rotated the file: the log now starts at l2
+    assert [cursor.admit(*x) for x in lines[2:]] == [False, False, True, True]
+    assert cursor.gaps == 0
+    cursor.reconnect()  # rotated past everything printed: new lines, and a gap is counted
+    assert cursor.admit("2026-01-01T00:00:09Z", "l9") and cursor.gaps == 1

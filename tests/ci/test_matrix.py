@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from kubernetes.config import kube_config
 from nox.project import load_toml  # tomllib is 3.11+; the project supports 3.10
 
 from kubematrix import matrix, report
@@ -236,14 +237,120 @@ def test_run_local_reports_pass_fail_empty_and_not_run(tmp_path, toy_project):
     assert "[2/3] mla-cpu-interpreter: failed (0 passed, 1 failed, 0 skipped)" in text
 
 
-def test_k8s_runner_without_a_cluster_reports_errors_never_passes(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
+def _no_kubeconfig(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    # The client reads $KUBECONFIG once, at import: point its default there instead.
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "missing"))
+
+
+def test_k8s_runner_without_a_cluster_reports_errors_never_passes(tmp_path, monkeypatch, capsys):
+    _no_kubeconfig(tmp_path, monkeypatch)
     args = ["matrix", "--runner", "k8s", "--suite", "mla", "--backend", "cuda"]
-    assert main([*args, "--results", str(tmp_path / "r")]) == 1
+    assert main([*args, "--results", str(tmp_path / "r")]) == 2
     (record,) = report.collect([get_cell("mla-cuda-sm_90")], tmp_path / "r")
     assert record.status == "error" and "no cluster" in record.reason
     assert capsys.readouterr().out.splitlines()[-1].startswith("matrix: failed (wall time ")
+
+
+def test_k8s_runner_checks_the_cluster_before_running_any_cell(tmp_path, monkeypatch, capsys):
+    _no_kubeconfig(tmp_path, monkeypatch)
+    out = tmp_path / "r"
+    cells = ["--cell", "policy-cpu-interpreter", "--cell", "mla-cuda-sm_90"]
+    start = time.monotonic()
+    code = main(["matrix", "--runner", "k8s", *cells, "--results", str(out)])
+    assert time.monotonic() - start < 10  # no CPU cell ran first
+    assert code == 2
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("matrix: 2 cells; runner k8s: no cluster configured")
+    assert first.endswith("; nothing run")
+    assert not (out / "policy-cpu-interpreter.log").exists()  # the local runner never started
+    cpu, gpu = report.collect([get_cell("policy-cpu-interpreter"), get_cell("mla-cuda-sm_90")], out)
+    assert (cpu.status, cpu.reason) == (
+        "not run",
+        "not started: the k8s runner has no usable cluster",
+    )
+    assert gpu.status == "error" and gpu.reason.startswith("no cluster configured")
+
+
+def test_k8s_runner_with_an_unusable_cluster_runs_nothing(tmp_path, monkeypatch, capsys):
+    from tests.ci.kube_stub import KubeStub
+
+    with KubeStub() as stub:
+        stub.fail_next("GET jobs", 403, times=99)  # the Role is missing in the namespace
+        _stub_kubeconfig(stub, tmp_path, monkeypatch)
+        code = main(
+            ["matrix", "--runner", "k8s", "--cell", "mla-cuda-sm_90", "--results", str(tmp_path)]
+        )
+    assert code == 2
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(
+        f"matrix: 1 cells; runner k8s: the cluster at http://127.0.0.1:{stub.server.server_port} "
+        "cannot run cells: forbidden: the launcher needs the Role"
+    )
+    assert not stub.jobs and not [r for r in stub.requests if r[0] == "POST"]
+
+
+def test_k8s_runner_says_in_its_first_line_what_runs_where(tmp_path, monkeypatch, capsys):
+    from kubematrix.cell import encode_results
+    from kubematrix.render import results_token
+    from tests.ci.kube_stub import KubeStub
+
+    def scenario(k: KubeStub, job: dict) -> None:
+        pod = k.add_pod(job)
+        k.start(pod)
+        junit = b'<testsuites><testsuite name="t"><testcase name="ok"/></testsuite></testsuites>'
+        k.log(pod, *encode_results(junit, results_token(job["metadata"]["name"]), 0))
+        k.finish(pod, 0)
+
+    with KubeStub(scenario) as stub:
+        _stub_kubeconfig(stub, tmp_path, monkeypatch)
+        code = main(
+            ["matrix", "--runner", "k8s", "--cell", "mla-cuda-sm_90", "--results", str(tmp_path)]
+        )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        "matrix: 1 cells; runner k8s: 1 GPU cells as Jobs in namespace portattn-ci at "
+        f"http://127.0.0.1:{stub.server.server_port}, 0 CPU cells here; results in {tmp_path}"
+    )
+    assert code == 0 and lines[-1].startswith("matrix: passed")
+
+
+def _stub_kubeconfig(stub, tmp_path, monkeypatch) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: stub\n"
+        f"clusters: [{{name: stub, cluster: {{server: 'http://127.0.0.1:{stub.server.server_port}'}}}}]\n"
+        "users: [{name: stub, user: {token: t}}]\n"
+        "contexts: [{name: stub, context: {cluster: stub, user: stub}}]\n"
+    )
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["kubematrix"],
+        ["kubematrix", "matrix"],
+        ["kubematrix", "list"],
+        ["kubematrix", "report"],
+        ["kubematrix", "pipeline"],
+        ["kubematrix.k8s"],
+        ["portattn.compile"],
+    ],
+)
+def test_help_is_for_users_not_developers(argv, capsys):
+    import importlib
+
+    entry = {"kubematrix": "kubematrix.__main__", "portattn.compile": "portattn.compile.__main__"}
+    module = importlib.import_module(entry.get(argv[0], argv[0]))
+    with pytest.raises(SystemExit) as done:
+        module.main([*argv[1:], "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: python -m ")
+    for markup in (":data:", ":func:", ":mod:", ":class:", "``", "register("):
+        assert markup not in text, f"{markup!r} in {' '.join(argv)} --help"
 
 
 def test_stopping_the_runner_stops_the_cell_and_skips_the_rest(tmp_path, toy_project):
