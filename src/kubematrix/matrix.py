@@ -119,6 +119,9 @@ class Suite:
 
 _NO_POOL = "no pool of this architecture has run the matrix yet"
 
+# The Kubernetes templates (package data; the repository's k8s/ is a symlink to them).
+_MANIFESTS = "src/kubematrix/manifests"
+
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
@@ -142,7 +145,12 @@ BACKENDS: dict[str, Backend] = {
             device_nodes=("/dev/nvidia0",),
             gpu_resource="nvidia.com/gpu",
             queue="gpu-cuda",
-            paths=("Dockerfile.cuda", "k8s/base/*", "k8s/overlays/cuda/*"),
+            paths=(
+                "Dockerfile.cuda",
+                f"{_MANIFESTS}/base/*",
+                f"{_MANIFESTS}/overlays/cuda/*",
+                f"{_MANIFESTS}/overlays/sm_*/*",  # the overlays of its architectures
+            ),
             timeout_minutes=45,
         ),
         Backend(
@@ -155,7 +163,12 @@ BACKENDS: dict[str, Backend] = {
             device_nodes=("/dev/kfd",),
             gpu_resource="amd.com/gpu",
             queue="gpu-rocm",
-            paths=("Dockerfile.rocm", "k8s/base/*", "k8s/overlays/rocm/*"),
+            paths=(
+                "Dockerfile.rocm",
+                f"{_MANIFESTS}/base/*",
+                f"{_MANIFESTS}/overlays/rocm/*",
+                f"{_MANIFESTS}/overlays/gfx*/*",  # the overlays of its architectures
+            ),
             timeout_minutes=45,
         ),
     )
@@ -181,8 +194,9 @@ _KERNEL_COMMON = (
     "src/portattn/policy/common.py",
     "src/portattn/policy/__init__.py",
 )
-# Files that change how every cell runs: a change here reruns the whole matrix.
-MATRIX_PATHS = ("src/kubematrix/*", ".buildkite/*")
+# Files that change how every cell runs: a change here reruns the whole matrix (the code only:
+# a vendor's Kubernetes template concerns that vendor's cells, through Backend.paths).
+MATRIX_PATHS = ("src/kubematrix/*.py", ".buildkite/*")
 
 SUITES: dict[str, Suite] = {
     s.name: s

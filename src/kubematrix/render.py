@@ -1,7 +1,9 @@
-"""Render a CI cell's Kubernetes Job from the kustomize templates under ``k8s/`` (pure).
+"""Render a CI cell's Kubernetes Job from the kustomize templates in kubematrix (pure).
 
-``kubectl apply -k k8s/overlays/<vendor>`` and this module read the SAME files: the base Job in
-``k8s/base/job.yaml`` and the vendor overlay's strategic-merge patch and image. This module
+The templates are package data (the repository's ``k8s/`` is a symlink to them), so
+``kubectl apply -k k8s/overlays/<vendor>`` and this module read the SAME files, from a checkout or
+an installed wheel: the base Job in ``base/job.yaml`` and the vendor overlay's strategic-merge
+patch and image. This module
 implements exactly the kustomize fields those files use (``resources``, ``namespace``,
 ``patches`` with a ``path``, ``images``) and raises on any other field, so a template change
 that the launcher cannot follow fails the tests instead of drifting. ``tests/ci`` compares the
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.resources
 import os
 import re
 from collections.abc import Sequence
@@ -64,9 +67,22 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 def default_k8s_dir() -> Path:
-    """``$KUBEMATRIX_K8S_DIR`` or the repository's ``k8s/`` (this file is src/kubematrix/)."""
+    """``$KUBEMATRIX_K8S_DIR`` or the templates shipped in the package (``kubematrix/manifests``).
+
+    Raises:
+        RuntimeError: the package is not on a file system (e.g. imported from a zip), so kustomize
+            paths cannot be read; set ``$KUBEMATRIX_K8S_DIR``.
+    """
     env = os.environ.get("KUBEMATRIX_K8S_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "k8s"
+    if env:
+        return Path(env)
+    templates = importlib.resources.files("kubematrix") / "manifests"
+    if not isinstance(templates, Path):
+        raise RuntimeError(
+            f"render: the kubematrix templates are not files on disk ({templates!r}); "
+            "set KUBEMATRIX_K8S_DIR to a copy of them"
+        )
+    return templates
 
 
 # --------------------------------------------------------------------------- kustomize subset
@@ -231,7 +247,7 @@ def render_job(
     """The Job manifest for one cell: the vendor overlay's Job with the cell's parameters.
 
     Args:
-        vendor: ``"cuda"`` or ``"rocm"`` (the overlay under ``k8s/overlays``).
+        vendor: ``"cuda"`` or ``"rocm"`` (the overlay under ``overlays/``).
         suite: the test suite (one of ``SUITES``, a pytest marker); labels the Job.
         image: the container image reference, e.g. pinned to the commit.
         commit: the source commit; with ``cell`` it determines the Job name.
@@ -250,7 +266,7 @@ def render_job(
         ttl_after_finished_s: garbage collection of a finished Job the launcher did not delete.
         supplemental_groups: the pod's supplemental GIDs (AMD: the node's video and render
             groups); ``None`` keeps the overlay's value.
-        k8s_dir: the template directory; defaults to the repository's ``k8s/``.
+        k8s_dir: the template directory; defaults to :func:`default_k8s_dir`.
 
     Raises:
         ValueError: listing every invalid argument.

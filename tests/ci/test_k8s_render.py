@@ -18,6 +18,7 @@ from kubematrix.render import job_name, load_kustomization, render_job, render_p
 pytestmark = pytest.mark.ci
 
 ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "src" / "kubematrix" / "manifests"  # the templates (the repository's k8s/ links here)
 VENDORS = ("cuda", "rocm")
 OLDEST = (1, 29)
 K8S_VERSIONS = sorted(
@@ -45,7 +46,7 @@ def _cell(vendor: str, **kw) -> dict:
 def _manifests() -> list[tuple[str, dict]]:
     out = []
     for vendor in VENDORS:
-        for doc in load_kustomization(ROOT / "k8s" / "overlays" / vendor):
+        for doc in load_kustomization(K8S / "overlays" / vendor):
             out.append((f"{vendor}:{doc['kind']}", doc))
         out.append((f"{vendor}:rendered-job", _cell(vendor)))
     return out
@@ -86,7 +87,7 @@ def test_kubernetes_validate_cli_strict_on_rendered_files(tmp_path):
 @pytest.mark.parametrize("vendor", VENDORS)
 def test_same_manifests_as_kubectl_kustomize(vendor):
     built = subprocess.run(
-        ["kubectl", "kustomize", str(ROOT / "k8s" / "overlays" / vendor)],
+        ["kubectl", "kustomize", str(K8S / "overlays" / vendor)],
         capture_output=True,
         text=True,
         check=True,
@@ -95,7 +96,7 @@ def test_same_manifests_as_kubectl_kustomize(vendor):
     def key(d):
         return d["kind"], d["metadata"]["name"]
 
-    assert sorted(load_kustomization(ROOT / "k8s" / "overlays" / vendor), key=key) == sorted(
+    assert sorted(load_kustomization(K8S / "overlays" / vendor), key=key) == sorted(
         (d for d in yaml.safe_load_all(built) if d), key=key
     )
 
@@ -164,7 +165,7 @@ def test_job_properties(vendor):
 
 
 def test_rbac_is_least_privilege():
-    docs = {d["kind"]: d for d in load_kustomization(ROOT / "k8s" / "base")}
+    docs = {d["kind"]: d for d in load_kustomization(K8S / "base")}
     rules = {
         (r["apiGroups"][0], r["resources"][0]): sorted(r["verbs"]) for r in docs["Role"]["rules"]
     }

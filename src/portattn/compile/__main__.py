@@ -1,11 +1,14 @@
 """``python -m portattn.compile``: run the compile matrix and write its reports.
 
-Exit status: 0 when every cell passes the gate, 1 when any fails, 2 on a usage error.
+Exit status: 0 when every cell passes the gate, 1 when any fails, 2 on a usage error. The
+heatmap is optional: without matplotlib the run says so before compiling and writes the other
+reports.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -16,9 +19,17 @@ from portattn.compile.matrix import CellResult, parse_targets, run_matrix
 from portattn.compile.report import summary_table, write_heatmap, write_json, write_markdown
 from portattn.platform import TARGETS
 
+#: What the PNG heatmap needs beyond the compile matrix itself.
+HEATMAP_MODULES = ("matplotlib", "numpy")
+
 
 def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def missing_heatmap_modules() -> list[str]:
+    """The modules of :data:`HEATMAP_MODULES` that cannot be imported here."""
+    return [m for m in HEATMAP_MODULES if importlib.util.find_spec(m) is None]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     if not cases:
         print("error: no case matches the filters", file=sys.stderr)
         return 2
+    png = not args.no_png
+    missing = missing_heatmap_modules() if png else []
+    if missing:  # said before compiling, not after: the heatmap is skipped, the rest is written
+        print(
+            f"warning: {', '.join(missing)} not installed: no heatmap (compile_matrix.png); "
+            "install it, or pass --no-png to silence this",
+            file=sys.stderr,
+            flush=True,
+        )
+        png = False
     total = len(cases) * len(targets)
     print(
         f"compile matrix: {len(cases)} cases x {len(targets)} targets = {total} cells, "
@@ -100,12 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     write_json(cells, os.path.join(args.out, "compile_matrix.json"), meta)
     write_markdown(cells, os.path.join(args.out, "compile_matrix.md"), meta)
-    if not args.no_png:
+    if png:
         write_heatmap(cells, os.path.join(args.out, "compile_matrix.png"))
     print(summary_table(cells, max_rows=args.max_rows))
     print(
         f"wall {wall:.1f} s; reports in {args.out}/compile_matrix.{{json,md"
-        f"{'' if args.no_png else ',png'}}}"
+        f"{',png' if png else ''}}}"
     )
     return 0 if all(c.passed for c in cells) else 1
 
