@@ -230,6 +230,7 @@ def k8s_pod_spec(cell: Cell, command: Sequence[str], *, commit: str, image: str)
         image=image,
         commit=commit,
         cell=cell.name,
+        arch=cell.target,
         session=cell.nox_session,
         nox_args=cell.nox_args(),
         cell_timeout_s=max(60, cell.timeout_minutes * 60 - 300),

@@ -148,6 +148,7 @@ def run_cells(
             image=default_image(c.spec.vendor, commit),
             commit=commit,
             cell=c.name,
+            arch=c.target,
             namespace=namespace,
         )
         for c in cells

@@ -24,13 +24,18 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.resources
+import json
 import os
 import re
+import shutil
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from kubematrix.matrix import BACKENDS
 
 __all__ = [
     "CELL_CONTAINER",
@@ -48,6 +53,9 @@ VENDORS = ("cuda", "rocm")
 #: Suites a cell can run; each is a nox session of the same name running ``pytest -m <suite>``.
 SUITES = ("paged", "mla", "hybrid", "specdec", "policy", "compile", "gpu")
 CELL_CONTAINER = "cell"
+# Kueue admission, behind one setting: the LocalQueue named by $KUBEMATRIX_KUEUE_QUEUE.
+KUEUE_QUEUE_ENV = "KUBEMATRIX_KUEUE_QUEUE"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 RESULTS_PATH = "/results/junit.xml"
 DEFAULT_NAMESPACE = "portattn-ci"
 
@@ -99,17 +107,17 @@ def _strategic_merge(base: Any, patch: Any, key: str = "") -> Any:
         return out
     if isinstance(base, list) and isinstance(patch, list) and key in _MERGE_KEYS:
         merge_key = _MERGE_KEYS[key]
-        out_list = list(base)
+        out_list, added = list(base), []
         for item in patch:
             idx = next(
                 (i for i, b in enumerate(out_list) if b.get(merge_key) == item.get(merge_key)),
                 None,
             )
             if idx is None:
-                out_list.append(copy.deepcopy(item))
+                added.append(copy.deepcopy(item))
             else:
                 out_list[idx] = _strategic_merge(out_list[idx], item)
-        return out_list
+        return added + out_list  # kustomize puts a patch's new entries first
     return copy.deepcopy(patch)
 
 
@@ -180,12 +188,53 @@ def load_kustomization(directory: Path | str) -> list[dict]:
     return docs
 
 
-def _job_template(vendor: str, k8s_dir: Path) -> dict:
-    docs = load_kustomization(k8s_dir / "overlays" / vendor)
+# Which kustomize builds the templates: "auto" (kubectl's built-in where kubectl is installed,
+# else the subset above), "kubectl" (required) or "builtin" (the subset only).
+KUSTOMIZE_ENV = "KUBEMATRIX_KUSTOMIZE"
+KUSTOMIZE_MODES = ("auto", "kubectl", "builtin")
+
+
+def build_kustomization(directory: Path | str, mode: str | None = None) -> list[dict]:
+    """``directory``'s kustomization, built by the real kustomize (``kubectl kustomize``) where
+    kubectl is installed, so admins' own patches (PVCs, tolerations, replacements) work; else by
+    :func:`load_kustomization`, which names any field it does not implement.
+
+    Raises:
+        ValueError: an unknown mode, ``kubectl`` asked for but not installed, or kustomize's own
+            error (quoted).
+    """
+    mode = mode or os.environ.get(KUSTOMIZE_ENV, "auto")
+    if mode not in KUSTOMIZE_MODES:
+        raise ValueError(f"render: {KUSTOMIZE_ENV} must be one of {KUSTOMIZE_MODES}; got {mode!r}")
+    kubectl = shutil.which("kubectl") if mode != "builtin" else None
+    if kubectl is None:
+        if mode == "kubectl":
+            raise ValueError(f"render: {KUSTOMIZE_ENV}=kubectl but kubectl is not installed")
+        try:
+            return load_kustomization(directory)
+        except ValueError as exc:
+            raise ValueError(
+                f"{exc} (install kubectl to build it with the real kustomize)"
+            ) from exc
+    proc = subprocess.run(
+        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise ValueError(f"render: kubectl kustomize {directory} failed: {proc.stderr.strip()}")
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def archs(vendor: str) -> tuple[str, ...]:
+    """The GPU architectures of a vendor's pools (an overlay each), the first the default."""
+    return tuple(a.name for a in BACKENDS[vendor].archs) if vendor in BACKENDS else ()
+
+
+def _job_template(overlay: str, k8s_dir: Path) -> dict:
+    docs = build_kustomization(k8s_dir / "overlays" / overlay)
     jobs = [d for d in docs if d["kind"] == "Job"]
     if len(jobs) != 1:
-        raise ValueError(f"render: overlay {vendor} must build exactly one Job; got {len(jobs)}")
-    return jobs[0]
+        raise ValueError(f"render: overlay {overlay} must build exactly one Job; got {len(jobs)}")
+    return json.loads(json.dumps(jobs[0]))  # plain dicts, whichever kustomize built it
 
 
 # --------------------------------------------------------------------------- cell parameters
@@ -243,8 +292,11 @@ def render_job(
     ttl_after_finished_s: int = 3600,
     supplemental_groups: Sequence[int] | None = None,
     k8s_dir: Path | str | None = None,
+    arch: str | None = None,
+    queue_name: str | None = None,
 ) -> dict:
-    """The Job manifest for one cell: the vendor overlay's Job with the cell's parameters.
+    """The Job manifest for one cell: its architecture's overlay's Job (the vendor overlay plus
+    the arch's node selection) with the cell's parameters.
 
     Args:
         vendor: ``"cuda"`` or ``"rocm"`` (the overlay under ``overlays/``).
@@ -266,6 +318,11 @@ def render_job(
         ttl_after_finished_s: garbage collection of a finished Job the launcher did not delete.
         supplemental_groups: the pod's supplemental GIDs (AMD: the node's video and render
             groups); ``None`` keeps the overlay's value.
+        arch: the GPU architecture (``overlays/<arch>``: nodes of that architecture only, and
+            the arch the cell's first test expects); defaults to the vendor's first.
+        queue_name: a Kueue LocalQueue to admit the Job through (the
+            ``kueue.x-k8s.io/queue-name`` label); defaults to ``$KUBEMATRIX_KUEUE_QUEUE``, none
+            when that is unset.
         k8s_dir: the template directory; defaults to :func:`default_k8s_dir`.
 
     Raises:
@@ -295,18 +352,26 @@ def render_job(
         errors.append(f"ttl_after_finished_s must be >= 0; got {ttl_after_finished_s}")
     if supplemental_groups is not None and any(g < 0 for g in supplemental_groups):
         errors.append(f"supplemental_groups must be GIDs >= 0; got {list(supplemental_groups)}")
+    if vendor in VENDORS and arch is not None and arch not in archs(vendor):
+        errors.append(f"arch must be one of {archs(vendor)} for {vendor}; got {arch!r}")
+    queue_name = queue_name or os.environ.get(KUEUE_QUEUE_ENV) or None
+    if queue_name is not None and not _DNS_LABEL.match(queue_name):
+        errors.append(f"queue_name must be a Kueue LocalQueue name (DNS label); got {queue_name!r}")
     if errors:
         raise ValueError("render_job: " + "; ".join(errors))
 
     cell = cell or f"{vendor}-{suite}"
     name = job_name(commit, cell)
-    job = copy.deepcopy(_job_template(vendor, Path(k8s_dir) if k8s_dir else default_k8s_dir()))
+    arch = arch or archs(vendor)[0]
+    job = copy.deepcopy(_job_template(arch, Path(k8s_dir) if k8s_dir else default_k8s_dir()))
 
     meta = job["metadata"]
     meta["name"] = name
     meta["namespace"] = namespace
-    labels = {"portattn.dev/suite": suite, "portattn.dev/vendor": vendor}
+    labels = {"portattn.dev/suite": suite, "portattn.dev/vendor": vendor, "portattn.dev/arch": arch}
     meta.setdefault("labels", {}).update(labels)
+    if queue_name:
+        meta["labels"][KUEUE_QUEUE_LABEL] = queue_name
     meta["annotations"] = {
         **meta.get("annotations", {}),
         "portattn.dev/commit": commit,

@@ -12,7 +12,9 @@ import pytest
 import yaml
 from kubernetes import client
 
+from kubematrix import buildkite, render
 from kubematrix.cell import decode_results, encode_results
+from kubematrix.matrix import ARCH_ENV, all_cells
 from kubematrix.render import job_name, load_kustomization, render_job, render_pod_spec
 
 pytestmark = pytest.mark.ci
@@ -81,11 +83,15 @@ def test_kubernetes_validate_cli_strict_on_rendered_files(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+OVERLAYS = (*VENDORS, "sm_90", "sm_100", "gfx942", "gfx950")
+
+
 @pytest.mark.skipif(
     shutil.which("kubectl") is None, reason="kubectl (with kustomize) not installed"
 )
-@pytest.mark.parametrize("vendor", VENDORS)
-def test_same_manifests_as_kubectl_kustomize(vendor):
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_same_manifests_as_kubectl_kustomize(overlay):
+    vendor = overlay
     built = subprocess.run(
         ["kubectl", "kustomize", str(K8S / "overlays" / vendor)],
         capture_output=True,
@@ -230,3 +236,86 @@ def test_results_round_trip_through_log_lines():
     assert decode_results(lines, "tok") == (data, 1)
     assert decode_results(lines, "other") == (None, None)
     assert decode_results(lines[:-3], "tok") == (None, None)  # cut before END
+
+
+# Node labels that tell an architecture apart: NVIDIA GPU feature discovery's compute capability;
+# AMD's node labeller's PCI device ids (its family label is "AI" for every CDNA part).
+PLACEMENT = {
+    "sm_90": ("nvidia.com/gpu.compute.major", "9", "nvidia.com/gpu.compute.minor", "0"),
+    "sm_100": ("nvidia.com/gpu.compute.major", "10", "nvidia.com/gpu.compute.minor", "0"),
+    "gfx942": ("amd.com/gpu.device-id", ["74a0", "74a1", "74a5", "74b5"]),
+    "gfx950": ("amd.com/gpu.device-id", ["75a0", "75a3"]),
+}
+
+
+def _placement(pod: dict, arch: str) -> None:
+    """``pod`` lands on ``arch``'s nodes only and tells its first test which arch to expect."""
+    want = PLACEMENT[arch]
+    if arch.startswith("sm_"):
+        selector = pod["nodeSelector"]
+        assert (selector[want[0]], selector[want[2]]) == (want[1], want[3])
+        assert "affinity" not in pod
+    else:
+        (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ]
+        assert term["matchExpressions"] == [{"key": want[0], "operator": "In", "values": want[1]}]
+    (container,) = pod["containers"]
+    assert {"name": ARCH_ENV, "value": arch} in container["env"]
+
+
+@pytest.mark.parametrize("mode", ["builtin", "kubectl"])
+def test_every_gpu_cell_is_placed_on_its_architecture(mode, monkeypatch):
+    if mode == "kubectl" and shutil.which("kubectl") is None:
+        pytest.skip("kubectl not installed")
+    monkeypatch.setenv(render.KUSTOMIZE_ENV, mode)
+    gpu_cells = [c for c in all_cells() if c.spec.is_gpu]
+    assert {c.target for c in gpu_cells} == set(PLACEMENT)
+    for cell in gpu_cells:  # the launcher's Jobs and the k8s lane's podSpecs alike
+        job = render_job(
+            vendor=cell.spec.vendor, suite=cell.suite, image="i", commit="c", arch=cell.target
+        )
+        assert job["metadata"]["labels"]["portattn.dev/arch"] == cell.target
+        _placement(job["spec"]["template"]["spec"], cell.target)
+    steps = buildkite.generate(lanes="k8s", commit="c")["steps"]
+    pods = {
+        s["key"]: s["plugins"][0]["kubernetes"]["podSpec"]
+        for group in steps
+        for s in group.get("steps", [group])
+        if "plugins" in s and not s["key"].startswith("image-")
+    }
+    for cell in gpu_cells:
+        _placement(pods[cell.name], cell.target)
+
+
+def test_the_default_arch_is_the_vendors_first_and_a_foreign_arch_is_refused():
+    _placement(render_pod_spec(vendor="cuda", suite="mla", image="i", commit="c"), "sm_90")
+    _placement(render_pod_spec(vendor="rocm", suite="mla", image="i", commit="c"), "gfx942")
+    with pytest.raises(ValueError, match=r"arch must be one of \('sm_90', 'sm_100'\) for cuda"):
+        render_job(vendor="cuda", suite="mla", image="i", commit="c", arch="gfx942")
+
+
+def test_kueue_admission_is_one_setting(monkeypatch):
+    monkeypatch.delenv(render.KUEUE_QUEUE_ENV, raising=False)
+    assert render.KUEUE_QUEUE_LABEL not in _cell("cuda")["metadata"]["labels"]
+    monkeypatch.setenv(render.KUEUE_QUEUE_ENV, "gpu-ci")
+    assert _cell("rocm")["metadata"]["labels"][render.KUEUE_QUEUE_LABEL] == "gpu-ci"
+    with pytest.raises(ValueError, match="queue_name must be a Kueue LocalQueue name"):
+        _cell("rocm", queue_name="Not A Queue")
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_the_real_kustomize_builds_what_the_subset_refuses(tmp_path, monkeypatch):
+    """An admin's own edit with a field the subset lacks (a label transformer here)."""
+    shutil.copytree(K8S, tmp_path, dirs_exist_ok=True)
+    kfile = tmp_path / "overlays" / "sm_90" / "kustomization.yaml"
+    kfile.write_text(kfile.read_text() + "labels:\n  - pairs:\n      team: kernels\n")
+    kw = dict(vendor="cuda", suite="mla", image="i", commit="c", k8s_dir=tmp_path)
+    monkeypatch.setenv(render.KUSTOMIZE_ENV, "kubectl")
+    assert render_job(**kw)["metadata"]["labels"]["team"] == "kernels"
+    monkeypatch.setenv(render.KUSTOMIZE_ENV, "builtin")
+    with pytest.raises(ValueError, match=r"install kubectl to build it with the real kustomize"):
+        render_job(**kw)
+    monkeypatch.setenv(render.KUSTOMIZE_ENV, "fast")
+    with pytest.raises(ValueError, match="KUBEMATRIX_KUSTOMIZE must be one of"):
+        render_job(**kw)
