@@ -8,27 +8,73 @@ from __future__ import annotations
 import os
 
 import nox
+from nox.command import CommandFailed
 
-nox.options.default_venv_backend = "venv"
+nox.options.default_venv_backend = "uv|venv"  # uv where it is installed, else the stdlib venv
 nox.options.sessions = ["lint", "tests", "compile"]
 nox.options.reuse_existing_virtualenvs = True
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
-CPU_TORCH: str = PYPROJECT["tool"]["portattn"]["cpu-torch"]
 EXTRAS: dict[str, list[str]] = PYPROJECT["project"]["optional-dependencies"]
+
+# Where torch comes from: an index URL added to the torch install (e.g. PyTorch's CPU or ROCm
+# index); unset, pip's own configuration (PyPI, or a mirror / wheelhouse in pip.conf).
+TORCH_INDEX_ENV = "PORTATTN_TORCH_INDEX"
+# Set to 1 in the CI images: the image's environment is the one under test; install nothing.
+IMAGE_ENV = "PORTATTN_IMAGE"
+# A device node per GPU backend (checked without importing torch into nox).
+DEVICE_NODES = {"cuda": "/dev/nvidia0", "rocm": "/dev/kfd"}
+
+
+def _backend() -> str:
+    """``cuda`` or ``rocm`` where such a device is visible, else ``cpu``."""
+    return next((b for b, node in DEVICE_NODES.items() if os.path.exists(node)), "cpu")
 
 
 def _has_gpu() -> bool:
-    """A CUDA/HIP device is visible (checked without importing torch into nox)."""
-    return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/kfd"))
+    return _backend() != "cpu"
+
+
+def _environment_as_is(session: nox.Session) -> bool:
+    """A CI image (``$PORTATTN_IMAGE=1``) or ``--no-venv``: test this environment, install none."""
+    return os.environ.get(IMAGE_ENV, "") == "1" or session.venv_backend == "none"
 
 
 def install_project(session: nox.Session, *extras: str) -> None:
-    """Install portattn with ``extras``; on a CPU machine pin torch's CPU build first."""
-    if not _has_gpu():
-        session.install(CPU_TORCH)
+    """Install portattn with ``extras`` under the backend's exact pins (constraints/<backend>.txt),
+    torch first from ``$PORTATTN_TORCH_INDEX`` if set; in a CI image (``$PORTATTN_IMAGE=1``) or
+    with ``--no-venv``, nothing: the image's torch, Triton and extras are what is tested."""
+    if _environment_as_is(session):
+        session.log(f"{IMAGE_ENV}=1 or --no-venv: testing this environment as it is (no install)")
+        return
+    backend = _backend()
+    pins = ["-c", f"constraints/{backend}.txt"]
+    index = os.environ.get(TORCH_INDEX_ENV, "").strip()
+    if backend == "rocm" and not index:  # PyPI's Linux torch is a CUDA build
+        session.error(
+            f"rocm: set {TORCH_INDEX_ENV} to PyTorch's ROCm wheel index for the torch in "
+            "constraints/rocm.txt (e.g. https://download.pytorch.org/whl/rocm6.4), or run in the "
+            f"ROCm image ({IMAGE_ENV}=1)"
+        )
+    if session.venv_backend == "uv":  # uv's venvs have no pip; tests/ci and tools/ call it
+        session.install("pip")
+    try:
+        session.install(*pins, *(["--extra-index-url", index] if index else []), "torch")
+    except CommandFailed:
+        session.error(
+            f"{backend}: no torch matching constraints/{backend}.txt on the configured indexes; "
+            f"set {TORCH_INDEX_ENV} to the index that has it (CPU build: "
+            "https://download.pytorch.org/whl/cpu)"
+        )
     spec = f".[{','.join(extras)}]" if extras else "."
-    session.install("-e", spec)
+    session.install(*pins, "-e", spec)
+
+
+def _pytest_workers(session: nox.Session) -> str:
+    """The installed kubematrix's worker count (the local runner's too: one number everywhere)."""
+    code = "from kubematrix.matrix import pytest_workers; print(pytest_workers())"
+    out = session.run("python", "-c", code, silent=True)
+    return str(out).strip().splitlines()[-1] if out else "1"
 
 
 @nox.session
@@ -45,7 +91,8 @@ def tests(session: nox.Session) -> None:
     """The CPU gate: policies, every kernel under TRITON_INTERPRET=1, compile matrix, CI layer."""
     install_project(session, "test", "ci", "hybrid")
     env = {"TRITON_INTERPRET": "1"}
-    session.run("pytest", "-n", "2", "-m", "not gpu", *session.posargs, env=env)
+    workers = _pytest_workers(session)
+    session.run("pytest", "-n", workers, "-m", "not gpu", *session.posargs, env=env)
 
 
 @nox.session(name="compile")
@@ -62,7 +109,7 @@ def gpu(session: nox.Session) -> None:
     if not _has_gpu():
         session.error("gpu: no CUDA/HIP device node (/dev/nvidia0 or /dev/kfd) on this machine")
     install_project(session, "test")
-    session.run("pytest", "-m", "gpu", *session.posargs)
+    session.run("pytest", "-n", _pytest_workers(session), "-m", "gpu", *session.posargs)
 
 
 # One session per kernel suite (pytest marker): what a matrix cell runs in a Buildkite step or a
@@ -77,6 +124,8 @@ WHEELHOUSE = os.environ.get("PORTATTN_WHEELHOUSE", "/opt/wheels")
 
 def _mamba_extensions(session: nox.Session) -> None:
     """mamba-ssm / causal-conv1d: the GPU image's prebuilt wheels; on a CPU machine, none."""
+    if _environment_as_is(session):  # the images install them from /opt/wheels
+        return
     if not _has_gpu():
         session.log(
             "hybrid: CPU machine: mamba-ssm and causal-conv1d are CUDA/HIP extensions and do not "
@@ -100,12 +149,14 @@ def _suite_session(suite: str) -> None:
             _mamba_extensions(session)
         # tests/ci needs the `ci` extra and holds only `ci`-marked tests: not collected here.
         skip_ci = "--ignore=tests/ci"
+        xdist = ["-n", _pytest_workers(session)]
         if _has_gpu():  # the whole suite on the device, but the CPU-only (`cpu`) tests
-            session.run("pytest", skip_ci, "-m", f"{suite} and not cpu", *session.posargs)
+            marker = f"{suite} and not cpu"
+            session.run("pytest", skip_ci, *xdist, "-m", marker, *session.posargs)
         else:
             marker = f"{suite} and not gpu"
             env = {"TRITON_INTERPRET": "1"}
-            session.run("pytest", skip_ci, "-n", "logical", "-m", marker, *session.posargs, env=env)
+            session.run("pytest", skip_ci, *xdist, "-m", marker, *session.posargs, env=env)
 
     run.__doc__ = f"Matrix suite {suite}: pytest -m {suite} (TRITON_INTERPRET=1 without a GPU)."
     nox.session(name=suite, default=False)(run)

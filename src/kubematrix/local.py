@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from kubematrix.matrix import COMPILE_MODULE, Cell, Host, why_not_runnable
+from kubematrix.matrix import pytest_workers as default_workers
 from kubematrix.report import (
     COMPILE_JSON,
     CellResult,
@@ -38,15 +39,6 @@ from kubematrix.report import (
 
 HEARTBEAT_SECONDS = 30.0
 LOG_TAIL_LINES = 25
-
-
-def default_workers() -> int:
-    """pytest-xdist workers per cell: the usable cores, at most 8 (startup cost per worker)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, 8))
 
 
 def cell_command(

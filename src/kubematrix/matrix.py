@@ -36,6 +36,21 @@ from pathlib import Path
 
 RUNNERS = ("local", "k8s")
 COMPILE_MODULE = "portattn.compile"
+#: pytest-xdist workers a cell uses at most (each worker pays the imports and compiles again).
+MAX_PYTEST_WORKERS = 8
+
+
+def pytest_workers() -> int:
+    """pytest-xdist workers per cell, for every runner: the usable cores, at most
+    :data:`MAX_PYTEST_WORKERS`. The local runner passes it to pytest; the nox sessions (what a
+    Buildkite step and a Kubernetes Job run) ask the installed kubematrix for it."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_PYTEST_WORKERS))
+
+
 # The architecture a GPU cell must run on; tests/test_cell_arch.py compares the live device to it.
 ARCH_ENV = "PORTATTN_CELL_ARCH"
 

@@ -1,0 +1,193 @@
+"""One dependency story per backend: ranges in pyproject.toml, exact pins per backend in
+constraints/, torch from one configurable index, images tested as they are, one worker count."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import pytest
+from nox.command import CommandFailed
+from nox.project import load_toml  # tomllib is 3.11+; the project supports 3.10
+from packaging.requirements import Requirement
+
+from kubematrix import local, matrix
+
+pytestmark = pytest.mark.ci
+
+ROOT = Path(__file__).resolve().parents[2]
+BACKENDS = ("cpu", "cuda", "rocm")
+
+
+def _pins(backend: str) -> dict[str, str]:
+    """``name -> version`` of the exact pins in ``constraints/<backend>.txt``."""
+    text = (ROOT / "constraints" / f"{backend}.txt").read_text()
+    lines = [line.split("#")[0].strip() for line in text.splitlines()]
+    pins = {}
+    for line in filter(None, lines):
+        m = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)", line)
+        if m:
+            pins[m[1].lower()] = m[2]
+    return pins
+
+
+def test_the_library_declares_ranges_that_every_backends_pins_satisfy():
+    deps = [Requirement(d) for d in load_toml(ROOT / "pyproject.toml")["project"]["dependencies"]]
+    assert {d.name for d in deps} >= {"torch", "triton"}
+    for dep in deps:
+        assert dep.specifier, f"{dep} has no range"
+        assert not any(s.operator in ("==", "===") for s in dep.specifier), f"{dep} is a pin"
+    for backend in BACKENDS:
+        pins = _pins(backend)
+        for dep in deps:
+            assert dep.name in pins, f"constraints/{backend}.txt pins no {dep.name}"
+            assert dep.specifier.contains(pins[dep.name], prereleases=True), (backend, dep)
+
+
+def test_cpu_pins_torchs_cpu_build_which_pypi_does_not_have():
+    """PyPI's Linux torch is the CUDA build: a `+cpu` pin can only resolve to a CPU build."""
+    assert _pins("cpu")["torch"].endswith("+cpu")
+
+
+# -- the noxfile's install story, with a stand-in session ----------------------------------------
+
+
+class FakeSession:
+    def __init__(self, venv_backend: str = "venv", torch_missing: bool = False) -> None:
+        self.venv_backend = venv_backend
+        self.torch_missing = torch_missing
+        self.installs: list[list[str]] = []
+        self.runs: list[list[str]] = []
+        self.posargs: list[str] = []
+
+    def install(self, *args: str) -> None:
+        self.installs.append(list(args))
+        if self.torch_missing and args[-1] == "torch":
+            raise CommandFailed("no matching distribution")
+
+    def run(self, *args: str, silent: bool = False, **_: object) -> str | None:
+        self.runs.append(list(args))
+        return "3\n" if silent else None
+
+    def log(self, *_: object) -> None:
+        pass
+
+    def warn(self, *_: object) -> None:
+        pass
+
+    def error(self, message: str) -> None:
+        raise RuntimeError(message)
+
+
+@pytest.fixture(scope="module")
+def noxfile():
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the noxfile reads pyproject.toml relative to itself, as nox runs it
+    try:
+        spec = importlib.util.spec_from_file_location("portattn_noxfile", ROOT / "noxfile.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        os.chdir(cwd)
+    return module
+
+
+@pytest.fixture
+def machine(noxfile, monkeypatch):
+    """Pretend a backend's device is (not) there; no index, not in an image."""
+    monkeypatch.delenv(noxfile.TORCH_INDEX_ENV, raising=False)
+    monkeypatch.delenv(noxfile.IMAGE_ENV, raising=False)
+
+    def use(backend: str) -> None:
+        monkeypatch.setattr(noxfile, "_backend", lambda: backend)
+
+    use("cpu")
+    return use
+
+
+def test_a_cpu_session_installs_torch_then_the_project_under_the_cpu_pins(noxfile, machine):
+    session = FakeSession()
+    noxfile.tests(session)
+    pins = ["-c", "constraints/cpu.txt"]
+    assert session.installs == [[*pins, "torch"], [*pins, "-e", ".[test,ci,hybrid]"]]
+    pytest_run = next(r for r in session.runs if r[0] == "pytest")
+    assert pytest_run[:3] == ["pytest", "-n", "3"]  # the installed kubematrix's worker count
+
+
+def test_the_torch_index_variable_adds_an_index_to_the_torch_install_only(
+    noxfile, machine, monkeypatch
+):
+    monkeypatch.setenv(noxfile.TORCH_INDEX_ENV, "https://download.pytorch.org/whl/cpu")
+    session = FakeSession()
+    noxfile.install_project(session, "test")
+    torch, project = session.installs
+    assert torch == [
+        "-c",
+        "constraints/cpu.txt",
+        "--extra-index-url",
+        "https://download.pytorch.org/whl/cpu",
+        "torch",
+    ]
+    assert "--extra-index-url" not in project
+
+
+def test_a_missing_cpu_build_stops_naming_the_index_variable(noxfile, machine):
+    with pytest.raises(RuntimeError, match="set PORTATTN_TORCH_INDEX .*whl/cpu"):
+        noxfile.install_project(FakeSession(torch_missing=True), "test")
+
+
+def test_rocm_outside_its_image_needs_a_torch_index(noxfile, machine, monkeypatch):
+    machine("rocm")
+    with pytest.raises(RuntimeError, match="rocm: set PORTATTN_TORCH_INDEX"):
+        noxfile.install_project(FakeSession(), "test")
+    monkeypatch.setenv(noxfile.TORCH_INDEX_ENV, "https://download.pytorch.org/whl/rocm6.4")
+    session = FakeSession()
+    noxfile.install_project(session, "test")
+    assert session.installs[0][:2] == ["-c", "constraints/rocm.txt"]
+
+
+@pytest.mark.parametrize("how", ["image", "no-venv"])
+def test_a_gpu_image_session_tests_the_environment_as_it_is(noxfile, machine, monkeypatch, how):
+    machine("cuda")
+    if how == "image":
+        monkeypatch.setenv(noxfile.IMAGE_ENV, "1")
+    session = FakeSession(venv_backend="none" if how == "no-venv" else "venv")
+    noxfile.install_project(session, "test", "hybrid")
+    noxfile._mamba_extensions(session)
+    assert session.installs == []
+
+
+def test_uv_environments_get_pip_for_the_tools_that_call_it(noxfile, machine):
+    session = FakeSession(venv_backend="uv")
+    noxfile.install_project(session, "test")
+    assert session.installs[0] == ["pip"]
+
+
+def test_nox_prefers_uv_and_falls_back_to_venv(noxfile):
+    assert noxfile.nox.options.default_venv_backend == "uv|venv"
+
+
+# -- one pytest worker count ----------------------------------------------------------------------
+
+
+def test_pytest_workers_are_the_usable_cores_at_most_the_cap(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(64)), raising=False)
+    assert matrix.pytest_workers() == matrix.MAX_PYTEST_WORKERS == 8
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    assert matrix.pytest_workers() == 2
+
+
+def test_the_local_runner_and_the_sessions_use_one_worker_count(noxfile, machine):
+    assert local.default_workers is matrix.pytest_workers
+    session = FakeSession()
+    noxfile.tests(session)
+    (probe,) = [r for r in session.runs if r[:2] == ["python", "-c"]]
+    assert "from kubematrix.matrix import pytest_workers" in probe[2]
+    for suite, backend in (("mla", "cpu"), ("mla", "cuda")):
+        machine(backend)
+        session = FakeSession()
+        noxfile.nox.registry.get()[suite](session)  # the suite's session, as `nox -s mla` runs
+        pytest_run = next(r for r in session.runs if r[0] == "pytest")
+        assert pytest_run[pytest_run.index("-n") + 1] == "3", (suite, backend)
