@@ -93,8 +93,38 @@ def test_search_bound_and_argument_errors():
         select_common_block_size(Participant("a", (16,)), min_block_size=17, max_block_size=100)
     with pytest.raises(ValueError, match="participants must name at least one kernel"):
         select_common_block_size()
-    with pytest.raises(ValueError, match="min_block_size must be >= 1; got 0"):
+    with pytest.raises(ValueError, match="min_block_size must be an int >= 1; got 0"):
         select_common_block_size(Participant("a", (16,)), min_block_size=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(min_block_size=1.5), "min_block_size must be an int >= 1; got 1.5"),
+        (dict(min_block_size=True), "min_block_size must be an int >= 1; got True"),
+        (dict(preferred="16"), "preferred must be an int >= 1 or None; got '16'"),
+        (dict(max_block_size=None), "max_block_size must be an int >= 1; got None"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(f"select_common_block_size: {message}")):
+        select_common_block_size(Participant("a", (16,)), **kwargs)
+
+
+def test_every_bad_argument_in_one_error():
+    with pytest.raises(ValueError) as info:
+        select_common_block_size("draft", Participant("a", (16,)), min_block_size=2.0, preferred=0)
+    msg = str(info.value)
+    for part in ("participants[0] must be a Participant; got str", "min_block_size must be an int",
+                 "preferred must be an int >= 1 or None; got 0"):  # fmt: skip
+        assert part in msg, msg
+
+
+def test_a_bool_is_no_block_size():
+    with pytest.raises(ValueError, match=re.escape("MultipleOf: n must be an int >= 1; got True")):
+        MultipleOf(True)
+    with pytest.raises(ValueError, match="each rule must be an int >= 1 or MultipleOf; got True"):
+        Participant("a", (True,))
 
 
 # -- what the ops declare ----------------------------------------------------------------------

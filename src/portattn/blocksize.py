@@ -26,7 +26,7 @@ class MultipleOf:
     n: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_size(self.n):
             raise ValueError(f"MultipleOf: n must be an int >= 1; got {self.n!r}")
 
     def __contains__(self, size: int) -> bool:
@@ -37,6 +37,11 @@ class MultipleOf:
 
 
 BlockSizeRule = int | MultipleOf
+
+
+def _is_size(x: object) -> bool:
+    """An int >= 1 that is not a bool (``True`` is no block size)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class Participant:
         if not self.supported:
             raise ValueError(f"Participant {self.name!r}: supported must name at least one rule")
         for rule in self.supported:
-            if not isinstance(rule, (int, MultipleOf)) or (isinstance(rule, int) and rule < 1):
+            if not (isinstance(rule, MultipleOf) or _is_size(rule)):
                 raise ValueError(
                     f"Participant {self.name!r}: each rule must be an int >= 1 or MultipleOf; "
                     f"got {rule!r}"
@@ -81,14 +86,23 @@ def select_common_block_size(
         ``preferred`` if acceptable, else the smallest common size >= ``min_block_size``.
 
     Raises:
-        ValueError: no participants, or no common size; the message lists every constraint.
+        ValueError: no participants, an argument that is not what it must be (every one named
+            in one message), or no common size (the message lists every constraint).
     """
+    errors = []
     if not participants:
-        raise ValueError("select_common_block_size: participants must name at least one kernel")
-    if min_block_size < 1:
-        raise ValueError(
-            f"select_common_block_size: min_block_size must be >= 1; got {min_block_size}"
-        )
+        errors.append("participants must name at least one kernel")
+    for i, p in enumerate(participants):
+        if not isinstance(p, Participant):
+            errors.append(f"participants[{i}] must be a Participant; got {type(p).__name__}")
+    if not _is_size(min_block_size):
+        errors.append(f"min_block_size must be an int >= 1; got {min_block_size!r}")
+    if preferred is not None and not _is_size(preferred):
+        errors.append(f"preferred must be an int >= 1 or None; got {preferred!r}")
+    if not _is_size(max_block_size):
+        errors.append(f"max_block_size must be an int >= 1; got {max_block_size!r}")
+    if errors:
+        raise ValueError("select_common_block_size: " + "; ".join(errors))
     ok = lambda s: s >= min_block_size and all(p.accepts(s) for p in participants)  # noqa: E731
     if preferred is not None and ok(preferred):
         return preferred

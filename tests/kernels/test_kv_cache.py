@@ -511,7 +511,7 @@ GATHER_ERRORS = [
         r"cu_seq_lens must be non-decreasing; got a decrease at index 2 \(5 -> 4\)",
     ),
     (
-        dict(out=(_OUT[:7], _OUT[:7])),
+        dict(out=(_OUT[:7], _OUT[:7].clone())),
         ValueError,
         "cu_seq_lens must start at 0 and end at out's total_tokens=7; got first 0, last 8",
     ),

@@ -438,7 +438,7 @@ def _gpu_calls(bounds: bool, bad: bool):
             dtype=torch.float32, device=dev, max_query_len=2, max_seq_len=16,
         )  # fmt: skip
         md = builder.build(sl, a["query_start_loc"], max_query_len=2)
-    gather_out = (torch.empty(15, 2, 16, dtype=torch.float16, device=dev),) * 2
+    gather_out = tuple(torch.empty(15, 2, 16, dtype=torch.float16, device=dev) for _ in "kv")
     exp_sl = _i32(6, 17).to(dev) if bad else sl  # expand knows no num_blocks: past the row
     return {
         "mla_decode": lambda: mla_decode(**a, metadata=md, target=md.target if md else None),

@@ -376,8 +376,16 @@ ERRORS = [
         "kv_lora_rank must be in 1..head_dim_k=320; got 384",
         lambda a: a.update(kv_lora_rank=384),
     ),
-    (ValueError, "scale must be finite and > 0; got -0.1", lambda a: a.update(scale=-0.1)),
-    (ValueError, "scale must be finite and > 0; got nan", lambda a: a.update(scale=math.nan)),
+    (
+        ValueError,
+        r"scale must be a finite float in \(0, 2.359e\+38\] .*; got -0.1",
+        lambda a: a.update(scale=-0.1),
+    ),
+    (
+        ValueError,
+        r"scale must be a finite float in \(0, .*; got nan",
+        lambda a: a.update(scale=math.nan),
+    ),
     (
         ValueError,
         r"seq_lens must be 1-D with >= 1 sequence; got shape \(0,\)",

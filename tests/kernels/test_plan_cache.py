@@ -24,7 +24,7 @@ import torch
 from portattn import reference
 from portattn.kernels import _plans
 from portattn.kernels import mla_decode as mla_module
-from portattn.kernels._checks import reads_contents, tensor_reads_contents
+from portattn.kernels._checks import Disjoint, reads_contents, tensor_reads_contents
 from portattn.kernels._launch import Launch
 from portattn.kernels._plans import PLANS, Plan, PlanCache, Uncacheable, call_key, describe
 from portattn.kernels.kv_cache import (
@@ -818,7 +818,9 @@ def test_gpu_kv_cache_cached_calls():
 
 
 class _Marker:
-    """A stand-in plan: `run` returns its name."""
+    """A stand-in plan: `run` returns its name; it writes no input (`Plan.disjoint`)."""
+
+    disjoint = Disjoint((), ())
 
     def __init__(self, name):
         self.name = name

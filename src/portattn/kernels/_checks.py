@@ -13,6 +13,10 @@ when it turns an index into an address -- on host copies of the metadata:
 | `slots_errors`        | flat slots < num_blocks * block_size   | write (-1 ok), MLA indices    |
 | `page_indices_errors` | indptr gives each sequence seq_lens[i] | MLA with page_indices         |
 | `num_indices_errors`  | num_indices == sum(seq_lens)           | expand_page_indices           |
+| `scale_errors`        | scale finite, > 0, fp32-representable  | paged, MLA                    |
+|                       | after the kernels' ``* log2(e)``       |                               |
+| `overlap_errors`      | written tensors overlap neither an     | every op with a write target  |
+|                       | input nor each other, nor themselves   |                               |
 
 Only USED entries are checked: block-table columns past ``ceil(seq_len / block_size)`` and page
 indices past ``indptr[-1]`` may hold anything (-1, garbage), as the kernels never read them.
@@ -25,14 +29,29 @@ write_kv_cache's ``slot_mapping``) nothing is read: the caller vouches for the v
 call stays free of host syncs (CUDA-graph capturable).
 
 Every routine returns a list of reasons (empty: valid) in the ops' style, ``"<argument> must
-<rule>; got <value>"``, naming only the offending scalars and their indices.
+<rule>; got <value>"``, naming only the offending scalars and their indices. `Problems` gathers
+one call's reasons, type and value alike, and raises them together.
+
+Overlap (`overlap_errors`, and `Disjoint` for the plan cache's hits) is decided from shapes,
+strides and addresses only, never contents: two tensors are disjoint when their byte ranges do
+not meet, or when one period ``P`` (a byte stride of either) splits both into whole periods plus
+an inner footprint shorter than ``P`` and the two footprints, taken modulo ``P``, do not meet
+(a K and a V cache interleaved page by page in one buffer; ``query`` and ``out`` as two halves
+of one row). Anything else sharing bytes counts as overlapping. A write target must also not
+overlap itself: its dims, smallest stride first, must each step past everything the smaller
+ones span (a stride-0 view fails).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from numbers import Real
 
 import torch
+
+#: The largest softmax scale the kernels take: they compute ``scale * log2(e)`` in fp32.
+MAX_SCALE = torch.finfo(torch.float32).max / 1.4426950408889634
 
 
 def reads_contents(device: torch.device, vouched: bool) -> bool:
@@ -66,6 +85,181 @@ def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def raise_errors(op: str, errors: list[str]) -> None:
     if errors:
         raise ValueError(f"{op}: " + "; ".join(errors))
+
+
+class Problems:
+    """Every problem of one call, raised together (`raise_if_any`): a TypeError when any of
+    them is a type problem, else a ValueError, the message listing all of them in the order
+    found, ``"<op>: <reason>; <reason>"``."""
+
+    def __init__(self, op: str):
+        self.op = op
+        self.reasons: list[str] = []
+        self.has_type = False
+
+    def __bool__(self) -> bool:
+        return bool(self.reasons)
+
+    def type(self, reason: str) -> None:
+        self.reasons.append(reason)
+        self.has_type = True
+
+    def value(self, *reasons: str) -> None:
+        self.reasons.extend(reasons)
+
+    def run(self, fn: Callable, *args, **kwargs):
+        """``fn(*args, **kwargs)``; a TypeError or ValueError it raises (in the ``"<op>: ..."``
+        form) becomes one reason, and the result is ``None``."""
+        try:
+            return fn(*args, **kwargs)
+        except TypeError as e:
+            self.type(str(e).removeprefix(f"{self.op}: "))
+        except ValueError as e:
+            self.value(str(e).removeprefix(f"{self.op}: "))
+        return None
+
+    def raise_if_any(self) -> None:
+        if self.reasons:
+            kind = TypeError if self.has_type else ValueError
+            raise kind(f"{self.op}: " + "; ".join(self.reasons))
+
+
+def is_int(x) -> bool:
+    """A Python int that is not a bool (``True`` is no block size, count or rank)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def scale_errors(scale, *, optional: bool = False) -> list[str]:
+    """``scale`` is a real number, finite, > 0 and at most `MAX_SCALE` (the kernels scale fp32
+    scores by ``scale * log2(e)``, which must stay finite); ``None`` too with ``optional``."""
+    if optional and scale is None:
+        return []
+    ok = not isinstance(scale, bool) and isinstance(scale, Real)
+    if ok and math.isfinite(scale) and 0 < scale <= MAX_SCALE:
+        return []
+    none = " or None" if optional else ""
+    return [
+        f"scale must be a finite float in (0, {MAX_SCALE:.4g}] (the kernels take scale * "
+        f"log2(e) in fp32){none}; got {scale!r}"
+    ]
+
+
+# -- overlap --------------------------------------------------------------------------------
+
+
+def _dims(t: torch.Tensor) -> list[tuple[int, int]]:
+    """``(byte stride, size)`` of each dim of ``t`` with more than one element."""
+    es = t.element_size()
+    return [(st * es, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1]
+
+
+def span(t: torch.Tensor) -> int:
+    """Bytes from ``t.data_ptr()`` to the end of its last element (0: empty)."""
+    if t.numel() == 0:
+        return 0
+    return sum(st * (n - 1) for st, n in _dims(t)) + t.element_size()
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share bytes: its dims, smallest stride first, must
+    each step past everything the smaller ones span (stride 0 fails; so do a few exotic
+    non-overlapping views, which are refused as a write target all the same)."""
+    reach = t.element_size()
+    for st, n in sorted(_dims(t)):
+        if st < reach:
+            return True
+        reach += st * (n - 1)
+    return False
+
+
+def _footprint(t: torch.Tensor, period: int) -> int | None:
+    """The bytes past ``data_ptr() mod period`` that ``t``'s elements cover modulo ``period``,
+    when every dim steps by a multiple of ``period`` or stays within one period; else None."""
+    inner = t.element_size() + sum(st * (n - 1) for st, n in _dims(t) if st % period)
+    return inner if inner <= period else None
+
+
+def disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share no byte (module docstring: ranges, then periods)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0 or a.is_meta:
+        return True
+    pa, pb = a.data_ptr(), b.data_ptr()
+    if pa + span(a) <= pb or pb + span(b) <= pa:
+        return True
+    for period in sorted({st for st, _ in _dims(a) + _dims(b)}, reverse=True):
+        fa, fb = _footprint(a, period), _footprint(b, period)
+        if fa is not None and fb is not None:
+            delta = (pb - pa) % period
+            if delta >= fa and period - delta >= fb:
+                return True
+    return False
+
+
+def overlap_errors(
+    writes: Sequence[tuple[str, torch.Tensor | None]],
+    reads: Sequence[tuple[str, torch.Tensor | None]],
+) -> list[str]:
+    """The ``(name, tensor)`` pairs an op writes must not overlap themselves, each other, or
+    any it reads (``None`` entries are absent arguments). Meta tensors have no memory."""
+    written = [(n, t) for n, t in writes if isinstance(t, torch.Tensor) and not t.is_meta]
+    read = [(n, t) for n, t in reads if isinstance(t, torch.Tensor) and not t.is_meta]
+    errors = []
+    for i, (name, w) in enumerate(written):
+        if w.numel() and overlaps_itself(w):
+            errors.append(
+                f"{name} must not overlap itself (it is written); got shape {tuple(w.shape)}, "
+                f"strides {w.stride()}"
+            )
+        for other, t in written[i + 1 :] + read:
+            if not disjoint(w, t):
+                errors.append(
+                    f"{name} must not overlap {other} ({name} is written); got views of the "
+                    "same memory"
+                )
+    return errors
+
+
+class Disjoint:
+    """The plan cache's form of `overlap_errors` for one call description: the writes at
+    ``writes`` (indices into the inputs) against every other input, with the spans computed
+    once. `check` on a later call of the description is a few pointer comparisons; a pair whose
+    byte ranges meet (interleaved caches) is decided by `disjoint`, remembered per address
+    difference (the description fixes everything else)."""
+
+    MAX_MEMO = 64
+
+    def __init__(self, writes: Sequence[int], inputs: Sequence[torch.Tensor | None]):
+        live = {
+            i: span(t)
+            for i, t in enumerate(inputs)
+            if isinstance(t, torch.Tensor) and t.numel() and not t.is_meta
+        }
+        self.pairs = [
+            (w, o, live[w], live[o])
+            for n, w in enumerate(writes)
+            if w in live
+            for o in live
+            if o != w and (o not in writes or writes.index(o) > n)
+        ]
+        self._memo: dict[tuple[int, int, int], bool] = {}
+
+    def check(self, inputs: Sequence) -> bool:
+        """Whether no write of ``inputs`` overlaps another input (``inputs``: a call with the
+        description this was built from)."""
+        for w, o, sw, so in self.pairs:
+            pw, po = inputs[w].data_ptr(), inputs[o].data_ptr()
+            if pw + sw <= po or po + so <= pw:
+                continue
+            key = (w, o, po - pw)
+            ok = self._memo.get(key)
+            if ok is None:
+                ok = disjoint(inputs[w], inputs[o])
+                if len(self._memo) >= self.MAX_MEMO:
+                    self._memo.clear()
+                self._memo[key] = ok
+            if not ok:
+                return False
+        return True
 
 
 def _first(mask: torch.Tensor) -> tuple[int, ...]:
@@ -141,10 +335,13 @@ def block_ids_errors(
     num_blocks: int,
     *,
     padding_ok: bool = False,
+    limit: str | None = None,
 ) -> list[str]:
     """The USED entries of ``block_table`` (host; the first ``ceil(lens[i] / block_size)`` of
     row ``i``) are block ids ``< num_blocks``, and ``>= 0`` unless ``padding_ok`` (a negative
-    entry is padding the kernel skips). Other columns may hold anything."""
+    entry is padding the kernel skips). Other columns may hold anything. ``limit`` names the
+    bound in the message (default ``num_blocks=<num_blocks>``)."""
+    limit = f"num_blocks={num_blocks}" if limit is None else limit
     if block_table.numel() == 0:
         return []
     n_blocks = (lens.clamp_min(0) + block_size - 1) // block_size
@@ -159,11 +356,11 @@ def block_ids_errors(
     entries = block_table[used]
     if padding_ok:
         return [
-            f"block_table entries of used blocks must be < num_blocks={num_blocks} (negative: "
+            f"block_table entries of used blocks must be < {limit} (negative: "
             f"padding); got max {int(entries.max())}, first at {where}"
         ]
     return [
-        f"block_table entries of used blocks must be in [0, num_blocks={num_blocks}); got range "
+        f"block_table entries of used blocks must be in [0, {limit}); got range "
         f"[{int(entries.min())}, {int(entries.max())}], first at {where}"
     ]
 

@@ -41,6 +41,9 @@ class Launch:
     target: Target
     name: str = ""
     outputs: tuple[torch.Tensor, ...] = field(default=())
+    #: The caller's tensors this launch writes (a given ``out``, caches written in place,
+    #: metadata workspaces): the plan cache checks on every hit that they overlap no input.
+    writes: tuple[torch.Tensor, ...] = field(default=())
 
     def __post_init__(self) -> None:
         """Every kernel parameter has an argument, constexprs and defaulted ones included: the
@@ -59,13 +62,18 @@ class Launch:
 
     def run(self) -> Any:
         """Launch through Triton's JIT; return the compiled kernel (``None`` under the
-        interpreter, or when the grid is empty and nothing ran)."""
-        if any(g == 0 for g in self.grid):
+        interpreter, or when the grid is empty or the tensors are meta and nothing ran: meta
+        tensors have shapes but no memory, so a call on them only gives its outputs' shapes)."""
+        if any(g == 0 for g in self.grid) or self._on_meta():
             return None
         kernel = self.kernel[self.grid](
             **self.args, **self.options.backend_kwargs(self.target, self.backend())
         )
         return kernel if hasattr(kernel, "packed_metadata") else None
+
+    def _on_meta(self) -> bool:
+        dev = next((v.device for v in self.args.values() if isinstance(v, torch.Tensor)), None)
+        return dev is not None and dev.type == "meta"
 
     def backend(self) -> str:
         """The backend that compiles this launch: the device's vendor, or the target's for

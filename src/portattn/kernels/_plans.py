@@ -15,7 +15,10 @@ of a description plans as always (`plan_<op>`, `Launch.run`) and leaves a `Plan`
 * every other argument is a constant.
 
 A hit skips validation by construction: every check that reads no device memory is a function of
-the description, so a description that passed once passes again. A call whose plan reads the
+the description, so a description that passed once passes again -- except overlap, which depends
+on the addresses too: each hit checks that the tensors the launches write (`Launch.writes`)
+overlap no other input (`_checks.Disjoint`: a few pointer comparisons), and an overlapping call
+is planned afresh, whose validation refuses it. A call whose plan reads the
 metadata's contents (CPU tensors, or a GPU call without the bounds that make reads unnecessary)
 is never cached: its key is ``None``. A call that raises is never cached either.
 
@@ -48,6 +51,7 @@ from typing import Any
 import torch
 from triton import knobs
 
+from portattn.kernels._checks import Disjoint
 from portattn.kernels._launch import Launch
 from portattn.platform import override_key
 
@@ -320,6 +324,10 @@ class Plan:
                     fills.append((pos, where[0], where[1], recipe))
             options = launch.options.backend_kwargs(launch.target, launch.backend())
             self._replays.append(_Replay(launch.kernel, launch.grid, options, names, consts, fills))
+        # The inputs the launches write: a hit checks they overlap no other input (`_checks`).
+        writes = [by_id[id(t)] for launch in launches for t in launch.writes if id(t) in by_id]
+        self.disjoint = Disjoint(list(dict.fromkeys(writes)), inputs)
+        self.meta = any(t is not None and t.is_meta for t in inputs)
         outputs = launches[0].outputs if launches else ()
         wheres = [slot(t) for t in outputs]
         self._outputs = [(w, None if w else t) for t, w in zip(outputs, wheres, strict=True)]
@@ -404,6 +412,8 @@ class Plan:
             if any(g == 0 for g in replay.grid):
                 continue
             args = self._args(replay, inputs, allocs)
+            if replay.compiled is None and self.meta:
+                continue  # meta tensors have no memory: nothing to run (as `Launch.run`)
             if replay.compiled is None:
                 named = dict(zip(replay.names, args, strict=True))
                 replay.kernel[replay.grid](**named, **replay.options)
@@ -675,8 +685,8 @@ class PlanCache:
         description is then equal, so is the key, and the plan is the one `call` would
         run."""
         fit = self._fit(guard, tensors)
-        if fit is None:
-            return None
+        if fit is None or not fit[0].disjoint.check(inputs):
+            return None  # an overlapping write goes on to `call`, which plans it and refuses it
         self.hits += 1
         return fit[0].run(inputs, fit[1])
 
@@ -740,7 +750,7 @@ class PlanCache:
             cached = self._plans.get(key)
         except TypeError:  # an unhashable value in the key (`call_key`)
             return None
-        if cached is None:
+        if cached is None or not cached.disjoint.check(inputs):
             return None
         self.hits += 1
         if guard is not None and GUARDS and _TensorGuards is not None:
@@ -765,6 +775,8 @@ class PlanCache:
         except TypeError:  # an unhashable value in the key (`call_key`)
             return _run_fresh(plan())
         if cached is not _MISSING:
+            if isinstance(cached, Plan) and not cached.disjoint.check(inputs):
+                return _run_fresh(plan())  # its validation refuses the overlapping write
             self.hits += 1
             if isinstance(cached, Plan):
                 if guard is not None and GUARDS and _TensorGuards is not None:

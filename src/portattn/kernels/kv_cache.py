@@ -31,9 +31,11 @@ import triton.language as tl
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
 from portattn.kernels._checks import (
+    Problems,
     block_ids_errors,
     capacity_errors,
     offsets_errors,
+    overlap_errors,
     raise_errors,
     reads_contents,
     slots_errors,
@@ -186,13 +188,47 @@ def _write_kv_cache_kernel(
     tl.store(value_cache_ptr + dst, v, mask=mask)
 
 
-def _check_index(op: str, name: str, t, errors: list[str], dims: int) -> None:
+def _check_index(p: Problems, name: str, t, dims: int) -> bool:
+    """``t`` is an int32/int64 tensor of ``dims`` dims; whether it is one of the right dims."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor; got {type(t).__name__}")
+        p.type(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        return False
     if t.dtype not in INDEX_DTYPES:
-        raise TypeError(f"{op}: {name} dtype must be int32 or int64; got {t.dtype}")
+        p.type(f"{name} dtype must be int32 or int64; got {t.dtype}")
     if t.dim() != dims:
-        errors.append(f"{name} must be {dims}-D; got shape {tuple(t.shape)}")
+        p.value(f"{name} must be {dims}-D; got shape {tuple(t.shape)}")
+        return False
+    return True
+
+
+def _check_rows(
+    p: Problems,
+    pairs,
+    cache: torch.Tensor | None,
+    want: tuple[int, int] | None,
+    rows: str,
+    note: str = "",
+) -> dict[str, torch.Tensor]:
+    """Each ``(name, t)`` of ``pairs`` is a ``[rows, *want]`` tensor of the cache's dtype on
+    its device (``cache``/``want`` ``None``: the caches are invalid, those checks are
+    skipped); returns the ones that are tensors, by name."""
+    dtype = cache.dtype if cache is not None else None
+    device = cache.device if cache is not None else None
+    ok = {}
+    for name, t in pairs:
+        if not isinstance(t, torch.Tensor):
+            p.type(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+            continue
+        ok[name] = t
+        if dtype is not None and t.dtype != dtype:
+            p.type(f"{name} dtype must match the cache dtype {dtype}; got {t.dtype}")
+        if want is not None and (t.dim() != 3 or tuple(t.shape[1:]) != want):
+            p.value(
+                f"{name} must be [{rows}, {want[0]}, {want[1]}]{note}; got shape {tuple(t.shape)}"
+            )
+        if device is not None and t.device != device:
+            p.value(f"{name} must be on the cache's device {device}; got {t.device}")
+    return ok
 
 
 def _cache_constexprs(k: CacheAddressing, v: CacheAddressing) -> dict[str, int | bool]:
@@ -219,39 +255,33 @@ def plan_write_kv_cache(
 ) -> list[Launch]:
     """Validate and plan `write_kv_cache` (one launch); nothing runs."""
     op = "write_kv_cache"
-    ka, va = describe_kv_cache(op, key_cache, value_cache, layout)
-    errors: list[str] = []
-    for name, t in (("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor; got {type(t).__name__}")
-        if t.dtype != key_cache.dtype:
-            raise TypeError(
-                f"{op}: {name} dtype must match the cache dtype {key_cache.dtype}; got {t.dtype}"
-            )
-    _check_index(op, "slot_mapping", slot_mapping, errors, 1)
-    want = (ka.num_kv_heads, ka.head_dim)
-    for name, t in (("key", key), ("value", value)):
-        if t.dim() != 3 or tuple(t.shape[1:]) != want:
-            errors.append(
-                f"{name} must be [num_tokens, {want[0]}, {want[1]}] (the cache's num_kv_heads, "
-                f"head_dim); got shape {tuple(t.shape)}"
-            )
-    if key.dim() == 3 and value.dim() == 3 and key.shape[0] != value.shape[0]:
-        errors.append(
+    p = Problems(op)
+    kv = p.run(describe_kv_cache, op, key_cache, value_cache, layout)
+    ka, va = kv if kv is not None else (None, None)
+    want = (ka.num_kv_heads, ka.head_dim) if ka is not None else None
+    note = " (the cache's num_kv_heads, head_dim)"
+    pairs = (("key", key), ("value", value))
+    ok = _check_rows(p, pairs, key_cache if kv else None, want, "num_tokens", note)
+    slots_ok = _check_index(p, "slot_mapping", slot_mapping, 1)
+    if len(ok) == 2 and key.dim() == 3 and value.dim() == 3 and key.shape[0] != value.shape[0]:
+        p.value(
             f"key and value must have the same num_tokens; got {key.shape[0]} and {value.shape[0]}"
         )
-    if slot_mapping.dim() == 1 and key.dim() == 3 and slot_mapping.shape[0] > key.shape[0]:
-        errors.append(
+    if slots_ok and "key" in ok and key.dim() == 3 and slot_mapping.shape[0] > key.shape[0]:
+        p.value(
             f"slot_mapping must have at most num_tokens={key.shape[0]} entries; got "
             f"{slot_mapping.shape[0]}"
         )
-    for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
-        if t.device != key_cache.device:
-            errors.append(
-                f"{name} must be on the cache's device {key_cache.device}; got {t.device}"
-            )
-    if errors:
-        raise ValueError(f"{op}: " + "; ".join(errors))
+    sm = slot_mapping if isinstance(slot_mapping, torch.Tensor) else None
+    if kv is not None and sm is not None and sm.device != key_cache.device:
+        p.value(f"slot_mapping must be on the cache's device {key_cache.device}; got {sm.device}")
+    if not p:
+        # the caches are written: neither may overlap itself, the other or an input
+        writes = [("key_cache", key_cache), ("value_cache", value_cache)]
+        reads = [("key", key), ("value", value), ("slot_mapping", slot_mapping)]
+        p.value(*overlap_errors(writes, reads))
+    p.raise_if_any()
+    assert ka is not None and va is not None
     # Free on CPU; on a GPU this read would sync, so there the caller always vouches (docstring).
     if reads_contents(slot_mapping.device, vouched=True):
         (slots,) = to_host(slot_mapping)
@@ -290,7 +320,9 @@ def plan_write_kv_cache(
         BLOCK_T=tiles.block_t,
         BLOCK_D=tiles.block_d,
     )
-    return [Launch(_write_kv_cache_kernel, grid, args, tiles.options, target, name=op)]
+    launch = Launch(_write_kv_cache_kernel, grid, args, tiles.options, target, name=op,
+                    writes=(key_cache, value_cache))  # fmt: skip
+    return [launch]
 
 
 def write_kv_cache(
@@ -455,50 +487,40 @@ def plan_gather_kv_cache(
 ) -> list[Launch]:
     """Validate, allocate and plan `gather_kv_cache` (one launch; outputs in ``.outputs``)."""
     op = "gather_kv_cache"
-    ka, va = describe_kv_cache(op, key_cache, value_cache, layout)
-    errors: list[str] = []
-    _check_index(op, "block_table", block_table, errors, 2)
-    _check_index(op, "cu_seq_lens", cu_seq_lens, errors, 1)
-    nseq = block_table.shape[0] if block_table.dim() == 2 else None
-    if nseq is not None and cu_seq_lens.dim() == 1 and cu_seq_lens.shape[0] != nseq + 1:
-        errors.append(
+    p = Problems(op)
+    kv = p.run(describe_kv_cache, op, key_cache, value_cache, layout)
+    ka, va = kv if kv is not None else (None, None)
+    table_ok = _check_index(p, "block_table", block_table, 2)
+    cu_ok = _check_index(p, "cu_seq_lens", cu_seq_lens, 1)
+    nseq = block_table.shape[0] if table_ok else None
+    if nseq is not None and cu_ok and cu_seq_lens.shape[0] != nseq + 1:
+        p.value(
             f"cu_seq_lens must have num_seqs + 1 = {nseq + 1} entries; got {cu_seq_lens.shape[0]}"
         )
     for name, t in (("block_table", block_table), ("cu_seq_lens", cu_seq_lens)):
-        if t.device != key_cache.device:
-            errors.append(
-                f"{name} must be on the cache's device {key_cache.device}; got {t.device}"
-            )
-    want = (ka.num_kv_heads, ka.head_dim)
+        if kv is not None and isinstance(t, torch.Tensor) and t.device != key_cache.device:
+            p.value(f"{name} must be on the cache's device {key_cache.device}; got {t.device}")
+    want = (ka.num_kv_heads, ka.head_dim) if ka is not None else None
+    if out is not None and not (isinstance(out, (tuple, list)) and len(out) == 2):
+        p.type(f"out must be a (key_out, value_out) pair; got {type(out).__name__}")
+        out = None
     if out is not None:
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            raise TypeError(
-                f"{op}: out must be a (key_out, value_out) pair; got {type(out).__name__}"
+        pairs = (("out[0]", out[0]), ("out[1]", out[1]))
+        ok = _check_rows(p, pairs, key_cache if kv else None, want, "total_tokens")
+        rows = {t.shape[0] for t in ok.values() if t.dim() == 3}
+        if len(ok) == 2 and len(rows) == 2:
+            p.value(
+                f"out[0] and out[1] must have the same total_tokens; got {out[0].shape[0]} "
+                f"and {out[1].shape[0]}"
             )
-        for name, t in zip(("out[0]", "out[1]"), out, strict=True):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{op}: {name} must be a torch.Tensor; got {type(t).__name__}")
-            if t.dtype != key_cache.dtype:
-                raise TypeError(
-                    f"{op}: {name} dtype must match the cache dtype {key_cache.dtype}; got "
-                    f"{t.dtype}"
-                )
-            if t.dim() != 3 or tuple(t.shape[1:]) != want:
-                errors.append(
-                    f"{name} must be [total_tokens, {want[0]}, {want[1]}]; got shape "
-                    f"{tuple(t.shape)}"
-                )
-            if t.device != key_cache.device:
-                errors.append(
-                    f"{name} must be on the cache's device {key_cache.device}; got {t.device}"
-                )
-        if out[0].dim() == 3 and out[1].dim() == 3 and out[0].shape[0] != out[1].shape[0]:
-            errors.append(
-                f"out[0] and out[1] must have the same total_tokens; got {out[0].shape[0]} and "
-                f"{out[1].shape[0]}"
-            )
-    if errors:
-        raise ValueError(f"{op}: " + "; ".join(errors))
+    if not p and out is not None:
+        # the outputs are written: neither may overlap itself, the other or an input
+        reads = [("key_cache", key_cache), ("value_cache", value_cache),
+                 ("block_table", block_table), ("cu_seq_lens", cu_seq_lens)]  # fmt: skip
+        p.value(*overlap_errors([("out[0]", out[0]), ("out[1]", out[1])], reads))
+    p.raise_if_any()
+    assert ka is not None and va is not None
+    given = tuple(out) if out is not None else ()
     num_seqs = block_table.shape[0]
     if out is None and cu_seq_lens.device.type == "meta":
         raise ValueError(f"{op}: out must be given for meta tensors (total_tokens is unknown)")
@@ -566,6 +588,7 @@ def plan_gather_kv_cache(
             target,
             name=op,
             outputs=(k_out, v_out),
+            writes=given,
         )
     ]
 

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import operator
 from numbers import Real
 
@@ -69,12 +68,16 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
 from portattn.kernels._checks import (
+    Problems,
     block_ids_errors,
     capacity_errors,
+    is_int,
     offsets_errors,
+    overlap_errors,
     page_indices_errors,
     raise_errors,
     reads_contents,
+    scale_errors,
     seq_lens_errors,
     tensor_reads_contents,
     to_host,
@@ -190,8 +193,14 @@ def _online_step(
     qk_scale,
     BLOCK_DPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP32_DOTS: tl.constexpr,  # dot operands upcast to fp32 (`plan_mla_decode`)
 ):
     """One tile of the online softmax: scores (latent + rope), running max/sum, PV."""
+    if FP32_DOTS:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+        lat = lat.to(tl.float32)
+        pe = pe.to(tl.float32)
     qk = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
     if BLOCK_DPE > 0:
         qk += tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
@@ -200,7 +209,11 @@ def _online_step(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if FP32_DOTS:  # P rounded to V's dtype, as on a GPU, then both operands upcast
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=DOT_PRECISION)
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
 
@@ -270,6 +283,7 @@ def _mla_decode_kernel(
     PREFETCH_ROWS: tl.constexpr,
     TMA: tl.constexpr,
     PACKED: tl.constexpr,
+    FP32_DOTS: tl.constexpr,  # Triton's interpreter multiplies bf16's raw bits in tl.dot
 ):
     # Lesson 1: the value tile is the latent tile, sized from kv_lora_rank; the rope tile from the
     # rest. Tiles sized from head_dim_k (next_pow2(320) = 512 for a 256 latent) are refused here.
@@ -410,6 +424,7 @@ def _mla_decode_kernel(
                 qk_scale,
                 BLOCK_DPE,
                 DOT_PRECISION,
+                FP32_DOTS,
             )
         start = full_end
     if PREFETCH_ROWS:  # software pipelining by hand: tile i+1's block-table entries during tile i
@@ -499,7 +514,19 @@ def _mla_decode_kernel(
         else:
             mask_s = mask_n[None, :]
         m_i, l_i, acc = _online_step(
-            q_lat, q_pe, lat, pe, v, mask_s, m_i, l_i, acc, qk_scale, BLOCK_DPE, DOT_PRECISION
+            q_lat,
+            q_pe,
+            lat,
+            pe,
+            v,
+            mask_s,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            BLOCK_DPE,
+            DOT_PRECISION,
+            FP32_DOTS,
         )
 
     # -- epilogue: normalised output and natural-log lse (-inf, zeros for an empty range) --
@@ -704,6 +731,10 @@ def _type_errors(
     return errors
 
 
+def _is(x, dtypes) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype in dtypes
+
+
 def _value_errors(
     query,
     kv_cache,
@@ -716,86 +747,117 @@ def _value_errors(
     page_indices,
     metadata,
 ) -> list[str]:
+    """Shape, device and scalar problems; arguments with a type problem (`_type_errors`) are
+    skipped, so both lists together name every problem of a call."""
     errors = []
-    if query.dim() != 3:
+    q3 = _is(query, FLOAT_DTYPES) and query.dim() == 3
+    if _is(query, FLOAT_DTYPES) and not q3:
         errors.append(
             f"query must be 3-D [num_tokens, num_q_heads, head_dim_k]; got shape "
             f"{tuple(query.shape)}"
         )
-        return errors
-    num_tokens, num_heads, head_dim_k = query.shape
-    if num_heads < 1 or head_dim_k < 1:
-        errors.append(
-            f"query must have num_q_heads >= 1 and head_dim_k >= 1; got shape {tuple(query.shape)}"
-        )
-    if kv_cache.dim() != 3 or kv_cache.shape[2] != head_dim_k:
-        errors.append(
-            f"kv_cache must be [num_blocks, block_size, head_dim_k={head_dim_k}]; got "
-            f"shape {tuple(kv_cache.shape)}"
-        )
-    elif kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
-        errors.append(
-            f"kv_cache must have num_blocks >= 1 and block_size >= 1; got shape "
-            f"{tuple(kv_cache.shape)}"
-        )
-    if not 1 <= kv_lora_rank <= head_dim_k:
+    num_tokens = num_heads = head_dim_k = None
+    if q3:
+        num_tokens, num_heads, head_dim_k = query.shape
+        if num_heads < 1 or head_dim_k < 1:
+            errors.append(
+                "query must have num_q_heads >= 1 and head_dim_k >= 1; got shape "
+                f"{tuple(query.shape)}"
+            )
+    if isinstance(kv_cache, torch.Tensor) and q3:
+        if kv_cache.dim() != 3 or kv_cache.shape[2] != head_dim_k:
+            errors.append(
+                f"kv_cache must be [num_blocks, block_size, head_dim_k={head_dim_k}]; got "
+                f"shape {tuple(kv_cache.shape)}"
+            )
+        elif kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
+            errors.append(
+                f"kv_cache must have num_blocks >= 1 and block_size >= 1; got shape "
+                f"{tuple(kv_cache.shape)}"
+            )
+    if is_int(kv_lora_rank) and q3 and not 1 <= kv_lora_rank <= head_dim_k:
         errors.append(f"kv_lora_rank must be in 1..head_dim_k={head_dim_k}; got {kv_lora_rank}")
-    if not (math.isfinite(scale) and scale > 0):
-        errors.append(f"scale must be finite and > 0; got {scale}")
-    if seq_lens.dim() != 1 or seq_lens.shape[0] < 1:
-        errors.append(f"seq_lens must be 1-D with >= 1 sequence; got shape {tuple(seq_lens.shape)}")
-        return errors
-    num_seqs = seq_lens.shape[0]
+    if isinstance(scale, Real) and not isinstance(scale, bool):
+        errors += scale_errors(scale)
+    pair = isinstance(page_indices, (tuple, list)) and len(page_indices) == 2
+    indptr, indices = page_indices if pair else (None, None)
+    indptr = indptr if _is(indptr, INDEX_DTYPES) else None
+    indices = indices if _is(indices, INDEX_DTYPES) else None
+    table = block_table if _is(block_table, INDEX_DTYPES) else None
+    lens = seq_lens if _is(seq_lens, INDEX_DTYPES) else None
+    qsl = query_start_loc if _is(query_start_loc, INDEX_DTYPES) else None
     if (block_table is None) == (page_indices is None):
         errors.append(
             "exactly one of block_table and page_indices must be given; got "
             + ("both" if block_table is not None else "neither")
         )
-    if block_table is not None and (
-        block_table.dim() != 2 or block_table.shape[0] != num_seqs or block_table.shape[1] < 1
-    ):
+    # num_seqs: what most of block_table (or indptr), query_start_loc and seq_lens say, ties
+    # going to them in that order; each of them that disagrees is the one blamed
+    votes = []
+    if table is not None and table.dim() == 2:
+        votes.append(table.shape[0])
+    elif table is None and indptr is not None and indptr.dim() == 1 and indptr.shape[0] >= 1:
+        votes.append(indptr.shape[0] - 1)
+    if qsl is not None and qsl.dim() == 1 and qsl.shape[0] >= 1:
+        votes.append(qsl.shape[0] - 1)
+    if lens is not None and lens.dim() == 1:
+        votes.append(lens.shape[0])
+    num_seqs = max(votes, key=votes.count) if votes else None
+    if lens is not None and (lens.dim() != 1 or lens.shape[0] < 1):
+        errors.append(f"seq_lens must be 1-D with >= 1 sequence; got shape {tuple(lens.shape)}")
+    elif lens is not None and num_seqs is not None and lens.shape[0] != num_seqs:
         errors.append(
-            f"block_table must be [num_seqs={num_seqs}, max_blocks_per_seq >= 1]; got "
-            f"shape {tuple(block_table.shape)}"
+            f"seq_lens must have one entry per sequence (num_seqs={num_seqs}); got shape "
+            f"{tuple(lens.shape)}"
         )
-    if page_indices is not None:
-        indptr, indices = page_indices
-        if tuple(indptr.shape) != (num_seqs + 1,):
-            errors.append(
-                f"page_indices[0] (indptr) must have shape ({num_seqs + 1},); got "
-                f"{tuple(indptr.shape)}"
-            )
-        if indices.dim() != 1:
-            errors.append(
-                f"page_indices[1] (indices) must be 1-D; got shape {tuple(indices.shape)}"
-            )
-    if query_start_loc is not None:
-        if tuple(query_start_loc.shape) != (num_seqs + 1,):
-            errors.append(
-                f"query_start_loc must have shape (num_seqs + 1,) = ({num_seqs + 1},); "
-                f"got {tuple(query_start_loc.shape)}"
-            )
-    elif num_tokens != num_seqs and not (metadata is not None and not metadata.decode):
+    if table is not None and (
+        table.dim() != 2 or table.shape[0] != num_seqs or table.shape[1] < 1 or num_seqs < 1
+    ):
+        want = "num_seqs >= 1" if num_seqs is None else f"num_seqs={num_seqs}"
+        errors.append(
+            f"block_table must be [{want}, max_blocks_per_seq >= 1]; got shape {tuple(table.shape)}"
+        )
+    if indptr is not None and num_seqs is not None and tuple(indptr.shape) != (num_seqs + 1,):
+        errors.append(
+            f"page_indices[0] (indptr) must have shape ({num_seqs + 1},); got {tuple(indptr.shape)}"
+        )
+    if indices is not None and indices.dim() != 1:
+        errors.append(f"page_indices[1] (indices) must be 1-D; got shape {tuple(indices.shape)}")
+    decode_md = isinstance(metadata, MlaMetadata) and metadata.decode
+    if qsl is not None and num_seqs is not None and tuple(qsl.shape) != (num_seqs + 1,):
+        errors.append(
+            f"query_start_loc must have shape (num_seqs + 1,) = ({num_seqs + 1},); "
+            f"got {tuple(qsl.shape)}"
+        )
+    elif (
+        query_start_loc is None
+        and q3
+        and num_seqs is not None
+        and num_tokens != num_seqs
+        and not (isinstance(metadata, MlaMetadata) and not metadata.decode)
+    ):
         errors.append(
             f"query must have one token per sequence without query_start_loc; got "
             f"{num_tokens} tokens for {num_seqs} sequences"
         )
-    want = (num_tokens, num_heads, kv_lora_rank)
-    if out is not None and tuple(out.shape) != want:
-        errors.append(f"out must have shape {want}; got {tuple(out.shape)}")
+    if _is(out, FLOAT_DTYPES) and q3 and is_int(kv_lora_rank):
+        want_out = (num_tokens, num_heads, kv_lora_rank)
+        if tuple(out.shape) != want_out:
+            errors.append(f"out must have shape {want_out}; got {tuple(out.shape)}")
     tensors = [
         ("kv_cache", kv_cache),
         ("seq_lens", seq_lens),
         ("block_table", block_table),
         ("query_start_loc", query_start_loc),
         ("out", out),
+        ("page_indices", indptr),
+        ("page_indices", indices),
     ]
-    if page_indices is not None:
-        tensors += [("page_indices", page_indices[0]), ("page_indices", page_indices[1])]
-    for name, t in tensors:
-        if t is not None and t.device != query.device:
-            errors.append(f"{name} must be on query's device {query.device}; got {t.device}")
-    if metadata is not None:
+    if isinstance(query, torch.Tensor):
+        for name, t in tensors:
+            if isinstance(t, torch.Tensor) and t.device != query.device:
+                errors.append(f"{name} must be on query's device {query.device}; got {t.device}")
+    if isinstance(metadata, MlaMetadata) and num_tokens is not None:
         md = metadata
         layer = (num_heads, head_dim_k, kv_lora_rank, query.dtype)
         if (md.num_heads, md.head_dim_k, md.kv_lora_rank, md.dtype) != layer:
@@ -803,7 +865,7 @@ def _value_errors(
                 "metadata must be built for (num_heads, head_dim_k, kv_lora_rank, dtype) = "
                 f"{layer}; got {(md.num_heads, md.head_dim_k, md.kv_lora_rank, md.dtype)}"
             )
-        if md.num_seqs != num_seqs:
+        if num_seqs is not None and md.num_seqs != num_seqs:
             errors.append(
                 f"metadata must be built for this step's {num_seqs} sequences; got {md.num_seqs}"
             )
@@ -811,7 +873,7 @@ def _value_errors(
             errors.append(
                 f"query must have <= metadata.max_tokens={md.max_tokens} tokens; got {num_tokens}"
             )
-        if md.decode and num_tokens != num_seqs:
+        if decode_md and num_seqs is not None and num_tokens != num_seqs:
             errors.append(
                 f"query must have one token per sequence with single-token "
                 f"(max_query_len == 1) metadata; got {num_tokens} tokens for "
@@ -951,24 +1013,36 @@ def plan_mla_decode(
         metadata,
         return_lse,
     )
-    if errors:
-        raise TypeError(f"{_OP}: " + "; ".join(errors))
-    errors = _value_errors(
-        query,
-        kv_cache,
-        block_table,
-        seq_lens,
-        kv_lora_rank,
-        scale,
-        query_start_loc,
-        out,
-        page_indices,
-        metadata,
+    p = Problems(_OP)
+    for reason in errors:
+        p.type(reason)
+    p.value(
+        *_value_errors(
+            query,
+            kv_cache,
+            block_table,
+            seq_lens,
+            kv_lora_rank,
+            scale,
+            query_start_loc,
+            out,
+            page_indices,
+            metadata,
+        )
     )
     if tiles is not None and metadata is not None:
-        errors.append("tiles must not be given with metadata (the launch uses metadata.tiles)")
-    if errors:
-        raise ValueError(f"{_OP}: " + "; ".join(errors))
+        p.value("tiles must not be given with metadata (the launch uses metadata.tiles)")
+    if not p:
+        reads = [("query", query), ("kv_cache", kv_cache), ("block_table", block_table),
+                 ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)]  # fmt: skip
+        if page_indices is not None:
+            reads += [("page_indices[0]", page_indices[0]), ("page_indices[1]", page_indices[1])]
+        written = [("out", out)]
+        if metadata is not None and metadata.tiles.num_kv_splits > 1:
+            written += [("metadata.partial_out", metadata.partial_out),
+                        ("metadata.partial_lse", metadata.partial_lse)]  # fmt: skip
+        p.value(*overlap_errors(written, reads))
+    p.raise_if_any()
     if target is None:
         target = metadata.target if metadata is not None else target_for_tensor(query)
     elif metadata is not None and metadata.target != target:
@@ -978,7 +1052,7 @@ def plan_mla_decode(
     if check_contents is None:
         check_contents = reads_contents(query.device, vouched=metadata is not None)
     longest = None  # the longest q_len, when read
-    if check_contents and query.device.type != "meta":
+    if check_contents and not query.is_meta:
         longest = _check_contents(
             query, kv_cache, block_table, seq_lens, query_start_loc, page_indices, metadata
         )
@@ -1023,6 +1097,7 @@ def plan_mla_decode(
 
     # -- allocate --
     dev = query.device
+    given_out = out
     if out is None:
         out = torch.empty((num_tokens, num_heads, kv_lora_rank), dtype=query.dtype, device=dev)
     lse = (
@@ -1050,6 +1125,10 @@ def plan_mla_decode(
     lse_arg = lse if lse is not None else torch.empty((0,), dtype=torch.float32, device=dev)
 
     outputs = (out,) if lse is None else (out, lse)
+    # the caller's tensors the launches write: a given out, the metadata's workspaces
+    writes: tuple[torch.Tensor, ...] = (given_out,) if given_out is not None else ()
+    if splits > 1 and metadata is not None:
+        writes += (part_out, part_lse)
     # seq_lens stands in for tensors a launch never reads (a placeholder pointer)
     qsl = query_start_loc if varlen and query_start_loc is not None else seq_lens
     if page_indices is not None:
@@ -1145,11 +1224,15 @@ def plan_mla_decode(
             PREFETCH_ROWS=tiles.prefetch_rows,
             TMA=tma,
             PACKED=tiles.packed,
+            # Triton's interpreter multiplies bf16's raw bits in tl.dot: CPU tensors (which
+            # only run there) take the dots in fp32 instead
+            FP32_DOTS=query.is_cpu and query.dtype == torch.bfloat16,
         ),
         options=tiles.options,
         target=target,
         name="mla_decode",
         outputs=outputs,
+        writes=writes,
     )
     if tiles.sm90_kernel and not sm90_errors(
         kv_cache, kv_lora_rank, tiles.block_h, tiles.block_n, target, page_indices is not None
@@ -1192,6 +1275,7 @@ def plan_mla_decode(
         target=target,
         name="mla_decode_reduce",
         outputs=outputs,
+        writes=writes,
     )
     return [main, reduce]
 

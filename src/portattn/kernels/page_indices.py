@@ -25,7 +25,10 @@ import triton.language as tl
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
 from portattn.kernels._checks import (
+    Problems,
+    block_ids_errors,
     capacity_errors,
+    is_int,
     num_indices_errors,
     raise_errors,
     reads_contents,
@@ -39,6 +42,7 @@ from portattn.policy.cache import page_indices_tiles
 # Any block size: the kernel divides by a runtime block_size.
 SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
 INDEX_DTYPES = (torch.int32, torch.int64)
+_INT64_MAX = 2**63 - 1
 
 
 @triton.jit
@@ -128,47 +132,54 @@ def plan_expand_page_indices(
     """Validate, allocate ``indptr``/``indices`` and plan the two launches (see
     `expand_page_indices`). The outputs are ``launches[-1].outputs``."""
     op = "expand_page_indices"
-    errors: list[str] = []
+    p = Problems(op)
+    ok = {}
     for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor; got {type(t).__name__}")
+            p.type(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+            continue
+        ok[name] = t
         if t.dtype not in INDEX_DTYPES:
-            raise TypeError(f"{op}: {name} dtype must be int32 or int64; got {t.dtype}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        errors.append(f"block_size must be an int >= 1; got {block_size!r}")
-    if block_table.dim() != 2:
-        errors.append(
-            f"block_table must be 2-D [num_seqs, max_blocks]; got {tuple(block_table.shape)}"
-        )
-    if seq_lens.dim() != 1:
-        errors.append(f"seq_lens must be 1-D [num_seqs]; got {tuple(seq_lens.shape)}")
-    elif block_table.dim() == 2 and seq_lens.shape[0] != block_table.shape[0]:
-        errors.append(
-            f"seq_lens must have one entry per block_table row ({block_table.shape[0]}); got "
-            f"{seq_lens.shape[0]}"
-        )
-    if block_table.device != seq_lens.device:
-        errors.append(
-            f"block_table and seq_lens must be on one device; got {block_table.device} and "
-            f"{seq_lens.device}"
-        )
-    if num_indices is not None and (
-        isinstance(num_indices, bool) or not isinstance(num_indices, int)
+            p.type(f"{name} dtype must be int32 or int64; got {t.dtype}")
+    if not is_int(block_size) or block_size < 1:
+        p.value(f"block_size must be an int >= 1; got {block_size!r}")
+    table, lens = ok.get("block_table"), ok.get("seq_lens")
+    if table is not None and table.dim() != 2:
+        p.value(f"block_table must be 2-D [num_seqs, max_blocks]; got {tuple(table.shape)}")
+    if lens is not None and lens.dim() != 1:
+        p.value(f"seq_lens must be 1-D [num_seqs]; got {tuple(lens.shape)}")
+    elif (
+        lens is not None
+        and table is not None
+        and table.dim() == 2
+        and lens.shape[0] != table.shape[0]
     ):
-        errors.append(f"num_indices must be an int or None; got {type(num_indices).__name__}")
+        p.value(
+            f"seq_lens must have one entry per block_table row ({table.shape[0]}); got "
+            f"{lens.shape[0]}"
+        )
+    if lens is not None and table is not None and table.device != lens.device:
+        p.value(
+            f"block_table and seq_lens must be on one device; got {table.device} and {lens.device}"
+        )
+    if num_indices is not None and not is_int(num_indices):
+        p.value(f"num_indices must be an int or None; got {type(num_indices).__name__}")
     elif num_indices is not None and num_indices < 0:
-        errors.append(f"num_indices must be >= 0; got {num_indices!r}")
-    if num_indices is None and seq_lens.device.type == "meta":
-        errors.append("num_indices must be given for meta tensors (sum(seq_lens) is unknown)")
-    if errors:
-        raise ValueError(f"{op}: " + "; ".join(errors))
+        p.value(f"num_indices must be >= 0; got {num_indices!r}")
+    if num_indices is None and lens is not None and lens.is_meta:
+        p.value("num_indices must be given for meta tensors (sum(seq_lens) is unknown)")
+    p.raise_if_any()
     num_seqs = seq_lens.shape[0]
     # CPU: always checked (free). GPU: checked when num_indices is not given, with the one device
     # read that sum(seq_lens) needs anyway; with num_indices given the caller vouches (no sync).
     if reads_contents(seq_lens.device, vouched=num_indices is not None):
-        (lens,) = to_host(seq_lens)
+        lens, table = to_host(seq_lens, block_table)
         errors = seq_lens_errors(lens)
         errors += capacity_errors(lens, block_size, block_table.shape[1])
+        # a slot is block * block_size + offset, in int64: the used block ids must keep it there
+        limit = _INT64_MAX // block_size
+        bound = f"(2**63 - 1) // block_size = {limit} (slots block * block_size + offset are int64)"
+        errors += block_ids_errors(table, lens, block_size, limit, padding_ok=True, limit=bound)
         if num_indices is not None:
             errors += num_indices_errors(num_indices, lens)
         raise_errors(op, errors)

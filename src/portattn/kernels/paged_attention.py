@@ -58,11 +58,15 @@ import triton.language as tl
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
 from portattn.kernels._checks import (
+    Problems,
     block_ids_errors,
     capacity_errors,
+    is_int,
     offsets_errors,
+    overlap_errors,
     raise_errors,
     reads_contents,
+    scale_errors,
     seq_lens_errors,
     tensor_reads_contents,
     to_host,
@@ -170,6 +174,7 @@ def _kv_step(
     V_DIM_SPLIT: tl.constexpr,
     K_VEC: tl.constexpr,  # SHUFFLE K: its x-element runs start on multiples of K_VEC
     V_VEC: tl.constexpr,  # SHUFFLE V: likewise
+    FP32_DOTS: tl.constexpr,  # dot operands upcast to fp32 (`plan_paged_attention`)
 ):
     """One KV tile: gather K/V through the block table, scores, online-softmax update.
 
@@ -262,6 +267,9 @@ def _kv_step(
         k = tl.load(k_base + k_off, mask=d_mask[:, None], other=0.0)
 
     # -- scores ------------------------------------------------------------------------------
+    if FP32_DOTS:
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
     s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
     if MASKED:
         keep = pos_mask[None, :] & (pos[None, :] < row_limit[:, None])
@@ -334,7 +342,10 @@ def _kv_step(
         v = tl.load(v_base + v_off, mask=d_mask[None, :], other=0.0)
     if TAIL:  # the run's slots past the sequence's end may hold anything (NaN): zero them
         v = tl.where(pos_mask[:, None], v, 0.0)
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    if FP32_DOTS:  # P rounded to V's dtype, as on a GPU, then both operands upcast
+        acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
     return m_new, l_i, acc
 
 
@@ -368,6 +379,8 @@ def _attend(
     stride_o_dim,
     stride_bt_seq,
     stride_bt_blk,
+    stride_seq_lens,
+    stride_qsl,
     stride_k_block,
     stride_k_head,
     stride_k_tok_hi,
@@ -397,6 +410,7 @@ def _attend(
     V_PACKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     LINES: tl.constexpr,
+    FP32_DOTS: tl.constexpr,
 ):
     """One program's work: ``BLOCK_Q`` tokens x ``HEAD_TILE`` heads of one sequence."""
     tl.static_assert(BLOCK_Q * HEAD_TILE <= BLOCK_M)
@@ -413,10 +427,10 @@ def _attend(
     kv_head = head_slot // HEAD_TILES_PER_KV
     head_tile = head_slot % HEAD_TILES_PER_KV
 
-    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    q_len = (tl.load(query_start_loc_ptr + seq + 1) - q_start).to(tl.int32)
+    q_start = tl.load(query_start_loc_ptr + seq * stride_qsl).to(tl.int64)
+    q_len = (tl.load(query_start_loc_ptr + (seq + 1) * stride_qsl) - q_start).to(tl.int32)
     if (q_len > q_len_lo) & (q_len <= q_len_hi) & (q_tile * BLOCK_Q < q_len):
-        seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+        seq_len = tl.load(seq_lens_ptr + seq * stride_seq_lens).to(tl.int32)
         ctx_len = seq_len - q_len  # tokens before this step's queries
 
         # -- rows: (query token, query head) pairs of one KV head -------------------------------
@@ -479,7 +493,7 @@ def _attend(
                     stride_k_dim_lo, stride_v_block, stride_v_tok_hi, stride_v_tok_lo,
                     stride_v_dim_hi, stride_v_dim_lo,
                     True, True, EVEN_D, LINES, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
-                    K_VEC, V_VEC,
+                    K_VEC, V_VEC, FP32_DOTS,
                 )  # fmt: skip
         if IN_PLACE:
             full_end = kv_lo
@@ -491,7 +505,7 @@ def _attend(
                 stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
                 stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
                 False, False, EVEN_D, LINES, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
-                K_VEC, V_VEC,
+                K_VEC, V_VEC, FP32_DOTS,
             )  # fmt: skip
         for start in range(tl.maximum(kv_lo, full_end), run_end, BLOCK_N):
             m_i, l_i, acc = _kv_step(
@@ -500,7 +514,7 @@ def _attend(
                 stride_k_block, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi, stride_k_dim_lo,
                 stride_v_block, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi, stride_v_dim_lo,
                 True, IN_PLACE, EVEN_D, LINES, K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT,
-                K_VEC, V_VEC,
+                K_VEC, V_VEC, FP32_DOTS,
             )  # fmt: skip
 
         # -- epilogue -------------------------------------------------------------------------
@@ -550,6 +564,8 @@ def _paged_attention_kernel(
     stride_o_dim,
     stride_bt_seq,
     stride_bt_blk,
+    stride_seq_lens,
+    stride_qsl,
     stride_k_block,
     stride_k_head,
     stride_k_tok_hi,
@@ -583,6 +599,7 @@ def _paged_attention_kernel(
     V_PACKED: tl.constexpr,  # SHUFFLE V: stride_v_dim_hi == x
     EVEN_D: tl.constexpr,  # head_dim == BLOCK_D (no head-dim masks on the K/V gathers)
     LINES: tl.constexpr,  # SHUFFLE: K and V read in the cache's order (`_kv_step`)
+    FP32_DOTS: tl.constexpr,  # dot operands upcast to fp32 (`plan_paged_attention`)
 ):
     """1-D grid: main-tile programs first, heaviest q tile first; then the decode-role ones.
 
@@ -605,14 +622,14 @@ def _paged_attention_kernel(
             part_ptr, lse_ptr, q_tile, head_slot, seq, split, q_len_lo, 2147483647,
             scale_log2, head_dim, block_size, num_tokens, num_kv_heads * GROUP,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
-            stride_bt_seq, stride_bt_blk,
+            stride_bt_seq, stride_bt_blk, stride_seq_lens, stride_qsl,
             stride_k_block, stride_k_head, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi,
             stride_k_dim_lo,
             stride_v_block, stride_v_head, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi,
             stride_v_dim_lo,
             GROUP, HEAD_TILE, BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, NUM_SPLITS,
             K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, K_VEC, V_VEC, K_PACKED, V_PACKED,
-            EVEN_D, LINES,
+            EVEN_D, LINES, FP32_DOTS,
         )  # fmt: skip
     elif DECODE_ROLE:
         d = pid - n_main
@@ -623,14 +640,14 @@ def _paged_attention_kernel(
             part_ptr, lse_ptr, 0, head_slot, seq, 0, 0, DEC_BLOCK_Q,
             scale_log2, head_dim, block_size, num_tokens, num_kv_heads * GROUP,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
-            stride_bt_seq, stride_bt_blk,
+            stride_bt_seq, stride_bt_blk, stride_seq_lens, stride_qsl,
             stride_k_block, stride_k_head, stride_k_tok_hi, stride_k_tok_lo, stride_k_dim_hi,
             stride_k_dim_lo,
             stride_v_block, stride_v_head, stride_v_tok_hi, stride_v_tok_lo, stride_v_dim_hi,
             stride_v_dim_lo,
             GROUP, DEC_HEAD_TILE, DEC_BLOCK_Q, DEC_BLOCK_M, BLOCK_N, BLOCK_D, 1,
             K_TOK_SPLIT, K_DIM_SPLIT, V_TOK_SPLIT, V_DIM_SPLIT, K_VEC, V_VEC, K_PACKED, V_PACKED,
-            EVEN_D, LINES,
+            EVEN_D, LINES, FP32_DOTS,
         )  # fmt: skip
 
 
@@ -668,90 +685,103 @@ def _paged_attention_reduce_kernel(
 # -- launcher -----------------------------------------------------------------------------------
 
 
-def _check_types(query, block_table, seq_lens, query_start_loc, out) -> None:
-    errors = []
-    named = (
-        ("query", query),
-        ("block_table", block_table),
-        ("seq_lens", seq_lens),
-        ("query_start_loc", query_start_loc),
-    )
-    for name, t in named:
+def _check_call(
+    query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale, layout,
+    max_query_len, max_seq_len,
+) -> tuple[CacheAddressing, CacheAddressing]:  # fmt: skip
+    """Every type, shape, scalar and overlap problem of a call, raised together (`Problems`);
+    the caches' addressing when there is none."""
+    p = Problems(OP)
+    named = {
+        "query": query,
+        "block_table": block_table,
+        "seq_lens": seq_lens,
+        "query_start_loc": query_start_loc,
+    }
+    for name, t in named.items():
         if not isinstance(t, torch.Tensor):
-            errors.append(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+            p.type(f"{name} must be a torch.Tensor; got {type(t).__name__}")
     if out is not None and not isinstance(out, torch.Tensor):
-        errors.append(f"out must be a torch.Tensor or None; got {type(out).__name__}")
-    if errors:
-        raise TypeError(f"{OP}: " + "; ".join(errors))
-    if query.dtype not in _FLOAT_DTYPES:
-        errors.append(f"query dtype must be one of float16, bfloat16, float32; got {query.dtype}")
-    for name, t in named[1:]:
-        if t.dtype not in _INDEX_DTYPES:
-            errors.append(f"{name} dtype must be int32 or int64; got {t.dtype}")
-    if out is not None and out.dtype != query.dtype:
-        errors.append(f"out dtype must equal query dtype {query.dtype}; got {out.dtype}")
-    if errors:
-        raise TypeError(f"{OP}: " + "; ".join(errors))
+        p.type(f"out must be a torch.Tensor or None; got {type(out).__name__}")
+    ok = {n: t for n, t in named.items() if isinstance(t, torch.Tensor)}
+    q = ok.get("query")
+    if q is not None and q.dtype not in _FLOAT_DTYPES:
+        p.type(f"query dtype must be one of float16, bfloat16, float32; got {q.dtype}")
+    for name in ("block_table", "seq_lens", "query_start_loc"):
+        if name in ok and ok[name].dtype not in _INDEX_DTYPES:
+            p.type(f"{name} dtype must be int32 or int64; got {ok[name].dtype}")
+    if not isinstance(out, torch.Tensor):
+        out = None
+    if q is not None and out is not None and out.dtype != q.dtype:
+        p.type(f"out dtype must equal query dtype {q.dtype}; got {out.dtype}")
+    kv = p.run(describe_kv_cache, OP, key_cache, value_cache, layout)
+    if kv is not None and q is not None and key_cache.dtype != q.dtype:
+        p.type(
+            f"key_cache and value_cache dtype must equal query dtype {q.dtype}; got "
+            f"{key_cache.dtype}"
+        )
+    _shape_errors(p, q, kv[0] if kv else None, key_cache if kv else None, ok, out)
+    p.value(*scale_errors(scale, optional=True))
+    for name, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+        if v is not None and (not is_int(v) or v < 0):
+            p.value(f"{name} must be a non-negative int or None; got {v!r}")
+    if not p and kv is not None:
+        reads = [("key_cache", key_cache), ("value_cache", value_cache), *named.items()]
+        p.value(*overlap_errors([("out", out)], reads))
+    p.raise_if_any()
+    assert kv is not None
+    return kv
 
 
-def _check_shapes(
-    query, k: CacheAddressing, key_cache, block_table, seq_lens, query_start_loc, out, scale
+def _shape_errors(
+    p: Problems, query, k: CacheAddressing | None, key_cache, ok: dict[str, torch.Tensor], out
 ) -> None:
-    errors = []
-    dev = query.device
-    others = (
-        ("key_cache", key_cache),
-        ("block_table", block_table),
-        ("seq_lens", seq_lens),
-        ("query_start_loc", query_start_loc),
-    )
-    for name, t in others + ((("out", out),) if out is not None else ()):
-        if t.device != dev:
-            errors.append(f"{name} must be on query's device {dev}; got {t.device}")
-    if query.dim() != 3:
-        errors.append(
+    """The shape and device problems of the arguments that are tensors (``ok``; ``k``: the
+    caches' addressing, ``None`` when they are invalid)."""
+    dev = query.device if query is not None else None
+    others = [(n, t) for n, t in ok.items() if n != "query"]
+    if key_cache is not None:
+        others.insert(0, ("key_cache", key_cache))
+    for name, t in others + ([("out", out)] if out is not None else []):
+        if dev is not None and t.device != dev:
+            p.value(f"{name} must be on query's device {dev}; got {t.device}")
+    if query is not None and query.dim() != 3:
+        p.value(
             f"query must be 3-D [num_tokens, num_q_heads, head_dim]; got shape {tuple(query.shape)}"
         )
-    else:
+    elif query is not None:
         num_q_heads, head_dim = query.shape[1], query.shape[2]
-        if head_dim != k.head_dim:
-            errors.append(
-                f"query head_dim must equal the cache's head_dim {k.head_dim}; got {head_dim}"
-            )
+        if k is not None and head_dim != k.head_dim:
+            p.value(f"query head_dim must equal the cache's head_dim {k.head_dim}; got {head_dim}")
         if head_dim > MAX_HEAD_DIM:
-            errors.append(f"head_dim must be <= {MAX_HEAD_DIM}; got {head_dim}")
-        if num_q_heads < 1 or num_q_heads % k.num_kv_heads:
-            errors.append(
+            p.value(f"head_dim must be <= {MAX_HEAD_DIM}; got {head_dim}")
+        if k is not None and (num_q_heads < 1 or num_q_heads % k.num_kv_heads):
+            p.value(
                 f"num_q_heads must be a positive multiple of num_kv_heads {k.num_kv_heads}; "
                 f"got {num_q_heads}"
             )
         if out is not None and tuple(out.shape) != tuple(query.shape):
-            errors.append(
+            p.value(
                 f"out shape must equal query shape {tuple(query.shape)}; got {tuple(out.shape)}"
             )
-    if block_table.dim() != 2:
-        errors.append(
+    block_table = ok.get("block_table")
+    if block_table is not None and block_table.dim() != 2:
+        p.value(
             f"block_table must be 2-D [num_seqs, max_blocks]; got shape {tuple(block_table.shape)}"
         )
-    num_seqs = block_table.shape[0] if block_table.dim() >= 1 else -1
-    if seq_lens.dim() != 1 or seq_lens.shape[0] != num_seqs:
-        errors.append(
-            f"seq_lens must be 1-D [num_seqs={num_seqs}]; got shape {tuple(seq_lens.shape)}"
-        )
-    if query_start_loc.dim() != 1 or query_start_loc.shape[0] != num_seqs + 1:
-        errors.append(
+    if block_table is None or block_table.dim() < 1:
+        return  # no num_seqs to hold seq_lens and query_start_loc to
+    num_seqs = block_table.shape[0]
+    seq_lens, query_start_loc = ok.get("seq_lens"), ok.get("query_start_loc")
+    if seq_lens is not None and (seq_lens.dim() != 1 or seq_lens.shape[0] != num_seqs):
+        p.value(f"seq_lens must be 1-D [num_seqs={num_seqs}]; got shape {tuple(seq_lens.shape)}")
+    if query_start_loc is not None and (
+        query_start_loc.dim() != 1 or query_start_loc.shape[0] != num_seqs + 1
+    ):
+        p.value(
             f"query_start_loc must be 1-D [num_seqs+1={num_seqs + 1}]; got shape "
             f"{tuple(query_start_loc.shape)}"
         )
-    if scale is not None and (
-        isinstance(scale, bool)
-        or not isinstance(scale, (int, float))
-        or not math.isfinite(scale)
-        or scale <= 0
-    ):
-        errors.append(f"scale must be a finite positive float or None; got {scale!r}")
-    if errors:
-        raise ValueError(f"{OP}: " + "; ".join(errors))
 
 
 def _check_contents(
@@ -774,15 +804,6 @@ def _check_contents(
         errors.append(f"max_seq_len must be >= the longest seq_len {real_msl}; got {max_seq_len}")
     raise_errors(OP, errors)
     return real_mql, real_msl
-
-
-def _check_maxima(max_query_len, max_seq_len) -> None:
-    errors = []
-    for name, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            errors.append(f"{name} must be a non-negative int or None; got {v!r}")
-    if errors:
-        raise ValueError(f"{OP}: " + "; ".join(errors))
 
 
 def plan_paged_attention(
@@ -812,21 +833,17 @@ def plan_paged_attention(
         tiles: use these tiles instead of the policy's (benchmark sweeps, the compile matrix's
             naive rules). Validated only by the kernel's static asserts.
     """
-    _check_types(query, block_table, seq_lens, query_start_loc, out)
-    k, v = describe_kv_cache(OP, key_cache, value_cache, layout)
-    if key_cache.dtype != query.dtype:
-        raise TypeError(
-            f"{OP}: key_cache and value_cache dtype must equal query dtype {query.dtype}; "
-            f"got {key_cache.dtype}"
-        )
-    _check_shapes(query, k, key_cache, block_table, seq_lens, query_start_loc, out, scale)
-    _check_maxima(max_query_len, max_seq_len)
+    k, v = _check_call(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale,
+        layout, max_query_len, max_seq_len,
+    )  # fmt: skip
+    given_out = out
 
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = block_table.shape[0]
     if check_contents is None:
         check_contents = reads_contents(query.device, vouched=max_query_len is not None)
-    if query.device.type == "meta":
+    if query.is_meta:
         check_contents = False
     if check_contents:
         real_mql, real_msl = _check_contents(
@@ -902,6 +919,8 @@ def plan_paged_attention(
         stride_o_dim=out.stride(2),
         stride_bt_seq=block_table.stride(0),
         stride_bt_blk=block_table.stride(1),
+        stride_seq_lens=seq_lens.stride(0),
+        stride_qsl=query_start_loc.stride(0),
         **k.kernel_args("k"),
         **v.kernel_args("v"),
         GROUP=group,
@@ -924,6 +943,9 @@ def plan_paged_attention(
         K_PACKED=packed_runs(k),
         V_PACKED=packed_runs(v),
         EVEN_D=even_d,
+        # Triton's interpreter multiplies bf16's raw bits in tl.dot: CPU tensors (which only
+        # run there) take the dots in fp32 instead
+        FP32_DOTS=query.is_cpu and query.dtype == torch.bfloat16,
         LINES=even_d
         and paged_policy.cache_order_reads(
             compile_arch(query, target),
@@ -936,6 +958,7 @@ def plan_paged_attention(
         and vector_width(v) == v.tok_split,
     )
     grid = ((n_main + n_dec) if num_tokens else 0,)
+    writes = (given_out,) if given_out is not None else ()  # the caller's tensors written
     launches = [
         Launch(
             kernel=_paged_attention_kernel,
@@ -945,6 +968,7 @@ def plan_paged_attention(
             target=target,
             name=OP,
             outputs=(out,),
+            writes=writes,
         )
     ]
     if (
@@ -953,6 +977,9 @@ def plan_paged_attention(
         and num_seqs
         and sm90_prefill(target, problem)
         and not sm90_prefill_errors(query, key_cache, value_cache, layout, target)
+        # the sm_90 kernel reads seq_lens and query_start_loc densely
+        and seq_lens.stride(0) == 1
+        and query_start_loc.stride(0) == 1
     ):
         # the prefill part on the sm_90 kernel; the decode row tile's sequences (if any) on
         # the portable kernel, its decode-role programs alone (no main-tile program), or with
@@ -971,6 +998,7 @@ def plan_paged_attention(
                     target=target,
                     name=f"{OP}:decode",
                     outputs=(out,),
+                    writes=writes,
                 )
             )
         return launches
@@ -997,6 +1025,7 @@ def plan_paged_attention(
                 target=target,
                 name=f"{OP}:reduce",
                 outputs=(out,),
+                writes=writes,
             )
         )
     return launches

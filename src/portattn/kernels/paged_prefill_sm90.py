@@ -1816,5 +1816,6 @@ def sm90_prefill_launches(
         target=main.target,
         name="paged_prefill_sm90",
         outputs=main.outputs,
+        writes=main.writes,
     )
     return [work_launch, kernel]
