@@ -1,0 +1,474 @@
+"""Bad input never crashes, never answers wrong, never hides a problem.
+
+* metadata strides: every op reads its index tensors through their strides, as its checks do;
+* bf16 on the CPU: the interpreter's dots give the right answer;
+* the softmax scale: one bound for every op (the kernels take ``scale * log2(e)`` in fp32);
+* overlapping writes: an output, cache or workspace sharing memory with an input, with another
+  write target or with itself is refused by name, on a cached plan's hit too;
+* page expansion: slots that would leave int64 are refused;
+* errors: one error lists every problem (type problems and value problems alike) and blames the
+  right argument; meta tensors give their outputs' shapes.
+
+Cases that crashed the process (SIGSEGV) run in a child (`_in_child`), as in
+test_metadata_checks.py, so a regression fails its test instead of killing the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import portattn
+from portattn import reference
+from portattn.kernels import _checks
+from portattn.kernels._plans import PlanCache, call_key
+from portattn.kernels.kv_cache import gather_kv_cache, write_kv_cache
+from portattn.kernels.mla_decode import mla_decode
+from portattn.kernels.page_indices import expand_page_indices
+from portattn.kernels.paged_attention import paged_attention, plan_paged_attention
+from portattn.layout import empty_kv_cache, make_hybrid_cache
+from tests.helpers import assert_low_precision_close, rel_err
+
+BS, HQ, HKV, D, NUM_BLOCKS = 4, 4, 2, 16, 8
+SEQ_LENS, Q_LENS = (6, 9), (2, 1)
+DK, R = 80, 64  # MLA: latent 64 + rope 16
+
+
+def _i32(*xs) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int32)
+
+
+def _paged(device="cpu", dtype=torch.float32, seed=0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        query=torch.randn(sum(Q_LENS), HQ, D, generator=g).to(device, dtype),
+        key_cache=torch.randn(NUM_BLOCKS, BS, HKV, D, generator=g).to(device, dtype),
+        value_cache=torch.randn(NUM_BLOCKS, BS, HKV, D, generator=g).to(device, dtype),
+        block_table=torch.tensor([[5, 2, -1, -1], [7, 0, 3, -1]], dtype=torch.int32).to(device),
+        seq_lens=_i32(*SEQ_LENS).to(device),
+        query_start_loc=_i32(0, 2, 3).to(device),
+    )
+
+
+def _mla(device="cpu", dtype=torch.float32, seed=0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    a = _paged(device)
+    return dict(
+        query=torch.randn(sum(Q_LENS), 2, DK, generator=g).to(device, dtype),
+        kv_cache=torch.randn(NUM_BLOCKS, BS, DK, generator=g).to(device, dtype),
+        block_table=a["block_table"],
+        seq_lens=a["seq_lens"],
+        kv_lora_rank=R,
+        scale=0.1,
+        query_start_loc=a["query_start_loc"],
+    )
+
+
+def _column(values, neighbour: int) -> torch.Tensor:
+    """``values`` as column 0 of a 2-column int32 tensor: a view of stride 2 whose neighbours
+    in storage are ``neighbour``."""
+    return torch.tensor([[v, neighbour] for v in values], dtype=torch.int32)[:, 0]
+
+
+def _paged_reference(a: dict) -> torch.Tensor:
+    return reference.paged_attention(*(t.cpu() for t in a.values()))
+
+
+# -- crash-prone cases, each in a child process -------------------------------------------------
+
+
+def _strided_seq_lens_far_neighbours() -> dict:
+    """seq_lens a stride-2 view whose neighbours (5000) would send the kernel past the cache."""
+    a = _paged()
+    a["seq_lens"] = _column(SEQ_LENS, 5000)
+    return {"error": rel_err(paged_attention(**a), _paged_reference(a))}
+
+
+def _strided_query_start_loc_far_neighbours() -> dict:
+    """query_start_loc a stride-2 view whose neighbours (99) would send it past the query."""
+    a = _paged()
+    a["query_start_loc"] = _column((0, 2, 3), 99)
+    return {"error": rel_err(paged_attention(**a), _paged_reference(a))}
+
+
+CHILD_CASES = {
+    "seq_lens": _strided_seq_lens_far_neighbours,
+    "query_start_loc": _strided_query_start_loc_far_neighbours,
+}
+
+
+def _in_child(name: str) -> dict:
+    """Run ``CHILD_CASES[name]`` in a fresh interpreter; return its result."""
+    src = Path(portattn.__file__).resolve().parents[1]  # the portattn this test imported
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import json\n"
+        "from tests.kernels.test_input_contract import CHILD_CASES\n"
+        f"print(json.dumps(CHILD_CASES[{name!r}]()))\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join((str(src), str(root))))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, (
+        f"child for {name!r} died with exit status {proc.returncode} "
+        f"(negative: killed by signal {-proc.returncode})\nstderr tail:\n{proc.stderr[-2000:]}"
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- metadata strides -------------------------------------------------------------------------
+
+
+@pytest.mark.cpu
+@pytest.mark.paged
+@pytest.mark.parametrize("name", list(CHILD_CASES))
+def test_paged_attention_reads_strided_metadata_without_crashing(name):
+    assert _in_child(name)["error"] < 1e-5
+
+
+@pytest.mark.paged
+def test_paged_attention_reads_seq_lens_through_its_stride(device):
+    """Neighbours in storage that are valid lengths: read as seq_lens, a silently wrong answer."""
+    a = _paged(device)
+    a["seq_lens"] = _column(SEQ_LENS, 1).to(device)
+    a["query_start_loc"] = _column((0, 2, 3), 0).to(device)
+    assert rel_err(paged_attention(**a, max_query_len=2), _paged_reference(a)) < 1e-5
+
+
+@pytest.mark.paged
+def test_write_kv_cache_reads_slot_mapping_through_its_stride(device):
+    k_cache, v_cache = (torch.zeros(NUM_BLOCKS, BS, HKV, D, device=device) for _ in range(2))
+    key, value = (torch.randn(3, HKV, D, device=device) for _ in range(2))
+    slots = torch.tensor([[9, 0], [2, 0], [30, 0]]).to(device)[:, 0]
+    write_kv_cache(key, value, k_cache, v_cache, slots)
+    want = [torch.zeros(NUM_BLOCKS, BS, HKV, D) for _ in range(2)]
+    reference.write_kv_cache(key.cpu(), value.cpu(), *want, slots.cpu())
+    assert torch.equal(k_cache.cpu(), want[0]) and torch.equal(v_cache.cpu(), want[1])
+
+
+# -- bf16 ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.paged
+def test_paged_attention_bf16_is_right(device):
+    a = _paged(device, torch.bfloat16)
+    out = paged_attention(**a)
+    cpu = [t.cpu() for t in a.values()]
+    oracle = reference.paged_attention(*cpu)
+    lowp = reference.paged_attention(*cpu, compute_dtype=torch.bfloat16)
+    assert_low_precision_close(out, oracle, lowp)
+
+
+@pytest.mark.mla
+def test_mla_decode_bf16_is_right(device):
+    a = _mla(device, torch.bfloat16)
+    out = mla_decode(**a)
+    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    oracle, _ = reference.mla_decode(**cpu)
+    lowp, _ = reference.mla_decode(**cpu, compute_dtype=torch.bfloat16)
+    assert_low_precision_close(out, oracle, lowp)
+
+
+# -- the softmax scale --------------------------------------------------------------------------
+
+MAX_SCALE = torch.finfo(torch.float32).max / 1.4426950408889634  # scale * log2(e) fits fp32
+_SCALE_RULE = re.escape(
+    f"scale must be a finite float in (0, {MAX_SCALE:.4g}] (the kernels take scale * "
+    "log2(e) in fp32)"
+)
+
+
+@pytest.mark.cpu
+@pytest.mark.paged
+@pytest.mark.mla
+@pytest.mark.parametrize("scale", [1e300, 2.4e38, float("inf"), 0.0, True])
+def test_every_op_refuses_a_scale_past_fp32_by_one_rule(scale):
+    with pytest.raises(ValueError, match=r"^paged_attention: " + _SCALE_RULE):
+        paged_attention(**_paged(), scale=scale)
+    kind = TypeError if isinstance(scale, bool) else ValueError  # (mla: a bool is no number)
+    rule = "scale must be a real number" if kind is TypeError else _SCALE_RULE
+    with pytest.raises(kind, match=r"^mla_decode: " + rule):
+        mla_decode(**{**_mla(), "scale": scale})
+
+
+@pytest.mark.paged
+@pytest.mark.mla
+def test_a_large_valid_scale_is_right(device):
+    """A peaked softmax (scale 1e3): both ops agree with the fp64 reference."""
+    a = _paged(device)
+    out = paged_attention(**a, scale=1e3)
+    assert rel_err(out, reference.paged_attention(*(t.cpu() for t in a.values()), scale=1e3)) < 1e-4
+    m = {**_mla(device), "scale": 1e3}
+    want, _ = reference.mla_decode(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
+                                      for k, v in m.items()})  # fmt: skip
+    assert rel_err(mla_decode(**m), want) < 1e-4
+
+
+# -- overlapping writes -------------------------------------------------------------------------
+
+
+def _view_of(t: torch.Tensor, shape) -> torch.Tensor:
+    """A contiguous ``shape`` view of ``t``'s first elements."""
+    n = 1
+    for s in shape:
+        n *= s
+    return t.reshape(-1)[:n].view(shape)
+
+
+@pytest.mark.cpu
+@pytest.mark.paged
+def test_paged_out_in_the_cache_is_refused():
+    a = _paged()
+    before = a["key_cache"].clone()
+    out = _view_of(a["key_cache"], a["query"].shape)
+    with pytest.raises(ValueError, match=r"^paged_attention: out must not overlap key_cache"):
+        paged_attention(**a, out=out)
+    with pytest.raises(ValueError, match=r"out must not overlap query"):
+        paged_attention(**a, out=a["query"])
+    assert torch.equal(a["key_cache"], before)
+
+
+@pytest.mark.cpu
+@pytest.mark.mla
+def test_mla_out_in_the_cache_is_refused():
+    a = _mla()
+    before = a["kv_cache"].clone()
+    out = _view_of(a["kv_cache"], (3, 2, R))
+    with pytest.raises(ValueError, match=r"^mla_decode: out must not overlap kv_cache"):
+        mla_decode(**a, out=out)
+    assert torch.equal(a["kv_cache"], before)
+
+
+@pytest.mark.cpu
+@pytest.mark.paged
+def test_gather_outputs_that_overlap_are_refused():
+    k_cache, v_cache = (torch.randn(NUM_BLOCKS, BS, HKV, D) for _ in range(2))
+    before = k_cache.clone()
+    table, cu = _paged()["block_table"], _i32(0, 6, 15)
+    own = torch.empty(15, HKV, D)
+    cases = {
+        r"out\[0\] must not overlap key_cache": (_view_of(k_cache, (15, HKV, D)), own),
+        r"out\[0\] must not overlap out\[1\]": (own, own),
+        r"out\[1\] must not overlap itself": (own, torch.empty(HKV, D).expand(15, HKV, D)),
+    }
+    for match, out in cases.items():
+        with pytest.raises(ValueError, match=r"^gather_kv_cache: " + match):
+            gather_kv_cache(k_cache, v_cache, table, cu, out=out)
+    assert torch.equal(k_cache, before)
+
+
+@pytest.mark.cpu
+@pytest.mark.paged
+def test_write_targets_that_overlap_are_refused():
+    """key_cache is value_cache (K would be lost), K/V views of one buffer that share
+    blocks, a stride-0 cache, and a cache that holds the tokens it is given."""
+    key, value = (torch.randn(3, HKV, D) for _ in range(2))
+    slots = torch.tensor([0, 5, 9])
+    cache = torch.randn(NUM_BLOCKS, BS, HKV, D)
+    buf = torch.randn(NUM_BLOCKS + 2, BS, HKV, D)
+    one_block = torch.randn(1, BS, HKV, D).expand(NUM_BLOCKS, -1, -1, -1)
+    cases = [
+        ((cache, cache), "key_cache must not overlap value_cache"),
+        ((buf[:NUM_BLOCKS], buf[2:]), "key_cache must not overlap value_cache"),
+        ((one_block, cache), r"key_cache must not overlap itself \(it is written\); got shape "
+                             r"\(8, 4, 2, 16\), strides \(0, 32, 16, 1\)"),
+        ((cache, torch.randn(NUM_BLOCKS, BS, HKV, D)), None),  # fine
+    ]  # fmt: skip
+    for (kc, vc), match in cases:
+        before = kc.clone(), vc.clone()
+        if match is None:
+            write_kv_cache(key, value, kc, vc, slots)
+            continue
+        with pytest.raises(ValueError, match=r"^write_kv_cache: " + match):
+            write_kv_cache(key, value, kc, vc, slots)
+        assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    tokens = _view_of(cache, (3, HKV, D))
+    with pytest.raises(ValueError, match=r"key_cache must not overlap key"):
+        write_kv_cache(tokens, value, cache, torch.randn_like(cache), slots)
+
+
+@pytest.mark.paged
+@pytest.mark.parametrize("layout", ["NHD", "SHUFFLE"])
+def test_interleaved_caches_are_not_overlaps(layout, device):
+    """A hybrid model's K and V pages interleaved in one buffer, and query/out as halves of one
+    row: they share a buffer but no element, and are accepted."""
+    h = make_hybrid_cache(
+        NUM_BLOCKS, BS * 2, HKV, D, layout=layout, dtype=torch.float16, device=device,
+        mamba_state_bytes=64,
+    )  # fmt: skip
+    kc, vc = h.key_cache, h.value_cache
+    assert _checks.overlap_errors([("key_cache", kc), ("value_cache", vc)], []) == []
+    key, value = (torch.randn(3, HKV, D, device=device).half() for _ in range(2))
+    write_kv_cache(key, value, kc, vc, torch.tensor([0, 9, 17], device=device), layout=layout)
+    row = torch.randn(3, 2 * HQ, D, device=device).half()
+    query, out = row[:, :HQ], row[:, HQ:]
+    assert _checks.overlap_errors([("out", out)], [("query", query)]) == []
+    assert _checks.overlap_errors([("out", row[:, 1 : HQ + 1])], [("query", query)]) != []
+
+
+@pytest.mark.cpu
+@pytest.mark.paged
+def test_overlap_rule():
+    """`_checks.disjoint`/`overlaps_itself`: ranges, periods, strides."""
+    buf = torch.zeros(64)
+    assert _checks.disjoint(buf[:32], buf[32:]) and not _checks.disjoint(buf[:33], buf[32:])
+    pages = buf.view(4, 16)
+    assert _checks.disjoint(pages[:, :8], pages[:, 8:])  # interleaved halves of each page
+    assert not _checks.disjoint(pages[:, :9], pages[:, 8:])
+    assert _checks.disjoint(pages[:, ::2], pages[:, 1::2])  # even and odd elements
+    assert not _checks.disjoint(pages[:, ::2], pages[:, 2::2])
+    assert _checks.overlaps_itself(torch.zeros(4).expand(3, 4))
+    assert _checks.overlaps_itself(buf.as_strided((4, 4), (3, 1)))
+    assert not _checks.overlaps_itself(buf.as_strided((4, 4), (1, 4)))
+    assert not _checks.overlaps_itself(pages.t())
+    assert _checks.disjoint(torch.zeros(0), buf) and _checks.disjoint(buf, torch.zeros(4))
+
+
+@pytest.mark.cpu
+@pytest.mark.paged
+def test_a_cached_plan_refuses_an_overlapping_call():
+    """The plan cache skips validation on a hit: an ``out`` that is a view of the cache, of the
+    first call's description, must still be refused (key lookup and probe alike)."""
+    cache = PlanCache()
+    a = _paged()
+
+    def call(out):
+        inputs = (*a.values(), out)
+        key = call_key("paged_attention", *inputs, None, "NHD", None, 2, None)
+        scalars = ("guard", "paged_attention")
+        plan = lambda: plan_paged_attention(  # noqa: E731
+            *a.values(), out=out, max_query_len=2, check_contents=False
+        )
+        return cache.call(key, inputs, plan, (scalars, inputs)), scalars, inputs
+
+    (out,), scalars, _ = call(torch.empty_like(a["query"]))
+    assert rel_err(out, _paged_reference(a)) < 1e-5
+    (out,), _, _ = call(torch.empty_like(a["query"]))  # a hit
+    assert cache.hits == 1
+    before = a["key_cache"].clone()
+    inside = _view_of(a["key_cache"], a["query"].shape)
+    assert cache.probe(scalars, (*a.values(), inside), (*a.values(), inside)) is None
+    with pytest.raises(ValueError, match=r"^paged_attention: out must not overlap key_cache"):
+        call(inside)
+    assert torch.equal(a["key_cache"], before) and cache.hits == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.paged
+def test_gpu_cached_call_refuses_an_overlapping_out():
+    a = _paged("cuda", torch.float16)
+    for _ in range(3):  # planned, then hits
+        paged_attention(**a, out=torch.empty_like(a["query"]), max_query_len=2)
+    inside = _view_of(a["key_cache"], a["query"].shape)
+    before = a["key_cache"].clone()
+    with pytest.raises(ValueError, match=r"out must not overlap key_cache"):
+        paged_attention(**a, out=inside, max_query_len=2)
+    assert torch.equal(a["key_cache"], before)
+
+
+# -- page expansion: slots stay in int64 --------------------------------------------------------
+
+
+@pytest.mark.cpu
+@pytest.mark.paged
+@pytest.mark.specdec
+@pytest.mark.parametrize("num_indices", [None, 3])
+def test_expand_refuses_slots_past_int64(num_indices):
+    table = torch.tensor([[2**62]], dtype=torch.int64)
+    limit = (2**63 - 1) // 4
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"expand_page_indices: block_table entries of used blocks must be < (2**63 - 1) // "
+            f"block_size = {limit}"
+        ),
+    ):
+        expand_page_indices(table, torch.tensor([3]), 4, num_indices=num_indices)
+    top = torch.tensor([[limit - 1]], dtype=torch.int64)  # the largest block id that fits
+    _, indices = expand_page_indices(top, torch.tensor([4]), 4)
+    assert indices.tolist() == [(limit - 1) * 4 + t for t in range(4)]
+
+
+# -- errors: every problem at once, the right argument, meta tensors ----------------------------
+
+
+@pytest.mark.cpu
+@pytest.mark.paged
+@pytest.mark.mla
+def test_one_error_lists_type_and_value_problems():
+    a = _paged()
+    with pytest.raises(TypeError) as info:
+        paged_attention(**{**a, "query": [1.0], "seq_lens": _i32(6)}, scale=-1.0, out="x")
+    msg = str(info.value)
+    for part in ("query must be a torch.Tensor", "out must be a torch.Tensor or None",
+                 "seq_lens must be 1-D [num_seqs=2]", "scale must be a finite float"):  # fmt: skip
+        assert part in msg, msg
+    m = _mla()
+    with pytest.raises(TypeError) as info:
+        mla_decode(**{**m, "seq_lens": m["seq_lens"].float(), "kv_lora_rank": 999})
+    assert "seq_lens must be an int32/int64" in str(info.value)
+    assert "kv_lora_rank must be in 1..head_dim_k=80; got 999" in str(info.value)
+    kc, vc = empty_kv_cache(NUM_BLOCKS, BS, HKV, D, dtype=torch.float32)
+    with pytest.raises(TypeError) as info:
+        write_kv_cache([0], torch.zeros(3, HKV, 8), kc, vc, torch.zeros(3, 1))
+    msg = str(info.value)
+    parts = ("key must be a torch.Tensor; got list", "value must be [num_tokens, 2, 16]",
+             "slot_mapping dtype must be int32 or int64", "slot_mapping must be 1-D")  # fmt: skip
+    for part in parts:
+        assert part in msg, msg
+    with pytest.raises(TypeError) as info:
+        gather_kv_cache(kc, vc, a["block_table"].float(), _i32(0, 6), out=(None, kc))
+    msg = str(info.value)
+    for part in (
+        "block_table dtype must be int32 or int64",
+        "cu_seq_lens must have num_seqs + 1",
+        "out[0] must be a torch.Tensor; got NoneType",
+        "out[1] must be [total_tokens",
+    ):
+        assert part in msg, msg
+    with pytest.raises(TypeError) as info:
+        expand_page_indices(a["block_table"], [6, 9], 0, num_indices=-1)
+    msg = str(info.value)
+    for part in ("seq_lens must be a torch.Tensor; got list", "block_size must be an int >= 1",
+                 "num_indices must be >= 0"):  # fmt: skip
+        assert part in msg, msg
+
+
+@pytest.mark.cpu
+@pytest.mark.mla
+def test_mla_blames_a_short_seq_lens():
+    m = _mla()
+    with pytest.raises(ValueError) as info:
+        mla_decode(**{**m, "seq_lens": m["seq_lens"][:1]})
+    msg = str(info.value)
+    assert "seq_lens must have one entry per sequence (num_seqs=2); got shape (1,)" in msg
+    assert "block_table must" not in msg and "query_start_loc must" not in msg, msg
+
+
+@pytest.mark.cpu
+@pytest.mark.paged
+@pytest.mark.mla
+@pytest.mark.specdec
+def test_meta_tensors_give_their_outputs_shapes():
+    meta = lambda d: {k: v.to("meta") if isinstance(v, torch.Tensor) else v  # noqa: E731
+                      for k, v in d.items()}  # fmt: skip
+    out = paged_attention(**meta(_paged()))
+    assert out.is_meta and out.shape == (3, HQ, D)
+    out = mla_decode(**meta(_mla()))
+    assert out.is_meta and out.shape == (3, 2, R)
+    kc, vc = empty_kv_cache(NUM_BLOCKS, BS, HKV, D, dtype=torch.float32, device="meta")
+    k = torch.empty(3, HKV, D, device="meta")
+    write_kv_cache(k, k, kc, vc, torch.zeros(3, dtype=torch.int64, device="meta"))
+    table, cu = _paged("meta")["block_table"], _i32(0, 6, 15).to("meta")
+    outs = (torch.empty(15, HKV, D, device="meta"), torch.empty(15, HKV, D, device="meta"))
+    assert gather_kv_cache(kc, vc, table, cu, out=outs)[0] is outs[0]
+    indptr, indices = expand_page_indices(table, _i32(6, 9).to("meta"), BS, num_indices=15)
+    assert indptr.is_meta and indices.shape == (15,)
