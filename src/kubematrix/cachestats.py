@@ -1,0 +1,112 @@
+"""The shared Triton compile cache, seen from the CI layer: the cells' environment and counters.
+
+Every runner gives a cell :func:`cache_env`: Triton then loads
+``kubematrix.compile_cache.LayeredCacheManager`` (Triton's ``TRITON_CACHE_MANAGER``), which keeps
+the local folder (``TRITON_CACHE_DIR``, default ``~/.triton/cache``) in front of Redis when a
+Redis address is given, and appends its counters to ``<stats dir>/<pid>.jsonl``.
+:func:`read_stats` sums them into the cell's :class:`CacheStats`. Standard library only: the CI
+layer never imports triton; only Triton imports the manager.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+MANAGER = "kubematrix.compile_cache:LayeredCacheManager"
+BACKEND = "kubematrix.compile_cache:GuardedRedisBackend"
+# The folder the manager appends its counters to, one JSONL file per process.
+STATS_DIR_ENV = "KUBEMATRIX_CACHE_STATS"
+# Seconds Redis may take to connect or answer before the process gives up on it.
+TIMEOUT_ENV = "KUBEMATRIX_CACHE_TIMEOUT"
+# ``host:port`` of the shared Redis for the runners (unset or empty: the local layer only).
+REDIS_ENV = "KUBEMATRIX_TRITON_REDIS"
+# In Kubernetes: the Service of the optional triton-cache component, in the cells' namespace.
+K8S_REDIS = "triton-cache:6379"
+
+
+def cache_env(stats_dir: str | os.PathLike[str] | None, redis: str | None = None) -> dict[str, str]:
+    """The variables that put a cell's Triton compiles through the layered cache.
+
+    ``redis`` is ``host:port`` (``None``: ``$KUBEMATRIX_TRITON_REDIS``; empty: no remote layer).
+    """
+    env = {"TRITON_CACHE_MANAGER": MANAGER}
+    if stats_dir is not None:
+        env[STATS_DIR_ENV] = str(stats_dir)
+    redis = os.environ.get(REDIS_ENV, "") if redis is None else redis
+    if redis.strip():
+        host, _, port = redis.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{REDIS_ENV}: expected host:port, got {redis!r}")
+        env.update(
+            TRITON_REMOTE_CACHE_BACKEND=BACKEND, TRITON_REDIS_HOST=host, TRITON_REDIS_PORT=port
+        )
+    return env
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """One cell's Triton cache lookups and compile time, summed over its processes."""
+
+    local: int = 0  # served from the local folder
+    remote: int = 0  # fetched from Redis (and written to the local folder)
+    compiled: int = 0  # not cached (or not verified): Triton compiled it
+    compile_s: float = 0.0  # seconds from each miss to its result stored, summed over processes
+    corrupt: int = 0  # Redis values that failed their envelope (recompiled)
+    warnings: tuple[str, ...] = ()  # e.g. "redis": the remote layer was unreachable
+
+    @property
+    def lookups(self) -> int:
+        return self.local + self.remote + self.compiled
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Hits over lookups; ``None`` when the cell compiled nothing (e.g. the interpreter)."""
+        return (self.local + self.remote) / self.lookups if self.lookups else None
+
+    def to_dict(self) -> dict:
+        return {
+            "local": self.local,
+            "remote": self.remote,
+            "compiled": self.compiled,
+            "compile_s": round(self.compile_s, 3),
+            "corrupt": self.corrupt,
+            "warnings": list(self.warnings),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CacheStats:
+        return cls(
+            local=int(d.get("local", 0)),
+            remote=int(d.get("remote", 0)),
+            compiled=int(d.get("compiled", 0)),
+            compile_s=float(d.get("compile_s", 0.0)),
+            corrupt=int(d.get("corrupt", 0)),
+            warnings=tuple(d.get("warnings", ())),
+        )
+
+
+def read_stats(stats_dir: str | os.PathLike[str]) -> CacheStats | None:
+    """The counters under ``stats_dir`` summed; ``None`` when no process recorded any."""
+    counts = {"local": 0, "remote": 0, "compiled": 0, "corrupt": 0}
+    compile_s = 0.0
+    warned: set[str] = set()
+    files = sorted(Path(stats_dir).glob("*.jsonl")) if Path(stats_dir).is_dir() else []
+    if not files:
+        return None
+    for path in files:
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                event = json.loads(line)
+                name = str(event["event"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a killed process
+            if name in counts:
+                counts[name] += 1
+            elif name.startswith("warning:"):
+                warned.add(name.split(":", 1)[1])
+            if name == "compiled":
+                compile_s += float(event.get("compile_s") or 0.0)
+    return CacheStats(compile_s=compile_s, warnings=tuple(sorted(warned)), **counts)

@@ -1,0 +1,260 @@
+"""The shared Triton compile cache: real Triton compiles (sm_90, no GPU) against a real Redis.
+
+Redis: ``$PORTATTN_TEST_REDIS`` (``host:port``, which .ci/run starts), else a private
+``redis-server`` from PATH. Without either the Redis tests skip with the reason, but under
+``CI=true`` they fail: CI must run them. Each test keeps its keys apart with its own
+``TRITON_REDIS_KEY_FORMAT`` prefix, so tests share one server safely.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kubematrix.cachestats import (
+    BACKEND,
+    MANAGER,
+    STATS_DIR_ENV,
+    TIMEOUT_ENV,
+    cache_env,
+    read_stats,
+)
+
+pytestmark = pytest.mark.ci
+
+PROBE = Path(__file__).with_name("cache_probe.py")
+SHARED_ENV = "PORTATTN_TEST_REDIS"
+WARNING = "Triton remote cache at"
+
+
+def _redis_missing(why: str) -> None:
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true, and {why}; .ci/run installs and starts redis-server")
+    pytest.skip(why)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Redis:
+    host: str
+    port: int
+    proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def client(self):
+        import redis
+
+        return redis.Redis(host=self.host, port=self.port, socket_timeout=5)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+def _start_private(tmp_path: Path) -> Redis:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        _redis_missing(f"no redis-server on PATH and ${SHARED_ENV} unset")
+    port = _free_port()
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", tmp_path]
+    proc = subprocess.Popen([str(a) for a in args], stdout=subprocess.DEVNULL)
+    server = Redis("127.0.0.1", port, proc)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            server.client().ping()
+            return server
+        except Exception:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                server.stop()
+                raise
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A redis-server of this test's own (one it may stop)."""
+    server = _start_private(tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """The shared test Redis (.ci/run's) if there is one, else a private one."""
+    shared = os.environ.get(SHARED_ENV, "").strip()
+    if not shared:
+        server = _start_private(tmp_path)
+        yield server
+        server.stop()
+        return
+    host, _, port = shared.rpartition(":")
+    server = Redis(host, int(port))
+    try:
+        server.client().ping()
+    except Exception as err:
+        _redis_missing(f"${SHARED_ENV}={shared} does not answer ({err})")
+    yield server
+
+
+class Probe:
+    """Runs tests/ci/cache_probe.py in fresh processes against one Redis and one key prefix."""
+
+    def __init__(self, tmp_path: Path, redis: str) -> None:
+        self.tmp, self.redis, self.runs = tmp_path, redis, 0
+        self.prefix = f"test-{uuid.uuid4().hex[:12]}"
+
+    def env(self, local: str, stats: Path, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(cache_env(stats, redis=self.redis))
+        env["TRITON_CACHE_DIR"] = str(self.tmp / local)
+        env["TRITON_HOME"] = str(self.tmp / "home")
+        env["TRITON_REDIS_KEY_FORMAT"] = self.prefix + ":{key}:{filename}"
+        return {**env, **extra}
+
+    def start(self, *blocks: int, local: str, pause_after: int | None = None, **extra: str):
+        self.runs += 1
+        stats = self.tmp / f"stats{self.runs}"
+        args = [sys.executable, str(PROBE), *map(str, blocks)]
+        if pause_after is not None:
+            args += ["--pause-after", str(pause_after)]
+        proc = subprocess.Popen(
+            args,
+            env=self.env(local, stats, **extra),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        return proc, stats
+
+    @staticmethod
+    def finish(proc, stats, stdin: str = ""):
+        out, err = proc.communicate(stdin, timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        return json.loads(out.strip().splitlines()[-1]), read_stats(stats), err
+
+    def run(self, *blocks: int, local: str, **extra: str):
+        return self.finish(*self.start(*blocks, local=local, **extra))
+
+
+def test_a_fresh_process_with_an_empty_local_folder_compiles_nothing_that_redis_holds(
+    tmp_path, redis_server
+):
+    probe = Probe(tmp_path, redis_server.address)
+    seen, stats, _ = probe.run(64, 128, local="a")
+    assert seen["compiled"] == 2 and stats.compiled == 2 and stats.remote == 0
+    assert stats.compile_s > 0
+    assert redis_server.client().keys(probe.prefix + ":*")  # the first process filled Redis
+
+    again, stats, err = probe.run(64, 128, local="b")  # another pod: empty local folder
+    assert again["compiled"] == 0 and again["hits"] == 2  # Triton's own count
+    assert (stats.remote, stats.compiled, stats.hit_rate) == (2, 0, 1.0)
+    assert again["cubin_bytes"] == seen["cubin_bytes"]
+    assert WARNING not in err
+
+
+def test_a_local_hit_is_served_without_asking_redis(tmp_path, redis_server):
+    probe = Probe(tmp_path, redis_server.address)
+    probe.run(64, local="a")
+    # The same local folder, pointed at a port where nothing listens: a local hit never calls.
+    dead = Probe(tmp_path, f"127.0.0.1:{_free_port()}")
+    dead.prefix = probe.prefix
+    seen, stats, err = dead.run(64, local="a")
+    assert (seen["compiled"], stats.local, stats.warnings) == (0, 1, ())
+    assert WARNING not in err
+
+
+def test_redis_stopped_mid_run_the_run_finishes_compiling_locally_with_one_warning(
+    tmp_path, private_redis
+):
+    probe = Probe(tmp_path, private_redis.address)
+    proc, stats_dir = probe.start(64, 128, 256, local="a", pause_after=1)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "paused"
+    private_redis.stop()
+    seen, stats, err = probe.finish(proc, stats_dir, stdin="go\n")
+    assert seen["compiled"] == 3 and len(seen["cubin_bytes"]) == 3
+    assert stats.warnings == ("redis",)
+    assert err.count(WARNING) == 1, err
+
+
+def test_a_redis_that_never_answers_costs_one_short_timeout_and_a_warning(tmp_path):
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never replies
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        probe = Probe(tmp_path, f"127.0.0.1:{silent.getsockname()[1]}")
+        started = time.monotonic()
+        seen, stats, err = probe.run(64, 128, local="a", **{TIMEOUT_ENV: "0.3"})
+    assert seen["compiled"] == 2 and stats.warnings == ("redis",)
+    assert err.count(WARNING) == 1 and "Timeout" in err
+    assert time.monotonic() - started < 60
+
+
+def test_a_garbage_value_under_a_real_key_is_recompiled_and_replaced(tmp_path, redis_server):
+    probe = Probe(tmp_path, redis_server.address)
+    probe.run(64, local="a")
+    client = redis_server.client()
+    (cubin_key,) = client.keys(probe.prefix + ":*:add.cubin")
+    client.set(cubin_key, b"garbage, not a cubin")
+
+    seen, stats, _ = probe.run(64, local="b")
+    assert seen["compiled"] == 1 and stats.corrupt == 1 and stats.remote == 0
+    assert client.get(cubin_key) != b"garbage, not a cubin"  # the recompile replaced it
+
+    seen, stats, _ = probe.run(64, local="c")
+    assert seen["compiled"] == 0 and stats.remote == 1
+
+
+def test_a_value_sealed_under_another_key_or_cut_short_does_not_verify():
+    from kubematrix.compile_cache import seal, unseal
+
+    value = seal("triton:A:add.cubin", b"\x7fELF...")
+    assert unseal("triton:A:add.cubin", value) == b"\x7fELF..."
+    assert unseal("triton:B:add.cubin", value) is None  # foreign: another kernel's entry
+    assert unseal("triton:A:add.cubin", value[:-1]) is None
+    assert unseal("triton:A:add.cubin", b"\x7fELF...") is None  # no envelope (Triton's own)
+
+
+def test_the_cells_environment_names_the_manager_and_redis_only_when_given(monkeypatch):
+    monkeypatch.delenv("KUBEMATRIX_TRITON_REDIS", raising=False)
+    assert cache_env("/s") == {"TRITON_CACHE_MANAGER": MANAGER, STATS_DIR_ENV: "/s"}
+    env = cache_env(None, redis="triton-cache:6379")
+    assert env["TRITON_REMOTE_CACHE_BACKEND"] == BACKEND
+    assert (env["TRITON_REDIS_HOST"], env["TRITON_REDIS_PORT"]) == ("triton-cache", "6379")
+    monkeypatch.setenv("KUBEMATRIX_TRITON_REDIS", "10.0.0.5:6390")
+    assert cache_env(None)["TRITON_REDIS_HOST"] == "10.0.0.5"
+    with pytest.raises(ValueError, match="host:port"):
+        cache_env(None, redis="no-port")
+
+
+def test_counters_sum_over_processes_and_skip_a_line_cut_short(tmp_path):
+    (tmp_path / "1.jsonl").write_text(
+        '{"event": "compiled", "compile_s": 1.5}\n{"event": "local", "compile_s": 0}\n'
+    )
+    (tmp_path / "2.jsonl").write_text(
+        '{"event": "remote", "compile_s": 0}\n{"event": "warning:redis", "compile_s": 0}\n{"ev'
+    )
+    stats = read_stats(tmp_path)
+    assert stats is not None
+    assert (stats.local, stats.remote, stats.compiled, stats.compile_s) == (1, 1, 1, 1.5)
+    assert stats.warnings == ("redis",) and stats.hit_rate == pytest.approx(2 / 3)
+    assert read_stats(tmp_path / "none") is None
