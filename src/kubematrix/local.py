@@ -13,9 +13,11 @@ process's exit status and its JUnit.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,11 +28,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
+from kubematrix.cachestats import cache_env, read_stats
 from kubematrix.matrix import COMPILE_MODULE, Cell, Host, why_not_runnable
 from kubematrix.matrix import pytest_workers as default_workers
 from kubematrix.report import (
     COMPILE_JSON,
     CellResult,
+    cache_dir,
     junit_from_compile_json,
     not_run,
     result_from_junit,
@@ -119,7 +123,19 @@ def _stop(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_cell(
+def run_cell(cell: Cell, results_dir: Path, **kwargs) -> CellResult:
+    """Run one cell (:func:`_run_cell`) with its Triton compiles through the shared cache.
+
+    The cache is Triton's own folder (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), with
+    ``$KUBEMATRIX_TRITON_REDIS`` behind it when set; the result carries the cell's counters.
+    """
+    stats = cache_dir(cell.name, results_dir)
+    shutil.rmtree(stats, ignore_errors=True)
+    result = _run_cell(cell, results_dir, cache=cache_env(stats), **kwargs)
+    return dataclasses.replace(result, cache=read_stats(stats))
+
+
+def _run_cell(
     cell: Cell,
     results_dir: Path,
     *,
@@ -129,6 +145,7 @@ def run_cell(
     cwd: str | os.PathLike[str] | None = None,
     stop: threading.Event | None = None,
     compile_args: Sequence[str] = (),
+    cache: dict[str, str] | None = None,
 ) -> CellResult:
     """Run one cell to completion (or its timeout) and return its result.
 
@@ -137,7 +154,7 @@ def run_cell(
     """
     junit, log = cell.junit_path(results_dir), results_dir / f"{cell.name}.log"
     junit.unlink(missing_ok=True)
-    env = {**os.environ, **cell.env}
+    env = {**os.environ, **(cache or {}), **cell.env}
     if cell.spec.is_gpu:  # a GPU cell runs on the device even from a shell that exported it
         env.pop("TRITON_INTERPRET", None)
     cmd = cell_command(cell, results_dir, workers, compile_args)

@@ -3,9 +3,11 @@
 Every runner leaves the same thing in the results folder (``results/matrix/`` by default):
 ``<cell>.xml`` (pytest's JUnit), optionally ``<cell>.json`` (what the runner knows beyond the JUnit:
 exit status, wall time, why a cell did not run) and ``<cell>.log``; the compile cell adds
-``compile/`` with the heatmap. :func:`collect` rebuilds the results from such a folder — a local
-run, or the artifacts a Buildkite build downloaded — and :func:`write_summary` writes the merged
-``junit.xml``, ``report.md``, ``summary.txt`` and ``results.json`` beside them.
+``compile/`` with the heatmap. ``<cell>.cache/`` holds the counters of the cell's Triton compile
+cache (:mod:`kubematrix.cachestats`): the summary's compile time and hit rate per cell.
+:func:`collect` rebuilds the results from such a folder — a local run, or the artifacts a
+Buildkite build downloaded — and :func:`write_summary` writes the merged ``junit.xml``,
+``report.md``, ``summary.txt`` and ``results.json`` beside them.
 
 A cell is ``passed`` only when its JUnit shows at least one passing test and no failure or
 error; a cell with only skipped tests is ``skipped``, one that never produced a JUnit is
@@ -18,9 +20,10 @@ import json
 import os
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from kubematrix.cachestats import CacheStats, read_stats
 from kubematrix.matrix import Cell
 
 STATUSES = ("passed", "failed", "error", "skipped", "not run")
@@ -65,6 +68,7 @@ class CellResult:
     seconds: float = 0.0
     experimental: bool = False
     counts: JunitCounts = field(default_factory=JunitCounts)
+    cache: CacheStats | None = None  # the cell's Triton cache counters (None: none recorded)
 
     @property
     def ran_on(self) -> str:
@@ -197,13 +201,20 @@ def not_run(
 def result_to_dict(result: CellResult) -> dict:
     d = asdict(result)
     d["counts"]["failures"] = [asdict(f) for f in result.counts.failures]
+    d["cache"] = result.cache.to_dict() if result.cache else None
     return d
 
 
 def result_from_dict(d: dict) -> CellResult:
     counts = dict(d.get("counts") or {})
     counts["failures"] = tuple(Failure(**f) for f in counts.get("failures", ()))
-    return CellResult(**{**d, "counts": JunitCounts(**counts)})
+    cache = CacheStats.from_dict(d["cache"]) if d.get("cache") else None
+    return CellResult(**{**d, "counts": JunitCounts(**counts), "cache": cache})
+
+
+def cache_dir(cell_name: str, results_dir: str | os.PathLike[str]) -> Path:
+    """Where a cell's processes leave their Triton cache counters (``<cell>.cache/``)."""
+    return Path(results_dir) / f"{cell_name}.cache"
 
 
 def write_cell_record(result: CellResult, results_dir: str | os.PathLike[str]) -> Path:
@@ -280,7 +291,8 @@ def collect(cells: Sequence[Cell], results_dir: str | os.PathLike[str]) -> list[
         if record.is_file():
             results.append(result_from_dict(json.loads(record.read_text())))
         elif junit.is_file():
-            results.append(result_from_junit(cell, junit))
+            cache = read_stats(cache_dir(cell.name, out))
+            results.append(replace(result_from_junit(cell, junit), cache=cache))
         else:
             results.append(not_run(cell, f"no result in {out} (not selected, skipped or lost)"))
     return results
@@ -299,7 +311,18 @@ def _status_text(r: CellResult) -> str:
 
 def summary_table(results: Sequence[CellResult]) -> str:
     """A plain-text table: cell, result, where it ran, passed/failed/skipped, time, note."""
-    header = ("cell", "result", "ran on", "passed", "failed", "skipped", "time", "note")
+    header = (
+        "cell",
+        "result",
+        "ran on",
+        "passed",
+        "failed",
+        "skipped",
+        "time",
+        "compile",
+        "cache",
+        "note",
+    )
     rows = [header]
     for r in results:
         c = r.counts
@@ -313,6 +336,8 @@ def summary_table(results: Sequence[CellResult]) -> str:
                 str(c.failed + c.errors) if ran else "-",
                 str(c.skipped) if ran else "-",
                 _fmt_seconds(r.seconds) if ran else "-",
+                _compile_text(r),
+                _cache_text(r),
                 r.reason,
             )
         )
@@ -325,7 +350,36 @@ def summary_table(results: Sequence[CellResult]) -> str:
         if i == 0:
             lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 4)
     totals = totals_line(results)
-    return "\n".join(line.rstrip() for line in lines) + "\n" + totals + "\n"
+    body = "\n".join(line.rstrip() for line in lines)
+    return body + "\n" + cache_line(results) + "\n" + totals + "\n"
+
+
+def _compile_text(r: CellResult) -> str:
+    """Seconds Triton spent compiling (summed over the cell's processes); ``-`` if none looked."""
+    return _fmt_seconds(r.cache.compile_s) if r.cache and r.cache.lookups else "-"
+
+
+def _cache_text(r: CellResult) -> str:
+    """Hit rate over lookups, e.g. ``96% of 120`` (``!`` when the remote layer was down)."""
+    if r.cache is None or r.cache.hit_rate is None:
+        return "-"
+    down = " !" + ",".join(r.cache.warnings) if r.cache.warnings else ""
+    return f"{r.cache.hit_rate:.0%} of {r.cache.lookups}{down}"
+
+
+def cache_line(results: Sequence[CellResult]) -> str:
+    """The whole matrix's Triton compiles: compile time, lookups, hits local / remote."""
+    stats = [r.cache for r in results if r.cache and r.cache.lookups]
+    if not stats:
+        return "Triton cache: no compile recorded"
+    local, remote = sum(s.local for s in stats), sum(s.remote for s in stats)
+    lookups = sum(s.lookups for s in stats)
+    compile_s = sum(s.compile_s for s in stats)
+    return (
+        f"Triton cache: {(local + remote) / lookups:.0%} hits of {lookups} lookups "
+        f"({local} local, {remote} remote, {lookups - local - remote} compiled in "
+        f"{_fmt_seconds(compile_s)})"
+    )
 
 
 def tally(results: Iterable[CellResult]) -> dict[str, int]:
@@ -368,10 +422,10 @@ def markdown_report(
     lines = [f"## {title}: {overall_status(results)}", ""]
     if context:
         lines += [context, ""]
-    lines += [totals_line(results), ""]
+    lines += [totals_line(results), "", cache_line(results), ""]
     lines += [
-        "| cell | result | ran on | passed | failed | skipped | time |",
-        "|------|--------|--------|-------:|-------:|--------:|-----:|",
+        "| cell | result | ran on | passed | failed | skipped | time | compile | cache |",
+        "|------|--------|--------|-------:|-------:|--------:|-----:|--------:|------:|",
     ]
     for r in results:
         c, ran = r.counts, r.status != "not run"
@@ -379,7 +433,7 @@ def markdown_report(
             [str(c.passed), str(c.failed + c.errors), str(c.skipped), _fmt_seconds(r.seconds)]
             if ran
             else ["-"] * 4
-        )
+        ) + [_compile_text(r), _cache_text(r)]
         lines.append(
             f"| `{r.cell}` | {_ICON[r.status]} {_status_text(r)} | {r.ran_on} | "
             + " | ".join(cols)

@@ -85,9 +85,12 @@ def test_a_runner_record_wins_over_the_junit(results_dir):
 def test_summary_table(results_dir):
     table = report.summary_table(report.collect(CELLS, results_dir)).splitlines()
     assert table[0].split() == [
-        "cell", "result", "ran", "on", "passed", "failed", "skipped", "time", "note"
+        "cell", "result", "ran", "on", "passed", "failed", "skipped", "time", "compile", "cache",
+        "note",
     ]  # fmt: skip
-    assert table[2].split() == ["paged-cpu-interpreter", "passed", "cpu", "3", "0", "1", "12.5s"]
+    assert table[2].split() == [
+        "paged-cpu-interpreter", "passed", "cpu", "3", "0", "1", "12.5s", "-", "-"
+    ]  # fmt: skip
     assert table[3].split()[:7] == ["mla-cpu-interpreter", "failed", "cpu", "1", "2", "0", "8.2s"]
     assert table[4].split()[:7] == ["mla-cuda-sm_90", "not", "run", "-", "-", "-", "-"]
     assert table[-1] == "4 cells: 1 passed, 2 failed, 1 not run (cell time 1m02s)"
@@ -225,3 +228,36 @@ def test_a_gpu_cell_reports_the_architecture_its_tests_found(tmp_path):
     assert "| `mla-cuda-sm_90` | ✅ passed | sm_90 | 2 |" in report.markdown_report([result])
     # The record keeps it (a runner's record wins over the JUnit in collect).
     assert report.result_from_dict(report.result_to_dict(result)).ran_on == "sm_90"
+
+
+def _counters(folder: Path, *events: tuple[str, float]) -> None:
+    folder.mkdir(parents=True)
+    lines = [json.dumps({"event": e, "compile_s": s}) for e, s in events]
+    (folder / "123.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_the_summary_shows_compile_time_and_cache_hit_rate_per_cell(results_dir):
+    compile_cell = "compile-cpu-interpreter"
+    _counters(
+        report.cache_dir(compile_cell, results_dir),
+        ("compiled", 50.0),
+        ("compiled", 25.0),
+        ("remote", 0),
+        *[("local", 0)] * 5,
+        ("warning:redis", 0),
+    )
+    results = report.collect(CELLS, results_dir)
+    comp = next(r for r in results if r.cell == compile_cell)
+    assert comp.cache is not None and comp.cache.hit_rate == 0.75
+    table = report.summary_table(results).splitlines()
+    row = next(line for line in table if line.startswith(compile_cell))
+    assert "1m15s" in row and "75% of 8 !redis" in row
+    assert table[-2] == (
+        "Triton cache: 75% hits of 8 lookups (5 local, 1 remote, 2 compiled in 1m15s)"
+    )
+    md = report.markdown_report(results)
+    assert f"| `{compile_cell}` | ❌ failed | cpu | 1 | 1 | 0 |" in md
+    assert "| 1m15s | 75% of 8 !redis |" in md
+    # The record keeps the counters (a later `report` over the folder shows the same).
+    report.write_cell_record(comp, results_dir)
+    assert report.collect([CELLS[-1]], results_dir)[0].cache == comp.cache
