@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from kubematrix.cachestats import K8S_REDIS, REDIS_ENV, cache_env
 from kubematrix.matrix import BACKENDS
 
 __all__ = [
@@ -72,6 +73,10 @@ _MERGE_KEYS = {
 }
 _CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+# Where a cell's processes leave their Triton cache counters, inside the pod.
+CACHE_STATS_PATH = "/results/cache"
 
 
 def default_k8s_dir() -> Path:
@@ -399,6 +404,11 @@ def render_job(
         "PYTEST_ADDOPTS",
         f"--junitxml={RESULTS_PATH} --timeout={test_timeout_s} -p no:cacheprovider",
     )
+    # Triton's compiles through the layered cache: the pod's own folder in front of the
+    # k8s/cache Redis (``$KUBEMATRIX_TRITON_REDIS`` overrides the address; empty: none).
+    redis = os.environ.get(REDIS_ENV, K8S_REDIS)
+    for key, value in cache_env(CACHE_STATS_PATH, redis=redis).items():
+        _set_env(container, key, value)
     return job
 
 

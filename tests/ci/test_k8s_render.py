@@ -3,6 +3,7 @@ the security and lifetime properties the cluster relies on, deterministic names.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,6 +14,7 @@ import yaml
 from kubernetes import client
 
 from kubematrix import buildkite, render
+from kubematrix.cachestats import K8S_REDIS, REDIS_ENV, STATS_DIR_ENV
 from kubematrix.cell import decode_results, encode_results
 from kubematrix.matrix import ARCH_ENV, all_cells
 from kubematrix.render import job_name, load_kustomization, render_job, render_pod_spec
@@ -51,6 +53,8 @@ def _manifests() -> list[tuple[str, dict]]:
         for doc in load_kustomization(K8S / "overlays" / vendor):
             out.append((f"{vendor}:{doc['kind']}", doc))
         out.append((f"{vendor}:rendered-job", _cell(vendor)))
+    for doc in load_kustomization(K8S / "cache"):  # the optional Triton cache (Redis + PVC)
+        out.append((f"cache:{doc['kind']}", doc))
     return out
 
 
@@ -319,3 +323,34 @@ def test_the_real_kustomize_builds_what_the_subset_refuses(tmp_path, monkeypatch
     monkeypatch.setenv(render.KUSTOMIZE_ENV, "fast")
     with pytest.raises(ValueError, match="KUBEMATRIX_KUSTOMIZE must be one of"):
         render_job(**kw)
+
+
+def _env(job: dict) -> dict[str, str]:
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e["value"] for e in container["env"]}
+
+
+def test_every_job_compiles_through_the_layered_cache_in_front_of_the_cache_redis(monkeypatch):
+    monkeypatch.delenv(REDIS_ENV, raising=False)
+    env = _env(_cell("cuda"))
+    assert env["TRITON_CACHE_MANAGER"] == "kubematrix.compile_cache:LayeredCacheManager"
+    assert env["TRITON_REMOTE_CACHE_BACKEND"] == "kubematrix.compile_cache:GuardedRedisBackend"
+    assert f"{env['TRITON_REDIS_HOST']}:{env['TRITON_REDIS_PORT']}" == K8S_REDIS
+    assert env["TRITON_CACHE_DIR"] == "/home/portattn/.triton/cache"  # the local layer
+    assert env[STATS_DIR_ENV].startswith("/results/")
+    monkeypatch.setenv(REDIS_ENV, "")  # no shared Redis: the pod's own folder only
+    assert "TRITON_REMOTE_CACHE_BACKEND" not in _env(_cell("rocm"))
+
+
+def test_the_cache_component_is_a_pinned_redis_on_a_claim_behind_the_service_jobs_use():
+    docs = {d["kind"]: d for d in load_kustomization(K8S / "cache")}
+    assert set(docs) == {"PersistentVolumeClaim", "Deployment", "Service"}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    (redis,) = pod["containers"]
+    assert re.fullmatch(r"redis:7\.4\.\d+", redis["image"])
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "triton-cache"
+    service = docs["Service"]
+    host, port = K8S_REDIS.split(":")
+    assert service["metadata"]["name"] == host
+    assert [p["port"] for p in service["spec"]["ports"]] == [int(port)]
+    assert all(d["metadata"]["namespace"] == "portattn-ci" for d in docs.values())
