@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from kubematrix import images
+from kubematrix.cachestats import cache_env
 from kubematrix.matrix import BACKENDS, Cell, all_cells
 
 LANES = ("queues", "k8s")
@@ -97,11 +98,12 @@ def retry_rules(cell: Cell) -> list[dict[str, Any]]:
 
 
 def artifact_paths(cell: Cell, results_dir: str = RESULTS_DIR) -> list[str]:
-    """The cell's JUnit; for the compile cell its report folder (the summary step derives the
-    JUnit from ``compile_matrix.json``)."""
+    """The cell's JUnit (for the compile cell its report folder: the summary step derives the
+    JUnit from ``compile_matrix.json``) and its Triton cache counters."""
+    counters = f"{results_dir}/{cell.name}.cache/*.jsonl"
     if cell.suite == "compile":
-        return [f"{results_dir}/compile/*"]
-    return [f"{results_dir}/{cell.name}.xml"]
+        return [f"{results_dir}/compile/*", counters]
+    return [f"{results_dir}/{cell.name}.xml", counters]
 
 
 def image_for(vendor: str, commit: str) -> str:
@@ -272,7 +274,12 @@ def cell_step(
         "artifact_paths": artifact_paths(cell, results_dir),
         "timeout_in_minutes": cell.timeout_minutes,
         "retry": {"automatic": retry_rules(cell)},
-        "env": {"PORTATTN_CELL": cell.name, **cell.env},
+        # Triton's compiles through the layered cache; its counters go up with the JUnit.
+        "env": {
+            "PORTATTN_CELL": cell.name,
+            **cache_env(f"{results_dir}/{cell.name}.cache"),
+            **cell.env,
+        },
     }
     if cell.spec.is_gpu:
         commit = commit or _default_commit()

@@ -172,12 +172,16 @@ def test_steps_only_call_nox_with_timeouts_junit_and_infrastructure_retries():
             assert step["command"] == "nox -s report -- --buildkite"
             continue
         cell = get_cell(step["key"])
+        # The cell's Triton compiles go through the layered cache; its counters go up too.
+        counters = f"results/matrix/{cell.name}.cache"
+        assert step["env"]["KUBEMATRIX_CACHE_STATS"] == counters
+        assert step["env"]["TRITON_CACHE_MANAGER"].startswith("kubematrix.compile_cache:")
         if cell.suite == "compile":
-            assert step["artifact_paths"] == ["results/matrix/compile/*"]
+            assert step["artifact_paths"] == ["results/matrix/compile/*", f"{counters}/*.jsonl"]
         else:
             junit = f"results/matrix/{cell.name}.xml"
             assert step["command"].endswith(f"--junitxml={junit}")
-            assert step["artifact_paths"] == [junit]
+            assert step["artifact_paths"] == [junit, f"{counters}/*.jsonl"]
 
 
 def test_soft_fail_only_for_experimental_cells():
