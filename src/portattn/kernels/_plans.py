@@ -92,7 +92,7 @@ MAX_GUARDS = 4
 try:
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
 except ImportError:  # pragma: no cover - a torch without dynamo's C guards
-    _TensorGuards = None
+    _TensorGuards = None  # type: ignore[misc,assignment]
 _data_ptr = torch.Tensor.data_ptr
 _NONES = itertools.repeat(None)  # stateless: `map` takes one None per input
 
