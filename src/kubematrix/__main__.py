@@ -14,7 +14,6 @@ function that adds its arguments, a function that runs it and returns the exit s
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kubematrix import buildkite, images, report
+from kubematrix.local import run_local
 from kubematrix.matrix import BACKENDS, RUNNERS, SUITES, Cell, Host, all_cells, select_cells
 from kubematrix.matrix import why_not_runnable as _why_not
 
@@ -179,8 +179,6 @@ def _run_matrix(args: argparse.Namespace) -> int:
     start = time.monotonic()
     no_cluster = False
     if args.runner == "local":
-        from kubematrix.local import run_local
-
         results = run_local(cells, out, workers=args.workers, compile_args=args.compile_arg)
     else:
         results, no_cluster = _run_k8s(cells, out, args)
@@ -223,14 +221,15 @@ def _run_k8s(
     Returns:
         the results in the order of ``cells``, and whether the run stopped for want of a cluster.
     """
-    from kubematrix.local import run_local
-
     gpu = [c for c in cells if c.spec.is_gpu]
     cpu = [c for c in cells if not c.spec.is_gpu]
     api: Any = None
     if gpu:
         try:
-            k8s: Any = importlib.import_module("kubematrix.k8s")
+            # Imported here: the kubernetes client is an optional dependency (the `ci` extra),
+            # which `list`, `pipeline` and the local runner do without.
+            from kubematrix import k8s
+
             namespace = os.environ.get("KUBEMATRIX_NAMESPACE", k8s.DEFAULT_NAMESPACE)
             api = k8s.connect(namespace)
         except ImportError as exc:

@@ -39,6 +39,7 @@ import yaml
 from kubematrix import images
 from kubematrix.cachestats import cache_env
 from kubematrix.matrix import BACKENDS, Cell, all_cells
+from kubematrix.render import CELL_CONTAINER, render_pod_spec
 
 LANES = ("queues", "k8s")
 RESULTS_DIR = "results/matrix"
@@ -104,13 +105,6 @@ def artifact_paths(cell: Cell, results_dir: str = RESULTS_DIR) -> list[str]:
     if cell.suite == "compile":
         return [f"{results_dir}/compile/*", counters]
     return [f"{results_dir}/{cell.name}.xml", counters]
-
-
-def image_for(vendor: str, commit: str) -> str:
-    """The cell image of a vendor at a commit: the launcher's (``kubematrix.k8s``) choice."""
-    from kubematrix.k8s import default_image
-
-    return default_image(vendor, commit)
 
 
 def image_key(vendor: str) -> str:
@@ -221,8 +215,6 @@ def k8s_pod_spec(cell: Cell, command: Sequence[str], *, commit: str, image: str)
     checked-out workspace, with the template's environment, resources, security context,
     tolerations and node selector unchanged.
     """
-    from kubematrix.render import CELL_CONTAINER, render_pod_spec
-
     vendor = cell.spec.vendor
     if vendor is None:
         raise ValueError(f"k8s_pod_spec: cell must be a GPU cell; got {cell.name!r}")
@@ -283,7 +275,7 @@ def cell_step(
     }
     if cell.spec.is_gpu:
         commit = commit or _default_commit()
-        image = image_for(cell.spec.vendor or "", commit)
+        image = images.default_image(cell.spec.vendor or "", commit)
         # In the image the environment is the image's: nox neither creates nor installs.
         in_image = ["nox", "--no-venv", "--no-install", *command[1:]]
         step["depends_on"] = [image_key(cell.spec.vendor or ""), *step["depends_on"]]

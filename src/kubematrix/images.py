@@ -33,6 +33,8 @@ REGISTRY_ENV = "KUBEMATRIX_REGISTRY"
 DEFAULT_REGISTRY = "ghcr.io/portattn"
 ENV_REPOSITORY = "portattn-ci-env"
 CELL_REPOSITORY = "portattn-ci"
+#: Per-vendor override of the image a GPU cell runs (a template: ``{vendor}``, ``{commit}``).
+IMAGE_ENV = "KUBEMATRIX_IMAGE_{vendor}"
 ENV_TARGET, CELL_TARGET = "env", "cell"
 KEY_LENGTH = 20  # hex digits of the content key in the env image's tag
 # The pyproject.toml tables that reach the env image (the rest of the file does not).
@@ -124,6 +126,16 @@ def env_image(vendor: str, key: str, reg: str | None = None) -> str:
 def cell_image(vendor: str, commit: str, reg: str | None = None) -> str:
     """The image a GPU cell of ``commit`` runs: the env image plus the commit's project."""
     return f"{reg or registry()}/{CELL_REPOSITORY}:{get_image(vendor).vendor}-{commit}"
+
+
+def default_image(vendor: str, commit: str) -> str:
+    """The image every runner gives a GPU cell of ``commit`` (the launcher, Buildkite's k8s lane):
+    ``$KUBEMATRIX_IMAGE_<VENDOR>`` (``{commit}`` and ``{vendor}`` are filled in), else the cell
+    image the pipeline's image step pushes (:func:`cell_image`)."""
+    template = os.environ.get(IMAGE_ENV.format(vendor=vendor.upper()))
+    if template:
+        return template.format(vendor=vendor, commit=commit)
+    return cell_image(vendor, commit)
 
 
 def _build_args(spec: ImageSpec) -> list[str]:

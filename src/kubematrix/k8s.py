@@ -14,18 +14,18 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from kubernetes import client, config
 
-from kubematrix import images
+from kubematrix import report
+from kubematrix.images import default_image
 from kubematrix.launcher import CellError, CellResult, Launcher, Timeouts
+from kubematrix.matrix import Cell
 from kubematrix.render import DEFAULT_NAMESPACE, VENDORS, render_job
 
 EXIT_INFRA = 3
 EXIT_NO_CLUSTER = 2
 KERNEL_SUITES = ("paged", "mla", "hybrid", "specdec")
-IMAGE_ENV = "KUBEMATRIX_IMAGE_{vendor}"
 
 HELP = """\
 Run kernel-suite cells as Kubernetes Jobs and report each cell's result.
@@ -81,15 +81,6 @@ def git_commit() -> str:
     return out.stdout.strip()
 
 
-def default_image(vendor: str, commit: str) -> str:
-    """``$KUBEMATRIX_IMAGE_<VENDOR>`` (``{commit}`` is filled in), else the cell image the
-    pipeline's image step pushes (``$KUBEMATRIX_REGISTRY``, :func:`images.cell_image`)."""
-    template = os.environ.get(IMAGE_ENV.format(vendor=vendor.upper()))
-    if template:
-        return template.format(vendor=vendor, commit=commit)
-    return images.cell_image(vendor, commit)
-
-
 def exit_status(results: Sequence[CellResult]) -> int:
     """One cell: its test exit code (or 3 for an infrastructure error). Several: the first
     failing cell's exit code, else 3 if any cell did not pass, else 0."""
@@ -117,7 +108,7 @@ def connect(
 
 
 def run_cells(
-    cells: Sequence[Any],
+    cells: Sequence[Cell],
     results_dir: Path | str,
     *,
     api: client.ApiClient | None = None,
@@ -125,14 +116,18 @@ def run_cells(
     commit: str | None = None,
     max_parallel: int = 4,
     timeouts: Timeouts | None = None,
-) -> list[Any]:
-    """Matrix GPU cells (``kubematrix.matrix.Cell``) as Jobs -> ``kubematrix.report.CellResult``.
+) -> list[report.CellResult]:
+    """Matrix GPU cells as Jobs -> their results, as the local runner reports them.
 
     The JUnit report of each cell is written to ``cell.junit_path(results_dir)``. Without a
     cluster every cell is reported as an error saying so.
-    """
-    from kubematrix import report
 
+    Raises:
+        ValueError: a cell is not a GPU cell (CPU cells run on this machine).
+    """
+    cpu = [c.name for c in cells if c.spec.vendor is None]
+    if cpu:
+        raise ValueError(f"run_cells: cells must be GPU cells; got CPU cells {cpu}")
     out = Path(results_dir)
     namespace = namespace or os.environ.get("KUBEMATRIX_NAMESPACE", DEFAULT_NAMESPACE)
     commit = commit or git_commit()
@@ -142,10 +137,10 @@ def run_cells(
         return [report.not_run(c, str(exc), status="error") for c in cells]
     jobs = [
         render_job(
-            vendor=c.spec.vendor,
+            vendor=c.spec.vendor or "",
             suite=c.suite,
             session=c.nox_session,
-            image=default_image(c.spec.vendor, commit),
+            image=default_image(c.spec.vendor or "", commit),
             commit=commit,
             cell=c.name,
             arch=c.target,

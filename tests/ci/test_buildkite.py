@@ -284,3 +284,21 @@ def test_changed_files_since_the_merge_base(tmp_path):
     git("checkout", "-q", "change")
     # Only the branch's own change counts, not what main did since it forked.
     assert buildkite.changed_files_since("main", cwd=str(tmp_path)) == ["Dockerfile.rocm"]
+
+
+def test_pipeline_generation_never_loads_the_kubernetes_client():
+    # The generator runs on a plain CPU agent: it renders podSpecs from the templates and names
+    # images, and needs neither the launcher nor the `kubernetes` package (the `ci` extra).
+    code = (
+        "import sys\n"
+        "from kubematrix.__main__ import main\n"
+        "assert main(['pipeline', '--lanes', 'k8s', '--output', sys.argv[1]]) == 0\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'kubernetes'"
+        " or m in ('kubematrix.k8s', 'kubematrix.launcher'))\n"
+        "assert not loaded, loaded\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "BUILDKITE_COMMIT": COMMIT}
+    out = subprocess.run(
+        [sys.executable, "-c", code, os.devnull], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr

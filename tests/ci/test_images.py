@@ -74,10 +74,9 @@ def test_references_use_one_registry_setting(monkeypatch):
     assert (
         images.cell_image("rocm", COMMIT) == f"registry.example:5000/team/portattn-ci:rocm-{COMMIT}"
     )
-    # the launcher's default image is the same reference
-    from kubematrix.k8s import default_image
-
-    assert default_image("rocm", COMMIT) == images.cell_image("rocm", COMMIT)
+    # the image every runner gives a cell is the same reference
+    monkeypatch.delenv(images.IMAGE_ENV.format(vendor="ROCM"), raising=False)
+    assert images.default_image("rocm", COMMIT) == images.cell_image("rocm", COMMIT)
 
 
 def test_base_images_pin_and_check(checkout):
