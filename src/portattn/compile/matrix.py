@@ -36,11 +36,10 @@ from portattn.compile.worker import LaunchResult, compile_launch
 from portattn.platform import TARGETS, get_target
 
 #: Spills allowed before a cell fails, per vendor, in the backend's unit. NVIDIA: bytes of ptxas
-#: spill stores per thread; 16 B (four 32-bit registers) tolerates the odd loop-invariant value
-#: ptxas parks in local memory (measured: 4-12 B in some copy/decode kernels on sm_86/89/120, a
-#: once-per-program cost), while the register-starved tiles this gate exists for spill 70 B to
-#: 2 KB. AMD: VGPRs spilled to scratch (SGPR spills live in VGPR lanes and are not counted);
-#: none are allowed. A case that needs more states it and why (`Case.spill_allowance`).
+#: spill stores per thread; 16 B (four 32-bit registers) tolerates a loop-invariant value ptxas
+#: parks in local memory once per program, and is far below what a register-starved tile spills.
+#: AMD: VGPRs spilled to scratch (SGPR spills live in VGPR lanes and are not counted); none are
+#: allowed. A case that needs more states it and why (`Case.spill_allowance`).
 SPILL_THRESHOLD: dict[str, int] = {"cuda": 16, "hip": 0}
 #: (low, high) bounds of compiled / estimated shared memory outside which a cell gets a note.
 ESTIMATE_TOLERANCE = (0.5, 1.25)
