@@ -9,7 +9,7 @@ switch reaching the prefill kernel's PTX, and the launcher's check of the switch
 `lazy_rescale`: its PTX exists for the accumulators the kernels hold, and any other is refused
 by name when the kernel compiles (its numerics: the MLA and prefill kernels' GPU tests).
 
-`row_max` / `row_sum` (`SM90_PREFILL_TREE_REDUCE`, `SM90_TREE_REDUCE`): in both kernels' sm_90
+`row_max` / `row_sum` (`SM90_PREFILL_TREE_REDUCE`): in the prefill kernel's sm_90
 PTX the same ``max.f32`` / ``add.f32`` ops and shuffles as ``gl.max`` / ``gl.sum``, with the
 longest chain of dependent ops cut from a thread's columns a row to a tree's depth (their
 numerics: the kernels' GPU tests with the switches on)."""
@@ -253,7 +253,6 @@ def _chain(ptx: str, op: str) -> tuple[int, int]:
     ("kind", "module", "switch", "columns"),
     [
         ("prefill", "paged", "SM90_PREFILL_TREE_REDUCE", 32),  # a 64 x 128 tile
-        ("mla", "mla", "SM90_TREE_REDUCE", 16),  # a 64 x 64 tile
     ],
 )
 def test_tree_reduce_cuts_the_dependent_chain(kind, module, switch, columns):

@@ -685,7 +685,6 @@ def test_gpu_sm90_running_max_moves(ramp, splits):
 @pytest.mark.parametrize(
     ("switch", "arg", "value"),
     [
-        ("SM90_TREE_REDUCE", "TREE", True),  # row maxima and sums by trees
         ("SM90_MASK_LAST_ONLY", "MASK_LAST", True),  # full tiles unmasked (the policy)
         ("SM90_MASK_LAST_ONLY", "MASK_LAST", False),  # every tile masked
     ],
@@ -703,8 +702,8 @@ def test_gpu_sm90_running_max_moves(ramp, splits):
 def test_gpu_sm90_softmax_switches(switch, arg, value, dk, r, heads, bs, q_lens, seq_lens,
                                    splits, monkeypatch):  # fmt: skip
     """The sm_90 kernel's softmax switches against the fp64 oracle, with NaN in every row no
-    sequence owns (a tile past the context's end must still be masked): `SM90_TREE_REDUCE` on,
-    `SM90_MASK_LAST_ONLY` on and off."""
+    sequence owns (a tile past the context's end must still be masked): `SM90_MASK_LAST_ONLY` on
+    and off."""
     monkeypatch.setattr(mla_policy, switch, value)
     target = _sm90_target()
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.bfloat16, "cuda")

@@ -85,15 +85,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from portattn.kernels._gluon import (
-    LAZY_T,
-    clock_stamp,
-    lazy_rescale,
-    row_max,
-    row_ptrs,
-    row_sum,
-    trace_slot,
-)
+from portattn.kernels._gluon import LAZY_T, clock_stamp, lazy_rescale, row_ptrs, trace_slot
 from portattn.kernels._launch import Launch, check_trace_buffer, rows_aligned
 from portattn.platform import Target
 from portattn.policy import mla as mla_policy
@@ -278,8 +270,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
                TRACE: gl.constexpr, tr, LAZY: gl.constexpr,
-               GATHER_ONE: gl.constexpr, TREE: gl.constexpr,
-               MASK_LAST: gl.constexpr):  # fmt: skip
+               GATHER_ONE: gl.constexpr, MASK_LAST: gl.constexpr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -399,7 +390,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             s = gl.where(((n_own + cols) < end)[None, :], qk, float("-inf"))
         if WG == 0:
             # m_A first (WG1's softmax waits for it), then P_A
-            rm = row_max(s, TREE) * qk_scale
+            rm = gl.max(s, 1) * qk_scale
             if LAZY:  # noqa: SIM108 (constexpr) the reference moves only past LAZY_T
                 m_a = gl.where(rm > m_i + LAZY_T, rm, m_i)
             else:
@@ -410,7 +401,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             _stamp(tr, jt, 4, TRACE)
             p = gl.exp2(s * qk_scale - m_a[:, None])
             alpha = gl.exp2(m_i - m_a)
-            l_i = l_i * alpha + row_sum(p, TREE)
+            l_i = l_i * alpha + gl.sum(p, 1)
             acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
             p_smem.index(b0).store(p.to(dtype))
             fence_async_shared()
@@ -422,7 +413,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             mbarrier.wait(bar_ma, ph)
             _stamp(tr, jt, 4, TRACE)
             m_a = m_smem.index(0).load(ROW)
-            rm = row_max(s, TREE) * qk_scale
+            rm = gl.max(s, 1) * qk_scale
             if LAZY:  # noqa: SIM108 (a constexpr branch)
                 m_b = gl.where(rm > m_a + LAZY_T, rm, m_a)
             else:
@@ -434,7 +425,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             gl.thread_barrier()
             mbarrier.arrive(bar_pb, count=1)
             _stamp(tr, jt, 5, TRACE)
-            l_b = row_sum(p, TREE)
+            l_b = gl.sum(p, 1)
             mbarrier.wait(bar_pa, ph)
             _stamp(tr, jt, 6, TRACE)
             alpha = gl.exp2(m_i - m_a)
@@ -619,7 +610,6 @@ def _mla_decode_sm90_kernel(
     PACKED: gl.constexpr,
     ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
     LAZY: gl.constexpr,  # lazy running max, rescales skipped at factor 1 (SM90_LAZY_RESCALE)
-    TREE: gl.constexpr,  # row maxima and sums by trees (SM90_TREE_REDUCE)
     MASK_LAST: gl.constexpr,  # only tiles past the split's end masked (SM90_MASK_LAST_ONLY)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
@@ -755,10 +745,10 @@ def _mla_decode_sm90_kernel(
         [
             (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
                           STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY, GATHER_ONE,
-                          TREE, MASK_LAST)),
+                          MASK_LAST)),
             (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
                           STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY, GATHER_ONE,
-                          TREE, MASK_LAST)),
+                          MASK_LAST)),
         ],
         [4],
         [WG_REGS],
@@ -856,7 +846,6 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         WG_REGS=WG_REGS,
         ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
         LAZY=mla_policy.SM90_LAZY_RESCALE,
-        TREE=bool(mla_policy.SM90_TREE_REDUCE),
         MASK_LAST=bool(mla_policy.SM90_MASK_LAST_ONLY),
         GATHER_ONE=mla_policy.SM90_GATHER_ONE_COPY,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),

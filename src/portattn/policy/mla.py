@@ -171,13 +171,6 @@ SM90_ROWS_AHEAD = True
 #: 685.1 and 665.7 / 700.8; verification at most 1.295x roofline on, 1.307-1.387 off. Read at
 #: planning.
 SM90_LAZY_RESCALE = True
-#: The Hopper kernel's row maxima and sums as trees (`portattn.kernels._gluon.row_max`,
-#: `row_sum`), where ``gl.max`` / ``gl.sum`` fold a thread's 16 values a row (64-token tiles) in a
-#: chain of dependent ops; the row max sits in each warpgroup's serial chain (bench/NOTES.md,
-#: ninth session: 550-720 cycles a pair). Same op count. Measured level (H200, bench/RESULTS.md
-#: thirteenth session, 3 rounds in turns, 128 heads page 64: 130.2 / 129.3 µs at 4k, 509.5 / 509.9
-#: at 16k, on / off; the sm_90 MLA GPU tests passed with it on). Off. Read at planning.
-SM90_TREE_REDUCE = False
 #: The Hopper kernel masks only the tiles that reach past their split's end (one scalar test a
 #: tile): a full tile's scores skip the 16 column compares and 32 selects a thread, about 64
 #: instructions before each warpgroup's row max, in its serial chain. Measured on an H200
