@@ -1,0 +1,1 @@
+"""portattn's benchmark suite: ``python -m bench.run`` (bench/README.md)."""

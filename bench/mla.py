@@ -1,0 +1,92 @@
+"""MLA decode and verification: ``portattn.mla_decode`` at 576/512 (DeepSeek-V3), bf16, batch 64.
+
+Rows: 16 and 128 heads at 1k, 4k and 16k tokens with 64-token pages; page size 1 (the gather
+path) at 4k and 16k; speculative verification (``q_len`` 2, 4, 8 query tokens a sequence) at 4k.
+The call is the serving engine's: ``metadata`` from ``MlaMetadataBuilder`` (workspaces
+preallocated, no host read, capturable), ``out`` preallocated. Checked on the first two
+sequences against the fp64 oracle. Metrics: GB/s of the bytes the call must move (the cache
+read once a sequence, query, output) and TFLOP/s (``2 * heads * context * (576 + 512)`` a query
+token); the anchor is the read ceiling on the same bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import portattn
+from bench import core, inputs
+from portattn.mla_metadata import MlaMetadataBuilder
+from portattn.platform import current_target
+
+FAMILY = "mla"
+DTYPE = torch.bfloat16
+DK, RANK = 576, 512
+
+# (heads, context, page, q_len), batch 64
+FULL = [(h, c, 64, 1) for h in (16, 128) for c in (1024, 4096, 16384)]
+FULL += [(16, 4096, 1, 1), (128, 4096, 1, 1), (128, 16384, 1, 1)]
+FULL += [(16, 4096, 64, q) for q in (2, 4, 8)] + [(128, 4096, 64, 4)]
+QUICK = [(4, 40, 16, 1), (4, 40, 16, 2)]
+
+
+def rows(ctx: core.Context):
+    batch_n = 2 if ctx.quick else 64
+    scale = DK**-0.5
+    for heads, context, page, q_len in QUICK if ctx.quick else FULL:
+        ctx_label = f"{context // 1024}k" if context % 1024 == 0 else str(context)
+        name = f"mla {heads}h {batch_n}x{ctx_label} page{page} q{q_len}"
+        if not ctx.want(name):
+            continue
+        params = dict(batch=batch_n, context=context, heads=heads, head_dim_k=DK,
+                      kv_lora_rank=RANK, page=page, q_len=q_len, dtype="bf16")  # fmt: skip
+        b = inputs.mla_batch(batch=batch_n, context=context, heads=heads, head_dim_k=DK,
+                             page=page, q_len=q_len, dtype=DTYPE, device=ctx.device)  # fmt: skip
+        out = torch.empty(b.query.shape[0], heads, RANK, dtype=DTYPE, device=ctx.device)
+        metadata = None
+        if ctx.device == "cuda":  # the serving path; the interpreter takes the call without
+            builder = MlaMetadataBuilder(
+                current_target(), max_batch=batch_n, num_heads=heads, kv_lora_rank=RANK,
+                head_dim_k=DK, dtype=DTYPE, device=ctx.device, max_query_len=q_len,
+                max_seq_len=context, page_size=page,
+            )  # fmt: skip
+            metadata = builder.build(b.seq_lens, b.query_start_loc, max_query_len=q_len)
+
+        def call(b=b, out=out, metadata=metadata):
+            return portattn.mla_decode(b.query, b.kv_cache, b.block_table, b.seq_lens,
+                                       kv_lora_rank=RANK, scale=scale,
+                                       query_start_loc=b.query_start_loc, out=out,
+                                       metadata=metadata)  # fmt: skip
+
+        out.normal_()
+        call()
+        check = _check(b, out, scale)
+        if not check["passed"]:
+            yield core.row(FAMILY, name, params, check)
+            continue
+        us, how = ctx.time_us(call)
+        elem = DTYPE.itemsize
+        tokens = b.query.shape[0]
+        nbytes = batch_n * context * DK * elem + tokens * heads * (DK + RANK) * elem
+        flops = 2 * tokens * heads * context * (DK + RANK)
+        yield core.row(FAMILY, name, params, check, us,
+                       {"GB/s": core.rate(nbytes, us, 1e9),
+                        "TFLOP/s": core.rate(flops, us, 1e12)},
+                       [ctx.read_ceiling(nbytes)], how)  # fmt: skip
+        del b, out, metadata
+        if ctx.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _check(b: inputs.MlaBatch, out: torch.Tensor, scale: float, n: int = 2) -> dict:
+    """The first ``n`` sequences' rows against ``reference.mla_decode`` (fp64 and bf16)."""
+    from portattn import reference
+
+    rows_n = n * b.q_len
+    qsl = None if b.query_start_loc is None else b.query_start_loc[: n + 1]
+    sub = (b.query[:rows_n], b.kv_cache, b.block_table[:n], b.seq_lens[:n])
+    oracle, _ = reference.mla_decode(*sub, kv_lora_rank=RANK, scale=scale, query_start_loc=qsl)
+    lowp, _ = reference.mla_decode(*sub, kv_lora_rank=RANK, scale=scale, query_start_loc=qsl,
+                                   compute_dtype=DTYPE)  # fmt: skip
+    result = core.tolerance_check(out[:rows_n], oracle, lowp)
+    result["detail"] = f"{rows_n} query rows of {n} sequences"
+    return result

@@ -1,0 +1,146 @@
+"""Pure prefill and mixed batches: ``portattn.paged_attention`` with long query chunks.
+
+Rows (32/8 heads x 128, bf16, random pages, block sizes 16 and 2048):
+
+* ``prefill 8x4096``: 8 causal prefills, ``q_len == seq_len == 4096``;
+* ``mixed 8x2048+56x1@4k``: 64 sequences of 4096 tokens, the first 8 prefilling their last 2048
+  tokens, the other 56 decoding one.
+
+The call is the serving engine's (``max_query_len``, ``max_seq_len``, ``out`` given). Checked on
+128-row windows of the prefill sequences and on the first and last decode (`core.check_paged`).
+Metric: TFLOP/s of the causal (query, key) pairs (4 flops a pair, head and dim). Anchors: torch
+SDPA with the cuDNN and the flash backend forced, on the same problem as dense tensors (K/V
+gathered contiguous; a chunk's queries see the keys before them: lower-right causal), their
+output compared with the row's before they are timed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import portattn
+from bench import core, inputs
+
+FAMILY = "prefill"
+DTYPE = torch.bfloat16
+
+
+def _mixed(n_prefill: int, chunk: int, n_decode: int, ctx: int):
+    return ((ctx, chunk),) * n_prefill + ((ctx, 1),) * n_decode
+
+
+# name -> (seqs, (q heads, kv heads, head_dim), block sizes)
+FULL = {
+    "prefill 8x4096": (((4096, 4096),) * 8, (32, 8, 128), (16, 2048)),
+    "mixed 8x2048+56x1@4k": (_mixed(8, 2048, 56, 4096), (32, 8, 128), (16, 2048)),
+}
+QUICK = {
+    "prefill 2x48": (((48, 48),) * 2, (4, 2, 64), (16,)),
+    "mixed 2x16+3x1@48": (_mixed(2, 16, 3, 48), (4, 2, 64), (16,)),
+}
+
+
+def _dense_kv(cache: torch.Tensor, table: torch.Tensor, i: int, n: int) -> torch.Tensor:
+    """Sequence ``i``'s first ``n`` tokens of an NHD cache as ``[1, kv_heads, n, d]``."""
+    bs = cache.shape[1]
+    blocks = table[i, : -(-n // bs)].long()
+    return cache[blocks].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
+
+
+def sdpa_anchor(backend_name: str, b: inputs.PagedBatch, out_ref: torch.Tensor, flops: int,
+                ctx: core.Context) -> dict:  # fmt: skip
+    """Torch SDPA with ``backend_name`` (``CUDNN_ATTENTION``, ``FLASH_ATTENTION``) forced, one
+    call a group of equal sequences (the prefills, the decodes), K/V heads expanded where the
+    backend refuses GQA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    name = f"SDPA {backend_name.removesuffix('_ATTENTION').lower()}"
+    if ctx.device != "cuda":
+        return core.anchor(name, None, note="needs a CUDA device")
+    backend = getattr(SDPBackend, backend_name)
+    qsl = b.query_start_loc.tolist()
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, sq in enumerate(b.seqs):
+        groups.setdefault(sq, []).append(i)
+    calls, rows_of = [], []
+    for (s, q), idx in groups.items():
+        qd = torch.stack([b.query[qsl[i] : qsl[i] + q] for i in idx]).transpose(1, 2)
+        kd = torch.cat([_dense_kv(b.key_cache, b.block_table, i, s) for i in idx])
+        vd = torch.cat([_dense_kv(b.value_cache, b.block_table, i, s) for i in idx])
+        if q == s:
+            mask, causal = None, True
+        elif q == 1:
+            mask, causal = None, False
+        else:
+            mask, causal = causal_lower_right(q, s), False
+        calls.append((qd.contiguous(), kd.contiguous(), vd.contiguous(), mask, causal))
+        rows_of.append([r for i in idx for r in range(qsl[i], qsl[i] + q)])
+    group = b.query.shape[1] // b.key_cache.shape[2]
+
+    def run(expand: bool):
+        outs = []
+        with sdpa_kernel(backend):
+            for qd, kd, vd, mask, causal in calls:
+                if expand:
+                    kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
+                outs.append(F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,
+                                                           is_causal=causal,
+                                                           enable_gqa=not expand))  # fmt: skip
+        return outs
+
+    errors = []
+    for expand in (False, True):
+        try:
+            outs = run(expand)
+        except RuntimeError as err:
+            errors.append(str(err).splitlines()[0][:100])
+            continue
+        got = torch.empty_like(out_ref)
+        for o, r in zip(outs, rows_of, strict=True):
+            got[torch.tensor(r, device=got.device)] = o.transpose(1, 2).flatten(0, 1)
+        diff = core.rel_err(got, out_ref)
+        if not diff < 2e-2:
+            return core.anchor(name, None, note=f"output differs from the row's by {diff:.2e}")
+        us, how = ctx.time_us(lambda expand=expand: run(expand))
+        note = how + ("; K/V heads expanded (no GQA in this backend)" if expand else "")
+        if any(c[3] is not None for c in calls):
+            note += "; chunks lower-right causal (a CausalBias: torch may route it elsewhere)"
+        return core.anchor(name, us, {"TFLOP/s": core.rate(flops, us, 1e12)}, note)
+    return core.anchor(name, None, note="backend refused: " + " | ".join(errors))
+
+
+def rows(ctx: core.Context):
+    points = QUICK if ctx.quick else FULL
+    for point, (seqs, (hq, hkv, d), blocks) in points.items():
+        for bs in blocks:
+            name = f"{point} {hq}/{hkv}/{d} bs{bs}"
+            if not ctx.want(name):
+                continue
+            params = dict(seqs=[list(s) for s in dict.fromkeys(seqs)], num_seqs=len(seqs),
+                          num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                          dtype="bf16")  # fmt: skip
+            b = inputs.paged_batch(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                   block_size=bs, dtype=DTYPE, device=ctx.device)  # fmt: skip
+            out = torch.empty_like(b.query)
+
+            def call(b=b, out=out):
+                return portattn.paged_attention(*b.args, out=out, max_query_len=b.max_query_len,
+                                                max_seq_len=b.max_seq_len)  # fmt: skip
+
+            out.normal_()
+            call()
+            check = core.check_paged(b, out)
+            if not check["passed"]:
+                yield core.row(FAMILY, name, params, check)
+                continue
+            us, how = ctx.time_us(call)
+            flops = core.paged_flops(seqs, hq, d)
+            anchors = [sdpa_anchor(bk, b, out, flops, ctx)
+                       for bk in ("CUDNN_ATTENTION", "FLASH_ATTENTION")]  # fmt: skip
+            yield core.row(FAMILY, name, params, check, us,
+                           {"TFLOP/s": core.rate(flops, us, 1e12)}, anchors, how)  # fmt: skip
+            del b, out
+            if ctx.device == "cuda":
+                torch.cuda.empty_cache()

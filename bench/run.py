@@ -1,0 +1,273 @@
+"""The benchmark runner: every family's rows, one JSON document per run (bench/schema.json).
+
+Usage (repository root; ``PYTHONPATH=src`` or portattn installed)::
+
+    python -m bench.run [--only paged,mla,...] [--rows SUBSTR,...] [--quick] [--out results.json]
+                        [--compare OLD_SRC_DIR [--rounds N]]
+    python -m bench.results results.json > bench/RESULTS.md
+
+Families (one module each, all on `bench.inputs` and `bench.core`): ``paged`` (decode, NHD and
+SHUFFLE), ``prefill`` (pure prefill and mixed batches), ``mla`` (decode, page sizes,
+verification), ``cache`` (KV-cache write, gather, page indices), ``host`` (host time per call),
+``compile`` (cold and warm compile against device time). Each uses only portattn's public API,
+so the same suite times another checkout's ``src/``.
+
+Method, the one statement of it (`core.METHOD`, recorded in the document): every row is checked
+against the fp64 reference before it is timed (a failing row is recorded untimed and the run
+exits 1); GPU rows are CUDA-graph replays between two events after an L2 flush, median of
+``--reps``; anchors (SDPA cuDNN/flash, the read ceiling, vLLM where it imports) in the same run.
+On a CPU the runner needs ``TRITON_INTERPRET=1``: the shapes should be ``--quick``'s, the host
+and compile families are skipped, and the document says its timings are not meaningful.
+
+``--compare OLD`` (``OLD`` holding ``src/portattn`` or ``portattn``, e.g. from
+``git archive <rev> src | tar -x -C OLD``) times each family in child processes, this checkout's
+``src/`` and ``OLD``'s in turn (the order alternating from family to family and round to round,
+so a drift of the card's clock falls on both), and records each row's old time and new/old.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+
+from bench import core
+
+FAMILIES = ("paged", "prefill", "mla", "cache", "host", "compile")
+GPU_ONLY = {
+    "host": "host times need a GPU: on a CPU every call runs the interpreter",
+    "compile": "no compile under TRITON_INTERPRET=1: the interpreter runs the kernels' Python",
+}
+SCHEMA_VERSION = 1
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def commit_of(root: str = ROOT) -> str:
+    """``$BENCH_COMMIT`` if set; else ``HEAD``'s short hash, or ``HEAD+tree:<hash>`` when the
+    working tree differs from ``HEAD`` (the git tree hash of the tree as it ran, built in a
+    scratch index: a tree copied onto a GPU machine over a stale ``.git`` still names what ran;
+    ``git log --all --format='%h %T' | grep <hash>`` finds its commit); ``unknown`` without
+    git."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+
+    def git(*args, env=None) -> str:
+        return subprocess.run(["git", *args], cwd=root, env=env, capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if not git("status", "--porcelain"):
+            return head
+        with tempfile.TemporaryDirectory() as tmp:
+            env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
+            git("read-tree", "HEAD", env=env)
+            git("add", "-A", env=env)
+            return f"{head}+tree:{git('write-tree', env=env)[:12]}"
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_families(families, ctx: core.Context, log=sys.stderr) -> dict:
+    """Each family's rows in this process: ``{rows, skipped, errors}``."""
+    out: dict = dict(rows=[], skipped=[], errors=[])
+    for fam in families:
+        if fam in GPU_ONLY and ctx.device != "cuda":
+            out["skipped"].append(dict(family=fam, reason=GPU_ONLY[fam]))
+            continue
+        module = importlib.import_module(f"bench.{fam}")
+        try:
+            for r in module.rows(ctx):
+                out["rows"].append(r)
+                print(_line(r), file=log, flush=True)
+        except Exception as err:  # noqa: BLE001 (one family's failure is recorded; others run)
+            out["errors"].append(dict(family=fam, error=f"{type(err).__name__}: {err}"[:500]))
+            print(f"{fam}: ERROR {type(err).__name__}: {err}", file=log, flush=True)
+    return out
+
+
+def _line(r: dict) -> str:
+    t = "-" if r["time_us"] is None else f"{r['time_us']:.1f} µs"
+    m = ", ".join(f"{v:.0f} {k}" for k, v in r["metrics"].items() if v is not None)
+    ok = "ok" if r["check"]["passed"] else "CHECK FAILED"
+    return f"{r['family']:8} {r['name']:44} {ok:12} {t:>12}  {m}"
+
+
+def src_dir(path: str) -> str:
+    """The folder to put on ``PYTHONPATH`` for a checkout ``path``: ``path/src`` or ``path``
+    itself, whichever holds ``portattn/__init__.py``."""
+    for cand in (os.path.join(path, "src"), path):
+        if os.path.isfile(os.path.join(cand, "portattn", "__init__.py")):
+            return os.path.abspath(cand)
+    raise SystemExit(f"bench.run: --compare {path!r}: no portattn/__init__.py in it or its src/")
+
+
+def run_child(fam: str, src: str, opts) -> dict:
+    """One family in a child process importing portattn from ``src``: its `run_families`
+    result, plus the portattn it imported (checked to be ``src``'s)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, "-m", "bench.run", "--only", fam, "--child-json", path,
+               "--reps", str(opts.reps)] + (["--quick"] if opts.quick else []) + (
+                   ["--rows", opts.rows] if opts.rows else [])  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, ROOT]))
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr)
+        if proc.returncode not in (0, 1) or not os.path.exists(path):
+            return dict(rows=[], skipped=[], errors=[dict(
+                family=fam, error=f"child for {src} exited {proc.returncode}")])  # fmt: skip
+        with open(path) as f:
+            got = json.load(f)
+    if os.path.realpath(os.path.dirname(os.path.dirname(got["portattn"]))) != os.path.realpath(src):
+        raise SystemExit(f"bench.run: the child imported {got['portattn']}, not {src}'s portattn")
+    return got
+
+
+def compare(families, opts) -> tuple[dict, dict]:
+    """``--compare``: each family in child processes, new and old in alternating order; the new
+    rows with ``compare`` filled in, and the document's ``compare`` record."""
+    new_src, old_src = src_dir(ROOT), src_dir(opts.compare)
+    merged: dict = dict(rows=[], skipped=[], errors=[])
+    for i, fam in enumerate(families):
+        times: dict = {"new": {}, "old": {}}
+        first: dict = {}
+        for rnd in range(opts.rounds):
+            sides = ("new", "old") if (i + rnd) % 2 == 0 else ("old", "new")
+            for side in sides:
+                got = run_child(fam, new_src if side == "new" else old_src, opts)
+                if rnd == 0:
+                    first[side] = got
+                for r in got["rows"]:
+                    times[side].setdefault(r["name"], []).append(r["time_us"])
+        new, old = first["new"], first["old"]
+        merged["skipped"] += new["skipped"]
+        merged["errors"] += new["errors"] + [dict(e, family=f"{e['family']} (old)")
+                                             for e in old["errors"]]  # fmt: skip
+        old_rows = {r["name"]: r for r in old["rows"]}
+        for r in new["rows"]:
+            new_t = _median(times["new"].get(r["name"], []))
+            old_t = _median(times["old"].get(r["name"], []))
+            if new_t is not None:
+                r["time_us"] = new_t
+            o = old_rows.get(r["name"])
+            r["compare"] = dict(
+                old_time_us=old_t,
+                ratio=new_t / old_t if new_t and old_t else None,
+                old_check_passed=None if o is None else o["check"]["passed"],
+                new_times_us=times["new"].get(r["name"], []),
+                old_times_us=times["old"].get(r["name"], []),
+            )
+            merged["rows"].append(r)
+    record = dict(old_src=old_src, old_commit=os.environ.get("BENCH_COMPARE_COMMIT") or
+                  commit_of(opts.compare), rounds=opts.rounds)  # fmt: skip
+    return merged, record
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def document(result: dict, opts, device: str, compare_record: dict | None) -> dict:
+    """The results document (bench/schema.json)."""
+    _, vllm_why = core.vllm_unified_attention()
+    return dict(
+        schema_version=SCHEMA_VERSION,
+        device=torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.machine()})",
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        commit=commit_of(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command="python -m bench.run " + " ".join(sys.argv[1:]),
+        method=core.METHOD,
+        timing_meaningful=device == "cuda",
+        quick=opts.quick,
+        reps=opts.reps,
+        families=list(opts.families),
+        vllm=dict(available=not vllm_why, reason=vllm_why),
+        compare=compare_record,
+        skipped=result["skipped"],
+        errors=result["errors"],
+        rows=result["rows"],
+    )
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help=f"comma-separated families of {','.join(FAMILIES)}")
+    ap.add_argument("--rows", default="", help="comma-separated substrings of row names to run")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU interpreter, smoke)")
+    ap.add_argument("--out", default="", help="write the JSON document here (default: stdout)")
+    ap.add_argument(
+        "--compare",
+        default="",
+        metavar="OLD_SRC_DIR",
+        help="also time every row with this checkout's src/ (child processes)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --compare: child runs per side and family (median kept)",
+    )
+    ap.add_argument("--reps", type=int, default=50, help="timed repetitions per GPU row")
+    ap.add_argument("--child-json", default="", help=argparse.SUPPRESS)
+    opts = ap.parse_args(argv)
+    fams = [f for f in opts.only.split(",") if f] or list(FAMILIES)
+    unknown = sorted(set(fams) - set(FAMILIES))
+    if unknown:
+        ap.error(f"--only: unknown families {unknown}; choose from {list(FAMILIES)}")
+    if opts.rounds < 1 or opts.reps < 1:
+        ap.error(f"--rounds and --reps must be >= 1; got {opts.rounds}, {opts.reps}")
+    opts.families = tuple(f for f in FAMILIES if f in fams)
+    return opts
+
+
+def main(argv=None) -> int:
+    opts = parse(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("bench.run: no GPU here; set TRITON_INTERPRET=1 to run the kernels on the CPU "
+                 "(with --quick: full-size rows take hours in the interpreter)")  # fmt: skip
+    ctx = core.Context(device, quick=opts.quick, reps=opts.reps,
+                       only_rows=tuple(s for s in opts.rows.split(",") if s))  # fmt: skip
+    if opts.child_json:
+        import portattn
+
+        result = run_families(opts.families, ctx)
+        result["portattn"] = os.path.abspath(portattn.__file__)
+        with open(opts.child_json, "w") as f:
+            json.dump(result, f)
+        return 0
+    compare_record = None
+    if opts.compare:
+        result, compare_record = compare(opts.families, opts)
+    else:
+        result = run_families(opts.families, ctx)
+    doc = document(result, opts, device, compare_record)
+    text = json.dumps(doc, indent=1, ensure_ascii=False)
+    if opts.out:
+        with open(opts.out, "w") as f:
+            f.write(text + "\n")
+        print(f"bench.run: {len(doc['rows'])} rows -> {opts.out}", file=sys.stderr)
+    else:
+        print(text)
+    failed = [r["name"] for r in doc["rows"] if not r["check"]["passed"]]
+    if failed or doc["errors"]:
+        print(f"bench.run: failed checks {failed}; errors {doc['errors']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
