@@ -66,7 +66,7 @@ def rows(ctx: core.Context):
         us, how = ctx.time_us(call)
         nbytes = core.paged_bytes(seqs, hq, hkv, d, DTYPE.itemsize)
         anchors = [ctx.read_ceiling(nbytes)]
-        if layout == "NHD":
+        if layout == "NHD" and vllm_fn is not None:  # else the document says why not
             v = core.vllm_anchor(vllm_fn, vllm_why, ctx, b, out, d**-0.5)
             v["metrics"] = {"GB/s": core.rate(nbytes, v["time_us"], 1e9)}
             anchors.append(v)
