@@ -121,6 +121,11 @@ def run_child(fam: str, src: str, opts) -> dict:
                "--reps", str(opts.reps)] + (["--quick"] if opts.quick else []) + (
                    ["--rows", opts.rows] if opts.rows else [])  # fmt: skip
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, ROOT]))
+        manager = env.get("TRITON_CACHE_MANAGER", "")
+        if manager.startswith("kubematrix.") and not os.path.isfile(
+            os.path.join(src, "kubematrix", "compile_cache.py")
+        ):  # an older checkout without the layered cache: Triton's own file cache
+            del env["TRITON_CACHE_MANAGER"]
         proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=sys.stderr, stderr=sys.stderr)
         if proc.returncode not in (0, 1) or not os.path.exists(path):
             return dict(rows=[], skipped=[], errors=[dict(
