@@ -1,9 +1,16 @@
-"""Inside a cell's container: run the nox session, then print its JUnit report to the log.
+"""Inside a cell's container: run the nox session, then print its results to the log.
 
 The launcher may read pod logs (``pods/log get``) but has no way into the pod's filesystem, and
-the Role grants nothing more. So the cell ends its log with the report, gzip-compressed and
-base64-encoded between two marker lines that carry a per-Job token; the launcher cuts it out of
-the streamed log. Standard library only: this runs in the image before anything else.
+the Role grants nothing more. So the cell ends its log with what the launcher needs, each piece
+marked with a per-Job token:
+
+* the Triton compile cache's counters (:mod:`kubematrix.cachestats`), summed over the session's
+  processes: a line for people, then ``KUBEMATRIX-CACHE <token> <json>`` for the launcher, whose
+  summary shows the cell's compile time and hit rate as the local runner's does;
+* the JUnit report, gzip-compressed and base64-encoded between two marker lines.
+
+The launcher cuts both out of the streamed log. Standard library only (``cachestats`` is too):
+this runs in the image before anything else.
 
 Usage (the Job's command)::
 
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import base64
 import gzip
+import json
 import os
 import signal
 import subprocess
@@ -25,8 +33,11 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from kubematrix.cachestats import STATS_DIR_ENV, CacheStats, read_stats
+
 BEGIN = "KUBEMATRIX-RESULTS-BEGIN"
 END = "KUBEMATRIX-RESULTS-END"
+CACHE = "KUBEMATRIX-CACHE"
 TIMEOUT_EXIT = 124
 _WRAP = 76
 _GRACE_S = 60.0
@@ -60,6 +71,33 @@ def decode_results(lines: Iterable[str], token: str) -> tuple[bytes | None, int 
     return found
 
 
+def cache_lines(stats_dir: str | os.PathLike[str] | None, token: str) -> list[str]:
+    """Log lines with the compile cache's counters under ``stats_dir``: one for people, one
+    for the launcher (:func:`decode_cache`). None when no process of the cell recorded any."""
+    stats = read_stats(stats_dir) if stats_dir else None
+    if stats is None:
+        return []
+    return [
+        f"kubematrix.cell: Triton cache: {stats.describe()}",
+        f"{CACHE} {token} {json.dumps(stats.to_dict(), sort_keys=True)}",
+    ]
+
+
+def decode_cache(lines: Iterable[str], token: str) -> CacheStats | None:
+    """The last cache counters with ``token`` in ``lines``; ``None`` when there are none (or the
+    line was cut short)."""
+    found = None
+    prefix = f"{CACHE} {token} "
+    for raw in lines:
+        line = raw.rstrip("\r\n")
+        if line.startswith(prefix):
+            try:
+                found = CacheStats.from_dict(json.loads(line[len(prefix) :]))
+            except (ValueError, TypeError, AttributeError):
+                continue
+    return found
+
+
 def _interrupt(proc: subprocess.Popen) -> None:
     """SIGINT the command's process group (pytest then writes its report); SIGKILL if it hangs."""
     try:
@@ -84,10 +122,11 @@ def run(command: Sequence[str], results: Path, token: str, timeout_s: float | No
         sys.stdout.flush()
         _interrupt(proc)
         code = TIMEOUT_EXIT
+    lines = cache_lines(os.environ.get(STATS_DIR_ENV), token)
     if results.is_file():
-        lines = encode_results(results.read_bytes(), token, code)
+        lines += encode_results(results.read_bytes(), token, code)
     else:
-        lines = [f"kubematrix.cell: no report at {results} (the session did not reach pytest)"]
+        lines += [f"kubematrix.cell: no report at {results} (the session did not reach pytest)"]
     sys.stdout.write("".join(f"{line}\n" for line in lines))
     sys.stdout.flush()
     return code

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from kubernetes import client, config
@@ -155,9 +156,11 @@ def run_cells(
             path = cell.junit_path(out)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(r.junit)
-            results.append(report.result_from_junit(cell, path, exit_code=r.exit_code))
+            result = report.result_from_junit(cell, path, exit_code=r.exit_code)
         else:
-            results.append(report.not_run(cell, r.message, status="error"))
+            result = report.not_run(cell, r.message, status="error")
+        # Compile time and hit rate, as the local runner reads them from the cell's counters.
+        results.append(replace(result, cache=r.cache))
     return results
 
 
@@ -231,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _report_leftovers(launcher)
         return 130
     for r in results:
-        sys.stdout.write(f"{r.name}: {r.outcome} ({r.message})\n")
+        cache = f"; Triton cache: {r.cache.describe()}" if r.cache else ""
+        sys.stdout.write(f"{r.name}: {r.outcome} ({r.message}{cache})\n")
     _report_leftovers(launcher)
     return exit_status(results)
 

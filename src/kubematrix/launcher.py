@@ -25,7 +25,8 @@ create/get/list/watch/delete, pods get/list/watch, pods/log get, events list/wat
   scheduler's event (``0/4 nodes are available: 4 Insufficient amd.com/gpu.``).
 * An evicted pod is not a test failure (the Job's pod failure policy ignores disruptions): the
   launcher follows the replacement pod.
-* The JUnit report comes back inside the log (see :mod:`kubematrix.cell`).
+* The JUnit report and the compile cache's counters come back inside the log (see
+  :mod:`kubematrix.cell`).
 * 429, 5xx and dropped connections are retried ``retries`` times with backoff, waiting what
   ``Retry-After`` asks (capped at ``retry_after_max_s``); 403/404/422 are not retried. The sleep
   is injectable (``Launcher(sleep=...)``).
@@ -58,7 +59,8 @@ import urllib3
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from kubematrix.cell import decode_results
+from kubematrix.cachestats import CacheStats
+from kubematrix.cell import CACHE, decode_cache, decode_results
 from kubematrix.render import CELL_CONTAINER
 
 RETRYABLE = frozenset({429, 500, 502, 503, 504})
@@ -125,6 +127,7 @@ class CellResult:
         exit_code: the test container's exit status, ``None`` when it never ran to the end.
         message: one line for a summary.
         junit: the JUnit XML the cell printed, if any.
+        cache: the Triton compile cache's counters the cell printed, if any.
         attached: the Job already existed (409) and the launcher followed it.
         evictions: pods lost to disruptions and replaced by the Job.
         cleanup: ``None`` when the Job was deleted; otherwise why it was not, and the
@@ -136,6 +139,7 @@ class CellResult:
     exit_code: int | None
     message: str
     junit: bytes | None = None
+    cache: CacheStats | None = None
     attached: bool = False
     evictions: list[str] = field(default_factory=list)
     cleanup: str | None = None
@@ -703,7 +707,8 @@ class Launcher:
                 outcome = "error" if code == 0 else "failed"
             else:
                 outcome = "passed" if code == 0 else "failed"
-            return CellResult(name, outcome, code, message, junit, evictions=evicted)
+            cache = decode_cache(lines, token)
+            return CellResult(name, outcome, code, message, junit, cache, evictions=evicted)
 
     def _read_pod(self, pod_name: str) -> dict | None:
         """The pod, or ``None`` when it no longer exists."""
@@ -943,7 +948,7 @@ class Launcher:
                         lines.append(text)
                         if text.startswith("KUBEMATRIX-RESULTS-BEGIN"):
                             inside_report = True
-                        if not inside_report:
+                        if not inside_report and not text.startswith(CACHE):
                             self._say(prefix, text)
                         if text.startswith("KUBEMATRIX-RESULTS-END"):
                             inside_report = False

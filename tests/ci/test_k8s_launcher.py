@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 import threading
 import time
@@ -13,7 +14,8 @@ from kubernetes import client
 from kubernetes.config import kube_config
 
 from kubematrix import k8s
-from kubematrix.cell import encode_results
+from kubematrix.cachestats import CacheStats
+from kubematrix.cell import CACHE, encode_results
 from kubematrix.launcher import RUN_ANNOTATION, Launcher, Timeouts, classify_pod
 from kubematrix.render import render_job, results_token
 from tests.ci.kube_stub import KubeStub
@@ -102,6 +104,29 @@ def test_success_streams_log_returns_junit_and_deletes_with_foreground():
     assert _log_lines(out) == LOG  # once each; the encoded report is not echoed
     assert stub.deletes == [(result.name, "Foreground")]
     assert not stub.pods
+
+
+def test_a_cells_cache_counters_come_back_with_its_result_and_are_not_echoed():
+    stats = CacheStats(local=40, remote=5, compiled=3, compile_s=12.0)
+
+    def scenario(k: KubeStub, job: dict) -> None:
+        token = results_token(job["metadata"]["name"])
+        pod = k.add_pod(job)
+        k.start(pod)
+        k.log(pod, *LOG, "kubematrix.cell: Triton cache: 94% hits of 48 lookups")
+        k.log(pod, f"{CACHE} {token} " + json.dumps(stats.to_dict()))
+        k.log(pod, *_report(job, 0))
+        k.finish(pod, 0)
+
+    result, out, _ = _run(scenario)
+    assert result.outcome == "passed" and result.cache == stats
+    assert not [line for line in out if line.startswith(CACHE)]
+    assert "kubematrix.cell: Triton cache: 94% hits of 48 lookups" in out  # for people
+
+
+def test_a_cell_that_printed_no_counters_has_none():
+    result, _, _ = _run(_completes(0))
+    assert result.outcome == "passed" and result.cache is None
 
 
 def test_failing_tests_propagate_the_exit_code():

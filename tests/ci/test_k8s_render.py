@@ -15,7 +15,7 @@ from kubernetes import client
 
 from kubematrix import buildkite, render
 from kubematrix.cachestats import K8S_REDIS, REDIS_ENV, STATS_DIR_ENV
-from kubematrix.cell import decode_results, encode_results
+from kubematrix.cell import cache_lines, decode_cache, decode_results, encode_results
 from kubematrix.matrix import ARCH_ENV, all_cells
 from kubematrix.render import job_name, load_kustomization, render_job, render_pod_spec
 
@@ -240,6 +240,32 @@ def test_results_round_trip_through_log_lines():
     assert decode_results(lines, "tok") == (data, 1)
     assert decode_results(lines, "other") == (None, None)
     assert decode_results(lines[:-3], "tok") == (None, None)  # cut before END
+
+
+def test_cache_counters_round_trip_through_log_lines(tmp_path):
+    stats = tmp_path / "cache"
+    stats.mkdir()
+    # Two processes' counters, as the layered cache manager appends them.
+    (stats / "11.jsonl").write_text(
+        '{"event": "compiled", "compile_s": 2.5}\n{"event": "local", "compile_s": 0}\n'
+    )
+    (stats / "12.jsonl").write_text('{"event": "remote", "compile_s": 0}\n{"event": "loc')
+    human, marker = cache_lines(stats, "tok")
+    assert human == (
+        "kubematrix.cell: Triton cache: 67% hits of 3 lookups "
+        "(1 local, 1 remote, 1 compiled in 2.5 s)"
+    )
+    got = decode_cache(["noise", human, marker, *encode_results(b"<x/>", "tok", 0)], "tok")
+    assert got is not None and (got.local, got.remote, got.compiled, got.compile_s) == (
+        1,
+        1,
+        1,
+        2.5,
+    )
+    assert decode_cache([marker], "other") is None
+    assert decode_cache([marker[:-5]], "tok") is None  # cut short: no counters, no crash
+    assert cache_lines(tmp_path / "absent", "tok") == []  # nothing compiled through the manager
+    assert cache_lines(None, "tok") == []
 
 
 # Node labels that tell an architecture apart: NVIDIA GPU feature discovery's compute capability;

@@ -315,6 +315,86 @@ def test_k8s_runner_says_in_its_first_line_what_runs_where(tmp_path, monkeypatch
     assert code == 0 and lines[-1].startswith("matrix: passed")
 
 
+def test_k8s_runner_summary_shows_a_job_cells_compile_time_and_hit_rate(
+    tmp_path, monkeypatch, capsys
+):
+    # The pod runs the real entry point (kubematrix.cell) with the rendered Job's environment:
+    # its test processes compile through the layered cache (real Triton compiles for sm_90, the
+    # local layer only), and the counters reach the summary through the log alone.
+    import os
+
+    from kubematrix.cachestats import REDIS_ENV, STATS_DIR_ENV
+    from kubematrix.render import CELL_CONTAINER
+    from tests.ci.kube_stub import KubeStub
+
+    monkeypatch.setenv(REDIS_ENV, "")  # no triton-cache Service here
+    probe = ROOT / "tests" / "ci" / "cache_probe.py"
+    junit = tmp_path / "pod" / "junit.xml"
+    session = tmp_path / "session.py"
+    session.write_text(
+        textwrap.dedent(
+            f"""
+            import subprocess, sys
+            subprocess.run([sys.executable, {str(probe)!r}, "16", "32"], check=True)
+            subprocess.run([sys.executable, {str(probe)!r}, "16"], check=True)  # a local hit
+            open({str(junit)!r}, "w").write(
+                '<testsuites><testsuite name="t" time="4.5"><testcase name="ok"/>'
+                '</testsuite></testsuites>'
+            )
+            """
+        )
+    )
+
+    def scenario(k: KubeStub, job: dict) -> None:
+        pod = k.add_pod(job)
+        k.start(pod)
+        (container,) = [
+            c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == CELL_CONTAINER
+        ]
+        env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+        # The Job's Triton, cache and result settings (its paths under /home and /results are
+        # the pod's: moved below into tmp_path).
+        job_env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        env.update({n: v for n, v in job_env.items() if n.startswith(("TRITON_", "KUBEMATRIX_"))})
+        env.update(
+            {
+                STATS_DIR_ENV: str(tmp_path / "pod" / "cache"),
+                "TRITON_CACHE_DIR": str(tmp_path / "pod" / "triton"),
+                "TRITON_HOME": str(tmp_path / "pod" / "home"),
+                "PYTHONPATH": str(ROOT / "src"),
+            }
+        )
+        cell = subprocess.run(
+            [sys.executable, "-m", "kubematrix.cell", "--results", str(junit), "--"]
+            + [sys.executable, str(session)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        k.log(pod, *cell.stdout.splitlines())
+        k.finish(pod, cell.returncode)
+
+    (tmp_path / "pod").mkdir()
+    with KubeStub(scenario) as stub:
+        _stub_kubeconfig(stub, tmp_path, monkeypatch)
+        code = main(
+            ["matrix", "--runner", "k8s", "--cell", "mla-cuda-sm_90", "--results", str(tmp_path)]
+        )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "kubematrix.cell: Triton cache: 33% hits of 3 lookups (1 local, 0 remote" in out
+    row = next(line for line in out.splitlines() if line.startswith("mla-cuda-sm_90 "))
+    cols = re.split(r"\s{2,}", row)
+    header = re.split(r"\s{2,}", next(x for x in out.splitlines() if x.startswith("cell ")))
+    got = dict(zip(header, cols, strict=False))
+    assert got["result"] == "passed"
+    assert got["time"] == "4.5s"  # the tests' time, from the JUnit
+    assert got["compile"] != "-" and got["cache"] == "33% of 3"
+    (result,) = report.collect([get_cell("mla-cuda-sm_90")], tmp_path)
+    assert result.cache is not None
+    assert (result.cache.local, result.cache.compiled) == (1, 2) and result.cache.compile_s > 0
+
+
 def _stub_kubeconfig(stub, tmp_path, monkeypatch) -> None:
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
