@@ -2,12 +2,13 @@
 
 Prints the stall reasons over the whole kernel, then the stretches of SASS between
 synchronisation points (wgmma arrive/wait, barriers, bulk copies, mbarrier waits) with their
-share of all samples: where the warps spend their time, phase by phase. Made for the sm_90 MLA
-kernel (bench/NOTES.md, attempt 6); any kernel's CSV works. Usage::
+share of all samples: where the warps spend their time, phase by phase. Any kernel's CSV works;
+one benchmark row of the suite is the profiled program. Usage (repository root)::
 
-    ncu --set full -k regex:sm90 --launch-count 1 -o rep python3 bench/profile_mla.py 128:16384
+    PYTHONPATH=src ncu --set full -k regex:sm90 --launch-skip 2 --launch-count 1 -o rep \
+        python3 -m bench.run --only mla --rows "mla 128h 64x16k page64 q1" --reps 1
     ncu -i rep.ncu-rep --page source --print-source sass --csv > sass.csv
-    python3 bench/ncu_stalls.py sass.csv [--min-share 0.3]
+    python3 -m bench.diag.ncu_stalls sass.csv [--min-share 0.3]
 """
 
 from __future__ import annotations
