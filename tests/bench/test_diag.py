@@ -1,0 +1,124 @@
+"""bench/diag's analyses on synthetic inputs (CPU): a device call costs minutes of a budget, so
+what runs after the GPU work must not fail there, and must measure what it names."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+from bench.diag import clock, ncu_stalls, trace_prefill
+
+# -- ncu_stalls ------------------------------------------------------------------------------
+
+HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_barrier",
+          "stall_long_sb", "stall_barrier (Not Issued)"]  # fmt: skip
+
+
+def test_ncu_stretches_and_reasons(tmp_path: Path, capsys):
+    rows = [
+        ["0x0", "  IADD3 R1, R2, R3", "10", "0", "0", "0"],
+        ["0x10", "  SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4]", "30", "0", "30", "0"],
+        ["0x20", "  FMUL R4, R4, R5", "20", "0", "0", "0"],
+        ["0x30", "  BAR.SYNC.DEFER_BLOCKING 0x0", "40", "40", "0", "40"],
+        ["0x40", "  EXIT", "", "", "", ""],  # empty cells count as 0
+    ]
+    path = tmp_path / "s.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Kernel Name", "k"])  # ncu's first line names the kernel
+        w.writerow(HEADER)
+        w.writerows(rows)
+    assert ncu_stalls.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("100 samples")
+    assert "barrier             40.0%" in out and "long_sb             30.0%" in out
+    assert "(Not Issued)" not in out  # the not-issued copies are not counted twice
+    assert "    0-    1  40.0%  SYNCS.PHASECHK" in out  # stretches end at each sync point
+    assert "    2-    3  60.0%  BAR.SYNC" in out
+
+
+def test_ncu_rejects_a_csv_without_samples(tmp_path: Path):
+    path = tmp_path / "bad.csv"
+    path.write_text("Address,Source\n0x0,EXIT\n")
+    with pytest.raises(SystemExit, match="no 'Warp Stall Sampling"):
+        ncu_stalls.main([str(path)])
+
+
+# -- trace_prefill ---------------------------------------------------------------------------
+
+#: consumer step lengths (cycles) from event 0: K, scores, softmax, V, P V, release, to next
+STEP = [10, 500, 400, 20, 500, 30, 40]
+PERIOD = sum(STEP)
+
+
+def synthetic(programs=3, tiles=6, slots=8, passed=(1, 4), idle=1) -> np.ndarray:
+    """Stamps ``[programs + idle, 4, slots + 1, 10]``: warpgroups 0 and 1 compute ``tiles``
+    tiles (warpgroup 1 passes tiles ``passed`` on: events 0, 1, 4, 6 only), partition 2
+    absent, the producer 100 cycles a tile, issuing 300 cycles before warpgroup 0 starts each;
+    ``idle`` programs of the buffer (sized for every SM) never ran."""
+    st = np.full((programs + idle, 4, slots + 1, 10), -1, dtype=np.int64)
+    for p in range(programs):
+        t0 = 1000 * (p + 1)
+        for t in range(tiles):
+            for wg in (0, 1):
+                ev = np.cumsum([0] + STEP[:-1]) + t0 + t * PERIOD + 7 * wg
+                if wg == 1 and t in passed:
+                    st[p, wg, t, [0, 1, 4, 6]] = ev[[0, 1, 4, 6]]
+                else:
+                    st[p, wg, t, :7] = ev
+            st[p, 3, t, :3] = [t0 + t * PERIOD - 400, t0 + t * PERIOD - 350, t0 + t * PERIOD - 300]
+        end = t0 + tiles * PERIOD + 100
+        for part in (0, 1, 3):
+            st[p, part, slots, :4] = [t0 - 500, 10 * (t0 - 500), end, 10 * end]
+    return st
+
+
+def test_trace_steps_measure_what_they_name():
+    lines: list[str] = []
+    res = trace_prefill.analyse(synthetic(), out=lines.append)
+    text = "\n".join(lines)
+    for i, (name, _, _) in enumerate(trace_prefill.STEPS):
+        assert res[(0, name)] == STEP[i], (name, text)
+    assert res[(0, "period")] == PERIOD
+    assert res[("producer", "copies issued")] == 50
+    assert res["copies issued before WG0 waits"] == 300
+    assert res["release skew WG0/WG1"] == 7
+    assert res["last release to end"] == 100 + STEP[-1] - 7
+    assert "programs 3," in text  # the idle program of the buffer is left out
+    assert "12 passed on" not in text and "6 passed on" in text
+    assert "clock 0.100 GHz" in text  # 1 cycle per 10 ns in the synthetic timer
+    assert not any("warpgroup 2" in line for line in lines)
+
+
+def test_trace_programs_past_the_buffer_are_reported():
+    lines: list[str] = []
+    res = trace_prefill.analyse(synthetic(tiles=8, slots=8), out=lines.append)
+    assert res["programs past the buffer"] == 3
+    assert "3 programs ran past the trace's 8 tiles" in "\n".join(lines)
+
+
+# -- clock -----------------------------------------------------------------------------------
+
+
+def test_clock_summary_splits_time_into_cycles_and_clock():
+    rows = [dict(point="p", block_size=16, us=[105.0, 106.0, 104.0], mhz=[1800.0] * 3),
+            dict(point="p", block_size=2048, us=[100.0] * 3, mhz=[1700.0] * 3)]  # fmt: skip
+    (s,) = clock.summarize(rows)
+    assert (s["block_size"], s["against"]) == (16, 2048)
+    assert s["time"] == pytest.approx(1.05) and s["clock"] == pytest.approx(1800 / 1700)
+    assert s["cycles"] == pytest.approx(1.05 * 1800 / 1700)
+
+
+def test_clock_sampler_reads_during_the_work_and_raises_a_failed_read():
+    import time
+
+    got = clock.sample_while(lambda: (1500.0, 600.0), lambda: time.sleep(0.2), ms=5, trim=1)
+    assert got and all(s == (1500.0, 600.0) for s in got)
+
+    def broken():
+        raise OSError("no NVML")
+
+    with pytest.raises(RuntimeError, match="read failed: no NVML"):
+        clock.sample_while(broken, lambda: time.sleep(0.05), ms=5)

@@ -1,0 +1,168 @@
+"""The benchmark suite on a CPU: the runner's document (schema), RESULTS.md from a document, the
+``--compare`` plumbing, and the suite's import layering. GPU timings are the device's business;
+here the runner runs its ``--quick`` rows through the Triton interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from bench import core, results, run
+from tests.test_import_graph import build_graph, find_cycles
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = json.loads((ROOT / "bench" / "schema.json").read_text())
+FAMILY_MODULES = {f"bench.{f}" for f in run.FAMILIES}
+
+
+def validate(doc: dict) -> None:
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+    jsonschema.Draft202012Validator(SCHEMA, format_checker=jsonschema.FormatChecker()).validate(doc)
+
+
+def bench_run(tmp_path: Path, *args: str) -> dict:
+    """``python -m bench.run --quick ARGS`` in a child process (interpreter, CPU); its document."""
+    out = tmp_path / "results.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))  # fmt: skip
+    cmd = [sys.executable, "-m", "bench.run", "--quick", "--out", str(out), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def quick_doc(tmp_path_factory) -> dict:
+    return bench_run(tmp_path_factory.mktemp("quick"))
+
+
+def test_quick_run_on_cpu_follows_the_schema(quick_doc):
+    validate(quick_doc)
+    assert quick_doc["timing_meaningful"] is False and quick_doc["quick"] is True
+    assert quick_doc["method"] == core.METHOD and quick_doc["commit"]
+    # every family the CPU can run gave checked rows; the GPU-only ones say why they did not
+    ran = {r["family"] for r in quick_doc["rows"]}
+    assert ran == {"paged", "prefill", "mla", "cache"}
+    assert {s["family"] for s in quick_doc["skipped"]} == {"host", "compile"}
+    assert all(r["check"]["passed"] and r["time_us"] is not None for r in quick_doc["rows"])
+    assert not quick_doc["errors"]
+    # vLLM does not import here: skipped, with the reason in the document
+    assert quick_doc["vllm"]["available"] is False and "vllm" in quick_doc["vllm"]["reason"]
+
+
+def test_a_failed_check_has_no_time():
+    doc = fixture_doc()
+    doc["rows"][0]["time_us"] = 1.0
+    doc["rows"][0]["check"]["passed"] = False
+    with pytest.raises(jsonschema.ValidationError):
+        validate(doc)
+
+
+def fixture_doc() -> dict:
+    """A GPU run's document in miniature, compared against an older checkout."""
+
+    def row(family, name, us, metrics, anchors, ratio, passed=True):
+        return dict(family=family, name=name, params={}, timing="graph", metrics=metrics,
+                    time_us=us if passed else None, anchors=anchors,
+                    check=dict(kind="tolerance", passed=passed, error=1e-3, error_torch=2e-3),
+                    compare=dict(old_time_us=100.0, ratio=ratio, old_check_passed=True,
+                                 new_times_us=[us], old_times_us=[100.0]))  # fmt: skip
+
+    ceiling = core.anchor("read ceiling (Triton stream)", 200.0, {"GB/s": 4000.0}, "graph")
+    cudnn = core.anchor("SDPA cudnn", 500.0, {"TFLOP/s": 400.0}, "graph")
+    flash = core.anchor("SDPA flash", None, note="backend refused: no")
+    return dict(
+        schema_version=1, device="NVIDIA H200", torch="2.11.0+cu130", triton="3.6.0",
+        python="3.12.3", commit="abc1234", date="2026-12-04T12:00:00+00:00",
+        command="python -m bench.run --compare .bench-old", method=core.METHOD,
+        timing_meaningful=True, quick=False, reps=50, families=["paged", "prefill"],
+        vllm=dict(available=False, reason="import vllm failed: ModuleNotFoundError"),
+        compare=dict(old_src="/r/.bench-old/src", old_commit="def5678", rounds=1),
+        skipped=[], errors=[],
+        rows=[row("paged", "decode 64x4k 32/8/128 NHD bs16", 250.0, {"GB/s": 3200.0},
+                  [ceiling], 0.98),
+              row("prefill", "prefill 8x4096 32/8/128 bs16", 450.0, {"TFLOP/s": 480.0},
+                  [cudnn, flash], 1.01),
+              row("prefill", "mixed 8x2048+56x1@4k 32/8/128 bs16", None, {}, [], None,
+                  passed=False)],
+    )  # fmt: skip
+
+
+def test_results_md_from_a_document(tmp_path):
+    doc = fixture_doc()
+    validate(doc)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(doc))
+    md_path = tmp_path / "RESULTS.md"
+    assert results.main([str(path), "--out", str(md_path)]) == 0
+    md = md_path.read_text()
+    assert len(md.splitlines()) < 200
+    for want in (
+        "NVIDIA H200",
+        "`abc1234`",
+        "2026-12-04",
+        core.METHOD,
+        "vLLM anchor: skipped",
+        "def5678",
+        "## Paged decode",
+        "## Pure prefill and mixed batches",
+    ):
+        assert want in md, want
+    # anchors: a rate's share of the ceiling, a time ratio to SDPA, and why one did not run
+    assert "4,000 GB/s, 80% of it" in md
+    assert "row/anchor time 0.90" in md and "SDPA flash: not run (backend refused: no)" in md
+    assert "| 0.980 |" in md and "**FAILED**" in md
+    assert "history" in md and "session" not in md.lower()
+
+
+def test_compare_times_each_row_with_both_checkouts(tmp_path):
+    """The checkout against itself on one tiny row: both sides ran, and the row has its ratio."""
+    doc = bench_run(tmp_path, "--only", "cache", "--rows", "page indices", "--compare", str(ROOT))
+    validate(doc)
+    assert doc["compare"]["old_src"] == str(ROOT / "src") and doc["compare"]["rounds"] == 1
+    (r,) = doc["rows"]
+    c = r["compare"]
+    assert c["old_check_passed"] is True and len(c["old_times_us"]) == len(c["new_times_us"]) == 1
+    assert c["ratio"] == pytest.approx(c["new_times_us"][0] / c["old_times_us"][0])
+
+
+def test_compare_needs_a_portattn_checkout(tmp_path):
+    with pytest.raises(SystemExit, match="no portattn/__init__.py"):
+        run.src_dir(str(tmp_path))
+
+
+def test_unknown_family_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        run.parse(["--only", "paged,nope"])
+    assert "unknown families ['nope']" in capsys.readouterr().err
+
+
+def test_bench_layers_and_no_import_cycle():
+    """bench/ has no import cycle; a family imports only the shared layers (core, inputs), never
+    another family or the runner; core imports no bench module; results is standard library."""
+    graph = build_graph()
+    assert not [c for c in find_cycles(graph) if c[0].source.startswith("bench")]
+    for mod, edges in graph.items():
+        targets = {e.target for e in edges if e.target.startswith("bench")}
+        if mod in FAMILY_MODULES:
+            assert targets <= {"bench.core", "bench.inputs"}, (mod, targets)
+        if mod in ("bench.core", "bench.inputs", "bench.results"):
+            assert not targets, (mod, targets)
+    assert not {e.target for e in graph["bench.results"]}
+
+
+def test_check_windows_and_work_counts():
+    seqs = ((4096, 2048),) * 2 + ((4096, 1),) * 3
+    assert core.check_windows(seqs, 128) == [(0, 0, 128), (0, 1920, 128), (1, 1920, 128),
+                                             (2, 0, 1), (4, 0, 1)]  # fmt: skip
+    assert core.check_windows(((40, 1),), 128) == [(0, 0, 1)]
+    # pure causal prefill of n tokens: n (n + 1) / 2 pairs, 4 flops a pair, head and dim
+    assert core.paged_flops(((4, 4),), 2, 8) == 4 * 2 * 8 * 10
+    assert core.paged_bytes(((10, 1),), 4, 2, 8, 2) == 2 * 10 * 2 * 8 * 2 + 2 * 4 * 8 * 2
+    assert core.rate(1e9, 1e6, 1e9) == 1.0 and core.rate(1.0, None, 1.0) is None
