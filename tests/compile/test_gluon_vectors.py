@@ -76,20 +76,14 @@ def _prefill(aligned: bool, block_size: int = 16):
 
 def _accesses(kernel: str, aligned: bool) -> dict:
     """Compile the launch (worker process) and count its global loads and stores by width.
-    ``mla-eager``: the MLA launch planned with `SM90_LAZY_RESCALE` off; ``mla-gather``: at page
-    size 1 (``mla-gather-parts``: with `SM90_GATHER_ONE_COPY` off)."""
+    ``mla-gather``: the MLA launch at page size 1."""
     from portattn.compile.worker import _resources, compile_kernel
     from portattn.platform import get_target
-    from portattn.policy import mla as mla_policy
 
     target = get_target("sm_90")
-    if kernel == "mla-eager":
-        mla_policy.SM90_LAZY_RESCALE = False
+    if kernel == "mla":
         launch = _mla(aligned)
-    elif kernel == "mla":
-        launch = _mla(aligned)
-    elif kernel.startswith("mla-gather"):
-        mla_policy.SM90_GATHER_ONE_COPY = kernel == "mla-gather"
+    elif kernel == "mla-gather":
         launch = _mla(aligned, block_size=1)
     else:  # "prefill", or "prefill128": 128-token pages (one TMA box a K or V tile)
         launch = _prefill(aligned, 128 if kernel == "prefill128" else 16)
@@ -134,14 +128,13 @@ def _gather_runs(ptx: str) -> list[tuple[int, int]]:
 @pytest.fixture(scope="module")
 def accesses() -> dict:
     jobs = [(kernel, aligned) for kernel in ("mla", "prefill") for aligned in (True, False)]
-    jobs += [("prefill128", True), ("mla-eager", True), ("mla-gather", True)]
-    jobs += [("mla-gather-parts", True)]
+    jobs += [("prefill128", True), ("mla-gather", True)]
     return in_spawned_workers(_accesses, jobs)
 
 
 def test_mla_output_goes_out_in_vectors(accesses):
     got = accesses["mla", True]
-    # both warpgroups: 16 16-byte stores a thread through shared memory (SM90_STORE_SMEM)
+    # both warpgroups: 16 16-byte stores a thread through shared memory (rank 512)
     assert got["narrow_stores"] == 0 and got["vector_stores"] == 32, got
     # left alone: the query's rope part, read once a program into the score MMA's registers
     # (64 x 64 over a warpgroup: 32 elements a thread, in warpgroup 1 only)
@@ -186,7 +179,7 @@ def test_prefill_producer_picks_box_rows_without_shuffles(accesses):
 
 
 def test_mla_rescales_branch_around_their_multiplies(accesses):
-    """`SM90_LAZY_RESCALE`: each of the four rescales (two a warpgroup) is one branch a thread
+    """The lazy rescale: each of the four rescales (two a warpgroup) is one branch a thread
     around its 128 multiplies, decided by 8 of its factors. The probes cover both of the thread's
     rows whether its elements run in column pairs per row, alternate rows or run row by row (a
     64-row wgmma accumulator gives each thread rows r and r + 8)."""
@@ -204,19 +197,16 @@ def test_mla_rescales_branch_around_their_multiplies(accesses):
         assert {rows[i] for i in probes} == {0, 1}
     assert len(re.findall(r"mul\.f32 \$(\d+), \$\1, ", asm)) == 128
     assert constraints.split(",")[128:256] == [str(i) for i in range(128)]  # tied in place
-    lazy, eager = accesses["mla", True], accesses["mla-eager", True]
-    assert (lazy["lazy_branches"], eager["lazy_branches"]) == (4, 0), (lazy, eager)
-    assert lazy["spills"] == 0 and eager["spills"] == 0
+    lazy = accesses["mla", True]
+    assert lazy["lazy_branches"] == 4 and lazy["spills"] == 0, lazy
 
 
 def test_mla_gather_issues_its_copies_without_barriers(accesses):
-    """`SM90_GATHER_ONE_COPY`: at page size 1 each gathered buffer (a latent half, the rope part)
-    is one ``cp.async`` op, so a tile half's copies (16 a thread on the left, 20 with the rope
-    part on the right) run with no ``bar.sync`` between them: the issuing warpgroup's four warps
-    do not wait for one another mid-issue. As one op per 64-column block, Triton's barrier
-    analysis put one between every two blocks' copies (what the count must see)."""
-    one, parts = accesses["mla-gather", True], accesses["mla-gather-parts", True]
+    """At page size 1 each gathered buffer (a latent half, the rope part) is one ``cp.async``
+    op, so a tile half's copies (16 a thread on the left, 20 with the rope part on the right)
+    run with no ``bar.sync`` between them: the issuing warpgroup's four warps do not wait for
+    one another mid-issue (one op per 64-column block got a barrier between blocks)."""
+    one = accesses["mla-gather", True]
     assert one["gathers"] and {c for c, _ in one["gathers"]} <= {16, 20}, one["gathers"]
     assert all(b == 0 for _, b in one["gathers"]), one["gathers"]
-    assert all(b >= 3 for _, b in parts["gathers"]), parts["gathers"]
-    assert one["spills"] == 0 and parts["spills"] == 0
+    assert one["spills"] == 0

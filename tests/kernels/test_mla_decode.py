@@ -13,8 +13,7 @@ from portattn import reference
 from portattn.kernels._launch import run_all
 from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
 from portattn.kernels.page_indices import expand_page_indices
-from portattn.platform import get_target
-from portattn.policy import mla as mla_policy
+from portattn.platform import get_target, target_for_tensor
 from portattn.policy.common import next_pow2
 from portattn.policy.mla import MlaProblem, mla_decode_tiles
 from tests.helpers import assert_low_precision_close
@@ -117,23 +116,26 @@ def test_page_indices_identical_to_block_table(block_size, device):
 
 
 @pytest.mark.parametrize("gap", [0, 3])
-def test_page_indices_on_pages_with_gaps(gap, device, monkeypatch):
+def test_page_indices_on_pages_with_gaps(gap, device):
     """``page_indices`` are flat slots (``block * block_size + offset``). Into a cache whose pages
     lie one after another the portable kernel reads slot ``s`` at ``s`` rows (FLAT_SLOTS: no
     division by the block size); with ``gap`` rows between pages (a view of a wider buffer) it
     splits the slot into block and offset. Both agree with the block table's result on the same
-    cache. (On sm_90 gathered rows would take the Hopper kernel: `SM90_GATHER_WIDE` off here.)"""
-    monkeypatch.setattr(mla_policy, "SM90_GATHER_WIDE", False)
+    cache. (The tiles of rows that are not gathered: on sm_90 gathered rows would take the
+    Hopper kernel's wide tile.)"""
     q, cache, bt, sl, qsl = make_inputs(320, 256, 4, 16, (3, 1), (20, 33), torch.float16, device)
     wide = torch.zeros(cache.shape[0], 16 + gap, 320, dtype=cache.dtype, device=device)
     wide[:, :16] = cache
     cache = wide[:, :16]  # stride(0) = (16 + gap) rows
-    kw = dict(kv_lora_rank=256, scale=0.06, query_start_loc=qsl, return_lse=True)
+    tiles = mla_decode_tiles(target_for_tensor(q), MlaProblem(4, 320, 256, 2, q.shape[0], 64))
+    kw = dict(kv_lora_rank=256, scale=0.06, query_start_loc=qsl, return_lse=True, tiles=tiles)
     pages = expand_page_indices(bt, sl, 16)
-    (main, *_) = plan_mla_decode(q, cache, None, sl, page_indices=pages, **kw)
-    assert main.args["FLAT_SLOTS"] is (gap == 0)
-    a, la = mla_decode(q, cache, bt, sl, **kw)
-    b, lb = mla_decode(q, cache, None, sl, page_indices=pages, **kw)
+    by_table = plan_mla_decode(q, cache, bt, sl, **kw)
+    by_slots = plan_mla_decode(q, cache, None, sl, page_indices=pages, **kw)
+    assert by_slots[0].name == "mla_decode" and by_slots[0].args["FLAT_SLOTS"] is (gap == 0)
+    run_all(by_table)
+    run_all(by_slots)
+    (a, la), (b, lb) = by_table[0].outputs, by_slots[0].outputs
     assert torch.equal(a, b) and torch.equal(la, lb)
     check(b, lb, q, cache, bt, sl, qsl, 256, 0.06, torch.float16)
 
@@ -683,13 +685,6 @@ def test_gpu_sm90_running_max_moves(ramp, splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("switch", "arg", "value"),
-    [
-        ("SM90_MASK_LAST_ONLY", "MASK_LAST", True),  # full tiles unmasked (the policy)
-        ("SM90_MASK_LAST_ONLY", "MASK_LAST", False),  # every tile masked
-    ],
-)
-@pytest.mark.parametrize(
     ("dk", "r", "heads", "bs", "q_lens", "seq_lens", "splits"),
     [
         (576, 512, 128, 64, (1, 3, 6, 2), (32768, 4100, 6, 1000), None),
@@ -699,14 +694,10 @@ def test_gpu_sm90_running_max_moves(ramp, splits):
         (320, 256, 100, 64, (2, 1), (127, 9000), 3),  # padded heads
     ],
 )
-def test_gpu_sm90_softmax_switches(switch, arg, value, dk, r, heads, bs, q_lens, seq_lens,
-                                   splits, monkeypatch):  # fmt: skip
-    """The sm_90 kernel's softmax switches against the fp64 oracle, with NaN in every row no
-    sequence owns (a tile past the context's end must still be masked): `SM90_MASK_LAST_ONLY` on
-    and off."""
-    monkeypatch.setattr(mla_policy, switch, value)
+def test_gpu_sm90_masks_past_the_context(dk, r, heads, bs, q_lens, seq_lens, splits):
+    """The sm_90 kernel against the fp64 oracle with NaN in every row no sequence owns: full
+    tiles go unmasked, so a tile past the context's end must still be masked."""
     target = _sm90_target()
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.bfloat16, "cuda")
     _poison_unowned_rows(cache, bt, sl)
-    launch = _check_sm90(target, q, cache, bt, sl, qsl, r, splits)
-    assert launch.args[arg] is value
+    _check_sm90(target, q, cache, bt, sl, qsl, r, splits)

@@ -16,7 +16,6 @@ from portattn.kernels._launch import rows_aligned
 from portattn.kernels.mla_decode import plan_mla_decode
 from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_gathers, sm90_smem_bytes
 from portattn.platform import get_target
-from portattn.policy import mla as mla_policy
 from tests.helpers import in_spawned_workers
 
 SM90 = get_target("sm_90")
@@ -54,17 +53,12 @@ def test_refuses_what_it_cannot_run(kwargs, rank, tile, target, slots, why):
     [(64, False, False), (128, False, False), (1, False, True), (16, False, True),
      (32, False, True), (1, True, True), (64, True, True)],
 )  # fmt: skip
-def test_gather_takes_what_tma_cannot(block_size, slots, gathers, monkeypatch):
-    """Pages that are not a multiple of 64 tokens and page_indices load by row gather; with
-    the switch off they are refused (the portable kernel runs them), TMA pages still taken."""
+def test_gather_takes_what_tma_cannot(block_size, slots, gathers):
+    """Pages that are not a multiple of 64 tokens and page_indices load by row gather, pages
+    of a multiple of 64 tokens by TMA: the kernel takes both."""
     cache = _cache(pages=4096 // block_size, block_size=block_size)
     assert sm90_gathers(cache, slots) is gathers
     assert sm90_errors(cache, 512, 64, 64, SM90, paged_slots=slots) == []
-    monkeypatch.setattr(mla_policy, "SM90_GATHER", False)
-    errors = sm90_errors(cache, 512, 64, 64, SM90, paged_slots=slots)
-    assert bool(errors) is gathers
-    why = "page_indices" if slots else f"block_size {block_size} % 64"
-    assert all("SM90_GATHER is off" in e for e in errors) and (not gathers or why in errors[0])
 
 
 def _plan(block_size, slots, heads=128, ctx=4096, seqs=4):
@@ -82,9 +76,9 @@ def _plan(block_size, slots, heads=128, ctx=4096, seqs=4):
 
 
 @pytest.mark.parametrize(("block_size", "slots"), [(1, True), (1, False), (16, False), (64, True)])
-def test_launcher_picks_the_gather(block_size, slots, monkeypatch):
-    """The wide tile runs the Hopper kernel in gather mode at page size 1 (both index forms);
-    the switch off sends it back to the portable kernel; 64-token block tables keep TMA."""
+def test_launcher_picks_the_gather(block_size, slots):
+    """The wide tile runs the Hopper kernel in gather mode at page size 1 (both index forms)
+    and 16-token pages; 64-token block tables keep TMA."""
     main = _plan(block_size, slots)[0]
     assert (main.name, main.args["GATHER"], main.args["PAGE_INDICES"]) == (
         "mla_decode_sm90",
@@ -93,17 +87,15 @@ def test_launcher_picks_the_gather(block_size, slots, monkeypatch):
     )
     assert main.args["stride_kv_row"] == 576
     assert _plan(64, False)[0].args["GATHER"] is False
-    monkeypatch.setattr(mla_policy, "SM90_GATHER", False)
-    assert _plan(block_size, slots)[0].name == "mla_decode"
-    assert _plan(64, False)[0].name == "mla_decode_sm90"
 
 
 @pytest.mark.parametrize(("block_size", "slots", "name"), [(1, True, "mla_decode_sm90"),
                                                            (1, False, "mla_decode_sm90"),
                                                            (64, False, "mla_decode")])  # fmt: skip
 def test_sixteen_heads_gathered_run_the_hopper_kernel(block_size, slots, name):
-    """`SM90_GATHER_WIDE` through the planner: 16 heads at page size 1 (either index form) run
-    the Hopper kernel's gather on 64 padded rows; 64-token pages stay on the portable kernel."""
+    """Gathered rows take the wide tile through the planner: 16 heads at page size 1 (either
+    index form) run the Hopper kernel's gather on 64 padded rows; 64-token pages stay on the
+    portable kernel."""
     main = _plan(block_size, slots, heads=16, seqs=64)[0]
     assert main.name == name
     if name == "mla_decode_sm90":
@@ -189,8 +181,6 @@ def test_launch_takes_the_store_switch_and_the_output_alignment(monkeypatch):
     odd_out = torch.empty(4, 128, 520, dtype=torch.bfloat16, **meta)[..., 1:513]
     assert plan_mla_decode(q, cache, bt, sl, out=odd_out, **one)[0].args["OUT_VEC"] is False
     assert plan_mla_decode(q, cache, bt, sl, **one)[0].args["OUT_VEC"] is True
-    monkeypatch.setattr(mla_policy, "SM90_STORE_SMEM", False)
-    assert plan_mla_decode(q, cache, bt, sl, **kw)[0].args["STORE_SMEM"] is False
 
 
 def test_trace_buffer_builds_traced_launches_only_while_set(monkeypatch):
@@ -229,13 +219,12 @@ def test_trace_buffer_too_small_is_refused(monkeypatch):
         _plan(64, False)
 
 
-def _switched_ptx(mask_last: bool) -> tuple[bool, str]:
-    """The 128-head page-64 case's sm_90 launch planned with `SM90_MASK_LAST_ONLY` set so: its
-    ``MASK_LAST`` arg and PTX (in a spawned worker: no interpreter)."""
-    mla_policy.SM90_MASK_LAST_ONLY = mask_last
-    case = {c.id: c for c in default_cases()}["mla_decode/576/512 h128 page64"]
+def _case_ptx(name: str) -> str:
+    """The PTX of the compile matrix case ``name``'s sm_90 launch (in a spawned worker: no
+    interpreter)."""
+    case = {c.id: c for c in default_cases()}[f"mla_decode/{name}"]
     (launch,) = [x for x in case.plan(SM90) if x.name == "mla_decode_sm90"]
-    return launch.args["MASK_LAST"], compile_kernel(launch, SM90).asm["ptx"]
+    return compile_kernel(launch, SM90).asm["ptx"]
 
 
 def _events(ptx: str) -> str:
@@ -264,12 +253,9 @@ def _after_scores(ev: str) -> list[str]:
             if ev[i : i + 4] == "SGSG" and ev[i + 4] != "S"]  # fmt: skip
 
 
-def test_mask_last_only_branches_around_the_masks():
-    """`SM90_MASK_LAST_ONLY` on: each warpgroup branches between its score MMAs' commit and its
-    mask selects (a full tile skips them); off: the selects follow the commit at once. Then
-    warpgroup 0 (its code comes first) takes its row max and sum and rescales, warpgroup 1 waits
-    for m_A first."""
-    got = in_spawned_workers(_switched_ptx, [(True,), (False,)])
-    assert got[(True,)][0] is True and got[(False,)][0] is False
-    assert _after_scores(_events(got[(False,)][1])) == ["MXLB", "MWXWLB"]
-    assert _after_scores(_events(got[(True,)][1])) == ["BMXLB", "BMWXWLB"]
+def test_only_the_last_tile_is_masked():
+    """Each warpgroup branches between its score MMAs' commit and its mask selects (a full tile
+    skips them). Then warpgroup 0 (its code comes first) takes its row max and sum and rescales,
+    warpgroup 1 waits for m_A first."""
+    got = in_spawned_workers(_case_ptx, [("576/512 h128 page64",)])
+    assert _after_scores(_events(got[("576/512 h128 page64",)])) == ["BMXLB", "BMWXWLB"]

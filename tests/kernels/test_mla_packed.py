@@ -171,12 +171,6 @@ def test_policy_does_not_pack(arch, heads, q_len, elem, why):
     assert t == unpacked  # exactly the tiles of the same tokens without packing
 
 
-def test_switch_turns_packing_off(monkeypatch):
-    monkeypatch.setattr(mla_policy, "PACK_QUERY_ROWS", False)
-    t = mla_decode_tiles(SM90, _problem(16, 4))
-    assert not t.packed and t.block_h == 16
-
-
 def test_metadata_workspaces_and_grid_from_the_packed_tiles():
     """Builder: one policy call with max_query_len; workspaces from those tiles (padded_heads of
     the 64-row tile); the grid from the step's max_query_len through mla_row_groups."""
@@ -272,7 +266,6 @@ def test_gpu_sm90_packed(dk, r, heads, q_lens, seq_lens, splits):
 def test_gpu_sm90_packed_one_split(store_smem, monkeypatch):
     """Packed rows with one split: the kernel writes each real row's bf16 output to its (token,
     head) itself, through shared memory or from the accumulators."""
-    from portattn.policy import mla as mla_policy
 
     target = _sm90_target()
     monkeypatch.setattr(mla_policy, "SM90_STORE_SMEM", store_smem)

@@ -226,12 +226,10 @@ def test_pure_and_frozen():
     ("arch", "elem", "wide"),
     [("sm_90", 2, True), ("sm_90", 4, False), ("sm_80", 2, False), ("gfx942", 2, False)],
 )
-def test_gathered_rows_take_the_sm90_kernel_below_64_heads(arch, elem, wide, monkeypatch):
-    """`SM90_GATHER_WIDE`: 16 heads whose rows are gathered (page size 1, ``page_indices``) take
-    the wide tile the sm_90 kernel runs (rows padded to 64, two splits at batch 64), only in
-    16-bit on sm_90; 64-token pages keep the narrow tile; the switch off restores it."""
-    from portattn.policy import mla as mla_policy
-
+def test_gathered_rows_take_the_sm90_kernel_below_64_heads(arch, elem, wide):
+    """16 heads whose rows are gathered (page size 1, ``page_indices``) take the wide tile the
+    sm_90 kernel runs (rows padded to 64, two splits at batch 64), only in 16-bit on sm_90;
+    64-token pages keep the narrow tile."""
     target = get_target(arch)
     narrow = mla_decode_tiles(target, problem(elem=elem))
     got = mla_decode_tiles(target, dataclasses.replace(problem(elem=elem), gathers=True))
@@ -241,8 +239,6 @@ def test_gathered_rows_take_the_sm90_kernel_below_64_heads(arch, elem, wide, mon
     else:
         assert got == narrow
     assert narrow.block_h < 64 and not narrow.sm90_kernel
-    monkeypatch.setattr(mla_policy, "SM90_GATHER_WIDE", False)
-    assert mla_decode_tiles(target, dataclasses.replace(problem(elem=elem), gathers=True)) == narrow
 
 
 def test_sm90_gathers_rows_of_slots_and_odd_pages():

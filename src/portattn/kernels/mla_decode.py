@@ -104,9 +104,6 @@ _METADATA_VALUES = tuple(
     f.name for f in dataclasses.fields(MlaMetadata) if f.name not in ("partial_out", "partial_lse")
 )
 _metadata_values = operator.attrgetter(*_METADATA_VALUES)  # one tuple of them, in C
-#: With one KV split the plan never reads the metadata's workspaces: the plan cache's key leaves
-#: them out (`_metadata_key`). False: they are described on every call regardless.
-OMIT_UNREAD_WORKSPACES = True
 # id(metadata) -> (its values, their `exact_id`, whether the plan reads its workspaces).
 _METADATA_MEMO: dict[int, tuple[tuple, int | None, bool]] = {}
 _MAX_METADATA_MEMO = 256
@@ -1302,7 +1299,7 @@ def _metadata_key(
         if len(_METADATA_MEMO) >= _MAX_METADATA_MEMO:
             _METADATA_MEMO.clear()
         _METADATA_MEMO[id(md)] = memo
-    if memo[2] or not OMIT_UNREAD_WORKSPACES:
+    if memo[2]:
         return memo[1], md.partial_out, md.partial_lse
     return memo[1], None, None
 

@@ -179,8 +179,7 @@ def _tile_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end, BLOC
 
 @gluon.jit
 def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf,
-               RIGHT: gl.constexpr, gather, GATHER: gl.constexpr,
-               GATHER_ONE: gl.constexpr):  # fmt: skip
+               RIGHT: gl.constexpr, gather, GATHER: gl.constexpr):  # fmt: skip
     """Tile t's left latent half, or (RIGHT) its right latent half and rope part, into its
     buffer, from the rows `_tile_rows` read; a phantom tile (``num_tiles <= t < steps``) only
     completes the barrier. Without GATHER by TMA boxes (64 consecutive rows of one page), else by
@@ -200,8 +199,7 @@ def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf
             tma.async_copy_global_to_shared(lat_desc, [rows, 0], bar, lat_buf, pred=real)
         mbarrier.arrive(bar, count=1, pred=(t >= num_tiles) & (t < steps))
     else:
-        _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT, gather,
-                     GATHER_ONE)  # fmt: skip
+        _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT, gather)
 
 
 @gluon.jit
@@ -217,7 +215,7 @@ def _gather_part(kv_ptr, stride_row, rows, ok, buf, col0, W: gl.constexpr, LOAD:
 
 @gluon.jit
 def _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT: gl.constexpr,
-                 gather, ONE: gl.constexpr):  # fmt: skip
+                 gather):  # fmt: skip
     """`_load_half` by row gather: each 64-column part of tile t's ``rows`` (`_tile_rows`) by
     ``cp.async`` into the same swizzled buffers the TMA path fills. Every thread of the issuing
     warpgroup (128) then arrives on ``bar`` once its copies land (``.noinc``; the barrier counts
@@ -236,16 +234,10 @@ def _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT: 
             n = start + t * BLOCK_N
             ok = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L64)) < end
             col0: gl.constexpr = HALF if RIGHT else 0
-            # one copy a buffer (`portattn.policy.mla.SM90_GATHER_ONE_COPY`), or one a block
-            LW: gl.constexpr = HALF if ONE else CH
-            PW: gl.constexpr = ROPE_DIM if ONE else PCH
-            for c in gl.static_range(HALF // LW):
-                _gather_part(kv_ptr, stride_row, rows, ok, lat_buf.slice(c * LW, LW, dim=1),
-                             col0 + c * LW, LW, L64)  # fmt: skip
+            # one copy a buffer: one op per 64-column block put a bar.sync between the blocks
+            _gather_part(kv_ptr, stride_row, rows, ok, lat_buf, col0, HALF, L64)
             if RIGHT:
-                for c in gl.static_range(ROPE_DIM // PW):
-                    _gather_part(kv_ptr, stride_row, rows, ok, pe_buf.slice(c * PW, PW, dim=1),
-                                 2 * HALF + c * PW, PW, LPE)  # fmt: skip
+                _gather_part(kv_ptr, stride_row, rows, ok, pe_buf, 2 * HALF, ROPE_DIM, LPE)
         async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
@@ -268,9 +260,8 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 @gluon.jit
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
-               ROWS_AHEAD: gl.constexpr, STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr,
-               TRACE: gl.constexpr, tr, LAZY: gl.constexpr,
-               GATHER_ONE: gl.constexpr, MASK_LAST: gl.constexpr):  # fmt: skip
+               STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr, TRACE: gl.constexpr,
+               tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
@@ -354,11 +345,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         n_b = n_a + BLOCK_N
         jt = trace_slot(j, TRACE, TRACE_PAIRS)  # pairs past the buffer's are dropped
         _stamp(tr, jt, 0, TRACE)
-        if ROWS_AHEAD:  # the next pair's rows, read now: their latency runs under the MMAs
-            rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
-                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
-                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        # the next pair's rows, read now: their latency runs under the MMAs
+        rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size, end,
+                            BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size, end,
+                            BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         # scores of this warpgroup's tile: latent halves as they land, then rope (registers)
         mbarrier.wait(tma_bars.index(2 * own), ph)
         _stamp(tr, jt, 1, TRACE)
@@ -381,20 +372,14 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         # max of the raw scores is scaled once a row (qk_scale > 0: the launcher checks it)
         if PACKED:
             s = gl.where((n_own + cols)[None, :] < row_end[:, None], qk, float("-inf"))
-        elif MASK_LAST:  # only a tile that reaches past the split's end is masked
-            if n_own + BLOCK_N <= end:
-                s = qk
-            else:
-                s = gl.where(((n_own + cols) < end)[None, :], qk, float("-inf"))
+        elif n_own + BLOCK_N <= end:  # only a tile that reaches past the split's end is masked
+            s = qk
         else:
             s = gl.where(((n_own + cols) < end)[None, :], qk, float("-inf"))
         if WG == 0:
             # m_A first (WG1's softmax waits for it), then P_A
             rm = gl.max(s, 1) * qk_scale
-            if LAZY:  # noqa: SIM108 (constexpr) the reference moves only past LAZY_T
-                m_a = gl.where(rm > m_i + LAZY_T, rm, m_i)
-            else:
-                m_a = gl.maximum(m_i, rm)  # finite: tile A has a real column
+            m_a = gl.where(rm > m_i + LAZY_T, rm, m_i)  # lazy: moves only past LAZY_T
             m_smem.index(0).store(m_a)
             gl.thread_barrier()
             mbarrier.arrive(bar_ma, count=1)
@@ -402,7 +387,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             p = gl.exp2(s * qk_scale - m_a[:, None])
             alpha = gl.exp2(m_i - m_a)
             l_i = l_i * alpha + gl.sum(p, 1)
-            acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
+            acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), True)
             p_smem.index(b0).store(p.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
@@ -414,10 +399,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             _stamp(tr, jt, 4, TRACE)
             m_a = m_smem.index(0).load(ROW)
             rm = gl.max(s, 1) * qk_scale
-            if LAZY:  # noqa: SIM108 (a constexpr branch)
-                m_b = gl.where(rm > m_a + LAZY_T, rm, m_a)
-            else:
-                m_b = gl.maximum(m_a, rm)
+            m_b = gl.where(rm > m_a + LAZY_T, rm, m_a)
             p = gl.exp2(s * qk_scale - m_b[:, None])
             m_smem.index(1).store(m_b)
             p_smem.index(b1).store(p.to(dtype))
@@ -430,7 +412,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             _stamp(tr, jt, 6, TRACE)
             alpha = gl.exp2(m_i - m_a)
             l_i = l_i * alpha
-            acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), LAZY)
+            acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), True)
             lat_half = latr_smem
         # PV on A (scaled at m_A), then on B (at m_B); after each, this warpgroup's half of
         # that buffer is free and takes the next pair's tile (WG1's half with the rope part,
@@ -445,30 +427,24 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _stamp(tr, jt, 9, TRACE)
-        if not ROWS_AHEAD:
-            rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
-                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
                    tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
-                   gather, GATHER, GATHER_ONE)  # fmt: skip
+                   gather, GATHER)  # fmt: skip
         _stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
         if WG == 1:
             l_i = l_i + l_b
-        acc = lazy_rescale(acc, gl.convert_layout(beta, PV_ROW), LAZY)
+        acc = lazy_rescale(acc, gl.convert_layout(beta, PV_ROW), True)
         _zero_tail(lat_half.index(b1), n_b, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
         _stamp(tr, jt, 11, TRACE)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _stamp(tr, jt, 12, TRACE)
-        if not ROWS_AHEAD:
-            rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
-                                end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
                    tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
-                   gather, GATHER, GATHER_ONE)  # fmt: skip
+                   gather, GATHER)  # fmt: skip
         _stamp(tr, jt, 13, TRACE)
         m_i = m_b
 
@@ -605,12 +581,8 @@ def _mla_decode_sm90_kernel(
     P_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, BLOCK_N]
     WG_REGS: gl.constexpr,
     GATHER: gl.constexpr,  # rows by cp.async gather (`_gather_half`), not TMA boxes
-    GATHER_ONE: gl.constexpr,  # a gathered buffer in one copy (SM90_GATHER_ONE_COPY)
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
-    ROWS_AHEAD: gl.constexpr,  # the next pair's rows read at the top of a pair (SM90_ROWS_AHEAD)
-    LAZY: gl.constexpr,  # lazy running max, rescales skipped at factor 1 (SM90_LAZY_RESCALE)
-    MASK_LAST: gl.constexpr,  # only tiles past the split's end masked (SM90_MASK_LAST_ONLY)
     trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
     TRACE: gl.constexpr,
     STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
@@ -721,10 +693,10 @@ def _mla_decode_sm90_kernel(
         rows = rows_01[t]
         _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t),
                    latl_smem.index(t), pe_smem.index(t), False, (kv_ptr, stride_kv_row, end),
-                   GATHER, GATHER_ONE)  # fmt: skip
+                   GATHER)  # fmt: skip
         _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t + 1),
                    latr_smem.index(t), pe_smem.index(t), True, (kv_ptr, stride_kv_row, end),
-                   GATHER, GATHER_ONE)  # fmt: skip
+                   GATHER)  # fmt: skip
     ql_smem.index(0).store(ql)
     qr_smem.index(0).store(qr)
     fence_async_shared()  # the score MMAs read the query through the async proxy
@@ -743,12 +715,10 @@ def _mla_decode_sm90_kernel(
     # fmt: off
     gl.warp_specialize(
         [
-            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY, GATHER_ONE,
-                          MASK_LAST)),
-            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, ROWS_AHEAD,
-                          STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid), LAZY, GATHER_ONE,
-                          MASK_LAST)),
+            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, STORE_SMEM,
+                          OUT_VEC, TRACE, (trace_ptr, pid))),
+            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, STORE_SMEM,
+                          OUT_VEC, TRACE, (trace_ptr, pid))),
         ],
         [4],
         [WG_REGS],
@@ -776,25 +746,15 @@ def sm90_errors(
     rope = kv_cache.shape[2] - kv_lora_rank
     elem = kv_cache.element_size()
     smem = sm90_smem_bytes(kv_lora_rank, rope, elem)
-    gather = sm90_gathers(kv_cache, paged_slots)
-    allow = mla_policy.SM90_GATHER  # read at each planning (a cached plan keeps its launches)
     rules = [
         (target.arch == "sm_90", f"target {target.arch} is not sm_90"),
         (kv_cache.dtype in _GL_DTYPES, f"dtype {kv_cache.dtype} is not fp16/bf16"),
         ((block_h, block_n) == (BLOCK_H, BLOCK_N), f"tile H{block_h} N{block_n} is not H64 N64"),
-        (
-            allow or not paged_slots,
-            "page_indices (flat slots) instead of a block table (SM90_GATHER is off)",
-        ),
         (kv_lora_rank in (128, 256, 512), f"kv_lora_rank {kv_lora_rank} not in 128/256/512"),
         (rope in (16, 32, 64, 128), f"rope width {rope} not in 16..128 pow2"),
         (
             smem <= target.max_shared_mem,
             f"shared memory {smem} B > the target's {target.max_shared_mem}",
-        ),
-        (
-            allow or not gather or paged_slots,
-            f"block_size {kv_cache.shape[1]} % {BLOCK_N} != 0 (SM90_GATHER is off)",
         ),
         (
             kv_cache.stride(2) == 1
@@ -844,12 +804,8 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, half], dtype),
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
-        ROWS_AHEAD=mla_policy.SM90_ROWS_AHEAD,
-        LAZY=mla_policy.SM90_LAZY_RESCALE,
-        MASK_LAST=bool(mla_policy.SM90_MASK_LAST_ONLY),
-        GATHER_ONE=mla_policy.SM90_GATHER_ONE_COPY,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
-        STORE_SMEM=mla_policy.SM90_STORE_SMEM and kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
+        STORE_SMEM=kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
         # a placeholder pointer when off (never read)
         trace_ptr=TRACE_BUFFER if TRACE_BUFFER is not None else a["seq_lens_ptr"],
         TRACE=TRACE_BUFFER is not None,

@@ -125,26 +125,6 @@ TMA_MIN_CAPABILITY = 90
 #: 63.7 us (one split: 128 programs, one wave; two splits: 765.2 / 218.1 / 82.4 us). Its seesaw
 #: schedule (332b8e9): 549.6 / 145.0 / 55.6 us, one split still best (x2: 599.3 / 182.4 / 82.3).
 SM90_KERNEL_ARCHS = ("sm_90",)
-#: The Hopper kernel also takes caches whose rows are not 64 consecutive rows of one page
-#: (``page_indices``, i.e. speculative decoding's page size 1, and block tables of pages that
-#: are not a multiple of 64 tokens): it gathers each tile's rows by ``cp.async`` into the same
-#: shared buffers (`portattn.kernels.mla_decode_sm90`, ``GATHER``). Off: those launches run the
-#: portable kernel, as before (issue 18: 128 heads, 4k, page 1 344 us against 155 us at 64).
-SM90_GATHER = True
-#: The gather copies each tile buffer (a latent half, the rope part) in one ``cp.async`` op, not
-#: one op per 64-column block: Triton's barrier analysis put a ``bar.sync`` between any two copies
-#: into one buffer (3-4 a tile half, in the issuing warpgroup's chain); one op has none. Measured
-#: on an H200 (bench/RESULTS.md, tenth session, calls 2-3; medians of three in turns, on / off,
-#: both orders): 128 heads page 1 16k 551.8 / 631.1 and 545.9 / 633.3 us, 4k 142.2 / 145.7 and
-#: 141.8 / 145.9 us (page 64 unchanged). Read at planning.
-SM90_GATHER_ONE_COPY = True
-#: Below 64 heads, 16-bit launches whose rows are gathered (`MlaProblem.gathers`) take the wide
-#: tile too, so the sm_90 kernel runs them (its rows padded to 64): its ``cp.async`` gather keeps
-#: more bytes in flight than the narrow tile's loads. Measured on an H200 (bench/RESULTS.md, tenth
-#: session, call 6; 16 heads, batch 64, graph us): page 1 4k 92.1 against the narrow tile's
-#: 101.2, 16k 322.8 against 367.5 (page 64 by TMA: narrow 85.2 / 308.0, wide 87.4 / 301.6, so
-#: 64-row pages keep the narrow tile). Not measured on an H100. Read at planning.
-SM90_GATHER_WIDE = True
 #: The sm_90 kernel's KV tile: pages of a multiple of it are copied by TMA boxes, others gathered.
 SM90_BLOCK_N = 64
 
@@ -157,47 +137,9 @@ def sm90_gathers(page_size: int, page_indices: bool) -> bool:
     return page_indices or page_size % SM90_BLOCK_N != 0
 
 
-#: The Hopper kernel reads the next pair's rows (block-table entries, or the gathered rows'
-#: ``page_indices`` / block-table slots) at the top of each pair, so that the read's latency runs
-#: under the pair's MMAs; off, each is read just before its tile's copy is issued, between the
-#: two PV MMAs (a page-size-1 table is read once, each read a DRAM miss). Read at planning.
-SM90_ROWS_AHEAD = True
-#: The Hopper kernel keeps a lazy running max (it moves only when a row's tile max exceeds it by
-#: more than 8 in log2 units, so P <= 256; exact) and skips a thread's accumulator rescale (128
-#: multiplies) when its factors are exactly 1, which they then almost always are. Each warpgroup
-#: rescales twice a pair, in its serial chain. Measured on an H100 (bench/RESULTS.md, ninth
-#: session, calls 8-9; medians of three in turns, on / off, both orders): 128 heads page 64 4k
-#: 138.4 / 141.0 and 136.7 / 140.0 us, 16k 524.8 / 543.7 and 504.4 / 536.5 us; page 1 16k 656.5 /
-#: 685.1 and 665.7 / 700.8; verification at most 1.295x roofline on, 1.307-1.387 off. Read at
-#: planning.
-SM90_LAZY_RESCALE = True
-#: The Hopper kernel masks only the tiles that reach past their split's end (one scalar test a
-#: tile): a full tile's scores skip the 16 column compares and 32 selects a thread, about 64
-#: instructions before each warpgroup's row max, in its serial chain. Measured on an H200
-#: (bench/RESULTS.md, fifteenth session, calls 1-2; `bench/ab_mla.py`, medians of five rounds in
-#: turns, the ratio to the switch off taken round by round): 128 heads page 64 16k 0.964 and
-#: 0.979, 4k 0.988 and 0.979; page 1 16k 0.985 and 0.991, 4k 1.001 and 1.012. Packed tiles keep
-#: their per-row causal masks. Read at planning.
-SM90_MASK_LAST_ONLY = True
-#: The Hopper kernel writes its output through shared memory (each warpgroup's half into a tile
-#: buffer its MMAs no longer read, then 16-byte stores, a warp per row), not straight from the
-#: MMA accumulator's layout (4-byte stores scattered over 8 rows a warp instruction).
-#: bench/trace_mla.py (H100, 128 heads, 4k; bench/RESULTS.md 2026-11-26 third session): 4.1k
-#: cycles from the row sums to the stores' end against 13.2k off (20-22k before the stores were
-#: vectorized in both warpgroups, ``OUT_VEC``); 128 heads 4k 147.4 -> 143.2 us, verification
-#: 16 heads q8 146.7 -> 140.4 us. Read at planning.
-SM90_STORE_SMEM = True
 #: The latent ranks it is taken at: those a GPU ran it at (its read-back layout depends on the
 #: half width); the others write straight from the accumulators.
 SM90_STORE_SMEM_RANKS = (512,)
-#: Verification row packing (issue 18; the switch: False turns it off everywhere). A packed tile's
-#: row ``r`` is (query token ``r // num_heads``, head ``r % num_heads``) of ONE sequence, so the
-#: ``q_len`` tokens of a sequence read its latent cache once per tile instead of once per token;
-#: each row keeps its own causal limit. Taken on `PACK_ARCHS` for 16-bit caches with fewer heads
-#: than the wide tile (``num_heads < WIDE_BLOCK_H``: at 64 or 128 heads a token already fills the
-#: 64-row tile, so packing would change nothing but the program order) when the longest query
-#: fills at least `PACK_MIN_ROWS` rows. Unmeasured (bench/NOTES.md, issue 18, row packing).
-PACK_QUERY_ROWS = True
 #: Where packing runs: the Hopper kernel's 64-row tile (the portable kernel runs packed tiles too,
 #: e.g. where `sm90_errors` refuses a cache, but has no measurement of its own).
 PACK_ARCHS = SM90_KERNEL_ARCHS
@@ -426,8 +368,7 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     choice = None
     # Row packing (PACK_QUERY_ROWS): a sequence's query tokens share the wide tile's rows.
     pack = (
-        PACK_QUERY_ROWS
-        and target.arch in PACK_ARCHS
+        target.arch in PACK_ARCHS
         and elem == 2
         and block_dv <= 512
         and problem.max_query_len > 1
@@ -435,12 +376,7 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         and problem.max_query_len * problem.num_heads >= PACK_MIN_ROWS
     )
     gather_wide = (
-        SM90_GATHER_WIDE
-        and SM90_GATHER
-        and problem.gathers
-        and target.arch in SM90_KERNEL_ARCHS
-        and elem == 2
-        and block_dv <= 512
+        problem.gathers and target.arch in SM90_KERNEL_ARCHS and elem == 2 and block_dv <= 512
     )
     wide = problem.num_heads >= WIDE_BLOCK_H or pack or gather_wide
     if target.arch in WIDE_ARCHS and wide and not fp32:
