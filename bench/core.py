@@ -148,10 +148,11 @@ class Context:
         return statistics.median(times), how
 
     def read_ceiling(self, nbytes: int) -> dict:
-        """The card's read bandwidth on ``nbytes`` (at least 1 MB): a Triton kernel streaming an
+        """The card's read bandwidth on ``nbytes`` (1 MB to 4 GB): a Triton kernel streaming an
         int32 buffer of that size once, summing per program (checked exactly), as an anchor
         with the same bytes' time and GB/s."""
-        n = max(nbytes, 1 << 20) // 4
+        # at least 1 MB; at most 4 GB (the kernel's int32 offsets; the rate is flat long before)
+        n = min(max(nbytes, 1 << 20), 1 << 32) // 4
         if n not in self._ceilings:
             block = 8192
             x = torch.randint(-8, 8, (n,), dtype=torch.int32, device=self.device)

@@ -83,7 +83,10 @@ def _check(b: inputs.MlaBatch, out: torch.Tensor, scale: float, n: int = 2) -> d
 
     rows_n = n * b.q_len
     qsl = None if b.query_start_loc is None else b.query_start_loc[: n + 1]
-    sub = (b.query[:rows_n], b.kv_cache, b.block_table[:n], b.seq_lens[:n])
+    # only these sequences' pages, renumbered: the oracle copies its cache to the host
+    blocks = b.block_table[:n]
+    table = torch.arange(blocks.numel(), dtype=torch.int32, device=blocks.device).view(n, -1)
+    sub = (b.query[:rows_n], b.kv_cache[blocks.flatten().long()], table, b.seq_lens[:n])
     oracle, _ = reference.mla_decode(*sub, kv_lora_rank=RANK, scale=scale, query_start_loc=qsl)
     lowp, _ = reference.mla_decode(*sub, kv_lora_rank=RANK, scale=scale, query_start_loc=qsl,
                                    compute_dtype=DTYPE)  # fmt: skip
