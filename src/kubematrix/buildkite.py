@@ -15,6 +15,9 @@ to ``buildkite-agent pipeline upload``. What it uploads, built by :func:`generat
   on the agent-stack-k8s queue with the ``kubernetes`` plugin, whose ``podSpec`` is rendered from
   the same ``k8s/`` templates the launcher and ``kubectl apply -k`` use (``lanes="k8s"``); the
   image step builds with docker on a docker-capable queue, or with rootless BuildKit in a pod;
+- on agent queues, each GPU cell's Triton cache kept between builds by the ``cache`` plugin,
+  keyed by the cell, the image's Triton pin and its content key (:func:`cache_plugin`); in the
+  k8s lane the cluster's Redis (``k8s/cache``) plays that part;
 - selection by changed files: a cell none of whose paths changed is not dropped but put behind
   its own block step ("Run ..."), one click away, with the build staying green while it waits;
 - a final step, after every selected cell whatever its outcome, that annotates the build with the
@@ -60,6 +63,17 @@ IMAGE_TIMEOUT_MINUTES = 120  # a cold environment builds the Mamba extensions fo
 # The cell's writable places under the docker plugin (the image's HOME is for uid 10001; the step
 # runs as the agent's uid so that it can write results into the checkout).
 _DOCKER_HOME = "/tmp/portattn-home"
+# Where the docker plugin mounts the checkout in the container (set explicitly, not left to the
+# plugin's default, because the Triton cache's path inside the container depends on it).
+DOCKER_WORKDIR = "/workdir"
+
+# The agent-queue lane keeps each GPU cell's Triton cache between builds with Buildkite's cache
+# plugin: the folder under the checkout is restored before the docker run and saved after a
+# passing one. Its backend: fs (the agent host's disk), s3, gcs or azure (shared by all hosts,
+# configured by the plugin's own BUILDKITE_PLUGIN_<BACKEND>_CACHE_* variables); "none": not kept.
+CACHE_PLUGIN = "cache#v1.10.0"
+CACHE_BACKEND_ENV, DEFAULT_CACHE_BACKEND = "KUBEMATRIX_CACHE_BACKEND", "fs"
+TRITON_CACHE_FOLDER = ".triton-cache"
 
 # Retried automatically: failures of the machine, never of the code under test.
 INFRA_RETRY: tuple[dict[str, Any], ...] = (
@@ -187,16 +201,71 @@ def _builder_pod(command: str) -> dict[str, Any]:
     }
 
 
+def triton_cache_path(cell: Cell) -> str:
+    """The cell's Triton cache folder, relative to the checkout (one per cell, so that cells
+    running at once never save over each other's)."""
+    return f"{TRITON_CACHE_FOLDER}/{cell.name}"
+
+
+def cache_plugin(cell: Cell, *, root: str = ".") -> dict[str, Any] | None:
+    """The ``cache`` plugin that keeps a GPU cell's Triton cache between builds on its agent
+    queue, or ``None`` when ``$KUBEMATRIX_CACHE_BACKEND`` is ``none``.
+
+    The key is the cell, the Triton version its image pins and the image's content key
+    (:func:`images.content_key`): a new Triton or a new environment starts a new cache, and
+    Triton's own cache key (its version, the kernel source, the target, the options) keeps a
+    restored kernel from being used for anything it was not compiled for. The manifest, the
+    files the content key hashes, keys the cache by them too where ``key-extra`` is not read.
+    The plugin saves after every passing run (``force``), so the folder follows kernel edits;
+    a failing cache operation only warns (``soft-fail``): the verdict never depends on it.
+
+    Raises:
+        ValueError: the cell is not a GPU cell, or the backend is not a name.
+    """
+    vendor = cell.spec.vendor
+    if vendor is None:
+        raise ValueError(f"cache_plugin: cell must be a GPU cell; got {cell.name!r}")
+    backend = os.environ.get(CACHE_BACKEND_ENV, DEFAULT_CACHE_BACKEND).strip()
+    if backend == "none":
+        return None
+    if not backend.isidentifier():
+        raise ValueError(
+            f"{CACHE_BACKEND_ENV} must be fs, s3, gcs, azure, another backend's name or none; "
+            f"got {backend!r}"
+        )
+    spec = images.get_image(vendor)
+    triton = images.pinned_version(vendor, "triton", root)
+    key = images.content_key(vendor, root)
+    return {
+        CACHE_PLUGIN: {
+            "backend": backend,
+            "path": triton_cache_path(cell),
+            "manifest": [*spec.inputs, "pyproject.toml"],
+            "key-extra": f"{cell.name}-triton-{triton}-{vendor}-{key}",
+            "restore": "file",
+            "save": "file",
+            "force": True,
+            "compression": "tgz",
+            "soft-fail": True,
+        }
+    }
+
+
 def docker_plugin(cell: Cell, image: str) -> dict[str, Any]:
     """The ``docker`` plugin that runs a GPU cell's step in its image on an agent-queue host:
-    the checkout mounted as the working directory, the vendor's devices, the cell's env."""
+    the checkout mounted as the working directory, the vendor's devices, the cell's env, and
+    Triton's cache in the checkout (where the cache plugin restores and saves it)."""
     opts: dict[str, Any] = {
         "image": image,
         "always-pull": True,
         "propagate-environment": True,
         "propagate-uid-gid": True,
+        "workdir": DOCKER_WORKDIR,
         "shm-size": "8g",
-        "environment": [f"HOME={_DOCKER_HOME}", f"TRITON_CACHE_DIR={_DOCKER_HOME}/.triton"],
+        "environment": [
+            f"HOME={_DOCKER_HOME}",
+            f"TRITON_CACHE_DIR={DOCKER_WORKDIR}/{triton_cache_path(cell)}",
+        ],
     }
     if cell.spec.vendor == "cuda":
         opts["gpus"] = "all"
@@ -253,8 +322,10 @@ def cell_step(
     commit: str | None = None,
     depends_on: Sequence[str] = (),
     results_dir: str = RESULTS_DIR,
+    root: str = ".",
 ) -> dict[str, Any]:
-    """The command step of one cell."""
+    """The command step of one cell (``root``: the checkout whose image inputs key the GPU
+    cells' Triton caches)."""
     if lanes not in LANES:
         raise ValueError(f"cell_step: lanes must be one of {LANES}; got {lanes!r}")
     command = cell.nox_command(results_dir)
@@ -286,7 +357,9 @@ def cell_step(
             step["plugins"] = [{"kubernetes": {"podSpec": pod}}]
         else:
             step["agents"] = {"queue": cell.spec.queue}
-            step["plugins"] = [docker_plugin(cell, image)]
+            cache = cache_plugin(cell, root=root)
+            # The cache plugin first: its restore runs before the docker run, its save after.
+            step["plugins"] = [*([cache] if cache else []), docker_plugin(cell, image)]
     else:
         step["agents"] = {"queue": cell.spec.queue}
     if cell.experimental:
@@ -374,7 +447,9 @@ def generate(
         steps: list[dict[str, Any]] = []
         for cell in (c for c in cells if c.backend == backend.name):
             if cell in selected:
-                steps.append(cell_step(cell, lanes=lanes, commit=commit, results_dir=results_dir))
+                steps.append(
+                    cell_step(cell, lanes=lanes, commit=commit, results_dir=results_dir, root=root)
+                )
             else:
                 gate = block_step(cell)
                 steps.append(gate)
@@ -385,6 +460,7 @@ def generate(
                         commit=commit,
                         results_dir=results_dir,
                         depends_on=[gate["key"]],
+                        root=root,
                     )
                 )
         if steps:

@@ -119,6 +119,21 @@ def content_key(vendor: str, root: str | os.PathLike[str] = ".") -> str:
     return digest.hexdigest()[:KEY_LENGTH]
 
 
+def pinned_version(vendor: str, package: str, root: str | os.PathLike[str] = ".") -> str:
+    """The version ``constraints/<vendor>.txt`` pins ``package`` to (``triton`` -> ``3.6.0``).
+
+    Raises:
+        ValueError: the constraints file does not pin ``package`` with ``==`` (named).
+    """
+    path = Path(root) / get_image(vendor).constraints
+    pattern = re.compile(rf"^\s*{re.escape(package)}\s*==\s*([^\s;#]+)", re.IGNORECASE)
+    for line in path.read_text().splitlines():
+        match = pattern.match(line)
+        if match:
+            return match.group(1)
+    raise ValueError(f"pinned_version: {path} must pin {package} with '=='; it does not")
+
+
 def env_image(vendor: str, key: str, reg: str | None = None) -> str:
     return f"{reg or registry()}/{ENV_REPOSITORY}:{get_image(vendor).vendor}-{key}"
 

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import yaml
 
-from kubematrix import buildkite
+from kubematrix import buildkite, images
 from kubematrix.__main__ import main
 from kubematrix.matrix import all_cells, get_cell
 
@@ -143,13 +143,21 @@ def test_cuda_and_rocm_lanes_come_from_one_definition(lanes):
         cuda = _normalised(steps[f"{suite}-cuda-sm_90"], "cuda", "sm_90")
         rocm = _normalised(steps[f"{suite}-rocm-gfx942"], "rocm", "gfx942")
         # The pods and docker runs differ where the vendors do (devices, overlays).
-        plugins = [s.pop("plugins")[0] for s in (cuda, rocm)]
+        plugins = [s.pop("plugins")[-1] for s in (cuda, rocm)]
         if lanes == "k8s":
             pods = [p["kubernetes"]["podSpec"] for p in plugins]
             assert pods[0]["containers"][0]["args"] == pods[1]["containers"][0]["args"]
         else:
             runs = [p[buildkite.DOCKER_PLUGIN] for p in plugins]
             assert runs[0]["gpus"] == "all" and runs[1]["devices"] == ["/dev/kfd", "/dev/dri"]
+            # The caches differ only in the cell and the image they are keyed by.
+            a, b = (
+                dict(steps[f"{suite}-{lane}"]["plugins"][0][buildkite.CACHE_PLUGIN])
+                for lane in ("cuda-sm_90", "rocm-gfx942")
+            )
+            for opts in (a, b):
+                del opts["path"], opts["key-extra"], opts["manifest"]
+            assert a == b
         assert cuda == rocm
 
 
@@ -197,7 +205,8 @@ def test_lanes_queues_and_k8s():
     assert queues["mla-cuda-sm_90"]["agents"] == {"queue": "gpu-cuda"}
     assert queues["mla-rocm-gfx942"]["agents"] == {"queue": "gpu-rocm"}
     # On agent queues a GPU cell runs in its commit's image through the docker plugin.
-    (plugin,) = queues["mla-rocm-gfx942"]["plugins"]
+    (cache, plugin) = queues["mla-rocm-gfx942"]["plugins"]
+    assert buildkite.CACHE_PLUGIN in cache
     assert plugin[buildkite.DOCKER_PLUGIN]["image"].startswith("ghcr.io/portattn/portattn-ci:rocm-")
     assert queues["image-rocm"]["agents"] == {"queue": buildkite.DEFAULT_IMAGE_QUEUE}
     assert "plugins" not in queues["mla-cpu-interpreter"]
@@ -208,6 +217,66 @@ def test_lanes_queues_and_k8s():
         ValueError, match=r"generate: lanes must be one of \('queues', 'k8s'\); got 'ssh'"
     ):
         buildkite.generate(lanes="ssh")
+
+
+def test_agent_queue_gpu_cells_keep_their_triton_cache_keyed_by_triton_and_the_image(
+    monkeypatch,
+):
+    monkeypatch.delenv(buildkite.CACHE_BACKEND_ENV, raising=False)
+    steps = by_key(buildkite.generate(lanes="queues"))
+    for cell in (c for c in all_cells() if c.spec.is_gpu):
+        vendor = cell.spec.vendor
+        cache, docker = steps[cell.name]["plugins"]  # restore before the docker run, save after
+        opts = cache[buildkite.CACHE_PLUGIN]
+        triton = images.pinned_version(vendor, "triton", ROOT)
+        key = images.content_key(vendor, ROOT)
+        assert opts["key-extra"] == f"{cell.name}-triton-{triton}-{vendor}-{key}"
+        assert (opts["restore"], opts["save"], opts["backend"]) == ("file", "file", "fs")
+        assert opts["force"] is True and opts["soft-fail"] is True  # fresh, and never fatal
+        # The manifest is what the content key hashes: it exists in every checkout.
+        assert set(images.get_image(vendor).inputs) < set(opts["manifest"])
+        assert all((ROOT / f).is_file() for f in opts["manifest"])
+        # Triton inside the container compiles into the folder the plugin saves.
+        run = docker[buildkite.DOCKER_PLUGIN]
+        assert run["workdir"] == buildkite.DOCKER_WORKDIR
+        assert f"TRITON_CACHE_DIR={run['workdir']}/{opts['path']}" in run["environment"]
+        assert opts["path"] == f".triton-cache/{cell.name}"
+    # One folder (and key) per cell: cells running at once never save over each other.
+    paths = [
+        s["plugins"][0][buildkite.CACHE_PLUGIN]["path"]
+        for s in steps.values()
+        if s.get("plugins") and buildkite.CACHE_PLUGIN in s["plugins"][0]
+    ]
+    assert len(paths) == len(set(paths)) == sum(1 for c in all_cells() if c.spec.is_gpu)
+    # The k8s lane keeps its cache in the cluster's Redis; CPU cells use no plugin.
+    k8s = by_key(buildkite.generate(lanes="k8s", commit=COMMIT))
+    assert [list(p) for p in k8s["mla-cuda-sm_90"]["plugins"]] == [["kubernetes"]]
+    assert "plugins" not in steps["compile-cpu-interpreter"]
+
+
+def test_the_cache_backend_is_one_setting_and_none_turns_the_plugin_off(monkeypatch):
+    monkeypatch.setenv(buildkite.CACHE_BACKEND_ENV, "s3")
+    (cache, _) = by_key(buildkite.generate(lanes="queues"))["paged-cuda-sm_90"]["plugins"]
+    assert cache[buildkite.CACHE_PLUGIN]["backend"] == "s3"
+    monkeypatch.setenv(buildkite.CACHE_BACKEND_ENV, "none")
+    (docker,) = by_key(buildkite.generate(lanes="queues"))["paged-cuda-sm_90"]["plugins"]
+    assert buildkite.DOCKER_PLUGIN in docker
+    monkeypatch.setenv(buildkite.CACHE_BACKEND_ENV, "s3 --bucket x")
+    with pytest.raises(ValueError, match="KUBEMATRIX_CACHE_BACKEND must be fs, s3, gcs, azure"):
+        buildkite.generate(lanes="queues")
+
+
+def test_a_cpu_cell_has_no_image_cache():
+    with pytest.raises(ValueError, match="cache_plugin: cell must be a GPU cell; got 'mla-cpu"):
+        buildkite.cache_plugin(get_cell("mla-cpu-interpreter"))
+
+
+def test_the_triton_pin_is_read_from_the_constraints_and_its_absence_named(tmp_path):
+    assert images.pinned_version("cuda", "triton", ROOT) == "3.6.0"
+    (tmp_path / "constraints").mkdir()
+    (tmp_path / "constraints" / "rocm.txt").write_text("# pins\ntorch==2.10.0\ntriton>=3.6\n")
+    with pytest.raises(ValueError, match=r"constraints/rocm.txt must pin triton with '=='"):
+        images.pinned_version("rocm", "triton", tmp_path)
 
 
 # -- selection by changed files ----------------------------------------------------------------
