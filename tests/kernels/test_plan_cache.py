@@ -38,7 +38,6 @@ from portattn.kernels.paged_attention import paged_attention, plan_paged_attenti
 from portattn.layout import empty_kv_cache
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import get_target, set_target_override, target_override
-from portattn.policy import mla as mla_policy
 from tests.kernels.test_mla_decode import make_inputs
 from tests.kernels.test_paged_attention import check, make_batch
 
@@ -164,16 +163,15 @@ def test_sm90_prefill_plan_rebuilds_the_query_descriptor():
     _assert_same_plan(bound, fresh, inputs)
 
 
-def _mla_call(
-    seed, device="cpu", *, heads=16, metadata=False, page_indices=False, out=False, lse=False
-):
+def _mla_call(seed, device="cpu", *, heads=16, metadata=False, page_indices=False, out=False,
+              lse=False, arch="sm_90"):  # fmt: skip
     dk, r, bs = 320, 256, 64
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, (1, 3), (200, 90), torch.float16, "cpu",
                                         seed=seed)  # fmt: skip
     if device == "meta":
         q, cache, bt, sl, qsl = (t.to("meta") for t in (q, cache, bt, sl, qsl))
     md = None
-    target = get_target("sm_90")
+    target = get_target(arch)
     if metadata:
         builder = MlaMetadataBuilder(target, max_batch=4, num_heads=heads, kv_lora_rank=r,
                                      head_dim_k=dk, dtype=q.dtype, device=device,
@@ -203,7 +201,9 @@ def _mla_call(
         dict(),
         dict(metadata=True, lse=True),
         dict(page_indices=True, out=True),
-        dict(device="meta"),  # bulk-copy tiles: Triton's TMA descriptors are rebuilt
+        # bulk-copy tiles: Triton's TMA descriptors are rebuilt (sm_100: 16 heads x 3 tokens
+        # would pack into sm_90's 64-row tile)
+        dict(device="meta", arch="sm_100"),
         dict(device="meta", heads=64),  # sm_90's Gluon kernel, its own descriptors
         dict(device="meta", heads=64, metadata=True, lse=True),
         dict(device="meta", packed=True),  # 3 tokens x 16 heads packed: sm_90's Gluon kernel
@@ -213,12 +213,8 @@ def _mla_call(
         "meta_sm90_packed",
     ],
 )  # fmt: skip
-def test_mla_plan_replays_exactly(kw, monkeypatch):
+def test_mla_plan_replays_exactly(kw):
     packed = kw.pop("packed", False)
-    if kw.get("device") == "meta" and not packed:
-        # 16 heads x 3 tokens would pack into sm_90's 64-row tile; meta_tma is the portable
-        # kernel's bulk copies
-        monkeypatch.setattr(mla_policy, "PACK_QUERY_ROWS", False)
     bound, fresh, inputs = _replayed(plan_mla_decode, _mla_call(0, **kw), _mla_call(1, **kw))
     if kw.get("device") == "meta":
         want = "mla_decode_sm90" if kw.get("heads") == 64 or packed else "mla_decode"
@@ -284,11 +280,11 @@ class _StandIn:
         self.packed_metadata = (4, 1, 1024)
 
 
-def _direct_vs_triton(call_a, call_b, plan_fn, monkeypatch, pointer_ints):
+def _direct_vs_triton(call_a, call_b, plan_fn, monkeypatch):
     """Plan of call A run for call B's inputs twice, each time into the recorder where Triton's C
     launcher would be: directly (`_DirectLaunch`) and through `CompiledKernel.run` (Triton's
     `CudaLauncher`), on the same buffers and stream; the two calls must be equal, tensors as
-    their addresses where `POINTER_INTS`. (`Plan.bind` == a fresh plan is checked above.)"""
+    their addresses in the direct one. (`Plan.bind` == a fresh plan is checked above.)"""
     inputs_a, launches_a = call_a(plan_fn)
     inputs_b, launches_b = call_b(plan_fn)
     assert describe(inputs_a) == describe(inputs_b)
@@ -300,7 +296,6 @@ def _direct_vs_triton(call_a, call_b, plan_fn, monkeypatch, pointer_ints):
     allocs = plan._allocate()
     monkeypatch.setattr(plan, "_allocate", lambda: allocs)
     monkeypatch.setattr(_plans._Bound, "stream", lambda device: 777)
-    monkeypatch.setattr(_plans, "POINTER_INTS", pointer_ints)
     outs_direct = plan.run(inputs_b)
     direct, recorder.calls = recorder.calls, []
     # the addresses a probe read, handed over: the same argument lists
@@ -308,8 +303,7 @@ def _direct_vs_triton(call_a, call_b, plan_fn, monkeypatch, pointer_ints):
     assert all(a is b for a, b in zip(plan.run(inputs_b, ptrs), outs_direct, strict=True))
     assert recorder.calls == direct
     recorder.calls = []
-    monkeypatch.setattr(_plans, "DIRECT", False)
-    outs_triton = plan.run(inputs_b)
+    outs_triton = plan._run_compiled(inputs_b, allocs)
     triton_calls = recorder.calls
     assert all(a is b for a, b in zip(outs_direct, outs_triton, strict=True))
     assert len(direct) == len(triton_calls) == len(launches_a)
@@ -320,18 +314,15 @@ def _direct_vs_triton(call_a, call_b, plan_fn, monkeypatch, pointer_ints):
             if isinstance(b, torch.Tensor):
                 if b.numel() == 0:  # a zero-size placeholder: a constant of the plan
                     assert a is b, i
-                elif pointer_ints:
-                    assert type(a) is int and a == b.data_ptr(), i
                 else:
-                    assert a is b, i
+                    assert type(a) is int and a == b.data_ptr(), i
             else:
                 assert type(a) is type(b) and a == b, f"{i}: {a!r} != {b!r}"
     return direct
 
 
-@pytest.mark.parametrize("pointer_ints", [True, False], ids=["ints", "tensors"])
 @pytest.mark.parametrize("case", ["nhd", "out", "split", "shuffle"])
-def test_paged_direct_launch_equals_triton(case, pointer_ints, monkeypatch):
+def test_paged_direct_launch_equals_triton(case, monkeypatch):
     if case == "split":
         kw = dict(max_query_len=1, max_seq_len=1 << 16)
 
@@ -346,7 +337,7 @@ def test_paged_direct_launch_equals_triton(case, pointer_ints, monkeypatch):
             max_query_len=4, out=case == "out", layout="SHUFFLE" if case == "shuffle" else "NHD"
         )
         a, b = _paged_call(0, **kw), _paged_call(1, **kw)
-    calls = _direct_vs_triton(a, b, plan_paged_attention, monkeypatch, pointer_ints)
+    calls = _direct_vs_triton(a, b, plan_paged_attention, monkeypatch)
     assert len(calls) == (2 if case == "split" else 1)  # split-KV: the reduce launched directly too
 
 
@@ -361,7 +352,7 @@ def test_paged_direct_launch_equals_triton(case, pointer_ints, monkeypatch):
     ids=["metadata_lse", "pages_out", "meta_tma", "meta_sm90_md"],
 )
 def test_mla_direct_launch_equals_triton(kw, monkeypatch):
-    _direct_vs_triton(_mla_call(0, **kw), _mla_call(1, **kw), plan_mla_decode, monkeypatch, True)
+    _direct_vs_triton(_mla_call(0, **kw), _mla_call(1, **kw), plan_mla_decode, monkeypatch)
 
 
 def test_direct_launch_refuses_other_launchers():
@@ -568,8 +559,9 @@ def test_plan_cache_hit_only_runs_replayable_plans():
     assert cache.hit(("k",), ()) == () and cache.hits == 1  # an empty plan: nothing launched
     cache._plans[("u",)] = None  # known not to be replayable: the caller plans afresh
     assert cache.hit(("u",), ()) is None and cache.hits == 1
-    cache.enabled = False
-    assert cache.hit(("k",), ()) is None
+    off = PlanCache(enabled=False)
+    off.call(("k",), (), lambda: [])
+    assert off.hit(("k",), ()) is None and len(off) == 0
 
 
 def _meta_mla(max_seq_len, seqs=4):
@@ -603,7 +595,7 @@ def no_launch(monkeypatch):
 
 
 @pytest.mark.parametrize("max_seq_len", [256, 4096], ids=["one_split", "split"])
-def test_mla_metadata_hits_by_value(max_seq_len, no_launch, monkeypatch):
+def test_mla_metadata_hits_by_value(max_seq_len, no_launch):
     call, build = _meta_mla(max_seq_len)
     md = build()
     split = md.tiles.num_kv_splits > 1
@@ -622,11 +614,6 @@ def test_mla_metadata_hits_by_value(max_seq_len, no_launch, monkeypatch):
     assert _metadata_key(md3)[0] != exact
     call(md3, 3)
     assert (PLANS.hits, PLANS.misses) == (2, 2)
-    monkeypatch.setattr(mla_module, "OMIT_UNREAD_WORKSPACES", False)  # the switch: described
-    assert _metadata_key(md) == (exact, md.partial_out, md.partial_lse)
-    call(md)
-    assert (PLANS.hits, PLANS.misses) == ((3, 2) if split else (2, 3))
-    monkeypatch.setattr(mla_module, "OMIT_UNREAD_WORKSPACES", True)
     # the same values with other tiles (a 2-split variant): a miss, and its own workspaces
     tiles = dataclasses.replace(md.tiles, num_kv_splits=2 if not split else 1)
     md4 = dataclasses.replace(md, tiles=tiles)
@@ -737,13 +724,11 @@ def test_gpu_mla_decode_cached_calls(form, heads):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pointer_ints", [True, False], ids=["ints", "tensors"])
-def test_gpu_hits_launch_directly(pointer_ints, monkeypatch):
+def test_gpu_hits_launch_directly():
     """On NVIDIA a hit's launches (split-KV reduce included) go through `_DirectLaunch`: a
     silent fallback to `CompiledKernel.run` would cost host time, not correctness."""
     if getattr(torch.version, "hip", None):
         pytest.skip("HIP plans launch through CompiledKernel.run")
-    monkeypatch.setattr(_plans, "POINTER_INTS", pointer_ints)
     PLANS.clear()
     for seed in range(3):
         b = make_batch(((3000, 1),), block_size=16, heads=(8, 2), head_dim=64,
@@ -875,13 +860,9 @@ def test_probe_fits_only_the_same_description():
     # fewer tensors under the same guard (an op's mistake): the count is part of the entry
     assert cache.probe((guard, _plans.present((a, None, b))[0]), (a,), (a, None, b)) is None
     assert cache.hits == 1
-    for switch in ("GUARDS", "enabled"):
-        owner = _plans if switch == "GUARDS" else cache
-        setattr(owner, switch, False)
-        try:
-            assert _probe(cache, guard, (a, None, b)) is None, switch
-        finally:
-            setattr(owner, switch, True)
+    for off in (PlanCache(guards=False), PlanCache(enabled=False)):
+        _keep(off, guard, (a, None, b), _Marker("plan"))
+        assert _probe(off, guard, (a, None, b)) is None
     assert _probe(cache, guard, (a, None, b)) == "plan"
     cache.clear()
     assert _probe(cache, guard, (a, None, b)) is None
@@ -1084,7 +1065,8 @@ def test_a_tensor_passed_twice_is_not_planned(no_launch):
 
 
 def test_fast_allocations_equal_torch_empty(monkeypatch):
-    """`FAST_EMPTY`: a buffer from torch's C allocation is what `torch.empty` gives."""
+    """A buffer from torch's C allocation is what `torch.empty` gives; where the C function
+    gives something else, `torch.empty` is kept."""
     assert "cpu" in _plans._FAST_EMPTY  # this torch has it: the CPU route below is the fast one
     for shape in [(), (0, 3), (2, 3), (4, 1, 5, 2)]:
         for dtype in (torch.float32, torch.bfloat16, torch.int32):
@@ -1096,9 +1078,6 @@ def test_fast_allocations_equal_torch_empty(monkeypatch):
             )  # fmt: skip
             assert alloc().data_ptr() != a.data_ptr() or a.numel() == 0  # a new buffer each
     assert _plans._empty((2, 3), torch.int32, torch.device("meta")).func is torch.empty
-    monkeypatch.setattr(_plans, "FAST_EMPTY", False)
-    assert _plans._empty((2, 3), torch.int32, torch.device("cpu")).func is torch.empty
-    monkeypatch.setattr(_plans, "FAST_EMPTY", True)
     monkeypatch.setitem(_plans._FAST_EMPTY, "cpu", lambda *a: torch.empty(3))  # not the same
     assert _plans._empty((2, 3), torch.int32, torch.device("cpu")).func is torch.empty
 
@@ -1145,3 +1124,16 @@ def test_gpu_probe_hits_run_correctly(monkeypatch):
     misses = PLANS.misses
     check(b, paged_attention(*b.args(), max_query_len=4))
     assert len(keys) == 1 and PLANS.misses == misses + 1
+
+
+def test_guards_follow_the_torch_build(monkeypatch):
+    """The probe's guards are on where torch has dynamo's C guards, and cannot be asked for
+    where it has not (a torch without them: every call builds its key)."""
+    assert PlanCache().guarded(("op",), ()) is None
+    monkeypatch.setattr(_plans, "_TensorGuards", None)
+    cache = PlanCache()
+    a = torch.empty(4)
+    _keep(cache, ("op",), (a,), _Marker("plan"))
+    assert _probe(cache, ("op",), (a,)) is None
+    with pytest.raises(ValueError, match="PlanCache: guards must be False on a torch without"):
+        PlanCache(guards=True)

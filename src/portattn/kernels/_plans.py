@@ -27,15 +27,17 @@ is a function of the description too (alignment is in it, the integers come from
 strides and scalars), so the kernel the first call compiled is the one Triton would pick again,
 and a hit launches it directly, skipping `JITFunction.run`'s binder and cache lookup: on NVIDIA
 through Triton's C launcher with an argument list built at plan time (`_DirectLaunch`; tensors
-passed as their addresses, `POINTER_INTS`), elsewhere (or with a launch hook registered, or
-``DIRECT = False``) through `CompiledKernel.run`. Under Triton's interpreter (no compiled kernel)
+passed as their addresses), elsewhere (or with a launch hook registered) through
+`CompiledKernel.run`. Under Triton's interpreter (no compiled kernel)
 a plan runs through ``kernel[grid]`` with the rebuilt arguments, which is how the CPU tests run
 cached plans.
 
 A repeated call can skip building its key: `PlanCache.probe` checks the call's tensors against
-the recent plans of its op and scalars with torch's C tensor guards (`GUARDS`).
+the recent plans of its op and scalars with torch's C tensor guards (`PlanCache`'s ``guards``).
 
-``PORTATTN_PLAN_CACHE=0`` (read at import) or ``PLANS.enabled = False`` turns caching off.
+``PORTATTN_PLAN_CACHE=0`` in the environment when portattn is imported turns caching off for the
+process (`PLANS` is built then); tests build their own `PlanCache` with ``enabled`` or
+``guards`` given.
 """
 
 from __future__ import annotations
@@ -59,33 +61,10 @@ _knobs = knobs.runtime
 
 #: Pointer alignment Triton specializes on (and TMA descriptors need).
 ALIGN = 16
-#: Cached launches of compiled NVIDIA kernels go to Triton's C launcher with an argument list
-#: built at plan time, TMA descriptors encoded once per base address (`_DirectLaunch`); False:
-#: through `CompiledKernel.run`, as Triton's JIT launches.
-DIRECT = True
-#: Direct launches pass each tensor as its address (an int): the C launcher then neither calls
-#: ``data_ptr()`` nor asks the driver about the pointer (the description pins the device and the
-#: alignment the first call's launch checked). False: the tensors themselves.
-POINTER_INTS = True
-#: A plan's buffers (``out=None``, split-KV partials) are allocated by torch's C function for a
-#: contiguous tensor on the current CPU/CUDA device (``_empty_strided_cuda``, as Inductor's
-#: generated code does: no Python argument parsing, no dispatch), where it gives what
-#: `torch.empty` gives; False: `torch.empty` (`_empty`).
-FAST_EMPTY = True
-#: A probe's hit hands the addresses it read (for the alignment check) to the direct launches,
-#: which then do not ask the tensors again (`_DirectLaunch.args`); False: they ask.
-PTRS = True
 #: Plans kept (the oldest dropped first): one per distinct call description.
 MAX_PLANS = 1024
 #: Distinct ``exact`` value tuples numbered by `exact_id` before its table is emptied.
 MAX_EXACT = 4096
-#: A call whose op passes its scalars (``guard``) first tries `PlanCache.probe`: its tensors are
-#: checked against the op's recent plans by torch's C tensor guards (dynamo's `TensorGuards`:
-#: Python type, dispatch keys (device type), device index, dtype, sizes, strides,
-#: requires_grad) plus their 16-byte alignment, instead of building the key (`call_key`, five
-#: attribute reads per tensor and a tuple to hash). False (or a torch without the guards):
-#: every call builds its key.
-GUARDS = True
 #: Guarded plans kept per op and scalars (`PlanCache.probe` tries them newest first).
 MAX_GUARDS = 4
 
@@ -390,7 +369,7 @@ class Plan:
         """What `run` builds before launching (the host time's breakdown): the buffers, then per
         launch the direct launcher's argument list (`_DirectLaunch.args`, on the current stream)
         where `run` would launch directly, else `bind`'s lists."""
-        if self._direct is None or not DIRECT or _hooks() is not None:
+        if self._direct is None or _hooks() is not None:
             return self.bind(inputs)
         allocs = self._allocate()
         stream = _current_stream(_current_device())
@@ -403,11 +382,16 @@ class Plan:
         direct launches take them instead of asking the tensors again."""
         allocs = self._allocate()
         direct = self._direct
-        if direct is not None and DIRECT and _hooks() is None:
+        if direct is not None and _hooks() is None:
             stream = _current_stream(_current_device())
             for launch in direct:
                 launch.launch(inputs, allocs, stream, ptrs)
             return self._outs(inputs, allocs)
+        return self._run_compiled(inputs, allocs)
+
+    def _run_compiled(self, inputs: Sequence[torch.Tensor | None], allocs: list) -> tuple:
+        """`run` where a launch cannot go direct (not NVIDIA, a launch hook registered, the
+        interpreter): each compiled kernel through `CompiledKernel.run`, else ``kernel[grid]``."""
         for replay in self._replays:
             if any(g == 0 for g in replay.grid):
                 continue
@@ -423,7 +407,7 @@ class Plan:
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Callable:
-    """A buffer's allocation, ready to call. Where `FAST_EMPTY` allows: torch's C allocation
+    """A buffer's allocation, ready to call. Where it exists: torch's C allocation
     without argument parsing or dispatch (`_FAST_EMPTY`: what Inductor's generated code calls),
     tried once here and kept only if it gives the buffer `torch.empty` would. Otherwise
     `torch.empty` with the sizes as separate arguments (torch parses them faster than a tuple),
@@ -432,7 +416,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         slow = functools.partial(torch.empty, (), dtype=dtype, device=device)
     else:
         slow = functools.partial(torch.empty, *shape, dtype=dtype, device=device)
-    fast = _FAST_EMPTY.get(device.type) if FAST_EMPTY else None
+    fast = _FAST_EMPTY.get(device.type)
     # CUDA's allocates on the current device, which the key pins: the buffer's device only
     if fast is None or (device.type == "cuda" and device.index != _current_device()):
         return slow
@@ -484,7 +468,8 @@ class _DirectLaunch:
     C launcher calls ``data_ptr()`` and ``cuPointerGetAttribute`` for each tensor. A cached plan
     knows all of it up front: the argument list (grid, launcher head, every constant) is built
     once, already expanded for the C launcher underneath; a hit fills in its tensors (their
-    addresses, `POINTER_INTS`) and the stream. A descriptor's shape, strides and block shape are
+    addresses: the C launcher then neither calls ``data_ptr()`` nor asks the driver about them)
+    and the stream. A descriptor's shape, strides and block shape are
     functions of the call's description, so its encoding depends only on the base address: it
     is memoized by address (no reference to the tensor is kept; a map encodes the address, the
     geometry and nothing else). Built only where the launcher has exactly the expected form
@@ -584,25 +569,18 @@ class _DirectLaunch:
         self, inputs: Sequence, allocs: list[torch.Tensor], stream: Any, ptrs: tuple | None = None
     ) -> list[Any]:
         """The C launcher's whole argument list for ``inputs``, ``allocs`` and ``stream``: what
-        `CompiledKernel.run` would hand it, tensors as addresses where `POINTER_INTS` (the
+        `CompiledKernel.run` would hand it, tensors as their addresses (the
         inputs' from ``ptrs`` where given: `Plan.run`)."""
         args = self._flat.copy()
         args[3] = stream
-        if ptrs is not None and POINTER_INTS and PTRS:
+        if ptrs is not None:
             for at, ref in self._from_inputs:
                 args[at] = ptrs[ref]
-            for at, ref in self._from_allocs:
-                args[at] = allocs[ref].data_ptr()
-        elif POINTER_INTS:
-            for at, ref in self._from_inputs:
-                args[at] = inputs[ref].data_ptr()
-            for at, ref in self._from_allocs:
-                args[at] = allocs[ref].data_ptr()
         else:
             for at, ref in self._from_inputs:
-                args[at] = inputs[ref]
-            for at, ref in self._from_allocs:
-                args[at] = allocs[ref]
+                args[at] = inputs[ref].data_ptr()
+        for at, ref in self._from_allocs:
+            args[at] = allocs[ref].data_ptr()
         for at, src in self._copies:
             args[at] = args[src]
         for at, width, kind, ref, recipe, meta in self._descs:
@@ -650,16 +628,39 @@ _MISSING = object()
 
 class PlanCache:
     """Plans by call key; past `MAX_PLANS` the oldest is dropped (one dictionary lookup per
-    hit, no recency bookkeeping)."""
+    hit, no recency bookkeeping).
 
-    def __init__(self, max_plans: int = MAX_PLANS):
+    Args:
+        max_plans: plans kept.
+        enabled: cache at all; default: unless the environment sets ``PORTATTN_PLAN_CACHE=0``.
+        guards: let `probe` match a call's tensors by torch's C tensor guards (dynamo's
+            `TensorGuards`: type, dispatch keys, device, dtype, sizes, strides, requires_grad)
+            and their alignment instead of building its key; default: where this torch has them.
+
+    Raises:
+        ValueError: ``guards=True`` on a torch without dynamo's C guards.
+    """
+
+    def __init__(
+        self, max_plans: int = MAX_PLANS, *, enabled: bool | None = None, guards: bool | None = None
+    ):
+        if guards and _TensorGuards is None:
+            raise ValueError("PlanCache: guards must be False on a torch without TensorGuards")
         self.max_plans = max_plans
-        self.enabled = os.environ.get("PORTATTN_PLAN_CACHE", "1") != "0"
+        if enabled is None:
+            enabled = os.environ.get("PORTATTN_PLAN_CACHE", "1") != "0"
+        self._enabled = enabled
+        self._guards = _TensorGuards is not None if guards is None else guards
         self._plans: dict[Hashable, Plan | None] = {}
         # (guard, number of tensors) -> [(the tensors' `TensorGuards`, plan, whether the
         # tensors are the first inputs)], newest first (`probe`).
         self._guarded: dict[Hashable, list[tuple[Any, Plan, bool]]] = {}
         self.hits = self.misses = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether calls are cached (fixed at construction)."""
+        return self._enabled
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -672,7 +673,7 @@ class PlanCache:
     def probe(
         self, guard: Hashable, tensors: tuple, inputs: Sequence[torch.Tensor | None]
     ) -> tuple | None:
-        """The outputs of a guarded plan (`GUARDS`) run on ``inputs``; ``None`` where none fits
+        """The outputs of a guarded plan (``guards``) run on ``inputs``; ``None`` where none fits
         (the caller then builds its key: `hit`, `call`).
 
         ``guard``: everything of the call's description but its tensors (the op, the current
@@ -692,14 +693,14 @@ class PlanCache:
 
     def guarded(self, guard: Hashable, tensors: tuple) -> Plan | None:
         """`probe`'s plan for ``guard`` and ``tensors`` (not run, not counted); ``None``: none
-        fits, or caching or `GUARDS` is off."""
+        fits, or caching or ``guards`` is off."""
         fit = self._fit(guard, tensors)
         return None if fit is None else fit[0]
 
     def _fit(self, guard: Hashable, tensors: tuple) -> tuple[Plan, tuple | None] | None:
         """`probe`'s plan and, where its tensors are the first inputs (so at its first call,
         and the guard holds which inputs are ``None``), their addresses for its launches."""
-        if not self.enabled or not GUARDS:
+        if not self._enabled or not self._guards:
             return None
         try:
             entries = self._guarded.get((guard, len(tensors)))
@@ -744,7 +745,7 @@ class PlanCache:
         replayable plan (none yet, a known unreplayable one, no key, caching off): the caller
         then goes through `call` with its planner, which it need not build on a hit.
         ``guard``: as `call`'s."""
-        if key is None or not self.enabled:
+        if key is None or not self._enabled:
             return None
         try:
             cached = self._plans.get(key)
@@ -753,7 +754,7 @@ class PlanCache:
         if cached is None or not cached.disjoint.check(inputs):
             return None
         self.hits += 1
-        if guard is not None and GUARDS and _TensorGuards is not None:
+        if guard is not None and self._guards:
             self._keep_guard(guard, inputs, cached)
         return cached.run(inputs)
 
@@ -768,7 +769,7 @@ class PlanCache:
         for the next call with this key. Returns the first launch's outputs. ``guard``:
         `probe`'s guard and tensors; a plan run with them is kept for `probe` too (``None``:
         not)."""
-        if key is None or not self.enabled:
+        if key is None or not self._enabled:
             return _run_fresh(plan())
         try:
             cached = self._plans.get(key, _MISSING)
@@ -779,7 +780,7 @@ class PlanCache:
                 return _run_fresh(plan())  # its validation refuses the overlapping write
             self.hits += 1
             if isinstance(cached, Plan):
-                if guard is not None and GUARDS and _TensorGuards is not None:
+                if guard is not None and self._guards:
                     self._keep_guard(guard, inputs, cached)
                 return cached.run(inputs)
             return _run_fresh(plan())  # known not to be replayable
@@ -794,7 +795,7 @@ class PlanCache:
         compiled = [launch.run() for launch in launches]
         if replay is not None:
             replay.keep_compiled(compiled)
-            if guard is not None and GUARDS and _TensorGuards is not None:
+            if guard is not None and self._guards:
                 self._keep_guard(guard, inputs, replay)
         self._plans[key] = replay
         if len(self._plans) > self.max_plans:
