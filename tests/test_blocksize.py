@@ -19,26 +19,26 @@ pytestmark = pytest.mark.specdec
 
 
 @pytest.mark.parametrize("n", (0, -16, 1.5, "16", None))
-def test_multiple_of_rejects(n):
+def test_multiple_of_refuses_anything_but_a_positive_int(n):
     with pytest.raises(
         ValueError, match=re.escape(f"MultipleOf: n must be an int >= 1; got {n!r}")
     ):
         MultipleOf(n)
 
 
-def test_multiple_of_contains():
+def test_multiple_of_holds_exactly_the_positive_multiples():
     assert 544 in MultipleOf(16) and 2048 in MultipleOf(16)
     assert 8 not in MultipleOf(16) and 0 not in MultipleOf(16) and -16 not in MultipleOf(16)
     assert str(MultipleOf(16)) == "MultipleOf(16)"
 
 
-def test_participant_needs_a_rule():
+def test_a_participant_without_a_rule_is_refused():
     with pytest.raises(ValueError, match="Participant 'draft': supported must name at least one"):
         Participant("draft", ())
 
 
 @pytest.mark.parametrize("rule", (0, -1, "16", 16.0))
-def test_participant_rejects_bad_rules(rule):
+def test_a_participant_rule_must_be_a_positive_int_or_multiple_of(rule):
     msg = f"Participant 'mla': each rule must be an int >= 1 or MultipleOf; got {rule!r}"
     with pytest.raises(ValueError, match=re.escape(msg)):
         Participant("mla", (MultipleOf(1), rule))
@@ -47,27 +47,27 @@ def test_participant_rejects_bad_rules(rule):
 # -- select_common_block_size ------------------------------------------------------------------
 
 
-def test_hybrid_minimum_with_multiples():
+def test_a_hybrid_minimum_is_met_by_the_smallest_common_multiple_above_it():
     """A Mamba page needs >= 544; MultipleOf(16) and MultipleOf(1) meet at 544 itself."""
     draft = Participant("draft", (MultipleOf(16),))
     target = Participant("target", (MultipleOf(1),))
     assert select_common_block_size(draft, target, min_block_size=544) == 544
 
 
-def test_exact_sizes_intersect():
+def test_exact_sizes_meet_at_the_smallest_shared_one():
     a = Participant("a", (16, 32, 64))
     b = Participant("b", (64, 32, 128))
     assert select_common_block_size(a, b) == 32
 
 
-def test_exact_and_multiple_mix():
+def test_exact_sizes_and_multiples_meet_at_an_exact_size_that_is_a_multiple():
     exact = Participant("flashmla", (64,))
     multiple = Participant("triton", (MultipleOf(16),))
     assert select_common_block_size(exact, multiple) == 64
     assert select_common_block_size(Participant("x", (48, 96)), multiple, min_block_size=50) == 96
 
 
-def test_preferred():
+def test_a_preferred_size_wins_when_every_rule_and_the_minimum_accept_it():
     a = Participant("a", (MultipleOf(16),))
     b = Participant("b", (MultipleOf(1),))
     assert select_common_block_size(a, b, preferred=2048) == 2048
@@ -155,7 +155,9 @@ def test_speculative_group_with_shuffle_write_and_hybrid_minimum():
     assert select_common_block_size(*parts, min_block_size=540) == 544
 
 
-def test_registry_errors(monkeypatch):
+def test_the_registry_refuses_unknown_ops_and_layouts_and_keeps_shuffle_to_multiples_of_x(
+    monkeypatch,
+):
     with pytest.raises(ValueError, match="supported_block_sizes: op must be one of .*; got 'x'"):
         supported_block_sizes("x")
     with pytest.raises(ValueError, match="supported_block_sizes: layout must be one of"):

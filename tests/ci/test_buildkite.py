@@ -200,7 +200,7 @@ def test_soft_fail_only_for_experimental_cells():
     assert "paged-cuda-sm_90" not in soft and "paged-rocm-gfx942" not in soft
 
 
-def test_lanes_queues_and_k8s():
+def test_gpu_cells_run_on_their_vendors_queue_or_the_k8s_queue_and_cpu_cells_on_plain_agents():
     queues = by_key(buildkite.generate(lanes="queues"))
     assert queues["mla-cuda-sm_90"]["agents"] == {"queue": "gpu-cuda"}
     assert queues["mla-rocm-gfx942"]["agents"] == {"queue": "gpu-rocm"}
@@ -326,7 +326,7 @@ def test_which_cells_a_change_selects(changed, expected):
     assert {c.name for c in all_cells() if buildkite.is_selected(c, changed)} == expected
 
 
-def test_pipeline_command_selection(capsys):
+def test_pipeline_command_puts_cells_a_change_does_not_touch_behind_a_block_step(capsys):
     assert main(["pipeline", "--format", "json", "--changed-files", "Dockerfile.cuda"]) == 0
     steps = by_key(json.loads(capsys.readouterr().out))
     assert steps["mla-cuda-sm_90"]["depends_on"] == ["image-cuda"]

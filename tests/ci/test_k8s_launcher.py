@@ -328,7 +328,7 @@ def test_run_many_rejects_a_bad_bound():
         Launcher(KubeStub().api_client(), "ns").run_many([], max_parallel=0)
 
 
-def test_classify_pod_states():
+def test_a_pod_is_classified_as_pending_failed_to_start_running_or_terminated():
     waiting = {
         "status": {
             "phase": "Pending",

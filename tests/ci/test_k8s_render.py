@@ -118,7 +118,7 @@ def test_the_typed_client_round_trips_the_job(vendor):
 
 
 @pytest.mark.parametrize("vendor", VENDORS)
-def test_job_properties(vendor):
+def test_a_job_never_retries_ignores_disruptions_and_runs_restricted(vendor):
     job = _cell(vendor, supplemental_groups=[44, 110] if vendor == "rocm" else None)
     spec = job["spec"]
     pod = spec["template"]["spec"]

@@ -80,12 +80,12 @@ def test_restrict_refuses_an_arch_the_file_does_not_build():
         ("gfx942;gfx950", ("hip", ["gfx942", "gfx950"])),
     ],
 )
-def test_parse_archs(text, want):
+def test_arch_lists_are_read_as_cuda_capabilities_or_gfx_names(text, want):
     assert mw.parse_archs(text) == want
 
 
 @pytest.mark.parametrize("text", ["", "9.0;gfx942", "sm_90", "hopper"])
-def test_parse_archs_rejects(text):
+def test_an_arch_list_that_is_not_cuda_capabilities_or_gfx_names_is_refused(text):
     with pytest.raises(ValueError, match="mamba_wheels: --arch must"):
         mw.parse_archs(text)
 
@@ -129,7 +129,7 @@ def test_builds_a_wheel_from_the_patched_sdist(tmp_path):
     assert built == {"cc_flag": ["-gencode", "arch=compute_90,code=sm_90"], "force": "TRUE"}
 
 
-def test_cli_usage_errors(tmp_path):
+def test_usage_errors_exit_2_naming_the_problem(tmp_path):
     run = [sys.executable, str(ROOT / "tools" / "mamba_wheels.py")]
     both = subprocess.run([*run, "--arch", "9.0", "--out", str(tmp_path)], capture_output=True)
     assert both.returncode == 2 and b"give either --sdists DIR or requirements" in both.stderr

@@ -79,7 +79,7 @@ def test_gpu_cells_name_their_architecture_in_the_environment():
     assert [a.name for a in BACKENDS["rocm"].archs] == ["gfx942", "gfx950"]
 
 
-def test_how_cells_run():
+def test_each_cell_knows_its_nox_command_markers_env_and_gpu_resource():
     cpu, gpu, comp = (
         get_cell("mla-cpu-interpreter"),
         get_cell("mla-rocm-gfx942"),
@@ -136,7 +136,7 @@ def test_compile_module_is_found_on_disk_without_importing_portattn():
     assert matrix.compile_module_available() == (ROOT / "src/portattn/compile").is_dir()
 
 
-def test_selection_and_its_errors():
+def test_cells_are_selected_by_suite_backend_and_name_and_unknown_ones_refused():
     assert [c.name for c in select_cells(all_cells(), suites=["policy"])] == [
         "policy-cpu-interpreter"
     ]

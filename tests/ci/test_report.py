@@ -82,7 +82,7 @@ def test_a_runner_record_wins_over_the_junit(results_dir):
     assert got == record
 
 
-def test_summary_table(results_dir):
+def test_the_summary_table_lists_every_cell_with_its_counts_time_and_reason(results_dir):
     table = report.summary_table(report.collect(CELLS, results_dir)).splitlines()
     assert table[0].split() == [
         "cell", "result", "ran", "on", "passed", "failed", "skipped", "time", "compile", "cache",
@@ -96,7 +96,7 @@ def test_summary_table(results_dir):
     assert table[-1] == "4 cells: 1 passed, 2 failed, 1 not run (cell time 1m02s)"
 
 
-def test_write_summary_files(results_dir):
+def test_the_summary_is_written_as_merged_junit_markdown_text_and_json(results_dir):
     results = report.collect(CELLS, results_dir)
     files = report.write_summary(results, results_dir, context="runner `local`")
     assert files.heatmap == results_dir / "compile" / "compile_matrix.png"
@@ -148,7 +148,7 @@ def test_overall_status_ignores_experimental_failures():
     assert report.overall_status([report.not_run(PAGED, "no GPU")]) == "not run"
 
 
-def test_report_command(results_dir, capsys):
+def test_report_command_rebuilds_the_summary_and_fails_on_a_failed_cell(results_dir, capsys):
     code = main(
         [
             "report",

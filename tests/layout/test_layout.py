@@ -81,12 +81,12 @@ DESCRIBE_ERRORS = [
 
 
 @pytest.mark.parametrize("args, exc, msg", DESCRIBE_ERRORS)
-def test_describe_kv_cache_errors(args, exc, msg):
+def test_a_cache_that_is_not_a_valid_layout_is_refused_naming_the_rule(args, exc, msg):
     with pytest.raises(exc, match=msg):
         describe_kv_cache(OP, *args)
 
 
-def test_describe_kv_cache_shuffle_geometry():
+def test_a_shuffle_cache_is_described_with_its_split_axes_and_unit_strides():
     k, v = empty_kv_cache(3, 16, 2, 32, layout="SHUFFLE", dtype=torch.float32)
     ka, va = describe_kv_cache(OP, k, v, "SHUFFLE")
     assert (ka.num_blocks, ka.block_size, ka.num_kv_heads, ka.head_dim) == (3, 16, 2, 32)
@@ -168,7 +168,7 @@ def _hybrid_pair(num_blocks):
         ),
     ],
 )
-def test_is_block_contiguous_truth_table(name, make, expect_k, expect_v):
+def test_flat_slots_are_used_only_where_tokens_are_evenly_strided(name, make, expect_k, expect_v):
     """Flat slots are only safe when tokens are evenly strided across blocks. Multi-block SHUFFLE
     never is (here, with 2 heads):
     K's token stride is x and a block spans heads in between; V splits the token axis."""
@@ -228,13 +228,13 @@ HYBRID_ERRORS = [
 
 
 @pytest.mark.parametrize("kwargs, msg", HYBRID_ERRORS)
-def test_make_hybrid_cache_errors(kwargs, msg):
+def test_a_bad_hybrid_cache_request_is_refused_naming_the_argument(kwargs, msg):
     head_dim = kwargs.pop("head_dim", 8)
     with pytest.raises(ValueError, match=msg):
         make_hybrid_cache(2, 16, 2, head_dim, **kwargs)
 
 
-def test_empty_kv_cache_shuffle_error():
+def test_a_shuffle_cache_whose_sizes_are_not_multiples_of_x_is_refused():
     with pytest.raises(
         ValueError,
         match="empty_kv_cache: SHUFFLE needs head_dim and block_size "
@@ -244,7 +244,7 @@ def test_empty_kv_cache_shuffle_error():
 
 
 @pytest.mark.parametrize("dtype, x", [(torch.float32, 4), (torch.float16, 8), (torch.bfloat16, 8)])
-def test_shuffle_x(dtype, x):
+def test_shuffle_x_is_16_bytes_of_elements(dtype, x):
     assert shuffle_x(dtype) == x
 
 
@@ -255,7 +255,7 @@ def _pair(k, v, layout="SHUFFLE"):
     return tuple(vector_width(a) for a in describe_kv_cache(OP, k, v, layout))
 
 
-def test_vector_width():
+def test_vector_width_is_claimed_only_for_aligned_contiguous_runs():
     # NHD: nothing claimed (Triton sees the unit head-dim stride itself)
     assert _pair(*empty_kv_cache(2, 16, 2, 32, dtype=torch.float16), "NHD") == (1, 1)
     # contiguous SHUFFLE: x-element runs (16 bytes)
