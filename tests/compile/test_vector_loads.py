@@ -70,17 +70,16 @@ def _loads(arch: str, layout: str, max_query_len: int, hybrid: bool = False) -> 
     from portattn.compile.cases import build_paged_attention
     from portattn.compile.worker import _resources, compile_kernel
     from portattn.platform import get_target
-    from portattn.policy import paged as paged_policy
+    from portattn.policy.paged import PagedConfig
 
-    # the portable kernel's loads (this runs in a worker process): NHD prefill on sm_90 would
-    # otherwise take the Gluon kernel (issue 19), whose K/V come by TMA
-    paged_policy.SM90_PREFILL = False
+    # the portable kernel's loads: NHD prefill on sm_90 would otherwise take the Gluon prefill
+    # kernel, whose K/V come by TMA
     target = get_target(arch)
     if hybrid:
         [launch] = _hybrid_launch(target, layout, max_query_len)
     else:
         [launch] = build_paged_attention(
-            target, layout=layout, max_query_len=max_query_len, **SHAPE
+            target, layout=layout, max_query_len=max_query_len, config=PagedConfig(), **SHAPE
         )
     compiled = compile_kernel(launch, target)
     if target.vendor == "cuda":
@@ -122,10 +121,10 @@ def test_shuffle_loads_are_as_wide_as_nhd(loads, arch, max_query_len):
     assert shuffle["vec"] == (8, 8) and nhd["vec"] == (1, 1)
     # the same tiles (the policy's SHUFFLE register term is 0 since the loads are vectors); the
     # cache-order reads' decode tile at head_dim 128 is held to SHUFFLE_REG_CAP registers (elsewhere
-    # it is the narrower KV tile, `SHUFFLE_LINES_NARROW`)
+    # it is the narrower KV tile, `SHUFFLE_NARROW_BLOCK_N`)
     want = nhd["tiles"]
     if shuffle["lines"] and want[0] <= SHUFFLE_NARROW_MAX_M:
-        if SHUFFLE_REG_CAP is not None and SHAPE["head_dim"] in SHUFFLE_REG_CAP_BLOCK_D:
+        if SHAPE["head_dim"] in SHUFFLE_REG_CAP_BLOCK_D:
             assert shuffle["maxnreg"] == SHUFFLE_REG_CAP
             assert nhd["regs"] <= shuffle["regs"] <= SHUFFLE_REG_CAP, (shuffle, nhd)
         else:
@@ -154,10 +153,10 @@ def test_shuffle_hybrid_pages_load_vectors_too(loads):
 
 
 def test_shuffle_copies_read_whole_lines_on_sm90(loads):
-    """The SHUFFLE decode's pipelined K/V copies (sm_90, `SHUFFLE_LINES`) are tiles in the cache's
-    own order, K [runs, tokens * x] and V [runs, head_dim * x], with a warp's 32 threads along one
-    run (16 bytes each: 512 contiguous bytes), not across the runs of two tokens (one 32-byte
-    sector per line: the L2-request bound the H100 profile showed, bench/NOTES.md, issue 18)."""
+    """The SHUFFLE decode's pipelined K/V copies (sm_90, `SHUFFLE_LINES_ARCHS`) are tiles in the
+    cache's own order, K [runs, tokens * x] and V [runs, head_dim * x], with a warp's 32 threads
+    along one run (16 bytes each: 512 contiguous bytes), not across the runs of two tokens (one
+    32-byte sector per line: the L2-request bound an H100 profile showed)."""
     shuffle = loads["sm_90", "SHUFFLE", 1]
     assert shuffle["lines"] is True
     block_n = shuffle["tiles"][1]

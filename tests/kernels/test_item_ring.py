@@ -1,13 +1,13 @@
-"""The dynamic deal's ring (`portattn.kernels.paged_prefill_sm90`, `_grab` / `_take`) as a model of
-its partitions' rules, run over random interleavings on the CPU.
+"""The sm_90 prefill kernel's item ring (`portattn.kernels.paged_prefill_sm90`, `_claim_item` /
+`_receive_item`) as a model of its partitions' rules, run over random interleavings on the CPU.
 
 The producer writes item ``s``'s slot once it has issued item ``s-1``'s last tile, and issues
 global tile ``g`` only after every consumer warpgroup released tile ``g - STAGES``. A warpgroup
-reads item ``s``'s slot before its first tile, and releases each tile after it (``RELEASE_LAG``
-0), or during the next tile of the item and the item's last at its end (lag 2). Every item has
-at least one tile (`_item`). The ring has ``STAGES + ITEM_RING_EXTRA`` slots: a write must never
-land on a slot some warpgroup has not read yet. The model finds such writes with fewer slots,
-so it can fail."""
+reads item ``s``'s slot before its first tile, and releases each tile after it (lag 0), or
+during the next tile of the item and the item's last at its end (lag 2: ``LATE_RELEASE``).
+Every item has at least one tile (`_item_at`). The ring has ``STAGES + ITEM_RING_EXTRA`` slots:
+a write must never land on a slot some warpgroup has not read yet. The model finds such writes
+with fewer slots, so it can fail."""
 
 from __future__ import annotations
 

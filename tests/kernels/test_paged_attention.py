@@ -347,26 +347,20 @@ def test_shuffle_full_tiles(device, block_size, block_n, kind, state_bytes, dtyp
 
 
 @pytest.mark.parametrize(
-    ("arch", "dtype", "head_dim", "switch", "lines"),
+    ("arch", "dtype", "head_dim", "lines"),
     [
-        ("sm_90", torch.bfloat16, 128, True, True),
-        ("sm_120", torch.float16, 64, True, False),  # not run on such a GPU: earlier reads
-        ("sm_86", torch.float16, 128, True, False),  # ptxas spills there
-        ("sm_90", torch.bfloat16, 128, False, False),  # SHUFFLE_LINES off
-        ("gfx942", torch.bfloat16, 128, True, False),  # AMD compile: Triton scalarizes them
-        ("sm_90", torch.float32, 128, True, False),  # fp32 keeps its held code
-        ("sm_90", torch.bfloat16, 80, True, False),  # head_dim < BLOCK_D: masked dims
+        ("sm_90", torch.bfloat16, 128, True),
+        ("sm_120", torch.float16, 64, False),  # not run on such a GPU: earlier reads
+        ("sm_86", torch.float16, 128, False),  # ptxas spills there
+        ("gfx942", torch.bfloat16, 128, False),  # AMD compile: Triton scalarizes them
+        ("sm_90", torch.float32, 128, False),  # fp32 keeps its held code
+        ("sm_90", torch.bfloat16, 80, False),  # head_dim < BLOCK_D: masked dims
     ],
 )
-def test_shuffle_reads_in_cache_order_where_it_can(
-    arch, dtype, head_dim, switch, lines, monkeypatch
-):
-    """`SHUFFLE_LINES`: the K and V tiles read as [runs, tokens * x] / [runs, head_dim * x]
+def test_shuffle_reads_in_cache_order_where_it_can(arch, dtype, head_dim, lines):
+    """`SHUFFLE_LINES_ARCHS`: the K and V tiles read as [runs, tokens * x] / [runs, head_dim * x]
     (whole lines per warp) on sm_90 (the arch checked on a GPU), 16-bit, head_dim == BLOCK_D,
     aligned runs; NHD never."""
-    from portattn.policy import paged as paged_policy
-
-    monkeypatch.setattr(paged_policy, "SHUFFLE_LINES", switch)
     for layout in ("SHUFFLE", "NHD"):
         k, v = empty_kv_cache(64, 16, 8, head_dim, layout=layout, dtype=dtype, device="meta")
         q = torch.empty(4, 32, head_dim, dtype=dtype, device="meta")

@@ -383,7 +383,7 @@ def test_16_bit_shuffle_takes_nhd_tiles_up_to_head_dim_128(arch):
     """Issue 18: SHUFFLE loads are vectors (no per-element offsets), so in 16-bit a SHUFFLE cache
     gets NHD's tiles and warps; the exceptions are head_dim 256 (the per-program words bound
     halves block_n), NHD's wide tile (sm_100), and the cache-order reads' decode row tiles on
-    sm_90 (head_dim == BLOCK_D): a 32-token KV tile (`SHUFFLE_LINES_NARROW`), or at head_dim 128
+    sm_90 (head_dim == BLOCK_D): a 32-token KV tile (`SHUFFLE_NARROW_BLOCK_N`), or at head_dim 128
     NHD's tile under a register cap (`SHUFFLE_REG_CAP`)."""
     from portattn.policy import paged as paged_policy
 
@@ -487,30 +487,23 @@ def test_decode_row_tile_only_when_it_differs_and_is_exceeded():
     ],
 )
 def test_shuffle_lines_narrow_caps_block_n_where_the_reads_apply(
-    arch, dtype_bytes, head_dim, shuffled, narrow, monkeypatch
+    arch, dtype_bytes, head_dim, shuffled, narrow
 ):
-    """`SHUFFLE_LINES_NARROW` (on: measured 1.02-1.04x NHD on the H100, against 1.21-1.25x at
-    64 tokens) caps block_n at 32 for SHUFFLE decode problems that take the cache-order reads,
-    and changes nothing else; row tiles above 16 (here 64 tokens of prefill) keep theirs."""
-    from portattn.policy import paged as paged_policy
-
+    """`SHUFFLE_NARROW_BLOCK_N` caps block_n at 32 for SHUFFLE decode problems that take the
+    cache-order reads (against NHD's 64), rows and warps as NHD's; row tiles above 16 (here 64
+    tokens of prefill) and the other problems keep a 64-token tile."""
     for max_query_len in (1, 64):
         p = PagedProblem(32, 8, head_dim, dtype_bytes, max_query_len=max_query_len,
                          max_seq_len=16384, num_seqs=64, shuffled=shuffled)  # fmt: skip
         target = get_target(arch)
-        after = paged_tiles(target, p)
-        monkeypatch.setattr(paged_policy, "SHUFFLE_LINES_NARROW", False)
-        before = paged_tiles(target, p)
-        monkeypatch.setattr(paged_policy, "SHUFFLE_LINES_NARROW", True)
+        got = paged_tiles(target, p)
+        nhd = paged_tiles(target, replace(p, shuffled=False))
+        assert got.options.maxnreg is None
         if narrow and max_query_len == 1:
-            assert before.block_n == 64 and after.block_n == 32
-            assert after.options.maxnreg is None
-            assert (after.block_m, after.options.num_warps) == (
-                before.block_m,
-                before.options.num_warps,
-            )
-        else:
-            assert after == before, max_query_len
+            assert nhd.block_n == 64 and got.block_n == 32
+            assert (got.block_m, got.num_warps) == (nhd.block_m, nhd.num_warps)
+        elif dtype_bytes == 2:
+            assert got.block_n == nhd.block_n, max_query_len
 
 
 @pytest.mark.parametrize(
@@ -527,24 +520,19 @@ def test_shuffle_lines_tile_keeps_to_the_shapes_checked_on_a_gpu(block_d, block_
     assert shuffle_lines_tile(block_d, block_n, 8) is lines
 
 
-@pytest.mark.parametrize("cap", [128, None])
-def test_shuffle_reg_cap_keeps_nhd_tile_at_head_dim_128(cap, monkeypatch):
+def test_shuffle_reg_cap_keeps_nhd_tile_at_head_dim_128():
     """`SHUFFLE_REG_CAP`: sm_90 SHUFFLE decode at head_dim 128 (cache-order reads) keeps NHD's
-    64-token, 4-warp tile with ``maxnreg`` = the cap; off (None), the narrow 32-token tile
-    without a cap. Prefill row tiles, NHD, fp32, HIP and other CUDA archs never get a cap."""
-    from portattn.policy import paged as paged_policy
+    64-token, 4-warp tile with ``maxnreg`` = the cap. Prefill row tiles, NHD, fp32, HIP and
+    other CUDA archs never get a cap."""
+    from portattn.policy.paged import SHUFFLE_REG_CAP
 
-    monkeypatch.setattr(paged_policy, "SHUFFLE_REG_CAP", cap)
     sm90 = get_target("sm_90")
     for hq, hkv in ((8, 8), (32, 8), (64, 8)):
         p = PagedProblem(hq, hkv, 128, 2, 1, max_seq_len=16384, num_seqs=64, shuffled=True)
         nhd = paged_tiles(sm90, replace(p, shuffled=False))
         got = paged_tiles(sm90, p)
-        if cap is None:
-            assert (got.block_n, got.options.maxnreg) == (32, None)
-        else:
-            assert got.block_n == nhd.block_n == 64
-            assert got.options == replace(nhd.options, maxnreg=cap)
+        assert got.block_n == nhd.block_n == 64
+        assert got.options == replace(nhd.options, maxnreg=SHUFFLE_REG_CAP)
     prefill = PagedProblem(32, 8, 128, 2, max_query_len=64, shuffled=True)
     assert paged_tiles(sm90, prefill).options.maxnreg is None
     for arch, elem in (("sm_90", 4), ("sm_86", 2), ("sm_100", 2), ("gfx942", 2)):

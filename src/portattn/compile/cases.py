@@ -11,7 +11,7 @@ Builders are plain functions so that worker processes can receive them by refere
 | mla_decode      | head_dim_k/kv_lora_rank 576/512, 320/256, 288/256; num_q_heads 1 .. 128      |
 | paged_attention | head_dim 64/128/256; GQA 1:1, 5:1, 8:1; block_size 16, 80, 544, 2048;        |
 |                 | NHD and SHUFFLE; chunked prefill (max_query_len 64); decode at block_size 16 |
-|                 | issue 19: GQA 4:1 hd128 NHD prefill, max_query_len 512/2048/4096             |
+|                 | long prefill: GQA 4:1 hd128 NHD, max_query_len 512/2048/4096                 |
 | write_kv_cache  | head_dim 64/128/256; block_size 16, 80, 544, 2048; NHD and SHUFFLE           |
 | gather_kv_cache | as write_kv_cache                                                            |
 
@@ -36,6 +36,7 @@ import torch
 
 from portattn.kernels._launch import Launch
 from portattn.platform import Target
+from portattn.policy.paged import PagedConfig
 
 META = torch.device("meta")
 # The serving dtype every axis below is compiled in; the other dtypes an op accepts (`api_dtypes`)
@@ -60,13 +61,14 @@ CONTEXT_BLOCKS = 8  # blocks per sequence in the paged / cache cases' block tabl
 MLA_CONTEXT = 8192
 # A cache past 2 GiB: AMD compiles such pointers without the 32-bit buffer-range specialisation.
 BIG_CACHE_BYTES = 3 << 30
-# Issue 19's prefill problems: 32 query heads / 8 KV heads (GQA 4:1, a group the axes above do not
+# Long prefill problems: 32 query heads / 8 KV heads (GQA 4:1, a group the axes above do not
 # have), head_dim 128, bf16, NHD; mixed batches with 512- and 2048-token chunks and pure prefill
-# of 4096 tokens, at block sizes 16, 544 and 2048. The tiles depend on (max_query_len, group,
-# head_dim, dtype, layout), not on the batch's sequence count or context (no split-KV above
-# max_query_len 1), so the builder's 4 sequences compile the kernel those batches launch.
-ISSUE19_QUERY_LENS: tuple[int, ...] = (512, 2048, 4096)
-ISSUE19_BLOCK_SIZES: tuple[int, ...] = (16, 544, 2048)
+# of 4096 tokens, at block sizes 16, 544 and 2048 (on sm_90: the Gluon prefill kernel). The tiles
+# depend on (max_query_len, group, head_dim, dtype, layout), not on the batch's sequence count or
+# context (no split-KV above max_query_len 1), so the builder's 4 sequences compile the kernel
+# those batches launch.
+LONG_PREFILL_QUERY_LENS: tuple[int, ...] = (512, 2048, 4096)
+LONG_PREFILL_BLOCK_SIZES: tuple[int, ...] = (16, 544, 2048)
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,10 @@ def build_paged_attention(
     max_query_len: int,
     big_cache: bool = False,
     dtype: str = DTYPE_NAME,
+    config: PagedConfig | None = None,
 ) -> list[Launch]:
+    """The launches of one paged-attention problem on meta tensors (``config``: the kernel
+    choices; ``None``: the policy's)."""
     from portattn.kernels.paged_attention import plan_paged_attention
 
     dt = getattr(torch, dtype)
@@ -167,6 +172,7 @@ def build_paged_attention(
         layout=layout,
         target=target,
         max_query_len=max_query_len,
+        config=config,
     )
 
 
@@ -389,7 +395,7 @@ def paged_cases() -> list[Case]:
     out += [
         make_case(
             "paged_attention",
-            f"hd128 gqa4 bs{bs} NHD prefill q{q} issue19",
+            f"hd128 gqa4 bs{bs} NHD prefill q{q} long",
             build_paged_attention,
             head_dim=128,
             num_q_heads=32,
@@ -398,8 +404,8 @@ def paged_cases() -> list[Case]:
             layout="NHD",
             max_query_len=q,
         )
-        for q in ISSUE19_QUERY_LENS
-        for bs in ISSUE19_BLOCK_SIZES
+        for q in LONG_PREFILL_QUERY_LENS
+        for bs in LONG_PREFILL_BLOCK_SIZES
     ]
     return out
 

@@ -71,19 +71,22 @@ from portattn.kernels._checks import (
     tensor_reads_contents,
     to_host,
 )
-from portattn.kernels._launch import Launch
+from portattn.kernels._launch import Launch, rows_aligned
 from portattn.kernels._plans import PLANS, _current_device, call_key
 from portattn.kernels.paged_prefill_sm90 import sm90_prefill_errors, sm90_prefill_launches
 from portattn.layout import CacheAddressing, describe_kv_cache, packed_runs, vector_width
 from portattn.platform import Target, compile_arch, override_key, target_for_tensor
-from portattn.policy import paged as paged_policy
 from portattn.policy.common import launch_options
 from portattn.policy.paged import (
     MAX_HEAD_DIM,
+    PagedConfig,
     PagedProblem,
     PagedTiles,
+    PrefillConfig,
+    cache_order_reads,
+    paged_config,
     paged_tiles,
-    sm90_prefill,
+    prefill_config_errors,
 )
 
 OP = "paged_attention"
@@ -687,7 +690,7 @@ def _paged_attention_reduce_kernel(
 
 def _check_call(
     query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale, layout,
-    max_query_len, max_seq_len,
+    max_query_len, max_seq_len, config=None, trace=None,
 ) -> tuple[CacheAddressing, CacheAddressing]:  # fmt: skip
     """Every type, shape, scalar and overlap problem of a call, raised together (`Problems`);
     the caches' addressing when there is none."""
@@ -703,6 +706,10 @@ def _check_call(
             p.type(f"{name} must be a torch.Tensor; got {type(t).__name__}")
     if out is not None and not isinstance(out, torch.Tensor):
         p.type(f"out must be a torch.Tensor or None; got {type(out).__name__}")
+    if config is not None and not isinstance(config, PagedConfig):
+        p.type(f"config must be a PagedConfig or None; got {type(config).__name__}")
+    if trace is not None and not isinstance(trace, torch.Tensor):
+        p.type(f"trace must be a torch.Tensor or None; got {type(trace).__name__}")
     ok = {n: t for n, t in named.items() if isinstance(t, torch.Tensor)}
     q = ok.get("query")
     if q is not None and q.dtype not in _FLOAT_DTYPES:
@@ -806,6 +813,32 @@ def _check_contents(
     return real_mql, real_msl
 
 
+def _prefill_config(
+    config: PagedConfig | None, target: Target, problem: PagedProblem, splits: int,
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+) -> PrefillConfig | None:  # fmt: skip
+    """The sm_90 kernel's configuration for this call, or ``None`` for the portable kernel: the
+    policy's (`paged_config`), which gives way to the portable kernel where the tensors do not
+    suit it, or the caller's ``config``, refused with every reason it cannot run."""
+    chosen = config is None
+    cfg = (config if config is not None else paged_config(target, problem)).prefill
+    if cfg is None:
+        return None
+    errors = [] if chosen else prefill_config_errors(target, problem, cfg)
+    errors += sm90_prefill_errors(query, key_cache, value_cache)
+    if splits > 1:
+        errors.append(f"the batch splits each context {splits} ways (split-KV decode)")
+    # the kernel reads seq_lens and query_start_loc densely
+    for name, t in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if t.stride(0) != 1:
+            errors.append(f"{name} stride {t.stride(0)} is not 1")
+    if chosen:
+        return None if errors else cfg
+    raise_errors(OP, [f"config.prefill cannot run this call: {why}" for why in errors])
+    return cfg
+
+
 def plan_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -820,6 +853,8 @@ def plan_paged_attention(
     target: Target | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    config: PagedConfig | None = None,
+    trace: torch.Tensor | None = None,
     check_contents: bool | None = None,
     tiles: PagedTiles | None = None,
 ) -> list[Launch]:
@@ -835,7 +870,7 @@ def plan_paged_attention(
     """
     k, v = _check_call(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale,
-        layout, max_query_len, max_seq_len,
+        layout, max_query_len, max_seq_len, config, trace,
     )  # fmt: skip
     given_out = out
 
@@ -872,6 +907,8 @@ def plan_paged_attention(
         num_seqs=num_seqs,
         max_seq_len=msl if msl else None,
         shuffled=layout == "SHUFFLE",
+        query_rows_aligned=rows_aligned(query),
+        kv_head_stride=value_cache.stride(2) if layout == "NHD" else None,
     )
     if tiles is None:
         tiles = paged_tiles(target, problem)
@@ -947,7 +984,7 @@ def plan_paged_attention(
         # run there) take the dots in fp32 instead
         FP32_DOTS=query.is_cpu and query.dtype == torch.bfloat16,
         LINES=even_d
-        and paged_policy.cache_order_reads(
+        and cache_order_reads(
             compile_arch(query, target),
             head_dim,
             tiles.block_d,
@@ -971,37 +1008,19 @@ def plan_paged_attention(
             writes=writes,
         )
     ]
-    if (
-        splits == 1
-        and num_tokens
-        and num_seqs
-        and sm90_prefill(target, problem)
-        and not sm90_prefill_errors(query, key_cache, value_cache, layout, target)
-        # the sm_90 kernel reads seq_lens and query_start_loc densely
-        and seq_lens.stride(0) == 1
-        and query_start_loc.stride(0) == 1
-    ):
-        # the prefill part on the sm_90 kernel; the decode row tile's sequences (if any) on
-        # the portable kernel, its decode-role programs alone (no main-tile program), or with
-        # SM90_PREFILL_FUSE_DECODE as items of the sm_90 kernel's persistent loop
-        fuse = paged_policy.SM90_PREFILL_FUSE_DECODE and dec is not None
-        launches = sm90_prefill_launches(
-            launches[0], key_cache, value_cache, dec.block_q if dec is not None else 0, fuse
+    prefill = _prefill_config(
+        config, target, problem, splits, query, key_cache, value_cache, seq_lens, query_start_loc
+    )
+    if prefill is not None and num_tokens and num_seqs:
+        # the prefill part on the sm_90 kernel, the decode row tile's sequences (if any) as
+        # items of the same persistent launch
+        q_len_lo = dec.block_q if dec is not None else 0
+        return sm90_prefill_launches(launches[0], key_cache, value_cache, q_len_lo, prefill, trace)
+    if trace is not None:
+        raise ValueError(
+            f"{OP}: trace needs the sm_90 prefill kernel, which stamps it; this call runs the "
+            "portable kernel"
         )
-        if dec is not None and not fuse:
-            launches.append(
-                Launch(
-                    kernel=_paged_attention_kernel,
-                    grid=(n_dec,),
-                    args=dict(args, num_q_tiles=0),
-                    options=tiles.options,
-                    target=target,
-                    name=f"{OP}:decode",
-                    outputs=(out,),
-                    writes=writes,
-                )
-            )
-        return launches
     if splits > 1:
         reduce_args = dict(
             out_ptr=out,
@@ -1045,6 +1064,8 @@ def paged_attention(
     target: Target | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    config: PagedConfig | None = None,
+    trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed query tokens over a paged KV cache (prefill + decode mixed).
 
@@ -1074,6 +1095,12 @@ def paged_attention(
             the policy split long contexts over several programs (split-KV, a second launch
             combines them) when the batch is too small to fill the GPU. Without it (and with
             ``max_query_len`` given) there is no split.
+        config: the kernel choices (`PagedConfig`); ``None``: the policy's
+            (`portattn.policy.paged.paged_config`). A given config is checked against the
+            target and the call (`prefill_config_errors`) and is part of the plan cache's key.
+        trace: diagnostics: an int64 tensor on the query's device of at least
+            ``prod(paged_prefill_sm90.trace_shape(num_sms))`` elements that the sm_90 prefill
+            kernel fills with clock stamps; such calls are never cached.
 
     Returns:
         ``out`` (allocated contiguous if not given).
@@ -1090,19 +1117,22 @@ def paged_attention(
     inputs = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out)
     key = None
     guard: tuple | None = None
-    if isinstance(query, torch.Tensor) and not tensor_reads_contents(
-        query, vouched=max_query_len is not None
+    if (
+        trace is None  # (a traced call is a diagnostic: never cached)
+        and (config is None or isinstance(config, PagedConfig))
+        and isinstance(query, torch.Tensor)
+        and not tensor_reads_contents(query, vouched=max_query_len is not None)
     ):
         if target is None:  # the rest of `call_key`'s description (`PlanCache.probe`)
             scalars = (OP, _current_device(), override_key(), out is None, type(scale), scale,
                      type(layout), layout, type(max_query_len), max_query_len,
-                     type(max_seq_len), max_seq_len)  # fmt: skip
+                     type(max_seq_len), max_seq_len, type(config), config)  # fmt: skip
             tensors = inputs[:6] if out is None else inputs
             outputs = PLANS.probe(scalars, tensors, inputs)
             if outputs is not None:
                 return outputs[0]
             guard = (scalars, tensors)
-        key = call_key(OP, *inputs, scale, layout, target, max_query_len, max_seq_len)
+        key = call_key(OP, *inputs, scale, layout, target, max_query_len, max_seq_len, config)
     outputs = PLANS.call(
         key,
         inputs,
@@ -1119,6 +1149,8 @@ def paged_attention(
             target=target,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            config=config,
+            trace=trace,
         ),
         guard,
     )

@@ -1,10 +1,10 @@
-"""Issue 19 on a CPU: the HIP prefill tiles of its shapes compile clean in the compile matrix.
+"""The long prefill shapes on a CPU: their HIP prefill tiles compile clean in the compile matrix.
 
-Issue 19's problems are paged attention with 32 query heads / 8 KV heads (GQA 4:1), head_dim
-128, bf16: mixed batches with 512- and 2048-token prefill chunks and pure prefill of 4096 tokens,
-at block sizes 16, 544 and 2048. The matrix's other axes have GQA 1:1, 5:1 and 8:1 only, and
-``HEAD_TILE`` / ``BLOCK_Q`` are constexprs, so the 4:1 kernel was compiled nowhere. Here the
-issue's cases are in the table, plan the policy's tiles on gfx942 and gfx950 (one kernel per
+The shapes are paged attention with 32 query heads / 8 KV heads (GQA 4:1), head_dim 128, bf16:
+mixed batches with 512- and 2048-token prefill chunks and pure prefill of 4096 tokens, at block
+sizes 16, 544 and 2048. The matrix's other axes have GQA 1:1, 5:1 and 8:1 only, and
+``HEAD_TILE`` / ``BLOCK_Q`` are constexprs, so the 4:1 kernel would be compiled nowhere. Here the
+cases are in the table, plan the policy's tiles on gfx942 and gfx950 (one kernel per
 target: the tiles do not depend on max_query_len past 64 rows, nor on block_size), and compile
 without spills within the target's LDS.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from portattn.compile import default_cases, run_matrix
-from portattn.compile.cases import ISSUE19_BLOCK_SIZES, ISSUE19_QUERY_LENS
+from portattn.compile.cases import LONG_PREFILL_BLOCK_SIZES, LONG_PREFILL_QUERY_LENS
 from portattn.platform import get_target
 from portattn.policy.paged import PagedProblem, paged_tiles
 
@@ -22,9 +22,9 @@ pytestmark = pytest.mark.compile
 
 TARGETS = ("gfx942", "gfx950")
 IDS = [
-    f"paged_attention/hd128 gqa4 bs{bs} NHD prefill q{q} issue19"
-    for q in ISSUE19_QUERY_LENS
-    for bs in ISSUE19_BLOCK_SIZES
+    f"paged_attention/hd128 gqa4 bs{bs} NHD prefill q{q} long"
+    for q in LONG_PREFILL_QUERY_LENS
+    for bs in LONG_PREFILL_BLOCK_SIZES
 ]
 
 
@@ -33,8 +33,9 @@ def _cases():
     return [by_id[i] for i in IDS]
 
 
-def test_issue19_cases_are_in_the_table():
-    assert ISSUE19_QUERY_LENS == (512, 2048, 4096) and ISSUE19_BLOCK_SIZES == (16, 544, 2048)
+def test_long_prefill_cases_are_in_the_table():
+    assert LONG_PREFILL_QUERY_LENS == (512, 2048, 4096)
+    assert LONG_PREFILL_BLOCK_SIZES == (16, 544, 2048)
     for case in _cases():
         p = dict(case.params)
         assert (p["num_q_heads"], p["num_kv_heads"], p["head_dim"]) == (32, 8, 128)
@@ -42,7 +43,7 @@ def test_issue19_cases_are_in_the_table():
 
 
 @pytest.mark.parametrize("arch", TARGETS)
-def test_issue19_cases_plan_the_policy_tile(arch):
+def test_long_prefill_cases_plan_the_policy_tile(arch):
     """Every case launches ``paged_tiles`` of its problem, and it is one tile per target."""
     target = get_target(arch)
     seen = set()
@@ -59,7 +60,7 @@ def test_issue19_cases_plan_the_policy_tile(arch):
     assert len(seen) == 1, seen
 
 
-def test_issue19_tiles_compile_without_spills_within_lds():
+def test_long_prefill_tiles_compile_without_spills_within_lds():
     cells = run_matrix(_cases(), TARGETS, jobs=2)
     assert len(cells) == len(IDS) * len(TARGETS)
     for c in cells:
