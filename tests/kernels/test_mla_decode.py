@@ -15,7 +15,7 @@ from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
 from portattn.kernels.page_indices import expand_page_indices
 from portattn.platform import get_target, target_for_tensor
 from portattn.policy.common import next_pow2
-from portattn.policy.mla import MlaProblem, mla_decode_tiles
+from portattn.policy.mla import MlaConfig, MlaProblem, mla_decode_tiles
 from tests.helpers import assert_low_precision_close
 
 pytestmark = pytest.mark.mla
@@ -174,19 +174,15 @@ def test_split_kv_reduce(dk, r, heads, splits, q_lens, seq_lens, device):
     assert [x.name for x in launches] == ["mla_decode", "mla_decode_reduce"]
 
 
-@pytest.mark.parametrize(("prefetch_rows", "v_reload"), [(True, True), (True, False)])
-def test_prefetched_rows_and_value_reload(prefetch_rows, v_reload, device):
+def test_prefetched_rows(device):
     # tile i+1's rows are computed during tile i: 40 tokens = 3 tiles of 16, a split boundary,
     # a sequence shorter than one tile; verification tokens
     dk, r, heads = 288, 256, 4
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 16, (2, 1), (40, 9), torch.float32, device)
-    tiles = dataclasses.replace(
-        _split_tiles(get_target("sm_90"), dk, r, heads, 2),
-        prefetch_rows=prefetch_rows,
-        v_reload=v_reload,
-    )
+    tiles = dataclasses.replace(_split_tiles(get_target("sm_90"), dk, r, heads, 2),
+                                prefetch_rows=True)  # fmt: skip
     launches = _run_checked(q, cache, bt, sl, qsl, r, tiles)
-    assert launches[0].args["PREFETCH_ROWS"] is prefetch_rows
+    assert launches[0].args["PREFETCH_ROWS"] is True
 
 
 def _poison_unowned_rows(cache, bt, sl):
@@ -595,21 +591,19 @@ def _restride(q, form):
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["contiguous", "padded", "dim2", "odd"])
 @pytest.mark.parametrize("store_smem", [True, False])
-def test_gpu_sm90_query_and_output_forms(form, store_smem, monkeypatch):
+def test_gpu_sm90_query_and_output_forms(form, store_smem):
     """One split (the kernel writes the bf16 output itself) with a query and an output of the
     same form: contiguous, padded rows (still aligned), head dim stride 2, or rows not 16-byte
     aligned (16-byte stores only into aligned rows, ``OUT_VEC``); the output through shared
     memory or straight from the accumulators. Every path against the oracle."""
-    from portattn.policy import mla as mla_policy
-
     target = _sm90_target()
-    monkeypatch.setattr(mla_policy, "SM90_STORE_SMEM", store_smem)
     q, cache, bt, sl, qsl = make_inputs(576, 512, 128, 64, (1, 3, 2), (4100, 70, 3),
                                         torch.bfloat16, "cuda")  # fmt: skip
     _poison_unowned_rows(cache, bt, sl)
     q = _restride(q, form)
     out = _restride(torch.zeros(q.shape[0], 128, 512, dtype=q.dtype, device="cuda"), form)
-    launch = _check_sm90(target, q, cache, bt, sl, qsl, 512, 1, out=out)
+    config = MlaConfig(store_smem=store_smem)
+    launch = _check_sm90(target, q, cache, bt, sl, qsl, 512, 1, out=out, config=config)
     assert launch.args["NUM_SPLITS"] == 1 and launch.outputs[0] is out
     assert launch.args["OUT_VEC"] is (form in ("contiguous", "padded"))
     assert launch.args["STORE_SMEM"] is store_smem
@@ -634,10 +628,10 @@ def check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale):
     torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-3, atol=1e-3)
 
 
-def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None, out=None):
+def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None, out=None, config=None):
     """Run the sm_90 kernel (the policy's tiles, ``splits`` when given; ``pages``: page_indices
-    instead of ``bt``; ``out``: the output tensor to write) and check it against the fp64
-    oracle, output and lse. The main launch."""
+    instead of ``bt``; ``out``: the output tensor to write; ``config``: its schedule) and check
+    it against the fp64 oracle, output and lse. The main launch."""
     heads, dk = q.shape[1:]
     scale = 1 / math.sqrt(dk)
     max_len = int(sl.max())
@@ -648,6 +642,7 @@ def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None, out=None):
     launches = plan_mla_decode(
         q, cache, None if pages is not None else bt, sl, kv_lora_rank=r, scale=scale,
         query_start_loc=qsl, return_lse=True, tiles=tiles, page_indices=pages, out=out,
+        config=config,
     )  # fmt: skip
     assert launches[0].name == "mla_decode_sm90"
     run_all(launches)

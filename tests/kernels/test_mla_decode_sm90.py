@@ -14,8 +14,14 @@ from portattn.compile import default_cases, run_matrix
 from portattn.compile.worker import compile_kernel
 from portattn.kernels._launch import rows_aligned
 from portattn.kernels.mla_decode import plan_mla_decode
-from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_gathers, sm90_smem_bytes
+from portattn.kernels.mla_decode_sm90 import (
+    sm90_errors,
+    sm90_gathers,
+    sm90_smem_bytes,
+    trace_elements,
+)
 from portattn.platform import get_target
+from portattn.policy.mla import MlaConfig
 from tests.helpers import in_spawned_workers
 
 SM90 = get_target("sm_90")
@@ -61,12 +67,12 @@ def test_gather_takes_what_tma_cannot(block_size, slots, gathers):
     assert sm90_errors(cache, 512, 64, 64, SM90, paged_slots=slots) == []
 
 
-def _plan(block_size, slots, heads=128, ctx=4096, seqs=4):
+def _plan(block_size, slots, heads=128, ctx=4096, seqs=4, **more):
     meta = dict(device="meta")
     q = torch.empty(seqs, heads, 576, dtype=torch.bfloat16, **meta)
     cache = _cache(pages=seqs * ctx // block_size + 1, block_size=block_size)
     sl = torch.empty(seqs, dtype=torch.int32, **meta)
-    kw = dict(kv_lora_rank=512, scale=0.05, target=SM90)
+    kw = dict(kv_lora_rank=512, scale=0.05, target=SM90, **more)
     if slots:
         pages = (torch.empty(seqs + 1, dtype=torch.int32, **meta),
                  torch.empty(seqs * ctx, dtype=torch.int32, **meta))  # fmt: skip
@@ -165,9 +171,10 @@ def _policy_tiles(q, kv_lora_rank=512):
     return mla_decode_tiles(SM90, problem)
 
 
-def test_launch_takes_the_store_switch_and_the_output_alignment(monkeypatch):
+def test_launch_takes_the_config_and_the_output_alignment():
     """16-byte output stores only into aligned rows (``OUT_VEC``, the one-split output or the
-    partial results); the output through shared memory by the switch, read at planning."""
+    partial results); the output through shared memory as the config says (the policy's:
+    `mla_config`, or the one passed)."""
     meta = dict(device="meta")
     cache = _cache(pages=65, block_size=64)
     sl = torch.empty(4, dtype=torch.int32, **meta)
@@ -181,18 +188,38 @@ def test_launch_takes_the_store_switch_and_the_output_alignment(monkeypatch):
     odd_out = torch.empty(4, 128, 520, dtype=torch.bfloat16, **meta)[..., 1:513]
     assert plan_mla_decode(q, cache, bt, sl, out=odd_out, **one)[0].args["OUT_VEC"] is False
     assert plan_mla_decode(q, cache, bt, sl, **one)[0].args["OUT_VEC"] is True
+    off = plan_mla_decode(q, cache, bt, sl, config=MlaConfig(store_smem=False), **one)[0]
+    assert off.args["STORE_SMEM"] is False
 
 
-def test_trace_buffer_builds_traced_launches_only_while_set(monkeypatch):
-    """The diagnostic trace (bench/trace_mla.py) is a launch argument read at planning: set, the
-    launch stamps into the buffer; unset, the kernel is built without the stamps."""
-    import portattn.kernels.mla_decode_sm90 as sm90
+@pytest.mark.parametrize(
+    ("config", "error", "match"),
+    [
+        ({"store_smem": True}, TypeError, r"mla_decode: config must be None or an MlaConfig; got"),
+        (MlaConfig(store_smem=True), ValueError,
+         r"mla_decode: config.store_smem must be False at kv_lora_rank 256 \(the shared-memory "
+         r"store is built for ranks \(512,\)\); got True"),
+    ],
+)  # fmt: skip
+def test_config_is_validated(config, error, match):
+    meta = dict(device="meta")
+    q = torch.empty(4, 128, 320, dtype=torch.bfloat16, **meta)
+    bt = torch.empty(4, 16, dtype=torch.int32, **meta)
+    sl = torch.empty(4, dtype=torch.int32, **meta)
+    with pytest.raises(error, match=match):
+        plan_mla_decode(q, _cache(pages=65, width=320), bt, sl, kv_lora_rank=256, scale=0.05,
+                        target=SM90, config=config)  # fmt: skip
+    with pytest.raises(TypeError, match="MlaConfig: store_smem must be a bool; got int"):
+        MlaConfig(store_smem=1)  # type: ignore[arg-type]
 
+
+def test_trace_builds_traced_launches_only_when_given():
+    """The diagnostic trace is a launch option: given, the launch stamps into the buffer;
+    without it, the kernel is built without the stamps."""
     main = _plan(64, False)[0]
     assert main.args["TRACE"] is False
-    buf = torch.empty(1 << 22, dtype=torch.int64, device="meta")
-    monkeypatch.setattr(sm90, "TRACE_BUFFER", buf)
-    main = _plan(64, False)[0]
+    buf = torch.empty(trace_elements(main.grid[0]), dtype=torch.int64, device="meta")
+    main = _plan(64, False, trace=buf)[0]
     assert main.args["TRACE"] is True and main.args["trace_ptr"] is buf
 
 
@@ -211,12 +238,22 @@ def test_output_through_shared_memory_only_at_the_rank_a_gpu_ran():
         assert (main.name, main.args["STORE_SMEM"]) == ("mla_decode_sm90", smem)
 
 
-def test_trace_buffer_too_small_is_refused(monkeypatch):
-    import portattn.kernels.mla_decode_sm90 as sm90
-
-    monkeypatch.setattr(sm90, "TRACE_BUFFER", torch.empty(16, dtype=torch.int64, device="meta"))
-    with pytest.raises(ValueError, match="TRACE_BUFFER must be an int64 tensor on meta of at"):
-        _plan(64, False)
+@pytest.mark.parametrize(
+    ("trace", "heads", "error", "match"),
+    [
+        (torch.empty(16, dtype=torch.int64, device="meta"), 128, ValueError,
+         "mla_decode: trace must be an int64 tensor on meta of at least 1052672 elements"),
+        (torch.empty(16, dtype=torch.int32, device="meta"), 128, TypeError,
+         "mla_decode: trace must be None or an int64 tensor; got tensor of dtype torch.int32"),
+        (torch.empty(16, dtype=torch.int64), 128, ValueError,
+         "mla_decode: trace must be on query's device meta; got cpu"),
+        (torch.empty(1 << 24, dtype=torch.int64, device="meta"), 16, ValueError,
+         "mla_decode: trace must be None where the launch runs the portable kernel"),
+    ],
+)  # fmt: skip
+def test_trace_is_validated(trace, heads, error, match):
+    with pytest.raises(error, match=match):
+        _plan(64, False, heads=heads, seqs=64 if heads == 16 else 4, trace=trace)
 
 
 def _case_ptx(name: str) -> str:

@@ -15,8 +15,7 @@ from portattn.kernels._launch import run_all
 from portattn.kernels.mla_decode import plan_mla_decode
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import get_target
-from portattn.policy import mla as mla_policy
-from portattn.policy.mla import MlaProblem, mla_decode_tiles, mla_row_groups
+from portattn.policy.mla import MlaConfig, MlaProblem, mla_decode_tiles, mla_row_groups
 from tests.kernels.test_mla_decode import (
     _poison_unowned_rows,
     check,
@@ -263,12 +262,10 @@ def test_gpu_sm90_packed(dk, r, heads, q_lens, seq_lens, splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("store_smem", [True, False])
-def test_gpu_sm90_packed_one_split(store_smem, monkeypatch):
+def test_gpu_sm90_packed_one_split(store_smem):
     """Packed rows with one split: the kernel writes each real row's bf16 output to its (token,
     head) itself, through shared memory or from the accumulators."""
-
     target = _sm90_target()
-    monkeypatch.setattr(mla_policy, "SM90_STORE_SMEM", store_smem)
     dk, r, heads, q_lens, seq_lens = 576, 512, 16, (8, 3, 6), (5000, 130, 6)
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 64, q_lens, seq_lens, torch.bfloat16, "cuda")
     _poison_unowned_rows(cache, bt, sl)
@@ -278,7 +275,7 @@ def test_gpu_sm90_packed_one_split(store_smem, monkeypatch):
     scale = 1 / math.sqrt(dk)
     launches = plan_mla_decode(
         q, cache, bt, sl, kv_lora_rank=r, scale=scale, query_start_loc=qsl, return_lse=True,
-        tiles=tiles,
+        tiles=tiles, config=MlaConfig(store_smem=store_smem),
     )  # fmt: skip
     main = launches[0]
     assert main.name == "mla_decode_sm90" and main.args["PACKED"] is True

@@ -38,6 +38,7 @@ from portattn.kernels.paged_attention import paged_attention, plan_paged_attenti
 from portattn.layout import empty_kv_cache
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import get_target, set_target_override, target_override
+from portattn.policy.mla import MlaConfig
 from tests.kernels.test_mla_decode import make_inputs
 from tests.kernels.test_paged_attention import check, make_batch
 
@@ -573,10 +574,10 @@ def _meta_mla(max_seq_len, seqs=4):
                                  kv_lora_rank=r, head_dim_k=dk, dtype=torch.bfloat16,
                                  device="meta", max_seq_len=max_seq_len)  # fmt: skip
 
-    def call(md, n=seqs):
+    def call(md, n=seqs, **kw):
         q = torch.empty(n, heads, dk, dtype=torch.bfloat16, device="meta")
         sl = torch.empty(n, dtype=torch.int32, device="meta")
-        return mla_decode(q, cache, table[:n], sl, kv_lora_rank=r, scale=0.05, metadata=md)
+        return mla_decode(q, cache, table[:n], sl, kv_lora_rank=r, scale=0.05, metadata=md, **kw)
 
     def build(n=seqs):
         return builder.build(torch.empty(n, dtype=torch.int32, device="meta"))
@@ -619,6 +620,25 @@ def test_mla_metadata_hits_by_value(max_seq_len, no_launch):
     md4 = dataclasses.replace(md, tiles=tiles)
     assert _metadata_key(md4)[0] != exact
     assert (_metadata_key(md4)[1] is None) == split
+
+
+def test_mla_config_is_part_of_the_key(no_launch):
+    """A passed `MlaConfig` is described by value: it is in the key, equal configs share a plan
+    (the probe's too), another config or none is another plan."""
+    assert describe(MlaConfig(store_smem=True)) == MlaConfig(store_smem=True)
+    call, build = _meta_mla(4096)
+    md = build()
+    call(md)
+    call(md)
+    assert (PLANS.hits, PLANS.misses) == (1, 1)
+    call(md, config=MlaConfig(store_smem=True))
+    call(md, config=MlaConfig(store_smem=True))  # an equal object: a hit
+    assert (PLANS.hits, PLANS.misses) == (2, 2)
+    call(md, config=MlaConfig(store_smem=False))
+    assert (PLANS.hits, PLANS.misses) == (2, 3)
+    keys = list(PLANS._plans)
+    assert [MlaConfig(store_smem=True) in k for k in keys] == [False, True, False]
+    assert [MlaConfig(store_smem=False) in k for k in keys] == [False, False, True]
 
 
 def test_mla_metadata_memo_checks_values(no_launch):

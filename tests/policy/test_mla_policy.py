@@ -252,3 +252,21 @@ def test_sm90_gathers_rows_of_slots_and_odd_pages():
         True,
     ]
     assert sm90_gathers(64, True)  # page_indices address single slots
+
+
+@pytest.mark.parametrize(
+    ("arch", "dk", "rank", "store_smem"),
+    [("sm_90", 576, 512, True), ("sm_90", 320, 256, False), ("sm_80", 576, 512, False)],
+)
+def test_config_stores_through_shared_memory_at_the_rank_a_gpu_ran(arch, dk, rank, store_smem):
+    """`mla_config`: the Hopper kernel's one-split output through shared memory at rank 512
+    only (`SM90_STORE_SMEM_RANKS`); other targets never run that kernel."""
+    from portattn.policy.mla import MlaConfig, mla_config, mla_config_errors
+
+    config = mla_config(get_target(arch), MlaProblem(128, dk, rank, 2, 64, 4096))
+    assert config == MlaConfig(store_smem=store_smem)
+    assert mla_config_errors(config, rank) == []
+    assert mla_config_errors(MlaConfig(store_smem=True), 256) == [
+        "config.store_smem must be False at kv_lora_rank 256 (the shared-memory store is built "
+        "for ranks (512,)); got True"
+    ]

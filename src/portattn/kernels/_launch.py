@@ -132,11 +132,23 @@ def rows_aligned(t: torch.Tensor) -> bool:
     )
 
 
-def check_trace_buffer(buf: torch.Tensor, need: int, device: torch.device, layout: str) -> None:
-    """A Gluon kernel's diagnostic ``TRACE_BUFFER``: int64, on the launch's device, at least
-    ``need`` elements (``layout`` names its dimensions in the error)."""
-    if buf.dtype != torch.int64 or buf.device != device or buf.numel() < need:
-        raise ValueError(
-            f"TRACE_BUFFER must be an int64 tensor on {device} of at least {need} elements "
-            f"({layout}); got {buf.dtype} on {buf.device}, {buf.numel()} elements"
-        )
+def check_trace_buffer(
+    trace: Any, need: int, device: torch.device, layout: str, op: str | None = None
+) -> None:
+    """A Gluon kernel's diagnostic ``trace`` buffer: an int64 tensor on the launch's device of at
+    least ``need`` elements (``layout`` names its dimensions, ``op`` prefixes the error).
+
+    Raises:
+        ValueError: naming ``trace`` and the rule.
+    """
+    if isinstance(trace, torch.Tensor):
+        if trace.dtype == torch.int64 and trace.device == device and trace.numel() >= need:
+            return
+        got = f"{trace.dtype} on {trace.device}, {trace.numel()} elements"
+    else:
+        got = type(trace).__name__
+    prefix = f"{op}: " if op else ""
+    raise ValueError(
+        f"{prefix}trace must be an int64 tensor on {device} of at least {need} elements "
+        f"({layout}); got {got}"
+    )

@@ -90,7 +90,15 @@ from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_gathers, sm90_lau
 from portattn.layout import describe_kv_cache, is_block_contiguous
 from portattn.mla_metadata import MlaMetadata
 from portattn.platform import Target, override_key, target_for_tensor
-from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles, mla_row_groups
+from portattn.policy.mla import (
+    MlaConfig,
+    MlaProblem,
+    MlaTiles,
+    mla_config,
+    mla_config_errors,
+    mla_decode_tiles,
+    mla_row_groups,
+)
 
 # Any block size: the kernel addresses block and in-block offset separately.
 SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
@@ -182,7 +190,7 @@ def _online_step(
     q_pe,  # [BLOCK_H, BLOCK_DPE] (unused when BLOCK_DPE == 0)
     lat,  # [BLOCK_N, BLOCK_DV] K's latent part
     pe,  # [BLOCK_N, BLOCK_DPE] K's rope part (unused when BLOCK_DPE == 0)
-    v,  # [BLOCK_N, BLOCK_DV] V (the latent tile itself, or its reload)
+    v,  # [BLOCK_N, BLOCK_DV] V (the latent tile itself)
     mask_s,  # [1 or BLOCK_H, BLOCK_N] scores inside the (row's) causal range
     m_i,
     l_i,
@@ -276,7 +284,6 @@ def _mla_decode_kernel(
     TOK_SPLIT: tl.constexpr,
     DIM_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    V_RELOAD: tl.constexpr,
     PREFETCH_ROWS: tl.constexpr,
     TMA: tl.constexpr,
     PACKED: tl.constexpr,
@@ -487,8 +494,7 @@ def _mla_decode_kernel(
             kv_ptr + row[:, None] + dv_off[None, :],
             mask=mask_n[:, None] & mask_dv[None, :],
             other=0.0,
-            eviction_policy="evict_last" if V_RELOAD else "",
-        )  # [BLOCK_N, BLOCK_DV]: K's latent part AND V (K's only with V_RELOAD)
+        )  # [BLOCK_N, BLOCK_DV]: K's latent part AND V
         if BLOCK_DPE > 0:
             pe = tl.load(
                 kv_ptr + row[:, None] + pe_off[None, :],
@@ -497,15 +503,6 @@ def _mla_decode_kernel(
             )  # [BLOCK_N, BLOCK_DPE]
         else:
             pe = lat
-        if V_RELOAD:  # a second load of the same rows (L2 hit): one dot use per load
-            v = tl.load(
-                kv_ptr + row[:, None] + dv_off[None, :],
-                mask=mask_n[:, None] & mask_dv[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
-        else:
-            v = lat
         if PACKED:  # noqa: SIM108 (a constexpr branch, not a runtime select)
             mask_s = offs_n[None, :] < row_end[:, None]
         else:
@@ -515,7 +512,7 @@ def _mla_decode_kernel(
             q_pe,
             lat,
             pe,
-            v,
+            lat,
             mask_s,
             m_i,
             l_i,
@@ -688,6 +685,8 @@ def _type_errors(
     page_indices,
     metadata,
     return_lse,
+    config,
+    trace,
 ) -> list[str]:
     errors = []
     if not isinstance(query, torch.Tensor) or query.dtype not in FLOAT_DTYPES:
@@ -725,6 +724,10 @@ def _type_errors(
             errors.append(f"{name} must be an int32/int64 tensor; got {_desc(t)}")
     if metadata is not None and not isinstance(metadata, MlaMetadata):
         errors.append(f"metadata must be None or an MlaMetadata; got {_desc(metadata)}")
+    if config is not None and not isinstance(config, MlaConfig):
+        errors.append(f"config must be None or an MlaConfig; got {_desc(config)}")
+    if trace is not None and not _is(trace, (torch.int64,)):
+        errors.append(f"trace must be None or an int64 tensor; got {_desc(trace)}")
     return errors
 
 
@@ -743,6 +746,8 @@ def _value_errors(
     out,
     page_indices,
     metadata,
+    config,
+    trace,
 ) -> list[str]:
     """Shape, device and scalar problems; arguments with a type problem (`_type_errors`) are
     skipped, so both lists together name every problem of a call."""
@@ -849,6 +854,7 @@ def _value_errors(
         ("out", out),
         ("page_indices", indptr),
         ("page_indices", indices),
+        ("trace", trace),
     ]
     if isinstance(query, torch.Tensor):
         for name, t in tensors:
@@ -886,6 +892,8 @@ def _value_errors(
                 f"metadata workspaces must be on query's device {query.device}; got "
                 f"{md.partial_out.device}"
             )
+    if isinstance(config, MlaConfig) and is_int(kv_lora_rank):
+        errors += mla_config_errors(config, kv_lora_rank)
     return errors
 
 
@@ -985,6 +993,8 @@ def plan_mla_decode(
     page_indices: tuple[torch.Tensor, torch.Tensor] | None = None,
     metadata: MlaMetadata | None = None,
     target: Target | None = None,
+    config: MlaConfig | None = None,
+    trace: torch.Tensor | None = None,
     tiles: MlaTiles | None = None,
     check_contents: bool | None = None,
 ) -> list[Launch]:
@@ -1009,6 +1019,8 @@ def plan_mla_decode(
         page_indices,
         metadata,
         return_lse,
+        config,
+        trace,
     )
     p = Problems(_OP)
     for reason in errors:
@@ -1025,6 +1037,8 @@ def plan_mla_decode(
             out,
             page_indices,
             metadata,
+            config,
+            trace,
         )
     )
     if tiles is not None and metadata is not None:
@@ -1034,7 +1048,7 @@ def plan_mla_decode(
                  ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)]  # fmt: skip
         if page_indices is not None:
             reads += [("page_indices[0]", page_indices[0]), ("page_indices[1]", page_indices[1])]
-        written = [("out", out)]
+        written = [("out", out), ("trace", trace)]
         if metadata is not None and metadata.tiles.num_kv_splits > 1:
             written += [("metadata.partial_out", metadata.partial_out),
                         ("metadata.partial_lse", metadata.partial_lse)]  # fmt: skip
@@ -1075,20 +1089,17 @@ def plan_mla_decode(
         max_query_len = longest if longest is not None else max(1, num_tokens)
 
     # -- tiles: injected, the metadata's (never recomputed), or the policy's --
+    slots = page_indices is not None
+    # rows gathered, by a launch the sm_90 kernel could take (the wide tile below 64 heads)
+    gathers = sm90_gathers(kv_cache, slots) and not sm90_errors(
+        kv_cache, kv_lora_rank, SM90_BLOCK_H, SM90_BLOCK_N, target, slots
+    )
+    problem = MlaProblem(
+        num_heads, head_dim_k, kv_lora_rank, query.element_size(), num_tokens, max_context,
+        max_query_len, gathers,
+    )  # fmt: skip
     if tiles is None:
-        if metadata is not None:
-            tiles = metadata.tiles
-        else:
-            # rows gathered, by a launch the sm_90 kernel could take (SM90_GATHER_WIDE)
-            slots = page_indices is not None
-            gathers = sm90_gathers(kv_cache, slots) and not sm90_errors(
-                kv_cache, kv_lora_rank, SM90_BLOCK_H, SM90_BLOCK_N, target, slots
-            )
-            problem = MlaProblem(
-                num_heads, head_dim_k, kv_lora_rank, query.element_size(), num_tokens,
-                max_context, max_query_len, gathers,
-            )  # fmt: skip
-            tiles = mla_decode_tiles(target, problem)
+        tiles = metadata.tiles if metadata is not None else mla_decode_tiles(target, problem)
     splits = tiles.num_kv_splits
     row_groups = mla_row_groups(tiles, num_heads, max_query_len)
 
@@ -1217,7 +1228,6 @@ def plan_mla_decode(
             # like the paged kernel), and gfx90a/gfx950 reject "tf32" even for 16-bit operands
             # (compile matrix: 38 MLA cells failed with it).
             DOT_PRECISION="ieee",
-            V_RELOAD=tiles.v_reload,
             PREFETCH_ROWS=tiles.prefetch_rows,
             TMA=tma,
             PACKED=tiles.packed,
@@ -1234,7 +1244,14 @@ def plan_mla_decode(
     if tiles.sm90_kernel and not sm90_errors(
         kv_cache, kv_lora_rank, tiles.block_h, tiles.block_n, target, page_indices is not None
     ):
-        main = sm90_launch(main, kv_cache, kv_lora_rank)
+        if config is None:
+            config = mla_config(target, problem)
+        main = sm90_launch(main, kv_cache, kv_lora_rank, config, trace)
+    elif trace is not None:
+        raise ValueError(
+            f"{_OP}: trace must be None where the launch runs the portable kernel (only the sm_90 "
+            "kernel stamps a trace); got a tensor"
+        )
     if splits == 1:
         return [main]
     reduce = Launch(
@@ -1318,6 +1335,8 @@ def mla_decode(
     page_indices: tuple[torch.Tensor, torch.Tensor] | None = None,
     metadata: MlaMetadata | None = None,
     target: Target | None = None,
+    config: MlaConfig | None = None,
+    trace: torch.Tensor | None = None,
 ):
     """Absorbed-weight MLA decode / speculative verification over a paged latent cache.
 
@@ -1339,6 +1358,11 @@ def mla_decode(
         metadata: from `portattn.mla_metadata.MlaMetadataBuilder.build` (preallocated
             workspaces and the builder's tiles; needed for CUDA-graph capture).
         target: override the target (default: the tensor's device / the metadata's).
+        config: the sm_90 kernel's schedule (`portattn.policy.mla.MlaConfig`; default: the
+            policy's, `mla_config`); validated, and part of the plan cache's key.
+        trace: an int64 tensor the sm_90 kernel stamps with clock64 per pair and warpgroup
+            (`portattn.kernels.mla_decode_sm90.trace_elements` elements); a diagnostic, never
+            cached; refused where the launch runs the portable kernel.
 
     Returns:
         ``out``, or ``(out, lse)`` with ``return_lse``.
@@ -1354,7 +1378,8 @@ def mla_decode(
 
     # Cached (module _plans) only where the plan reads no contents: a GPU call with metadata.
     cacheable = (
-        isinstance(metadata, MlaMetadata)
+        trace is None
+        and isinstance(metadata, MlaMetadata)
         and isinstance(query, torch.Tensor)
         and not tensor_reads_contents(query, vouched=True)
         and (page_indices is None or isinstance(page_indices, tuple) and len(page_indices) == 2)
@@ -1376,14 +1401,14 @@ def mla_decode(
                     mask, tensors = present(inputs)
                 scalars = (_OP, _current_device(), override_key(), exact, mask, type(kv_lora_rank),
                          kv_lora_rank, type(scale), scale, type(return_lse), return_lse,
-                         page_indices is None)  # fmt: skip
+                         page_indices is None, config)  # fmt: skip
                 outs = PLANS.probe(scalars, tensors, inputs)
                 if outs is not None:
                     return outs if return_lse else outs[0]
                 guard = (scalars, tensors)
             key = call_key(
                 _OP, *inputs, kv_lora_rank, scale, return_lse, page_indices is None, target,
-                exact=exact,
+                config, exact=exact,
             )  # fmt: skip
             outs = PLANS.hit(key, inputs, guard)
             if outs is not None:
@@ -1403,6 +1428,8 @@ def mla_decode(
         page_indices=page_indices,
         metadata=metadata,
         target=target,
+        config=config,
+        trace=trace,
     )
     outs = PLANS.call(key, inputs, plan, guard)
     return outs if return_lse else outs[0]

@@ -90,6 +90,7 @@ from portattn.kernels._launch import Launch, check_trace_buffer, rows_aligned
 from portattn.platform import Target
 from portattn.policy import mla as mla_policy
 from portattn.policy.common import LaunchOptions
+from portattn.policy.mla import MlaConfig
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 #: The tile this kernel is written for (the policy's wide CUDA tile).
@@ -99,15 +100,10 @@ BLOCK_N = mla_policy.SM90_BLOCK_N
 NUM_WARPS = 4
 #: Registers per thread each warpgroup asks for (`setmaxnreg`; 8 warps share the 64K file).
 WG_REGS = 256
-#: Diagnostic trace (`TRACE`): clock stamps per pair and warpgroup, for the first pairs.
+#: Diagnostic trace (``mla_decode(trace=)``): clock64 stamps indexed ``[program, warpgroup,
+#: pair, event]`` for the first `TRACE_PAIRS` pairs; the last "pair" holds the epilogue's.
 TRACE_EVENTS = gl.constexpr(16)
 TRACE_PAIRS = gl.constexpr(256)
-#: When set (an int64 CUDA tensor of at least ``programs * 2 * (TRACE_PAIRS + 1) *
-#: TRACE_EVENTS`` elements), `sm90_launch` builds traced launches: clock64 stamps indexed
-#: ``[program, warpgroup, pair, event]`` (the last "pair" holds the epilogue's; bench/trace_mla.py).
-#: Diagnostic only; the library never sets it. It is read when a launch is planned and is not part
-#: of the op's plan-cache key: set it only around `plan_mla_decode` (as bench/trace_mla.py does).
-TRACE_BUFFER = None
 
 
 @gluon.jit
@@ -778,8 +774,25 @@ def sm90_gathers(kv_cache: torch.Tensor, paged_slots: bool) -> bool:
     return mla_policy.sm90_gathers(kv_cache.shape[1], paged_slots)
 
 
-def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Launch:
-    """The portable kernel's launch ``main``, run by this kernel (same arguments and outputs)."""
+def trace_elements(programs: int) -> int:
+    """Elements a trace buffer of a launch of ``programs`` needs (`TRACE_PAIRS` + 1 slots of
+    `TRACE_EVENTS` stamps per program and warpgroup)."""
+    return programs * 2 * (TRACE_PAIRS.value + 1) * TRACE_EVENTS.value
+
+
+def sm90_launch(
+    main: Launch,
+    kv_cache: torch.Tensor,
+    kv_lora_rank: int,
+    config: MlaConfig,
+    trace: torch.Tensor | None = None,
+) -> Launch:
+    """The portable kernel's launch ``main``, run by this kernel (same arguments and outputs),
+    with ``config``'s schedule; ``trace``: an int64 buffer the launch stamps (`trace_elements`).
+
+    Raises:
+        ValueError: ``trace`` is not an int64 tensor on the cache's device of that size.
+    """
     a = main.args
     dtype = _GL_DTYPES[kv_cache.dtype]
     rope = kv_cache.shape[2] - kv_lora_rank
@@ -805,15 +818,15 @@ def sm90_launch(main: Launch, kv_cache: torch.Tensor, kv_lora_rank: int) -> Laun
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
-        STORE_SMEM=kv_lora_rank in mla_policy.SM90_STORE_SMEM_RANKS,
-        # a placeholder pointer when off (never read)
-        trace_ptr=TRACE_BUFFER if TRACE_BUFFER is not None else a["seq_lens_ptr"],
-        TRACE=TRACE_BUFFER is not None,
+        STORE_SMEM=config.store_smem,
+        # a placeholder pointer without a trace (never read)
+        trace_ptr=trace if trace is not None else a["seq_lens_ptr"],
+        TRACE=trace is not None,
     )
-    if TRACE_BUFFER is not None:
-        need = main.grid[0] * 2 * (TRACE_PAIRS.value + 1) * TRACE_EVENTS.value
-        check_trace_buffer(TRACE_BUFFER, need, kv_cache.device,
-                           "programs x 2 x (TRACE_PAIRS + 1) x TRACE_EVENTS")  # fmt: skip
+    if trace is not None:
+        need = trace_elements(main.grid[0])
+        layout = "programs x 2 x (TRACE_PAIRS + 1) x TRACE_EVENTS"
+        check_trace_buffer(trace, need, kv_cache.device, layout, "mla_decode")
     options = LaunchOptions(NUM_WARPS, main.options.num_stages)
     return dataclasses.replace(
         main, kernel=_mla_decode_sm90_kernel, args=args, options=options, name="mla_decode_sm90"

@@ -1,67 +1,29 @@
 """Tile policy for MLA decode (absorbed weights, paged latent cache): (target, problem) -> tiles.
 
-Widths (lesson 1): the value tile comes from ``kv_lora_rank`` (``BLOCK_DV = next_pow2(rank)``), the
-rope tile from ``head_dim_k - kv_lora_rank`` (``BLOCK_DPE = next_pow2(rope)``, 0 when there is no
-rope part). The kernel loads one latent tile ``[BLOCK_N, BLOCK_DV]`` per step and uses it for both
-QK and PV, so nothing is ever sized from ``head_dim_k`` (``next_pow2(576) = 1024`` and
-``next_pow2(320) = 512`` are the widths that broke upstream).
+Widths (lesson 1): ``BLOCK_DV = next_pow2(kv_lora_rank)``, ``BLOCK_DPE = next_pow2(head_dim_k -
+kv_lora_rank)`` (0 without rope). One latent tile ``[BLOCK_N, BLOCK_DV]`` feeds both QK and PV, so
+nothing is sized from ``head_dim_k``.
 
-Heads (lesson 2): one program owns ``BLOCK_H = target.mma_min_rows`` heads of one query token (the
-``tl.dot`` M dimension needs >= 16 rows), so 1, 3, 4 or 8 heads are padded to 16 and 20 heads to
-32. ``padded_heads`` is part of the frozen tiles, and the split-KV workspaces are sized from it by
-`portattn.mla_metadata.MlaMetadataBuilder`, which holds the very object the launch consumes.
+Heads (lesson 2): a program owns ``BLOCK_H >= target.mma_min_rows`` heads of one token (the dot's
+M), so 1-8 heads pad to 16 and 20 to 32; ``padded_heads`` is part of the frozen tiles, which
+`portattn.mla_metadata.MlaMetadataBuilder` sizes its workspaces from.
 
-Shared memory (explicit budget, `mla_smem_bytes`)::
+Budgets: `mla_smem_bytes` (latent + rope tiles per buffer, the query tiles, P) within the target's
+shared memory, and `mla_reg_estimate` (accumulator + one tile, 32-bit registers per thread) at most
+`REG_BUDGET`.
 
-    (BLOCK_N * BLOCK_DV + BLOCK_N * BLOCK_DPE) * elem * buffers       latent + rope tiles
-  + BLOCK_H * (BLOCK_DV + BLOCK_DPE) * elem                            query tiles (dot operands)
-  + BLOCK_H * BLOCK_N * elem                                           P (the PV dot's A operand)
+Narrow tile (every target): ``BLOCK_H = mma_min_rows``, the longest ``BLOCK_N`` that pipelines
+within both budgets at the fewest warps. Wide tile (`WIDE_ARCHS`, 64 heads or more, packed rows,
+or gathered rows on sm_90): 64 heads a program, so the latent is read once for 64 heads. On sm_90
+the wide 16-bit tile runs the Gluon kernel (`portattn.kernels.mla_decode_sm90`), whose schedule
+choices are `MlaConfig` (`mla_config`).
 
-``buffers`` is ``num_stages - 1`` for tiles that prefetch block-table rows (the latent load then
-depends only on loop-carried values, and Triton 3.6 multi-buffers it: sm_90 compiles of H16 N32 s3
-and H16 N64 s3 allocate exactly 93184 and 167936 B), else ``num_stages`` (an upper bound: Triton
-3.6 gives a gathered latent tile whose address depends on a load of the same iteration one buffer).
+Packed rows (verification): on sm_90, fewer than 64 heads and ``max_query_len * num_heads >=
+PACK_MIN_ROWS`` take the wide tile with rows (query token, head) of one sequence, so its tokens
+read the cache once per tile; programs per sequence and split: `mla_row_groups`.
 
-Registers (`mla_reg_estimate`, 32-bit registers per thread): the fp32 accumulator
-``BLOCK_H * BLOCK_DV / threads`` plus the latent + rope tile ``BLOCK_N * (BLOCK_DV + BLOCK_DPE) *
-elem / 4 / threads``, at most `REG_BUDGET`. Calibrated on sm_90 compiles (bench/NOTES.md, attempt
-1): H16 N64 4 warps = 64 + 144 = 208 spills ~200 registers; H16 N32 4 warps = 136 compiles to 225
-registers without spills; H16 N64 8 warps = 104 compiles to 181; H64 N64 8 warps = 200 compiles to
-255 without spills.
-
-Tiles, narrow (every target, and every head count without the wide tile): ``BLOCK_H =
-mma_min_rows``; the longest ``BLOCK_N`` within both budgets at >= 2 stages, at the fewest warps
-(4, else 8) whose register estimate fits. Worked numbers for 576/512 bf16: N64 needs 8 warps
-(4 would spill); its 2-stage estimate 167936 B fits sm_90/sm_100 (232448 B) but not sm_80
-(166912 B), which, like the 99 KB parts, takes N32 x 4 warps (93184 B); 64 KB AMD parts get
-N16 x 2 = 55808 B. Measured on an H100 (bench/RESULTS.md, 2026-11-22, 16 heads, batch 64, each
-at its best split count): N64 w8 38.8 / 115.0 / 419.3 us at 1k / 4k / 16k against N32 w4
-41.8 / 117.3 / 420.4 us.
-
-Tiles, wide (CUDA, ``num_heads >= WIDE_BLOCK_H``): ``BLOCK_H 64``, 8 warps, BLOCK_N 64 (else 32)
-at 2 stages. One program reads the latent once for 64 heads instead of 16 (4x fewer bytes) and
-its dots have M = 64 (the warpgroup MMA shape). Sweep: 128 heads, 4k: H64 N64 s2 w8 x2 357.5 us
-against 858.9 us for H16; 16k: 1322 us against 3405 us. sm_90: N64 = 229376 B of 232448
-B; sm_80: N32 = 151552 B; the 99 KB parts do not fit it and stay narrow. HIP stays narrow (the
-register calibration is NVIDIA's; no AMD measurement yet).
-
-Packed rows (verification, `PACK_QUERY_ROWS`): on sm_90, 16-bit caches with fewer than 64 heads
-and ``max_query_len * num_heads >= PACK_MIN_ROWS`` take the wide tile with rows (query token,
-head) of one sequence, so a sequence's query tokens read its cache once per tile; programs per
-sequence and split: `mla_row_groups`. Unmeasured (bench/NOTES.md, issue 18).
-
-Split-KV: with few (token, head-group) programs the GPU idles, so the context is split into
-``num_kv_splits`` chunks whose partial results a reduce kernel merges. `mla_num_kv_splits` takes
-the most splits whose programs fit ONE wave of resident slots (``programs_per_sm * num_sms``),
-never gives a split fewer than ``MIN_TOKENS_PER_SPLIT`` context tokens, and is capped at
-``MAX_KV_SPLITS``. Resident programs per SM: on CUDA the narrow tile's shared-memory estimate
-decides (``max_shared_mem // smem``: 1 for N64 w8, 2 for N32 w4 on sm_90), the wide tile uses
-`PROGRAMS_PER_SM_WIDE` (2) and HIP `PROGRAMS_PER_SM` (2, unmeasured). Every extra split costs a
-partial output (``padded_heads x BLOCK_DV`` fp32 written and read back), so once each program
-double-buffers its gather (prefetched rows) one full wave beats several. Measured on an H100
-(132 SMs, 16 heads, 64 tokens, 4k): N32 w4 x4 (256 programs in 264 slots) 117.3 us against x3
-139.1, x5 169.0, x8 128.6, x16 145.1; N64 w8 x2 (128 in 132) 115.0 us against x4 125.4. (Before
-the rows were prefetched, an H200 sweep favoured ~8 programs per SM: x16 136.5 us > x9 143.9.)
+Split-KV (`mla_num_kv_splits`): the most splits whose programs fit one wave of resident slots,
+each split at least `MIN_TOKENS_PER_SPLIT` tokens, at most `MAX_KV_SPLITS`.
 """
 
 from __future__ import annotations
@@ -73,99 +35,63 @@ from portattn.policy.common import LaunchOptions, launch_options, next_pow2
 
 #: KV tile lengths tried, largest first (>= 16: the PV dot's K dimension).
 BLOCK_N_CANDIDATES: tuple[int, ...] = (64, 32, 16)
-#: Programs per multiprocessor the split count aims at on HIP (unmeasured there: two hide one
-#: program's gather latency).
+#: Programs per SM the split count aims at on HIP (two hide one program's gather latency).
 PROGRAMS_PER_SM = 2
-#: Wide CUDA tile (H64 w8, 255 registers x 256 threads = one resident per SM): 2 waves (measured).
+#: Programs per SM of the wide CUDA tile (one resident at 255 registers x 256 threads).
 PROGRAMS_PER_SM_WIDE = 2
-#: Heads per program of the wide tile (CUDA, num_heads >= this).
+#: Heads per program of the wide tile.
 WIDE_BLOCK_H = 64
-#: Where the 64-head tile is taken: the NVIDIA parts whose compile matrix cells fit it. sm_100's
-#: compile of the same tile uses 352816 B of shared memory (its MMA path stages operands
-#: differently from the estimate), over the 232448 B limit; 99 KB parts cannot hold it; HIP has no
-#: register calibration yet.
+#: NVIDIA parts whose shared memory holds the wide tile (sm_100's compile of it does not fit).
 WIDE_ARCHS = ("sm_80", "sm_90")
-#: Warps of the wide tile (its 64 x 512 fp32 accumulator is 128 registers/thread at 8 warps).
+#: Warps of the wide tile (its 64 x 512 fp32 accumulator: 128 registers a thread).
 WIDE_NUM_WARPS = 8
-#: Per-thread 32-bit register estimate allowed (`mla_reg_estimate`; calibrated on sm_90).
+#: 32-bit registers per thread the estimate may reach (calibrated on sm_90 compiles).
 REG_BUDGET = 200
-#: A split covers at least this many context tokens, so its partial result is worth the reduce.
+#: Context tokens a split covers at least, so its partial result is worth the reduce.
 MIN_TOKENS_PER_SPLIT = 256
-#: Upper bound on splits (workspace size, reduce-kernel loop length).
+#: Most splits (workspace size, reduce loop length).
 MAX_KV_SPLITS = 32
-#: Warps per program of the narrow tile, fewest first: 4 unless the register estimate needs 8
-#: (BLOCK_H 16 x BLOCK_DV 512 fp32 accumulator = 64 registers/thread at 4 warps, 32 at 8).
+#: Warps of the narrow tile, fewest first.
 NUM_WARPS = (4, 8)
-#: 4-byte (fp32) elements: the kernel's dots run in exact fp32 (``input_precision="ieee"``), which
-#: no tensor core does, so each dot holds both operands in registers (FMA dots) and the register
-#: model above (16-bit MMA operands read from shared memory) does not hold. Compiled with Triton
-#: 3.6 on a CPU (compile matrix, 2026-11-24), H16 at 2 stages: sm_90 576/512 N32 w4 spills 1188 B,
-#: N16 w8 uses 90 registers; 320/256 N32 w4 spills 9928 B (N64 w4, the 16-bit rule's choice,
-#: 38176 B), N16 w8 64 registers; gfx942 320/256 N32 w8 spills 99 VGPRs, N16 w8 214 VGPRs and no
-#: spill. So fp32 takes the narrowest KV tile at 8 warps, never the wide tile, and never the
-#: prefetched rows (below).
+#: fp32 dots are exact FMA loops with both operands in registers: the narrowest tile at 8 warps,
+#: never the wide tile or prefetched rows (wider ones spill).
 FP32_BLOCK_N = 16
 FP32_NUM_WARPS = 8
 #: Warps of the split-KV reduce kernel.
 REDUCE_NUM_WARPS = 4
-#: The deepest pipeline the policy asks for (a target may cap it lower): 3 stages measured slower
-#: than 2 on sm_90 (more registers, no extra shared memory: the gather is not multi-buffered).
+#: The deepest pipeline asked for (3 stages ran slower on sm_90: more registers, no extra buffer).
 MAX_STAGES = 2
-#: Pipeline depth of the narrow NVIDIA tile when it prefetches block-table rows (see below):
-#: two latent buffers.
+#: Pipeline depth of a narrow NVIDIA tile that prefetches its rows: two latent buffers.
 PREFETCH_STAGES = 3
-#: CUDA targets from this capability have the bulk-copy engine (TMA): whole tiles inside one page
-#: come through tensor descriptors (`MlaTiles.tma`). Measured on an H100 (bench/RESULTS.md,
-#: 2026-11-22): 128 heads 16k 1312.7 -> 1101.1 us, 4k 359.4 -> 300.5 us; 16 heads 16k
-#: 429.2 -> 414.1 us, 4k 116.9 -> 115.1 us.
+#: Capability from which whole tiles inside one page come by TMA (`MlaTiles.tma`).
 TMA_MIN_CAPABILITY = 90
-#: Where the wide tile runs the Hopper kernel (`portattn.kernels.mla_decode_sm90`). Measured on an
-#: H100 (bench/RESULTS.md, 2026-11-22), 128 heads, batch 64, against the portable kernel with
-#: descriptor tiles at its best split: 16k 1101.1 -> 749.9 us, 4k 296.7 -> 209.2 us, 1k 101.1 ->
-#: 63.7 us (one split: 128 programs, one wave; two splits: 765.2 / 218.1 / 82.4 us). Its seesaw
-#: schedule (332b8e9): 549.6 / 145.0 / 55.6 us, one split still best (x2: 599.3 / 182.4 / 82.3).
+#: Where the wide 16-bit tile runs the Hopper kernel (`portattn.kernels.mla_decode_sm90`).
 SM90_KERNEL_ARCHS = ("sm_90",)
-#: The sm_90 kernel's KV tile: pages of a multiple of it are copied by TMA boxes, others gathered.
+#: The Hopper kernel's KV tile: pages of a multiple of it are copied by TMA boxes, others gathered.
 SM90_BLOCK_N = 64
+#: Latent ranks whose one-split output goes out through shared memory (`MlaConfig.store_smem`):
+#: the rank a GPU ran it at (its read-back layout depends on the half width).
+SM90_STORE_SMEM_RANKS = (512,)
+#: Where rows are packed: the Hopper kernel's 64-row tile.
+PACK_ARCHS = SM90_KERNEL_ARCHS
+#: Packed rows (``max_query_len * num_heads``) from which the 64-row tile is taken: half a tile.
+PACK_MIN_ROWS = 32
 
 
 def sm90_gathers(page_size: int, page_indices: bool) -> bool:
-    """Whether the sm_90 kernel gathers a launch's rows (``page_indices``, whose slots are single
-    rows, or pages that are not a multiple of `SM90_BLOCK_N` tokens) rather than copying page
-    boxes: the one rule its launcher, the planner (`MlaProblem.gathers`) and
-    `MlaMetadataBuilder` (``page_size``) use."""
+    """Whether the Hopper kernel gathers a launch's rows (``page_indices``, or pages that are not a
+    multiple of `SM90_BLOCK_N` tokens) rather than copying page boxes: the one rule its launcher,
+    the planner and `MlaMetadataBuilder` use."""
     return page_indices or page_size % SM90_BLOCK_N != 0
-
-
-#: The latent ranks it is taken at: those a GPU ran it at (its read-back layout depends on the
-#: half width); the others write straight from the accumulators.
-SM90_STORE_SMEM_RANKS = (512,)
-#: Where packing runs: the Hopper kernel's 64-row tile (the portable kernel runs packed tiles too,
-#: e.g. where `sm90_errors` refuses a cache, but has no measurement of its own).
-PACK_ARCHS = SM90_KERNEL_ARCHS
-#: Packed rows (``max_query_len * num_heads``) from which the 64-row tile is taken: half a tile.
-#: At 16 heads and q_len 2 the tile computes 32 padded rows, but the cache is read once instead
-#: of twice, and at 16 heads the step is bound by the cache read (prediction, not yet measured).
-PACK_MIN_ROWS = 32
 
 
 @dataclass(frozen=True)
 class MlaProblem:
-    """What the MLA decode policy needs to know.
-
-    Attributes:
-        num_heads: query heads (``num_q_heads``; MLA has one latent KV "head").
-        head_dim_k: query / cache width (latent + rope).
-        kv_lora_rank: latent width (= output / value width).
-        elem_size: bytes per query / cache element.
-        num_tokens: query tokens per launch (an upper bound for a metadata builder).
-        max_context: an upper bound on any sequence's context length.
-        max_query_len: an upper bound on any sequence's query tokens (1: plain decode); decides
-            row packing (`PACK_QUERY_ROWS`).
-        gathers: the launch's cache rows are gathered (``page_indices``, or pages that are not a
-            multiple of 64 tokens), not read as 64-row runs of one page; decides
-            `SM90_GATHER_WIDE`.
-    """
+    """What the MLA decode policy needs to know: ``num_heads`` query heads, ``head_dim_k``
+    (latent + rope) and ``kv_lora_rank`` (latent = value width), ``elem_size`` bytes an element,
+    ``num_tokens`` query tokens, bounds on any sequence's context (``max_context``) and query
+    tokens (``max_query_len``: packing), and whether the Hopper kernel would gather its rows
+    (``gathers``, `sm90_gathers`: on sm_90 such 16-bit launches take the wide tile)."""
 
     num_heads: int
     head_dim_k: int
@@ -182,30 +108,16 @@ class MlaTiles:
     """Frozen tiles for one MLA decode launch (and the workspaces sized from it).
 
     Attributes:
-        block_h: heads per program (the dot's M), >= ``target.mma_min_rows``.
-        padded_heads: ``num_heads`` rounded up to a multiple of ``block_h``.
-        block_n: context tokens per KV tile.
-        block_dv: latent / value tile width, ``next_pow2(kv_lora_rank)``.
-        block_dpe: rope tile width, ``next_pow2(head_dim_k - kv_lora_rank)``, 0 without rope.
+        block_h: heads per program (the dot's M); ``padded_heads``: heads rounded up to it.
+        block_n: context tokens per KV tile; ``block_dv``, ``block_dpe``: latent and rope widths.
         num_kv_splits: context splits (1: no partial results, no reduce kernel).
-        options: launch options of the attention kernel.
-        reduce_options: launch options of the split-KV reduce kernel.
+        options, reduce_options: launch options of the attention and reduce kernels.
         smem_bytes: `mla_smem_bytes` of these tiles (<= the target's limit).
-        v_reload: load the latent tile a second time for PV (one shared-memory use per load,
-            so Triton's pipeliner may multi-buffer both; the reload hits L2). A bench variant;
-            the policy leaves it off until measured.
-        prefetch_rows: compute tile i+1's row offsets (its block-table loads) during tile i, so
-            the latent load's address no longer depends on a load of the same iteration and the
-            pipeliner can give it ``num_stages - 1`` buffers (bench/NOTES.md attempt 2).
-        tma: load whole tiles that lie inside one page through tensor descriptors (the bulk
-            copy engine: one asynchronous copy per tile part instead of a per-thread gather); the
-            launch falls back to the gather where the cache or the tiles do not allow it
-            (`portattn.kernels.mla_decode`), and the partial last tile of a split is gathered.
-        sm90_kernel: run the wide tile with the Hopper kernel (`portattn.kernels.mla_decode_sm90`,
-            explicit copy/MMA schedule) where its requirements hold, else the portable kernel.
-        packed: a program's ``block_h`` rows are (query token, head) pairs of one sequence
-            (`PACK_QUERY_ROWS`); its grid has `mla_row_groups` programs per sequence and split.
-            The workspaces keep ``padded_heads`` rows per token; only real heads are written.
+        prefetch_rows: tile i+1's rows are read during tile i, so the latent load depends only
+            on loop-carried values and gets ``num_stages - 1`` buffers.
+        tma: whole tiles inside one page come by tensor descriptors where the cache allows.
+        sm90_kernel: the Hopper kernel runs the tile where its requirements hold.
+        packed: a program's rows are (query token, head) pairs of one sequence.
     """
 
     block_h: int
@@ -217,7 +129,6 @@ class MlaTiles:
     options: LaunchOptions
     reduce_options: LaunchOptions
     smem_bytes: int
-    v_reload: bool = False
     prefetch_rows: bool = False
     tma: bool = False
     sm90_kernel: bool = False
@@ -230,12 +141,8 @@ class MlaTiles:
 
 
 def mla_row_groups(tiles: MlaTiles, num_heads: int, max_query_len: int) -> int:
-    """Programs per sequence (packed tiles) or per query token (else) and split: the one place
-    the launch grid and the policy's split count take it from.
-
-    Packed: ``cdiv(max_query_len * num_heads, block_h)`` (16 heads, q_len 4, 64 rows -> 1);
-    else ``head_groups``.
-    """
+    """Programs per sequence (packed: ``cdiv(max_query_len * num_heads, block_h)``) or per
+    query token (``head_groups``) and split, for the launch grid and the split count."""
     if tiles.packed:
         return max(1, -(-max_query_len * num_heads // tiles.block_h))
     return tiles.head_groups
@@ -250,13 +157,8 @@ def mla_smem_bytes(
     elem_size: int,
     prefetch_rows: bool = False,
 ) -> int:
-    """The shared-memory estimate of the module docstring, in bytes.
-
-    Example: sm_90, 576/512 bf16, H16 N64, 3 stages, prefetched rows (2 latent buffers) ->
-    ``2*64*576*2 + 16*576*2 + 16*64*2 = 147456 + 18432 + 2048 = 167936`` (the compiled figure).
-    """
-    # fp32 tiles get num_stages buffers even with prefetched rows (the descriptor loop of the
-    # bulk-copy path allocates 3 at 3 stages: 320/256 H16 N64 compiles to 266256 B on sm_90).
+    """Bytes of shared memory: latent + rope tiles per buffer, the query tiles and P. Prefetched
+    16-bit rows get ``num_stages - 1`` buffers, everything else ``num_stages``."""
     prefetched = prefetch_rows and elem_size < 4
     buffers = max(1, num_stages - 1) if prefetched else num_stages
     kv = block_n * (block_dv + block_dpe) * elem_size * buffers
@@ -274,7 +176,7 @@ def mla_reg_estimate(
     elem_size: int,
     warp_size: int = 32,
 ) -> int:
-    """32-bit registers per thread for the accumulator and one latent + rope tile (module doc)."""
+    """32-bit registers per thread for the fp32 accumulator and one latent + rope tile."""
     threads = num_warps * warp_size
     acc = block_h * block_dv // threads
     tile = block_n * (block_dv + block_dpe) * elem_size // 4 // threads
@@ -288,13 +190,9 @@ def mla_num_kv_splits(
     max_context: int,
     programs_per_sm: int = PROGRAMS_PER_SM,
 ) -> int:
-    """Context splits for ``num_tokens x head_groups`` programs on ``target`` (module doc).
-
-    The most splits whose programs fit one wave of ``programs_per_sm * num_sms`` resident
-    slots, at most ``max_context // MIN_TOKENS_PER_SPLIT`` and `MAX_KV_SPLITS`, at least 1.
-
-    Example: sm_90 (132 SMs), 64 tokens, 1 head group, 2 programs per SM -> ``264 // 64 = 4``.
-    """
+    """Context splits for ``num_tokens x head_groups`` programs: the most whose programs fit one
+    wave of ``programs_per_sm * num_sms`` slots, at most ``max_context // MIN_TOKENS_PER_SPLIT``
+    and `MAX_KV_SPLITS`, at least 1 (sm_90, 64 tokens, 1 group, 2 a SM: 264 // 64 = 4)."""
     base = max(1, num_tokens * head_groups)
     want = programs_per_sm * target.num_sms // base
     by_context = max(1, max_context // MIN_TOKENS_PER_SPLIT)
@@ -304,12 +202,9 @@ def mla_num_kv_splits(
 def mla_programs_per_sm(
     target: Target, block_h: int, smem_bytes: int, sm90_kernel: bool = False
 ) -> int:
-    """Resident programs per SM the split count aims at (module doc, Split-KV).
-
-    HIP: `PROGRAMS_PER_SM`; the Hopper kernel: 1 (230788 B of shared memory, one wave measured
-    best); the wide CUDA tile: `PROGRAMS_PER_SM_WIDE`; the narrow CUDA tile: as many as its
-    shared-memory estimate lets reside (``max_shared_mem // smem_bytes``, >= 1).
-    """
+    """Resident programs per SM the split count aims at: HIP `PROGRAMS_PER_SM`; the Hopper
+    kernel 1 (one wave); the wide tile `PROGRAMS_PER_SM_WIDE`; the narrow tile as many as its
+    shared memory lets reside."""
     if target.is_hip:
         return PROGRAMS_PER_SM
     if sm90_kernel:
@@ -366,7 +261,6 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     block_ns = (FP32_BLOCK_N,) if fp32 else BLOCK_N_CANDIDATES
     warp_counts = (FP32_NUM_WARPS,) if fp32 else NUM_WARPS
     choice = None
-    # Row packing (PACK_QUERY_ROWS): a sequence's query tokens share the wide tile's rows.
     pack = (
         target.arch in PACK_ARCHS
         and elem == 2
@@ -388,9 +282,8 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     if choice is None:
         pack = False
         block_h = target.mma_min_rows
-        # The longest KV tile that pipelines (>= 2 stages) within both budgets at the fewest
-        # warps, then the deepest pipeline; a single stage, then the register budget waived,
-        # only when nothing else fits.
+        # longest tile that pipelines at the fewest warps; one stage, then no register budget,
+        # only when nothing else fits
         order = [(n, s) for n in block_ns for s in range(top, 1, -1)]
         order += [(n, 1) for n in block_ns]
         choice = next(
@@ -417,20 +310,13 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
             "dtype"
         )
     block_h, block_n, stages, warps, smem = choice
-    # Narrow NVIDIA tiles prefetch the next tile's block-table rows, which lets Triton give the
-    # latent tile PREFETCH_STAGES - 1 shared-memory buffers (bench/NOTES.md attempt 2). Measured on
-    # an H200, 16 heads, batch 64: 4k 137.1 -> 124.5 us, 16k 456.8 -> 408.2 us (N32 w4 x16).
-    # Taken where the estimate with two latent buffers fits both budgets.
-    # Not for fp32: its H16 N16 w8 tiles compile spill-free at 2 stages, but spill at 3 stages
-    # with prefetched rows (sm_90 320/256: 324 B; 576/512 at 128 heads: 1644 B).
+    # narrow NVIDIA 16-bit tiles prefetch their rows where two latent buffers fit (fp32 spills)
     prefetch = False
     if not target.is_hip and block_h < WIDE_BLOCK_H and stages >= 2 and not fp32:
         deeper = fits(block_h, block_n, PREFETCH_STAGES, warps, prefetch=True)
         if deeper is not None and target.max_num_stages >= PREFETCH_STAGES:
             stages, smem, prefetch = PREFETCH_STAGES, deeper, True
-    # Not for fp32 either: its descriptor loop spills (sm_90 320/256 H16 N16 w8 page 64: 340 B).
     tma = not target.is_hip and target.capability >= TMA_MIN_CAPABILITY and not fp32
-    # The Hopper kernel takes the wide H64 N64 tile of 16-bit caches on sm_90.
     sm90 = (
         target.arch in SM90_KERNEL_ARCHS
         and (block_h, block_n, elem) == (WIDE_BLOCK_H, 64, 2)
@@ -438,7 +324,7 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     )
     per_sm = mla_programs_per_sm(target, block_h, smem, sm90)
     padded_heads = -(-problem.num_heads // block_h) * block_h
-    if pack:  # programs: sequences (num_tokens / max_query_len) x row groups
+    if pack:  # programs: sequences x row groups
         rows = problem.max_query_len * problem.num_heads
         seqs = -(-problem.num_tokens // problem.max_query_len)
         splits = mla_num_kv_splits(target, seqs, -(-rows // block_h), problem.max_context, per_sm)
@@ -461,3 +347,39 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         sm90_kernel=sm90,
         packed=pack,
     )
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """The Hopper kernel's schedule choices for a launch (`mla_config`; ``mla_decode(config=)``).
+
+    Attributes:
+        store_smem: a one-split output goes out through shared memory, 16-byte stores a warp a
+            row, instead of straight from the MMA accumulators; only at `SM90_STORE_SMEM_RANKS`.
+    """
+
+    store_smem: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store_smem, bool):
+            raise TypeError(
+                f"MlaConfig: store_smem must be a bool; got {type(self.store_smem).__name__}"
+            )
+
+
+def mla_config(target: Target, problem: MlaProblem) -> MlaConfig:
+    """The policy's `MlaConfig` for ``problem`` on ``target``."""
+    return MlaConfig(
+        store_smem=target.arch in SM90_KERNEL_ARCHS
+        and problem.kv_lora_rank in SM90_STORE_SMEM_RANKS
+    )
+
+
+def mla_config_errors(config: MlaConfig, kv_lora_rank: int) -> list[str]:
+    """Why ``config`` cannot serve a launch of ``kv_lora_rank`` (empty: it can)."""
+    if config.store_smem and kv_lora_rank not in SM90_STORE_SMEM_RANKS:
+        return [
+            f"config.store_smem must be False at kv_lora_rank {kv_lora_rank} (the shared-memory "
+            f"store is built for ranks {SM90_STORE_SMEM_RANKS}); got True"
+        ]
+    return []
