@@ -38,7 +38,7 @@ limit of its first row without masks, then the rest up to the causal limit of it
 decode batch too small to fill the GPU splits each context over ``num_splits`` programs whose
 partial results (fp32, with a base-2 log-sum-exp) a second launch combines.
 
-SHUFFLE caches take the same path as NHD (issue 18): addresses are a token term plus a dim term,
+SHUFFLE caches take the same path as NHD: addresses are a token term plus a dim term,
 and their x-element runs (16 bytes) are stated aligned (`layout.vector_width`, `tl.multiple_of`)
 and constant per block-table entry (`tl.max_constancy`), so K and V load as 16-byte vectors,
 pipelined like NHD's. V is read in whole runs; the run holding a sequence's last positions also
@@ -245,8 +245,8 @@ def _kv_step(
         # contiguous in runs of x (said with max_contiguous: Triton sees no contiguity across the
         # token stride), so the coalescer puts a warp's threads along the tokens of one run, whole
         # 128-byte lines, not across the runs of two tokens; viewed as [BLOCK_D, BLOCK_N] for the
-        # dot. (Both [runs, tokens, x] and the old [BLOCK_D, BLOCK_N] tile get threads across runs:
-        # one 32-byte sector per line, 6.8x NHD's L2 requests; bench/NOTES.md, issue 18.)
+        # dot. (Both [runs, tokens, x] and a [BLOCK_D, BLOCK_N] tile put threads across runs: one
+        # 32-byte sector per line.)
         RUNS: tl.constexpr = BLOCK_D // K_DIM_SPLIT
         k_runs = tl.multiple_of(tl.arange(0, RUNS) * stride_k_dim_hi, K_DIM_SPLIT)
         k_toks = _run_major(k_tok, BLOCK_N, K_DIM_SPLIT)
@@ -479,8 +479,7 @@ def _attend(
         # and a small tail step, first, takes that run, so that the loops' V tiles stream to
         # shared memory (NHD's pipelined path) instead of passing through registers to be
         # zeroed. fp32 (FMA dots, operands in registers anyway) keeps one masked loop zeroing in
-        # place, as before: a tail step and a second loop add 40-150% to its (held) spills in
-        # the compile matrix (sm_90 GQA 5:1 prefill, head_dim 128 and 256).
+        # place: a tail step and a second loop add to its spills.
         FP32: tl.constexpr = q_ptr.dtype.element_ty == tl.float32
         SHUFFLE_TAIL: tl.constexpr = V_TOK_SPLIT > 1 and not FP32
         IN_PLACE: tl.constexpr = V_TOK_SPLIT > 1 and FP32

@@ -1,25 +1,7 @@
-"""Tile policy for `portattn.kernels.paged_attention`: ``paged_tiles`` and ``paged_config``.
-
-The portable kernel runs one program per (query tile of a sequence, q-head tile of one KV head,
-sequence[, KV split]). Its M tile packs ``block_q`` query tokens x ``head_tile`` query heads of
-one KV head, so a decode step of a GQA group still fills ``tl.dot``'s 16 rows. Its KV tile,
-``block_n`` context tokens gathered through the block table, never depends on ``block_size``.
-
-Rules of `paged_tiles` (DESIGN.md §3; the measurements are in docs/decisions.md):
-
-* A mixed batch gets a second, decode-sized row tile (``decode``) for the sequences it holds.
-* >= 128 rows of work take the wide 128 x 64 x 8-warp tile on `WIDE_TILE_ARCHS` only.
-* Decode batches that cannot fill the GPU split each context (`split_count`).
-* The ladder (`_ladder`): largest ``block_n`` first, then deeper pipelines, then smaller
-  ``block_m``; the first rung within shared memory (`estimate_shared_mem`) and the words bound
-  (`estimate_words`) wins; 16 x 16 in fp32 at one stage fits every target.
-* Warps: 4, or 8 where `estimate_registers` at 4 passes its budget.
-* fp32 on NVIDIA compiles its dots to FMA loops: 16 rows, 8 warps, `FP32_MAX_WORDS`.
-* SHUFFLE caches count their address words; on sm_90 their decode tiles read in cache order.
-
-`paged_config` picks the kernel for the prefill part of a batch: the sm_90 Gluon kernel
-(`PrefillConfig`) or the portable one (``None``); `prefill_config_errors` says why a given
-config cannot run.
+"""Tile policy for `portattn.kernels.paged_attention` (DESIGN.md §3): `paged_tiles` picks the
+portable kernel's tiles, `paged_config` the kernel for the prefill part of a batch (the sm_90
+Gluon kernel's `PrefillConfig`, or ``None``: the portable one). Pure functions of (target,
+`PagedProblem`); the measurements behind the constants are in docs/decisions.md.
 """
 
 from __future__ import annotations
@@ -38,13 +20,13 @@ MAX_BLOCK_M = 64
 WIDE_BLOCK_M = 128
 WIDE_BLOCK_N = 64
 # Only where the MMA reads Q and P from shared memory without spilling (tcgen05); sm_90's 64-row
-# 4-warp tile measured faster.
+# 4-warp tile is faster.
 WIDE_TILE_ARCHS = ("sm_100",)
 # 8-warp register estimate up to which the wide tile is taken: head_dim 128 in 16-bit.
 WIDE_MAX_REGS = 112
 # Context-token tiles, largest first; 16 is tl.dot's smallest K.
 BLOCK_N_LADDER = (64, 32, 16)
-# Pipeline depth asked for before the target caps it: 3 stages measured slower.
+# Pipeline depth asked for before the target caps it: 3 stages are slower.
 PREFERRED_STAGES = 2
 # Warps per program: the smaller count unless the register budget needs the larger.
 NUM_WARPS = (4, 8)
@@ -252,13 +234,9 @@ class PagedConfig:
 def estimate_shared_mem(
     block_m: int, block_n: int, block_d: int, elem_bytes: int, num_stages: int
 ) -> int:
-    """Bytes of shared memory / LDS the portable kernel needs for these tiles.
+    """Bytes of shared memory / LDS the portable kernel needs: K and V stages, Q, P.
 
-    ``2 * num_stages * block_n * block_d * e`` (K and V stages) ``+ block_m * block_d * e`` (Q)
-    ``+ block_m * block_n * e`` (P).
-
-    Example: gfx942, head_dim 128, fp16, block_m 16, block_n 32, 2 stages ->
-    ``2*2*32*128*2 + 16*128*2 + 16*32*2 = 32768 + 4096 + 1024 = 37888 <= 65536``.
+    Example: gfx942, head_dim 128, fp16, 16 x 32, 2 stages -> ``32768 + 4096 + 1024 = 37888``.
     """
     kv = 2 * num_stages * block_n * block_d * elem_bytes
     q = block_m * block_d * elem_bytes
@@ -269,13 +247,10 @@ def estimate_shared_mem(
 def estimate_words(
     block_m: int, block_n: int, block_d: int, elem_bytes: int, shuffled: bool = False
 ) -> int:
-    """32-bit words of live tile values per program.
+    """32-bit words of live tile values per program: the accumulator, the scores, one K or V
+    tile, and on SHUFFLE caches `SHUFFLE_ADDR_WORDS` a K/V element.
 
-    ``block_m*block_d + block_m*block_n + block_n*block_d*e/4``, plus
-    ``SHUFFLE_ADDR_WORDS * block_n*block_d`` on SHUFFLE caches.
-
-    Example: gfx950, head_dim 256, fp16, 64 x 32, SHUFFLE ->
-    ``16384 + 2048 + 4096 + 8192 = 30720 > MAX_WORDS_8_WARPS (24576)``, so block_n 16.
+    Example: gfx950, head_dim 256, fp16, 64 x 32, SHUFFLE -> ``30720 > 24576``, so block_n 16.
     """
     words = block_m * block_d + block_m * block_n + block_n * block_d * elem_bytes // 4
     if shuffled:
@@ -293,12 +268,8 @@ def estimate_registers(
     shuffled: bool = False,
 ) -> int:
     """32-bit registers per thread for the big tiles, rounded up: `estimate_words` over
-    ``num_warps * warp_size`` threads.
-
-    Example: sm_90, head_dim 128, fp16, block_m 64, block_n 64, 4 warps ->
-    ``(8192 + 4096 + 4096) / 128 = 128 > 64``, so 8 warps (64). The same tile on a SHUFFLE cache:
-    ``(8192 + 4096 + 4096 + 8192) / 128 = 192`` at 4 warps, 96 at 8.
-    """
+    ``num_warps * warp_size`` threads. Example: sm_90, head_dim 128, fp16, 64 x 64, 4 warps ->
+    ``(8192 + 4096 + 4096) / 128 = 128 > 64``, so 8 warps (64)."""
     words = estimate_words(block_m, block_n, block_d, elem_bytes, shuffled)
     threads = num_warps * warp_size
     return -(-words // threads)
@@ -369,25 +340,17 @@ def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
     """Choose the portable kernel's tiles for ``problem`` on ``target`` (pure; no device access).
 
     Rules:
-      * ``block_d = max(16, next_pow2(head_dim))`` (masked beyond head_dim).
-      * rows = ``max_query_len * group``. With >= 128 rows, the wide tile (128 x 64, 8 warps) if
-        the target holds it and the cache is not SHUFFLE. Otherwise ``block_m``: enough rows for
-        ``max_query_len`` tokens of the whole GQA group, at least ``target.mma_min_rows`` and
-        16, at most 64. ``head_tile = min(group, block_m)``, ``block_q = block_m // head_tile``
-        (decode with GQA 8:1 -> 16 rows, 8 heads, 2 tokens).
-      * ``(block_n, num_stages)`` from `_ladder`, first that fits the shared-memory budget and
-        `estimate_words` <= `MAX_WORDS_8_WARPS` (block_n 16 always passes the latter);
-        if none fits, ``block_m`` halves (down to 16) and the ladder is walked again.
-      * ``num_warps`` 4, or 8 where `estimate_registers` at 4 exceeds 64 (128 for >= 64-row
-        tiles on `SMEM_MMA_ARCHS`). `estimate_words` counts the SHUFFLE address words when
-        ``shuffled``; `estimate_registers` for the warp count only in fp32.
-      * fp32 on NVIDIA: ``block_m`` `FP32_BLOCK_M` (16, so no decode tile), `FP32_NUM_WARPS`
-        (8), and `FP32_MAX_WORDS` in place of `MAX_WORDS_8_WARPS` on the ladder.
-      * SHUFFLE decode tiles read in cache order (`cache_order_reads`): at most
-        `SHUFFLE_NARROW_BLOCK_N` tokens, or at head_dim 128 NHD's tile under `SHUFFLE_REG_CAP`.
-      * ``decode``: the row tile a ``max_query_len == 1`` problem would get, when it differs from
-        the chosen one and ``max_query_len`` exceeds its ``block_q`` (mixed batches).
-      * ``num_splits`` from `split_count`.
+      * ``block_d = max(16, next_pow2(head_dim))``; rows = ``max_query_len * group``.
+      * >= 128 rows: the wide tile (128 x 64, 8 warps) where `_wide_fits` and not SHUFFLE; else
+        ``block_m`` fits the rows in 16..64 (``head_tile = min(group, block_m)`` heads x
+        ``block_q`` tokens; fp32 on NVIDIA: `FP32_BLOCK_M`).
+      * ``(block_n, num_stages)``: the first rung of `_ladder` within shared memory and the words
+        bound (`MAX_WORDS_8_WARPS`, fp32 on NVIDIA `FP32_MAX_WORDS`; block_n 16 always
+        passes), ``block_m`` halved until one fits; warps by `_num_warps`.
+      * SHUFFLE decode tiles read in cache order take at most `SHUFFLE_NARROW_BLOCK_N` tokens,
+        or at head_dim 128 NHD's tile under `SHUFFLE_REG_CAP`.
+      * ``decode``: a ``max_query_len == 1`` problem's row tile where it differs and is exceeded;
+        ``num_splits`` from `split_count`.
 
     Raises:
         ValueError: a problem the kernel cannot serve (head_dim > 256, heads not divisible,
@@ -547,26 +510,17 @@ def cache_order_reads(
 
 
 def paged_config(target: Target, problem: PagedProblem) -> PagedConfig:
-    """The kernel choices for ``problem`` on ``target`` (pure): `PagedConfig.prefill` is
-    `prefill_config`'s where `sm90_prefill` takes the batch, else ``None``.
-
-    Example: sm_90, 32/8 heads x 128, bf16, max_query_len 512, block 16 -> 3 stages, turns,
-    query by TMA, 16-row boxes a page each, V by page boxes.
-    """
+    """The kernel choices for ``problem`` on ``target``: `prefill_config`'s where `sm90_prefill`
+    takes the batch, else the portable kernel for every sequence."""
     if not sm90_prefill(target, problem):
         return PagedConfig()
     return PagedConfig(prefill=prefill_config(target, problem))
 
 
 def sm90_prefill(target: Target, problem: PagedProblem) -> bool:
-    """Whether the prefill part of ``problem`` runs on the sm_90 kernel (pure; the launcher
-    adds what only the tensors tell: strides, alignment, `paged_prefill_sm90`).
-
-    Yes on sm_90 for 16-bit NHD caches of a head_dim of `SM90_PREFILL_TILES`, block sizes a
-    multiple of `SM90_PREFILL_MIN_BOX`, and ``max_query_len * group >= SM90_PREFILL_MIN_ROWS``.
-
-    Example: sm_90, 32/8 heads x 128, bf16, max_query_len 512 -> True; max_query_len 8 -> False.
-    """
+    """Whether the prefill part of ``problem`` runs on the sm_90 kernel: 16-bit NHD caches, a
+    head_dim of `SM90_PREFILL_TILES`, pages a multiple of `SM90_PREFILL_MIN_BOX` and one full
+    128-row tile of work (the launcher adds what only the tensors tell)."""
     p = problem
     return (
         target.arch == "sm_90"
@@ -579,16 +533,9 @@ def sm90_prefill(target: Target, problem: PagedProblem) -> bool:
 
 
 def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
-    """The sm_90 kernel's configuration for ``problem`` (one the kernel can run there).
-
-    Rules:
-      * the head_dim's tile (`SM90_PREFILL_TILES`); a tile of turns whose query cannot come by
-        TMA (`query_by_tma_fits`) runs sequentially at `SM90_PREFILL_NO_TMA_STAGES`;
-      * ``box`` from `box_rows`, ``paging`` from `paging_mode`;
-      * a 2-stage sequential tile of `SM90_PREFILL_LATE_RELEASE_BOXES` boxes takes 3 stages
-        and the late release where they fit the target's shared memory;
-      * V by page boxes from `SM90_PREFILL_V_PAGES_MIN_BOXES` boxes where `v_pages_fit`.
-    """
+    """The sm_90 kernel's configuration for ``problem``: the head_dim's tile (turns only with
+    the query by TMA), ``box`` and ``paging`` from the page size, the late release and V by
+    page boxes at the box counts of their constants, where they fit."""
     p = problem
     stages, turns = SM90_PREFILL_TILES[p.head_dim]
     by_tma = query_by_tma_fits(p)
