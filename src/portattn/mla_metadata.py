@@ -13,7 +13,7 @@ to ``max_seq_len``), keeps that frozen `MlaTiles`, and allocates the split-KV wo
 ``max_tokens = max_batch * max_query_len``; ``padded_heads`` and ``block_dv`` are the tiles' own
 (heads padded to the matrix units' 16 rows, lesson 2), so the kernel, which writes every padded
 row, and the buffers cannot disagree. The policy also gets ``max_query_len``: with row packing
-(`portattn.policy.mla.PACK_QUERY_ROWS`) a sequence's query tokens share a tile's rows, and the
+(`portattn.policy.mla.MlaTiles.packed`) a sequence's query tokens share a tile's rows, and the
 launch grid comes from the step's ``max_query_len`` through `portattn.policy.mla.mla_row_groups`
 (so a step must not have a longer query than its metadata says; checked where contents are read).
 The launch reads ``metadata.tiles``: it never re-asks the policy.
@@ -87,7 +87,7 @@ class MlaMetadataBuilder:
         page_size: tokens per page of the cache the steps read, 1 when they pass
             ``page_indices`` (single slots); None: not known, and the tiles are those for pages
             of a multiple of 64 tokens. Pages of other sizes are gathered row by row, which on
-            sm_90 takes the Hopper kernel below 64 heads too (`policy.mla.SM90_GATHER_WIDE`).
+            sm_90 takes the Hopper kernel below 64 heads too (`policy.mla.sm90_gathers`).
 
     Example::
 

@@ -31,7 +31,7 @@ one token; padded rows compute on zero queries and are written only to the works
 ``NUM_SPLITS > 1`` programs per (token, head group) write normalised partial outputs and their lse;
 `_mla_reduce_kernel` merges them.
 
-Packed rows (``MlaTiles.packed``, verification; `portattn.policy.mla.PACK_QUERY_ROWS`): a program
+Packed rows (``MlaTiles.packed``, verification): a program
 owns ``BLOCK_H`` rows of ONE sequence, row ``r`` being (query token ``r // num_heads``, head ``r %
 num_heads``), so the sequence's ``q_len`` tokens read its cache once per tile, not once per token.
 Each row keeps its causal limit (scores past it are -inf; the running max starts finite, so a row
@@ -44,10 +44,10 @@ Bulk copies (``MlaTiles.tma``, sm_90+): a whole tile inside one page (``block_si
 descriptors instead of the per-thread gather; a split's partial last tile is still gathered, so
 rows past the context are never read. On sm_90 the wide 64-head tile runs the Gluon kernel of
 `portattn.kernels.mla_decode_sm90` (``MlaTiles.sm90_kernel``: same arguments, explicit copy/MMA
-schedule) where its requirements hold (pages of a multiple of 64 tokens by TMA; other pages and
-``page_indices``, e.g. speculative decoding's page size 1, by row gather, while
-``policy.mla.SM90_GATHER`` is on; below 64 heads the policy takes the wide tile for gathered rows
-only, ``policy.mla.SM90_GATHER_WIDE``); everything else runs the portable kernel below.
+schedule, `MlaConfig` choices) where its requirements hold (pages of a multiple of 64 tokens by
+TMA; other pages and ``page_indices``, e.g. speculative decoding's page size 1, by row gather;
+below 64 heads the policy takes the wide tile for gathered rows only); everything else runs the
+portable kernel below.
 
 Not supported: fp8 caches, a separate V cache, negative (padding) entries inside a sequence's
 context (rejected where the metadata is checked: `mla_decode`'s Raises). Query rows past

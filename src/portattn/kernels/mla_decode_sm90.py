@@ -1,7 +1,8 @@
 """MLA decode, Hopper (sm_90) kernel in Gluon: the wide 64-head tile, two warpgroups in seesaw.
 
 Same math, arguments, workspaces and outputs as `portattn.kernels.mla_decode` (whose launcher
-picks this kernel, `use_sm90_kernel`); only the schedule differs (bench/NOTES.md, attempt 8).
+picks this kernel where `MlaTiles.sm90_kernel` and `sm90_errors` allow); only the schedule
+differs.
 The two warpgroups run different code (`gl.warp_specialize`, no producer warps). Tiles go in
 pairs (A in buffer 0, B in buffer 1); warpgroup 0 scores A and owns output columns [0, R/2),
 warpgroup 1 scores B and owns [R/2, R)::
@@ -20,52 +21,48 @@ shared memory (P, the running max, the final row sums) with an mbarrier each; ev
 every barrier is waited before the next is signalled (module code, comments). Row sums are kept
 per warpgroup over the tiles it scored and added once at the end.
 
-The running max is lazy (`portattn.policy.mla.SM90_LAZY_RESCALE`): it moves only when a row's
-tile max passes it by more than ``LAZY_T`` (P <= 2^8; exact), so the accumulator's factors are
-almost always exactly 1, and each rescale (`lazy_rescale`) is one branch a thread around its 128
-multiplies, which the warpgroups' serial chains otherwise pay twice a pair (bench/NOTES.md, ninth
-session).
+The running max is lazy: it moves only when a row's tile max passes it by more than ``LAZY_T``
+(P <= 2^8; exact), so the accumulator's factors are almost always exactly 1, and each rescale
+(`lazy_rescale`) is one branch a thread around its 128 multiplies, which the warpgroups' serial
+chains otherwise pay twice a pair.
 
-Only a tile that reaches past its split's end has its scores masked (one scalar test a tile,
-`portattn.policy.mla.SM90_MASK_LAST_ONLY`: a full tile skips 64 instructions in each warpgroup's
-chain). In a split's partial last tile the latent rows past the context are zeroed in shared
-memory before PV (each warpgroup its own half; their scores are masked to -inf); an odd tile count
-ends with a phantom tile (no copy, every score masked, buffer zeroed). ptxas hoists every
-loop-invariant MMA descriptor out of the loop and spills them (260 B); the buffer indices are
-therefore computed from an opaque 0 (``block_size < 0``), which keeps them in the loop (0 spills).
+Only a tile that reaches past its split's end has its scores masked (one scalar test a tile: a full
+tile skips 64 instructions in each warpgroup's chain). In a split's partial last tile the latent
+rows past the context are zeroed in shared memory before PV (each warpgroup its own half; their
+scores are masked to -inf); an odd tile count ends with a phantom tile (no copy, every score masked,
+buffer zeroed). ptxas hoists every loop-invariant MMA descriptor out of the loop and spills them
+(260 B); the buffer indices are therefore computed from an opaque 0 (``block_size < 0``), which
+keeps them in the loop (0 spills).
 
-Loads (``GATHER``): with a block table of pages of a multiple of 64 tokens each tile half is one
-or two TMA boxes (an expect-tx barrier, count 1). Otherwise (``page_indices``, speculative
-decoding's page size 1, or pages of any other size) a tile's rows are scattered: the issuing
-warpgroup loads its 64 row indices once, copies each buffer (a latent half, the rope part) by
-``cp.async`` in one op (16-byte pieces, rows past the context zero-filled; one op per 64-column
-block got a ``bar.sync`` between blocks: `portattn.policy.mla.SM90_GATHER_ONE_COPY`) into the
-same NVMMA-swizzled buffers, and each of its 128 threads arrives on the tile barrier once its
-copies land (``cp.async.mbarrier.arrive .noinc``; the barriers count 128), so the hand-offs are
-unchanged. The MMAs read through the async proxy what cp.async wrote through the generic one: a
-proxy fence after each tile wait.
+Loads (``GATHER``, `portattn.policy.mla.sm90_gathers`): with a block table of pages of a multiple of
+64 tokens each tile half is one or two TMA boxes (an expect-tx barrier, count 1). Otherwise
+(``page_indices``, speculative decoding's page size 1, or pages of any other size) a tile's rows are
+scattered: the issuing warpgroup loads its 64 row indices once, copies each buffer (a latent half,
+the rope part) by ``cp.async`` in one op (16-byte pieces, rows past the context zero-filled; one op
+per 64-column block got a ``bar.sync`` between blocks) into the same NVMMA-swizzled buffers, and
+each of its 128 threads arrives on the tile barrier once its copies land (``cp.async.mbarrier.arrive
+.noinc``; the barriers count 128), so the hand-offs are unchanged. The MMAs read through the async
+proxy what cp.async wrote through the generic one: a proxy fence after each tile wait.
 
-Packed rows (``PACKED``, `portattn.policy.mla.PACK_QUERY_ROWS`): the 64 rows are (query token,
+Packed rows (``PACKED``, `MlaTiles.packed`): the 64 rows are (query token,
 head) pairs of one sequence (`_packed_rows`; 16 heads x 4 tokens fill the tile), the tile's range
 comes from its last real row, and each row's scores are masked at its own causal limit (the
 running max starts at -1e30, so a row with no column in a tile or split stays finite, p = 0).
 
 Prologue and epilogue. Unpacked, the query's rows are read first (their addresses need no
 metadata); both first tiles' rows are read before either copy, and the query goes into shared
-memory once the first copies are issued.
-With one split each warpgroup writes its output columns through its buffer-0 half, which no MMA
-reads any more (`portattn.policy.mla.SM90_STORE_SMEM`, at rank 512; then 16-byte stores, a warp
-a row). A warpgroup's code does not see the launch's alignment, so the launcher tells it
-(``OUT_VEC``, `rows_aligned`); without it, stores go element by element. Diagnostic: with
-`TRACE_BUFFER` set, the launcher builds a kernel that stamps each pair's steps
-(bench/trace_mla.py).
+memory once the first copies are issued. With one split and ``STORE_SMEM``
+(`MlaConfig.store_smem`) each warpgroup writes its output columns through its buffer-0 half,
+which no MMA reads any more, then in 16-byte stores, a warp a row. A warpgroup's code does not
+see the launch's alignment, so the launcher tells it (``OUT_VEC``, `rows_aligned`); without it,
+stores go element by element. Diagnostic: with a ``trace`` buffer the launcher builds a kernel
+that stamps each pair's steps (``TRACE``).
 
 Requirements (checked by the launcher, `sm90_errors`): sm_90, fp16/bf16, ``BLOCK_H = BLOCK_N =
 64``, ``kv_lora_rank`` in 128 / 256 / 512, rope width a power of two in 16..128, the shared
 memory (`sm90_smem_bytes`; 576/512: 230788 B) within the target's, pages laid out one after
 another (``stride(0) == block_size * stride(1)``: cache rows are flat slots), 16-byte aligned
-rows; a block table of pages of a multiple of 64 tokens unless `portattn.policy.mla.SM90_GATHER`
-lets the gather take the rest.
+rows.
 """
 
 from __future__ import annotations
@@ -260,8 +257,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
                tr):  # fmt: skip
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
-    one sequence (`_packed_rows`), each masked at its own causal limit. ROWS_AHEAD: the next
-    pair's rows are read at the top of this pair (`portattn.policy.mla.SM90_ROWS_AHEAD`).
+    one sequence (`_packed_rows`), each masked at its own causal limit.
     STORE_SMEM: a one-split output goes through this warpgroup's buffer-0 half. OUT_VEC: the rows
     it writes are aligned (`rows_aligned`). TRACE, ``tr``: the diagnostic stamps and (trace
     buffer, program id)."""
@@ -579,9 +575,9 @@ def _mla_decode_sm90_kernel(
     GATHER: gl.constexpr,  # rows by cp.async gather (`_gather_half`), not TMA boxes
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
-    trace_ptr,  # int64 clock stamps (TRACE only; `TRACE_BUFFER`)
+    trace_ptr,  # int64 clock stamps (TRACE only)
     TRACE: gl.constexpr,
-    STORE_SMEM: gl.constexpr,  # the output through shared memory (SM90_STORE_SMEM)
+    STORE_SMEM: gl.constexpr,  # the output through shared memory (`MlaConfig.store_smem`)
     OUT_VEC: gl.constexpr,  # the rows it writes (output or partials) are aligned (`rows_aligned`)
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -738,7 +734,7 @@ def sm90_errors(
 ) -> list[str]:  # fmt: skip
     """Why this kernel cannot run a launch (empty: it can); module doc, Requirements. Pages of
     a multiple of 64 tokens in a block table load by TMA; other pages and ``page_indices`` by
-    row gather, where `portattn.policy.mla.SM90_GATHER` allows it."""
+    row gather."""
     rope = kv_cache.shape[2] - kv_lora_rank
     elem = kv_cache.element_size()
     smem = sm90_smem_bytes(kv_lora_rank, rope, elem)
