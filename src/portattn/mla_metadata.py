@@ -206,13 +206,14 @@ class MlaMetadataBuilder:
         """
         op = "MlaMetadataBuilder.build"
         if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype not in _INDEX:
-            raise TypeError(f"{op}: seq_lens must be an int32/int64 tensor; got {_desc(seq_lens)}")
+            got = _arg_summary(seq_lens)
+            raise TypeError(f"{op}: seq_lens must be an int32/int64 tensor; got {got}")
         if query_start_loc is not None and (
             not isinstance(query_start_loc, torch.Tensor) or query_start_loc.dtype not in _INDEX
         ):
             raise TypeError(
                 f"{op}: query_start_loc must be None or an int32/int64 tensor; got "
-                f"{_desc(query_start_loc)}"
+                f"{_arg_summary(query_start_loc)}"
             )
         errors = []
         num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
@@ -257,7 +258,7 @@ class MlaMetadataBuilder:
         )
 
 
-def _desc(x) -> str:
+def _arg_summary(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"tensor of dtype {x.dtype}, shape {tuple(x.shape)}"
     return type(x).__name__

@@ -1076,7 +1076,7 @@ def test_a_tensor_passed_twice_is_not_planned(no_launch):
     paged_attention(q, kc, vc, *rest, max_query_len=4)
     assert (len(PLANS), PLANS.hits, PLANS.misses) == (1, 1, 2)
     inputs = (q, kc, vc, *rest, None)
-    key = call_key("paged_attention", *inputs, None, "NHD", None, 4, None)
+    key = call_key("paged_attention", *inputs, None, "NHD", None, 4, None, None)
     fresh = plan_paged_attention(q, kc, vc, *rest, max_query_len=4)
     _assert_same_plan(PLANS._plans[key].bind(inputs), fresh, inputs)
     paged_attention(*twice[:6], max_query_len=4)  # one tensor twice on a kept plan: a hit

@@ -147,7 +147,7 @@ def scale_errors(scale, *, optional: bool = False) -> list[str]:
 # -- overlap --------------------------------------------------------------------------------
 
 
-def _dims(t: torch.Tensor) -> list[tuple[int, int]]:
+def _byte_dims(t: torch.Tensor) -> list[tuple[int, int]]:
     """``(byte stride, size)`` of each dim of ``t`` with more than one element."""
     es = t.element_size()
     return [(st * es, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1]
@@ -157,7 +157,7 @@ def span(t: torch.Tensor) -> int:
     """Bytes from ``t.data_ptr()`` to the end of its last element (0: empty)."""
     if t.numel() == 0:
         return 0
-    return sum(st * (n - 1) for st, n in _dims(t)) + t.element_size()
+    return sum(st * (n - 1) for st, n in _byte_dims(t)) + t.element_size()
 
 
 def overlaps_itself(t: torch.Tensor) -> bool:
@@ -165,7 +165,7 @@ def overlaps_itself(t: torch.Tensor) -> bool:
     each step past everything the smaller ones span (stride 0 fails; so do a few exotic
     non-overlapping views, which are refused as a write target all the same)."""
     reach = t.element_size()
-    for st, n in sorted(_dims(t)):
+    for st, n in sorted(_byte_dims(t)):
         if st < reach:
             return True
         reach += st * (n - 1)
@@ -175,7 +175,7 @@ def overlaps_itself(t: torch.Tensor) -> bool:
 def _footprint(t: torch.Tensor, period: int) -> int | None:
     """The bytes past ``data_ptr() mod period`` that ``t``'s elements cover modulo ``period``,
     when every dim steps by a multiple of ``period`` or stays within one period; else None."""
-    inner = t.element_size() + sum(st * (n - 1) for st, n in _dims(t) if st % period)
+    inner = t.element_size() + sum(st * (n - 1) for st, n in _byte_dims(t) if st % period)
     return inner if inner <= period else None
 
 
@@ -186,7 +186,7 @@ def disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
     pa, pb = a.data_ptr(), b.data_ptr()
     if pa + span(a) <= pb or pb + span(b) <= pa:
         return True
-    for period in sorted({st for st, _ in _dims(a) + _dims(b)}, reverse=True):
+    for period in sorted({st for st, _ in _byte_dims(a) + _byte_dims(b)}, reverse=True):
         fa, fb = _footprint(a, period), _footprint(b, period)
         if fa is not None and fb is not None:
             delta = (pb - pa) % period
@@ -262,7 +262,7 @@ class Disjoint:
         return True
 
 
-def _first(mask: torch.Tensor) -> tuple[int, ...]:
+def _first_true_index(mask: torch.Tensor) -> tuple[int, ...]:
     """Index of the first True of ``mask`` (row-major)."""
     return tuple(int(i) for i in torch.nonzero(mask)[0])
 
@@ -279,7 +279,7 @@ def offsets_errors(
         errors.append(f"{name} must start at 0 and end at {rule}; got first {first}, last {last}")
     steps = offsets[1:] - offsets[:-1]
     if bool((steps < 0).any()):
-        (i,) = _first(steps < 0)
+        (i,) = _first_true_index(steps < 0)
         errors.append(
             f"{name} must be non-decreasing; got a decrease at index {i + 1} "
             f"({int(offsets[i])} -> {int(offsets[i + 1])})"
@@ -294,7 +294,7 @@ def seq_lens_errors(seq_lens: torch.Tensor, q_lens: torch.Tensor | None = None) 
     short = seq_lens < floor
     if not bool(short.any()):
         return []
-    (i,) = _first(short)
+    (i,) = _first_true_index(short)
     count = f"({int(short.sum())} sequence(s))"
     if q_lens is None:
         return [f"seq_lens must be >= 0; got seq_lens[{i}]={int(seq_lens[i])} {count}"]
@@ -320,7 +320,7 @@ def capacity_errors(
     wide = n_blocks > max_blocks
     if not bool(wide.any()):
         return []
-    (i,) = _first(wide)
+    (i,) = _first_true_index(wide)
     return [
         f"block_table must have a column per block of each sequence; got {label(i)}="
         f"{int(lens[i])} needing {int(n_blocks[i])} blocks of {block_size} but "
@@ -351,7 +351,7 @@ def block_ids_errors(
         bad |= used & (block_table < 0)
     if not bool(bad.any()):
         return []
-    r, c = _first(bad)
+    r, c = _first_true_index(bad)
     where = f"block_table[{r}, {c}]={int(block_table[r, c])} ({int(bad.sum())} entries)"
     entries = block_table[used]
     if padding_ok:
@@ -375,7 +375,7 @@ def slots_errors(
     bad = (slots >= num_slots) if padding_ok else ((slots < 0) | (slots >= num_slots))
     if not bool(bad.any()):
         return []
-    (i,) = _first(bad)
+    (i,) = _first_true_index(bad)
     where = f"first at {name}[{i}]={int(slots[i])} ({int(bad.sum())} entries)"
     if padding_ok:
         return [
@@ -401,7 +401,7 @@ def page_indices_errors(
     counts = indptr[1:] - indptr[:-1]
     off = counts != seq_lens
     if bool(off.any()):
-        (i,) = _first(off)
+        (i,) = _first_true_index(off)
         errors.append(
             f"{iname} must give each sequence seq_lens[i] slots; got indptr[{i + 1}] - "
             f"indptr[{i}] = {int(counts[i])} but seq_lens[{i}]={int(seq_lens[i])} "

@@ -314,7 +314,7 @@ class Plan:
         self._out_allocs: Callable[[list], Any] | None = None
         if outputs and all(w is not None and w[0] == _ALLOC for w in wheres):
             refs = [w[1] for w in wheres if w is not None]
-            self._out_allocs = itemgetter(*refs) if len(refs) > 1 else _one(refs[0])
+            self._out_allocs = itemgetter(*refs) if len(refs) > 1 else _one_tuple_getter(refs[0])
         self._direct: list[_DirectLaunch] | None = None
 
     def keep_compiled(self, compiled: Sequence[Any]) -> None:
@@ -454,7 +454,7 @@ def _fast_empty() -> dict[str, Callable]:
 _FAST_EMPTY = _fast_empty()
 
 
-def _one(i: int) -> Callable[[list], tuple]:
+def _one_tuple_getter(i: int) -> Callable[[list], tuple]:
     """The 1-tuple of item ``i`` (`itemgetter` of one index gives the item itself)."""
     return lambda xs: (xs[i],)
 

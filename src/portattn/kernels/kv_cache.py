@@ -188,7 +188,7 @@ def _write_kv_cache_kernel(
     tl.store(value_cache_ptr + dst, v, mask=mask)
 
 
-def _check_index(p: Problems, name: str, t, dims: int) -> bool:
+def _check_index_tensor(p: Problems, name: str, t, dims: int) -> bool:
     """``t`` is an int32/int64 tensor of ``dims`` dims; whether it is one of the right dims."""
     if not isinstance(t, torch.Tensor):
         p.type(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -201,7 +201,7 @@ def _check_index(p: Problems, name: str, t, dims: int) -> bool:
     return True
 
 
-def _check_rows(
+def _check_row_tensors(
     p: Problems,
     pairs,
     cache: torch.Tensor | None,
@@ -261,8 +261,8 @@ def plan_write_kv_cache(
     want = (ka.num_kv_heads, ka.head_dim) if ka is not None else None
     note = " (the cache's num_kv_heads, head_dim)"
     pairs = (("key", key), ("value", value))
-    ok = _check_rows(p, pairs, key_cache if kv else None, want, "num_tokens", note)
-    slots_ok = _check_index(p, "slot_mapping", slot_mapping, 1)
+    ok = _check_row_tensors(p, pairs, key_cache if kv else None, want, "num_tokens", note)
+    slots_ok = _check_index_tensor(p, "slot_mapping", slot_mapping, 1)
     if len(ok) == 2 and key.dim() == 3 and value.dim() == 3 and key.shape[0] != value.shape[0]:
         p.value(
             f"key and value must have the same num_tokens; got {key.shape[0]} and {value.shape[0]}"
@@ -490,8 +490,8 @@ def plan_gather_kv_cache(
     p = Problems(op)
     kv = p.run(describe_kv_cache, op, key_cache, value_cache, layout)
     ka, va = kv if kv is not None else (None, None)
-    table_ok = _check_index(p, "block_table", block_table, 2)
-    cu_ok = _check_index(p, "cu_seq_lens", cu_seq_lens, 1)
+    table_ok = _check_index_tensor(p, "block_table", block_table, 2)
+    cu_ok = _check_index_tensor(p, "cu_seq_lens", cu_seq_lens, 1)
     nseq = block_table.shape[0] if table_ok else None
     if nseq is not None and cu_ok and cu_seq_lens.shape[0] != nseq + 1:
         p.value(
@@ -506,7 +506,7 @@ def plan_gather_kv_cache(
         out = None
     if out is not None:
         pairs = (("out[0]", out[0]), ("out[1]", out[1]))
-        ok = _check_rows(p, pairs, key_cache if kv else None, want, "total_tokens")
+        ok = _check_row_tensors(p, pairs, key_cache if kv else None, want, "total_tokens")
         rows = {t.shape[0] for t in ok.values() if t.dim() == 3}
         if len(ok) == 2 and len(rows) == 2:
             p.value(

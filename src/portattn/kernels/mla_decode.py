@@ -140,7 +140,7 @@ def _find_seq(
 
 
 @triton.jit
-def _kv_rows(
+def _kv_row_offsets(
     n,
     end,
     bt_row,  # [max_blocks_per_seq] this sequence's block-table row (not read with PAGE_INDICES)
@@ -432,7 +432,7 @@ def _mla_decode_kernel(
             )
         start = full_end
     if PREFETCH_ROWS:  # software pipelining by hand: tile i+1's block-table entries during tile i
-        row_next = _kv_rows(
+        row_next = _kv_row_offsets(
             start,
             end,
             bt_row,
@@ -455,7 +455,7 @@ def _mla_decode_kernel(
         mask_n = offs_n < end
         if PREFETCH_ROWS:
             row = row_next
-            row_next = _kv_rows(
+            row_next = _kv_row_offsets(
                 n + BLOCK_N,
                 end,
                 bt_row,
@@ -473,7 +473,7 @@ def _mla_decode_kernel(
                 FLAT_SLOTS,
             )
         else:
-            row = _kv_rows(
+            row = _kv_row_offsets(
                 n,
                 end,
                 bt_row,
@@ -667,7 +667,7 @@ def _mla_reduce_kernel(
 # -- launcher ----------------------------------------------------------------------------------
 
 
-def _desc(x) -> str:
+def _arg_summary(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"tensor of dtype {x.dtype}, shape {tuple(x.shape)}"
     return type(x).__name__ if x is not None else "None"
@@ -690,12 +690,14 @@ def _type_errors(
 ) -> list[str]:
     errors = []
     if not isinstance(query, torch.Tensor) or query.dtype not in FLOAT_DTYPES:
-        errors.append(f"query must be a float16/bfloat16/float32 tensor; got {_desc(query)}")
+        errors.append(f"query must be a float16/bfloat16/float32 tensor; got {_arg_summary(query)}")
     qdt = query.dtype if isinstance(query, torch.Tensor) else None
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.dtype != qdt:
-        errors.append(f"kv_cache must be a tensor of query's dtype {qdt}; got {_desc(kv_cache)}")
+        got = _arg_summary(kv_cache)
+        errors.append(f"kv_cache must be a tensor of query's dtype {qdt}; got {got}")
     if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != qdt):
-        errors.append(f"out must be None or a tensor of query's dtype {qdt}; got {_desc(out)}")
+        got = _arg_summary(out)
+        errors.append(f"out must be None or a tensor of query's dtype {qdt}; got {got}")
     if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, int):
         errors.append(f"kv_lora_rank must be an int; got {type(kv_lora_rank).__name__}")
     if isinstance(scale, bool) or not isinstance(scale, Real):
@@ -710,7 +712,7 @@ def _type_errors(
     if page_indices is not None:
         if not isinstance(page_indices, (tuple, list)) or len(page_indices) != 2:
             errors.append(
-                f"page_indices must be a pair (indptr, indices); got {_desc(page_indices)}"
+                f"page_indices must be a pair (indptr, indices); got {_arg_summary(page_indices)}"
             )
         else:
             index_args += [
@@ -721,17 +723,17 @@ def _type_errors(
         if t is None and optional:
             continue
         if not isinstance(t, torch.Tensor) or t.dtype not in INDEX_DTYPES:
-            errors.append(f"{name} must be an int32/int64 tensor; got {_desc(t)}")
+            errors.append(f"{name} must be an int32/int64 tensor; got {_arg_summary(t)}")
     if metadata is not None and not isinstance(metadata, MlaMetadata):
-        errors.append(f"metadata must be None or an MlaMetadata; got {_desc(metadata)}")
+        errors.append(f"metadata must be None or an MlaMetadata; got {_arg_summary(metadata)}")
     if config is not None and not isinstance(config, MlaConfig):
-        errors.append(f"config must be None or an MlaConfig; got {_desc(config)}")
-    if trace is not None and not _is(trace, (torch.int64,)):
-        errors.append(f"trace must be None or an int64 tensor; got {_desc(trace)}")
+        errors.append(f"config must be None or an MlaConfig; got {_arg_summary(config)}")
+    if trace is not None and not _is_tensor_of(trace, (torch.int64,)):
+        errors.append(f"trace must be None or an int64 tensor; got {_arg_summary(trace)}")
     return errors
 
 
-def _is(x, dtypes) -> bool:
+def _is_tensor_of(x, dtypes) -> bool:
     return isinstance(x, torch.Tensor) and x.dtype in dtypes
 
 
@@ -752,8 +754,8 @@ def _value_errors(
     """Shape, device and scalar problems; arguments with a type problem (`_type_errors`) are
     skipped, so both lists together name every problem of a call."""
     errors = []
-    q3 = _is(query, FLOAT_DTYPES) and query.dim() == 3
-    if _is(query, FLOAT_DTYPES) and not q3:
+    q3 = _is_tensor_of(query, FLOAT_DTYPES) and query.dim() == 3
+    if _is_tensor_of(query, FLOAT_DTYPES) and not q3:
         errors.append(
             f"query must be 3-D [num_tokens, num_q_heads, head_dim_k]; got shape "
             f"{tuple(query.shape)}"
@@ -783,11 +785,11 @@ def _value_errors(
         errors += scale_errors(scale)
     pair = isinstance(page_indices, (tuple, list)) and len(page_indices) == 2
     indptr, indices = page_indices if pair else (None, None)
-    indptr = indptr if _is(indptr, INDEX_DTYPES) else None
-    indices = indices if _is(indices, INDEX_DTYPES) else None
-    table = block_table if _is(block_table, INDEX_DTYPES) else None
-    lens = seq_lens if _is(seq_lens, INDEX_DTYPES) else None
-    qsl = query_start_loc if _is(query_start_loc, INDEX_DTYPES) else None
+    indptr = indptr if _is_tensor_of(indptr, INDEX_DTYPES) else None
+    indices = indices if _is_tensor_of(indices, INDEX_DTYPES) else None
+    table = block_table if _is_tensor_of(block_table, INDEX_DTYPES) else None
+    lens = seq_lens if _is_tensor_of(seq_lens, INDEX_DTYPES) else None
+    qsl = query_start_loc if _is_tensor_of(query_start_loc, INDEX_DTYPES) else None
     if (block_table is None) == (page_indices is None):
         errors.append(
             "exactly one of block_table and page_indices must be given; got "
@@ -842,7 +844,7 @@ def _value_errors(
             f"query must have one token per sequence without query_start_loc; got "
             f"{num_tokens} tokens for {num_seqs} sequences"
         )
-    if _is(out, FLOAT_DTYPES) and q3 and is_int(kv_lora_rank):
+    if _is_tensor_of(out, FLOAT_DTYPES) and q3 and is_int(kv_lora_rank):
         want_out = (num_tokens, num_heads, kv_lora_rank)
         if tuple(out.shape) != want_out:
             errors.append(f"out must have shape {want_out}; got {tuple(out.shape)}")

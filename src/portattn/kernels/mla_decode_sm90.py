@@ -118,7 +118,7 @@ def _find_seq_sm90(qsl_ptr, stride_qsl, tok, num_seqs):
 
 
 @gluon.jit
-def _stamp(tr, slot, k: gl.constexpr, TRACE: gl.constexpr, GLOBAL: gl.constexpr = False):
+def _trace_stamp(tr, slot, k: gl.constexpr, TRACE: gl.constexpr, GLOBAL: gl.constexpr = False):
     """Diagnostic (``TRACE``): `clock_stamp` into this warpgroup's trace (slots ``0 ..
     TRACE_PAIRS - 1`` are pairs, slot ``TRACE_PAIRS`` the kernel's own events)."""
     clock_stamp(tr, slot, k, TRACE, TRACE_PAIRS, TRACE_EVENTS, GLOBAL)
@@ -145,8 +145,9 @@ def _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H: gl.constexpr, layout: g
 
 
 @gluon.jit
-def _tile_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end, BLOCK_N: gl.constexpr,
-               GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr):  # fmt: skip
+def _tile_cache_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end,
+                     BLOCK_N: gl.constexpr, GATHER: gl.constexpr,
+                     PAGE_INDICES: gl.constexpr):  # fmt: skip
     """Where tile t's rows lie in the cache, read ahead of `_load_half` (the warpgroups call it
     at the top of a pair, so that the read's latency runs under the pair's MMAs, not between
     them). Without GATHER: the first row of the tile's TMA box (one block-table entry). With it:
@@ -174,7 +175,7 @@ def _tile_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end, BLOC
 def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf,
                RIGHT: gl.constexpr, gather, GATHER: gl.constexpr):  # fmt: skip
     """Tile t's left latent half, or (RIGHT) its right latent half and rope part, into its
-    buffer, from the rows `_tile_rows` read; a phantom tile (``num_tiles <= t < steps``) only
+    buffer, from the rows `_tile_cache_rows` read; a phantom tile (``num_tiles <= t < steps``) only
     completes the barrier. Without GATHER by TMA boxes (64 consecutive rows of one page), else by
     `_gather_half` (``gather``: its runtime values, the cache pointer, its row stride and the
     split's end)."""
@@ -209,7 +210,7 @@ def _gather_part(kv_ptr, stride_row, rows, ok, buf, col0, W: gl.constexpr, LOAD:
 @gluon.jit
 def _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT: gl.constexpr,
                  gather):  # fmt: skip
-    """`_load_half` by row gather: each 64-column part of tile t's ``rows`` (`_tile_rows`) by
+    """`_load_half` by row gather: each 64-column part of tile t's ``rows`` (`_tile_cache_rows`) by
     ``cp.async`` into the same swizzled buffers the TMA path fills. Every thread of the issuing
     warpgroup (128) then arrives on ``bar`` once its copies land (``.noinc``; the barrier counts
     128 in gather mode); a phantom tile copies nothing and arrives at once; past ``steps`` (no
@@ -336,29 +337,29 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         n_a = start + (2 * j) * BLOCK_N
         n_b = n_a + BLOCK_N
         jt = trace_slot(j, TRACE, TRACE_PAIRS)  # pairs past the buffer's are dropped
-        _stamp(tr, jt, 0, TRACE)
+        _trace_stamp(tr, jt, 0, TRACE)
         # the next pair's rows, read now: their latency runs under the MMAs
-        rows_a = _tile_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size, end,
-                            BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-        rows_b = _tile_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size, end,
-                            BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        rows_a = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
+                                  end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        rows_b = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
+                                  end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         # scores of this warpgroup's tile: latent halves as they land, then rope (registers)
         mbarrier.wait(tma_bars.index(2 * own), ph)
-        _stamp(tr, jt, 1, TRACE)
+        _trace_stamp(tr, jt, 1, TRACE)
         if GATHER:  # cp.async wrote through the generic proxy; the MMAs read through the async
             fence_async_shared()
         qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=QK)
         qk = warpgroup_mma(ql_smem.index(b0), latl_smem.index(own).permute((1, 0)), qk,
                            use_acc=False, is_async=True)  # fmt: skip
         mbarrier.wait(tma_bars.index(2 * own + 1), ph)
-        _stamp(tr, jt, 2, TRACE)
+        _trace_stamp(tr, jt, 2, TRACE)
         if GATHER:
             fence_async_shared()
         qk = warpgroup_mma(qr_smem.index(b0), latr_smem.index(own).permute((1, 0)), qk,
                            is_async=True)  # fmt: skip
         qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-        _stamp(tr, jt, 3, TRACE)
+        _trace_stamp(tr, jt, 3, TRACE)
         n_own = n_a + WG * BLOCK_N
         # raw scores, masked; the scale goes inside the exponent (one fma a score): the row
         # max of the raw scores is scaled once a row (qk_scale > 0: the launcher checks it)
@@ -375,7 +376,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             m_smem.index(0).store(m_a)
             gl.thread_barrier()
             mbarrier.arrive(bar_ma, count=1)
-            _stamp(tr, jt, 4, TRACE)
+            _trace_stamp(tr, jt, 4, TRACE)
             p = gl.exp2(s * qk_scale - m_a[:, None])
             alpha = gl.exp2(m_i - m_a)
             l_i = l_i * alpha + gl.sum(p, 1)
@@ -384,11 +385,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(bar_pa, count=1)
-            _stamp(tr, jt, 5, TRACE)
+            _trace_stamp(tr, jt, 5, TRACE)
             lat_half = latl_smem  # this warpgroup's output columns: the latent's left half
         else:
             mbarrier.wait(bar_ma, ph)
-            _stamp(tr, jt, 4, TRACE)
+            _trace_stamp(tr, jt, 4, TRACE)
             m_a = m_smem.index(0).load(ROW)
             rm = gl.max(s, 1) * qk_scale
             m_b = gl.where(rm > m_a + LAZY_T, rm, m_a)
@@ -398,10 +399,10 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(bar_pb, count=1)
-            _stamp(tr, jt, 5, TRACE)
+            _trace_stamp(tr, jt, 5, TRACE)
             l_b = gl.sum(p, 1)
             mbarrier.wait(bar_pa, ph)
-            _stamp(tr, jt, 6, TRACE)
+            _trace_stamp(tr, jt, 6, TRACE)
             alpha = gl.exp2(m_i - m_a)
             l_i = l_i * alpha
             acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), True)
@@ -411,18 +412,18 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         # which WG0's S_A, finished before P_A, no longer reads)
         _zero_tail(lat_half.index(b0), n_a, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
-        _stamp(tr, jt, 7, TRACE)
+        _trace_stamp(tr, jt, 7, TRACE)
         if WG == 0:
             mbarrier.wait(bar_pb, ph)
-            _stamp(tr, jt, 8, TRACE)
+            _trace_stamp(tr, jt, 8, TRACE)
             m_b = m_smem.index(1).load(ROW)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
-        _stamp(tr, jt, 9, TRACE)
+        _trace_stamp(tr, jt, 9, TRACE)
         _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
                    tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
                    gather, GATHER)  # fmt: skip
-        _stamp(tr, jt, 10, TRACE)
+        _trace_stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
         if WG == 1:
@@ -430,25 +431,25 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = lazy_rescale(acc, gl.convert_layout(beta, PV_ROW), True)
         _zero_tail(lat_half.index(b1), n_b, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
-        _stamp(tr, jt, 11, TRACE)
+        _trace_stamp(tr, jt, 11, TRACE)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
-        _stamp(tr, jt, 12, TRACE)
+        _trace_stamp(tr, jt, 12, TRACE)
         _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
                    tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
                    gather, GATHER)  # fmt: skip
-        _stamp(tr, jt, 13, TRACE)
+        _trace_stamp(tr, jt, 13, TRACE)
         m_i = m_b
 
     # -- row sums: each warpgroup summed the tiles it scored (both at the final max) --
     last = TRACE_PAIRS + 0 * steps  # the kernel's own slot
-    _stamp(tr, last, 0, TRACE)
+    _trace_stamp(tr, last, 0, TRACE)
     l_smem.index(WG).store(l_i)
     gl.thread_barrier()
     mbarrier.arrive(sync_bars.index(3 + WG), count=1)
     mbarrier.wait(sync_bars.index(4 - WG), 0)
     l_i = l_i + l_smem.index(1 - WG).load(ROW)
-    _stamp(tr, last, 1, TRACE)
+    _trace_stamp(tr, last, 1, TRACE)
 
     # -- epilogue: this warpgroup's output columns; the lse from warpgroup 0 --
     has = l_i > 0
@@ -515,8 +516,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         if WG == 0:
             pl = part_lse_ptr + tok64 * stride_pl_tok + split * stride_pl_split
             gl.store(pl + lh * stride_pl_head, lse, mask=(lh >= 0) & valid)
-    _stamp(tr, last, 2, TRACE)
-    _stamp(tr, last, 3, TRACE, True)
+    _trace_stamp(tr, last, 2, TRACE)
+    _trace_stamp(tr, last, 3, TRACE, True)
 
 
 @gluon.jit
@@ -590,8 +591,8 @@ def _mla_decode_sm90_kernel(
     # -- which (token, split, head group), the causal range (as in the portable kernel) --
     pid = gl.program_id(0)
     tr0 = (trace_ptr, pid.to(gl.int64) * (2 * (TRACE_PAIRS + 1) * TRACE_EVENTS))
-    _stamp(tr0, TRACE_PAIRS + 0 * pid, 4, TRACE)
-    _stamp(tr0, TRACE_PAIRS + 0 * pid, 5, TRACE, True)
+    _trace_stamp(tr0, TRACE_PAIRS + 0 * pid, 4, TRACE)
+    _trace_stamp(tr0, TRACE_PAIRS + 0 * pid, 5, TRACE, True)
     if PACKED:
         # (sequence, split, row group) (`_packed_rows`); the tile's range comes from its last
         # real row, whose causal limit is the largest
@@ -676,10 +677,10 @@ def _mla_decode_sm90_kernel(
     fence_async_shared()
     # -- prologue: tiles 0 and 1 in flight (both tiles' rows read first: one wait, not two) --
     rows_01 = (
-        _tile_rows(bt_row, stride_bt_blk, 0, start, num_tiles, block_size, end, BLOCK_N, GATHER,
-                   PAGE_INDICES),
-        _tile_rows(bt_row, stride_bt_blk, 1, start, num_tiles, block_size, end, BLOCK_N, GATHER,
-                   PAGE_INDICES),
+        _tile_cache_rows(bt_row, stride_bt_blk, 0, start, num_tiles, block_size, end, BLOCK_N,
+                         GATHER, PAGE_INDICES),
+        _tile_cache_rows(bt_row, stride_bt_blk, 1, start, num_tiles, block_size, end, BLOCK_N,
+                         GATHER, PAGE_INDICES),
     )  # fmt: skip
     for t in gl.static_range(2):
         rows = rows_01[t]
@@ -692,7 +693,7 @@ def _mla_decode_sm90_kernel(
     ql_smem.index(0).store(ql)
     qr_smem.index(0).store(qr)
     fence_async_shared()  # the score MMAs read the query through the async proxy
-    _stamp(tr0, TRACE_PAIRS + 0 * pid, 6, TRACE)
+    _trace_stamp(tr0, TRACE_PAIRS + 0 * pid, 6, TRACE)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
     # runtime values for both warpgroups (the constexprs go in the call tuples themselves: a
     # tuple assigned to a name turns them into tensors)
