@@ -1073,7 +1073,8 @@ def sm90_prefill_launches(
     programs = main.target.num_sms
     if trace is not None:
         need = math.prod(trace_shape(programs))
-        check_trace_buffer(trace, need, device, "programs x partitions x (tiles + 1) x events")
+        dims = "programs x partitions x (tiles + 1) x events"
+        check_trace_buffer(trace, need, device, dims, "paged_attention")
     k_desc = _descriptor(key_cache, cfg)
     args = dict(
         out_ptr=a["out_ptr"],
