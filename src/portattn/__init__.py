@@ -9,6 +9,8 @@ from portattn.kernels.mla_decode import mla_decode
 from portattn.kernels.page_indices import expand_page_indices
 from portattn.kernels.paged_attention import paged_attention
 from portattn.ops_registry import participant, supported_block_sizes
+from portattn.policy.mla import MlaConfig
+from portattn.policy.paged import PagedConfig, PrefillConfig
 
 __all__ = [
     "MultipleOf",
@@ -21,4 +23,7 @@ __all__ = [
     "paged_attention",
     "supported_block_sizes",
     "participant",
+    "PagedConfig",
+    "PrefillConfig",
+    "MlaConfig",
 ]
