@@ -207,7 +207,7 @@ def test_builder_errors():
                                                  (1, True), (16, True)])  # fmt: skip
 def test_builder_page_size_decides_the_gather_tile(page_size, wide):
     """A builder told its pages are not a multiple of 64 tokens (1: ``page_indices``) sizes its
-    workspaces for the wide sm_90 tile at 16 heads (`SM90_GATHER_WIDE`): 64 padded heads."""
+    workspaces for the wide sm_90 tile at 16 heads (`MlaProblem.gathers`): 64 padded heads."""
     b = MlaMetadataBuilder(SM90, max_batch=64, num_heads=16, kv_lora_rank=512, head_dim_k=576,
                            dtype=torch.bfloat16, device="cpu", max_seq_len=4096,
                            page_size=page_size)  # fmt: skip

@@ -103,7 +103,7 @@ def test_real_policies_pass_on_both_vendors():
         assert c.compiled and c.shared is not None and c.shared <= c.limit
         assert all(r.regs and r.hash for r in c.launches), c.id
     # The long MLA context splits, so the reduce kernel is compiled as well. 16 heads on 16-token
-    # pages gather their rows, which on sm_90 the Hopper kernel does (SM90_GATHER_WIDE).
+    # pages gather their rows, which on sm_90 the Hopper kernel does (MlaProblem.gathers).
     for c in (c for c in cells if c.kernel == "mla_decode"):
         main = "mla_decode_sm90" if c.arch == "sm_90" else "mla_decode"
         assert [r.name for r in c.launches] == [main, "mla_decode_reduce"], c.id
@@ -111,7 +111,7 @@ def test_real_policies_pass_on_both_vendors():
 
 def test_naive_mla_widths_break_exactly_the_320_256_cells():
     # 64-token pages: the portable kernel (the one upstream's widths are about) on every target;
-    # 16 heads on 16-token pages gather, which on sm_90 the Hopper kernel does (SM90_GATHER_WIDE)
+    # 16 heads on 16-token pages gather, which on sm_90 the Hopper kernel does (MlaProblem.gathers)
     params = dict(num_q_heads=16, block_size=64)
     naive = [
         make_case(

@@ -25,7 +25,7 @@ from tests.helpers import in_spawned_workers
 
 pytestmark = pytest.mark.compile
 
-# The bench's decode point (bench/bench_paged.py: 32 q heads, 8 KV heads, head_dim 128, block 16)
+# The bench's decode point (bench/paged.py: 32 q heads, 8 KV heads, head_dim 128, block 16)
 # and a chunked prefill of the same heads.
 SHAPE = dict(head_dim=128, num_q_heads=32, num_kv_heads=8, block_size=16)
 CASES = [("sm_90", 1), ("sm_90", 64), ("gfx942", 1)]

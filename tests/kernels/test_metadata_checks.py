@@ -1,4 +1,4 @@
-"""Metadata content checks (`portattn.kernels._checks`, issue 20): every bad index value a user can
+"""Metadata content checks (`portattn.kernels._checks`): every bad index value a user can
 pass on the CPU is a clear ValueError before anything runs, the same message from every op, and
 valid input with garbage in the entries no sequence uses still works.
 
@@ -90,7 +90,7 @@ def _with(t: torch.Tensor, index, value) -> torch.Tensor:
     return t
 
 
-# -- the bad inputs of issue 20: name -> (call, message regex, suite, in a child process) ------
+# -- the bad inputs: name -> (call, message regex, suite, in a child process) -------------------
 
 
 def _mla_page_minus_one():

@@ -1,7 +1,7 @@
-"""MLA verification with packed rows (issue 18): a program's rows are (query token, head) pairs of
-one sequence, each row with its own causal limit. The portable kernel runs packed tiles under
-the interpreter (CPU gate, against the fp64 oracle); the sm_90 kernel's packed path runs on the
-GPU (``-m gpu``)."""
+"""MLA verification with packed rows (`MlaTiles.packed`): a program's rows are (query token, head)
+pairs of one sequence, each row with its own causal limit. The portable kernel runs packed tiles
+under the interpreter (CPU gate, against the fp64 oracle); the sm_90 kernel's packed path runs on
+the GPU (``-m gpu``)."""
 
 from __future__ import annotations
 

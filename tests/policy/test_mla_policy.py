@@ -38,7 +38,7 @@ def problem(dk=576, r=512, heads=16, elem=2, tokens=64, context=4096) -> MlaProb
 # floor(resident * SMs / 64) with resident = max_shared // smem on CUDA (sm_90 N64 w8: 1 -> 2;
 # N64 w4 at 320/256: 2 -> 4), 2 per CU on HIP (floor(2 * 304 / 64) = 9 on gfx942).
 EXPECTED = {
-    ("sm_90", 576, 512): (64, 8, 3, 167936, 2, True),  # measured best on an H100 (RESULTS.md)
+    ("sm_90", 576, 512): (64, 8, 3, 167936, 2, True),  # measured best on an H100 (decisions.md)
     ("sm_100", 576, 512): (64, 8, 3, 167936, 2, True),
     ("sm_90", 320, 256): (64, 4, 3, 94208, 4, True),
     ("sm_80", 576, 512): (32, 4, 3, 93184, 1, True),  # N64 w8 needs 167936 B > 166912 B
@@ -111,7 +111,7 @@ def test_exact_wide_tiles_for_many_heads(arch):
 
 
 def test_register_estimate_matches_sm90_compiles():
-    # bench/NOTES.md attempt 1: H16 N64 4 warps spilled, H16 N32 4 warps, H16 N64 8 warps (181
+    # sm_90 compiles: H16 N64 4 warps spilled, H16 N32 4 warps, H16 N64 8 warps (181
     # registers) and H64 N64 8 warps did not; the budget separates them.
     assert mla_reg_estimate(16, 64, 512, 64, 4, 2) == 208 > REG_BUDGET
     assert mla_reg_estimate(16, 32, 512, 64, 4, 2) == 136 <= REG_BUDGET

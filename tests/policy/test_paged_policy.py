@@ -168,11 +168,11 @@ EXACT = [
     ),
     # SHUFFLE caches: + SHUFFLE_ADDR_WORDS * block_n * block_d words in the per-program words
     # bound (at most MAX_WORDS_8_WARPS, 24576, below block_n 16), in the warp count only in fp32
-    # (16-bit: vector loads since issue 18), never the wide tile.
+    # (16-bit caches load 16-byte vectors, which need no per-element words), never the wide tile.
     # MHA decode, head_dim 128: 4 warps like NHD, (2048 + 1024 + 4096) / 128 = 56 (the address
     # words made it 120 -> 8 warps before); on sm_90 the cache-order reads keep the 64-token KV
     # tile under a register cap (`SHUFFLE_REG_CAP`: 142 registers uncapped, 3 programs per SM;
-    # 128 capped, 4 like NHD; 1.01-1.02x NHD on an H200 where 32 tokens gave 1.20-1.25x)
+    # 128 capped, 4 like NHD; the 32-token tile kept too few bytes in flight: docs/decisions.md)
     (
         "sm_90",
         _problem(num_q_heads=8, head_dim=128, shuffled=True),
@@ -513,7 +513,7 @@ def test_shuffle_lines_narrow_caps_block_n_where_the_reads_apply(
 )  # fmt: skip
 def test_shuffle_lines_tile_keeps_to_the_shapes_checked_on_a_gpu(block_d, block_n, lines):
     """Four runs (head_dim 32, x 8) at 64 tokens came out wrong from Triton 3.6's sm_90 build
-    (bench/diag_shuffle_lines.py); the cache-order reads keep to the shapes a GPU ran right
+    (`SHUFFLE_LINES_MAX_N`); the cache-order reads keep to the shapes a GPU ran right
     (head_dim 64/128 up to 64 tokens, 32/256 up to 32), the rest take the earlier reads."""
     from portattn.policy.paged import shuffle_lines_tile
 

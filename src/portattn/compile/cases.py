@@ -311,7 +311,7 @@ def mla_cases() -> list[Case]:
         _mla_case(f"576/512 h{h} page64", 576, 512, num_q_heads=h, block_size=64) for h in (16, 128)
     ]
     # Page size 1 (speculative decoding): 1-token pages by block table and by page_indices; on
-    # sm_90 the wide tile's Hopper kernel gathers their rows (policy.mla.SM90_GATHER).
+    # sm_90 the wide tile's Hopper kernel gathers their rows (policy.mla.sm90_gathers).
     cases += [
         _mla_case(
             f"576/512 h{h} page1 {form}",
@@ -324,12 +324,13 @@ def mla_cases() -> list[Case]:
         for h in (16, 128)
         for form in ("table", "slots")
     ]
-    # Verification with packed rows (issue 18): 4 tokens x 16 heads fill the sm_90 kernel's tile.
+    # Verification with packed rows (MlaTiles.packed): 4 tokens x 16 heads fill the sm_90 kernel's
+    # tile.
     cases.append(
         _mla_case("576/512 h16 q4 page64", 576, 512, num_q_heads=16, q_len=4, block_size=64)
     )
-    # A batch that fills the GPU (bench_mla's points): one split, so the sm_90 kernel writes the
-    # output itself (bf16, through shared memory) instead of fp32 partial results.
+    # A batch that fills the GPU (bench/mla.py's batch of 64): one split, so the sm_90 kernel
+    # writes the output itself (bf16, through shared memory) instead of fp32 partial results.
     cases += [
         _mla_case(f"576/512 h128 page{bs} b64", 576, 512, num_q_heads=128, block_size=bs,
                   num_seqs=64)
