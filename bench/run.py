@@ -52,20 +52,28 @@ SCHEMA_VERSION = 1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def commit_of(root: str = ROOT) -> str:
-    """``$BENCH_COMMIT`` if set; else ``HEAD``'s short hash, or ``HEAD+tree:<hash>`` when the
+def commit_of(root: str = ROOT, *, from_env: bool = True) -> str:
+    """``$BENCH_COMMIT`` if set; else ``<root>/COMMIT``'s text (an exported tree); else, where
+    ``root`` is a repository's top level, ``HEAD``'s short hash, or ``HEAD+tree:<hash>`` when the
     working tree differs from ``HEAD`` (the git tree hash of the tree as it ran, built in a
     scratch index: a tree copied onto a GPU machine over a stale ``.git`` still names what ran;
     ``git log --all --format='%h %T' | grep <hash>`` finds its commit); ``unknown`` without
     git."""
-    if os.environ.get("BENCH_COMMIT"):
+    if from_env and os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
+    stamp = os.path.join(root, "COMMIT")  # an exported tree names its commit in a file
+    if os.path.isfile(stamp):
+        with open(stamp) as f:
+            return f.read().strip() or "unknown"
 
     def git(*args, env=None) -> str:
         return subprocess.run(["git", *args], cwd=root, env=env, capture_output=True, text=True,
                               check=True).stdout.strip()  # fmt: skip
 
     try:
+        # a folder inside another repository (an exported old tree) is not that repository's HEAD
+        if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.realpath(root):
+            return "unknown"
         head = git("rev-parse", "--short", "HEAD")
         if not git("status", "--porcelain"):
             return head
@@ -173,7 +181,7 @@ def compare(families, opts) -> tuple[dict, dict]:
             )
             merged["rows"].append(r)
     record = dict(old_src=old_src, old_commit=os.environ.get("BENCH_COMPARE_COMMIT") or
-                  commit_of(opts.compare), rounds=opts.rounds)  # fmt: skip
+                  commit_of(opts.compare, from_env=False), rounds=opts.rounds)  # fmt: skip
     return merged, record
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,41 @@ def test_check_windows_and_work_counts():
     assert core.paged_flops(((4, 4),), 2, 8) == 4 * 2 * 8 * 10
     assert core.paged_bytes(((10, 1),), 4, 2, 8, 2) == 2 * 10 * 2 * 8 * 2 + 2 * 4 * 8 * 2
     assert core.rate(1e9, 1e6, 1e9) == 1.0 and core.rate(1.0, None, 1.0) is None
+
+
+def test_results_md_merges_runs_of_one_tree(tmp_path):
+    """A suite split over GPU calls: a later run's row replaces the earlier one of its name,
+    every run is listed, and runs of different trees are refused by name."""
+    a = fixture_doc()
+    b = fixture_doc()
+    b["families"], b["date"], b["command"] = ["prefill"], "2026-12-04T13:00:00+00:00", "again"
+    b["compare"] = dict(old_src="/r/.bench-old/src", old_commit="def5678", rounds=3)
+    b["rows"] = [dict(b["rows"][1], time_us=440.0)]
+    paths = []
+    for name, doc in (("a", a), ("b", b)):
+        validate(doc)
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(doc))
+    md_path = tmp_path / "RESULTS.md"
+    assert results.main([*map(str, paths), "--out", str(md_path)]) == 0
+    md = md_path.read_text()
+    assert "2 runs of one tree" in md and "`again`" in md and "3 round(s) a side" in md
+    assert "| 440.0 |" in md and "| 450.0 |" not in md
+    assert md.count("prefill 8x4096 32/8/128 bs16") == 1 and "## Paged decode" in md
+    b["commit"] = "fff0000"
+    paths[1].write_text(json.dumps(b))
+    with pytest.raises(SystemExit, match="differs from run 1 in commit"):
+        results.main([*map(str, paths)])
+
+
+def test_an_exported_tree_names_its_commit(tmp_path):
+    """An old tree exported inside this repository is not its HEAD: its COMMIT file names it,
+    and without one it is unknown (not this checkout's commit)."""
+    old = ROOT / "build" / "bench-commit-probe"
+    old.mkdir(parents=True, exist_ok=True)
+    try:
+        assert run.commit_of(str(old), from_env=False) == "unknown"
+        (old / "COMMIT").write_text("e34392a\n")
+        assert run.commit_of(str(old), from_env=False) == "e34392a"
+    finally:
+        shutil.rmtree(old)
