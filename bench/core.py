@@ -105,6 +105,20 @@ class Context:
     def want(self, name: str) -> bool:
         return not self.only_rows or any(s in name for s in self.only_rows)
 
+    def checked_time_us(
+        self, fn: Callable[[], object], out: torch.Tensor, check: Callable[[], dict]
+    ) -> tuple[dict, float | None, str | None]:
+        """``fn`` run once over a scrambled ``out`` (stale values must not pass), ``check()``
+        read, then timed by `time_us` only if the check passed: ``(check, µs, how)``, or
+        ``(check, None, None)`` for a row that is recorded without a time."""
+        out.normal_()
+        fn()
+        result = check()
+        if not result["passed"]:
+            return result, None, None
+        us, how = self.time_us(fn)
+        return result, us, how
+
     def time_us(self, fn: Callable[[], object], graph: bool = True) -> tuple[float, str]:
         """Median µs of ``fn`` (`METHOD`) and how it was timed (``graph`` or ``eager``)."""
         fn()  # compile and warm up outside the timing

@@ -11,6 +11,8 @@ token); the anchor is the read ceiling on the same bytes.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 import portattn
@@ -57,13 +59,10 @@ def rows(ctx: core.Context):
                                        query_start_loc=b.query_start_loc, out=out,
                                        metadata=metadata)  # fmt: skip
 
-        out.normal_()
-        call()
-        check = _check(b, out, scale)
-        if not check["passed"]:
+        check, us, how = ctx.checked_time_us(call, out, partial(_check, b, out, scale))
+        if us is None:
             yield core.row(FAMILY, name, params, check)
             continue
-        us, how = ctx.time_us(call)
         elem = DTYPE.itemsize
         tokens = b.query.shape[0]
         nbytes = batch_n * context * DK * elem + tokens * heads * (DK + RANK) * elem

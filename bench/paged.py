@@ -10,6 +10,8 @@ and vLLM's Triton kernel where vLLM imports.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 import portattn
@@ -57,13 +59,10 @@ def rows(ctx: core.Context):
             return portattn.paged_attention(*b.args, layout=b.layout, out=out,
                                             max_query_len=1, max_seq_len=b.max_seq_len)  # fmt: skip
 
-        out.normal_()  # stale values must not pass the check
-        call()
-        check = core.check_paged(b, out)
-        if not check["passed"]:
+        check, us, how = ctx.checked_time_us(call, out, partial(core.check_paged, b, out))
+        if us is None:
             yield core.row(FAMILY, name, params, check)
             continue
-        us, how = ctx.time_us(call)
         nbytes = core.paged_bytes(seqs, hq, hkv, d, DTYPE.itemsize)
         anchors = [ctx.read_ceiling(nbytes)]
         if layout == "NHD" and vllm_fn is not None:  # else the document says why not

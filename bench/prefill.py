@@ -16,6 +16,8 @@ output compared with the row's before they are timed.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -129,13 +131,10 @@ def rows(ctx: core.Context):
                 return portattn.paged_attention(*b.args, out=out, max_query_len=b.max_query_len,
                                                 max_seq_len=b.max_seq_len)  # fmt: skip
 
-            out.normal_()
-            call()
-            check = core.check_paged(b, out)
-            if not check["passed"]:
+            check, us, how = ctx.checked_time_us(call, out, partial(core.check_paged, b, out))
+            if us is None:
                 yield core.row(FAMILY, name, params, check)
                 continue
-            us, how = ctx.time_us(call)
             flops = core.paged_flops(seqs, hq, d)
             anchors = [sdpa_anchor(bk, b, out, flops, ctx)
                        for bk in ("CUDNN_ATTENTION", "FLASH_ATTENTION")]  # fmt: skip
