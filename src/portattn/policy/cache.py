@@ -1,20 +1,9 @@
 """Tile policy for the KV-cache copy ops: `write_kv_cache`, `gather_kv_cache`, page indices.
 
-These kernels move bytes; they do no arithmetic that needs shared memory. A program copies a
-``[BLOCK_T tokens, BLOCK_D dims]`` tile of one KV head with plain pointer loads and stores: no
-``tl.dot``, no reduction, no layout conversion, so Triton allocates no shared memory / LDS for
-them (checked by compiling for sm_90 and gfx942: ``metadata.shared == 0``). The estimate is
-still explicit (`CacheCopyTiles.shared_mem_bytes`) and checked against the target's limit, so a
-later change that stages tiles through shared memory has to state its cost here.
-
-What does bound the tile is registers: each thread holds its share of the K tile and the V tile
-in flight. The policy gives every thread ``ELEMS_PER_THREAD = 16`` elements per tensor (32 B of
-fp16, two 16-byte vectors), so a program copies ``16 * num_warps * warp_size`` elements per
-tensor: 2048 on CUDA (4 warps x 32 lanes), 4096 on HIP (4 wavefronts x 64 lanes). ``BLOCK_D``
-covers the head (next power of two, at most 256; wider heads take several programs), and
-``BLOCK_T`` takes the rest of the budget. None of this depends on ``block_size``: the kernels
-address block and in-block offset separately (docs/design.md lesson 3), so a 2048-token block gets
-the same tile as a 16-token one.
+A program copies a ``[BLOCK_T tokens, BLOCK_D dims]`` tile of one KV head with plain loads and
+stores, so it uses no shared memory (the estimate stays explicit and checked against the target).
+Registers bound the tile: ``ELEMS_PER_THREAD`` per thread and tensor. ``block_size`` plays no
+part: block and in-block offset are addressed separately (docs/design.md lesson 3).
 """
 
 from __future__ import annotations
@@ -34,14 +23,7 @@ PAGE_INDPTR_BLOCK = 256  # sequences per step of the indptr prefix sum (one prog
 
 @dataclass(frozen=True)
 class CacheCopyProblem:
-    """What the copy policy needs to know about one write or gather.
-
-    Attributes:
-        num_tokens: tokens copied (``slot_mapping`` length, or ``total_tokens`` of a gather).
-        num_kv_heads: heads per token.
-        head_dim: elements per head.
-        element_size: bytes per cache element (2 for fp16/bf16, 4 for fp32).
-    """
+    """One write or gather: tokens copied, heads per token, elements per head, element bytes."""
 
     num_tokens: int
     num_kv_heads: int
@@ -51,15 +33,8 @@ class CacheCopyProblem:
 
 @dataclass(frozen=True)
 class CacheCopyTiles:
-    """Tiles and launch options of one copy kernel launch.
-
-    Attributes:
-        block_t: tokens per program (power of two).
-        block_d: head-dim elements per program (power of two, masked to ``head_dim``).
-        options: `LaunchOptions` for the target's backend.
-        shared_mem_bytes: shared memory / LDS one program uses (0: registers only, see module).
-        register_bytes: bytes of K and V tile one program holds in registers.
-    """
+    """One copy launch: tokens and head-dim elements a program (powers of two), launch options,
+    shared memory a program uses (0) and the K and V bytes it holds in registers."""
 
     block_t: int
     block_d: int
@@ -106,20 +81,14 @@ def write_kv_cache_tiles(target: Target, problem: CacheCopyProblem) -> CacheCopy
 
 
 def gather_kv_cache_tiles(target: Target, problem: CacheCopyProblem) -> CacheCopyTiles:
-    """Tiles for `gather_kv_cache`: a binary search and a block-table load per token, then K
-    and V tiles gathered. Same budget as the write: the per-token index work is a few scalars."""
+    """Tiles for `gather_kv_cache`: the write's budget (its per-token index work is scalars)."""
     return _copy_tiles(target, problem)
 
 
 def page_indices_tiles(target: Target, num_indices: int) -> PageIndicesTiles:
-    """Tiles for `expand_page_indices`.
-
-    ``block_n = 1024`` int64 indices per program is 8 KB in registers: 8 per thread on CUDA
-    (4 warps x 32), 4 on HIP (4 x 64); smaller outputs take the next power of two. The indptr
-    prefix sum runs in one program over ``block_s = 256`` sequences per step (``tl.cumsum`` is a
-    warp-level scan; Triton may stage it through a few hundred bytes of shared memory, bounded
-    by ``block_s * 8`` bytes).
-    """
+    """Tiles for `expand_page_indices`: up to ``PAGE_INDICES_BLOCK`` indices a program; the
+    indptr prefix sum in one program, ``PAGE_INDPTR_BLOCK`` sequences a step (its scan may stage
+    through at most ``block_s * 8`` bytes of shared memory)."""
     if num_indices < 0:
         raise ValueError(f"page_indices_tiles: num_indices must be >= 0; got {num_indices}")
     block_n = min(PAGE_INDICES_BLOCK, next_pow2(max(num_indices, 1)))

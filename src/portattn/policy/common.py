@@ -1,10 +1,4 @@
-"""Pieces every tile policy shares: launch options and shared-memory budgeting.
-
-A policy is a pure function ``(target, problem) -> <Op>Tiles``; every ``<Op>Tiles`` is a frozen
-dataclass that carries a `LaunchOptions` and a shared-memory estimate in bytes. Backend-only
-options (HIP's ``waves_per_eu``) are set only for HIP targets, and `LaunchOptions.kwargs`
-refuses to hand them to a backend that does not accept them.
-"""
+"""Launch options every tile policy shares; a policy is a pure ``(target, problem) -> Tiles``."""
 
 from __future__ import annotations
 
@@ -21,9 +15,8 @@ class LaunchOptions:
         num_warps: warps (wavefronts on AMD) per program.
         num_stages: software-pipelining depth.
         waves_per_eu: HIP only: occupancy hint (0 = compiler's choice).
-        maxnreg: CUDA only: registers per thread the compiler may use (PTX ``.maxnreg``): a
-            cap that buys one more resident program per multiprocessor where the compiler
-            would otherwise take a few registers too many (None = the compiler's choice).
+        maxnreg: CUDA only: a register cap per thread (PTX ``.maxnreg``) that buys one more
+            resident program per multiprocessor (None = the compiler's choice).
     """
 
     num_warps: int
@@ -53,14 +46,9 @@ class LaunchOptions:
         return out
 
     def backend_kwargs(self, target: Target, backend: str) -> dict[str, int]:
-        """Keyword arguments for a launch that ``backend`` (``"cuda"``/``"hip"``) compiles.
-
-        Normally ``backend == target.vendor`` and this is `kwargs`. When a policy is forced onto
-        the other vendor's GPU (``PORTATTN_TARGET=gfx942`` on an H100, to test HIP tiles there),
-        the tiles, warps and stages are kept and the options that backend does not accept
-        (``waves_per_eu`` on CUDA, ``maxnreg`` on HIP) are left out, by design: they are
-        occupancy hints, not tiles.
-        """
+        """Keyword arguments for a launch ``backend`` compiles: `kwargs` on the target's own
+        vendor; on the other vendor's GPU (a forced ``PORTATTN_TARGET``) warps and stages are
+        kept and that backend's unknown occupancy hints are left out."""
         out = {"num_warps": self.num_warps, "num_stages": self.num_stages}
         if backend == "hip" and self.waves_per_eu is not None:
             out["waves_per_eu"] = self.waves_per_eu
@@ -82,13 +70,8 @@ def prev_pow2(n: int) -> int:
 def launch_options(
     target: Target, num_warps: int, num_stages: int, maxnreg: int | None = None
 ) -> LaunchOptions:
-    """Per-vendor launch options, decided in this one place.
-
-    HIP: the stage count is capped by the target (AMD's stream pipeliner is tuned for 2) and
-    ``waves_per_eu=2`` asks the compiler to keep register use low enough for two waves per SIMD,
-    which hides the latency of the paged gathers. CUDA takes ``maxnreg`` where a policy asks
-    for one (HIP ignores it: its occupancy hint is ``waves_per_eu``).
-    """
+    """Per-vendor launch options: stages capped by the target; HIP asks for two waves per SIMD
+    (``waves_per_eu=2``) to hide the paged gathers' latency; CUDA takes a policy's ``maxnreg``."""
     stages = max(1, min(num_stages, target.max_num_stages))
     if target.is_hip:
         return LaunchOptions(num_warps=num_warps, num_stages=stages, waves_per_eu=2)
