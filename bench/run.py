@@ -227,12 +227,7 @@ def parse(argv=None):
         metavar="OLD_SRC_DIR",
         help="also time every row with this checkout's src/ (child processes)",
     )
-    ap.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="with --compare: child runs per side and family (median kept)",
-    )
+    ap.add_argument("--rounds", type=int, default=1, help="--compare's runs a side (median kept)")
     ap.add_argument("--reps", type=int, default=50, help="timed repetitions per GPU row")
     ap.add_argument("--child-json", default="", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
