@@ -118,7 +118,7 @@ def test_kernel_filter_and_case_regex():
         default_cases(["flash"])
 
 
-def test_case_table_covers_the_issue_axes():
+def test_case_table_covers_mla_widths_block_sizes_and_layouts():
     ids = {c.id for c in default_cases()}
     for dk, dv in ((576, 512), (320, 256), (288, 256)):
         assert {f"mla_decode/{dk}/{dv} h{h}" for h in (1, 128)} <= ids
