@@ -270,3 +270,139 @@ def test_config_stores_through_shared_memory_at_the_rank_a_gpu_ran(arch, dk, ran
         "config.store_smem must be False at kv_lora_rank 256 (the shared-memory store is built "
         "for ranks (512,)); got True"
     ]
+
+
+# -- HIP verification: packed (query token, head) rows -------------------------------------------
+
+HIP_ARCHS = ("gfx90a", "gfx942", "gfx950")
+
+
+def verify_problem(heads, q_len, dk=576, r=512, batch=64, context=4096, elem=2) -> MlaProblem:
+    return MlaProblem(heads, dk, r, elem, batch * q_len, context, q_len)
+
+
+# (arch, heads, q_len) -> (block_h, block_n, num_warps, num_stages, smem_bytes, num_kv_splits) at
+# 576/512, batch 64, 4k. Every packed HIP tile is N16 at 8 warps (`HIP_PACK_BLOCK_N`,
+# `HIP_PACK_NUM_WARPS`: the compiles that do not spill). 64 KB parts: 64 rows never fit (the query
+# tile alone is 73728 B), 32 rows need one stage (two: 74752 B); gfx942 takes one stage anyway
+# (`HIP_PACK_MAX_STAGES`). gfx950: 64 rows at two stages (112640 B). 1 head: the 16-row tile (up
+# to 16 tokens a tile). Splits: one wave of 2 programs a CU over 64 sequences x row groups
+# (gfx942, 16 heads, q 4: 2 groups, floor(608 / 128) = 4).
+EXPECTED_HIP_PACKED = {
+    ("gfx90a", 1, 8): (16, 16, 8, 2, 55808, 3),
+    ("gfx90a", 16, 4): (32, 16, 8, 1, 56320, 1),
+    ("gfx942", 1, 2): (16, 16, 8, 1, 37376, 9),
+    ("gfx942", 16, 2): (32, 16, 8, 1, 56320, 9),
+    ("gfx942", 16, 4): (32, 16, 8, 1, 56320, 4),
+    ("gfx942", 16, 8): (32, 16, 8, 1, 56320, 2),
+    ("gfx942", 128, 8): (32, 16, 8, 1, 56320, 1),
+    ("gfx950", 1, 4): (16, 16, 8, 2, 55808, 8),
+    ("gfx950", 16, 2): (32, 16, 8, 2, 74752, 8),
+    ("gfx950", 16, 4): (64, 16, 8, 2, 112640, 8),
+    ("gfx950", 16, 8): (64, 16, 8, 2, 112640, 4),
+    ("gfx950", 128, 2): (64, 16, 8, 2, 112640, 2),
+}
+
+
+@pytest.mark.parametrize(("arch", "heads", "q_len"), sorted(EXPECTED_HIP_PACKED))
+def test_exact_hip_packed_tiles(arch, heads, q_len):
+    target = get_target(arch)
+    block_h, block_n, warps, stages, smem, splits = EXPECTED_HIP_PACKED[arch, heads, q_len]
+    assert mla_decode_tiles(target, verify_problem(heads, q_len)) == MlaTiles(
+        block_h=block_h,
+        padded_heads=-(-heads // block_h) * block_h,
+        block_n=block_n,
+        block_dv=512,
+        block_dpe=64,
+        num_kv_splits=splits,
+        options=LaunchOptions(warps, stages, 2),
+        reduce_options=LaunchOptions(4, 1, 2),
+        smem_bytes=smem,
+        packed=True,
+    )
+
+
+def test_tile_reads_of_a_sequence():
+    from portattn.policy.mla import mla_tile_reads
+
+    assert mla_tile_reads(16, 16, 4, packed=False) == 4  # each token's one head group
+    assert mla_tile_reads(64, 16, 4, packed=True) == 1
+    assert mla_tile_reads(32, 16, 8, packed=True) == 4
+    assert mla_tile_reads(16, 3, 5, packed=True) == 1  # 15 rows
+    assert mla_tile_reads(16, 20, 2, packed=False) == 4  # 20 heads: 2 groups a token
+    assert mla_tile_reads(16, 20, 2, packed=True) == 3  # 40 rows
+
+
+@pytest.mark.parametrize("arch", HIP_ARCHS)
+@pytest.mark.parametrize(("dk", "r"), SHAPES)
+def test_hip_packing_rule_and_budgets(arch, dk, r):
+    """Every HIP verification problem (1-128 heads, q_len 2-8): packed exactly where a tile of
+    `HIP_PACK_BLOCK_H` rows (no more than the rows there are) fits the LDS and the register
+    budget at 64-lane wavefronts (N16, 8 warps, the target's deepest stages that fit) and reads
+    fewer KV tiles than the unpacked 16-row tile; the most such rows; else the unpacked tiles
+    themselves."""
+    from portattn.policy.mla import (
+        HIP_PACK_BLOCK_H,
+        HIP_PACK_BLOCK_N,
+        HIP_PACK_MAX_STAGES,
+        HIP_PACK_NUM_WARPS,
+        mla_tile_reads,
+    )
+
+    target = get_target(arch)
+    for heads in HEADS:
+        for q_len in (2, 3, 4, 5, 8):
+            t = mla_decode_tiles(target, verify_problem(heads, q_len, dk, r))
+            unpacked = mla_tile_reads(16, heads, q_len, packed=False)
+            rows = heads * q_len
+            if not t.packed:
+                assert t == mla_decode_tiles(target, problem(dk, r, heads, tokens=64 * q_len))
+                continue
+            assert t.block_h in HIP_PACK_BLOCK_H and t.block_h <= max(16, next_pow2(rows))
+            assert (t.block_n, t.options.num_warps) == (HIP_PACK_BLOCK_N, HIP_PACK_NUM_WARPS)
+            assert t.options.num_stages <= HIP_PACK_MAX_STAGES.get(arch, 2)
+            assert mla_tile_reads(t.block_h, heads, q_len, packed=True) < unpacked
+            warps = t.options.num_warps
+            regs = mla_reg_estimate(t.block_h, t.block_n, t.block_dv, t.block_dpe, warps, 2, 64)
+            assert regs <= REG_BUDGET and t.smem_bytes <= target.max_shared_mem
+            assert t.smem_bytes == mla_smem_bytes(
+                t.block_h, t.block_n, t.block_dv, t.block_dpe, t.options.num_stages, 2
+            )
+            assert not (t.tma or t.sm90_kernel or t.prefetch_rows)
+            # no more rows would have fitted: the next candidate's smallest tile overflows
+            bigger = [h for h in HIP_PACK_BLOCK_H if t.block_h < h <= max(16, next_pow2(rows))]
+            for h in bigger:
+                smallest = mla_smem_bytes(h, HIP_PACK_BLOCK_N, t.block_dv, t.block_dpe, 1, 2)
+                big_regs = mla_reg_estimate(
+                    h, HIP_PACK_BLOCK_N, t.block_dv, t.block_dpe, HIP_PACK_NUM_WARPS, 2, 64
+                )
+                assert smallest > target.max_shared_mem or big_regs > REG_BUDGET, (heads, q_len)
+
+
+@pytest.mark.parametrize("arch", HIP_ARCHS)
+def test_hip_packs_only_16_bit_verification(arch):
+    """Plain decode, fp32 and a row count whose 16-row tile reads as much as one token's heads
+    (16 heads need 32 rows to gain) keep the unpacked tiles."""
+    target = get_target(arch)
+    assert not mla_decode_tiles(target, verify_problem(16, 1)).packed
+    fp32 = verify_problem(16, 4, 192, 128, elem=4)
+    assert not mla_decode_tiles(target, fp32).packed
+    assert mla_decode_tiles(target, verify_problem(1, 2)).packed  # 2 rows: 1 tile, not 2
+
+
+def test_cuda_targets_keep_their_tiles():
+    """HIP packing leaves every NVIDIA choice alone: only sm_90 packs, into the Hopper kernel's
+    64-row tile; the other CUDA targets' verification tiles are those of the same tokens
+    unpacked."""
+    for arch, target in TARGETS.items():
+        if target.is_hip:
+            continue
+        for heads in HEADS:
+            for q_len in (2, 4, 8):
+                t = mla_decode_tiles(target, verify_problem(heads, q_len))
+                if arch == "sm_90" and t.packed:
+                    assert (t.block_h, t.block_n, t.sm90_kernel) == (64, 64, True)
+                    continue
+                assert not t.packed
+                flat = mla_decode_tiles(target, problem(heads=heads, tokens=64 * q_len))
+                assert t == flat, (arch, heads, q_len)

@@ -9,6 +9,7 @@ Builders are plain functions so that worker processes can receive them by refere
 | kernel          | axes                                                                         |
 |-----------------|------------------------------------------------------------------------------|
 | mla_decode      | head_dim_k/kv_lora_rank 576/512, 320/256, 288/256; num_q_heads 1 .. 128      |
+|                 | HIP only: 576/512 verification, q_len 1/2/4/8 x heads 1/16/128, pages 64, 1  |
 | paged_attention | head_dim 64/128/256; GQA 1:1, 5:1, 8:1; block_size 16, 80, 544, 2048;        |
 |                 | NHD and SHUFFLE; chunked prefill (max_query_len 64); decode at block_size 16 |
 |                 | long prefill: GQA 4:1 hd128 NHD, max_query_len 512/2048/4096                 |
@@ -46,6 +47,10 @@ DTYPE_NAME = "bfloat16"
 
 MLA_SHAPES: tuple[tuple[int, int], ...] = ((576, 512), (320, 256), (288, 256))
 MLA_HEADS: tuple[int, ...] = (1, 4, 8, 16, 32, 128)
+# HIP verification (`hip_verify_cases`): query tokens a sequence and heads, the extremes of 1-8
+# and 1-128.
+HIP_VERIFY_QUERY_LENS: tuple[int, ...] = (1, 2, 4, 8)
+HIP_VERIFY_HEADS: tuple[int, ...] = (1, 16, 128)
 PAGED_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
 # (num_q_heads, num_kv_heads): MHA 1:1, GQA 5:1 (an awkward, non-power-of-two group), GQA 8:1.
 PAGED_GQA: tuple[tuple[int, int], ...] = ((8, 8), (40, 8), (32, 4))
@@ -86,6 +91,7 @@ class Case:
         shared_only: compile only through LLVM-IR lowering, where shared memory is allocated
             (`portattn.compile.worker.shared_memory_only`): for tiles whose full backend compile
             takes minutes and whose verdict is the shared-memory figure (a naive rule's tiles).
+        vendors: the vendors whose targets compile the case (a case about one vendor's tiles).
         expect: free text for reports (e.g. why a naive case should fail).
     """
 
@@ -96,6 +102,7 @@ class Case:
     spill_allowance: tuple[tuple[str, int], ...] = ()
     spill_reason: str = ""
     shared_only: bool = False
+    vendors: tuple[str, ...] = ("cuda", "hip")
     expect: str = field(default="", compare=False)
 
     @property
@@ -105,6 +112,11 @@ class Case:
     def allowance(self, vendor: str) -> int:
         """Extra spills allowed on ``vendor`` (0 unless stated)."""
         return dict(self.spill_allowance).get(vendor, 0)
+
+    def compiles_for(self, target: Target) -> bool:
+        """Whether the matrix compiles this case for ``target`` (its vendor is one of
+        ``vendors``)."""
+        return target.vendor in self.vendors
 
     def plan(self, target: Target) -> list[Launch]:
         return self.build(target, **dict(self.params))
@@ -233,8 +245,14 @@ def build_mla_decode(
     dtype: str = DTYPE_NAME,
     page_indices: bool = False,
     num_seqs: int = NUM_SEQS,
+    metadata: bool = False,
 ) -> list[Launch]:
+    """The launches of one MLA decode problem on meta tensors. ``metadata``: through
+    `MlaMetadataBuilder` as a serving engine calls it, so the tiles are the policy's for exactly
+    ``q_len`` tokens a sequence (without it a meta plan reads no ``query_start_loc`` and bounds
+    the longest query by the token count)."""
     from portattn.kernels.mla_decode import plan_mla_decode
+    from portattn.mla_metadata import MlaMetadataBuilder
 
     dt = getattr(torch, dtype)
     blocks_per_seq = -(-MLA_CONTEXT // block_size)
@@ -249,6 +267,15 @@ def build_mla_decode(
         kwargs["query_start_loc"] = torch.empty((num_seqs + 1,), dtype=torch.int32, device=META)
     if tiles is not None:
         kwargs["tiles"] = tiles
+    if metadata:
+        builder = MlaMetadataBuilder(
+            target, max_batch=num_seqs, num_heads=num_q_heads, kv_lora_rank=kv_lora_rank,
+            head_dim_k=head_dim_k, dtype=dt, device=META, max_query_len=q_len,
+            max_seq_len=MLA_CONTEXT, page_size=1 if page_indices else block_size,
+        )  # fmt: skip
+        qsl = kwargs.get("query_start_loc")
+        kwargs["metadata"] = builder.build(seq_lens, qsl, max_query_len=q_len)
+        del kwargs["target"]  # the metadata's
     if page_indices:  # flat slots (expand_page_indices) instead of the block table
         kwargs["page_indices"] = (
             torch.empty((num_seqs + 1,), dtype=torch.int32, device=META),
@@ -343,7 +370,43 @@ def mla_cases() -> list[Case]:
     # rank 256, one split: the output straight from the accumulators (SM90_STORE_SMEM_RANKS)
     cases.append(_mla_case("320/256 h128 page64 b64", 320, 256, num_q_heads=128, block_size=64,
                            num_seqs=64))  # fmt: skip
-    return cases
+    return cases + hip_verify_cases()
+
+
+def _hip_verify_case(dk: int, dv: int, h: int, q: int, bs: int) -> Case:
+    case = make_case(
+        "mla_decode",
+        f"{dk}/{dv} h{h} q{q} page{bs}{' slots' if bs == 1 else ''} hip",
+        build_mla_decode,
+        head_dim_k=dk,
+        kv_lora_rank=dv,
+        num_q_heads=h,
+        q_len=q,
+        block_size=bs,
+        page_indices=bs == 1,
+        metadata=True,
+    )
+    case = dataclasses.replace(case, vendors=("hip",))
+    if q == 1 and dv >= 512:  # decode: the unpacked narrow tile, with its stated allowance
+        allowance, reason = MLA_512_SPILL_ALLOWANCE, MLA_512_SPILL_REASON
+        case = dataclasses.replace(case, spill_allowance=allowance, spill_reason=reason)
+    return case
+
+
+def hip_verify_cases() -> list[Case]:
+    """The HIP targets' verification tiles (packed rows, `portattn.policy.mla`) at 576/512, the
+    widest latent: q_len `HIP_VERIFY_QUERY_LENS` x heads `HIP_VERIFY_HEADS` on 64-token pages
+    (block table) and 1-token pages (page_indices slots, speculative decoding's form); and the
+    rank-256 shapes' 64-row tiles. Compiled for HIP only (the CUDA tiles of these problems are
+    in the cases above); q_len 1 (plain decode, the unpacked tile) keeps the 512-wide latent's
+    spill allowance, the packed tiles (q_len >= 2) have none."""
+    cases = [
+        _hip_verify_case(576, 512, h, q, bs)
+        for h in HIP_VERIFY_HEADS
+        for q in HIP_VERIFY_QUERY_LENS
+        for bs in (64, 1)
+    ]
+    return cases + [_hip_verify_case(320, 256, 16, 4, 64), _hip_verify_case(288, 256, 128, 8, 1)]
 
 
 def paged_cases() -> list[Case]:

@@ -198,10 +198,12 @@ def run_matrix(
         progress: called as ``progress(done, total, cell)`` after each cell.
 
     Returns:
-        One `CellResult` per (case, target), in case-major, target-minor order.
+        One `CellResult` per (case, target) the case compiles for (`Case.compiles_for`), in
+        case-major, target-minor order.
     """
     archs = parse_targets(targets)
-    cells = [(case, arch) for case in cases for arch in archs]
+    # a case compiles only for its vendors' targets (`Case.vendors`)
+    cells = [(c, a) for c in cases for a in archs if c.compiles_for(get_target(a))]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(cells) or 1))
     results: dict[int, CellResult] = {}
     ctx = multiprocessing.get_context("spawn")

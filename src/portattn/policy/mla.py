@@ -18,9 +18,23 @@ or gathered rows on sm_90): 64 heads a program, so the latent is read once for 6
 the wide 16-bit tile runs the Gluon kernel (`portattn.kernels.mla_decode_sm90`), whose schedule
 choices are `MlaConfig` (`mla_config`).
 
-Packed rows (verification): on sm_90, fewer than 64 heads and ``max_query_len * num_heads >=
-PACK_MIN_ROWS`` take the wide tile with rows (query token, head) of one sequence, so its tokens
-read the cache once per tile; programs per sequence and split: `mla_row_groups`.
+Packed rows (verification): rows (query token, head) of one sequence, so its tokens read the
+cache once per tile position instead of once per token; programs per sequence and split:
+`mla_row_groups`. On sm_90, fewer than 64 heads and ``max_query_len * num_heads >=
+PACK_MIN_ROWS`` take the wide tile (the Hopper kernel). On HIP (gfx90a, gfx942, gfx950; 16-bit,
+``max_query_len > 1``) the portable kernel takes the most rows of `HIP_PACK_BLOCK_H` (no more
+than ``next_pow2(max_query_len * num_heads)``) whose tile fits the target's LDS and the register
+budget at 64-lane wavefronts (KV tile `HIP_PACK_BLOCK_N`, `HIP_PACK_NUM_WARPS`, stages up to
+`HIP_PACK_MAX_STAGES`), where that reads fewer KV tiles a sequence than the unpacked 16-row tile
+(`mla_tile_reads`); else the narrow tile, unchanged. 576/512 packs 32 rows at one stage on the
+64 KB parts, 64 rows at two stages on gfx950.
+
+What was measured where (figures in docs/decisions.md, MLA decode): sm_90's packed tile on an
+H200, where verification costs about what a decode step does. HIP packing's speed is unmeasured:
+the scaling it is to remove (time growing with q_len) is the unpacked HIP tiles', run on an H200
+with the policy forced (``PORTATTN_TARGET=gfx942`` / ``gfx950``); no AMD GPU has run either.
+The HIP budgets are the estimates below, checked by the compile matrix (no spills, LDS within
+the target's).
 
 Split-KV (`mla_num_kv_splits`): the most splits whose programs fit one wave of resident slots,
 each split at least `MIN_TOKENS_PER_SPLIT` tokens, at most `MAX_KV_SPLITS`.
@@ -76,6 +90,15 @@ SM90_STORE_SMEM_RANKS = (512,)
 PACK_ARCHS = SM90_KERNEL_ARCHS
 #: Packed rows (``max_query_len * num_heads``) from which the 64-row tile is taken: half a tile.
 PACK_MIN_ROWS = 32
+#: Rows of a packed HIP tile (the portable kernel), most first; budgeted for 64-lane wavefronts.
+HIP_PACK_BLOCK_H: tuple[int, ...] = (64, 32, 16)
+#: The packed HIP tile's KV tile and warps: the 576/512 tiles that compile without VGPR spills
+#: (Triton 3.6; at 4 warps, or a 32-token KV tile, every packed tile spilled).
+HIP_PACK_BLOCK_N = 16
+HIP_PACK_NUM_WARPS = 8
+#: Deepest pipeline of a packed HIP tile per target (default `MAX_STAGES`): gfx942's compile
+#: spills at two stages (16 and 32 rows) and not at one.
+HIP_PACK_MAX_STAGES: dict[str, int] = {"gfx942": 1}
 
 
 def sm90_gathers(page_size: int, page_indices: bool) -> bool:
@@ -146,6 +169,15 @@ def mla_row_groups(tiles: MlaTiles, num_heads: int, max_query_len: int) -> int:
     if tiles.packed:
         return max(1, -(-max_query_len * num_heads // tiles.block_h))
     return tiles.head_groups
+
+
+def mla_tile_reads(block_h: int, num_heads: int, q_len: int, packed: bool) -> int:
+    """KV tiles one sequence's programs read at each tile position of a split: packed rows
+    ``cdiv(q_len * num_heads, block_h)``, else ``q_len * cdiv(num_heads, block_h)`` (every
+    token's own head groups). 16 heads x 4 tokens: 4 unpacked at 16 rows, 1 packed at 64."""
+    if packed:
+        return -(-q_len * num_heads // block_h)
+    return q_len * -(-num_heads // block_h)
 
 
 def mla_smem_bytes(
@@ -250,10 +282,15 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     top = min(MAX_STAGES, target.max_num_stages)
 
     def fits(
-        block_h: int, block_n: int, stages: int, warps: int, prefetch: bool = False
+        block_h: int,
+        block_n: int,
+        stages: int,
+        warps: int,
+        prefetch: bool = False,
+        warp_size: int = 32,
     ) -> int | None:
         """The shared-memory estimate when both budgets hold, else None."""
-        regs = mla_reg_estimate(block_h, block_n, block_dv, block_dpe, warps, elem, 32)
+        regs = mla_reg_estimate(block_h, block_n, block_dv, block_dpe, warps, elem, warp_size)
         smem = mla_smem_bytes(block_h, block_n, block_dv, block_dpe, stages, elem, prefetch)
         return smem if regs <= REG_BUDGET and smem <= target.max_shared_mem else None
 
@@ -279,13 +316,39 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
             if smem is not None and block_n >= 32:
                 choice = (WIDE_BLOCK_H, block_n, top, WIDE_NUM_WARPS, smem)
                 break
+    # longest tile that pipelines at the fewest warps; one stage only when nothing else fits
+    order = [(n, s) for n in block_ns for s in range(top, 1, -1)]
+    order += [(n, 1) for n in block_ns]
+    if choice is None and target.is_hip and not fp32 and problem.max_query_len > 1:
+        # HIP verification: the most packed rows (`HIP_PACK_BLOCK_H`, no more than the rows
+        # there are) whose tile (`HIP_PACK_BLOCK_N`, `HIP_PACK_NUM_WARPS`, the deepest pipeline
+        # first) fits both budgets at the target's 64-lane wavefronts, where it reads fewer KV
+        # tiles a sequence than one token's heads do (`mla_tile_reads`)
+        q_len, heads = problem.max_query_len, problem.num_heads
+        unpacked = mla_tile_reads(target.mma_min_rows, heads, q_len, packed=False)
+        most = max(target.mma_min_rows, next_pow2(q_len * heads))
+        deepest = min(top, HIP_PACK_MAX_STAGES.get(target.arch, top))
+        n, w = HIP_PACK_BLOCK_N, HIP_PACK_NUM_WARPS
+        for rows in HIP_PACK_BLOCK_H:
+            if rows > most or rows < target.mma_min_rows:
+                continue
+            if mla_tile_reads(rows, heads, q_len, packed=True) >= unpacked:
+                break  # fewer rows read no less
+            choice = next(
+                (
+                    (rows, n, s, w, smem)
+                    for s in range(deepest, 0, -1)
+                    if (smem := fits(rows, n, s, w, warp_size=target.warp_size)) is not None
+                ),
+                None,
+            )
+            if choice is not None:
+                pack = True
+                break
     if choice is None:
         pack = False
         block_h = target.mma_min_rows
-        # longest tile that pipelines at the fewest warps; one stage, then no register budget,
-        # only when nothing else fits
-        order = [(n, s) for n in block_ns for s in range(top, 1, -1)]
-        order += [(n, 1) for n in block_ns]
+        # no register budget only when nothing else fits
         choice = next(
             (
                 (block_h, n, s, w, smem)
