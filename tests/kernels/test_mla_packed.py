@@ -13,6 +13,7 @@ import torch
 
 from portattn.kernels._launch import run_all
 from portattn.kernels.mla_decode import plan_mla_decode
+from portattn.kernels.page_indices import expand_page_indices
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import get_target
 from portattn.policy.mla import MlaConfig, MlaProblem, mla_decode_tiles, mla_row_groups
@@ -133,6 +134,141 @@ def test_packed_graph_padding_rows_untouched(device):
     check(out[:5], None, q, cache, bt, sl, qsl, r, 0.05, torch.float32)
 
 
+# -- HIP policies forced: the portable kernel's packed rows at the policy's own tiles ----------
+
+HIP_ARCHS = ("gfx90a", "gfx942", "gfx950")
+
+
+def _hip_run(arch, q, cache, bt, sl, qsl, r, dtype, page_indices=None, tiles=None):
+    """``mla_decode``'s plan with ``arch``'s policy forced (``target=``; ``tiles``: injected),
+    run and checked against the fp64 oracle (output and lse); the main launch."""
+    launches = plan_mla_decode(
+        q, cache, None if page_indices is not None else bt, sl, kv_lora_rank=r, scale=0.05,
+        query_start_loc=qsl, return_lse=True, page_indices=page_indices,
+        target=get_target(arch), tiles=tiles,
+    )  # fmt: skip
+    run_all(launches)
+    out, lse = launches[0].outputs
+    check(out, lse, q, cache, bt, sl, qsl, r, 0.05, dtype)
+    return launches[0]
+
+
+# arch, (dk, r), heads, block_size, q_lens, seq_lens, form. Awkward on purpose: 3 heads x 5 tokens
+# (15 rows: the tile's last row padded), a sequence with seq_len == q_len, 1 head (up to 16 tokens
+# a tile), 16 heads x 4 tokens over two 32-row groups (gfx90a), 128 heads (four 64-row groups a
+# token pair), 1-token pages by page_indices, an empty sequence (q_len 0), a context long enough
+# for split-KV (the reduce runs on packed partials).
+HIP_CASES = [
+    ("gfx942", (192, 128), 3, 16, (5, 2, 1), (40, 9, 17), "block_table"),
+    ("gfx942", (192, 128), 16, 1, (3, 7), (30, 7), "page_indices"),
+    ("gfx950", (576, 512), 1, 64, (8, 3), (700, 3), "block_table"),
+    ("gfx90a", (576, 512), 16, 1, (4, 2), (40, 5), "page_indices"),
+    ("gfx942", (320, 256), 128, 16, (2, 1), (33, 20), "block_table"),
+    ("gfx950", (288, 256), 5, 1, (7, 0, 6), (7, 3, 530), "page_indices"),
+]
+
+
+def _hip_ids(v):
+    return "x".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def _pages(bt, sl, bs, device):
+    from portattn import reference
+
+    return tuple(t.to(device) for t in reference.expand_page_indices(bt.cpu(), sl.cpu(), bs))
+
+
+@pytest.mark.parametrize(
+    ("arch", "shape", "heads", "bs", "q_lens", "seq_lens", "form"), HIP_CASES, ids=_hip_ids
+)
+def test_hip_policy_packed_rows_fp16(arch, shape, heads, bs, q_lens, seq_lens, form, device):
+    """fp16 through the HIP policy (``target=``): the tiles it packs, against the fp64 oracle;
+    unowned cache rows are NaN, so a row read past its own causal limit shows."""
+    dk, r = shape
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.float16, device)
+    _poison_unowned_rows(cache, bt, sl)
+    pages = _pages(bt, sl, bs, device) if form == "page_indices" else None
+    main = _hip_run(arch, q, cache, bt, sl, qsl, r, torch.float16, page_indices=pages)
+    max_context = pages[1].shape[0] if pages is not None else bt.shape[1] * bs
+    tiles = mla_decode_tiles(
+        get_target(arch), MlaProblem(heads, dk, r, 2, q.shape[0], max_context, max(q_lens))
+    )
+    assert tiles.packed and main.name == "mla_decode" and main.args["PACKED"] is True
+    assert (main.args["BLOCK_H"], main.args["NUM_SPLITS"]) == (tiles.block_h, tiles.num_kv_splits)
+    assert main.args["row_groups"] == mla_row_groups(tiles, heads, max(q_lens))
+    assert main.args["PAGE_INDICES"] is (form == "page_indices")
+
+
+# fp32 through 16-bit tiles is an interpreter check (on a GPU these tiles overflow fp32's budgets)
+@pytest.mark.cpu
+@pytest.mark.parametrize(
+    ("arch", "shape", "heads", "bs", "q_lens", "seq_lens", "form"),
+    [
+        ("gfx950", (576, 512), 16, 64, (4, 8), (100, 8), "block_table"),  # 64 rows, 2 groups
+        ("gfx942", (288, 256), 5, 1, (7, 6), (7, 600), "page_indices"),  # 35 rows, 2 splits
+        ("gfx90a", (192, 128), 128, 16, (2, 1), (21, 600), "block_table"),  # 4 groups, splits
+    ],
+    ids=_hip_ids,
+)
+def test_hip_packed_tiles_fp32(arch, shape, heads, bs, q_lens, seq_lens, form, device):
+    """The HIP policy's 16-bit packed tiles (fp32 is never packed) run in fp32, so the packed
+    rows' masking, offsets and split merge are checked at fp32's tolerance."""
+    dk, r = shape
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.float32, device)
+    _poison_unowned_rows(cache, bt, sl)
+    pages = _pages(bt, sl, bs, device) if form == "page_indices" else None
+    max_context = pages[1].shape[0] if pages is not None else bt.shape[1] * bs
+    tiles = mla_decode_tiles(
+        get_target(arch), MlaProblem(heads, dk, r, 2, q.shape[0], max_context, max(q_lens))
+    )
+    assert tiles.packed and tiles.block_h > 16
+    main = _hip_run(arch, q, cache, bt, sl, qsl, r, torch.float32, page_indices=pages, tiles=tiles)
+    assert main.args["PACKED"] is True
+
+
+def test_hip_packed_page_indices_identical_to_block_table(device):
+    """1-token pages: the same packed tiles by block table and by page_indices give bit-equal
+    results."""
+    dk, r, heads = 192, 128, 16
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 1, (4, 3), (20, 33), torch.float16, device)
+    pages = _pages(bt, sl, 1, device)
+    tiles = mla_decode_tiles(
+        get_target("gfx942"), MlaProblem(heads, dk, r, 2, q.shape[0], pages[1].shape[0], 4)
+    )
+    a = _hip_run("gfx942", q, cache, bt, sl, qsl, r, torch.float16, tiles=tiles).outputs
+    b = _hip_run("gfx942", q, cache, bt, sl, qsl, r, torch.float16, page_indices=pages,
+                 tiles=tiles).outputs  # fmt: skip
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("arch", HIP_ARCHS)
+def test_hip_metadata_route(arch, device):
+    """The serving route with a HIP target: `MlaMetadataBuilder` picks the packed tiles for its
+    max_query_len and sizes the workspaces from them; a shorter step uses the same tiles with
+    fewer row groups."""
+    dk, r, heads = 192, 128, 16
+    seq_lens = (300, 40, 4)
+    b = MlaMetadataBuilder(
+        get_target(arch), max_batch=3, num_heads=heads, kv_lora_rank=r, head_dim_k=dk,
+        dtype=torch.float16, device=device, max_query_len=4, max_seq_len=320, page_size=16,
+    )  # fmt: skip
+    assert b.tiles.packed
+    for q_lens in ((4, 3, 4), (2, 1, 2)):
+        q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 16, q_lens, seq_lens, torch.float16,
+                                            device)  # fmt: skip
+        md = b.build(sl, qsl, max_query_len=max(q_lens))
+        launches = plan_mla_decode(
+            q, cache, bt, sl, kv_lora_rank=r, scale=0.05, query_start_loc=qsl, return_lse=True,
+            metadata=md,
+        )  # fmt: skip
+        main = launches[0]
+        assert main.name == "mla_decode" and main.args["PACKED"] is True
+        assert main.args["row_groups"] == mla_row_groups(b.tiles, heads, max(q_lens))
+        run_all(launches)
+        out, lse = main.outputs
+        check(out, lse, q, cache, bt, sl, qsl, r, 0.05, torch.float16)
+
+
 # -- policy and metadata: where packing is taken, and the one place sizes come from ----------
 
 
@@ -160,7 +296,8 @@ def test_policy_packs_16_heads_into_the_sm90_tile(q_len):
         ("sm_90", 8, 3, 2, "24 rows < PACK_MIN_ROWS"),
         ("sm_90", 16, 4, 4, "fp32"),
         ("sm_80", 16, 4, 2, "not a PACK_ARCHS target"),
-        ("gfx942", 16, 4, 2, "not a PACK_ARCHS target"),
+        ("gfx942", 16, 1, 2, "plain decode"),
+        ("gfx950", 16, 4, 4, "fp32"),
     ],
 )
 def test_policy_does_not_pack(arch, heads, q_len, elem, why):
@@ -356,3 +493,46 @@ def test_policy_route_real_shape_fp16(q_lens):
     run_all(launches)
     out, lse = launches[0].outputs
     check(out, lse, q, cache, bt, sl, qsl, r, 0.05, torch.float16)
+
+
+# -- GPU: each HIP policy forced on the NVIDIA device (the portable kernel's packed rows) -------
+
+HIP_GPU_CASES = [
+    # (dk, r), heads, block_size, form, q_lens, seq_lens
+    ((576, 512), 16, 64, "block_table", (4, 4, 2, 8), (4096, 300, 4, 9000)),
+    ((576, 512), 16, 1, "page_indices", (2, 8, 5, 1), (4100, 1000, 70, 6)),
+    ((576, 512), 128, 64, "block_table", (2, 3), (5000, 129)),
+    ((576, 512), 1, 1, "page_indices", (8, 3), (3000, 3)),
+    ((320, 256), 12, 16, "block_table", (5, 3), (2000, 129)),  # rows cross tokens mid-tile
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", HIP_ARCHS)
+@pytest.mark.parametrize(
+    "case", HIP_GPU_CASES, ids=lambda c: f"{c[0][0]}-{c[0][1]}_h{c[1]}_bs{c[2]}_{c[3]}"
+)
+def test_gpu_hip_policy_packed(arch, case):
+    """bf16 at real shapes with ``arch``'s policy forced through `MlaMetadataBuilder` (the
+    serving route): the HIP packed tiles compile for this GPU and match the fp64 oracle; unowned
+    cache rows are NaN."""
+    (dk, r), heads, bs, form, q_lens, seq_lens = case
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.bfloat16, "cuda")
+    _poison_unowned_rows(cache, bt, sl)
+    pages = expand_page_indices(bt, sl, bs) if form == "page_indices" else None
+    b = MlaMetadataBuilder(
+        get_target(arch), max_batch=len(seq_lens), num_heads=heads, kv_lora_rank=r,
+        head_dim_k=dk, dtype=torch.bfloat16, device="cuda", max_query_len=8,
+        max_seq_len=max(seq_lens), page_size=1 if pages is not None else bs,
+    )  # fmt: skip
+    assert b.tiles.packed and not b.tiles.sm90_kernel
+    md = b.build(sl, qsl, max_query_len=max(q_lens))
+    scale = 1 / math.sqrt(dk)
+    launches = plan_mla_decode(
+        q, cache, None if pages is not None else bt, sl, kv_lora_rank=r, scale=scale,
+        query_start_loc=qsl, return_lse=True, page_indices=pages, metadata=md,
+    )  # fmt: skip
+    assert launches[0].name == "mla_decode" and launches[0].args["PACKED"] is True
+    run_all(launches)
+    out, lse = launches[0].outputs
+    check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale)
