@@ -14,6 +14,7 @@ import torch
 from portattn import reference as ref
 from portattn.kernels.mla_decode import mla_decode
 from portattn.kernels.paged_attention import paged_attention
+from portattn.platform import get_target
 from tests.helpers import assert_low_precision_close
 from tests.specdec._batch import make_group, per_position
 
@@ -86,7 +87,9 @@ def _rows_differ(out, group):
             assert not torch.equal(rows[j], rows[j - 1]), f"positions {j - 1} and {j} are equal"
 
 
-def _run_both(group, device, heads=HEADS):
+def _run_both(group, device, heads=HEADS, mla_target=None):
+    """Both models' attention over ``group`` against the per-position references; the MLA
+    call with ``mla_target``'s policy forced when given (``target=``)."""
     g = torch.Generator().manual_seed(11)
     num_tokens = int(group.query_start_loc[-1])
     d, dk = group.key_cache.shape[-1], group.latent.shape[-1]
@@ -99,7 +102,8 @@ def _run_both(group, device, heads=HEADS):
     scale = dk**-0.5
     rank = dk - (ROPE if dk == RANK + ROPE else 64)
     outm = mla_decode(qm, group.latent, group.block_table, group.seq_lens, kv_lora_rank=rank,
-                      scale=scale, query_start_loc=group.query_start_loc)  # fmt: skip
+                      scale=scale, query_start_loc=group.query_start_loc,
+                      target=mla_target)  # fmt: skip
     check_mla(group, qm, outm, scale, rank)
 
 
@@ -125,3 +129,28 @@ def test_gpu_verification_bf16(q_len):
     group = make_group(seqs, block_size=64, hkv=8, d=128, latent_dim=576,
                        dtype=torch.bfloat16, device="cuda")  # fmt: skip
     _run_both(group, "cuda", heads=16)
+
+
+# -- HIP policies forced: verification packs (query token, head) rows on AMD tiles too ----------
+
+HIP_ARCHS = ("gfx90a", "gfx942", "gfx950")
+
+
+@pytest.mark.parametrize("arch", HIP_ARCHS)
+def test_hip_verification_lengths_mixed_in_one_batch(device, arch):
+    """The mixed batch with ``arch``'s MLA policy forced: every length 1-8 in one launch of the
+    HIP packed tiles (4 heads: up to 32 rows a sequence), each position against its own prefix."""
+    group = make_group(MIXED, device=device, **CPU)
+    _run_both(group, device, mla_target=get_target(arch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", HIP_ARCHS)
+@pytest.mark.parametrize("q_len", (2, 4, 8))
+def test_gpu_verification_bf16_hip_policy(arch, q_len):
+    """Real shapes (as `test_gpu_verification_bf16`) with ``arch``'s MLA policy forced on this
+    GPU: DeepSeek-V3's 576/512 at 16 heads through the HIP packed tiles."""
+    seqs = [(1000 + 371 * i, q_len) for i in range(7)] + [(4096, 1)]
+    group = make_group(seqs, block_size=64, hkv=8, d=128, latent_dim=576,
+                       dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    _run_both(group, "cuda", heads=16, mla_target=get_target(arch))
