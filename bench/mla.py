@@ -1,7 +1,10 @@
 """MLA decode and verification: ``portattn.mla_decode`` at 576/512 (DeepSeek-V3), bf16, batch 64.
 
 Rows: 16 and 128 heads at 1k, 4k and 16k tokens with 64-token pages; page size 1 (the gather
-path) at 4k and 16k; speculative verification (``q_len`` 2, 4, 8 query tokens a sequence) at 4k.
+path) at 4k and 16k; speculative verification (``q_len`` 2, 4, 8 query tokens a sequence) at 4k;
+and q_len 1, 2, 4, 8 at 16 heads, 4k with a HIP policy forced (gfx942's and gfx950's tiles, passed
+to `MlaMetadataBuilder` as its target, compiled for this GPU): how verification scales with q_len
+on the AMD tiles (packed rows), not how fast an AMD GPU is.
 The call is the serving engine's: ``metadata`` from ``MlaMetadataBuilder`` (workspaces
 preallocated, no host read, capturable), ``out`` preallocated. Checked on the first two
 sequences against the fp64 oracle. Metrics: GB/s of the bytes the call must move (the cache
@@ -18,46 +21,56 @@ import torch
 import portattn
 from bench import core, inputs
 from portattn.mla_metadata import MlaMetadataBuilder
-from portattn.platform import current_target
+from portattn.platform import current_target, get_target
 
 FAMILY = "mla"
 DTYPE = torch.bfloat16
 DK, RANK = 576, 512
+#: The HIP policies whose verification scaling is measured on whatever GPU runs the suite.
+HIP_POLICIES = ("gfx942", "gfx950")
 
-# (heads, context, page, q_len), batch 64
-FULL = [(h, c, 64, 1) for h in (16, 128) for c in (1024, 4096, 16384)]
-FULL += [(16, 4096, 1, 1), (128, 4096, 1, 1), (128, 16384, 1, 1)]
-FULL += [(16, 4096, 64, q) for q in (2, 4, 8)] + [(128, 4096, 64, 4)]
-QUICK = [(4, 40, 16, 1), (4, 40, 16, 2)]
+# (heads, context, page, q_len, policy), batch 64; policy None: the device's own
+FULL = [(h, c, 64, 1, None) for h in (16, 128) for c in (1024, 4096, 16384)]
+FULL += [(16, 4096, 1, 1, None), (128, 4096, 1, 1, None), (128, 16384, 1, 1, None)]
+FULL += [(16, 4096, 64, q, None) for q in (2, 4, 8)] + [(128, 4096, 64, 4, None)]
+FULL += [(16, 4096, 64, q, arch) for arch in HIP_POLICIES for q in (1, 2, 4, 8)]
+QUICK = [(4, 40, 16, 1, None), (4, 40, 16, 2, None), (4, 40, 16, 4, "gfx942")]
 
 
 def rows(ctx: core.Context):
     batch_n = 2 if ctx.quick else 64
     scale = DK**-0.5
-    for heads, context, page, q_len in QUICK if ctx.quick else FULL:
+    for heads, context, page, q_len, policy in QUICK if ctx.quick else FULL:
         ctx_label = f"{context // 1024}k" if context % 1024 == 0 else str(context)
         name = f"mla {heads}h {batch_n}x{ctx_label} page{page} q{q_len}"
+        if policy is not None:
+            name += f" {policy} tiles"
         if not ctx.want(name):
             continue
         params = dict(batch=batch_n, context=context, heads=heads, head_dim_k=DK,
                       kv_lora_rank=RANK, page=page, q_len=q_len, dtype="bf16")  # fmt: skip
+        # a forced policy: its tiles compiled for this device (None: the device's own policy)
+        target = get_target(policy) if policy is not None else None
+        if policy is not None:
+            params["policy"] = policy
         b = inputs.mla_batch(batch=batch_n, context=context, heads=heads, head_dim_k=DK,
                              page=page, q_len=q_len, dtype=DTYPE, device=ctx.device)  # fmt: skip
         out = torch.empty(b.query.shape[0], heads, RANK, dtype=DTYPE, device=ctx.device)
         metadata = None
         if ctx.device == "cuda":  # the serving path; the interpreter takes the call without
             builder = MlaMetadataBuilder(
-                current_target(), max_batch=batch_n, num_heads=heads, kv_lora_rank=RANK,
+                target or current_target(), max_batch=batch_n, num_heads=heads, kv_lora_rank=RANK,
                 head_dim_k=DK, dtype=DTYPE, device=ctx.device, max_query_len=q_len,
                 max_seq_len=context, page_size=page,
             )  # fmt: skip
             metadata = builder.build(b.seq_lens, b.query_start_loc, max_query_len=q_len)
 
-        def call(b=b, out=out, metadata=metadata):
+        # with metadata the launch takes the metadata's target; without (the interpreter) this
+        def call(b=b, out=out, metadata=metadata, target=target if metadata is None else None):
             return portattn.mla_decode(b.query, b.kv_cache, b.block_table, b.seq_lens,
                                        kv_lora_rank=RANK, scale=scale,
                                        query_start_loc=b.query_start_loc, out=out,
-                                       metadata=metadata)  # fmt: skip
+                                       metadata=metadata, target=target)  # fmt: skip
 
         check, us, how = ctx.checked_time_us(call, out, partial(_check, b, out, scale))
         if us is None:
