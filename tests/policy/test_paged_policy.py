@@ -538,3 +538,20 @@ def test_shuffle_reg_cap_keeps_nhd_tile_at_head_dim_128():
     for arch, elem in (("sm_90", 4), ("sm_86", 2), ("sm_100", 2), ("gfx942", 2)):
         p = PagedProblem(32, 8, 128, elem, 1, max_seq_len=16384, num_seqs=64, shuffled=True)
         assert paged_tiles(get_target(arch), p).options.maxnreg is None, arch
+
+
+@pytest.mark.parametrize("arch", ["gfx90a", "gfx942", "gfx950"])
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d"), [(32, 8, 128), (64, 4, 64), (16, 1, 128), (64, 8, 128)]
+)
+@pytest.mark.parametrize("q_len", [2, 4, 8])
+def test_hip_verification_tokens_share_each_kv_tile(arch, hq, hkv, d, q_len):
+    """A verification step on the HIP tiles: a program's rows are query tokens x heads of one
+    KV head, so a sequence's q_len tokens read each KV tile ceil(q_len / block_q) times, at most
+    once per 64 rows of (token, head) pairs, never once per token."""
+    group = hq // hkv
+    tiles = paged_tiles(get_target(arch), PagedProblem(hq, hkv, d, 2, q_len, 16, 64, 4096))
+    reads = -(-q_len // tiles.block_q) * -(-group // tiles.head_tile)
+    assert tiles.head_tile == min(group, tiles.block_m)
+    assert reads == -(-(q_len * group) // 64) or reads == 1
+    assert reads < q_len
