@@ -33,7 +33,8 @@ FLUSH_BYTES = 256 << 20  # larger than any current GPU's L2 (H100/H200: 50 MB, M
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """``|x - ref| / |ref|`` (Frobenius), in fp64 on the CPU."""
+    """``|x - ref| / |ref|`` (Frobenius), in fp64 on the CPU. Bench keeps its own copy (as
+    tests/helpers does): ``--compare`` imports older checkouts' portattn, which may lack one."""
     x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
     return float((x - ref).norm() / ref.norm())
 

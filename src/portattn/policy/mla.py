@@ -29,12 +29,9 @@ budget at 64-lane wavefronts (KV tile `HIP_PACK_BLOCK_N`, `HIP_PACK_NUM_WARPS`, 
 (`mla_tile_reads`); else the narrow tile, unchanged. 576/512 packs 32 rows at one stage on the
 64 KB parts, 64 rows at two stages on gfx950.
 
-What was measured where (figures in docs/decisions.md, MLA decode): sm_90's packed tile on an
-H200, where verification costs about what a decode step does. HIP packing's speed is unmeasured:
-the scaling it is to remove (time growing with q_len) is the unpacked HIP tiles', run on an H200
-with the policy forced (``PORTATTN_TARGET=gfx942`` / ``gfx950``); no AMD GPU has run either.
-The HIP budgets are the estimates below, checked by the compile matrix (no spills, LDS within
-the target's).
+What was measured where: docs/decisions.md (MLA decode). The HIP budgets are the estimates
+below, checked by the compile matrix (no spills, LDS within the target's); HIP packing's speed
+has not been measured on any GPU.
 
 Split-KV (`mla_num_kv_splits`): the most splits whose programs fit one wave of resident slots,
 each split at least `MIN_TOKENS_PER_SPLIT` tokens, at most `MAX_KV_SPLITS`.
