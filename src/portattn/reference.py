@@ -51,16 +51,17 @@ def gather_kv_cache(key_cache, value_cache, block_table, cu_seq_lens, *, layout=
 def _attend(q, k, v, prefix_lens, scale, compute_dtype):
     """q ``[n, hq, d]``, k/v ``[L, hkv, d]``; row j sees keys ``< prefix_lens[j]``."""
     q, k, v = (t.to(compute_dtype) for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
-    pos = torch.arange(k.shape[0])
+    n, hq, length, hkv = q.shape[0], q.shape[1], k.shape[0], k.shape[1]
+    # query head h reads kv head h // group; grouped, so K/V are never copied per query head
+    qg = q.reshape(n, hkv, hq // hkv, q.shape[2])
+    scores = torch.einsum("nkgd,lkd->kgnl", qg, k).reshape(hq, n, length) * scale
+    pos = torch.arange(length)
     mask = pos[None, :] >= torch.as_tensor(prefix_lens)[:, None]
     scores = scores.masked_fill(mask[None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [h, n]
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hnl,lhd->nhd", probs, v), lse.transpose(0, 1)
+    probs = torch.softmax(scores, dim=-1).reshape(hkv, hq // hkv, n, length)
+    out = torch.einsum("kgnl,lkd->nkgd", probs, v).reshape(n, hq, v.shape[2])
+    return out, lse.transpose(0, 1)
 
 
 def paged_attention(
