@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         print(err, file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("mla_hip_tiles: needs a GPU (timings under the interpreter mean nothing)", file=sys.stderr)
+        print("mla_hip_tiles: needs a GPU (interpreter timings mean nothing)", file=sys.stderr)
         return 2
     ctx = core.Context(device="cuda")
     q_lens = [int(q) for q in opts.q_lens.split(",")]

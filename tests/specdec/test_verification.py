@@ -168,9 +168,16 @@ def test_gpu_verification_bf16_hip_policies(q_len):
     qm = qm.to(torch.bfloat16).to("cuda")
     scale, rank = 576**-0.5, 512
     outs = {
-        arch: mla_decode(qm, group.latent, group.block_table, group.seq_lens, kv_lora_rank=rank,
-                         scale=scale, query_start_loc=group.query_start_loc,
-                         target=get_target(arch))  # fmt: skip
+        arch: mla_decode(
+            qm,
+            group.latent,
+            group.block_table,
+            group.seq_lens,
+            kv_lora_rank=rank,
+            scale=scale,
+            query_start_loc=group.query_start_loc,
+            target=get_target(arch),
+        )  # fmt: skip
         for arch in HIP_ARCHS
     }
     check_mla_outputs(group, qm, outs, scale, rank)
