@@ -15,6 +15,15 @@ HAS_GPU = torch.cuda.is_available()
 FIRST = "test_cell_arch.py::test_the_live_gpu_is_the_cells_architecture"
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's torch takes its share of the cores: host references in
+    N workers at every core's thread each oversubscribe the machine N times over."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, (cores or 1) // workers))
+
+
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not item.nodeid.endswith(FIRST))  # stable: the rest keep order
     skip = pytest.mark.skip(reason="needs a CUDA/HIP device (marker gpu)")

@@ -281,43 +281,42 @@ def verify_problem(heads, q_len, dk=576, r=512, batch=64, context=4096, elem=2) 
     return MlaProblem(heads, dk, r, elem, batch * q_len, context, q_len)
 
 
-# (arch, heads, q_len) -> (block_h, block_n, num_warps, num_stages, smem_bytes, num_kv_splits) at
-# 576/512, batch 64, 4k. Every packed HIP tile is N16 at 8 warps (`HIP_PACK_BLOCK_N`,
-# `HIP_PACK_NUM_WARPS`: the compiles that do not spill). 64 KB parts: 64 rows never fit (the query
-# tile alone is 73728 B), 32 rows need one stage (two: 74752 B); gfx942 takes one stage anyway
-# (`HIP_PACK_MAX_STAGES`). gfx950: 64 rows at two stages (112640 B). 1 head: the 16-row tile (up
-# to 16 tokens a tile). Splits: one wave of 2 programs a CU over 64 sequences x row groups
-# (gfx942, 16 heads, q 4: 2 groups, floor(608 / 128) = 4).
+# (arch, heads, q_len) -> (block_h, num_kv_splits) at 576/512, batch 64, 4k. Every packed HIP
+# tile is N32 at 4 warps, 2 stages and one wave a SIMD (`HIP_PACK_*`: the tile that compiles
+# without spills on all three targets), 32 rows (16 where there are no more rows than that: one
+# head), 36864 B of LDS (one 32 x 576 KV tile, `mla_hip_packed_lds_bytes`). Splits: one wave of
+# one program a CU over 64 sequences x row groups (gfx942, 16 heads, q 4: 2 groups,
+# floor(304 / 128) = 2; gfx90a's 110 CUs: 1).
 EXPECTED_HIP_PACKED = {
-    ("gfx90a", 1, 8): (16, 16, 8, 2, 55808, 3),
-    ("gfx90a", 16, 4): (32, 16, 8, 1, 56320, 1),
-    ("gfx942", 1, 2): (16, 16, 8, 1, 37376, 9),
-    ("gfx942", 16, 2): (32, 16, 8, 1, 56320, 9),
-    ("gfx942", 16, 4): (32, 16, 8, 1, 56320, 4),
-    ("gfx942", 16, 8): (32, 16, 8, 1, 56320, 2),
-    ("gfx942", 128, 8): (32, 16, 8, 1, 56320, 1),
-    ("gfx950", 1, 4): (16, 16, 8, 2, 55808, 8),
-    ("gfx950", 16, 2): (32, 16, 8, 2, 74752, 8),
-    ("gfx950", 16, 4): (64, 16, 8, 2, 112640, 8),
-    ("gfx950", 16, 8): (64, 16, 8, 2, 112640, 4),
-    ("gfx950", 128, 2): (64, 16, 8, 2, 112640, 2),
+    ("gfx90a", 1, 8): (16, 1),
+    ("gfx90a", 16, 4): (32, 1),
+    ("gfx942", 1, 2): (16, 4),
+    ("gfx942", 16, 2): (32, 4),
+    ("gfx942", 16, 4): (32, 2),
+    ("gfx942", 16, 8): (32, 1),
+    ("gfx942", 128, 8): (32, 1),
+    ("gfx950", 1, 4): (16, 4),
+    ("gfx950", 16, 2): (32, 4),
+    ("gfx950", 16, 4): (32, 2),
+    ("gfx950", 16, 8): (32, 1),
+    ("gfx950", 128, 2): (32, 1),
 }
 
 
 @pytest.mark.parametrize(("arch", "heads", "q_len"), sorted(EXPECTED_HIP_PACKED))
 def test_exact_hip_packed_tiles(arch, heads, q_len):
     target = get_target(arch)
-    block_h, block_n, warps, stages, smem, splits = EXPECTED_HIP_PACKED[arch, heads, q_len]
+    block_h, splits = EXPECTED_HIP_PACKED[arch, heads, q_len]
     assert mla_decode_tiles(target, verify_problem(heads, q_len)) == MlaTiles(
         block_h=block_h,
         padded_heads=-(-heads // block_h) * block_h,
-        block_n=block_n,
+        block_n=32,
         block_dv=512,
         block_dpe=64,
         num_kv_splits=splits,
-        options=LaunchOptions(warps, stages, 2),
+        options=LaunchOptions(4, 2, 1),
         reduce_options=LaunchOptions(4, 1, 2),
-        smem_bytes=smem,
+        smem_bytes=36864,
         packed=True,
     )
 
@@ -344,8 +343,10 @@ def test_hip_packing_rule_and_budgets(arch, dk, r):
     from portattn.policy.mla import (
         HIP_PACK_BLOCK_H,
         HIP_PACK_BLOCK_N,
-        HIP_PACK_MAX_STAGES,
+        HIP_PACK_NUM_STAGES,
         HIP_PACK_NUM_WARPS,
+        HIP_PACK_WAVES_PER_EU,
+        mla_hip_packed_lds_bytes,
         mla_tile_reads,
     )
 
@@ -359,24 +360,32 @@ def test_hip_packing_rule_and_budgets(arch, dk, r):
                 assert t == mla_decode_tiles(target, problem(dk, r, heads, tokens=64 * q_len))
                 continue
             assert t.block_h in HIP_PACK_BLOCK_H and t.block_h <= max(16, next_pow2(rows))
-            assert (t.block_n, t.options.num_warps) == (HIP_PACK_BLOCK_N, HIP_PACK_NUM_WARPS)
-            assert t.options.num_stages <= HIP_PACK_MAX_STAGES.get(arch, 2)
+            o = t.options
+            assert (t.block_n, o.num_warps, o.num_stages, o.waves_per_eu) == (
+                HIP_PACK_BLOCK_N,
+                HIP_PACK_NUM_WARPS,
+                HIP_PACK_NUM_STAGES,
+                HIP_PACK_WAVES_PER_EU,
+            )
             assert mla_tile_reads(t.block_h, heads, q_len, packed=True) < unpacked
-            warps = t.options.num_warps
-            regs = mla_reg_estimate(t.block_h, t.block_n, t.block_dv, t.block_dpe, warps, 2, 64)
+            regs = mla_reg_estimate(t.block_h, t.block_n, t.block_dv, t.block_dpe, 4, 2, 64)
             assert regs <= REG_BUDGET and t.smem_bytes <= target.max_shared_mem
-            assert t.smem_bytes == mla_smem_bytes(
-                t.block_h, t.block_n, t.block_dv, t.block_dpe, t.options.num_stages, 2
+            assert t.smem_bytes == mla_hip_packed_lds_bytes(
+                t.block_h, t.block_n, t.block_dv, t.block_dpe, 2
             )
             assert not (t.tma or t.sm90_kernel or t.prefetch_rows)
-            # no more rows would have fitted: the next candidate's smallest tile overflows
+            # the splits fill one program a CU: one more would not fit the wave
+            groups = -(-rows // t.block_h)
+            programs = 64 * groups * t.num_kv_splits
+            assert t.num_kv_splits == 1 or programs <= target.num_sms
+            # no more rows would have fitted: the next candidate's tile overflows
             bigger = [h for h in HIP_PACK_BLOCK_H if t.block_h < h <= max(16, next_pow2(rows))]
             for h in bigger:
-                smallest = mla_smem_bytes(h, HIP_PACK_BLOCK_N, t.block_dv, t.block_dpe, 1, 2)
+                lds = mla_hip_packed_lds_bytes(h, HIP_PACK_BLOCK_N, t.block_dv, t.block_dpe, 2)
                 big_regs = mla_reg_estimate(
                     h, HIP_PACK_BLOCK_N, t.block_dv, t.block_dpe, HIP_PACK_NUM_WARPS, 2, 64
                 )
-                assert smallest > target.max_shared_mem or big_regs > REG_BUDGET, (heads, q_len)
+                assert lds > target.max_shared_mem or big_regs > REG_BUDGET, (heads, q_len)
 
 
 @pytest.mark.parametrize("arch", HIP_ARCHS)

@@ -68,11 +68,17 @@ def prev_pow2(n: int) -> int:
 
 
 def launch_options(
-    target: Target, num_warps: int, num_stages: int, maxnreg: int | None = None
+    target: Target,
+    num_warps: int,
+    num_stages: int,
+    maxnreg: int | None = None,
+    waves_per_eu: int | None = None,
 ) -> LaunchOptions:
     """Per-vendor launch options: stages capped by the target; HIP asks for two waves per SIMD
-    (``waves_per_eu=2``) to hide the paged gathers' latency; CUDA takes a policy's ``maxnreg``."""
+    (``waves_per_eu=2``) to hide the paged gathers' latency unless the policy gives its own;
+    CUDA takes a policy's ``maxnreg``."""
     stages = max(1, min(num_stages, target.max_num_stages))
     if target.is_hip:
-        return LaunchOptions(num_warps=num_warps, num_stages=stages, waves_per_eu=2)
+        waves = 2 if waves_per_eu is None else waves_per_eu
+        return LaunchOptions(num_warps=num_warps, num_stages=stages, waves_per_eu=waves)
     return LaunchOptions(num_warps=num_warps, num_stages=stages, maxnreg=maxnreg)

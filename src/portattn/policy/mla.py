@@ -23,15 +23,16 @@ cache once per tile position instead of once per token; programs per sequence an
 `mla_row_groups`. On sm_90, fewer than 64 heads and ``max_query_len * num_heads >=
 PACK_MIN_ROWS`` take the wide tile (the Hopper kernel). On HIP (gfx90a, gfx942, gfx950; 16-bit,
 ``max_query_len > 1``) the portable kernel takes the most rows of `HIP_PACK_BLOCK_H` (no more
-than ``next_pow2(max_query_len * num_heads)``) whose tile fits the target's LDS and the register
-budget at 64-lane wavefronts (KV tile `HIP_PACK_BLOCK_N`, `HIP_PACK_NUM_WARPS`, stages up to
-`HIP_PACK_MAX_STAGES`), where that reads fewer KV tiles a sequence than the unpacked 16-row tile
-(`mla_tile_reads`); else the narrow tile, unchanged. 576/512 packs 32 rows at one stage on the
-64 KB parts, 64 rows at two stages on gfx950.
+than ``next_pow2(max_query_len * num_heads)``) whose tile (`HIP_PACK_BLOCK_N`,
+`HIP_PACK_NUM_WARPS`, `HIP_PACK_NUM_STAGES`) fits the target's LDS (`mla_hip_packed_lds_bytes`)
+and the register budget at 64-lane wavefronts, where that reads fewer KV tiles a sequence than
+the unpacked 16-row tile (`mla_tile_reads`); else the narrow tile, unchanged. The packed tile asks
+for one wave a SIMD (`HIP_PACK_WAVES_PER_EU`), so it is one program a CU and the split count
+fills one such wave.
 
-What was measured where: docs/decisions.md (MLA decode). The HIP budgets are the estimates
-below, checked by the compile matrix (no spills, LDS within the target's); HIP packing's speed
-has not been measured on any GPU.
+What was measured where: docs/decisions.md (MLA decode). The HIP tiles are checked by the
+compile matrix (no spills, LDS within the target's); their q_len scaling was measured with the
+HIP policies forced on an NVIDIA GPU, not on an AMD one.
 
 Split-KV (`mla_num_kv_splits`): the most splits whose programs fit one wave of resident slots,
 each split at least `MIN_TOKENS_PER_SPLIT` tokens, at most `MAX_KV_SPLITS`.
@@ -88,14 +89,15 @@ PACK_ARCHS = SM90_KERNEL_ARCHS
 #: Packed rows (``max_query_len * num_heads``) from which the 64-row tile is taken: half a tile.
 PACK_MIN_ROWS = 32
 #: Rows of a packed HIP tile (the portable kernel), most first; budgeted for 64-lane wavefronts.
-HIP_PACK_BLOCK_H: tuple[int, ...] = (64, 32, 16)
-#: The packed HIP tile's KV tile and warps: the 576/512 tiles that compile without VGPR spills
-#: (Triton 3.6; at 4 warps, or a 32-token KV tile, every packed tile spilled).
-HIP_PACK_BLOCK_N = 16
-HIP_PACK_NUM_WARPS = 8
-#: Deepest pipeline of a packed HIP tile per target (default `MAX_STAGES`): gfx942's compile
-#: spills at two stages (16 and 32 rows) and not at one.
-HIP_PACK_MAX_STAGES: dict[str, int] = {"gfx942": 1}
+HIP_PACK_BLOCK_H: tuple[int, ...] = (32, 16)
+#: The packed HIP tile's KV tile, warps and stages: the longest KV tile (bytes in flight a
+#: program) whose 576/512 tile compiles without VGPR spills on gfx90a, gfx942 and gfx950.
+HIP_PACK_BLOCK_N = 32
+HIP_PACK_NUM_WARPS = 4
+HIP_PACK_NUM_STAGES = 2
+#: Waves a SIMD the packed tile asks for: one, so a wave may hold 512 VGPRs (two cap it at 256,
+#: where the 32-token tile spills); its 4 waves then make one program a CU.
+HIP_PACK_WAVES_PER_EU = 1
 
 
 def sm90_gathers(page_size: int, page_indices: bool) -> bool:
@@ -194,6 +196,15 @@ def mla_smem_bytes(
     q = block_h * (block_dv + block_dpe) * elem_size
     p = block_h * block_n * elem_size
     return kv + q + p
+
+
+def mla_hip_packed_lds_bytes(
+    block_h: int, block_n: int, block_dv: int, block_dpe: int, elem_size: int
+) -> int:
+    """LDS of a packed HIP tile at two stages: the larger of the query's latent tile (staged once
+    into the dot's layout) and one KV tile (the prefetched one); Triton 3.6 reuses the space,
+    so the two do not add (the compile matrix checks the compiled figure)."""
+    return max(block_h * block_dv, block_n * (block_dv + block_dpe)) * elem_size
 
 
 def mla_reg_estimate(
@@ -318,29 +329,22 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     order += [(n, 1) for n in block_ns]
     if choice is None and target.is_hip and not fp32 and problem.max_query_len > 1:
         # HIP verification: the most packed rows (`HIP_PACK_BLOCK_H`, no more than the rows
-        # there are) whose tile (`HIP_PACK_BLOCK_N`, `HIP_PACK_NUM_WARPS`, the deepest pipeline
-        # first) fits both budgets at the target's 64-lane wavefronts, where it reads fewer KV
-        # tiles a sequence than one token's heads do (`mla_tile_reads`)
+        # there are) whose tile fits the LDS (`mla_hip_packed_lds_bytes`) and the register
+        # budget at 64-lane wavefronts, where it reads fewer KV tiles a sequence than one
+        # token's heads do (`mla_tile_reads`)
         q_len, heads = problem.max_query_len, problem.num_heads
         unpacked = mla_tile_reads(target.mma_min_rows, heads, q_len, packed=False)
         most = max(target.mma_min_rows, next_pow2(q_len * heads))
-        deepest = min(top, HIP_PACK_MAX_STAGES.get(target.arch, top))
-        n, w = HIP_PACK_BLOCK_N, HIP_PACK_NUM_WARPS
+        n, w, s = HIP_PACK_BLOCK_N, HIP_PACK_NUM_WARPS, min(top, HIP_PACK_NUM_STAGES)
         for rows in HIP_PACK_BLOCK_H:
             if rows > most or rows < target.mma_min_rows:
                 continue
             if mla_tile_reads(rows, heads, q_len, packed=True) >= unpacked:
                 break  # fewer rows read no less
-            choice = next(
-                (
-                    (rows, n, s, w, smem)
-                    for s in range(deepest, 0, -1)
-                    if (smem := fits(rows, n, s, w, warp_size=target.warp_size)) is not None
-                ),
-                None,
-            )
-            if choice is not None:
-                pack = True
+            lds = mla_hip_packed_lds_bytes(rows, n, block_dv, block_dpe, elem)
+            regs = mla_reg_estimate(rows, n, block_dv, block_dpe, w, elem, target.warp_size)
+            if lds <= target.max_shared_mem and regs <= REG_BUDGET:
+                choice, pack = (rows, n, s, w, lds), True
                 break
     if choice is None:
         pack = False
@@ -382,7 +386,7 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         and (block_h, block_n, elem) == (WIDE_BLOCK_H, 64, 2)
         and block_dv <= 512
     )
-    per_sm = mla_programs_per_sm(target, block_h, smem, sm90)
+    per_sm = 1 if pack and target.is_hip else mla_programs_per_sm(target, block_h, smem, sm90)
     padded_heads = -(-problem.num_heads // block_h) * block_h
     if pack:  # programs: sequences x row groups
         rows = problem.max_query_len * problem.num_heads
@@ -399,7 +403,12 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         block_dv=block_dv,
         block_dpe=block_dpe,
         num_kv_splits=splits,
-        options=launch_options(target, warps, stages),
+        options=launch_options(
+            target,
+            warps,
+            stages,
+            waves_per_eu=HIP_PACK_WAVES_PER_EU if pack and target.is_hip else None,
+        ),
         reduce_options=launch_options(target, REDUCE_NUM_WARPS, 1),
         smem_bytes=smem,
         prefetch_rows=prefetch,
