@@ -40,11 +40,12 @@ from portattn.policy.mla import (
     mla_smem_bytes,
 )
 
-TILE = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)$")
+TILE = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)(?:p(\d+))?$")
 
 
-def parse_tile(text: str) -> tuple[int, int, int, int] | None:
-    """``"32x16w8s1"`` -> ``(rows, block_n, warps, stages)``; ``"policy"`` -> None.
+def parse_tile(text: str) -> tuple[int, int, int, int, int] | None:
+    """``"32x16w8s1"`` -> ``(rows, block_n, warps, stages, programs_per_sm)``; a ``pK`` suffix
+    sizes the split count for K programs a CU (default the policy's); ``"policy"`` -> None.
 
     Raises:
         ValueError: any other text (naming the form).
@@ -53,9 +54,9 @@ def parse_tile(text: str) -> tuple[int, int, int, int] | None:
         return None
     m = TILE.match(text)
     if not m:
-        raise ValueError(f"--tiles: {text!r} is not ROWSxBLOCK_NwWARPSsSTAGES (e.g. 32x16w8s1)")
-    rows, n, w, s = (int(g) for g in m.groups())
-    return rows, n, w, s
+        raise ValueError(f"--tiles: {text!r} is not ROWSxBLOCK_NwWARPSsSTAGES[pK] (32x16w4s2p4)")
+    rows, n, w, s = (int(g) for g in m.groups()[:4])
+    return rows, n, w, s, int(m.group(5) or PROGRAMS_PER_SM)
 
 
 def tiles_for(arch: str, heads: int, q_len: int, batch: int, context: int, tile):
@@ -66,7 +67,7 @@ def tiles_for(arch: str, heads: int, q_len: int, batch: int, context: int, tile)
     base = mla_decode_tiles(target, problem)
     if tile is None or q_len == 1:
         return base
-    rows, n, w, s = tile
+    rows, n, w, s, per_sm = tile
     groups = -(-(q_len * heads) // rows)
     return dataclasses.replace(
         base,
@@ -75,7 +76,7 @@ def tiles_for(arch: str, heads: int, q_len: int, batch: int, context: int, tile)
         block_n=n,
         options=launch_options(target, w, s),
         smem_bytes=mla_smem_bytes(rows, n, base.block_dv, base.block_dpe, s, 2),
-        num_kv_splits=mla_num_kv_splits(target, batch, groups, context, PROGRAMS_PER_SM),
+        num_kv_splits=mla_num_kv_splits(target, batch, groups, context, per_sm),
         packed=True,
         prefetch_rows=False,
         tma=False,

@@ -171,6 +171,18 @@ def test_check_windows_and_work_counts():
     assert core.rate(1e9, 1e6, 1e9) == 1.0 and core.rate(1.0, None, 1.0) is None
 
 
+def test_results_md_says_forced_policy_rows_are_not_amd_speed(tmp_path):
+    """A row run with another target's policy forced gets the page's plain statement that it
+    is not that target's speed; a table without such rows gets none."""
+    doc = fixture_doc()
+    md = results.render(doc)
+    assert "absolute AMD speed is unmeasured" not in md
+    doc["rows"][0]["params"] = dict(doc["rows"][0]["params"], policy="gfx942")
+    md = results.render(doc)
+    assert "(gfx942): that target's policy forced" in md
+    assert "absolute AMD speed is unmeasured until an AMD GPU runs the rocm cells" in md
+
+
 def test_results_md_merges_runs_of_one_tree(tmp_path):
     """A suite split over GPU calls: a later run's row replaces the earlier one of its name,
     every run is listed, and runs of different trees are refused by name."""
@@ -194,6 +206,19 @@ def test_results_md_merges_runs_of_one_tree(tmp_path):
     paths[1].write_text(json.dumps(b))
     with pytest.raises(SystemExit, match="differs from run 1 in commit"):
         results.main([*map(str, paths)])
+    # across trees: merged, each run with its commit, each row with its run
+    assert results.main([*map(str, paths), "--across-trees", "--out", str(md_path)]) == 0
+    md = md_path.read_text()
+    assert "2 runs of several trees" in md and "- Commit: `fff0000` (the newest" in md
+    assert f"Run 1, {a['date']} at `{a['commit']}`" in md and "Run 2, " in md
+    row_b = next(line for line in md.splitlines() if "prefill 8x4096 32/8/128 bs16" in line)
+    assert row_b.endswith("| 2 |") and "| 440.0 |" in row_b
+    row_a = next(line for line in md.splitlines() if line.startswith("| decode"))
+    assert row_a.endswith("| 1 |")
+    b["device"] = "NVIDIA H100"
+    paths[1].write_text(json.dumps(b))
+    with pytest.raises(SystemExit, match="differs from run 1 in device"):
+        results.main([*map(str, paths), "--across-trees"])
 
 
 def test_an_exported_tree_names_its_commit(tmp_path):
