@@ -660,11 +660,15 @@ def _estimate_copy(launch: Launch) -> int:
 
 
 def _estimate_mla(launch: Launch) -> int | None:
-    from portattn.policy.mla import mla_smem_bytes
+    from portattn.policy.mla import mla_hip_packed_lds_bytes, mla_smem_bytes
 
     a = launch.args
     if "BLOCK_DV" not in a or "BLOCK_N" not in a:
         return None  # the split-KV reduce: no tiles through shared memory in the policy's model
+    if a.get("PACKED") and launch.target.is_hip:  # the packed HIP tile's own LDS model
+        return mla_hip_packed_lds_bytes(
+            a["BLOCK_H"], a["BLOCK_N"], a["BLOCK_DV"], a["BLOCK_DPE"], a["q_ptr"].element_size()
+        )
     return mla_smem_bytes(
         a["BLOCK_H"],
         a["BLOCK_N"],
