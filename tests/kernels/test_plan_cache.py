@@ -709,6 +709,53 @@ def test_gpu_paged_attention_cached_calls():
         check(b, paged_attention(*b.args(), max_query_len=1, max_seq_len=4096))
 
 
+def test_unbounded_call_plans_as_the_call_bounded_by_what_it_read(device):
+    """A call without maxima launches exactly what the call bounded by its metadata's maxima
+    (`unbounded_maxima`: the longest q_len, `plan_max_seq_len` of the longest seq_len) does, so a
+    GPU's unbounded call can take that call's cached plan."""
+    from portattn.kernels.paged_attention import unbounded_maxima
+
+    for seqs in (SEQS, ((3000, 1), (17, 1)), ((5, 5), (1100, 1))):
+        b = make_batch(seqs, block_size=16, heads=(8, 2), head_dim=64, dtype=torch.float32,
+                       device=device)  # fmt: skip
+        mql, msl = unbounded_maxima(*b.args(), None, None, "NHD", None, None)
+        assert mql == max(q for _, q in seqs) and msl >= max(n for n, _ in seqs)
+        for target in ("sm_90", "gfx942"):
+            t = get_target(target)
+            free = plan_paged_attention(*b.args(), target=t)
+            bound = plan_paged_attention(*b.args(), target=t, max_query_len=mql,
+                                         max_seq_len=msl, check_contents=False)  # fmt: skip
+            assert [(a.kernel, a.grid, a.options) for a in free] == [
+                (a.kernel, a.grid, a.options) for a in bound
+            ]
+            for a, c in zip(free, bound, strict=True):
+                scalars = {k: v for k, v in a.args.items() if not isinstance(v, torch.Tensor)}
+                assert scalars == {
+                    k: v for k, v in c.args.items() if not isinstance(v, torch.Tensor)
+                }
+    # the values are checked as ever: a bad entry is named
+    b = make_batch(SEQS, block_size=16, heads=(8, 2), head_dim=64, dtype=torch.float32,
+                   device=device)  # fmt: skip
+    b.block_table[0, 0] = 10**6
+    with pytest.raises(ValueError, match=r"block_table entries of used blocks must be in"):
+        unbounded_maxima(*b.args(), None, None, "NHD", None, None)
+
+
+@pytest.mark.gpu
+def test_gpu_unbounded_calls_take_the_cached_plan():
+    """Unbounded GPU calls: checked (a bad value still raises by name) and then cached; a decode
+    loop whose contexts grow by a token a step plans once per band."""
+    PLANS.clear()
+    for n in range(3000, 3004):  # one band of plan_max_seq_len
+        b = make_batch(((n, 1), (40, 1)), block_size=16, heads=(8, 2), head_dim=64,
+                       dtype=torch.bfloat16, device="cuda", seed=n)  # fmt: skip
+        check(b, paged_attention(*b.args()))
+    assert PLANS.misses == 1 and PLANS.hits >= 3
+    b.block_table[0, 0] = 10**6
+    with pytest.raises(ValueError, match=r"block_table entries of used blocks must be in"):
+        paged_attention(*b.args())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [16, 128])  # sm_90: 16 bulk-copy tiles, 128 the Gluon kernel
 @pytest.mark.parametrize("form", ["block_table", "page_indices"])

@@ -28,6 +28,7 @@ from portattn.policy.paged import (
     estimate_shared_mem,
     estimate_words,
     paged_tiles,
+    plan_max_seq_len,
     split_count,
 )
 
@@ -462,6 +463,25 @@ def test_split_count(arch, kw, splits):
     tiles = paged_tiles(target, problem)
     assert split_count(target, problem, tiles.head_tile) == splits
     assert tiles.num_splits == splits
+
+
+@pytest.mark.parametrize("arch", sorted(TARGETS))
+def test_plan_max_seq_len_plans_alike(arch):
+    """Every max_seq_len of a band gets the tiles of the band's stand-in (`plan_max_seq_len`),
+    which bounds it: the unbounded call's plan is shared across a decode loop's growing context."""
+    target = get_target(arch)
+    lens = sorted({*range(0, 5000, 97), *(k * 1024 + d for k in range(1, 40) for d in (-1, 0, 1))})
+    for num_seqs, (hq, hkv) in itertools.product((1, 3, 64), ((8, 8), (32, 4), (8, 1))):
+        for msl in lens:
+            stand_in = plan_max_seq_len(msl)
+            assert stand_in >= msl and plan_max_seq_len(stand_in) == stand_in
+            p = _problem(num_seqs=num_seqs, num_q_heads=hq, num_kv_heads=hkv,
+                         max_seq_len=msl or None)  # fmt: skip
+            assert paged_tiles(target, p) == paged_tiles(
+                target, replace(p, max_seq_len=stand_in or None)
+            ), (num_seqs, hq, hkv, msl)
+    assert plan_max_seq_len(0) == 0 and plan_max_seq_len(1) == plan_max_seq_len(1023) == 1023
+    assert plan_max_seq_len(1024) == 2047
 
 
 def test_decode_row_tile_only_when_it_differs_and_is_exceeded():

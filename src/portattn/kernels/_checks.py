@@ -316,6 +316,8 @@ def capacity_errors(
 ) -> list[str]:
     """Each sequence's ``lens[i]`` tokens (host) fit the ``max_blocks`` columns of its
     block-table row. ``label(i)`` names ``lens[i]`` in the message."""
+    if lens.numel() == 0 or int(lens.max()) <= max_blocks * block_size:
+        return []  # the longest fits, so all do (one reduction instead of the per-row sizes)
     n_blocks = (lens.clamp_min(0) + block_size - 1) // block_size
     wide = n_blocks > max_blocks
     if not bool(wide.any()):
@@ -344,6 +346,9 @@ def block_ids_errors(
     limit = f"num_blocks={num_blocks}" if limit is None else limit
     if block_table.numel() == 0:
         return []
+    lo, hi = (int(x) for x in torch.aminmax(block_table))
+    if (padding_ok or lo >= 0) and hi < num_blocks:
+        return []  # every entry is in range, used or not: no per-entry mask needed
     n_blocks = (lens.clamp_min(0) + block_size - 1) // block_size
     used = torch.arange(block_table.shape[1])[None, :] < n_blocks[:, None]
     bad = used & (block_table >= num_blocks)

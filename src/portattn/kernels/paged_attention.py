@@ -86,6 +86,7 @@ from portattn.policy.paged import (
     cache_order_reads,
     paged_config,
     paged_tiles,
+    plan_max_seq_len,
     prefill_config_errors,
 )
 
@@ -812,6 +813,26 @@ def _check_contents(
     return real_mql, real_msl
 
 
+def unbounded_maxima(
+    query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale, layout,
+    max_seq_len, config,
+) -> tuple[int, int | None]:  # fmt: skip
+    """For a call without ``max_query_len``: the arguments checked (types and shapes, then the
+    metadata's values from one host read), and the maxima that bound the call to the same plan:
+    the longest q_len, and the caller's ``max_seq_len`` or else `plan_max_seq_len` of the longest
+    seq_len (``None`` for an empty batch)."""
+    k, _ = _check_call(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale,
+        layout, None, max_seq_len, config, None,
+    )  # fmt: skip
+    real_mql, real_msl = _check_contents(
+        query, k, block_table, seq_lens, query_start_loc, None, max_seq_len
+    )
+    if max_seq_len is None:
+        max_seq_len = plan_max_seq_len(real_msl) if real_msl else None
+    return real_mql, max_seq_len
+
+
 def _prefill_config(
     config: PagedConfig | None, target: Target, problem: PagedProblem, splits: int,
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -1113,6 +1134,20 @@ def paged_attention(
         block_table = [[5, 2]], seq_lens = [3], query_start_loc = [0, 1]
         -> the query attends to block 5 offsets 0, 1 and block 2 offset 0
     """
+    if (
+        max_query_len is None
+        and trace is None
+        and isinstance(query, torch.Tensor)
+        and query.is_cuda
+        and (config is None or isinstance(config, PagedConfig))
+    ):
+        # Unbounded on a GPU: the metadata is read once and checked, then the call runs as the
+        # call bounded by what was read (the same tiles: `plan_max_seq_len`), through the plan
+        # cache, instead of planning anew each call.
+        max_query_len, max_seq_len = unbounded_maxima(
+            query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale,
+            layout, max_seq_len, config,
+        )  # fmt: skip
     inputs = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out)
     key = None
     guard: tuple | None = None

@@ -336,6 +336,16 @@ def split_count(target: Target, problem: PagedProblem, head_tile: int) -> int:
     return splits
 
 
+def plan_max_seq_len(max_seq_len: int) -> int:
+    """The one ``max_seq_len`` that stands for every length of its `MIN_SPLIT_TOKENS` band: the
+    band's last. The policy reads ``max_seq_len`` only in `split_count`'s ``splits *
+    MIN_SPLIT_TOKENS > max_seq_len``, so all lengths of a band plan alike, and a caller's plans
+    keyed by this value are shared across a decode loop's growing contexts (0 stays 0)."""
+    if max_seq_len <= 0:
+        return max_seq_len
+    return max_seq_len // MIN_SPLIT_TOKENS * MIN_SPLIT_TOKENS + MIN_SPLIT_TOKENS - 1
+
+
 def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
     """Choose the portable kernel's tiles for ``problem`` on ``target`` (pure; no device access).
 
