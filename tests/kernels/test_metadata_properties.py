@@ -140,6 +140,32 @@ def test_paged_attention_valid_metadata_matches_reference(data, device):
     _same_values(meta, copies)
 
 
+@pytest.mark.paged
+@settings(max_examples=INVALID, **_SETTINGS)
+@given(data=st.data())
+def test_paged_unbounded_plan_is_the_bounded_plan_of_what_it_read(data):
+    """A GPU's unbounded call runs the plan of the call bounded by its metadata's maxima
+    (`unbounded_maxima`); for any valid metadata (strided, garbage in unused columns) both plan
+    the same launches on every kind of target (planning only, CPU tensors)."""
+    from portattn.kernels.paged_attention import plan_paged_attention, unbounded_maxima
+
+    a, longest = data.draw(paged_case("cpu"))
+    mql, msl = unbounded_maxima(*a.values(), None, None, "NHD", None, None)
+    assert mql == longest
+    for arch in ("sm_80", "sm_90", "gfx942"):
+        t = get_target(arch)
+        free = plan_paged_attention(**a, target=t)
+        bound = plan_paged_attention(**a, target=t, max_query_len=mql, max_seq_len=msl,
+                                     check_contents=False)  # fmt: skip
+        assert len(free) == len(bound)
+        for f, b in zip(free, bound, strict=True):
+            assert (f.kernel, f.grid, f.options) == (b.kernel, b.grid, b.options)
+            scalars = lambda launch: {  # noqa: E731
+                k: v for k, v in launch.args.items() if not isinstance(v, torch.Tensor)
+            }
+            assert scalars(f) == scalars(b)
+
+
 # -- mla_decode ----------------------------------------------------------------------------------
 
 MLA_DK, MLA_R, MLA_HEADS, MLA_SCALE = 80, 64, 2, 0.1
