@@ -48,6 +48,7 @@ import math
 from collections.abc import Callable, Sequence
 from numbers import Real
 
+import numpy as np
 import torch
 
 #: The largest softmax scale the kernels take: they compute ``scale * log2(e)`` in fp32.
@@ -70,11 +71,16 @@ def tensor_reads_contents(t: torch.Tensor, vouched: bool) -> bool:
     return t.is_cpu or not vouched
 
 
-def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """int64 CPU copies of ``tensors`` (same shapes), with one device-to-host transfer."""
+def to_host(*tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """int64 host arrays of ``tensors`` (same shapes), with one device-to-host transfer: the
+    checks below run on numpy, whose operations on small arrays cost a fraction of torch's."""
     if all(t.device.type == "cpu" for t in tensors):
-        return tuple(t.detach().to(torch.int64) for t in tensors)
-    flat = torch.cat([t.detach().reshape(-1).to(torch.int64) for t in tensors]).cpu()
+        return tuple(t.detach().numpy().astype(np.int64, copy=False) for t in tensors)
+    dtype = tensors[0].dtype
+    same = all(t.dtype == dtype for t in tensors)  # then no conversion kernel on the device
+    parts = [t.detach().reshape(-1) if same else t.detach().reshape(-1).to(torch.int64)
+             for t in tensors]  # fmt: skip
+    flat = torch.cat(parts).cpu().numpy().astype(np.int64, copy=False)
     out, at = [], 0
     for t in tensors:
         out.append(flat[at : at + t.numel()].reshape(t.shape))
@@ -262,13 +268,13 @@ class Disjoint:
         return True
 
 
-def _first_true_index(mask: torch.Tensor) -> tuple[int, ...]:
+def _first_true_index(mask: np.ndarray) -> tuple[int, ...]:
     """Index of the first True of ``mask`` (row-major)."""
-    return tuple(int(i) for i in torch.nonzero(mask)[0])
+    return tuple(int(i) for i in np.argwhere(mask)[0])
 
 
 def offsets_errors(
-    name: str, offsets: torch.Tensor, *, end: int, end_name: str, end_at_most: bool = False
+    name: str, offsets: np.ndarray, *, end: int, end_name: str, end_at_most: bool = False
 ) -> list[str]:
     """``offsets`` ([n + 1], host) starts at 0, never decreases and ends at ``end`` (at most
     ``end`` with ``end_at_most``: rows past it are padding)."""
@@ -287,10 +293,10 @@ def offsets_errors(
     return errors
 
 
-def seq_lens_errors(seq_lens: torch.Tensor, q_lens: torch.Tensor | None = None) -> list[str]:
+def seq_lens_errors(seq_lens: np.ndarray, q_lens: np.ndarray | None = None) -> list[str]:
     """``seq_lens`` (host) >= each sequence's ``q_lens`` (its last tokens are the queries), or
     >= 0 without queries."""
-    floor = torch.zeros_like(seq_lens) if q_lens is None else q_lens.clamp_min(0)
+    floor = np.zeros_like(seq_lens) if q_lens is None else np.maximum(q_lens, 0)
     short = seq_lens < floor
     if not bool(short.any()):
         return []
@@ -309,16 +315,16 @@ def _seq_lens_label(i: int) -> str:
 
 
 def capacity_errors(
-    lens: torch.Tensor,
+    lens: np.ndarray,
     block_size: int,
     max_blocks: int,
     label: Callable[[int], str] = _seq_lens_label,
 ) -> list[str]:
     """Each sequence's ``lens[i]`` tokens (host) fit the ``max_blocks`` columns of its
     block-table row. ``label(i)`` names ``lens[i]`` in the message."""
-    if lens.numel() == 0 or int(lens.max()) <= max_blocks * block_size:
+    if lens.size == 0 or int(lens.max()) <= max_blocks * block_size:
         return []  # the longest fits, so all do (one reduction instead of the per-row sizes)
-    n_blocks = (lens.clamp_min(0) + block_size - 1) // block_size
+    n_blocks = (np.maximum(lens, 0) + block_size - 1) // block_size
     wide = n_blocks > max_blocks
     if not bool(wide.any()):
         return []
@@ -331,8 +337,8 @@ def capacity_errors(
 
 
 def block_ids_errors(
-    block_table: torch.Tensor,
-    lens: torch.Tensor,
+    block_table: np.ndarray,
+    lens: np.ndarray,
     block_size: int,
     num_blocks: int,
     *,
@@ -344,13 +350,13 @@ def block_ids_errors(
     entry is padding the kernel skips). Other columns may hold anything. ``limit`` names the
     bound in the message (default ``num_blocks=<num_blocks>``)."""
     limit = f"num_blocks={num_blocks}" if limit is None else limit
-    if block_table.numel() == 0:
+    if block_table.size == 0:
         return []
-    lo, hi = (int(x) for x in torch.aminmax(block_table))
+    lo, hi = int(block_table.min()), int(block_table.max())
     if (padding_ok or lo >= 0) and hi < num_blocks:
         return []  # every entry is in range, used or not: no per-entry mask needed
-    n_blocks = (lens.clamp_min(0) + block_size - 1) // block_size
-    used = torch.arange(block_table.shape[1])[None, :] < n_blocks[:, None]
+    n_blocks = (np.maximum(lens, 0) + block_size - 1) // block_size
+    used = np.arange(block_table.shape[1])[None, :] < n_blocks[:, None]
     bad = used & (block_table >= num_blocks)
     if not padding_ok:
         bad |= used & (block_table < 0)
@@ -371,11 +377,11 @@ def block_ids_errors(
 
 
 def slots_errors(
-    name: str, slots: torch.Tensor, num_slots: int, *, padding_ok: bool = False
+    name: str, slots: np.ndarray, num_slots: int, *, padding_ok: bool = False
 ) -> list[str]:
     """Flat slots (host, ``block * block_size + offset``) address the cache: ``< num_slots``,
     and ``>= 0`` unless ``padding_ok`` (a negative slot is skipped)."""
-    if slots.numel() == 0:
+    if slots.size == 0:
         return []
     bad = (slots >= num_slots) if padding_ok else ((slots < 0) | (slots >= num_slots))
     if not bool(bad.any()):
@@ -394,7 +400,7 @@ def slots_errors(
 
 
 def page_indices_errors(
-    indptr: torch.Tensor, indices: torch.Tensor, seq_lens: torch.Tensor, num_slots: int
+    indptr: np.ndarray, indices: np.ndarray, seq_lens: np.ndarray, num_slots: int
 ) -> list[str]:
     """``(indptr, indices)`` (host) give sequence ``i`` exactly ``seq_lens[i]`` slots,
     ``indices[indptr[i]:indptr[i+1]]``, each in the cache; entries past ``indptr[-1]`` are not
@@ -417,9 +423,9 @@ def page_indices_errors(
     return errors
 
 
-def num_indices_errors(num_indices: int, seq_lens: torch.Tensor) -> list[str]:
+def num_indices_errors(num_indices: int, seq_lens: np.ndarray) -> list[str]:
     """``num_indices`` (the caller's count of output slots) equals ``sum(seq_lens)`` (host)."""
-    total = int(seq_lens.clamp_min(0).sum())
+    total = int(np.maximum(seq_lens, 0).sum())
     if num_indices != total:
         return [f"num_indices must equal sum(seq_lens)={total}; got {num_indices}"]
     return []

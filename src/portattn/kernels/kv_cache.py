@@ -25,6 +25,7 @@ Not supported: dtype conversion (fp8 caches, scales): key/value must have the ca
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -594,7 +595,7 @@ def plan_gather_kv_cache(
 
 
 def _check_gather_indices(
-    op: str, table: torch.Tensor, cu: torch.Tensor, addr: CacheAddressing, total: int, out: bool
+    op: str, table: np.ndarray, cu: np.ndarray, addr: CacheAddressing, total: int, out: bool
 ) -> None:
     """`_checks` on host copies: cu_seq_lens well formed, each sequence fits its row, the used
     block ids (negative: padding) inside the cache; unused columns are ignored."""

@@ -61,6 +61,7 @@ import functools
 import operator
 from numbers import Real
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -934,7 +935,7 @@ def _check_contents(
     lens, *rest = to_host(seq_lens, *qsl_t, *index)
     qsl = rest.pop(0) if query_start_loc is not None else None
     errors: list[str] = []
-    q_lens = torch.ones_like(lens)  # one token per sequence (plain decode)
+    q_lens = np.ones_like(lens)  # one token per sequence (plain decode)
     longest = 1
     if qsl is not None:
         errors += offsets_errors(

@@ -173,18 +173,20 @@ def plan_expand_page_indices(
     # CPU: always checked (free). GPU: checked when num_indices is not given, with the one device
     # read that sum(seq_lens) needs anyway; with num_indices given the caller vouches (no sync).
     if reads_contents(seq_lens.device, vouched=num_indices is not None):
-        lens, table = to_host(seq_lens, block_table)
-        errors = seq_lens_errors(lens)
-        errors += capacity_errors(lens, block_size, block_table.shape[1])
+        host_lens, host_table = to_host(seq_lens, block_table)
+        errors = seq_lens_errors(host_lens)
+        errors += capacity_errors(host_lens, block_size, block_table.shape[1])
         # a slot is block * block_size + offset, in int64: the used block ids must keep it there
         limit = _INT64_MAX // block_size
         bound = f"(2**63 - 1) // block_size = {limit} (slots block * block_size + offset are int64)"
-        errors += block_ids_errors(table, lens, block_size, limit, padding_ok=True, limit=bound)
+        errors += block_ids_errors(
+            host_table, host_lens, block_size, limit, padding_ok=True, limit=bound
+        )
         if num_indices is not None:
-            errors += num_indices_errors(num_indices, lens)
+            errors += num_indices_errors(num_indices, host_lens)
         raise_errors(op, errors)
         if num_indices is None:
-            num_indices = int(lens.sum())
+            num_indices = int(host_lens.sum())
     assert num_indices is not None
     target = target or target_for_tensor(block_table)
     tiles = page_indices_tiles(target, num_indices)

@@ -803,8 +803,8 @@ def _check_contents(
     errors += seq_lens_errors(lens, q_lens)
     errors += capacity_errors(lens, k.block_size, table.shape[1])
     errors += block_ids_errors(table, lens, k.block_size, k.num_blocks)
-    real_mql = int(q_lens.max()) if q_lens.numel() else 0
-    real_msl = int(lens.max()) if lens.numel() else 0
+    real_mql = int(q_lens.max()) if q_lens.size else 0
+    real_msl = int(lens.max()) if lens.size else 0
     if max_query_len is not None and max_query_len < real_mql:
         errors.append(f"max_query_len must be >= the longest q_len {real_mql}; got {max_query_len}")
     if max_seq_len is not None and max_seq_len < real_msl:
