@@ -39,6 +39,7 @@ from portattn.layout import empty_kv_cache
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import get_target, set_target_override, target_override
 from portattn.policy.mla import MlaConfig
+from tests.kernels.test_mla_decode import check as mla_check
 from tests.kernels.test_mla_decode import make_inputs
 from tests.kernels.test_paged_attention import check, make_batch
 
@@ -739,6 +740,56 @@ def test_unbounded_call_plans_as_the_call_bounded_by_what_it_read(device):
     b.block_table[0, 0] = 10**6
     with pytest.raises(ValueError, match=r"block_table entries of used blocks must be in"):
         unbounded_maxima(*b.args(), None, None, "NHD", None, None)
+
+
+@pytest.mark.parametrize("q_lens", [None, (1, 3, 2), (4, 4)])
+@pytest.mark.parametrize("form", ["block_table", "page_indices"])
+def test_unbounded_mla_call_plans_as_the_call_of_the_query_len_it_read(q_lens, form):
+    """`mla_decode` without metadata launches exactly what the plan for the longest q_len it read
+    (`unbounded_query_len`, no further read) launches, so a GPU's such call can be cached under
+    that length; bad values are still named."""
+    from portattn.kernels.mla_decode import unbounded_query_len
+    from portattn.kernels.page_indices import expand_page_indices
+
+    seq_lens = (300, 40, 90)[: 3 if q_lens is None else len(q_lens)]
+    cases = ((torch.float16, "sm_90"), (torch.float16, "gfx942"), (torch.float32, "sm_80"))
+    for dtype, arch in cases:
+        q, cache, bt, sl, qsl = make_inputs(576, 512, 16, 64, q_lens, seq_lens, dtype, "cpu")
+        kw = dict(kv_lora_rank=512, scale=0.07, query_start_loc=qsl, target=get_target(arch))
+        if form == "page_indices":
+            kw["page_indices"] = expand_page_indices(bt, sl, 64)
+            bt = None
+        longest = unbounded_query_len(q, cache, bt, sl, 512, 0.07, qsl, None,
+                                      kw.get("page_indices"), False, None)  # fmt: skip
+        assert longest == (1 if q_lens is None else max(q_lens))
+        free = plan_mla_decode(q, cache, bt, sl, **kw)
+        bound = plan_mla_decode(q, cache, bt, sl, **kw, check_contents=False, query_len=longest)
+        assert [(a.kernel, a.grid, a.options) for a in free] == [
+            (a.kernel, a.grid, a.options) for a in bound
+        ]
+        for a, c in zip(free, bound, strict=True):
+            scalars = {k: v for k, v in a.args.items() if not isinstance(v, torch.Tensor)}
+            assert scalars == {k: v for k, v in c.args.items() if not isinstance(v, torch.Tensor)}
+    sl[0] = -5
+    with pytest.raises(ValueError, match=r"seq_lens must be >= each sequence's q_len"):
+        unbounded_query_len(q, cache, bt, sl, 512, 0.07, qsl, None, kw.get("page_indices"),
+                            False, None)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_unbounded_mla_calls_take_the_cached_plan():
+    """Unbounded GPU MLA calls: checked, then cached under the longest q_len they read."""
+    PLANS.clear()
+    for seed in range(3):
+        q, cache, bt, sl, qsl = make_inputs(576, 512, 16, 64, (1, 3), (700 + seed, 90),
+                                            torch.bfloat16, "cuda", seed=seed)  # fmt: skip
+        out, lse = mla_decode(q, cache, bt, sl, kv_lora_rank=512, scale=0.07,
+                              query_start_loc=qsl, return_lse=True)  # fmt: skip
+        mla_check(out, lse, q, cache, bt, sl, qsl, 512, 0.07, torch.bfloat16)
+    assert PLANS.misses == 1 and PLANS.hits >= 2
+    sl[1] = -5
+    with pytest.raises(ValueError, match=r"seq_lens must be >= each sequence's q_len"):
+        mla_decode(q, cache, bt, sl, kv_lora_rank=512, scale=0.07, query_start_loc=qsl)
 
 
 @pytest.mark.gpu

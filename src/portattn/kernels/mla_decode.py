@@ -982,34 +982,12 @@ def _tma_ok(kv_cache: torch.Tensor, kv_lora_rank: int, tiles: MlaTiles, paged_sl
     )
 
 
-def plan_mla_decode(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor | None,
-    seq_lens: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    scale: float,
-    query_start_loc: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    return_lse: bool = False,
-    page_indices: tuple[torch.Tensor, torch.Tensor] | None = None,
-    metadata: MlaMetadata | None = None,
-    target: Target | None = None,
-    config: MlaConfig | None = None,
-    trace: torch.Tensor | None = None,
-    tiles: MlaTiles | None = None,
-    check_contents: bool | None = None,
-) -> list[Launch]:
-    """Validate, choose tiles and allocate: the launches of one `mla_decode` call.
-
-    ``tiles`` overrides the policy (for the compile matrix and tests; e.g. a naive rule's tiles,
-    which the kernel rejects at compile time). Without it the tiles come from ``metadata`` or,
-    without metadata, from `mla_decode_tiles`. ``check_contents``: read and validate the
-    metadata's values; ``None`` (default): when the tensors are on the CPU, or when no
-    ``metadata`` is given; never on meta tensors. The first launch's ``outputs`` are ``(out,)``,
-    or ``(out, lse)`` with ``return_lse``. Other arguments as in `mla_decode`.
-    """
+def _validate(
+    query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
+    page_indices, metadata, return_lse, config, trace, tiles,
+) -> None:  # fmt: skip
+    """Every type, value and overlap problem of a call (not the metadata's contents), raised
+    together."""
     errors = _type_errors(
         query,
         kv_cache,
@@ -1057,6 +1035,59 @@ def plan_mla_decode(
                         ("metadata.partial_lse", metadata.partial_lse)]  # fmt: skip
         p.value(*overlap_errors(written, reads))
     p.raise_if_any()
+
+
+def unbounded_query_len(
+    query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
+    page_indices, return_lse, config,
+) -> int:  # fmt: skip
+    """For a call without ``metadata``: the arguments validated, the metadata's values read once
+    and checked (`_check_contents`), and the longest q_len, which bounds the call to its plan."""
+    _validate(
+        query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
+        page_indices, None, return_lse, config, None, None,
+    )  # fmt: skip
+    return _check_contents(
+        query, kv_cache, block_table, seq_lens, query_start_loc, page_indices, None
+    )
+
+
+def plan_mla_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    scale: float,
+    query_start_loc: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    page_indices: tuple[torch.Tensor, torch.Tensor] | None = None,
+    metadata: MlaMetadata | None = None,
+    target: Target | None = None,
+    config: MlaConfig | None = None,
+    trace: torch.Tensor | None = None,
+    tiles: MlaTiles | None = None,
+    check_contents: bool | None = None,
+    query_len: int | None = None,
+) -> list[Launch]:
+    """Validate, choose tiles and allocate: the launches of one `mla_decode` call.
+
+    ``query_len``: the longest q_len, already read and checked (`unbounded_query_len`), which
+    sizes the plan as a read would; only without ``metadata`` and with ``check_contents`` False.
+
+    ``tiles`` overrides the policy (for the compile matrix and tests; e.g. a naive rule's tiles,
+    which the kernel rejects at compile time). Without it the tiles come from ``metadata`` or,
+    without metadata, from `mla_decode_tiles`. ``check_contents``: read and validate the
+    metadata's values; ``None`` (default): when the tensors are on the CPU, or when no
+    ``metadata`` is given; never on meta tensors. The first launch's ``outputs`` are ``(out,)``,
+    or ``(out, lse)`` with ``return_lse``. Other arguments as in `mla_decode`.
+    """
+    _validate(
+        query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
+        page_indices, metadata, return_lse, config, trace, tiles,
+    )  # fmt: skip
     if target is None:
         target = metadata.target if metadata is not None else target_for_tensor(query)
     elif metadata is not None and metadata.target != target:
@@ -1065,7 +1096,9 @@ def plan_mla_decode(
         )
     if check_contents is None:
         check_contents = reads_contents(query.device, vouched=metadata is not None)
-    longest = None  # the longest q_len, when read
+    if query_len is not None and (metadata is not None or check_contents):
+        raise ValueError(f"{_OP}: query_len is only for a call without metadata or content read")
+    longest = query_len  # the longest q_len, when read
     if check_contents and not query.is_meta:
         longest = _check_contents(
             query, kv_cache, block_table, seq_lens, query_start_loc, page_indices, metadata
@@ -1324,6 +1357,32 @@ def _metadata_key(
     return memo[1], None, None
 
 
+def _unbounded_call(
+    query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
+    return_lse, page_indices, target, config,
+) -> tuple:  # fmt: skip
+    """A GPU call without metadata: validated, the metadata read once and checked, then planned
+    by the longest q_len it read and cached under it (the plan reads nothing else of the
+    contents)."""
+    longest = unbounded_query_len(
+        query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
+        page_indices, return_lse, config,
+    )  # fmt: skip
+    indptr, indices = page_indices if page_indices is not None else (None, None)
+    inputs = (query, kv_cache, block_table, seq_lens, query_start_loc, out, indptr, indices)
+    key = call_key(
+        _OP, *inputs, kv_lora_rank, scale, return_lse, page_indices is None, target, config,
+        longest,
+    )  # fmt: skip
+    plan = functools.partial(
+        plan_mla_decode, query, kv_cache, block_table, seq_lens, kv_lora_rank=kv_lora_rank,
+        scale=scale, query_start_loc=query_start_loc, out=out, return_lse=return_lse,
+        page_indices=page_indices, target=target, config=config, check_contents=False,
+        query_len=longest,
+    )  # fmt: skip
+    return PLANS.call(key, inputs, plan, None)
+
+
 def mla_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -1378,6 +1437,19 @@ def mla_decode(
         the CPU, or on a GPU when no ``metadata`` is given (one device-to-host read). On a GPU
         with ``metadata`` (the CUDA-graph path) nothing is read: the caller vouches for them.
     """
+    if (
+        metadata is None
+        and trace is None
+        and isinstance(query, torch.Tensor)
+        and query.is_cuda
+        and (config is None or isinstance(config, MlaConfig))
+        and (page_indices is None or isinstance(page_indices, tuple) and len(page_indices) == 2)
+    ):
+        read = _unbounded_call(
+            query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
+            return_lse, page_indices, target, config,
+        )  # fmt: skip
+        return read if return_lse else read[0]
 
     # Cached (module _plans) only where the plan reads no contents: a GPU call with metadata.
     cacheable = (
