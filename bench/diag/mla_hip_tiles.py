@@ -36,8 +36,8 @@ from portattn.policy.mla import (
     PROGRAMS_PER_SM,
     MlaProblem,
     mla_decode_tiles,
+    mla_hip_packed_lds_bytes,
     mla_num_kv_splits,
-    mla_smem_bytes,
 )
 
 TILE = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)(?:p(\d+))?$")
@@ -75,7 +75,7 @@ def tiles_for(arch: str, heads: int, q_len: int, batch: int, context: int, tile)
         padded_heads=-(-heads // rows) * rows,
         block_n=n,
         options=launch_options(target, w, s),
-        smem_bytes=mla_smem_bytes(rows, n, base.block_dv, base.block_dpe, s, 2),
+        smem_bytes=mla_hip_packed_lds_bytes(rows, n, base.block_dv, base.block_dpe, 2),
         num_kv_splits=mla_num_kv_splits(target, batch, groups, context, per_sm),
         packed=True,
         prefetch_rows=False,

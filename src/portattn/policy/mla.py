@@ -134,7 +134,8 @@ class MlaTiles:
         block_n: context tokens per KV tile; ``block_dv``, ``block_dpe``: latent and rope widths.
         num_kv_splits: context splits (1: no partial results, no reduce kernel).
         options, reduce_options: launch options of the attention and reduce kernels.
-        smem_bytes: `mla_smem_bytes` of these tiles (<= the target's limit).
+        smem_bytes: `mla_smem_bytes` of these tiles (`mla_hip_packed_lds_bytes` for a packed
+            HIP tile), at most the target's limit.
         prefetch_rows: tile i+1's rows are read during tile i, so the latent load depends only
             on loop-carried values and gets ``num_stages - 1`` buffers.
         tma: whole tiles inside one page come by tensor descriptors where the cache allows.
