@@ -2,7 +2,8 @@
 
 Loops over sequences and tokens; clear rather than fast; CPU-runnable; never imports a kernel.
 Attention references compute in ``compute_dtype`` (float64 for the oracle; the input's low
-precision for the "same maths in torch" baseline of the tolerance rule) and return that dtype.
+precision for the "same maths in torch" baseline of the tolerance rule) on the query's device
+(a GPU's fp64 runs the large oracles in milliseconds) and return that dtype on the CPU.
 
 Causal rule (design §2): sequence ``i`` has ``q_len_i = qsl[i+1] - qsl[i]`` new tokens, the LAST
 ``q_len_i`` of its ``seq_lens[i]`` tokens; its query token ``j`` attends to context positions
@@ -55,8 +56,8 @@ def _attend(q, k, v, prefix_lens, scale, compute_dtype):
     # query head h reads kv head h // group; grouped, so K/V are never copied per query head
     qg = q.reshape(n, hkv, hq // hkv, q.shape[2])
     scores = torch.einsum("nkgd,lkd->kgnl", qg, k).reshape(hq, n, length) * scale
-    pos = torch.arange(length)
-    mask = pos[None, :] >= torch.as_tensor(prefix_lens)[:, None]
+    pos = torch.arange(length, device=k.device)
+    mask = pos[None, :] >= torch.as_tensor(prefix_lens, device=k.device)[:, None]
     scores = scores.masked_fill(mask[None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [h, n]
     probs = torch.softmax(scores, dim=-1).reshape(hkv, hq // hkv, n, length)
@@ -80,7 +81,7 @@ def paged_attention(
     d = query.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     lk, lv = to_logical(key_cache, layout, "key"), to_logical(value_cache, layout, "value")
-    out = torch.zeros(query.shape, dtype=compute_dtype)
+    out = torch.zeros(query.shape, dtype=compute_dtype, device=query.device)
     qsl = query_start_loc.tolist()
     for i in range(block_table.shape[0]):
         s, e, n = qsl[i], qsl[i + 1], int(seq_lens[i])
@@ -88,8 +89,8 @@ def paged_attention(
             continue
         k, v = _context(lk, block_table[i], n), _context(lv, block_table[i], n)
         prefix = [n - (e - s) + j + 1 for j in range(e - s)]
-        out[s:e] = _attend(query[s:e].cpu(), k.cpu(), v.cpu(), prefix, scale, compute_dtype)[0]
-    return out
+        out[s:e] = _attend(query[s:e], k, v, prefix, scale, compute_dtype)[0]
+    return out.cpu()
 
 
 def mla_decode(
@@ -112,19 +113,19 @@ def mla_decode(
     num_seqs = block_table.shape[0]
     if query_start_loc is None:
         query_start_loc = torch.arange(num_seqs + 1)
-    out = torch.zeros((*query.shape[:2], kv_lora_rank), dtype=compute_dtype)
-    lse = torch.full(query.shape[:2], float("-inf"), dtype=compute_dtype)
+    out = torch.zeros((*query.shape[:2], kv_lora_rank), dtype=compute_dtype, device=query.device)
+    lse = torch.full(query.shape[:2], float("-inf"), dtype=compute_dtype, device=query.device)
     qsl = query_start_loc.tolist()
-    cache = kv_cache.cpu()[:, :, None, :]  # one latent "head"
+    cache = kv_cache.to(query.device)[:, :, None, :]  # one latent "head"
     for i in range(num_seqs):
         s, e, n = qsl[i], qsl[i + 1], int(seq_lens[i])
         if e == s:
             continue
-        c = _context(cache, block_table[i].cpu(), n)
+        c = _context(cache, block_table[i].to(query.device), n)
         prefix = [n - (e - s) + j + 1 for j in range(e - s)]
-        o, l_ = _attend(query[s:e].cpu(), c, c[..., :kv_lora_rank], prefix, scale, compute_dtype)
+        o, l_ = _attend(query[s:e], c, c[..., :kv_lora_rank], prefix, scale, compute_dtype)
         out[s:e], lse[s:e] = o, l_
-    return out, lse
+    return out.cpu(), lse.cpu()
 
 
 def expand_page_indices(block_table, seq_lens, block_size):

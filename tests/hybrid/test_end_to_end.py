@@ -83,8 +83,8 @@ def _bound_implementation(fn):
 
 @contextlib.contextmanager
 def torch_paths(model_class):
-    """Run ``model_class``'s model on its torch paths: the float64 CPU oracle cannot go through
-    the CUDA kernels (16/32-bit only) that transformers binds whenever the packages import."""
+    """Run ``model_class``'s model on its torch paths: the float64 oracle cannot go through the
+    CUDA kernels (16/32-bit only) that transformers binds whenever the packages import."""
     module = sys.modules[model_class.__module__]
     saved = _kernel_functions(module)
     for name, fn in saved.items():
@@ -116,7 +116,7 @@ def _run(name, *, small, dtype, device, batch, prompt, steps):
     tf.AttentionInterface.register(NAME, harness)
     out = logits(dtype, device, NAME)
     with torch_paths(cls):
-        oracle = logits(torch.float64, "cpu", "eager")
+        oracle = logits(torch.float64, device, "eager")
     lowp = logits(dtype, device, "eager")
     assert harness.states_untouched()
     assert set(harness.lens.values()) == {prompt + steps}  # every attention layer, every step

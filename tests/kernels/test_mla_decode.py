@@ -265,17 +265,6 @@ def test_naive_head_dim_tiles_rejected(device):
         run_all(plan_mla_decode(q, cache, bt, sl, kv_lora_rank=256, scale=0.1, tiles=naive))
 
 
-def test_oracle_without_head_repeat_matches_reference():
-    """The GPU tests' fast oracle (no per-head copies of the cache) is the reference's maths."""
-    q, cache, bt, sl, qsl = make_inputs(320, 256, 5, 16, (3, 1), (20, 7), torch.float32, "cpu")
-    o, lse = fast_oracle(q, cache, bt, sl, qsl, 256, 0.06, torch.float64)
-    ro, rl = reference.mla_decode(
-        q, cache, bt, sl, kv_lora_rank=256, scale=0.06, query_start_loc=qsl
-    )
-    torch.testing.assert_close(o, ro)
-    torch.testing.assert_close(lse, rl)
-
-
 # -- validation: every message ----------------------------------------------------------------
 
 
@@ -457,29 +446,6 @@ def test_validation_collects_every_reason():
 # -- GPU: bf16 at real shapes ------------------------------------------------------------------
 
 
-def fast_oracle(q, cache, bt, sl, qsl, r, scale, dtype):
-    """reference.mla_decode's maths on q's device, without per-head copies of the context
-    (the reference repeats the latent for every head: 128 heads x 32k tokens do not fit)."""
-    n_seq = sl.shape[0]
-    qsl_l = list(range(n_seq + 1)) if qsl is None else qsl.tolist()
-    bs = cache.shape[1]
-    out = torch.zeros((*q.shape[:2], r), dtype=dtype, device=q.device)
-    lse = torch.zeros(q.shape[:2], dtype=dtype, device=q.device)
-    for i in range(n_seq):
-        s, e, n = qsl_l[i], qsl_l[i + 1], int(sl[i])
-        if e == s:
-            continue
-        nb = -(-n // bs)
-        c = cache[bt[i, :nb].long()].reshape(nb * bs, -1)[:n].to(dtype)
-        scores = torch.einsum("nhd,ld->nhl", q[s:e].to(dtype), c) * scale
-        limit = torch.arange(n - (e - s) + 1, n + 1, device=q.device)
-        mask = torch.arange(n, device=q.device)[None, :] >= limit[:, None]
-        scores = scores.masked_fill(mask[:, None, :], float("-inf"))
-        lse[s:e] = torch.logsumexp(scores, dim=-1)
-        out[s:e] = torch.einsum("nhl,ld->nhd", torch.softmax(scores, dim=-1), c[:, :r])
-    return out, lse
-
-
 GPU_CASES = [
     # (dk, r), heads, block_size, q_lens, seq_lens
     ((576, 512), 16, 64, None, (1, 4096, 32768, 777)),
@@ -622,10 +588,11 @@ def _sm90_target():
 
 def check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale):
     """``out`` against the fp64 oracle under the low-precision rule, ``lse`` to 1e-3."""
-    oracle, lse_ref = fast_oracle(q, cache, bt, sl, qsl, r, scale, torch.float64)
-    lowp, _ = fast_oracle(q, cache, bt, sl, qsl, r, scale, q.dtype)
-    assert_low_precision_close(out, oracle, lowp)
-    torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-3, atol=1e-3)
+    kw = dict(kv_lora_rank=r, scale=scale, query_start_loc=qsl)
+    oracle, lse_ref = reference.mla_decode(q, cache, bt, sl, **kw)
+    lowp, _ = reference.mla_decode(q, cache, bt, sl, **kw, compute_dtype=q.dtype)
+    assert_low_precision_close(out.cpu(), oracle, lowp)
+    torch.testing.assert_close(lse.double().cpu(), lse_ref, rtol=1e-3, atol=1e-3)
 
 
 def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None, out=None, config=None):

@@ -744,7 +744,7 @@ def test_unbounded_call_plans_as_the_call_bounded_by_what_it_read(device):
 
 @pytest.mark.parametrize("q_lens", [None, (1, 3, 2), (4, 4)])
 @pytest.mark.parametrize("form", ["block_table", "page_indices"])
-def test_unbounded_mla_call_plans_as_the_call_of_the_query_len_it_read(q_lens, form):
+def test_unbounded_mla_call_plans_as_the_call_of_the_query_len_it_read(q_lens, form, device):
     """`mla_decode` without metadata launches exactly what the plan for the longest q_len it read
     (`unbounded_query_len`, no further read) launches, so a GPU's such call can be cached under
     that length; bad values are still named."""
@@ -754,7 +754,7 @@ def test_unbounded_mla_call_plans_as_the_call_of_the_query_len_it_read(q_lens, f
     seq_lens = (300, 40, 90)[: 3 if q_lens is None else len(q_lens)]
     cases = ((torch.float16, "sm_90"), (torch.float16, "gfx942"), (torch.float32, "sm_80"))
     for dtype, arch in cases:
-        q, cache, bt, sl, qsl = make_inputs(576, 512, 16, 64, q_lens, seq_lens, dtype, "cpu")
+        q, cache, bt, sl, qsl = make_inputs(576, 512, 16, 64, q_lens, seq_lens, dtype, device)
         kw = dict(kv_lora_rank=512, scale=0.07, query_start_loc=qsl, target=get_target(arch))
         if form == "page_indices":
             kw["page_indices"] = expand_page_indices(bt, sl, 64)

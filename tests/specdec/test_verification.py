@@ -34,13 +34,13 @@ def _one_token(t: torch.Tensor, s: int, j: int, qsl) -> torch.Tensor:
 
 
 def _own_context(group, s):
-    """Sequence ``s``'s whole context as a one-block cache (so a row's reference reads only it)."""
+    """Sequence ``s``'s whole context as a one-block cache (so a row's reference reads only it),
+    on the group's device, where the references then run."""
     n = int(group.seq_lens[s])
     cu = torch.tensor([0, n])
-    table = group.block_table[s : s + 1].cpu()
-    k, v = ref.gather_kv_cache(group.key_cache.cpu(), group.value_cache.cpu(), table, cu)
-    lat = ref.gather_kv_cache(group.latent.cpu()[:, :, None], group.latent.cpu()[:, :, None],
-                              table, cu)[0]  # fmt: skip
+    table = group.block_table[s : s + 1]
+    k, v = ref.gather_kv_cache(group.key_cache, group.value_cache, table, cu)
+    lat = ref.gather_kv_cache(group.latent[:, :, None], group.latent[:, :, None], table, cu)[0]
     return k[None], v[None], lat[None, :, 0]
 
 
@@ -51,7 +51,7 @@ def check_paged(group, q, out):
 
     def row(s, j, prefix, compute_dtype):
         k, v, _ = ctx[s]
-        qj = _one_token(q, s, j, qsl).cpu()
+        qj = _one_token(q, s, j, qsl)
         lens = torch.tensor([prefix])
         return ref.paged_attention(qj, k, v, block0, lens, one, compute_dtype=compute_dtype)
 
@@ -73,7 +73,7 @@ def check_mla_outputs(group, q, outs: dict, scale, rank):
 
     def row(s, j, prefix, compute_dtype):
         return ref.mla_decode(
-            _one_token(q, s, j, qsl).cpu(), ctx[s], block0, torch.tensor([prefix]),
+            _one_token(q, s, j, qsl), ctx[s], block0, torch.tensor([prefix]),
             kv_lora_rank=rank, scale=scale, compute_dtype=compute_dtype,
         )[0]  # fmt: skip
 
