@@ -122,3 +122,21 @@ def test_clock_sampler_reads_during_the_work_and_raises_a_failed_read():
 
     with pytest.raises(RuntimeError, match="read failed: no NVML"):
         clock.sample_while(broken, lambda: time.sleep(0.05), ms=5)
+
+
+# -- host_steps ------------------------------------------------------------------------------
+
+
+def test_host_steps_read_and_check_what_the_ops_read(monkeypatch):
+    """The steps that need no launch run on CPU tensors: the reads give the metadata's values,
+    the pinned-copy alternative the same ones, and the checks give the longest q_len."""
+    from bench.diag import host_steps
+
+    monkeypatch.setenv("PORTATTN_TARGET", "sm_90")
+    paged = host_steps.paged_steps("cpu")
+    table, lens, qsl = paged["read"]()
+    assert lens.tolist() == [64] * 4 and qsl.tolist() == [0, 1, 2, 3, 4]
+    pinned = paged["read, pinned copies (alternative)"]()
+    assert [p.tolist() for p in pinned] == [table.tolist(), lens.tolist(), qsl.tolist()]
+    assert paged["content checks (the read included)"]() == (1, 64)
+    assert host_steps.mla_steps("cpu")["structure checks and content checks"]() == 1

