@@ -82,3 +82,22 @@ def test_every_kernel_parameter_needs_an_argument():
     ok = Launch(_defaulted_kernel, (1,), {**args, "DIAG": False}, LaunchOptions(4, 2),
                 get_target("sm_90"), "toy")  # fmt: skip
     assert ok.constexprs() == {"BLOCK": 16, "DIAG": False}
+
+
+def _run_cpu_launch_without_interpreter() -> str:
+    """In a process without Triton's interpreter: a JIT launch given CPU tensors, and what it
+    raises (module level: it runs in a spawned worker)."""
+    try:
+        _launch("sm_90", LaunchOptions(4, 2)).run()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_cpu_tensors_need_the_interpreter():
+    """Without the interpreter, CPU tensors are refused by name before Triton's launcher sees
+    them (its own error names no argument)."""
+    from tests.helpers import in_spawned_workers
+
+    (msg,) = in_spawned_workers(_run_cpu_launch_without_interpreter, [()], workers=1).values()
+    assert "['a_ptr'] are on the CPU" in msg and "TRITON_INTERPRET=1" in msg

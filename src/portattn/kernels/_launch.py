@@ -66,6 +66,14 @@ class Launch:
         tensors have shapes but no memory, so a call on them only gives its outputs' shapes)."""
         if any(g == 0 for g in self.grid) or self._on_meta():
             return None
+        if hasattr(self.kernel, "params"):  # compiled by Triton's JIT: GPU memory only
+            on_cpu = [n for n, v in self.args.items() if isinstance(v, torch.Tensor) and v.is_cpu]
+            if on_cpu:
+                raise ValueError(
+                    f"{self.name or getattr(self.kernel, '__name__', self.kernel)!s}: tensors "
+                    f"{on_cpu} are on the CPU; CPU tensors run only under Triton's interpreter "
+                    "(TRITON_INTERPRET=1 before importing portattn), otherwise pass GPU tensors"
+                )
         kernel = self.kernel[self.grid](
             **self.args, **self.options.backend_kwargs(self.target, self.backend())
         )
