@@ -73,9 +73,9 @@ def tensor_reads_contents(t: torch.Tensor, vouched: bool) -> bool:
 
 def to_host(*tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
     """int64 host arrays of ``tensors`` (same shapes), with one wait for the device: each tensor
-    is copied into pinned host memory without a sync, then the stream is synchronized once (half
-    the host time of one concatenated, synchronous copy). The checks below run on numpy, whose
-    operations on small arrays cost a fraction of torch's."""
+    is copied into pinned host memory without a sync (no concatenation kernel, no blocking copy),
+    then the stream is synchronized once. The checks below run on numpy, whose operations on
+    small arrays cost a fraction of torch's."""
     host = [t.detach().to("cpu", non_blocking=True) for t in tensors]
     for dev in {t.device for t in tensors if t.device.type == "cuda"}:
         torch.cuda.current_stream(dev).synchronize()
