@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -27,6 +28,21 @@ def pytest_configure(config):
     if workers > 1:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         torch.set_num_threads(max(1, (cores or 1) // workers))
+
+
+#: The markers a matrix cell selects (``-m "<suite> and not cpu|gpu"``: kubematrix's pytest suites).
+SUITE_MARKERS = ("policy", "paged", "mla", "hybrid", "specdec")
+_SUITE_RUN = re.compile(rf"\s*({'|'.join(SUITE_MARKERS)})(?:\s+and\s+not\s+(?:cpu|gpu))?\s*")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """A suite's run (every matrix cell) does not import the test modules that never write the
+    suite's marker (``mark.<suite>``): none of their tests could be selected, and importing them
+    is most of a cell's start. tests/test_suite_collection.py holds every test to that rule."""
+    m = _SUITE_RUN.fullmatch(config.option.markexpr or "")
+    if m is None or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    return None if f"mark.{m.group(1)}" in collection_path.read_text() else True
 
 
 def pytest_collection_modifyitems(config, items):
