@@ -4,15 +4,16 @@ bounds spends its host time, step by step, on the host rows' inputs (`bench.host
 Each step is timed as a host row is (`bench.host.host_us`: ``--calls`` back-to-back calls on
 the host clock, median of ``--repeats`` loops, the garbage collector off):
 
-* ``read``: the metadata's one device-to-host read (`portattn.kernels._checks.to_host`), alone;
-* ``read, pinned copies``: an alternative read (each tensor copied into pinned memory without
-  a sync, one stream sync after), for comparison;
-* ``read after a launch``: the same read right after the op's cached call, so the read waits
-  for the kernel the call queued (what an unbounded call in a decode loop pays);
+* ``summary``: the device-side metadata check an unbounded call runs (its launch through the
+  plan cache, one read of its output, `read_metadata_summary`), alone and right after the op's
+  cached call (so the read waits for the kernel the call queued, as in a decode loop);
+* ``host read``: the metadata's own device-to-host read (`_checks.to_host`), which an unbounded
+  call makes only for broken metadata (to name what is wrong);
 * ``sync after a launch``: the cached call then ``torch.cuda.synchronize()`` (the round trip
-  without the copy);
-* ``structure checks`` / ``content checks``: the op's argument checks, and its checks of the
-  values read, on host arrays;
+  without a copy);
+* ``argument checks``: the op's type, shape and overlap checks, which an unbounded call runs
+  once per description (`CheckMemo`);
+* ``checks and maxima``: all an unbounded call does before its cached call;
 * ``cached`` and ``unbounded``: the public calls, as in the host rows.
 
 Usage (GPU machine, repository root)::
@@ -32,6 +33,7 @@ from bench.host import host_us
 from portattn.kernels import mla_decode as mla_mod
 from portattn.kernels import paged_attention as paged_mod
 from portattn.kernels._checks import to_host
+from portattn.kernels.metadata_summary import read_metadata_summary
 
 
 def paged_steps(device: str) -> dict:
@@ -42,29 +44,20 @@ def paged_steps(device: str) -> dict:
     def cached():
         return portattn.paged_attention(*b.args, max_query_len=1, max_seq_len=64)
 
-    k, _ = paged_mod._check_call(q, kc, vc, bt, sl, qsl, None, None, "NHD", None, None, None,
-                                 None)  # fmt: skip
-    pinned = [
-        torch.empty(t.shape, dtype=t.dtype, pin_memory=device != "cpu") for t in (bt, sl, qsl)
-    ]
-
-    def read_pinned():  # the alternative read: a copy a tensor into pinned memory, one sync
-        for dst, src in zip(pinned, (bt, sl, qsl), strict=True):
-            dst.copy_(src, non_blocking=True)
-        if device != "cpu":
-            torch.cuda.current_stream().synchronize()
-        return pinned
+    def summary():
+        return read_metadata_summary(qsl, sl, bt, num_tokens=q.shape[0], block_size=16,
+                                     num_blocks=kc.shape[0], end_at_most=False)  # fmt: skip
 
     return {
-        "read": lambda: to_host(bt, sl, qsl),
-        "read, pinned copies (alternative)": read_pinned,
-        "read after a launch": lambda: (cached(), to_host(bt, sl, qsl)),
+        "summary": summary,
+        "summary after a launch": lambda: (cached(), summary()),
+        "host read": lambda: to_host(bt, sl, qsl),
         "sync after a launch": lambda: (cached(), torch.cuda.synchronize()),
-        "structure checks": lambda: paged_mod._check_call(
+        "argument checks": lambda: paged_mod._check_call(
             q, kc, vc, bt, sl, qsl, None, None, "NHD", None, None, None, None
         ),
-        "content checks (the read included)": lambda: paged_mod._check_contents(
-            q, k, bt, sl, qsl, None, None
+        "checks and maxima": lambda: paged_mod.unbounded_maxima(
+            q, kc, vc, bt, sl, qsl, None, None, "NHD", None, None
         ),
         "cached": cached,
         "unbounded": lambda: portattn.paged_attention(*b.args),
@@ -86,10 +79,16 @@ def mla_steps(device: str) -> dict:
     def cached():
         return portattn.mla_decode(*a, kv_lora_rank=512, scale=scale, metadata=md)
 
+    def summary():
+        return read_metadata_summary(None, m.seq_lens, m.block_table, num_tokens=4,
+                                     block_size=64, num_blocks=m.kv_cache.shape[0],
+                                     end_at_most=True)  # fmt: skip
+
     return {
-        "read": lambda: to_host(m.block_table, m.seq_lens),
-        "read after a launch": lambda: (cached(), to_host(m.block_table, m.seq_lens)),
-        "structure checks and content checks": lambda: mla_mod.unbounded_query_len(
+        "summary": summary,
+        "summary after a launch": lambda: (cached(), summary()),
+        "host read": lambda: to_host(m.block_table, m.seq_lens),
+        "checks and maxima": lambda: mla_mod.unbounded_query_len(
             *a, 512, scale, None, None, None, False, None
         ),
         "cached": cached,

@@ -127,16 +127,20 @@ def test_clock_sampler_reads_during_the_work_and_raises_a_failed_read():
 # -- host_steps ------------------------------------------------------------------------------
 
 
-def test_host_steps_read_and_check_what_the_ops_read(monkeypatch):
-    """The steps that need no launch run on CPU tensors: the reads give the metadata's values,
-    the pinned-copy alternative the same ones, and the checks give the longest q_len."""
+def test_host_steps_read_and_check_what_the_ops_read(monkeypatch, device):
+    """The steps that need no launch of the op run on the test device: the host read gives the
+    metadata's values, the summary and the checks the maxima (longest q_len, seq_len)."""
     from bench.diag import host_steps
 
+    from portattn.policy.paged import plan_max_seq_len
+
     monkeypatch.setenv("PORTATTN_TARGET", "sm_90")
-    paged = host_steps.paged_steps("cpu")
-    table, lens, qsl = paged["read"]()
+    paged = host_steps.paged_steps(device)
+    table, lens, qsl = paged["host read"]()
     assert lens.tolist() == [64] * 4 and qsl.tolist() == [0, 1, 2, 3, 4]
-    pinned = paged["read, pinned copies (alternative)"]()
-    assert [p.tolist() for p in pinned] == [table.tolist(), lens.tolist(), qsl.tolist()]
-    assert paged["content checks (the read included)"]() == (1, 64)
-    assert host_steps.mla_steps("cpu")["structure checks and content checks"]() == 1
+    assert table.shape == (4, 4)
+    assert paged["summary"]() == (1, 64)
+    assert paged["checks and maxima"]() == (1, plan_max_seq_len(64))  # the plan's band
+    mla = host_steps.mla_steps(device)
+    assert mla["summary"]() == (1, 256)
+    assert mla["checks and maxima"]() == 1

@@ -26,7 +26,16 @@ from portattn.kernels import _plans
 from portattn.kernels import mla_decode as mla_module
 from portattn.kernels._checks import Disjoint, reads_contents, tensor_reads_contents
 from portattn.kernels._launch import Launch
-from portattn.kernels._plans import PLANS, Plan, PlanCache, Uncacheable, call_key, describe
+from portattn.kernels._plans import (
+    PLANS,
+    CheckMemo,
+    Plan,
+    PlanCache,
+    Uncacheable,
+    call_key,
+    describe,
+    present,
+)
 from portattn.kernels.kv_cache import (
     gather_kv_cache,
     plan_gather_kv_cache,
@@ -742,6 +751,47 @@ def test_unbounded_call_plans_as_the_call_bounded_by_what_it_read(device):
         unbounded_maxima(*b.args(), None, None, "NHD", None, None)
 
 
+def test_check_memo_matches_description_scalars_and_overlap():
+    """`CheckMemo` stands in for the argument checks only where they would pass again: the same
+    scalars, tensors with the same dtype, device, sizes and strides, and a write that overlaps
+    no input at this call's addresses."""
+    memo = CheckMemo()
+    a, out = torch.zeros(4, 8), torch.empty(4, 8)
+    inputs = (a, None, out)
+    mask, tensors = present(inputs)
+    memo.keep(("x", mask), tensors, inputs, (2,), "checked")
+    b, out2 = torch.ones(4, 8), torch.empty(4, 8)
+    assert memo.get(("x", mask), (b, out2), (b, None, out2)) == "checked"  # new tensors, same kind
+    assert memo.get(("y", mask), (b, out2), (b, None, out2)) is None  # other scalars
+    wide = torch.ones(4, 16)[:, :8]  # other strides
+    assert memo.get(("x", mask), (wide, out2), (wide, None, out2)) is None
+    assert memo.get(("x", mask), (b.half(), out2), (b.half(), None, out2)) is None  # dtype
+    assert memo.get(("x", mask), (b, b), (b, None, b)) is None  # the write is the input now
+    assert memo.get(([],), (b, out2), (b, None, out2)) is None  # an unhashable scalar: no memo
+
+
+def test_unbounded_checks_run_again_for_an_overlapping_out(device, monkeypatch):
+    """An unbounded call checks a description's arguments once (`CheckMemo`), yet is still
+    refused when its ``out`` overlaps an input at this call's addresses, by the same message."""
+    from portattn.kernels import paged_attention as paged_module
+
+    checks = []
+    real = paged_module._check_call
+    monkeypatch.setattr(paged_module, "_check_call", lambda *a: checks.append(1) or real(*a))
+    monkeypatch.setattr(paged_module, "_CHECKED", CheckMemo())
+    unbounded_maxima = paged_module.unbounded_maxima
+    b = make_batch(SEQS, block_size=16, heads=(8, 2), head_dim=64, dtype=torch.float32,
+                   device=device)  # fmt: skip
+    for _ in range(3):
+        out = torch.empty_like(b.query)
+        unbounded_maxima(*b.args(), out, None, "NHD", None, None)
+    assert len(checks) == 1
+    with pytest.raises(ValueError, match=r"out must not overlap query"):
+        unbounded_maxima(*b.args(), b.query, None, "NHD", None, None)
+    with pytest.raises(ValueError, match=r"out must not overlap query"):
+        paged_attention(*b.args(), out=b.query)
+
+
 @pytest.mark.parametrize("q_lens", [None, (1, 3, 2), (4, 4)])
 @pytest.mark.parametrize("form", ["block_table", "page_indices"])
 def test_unbounded_mla_call_plans_as_the_call_of_the_query_len_it_read(q_lens, form, device):
@@ -786,7 +836,7 @@ def test_gpu_unbounded_mla_calls_take_the_cached_plan():
         out, lse = mla_decode(q, cache, bt, sl, kv_lora_rank=512, scale=0.07,
                               query_start_loc=qsl, return_lse=True)  # fmt: skip
         mla_check(out, lse, q, cache, bt, sl, qsl, 512, 0.07, torch.bfloat16)
-    assert PLANS.misses == 1 and PLANS.hits >= 2
+    assert PLANS.misses == 2 and PLANS.hits >= 4  # the metadata summary's plan and the op's
     sl[1] = -5
     with pytest.raises(ValueError, match=r"seq_lens must be >= each sequence's q_len"):
         mla_decode(q, cache, bt, sl, kv_lora_rank=512, scale=0.07, query_start_loc=qsl)
@@ -801,7 +851,7 @@ def test_gpu_unbounded_calls_take_the_cached_plan():
         b = make_batch(((n, 1), (40, 1)), block_size=16, heads=(8, 2), head_dim=64,
                        dtype=torch.bfloat16, device="cuda", seed=n)  # fmt: skip
         check(b, paged_attention(*b.args()))
-    assert PLANS.misses == 1 and PLANS.hits >= 3
+    assert PLANS.misses == 2 and PLANS.hits >= 6  # the metadata summary's plan and the op's
     b.block_table[0, 0] = 10**6
     with pytest.raises(ValueError, match=r"block_table entries of used blocks must be in"):
         paged_attention(*b.args())

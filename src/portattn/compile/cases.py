@@ -15,6 +15,8 @@ Builders are plain functions so that worker processes can receive them by refere
 |                 | long prefill: GQA 4:1 hd128 NHD, max_query_len 512/2048/4096                 |
 | write_kv_cache  | head_dim 64/128/256; block_size 16, 80, 544, 2048; NHD and SHUFFLE           |
 | gather_kv_cache | as write_kv_cache                                                            |
+| metadata_summary| int32 and int64 metadata; with query_start_loc (paged) and without (MLA);    |
+|                 | 8 and 4096 block-table columns (the narrowest and the widest column step)    |
 
 Each kernel also gets one case whose cache is larger than 2 GiB: AMD's backend specialises
 pointers into buffers under 2 GiB (``tt.pointer_range`` 32, buffer loads), so both code paths are
@@ -231,6 +233,38 @@ def build_gather_kv_cache(
     return plan_gather_kv_cache(
         k_cache, v_cache, block_table, cu, layout=layout, out=out, target=target
     )
+
+
+def build_metadata_summary(
+    target: Target, *, index_dtype: str, query_start_loc: bool, max_blocks: int
+) -> list[Launch]:
+    """The unbounded calls' metadata check (`portattn.kernels.metadata_summary`)."""
+    from portattn.kernels.metadata_summary import plan_metadata_summary
+
+    dt = getattr(torch, index_dtype)
+    qsl = torch.empty((NUM_SEQS + 1,), dtype=dt, device=META) if query_start_loc else None
+    seq_lens = torch.empty((NUM_SEQS,), dtype=dt, device=META)
+    block_table = torch.empty((NUM_SEQS, max_blocks), dtype=dt, device=META)
+    return plan_metadata_summary(
+        qsl, seq_lens, block_table, num_tokens=NUM_SEQS * PREFILL_CHUNK, block_size=16,
+        num_blocks=NUM_SEQS * max_blocks, end_at_most=not query_start_loc, target=target,
+    )  # fmt: skip
+
+
+def summary_cases() -> list[Case]:
+    return [
+        make_case(
+            "metadata_summary",
+            f"{dtype} {'qsl' if qsl else 'no qsl'} cols{cols}",
+            build_metadata_summary,
+            index_dtype=dtype,
+            query_start_loc=qsl,
+            max_blocks=cols,
+        )
+        for dtype in ("int32", "int64")
+        for qsl in (True, False)
+        for cols in (CONTEXT_BLOCKS, 4096)
+    ]
 
 
 def build_mla_decode(
@@ -602,6 +636,7 @@ KERNELS: dict[str, Callable[[], list[Case]]] = {
     "paged_attention": lambda: paged_cases() + dtype_cases("paged_attention"),
     "write_kv_cache": lambda: cache_cases() + dtype_cases("write_kv_cache"),
     "gather_kv_cache": lambda: cache_cases() + dtype_cases("gather_kv_cache"),
+    "metadata_summary": summary_cases,
 }
 
 
@@ -679,11 +714,18 @@ def _estimate_mla(launch: Launch) -> int | None:
     )
 
 
+def _estimate_summary(launch: Launch) -> int:
+    from portattn.policy.cache import metadata_summary_tiles
+
+    return metadata_summary_tiles(launch.target, launch.args["max_blocks"]).shared_mem_bytes
+
+
 _ESTIMATORS: dict[str, Callable[[Launch], int | None]] = {
     "paged_attention": _estimate_paged,
     "write_kv_cache": _estimate_copy,
     "gather_kv_cache": _estimate_copy,
     "mla_decode": _estimate_mla,
+    "metadata_summary": _estimate_summary,
 }
 
 

@@ -304,6 +304,14 @@ def seq_lens_errors(seq_lens: np.ndarray, q_lens: np.ndarray | None = None) -> l
     ]
 
 
+def blocks_needed(lens: np.ndarray, block_size: int) -> np.ndarray:
+    """``ceil(max(lens, 0) / block_size)`` per entry, without the int64 overflow of
+    ``lens + block_size - 1`` (a seq_len near 2**63 needs that many blocks, not a negative
+    count)."""
+    tokens = np.maximum(lens, 0)
+    return tokens // block_size + (tokens % block_size != 0)
+
+
 def _seq_lens_label(i: int) -> str:
     return f"seq_lens[{i}]"
 
@@ -318,7 +326,7 @@ def capacity_errors(
     block-table row. ``label(i)`` names ``lens[i]`` in the message."""
     if lens.size == 0 or int(lens.max()) <= max_blocks * block_size:
         return []  # the longest fits, so all do (one reduction instead of the per-row sizes)
-    n_blocks = (np.maximum(lens, 0) + block_size - 1) // block_size
+    n_blocks = blocks_needed(lens, block_size)
     wide = n_blocks > max_blocks
     if not bool(wide.any()):
         return []
@@ -349,7 +357,7 @@ def block_ids_errors(
     lo, hi = int(block_table.min()), int(block_table.max())
     if (padding_ok or lo >= 0) and hi < num_blocks:
         return []  # every entry is in range, used or not: no per-entry mask needed
-    n_blocks = (np.maximum(lens, 0) + block_size - 1) // block_size
+    n_blocks = blocks_needed(lens, block_size)
     used = np.arange(block_table.shape[1])[None, :] < n_blocks[:, None]
     bad = used & (block_table >= num_blocks)
     if not padding_ok:

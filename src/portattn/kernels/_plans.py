@@ -803,6 +803,59 @@ class PlanCache:
         return launches[0].outputs if launches else ()
 
 
+class CheckMemo:
+    """The descriptions whose argument checks passed, for the calls that cannot skip them by a
+    plan-cache hit (an unbounded call checks its arguments before it reads the maxima that pick
+    its plan). The checks a memo stands in for read only the description -- types, dtypes,
+    devices, shapes and strides (matched by torch's C tensor guards, as `PlanCache.probe`'s),
+    the scalars (``scalars``, compared by value) -- and the addresses, through overlap: each
+    lookup checks that the writes overlap no other input (`Disjoint`). So a call that matches
+    passes those checks again, and what they returned (``value``) holds for it.
+
+    Args:
+        max_entries: descriptions kept per ``scalars`` tuple (newest first) and ``scalars``
+            tuples kept (oldest dropped).
+    """
+
+    def __init__(self, max_entries: int = MAX_GUARDS):
+        self.max_entries = max_entries
+        self._seen: dict[Hashable, list[tuple[Any, Disjoint, Any]]] = {}
+
+    def get(self, scalars: Hashable, tensors: tuple, inputs: Sequence) -> Any:
+        """What the checks returned for a matching description (``tensors``: the inputs that
+        are not ``None``, `present`; ``inputs``: every input, in `keep`'s order); ``None``: no
+        description matches, or a write overlaps an input this time (the checks then run)."""
+        if _TensorGuards is None:
+            return None
+        try:
+            entries = self._seen.get((scalars, len(tensors)))
+        except TypeError:  # an unhashable scalar
+            return None
+        if entries:
+            for guards, disjoint, value in entries:
+                if guards.check(*tensors):
+                    return value if disjoint.check(inputs) else None
+        return None
+
+    def keep(
+        self, scalars: Hashable, tensors: tuple, inputs: Sequence, writes: Sequence[int], value
+    ) -> None:
+        """Remember that the call (``scalars``, ``tensors``, ``inputs`` as `get` takes them)
+        passed its checks, returning ``value``; ``writes``: the indices in ``inputs`` of the
+        tensors the call writes."""
+        if _TensorGuards is None or not all(type(t) is torch.Tensor for t in tensors):
+            return
+        try:
+            guards = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+            entries = self._seen.setdefault((scalars, len(tensors)), [])
+        except Exception:  # noqa: BLE001 - no guard (or an unhashable scalar): no memo, no harm
+            return
+        entries.insert(0, (guards, Disjoint(writes, inputs), value))
+        del entries[self.max_entries :]
+        if len(self._seen) > MAX_PLANS:
+            del self._seen[next(iter(self._seen))]
+
+
 def _run_fresh(launches: list[Launch]) -> tuple:
     for launch in launches:
         launch.run()

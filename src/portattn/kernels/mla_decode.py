@@ -84,7 +84,15 @@ from portattn.kernels._checks import (
     to_host,
 )
 from portattn.kernels._launch import Launch, rows_aligned
-from portattn.kernels._plans import PLANS, _current_device, call_key, exact_id, present
+from portattn.kernels._plans import (
+    PLANS,
+    CheckMemo,
+    _current_device,
+    call_key,
+    exact_id,
+    present,
+)
+from portattn.kernels.metadata_summary import read_metadata_summary, summary_applies
 from portattn.kernels.mla_decode_sm90 import BLOCK_H as SM90_BLOCK_H
 from portattn.kernels.mla_decode_sm90 import BLOCK_N as SM90_BLOCK_N
 from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_gathers, sm90_launch
@@ -1037,16 +1045,37 @@ def _validate(
     p.raise_if_any()
 
 
+#: The unbounded calls' argument checks, by description (`unbounded_query_len`).
+_CHECKED = CheckMemo()
+
+
 def unbounded_query_len(
     query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
     page_indices, return_lse, config,
 ) -> int:  # fmt: skip
-    """For a call without ``metadata``: the arguments validated, the metadata's values read once
-    and checked (`_check_contents`), and the longest q_len, which bounds the call to its plan."""
-    _validate(
-        query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
-        page_indices, None, return_lse, config, None, None,
-    )  # fmt: skip
+    """For a call without ``metadata``: the arguments validated, the metadata's values checked
+    (on a GPU by the device-side summary, `read_metadata_summary`; else, and for page indices,
+    by one host read: `_check_contents`), and the longest q_len, which bounds the call to its
+    plan."""
+    indptr, indices = page_indices if page_indices is not None else (None, None)
+    inputs = (query, kv_cache, block_table, seq_lens, query_start_loc, out, indptr, indices)
+    mask, tensors = present(inputs)
+    scalars = (mask, type(kv_lora_rank), kv_lora_rank, type(scale), scale, type(return_lse),
+               return_lse, type(page_indices), type(config), config)  # fmt: skip
+    if _CHECKED.get(scalars, tensors, inputs) is None:
+        _validate(
+            query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
+            page_indices, None, return_lse, config, None, None,
+        )  # fmt: skip
+        _CHECKED.keep(scalars, tensors, inputs, (5,), True)
+    if summary_applies(block_table, seq_lens.shape[0]) and not seq_lens.is_cpu:
+        got = read_metadata_summary(
+            query_start_loc, seq_lens, block_table, num_tokens=query.shape[0],
+            block_size=kv_cache.shape[1], num_blocks=kv_cache.shape[0], end_at_most=True,
+        )  # fmt: skip
+        if got is not None:
+            return max(1, got[0])
+    # broken metadata (or page indices, or no sequence): the host read names what is wrong
     return _check_contents(
         query, kv_cache, block_table, seq_lens, query_start_loc, page_indices, None
     )

@@ -72,7 +72,8 @@ from portattn.kernels._checks import (
     to_host,
 )
 from portattn.kernels._launch import Launch, rows_aligned
-from portattn.kernels._plans import PLANS, _current_device, call_key
+from portattn.kernels._plans import PLANS, CheckMemo, _current_device, call_key, present
+from portattn.kernels.metadata_summary import read_metadata_summary, summary_applies
 from portattn.kernels.paged_prefill_sm90 import sm90_prefill_errors, sm90_prefill_launches
 from portattn.layout import CacheAddressing, describe_kv_cache, packed_runs, vector_width
 from portattn.platform import Target, compile_arch, override_key, target_for_tensor
@@ -813,21 +814,41 @@ def _check_contents(
     return real_mql, real_msl
 
 
+#: The unbounded calls' argument checks, by description (`unbounded_maxima`).
+_CHECKED = CheckMemo()
+
+
 def unbounded_maxima(
     query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale, layout,
     max_seq_len, config,
 ) -> tuple[int, int | None]:  # fmt: skip
     """For a call without ``max_query_len``: the arguments checked (types and shapes, then the
-    metadata's values from one host read), and the maxima that bound the call to the same plan:
+    metadata's values: on a GPU by the device-side summary and one read of it,
+    `read_metadata_summary`, else from one host read), and the maxima that bound the call to the
+    same plan:
     the longest q_len, and the caller's ``max_seq_len`` or else `plan_max_seq_len` of the longest
     seq_len (``None`` for an empty batch)."""
-    k, _ = _check_call(
-        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale,
-        layout, None, max_seq_len, config, None,
-    )  # fmt: skip
-    real_mql, real_msl = _check_contents(
-        query, k, block_table, seq_lens, query_start_loc, None, max_seq_len
-    )
+    inputs = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out)
+    mask, tensors = present(inputs)
+    scalars = (mask, type(scale), scale, type(layout), layout, type(max_seq_len), max_seq_len,
+               type(config), config)  # fmt: skip
+    k = _CHECKED.get(scalars, tensors, inputs)
+    if k is None:
+        k, _ = _check_call(
+            query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale,
+            layout, None, max_seq_len, config, None,
+        )  # fmt: skip
+        _CHECKED.keep(scalars, tensors, inputs, (6,), k)
+    got = None
+    if summary_applies(block_table, block_table.shape[0]) and not block_table.is_cpu:
+        got = read_metadata_summary(
+            query_start_loc, seq_lens, block_table, num_tokens=query.shape[0],
+            block_size=k.block_size, num_blocks=k.num_blocks, end_at_most=False,
+        )  # fmt: skip
+    if got is None or (max_seq_len is not None and max_seq_len < got[1]):
+        # broken metadata (or a short max_seq_len): the host read names what is wrong
+        got = _check_contents(query, k, block_table, seq_lens, query_start_loc, None, max_seq_len)
+    real_mql, real_msl = got
     if max_seq_len is None:
         max_seq_len = plan_max_seq_len(real_msl) if real_msl else None
     return real_mql, max_seq_len

@@ -19,6 +19,7 @@ NUM_WARPS = 4
 MIN_ELEMS_PER_THREAD = 4  # fewer warps when the tile is small, so lanes are not left idle
 PAGE_INDICES_BLOCK = 1024  # indices per program of expand_page_indices (int64: 8 KB/program)
 PAGE_INDPTR_BLOCK = 256  # sequences per step of the indptr prefix sum (one program)
+METADATA_SUMMARY_BLOCK = 512  # block-table columns per step of the metadata summary
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,16 @@ class PageIndicesTiles:
 
     block_s: int
     block_n: int
+    options: LaunchOptions
+    shared_mem_bytes: int
+
+
+@dataclass(frozen=True)
+class MetadataSummaryTiles:
+    """Tiles of the metadata summary (`portattn.kernels.metadata_summary`): block-table columns
+    a program checks per step (one program per sequence)."""
+
+    block_c: int
     options: LaunchOptions
     shared_mem_bytes: int
 
@@ -99,6 +110,24 @@ def page_indices_tiles(target: Target, num_indices: int) -> PageIndicesTiles:
     return PageIndicesTiles(
         block_s=PAGE_INDPTR_BLOCK,
         block_n=block_n,
+        options=launch_options(target, num_warps=num_warps, num_stages=1),
+        shared_mem_bytes=smem,
+    )
+
+
+def metadata_summary_tiles(target: Target, max_blocks: int) -> MetadataSummaryTiles:
+    """Tiles for the metadata summary: up to ``METADATA_SUMMARY_BLOCK`` block-table columns a
+    step, a warp per ``4 * warp_size`` of them (its one reduction is over a few registers a lane:
+    scratch shared memory at most ``block_c * 4`` bytes)."""
+    if max_blocks < 0:
+        raise ValueError(f"metadata_summary_tiles: max_blocks must be >= 0; got {max_blocks}")
+    block_c = min(METADATA_SUMMARY_BLOCK, next_pow2(max(max_blocks, 1)))
+    num_warps = min(NUM_WARPS, max(1, prev_pow2(max(1, block_c // (target.warp_size * 4)))))
+    smem = block_c * 4
+    if smem > target.max_shared_mem:  # pragma: no cover - every target has >= 64 KB
+        raise ValueError(f"metadata_summary_tiles: {smem} B of shared memory exceeds {target.arch}")
+    return MetadataSummaryTiles(
+        block_c=block_c,
         options=launch_options(target, num_warps=num_warps, num_stages=1),
         shared_mem_bytes=smem,
     )

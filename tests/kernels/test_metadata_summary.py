@@ -1,0 +1,137 @@
+"""The device-side metadata check (`portattn.kernels.metadata_summary`) against the host checks
+the ops run (`_check_contents` of paged_attention and mla_decode, built on `_checks`): on any
+metadata -- valid, or with one rule broken, laid out as strided views with junk around them, in
+int32 or int64 -- the summary calls the metadata broken exactly when the host checks raise, and
+otherwise finds the same maxima. On the CPU the kernel runs under the interpreter; in the GPU
+cells (`device` fixture) it runs compiled, as an unbounded call runs it.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from portattn.kernels import mla_decode as mla_mod
+from portattn.kernels import paged_attention as paged_mod
+from portattn.kernels.metadata_summary import read_metadata_summary
+from tests.kernels.test_metadata_properties import _SETTINGS, _offsets, paged_metadata, placed
+
+EXAMPLES = 60
+BREAKS = (
+    "none",
+    "none",
+    "first offset",
+    "tokens +1",
+    "tokens -1",
+    "decrease",
+    "short seq_len",
+    "negative seq_len",
+    "over capacity",
+    "huge seq_len",
+    "block id past the cache",
+    "negative block id",
+    "garbage in unused columns",
+)
+
+
+@st.composite
+def metadata(draw):
+    """(block_size, num_blocks, num_tokens, qsl, seq_lens, table, index dtype, what broke):
+    a valid batch with at most one rule broken, as CPU int64 tensors."""
+    block_size, sl, ql, table, num_blocks = draw(paged_metadata(min_q=0))
+    dtype = draw(st.sampled_from((torch.int32, torch.int64)))
+    qsl = _offsets(ql)
+    num_tokens = int(qsl[-1])
+    what = draw(st.sampled_from(BREAKS))
+    n, cols = table.shape
+    i = draw(st.integers(0, n - 1))
+    used = -(-int(sl[i]) // block_size)
+    if what == "first offset":
+        qsl = qsl + 1
+        num_tokens += 1
+    elif what == "tokens +1":
+        num_tokens += 1  # MLA: rows past query_start_loc's end are padding, so still valid
+    elif what == "tokens -1" and num_tokens > 0:
+        num_tokens -= 1
+    elif what == "decrease" and n > 1 and int(qsl[i + 1]) > 0:
+        qsl[i + 1] = int(qsl[i]) - 1
+    elif what == "short seq_len" and int(ql[i]) > 0:
+        sl[i] = int(ql[i]) - 1
+    elif what == "negative seq_len":
+        sl[i] = -1
+    elif what == "over capacity":
+        sl[i] = cols * block_size + 1
+    elif what == "huge seq_len":
+        sl[i] = 2**31 - 1 if dtype == torch.int32 else 2**63 - 1
+    elif what == "block id past the cache" and used:
+        table[i, draw(st.integers(0, used - 1))] = num_blocks
+    elif what == "negative block id" and used:
+        table[i, draw(st.integers(0, used - 1))] = -1
+    elif what == "garbage in unused columns" and used < cols:
+        table[i, used:] = 10**6
+    return block_size, num_blocks, num_tokens, qsl, sl, table, dtype, what
+
+
+def _host_paged(block_size, num_blocks, num_tokens, qsl, sl, table):
+    """paged_attention's host verdict: (longest q_len, longest seq_len), or ``None``."""
+    query = torch.empty((num_tokens, 1, 1))
+    k = SimpleNamespace(block_size=block_size, num_blocks=num_blocks)
+    try:
+        return paged_mod._check_contents(query, k, table, sl, qsl, None, None)
+    except ValueError:
+        return None
+
+
+def _host_mla(block_size, num_blocks, num_tokens, qsl, sl, table):
+    """mla_decode's host verdict: the longest q_len (1 without query_start_loc), or ``None``."""
+    query = torch.empty((num_tokens, 1, 1))
+    cache = torch.empty((num_blocks, block_size, 1))
+    try:
+        return mla_mod._check_contents(query, cache, table, sl, qsl, None, None)
+    except ValueError:
+        return None
+
+
+@pytest.mark.paged
+@settings(max_examples=EXAMPLES, **_SETTINGS)
+@given(data=st.data())
+def test_summary_agrees_with_paged_checks(data, device):
+    bs, nb, tokens, qsl, sl, table, dtype, what = data.draw(metadata())
+    want = _host_paged(bs, nb, tokens, qsl, sl, table)
+    views = [data.draw(placed(t, device, dtypes=(dtype,))) for t in (qsl, sl, table)]
+    got = read_metadata_summary(
+        *views, num_tokens=tokens, block_size=bs, num_blocks=nb, end_at_most=False
+    )
+    assert got == want, what
+
+
+@pytest.mark.mla
+@settings(max_examples=EXAMPLES, **_SETTINGS)
+@given(data=st.data())
+def test_summary_agrees_with_mla_checks(data, device):
+    bs, nb, tokens, qsl, sl, table, dtype, what = data.draw(metadata())
+    with_qsl = data.draw(st.booleans())
+    want = _host_mla(bs, nb, tokens, qsl if with_qsl else None, sl, table)
+    views = [data.draw(placed(t, device, dtypes=(dtype,))) for t in (qsl, sl, table)]
+    got = read_metadata_summary(
+        views[0] if with_qsl else None, *views[1:], num_tokens=tokens, block_size=bs,
+        num_blocks=nb, end_at_most=True,
+    )  # fmt: skip
+    assert (None if got is None else max(1, got[0])) == want, what
+
+
+@pytest.mark.paged
+def test_summary_reads_huge_seq_lens_without_overflow(device):
+    """A seq_len near 2**63 needs more columns than any table has: broken, by both checks
+    (ceil(seq_len / block_size) computed without the overflow of seq_len + block_size - 1)."""
+    qsl = torch.tensor([0, 1])
+    sl = torch.tensor([2**63 - 1])
+    table = torch.zeros((1, 4), dtype=torch.int64)
+    assert _host_paged(16, 4, 1, qsl, sl, table) is None
+    on = [t.to(device) for t in (qsl, sl, table)]
+    assert read_metadata_summary(*on, num_tokens=1, block_size=16, num_blocks=4,
+                                 end_at_most=False) is None  # fmt: skip
