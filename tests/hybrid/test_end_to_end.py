@@ -65,9 +65,6 @@ MODELS = {
     "jamba": (jamba, "JambaForCausalLM"),
     "qwen3_next": (qwen3_next, "Qwen3NextForCausalLM"),
 }
-# Each model's tests run on one xdist worker (``--dist loadgroup``, pyproject.toml): one worker,
-# not every worker, imports the model's module.
-NAMES = [pytest.param(n, marks=pytest.mark.xdist_group(f"hybrid-{n}")) for n in sorted(MODELS)]
 
 
 def _kernel_functions(module) -> dict:
@@ -129,7 +126,7 @@ def _run(name, *, small, dtype, device, batch, prompt, steps):
     return harness, out, oracle, lowp
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_tiny_model_matches_eager_attention(device, name):
     # Prompts cross a page: the derived block sizes are 80 (Jamba) and 48 (Qwen3-Next) here.
     # fp32 under the interpreter; fp16 on a GPU (Triton's fp32 dot may run in TF32 there).
@@ -143,7 +140,7 @@ def test_tiny_model_matches_eager_attention(device, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_model_matches_eager_attention_bf16(name):
     harness, out, oracle, lowp = _run(
         name, small=False, dtype=torch.bfloat16, device="cuda", batch=4, prompt=700, steps=8
@@ -158,7 +155,6 @@ def test_model_matches_eager_attention_bf16(name):
     or importlib.util.find_spec("causal_conv1d") is None,
     reason="mamba-ssm / causal-conv1d not installed (CUDA extensions built into the GPU images)",
 )
-@pytest.mark.xdist_group("hybrid-jamba")
 def test_jamba_mamba_layers_run_the_installed_kernels():
     """Where the extensions import, the Jamba model under test runs its Mamba layers through the
     real causal-conv1d and selective-scan kernels (the oracle alone takes the torch paths)."""
