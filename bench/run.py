@@ -33,7 +33,6 @@ import importlib
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -147,11 +146,14 @@ def run_child(fam: str, src: str, opts) -> dict:
 
 def compare(families, opts) -> tuple[dict, dict]:
     """``--compare``: each family in child processes, new and old in alternating order; the new
-    rows with ``compare`` filled in, and the document's ``compare`` record."""
+    rows with ``compare`` filled in, and the document's ``compare`` record. With ``--rounds N``
+    each side's row is its median round's (the lower middle one for an even ``N``), whole: its
+    time and the metrics computed from it come from one measurement; every round's time is
+    listed."""
     new_src, old_src = src_dir(ROOT), src_dir(opts.compare)
     merged: dict = dict(rows=[], skipped=[], errors=[])
     for i, fam in enumerate(families):
-        times: dict = {"new": {}, "old": {}}
+        rows: dict = {"new": {}, "old": {}}
         first: dict = {}
         for rnd in range(opts.rounds):
             sides = ("new", "old") if (i + rnd) % 2 == 0 else ("old", "new")
@@ -160,24 +162,24 @@ def compare(families, opts) -> tuple[dict, dict]:
                 if rnd == 0:
                     first[side] = got
                 for r in got["rows"]:
-                    times[side].setdefault(r["name"], []).append(r["time_us"])
+                    rows[side].setdefault(r["name"], []).append(r)
         new, old = first["new"], first["old"]
         merged["skipped"] += new["skipped"]
         merged["errors"] += new["errors"] + [dict(e, family=f"{e['family']} (old)")
                                              for e in old["errors"]]  # fmt: skip
         old_rows = {r["name"]: r for r in old["rows"]}
         for r in new["rows"]:
-            new_t = _median(times["new"].get(r["name"], []))
-            old_t = _median(times["old"].get(r["name"], []))
-            if new_t is not None:
-                r["time_us"] = new_t
-            o = old_rows.get(r["name"])
+            news, olds = rows["new"].get(r["name"], []), rows["old"].get(r["name"], [])
+            r = _median_round(news) or r
+            o = _median_round(olds)
+            new_t, old_t = r["time_us"], None if o is None else o["time_us"]
+            first_old = old_rows.get(r["name"])
             r["compare"] = dict(
                 old_time_us=old_t,
                 ratio=new_t / old_t if new_t and old_t else None,
-                old_check_passed=None if o is None else o["check"]["passed"],
-                new_times_us=times["new"].get(r["name"], []),
-                old_times_us=times["old"].get(r["name"], []),
+                old_check_passed=None if first_old is None else first_old["check"]["passed"],
+                new_times_us=[x["time_us"] for x in news],
+                old_times_us=[x["time_us"] for x in olds],
             )
             merged["rows"].append(r)
     record = dict(old_src=old_src, old_commit=os.environ.get("BENCH_COMPARE_COMMIT") or
@@ -185,9 +187,14 @@ def compare(families, opts) -> tuple[dict, dict]:
     return merged, record
 
 
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
+def _median_round(rows: list) -> dict | None:
+    """The round whose time is the median of ``rows`` (the lower middle one for an even count;
+    untimed rows last); ``None`` for no rows."""
+    if not rows:
+        return None
+    timed = sorted(rows, key=lambda r: (r["time_us"] is None, r["time_us"] or 0.0))
+    n = sum(r["time_us"] is not None for r in timed) or len(timed)
+    return timed[(n - 1) // 2]
 
 
 def document(result: dict, opts, device: str, compare_record: dict | None) -> dict:

@@ -232,3 +232,17 @@ def test_an_exported_tree_names_its_commit(tmp_path):
         assert run.commit_of(str(old), from_env=False) == "e34392a"
     finally:
         shutil.rmtree(old)
+
+
+def test_compare_rounds_keep_one_whole_round():
+    """``--rounds N``: a side's row is one real round, its median (the lower middle one for an
+    even N), so its metrics are those of the time it reports."""
+    from bench.run import _median_round
+
+    def row(us):
+        return dict(time_us=us, metrics={"host µs/call": us})
+
+    assert _median_round([row(3.0), row(1.0), row(2.0)]) == row(2.0)
+    assert _median_round([row(114.0), row(95.4)]) == row(95.4)
+    assert _median_round([row(None), row(7.0)]) == row(7.0)
+    assert _median_round([]) is None
