@@ -48,7 +48,7 @@ def pytest_ignore_collect(collection_path, config):
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not item.nodeid.endswith(FIRST))  # stable: the rest keep order
     skip = pytest.mark.skip(reason="needs a CUDA/HIP device (marker gpu)")
-    cpu_only = pytest.mark.skip(reason="CPU-only test (marker cpu): needs TRITON_INTERPRET=1")
+    cpu_only = pytest.mark.skip(reason="CPU-cell test (marker cpu): runs with TRITON_INTERPRET=1")
     for item in items:
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+#: A test that compiles for a target it names and runs nothing on a device: the CPU cells and the
+#: gate run it, GPU cells deselect it (marker ``cpu``), since a device adds nothing to a compile.
+target_compile = pytest.mark.cpu
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -15,7 +15,7 @@ from portattn.kernels._gluon import RESCALE_ASM, lazy_rescale
 from portattn.kernels._launch import Launch
 from portattn.platform import get_target
 from portattn.policy.common import LaunchOptions
-from tests.helpers import in_spawned_workers
+from tests.helpers import in_spawned_workers, target_compile
 
 SM90 = get_target("sm_90")
 
@@ -47,6 +47,7 @@ def _rescale_ptx(cols: int) -> str:
         return "\n".join(chain)
 
 
+@target_compile
 def test_lazy_rescale_ptx_exists_or_is_refused_by_name():
     """A warpgroup's 64 x ``cols`` accumulator holds ``cols / 2`` values a thread: 64, 128 and
     256 columns (MLA's rank-512 half) compile with one

@@ -22,7 +22,7 @@ from portattn.kernels.mla_decode_sm90 import (
 )
 from portattn.platform import get_target
 from portattn.policy.mla import MlaConfig
-from tests.helpers import in_spawned_workers
+from tests.helpers import in_spawned_workers, target_compile
 
 SM90 = get_target("sm_90")
 
@@ -125,6 +125,7 @@ def test_refuses_interleaved_pages():
         "320/256 h128 page64 b64",  # one split at rank 256: the output from the accumulators
     ],
 )
+@target_compile
 def test_compiles_for_sm90_within_its_estimate_without_spills(name):
     """Shared memory at most `sm90_smem_bytes` (and the target's), and no spills: ptxas spilled
     260 B when the loop's shared-memory descriptors were loop-invariant (module doc)."""
@@ -137,6 +138,7 @@ def test_compiles_for_sm90_within_its_estimate_without_spills(name):
 
 
 @pytest.mark.parametrize("form", ["table", "slots"])
+@target_compile
 def test_gather_compiles_for_sm90_without_spills(form):
     """Page size 1 by row gather (1-token block table, page_indices): within the estimate, no
     spills (block_size 1 is a Triton constant, so the opaque zero comes from the row stride)."""
@@ -290,6 +292,7 @@ def _after_scores(ev: str) -> list[str]:
             if ev[i : i + 4] == "SGSG" and ev[i + 4] != "S"]  # fmt: skip
 
 
+@target_compile
 def test_only_the_last_tile_is_masked():
     """Each warpgroup branches between its score MMAs' commit and its mask selects (a full tile
     skips them). Then warpgroup 0 (its code comes first) takes its row max and sum and rescales,

@@ -17,6 +17,7 @@ from portattn.kernels.page_indices import expand_page_indices
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import get_target
 from portattn.policy.mla import MlaConfig, MlaProblem, mla_decode_tiles, mla_row_groups
+from tests.helpers import target_compile
 from tests.kernels.test_mla_decode import (
     _poison_unowned_rows,
     check,
@@ -451,6 +452,7 @@ def test_gpu_policy_packed_with_metadata(q_len):
     check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale)
 
 
+@target_compile
 def test_packed_sm90_kernel_compiles_within_its_estimate_without_spills():
     """The compile matrix's packed case (16 heads, q_len 4, 64-token pages) takes the Hopper
     kernel with PACKED rows; its sm_90 compile stays within `sm90_smem_bytes` with no spills."""

@@ -35,6 +35,7 @@ from portattn.policy.paged import (
     prefill_smem_bytes,
     sm90_prefill,
 )
+from tests.helpers import target_compile
 from tests.kernels.test_paged_attention import check, make_batch
 
 pytestmark = pytest.mark.paged
@@ -484,6 +485,7 @@ def _compiled_main(block_size: int, changes: dict, trace: bool = False):
 
 
 @pytest.mark.parametrize("case_id", ["bs16", "bs544", "bs2048"])
+@target_compile
 def test_compiles_for_sm90_without_spills(case_id):
     """The long GQA 4:1 prefill cases of the compile matrix: the sm_90 kernel within its
     estimate (and the target's shared memory), spills within the compile gate's 16 B."""
@@ -514,6 +516,7 @@ def _query_copies(q_tma: bool, block_size: int) -> tuple[bool, int, int, int, in
             ptx.count("atom.global"))  # fmt: skip
 
 
+@target_compile
 def test_query_by_tma_compiles_for_sm90_without_spills():
     """The producer's query copies in the turns at 3 stages, against the same loop without them:
     more TMA copies, fewer global loads (the warpgroups' query reads gone), shared memory within
@@ -544,6 +547,7 @@ def _pv_groups(v_pages: bool, block_size: int) -> tuple[int, int, int, int]:
     return launch.args["V_PAGES"], fences, commits, spills
 
 
+@target_compile
 def test_v_pages_keep_p_v_one_commit_group():
     """With V pages (8 boxes of 16 rows at block 16, 4 of 32 at block 544) P V reads the tile
     through one shared layout of its boxes: the build has as many wgmma fences and commit groups
@@ -598,6 +602,7 @@ def _traced_ptx_counts(turns: bool) -> tuple[int, int, int | None]:
     return ptx.count("%globaltimer"), ptx.count("%clock64"), spills
 
 
+@target_compile
 def test_traced_kernel_compiles_for_sm90_within_the_spill_gate():
     """The traced build stamps in all three partitions (CPU compile, sm_90 PTX): the clock at
     each of the consumers' and the producer's steps, the global timer at their ends, in the
