@@ -23,10 +23,12 @@ indices past ``indptr[-1]`` may hold anything (-1, garbage), as the kernels neve
 
 Where they run (`reads_contents`): always for CPU tensors (free), never for meta tensors, and on
 a GPU only when the caller gave no bounds -- then one device-to-host copy (`to_host`) of the
-metadata. With bounds given on a GPU (``max_query_len`` for paged_attention, ``metadata`` for
-mla_decode, ``out`` for gather_kv_cache, ``num_indices`` for expand_page_indices; always for
-write_kv_cache's ``slot_mapping``) nothing is read: the caller vouches for the values, and the
-call stays free of host syncs (CUDA-graph capturable).
+metadata; ``paged_attention`` and ``mla_decode`` (block tables) first ask the device-side form of
+the same rules (`portattn.kernels.metadata_summary`) and copy the metadata only when it reports a
+broken rule, for these routines' messages. With bounds given on a GPU (``max_query_len`` for
+paged_attention, ``metadata`` for mla_decode, ``out`` for gather_kv_cache, ``num_indices`` for
+expand_page_indices; always for write_kv_cache's ``slot_mapping``) nothing is read: the caller
+vouches for the values, and the call stays free of host syncs (CUDA-graph capturable).
 
 Every routine returns a list of reasons (empty: valid) in the ops' style, ``"<argument> must
 <rule>; got <value>"``, naming only the offending scalars and their indices. `Problems` gathers
