@@ -56,6 +56,9 @@ class CacheStats:
     compile_s: float = 0.0  # seconds from each miss to its result stored, summed over processes
     corrupt: int = 0  # Redis values that failed their envelope (recompiled)
     warnings: tuple[str, ...] = ()  # e.g. "redis": the remote layer was unreachable
+    # compiles of a kernel (Triton cache key) the cell had compiled already, e.g. by workers that
+    # missed the same key at once, each compiling it (included in ``compiled``)
+    repeated: int = 0
 
     @property
     def lookups(self) -> int:
@@ -75,6 +78,8 @@ class CacheStats:
             f"{self.hit_rate:.0%} hits of {self.lookups} lookups ({self.local} local, "
             f"{self.remote} remote, {self.compiled} compiled in {self.compile_s:.1f} s)"
         )
+        if self.repeated:
+            line += f"; {self.repeated} of them compiled a kernel again"
         if self.corrupt:
             line += f"; {self.corrupt} corrupt remote values recompiled"
         if self.warnings:
@@ -89,6 +94,7 @@ class CacheStats:
             "compile_s": round(self.compile_s, 3),
             "corrupt": self.corrupt,
             "warnings": list(self.warnings),
+            "repeated": self.repeated,
         }
 
     @classmethod
@@ -100,6 +106,7 @@ class CacheStats:
             compile_s=float(d.get("compile_s", 0.0)),
             corrupt=int(d.get("corrupt", 0)),
             warnings=tuple(d.get("warnings", ())),
+            repeated=int(d.get("repeated", 0)),
         )
 
 
@@ -108,6 +115,7 @@ def read_stats(stats_dir: str | os.PathLike[str]) -> CacheStats | None:
     counts = {"local": 0, "remote": 0, "compiled": 0, "corrupt": 0}
     compile_s = 0.0
     warned: set[str] = set()
+    keys: list[str] = []  # the compiled kernels' cache keys, where recorded
     files = sorted(Path(stats_dir).glob("*.jsonl")) if Path(stats_dir).is_dir() else []
     if not files:
         return None
@@ -124,4 +132,9 @@ def read_stats(stats_dir: str | os.PathLike[str]) -> CacheStats | None:
                 warned.add(name.split(":", 1)[1])
             if name == "compiled":
                 compile_s += float(event.get("compile_s") or 0.0)
-    return CacheStats(compile_s=compile_s, warnings=tuple(sorted(warned)), **counts)
+                if isinstance(event.get("key"), str):
+                    keys.append(event["key"])
+    repeated = len(keys) - len(set(keys))
+    return CacheStats(
+        compile_s=compile_s, warnings=tuple(sorted(warned)), repeated=repeated, **counts
+    )

@@ -68,11 +68,16 @@ class _Stats:
     _warned: set[str] = set()
 
     @classmethod
-    def record(cls, event: str, compile_s: float = 0.0) -> None:
+    def record(cls, event: str, compile_s: float = 0.0, key: str | None = None) -> None:
+        """Append one event; ``key``: the kernel's Triton cache key (for compiles, so that a
+        cell can count the kernels its processes compiled more than once)."""
         folder = os.environ.get(STATS_DIR_ENV)
         if not folder:
             return
-        line = json.dumps({"event": event, "compile_s": round(compile_s, 6)}) + "\n"
+        event_d: dict[str, Any] = {"event": event, "compile_s": round(compile_s, 6)}
+        if key is not None:
+            event_d["key"] = key
+        line = json.dumps(event_d) + "\n"
         try:
             os.makedirs(folder, exist_ok=True)
             with cls._lock, open(os.path.join(folder, f"{os.getpid()}.jsonl"), "a") as f:
@@ -248,5 +253,6 @@ class LayeredCacheManager(RemoteCacheManager):
             names = json.dumps({"child_paths": sorted(group)})
             self._backend.put(_GRP + filename, names.encode())
         path = self._local.put_group(filename, group)
-        _Stats.record("compiled", 0.0 if started is None else time.monotonic() - started)
+        elapsed = 0.0 if started is None else time.monotonic() - started
+        _Stats.record("compiled", elapsed, key=self._local.key)
         return path

@@ -375,10 +375,12 @@ def cache_line(results: Sequence[CellResult]) -> str:
     local, remote = sum(s.local for s in stats), sum(s.remote for s in stats)
     lookups = sum(s.lookups for s in stats)
     compile_s = sum(s.compile_s for s in stats)
+    repeated = sum(s.repeated for s in stats)
+    again = f"; {repeated} of them compiled a kernel again" if repeated else ""
     return (
         f"Triton cache: {(local + remote) / lookups:.0%} hits of {lookups} lookups "
         f"({local} local, {remote} remote, {lookups - local - remote} compiled in "
-        f"{_fmt_seconds(compile_s)})"
+        f"{_fmt_seconds(compile_s)}){again}"
     )
 
 

@@ -26,6 +26,7 @@ from kubematrix.cachestats import (
     MANAGER,
     STATS_DIR_ENV,
     TIMEOUT_ENV,
+    CacheStats,
     cache_env,
     read_stats,
 )
@@ -258,3 +259,36 @@ def test_counters_sum_over_processes_and_skip_a_line_cut_short(tmp_path):
     assert (stats.local, stats.remote, stats.compiled, stats.compile_s) == (1, 1, 1, 1.5)
     assert stats.warnings == ("redis",) and stats.hit_rate == pytest.approx(2 / 3)
     assert read_stats(tmp_path / "none") is None
+
+
+def test_counters_count_a_kernel_compiled_again(tmp_path):
+    """A key compiled by two processes (or twice by one) counts once as repeated; a compile
+    recorded without a key (an older manager's line) is not compared."""
+    (tmp_path / "1.jsonl").write_text(
+        '{"event": "compiled", "compile_s": 1.0, "key": "k1"}\n'
+        '{"event": "compiled", "compile_s": 1.0, "key": "k2"}\n'
+    )
+    (tmp_path / "2.jsonl").write_text(
+        '{"event": "compiled", "compile_s": 1.0, "key": "k1"}\n'
+        '{"event": "compiled", "compile_s": 1.0}\n'
+    )
+    stats = read_stats(tmp_path)
+    assert stats is not None and (stats.compiled, stats.repeated) == (4, 1)
+    assert "1 of them compiled a kernel again" in stats.describe()
+    assert CacheStats.from_dict(stats.to_dict()) == stats
+
+
+def test_two_processes_missing_the_same_kernel_count_a_repeat(tmp_path):
+    """Two real processes with empty local folders and no Redis compile the same kernel: the
+    cell's counters (one stats folder) say one compile repeated the other, by Triton's key."""
+    probe = Probe(tmp_path, "")
+    stats_dir = tmp_path / "cell-stats"
+    for local in ("a", "b"):
+        proc = subprocess.run(
+            [sys.executable, str(PROBE), "64"], env=probe.env(local, stats_dir),
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["compiled"] == 1
+    stats = read_stats(stats_dir)
+    assert stats is not None and (stats.compiled, stats.repeated) == (2, 1)
