@@ -179,3 +179,20 @@ def test_shared_only_lowering_matches_the_full_compile():
             assert a.compiled and b.compiled
             assert [r.shared for r in b.launches] == [r.shared for r in a.launches]
             assert a.shared and a.shared > 0
+
+
+def test_chunks_keep_a_target_per_chunk_and_let_targets_take_turns():
+    """Workers take consecutive cases of one target at a time (a kernel neighbouring cases share
+    is compiled once, by one worker), the targets alternating so that workers side by side are
+    on different targets; every cell is in exactly one chunk."""
+    from portattn.compile.matrix import _chunks
+
+    cases = [make_case("k", f"c{i}", build_naive_mla) for i in range(5)]
+    cells = [(c, a) for c in cases for a in ("sm_90", "gfx942")]
+    chunks = _chunks(cells, 2)
+    assert sorted(i for ch in chunks for i in ch) == list(range(len(cells)))
+    archs = [{cells[i][1] for i in ch} for ch in chunks]
+    assert all(len(a) == 1 for a in archs)
+    assert [a.pop() for a in archs] == ["sm_90", "gfx942"] * 3
+    assert [[cells[i][0].name for i in ch] for ch in chunks[:2]] == [["c0", "c1"]] * 2
+    assert _chunks([], 8) == []

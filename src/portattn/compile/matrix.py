@@ -211,19 +211,49 @@ def run_matrix(
         pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
         # Workers start while the environment above is in place (spawned at submit).
         futures = {
-            pool.submit(_compile_cell, case, arch): i for i, (case, arch) in enumerate(cells)
+            pool.submit(_compile_cells, [cells[i] for i in chunk]): chunk
+            for chunk in _chunks(cells, min(CHUNK, max(1, len(cells) // jobs)))
         }
     with pool:
-        for n, fut in enumerate(as_completed(futures), 1):
-            i = futures[fut]
-            case = cells[i][0]
+        done = 0
+        for fut in as_completed(futures):
+            chunk = futures[fut]
             try:
-                cell = fut.result()
-            except Exception as exc:  # noqa: BLE001 - a crashed worker is this cell's result
-                t = get_target(cells[i][1])
-                cell = CellResult(case.kernel, case.name, t.arch, t.vendor, t.max_shared_mem)
-                cell.plan_error = f"worker: {type(exc).__name__}: {exc}"
-            results[i] = evaluate(cell, case.allowance(cell.vendor))
-            if progress is not None:
-                progress(n, len(cells), results[i])
+                got = fut.result()
+            except Exception as exc:  # noqa: BLE001 - a crashed worker is its cells' result
+                got = [_crashed(*cells[i], exc) for i in chunk]
+            for i, cell in zip(chunk, got, strict=True):
+                results[i] = evaluate(cell, cells[i][0].allowance(cell.vendor))
+                done += 1
+                if progress is not None:
+                    progress(done, len(cells), results[i])
     return [results[i] for i in range(len(cells))]
+
+
+#: Cells a worker takes at once: consecutive cases for one target. Neighbouring cases often
+#: plan the same kernel for a target (they differ in what its tiles ignore); in one chunk one
+#: worker compiles it and the rest hit the cache, where cells handed out one by one had two
+#: workers compile it at the same time.
+CHUNK = 8
+
+
+def _chunks(cells: Sequence[tuple[Case, str]], size: int) -> list[list[int]]:
+    """Indices of ``cells`` in chunks of at most ``size`` cells of one target, in case order,
+    the targets taking turns (so workers running side by side are on different targets)."""
+    by_arch: dict[str, list[int]] = {}
+    for i, (_, arch) in enumerate(cells):
+        by_arch.setdefault(arch, []).append(i)
+    runs = [[ids[k : k + size] for k in range(0, len(ids), size)] for ids in by_arch.values()]
+    return [run[r] for r in range(max(map(len, runs), default=0)) for run in runs if r < len(run)]
+
+
+def _crashed(case: Case, arch: str, exc: BaseException) -> CellResult:
+    t = get_target(arch)
+    cell = CellResult(case.kernel, case.name, t.arch, t.vendor, t.max_shared_mem)
+    cell.plan_error = f"worker: {type(exc).__name__}: {exc}"
+    return cell
+
+
+def _compile_cells(cells: Sequence[tuple[Case, str]]) -> list[CellResult]:
+    """`_compile_cell` of each (case, arch), in order (runs in a worker process)."""
+    return [_compile_cell(case, arch) for case, arch in cells]
