@@ -813,8 +813,8 @@ class CheckMemo:
     passes those checks again, and what they returned (``value``) holds for it.
 
     Args:
-        max_entries: descriptions kept per ``scalars`` tuple (newest first) and ``scalars``
-            tuples kept (oldest dropped).
+        max_entries: descriptions kept per ``scalars`` tuple (newest first); past `MAX_PLANS`
+            ``scalars`` tuples the oldest is dropped.
     """
 
     def __init__(self, max_entries: int = MAX_GUARDS):

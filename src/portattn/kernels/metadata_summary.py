@@ -26,7 +26,6 @@ table; other calls (an empty batch, MLA's ``page_indices``) keep the host read.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -96,9 +95,10 @@ def _metadata_summary_kernel(
 
 
 def summary_applies(block_table, num_seqs: int) -> bool:
-    """Whether a call's metadata can be summarized on the device: a block table (not MLA's
-    ``page_indices``) and at least one sequence."""
-    return block_table is not None and num_seqs > 0
+    """Whether a call's metadata is summarized on the device: a block table (not MLA's
+    ``page_indices``) on a GPU (CPU tensors are checked on the host for free) and at least one
+    sequence."""
+    return block_table is not None and not block_table.is_cpu and num_seqs > 0
 
 
 def plan_metadata_summary(
@@ -183,7 +183,7 @@ def read_metadata_summary(
     host = summary.to("cpu", non_blocking=True)
     if summary.is_cuda:
         torch.cuda.current_stream(summary.device).synchronize()
-    top = np.asarray(host.numpy()).max(axis=0)
+    top = host.numpy().max(axis=0)
     if top[BROKEN]:
         return None
     return int(top[Q_LEN]), int(top[SEQ_LEN])

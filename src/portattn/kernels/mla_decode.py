@@ -1068,7 +1068,7 @@ def unbounded_query_len(
             page_indices, None, return_lse, config, None, None,
         )  # fmt: skip
         _CHECKED.keep(scalars, tensors, inputs, (5,), True)
-    if summary_applies(block_table, seq_lens.shape[0]) and not seq_lens.is_cpu:
+    if summary_applies(block_table, seq_lens.shape[0]):
         got = read_metadata_summary(
             query_start_loc, seq_lens, block_table, num_tokens=query.shape[0],
             block_size=kv_cache.shape[1], num_blocks=kv_cache.shape[0], end_at_most=True,

@@ -840,7 +840,7 @@ def unbounded_maxima(
         )  # fmt: skip
         _CHECKED.keep(scalars, tensors, inputs, (6,), k)
     got = None
-    if summary_applies(block_table, block_table.shape[0]) and not block_table.is_cpu:
+    if summary_applies(block_table, block_table.shape[0]):
         got = read_metadata_summary(
             query_start_loc, seq_lens, block_table, num_tokens=query.shape[0],
             block_size=k.block_size, num_blocks=k.num_blocks, end_at_most=False,
