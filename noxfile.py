@@ -70,11 +70,12 @@ def install_project(session: nox.Session, *extras: str) -> None:
     session.install(*pins, "-e", spec)
 
 
-def _pytest_workers(session: nox.Session) -> str:
-    """The installed kubematrix's worker count (the local runner's too: one number everywhere)."""
-    code = "from kubematrix.matrix import pytest_workers; print(pytest_workers())"
+def _xdist(session: nox.Session) -> list[str]:
+    """The installed kubematrix's xdist arguments (worker count and distribution), the local
+    runner's too: one setting everywhere."""
+    code = "from kubematrix.matrix import pytest_xdist_args; print(*pytest_xdist_args())"
     out = session.run("python", "-c", code, silent=True)
-    return str(out).strip().splitlines()[-1] if out else "1"
+    return str(out).strip().splitlines()[-1].split() if out else []
 
 
 @nox.session
@@ -91,8 +92,7 @@ def tests(session: nox.Session) -> None:
     """The CPU gate: policies, every kernel under TRITON_INTERPRET=1, compile matrix, CI layer."""
     install_project(session, "test", "ci", "hybrid")
     env = {"TRITON_INTERPRET": "1"}
-    workers = _pytest_workers(session)
-    session.run("pytest", "-n", workers, "-m", "not gpu", *session.posargs, env=env)
+    session.run("pytest", *_xdist(session), "-m", "not gpu", *session.posargs, env=env)
 
 
 @nox.session(name="compile")
@@ -109,7 +109,7 @@ def gpu(session: nox.Session) -> None:
     if not _has_gpu():
         session.error("gpu: no CUDA/HIP device node (/dev/nvidia0 or /dev/kfd) on this machine")
     install_project(session, "test")
-    session.run("pytest", "-n", _pytest_workers(session), "-m", "gpu", *session.posargs)
+    session.run("pytest", *_xdist(session), "-m", "gpu", *session.posargs)
 
 
 # One session per kernel suite (pytest marker): what a matrix cell runs in a Buildkite step or a
@@ -149,7 +149,7 @@ def _suite_session(suite: str) -> None:
             _mamba_extensions(session)
         # tests/ci needs the `ci` extra and holds only `ci`-marked tests: not collected here.
         skip_ci = "--ignore=tests/ci"
-        xdist = ["-n", _pytest_workers(session)]
+        xdist = _xdist(session)
         if _has_gpu():  # the whole suite on the device, but the CPU-only (`cpu`) tests
             marker = f"{suite} and not cpu"
             session.run("pytest", skip_ci, *xdist, "-m", marker, *session.posargs)

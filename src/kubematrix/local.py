@@ -1,9 +1,10 @@
 """The local runner: every cell this machine can run, one after another, as subprocesses.
 
-Each kernel-suite cell is ``python -m pytest -n <workers> -m "<suite> and not gpu"`` (CPU, with
-``TRITON_INTERPRET=1``) or ``-m "<suite> and not cpu"`` (GPU), the arguments the cell's nox session
-passes in CI, writing ``<cell>.xml`` and ``<cell>.log`` to the results folder. The compile cell runs
-``python -m portattn.compile --out <results>/compile``.
+Each kernel-suite cell is
+``python -m pytest -n <workers> --dist worksteal -m "<suite> and not gpu"``
+(CPU, with ``TRITON_INTERPRET=1``) or ``-m "<suite> and not cpu"`` (GPU), the arguments the cell's
+nox session passes in CI, writing ``<cell>.xml`` and ``<cell>.log`` to the results folder. The
+compile cell runs ``python -m portattn.compile --out <results>/compile``.
 
 Cells run in sequence: each one already spreads over every core through pytest-xdist, so running
 two at once would only oversubscribe a small machine (the CPU gate runs on 2 cores). The runner
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import TextIO
 
 from kubematrix.cachestats import cache_env, read_stats
-from kubematrix.matrix import COMPILE_MODULE, Cell, Host, why_not_runnable
+from kubematrix.matrix import COMPILE_MODULE, Cell, Host, pytest_xdist_args, why_not_runnable
 from kubematrix.matrix import pytest_workers as default_workers
 from kubematrix.report import (
     COMPILE_JSON,
@@ -60,7 +61,7 @@ def cell_command(
             *cell.compile_args(results_dir),
             *compile_args,
         ]
-    xdist = ["-n", str(workers)] if workers > 1 else []
+    xdist = pytest_xdist_args(workers)
     return [
         sys.executable,
         "-m",

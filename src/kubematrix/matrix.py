@@ -51,6 +51,18 @@ def pytest_workers() -> int:
     return max(1, min(cores, MAX_PYTEST_WORKERS))
 
 
+#: How xdist hands out tests: an idle worker takes half of a busy one's queue, so a cell does
+#: not end with one worker running a suite's long tests while the others wait.
+PYTEST_DIST = "worksteal"
+
+
+def pytest_xdist_args(workers: int | None = None) -> list[str]:
+    """pytest's xdist arguments for ``workers`` (default `pytest_workers`): none for one worker
+    (the tests run in pytest's own process)."""
+    n = pytest_workers() if workers is None else workers
+    return ["-n", str(n), "--dist", PYTEST_DIST] if n > 1 else []
+
+
 # The architecture a GPU cell must run on; tests/test_cell_arch.py compares the live device to it.
 ARCH_ENV = "PORTATTN_CELL_ARCH"
 

@@ -69,7 +69,7 @@ class FakeSession:
 
     def run(self, *args: str, silent: bool = False, **_: object) -> str | None:
         self.runs.append(list(args))
-        return "3\n" if silent else None
+        return "-n 3 --dist worksteal\n" if silent else None
 
     def log(self, *_: object) -> None:
         pass
@@ -113,7 +113,8 @@ def test_a_cpu_session_installs_torch_then_the_project_under_the_cpu_pins(noxfil
     pins = ["-c", "constraints/cpu.txt"]
     assert session.installs == [[*pins, "torch"], [*pins, "-e", ".[test,ci,hybrid]"]]
     pytest_run = next(r for r in session.runs if r[0] == "pytest")
-    assert pytest_run[:3] == ["pytest", "-n", "3"]  # the installed kubematrix's worker count
+    # the installed kubematrix's xdist arguments
+    assert pytest_run[:5] == ["pytest", "-n", "3", "--dist", "worksteal"]
 
 
 def test_the_torch_index_variable_adds_an_index_to_the_torch_install_only(
@@ -177,6 +178,9 @@ def test_pytest_workers_are_the_usable_cores_at_most_the_cap(monkeypatch):
     assert matrix.pytest_workers() == matrix.MAX_PYTEST_WORKERS == 8
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
     assert matrix.pytest_workers() == 2
+    assert matrix.pytest_xdist_args() == ["-n", "2", "--dist", "worksteal"]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0}, raising=False)
+    assert matrix.pytest_xdist_args() == []  # one core: pytest's own process, no xdist
 
 
 def test_the_local_runner_and_the_sessions_use_one_worker_count(noxfile, machine):
@@ -184,7 +188,7 @@ def test_the_local_runner_and_the_sessions_use_one_worker_count(noxfile, machine
     session = FakeSession()
     noxfile.tests(session)
     (probe,) = [r for r in session.runs if r[:2] == ["python", "-c"]]
-    assert "from kubematrix.matrix import pytest_workers" in probe[2]
+    assert "from kubematrix.matrix import pytest_xdist_args" in probe[2]
     for suite, backend in (("mla", "cpu"), ("mla", "cuda")):
         machine(backend)
         session = FakeSession()

@@ -457,3 +457,13 @@ def test_compile_args_reach_the_compile_module():
         get_cell("compile-cpu-interpreter"), Path("r"), 2, ["--targets", "sm_90,gfx942"]
     )
     assert cmd[1:] == ["-m", "portattn.compile", "--out", "r/compile", "--targets", "sm_90,gfx942"]
+
+
+def test_suite_cells_share_their_workers_queues():
+    """A suite cell runs under xdist with work stealing (an idle worker takes half a busy one's
+    queue), one worker without xdist at all."""
+    cell = get_cell("mla-cpu-interpreter")
+    cmd = cell_command(cell, Path("r"), 4)
+    assert cmd[cmd.index("-n") : cmd.index("-n") + 4] == ["-n", "4", "--dist", "worksteal"]
+    one = cell_command(cell, Path("r"), 1)
+    assert "-n" not in one and "--dist" not in one
