@@ -99,5 +99,5 @@ def test_cpu_tensors_need_the_interpreter():
     them (its own error names no argument)."""
     from tests.helpers import in_spawned_workers
 
-    (msg,) = in_spawned_workers(_run_cpu_launch_without_interpreter, [()], workers=1).values()
+    (msg,) = in_spawned_workers(_run_cpu_launch_without_interpreter, [()]).values()
     assert "['a_ptr'] are on the CPU" in msg and "TRITON_INTERPRET=1" in msg

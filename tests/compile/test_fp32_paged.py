@@ -13,9 +13,10 @@ import itertools
 
 import pytest
 
-from portattn.compile import default_cases, run_matrix
+from portattn.compile import default_cases
 from portattn.platform import get_target
 from portattn.policy.paged import FP32_BLOCK_M, FP32_NUM_WARPS
+from tests.helpers import compile_in_spawned_workers
 
 pytestmark = pytest.mark.compile
 
@@ -43,7 +44,7 @@ def test_worst_former_fp32_cells_compile_without_spills():
         (launch,) = case.plan(get_target(arch))
         assert launch.args["BLOCK_M"] == FP32_BLOCK_M and not launch.args["DECODE_ROLE"]
         assert launch.options.num_warps == FP32_NUM_WARPS
-    cells = run_matrix(cases, TARGETS, jobs=2)
+    cells = compile_in_spawned_workers(cases, TARGETS)
     assert len(cells) == len(CASES) * len(TARGETS)
     for c in cells:
         assert c.passed, (c.id, c.reasons)

@@ -19,6 +19,7 @@ from portattn.compile import default_cases, run_matrix
 from portattn.compile.cases import HIP_VERIFY_HEADS, HIP_VERIFY_QUERY_LENS, hip_verify_cases
 from portattn.platform import TARGETS, get_target
 from portattn.policy.mla import MlaProblem, mla_decode_tiles, mla_row_groups
+from tests.helpers import compile_in_spawned_workers
 
 pytestmark = pytest.mark.compile
 
@@ -93,7 +94,7 @@ def _distinct_packed_cases():
 
 def test_packed_tiles_compile_without_spills_within_lds():
     cases = _distinct_packed_cases()
-    cells = run_matrix(cases, HIP_ARCHS, jobs=2)
+    cells = compile_in_spawned_workers(cases, HIP_ARCHS)
     assert len(cells) == len(cases) * len(HIP_ARCHS)
     for c in cells:
         assert c.passed, (c.id, c.reasons)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import pytest
 
-from portattn.compile import default_cases, run_matrix
+from portattn.compile import default_cases
 from portattn.compile.cases import LONG_PREFILL_BLOCK_SIZES, LONG_PREFILL_QUERY_LENS
 from portattn.platform import get_target
 from portattn.policy.paged import PagedProblem, paged_tiles
+from tests.helpers import compile_in_spawned_workers
 
 pytestmark = pytest.mark.compile
 
@@ -61,7 +62,7 @@ def test_long_prefill_cases_plan_the_policy_tile(arch):
 
 
 def test_long_prefill_tiles_compile_without_spills_within_lds():
-    cells = run_matrix(_cases(), TARGETS, jobs=2)
+    cells = compile_in_spawned_workers(_cases(), TARGETS)
     assert len(cells) == len(IDS) * len(TARGETS)
     for c in cells:
         assert c.passed, (c.id, c.reasons)

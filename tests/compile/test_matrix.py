@@ -30,6 +30,7 @@ from portattn.kernels._launch import Launch
 from portattn.platform import Target, get_target
 from portattn.policy.common import next_pow2
 from portattn.policy.mla import MlaProblem, mla_decode_tiles
+from tests.helpers import compile_in_spawned_workers
 
 pytestmark = pytest.mark.compile
 
@@ -125,7 +126,7 @@ def test_naive_mla_widths_break_exactly_the_320_256_cells():
         for dk, dv in MLA_SHAPES
     ]
     real = [_mla_case(f"{dk}/{dv} h16", dk, dv, **params) for dk, dv in MLA_SHAPES]
-    cells = {c.id: c for c in run_matrix(naive + real, NAIVE_MLA_TARGETS, jobs=2)}
+    cells = {c.id: c for c in compile_in_spawned_workers(naive + real, NAIVE_MLA_TARGETS)}
     broken = sorted(i for i, c in cells.items() if not c.compiled)
     assert broken == [f"mla_decode/naive 320/256 h16@{a}" for a in sorted(NAIVE_MLA_TARGETS)]
     for arch in NAIVE_MLA_TARGETS:
@@ -158,7 +159,7 @@ def test_naive_paged_tile_from_block_size_overflows_gfx942():
     real = make_case(
         "paged_attention", "real bs2048", build_paged_attention, block_size=2048, **params
     )
-    cells = {c.case: c for c in run_matrix([*cases, real], [PAGED_LIMIT_ARCH], jobs=2)}
+    cells = {c.case: c for c in compile_in_spawned_workers([*cases, real], [PAGED_LIMIT_ARCH])}
     limit = get_target(PAGED_LIMIT_ARCH).max_shared_mem
     assert cells["naive bs16"].passed, cells["naive bs16"].reasons
     bad = cells["naive bs2048"]
@@ -171,7 +172,10 @@ def test_shared_only_lowering_matches_the_full_compile():
     """`shared_memory_only` replays make_llir's passes up to allocation: the same figure."""
     full = _cases(["paged_attention/hd128 mha bs16 NHD decode", "mla_decode/576/512 h16"])
     lowered = [dataclasses.replace(c, name=c.name + " lowered", shared_only=True) for c in full]
-    cells = {(c.kernel, c.case, c.arch): c for c in run_matrix(full + lowered, SUBSET_TARGETS)}
+    cells = {
+        (c.kernel, c.case, c.arch): c
+        for c in compile_in_spawned_workers(full + lowered, SUBSET_TARGETS)
+    }
     for case in full:
         for arch in SUBSET_TARGETS:
             a = cells[case.kernel, case.name, arch]

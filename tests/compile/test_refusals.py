@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from portattn.compile import default_cases, run_matrix
+from portattn.compile import default_cases
 from portattn.compile.cases import api_dtypes
 from portattn.compile.matrix import REFUSAL
 from portattn.platform import TARGETS
+from tests.helpers import compile_in_spawned_workers
 
 pytestmark = pytest.mark.compile
 
@@ -58,7 +59,7 @@ def test_h100_fp32_mla_seeds_compile_within_sm90_shared_memory():
     """Regression: on an H100 these two fp32 MLA shapes raised OutOfResources (shared memory);
     the compile matrix now holds them, and they pass there (no spills, within 232448 B)."""
     by_id = {c.id: c for c in default_cases()}
-    cells = run_matrix([by_id[i] for i in H100_SEEDS], ["sm_90"], jobs=2)
+    cells = compile_in_spawned_workers([by_id[i] for i in H100_SEEDS], ["sm_90"])
     for c in cells:
         assert c.passed, (c.id, c.reasons)
         assert c.shared is not None and c.shared <= c.limit

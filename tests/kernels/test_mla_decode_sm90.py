@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from portattn.compile import default_cases, run_matrix
+from portattn.compile import default_cases
 from portattn.compile.worker import compile_kernel
 from portattn.kernels._launch import rows_aligned
 from portattn.kernels.mla_decode import plan_mla_decode
@@ -22,7 +22,7 @@ from portattn.kernels.mla_decode_sm90 import (
 )
 from portattn.platform import get_target
 from portattn.policy.mla import MlaConfig
-from tests.helpers import in_spawned_workers, target_compile
+from tests.helpers import compile_in_spawned_workers, in_spawned_workers, target_compile
 
 SM90 = get_target("sm_90")
 
@@ -130,7 +130,7 @@ def test_compiles_for_sm90_within_its_estimate_without_spills(name):
     """Shared memory at most `sm90_smem_bytes` (and the target's), and no spills: ptxas spilled
     260 B when the loop's shared-memory descriptors were loop-invariant (module doc)."""
     case = {c.id: c for c in default_cases()}[f"mla_decode/{name}"]
-    (cell,) = run_matrix([case], ["sm_90"])  # spawned workers: no interpreter
+    (cell,) = compile_in_spawned_workers([case], ["sm_90"])  # spawned workers: no interpreter
     (r,) = [launch for launch in cell.launches if launch.name == "mla_decode_sm90"]
     assert r.ok, r.error
     assert r.shared <= sm90_smem_bytes(512, 64) <= SM90.max_shared_mem
@@ -143,7 +143,7 @@ def test_gather_compiles_for_sm90_without_spills(form):
     """Page size 1 by row gather (1-token block table, page_indices): within the estimate, no
     spills (block_size 1 is a Triton constant, so the opaque zero comes from the row stride)."""
     case = {c.id: c for c in default_cases()}[f"mla_decode/576/512 h128 page1 {form}"]
-    (cell,) = run_matrix([case], ["sm_90"])
+    (cell,) = compile_in_spawned_workers([case], ["sm_90"])
     (r,) = [launch for launch in cell.launches if launch.name == "mla_decode_sm90"]
     assert r.ok, r.error
     assert r.shared <= sm90_smem_bytes(512, 64) <= SM90.max_shared_mem

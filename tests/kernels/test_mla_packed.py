@@ -17,7 +17,7 @@ from portattn.kernels.page_indices import expand_page_indices
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import get_target
 from portattn.policy.mla import MlaConfig, MlaProblem, mla_decode_tiles, mla_row_groups
-from tests.helpers import target_compile
+from tests.helpers import compile_in_spawned_workers, target_compile
 from tests.kernels.test_mla_decode import (
     _poison_unowned_rows,
     check,
@@ -456,13 +456,13 @@ def test_gpu_policy_packed_with_metadata(q_len):
 def test_packed_sm90_kernel_compiles_within_its_estimate_without_spills():
     """The compile matrix's packed case (16 heads, q_len 4, 64-token pages) takes the Hopper
     kernel with PACKED rows; its sm_90 compile stays within `sm90_smem_bytes` with no spills."""
-    from portattn.compile import default_cases, run_matrix
+    from portattn.compile import default_cases
     from portattn.kernels.mla_decode_sm90 import sm90_smem_bytes
 
     case = {c.id: c for c in default_cases()}["mla_decode/576/512 h16 q4 page64"]
     (main, _) = case.plan(SM90)
     assert main.name == "mla_decode_sm90" and main.args["PACKED"] is True
-    (cell,) = run_matrix([case], ["sm_90"])  # spawned workers: no interpreter
+    (cell,) = compile_in_spawned_workers([case], ["sm_90"])  # spawned workers: no interpreter
     (r,) = [launch for launch in cell.launches if launch.name == "mla_decode_sm90"]
     assert r.ok, r.error
     assert r.shared <= sm90_smem_bytes(512, 64) <= SM90.max_shared_mem

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from portattn.compile import default_cases, run_matrix
+from portattn.compile import default_cases
 from portattn.kernels._launch import Launch
 from portattn.kernels._plans import PLANS
 from portattn.kernels.paged_attention import paged_attention, plan_paged_attention
@@ -35,7 +35,7 @@ from portattn.policy.paged import (
     prefill_smem_bytes,
     sm90_prefill,
 )
-from tests.helpers import target_compile
+from tests.helpers import compile_in_spawned_workers, target_compile
 from tests.kernels.test_paged_attention import check, make_batch
 
 pytestmark = pytest.mark.paged
@@ -492,7 +492,7 @@ def test_compiles_for_sm90_without_spills(case_id):
     case = {c.id: c for c in default_cases()}[
         f"paged_attention/hd128 gqa4 {case_id} NHD prefill q512 long"
     ]
-    (cell,) = run_matrix([case], ["sm_90"])
+    (cell,) = compile_in_spawned_workers([case], ["sm_90"])
     (r,) = [launch for launch in cell.launches if launch.name == PREFILL]
     assert r.ok, r.error
     # the launch the cell compiled: the policy's turns at 3 stages, the query by TMA, one item
@@ -610,7 +610,7 @@ def test_traced_kernel_compiles_for_sm90_within_the_spill_gate():
     diagnostic build: ptxas parks 8-16 B beside the stamps)."""
     from tests.helpers import in_spawned_workers
 
-    got = in_spawned_workers(_traced_ptx_counts, [(False,), (True,)], workers=1)
+    got = in_spawned_workers(_traced_ptx_counts, [(False,), (True,)])
     # the global timer at both ends of the 3 partitions; the clock at both ends, and: warpgroup
     # 0 at 7 steps a tile, an item's start and end (stores issued, next step in hand: 2) (with
     # turns, 7 more for the item's last tile, outside the loop); warpgroup 1 the same, and 4

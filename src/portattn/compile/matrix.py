@@ -27,7 +27,7 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -186,6 +186,7 @@ def run_matrix(
     jobs: int | None = None,
     cache_dir: str | None = None,
     progress: Callable[[int, int, CellResult], None] | None = None,
+    executor: Executor | None = None,
 ) -> list[CellResult]:
     """Compile every case for every target in ``jobs`` spawned processes; gate each cell.
 
@@ -196,6 +197,9 @@ def run_matrix(
         cache_dir: Triton cache folder for the workers; default Triton's own
             (``TRITON_CACHE_DIR`` or ``~/.triton/cache``).
         progress: called as ``progress(done, total, cell)`` after each cell.
+        executor: worker processes to use instead of spawning ``jobs`` new ones (kept running
+            afterwards); they must run with ``TRITON_INTERPRET`` cleared, and ``cache_dir`` does
+            not apply to them.
 
     Returns:
         One `CellResult` per (case, target) the case compiles for (`Case.compiles_for`), in
@@ -208,13 +212,13 @@ def run_matrix(
     results: dict[int, CellResult] = {}
     ctx = multiprocessing.get_context("spawn")
     with _worker_env(cache_dir):
-        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
+        pool = executor or ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
         # Workers start while the environment above is in place (spawned at submit).
         futures = {
             pool.submit(_compile_cells, [cells[i] for i in chunk]): chunk
             for chunk in _chunks(cells, min(CHUNK, max(1, len(cells) // jobs)))
         }
-    with pool:
+    with pool if executor is None else contextlib.nullcontext():
         done = 0
         for fut in as_completed(futures):
             chunk = futures[fut]
