@@ -80,13 +80,26 @@ _L = torch.tensor([3, 4])
 ERRORS = [
     (dict(block_table=[[0]]), TypeError, f"{OP}: block_table must be a torch.Tensor; got list"),
     (dict(seq_lens=_L.float()), TypeError, f"{OP}: seq_lens dtype must be int32 or int64; got "),
-    (dict(block_size=0), ValueError, f"{OP}: block_size must be an int >= 1; got 0"),
-    (dict(block_size=True), ValueError, "block_size must be an int >= 1; got True"),
+    (
+        dict(block_size=0),
+        ValueError,
+        rf"{OP}: block_size must be an int in \[1, 2\*\*63 - 1\]; got 0",
+    ),
+    (dict(block_size=True), ValueError, "block_size must be an int in .*; got True"),
+    # past int64: numpy's checks and the kernel's argument cannot hold it
+    (dict(block_size=2**63), ValueError, f"block_size must be an int in .*; got {2**63}"),
     (dict(block_table=_T[0]), ValueError, r"block_table must be 2-D \[num_seqs, max_blocks\]"),
     (dict(seq_lens=_L[None]), ValueError, r"seq_lens must be 1-D \[num_seqs\]; got \(1, 2\)"),
     (dict(seq_lens=_L[:1]), ValueError, r"seq_lens must have one entry per block_table row \(2\)"),
     (dict(seq_lens=_L.to("meta")), ValueError, "block_table and seq_lens must be on one device"),
-    (dict(num_indices=-1), ValueError, "num_indices must be >= 0; got -1"),
+    (dict(num_indices=-1), ValueError, r"num_indices must be in \[0, 2\*\*63 - 1\]; got -1"),
+    # past int64 torch cannot allocate the output (meta: no content check to catch it)
+    (dict(num_indices=2**63), ValueError, f"num_indices must be in .*; got {2**63}"),
+    (
+        dict(block_table=_T.to("meta"), seq_lens=_L.to("meta"), num_indices=2**70),
+        ValueError,
+        f"num_indices must be in .*; got {2**70}",
+    ),
     (dict(seq_lens=torch.tensor([3, -1])), ValueError, f"{OP}: seq_lens must be >= 0"),
     (
         dict(seq_lens=torch.tensor([3, 9])),

@@ -141,8 +141,8 @@ def plan_expand_page_indices(
         ok[name] = t
         if t.dtype not in INDEX_DTYPES:
             p.type(f"{name} dtype must be int32 or int64; got {t.dtype}")
-    if not is_int(block_size) or block_size < 1:
-        p.value(f"block_size must be an int >= 1; got {block_size!r}")
+    if not is_int(block_size) or not 1 <= block_size <= _INT64_MAX:
+        p.value(f"block_size must be an int in [1, 2**63 - 1]; got {block_size!r}")
     table, lens = ok.get("block_table"), ok.get("seq_lens")
     if table is not None and table.dim() != 2:
         p.value(f"block_table must be 2-D [num_seqs, max_blocks]; got {tuple(table.shape)}")
@@ -164,8 +164,8 @@ def plan_expand_page_indices(
         )
     if num_indices is not None and not is_int(num_indices):
         p.value(f"num_indices must be an int or None; got {type(num_indices).__name__}")
-    elif num_indices is not None and num_indices < 0:
-        p.value(f"num_indices must be >= 0; got {num_indices!r}")
+    elif num_indices is not None and not 0 <= num_indices <= _INT64_MAX:
+        p.value(f"num_indices must be in [0, 2**63 - 1]; got {num_indices!r}")
     if num_indices is None and lens is not None and lens.is_meta:
         p.value("num_indices must be given for meta tensors (sum(seq_lens) is unknown)")
     p.raise_if_any()
