@@ -37,6 +37,15 @@ def test_a_participant_without_a_rule_is_refused():
         Participant("draft", ())
 
 
+@pytest.mark.parametrize("supported", (16, "16", MultipleOf(16), None))
+def test_a_participant_takes_a_list_or_tuple_of_rules(supported):
+    """One rule where a sequence of them belongs: an int was iterated (TypeError naming no
+    argument), a string read as the rules "1" and "6"."""
+    msg = "Participant 'draft': supported must be a list or tuple of rules"
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        Participant("draft", supported)
+
+
 @pytest.mark.parametrize("rule", (0, -1, "16", 16.0))
 def test_a_participant_rule_must_be_a_positive_int_or_multiple_of(rule):
     msg = f"Participant 'mla': each rule must be an int >= 1 or MultipleOf; got {rule!r}"

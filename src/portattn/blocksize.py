@@ -52,6 +52,11 @@ class Participant:
     supported: Sequence[BlockSizeRule]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.supported, (list, tuple)):
+            raise TypeError(
+                f"Participant {self.name!r}: supported must be a list or tuple of rules (ints >= 1 "
+                f"or MultipleOf); got {type(self.supported).__name__}"
+            )
         if not self.supported:
             raise ValueError(f"Participant {self.name!r}: supported must name at least one rule")
         for rule in self.supported:

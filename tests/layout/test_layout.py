@@ -234,6 +234,37 @@ def test_a_bad_hybrid_cache_request_is_refused_naming_the_argument(kwargs, msg):
         make_hybrid_cache(2, 16, 2, head_dim, **kwargs)
 
 
+CACHE_ERRORS = [
+    # a layout that is not NHD was built as SHUFFLE
+    (dict(layout="nhd"), ValueError, r"empty_kv_cache: layout must be one of \('NHD', 'SHUFFLE'\)"),
+    (dict(block_size=0), ValueError, "empty_kv_cache: block_size must be >= 1; got 0"),
+    (dict(num_blocks=-1), ValueError, "num_blocks must be >= 0; got -1"),
+    (dict(head_dim=64.0), TypeError, "head_dim must be an int >= 1; got float"),
+    (dict(num_kv_heads=True), TypeError, "num_kv_heads must be an int >= 1; got bool"),
+    (dict(dtype=torch.int8), TypeError, "dtype must be one of .*; got torch.int8"),
+    # torch's own "Storage size calculation overflowed" named no argument
+    (dict(num_blocks=2**31, head_dim=2**31), ValueError, "elements must be < 2\\*\\*63"),
+    (dict(device="16"), ValueError, "device must be a torch.device or a device string; got '16'"),
+    # every problem at once
+    (dict(block_size=0, layout="HND"), ValueError, "block_size must be >= 1; got 0; layout must"),
+]
+
+
+@pytest.mark.parametrize("kwargs, exc, msg", CACHE_ERRORS)
+def test_a_bad_cache_request_is_refused_naming_the_argument(kwargs, exc, msg):
+    args = dict(num_blocks=2, block_size=16, num_kv_heads=2, head_dim=8) | kwargs
+    with pytest.raises(exc, match=msg):
+        empty_kv_cache(**args)
+    hybrid = {k: v for k, v in args.items()} | dict(mamba_state_bytes=8)
+    with pytest.raises(exc, match=msg.replace("empty_kv_cache", "make_hybrid_cache")):
+        make_hybrid_cache(**hybrid)
+
+
+def test_a_hybrid_cache_state_size_must_be_an_int():
+    with pytest.raises(TypeError, match="make_hybrid_cache: mamba_state_bytes must be an int >= 0"):
+        make_hybrid_cache(2, 16, 2, 8, mamba_state_bytes=8.0)
+
+
 def test_a_shuffle_cache_whose_sizes_are_not_multiples_of_x_is_refused():
     with pytest.raises(
         ValueError,
