@@ -147,7 +147,7 @@ def _configure_matrix(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", default=DEFAULT_RESULTS, help=f"results folder ({DEFAULT_RESULTS})")
     p.add_argument(
         "--workers",
-        type=int,
+        type=_workers,
         default=None,
         help="pytest-xdist workers per cell (default: the usable cores, at most 8)",
     )
@@ -161,6 +161,28 @@ def _configure_matrix(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _workers(text: str) -> int:
+    """``--workers``: an int >= 1 (argparse reports the rule)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1; got {text!r}")
+    return n
+
+
+def _results_folder(command: str, path: str) -> Path:
+    """The results folder, created; a folder that cannot be made stops the command by name."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        msg = f"{command}: cannot create the results folder {path}: {exc.strerror}"
+        raise SystemExit(msg) from exc
+    return out
+
+
 def _clear_cell_files(cells: Sequence[Cell], out: Path) -> None:
     """Forget earlier runs of these cells, so a stale JUnit is never reported as this run's."""
     for cell in cells:
@@ -172,8 +194,7 @@ def _clear_cell_files(cells: Sequence[Cell], out: Path) -> None:
 
 def _run_matrix(args: argparse.Namespace) -> int:
     cells = _cells(args)
-    out = Path(args.results)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _results_folder("matrix", args.results)
     _clear_cell_files(cells, out)
     commit = _git_commit()  # what is tested is what was checked out when the run began
     start = time.monotonic()
@@ -349,13 +370,17 @@ def _run_report(args: argparse.Namespace) -> int:
     out = Path(args.results)
     cells = _cells(args)
     if args.buildkite:
-        out.mkdir(parents=True, exist_ok=True)
+        _results_folder("report", args.results)
         # A query that matches nothing fails the download: a build without such results.
         for query in (f"{out.as_posix()}/*.xml", f"{out.as_posix()}/compile/*"):
             try:
                 _agent("artifact", "download", query, ".")
             except subprocess.CalledProcessError:
                 print(f"report: no artifacts match {query} in this build", file=sys.stderr)
+    elif not out.is_dir():  # a summary of nothing would call every cell "not run"
+        raise SystemExit(
+            f"report: no results folder {out} (run `kubematrix matrix` first, or give --results)"
+        )
     results = report.collect(cells, out)
     not_selected = set(filter(None, os.environ.get(buildkite.NOT_SELECTED_ENV, "").split(",")))
     results = [

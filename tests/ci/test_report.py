@@ -261,3 +261,26 @@ def test_the_summary_shows_compile_time_and_cache_hit_rate_per_cell(results_dir)
     # The record keeps the counters (a later `report` over the folder shows the same).
     report.write_cell_record(comp, results_dir)
     assert report.collect([CELLS[-1]], results_dir)[0].cache == comp.cache
+
+
+def test_a_report_of_a_missing_results_folder_is_refused(tmp_path):
+    """Not a summary calling every cell "not run" (and no folder made to hold it)."""
+    missing = tmp_path / "no-such-run"
+    with pytest.raises(SystemExit, match=f"report: no results folder {missing}"):
+        main(["report", "--results", str(missing)])
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize("workers", ["0", "-3", "x"])
+def test_the_matrix_refuses_a_worker_count_below_one(workers, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["matrix", "--suite", "policy", "--workers", workers])
+    assert info.value.code == 2
+    assert f"--workers: must be an int >= 1; got {workers!r}" in capsys.readouterr().err
+
+
+def test_a_results_folder_that_cannot_be_made_stops_the_matrix_by_name(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit, match="matrix: cannot create the results folder .*file/results"):
+        main(["matrix", "--suite", "policy", "--results", str(blocker / "results")])
