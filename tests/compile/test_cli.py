@@ -46,3 +46,33 @@ def test_no_png_asks_for_no_heatmap_and_no_warning(tmp_path, monkeypatch, capsys
     argv = ["--targets", "sm_90", "--kernels", "paged_attention", "--out", str(tmp_path)]
     assert cli.main([*argv, "--no-png"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def _must_not_compile(*args, **kwargs):
+    raise AssertionError("compiled despite a usage error")
+
+
+def test_a_report_folder_that_cannot_be_made_stops_before_compiling(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "run_matrix", _must_not_compile)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli.main(["--targets", "sm_90", "--out", str(blocker / "out")]) == 2
+    assert "error: compile: cannot create the report folder" in capsys.readouterr().err
+
+
+def test_a_cases_pattern_that_is_no_regular_expression_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "run_matrix", _must_not_compile)
+    assert cli.main(["--cases", "hd128 ["]) == 2
+    assert "compile: cases must be a regular expression; got 'hd128 ['" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "low"),
+    [("--jobs", "0", 1), ("-j", "-2", 1), ("--max-rows", "-1", 0), ("--jobs", "x", 1)],
+)
+def test_counts_below_their_floor_are_usage_errors(option, value, low, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "run_matrix", _must_not_compile)
+    with pytest.raises(SystemExit) as info:
+        cli.main([option, value])
+    assert info.value.code == 2
+    assert f"must be an int >= {low}; got {value!r}" in capsys.readouterr().err

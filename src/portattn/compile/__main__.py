@@ -12,6 +12,7 @@ import importlib.util
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 from portattn.compile.cases import KERNELS, default_cases, select_cases
@@ -30,6 +31,21 @@ def _csv(s: str) -> list[str]:
 def missing_heatmap_modules() -> list[str]:
     """The modules of :data:`HEATMAP_MODULES` that cannot be imported here."""
     return [m for m in HEATMAP_MODULES if importlib.util.find_spec(m) is None]
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``low`` (argparse reports the rule)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = low - 1
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be an int >= {low}; got {text!r}")
+        return n
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,12 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="Triton cache for the workers (default: TRITON_CACHE_DIR or ~/.triton/cache)",
     )
     p.add_argument(
-        "--jobs", "-j", type=int, default=None, help="worker processes (default: CPU count)"
+        "--jobs",
+        "-j",
+        type=_at_least(1),
+        default=None,
+        help="worker processes (default: CPU count)",
     )
     p.add_argument("--no-png", action="store_true", help="skip the heatmap")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument(
-        "--max-rows", type=int, default=None, help="rows of the terminal table (default all)"
+        "--max-rows",
+        type=_at_least(0),
+        default=None,
+        help="rows of the terminal table (default all)",
     )
     return p
 
@@ -82,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not cases:
         print("error: no case matches the filters", file=sys.stderr)
+        return 2
+    try:  # before the compiles, which take minutes: a folder that cannot be made stops now
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:
+        print(f"error: compile: cannot create the report folder {args.out}: {exc.strerror}",
+              file=sys.stderr)  # fmt: skip
         return 2
     png = not args.no_png
     missing = missing_heatmap_modules() if png else []
@@ -118,7 +147,6 @@ def main(argv: list[str] | None = None) -> int:
         "jobs": args.jobs or os.cpu_count(),
         "compile_s_sum": round(sum(r.compile_s for c in cells for r in c.launches), 1),
     }
-    os.makedirs(args.out, exist_ok=True)
     write_json(cells, os.path.join(args.out, "compile_matrix.json"), meta)
     write_markdown(cells, os.path.join(args.out, "compile_matrix.md"), meta)
     if png:

@@ -658,7 +658,11 @@ def select_cases(cases: Sequence[Case], pattern: str | None) -> list[Case]:
     """Cases whose id matches the regular expression ``pattern`` (all when ``None``)."""
     if not pattern:
         return list(cases)
-    rx = re.compile(pattern)
+    try:
+        rx = re.compile(pattern)
+    except re.error as exc:
+        msg = f"compile: cases must be a regular expression; got {pattern!r} ({exc})"
+        raise ValueError(msg) from exc
     return [c for c in cases if rx.search(c.id)]
 
 
