@@ -277,6 +277,10 @@ def main(argv=None) -> int:
         print(f"bench.run: {len(doc['rows'])} rows -> {opts.out}", file=sys.stderr)
     else:
         print(text)
+    if ctx.only_rows and not doc["rows"] and not doc["errors"]:
+        print(f"bench.run: no row matches --rows {opts.rows!r} (substrings of the row names in "
+              "bench/RESULTS.md)", file=sys.stderr)  # fmt: skip
+        return 2
     failed = [r["name"] for r in doc["rows"] if not r["check"]["passed"]]
     if failed or doc["errors"]:
         print(f"bench.run: failed checks {failed}; errors {doc['errors']}", file=sys.stderr)

@@ -246,3 +246,12 @@ def test_compare_rounds_keep_one_whole_round():
     assert _median_round([row(114.0), row(95.4)]) == row(95.4)
     assert _median_round([row(None), row(7.0)]) == row(7.0)
     assert _median_round([]) is None
+
+
+def test_a_rows_filter_that_matches_nothing_is_an_error(tmp_path, monkeypatch, capsys):
+    """Not an empty document that passes: the filter names the rows by substring."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "r.json"
+    argv = ["--quick", "--only", "host", "--rows", "no such row", "--out", str(out)]
+    assert run.main(argv) == 2
+    assert "no row matches --rows 'no such row'" in capsys.readouterr().err
