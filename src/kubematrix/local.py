@@ -2,9 +2,9 @@
 
 Each kernel-suite cell is
 ``python -m pytest -n <workers> --dist worksteal -m "<suite> and not gpu"``
-(CPU, with ``TRITON_INTERPRET=1``) or ``-m "<suite> and not cpu"`` (GPU), the arguments the cell's
-nox session passes in CI, writing ``<cell>.xml`` and ``<cell>.log`` to the results folder. The
-compile cell runs ``python -m portattn.compile --out <results>/compile``.
+(CPU, with ``TRITON_INTERPRET=1``) or ``-m "<suite> and not cpu"`` (GPU), the arguments that
+``nox -s <suite>`` passes in CI, writing ``<cell>.xml`` and ``<cell>.log`` to the results folder.
+The compile cell runs ``python -m portattn.compile --out <results>/compile``.
 
 Cells run in sequence: each one already spreads over every core through pytest-xdist, so running
 two at once would only oversubscribe a small machine (the CPU gate runs on 2 cores). The runner

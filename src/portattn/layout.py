@@ -30,6 +30,8 @@ from typing import Any, Literal
 
 import torch
 
+from portattn.kernels._checks import Problems, is_int
+
 Layout = Literal["NHD", "SHUFFLE"]
 LAYOUTS: tuple[str, ...] = ("NHD", "SHUFFLE")
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -244,36 +246,33 @@ def token_view(
     return cache[block, :, offset // x, :, offset % x]
 
 
-def _geometry_errors(
+def _check_geometry(
     op: str, sizes: dict[str, Any], layout: object, dtype: object, device: object
 ) -> None:
     """Refuse, naming each argument and its rule, what the cache builders cannot build: sizes that
     are not ints (``num_blocks`` >= 0, the others >= 1), a layout outside `LAYOUTS`, a dtype the
     ops do not take, a device torch cannot parse, and caches whose element count leaves int64."""
-    errors, type_error = [], False
+    p = Problems(op)
     try:
         if device is not None:  # None: torch's default device
             torch.device(device)  # type: ignore[call-overload]
     except (RuntimeError, TypeError) as exc:
-        errors.append(f"device must be a torch.device or a device string; got {device!r} ({exc})")
+        p.value(f"device must be a torch.device or a device string; got {device!r} ({exc})")
     for name, n in sizes.items():
         low = 0 if name in ("num_blocks", "mamba_state_bytes") else 1
-        if not isinstance(n, int) or isinstance(n, bool):
-            errors.append(f"{name} must be an int >= {low}; got {type(n).__name__}")
-            type_error = True
+        if not is_int(n):
+            p.type(f"{name} must be an int >= {low}; got {type(n).__name__}")
         elif n < low:
-            errors.append(f"{name} must be >= {low}; got {n}")
+            p.value(f"{name} must be >= {low}; got {n}")
     if layout not in LAYOUTS:
-        errors.append(f"layout must be one of {LAYOUTS}; got {layout!r}")
+        p.value(f"layout must be one of {LAYOUTS}; got {layout!r}")
     if dtype not in CACHE_DTYPES:
-        errors.append(f"dtype must be one of {CACHE_DTYPES}; got {dtype!r}")
-        type_error = True
-    if not errors:
+        p.type(f"dtype must be one of {CACHE_DTYPES}; got {dtype!r}")
+    if not p:
         elems = math.prod(n for k, n in sizes.items() if k != "mamba_state_bytes")
         if 2 * elems + sizes.get("num_blocks", 0) * sizes.get("mamba_state_bytes", 0) >= 2**63:
-            errors.append(f"the cache's {2 * elems} elements must be < 2**63; got sizes {sizes}")
-    if errors:
-        raise (TypeError if type_error else ValueError)(f"{op}: " + "; ".join(errors))
+            p.value(f"the cache's {2 * elems} elements must be < 2**63; got sizes {sizes}")
+    p.raise_if_any()
 
 
 def empty_kv_cache(
@@ -289,7 +288,7 @@ def empty_kv_cache(
     """Contiguous, uninitialised ``(key_cache, value_cache)`` in ``layout``."""
     sizes = dict(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
                  head_dim=head_dim)  # fmt: skip
-    _geometry_errors("empty_kv_cache", sizes, layout, dtype, device)
+    _check_geometry("empty_kv_cache", sizes, layout, dtype, device)
     if layout == "NHD":
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         return (
@@ -344,7 +343,7 @@ def make_hybrid_cache(
     """Build a hybrid model's interleaved cache as strided views of one shared buffer."""
     sizes = dict(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
                  head_dim=head_dim, mamba_state_bytes=mamba_state_bytes)  # fmt: skip
-    _geometry_errors("make_hybrid_cache", sizes, layout, dtype, device)
+    _check_geometry("make_hybrid_cache", sizes, layout, dtype, device)
     esize = torch.empty((), dtype=dtype).element_size()
     blk = block_size * num_kv_heads * head_dim
     state_elems = -(-mamba_state_bytes // esize)
