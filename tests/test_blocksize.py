@@ -8,6 +8,8 @@ import types
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from portattn.blocksize import MultipleOf, Participant, select_common_block_size
 from portattn.ops_registry import participant, supported_block_sizes
@@ -197,3 +199,70 @@ def test_every_public_op_declares_its_block_sizes():
     assert select_common_block_size(draft, target, min_block_size=544) == 544
     shuffle = supported_block_sizes("paged_attention", layout="SHUFFLE", dtype=torch.float16)
     assert shuffle == (MultipleOf(8),)
+
+
+# -- the answer is computed, not searched ------------------------------------------------------
+
+rule_sets = st.lists(
+    st.one_of(st.integers(1, 96), st.builds(MultipleOf, st.integers(1, 24))), min_size=1, max_size=3
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(rule_sets, min_size=1, max_size=4), st.integers(1, 200), st.integers(1, 3000))
+def test_the_answer_is_the_smallest_accepted_size_in_range(rules, low, high):
+    """Against a scan of every size in ``[low, high]``, the definition itself."""
+    parts = [Participant(f"p{i}", r) for i, r in enumerate(rules)]
+    want = next((s for s in range(low, high + 1) if all(p.accepts(s) for p in parts)), None)
+    if want is None:
+        with pytest.raises(ValueError, match="no block size >= "):
+            select_common_block_size(*parts, min_block_size=low, max_block_size=high)
+    else:
+        assert select_common_block_size(*parts, min_block_size=low, max_block_size=high) == want
+
+
+def test_a_far_answer_and_a_huge_bound_cost_no_scan():
+    """Coprime multiples meet only at their product; disjoint exact sizes never meet."""
+    a, b = Participant("a", (MultipleOf(1_000_003),)), Participant("b", (MultipleOf(999_983),))
+    assert select_common_block_size(a, b, max_block_size=2**62) == 1_000_003 * 999_983
+    with pytest.raises(ValueError, match=re.escape("(and <= 4611686018427387904)")):
+        select_common_block_size(
+            Participant("c", (3,)), Participant("d", (5,)), max_block_size=2**62
+        )
+
+
+@pytest.mark.parametrize("name", (5, "", None, b"draft"))
+def test_a_participant_is_named_by_a_non_empty_str(name):
+    with pytest.raises(
+        TypeError, match=re.escape(f"Participant: name must be a non-empty str; got {name!r}")
+    ):
+        Participant(name, (16,))
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: supported_block_sizes(["paged_attention"]), TypeError,
+         "supported_block_sizes: op must be a str; got ['paged_attention']"),
+        (lambda: supported_block_sizes("paged_attention", layout=None), TypeError,
+         "supported_block_sizes: layout must be a str; got None"),
+        (lambda: supported_block_sizes("paged_attention", dtype=None), TypeError,
+         "supported_block_sizes: dtype must be one of"),
+        (lambda: supported_block_sizes("write_kv_cache", layout="SHUFFLE", dtype=torch.int64),
+         TypeError, "supported_block_sizes: dtype must be one of"),
+        (lambda: supported_block_sizes("paged_attention", dtype="float16"), TypeError,
+         "got 'float16'"),
+        (lambda: participant("x"), ValueError, "participant: op must be one of"),
+        (lambda: participant("paged_attention", layout="nhd"), ValueError,
+         "participant: layout must be one of"),
+        (lambda: participant("paged_attention", dtype=torch.float64), TypeError,
+         "participant: dtype must be one of"),
+        (lambda: participant("paged_attention", name=7), TypeError,
+         "participant: name must be None or a non-empty str; got 7"),
+        (lambda: participant("paged_attention", name=""), TypeError,
+         "participant: name must be None or a non-empty str; got ''"),
+    ],
+)  # fmt: skip
+def test_the_registry_names_each_bad_argument(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call()

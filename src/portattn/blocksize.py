@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,6 +53,8 @@ class Participant:
     supported: Sequence[BlockSizeRule]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"Participant: name must be a non-empty str; got {self.name!r}")
         if not isinstance(self.supported, (list, tuple)):
             raise TypeError(
                 f"Participant {self.name!r}: supported must be a list or tuple of rules (ints >= 1 "
@@ -85,7 +88,7 @@ def select_common_block_size(
         participants: the kernels sharing the group.
         min_block_size: the smallest acceptable size (e.g. what a hybrid model's Mamba page needs).
         preferred: returned if every participant accepts it and it is >= ``min_block_size``.
-        max_block_size: the search bound.
+        max_block_size: the largest size that may be returned.
 
     Returns:
         ``preferred`` if acceptable, else the smallest common size >= ``min_block_size``.
@@ -111,11 +114,33 @@ def select_common_block_size(
     ok = lambda s: s >= min_block_size and all(p.accepts(s) for p in participants)  # noqa: E731
     if preferred is not None and ok(preferred):
         return preferred
-    for size in range(min_block_size, max_block_size + 1):  # a few thousand cheap checks
-        if ok(size):
-            return size
+    common = _smallest_common(participants, min_block_size)
+    if common is not None and common <= max_block_size:
+        return common
     raise ValueError(
         "select_common_block_size: no block size >= "
         f"{min_block_size} (and <= {max_block_size}) is supported by every participant; "
         "constraints: " + "; ".join(p.describe() for p in participants)
     )
+
+
+def _smallest_common(participants: Sequence[Participant], low: int) -> int | None:
+    """The smallest size >= ``low`` that every participant accepts, or ``None``.
+
+    A common size is an exact rule of some participant, or a multiple of one `MultipleOf` rule
+    of each participant, so of their lcm: the candidates are the exact rules and, for each
+    choice of one multiple a participant, the lcm's first multiple >= ``low``. No size is
+    scanned, so the answer costs the same at any bound.
+    """
+    exact = {r for p in participants for r in p.supported if not isinstance(r, MultipleOf)}
+    found = [s for s in exact if s >= low and all(p.accepts(s) for p in participants)]
+    # each participant's multiples, minus those another of its rules already covers
+    steps = []
+    for p in participants:
+        ns = sorted({r.n for r in p.supported if isinstance(r, MultipleOf)})
+        steps.append([n for n in ns if not any(n % m == 0 for m in ns if m < n)])
+    lcms = {1}
+    for ns in steps:
+        lcms = {math.lcm(a, n) for a in lcms for n in ns}
+    found += [-(-low // m) * m for m in lcms]
+    return min(found, default=None)

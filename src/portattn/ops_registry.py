@@ -20,7 +20,7 @@ import math
 import torch
 
 from portattn.blocksize import BlockSizeRule, MultipleOf, Participant
-from portattn.layout import LAYOUTS, shuffle_x
+from portattn.layout import CACHE_DTYPES, LAYOUTS, shuffle_x
 
 # op name -> the module that declares its SUPPORTED_BLOCK_SIZES (imported on first use).
 OP_MODULES: dict[str, str] = {
@@ -49,40 +49,53 @@ def supported_block_sizes(
     """The kernel block sizes ``op`` supports with ``layout`` caches of ``dtype``.
 
     Raises:
+        TypeError: ``op`` or ``layout`` not a str, ``dtype`` not a cache dtype.
         ValueError: unknown op or layout, a layout the op does not read, or no size left.
     """
-    if op not in OP_MODULES:
-        raise ValueError(
-            f"supported_block_sizes: op must be one of {sorted(OP_MODULES)}; got {op!r}"
-        )
-    if layout not in LAYOUTS:
-        raise ValueError(f"supported_block_sizes: layout must be one of {LAYOUTS}; got {layout!r}")
-    try:
-        module = importlib.import_module(OP_MODULES[op])
-    except ModuleNotFoundError as e:
-        raise ValueError(f"supported_block_sizes: op {op!r} is not available ({e})") from None
-    if not hasattr(module, "SUPPORTED_BLOCK_SIZES"):
-        raise ValueError(
-            f"supported_block_sizes: {OP_MODULES[op]} must declare SUPPORTED_BLOCK_SIZES for {op}"
-        )
-    rules: tuple[BlockSizeRule, ...] = tuple(module.SUPPORTED_BLOCK_SIZES)
-    layouts = tuple(getattr(module, "SUPPORTED_LAYOUTS", LAYOUTS))
-    if layout not in layouts:
-        raise ValueError(
-            f"supported_block_sizes: layout for {op} must be one of {layouts}; got {layout!r}"
-        )
-    if layout == "SHUFFLE":
-        rules = _apply_layout(rules, shuffle_x(dtype))
-        if not rules:
-            raise ValueError(
-                f"supported_block_sizes: {op} supports no block size that is a multiple of "
-                f"x={shuffle_x(dtype)} (SHUFFLE, {dtype})"
-            )
-    return rules
+    return _rules("supported_block_sizes", op, layout, dtype)
 
 
 def participant(
     op: str, name: str | None = None, *, layout: str = "NHD", dtype: torch.dtype = torch.float16
 ) -> Participant:
-    """A `Participant` for ``op`` (named ``name``, default the op's name) in negotiation."""
-    return Participant(name or op, supported_block_sizes(op, layout=layout, dtype=dtype))
+    """A `Participant` for ``op`` (named ``name``, default the op's name) in negotiation.
+
+    Raises:
+        TypeError / ValueError: as `supported_block_sizes`, and ``name`` neither ``None`` nor a
+            non-empty str.
+    """
+    if name is not None and (not isinstance(name, str) or not name):
+        raise TypeError(f"participant: name must be None or a non-empty str; got {name!r}")
+    return Participant(name or op, _rules("participant", op, layout, dtype))
+
+
+def _rules(caller: str, op: object, layout: object, dtype: object) -> tuple[BlockSizeRule, ...]:
+    """`supported_block_sizes`' answer; errors name ``caller``."""
+    for arg, v in (("op", op), ("layout", layout)):
+        if not isinstance(v, str):
+            raise TypeError(f"{caller}: {arg} must be a str; got {v!r}")
+    if dtype not in CACHE_DTYPES:
+        raise TypeError(f"{caller}: dtype must be one of {CACHE_DTYPES}; got {dtype!r}")
+    assert isinstance(op, str) and isinstance(dtype, torch.dtype)
+    if op not in OP_MODULES:
+        raise ValueError(f"{caller}: op must be one of {sorted(OP_MODULES)}; got {op!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{caller}: layout must be one of {LAYOUTS}; got {layout!r}")
+    try:
+        module = importlib.import_module(OP_MODULES[op])
+    except ModuleNotFoundError as e:
+        raise ValueError(f"{caller}: op {op!r} is not available ({e})") from None
+    if not hasattr(module, "SUPPORTED_BLOCK_SIZES"):
+        raise ValueError(f"{caller}: {OP_MODULES[op]} must declare SUPPORTED_BLOCK_SIZES for {op}")
+    rules: tuple[BlockSizeRule, ...] = tuple(module.SUPPORTED_BLOCK_SIZES)
+    layouts = tuple(getattr(module, "SUPPORTED_LAYOUTS", LAYOUTS))
+    if layout not in layouts:
+        raise ValueError(f"{caller}: layout for {op} must be one of {layouts}; got {layout!r}")
+    if layout == "SHUFFLE":
+        rules = _apply_layout(rules, shuffle_x(dtype))
+        if not rules:
+            raise ValueError(
+                f"{caller}: {op} supports no block size that is a multiple of "
+                f"x={shuffle_x(dtype)} (SHUFFLE, {dtype})"
+            )
+    return rules

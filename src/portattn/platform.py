@@ -104,7 +104,13 @@ _override: Target | None = None
 
 
 def get_target(arch: str) -> Target:
-    """The table entry for ``arch`` (``"sm_90"``, ``"gfx942"``, ...)."""
+    """The table entry for ``arch`` (``"sm_90"``, ``"gfx942"``, ...).
+
+    Raises:
+        TypeError: ``arch`` is not a string. ValueError: no such entry.
+    """
+    if not isinstance(arch, str):
+        raise TypeError(f"get_target: arch must be a str, one of {sorted(TARGETS)}; got {arch!r}")
     try:
         return TARGETS[arch]
     except KeyError:
@@ -118,9 +124,20 @@ def set_target_override(target: Target | str | None) -> None:
 
     ``None`` clears the override. The environment variable ``PORTATTN_TARGET=<arch>`` does the
     same for a whole process.
+
+    Raises:
+        TypeError: ``target`` is neither a `Target`, an arch name nor ``None``.
+        ValueError: an arch name outside `TARGETS`.
     """
     global _override
-    _override = get_target(target) if isinstance(target, str) else target
+    if isinstance(target, str):
+        target = get_target(target)
+    elif target is not None and not isinstance(target, Target):
+        raise TypeError(
+            "set_target_override: target must be a portattn Target, an arch name (one of "
+            f"{sorted(TARGETS)}) or None; got {target!r}"
+        )
+    _override = target
 
 
 def target_override() -> Target | str | None:

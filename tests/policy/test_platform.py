@@ -1,0 +1,45 @@
+"""The target table's lookups and the policy override refuse what is not a target."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from portattn.platform import TARGETS, get_target, set_target_override, target_override
+
+pytestmark = pytest.mark.policy
+
+
+@pytest.mark.parametrize("arch", (["sm_90"], 90, None, b"sm_90"))
+def test_get_target_names_a_non_string_arch(arch):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(f"get_target: arch must be a str, one of {sorted(TARGETS)}; got {arch!r}"),
+    ):
+        get_target(arch)
+
+
+def test_get_target_names_an_unknown_arch():
+    with pytest.raises(ValueError, match=re.escape("get_target: arch must be one of")):
+        get_target("sm_91")
+
+
+@pytest.mark.parametrize("target", (0, 1.5, ["sm_90"], object()))
+def test_the_override_takes_a_target_an_arch_name_or_none(target):
+    set_target_override("gfx942")
+    try:
+        with pytest.raises(
+            TypeError,
+            match=re.escape(
+                "set_target_override: target must be a portattn Target, an arch name (one of "
+                f"{sorted(TARGETS)}) or None; got {target!r}"
+            ),
+        ):
+            set_target_override(target)
+        assert target_override() == get_target("gfx942")  # a refused call changes nothing
+        set_target_override(get_target("sm_80"))
+        assert target_override() == get_target("sm_80")
+    finally:
+        set_target_override(None)
+    assert target_override() is None or isinstance(target_override(), str)
