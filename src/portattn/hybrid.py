@@ -50,6 +50,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 DTYPE_BYTES: dict[str, int] = {
     "fp32": 4,
     "float32": 4,
@@ -81,12 +83,55 @@ def dtype_bytes(dtype: Any, *, what: str = "dtype") -> int:
                 f"got {dtype!r}"
             )
         return DTYPE_BYTES[dtype]
-    itemsize = getattr(dtype, "itemsize", None)
-    if not isinstance(itemsize, int):
+    if not isinstance(dtype, torch.dtype):
         raise TypeError(
             f"derive_block_size: {what} must be a dtype name or a torch.dtype; got {dtype!r}"
         )
-    return itemsize
+    return dtype.itemsize
+
+
+def _is_count(v: object, minimum: int) -> bool:
+    """An int (not a bool) >= ``minimum``."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+
+def _check_tp(tp: object) -> int:
+    if not _is_count(tp, 1):
+        raise ValueError(f"derive_block_size: tp must be an int >= 1; got {tp!r}")
+    assert isinstance(tp, int)
+    return tp
+
+
+def _size(config: Any, name: str, *, minimum: int = 1, optional: bool = False) -> Any:
+    """``config.<name>``, an int >= ``minimum``; ``None`` when ``optional`` and absent or None.
+
+    Raises:
+        ValueError: naming the field, the rule and the value (a config that misses a field its
+            model type needs, or holds a wrong value there, would give a wrong page size).
+    """
+    v = getattr(config, name, None)
+    if v is None and optional:
+        return None
+    if not _is_count(v, minimum):
+        got = "missing" if not hasattr(config, name) else f"got {v!r}"
+        raise ValueError(f"derive_block_size: config.{name} must be an int >= {minimum}; {got}")
+    return v
+
+
+def _inner(config: Any, what: str = "mamba intermediate size") -> int:
+    """``int(config.mamba_expand * config.hidden_size)``, the Mamba inner width (>= 1)."""
+    expand = getattr(config, "mamba_expand", None)
+    if isinstance(expand, bool) or not isinstance(expand, (int, float)) or not expand > 0:
+        raise ValueError(
+            f"derive_block_size: config.mamba_expand must be a number > 0; got {expand!r}"
+        )
+    inner = int(expand * _size(config, "hidden_size"))
+    if inner < 1:
+        raise ValueError(
+            f"derive_block_size: the {what} (config.mamba_expand * config.hidden_size) must be "
+            f">= 1; got {inner}"
+        )
+    return inner
 
 
 def _divide(n: int, tp: int, what: str) -> int:
@@ -145,19 +190,50 @@ def align_block_size(mamba_page_bytes: int, attn_bytes_per_token: int, kernel_mu
         ("attn_bytes_per_token", attn_bytes_per_token),
         ("kernel_multiple", kernel_multiple),
     ):
-        if not isinstance(v, int) or v < 1:
+        if not _is_count(v, 1):
             raise ValueError(f"align_block_size: {name} must be an int >= 1; got {v!r}")
     return kernel_multiple * -(-mamba_page_bytes // (kernel_multiple * attn_bytes_per_token))
 
 
 def attention_dims(config: Any, tp: int) -> tuple[int, int]:
-    """``(num_kv_heads per rank, head_dim)`` of the model's attention layers."""
-    heads = config.num_attention_heads
-    if config.model_type == "zamba2":  # attention runs on concat(hidden, embedding): 2x width
-        head_dim = config.attention_head_dim
+    """``(num_kv_heads per rank, head_dim)`` of the model's attention layers.
+
+    KV heads split over the ranks, or are replicated when there are fewer of them than ranks
+    (vLLM's rule: ``num_kv_heads % tp == 0``, else ``tp % num_kv_heads == 0``).
+
+    Raises:
+        ValueError: a field missing or out of range, or heads that ``tp`` cannot split.
+    """
+    tp = _check_tp(tp)
+    heads = _size(config, "num_attention_heads")
+    if getattr(config, "model_type", None) == "zamba2":
+        # attention runs on concat(hidden, embedding): 2x width
+        head_dim = _size(config, "attention_head_dim")
     else:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = _size(config, "head_dim", optional=True)
+        if head_dim is None:
+            head_dim = _size(config, "hidden_size") // heads
+            if head_dim < 1:
+                raise ValueError(
+                    "derive_block_size: config.hidden_size must be >= config.num_attention_heads "
+                    f"(head_dim = hidden_size // heads); got {config.hidden_size} < {heads}"
+                )
+    kv = _size(config, "num_key_value_heads", optional=True) or heads
+    errors = []
+    if heads % kv:
+        errors.append(
+            f"config.num_attention_heads={heads} must be a multiple of config."
+            f"num_key_value_heads={kv}"
+        )
+    if heads % tp:
+        errors.append(f"config.num_attention_heads={heads} must be divisible by tp={tp}")
+    if (kv % tp) if kv >= tp else (tp % kv):
+        errors.append(
+            f"config.num_key_value_heads={kv} must be divisible by tp={tp}, or divide it (KV "
+            "heads replicated over the ranks)"
+        )
+    if errors:
+        raise ValueError("derive_block_size: " + "; ".join(errors))
     return max(1, kv // tp), head_dim
 
 
@@ -172,60 +248,40 @@ def _mamba2(tp, intermediate, n_groups, num_heads, head_dim, state, conv_kernel)
 
 
 def mamba_state_shapes(config: Any, tp: int, *, num_spec: int = 0) -> tuple[tuple[int, ...], ...]:
-    """``(conv_state_shape, ssm_state_shape)`` of one Mamba layer per TP rank (table above)."""
+    """``(conv_state_shape, ssm_state_shape)`` of one Mamba layer per TP rank (table above).
+
+    Raises:
+        ValueError: an unknown model type, a field missing or out of range, or a dimension
+            that ``tp`` does not divide.
+    """
+    tp = _check_tp(tp)
+    if not _is_count(num_spec, 0):
+        raise ValueError(f"derive_block_size: num_spec must be an int >= 0; got {num_spec!r}")
+    f = lambda name: _size(config, name)  # noqa: E731
     mt = getattr(config, "model_type", None)
     if mt == "jamba":
-        inner = config.mamba_expand * config.hidden_size
-        i = _divide(inner, tp, "mamba intermediate size")
-        return ((i, config.mamba_d_conv - 1), (i, config.mamba_d_state))
+        i = _divide(_inner(config), tp, "mamba intermediate size")
+        return ((i, f("mamba_d_conv") - 1), (i, f("mamba_d_state")))
     if mt == "zamba2":
-        return _mamba2(
-            tp,
-            int(config.mamba_expand * config.hidden_size),
-            config.mamba_ngroups,
-            config.n_mamba_heads,
-            config.mamba_headdim,
-            config.mamba_d_state,
-            config.mamba_d_conv,
-        )
+        return _mamba2(tp, _inner(config), f("mamba_ngroups"), f("n_mamba_heads"),
+                       f("mamba_headdim"), f("mamba_d_state"), f("mamba_d_conv"))  # fmt: skip
     if mt == "falcon_h1":
-        inner = getattr(config, "mamba_d_ssm", None)
-        inner = inner or int(config.mamba_expand * config.hidden_size)
-        return _mamba2(
-            tp,
-            inner,
-            config.mamba_n_groups,
-            config.mamba_n_heads,
-            config.mamba_d_head,
-            config.mamba_d_state,
-            config.mamba_d_conv,
-        )
+        inner = _size(config, "mamba_d_ssm", optional=True) or _inner(config)
+        return _mamba2(tp, inner, f("mamba_n_groups"), f("mamba_n_heads"), f("mamba_d_head"),
+                       f("mamba_d_state"), f("mamba_d_conv"))  # fmt: skip
     if mt == "granitemoehybrid":
-        return _mamba2(
-            tp,
-            int(config.mamba_expand * config.hidden_size),
-            config.mamba_n_groups,
-            config.mamba_n_heads,
-            config.mamba_d_head,
-            config.mamba_d_state,
-            config.mamba_d_conv,
-        )
+        return _mamba2(tp, _inner(config), f("mamba_n_groups"), f("mamba_n_heads"),
+                       f("mamba_d_head"), f("mamba_d_state"), f("mamba_d_conv"))  # fmt: skip
     if mt == "nemotron_h":
-        return _mamba2(
-            tp,
-            config.mamba_num_heads * config.mamba_head_dim,
-            config.n_groups,
-            config.mamba_num_heads,
-            config.mamba_head_dim,
-            config.ssm_state_size,
-            config.conv_kernel,
-        )
+        heads, head_dim = f("mamba_num_heads"), f("mamba_head_dim")
+        return _mamba2(tp, heads * head_dim, f("n_groups"), heads, head_dim,
+                       f("ssm_state_size"), f("conv_kernel"))  # fmt: skip
     if mt == "qwen3_next":
-        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
-        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+        nk, nv = f("linear_num_key_heads"), f("linear_num_value_heads")
+        dk, dv = f("linear_key_head_dim"), f("linear_value_head_dim")
         conv_dim = 2 * nk * dk + nv * dv
         return (
-            (_divide(conv_dim, tp, "GDN conv dim"), config.linear_conv_kernel_dim - 1 + num_spec),
+            (_divide(conv_dim, tp, "GDN conv dim"), f("linear_conv_kernel_dim") - 1 + num_spec),
             (_divide(nv, tp, "GDN value heads"), dk, dv),
         )
     raise ValueError(
@@ -259,15 +315,16 @@ def derive_block_size(
         num_spec: speculative tokens (widen a Gated-DeltaNet conv state).
 
     Raises:
-        ValueError: an argument out of range, an unknown model type, or a dimension that the
-            tensor-parallel size does not divide.
+        ValueError: an argument out of range, an unknown model type, a config field missing or
+            out of range, or a dimension that the tensor-parallel size does not divide.
+        TypeError: a dtype that is neither a name nor a ``torch.dtype``.
     """
     errors = []
-    if not isinstance(tp, int) or tp < 1:
+    if not _is_count(tp, 1):
         errors.append(f"tp must be an int >= 1; got {tp!r}")
-    if not isinstance(kernel_multiple, int) or kernel_multiple < 1:
+    if not _is_count(kernel_multiple, 1):
         errors.append(f"kernel_multiple must be an int >= 1; got {kernel_multiple!r}")
-    if not isinstance(num_spec, int) or num_spec < 0:
+    if not _is_count(num_spec, 0):
         errors.append(f"num_spec must be an int >= 0; got {num_spec!r}")
     if errors:
         raise ValueError("derive_block_size: " + "; ".join(errors))

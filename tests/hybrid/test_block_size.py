@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 
+import numpy as np
 import pytest
 
 from portattn.hybrid import (
@@ -146,3 +148,89 @@ def test_errors_name_the_rule():
         align_block_size(10, 10, 0)
     with pytest.raises(ValueError, match=r"name must be one of .*got 'GPT-2'"):
         published_config("GPT-2")
+
+
+class _Reads:
+    """A config that records which fields are read."""
+
+    def __init__(self, cfg):
+        object.__setattr__(self, "_cfg", cfg)
+        object.__setattr__(self, "read", [])
+
+    def __getattr__(self, name):
+        self.read.append(name)
+        return getattr(self._cfg, name)
+
+
+OPTIONAL = {"head_dim", "num_key_value_heads", "mamba_d_ssm"}
+
+
+def _fields(name):
+    probe = _Reads(published_config(name))
+    derive_block_size(probe)
+    return [f for f in dict.fromkeys(probe.read) if f != "model_type"]
+
+
+@pytest.mark.parametrize("name", PUBLISHED_MODELS)
+def test_every_config_field_read_is_checked(name):
+    """Each field the derivation reads, set to what no model has, is named with its rule
+    instead of yielding a page size (a zero conv kernel once gave a negative state width)."""
+    cfg = published_config(name)
+    fields = _fields(name)
+    assert "num_attention_heads" in fields and len(fields) >= 6, fields
+    for field in fields:
+        bad = [0, -3, 1.5, "x", True] + ([] if field in OPTIONAL else [None])
+        if field == "mamba_expand":
+            bad = [0, -2.0, "x", True, None]
+        for value in bad:
+            data = dict(cfg.to_dict(), model_type=cfg.model_type)
+            data[field] = value
+            broken = type("Config", (), data)()
+            with pytest.raises(ValueError, match=re.escape(f"config.{field} must be")):
+                derive_block_size(broken)
+
+
+def test_a_missing_field_is_named():
+    cfg = published_config("Qwen3-Next-80B-A3B")
+    data = {k: v for k, v in cfg.to_dict().items() if k != "linear_conv_kernel_dim"}
+    broken = type("Config", (), dict(data, model_type="qwen3_next"))()
+    with pytest.raises(
+        ValueError, match=r"config.linear_conv_kernel_dim must be an int >= 1; missing"
+    ):
+        derive_block_size(broken)
+
+
+@pytest.mark.parametrize(
+    "changes, tp, message",
+    [
+        (dict(num_key_value_heads=3), 1,
+         "num_attention_heads=16 must be a multiple of config.num_key_value_heads=3"),
+        (dict(num_attention_heads=12, num_key_value_heads=4), 8,
+         "num_attention_heads=12 must be divisible by tp=8"),
+        (dict(num_attention_heads=24, num_key_value_heads=6), 4,
+         "num_key_value_heads=6 must be divisible by tp=4, or divide it"),
+        (dict(hidden_size=8, head_dim=None), 1,
+         "hidden_size must be >= config.num_attention_heads"),
+    ],
+)  # fmt: skip
+def test_attention_heads_must_split_over_the_ranks(changes, tp, message):
+    cfg = published_config("Qwen3-Next-80B-A3B")
+    broken = type("Config", (), dict(cfg.to_dict(), model_type="qwen3_next", **changes))()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        derive_block_size(broken, tp=tp)
+
+
+@pytest.mark.parametrize("dtype", (np.dtype("float16"), np.float16(1), 2, None))
+def test_a_dtype_is_a_name_or_a_torch_dtype(dtype):
+    with pytest.raises(TypeError, match=r"cache_dtype must be a dtype name or a torch.dtype"):
+        derive_block_size(published_config("Jamba-v0.1"), cache_dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "kwargs", (dict(tp=True), dict(kernel_multiple=True), dict(num_spec=False))
+)
+def test_a_bool_is_no_count(kwargs):
+    with pytest.raises(ValueError, match=re.escape(f"{next(iter(kwargs))} must be an int")):
+        derive_block_size(published_config("Qwen3-Next-80B-A3B"), **kwargs)
+    with pytest.raises(ValueError, match="kernel_multiple must be an int >= 1; got True"):
+        align_block_size(10, 10, True)
