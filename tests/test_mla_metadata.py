@@ -247,10 +247,37 @@ def test_build_errors():
         b.build(sl, max_query_len=2)
     with pytest.raises(
         ValueError,
-        match=op + r"max_query_len must be an int in 1..2 \(the "
-        r"builder's max_query_len\); got 3",
+        match=op + r"the longest query in query_start_loc \(read, as max_query_len was not "
+        r"given\) must be in 1..2 \(the builder's max_query_len\); got 3",
     ):
         b.build(sl, torch.tensor([0, 3, 4]))
+    with pytest.raises(ValueError, match=op + r"the longest query .* must be in 1..2 .*got 0"):
+        b.build(sl, torch.tensor([0, 0, 0]))
+    for bad in (3, 0, True, 1.0):
+        with pytest.raises(
+            ValueError,
+            match=op + r"max_query_len must be None or an int in 1..2 \(the "
+            rf"builder's max_query_len\); got {bad!r}",
+        ):
+            b.build(sl, torch.tensor([0, 1, 2]), max_query_len=bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(device="gpu"), "device must be a torch.device or a device string; got 'gpu'"),
+        (dict(device=1.5), "device must be a torch.device or a device string; got 1.5"),
+        (dict(device=2**70), "device must be a torch.device or a device string"),
+        (dict(device="cuda:64"), r"device must be one this process sees \(\d+ CUDA/HIP devices\); "
+         "got cuda:64"),
+        (dict(max_batch=2**20, max_query_len=2**11),
+         r"max_batch \* max_query_len \(the query rows a step may hold\) must be < 2\*\*31; "
+         r"got 1048576 \* 2048"),
+    ],
+)  # fmt: skip
+def test_builder_names_a_bad_device_or_too_many_rows(kwargs, message):
+    with pytest.raises(ValueError, match="MlaMetadataBuilder: " + message):
+        builder(**kwargs)
 
 
 def _md_args(md=None, **kw):

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-from portattn.kernels._checks import Problems, is_int
+from portattn.kernels._checks import Problems, check_device, is_int
 
 Layout = Literal["NHD", "SHUFFLE"]
 LAYOUTS: tuple[str, ...] = ("NHD", "SHUFFLE")
@@ -251,13 +251,10 @@ def _check_geometry(
 ) -> None:
     """Refuse, naming each argument and its rule, what the cache builders cannot build: sizes that
     are not ints (``num_blocks`` >= 0, the others >= 1), a layout outside `LAYOUTS`, a dtype the
-    ops do not take, a device torch cannot parse, and caches whose element count leaves int64."""
+    ops do not take, a device torch cannot parse or this process cannot see, and caches whose
+    element count leaves int64."""
     p = Problems(op)
-    try:
-        if device is not None:  # None: torch's default device
-            torch.device(device)  # type: ignore[call-overload]
-    except (RuntimeError, TypeError) as exc:
-        p.value(f"device must be a torch.device or a device string; got {device!r} ({exc})")
+    check_device(p, device)
     for name, n in sizes.items():
         low = 0 if name in ("num_blocks", "mamba_state_bytes") else 1
         if not is_int(n):

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from portattn.kernels._checks import Problems, check_device, is_int
 from portattn.platform import Target
 from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles, sm90_gathers
 
@@ -149,6 +150,14 @@ class MlaMetadataBuilder:
             errors.append(f"page_size must be None or an int >= 1; got {page_size!r}")
         if not errors and kv_lora_rank > head_dim_k:
             errors.append(f"kv_lora_rank must be <= head_dim_k; got {kv_lora_rank} > {head_dim_k}")
+        if not errors and max_batch * max_query_len >= 2**31:
+            errors.append(
+                "max_batch * max_query_len (the query rows a step may hold) must be < 2**31; got "
+                f"{max_batch} * {max_query_len}"
+            )
+        p = Problems(op)
+        check_device(p, device)
+        errors += p.reasons
         if errors:
             raise ValueError(f"{op}: " + "; ".join(errors))
         self.target = target
@@ -230,6 +239,13 @@ class MlaMetadataBuilder:
             )
         if errors:
             raise ValueError(f"{op}: " + "; ".join(errors))
+        if max_query_len is not None and (
+            not is_int(max_query_len) or not 1 <= max_query_len <= self.max_query_len
+        ):
+            raise ValueError(
+                f"{op}: max_query_len must be None or an int in 1..{self.max_query_len} (the "
+                f"builder's max_query_len); got {max_query_len!r}"
+            )
         if query_start_loc is None:
             if max_query_len not in (None, 1):
                 raise ValueError(
@@ -237,12 +253,14 @@ class MlaMetadataBuilder:
                 )
             max_query_len = 1
         elif max_query_len is None:
-            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-        if not isinstance(max_query_len, int) or not 1 <= max_query_len <= self.max_query_len:
-            raise ValueError(
-                f"{op}: max_query_len must be an int in 1..{self.max_query_len} (the builder's "
-                f"max_query_len); got {max_query_len!r}"
-            )
+            read = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+            if not 1 <= read <= self.max_query_len:
+                raise ValueError(
+                    f"{op}: the longest query in query_start_loc (read, as max_query_len was not "
+                    f"given) must be in 1..{self.max_query_len} (the builder's max_query_len); "
+                    f"got {read}"
+                )
+            max_query_len = read
         return MlaMetadata(
             target=self.target,
             tiles=self.tiles,

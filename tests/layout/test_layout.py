@@ -245,6 +245,12 @@ CACHE_ERRORS = [
     # torch's own "Storage size calculation overflowed" named no argument
     (dict(num_blocks=2**31, head_dim=2**31), ValueError, "elements must be < 2\\*\\*63"),
     (dict(device="16"), ValueError, "device must be a torch.device or a device string; got '16'"),
+    (dict(device=2**64), ValueError, "device must be a torch.device or a device string; got 1844"),
+    (
+        dict(device="cuda:64"),
+        ValueError,
+        r"device must be one this process sees \(\d+ CUDA/HIP devices\); got cuda:64",
+    ),
     # every problem at once
     (dict(block_size=0, layout="HND"), ValueError, "block_size must be >= 1; got 0; layout must"),
 ]

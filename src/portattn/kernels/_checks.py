@@ -131,6 +131,22 @@ def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def check_device(p: Problems, device: object) -> None:
+    """``device`` (``None``: torch's default) is one torch can parse and this process can reach:
+    a CUDA/HIP index must name a visible device. Reasons go to ``p``, naming ``device``."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError, ValueError) as exc:
+        p.value(f"device must be a torch.device or a device string; got {device!r} ({exc})")
+        return
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (dev.index is not None and dev.index >= count):
+            p.value(f"device must be one this process sees ({count} CUDA/HIP devices); got {dev}")
+
+
 def scale_errors(scale, *, optional: bool = False) -> list[str]:
     """``scale`` is a real number, finite, > 0 and at most `MAX_SCALE` (the kernels scale fp32
     scores by ``scale * log2(e)``, which must stay finite); ``None`` too with ``optional``."""
