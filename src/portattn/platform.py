@@ -131,7 +131,12 @@ def set_target_override(target: Target | str | None) -> None:
     """
     global _override
     if isinstance(target, str):
-        target = get_target(target)
+        if target not in TARGETS:
+            raise ValueError(
+                f"set_target_override: target must be one of {sorted(TARGETS)} by name; got "
+                f"{target!r}"
+            )
+        target = TARGETS[target]
     elif target is not None and not isinstance(target, Target):
         raise TypeError(
             "set_target_override: target must be a portattn Target, an arch name (one of "

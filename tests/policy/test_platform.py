@@ -43,3 +43,9 @@ def test_the_override_takes_a_target_an_arch_name_or_none(target):
     finally:
         set_target_override(None)
     assert target_override() is None or isinstance(target_override(), str)
+
+
+def test_the_override_names_an_unknown_arch():
+    with pytest.raises(ValueError, match=re.escape("set_target_override: target must be one of")):
+        set_target_override("cuda:0")
+    assert target_override() is None or isinstance(target_override(), str)
