@@ -343,7 +343,12 @@ def _run_pipeline(args: argparse.Namespace) -> int:
         else buildkite.to_yaml(pipeline)
     )
     if args.output:
-        Path(args.output).write_text(text)
+        out = Path(args.output)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+        except OSError as exc:
+            raise ValueError(f"--output {out}: cannot write it: {exc}") from None
     else:
         sys.stdout.write(text)
     return 0

@@ -87,14 +87,22 @@ ROCM_HANG_RETRY: dict[str, Any] = {"exit_status": 134, "limit": 1}
 
 
 def changed_files_since(base: str, *, cwd: str | None = None) -> list[str]:
-    """Files changed between the merge base of ``base`` and HEAD (``git diff base...HEAD``)."""
-    out = subprocess.run(
-        ["git", "diff", "--name-only", f"{base}...HEAD"],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=cwd,
-    )
+    """Files changed between the merge base of ``base`` and HEAD (``git diff base...HEAD``).
+
+    Raises:
+        ValueError: git is missing or cannot diff (an unknown ``base``, not a checkout), with
+            git's own words.
+    """
+    cmd = ["git", "diff", "--name-only", f"{base}...HEAD"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=cwd)
+    except OSError as exc:
+        raise ValueError(f"--changed-since {base}: cannot run git ({exc})") from None
+    if out.returncode != 0:
+        why = out.stderr.strip().splitlines()
+        raise ValueError(
+            f"--changed-since {base}: `{' '.join(cmd)}` failed: {why[0] if why else out.returncode}"
+        )
     return [line for line in out.stdout.splitlines() if line]
 
 

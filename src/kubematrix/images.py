@@ -134,13 +134,27 @@ def pinned_version(vendor: str, package: str, root: str | os.PathLike[str] = "."
     raise ValueError(f"pinned_version: {path} must pin {package} with '=='; it does not")
 
 
+#: Docker's tag grammar (the reference's ``tag`` rule of the distribution spec).
+TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+
 def env_image(vendor: str, key: str, reg: str | None = None) -> str:
     return f"{reg or registry()}/{ENV_REPOSITORY}:{get_image(vendor).vendor}-{key}"
 
 
 def cell_image(vendor: str, commit: str, reg: str | None = None) -> str:
-    """The image a GPU cell of ``commit`` runs: the env image plus the commit's project."""
-    return f"{reg or registry()}/{CELL_REPOSITORY}:{get_image(vendor).vendor}-{commit}"
+    """The image a GPU cell of ``commit`` runs: the env image plus the commit's project.
+
+    Raises:
+        ValueError: ``<vendor>-<commit>`` is no Docker tag (`TAG`), e.g. a commit with a space.
+    """
+    tag = f"{get_image(vendor).vendor}-{commit}"
+    if not isinstance(commit, str) or not TAG.fullmatch(tag):
+        raise ValueError(
+            f"commit must make the image tag <vendor>-<commit> a Docker tag ({TAG.pattern}); "
+            f"got {commit!r}"
+        )
+    return f"{reg or registry()}/{CELL_REPOSITORY}:{tag}"
 
 
 def default_image(vendor: str, commit: str) -> str:
@@ -336,8 +350,8 @@ def run_cli(args: argparse.Namespace) -> int:
         return 0
     commit = _commit(args.root, args.commit)
     if args.action == "refs":
-        print(env_image(args.vendor, key))
-        print(cell_image(args.vendor, commit))
+        refs = env_image(args.vendor, key), cell_image(args.vendor, commit)
+        print(*refs, sep="\n")
         return 0
     build = docker_build_script if args.builder == "docker" else buildkit_build_script
     print(build(args.vendor, key, commit))

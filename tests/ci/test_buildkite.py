@@ -371,3 +371,35 @@ def test_pipeline_generation_never_loads_the_kubernetes_client():
         [sys.executable, "-c", code, os.devnull], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--changed-since", "no-such-ref"],
+         "kubematrix pipeline: --changed-since no-such-ref: `git diff --name-only "
+         "no-such-ref...HEAD` failed: fatal: "),
+        (["--lanes", "k8s", "--commit", "a b"],
+         "kubematrix pipeline: commit must make the image tag <vendor>-<commit> a Docker tag"),
+        (["--commit", "x" * 130],
+         "kubematrix pipeline: commit must make the image tag <vendor>-<commit> a Docker tag"),
+    ],
+)  # fmt: skip
+def test_pipeline_usage_errors_name_the_option(argv, message, capsys):
+    """An unknown base ref or a commit that cannot tag an image: exit 2 and one line, no
+    traceback and no pipeline."""
+    assert main(["pipeline", *argv]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith(message), out.err
+
+
+def test_pipeline_output_makes_its_folder_or_says_why_not(tmp_path, capsys):
+    target = tmp_path / "new" / "deeper" / "pipeline.yml"
+    assert main(["pipeline", "--output", str(target)]) == 0
+    assert yaml.safe_load(target.read_text())["steps"]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["pipeline", "--output", str(blocker / "pipeline.yml")]) == 2
+    assert f"kubematrix pipeline: --output {blocker / 'pipeline.yml'}: cannot write it:" in (
+        capsys.readouterr().err
+    )

@@ -138,6 +138,13 @@ def test_image_command_prints_the_content_key_and_both_references(checkout, caps
     assert main(args) == 0
     env, cell = capsys.readouterr().out.split()
     assert env.endswith(images.content_key("rocm", checkout)) and cell.endswith(COMMIT)
+    for bad in ("a b", "x" * 128, "a:b", "a/b"):  # no Docker tag: nothing printed, exit 2
+        assert main([*args[:-2], f"--commit={bad}"]) == 2
+        out = capsys.readouterr()
+        assert (
+            out.out == ""
+            and "commit must make the image tag <vendor>-<commit> a Docker tag" in (out.err)
+        )
 
 
 # -- tools/check_image.py: the image build's torch / Triton check -------------------------------
