@@ -185,7 +185,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=600.0,
         help="seconds a pod may stay unscheduled or pulling (default 600)",
     )
-    parser.add_argument("--deadline", type=int, default=3600, help="Job activeDeadlineSeconds")
+    parser.add_argument(
+        "--deadline",
+        type=int,
+        default=3600,
+        help="Job activeDeadlineSeconds, > 600 (the cell stops 300 s before it; a test may take "
+        "min(900, deadline - 600) s)",
+    )
     parser.add_argument(
         "--supplemental-groups",
         type=lambda s: [int(g) for g in s.split(",")],
@@ -195,29 +201,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="-- then pytest args")
     args = parser.parse_args(argv)
     extra = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
+    # Usage errors first, before any cluster is asked: the Jobs are rendered from the templates.
+    commit = args.commit or git_commit()
+    try:
+        if args.max_parallel < 1:
+            raise ValueError(f"--max-parallel must be >= 1; got {args.max_parallel}")
+        if args.deadline <= 600:
+            raise ValueError(
+                f"--deadline must be > 600 s (the cell stops 300 s before it, and a test may "
+                f"take min(900, deadline - 600) s); got {args.deadline}"
+            )
+        if not args.pending_timeout > 0:
+            raise ValueError(f"--pending-timeout must be > 0 seconds; got {args.pending_timeout}")
+        jobs = [
+            render_job(
+                vendor=vendor,
+                suite=suite,
+                image=args.image or default_image(vendor, commit),
+                commit=commit,
+                nox_args=extra,
+                namespace=args.namespace,
+                cell=f"{suite}-{vendor}",
+                active_deadline_s=args.deadline,
+                cell_timeout_s=args.deadline - 300,
+                test_timeout_s=min(900, args.deadline - 600),
+                supplemental_groups=args.supplemental_groups if vendor == "rocm" else None,
+            )
+            for vendor in args.vendor
+            for suite in args.suite
+        ]
+    except ValueError as exc:
+        sys.stderr.write(f"kubematrix.k8s: {exc}; nothing was created\n")
+        return 2
     try:
         api = connect(args.namespace, args.context)
     except NoCluster as exc:
         sys.stderr.write(f"kubematrix.k8s: {exc}; nothing was created\n")
         return EXIT_NO_CLUSTER
-    commit = args.commit or git_commit()
-    jobs = [
-        render_job(
-            vendor=vendor,
-            suite=suite,
-            image=args.image or default_image(vendor, commit),
-            commit=commit,
-            nox_args=extra,
-            namespace=args.namespace,
-            cell=f"{suite}-{vendor}",
-            active_deadline_s=args.deadline,
-            cell_timeout_s=args.deadline - 300,
-            test_timeout_s=min(900, args.deadline - 600),
-            supplemental_groups=args.supplemental_groups if vendor == "rocm" else None,
-        )
-        for vendor in args.vendor
-        for suite in args.suite
-    ]
     launcher = Launcher(
         api,
         args.namespace,

@@ -363,6 +363,28 @@ def test_no_cluster_says_so_and_exits_non_zero(monkeypatch, tmp_path, capsys):
     assert "no cluster configured" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-parallel", "0"], "--max-parallel must be >= 1; got 0"),
+        (["--pending-timeout", "nan"], "--pending-timeout must be > 0 seconds; got nan"),
+        (["--deadline", "600"], "--deadline must be > 600 s"),
+        (["--namespace", "Bad_NS"], "namespace must be a DNS-1123 label; got 'Bad_NS'"),
+        (["--commit", "a b"], "commit must make the image tag <vendor>-<commit> a Docker tag"),
+        (["--image", "x y"], "image must be a non-empty reference without spaces"),
+    ],
+)
+def test_usage_errors_come_before_the_cluster_is_asked(
+    argv, message, monkeypatch, tmp_path, capsys
+):
+    """No cluster is configured here: a bad argument is reported as such, not as that."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    assert k8s.main(["--vendor", "rocm", "--suite", "mla", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "nothing was created" in err and "no cluster" not in err, err
+
+
 def test_exit_status_propagates_the_first_failing_code():
     from kubematrix.launcher import CellResult
 
