@@ -76,3 +76,13 @@ def test_counts_below_their_floor_are_usage_errors(option, value, low, monkeypat
         cli.main([option, value])
     assert info.value.code == 2
     assert f"must be an int >= {low}; got {value!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("option", "value"), [("--targets", ""), ("--kernels", " , ")])
+def test_an_empty_list_selects_nothing_and_is_a_usage_error(option, value, monkeypatch, capsys):
+    """An empty ``--targets "$TARGETS"`` would otherwise compile no cell and pass."""
+    monkeypatch.setattr(cli, "run_matrix", _must_not_compile)
+    with pytest.raises(SystemExit) as info:
+        cli.main([option, value])
+    assert info.value.code == 2
+    assert f"must name at least one, comma-separated; got {value!r}" in capsys.readouterr().err

@@ -25,7 +25,11 @@ HEATMAP_MODULES = ("matplotlib", "numpy")
 
 
 def _csv(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
+    """A comma-separated list of at least one name (an empty one would select nothing and pass)."""
+    names = [x.strip() for x in s.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"must name at least one, comma-separated; got {s!r}")
+    return names
 
 
 def missing_heatmap_modules() -> list[str]:
