@@ -224,8 +224,12 @@ def document(result: dict, opts, device: str, compare_record: dict | None) -> di
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="", help=f"comma-separated families of {','.join(FAMILIES)}")
-    ap.add_argument("--rows", default="", help="comma-separated substrings of row names to run")
+    ap.add_argument(
+        "--only", default=None, help=f"comma-separated families of {','.join(FAMILIES)} (all)"
+    )
+    ap.add_argument(
+        "--rows", default=None, help="comma-separated substrings of row names to run (all)"
+    )
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU interpreter, smoke)")
     ap.add_argument("--out", default="", help="write the JSON document here (default: stdout)")
     ap.add_argument(
@@ -238,12 +242,25 @@ def parse(argv=None):
     ap.add_argument("--reps", type=int, default=50, help="timed repetitions per GPU row")
     ap.add_argument("--child-json", default="", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
-    fams = [f for f in opts.only.split(",") if f] or list(FAMILIES)
+    for name in ("only", "rows"):  # given empty, they would select everything
+        value = getattr(opts, name)
+        if value is not None and not [x for x in value.split(",") if x]:
+            ap.error(f"--{name} must name at least one, comma-separated; got {value!r}")
+    fams = [f for f in (opts.only or "").split(",") if f] or list(FAMILIES)
     unknown = sorted(set(fams) - set(FAMILIES))
     if unknown:
         ap.error(f"--only: unknown families {unknown}; choose from {list(FAMILIES)}")
     if opts.rounds < 1 or opts.reps < 1:
         ap.error(f"--rounds and --reps must be >= 1; got {opts.rounds}, {opts.reps}")
+    if opts.out:  # before hours of rows, not after them
+        folder = os.path.dirname(os.path.abspath(opts.out))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            ap.error(f"--out {opts.out}: cannot make its folder: {exc}")
+        if os.path.isdir(opts.out) or not os.access(folder, os.W_OK):
+            ap.error(f"--out {opts.out}: not a file this process can write")
+    opts.rows = opts.rows or ""
     opts.families = tuple(f for f in FAMILIES if f in fams)
     return opts
 

@@ -146,6 +146,26 @@ def test_unknown_family_is_refused(capsys):
     assert "unknown families ['nope']" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--only", ""], "--only must name at least one, comma-separated; got ''"),
+        (["--rows", ","], "--rows must name at least one, comma-separated; got ','"),
+        (["--out", "{tmp}"], "--out {tmp}: not a file this process can write"),
+        (["--out", "{tmp}/a-file/r.json"], "--out {tmp}/a-file/r.json: cannot make its folder"),
+    ],
+)
+def test_selections_and_the_output_are_checked_before_any_row_runs(argv, message, tmp_path, capsys):
+    """An empty selection would run every row; an output that cannot be written would lose them
+    at the end of the run."""
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit):
+        run.parse([a.format(tmp=tmp_path) for a in argv])
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+    opts = run.parse(["--out", str(tmp_path / "new" / "r.json")])
+    assert (tmp_path / "new").is_dir() and opts.rows == "" and opts.families == run.FAMILIES
+
+
 def test_bench_layers_and_no_import_cycle():
     """bench/ has no import cycle; a family imports only the shared layers (core, inputs), never
     another family or the runner; core imports no bench module; results is standard library."""
