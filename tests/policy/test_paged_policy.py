@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import replace
 
 import pytest
@@ -21,8 +22,10 @@ from portattn.policy.paged import (
     SMEM_MMA_ARCHS,
     WIDE_MAX_REGS,
     WIDE_TILE_ARCHS,
+    PagedConfig,
     PagedProblem,
     PagedTiles,
+    PrefillConfig,
     RowTile,
     estimate_registers,
     estimate_shared_mem,
@@ -575,3 +578,22 @@ def test_hip_verification_tokens_share_each_kv_tile(arch, hq, hkv, d, q_len):
     assert tiles.head_tile == min(group, tiles.block_m)
     assert reads == -(-(q_len * group) // 64) or reads == 1
     assert reads < q_len
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: PagedConfig(prefill=5), "prefill must be a PrefillConfig or None; got 5"),
+        (lambda: PagedConfig(prefill={}), "PagedConfig: prefill must be a PrefillConfig or None"),
+        (lambda: PrefillConfig(block_n="64"), "PrefillConfig: block_n must be an int; got '64'"),
+        (lambda: PrefillConfig(stages=2.0, box=True),
+         "PrefillConfig: stages must be an int; got 2.0; box must be an int; got True"),
+        (lambda: PrefillConfig(turns=1), "PrefillConfig: turns must be a bool; got 1"),
+        (lambda: PrefillConfig(consumer_regs=None), "consumer_regs must be an int; got None"),
+    ],
+)  # fmt: skip
+def test_a_config_of_the_wrong_types_is_refused_when_built(make, message):
+    """Values are judged against a call (`prefill_config_errors`); types cannot wait for one: a
+    string block_n or an int as prefill failed inside the launcher."""
+    with pytest.raises(TypeError, match=re.escape(message)):
+        make()

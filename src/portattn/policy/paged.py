@@ -6,6 +6,7 @@ Gluon kernel's `PrefillConfig`, or ``None``: the portable one). Pure functions o
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 
 from portattn.platform import Target
@@ -212,6 +213,20 @@ class PrefillConfig:
     consumer_regs: int = SM90_PREFILL_REGS[0]
     producer_regs: int = SM90_PREFILL_REGS[1]
 
+    def __post_init__(self) -> None:
+        """Fields of the right types (values are judged against a call by
+        `prefill_config_errors`)."""
+        errors = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            flag = isinstance(f.default, bool)
+            if flag and not isinstance(v, bool):
+                errors.append(f"{f.name} must be a bool; got {v!r}")
+            elif not flag and (not isinstance(v, int) or isinstance(v, bool)):
+                errors.append(f"{f.name} must be an int; got {v!r}")
+        if errors:
+            raise TypeError("PrefillConfig: " + "; ".join(errors))
+
     @property
     def boxes(self) -> int:
         """Page boxes a K/V tile."""
@@ -229,6 +244,12 @@ class PagedConfig:
     """
 
     prefill: PrefillConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefill is not None and not isinstance(self.prefill, PrefillConfig):
+            raise TypeError(
+                f"PagedConfig: prefill must be a PrefillConfig or None; got {self.prefill!r}"
+            )
 
 
 def estimate_shared_mem(
