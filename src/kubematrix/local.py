@@ -35,6 +35,7 @@ from kubematrix.matrix import pytest_workers as default_workers
 from kubematrix.report import (
     COMPILE_JSON,
     CellResult,
+    UnreadableReport,
     cache_dir,
     junit_from_compile_json,
     not_run,
@@ -203,7 +204,10 @@ def _run_cell(
     if cell.suite == "compile" and not junit.exists():
         report_json = results_dir / COMPILE_JSON
         if report_json.is_file():
-            junit_from_compile_json(report_json, junit, cell.name)
+            try:
+                junit_from_compile_json(report_json, junit, cell.name)
+            except UnreadableReport as exc:
+                return not_run(cell, f"{exc} (log: {log})", status="error", seconds=elapsed)
         else:
             _write_exit_status_junit(cell, junit, code, log)
     if code == 5 and not junit.exists():

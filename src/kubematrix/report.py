@@ -91,20 +91,40 @@ def _first_line(text: str | None) -> str:
     return (text or "").strip().splitlines()[0][:200] if (text or "").strip() else ""
 
 
+class UnreadableReport(ValueError):
+    """A cell's JUnit or record that cannot be read (truncated, empty, not a report)."""
+
+
+def _seconds(value: str | None, where: str) -> float:
+    try:
+        return float(value or 0.0)
+    except ValueError:
+        raise UnreadableReport(f"{where} has time={value!r}, not a number") from None
+
+
 def read_junit(path: str | os.PathLike[str]) -> JunitCounts:
     """Count a JUnit file's test cases (pytest's format: ``<testsuites><testsuite><testcase>``).
 
     Counts come from the test cases, not from the suites' attributes, so a merged or hand-written
     file is counted the same way.
+
+    Raises:
+        UnreadableReport: the file cannot be read or parsed (a killed cell's truncated or empty
+            file), its root is neither ``testsuites`` nor ``testsuite``, or a time is no number.
     """
-    root = ET.parse(path).getroot()
+    try:
+        root = ET.parse(path).getroot()
+    except (ET.ParseError, OSError) as exc:
+        raise UnreadableReport(f"JUnit {path} is unreadable ({exc})") from None
+    if root.tag not in ("testsuites", "testsuite"):
+        raise UnreadableReport(f"{path} is no JUnit report (its root is <{root.tag}>)")
     cases = list(root.iter("testcase"))
     failed = errors = skipped = 0
     failures: list[Failure] = []
     seconds = 0.0
     for case in cases:
-        seconds += float(case.get("time") or 0.0)
         test = "::".join(p for p in (case.get("classname"), case.get("name")) if p)
+        seconds += _seconds(case.get("time"), f"{path}: test case {test}")
         if (node := case.find("failure")) is not None:
             failed += 1
             failures.append(Failure(test, _first_line(node.get("message") or node.text)))
@@ -118,9 +138,7 @@ def read_junit(path: str | os.PathLike[str]) -> JunitCounts:
         for p in root.iter("property")
         if p.get("name") == GPU_ARCH_PROPERTY and p.get("value")
     }
-    suite_times = [float(s.get("time") or 0.0) for s in root.iter("testsuite")]
-    if root.tag == "testsuite":
-        suite_times = [float(root.get("time") or 0.0)]
+    suite_times = [_seconds(s.get("time"), f"{path}: a test suite") for s in root.iter("testsuite")]
     return JunitCounts(
         tests=len(cases),
         passed=len(cases) - failed - errors - skipped,
@@ -153,9 +171,14 @@ def result_from_junit(
     """A cell's result from its JUnit (and, when the runner knows it, the exit status).
 
     A non-zero exit with a clean JUnit (a crash after the report, a timeout) is an ``error``: the
-    process is the judge of last resort, never the file alone.
+    process is the judge of last resort, never the file alone. So is a JUnit that cannot be read:
+    the cell's row says why, and the other cells' rows are unaffected.
     """
-    counts = read_junit(junit)
+    try:
+        counts = read_junit(junit)
+    except UnreadableReport as exc:
+        status_note = f", exit status {exit_code}" if exit_code is not None else ""
+        return not_run(cell, f"{exc}{status_note}", status="error", seconds=seconds or 0.0)
     status = status_from_counts(counts)
     reason = ""
     if status == "not run":
@@ -250,24 +273,41 @@ def junit_from_compile_json(
     json_path: str | os.PathLike[str], junit_path: str | os.PathLike[str], cell_name: str
 ) -> Path:
     """The compile matrix's report (``compile_matrix.json``) as JUnit: a test case per
-    kernel/case x target, failing with the gate's reasons."""
-    data = json.loads(Path(json_path).read_text())
+    kernel/case x target, failing with the gate's reasons.
+
+    Raises:
+        UnreadableReport: the report is not the compile matrix's JSON (unparsable, no cells).
+    """
+    try:
+        data = json.loads(Path(json_path).read_text())
+        cells = data["cells"]
+        if not isinstance(cells, list):
+            raise TypeError(f"cells is a {type(cells).__name__}")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UnreadableReport(
+            f"compile report {json_path} is unreadable ({type(exc).__name__}: {exc})"
+        ) from None
     suite = ET.Element("testsuite", name=cell_name)
     failures = 0
-    for c in data["cells"]:
-        case = ET.SubElement(
-            suite,
-            "testcase",
-            classname=f"{cell_name}.{c['kernel']}",
-            name=f"{c['case']}@{c['arch']}",
-            time=f"{float(c.get('wall_s') or 0.0):.3f}",
-        )
-        if not c["passed"]:
-            failures += 1
-            reasons = "; ".join(c.get("reasons") or []) or "failed the gate"
-            ET.SubElement(case, "failure", message=reasons[:500]).text = reasons
-    wall = float((data.get("meta") or {}).get("wall_s") or 0.0)
-    suite.set("tests", str(len(data["cells"])))
+    try:
+        for c in cells:
+            case = ET.SubElement(
+                suite,
+                "testcase",
+                classname=f"{cell_name}.{c['kernel']}",
+                name=f"{c['case']}@{c['arch']}",
+                time=f"{float(c.get('wall_s') or 0.0):.3f}",
+            )
+            if not c["passed"]:
+                failures += 1
+                reasons = "; ".join(c.get("reasons") or []) or "failed the gate"
+                ET.SubElement(case, "failure", message=reasons[:500]).text = reasons
+        wall = float((data.get("meta") or {}).get("wall_s") or 0.0)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UnreadableReport(
+            f"compile report {json_path} has a malformed cell ({type(exc).__name__}: {exc})"
+        ) from None
+    suite.set("tests", str(len(cells)))
     suite.set("failures", str(failures))
     suite.set("time", f"{wall:.3f}")
     root = ET.Element("testsuites")
@@ -287,9 +327,17 @@ def collect(cells: Sequence[Cell], results_dir: str | os.PathLike[str]) -> list[
     for cell in cells:
         record, junit = out / f"{cell.name}.json", out / f"{cell.name}.xml"
         if cell.suite == "compile" and not junit.is_file() and (out / COMPILE_JSON).is_file():
-            junit_from_compile_json(out / COMPILE_JSON, junit, cell.name)
+            try:
+                junit_from_compile_json(out / COMPILE_JSON, junit, cell.name)
+            except UnreadableReport as exc:
+                results.append(not_run(cell, str(exc), status="error"))
+                continue
         if record.is_file():
-            results.append(result_from_dict(json.loads(record.read_text())))
+            try:
+                results.append(result_from_dict(json.loads(record.read_text())))
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                why = f"its record {record} is unreadable ({type(exc).__name__}: {exc})"
+                results.append(not_run(cell, why, status="error"))
         elif junit.is_file():
             cache = read_stats(cache_dir(cell.name, out))
             results.append(replace(result_from_junit(cell, junit), cache=cache))
@@ -468,7 +516,10 @@ def merge_junit(
     for r in results:
         suite = ET.SubElement(root, "testsuite", name=r.cell, time=f"{r.seconds:.3f}")
         junit = src / f"{r.cell}.xml"
-        cases = list(ET.parse(junit).getroot().iter("testcase")) if junit.is_file() else []
+        try:  # an unreadable JUnit already made its cell an error: its reason stands in for it
+            cases = list(ET.parse(junit).getroot().iter("testcase")) if junit.is_file() else []
+        except (ET.ParseError, OSError):
+            cases = []
         if not cases:
             case = ET.SubElement(suite, "testcase", classname=r.cell, name="cell", time="0")
             tag = "error" if r.status == "error" else "skipped"

@@ -284,3 +284,65 @@ def test_a_results_folder_that_cannot_be_made_stops_the_matrix_by_name(tmp_path)
     blocker.write_text("")
     with pytest.raises(SystemExit, match="matrix: cannot create the results folder .*file/results"):
         main(["matrix", "--suite", "policy", "--results", str(blocker / "results")])
+
+
+BROKEN_JUNITS = {
+    "truncated": ('<testsuites><testsuite name="x" tests="3"><testcase', "is unreadable"),
+    "empty": ("", "is unreadable"),
+    "not junit": ("<html><body/></html>", "is no JUnit report (its root is <html>)"),
+    "bad time": (
+        '<testsuites><testsuite time="soon"><testcase name="a"/></testsuite></testsuites>',
+        "a test suite has time='soon', not a number",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(BROKEN_JUNITS))
+def test_an_unreadable_junit_makes_its_cell_an_error_and_hides_no_other(kind, results_dir, capsys):
+    """What a killed cell or a cut-off upload leaves: that row says why, the report still comes
+    out with every other cell's result, and the matrix fails."""
+    text, why = BROKEN_JUNITS[kind]
+    (results_dir / "mla-cpu-interpreter.xml").write_text(text)
+    results = {r.cell: r for r in report.collect(CELLS, results_dir)}
+    mla = results["mla-cpu-interpreter"]
+    assert mla.status == "error" and why in mla.reason, mla.reason
+    assert results["paged-cpu-interpreter"].status == "passed"
+    assert results["compile-cpu-interpreter"].counts.tests > 0
+    files = report.write_summary(list(results.values()), results_dir)
+    merged = report.read_junit(files.junit)
+    assert merged.errors >= 1 and merged.passed >= 3
+    assert main(["report", "--results", str(results_dir)]) == 1
+    assert why in capsys.readouterr().out
+
+
+def test_a_runner_sees_an_unreadable_junit_as_an_error_with_its_exit_status(tmp_path):
+    junit = tmp_path / "paged-cpu-interpreter.xml"
+    junit.write_text("<testsuites><testsuite><testcase name='a'")
+    r = report.result_from_junit(PAGED, junit, seconds=3.0, exit_code=-9)
+    assert (r.status, r.seconds) == ("error", 3.0)
+    assert r.reason.endswith(", exit status -9") and "is unreadable" in r.reason
+
+
+@pytest.mark.parametrize(
+    ("record", "why"),
+    [
+        ("[1, 2]", "AttributeError"),
+        ("{not json", "JSONDecodeError"),
+        ('{"cell": "x"}', "TypeError"),
+    ],
+)
+def test_an_unreadable_record_makes_its_cell_an_error(record, why, results_dir):
+    (results_dir / "paged-cpu-interpreter.json").write_text(record)
+    results = {r.cell: r for r in report.collect(CELLS, results_dir)}
+    paged = results["paged-cpu-interpreter"]
+    assert paged.status == "error" and f"is unreadable ({why}" in paged.reason, paged.reason
+    assert results["mla-cpu-interpreter"].status == "failed"  # its own JUnit, as before
+
+
+@pytest.mark.parametrize("data", ['{"cells": {}}', "[]", '{"cells": [{"kernel": "k"}]}', "{"])
+def test_a_malformed_compile_report_makes_the_compile_cell_an_error(data, results_dir):
+    (results_dir / report.COMPILE_JSON).write_text(data)
+    results = {r.cell: r for r in report.collect(CELLS, results_dir)}
+    compiled = results["compile-cpu-interpreter"]
+    assert compiled.status == "error" and "compile report" in compiled.reason, compiled.reason
+    assert results["paged-cpu-interpreter"].status == "passed"
