@@ -178,9 +178,9 @@ def current_target(device=None) -> Target:
     """
     if _override is not None:
         return _override
-    env = os.environ.get("PORTATTN_TARGET")
-    if env:
-        return get_target(env)
+    env = _env_target()
+    if env is not None:
+        return env
     import torch
 
     if not torch.cuda.is_available():
@@ -261,5 +261,21 @@ def target_for_tensor(t) -> Target:
     if t.device.type not in ("cuda", "hip"):
         if _override is not None:
             return _override
-        return get_target(os.environ.get("PORTATTN_TARGET", "sm_90"))
+        return _env_target() or TARGETS["sm_90"]
     return current_target(t.device)
+
+
+def _env_target() -> Target | None:
+    """``PORTATTN_TARGET``'s target; ``None`` when unset or empty.
+
+    Raises:
+        ValueError: naming the variable, when it names no arch of `TARGETS`.
+    """
+    env = os.environ.get("PORTATTN_TARGET")
+    if not env:
+        return None
+    if env not in TARGETS:
+        raise ValueError(
+            f"PORTATTN_TARGET must be one of {sorted(TARGETS)} (or unset); got {env!r}"
+        )
+    return TARGETS[env]

@@ -5,8 +5,16 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
-from portattn.platform import TARGETS, get_target, set_target_override, target_override
+from portattn.platform import (
+    TARGETS,
+    current_target,
+    get_target,
+    set_target_override,
+    target_for_tensor,
+    target_override,
+)
 
 pytestmark = pytest.mark.policy
 
@@ -49,3 +57,23 @@ def test_the_override_names_an_unknown_arch():
     with pytest.raises(ValueError, match=re.escape("set_target_override: target must be one of")):
         set_target_override("cuda:0")
     assert target_override() is None or isinstance(target_override(), str)
+
+
+@pytest.mark.parametrize("value", ("sm90", "cuda", " sm_90"))
+def test_a_bad_portattn_target_is_named_as_the_variable(value, monkeypatch):
+    """Not as get_target's argument: the user set an environment variable, not an argument."""
+    monkeypatch.setenv("PORTATTN_TARGET", value)
+    message = re.escape(
+        f"PORTATTN_TARGET must be one of {sorted(TARGETS)} (or unset); got {value!r}"
+    )
+    with pytest.raises(ValueError, match=message):
+        target_for_tensor(torch.empty(1))
+    with pytest.raises(ValueError, match=message):
+        current_target()
+
+
+def test_an_empty_portattn_target_is_unset(monkeypatch):
+    monkeypatch.setenv("PORTATTN_TARGET", "")
+    assert target_for_tensor(torch.empty(1)) == get_target("sm_90")
+    monkeypatch.setenv("PORTATTN_TARGET", "gfx942")
+    assert target_for_tensor(torch.empty(1)) == get_target("gfx942")
