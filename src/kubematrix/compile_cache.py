@@ -95,6 +95,26 @@ class _Stats:
         cls.record(f"warning:{what}")
 
 
+def _timeout() -> float:
+    """``$KUBEMATRIX_CACHE_TIMEOUT`` seconds, else `DEFAULT_TIMEOUT_S`; a value that is no
+    positive number warns, naming the variable, and the default serves (never a failed cell)."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        _Stats.warn_once(
+            "timeout",
+            f"{TIMEOUT_ENV} must be a number of seconds > 0; got {raw!r}: using "
+            f"{DEFAULT_TIMEOUT_S} s",
+        )
+        return DEFAULT_TIMEOUT_S
+    return value
+
+
 class GuardedRedisBackend(RedisRemoteCacheBackend):
     """Triton's Redis backend with short timeouts, sealed values, and no error ever raised.
 
@@ -112,7 +132,7 @@ class GuardedRedisBackend(RedisRemoteCacheBackend):
 
         self._key = key
         self._key_fmt = knobs.redis.key_format
-        timeout = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
+        timeout = _timeout()
         self._redis = redis.Redis(
             host=knobs.redis.host,
             port=knobs.redis.port,

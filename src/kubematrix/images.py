@@ -78,9 +78,27 @@ def get_image(vendor: str) -> ImageSpec:
     return IMAGES[vendor]
 
 
+#: A registry and repository prefix as an image reference starts: ``host[:port][/path]``
+#: (Docker's reference grammar: no scheme, lowercase path components).
+REGISTRY = re.compile(
+    r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*"
+    r"(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*"
+)
+
+
 def registry() -> str:
-    """``$KUBEMATRIX_REGISTRY`` (no trailing slash), else :data:`DEFAULT_REGISTRY`."""
+    """``$KUBEMATRIX_REGISTRY`` (no trailing slash), else :data:`DEFAULT_REGISTRY`.
+
+    Raises:
+        ValueError: naming the variable, when it is no ``host[:port][/path]`` (a scheme, a
+            space, an uppercase path).
+    """
     value = os.environ.get(REGISTRY_ENV, "").strip().rstrip("/")
+    if value and not REGISTRY.fullmatch(value):
+        raise ValueError(
+            f"{REGISTRY_ENV} must be a registry host[:port][/path] as image references start "
+            f"(no scheme, lowercase path); got {value!r}"
+        )
     return value or DEFAULT_REGISTRY
 
 
@@ -161,9 +179,18 @@ def default_image(vendor: str, commit: str) -> str:
     """The image every runner gives a GPU cell of ``commit`` (the launcher, Buildkite's k8s lane):
     ``$KUBEMATRIX_IMAGE_<VENDOR>`` (``{commit}`` and ``{vendor}`` are filled in), else the cell
     image the pipeline's image step pushes (:func:`cell_image`)."""
-    template = os.environ.get(IMAGE_ENV.format(vendor=vendor.upper()))
+    name = IMAGE_ENV.format(vendor=vendor.upper())
+    template = os.environ.get(name)
     if template:
-        return template.format(vendor=vendor, commit=commit)
+        try:
+            image = template.format(vendor=vendor, commit=commit)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"{name} may use only {{vendor}} and {{commit}}; got {template!r} ({exc!r})"
+            ) from None
+        if any(c.isspace() for c in image):
+            raise ValueError(f"{name} must give an image reference without spaces; got {image!r}")
+        return image
     return cell_image(vendor, commit)
 
 

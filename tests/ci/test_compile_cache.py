@@ -210,6 +210,21 @@ def test_a_redis_that_never_answers_costs_one_short_timeout_and_a_warning(tmp_pa
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.parametrize("value", ("soon", "0", "-1", "nan", "inf"))
+def test_a_bad_cache_timeout_warns_by_name_and_the_default_serves(value, monkeypatch, tmp_path):
+    """A typo in the variable must not turn the shared cache off (it did: the backend failed to
+    build and the process compiled everything locally) nor fail the cell."""
+    from kubematrix import compile_cache
+
+    monkeypatch.setenv(TIMEOUT_ENV, value)
+    monkeypatch.setenv(STATS_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(compile_cache._Stats, "_warned", set())
+    with pytest.warns(RuntimeWarning, match=f"{TIMEOUT_ENV} must be a number of seconds > 0"):
+        assert compile_cache._timeout() == compile_cache.DEFAULT_TIMEOUT_S
+    monkeypatch.setenv(TIMEOUT_ENV, "2.5")
+    assert compile_cache._timeout() == 2.5
+
+
 def test_a_garbage_value_under_a_real_key_is_recompiled_and_replaced(tmp_path, redis_server):
     probe = Probe(tmp_path, redis_server.address)
     probe.run(64, local="a")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -59,6 +60,30 @@ def test_the_content_key_changes_with_every_input_and_nothing_else(checkout, ven
     pyproject.write_text(original)
     other = "rocm" if vendor == "cuda" else "cuda"
     assert images.content_key(other, checkout) != key
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "message"),
+    [
+        ("KUBEMATRIX_REGISTRY", "https://reg.example", "must be a registry host[:port][/path]"),
+        ("KUBEMATRIX_REGISTRY", "registry.example/Team", "must be a registry host[:port][/path]"),
+        ("KUBEMATRIX_REGISTRY", "a b", "must be a registry host[:port][/path]"),
+        ("KUBEMATRIX_IMAGE_ROCM", "reg.example/x:{sha}", "may use only {vendor} and {commit}"),
+        ("KUBEMATRIX_IMAGE_ROCM", "reg.example/x:{0}", "may use only {vendor} and {commit}"),
+        ("KUBEMATRIX_IMAGE_ROCM", "reg.example/x {commit}", "must give an image reference without"),
+    ],
+)  # fmt: skip
+def test_image_settings_that_make_no_reference_are_named(env, value, message, monkeypatch):
+    """A scheme, a space or an unknown placeholder used to reach every Job's image field (or a
+    KeyError traceback): the variable is named before any step or Job is made."""
+    monkeypatch.delenv(images.IMAGE_ENV.format(vendor="ROCM"), raising=False)
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=re.escape(f"{env} {message}")):
+        images.default_image("rocm", COMMIT)
+    monkeypatch.setenv(
+        env, "registry.example:5000/team" if "REGISTRY" in env else "r.io/x:{commit}"
+    )
+    assert images.default_image("rocm", COMMIT).endswith(COMMIT)
 
 
 def test_a_missing_input_is_named(checkout):
