@@ -141,8 +141,21 @@ def _mamba_extensions(session: nox.Session) -> None:
     session.install("--no-index", "--find-links", WHEELHOUSE, *MAMBA_EXTENSIONS)
 
 
+#: Set by every runner of a GPU cell to the architecture it must run on (kubematrix.matrix).
+CELL_ARCH_ENV = "PORTATTN_CELL_ARCH"
+
+
 def _suite_session(suite: str) -> None:
     def run(session: nox.Session) -> None:
+        arch = os.environ.get(CELL_ARCH_ENV)
+        if arch and not _has_gpu():
+            # A GPU cell on a machine without the device (a pod without its GPU, a mislabelled
+            # agent) would run the CPU variant of the suite and pass, testing nothing on arch.
+            session.error(
+                f"{suite}: this cell targets {arch} ({CELL_ARCH_ENV}) but no GPU device node is "
+                f"visible ({', '.join(DEVICE_NODES.values())}); its tests would run on the CPU "
+                "interpreter instead of the GPU"
+            )
         # The hybrid suite builds real models' configs with transformers (the `hybrid` extra).
         install_project(session, "test", *(["hybrid"] if suite == "hybrid" else []))
         if suite == "hybrid":

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,6 +170,25 @@ def test_uv_environments_get_pip_for_the_tools_that_call_it(noxfile, machine):
 
 def test_nox_prefers_uv_and_falls_back_to_venv(noxfile):
     assert noxfile.nox.options.default_venv_backend == "uv|venv"
+
+
+@pytest.mark.skipif(
+    any(os.path.exists(n) for n in ("/dev/nvidia0", "/dev/kfd")), reason="a GPU is visible here"
+)
+@pytest.mark.parametrize("suite", ["mla", "hybrid"])
+def test_a_gpu_cell_without_its_gpu_stops_instead_of_testing_the_cpu(suite, tmp_path):
+    """Real nox on this CPU machine, as a GPU step or pod would run the session: with the cell's
+    architecture set and no device node, the session stops, naming both, before installing or
+    running anything (it ran the CPU variant of the suite, and passed)."""
+    env = {**os.environ, matrix.ARCH_ENV: "sm_90"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "nox", "--no-venv", "-f", str(ROOT / "noxfile.py"), "-s", suite],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert f"{suite}: this cell targets sm_90 (PORTATTN_CELL_ARCH) but no GPU device node" in out
+    assert "pytest" not in out.split("aborted")[0].split("Running session")[-1], out
 
 
 # -- one pytest worker count ----------------------------------------------------------------------
