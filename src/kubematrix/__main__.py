@@ -33,6 +33,7 @@ from kubematrix.matrix import why_not_runnable as _why_not
 
 DEFAULT_RESULTS = "results/matrix"
 EXIT_NO_CLUSTER = 2  # the k8s runner found no usable cluster: nothing was run
+EXIT_NOTHING_TESTED = 4  # no selected cell ran a test here (none runnable, or all skipped)
 
 #: What ``--help`` says (the module's doc string is for developers).
 HELP = """\
@@ -216,6 +217,13 @@ def _run_matrix(args: argparse.Namespace) -> int:
     print(f"matrix: {status} (wall time {wall:.0f} s)")
     if no_cluster:
         return EXIT_NO_CLUSTER
+    if status == "not run":  # asked to run cells and none tested anything: never a green step
+        print(
+            f"matrix: none of the {len(results)} selected cells ran a test here (the summary "
+            "says why); exit status 4",
+            file=sys.stderr,
+        )
+        return EXIT_NOTHING_TESTED
     return 1 if status == "failed" else 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import re
 import subprocess
 import sys
@@ -467,3 +468,17 @@ def test_suite_cells_share_their_workers_queues():
     assert cmd[cmd.index("-n") : cmd.index("-n") + 4] == ["-n", "4", "--dist", "worksteal"]
     one = cell_command(cell, Path("r"), 1)
     assert "-n" not in one and "--dist" not in one
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="a CUDA device is visible here")
+def test_a_matrix_that_tests_nothing_is_no_green_step(tmp_path, capsys):
+    """``--backend cuda`` where there is no CUDA device: every cell is not run, and the command
+    says so and exits 4 (it exited 0, a green Buildkite step that tested nothing)."""
+    code = main(["matrix", "--backend", "cuda", "--suite", "mla", "--results", str(tmp_path)])
+    out = capsys.readouterr()
+    assert code == 4
+    assert out.out.splitlines()[-1].startswith("matrix: not run (wall time ")
+    assert "none of the 2 selected cells ran a test here" in out.err
+    assert {r.status for r in report.collect(all_cells(), tmp_path) if "mla-cuda" in r.cell} == {
+        "not run"
+    }
