@@ -145,17 +145,41 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if (args.sdists is None) == (not args.requirements):
         ap.error("give either --sdists DIR or requirements to download, not both or neither")
+    if args.sdists is not None and not sorted(args.sdists.glob("*.tar.gz")):
+        ap.error(f"--sdists {args.sdists} holds no *.tar.gz")
+    loose = [r for r in args.requirements if not _PINNED.fullmatch(r)]
+    if loose:
+        ap.error(f"requirements must be pinned as name==version; got {loose}")
+    try:  # before any download or build: a folder that cannot be made loses every wheel
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        ap.error(f"--out {args.out}: cannot make it ({exc})")
+    try:
+        _run(args, vendor, archs)
+    except subprocess.CalledProcessError as exc:
+        what = " ".join(str(a) for a in exc.cmd[:4])
+        print(f"mamba_wheels: `{what} ...` failed with exit status {exc.returncode} (its output is "
+              "above)", file=sys.stderr)  # fmt: skip
+        return 1
+    except ValueError as exc:  # an sdist that is not a Mamba extension, a setup.py changed
+        print(str(exc), file=sys.stderr)
+        return 1
+    return 0
+
+
+# A pinned requirement: ``name==version`` (what the Dockerfiles pass).
+_PINNED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9][A-Za-z0-9._+!-]*")
+
+
+def _run(args: argparse.Namespace, vendor: str, archs: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.sdists is not None:
             sdists = sorted(args.sdists.glob("*.tar.gz"))
-            if not sdists:
-                ap.error(f"--sdists {args.sdists} holds no *.tar.gz")
         else:
             sdists = _download(args.requirements, Path(tmp))
         # causal-conv1d first: mamba-ssm's Python code imports it where it is installed.
         sdists.sort(key=lambda p: not p.name.startswith("causal_conv1d"))
         build(sdists, args.out, vendor, archs)
-    return 0
 
 
 if __name__ == "__main__":

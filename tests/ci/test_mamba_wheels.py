@@ -142,3 +142,39 @@ def test_usage_errors_exit_2_naming_the_problem(tmp_path):
         [*run, "--arch", "sm_90", "--out", str(tmp_path), "x==1"], capture_output=True
     )
     assert bad.returncode == 2 and b"--arch must be CUDA capabilities" in bad.stderr
+
+
+def test_loose_requirements_and_an_unmakeable_out_are_usage_errors(tmp_path):
+    run = [sys.executable, str(ROOT / "tools" / "mamba_wheels.py"), "--arch", "9.0"]
+    loose = subprocess.run([*run, "--out", str(tmp_path), "mamba-ssm>=2"], capture_output=True)
+    assert loose.returncode == 2
+    assert b"requirements must be pinned as name==version; got ['mamba-ssm>=2']" in loose.stderr
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "wheels"
+    blocked = subprocess.run(
+        [*run, "--out", str(out), "mamba-ssm==2.3.2.post1"], capture_output=True
+    )
+    assert blocked.returncode == 2 and f"--out {out}: cannot make it".encode() in blocked.stderr
+
+
+def test_a_failed_build_exits_1_naming_the_step_without_a_traceback(tmp_path):
+    """An sdist without the asked architecture, and a setup.py that fails: one line each."""
+    sdists = tmp_path / "sdists"
+    sdists.mkdir()
+    _stand_in_sdist(sdists)
+    run = [sys.executable, str(ROOT / "tools" / "mamba_wheels.py"), "--sdists", str(sdists)]
+    missing = subprocess.run(
+        [*run, "--arch", "7.0", "--out", str(tmp_path / "w")], capture_output=True, text=True
+    )
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr, missing.stderr
+    assert "--arch ['70'] not among causal_conv1d-0.0.1.tar.gz's gencode" in missing.stderr
+    src = tmp_path / "broken" / "causal_conv1d-0.0.2"
+    src.mkdir(parents=True)
+    (src / "setup.py").write_text(SETUP_GENCODES + "raise SystemExit('setup.py fails')\n")
+    with tarfile.open(sdists / "causal_conv1d-0.0.2.tar.gz", "w:gz") as tar:
+        tar.add(src, arcname=src.name)
+    failed = subprocess.run(
+        [*run, "--arch", "9.0", "--out", str(tmp_path / "w")], capture_output=True, text=True
+    )
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr.split("mamba_wheels:")[-1]
+    assert "pip wheel ...` failed with exit status" in failed.stderr, failed.stderr
