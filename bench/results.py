@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 TITLES = {
     "paged": "Paged decode",
@@ -176,6 +177,33 @@ def render(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+SCHEMA = Path(__file__).with_name("schema.json")
+
+
+def _load(path: str) -> dict:
+    """A results document, checked against bench/schema.json (with jsonschema where installed,
+    else its version and top-level type); what is wrong ends the command naming the file."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        sys.exit(f"bench.results: {path}: cannot read a results document ({exc})")
+    if not isinstance(doc, dict) or doc.get("schema_version") != 1:
+        got = doc.get("schema_version") if isinstance(doc, dict) else type(doc).__name__
+        sys.exit(f"bench.results: {path}: schema_version must be 1; got {got!r}")
+    try:
+        import jsonschema
+    except ImportError:  # the GPU machines need not have it; bench.run writes the schema's shape
+        return doc
+    schema = json.loads(SCHEMA.read_text())
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(doc), key=str)
+    if errors:
+        where = "/".join(str(p) for p in errors[0].absolute_path) or "(top)"
+        sys.exit(f"bench.results: {path}: not a results document of bench/schema.json at {where}: "
+                 f"{errors[0].message}")  # fmt: skip
+    return doc
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.results", description=__doc__.split("\n")[0])
     ap.add_argument("results", nargs="+", help="JSON documents written by python -m bench.run")
@@ -183,14 +211,7 @@ def main(argv=None) -> int:
     ap.add_argument("--across-trees", action="store_true",
                     help="merge runs of different commits (each row names its run)")  # fmt: skip
     opts = ap.parse_args(argv)
-    docs = []
-    for path in opts.results:
-        with open(path) as f:
-            doc = json.load(f)
-        if doc.get("schema_version") != 1:
-            sys.exit(f"bench.results: {path}: schema_version must be 1; "
-                     f"got {doc.get('schema_version')!r}")  # fmt: skip
-        docs.append(doc)
+    docs = [_load(path) for path in opts.results]
     text = render(merge(docs, opts.across_trees) if len(docs) > 1 else docs[0])
     if opts.out:
         with open(opts.out, "w") as f:

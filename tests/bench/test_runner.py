@@ -168,7 +168,7 @@ def test_selections_and_the_output_are_checked_before_any_row_runs(argv, message
 
 def test_bench_layers_and_no_import_cycle():
     """bench/ has no import cycle; a family imports only the shared layers (core, inputs), never
-    another family or the runner; core imports no bench module; results is standard library."""
+    another family or the runner; core and results import no bench module."""
     graph = build_graph()
     assert not [c for c in find_cycles(graph) if c[0].source.startswith("bench")]
     for mod, edges in graph.items():
@@ -275,3 +275,23 @@ def test_a_rows_filter_that_matches_nothing_is_an_error(tmp_path, monkeypatch, c
     argv = ["--quick", "--only", "host", "--rows", "no such row", "--out", str(out)]
     assert run.main(argv) == 2
     assert "no row matches --rows 'no such row'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (None, "cannot read a results document ([Errno 2]"),
+        ("{not json", "cannot read a results document (Expecting property name"),
+        ("[]", "schema_version must be 1; got 'list'"),
+        ('{"schema_version": 2}', "schema_version must be 1; got 2"),
+        ('{"schema_version": 1, "rows": []}', "not a results document of bench/schema.json at"),
+    ],
+)
+def test_results_names_a_document_it_cannot_use(text, message, tmp_path):
+    """Instead of a traceback (or a KeyError deep in the table) for a file bench.run never wrote."""
+    path = tmp_path / "doc.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as info:
+        results.main([str(path)])
+    assert str(info.value).startswith(f"bench.results: {path}: {message}"), info.value
