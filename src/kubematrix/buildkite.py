@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import shlex
 import subprocess
 from collections.abc import Iterable, Sequence
@@ -165,8 +166,28 @@ def image_step(vendor: str, *, lanes: str, commit: str, root: str = ".") -> dict
         step["plugins"] = [{"kubernetes": {"podSpec": _builder_pod(step["command"])}}]
     else:
         step["command"] = refuse or images.docker_build_script(vendor, key, commit)
-        step["agents"] = {"queue": os.environ.get(IMAGE_QUEUE_ENV, DEFAULT_IMAGE_QUEUE)}
+        step["agents"] = {"queue": _setting(IMAGE_QUEUE_ENV, DEFAULT_IMAGE_QUEUE, _NO_SPACE)}
     return step
+
+
+_NO_SPACE = (re.compile(r"\S+"), "a name without spaces")
+_DNS_SUBDOMAIN = (
+    re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"),
+    "a Kubernetes object name (DNS-1123 subdomain)",
+)
+
+
+def _setting(env: str, default: str, rule: tuple[re.Pattern[str], str]) -> str:
+    """``$env`` (else ``default``), which must match ``rule``.
+
+    Raises:
+        ValueError: naming the variable and the rule.
+    """
+    value = os.environ.get(env, "").strip() or default
+    pattern, what = rule
+    if not pattern.fullmatch(value) or len(value) > 253:
+        raise ValueError(f"{env} must be {what}; got {value!r}")
+    return value
 
 
 def _builder_pod(command: str) -> dict[str, Any]:
@@ -176,7 +197,7 @@ def _builder_pod(command: str) -> dict[str, Any]:
         "containers": [
             {
                 "name": "build",
-                "image": os.environ.get(BUILDKIT_IMAGE_ENV, DEFAULT_BUILDKIT_IMAGE),
+                "image": _setting(BUILDKIT_IMAGE_ENV, DEFAULT_BUILDKIT_IMAGE, _NO_SPACE),
                 "command": ["/bin/sh", "-c"],
                 "args": [command],
                 "env": [
@@ -200,7 +221,9 @@ def _builder_pod(command: str) -> dict[str, Any]:
             {
                 "name": "registry-auth",
                 "secret": {
-                    "secretName": os.environ.get(REGISTRY_SECRET_ENV, DEFAULT_REGISTRY_SECRET),
+                    "secretName": _setting(
+                        REGISTRY_SECRET_ENV, DEFAULT_REGISTRY_SECRET, _DNS_SUBDOMAIN
+                    ),
                     "items": [{"key": ".dockerconfigjson", "path": "config.json"}],
                 },
             },

@@ -403,3 +403,20 @@ def test_pipeline_output_makes_its_folder_or_says_why_not(tmp_path, capsys):
     assert f"kubematrix pipeline: --output {blocker / 'pipeline.yml'}: cannot write it:" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "lanes", "rule"),
+    [
+        ("KUBEMATRIX_REGISTRY_SECRET", "Bad_Secret", "k8s", "a Kubernetes object name"),
+        ("KUBEMATRIX_BUILDKIT_IMAGE", "moby/buildkit latest", "k8s", "a name without spaces"),
+        ("KUBEMATRIX_IMAGE_QUEUE", "my queue", "queues", "a name without spaces"),
+    ],
+)
+def test_pipeline_settings_are_named_when_they_cannot_work(
+    env, value, lanes, rule, monkeypatch, capsys
+):
+    """Not a pipeline whose image pod Kubernetes refuses (or an agent queue nobody serves)."""
+    monkeypatch.setenv(env, value)
+    assert main(["pipeline", "--lanes", lanes]) == 2
+    assert f"kubematrix pipeline: {env} must be {rule}" in capsys.readouterr().err
