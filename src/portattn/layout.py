@@ -289,8 +289,8 @@ def empty_kv_cache(
     if layout == "NHD":
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         return (
-            torch.empty(shape, dtype=dtype, device=device),
-            torch.empty(shape, dtype=dtype, device=device),
+            _empty("empty_kv_cache", sizes, shape, dtype, device),
+            _empty("empty_kv_cache", sizes, shape, dtype, device),
         )
     x = shuffle_x(dtype)
     if head_dim % x or block_size % x:
@@ -298,13 +298,22 @@ def empty_kv_cache(
             f"empty_kv_cache: SHUFFLE needs head_dim and block_size divisible by x={x}; got "
             f"head_dim={head_dim}, block_size={block_size}"
         )
-    k = torch.empty(
-        (num_blocks, num_kv_heads, head_dim // x, block_size, x), dtype=dtype, device=device
-    )
-    v = torch.empty(
-        (num_blocks, num_kv_heads, block_size // x, head_dim, x), dtype=dtype, device=device
-    )
-    return k, v
+    k_shape = (num_blocks, num_kv_heads, head_dim // x, block_size, x)
+    v_shape = (num_blocks, num_kv_heads, block_size // x, head_dim, x)
+    k = _empty("empty_kv_cache", sizes, k_shape, dtype, device)
+    return k, _empty("empty_kv_cache", sizes, v_shape, dtype, device)
+
+
+def _empty(op: str, sizes: dict[str, Any], shape: tuple[int, ...], dtype, device) -> torch.Tensor:
+    """``torch.empty``; an allocation the device cannot hold re-raises torch's error (same type)
+    with the op, the bytes and the sizes asked for in front of torch's own words."""
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    except RuntimeError as exc:  # torch.OutOfMemoryError included
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        raise type(exc)(
+            f"{op}: cannot allocate {nbytes} bytes on {device} for sizes {sizes} ({exc})"
+        ) from exc
 
 
 # -- hybrid models: interleaved [K0][V0][S0][K1][V1][S1]... pages -----------------------------
@@ -345,7 +354,7 @@ def make_hybrid_cache(
     blk = block_size * num_kv_heads * head_dim
     state_elems = -(-mamba_state_bytes // esize)
     page = 2 * blk + state_elems
-    buffer = torch.empty(num_blocks * page, dtype=dtype, device=device)
+    buffer = _empty("make_hybrid_cache", sizes, (num_blocks * page,), dtype, device)
     if layout == "NHD":
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         strides = (page, num_kv_heads * head_dim, head_dim, 1)

@@ -311,3 +311,16 @@ def test_vector_width_is_claimed_only_for_aligned_contiguous_runs():
     wide_v = torch.zeros(2, 2, 2, 32, 16, dtype=torch.float16)[..., ::2]
     assert _pair(wide_k, wide_v) == (1, 1)
     assert _pair(wide_k, v) == (1, 8)
+
+
+@pytest.mark.parametrize("build", ["empty_kv_cache", "make_hybrid_cache"])
+def test_an_allocation_the_device_cannot_hold_names_the_builder_and_the_bytes(build):
+    """2**49 bytes, past any 47-bit address space: torch's allocator refuses; the error keeps
+    torch's type and words, with what was asked for in front."""
+    import portattn.layout as layout
+
+    kw = dict(mamba_state_bytes=64) if build == "make_hybrid_cache" else {}
+    with pytest.raises(
+        RuntimeError, match=rf"^{build}: cannot allocate \d+ bytes on cpu for sizes "
+    ):
+        getattr(layout, build)(2**31, 16, 8, 1024, **kw)
