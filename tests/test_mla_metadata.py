@@ -393,3 +393,9 @@ def test_cuda_graph_capture_and_replay(heads):
         graph.replay()
         eager = mla_decode(q, cache, bt, sl, kv_lora_rank=r, scale=dk**-0.5, metadata=md)
         torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+def test_a_builder_no_tile_can_serve_names_itself():
+    """The policy's reason, under the name of what the caller called."""
+    with pytest.raises(ValueError, match=r"^MlaMetadataBuilder: mla_decode_tiles: no tile fits"):
+        builder(dk=2**20, target=get_target("gfx942"))

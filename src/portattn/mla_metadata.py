@@ -171,19 +171,20 @@ class MlaMetadataBuilder:
         self.page_size = page_size
         elem = torch.empty((), dtype=dtype).element_size()
         # The one policy call: the launch consumes this object through every metadata.
-        self.tiles = mla_decode_tiles(
-            target,
-            MlaProblem(
-                num_heads,
-                head_dim_k,
-                kv_lora_rank,
-                elem,
-                self.max_tokens,
-                max_seq_len,
-                max_query_len,
-                gathers=page_size is not None and sm90_gathers(page_size, False),
-            ),
+        problem = MlaProblem(
+            num_heads,
+            head_dim_k,
+            kv_lora_rank,
+            elem,
+            self.max_tokens,
+            max_seq_len,
+            max_query_len,
+            gathers=page_size is not None and sm90_gathers(page_size, False),
         )
+        try:
+            self.tiles = mla_decode_tiles(target, problem)
+        except ValueError as exc:  # no tile fits the target: the builder's arguments ask for it
+            raise ValueError(f"{op}: {exc}") from None
         t = self.tiles
         splits = t.num_kv_splits if t.num_kv_splits > 1 else 0  # no workspace without splits
         self._partial_out = torch.empty(

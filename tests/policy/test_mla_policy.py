@@ -195,6 +195,9 @@ def test_smem_estimate_counts_prefetch_buffers():
 def test_fp32_latent_512_does_not_fit_64kb():
     with pytest.raises(ValueError, match=r"no tile fits gfx942's 65536 B .* use a 2-byte dtype"):
         mla_decode_tiles(get_target("gfx942"), problem(elem=4))
+    # a rank no dtype can serve gets no dtype advice
+    with pytest.raises(ValueError, match=r"no tile fits gfx942's .*needs \d+ B\)$"):
+        mla_decode_tiles(get_target("gfx942"), problem(dk=2**20, elem=2))
     # fp32 runs exact FMA dots: the narrowest tile at 8 warps, 2 stages, no prefetched rows, no
     # descriptors, never the wide tile (policy.mla.FP32_BLOCK_N: the 16-bit rule's N64 w4 spilled
     # 38 KB and overflowed sm_90's shared memory on an H100)

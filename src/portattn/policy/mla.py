@@ -368,11 +368,12 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
                     break
     if choice is None:
         smallest = mla_smem_bytes(target.mma_min_rows, 16, block_dv, block_dpe, 1, elem)
+        half = mla_smem_bytes(target.mma_min_rows, 16, block_dv, block_dpe, 1, 2)
+        hint = "; use a 2-byte dtype" if elem > 2 and half <= target.max_shared_mem else ""
         raise ValueError(
             f"mla_decode_tiles: no tile fits {target.arch}'s {target.max_shared_mem} B of shared "
             f"memory for kv_lora_rank={problem.kv_lora_rank}, head_dim_k={problem.head_dim_k}, "
-            f"{problem.elem_size}-byte elements (the smallest needs {smallest} B); use a 2-byte "
-            "dtype"
+            f"{problem.elem_size}-byte elements (the smallest needs {smallest} B){hint}"
         )
     block_h, block_n, stages, warps, smem = choice
     # narrow NVIDIA 16-bit tiles prefetch their rows where two latent buffers fit (fp32 spills)
