@@ -118,7 +118,7 @@ def _size(config: Any, name: str, *, minimum: int = 1, optional: bool = False) -
     return v
 
 
-def _inner(config: Any, what: str = "mamba intermediate size") -> int:
+def _inner(config: Any) -> int:
     """``int(config.mamba_expand * config.hidden_size)``, the Mamba inner width (>= 1)."""
     expand = getattr(config, "mamba_expand", None)
     if isinstance(expand, bool) or not isinstance(expand, (int, float)) or not expand > 0:
@@ -128,7 +128,8 @@ def _inner(config: Any, what: str = "mamba intermediate size") -> int:
     inner = int(expand * _size(config, "hidden_size"))
     if inner < 1:
         raise ValueError(
-            f"derive_block_size: the {what} (config.mamba_expand * config.hidden_size) must be "
+            "derive_block_size: the mamba intermediate size (config.mamba_expand * "
+            "config.hidden_size) must be "
             f">= 1; got {inner}"
         )
     return inner
