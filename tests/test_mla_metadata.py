@@ -270,6 +270,7 @@ def test_build_errors():
         (dict(device=2**70), "device must be a torch.device or a device string"),
         (dict(device="cuda:64"), r"device must be one this process sees \(\d+ CUDA/HIP devices\); "
          "got cuda:64"),
+        (dict(heads=2**63), r"num_heads must be < 2\*\*31; got 9223372036854775808"),
         (dict(max_batch=2**20, max_query_len=2**11),
          r"max_batch \* max_query_len \(the query rows a step may hold\) must be < 2\*\*31; "
          r"got 1048576 \* 2048"),

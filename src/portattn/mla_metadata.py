@@ -144,6 +144,8 @@ class MlaMetadataBuilder:
         ):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 errors.append(f"{name} must be an int >= 1; got {v!r}")
+            elif v >= 2**31 and name != "max_seq_len":  # the kernels index these in int32
+                errors.append(f"{name} must be < 2**31; got {v}")
         if page_size is not None and (
             not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1
         ):
