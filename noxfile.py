@@ -5,6 +5,7 @@ Sessions are thin: they install from pyproject.toml and call into src/. ``nox -l
 
 from __future__ import annotations
 
+import glob
 import os
 
 import nox
@@ -22,13 +23,14 @@ EXTRAS: dict[str, list[str]] = PYPROJECT["project"]["optional-dependencies"]
 TORCH_INDEX_ENV = "PORTATTN_TORCH_INDEX"
 # Set to 1 in the CI images: the image's environment is the one under test; install nothing.
 IMAGE_ENV = "PORTATTN_IMAGE"
-# A device node per GPU backend (checked without importing torch into nox).
-DEVICE_NODES = {"cuda": "/dev/nvidia0", "rocm": "/dev/kfd"}
+# A device-node glob per GPU backend (checked without importing torch into nox): a pod given one
+# GPU of eight sees only that GPU's node (``/dev/nvidia6``), so any index counts.
+DEVICE_NODES = {"cuda": "/dev/nvidia[0-9]*", "rocm": "/dev/kfd"}
 
 
 def _backend() -> str:
     """``cuda`` or ``rocm`` where such a device is visible, else ``cpu``."""
-    return next((b for b, node in DEVICE_NODES.items() if os.path.exists(node)), "cpu")
+    return next((b for b, node in DEVICE_NODES.items() if glob.glob(node)), "cpu")
 
 
 def _has_gpu() -> bool:
@@ -107,7 +109,8 @@ def compile_matrix(session: nox.Session) -> None:
 def gpu(session: nox.Session) -> None:
     """The GPU suites (bf16/fp16 at real shapes); needs a CUDA or ROCm device."""
     if not _has_gpu():
-        session.error("gpu: no CUDA/HIP device node (/dev/nvidia0 or /dev/kfd) on this machine")
+        nodes = " or ".join(DEVICE_NODES.values())
+        session.error(f"gpu: no CUDA/HIP device node ({nodes}) on this machine")
     install_project(session, "test")
     session.run("pytest", *_xdist(session), "-m", "gpu", *session.posargs)
 

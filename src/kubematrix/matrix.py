@@ -26,6 +26,7 @@ This module is pure data plus a few file-system checks: it never imports triton,
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import shutil
@@ -94,7 +95,8 @@ class Backend:
         name: ``"cpu-interpreter"``, ``"cuda"`` or ``"rocm"``.
         vendor: the Kubernetes vendor overlay (``"cuda"``, ``"rocm"``); ``None`` on CPU.
         archs: the GPU architectures of the backend's pools (one cell per arch), empty on CPU.
-        device_nodes: a device node whose presence means "this machine has such a GPU".
+        device_nodes: device-node globs, any match meaning "this machine has such a GPU" (a pod
+            given one GPU of eight sees only that GPU's node, e.g. ``/dev/nvidia6``).
         gpu_resource: the Kubernetes extended resource a pod asks for, ``None`` on CPU.
         queue: the Buildkite agent queue of the lane.
         env: environment the cell's tests run with.
@@ -169,7 +171,7 @@ BACKENDS: dict[str, Backend] = {
                 GpuArch("sm_90", "9.0", "H100 / H200"),
                 GpuArch("sm_100", "10.0", "B200 / GB200", experimental=_NO_POOL),
             ),
-            device_nodes=("/dev/nvidia0",),
+            device_nodes=("/dev/nvidia[0-9]*",),
             gpu_resource="nvidia.com/gpu",
             queue="gpu-cuda",
             paths=(
@@ -465,7 +467,7 @@ class Host:
 
     @classmethod
     def probe(cls) -> Host:
-        nodes = frozenset(n for b in BACKENDS.values() for n in b.device_nodes if os.path.exists(n))
+        nodes = frozenset(n for b in BACKENDS.values() for n in b.device_nodes if glob.glob(n))
         arch = {
             b.vendor: local_gpu_arch(b.vendor)
             for b in BACKENDS.values()

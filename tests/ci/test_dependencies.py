@@ -3,6 +3,7 @@ constraints/, torch from one configurable index, images tested as they are, one 
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import re
@@ -173,7 +174,7 @@ def test_nox_prefers_uv_and_falls_back_to_venv(noxfile):
 
 
 @pytest.mark.skipif(
-    any(os.path.exists(n) for n in ("/dev/nvidia0", "/dev/kfd")), reason="a GPU is visible here"
+    bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd")), reason="a GPU is visible here"
 )
 @pytest.mark.parametrize("suite", ["mla", "hybrid"])
 def test_a_gpu_cell_without_its_gpu_stops_instead_of_testing_the_cpu(suite, tmp_path):
@@ -189,6 +190,18 @@ def test_a_gpu_cell_without_its_gpu_stops_instead_of_testing_the_cpu(suite, tmp_
     assert proc.returncode != 0, out
     assert f"{suite}: this cell targets sm_90 (PORTATTN_CELL_ARCH) but no GPU device node" in out
     assert "pytest" not in out.split("aborted")[0].split("Running session")[-1], out
+
+
+def test_the_sessions_see_a_gpu_of_any_index(noxfile, monkeypatch):
+    """A pod given the seventh GPU of a node has ``/dev/nvidia6`` and no ``/dev/nvidia0``: its
+    GPU suite must run (it ran the CPU variant)."""
+    seen = {"/dev/nvidia[0-9]*": ["/dev/nvidia6"]}
+    monkeypatch.setattr(noxfile.glob, "glob", lambda pattern: seen.get(pattern, []))
+    assert noxfile._backend() == "cuda"
+    seen = {"/dev/kfd": ["/dev/kfd"]}
+    assert noxfile._backend() == "rocm"
+    seen = {}
+    assert noxfile._backend() == "cpu"
 
 
 # -- one pytest worker count ----------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import io
 import os
 import re
@@ -27,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # docs/design.md §3's architectures (the CI layer may not import portattn.platform).
 KNOWN_ARCHS = {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120", "gfx90a", "gfx942", "gfx950"}
 NO_GPU = Host(device_nodes=frozenset(), gpu_arch={}, compile_module=True)
-H100 = Host(frozenset({"/dev/nvidia0"}), {"cuda": "sm_90"}, compile_module=True)
-A100 = Host(frozenset({"/dev/nvidia0"}), {"cuda": "sm_80"}, compile_module=True)
+H100 = Host(frozenset({"/dev/nvidia[0-9]*"}), {"cuda": "sm_90"}, compile_module=True)
+A100 = Host(frozenset({"/dev/nvidia[0-9]*"}), {"cuda": "sm_80"}, compile_module=True)
 MI300_UNKNOWN_ARCH = Host(frozenset({"/dev/kfd"}), {"rocm": None}, compile_module=True)
 
 
@@ -110,7 +111,7 @@ def test_local_runner_runs_cpu_cells_and_says_why_not_gpu_cells():
     cpu, gpu = get_cell("paged-cpu-interpreter"), get_cell("paged-cuda-sm_90")
     assert matrix.why_not_runnable(cpu, "local", NO_GPU) is None
     assert matrix.why_not_runnable(gpu, "local", NO_GPU) == (
-        "no GPU (cuda): none of /dev/nvidia0 on this machine"
+        "no GPU (cuda): none of /dev/nvidia[0-9]* on this machine"
     )
     assert matrix.why_not_runnable(gpu, "local", H100) is None
     assert matrix.why_not_runnable(gpu, "local", A100) == (
@@ -322,7 +323,6 @@ def test_k8s_runner_summary_shows_a_job_cells_compile_time_and_hit_rate(
     # The pod runs the real entry point (kubematrix.cell) with the rendered Job's environment:
     # its test processes compile through the layered cache (real Triton compiles for sm_90, the
     # local layer only), and the counters reach the summary through the log alone.
-    import os
 
     from kubematrix.cachestats import REDIS_ENV, STATS_DIR_ENV
     from kubematrix.render import CELL_CONTAINER
@@ -470,7 +470,7 @@ def test_suite_cells_share_their_workers_queues():
     assert "-n" not in one and "--dist" not in one
 
 
-@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="a CUDA device is visible here")
+@pytest.mark.skipif(bool(glob.glob("/dev/nvidia[0-9]*")), reason="a CUDA device is visible here")
 def test_a_matrix_that_tests_nothing_is_no_green_step(tmp_path, capsys):
     """``--backend cuda`` where there is no CUDA device: every cell is not run, and the command
     says so and exits 4 (it exited 0, a green Buildkite step that tested nothing)."""
@@ -482,3 +482,19 @@ def test_a_matrix_that_tests_nothing_is_no_green_step(tmp_path, capsys):
     assert {r.status for r in report.collect(all_cells(), tmp_path) if "mla-cuda" in r.cell} == {
         "not run"
     }
+
+
+def test_a_gpu_of_any_index_is_a_gpu(monkeypatch):
+    """A pod given one GPU of eight sees only that GPU's node (``/dev/nvidia6``, no
+    ``/dev/nvidia0``): the host still has a CUDA GPU; ``/dev/nvidiactl`` alone is none."""
+    seen = {"/dev/nvidia[0-9]*": ["/dev/nvidia6"], "/dev/kfd": []}
+    monkeypatch.setattr(matrix.glob, "glob", lambda pattern: seen.get(pattern, []))
+    monkeypatch.setattr(matrix, "local_gpu_arch", lambda vendor: "sm_90")
+    host = Host.probe()
+    assert host.device_nodes == {"/dev/nvidia[0-9]*"} and host.gpu_arch == {"cuda": "sm_90"}
+    assert matrix.why_not_runnable(get_cell("mla-cuda-sm_90"), "local", host) is None
+    import fnmatch
+
+    for node, gpu in (("/dev/nvidia6", True), ("/dev/nvidia12", True), ("/dev/nvidiactl", False),
+                      ("/dev/nvidia-uvm", False), ("/dev/nvidia-modeset", False)):  # fmt: skip
+        assert fnmatch.fnmatch(node, "/dev/nvidia[0-9]*") == gpu, node
