@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Callable
 
 import nox
 from nox.command import CommandFailed
@@ -116,8 +117,9 @@ def gpu(session: nox.Session) -> None:
 
 
 # One session per kernel suite (pytest marker): what a matrix cell runs in a Buildkite step or a
-# Kubernetes Job (src/kubematrix/matrix.py). No GPU: TRITON_INTERPRET=1 and the CPU-sized tests;
-# a GPU: the whole suite on it, but the tests marked `cpu`. `compile` has its own session.
+# Kubernetes Job (src/kubematrix/matrix.py). No GPU, or TRITON_INTERPRET=1 (a CPU cell): the
+# interpreter and the CPU-sized tests; a GPU: the whole suite on it, but the tests marked `cpu`.
+# `compile` has its own session.
 MATRIX_SUITES = ("paged", "mla", "hybrid", "specdec", "policy")
 
 
@@ -148,9 +150,21 @@ def _mamba_extensions(session: nox.Session) -> None:
 CELL_ARCH_ENV = "PORTATTN_CELL_ARCH"
 
 
+#: The suite sessions by name (tests call them with a stand-in session).
+SUITE_SESSIONS: dict[str, Callable[[nox.Session], None]] = {}
+
+
 def _suite_session(suite: str) -> None:
     def run(session: nox.Session) -> None:
         arch = os.environ.get(CELL_ARCH_ENV)
+        # A CPU cell sets TRITON_INTERPRET=1: it asks for the interpreter variant, GPU or not
+        # (a CPU queue's agent may have one; the GPU variant under the interpreter is no cell).
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        if arch and interpret:
+            session.error(
+                f"{suite}: this cell targets {arch} ({CELL_ARCH_ENV}) but TRITON_INTERPRET=1 asks "
+                "for the CPU interpreter; a GPU cell runs without it"
+            )
         if arch and not _has_gpu():
             # A GPU cell on a machine without the device (a pod without its GPU, a mislabelled
             # agent) would run the CPU variant of the suite and pass, testing nothing on arch.
@@ -166,7 +180,7 @@ def _suite_session(suite: str) -> None:
         # tests/ci needs the `ci` extra and holds only `ci`-marked tests: not collected here.
         skip_ci = "--ignore=tests/ci"
         xdist = _xdist(session)
-        if _has_gpu():  # the whole suite on the device, but the CPU-only (`cpu`) tests
+        if _has_gpu() and not interpret:  # the whole suite on the device, but the `cpu` tests
             marker = f"{suite} and not cpu"
             session.run("pytest", skip_ci, *xdist, "-m", marker, *session.posargs)
         else:
@@ -175,6 +189,7 @@ def _suite_session(suite: str) -> None:
             session.run("pytest", skip_ci, *xdist, "-m", marker, *session.posargs, env=env)
 
     run.__doc__ = f"Matrix suite {suite}: pytest -m {suite} (TRITON_INTERPRET=1 without a GPU)."
+    SUITE_SESSIONS[suite] = run
     nox.session(name=suite, default=False)(run)
 
 

@@ -192,6 +192,39 @@ def test_a_gpu_cell_without_its_gpu_stops_instead_of_testing_the_cpu(suite, tmp_
     assert "pytest" not in out.split("aborted")[0].split("Running session")[-1], out
 
 
+@pytest.mark.parametrize(
+    ("backend", "interpret", "marker"),
+    [("cuda", False, "mla and not cpu"), ("cuda", True, "mla and not gpu"),
+     ("rocm", True, "mla and not gpu"), ("cpu", False, "mla and not gpu")],
+)  # fmt: skip
+def test_a_cpu_cell_runs_the_interpreter_variant_even_where_a_gpu_is(
+    noxfile, machine, monkeypatch, backend, interpret, marker
+):
+    """A CPU cell (``TRITON_INTERPRET=1``, as every runner sets it) on an agent that happens to
+    have a GPU ran the GPU variant under the interpreter; it asks for the CPU variant."""
+    machine(backend)
+    monkeypatch.setenv(noxfile.IMAGE_ENV, "1")  # as in the CI images: nothing to install
+    monkeypatch.delenv(noxfile.CELL_ARCH_ENV, raising=False)
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    session = FakeSession()
+    noxfile.SUITE_SESSIONS["mla"](session)
+    (pytest_run,) = [r for r in session.runs if r[0] == "pytest"]
+    assert pytest_run[pytest_run.index("-m") + 1] == marker
+
+
+def test_a_gpu_cell_under_the_interpreter_is_refused(noxfile, machine, monkeypatch):
+    machine("cuda")
+    monkeypatch.setenv(noxfile.CELL_ARCH_ENV, "sm_90")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(
+        RuntimeError, match="targets sm_90 .* but TRITON_INTERPRET=1 asks for the CPU"
+    ):
+        noxfile.SUITE_SESSIONS["specdec"](FakeSession())
+
+
 def test_the_sessions_see_a_gpu_of_any_index(noxfile, monkeypatch):
     """A pod given the seventh GPU of a node has ``/dev/nvidia6`` and no ``/dev/nvidia0``: its
     GPU suite must run (it ran the CPU variant)."""
