@@ -181,7 +181,9 @@ def test_a_gpu_cell_without_its_gpu_stops_instead_of_testing_the_cpu(suite, tmp_
     """Real nox on this CPU machine, as a GPU step or pod would run the session: with the cell's
     architecture set and no device node, the session stops, naming both, before installing or
     running anything (it ran the CPU variant of the suite, and passed)."""
-    env = {**os.environ, matrix.ARCH_ENV: "sm_90"}
+    # a GPU cell's environment: its architecture, no interpreter (the gate's pytest has one)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env[matrix.ARCH_ENV] = "sm_90"
     proc = subprocess.run(
         [sys.executable, "-m", "nox", "--no-venv", "-f", str(ROOT / "noxfile.py"), "-s", suite],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
