@@ -260,11 +260,15 @@ def _run_k8s(
             from kubematrix import k8s
 
             namespace = os.environ.get("KUBEMATRIX_NAMESPACE", k8s.DEFAULT_NAMESPACE)
-            api = k8s.connect(namespace)
         except ImportError as exc:
             why = f"the Kubernetes client is not installed ({exc})"
-        except Exception as exc:  # k8s.NoCluster: configured nowhere, or unusable
-            why = str(exc)
+        else:
+            # a setting no Job can be made with is a usage error, named before a cluster is asked
+            k8s.render_cells(gpu, namespace=namespace, commit=k8s.git_commit())
+            try:
+                api = k8s.connect(namespace)
+            except Exception as exc:  # k8s.NoCluster: configured nowhere, or unusable
+                why = str(exc)
         if api is None:
             print(f"matrix: {len(cells)} cells; runner k8s: {why}; nothing run", flush=True)
             refused = [

@@ -108,6 +108,30 @@ def connect(
     return api
 
 
+def render_cells(cells: Sequence[Cell], *, namespace: str, commit: str) -> list[dict]:
+    """The Jobs of matrix GPU ``cells`` (no cluster asked): what `run_cells` launches.
+
+    Raises:
+        ValueError: a CPU cell, or a setting or argument no Job can be made with (naming it).
+    """
+    cpu = [c.name for c in cells if c.spec.vendor is None]
+    if cpu:
+        raise ValueError(f"run_cells: cells must be GPU cells; got CPU cells {cpu}")
+    return [
+        render_job(
+            vendor=c.spec.vendor or "",
+            suite=c.suite,
+            session=c.nox_session,
+            image=default_image(c.spec.vendor or "", commit),
+            commit=commit,
+            cell=c.name,
+            arch=c.target,
+            namespace=namespace,
+        )
+        for c in cells
+    ]
+
+
 def run_cells(
     cells: Sequence[Cell],
     results_dir: Path | str,
@@ -124,31 +148,16 @@ def run_cells(
     cluster every cell is reported as an error saying so.
 
     Raises:
-        ValueError: a cell is not a GPU cell (CPU cells run on this machine).
+        ValueError: as `render_cells`, before any cluster is asked.
     """
-    cpu = [c.name for c in cells if c.spec.vendor is None]
-    if cpu:
-        raise ValueError(f"run_cells: cells must be GPU cells; got CPU cells {cpu}")
     out = Path(results_dir)
     namespace = namespace or os.environ.get("KUBEMATRIX_NAMESPACE", DEFAULT_NAMESPACE)
     commit = commit or git_commit()
+    jobs = render_cells(cells, namespace=namespace, commit=commit)
     try:
         api = api or connect(namespace, timeouts=timeouts)
     except NoCluster as exc:
         return [report.not_run(c, str(exc), status="error") for c in cells]
-    jobs = [
-        render_job(
-            vendor=c.spec.vendor or "",
-            suite=c.suite,
-            session=c.nox_session,
-            image=default_image(c.spec.vendor or "", commit),
-            commit=commit,
-            cell=c.name,
-            arch=c.target,
-            namespace=namespace,
-        )
-        for c in cells
-    ]
     launcher = Launcher(api, namespace, timeouts=timeouts)
     results = []
     for cell, r in zip(cells, launcher.run_many(jobs, max_parallel=max_parallel), strict=True):

@@ -498,3 +498,15 @@ def test_a_gpu_of_any_index_is_a_gpu(monkeypatch):
     for node, gpu in (("/dev/nvidia6", True), ("/dev/nvidia12", True), ("/dev/nvidiactl", False),
                       ("/dev/nvidia-uvm", False), ("/dev/nvidia-modeset", False)):  # fmt: skip
         assert fnmatch.fnmatch(node, "/dev/nvidia[0-9]*") == gpu, node
+
+
+def test_k8s_runner_names_a_bad_setting_before_asking_for_a_cluster(tmp_path, monkeypatch, capsys):
+    """Not 'no cluster configured' (or, with one, an error after the CPU cells started)."""
+    _no_kubeconfig(tmp_path, monkeypatch)
+    monkeypatch.setenv("KUBEMATRIX_REGISTRY", "https://registry.example")
+    code = main(
+        ["matrix", "--runner", "k8s", "--cell", "mla-cuda-sm_90", "--results", str(tmp_path)]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "kubematrix matrix: KUBEMATRIX_REGISTRY must be a registry" in err, err
+    assert "no cluster" not in err
