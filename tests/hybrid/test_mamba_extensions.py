@@ -8,6 +8,7 @@ reports the missing package rather than only the missing device.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -29,10 +30,23 @@ SCAN_SHAPES = ((2, 1024, 16, 512), (1, 768, 64, 300))
 
 
 def _import(name: str, reason: str):
+    """The extension module; skip without it, but fail in a CI image, which is built with it (a
+    broken build there must not pass the hybrid cell as a skip)."""
     try:
         return __import__(name, fromlist=["_"])
-    except (ImportError, OSError):  # OSError: an extension built for another torch/driver
+    except (ImportError, OSError) as exc:  # OSError: an extension built for another torch/driver
+        if os.environ.get("PORTATTN_IMAGE") == "1":
+            pytest.fail(f"{name} must import in the CI image (built into it); got {exc!r}")
         pytest.skip(reason)
+
+
+def test_a_missing_extension_skips_outside_the_image_and_fails_in_it(monkeypatch):
+    monkeypatch.delenv("PORTATTN_IMAGE", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="not installed"):
+        _import("portattn_no_such_extension", "portattn_no_such_extension not installed")
+    monkeypatch.setenv("PORTATTN_IMAGE", "1")
+    with pytest.raises(pytest.fail.Exception, match="must import in the CI image"):
+        _import("portattn_no_such_extension", "portattn_no_such_extension not installed")
 
 
 def _cuda() -> str:
