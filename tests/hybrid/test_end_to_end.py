@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
-import os
 import inspect
+import os
 import sys
 
 import pytest
