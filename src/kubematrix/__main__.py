@@ -253,6 +253,7 @@ def _run_k8s(
     gpu = [c for c in cells if c.spec.is_gpu]
     cpu = [c for c in cells if not c.spec.is_gpu]
     api: Any = None
+    jobs: list[dict] = []
     if gpu:
         try:
             # Imported here: the kubernetes client is an optional dependency (the `ci` extra),
@@ -264,7 +265,7 @@ def _run_k8s(
             why = f"the Kubernetes client is not installed ({exc})"
         else:
             # a setting no Job can be made with is a usage error, named before a cluster is asked
-            k8s.render_cells(gpu, namespace=namespace, commit=k8s.git_commit())
+            jobs = k8s.render_cells(gpu, namespace=namespace, commit=k8s.git_commit())
             try:
                 api = k8s.connect(namespace)
             except Exception as exc:  # k8s.NoCluster: configured nowhere, or unusable
@@ -307,7 +308,7 @@ def _run_k8s(
         thread.start()
     results: dict[str, report.CellResult] = {}
     try:
-        launched = list(k8s.run_cells(gpu, out, api=api)) if gpu else []
+        launched = list(k8s.run_cells(gpu, out, api=api, jobs=jobs)) if gpu else []
     finally:
         if cpu:
             if sys.exc_info()[0] is not None:

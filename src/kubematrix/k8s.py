@@ -141,8 +141,11 @@ def run_cells(
     commit: str | None = None,
     max_parallel: int = 4,
     timeouts: Timeouts | None = None,
+    jobs: list[dict] | None = None,
 ) -> list[report.CellResult]:
     """Matrix GPU cells as Jobs -> their results, as the local runner reports them.
+
+    ``jobs``: the cells' Jobs if the caller already rendered them (`render_cells`).
 
     The JUnit report of each cell is written to ``cell.junit_path(results_dir)``. Without a
     cluster every cell is reported as an error saying so.
@@ -152,8 +155,8 @@ def run_cells(
     """
     out = Path(results_dir)
     namespace = namespace or os.environ.get("KUBEMATRIX_NAMESPACE", DEFAULT_NAMESPACE)
-    commit = commit or git_commit()
-    jobs = render_cells(cells, namespace=namespace, commit=commit)
+    if jobs is None:
+        jobs = render_cells(cells, namespace=namespace, commit=commit or git_commit())
     try:
         api = api or connect(namespace, timeouts=timeouts)
     except NoCluster as exc:
