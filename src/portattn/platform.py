@@ -109,14 +109,16 @@ def get_target(arch: str) -> Target:
     Raises:
         TypeError: ``arch`` is not a string. ValueError: no such entry.
     """
+    return _lookup(arch, "get_target: arch")
+
+
+def _lookup(arch: object, what: str) -> Target:
+    """``TARGETS[arch]``; errors begin with ``what`` (the argument or variable named)."""
     if not isinstance(arch, str):
-        raise TypeError(f"get_target: arch must be a str, one of {sorted(TARGETS)}; got {arch!r}")
-    try:
-        return TARGETS[arch]
-    except KeyError:
-        raise ValueError(
-            f"get_target: arch must be one of {sorted(TARGETS)}; got {arch!r}"
-        ) from None
+        raise TypeError(f"{what} must be a str, one of {sorted(TARGETS)}; got {arch!r}")
+    if arch not in TARGETS:
+        raise ValueError(f"{what} must be one of {sorted(TARGETS)}; got {arch!r}")
+    return TARGETS[arch]
 
 
 def set_target_override(target: Target | str | None) -> None:
@@ -131,12 +133,7 @@ def set_target_override(target: Target | str | None) -> None:
     """
     global _override
     if isinstance(target, str):
-        if target not in TARGETS:
-            raise ValueError(
-                f"set_target_override: target must be one of {sorted(TARGETS)} by name; got "
-                f"{target!r}"
-            )
-        target = TARGETS[target]
+        target = _lookup(target, "set_target_override: target")
     elif target is not None and not isinstance(target, Target):
         raise TypeError(
             "set_target_override: target must be a portattn Target, an arch name (one of "
@@ -272,10 +269,4 @@ def _env_target() -> Target | None:
         ValueError: naming the variable, when it names no arch of `TARGETS`.
     """
     env = os.environ.get("PORTATTN_TARGET")
-    if not env:
-        return None
-    if env not in TARGETS:
-        raise ValueError(
-            f"PORTATTN_TARGET must be one of {sorted(TARGETS)} (or unset); got {env!r}"
-        )
-    return TARGETS[env]
+    return _lookup(env, "PORTATTN_TARGET (when set)") if env else None

@@ -64,7 +64,7 @@ def test_a_bad_portattn_target_is_named_as_the_variable(value, monkeypatch):
     """Not as get_target's argument: the user set an environment variable, not an argument."""
     monkeypatch.setenv("PORTATTN_TARGET", value)
     message = re.escape(
-        f"PORTATTN_TARGET must be one of {sorted(TARGETS)} (or unset); got {value!r}"
+        f"PORTATTN_TARGET (when set) must be one of {sorted(TARGETS)}; got {value!r}"
     )
     with pytest.raises(ValueError, match=message):
         target_for_tensor(torch.empty(1))
