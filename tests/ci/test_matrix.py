@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import io
 import os
@@ -493,8 +494,6 @@ def test_a_gpu_of_any_index_is_a_gpu(monkeypatch):
     host = Host.probe()
     assert host.device_nodes == {"/dev/nvidia[0-9]*"} and host.gpu_arch == {"cuda": "sm_90"}
     assert matrix.why_not_runnable(get_cell("mla-cuda-sm_90"), "local", host) is None
-    import fnmatch
-
     for node, gpu in (("/dev/nvidia6", True), ("/dev/nvidia12", True), ("/dev/nvidiactl", False),
                       ("/dev/nvidia-uvm", False), ("/dev/nvidia-modeset", False)):  # fmt: skip
         assert fnmatch.fnmatch(node, "/dev/nvidia[0-9]*") == gpu, node
