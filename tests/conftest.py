@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
 import pytest
-import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_GPU = torch.cuda.is_available()
+
+
+@functools.cache
+def has_gpu() -> bool:
+    """Whether torch sees a GPU. Asked only where tests are collected or run: the xdist controller
+    of a cell never imports torch (a few seconds of every cell's start on a GPU host)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _is_xdist_controller(config) -> bool:
+    """The process that only hands tests to pytest-xdist workers (it collects and runs none)."""
+    return "PYTEST_XDIST_WORKER" not in os.environ and bool(
+        getattr(config.option, "numprocesses", None)
+    )
 
 
 # Runs first in a GPU cell: the check that the cell's GPU is the architecture it targets.
@@ -21,7 +36,11 @@ def pytest_configure(config):
     N workers at every core's thread each oversubscribe the machine N times over. On a GPU the
     references run on the device, and torch's low-precision baseline keeps full-precision
     reductions there (as on a CPU), so the tolerance rule's yardstick is the same on both."""
-    if HAS_GPU:
+    if _is_xdist_controller(config):
+        return
+    import torch
+
+    if has_gpu():
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -50,7 +69,7 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA/HIP device (marker gpu)")
     cpu_only = pytest.mark.skip(reason="CPU-cell test (marker cpu): runs with TRITON_INTERPRET=1")
     for item in items:
-        if "gpu" in item.keywords and not HAS_GPU:
+        if "gpu" in item.keywords and not has_gpu():
             item.add_marker(skip)
         if item.get_closest_marker("cpu") and not INTERPRET:
             item.add_marker(cpu_only)
@@ -62,7 +81,7 @@ def device() -> str:
     TRITON_INTERPRET=1, else the GPU. Every tensor a case hands to an op (caches, block tables,
     slot mappings, seq_lens, query_start_loc) is made on it, so a test that passes on the CPU
     runs unchanged in a GPU cell; tests that need CPU tensors by design are marked ``cpu``."""
-    if INTERPRET or not HAS_GPU:
+    if INTERPRET or not has_gpu():
         if not INTERPRET:
             pytest.skip("kernel tests need TRITON_INTERPRET=1 (CPU) or a GPU")
         return "cpu"

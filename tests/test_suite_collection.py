@@ -62,3 +62,23 @@ def test_suite_markers_are_the_matrix_pytest_suites():
     from kubematrix.matrix import SUITES
 
     assert set(SUITE_MARKERS) == {s for s in SUITES if s != "compile"}
+
+
+def test_the_xdist_controller_of_a_cell_does_not_import_torch():
+    """A cell's pytest-xdist controller only hands out tests: importing torch there (and asking
+    for a GPU) would add seconds to every cell's start before any worker exists."""
+    code = textwrap.dedent(
+        """
+        import sys, types
+        import tests.conftest as conftest
+        config = types.SimpleNamespace(option=types.SimpleNamespace(numprocesses=8))
+        conftest.pytest_configure(config)
+        assert conftest._is_xdist_controller(config)
+        print(sorted(m for m in ("torch", "triton", "portattn") if m in sys.modules))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "[]"
