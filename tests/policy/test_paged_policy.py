@@ -182,11 +182,12 @@ EXACT = [
         _problem(num_q_heads=8, head_dim=128, shuffled=True),
         PagedTiles(16, 16, 1, 64, 128, LaunchOptions(4, 2, maxnreg=128), 65536 + 4096 + 2048),
     ),
-    # head_dim 64 keeps the narrow 32-token tile (the cap is for head_dim 128 only)
+    # head_dim 64 keeps NHD's 64-token tile uncapped (80 registers: 6 programs an SM; a cap of
+    # 128 made ptxas take 126)
     (
         "sm_90",
         _problem(num_q_heads=8, head_dim=64, shuffled=True),
-        PagedTiles(16, 16, 1, 32, 64, LaunchOptions(4, 2), 16384 + 2048 + 1024),
+        PagedTiles(16, 16, 1, 64, 64, LaunchOptions(4, 2), 32768 + 2048 + 2048),
     ),
     (
         "gfx950",  # 64 lanes: 7168 / 256 = 28 <= 64 -> 4 warps (166 VGPRs, no spills)
@@ -388,7 +389,7 @@ def test_16_bit_shuffle_takes_nhd_tiles_up_to_head_dim_128(arch):
     gets NHD's tiles and warps; the exceptions are head_dim 256 (the per-program words bound
     halves block_n), NHD's wide tile (sm_100), and the cache-order reads' decode row tiles on
     sm_90 (head_dim == BLOCK_D): a 32-token KV tile (`SHUFFLE_NARROW_BLOCK_N`), or at head_dim 128
-    NHD's tile under a register cap (`SHUFFLE_REG_CAP`)."""
+    NHD's tile under a register cap (`SHUFFLE_REG_CAP`), or at head_dim 64 NHD's tile."""
     from portattn.policy import paged as paged_policy
 
     target = get_target(arch)
@@ -408,6 +409,8 @@ def test_16_bit_shuffle_takes_nhd_tiles_up_to_head_dim_128(arch):
         if narrow and hd == 128 and (nhd.block_n, nhd.num_warps) == (64, 4):
             assert shuffle.block_n == nhd.block_n, (hd, hq, hkv, mql)
             assert shuffle.options == LaunchOptions(4, nhd.options.num_stages, maxnreg=128)
+        elif narrow and hd == 64 and nhd.block_n <= 64:
+            assert shuffle == nhd, (hd, hq, hkv, mql)
         elif narrow:
             block_n = min(nhd.block_n, paged_policy.SHUFFLE_NARROW_BLOCK_N)
             assert shuffle.block_n == block_n, (hd, hq, hkv, mql)
@@ -501,7 +504,8 @@ def test_decode_row_tile_only_when_it_differs_and_is_exceeded():
 @pytest.mark.parametrize(
     ("arch", "dtype_bytes", "head_dim", "shuffled", "narrow"),
     [
-        ("sm_90", 2, 64, True, True),
+        ("sm_90", 2, 32, True, True),
+        ("sm_90", 2, 64, True, False),  # head_dim 64: NHD's tile, uncapped
         ("sm_90", 2, 128, False, False),  # NHD keeps its tile
         ("sm_90", 2, 80, True, False),  # head_dim < BLOCK_D: no cache-order reads
         ("sm_90", 4, 128, True, False),  # fp32

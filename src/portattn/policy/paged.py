@@ -66,6 +66,9 @@ SHUFFLE_REG_CAP = 128
 SHUFFLE_REG_CAP_BLOCK_D = (128,)
 SHUFFLE_REG_CAP_BLOCK_N = 64
 SHUFFLE_REG_CAP_WARPS = 4
+#: ... and at head_dim 64 NHD's tile as it is: 64 tokens take 80 registers there (6 programs an
+#: SM), and the 32-token tile keeps half of NHD's bytes in flight.
+SHUFFLE_FULL_BLOCK_D = (64,)
 #: Runs (block_d // x) -> the most tokens a cache-order tile may take: the shapes a GPU ran
 #: right (Triton 3.6 builds 4 runs x 64 tokens wrong on sm_90).
 SHUFFLE_LINES_MAX_N = {4: 32, 8: 64, 16: 64, 32: 32}
@@ -379,7 +382,7 @@ def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
         bound (`MAX_WORDS_8_WARPS`, fp32 on NVIDIA `FP32_MAX_WORDS`; block_n 16 always
         passes), ``block_m`` halved until one fits; warps by `_num_warps`.
       * SHUFFLE decode tiles read in cache order take at most `SHUFFLE_NARROW_BLOCK_N` tokens,
-        or at head_dim 128 NHD's tile under `SHUFFLE_REG_CAP`.
+        or at head_dim 128 NHD's tile under `SHUFFLE_REG_CAP`, or at head_dim 64 NHD's tile.
       * ``decode``: a ``max_query_len == 1`` problem's row tile where it differs and is exceeded;
         ``num_splits`` from `split_count`.
 
@@ -454,6 +457,16 @@ def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
             target.arch, p.head_dim, block_d, SHUFFLE_NARROW_BLOCK_N, p.elem_bytes
         )
     )
+    if (
+        narrow
+        and block_d in SHUFFLE_FULL_BLOCK_D
+        and cache_order_reads(
+            target.arch, p.head_dim, block_d, SHUFFLE_REG_CAP_BLOCK_N, p.elem_bytes
+        )
+    ):
+        full = _ladder_tiles(target, p, block_m, block_d, max_stages, max_words, False)
+        if full.block_n <= SHUFFLE_REG_CAP_BLOCK_N:
+            return full
     if (
         narrow
         and block_d in SHUFFLE_REG_CAP_BLOCK_D
