@@ -53,36 +53,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def commit_of(root: str = ROOT, *, from_env: bool = True) -> str:
     """``$BENCH_COMMIT`` if set; else ``<root>/COMMIT``'s text (an exported tree); else, where
-    ``root`` is a repository's top level, ``HEAD``'s short hash, or ``HEAD+tree:<hash>`` when the
-    working tree differs from ``HEAD`` (the git tree hash of the tree as it ran, built in a
-    scratch index: a tree copied onto a GPU machine over a stale ``.git`` still names what ran;
-    ``git log --all --format='%h %T' | grep <hash>`` finds its commit); ``unknown`` without
-    git."""
+    ``root`` is a repository's top level, `kubematrix.checkout.describe`'s label (``HEAD``'s
+    short hash, or ``HEAD+tree:<hash>`` when the working tree differs from it); ``unknown``
+    without git."""
     if from_env and os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
     stamp = os.path.join(root, "COMMIT")  # an exported tree names its commit in a file
     if os.path.isfile(stamp):
         with open(stamp) as f:
             return f.read().strip() or "unknown"
-
-    def git(*args, env=None) -> str:
-        return subprocess.run(["git", *args], cwd=root, env=env, capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
+    from kubematrix import checkout  # here: a --compare child may import an older kubematrix
 
     try:
         # a folder inside another repository (an exported old tree) is not that repository's HEAD
-        if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.realpath(root):
-            return "unknown"
-        head = git("rev-parse", "--short", "HEAD")
-        if not git("status", "--porcelain"):
-            return head
-        with tempfile.TemporaryDirectory() as tmp:
-            env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
-            git("read-tree", "HEAD", env=env)
-            git("add", "-A", env=env)
-            return f"{head}+tree:{git('write-tree', env=env)[:12]}"
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root,
+                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    if os.path.realpath(top) != os.path.realpath(root):
+        return "unknown"
+    return checkout.describe(root, short=7)
 
 
 def run_families(families, ctx: core.Context, log=sys.stderr) -> dict:
@@ -252,6 +242,8 @@ def parse(argv=None):
         ap.error(f"--only: unknown families {unknown}; choose from {list(FAMILIES)}")
     if opts.rounds < 1 or opts.reps < 1:
         ap.error(f"--rounds and --reps must be >= 1; got {opts.rounds}, {opts.reps}")
+    if opts.rounds > 1 and not opts.compare:  # it would run each row once, silently
+        ap.error(f"--rounds {opts.rounds} counts --compare's runs a side; give --compare too")
     if opts.out:  # before hours of rows, not after them
         folder = os.path.dirname(os.path.abspath(opts.out))
         try:

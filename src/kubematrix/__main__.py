@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kubematrix import buildkite, images, report
+from kubematrix import buildkite, checkout, images, report
 from kubematrix.local import run_local
 from kubematrix.matrix import BACKENDS, RUNNERS, SUITES, Cell, Host, all_cells, select_cells
 from kubematrix.matrix import why_not_runnable as _why_not
@@ -197,7 +197,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
     cells = _cells(args)
     out = _results_folder("matrix", args.results)
     _clear_cell_files(cells, out)
-    commit = _git_commit()  # what is tested is what was checked out when the run began
+    tested = _tested(args.runner)  # the working tree when the run began
     start = time.monotonic()
     no_cluster = False
     if args.runner == "local":
@@ -205,7 +205,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
     else:
         results, no_cluster = _run_k8s(cells, out, args)
     wall = time.monotonic() - start
-    context = f"runner `{args.runner}`, commit `{commit}`, wall time {wall:.0f} s"
+    context = f"runner `{args.runner}`, {tested}, wall time {wall:.0f} s"
     files = report.write_summary(results, out, context=context)
     print()
     print(report.summary_table(results), end="")
@@ -227,14 +227,14 @@ def _run_matrix(args: argparse.Namespace) -> int:
     return 1 if status == "failed" else 0
 
 
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return out.stdout.strip()
+def _tested(runner: str) -> str:
+    """What the summary says was tested: the working tree's commit (`checkout.describe`, marked
+    where the tree differs from ``HEAD``); under the k8s runner, whose Jobs check out ``HEAD``,
+    both where they differ."""
+    tree, head = checkout.describe(), checkout.describe(dirty=False)
+    if runner == "local" or tree == head:
+        return f"commit `{tree}`"
+    return f"commit `{head}` (GPU Jobs), this machine's cells `{tree}`"
 
 
 def _run_k8s(

@@ -153,11 +153,12 @@ def test_unknown_family_is_refused(capsys):
         (["--rows", ","], "--rows must name at least one, comma-separated; got ','"),
         (["--out", "{tmp}"], "--out {tmp}: not a file this process can write"),
         (["--out", "{tmp}/a-file/r.json"], "--out {tmp}/a-file/r.json: cannot make its folder"),
+        (["--rounds", "3"], "--rounds 3 counts --compare's runs a side; give --compare too"),
     ],
 )
 def test_selections_and_the_output_are_checked_before_any_row_runs(argv, message, tmp_path, capsys):
     """An empty selection would run every row; an output that cannot be written would lose them
-    at the end of the run."""
+    at the end of the run; rounds without a comparison would run each row once."""
     (tmp_path / "a-file").write_text("")
     with pytest.raises(SystemExit):
         run.parse([a.format(tmp=tmp_path) for a in argv])

@@ -1,0 +1,74 @@
+"""`kubematrix.checkout.describe` on real git repositories: the label a run's report carries
+names the tree that ran, not a commit it differs from."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from kubematrix import checkout
+from kubematrix.__main__ import main
+
+
+def _git(repo, *args) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                          text=True).stdout.strip()  # fmt: skip
+
+
+@pytest.fixture
+def repo(tmp_path):
+    r = tmp_path / "repo"
+    r.mkdir()
+    _git(r, "init", "-q")
+    _git(r, "config", "user.email", "t@example.com")
+    _git(r, "config", "user.name", "t")
+    (r / ".gitignore").write_text("ignored/\n")
+    (r / "a.py").write_text("x = 1\n")
+    _git(r, "add", "-A")
+    _git(r, "commit", "-qm", "one")
+    return r
+
+
+def test_a_clean_checkout_is_its_commit(repo):
+    assert checkout.describe(repo) == _git(repo, "rev-parse", "--short=12", "HEAD")
+    assert checkout.describe(repo, short=7) == _git(repo, "rev-parse", "--short=7", "HEAD")
+    (repo / "ignored").mkdir()
+    (repo / "ignored" / "cache.bin").write_text("not source")  # ignored files change nothing
+    assert checkout.describe(repo) == _git(repo, "rev-parse", "--short=12", "HEAD")
+
+
+@pytest.mark.parametrize("change", ["edit", "untracked", "delete"])
+def test_a_changed_tree_names_the_tree_that_ran(repo, change):
+    head = _git(repo, "rev-parse", "--short=12", "HEAD")
+    index_before = (repo / ".git" / "index").read_bytes()
+    if change == "edit":
+        (repo / "a.py").write_text("x = 2\n")
+    elif change == "untracked":
+        (repo / "b.py").write_text("y = 1\n")
+    else:
+        (repo / "a.py").unlink()
+    label = checkout.describe(repo)
+    assert label.startswith(f"{head}+tree:") and len(label) == len(head) + 6 + 12
+    assert checkout.describe(repo, dirty=False) == head
+    assert (repo / ".git" / "index").read_bytes() == index_before  # the real index untouched
+    # committing exactly that tree gives a commit whose tree hash the label names
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "two", "--allow-empty")
+    assert _git(repo, "rev-parse", "HEAD^{tree}").startswith(label.split("+tree:")[1])
+
+
+def test_no_repository_is_unknown(tmp_path):
+    assert checkout.describe(tmp_path) == "unknown"
+
+
+def test_the_matrix_summary_names_the_tree_it_tested(repo, tmp_path, monkeypatch, capsys):
+    """The local runner tests the working tree: with an edit, the summary's commit carries the
+    tree's hash (it named ``HEAD`` alone, code that did not run)."""
+    (repo / "a.py").write_text("x = 3\n")
+    monkeypatch.chdir(repo)
+    out = tmp_path / "r"
+    main(["matrix", "--backend", "rocm", "--suite", "policy", "--results", str(out)])
+    capsys.readouterr()
+    summary = (out / "report.md").read_text()
+    assert f"commit `{checkout.describe(repo)}`" in summary and "+tree:" in summary
