@@ -40,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from kubematrix import images
+from kubematrix import checkout, images
 from kubematrix.cachestats import cache_env
 from kubematrix.matrix import BACKENDS, Cell, all_cells
 from kubematrix.render import CELL_CONTAINER, render_pod_spec
@@ -401,16 +401,7 @@ def cell_step(
 
 def _default_commit() -> str:
     """``$BUILDKITE_COMMIT`` in a build, else the checkout's HEAD (a local preview)."""
-    env = os.environ.get("BUILDKITE_COMMIT")
-    if env:
-        return env
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        out = ""
-    return out or "HEAD"
+    return os.environ.get("BUILDKITE_COMMIT") or checkout.head() or "HEAD"
 
 
 def block_step(cell: Cell) -> dict[str, Any]:

@@ -35,3 +35,10 @@ def describe(root: str | os.PathLike[str] = ".", *, short: int = 12, dirty: bool
             return f"{head}+tree:{git('write-tree', env=env)[:12]}"
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def head(root: str | os.PathLike[str] = ".") -> str | None:
+    """``HEAD``'s full hash at ``root`` (what a Job or an image build checks out), or ``None``
+    where git or a repository is missing."""
+    label = describe(root, short=40, dirty=False)
+    return None if label == "unknown" else label

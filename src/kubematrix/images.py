@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from kubematrix import checkout
 from kubematrix.matrix import BACKENDS
 
 REGISTRY_ENV = "KUBEMATRIX_REGISTRY"
@@ -344,12 +345,10 @@ def configure_cli(p: argparse.ArgumentParser) -> None:
 def _commit(root: str, given: str | None) -> str:
     if given:
         return given
-    proc = subprocess.run(
-        ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-    )
-    if proc.returncode != 0:
+    commit = checkout.head(root)
+    if commit is None:
         raise ValueError(f"--commit is needed: {root} is not a git checkout")
-    return proc.stdout.strip()
+    return commit
 
 
 def run_cli(args: argparse.Namespace) -> int:

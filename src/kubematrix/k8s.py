@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from kubernetes import client, config
 
-from kubematrix import report
+from kubematrix import checkout, report
 from kubematrix.images import default_image
 from kubematrix.launcher import CellError, CellResult, Launcher, Timeouts
 from kubematrix.matrix import Cell
@@ -73,13 +72,7 @@ def load_api_client(context: str | None = None) -> client.ApiClient:
 
 def git_commit() -> str:
     """HEAD of the repository in the current directory, or 'unknown'."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return out.stdout.strip()
+    return checkout.head() or "unknown"
 
 
 def exit_status(results: Sequence[CellResult]) -> int:
