@@ -31,7 +31,7 @@ HIP_POLICIES = ("gfx942", "gfx950")
 
 # (heads, context, page, q_len, policy), batch 64; policy None: the device's own
 FULL = [(h, c, 64, 1, None) for h in (16, 128) for c in (1024, 4096, 16384)]
-FULL += [(16, 4096, 1, 1, None), (128, 4096, 1, 1, None), (128, 16384, 1, 1, None)]
+FULL += [(h, c, 1, 1, None) for h in (16, 128) for c in (4096, 16384)]
 FULL += [(16, 4096, 64, q, None) for q in (2, 4, 8)] + [(128, 4096, 64, 4, None)]
 FULL += [(16, 4096, 64, q, arch) for arch in HIP_POLICIES for q in (1, 2, 4, 8)]
 QUICK = [(4, 40, 16, 1, None), (4, 40, 16, 2, None), (4, 40, 16, 4, "gfx942")]

@@ -1,8 +1,10 @@
 """Pure prefill and mixed batches: ``portattn.paged_attention`` with long query chunks.
 
-Rows (32/8 heads x 128, bf16, random pages, block sizes 16 and 2048):
+Rows (32/8 heads, bf16, random pages; head_dim 128 at block sizes 16 and 2048, head_dim 64 and
+256 at block 16):
 
-* ``prefill 8x4096``: 8 causal prefills, ``q_len == seq_len == 4096``;
+* ``prefill 8x4096``: 8 causal prefills, ``q_len == seq_len == 4096`` (head_dim 64, 128, 256);
+* ``prefill 2x16384``: 2 causal prefills of 16384 tokens;
 * ``mixed 8x2048+56x1@4k``: 64 sequences of 4096 tokens, the first 8 prefilling their last 2048
   tokens, the other 56 decoding one.
 
@@ -11,7 +13,12 @@ The call is the serving engine's (``max_query_len``, ``max_seq_len``, ``out`` gi
 Metric: TFLOP/s of the causal (query, key) pairs (4 flops a pair, head and dim). Anchors: torch
 SDPA with the cuDNN and the flash backend forced, on the same problem as dense tensors (K/V
 gathered contiguous; a chunk's queries see the keys before them: lower-right causal), their
-output compared with the row's before they are timed.
+output compared with the row's before they are timed. A mixed row has one more anchor, its
+compute floor: cuDNN on the prefill part alone plus portattn on the decode part alone, timed
+together (each chunk's attention as cuDNN's two fast shapes of the same flops: its queries over
+the keys before the chunk, dense, and over the chunk's own keys, causal; a lower-right causal
+bias is no cuDNN fast path). The floor's parts are timed, not checked: their outputs are
+partial attentions, not the row's.
 """
 
 from __future__ import annotations
@@ -32,15 +39,18 @@ def _mixed(n_prefill: int, chunk: int, n_decode: int, ctx: int):
     return ((ctx, chunk),) * n_prefill + ((ctx, 1),) * n_decode
 
 
-# name -> (seqs, (q heads, kv heads, head_dim), block sizes)
-FULL = {
-    "prefill 8x4096": (((4096, 4096),) * 8, (32, 8, 128), (16, 2048)),
-    "mixed 8x2048+56x1@4k": (_mixed(8, 2048, 56, 4096), (32, 8, 128), (16, 2048)),
-}
-QUICK = {
-    "prefill 2x48": (((48, 48),) * 2, (4, 2, 64), (16,)),
-    "mixed 2x16+3x1@48": (_mixed(2, 16, 3, 48), (4, 2, 64), (16,)),
-}
+# (point, seqs, (q heads, kv heads, head_dim), block sizes)
+FULL = [
+    ("prefill 8x4096", ((4096, 4096),) * 8, (32, 8, 128), (16, 2048)),
+    ("prefill 2x16384", ((16384, 16384),) * 2, (32, 8, 128), (16, 2048)),
+    ("prefill 8x4096", ((4096, 4096),) * 8, (32, 8, 64), (16,)),
+    ("prefill 8x4096", ((4096, 4096),) * 8, (32, 8, 256), (16,)),
+    ("mixed 8x2048+56x1@4k", _mixed(8, 2048, 56, 4096), (32, 8, 128), (16, 2048)),
+]
+QUICK = [
+    ("prefill 2x48", ((48, 48),) * 2, (4, 2, 64), (16,)),
+    ("mixed 2x16+3x1@48", _mixed(2, 16, 3, 48), (4, 2, 64), (16,)),
+]
 
 
 def _dense_kv(cache: torch.Tensor, table: torch.Tensor, i: int, n: int) -> torch.Tensor:
@@ -113,9 +123,58 @@ def sdpa_anchor(backend_name: str, b: inputs.PagedBatch, out_ref: torch.Tensor, 
     return core.anchor(name, None, note="backend refused: " + " | ".join(errors))
 
 
+def floor_anchor(b: inputs.PagedBatch, ctx: core.Context) -> dict:
+    """A mixed batch's compute floor (module docstring): cuDNN on its prefill part plus portattn
+    on its decode part, each alone, timed together."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    name = "compute floor (cuDNN prefill part + decode part alone)"
+    if ctx.device != "cuda":
+        return core.anchor(name, None, note="needs a CUDA device")
+    qsl = b.query_start_loc.tolist()
+    chunks = [i for i, (_, q) in enumerate(b.seqs) if q > 1]
+    decodes = [sq for sq in b.seqs if sq[1] == 1]
+    s, q = b.seqs[chunks[0]]
+    if any(b.seqs[i] != (s, q) for i in chunks):
+        return core.anchor(name, None, note="needs chunks of one shape")
+    qd = torch.stack([b.query[qsl[i] : qsl[i] + q] for i in chunks]).transpose(1, 2).contiguous()
+    kv = [torch.cat([_dense_kv(c, b.block_table, i, s) for i in chunks])
+          for c in (b.key_cache, b.value_cache)]  # fmt: skip
+    past = [t[:, :, : s - q].contiguous() for t in kv]
+    own = [t[:, :, s - q :].contiguous() for t in kv]
+    hq, hkv, d = b.query.shape[1], b.key_cache.shape[2], b.query.shape[2]
+    dec = inputs.paged_batch(decodes, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                             block_size=b.key_cache.shape[1], dtype=b.query.dtype,
+                             device=str(b.query.device), seed=1)  # fmt: skip
+    dec_out = torch.empty_like(dec.query)
+
+    def run(p, o, gqa: bool):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            if s > q:
+                F.scaled_dot_product_attention(qd, *p, enable_gqa=gqa)
+            F.scaled_dot_product_attention(qd, *o, is_causal=True, enable_gqa=gqa)
+        portattn.paged_attention(*dec.args, out=dec_out, max_query_len=1,
+                                 max_seq_len=dec.max_seq_len)  # fmt: skip
+
+    errors = []
+    for expand in (False, True):
+        p, o = past, own
+        if expand:  # the backend's GQA refused: K/V heads repeated before the timing
+            p, o = ([t.repeat_interleave(hq // hkv, 1) for t in x] for x in (past, own))
+        try:
+            run(p, o, not expand)
+        except RuntimeError as err:
+            errors.append(str(err).splitlines()[0][:100])
+            continue
+        us, how = ctx.time_us(lambda p=p, o=o, gqa=not expand: run(p, o, gqa))
+        note = how + ("; K/V heads expanded (no GQA in this backend)" if expand else "")
+        return core.anchor(name, us, {}, note + "; the parts timed, not checked")
+    return core.anchor(name, None, note="cuDNN refused: " + " | ".join(errors))
+
+
 def rows(ctx: core.Context):
     points = QUICK if ctx.quick else FULL
-    for point, (seqs, (hq, hkv, d), blocks) in points.items():
+    for point, seqs, (hq, hkv, d), blocks in points:
         for bs in blocks:
             name = f"{point} {hq}/{hkv}/{d} bs{bs}"
             if not ctx.want(name):
@@ -138,6 +197,8 @@ def rows(ctx: core.Context):
             flops = core.paged_flops(seqs, hq, d)
             anchors = [sdpa_anchor(bk, b, out, flops, ctx)
                        for bk in ("CUDNN_ATTENTION", "FLASH_ATTENTION")]  # fmt: skip
+            if any(q == 1 for _, q in seqs) and any(q > 1 for _, q in seqs):
+                anchors.append(floor_anchor(b, ctx))
             yield core.row(FAMILY, name, params, check, us,
                            {"TFLOP/s": core.rate(flops, us, 1e12)}, anchors, how)  # fmt: skip
             del b, out
