@@ -144,3 +144,18 @@ def test_host_steps_read_and_check_what_the_ops_read(monkeypatch, device):
     mla = host_steps.mla_steps(device)
     assert mla["summary"]() == (1, 256)
     assert mla["checks and maxima"]() == 1
+
+
+# -- prefill_tiles ---------------------------------------------------------------------------
+
+
+def test_prefill_tiles_builds_the_named_row_and_names_the_rows_it_knows():
+    from bench.diag import prefill_tiles
+
+    from bench import prefill
+
+    b, flops = prefill_tiles._batch("prefill 2x48 4/2/64 bs16", "cpu", prefill.QUICK)
+    assert tuple(b.query.shape) == (2 * 48, 4, 64) and b.key_cache.shape[1] == 16
+    assert flops == 4 * 4 * 64 * 2 * (48 * 49 // 2)
+    with pytest.raises(SystemExit, match="--row must be one of .*'prefill 2x16384 32/8/128 bs16'"):
+        prefill_tiles._batch("prefill 9x9", "cpu")

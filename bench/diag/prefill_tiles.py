@@ -1,0 +1,106 @@
+"""Portable-kernel tiles for one prefill row: each candidate checked against the fp64 oracle,
+then timed as the bench times a row, beside the policy's own tiles.
+
+For a row the sm_90 prefill kernel does not serve (head_dim 256, fp32, SHUFFLE, ...), this asks
+whether the portable kernel's policy leaves speed behind: ``plan_paged_attention(tiles=)``
+builds the row's launches with each candidate (``block_m`` x ``block_n`` x warps x stages; the
+query heads of one KV head per program, as the policy takes them), and a candidate that fails
+to compile or to match the oracle is listed with why.
+
+Usage (GPU machine, repository root)::
+
+    PYTHONPATH=src python3 -m bench.diag.prefill_tiles [--row "prefill 8x4096 32/8/256 bs16"]
+
+Numbers are diagnostics, not serving figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+
+import torch
+
+from bench import core, inputs, prefill
+from portattn.kernels.paged_attention import plan_paged_attention
+from portattn.platform import current_target
+from portattn.policy.common import LaunchOptions
+from portattn.policy.paged import PagedProblem, paged_tiles
+
+
+def _batch(row: str, device: str, points=prefill.FULL):
+    """The row's batch (one of ``points``, the bench's prefill rows) and its flops."""
+    for point, seqs, (hq, hkv, d), blocks in points:
+        for bs in blocks:
+            if f"{point} {hq}/{hkv}/{d} bs{bs}" == row:
+                b = inputs.paged_batch(
+                    seqs,
+                    num_q_heads=hq,
+                    num_kv_heads=hkv,
+                    head_dim=d,
+                    block_size=bs,
+                    dtype=prefill.DTYPE,
+                    device=device,
+                )
+                return b, core.paged_flops(seqs, hq, d)
+    names = [f"{p} {h[0]}/{h[1]}/{h[2]} bs{bs}" for p, _, h, bl in points for bs in bl]
+    raise SystemExit(f"prefill_tiles: --row must be one of {names}; got {row!r}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.diag.prefill_tiles")
+    ap.add_argument("--row", default="prefill 8x4096 32/8/256 bs16")
+    ap.add_argument("--reps", type=int, default=20)
+    opts = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("prefill_tiles: needs a GPU")
+    ctx = core.Context("cuda", reps=opts.reps)
+    b, flops = _batch(opts.row, "cuda")
+    out = torch.empty_like(b.query)
+    hq, hkv, d = b.query.shape[1], b.key_cache.shape[2], b.query.shape[2]
+    target = current_target()
+    problem = PagedProblem(hq, hkv, d, b.query.element_size(), b.max_query_len,
+                           b.key_cache.shape[1], len(b.seqs), b.max_seq_len)  # fmt: skip
+    policy = paged_tiles(target, problem)
+    print(f"device: {torch.cuda.get_device_name()}; row {opts.row}; policy {policy}")
+    head_tile = policy.head_tile
+    grid = itertools.product((64, 128), (32, 64), (4, 8), (2, 3))
+    cands = [policy] + [
+        dataclasses.replace(
+            policy,
+            block_m=m,
+            block_q=m // head_tile,
+            block_n=n,
+            options=LaunchOptions(w, s),
+            decode=None,
+        )  # fmt: skip
+        for m, n, w, s in grid
+    ]
+    for i, tiles in enumerate(cands):
+        label = ("policy " if i == 0 else "") + (
+            f"m{tiles.block_m} n{tiles.block_n} w{tiles.options.num_warps} "
+            f"s{tiles.options.num_stages}"
+        )
+        try:
+            launches = plan_paged_attention(*b.args, out=out, max_query_len=b.max_query_len,
+                                            max_seq_len=b.max_seq_len, tiles=tiles)  # fmt: skip
+
+            def call(launches=launches):
+                for launch in launches:
+                    launch.run()
+
+            check, us, _ = ctx.checked_time_us(call, out, lambda: core.check_paged(b, out))
+        except Exception as err:  # a tile the compiler or the launch refuses: listed, not fatal
+            print(f"{label:24} failed: {type(err).__name__}: {str(err).splitlines()[0][:90]}")
+            torch.cuda.synchronize()
+            continue
+        if us is None:
+            print(f"{label:24} wrong: {check}")
+            continue
+        print(f"{label:24} {us:10.1f} µs  {core.rate(flops, us, 1e12):6.1f} TFLOP/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
