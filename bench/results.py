@@ -93,13 +93,15 @@ def merge(docs: list[dict], across_trees: bool = False) -> dict:
                 errors=[e for d in docs for e in d["errors"]],
                 commit=docs[-1]["commit"],
                 runs=[dict(command=d["command"], date=d["date"], reps=d["reps"],
-                           commit=d["commit"], compare=d.get("compare"))
+                           commit=d["commit"], compare=d.get("compare"),
+                           rounds=d.get("rounds", 1))
                       for d in docs])  # fmt: skip
 
 
 def render(doc: dict) -> str:
     runs = doc.get("runs") or [dict(command=doc["command"], date=doc["date"], reps=doc["reps"],
-                                    compare=doc.get("compare"))]  # fmt: skip
+                                    compare=doc.get("compare"),
+                                    rounds=doc.get("rounds", 1))]  # fmt: skip
     compare = any(r["compare"] for r in runs)
     trees = len({r.get("commit", doc["commit"]) for r in runs}) > 1
     lines = [
@@ -127,6 +129,8 @@ def render(doc: dict) -> str:
         if c:
             line += (f"; compared with `{c['old_src']}` (commit `{c['old_commit']}`), "
                      f"{c['rounds']} round(s) a side, new/old < 1 is faster")  # fmt: skip
+        elif run.get("rounds", 1) > 1:
+            line += f"; each row the median of {run['rounds']} rounds in fresh processes"
         lines.append(line + ".")
     if not doc["timing_meaningful"]:
         lines.append("- **Timings not meaningful** (no GPU: the Triton interpreter ran).")

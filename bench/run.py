@@ -3,7 +3,7 @@
 Usage (repository root; ``PYTHONPATH=src`` or portattn installed)::
 
     python -m bench.run [--only paged,mla,...] [--rows SUBSTR,...] [--quick] [--out results.json]
-                        [--compare OLD_SRC_DIR [--rounds N]]
+                        [--rounds N] [--compare OLD_SRC_DIR]
     python -m bench.results results.json > bench/RESULTS.md
 
 Families (one module each, all on `bench.inputs` and `bench.core`): ``paged`` (decode, NHD and
@@ -23,6 +23,9 @@ and compile families are skipped, and the document says its timings are not mean
 ``git archive <rev> src | tar -x -C OLD``) times each family in child processes, this checkout's
 ``src/`` and ``OLD``'s in turn (the order alternating from family to family and round to round,
 so a drift of the card's clock falls on both), and records each row's old time and new/old.
+``--rounds N`` runs each family N times in fresh processes (each side's, with ``--compare``)
+and keeps each row's median round, listing every round's time: host rows spread by 2x between
+runs minutes apart on one machine.
 """
 
 from __future__ import annotations
@@ -134,33 +137,44 @@ def run_child(fam: str, src: str, opts) -> dict:
     return got
 
 
-def compare(families, opts) -> tuple[dict, dict]:
-    """``--compare``: each family in child processes, new and old in alternating order; the new
-    rows with ``compare`` filled in, and the document's ``compare`` record. With ``--rounds N``
-    each side's row is its median round's (the lower middle one for an even ``N``), whole: its
-    time and the metrics computed from it come from one measurement; every round's time is
-    listed."""
-    new_src, old_src = src_dir(ROOT), src_dir(opts.compare)
+def run_rounds(families, opts) -> tuple[dict, dict | None]:
+    """Each family in child processes, ``--rounds`` times: with ``--compare`` new and old in
+    alternating order, the new rows with ``compare`` filled in, and the document's ``compare``
+    record (else ``None``). A row is its median round's (the lower middle one for an even count),
+    whole: its time and the metrics computed from it come from one measurement; every round's
+    time is listed (``compare``'s ``new_times_us`` / ``old_times_us``, else the row's
+    ``round_times_us`` when there is more than one round)."""
+    new_src = src_dir(ROOT)
+    old_src = src_dir(opts.compare) if opts.compare else None
     merged: dict = dict(rows=[], skipped=[], errors=[])
     for i, fam in enumerate(families):
         rows: dict = {"new": {}, "old": {}}
         first: dict = {}
         for rnd in range(opts.rounds):
-            sides = ("new", "old") if (i + rnd) % 2 == 0 else ("old", "new")
+            sides = ("new",) if old_src is None else (
+                ("new", "old") if (i + rnd) % 2 == 0 else ("old", "new"))  # fmt: skip
             for side in sides:
                 got = run_child(fam, new_src if side == "new" else old_src, opts)
                 if rnd == 0:
                     first[side] = got
                 for r in got["rows"]:
                     rows[side].setdefault(r["name"], []).append(r)
-        new, old = first["new"], first["old"]
+        new = first["new"]
         merged["skipped"] += new["skipped"]
-        merged["errors"] += new["errors"] + [dict(e, family=f"{e['family']} (old)")
-                                             for e in old["errors"]]  # fmt: skip
-        old_rows = {r["name"]: r for r in old["rows"]}
+        merged["errors"] += new["errors"]
+        old_rows = {}
+        if old_src is not None:
+            merged["errors"] += [dict(e, family=f"{e['family']} (old)")
+                                 for e in first["old"]["errors"]]  # fmt: skip
+            old_rows = {r["name"]: r for r in first["old"]["rows"]}
         for r in new["rows"]:
             news, olds = rows["new"].get(r["name"], []), rows["old"].get(r["name"], [])
             r = _median_round(news) or r
+            if old_src is None:
+                if opts.rounds > 1:
+                    r["round_times_us"] = [x["time_us"] for x in news]
+                merged["rows"].append(r)
+                continue
             o = _median_round(olds)
             new_t, old_t = r["time_us"], None if o is None else o["time_us"]
             first_old = old_rows.get(r["name"])
@@ -172,6 +186,8 @@ def compare(families, opts) -> tuple[dict, dict]:
                 old_times_us=[x["time_us"] for x in olds],
             )
             merged["rows"].append(r)
+    if old_src is None:
+        return merged, None
     record = dict(old_src=old_src, old_commit=os.environ.get("BENCH_COMPARE_COMMIT") or
                   commit_of(opts.compare, from_env=False), rounds=opts.rounds)  # fmt: skip
     return merged, record
@@ -206,6 +222,7 @@ def document(result: dict, opts, device: str, compare_record: dict | None) -> di
         families=list(opts.families),
         vllm=dict(available=not vllm_why, reason=vllm_why),
         compare=compare_record,
+        rounds=opts.rounds,
         skipped=result["skipped"],
         errors=result["errors"],
         rows=result["rows"],
@@ -228,7 +245,12 @@ def parse(argv=None):
         metavar="OLD_SRC_DIR",
         help="also time every row with this checkout's src/ (child processes)",
     )
-    ap.add_argument("--rounds", type=int, default=1, help="--compare's runs a side (median kept)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of each family in fresh processes (a side's, with --compare); median kept",
+    )
     ap.add_argument("--reps", type=int, default=50, help="timed repetitions per GPU row")
     ap.add_argument("--child-json", default="", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
@@ -242,8 +264,6 @@ def parse(argv=None):
         ap.error(f"--only: unknown families {unknown}; choose from {list(FAMILIES)}")
     if opts.rounds < 1 or opts.reps < 1:
         ap.error(f"--rounds and --reps must be >= 1; got {opts.rounds}, {opts.reps}")
-    if opts.rounds > 1 and not opts.compare:  # it would run each row once, silently
-        ap.error(f"--rounds {opts.rounds} counts --compare's runs a side; give --compare too")
     if opts.out:  # before hours of rows, not after them
         folder = os.path.dirname(os.path.abspath(opts.out))
         try:
@@ -274,8 +294,8 @@ def main(argv=None) -> int:
             json.dump(result, f)
         return 0
     compare_record = None
-    if opts.compare:
-        result, compare_record = compare(opts.families, opts)
+    if opts.compare or opts.rounds > 1:
+        result, compare_record = run_rounds(opts.families, opts)
     else:
         result = run_families(opts.families, ctx)
     doc = document(result, opts, device, compare_record)

@@ -153,12 +153,11 @@ def test_unknown_family_is_refused(capsys):
         (["--rows", ","], "--rows must name at least one, comma-separated; got ','"),
         (["--out", "{tmp}"], "--out {tmp}: not a file this process can write"),
         (["--out", "{tmp}/a-file/r.json"], "--out {tmp}/a-file/r.json: cannot make its folder"),
-        (["--rounds", "3"], "--rounds 3 counts --compare's runs a side; give --compare too"),
     ],
 )
 def test_selections_and_the_output_are_checked_before_any_row_runs(argv, message, tmp_path, capsys):
     """An empty selection would run every row; an output that cannot be written would lose them
-    at the end of the run; rounds without a comparison would run each row once."""
+    at the end of the run."""
     (tmp_path / "a-file").write_text("")
     with pytest.raises(SystemExit):
         run.parse([a.format(tmp=tmp_path) for a in argv])
@@ -253,6 +252,21 @@ def test_an_exported_tree_names_its_commit(tmp_path):
         assert run.commit_of(str(old), from_env=False) == "e34392a"
     finally:
         shutil.rmtree(old)
+
+
+def test_rounds_without_compare_keep_each_rows_median_round(tmp_path):
+    """``--rounds 2`` alone: each family ran twice in fresh processes; a row is its median round
+    (the lower one of two), every round's time listed, and RESULTS.md says so."""
+    doc = bench_run(tmp_path, "--only", "cache", "--rows", "page indices", "--rounds", "2")
+    validate(doc)
+    assert doc["rounds"] == 2 and doc["compare"] is None
+    (r,) = doc["rows"]
+    assert len(r["round_times_us"]) == 2 and r["time_us"] == min(r["round_times_us"])
+    path = tmp_path / "doc.json"
+    path.write_text(json.dumps(doc))
+    md = tmp_path / "RESULTS.md"
+    assert results.main([str(path), "--out", str(md)]) == 0
+    assert "each row the median of 2 rounds in fresh processes" in md.read_text()
 
 
 def test_compare_rounds_keep_one_whole_round():
