@@ -72,3 +72,18 @@ def test_the_matrix_summary_names_the_tree_it_tested(repo, tmp_path, monkeypatch
     capsys.readouterr()
     summary = (out / "report.md").read_text()
     assert f"commit `{checkout.describe(repo)}`" in summary and "+tree:" in summary
+
+
+def test_under_the_k8s_runner_a_changed_tree_is_named_beside_the_commit_the_jobs_run(
+    repo, monkeypatch
+):
+    from kubematrix.__main__ import _tested
+
+    monkeypatch.chdir(repo)
+    head = checkout.describe(repo)
+    assert _tested("k8s") == _tested("local") == f"commit `{head}`"
+    (repo / "a.py").write_text("x = 4\n")
+    tree = checkout.describe(repo)
+    assert _tested("local") == f"commit `{tree}`"
+    assert _tested("k8s") == f"commit `{head}` (GPU Jobs), this machine's cells `{tree}`"
+    assert checkout.head(repo) == _git(repo, "rev-parse", "HEAD")
