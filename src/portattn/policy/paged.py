@@ -457,28 +457,25 @@ def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
             target.arch, p.head_dim, block_d, SHUFFLE_NARROW_BLOCK_N, p.elem_bytes
         )
     )
+    # cache-order reads of NHD's 64-token tile: as it is at head_dim 64, under a cap at 128
     if (
         narrow
-        and block_d in SHUFFLE_FULL_BLOCK_D
+        and block_d in SHUFFLE_FULL_BLOCK_D + SHUFFLE_REG_CAP_BLOCK_D
         and cache_order_reads(
             target.arch, p.head_dim, block_d, SHUFFLE_REG_CAP_BLOCK_N, p.elem_bytes
         )
     ):
-        full = _ladder_tiles(target, p, block_m, block_d, max_stages, max_words, False)
-        if full.block_n <= SHUFFLE_REG_CAP_BLOCK_N:
-            return full
-    if (
-        narrow
-        and block_d in SHUFFLE_REG_CAP_BLOCK_D
-        and cache_order_reads(
-            target.arch, p.head_dim, block_d, SHUFFLE_REG_CAP_BLOCK_N, p.elem_bytes
-        )
-    ):
-        wide = _ladder_tiles(target, p, block_m, block_d, max_stages, max_words, False)
-        if wide.block_n == SHUFFLE_REG_CAP_BLOCK_N and wide.num_warps == SHUFFLE_REG_CAP_WARPS:
-            opts = wide.options
+        nhd = _ladder_tiles(target, p, block_m, block_d, max_stages, max_words, False)
+        if block_d in SHUFFLE_FULL_BLOCK_D and nhd.block_n <= SHUFFLE_REG_CAP_BLOCK_N:
+            return nhd
+        if (
+            block_d in SHUFFLE_REG_CAP_BLOCK_D
+            and nhd.block_n == SHUFFLE_REG_CAP_BLOCK_N
+            and nhd.num_warps == SHUFFLE_REG_CAP_WARPS
+        ):
+            opts = nhd.options
             capped = launch_options(target, opts.num_warps, opts.num_stages, SHUFFLE_REG_CAP)
-            return replace(wide, options=capped)
+            return replace(nhd, options=capped)
     return _ladder_tiles(target, p, block_m, block_d, max_stages, max_words, narrow)
 
 
