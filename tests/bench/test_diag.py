@@ -159,3 +159,24 @@ def test_prefill_tiles_builds_the_named_row_and_names_the_rows_it_knows():
     assert flops == 4 * 4 * 64 * 2 * (48 * 49 // 2)
     with pytest.raises(SystemExit, match="--row must be one of .*'prefill 2x16384 32/8/128 bs16'"):
         prefill_tiles._batch("prefill 9x9", "cpu")
+
+
+# -- mla_splits ------------------------------------------------------------------------------
+
+
+def test_mla_splits_counts_and_tiles():
+    """The counts are read with their rule named; a count replaces only the policy's split."""
+    from bench.diag import mla_splits
+
+    from portattn.platform import get_target
+
+    assert mla_splits.parse_splits("policy,1,8") == [None, 1, 8]
+    for bad in ("0", "x", "33", ""):
+        with pytest.raises(ValueError, match="neither 'policy' nor an int in \\[1, 32\\]"):
+            mla_splits.parse_splits(bad)
+    sm90 = get_target("sm_90")
+    policy = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, None)
+    four = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, 4)
+    assert policy.num_kv_splits == 2  # 132 SMs, one program each: 64 sequences split twice
+    assert four.num_kv_splits == 4 and {**vars(four), "num_kv_splits": 2} == vars(policy)
+    assert mla_splits.main(["--splits", "0"]) == 2

@@ -1,0 +1,124 @@
+"""MLA decode's context-split count against its time, on the device's own tiles.
+
+A memory-bound MLA decode of few sequences fills the GPU only by splitting each context: more
+splits put more programs on the SMs and add a reduce launch and partial results. For each
+``--contexts`` length this plans MLA 576/512 at ``--heads`` heads, ``--batch`` sequences on
+``--page``-token pages with the policy's tiles (`mla_decode_tiles`) and each ``--splits`` count
+in their place (``policy``: the policy's own count), checks two sequences against the fp64
+oracle and times the call as the suite times a row, beside the read ceiling of its bytes.
+
+Usage (GPU machine, repository root)::
+
+    PYTHONPATH=src python3 -m bench.diag.mla_splits --heads 16 --contexts 1024,4096 \
+        --splits policy,1,2,3,4,6,8
+
+Numbers are diagnostics, not serving figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+
+from bench import core, inputs, mla
+from portattn.kernels._launch import run_all
+from portattn.kernels.mla_decode import plan_mla_decode
+from portattn.platform import Target, current_target
+from portattn.policy.mla import (
+    MAX_KV_SPLITS,
+    MlaProblem,
+    MlaTiles,
+    mla_decode_tiles,
+    sm90_gathers,
+)
+
+
+def parse_splits(text: str) -> list[int | None]:
+    """``"policy,1,4"`` -> ``[None, 1, 4]``.
+
+    Raises:
+        ValueError: a count that is not ``policy`` or an int in ``[1, MAX_KV_SPLITS]``.
+    """
+    out: list[int | None] = []
+    for part in text.split(","):
+        if part == "policy":
+            out.append(None)
+        elif part.isdigit() and 1 <= int(part) <= MAX_KV_SPLITS:
+            out.append(int(part))
+        else:
+            raise ValueError(
+                f"--splits: {part!r} is neither 'policy' nor an int in [1, {MAX_KV_SPLITS}]"
+            )
+    return out
+
+
+def tiles_for(
+    target: Target, heads: int, batch: int, context: int, page: int, splits: int | None
+) -> MlaTiles:
+    """The policy's tiles for one decode token a sequence, with ``splits`` context splits (the
+    policy's own where ``None``)."""
+    problem = MlaProblem(heads, mla.DK, mla.RANK, 2, batch, context, 1, sm90_gathers(page, False))
+    base = mla_decode_tiles(target, problem)
+    return base if splits is None else dataclasses.replace(base, num_kv_splits=splits)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.diag.mla_splits")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--splits", default="policy,1,2,3,4,6,8")
+    opts = ap.parse_args(argv)
+    try:
+        counts = parse_splits(opts.splits)
+        contexts = [int(c) for c in opts.contexts.split(",")]
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("mla_splits: needs a GPU (interpreter timings mean nothing)", file=sys.stderr)
+        return 2
+    ctx = core.Context(device="cuda")
+    target = current_target()
+    scale = mla.DK**-0.5
+    print(f"device: {torch.cuda.get_device_name()}; {opts.heads} heads, batch {opts.batch}, "
+          f"page {opts.page}")  # fmt: skip
+    for context in contexts:
+        b = inputs.mla_batch(batch=opts.batch, context=context, heads=opts.heads,
+                             head_dim_k=mla.DK, page=opts.page, q_len=1, dtype=mla.DTYPE,
+                             device="cuda")  # fmt: skip
+        out = torch.empty(opts.batch, opts.heads, mla.RANK, dtype=mla.DTYPE, device="cuda")
+        # the bytes a call must move: the latent cache once, the queries and the output
+        nbytes = (opts.batch * context * mla.DK + opts.batch * opts.heads * (mla.DK + mla.RANK)) * 2
+        ceiling = ctx.read_ceiling(nbytes)
+        print(f"context {context}: read ceiling {ceiling['time_us']:.1f} µs", flush=True)
+        for splits in counts:
+            tiles = tiles_for(target, opts.heads, opts.batch, context, opts.page, splits)
+            label = f"{'policy ' if splits is None else ''}splits {tiles.num_kv_splits}"
+            try:
+                launches = plan_mla_decode(b.query, b.kv_cache, b.block_table, b.seq_lens,
+                                           kv_lora_rank=mla.RANK, scale=scale, out=out,
+                                           tiles=tiles)  # fmt: skip
+                check, us, _ = ctx.checked_time_us(
+                    lambda launches=launches: run_all(launches), out,
+                    lambda b=b, out=out: mla._check(b, out, scale),
+                )  # fmt: skip
+            except Exception as err:  # a count the kernel refuses: listed, not fatal
+                print(f"  {label:18} failed: {type(err).__name__}: {str(err).splitlines()[0][:90]}")
+                continue
+            if us is None:
+                print(f"  {label:18} wrong: {check}")
+                continue
+            print(f"  {label:18} {us:8.1f} µs  {nbytes / us / 1e3:7.0f} GB/s  "
+                  f"{ceiling['time_us'] / us:4.0%} of the ceiling", flush=True)  # fmt: skip
+        del b, out
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
