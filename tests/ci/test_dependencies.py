@@ -16,7 +16,7 @@ from nox.command import CommandFailed
 from nox.project import load_toml  # tomllib is 3.11+; the project supports 3.10
 from packaging.requirements import Requirement
 
-from kubematrix import local, matrix
+from kubematrix import local, matrix, report
 
 pytestmark = pytest.mark.ci
 
@@ -192,6 +192,31 @@ def test_a_gpu_cell_without_its_gpu_stops_instead_of_testing_the_cpu(suite, tmp_
     assert proc.returncode != 0, out
     assert f"{suite}: this cell targets sm_90 (PORTATTN_CELL_ARCH) but no GPU device node" in out
     assert "pytest" not in out.split("aborted")[0].split("Running session")[-1], out
+
+
+def test_a_gpu_cell_whose_torch_sees_no_gpu_fails_its_first_test(tmp_path):
+    """The device node is there but torch sees no GPU (a driver older than the image's CUDA, a
+    container toolkit that hid the device): the cell's pytest, as its session runs it, fails its
+    first test with torch's reason and runs nothing else. It passed on the host-only tests (111
+    passed, 49 skipped for specdec)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a GPU here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env[matrix.ARCH_ENV] = "sm_90"
+    junit = tmp_path / "cell.xml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m",
+         "specdec and not cpu", f"--junitxml={junit}", "tests/test_cell_arch.py",
+         "tests/specdec/test_metadata.py"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    counts = report.read_junit(junit)
+    assert (counts.passed, counts.failed) == (0, 1) and counts.skipped >= 5
+    assert counts.failures[0].test.endswith("test_the_live_gpu_is_the_cells_architecture")
+    assert "this cell targets sm_90 but torch sees no GPU: " in counts.failures[0].message
 
 
 @pytest.mark.parametrize(
