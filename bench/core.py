@@ -87,6 +87,13 @@ def _read_stream_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + tl.program_id(0), tl.sum(x, axis=0))
 
 
+def require_gpu(prog: str) -> None:
+    """Stop ``prog`` (a diagnostic) where no CUDA/HIP device is visible, saying so: its timings
+    under the interpreter would mean nothing."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{prog}: needs a CUDA/HIP device (interpreter timings mean nothing)")
+
+
 @dataclass
 class Context:
     """What a family's ``rows`` gets: the device, the size switch, the row filter, the timer."""

@@ -39,18 +39,25 @@ def _mixed(n_prefill: int, chunk: int, n_decode: int, ctx: int):
     return ((ctx, chunk),) * n_prefill + ((ctx, 1),) * n_decode
 
 
-# (point, seqs, (q heads, kv heads, head_dim), block sizes)
-FULL = [
+# "<point> <q heads>/<kv heads>/<head_dim>" -> (seqs, (q heads, kv heads, head_dim), block sizes);
+# a row is "<key> bs<block size>"
+def _points(*entries) -> dict:
+    return {
+        f"{point} {h[0]}/{h[1]}/{h[2]}": (seqs, h, blocks) for point, seqs, h, blocks in entries
+    }
+
+
+FULL = _points(
     ("prefill 8x4096", ((4096, 4096),) * 8, (32, 8, 128), (16, 2048)),
     ("prefill 2x16384", ((16384, 16384),) * 2, (32, 8, 128), (16, 2048)),
     ("prefill 8x4096", ((4096, 4096),) * 8, (32, 8, 64), (16,)),
     ("prefill 8x4096", ((4096, 4096),) * 8, (32, 8, 256), (16,)),
     ("mixed 8x2048+56x1@4k", _mixed(8, 2048, 56, 4096), (32, 8, 128), (16, 2048)),
-]
-QUICK = [
+)
+QUICK = _points(
     ("prefill 2x48", ((48, 48),) * 2, (4, 2, 64), (16,)),
     ("mixed 2x16+3x1@48", _mixed(2, 16, 3, 48), (4, 2, 64), (16,)),
-]
+)
 
 
 def _dense_kv(cache: torch.Tensor, table: torch.Tensor, i: int, n: int) -> torch.Tensor:
@@ -174,9 +181,9 @@ def floor_anchor(b: inputs.PagedBatch, ctx: core.Context) -> dict:
 
 def rows(ctx: core.Context):
     points = QUICK if ctx.quick else FULL
-    for point, seqs, (hq, hkv, d), blocks in points:
+    for point, (seqs, (hq, hkv, d), blocks) in points.items():
         for bs in blocks:
-            name = f"{point} {hq}/{hkv}/{d} bs{bs}"
+            name = f"{point} bs{bs}"
             if not ctx.want(name):
                 continue
             params = dict(seqs=[list(s) for s in dict.fromkeys(seqs)], num_seqs=len(seqs),

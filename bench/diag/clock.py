@@ -10,8 +10,8 @@ call; per point: each block size over the largest in time, cycles and clock.
 
 Usage (GPU machine, repository root)::
 
-    PYTHONPATH=src python3 -m bench.diag.clock [--points "prefill 8x4096"] [--blocks 16,2048]
-                                               [--seconds 3] [--rounds 3]
+    PYTHONPATH=src python3 -m bench.diag.clock [--points "prefill 8x4096 32/8/128"] \
+        [--blocks 16,2048] [--seconds 3] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def _replay(graph, seconds: float, read) -> tuple[float, float, float]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.diag.clock",
                                  description=__doc__.splitlines()[0])  # fmt: skip
-    ap.add_argument("--points", default="prefill 8x4096", help=f"of {list(prefill.FULL)}")
+    ap.add_argument("--points", default="prefill 8x4096 32/8/128", help=f"of {list(prefill.FULL)}")
     ap.add_argument("--blocks", default="16,2048")
     ap.add_argument("--seconds", type=float, default=3.0, help="replays a row a round")
     ap.add_argument("--rounds", type=int, default=3)
@@ -139,8 +139,7 @@ def main(argv=None) -> int:
         ap.error(f"--blocks must be comma-separated integers; got {opts.blocks!r}")
     if opts.seconds <= 0 or opts.rounds < 1 or min(blocks) < 1:
         ap.error("--seconds must be > 0, --rounds >= 1 and every block size >= 1")
-    if not torch.cuda.is_available():
-        sys.exit("bench.diag.clock: needs a CUDA device")
+    core.require_gpu("bench.diag.clock")
     read = nvml_reader(torch.cuda.current_device())
     rows, keep = [], []
     for name in names:

@@ -28,7 +28,7 @@ import argparse
 import torch
 
 import portattn
-from bench import inputs
+from bench import core, inputs
 from bench.host import host_us
 from portattn.kernels import mla_decode as mla_mod
 from portattn.kernels import paged_attention as paged_mod
@@ -101,8 +101,7 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=7)
     opts = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("host_steps: needs a CUDA/HIP device")
+    core.require_gpu("bench.diag.host_steps")
     print(f"device: {torch.cuda.get_device_name()}")
     for op, steps in (("paged_attention", paged_steps("cuda")), ("mla_decode", mla_steps("cuda"))):
         for name, fn in steps.items():

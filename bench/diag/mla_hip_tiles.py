@@ -118,9 +118,7 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(err, file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("mla_hip_tiles: needs a GPU (interpreter timings mean nothing)", file=sys.stderr)
-        return 2
+    core.require_gpu("bench.diag.mla_hip_tiles")
     ctx = core.Context(device="cuda")
     q_lens = [int(q) for q in opts.q_lens.split(",")]
     for arch in opts.archs.split(","):

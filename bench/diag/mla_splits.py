@@ -79,9 +79,7 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(err, file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("mla_splits: needs a GPU (interpreter timings mean nothing)", file=sys.stderr)
-        return 2
+    core.require_gpu("bench.diag.mla_splits")
     ctx = core.Context(device="cuda")
     target = current_target()
     scale = mla.DK**-0.5

@@ -31,9 +31,9 @@ from portattn.policy.paged import PagedProblem, paged_tiles
 
 def _batch(row: str, device: str, points=prefill.FULL):
     """The row's batch (one of ``points``, the bench's prefill rows) and its flops."""
-    for point, seqs, (hq, hkv, d), blocks in points:
+    for point, (seqs, (hq, hkv, d), blocks) in points.items():
         for bs in blocks:
-            if f"{point} {hq}/{hkv}/{d} bs{bs}" == row:
+            if f"{point} bs{bs}" == row:
                 b = inputs.paged_batch(
                     seqs,
                     num_q_heads=hq,
@@ -44,7 +44,7 @@ def _batch(row: str, device: str, points=prefill.FULL):
                     device=device,
                 )
                 return b, core.paged_flops(seqs, hq, d)
-    names = [f"{p} {h[0]}/{h[1]}/{h[2]} bs{bs}" for p, _, h, bl in points for bs in bl]
+    names = [f"{p} bs{bs}" for p, (_, _, blocks) in points.items() for bs in blocks]
     raise SystemExit(f"prefill_tiles: --row must be one of {names}; got {row!r}")
 
 
@@ -53,8 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--row", default="prefill 8x4096 32/8/256 bs16")
     ap.add_argument("--reps", type=int, default=20)
     opts = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("prefill_tiles: needs a GPU")
+    core.require_gpu("bench.diag.prefill_tiles")
     ctx = core.Context("cuda", reps=opts.reps)
     b, flops = _batch(opts.row, "cuda")
     out = torch.empty_like(b.query)

@@ -18,7 +18,8 @@ oracle first), times the traced and the plain call (what the stamps cost), and p
 
 Usage (GPU machine, repository root)::
 
-    PYTHONPATH=src python3 -m bench.diag.trace_prefill --points "prefill 8x4096" --blocks 16 2048
+    PYTHONPATH=src python3 -m bench.diag.trace_prefill --points "prefill 8x4096 32/8/128" \
+        --blocks 16 2048
 
 Numbers are diagnostics, not serving figures.
 """
@@ -200,13 +201,14 @@ def analyse(
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.diag.trace_prefill",
                                  description=__doc__.splitlines()[0])  # fmt: skip
-    ap.add_argument("--points", nargs="+", default=["prefill 8x4096"], choices=sorted(prefill.FULL))
+    ap.add_argument(
+        "--points", nargs="+", default=["prefill 8x4096 32/8/128"], choices=sorted(prefill.FULL)
+    )
     ap.add_argument("--blocks", type=int, nargs="+", default=[16])
     ap.add_argument("--block-n", type=int, default=128, help="the launch's K/V tile (keys)")
     ap.add_argument("--warpgroups", type=int, default=2, help="the launch's consumer warpgroups")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench.diag.trace_prefill: needs a CUDA device")
+    core.require_gpu("bench.diag.trace_prefill")
     from portattn.kernels.paged_prefill_sm90 import trace_shape
 
     ctx = core.Context("cuda")

@@ -180,3 +180,17 @@ def test_mla_splits_counts_and_tiles():
     assert policy.num_kv_splits == 2  # 132 SMs, one program each: 64 sequences split twice
     assert four.num_kv_splits == 4 and {**vars(four), "num_kv_splits": 2} == vars(policy)
     assert mla_splits.main(["--splits", "0"]) == 2
+
+
+def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
+    """Each names itself and the rule, instead of timing the interpreter."""
+    import importlib
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("clock", "host_steps", "trace_prefill", "prefill_tiles", "mla_splits",
+                 "mla_hip_tiles"):  # fmt: skip
+        module = importlib.import_module(f"bench.diag.{name}")
+        with pytest.raises(SystemExit, match=f"^bench.diag.{name}: needs a CUDA/HIP device"):
+            module.main([])
