@@ -162,11 +162,9 @@ def run_rounds(families, opts) -> tuple[dict, dict | None]:
         new = first["new"]
         merged["skipped"] += new["skipped"]
         merged["errors"] += new["errors"]
-        old_rows = {}
         if old_src is not None:
             merged["errors"] += [dict(e, family=f"{e['family']} (old)")
                                  for e in first["old"]["errors"]]  # fmt: skip
-            old_rows = {r["name"]: r for r in first["old"]["rows"]}
         for r in new["rows"]:
             news, olds = rows["new"].get(r["name"], []), rows["old"].get(r["name"], [])
             r = _median_round(news) or r
@@ -177,11 +175,10 @@ def run_rounds(families, opts) -> tuple[dict, dict | None]:
                 continue
             o = _median_round(olds)
             new_t, old_t = r["time_us"], None if o is None else o["time_us"]
-            first_old = old_rows.get(r["name"])
             r["compare"] = dict(
                 old_time_us=old_t,
                 ratio=new_t / old_t if new_t and old_t else None,
-                old_check_passed=None if first_old is None else first_old["check"]["passed"],
+                old_check_passed=None if o is None else o["check"]["passed"],
                 new_times_us=[x["time_us"] for x in news],
                 old_times_us=[x["time_us"] for x in olds],
             )
@@ -195,9 +192,13 @@ def run_rounds(families, opts) -> tuple[dict, dict | None]:
 
 def _median_round(rows: list) -> dict | None:
     """The round whose time is the median of ``rows`` (the lower middle one for an even count;
-    untimed rows last); ``None`` for no rows."""
+    untimed rows last); a round whose check failed wins instead, so no failure hides behind a
+    passing round; ``None`` for no rows."""
     if not rows:
         return None
+    failed = [r for r in rows if not r.get("check", {}).get("passed", True)]
+    if failed:
+        return failed[0]
     timed = sorted(rows, key=lambda r: (r["time_us"] is None, r["time_us"] or 0.0))
     n = sum(r["time_us"] is not None for r in timed) or len(timed)
     return timed[(n - 1) // 2]

@@ -271,7 +271,8 @@ def test_rounds_without_compare_keep_each_rows_median_round(tmp_path):
 
 def test_compare_rounds_keep_one_whole_round():
     """``--rounds N``: a side's row is one real round, its median (the lower middle one for an
-    even N), so its metrics are those of the time it reports."""
+    even N), so its metrics are those of the time it reports; a round that failed its check
+    makes the row fail."""
     from bench.run import _median_round
 
     def row(us):
@@ -281,6 +282,10 @@ def test_compare_rounds_keep_one_whole_round():
     assert _median_round([row(114.0), row(95.4)]) == row(95.4)
     assert _median_round([row(None), row(7.0)]) == row(7.0)
     assert _median_round([]) is None
+    # a round that failed its check is the row, whatever the others timed
+    failed = dict(time_us=None, metrics={}, check=dict(passed=False))
+    passed = dict(row(2.0), check=dict(passed=True))
+    assert _median_round([passed, failed, passed]) == failed
 
 
 def test_a_rows_filter_that_matches_nothing_is_an_error(tmp_path, monkeypatch, capsys):
