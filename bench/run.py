@@ -148,26 +148,24 @@ def run_rounds(families, opts) -> tuple[dict, dict | None]:
     old_src = src_dir(opts.compare) if opts.compare else None
     merged: dict = dict(rows=[], skipped=[], errors=[])
     for i, fam in enumerate(families):
-        rows: dict = {"new": {}, "old": {}}
-        first: dict = {}
+        rows: dict = {"new": {}, "old": {}}  # name -> that row in each round, first-seen order
         for rnd in range(opts.rounds):
             sides = ("new",) if old_src is None else (
                 ("new", "old") if (i + rnd) % 2 == 0 else ("old", "new"))  # fmt: skip
             for side in sides:
                 got = run_child(fam, new_src if side == "new" else old_src, opts)
-                if rnd == 0:
-                    first[side] = got
                 for r in got["rows"]:
                     rows[side].setdefault(r["name"], []).append(r)
-        new = first["new"]
-        merged["skipped"] += new["skipped"]
-        merged["errors"] += new["errors"]
-        if old_src is not None:
-            merged["errors"] += [dict(e, family=f"{e['family']} (old)")
-                                 for e in first["old"]["errors"]]  # fmt: skip
-        for r in new["rows"]:
-            news, olds = rows["new"].get(r["name"], []), rows["old"].get(r["name"], [])
-            r = _median_round(news) or r
+                if side == "new" and rnd == 0:
+                    merged["skipped"] += got["skipped"]
+                # every round's errors: a child that crashed in a later round is reported too
+                for e in got["errors"]:
+                    e = e if side == "new" else dict(e, family=f"{e['family']} (old)")
+                    if e not in merged["errors"]:
+                        merged["errors"].append(e)
+        for name, news in rows["new"].items():
+            olds = rows["old"].get(name, [])
+            r = _median_round(news)
             if old_src is None:
                 if opts.rounds > 1:
                     r["round_times_us"] = [x["time_us"] for x in news]

@@ -315,3 +315,23 @@ def test_results_names_a_document_it_cannot_use(text, message, tmp_path):
     with pytest.raises(SystemExit) as info:
         results.main([str(path)])
     assert str(info.value).startswith(f"bench.results: {path}: {message}"), info.value
+
+
+def test_rounds_report_what_any_round_found(monkeypatch):
+    """A child that crashes in a later round is an error of the run, and a row its first round
+    lost is still a row (each round's child process is replaced by its result here: the rounds'
+    bookkeeping is what is under test; `test_rounds_without_compare_...` runs real children)."""
+    results = iter([
+        dict(rows=[], skipped=[], errors=[dict(family="cache", error="child exited -11")]),
+        dict(rows=[dict(name="a", time_us=3.0, check=dict(passed=True))], skipped=[],
+             errors=[]),
+        dict(rows=[dict(name="a", time_us=1.0, check=dict(passed=True))], skipped=[],
+             errors=[dict(family="cache", error="child exited -11")]),
+    ])  # fmt: skip
+    monkeypatch.setattr(run, "run_child", lambda fam, src, opts: next(results))
+    opts = run.parse(["--only", "cache", "--rounds", "3"])
+    merged, record = run.run_rounds(["cache"], opts)
+    assert record is None
+    assert merged["errors"] == [dict(family="cache", error="child exited -11")]
+    (row,) = merged["rows"]
+    assert row["round_times_us"] == [3.0, 1.0] and row["time_us"] == 1.0
