@@ -17,8 +17,10 @@ Numbers are diagnostics, not serving figures.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import itertools
+import re
 
 import torch
 
@@ -46,6 +48,15 @@ def _batch(row: str, device: str, points=prefill.FULL):
                 return b, core.paged_flops(seqs, hq, d)
     names = [f"{p} bs{bs}" for p, (_, _, blocks) in points.items() for bs in blocks]
     raise SystemExit(f"prefill_tiles: --row must be one of {names}; got {row!r}")
+
+
+def mma_shapes(ptx: str) -> str:
+    """The warpgroup MMAs of a kernel's PTX by shape (``m64n16k16 x64``): an 8-warp tile of 64
+    rows splits each dot's N between its two warpgroups on sm_90, so its shapes show it."""
+    shapes = collections.Counter(
+        re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
+    )
+    return " ".join(f"{k} x{v}" for k, v in sorted(shapes.items())) or "no wgmma"
 
 
 def main(argv=None) -> int:
@@ -86,10 +97,10 @@ def main(argv=None) -> int:
                                             max_seq_len=b.max_seq_len, tiles=tiles)  # fmt: skip
 
             def call(launches=launches):
-                for launch in launches:
-                    launch.run()
+                return [launch.run() for launch in launches]
 
             check, us, _ = ctx.checked_time_us(call, out, lambda: core.check_paged(b, out))
+            main_kernel = call()[0]  # compiled by now: its registers, spills and MMA shapes
         except Exception as err:  # a tile the compiler or the launch refuses: listed, not fatal
             print(f"{label:24} failed: {type(err).__name__}: {str(err).splitlines()[0][:90]}")
             torch.cuda.synchronize()
@@ -97,7 +108,9 @@ def main(argv=None) -> int:
         if us is None:
             print(f"{label:24} wrong: {check}")
             continue
-        print(f"{label:24} {us:10.1f} µs  {core.rate(flops, us, 1e12):6.1f} TFLOP/s")
+        print(f"{label:24} {us:10.1f} µs  {core.rate(flops, us, 1e12):6.1f} TFLOP/s  "
+              f"regs {main_kernel.n_regs} spills {main_kernel.n_spills}  "
+              f"{mma_shapes(main_kernel.asm['ptx'])}", flush=True)  # fmt: skip
     return 0
 
 

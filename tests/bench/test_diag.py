@@ -159,6 +159,11 @@ def test_prefill_tiles_builds_the_named_row_and_names_the_rows_it_knows():
     assert flops == 4 * 4 * 64 * 2 * (48 * 49 // 2)
     with pytest.raises(SystemExit, match="--row must be one of .*'prefill 2x16384 32/8/128 bs16'"):
         prefill_tiles._batch("prefill 9x9", "cpu")
+    ptx = "\n".join(["wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {...};"] * 3
+                     + ["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {...};",
+                        "wgmma.fence.sync.aligned;"])  # fmt: skip
+    assert prefill_tiles.mma_shapes(ptx) == "m64n128k16 x1 m64n16k16 x3"
+    assert prefill_tiles.mma_shapes("mma.sync.aligned.m16n8k16") == "no wgmma"
 
 
 # -- mla_splits ------------------------------------------------------------------------------
