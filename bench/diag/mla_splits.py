@@ -75,10 +75,15 @@ def main(argv=None) -> int:
     opts = ap.parse_args(argv)
     try:
         counts = parse_splits(opts.splits)
-        contexts = [int(c) for c in opts.contexts.split(",")]
     except ValueError as err:
         print(err, file=sys.stderr)
         return 2
+    contexts = [int(c) for c in opts.contexts.split(",") if c.isdigit() and int(c) > 0]
+    if not contexts or len(contexts) != len(opts.contexts.split(",")):
+        ap.error(f"--contexts must be comma-separated token counts >= 1; got {opts.contexts!r}")
+    for name in ("heads", "batch", "page"):
+        if getattr(opts, name) < 1:
+            ap.error(f"--{name} must be >= 1; got {getattr(opts, name)}")
     core.require_gpu("bench.diag.mla_splits")
     ctx = core.Context(device="cuda")
     target = current_target()

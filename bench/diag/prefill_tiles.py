@@ -64,6 +64,8 @@ def main(argv=None) -> int:
     ap.add_argument("--row", default="prefill 8x4096 32/8/256 bs16")
     ap.add_argument("--reps", type=int, default=20)
     opts = ap.parse_args(argv)
+    if opts.reps < 1:
+        ap.error(f"--reps must be >= 1; got {opts.reps}")
     core.require_gpu("bench.diag.prefill_tiles")
     ctx = core.Context("cuda", reps=opts.reps)
     b, flops = _batch(opts.row, "cuda")

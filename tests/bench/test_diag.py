@@ -159,6 +159,8 @@ def test_prefill_tiles_builds_the_named_row_and_names_the_rows_it_knows():
     assert flops == 4 * 4 * 64 * 2 * (48 * 49 // 2)
     with pytest.raises(SystemExit, match="--row must be one of .*'prefill 2x16384 32/8/128 bs16'"):
         prefill_tiles._batch("prefill 9x9", "cpu")
+    with pytest.raises(SystemExit):
+        prefill_tiles.main(["--reps", "0"])
     ptx = "\n".join(["wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {...};"] * 3
                      + ["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {...};",
                         "wgmma.fence.sync.aligned;"])  # fmt: skip
@@ -169,7 +171,7 @@ def test_prefill_tiles_builds_the_named_row_and_names_the_rows_it_knows():
 # -- mla_splits ------------------------------------------------------------------------------
 
 
-def test_mla_splits_counts_and_tiles():
+def test_mla_splits_counts_and_tiles(capsys):
     """The counts are read with their rule named; a count replaces only the policy's split."""
     from bench.diag import mla_splits
 
@@ -185,6 +187,12 @@ def test_mla_splits_counts_and_tiles():
     assert policy.num_kv_splits == 2  # 132 SMs, one program each: 64 sequences split twice
     assert four.num_kv_splits == 4 and {**vars(four), "num_kv_splits": 2} == vars(policy)
     assert mla_splits.main(["--splits", "0"]) == 2
+    counts_rule = "--contexts must be comma-separated token counts"
+    for argv, rule in ((["--contexts", "1024,x"], counts_rule), (["--contexts", "0"], counts_rule),
+                       (["--heads", "0"], "--heads must be >= 1; got 0")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            mla_splits.main(argv)
+        assert rule in capsys.readouterr().err
 
 
 def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
