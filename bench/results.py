@@ -130,7 +130,10 @@ def render(doc: dict) -> str:
             line += (f"; compared with `{c['old_src']}` (commit `{c['old_commit']}`), "
                      f"{c['rounds']} round(s) a side, new/old < 1 is faster")  # fmt: skip
         elif run.get("rounds", 1) > 1:
-            line += f"; each row the median of {run['rounds']} rounds in fresh processes"
+            line += (
+                f"; each row the median of {run['rounds']} rounds in fresh processes "
+                "(their range in brackets)"
+            )
         lines.append(line + ".")
     if not doc["timing_meaningful"]:
         lines.append("- **Timings not meaningful** (no GPU: the Triton interpreter ran).")
@@ -163,7 +166,11 @@ def render(doc: dict) -> str:
             else:
                 check = c["kind"] if c["kind"] == "exact" else "-"
             anchors = "; ".join(_anchor(r, a) for a in r["anchors"]) or "-"
-            cells = [r["name"], check, _num(r["time_us"]), _metrics(r["metrics"]), anchors]
+            us = _num(r["time_us"])
+            rounds = [t for t in r.get("round_times_us") or [] if t is not None]
+            if len(rounds) > 1:  # the median round's time, and the rounds' range beside it
+                us += f" ({_num(min(rounds))}-{_num(max(rounds))})"
+            cells = [r["name"], check, us, _metrics(r["metrics"]), anchors]
             if compare:
                 ratio = (r.get("compare") or {}).get("ratio")
                 cells.append("-" if ratio is None else f"{ratio:.3f}")

@@ -266,7 +266,10 @@ def test_rounds_without_compare_keep_each_rows_median_round(tmp_path):
     path.write_text(json.dumps(doc))
     md = tmp_path / "RESULTS.md"
     assert results.main([str(path), "--out", str(md)]) == 0
-    assert "each row the median of 2 rounds in fresh processes" in md.read_text()
+    text = md.read_text()
+    assert "each row the median of 2 rounds in fresh processes" in text
+    lo, hi = min(r["round_times_us"]), max(r["round_times_us"])
+    assert f"({results._num(lo)}-{results._num(hi)})" in text  # the rounds' range
 
 
 def test_compare_rounds_keep_one_whole_round():
