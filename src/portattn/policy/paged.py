@@ -66,8 +66,8 @@ SHUFFLE_REG_CAP = 128
 SHUFFLE_REG_CAP_BLOCK_D = (128,)
 SHUFFLE_REG_CAP_BLOCK_N = 64
 SHUFFLE_REG_CAP_WARPS = 4
-#: ... and at head_dim 64 NHD's tile as it is: 64 tokens take 80 registers there (6 programs an
-#: SM), and the 32-token tile keeps half of NHD's bytes in flight.
+#: ... and at head_dim 64 NHD's tile as it is, uncapped: the 32-token tile keeps half of NHD's
+#: bytes in flight (evidence in docs/decisions.md).
 SHUFFLE_FULL_BLOCK_D = (64,)
 #: Runs (block_d // x) -> the most tokens a cache-order tile may take: the shapes a GPU ran
 #: right (Triton 3.6 builds 4 runs x 64 tokens wrong on sm_90).
