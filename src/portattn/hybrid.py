@@ -48,9 +48,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
+
+from portattn.kernels._checks import is_int
 
 DTYPE_BYTES: dict[str, int] = {
     "fp32": 4,
@@ -90,15 +92,14 @@ def dtype_bytes(dtype: Any, *, what: str = "dtype") -> int:
     return dtype.itemsize
 
 
-def _is_count(v: object, minimum: int) -> bool:
+def _is_count(v: object, minimum: int) -> TypeGuard[int]:
     """An int (not a bool) >= ``minimum``."""
-    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+    return is_int(v) and cast(int, v) >= minimum
 
 
 def _check_tp(tp: object) -> int:
     if not _is_count(tp, 1):
         raise ValueError(f"derive_block_size: tp must be an int >= 1; got {tp!r}")
-    assert isinstance(tp, int)
     return tp
 
 

@@ -142,13 +142,11 @@ class MlaMetadataBuilder:
             ("max_query_len", max_query_len),
             ("max_seq_len", max_seq_len),
         ):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not is_int(v) or v < 1:
                 errors.append(f"{name} must be an int >= 1; got {v!r}")
             elif v >= 2**31 and name != "max_seq_len":  # the kernels index these in int32
                 errors.append(f"{name} must be < 2**31; got {v}")
-        if page_size is not None and (
-            not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1
-        ):
+        if page_size is not None and (not is_int(page_size) or page_size < 1):
             errors.append(f"page_size must be None or an int >= 1; got {page_size!r}")
         if not errors and kv_lora_rank > head_dim_k:
             errors.append(f"kv_lora_rank must be <= head_dim_k; got {kv_lora_rank} > {head_dim_k}")
