@@ -208,6 +208,22 @@ EXACT = [
         _problem(head_dim=256, shuffled=True),
         PagedTiles(16, 4, 4, 32, 256, LaunchOptions(4, 2, 2), 65536 + 8192 + 1024),
     ),
+    # NHD prefill, GQA 4:1, head_dim 256 on sm_90: 128 rows x 32 tokens at 8 warps, 64 rows a
+    # warpgroup (the 64-row 8-warp tile split QK^T's N: m64n16 wgmmas); 16 rows of decode stay
+    (
+        "sm_90",
+        _problem(head_dim=256, max_query_len=512),
+        PagedTiles(
+            128, 32, 4, 32, 256, LaunchOptions(8, 2), 65536 + 65536 + 8192, RowTile(16, 4, 4)
+        ),
+    ),
+    (
+        "sm_90",  # 64 rows of work (16 tokens x 4 heads): the 64-row tile at 8 warps
+        _problem(head_dim=256, max_query_len=16),
+        PagedTiles(
+            64, 16, 4, 32, 256, LaunchOptions(8, 2), 65536 + 32768 + 4096, RowTile(16, 4, 4)
+        ),
+    ),
     # prefill chunk, GQA 5:1, head_dim 256: 64 x 32 is 16384 + 2048 + 4096 + 8192 = 30720 words
     # > 24576 -> 64 x 16 (NHD: 64 x 32, 22528 words)
     (
@@ -308,12 +324,22 @@ def test_every_choice_fits_the_budget(arch):
             budget4 = MAX_REGS_4_WARPS_SMEM_MMA if smem_mma else 64
             assert t.num_warps == (4 if regs4 <= budget4 else 8)
             assert t.block_m == 128 or t.block_n == 16 or words <= MAX_WORDS_8_WARPS
-        assert t.block_m <= 64 or (
-            t.block_m == 128
-            and not shuf
-            and arch in WIDE_TILE_ARCHS
-            and t.block_n == 64
-            and estimate_registers(128, 64, t.block_d, elem, 8, target.warp_size) <= WIDE_MAX_REGS
+        assert (
+            t.block_m <= 64
+            or (
+                t.block_m == 128
+                and not shuf
+                and arch in WIDE_TILE_ARCHS
+                and t.block_n == 64
+                and estimate_registers(128, 64, t.block_d, elem, 8, target.warp_size)
+                <= WIDE_MAX_REGS
+            )
+            or (  # sm_90's 8-warp tile: 64 rows a warpgroup
+                (t.block_m, t.block_n, t.num_warps) == (128, 32, 8)
+                and not shuf
+                and arch in SMEM_MMA_ARCHS
+                and mql * (hq // hkv) >= 128
+            )
         )
         if t.decode is not None:  # a smaller row tile inside the same budget
             dec = t.decode

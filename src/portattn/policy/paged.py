@@ -36,6 +36,12 @@ MAX_REGS_PER_THREAD = 64
 SMEM_MMA_ARCHS = ("sm_90",)
 SMEM_MMA_MIN_ROWS = 64
 MAX_REGS_4_WARPS_SMEM_MMA = 128
+# sm_90's wgmma gives each warpgroup 64 rows: an 8-warp tile of 64 rows splits every dot's N
+# between its warpgroups (QK^T as m64n16 at 32 tokens). Where the 64-row tile needs 8 warps and
+# the batch has the rows, 128 rows x 32 tokens at 8 warps (244 registers, no spills at head_dim
+# 256 compiled for sm_90).
+SMEM_MMA_8_WARP_ROWS = 128
+SMEM_MMA_8_WARP_BLOCK_N = 32
 # The 8-warp estimate a non-wide tile may reach: head_dim 256 at block_n 64 spills above it.
 MAX_REGS_8_WARPS = 96
 # The same bound in words per program, so 64-lane wavefronts get NVIDIA's budget, not twice it.
@@ -476,7 +482,37 @@ def _main_tiles(target: Target, p: PagedProblem, block_d: int) -> PagedTiles:
             opts = nhd.options
             capped = launch_options(target, opts.num_warps, opts.num_stages, SHUFFLE_REG_CAP)
             return replace(nhd, options=capped)
-    return _ladder_tiles(target, p, block_m, block_d, max_stages, max_words, narrow)
+    tiles = _ladder_tiles(target, p, block_m, block_d, max_stages, max_words, narrow)
+    return _warpgroup_rows(target, p, rows, tiles) or tiles
+
+
+def _warpgroup_rows(
+    target: Target, p: PagedProblem, rows: int, tiles: PagedTiles
+) -> PagedTiles | None:
+    """sm_90's 128-row 8-warp tile in place of a 64-row one at 8 warps (`SMEM_MMA_8_WARP_ROWS`):
+    16-bit NHD caches with at least 128 rows of work, where its shared memory fits."""
+    if not (
+        target.arch in SMEM_MMA_ARCHS
+        and not p.shuffled
+        and not _fma_dots(target, p.elem_bytes)
+        and tiles.block_m == SMEM_MMA_MIN_ROWS
+        and tiles.num_warps == 8
+        and rows >= SMEM_MMA_8_WARP_ROWS
+    ):
+        return None
+    m, n, stages = SMEM_MMA_8_WARP_ROWS, SMEM_MMA_8_WARP_BLOCK_N, tiles.options.num_stages
+    smem = estimate_shared_mem(m, n, tiles.block_d, p.elem_bytes, stages)
+    if smem > target.max_shared_mem:
+        return None
+    row_tile = _row_tile(m, p.group)
+    return replace(
+        tiles,
+        block_m=m,
+        block_q=row_tile.block_q,
+        head_tile=row_tile.head_tile,
+        block_n=n,
+        shared_mem_bytes=smem,
+    )
 
 
 def _ladder_tiles(
