@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -165,3 +166,35 @@ def test_reports_from_results(tmp_path):
     assert data["gate"]["spill_threshold"] == SPILL_THRESHOLD
     write_heatmap(cells, str(tmp_path / "m.png"))
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_arch_allowance_wins_over_its_vendors():
+    from portattn.compile.cases import make_case
+
+    case = dataclasses.replace(
+        make_case("paged_attention", "x", print), spill_allowance=(("cuda", 8), ("sm_90", 256))
+    )
+    assert case.allowance("cuda", "sm_90") == 256
+    assert case.allowance("cuda", "sm_86") == 8
+    assert case.allowance("hip", "gfx942") == 0
+
+
+def test_only_the_sm90_head_dim_256_prefill_cases_are_allowed_spills():
+    """The sm_90 prefill kernel's head_dim-256 cases (16-bit NHD, a 128-row tile of work), on
+    sm_90 alone: the portable tiles every other target and problem compiles keep no allowance."""
+    from portattn.compile import default_cases
+    from portattn.platform import get_target
+    from portattn.policy.paged import PagedProblem, sm90_prefill
+
+    sm90 = get_target("sm_90")
+    for case in default_cases(["paged_attention"]):
+        p = dict(case.params)
+        if "head_dim" not in p:
+            continue
+        elem = 4 if p.get("dtype") == "float32" else 2
+        problem = PagedProblem(p["num_q_heads"], p["num_kv_heads"], p["head_dim"], elem,
+                               p["max_query_len"], p["block_size"], 4, 4096,
+                               shuffled=p["layout"] == "SHUFFLE")  # fmt: skip
+        served = p["head_dim"] == 256 and sm90_prefill(sm90, problem)
+        assert (case.allowance("cuda", "sm_90") > 0) is served, case.id
+        assert case.allowance("cuda", "sm_80") == case.allowance("hip", "gfx942") == 0, case.id

@@ -32,6 +32,7 @@ from portattn.policy.paged import (
     paged_config,
     paging_mode,
     prefill_config,
+    prefill_config_errors,
     prefill_smem_bytes,
     sm90_prefill,
 )
@@ -128,7 +129,7 @@ def test_pure_prefill_has_no_decode_list():
         {"target": get_target("sm_80")},
         {"target": get_target("sm_100")},
         {"dtype": torch.float32},
-        {"head_dim": 256},
+        {"head_dim": 96},
         {"mql": 8},  # 32 rows: a verification step stays on the portable tiles
         {"block_size": 1},
         {"block_size": 24},  # not a multiple of the 16-row box
@@ -182,7 +183,8 @@ def test_a_config_without_prefill_runs_the_portable_kernel():
         ({}, dict(stages=4), "shared memory 29"),
         ({}, dict(producer_regs=20), "producer_regs must be a multiple of 8 in"),
         ({"target": get_target("sm_100")}, {}, "needs an sm_90 target; got sm_100"),
-        ({"head_dim": 256}, {}, r"needs head_dim in \(64, 128\); got 256"),
+        ({"head_dim": 96}, {}, r"needs head_dim in \(64, 128, 256\); got 96"),
+        ({"head_dim": 256}, {}, "shared memory 459956 B > 232448"),
     ],
 )  # fmt: skip
 def test_a_given_config_is_checked_against_the_target_and_the_call(kwargs, changes, why):
@@ -641,6 +643,9 @@ GPU_CASES = [
     ((16, 16), 128, 32, "contiguous", torch.bfloat16, 0),  # MHA: 128 tokens x 1 head
     ((40, 8), 64, 16, "hybrid", torch.float16, 8 * 64 * 2),  # GQA 5:1: 25 tokens x 5 heads
     ((64, 4), 64, 2048, "contiguous", torch.bfloat16, 0),  # GQA 16:1: 8 tokens x 16 heads
+    ((32, 8), 256, 16, "contiguous", torch.bfloat16, 0),  # head_dim 256: 64-token tiles
+    ((40, 8), 256, 544, "hybrid", torch.float16, 8 * 256 * 2),
+    ((16, 16), 256, 80, "slice", torch.bfloat16, 0),
 ]
 
 
@@ -847,3 +852,17 @@ def test_gpu_sm90_prefill_trace_stamps_every_program():
     check(b, out)
     ends = trace.view(shape)[:, [0, 1, 3], -1, :4]  # both warpgroups and the producer
     assert (ends[..., 2] >= ends[..., 0]).all() and (ends[..., 0] > 0).all()
+
+
+@pytest.mark.parametrize("block_size", [16, 80, 544, 2048])
+def test_head_dim_256_takes_64_token_tiles_at_240_registers(block_size):
+    """A warpgroup's 64 x 256 fp32 output is 128 registers a thread: the consumers take 240 and
+    the producer 24, and two 64-token K/V stages fit beside the query (three do not)."""
+    problem = _problem((32, 8), 256, block_size)
+    cfg = prefill_config(SM90, problem)
+    assert (cfg.block_n, cfg.stages, cfg.turns, cfg.late_release) == (64, 2, False, False)
+    assert (cfg.consumer_regs, cfg.producer_regs) == (240, 24)
+    assert prefill_smem_bytes(cfg, 256) <= SM90.max_shared_mem
+    three = dataclasses.replace(cfg, stages=3)
+    assert prefill_smem_bytes(three, 256) > SM90.max_shared_mem
+    assert prefill_config_errors(SM90, problem, cfg) == []

@@ -227,7 +227,7 @@ def run_matrix(
             except Exception as exc:  # noqa: BLE001 - a crashed worker is its cells' result
                 got = [_crashed(*cells[i], exc) for i in chunk]
             for i, cell in zip(chunk, got, strict=True):
-                results[i] = evaluate(cell, cells[i][0].allowance(cell.vendor))
+                results[i] = evaluate(cell, cells[i][0].allowance(cell.vendor, cell.arch))
                 done += 1
                 if progress is not None:
                     progress(done, len(cells), results[i])

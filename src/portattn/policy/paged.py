@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from portattn.platform import Target
 from portattn.policy.common import LaunchOptions, launch_options, next_pow2
@@ -83,8 +84,6 @@ SHUFFLE_LINES_MAX_N = {4: 32, 8: 64, 16: 64, 32: 32}
 #: Rows (query tokens x group) the longest sequence must fill: one 128-row tile; shorter
 #: verification batches stay on the portable kernel's smaller tiles.
 SM90_PREFILL_MIN_ROWS = 128
-#: head_dim -> (stages, turns) of its tile: head_dim 128's warpgroups take ping-pong turns.
-SM90_PREFILL_TILES = {64: (3, False), 128: (3, True)}
 #: Context tokens per K/V tile.
 SM90_PREFILL_BLOCK_N = 128
 #: Stages of a tile of turns whose query cannot come by TMA: it runs sequentially (turns
@@ -99,6 +98,24 @@ SM90_PREFILL_V_PAGES_MIN_BOXES = 8
 SM90_PREFILL_MIN_BOX = 16
 #: Registers per thread (``setmaxnreg``) of the worker consumer warpgroup and the producer warp.
 SM90_PREFILL_REGS = (216, 64)
+
+
+class Sm90Tile(NamedTuple):
+    """A head_dim's tile on the sm_90 prefill kernel."""
+
+    stages: int
+    turns: bool
+    block_n: int = SM90_PREFILL_BLOCK_N
+    regs: tuple[int, int] = SM90_PREFILL_REGS
+
+
+#: head_dim -> its tile: head_dim 128's warpgroups take ping-pong turns; head_dim 256's 64-row
+#: output needs 128 registers a thread, so its consumers take 240 and two 64-token stages fit.
+SM90_PREFILL_TILES = {
+    64: Sm90Tile(3, False),
+    128: Sm90Tile(3, True),
+    256: Sm90Tile(2, False, 64, (240, 24)),
+}
 #: Ring slots past the stages: the producer runs at most ``stages + 1`` items ahead.
 SM90_PREFILL_RING_EXTRA = 2
 
@@ -614,11 +631,11 @@ def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
     the query by TMA), ``box`` and ``paging`` from the page size, the late release and V by
     page boxes at the box counts of their constants, where they fit."""
     p = problem
-    stages, turns = SM90_PREFILL_TILES[p.head_dim]
+    tile = SM90_PREFILL_TILES[p.head_dim]
+    stages, turns, block_n = tile.stages, tile.turns, tile.block_n
     by_tma = query_by_tma_fits(p)
     if turns and not by_tma:
         stages, turns = SM90_PREFILL_NO_TMA_STAGES, False
-    block_n = SM90_PREFILL_BLOCK_N
     box = box_rows(p.block_size, block_n)
     cfg = PrefillConfig(
         block_n=block_n,
@@ -627,6 +644,8 @@ def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
         query_by_tma=turns and by_tma,
         box=box,
         paging=paging_mode(p.block_size, box, block_n),
+        consumer_regs=tile.regs[0],
+        producer_regs=tile.regs[1],
     )
     late = replace(cfg, stages=3, late_release=True)
     if (
