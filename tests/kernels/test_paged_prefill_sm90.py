@@ -252,8 +252,11 @@ def test_policy_rule_is_pure():
         (_problem(query_rows_aligned=False), (2, False, False, False, True)),
         # KV heads 160 columns apart: V pages need 64-column groups
         (_problem(kv_head_stride=160), (3, True, True, False, False)),
-        # head_dim 64: sequential at 3 stages; one 64-column group, no V pages
-        (_problem(head_dim=64), (3, False, False, False, False)),
+        # head_dim 64: turns at 3 stages with the query by TMA, else sequential at 3 stages; one
+        # 64-column group, no V pages
+        (_problem(head_dim=64), (3, True, True, False, False)),
+        (_problem(heads=(40, 8), head_dim=64), (3, False, False, False, False)),
+        (_problem(heads=(40, 8), head_dim=64, block_size=544), (3, False, False, False, False)),
     ],
 )
 def test_policy_config_by_shape(problem, want):
@@ -300,9 +303,10 @@ def test_query_by_tma_descriptor_is_a_warpgroups_rows():
     a = _main_args()
     assert list(a["q_desc"].block_shape) == [2, 16, 4, 64]  # [halves, tokens, heads, 64]
     assert list(a["q_desc"].strides) == [64, 32 * 128, 128, 1]
-    assert _main_args(heads=(64, 8), head_dim=64)["Q_TMA"] is False  # no turns at head_dim 64
-    config = _config(heads=(64, 8), head_dim=64, turns=True, query_by_tma=True)
-    assert _main_args(heads=(64, 8), head_dim=64, config=config)["Q_TMA"] is True
+    # head_dim 64: one 64-column group a box; a caller's sequential config loads no query
+    assert list(_main_args(heads=(64, 8), head_dim=64)["q_desc"].block_shape) == [1, 8, 8, 64]
+    config = _config(heads=(64, 8), head_dim=64, turns=False, query_by_tma=False)
+    assert _main_args(heads=(64, 8), head_dim=64, config=config)["Q_TMA"] is False
 
 
 @pytest.mark.parametrize(

@@ -101,20 +101,24 @@ SM90_PREFILL_REGS = (216, 64)
 
 
 class Sm90Tile(NamedTuple):
-    """A head_dim's tile on the sm_90 prefill kernel."""
+    """A head_dim's tile on the sm_90 prefill kernel: its stages and turns, the stages of its
+    sequential tile where the turns cannot take the query by TMA, K/V tokens a tile and the
+    setmaxnreg counts."""
 
     stages: int
     turns: bool
+    no_tma_stages: int = SM90_PREFILL_NO_TMA_STAGES
     block_n: int = SM90_PREFILL_BLOCK_N
     regs: tuple[int, int] = SM90_PREFILL_REGS
 
 
-#: head_dim -> its tile: head_dim 128's warpgroups take ping-pong turns; head_dim 256's 64-row
-#: output needs 128 registers a thread, so its consumers take 240 and two 64-token stages fit.
+#: head_dim -> its tile: head_dim 64 and 128 take ping-pong turns (head_dim 64's sequential tile
+#: keeps 3 stages); head_dim 256's 64-row output needs 128 registers a thread, so its consumers
+#: take 240 and two 64-token stages fit.
 SM90_PREFILL_TILES = {
-    64: Sm90Tile(3, False),
+    64: Sm90Tile(3, True, no_tma_stages=3),
     128: Sm90Tile(3, True),
-    256: Sm90Tile(2, False, 64, (240, 24)),
+    256: Sm90Tile(2, False, block_n=64, regs=(240, 24)),
 }
 #: Ring slots past the stages: the producer runs at most ``stages + 1`` items ahead.
 SM90_PREFILL_RING_EXTRA = 2
@@ -635,7 +639,7 @@ def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
     stages, turns, block_n = tile.stages, tile.turns, tile.block_n
     by_tma = query_by_tma_fits(p)
     if turns and not by_tma:
-        stages, turns = SM90_PREFILL_NO_TMA_STAGES, False
+        stages, turns = tile.no_tma_stages, False
     box = box_rows(p.block_size, block_n)
     cfg = PrefillConfig(
         block_n=block_n,
