@@ -7,9 +7,15 @@ builds the row's launches with each candidate (``block_m`` x ``block_n`` x warps
 query heads of one KV head per program, as the policy takes them), and a candidate that fails
 to compile or to match the oracle is listed with why.
 
+With ``--sm90 CHANGES`` (repeatable; ``CHANGES``: ``field=value,...`` of `PrefillConfig`, e.g.
+``block_n=32,stages=3,turns=1,query_by_tma=1``) it times the sm_90 prefill kernel instead: the
+policy's `PrefillConfig` for the row and the policy's with each ``CHANGES``, passed as the call's
+``config`` (a config the call cannot run is listed with the rule it breaks).
+
 Usage (GPU machine, repository root)::
 
     PYTHONPATH=src python3 -m bench.diag.prefill_tiles [--row "prefill 8x4096 32/8/256 bs16"]
+    PYTHONPATH=src python3 -m bench.diag.prefill_tiles --sm90 block_n=32,stages=3 --sm90 ...
 
 Numbers are diagnostics, not serving figures.
 """
@@ -28,7 +34,13 @@ from bench import core, inputs, prefill
 from portattn.kernels.paged_attention import plan_paged_attention
 from portattn.platform import current_target
 from portattn.policy.common import LaunchOptions
-from portattn.policy.paged import PagedProblem, paged_tiles
+from portattn.policy.paged import (
+    PagedConfig,
+    PagedProblem,
+    PrefillConfig,
+    paged_config,
+    paged_tiles,
+)
 
 
 def _batch(row: str, device: str, points=prefill.FULL):
@@ -59,13 +71,63 @@ def mma_shapes(ptx: str) -> str:
     return " ".join(f"{k} x{v}" for k, v in sorted(shapes.items())) or "no wgmma"
 
 
+#: The attention launch of a plan (beside the sm_90 kernel's work list).
+MAIN = ("paged_attention", "paged_prefill_sm90")
+
+
+def parse_changes(text: str) -> dict:
+    """``"block_n=32,turns=1"`` -> ``{"block_n": 32, "turns": True}`` (the fields of
+    `PrefillConfig`; a bool field takes 0 or 1)."""
+    fields = {f.name: f for f in dataclasses.fields(PrefillConfig)}
+    out: dict = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in fields or not value.lstrip("-").isdigit():
+            raise ValueError(f"--sm90 takes field=int items of {sorted(fields)}; got {item!r}")
+        flag = isinstance(fields[name].default, bool)
+        if flag and value not in ("0", "1"):
+            raise ValueError(f"--sm90: {name} takes 0 or 1; got {value!r}")
+        out[name] = bool(int(value)) if flag else int(value)
+    return out
+
+
+def _time(ctx, b, out, flops, label: str, **kw) -> None:
+    """Check one planned call against the oracle, time it and print its line (a call the
+    compiler or the launch refuses is listed, not fatal)."""
+    try:
+        launches = plan_paged_attention(*b.args, out=out, max_query_len=b.max_query_len,
+                                        max_seq_len=b.max_seq_len, **kw)  # fmt: skip
+
+        def call(launches=launches):
+            return [launch.run() for launch in launches]
+
+        check, us, _ = ctx.checked_time_us(call, out, lambda: core.check_paged(b, out))
+        # compiled by now: the attention launch's registers, spills and MMAs
+        (kernel,) = [k for x, k in zip(launches, call(), strict=True) if x.name in MAIN]
+    except Exception as err:  # noqa: BLE001 - a refused candidate is a line of the report
+        print(f"{label:24} failed: {type(err).__name__}: {str(err).splitlines()[0][:90]}")
+        torch.cuda.synchronize()
+        return
+    if us is None:
+        print(f"{label:24} wrong: {check}")
+        return
+    print(f"{label:24} {us:10.1f} µs  {core.rate(flops, us, 1e12):6.1f} TFLOP/s  "
+          f"regs {kernel.n_regs} spills {kernel.n_spills}  "
+          f"{mma_shapes(kernel.asm['ptx'])}", flush=True)  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.diag.prefill_tiles")
     ap.add_argument("--row", default="prefill 8x4096 32/8/256 bs16")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sm90", action="append", default=[], metavar="CHANGES")
     opts = ap.parse_args(argv)
     if opts.reps < 1:
         ap.error(f"--reps must be >= 1; got {opts.reps}")
+    try:
+        changes = [parse_changes(c) for c in opts.sm90]
+    except ValueError as err:
+        ap.error(str(err))
     core.require_gpu("bench.diag.prefill_tiles")
     ctx = core.Context("cuda", reps=opts.reps)
     b, flops = _batch(opts.row, "cuda")
@@ -74,6 +136,16 @@ def main(argv=None) -> int:
     target = current_target()
     problem = PagedProblem(hq, hkv, d, b.query.element_size(), b.max_query_len,
                            b.key_cache.shape[1], len(b.seqs), b.max_seq_len)  # fmt: skip
+    if changes:
+        cfg = paged_config(target, problem).prefill
+        if cfg is None:
+            raise SystemExit(f"prefill_tiles: the sm_90 prefill kernel does not serve {opts.row}")
+        print(f"device: {torch.cuda.get_device_name()}; row {opts.row}; policy {cfg}")
+        for i, change in enumerate([{}, *changes]):
+            label = "policy" if i == 0 else ",".join(f"{k}={int(v)}" for k, v in change.items())
+            config = PagedConfig(prefill=dataclasses.replace(cfg, **change))
+            _time(ctx, b, out, flops, label, config=config)
+        return 0
     policy = paged_tiles(target, problem)
     print(f"device: {torch.cuda.get_device_name()}; row {opts.row}; policy {policy}")
     head_tile = policy.head_tile
@@ -94,25 +166,7 @@ def main(argv=None) -> int:
             f"m{tiles.block_m} n{tiles.block_n} w{tiles.options.num_warps} "
             f"s{tiles.options.num_stages}"
         )
-        try:
-            launches = plan_paged_attention(*b.args, out=out, max_query_len=b.max_query_len,
-                                            max_seq_len=b.max_seq_len, tiles=tiles)  # fmt: skip
-
-            def call(launches=launches):
-                return [launch.run() for launch in launches]
-
-            check, us, _ = ctx.checked_time_us(call, out, lambda: core.check_paged(b, out))
-            main_kernel = call()[0]  # compiled by now: its registers, spills and MMA shapes
-        except Exception as err:  # a tile the compiler or the launch refuses: listed, not fatal
-            print(f"{label:24} failed: {type(err).__name__}: {str(err).splitlines()[0][:90]}")
-            torch.cuda.synchronize()
-            continue
-        if us is None:
-            print(f"{label:24} wrong: {check}")
-            continue
-        print(f"{label:24} {us:10.1f} µs  {core.rate(flops, us, 1e12):6.1f} TFLOP/s  "
-              f"regs {main_kernel.n_regs} spills {main_kernel.n_spills}  "
-              f"{mma_shapes(main_kernel.asm['ptx'])}", flush=True)  # fmt: skip
+        _time(ctx, b, out, flops, label, tiles=tiles)
     return 0
 
 

@@ -168,6 +168,20 @@ def test_prefill_tiles_builds_the_named_row_and_names_the_rows_it_knows():
     assert prefill_tiles.mma_shapes("mma.sync.aligned.m16n8k16") == "no wgmma"
 
 
+def test_prefill_tiles_reads_sm90_config_changes_and_refuses_bad_ones():
+    from bench.diag import prefill_tiles
+
+    got = prefill_tiles.parse_changes("block_n=32,stages=3,turns=1,query_by_tma=0")
+    assert got == dict(block_n=32, stages=3, turns=True, query_by_tma=False)
+    assert prefill_tiles.parse_changes("") == {}
+    with pytest.raises(ValueError, match="field=int items of .*'block_n'.*got 'warps=8'"):
+        prefill_tiles.parse_changes("warps=8")
+    with pytest.raises(ValueError, match="turns takes 0 or 1; got '2'"):
+        prefill_tiles.parse_changes("turns=2")
+    with pytest.raises(SystemExit):
+        prefill_tiles.main(["--sm90", "stages=x"])
+
+
 # -- mla_splits ------------------------------------------------------------------------------
 
 

@@ -218,7 +218,7 @@ class PrefillConfig:
     a producer warp loading K/V by TMA page boxes).
 
     Attributes:
-        block_n: context tokens per K/V tile (64 or 128).
+        block_n: context tokens per K/V tile (32, 64 or 128).
         stages: K/V tiles in flight (2..4; shared memory bounds it).
         turns: the two warpgroups take ping-pong turns issuing their MMAs (needs 3 stages).
         query_by_tma: the producer loads each item's query rows by TMA (needs ``turns``).
@@ -733,7 +733,7 @@ def prefill_config_errors(target: Target, problem: PagedProblem, cfg: PrefillCon
             p.head_dim in SM90_PREFILL_TILES,
             f"needs head_dim in {tuple(SM90_PREFILL_TILES)}; got {p.head_dim}",
         ),
-        (cfg.block_n in (64, 128), f"block_n must be 64 or 128; got {cfg.block_n}"),
+        (cfg.block_n in (32, 64, 128), f"block_n must be 32, 64 or 128; got {cfg.block_n}"),
         (2 <= cfg.stages <= 4, f"stages must be in [2, 4]; got {cfg.stages}"),
         (not cfg.turns or cfg.stages >= 3, f"turns need stages >= 3; got {cfg.stages}"),
         (not cfg.query_by_tma or cfg.turns, "query_by_tma needs turns"),
