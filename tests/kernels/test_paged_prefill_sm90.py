@@ -764,6 +764,37 @@ def test_gpu_sm90_prefill_configs(name):
         check(b, out)
 
 
+# head_dim 256 at 32-token K/V tiles: turns with the query by TMA (3 stages) or by the
+# warpgroups' loads (GQA 5:1), and the sequential loop at 2 stages
+HD256_CONFIGS = {
+    "32 tokens, turns": ((32, 8), 16, "contiguous",
+                         dict(block_n=32, stages=3, turns=True, query_by_tma=True)),
+    "32 tokens, turns, query loads": ((40, 8), 544, "hybrid",
+                                      dict(block_n=32, stages=3, turns=True)),
+    "32 tokens, sequential": ((32, 8), 80, "slice", dict(block_n=32, stages=2)),
+}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(HD256_CONFIGS))
+def test_gpu_sm90_prefill_head_dim_256_configs(name):
+    """Configs a caller may give at head_dim 256 besides the policy's, against the fp64 oracle."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90 kernel needs an sm_90 GPU")
+    heads, block_size, kind, changes = HD256_CONFIGS[name]
+    b = make_batch(GPU_SEQS, block_size=block_size, heads=heads, head_dim=256,
+                   dtype=torch.bfloat16, device="cuda", kind=kind,
+                   state_bytes=8 * 256 * 2)  # fmt: skip
+    config = _config(heads=heads, head_dim=256, block_size=block_size, **changes)
+    mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
+    kw = dict(max_query_len=mql, max_seq_len=msl, config=config)
+    (main,) = [x for x in plan_paged_attention(*b.args(), **kw) if x.name == PREFILL]
+    assert (main.args["BLOCK_N"], main.args["PINGPONG"]) == (32, changes.get("turns", False))
+    out = paged_attention(*b.args(), **kw)
+    torch.cuda.synchronize()
+    check(b, out)
+
+
 @pytest.mark.gpu
 def test_gpu_sm90_prefill_graph_replay_with_new_lengths():
     """Captured with the maxima given (the work list is built on the device), replayed after the
