@@ -1,7 +1,7 @@
-"""Portable-kernel tiles for one prefill row: each candidate checked against the fp64 oracle,
-then timed as the bench times a row, beside the policy's own tiles.
+"""Tiles for one prefill row: each candidate checked against the fp64 oracle, then timed as the
+bench times a row, beside the policy's own tiles.
 
-For a row the sm_90 prefill kernel does not serve (head_dim 256, fp32, SHUFFLE, ...), this asks
+For a row the sm_90 prefill kernel does not serve (fp32, SHUFFLE, ...), this asks
 whether the portable kernel's policy leaves speed behind: ``plan_paged_attention(tiles=)``
 builds the row's launches with each candidate (``block_m`` x ``block_n`` x warps x stages; the
 query heads of one KV head per program, as the policy takes them), and a candidate that fails
