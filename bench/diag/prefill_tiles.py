@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import itertools
 import re
+from typing import Any
 
 import torch
 
@@ -116,6 +117,45 @@ def _time(ctx, b, out, flops, label: str, **kw) -> None:
           f"{mma_shapes(kernel.asm['ptx'])}", flush=True)  # fmt: skip
 
 
+def candidates(target, problem: PagedProblem, changes: list[dict]) -> list[tuple[str, dict, Any]]:
+    """(label, the call's keyword arguments, the tiles or config) of each candidate, the
+    policy's first: with ``changes`` the sm_90 kernel's `PrefillConfig` and each change of it,
+    else the portable kernel (``config=PagedConfig()``: the sm_90 kernel may serve the row)
+    at the policy's tiles and a grid of others."""
+    if changes:
+        cfg = paged_config(target, problem).prefill
+        if cfg is None:
+            raise SystemExit("prefill_tiles: the sm_90 prefill kernel does not serve this row")
+        out = []
+        for i, change in enumerate([{}, *changes]):
+            label = "policy" if i == 0 else ",".join(f"{k}={int(v)}" for k, v in change.items())
+            config = PagedConfig(prefill=dataclasses.replace(cfg, **change))
+            out.append((label, dict(config=config), config.prefill))
+        return out
+    policy = paged_tiles(target, problem)
+    grid = itertools.product((64, 128), (32, 64), (4, 8), (2, 3))
+    cands = [policy] + [
+        dataclasses.replace(
+            policy,
+            block_m=m,
+            block_q=m // policy.head_tile,
+            block_n=n,
+            options=LaunchOptions(w, s),
+            decode=None,
+        )  # fmt: skip
+        for m, n, w, s in grid
+    ]
+    labels = [
+        ("policy " if i == 0 else "")
+        + f"m{t.block_m} n{t.block_n} w{t.options.num_warps} s{t.options.num_stages}"
+        for i, t in enumerate(cands)
+    ]
+    return [
+        (label, dict(tiles=t, config=PagedConfig()), t)
+        for label, t in zip(labels, cands, strict=True)
+    ]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.diag.prefill_tiles")
     ap.add_argument("--row", default="prefill 8x4096 32/8/256 bs16")
@@ -136,37 +176,10 @@ def main(argv=None) -> int:
     target = current_target()
     problem = PagedProblem(hq, hkv, d, b.query.element_size(), b.max_query_len,
                            b.key_cache.shape[1], len(b.seqs), b.max_seq_len)  # fmt: skip
-    if changes:
-        cfg = paged_config(target, problem).prefill
-        if cfg is None:
-            raise SystemExit(f"prefill_tiles: the sm_90 prefill kernel does not serve {opts.row}")
-        print(f"device: {torch.cuda.get_device_name()}; row {opts.row}; policy {cfg}")
-        for i, change in enumerate([{}, *changes]):
-            label = "policy" if i == 0 else ",".join(f"{k}={int(v)}" for k, v in change.items())
-            config = PagedConfig(prefill=dataclasses.replace(cfg, **change))
-            _time(ctx, b, out, flops, label, config=config)
-        return 0
-    policy = paged_tiles(target, problem)
-    print(f"device: {torch.cuda.get_device_name()}; row {opts.row}; policy {policy}")
-    head_tile = policy.head_tile
-    grid = itertools.product((64, 128), (32, 64), (4, 8), (2, 3))
-    cands = [policy] + [
-        dataclasses.replace(
-            policy,
-            block_m=m,
-            block_q=m // head_tile,
-            block_n=n,
-            options=LaunchOptions(w, s),
-            decode=None,
-        )  # fmt: skip
-        for m, n, w, s in grid
-    ]
-    for i, tiles in enumerate(cands):
-        label = ("policy " if i == 0 else "") + (
-            f"m{tiles.block_m} n{tiles.block_n} w{tiles.options.num_warps} "
-            f"s{tiles.options.num_stages}"
-        )
-        _time(ctx, b, out, flops, label, tiles=tiles)
+    cands = candidates(target, problem, changes)
+    print(f"device: {torch.cuda.get_device_name()}; row {opts.row}; policy {cands[0][2]}")
+    for label, kw, _ in cands:
+        _time(ctx, b, out, flops, label, **kw)
     return 0
 
 

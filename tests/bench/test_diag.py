@@ -168,6 +168,39 @@ def test_prefill_tiles_builds_the_named_row_and_names_the_rows_it_knows():
     assert prefill_tiles.mma_shapes("mma.sync.aligned.m16n8k16") == "no wgmma"
 
 
+def test_prefill_tiles_candidates_name_the_kernel_they_time():
+    """Portable candidates go with ``config=PagedConfig()`` (else the sm_90 kernel would serve a
+    row it takes, head_dim 256 among them); sm_90 candidates are the policy's config changed."""
+    import torch
+    from bench.diag import prefill_tiles
+
+    from portattn.kernels.paged_attention import plan_paged_attention
+    from portattn.platform import get_target
+    from portattn.policy.paged import PagedConfig, PagedProblem
+
+    sm90 = get_target("sm_90")
+    problem = PagedProblem(32, 8, 256, 2, 4096, 16, 8, 4096)
+    portable = prefill_tiles.candidates(sm90, problem, [])
+    assert portable[0][0].startswith("policy m128 n32 w8") and len(portable) == 17
+    assert all(kw["config"] == PagedConfig() for _, kw, _ in portable)
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.empty(8 * 4096, 32, 256, **meta)
+    cache = torch.empty(8 * 256 + 1, 16, 8, 256, **meta)
+    args = (q, cache, cache, torch.empty(8, 256, dtype=torch.int32, device="meta"),
+            torch.empty(8, dtype=torch.int32, device="meta"),
+            torch.empty(9, dtype=torch.int32, device="meta"))  # fmt: skip
+    bounds = dict(max_query_len=4096, max_seq_len=4096, target=sm90)
+    (launch,) = plan_paged_attention(*args, **bounds, **portable[1][1])
+    assert launch.name == "paged_attention" and launch.args["BLOCK_N"] == 32
+    sm = prefill_tiles.candidates(sm90, problem, [dict(block_n=32, stages=3)])
+    assert [label for label, _, _ in sm] == ["policy", "block_n=32,stages=3"]
+    assert (sm[0][2].block_n, sm[1][2].block_n, sm[1][2].stages) == (64, 32, 3)
+    names = [x.name for x in plan_paged_attention(*args, **bounds, **sm[1][1])]
+    assert names == ["paged_attention:work_list", "paged_prefill_sm90"]
+    with pytest.raises(SystemExit, match="does not serve this row"):
+        prefill_tiles.candidates(get_target("sm_80"), problem, [dict(stages=3)])
+
+
 def test_prefill_tiles_reads_sm90_config_changes_and_refuses_bad_ones():
     from bench.diag import prefill_tiles
 
