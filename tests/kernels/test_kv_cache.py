@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from portattn import reference
 from portattn.kernels.kv_cache import (
+    _unbounded_outputs,
     gather_kv_cache,
     plan_gather_kv_cache,
     plan_write_kv_cache,
@@ -255,6 +256,33 @@ def test_gather_no_sequences(device):
         cache.k, cache.v, table, torch.zeros(1, dtype=torch.int32, device=device)
     )
     assert k.shape == v.shape == (0, NUM_KV_HEADS, HEAD_DIM)
+
+
+def test_unbounded_gather_checks_each_calls_indices_its_arguments_once(device):
+    """A call without ``out`` checks its arguments once per description and its indices every
+    call, then runs as the call given outputs of ``cu_seq_lens[-1]`` rows: the same description
+    with other contents gives their answer, and broken contents after good calls are named as
+    the planner names them, before anything is written."""
+    cache = make_cache("contiguous", "NHD", torch.float32, 3, 4, device=device)
+    cache.buffer.copy_(torch.randn(cache.buffer.shape))
+    table = torch.tensor([[0, 2], [1, 0]], device=device)
+    for cu in ([0, 5, 8], [0, 3, 7], [0, 8, 8], [0, 0, 0]):
+        cu_t = torch.tensor(cu, device=device)
+        k, v = gather_kv_cache(cache.k, cache.v, table, cu_t)
+        rk, rv = reference.gather_kv_cache(cache.k, cache.v, table, cu_t)
+        assert k.shape == (cu[-1], NUM_KV_HEADS, HEAD_DIM) and k.is_contiguous()
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+    for over, exc, msg in GATHER_ERRORS:
+        if "out" in over or any(isinstance(t, torch.Tensor) and t.is_meta for t in over.values()):
+            continue  # (the bounded and the meta-device cases: not this path)
+        args = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                for k, v in _gather_args(**over).items()}  # fmt: skip
+        with pytest.raises(exc, match=msg):
+            gather_kv_cache(**args)
+        with pytest.raises(exc, match=msg):  # (on a CPU the planner checks again: this alone)
+            _unbounded_outputs(*args.values(), "NHD")
+        good = {k: v.to(device) for k, v in _gather_args().items()}
+        assert _unbounded_outputs(*good.values(), "NHD")[0].shape == (8, NUM_KV_HEADS, HEAD_DIM)
 
 
 # -- write -> gather round trip over random strides, interleavings and layouts ----------------

@@ -43,7 +43,7 @@ from portattn.kernels._checks import (
     to_host,
 )
 from portattn.kernels._launch import Launch
-from portattn.kernels._plans import PLANS, _current_device, call_key
+from portattn.kernels._plans import PLANS, CheckMemo, _current_device, call_key
 from portattn.kernels.page_indices import _find_seq, _num_steps
 from portattn.layout import CacheAddressing, describe_kv_cache, is_block_contiguous
 from portattn.platform import Target, override_key, target_for_tensor
@@ -476,17 +476,11 @@ def _gather_kv_cache_kernel(
     tl.store(value_out_ptr + dst + d.to(tl.int64)[None, :] * stride_vo_dim, v, mask=store_mask)
 
 
-def plan_gather_kv_cache(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seq_lens: torch.Tensor,
-    *,
-    layout: str = "NHD",
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    target: Target | None = None,
-) -> list[Launch]:
-    """Validate, allocate and plan `gather_kv_cache` (one launch; outputs in ``.outputs``)."""
+def _check_gather_args(
+    key_cache, value_cache, block_table, cu_seq_lens, layout, out
+) -> tuple[CacheAddressing, CacheAddressing]:
+    """`gather_kv_cache`'s argument checks (types, shapes, devices, overlap: no index values),
+    every problem listed in one error; the caches' addressing."""
     op = "gather_kv_cache"
     p = Problems(op)
     kv = p.run(describe_kv_cache, op, key_cache, value_cache, layout)
@@ -521,6 +515,22 @@ def plan_gather_kv_cache(
         p.value(*overlap_errors([("out[0]", out[0]), ("out[1]", out[1])], reads))
     p.raise_if_any()
     assert ka is not None and va is not None
+    return ka, va
+
+
+def plan_gather_kv_cache(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    *,
+    layout: str = "NHD",
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    target: Target | None = None,
+) -> list[Launch]:
+    """Validate, allocate and plan `gather_kv_cache` (one launch; outputs in ``.outputs``)."""
+    op = "gather_kv_cache"
+    ka, va = _check_gather_args(key_cache, value_cache, block_table, cu_seq_lens, layout, out)
     given = tuple(out) if out is not None else ()
     num_seqs = block_table.shape[0]
     if out is None and cu_seq_lens.device.type == "meta":
@@ -608,6 +618,42 @@ def _check_gather_indices(
     raise_errors(op, errors)
 
 
+#: The argument checks an unbounded `gather_kv_cache` passed, by description (`CheckMemo`).
+_GATHER_CHECKED = CheckMemo()
+
+
+def _unbounded(*tensors) -> bool:
+    """Whether a call without ``out`` can take `_unbounded_outputs`: every input a tensor, none
+    on the meta device (whose ``total_tokens`` is unknown: the planner names that)."""
+    return all(type(t) is torch.Tensor and t.device.type != "meta" for t in tensors)
+
+
+def _unbounded_outputs(
+    key_cache, value_cache, block_table, cu_seq_lens, layout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs of a call without ``out`` (``cu_seq_lens[-1]`` rows), once its checks pass:
+    the arguments' once per description (`CheckMemo`), the indices on one host read of
+    ``cu_seq_lens`` and ``block_table`` each call (`_check_gather_indices`), as the planner
+    runs them."""
+    op = "gather_kv_cache"
+    inputs = (key_cache, value_cache, block_table, cu_seq_lens)
+    scalars = (type(layout), layout)
+    ka = _GATHER_CHECKED.get(scalars, inputs, inputs)
+    if ka is None:
+        ka, _ = _check_gather_args(key_cache, value_cache, block_table, cu_seq_lens, layout, None)
+        _GATHER_CHECKED.keep(scalars, inputs, inputs, (), ka)
+    cu, table = to_host(cu_seq_lens, block_table)
+    total = int(cu[-1])
+    _check_gather_indices(op, table, cu, ka, total, False)
+    if total > _INT32_MAX:
+        raise ValueError(f"{op}: total_tokens must be < 2**31; got {total}")
+    shape = (total, ka.num_kv_heads, ka.head_dim)
+    return (
+        torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device),
+        torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device),
+    )
+
+
 def gather_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -644,6 +690,9 @@ def gather_kv_cache(
     when ``out`` is not given (with the one device read that ``total_tokens`` needs). With
     ``out`` given on a GPU the caller vouches for them: a violation is undefined behaviour.
     """
+    if out is None and _unbounded(key_cache, value_cache, block_table, cu_seq_lens):
+        # checked here, then the call runs as the call given these outputs (the plan cache)
+        out = _unbounded_outputs(key_cache, value_cache, block_table, cu_seq_lens, layout)
     inputs: tuple = (key_cache, value_cache, block_table, cu_seq_lens)
     cache_key = None
     guard: tuple | None = None
