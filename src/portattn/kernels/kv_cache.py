@@ -544,14 +544,10 @@ def plan_gather_kv_cache(
     else:
         assert out is not None
         total_tokens = out[0].shape[0]  # no device read
-    if total_tokens > _INT32_MAX:
-        raise ValueError(f"{op}: total_tokens must be < 2**31; got {total_tokens}")
     if out is None:
-        shape = (total_tokens, ka.num_kv_heads, ka.head_dim)
-        out = (
-            torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device),
-            torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device),
-        )
+        out = _new_outputs(key_cache, ka, total_tokens)
+    elif total_tokens > _INT32_MAX:
+        raise ValueError(f"{op}: total_tokens must be < 2**31; got {total_tokens}")
     k_out, v_out = out
     target = target or target_for_tensor(key_cache)
     tiles = gather_kv_cache_tiles(
@@ -645,8 +641,13 @@ def _unbounded_outputs(
     cu, table = to_host(cu_seq_lens, block_table)
     total = int(cu[-1])
     _check_gather_indices(op, table, cu, ka, total, False)
+    return _new_outputs(key_cache, ka, total)
+
+
+def _new_outputs(key_cache, ka: CacheAddressing, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs of a call without ``out``: ``total`` rows each (below 2**31)."""
     if total > _INT32_MAX:
-        raise ValueError(f"{op}: total_tokens must be < 2**31; got {total}")
+        raise ValueError(f"gather_kv_cache: total_tokens must be < 2**31; got {total}")
     shape = (total, ka.num_kv_heads, ka.head_dim)
     return (
         torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device),
