@@ -352,9 +352,9 @@ MLA_512_FP32_SPILL_REASON = "fp32 FMA dots over the 512-wide latent (MLA_512_FP3
 
 
 # The sm_90 prefill kernel at head_dim 256 (16-bit NHD prefill) holds a 64 x 256 fp32 output a
-# consumer warpgroup, 128 registers a thread, under setmaxnreg 240: ptxas spills 72-252 B of
-# item-level values (measured with Triton 3.6 on the cases below), none in the tile loop's MMAs.
-# Stated for sm_90 alone: every other target compiles these cases' portable tiles without spills.
+# consumer warpgroup, 128 registers a thread, under setmaxnreg 240: ptxas spills 72-252 B
+# (Triton 3.6, the cases below), outside the tile loop's MMAs at GQA 4:1 (one load among them at
+# 5:1). Stated for sm_90 alone: every other target compiles these cases without spills.
 SM90_HD256_SPILL_ALLOWANCE: tuple[tuple[str, int], ...] = (("sm_90", 256),)
 SM90_HD256_SPILL_REASON = "sm_90 prefill kernel's head_dim-256 output (SM90_HD256_SPILL_ALLOWANCE)"
 
