@@ -511,6 +511,26 @@ def test_compiles_for_sm90_without_spills(case_id):
     assert r.spills <= 16  # (16 B at block 544: four boxes a tile, the turns and the query copy)
 
 
+@target_compile
+def test_head_dim_256_compiles_for_sm90_within_its_estimate_and_allowance():
+    """The compile matrix's head_dim-256 GQA 8:1 and 5:1 cases on sm_90: the sm_90 kernel in
+    the plan, shared memory within `prefill_smem_bytes` (and the target), spills within the
+    gate plus the cases' stated allowance."""
+    by_id = {c.id: c for c in default_cases()}
+    cases = [
+        by_id[f"paged_attention/hd256 {name} NHD prefill"] for name in ("gqa8 bs16", "gqa5 bs544")
+    ]
+    cells = compile_in_spawned_workers(cases, ["sm_90"])
+    for case, cell in zip(cases, cells, strict=True):
+        assert cell.passed, (cell.id, cell.reasons)
+        (r,) = [launch for launch in cell.launches if launch.name == PREFILL]
+        p = dict(case.params)
+        problem = _problem((p["num_q_heads"], p["num_kv_heads"]), 256, p["block_size"], mql=64)
+        cfg = prefill_config(SM90, problem)
+        assert cfg.block_n == 64 and r.shared <= prefill_smem_bytes(cfg, 256), (cell.id, r.shared)
+        assert r.spills <= 16 + case.allowance("cuda", "sm_90"), (cell.id, r.spills)
+
+
 def _query_copies(q_tma: bool, block_size: int) -> tuple[bool, int, int, int, int, int]:
     """(the Q_TMA arg, spills, shared bytes, TMA copies, global loads, atomics) of the mixed
     batch's sm_90 launch taking turns at 3 stages with the query by TMA or not, compiled for
