@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from portattn.kernels._launch import Launch
-from portattn.platform import Target
-from portattn.policy.paged import SM90_PREFILL_MIN_ROWS, PagedConfig
+from portattn.platform import Target, get_target
+from portattn.policy.paged import PagedConfig, PagedProblem, sm90_prefill
 
 META = torch.device("meta")
 # The serving dtype every axis below is compiled in; the other dtypes an op accepts (`api_dtypes`)
@@ -360,15 +360,14 @@ SM90_HD256_SPILL_REASON = "sm_90 prefill kernel's head_dim-256 output (SM90_HD25
 
 
 def _paged_allowance(case: Case) -> Case:
-    """``case`` with `SM90_HD256_SPILL_ALLOWANCE` where the sm_90 prefill kernel may serve it."""
+    """``case`` with `SM90_HD256_SPILL_ALLOWANCE` where the sm_90 prefill kernel serves it at
+    head_dim 256 (the policy's `sm90_prefill` on the case's problem)."""
     p = dict(case.params)
-    sm90 = (
-        p["head_dim"] == 256
-        and p["layout"] == "NHD"
-        and p.get("dtype", "bfloat16") != "float32"
-        and p["max_query_len"] * p["num_q_heads"] // p["num_kv_heads"] >= SM90_PREFILL_MIN_ROWS
-    )
-    if not sm90:
+    elem = getattr(torch, p["dtype"]).itemsize if "dtype" in p else DTYPE.itemsize
+    problem = PagedProblem(p["num_q_heads"], p["num_kv_heads"], p["head_dim"], elem,
+                           p["max_query_len"], p["block_size"],
+                           shuffled=p["layout"] == "SHUFFLE")  # fmt: skip
+    if p["head_dim"] != 256 or not sm90_prefill(get_target("sm_90"), problem):
         return case
     return dataclasses.replace(
         case, spill_allowance=SM90_HD256_SPILL_ALLOWANCE, spill_reason=SM90_HD256_SPILL_REASON

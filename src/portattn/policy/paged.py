@@ -39,8 +39,8 @@ SMEM_MMA_MIN_ROWS = 64
 MAX_REGS_4_WARPS_SMEM_MMA = 128
 # sm_90's wgmma gives each warpgroup 64 rows: an 8-warp tile of 64 rows splits every dot's N
 # between its warpgroups (QK^T as m64n16 at 32 tokens). Where the 64-row tile needs 8 warps and
-# the batch has the rows, 128 rows x 32 tokens at 8 warps (244 registers, no spills at head_dim
-# 256 compiled for sm_90).
+# the batch has the rows, 128 rows x 32 tokens at 8 warps, 64 rows a warpgroup (its evidence:
+# docs/decisions.md).
 SMEM_MMA_8_WARP_ROWS = 128
 SMEM_MMA_8_WARP_BLOCK_N = 32
 # The 8-warp estimate a non-wide tile may reach: head_dim 256 at block_n 64 spills above it.
