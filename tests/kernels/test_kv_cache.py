@@ -279,7 +279,7 @@ def test_unbounded_gather_checks_each_calls_indices_its_arguments_once(device):
                 for k, v in _gather_args(**over).items()}  # fmt: skip
         with pytest.raises(exc, match=msg):
             gather_kv_cache(**args)
-        with pytest.raises(exc, match=msg):  # (on a CPU the planner checks again: this alone)
+        with pytest.raises(exc, match=msg):  # (a GPU call's path; on a CPU the planner's)
             _unbounded_outputs(*args.values(), "NHD")
         good = {k: v.to(device) for k, v in _gather_args().items()}
         assert _unbounded_outputs(*good.values(), "NHD")[0].shape == (8, NUM_KV_HEADS, HEAD_DIM)

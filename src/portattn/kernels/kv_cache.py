@@ -619,9 +619,10 @@ _GATHER_CHECKED = CheckMemo()
 
 
 def _unbounded(*tensors) -> bool:
-    """Whether a call without ``out`` can take `_unbounded_outputs`: every input a tensor, none
-    on the meta device (whose ``total_tokens`` is unknown: the planner names that)."""
-    return all(type(t) is torch.Tensor and t.device.type != "meta" for t in tensors)
+    """Whether a call without ``out`` takes `_unbounded_outputs`: every input a tensor on a device
+    where the call given ``out`` reads no index (a GPU; on a CPU the planner reads and checks
+    them anyway, and meta tensors have no ``total_tokens``: the planner names both)."""
+    return all(type(t) is torch.Tensor for t in tensors) and tensors[-1].is_cuda
 
 
 def _unbounded_outputs(
