@@ -135,3 +135,24 @@ def test_summary_reads_huge_seq_lens_without_overflow(device):
     on = [t.to(device) for t in (qsl, sl, table)]
     assert read_metadata_summary(*on, num_tokens=1, block_size=16, num_blocks=4,
                                  end_at_most=False) is None  # fmt: skip
+
+
+@pytest.mark.paged
+def test_summary_leaves_its_running_maxima_zero(device):
+    """The last program hands the totals over and zeroes the running maxima, so a call after a
+    longer one reads its own maxima, and a valid call after a broken one is not broken."""
+    from portattn.kernels.metadata_summary import _buffers
+
+    table = torch.arange(8, dtype=torch.int64).reshape(2, 4).to(device)
+    calls = [
+        (torch.tensor([0, 3, 5]), torch.tensor([40, 9]), (3, 40)),
+        (torch.tensor([0, 1, 2]), torch.tensor([1, 2]), (1, 2)),
+        (torch.tensor([0, 1, 2]), torch.tensor([1, 99]), None),  # past the table's columns
+        (torch.tensor([0, 2, 2]), torch.tensor([5, 0]), (2, 5)),
+    ]
+    for qsl, sl, want in calls:
+        got = read_metadata_summary(qsl.to(device), sl.to(device), table,
+                                    num_tokens=int(qsl[-1]), block_size=16, num_blocks=8,
+                                    end_at_most=False)  # fmt: skip
+        assert got == want
+        assert _buffers(table.device).running.tolist() == [0, 0, 0, 0]

@@ -248,9 +248,12 @@ def build_metadata_summary(
     qsl = torch.empty((NUM_SEQS + 1,), dtype=dt, device=META) if query_start_loc else None
     seq_lens = torch.empty((NUM_SEQS,), dtype=dt, device=META)
     block_table = torch.empty((NUM_SEQS, max_blocks), dtype=dt, device=META)
+    running = torch.empty((4,), dtype=torch.int64, device=META)
+    totals = torch.empty((3,), dtype=torch.int64, device=META)
     return plan_metadata_summary(
-        qsl, seq_lens, block_table, num_tokens=NUM_SEQS * PREFILL_CHUNK, block_size=16,
-        num_blocks=NUM_SEQS * max_blocks, end_at_most=not query_start_loc, target=target,
+        qsl, seq_lens, block_table, running, totals, num_tokens=NUM_SEQS * PREFILL_CHUNK,
+        block_size=16, num_blocks=NUM_SEQS * max_blocks, end_at_most=not query_start_loc,
+        target=target,
     )  # fmt: skip
 
 

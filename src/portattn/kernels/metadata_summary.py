@@ -3,11 +3,17 @@ metadata itself.
 
 A call without bounds on a GPU (``paged_attention`` without ``max_query_len``, ``mla_decode``
 without ``metadata``) must check the metadata's values and learn its maxima before it plans. The
-summary kernel does both on the device, one program per sequence, and writes one int64 row per
-sequence: ``(q_len, seq_len, broken)``. The host then reads that one tensor (one copy, one wait)
-and reduces it with one numpy call. Only when some row is broken does the op read the metadata
-itself and run the host checks of `_checks`, which name the argument, the rule and the values
-exactly as before: the summary decides *whether* a call is valid, `_checks` says *why not*.
+summary kernel does both on the device, one program per sequence: each program checks its
+sequence and folds ``(q_len, seq_len, broken)`` into the call's running maxima with atomics; the
+program that finishes last writes the three totals and zeroes the running maxima for the next
+call. The host copies the totals into pinned memory, waits for the stream once and reads three
+integers. Only when the metadata is broken does the op read the metadata itself and run the host
+checks of `_checks`, which name the argument, the rule and the values exactly as before: the
+summary decides *whether* a call is valid, `_checks` says *why not*.
+
+The running maxima, the totals and their pinned copy are one set per device, stream and thread
+(`_buffers`): calls on one stream run their summaries in order, and each thread reads its own
+totals after its own wait.
 
 The rules are `_checks`' rules, row by row (a row is broken when any fails):
 
@@ -26,18 +32,21 @@ table; other calls (an empty batch, MLA's ``page_indices``) keep the host read.
 
 from __future__ import annotations
 
+import threading
+from typing import Any, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from portattn.kernels._launch import Launch
-from portattn.kernels._plans import PLANS, call_key
-from portattn.platform import Target, target_for_tensor
+from portattn.kernels._plans import PLANS, _current_device, call_key
+from portattn.platform import Target, override_key, target_for_tensor
 from portattn.policy.cache import metadata_summary_tiles
 
 OP = "metadata_summary"
-#: Columns of a summary row.
-Q_LEN, SEQ_LEN, BROKEN = 0, 1, 2
+#: The totals' entries (and the running maxima's); the running maxima hold a ticket count after.
+Q_LEN, SEQ_LEN, BROKEN, TICKETS = 0, 1, 2, 3
 
 
 @triton.jit
@@ -45,7 +54,8 @@ def _metadata_summary_kernel(
     qsl_ptr,  # [num_seqs + 1] int32/int64 (unused without HAS_QSL)
     seq_lens_ptr,  # [num_seqs] int32/int64
     block_table_ptr,  # [num_seqs, max_blocks] int32/int64
-    summary_ptr,  # [num_seqs, 3] int64: q_len, seq_len, broken
+    running_ptr,  # [4] int64, zero between calls: max q_len, max seq_len, broken, tickets
+    totals_ptr,  # [3] int64: max q_len, max seq_len, broken
     num_seqs,
     num_tokens,
     block_size,
@@ -88,10 +98,18 @@ def _metadata_summary_kernel(
         ids = tl.load(row + cols.to(tl.int64) * stride_bt_blk, mask=live, other=0).to(tl.int64)
         bad_ids = bad_ids | (live & ((ids < 0) | (ids >= num_blocks))).to(tl.int32)
     broken = broken | (tl.max(bad_ids, axis=0) != 0)
-    out = summary_ptr + i * 3
-    tl.store(out + 0, q_len)
-    tl.store(out + 1, seq_len)
-    tl.store(out + 2, broken.to(tl.int64))
+    # -- fold into the running maxima, entries 0-3 as Q_LEN, SEQ_LEN, BROKEN, TICKETS (acq_rel
+    # atomics of one thread: each lands before the ticket) --
+    tl.atomic_max(running_ptr + 0, q_len)
+    tl.atomic_max(running_ptr + 1, seq_len)
+    tl.atomic_max(running_ptr + 2, broken.to(tl.int64))
+    ticket = tl.atomic_add(running_ptr + 3, 1)
+    if ticket == num_seqs - 1:
+        # the last program: every other one has folded in; hand the totals over, zero the rest
+        tl.store(totals_ptr + 0, tl.atomic_xchg(running_ptr + 0, 0))
+        tl.store(totals_ptr + 1, tl.atomic_xchg(running_ptr + 1, 0))
+        tl.store(totals_ptr + 2, tl.atomic_xchg(running_ptr + 2, 0))
+        tl.atomic_xchg(running_ptr + 3, 0)
 
 
 def summary_applies(block_table, num_seqs: int) -> bool:
@@ -105,6 +123,8 @@ def plan_metadata_summary(
     query_start_loc: torch.Tensor | None,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
+    running: torch.Tensor,
+    totals: torch.Tensor,
     *,
     num_tokens: int,
     block_size: int,
@@ -114,12 +134,12 @@ def plan_metadata_summary(
 ) -> list[Launch]:
     """The summary's launch over metadata the op has already validated in type and shape
     (int32/int64, ``seq_lens [num_seqs]``, ``block_table [num_seqs, max_blocks]``,
-    ``query_start_loc [num_seqs + 1]`` or ``None`` for one query a sequence); its output is
-    ``[num_seqs, 3]`` int64 (module docstring)."""
+    ``query_start_loc [num_seqs + 1]`` or ``None`` for one query a sequence). ``running``:
+    ``[4]`` int64 on the metadata's device, zero before the launch and after it; ``totals``:
+    ``[3]`` int64 the launch writes (module docstring, `_buffers`)."""
     num_seqs, max_blocks = block_table.shape
     target = target or target_for_tensor(seq_lens)
     tiles = metadata_summary_tiles(target, max_blocks)
-    summary = torch.empty((num_seqs, 3), dtype=torch.int64, device=seq_lens.device)
     has_qsl = query_start_loc is not None
     launch = Launch(
         kernel=_metadata_summary_kernel,
@@ -128,7 +148,8 @@ def plan_metadata_summary(
             qsl_ptr=query_start_loc if has_qsl else seq_lens,
             seq_lens_ptr=seq_lens,
             block_table_ptr=block_table,
-            summary_ptr=summary,
+            running_ptr=running,
+            totals_ptr=totals,
             num_seqs=num_seqs,
             num_tokens=num_tokens,
             block_size=block_size,
@@ -145,9 +166,39 @@ def plan_metadata_summary(
         options=tiles.options,
         target=target,
         name=OP,
-        outputs=(summary,),
+        outputs=(totals,),
+        writes=(running, totals),
     )
     return [launch]
+
+
+class _Buffers(NamedTuple):
+    """One device, stream and thread's summary buffers: the running maxima (zero between calls),
+    the totals, and on a GPU their pinned host copy and the stream to wait for."""
+
+    running: torch.Tensor
+    totals: torch.Tensor
+    pinned: torch.Tensor | None
+    host: Any  # numpy view of what the host reads: ``pinned``, else ``totals``
+    stream: Any  # torch.cuda.Stream, or None on the CPU
+
+
+_BUFFERS: dict[tuple, _Buffers] = {}
+
+
+def _buffers(device: torch.device) -> _Buffers:
+    """The summary buffers of the current stream of ``device`` and the calling thread (made on
+    first use, kept for the process)."""
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    key = (device, None if stream is None else stream.cuda_stream, threading.get_ident())
+    bufs = _BUFFERS.get(key)
+    if bufs is None:
+        running = torch.zeros(TICKETS + 1, dtype=torch.int64, device=device)
+        totals = torch.zeros(BROKEN + 1, dtype=torch.int64, device=device)
+        pinned = None if stream is None else torch.zeros_like(totals, device="cpu").pin_memory()
+        host = (totals if pinned is None else pinned).numpy()
+        bufs = _BUFFERS[key] = _Buffers(running, totals, pinned, host, stream)
+    return bufs
 
 
 def read_metadata_summary(
@@ -160,30 +211,31 @@ def read_metadata_summary(
     num_blocks: int,
     end_at_most: bool,
 ) -> tuple[int, int] | None:
-    """``(longest q_len, longest seq_len)`` of valid metadata, from the summary kernel and one
-    read of its output (through the plan cache: a repeated description launches directly);
+    """``(longest q_len, longest seq_len)`` of valid metadata, from the summary kernel (through
+    the plan cache: a repeated description launches directly), one copy and one wait;
     ``None`` when some sequence breaks a rule (the caller then reads the metadata and raises
     `_checks`' errors). Arguments as `plan_metadata_summary`'s."""
-    inputs = (query_start_loc, seq_lens, block_table)
-    scalars = (num_tokens, block_size, num_blocks, end_at_most)
-    key = call_key(OP, *inputs, *scalars)
-    (summary,) = PLANS.call(
-        key,
-        inputs,
-        lambda: plan_metadata_summary(
-            query_start_loc,
-            seq_lens,
-            block_table,
-            num_tokens=num_tokens,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            end_at_most=end_at_most,
-        ),  # fmt: skip
-    )
-    host = summary.to("cpu", non_blocking=True)
-    if summary.is_cuda:
-        torch.cuda.current_stream(summary.device).synchronize()
-    top = host.numpy().max(axis=0)
-    if top[BROKEN]:
+    bufs = _buffers(seq_lens.device)
+    inputs = (query_start_loc, seq_lens, block_table, bufs.running, bufs.totals)
+    scalars = (OP, _current_device(), override_key(), query_start_loc is None, num_tokens,
+               block_size, num_blocks, end_at_most)  # fmt: skip
+    tensors = inputs[1:] if query_start_loc is None else inputs
+    if PLANS.probe(scalars, tensors, inputs) is None:
+        key = call_key(OP, *inputs, num_tokens, block_size, num_blocks, end_at_most)
+        PLANS.call(
+            key,
+            inputs,
+            lambda: plan_metadata_summary(
+                query_start_loc, seq_lens, block_table, bufs.running, bufs.totals,
+                num_tokens=num_tokens, block_size=block_size, num_blocks=num_blocks,
+                end_at_most=end_at_most,
+            ),
+            (scalars, tensors),
+        )  # fmt: skip
+    if bufs.pinned is not None:
+        bufs.pinned.copy_(bufs.totals, non_blocking=True)
+        bufs.stream.synchronize()
+    q_len, seq_len, broken = bufs.host.tolist()
+    if broken:
         return None
-    return int(top[Q_LEN]), int(top[SEQ_LEN])
+    return q_len, seq_len
