@@ -156,3 +156,27 @@ def test_summary_leaves_its_running_maxima_zero(device):
                                     end_at_most=False)  # fmt: skip
         assert got == want
         assert _buffers(table.device).running.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.paged
+def test_summary_on_two_streams():
+    """Each stream keeps its own running maxima and totals: summaries queued on a side stream
+    and on the default stream, alternately, each read their own maxima."""
+    from portattn.kernels.metadata_summary import _buffers
+
+    table = torch.arange(64, dtype=torch.int32, device="cuda").reshape(4, 16)
+    side = torch.cuda.Stream()
+    for n in range(1, 9):
+        sl = torch.full((4,), 16 * n, dtype=torch.int32, device="cuda")
+        qsl = torch.arange(0, 5 * n, n, dtype=torch.int32, device="cuda")
+        kw = dict(num_tokens=4 * n, block_size=16, num_blocks=64, end_at_most=False)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            got_side = read_metadata_summary(qsl, sl + 16, table, **kw)
+        got = read_metadata_summary(qsl, sl, table, **kw)
+        assert got == (n, 16 * n)
+        assert got_side == (n, 16 * n + 16)
+    for stream in (side, torch.cuda.current_stream()):
+        with torch.cuda.stream(stream):
+            assert _buffers(table.device).running.tolist() == [0, 0, 0, 0]
