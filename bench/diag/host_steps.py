@@ -5,8 +5,13 @@ Each step is timed as a host row is (`bench.host.host_us`: ``--calls`` back-to-b
 the host clock, median of ``--repeats`` loops, the garbage collector off):
 
 * ``summary``: the device-side metadata check an unbounded call runs (its launch through the
-  plan cache, one read of its output, `read_metadata_summary`), alone and right after the op's
-  cached call (so the read waits for the kernel the call queued, as in a decode loop);
+  plan cache, the copy of its totals and one wait, `read_metadata_summary`), alone and right
+  after the op's cached call (so the wait includes the kernel the call queued, as in a decode
+  loop);
+* ``summary queued``: its launch and copy alone, without the wait (`start_metadata_summary`);
+* ``summary, cached call, one wait``: the summary queued, the cached call, then the wait and the
+  read (`finish_metadata_summary`): what an unbounded call would cost if it could launch its
+  kernels before it waits (its kernels then need the summary's verdict on the device);
 * ``host read``: the metadata's own device-to-host read (`_checks.to_host`), which an unbounded
   call makes only for broken metadata (to name what is wrong);
 * ``sync after a launch``: the cached call then ``torch.cuda.synchronize()`` (the round trip
@@ -33,7 +38,11 @@ from bench.host import host_us
 from portattn.kernels import mla_decode as mla_mod
 from portattn.kernels import paged_attention as paged_mod
 from portattn.kernels._checks import to_host
-from portattn.kernels.metadata_summary import read_metadata_summary
+from portattn.kernels.metadata_summary import (
+    finish_metadata_summary,
+    read_metadata_summary,
+    start_metadata_summary,
+)
 
 
 def paged_steps(device: str) -> dict:
@@ -44,13 +53,19 @@ def paged_steps(device: str) -> dict:
     def cached():
         return portattn.paged_attention(*b.args, max_query_len=1, max_seq_len=64)
 
+    kw = dict(num_tokens=q.shape[0], block_size=16, num_blocks=kc.shape[0], end_at_most=False)
+
     def summary():
-        return read_metadata_summary(qsl, sl, bt, num_tokens=q.shape[0], block_size=16,
-                                     num_blocks=kc.shape[0], end_at_most=False)  # fmt: skip
+        return read_metadata_summary(qsl, sl, bt, **kw)
+
+    def queued():
+        return start_metadata_summary(qsl, sl, bt, **kw)
 
     return {
         "summary": summary,
         "summary after a launch": lambda: (cached(), summary()),
+        "summary queued": queued,
+        "summary, cached call, one wait": lambda: finish_metadata_summary((queued(), cached())[0]),
         "host read": lambda: to_host(bt, sl, qsl),
         "sync after a launch": lambda: (cached(), torch.cuda.synchronize()),
         "argument checks": lambda: paged_mod._check_call(
@@ -79,14 +94,19 @@ def mla_steps(device: str) -> dict:
     def cached():
         return portattn.mla_decode(*a, kv_lora_rank=512, scale=scale, metadata=md)
 
+    kw = dict(num_tokens=4, block_size=64, num_blocks=m.kv_cache.shape[0], end_at_most=True)
+
     def summary():
-        return read_metadata_summary(None, m.seq_lens, m.block_table, num_tokens=4,
-                                     block_size=64, num_blocks=m.kv_cache.shape[0],
-                                     end_at_most=True)  # fmt: skip
+        return read_metadata_summary(None, m.seq_lens, m.block_table, **kw)
+
+    def queued():
+        return start_metadata_summary(None, m.seq_lens, m.block_table, **kw)
 
     return {
         "summary": summary,
         "summary after a launch": lambda: (cached(), summary()),
+        "summary queued": queued,
+        "summary, cached call, one wait": lambda: finish_metadata_summary((queued(), cached())[0]),
         "host read": lambda: to_host(m.block_table, m.seq_lens),
         "checks and maxima": lambda: mla_mod.unbounded_query_len(
             *a, 512, scale, None, None, None, False, None

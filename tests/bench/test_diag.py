@@ -132,6 +132,7 @@ def test_host_steps_read_and_check_what_the_ops_read(monkeypatch, device):
     metadata's values, the summary and the checks the maxima (longest q_len, seq_len)."""
     from bench.diag import host_steps
 
+    from portattn.kernels.metadata_summary import finish_metadata_summary
     from portattn.policy.paged import plan_max_seq_len
 
     monkeypatch.setenv("PORTATTN_TARGET", "sm_90")
@@ -140,9 +141,11 @@ def test_host_steps_read_and_check_what_the_ops_read(monkeypatch, device):
     assert lens.tolist() == [64] * 4 and qsl.tolist() == [0, 1, 2, 3, 4]
     assert table.shape == (4, 4)
     assert paged["summary"]() == (1, 64)
+    assert finish_metadata_summary(paged["summary queued"]()) == (1, 64)
     assert paged["checks and maxima"]() == (1, plan_max_seq_len(64))  # the plan's band
     mla = host_steps.mla_steps(device)
     assert mla["summary"]() == (1, 256)
+    assert finish_metadata_summary(mla["summary queued"]()) == (1, 256)
     assert mla["checks and maxima"]() == 1
 
 

@@ -201,7 +201,7 @@ def _buffers(device: torch.device) -> _Buffers:
     return bufs
 
 
-def read_metadata_summary(
+def start_metadata_summary(
     query_start_loc: torch.Tensor | None,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
@@ -210,11 +210,10 @@ def read_metadata_summary(
     block_size: int,
     num_blocks: int,
     end_at_most: bool,
-) -> tuple[int, int] | None:
-    """``(longest q_len, longest seq_len)`` of valid metadata, from the summary kernel (through
-    the plan cache: a repeated description launches directly), one copy and one wait;
-    ``None`` when some sequence breaks a rule (the caller then reads the metadata and raises
-    `_checks`' errors). Arguments as `plan_metadata_summary`'s."""
+) -> _Buffers:
+    """Queue the summary kernel (through the plan cache: a repeated description launches
+    directly) and, on a GPU, the copy of its totals into pinned memory; nothing waits. Returns
+    the buffers `finish_metadata_summary` reads. Arguments as `plan_metadata_summary`'s."""
     bufs = _buffers(seq_lens.device)
     inputs = (query_start_loc, seq_lens, block_table, bufs.running, bufs.totals)
     scalars = (OP, _current_device(), override_key(), query_start_loc is None, num_tokens,
@@ -234,8 +233,41 @@ def read_metadata_summary(
         )  # fmt: skip
     if bufs.pinned is not None:
         bufs.pinned.copy_(bufs.totals, non_blocking=True)
+    return bufs
+
+
+def finish_metadata_summary(bufs: _Buffers) -> tuple[int, int] | None:
+    """Wait for the stream a `start_metadata_summary` queued on and read its totals:
+    ``(longest q_len, longest seq_len)`` of valid metadata, or ``None`` when some sequence
+    breaks a rule."""
+    if bufs.stream is not None:
         bufs.stream.synchronize()
     q_len, seq_len, broken = bufs.host.tolist()
-    if broken:
-        return None
-    return q_len, seq_len
+    return None if broken else (q_len, seq_len)
+
+
+def read_metadata_summary(
+    query_start_loc: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    num_tokens: int,
+    block_size: int,
+    num_blocks: int,
+    end_at_most: bool,
+) -> tuple[int, int] | None:
+    """``(longest q_len, longest seq_len)`` of valid metadata, from the summary kernel, one copy
+    and one wait (`start_metadata_summary`, `finish_metadata_summary`); ``None`` when some
+    sequence breaks a rule (the caller then reads the metadata and raises `_checks`' errors).
+    Arguments as `plan_metadata_summary`'s."""
+    return finish_metadata_summary(
+        start_metadata_summary(
+            query_start_loc,
+            seq_lens,
+            block_table,
+            num_tokens=num_tokens,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            end_at_most=end_at_most,
+        )
+    )
