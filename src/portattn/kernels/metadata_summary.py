@@ -246,28 +246,9 @@ def finish_metadata_summary(bufs: _Buffers) -> tuple[int, int] | None:
     return None if broken else (q_len, seq_len)
 
 
-def read_metadata_summary(
-    query_start_loc: torch.Tensor | None,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    *,
-    num_tokens: int,
-    block_size: int,
-    num_blocks: int,
-    end_at_most: bool,
-) -> tuple[int, int] | None:
-    """``(longest q_len, longest seq_len)`` of valid metadata, from the summary kernel, one copy
-    and one wait (`start_metadata_summary`, `finish_metadata_summary`); ``None`` when some
-    sequence breaks a rule (the caller then reads the metadata and raises `_checks`' errors).
-    Arguments as `plan_metadata_summary`'s."""
-    return finish_metadata_summary(
-        start_metadata_summary(
-            query_start_loc,
-            seq_lens,
-            block_table,
-            num_tokens=num_tokens,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            end_at_most=end_at_most,
-        )
-    )
+def read_metadata_summary(*args: Any, **kwargs: Any) -> tuple[int, int] | None:
+    """`start_metadata_summary` then `finish_metadata_summary` (one copy, one wait), with the
+    former's arguments: ``(longest q_len, longest seq_len)`` of valid metadata, or ``None`` when
+    some sequence breaks a rule (the caller then reads the metadata and raises `_checks`'
+    errors)."""
+    return finish_metadata_summary(start_metadata_summary(*args, **kwargs))
