@@ -150,7 +150,7 @@ def test_paged_unbounded_plan_is_the_bounded_plan_of_what_it_read(data):
     from portattn.kernels.paged_attention import plan_paged_attention, unbounded_maxima
 
     a, longest = data.draw(paged_case("cpu"))
-    mql, msl = unbounded_maxima(*a.values(), None, None, "NHD", None, None)
+    mql, msl, _ = unbounded_maxima(*a.values(), None, None, "NHD", None, None)
     assert mql == longest
     for arch in ("sm_80", "sm_90", "gfx942"):
         t = get_target(arch)

@@ -728,7 +728,7 @@ def test_unbounded_call_plans_as_the_call_bounded_by_what_it_read(device):
     for seqs in (SEQS, ((3000, 1), (17, 1)), ((5, 5), (1100, 1))):
         b = make_batch(seqs, block_size=16, heads=(8, 2), head_dim=64, dtype=torch.float32,
                        device=device)  # fmt: skip
-        mql, msl = unbounded_maxima(*b.args(), None, None, "NHD", None, None)
+        mql, msl, _ = unbounded_maxima(*b.args(), None, None, "NHD", None, None)
         assert mql == max(q for _, q in seqs) and msl >= max(n for n, _ in seqs)
         for target in ("sm_90", "gfx942"):
             t = get_target(target)
@@ -749,6 +749,87 @@ def test_unbounded_call_plans_as_the_call_bounded_by_what_it_read(device):
     b.block_table[0, 0] = 10**6
     with pytest.raises(ValueError, match=r"block_table entries of used blocks must be in"):
         unbounded_maxima(*b.args(), None, None, "NHD", None, None)
+
+
+def test_prepare_launches_only_when_called(device):
+    """`PlanCache.prepare`: the guarded plan made ready for a call's inputs (buffers, argument
+    lists), launched only when the callable is called; ``None`` where `probe` would find none
+    (another description, an overlapping write)."""
+    kw = dict(block_size=8, heads=(8, 2), head_dim=32, dtype=torch.float32, device=device)
+    bounds = dict(max_query_len=4, max_seq_len=40)
+    b = make_batch(SEQS, **kw)
+    out = torch.empty_like(b.query)
+    inputs = (*b.args(), out)
+    launches = plan_paged_attention(*b.args(), out=out, check_contents=False, **bounds)
+    plan = Plan(launches, inputs)
+    plan.keep_compiled([launch.run() for launch in launches])
+    cache = PlanCache()
+    guard = ("paged", 4, 40)
+    cache._keep_guard((guard, inputs), inputs, plan)
+    b2 = make_batch(SEQS, seed=7, **kw)
+    out2 = torch.full_like(b2.query, 7.0)
+    inputs2 = (*b2.args(), out2)
+    hits = cache.hits
+    ready = cache.prepare(guard, inputs2, inputs2)
+    assert ready is not None and cache.hits == hits + 1
+    assert bool((out2 == 7.0).all())  # nothing launched yet
+    (got,) = ready()
+    assert got is out2
+    check(b2, out2)
+    assert cache.prepare(("paged", 4, 41), inputs2, inputs2) is None  # another description
+    over = (*b2.args(), b2.query)  # out is the query: the plan's validation would refuse it
+    assert cache.prepare(guard, over, over) is None
+
+
+@pytest.mark.parametrize("op", ["paged_attention", "mla_decode"])
+def test_unbounded_prepares_for_the_last_calls_bounds(op, device, monkeypatch):
+    """An unbounded call asks ``prepare`` for the bounds its description's last call read, before
+    its wait, and hands that back only when its own bounds are the same; a call with other bounds,
+    and broken metadata, get nothing back (the latter still raises by name)."""
+    from portattn.kernels import mla_decode as mla_mod
+    from portattn.kernels import paged_attention as paged_mod
+    from portattn.policy.paged import plan_max_seq_len
+
+    asked = []
+
+    def prepare(bounds):
+        asked.append(bounds)
+        return ("ready", bounds)
+
+    if op == "paged_attention":  # one description; the metadata's values change in place
+        monkeypatch.setattr(paged_mod, "_CHECKED", CheckMemo())
+        b = make_batch(((3000, 1), (40, 1)), block_size=16, heads=(8, 2), head_dim=64,
+                       dtype=torch.float32, device=device)  # fmt: skip
+        values, table = b.seq_lens, b.block_table
+        steps = [(300, 40), (301, 41), (3000, 40), (2999, 40)]
+        bounds = [(1, plan_max_seq_len(n)) for n in (300, 301, 3000, 2999)]
+
+        def call():
+            got = paged_mod.unbounded_maxima(*b.args(), None, None, "NHD", None, None, prepare)
+            return got.ready, tuple(got[:2])
+    else:
+        monkeypatch.setattr(mla_mod, "_CHECKED", CheckMemo())
+        q, cache, table, sl, values = make_inputs(576, 512, 2, 64, (2, 2), (300, 40),
+                                                  torch.float32, device)  # fmt: skip
+        steps = [(0, 2, 4), (0, 2, 4), (0, 3, 4), (0, 1, 4)]  # query_start_loc
+        bounds = [2, 2, 3, 3]
+
+        def call():
+            return tuple(reversed(mla_mod.unbounded_query_len(
+                q, cache, table, sl, 512, 0.07, values, None, None, False, None, prepare
+            )))  # fmt: skip
+
+    assert bounds[0] == bounds[1] and bounds[2] == bounds[3] != bounds[1]
+    for i, step in enumerate(steps):
+        values.copy_(torch.tensor(step))
+        ready, got = call()
+        assert got == bounds[i]
+        assert asked == bounds[:i]  # the last call's bounds, asked for from the second on
+        assert ready == (None if i in (0, 2) else ("ready", bounds[i]))
+    table[0, 0] = 10**6
+    with pytest.raises(ValueError, match=r"block_table entries of used blocks must be in"):
+        call()
+    assert asked[-1] == bounds[-1] and len(asked) == len(steps)
 
 
 def test_check_memo_matches_description_scalars_and_overlap():
@@ -809,8 +890,8 @@ def test_unbounded_mla_call_plans_as_the_call_of_the_query_len_it_read(q_lens, f
         if form == "page_indices":
             kw["page_indices"] = expand_page_indices(bt, sl, 64)
             bt = None
-        longest = unbounded_query_len(q, cache, bt, sl, 512, 0.07, qsl, None,
-                                      kw.get("page_indices"), False, None)  # fmt: skip
+        longest, _ = unbounded_query_len(q, cache, bt, sl, 512, 0.07, qsl, None,
+                                         kw.get("page_indices"), False, None)  # fmt: skip
         assert longest == (1 if q_lens is None else max(q_lens))
         free = plan_mla_decode(q, cache, bt, sl, **kw)
         bound = plan_mla_decode(q, cache, bt, sl, **kw, check_contents=False, query_len=longest)
@@ -855,6 +936,37 @@ def test_gpu_unbounded_calls_take_the_cached_plan():
     b.block_table[0, 0] = 10**6
     with pytest.raises(ValueError, match=r"block_table entries of used blocks must be in"):
         paged_attention(*b.args())
+
+
+@pytest.mark.gpu
+def test_gpu_unbounded_calls_launch_what_they_prepared():
+    """Unbounded GPU calls of one description: from the second on, the launches made ready
+    while the device checked run (no second plan-cache lookup), with the right result; a call
+    whose bounds moved to another band runs its own plan; broken metadata raises by name and
+    leaves ``out`` untouched (nothing launched before the verdict)."""
+    from portattn.kernels import paged_attention as paged_mod
+
+    PLANS.clear()
+    b = make_batch(((3000, 1), (40, 1)), block_size=16, heads=(8, 2), head_dim=64,
+                   dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    full = b.seq_lens.clone()
+    probes = []
+    real_probe = PLANS.probe
+    for lens in ((300, 40), (301, 41), (302, 40), (3000, 40), (2999, 39)):
+        b.seq_lens.copy_(torch.tensor(lens))
+        out = torch.empty_like(b.query)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(PLANS, "probe", lambda *a: probes.append(a[0][0]) or real_probe(*a))
+            assert paged_attention(*b.args(), out=out) is out
+        check(b, out)
+    # the op probed only where nothing was prepared: the first call and the band change
+    assert probes.count(paged_mod.OP) == 2
+    b.seq_lens.copy_(full)
+    b.block_table[0, 0] = 10**6
+    out = torch.full_like(b.query, 3.0)
+    with pytest.raises(ValueError, match=r"block_table entries of used blocks must be in"):
+        paged_attention(*b.args(), out=out)
+    assert bool((out == 3.0).all())
 
 
 @pytest.mark.gpu

@@ -389,6 +389,28 @@ class Plan:
             return self._outs(inputs, allocs)
         return self._run_compiled(inputs, allocs)
 
+    def prepare(
+        self, inputs: Sequence[torch.Tensor | None], ptrs: tuple | None = None
+    ) -> Callable[[], tuple]:
+        """`run` in two steps: everything but the launches now (the buffers, and the direct
+        launches' argument lists on the current stream), and a callable that launches them and
+        returns the first launch's outputs. An unbounded call prepares while the device checks
+        its metadata, and launches once the check has passed. Arguments as `run`'s."""
+        allocs = self._allocate()
+        direct = self._direct
+        if direct is None or _hooks() is not None:
+            return functools.partial(self._run_compiled, inputs, allocs)
+        stream = _current_stream(_current_device())
+        lists = [launch.args(inputs, allocs, stream, ptrs) for launch in direct]
+        outs = self._outs(inputs, allocs)
+
+        def fire() -> tuple:
+            for launch, args in zip(direct, lists, strict=True):
+                launch.fire(args)
+            return outs
+
+        return fire
+
     def _run_compiled(self, inputs: Sequence[torch.Tensor | None], allocs: list) -> tuple:
         """`run` where a launch cannot go direct (not NVIDIA, a launch hook registered, the
         interpreter): each compiled kernel through `CompiledKernel.run`, else ``kernel[grid]``."""
@@ -562,7 +584,11 @@ class _DirectLaunch:
     def launch(
         self, inputs: Sequence, allocs: list[torch.Tensor], stream: Any, ptrs: tuple | None = None
     ) -> None:
-        self._launcher(*self.args(inputs, allocs, stream, ptrs))
+        self.fire(self.args(inputs, allocs, stream, ptrs))
+
+    def fire(self, args: list[Any]) -> None:
+        """Launch with an argument list `args` built."""
+        self._launcher(*args)
         self.launches += 1
 
     def args(
@@ -690,6 +716,18 @@ class PlanCache:
             return None  # an overlapping write goes on to `call`, which plans it and refuses it
         self.hits += 1
         return fit[0].run(inputs, fit[1])
+
+    def prepare(
+        self, guard: Hashable, tensors: tuple, inputs: Sequence[torch.Tensor | None]
+    ) -> Callable[[], tuple] | None:
+        """`probe` in two steps (`Plan.prepare`): the guarded plan's launches made ready for
+        ``inputs``, as a callable that launches them and returns the outputs; ``None`` where no
+        plan fits or a write overlaps an input (arguments as `probe`'s)."""
+        fit = self._fit(guard, tensors)
+        if fit is None or not fit[0].disjoint.check(inputs):
+            return None
+        self.hits += 1
+        return fit[0].prepare(inputs, fit[1])
 
     def guarded(self, guard: Hashable, tensors: tuple) -> Plan | None:
         """`probe`'s plan for ``guard`` and ``tensors`` (not run, not counted); ``None``: none

@@ -59,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+from collections.abc import Callable
 from numbers import Real
 
 import numpy as np
@@ -92,7 +93,11 @@ from portattn.kernels._plans import (
     exact_id,
     present,
 )
-from portattn.kernels.metadata_summary import read_metadata_summary, summary_applies
+from portattn.kernels.metadata_summary import (
+    finish_metadata_summary,
+    start_metadata_summary,
+    summary_applies,
+)
 from portattn.kernels.mla_decode_sm90 import BLOCK_H as SM90_BLOCK_H
 from portattn.kernels.mla_decode_sm90 import BLOCK_N as SM90_BLOCK_N
 from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_gathers, sm90_launch
@@ -1045,40 +1050,56 @@ def _validate(
     p.raise_if_any()
 
 
-#: The unbounded calls' argument checks, by description (`unbounded_query_len`).
+#: The unbounded calls' argument checks, by description (`unbounded_query_len`): each kept as
+#: ``[True, the longest q_len the description's last call read]``.
 _CHECKED = CheckMemo()
 
 
 def unbounded_query_len(
     query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
-    page_indices, return_lse, config,
-) -> int:  # fmt: skip
+    page_indices, return_lse, config, prepare=None,
+) -> tuple[int, Callable[[], tuple] | None]:  # fmt: skip
     """For a call without ``metadata``: the arguments validated, the metadata's values checked
-    (on a GPU by the device-side summary, `read_metadata_summary`; else, and for page indices,
-    by one host read: `_check_contents`), and the longest q_len, which bounds the call to its
-    plan."""
+    (on a GPU by the device-side summary, `start_metadata_summary` and
+    `finish_metadata_summary`; else, and for page indices, by one host read: `_check_contents`),
+    and the longest q_len, which bounds the call to its plan.
+
+    ``prepare(longest)``: called before the wait for the metadata's values (while the device
+    checks them), with the longest q_len the description's last call read; it returns the
+    call's launches made ready for it (`PlanCache.prepare`) or ``None``. Returns ``(longest,
+    ready)``: ``ready`` is what ``prepare`` returned when this call's longest q_len is the same
+    (and the metadata valid), else ``None``."""
     indptr, indices = page_indices if page_indices is not None else (None, None)
     inputs = (query, kv_cache, block_table, seq_lens, query_start_loc, out, indptr, indices)
     mask, tensors = present(inputs)
     scalars = (mask, type(kv_lora_rank), kv_lora_rank, type(scale), scale, type(return_lse),
                return_lse, type(page_indices), type(config), config)  # fmt: skip
-    if _CHECKED.get(scalars, tensors, inputs) is None:
+    entry = _CHECKED.get(scalars, tensors, inputs)
+    if entry is None:
         _validate(
             query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
             page_indices, None, return_lse, config, None, None,
         )  # fmt: skip
-        _CHECKED.keep(scalars, tensors, inputs, (5,), True)
+        entry = [True, None]
+        _CHECKED.keep(scalars, tensors, inputs, (5,), entry)
+    started = None
     if summary_applies(block_table, seq_lens.shape[0]):
-        got = read_metadata_summary(
+        started = start_metadata_summary(
             query_start_loc, seq_lens, block_table, num_tokens=query.shape[0],
             block_size=kv_cache.shape[1], num_blocks=kv_cache.shape[0], end_at_most=True,
         )  # fmt: skip
-        if got is not None:
-            return max(1, got[0])
-    # broken metadata (or page indices, or no sequence): the host read names what is wrong
-    return _check_contents(
-        query, kv_cache, block_table, seq_lens, query_start_loc, page_indices, None
-    )
+    ready = prepare(entry[1]) if prepare is not None and entry[1] is not None else None
+    got = None if started is None else finish_metadata_summary(started)
+    if got is not None:
+        longest = max(1, got[0])
+    else:  # broken metadata (or page indices, or no sequence): the host read names what is wrong
+        longest = _check_contents(
+            query, kv_cache, block_table, seq_lens, query_start_loc, page_indices, None
+        )
+    if longest != entry[1]:
+        entry[1] = longest
+        ready = None
+    return longest, ready
 
 
 def plan_mla_decode(
@@ -1390,15 +1411,29 @@ def _unbounded_call(
     query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
     return_lse, page_indices, target, config,
 ) -> tuple:  # fmt: skip
-    """A GPU call without metadata: validated, the metadata read once and checked, then planned
-    by the longest q_len it read and cached under it (the plan reads nothing else of the
-    contents)."""
-    longest = unbounded_query_len(
-        query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
-        page_indices, return_lse, config,
-    )  # fmt: skip
+    """A GPU call without metadata: validated, the metadata checked once, then planned by the
+    longest q_len it read and cached under it (the plan reads nothing else of the contents); the
+    launches are made ready while the device checks, for the longest q_len of the last call."""
     indptr, indices = page_indices if page_indices is not None else (None, None)
     inputs = (query, kv_cache, block_table, seq_lens, query_start_loc, out, indptr, indices)
+    mask, tensors = present(inputs)
+
+    def guard(longest: int) -> tuple:
+        """The rest of `call_key`'s description below, for `PlanCache.probe` and `prepare`."""
+        return (_OP, "unbounded", _current_device(), override_key(), mask, type(kv_lora_rank),
+                kv_lora_rank, type(scale), scale, type(return_lse), return_lse, type(target),
+                target, type(config), config, longest)  # fmt: skip
+
+    longest, ready = unbounded_query_len(
+        query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
+        page_indices, return_lse, config, lambda n: PLANS.prepare(guard(n), tensors, inputs),
+    )  # fmt: skip
+    if ready is not None:
+        return ready()
+    scalars = guard(longest)
+    outputs = PLANS.probe(scalars, tensors, inputs)
+    if outputs is not None:
+        return outputs
     key = call_key(
         _OP, *inputs, kv_lora_rank, scale, return_lse, page_indices is None, target, config,
         longest,
@@ -1409,7 +1444,7 @@ def _unbounded_call(
         page_indices=page_indices, target=target, config=config, check_contents=False,
         query_len=longest,
     )  # fmt: skip
-    return PLANS.call(key, inputs, plan, None)
+    return PLANS.call(key, inputs, plan, (scalars, tensors))
 
 
 def mla_decode(

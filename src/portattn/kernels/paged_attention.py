@@ -51,6 +51,8 @@ Not supported (yet): sliding windows, soft-capping, ALiBi, sinks, fp8 caches.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -73,7 +75,11 @@ from portattn.kernels._checks import (
 )
 from portattn.kernels._launch import Launch, rows_aligned
 from portattn.kernels._plans import PLANS, CheckMemo, _current_device, call_key, present
-from portattn.kernels.metadata_summary import read_metadata_summary, summary_applies
+from portattn.kernels.metadata_summary import (
+    finish_metadata_summary,
+    start_metadata_summary,
+    summary_applies,
+)
 from portattn.kernels.paged_prefill_sm90 import sm90_prefill_errors, sm90_prefill_launches
 from portattn.layout import CacheAddressing, describe_kv_cache, packed_runs, vector_width
 from portattn.platform import Target, compile_arch, override_key, target_for_tensor
@@ -814,44 +820,78 @@ def _check_contents(
     return real_mql, real_msl
 
 
-#: The unbounded calls' argument checks, by description (`unbounded_maxima`).
+#: The unbounded calls' argument checks, by description (`unbounded_maxima`): each kept as
+#: ``[what the checks returned, the bounds the description's last call read]``.
 _CHECKED = CheckMemo()
+
+
+class Unbounded(NamedTuple):
+    """What `unbounded_maxima` read: the bounds of the call (``max_query_len``,
+    ``max_seq_len``), and ``ready``: the call's launches made ready before the wait
+    (``prepare``), or ``None``."""
+
+    max_query_len: int
+    max_seq_len: int | None
+    ready: Callable[[], tuple] | None
 
 
 def unbounded_maxima(
     query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale, layout,
-    max_seq_len, config,
-) -> tuple[int, int | None]:  # fmt: skip
+    max_seq_len, config, prepare=None,
+) -> Unbounded:  # fmt: skip
     """For a call without ``max_query_len``: the arguments checked (types and shapes, then the
-    metadata's values: on a GPU by the device-side summary and one read of it,
-    `read_metadata_summary`, else from one host read), and the maxima that bound the call to the
-    same plan:
-    the longest q_len, and the caller's ``max_seq_len`` or else `plan_max_seq_len` of the longest
-    seq_len (``None`` for an empty batch)."""
+    metadata's values: on a GPU by the device-side summary, `start_metadata_summary` and
+    `finish_metadata_summary`, else from one host read), and the maxima that bound the call to
+    the same plan: the longest q_len, and the caller's ``max_seq_len`` or else
+    `plan_max_seq_len` of the longest seq_len (``None`` for an empty batch).
+
+    ``prepare(bounds)``: called before the wait for the metadata's values (while the device
+    checks them), with the bounds the description's last call read; it returns the call's
+    launches made ready for them (`PlanCache.prepare`) or ``None``. They are handed back as
+    ``ready`` only when this call's bounds are the same (and the metadata valid), so the call
+    launches right after the wait."""
     inputs = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out)
     mask, tensors = present(inputs)
     scalars = (mask, type(scale), scale, type(layout), layout, type(max_seq_len), max_seq_len,
                type(config), config)  # fmt: skip
-    k = _CHECKED.get(scalars, tensors, inputs)
-    if k is None:
+    entry = _CHECKED.get(scalars, tensors, inputs)
+    if entry is None:
         k, _ = _check_call(
             query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale,
             layout, None, max_seq_len, config, None,
         )  # fmt: skip
-        _CHECKED.keep(scalars, tensors, inputs, (6,), k)
-    got = None
+        entry = [k, None]
+        _CHECKED.keep(scalars, tensors, inputs, (6,), entry)
+    k, last = entry
+    started = None
     if summary_applies(block_table, block_table.shape[0]):
-        got = read_metadata_summary(
+        started = start_metadata_summary(
             query_start_loc, seq_lens, block_table, num_tokens=query.shape[0],
             block_size=k.block_size, num_blocks=k.num_blocks, end_at_most=False,
         )  # fmt: skip
+    ready = prepare(last) if prepare is not None and last is not None else None
+    got = None if started is None else finish_metadata_summary(started)
     if got is None or (max_seq_len is not None and max_seq_len < got[1]):
         # broken metadata (or a short max_seq_len): the host read names what is wrong
         got = _check_contents(query, k, block_table, seq_lens, query_start_loc, None, max_seq_len)
     real_mql, real_msl = got
     if max_seq_len is None:
         max_seq_len = plan_max_seq_len(real_msl) if real_msl else None
-    return real_mql, max_seq_len
+    if (real_mql, max_seq_len) != last:
+        entry[1] = (real_mql, max_seq_len)
+        ready = None
+    return Unbounded(real_mql, max_seq_len, ready)
+
+
+def _probe_guard(
+    inputs, out, scale, layout, max_query_len, max_seq_len, config
+) -> tuple[tuple, tuple]:
+    """The rest of `call_key`'s description for `PlanCache.probe` and `PlanCache.prepare` (a
+    call on the current device without a ``target``), and the tensors its guards check."""
+    scalars = (OP, _current_device(), override_key(), out is None, type(scale), scale,
+               type(layout), layout, type(max_query_len), max_query_len,
+               type(max_seq_len), max_seq_len, type(config), config)  # fmt: skip
+    return scalars, (inputs[:6] if out is None else inputs)
 
 
 def _prefill_config(
@@ -1162,13 +1202,24 @@ def paged_attention(
         and query.is_cuda
         and (config is None or isinstance(config, PagedConfig))
     ):
-        # Unbounded on a GPU: the metadata is read once and checked, then the call runs as the
-        # call bounded by what was read (the same tiles: `plan_max_seq_len`), through the plan
-        # cache, instead of planning anew each call.
-        max_query_len, max_seq_len = unbounded_maxima(
+        # Unbounded on a GPU: the metadata is checked on the device once, then the call runs as
+        # the call bounded by what was read (the same tiles: `plan_max_seq_len`), through the
+        # plan cache; its launches are made ready while the device checks (a probe guard has no
+        # target: a call with one builds its key afterwards).
+        inputs = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out)
+
+        def prepare(bounds: tuple[int, int | None]) -> Callable[[], tuple] | None:
+            scalars, tensors = _probe_guard(
+                inputs, out, scale, layout, bounds[0], bounds[1], config
+            )
+            return PLANS.prepare(scalars, tensors, inputs)
+
+        max_query_len, max_seq_len, ready = unbounded_maxima(
             query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale,
-            layout, max_seq_len, config,
+            layout, max_seq_len, config, prepare if target is None else None,
         )  # fmt: skip
+        if ready is not None:
+            return ready()[0]
     inputs = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out)
     key = None
     guard: tuple | None = None
@@ -1178,11 +1229,10 @@ def paged_attention(
         and isinstance(query, torch.Tensor)
         and not tensor_reads_contents(query, vouched=max_query_len is not None)
     ):
-        if target is None:  # the rest of `call_key`'s description (`PlanCache.probe`)
-            scalars = (OP, _current_device(), override_key(), out is None, type(scale), scale,
-                     type(layout), layout, type(max_query_len), max_query_len,
-                     type(max_seq_len), max_seq_len, type(config), config)  # fmt: skip
-            tensors = inputs[:6] if out is None else inputs
+        if target is None:
+            scalars, tensors = _probe_guard(
+                inputs, out, scale, layout, max_query_len, max_seq_len, config
+            )
             outputs = PLANS.probe(scalars, tensors, inputs)
             if outputs is not None:
                 return outputs[0]
