@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from portattn.kernels._launch import Launch
-from portattn.kernels._plans import PLANS, _current_device, call_key
+from portattn.kernels._plans import PLANS, _current_device, _current_stream, call_key
 from portattn.platform import Target, override_key, target_for_tensor
 from portattn.policy.cache import metadata_summary_tiles
 
@@ -189,10 +189,11 @@ _BUFFERS: dict[tuple, _Buffers] = {}
 def _buffers(device: torch.device) -> _Buffers:
     """The summary buffers of the current stream of ``device`` and the calling thread (made on
     first use, kept for the process)."""
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    key = (device, None if stream is None else stream.cuda_stream, threading.get_ident())
+    raw = _current_stream(device.index) if device.type == "cuda" else None  # the C getter
+    key = (device, raw, threading.get_ident())
     bufs = _BUFFERS.get(key)
     if bufs is None:
+        stream = None if raw is None else torch.cuda.current_stream(device)
         running = torch.zeros(TICKETS + 1, dtype=torch.int64, device=device)
         totals = torch.zeros(BROKEN + 1, dtype=torch.int64, device=device)
         pinned = None if stream is None else torch.zeros_like(totals, device="cpu").pin_memory()
