@@ -6,8 +6,9 @@ tokens, 32/8 x 128, block 16), ``mla_decode`` (4 x 256 tokens, 16 heads, 576/512
 
 * ``cached``: the call with its bounds (``max_query_len``/``max_seq_len``, ``metadata``,
   ``out``): a plan-cache hit after the first call;
-* ``unbounded``: no bounds, so the op reads the metadata on the host (a device sync) and
-  validates it on every call;
+* ``unbounded``: no bounds, so the op checks the metadata's values on every call (on the device,
+  then one copy and one wait; `portattn.kernels.metadata_summary`; `gather_kv_cache` reads them
+  on the host);
 * ``uncached``: the bounded call with the plan cache off (``PORTATTN_PLAN_CACHE=0``, read at
   import: timed in a child process): validate, plan and launch every call.
 
