@@ -140,13 +140,13 @@ def test_host_steps_read_and_check_what_the_ops_read(monkeypatch, device):
     table, lens, qsl = paged["host read"]()
     assert lens.tolist() == [64] * 4 and qsl.tolist() == [0, 1, 2, 3, 4]
     assert table.shape == (4, 4)
-    assert paged["summary"]() == (1, 64)
-    assert finish_metadata_summary(paged["summary queued"]()) == (1, 64)
+    assert paged["summary"]() == (1, 64, 4)  # longest q_len, longest seq_len, tokens
+    assert finish_metadata_summary(paged["summary queued"]()) == (1, 64, 4)
     paged["totals copy and wait"]()  # on the CPU the host reads the totals themselves: no copy
     assert paged["checks and maxima"]()[:2] == (1, plan_max_seq_len(64))  # the plan's band
     mla = host_steps.mla_steps(device)
-    assert mla["summary"]() == (1, 256)
-    assert finish_metadata_summary(mla["summary queued"]()) == (1, 256)
+    assert mla["summary"]() == (1, 256, 4)
+    assert finish_metadata_summary(mla["summary queued"]()) == (1, 256, 4)
     assert mla["checks and maxima"]()[0] == 1
 
 

@@ -239,20 +239,24 @@ def build_gather_kv_cache(
 
 
 def build_metadata_summary(
-    target: Target, *, index_dtype: str, query_start_loc: bool, max_blocks: int
+    target: Target, *, index_dtype: str, form: str, max_blocks: int
 ) -> list[Launch]:
-    """The unbounded calls' metadata check (`portattn.kernels.metadata_summary`)."""
+    """The unbounded calls' metadata check (`portattn.kernels.metadata_summary`), in the form of
+    the op that runs it: ``"qsl"`` (`paged_attention`, MLA with query_start_loc), ``"no qsl"``
+    (MLA's one query a sequence), ``"gather"`` (`gather_kv_cache`: the offsets are the lengths,
+    negative block ids are padding)."""
     from portattn.kernels.metadata_summary import plan_metadata_summary
 
     dt = getattr(torch, index_dtype)
-    qsl = torch.empty((NUM_SEQS + 1,), dtype=dt, device=META) if query_start_loc else None
-    seq_lens = torch.empty((NUM_SEQS,), dtype=dt, device=META)
+    qsl = torch.empty((NUM_SEQS + 1,), dtype=dt, device=META) if form != "no qsl" else None
+    seq_lens = torch.empty((NUM_SEQS,), dtype=dt, device=META) if form != "gather" else None
     block_table = torch.empty((NUM_SEQS, max_blocks), dtype=dt, device=META)
-    running = torch.empty((4,), dtype=torch.int64, device=META)
-    totals = torch.empty((3,), dtype=torch.int64, device=META)
+    running = torch.empty((5,), dtype=torch.int64, device=META)
+    totals = torch.empty((4,), dtype=torch.int64, device=META)
     return plan_metadata_summary(
-        qsl, seq_lens, block_table, running, totals, num_tokens=NUM_SEQS * PREFILL_CHUNK,
-        block_size=16, num_blocks=NUM_SEQS * max_blocks, end_at_most=not query_start_loc,
+        qsl, seq_lens, block_table, running, totals,
+        num_tokens=2**63 - 1 if form == "gather" else NUM_SEQS * PREFILL_CHUNK, block_size=16,
+        num_blocks=NUM_SEQS * max_blocks, end_at_most=form != "qsl", padding_ok=form == "gather",
         target=target,
     )  # fmt: skip
 
@@ -261,14 +265,14 @@ def summary_cases() -> list[Case]:
     return [
         make_case(
             "metadata_summary",
-            f"{dtype} {'qsl' if qsl else 'no qsl'} cols{cols}",
+            f"{dtype} {form} cols{cols}",
             build_metadata_summary,
             index_dtype=dtype,
-            query_start_loc=qsl,
+            form=form,
             max_blocks=cols,
         )
         for dtype in ("int32", "int64")
-        for qsl in (True, False)
+        for form in ("qsl", "no qsl", "gather")
         for cols in (CONTEXT_BLOCKS, 4096)
     ]
 

@@ -44,6 +44,7 @@ from portattn.kernels._checks import (
 )
 from portattn.kernels._launch import Launch
 from portattn.kernels._plans import PLANS, CheckMemo, _current_device, call_key
+from portattn.kernels.metadata_summary import read_metadata_summary, summary_applies
 from portattn.kernels.page_indices import _find_seq, _num_steps
 from portattn.layout import CacheAddressing, describe_kv_cache, is_block_contiguous
 from portattn.platform import Target, override_key, target_for_tensor
@@ -54,6 +55,7 @@ from portattn.policy.cache import CacheCopyProblem, gather_kv_cache_tiles, write
 SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
 INDEX_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
 
 
 # -- addressing helpers --------------------------------------------------------------------------
@@ -629,9 +631,11 @@ def _unbounded_outputs(
     key_cache, value_cache, block_table, cu_seq_lens, layout
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The outputs of a call without ``out`` (``cu_seq_lens[-1]`` rows), once its checks pass:
-    the arguments' once per description (`CheckMemo`), the indices on one host read of
-    ``cu_seq_lens`` and ``block_table`` each call (`_check_gather_indices`), as the planner
-    runs them."""
+    the arguments' once per description (`CheckMemo`), the indices each call on the device
+    (`start_metadata_summary`: ``cu_seq_lens`` as the offsets and the lengths, negative block ids
+    as padding), which also gives the token count; where it finds a broken rule (or there is no
+    sequence), one host read of ``cu_seq_lens`` and ``block_table`` and `_check_gather_indices`,
+    as the planner runs them, name it."""
     op = "gather_kv_cache"
     inputs = (key_cache, value_cache, block_table, cu_seq_lens)
     scalars = (type(layout), layout)
@@ -639,9 +643,18 @@ def _unbounded_outputs(
     if ka is None:
         ka, _ = _check_gather_args(key_cache, value_cache, block_table, cu_seq_lens, layout, None)
         _GATHER_CHECKED.keep(scalars, inputs, inputs, (), ka)
-    cu, table = to_host(cu_seq_lens, block_table)
-    total = int(cu[-1])
-    _check_gather_indices(op, table, cu, ka, total, False)
+    got = None
+    if summary_applies(block_table, block_table.shape[0]):
+        got = read_metadata_summary(
+            cu_seq_lens, None, block_table, num_tokens=_INT64_MAX, block_size=ka.block_size,
+            num_blocks=ka.num_blocks, end_at_most=True, padding_ok=True,
+        )  # fmt: skip
+    if got is not None:
+        total = got.tokens
+    else:
+        cu, table = to_host(cu_seq_lens, block_table)
+        total = int(cu[-1])
+        _check_gather_indices(op, table, cu, ka, total, False)
     return _new_outputs(key_cache, ka, total)
 
 
@@ -685,12 +698,14 @@ def gather_kv_cache(
     Returns:
         ``(k, v)``, each ``[total_tokens, num_kv_heads, head_dim]``: new contiguous tensors, or
         ``out``. ``total_tokens`` is ``out[0].shape[0]`` if ``out`` is given, else
-        ``cu_seq_lens[-1]``, read with one ``.item()`` (a device sync; pass ``out`` to avoid it).
+        ``cu_seq_lens[-1]``, read once with the index checks (a device sync; pass ``out`` to
+        avoid it).
 
     Index checks (``cu_seq_lens`` well formed, sequences fit their rows, the block ids each
     sequence uses ``< num_blocks``; other columns are ignored) run for CPU tensors, and on a GPU
-    when ``out`` is not given (with the one device read that ``total_tokens`` needs). With
-    ``out`` given on a GPU the caller vouches for them: a violation is undefined behaviour.
+    when ``out`` is not given (on the device, `portattn.kernels.metadata_summary`, with the one
+    read that ``total_tokens`` needs). With ``out`` given on a GPU the caller vouches for them: a
+    violation is undefined behaviour.
     """
     if out is None and _unbounded(key_cache, value_cache, block_table, cu_seq_lens):
         # checked here, then the call runs as the call given these outputs (the plan cache)

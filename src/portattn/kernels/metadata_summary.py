@@ -2,14 +2,15 @@
 metadata itself.
 
 A call without bounds on a GPU (``paged_attention`` without ``max_query_len``, ``mla_decode``
-without ``metadata``) must check the metadata's values and learn its maxima before it plans. The
-summary kernel does both on the device, one program per sequence: each program checks its
-sequence and folds ``(q_len, seq_len, broken)`` into the call's running maxima with atomics; the
-program that finishes last writes the three totals and zeroes the running maxima for the next
-call. The host copies the totals into pinned memory, waits for the stream once and reads three
-integers. Only when the metadata is broken does the op read the metadata itself and run the host
-checks of `_checks`, which name the argument, the rule and the values exactly as before: the
-summary decides *whether* a call is valid, `_checks` says *why not*.
+without ``metadata``, ``gather_kv_cache`` without ``out``) must check the metadata's values and
+learn its maxima (or its token count) before it plans. The summary kernel does both on the
+device, one program per sequence: each program checks its sequence and folds ``(q_len, seq_len,
+broken, its end offset)`` into the call's running maxima with atomics; the program that finishes
+last writes the four totals (`Totals`) and zeroes the running maxima for the next call. The host
+copies the totals into pinned memory, waits for the stream once and reads four integers. Only
+when the metadata is broken does the op read the metadata itself and run the host checks of
+`_checks`, which name the argument, the rule and the values exactly as before: the summary
+decides *whether* a call is valid, `_checks` says *why not*.
 
 The running maxima, the totals and their pinned copy are one set per device, stream and thread
 (`_buffers`): calls on one stream run their summaries in order, and each thread reads its own
@@ -23,11 +24,16 @@ The rules are `_checks`' rules, row by row (a row is broken when any fails):
 |                            | ``num_tokens`` (at most ``num_tokens`` with ``END_AT_MOST``)  |
 | `seq_lens_errors`          | ``seq_lens[i] >= max(q_len_i, 0)`` (``q_len_i`` 1 without qsl)|
 | `capacity_errors`          | ``ceil(seq_lens[i] / block_size) <= max_blocks``              |
-| `block_ids_errors`         | used block ids in ``[0, num_blocks)``                         |
+| `block_ids_errors`         | used block ids in ``[0, num_blocks)`` (below ``num_blocks``   |
+|                            | with ``PADDING_OK``: a negative id is padding)                |
 
-A property test holds the two forms to the same verdict and the same maxima on any metadata
-(tests/kernels/test_metadata_summary.py). The summary needs at least one sequence and a block
-table; other calls (an empty batch, MLA's ``page_indices``) keep the host read.
+Without ``seq_lens`` (``SEQ_IS_Q``: `gather_kv_cache`, whose ``cu_seq_lens`` are the offsets)
+each sequence's length is its q_len.
+
+A property test holds the two forms to the same verdict and the same maxima (and token count)
+on any metadata (tests/kernels/test_metadata_summary.py). The summary needs at least one
+sequence and a block table; other calls (an empty batch, MLA's ``page_indices``) keep the host
+read.
 """
 
 from __future__ import annotations
@@ -40,22 +46,22 @@ import triton
 import triton.language as tl
 
 from portattn.kernels._launch import Launch
-from portattn.kernels._plans import PLANS, _current_device, _current_stream, call_key
+from portattn.kernels._plans import PLANS, _current_device, _current_stream, call_key, present
 from portattn.platform import Target, override_key, target_for_tensor
 from portattn.policy.cache import metadata_summary_tiles
 
 OP = "metadata_summary"
 #: The totals' entries (and the running maxima's); the running maxima hold a ticket count after.
-Q_LEN, SEQ_LEN, BROKEN, TICKETS = 0, 1, 2, 3
+Q_LEN, SEQ_LEN, BROKEN, TOKENS, TICKETS = 0, 1, 2, 3, 4
 
 
 @triton.jit
 def _metadata_summary_kernel(
     qsl_ptr,  # [num_seqs + 1] int32/int64 (unused without HAS_QSL)
-    seq_lens_ptr,  # [num_seqs] int32/int64
+    seq_lens_ptr,  # [num_seqs] int32/int64 (unused with SEQ_IS_Q)
     block_table_ptr,  # [num_seqs, max_blocks] int32/int64
-    running_ptr,  # [4] int64, zero between calls: max q_len, max seq_len, broken, tickets
-    totals_ptr,  # [3] int64: max q_len, max seq_len, broken
+    running_ptr,  # [5] int64, zero between calls: the totals' four maxima, then tickets
+    totals_ptr,  # [4] int64: max q_len, max seq_len, broken, max end offset (`Totals`)
     num_seqs,
     num_tokens,
     block_size,
@@ -67,10 +73,11 @@ def _metadata_summary_kernel(
     stride_bt_blk,
     HAS_QSL: tl.constexpr,
     END_AT_MOST: tl.constexpr,
+    SEQ_IS_Q: tl.constexpr,  # no seq_lens: each sequence's length is its q_len (needs HAS_QSL)
+    PADDING_OK: tl.constexpr,  # a negative block id is padding, not an error
     BLOCK_C: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + i * stride_seq_lens).to(tl.int64)
     # -- query_start_loc: sorted, from 0 to num_tokens --
     if HAS_QSL:
         start = tl.load(qsl_ptr + i * stride_qsl).to(tl.int64)
@@ -82,7 +89,9 @@ def _metadata_summary_kernel(
         broken = broken | ((i == num_seqs - 1) & last_broken)
     else:
         q_len = tl.full((), 1, tl.int64)
+        end = i + 1
         broken = q_len < 0
+    seq_len = q_len if SEQ_IS_Q else tl.load(seq_lens_ptr + i * stride_seq_lens).to(tl.int64)
     # -- seq_lens cover the queries, and fit the table's columns (ceil without overflow) --
     broken = broken | (seq_len < tl.maximum(q_len, 0))
     tokens = tl.maximum(seq_len, 0)
@@ -96,20 +105,23 @@ def _metadata_summary_kernel(
         cols = c + tl.arange(0, BLOCK_C)
         live = cols < used
         ids = tl.load(row + cols.to(tl.int64) * stride_bt_blk, mask=live, other=0).to(tl.int64)
-        bad_ids = bad_ids | (live & ((ids < 0) | (ids >= num_blocks))).to(tl.int32)
+        bad = (ids >= num_blocks) if PADDING_OK else ((ids < 0) | (ids >= num_blocks))
+        bad_ids = bad_ids | (live & bad).to(tl.int32)
     broken = broken | (tl.max(bad_ids, axis=0) != 0)
-    # -- fold into the running maxima, entries 0-3 as Q_LEN, SEQ_LEN, BROKEN, TICKETS (acq_rel
-    # atomics of one thread: each lands before the ticket) --
+    # -- fold into the running maxima, entries 0-4 as Q_LEN, SEQ_LEN, BROKEN, TOKENS, TICKETS
+    # (acq_rel atomics of one thread: each lands before the ticket) --
     tl.atomic_max(running_ptr + 0, q_len)
     tl.atomic_max(running_ptr + 1, seq_len)
     tl.atomic_max(running_ptr + 2, broken.to(tl.int64))
-    ticket = tl.atomic_add(running_ptr + 3, 1)
+    tl.atomic_max(running_ptr + 3, end)
+    ticket = tl.atomic_add(running_ptr + 4, 1)
     if ticket == num_seqs - 1:
         # the last program: every other one has folded in; hand the totals over, zero the rest
         tl.store(totals_ptr + 0, tl.atomic_xchg(running_ptr + 0, 0))
         tl.store(totals_ptr + 1, tl.atomic_xchg(running_ptr + 1, 0))
         tl.store(totals_ptr + 2, tl.atomic_xchg(running_ptr + 2, 0))
-        tl.atomic_xchg(running_ptr + 3, 0)
+        tl.store(totals_ptr + 3, tl.atomic_xchg(running_ptr + 3, 0))
+        tl.atomic_xchg(running_ptr + 4, 0)
 
 
 def summary_applies(block_table, num_seqs: int) -> bool:
@@ -119,9 +131,18 @@ def summary_applies(block_table, num_seqs: int) -> bool:
     return block_table is not None and not block_table.is_cpu and num_seqs > 0
 
 
+class Totals(NamedTuple):
+    """What the summary of valid metadata found: the longest q_len and seq_len, and the last
+    ``query_start_loc`` entry (the token count; the sequence count without one)."""
+
+    max_q_len: int
+    max_seq_len: int
+    tokens: int
+
+
 def plan_metadata_summary(
     query_start_loc: torch.Tensor | None,
-    seq_lens: torch.Tensor,
+    seq_lens: torch.Tensor | None,
     block_table: torch.Tensor,
     running: torch.Tensor,
     totals: torch.Tensor,
@@ -130,23 +151,30 @@ def plan_metadata_summary(
     block_size: int,
     num_blocks: int,
     end_at_most: bool,
+    padding_ok: bool = False,
     target: Target | None = None,
 ) -> list[Launch]:
     """The summary's launch over metadata the op has already validated in type and shape
     (int32/int64, ``seq_lens [num_seqs]``, ``block_table [num_seqs, max_blocks]``,
-    ``query_start_loc [num_seqs + 1]`` or ``None`` for one query a sequence). ``running``:
-    ``[4]`` int64 on the metadata's device, zero before the launch and after it; ``totals``:
-    ``[3]`` int64 the launch writes (module docstring, `_buffers`)."""
+    ``query_start_loc [num_seqs + 1]`` or ``None`` for one query a sequence). ``seq_lens``
+    ``None``: each sequence's length is its q_len (needs ``query_start_loc``). ``padding_ok``:
+    a negative block id is padding. ``running``: ``[5]`` int64 on the metadata's device, zero
+    before the launch and after it; ``totals``: ``[4]`` int64 the launch writes (module
+    docstring, `_buffers`)."""
+    if seq_lens is None and query_start_loc is None:
+        raise ValueError(f"{OP}: seq_lens or query_start_loc must be given")
     num_seqs, max_blocks = block_table.shape
-    target = target or target_for_tensor(seq_lens)
+    target = target or target_for_tensor(block_table)
     tiles = metadata_summary_tiles(target, max_blocks)
     has_qsl = query_start_loc is not None
+    lens = seq_lens if seq_lens is not None else query_start_loc
+    assert lens is not None
     launch = Launch(
         kernel=_metadata_summary_kernel,
         grid=(num_seqs,),
         args=dict(
-            qsl_ptr=query_start_loc if has_qsl else seq_lens,
-            seq_lens_ptr=seq_lens,
+            qsl_ptr=query_start_loc if has_qsl else lens,
+            seq_lens_ptr=lens,
             block_table_ptr=block_table,
             running_ptr=running,
             totals_ptr=totals,
@@ -156,11 +184,13 @@ def plan_metadata_summary(
             num_blocks=num_blocks,
             max_blocks=max_blocks,
             stride_qsl=query_start_loc.stride(0) if query_start_loc is not None else 0,
-            stride_seq_lens=seq_lens.stride(0),
+            stride_seq_lens=lens.stride(0),
             stride_bt_seq=block_table.stride(0),
             stride_bt_blk=block_table.stride(1),
             HAS_QSL=has_qsl,
             END_AT_MOST=end_at_most,
+            SEQ_IS_Q=seq_lens is None,
+            PADDING_OK=padding_ok,
             BLOCK_C=tiles.block_c,
         ),
         options=tiles.options,
@@ -195,7 +225,7 @@ def _buffers(device: torch.device) -> _Buffers:
     if bufs is None:
         stream = None if raw is None else torch.cuda.current_stream(device)
         running = torch.zeros(TICKETS + 1, dtype=torch.int64, device=device)
-        totals = torch.zeros(BROKEN + 1, dtype=torch.int64, device=device)
+        totals = torch.zeros(TOKENS + 1, dtype=torch.int64, device=device)
         pinned = None if stream is None else torch.zeros_like(totals, device="cpu").pin_memory()
         host = (totals if pinned is None else pinned).numpy()
         bufs = _BUFFERS[key] = _Buffers(running, totals, pinned, host, stream)
@@ -204,31 +234,32 @@ def _buffers(device: torch.device) -> _Buffers:
 
 def start_metadata_summary(
     query_start_loc: torch.Tensor | None,
-    seq_lens: torch.Tensor,
+    seq_lens: torch.Tensor | None,
     block_table: torch.Tensor,
     *,
     num_tokens: int,
     block_size: int,
     num_blocks: int,
     end_at_most: bool,
+    padding_ok: bool = False,
 ) -> _Buffers:
     """Queue the summary kernel (through the plan cache: a repeated description launches
     directly) and, on a GPU, the copy of its totals into pinned memory; nothing waits. Returns
     the buffers `finish_metadata_summary` reads. Arguments as `plan_metadata_summary`'s."""
-    bufs = _buffers(seq_lens.device)
+    bufs = _buffers(block_table.device)
     inputs = (query_start_loc, seq_lens, block_table, bufs.running, bufs.totals)
-    scalars = (OP, _current_device(), override_key(), query_start_loc is None, num_tokens,
-               block_size, num_blocks, end_at_most)  # fmt: skip
-    tensors = inputs[1:] if query_start_loc is None else inputs
+    mask, tensors = present(inputs)
+    scalars = (OP, _current_device(), override_key(), mask, num_tokens, block_size, num_blocks,
+               end_at_most, padding_ok)  # fmt: skip
     if PLANS.probe(scalars, tensors, inputs) is None:
-        key = call_key(OP, *inputs, num_tokens, block_size, num_blocks, end_at_most)
+        key = call_key(OP, *inputs, num_tokens, block_size, num_blocks, end_at_most, padding_ok)
         PLANS.call(
             key,
             inputs,
             lambda: plan_metadata_summary(
                 query_start_loc, seq_lens, block_table, bufs.running, bufs.totals,
                 num_tokens=num_tokens, block_size=block_size, num_blocks=num_blocks,
-                end_at_most=end_at_most,
+                end_at_most=end_at_most, padding_ok=padding_ok,
             ),
             (scalars, tensors),
         )  # fmt: skip
@@ -237,19 +268,17 @@ def start_metadata_summary(
     return bufs
 
 
-def finish_metadata_summary(bufs: _Buffers) -> tuple[int, int] | None:
-    """Wait for the stream a `start_metadata_summary` queued on and read its totals:
-    ``(longest q_len, longest seq_len)`` of valid metadata, or ``None`` when some sequence
-    breaks a rule."""
+def finish_metadata_summary(bufs: _Buffers) -> Totals | None:
+    """Wait for the stream a `start_metadata_summary` queued on and read its totals (`Totals`)
+    of valid metadata, or ``None`` when some sequence breaks a rule."""
     if bufs.stream is not None:
         bufs.stream.synchronize()
-    q_len, seq_len, broken = bufs.host.tolist()
-    return None if broken else (q_len, seq_len)
+    q_len, seq_len, broken, tokens = bufs.host.tolist()
+    return None if broken else Totals(q_len, seq_len, tokens)
 
 
-def read_metadata_summary(*args: Any, **kwargs: Any) -> tuple[int, int] | None:
+def read_metadata_summary(*args: Any, **kwargs: Any) -> Totals | None:
     """`start_metadata_summary` then `finish_metadata_summary` (one copy, one wait), with the
-    former's arguments: ``(longest q_len, longest seq_len)`` of valid metadata, or ``None`` when
-    some sequence breaks a rule (the caller then reads the metadata and raises `_checks`'
-    errors)."""
+    former's arguments: the `Totals` of valid metadata, or ``None`` when some sequence breaks a
+    rule (the caller then reads the metadata and raises `_checks`' errors)."""
     return finish_metadata_summary(start_metadata_summary(*args, **kwargs))

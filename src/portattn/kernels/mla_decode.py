@@ -1091,7 +1091,7 @@ def unbounded_query_len(
     ready = prepare(entry[1]) if prepare is not None and entry[1] is not None else None
     got = None if started is None else finish_metadata_summary(started)
     if got is not None:
-        longest = max(1, got[0])
+        longest = max(1, got.max_q_len)
     else:  # broken metadata (or page indices, or no sequence): the host read names what is wrong
         longest = _check_contents(
             query, kv_cache, block_table, seq_lens, query_start_loc, page_indices, None

@@ -871,10 +871,12 @@ def unbounded_maxima(
         )  # fmt: skip
     ready = prepare(last) if prepare is not None and last is not None else None
     got = None if started is None else finish_metadata_summary(started)
-    if got is None or (max_seq_len is not None and max_seq_len < got[1]):
-        # broken metadata (or a short max_seq_len): the host read names what is wrong
-        got = _check_contents(query, k, block_table, seq_lens, query_start_loc, None, max_seq_len)
-    real_mql, real_msl = got
+    if got is not None and (max_seq_len is None or max_seq_len >= got.max_seq_len):
+        real_mql, real_msl = got.max_q_len, got.max_seq_len
+    else:  # broken metadata (or a short max_seq_len): the host read names what is wrong
+        real_mql, real_msl = _check_contents(
+            query, k, block_table, seq_lens, query_start_loc, None, max_seq_len
+        )
     if max_seq_len is None:
         max_seq_len = plan_max_seq_len(real_msl) if real_msl else None
     if (real_mql, max_seq_len) != last:
