@@ -218,3 +218,42 @@ def test_summary_on_two_streams():
     for stream in (side, torch.cuda.current_stream()):
         with torch.cuda.stream(stream):
             assert _buffers(table.device).running.tolist() == [0] * 5
+
+
+def test_summary_buffers_are_kept_per_thread_and_bounded(device, monkeypatch):
+    """Each thread reads its own totals; past `MAX_BUFFERS` sets the oldest is dropped, and a
+    thread whose set was dropped gets a new, zeroed one."""
+    import threading
+
+    from portattn.kernels import metadata_summary as ms
+
+    monkeypatch.setattr(ms, "_BUFFERS", {})
+    monkeypatch.setattr(ms, "MAX_BUFFERS", 2)
+    table = torch.arange(8, dtype=torch.int64).reshape(2, 4).to(device)
+    got = {}
+
+    def call(n):
+        qsl = torch.tensor([0, n, 2 * n]).to(device)
+        got[n] = read_metadata_summary(qsl, torch.tensor([16 * n, 16]).to(device), table,
+                                       num_tokens=2 * n, block_size=16, num_blocks=8,
+                                       end_at_most=False)  # fmt: skip
+
+    release = threading.Event()
+
+    def live(n, done):  # each thread stays alive until the last has called (distinct idents)
+        call(n)
+        done.set()
+        release.wait()
+
+    threads = []
+    for n in (1, 2, 3):  # one call at a time
+        done = threading.Event()
+        threads.append(threading.Thread(target=live, args=(n, done)))
+        threads[-1].start()
+        assert done.wait(120), f"call {n} did not finish"
+    release.set()
+    for t in threads:
+        t.join()
+    assert got == {n: (n, 16 * n, 2 * n) for n in (1, 2, 3)}
+    assert len(ms._BUFFERS) == 2
+    assert all(b.running.tolist() == [0] * 5 for b in ms._BUFFERS.values())

@@ -214,11 +214,13 @@ class _Buffers(NamedTuple):
 
 
 _BUFFERS: dict[tuple, _Buffers] = {}
+#: Buffer sets kept (the oldest dropped first: a thread that still holds its set keeps using it).
+MAX_BUFFERS = 256
 
 
 def _buffers(device: torch.device) -> _Buffers:
     """The summary buffers of the current stream of ``device`` and the calling thread (made on
-    first use, kept for the process)."""
+    first use; the newest `MAX_BUFFERS` sets kept)."""
     raw = _current_stream(device.index) if device.type == "cuda" else None  # the C getter
     key = (device, raw, threading.get_ident())
     bufs = _BUFFERS.get(key)
@@ -228,6 +230,8 @@ def _buffers(device: torch.device) -> _Buffers:
         totals = torch.zeros(TOKENS + 1, dtype=torch.int64, device=device)
         pinned = None if stream is None else torch.zeros_like(totals, device="cpu").pin_memory()
         host = (totals if pinned is None else pinned).numpy()
+        if len(_BUFFERS) >= MAX_BUFFERS:
+            del _BUFFERS[next(iter(_BUFFERS))]
         bufs = _BUFFERS[key] = _Buffers(running, totals, pinned, host, stream)
     return bufs
 
