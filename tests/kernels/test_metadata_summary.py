@@ -248,7 +248,7 @@ def test_summary_buffers_are_kept_per_thread_and_bounded(device, monkeypatch):
     threads = []
     for n in (1, 2, 3):  # one call at a time
         done = threading.Event()
-        threads.append(threading.Thread(target=live, args=(n, done)))
+        threads.append(threading.Thread(target=live, args=(n, done), daemon=True))
         threads[-1].start()
         assert done.wait(120), f"call {n} did not finish"
     release.set()
