@@ -939,7 +939,8 @@ def test_gpu_unbounded_calls_take_the_cached_plan():
 
 
 @pytest.mark.gpu
-def test_gpu_unbounded_calls_launch_what_they_prepared():
+@pytest.mark.parametrize("given_out", [True, False])
+def test_gpu_unbounded_calls_launch_what_they_prepared(given_out):
     """Unbounded GPU calls of one description: from the second on, the launches made ready
     while the device checked run (no second plan-cache lookup), with the right result; a call
     whose bounds moved to another band runs its own plan; broken metadata raises by name and
@@ -957,8 +958,9 @@ def test_gpu_unbounded_calls_launch_what_they_prepared():
         out = torch.empty_like(b.query)
         with pytest.MonkeyPatch.context() as m:
             m.setattr(PLANS, "probe", lambda *a: probes.append(a[0][0]) or real_probe(*a))
-            assert paged_attention(*b.args(), out=out) is out
-        check(b, out)
+            got = paged_attention(*b.args(), out=out if given_out else None)
+        assert (got is out) == given_out
+        check(b, got)
     # the op probed only where nothing was prepared: the first call and the band change
     assert probes.count(paged_mod.OP) == 2
     b.seq_lens.copy_(full)
@@ -967,6 +969,25 @@ def test_gpu_unbounded_calls_launch_what_they_prepared():
     with pytest.raises(ValueError, match=r"block_table entries of used blocks must be in"):
         paged_attention(*b.args(), out=out)
     assert bool((out == 3.0).all())
+
+
+@pytest.mark.gpu
+def test_gpu_unbounded_mla_calls_launch_what_they_prepared():
+    """The same for `mla_decode` without metadata: the launches made ready for the last call's
+    longest q_len run when this call's is the same; another longest q_len runs its own plan."""
+    PLANS.clear()
+    q, cache, bt, sl, qsl = make_inputs(576, 512, 16, 64, (1, 3), (700, 90), torch.bfloat16,
+                                        "cuda")  # fmt: skip
+    probes = []
+    real_probe = PLANS.probe
+    for offsets in ((0, 1, 4), (0, 3, 4), (0, 2, 4), (0, 2, 4)):  # longest 3, 3, 2, 2
+        qsl.copy_(torch.tensor(offsets))
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(PLANS, "probe", lambda *a: probes.append(a[0][0]) or real_probe(*a))
+            out, lse = mla_decode(q, cache, bt, sl, kv_lora_rank=512, scale=0.07,
+                                  query_start_loc=qsl, return_lse=True)  # fmt: skip
+        mla_check(out, lse, q, cache, bt, sl, qsl, 512, 0.07, torch.bfloat16)
+    assert probes.count("mla_decode") == 2  # the first call and the change of longest q_len
 
 
 @pytest.mark.gpu
