@@ -258,3 +258,23 @@ def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
         module = importlib.import_module(f"bench.diag.{name}")
         with pytest.raises(SystemExit, match=f"^bench.diag.{name}: needs a CUDA/HIP device"):
             module.main([])
+
+
+# -- flush -------------------------------------------------------------------------------------
+
+
+def test_flush_parses_its_lists_and_fits_a_line():
+    from bench.diag import flush
+
+    assert flush.parse_list("75,302", "mbytes") == [75, 302]
+    assert flush.parse_list("read,none", "flush", flush.MODES) == ["read", "none"]
+    with pytest.raises(ValueError, match=r"--mbytes: '0' is not an int >= 1"):
+        flush.parse_list("75,0", "mbytes")
+    with pytest.raises(ValueError, match=r"--flush: 'zero' is not one of \['write'"):
+        flush.parse_list("write,zero", "flush", flush.MODES)
+    fixed, slope = flush.fit([(1.0, 12.0), (2.0, 14.0), (4.0, 18.0)])
+    assert fixed == pytest.approx(10.0) and slope == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="two distinct x"):
+        flush.fit([(3.0, 1.0), (3.0, 2.0)])
+    with pytest.raises(SystemExit):
+        flush.main(["--reps", "0"])
