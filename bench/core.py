@@ -87,6 +87,24 @@ def _read_stream_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + tl.program_id(0), tl.sum(x, axis=0))
 
 
+def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph, after one call on a side stream (the first call's
+    allocations happen outside the capture).
+
+    Raises:
+        RuntimeError: what the capture raises (e.g. a host read of a device tensor).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def require_gpu(prog: str) -> None:
     """Stop ``prog`` (a diagnostic) where no CUDA/HIP device is visible, saying so: its timings
     under the interpreter would mean nothing."""
@@ -142,15 +160,7 @@ class Context:
         run, how = fn, "eager"
         if graph:
             try:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    fn()  # allocations of the first call happen outside the capture
-                torch.cuda.current_stream().wait_stream(side)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    fn()
-                run, how = g.replay, "graph"
+                run, how = capture(fn).replay, "graph"
             except RuntimeError as err:  # e.g. a host read of a device tensor during capture
                 torch.cuda.synchronize()
                 how = f"eager (graph capture failed: {str(err).splitlines()[0][:80]})"

@@ -158,14 +158,7 @@ def main(argv=None) -> int:
             check = core.check_paged(b, out)
             if not check["passed"]:
                 sys.exit(f"clock: {name} block {bs}: check failed {check}")
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                call()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                call()
+            graph = core.capture(call)
             keep.append((graph, b, out))  # the inputs live as long as the graph
             rows.append(dict(point=name, block_size=bs, us=[], mhz=[], watts=[]))
     for rnd in range(opts.rounds):
