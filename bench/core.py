@@ -87,6 +87,26 @@ def _read_stream_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + tl.program_id(0), tl.sum(x, axis=0))
 
 
+def read_stream(nbytes: int, device: str) -> Callable[[], None]:
+    """A launch of the streaming read over a fresh int32 buffer of ``nbytes`` (the read
+    ceiling's kernel: one partial sum a program), run once and checked exactly.
+
+    Raises:
+        RuntimeError: the partial sums do not add up to the buffer's sum.
+    """
+    block, n = 8192, nbytes // 4
+    x = torch.randint(-8, 8, (n,), dtype=torch.int32, device=device)
+    out = torch.empty(triton.cdiv(n, block), dtype=torch.int32, device=device)
+
+    def launch() -> None:
+        _read_stream_kernel[(out.numel(),)](x, out, n, BLOCK=block, num_warps=8)
+
+    launch()
+    if int(out.sum()) != int(x.sum()):
+        raise RuntimeError("read_stream: the streaming kernel's sums are wrong")
+    return launch
+
+
 def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     """``fn`` captured in a CUDA graph, after one call on a side stream (the first call's
     allocations happen outside the capture).
@@ -186,19 +206,7 @@ class Context:
         # at least 1 MB; at most 4 GB (the kernel's int32 offsets; the rate is flat long before)
         n = min(max(nbytes, 1 << 20), 1 << 32) // 4
         if n not in self._ceilings:
-            block = 8192
-            x = torch.randint(-8, 8, (n,), dtype=torch.int32, device=self.device)
-            out = torch.empty(triton.cdiv(n, block), dtype=torch.int32, device=self.device)
-
-            def launch():
-                _read_stream_kernel[(out.numel(),)](x, out, n, BLOCK=block, num_warps=8)
-
-            launch()
-            if int(out.sum()) != int(x.sum()):
-                raise RuntimeError("read_ceiling: the streaming kernel's sums are wrong")
-            us, how = self.time_us(launch)
-            self._ceilings[n] = (us, how)
-            del x, out
+            self._ceilings[n] = self.time_us(read_stream(4 * n, self.device))
         us, how = self._ceilings[n]
         return anchor("read ceiling (Triton stream)", us, {"GB/s": rate(4 * n, us, 1e9)},
                       note=f"{4 * n} bytes read, {how}")  # fmt: skip

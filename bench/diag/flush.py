@@ -2,14 +2,14 @@
 
 The suite flushes L2 by writing a 256 MB buffer (`bench.core.Context.time_us`, as
 `triton.testing.do_bench` does). A write leaves the cache full of dirty lines, which the timed
-kernel's first reads must evict, writing them back to memory; a read of the same buffer leaves
-it full of clean lines. This times, under each ``--flush`` mode, the read-ceiling kernel
+kernel's first reads must evict, writing them back to memory; a read of 256 MB leaves it full
+of clean lines. This times, under each ``--flush`` mode, the read-ceiling kernel
 (`bench.core`'s streaming read) at ``--mbytes`` sizes, and MLA 576/512 decode (the policy's
 tiles) at ``--heads`` x ``--contexts`` (batch 64, page 64), each the median of ``--reps``
 repetitions (graph replay between two events, as the suite times a row):
 
 * ``write``: the suite's flush (256 MB of zeros);
-* ``read``: a streaming read of the same 256 MB;
+* ``read``: a streaming read of 256 MB (`bench.core.read_stream`);
 * ``none``: nothing between repetitions (L2 warm from the last one).
 
 Where the time is linear in the bytes, ``fit`` gives each mode's fixed part and its rate: what a
@@ -31,7 +31,6 @@ import sys
 from collections.abc import Callable
 
 import torch
-import triton
 
 from bench import core, inputs, mla
 from portattn.kernels._launch import run_all
@@ -40,7 +39,6 @@ from portattn.platform import current_target
 from portattn.policy.mla import MlaProblem, mla_decode_tiles, sm90_gathers
 
 MODES = ("write", "read", "none")
-BLOCK = 8192  # int32 elements a program of the streaming read
 
 
 def parse_list(text: str, name: str, allowed: tuple[str, ...] | None = None) -> list:
@@ -76,19 +74,18 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 class Flusher:
-    """The 256 MB buffer and what each mode does with it before a repetition."""
+    """What each mode does before a repetition: ``write`` zeroes a 256 MB buffer (the suite's
+    flush), ``read`` streams another 256 MB through the read ceiling's kernel."""
 
     def __init__(self) -> None:
-        self.buf = torch.zeros(core.FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-        self.sums = torch.empty(triton.cdiv(self.buf.numel(), BLOCK), dtype=torch.int32,
-                                device="cuda")  # fmt: skip
+        self.buf = torch.zeros(core.FLUSH_BYTES, dtype=torch.int8, device="cuda")
+        self.read = core.read_stream(core.FLUSH_BYTES, "cuda")
 
     def __call__(self, mode: str) -> None:
         if mode == "write":
             self.buf.zero_()
         elif mode == "read":
-            core._read_stream_kernel[(self.sums.numel(),)](self.buf, self.sums, self.buf.numel(),
-                                                           BLOCK=BLOCK, num_warps=8)  # fmt: skip
+            self.read()
 
 
 def time_us(fn: Callable[[], object], flush: Flusher, mode: str, reps: int) -> float:
@@ -108,21 +105,6 @@ def time_us(fn: Callable[[], object], flush: Flusher, mode: str, reps: int) -> f
         end.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
-
-
-def _stream(mbytes: int) -> Callable[[], object]:
-    """The read-ceiling kernel over ``mbytes`` MB, checked once."""
-    n = mbytes * (1 << 20) // 4
-    x = torch.randint(-8, 8, (n,), dtype=torch.int32, device="cuda")
-    sums = torch.empty(triton.cdiv(n, BLOCK), dtype=torch.int32, device="cuda")
-
-    def launch():
-        core._read_stream_kernel[(sums.numel(),)](x, sums, n, BLOCK=BLOCK, num_warps=8)
-
-    launch()
-    if int(sums.sum()) != int(x.sum()):
-        raise RuntimeError("flush: the streaming kernel's sums are wrong")
-    return launch
 
 
 def _mla(heads: int, context: int) -> tuple[Callable[[], object], int]:
@@ -165,7 +147,7 @@ def main(argv=None) -> int:
     flush = Flusher()
     print(f"device: {torch.cuda.get_device_name()}; flush modes {modes}; {opts.reps} reps")
     rows: list[tuple[str, list[tuple[int, Callable[[], object]]]]] = []
-    rows.append(("read ceiling", [(mb << 20, _stream(mb)) for mb in sizes]))
+    rows.append(("read ceiling", [(mb << 20, core.read_stream(mb << 20, "cuda")) for mb in sizes]))
     for h in heads:
         rows.append((f"mla {h}h 64x page64", [(nb, fn) for fn, nb in
                                                (_mla(h, c) for c in contexts)]))  # fmt: skip

@@ -1197,6 +1197,7 @@ def paged_attention(
         block_table = [[5, 2]], seq_lens = [3], query_start_loc = [0, 1]
         -> the query attends to block 5 offsets 0, 1 and block 2 offset 0
     """
+    inputs = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out)
     if (
         max_query_len is None
         and trace is None
@@ -1208,7 +1209,6 @@ def paged_attention(
         # the call bounded by what was read (the same tiles: `plan_max_seq_len`), through the
         # plan cache; its launches are made ready while the device checks (a probe guard has no
         # target: a call with one builds its key afterwards).
-        inputs = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out)
 
         def prepare(bounds: tuple[int, int | None]) -> Callable[[], tuple] | None:
             scalars, tensors = _probe_guard(
@@ -1222,7 +1222,6 @@ def paged_attention(
         )  # fmt: skip
         if ready is not None:
             return ready()[0]
-    inputs = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out)
     key = None
     guard: tuple | None = None
     if (
