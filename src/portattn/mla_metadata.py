@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from portattn.kernels._checks import Problems, check_device, is_int
+from portattn.kernels._checks import Problems, capture_errors, check_device, is_int
 from portattn.platform import Target
 from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles, sm90_gathers
 
@@ -254,6 +254,7 @@ class MlaMetadataBuilder:
                 )
             max_query_len = 1
         elif max_query_len is None:
+            capture_errors(op, query_start_loc.device, "max_query_len", "query_start_loc")
             read = int((query_start_loc[1:] - query_start_loc[:-1]).max())
             if not 1 <= read <= self.max_query_len:
                 raise ValueError(

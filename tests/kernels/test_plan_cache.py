@@ -15,6 +15,7 @@ import functools
 import gc
 import math
 import os
+import re
 import types
 import weakref
 
@@ -988,6 +989,67 @@ def test_gpu_unbounded_mla_calls_launch_what_they_prepared():
                                   query_start_loc=qsl, return_lse=True)  # fmt: skip
         mla_check(out, lse, q, cache, bt, sl, qsl, 512, 0.07, torch.bfloat16)
     assert probes.count("mla_decode") == 2  # the first call and the change of longest q_len
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["paged_attention", "mla_decode", "gather_kv_cache",
+                                "expand_page_indices", "MlaMetadataBuilder.build"])  # fmt: skip
+def test_gpu_calls_that_read_refuse_a_capturing_stream(op):
+    """A call that would read its metadata to the host (no bound given) raises by name while
+    the current stream captures a CUDA graph, planned or not, before queueing anything: the
+    sync would fail and invalidate the graph. The bounded call then captures and replays."""
+    from portattn.kernels.page_indices import expand_page_indices
+    from portattn.platform import current_target
+
+    PLANS.clear()
+    b = make_batch(((300, 2), (40, 1)), block_size=16, heads=(8, 2), head_dim=64,
+                   dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    q, cache, bt, sl, qsl = make_inputs(576, 512, 16, 64, (1, 3), (700, 90), torch.bfloat16,
+                                        "cuda")  # fmt: skip
+    cu = torch.tensor([0, 300, 340], dtype=torch.int32, device="cuda")
+    builder = MlaMetadataBuilder(current_target(), max_batch=4, num_heads=16, kv_lora_rank=512,
+                                 head_dim_k=576, dtype=torch.bfloat16, device="cuda",
+                                 max_query_len=4, max_seq_len=8192)  # fmt: skip
+    unbounded, bound = {
+        "paged_attention": (lambda: paged_attention(*b.args()), "max_query_len"),
+        "mla_decode": (
+            lambda: mla_decode(
+                q, cache, bt, sl, kv_lora_rank=512, scale=0.07, query_start_loc=qsl
+            ),  # fmt: skip
+            "metadata",
+        ),
+        "gather_kv_cache": (
+            lambda: gather_kv_cache(b.key_cache, b.value_cache, b.block_table, cu),
+            "out",
+        ),
+        "expand_page_indices": (
+            lambda: expand_page_indices(b.block_table, b.seq_lens, 16),
+            "num_indices",
+        ),
+        "MlaMetadataBuilder.build": (lambda: builder.build(sl, qsl), "max_query_len"),
+    }[op]
+    message = rf"^{re.escape(op)}: {bound} must be given while the current stream captures"
+    for planned in (False, True):
+        if planned:
+            unbounded()  # outside a capture: checked, planned and cached
+            torch.cuda.synchronize()
+        launches = PLANS.misses + PLANS.hits
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(ValueError, match=message), torch.cuda.graph(graph):
+            unbounded()
+        assert PLANS.misses + PLANS.hits == launches  # nothing planned or launched
+    # the stream is sound: a bounded call captures and replays
+    out = torch.full_like(b.query, 3.0)
+    bounded = dict(out=out, max_query_len=2, max_seq_len=300)
+    paged_attention(*b.args(), **bounded)  # compiled outside the capture
+    torch.cuda.synchronize()
+    out.fill_(3.0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention(*b.args(), **bounded)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(b, out)
 
 
 @pytest.mark.gpu

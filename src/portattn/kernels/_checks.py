@@ -28,7 +28,9 @@ the same rules (`portattn.kernels.metadata_summary`) and copy the metadata only 
 broken rule, for these routines' messages. With bounds given on a GPU (``max_query_len`` for
 paged_attention, ``metadata`` for mla_decode, ``out`` for gather_kv_cache, ``num_indices`` for
 expand_page_indices; always for write_kv_cache's ``slot_mapping``) nothing is read: the caller
-vouches for the values, and the call stays free of host syncs (CUDA-graph capturable).
+vouches for the values, and the call stays free of host syncs (CUDA-graph capturable). An op
+about to read on a GPU whose current stream captures a graph raises instead (`capture_errors`),
+naming the bound to give.
 
 Every routine returns a list of reasons (empty: valid) in the ops' style, ``"<argument> must
 <rule>; got <value>"``, naming only the offending scalars and their indices. `Problems` gathers
@@ -71,6 +73,18 @@ def tensor_reads_contents(t: torch.Tensor, vouched: bool) -> bool:
     if t.is_meta:
         return False
     return t.is_cpu or not vouched
+
+
+def capture_errors(op: str, device: torch.device, bound: str, reads: str) -> None:
+    """Raise when ``device`` is a GPU whose current stream is capturing a CUDA graph: the call
+    is about to read ``reads`` to the host, a wait that a capture cannot hold (CUDA would fail
+    the sync and invalidate the user's graph). ``bound`` names what the caller gives instead."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError(
+            f"{op}: {bound} must be given while the current stream captures a CUDA graph: "
+            f"without it the call reads {reads} to the host (a sync a graph cannot hold); "
+            f"with it nothing is read"
+        )
 
 
 def to_host(*tensors: torch.Tensor) -> tuple[np.ndarray, ...]:

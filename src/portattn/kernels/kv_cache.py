@@ -35,6 +35,7 @@ from portattn.kernels._checks import (
     Problems,
     block_ids_errors,
     capacity_errors,
+    capture_errors,
     offsets_errors,
     overlap_errors,
     raise_errors,
@@ -540,6 +541,7 @@ def plan_gather_kv_cache(
     # CPU: always checked (free). GPU: checked when out is not given, with the one device read
     # that total_tokens needs anyway; with out given the caller vouches (no sync).
     if reads_contents(cu_seq_lens.device, vouched=out is not None):
+        capture_errors(op, cu_seq_lens.device, "out", "cu_seq_lens and block_table")
         cu, table = to_host(cu_seq_lens, block_table)
         total_tokens = out[0].shape[0] if out is not None else int(cu[-1])
         _check_gather_indices(op, table, cu, ka, total_tokens, out is not None)
@@ -643,6 +645,7 @@ def _unbounded_outputs(
     if ka is None:
         ka, _ = _check_gather_args(key_cache, value_cache, block_table, cu_seq_lens, layout, None)
         _GATHER_CHECKED.keep(scalars, inputs, inputs, (), ka)
+    capture_errors(op, cu_seq_lens.device, "out", "cu_seq_lens and block_table")
     got = None
     if summary_applies(block_table, block_table.shape[0]):
         got = read_metadata_summary(

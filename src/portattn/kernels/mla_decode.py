@@ -73,6 +73,7 @@ from portattn.kernels._checks import (
     Problems,
     block_ids_errors,
     capacity_errors,
+    capture_errors,
     is_int,
     offsets_errors,
     overlap_errors,
@@ -1053,6 +1054,8 @@ def _validate(
 #: The unbounded calls' argument checks, by description (`unbounded_query_len`): each kept as
 #: ``[True, the longest q_len the description's last call read]``.
 _CHECKED = CheckMemo()
+#: What a call without metadata reads (`capture_errors`).
+_READS = "seq_lens, query_start_loc and the block table or page indices"
 
 
 def unbounded_query_len(
@@ -1082,6 +1085,7 @@ def unbounded_query_len(
         )  # fmt: skip
         entry = [True, None]
         _CHECKED.keep(scalars, tensors, inputs, (5,), entry)
+    capture_errors(_OP, query.device, "metadata", _READS)
     started = None
     if summary_applies(block_table, seq_lens.shape[0]):
         started = start_metadata_summary(
@@ -1150,6 +1154,7 @@ def plan_mla_decode(
         raise ValueError(f"{_OP}: query_len is only for a call without metadata or content read")
     longest = query_len  # the longest q_len, when read
     if check_contents and not query.is_meta:
+        capture_errors(_OP, query.device, "metadata", _READS)
         longest = _check_contents(
             query, kv_cache, block_table, seq_lens, query_start_loc, page_indices, metadata
         )

@@ -28,6 +28,7 @@ from portattn.kernels._checks import (
     Problems,
     block_ids_errors,
     capacity_errors,
+    capture_errors,
     is_int,
     num_indices_errors,
     raise_errors,
@@ -173,6 +174,7 @@ def plan_expand_page_indices(
     # CPU: always checked (free). GPU: checked when num_indices is not given, with the one device
     # read that sum(seq_lens) needs anyway; with num_indices given the caller vouches (no sync).
     if reads_contents(seq_lens.device, vouched=num_indices is not None):
+        capture_errors(op, seq_lens.device, "num_indices", "seq_lens and block_table")
         host_lens, host_table = to_host(seq_lens, block_table)
         errors = seq_lens_errors(host_lens)
         errors += capacity_errors(host_lens, block_size, block_table.shape[1])

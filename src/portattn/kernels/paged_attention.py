@@ -63,6 +63,7 @@ from portattn.kernels._checks import (
     Problems,
     block_ids_errors,
     capacity_errors,
+    capture_errors,
     is_int,
     offsets_errors,
     overlap_errors,
@@ -823,6 +824,8 @@ def _check_contents(
 #: The unbounded calls' argument checks, by description (`unbounded_maxima`): each kept as
 #: ``[what the checks returned, the bounds the description's last call read]``.
 _CHECKED = CheckMemo()
+#: What an unbounded call reads (`capture_errors`).
+_READS = "query_start_loc, seq_lens and block_table"
 
 
 class Unbounded(NamedTuple):
@@ -862,6 +865,7 @@ def unbounded_maxima(
         )  # fmt: skip
         entry = [k, None]
         _CHECKED.keep(scalars, tensors, inputs, (6,), entry)
+    capture_errors(OP, query.device, "max_query_len", _READS)
     k, last = entry
     started = None
     if summary_applies(block_table, block_table.shape[0]):
@@ -964,6 +968,7 @@ def plan_paged_attention(
     if query.is_meta:
         check_contents = False
     if check_contents:
+        capture_errors(OP, query.device, "max_query_len", _READS)
         real_mql, real_msl = _check_contents(
             query, k, block_table, seq_lens, query_start_loc, max_query_len, max_seq_len
         )
