@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import portattn
 from portattn import reference
@@ -330,6 +332,40 @@ def test_overlap_rule():
     assert not _checks.overlaps_itself(buf.as_strided((4, 4), (1, 4)))
     assert not _checks.overlaps_itself(pages.t())
     assert _checks.disjoint(torch.zeros(0), buf) and _checks.disjoint(buf, torch.zeros(4))
+
+
+def _bytes_of(t: torch.Tensor) -> set[int]:
+    """Every byte address ``t``'s elements cover."""
+    es, base = t.element_size(), t.data_ptr()
+    idx = torch.zeros((), dtype=torch.int64)
+    for n, stride in zip(t.shape, t.stride(), strict=True):
+        idx = idx.unsqueeze(-1) + torch.arange(n) * stride
+    return {base + es * int(i) + b for i in idx.flatten().tolist() for b in range(es)}
+
+
+_VIEW = st.tuples(
+    st.integers(0, 40),  # storage offset
+    st.lists(st.tuples(st.integers(1, 4), st.integers(0, 24)), min_size=1, max_size=3),
+)
+
+
+@pytest.mark.cpu
+@pytest.mark.paged
+@settings(max_examples=400, deadline=None)
+@given(_VIEW, _VIEW)
+def test_overlap_rule_against_the_bytes(a, b):
+    """`disjoint` never calls views that share a byte disjoint, and `overlaps_itself` never
+    misses a shared byte, for any sizes and strides (0 included) of views of one buffer."""
+    buf = torch.zeros(512)
+    va, vb = (
+        buf.as_strided([n for n, _ in dims], [s for _, s in dims], offset)
+        for offset, dims in (a, b)
+    )
+    if _checks.disjoint(va, vb):
+        assert not _bytes_of(va) & _bytes_of(vb)
+    for v in (va, vb):
+        if not _checks.overlaps_itself(v):
+            assert len(_bytes_of(v)) == v.numel() * v.element_size()
 
 
 @pytest.mark.cpu

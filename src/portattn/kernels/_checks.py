@@ -218,7 +218,8 @@ def disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
     pa, pb = a.data_ptr(), b.data_ptr()
     if pa + span(a) <= pb or pb + span(b) <= pa:
         return True
-    for period in sorted({st for st, _ in _byte_dims(a) + _byte_dims(b)}, reverse=True):
+    # a stride-0 dim repeats its bytes: no period of its own (and no modulus of 0)
+    for period in sorted({st for st, _ in _byte_dims(a) + _byte_dims(b) if st}, reverse=True):
         fa, fb = _footprint(a, period), _footprint(b, period)
         if fa is not None and fb is not None:
             delta = (pb - pa) % period
