@@ -214,11 +214,51 @@ def test_the_answer_is_the_smallest_accepted_size_in_range(rules, low, high):
     """Against a scan of every size in ``[low, high]``, the definition itself."""
     parts = [Participant(f"p{i}", r) for i, r in enumerate(rules)]
     want = next((s for s in range(low, high + 1) if all(p.accepts(s) for p in parts)), None)
-    if want is None:
+    if low > high:
+        with pytest.raises(ValueError, match="min_block_size must be <= max_block_size"):
+            select_common_block_size(*parts, min_block_size=low, max_block_size=high)
+    elif want is None:
         with pytest.raises(ValueError, match="no block size >= "):
             select_common_block_size(*parts, min_block_size=low, max_block_size=high)
     else:
         assert select_common_block_size(*parts, min_block_size=low, max_block_size=high) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(rule_sets, min_size=1, max_size=4), st.integers(1, 3000), st.integers(1, 200),
+       st.integers(1, 3000))  # fmt: skip
+def test_a_preferred_size_is_taken_only_inside_the_range(rules, preferred, low, high):
+    """``preferred`` wins only where every participant takes it and it lies in ``[low, high]``;
+    whatever comes back lies there."""
+    parts = [Participant(f"p{i}", r) for i, r in enumerate(rules)]
+    if low > high:
+        return
+    try:
+        got = select_common_block_size(
+            *parts, preferred=preferred, min_block_size=low, max_block_size=high
+        )
+    except ValueError:
+        assert not any(all(p.accepts(s) for p in parts) for s in range(low, high + 1))
+        return
+    assert low <= got <= high and all(p.accepts(got) for p in parts)
+    if low <= preferred <= high and all(p.accepts(preferred) for p in parts):
+        assert got == preferred
+
+
+def test_many_participants_of_coprime_rules_take_no_exponential_search():
+    """Participant i takes a multiple of any of the first 26 primes: the answer is 2, which the
+    pruned search finds at once (every lcm of two primes is divided by a kept prime)."""
+    primes = [p for p in range(2, 102) if all(p % d for d in range(2, p))]
+    parts = [Participant(f"p{i}", [MultipleOf(n) for n in primes]) for i in range(26)]
+    assert select_common_block_size(*parts) == 2
+    assert select_common_block_size(*parts, min_block_size=3) == 3
+    # distinct primes per participant: the answer is their product, a search that is refused
+    # by name past its bound instead of running for hours
+    groups = [[MultipleOf(p) for p in primes[i::8]] for i in range(8)]  # 11664 lcms
+    with pytest.raises(ValueError, match=r"the search kept over 4096 candidate lcms"):
+        select_common_block_size(
+            *(Participant(f"q{i}", g) for i, g in enumerate(groups)), max_block_size=2**62
+        )
 
 
 def test_a_far_answer_and_a_huge_bound_cost_no_scan():

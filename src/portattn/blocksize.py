@@ -91,11 +91,13 @@ def select_common_block_size(
         max_block_size: the largest size that may be returned.
 
     Returns:
-        ``preferred`` if acceptable, else the smallest common size >= ``min_block_size``.
+        ``preferred`` if every participant accepts it and it lies in ``[min_block_size,
+        max_block_size]``, else the smallest common size in that range.
 
     Raises:
         ValueError: no participants, an argument that is not what it must be (every one named
-            in one message), or no common size (the message lists every constraint).
+            in one message), no common size (the message lists every constraint), or a search
+            past `MAX_CANDIDATES` (only many participants with many coprime rules get there).
     """
     errors = []
     if not participants:
@@ -109,13 +111,20 @@ def select_common_block_size(
         errors.append(f"preferred must be an int >= 1 or None; got {preferred!r}")
     if not _is_size(max_block_size):
         errors.append(f"max_block_size must be an int >= 1; got {max_block_size!r}")
+    elif _is_size(min_block_size) and min_block_size > max_block_size:
+        errors.append(
+            f"min_block_size must be <= max_block_size; got {min_block_size} > {max_block_size}"
+        )
     if errors:
         raise ValueError("select_common_block_size: " + "; ".join(errors))
-    ok = lambda s: s >= min_block_size and all(p.accepts(s) for p in participants)  # noqa: E731
-    if preferred is not None and ok(preferred):
+    if (
+        preferred is not None
+        and min_block_size <= preferred <= max_block_size
+        and all(p.accepts(preferred) for p in participants)
+    ):
         return preferred
-    common = _smallest_common(participants, min_block_size)
-    if common is not None and common <= max_block_size:
+    common = _smallest_common(participants, min_block_size, max_block_size)
+    if common is not None:
         return common
     raise ValueError(
         "select_common_block_size: no block size >= "
@@ -124,23 +133,39 @@ def select_common_block_size(
     )
 
 
-def _smallest_common(participants: Sequence[Participant], low: int) -> int | None:
-    """The smallest size >= ``low`` that every participant accepts, or ``None``.
+#: The most lcms `_smallest_common` keeps at once: the smallest common size is a weighted hitting
+#: set problem in general (participants of coprime rules), so the search is bounded, not left to
+#: run for hours.
+MAX_CANDIDATES = 4096
+
+
+def _smallest_common(participants: Sequence[Participant], low: int, high: int) -> int | None:
+    """The smallest size in ``[low, high]`` that every participant accepts, or ``None``.
 
     A common size is an exact rule of some participant, or a multiple of one `MultipleOf` rule
     of each participant, so of their lcm: the candidates are the exact rules and, for each
-    choice of one multiple a participant, the lcm's first multiple >= ``low``. No size is
-    scanned, so the answer costs the same at any bound.
+    choice of one multiple a participant, the lcm's first multiple >= ``low``. The lcms are
+    built a participant at a time, keeping only those below the best size found so far (an lcm
+    only grows) and none that another kept lcm divides (its multiples are the divisor's too).
+    No size is scanned, so the answer costs the same at any bound.
     """
+    accepted = lambda s: all(p.accepts(s) for p in participants)  # noqa: E731
     exact = {r for p in participants for r in p.supported if not isinstance(r, MultipleOf)}
-    found = [s for s in exact if s >= low and all(p.accepts(s) for p in participants)]
-    # each participant's multiples, minus those another of its rules already covers
-    steps = []
+    best = min((s for s in exact if low <= s <= high and accepted(s)), default=high + 1)
+    lcms = [1]
     for p in participants:
-        ns = sorted({r.n for r in p.supported if isinstance(r, MultipleOf)})
-        steps.append([n for n in ns if not any(n % m == 0 for m in ns if m < n)])
-    lcms = {1}
-    for ns in steps:
-        lcms = {math.lcm(a, n) for a in lcms for n in ns}
-    found += [-(-low // m) * m for m in lcms]
-    return min(found, default=None)
+        ns = {r.n for r in p.supported if isinstance(r, MultipleOf)}
+        grown = sorted({m for m in (math.lcm(a, n) for a in lcms for n in ns) if m < best})
+        if len(grown) > MAX_CANDIDATES:
+            raise ValueError(
+                f"select_common_block_size: the search kept over {MAX_CANDIDATES} candidate "
+                f"lcms at participant {p.name!r}; lower max_block_size (now {high}) or merge "
+                "rules"
+            )
+        lcms = []
+        for m in grown:  # ascending: a divisor comes first
+            if not any(m % k == 0 for k in lcms):
+                lcms.append(m)
+    for m in lcms:
+        best = min(best, -(-low // m) * m)
+    return best if best <= high else None
