@@ -433,6 +433,26 @@ def test_expand_refuses_slots_past_int64(num_indices):
     assert indices.tolist() == [(limit - 1) * 4 + t for t in range(4)]
 
 
+@pytest.mark.cpu
+@pytest.mark.paged
+@pytest.mark.specdec
+@pytest.mark.parametrize("num_indices", [None, 0])
+@pytest.mark.parametrize("num_seqs", [2, 4])
+def test_expand_refuses_a_total_past_int64(num_seqs, num_indices):
+    """Each length fits its row, but their sum does not fit int64 (numpy's sum wraps to a
+    negative or zero total)."""
+    table = torch.zeros(num_seqs, 1, dtype=torch.int64)
+    lens = torch.full((num_seqs,), 2**62)
+    total = num_seqs * 2**62
+    rule = (
+        f"sum(seq_lens) must be <= 2**63 - 1 (int64 offsets); got {total}"
+        if num_indices is None
+        else f"num_indices must equal sum(seq_lens)={total}; got 0"
+    )
+    with pytest.raises(ValueError, match=re.escape(f"expand_page_indices: {rule}")):
+        expand_page_indices(table, lens, 2**62, num_indices=num_indices)
+
+
 # -- errors: every problem at once, the right argument, meta tensors ----------------------------
 
 

@@ -176,6 +176,20 @@ def test_summary_reads_huge_seq_lens_without_overflow(device):
 
 
 @pytest.mark.paged
+def test_a_decrease_whose_difference_wraps_is_broken(device):
+    """Offsets ``[0, 2**63 - 1, -5, 4]`` decrease at index 2, though ``-5 - (2**63 - 1)``
+    wraps to a positive int64: both checks compare the offsets instead of subtracting (block
+    size 2**62, so only that rule is broken)."""
+    cu = torch.tensor([0, 2**63 - 1, -5, 4])
+    table = torch.zeros((3, 2), dtype=torch.int64)
+    assert _host_gather(2**62, 1, cu, table) is None
+    got = read_metadata_summary(cu.to(device), None, table.to(device), num_tokens=2**63 - 1,
+                                block_size=2**62, num_blocks=1, end_at_most=True,
+                                padding_ok=True)  # fmt: skip
+    assert got is None
+
+
+@pytest.mark.paged
 def test_summary_leaves_its_running_maxima_zero(device):
     """The last program hands the totals over and zeroes the running maxima, so a call after a
     longer one reads its own maxima, and a valid call after a broken one is not broken."""

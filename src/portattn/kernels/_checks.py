@@ -56,6 +56,8 @@ import numpy as np
 import torch
 
 #: The largest softmax scale the kernels take: they compute ``scale * log2(e)`` in fp32.
+#: The largest int64: offsets, counts and slots live in it.
+INT64_MAX = 2**63 - 1
 MAX_SCALE = torch.finfo(torch.float32).max / 1.4426950408889634
 
 
@@ -310,9 +312,9 @@ def offsets_errors(
     if first != 0 or (last > end if end_at_most else last != end):
         rule = f"<= {end_name}={end}" if end_at_most else f"{end_name}={end}"
         errors.append(f"{name} must start at 0 and end at {rule}; got first {first}, last {last}")
-    steps = offsets[1:] - offsets[:-1]
-    if bool((steps < 0).any()):
-        (i,) = _first_true_index(steps < 0)
+    down = offsets[1:] < offsets[:-1]  # compared, not subtracted: a difference may wrap
+    if bool(down.any()):
+        (i,) = _first_true_index(down)
         errors.append(
             f"{name} must be non-decreasing; got a decrease at index {i + 1} "
             f"({int(offsets[i])} -> {int(offsets[i + 1])})"
@@ -458,9 +460,25 @@ def page_indices_errors(
     return errors
 
 
+def tokens_total(seq_lens: np.ndarray) -> int:
+    """``sum(max(seq_lens, 0))`` (host) as an exact int: numpy's int64 sum would wrap."""
+    lens = np.maximum(seq_lens, 0)
+    if lens.size == 0 or int(lens.max()) <= INT64_MAX // lens.size:
+        return int(lens.sum())
+    return sum(map(int, lens.tolist()))
+
+
+def tokens_total_errors(seq_lens: np.ndarray) -> list[str]:
+    """``sum(seq_lens)`` (host) fits the int64 offsets and counts of the expanded indices."""
+    total = tokens_total(seq_lens)
+    if total > INT64_MAX:
+        return [f"sum(seq_lens) must be <= 2**63 - 1 (int64 offsets); got {total}"]
+    return []
+
+
 def num_indices_errors(num_indices: int, seq_lens: np.ndarray) -> list[str]:
     """``num_indices`` (the caller's count of output slots) equals ``sum(seq_lens)`` (host)."""
-    total = int(np.maximum(seq_lens, 0).sum())
+    total = tokens_total(seq_lens)
     if num_indices != total:
         return [f"num_indices must equal sum(seq_lens)={total}; got {num_indices}"]
     return []

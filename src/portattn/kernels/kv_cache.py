@@ -32,6 +32,7 @@ import triton.language as tl
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
 from portattn.kernels._checks import (
+    INT64_MAX,
     Problems,
     block_ids_errors,
     capacity_errors,
@@ -56,7 +57,6 @@ from portattn.policy.cache import CacheCopyProblem, gather_kv_cache_tiles, write
 SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
 INDEX_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
-_INT64_MAX = 2**63 - 1
 
 
 # -- addressing helpers --------------------------------------------------------------------------
@@ -649,7 +649,7 @@ def _unbounded_outputs(
     got = None
     if summary_applies(block_table, block_table.shape[0]):
         got = read_metadata_summary(
-            cu_seq_lens, None, block_table, num_tokens=_INT64_MAX, block_size=ka.block_size,
+            cu_seq_lens, None, block_table, num_tokens=INT64_MAX, block_size=ka.block_size,
             num_blocks=ka.num_blocks, end_at_most=True, padding_ok=True,
         )  # fmt: skip
     if got is not None:

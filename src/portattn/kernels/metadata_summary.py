@@ -83,7 +83,7 @@ def _metadata_summary_kernel(
         start = tl.load(qsl_ptr + i * stride_qsl).to(tl.int64)
         end = tl.load(qsl_ptr + (i + 1) * stride_qsl).to(tl.int64)
         q_len = end - start
-        broken = q_len < 0
+        broken = end < start  # compared, not subtracted: the difference may wrap
         broken = broken | ((i == 0) & (start != 0))
         last_broken = end > num_tokens if END_AT_MOST else end != num_tokens
         broken = broken | ((i == num_seqs - 1) & last_broken)

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
 from portattn.kernels._checks import (
+    INT64_MAX,
     Problems,
     block_ids_errors,
     capacity_errors,
@@ -35,6 +36,8 @@ from portattn.kernels._checks import (
     reads_contents,
     seq_lens_errors,
     to_host,
+    tokens_total,
+    tokens_total_errors,
 )
 from portattn.kernels._launch import Launch, run_all
 from portattn.platform import Target, target_for_tensor
@@ -43,7 +46,6 @@ from portattn.policy.cache import page_indices_tiles
 # Any block size: the kernel divides by a runtime block_size.
 SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
 INDEX_DTYPES = (torch.int32, torch.int64)
-_INT64_MAX = 2**63 - 1
 
 
 @triton.jit
@@ -142,7 +144,7 @@ def plan_expand_page_indices(
         ok[name] = t
         if t.dtype not in INDEX_DTYPES:
             p.type(f"{name} dtype must be int32 or int64; got {t.dtype}")
-    if not is_int(block_size) or not 1 <= block_size <= _INT64_MAX:
+    if not is_int(block_size) or not 1 <= block_size <= INT64_MAX:
         p.value(f"block_size must be an int in [1, 2**63 - 1]; got {block_size!r}")
     table, lens = ok.get("block_table"), ok.get("seq_lens")
     if table is not None and table.dim() != 2:
@@ -165,7 +167,7 @@ def plan_expand_page_indices(
         )
     if num_indices is not None and not is_int(num_indices):
         p.value(f"num_indices must be an int or None; got {type(num_indices).__name__}")
-    elif num_indices is not None and not 0 <= num_indices <= _INT64_MAX:
+    elif num_indices is not None and not 0 <= num_indices <= INT64_MAX:
         p.value(f"num_indices must be in [0, 2**63 - 1]; got {num_indices!r}")
     if num_indices is None and lens is not None and lens.is_meta:
         p.value("num_indices must be given for meta tensors (sum(seq_lens) is unknown)")
@@ -179,16 +181,18 @@ def plan_expand_page_indices(
         errors = seq_lens_errors(host_lens)
         errors += capacity_errors(host_lens, block_size, block_table.shape[1])
         # a slot is block * block_size + offset, in int64: the used block ids must keep it there
-        limit = _INT64_MAX // block_size
+        limit = INT64_MAX // block_size
         bound = f"(2**63 - 1) // block_size = {limit} (slots block * block_size + offset are int64)"
         errors += block_ids_errors(
             host_table, host_lens, block_size, limit, padding_ok=True, limit=bound
         )
         if num_indices is not None:
             errors += num_indices_errors(num_indices, host_lens)
+        else:
+            errors += tokens_total_errors(host_lens)
         raise_errors(op, errors)
         if num_indices is None:
-            num_indices = int(host_lens.sum())
+            num_indices = tokens_total(host_lens)
     assert num_indices is not None
     target = target or target_for_tensor(block_table)
     tiles = page_indices_tiles(target, num_indices)
