@@ -57,6 +57,28 @@ class Target:
     mma_min_rows: int = 16
     max_num_stages: int = 4
 
+    def __post_init__(self) -> None:
+        # every policy divides and budgets by these: a bad field fails here, by name
+        errors = []
+        if self.vendor not in ("cuda", "hip"):
+            errors.append(f"vendor must be 'cuda' or 'hip'; got {self.vendor!r}")
+        prefix = {"cuda": "sm_", "hip": "gfx"}.get(self.vendor, "")
+        if (
+            not isinstance(self.arch, str)
+            or not self.arch.startswith(prefix)
+            or (self.vendor == "cuda" and not self.arch[len(prefix) :].isdigit())
+        ):
+            form = "'sm_<capability>'" if self.vendor == "cuda" else "'gfx<...>'"
+            errors.append(f"arch must be {form} for vendor {self.vendor!r}; got {self.arch!r}")
+        if self.warp_size not in (32, 64) or isinstance(self.warp_size, bool):
+            errors.append(f"warp_size must be 32 or 64; got {self.warp_size!r}")
+        for name in ("max_shared_mem", "num_sms", "mma_min_rows", "max_num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                errors.append(f"{name} must be an int >= 1; got {value!r}")
+        if errors:
+            raise ValueError("Target: " + "; ".join(errors))
+
     @property
     def is_hip(self) -> bool:
         return self.vendor == "hip"

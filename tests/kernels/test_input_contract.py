@@ -453,6 +453,36 @@ def test_expand_refuses_a_total_past_int64(num_seqs, num_indices):
         expand_page_indices(table, lens, 2**62, num_indices=num_indices)
 
 
+@pytest.mark.cpu
+@pytest.mark.paged
+@pytest.mark.mla
+@pytest.mark.parametrize("target", ["sm_90", ["sm_90"], 90])
+@pytest.mark.parametrize(
+    "op", ["paged_attention", "mla_decode", "write_kv_cache", "gather_kv_cache",
+           "expand_page_indices"],
+)  # fmt: skip
+def test_a_target_that_is_not_a_target_is_named(op, target):
+    """An arch name or anything else where a `Target` belongs: a TypeError naming the op and
+    the argument (an AttributeError from deep in a policy before)."""
+    a, m = _paged(), _mla()
+    kc, vc = a["key_cache"], a["value_cache"]
+    calls = {
+        "paged_attention": lambda: paged_attention(**a, target=target),
+        "mla_decode": lambda: mla_decode(**m, target=target),
+        "write_kv_cache": lambda: write_kv_cache(
+            torch.randn(1, HKV, D), torch.randn(1, HKV, D), kc, vc, _i32(0), target=target
+        ),
+        "gather_kv_cache": lambda: gather_kv_cache(
+            kc, vc, a["block_table"], _i32(0, 6, 15), target=target
+        ),  # fmt: skip
+        "expand_page_indices": lambda: expand_page_indices(
+            a["block_table"], a["seq_lens"], BS, target=target
+        ),
+    }
+    with pytest.raises(TypeError, match=rf"^{op}: target must be a portattn Target or None"):
+        calls[op]()
+
+
 # -- errors: every problem at once, the right argument, meta tensors ----------------------------
 
 

@@ -9,6 +9,7 @@ import torch
 
 from portattn.platform import (
     TARGETS,
+    Target,
     current_target,
     get_target,
     set_target_override,
@@ -17,6 +18,29 @@ from portattn.platform import (
 )
 
 pytestmark = pytest.mark.policy
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (("cuda", "sm_90", 0, 1000, 1), "warp_size must be 32 or 64; got 0"),
+        (("cuda", "sm_90", True, 1000, 1), "warp_size must be 32 or 64; got True"),
+        (("hip", "bogus", 64, -1, -5), "arch must be 'gfx<...>' for vendor 'hip'; got 'bogus'; "
+         "max_shared_mem must be an int >= 1; got -1; num_sms must be an int >= 1; got -5"),
+        (("cuda", "sm_9x", 32, 1000, 1), "arch must be 'sm_<capability>' for vendor 'cuda'"),
+        (("rocm", "gfx942", 64, 1000, 1), "vendor must be 'cuda' or 'hip'; got 'rocm'"),
+        (("cuda", "sm_90", 32, 1000, 1, 0), "mma_min_rows must be an int >= 1; got 0"),
+        (("hip", "gfx942", 64, 1000, 1, 16, 1.5), "max_num_stages must be an int >= 1; got 1.5"),
+    ],
+)  # fmt: skip
+def test_a_target_with_a_field_no_policy_can_use_is_refused(fields, message):
+    """The policies divide and budget by these fields: a bad one fails at construction."""
+    with pytest.raises(ValueError, match=re.escape(f"Target: {message}")):
+        Target(*fields)
+
+
+def test_every_table_target_is_valid():
+    assert all(Target(*vars(t).values()) == t for t in TARGETS.values())
 
 
 @pytest.mark.parametrize("arch", (["sm_90"], 90, None, b"sm_90"))

@@ -55,6 +55,8 @@ from numbers import Real
 import numpy as np
 import torch
 
+from portattn.platform import Target
+
 #: The largest softmax scale the kernels take: they compute ``scale * log2(e)`` in fp32.
 #: The largest int64: offsets, counts and slots live in it.
 INT64_MAX = 2**63 - 1
@@ -100,6 +102,16 @@ def to_host(*tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
     return tuple(h.numpy().astype(np.int64, copy=False) for h in host)
 
 
+def target_errors(target: object) -> list[str]:
+    """An op's ``target``: a `Target` or ``None`` (the tensors' device)."""
+    if target is None or isinstance(target, Target):
+        return []
+    return [
+        "target must be a portattn Target or None (e.g. portattn.platform.get_target('sm_90')); "
+        f"got {type(target).__name__}"
+    ]
+
+
 def raise_errors(op: str, errors: list[str]) -> None:
     if errors:
         raise ValueError(f"{op}: " + "; ".join(errors))
@@ -118,9 +130,9 @@ class Problems:
     def __bool__(self) -> bool:
         return bool(self.reasons)
 
-    def type(self, reason: str) -> None:
-        self.reasons.append(reason)
-        self.has_type = True
+    def type(self, *reasons: str) -> None:
+        self.reasons.extend(reasons)
+        self.has_type = self.has_type or bool(reasons)
 
     def value(self, *reasons: str) -> None:
         self.reasons.extend(reasons)

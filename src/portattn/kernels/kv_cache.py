@@ -42,6 +42,7 @@ from portattn.kernels._checks import (
     raise_errors,
     reads_contents,
     slots_errors,
+    target_errors,
     to_host,
 )
 from portattn.kernels._launch import Launch
@@ -260,6 +261,7 @@ def plan_write_kv_cache(
     """Validate and plan `write_kv_cache` (one launch); nothing runs."""
     op = "write_kv_cache"
     p = Problems(op)
+    p.type(*target_errors(target))
     kv = p.run(describe_kv_cache, op, key_cache, value_cache, layout)
     ka, va = kv if kv is not None else (None, None)
     want = (ka.num_kv_heads, ka.head_dim) if ka is not None else None
@@ -480,12 +482,13 @@ def _gather_kv_cache_kernel(
 
 
 def _check_gather_args(
-    key_cache, value_cache, block_table, cu_seq_lens, layout, out
+    key_cache, value_cache, block_table, cu_seq_lens, layout, out, target=None
 ) -> tuple[CacheAddressing, CacheAddressing]:
     """`gather_kv_cache`'s argument checks (types, shapes, devices, overlap: no index values),
     every problem listed in one error; the caches' addressing."""
     op = "gather_kv_cache"
     p = Problems(op)
+    p.type(*target_errors(target))
     kv = p.run(describe_kv_cache, op, key_cache, value_cache, layout)
     ka, va = kv if kv is not None else (None, None)
     table_ok = _check_index_tensor(p, "block_table", block_table, 2)
@@ -533,7 +536,9 @@ def plan_gather_kv_cache(
 ) -> list[Launch]:
     """Validate, allocate and plan `gather_kv_cache` (one launch; outputs in ``.outputs``)."""
     op = "gather_kv_cache"
-    ka, va = _check_gather_args(key_cache, value_cache, block_table, cu_seq_lens, layout, out)
+    ka, va = _check_gather_args(
+        key_cache, value_cache, block_table, cu_seq_lens, layout, out, target
+    )
     given = tuple(out) if out is not None else ()
     num_seqs = block_table.shape[0]
     if out is None and cu_seq_lens.device.type == "meta":
@@ -710,7 +715,11 @@ def gather_kv_cache(
     read that ``total_tokens`` needs). With ``out`` given on a GPU the caller vouches for them: a
     violation is undefined behaviour.
     """
-    if out is None and _unbounded(key_cache, value_cache, block_table, cu_seq_lens):
+    if (
+        out is None
+        and (target is None or isinstance(target, Target))
+        and _unbounded(key_cache, value_cache, block_table, cu_seq_lens)
+    ):
         # checked here, then the call runs as the call given these outputs (the plan cache)
         out = _unbounded_outputs(key_cache, value_cache, block_table, cu_seq_lens, layout)
     inputs: tuple = (key_cache, value_cache, block_table, cu_seq_lens)

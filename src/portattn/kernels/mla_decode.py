@@ -82,6 +82,7 @@ from portattn.kernels._checks import (
     reads_contents,
     scale_errors,
     seq_lens_errors,
+    target_errors,
     tensor_reads_contents,
     to_host,
 )
@@ -998,7 +999,7 @@ def _tma_ok(kv_cache: torch.Tensor, kv_lora_rank: int, tiles: MlaTiles, paged_sl
 
 def _validate(
     query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
-    page_indices, metadata, return_lse, config, trace, tiles,
+    page_indices, metadata, return_lse, config, trace, tiles, target=None,
 ) -> None:  # fmt: skip
     """Every type, value and overlap problem of a call (not the metadata's contents), raised
     together."""
@@ -1018,8 +1019,7 @@ def _validate(
         trace,
     )
     p = Problems(_OP)
-    for reason in errors:
-        p.type(reason)
+    p.type(*errors, *target_errors(target))
     p.value(
         *_value_errors(
             query,
@@ -1140,7 +1140,7 @@ def plan_mla_decode(
     """
     _validate(
         query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,
-        page_indices, metadata, return_lse, config, trace, tiles,
+        page_indices, metadata, return_lse, config, trace, tiles, target,
     )  # fmt: skip
     if target is None:
         target = metadata.target if metadata is not None else target_for_tensor(query)
@@ -1513,6 +1513,7 @@ def mla_decode(
         and query.is_cuda
         and (config is None or isinstance(config, MlaConfig))
         and (page_indices is None or isinstance(page_indices, tuple) and len(page_indices) == 2)
+        and (target is None or isinstance(target, Target))
     ):
         read = _unbounded_call(
             query, kv_cache, block_table, seq_lens, kv_lora_rank, scale, query_start_loc, out,

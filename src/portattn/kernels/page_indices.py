@@ -35,6 +35,7 @@ from portattn.kernels._checks import (
     raise_errors,
     reads_contents,
     seq_lens_errors,
+    target_errors,
     to_host,
     tokens_total,
     tokens_total_errors,
@@ -136,6 +137,7 @@ def plan_expand_page_indices(
     `expand_page_indices`). The outputs are ``launches[-1].outputs``."""
     op = "expand_page_indices"
     p = Problems(op)
+    p.type(*target_errors(target))
     ok = {}
     for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
         if not isinstance(t, torch.Tensor):

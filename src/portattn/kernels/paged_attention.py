@@ -71,6 +71,7 @@ from portattn.kernels._checks import (
     reads_contents,
     scale_errors,
     seq_lens_errors,
+    target_errors,
     tensor_reads_contents,
     to_host,
 )
@@ -698,7 +699,7 @@ def _paged_attention_reduce_kernel(
 
 def _check_call(
     query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale, layout,
-    max_query_len, max_seq_len, config=None, trace=None,
+    max_query_len, max_seq_len, config=None, trace=None, target=None,
 ) -> tuple[CacheAddressing, CacheAddressing]:  # fmt: skip
     """Every type, shape, scalar and overlap problem of a call, raised together (`Problems`);
     the caches' addressing when there is none."""
@@ -718,6 +719,7 @@ def _check_call(
         p.type(f"config must be a PagedConfig or None; got {type(config).__name__}")
     if trace is not None and not isinstance(trace, torch.Tensor):
         p.type(f"trace must be a torch.Tensor or None; got {type(trace).__name__}")
+    p.type(*target_errors(target))
     ok = {n: t for n, t in named.items() if isinstance(t, torch.Tensor)}
     q = ok.get("query")
     if q is not None and q.dtype not in _FLOAT_DTYPES:
@@ -957,7 +959,7 @@ def plan_paged_attention(
     """
     k, v = _check_call(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out, scale,
-        layout, max_query_len, max_seq_len, config, trace,
+        layout, max_query_len, max_seq_len, config, trace, target,
     )  # fmt: skip
     given_out = out
 
@@ -1209,6 +1211,7 @@ def paged_attention(
         and isinstance(query, torch.Tensor)
         and query.is_cuda
         and (config is None or isinstance(config, PagedConfig))
+        and (target is None or isinstance(target, Target))
     ):
         # Unbounded on a GPU: the metadata is checked on the device once, then the call runs as
         # the call bounded by what was read (the same tiles: `plan_max_seq_len`), through the
