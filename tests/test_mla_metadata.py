@@ -270,6 +270,9 @@ def test_build_errors():
         (dict(device=2**70), "device must be a torch.device or a device string"),
         (dict(device="cuda:64"), r"device must be one this process sees \(\d+ CUDA/HIP devices\); "
          "got cuda:64"),
+        (dict(device="mps"), r"device must be a CUDA/HIP GPU, the CPU or meta \(the kernels' "
+         r"devices\); got mps"),
+        (dict(device="xpu:0"), r"device must be a CUDA/HIP GPU, the CPU or meta"),
         (dict(heads=2**63), r"num_heads must be < 2\*\*31; got 9223372036854775808"),
         (dict(max_batch=2**20, max_query_len=2**11),
          r"max_batch \* max_query_len \(the query rows a step may hold\) must be < 2\*\*31; "
@@ -279,6 +282,15 @@ def test_build_errors():
 def test_builder_names_a_bad_device_or_too_many_rows(kwargs, message):
     with pytest.raises(ValueError, match="MlaMetadataBuilder: " + message):
         builder(**kwargs)
+
+
+def test_build_from_meta_offsets_needs_max_query_len():
+    b = builder(max_query_len=4)
+    meta = torch.tensor([0, 2, 3], device="meta")
+    with pytest.raises(ValueError, match=r"^MlaMetadataBuilder.build: max_query_len must be given "
+                       r"for meta tensors"):  # fmt: skip
+        b.build(torch.tensor([10, 20]), meta)
+    assert b.build(torch.tensor([10, 20]), meta, max_query_len=2).max_query_len == 2
 
 
 def _md_args(md=None, **kw):

@@ -254,6 +254,11 @@ class MlaMetadataBuilder:
                 )
             max_query_len = 1
         elif max_query_len is None:
+            if query_start_loc.is_meta:
+                raise ValueError(
+                    f"{op}: max_query_len must be given for meta tensors (query_start_loc has no "
+                    "values to read)"
+                )
             capture_errors(op, query_start_loc.device, "max_query_len", "query_start_loc")
             read = int((query_start_loc[1:] - query_start_loc[:-1]).max())
             if not 1 <= read <= self.max_query_len:

@@ -160,8 +160,9 @@ def is_int(x) -> bool:
 
 
 def check_device(p: Problems, device: object) -> None:
-    """``device`` (``None``: torch's default) is one torch can parse and this process can reach:
-    a CUDA/HIP index must name a visible device. Reasons go to ``p``, naming ``device``."""
+    """``device`` (``None``: torch's default) is one torch can parse, of a kind the kernels run
+    on (a CUDA/HIP GPU, the CPU under the interpreter, meta for shapes), and one this process can
+    reach: a CUDA/HIP index must name a visible device. Reasons go to ``p``, naming ``device``."""
     if device is None:
         return
     try:
@@ -169,7 +170,9 @@ def check_device(p: Problems, device: object) -> None:
     except (RuntimeError, TypeError, ValueError) as exc:
         p.value(f"device must be a torch.device or a device string; got {device!r} ({exc})")
         return
-    if dev.type == "cuda":
+    if dev.type not in ("cuda", "cpu", "meta"):
+        p.value(f"device must be a CUDA/HIP GPU, the CPU or meta (the kernels' devices); got {dev}")
+    elif dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0 or (dev.index is not None and dev.index >= count):
             p.value(f"device must be one this process sees ({count} CUDA/HIP devices); got {dev}")
