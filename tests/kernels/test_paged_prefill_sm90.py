@@ -180,6 +180,8 @@ def test_a_config_without_prefill_runs_the_portable_kernel():
         ({"block_size": 2048}, dict(v_pages=True), "v_pages needs 2, 4 or 8 boxes a tile"),
         ({"block_size": 80}, dict(paging=1), "paging 1 needs box == block_size"),
         ({}, dict(box=32), "box 32 must divide block_size 16"),
+        ({}, dict(box=0), "box must be a power of two >= 16; got 0"),  # was ZeroDivisionError
+        ({"block_size": 2048}, dict(box=0, v_pages=True), "box must be a power of two"),
         ({}, dict(stages=4), "shared memory 29"),
         ({}, dict(producer_regs=20), "producer_regs must be a multiple of 8 in"),
         ({"target": get_target("sm_100")}, {}, "needs an sm_90 target; got sm_100"),

@@ -725,6 +725,8 @@ def prefill_smem_bytes(cfg: PrefillConfig, head_dim: int, elem: int = 2) -> int:
 def prefill_config_errors(target: Target, problem: PagedProblem, cfg: PrefillConfig) -> list[str]:
     """Why ``cfg`` cannot run ``problem`` on ``target`` (empty: it can), one rule a reason."""
     p = problem
+    # the rules that divide by the box are read only for a box that passes its own rule
+    box_ok = cfg.box >= SM90_PREFILL_MIN_BOX and cfg.box & (cfg.box - 1) == 0
     rules = [
         (target.arch == "sm_90", f"needs an sm_90 target; got {target.arch}"),
         (p.elem_bytes == 2, f"needs fp16/bf16; got {p.elem_bytes}-byte elements"),
@@ -747,15 +749,12 @@ def prefill_config_errors(target: Target, problem: PagedProblem, cfg: PrefillCon
             f"late_release needs stages >= 3 and no turns; got stages {cfg.stages}, turns "
             f"{cfg.turns}",
         ),
+        (box_ok, f"box must be a power of two >= {SM90_PREFILL_MIN_BOX}; got {cfg.box}"),
         (
-            cfg.box >= SM90_PREFILL_MIN_BOX and cfg.box & (cfg.box - 1) == 0,
-            f"box must be a power of two >= {SM90_PREFILL_MIN_BOX}; got {cfg.box}",
-        ),
-        (
-            p.block_size % cfg.box == 0 and cfg.block_n % cfg.box == 0,
+            not box_ok or (p.block_size % cfg.box == 0 and cfg.block_n % cfg.box == 0),
             f"box {cfg.box} must divide block_size {p.block_size} and block_n {cfg.block_n}",
         ),
-        (not cfg.v_pages or v_pages_fit(p, cfg), _V_PAGES_RULE),
+        (not cfg.v_pages or not box_ok or v_pages_fit(p, cfg), _V_PAGES_RULE),
         (cfg.paging in (0, 1, 2), f"paging must be 0, 1 or 2; got {cfg.paging}"),
         (cfg.paging != 1 or cfg.box == p.block_size, "paging 1 needs box == block_size"),
         (cfg.paging != 2 or p.block_size >= cfg.block_n, "paging 2 needs block_size >= block_n"),
