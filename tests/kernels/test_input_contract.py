@@ -483,6 +483,25 @@ def test_a_target_that_is_not_a_target_is_named(op, target):
         calls[op]()
 
 
+@pytest.mark.cpu
+@pytest.mark.paged
+def test_a_lazily_negated_tensor_is_refused_not_read_unnegated():
+    """``z.conj().imag`` is a real tensor whose memory holds ``+imag`` under torch's negation
+    bit: a kernel would read the values un-negated. Refused by name, and never a cache key."""
+    z = torch.complex(torch.randn(3, HKV, D), torch.randn(3, HKV, D))
+    neg = z.conj().imag
+    assert neg.is_neg()
+    kc, vc = (torch.zeros(NUM_BLOCKS, BS, HKV, D) for _ in range(2))
+    ok = torch.randn(3, HKV, D)
+    write_kv_cache(ok, ok, kc, vc, _i32(0, 1, 2))  # the description is planned and cached
+    with pytest.raises(ValueError, match=r"^write_kv_cache: tensors \['key_ptr'\] carry torch's "
+                       r"lazy negation or conjugation bit"):  # fmt: skip
+        write_kv_cache(neg, ok, kc, vc, _i32(0, 1, 2))
+    assert call_key("write_kv_cache", neg) is None
+    write_kv_cache(neg.resolve_neg(), ok, kc, vc, _i32(0, 1, 2))
+    assert torch.equal(kc[0, :3], -z.imag)
+
+
 # -- errors: every problem at once, the right argument, meta tensors ----------------------------
 
 

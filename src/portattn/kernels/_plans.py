@@ -94,6 +94,8 @@ def describe(x: Any) -> Hashable:
     tiles) by value. Anything else raises `Uncacheable`.
     """
     if isinstance(x, torch.Tensor):
+        if x.is_neg() or x.is_conj():  # planned afresh, where `Launch.run` refuses it
+            raise Uncacheable("a tensor with torch's lazy negation or conjugation bit")
         return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % ALIGN)
     if x is None or type(x) in (int, float, str, bool):
         return (type(x), x)
@@ -140,7 +142,7 @@ def call_key(op: str, *args: Any, exact: Hashable = ()) -> Hashable | None:
     try:
         described = [
             (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % ALIGN)
-            if type(a) is tensor
+            if type(a) is tensor and not (a.is_neg() or a.is_conj())
             else a
             if a is None  # no other argument's description is None
             else (type(a), a)
