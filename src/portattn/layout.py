@@ -39,7 +39,11 @@ CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def shuffle_x(dtype: torch.dtype) -> int:
     """Elements per 16-byte vector for ``dtype`` (the SHUFFLE layout's ``x``)."""
-    return 16 // torch.empty((), dtype=dtype).element_size()
+    if not isinstance(dtype, torch.dtype) or dtype.itemsize > 16:
+        raise TypeError(
+            f"shuffle_x: dtype must be a torch.dtype of at most 16 bytes; got {dtype!r}"
+        )
+    return 16 // dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,25 @@ def token_view(
 
     For SHUFFLE K the view is ``[num_kv_heads, head_dim // x, x]``: assign ``tok.view(h, -1, x)``.
     """
+    p = Problems("token_view")
+    if layout not in LAYOUTS:
+        p.value(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    if kind not in ("key", "value"):
+        p.value(f"kind must be 'key' or 'value'; got {kind!r}")
+    rank = 4 if layout == "NHD" else 5
+    if layout not in LAYOUTS:
+        pass  # the cache's rank depends on the layout
+    elif not isinstance(cache, torch.Tensor) or cache.dim() != rank:
+        got = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+        p.type(f"cache must be a {rank}-D tensor (a {layout} cache); got {got}")
+    elif not p:
+        # NHD [nb, bs, h, d]; SHUFFLE K [nb, h, d/x, bs, x], V [nb, h, bs/x, d, x]
+        shape = cache.shape
+        block_size = shape[1] if rank == 4 else shape[3] if kind == "key" else shape[2] * shape[4]
+        for name, i, n in (("block", block, shape[0]), ("offset", offset, block_size)):
+            if not is_int(i) or not 0 <= i < n:
+                p.value(f"{name} must be an int in [0, {n}); got {i!r}")
+    p.raise_if_any()
     if layout == "NHD":
         return cache[block, offset]
     if kind == "key":
@@ -252,7 +275,7 @@ def _check_geometry(
     """Refuse, naming each argument and its rule, what the cache builders cannot build: sizes that
     are not ints (``num_blocks`` >= 0, the others >= 1), a layout outside `LAYOUTS`, a dtype the
     ops do not take, a device torch cannot parse or this process cannot see, and caches whose
-    element count leaves int64."""
+    byte count leaves int64."""
     p = Problems(op)
     check_device(p, device)
     for name, n in sizes.items():
@@ -267,8 +290,10 @@ def _check_geometry(
         p.type(f"dtype must be one of {CACHE_DTYPES}; got {dtype!r}")
     if not p:
         elems = math.prod(n for k, n in sizes.items() if k != "mamba_state_bytes")
-        if 2 * elems + sizes.get("num_blocks", 0) * sizes.get("mamba_state_bytes", 0) >= 2**63:
-            p.value(f"the cache's {2 * elems} elements must be < 2**63; got sizes {sizes}")
+        state = sizes.get("num_blocks", 0) * sizes.get("mamba_state_bytes", 0)
+        nbytes = 2 * elems * dtype.itemsize + state  # type: ignore[attr-defined]
+        if nbytes >= 2**63:
+            p.value(f"the cache's {nbytes} bytes must be < 2**63; got sizes {sizes}")
     p.raise_if_any()
 
 

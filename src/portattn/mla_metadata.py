@@ -260,7 +260,16 @@ class MlaMetadataBuilder:
                     "values to read)"
                 )
             capture_errors(op, query_start_loc.device, "max_query_len", "query_start_loc")
-            read = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+            shortest, read = torch.stack(
+                torch.aminmax(query_start_loc[1:] - query_start_loc[:-1])
+            ).tolist()  # one read
+            if read == 1 and shortest != 1:
+                raise ValueError(
+                    f"{op}: query_start_loc gives a sequence {shortest} tokens and none more than "
+                    "1: single-token metadata runs token i as sequence i, so this step needs "
+                    "metadata that reads the offsets (a builder of max_query_len >= 2, and "
+                    "build(..., max_query_len=2))"
+                )
             if not 1 <= read <= self.max_query_len:
                 raise ValueError(
                     f"{op}: the longest query in query_start_loc (read, as max_query_len was not "

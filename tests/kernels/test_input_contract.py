@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -191,7 +192,9 @@ _SCALE_RULE = re.escape(
 @pytest.mark.cpu
 @pytest.mark.paged
 @pytest.mark.mla
-@pytest.mark.parametrize("scale", [1e300, 2.4e38, float("inf"), 0.0, True])
+# an int or Fraction past float's range: OverflowError from math.isfinite before
+@pytest.mark.parametrize("scale", [1e300, 2.4e38, float("inf"), 0.0, True, 10**400,
+                                   Fraction(10**400, 3)])  # fmt: skip
 def test_every_op_refuses_a_scale_past_fp32_by_one_rule(scale):
     with pytest.raises(ValueError, match=r"^paged_attention: " + _SCALE_RULE):
         paged_attention(**_paged(), scale=scale)
@@ -500,6 +503,12 @@ def test_a_lazily_negated_tensor_is_refused_not_read_unnegated():
     assert call_key("write_kv_cache", neg) is None
     write_kv_cache(neg.resolve_neg(), ok, kc, vc, _i32(0, 1, 2))
     assert torch.equal(kc[0, :3], -z.imag)
+    # index tensors too (only torch's private _neg_view sets the bit on ints): their values are
+    # read for the checks (numpy refused the bit: a RuntimeError before), then the launch refuses
+    a = _paged()
+    a["seq_lens"] = torch._neg_view(-a["seq_lens"])
+    with pytest.raises(ValueError, match=r"^paged_attention: tensors \['seq_lens_ptr'\] carry"):
+        paged_attention(**a)
 
 
 # -- errors: every problem at once, the right argument, meta tensors ----------------------------

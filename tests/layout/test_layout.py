@@ -243,7 +243,13 @@ CACHE_ERRORS = [
     (dict(num_kv_heads=True), TypeError, "num_kv_heads must be an int >= 1; got bool"),
     (dict(dtype=torch.int8), TypeError, "dtype must be one of .*; got torch.int8"),
     # torch's own "Storage size calculation overflowed" named no argument
-    (dict(num_blocks=2**31, head_dim=2**31), ValueError, "elements must be < 2\\*\\*63"),
+    (dict(num_blocks=2**31, head_dim=2**31), ValueError, "bytes must be < 2\\*\\*63"),
+    # elements within int64 whose bytes are not (torch's overflow, a RuntimeError, before)
+    (
+        dict(num_blocks=2**29, block_size=2**30, num_kv_heads=1, head_dim=2, dtype=torch.float32),
+        ValueError,
+        "the cache's 92233720\\d+ bytes must be < 2\\*\\*63",
+    ),
     (dict(device="16"), ValueError, "device must be a torch.device or a device string; got '16'"),
     (dict(device=2**64), ValueError, "device must be a torch.device or a device string; got 1844"),
     (
@@ -283,6 +289,25 @@ def test_a_shuffle_cache_whose_sizes_are_not_multiples_of_x_is_refused():
 @pytest.mark.parametrize("dtype, x", [(torch.float32, 4), (torch.float16, 8), (torch.bfloat16, 8)])
 def test_shuffle_x_is_16_bytes_of_elements(dtype, x):
     assert shuffle_x(dtype) == x
+    with pytest.raises(TypeError, match="^shuffle_x: dtype must be a torch.dtype"):
+        shuffle_x(str(dtype).removeprefix("torch."))
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (("BOGUS", "key", 0, 0), r"layout must be one of \('NHD', 'SHUFFLE'\); got 'BOGUS'$"),
+        (("SHUFFLE", "kee", 0, 3), "kind must be 'key' or 'value'; got 'kee'"),  # was V, silently
+        (("NHD", "key", -1, 0), r"block must be an int in \[0, 2\); got -1"),  # was the last block
+        (("SHUFFLE", "value", 0, 16), r"offset must be an int in \[0, 16\); got 16"),
+        (("NHD", "value", 0, 2.0), r"offset must be an int in \[0, 16\); got 2.0"),
+    ],
+)
+def test_token_view_names_a_bad_argument(args, msg):
+    layout = args[0] if args[0] in ("NHD", "SHUFFLE") else "NHD"
+    k, _ = empty_kv_cache(2, 16, 1, 16, layout=layout, dtype=torch.float32)
+    with pytest.raises((TypeError, ValueError), match="^token_view: " + msg):
+        token_view(k, *args)
 
 
 # -- vector width (what a kernel may load as one vector) ---------------------------------------

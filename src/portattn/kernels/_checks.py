@@ -96,7 +96,9 @@ def to_host(*tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
     is copied into pinned host memory without a sync (no concatenation kernel, no blocking copy),
     then the stream is synchronized once. The checks below run on numpy, whose operations on
     small arrays cost a fraction of torch's."""
-    host = [t.detach().to("cpu", non_blocking=True) for t in tensors]
+    # resolve_neg: numpy refuses torch's lazy negation bit (a no-op without it; the launch
+    # refuses such a tensor by name once its values are checked)
+    host = [t.detach().resolve_neg().to("cpu", non_blocking=True) for t in tensors]
     for dev in {t.device for t in tensors if t.device.type == "cuda"}:
         torch.cuda.current_stream(dev).synchronize()
     return tuple(h.numpy().astype(np.int64, copy=False) for h in host)
@@ -184,7 +186,11 @@ def scale_errors(scale, *, optional: bool = False) -> list[str]:
     if optional and scale is None:
         return []
     ok = not isinstance(scale, bool) and isinstance(scale, Real)
-    if ok and math.isfinite(scale) and 0 < scale <= MAX_SCALE:
+    try:  # an int or Fraction past float's range is no finite float either
+        ok = ok and math.isfinite(scale) and 0 < scale <= MAX_SCALE
+    except OverflowError:
+        ok = False
+    if ok:
         return []
     none = " or None" if optional else ""
     return [

@@ -964,6 +964,13 @@ def _check_contents(
             )
         if not (metadata is not None and metadata.decode):
             q_lens = qsl[1:] - qsl[:-1]
+        elif bool((qsl != np.arange(qsl.shape[0])).any()):  # the kernel reads no offsets
+            (i,) = np.flatnonzero(qsl != np.arange(qsl.shape[0]))[:1]
+            errors.append(
+                "query_start_loc must give every sequence one token with single-token metadata "
+                f"(metadata.max_query_len 1 runs token i as sequence i); got query_start_loc[{i}]"
+                f"={int(qsl[i])}"
+            )
     errors += seq_lens_errors(lens, q_lens)
     if page_indices is not None:
         indptr, indices = rest
@@ -1487,7 +1494,10 @@ def mla_decode(
             ``block_table`` (slot ``s`` is block ``s // block_size``, offset
             ``s % block_size``); identical results.
         metadata: from `portattn.mla_metadata.MlaMetadataBuilder.build` (preallocated
-            workspaces and the builder's tiles; needed for CUDA-graph capture).
+            workspaces and the builder's tiles; needed for CUDA-graph capture). Single-token
+            metadata (``max_query_len`` 1) runs token ``i`` as sequence ``i``: a given
+            ``query_start_loc`` must then give every sequence one token (checked where the
+            metadata's values are read).
         target: override the target (default: the tensor's device / the metadata's).
         config: the sm_90 kernel's schedule (`portattn.policy.mla.MlaConfig`; default: the
             policy's, `mla_config`); validated, and part of the plan cache's key.
