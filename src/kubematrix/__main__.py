@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kubematrix import buildkite, checkout, images, report
-from kubematrix.local import run_local
+from kubematrix.local import PROJECT_MARKER, find_project_root, run_local
 from kubematrix.matrix import BACKENDS, RUNNERS, SUITES, Cell, Host, all_cells, select_cells
 from kubematrix.matrix import why_not_runnable as _why_not
 
@@ -94,7 +94,22 @@ def _add_cell_filters(p: argparse.ArgumentParser) -> None:
 
 
 def _cells(args: argparse.Namespace) -> list[Cell]:
-    return select_cells(all_cells(), suites=args.suite, backends=args.backend, names=args.cell)
+    """The cells the filters select; filters that select none are a usage error (a summary of
+    no cell would say nothing and pass)."""
+    cells = select_cells(all_cells(), suites=args.suite, backends=args.backend, names=args.cell)
+    if not cells:
+        given = [f"--{k} {v}" for k in ("suite", "backend", "cell") for v in getattr(args, k)]
+        raise ValueError(
+            f"the filters {' '.join(given)} select no cell (`kubematrix list` shows the cells)"
+        )
+    return cells
+
+
+def _folder(text: str) -> str:
+    """``--results``: a folder's name; an empty one would read and write the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name a folder; got {text!r}")
+    return text
 
 
 # -- list ---------------------------------------------------------------------------------------
@@ -145,7 +160,12 @@ def _configure_matrix(p: argparse.ArgumentParser) -> None:
         default="local",
         help="local: this machine (default); k8s: Kubernetes Jobs via the launcher",
     )
-    p.add_argument("--results", default=DEFAULT_RESULTS, help=f"results folder ({DEFAULT_RESULTS})")
+    p.add_argument(
+        "--results",
+        type=_folder,
+        default=DEFAULT_RESULTS,
+        help=f"results folder ({DEFAULT_RESULTS})",
+    )
     p.add_argument(
         "--workers",
         type=_workers,
@@ -184,6 +204,14 @@ def _results_folder(command: str, path: str) -> Path:
     return out
 
 
+def _check_writable(command: str, out: Path, names: Sequence[str]) -> None:
+    """Stop the command by name, before it writes anything, when ``out`` cannot take ``names``."""
+    try:
+        report.check_writable(out, [*report.SUMMARY_NAMES, *names])
+    except report.UnwritableOutput as exc:
+        raise SystemExit(f"{command}: --results {out}: {exc}") from None
+
+
 def _clear_cell_files(cells: Sequence[Cell], out: Path) -> None:
     """Forget earlier runs of these cells, so a stale JUnit is never reported as this run's."""
     for cell in cells:
@@ -195,15 +223,24 @@ def _clear_cell_files(cells: Sequence[Cell], out: Path) -> None:
 
 def _run_matrix(args: argparse.Namespace) -> int:
     cells = _cells(args)
+    if args.compile_arg and not any(c.suite == "compile" for c in cells):
+        raise ValueError("--compile-arg is for the compile cell, and no compile cell is selected")
+    here = [c for c in cells if args.runner == "local" or not c.spec.is_gpu]
+    root = _project_root(here)
     out = _results_folder("matrix", args.results)
+    _check_writable(
+        "matrix", out, [f"{c.name}{x}" for c in cells for x in (".xml", ".json", ".log")]
+    )
     _clear_cell_files(cells, out)
-    tested = _tested(args.runner)  # the working tree when the run began
+    tested = _tested(args.runner, root)  # the working tree when the run began
     start = time.monotonic()
     no_cluster = False
     if args.runner == "local":
-        results = run_local(cells, out, workers=args.workers, compile_args=args.compile_arg)
+        results = run_local(
+            cells, out, workers=args.workers, compile_args=args.compile_arg, cwd=root
+        )
     else:
-        results, no_cluster = _run_k8s(cells, out, args)
+        results, no_cluster = _run_k8s(cells, out, args, root)
     wall = time.monotonic() - start
     context = f"runner `{args.runner}`, {tested}, wall time {wall:.0f} s"
     files = report.write_summary(results, out, context=context)
@@ -227,18 +264,33 @@ def _run_matrix(args: argparse.Namespace) -> int:
     return 1 if status == "failed" else 0
 
 
-def _tested(runner: str) -> str:
+def _project_root(cells: Sequence[Cell]) -> Path | None:
+    """Where the pytest cells among ``cells`` run (the checkout with the tests); None when none
+    of them is a pytest cell. No such checkout is a usage error that says where it looked."""
+    if all(c.suite == "compile" for c in cells):
+        return None
+    root, looked = find_project_root()
+    if root is None:
+        raise ValueError(
+            f"no tests folder for the pytest cells: looked for {PROJECT_MARKER} in "
+            f"{', '.join(map(str, looked))}; run from the project's checkout"
+        )
+    return root
+
+
+def _tested(runner: str, root: Path | None = None) -> str:
     """What the summary says was tested: the working tree's commit (`checkout.describe`, marked
     where the tree differs from ``HEAD``); under the k8s runner, whose Jobs check out ``HEAD``,
     both where they differ."""
-    tree, head = checkout.describe(), checkout.describe(dirty=False)
+    where = root or "."
+    tree, head = checkout.describe(where), checkout.describe(where, dirty=False)
     if runner == "local" or tree == head:
         return f"commit `{tree}`"
     return f"commit `{head}` (GPU Jobs), this machine's cells `{tree}`"
 
 
 def _run_k8s(
-    cells: Sequence[Cell], out: Path, args: argparse.Namespace
+    cells: Sequence[Cell], out: Path, args: argparse.Namespace, root: Path | None
 ) -> tuple[list[report.CellResult], bool]:
     """GPU cells as Kubernetes Jobs through the launcher, CPU cells on this machine meanwhile.
 
@@ -260,7 +312,7 @@ def _run_k8s(
             # which `list`, `pipeline` and the local runner do without.
             from kubematrix import k8s
 
-            namespace = os.environ.get("KUBEMATRIX_NAMESPACE", k8s.DEFAULT_NAMESPACE)
+            namespace = k8s.namespace_setting()  # a bad value names its variable
         except ImportError as exc:
             why = f"the Kubernetes client is not installed ({exc})"
         else:
@@ -300,6 +352,7 @@ def _run_k8s(
                 stop=stop,
                 compile_args=args.compile_arg,
                 heading="CPU cells here",
+                cwd=root,
             )
         ),
         name="kubematrix-local",
@@ -331,31 +384,52 @@ def _configure_pipeline(p: argparse.ArgumentParser) -> None:
         default="queues",
         help="GPU lanes on their own agent queues, or via agent-stack-k8s podSpecs",
     )
+    # An explicitly empty value is refused (nonempty_arg), never read as "not given".
     sel = p.add_mutually_exclusive_group()
     sel.add_argument(
         "--changed-since",
+        type=images.nonempty_arg,
         metavar="REF",
         help="select cells by the files changed since REF (git diff REF...HEAD)",
     )
     sel.add_argument(
-        "--changed-files", nargs="*", metavar="PATH", help="select cells by these changed files"
+        "--changed-files",
+        type=images.nonempty_arg,
+        nargs="*",
+        metavar="PATH",
+        help="select cells by these changed files",
     )
-    p.add_argument("--commit", default=None, help="commit the GPU images are pinned to (k8s)")
+    p.add_argument(
+        "--commit",
+        type=images.nonempty_arg,
+        default=None,
+        help="commit the GPU images are pinned to (default: $BUILDKITE_COMMIT, else HEAD)",
+    )
+    p.add_argument(
+        "--root",
+        type=images.nonempty_arg,
+        default=".",
+        help="the checkout whose image inputs key the images (default: the current folder)",
+    )
     p.add_argument("--format", choices=("yaml", "json"), default="yaml")
-    p.add_argument("--output", "-o", default=None, help="write here instead of stdout")
+    p.add_argument(
+        "--output", "-o", type=images.nonempty_arg, default=None, help="write here, not stdout"
+    )
 
 
 def _run_pipeline(args: argparse.Namespace) -> int:
     changed = args.changed_files
-    if args.changed_since:
-        changed = buildkite.changed_files_since(args.changed_since)
-    pipeline = buildkite.generate(changed_files=changed, lanes=args.lanes, commit=args.commit)
+    if args.changed_since is not None:
+        changed = buildkite.changed_files_since(args.changed_since, cwd=args.root)
+    pipeline = buildkite.generate(
+        changed_files=changed, lanes=args.lanes, commit=args.commit, root=args.root
+    )
     text = (
         json.dumps(pipeline, indent=2) + "\n"
         if args.format == "json"
         else buildkite.to_yaml(pipeline)
     )
-    if args.output:
+    if args.output is not None:
         out = Path(args.output)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -372,22 +446,36 @@ def _run_pipeline(args: argparse.Namespace) -> int:
 
 def _configure_report(p: argparse.ArgumentParser) -> None:
     _add_cell_filters(p)
-    p.add_argument("--results", default=DEFAULT_RESULTS, help=f"results folder ({DEFAULT_RESULTS})")
+    p.add_argument(
+        "--results",
+        type=_folder,
+        default=DEFAULT_RESULTS,
+        help=f"results folder ({DEFAULT_RESULTS})",
+    )
     p.add_argument(
         "--buildkite",
         action="store_true",
-        help="in a Buildkite step: download the cells' artifacts, annotate the build",
+        help="in a Buildkite step: download the cells' artifacts, annotate the build (exit "
+        "status 0 whatever the cells did: their own steps carry the verdict; 1 when the "
+        "annotation or the upload fails)",
     )
 
 
+AGENT = "buildkite-agent"
+
+
 def _agent(*argv: str, stdin: str | None = None) -> None:
-    subprocess.run(["buildkite-agent", *argv], input=stdin, text=True, check=True)
+    subprocess.run([AGENT, *argv], input=stdin, text=True, check=True)
 
 
 def _run_report(args: argparse.Namespace) -> int:
     out = Path(args.results)
     cells = _cells(args)
+    # the compile cell's JUnit is made from its report when absent: written here too
+    derived = [f"{c.name}.xml" for c in cells if c.suite == "compile"]
     if args.buildkite:
+        if shutil.which(AGENT) is None:
+            raise ValueError(f"--buildkite: {AGENT} is not on PATH (it annotates the build)")
         _results_folder("report", args.results)
         # A query that matches nothing fails the download: a build without such results.
         for query in (f"{out.as_posix()}/*.xml", f"{out.as_posix()}/compile/*"):
@@ -399,6 +487,7 @@ def _run_report(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"report: no results folder {out} (run `kubematrix matrix` first, or give --results)"
         )
+    _check_writable("report", out, derived)
     results = report.collect(cells, out)
     not_selected = set(filter(None, os.environ.get(buildkite.NOT_SELECTED_ENV, "").split(",")))
     results = [
@@ -427,9 +516,24 @@ def _run_report(args: argparse.Namespace) -> int:
                 f"](artifact://{files.heatmap.as_posix()})",
             )
         style = {"passed": "success", "failed": "error"}.get(status, "warning")
-        _agent("annotate", "--style", style, "--context", "matrix", stdin=md)
-        _agent("artifact", "upload", f"{files.junit};{files.markdown};{files.json}")
+        for what, argv, stdin in (
+            ("annotate", ["--style", style, "--context", "matrix"], md),
+            ("artifact upload", [f"{files.junit};{files.markdown};{files.json}"], None),
+        ):
+            try:
+                _agent(*what.split(), *argv, stdin=stdin)
+            except subprocess.CalledProcessError as exc:  # the step exists to annotate: fail it
+                why = f"`{AGENT} {what}` failed with exit status {exc.returncode}"
+                print(f"report: {why}", file=sys.stderr)
+                return 1
         return 0  # the cells' own steps carry the verdict
+    if status == "not run":  # as `matrix`: a summary in which no cell tested anything is no pass
+        print(
+            f"report: none of the {len(results)} selected cells has a test result in {out}; "
+            "exit status 4",
+            file=sys.stderr,
+        )
+        return EXIT_NOTHING_TESTED
     return 1 if status == "failed" else 0
 
 
@@ -465,6 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_BROKEN_PIPE = 141  # as a shell reports a process that SIGPIPE ended
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -472,6 +579,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # a bad cell name, suite ... : a usage error, not a traceback
         print(f"kubematrix {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `kubematrix list | head -1`: the reader left, quietly stop
+        # Python flushes stdout at exit: point it at devnull so that flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ Usage (the Job's command)::
     python -m kubematrix.cell --results /results/junit.xml --timeout 3300 -- nox -s mla -- -x
 
 The exit status is the command's; 124 when ``--timeout`` interrupted it (SIGINT first, so pytest
-still writes the partial report; SIGKILL after a grace period).
+still writes the partial report; SIGKILL after a grace period); 127 when the command cannot be
+started; 1 when it exited 0 but left no report (nothing was tested).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import base64
 import gzip
 import json
+import math
 import os
 import signal
 import subprocess
@@ -39,6 +41,8 @@ BEGIN = "KUBEMATRIX-RESULTS-BEGIN"
 END = "KUBEMATRIX-RESULTS-END"
 CACHE = "KUBEMATRIX-CACHE"
 TIMEOUT_EXIT = 124
+NO_REPORT_EXIT = 1  # the command exited 0 without a report: never a passing cell
+CANNOT_START_EXIT = 127  # as a shell reports a command it cannot find or execute
 _WRAP = 76
 _GRACE_S = 60.0
 
@@ -112,7 +116,11 @@ def _interrupt(proc: subprocess.Popen) -> None:
 
 def run(command: Sequence[str], results: Path, token: str, timeout_s: float | None) -> int:
     """Run ``command``, print the report at ``results`` to stdout, return the exit status."""
-    proc = subprocess.Popen(list(command), start_new_session=True)
+    try:
+        proc = subprocess.Popen(list(command), start_new_session=True)
+    except OSError as exc:  # not found, not executable: said in the log, which the launcher reads
+        print(f"kubematrix.cell: cannot start {command[0]}: {exc.strerror or exc}", flush=True)
+        return CANNOT_START_EXIT
     # The kubelet stops a pod with SIGTERM: pass it on as SIGINT so the report is still written.
     signal.signal(signal.SIGTERM, lambda *_: _interrupt(proc))
     try:
@@ -127,15 +135,31 @@ def run(command: Sequence[str], results: Path, token: str, timeout_s: float | No
         lines += encode_results(results.read_bytes(), token, code)
     else:
         lines += [f"kubematrix.cell: no report at {results} (the session did not reach pytest)"]
+        if code == 0:
+            lines += [f"kubematrix.cell: exit status {NO_REPORT_EXIT}: no report, nothing tested"]
+            code = NO_REPORT_EXIT
     sys.stdout.write("".join(f"{line}\n" for line in lines))
     sys.stdout.flush()
     return code
 
 
+def _seconds(text: str) -> float:
+    """``--timeout``: a finite number of seconds > 0 (0 or less would interrupt at once)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0; got {text!r}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kubematrix.cell", description=__doc__)
     parser.add_argument("--results", type=Path, required=True, help="the JUnit file to print")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds before SIGINT")
+    parser.add_argument(
+        "--timeout", type=_seconds, default=None, help="seconds (> 0) before SIGINT"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -45,6 +45,26 @@ from kubematrix.report import (
 
 HEARTBEAT_SECONDS = 30.0
 LOG_TAIL_LINES = 25
+# What marks the project's checkout: the pytest cells run there (pytest's rootdir, `tests/`).
+PROJECT_MARKER = "tests/conftest.py"
+
+
+def find_project_root(start: str | os.PathLike[str] = ".") -> tuple[Path | None, list[Path]]:
+    """The checkout the pytest cells run in, and the folders looked in.
+
+    The first of ``start``, its parents, then the checkout this package was loaded from (an
+    editable install), that holds :data:`PROJECT_MARKER` and a ``pyproject.toml``; None where
+    none does (an installed package run outside a checkout).
+    """
+    here = Path(start).resolve()
+    looked = [here, *here.parents]
+    package_checkout = Path(__file__).resolve().parents[2]  # <checkout>/src/kubematrix/local.py
+    if package_checkout not in looked:
+        looked.append(package_checkout)
+    for folder in looked:
+        if (folder / PROJECT_MARKER).is_file() and (folder / "pyproject.toml").is_file():
+            return folder, looked
+    return None, looked
 
 
 def cell_command(
@@ -101,13 +121,11 @@ def _last_progress_line(log: Path) -> str:
 
 
 def _write_exit_status_junit(cell: Cell, junit: Path, exit_code: int, log: Path) -> None:
-    """A one-case JUnit for a command that reports only by exit status (the compile module)."""
-    suite = ET.Element("testsuite", name=cell.name, tests="1")
+    """A one-case failing JUnit for the compile module that exited non-zero without a report."""
+    suite = ET.Element("testsuite", name=cell.name, tests="1", failures="1")
     case = ET.SubElement(suite, "testcase", classname=cell.name, name=COMPILE_MODULE)
-    if exit_code != 0:
-        suite.set("failures", "1")
-        node = ET.SubElement(case, "failure", message=f"{COMPILE_MODULE} exited with {exit_code}")
-        node.text = _tail(log)
+    node = ET.SubElement(case, "failure", message=f"{COMPILE_MODULE} exited with {exit_code}")
+    node.text = _tail(log)
     root = ET.Element("testsuites")
     root.append(suite)
     ET.ElementTree(root).write(junit, encoding="utf-8", xml_declaration=True)
@@ -156,6 +174,8 @@ def _run_cell(
     """
     junit, log = cell.junit_path(results_dir), results_dir / f"{cell.name}.log"
     junit.unlink(missing_ok=True)
+    if cell.suite == "compile":  # an earlier run's report must not stand in for this one's
+        (results_dir / COMPILE_JSON).unlink(missing_ok=True)
     env = {**os.environ, **(cache or {}), **cell.env}
     if cell.spec.is_gpu:  # a GPU cell runs on the device even from a shell that exported it
         env.pop("TRITON_INTERPRET", None)
@@ -208,6 +228,9 @@ def _run_cell(
                 junit_from_compile_json(report_json, junit, cell.name)
             except UnreadableReport as exc:
                 return not_run(cell, f"{exc} (log: {log})", status="error", seconds=elapsed)
+        elif code == 0:  # e.g. --compile-arg=--list: a clean exit that compiled nothing
+            why = f"{COMPILE_MODULE} exited 0 without a report at {report_json}: nothing compiled"
+            return not_run(cell, f"{why} (log: {log})", seconds=elapsed)
         else:
             _write_exit_status_junit(cell, junit, code, log)
     if code == 5 and not junit.exists():

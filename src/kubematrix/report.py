@@ -17,7 +17,9 @@ error; a cell with only skipped tests is ``skipped``, one that never produced a 
 from __future__ import annotations
 
 import json
+import math
 import os
+import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -97,9 +99,12 @@ class UnreadableReport(ValueError):
 
 def _seconds(value: str | None, where: str) -> float:
     try:
-        return float(value or 0.0)
+        seconds = float(value or 0.0)
     except ValueError:
         raise UnreadableReport(f"{where} has time={value!r}, not a number") from None
+    if not math.isfinite(seconds) or seconds < 0:  # inf, nan, 1e999 would break the summary
+        raise UnreadableReport(f"{where} has time={value!r}, not a finite number >= 0")
+    return seconds
 
 
 def read_junit(path: str | os.PathLike[str]) -> JunitCounts:
@@ -228,7 +233,87 @@ def result_to_dict(result: CellResult) -> dict:
     return d
 
 
-def result_from_dict(d: dict) -> CellResult:
+def _count(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UnreadableReport(f"{name} is {value!r}, not an int >= 0")
+    return value
+
+
+def _finite(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UnreadableReport(f"{name} is {value!r}, not a number")
+    if not math.isfinite(value) or value < 0:
+        raise UnreadableReport(f"{name} is {value!r}, not a finite number >= 0")
+    return float(value)
+
+
+def _text(value: object, name: str, *, optional: bool = False) -> None:
+    if not isinstance(value, str) and not (optional and value is None):
+        raise UnreadableReport(f"{name} is {value!r}, not a string")
+
+
+def _check_record(d: dict, cell: Cell | None) -> None:
+    """Raise `UnreadableReport` naming the first field of a record that a runner cannot have
+    written: another cell's name, an unknown status, a bad number, counts that contradict the
+    status (a ``passed`` record without a passing test)."""
+    if not isinstance(d, dict):
+        raise UnreadableReport(f"it is a JSON {type(d).__name__}, not an object")
+    if cell is not None:
+        for key, want in (("cell", cell.name), ("suite", cell.suite), ("backend", cell.backend),
+                          ("target", cell.target)):  # fmt: skip
+            if d.get(key) != want:
+                raise UnreadableReport(f"{key} is {d.get(key)!r}, not {want!r}")
+    if d.get("status") not in STATUSES:
+        raise UnreadableReport(f"status is {d.get('status')!r}, not one of {STATUSES}")
+    _text(d.get("reason", ""), "reason")
+    _finite(d.get("seconds", 0.0), "seconds")
+    counts = d.get("counts") or {}
+    if not isinstance(counts, dict):
+        raise UnreadableReport(f"counts is {counts!r}, not an object")
+    n = {k: _count(counts.get(k, 0), f"counts.{k}") for k in ("tests", "passed", "failed",
+                                                               "errors", "skipped")}  # fmt: skip
+    if n["tests"] != n["passed"] + n["failed"] + n["errors"] + n["skipped"]:
+        raise UnreadableReport(f"counts.tests is {n['tests']}, not passed+failed+errors+skipped")
+    _finite(counts.get("seconds", 0.0), "counts.seconds")
+    _text(counts.get("gpu_arch"), "counts.gpu_arch", optional=True)
+    failures = counts.get("failures", [])
+    if not isinstance(failures, list) or not all(isinstance(f, dict) for f in failures):
+        raise UnreadableReport(f"counts.failures is {failures!r}, not a list of objects")
+    for f in failures:
+        _text(f.get("test"), "counts.failures[].test")
+        _text(f.get("message"), "counts.failures[].message")
+    status = d["status"]
+    implied = status_from_counts(
+        JunitCounts(
+            passed=n["passed"], failed=n["failed"], errors=n["errors"], skipped=n["skipped"]
+        )
+    )
+    if status in ("passed", "skipped") and implied != status:
+        raise UnreadableReport(
+            f"status is {status!r}, but its counts say {implied!r} ({n['passed']} passed, "
+            f"{n['failed']} failed, {n['errors']} errors, {n['skipped']} skipped)"
+        )
+    cache = d.get("cache")
+    if cache is not None:
+        if not isinstance(cache, dict):
+            raise UnreadableReport(f"cache is {cache!r}, not an object")
+        for k in ("local", "remote", "compiled", "corrupt", "repeated"):
+            _count(cache.get(k, 0), f"cache.{k}")
+        _finite(cache.get("compile_s", 0.0), "cache.compile_s")
+        warnings = cache.get("warnings", [])
+        if not isinstance(warnings, list) or not all(isinstance(w, str) for w in warnings):
+            raise UnreadableReport(f"cache.warnings is {warnings!r}, not a list of strings")
+
+
+def result_from_dict(d: dict, cell: Cell | None = None) -> CellResult:
+    """A `CellResult` from its record (`result_to_dict`); with ``cell``, the record must be that
+    cell's.
+
+    Raises:
+        UnreadableReport: a field no runner writes (the message names it).
+        TypeError: a field missing or unknown.
+    """
+    _check_record(d, cell)
     counts = dict(d.get("counts") or {})
     counts["failures"] = tuple(Failure(**f) for f in counts.get("failures", ()))
     cache = CacheStats.from_dict(d["cache"]) if d.get("cache") else None
@@ -334,7 +419,11 @@ def collect(cells: Sequence[Cell], results_dir: str | os.PathLike[str]) -> list[
                 continue
         if record.is_file():
             try:
-                results.append(result_from_dict(json.loads(record.read_text())))
+                results.append(result_from_dict(json.loads(record.read_text()), cell))
+            except UnreadableReport as exc:
+                results.append(
+                    not_run(cell, f"its record {record} is malformed: {exc}", status="error")
+                )
             except (ValueError, TypeError, KeyError, AttributeError) as exc:
                 why = f"its record {record} is unreadable ({type(exc).__name__}: {exc})"
                 results.append(not_run(cell, why, status="error"))
@@ -507,10 +596,7 @@ def markdown_report(
     return "\n".join(lines) + "\n"
 
 
-def merge_junit(
-    results: Sequence[CellResult], results_dir: str | os.PathLike[str], out: str | os.PathLike[str]
-) -> Path:
-    """One JUnit with a ``<testsuite>`` per cell (named after it); not-run cells as skipped."""
+def _merged_junit(results: Sequence[CellResult], results_dir: str | os.PathLike[str]) -> ET.Element:
     root = ET.Element("testsuites", name="portattn matrix")
     src = Path(results_dir)
     for r in results:
@@ -539,8 +625,17 @@ def merge_junit(
         suite.set("tests", str(len(cases_for_count)))
         for attr, tag in (("failures", "failure"), ("errors", "error"), ("skipped", "skipped")):
             suite.set(attr, str(sum(c.find(tag) is not None for c in cases_for_count)))
+    return root
+
+
+def merge_junit(
+    results: Sequence[CellResult], results_dir: str | os.PathLike[str], out: str | os.PathLike[str]
+) -> Path:
+    """One JUnit with a ``<testsuite>`` per cell (named after it); not-run cells as skipped."""
     path = Path(out)
-    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+    ET.ElementTree(_merged_junit(results, results_dir)).write(
+        path, encoding="utf-8", xml_declaration=True
+    )
     return path
 
 
@@ -553,6 +648,35 @@ class SummaryFiles:
     heatmap: Path | None
 
 
+#: What `write_summary` writes into the results folder.
+SUMMARY_NAMES = ("junit.xml", "report.md", "summary.txt", "results.json")
+
+
+class UnwritableOutput(ValueError):
+    """A results folder (or a file in it) that the summary cannot be written to."""
+
+
+def check_writable(
+    results_dir: str | os.PathLike[str], names: Iterable[str] = SUMMARY_NAMES
+) -> None:
+    """Refuse, before anything is written, a results folder that cannot take ``names``.
+
+    Raises:
+        UnwritableOutput: one of ``names`` exists and is no file (a folder), or the folder does
+            not let a file be created in it; the message names which.
+    """
+    out = Path(results_dir)
+    for name in names:
+        path = out / name
+        if (path.exists() or path.is_symlink()) and not path.is_file():
+            raise UnwritableOutput(f"cannot write {path}: it exists and is not a file")
+    try:  # the one sure test: create (and remove) a file there
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise UnwritableOutput(f"cannot write into {out}: {exc.strerror or exc}") from None
+
+
 def write_summary(
     results: Sequence[CellResult],
     results_dir: str | os.PathLike[str],
@@ -560,21 +684,49 @@ def write_summary(
     title: str = "portattn matrix",
     context: str = "",
 ) -> SummaryFiles:
-    """Write ``junit.xml``, ``report.md``, ``summary.txt`` and ``results.json`` to the folder."""
+    """Write ``junit.xml``, ``report.md``, ``summary.txt`` and ``results.json`` to the folder.
+
+    Every text is made first and each file goes to a temporary beside it before all are moved
+    into place, so a failure never leaves a new summary beside an old one.
+
+    Raises:
+        UnwritableOutput: a file could not be written (nothing was replaced).
+    """
     out = Path(results_dir)
     out.mkdir(parents=True, exist_ok=True)
     heatmap = find_heatmap(out)
     rel_heatmap = heatmap.relative_to(out).as_posix() if heatmap else None
-    junit = merge_junit(results, out, out / "junit.xml")
-    md = out / "report.md"
-    md.write_text(markdown_report(results, title=title, context=context, heatmap=rel_heatmap))
-    txt = out / "summary.txt"
-    txt.write_text(summary_table(results))
-    js = out / "results.json"
     payload = {
         "status": overall_status(results),
         "tally": tally(results),
         "cells": [result_to_dict(r) for r in results],
     }
-    js.write_text(json.dumps(payload, indent=2) + "\n")
+    texts = dict(
+        zip(
+            SUMMARY_NAMES,
+            (
+                ET.tostring(_merged_junit(results, out), encoding="utf-8", xml_declaration=True),
+                markdown_report(
+                    results, title=title, context=context, heatmap=rel_heatmap
+                ).encode(),
+                summary_table(results).encode(),
+                (json.dumps(payload, indent=2) + "\n").encode(),
+            ),
+            strict=True,
+        )
+    )
+    check_writable(out)
+    temps: list[Path] = []
+    try:
+        for name, data in texts.items():
+            (out / f".{name}.tmp").write_bytes(data)
+            temps.append(out / f".{name}.tmp")
+        for name in SUMMARY_NAMES:
+            os.replace(out / f".{name}.tmp", out / name)
+    except OSError as exc:
+        raise UnwritableOutput(f"cannot write the summary in {out}: {exc}") from None
+    finally:
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
+    junit, md, txt, js = (out / name for name in SUMMARY_NAMES)
     return SummaryFiles(junit, md, txt, js, heatmap)

@@ -65,10 +65,15 @@ def test_no_repository_is_unknown(tmp_path):
 def test_the_matrix_summary_names_the_tree_it_tested(repo, tmp_path, monkeypatch, capsys):
     """The local runner tests the working tree: with an edit, the summary's commit carries the
     tree's hash (it named ``HEAD`` alone, code that did not run)."""
+    (repo / "tests").mkdir()
+    (repo / "tests" / "conftest.py").write_text("")
+    (repo / "pyproject.toml").write_text("")  # a project root of its own (local.PROJECT_MARKER)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "a project")
     (repo / "a.py").write_text("x = 3\n")
     monkeypatch.chdir(repo)
     out = tmp_path / "r"
-    main(["matrix", "--backend", "rocm", "--suite", "policy", "--results", str(out)])
+    main(["matrix", "--cell", "mla-cuda-sm_90", "--results", str(out)])  # not run: no GPU here
     capsys.readouterr()
     summary = (out / "report.md").read_text()
     assert f"commit `{checkout.describe(repo)}`" in summary and "+tree:" in summary

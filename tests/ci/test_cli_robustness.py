@@ -1,0 +1,323 @@
+"""Bad arguments, missing or malformed inputs and unwritable outputs of `python -m kubematrix`
+and `python -m kubematrix.cell`: one line naming what is wrong, a non-zero exit, no traceback,
+never a green run that tested nothing, never a summary half rewritten."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kubematrix import report
+from kubematrix.__main__ import main
+from kubematrix.local import find_project_root
+from kubematrix.matrix import get_cell
+
+pytestmark = pytest.mark.ci
+
+DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
+PAGED, MLA = get_cell("paged-cpu-interpreter"), get_cell("mla-cpu-interpreter")
+
+
+def _kubematrix(*argv: str, cwd: Path, env: dict[str, str] | None = None):
+    """The real command in a fresh process (kubematrix found on PYTHONPATH)."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", *argv], cwd=cwd, env=env, capture_output=True, text=True
+    )
+
+
+@pytest.fixture
+def results_dir(tmp_path) -> Path:
+    """Two cells' JUnits (paged passes, mla fails), as a build leaves them."""
+    out = tmp_path / "r"
+    out.mkdir()
+    for cell in (PAGED, MLA):
+        shutil.copy(DATA / f"{cell.name}.xml", out)
+    return out
+
+
+# -- a compile cell that compiled nothing -------------------------------------------------------
+
+
+def test_a_compile_cell_that_compiled_nothing_is_not_run(tmp_path, capsys):
+    """`--compile-arg=--list` makes the compile module list its cases and exit 0: the cell was
+    reported as passed (1 test) and the matrix exited 0."""
+    out = tmp_path / "r"
+    args = ["matrix", "--cell", "compile-cpu-interpreter", "--compile-arg=--list"]
+    assert main([*args, "--results", str(out)]) == 4
+    (cell,) = report.collect([get_cell("compile-cpu-interpreter")], out)
+    assert cell.status == "not run" and "exited 0 without a report" in cell.reason, cell.reason
+    assert "nothing compiled" in capsys.readouterr().out
+
+
+def test_compile_args_without_a_compile_cell_are_refused(tmp_path, capsys):
+    code = main(["matrix", "--suite", "policy", "--compile-arg=--list", "--results", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--compile-arg is for the compile cell, and no compile cell is selected" in err
+    assert not list(tmp_path.iterdir())  # refused before the results folder was touched
+
+
+# -- a report of nothing ------------------------------------------------------------------------
+
+EMPTY_RESULTS = {
+    "an empty folder": {},
+    "an empty JUnit": {"paged-cpu-interpreter.xml": "<testsuites/>"},
+    "an all-skipped JUnit": {
+        "paged-cpu-interpreter.xml": '<testsuites><testsuite><testcase name="a">'
+        '<skipped message="no"/></testcase></testsuite></testsuites>'
+    },
+}
+
+
+@pytest.mark.parametrize("kind", list(EMPTY_RESULTS))
+def test_a_report_in_which_nothing_was_tested_exits_4_as_the_matrix_does(kind, tmp_path, capsys):
+    for name, text in EMPTY_RESULTS[kind].items():
+        (tmp_path / name).write_text(text)
+    assert main(["report", "--results", str(tmp_path)]) == 4
+    assert "none of the 22 selected cells has a test result" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["report", "matrix"])
+def test_an_empty_results_name_is_refused(command, tmp_path, monkeypatch, capsys):
+    """``--results ""`` read and wrote the current folder."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as done:
+        main([command, "--results", "", "--suite", "policy"])
+    assert done.value.code == 2
+    assert "argument --results: must name a folder; got ''" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+# -- filters that select no cell ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv", [["list"], ["list", "--json"], ["matrix"], ["report"]], ids=" ".join
+)
+def test_filters_that_select_no_cell_are_a_usage_error(argv, results_dir, capsys):
+    before = {p.name: p.read_bytes() for p in results_dir.iterdir()}
+    results = [] if argv[0] == "list" else ["--results", str(results_dir)]
+    code = main([*argv, "--suite", "policy", "--backend", "cuda", *results])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == ""
+    assert "the filters --suite policy --backend cuda select no cell" in out.err, out.err
+    assert {p.name: p.read_bytes() for p in results_dir.iterdir()} == before  # nothing written
+
+
+# -- records and JUnit numbers that no runner writes --------------------------------------------
+
+
+def _record(**changes) -> str:
+    d = report.result_to_dict(report.result_from_junit(PAGED, DATA / "paged-cpu-interpreter.xml"))
+    for key, value in changes.items():
+        target, _, field = key.rpartition("__")
+        (d[target] if target else d)[field] = value
+    return json.dumps(d)
+
+
+BAD_RECORDS = {
+    "another cell's": (_record(cell="mla-cpu-interpreter"), "cell is 'mla-cpu-interpreter'"),
+    "passed without a pass": (
+        _record(counts__passed=0, counts__tests=1),
+        "status is 'passed', but its counts say 'skipped'",
+    ),
+    "negative seconds": (_record(seconds=-5), "seconds is -5, not a finite number >= 0"),
+    "unknown status": (_record(status="bogus"), "status is 'bogus', not one of"),
+    "null seconds": (_record(seconds=None), "seconds is None, not a number"),
+    "null reason": (_record(reason=None), "reason is None, not a string"),
+    "int reason": (_record(reason=3), "reason is 3, not a string"),
+    "infinite seconds": (_record(seconds=float("inf")), "seconds is inf, not a finite number"),
+    "text seconds": (_record(seconds="abc"), "seconds is 'abc', not a number"),
+    "bad count": (_record(counts__failed=-1), "counts.failed is -1, not an int >= 0"),
+    "bad cache": (
+        _record(cache={"compiled": 1, "compile_s": float("nan")}),
+        "cache.compile_s is nan",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_RECORDS))
+def test_a_record_no_runner_writes_makes_that_cell_an_error(kind, results_dir, capsys):
+    text, why = BAD_RECORDS[kind]
+    record = results_dir / "paged-cpu-interpreter.json"
+    record.write_text(text)
+    assert main(["report", "--results", str(results_dir)]) == 1
+    results = {
+        r["cell"]: r for r in json.loads((results_dir / "results.json").read_text())["cells"]
+    }
+    paged = results["paged-cpu-interpreter"]
+    assert paged["status"] == "error" and f"its record {record} is malformed: " in paged["reason"]
+    assert why in paged["reason"], paged["reason"]
+    assert results["mla-cpu-interpreter"]["status"] == "failed"  # every other cell is reported
+    assert "`paged-cpu-interpreter`: its record" in (results_dir / "report.md").read_text()
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("time", ["inf", "1e999", "nan", "-1"])
+def test_a_junit_time_that_is_no_finite_number_makes_that_cell_an_error(time, results_dir, capsys):
+    junit = results_dir / "paged-cpu-interpreter.xml"
+    junit.write_text(
+        f'<testsuites><testsuite time="{time}"><testcase name="a"/></testsuite></testsuites>'
+    )
+    assert main(["report", "--results", str(results_dir)]) == 1
+    results = {r.cell: r for r in report.collect([PAGED, MLA], results_dir)}
+    assert results["paged-cpu-interpreter"].status == "error"
+    assert f"{junit}: a test suite has time='{time}'" in results["paged-cpu-interpreter"].reason
+    assert results["mla-cpu-interpreter"].status == "failed"
+    md = (results_dir / "report.md").read_text()  # the summary is whole
+    assert "`paged-cpu-interpreter`" in md and "`mla-cpu-interpreter`" in md
+    capsys.readouterr()
+
+
+# -- outputs that cannot be written -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["junit.xml", "report.md", "results.json"])
+def test_a_summary_file_that_is_a_folder_stops_the_report_before_anything_is_written(
+    name, results_dir
+):
+    (results_dir / name).mkdir()
+    before = sorted(p.name for p in results_dir.iterdir())
+    with pytest.raises(SystemExit, match=f"report: --results {results_dir}: cannot write "
+                       f"{results_dir / name}: it exists and is not a file"):  # fmt: skip
+        main(["report", "--results", str(results_dir)])
+    assert sorted(p.name for p in results_dir.iterdir()) == before
+
+
+def test_a_cell_file_that_is_a_folder_stops_the_matrix_before_any_cell_runs(tmp_path):
+    (tmp_path / "policy-cpu-interpreter.log").mkdir()
+    with pytest.raises(SystemExit, match="matrix: --results .*policy-cpu-interpreter.log: it "):
+        main(["matrix", "--cell", "policy-cpu-interpreter", "--results", str(tmp_path)])
+    assert [p.name for p in tmp_path.iterdir()] == ["policy-cpu-interpreter.log"]
+
+
+# root writes anywhere: as root, the command runs without the capability that allows it
+_AS_USER = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+
+
+@pytest.mark.skipif(bool(_AS_USER) and not shutil.which("setpriv"), reason="root, no setpriv")
+@pytest.mark.parametrize("command", ["report", "matrix"])
+def test_a_read_only_results_folder_is_refused_by_name(command, results_dir):
+    results_dir.chmod(0o555)
+    try:
+        res = subprocess.run(
+            [*_AS_USER, sys.executable, "-m", "kubematrix", command, "--cell",
+             "paged-cpu-interpreter", "--results", str(results_dir)],
+            env={**os.environ, "PYTHONPATH": str(SRC)}, capture_output=True, text=True,
+        )  # fmt: skip
+    finally:
+        results_dir.chmod(0o755)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert f"{command}: --results {results_dir}: cannot write into {results_dir}: " in res.stderr
+    assert sorted(p.name for p in results_dir.iterdir()) == [f"{c.name}.xml" for c in (MLA, PAGED)]
+
+
+def test_a_failed_summary_write_replaces_no_file(results_dir):
+    """Each file goes to a temporary first: a write that fails leaves the old summary whole."""
+    results = report.collect([PAGED, MLA], results_dir)
+    first = report.write_summary(results, results_dir)
+    old = first.markdown.read_bytes()
+    (results_dir / ".results.json.tmp").mkdir()  # the last temporary cannot be written
+    with pytest.raises(report.UnwritableOutput, match="cannot write the summary in"):
+        report.write_summary(results[:1], results_dir)
+    assert first.markdown.read_bytes() == old
+    assert not (results_dir / ".junit.xml.tmp").exists()
+
+
+# -- Buildkite annotation -----------------------------------------------------------------------
+
+
+def test_buildkite_mode_without_the_agent_is_refused_by_name(results_dir, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(results_dir / "no-bin"))
+    assert main(["report", "--buildkite", "--results", str(results_dir)]) == 2
+    assert "--buildkite: buildkite-agent is not on PATH" in capsys.readouterr().err
+
+
+def test_a_failed_annotation_fails_the_report_step_by_name(results_dir, tmp_path, monkeypatch,
+                                                            capsys):  # fmt: skip
+    agent = tmp_path / "bin" / "buildkite-agent"
+    agent.parent.mkdir()
+    agent.write_text('#!/bin/sh\nif [ "$1" = annotate ]; then cat >/dev/null; exit 3; fi\n')
+    agent.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{agent.parent}:{os.environ['PATH']}")
+    assert main(["report", "--buildkite", "--results", str(results_dir)]) == 1
+    assert "report: `buildkite-agent annotate` failed with exit status 3" in capsys.readouterr().err
+
+
+# -- kubematrix.cell ----------------------------------------------------------------------------
+
+
+def test_the_cell_entry_names_a_command_it_cannot_start(tmp_path):
+    res = _kubematrix("kubematrix.cell", "--results", "x.xml", "--", "no-such-command-here",
+                      cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 127
+    assert "kubematrix.cell: cannot start no-such-command-here: No such file or directory" in (
+        res.stdout
+    )
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("timeout", ["-1", "0", "nan", "soon"])
+def test_the_cell_entry_refuses_a_timeout_that_is_no_positive_number(timeout, tmp_path):
+    res = _kubematrix("kubematrix.cell", "--results", "x.xml", "--timeout", timeout, "--",
+                      sys.executable, "-c", "pass", cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 2
+    assert f"argument --timeout: must be a number of seconds > 0; got '{timeout}'" in res.stderr
+
+
+def test_the_cell_entry_fails_a_clean_exit_without_a_report(tmp_path):
+    res = _kubematrix("kubematrix.cell", "--results", "x.xml", "--", sys.executable, "-c", "pass",
+                      cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 1
+    assert "kubematrix.cell: exit status 1: no report, nothing tested" in res.stdout
+
+
+# -- where the pytest cells run -----------------------------------------------------------------
+
+
+def test_the_project_root_is_the_checkout_around_the_current_folder_or_the_package(tmp_path):
+    assert find_project_root(ROOT / "src" / "kubematrix")[0] == ROOT
+    root, looked = find_project_root(tmp_path)
+    assert root == ROOT and looked[0] == tmp_path.resolve()  # the package's own checkout
+
+
+def test_a_cell_run_from_outside_the_checkout_runs_the_checkout_tests(tmp_path):
+    """It was `not run — no test matches ...` (exit 4): pytest ran in the current folder."""
+    res = _kubematrix("kubematrix", "matrix", "--cell", "policy-cpu-interpreter", "--workers",
+                      "1", "--results", "r", cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (policy,) = report.collect([get_cell("policy-cpu-interpreter")], tmp_path / "r")
+    assert policy.status == "passed" and policy.counts.passed > 100
+
+
+def test_an_installed_package_outside_a_checkout_says_where_it_looked(tmp_path):
+    site = tmp_path / "site"
+    shutil.copytree(SRC / "kubematrix", site / "kubematrix")  # as a wheel installs it
+    res = _kubematrix("kubematrix", "matrix", "--cell", "policy-cpu-interpreter", "--results",
+                      "r", cwd=tmp_path, env={"PYTHONPATH": str(site)})  # fmt: skip
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "no tests folder for the pytest cells: looked for tests/conftest.py in " in res.stderr
+    assert str(tmp_path) in res.stderr and not (tmp_path / "r").exists()
+
+
+# -- a reader that leaves -----------------------------------------------------------------------
+
+
+def test_a_closed_pipe_ends_the_command_quietly(tmp_path):
+    """`kubematrix list | head -1`: the reader is gone before the command writes."""
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.Popen([sys.executable, "-m", "kubematrix", "list"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141 and err == "", err
