@@ -35,7 +35,6 @@ import re
 import shlex
 import subprocess
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -142,10 +141,9 @@ def image_step(vendor: str, *, lanes: str, commit: str, root: str = ".") -> dict
     """
     spec = images.get_image(vendor)
     key = images.content_key(vendor, root)
-    dockerfile = Path(root) / spec.dockerfile
-    ref = images.base_ref(dockerfile.read_text())
+    _, text, ref = images.read_dockerfile(vendor, root)
     refuse = None
-    if not images.is_pinned(dockerfile.read_text()):
+    if not images.is_pinned(text):
         why = (
             f"{spec.dockerfile}: BASE_IMAGE {ref} is not pinned by digest; pin it with "
             f"'kubematrix image pin --vendor {vendor}' and commit the change"
@@ -376,7 +374,7 @@ def cell_step(
         },
     }
     if cell.spec.is_gpu:
-        commit = commit or _default_commit()
+        commit = commit or _default_commit(root)
         image = images.default_image(cell.spec.vendor or "", commit)
         # In the image the environment is the image's: nox neither creates nor installs.
         in_image = ["nox", "--no-venv", "--no-install", *command[1:]]
@@ -399,9 +397,9 @@ def cell_step(
     return step
 
 
-def _default_commit() -> str:
+def _default_commit(root: str = ".") -> str:
     """``$BUILDKITE_COMMIT`` in a build, else the checkout's HEAD (a local preview)."""
-    return os.environ.get("BUILDKITE_COMMIT") or checkout.head() or "HEAD"
+    return os.environ.get("BUILDKITE_COMMIT") or checkout.head(root) or "HEAD"
 
 
 def block_step(cell: Cell) -> dict[str, Any]:
@@ -455,7 +453,7 @@ def generate(
     cells = list(all_cells() if cells is None else cells)
     selected = [c for c in cells if is_selected(c, changed_files)]
     not_selected = [c for c in cells if c not in selected]
-    commit = commit or _default_commit()
+    commit = commit or _default_commit(root)
     vendors = [
         b.vendor for b in BACKENDS.values() if b.vendor and any(c.backend == b.name for c in cells)
     ]

@@ -103,13 +103,35 @@ def registry() -> str:
     return value or DEFAULT_REGISTRY
 
 
+def read_text(path: Path) -> str:
+    """An input file's text.
+
+    Raises:
+        ValueError: naming the file, when it is missing, a folder, unreadable or not UTF-8 text.
+    """
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a folder, not a file") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise ValueError(f"{path} does not exist") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it: {exc.strerror}") from None
+
+
 def _pyproject_part(root: Path) -> object:
     """pyproject.toml's dependency tables; on Python 3.10 (no tomllib) the whole file."""
+    text = read_text(root / "pyproject.toml")
     try:
         import tomllib
     except ModuleNotFoundError:
-        return (root / "pyproject.toml").read_text()
-    data = tomllib.loads((root / "pyproject.toml").read_text())
+        return text
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{root / 'pyproject.toml'} is not valid TOML: {exc}") from None
     part = {}
     for keys in _PYPROJECT_TABLES:
         node = data
@@ -124,13 +146,16 @@ def content_key(vendor: str, root: str | os.PathLike[str] = ".") -> str:
     pyproject's dependency tables (canonical JSON) and the architecture list.
 
     Raises:
-        ValueError: an input file is missing (named).
+        ValueError: an input file is missing (named, with the root it was looked for under).
     """
     spec, base = get_image(vendor), Path(root)
     digest = hashlib.sha256()
-    missing = [p for p in spec.inputs if not (base / p).is_file()]
+    missing = [p for p in (*spec.inputs, "pyproject.toml") if not (base / p).is_file()]
     if missing:
-        raise ValueError(f"content_key: image inputs missing under {base}: {missing}")
+        raise ValueError(
+            f"content_key: image inputs missing under {os.path.abspath(base)}: "
+            f"{', '.join(missing)} (run it in a checkout of the project, or point --root at one)"
+        )
     for rel in spec.inputs:
         digest.update(rel.encode() + b"\0" + (base / rel).read_bytes() + b"\0")
     digest.update(json.dumps(_pyproject_part(base), sort_keys=True).encode() + b"\0")
@@ -146,7 +171,7 @@ def pinned_version(vendor: str, package: str, root: str | os.PathLike[str] = "."
     """
     path = Path(root) / get_image(vendor).constraints
     pattern = re.compile(rf"^\s*{re.escape(package)}\s*==\s*([^\s;#]+)", re.IGNORECASE)
-    for line in path.read_text().splitlines():
+    for line in read_text(path).splitlines():
         match = pattern.match(line)
         if match:
             return match.group(1)
@@ -281,6 +306,32 @@ def base_ref(dockerfile_text: str) -> str:
     return refs[0]
 
 
+def read_dockerfile(vendor: str, root: str | os.PathLike[str] = ".") -> tuple[Path, str, str]:
+    """``vendor``'s Dockerfile under the checkout ``root``: its path, text and base image.
+
+    Raises:
+        ValueError: naming the file, when it is missing, no UTF-8 text, or has no single
+            ``ARG BASE_IMAGE=`` line.
+    """
+    path = Path(root) / get_image(vendor).dockerfile
+    if not Path(root).is_dir():
+        what = "is not a folder" if Path(root).exists() else "does not exist"
+        raise ValueError(
+            f"--root {root} {what}: point it at a checkout of the project "
+            f"(the folder holding {path.name})"
+        )
+    if not path.exists():
+        raise ValueError(
+            f"{path} does not exist: point --root at a checkout of the project "
+            f"(the folder holding {path.name})"
+        )
+    text = read_text(path)
+    try:
+        return path, text, base_ref(text)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
 def split_ref(ref: str) -> tuple[str, str | None]:
     """``("name:tag", "sha256:...")``, or ``("name:tag", None)`` when not pinned."""
     name, _, digest = ref.partition("@")
@@ -336,14 +387,32 @@ def configure_cli(p: argparse.ArgumentParser) -> None:
         "commands CI runs; pin: pin the base image by digest; check: exit 1 if it is not",
     )
     p.add_argument("--vendor", choices=sorted(IMAGES), required=True)
-    p.add_argument("--root", default=".", help="the repository checkout (the current folder)")
-    p.add_argument("--commit", help="the commit of the cell image (refs, script; default HEAD)")
+    p.add_argument(
+        "--root",
+        type=nonempty_arg,
+        default=".",
+        help="the repository checkout (the current folder)",
+    )
+    p.add_argument(
+        "--commit",
+        type=nonempty_arg,
+        help="the commit of the cell image (refs, script; default HEAD)",
+    )
     p.add_argument("--builder", choices=("docker", "buildkit"), default="docker")
-    p.add_argument("--digest", help="pin: this digest instead of asking the registry")
+    p.add_argument(
+        "--digest", type=nonempty_arg, help="pin: this digest instead of asking the registry"
+    )
+
+
+def nonempty_arg(text: str) -> str:
+    """An argparse type that refuses an empty value (rather than falling back to a default)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _commit(root: str, given: str | None) -> str:
-    if given:
+    if given is not None:
         return given
     commit = checkout.head(root)
     if commit is None:
@@ -353,21 +422,22 @@ def _commit(root: str, given: str | None) -> str:
 
 def run_cli(args: argparse.Namespace) -> int:
     spec = get_image(args.vendor)
-    dockerfile = Path(args.root) / spec.dockerfile
     if args.action in ("pin", "check"):
-        text = dockerfile.read_text()
-        ref = base_ref(text)
+        dockerfile, text, ref = read_dockerfile(args.vendor, args.root)
         if args.action == "check":
             pinned = is_pinned(text)
             print(f"{spec.dockerfile}: {ref} ({'pinned' if pinned else 'NOT pinned by digest'})")
             return 0 if pinned else 1
         name, _ = split_ref(ref)
         try:
-            digest = args.digest or resolve_digest(name)
+            digest = args.digest if args.digest is not None else resolve_digest(name)
         except RuntimeError as exc:
             print(f"kubematrix image pin: {exc}", file=sys.stderr)
             return 1
-        dockerfile.write_text(pin(text, digest))
+        try:
+            dockerfile.write_text(pin(text, digest))
+        except OSError as exc:
+            raise ValueError(f"cannot write {dockerfile}: {exc.strerror}") from None
         print(f"{spec.dockerfile}: ARG BASE_IMAGE={name}@{digest}")
         return 0
     key = content_key(args.vendor, args.root)

@@ -15,16 +15,18 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import yaml
 from kubernetes import client, config
 
 from kubematrix import checkout, report
-from kubematrix.images import default_image
+from kubematrix.images import default_image, nonempty_arg
 from kubematrix.launcher import CellError, CellResult, Launcher, Timeouts
 from kubematrix.matrix import Cell
-from kubematrix.render import DEFAULT_NAMESPACE, VENDORS, render_job
+from kubematrix.render import DEFAULT_NAMESPACE, DNS_LABEL_RULE, VENDORS, is_dns_label, render_job
 
 EXIT_INFRA = 3
 EXIT_NO_CLUSTER = 2
+NAMESPACE_ENV = "KUBEMATRIX_NAMESPACE"
 KERNEL_SUITES = ("paged", "mla", "hybrid", "specdec")
 
 HELP = """\
@@ -61,13 +63,67 @@ def load_api_client(context: str | None = None) -> client.ApiClient:
             raise NoCluster(f"in-cluster configuration failed: {exc}") from exc
     try:
         config.load_kube_config(context=context, client_configuration=cfg)
-    except (config.ConfigException, FileNotFoundError) as exc:
+    except Exception as exc:  # the client raises whatever its parsing of a bad file meets
         where = os.environ.get("KUBECONFIG", "~/.kube/config")
         raise NoCluster(
             f"no cluster configured: not in a pod, and {where} gives no usable context "
-            f"({exc}). Point KUBECONFIG at a cluster or pass --context."
+            f"({_kubeconfig_problem(exc)}). Point KUBECONFIG at a cluster or pass --context."
         ) from exc
     return client.ApiClient(cfg)
+
+
+def _kubeconfig_problem(exc: Exception) -> str:
+    """What is wrong with the kubeconfig, in one line, from the client's exception."""
+    if isinstance(exc, config.ConfigException):
+        return " ".join(str(exc).split())
+    if isinstance(exc, IsADirectoryError):
+        return "it is a folder, not a file"
+    if isinstance(exc, OSError):
+        return f"cannot read it: {exc.strerror}"
+    if isinstance(exc, UnicodeDecodeError):
+        return "it is not UTF-8 text"
+    if isinstance(exc, yaml.YAMLError):
+        return f"it is not valid YAML: {' '.join(str(exc).split())}"
+    return "it is not a kubeconfig: a YAML mapping of clusters, users and contexts"
+
+
+def namespace_setting() -> str:
+    """``$KUBEMATRIX_NAMESPACE`` (unset or empty: :data:`DEFAULT_NAMESPACE`).
+
+    Raises:
+        ValueError: naming the variable, when it is no namespace name.
+    """
+    value = os.environ.get(NAMESPACE_ENV) or DEFAULT_NAMESPACE
+    if not is_dns_label(value):
+        raise ValueError(f"{NAMESPACE_ENV} must be {DNS_LABEL_RULE}; got {value!r}")
+    return value
+
+
+def _gids(text: str) -> list[int]:
+    """``--supplemental-groups``: comma-separated GIDs (ints >= 0); argparse reports the rule."""
+    try:
+        gids = [int(g) for g in text.split(",")]
+    except ValueError:
+        gids = [-1]
+    if any(g < 0 for g in gids):
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated non-negative integer GIDs, e.g. 44,109; got {text!r}"
+        )
+    return gids
+
+
+def _check_results_folder(path: Path) -> None:
+    """Refuse up front a ``--results`` folder the cells' JUnit reports could not be written to
+    (they are written as the cells finish); nothing is created here.
+
+    Raises:
+        ValueError: naming the option and the part of the path that stops it.
+    """
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--results {path}: cannot create it: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--results {path}: cannot create it: {existing} is not writable")
 
 
 def git_commit() -> str:
@@ -147,7 +203,7 @@ def run_cells(
         ValueError: as `render_cells`, before any cluster is asked.
     """
     out = Path(results_dir)
-    namespace = namespace or os.environ.get("KUBEMATRIX_NAMESPACE", DEFAULT_NAMESPACE)
+    namespace = namespace or namespace_setting()
     if jobs is None:
         jobs = render_cells(cells, namespace=namespace, commit=commit or git_commit())
     try:
@@ -177,12 +233,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--vendor", action="append", choices=VENDORS, required=True)
     parser.add_argument("--suite", action="append", choices=KERNEL_SUITES, required=True)
-    parser.add_argument("--image", help="image for every cell (default: per vendor, see docs)")
-    parser.add_argument("--commit", help="commit the Job names and images use (default: HEAD)")
     parser.add_argument(
-        "--namespace", default=os.environ.get("KUBEMATRIX_NAMESPACE", DEFAULT_NAMESPACE)
+        "--image", type=nonempty_arg, help="image for every cell (default: per vendor, see docs)"
     )
-    parser.add_argument("--context", help="kubeconfig context (default: the current one)")
+    parser.add_argument(
+        "--commit", type=nonempty_arg, help="commit the Job names and images use (default: HEAD)"
+    )
+    parser.add_argument(
+        "--namespace",
+        type=nonempty_arg,
+        help=f"where the Jobs run (default: ${NAMESPACE_ENV}, else {DEFAULT_NAMESPACE})",
+    )
+    parser.add_argument(
+        "--context", type=nonempty_arg, help="kubeconfig context (default: the current one)"
+    )
     parser.add_argument("--max-parallel", type=int, default=4)
     parser.add_argument(
         "--pending-timeout",
@@ -199,16 +263,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--supplemental-groups",
-        type=lambda s: [int(g) for g in s.split(",")],
-        help="AMD: the node's video,render GIDs (default: the overlay's)",
+        type=_gids,
+        help="AMD: the node's video,render GIDs, e.g. 44,109 (default: the overlay's)",
     )
-    parser.add_argument("--results", type=Path, default=Path("results/k8s"))
+    parser.add_argument(
+        "--results", type=lambda text: Path(nonempty_arg(text)), default=Path("results/k8s")
+    )
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="-- then pytest args")
     args = parser.parse_args(argv)
     extra = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
     # Usage errors first, before any cluster is asked: the Jobs are rendered from the templates.
-    commit = args.commit or git_commit()
+    commit = args.commit if args.commit is not None else git_commit()
     try:
+        namespace = args.namespace if args.namespace is not None else namespace_setting()
         if args.max_parallel < 1:
             raise ValueError(f"--max-parallel must be >= 1; got {args.max_parallel}")
         if args.deadline <= 600:
@@ -222,10 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             render_job(
                 vendor=vendor,
                 suite=suite,
-                image=args.image or default_image(vendor, commit),
+                image=args.image if args.image is not None else default_image(vendor, commit),
                 commit=commit,
                 nox_args=extra,
-                namespace=args.namespace,
+                namespace=namespace,
                 cell=f"{suite}-{vendor}",
                 active_deadline_s=args.deadline,
                 cell_timeout_s=args.deadline - 300,
@@ -235,17 +302,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             for vendor in args.vendor
             for suite in args.suite
         ]
+        _check_results_folder(args.results)
     except ValueError as exc:
         sys.stderr.write(f"kubematrix.k8s: {exc}; nothing was created\n")
         return 2
     try:
-        api = connect(args.namespace, args.context)
+        api = connect(namespace, args.context)
     except NoCluster as exc:
         sys.stderr.write(f"kubematrix.k8s: {exc}; nothing was created\n")
         return EXIT_NO_CLUSTER
     launcher = Launcher(
         api,
-        args.namespace,
+        namespace,
         timeouts=Timeouts(pending_s=args.pending_timeout),
         results_dir=args.results,
     )

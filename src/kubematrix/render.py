@@ -40,9 +40,11 @@ from kubematrix.matrix import BACKENDS
 
 __all__ = [
     "CELL_CONTAINER",
+    "DNS_LABEL_RULE",
     "RESULTS_PATH",
     "SUITES",
     "VENDORS",
+    "is_dns_label",
     "job_name",
     "load_kustomization",
     "render_job",
@@ -73,6 +75,15 @@ _MERGE_KEYS = {
 }
 _CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS_LABEL_RULE = (
+    "a DNS-1123 label: at most 63 characters of a-z, 0-9 and '-', "
+    "starting and ending with a letter or digit"
+)
+
+
+def is_dns_label(value: str) -> bool:
+    """Whether ``value`` is a DNS-1123 label: a namespace's name, and a valid label value."""
+    return len(value) <= 63 and bool(_DNS_LABEL.match(value))
 
 
 # Where a cell's processes leave their Triton cache counters, inside the pod.
@@ -327,7 +338,7 @@ def render_job(
             the arch the cell's first test expects); defaults to the vendor's first.
         queue_name: a Kueue LocalQueue to admit the Job through (the
             ``kueue.x-k8s.io/queue-name`` label); defaults to ``$KUBEMATRIX_KUEUE_QUEUE``, none
-            when that is unset.
+            when that is unset or empty.
         k8s_dir: the template directory; defaults to :func:`default_k8s_dir`.
 
     Raises:
@@ -342,8 +353,8 @@ def render_job(
         errors.append(f"image must be a non-empty reference without spaces; got {image!r}")
     if not commit:
         errors.append(f"commit must be non-empty; got {commit!r}")
-    if not _DNS_LABEL.match(namespace) or len(namespace) > 63:
-        errors.append(f"namespace must be a DNS-1123 label; got {namespace!r}")
+    if not is_dns_label(namespace):
+        errors.append(f"namespace must be {DNS_LABEL_RULE}; got {namespace!r}")
     if not 0 < test_timeout_s < cell_timeout_s < active_deadline_s:
         errors.append(
             "timeouts must satisfy 0 < test_timeout_s < cell_timeout_s < active_deadline_s; "
@@ -359,9 +370,15 @@ def render_job(
         errors.append(f"supplemental_groups must be GIDs >= 0; got {list(supplemental_groups)}")
     if vendor in VENDORS and arch is not None and arch not in archs(vendor):
         errors.append(f"arch must be one of {archs(vendor)} for {vendor}; got {arch!r}")
-    queue_name = queue_name or os.environ.get(KUEUE_QUEUE_ENV) or None
-    if queue_name is not None and not _DNS_LABEL.match(queue_name):
-        errors.append(f"queue_name must be a Kueue LocalQueue name (DNS label); got {queue_name!r}")
+    # The queue becomes a label value: named by where it came from when it cannot be one.
+    queue_source = "queue_name"
+    if queue_name is None:
+        queue_name, queue_source = os.environ.get(KUEUE_QUEUE_ENV) or None, KUEUE_QUEUE_ENV
+    if queue_name is not None and not is_dns_label(queue_name):
+        errors.append(
+            f"{queue_source} must be a Kueue LocalQueue name usable as a label value, "
+            f"{DNS_LABEL_RULE}; got {queue_name!r} ({len(queue_name)} characters)"
+        )
     if errors:
         raise ValueError("render_job: " + "; ".join(errors))
 

@@ -393,6 +393,42 @@ def test_pipeline_usage_errors_name_the_option(argv, message, capsys):
     assert out.out == "" and out.err.startswith(message), out.err
 
 
+@pytest.mark.parametrize("option", ["--changed-since", "--output", "-o", "--root", "--commit"])
+def test_pipeline_refuses_an_empty_value_by_name(option, tmp_path, capsys):
+    """`--changed-since ""` used to give the full pipeline, `-o ""` to write to stdout."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["pipeline", option, ""])
+    assert exit_.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "must not be empty" in out.err and f"{option}" in out.err
+
+
+def test_pipeline_outside_a_checkout_names_the_root_and_reads_one_given_by_root(tmp_path, schema):
+    """`kubematrix pipeline` in any folder: the error names that folder, the missing inputs and
+    `--root`; with `--root <checkout>` it prints a pipeline that Buildkite accepts."""
+    cmd = [sys.executable, "-m", "kubematrix", "pipeline"]
+    env = {**os.environ, "BUILDKITE_COMMIT": COMMIT}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert f"image inputs missing under {tmp_path}: Dockerfile.cuda, " in proc.stderr
+    assert "point --root at one" in proc.stderr
+    for lanes in buildkite.LANES:
+        out = subprocess.run(
+            [*cmd, "--root", str(ROOT), "--lanes", lanes],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        pipeline = yaml.safe_load(out)
+        jsonschema.validate(pipeline, schema)
+        keys = {s["key"]: s for s in command_steps(pipeline)}
+        want = images.content_key("cuda", ROOT)
+        assert keys["image-cuda"]["env"]["KUBEMATRIX_IMAGE_KEY"] == want
+
+
 def test_pipeline_output_makes_its_folder_or_says_why_not(tmp_path, capsys):
     target = tmp_path / "new" / "deeper" / "pipeline.yml"
     assert main(["pipeline", "--output", str(target)]) == 0

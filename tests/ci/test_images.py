@@ -212,3 +212,85 @@ def test_constraints_pin_the_triton_the_cpu_sessions_test_with():
         assert "torch==" in text, vendor
     deps = load_toml(ROOT / "pyproject.toml")["project"]["dependencies"]
     assert not [d for d in deps if "==" in d], deps  # the library declares ranges only
+
+
+# -- the `kubematrix image` command's bad inputs: one line naming the file, exit 2 --------------
+
+
+@pytest.mark.parametrize("action", ["check", "pin"])
+@pytest.mark.parametrize(
+    ("root", "message"),
+    [
+        ("missing", "--root {root} does not exist: point it at a checkout"),
+        ("empty", "{root}/Dockerfile.cuda does not exist: point --root at a checkout"),
+        ("a-file", "--root {root} is not a folder: point it at a checkout"),
+        ("folder-named-dockerfile", "{root}/Dockerfile.cuda is a folder, not a file"),
+    ],
+)
+def test_check_and_pin_name_a_root_that_is_no_checkout(tmp_path, action, root, message):
+    """A missing root, one without the Dockerfile, a file, or a folder named like the Dockerfile:
+    exit 2 and one line (`key` and `refs` did so already), never a traceback."""
+    path = tmp_path / root
+    if root == "empty":
+        path.mkdir()
+    elif root == "a-file":
+        path.write_text("")
+    elif root == "folder-named-dockerfile":
+        (path / "Dockerfile.cuda").mkdir(parents=True)
+    cmd = [sys.executable, "-m", "kubematrix", "image", action, "--vendor", "cuda"]
+    proc = subprocess.run(
+        [*cmd, "--root", str(path), "--digest", DIGEST], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("kubematrix image: ")
+    assert message.format(root=path) in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"FROM scratch\n", "Dockerfile.cuda: expected one 'ARG BASE_IMAGE=<image>' line; found 0"),
+        (b"ARG BASE_IMAGE=a\nARG BASE_IMAGE=b\n", "Dockerfile.cuda: expected one 'ARG BASE_IMAGE"),
+        (b"\x7fELF\x02\x01\x01\x00\xd0\xff\n", "Dockerfile.cuda is not UTF-8 text"),
+    ],
+)  # fmt: skip
+def test_check_names_a_dockerfile_without_its_base_line_or_not_text(
+    checkout, content, message, capsys
+):
+    (checkout / "Dockerfile.cuda").write_bytes(content)
+    for action in ("check", "pin"):
+        argv = ["image", action, "--vendor", "cuda", "--root", str(checkout), "--digest", DIGEST]
+        assert main(argv) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and f"kubematrix image: {checkout}/{message}" in out.err, out.err
+    assert (checkout / "Dockerfile.cuda").read_bytes() == content  # pin wrote nothing
+    # the pipeline's image step reads it the same way
+    with pytest.raises(ValueError, match=re.escape(message)):
+        buildkite.image_step("cuda", lanes="queues", commit=COMMIT, root=str(checkout))
+
+
+@pytest.mark.parametrize("option", ["--digest", "--root", "--commit"])
+def test_an_empty_value_is_refused_not_replaced_by_the_default(checkout, option, capsys):
+    """`pin --digest ""` used to ask the registry, `--root ""` to read the current folder,
+    `--commit ""` to take HEAD."""
+    before = (checkout / "Dockerfile.cuda").read_bytes()
+    action = "refs" if option == "--commit" else "pin"
+    argv = ["image", action, "--vendor", "cuda", "--root", str(checkout), option, ""]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert f"argument {option}: must not be empty" in capsys.readouterr().err
+    assert (checkout / "Dockerfile.cuda").read_bytes() == before
+
+
+def test_the_content_key_names_its_root_a_missing_pyproject_and_a_file_not_text(checkout):
+    (checkout / "pyproject.toml").unlink()
+    with pytest.raises(ValueError, match=rf"missing under {re.escape(str(checkout))}: pyproject"):
+        images.content_key("cuda", checkout)
+    (checkout / "pyproject.toml").write_text("[project\n")
+    with pytest.raises(ValueError, match=r"pyproject.toml is not valid TOML"):
+        images.content_key("cuda", checkout)
+    (checkout / "constraints" / "cuda.txt").write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match=r"constraints/cuda.txt is not UTF-8 text"):
+        images.pinned_version("cuda", "triton", checkout)

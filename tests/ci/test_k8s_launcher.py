@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -369,7 +372,7 @@ def test_no_cluster_says_so_and_exits_non_zero(monkeypatch, tmp_path, capsys):
         (["--max-parallel", "0"], "--max-parallel must be >= 1; got 0"),
         (["--pending-timeout", "nan"], "--pending-timeout must be > 0 seconds; got nan"),
         (["--deadline", "600"], "--deadline must be > 600 s"),
-        (["--namespace", "Bad_NS"], "namespace must be a DNS-1123 label; got 'Bad_NS'"),
+        (["--namespace", "Bad_NS"], "namespace must be a DNS-1123 label: at most 63 characters"),
         (["--commit", "a b"], "commit must make the image tag <vendor>-<commit> a Docker tag"),
         (["--image", "x y"], "image must be a non-empty reference without spaces"),
     ],
@@ -383,6 +386,97 @@ def test_usage_errors_come_before_the_cluster_is_asked(
     assert k8s.main(["--vendor", "rocm", "--suite", "mla", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "nothing was created" in err and "no cluster" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--supplemental-groups", "abc"],
+         "argument --supplemental-groups: must be comma-separated non-negative integer GIDs, "
+         "e.g. 44,109; got 'abc'"),
+        (["--supplemental-groups", "44,-1"], "non-negative integer GIDs, e.g. 44,109; got '44,-1'"),
+        (["--image", ""], "argument --image: must not be empty"),
+        (["--commit", ""], "argument --commit: must not be empty"),
+        (["--namespace", ""], "argument --namespace: must not be empty"),
+        (["--context", ""], "argument --context: must not be empty"),
+        (["--results", ""], "argument --results: must not be empty"),
+    ],
+)  # fmt: skip
+def test_bad_and_empty_arguments_are_refused_by_name(argv, message, capsys):
+    """`--image ""` used to run the default image; `--supplemental-groups abc` said only
+    `invalid <lambda> value`."""
+    with pytest.raises(SystemExit) as exit_:
+        k8s.main(["--vendor", "rocm", "--suite", "mla", *argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "message"),
+    [
+        ("KUBEMATRIX_NAMESPACE", "Bad_NS", "KUBEMATRIX_NAMESPACE must be a DNS-1123 label: at"),
+        ("KUBEMATRIX_NAMESPACE", "n" * 64, "KUBEMATRIX_NAMESPACE must be a DNS-1123 label: at"),
+        ("KUBEMATRIX_KUEUE_QUEUE", "q" * 100,
+         "KUBEMATRIX_KUEUE_QUEUE must be a Kueue LocalQueue name usable as a label value"),
+    ],
+)  # fmt: skip
+def test_settings_that_become_names_or_labels_are_named_before_the_cluster_is_asked(
+    env, value, message, monkeypatch, tmp_path, capsys
+):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    monkeypatch.setenv(env, value)
+    assert k8s.main(["--vendor", "rocm", "--suite", "mla", "--commit", "abc1234"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "nothing was created" in err and "no cluster" not in err, err
+
+
+def test_a_results_folder_that_cannot_be_made_is_named_before_the_cluster_is_asked(
+    monkeypatch, tmp_path, capsys
+):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    (tmp_path / "a-file").write_text("")
+    results = tmp_path / "a-file" / "results"
+    argv = ["--vendor", "rocm", "--suite", "mla", "--commit", "abc1234", "--results", str(results)]
+    assert k8s.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--results {results}: cannot create it: {tmp_path / 'a-file'} is not a folder" in err
+    assert "nothing was created" in err and not results.exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"apiVersion: v1\nclusters: [\n", "it is not valid YAML: while parsing"),
+        (b"\x7fELF\x02\x01\x01\x00\xd0\xff\n", "it is not UTF-8 text"),
+        (None, "it is a folder, not a file"),
+        (b"[]\n", "it is not a kubeconfig: a YAML mapping of clusters, users and contexts"),
+        (b"hello\n", "it is not a kubeconfig: a YAML mapping of clusters, users and contexts"),
+    ],
+)
+def test_a_kubeconfig_that_is_no_kubeconfig_is_no_cluster(tmp_path, content, problem):
+    """Bad YAML, a binary file, a folder or a list used to end in the client's traceback (the
+    client reads $KUBECONFIG at import, hence a fresh process)."""
+    kubeconfig = tmp_path / "kubeconfig"
+    if content is None:
+        kubeconfig.mkdir()
+    else:
+        kubeconfig.write_bytes(content)
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    cmd = [sys.executable, "-m", "kubematrix.k8s", "--vendor", "cuda", "--suite", "mla"]
+    proc = subprocess.run(
+        [*cmd, "--commit", "abc1234", "--results", str(tmp_path / "results")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == k8s.EXIT_NO_CLUSTER, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(
+        f"kubematrix.k8s: no cluster configured: not in a pod, and "
+        f"{kubeconfig} gives no usable context ({problem}"
+    )
 
 
 def test_exit_status_propagates_the_first_failing_code():

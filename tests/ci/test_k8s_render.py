@@ -334,6 +334,23 @@ def test_kueue_admission_is_one_setting(monkeypatch):
         _cell("rocm", queue_name="Not A Queue")
 
 
+def test_a_kueue_queue_that_cannot_be_a_label_value_is_named_by_its_variable(monkeypatch):
+    """A label value is at most 63 characters: a longer queue used to reach the Job."""
+    monkeypatch.setenv(render.KUEUE_QUEUE_ENV, "q" * 63)
+    assert _cell("cuda")["metadata"]["labels"][render.KUEUE_QUEUE_LABEL] == "q" * 63
+    for bad in ("q" * 64, "q" * 100, "gpu_ci", "-gpu"):
+        monkeypatch.setenv(render.KUEUE_QUEUE_ENV, bad)
+        with pytest.raises(ValueError) as err:
+            _cell("cuda")
+        message = str(err.value)
+        assert f"{render.KUEUE_QUEUE_ENV} must be a Kueue LocalQueue name usable as a " in message
+        assert "at most 63 characters of a-z, 0-9 and '-'" in message
+        assert f"got {bad!r} ({len(bad)} characters)" in message
+    # an explicit empty queue is refused, not read as "none"
+    with pytest.raises(ValueError, match="queue_name must be a Kueue LocalQueue name"):
+        _cell("cuda", queue_name="")
+
+
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 def test_the_real_kustomize_builds_what_the_subset_refuses(tmp_path, monkeypatch):
     """An admin's own edit with a field the subset lacks (a label transformer here)."""
