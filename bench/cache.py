@@ -14,6 +14,8 @@ beside the read ceiling on the same bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import portattn
@@ -24,22 +26,29 @@ DTYPE = torch.bfloat16
 H, D = 8, 128
 
 
-def rows(ctx: core.Context):
-    quick = ctx.quick
+def _cases(quick: bool) -> list[tuple[str, Callable[..., dict], tuple]]:
+    """``(name, row function, its sizes)`` of every row."""
     blocks = (16,) if quick else (16, 2048)
     tokens, slots = (8, 64) if quick else (16384, 65536)
     seqs, context = (3, 40) if quick else (64, 4096)
+    cases: list[tuple[str, Callable[..., dict], tuple]] = []
     for bs in blocks:
-        name = f"write {tokens} tokens {H}/{D} bs{bs}"
+        cases.append((f"write {tokens} tokens {H}/{D} bs{bs}", _write, (tokens, slots, bs)))
+        cases.append((f"gather {seqs}x{context} {H}/{D} bs{bs}", _gather, (seqs, context, bs)))
+    idx = (3, 40, 16) if quick else (64, 16384, 64)
+    cases.append((f"page indices {idx[0]}x{idx[1]} bs{idx[2]}", _indices, idx))
+    return cases
+
+
+def names(quick: bool) -> list[str]:
+    """The rows' names, without running them (``--rows`` is checked against these)."""
+    return [name for name, _, _ in _cases(quick)]
+
+
+def rows(ctx: core.Context):
+    for name, fn, sizes in _cases(ctx.quick):
         if ctx.want(name):
-            yield _write(ctx, name, tokens, slots, bs)
-        name = f"gather {seqs}x{context} {H}/{D} bs{bs}"
-        if ctx.want(name):
-            yield _gather(ctx, name, seqs, context, bs)
-    idx_seqs, idx_ctx, idx_bs = (3, 40, 16) if quick else (64, 16384, 64)
-    name = f"page indices {idx_seqs}x{idx_ctx} bs{idx_bs}"
-    if ctx.want(name):
-        yield _indices(ctx, name, idx_seqs, idx_ctx, idx_bs)
+            yield fn(ctx, name, *sizes)
 
 
 def _write(ctx, name, tokens, num_slots, bs) -> dict:

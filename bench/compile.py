@@ -101,6 +101,11 @@ def _spawn(name: str, cache_dir: str, measure: bool) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def names(quick: bool) -> list[str]:
+    """The rows' names, without running them (``--rows`` is checked against these)."""
+    return [f"compile {case}" for case in CASES]
+
+
 def rows(ctx: core.Context):
     for case in CASES:
         name = f"compile {case}"

@@ -150,6 +150,16 @@ def _uncached(quick: bool) -> dict[str, float] | str:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+#: The ops `_ops` times, and the modes each is timed in.
+OPS = ("paged_attention", "mla_decode")
+MODES = ("cached", "unbounded", "uncached")
+
+
+def names(quick: bool) -> list[str]:
+    """The rows' names, without running them (``--rows`` is checked against these)."""
+    return [f"host {op} {mode}" for op in OPS for mode in MODES]
+
+
 def rows(ctx: core.Context):
     calls, repeats = (30, 3) if ctx.quick else (CALLS, REPEATS)
     a = torch.empty(16, device=ctx.device)
@@ -158,7 +168,7 @@ def rows(ctx: core.Context):
     uncached = _uncached(ctx.quick)
     for op, (modes, check_fn) in _ops(ctx.device).items():
         check = check_fn()
-        for mode in ("cached", "unbounded", "uncached"):
+        for mode in MODES:
             name = f"host {op} {mode}"
             if not ctx.want(name) or (mode != "uncached" and mode not in modes):
                 continue

@@ -37,14 +37,22 @@ FULL += [(16, 4096, 64, q, arch) for arch in HIP_POLICIES for q in (1, 2, 4, 8)]
 QUICK = [(4, 40, 16, 1, None), (4, 40, 16, 2, None), (4, 40, 16, 4, "gfx942")]
 
 
+def _name(batch_n, heads, context, page, q_len, policy) -> str:
+    ctx_label = f"{context // 1024}k" if context % 1024 == 0 else str(context)
+    name = f"mla {heads}h {batch_n}x{ctx_label} page{page} q{q_len}"
+    return name if policy is None else f"{name} {policy} tiles"
+
+
+def names(quick: bool) -> list[str]:
+    """The rows' names, without running them (``--rows`` is checked against these)."""
+    return [_name(2 if quick else 64, *p) for p in (QUICK if quick else FULL)]
+
+
 def rows(ctx: core.Context):
     batch_n = 2 if ctx.quick else 64
     scale = DK**-0.5
     for heads, context, page, q_len, policy in QUICK if ctx.quick else FULL:
-        ctx_label = f"{context // 1024}k" if context % 1024 == 0 else str(context)
-        name = f"mla {heads}h {batch_n}x{ctx_label} page{page} q{q_len}"
-        if policy is not None:
-            name += f" {policy} tiles"
+        name = _name(batch_n, heads, context, page, q_len, policy)
         if not ctx.want(name):
             continue
         params = dict(batch=batch_n, context=context, heads=heads, head_dim_k=DK,

@@ -46,10 +46,19 @@ def _ctx_label(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
+def _name(batch_n, context, hq, hkv, d, layout, bs) -> str:
+    return f"decode {batch_n}x{_ctx_label(context)} {hq}/{hkv}/{d} {layout} bs{bs}"
+
+
+def names(quick: bool) -> list[str]:
+    """The rows' names, without running them (``--rows`` is checked against these)."""
+    return [_name(n, c, *h, lay, bs) for n, c, h, lay, bs in (QUICK if quick else FULL)]
+
+
 def rows(ctx: core.Context):
     vllm_fn, vllm_why = core.vllm_unified_attention()
     for batch_n, context, (hq, hkv, d), layout, bs in QUICK if ctx.quick else FULL:
-        name = f"decode {batch_n}x{_ctx_label(context)} {hq}/{hkv}/{d} {layout} bs{bs}"
+        name = _name(batch_n, context, hq, hkv, d, layout, bs)
         if not ctx.want(name):
             continue
         seqs = ((context, 1),) * batch_n

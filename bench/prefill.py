@@ -179,6 +179,12 @@ def floor_anchor(b: inputs.PagedBatch, ctx: core.Context) -> dict:
     return core.anchor(name, None, note="cuDNN refused: " + " | ".join(errors))
 
 
+def names(quick: bool) -> list[str]:
+    """The rows' names, without running them (``--rows`` is checked against these)."""
+    return [f"{p} bs{bs}" for p, (_, _, blocks) in (QUICK if quick else FULL).items()
+            for bs in blocks]  # fmt: skip
+
+
 def rows(ctx: core.Context):
     points = QUICK if ctx.quick else FULL
     for point, (seqs, (hq, hkv, d), blocks) in points.items():

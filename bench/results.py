@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +41,7 @@ TITLES = {
 def _num(x, digits: int = 1) -> str:
     if x is None:
         return "-"
+    x = float(x)  # an int past a float's range fails here, once, as an OverflowError
     return f"{x:,.{digits}f}" if abs(x) < 1e6 else f"{x:.3g}"
 
 
@@ -56,7 +58,7 @@ def _anchor(row: dict, a: dict) -> str:
     if "GB/s" in shared and row["metrics"].get("GB/s"):
         k = "GB/s"
         rel = f"{100 * row['metrics'][k] / a['metrics'][k]:.0f}% of it"
-    elif row["time_us"]:
+    elif row["time_us"] and a["time_us"]:
         rel = f"row/anchor time {row['time_us'] / a['time_us']:.2f}"
     else:
         rel = ""
@@ -96,6 +98,39 @@ def merge(docs: list[dict], across_trees: bool = False) -> dict:
                            commit=d["commit"], compare=d.get("compare"),
                            rounds=d.get("rounds", 1))
                       for d in docs])  # fmt: skip
+
+
+class RowError(ValueError):
+    """A row the table cannot show: ``row`` and why."""
+
+    def __init__(self, row: dict, why: str) -> None:
+        super().__init__(f"row {row.get('name')!r} ({row.get('family')}): {why}")
+        self.row = row
+
+
+def _cells(r: dict, compare: bool, trees: bool) -> list[str]:
+    """A row's table cells."""
+    c = r["check"]
+    if not c["passed"]:
+        check = "**FAILED**"
+    elif c["kind"] == "tolerance" and c["error"] is not None and c["error_torch"]:
+        check = f"{c['error'] / c['error_torch']:.2f}x torch"
+    elif c["kind"] == "tolerance":
+        check = "ok"
+    else:
+        check = c["kind"] if c["kind"] == "exact" else "-"
+    anchors = "; ".join(_anchor(r, a) for a in r["anchors"]) or "-"
+    us = _num(r["time_us"])
+    rounds = [t for t in r.get("round_times_us") or [] if t is not None]
+    if len(rounds) > 1:  # the median round's time, and the rounds' range beside it
+        us += f" ({_num(min(rounds))}-{_num(max(rounds))})"
+    cells = [r["name"], check, us, _metrics(r["metrics"]), anchors]
+    if compare:
+        ratio = (r.get("compare") or {}).get("ratio")
+        cells.append("-" if ratio is None else f"{float(ratio):.3f}")
+    if trees:
+        cells.append(str(r["run"]))
+    return cells
 
 
 def render(doc: dict) -> str:
@@ -158,26 +193,11 @@ def render(doc: dict) -> str:
             head, rule = head + " run |", rule + "---:|"
         lines += [head, rule]
         for r in rows:
-            c = r["check"]
-            if not c["passed"]:
-                check = "**FAILED**"
-            elif c["kind"] == "tolerance":
-                check = f"{c['error'] / c['error_torch']:.2f}x torch" if c["error_torch"] else "ok"
-            else:
-                check = c["kind"] if c["kind"] == "exact" else "-"
-            anchors = "; ".join(_anchor(r, a) for a in r["anchors"]) or "-"
-            us = _num(r["time_us"])
-            rounds = [t for t in r.get("round_times_us") or [] if t is not None]
-            if len(rounds) > 1:  # the median round's time, and the rounds' range beside it
-                us += f" ({_num(min(rounds))}-{_num(max(rounds))})"
-            cells = [r["name"], check, us, _metrics(r["metrics"]), anchors]
-            if compare:
-                ratio = (r.get("compare") or {}).get("ratio")
-                cells.append("-" if ratio is None else f"{ratio:.3f}")
-            if trees:
-                cells.append(str(r["run"]))
-            lines.append("| " + " | ".join(cells) + " |")
-        forced = sorted({r["params"]["policy"] for r in rows if r["params"].get("policy")})
+            try:  # a value the table cannot show names its row, not a line of this module
+                lines.append("| " + " | ".join(_cells(r, compare, trees)) + " |")
+            except (TypeError, ValueError, ArithmeticError, KeyError, AttributeError) as exc:
+                raise RowError(r, f"{type(exc).__name__}: {exc}") from None
+        forced = sorted({str(r["params"]["policy"]) for r in rows if r["params"].get("policy")})
         if forced:
             lines += ["", f"Rows named `<arch> tiles` ({', '.join(forced)}): that target's policy "
                       f"forced, its tiles compiled for and run on the {doc['device']}. They show "
@@ -210,8 +230,10 @@ def _load(path: str) -> dict:
     errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(doc), key=str)
     if errors:
         where = "/".join(str(p) for p in errors[0].absolute_path) or "(top)"
+        why = errors[0].message  # shortened: a 400-digit number would fill the terminal
+        why = why if len(why) <= 200 else f"{why[:90]} ... {why[-90:]}"
         sys.exit(f"bench.results: {path}: not a results document of bench/schema.json at {where}: "
-                 f"{errors[0].message}")  # fmt: skip
+                 f"{why}")  # fmt: skip
     return doc
 
 
@@ -222,11 +244,21 @@ def main(argv=None) -> int:
     ap.add_argument("--across-trees", action="store_true",
                     help="merge runs of different commits (each row names its run)")  # fmt: skip
     opts = ap.parse_args(argv)
+    if opts.out and (os.path.isdir(opts.out) or not os.path.isdir(os.path.dirname(
+            os.path.abspath(opts.out)))):  # fmt: skip
+        ap.error(f"--out {opts.out}: must be a file in an existing folder")
     docs = [_load(path) for path in opts.results]
-    text = render(merge(docs, opts.across_trees) if len(docs) > 1 else docs[0])
+    try:
+        text = render(merge(docs, opts.across_trees) if len(docs) > 1 else docs[0])
+    except RowError as exc:  # the document the row came from (a merged row knows its run)
+        path = opts.results[exc.row.get("run", 1) - 1]
+        sys.exit(f"bench.results: {path}: {exc}")
     if opts.out:
-        with open(opts.out, "w") as f:
-            f.write(text)
+        try:
+            with open(opts.out, "w") as f:
+                f.write(text)
+        except OSError as exc:
+            sys.exit(f"bench.results: --out {opts.out}: cannot write ({exc.strerror})")
     else:
         sys.stdout.write(text)
     return 0

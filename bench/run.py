@@ -18,6 +18,9 @@ exits 1); GPU rows are CUDA-graph replays between two events after an L2 flush, 
 ``--reps``; anchors (SDPA cuDNN/flash, the read ceiling, vLLM where it imports) in the same run.
 On a CPU the runner needs ``TRITON_INTERPRET=1``: the shapes should be ``--quick``'s, the host
 and compile families are skipped, and the document says its timings are not meaningful.
+A ``--rows`` filter that matches no row of the chosen families, or a choice of families none of
+which runs on this device, is a usage error (exit 2) before any row runs; a run that measured no
+row writes no document and exits 1.
 
 ``--compare OLD`` (``OLD`` holding ``src/portattn`` or ``portattn``, e.g. from
 ``git archive <rev> src | tar -x -C OLD``) times each family in child processes, this checkout's
@@ -76,6 +79,17 @@ def commit_of(root: str = ROOT, *, from_env: bool = True) -> str:
     if os.path.realpath(top) != os.path.realpath(root):
         return "unknown"
     return checkout.describe(root, short=7)
+
+
+def row_names(families, quick: bool) -> dict[str, list[str]]:
+    """Each family's row names (its module's ``names``), without running any row."""
+    return {f: importlib.import_module(f"bench.{f}").names(quick) for f in families}
+
+
+def _matching(names: dict[str, list[str]], rows: str) -> list[str]:
+    """The names that hold one of the comma-separated substrings ``rows``."""
+    subs = [s for s in rows.split(",") if s]
+    return [n for ns in names.values() for n in ns if any(s in n for s in subs)]
 
 
 def run_families(families, ctx: core.Context, log=sys.stderr) -> dict:
@@ -273,6 +287,11 @@ def parse(argv=None):
             ap.error(f"--out {opts.out}: not a file this process can write")
     opts.rows = opts.rows or ""
     opts.families = tuple(f for f in FAMILIES if f in fams)
+    # before any row runs; a --compare child gets the whole filter with one family of several
+    names = row_names(opts.families, opts.quick) if opts.rows and not opts.child_json else None
+    if names is not None and not _matching(names, opts.rows):
+        ap.error(f"no row matches --rows {opts.rows!r} in {list(opts.families)} "
+                 "(substrings of the row names in bench/RESULTS.md)")  # fmt: skip
     return opts
 
 
@@ -282,6 +301,17 @@ def main(argv=None) -> int:
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("bench.run: no GPU here; set TRITON_INTERPRET=1 to run the kernels on the CPU "
                  "(with --quick: full-size rows take hours in the interpreter)")  # fmt: skip
+    if not opts.child_json:  # a run that can measure nothing here stops before it starts
+        runnable = [f for f in opts.families if f not in GPU_ONLY or device == "cuda"]
+        why = "; ".join(f"{f}: {GPU_ONLY[f]}" for f in opts.families if f not in runnable)
+        if not runnable:
+            print(f"bench.run: --only {','.join(opts.families)}: no family runs here ({why})",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        if opts.rows and not _matching(row_names(runnable, opts.quick), opts.rows):
+            print(f"bench.run: --rows {opts.rows!r} matches only rows of families that do not run "
+                  f"here ({why})", file=sys.stderr)  # fmt: skip
+            return 2
     ctx = core.Context(device, quick=opts.quick, reps=opts.reps,
                        only_rows=tuple(s for s in opts.rows.split(",") if s))  # fmt: skip
     if opts.child_json:
@@ -297,6 +327,10 @@ def main(argv=None) -> int:
         result, compare_record = run_rounds(opts.families, opts)
     else:
         result = run_families(opts.families, ctx)
+    if not result["rows"]:  # no document: one without rows would read as a finished run
+        print(f"bench.run: no row was measured; no document written; errors {result['errors']}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     doc = document(result, opts, device, compare_record)
     text = json.dumps(doc, indent=1, ensure_ascii=False)
     if opts.out:
@@ -305,10 +339,6 @@ def main(argv=None) -> int:
         print(f"bench.run: {len(doc['rows'])} rows -> {opts.out}", file=sys.stderr)
     else:
         print(text)
-    if ctx.only_rows and not doc["rows"] and not doc["errors"]:
-        print(f"bench.run: no row matches --rows {opts.rows!r} (substrings of the row names in "
-              "bench/RESULTS.md)", file=sys.stderr)  # fmt: skip
-        return 2
     failed = [r["name"] for r in doc["rows"] if not r["check"]["passed"]]
     if failed or doc["errors"]:
         print(f"bench.run: failed checks {failed}; errors {doc['errors']}", file=sys.stderr)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import statistics
 import sys
 import threading
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--points", default="prefill 8x4096 32/8/128", help=f"of {list(prefill.FULL)}")
     ap.add_argument("--blocks", default="16,2048")
     ap.add_argument("--seconds", type=float, default=3.0, help="replays a row a round")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=core.int_at_least(1), default=3)
     opts = ap.parse_args(argv)
     names = [p.strip() for p in opts.points.split(",")]
     if any(n not in prefill.FULL for n in names):
@@ -137,8 +138,11 @@ def main(argv=None) -> int:
         blocks = [int(b) for b in opts.blocks.split(",")]
     except ValueError:
         ap.error(f"--blocks must be comma-separated integers; got {opts.blocks!r}")
-    if opts.seconds <= 0 or opts.rounds < 1 or min(blocks) < 1:
-        ap.error("--seconds must be > 0, --rounds >= 1 and every block size >= 1")
+    # nan passes a comparison and inf replays forever: a finite count of seconds only
+    if not (math.isfinite(opts.seconds) and opts.seconds > 0):
+        ap.error(f"--seconds must be a finite number > 0; got {opts.seconds}")
+    if min(blocks) < 1:
+        ap.error(f"--blocks must be block sizes >= 1; got {opts.blocks!r}")
     core.require_gpu("bench.diag.clock")
     read = nvml_reader(torch.cuda.current_device())
     rows, keep = [], []

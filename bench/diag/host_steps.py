@@ -130,8 +130,8 @@ def mla_steps(device: str) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--calls", type=core.int_at_least(1), default=300)
+    ap.add_argument("--repeats", type=core.int_at_least(1), default=7)
     opts = ap.parse_args(argv)
     core.require_gpu("bench.diag.host_steps")
     print(f"device: {torch.cuda.get_device_name()}")

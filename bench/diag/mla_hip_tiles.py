@@ -30,7 +30,7 @@ import torch
 from bench import core, inputs, mla
 from portattn.kernels._launch import run_all
 from portattn.kernels.mla_decode import plan_mla_decode
-from portattn.platform import get_target
+from portattn.platform import TARGETS, get_target
 from portattn.policy.common import launch_options
 from portattn.policy.mla import (
     PROGRAMS_PER_SM,
@@ -109,19 +109,26 @@ def main(argv=None) -> int:
     ap.add_argument("--archs", default="gfx942,gfx950")
     ap.add_argument("--tiles", default="policy")
     ap.add_argument("--q-lens", default="1,2,4,8")
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--heads", type=core.int_at_least(1), default=16)
+    ap.add_argument("--batch", type=core.int_at_least(1), default=64)
+    ap.add_argument("--context", type=core.int_at_least(1), default=4096)
     opts = ap.parse_args(argv)
     try:
         tiles = [(t, parse_tile(t)) for t in opts.tiles.split(",")]
     except ValueError as err:
         print(err, file=sys.stderr)
         return 2
+    hip = [a for a, t in TARGETS.items() if t.vendor == "hip"]
+    archs = opts.archs.split(",")
+    if not set(archs) <= set(hip):
+        ap.error(f"--archs must be comma-separated HIP targets of {hip}; got {opts.archs!r}")
+    q_texts = opts.q_lens.split(",")
+    if not all(q.isascii() and q.isdigit() and int(q) >= 1 for q in q_texts):
+        ap.error(f"--q-lens must be comma-separated ints >= 1; got {opts.q_lens!r}")
+    q_lens = [int(q) for q in q_texts]
     core.require_gpu("bench.diag.mla_hip_tiles")
     ctx = core.Context(device="cuda")
-    q_lens = [int(q) for q in opts.q_lens.split(",")]
-    for arch in opts.archs.split(","):
+    for arch in archs:
         base_us, base_label = measure(ctx, arch, opts.heads, 1, opts.batch, opts.context, None)
         print(f"{arch} q1 policy {base_label}: {base_us} µs", flush=True)
         for name, tile in tiles:

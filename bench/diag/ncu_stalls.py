@@ -24,12 +24,33 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
 def load(path: str) -> tuple[list[str], list[list[str]]]:
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))
-    for k, row in enumerate(rows):  # the header row names the sample column
-        if SAMPLES in row:
-            return row, rows[k + 1 :]
-    raise SystemExit(f"ncu_stalls: {path} has no '{SAMPLES}' column (need --page source --csv)")
+    """The header and the data rows of an ncu source page, each row's sample counts (the
+    all-samples column and every ``stall_*`` one) checked to be ints >= 0 (an empty cell: 0)."""
+    try:
+        with open(path, newline="") as f:
+            reader = csv.reader(f)
+            rows = [(reader.line_num, row) for row in reader if row]
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:  # missing, a folder, not text
+        raise SystemExit(f"ncu_stalls: {path}: cannot read a CSV ({exc})") from None
+    header = next((k for k, (_, row) in enumerate(rows) if SAMPLES in row), None)
+    if header is None:  # the header row names the sample column
+        raise SystemExit(f"ncu_stalls: {path} has no '{SAMPLES}' column (need --page source --csv)")
+    hdr = rows[header][1]
+    if "Source" not in hdr:
+        raise SystemExit(f"ncu_stalls: {path}: line {rows[header][0]} has no 'Source' column "
+                         "(need --print-source sass)")  # fmt: skip
+    counts = [i for i, h in enumerate(hdr) if h == SAMPLES or h.startswith("stall_")]
+    data = []
+    for line, row in rows[header + 1 :]:
+        if len(row) < len(hdr):
+            raise SystemExit(f"ncu_stalls: {path}: line {line} has {len(row)} columns; the "
+                             f"header has {len(hdr)}")  # fmt: skip
+        for i in counts:
+            if row[i] and not (row[i].isascii() and row[i].isdigit()):
+                raise SystemExit(f"ncu_stalls: {path}: line {line}, column '{hdr[i]}': sample "
+                                 f"counts must be ints >= 0; got {row[i]!r}")  # fmt: skip
+        data.append(row)
+    return hdr, data
 
 
 def main(argv=None) -> int:

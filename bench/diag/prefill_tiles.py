@@ -44,6 +44,11 @@ from portattn.policy.paged import (
 )
 
 
+def row_names(points=prefill.FULL) -> list[str]:
+    """The rows ``--row`` may name: the bench's prefill rows."""
+    return [f"{p} bs{bs}" for p, (_, _, blocks) in points.items() for bs in blocks]
+
+
 def _batch(row: str, device: str, points=prefill.FULL):
     """The row's batch (one of ``points``, the bench's prefill rows) and its flops."""
     for point, (seqs, (hq, hkv, d), blocks) in points.items():
@@ -59,8 +64,7 @@ def _batch(row: str, device: str, points=prefill.FULL):
                     device=device,
                 )
                 return b, core.paged_flops(seqs, hq, d)
-    names = [f"{p} bs{bs}" for p, (_, _, blocks) in points.items() for bs in blocks]
-    raise SystemExit(f"prefill_tiles: --row must be one of {names}; got {row!r}")
+    raise SystemExit(f"prefill_tiles: --row must be one of {row_names(points)}; got {row!r}")
 
 
 def mma_shapes(ptx: str) -> str:
@@ -168,6 +172,8 @@ def main(argv=None) -> int:
         changes = [parse_changes(c) for c in opts.sm90]
     except ValueError as err:
         ap.error(str(err))
+    if opts.row not in row_names():
+        ap.error(f"--row must be one of {row_names()}; got {opts.row!r}")
     core.require_gpu("bench.diag.prefill_tiles")
     ctx = core.Context("cuda", reps=opts.reps)
     b, flops = _batch(opts.row, "cuda")

@@ -204,9 +204,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--points", nargs="+", default=["prefill 8x4096 32/8/128"], choices=sorted(prefill.FULL)
     )
-    ap.add_argument("--blocks", type=int, nargs="+", default=[16])
-    ap.add_argument("--block-n", type=int, default=128, help="the launch's K/V tile (keys)")
-    ap.add_argument("--warpgroups", type=int, default=2, help="the launch's consumer warpgroups")
+    ap.add_argument("--blocks", type=core.int_at_least(1), nargs="+", default=[16])
+    ap.add_argument("--block-n", type=core.int_at_least(1), default=128,
+                    help="the launch's K/V tile (keys)")  # fmt: skip
+    ap.add_argument("--warpgroups", type=int, choices=(1, 2, 3), default=2,
+                    help="the launch's consumer warpgroups (partition 3: producer)")  # fmt: skip
     args = ap.parse_args(argv)
     core.require_gpu("bench.diag.trace_prefill")
     from portattn.kernels.paged_prefill_sm90 import trace_shape

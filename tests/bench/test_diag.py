@@ -46,6 +46,38 @@ def test_ncu_rejects_a_csv_without_samples(tmp_path: Path):
         ncu_stalls.main([str(path)])
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "{path}: cannot read a CSV ([Errno 2]"),
+        ("folder", "{path}: cannot read a CSV ([Errno 21]"),
+        (b"\x7fELF\x02\x01\x01\x00\xd0\xff", "{path}: cannot read a CSV ("),
+        ("Address,Warp Stall Sampling (All Samples)\n0x0,1\n",
+         "{path}: line 1 has no 'Source' column"),
+        ("Address,Source,Warp Stall Sampling (All Samples)\n0x0,EXIT,ten\n",
+         "{path}: line 2, column 'Warp Stall Sampling (All Samples)': sample counts must be ints "
+         ">= 0; got 'ten'"),
+        ("Address,Source,Warp Stall Sampling (All Samples),stall_barrier\n0x0,EXIT,30,0\n"
+         "0x10,BAR.SYNC,40,-20\n",
+         "{path}: line 3, column 'stall_barrier': sample counts must be ints >= 0; got '-20'"),
+        ("Address,Source,Warp Stall Sampling (All Samples)\n0x0,EXIT\n",
+         "{path}: line 2 has 2 columns; the header has 3"),
+    ],
+)  # fmt: skip
+def test_ncu_names_the_file_line_and_rule_of_what_it_cannot_read(content, message, tmp_path):
+    """A missing file, a folder, a binary, a CSV that is no source page: one line each."""
+    path = tmp_path / "s.csv"
+    if content == "folder":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as info:
+        ncu_stalls.main([str(path)])
+    assert str(info.value).startswith(f"ncu_stalls: {message.format(path=path)}"), info.value
+
+
 # -- trace_prefill ---------------------------------------------------------------------------
 
 #: consumer step lengths (cycles) from event 0: K, scores, softmax, V, P V, release, to next
@@ -257,6 +289,40 @@ def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
         module = importlib.import_module(f"bench.diag.{name}")
         with pytest.raises(SystemExit, match=f"^bench.diag.{name}: needs a CUDA/HIP device"):
             module.main([])
+
+
+@pytest.mark.parametrize(
+    ("name", "argv", "rule"),
+    [
+        ("clock", ["--seconds", "nan"], "--seconds must be a finite number > 0; got nan"),
+        ("clock", ["--seconds", "inf"], "--seconds must be a finite number > 0; got inf"),
+        ("clock", ["--rounds", "0"], "argument --rounds: must be an int >= 1; got '0'"),
+        ("mla_hip_tiles", ["--archs", "bogus"], "--archs must be comma-separated HIP targets of"),
+        ("mla_hip_tiles", ["--archs", "gfx942,sm_90"], "HIP targets of ['gfx90a', 'gfx942'"),
+        ("mla_hip_tiles", ["--q-lens", "x"], "--q-lens must be comma-separated ints >= 1; got 'x'"),
+        ("mla_hip_tiles", ["--q-lens", "1,0"], "--q-lens must be comma-separated ints >= 1"),
+        ("mla_hip_tiles", ["--heads", "0"], "argument --heads: must be an int >= 1; got '0'"),
+        ("host_steps", ["--calls", "0"], "argument --calls: must be an int >= 1; got '0'"),
+        ("host_steps", ["--repeats", "-1"], "argument --repeats: must be an int >= 1; got '-1'"),
+        ("trace_prefill", ["--blocks", "0"], "argument --blocks: must be an int >= 1; got '0'"),
+        ("trace_prefill", ["--block-n", "0"], "argument --block-n: must be an int >= 1; got '0'"),
+        ("trace_prefill", ["--warpgroups", "4"], "argument --warpgroups: invalid choice: 4"),
+        ("prefill_tiles", ["--row", "x"], "--row must be one of ['prefill 8x4096 32/8/128 bs16'"),
+    ],
+)  # fmt: skip
+def test_diagnostic_arguments_are_checked_before_the_device(name, argv, rule, monkeypatch, capsys):
+    """On a GPU these would crash, or replay forever, after the device work began: here, with
+    no device, the rule is what stops them (not the device check), as it would on a GPU."""
+    import importlib
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    module = importlib.import_module(f"bench.diag.{name}")
+    with pytest.raises(SystemExit) as info:
+        module.main(argv)
+    assert info.value.code == 2
+    assert rule in capsys.readouterr().err
 
 
 # -- flush -------------------------------------------------------------------------------------

@@ -292,12 +292,79 @@ def test_compare_rounds_keep_one_whole_round():
 
 
 def test_a_rows_filter_that_matches_nothing_is_an_error(tmp_path, monkeypatch, capsys):
-    """Not an empty document that passes: the filter names the rows by substring."""
+    """Not an empty document that passes: the filter names the rows by substring, and is
+    checked against the families' row names before any row runs."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = tmp_path / "r.json"
     argv = ["--quick", "--only", "host", "--rows", "no such row", "--out", str(out)]
-    assert run.main(argv) == 2
-    assert "no row matches --rows 'no such row'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        run.main(argv)
+    assert info.value.code == 2 and not out.exists()
+    assert "no row matches --rows 'no such row' in ['host']" in capsys.readouterr().err
+
+
+def test_row_names_are_the_names_of_the_rows_that_run(quick_doc):
+    """``--rows`` is checked against each family's ``names``: they must be its rows' names."""
+    ran: dict[str, list[str]] = {}
+    for r in quick_doc["rows"]:
+        ran.setdefault(r["family"], []).append(r["name"])
+    assert run.row_names(ran, quick=True) == ran
+
+
+class _Asked(core.Context):
+    """A context that runs no row: it notes every name a family asks about."""
+
+    def __init__(self, quick: bool):
+        super().__init__("cpu", quick=quick)
+        self.asked: list[str] = []
+
+    def want(self, name: str) -> bool:
+        self.asked.append(name)
+        return False
+
+
+@pytest.mark.parametrize("quick", [True, False])
+@pytest.mark.parametrize("family", ["paged", "prefill", "mla", "cache"])
+def test_row_names_are_the_names_each_family_asks_about(family, quick):
+    """The full-size names too (a GPU's rows, which a CPU cannot run): a ``--rows`` filter
+    refused against a stale ``names`` would stop a GPU run before it starts."""
+    import importlib
+
+    module = importlib.import_module(f"bench.{family}")
+    ctx = _Asked(quick)
+    assert list(module.rows(ctx)) == []
+    assert module.names(quick) == ctx.asked
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--only", "host,compile"], "--only host,compile: no family runs here (host: host "),
+        (["--only", "host,cache", "--rows", "host"],
+         "--rows 'host' matches only rows of families that do not run here (host: "),
+    ],
+)  # fmt: skip
+def test_a_run_that_can_measure_nothing_here_writes_no_document(argv, message, tmp_path):
+    """On a CPU the host and compile families are skipped: a run of only those would write a
+    document with no rows and exit 0."""
+    out = tmp_path / "r.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))  # fmt: skip
+    cmd = [sys.executable, "-m", "bench.run", "--quick", "--out", str(out), *argv]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2 and not out.exists(), proc.stderr
+    assert proc.stderr.startswith(f"bench.run: {message}") and "Traceback" not in proc.stderr
+
+
+def test_a_run_whose_families_all_failed_writes_no_document(tmp_path, monkeypatch, capsys):
+    """Every family raised before its first row (here: the family run replaced by its result)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    failed = dict(rows=[], skipped=[], errors=[dict(family="cache", error="RuntimeError: x")])
+    monkeypatch.setattr(run, "run_families", lambda families, ctx: failed)
+    out = tmp_path / "r.json"
+    assert run.main(["--quick", "--only", "cache", "--out", str(out)]) == 1
+    assert not out.exists()
+    assert "bench.run: no row was measured; no document written" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -338,3 +405,96 @@ def test_rounds_report_what_any_round_found(monkeypatch):
     assert merged["errors"] == [dict(family="cache", error="child exited -11")]
     (row,) = merged["rows"]
     assert row["round_times_us"] == [3.0, 1.0] and row["time_us"] == 1.0
+
+
+def _anchor_time_zero(doc):
+    doc["rows"][1]["anchors"][0]["time_us"] = 0  # SDPA cuDNN: the row's time is divided by it
+
+
+def _passed_tolerance_without_error(doc):
+    doc["rows"][0]["check"].update(error=None, error_torch=1)
+
+
+def _huge_time(doc):
+    doc["rows"][0]["time_us"] = 10**400
+
+
+def _huge_metric(doc):
+    doc["rows"][0]["metrics"]["GB/s"] = 10**400
+
+
+def _policy_list(doc):
+    doc["rows"][0]["params"]["policy"] = ["gfx942"]
+
+
+def _policy_int_and_str(doc):
+    doc["rows"][0]["params"]["policy"] = 942
+    doc["rows"][1]["params"]["policy"] = "gfx942"
+
+
+@pytest.mark.parametrize(
+    ("spoil", "where", "rule"),
+    [
+        (_anchor_time_zero, "rows/1/anchors/0/time_us", "0 is less than or equal to the minimum"),
+        (_passed_tolerance_without_error, "rows/0/check/error", "None is not of type 'number'"),
+        (_huge_time, "rows/0/time_us", "is greater than the maximum of 1000000000000.0"),
+        (_huge_metric, "rows/0/metrics/GB/s", "is greater than the maximum"),
+        (_policy_list, "rows/0/params/policy", "['gfx942'] is not of type 'string'"),
+        (_policy_int_and_str, "rows/0/params/policy", "942 is not of type 'string'"),
+    ],
+)
+def test_results_refuses_meaningless_values_by_document_row_and_field(spoil, where, rule,
+                                                                      tmp_path):  # fmt: skip
+    """Values the schema used to pass and the table then crashed on (a zero time divided by,
+    a number past a float's range, a policy that is no name): refused where they are."""
+    doc = fixture_doc()
+    spoil(doc)
+    path = tmp_path / "doc.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(jsonschema.ValidationError):
+        validate(doc)
+    with pytest.raises(SystemExit) as info:
+        results.main([str(path)])
+    message = str(info.value)
+    assert message.startswith(f"bench.results: {path}: not a results document of bench/schema.json"
+                              f" at {where}: ") and rule in message, message  # fmt: skip
+    assert len(message) < 400 and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("spoil", "shown"),
+    [(_anchor_time_zero, True), (_passed_tolerance_without_error, True), (_huge_time, False),
+     (_huge_metric, False), (_policy_list, True), (_policy_int_and_str, True)],
+)  # fmt: skip
+def test_results_without_jsonschema_renders_or_names_the_row(spoil, shown, tmp_path, monkeypatch,
+                                                             capsys):  # fmt: skip
+    """The GPU machines may lack jsonschema: the table shows what it can and names the row of
+    a value it cannot show, instead of a traceback."""
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # import jsonschema fails here
+    doc = fixture_doc()
+    spoil(doc)
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    paths[0].write_text(json.dumps(fixture_doc()))
+    paths[1].write_text(json.dumps(doc))
+    if shown:
+        assert results.main([*map(str, paths)]) == 0
+        return
+    with pytest.raises(SystemExit) as info:
+        results.main([*map(str, paths)])
+    # the row came from the second document: that document and the row are named
+    row = "row 'decode 64x4k 32/8/128 NHD bs16' (paged)"
+    assert str(info.value).startswith(f"bench.results: {paths[1]}: {row}: OverflowError: int ")
+
+
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [("{tmp}", "--out {tmp}: must be a file in an existing folder"),
+     ("{tmp}/nonexistent/x.md", "--out {tmp}/nonexistent/x.md: must be a file in an existing")],
+)  # fmt: skip
+def test_results_checks_its_output_before_reading(out, message, tmp_path, capsys):
+    path = tmp_path / "doc.json"
+    path.write_text(json.dumps(fixture_doc()))
+    with pytest.raises(SystemExit) as info:
+        results.main([str(path), "--out", out.format(tmp=tmp_path)])
+    assert info.value.code == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """``python -m portattn.compile``: run the compile matrix and write its reports.
 
-Exit status: 0 when every cell passes the gate, 1 when any fails, 2 on a usage error. The
+Exit status: 0 when every cell passes the gate, 1 when any fails, 2 on a usage error (a bad
+argument, a Triton cache or report file that cannot be written: checked before compiling). The
 heatmap is optional: without matplotlib the run says so before compiling and writes the other
 reports.
 """
@@ -11,6 +12,7 @@ import argparse
 import importlib.util
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -50,6 +52,71 @@ def _at_least(low: int) -> Callable[[str], int]:
         return n
 
     return parse
+
+
+def _writable_folder(path: str) -> str | None:
+    """Why ``path`` cannot be used as a folder to write files in (``None``: it can). A real
+    file is written and removed: permission bits say nothing for root or a read-only mount."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".portattn-probe-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def check_cache_dir(cache_dir: str | None) -> str | None:
+    """The error for a Triton cache the workers could not write (``None``: it is usable).
+
+    Without the check every cell fails its compile with the same ``NotADirectoryError``, which
+    reads as kernel failures. ``cache_dir`` is ``--cache-dir``; else Triton's own choice
+    (``TRITON_CACHE_DIR``, else the default under ``TRITON_HOME`` or ``~``) is checked.
+    """
+    if cache_dir is not None:
+        name, path = "--cache-dir", cache_dir
+    else:
+        from triton import knobs
+
+        path = knobs.cache.dir
+        name = "TRITON_CACHE_DIR" if "TRITON_CACHE_DIR" in os.environ else "Triton's cache"
+    if not path:
+        return f"{name} must name a folder; got {path!r}"
+    why = _writable_folder(path)
+    if why is not None:
+        return f"{name} {path}: must be a folder this process can create and write in ({why})"
+    return None
+
+
+#: The reports a run writes into ``--out`` (the heatmap only with it).
+REPORTS = ("compile_matrix.json", "compile_matrix.md", "compile_matrix.png")
+
+
+def check_reports(out: str, png: bool) -> str | None:
+    """The error for a report ``--out`` could not take (``None``: all can be written)."""
+    why = _writable_folder(out)
+    if why is not None:
+        return f"cannot create the report folder --out {out} or write in it ({why})"
+    for name in REPORTS if png else REPORTS[:2]:
+        path = os.path.join(out, name)
+        if os.path.lexists(path) and not os.path.isfile(path):
+            return f"--out {out}: {name} exists and is not a file"
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            return f"--out {out}: {name} is not writable"
+    return None
+
+
+def _list(cases) -> int:
+    """Print the case ids; a reader that stops early (``| head``) ends the listing quietly."""
+    try:
+        for c in cases:
+            print(c.id)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the interpreter's last flush at exit would fail again: point stdout at /dev/null
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,20 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.list:
-        for c in cases:
-            print(c.id)
-        return 0
+        return _list(cases)
     if not cases:
         print("error: no case matches the filters", file=sys.stderr)
         return 2
-    try:  # before the compiles, which take minutes: a folder that cannot be made stops now
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as exc:
-        print(f"error: compile: cannot create the report folder {args.out}: {exc.strerror}",
-              file=sys.stderr)  # fmt: skip
-        return 2
     png = not args.no_png
     missing = missing_heatmap_modules() if png else []
+    # before the compiles, which take minutes: a cache or report that cannot be written stops now
+    error = check_cache_dir(args.cache_dir) or check_reports(args.out, png and not missing)
+    if error is not None:
+        print(f"error: compile: {error}", file=sys.stderr)
+        return 2
     if missing:  # said before compiling, not after: the heatmap is skipped, the rest is written
         print(
             f"warning: {', '.join(missing)} not installed: no heatmap (compile_matrix.png); "
@@ -151,10 +215,14 @@ def main(argv: list[str] | None = None) -> int:
         "jobs": args.jobs or os.cpu_count(),
         "compile_s_sum": round(sum(r.compile_s for c in cells for r in c.launches), 1),
     }
-    write_json(cells, os.path.join(args.out, "compile_matrix.json"), meta)
-    write_markdown(cells, os.path.join(args.out, "compile_matrix.md"), meta)
-    if png:
-        write_heatmap(cells, os.path.join(args.out, "compile_matrix.png"))
+    try:  # checked up front; a folder changed during the run still ends in one line
+        write_json(cells, os.path.join(args.out, "compile_matrix.json"), meta)
+        write_markdown(cells, os.path.join(args.out, "compile_matrix.md"), meta)
+        if png:
+            write_heatmap(cells, os.path.join(args.out, "compile_matrix.png"))
+    except OSError as exc:
+        print(f"error: compile: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
     print(summary_table(cells, max_rows=args.max_rows))
     print(
         f"wall {wall:.1f} s; reports in {args.out}/compile_matrix.{{json,md"
