@@ -8,7 +8,6 @@ imports no other bench module.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
@@ -124,21 +123,6 @@ def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph):
         fn()
     return graph
-
-
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an int >= ``low`` (argparse names the option and this rule)."""
-
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            n = low - 1
-        if n < low:
-            raise argparse.ArgumentTypeError(f"must be an int >= {low}; got {text!r}")
-        return n
-
-    return parse
 
 
 def require_gpu(prog: str) -> None:

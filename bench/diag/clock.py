@@ -28,6 +28,7 @@ import torch
 
 import portattn
 from bench import core, inputs, prefill
+from portattn.compile.__main__ import at_least  # the argparse rule, shared
 
 
 def nvml_reader(index: int = 0):
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--points", default="prefill 8x4096 32/8/128", help=f"of {list(prefill.FULL)}")
     ap.add_argument("--blocks", default="16,2048")
     ap.add_argument("--seconds", type=float, default=3.0, help="replays a row a round")
-    ap.add_argument("--rounds", type=core.int_at_least(1), default=3)
+    ap.add_argument("--rounds", type=at_least(1), default=3)
     opts = ap.parse_args(argv)
     names = [p.strip() for p in opts.points.split(",")]
     if any(n not in prefill.FULL for n in names):

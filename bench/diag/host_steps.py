@@ -38,6 +38,7 @@ import torch
 import portattn
 from bench import core, inputs
 from bench.host import host_us
+from portattn.compile.__main__ import at_least  # the argparse rule, shared
 from portattn.kernels import mla_decode as mla_mod
 from portattn.kernels import paged_attention as paged_mod
 from portattn.kernels._checks import to_host
@@ -130,8 +131,8 @@ def mla_steps(device: str) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=core.int_at_least(1), default=300)
-    ap.add_argument("--repeats", type=core.int_at_least(1), default=7)
+    ap.add_argument("--calls", type=at_least(1), default=300)
+    ap.add_argument("--repeats", type=at_least(1), default=7)
     opts = ap.parse_args(argv)
     core.require_gpu("bench.diag.host_steps")
     print(f"device: {torch.cuda.get_device_name()}")

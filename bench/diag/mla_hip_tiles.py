@@ -28,6 +28,7 @@ import sys
 import torch
 
 from bench import core, inputs, mla
+from portattn.compile.__main__ import at_least  # the argparse rule, shared
 from portattn.kernels._launch import run_all
 from portattn.kernels.mla_decode import plan_mla_decode
 from portattn.platform import TARGETS, get_target
@@ -109,9 +110,9 @@ def main(argv=None) -> int:
     ap.add_argument("--archs", default="gfx942,gfx950")
     ap.add_argument("--tiles", default="policy")
     ap.add_argument("--q-lens", default="1,2,4,8")
-    ap.add_argument("--heads", type=core.int_at_least(1), default=16)
-    ap.add_argument("--batch", type=core.int_at_least(1), default=64)
-    ap.add_argument("--context", type=core.int_at_least(1), default=4096)
+    ap.add_argument("--heads", type=at_least(1), default=16)
+    ap.add_argument("--batch", type=at_least(1), default=64)
+    ap.add_argument("--context", type=at_least(1), default=4096)
     opts = ap.parse_args(argv)
     try:
         tiles = [(t, parse_tile(t)) for t in opts.tiles.split(",")]

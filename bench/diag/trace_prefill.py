@@ -35,6 +35,7 @@ import torch
 
 import portattn
 from bench import core, inputs, prefill
+from portattn.compile.__main__ import at_least  # the argparse rule, shared
 
 #: consumer steps: (name, from event, to event); "+0" is the warpgroup's next tile's event 0
 STEPS = [
@@ -204,8 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--points", nargs="+", default=["prefill 8x4096 32/8/128"], choices=sorted(prefill.FULL)
     )
-    ap.add_argument("--blocks", type=core.int_at_least(1), nargs="+", default=[16])
-    ap.add_argument("--block-n", type=core.int_at_least(1), default=128,
+    ap.add_argument("--blocks", type=at_least(1), nargs="+", default=[16])
+    ap.add_argument("--block-n", type=at_least(1), default=128,
                     help="the launch's K/V tile (keys)")  # fmt: skip
     ap.add_argument("--warpgroups", type=int, choices=(1, 2, 3), default=2,
                     help="the launch's consumer warpgroups (partition 3: producer)")  # fmt: skip

@@ -39,8 +39,9 @@ def missing_heatmap_modules() -> list[str]:
     return [m for m in HEATMAP_MODULES if importlib.util.find_spec(m) is None]
 
 
-def _at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an int >= ``low`` (argparse reports the rule)."""
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``low`` (argparse reports the rule); the bench CLIs use it
+    too."""
 
     def parse(text: str) -> int:
         try:
@@ -147,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--jobs",
         "-j",
-        type=_at_least(1),
+        type=at_least(1),
         default=None,
         help="worker processes (default: CPU count)",
     )
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument(
         "--max-rows",
-        type=_at_least(0),
+        type=at_least(0),
         default=None,
         help="rows of the terminal table (default all)",
     )
