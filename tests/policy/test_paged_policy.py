@@ -30,8 +30,10 @@ from portattn.policy.paged import (
     estimate_registers,
     estimate_shared_mem,
     estimate_words,
+    paged_config,
     paged_tiles,
     plan_max_seq_len,
+    prefill_config,
     split_count,
 )
 
@@ -457,16 +459,35 @@ def test_hip_gets_waves_per_eu_and_cuda_does_not():
     "kw,match",
     [
         (dict(num_q_heads=6, num_kv_heads=4), r"num_q_heads must be a positive multiple of"),
-        (dict(num_kv_heads=0), r"num_q_heads must be a positive multiple of"),
+        (dict(num_kv_heads=0), r"num_kv_heads must be an int >= 1; got 0"),
         (dict(head_dim=288), r"head_dim must be in \[1, 256\]; got 288"),
         (dict(elem_bytes=1), r"elem_bytes must be 2 or 4; got 1"),
-        (dict(max_query_len=0), r"max_query_len must be >= 1; got 0"),
-        (dict(max_seq_len=0), r"max_seq_len must be >= 1 or None; got 0"),
+        (dict(max_query_len=0), r"max_query_len must be an int >= 1; got 0"),
+        (dict(max_seq_len=0), r"max_seq_len must be an int >= 1 or None; got 0"),
+        # a float or a bool came back as float tiles, or as 1 (True)
+        (dict(num_kv_heads=2.0), r"num_kv_heads must be an int >= 1; got 2.0"),
+        (dict(max_seq_len=float("nan")), r"max_seq_len must be an int >= 1 or None; got nan"),
+        (dict(num_q_heads=True), r"num_q_heads must be an int >= 1; got True"),
+        (dict(block_size=0), r"block_size must be an int >= 1; got 0"),
     ],
 )
-def test_invalid_problem(kw, match):
-    with pytest.raises(ValueError, match=r"^paged_tiles: .*" + match):
-        paged_tiles(get_target("sm_90"), _problem(**kw))
+@pytest.mark.parametrize("policy", ["paged_tiles", "paged_config"])
+def test_invalid_problem(kw, match, policy):
+    """Both policies refuse what none can plan (paged_config divided by zero on a zero block
+    size or KV-head count, and returned a config for a negative block size)."""
+    fn = {"paged_tiles": paged_tiles, "paged_config": paged_config}[policy]
+    with pytest.raises(ValueError, match=rf"^{policy}: .*" + match):
+        fn(get_target("sm_90"), _problem(**kw))
+
+
+@pytest.mark.parametrize("kw", [dict(head_dim=96), dict(num_q_heads=4, num_kv_heads=8),
+                                dict(block_size=0), dict(block_size=8)])  # fmt: skip
+def test_prefill_config_refuses_a_problem_the_sm90_kernel_does_not_take(kw):
+    """A KeyError (head_dim 96) or a ZeroDivisionError before."""
+    with pytest.raises(ValueError, match=r"^prefill_config: "):
+        prefill_config(get_target("sm_90"), _problem(**{"max_query_len": 4096, **kw}))
+    with pytest.raises(ValueError, match=r"^prefill_config: sm90_prefill must take the problem"):
+        prefill_config(get_target("gfx942"), _problem(max_query_len=4096))
 
 
 def test_invalid_problem_lists_every_reason():

@@ -397,6 +397,30 @@ def plan_max_seq_len(max_seq_len: int) -> int:
     return max_seq_len // MIN_SPLIT_TOKENS * MIN_SPLIT_TOKENS + MIN_SPLIT_TOKENS - 1
 
 
+def _problem_errors(p: PagedProblem) -> list[str]:
+    """What no policy can plan for: non-positive or non-int sizes, heads not divisible, a
+    head_dim past `MAX_HEAD_DIM`, elements of neither 2 nor 4 bytes."""
+    errors = []
+    sizes = dict(num_q_heads=p.num_q_heads, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim,
+                 max_query_len=p.max_query_len, block_size=p.block_size)  # fmt: skip
+    if p.max_seq_len is not None:
+        sizes["max_seq_len"] = p.max_seq_len
+    for name, v in sizes.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            errors.append(f"{name} must be an int >= 1{' or None' * (name == 'max_seq_len')}; "
+                          f"got {v!r}")  # fmt: skip
+    if not errors and p.num_q_heads % p.num_kv_heads:
+        errors.append(
+            f"num_q_heads must be a positive multiple of num_kv_heads; got {p.num_q_heads} and "
+            f"{p.num_kv_heads}"
+        )
+    if isinstance(p.head_dim, int) and p.head_dim > MAX_HEAD_DIM:
+        errors.append(f"head_dim must be in [1, {MAX_HEAD_DIM}]; got {p.head_dim}")
+    if p.elem_bytes not in (2, 4) or isinstance(p.elem_bytes, bool):
+        errors.append(f"elem_bytes must be 2 or 4; got {p.elem_bytes!r}")
+    return errors
+
+
 def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
     """Choose the portable kernel's tiles for ``problem`` on ``target`` (pure; no device access).
 
@@ -417,24 +441,10 @@ def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
         ValueError: a problem the kernel cannot serve (head_dim > 256, heads not divisible,
             non-positive sizes), or (never for head_dim <= 256 on a known target) no tile fits.
     """
-    p = problem
-    errors = []
-    if p.num_q_heads < 1 or p.num_kv_heads < 1 or p.num_q_heads % p.num_kv_heads:
-        errors.append(
-            f"num_q_heads must be a positive multiple of num_kv_heads; got {p.num_q_heads} and "
-            f"{p.num_kv_heads}"
-        )
-    if not 1 <= p.head_dim <= MAX_HEAD_DIM:
-        errors.append(f"head_dim must be in [1, {MAX_HEAD_DIM}]; got {p.head_dim}")
-    if p.elem_bytes not in (2, 4):
-        errors.append(f"elem_bytes must be 2 or 4; got {p.elem_bytes}")
-    if p.max_query_len < 1:
-        errors.append(f"max_query_len must be >= 1; got {p.max_query_len}")
-    if p.max_seq_len is not None and p.max_seq_len < 1:
-        errors.append(f"max_seq_len must be >= 1 or None; got {p.max_seq_len}")
+    errors = _problem_errors(problem)
     if errors:
         raise ValueError("paged_tiles: " + "; ".join(errors))
-
+    p = problem
     block_d = max(MIN_DOT_DIM, next_pow2(p.head_dim))
     tiles = _main_tiles(target, p, block_d)
     if p.max_query_len > 1:
@@ -610,6 +620,9 @@ def cache_order_reads(
 def paged_config(target: Target, problem: PagedProblem) -> PagedConfig:
     """The kernel choices for ``problem`` on ``target``: `prefill_config`'s where `sm90_prefill`
     takes the batch, else the portable kernel for every sequence."""
+    errors = _problem_errors(problem)
+    if errors:
+        raise ValueError("paged_config: " + "; ".join(errors))
     if not sm90_prefill(target, problem):
         return PagedConfig()
     return PagedConfig(prefill=prefill_config(target, problem))
@@ -633,8 +646,22 @@ def sm90_prefill(target: Target, problem: PagedProblem) -> bool:
 def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
     """The sm_90 kernel's configuration for ``problem``: the head_dim's tile (turns only with
     the query by TMA), ``box`` and ``paging`` from the page size, the late release and V by
-    page boxes at the box counts of their constants, where they fit."""
+    page boxes at the box counts of their constants, where they fit.
+
+    Raises:
+        ValueError: a problem `sm90_prefill` does not give the sm_90 kernel.
+    """
     p = problem
+    errors = _problem_errors(p)
+    if errors or not sm90_prefill(target, p):
+        why = "; ".join(errors) or (
+            f"sm90_prefill must take the problem (sm_90, 16-bit NHD, head_dim in "
+            f"{tuple(SM90_PREFILL_TILES)}, pages a multiple of {SM90_PREFILL_MIN_BOX}, >= "
+            f"{SM90_PREFILL_MIN_ROWS} rows of work); got {target.arch}, {p.elem_bytes}-byte, "
+            f"shuffled {p.shuffled}, head_dim {p.head_dim}, block_size {p.block_size}, "
+            f"{p.max_query_len * p.group} rows"
+        )
+        raise ValueError("prefill_config: " + why)
     tile = SM90_PREFILL_TILES[p.head_dim]
     stages, turns, block_n = tile.stages, tile.turns, tile.block_n
     by_tma = query_by_tma_fits(p)
