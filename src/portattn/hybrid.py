@@ -20,7 +20,8 @@ division; ``tp`` = tensor-parallel size):
 |-----------------------------|-----------------------------------|------------------------|
 | Mamba1 (Jamba)              | ``(I/tp, K-1)``                   | ``(I/tp, N)``          |
 | Mamba2 (Zamba2, Falcon-H1,  | ``((I + 2*G'*N)/tp, K-1)``        | ``(H/tp, P, N)``       |
-| Granite-4.0-H, Nemotron-H)  | (``G' = tp`` when ``G % tp != 0``) |                        |
+| Granite-4.0-H, Nemotron-H)  | (``G' = tp`` for ``G = 1``; else  |                        |
+|                             | ``G % tp == 0``, ``G' = G``)      |                        |
 | Gated DeltaNet (Qwen3-Next) | ``((2*nk*dk + nv*dv)/tp, K-1+s)`` | ``(nv/tp, dk, dv)``    |
 
 ``I`` intermediate (inner) size, ``K`` conv kernel width, ``N`` state size, ``H``/``P`` Mamba2
@@ -122,9 +123,15 @@ def _size(config: Any, name: str, *, minimum: int = 1, optional: bool = False) -
 def _inner(config: Any) -> int:
     """``int(config.mamba_expand * config.hidden_size)``, the Mamba inner width (>= 1)."""
     expand = getattr(config, "mamba_expand", None)
-    if isinstance(expand, bool) or not isinstance(expand, (int, float)) or not expand > 0:
+    if (
+        isinstance(expand, bool)
+        or not isinstance(expand, (int, float))
+        or not 0 < expand < math.inf  # inf (or 1e308 * hidden_size) has no int width
+        or not math.isfinite(expand * _size(config, "hidden_size"))
+    ):
         raise ValueError(
-            f"derive_block_size: config.mamba_expand must be a number > 0; got {expand!r}"
+            f"derive_block_size: config.mamba_expand must be a finite number > 0 (times "
+            f"hidden_size, the Mamba width); got {expand!r}"
         )
     inner = int(expand * _size(config, "hidden_size"))
     if inner < 1:
@@ -240,8 +247,13 @@ def attention_dims(config: Any, tp: int) -> tuple[int, int]:
 
 
 def _mamba2(tp, intermediate, n_groups, num_heads, head_dim, state, conv_kernel):
-    if n_groups % tp:  # groups are replicated so that every rank holds its heads' groups
-        n_groups = n_groups + (tp - n_groups)
+    if n_groups % tp and n_groups != 1:  # vLLM's MambaMixer2 refuses such a split as well
+        raise ValueError(
+            f"derive_block_size: the mamba n_groups={n_groups} must be 1 or divisible by the "
+            f"tensor-parallel size tp={tp}"
+        )
+    if n_groups % tp:  # one group, replicated so that every rank holds it
+        n_groups = tp
     conv_dim = intermediate + 2 * n_groups * state
     return (
         (_divide(conv_dim, tp, "mamba conv dim"), conv_kernel - 1),

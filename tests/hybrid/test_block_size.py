@@ -220,6 +220,27 @@ def test_attention_heads_must_split_over_the_ranks(changes, tp, message):
         derive_block_size(broken, tp=tp)
 
 
+def test_mamba2_groups_split_over_the_ranks_or_are_one():
+    """n_groups 3 over tp 2 came out as 2 groups a rank (a state shape no model has); vLLM's
+    MambaMixer2 takes n_groups divisible by tp, or 1 (replicated on every rank)."""
+    cfg = published_config("Nemotron-Nano-9B-v2")
+    broken = type("Config", (), dict(cfg.to_dict(), model_type="nemotron_h", n_groups=3))()
+    with pytest.raises(ValueError, match=re.escape("n_groups=3 must be 1 or divisible by the "
+                                                   "tensor-parallel size tp=2")):  # fmt: skip
+        derive_block_size(broken, tp=2)
+    one = type("Config", (), dict(cfg.to_dict(), model_type="nemotron_h", n_groups=1))()
+    assert derive_block_size(one, tp=2).block_size >= 16
+
+
+@pytest.mark.parametrize("expand", (float("inf"), 1e308, float("nan"), 0))
+def test_a_mamba_expand_without_a_finite_width_is_named(expand):
+    """inf or 1e308 raised OverflowError converting the width to an int."""
+    cfg = published_config("Jamba-v0.1")
+    broken = type("Config", (), dict(cfg.to_dict(), model_type="jamba", mamba_expand=expand))()
+    with pytest.raises(ValueError, match=r"config.mamba_expand must be a finite number > 0"):
+        derive_block_size(broken)
+
+
 @pytest.mark.parametrize("dtype", (np.dtype("float16"), np.float16(1), 2, None))
 def test_a_dtype_is_a_name_or_a_torch_dtype(dtype):
     with pytest.raises(TypeError, match=r"cache_dtype must be a dtype name or a torch.dtype"):
