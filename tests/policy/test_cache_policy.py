@@ -81,7 +81,15 @@ def test_page_indices_tiles():
 
 
 def test_policy_errors():
-    with pytest.raises(ValueError, match="cache policy: problem sizes must be >= 0"):
+    with pytest.raises(ValueError, match="write_kv_cache_tiles: problem sizes must be ints >= 0"):
         write_kv_cache_tiles(SM90, CacheCopyProblem(-1, 8, 128, 2))
-    with pytest.raises(ValueError, match="page_indices_tiles: num_indices must be >= 0; got -1"):
+    with pytest.raises(ValueError, match="page_indices_tiles: num_indices must be an int >= 0"):
         page_indices_tiles(SM90, -1)
+    # a float count, an element size of 0 or -2 (a negative register estimate), the op's name
+    with pytest.raises(ValueError, match="page_indices_tiles: num_indices must be an int >= 0"):
+        page_indices_tiles(SM90, float("inf"))
+    for size in (0, -2, 3, True):
+        with pytest.raises(ValueError, match="gather_kv_cache_tiles: element_size must be 1, 2"):
+            gather_kv_cache_tiles(SM90, CacheCopyProblem(8, 8, 128, size))
+    with pytest.raises(ValueError, match="write_kv_cache_tiles: problem sizes must be ints"):
+        write_kv_cache_tiles(SM90, CacheCopyProblem(8, 8.0, 128, 2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -211,10 +212,16 @@ def test_fp32_latent_512_does_not_fit_64kb():
 def test_invalid_problem_lists_every_reason():
     with pytest.raises(
         ValueError,
-        match=r"mla_decode_tiles: num_heads must be >= 1; got 0; .*num_tokens must be >= 0; "
-        r"got -1; kv_lora_rank must be <= head_dim_k; got 600 > 576",
+        match=r"mla_decode_tiles: num_heads must be an int >= 1; got 0; .*num_tokens must be an "
+        r"int >= 0; got -1; kv_lora_rank must be <= head_dim_k; got 600 > 576",
     ):
         mla_decode_tiles(get_target("sm_90"), MlaProblem(0, 576, 600, 2, -1, 10))
+    # a float (it came back as float tiles), a bool, an element size of 3 bytes
+    for bad, rule in ((dict(num_heads=1.5), "num_heads must be an int >= 1; got 1.5"),
+                      (dict(elem_size=True), "elem_size must be an int >= 1; got True"),
+                      (dict(elem_size=3), "elem_size must be 1, 2 or 4 bytes; got 3")):  # fmt: skip
+        with pytest.raises(ValueError, match=r"^mla_decode_tiles: " + re.escape(rule)):
+            mla_decode_tiles(get_target("sm_90"), dataclasses.replace(problem(), **bad))
 
 
 def test_pure_and_frozen():

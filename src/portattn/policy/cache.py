@@ -64,9 +64,13 @@ class MetadataSummaryTiles:
     shared_mem_bytes: int
 
 
-def _copy_tiles(target: Target, problem: CacheCopyProblem) -> CacheCopyTiles:
-    if min(problem.num_tokens, problem.num_kv_heads, problem.head_dim) < 0:
-        raise ValueError(f"cache policy: problem sizes must be >= 0; got {problem}")
+def _copy_tiles(target: Target, problem: CacheCopyProblem, name: str) -> CacheCopyTiles:
+    p = problem
+    sizes = (p.num_tokens, p.num_kv_heads, p.head_dim)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+        raise ValueError(f"{name}: problem sizes must be ints >= 0; got {problem}")
+    if p.element_size not in (1, 2, 4, 8) or isinstance(p.element_size, bool):
+        raise ValueError(f"{name}: element_size must be 1, 2, 4 or 8; got {p.element_size!r}")
     budget = ELEMS_PER_THREAD * NUM_WARPS * target.warp_size  # elements per tensor per program
     block_d = min(next_pow2(max(problem.head_dim, 1)), MAX_BLOCK_D)
     block_t = max(1, min(budget // block_d, next_pow2(max(problem.num_tokens, 1))))
@@ -76,7 +80,7 @@ def _copy_tiles(target: Target, problem: CacheCopyProblem) -> CacheCopyTiles:
     options = launch_options(target, num_warps=num_warps, num_stages=1)
     smem = 0  # plain loads/stores, no tl.dot / reduction / convert_layout (see module docstring)
     if smem > target.max_shared_mem:  # pragma: no cover - stated for the next editor
-        raise ValueError(f"cache policy: {smem} B of shared memory exceeds {target.arch}")
+        raise ValueError(f"{name}: {smem} B of shared memory exceeds {target.arch}")
     return CacheCopyTiles(
         block_t=block_t,
         block_d=block_d,
@@ -88,20 +92,22 @@ def _copy_tiles(target: Target, problem: CacheCopyProblem) -> CacheCopyTiles:
 
 def write_kv_cache_tiles(target: Target, problem: CacheCopyProblem) -> CacheCopyTiles:
     """Tiles for `write_kv_cache`: one slot load per token, then a K and a V tile scattered."""
-    return _copy_tiles(target, problem)
+    return _copy_tiles(target, problem, "write_kv_cache_tiles")
 
 
 def gather_kv_cache_tiles(target: Target, problem: CacheCopyProblem) -> CacheCopyTiles:
     """Tiles for `gather_kv_cache`: the write's budget (its per-token index work is scalars)."""
-    return _copy_tiles(target, problem)
+    return _copy_tiles(target, problem, "gather_kv_cache_tiles")
 
 
 def page_indices_tiles(target: Target, num_indices: int) -> PageIndicesTiles:
     """Tiles for `expand_page_indices`: up to ``PAGE_INDICES_BLOCK`` indices a program; the
     indptr prefix sum in one program, ``PAGE_INDPTR_BLOCK`` sequences a step (its scan may stage
     through at most ``block_s * 8`` bytes of shared memory)."""
-    if num_indices < 0:
-        raise ValueError(f"page_indices_tiles: num_indices must be >= 0; got {num_indices}")
+    if not isinstance(num_indices, int) or isinstance(num_indices, bool) or num_indices < 0:
+        raise ValueError(
+            f"page_indices_tiles: num_indices must be an int >= 0; got {num_indices!r}"
+        )
     block_n = min(PAGE_INDICES_BLOCK, next_pow2(max(num_indices, 1)))
     num_warps = min(NUM_WARPS, max(1, prev_pow2(max(1, block_n // target.warp_size))))
     smem = PAGE_INDPTR_BLOCK * 8
@@ -119,8 +125,10 @@ def metadata_summary_tiles(target: Target, max_blocks: int) -> MetadataSummaryTi
     """Tiles for the metadata summary: up to ``METADATA_SUMMARY_BLOCK`` block-table columns a
     step, a warp per ``4 * warp_size`` of them (its one reduction is over a few registers a lane:
     scratch shared memory at most ``block_c * 4`` bytes)."""
-    if max_blocks < 0:
-        raise ValueError(f"metadata_summary_tiles: max_blocks must be >= 0; got {max_blocks}")
+    if not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 0:
+        raise ValueError(
+            f"metadata_summary_tiles: max_blocks must be an int >= 0; got {max_blocks!r}"
+        )
     block_c = min(METADATA_SUMMARY_BLOCK, next_pow2(max(max_blocks, 1)))
     num_warps = min(NUM_WARPS, max(1, prev_pow2(max(1, block_c // (target.warp_size * 4)))))
     smem = block_c * 4

@@ -265,11 +265,15 @@ def _problem_errors(p: MlaProblem) -> list[str]:
         "max_context",
         "max_query_len",
     ):
-        if getattr(p, name) < 1:
-            errors.append(f"{name} must be >= 1; got {getattr(p, name)}")
-    if p.num_tokens < 0:
-        errors.append(f"num_tokens must be >= 0; got {p.num_tokens}")
-    if p.kv_lora_rank > p.head_dim_k:
+        v = getattr(p, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:  # a float gave float tiles
+            errors.append(f"{name} must be an int >= 1; got {v!r}")
+    if not isinstance(p.num_tokens, int) or isinstance(p.num_tokens, bool) or p.num_tokens < 0:
+        errors.append(f"num_tokens must be an int >= 0; got {p.num_tokens!r}")
+    ints = all(isinstance(getattr(p, n), int) for n in ("elem_size", "kv_lora_rank", "head_dim_k"))
+    if ints and p.elem_size >= 1 and p.elem_size not in (1, 2, 4):
+        errors.append(f"elem_size must be 1, 2 or 4 bytes; got {p.elem_size}")
+    if ints and p.kv_lora_rank > p.head_dim_k:
         errors.append(f"kv_lora_rank must be <= head_dim_k; got {p.kv_lora_rank} > {p.head_dim_k}")
     return errors
 
