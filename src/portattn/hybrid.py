@@ -159,6 +159,13 @@ class MambaStateSpec:
     shapes: tuple[tuple[int, ...], ...]
     elem_bytes: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        if len(self.shapes) != len(self.elem_bytes):
+            raise ValueError(
+                f"MambaStateSpec: shapes and elem_bytes must have one entry per state tensor; got "
+                f"{len(self.shapes)} shapes and {len(self.elem_bytes)} element sizes"
+            )
+
     @property
     def page_size_bytes(self) -> int:
         """Bytes of one sequence's state (vLLM ``MambaSpec.page_size_bytes``, unpadded)."""

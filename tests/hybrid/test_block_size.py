@@ -232,6 +232,14 @@ def test_mamba2_groups_split_over_the_ranks_or_are_one():
     assert derive_block_size(one, tp=2).block_size >= 16
 
 
+def test_a_state_spec_has_an_element_size_per_tensor():
+    from portattn.hybrid import MambaStateSpec
+
+    with pytest.raises(ValueError, match=r"^MambaStateSpec: shapes and elem_bytes must have one"):
+        MambaStateSpec(((1, 2),), (2, 2))
+    assert MambaStateSpec(((1, 2), (3,)), (2, 4)).page_size_bytes == 16
+
+
 @pytest.mark.parametrize("expand", (float("inf"), 1e308, float("nan"), 0))
 def test_a_mamba_expand_without_a_finite_width_is_named(expand):
     """inf or 1e308 raised OverflowError converting the width to an int."""
