@@ -105,13 +105,6 @@ def _cells(args: argparse.Namespace) -> list[Cell]:
     return cells
 
 
-def _folder(text: str) -> str:
-    """``--results``: a folder's name; an empty one would read and write the current folder."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"must name a folder; got {text!r}")
-    return text
-
-
 # -- list ---------------------------------------------------------------------------------------
 
 
@@ -162,7 +155,7 @@ def _configure_matrix(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--results",
-        type=_folder,
+        type=images.nonempty_arg,
         default=DEFAULT_RESULTS,
         help=f"results folder ({DEFAULT_RESULTS})",
     )
@@ -448,7 +441,7 @@ def _configure_report(p: argparse.ArgumentParser) -> None:
     _add_cell_filters(p)
     p.add_argument(
         "--results",
-        type=_folder,
+        type=images.nonempty_arg,
         default=DEFAULT_RESULTS,
         help=f"results folder ({DEFAULT_RESULTS})",
     )

@@ -405,8 +405,9 @@ def configure_cli(p: argparse.ArgumentParser) -> None:
 
 
 def nonempty_arg(text: str) -> str:
-    """An argparse type that refuses an empty value (rather than falling back to a default)."""
-    if not text:
+    """An argparse type that refuses an empty or blank value (rather than falling back to a
+    default, or reading the current folder for a path)."""
+    if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty")
     return text
 

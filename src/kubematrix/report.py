@@ -597,6 +597,7 @@ def markdown_report(
 
 
 def _merged_junit(results: Sequence[CellResult], results_dir: str | os.PathLike[str]) -> ET.Element:
+    """One JUnit with a ``<testsuite>`` per cell (named after it); not-run cells as skipped."""
     root = ET.Element("testsuites", name="portattn matrix")
     src = Path(results_dir)
     for r in results:
@@ -626,17 +627,6 @@ def _merged_junit(results: Sequence[CellResult], results_dir: str | os.PathLike[
         for attr, tag in (("failures", "failure"), ("errors", "error"), ("skipped", "skipped")):
             suite.set(attr, str(sum(c.find(tag) is not None for c in cases_for_count)))
     return root
-
-
-def merge_junit(
-    results: Sequence[CellResult], results_dir: str | os.PathLike[str], out: str | os.PathLike[str]
-) -> Path:
-    """One JUnit with a ``<testsuite>`` per cell (named after it); not-run cells as skipped."""
-    path = Path(out)
-    ET.ElementTree(_merged_junit(results, results_dir)).write(
-        path, encoding="utf-8", xml_declaration=True
-    )
-    return path
 
 
 @dataclass(frozen=True)

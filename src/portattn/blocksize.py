@@ -134,8 +134,7 @@ def select_common_block_size(
 
 
 #: The most lcms `_smallest_common` keeps at once: the smallest common size is a weighted hitting
-#: set problem in general (participants of coprime rules), so the search is bounded, not left to
-#: run for hours.
+#: set problem in general (participants of coprime rules), so the search is bounded.
 MAX_CANDIDATES = 4096
 
 

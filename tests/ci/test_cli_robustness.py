@@ -93,7 +93,7 @@ def test_an_empty_results_name_is_refused(command, tmp_path, monkeypatch, capsys
     with pytest.raises(SystemExit) as done:
         main([command, "--results", "", "--suite", "policy"])
     assert done.value.code == 2
-    assert "argument --results: must name a folder; got ''" in capsys.readouterr().err
+    assert "argument --results: must not be empty" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 

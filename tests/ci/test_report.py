@@ -117,7 +117,7 @@ def test_the_summary_is_written_as_merged_junit_markdown_text_and_json(results_d
 
 def test_merged_junit_has_a_suite_per_cell_and_not_run_cells_as_skipped(results_dir):
     results = report.collect(CELLS, results_dir)
-    root = ET.parse(report.merge_junit(results, results_dir, results_dir / "junit.xml")).getroot()
+    root = ET.parse(report.write_summary(results, results_dir).junit).getroot()
     suites = {s.get("name"): s for s in root.iter("testsuite")}
     assert list(suites) == [c.name for c in CELLS]
     attrs = ("tests", "failures", "errors", "skipped")
@@ -136,7 +136,7 @@ def test_merged_junit_has_a_suite_per_cell_and_not_run_cells_as_skipped(results_
 def test_an_error_after_a_clean_junit_stays_an_error_in_the_merged_file(tmp_path):
     shutil.copy(DATA / "paged-cpu-interpreter.xml", tmp_path)
     crashed = report.result_from_junit(PAGED, tmp_path / "paged-cpu-interpreter.xml", exit_code=1)
-    merged = report.read_junit(report.merge_junit([crashed], tmp_path, tmp_path / "junit.xml"))
+    merged = report.read_junit(report.write_summary([crashed], tmp_path).junit)
     assert merged.errors == 1 and report.status_from_counts(merged) == "error"
 
 

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     png = not args.no_png
     missing = missing_heatmap_modules() if png else []
-    # before the compiles, which take minutes: a cache or report that cannot be written stops now
+    # before any compile: a cache or report folder that cannot be written stops the run here
     error = check_cache_dir(args.cache_dir) or check_reports(args.out, png and not missing)
     if error is not None:
         print(f"error: compile: {error}", file=sys.stderr)

@@ -964,8 +964,8 @@ def _check_contents(
             )
         if not (metadata is not None and metadata.decode):
             q_lens = qsl[1:] - qsl[:-1]
-        elif bool((qsl != np.arange(qsl.shape[0])).any()):  # the kernel reads no offsets
-            (i,) = np.flatnonzero(qsl != np.arange(qsl.shape[0]))[:1]
+        elif (off := qsl != np.arange(qsl.shape[0])).any():  # the kernel reads no offsets
+            i = int(np.argmax(off))
             errors.append(
                 "query_start_loc must give every sequence one token with single-token metadata "
                 f"(metadata.max_query_len 1 runs token i as sequence i); got query_start_loc[{i}]"
