@@ -46,6 +46,7 @@ that portattn itself depends on torch and triton only.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,19 +78,51 @@ HYBRID_MODEL_TYPES = (
 )
 
 
+class _Refusal(Exception):
+    """A bad argument or config field, named by the public function the user called."""
+
+    def __init__(self, rule: str) -> None:
+        super().__init__(rule)
+        self.rule = rule
+        self.caller = ""
+
+    def __str__(self) -> str:
+        return f"{self.caller}: {self.rule}" if self.caller else self.rule
+
+
+class _ValueRefusal(_Refusal, ValueError):
+    pass
+
+
+class _TypeRefusal(_Refusal, TypeError):
+    pass
+
+
+def _names_its_refusals(fn: Callable) -> Callable:
+    """Prefix ``fn``'s refusals with its name; the outermost public function's name wins."""
+
+    @functools.wraps(fn)
+    def named(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except _Refusal as e:
+            e.caller = fn.__name__
+            raise
+
+    return named
+
+
+@_names_its_refusals
 def dtype_bytes(dtype: Any, *, what: str = "dtype") -> int:
     """Bytes per element of ``dtype`` (a name from `DTYPE_BYTES` or a ``torch.dtype``)."""
     if isinstance(dtype, str):
         if dtype not in DTYPE_BYTES:
-            raise ValueError(
-                f"derive_block_size: {what} must be one of {sorted(DTYPE_BYTES)} or a torch.dtype; "
-                f"got {dtype!r}"
+            raise _ValueRefusal(
+                f"{what} must be one of {sorted(DTYPE_BYTES)} or a torch.dtype; got {dtype!r}"
             )
         return DTYPE_BYTES[dtype]
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(
-            f"derive_block_size: {what} must be a dtype name or a torch.dtype; got {dtype!r}"
-        )
+        raise _TypeRefusal(f"{what} must be a dtype name or a torch.dtype; got {dtype!r}")
     return dtype.itemsize
 
 
@@ -100,7 +133,7 @@ def _is_count(v: object, minimum: int) -> TypeGuard[int]:
 
 def _check_tp(tp: object) -> int:
     if not _is_count(tp, 1):
-        raise ValueError(f"derive_block_size: tp must be an int >= 1; got {tp!r}")
+        raise _ValueRefusal(f"tp must be an int >= 1; got {tp!r}")
     return tp
 
 
@@ -116,7 +149,7 @@ def _size(config: Any, name: str, *, minimum: int = 1, optional: bool = False) -
         return None
     if not _is_count(v, minimum):
         got = "missing" if not hasattr(config, name) else f"got {v!r}"
-        raise ValueError(f"derive_block_size: config.{name} must be an int >= {minimum}; {got}")
+        raise _ValueRefusal(f"config.{name} must be an int >= {minimum}; {got}")
     return v
 
 
@@ -129,14 +162,14 @@ def _inner(config: Any) -> int:
         or not 0 < expand < math.inf  # inf (or 1e308 * hidden_size) has no int width
         or not math.isfinite(expand * _size(config, "hidden_size"))
     ):
-        raise ValueError(
-            f"derive_block_size: config.mamba_expand must be a finite number > 0 (times "
+        raise _ValueRefusal(
+            f"config.mamba_expand must be a finite number > 0 (times "
             f"hidden_size, the Mamba width); got {expand!r}"
         )
     inner = int(expand * _size(config, "hidden_size"))
     if inner < 1:
-        raise ValueError(
-            "derive_block_size: the mamba intermediate size (config.mamba_expand * "
+        raise _ValueRefusal(
+            "the mamba intermediate size (config.mamba_expand * "
             "config.hidden_size) must be "
             f">= 1; got {inner}"
         )
@@ -145,9 +178,8 @@ def _inner(config: Any) -> int:
 
 def _divide(n: int, tp: int, what: str) -> int:
     if n % tp:
-        raise ValueError(
-            f"derive_block_size: {what}={n} must be divisible by the tensor-parallel size; "
-            f"got tp={tp}"
+        raise _ValueRefusal(
+            f"{what}={n} must be divisible by the tensor-parallel size; got tp={tp}"
         )
     return n // tp
 
@@ -194,6 +226,7 @@ class HybridBlockSize:
         return self.attn_page_bytes - self.mamba_page_bytes
 
 
+@_names_its_refusals
 def align_block_size(mamba_page_bytes: int, attn_bytes_per_token: int, kernel_multiple: int) -> int:
     """``a * ceil(mamba_page_bytes / (a * attn_bytes_per_token))``: the smallest multiple of ``a``
     whose attention page covers the Mamba page.
@@ -207,10 +240,11 @@ def align_block_size(mamba_page_bytes: int, attn_bytes_per_token: int, kernel_mu
         ("kernel_multiple", kernel_multiple),
     ):
         if not _is_count(v, 1):
-            raise ValueError(f"align_block_size: {name} must be an int >= 1; got {v!r}")
+            raise _ValueRefusal(f"{name} must be an int >= 1; got {v!r}")
     return kernel_multiple * -(-mamba_page_bytes // (kernel_multiple * attn_bytes_per_token))
 
 
+@_names_its_refusals
 def attention_dims(config: Any, tp: int) -> tuple[int, int]:
     """``(num_kv_heads per rank, head_dim)`` of the model's attention layers.
 
@@ -230,8 +264,8 @@ def attention_dims(config: Any, tp: int) -> tuple[int, int]:
         if head_dim is None:
             head_dim = _size(config, "hidden_size") // heads
             if head_dim < 1:
-                raise ValueError(
-                    "derive_block_size: config.hidden_size must be >= config.num_attention_heads "
+                raise _ValueRefusal(
+                    "config.hidden_size must be >= config.num_attention_heads "
                     f"(head_dim = hidden_size // heads); got {config.hidden_size} < {heads}"
                 )
     kv = _size(config, "num_key_value_heads", optional=True) or heads
@@ -249,14 +283,14 @@ def attention_dims(config: Any, tp: int) -> tuple[int, int]:
             "heads replicated over the ranks)"
         )
     if errors:
-        raise ValueError("derive_block_size: " + "; ".join(errors))
+        raise _ValueRefusal("" + "; ".join(errors))
     return max(1, kv // tp), head_dim
 
 
 def _mamba2(tp, intermediate, n_groups, num_heads, head_dim, state, conv_kernel):
     if n_groups % tp and n_groups != 1:  # vLLM's MambaMixer2 refuses such a split as well
-        raise ValueError(
-            f"derive_block_size: the mamba n_groups={n_groups} must be 1 or divisible by the "
+        raise _ValueRefusal(
+            f"the mamba n_groups={n_groups} must be 1 or divisible by the "
             f"tensor-parallel size tp={tp}"
         )
     if n_groups % tp:  # one group, replicated so that every rank holds it
@@ -268,6 +302,7 @@ def _mamba2(tp, intermediate, n_groups, num_heads, head_dim, state, conv_kernel)
     )
 
 
+@_names_its_refusals
 def mamba_state_shapes(config: Any, tp: int, *, num_spec: int = 0) -> tuple[tuple[int, ...], ...]:
     """``(conv_state_shape, ssm_state_shape)`` of one Mamba layer per TP rank (table above).
 
@@ -277,7 +312,7 @@ def mamba_state_shapes(config: Any, tp: int, *, num_spec: int = 0) -> tuple[tupl
     """
     tp = _check_tp(tp)
     if not _is_count(num_spec, 0):
-        raise ValueError(f"derive_block_size: num_spec must be an int >= 0; got {num_spec!r}")
+        raise _ValueRefusal(f"num_spec must be an int >= 0; got {num_spec!r}")
     f = lambda name: _size(config, name)  # noqa: E731
     mt = getattr(config, "model_type", None)
     if mt == "jamba":
@@ -305,11 +340,10 @@ def mamba_state_shapes(config: Any, tp: int, *, num_spec: int = 0) -> tuple[tupl
             (_divide(conv_dim, tp, "GDN conv dim"), f("linear_conv_kernel_dim") - 1 + num_spec),
             (_divide(nv, tp, "GDN value heads"), dk, dv),
         )
-    raise ValueError(
-        f"derive_block_size: config.model_type must be one of {HYBRID_MODEL_TYPES}; got {mt!r}"
-    )
+    raise _ValueRefusal(f"config.model_type must be one of {HYBRID_MODEL_TYPES}; got {mt!r}")
 
 
+@_names_its_refusals
 def derive_block_size(
     config: Any,
     *,
@@ -348,7 +382,7 @@ def derive_block_size(
     if not _is_count(num_spec, 0):
         errors.append(f"num_spec must be an int >= 0; got {num_spec!r}")
     if errors:
-        raise ValueError("derive_block_size: " + "; ".join(errors))
+        raise _ValueRefusal("" + "; ".join(errors))
     model_b = dtype_bytes(model_dtype, what="model_dtype")
     kv_b = model_b if cache_dtype == "auto" else dtype_bytes(cache_dtype, what="cache_dtype")
     conv_b = model_b if mamba_dtype is None else dtype_bytes(mamba_dtype, what="mamba_dtype")

@@ -11,7 +11,9 @@ import pytest
 from portattn.hybrid import (
     PUBLISHED_MODELS,
     align_block_size,
+    attention_dims,
     derive_block_size,
+    dtype_bytes,
     mamba_state_shapes,
     published_config,
 )
@@ -132,6 +134,28 @@ def test_align_block_size_is_the_smallest_covering_multiple():
             want = next(b for b in range(a, 10**7, a) if b * per_token >= mamba)
             assert align_block_size(mamba, per_token, a) == want
             assert want == a * math.ceil(mamba / (a * per_token))
+
+
+def test_errors_name_the_function_the_user_called():
+    """Each public helper's refusal starts with its own name; one called by derive_block_size
+    is named as derive_block_size, the call the user made."""
+    cfg = published_config("Jamba-v0.1")
+    cases = (
+        (lambda: attention_dims(cfg, 3), ValueError, "attention_dims: config.num_attention_heads"),
+        (lambda: mamba_state_shapes(cfg, 3), ValueError, "mamba_state_shapes: mamba intermediate"),
+        (lambda: mamba_state_shapes(cfg, 0), ValueError, "mamba_state_shapes: tp must be"),
+        (lambda: dtype_bytes("int4", what="x"), ValueError, "dtype_bytes: x must be one of"),
+        (lambda: dtype_bytes(3), TypeError, "dtype_bytes: dtype must be a dtype name"),
+        (lambda: align_block_size(0, 1, 1), ValueError, "align_block_size: mamba_page_bytes"),
+        (lambda: derive_block_size(cfg, tp=3), ValueError, "derive_block_size: mamba intermediate"),
+        (lambda: derive_block_size(cfg, cache_dtype=3), TypeError, "derive_block_size: cache_"),
+    )
+    for call, kind, start in cases:
+        with pytest.raises(kind, match="^" + re.escape(start)):
+            call()
+    # a refusal's name is set per call: the same helper called directly afterwards names itself
+    with pytest.raises(ValueError, match="^attention_dims: "):
+        attention_dims(cfg, 3)
 
 
 def test_errors_name_the_rule():
