@@ -253,6 +253,10 @@ def test_build_errors():
         b.build(sl, torch.tensor([0, 3, 4]))
     with pytest.raises(ValueError, match=op + r"the longest query .* must be in 1..2 .*got 0"):
         b.build(sl, torch.tensor([0, 0, 0]))
+    for args in ((torch._neg_view(-sl),), (sl, torch._neg_view(-torch.tensor([0, 1, 2])))):
+        name = "seq_lens" if len(args) == 1 else "query_start_loc"
+        with pytest.raises(ValueError, match=op + name + " must not carry torch's lazy negation"):
+            b.build(*args)
     for bad in (3, 0, True, 1.0):
         with pytest.raises(
             ValueError,

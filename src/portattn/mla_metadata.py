@@ -31,7 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
-from portattn.kernels._checks import Problems, capture_errors, check_device, is_int
+from portattn.kernels._checks import (
+    Problems,
+    capture_errors,
+    check_device,
+    is_int,
+    lazy_bit_errors,
+)
 from portattn.platform import Target
 from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles, sm90_gathers
 
@@ -238,6 +244,7 @@ class MlaMetadataBuilder:
                 f"query_start_loc must have shape (num_seqs + 1,) = ({num_seqs + 1},); got "
                 f"{tuple(query_start_loc.shape)}"
             )
+        errors += lazy_bit_errors([("seq_lens", seq_lens), ("query_start_loc", query_start_loc)])
         if errors:
             raise ValueError(f"{op}: " + "; ".join(errors))
         if max_query_len is not None and (

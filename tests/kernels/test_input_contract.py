@@ -497,8 +497,8 @@ def test_a_lazily_negated_tensor_is_refused_not_read_unnegated():
     kc, vc = (torch.zeros(NUM_BLOCKS, BS, HKV, D) for _ in range(2))
     ok = torch.randn(3, HKV, D)
     write_kv_cache(ok, ok, kc, vc, _i32(0, 1, 2))  # the description is planned and cached
-    with pytest.raises(ValueError, match=r"^write_kv_cache: tensors \['key_ptr'\] carry torch's "
-                       r"lazy negation or conjugation bit"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"^write_kv_cache: key must not carry torch's lazy "
+                       r"negation or conjugation bit"):  # fmt: skip
         write_kv_cache(neg, ok, kc, vc, _i32(0, 1, 2))
     assert call_key("write_kv_cache", neg) is None
     write_kv_cache(neg.resolve_neg(), ok, kc, vc, _i32(0, 1, 2))
@@ -507,8 +507,81 @@ def test_a_lazily_negated_tensor_is_refused_not_read_unnegated():
     # read for the checks (numpy refused the bit: a RuntimeError before), then the launch refuses
     a = _paged()
     a["seq_lens"] = torch._neg_view(-a["seq_lens"])
-    with pytest.raises(ValueError, match=r"^paged_attention: tensors \['seq_lens_ptr'\] carry"):
+    with pytest.raises(ValueError, match=r"^paged_attention: seq_lens must not carry torch's"):
         paged_attention(**a)
+
+
+def _lazy(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values under torch's negation bit: the memory holds ``-t``."""
+    return torch._neg_view(-t)
+
+
+def _lazy_calls() -> dict:
+    """Per op, its tensor arguments by name and a call taking them (``out`` as a pair for
+    gather)."""
+    a, m = _paged(), _mla()
+    kc, vc = a["key_cache"], a["value_cache"]
+    return {
+        "paged_attention": (
+            {**a, "out": torch.empty_like(a["query"])},
+            lambda t: paged_attention(**t),
+        ),
+        "mla_decode": (
+            {k: v for k, v in m.items() if isinstance(v, torch.Tensor)},
+            lambda t: mla_decode(**t, kv_lora_rank=R, scale=0.1),
+        ),
+        "write_kv_cache": (
+            dict(
+                key=torch.randn(2, HKV, D),
+                value=torch.randn(2, HKV, D),
+                key_cache=kc.clone(),
+                value_cache=vc.clone(),
+                slot_mapping=_i32(0, 1),
+            ),
+            lambda t: write_kv_cache(**t),
+        ),  # fmt: skip
+        "gather_kv_cache": (
+            dict(
+                key_cache=kc,
+                value_cache=vc,
+                block_table=a["block_table"],
+                cu_seq_lens=_i32(0, 6, 15),
+                out0=torch.empty(15, HKV, D),
+                out1=torch.empty(15, HKV, D),
+            ),
+            lambda t: gather_kv_cache(
+                t["key_cache"],
+                t["value_cache"],
+                t["block_table"],
+                t["cu_seq_lens"],
+                out=(t["out0"], t["out1"]),
+            ),
+        ),  # fmt: skip
+        "expand_page_indices": (
+            dict(block_table=a["block_table"], seq_lens=a["seq_lens"]),
+            lambda t: expand_page_indices(t["block_table"], t["seq_lens"], BS),
+        ),
+    }
+
+
+@pytest.mark.cpu
+@pytest.mark.paged
+@pytest.mark.mla
+@pytest.mark.parametrize(
+    "op", ["paged_attention", "mla_decode", "write_kv_cache", "gather_kv_cache",
+           "expand_page_indices"],
+)  # fmt: skip
+def test_every_tensor_argument_under_a_lazy_bit_is_refused_by_its_name(op):
+    """Each op, each tensor argument in turn under the negation bit (same values, the memory
+    negated): a ValueError naming that argument, before anything runs; the call without the
+    bit runs."""
+    tensors, call = _lazy_calls()[op]
+    call(tensors)
+    for name in tensors:
+        shown = {"out0": "out[0]", "out1": "out[1]"}.get(name, name)
+        with pytest.raises(ValueError, match=rf"^{op}: .*{re.escape(shown)} must not carry "
+                           r"torch's lazy negation"):  # fmt: skip
+            call({**tensors, name: _lazy(tensors[name])})
 
 
 # -- errors: every problem at once, the right argument, meta tensors ----------------------------

@@ -251,6 +251,19 @@ def disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
     return False
 
 
+def lazy_bit_errors(named: Sequence[tuple[str, object]]) -> list[str]:
+    """The ``(name, tensor)`` pairs (non-tensors skipped) must not carry torch's lazy negation or
+    conjugation bit: a kernel reads the memory, which holds the values before the lazy op."""
+    lazy = [n for n, t in named if isinstance(t, torch.Tensor) and (t.is_neg() or t.is_conj())]
+    if not lazy:
+        return []
+    return [
+        f"{', '.join(lazy)} must not carry torch's lazy negation or conjugation bit (a kernel "
+        "reads the memory, which holds the values before the lazy op); pass t.resolve_neg() / "
+        "t.resolve_conj()"
+    ]
+
+
 def overlap_errors(
     writes: Sequence[tuple[str, torch.Tensor | None]],
     reads: Sequence[tuple[str, torch.Tensor | None]],

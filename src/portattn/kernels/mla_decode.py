@@ -75,6 +75,7 @@ from portattn.kernels._checks import (
     capacity_errors,
     capture_errors,
     is_int,
+    lazy_bit_errors,
     offsets_errors,
     overlap_errors,
     page_indices_errors,
@@ -1045,6 +1046,12 @@ def _validate(
     )
     if tiles is not None and metadata is not None:
         p.value("tiles must not be given with metadata (the launch uses metadata.tiles)")
+    pages = page_indices if isinstance(page_indices, (tuple, list)) else ()
+    p.value(*lazy_bit_errors([("query", query), ("kv_cache", kv_cache),
+                              ("block_table", block_table), ("seq_lens", seq_lens),
+                              ("query_start_loc", query_start_loc), ("out", out),
+                              ("trace", trace), *((f"page_indices[{i}]", t)
+                                                  for i, t in enumerate(pages))]))  # fmt: skip
     if not p:
         reads = [("query", query), ("kv_cache", kv_cache), ("block_table", block_table),
                  ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)]  # fmt: skip

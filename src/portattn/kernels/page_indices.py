@@ -31,6 +31,7 @@ from portattn.kernels._checks import (
     capacity_errors,
     capture_errors,
     is_int,
+    lazy_bit_errors,
     num_indices_errors,
     raise_errors,
     reads_contents,
@@ -167,6 +168,7 @@ def plan_expand_page_indices(
         p.value(
             f"block_table and seq_lens must be on one device; got {table.device} and {lens.device}"
         )
+    p.value(*lazy_bit_errors([("block_table", block_table), ("seq_lens", seq_lens)]))
     if num_indices is not None and not is_int(num_indices):
         p.value(f"num_indices must be an int or None; got {type(num_indices).__name__}")
     elif num_indices is not None and not 0 <= num_indices <= INT64_MAX:

@@ -65,6 +65,7 @@ from portattn.kernels._checks import (
     capacity_errors,
     capture_errors,
     is_int,
+    lazy_bit_errors,
     offsets_errors,
     overlap_errors,
     raise_errors,
@@ -739,6 +740,9 @@ def _check_call(
         )
     _shape_errors(p, q, kv[0] if kv else None, key_cache if kv else None, ok, out)
     p.value(*scale_errors(scale, optional=True))
+    p.value(*lazy_bit_errors([("query", query), ("key_cache", key_cache),
+                              ("value_cache", value_cache), *list(named.items())[1:],
+                              ("out", out), ("trace", trace)]))  # fmt: skip
     for name, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
         if v is not None and (not is_int(v) or v < 0):
             p.value(f"{name} must be a non-negative int or None; got {v!r}")
