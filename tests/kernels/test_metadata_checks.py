@@ -357,7 +357,8 @@ def test_reads_contents_rule():
 
 _METADATA_ONLY = frozenset(
     ("shape", "dtype", "device", "dim", "stride", "size", "element_size", "is_contiguous",
-     "numel", "__len__", "data_ptr", "storage_offset", "ndim", "layout", "is_cuda", "is_meta")
+     "numel", "__len__", "data_ptr", "storage_offset", "ndim", "layout", "is_cuda", "is_meta",
+     "is_neg", "is_conj")
 )  # fmt: skip
 
 

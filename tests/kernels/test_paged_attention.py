@@ -416,7 +416,8 @@ def test_plan_on_meta_tensors_needs_no_data():
 # Metadata a tensor may expose without its contents being read.
 _METADATA = frozenset(
     ("shape", "dtype", "device", "dim", "stride", "size", "element_size", "is_contiguous",
-     "numel", "__len__", "data_ptr", "storage_offset", "ndim", "layout", "is_cuda", "is_meta")
+     "numel", "__len__", "data_ptr", "storage_offset", "ndim", "layout", "is_cuda", "is_meta",
+     "is_neg", "is_conj")
 )  # fmt: skip
 
 
