@@ -86,3 +86,27 @@ def compile_in_spawned_workers(cases, targets, **kwargs) -> list:
 
     with _shared_pool() as pool:
         return run_matrix(cases, targets, executor=pool, **kwargs)
+
+
+#: What a tensor may expose without its contents being read: shape, strides, dtype, device,
+#: address and view flags.
+_METADATA = frozenset(
+    ("shape", "dtype", "device", "dim", "stride", "size", "element_size", "is_contiguous",
+     "numel", "__len__", "data_ptr", "storage_offset", "ndim", "layout", "is_cuda", "is_meta",
+     "is_neg", "is_conj")
+)  # fmt: skip
+
+
+class Opaque(torch.Tensor):
+    """A tensor whose shape, strides, dtype and device may be read but not its contents:
+    ``.item()``, ``.tolist()``, ``.to("cpu")``, comparisons, indexing ... raise."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # a property: Tensor.shape.__get__ ...
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if name not in _METADATA:
+            raise RuntimeError(f"Opaque: the plan read a tensor's contents ({name})")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))

@@ -30,7 +30,7 @@ from portattn.kernels.paged_attention import paged_attention
 from portattn.layout import empty_kv_cache
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import get_target
-from tests.helpers import assert_low_precision_close
+from tests.helpers import Opaque, assert_low_precision_close
 
 # MLA geometry: small, and one the interpreter runs quickly (latent 128 + rope 64).
 DK, R, HEADS, BS = 192, 128, 2, 4
@@ -355,27 +355,6 @@ def test_reads_contents_rule():
     assert not reads_contents(meta, vouched=False)
 
 
-_METADATA_ONLY = frozenset(
-    ("shape", "dtype", "device", "dim", "stride", "size", "element_size", "is_contiguous",
-     "numel", "__len__", "data_ptr", "storage_offset", "ndim", "layout", "is_cuda", "is_meta",
-     "is_neg", "is_conj")
-)  # fmt: skip
-
-
-class _Opaque(torch.Tensor):
-    """A tensor whose contents cannot be read (``.item()``, ``.to("cpu")``, indexing raise)."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name == "__get__":
-            name = getattr(getattr(func, "__self__", None), "__name__", name)
-        if name not in _METADATA_ONLY:
-            raise RuntimeError(f"Opaque: the plan read a tensor's contents ({name})")
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.cpu
 @pytest.mark.mla
 @pytest.mark.specdec
@@ -385,11 +364,11 @@ def test_mla_plan_reads_nothing_with_metadata(form):
     reads no index tensor's contents; without metadata it reads them (and says so here)."""
     a = _mla_inputs()
     if form == "page_indices":
-        a["page_indices"] = tuple(t.as_subclass(_Opaque) for t in _pages(a))
+        a["page_indices"] = tuple(t.as_subclass(Opaque) for t in _pages(a))
         a["block_table"] = None
     for key in ("block_table", "seq_lens", "query_start_loc"):
         if a[key] is not None:
-            a[key] = a[key].as_subclass(_Opaque)
+            a[key] = a[key].as_subclass(Opaque)
     builder = MlaMetadataBuilder(
         get_target("sm_90"), max_batch=2, num_heads=HEADS, kv_lora_rank=R, head_dim_k=DK,
         dtype=torch.float32, device="cpu", max_query_len=2, max_seq_len=16,

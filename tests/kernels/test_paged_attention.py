@@ -23,7 +23,7 @@ from portattn.kernels.paged_attention import paged_attention, plan_paged_attenti
 from portattn.layout import empty_kv_cache, make_hybrid_cache, shuffle_x, token_view
 from portattn.platform import get_target
 from portattn.policy.paged import PagedProblem, paged_tiles
-from tests.helpers import assert_low_precision_close
+from tests.helpers import Opaque, assert_low_precision_close
 
 pytestmark = pytest.mark.paged
 
@@ -412,28 +412,6 @@ def test_plan_on_meta_tensors_needs_no_data():
 
 
 # -- no host reads on the hot path ----------------------------------------------------------------
-
-# Metadata a tensor may expose without its contents being read.
-_METADATA = frozenset(
-    ("shape", "dtype", "device", "dim", "stride", "size", "element_size", "is_contiguous",
-     "numel", "__len__", "data_ptr", "storage_offset", "ndim", "layout", "is_cuda", "is_meta",
-     "is_neg", "is_conj")
-)  # fmt: skip
-
-
-class Opaque(torch.Tensor):
-    """A tensor whose shape, strides, dtype and device may be read but not its contents:
-    ``.item()``, ``.tolist()``, ``.to("cpu")``, comparisons, indexing ... raise."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name == "__get__":  # a property: Tensor.shape.__get__ ...
-            name = getattr(getattr(func, "__self__", None), "__name__", name)
-        if name not in _METADATA:
-            raise RuntimeError(f"Opaque: the plan read a tensor's contents ({name})")
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
 
 
 def test_opaque_tensor_refuses_content_reads():
