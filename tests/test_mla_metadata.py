@@ -288,13 +288,13 @@ def test_builder_names_a_bad_device_or_too_many_rows(kwargs, message):
         builder(**kwargs)
 
 
-def test_single_token_metadata_needs_one_token_a_sequence():
+def test_single_token_metadata_needs_one_token_a_sequence(device):
     """Single-token metadata runs token i as sequence i and reads no offsets: offsets with an
     empty sequence ([0, 0, 1]: row 0 is sequence 1, row 1 padding) ran row 0 as sequence 0 and
     wrote the padding row. Refused by the builder that reads them, and by the op's check."""
-    q, cache, bt, sl, _ = make_inputs(192, 128, 3, 16, (1, 1), (5, 9), torch.float32, "cpu")
-    b = builder()
-    empty_first = torch.tensor([0, 0, 1])
+    q, cache, bt, sl, _ = make_inputs(192, 128, 3, 16, (1, 1), (5, 9), torch.float32, device)
+    b = builder(device=device)
+    empty_first = torch.tensor([0, 0, 1], device=device)
     with pytest.raises(ValueError, match=r"^MlaMetadataBuilder.build: query_start_loc gives a "
                        r"sequence 0 tokens and none more than 1"):  # fmt: skip
         b.build(sl, empty_first)
@@ -303,7 +303,7 @@ def test_single_token_metadata_needs_one_token_a_sequence():
     with pytest.raises(ValueError, match=rule + r" metadata .*got query_start_loc\[1\]=0"):
         mla_decode(q, cache, bt, sl, kv_lora_rank=128, scale=0.1, query_start_loc=empty_first,
                    metadata=md)  # fmt: skip
-    one_each = torch.tensor([0, 1, 2])
+    one_each = torch.tensor([0, 1, 2], device=device)
     out, lse = mla_decode(q, cache, bt, sl, kv_lora_rank=128, scale=0.1, query_start_loc=one_each,
                           metadata=b.build(sl, one_each), return_lse=True)  # fmt: skip
     check(out, lse, q, cache, bt, sl, one_each, 128, 0.1, torch.float32)

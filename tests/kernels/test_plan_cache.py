@@ -949,7 +949,8 @@ def test_gpu_unbounded_calls_launch_what_they_prepared(given_out):
     from portattn.kernels import paged_attention as paged_mod
 
     PLANS.clear()
-    b = make_batch(((3000, 1), (40, 1)), block_size=16, heads=(8, 2), head_dim=64,
+    # built at the longest lens the loop sets (41 for the second): only written cache is read
+    b = make_batch(((3000, 1), (41, 1)), block_size=16, heads=(8, 2), head_dim=64,
                    dtype=torch.bfloat16, device="cuda")  # fmt: skip
     full = b.seq_lens.clone()
     probes = []
