@@ -9,8 +9,8 @@ the host clock, median of ``--repeats`` loops, the garbage collector off):
   after the op's cached call (so the wait includes the kernel the call queued, as in a decode
   loop);
 * ``summary queued``: its launch and copy alone, without the wait (`start_metadata_summary`);
-* ``totals copy and wait``: the copy of the summary's totals into pinned memory and a wait, with
-  nothing else queued (what the kernel writing its totals to pinned memory itself would save);
+* ``a wait, nothing queued``: the stream's wait alone (the summary writes its totals to pinned
+  host memory itself, so the wait is all that follows its launch);
 * ``summary, cached call, one wait``: the summary queued, the cached call, then the wait and the
   read (`finish_metadata_summary`): what an unbounded call would cost if it could launch its
   kernels before it waits (its kernels then need the summary's verdict on the device);
@@ -31,7 +31,6 @@ Usage (GPU machine, repository root)::
 from __future__ import annotations
 
 import argparse
-import functools
 
 import torch
 
@@ -47,14 +46,6 @@ from portattn.kernels.metadata_summary import (
     read_metadata_summary,
     start_metadata_summary,
 )
-
-
-def _copy_and_wait(bufs) -> None:
-    """The summary's copy of its totals (``bufs`` from a `start_metadata_summary`) and a wait,
-    alone (nothing on the CPU, where the host reads the totals themselves)."""
-    if bufs.pinned is not None:
-        bufs.pinned.copy_(bufs.totals, non_blocking=True)
-        bufs.stream.synchronize()
 
 
 def paged_steps(device: str) -> dict:
@@ -77,7 +68,7 @@ def paged_steps(device: str) -> dict:
         "summary": summary,
         "summary after a launch": lambda: (cached(), summary()),
         "summary queued": queued,
-        "totals copy and wait": functools.partial(_copy_and_wait, queued()),
+        "a wait, nothing queued": torch.cuda.current_stream().synchronize,
         "summary, cached call, one wait": lambda: finish_metadata_summary((queued(), cached())[0]),
         "host read": lambda: to_host(bt, sl, qsl),
         "sync after a launch": lambda: (cached(), torch.cuda.synchronize()),

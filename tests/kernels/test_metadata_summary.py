@@ -232,6 +232,8 @@ def test_summary_on_two_streams():
     for stream in (side, torch.cuda.current_stream()):
         with torch.cuda.stream(stream):
             assert _buffers(table.device).running.tolist() == [0] * 5
+            # the kernel writes the totals into pinned host memory itself: no copy is queued
+            assert _buffers(table.device).totals.is_pinned()
 
 
 def test_summary_buffers_are_kept_per_thread_and_bounded(device, monkeypatch):

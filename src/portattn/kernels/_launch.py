@@ -76,8 +76,11 @@ class Launch:
                 "carry torch's lazy negation or conjugation bit, which a kernel cannot see; pass "
                 "t.resolve_neg() / t.resolve_conj()"
             )
-        if hasattr(self.kernel, "params"):  # compiled by Triton's JIT: GPU memory only
-            on_cpu = [n for n, v in self.args.items() if isinstance(v, torch.Tensor) and v.is_cpu]
+        if hasattr(self.kernel, "params"):  # compiled by Triton's JIT: GPU or pinned host memory
+            on_cpu = [
+                n for n, v in self.args.items()
+                if isinstance(v, torch.Tensor) and v.is_cpu and not v.is_pinned()
+            ]  # fmt: skip
             if on_cpu:
                 raise ValueError(
                     f"{self.name or getattr(self.kernel, '__name__', self.kernel)!s}: tensors "

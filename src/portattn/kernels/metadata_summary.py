@@ -6,13 +6,14 @@ without ``metadata``, ``gather_kv_cache`` without ``out``) must check the metada
 learn its maxima (or its token count) before it plans. The summary kernel does both on the
 device, one program per sequence: each program checks its sequence and folds ``(q_len, seq_len,
 broken, its end offset)`` into the call's running maxima with atomics; the program that finishes
-last writes the four totals (`Totals`) and zeroes the running maxima for the next call. The host
-copies the totals into pinned memory, waits for the stream once and reads four integers. Only
+last writes the four totals (`Totals`) and zeroes the running maxima for the next call. On a GPU
+the totals are pinned host memory, which the kernel writes directly (mapped through unified
+addressing): the host waits for the stream once and reads four integers, with no copy queued. Only
 when the metadata is broken does the op read the metadata itself and run the host checks of
 `_checks`, which name the argument, the rule and the values exactly as before: the summary
 decides *whether* a call is valid, `_checks` says *why not*.
 
-The running maxima, the totals and their pinned copy are one set per device, stream and thread
+The running maxima and the totals are one set per device, stream and thread
 (`_buffers`): calls on one stream run their summaries in order, and each thread reads its own
 totals after its own wait.
 
@@ -203,13 +204,13 @@ def plan_metadata_summary(
 
 
 class _Buffers(NamedTuple):
-    """One device, stream and thread's summary buffers: the running maxima (zero between calls),
-    the totals, and on a GPU their pinned host copy and the stream to wait for."""
+    """One device, stream and thread's summary buffers: the running maxima (zero between calls)
+    on the device, the totals (pinned host memory on a GPU, which the kernel writes), the host's
+    numpy view of them, and on a GPU the stream to wait for."""
 
     running: torch.Tensor
     totals: torch.Tensor
-    pinned: torch.Tensor | None
-    host: Any  # numpy view of what the host reads: ``pinned``, else ``totals``
+    host: Any
     stream: Any  # torch.cuda.Stream, or None on the CPU
 
 
@@ -227,12 +228,10 @@ def _buffers(device: torch.device) -> _Buffers:
     if bufs is None:
         stream = None if raw is None else torch.cuda.current_stream(device)
         running = torch.zeros(TICKETS + 1, dtype=torch.int64, device=device)
-        totals = torch.zeros(TOKENS + 1, dtype=torch.int64, device=device)
-        pinned = None if stream is None else torch.zeros_like(totals, device="cpu").pin_memory()
-        host = (totals if pinned is None else pinned).numpy()
+        totals = torch.zeros(TOKENS + 1, dtype=torch.int64, pin_memory=stream is not None)
         if len(_BUFFERS) >= MAX_BUFFERS:
             del _BUFFERS[next(iter(_BUFFERS))]
-        bufs = _BUFFERS[key] = _Buffers(running, totals, pinned, host, stream)
+        bufs = _BUFFERS[key] = _Buffers(running, totals, totals.numpy(), stream)
     return bufs
 
 
@@ -248,7 +247,7 @@ def start_metadata_summary(
     padding_ok: bool = False,
 ) -> _Buffers:
     """Queue the summary kernel (through the plan cache: a repeated description launches
-    directly) and, on a GPU, the copy of its totals into pinned memory; nothing waits. Returns
+    directly), which writes its totals to the host's buffer; nothing waits. Returns
     the buffers `finish_metadata_summary` reads. Arguments as `plan_metadata_summary`'s."""
     bufs = _buffers(block_table.device)
     inputs = (query_start_loc, seq_lens, block_table, bufs.running, bufs.totals)
@@ -267,8 +266,6 @@ def start_metadata_summary(
             ),
             (scalars, tensors),
         )  # fmt: skip
-    if bufs.pinned is not None:
-        bufs.pinned.copy_(bufs.totals, non_blocking=True)
     return bufs
 
 
