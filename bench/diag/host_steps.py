@@ -68,7 +68,7 @@ def paged_steps(device: str) -> dict:
         "summary": summary,
         "summary after a launch": lambda: (cached(), summary()),
         "summary queued": queued,
-        "a wait, nothing queued": torch.cuda.current_stream().synchronize,
+        "a wait, nothing queued": lambda: torch.cuda.current_stream().synchronize(),
         "summary, cached call, one wait": lambda: finish_metadata_summary((queued(), cached())[0]),
         "host read": lambda: to_host(bt, sl, qsl),
         "sync after a launch": lambda: (cached(), torch.cuda.synchronize()),
