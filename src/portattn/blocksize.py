@@ -19,6 +19,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from portattn.platform import is_int
+
 
 @dataclass(frozen=True)
 class MultipleOf:
@@ -42,7 +44,7 @@ BlockSizeRule = int | MultipleOf
 
 def _is_size(x: object) -> bool:
     """An int >= 1 that is not a bool (``True`` is no block size)."""
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+    return is_int(x) and x >= 1
 
 
 @dataclass(frozen=True)

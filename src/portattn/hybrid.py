@@ -50,11 +50,11 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeGuard, cast
+from typing import Any, ParamSpec, TypeGuard, TypeVar
 
 import torch
 
-from portattn.kernels._checks import is_int
+from portattn.platform import is_int
 
 DTYPE_BYTES: dict[str, int] = {
     "fp32": 4,
@@ -98,11 +98,15 @@ class _TypeRefusal(_Refusal, TypeError):
     pass
 
 
-def _names_its_refusals(fn: Callable) -> Callable:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _names_its_refusals(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """Prefix ``fn``'s refusals with its name; the outermost public function's name wins."""
 
     @functools.wraps(fn)
-    def named(*args: Any, **kwargs: Any) -> Any:
+    def named(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return fn(*args, **kwargs)
         except _Refusal as e:
@@ -128,7 +132,7 @@ def dtype_bytes(dtype: Any, *, what: str = "dtype") -> int:
 
 def _is_count(v: object, minimum: int) -> TypeGuard[int]:
     """An int (not a bool) >= ``minimum``."""
-    return is_int(v) and cast(int, v) >= minimum
+    return is_int(v) and v >= minimum
 
 
 def _check_tp(tp: object) -> int:

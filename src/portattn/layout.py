@@ -30,7 +30,8 @@ from typing import Any, Literal
 
 import torch
 
-from portattn.kernels._checks import Problems, check_device, is_int
+from portattn.kernels._checks import Problems, check_device
+from portattn.platform import is_int
 
 Layout = Literal["NHD", "SHUFFLE"]
 LAYOUTS: tuple[str, ...] = ("NHD", "SHUFFLE")
@@ -247,10 +248,8 @@ def token_view(
         p.value(f"layout must be one of {LAYOUTS}; got {layout!r}")
     if kind not in ("key", "value"):
         p.value(f"kind must be 'key' or 'value'; got {kind!r}")
-    rank = 4 if layout == "NHD" else 5
-    if layout not in LAYOUTS:
-        pass  # the cache's rank depends on the layout
-    elif not isinstance(cache, torch.Tensor) or cache.dim() != rank:
+    rank = 4 if layout == "NHD" else 5  # read only for a known layout
+    if layout in LAYOUTS and (not isinstance(cache, torch.Tensor) or cache.dim() != rank):
         got = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
         p.type(f"cache must be a {rank}-D tensor (a {layout} cache); got {got}")
     elif not p:

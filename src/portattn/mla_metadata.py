@@ -35,10 +35,9 @@ from portattn.kernels._checks import (
     Problems,
     capture_errors,
     check_device,
-    is_int,
     lazy_bit_errors,
 )
-from portattn.platform import Target
+from portattn.platform import Target, is_int
 from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles, sm90_gathers
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)

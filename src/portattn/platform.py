@@ -29,9 +29,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeGuard
 
 Vendor = Literal["cuda", "hip"]
+
+
+def is_int(x: object) -> TypeGuard[int]:
+    """A Python int that is not a bool (``True`` is no block size, count or rank)."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,7 @@ class Target:
             errors.append(f"warp_size must be 32 or 64; got {self.warp_size!r}")
         for name in ("max_shared_mem", "num_sms", "mma_min_rows", "max_num_stages"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 errors.append(f"{name} must be an int >= 1; got {value!r}")
         if errors:
             raise ValueError("Target: " + "; ".join(errors))

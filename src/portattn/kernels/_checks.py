@@ -96,9 +96,7 @@ def to_host(*tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
     is copied into pinned host memory without a sync (no concatenation kernel, no blocking copy),
     then the stream is synchronized once. The checks below run on numpy, whose operations on
     small arrays cost a fraction of torch's."""
-    # resolve_neg: numpy refuses torch's lazy negation bit (a no-op without it; the launch
-    # refuses such a tensor by name once its values are checked)
-    host = [t.detach().resolve_neg().to("cpu", non_blocking=True) for t in tensors]
+    host = [t.detach().to("cpu", non_blocking=True) for t in tensors]
     for dev in {t.device for t in tensors if t.device.type == "cuda"}:
         torch.cuda.current_stream(dev).synchronize()
     return tuple(h.numpy().astype(np.int64, copy=False) for h in host)
@@ -154,11 +152,6 @@ class Problems:
         if self.reasons:
             kind = TypeError if self.has_type else ValueError
             raise kind(f"{self.op}: " + "; ".join(self.reasons))
-
-
-def is_int(x) -> bool:
-    """A Python int that is not a bool (``True`` is no block size, count or rank)."""
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_device(p: Problems, device: object) -> None:

@@ -66,16 +66,6 @@ class Launch:
         tensors have shapes but no memory, so a call on them only gives its outputs' shapes)."""
         if any(g == 0 for g in self.grid) or self._on_meta():
             return None
-        lazy = [
-            n for n, v in self.args.items()
-            if isinstance(v, torch.Tensor) and (v.is_neg() or v.is_conj())
-        ]  # fmt: skip
-        if lazy:  # the kernels read the memory, which holds the values before the lazy op
-            raise ValueError(
-                f"{self.name or getattr(self.kernel, '__name__', self.kernel)!s}: tensors {lazy} "
-                "carry torch's lazy negation or conjugation bit, which a kernel cannot see; pass "
-                "t.resolve_neg() / t.resolve_conj()"
-            )
         if hasattr(self.kernel, "params"):  # compiled by Triton's JIT: GPU or pinned host memory
             on_cpu = [
                 n for n, v in self.args.items()

@@ -94,7 +94,7 @@ def describe(x: Any) -> Hashable:
     tiles) by value. Anything else raises `Uncacheable`.
     """
     if isinstance(x, torch.Tensor):
-        if x.is_neg() or x.is_conj():  # planned afresh, where `Launch.run` refuses it
+        if x.is_neg() or x.is_conj():  # planned afresh, where the op's checks refuse it
             raise Uncacheable("a tensor with torch's lazy negation or conjugation bit")
         return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % ALIGN)
     if x is None or type(x) in (int, float, str, bool):

@@ -74,7 +74,6 @@ from portattn.kernels._checks import (
     block_ids_errors,
     capacity_errors,
     capture_errors,
-    is_int,
     lazy_bit_errors,
     offsets_errors,
     overlap_errors,
@@ -106,7 +105,7 @@ from portattn.kernels.mla_decode_sm90 import BLOCK_N as SM90_BLOCK_N
 from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_gathers, sm90_launch
 from portattn.layout import describe_kv_cache, is_block_contiguous
 from portattn.mla_metadata import MlaMetadata
-from portattn.platform import Target, override_key, target_for_tensor
+from portattn.platform import Target, is_int, override_key, target_for_tensor
 from portattn.policy.mla import (
     MlaConfig,
     MlaProblem,
@@ -796,7 +795,7 @@ def _value_errors(
                 f"kv_cache must have num_blocks >= 1 and block_size >= 1; got shape "
                 f"{tuple(kv_cache.shape)}"
             )
-    if is_int(kv_lora_rank) and q3 and not 1 <= kv_lora_rank <= head_dim_k:
+    if is_int(kv_lora_rank) and head_dim_k is not None and not 1 <= kv_lora_rank <= head_dim_k:
         errors.append(f"kv_lora_rank must be in 1..head_dim_k={head_dim_k}; got {kv_lora_rank}")
     if isinstance(scale, Real) and not isinstance(scale, bool):
         errors += scale_errors(scale)

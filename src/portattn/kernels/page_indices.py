@@ -30,7 +30,6 @@ from portattn.kernels._checks import (
     block_ids_errors,
     capacity_errors,
     capture_errors,
-    is_int,
     lazy_bit_errors,
     num_indices_errors,
     raise_errors,
@@ -42,7 +41,7 @@ from portattn.kernels._checks import (
     tokens_total_errors,
 )
 from portattn.kernels._launch import Launch, run_all
-from portattn.platform import Target, target_for_tensor
+from portattn.platform import Target, is_int, target_for_tensor
 from portattn.policy.cache import page_indices_tiles
 
 # Any block size: the kernel divides by a runtime block_size.

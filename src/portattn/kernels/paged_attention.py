@@ -64,7 +64,6 @@ from portattn.kernels._checks import (
     block_ids_errors,
     capacity_errors,
     capture_errors,
-    is_int,
     lazy_bit_errors,
     offsets_errors,
     overlap_errors,
@@ -85,7 +84,7 @@ from portattn.kernels.metadata_summary import (
 )
 from portattn.kernels.paged_prefill_sm90 import sm90_prefill_errors, sm90_prefill_launches
 from portattn.layout import CacheAddressing, describe_kv_cache, packed_runs, vector_width
-from portattn.platform import Target, compile_arch, override_key, target_for_tensor
+from portattn.platform import Target, compile_arch, is_int, override_key, target_for_tensor
 from portattn.policy.common import launch_options
 from portattn.policy.paged import (
     MAX_HEAD_DIM,

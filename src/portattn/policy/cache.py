@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from portattn.platform import Target
+from portattn.platform import Target, is_int
 from portattn.policy.common import LaunchOptions, launch_options, next_pow2, prev_pow2
 
 ELEMS_PER_THREAD = 16  # per tensor; 2 x 16 B vectors of fp16, 4 x 16 B of fp32
@@ -67,7 +67,7 @@ class MetadataSummaryTiles:
 def _copy_tiles(target: Target, problem: CacheCopyProblem, name: str) -> CacheCopyTiles:
     p = problem
     sizes = (p.num_tokens, p.num_kv_heads, p.head_dim)
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+    if not all(is_int(n) and n >= 0 for n in sizes):
         raise ValueError(f"{name}: problem sizes must be ints >= 0; got {problem}")
     if p.element_size not in (1, 2, 4, 8) or isinstance(p.element_size, bool):
         raise ValueError(f"{name}: element_size must be 1, 2, 4 or 8; got {p.element_size!r}")
@@ -104,7 +104,7 @@ def page_indices_tiles(target: Target, num_indices: int) -> PageIndicesTiles:
     """Tiles for `expand_page_indices`: up to ``PAGE_INDICES_BLOCK`` indices a program; the
     indptr prefix sum in one program, ``PAGE_INDPTR_BLOCK`` sequences a step (its scan may stage
     through at most ``block_s * 8`` bytes of shared memory)."""
-    if not isinstance(num_indices, int) or isinstance(num_indices, bool) or num_indices < 0:
+    if not is_int(num_indices) or num_indices < 0:
         raise ValueError(
             f"page_indices_tiles: num_indices must be an int >= 0; got {num_indices!r}"
         )
@@ -125,7 +125,7 @@ def metadata_summary_tiles(target: Target, max_blocks: int) -> MetadataSummaryTi
     """Tiles for the metadata summary: up to ``METADATA_SUMMARY_BLOCK`` block-table columns a
     step, a warp per ``4 * warp_size`` of them (its one reduction is over a few registers a lane:
     scratch shared memory at most ``block_c * 4`` bytes)."""
-    if not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 0:
+    if not is_int(max_blocks) or max_blocks < 0:
         raise ValueError(
             f"metadata_summary_tiles: max_blocks must be an int >= 0; got {max_blocks!r}"
         )

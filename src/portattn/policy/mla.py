@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from portattn.platform import Target
+from portattn.platform import Target, is_int
 from portattn.policy.common import LaunchOptions, launch_options, next_pow2
 
 #: KV tile lengths tried, largest first (>= 16: the PV dot's K dimension).
@@ -266,9 +266,9 @@ def _problem_errors(p: MlaProblem) -> list[str]:
         "max_query_len",
     ):
         v = getattr(p, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:  # a float gave float tiles
+        if not is_int(v) or v < 1:  # a float gave float tiles
             errors.append(f"{name} must be an int >= 1; got {v!r}")
-    if not isinstance(p.num_tokens, int) or isinstance(p.num_tokens, bool) or p.num_tokens < 0:
+    if not is_int(p.num_tokens) or p.num_tokens < 0:
         errors.append(f"num_tokens must be an int >= 0; got {p.num_tokens!r}")
     ints = all(isinstance(getattr(p, n), int) for n in ("elem_size", "kv_lora_rank", "head_dim_k"))
     if ints and p.elem_size >= 1 and p.elem_size not in (1, 2, 4):

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from portattn.platform import Target
+from portattn.platform import Target, is_int
 from portattn.policy.common import LaunchOptions, launch_options, next_pow2
 
 MAX_HEAD_DIM = 256
@@ -252,7 +252,7 @@ class PrefillConfig:
             flag = isinstance(f.default, bool)
             if flag and not isinstance(v, bool):
                 errors.append(f"{f.name} must be a bool; got {v!r}")
-            elif not flag and (not isinstance(v, int) or isinstance(v, bool)):
+            elif not flag and not is_int(v):
                 errors.append(f"{f.name} must be an int; got {v!r}")
         if errors:
             raise TypeError("PrefillConfig: " + "; ".join(errors))
@@ -406,7 +406,7 @@ def _problem_errors(p: PagedProblem) -> list[str]:
     if p.max_seq_len is not None:
         sizes["max_seq_len"] = p.max_seq_len
     for name, v in sizes.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        if not is_int(v) or v < 1:
             errors.append(f"{name} must be an int >= 1{' or None' * (name == 'max_seq_len')}; "
                           f"got {v!r}")  # fmt: skip
     if not errors and p.num_q_heads % p.num_kv_heads:
