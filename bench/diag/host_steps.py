@@ -1,5 +1,6 @@
 """Host steps of an unbounded call: where a ``paged_attention`` / ``mla_decode`` call without
-bounds spends its host time, step by step, on the host rows' inputs (`bench.host`).
+bounds, or a ``gather_kv_cache`` call without ``out``, spends its host time, step by step, on
+the host rows' inputs (`bench.host`).
 
 Each step is timed as a host row is (`bench.host.host_us`: ``--calls`` back-to-back calls on
 the host clock, median of ``--repeats`` loops, the garbage collector off):
@@ -21,7 +22,12 @@ the host clock, median of ``--repeats`` loops, the garbage collector off):
 * ``argument checks``: the op's type, shape and overlap checks, which an unbounded call runs
   once per description (`CheckMemo`);
 * ``checks and maxima``: all an unbounded call does before its cached call;
-* ``cached`` and ``unbounded``: the public calls, as in the host rows.
+* ``cached`` and ``unbounded``: the public calls, as in the host rows;
+* gather only: ``two new outputs`` (what a call without ``out`` allocates) and ``cached, new
+  outputs`` (the call given outputs allocated for it).
+
+Each line also gives the plan cache's misses per call during the step (0: every call replayed a
+kept plan).
 
 Usage (GPU machine, repository root)::
 
@@ -40,7 +46,8 @@ from bench.host import host_us
 from portattn.compile.__main__ import at_least  # the argparse rule, shared
 from portattn.kernels import mla_decode as mla_mod
 from portattn.kernels import paged_attention as paged_mod
-from portattn.kernels._checks import to_host
+from portattn.kernels._checks import INT64_MAX, to_host
+from portattn.kernels._plans import PLANS
 from portattn.kernels.metadata_summary import (
     finish_metadata_summary,
     read_metadata_summary,
@@ -120,6 +127,25 @@ def mla_steps(device: str) -> dict:
     }
 
 
+def gather_steps(device: str) -> dict:
+    kc, vc, table, cu, gout = inputs.gather_case(seqs=4, context=64, block_size=16,
+                                                 num_kv_heads=8, head_dim=128,
+                                                 dtype=torch.bfloat16, device=device)  # fmt: skip
+    kw = dict(num_tokens=INT64_MAX, block_size=16, num_blocks=kc.shape[0], end_at_most=True,
+              padding_ok=True)  # fmt: skip
+
+    def fresh():
+        return torch.empty_like(gout[0]), torch.empty_like(gout[1])
+
+    return {
+        "summary": lambda: read_metadata_summary(cu, None, table, **kw),
+        "two new outputs": fresh,
+        "cached": lambda: portattn.gather_kv_cache(kc, vc, table, cu, out=gout),
+        "cached, new outputs": lambda: portattn.gather_kv_cache(kc, vc, table, cu, out=fresh()),
+        "unbounded": lambda: portattn.gather_kv_cache(kc, vc, table, cu),
+    }
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=at_least(1), default=300)
@@ -127,9 +153,15 @@ def main(argv=None) -> None:
     opts = ap.parse_args(argv)
     core.require_gpu("bench.diag.host_steps")
     print(f"device: {torch.cuda.get_device_name()}")
-    for op, steps in (("paged_attention", paged_steps("cuda")), ("mla_decode", mla_steps("cuda"))):
+    ops = (("paged_attention", paged_steps("cuda")), ("mla_decode", mla_steps("cuda")),
+           ("gather_kv_cache", gather_steps("cuda")))  # fmt: skip
+    for op, steps in ops:
         for name, fn in steps.items():
-            print(f"{op:16s} {name:40s} {host_us(fn, opts.calls, opts.repeats):8.1f} µs/call")
+            fn()  # a first call plans what the step's calls replay
+            misses = PLANS.misses
+            us = host_us(fn, opts.calls, opts.repeats)
+            per_call = (PLANS.misses - misses) / (20 + opts.calls * opts.repeats)  # 20 warm-ups
+            print(f"{op:16s} {name:40s} {us:8.1f} µs/call  {per_call:.2f} plan misses/call")
 
 
 if __name__ == "__main__":

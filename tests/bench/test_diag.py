@@ -179,6 +179,10 @@ def test_host_steps_read_and_check_what_the_ops_read(monkeypatch, device):
     assert mla["summary"]() == (1, 256, 4)
     assert finish_metadata_summary(mla["summary queued"]()) == (1, 256, 4)
     assert mla["checks and maxima"]()[0] == 1
+    gather = host_steps.gather_steps(device)
+    assert gather["summary"]().tokens == 4 * 64  # the rows a call without out allocates
+    k, v = gather["cached, new outputs"]()
+    assert k.shape == v.shape == gather["two new outputs"]()[0].shape == (4 * 64, 8, 128)
 
 
 # -- prefill_tiles ---------------------------------------------------------------------------
