@@ -71,7 +71,6 @@ def test_exact_tiles_cuda_and_hip(arch, dk, r):
     target = get_target(arch)
     block_n, warps, stages, smem, splits, *prefetch = EXPECTED[arch, dk, r]
     rope = dk - r
-    pdl = not target.is_hip and target.capability >= 90
     want = MlaTiles(
         block_h=16,
         padded_heads=16,
@@ -80,8 +79,7 @@ def test_exact_tiles_cuda_and_hip(arch, dk, r):
         block_dpe=next_pow2(rope) if rope else 0,
         num_kv_splits=splits,
         options=LaunchOptions(warps, stages, 2 if target.is_hip else None),
-        # the reduce starts under the attention launch from sm_90 (programmatic dependent launch)
-        reduce_options=LaunchOptions(4, 1, 2 if target.is_hip else None, launch_pdl=pdl),
+        reduce_options=LaunchOptions(4, 1, 2 if target.is_hip else None),
         smem_bytes=smem,
         prefetch_rows=bool(prefetch),
         tma=not target.is_hip and target.capability >= 90,  # sm_90, sm_100, sm_120
@@ -105,7 +103,7 @@ def test_exact_wide_tiles_for_many_heads(arch):
         block_dpe=64,
         num_kv_splits=splits,
         options=LaunchOptions(8, 2, None),
-        reduce_options=LaunchOptions(4, 1, None, launch_pdl=target.capability >= 90),
+        reduce_options=LaunchOptions(4, 1, None),
         smem_bytes=smem,
         tma=target.capability >= 90,
         sm90_kernel=arch == "sm_90",

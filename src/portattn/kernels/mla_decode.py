@@ -66,7 +66,6 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
@@ -305,10 +304,7 @@ def _mla_decode_kernel(
     TMA: tl.constexpr,
     PACKED: tl.constexpr,
     FP32_DOTS: tl.constexpr,  # Triton's interpreter multiplies bf16's raw bits in tl.dot
-    GDC_LAUNCH: tl.constexpr,  # the reduce launch starts under this one (`dependent_launch`)
 ):
-    if GDC_LAUNCH:  # its programs may become resident now; they wait for this grid's results
-        gdc_launch_dependents()
     # Lesson 1: the value tile is the latent tile, sized from kv_lora_rank; the rope tile from the
     # rest. Tiles sized from head_dim_k (next_pow2(320) = 512 for a 256 latent) are refused here.
     tl.static_assert(
@@ -648,10 +644,7 @@ def _mla_reduce_kernel(
     BLOCK_S: tl.constexpr,
     VARLEN: tl.constexpr,
     RETURN_LSE: tl.constexpr,
-    GDC_WAIT: tl.constexpr,  # launched under the attention kernel: wait for its partials first
 ):
-    if GDC_WAIT:
-        gdc_wait()
     pid = tl.program_id(0)
     h = pid % num_heads
     tok = (pid // num_heads).to(tl.int64)
@@ -1277,8 +1270,6 @@ def plan_mla_decode(
     # DIM_SPLIT/TOK_SPLIT: 1 for this NHD-like cache (the layout rule's general form is kept).
     # packed: programs per (sequence, split); else per (query token, split)
     programs = num_seqs if tiles.packed else num_tokens
-    # the reduce starts under the attention launch (the interpreter runs no PTX: CPU never)
-    gdc = tiles.reduce_options.launch_pdl and not query.is_cpu
     main = Launch(
         kernel=_mla_decode_kernel,
         grid=(programs * row_groups * splits,),
@@ -1347,7 +1338,6 @@ def plan_mla_decode(
             # Triton's interpreter multiplies bf16's raw bits in tl.dot: CPU tensors (which
             # only run there) take the dots in fp32 instead
             FP32_DOTS=query.is_cpu and query.dtype == torch.bfloat16,
-            GDC_LAUNCH=splits > 1 and gdc,
         ),
         options=tiles.options,
         target=target,
@@ -1398,7 +1388,6 @@ def plan_mla_decode(
             BLOCK_S=triton.next_power_of_2(splits),
             VARLEN=varlen,
             RETURN_LSE=return_lse,
-            GDC_WAIT=gdc,
         ),
         options=tiles.reduce_options,
         target=target,

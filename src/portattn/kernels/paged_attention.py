@@ -57,7 +57,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
 from portattn.kernels._checks import (
@@ -613,15 +612,12 @@ def _paged_attention_kernel(
     EVEN_D: tl.constexpr,  # head_dim == BLOCK_D (no head-dim masks on the K/V gathers)
     LINES: tl.constexpr,  # SHUFFLE: K and V read in the cache's order (`_kv_step`)
     FP32_DOTS: tl.constexpr,  # dot operands upcast to fp32 (`plan_paged_attention`)
-    GDC_LAUNCH: tl.constexpr,  # the reduce launch starts under this one (`dependent_launch`)
 ):
     """1-D grid: main-tile programs first, heaviest q tile first; then the decode-role ones.
 
     main:   pid -> (q_tile = num_q_tiles - 1 - r // (slots * NUM_SPLITS), head slot, split, seq)
     decode: pid - n_main -> (head slot, seq), q_tile 0, one program per sequence and head tile.
     """
-    if GDC_LAUNCH:  # its programs may become resident now; they wait for this grid's results
-        gdc_launch_dependents()
     pid = tl.program_id(0)
     slots = num_kv_heads * ((GROUP + HEAD_TILE - 1) // HEAD_TILE)
     n_main = num_q_tiles * slots * NUM_SPLITS * num_seqs
@@ -680,11 +676,8 @@ def _paged_attention_reduce_kernel(
     stride_o_dim,
     NUM_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    GDC_WAIT: tl.constexpr,  # launched under the attention kernel: wait for its partials first
 ):
     """Combine the splits of one (token, head): sum_s 2^(lse_s - max) * part_s / sum_s 2^(...)."""
-    if GDC_WAIT:
-        gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -1031,9 +1024,6 @@ def plan_paged_attention(
         part = lse = out  # never touched (NUM_SPLITS == 1)
     # SHUFFLE only: NHD's code stays as it was (its fp32 spills are held figures)
     even_d = layout == "SHUFFLE" and head_dim == tiles.block_d
-    reduce_options = launch_options(target, 4, 1, dependent=True)
-    # the reduce starts under the attention launch (the interpreter runs no PTX: CPU never)
-    gdc = reduce_options.launch_pdl and not query.is_cpu
     args = dict(
         out_ptr=out,
         q_ptr=query,
@@ -1086,7 +1076,6 @@ def plan_paged_attention(
         # Triton's interpreter multiplies bf16's raw bits in tl.dot: CPU tensors (which only
         # run there) take the dots in fp32 instead
         FP32_DOTS=query.is_cpu and query.dtype == torch.bfloat16,
-        GDC_LAUNCH=splits > 1 and gdc,
         LINES=even_d
         and cache_order_reads(
             compile_arch(query, target),
@@ -1138,14 +1127,13 @@ def plan_paged_attention(
             stride_o_dim=out.stride(2),
             NUM_SPLITS=splits,
             BLOCK_D=tiles.block_d,
-            GDC_WAIT=gdc,
         )
         launches.append(
             Launch(
                 kernel=_paged_attention_reduce_kernel,
                 grid=(num_tokens, num_q_heads),
                 args=reduce_args,
-                options=reduce_options,
+                options=launch_options(target, 4, 1),
                 target=target,
                 name=f"{OP}:reduce",
                 outputs=(out,),

@@ -6,10 +6,6 @@ from dataclasses import dataclass
 
 from portattn.platform import Target
 
-#: Capability from which a launch may start under the one before it (programmatic dependent
-#: launch, `dependent_launch`).
-PDL_MIN_CAPABILITY = 90
-
 
 @dataclass(frozen=True)
 class LaunchOptions:
@@ -21,16 +17,12 @@ class LaunchOptions:
         waves_per_eu: HIP only: occupancy hint (0 = compiler's choice).
         maxnreg: CUDA only: a register cap per thread (PTX ``.maxnreg``) that buys one more
             resident program per multiprocessor (None = the compiler's choice).
-        launch_pdl: CUDA only (sm_90+): programmatic dependent launch; the launch may start
-            while the one before it in the stream runs, and its kernel waits for that one's
-            results (``griddepcontrol.wait``) before it reads them (`dependent_launch`).
     """
 
     num_warps: int
     num_stages: int
     waves_per_eu: int | None = None
     maxnreg: int | None = None
-    launch_pdl: bool = False
 
     def __post_init__(self) -> None:
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
@@ -51,13 +43,6 @@ class LaunchOptions:
                     f"LaunchOptions: maxnreg is a CUDA-only option; target is {target.arch}"
                 )
             out["maxnreg"] = self.maxnreg
-        if self.launch_pdl:
-            if target.is_hip or target.capability < PDL_MIN_CAPABILITY:
-                raise ValueError(
-                    "LaunchOptions: launch_pdl needs a CUDA target of capability "
-                    f">= {PDL_MIN_CAPABILITY}; target is {target.arch}"
-                )
-            out["launch_pdl"] = True
         return out
 
     def backend_kwargs(self, target: Target, backend: str) -> dict[str, int]:
@@ -69,17 +54,7 @@ class LaunchOptions:
             out["waves_per_eu"] = self.waves_per_eu
         if backend == "cuda" and self.maxnreg is not None:
             out["maxnreg"] = self.maxnreg
-        if backend == "cuda" and self.launch_pdl:
-            out["launch_pdl"] = True
         return out if backend != target.vendor else self.kwargs(target)
-
-
-def dependent_launch(target: Target) -> bool:
-    """Whether a launch that reads only the launch before it (a split-KV reduce) starts under
-    it: CUDA from `PDL_MIN_CAPABILITY`. Its programs then become resident while the other's
-    last ones run and wait on the device (``griddepcontrol.wait``) instead of in the launch
-    queue; the kernel before it lets them start (``griddepcontrol.launch_dependents``)."""
-    return not target.is_hip and target.capability >= PDL_MIN_CAPABILITY
 
 
 def next_pow2(n: int) -> int:
@@ -98,19 +73,12 @@ def launch_options(
     num_stages: int,
     maxnreg: int | None = None,
     waves_per_eu: int | None = None,
-    dependent: bool = False,
 ) -> LaunchOptions:
     """Per-vendor launch options: stages capped by the target; HIP asks for two waves per SIMD
     (``waves_per_eu=2``) to hide the paged gathers' latency unless the policy gives its own;
-    CUDA takes a policy's ``maxnreg``. ``dependent``: the launch reads only the one before it,
-    so it starts under it where the target allows (`dependent_launch`)."""
+    CUDA takes a policy's ``maxnreg``."""
     stages = max(1, min(num_stages, target.max_num_stages))
     if target.is_hip:
         waves = 2 if waves_per_eu is None else waves_per_eu
         return LaunchOptions(num_warps=num_warps, num_stages=stages, waves_per_eu=waves)
-    return LaunchOptions(
-        num_warps=num_warps,
-        num_stages=stages,
-        maxnreg=maxnreg,
-        launch_pdl=dependent and dependent_launch(target),
-    )
+    return LaunchOptions(num_warps=num_warps, num_stages=stages, maxnreg=maxnreg)

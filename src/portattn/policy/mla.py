@@ -415,7 +415,7 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
             stages,
             waves_per_eu=HIP_PACK_WAVES_PER_EU if pack and target.is_hip else None,
         ),
-        reduce_options=launch_options(target, REDUCE_NUM_WARPS, 1, dependent=True),
+        reduce_options=launch_options(target, REDUCE_NUM_WARPS, 1),
         smem_bytes=smem,
         prefetch_rows=prefetch,
         tma=tma,
