@@ -14,6 +14,14 @@ earlier one of the same family and name, and each run's command, date and compar
 the new tree, the rest kept from the last full run): each run is listed with its commit and
 each row names its run.
 
+    python -m bench.results new.json --page bench/RESULTS.md --out bench/RESULTS.md
+
+``--page`` merges runs into a page this command wrote, whose own run documents need not be at
+hand (a GPU call's documents come back to that call only): the page's rows are kept as they are
+written, a new run's row replaces the one of its family and name, a run no kept row names any
+more is dropped, and the runs are numbered again. The page and the new runs must share the
+device, the versions and the method.
+
 The page is the current table only: the device, commit, date, versions, command and method of
 that one run, then a table per family with each row's check, time, metrics and anchors (the
 anchors' own figures and the row's ratio to them), and new/old where the run compared two
@@ -25,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -109,7 +118,14 @@ class RowError(ValueError):
 
 
 def _cells(r: dict, compare: bool, trees: bool) -> list[str]:
-    """A row's table cells."""
+    """A row's table cells (a row kept from a page: its cells as the page wrote them)."""
+    if "page_cells" in r:
+        cells = list(r["page_cells"])
+        if compare:
+            cells.append(r["page_ratio"])
+        if trees:
+            cells.append(str(r["run"]))
+        return cells
     c = r["check"]
     if not c["passed"]:
         check = "**FAILED**"
@@ -159,6 +175,9 @@ def render(doc: dict) -> str:
     ]
     for n, run in enumerate(runs, 1):
         name = f"Run {n}, {run['date']} at `{run['commit']}`" if trees else f"Run {run['date']}"
+        if "page_line" in run:  # a run kept from a page: its line as the page wrote it
+            lines.append(f"- {name}: {run['page_line']}")
+            continue
         line = f"- {name}: `{run['command']}`; {run['reps']} repetitions per row"
         c = run["compare"]
         if c:
@@ -208,6 +227,91 @@ def render(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+_DEVICE = re.compile(r"^- Device: \*\*(.+)\*\*; torch (\S+), Triton (\S+), Python (\S+)$")
+_RUN = re.compile(r"^- Run (\d+), (\S+) at `([^`]+)`: (.+)$")
+_FORCED = re.compile(r" (\S+) tiles$")
+
+
+class PageError(ValueError):
+    """A page `read_page` cannot take apart: the line and why."""
+
+
+def read_page(text: str) -> dict:
+    """What a page `render` wrote from several runs of several trees gives a later merge: the
+    device, versions and method, each run's line (by its number) and each family's rows (their
+    cells as written, the run each names, a forced policy from a ``<arch> tiles`` name).
+
+    Raises:
+        PageError: not such a page (a line it needs is missing or malformed).
+    """
+    titles = {v: k for k, v in TITLES.items()}
+    page: dict = dict(runs={}, rows=[], families=[], timing_meaningful=True)
+    family, cols = None, []
+    for n, line in enumerate(text.splitlines(), 1):
+        if m := _DEVICE.match(line):
+            page.update(zip(("device", "torch", "triton", "python"), m.groups(), strict=True))
+        elif line.startswith("- Method: "):
+            page["method"] = line.removeprefix("- Method: ")
+        elif line.startswith("- **Timings not meaningful**"):
+            page["timing_meaningful"] = False
+        elif m := _RUN.match(line):
+            page["runs"][int(m[1])] = dict(date=m[2], commit=m[3], page_line=m[4],
+                                           compare="; compared with `" in m[4])  # fmt: skip
+        elif line.startswith("## "):
+            family = titles.get(line[3:], line[3:])
+            page["families"].append(family)
+            cols = []
+        elif line.startswith("| row |"):
+            cols = [c.strip() for c in line.strip("|").split("|")]
+        elif line.startswith("| ") and family is not None and cols:
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            if len(cells) != len(cols) or "run" not in cols:
+                raise PageError(f"line {n}: a row of {len(cells)} cells under the columns {cols} "
+                                "(a page of several runs names each row's run)")  # fmt: skip
+            row = dict(zip(cols, cells, strict=True))
+            if not row["run"].isdigit() or int(row["run"]) not in page["runs"]:
+                raise PageError(f"line {n}: row {cells[0]!r} names run {row['run']!r}, which the "
+                                "page does not list")  # fmt: skip
+            forced = _FORCED.search(row["row"])
+            page["rows"].append(dict(
+                family=family, name=row["row"], run=int(row["run"]),
+                page_cells=[row[c] for c in ("row", "check", "µs", "metrics", "anchors")],
+                page_ratio=row.get("new/old", "-"),
+                params=dict(policy=forced[1]) if forced else {},
+            ))  # fmt: skip
+    missing = [k for k in ("device", "method") if k not in page] + ["runs"] * (not page["runs"])
+    if missing:
+        raise PageError(f"no {', '.join(missing)} line (a page bench.results wrote from runs of "
+                        "several trees has them)")  # fmt: skip
+    return page
+
+
+def merge_into_page(page: dict, docs: list[dict]) -> dict:
+    """``docs`` (runs of any trees) merged into ``page`` (`read_page`): their rows replace the
+    page's of the same family and name; the page's runs that no kept row names are dropped;
+    runs numbered again, the page's first. The page and the runs must share the device, the
+    versions and the method (refused by name)."""
+    new = merge(docs, across_trees=True)
+    diff = [k for k in SAME if k != "commit" and page[k] != new[k]]
+    if diff:
+        sys.exit(f"bench.results: the runs differ from the page in {', '.join(diff)}: only runs "
+                 "of one device, versions and method are merged")  # fmt: skip
+    fresh = {(r["family"], r["name"]): r for r in new["rows"]}
+    used = sorted({r["run"] for r in page["rows"] if (r["family"], r["name"]) not in fresh})
+    number = {old: i for i, old in enumerate(used, 1)}
+    rows = []
+    for r in page["rows"]:  # a new row takes the place of the page's row it replaces
+        n = fresh.pop((r["family"], r["name"]), None)
+        if n is None:
+            rows.append(dict(r, run=number[r["run"]]))
+        else:
+            rows.append(dict(n, run=n["run"] + len(used)))
+    rows += [dict(r, run=r["run"] + len(used)) for r in fresh.values()]
+    families = list(dict.fromkeys(page["families"] + new["families"]))
+    return dict(new, families=families, rows=rows, page_runs=len(used),
+                runs=[page["runs"][n] for n in used] + new["runs"])  # fmt: skip
+
+
 SCHEMA = Path(__file__).with_name("schema.json")
 
 
@@ -243,15 +347,29 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="", help="write the Markdown here (default: stdout)")
     ap.add_argument("--across-trees", action="store_true",
                     help="merge runs of different commits (each row names its run)")  # fmt: skip
+    ap.add_argument("--page", default="",
+                    help="merge the runs into this page (bench/RESULTS.md) instead of only each "
+                         "other (any trees)")  # fmt: skip
     opts = ap.parse_args(argv)
     if opts.out and (os.path.isdir(opts.out) or not os.path.isdir(os.path.dirname(
             os.path.abspath(opts.out)))):  # fmt: skip
         ap.error(f"--out {opts.out}: must be a file in an existing folder")
     docs = [_load(path) for path in opts.results]
+    if opts.page:
+        try:
+            with open(opts.page) as f:
+                page = read_page(f.read())
+        except OSError as exc:
+            sys.exit(f"bench.results: --page {opts.page}: cannot read ({exc.strerror})")
+        except PageError as exc:
+            sys.exit(f"bench.results: --page {opts.page}: not a page of several runs: {exc}")
+        doc = merge_into_page(page, docs)
+    else:
+        doc = merge(docs, opts.across_trees) if len(docs) > 1 else docs[0]
     try:
-        text = render(merge(docs, opts.across_trees) if len(docs) > 1 else docs[0])
+        text = render(doc)
     except RowError as exc:  # the document the row came from (a merged row knows its run)
-        path = opts.results[exc.row.get("run", 1) - 1]
+        path = opts.results[exc.row.get("run", 1) - doc.get("page_runs", 0) - 1]
         sys.exit(f"bench.results: {path}: {exc}")
     if opts.out:
         try:

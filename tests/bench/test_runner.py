@@ -241,6 +241,69 @@ def test_results_md_merges_runs_of_one_tree(tmp_path):
         results.main([*map(str, paths), "--across-trees"])
 
 
+def _write(tmp_path: Path, name: str, doc: dict) -> str:
+    validate(doc)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_results_merge_new_runs_into_a_page(tmp_path):
+    """A page whose run documents are gone takes a new run: the new run's rows replace the page's
+    of the same name in place, the page's other rows stay exactly as written, a run no row names
+    any more is dropped, the runs are numbered again; a page of another device, or one that is
+    not a page of several runs, is refused by name."""
+    a, b = fixture_doc(), fixture_doc()
+    b["commit"], b["date"], b["command"] = "bbb2222", "2026-12-04T13:00:00+00:00", "again"
+    b["rows"] = [dict(b["rows"][1], time_us=440.0)]
+    page = tmp_path / "RESULTS.md"
+    assert results.main([_write(tmp_path, "a", a), _write(tmp_path, "b", b), "--across-trees",
+                         "--out", str(page)]) == 0  # fmt: skip
+    before = page.read_text().splitlines()
+    kept = next(line for line in before if line.startswith("| prefill 8x4096"))
+    c = fixture_doc()
+    c["commit"], c["date"], c["command"] = "ccc3333", "2026-12-05T09:00:00+00:00", "third"
+    c["compare"] = None  # a run without --compare: its rows have no new/old
+    c["rows"] = [dict(c["rows"][0], time_us=230.0), c["rows"][2]]  # decode, and mixed run again
+    for r in c["rows"]:
+        del r["compare"]
+    out = tmp_path / "NEW.md"
+    assert results.main([_write(tmp_path, "c", c), "--page", str(page), "--out", str(out)]) == 0
+    after = out.read_text().splitlines()
+    # run a (abc1234) has no row left: dropped; b is run 1 now, c run 2
+    assert not any("`abc1234`" in line for line in after)
+    assert any(line.startswith("- Run 1, 2026-12-04T13:00:00+00:00 at `bbb2222`: `again`")
+               for line in after)  # fmt: skip
+    assert any(line.startswith("- Run 2, 2026-12-05T09:00:00+00:00 at `ccc3333`: `third`")
+               for line in after)  # fmt: skip
+    assert "- Commit: `ccc3333` (the newest run's" in out.read_text()
+    # the kept row as the page wrote it, its run renumbered; the new rows in their places
+    assert kept.rsplit("|", 2)[0] + "| 1 |" in after
+
+    def names(lines):
+        rows = [line for line in lines if line.startswith(("| decode", "| prefill", "| mixed"))]
+        return [line.split(" | ")[0] for line in rows]
+
+    assert names(after) == names(before)
+    decode, mixed = (next(line for line in after if line.startswith(f"| {n}"))
+                     for n in ("decode", "mixed"))  # fmt: skip
+    assert "| 230.0 |" in decode and decode.endswith("| - | 2 |") and mixed.endswith("| 2 |")
+    # the merged page is a page too: merging the same run again changes nothing
+    again = tmp_path / "AGAIN.md"
+    assert results.main([str(tmp_path / "c.json"), "--page", str(out), "--out", str(again)]) == 0
+    assert again.read_text() == out.read_text()
+    c["device"] = "NVIDIA H100"
+    with pytest.raises(SystemExit, match="the runs differ from the page in device"):
+        results.main([_write(tmp_path, "c", c), "--page", str(page)])
+    single = tmp_path / "ONE.md"
+    assert results.main([str(tmp_path / "a.json"), "--out", str(single)]) == 0
+    with pytest.raises(SystemExit, match=f"--page {single}: not a page of several runs: line 15: "
+                       r"a row of 6 cells .* names each row's run"):  # fmt: skip
+        results.main([str(tmp_path / "b.json"), "--page", str(single)])
+    with pytest.raises(SystemExit, match="--page .*missing.md: cannot read"):
+        results.main([str(tmp_path / "b.json"), "--page", str(tmp_path / "missing.md")])
+
+
 def test_an_exported_tree_names_its_commit(tmp_path):
     """An old tree exported inside this repository is not its HEAD: its COMMIT file names it,
     and without one it is unknown (not this checkout's commit)."""
