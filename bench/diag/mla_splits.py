@@ -6,6 +6,8 @@ splits put more programs on the SMs and add a reduce launch and partial results.
 ``--page``-token pages with the policy's tiles (`mla_decode_tiles`) and each ``--splits`` count
 in their place (``policy``: the policy's own count), checks two sequences against the fp64
 oracle and times the call as the suite times a row, beside the read ceiling of its bytes.
+With ``--wide`` the tiles are the wide 64-row tile's (on sm_90 the Hopper kernel), which the
+policy takes below 64 heads only for gathered or packed rows, with the same split counts.
 
 Usage (GPU machine, repository root)::
 
@@ -56,11 +58,19 @@ def parse_splits(text: str) -> list[int | None]:
 
 
 def tiles_for(
-    target: Target, heads: int, batch: int, context: int, page: int, splits: int | None
+    target: Target,
+    heads: int,
+    batch: int,
+    context: int,
+    page: int,
+    splits: int | None,
+    wide: bool = False,
 ) -> MlaTiles:
     """The policy's tiles for one decode token a sequence, with ``splits`` context splits (the
-    policy's own where ``None``)."""
-    problem = MlaProblem(heads, mla.DK, mla.RANK, 2, batch, context, 1, sm90_gathers(page, False))
+    policy's own where ``None``); ``wide``: the tiles the policy gives gathered rows (the wide
+    tile where the target has one)."""
+    gathers = wide or sm90_gathers(page, False)
+    problem = MlaProblem(heads, mla.DK, mla.RANK, 2, batch, context, 1, gathers)
     base = mla_decode_tiles(target, problem)
     return base if splits is None else dataclasses.replace(base, num_kv_splits=splits)
 
@@ -72,6 +82,7 @@ def main(argv=None) -> int:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--splits", default="policy,1,2,3,4,6,8")
+    ap.add_argument("--wide", action="store_true", help="the wide 64-row tile's tiles")
     opts = ap.parse_args(argv)
     try:
         counts = parse_splits(opts.splits)
@@ -89,7 +100,7 @@ def main(argv=None) -> int:
     target = current_target()
     scale = mla.DK**-0.5
     print(f"device: {torch.cuda.get_device_name()}; {opts.heads} heads, batch {opts.batch}, "
-          f"page {opts.page}")  # fmt: skip
+          f"page {opts.page}{', wide tile' if opts.wide else ''}")  # fmt: skip
     for context in contexts:
         b = inputs.mla_batch(batch=opts.batch, context=context, heads=opts.heads,
                              head_dim_k=mla.DK, page=opts.page, q_len=1, dtype=mla.DTYPE,
@@ -100,7 +111,8 @@ def main(argv=None) -> int:
         ceiling = ctx.read_ceiling(nbytes)
         print(f"context {context}: read ceiling {ceiling['time_us']:.1f} µs", flush=True)
         for splits in counts:
-            tiles = tiles_for(target, opts.heads, opts.batch, context, opts.page, splits)
+            tiles = tiles_for(target, opts.heads, opts.batch, context, opts.page, splits,
+                              opts.wide)  # fmt: skip
             label = f"{'policy ' if splits is None else ''}splits {tiles.num_kv_splits}"
             try:
                 launches = plan_mla_decode(b.query, b.kv_cache, b.block_table, b.seq_lens,

@@ -272,6 +272,10 @@ def test_mla_splits_counts_and_tiles(capsys):
     four = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, 4)
     assert policy.num_kv_splits == 2  # 132 SMs, one program each: 64 sequences split twice
     assert four.num_kv_splits == 4 and {**vars(four), "num_kv_splits": 2} == vars(policy)
+    # --wide: 16 heads on 64-token pages take the wide tile (the Hopper kernel), split as before
+    wide = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, None, wide=True)
+    assert (policy.block_h, policy.sm90_kernel) == (16, False)
+    assert (wide.block_h, wide.sm90_kernel, wide.num_kv_splits) == (64, True, 2)
     assert mla_splits.main(["--splits", "0"]) == 2
     counts_rule = "--contexts must be comma-separated token counts"
     for argv, rule in ((["--contexts", "1024,x"], counts_rule), (["--contexts", "0"], counts_rule),
