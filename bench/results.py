@@ -22,6 +22,9 @@ written, a new run's row replaces the one of its family and name, a run no kept 
 more is dropped, and the runs are numbered again. The page and the new runs must share the
 device, the versions and the method.
 
+A run labelled ``<head>+tree:<hash>`` (a working tree that differed from the ``HEAD`` it ran
+on) is named by the commit of this repository whose tree that is, where there is one.
+
 The page is the current table only: the device, commit, date, versions, command and method of
 that one run, then a table per family with each row's check, time, metrics and anchors (the
 anchors' own figures and the row's ratio to them), and new/old where the run compared two
@@ -34,6 +37,7 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -312,6 +316,39 @@ def merge_into_page(page: dict, docs: list[dict]) -> dict:
                 runs=[page["runs"][n] for n in used] + new["runs"])  # fmt: skip
 
 
+_TREE_LABEL = re.compile(r"^[0-9a-f]+\+tree:([0-9a-f]{12})$")
+#: The repository whose commits name the trees runs were labelled with (`resolve_commits`).
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tree_commits(root: str | os.PathLike[str]) -> dict[str, str]:
+    """``{first 12 digits of a tree hash: the newest commit with that tree}`` over every commit
+    of the repository at ``root``; empty where git or a repository is missing."""
+    try:
+        out = subprocess.run(["git", "log", "--all", "--format=%h %T"], cwd=root,
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    found: dict[str, str] = {}
+    for line in out.splitlines():
+        commit, tree = line.split()
+        found.setdefault(tree[:12], commit)
+    return found
+
+
+def resolve_commits(docs: list[dict], root: str | os.PathLike[str] = REPO) -> None:
+    """Each run labelled ``<head>+tree:<hash>`` (its tree differed from the ``HEAD`` it ran on)
+    takes the name of the commit of ``root``'s repository whose tree that is, where there is
+    one: a GPU machine whose copy of the checkout keeps an older ``.git`` labels every later
+    tree by that older ``HEAD``. Labels without such a commit stay as they are."""
+    found = None
+    for d in docs:
+        m = _TREE_LABEL.match(d["commit"])
+        if m is not None:
+            found = tree_commits(root) if found is None else found
+            d["commit"] = found.get(m[1], d["commit"])
+
+
 SCHEMA = Path(__file__).with_name("schema.json")
 
 
@@ -355,6 +392,7 @@ def main(argv=None) -> int:
             os.path.abspath(opts.out)))):  # fmt: skip
         ap.error(f"--out {opts.out}: must be a file in an existing folder")
     docs = [_load(path) for path in opts.results]
+    resolve_commits(docs)
     if opts.page:
         try:
             with open(opts.page) as f:

@@ -304,6 +304,34 @@ def test_results_merge_new_runs_into_a_page(tmp_path):
         results.main([str(tmp_path / "b.json"), "--page", str(tmp_path / "missing.md")])
 
 
+def test_a_run_labelled_by_a_stale_head_takes_its_trees_commit(tmp_path):
+    """A GPU machine's copy of the checkout may keep an older .git: its runs are labelled
+    ``<older HEAD>+tree:<hash>``. The page names the commit whose tree that is; a label no
+    commit matches, and a plain commit, stay as they are."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+
+    def git(*args: str) -> str:
+        cmd = ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args]
+        done = subprocess.run(cmd, cwd=repo, check=True, capture_output=True, text=True)
+        return done.stdout.strip()
+
+    git("init", "-q")
+    (repo / "f").write_text("1")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    old = git("rev-parse", "--short", "HEAD")
+    (repo / "f").write_text("2")
+    git("add", "-A")
+    git("commit", "-qm", "two")
+    new, tree = git("rev-parse", "--short", "HEAD"), git("rev-parse", "HEAD^{tree}")
+    unknown = f"{old}+tree:{'0' * 12}"
+    docs = [dict(commit=f"{old}+tree:{tree[:12]}"), dict(commit=unknown), dict(commit=old)]
+    results.resolve_commits(docs, repo)
+    assert [d["commit"] for d in docs] == [new, unknown, old]
+    assert results.tree_commits(tmp_path / "nowhere") == {}
+
+
 def test_an_exported_tree_names_its_commit(tmp_path):
     """An old tree exported inside this repository is not its HEAD: its COMMIT file names it,
     and without one it is unknown (not this checkout's commit)."""
