@@ -3,8 +3,7 @@
 #
 #   bench/device.sh matrix paged                 # GPU matrix cells through the product's command,
 #   bench/device.sh matrix mla,hybrid,specdec    #   one invocation per call (10 minutes a call)
-#   bench/device.sh bench [bench.run args...]    # the suite: python -m bench.run; $OUT/RESULTS.md
-#                                                #   is bench/RESULTS.md with the run merged in
+#   bench/device.sh bench [bench.run args...]    # the suite: python -m bench.run, then RESULTS.md
 #   bench/device.sh bench --compare .bench-old   #   ... against another checkout's src/ as well
 #
 # Triton's compile cache: TRITON_CACHE_DIR is $BENCH_TRITON_CACHE (default .triton-cache/ in the
@@ -56,11 +55,7 @@ case $what in
     timeout 585 python3 -m bench.run --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
     rc=${PIPESTATUS[0]}
     if [[ -s $OUT/bench.json ]]; then
-      # this run's own page, and bench/RESULTS.md with this run merged in (`--page`), which a
-      # run on another device or versions cannot join (the run's own page is then the result)
-      python3 -m bench.results "$OUT/bench.json" --out "$OUT/RESULTS.run.md"
-      python3 -m bench.results "$OUT/bench.json" --page bench/RESULTS.md --out "$OUT/RESULTS.md" \
-        || echo "bench/RESULTS.md not merged (above why); $OUT/RESULTS.run.md is this run alone"
+      python3 -m bench.results "$OUT/bench.json" --out "$OUT/RESULTS.md"
     fi
     python3 -c "import sys; from kubematrix.cachestats import read_stats; s = read_stats(sys.argv[1]); \
 print('triton cache lookups (this run):', s.to_dict() if s else 'none recorded', \
