@@ -7,12 +7,15 @@ splits put more programs on the SMs and add a reduce launch and partial results.
 in their place (``policy``: the policy's own count), checks two sequences against the fp64
 oracle and times the call as the suite times a row, beside the read ceiling of its bytes.
 With ``--wide`` the tiles are the wide 64-row tile's (on sm_90 the Hopper kernel), which the
-policy takes below 64 heads only for gathered or packed rows, with the same split counts.
+policy takes below 64 heads only for gathered or packed rows, with the same split counts. With
+``--tiles`` each narrow tile ``BLOCK_N:STAGES:WARPS`` (``policy``: the policy's own) runs each
+split count: rows prefetched where the stages reach `PREFETCH_STAGES`, as the policy's do.
 
 Usage (GPU machine, repository root)::
 
     PYTHONPATH=src python3 -m bench.diag.mla_splits --heads 16 --contexts 1024,4096 \
         --splits policy,1,2,3,4,6,8
+    PYTHONPATH=src python3 -m bench.diag.mla_splits --splits policy,4 --tiles policy,32:3:4
 
 Numbers are diagnostics, not serving figures.
 """
@@ -29,13 +32,20 @@ from bench import core, inputs, mla
 from portattn.kernels._launch import run_all
 from portattn.kernels.mla_decode import plan_mla_decode
 from portattn.platform import Target, current_target
+from portattn.policy.common import launch_options
 from portattn.policy.mla import (
+    BLOCK_N_CANDIDATES,
     MAX_KV_SPLITS,
+    PREFETCH_STAGES,
     MlaProblem,
     MlaTiles,
     mla_decode_tiles,
+    mla_smem_bytes,
     sm90_gathers,
 )
+
+#: A narrow tile's ``(block_n, stages, warps)`` (`parse_tiles`).
+Shape = tuple[int, int, int]
 
 
 def parse_splits(text: str) -> list[int | None]:
@@ -57,6 +67,31 @@ def parse_splits(text: str) -> list[int | None]:
     return out
 
 
+def parse_tiles(text: str) -> list[Shape | None]:
+    """``"policy,32:3:4"`` -> ``[None, (32, 3, 4)]`` (block_n, stages, warps).
+
+    Raises:
+        ValueError: a tile that is not ``policy`` or ``BLOCK_N:STAGES:WARPS`` with BLOCK_N one of
+            `BLOCK_N_CANDIDATES`, STAGES in [1, 4] and WARPS 4 or 8.
+    """
+    out: list[Shape | None] = []
+    for part in text.split(","):
+        fields = part.split(":")
+        if part == "policy":
+            out.append(None)
+            continue
+        if len(fields) == 3 and all(f.isdigit() for f in fields):
+            n, stages, warps = (int(f) for f in fields)
+            if n in BLOCK_N_CANDIDATES and 1 <= stages <= 4 and warps in (4, 8):
+                out.append((n, stages, warps))
+                continue
+        raise ValueError(
+            f"--tiles: {part!r} is neither 'policy' nor BLOCK_N:STAGES:WARPS with BLOCK_N in "
+            f"{BLOCK_N_CANDIDATES}, STAGES in [1, 4] and WARPS 4 or 8"
+        )
+    return out
+
+
 def tiles_for(
     target: Target,
     heads: int,
@@ -65,13 +100,35 @@ def tiles_for(
     page: int,
     splits: int | None,
     wide: bool = False,
+    shape: Shape | None = None,
 ) -> MlaTiles:
     """The policy's tiles for one decode token a sequence, with ``splits`` context splits (the
     policy's own where ``None``); ``wide``: the tiles the policy gives gathered rows (the wide
-    tile where the target has one)."""
+    tile where the target has one); ``shape``: a narrow tile's ``(block_n, stages, warps)`` in
+    place of the policy's (16-bit rows prefetched from `PREFETCH_STAGES` stages).
+
+    Raises:
+        ValueError: ``shape`` with ``wide``, on a tile that is not narrow, or past the target's
+            shared memory.
+    """
     gathers = wide or sm90_gathers(page, False)
     problem = MlaProblem(heads, mla.DK, mla.RANK, 2, batch, context, 1, gathers)
     base = mla_decode_tiles(target, problem)
+    if shape is not None:
+        if wide or base.sm90_kernel or base.packed:
+            raise ValueError("--tiles: a tile shape replaces the narrow tile only (not --wide)")
+        n, stages, warps = shape
+        prefetch = stages >= PREFETCH_STAGES
+        smem = mla_smem_bytes(base.block_h, n, base.block_dv, base.block_dpe, stages, 2, prefetch)
+        if smem > target.max_shared_mem:
+            raise ValueError(
+                f"--tiles: {n}:{stages}:{warps} needs {smem} B of shared memory, past "
+                f"{target.arch}'s {target.max_shared_mem} B"
+            )
+        base = dataclasses.replace(
+            base, block_n=n, options=launch_options(target, warps, stages), smem_bytes=smem,
+            prefetch_rows=prefetch,
+        )  # fmt: skip
     return base if splits is None else dataclasses.replace(base, num_kv_splits=splits)
 
 
@@ -83,9 +140,13 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--splits", default="policy,1,2,3,4,6,8")
     ap.add_argument("--wide", action="store_true", help="the wide 64-row tile's tiles")
+    ap.add_argument("--tiles", default="policy", help="narrow tiles BLOCK_N:STAGES:WARPS")
     opts = ap.parse_args(argv)
     try:
         counts = parse_splits(opts.splits)
+        shapes = parse_tiles(opts.tiles)
+        if opts.wide and shapes != [None]:
+            raise ValueError("--tiles: a tile shape replaces the narrow tile only (not --wide)")
     except ValueError as err:
         print(err, file=sys.stderr)
         return 2
@@ -110,10 +171,15 @@ def main(argv=None) -> int:
         nbytes = (opts.batch * context * mla.DK + opts.batch * opts.heads * (mla.DK + mla.RANK)) * 2
         ceiling = ctx.read_ceiling(nbytes)
         print(f"context {context}: read ceiling {ceiling['time_us']:.1f} µs", flush=True)
-        for splits in counts:
-            tiles = tiles_for(target, opts.heads, opts.batch, context, opts.page, splits,
-                              opts.wide)  # fmt: skip
-            label = f"{'policy ' if splits is None else ''}splits {tiles.num_kv_splits}"
+        for shape, splits in [(sh, sp) for sh in shapes for sp in counts]:
+            tile = "" if shape is None else "tile {}:{}:{} ".format(*shape)
+            try:
+                tiles = tiles_for(target, opts.heads, opts.batch, context, opts.page, splits,
+                                  opts.wide, shape)  # fmt: skip
+            except ValueError as err:
+                print(f"  {tile}refused: {err}")
+                continue
+            label = f"{tile}{'policy ' if splits is None else ''}splits {tiles.num_kv_splits}"
             try:
                 launches = plan_mla_decode(b.query, b.kv_cache, b.block_table, b.seq_lens,
                                            kv_lora_rank=mla.RANK, scale=scale, out=out,
@@ -123,12 +189,12 @@ def main(argv=None) -> int:
                     lambda b=b, out=out: mla._check(b, out, scale),
                 )  # fmt: skip
             except Exception as err:  # a count the kernel refuses: listed, not fatal
-                print(f"  {label:18} failed: {type(err).__name__}: {str(err).splitlines()[0][:90]}")
+                print(f"  {label:28} failed: {type(err).__name__}: {str(err).splitlines()[0][:90]}")
                 continue
             if us is None:
-                print(f"  {label:18} wrong: {check}")
+                print(f"  {label:28} wrong: {check}")
                 continue
-            print(f"  {label:18} {us:8.1f} µs  {nbytes / us / 1e3:7.0f} GB/s  "
+            print(f"  {label:28} {us:8.1f} µs  {nbytes / us / 1e3:7.0f} GB/s  "
                   f"{ceiling['time_us'] / us:4.0%} of the ceiling", flush=True)  # fmt: skip
         del b, out
         torch.cuda.empty_cache()

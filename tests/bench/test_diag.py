@@ -276,7 +276,23 @@ def test_mla_splits_counts_and_tiles(capsys):
     wide = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, None, wide=True)
     assert (policy.block_h, policy.sm90_kernel) == (16, False)
     assert (wide.block_h, wide.sm90_kernel, wide.num_kv_splits) == (64, True, 2)
+    # --tiles: a narrow tile's shape in place of the policy's, prefetching from 3 stages
+    assert mla_splits.parse_tiles("policy,32:3:4") == [None, (32, 3, 4)]
+    for bad in ("48:2:4", "64:0:8", "64:2:2", "64:2", "x"):
+        with pytest.raises(ValueError, match="neither 'policy' nor BLOCK_N:STAGES:WARPS"):
+            mla_splits.parse_tiles(bad)
+    t32 = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, 4, shape=(32, 3, 4))
+    assert (t32.block_n, t32.options.num_stages, t32.options.num_warps) == (32, 3, 4)
+    assert (t32.prefetch_rows, t32.num_kv_splits, t32.block_h) == (True, 4, 16)
+    two = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, None, shape=(64, 2, 8))
+    assert not two.prefetch_rows and two.smem_bytes < policy.smem_bytes + 64 * 576 * 2
+    with pytest.raises(ValueError, match="past sm_90's"):
+        mla_splits.tiles_for(sm90, 16, 64, 1024, 64, None, shape=(64, 4, 8))
+    with pytest.raises(ValueError, match="narrow tile only"):
+        mla_splits.tiles_for(sm90, 16, 64, 1024, 64, None, wide=True, shape=(64, 2, 8))
     assert mla_splits.main(["--splits", "0"]) == 2
+    assert mla_splits.main(["--tiles", "64:9:8"]) == 2
+    assert mla_splits.main(["--wide", "--tiles", "64:2:8"]) == 2
     counts_rule = "--contexts must be comma-separated token counts"
     for argv, rule in ((["--contexts", "1024,x"], counts_rule), (["--contexts", "0"], counts_rule),
                        (["--heads", "0"], "--heads must be >= 1; got 0")):  # fmt: skip
