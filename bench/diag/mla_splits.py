@@ -5,7 +5,8 @@ splits put more programs on the SMs and add a reduce launch and partial results.
 ``--contexts`` length this plans MLA 576/512 at ``--heads`` heads, ``--batch`` sequences on
 ``--page``-token pages with the policy's tiles (`mla_decode_tiles`) and each ``--splits`` count
 in their place (``policy``: the policy's own count), checks two sequences against the fp64
-oracle and times the call as the suite times a row, beside the read ceiling of its bytes.
+oracle and times the call as the suite times a row, beside the read ceiling of its bytes (and,
+where it splits, the attention launch alone: the reduce's share is the difference).
 With ``--wide`` the tiles are the wide 64-row tile's (on sm_90 the Hopper kernel), which the
 policy takes below 64 heads only for gathered or packed rows, with the same split counts. With
 ``--tiles`` each narrow tile ``BLOCK_N:STAGES:WARPS`` (``policy``: the policy's own) runs each
@@ -194,8 +195,14 @@ def main(argv=None) -> int:
             if us is None:
                 print(f"  {label:28} wrong: {check}")
                 continue
+            # with splits, the attention launch alone (its partials, no reduce): the reduce's
+            # share of the call is the difference
+            alone = ""
+            if len(launches) > 1:
+                a_us, _ = ctx.time_us(lambda first=launches[0]: first.run())
+                alone = f"  attention alone {a_us:6.1f} µs"
             print(f"  {label:28} {us:8.1f} µs  {nbytes / us / 1e3:7.0f} GB/s  "
-                  f"{ceiling['time_us'] / us:4.0%} of the ceiling", flush=True)  # fmt: skip
+                  f"{ceiling['time_us'] / us:4.0%} of the ceiling{alone}", flush=True)  # fmt: skip
         del b, out
         torch.cuda.empty_cache()
     return 0
