@@ -422,18 +422,23 @@ def test_gpu_cached_call_refuses_an_overlapping_out():
 @pytest.mark.parametrize("num_indices", [None, 3])
 def test_expand_refuses_slots_past_int64(num_indices):
     table = torch.tensor([[2**62]], dtype=torch.int64)
-    limit = (2**63 - 1) // 4
+    limit = 2**63 // 4
     with pytest.raises(
         ValueError,
         match=re.escape(
-            f"expand_page_indices: block_table entries of used blocks must be < (2**63 - 1) // "
+            f"expand_page_indices: block_table entries of used blocks must be < 2**63 // "
             f"block_size = {limit}"
         ),
     ):
         expand_page_indices(table, torch.tensor([3]), 4, num_indices=num_indices)
-    top = torch.tensor([[limit - 1]], dtype=torch.int64)  # the largest block id that fits
+    # the largest block id that fits: its last slot is 2**63 - 1
+    top = torch.tensor([[limit - 1]], dtype=torch.int64)
     _, indices = expand_page_indices(top, torch.tensor([4]), 4)
     assert indices.tolist() == [(limit - 1) * 4 + t for t in range(4)]
+    assert indices.tolist()[-1] == 2**63 - 1
+    # a 2**62-token block: block 1 holds slots 2**62 .. 2**63 - 1
+    _, indices = expand_page_indices(torch.tensor([[1]]), torch.tensor([3]), 2**62)
+    assert indices.tolist() == [2**62, 2**62 + 1, 2**62 + 2]
 
 
 @pytest.mark.cpu
@@ -659,3 +664,88 @@ def test_meta_tensors_give_their_outputs_shapes():
     assert gather_kv_cache(kc, vc, table, cu, out=outs)[0] is outs[0]
     indptr, indices = expand_page_indices(table, _i32(6, 9).to("meta"), BS, num_indices=15)
     assert indptr.is_meta and indices.shape == (15,)
+
+
+# -- 32-bit offsets and positions ---------------------------------------------------------------
+
+
+def _strided(t: torch.Tensor, dim: int, stride: int) -> torch.Tensor:
+    """A meta tensor of ``t``'s shape and dtype whose ``dim`` has ``stride`` (no memory: the
+    checks read shapes and strides only)."""
+    strides = list(t.stride())
+    strides[dim] = stride
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device="meta")
+
+
+#: (op, argument, dim, stride): a view whose offsets along ``dim`` pass 2**31 elements (seq_lens
+#: has two entries here, so no stride below 2**31 takes it there).
+REACH_CASES = [
+    ("paged_attention", "query", 2, 2**28),
+    ("paged_attention", "out", 2, 2**28),
+    ("paged_attention", "key_cache", 1, 2**30),
+    ("paged_attention", "value_cache", 3, 2**28),
+    ("paged_attention", "block_table", 1, 2**30),
+    ("paged_attention", "query_start_loc", 0, 2**30),
+    ("mla_decode", "query", 1, 2**31 - 1),
+    ("mla_decode", "out", 2, 2**26),
+    ("mla_decode", "kv_cache", 1, 2**30),
+    ("mla_decode", "block_table", 1, 2**30),
+    ("mla_decode", "query_start_loc", 0, 2**30),
+]
+
+
+@pytest.mark.cpu
+@pytest.mark.paged
+@pytest.mark.mla
+@pytest.mark.parametrize(("op", "name", "dim", "stride"), REACH_CASES)
+def test_a_view_past_32_bit_offsets_is_refused_by_name(op, name, dim, stride):
+    """The kernels compute these offsets as 32-bit index x stride products: a view reaching
+    2**31 elements there is refused (it wrapped, and the kernel read or wrote outside the
+    tensor), before anything runs."""
+    a = _paged("meta") if op == "paged_attention" else _mla("meta")
+    a = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    if name == "out":
+        shape = (3, HQ, D) if op == "paged_attention" else (3, 2, R)
+        a["out"] = torch.empty(shape, device="meta")
+    a[name] = _strided(a[name], dim, stride)
+    fn = paged_attention if op == "paged_attention" else mla_decode
+    with pytest.raises(ValueError, match=re.escape(f"{op}: {name}'s elements along ")) as err:
+        fn(**a)
+    assert "within 2**31 - 1 elements of the first (the kernels offset them in 32 bits)" in str(
+        err.value
+    )
+
+
+@pytest.mark.cpu
+@pytest.mark.paged
+def test_32_bit_reach_boundary():
+    """A block-table row reaching 2**31 - 1 elements is taken; one more element is refused."""
+    a = {k: v.to("meta") for k, v in _paged().items()}
+    a["block_table"] = torch.empty_strided((2, 2), (1, 2**31 - 1), dtype=torch.int32,
+                                           device="meta")  # fmt: skip
+    assert paged_attention(**a).shape == (3, HQ, D)
+    a["block_table"] = torch.empty_strided((2, 2), (1, 2**31), dtype=torch.int32, device="meta")
+    assert paged_attention(**a).shape == (3, HQ, D)  # a stride past int32 is passed as 64-bit
+    a["block_table"] = torch.empty_strided((2, 3), (1, 2**30), dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=re.escape("got shape (2, 3), strides (1, 1073741824): "
+                                                   "2147483648 elements")):  # fmt: skip
+        paged_attention(**a)
+
+
+@pytest.mark.cpu
+@pytest.mark.paged
+def test_paged_refuses_seq_lens_and_blocks_past_32_bit_positions():
+    """paged_attention's kernels hold positions in 32 bits: a seq_len of 2**31 (which fits a
+    2-column row of 2**31-token blocks) and a block of 2**31 tokens are refused by name."""
+    k = torch.empty_strided((2, 2**31, HKV, D), (D * HKV, 0, D, 1), device="meta")
+    a = dict(query=torch.empty(1, HQ, D), key_cache=k, value_cache=k,
+             block_table=torch.zeros(1, 2, dtype=torch.int64),
+             seq_lens=torch.tensor([2**31]), query_start_loc=torch.tensor([0, 1]))  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape("block_size must be < 2**31")):
+        paged_attention(**{n: t.to("meta") for n, t in a.items()})
+    k = torch.zeros(2, 1, HKV, D).expand(2, 2**30, HKV, D)
+    a.update(key_cache=k, value_cache=k, block_table=torch.zeros(1, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=re.escape(
+        "seq_lens must be < 2**31 (the kernel holds it in 32 bits); got seq_lens[0]=2147483648"
+    )):  # fmt: skip
+        paged_attention(**a)

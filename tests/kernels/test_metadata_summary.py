@@ -104,8 +104,9 @@ def test_summary_agrees_with_paged_checks(data, device):
     want = _host_paged(bs, nb, tokens, qsl, sl, table)
     views = [data.draw(placed(t, device, dtypes=(dtype,))) for t in (qsl, sl, table)]
     got = read_metadata_summary(
-        *views, num_tokens=tokens, block_size=bs, num_blocks=nb, end_at_most=False
-    )
+        *views, num_tokens=tokens, block_size=bs, num_blocks=nb, end_at_most=False,
+        max_len=2**31 - 1,
+    )  # fmt: skip
     assert (None if got is None else (got.max_q_len, got.max_seq_len)) == want, what
     assert got is None or got.tokens == tokens
 
@@ -173,6 +174,23 @@ def test_summary_reads_huge_seq_lens_without_overflow(device):
     on = [t.to(device) for t in (qsl, sl, table)]
     assert read_metadata_summary(*on, num_tokens=1, block_size=16, num_blocks=4,
                                  end_at_most=False) is None  # fmt: skip
+
+
+@pytest.mark.paged
+@pytest.mark.mla
+def test_a_seq_len_past_int32_is_broken_only_for_paged(device):
+    """2**31 tokens fit a 2-column row of 2**31-token blocks: valid for MLA (its kernel holds
+    seq_len in 64 bits), broken for paged_attention (32-bit positions), by both checks."""
+    qsl, sl = torch.tensor([0, 1]), torch.tensor([2**31])
+    table = torch.zeros((1, 2), dtype=torch.int64)
+    assert _host_paged(2**31, 1, 1, qsl, sl, table) is None
+    assert _host_mla(2**31, 1, 1, qsl, sl, table) == 1
+    on = [t.to(device) for t in (qsl, sl, table)]
+    kw = dict(num_tokens=1, block_size=2**31, num_blocks=1, end_at_most=False)
+    assert read_metadata_summary(*on, **kw, max_len=2**31 - 1) is None
+    assert read_metadata_summary(*on, **kw).max_seq_len == 2**31
+    sl_ok = torch.tensor([2**31 - 1]).to(device)
+    assert read_metadata_summary(on[0], sl_ok, on[2], **kw, max_len=2**31 - 1) is not None
 
 
 @pytest.mark.paged

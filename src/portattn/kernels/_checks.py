@@ -17,6 +17,10 @@ when it turns an index into an address -- on host copies of the metadata:
 |                       | after the kernels' ``* log2(e)``       |                               |
 | `overlap_errors`      | written tensors overlap neither an     | every op with a write target  |
 |                       | input nor each other, nor themselves   |                               |
+| `reach32_errors`      | the dims a kernel offsets in 32 bits   | paged, MLA (shapes, strides)  |
+|                       | reach < 2**31 elements                 |                               |
+| `int32_values_errors` | values a kernel holds in 32 bits are   | paged seq_lens                |
+|                       | < 2**31                                |                               |
 
 Only USED entries are checked: block-table columns past ``ceil(seq_len / block_size)`` and page
 indices past ``indptr[-1]`` may hold anything (-1, garbage), as the kernels never read them.
@@ -57,6 +61,8 @@ import torch
 
 from portattn.platform import Target
 
+#: Offsets and positions a kernel computes in 32 bits stay below this (`reach32_errors`).
+INT32_LIMIT = 2**31
 #: The largest softmax scale the kernels take: they compute ``scale * log2(e)`` in fp32.
 #: The largest int64: offsets, counts and slots live in it.
 INT64_MAX = 2**63 - 1
@@ -242,6 +248,47 @@ def disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
             if delta >= fa and period - delta >= fb:
                 return True
     return False
+
+
+def reach32(t: torch.Tensor, dims: Sequence[int]) -> int:
+    """Elements (not bytes) that ``t``'s indices along ``dims`` reach from its first one in
+    32-bit terms: the largest absolute offset a kernel computes from those dims' index x stride
+    products. A stride of 2**31 or more is passed to the kernel as a 64-bit integer, so its
+    products are 64-bit and it adds nothing."""
+    return sum(
+        (t.shape[d] - 1) * abs(t.stride(d))
+        for d in dims
+        if t.shape[d] > 0 and abs(t.stride(d)) < INT32_LIMIT
+    )
+
+
+def reach32_errors(named: Sequence[tuple[str, object, Sequence[int]]]) -> list[str]:
+    """Each ``(name, tensor, dims)`` (non-tensors skipped): the kernels compute the offsets of
+    ``dims`` as 32-bit index x stride products where the stride fits 32 bits (the other dims'
+    terms are 64-bit), so their `reach32` must stay below 2**31 elements; past it an offset
+    wraps and the kernel reads or writes outside the tensor."""
+    errors = []
+    for name, t, dims in named:
+        if isinstance(t, torch.Tensor) and reach32(t, dims) >= INT32_LIMIT:
+            which = "its" if tuple(dims) == tuple(range(t.dim())) else f"dims {list(dims)}"
+            errors.append(
+                f"{name}'s elements along {which} must lie within 2**31 - 1 elements of the "
+                f"first (the kernels offset them in 32 bits); got shape {tuple(t.shape)}, "
+                f"strides {tuple(t.stride())}: {reach32(t, dims)} elements"
+            )
+    return errors
+
+
+def int32_values_errors(name: str, values: np.ndarray) -> list[str]:
+    """``values`` (a host copy) must be below 2**31: a kernel holds them in 32 bits."""
+    over = values >= INT32_LIMIT
+    if not over.any():
+        return []
+    i = _first_true_index(over)
+    at = ", ".join(map(str, i))
+    return [
+        f"{name} must be < 2**31 (the kernel holds it in 32 bits); got {name}[{at}]={values[i]}"
+    ]
 
 
 def lazy_bit_errors(named: Sequence[tuple[str, object]]) -> list[str]:

@@ -24,6 +24,7 @@ The rules are `_checks`' rules, row by row (a row is broken when any fails):
 | `offsets_errors`           | ``qsl[i] <= qsl[i+1]``; ``qsl[0] == 0``; the last entry equals |
 |                            | ``num_tokens`` (at most ``num_tokens`` with ``END_AT_MOST``)  |
 | `seq_lens_errors`          | ``seq_lens[i] >= max(q_len_i, 0)`` (``q_len_i`` 1 without qsl)|
+| `int32_values_errors`      | ``seq_lens[i] <= max_len`` (paged: ``2**31 - 1``)              |
 | `capacity_errors`          | ``ceil(seq_lens[i] / block_size) <= max_blocks``              |
 | `block_ids_errors`         | used block ids in ``[0, num_blocks)`` (below ``num_blocks``   |
 |                            | with ``PADDING_OK``: a negative id is padding)                |
@@ -46,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from portattn.kernels._checks import INT64_MAX
 from portattn.kernels._launch import Launch
 from portattn.kernels._plans import PLANS, _current_device, _current_stream, call_key, present
 from portattn.platform import Target, override_key, target_for_tensor
@@ -68,6 +70,7 @@ def _metadata_summary_kernel(
     block_size,
     num_blocks,
     max_blocks,
+    max_len,  # the longest seq_len the op's kernel holds (`int32_values_errors`)
     stride_qsl,
     stride_seq_lens,
     stride_bt_seq,
@@ -94,7 +97,7 @@ def _metadata_summary_kernel(
         broken = q_len < 0
     seq_len = q_len if SEQ_IS_Q else tl.load(seq_lens_ptr + i * stride_seq_lens).to(tl.int64)
     # -- seq_lens cover the queries, and fit the table's columns (ceil without overflow) --
-    broken = broken | (seq_len < tl.maximum(q_len, 0))
+    broken = broken | (seq_len < tl.maximum(q_len, 0)) | (seq_len > max_len)
     tokens = tl.maximum(seq_len, 0)
     used = tokens // block_size + (tokens % block_size != 0).to(tl.int64)
     broken = broken | (used > max_blocks)
@@ -153,13 +156,15 @@ def plan_metadata_summary(
     num_blocks: int,
     end_at_most: bool,
     padding_ok: bool = False,
+    max_len: int = INT64_MAX,
     target: Target | None = None,
 ) -> list[Launch]:
     """The summary's launch over metadata the op has already validated in type and shape
     (int32/int64, ``seq_lens [num_seqs]``, ``block_table [num_seqs, max_blocks]``,
     ``query_start_loc [num_seqs + 1]`` or ``None`` for one query a sequence). ``seq_lens``
     ``None``: each sequence's length is its q_len (needs ``query_start_loc``). ``padding_ok``:
-    a negative block id is padding. ``running``: ``[5]`` int64 on the metadata's device, zero
+    a negative block id is padding. ``max_len``: the longest seq_len the op's kernel holds.
+    ``running``: ``[5]`` int64 on the metadata's device, zero
     before the launch and after it; ``totals``: ``[4]`` int64 the launch writes (module
     docstring, `_buffers`)."""
     if seq_lens is None and query_start_loc is None:
@@ -184,6 +189,7 @@ def plan_metadata_summary(
             block_size=block_size,
             num_blocks=num_blocks,
             max_blocks=max_blocks,
+            max_len=max_len,
             stride_qsl=query_start_loc.stride(0) if query_start_loc is not None else 0,
             stride_seq_lens=lens.stride(0),
             stride_bt_seq=block_table.stride(0),
@@ -245,6 +251,7 @@ def start_metadata_summary(
     num_blocks: int,
     end_at_most: bool,
     padding_ok: bool = False,
+    max_len: int = INT64_MAX,
 ) -> _Buffers:
     """Queue the summary kernel (through the plan cache: a repeated description launches
     directly), which writes its totals to the host's buffer; nothing waits. Returns
@@ -253,16 +260,17 @@ def start_metadata_summary(
     inputs = (query_start_loc, seq_lens, block_table, bufs.running, bufs.totals)
     mask, tensors = present(inputs)
     scalars = (OP, _current_device(), override_key(), mask, num_tokens, block_size, num_blocks,
-               end_at_most, padding_ok)  # fmt: skip
+               end_at_most, padding_ok, max_len)  # fmt: skip
     if PLANS.probe(scalars, tensors, inputs) is None:
-        key = call_key(OP, *inputs, num_tokens, block_size, num_blocks, end_at_most, padding_ok)
+        key = call_key(OP, *inputs, num_tokens, block_size, num_blocks, end_at_most, padding_ok,
+                       max_len)  # fmt: skip
         PLANS.call(
             key,
             inputs,
             lambda: plan_metadata_summary(
                 query_start_loc, seq_lens, block_table, bufs.running, bufs.totals,
                 num_tokens=num_tokens, block_size=block_size, num_blocks=num_blocks,
-                end_at_most=end_at_most, padding_ok=padding_ok,
+                end_at_most=end_at_most, padding_ok=padding_ok, max_len=max_len,
             ),
             (scalars, tensors),
         )  # fmt: skip

@@ -79,6 +79,7 @@ from portattn.kernels._checks import (
     overlap_errors,
     page_indices_errors,
     raise_errors,
+    reach32_errors,
     reads_contents,
     scale_errors,
     seq_lens_errors,
@@ -1061,6 +1062,14 @@ def _validate(
             written += [("metadata.partial_out", metadata.partial_out),
                         ("metadata.partial_lse", metadata.partial_lse)]  # fmt: skip
         p.value(*overlap_errors(written, reads))
+        # the kernels' 32-bit offsets: a token's head and dim terms, a cache row's dims, a
+        # block-table row's columns, the sequences' metadata entries
+        indptr = [("page_indices[0]", page_indices[0], (0,))] if page_indices is not None else []
+        p.value(*reach32_errors([
+            ("query", query, (1, 2)), ("out", out, (1, 2)), ("kv_cache", kv_cache, (1, 2)),
+            ("block_table", block_table, (1,)), ("seq_lens", seq_lens, (0,)),
+            ("query_start_loc", query_start_loc, (0,)), *indptr,
+        ]))  # fmt: skip
     p.raise_if_any()
 
 

@@ -183,9 +183,10 @@ def plan_expand_page_indices(
         host_lens, host_table = to_host(seq_lens, block_table)
         errors = seq_lens_errors(host_lens)
         errors += capacity_errors(host_lens, block_size, block_table.shape[1])
-        # a slot is block * block_size + offset, in int64: the used block ids must keep it there
-        limit = INT64_MAX // block_size
-        bound = f"(2**63 - 1) // block_size = {limit} (slots block * block_size + offset are int64)"
+        # a slot is block * block_size + offset, in int64: each used block's last slot,
+        # (block + 1) * block_size - 1, must fit, so block < 2**63 // block_size
+        limit = (INT64_MAX + 1) // block_size
+        bound = f"2**63 // block_size = {limit} (slots block * block_size + offset are int64)"
         errors += block_ids_errors(
             host_table, host_lens, block_size, limit, padding_ok=True, limit=bound
         )

@@ -60,14 +60,17 @@ import triton.language as tl
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
 from portattn.kernels._checks import (
+    INT32_LIMIT,
     Problems,
     block_ids_errors,
     capacity_errors,
     capture_errors,
+    int32_values_errors,
     lazy_bit_errors,
     offsets_errors,
     overlap_errors,
     raise_errors,
+    reach32_errors,
     reads_contents,
     scale_errors,
     seq_lens_errors,
@@ -748,6 +751,19 @@ def _check_call(
     if not p and kv is not None:
         reads = [("key_cache", key_cache), ("value_cache", value_cache), *named.items()]
         p.value(*overlap_errors([("out", out)], reads))
+        # the kernels' 32-bit offsets: a token's head and dim terms, a block's in-block terms,
+        # a block-table row's columns, the sequences' metadata entries
+        in_block = range(1, key_cache.dim())
+        p.value(*reach32_errors([
+            ("query", query, (1, 2)), ("out", out, (1, 2)), ("key_cache", key_cache, in_block),
+            ("value_cache", value_cache, in_block), ("block_table", block_table, (1,)),
+            ("seq_lens", seq_lens, (0,)), ("query_start_loc", query_start_loc, (0,)),
+        ]))  # fmt: skip
+        if kv[0].block_size >= INT32_LIMIT:
+            p.value(
+                f"block_size must be < 2**31 (the kernels' positions are 32-bit); got "
+                f"{kv[0].block_size}"
+            )
     p.raise_if_any()
     assert kv is not None
     return kv
@@ -814,6 +830,7 @@ def _check_contents(
     errors = offsets_errors("query_start_loc", qsl, end=query.shape[0], end_name="num_tokens")
     q_lens = qsl[1:] - qsl[:-1]
     errors += seq_lens_errors(lens, q_lens)
+    errors += int32_values_errors("seq_lens", lens)
     errors += capacity_errors(lens, k.block_size, table.shape[1])
     errors += block_ids_errors(table, lens, k.block_size, k.num_blocks)
     real_mql = int(q_lens.max()) if q_lens.size else 0
@@ -877,6 +894,7 @@ def unbounded_maxima(
         started = start_metadata_summary(
             query_start_loc, seq_lens, block_table, num_tokens=query.shape[0],
             block_size=k.block_size, num_blocks=k.num_blocks, end_at_most=False,
+            max_len=INT32_LIMIT - 1,
         )  # fmt: skip
     ready = prepare(last) if prepare is not None and last is not None else None
     got = None if started is None else finish_metadata_summary(started)
