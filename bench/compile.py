@@ -5,7 +5,8 @@ Each case runs in two child processes sharing one new, empty ``TRITON_CACHE_DIR`
 manager or remote layer of the parent's environment left out): the first compiles (``cold``),
 the second loads the kernels from that folder (``warm``). Each child builds the case's inputs,
 then times its first call with a synchronize (plan, compile or load, launch: ``first call``);
-the cold child then checks the output and times the call (`core.Context.time_us`). A row's time
+the cold child then checks the output and times the call (`core.Context.time_us`, in a CUDA
+graph: each case makes the bounded call a serving engine makes, MLA with its metadata). A row's time
 is the cold first call; the warm one and the device time are its metrics. Cases: the
 paged decode, the sm_90-class prefill and the MLA decode of the other families' main rows.
 """
@@ -23,6 +24,8 @@ import torch
 
 import portattn
 from bench import core, inputs
+from portattn.mla_metadata import MlaMetadataBuilder
+from portattn.platform import current_target
 
 FAMILY = "compile"
 DTYPE = torch.bfloat16
@@ -41,9 +44,16 @@ def _case(name: str, device: str):
                              dtype=DTYPE, device=device)  # fmt: skip
         out = torch.empty(64, 16, 512, dtype=DTYPE, device=device)
         args = (m.query, m.kv_cache, m.block_table, m.seq_lens)
+        # the serving call, as the mla family's row: metadata built before the first call (a
+        # call without it reads the metadata to the host, which a graph capture refuses)
+        metadata = MlaMetadataBuilder(
+            current_target(), max_batch=64, num_heads=16, kv_lora_rank=512, head_dim_k=576,
+            dtype=DTYPE, device=device, max_seq_len=4096, page_size=64,
+        ).build(m.seq_lens)  # fmt: skip
 
         def mla_call():
-            return portattn.mla_decode(*args, kv_lora_rank=512, scale=576**-0.5, out=out)
+            return portattn.mla_decode(*args, kv_lora_rank=512, scale=576**-0.5, out=out,
+                                       metadata=metadata)  # fmt: skip
 
         def mla_check():
             from portattn import reference
