@@ -169,7 +169,7 @@ def render(doc: dict) -> str:
             else f"{len(runs)} runs of {'several trees' if trees else 'one tree'}"
         )
         + " of `python -m bench.run`; do not edit by hand"
-        " (history: `git log -p bench/RESULTS.md`).",
+        " (history: this page's `git log -p`).",
         "",
         f"- Device: **{doc['device']}**; torch {doc['torch']}, Triton {doc['triton']}, "
         f"Python {doc['python']}",
