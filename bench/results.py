@@ -85,7 +85,8 @@ SAME = ("device", "torch", "triton", "python", "commit", "method", "timing_meani
 
 def merge(docs: list[dict], across_trees: bool = False) -> dict:
     """One document from runs of one tree: rows merged in order (a later run's row replaces an
-    earlier one of the same family and name); each run's command, date, commit and comparison
+    earlier one of the same family and name, and a later run of a family drops an earlier
+    run's failure of it); each run's command, date, commit and comparison
     kept under ``runs``, each row's run number under ``run``. Runs that differ in device,
     versions, method or (unless ``across_trees``) commit are refused by name."""
     first = docs[0]
@@ -97,15 +98,18 @@ def merge(docs: list[dict], across_trees: bool = False) -> dict:
                      "only runs of one tree on one device are merged"
                      + ("" if across_trees else " (--across-trees: of one device)"))  # fmt: skip
     rows: dict[tuple[str, str], dict] = {}
+    errors: list[dict] = []
     for i, d in enumerate(docs, 1):
         for r in d["rows"]:
             rows.pop((r["family"], r["name"]), None)  # a later run's row takes its place
             rows[(r["family"], r["name"])] = dict(r, run=i)
+        # a family's failure stands until a later run runs that family again
+        errors = [e for e in errors if e["family"] not in d["families"]] + d["errors"]
     families = list(dict.fromkeys(f for d in docs for f in d["families"]))
     return dict(first, families=families, rows=list(rows.values()),
                 vllm=docs[-1]["vllm"],
                 skipped=[s for d in docs for s in d["skipped"]],
-                errors=[e for d in docs for e in d["errors"]],
+                errors=errors,
                 commit=docs[-1]["commit"],
                 runs=[dict(command=d["command"], date=d["date"], reps=d["reps"],
                            commit=d["commit"], compare=d.get("compare"),

@@ -241,6 +241,26 @@ def test_results_md_merges_runs_of_one_tree(tmp_path):
         results.main([*map(str, paths), "--across-trees"])
 
 
+def test_a_later_run_of_a_family_drops_its_earlier_failure():
+    """A family that failed in one run and ran again later: the later run stands (its rows, no
+    failure line); a failure of a family no later run ran stays."""
+    a, b = fixture_doc(), fixture_doc()
+    a["families"] = ["paged", "prefill", "compile", "host"]
+    a["errors"] = [dict(family="compile", error="RuntimeError: child failed"),
+                   dict(family="host", error="RuntimeError: host failed")]  # fmt: skip
+    b["families"], b["date"], b["rows"] = ["compile"], "2026-12-04T13:00:00+00:00", []
+    for doc in (a, b):
+        validate(doc)
+    merged = results.merge([a, b])
+    assert merged["errors"] == [dict(family="host", error="RuntimeError: host failed")]
+    md = results.render(merged)
+    assert "Family `compile` failed" not in md and "Family `host` failed" in md
+    # the other order: the later run's failure stands
+    b["errors"] = [dict(family="compile", error="RuntimeError: again")]
+    assert [e["error"] for e in results.merge([a, b])["errors"]] == [
+        "RuntimeError: host failed", "RuntimeError: again"]  # fmt: skip
+
+
 def _write(tmp_path: Path, name: str, doc: dict) -> str:
     validate(doc)
     path = tmp_path / f"{name}.json"
