@@ -688,7 +688,7 @@ REACH_CASES = [
     ("paged_attention", "query_start_loc", 0, 2**30),
     ("mla_decode", "query", 1, 2**31 - 1),
     ("mla_decode", "out", 2, 2**26),
-    ("mla_decode", "kv_cache", 1, 2**30),
+    ("mla_decode", "kv_cache", 2, 2**28),
     ("mla_decode", "block_table", 1, 2**30),
     ("mla_decode", "query_start_loc", 0, 2**30),
 ]
@@ -730,6 +730,19 @@ def test_32_bit_reach_boundary():
     with pytest.raises(ValueError, match=re.escape("got shape (2, 3), strides (1, 1073741824): "
                                                    "2147483648 elements")):  # fmt: skip
         paged_attention(**a)
+
+
+@pytest.mark.cpu
+@pytest.mark.mla
+def test_mla_takes_one_page_past_2_31_elements():
+    """mla_decode's kernels offset a cache row by its block and token in 64 bits: one page of
+    2**22 tokens x 576 (past 2**31 elements) is taken; only a row's dim term is bounded."""
+    cache = torch.empty(1, 2**22, 576, dtype=torch.float16, device="meta")
+    q = torch.empty(2, 16, 576, dtype=torch.float16, device="meta")
+    table = torch.zeros(2, 1, dtype=torch.int32, device="meta")
+    lens = torch.empty(2, dtype=torch.int32, device="meta")
+    out = mla_decode(q, cache, table, lens, kv_lora_rank=512, scale=0.05)
+    assert out.shape == (2, 16, 512)
 
 
 @pytest.mark.cpu

@@ -1062,11 +1062,11 @@ def _validate(
             written += [("metadata.partial_out", metadata.partial_out),
                         ("metadata.partial_lse", metadata.partial_lse)]  # fmt: skip
         p.value(*overlap_errors(written, reads))
-        # the kernels' 32-bit offsets: a token's head and dim terms, a cache row's dims, a
-        # block-table row's columns, the sequences' metadata entries
+        # the kernels' 32-bit offsets: a token's head and dim terms, a cache row's dim term (its
+        # block and token terms are 64-bit), a block-table row's columns, the sequences' entries
         indptr = [("page_indices[0]", page_indices[0], (0,))] if page_indices is not None else []
         p.value(*reach32_errors([
-            ("query", query, (1, 2)), ("out", out, (1, 2)), ("kv_cache", kv_cache, (1, 2)),
+            ("query", query, (1, 2)), ("out", out, (1, 2)), ("kv_cache", kv_cache, (2,)),
             ("block_table", block_table, (1,)), ("seq_lens", seq_lens, (0,)),
             ("query_start_loc", query_start_loc, (0,)), *indptr,
         ]))  # fmt: skip
