@@ -134,6 +134,19 @@ def test_cli_usage_errors_exit_2(capsys):
     assert main(["--targets", "sm_75", "--list"]) == 2
     assert "targets must be among" in capsys.readouterr().err
     assert main(["--kernels", "write_kv_cache", "--cases", "no such case"]) == 2
+    assert main(["--kernels", "write_kv_cache", "--cases", "no such case", "--list"]) == 2
+    assert "no case matches the filters" in capsys.readouterr().err
+
+
+def test_cli_refuses_filters_that_leave_no_cell(tmp_path, capsys):
+    """HIP-only cases on an NVIDIA target: cases match but no (case, target) cell compiles, so
+    the run stops before compiling instead of reporting 0 of 0 cells passed with exit 0."""
+    argv = ["--kernels", "mla_decode", "--cases", " hip$", "--targets", "sm_90", "--no-png",
+            "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "compile: no cell: the" in err and "compile only for hip targets" in err
+    assert "--targets sm_90 has none" in err and not (tmp_path / "out").exists()
 
 
 def test_cli_list_applies_filters(capsys):

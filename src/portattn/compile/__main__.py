@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from portattn.compile.cases import KERNELS, default_cases, select_cases
 from portattn.compile.matrix import CellResult, parse_targets, run_matrix
 from portattn.compile.report import summary_table, write_heatmap, write_json, write_markdown
-from portattn.platform import TARGETS
+from portattn.platform import TARGETS, get_target
 
 #: What the PNG heatmap needs beyond the compile matrix itself.
 HEATMAP_MODULES = ("matplotlib", "numpy")
@@ -171,10 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.list:
-        return _list(cases)
     if not cases:
         print("error: no case matches the filters", file=sys.stderr)
+        return 2
+    if args.list:
+        return _list(cases)
+    # a case compiles only for its vendors' targets: the cells are the pairs that do
+    total = sum(c.compiles_for(get_target(a)) for c in cases for a in targets)
+    if total == 0:
+        vendors = sorted({v for c in cases for v in c.vendors})
+        print(
+            f"error: compile: no cell: the {len(cases)} cases matching the filters compile only "
+            f"for {'/'.join(vendors)} targets, and --targets {','.join(targets)} has none",
+            file=sys.stderr,
+        )
         return 2
     png = not args.no_png
     missing = missing_heatmap_modules() if png else []
@@ -191,9 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         png = False
-    total = len(cases) * len(targets)
     print(
-        f"compile matrix: {len(cases)} cases x {len(targets)} targets = {total} cells, "
+        f"compile matrix: {len(cases)} cases x {len(targets)} targets: {total} cells, "
         f"jobs={args.jobs or os.cpu_count()}",
         file=sys.stderr,
     )
