@@ -412,6 +412,15 @@ def _configure_pipeline(p: argparse.ArgumentParser) -> None:
 
 def _run_pipeline(args: argparse.Namespace) -> int:
     changed = args.changed_files
+    if changed is not None:
+        changed = buildkite.checkout_paths(changed, args.root)
+        if not changed:
+            print(
+                "kubematrix pipeline: warning: --changed-files names no file, so every cell is "
+                "behind a block step (a `$(git diff ...)` that expanded to nothing? "
+                "--changed-since REF diffs for you)",
+                file=sys.stderr,
+            )
     if args.changed_since is not None:
         changed = buildkite.changed_files_since(args.changed_since, cwd=args.root)
     pipeline = buildkite.generate(

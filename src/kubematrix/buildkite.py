@@ -90,9 +90,11 @@ def changed_files_since(base: str, *, cwd: str | None = None) -> list[str]:
     """Files changed between the merge base of ``base`` and HEAD (``git diff base...HEAD``).
 
     Raises:
-        ValueError: git is missing or cannot diff (an unknown ``base``, not a checkout), with
-            git's own words.
+        ValueError: ``base`` starts with ``-`` (git would read an option), or git is missing
+            or cannot diff (an unknown ``base``, not a checkout), with git's own words.
     """
+    if base.startswith("-"):  # git would take it as one of its options
+        raise ValueError(f"--changed-since must be a git revision, not an option; got {base!r}")
     cmd = ["git", "diff", "--name-only", f"{base}...HEAD"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=cwd)
@@ -104,6 +106,26 @@ def changed_files_since(base: str, *, cwd: str | None = None) -> list[str]:
             f"--changed-since {base}: `{' '.join(cmd)}` failed: {why[0] if why else out.returncode}"
         )
     return [line for line in out.stdout.splitlines() if line]
+
+
+def checkout_paths(paths: Iterable[str], root: str) -> list[str]:
+    """``paths`` as the checkout-relative, ``/``-separated paths the cells' globs match:
+    ``./x`` and ``a/../x`` normalized, an absolute path made relative to ``root``.
+
+    Raises:
+        ValueError: a path outside ``root``, naming it.
+    """
+    base = os.path.realpath(root)
+    out = []
+    for p in paths:
+        rel = os.path.relpath(os.path.realpath(p), base) if os.path.isabs(p) else p
+        rel = os.path.normpath(rel).replace(os.sep, "/")
+        if rel == ".." or rel.startswith("../") or os.path.isabs(rel):
+            raise ValueError(
+                f"--changed-files {p}: must be a path inside the checkout (--root {root})"
+            )
+        out.append(rel)
+    return out
 
 
 def is_selected(cell: Cell, changed_files: Iterable[str] | None) -> bool:

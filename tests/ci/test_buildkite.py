@@ -333,6 +333,24 @@ def test_pipeline_command_puts_cells_a_change_does_not_touch_behind_a_block_step
     assert steps["mla-rocm-gfx942"]["depends_on"] == ["image-rocm", "run-mla-rocm-gfx942"]
 
 
+def test_changed_files_are_matched_as_checkout_paths(capsys):
+    """``./x``, ``a/../x`` and an absolute path inside the checkout select what ``x`` selects
+    (they matched no glob, so every cell was blocked); no path at all is said on stderr."""
+
+    def blocked(*paths: str) -> tuple[set[str], str]:
+        assert main(["pipeline", "--format", "json", "--changed-files", *paths]) == 0
+        out = capsys.readouterr()
+        steps = by_key(json.loads(out.out))
+        return {k for k, s in steps.items() if "block" in s}, out.err
+
+    plain, err = blocked("Dockerfile.cuda")
+    assert plain and not err
+    for path in ("./Dockerfile.cuda", "k8s/../Dockerfile.cuda", str(ROOT / "Dockerfile.cuda")):
+        assert blocked(path) == (plain, "")
+    none, err = blocked()
+    assert none > plain and "--changed-files names no file" in err
+
+
 def test_changed_files_since_the_merge_base(tmp_path):
     def git(*argv: str) -> None:
         subprocess.run(["git", "-C", str(tmp_path), *argv], check=True, capture_output=True)
@@ -383,6 +401,14 @@ def test_pipeline_generation_never_loads_the_kubernetes_client():
          "kubematrix pipeline: commit must make the image tag <vendor>-<commit> a Docker tag"),
         (["--commit", "x" * 130],
          "kubematrix pipeline: commit must make the image tag <vendor>-<commit> a Docker tag"),
+        (["--changed-since=--output=x"],
+         "kubematrix pipeline: --changed-since must be a git revision, not an option; got "
+         "'--output=x'"),
+        (["--changed-files", "/elsewhere/noxfile.py"],
+         "kubematrix pipeline: --changed-files /elsewhere/noxfile.py: must be a path inside "
+         "the checkout"),
+        (["--changed-files", "../noxfile.py"],
+         "kubematrix pipeline: --changed-files ../noxfile.py: must be a path inside"),
     ],
 )  # fmt: skip
 def test_pipeline_usage_errors_name_the_option(argv, message, capsys):
