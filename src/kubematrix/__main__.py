@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kubematrix import buildkite, checkout, images, report
+from kubematrix import buildkite, cachestats, checkout, images, report
 from kubematrix.local import PROJECT_MARKER, find_project_root, run_local
 from kubematrix.matrix import BACKENDS, RUNNERS, SUITES, Cell, Host, all_cells, select_cells
 from kubematrix.matrix import why_not_runnable as _why_not
@@ -206,7 +206,10 @@ def _check_writable(command: str, out: Path, names: Sequence[str]) -> None:
 
 
 def _clear_cell_files(cells: Sequence[Cell], out: Path) -> None:
-    """Forget earlier runs of these cells, so a stale JUnit is never reported as this run's."""
+    """Forget earlier runs of these cells and the folder's summary, so a stale JUnit or summary
+    is never reported as this run's (a run that stops early leaves no summary)."""
+    for name in report.SUMMARY_NAMES:
+        (out / name).unlink(missing_ok=True)
     for cell in cells:
         for suffix in (".xml", ".json", ".log"):
             (out / f"{cell.name}{suffix}").unlink(missing_ok=True)
@@ -224,6 +227,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
     _check_writable(
         "matrix", out, [f"{c.name}{x}" for c in cells for x in (".xml", ".json", ".log")]
     )
+    cachestats.cache_env(None)  # a malformed cache setting stops the run before anything
     _clear_cell_files(cells, out)
     tested = _tested(args.runner, root)  # the working tree when the run began
     start = time.monotonic()
@@ -336,20 +340,17 @@ def _run_k8s(
         print(f"matrix: {len(cells)} cells; runner k8s: no GPU cell, all run here", flush=True)
     stop = threading.Event()
     local: list[report.CellResult] = []
-    thread = threading.Thread(
-        target=lambda: local.extend(
-            run_local(
-                cpu,
-                out,
-                workers=args.workers,
-                stop=stop,
-                compile_args=args.compile_arg,
-                heading="CPU cells here",
-                cwd=root,
-            )
-        ),
-        name="kubematrix-local",
-    )
+    failed: list[BaseException] = []
+
+    def run_here() -> None:
+        try:
+            local.extend(run_local(cpu, out, workers=args.workers, stop=stop,
+                                   compile_args=args.compile_arg, heading="CPU cells here",
+                                   cwd=root))  # fmt: skip
+        except BaseException as exc:  # handed to the main thread: its cells become errors
+            failed.append(exc)
+
+    thread = threading.Thread(target=run_here, name="kubematrix-local")
     if cpu:
         thread.start()
     results: dict[str, report.CellResult] = {}
@@ -360,6 +361,14 @@ def _run_k8s(
             if sys.exc_info()[0] is not None:
                 stop.set()
             thread.join()
+    if failed:  # the CPU cells' thread stopped: each cell it did not finish is an error
+        why = f"the CPU cells' run stopped: {type(failed[0]).__name__}: {failed[0]}"
+        print(f"matrix: {why}", file=sys.stderr, flush=True)
+        done = {r.cell for r in local}
+        lost = [report.not_run(c, why, status="error") for c in cpu if c.name not in done]
+        for r in lost:
+            report.write_cell_record(r, out)
+        local.extend(lost)
     for r in [*local, *launched]:
         results[r.cell] = r
     for r in launched:
@@ -479,8 +488,12 @@ def _run_report(args: argparse.Namespace) -> int:
         if shutil.which(AGENT) is None:
             raise ValueError(f"--buildkite: {AGENT} is not on PATH (it annotates the build)")
         _results_folder("report", args.results)
-        # A query that matches nothing fails the download: a build without such results.
-        for query in (f"{out.as_posix()}/*.xml", f"{out.as_posix()}/compile/*"):
+        # A query that matches nothing fails the download: a build without such results. The
+        # cells' Triton cache counters (`buildkite.artifact_paths`) give the summary's compile
+        # time and hit rate.
+        queries = (f"{out.as_posix()}/*.xml", f"{out.as_posix()}/compile/*",
+                   f"{out.as_posix()}/*.cache/*.jsonl")  # fmt: skip
+        for query in queries:
             try:
                 _agent("artifact", "download", query, ".")
             except subprocess.CalledProcessError:

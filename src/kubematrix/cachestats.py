@@ -11,6 +11,7 @@ layer never imports triton; only Triton imports the manager.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,13 +38,30 @@ def cache_env(stats_dir: str | os.PathLike[str] | None, redis: str | None = None
         env[STATS_DIR_ENV] = str(stats_dir)
     redis = os.environ.get(REDIS_ENV, "") if redis is None else redis
     if redis.strip():
-        host, _, port = redis.strip().rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"{REDIS_ENV}: expected host:port, got {redis!r}")
+        host, port = redis_address(redis)
         env.update(
             TRITON_REMOTE_CACHE_BACKEND=BACKEND, TRITON_REDIS_HOST=host, TRITON_REDIS_PORT=port
         )
     return env
+
+
+def redis_address(value: str) -> tuple[str, str]:
+    """``host:port`` (``[v6 address]:port`` for IPv6) as the host and port a Redis client takes.
+
+    Raises:
+        ValueError: naming `REDIS_ENV` and the rule: a host without whitespace, a port in
+            1-65535.
+    """
+    host, _, port = value.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    bad_host = not host or any(c.isspace() for c in host)
+    if bad_host or not port.isdigit() or not 0 < int(port) < 2**16:
+        raise ValueError(
+            f"{REDIS_ENV} must be host:port ([address]:port for IPv6) with a host without "
+            f"whitespace and a port in 1-65535; got {value!r}"
+        )
+    return host, port
 
 
 @dataclass(frozen=True)
@@ -120,18 +138,27 @@ def read_stats(stats_dir: str | os.PathLike[str]) -> CacheStats | None:
     if not files:
         return None
     for path in files:
-        for line in path.read_text(errors="replace").splitlines():
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:  # a folder or an unreadable file: counters are a report, not a verdict
+            warned.add(f"unreadable counters {path.name}")
+            continue
+        for line in text.splitlines():
             try:
                 event = json.loads(line)
                 name = str(event["event"])
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by a killed process
+                # a compile's seconds: a finite number >= 0 (else the line is not counted)
+                seconds = float(event.get("compile_s") or 0.0) if name == "compiled" else 0.0
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # a line cut short by a killed process, or not a counter
+            if not math.isfinite(seconds) or seconds < 0:
+                continue
             if name in counts:
                 counts[name] += 1
             elif name.startswith("warning:"):
                 warned.add(name.split(":", 1)[1])
             if name == "compiled":
-                compile_s += float(event.get("compile_s") or 0.0)
+                compile_s += seconds
                 if isinstance(event.get("key"), str):
                     keys.append(event["key"])
     repeated = len(keys) - len(set(keys))

@@ -260,6 +260,29 @@ def test_the_cells_environment_names_the_manager_and_redis_only_when_given(monke
     assert cache_env(None)["TRITON_REDIS_HOST"] == "10.0.0.5"
     with pytest.raises(ValueError, match="host:port"):
         cache_env(None, redis="no-port")
+    # a port past 65535, a host with a space, no host: the variable and the rule named
+    for bad in ("host:99999", "host:0", "a b:1", ":6379", "[]:1"):
+        with pytest.raises(ValueError, match="KUBEMATRIX_TRITON_REDIS must be host:port"):
+            cache_env(None, redis=bad)
+    env = cache_env(None, redis="[::1]:6379")  # IPv6: the client takes the bare address
+    assert (env["TRITON_REDIS_HOST"], env["TRITON_REDIS_PORT"]) == ("::1", "6379")
+
+
+def test_a_bad_counter_line_or_file_is_skipped_not_fatal(tmp_path):
+    """A compile time that is not a finite number >= 0, a line that is not an object, and a
+    counters 'file' that is a folder: skipped (the folder named in the warnings), the rest
+    counted; `report` used to stop on them and summarize no cell."""
+    (tmp_path / "1.jsonl").write_text(
+        '{"event": "compiled", "compile_s": 2}\n{"event": "compiled", "compile_s": "abc"}\n'
+        '{"event": "compiled", "compile_s": [1]}\n{"event": "compiled", "compile_s": 1e999}\n'
+        '{"event": "compiled", "compile_s": -50}\n{"event": "compiled", "compile_s": NaN}\n'
+        '[1, 2]\n"text"\n{"event": "local"}\n'
+    )
+    (tmp_path / "d.jsonl").mkdir()
+    stats = read_stats(tmp_path)
+    assert stats is not None
+    assert (stats.compiled, stats.local, stats.compile_s) == (1, 1, 2.0)
+    assert stats.warnings == ("unreadable counters d.jsonl",)
 
 
 def test_counters_sum_over_processes_and_skip_a_line_cut_short(tmp_path):

@@ -509,3 +509,52 @@ def test_k8s_runner_names_a_bad_setting_before_asking_for_a_cluster(tmp_path, mo
     err = capsys.readouterr().err
     assert code == 2 and "kubematrix matrix: KUBEMATRIX_REGISTRY must be a registry" in err, err
     assert "no cluster" not in err
+
+
+def test_a_bad_cache_setting_stops_the_matrix_before_it_clears_or_runs(tmp_path, monkeypatch,
+                                                                       capsys):  # fmt: skip
+    """Checked before any cell starts (it was checked by the first cell, after the folder's
+    summary of the last run had been kept and the run begun)."""
+    monkeypatch.setenv("KUBEMATRIX_TRITON_REDIS", "nohost")
+    code = main(["matrix", "--cell", "policy-cpu-interpreter", "--results", str(tmp_path)])
+    out = capsys.readouterr()
+    assert code == 2 and "KUBEMATRIX_TRITON_REDIS must be host:port" in out.err
+    assert "policy-cpu-interpreter" not in out.out
+
+
+def test_a_run_that_stops_leaves_no_earlier_summary(tmp_path, monkeypatch, toy_project):
+    """A summary in the folder is the last run's own: removed when a run starts, so a run that
+    stops early leaves none saying the earlier run's 'passed'."""
+    from kubematrix import __main__ as cli
+
+    for name in report.SUMMARY_NAMES:
+        (tmp_path / name).write_text("passed\n")
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_local", stop)
+    monkeypatch.setattr(cli, "find_project_root", lambda: (toy_project, [toy_project]))
+    with pytest.raises(KeyboardInterrupt):
+        main(["matrix", "--cell", "policy-cpu-interpreter", "--results", str(tmp_path)])
+    assert not any((tmp_path / name).exists() for name in report.SUMMARY_NAMES)
+
+
+def test_k8s_runner_records_the_cpu_cells_of_a_thread_that_failed(tmp_path, monkeypatch, capsys,
+                                                                    toy_project):  # fmt: skip
+    """The CPU cells' thread raising: its cells are errors naming why and the summary is
+    written (it was a thread traceback, then a KeyError in the main thread)."""
+    from kubematrix import __main__ as cli
+
+    def broken(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(cli, "run_local", broken)
+    monkeypatch.setattr(cli, "find_project_root", lambda: (toy_project, [toy_project]))
+    code = main(["matrix", "--runner", "k8s", "--cell", "policy-cpu-interpreter", "--results",
+                 str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 1 and "the CPU cells' run stopped: RuntimeError: disk full" in out.err
+    (record,) = report.collect([get_cell("policy-cpu-interpreter")], tmp_path)
+    assert record.status == "error" and "disk full" in record.reason
+    assert (tmp_path / "results.json").is_file()

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kubematrix import report
+from kubematrix import buildkite, report
 from kubematrix.__main__ import main
-from kubematrix.matrix import get_cell
+from kubematrix.matrix import all_cells, get_cell
 
 pytestmark = pytest.mark.ci
 
@@ -199,12 +199,15 @@ def test_buildkite_mode_annotates_the_build(results_dir, tmp_path, monkeypatch, 
     )
     calls = log.read_text().splitlines()
     name = results_dir.name
-    assert calls[:2] == [
+    assert calls[:3] == [
         f"artifact download {name}/*.xml .",
         f"artifact download {name}/compile/* .",
+        f"artifact download {name}/*.cache/*.jsonl .",  # what each cell step uploads
     ]
-    assert calls[2] == "annotate --style error --context matrix"
-    assert calls[3] == f"artifact upload {name}/junit.xml;{name}/report.md;{name}/results.json"
+    uploaded = {p for cell in all_cells() for p in buildkite.artifact_paths(cell, name)}
+    assert {f"{name}/paged-cpu-interpreter.cache/*.jsonl", f"{name}/compile/*"} <= uploaded
+    assert calls[3] == "annotate --style error --context matrix"
+    assert calls[4] == f"artifact upload {name}/junit.xml;{name}/report.md;{name}/results.json"
     annotation = Path(f"{log}.annotation").read_text()
     assert annotation.startswith("## portattn matrix: failed\n\nbuild 42, commit `0123456789ab`")
     assert f"![compile heatmap](artifact://{name}/compile/compile_matrix.png)" in annotation
