@@ -549,6 +549,17 @@ def _run_report(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_NOTHING_TESTED
+    # a cell asked for by name whose result is missing: lost, not passed
+    named = set(args.cell)
+    missing = [r.cell for r in results if r.cell in named and r.status == "not run"]
+    if status != "failed" and missing:
+        verb = "has" if len(missing) == 1 else "have"
+        print(
+            f"report: {', '.join(missing)} (named with --cell) {verb} no test result in {out}; "
+            "exit status 4",
+            file=sys.stderr,
+        )
+        return EXIT_NOTHING_TESTED
     return 1 if status == "failed" else 0
 
 

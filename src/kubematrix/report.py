@@ -375,7 +375,14 @@ def junit_from_compile_json(
     suite = ET.Element("testsuite", name=cell_name)
     failures = 0
     try:
-        for c in cells:
+        for i, c in enumerate(cells):
+            # a verdict is a bool and the names strings: "false" is no pass
+            if not isinstance(c["passed"], bool):
+                raise TypeError(f"cells[{i}].passed is {c['passed']!r}, not a bool")
+            named = {k: c[k] for k in ("kernel", "case", "arch")}
+            wrong = [k for k, v in named.items() if not isinstance(v, str)]
+            if wrong:
+                raise TypeError(f"cells[{i}].{wrong[0]} is {named[wrong[0]]!r}, not a string")
             case = ET.SubElement(
                 suite,
                 "testcase",
@@ -430,6 +437,9 @@ def collect(cells: Sequence[Cell], results_dir: str | os.PathLike[str]) -> list[
         elif junit.is_file():
             cache = read_stats(cache_dir(cell.name, out))
             results.append(replace(result_from_junit(cell, junit), cache=cache))
+        elif junit.exists() or record.exists():  # a folder where its result belongs
+            where = junit if junit.exists() else record
+            results.append(not_run(cell, f"its result {where} is not a file", status="error"))
         else:
             results.append(not_run(cell, f"no result in {out} (not selected, skipped or lost)"))
     return results

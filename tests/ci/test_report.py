@@ -266,6 +266,20 @@ def test_the_summary_shows_compile_time_and_cache_hit_rate_per_cell(results_dir)
     assert report.collect([CELLS[-1]], results_dir)[0].cache == comp.cache
 
 
+def test_a_cell_named_without_a_result_is_no_pass(results_dir, capsys):
+    """`report --cell A --cell B` where B's result is missing (a lost artifact): exit 4 naming
+    B, not 'passed' because A passed; a folder where a result belongs makes its cell an error."""
+    args = ["report", "--results", str(results_dir), "--cell", "paged-cpu-interpreter"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main([*args, "--cell", "mla-cuda-sm_90"]) == 4
+    err = capsys.readouterr().err
+    assert "mla-cuda-sm_90 (named with --cell) has no test result in" in err
+    (results_dir / "mla-cuda-sm_90.xml").mkdir()
+    (result,) = report.collect([get_cell("mla-cuda-sm_90")], results_dir)
+    assert result.status == "error" and result.reason.endswith("mla-cuda-sm_90.xml is not a file")
+
+
 def test_a_report_of_a_missing_results_folder_is_refused(tmp_path):
     """Not a summary calling every cell "not run" (and no folder made to hold it)."""
     missing = tmp_path / "no-such-run"
@@ -347,7 +361,14 @@ def test_an_unreadable_record_makes_its_cell_an_error(record, why, results_dir):
     assert results["mla-cpu-interpreter"].status == "failed"  # its own JUnit, as before
 
 
-@pytest.mark.parametrize("data", ['{"cells": {}}', "[]", '{"cells": [{"kernel": "k"}]}', "{"])
+_COMPILE_CELL = '"kernel": "k", "case": "c", "arch": "sm_90"'
+
+
+@pytest.mark.parametrize("data", ['{"cells": {}}', "[]", '{"cells": [{"kernel": "k"}]}', "{",
+                                  f'{{"cells": [{{{_COMPILE_CELL}, "passed": "false"}}]}}',
+                                  f'{{"cells": [{{{_COMPILE_CELL}, "passed": 0}}]}}',
+                                  '{"cells": [{"kernel": 1, "case": "c", "arch": "sm_90", '
+                                  '"passed": true}]}'])  # fmt: skip
 def test_a_malformed_compile_report_makes_the_compile_cell_an_error(data, results_dir):
     (results_dir / report.COMPILE_JSON).write_text(data)
     results = {r.cell: r for r in report.collect(CELLS, results_dir)}
