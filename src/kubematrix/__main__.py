@@ -316,7 +316,7 @@ def _run_k8s(
             # a setting no Job can be made with is a usage error, named before a cluster is asked
             jobs = k8s.render_cells(gpu, namespace=namespace, commit=k8s.git_commit())
             try:
-                api = k8s.connect(namespace)
+                api = k8s.connect(namespace, say=lambda m: print(f"matrix: {m}", flush=True))
             except Exception as exc:  # k8s.NoCluster: configured nowhere, or unusable
                 why = str(exc)
         if api is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -55,6 +55,9 @@ def load_api_client(context: str | None = None) -> client.ApiClient:
         NoCluster: neither is configured.
     """
     cfg = client.Configuration()
+    # no urllib3 retries under the launcher's own (429/5xx/connection backoff): stacked, they
+    # made a server that accepts and never answers take about 12 minutes to give up on
+    cfg.retries = False
     if os.environ.get("KUBERNETES_SERVICE_HOST") and context is None:
         try:
             config.load_incluster_config(client_configuration=cfg)
@@ -140,18 +143,34 @@ def exit_status(results: Sequence[CellResult]) -> int:
     return 0 if all(r.outcome == "passed" for r in results) else EXIT_INFRA
 
 
+#: The access check's budget: a few short attempts, so a silent server is named within about
+#: a minute (a cell's requests keep the launcher's full `Timeouts`).
+CHECK_REQUEST_S = 15.0
+CHECK_RETRIES = 2
+
+
 def connect(
-    namespace: str, context: str | None = None, timeouts: Timeouts | None = None
+    namespace: str,
+    context: str | None = None,
+    timeouts: Timeouts | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> client.ApiClient:
-    """An API client whose cluster answered one request (list Jobs in ``namespace``).
+    """An API client whose cluster answered one request (list Jobs in ``namespace``), within
+    `CHECK_RETRIES` retries of `CHECK_REQUEST_S` each at most; ``say``: told which server is
+    asked before the wait.
 
     Raises:
         NoCluster: no cluster configured, or it cannot be used (the message says why).
     """
     api = load_api_client(context)
     host = api.configuration.host
+    t = timeouts or Timeouts()
+    t = replace(t, request_s=min(t.request_s, CHECK_REQUEST_S),
+                retries=min(t.retries, CHECK_RETRIES))  # fmt: skip
+    if say is not None:
+        say(f"checking the cluster at {host} (namespace {namespace}) ...")
     try:
-        Launcher(api, namespace, timeouts=timeouts, emit=lambda _: None).check_access()
+        Launcher(api, namespace, timeouts=t, emit=lambda _: None).check_access()
     except CellError as exc:
         raise NoCluster(f"the cluster at {host} cannot run cells: {exc}") from exc
     return api

@@ -285,9 +285,11 @@ def test_k8s_runner_with_an_unusable_cluster_runs_nothing(tmp_path, monkeypatch,
             ["matrix", "--runner", "k8s", "--cell", "mla-cuda-sm_90", "--results", str(tmp_path)]
         )
     assert code == 2
-    first = capsys.readouterr().out.splitlines()[0]
+    said, first = capsys.readouterr().out.splitlines()[:2]
+    host = f"http://127.0.0.1:{stub.server.server_port}"
+    assert said == f"matrix: checking the cluster at {host} (namespace portattn-ci) ..."
     assert first.startswith(
-        f"matrix: 1 cells; runner k8s: the cluster at http://127.0.0.1:{stub.server.server_port} "
+        f"matrix: 1 cells; runner k8s: the cluster at {host} "
         "cannot run cells: forbidden: the launcher needs the Role"
     )
     assert not stub.jobs and not [r for r in stub.requests if r[0] == "POST"]
@@ -311,7 +313,8 @@ def test_k8s_runner_says_in_its_first_line_what_runs_where(tmp_path, monkeypatch
             ["matrix", "--runner", "k8s", "--cell", "mla-cuda-sm_90", "--results", str(tmp_path)]
         )
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == (
+    assert lines[0].startswith("matrix: checking the cluster at http://127.0.0.1:")
+    assert lines[1] == (
         "matrix: 1 cells; runner k8s: 1 GPU cells as Jobs in namespace portattn-ci at "
         f"http://127.0.0.1:{stub.server.server_port}, 0 CPU cells here; results in {tmp_path}"
     )
@@ -558,3 +561,36 @@ def test_k8s_runner_records_the_cpu_cells_of_a_thread_that_failed(tmp_path, monk
     (record,) = report.collect([get_cell("policy-cpu-interpreter")], tmp_path)
     assert record.status == "error" and "disk full" in record.reason
     assert (tmp_path / "results.json").is_file()
+
+
+def test_a_cluster_that_never_answers_is_named_within_the_checks_budget(tmp_path, monkeypatch):
+    """A server that accepts connections and never answers: the access check gives up after
+    its own short budget (no urllib3 retries stacked under the launcher's), naming the host."""
+    import socket
+    import time as clock
+
+    from kubematrix import k8s
+    from kubematrix.launcher import Timeouts
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    port = silent.getsockname()[1]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: s, cluster: {{server: 'http://127.0.0.1:{port}'}}}}]\n"
+        "contexts: [{name: c, context: {cluster: s, user: u}}]\nusers: [{name: u, user: {}}]\n"
+    )
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    fast = Timeouts(request_s=0.5, connect_s=0.5, retries=1, backoff_s=0.05, max_backoff_s=0.1)
+    assert k8s.load_api_client().configuration.retries is False
+    t0 = clock.monotonic()
+    try:
+        with pytest.raises(k8s.NoCluster, match=f"127.0.0.1:{port}"):
+            k8s.connect("portattn-ci", timeouts=fast)
+    finally:
+        silent.close()
+    # two attempts of 0.5 s (urllib3's own three retries of each would make it 4 s and more)
+    assert clock.monotonic() - t0 < 3.0
