@@ -144,6 +144,7 @@ def read_junit(path: str | os.PathLike[str]) -> JunitCounts:
         if p.get("name") == GPU_ARCH_PROPERTY and p.get("value")
     }
     suite_times = [_seconds(s.get("time"), f"{path}: a test suite") for s in root.iter("testsuite")]
+    _check_declared(path, root)
     return JunitCounts(
         tests=len(cases),
         passed=len(cases) - failed - errors - skipped,
@@ -154,6 +155,34 @@ def read_junit(path: str | os.PathLike[str]) -> JunitCounts:
         failures=tuple(failures),
         gpu_arch=",".join(sorted(a for a in archs if a)) or None,
     )
+
+
+def _check_declared(path: str | os.PathLike[str], root: ET.Element) -> None:
+    """A suite's declared ``failures`` and ``errors`` must be carried by its test cases: more
+    declared than carried is a file cut short, or a tool's suite-level error (a setup or
+    teardown failure) that counting the cases alone would pass.
+
+    Raises:
+        UnreadableReport: naming the suite and the counts, or an attribute that is no count.
+    """
+    for suite in root.iter("testsuite"):  # (the root itself too, where it is one)
+        name = suite.get("name") or "(unnamed)"
+        try:
+            declared = sum(int(suite.get(k) or 0) for k in ("failures", "errors"))
+        except ValueError:
+            raise UnreadableReport(
+                f"JUnit {path}: suite {name}'s failures/errors are no counts "
+                f"({suite.get('failures')!r}, {suite.get('errors')!r})"
+            ) from None
+        carried = sum(
+            c.find("failure") is not None or c.find("error") is not None
+            for c in suite.iter("testcase")
+        )
+        if declared > carried:
+            raise UnreadableReport(
+                f"JUnit {path}: suite {name} declares {declared} failures and errors, and its "
+                f"test cases carry {carried} (a file cut short, or an error outside any test)"
+            )
 
 
 def status_from_counts(counts: JunitCounts) -> str:

@@ -311,6 +311,19 @@ BROKEN_JUNITS = {
         '<testsuites><testsuite time="soon"><testcase name="a"/></testsuite></testsuites>',
         "a test suite has time='soon', not a number",
     ),
+    "suite-level error": (  # a setup error no test case carries: not a pass
+        '<testsuites><testsuite name="p" tests="1" errors="1"><testcase classname="a" name="b"/>'
+        "</testsuite></testsuites>",
+        "suite p declares 1 failures and errors, and its test cases carry 0",
+    ),
+    "declared failures, no cases": (  # cut short after the suite's attributes: not 'not run'
+        '<testsuites><testsuite name="p" tests="3" failures="2" errors="1"/></testsuites>',
+        "suite p declares 3 failures and errors, and its test cases carry 0",
+    ),
+    "counts that are no counts": (
+        '<testsuite name="p" failures="x"><testcase name="a"/></testsuite>',
+        "suite p's failures/errors are no counts ('x', None)",
+    ),
 }
 
 
