@@ -22,6 +22,7 @@ import os
 import re
 import shlex
 import shutil
+import string
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -81,9 +82,19 @@ def get_image(vendor: str) -> ImageSpec:
 
 #: A registry and repository prefix as an image reference starts: ``host[:port][/path]``
 #: (Docker's reference grammar: no scheme, lowercase path components).
-REGISTRY = re.compile(
-    r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*"
-    r"(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*"
+_HOST = (
+    r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*(:[0-9]+)?"
+)
+REGISTRY = re.compile(_HOST + r"(/[a-z0-9]+([._-][a-z0-9]+)*)*")
+
+
+#: A whole image reference: ``[registry/]path[:tag][@algorithm:hex]`` (Docker's reference
+#: grammar: lowercase path components joined by ``.``, ``_``, ``__`` or dashes).
+IMAGE_REF = re.compile(
+    r"(" + _HOST + r"/)?"
+    r"[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*(/[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*)*"
+    r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@[A-Za-z][A-Za-z0-9]*([-_+.][A-Za-z][A-Za-z0-9]*)*"
+    r":[0-9a-fA-F]{32,})?"
 )
 
 
@@ -209,6 +220,10 @@ def default_image(vendor: str, commit: str) -> str:
     template = os.environ.get(name)
     if template:
         try:
+            # plain fields only: a format's attribute or index lookups ({commit.x}) are refused
+            fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+            if any(f not in ("vendor", "commit") for f in fields):
+                raise KeyError(next(f for f in fields if f not in ("vendor", "commit")))
             image = template.format(vendor=vendor, commit=commit)
         except (KeyError, IndexError, ValueError) as exc:
             raise ValueError(
@@ -216,6 +231,11 @@ def default_image(vendor: str, commit: str) -> str:
             ) from None
         if any(c.isspace() for c in image):
             raise ValueError(f"{name} must give an image reference without spaces; got {image!r}")
+        if not IMAGE_REF.fullmatch(image):
+            raise ValueError(
+                f"{name} must give an image reference [registry/]path[:tag][@digest] "
+                f"(lowercase path); got {image!r}"
+            )
         return image
     return cell_image(vendor, commit)
 

@@ -71,6 +71,10 @@ def test_the_content_key_changes_with_every_input_and_nothing_else(checkout, ven
         ("KUBEMATRIX_IMAGE_ROCM", "reg.example/x:{sha}", "may use only {vendor} and {commit}"),
         ("KUBEMATRIX_IMAGE_ROCM", "reg.example/x:{0}", "may use only {vendor} and {commit}"),
         ("KUBEMATRIX_IMAGE_ROCM", "reg.example/x {commit}", "must give an image reference without"),
+        ("KUBEMATRIX_IMAGE_ROCM", "::::", "must give an image reference [registry/]path"),
+        ("KUBEMATRIX_IMAGE_ROCM", "UPPER/Img:{commit}", "must give an image reference [registry/]"),
+        ("KUBEMATRIX_IMAGE_ROCM", "r.io/x:{commit.__class__}", "may use only {vendor} and"),
+        ("KUBEMATRIX_IMAGE_ROCM", "r.io/x:{commit[0]}", "may use only {vendor} and {commit}"),
     ],
 )  # fmt: skip
 def test_image_settings_that_make_no_reference_are_named(env, value, message, monkeypatch):
