@@ -373,6 +373,10 @@ def pin(dockerfile_text: str, digest: str) -> str:
     return _BASE_ARG.sub(f"ARG BASE_IMAGE={name}@{digest}", dockerfile_text, count=1)
 
 
+#: How long ``docker buildx imagetools inspect`` may take to answer.
+DOCKER_TIMEOUT_S = 120
+
+
 def resolve_digest(name: str) -> str:
     """The registry's digest of ``name`` (``repo:tag``; the multi-arch index's, as
     ``docker pull repo@digest`` takes it), asked through ``docker buildx imagetools``.
@@ -386,14 +390,27 @@ def resolve_digest(name: str) -> str:
             "docker is not installed here: resolve the digest where the registry is reachable "
             f"(docker buildx imagetools inspect {name}) and pass it with --digest"
         )
-    proc = subprocess.run(
-        [docker, "buildx", "imagetools", "inspect", name, "--format", "{{json .Manifest}}"],
-        capture_output=True,
-        text=True,
-    )
+    cmd = f"docker buildx imagetools inspect {name}"
+    try:
+        proc = subprocess.run(
+            [docker, "buildx", "imagetools", "inspect", name, "--format", "{{json .Manifest}}"],
+            capture_output=True,
+            text=True,
+            timeout=DOCKER_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{cmd}: no answer in {DOCKER_TIMEOUT_S} s") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"docker buildx imagetools inspect {name}: {proc.stderr.strip()}")
-    return str(json.loads(proc.stdout)["digest"])
+        raise RuntimeError(f"{cmd}: {proc.stderr.strip()}")
+    try:
+        digest = json.loads(proc.stdout)["digest"]
+    except (ValueError, KeyError, TypeError):
+        digest = None
+    if not isinstance(digest, str) or not _DIGEST.match(digest):
+        raise RuntimeError(
+            f"{cmd}: expected a manifest with a sha256 digest; got {proc.stdout.strip()[:200]!r}"
+        )
+    return digest
 
 
 # -- the `kubematrix image` command --------------------------------------------------------------

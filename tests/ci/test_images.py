@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -298,3 +299,27 @@ def test_the_content_key_names_its_root_a_missing_pyproject_and_a_file_not_text(
     (checkout / "constraints" / "cuda.txt").write_bytes(b"\xff\xfe")
     with pytest.raises(ValueError, match=r"constraints/cuda.txt is not UTF-8 text"):
         images.pinned_version("cuda", "triton", checkout)
+
+
+@pytest.mark.parametrize(
+    ("output", "exit_code", "message"),
+    [
+        ('{"mediaType": "x"}', 0, "expected a manifest with a sha256 digest; got '{\"mediaType\""),
+        ("notjson", 0, "expected a manifest with a sha256 digest; got 'notjson'"),
+        ('{"digest": "sha256:zz"}', 0, "expected a manifest with a sha256 digest"),
+        ("", 1, "docker buildx imagetools inspect r.io/x:1: denied"),
+    ],
+)  # fmt: skip
+def test_pin_names_docker_when_its_answer_is_no_digest(output, exit_code, message, tmp_path,
+                                                       monkeypatch):  # fmt: skip
+    """A docker (stand-in on PATH) whose answer holds no digest: one error naming the command
+    and what it printed (a KeyError traceback, or json's own words, before)."""
+    docker = tmp_path / "docker"
+    docker.write_text(f"#!/bin/sh\nprintf '%s' '{output}'\necho denied >&2\nexit {exit_code}\n")
+    docker.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        images.resolve_digest("r.io/x:1")
+    good = '{"digest": "sha256:' + "ab" * 32 + '"}'
+    docker.write_text(f"#!/bin/sh\nprintf '%s' '{good}'\n")
+    assert images.resolve_digest("r.io/x:1") == "sha256:" + "ab" * 32
