@@ -302,8 +302,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"--deadline must be > 600 s (the cell stops 300 s before it, and a test may "
                 f"take min(900, deadline - 600) s); got {args.deadline}"
             )
-        if not args.pending_timeout > 0:
-            raise ValueError(f"--pending-timeout must be > 0 seconds; got {args.pending_timeout}")
+        if not 0 < args.pending_timeout < float("inf"):
+            raise ValueError(
+                f"--pending-timeout must be a finite number of seconds > 0; got "
+                f"{args.pending_timeout}"
+            )
         jobs = [
             render_job(
                 vendor=vendor,
@@ -318,8 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 test_timeout_s=min(900, args.deadline - 600),
                 supplemental_groups=args.supplemental_groups if vendor == "rocm" else None,
             )
-            for vendor in args.vendor
-            for suite in args.suite
+            # a repeated --vendor or --suite names its cell once (two Jobs of one name collide)
+            for vendor in dict.fromkeys(args.vendor)
+            for suite in dict.fromkeys(args.suite)
         ]
         _check_results_folder(args.results)
     except ValueError as exc:

@@ -366,11 +366,31 @@ def test_no_cluster_says_so_and_exits_non_zero(monkeypatch, tmp_path, capsys):
     assert "no cluster configured" in capsys.readouterr().err
 
 
+def test_a_repeated_vendor_or_suite_makes_one_job(monkeypatch, tmp_path):
+    """``--vendor cuda --vendor cuda --suite paged --suite paged``: one Job (two of one name
+    would collide at create)."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    made: list[dict] = []
+
+    def no_cluster(namespace, context=None, timeouts=None, say=None):
+        raise k8s.NoCluster("no cluster configured")
+
+    real_render = k8s.render_job
+    monkeypatch.setattr(k8s, "render_job", lambda **kw: made.append(kw) or real_render(**kw))
+    monkeypatch.setattr(k8s, "connect", no_cluster)
+    argv = ["--vendor", "cuda", "--vendor", "cuda", "--suite", "paged", "--suite", "paged",
+            "--commit", "0123456789ab"]  # fmt: skip
+    assert k8s.main(argv) == k8s.EXIT_NO_CLUSTER
+    assert [(kw["vendor"], kw["suite"]) for kw in made] == [("cuda", "paged")]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--max-parallel", "0"], "--max-parallel must be >= 1; got 0"),
-        (["--pending-timeout", "nan"], "--pending-timeout must be > 0 seconds; got nan"),
+        (["--pending-timeout", "nan"], "--pending-timeout must be a finite number of seconds > 0"),
+        (["--pending-timeout", "inf"], "--pending-timeout must be a finite number of seconds > 0"),
         (["--deadline", "600"], "--deadline must be > 600 s"),
         (["--namespace", "Bad_NS"], "namespace must be a DNS-1123 label: at most 63 characters"),
         (["--commit", "a b"], "commit must make the image tag <vendor>-<commit> a Docker tag"),
