@@ -485,6 +485,8 @@ def _run_report(args: argparse.Namespace) -> int:
     # the compile cell's JUnit is made from its report when absent: written here too
     derived = [f"{c.name}.xml" for c in cells if c.suite == "compile"]
     if args.buildkite:
+        if ";" in args.results:  # the agent splits an upload's paths on ';'
+            raise ValueError(f"--results {args.results}: must not hold ';' with --buildkite")
         if shutil.which(AGENT) is None:
             raise ValueError(f"--buildkite: {AGENT} is not on PATH (it annotates the build)")
         _results_folder("report", args.results)

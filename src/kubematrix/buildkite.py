@@ -95,6 +95,8 @@ def changed_files_since(base: str, *, cwd: str | None = None) -> list[str]:
     """
     if base.startswith("-"):  # git would take it as one of its options
         raise ValueError(f"--changed-since must be a git revision, not an option; got {base!r}")
+    if cwd is not None and not os.path.isdir(cwd):
+        raise ValueError(f"--root {cwd}: no such folder (the checkout whose changes are read)")
     cmd = ["git", "diff", "--name-only", f"{base}...HEAD"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=cwd)

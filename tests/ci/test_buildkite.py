@@ -409,6 +409,8 @@ def test_pipeline_generation_never_loads_the_kubernetes_client():
          "the checkout"),
         (["--changed-files", "../noxfile.py"],
          "kubematrix pipeline: --changed-files ../noxfile.py: must be a path inside"),
+        (["--root", "/nonexistent", "--changed-since", "main"],
+         "kubematrix pipeline: --root /nonexistent: no such folder"),
     ],
 )  # fmt: skip
 def test_pipeline_usage_errors_name_the_option(argv, message, capsys):

@@ -214,6 +214,11 @@ def test_buildkite_mode_annotates_the_build(results_dir, tmp_path, monkeypatch, 
     capsys.readouterr()
 
 
+def test_buildkite_mode_refuses_a_results_path_the_agent_would_split(tmp_path, capsys):
+    assert main(["report", "--buildkite", "--results", str(tmp_path / "w;x")]) == 2
+    assert "--results " in capsys.readouterr().err
+
+
 def test_a_gpu_cell_reports_the_architecture_its_tests_found(tmp_path):
     # tests/test_cell_arch.py records the live device's arch as a JUnit test-case property.
     cell = get_cell("mla-cuda-sm_90")
