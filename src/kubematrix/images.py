@@ -435,7 +435,9 @@ def configure_cli(p: argparse.ArgumentParser) -> None:
         type=nonempty_arg,
         help="the commit of the cell image (refs, script; default HEAD)",
     )
-    p.add_argument("--builder", choices=("docker", "buildkit"), default="docker")
+    p.add_argument(
+        "--builder", choices=("docker", "buildkit"), default=None, help="script (default docker)"
+    )
     p.add_argument(
         "--digest", type=nonempty_arg, help="pin: this digest instead of asking the registry"
     )
@@ -458,7 +460,17 @@ def _commit(root: str, given: str | None) -> str:
     return commit
 
 
+#: The actions each option applies to (an option given to another action is refused, not
+#: ignored).
+_OPTION_ACTIONS = {"commit": ("refs", "script"), "builder": ("script",), "digest": ("pin",)}
+
+
 def run_cli(args: argparse.Namespace) -> int:
+    for option, actions in _OPTION_ACTIONS.items():
+        if getattr(args, option) is not None and args.action not in actions:
+            raise ValueError(
+                f"--{option} applies to {' and '.join(actions)} only; got it with {args.action}"
+            )
     spec = get_image(args.vendor)
     if args.action in ("pin", "check"):
         dockerfile, text, ref = read_dockerfile(args.vendor, args.root)
@@ -487,6 +499,6 @@ def run_cli(args: argparse.Namespace) -> int:
         refs = env_image(args.vendor, key), cell_image(args.vendor, commit)
         print(*refs, sep="\n")
         return 0
-    build = docker_build_script if args.builder == "docker" else buildkit_build_script
+    build = buildkit_build_script if args.builder == "buildkit" else docker_build_script
     print(build(args.vendor, key, commit))
     return 0

@@ -177,6 +177,23 @@ def test_image_command_prints_the_content_key_and_both_references(checkout, caps
         )
 
 
+@pytest.mark.parametrize(
+    ("action", "option", "rule"),
+    [
+        ("key", ["--digest", DIGEST], "--digest applies to pin only; got it with key"),
+        ("key", ["--builder", "buildkit"], "--builder applies to script only; got it with key"),
+        ("refs", ["--builder", "docker"], "--builder applies to script only; got it with refs"),
+        ("key", ["--commit", COMMIT], "--commit applies to refs and script only; got it with key"),
+        ("check", ["--digest", DIGEST], "--digest applies to pin only; got it with check"),
+    ],
+)  # fmt: skip
+def test_an_option_the_action_does_not_use_is_refused(action, option, rule, checkout, capsys):
+    """It was ignored with exit 0 (``image key --digest ...`` printed the key)."""
+    assert main(["image", action, "--vendor", "cuda", "--root", str(checkout), *option]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and rule in out.err
+
+
 # -- tools/check_image.py: the image build's torch / Triton check -------------------------------
 
 
@@ -243,9 +260,8 @@ def test_check_and_pin_name_a_root_that_is_no_checkout(tmp_path, action, root, m
     elif root == "folder-named-dockerfile":
         (path / "Dockerfile.cuda").mkdir(parents=True)
     cmd = [sys.executable, "-m", "kubematrix", "image", action, "--vendor", "cuda"]
-    proc = subprocess.run(
-        [*cmd, "--root", str(path), "--digest", DIGEST], capture_output=True, text=True
-    )
+    pin_digest = ["--digest", DIGEST] if action == "pin" else []
+    proc = subprocess.run([*cmd, "--root", str(path), *pin_digest], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("kubematrix image: ")
@@ -265,7 +281,8 @@ def test_check_names_a_dockerfile_without_its_base_line_or_not_text(
 ):
     (checkout / "Dockerfile.cuda").write_bytes(content)
     for action in ("check", "pin"):
-        argv = ["image", action, "--vendor", "cuda", "--root", str(checkout), "--digest", DIGEST]
+        argv = ["image", action, "--vendor", "cuda", "--root", str(checkout)]
+        argv += ["--digest", DIGEST] if action == "pin" else []
         assert main(argv) == 2
         out = capsys.readouterr()
         assert out.out == "" and f"kubematrix image: {checkout}/{message}" in out.err, out.err
