@@ -397,6 +397,8 @@ def junit_from_compile_json(
         cells = data["cells"]
         if not isinstance(cells, list):
             raise TypeError(f"cells is a {type(cells).__name__}")
+        if not cells:  # the compile command refuses filters that leave no cell
+            raise ValueError("it holds no cell (no kernel case was compiled for any target)")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UnreadableReport(
             f"compile report {json_path} is unreadable ({type(exc).__name__}: {exc})"

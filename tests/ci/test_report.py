@@ -383,6 +383,7 @@ _COMPILE_CELL = '"kernel": "k", "case": "c", "arch": "sm_90"'
 
 
 @pytest.mark.parametrize("data", ['{"cells": {}}', "[]", '{"cells": [{"kernel": "k"}]}', "{",
+                                  '{"cells": []}',
                                   f'{{"cells": [{{{_COMPILE_CELL}, "passed": "false"}}]}}',
                                   f'{{"cells": [{{{_COMPILE_CELL}, "passed": 0}}]}}',
                                   '{"cells": [{"kernel": 1, "case": "c", "arch": "sm_90", '
