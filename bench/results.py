@@ -99,16 +99,18 @@ def merge(docs: list[dict], across_trees: bool = False) -> dict:
                      + ("" if across_trees else " (--across-trees: of one device)"))  # fmt: skip
     rows: dict[tuple[str, str], dict] = {}
     errors: list[dict] = []
+    skipped: list[dict] = []
     for i, d in enumerate(docs, 1):
         for r in d["rows"]:
             rows.pop((r["family"], r["name"]), None)  # a later run's row takes its place
             rows[(r["family"], r["name"])] = dict(r, run=i)
-        # a family's failure stands until a later run runs that family again
+        # a family's failure or skip stands until a later run runs that family again
         errors = [e for e in errors if e["family"] not in d["families"]] + d["errors"]
+        skipped = [k for k in skipped if k["family"] not in d["families"]] + d["skipped"]
     families = list(dict.fromkeys(f for d in docs for f in d["families"]))
     return dict(first, families=families, rows=list(rows.values()),
                 vllm=docs[-1]["vllm"],
-                skipped=[s for d in docs for s in d["skipped"]],
+                skipped=skipped,
                 errors=errors,
                 commit=docs[-1]["commit"],
                 runs=[dict(command=d["command"], date=d["date"], reps=d["reps"],
@@ -238,6 +240,9 @@ def render(doc: dict) -> str:
 _DEVICE = re.compile(r"^- Device: \*\*(.+)\*\*; torch (\S+), Triton (\S+), Python (\S+)$")
 _RUN = re.compile(r"^- Run (\d+), (\S+) at `([^`]+)`: (.+)$")
 _FORCED = re.compile(r" (\S+) tiles$")
+#: A family's failure and skip lines (`render`), which a page keeps until a run of the family.
+_FAILED = re.compile(r"^- \*\*Family `([^`]+)` failed\*\*: (.*)$")
+_SKIPPED = re.compile(r"^- Family `([^`]+)` skipped: (.*)$")
 
 
 class PageError(ValueError):
@@ -253,7 +258,8 @@ def read_page(text: str) -> dict:
         PageError: not such a page (a line it needs is missing or malformed).
     """
     titles = {v: k for k, v in TITLES.items()}
-    page: dict = dict(runs={}, rows=[], families=[], timing_meaningful=True)
+    page: dict = dict(runs={}, rows=[], families=[], timing_meaningful=True, errors=[],
+                      skipped=[])  # fmt: skip
     family, cols = None, []
     for n, line in enumerate(text.splitlines(), 1):
         if m := _DEVICE.match(line):
@@ -262,6 +268,10 @@ def read_page(text: str) -> dict:
             page["method"] = line.removeprefix("- Method: ")
         elif line.startswith("- **Timings not meaningful**"):
             page["timing_meaningful"] = False
+        elif m := _FAILED.match(line):
+            page["errors"].append(dict(family=m[1], error=m[2]))
+        elif m := _SKIPPED.match(line):
+            page["skipped"].append(dict(family=m[1], reason=m[2]))
         elif m := _RUN.match(line):
             page["runs"][int(m[1])] = dict(date=m[2], commit=m[3], page_line=m[4],
                                            compare="; compared with `" in m[4])  # fmt: skip
@@ -316,8 +326,12 @@ def merge_into_page(page: dict, docs: list[dict]) -> dict:
             rows.append(dict(n, run=n["run"] + len(used)))
     rows += [dict(r, run=r["run"] + len(used)) for r in fresh.values()]
     families = list(dict.fromkeys(page["families"] + new["families"]))
-    return dict(new, families=families, rows=rows, page_runs=len(used),
-                runs=[page["runs"][n] for n in used] + new["runs"])  # fmt: skip
+    # the page's failures and skips stand until a run of their family (as in `merge`)
+    ran = {f for d in docs for f in d["families"]}
+    errors = [e for e in page["errors"] if e["family"] not in ran] + new["errors"]
+    skipped = [k for k in page["skipped"] if k["family"] not in ran] + new["skipped"]
+    return dict(new, families=families, rows=rows, page_runs=len(used), errors=errors,
+                skipped=skipped, runs=[page["runs"][n] for n in used] + new["runs"])  # fmt: skip
 
 
 _TREE_LABEL = re.compile(r"^[0-9a-f]+\+tree:([0-9a-f]{12})$")

@@ -324,6 +324,34 @@ def test_results_merge_new_runs_into_a_page(tmp_path):
         results.main([str(tmp_path / "b.json"), "--page", str(tmp_path / "missing.md")])
 
 
+def test_a_pages_failures_and_skips_stand_until_their_family_runs_again(tmp_path):
+    """Merging a run of another family into a page keeps the page's failure and skip lines
+    (they were dropped, and the failed family vanished from the page); a run of that family
+    replaces them."""
+    a, b = fixture_doc(), fixture_doc()
+    a["families"] = ["paged", "prefill", "compile", "host"]
+    a["errors"] = [dict(family="compile", error="RuntimeError: child failed")]
+    a["skipped"] = [dict(family="host", reason="no GPU")]
+    b["commit"], b["date"], b["rows"] = "bbb2222", "2026-12-04T13:00:00+00:00", b["rows"][:1]
+    page = tmp_path / "RESULTS.md"
+    assert results.main([_write(tmp_path, "a", a), _write(tmp_path, "b", b), "--across-trees",
+                         "--out", str(page)]) == 0  # fmt: skip
+    fail = "- **Family `compile` failed**: RuntimeError: child failed"
+    skip = "- Family `host` skipped: no GPU"
+    assert fail in page.read_text() and skip in page.read_text()
+    c = fixture_doc()
+    c["commit"], c["date"], c["families"] = "ccc3333", "2026-12-05T09:00:00+00:00", ["paged"]
+    c["rows"] = c["rows"][:1]
+    out = tmp_path / "NEW.md"
+    assert results.main([_write(tmp_path, "c", c), "--page", str(page), "--out", str(out)]) == 0
+    assert fail in out.read_text() and skip in out.read_text()
+    d = dict(fixture_doc(), commit="ddd4444", date="2026-12-05T10:00:00+00:00",
+             families=["compile"], rows=[])  # fmt: skip
+    again = tmp_path / "AGAIN.md"
+    assert results.main([_write(tmp_path, "d", d), "--page", str(out), "--out", str(again)]) == 0
+    assert fail not in again.read_text() and skip in again.read_text()
+
+
 def test_a_run_labelled_by_a_stale_head_takes_its_trees_commit(tmp_path):
     """A GPU machine's copy of the checkout may keep an older .git: its runs are labelled
     ``<older HEAD>+tree:<hash>``. The page names the commit whose tree that is; a label no
