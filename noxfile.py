@@ -148,6 +148,14 @@ def _mamba_extensions(session: nox.Session) -> None:
 
 #: Set by every runner of a GPU cell to the architecture it must run on (kubematrix.matrix).
 CELL_ARCH_ENV = "PORTATTN_CELL_ARCH"
+#: The values Triton reads as "on" in a boolean variable (lowercased), as its own knobs do
+#: (``triton.knobs``; tests/ci holds this to them): TRITON_INTERPRET=true is the interpreter too.
+TRITON_TRUE = ("1", "true", "yes", "on", "y")
+
+
+def triton_interpret() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's interpreter, read as Triton reads it."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in TRITON_TRUE
 
 
 #: The suite sessions by name (tests call them with a stand-in session).
@@ -159,11 +167,12 @@ def _suite_session(suite: str) -> None:
         arch = os.environ.get(CELL_ARCH_ENV)
         # A CPU cell sets TRITON_INTERPRET=1: it asks for the interpreter variant, GPU or not
         # (a CPU queue's agent may have one; the GPU variant under the interpreter is no cell).
-        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        interpret = triton_interpret()
         if arch and interpret:
             session.error(
-                f"{suite}: this cell targets {arch} ({CELL_ARCH_ENV}) but TRITON_INTERPRET=1 asks "
-                "for the CPU interpreter; a GPU cell runs without it"
+                f"{suite}: this cell targets {arch} ({CELL_ARCH_ENV}) but TRITON_INTERPRET="
+                f"{os.environ['TRITON_INTERPRET']} asks for the CPU interpreter; a GPU cell runs "
+                "without it"
             )
         if arch and not _has_gpu():
             # A GPU cell on a machine without the device (a pod without its GPU, a mislabelled

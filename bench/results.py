@@ -399,13 +399,16 @@ def _load(path: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.results", description=__doc__.split("\n")[0])
     ap.add_argument("results", nargs="+", help="JSON documents written by python -m bench.run")
-    ap.add_argument("--out", default="", help="write the Markdown here (default: stdout)")
+    ap.add_argument("--out", default=None, help="write the Markdown here (default: stdout)")
     ap.add_argument("--across-trees", action="store_true",
                     help="merge runs of different commits (each row names its run)")  # fmt: skip
-    ap.add_argument("--page", default="",
+    ap.add_argument("--page", default=None,
                     help="merge the runs into this page (bench/RESULTS.md) instead of only each "
                          "other (any trees)")  # fmt: skip
     opts = ap.parse_args(argv)
+    for name in ("out", "page"):  # given empty (an unset variable), not "not given"
+        if getattr(opts, name) is not None and not getattr(opts, name).strip():
+            ap.error(f"--{name} must name a file; got {getattr(opts, name)!r}")
     if opts.out and (os.path.isdir(opts.out) or not os.path.isdir(os.path.dirname(
             os.path.abspath(opts.out)))):  # fmt: skip
         ap.error(f"--out {opts.out}: must be a file in an existing folder")
@@ -422,6 +425,9 @@ def main(argv=None) -> int:
         doc = merge_into_page(page, docs)
     else:
         doc = merge(docs, opts.across_trees) if len(docs) > 1 else docs[0]
+        if not doc["rows"] and not doc["errors"]:  # bench.run writes no such document
+            sys.exit(f"bench.results: {', '.join(opts.results)}: no row and no failure: a page "
+                     "of them would read as a finished run")  # fmt: skip
     try:
         text = render(doc)
     except RowError as exc:  # the document the row came from (a merged row knows its run)

@@ -92,6 +92,18 @@ def _matching(names: dict[str, list[str]], rows: str) -> list[str]:
     return [n for ns in names.values() for n in ns if any(s in n for s in subs)]
 
 
+def triton_interpret() -> bool:
+    """Whether Triton runs kernels in its interpreter, by Triton's own reading of
+    TRITON_INTERPRET (``true``, ``yes`` ... count as ``1`` does)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _unmatched(names: dict[str, list[str]], rows: str) -> list[str]:
+    """The comma-separated substrings of ``rows`` that no name holds."""
+    every = [n for ns in names.values() for n in ns]
+    return [s for s in rows.split(",") if s and not any(s in n for n in every)]
+
+
 def run_families(families, ctx: core.Context, log=sys.stderr) -> dict:
     """Each family's rows in this process: ``{rows, skipped, errors}``."""
     out: dict = dict(rows=[], skipped=[], errors=[])
@@ -251,10 +263,10 @@ def parse(argv=None):
         "--rows", default=None, help="comma-separated substrings of row names to run (all)"
     )
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU interpreter, smoke)")
-    ap.add_argument("--out", default="", help="write the JSON document here (default: stdout)")
+    ap.add_argument("--out", default=None, help="write the JSON document here (default: stdout)")
     ap.add_argument(
         "--compare",
-        default="",
+        default=None,
         metavar="OLD_SRC_DIR",
         help="also time every row with this checkout's src/ (child processes)",
     )
@@ -271,6 +283,10 @@ def parse(argv=None):
         value = getattr(opts, name)
         if value is not None and not [x for x in value.split(",") if x]:
             ap.error(f"--{name} must name at least one, comma-separated; got {value!r}")
+    for name in ("out", "compare"):  # given empty (an unset variable), not "not given"
+        if getattr(opts, name) is not None and not getattr(opts, name).strip():
+            ap.error(f"--{name} must name a path; got {getattr(opts, name)!r}")
+        setattr(opts, name, getattr(opts, name) or "")
     fams = [f for f in (opts.only or "").split(",") if f] or list(FAMILIES)
     unknown = sorted(set(fams) - set(FAMILIES))
     if unknown:
@@ -283,7 +299,8 @@ def parse(argv=None):
             os.makedirs(folder, exist_ok=True)
         except OSError as exc:
             ap.error(f"--out {opts.out}: cannot make its folder: {exc}")
-        if os.path.isdir(opts.out) or not os.access(folder, os.W_OK):
+        exists_unwritable = os.path.exists(opts.out) and not os.access(opts.out, os.W_OK)
+        if os.path.isdir(opts.out) or not os.access(folder, os.W_OK) or exists_unwritable:
             ap.error(f"--out {opts.out}: not a file this process can write")
     opts.rows = opts.rows or ""
     opts.families = tuple(f for f in FAMILIES if f in fams)
@@ -292,13 +309,21 @@ def parse(argv=None):
     if names is not None and not _matching(names, opts.rows):
         ap.error(f"no row matches --rows {opts.rows!r} in {list(opts.families)} "
                  "(substrings of the row names in bench/RESULTS.md)")  # fmt: skip
+    unmatched = [] if names is None else _unmatched(names, opts.rows)
+    if unmatched:  # a typo would leave its rows out of a run taken as complete
+        ap.error(f"--rows: {unmatched} match no row in {list(opts.families)} (substrings of "
+                 "the row names in bench/RESULTS.md)")  # fmt: skip
     return opts
 
 
 def main(argv=None) -> int:
     opts = parse(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    interpret = triton_interpret()
+    if device == "cuda" and interpret:  # the kernels would run in the interpreter: no timing
+        sys.exit("bench.run: TRITON_INTERPRET is on and a GPU is here: the kernels would run in "
+                 "Triton's interpreter and be timed as GPU rows; unset it")  # fmt: skip
+    if device == "cpu" and not interpret:
         sys.exit("bench.run: no GPU here; set TRITON_INTERPRET=1 to run the kernels on the CPU "
                  "(with --quick: full-size rows take hours in the interpreter)")  # fmt: skip
     if not opts.child_json:  # a run that can measure nothing here stops before it starts

@@ -637,3 +637,53 @@ def test_results_checks_its_output_before_reading(out, message, tmp_path, capsys
         results.main([str(path), "--out", out.format(tmp=tmp_path)])
     assert info.value.code == 2
     assert message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_empty_paths_and_a_document_without_rows_are_refused(tmp_path, capsys):
+    """An unset variable's "" is no path (``--page ""`` replaced the page with the new run
+    alone, ``--compare ""`` ran no comparison, ``--out ""`` printed); a document with no row
+    and no failure is no finished run."""
+    doc = _write(tmp_path, "a", fixture_doc())
+    for option in ("--page", "--out"):
+        with pytest.raises(SystemExit):
+            results.main([doc, option, ""])
+        assert f"--{option[2:]} must name a file; got ''" in capsys.readouterr().err
+    for option in ("--compare", "--out"):
+        with pytest.raises(SystemExit):
+            run.parse(["--quick", option, " "])
+        assert f"--{option[2:]} must name a path; got ' '" in capsys.readouterr().err
+    empty = _write(tmp_path, "e", dict(fixture_doc(), rows=[], errors=[]))
+    with pytest.raises(SystemExit, match="no row and no failure"):
+        results.main([empty])
+
+
+def test_every_part_of_rows_must_match_a_row(capsys):
+    """A typo in one part of ``--rows`` was dropped without a word."""
+    opts = run.parse(["--quick", "--only", "cache", "--rows", "page indices"])
+    assert opts.rows == "page indices"
+    with pytest.raises(SystemExit):
+        run.parse(["--quick", "--only", "cache", "--rows", "page indices,pgae idx"])
+    assert "--rows: ['pgae idx'] match no row in ['cache']" in capsys.readouterr().err
+
+
+def test_a_gpu_run_under_the_interpreter_is_refused(monkeypatch):
+    """TRITON_INTERPRET on (any value Triton reads as on) where a GPU is: the rows would be
+    interpreter timings recorded as GPU ones."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "true")
+    with pytest.raises(SystemExit, match="TRITON_INTERPRET is on and a GPU is here"):
+        run.main(["--quick", "--only", "cache"])
+
+
+def test_an_existing_out_file_that_cannot_be_written_is_refused_first(tmp_path, monkeypatch,
+                                                                      capsys):  # fmt: skip
+    """Refused before any row runs (it was found after all of them, by a traceback)."""
+    out = tmp_path / "bench.json"
+    out.write_text("{}")
+    real = os.access
+    monkeypatch.setattr(run.os, "access", lambda p, m: False if str(p) == str(out) else real(p, m))
+    with pytest.raises(SystemExit):
+        run.parse(["--quick", "--out", str(out)])
+    assert "not a file this process can write" in capsys.readouterr().err

@@ -242,14 +242,36 @@ def test_a_cpu_cell_runs_the_interpreter_variant_even_where_a_gpu_is(
     assert pytest_run[pytest_run.index("-m") + 1] == marker
 
 
-def test_a_gpu_cell_under_the_interpreter_is_refused(noxfile, machine, monkeypatch):
+@pytest.mark.parametrize("value", ["1", "true", "ON", "y"])
+def test_a_gpu_cell_under_the_interpreter_is_refused(noxfile, machine, monkeypatch, value):
+    """Any value Triton reads as on (``true`` got past a check for ``1``)."""
     machine("cuda")
     monkeypatch.setenv(noxfile.CELL_ARCH_ENV, "sm_90")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", value)
     with pytest.raises(
-        RuntimeError, match="targets sm_90 .* but TRITON_INTERPRET=1 asks for the CPU"
+        RuntimeError, match=f"targets sm_90 .* but TRITON_INTERPRET={value} asks for the CPU"
     ):
         noxfile.SUITE_SESSIONS["specdec"](FakeSession())
+
+
+def test_triton_interpret_is_read_as_triton_reads_it(noxfile, monkeypatch):
+    """The noxfile's and conftest's reading of TRITON_INTERPRET agree with Triton's own knob
+    (checked in a fresh process a value, as Triton reads the variable there)."""
+    import subprocess
+    import sys
+
+    from tests import conftest
+
+    values = ["1", "true", "TRUE", "yes", "on", "On", "y", "Y", "0", "false", "2", " 1", "t", ""]
+    code = "import os, triton; print(int(bool(triton.knobs.runtime.interpret)))"
+    for value in values:
+        env = {**os.environ, "TRITON_INTERPRET": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        triton_on = out.stdout.strip() == "1"
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert noxfile.triton_interpret() == triton_on, value
+        assert (value.lower() in noxfile.TRITON_TRUE) == triton_on, value
+    assert conftest.TRITON_TRUE == noxfile.TRITON_TRUE
 
 
 def test_the_sessions_see_a_gpu_of_any_index(noxfile, monkeypatch):
