@@ -420,6 +420,8 @@ def main(argv=None) -> int:
                 page = read_page(f.read())
         except OSError as exc:
             sys.exit(f"bench.results: --page {opts.page}: cannot read ({exc.strerror})")
+        except UnicodeDecodeError:
+            sys.exit(f"bench.results: --page {opts.page}: not UTF-8 text (not a page)")
         except PageError as exc:
             sys.exit(f"bench.results: --page {opts.page}: not a page of several runs: {exc}")
         doc = merge_into_page(page, docs)

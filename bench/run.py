@@ -39,6 +39,7 @@ import importlib
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -239,7 +240,7 @@ def document(result: dict, opts, device: str, compare_record: dict | None) -> di
         python=platform.python_version(),
         commit=commit_of(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="python -m bench.run " + " ".join(sys.argv[1:]),
+        command="python -m bench.run " + shlex.join(sys.argv[1:]),
         method=core.METHOD,
         timing_meaningful=device == "cuda",
         quick=opts.quick,
@@ -326,6 +327,9 @@ def main(argv=None) -> int:
     if device == "cpu" and not interpret:
         sys.exit("bench.run: no GPU here; set TRITON_INTERPRET=1 to run the kernels on the CPU "
                  "(with --quick: full-size rows take hours in the interpreter)")  # fmt: skip
+    if device == "cpu" and not opts.quick:  # full-size rows run for hours, silently
+        sys.exit("bench.run: no GPU here: the interpreter runs --quick's shapes only (full-size "
+                 "rows take hours); pass --quick")  # fmt: skip
     if not opts.child_json:  # a run that can measure nothing here stops before it starts
         runnable = [f for f in opts.families if f not in GPU_ONLY or device == "cuda"]
         why = "; ".join(f"{f}: {GPU_ONLY[f]}" for f in opts.families if f not in runnable)
@@ -359,8 +363,13 @@ def main(argv=None) -> int:
     doc = document(result, opts, device, compare_record)
     text = json.dumps(doc, indent=1, ensure_ascii=False)
     if opts.out:
-        with open(opts.out, "w") as f:
-            f.write(text + "\n")
+        try:
+            with open(opts.out, "w") as f:
+                f.write(text + "\n")
+        except OSError as exc:  # the rows are not lost: the document goes to stdout instead
+            print(text)
+            sys.exit(f"bench.run: --out {opts.out}: cannot write ({exc.strerror}); the document "
+                     "went to stdout")  # fmt: skip
         print(f"bench.run: {len(doc['rows'])} rows -> {opts.out}", file=sys.stderr)
     else:
         print(text)

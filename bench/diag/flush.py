@@ -45,17 +45,19 @@ def parse_list(text: str, name: str, allowed: tuple[str, ...] | None = None) -> 
     """``"a,b"`` -> the items: positive ints, or (``allowed``) names among them.
 
     Raises:
-        ValueError: naming ``--name`` and the item that is neither.
+        ValueError: naming ``--name`` and the item that is neither, or a repeated item.
     """
     out: list = []
     for part in text.split(","):
         if allowed is not None and part in allowed:
             out.append(part)
-        elif allowed is None and part.isdigit() and int(part) > 0:
+        elif allowed is None and part.isascii() and part.isdigit() and int(part) > 0:
             out.append(int(part))
         else:
             want = f"one of {list(allowed)}" if allowed else "an int >= 1"
             raise ValueError(f"--{name}: {part!r} is not {want}")
+    if len(set(out)) != len(out):  # the fit needs distinct sizes; a repeat times nothing new
+        raise ValueError(f"--{name}: {text!r} repeats an item")
     return out
 
 

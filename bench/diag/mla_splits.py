@@ -59,7 +59,7 @@ def parse_splits(text: str) -> list[int | None]:
     for part in text.split(","):
         if part == "policy":
             out.append(None)
-        elif part.isdigit() and 1 <= int(part) <= MAX_KV_SPLITS:
+        elif part.isascii() and part.isdigit() and 1 <= int(part) <= MAX_KV_SPLITS:
             out.append(int(part))
         else:
             raise ValueError(
@@ -81,7 +81,7 @@ def parse_tiles(text: str) -> list[Shape | None]:
         if part == "policy":
             out.append(None)
             continue
-        if len(fields) == 3 and all(f.isdigit() for f in fields):
+        if len(fields) == 3 and all(f.isascii() and f.isdigit() for f in fields):
             n, stages, warps = (int(f) for f in fields)
             if n in BLOCK_N_CANDIDATES and 1 <= stages <= 4 and warps in (4, 8):
                 out.append((n, stages, warps))
@@ -151,7 +151,9 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(err, file=sys.stderr)
         return 2
-    contexts = [int(c) for c in opts.contexts.split(",") if c.isdigit() and int(c) > 0]
+    contexts = [
+        int(c) for c in opts.contexts.split(",") if c.isascii() and c.isdigit() and int(c) > 0
+    ]
     if not contexts or len(contexts) != len(opts.contexts.split(",")):
         ap.error(f"--contexts must be comma-separated token counts >= 1; got {opts.contexts!r}")
     for name in ("heads", "batch", "page"):

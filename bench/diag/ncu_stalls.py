@@ -53,11 +53,22 @@ def load(path: str) -> tuple[list[str], list[list[str]]]:
     return hdr, data
 
 
+def _share(text: str) -> float:
+    """``--min-share``: a finite percent >= 0 (nan would hide every stretch)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite percent >= 0; got {text!r}")
+    return value
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv")
     ap.add_argument(
-        "--min-share", type=float, default=0.3, help="percent; shorter stretches hidden"
+        "--min-share", type=_share, default=0.3, help="percent; shorter stretches hidden"
     )
     args = ap.parse_args(argv)
     hdr, data = load(args.csv)

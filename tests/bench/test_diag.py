@@ -39,6 +39,13 @@ def test_ncu_stretches_and_reasons(tmp_path: Path, capsys):
     assert "    2-    3  60.0%  BAR.SYNC" in out
 
 
+@pytest.mark.parametrize("share", ["nan", "inf", "-1", "x"])
+def test_ncu_refuses_a_share_that_would_hide_everything(share, tmp_path: Path, capsys):
+    with pytest.raises(SystemExit):
+        ncu_stalls.main([str(tmp_path / "s.csv"), "--min-share", share])
+    assert "--min-share: must be a finite percent >= 0" in capsys.readouterr().err
+
+
 def test_ncu_rejects_a_csv_without_samples(tmp_path: Path):
     path = tmp_path / "bad.csv"
     path.write_text("Address,Source\n0x0,EXIT\n")
@@ -291,6 +298,10 @@ def test_mla_splits_counts_and_tiles(capsys):
     with pytest.raises(ValueError, match="narrow tile only"):
         mla_splits.tiles_for(sm90, 16, 64, 1024, 64, None, wide=True, shape=(64, 2, 8))
     assert mla_splits.main(["--splits", "0"]) == 2
+    assert mla_splits.main(["--splits", "²"]) == 2
+    with pytest.raises(SystemExit):
+        mla_splits.main(["--contexts", "²"])
+    capsys.readouterr()
     assert mla_splits.main(["--tiles", "64:9:8"]) == 2
     assert mla_splits.main(["--wide", "--tiles", "64:2:8"]) == 2
     counts_rule = "--contexts must be comma-separated token counts"
@@ -361,6 +372,11 @@ def test_flush_parses_its_lists_and_fits_a_line():
         flush.parse_list("75,0", "mbytes")
     with pytest.raises(ValueError, match=r"--flush: 'zero' is not one of \['write'"):
         flush.parse_list("write,zero", "flush", flush.MODES)
+    # a repeat (the fit after all the timing needs distinct sizes), a non-ASCII digit
+    with pytest.raises(ValueError, match=r"--mbytes: '75,75' repeats an item"):
+        flush.parse_list("75,75", "mbytes")
+    with pytest.raises(ValueError, match=r"--mbytes: '²' is not an int >= 1"):
+        flush.parse_list("²", "mbytes")
     fixed, slope = flush.fit([(1.0, 12.0), (2.0, 14.0), (4.0, 18.0)])
     assert fixed == pytest.approx(10.0) and slope == pytest.approx(2.0)
     with pytest.raises(ValueError, match="two distinct x"):

@@ -687,3 +687,18 @@ def test_an_existing_out_file_that_cannot_be_written_is_refused_first(tmp_path, 
     with pytest.raises(SystemExit):
         run.parse(["--quick", "--out", str(out)])
     assert "not a file this process can write" in capsys.readouterr().err
+
+
+def test_the_cpu_needs_quick_shapes_and_a_page_must_be_text(tmp_path, monkeypatch, capsys):
+    """Full-size rows in the interpreter ran for hours printing nothing; a binary --page gave
+    a UnicodeDecodeError traceback."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(SystemExit, match="the interpreter runs --quick's shapes only"):
+        run.main(["--only", "cache"])
+    page = tmp_path / "bin.md"
+    page.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(SystemExit, match="not UTF-8 text"):
+        results.main([_write(tmp_path, "a", fixture_doc()), "--page", str(page)])
