@@ -91,10 +91,32 @@ def restrict_gencodes(setup_py: str, keep: list[str], *, name: str = "setup.py")
 
 
 def _unpack(sdist: Path, into: Path) -> Path:
-    with tarfile.open(sdist) as tar:
-        tar.extractall(into, filter="data")
-    (top,) = [p for p in into.iterdir() if p.is_dir()]
-    return top
+    """The sdist's one top folder, holding its ``setup.py``.
+
+    Raises:
+        ValueError: naming the sdist: not a tarball, not one top folder, or no ``setup.py``.
+    """
+    try:
+        with tarfile.open(sdist) as tar:
+            tar.extractall(into, filter="data")
+    except (tarfile.TarError, OSError) as exc:
+        raise ValueError(f"mamba_wheels: {sdist.name} is not a readable tarball ({exc})") from None
+    tops = [p for p in into.iterdir() if p.is_dir()]
+    if len(tops) != 1:
+        raise ValueError(f"mamba_wheels: {sdist.name} must hold one top folder; got {len(tops)}")
+    if not (tops[0] / "setup.py").is_file():
+        raise ValueError(f"mamba_wheels: {sdist.name} holds no {tops[0].name}/setup.py")
+    return tops[0]
+
+
+def _extension_errors(names: list[str]) -> list[str]:
+    """The sdist or requirement names (``name-version.tar.gz`` / ``name==version``) that are not
+    a Mamba extension of `FORCE_BUILD_ENV`: checked before anything is downloaded or built."""
+
+    def norm(n: str) -> str:
+        return re.split(r"==|-\d", n, maxsplit=1)[0].replace("-", "_").lower()
+
+    return [n for n in names if norm(n) not in FORCE_BUILD_ENV]
 
 
 def _download(requirements: list[str], into: Path) -> list[Path]:
@@ -120,8 +142,8 @@ def build(sdists: list[Path], out: Path, vendor: str, archs: list[str]) -> list[
             if vendor == "cuda":
                 setup.write_text(restrict_gencodes(setup.read_text(), archs, name=sdist.name))
             env = {**os.environ, FORCE_BUILD_ENV[prefix]: "TRUE"}
-            if vendor == "hip":
-                env.setdefault("HIP_ARCHITECTURES", ";".join(archs))
+            if vendor == "hip":  # --arch decides, not an inherited value the log would not name
+                env["HIP_ARCHITECTURES"] = ";".join(archs)
             start = time.monotonic()
             print(f"mamba_wheels: building {sdist.name} for {vendor} {archs}", flush=True)
             pip = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps"]
@@ -150,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     loose = [r for r in args.requirements if not _PINNED.fullmatch(r)]
     if loose:
         ap.error(f"requirements must be pinned as name==version; got {loose}")
+    given = [p.name for p in sorted(args.sdists.glob("*.tar.gz"))] if args.sdists else []
+    others = _extension_errors(given + args.requirements)
+    if others:  # before any build: a late refusal left a partial set of wheels
+        ap.error(f"sdists and requirements must be of {sorted(FORCE_BUILD_ENV)}; got {others}")
     try:  # before any download or build: a folder that cannot be made loses every wheel
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

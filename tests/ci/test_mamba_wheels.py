@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -178,3 +179,79 @@ def test_a_failed_build_exits_1_naming_the_step_without_a_traceback(tmp_path):
     )
     assert failed.returncode == 1 and "Traceback" not in failed.stderr.split("mamba_wheels:")[-1]
     assert "pip wheel ...` failed with exit status" in failed.stderr, failed.stderr
+
+
+def _tar(folder: Path, name: str, files: dict[str, str]) -> Path:
+    """``folder/name`` as a gzipped tarball of ``files`` (relative paths -> text)."""
+    src = folder / "src" / name
+    for rel, text in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
+    sdist = folder / name
+    with tarfile.open(sdist, "w:gz") as tar:
+        for child in sorted(src.iterdir()):
+            tar.add(child, arcname=child.name)
+    return sdist
+
+
+def test_a_sdist_or_requirement_that_is_no_mamba_extension_stops_before_any_build(tmp_path):
+    """It was refused only after the builds before it, leaving a partial set of wheels."""
+    sdists, out = tmp_path / "sdists", tmp_path / "wheels"
+    sdists.mkdir()
+    _stand_in_sdist(sdists)
+    (sdists / "foo-1.0.tar.gz").write_bytes(b"")
+    run = [sys.executable, str(ROOT / "tools" / "mamba_wheels.py"), "--arch", "9.0"]
+    proc = subprocess.run([*run, "--sdists", str(sdists), "--out", str(out)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and "got ['foo-1.0.tar.gz']" in proc.stderr, proc.stderr
+    assert not list(out.glob("*.whl"))
+    req = subprocess.run([*run, "--out", str(out), "numpy==2.0", "mamba-ssm==2.3.2"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert req.returncode == 2 and "got ['numpy==2.0']" in req.stderr, req.stderr
+
+
+def test_a_malformed_sdist_is_named_in_one_line(tmp_path):
+    cases = {
+        "causal_conv1d-1.0.tar.gz": "is not a readable tarball",
+        "causal_conv1d-2.0.tar.gz": "holds no causal_conv1d-2.0/setup.py",
+        "causal_conv1d-3.0.tar.gz": "must hold one top folder; got 2",
+    }
+    run = [sys.executable, str(ROOT / "tools" / "mamba_wheels.py"), "--arch", "9.0"]
+    for name, message in cases.items():
+        sdists = tmp_path / name / "sdists"
+        sdists.mkdir(parents=True)
+        if "1.0" in name:
+            (sdists / name).write_bytes(b"not a tarball")
+        elif "2.0" in name:
+            _tar(sdists, name, {"causal_conv1d-2.0/README": "x"})
+        else:
+            _tar(sdists, name, {"a/setup.py": "", "b/setup.py": ""})
+        proc = subprocess.run([*run, "--sdists", str(sdists), "--out", str(tmp_path / "w")],
+                              capture_output=True, text=True)  # fmt: skip
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"mamba_wheels: {name} {message}" in proc.stderr, proc.stderr
+
+
+def test_arch_decides_the_hip_targets_over_an_inherited_variable(tmp_path):
+    """An inherited HIP_ARCHITECTURES won over --arch (the log named --arch's targets)."""
+    sdists, out = tmp_path / "sdists", tmp_path / "wheels"
+    sdists.mkdir()
+    setup = (
+        "import os\nfrom setuptools import setup\n"
+        "open('causal_conv1d/hip.txt', 'w').write(os.environ['HIP_ARCHITECTURES'])\n"
+        "setup(name='causal_conv1d', version='0.0.3', packages=['causal_conv1d'],"
+        " package_data={'causal_conv1d': ['hip.txt']})\n"
+    )
+    top = "causal_conv1d-0.0.3"
+    _tar(
+        sdists, f"{top}.tar.gz", {f"{top}/setup.py": setup, f"{top}/causal_conv1d/__init__.py": ""}
+    )
+    env = {**os.environ, "HIP_ARCHITECTURES": "gfx90a"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "mamba_wheels.py"), "--arch", "gfx942",
+         "--sdists", str(sdists), "--out", str(out)], capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = out.glob("causal_conv1d-0.0.3-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read("causal_conv1d/hip.txt").decode() == "gfx942"
