@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from collections.abc import Callable
 
 import nox
@@ -39,8 +40,13 @@ def _has_gpu() -> bool:
 
 
 def _environment_as_is(session: nox.Session) -> bool:
-    """A CI image (``$PORTATTN_IMAGE=1``) or ``--no-venv``: test this environment, install none."""
-    return os.environ.get(IMAGE_ENV, "") == "1" or session.venv_backend == "none"
+    """A CI image (``$PORTATTN_IMAGE=1``) or ``--no-venv``: test this environment, install none.
+    ``$PORTATTN_IMAGE`` is ``1`` or ``0`` (or unset): another value stops the session by name
+    (``true`` read as "no image" tested a fresh venv instead of the image)."""
+    value = os.environ.get(IMAGE_ENV, "")
+    if value not in ("", "0", "1"):
+        session.error(f"{IMAGE_ENV} must be 1 (a CI image: install nothing) or 0; got {value!r}")
+    return value == "1" or session.venv_backend == "none"
 
 
 def install_project(session: nox.Session, *extras: str) -> None:
@@ -53,6 +59,11 @@ def install_project(session: nox.Session, *extras: str) -> None:
     backend = _backend()
     pins = ["-c", f"constraints/{backend}.txt"]
     index = os.environ.get(TORCH_INDEX_ENV, "").strip()
+    if index and not re.fullmatch(r"(https?|file)://\S+", index):  # pip would only warn
+        session.error(
+            f"{TORCH_INDEX_ENV} must be one index URL (http://, https:// or file://, no spaces); "
+            f"got {index!r}"
+        )
     if backend == "rocm" and not index:  # PyPI's Linux torch is a CUDA build
         session.error(
             f"rocm: set {TORCH_INDEX_ENV} to PyTorch's ROCm wheel index for the torch in "
@@ -64,9 +75,10 @@ def install_project(session: nox.Session, *extras: str) -> None:
     try:
         session.install(*pins, *(["--extra-index-url", index] if index else []), "torch")
     except CommandFailed:
+        given = f" (it is {index})" if index else ""
         session.error(
             f"{backend}: no torch matching constraints/{backend}.txt on the configured indexes; "
-            f"set {TORCH_INDEX_ENV} to the index that has it (CPU build: "
+            f"set {TORCH_INDEX_ENV} to the index that has it{given} (CPU build: "
             "https://download.pytorch.org/whl/cpu)"
         )
     spec = f".[{','.join(extras)}]" if extras else "."

@@ -163,6 +163,26 @@ def test_a_gpu_image_session_tests_the_environment_as_it_is(noxfile, machine, mo
     assert session.installs == []
 
 
+@pytest.mark.parametrize(
+    ("env", "value", "rule"),
+    [
+        ("TORCH_INDEX_ENV", "download.pytorch.org/whl/cpu", "must be one index URL"),
+        ("TORCH_INDEX_ENV", "https://a/simple https://b/simple", "must be one index URL"),
+        ("TORCH_INDEX_ENV", "--pre", "must be one index URL"),
+        ("IMAGE_ENV", "true", "must be 1 (a CI image: install nothing) or 0; got 'true'"),
+        ("IMAGE_ENV", " 1", "must be 1 (a CI image: install nothing) or 0; got ' 1'"),
+    ],
+)  # fmt: skip
+def test_a_malformed_install_setting_stops_naming_it(noxfile, machine, monkeypatch, env, value,
+                                                     rule):  # fmt: skip
+    """pip only warned about an index without a scheme (and torch came from PyPI); an image
+    marked ``true`` got a fresh venv instead of the image's torch."""
+    machine("cuda")
+    monkeypatch.setenv(getattr(noxfile, env), value)
+    with pytest.raises(RuntimeError, match=re.escape(f"{getattr(noxfile, env)} {rule}")):
+        noxfile.install_project(FakeSession(), "test")
+
+
 def test_uv_environments_get_pip_for_the_tools_that_call_it(noxfile, machine):
     session = FakeSession(venv_backend="uv")
     noxfile.install_project(session, "test")
