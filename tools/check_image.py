@@ -23,7 +23,12 @@ import re
 import sys
 from pathlib import Path
 
-_PIN = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*==\s*([^\s;#]+)")
+_PIN = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*==(?!=)\s*([^\s;#]+)")
+
+
+def normalize(name: str) -> str:
+    """A distribution name as PEP 503 compares them (``mamba_ssm`` is ``mamba-ssm``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def pins(path: Path) -> dict[str, str]:
@@ -33,7 +38,7 @@ def pins(path: Path) -> dict[str, str]:
     for line in path.read_text().splitlines():
         m = _PIN.match(line)
         if m:
-            out[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+            out[normalize(m.group(1))] = m.group(2)
     return out
 
 
@@ -55,11 +60,13 @@ def problems(constraints: Path, packages: list[str]) -> list[str]:
     """What differs from the constraints: each as ``<package>: <what>``."""
     wanted = pins(constraints)
     errors = []
-    for name in packages:
-        if name not in wanted:
+    for name in dict.fromkeys(packages):
+        pin = wanted.get(normalize(name))
+        if pin is None:
             errors.append(f"{name}: {constraints} pins no version (add '{name}==X')")
             continue
-        owners = providers(name)
+        module = normalize(name).replace("-", "_")  # the import name of a Mamba extension, torch
+        owners = providers(module)
         if len(owners) > 1:
             listed = ", ".join(owners)
             errors.append(
@@ -67,13 +74,18 @@ def problems(constraints: Path, packages: list[str]) -> list[str]:
                 "one was pulled in beside the base image's"
             )
         try:
-            found = str(importlib.import_module(name).__version__)
+            imported = importlib.import_module(module)
         except Exception as exc:  # an import error of any kind is the finding
             errors.append(f"{name}: cannot be imported ({type(exc).__name__}: {exc})")
             continue
-        if public(found) != public(wanted[name]):
+        try:  # the module's own version, else its distribution's
+            found = str(getattr(imported, "__version__", None) or importlib.metadata.version(name))
+        except importlib.metadata.PackageNotFoundError:
+            errors.append(f"{name}: imports as {module} but has no version to compare")
+            continue
+        if public(found) != public(pin):
             errors.append(
-                f"{name}: the image has {found} but {constraints} pins {wanted[name]} "
+                f"{name}: the image has {found} but {constraints} pins {pin} "
                 "(the version the kernels are tested with)"
             )
     return errors
@@ -91,11 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.constraints.is_file():
         parser.error(f"constraints file not found: {args.constraints}")
-    errors = problems(args.constraints, args.packages or ["torch", "triton"])
+    try:
+        errors = problems(args.constraints, args.packages or ["torch", "triton"])
+    except UnicodeDecodeError:
+        parser.error(f"constraints file is not UTF-8 text: {args.constraints}")
     for e in errors:
         print(f"check_image: {e}", file=sys.stderr)
     if not errors:
-        print(f"check_image: {', '.join(args.packages or ['torch', 'triton'])} as pinned")
+        checked = dict.fromkeys(args.packages or ["torch", "triton"])
+        print(f"check_image: {', '.join(checked)} as pinned")
     return 1 if errors else 0
 
 

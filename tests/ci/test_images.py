@@ -225,6 +225,29 @@ def test_check_image_fails_the_build_by_name(tmp_path):
     assert proc.returncode == 1 and "triton: " in proc.stderr and "pins no version" in proc.stderr
 
 
+def test_check_image_takes_a_package_under_any_spelling_of_its_name(tmp_path):
+    """A distribution whose import name differs (``jsonschema-specifications`` imports as
+    ``jsonschema_specifications``, as ``mamba-ssm`` as ``mamba_ssm``) is found under either
+    spelling, its version from its metadata where the module has no ``__version__``; an
+    ``===`` pin is no ``==`` pin; a non-UTF-8 file is named."""
+    import importlib.metadata
+
+    version = importlib.metadata.version("jsonschema-specifications")
+    for spelling in (
+        "jsonschema_specifications",
+        "jsonschema-specifications",
+        "Jsonschema.Specifications",
+    ):
+        proc = _check(tmp_path, f"jsonschema-specifications=={version}\n", "--package", spelling)
+        assert proc.returncode == 0, (spelling, proc.stderr)
+    proc = _check(tmp_path, "torch===2.13.0\n", "--package", "torch")
+    assert proc.returncode == 1 and "pins no version" in proc.stderr
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe")
+    cmd = [sys.executable, str(ROOT / "tools" / "check_image.py"), str(tmp_path / "bin.txt")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 2 and "is not UTF-8 text" in proc.stderr
+
+
 def test_constraints_pin_the_triton_the_cpu_sessions_test_with():
     from nox.project import load_toml
 
