@@ -127,6 +127,10 @@ def main(argv=None) -> int:
     if not all(q.isascii() and q.isdigit() and int(q) >= 1 for q in q_texts):
         ap.error(f"--q-lens must be comma-separated ints >= 1; got {opts.q_lens!r}")
     q_lens = [int(q) for q in q_texts]
+    if all(q == 1 for q in q_lens):  # one token a sequence always takes the policy's tile
+        ap.error(
+            f"--q-lens must hold a length > 1 (q_len 1 runs no --tiles tile); got {opts.q_lens!r}"
+        )
     core.require_gpu("bench.diag.mla_hip_tiles")
     ctx = core.Context(device="cuda")
     for arch in archs:

@@ -85,10 +85,14 @@ def parse_changes(text: str) -> dict:
     `PrefillConfig`; a bool field takes 0 or 1)."""
     fields = {f.name: f for f in dataclasses.fields(PrefillConfig)}
     out: dict = {}
+    if not text.strip(","):  # no change: the policy's tile again, under another label
+        raise ValueError(f"--sm90 takes field=int items of {sorted(fields)}; got {text!r}")
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
-        if name not in fields or not value.lstrip("-").isdigit():
+        if name not in fields or not (value.lstrip("-").isascii() and value.lstrip("-").isdigit()):
             raise ValueError(f"--sm90 takes field=int items of {sorted(fields)}; got {item!r}")
+        if name in out:
+            raise ValueError(f"--sm90: {name} is given twice in {text!r}")
         flag = isinstance(fields[name].default, bool)
         if flag and value not in ("0", "1"):
             raise ValueError(f"--sm90: {name} takes 0 or 1; got {value!r}")

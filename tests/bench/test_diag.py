@@ -252,7 +252,13 @@ def test_prefill_tiles_reads_sm90_config_changes_and_refuses_bad_ones():
 
     got = prefill_tiles.parse_changes("block_n=32,stages=3,turns=1,query_by_tma=0")
     assert got == dict(block_n=32, stages=3, turns=True, query_by_tma=False)
-    assert prefill_tiles.parse_changes("") == {}
+    # no change (the policy's tile again) and a field given twice (the last one won)
+    for bad, rule in (
+        ("", "field=int items of"),
+        ("block_n=32,block_n=64", "block_n is given twice"),
+    ):
+        with pytest.raises(ValueError, match=rule):
+            prefill_tiles.parse_changes(bad)
     with pytest.raises(ValueError, match="field=int items of .*'block_n'.*got 'warps=8'"):
         prefill_tiles.parse_changes("warps=8")
     with pytest.raises(ValueError, match="turns takes 0 or 1; got '2'"):
@@ -336,6 +342,7 @@ def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
         ("mla_hip_tiles", ["--archs", "gfx942,sm_90"], "HIP targets of ['gfx90a', 'gfx942'"),
         ("mla_hip_tiles", ["--q-lens", "x"], "--q-lens must be comma-separated ints >= 1; got 'x'"),
         ("mla_hip_tiles", ["--q-lens", "1,0"], "--q-lens must be comma-separated ints >= 1"),
+        ("mla_hip_tiles", ["--q-lens", "1"], "--q-lens must hold a length > 1"),
         ("mla_hip_tiles", ["--heads", "0"], "argument --heads: must be an int >= 1; got '0'"),
         ("host_steps", ["--calls", "0"], "argument --calls: must be an int >= 1; got '0'"),
         ("host_steps", ["--repeats", "-1"], "argument --repeats: must be an int >= 1; got '-1'"),
