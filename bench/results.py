@@ -372,7 +372,8 @@ SCHEMA = Path(__file__).with_name("schema.json")
 
 def _load(path: str) -> dict:
     """A results document, checked against bench/schema.json (with jsonschema where installed,
-    else its version and top-level type); what is wrong ends the command naming the file."""
+    else its version, top-level type and required keys); what is wrong ends the command naming
+    the file."""
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -381,11 +382,16 @@ def _load(path: str) -> dict:
     if not isinstance(doc, dict) or doc.get("schema_version") != 1:
         got = doc.get("schema_version") if isinstance(doc, dict) else type(doc).__name__
         sys.exit(f"bench.results: {path}: schema_version must be 1; got {got!r}")
+    schema = json.loads(SCHEMA.read_text())
     try:
         import jsonschema
-    except ImportError:  # the GPU machines need not have it; bench.run writes the schema's shape
+    except ImportError:  # the GPU machines need not have it: the schema's top-level keys by hand
+        missing = [k for k in schema.get("required", []) if k not in doc]
+        if missing:
+            keys = ", ".join(missing)
+            sys.exit(f"bench.results: {path}: not a results document of bench/schema.json: "
+                     f"no {keys} (checked without jsonschema: the keys only)")  # fmt: skip
         return doc
-    schema = json.loads(SCHEMA.read_text())
     errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(doc), key=str)
     if errors:
         where = "/".join(str(p) for p in errors[0].absolute_path) or "(top)"

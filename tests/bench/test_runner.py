@@ -702,3 +702,16 @@ def test_the_cpu_needs_quick_shapes_and_a_page_must_be_text(tmp_path, monkeypatc
     page.write_bytes(b"\xff\xfe\x00binary")
     with pytest.raises(SystemExit, match="not UTF-8 text"):
         results.main([_write(tmp_path, "a", fixture_doc()), "--page", str(page)])
+
+
+def test_without_jsonschema_a_document_missing_keys_is_named(tmp_path, monkeypatch):
+    """The GPU machines have no jsonschema: a document without the schema's required keys
+    ended in a KeyError traceback in the table."""
+    doc = fixture_doc()
+    del doc["vllm"]
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(doc))
+    monkeypatch.setitem(sys.modules, "jsonschema", None)
+    rule = r"d.json: not a results document .*: no vllm \(checked without"
+    with pytest.raises(SystemExit, match=rule):
+        results.main([str(path)])
