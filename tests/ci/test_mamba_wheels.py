@@ -91,12 +91,22 @@ def test_an_arch_list_that_is_not_cuda_capabilities_or_gfx_names_is_refused(text
         mw.parse_archs(text)
 
 
+def _tar(folder: Path, name: str, files: dict[str, str]) -> Path:
+    """``folder/name`` as a gzipped tarball of ``files`` (relative paths -> text)."""
+    src = folder / "src" / name
+    for rel, text in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
+    sdist = folder / name
+    with tarfile.open(sdist, "w:gz") as tar:
+        for child in sorted(src.iterdir()):
+            tar.add(child, arcname=child.name)
+    return sdist
+
+
 def _stand_in_sdist(folder: Path) -> Path:
     """causal_conv1d-0.0.1.tar.gz: a pure-Python package whose setup.py records cc_flag and
     whether the FORCE_BUILD switch was set, as the real one reads it."""
-    src = folder / "causal_conv1d-0.0.1"
-    (src / "causal_conv1d").mkdir(parents=True)
-    (src / "causal_conv1d" / "__init__.py").write_text("")
     record = (
         "import json, os\nfrom setuptools import setup\nVERSION = 13.0\n"
         + SETUP_GENCODES
@@ -105,11 +115,9 @@ def _stand_in_sdist(folder: Path) -> Path:
         "setup(name='causal_conv1d', version='0.0.1', packages=['causal_conv1d'],"
         " package_data={'causal_conv1d': ['built.json']})\n"
     )
-    (src / "setup.py").write_text(record)
-    sdist = folder / "causal_conv1d-0.0.1.tar.gz"
-    with tarfile.open(sdist, "w:gz") as tar:
-        tar.add(src, arcname=src.name)
-    return sdist
+    top = "causal_conv1d-0.0.1"
+    return _tar(folder, f"{top}.tar.gz",
+                {f"{top}/causal_conv1d/__init__.py": "", f"{top}/setup.py": record})  # fmt: skip
 
 
 def test_builds_a_wheel_from_the_patched_sdist(tmp_path):
@@ -179,19 +187,6 @@ def test_a_failed_build_exits_1_naming_the_step_without_a_traceback(tmp_path):
     )
     assert failed.returncode == 1 and "Traceback" not in failed.stderr.split("mamba_wheels:")[-1]
     assert "pip wheel ...` failed with exit status" in failed.stderr, failed.stderr
-
-
-def _tar(folder: Path, name: str, files: dict[str, str]) -> Path:
-    """``folder/name`` as a gzipped tarball of ``files`` (relative paths -> text)."""
-    src = folder / "src" / name
-    for rel, text in files.items():
-        (src / rel).parent.mkdir(parents=True, exist_ok=True)
-        (src / rel).write_text(text)
-    sdist = folder / name
-    with tarfile.open(sdist, "w:gz") as tar:
-        for child in sorted(src.iterdir()):
-            tar.add(child, arcname=child.name)
-    return sdist
 
 
 def test_a_sdist_or_requirement_that_is_no_mamba_extension_stops_before_any_build(tmp_path):
