@@ -102,12 +102,35 @@ def lint(session: nox.Session) -> None:
     session.run("mypy", "src")
 
 
+def _marked(session: nox.Session, marker: str) -> list[str]:
+    """``-m`` for the session's ``marker`` ANDed with any ``-m``/``--markexpr`` among the
+    session's arguments, then the rest of them: pytest keeps only the last ``-m``, so a user's
+    ``-m`` replaced the session's selection (``nox -s paged -- -m mla`` ran mla's tests)."""
+    rest: list[str] = []
+    extra: list[str] = []
+    args = iter(session.posargs)
+    for arg in args:
+        if arg in ("-m", "--markexpr"):
+            value = next(args, None)
+            if value is None:
+                session.error(f"{arg} needs a marker expression")
+            extra.append(str(value))
+        elif arg.startswith("--markexpr="):
+            extra.append(arg.split("=", 1)[1])
+        elif arg.startswith("-m") and not arg.startswith("--"):
+            extra.append(arg[2:])
+        else:
+            rest.append(arg)
+    expr = " and ".join(f"({m})" for m in (marker, *extra)) if extra else marker
+    return ["-m", expr, *rest]
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """The CPU gate: policies, every kernel under TRITON_INTERPRET=1, compile matrix, CI layer."""
     install_project(session, "test", "ci", "hybrid")
     env = {"TRITON_INTERPRET": "1"}
-    session.run("pytest", *_xdist(session), "-m", "not gpu", *session.posargs, env=env)
+    session.run("pytest", *_xdist(session), *_marked(session, "not gpu"), env=env)
 
 
 @nox.session(name="compile")
@@ -125,7 +148,7 @@ def gpu(session: nox.Session) -> None:
         nodes = " or ".join(DEVICE_NODES.values())
         session.error(f"gpu: no CUDA/HIP device node ({nodes}) on this machine")
     install_project(session, "test")
-    session.run("pytest", *_xdist(session), "-m", "gpu", *session.posargs)
+    session.run("pytest", *_xdist(session), *_marked(session, "gpu"))
 
 
 # One session per kernel suite (pytest marker): what a matrix cell runs in a Buildkite step or a
@@ -203,11 +226,11 @@ def _suite_session(suite: str) -> None:
         xdist = _xdist(session)
         if _has_gpu() and not interpret:  # the whole suite on the device, but the `cpu` tests
             marker = f"{suite} and not cpu"
-            session.run("pytest", skip_ci, *xdist, "-m", marker, *session.posargs)
+            session.run("pytest", skip_ci, *xdist, *_marked(session, marker))
         else:
             marker = f"{suite} and not gpu"
             env = {"TRITON_INTERPRET": "1"}
-            session.run("pytest", skip_ci, *xdist, "-m", marker, *session.posargs, env=env)
+            session.run("pytest", skip_ci, *xdist, *_marked(session, marker), env=env)
 
     run.__doc__ = f"Matrix suite {suite}: pytest -m {suite} (TRITON_INTERPRET=1 without a GPU)."
     SUITE_SESSIONS[suite] = run
@@ -250,6 +273,11 @@ def report(session: nox.Session) -> None:
 @nox.parametrize("vendor", ["cuda", "rocm"])
 def k8s(session: nox.Session, vendor: str, suite: str) -> None:
     """One cell as a Kubernetes Job (kubeconfig context or in-cluster; `-- --namespace NS`)."""
+    # the session is one cell: a --vendor or --suite among its arguments would add another
+    named = [a for a in session.posargs if a.split("=")[0] in ("--vendor", "--suite")]
+    if named:
+        session.error(f"k8s({vendor}, {suite}) runs that one cell; got {named} (name another "
+                      "session, or run python -m kubematrix.k8s)")  # fmt: skip
     _install_ci_layer(session)
     args = ["--vendor", vendor, "--suite", suite, *session.posargs]
     session.run("python", "-m", "kubematrix.k8s", *args)

@@ -326,7 +326,8 @@ def render_job(
         cell: the cell's name in the matrix; defaults to ``"<vendor>-<suite>"``.
         session: the nox session the container runs; defaults to ``suite`` (the per-suite
             sessions run ``pytest -m <suite>``). E.g. ``session="gpu"`` with
-            ``nox_args=["-m", suite]``.
+            ``nox_args=["-m", suite]``: the suite's ``gpu`` tests (a session ANDs a given
+            ``-m`` with its own marker).
         test_timeout_s: pytest-timeout's per-test limit.
         cell_timeout_s: the whole session's limit; the cell interrupts pytest then, so the
             partial JUnit report still reaches the launcher.

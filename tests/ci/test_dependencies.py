@@ -331,3 +331,34 @@ def test_the_local_runner_and_the_sessions_use_one_worker_count(noxfile, machine
         noxfile.nox.registry.get()[suite](session)  # the suite's session, as `nox -s mla` runs
         pytest_run = next(r for r in session.runs if r[0] == "pytest")
         assert pytest_run[pytest_run.index("-n") + 1] == "3", (suite, backend)
+
+
+@pytest.mark.parametrize(
+    ("posargs", "marker", "rest"),
+    [
+        ([], "policy and not gpu", []),
+        (["-m", "slow"], "(policy and not gpu) and (slow)", []),
+        (["-x", "-mslow", "-k", "t"], "(policy and not gpu) and (slow)", ["-x", "-k", "t"]),
+        (["--markexpr=a or b", "-m", "c"], "(policy and not gpu) and (a or b) and (c)", []),
+    ],
+)  # fmt: skip
+def test_a_given_marker_narrows_the_sessions_selection(noxfile, machine, posargs, marker, rest):
+    """pytest keeps the last -m: ``nox -s paged -- -m mla`` ran mla's tests in the paged
+    session, and ``nox -s tests -- -m gpu`` replaced the gate's ``not gpu``."""
+    session = FakeSession()
+    session.posargs = posargs
+    noxfile.SUITE_SESSIONS["policy"](session)
+    (pytest_run,) = [r for r in session.runs if r[0] == "pytest"]
+    at = pytest_run.index("-m")
+    assert pytest_run[at + 1] == marker and pytest_run[at + 2 :] == rest
+    assert pytest_run.count("-m") == 1
+
+
+def test_a_k8s_session_is_one_cell(noxfile, monkeypatch):
+    """``-- --vendor rocm`` added a second cell to the session named for one."""
+    session = FakeSession()
+    session.posargs = ["--namespace", "ci", "--vendor=rocm"]
+    with pytest.raises(
+        RuntimeError, match=r"k8s\(cuda, paged\) runs that one cell; got \['--vendor=rocm'\]"
+    ):
+        noxfile.k8s.func(session, vendor="cuda", suite="paged")
