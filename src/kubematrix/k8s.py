@@ -56,7 +56,7 @@ def load_api_client(context: str | None = None) -> client.ApiClient:
     """
     cfg = client.Configuration()
     # no urllib3 retries under the launcher's own (429/5xx/connection backoff): stacked, they
-    # made a server that accepts and never answers take about 12 minutes to give up on
+    # multiply the wait on a server that accepts and never answers
     cfg.retries = False
     if os.environ.get("KUBERNETES_SERVICE_HOST") and context is None:
         try:
