@@ -143,8 +143,8 @@ def exit_status(results: Sequence[CellResult]) -> int:
     return 0 if all(r.outcome == "passed" for r in results) else EXIT_INFRA
 
 
-#: The access check's budget: a few short attempts, so a silent server is named within about
-#: a minute (a cell's requests keep the launcher's full `Timeouts`).
+#: The access check's budget: a few short attempts before a silent server is named (a cell's
+#: requests keep the launcher's full `Timeouts`).
 CHECK_REQUEST_S = 15.0
 CHECK_RETRIES = 2
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -276,18 +277,25 @@ def test_a_gpu_cell_under_the_interpreter_is_refused(noxfile, machine, monkeypat
 
 def test_triton_interpret_is_read_as_triton_reads_it(noxfile, monkeypatch):
     """The noxfile's and conftest's reading of TRITON_INTERPRET agree with Triton's own knob
-    (checked in a fresh process a value, as Triton reads the variable there)."""
+    (asked of Triton in a fresh process)."""
     import subprocess
     import sys
 
     from tests import conftest
 
     values = ["1", "true", "TRUE", "yes", "on", "On", "y", "Y", "0", "false", "2", " 1", "t", ""]
-    code = "import os, triton; print(int(bool(triton.knobs.runtime.interpret)))"
-    for value in values:
-        env = {**os.environ, "TRITON_INTERPRET": value}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-        triton_on = out.stdout.strip() == "1"
+    # one process: Triton's knob reads the variable on every access
+    code = (
+        "import json, os, sys, triton\n"
+        "out = []\n"
+        "for v in json.loads(sys.argv[1]):\n"
+        "    os.environ['TRITON_INTERPRET'] = v\n"
+        "    out.append(bool(triton.knobs.runtime.interpret))\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(values)], capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    for value, triton_on in zip(values, json.loads(proc.stdout), strict=True):
         monkeypatch.setenv("TRITON_INTERPRET", value)
         assert noxfile.triton_interpret() == triton_on, value
         assert (value.lower() in noxfile.TRITON_TRUE) == triton_on, value

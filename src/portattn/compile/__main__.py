@@ -18,9 +18,9 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 
 from portattn.compile.cases import KERNELS, default_cases, select_cases
-from portattn.compile.matrix import CellResult, parse_targets, run_matrix
+from portattn.compile.matrix import CellResult, matrix_cells, parse_targets, run_matrix
 from portattn.compile.report import summary_table, write_heatmap, write_json, write_markdown
-from portattn.platform import TARGETS, get_target
+from portattn.platform import TARGETS
 
 #: What the PNG heatmap needs beyond the compile matrix itself.
 HEATMAP_MODULES = ("matplotlib", "numpy")
@@ -176,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.list:
         return _list(cases)
-    # a case compiles only for its vendors' targets: the cells are the pairs that do
-    total = sum(c.compiles_for(get_target(a)) for c in cases for a in targets)
+    total = len(matrix_cells(cases, targets))
     if total == 0:
         vendors = sorted({v for c in cases for v in c.vendors})
         print(

@@ -179,6 +179,14 @@ def parse_targets(targets: Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys(targets))
 
 
+def matrix_cells(
+    cases: Sequence[Case], targets: Sequence[str] | None = None
+) -> list[tuple[Case, str]]:
+    """The (case, arch) cells of ``cases`` x ``targets`` (default every target): a case
+    compiles only for its vendors' targets (`Case.vendors`, `Case.compiles_for`)."""
+    return [(c, a) for c in cases for a in parse_targets(targets) if c.compiles_for(get_target(a))]
+
+
 def run_matrix(
     cases: Sequence[Case],
     targets: Sequence[str] | None = None,
@@ -205,9 +213,7 @@ def run_matrix(
         One `CellResult` per (case, target) the case compiles for (`Case.compiles_for`), in
         case-major, target-minor order.
     """
-    archs = parse_targets(targets)
-    # a case compiles only for its vendors' targets (`Case.vendors`)
-    cells = [(c, a) for c in cases for a in archs if c.compiles_for(get_target(a))]
+    cells = matrix_cells(cases, targets)
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(cells) or 1))
     results: dict[int, CellResult] = {}
     ctx = multiprocessing.get_context("spawn")
