@@ -1008,6 +1008,8 @@ def plan_paged_attention(
     mql = min(mql, num_tokens)  # no sequence has more queries than the batch has tokens
 
     target = target if target is not None else target_for_tensor(query)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
     problem = PagedProblem(
         num_q_heads=num_q_heads,
         num_kv_heads=k.num_kv_heads,
@@ -1020,11 +1022,10 @@ def plan_paged_attention(
         shuffled=layout == "SHUFFLE",
         query_rows_aligned=rows_aligned(query),
         kv_head_stride=value_cache.stride(2) if layout == "NHD" else None,
+        out_rows_aligned=rows_aligned(out),
     )
     if tiles is None:
         tiles = paged_tiles(target, problem)
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
     group = num_q_heads // k.num_kv_heads

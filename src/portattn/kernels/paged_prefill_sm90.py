@@ -441,6 +441,40 @@ def _query_freed(q_free, WG: gl.constexpr, Q_TMA: gl.constexpr):
 
 
 @gluon.jit
+def _store_rows(output, WG: gl.constexpr, o, item, GROUP: gl.constexpr, HEAD_TILE: gl.constexpr,
+                BLOCK_Q: gl.constexpr, O_VEC: gl.constexpr):  # fmt: skip
+    """Warpgroup WG's output rows ``o`` (in the P V layout) that are real (`_warpgroup_rows`),
+    element by element (4 bytes a thread where O_VEC); ``output`` is (pointer, token, head and
+    dim strides), ``item`` (q tile, head tile, KV head, query start, query length)."""
+    out_ptr, stride_o_tok, stride_o_head, stride_o_dim = output
+    q_tile, head_tile, kv_head, q_start, q_len = item
+    PV: gl.constexpr = o.type.layout
+    HEAD_D: gl.constexpr = o.shape[1]
+    tok, head, real = _warpgroup_rows(WG, q_tile, head_tile, kv_head, q_start, q_len, GROUP,
+                                      HEAD_TILE, BLOCK_Q, gl.SliceLayout(1, PV))  # fmt: skip
+    do = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, PV))
+    o_rows = tok * stride_o_tok + head * stride_o_head
+    gl.store(row_ptrs(out_ptr, o_rows, do, stride_o_dim, O_VEC, 8), o, mask=real[:, None])
+
+
+@gluon.jit
+def _store_out(o_desc, q_smem, WG: gl.constexpr, o, tok0, head0):
+    """O_TMA, a consumer warpgroup: its 64 output rows ``o`` (tokens from ``tok0``, heads from
+    ``head0``, as `_load_query` reads them) through its query buffer to the output by one TMA
+    copy (`_q_descriptor` on the output); returns once TMA has read the buffer, so the next
+    item's query may overwrite it."""
+    BOX: gl.constexpr = o_desc.block_shape
+    TOK: gl.constexpr = BOX[1]
+    q_smem.index(WG).store(o)
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's rows in the buffer before the copy
+    tma.async_copy_shared_to_global(o_desc, [0, tok0 + WG * TOK, head0, 0],
+                                    _query_box(q_smem, WG, BOX))  # fmt: skip
+    tma.store_wait(0)
+    gl.thread_barrier()  # the copy has read the buffer before any warp writes it again
+
+
+@gluon.jit
 def _warpgroup_rows(WG: gl.constexpr, q_tile, head_tile, kv_head, q_start, q_len,
                     GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr,
                     layout: gl.constexpr):  # fmt: skip
@@ -612,7 +646,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
               GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, PINGPONG: gl.constexpr, Q_VEC: gl.constexpr,
               O_VEC: gl.constexpr, LATE_RELEASE: gl.constexpr, V_PAGES: gl.constexpr,
-              Q_TMA: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+              Q_TMA: gl.constexpr, O_TMA: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of the launch. PINGPONG: the two
     warpgroups issue their MMAs in turns (module doc). LATE_RELEASE (the sequential loop): tile
     t's stage is released just before tile t+1's P V, an item's last tile at the item's end.
@@ -625,7 +659,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok,
      stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim, scale_log2, k_smem,
      v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, ring, ring_bars, q_full, q_free,
-     trace_ptr) = rt  # fmt: skip
+     o_desc, trace_ptr) = rt  # fmt: skip
     # (the sequential loop frees no query buffer)
     gl.static_assert(not Q_TMA or PINGPONG, "Q_TMA: only with ping-pong turns")
     tr = _trace_part(trace_ptr, WG)
@@ -746,7 +780,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
                     _stamp(tr, jt, 6, TRACE)
                     it += 1
-                _query_freed(q_free, WG, Q_TMA)  # (the item's last scores have returned)
+                if not O_TMA:  # (the item's last scores have returned; else after the epilogue)
+                    _query_freed(q_free, WG, Q_TMA)
                 # the last tile: its softmax, then its P V in a turn of its own
                 s = it % STAGES
                 start = (n_tiles - 1) * BLOCK_N
@@ -809,16 +844,22 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     it += 1
                 if LATE_RELEASE:  # the item's last tile
                     _release_prev(empty_bars, it, n_tiles, STAGES)
-            # -- epilogue: this warpgroup's rows to the output (4-byte stores into aligned rows;
-            # through the query buffer for 16-byte ones, ptxas spilled 12 B) --
+            # -- epilogue: this warpgroup's rows to the output. O_TMA: where its 64 rows are all
+            # real tokens (every head of the tile is, `out_by_tma_fits`), one TMA copy of whole
+            # lines through its query buffer; rows past the sequence are the next one's, so a
+            # partial warpgroup's go by `_store_rows` --
             o = acc / gl.convert_layout(l_i, PV_ROW)[:, None]
-            tok_o, head_o, real_o = _warpgroup_rows(WG, q_tile, head_tile, kv_head, q_start,
-                                                    q_len, GROUP, HEAD_TILE, BLOCK_Q,
-                                                    PV_ROW)  # fmt: skip
-            do = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, PV))
-            o_rows = tok_o * stride_o_tok + head_o * stride_o_head
-            o_ptrs = row_ptrs(out_ptr, o_rows, do, stride_o_dim, O_VEC, 8)
-            gl.store(o_ptrs, o.to(dtype), mask=real_o[:, None])
+            item = (q_tile, head_tile, kv_head, q_start, q_len)
+            output = (out_ptr, stride_o_tok, stride_o_head, stride_o_dim)
+            if O_TMA:
+                if q_tile * BLOCK_Q + (WG * ROWS + ROWS - 1) // HEAD_TILE < q_len:
+                    _store_out(o_desc, q_smem, WG, o.to(dtype), q_start + q_tile * BLOCK_Q,
+                               kv_head * GROUP + head_tile * HEAD_TILE)  # fmt: skip
+                else:
+                    _store_rows(output, WG, o.to(dtype), item, GROUP, HEAD_TILE, BLOCK_Q, O_VEC)
+                _query_freed(q_free, WG, Q_TMA)  # (the buffer held the output until TMA read it)
+            else:
+                _store_rows(output, WG, o.to(dtype), item, GROUP, HEAD_TILE, BLOCK_Q, O_VEC)
             _stamp(tr, trace_slot(it - 1, TRACE, TRACE_TILES), 8, TRACE)
         nq += 1
         step += 1
@@ -835,6 +876,7 @@ def _paged_prefill_sm90_kernel(
     k_desc,  # 2-D view of the key cache's rows: [total_rows, cols], box [BOX, HEAD_D]
     v_desc,
     q_desc,  # Q_TMA: the query as [column groups, tokens, heads, 64] (`_q_descriptor`); else k_desc
+    o_desc,  # O_TMA: the output as q_desc views the query; else k_desc
     work_ptr,  # `_work_list_kernel`'s lists
     b_off,  # where the decode list starts (`WorkListLayout`)
     counter,  # where the item counter is (`WorkListLayout`)
@@ -873,6 +915,7 @@ def _paged_prefill_sm90_kernel(
     Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
     O_VEC: gl.constexpr,  # the output's rows aligned
     Q_TMA: gl.constexpr,  # the producer loads the query rows (`_load_query`)
+    O_TMA: gl.constexpr,  # whole warpgroups' output rows go by TMA (`_store_out`)
     PAGING: gl.constexpr,  # how a tile's boxes find their pages (`_tile_rows`)
     trace_ptr,  # int64 clock stamps (TRACE only)
     TRACE: gl.constexpr,
@@ -916,13 +959,13 @@ def _paged_prefill_sm90_kernel(
     cons = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
             scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, ring,
-            ring_bars, q_full, q_free, trace_ptr)  # fmt: skip
+            ring_bars, q_full, q_free, o_desc, trace_ptr)  # fmt: skip
     gl.warp_specialize(
         [
             (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES, PINGPONG,
-                         Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, TRACE)),
+                         Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
             (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES, PINGPONG,
-                         Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, TRACE)),
+                         Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
             (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, GROUP,
                          HEAD_TILE, Q_TMA, PAGING, TRACE)),
         ],
@@ -1082,6 +1125,7 @@ def sm90_prefill_launches(
         k_desc=k_desc,
         v_desc=(_v_descriptor if cfg.v_pages else _descriptor)(value_cache, cfg),
         q_desc=_q_descriptor(q, head_tile) if cfg.query_by_tma else k_desc,  # (off: never read)
+        o_desc=_q_descriptor(a["out_ptr"], head_tile) if cfg.out_by_tma else k_desc,
         work_ptr=work,
         b_off=layout.b_off,
         counter=layout.counter,
@@ -1120,6 +1164,7 @@ def sm90_prefill_launches(
         Q_VEC=rows_aligned(q),
         O_VEC=rows_aligned(a["out_ptr"]),
         Q_TMA=cfg.query_by_tma,
+        O_TMA=cfg.out_by_tma,
         PAGING=cfg.paging,
         # a placeholder pointer when off (never read)
         trace_ptr=trace if trace is not None else a["seq_lens_ptr"],

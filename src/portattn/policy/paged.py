@@ -141,6 +141,8 @@ class PagedProblem:
         shuffled: the KV cache is in the SHUFFLE layout.
         query_rows_aligned: the query's rows are contiguous with 16-byte aligned strides and
             base (TMA can load them).
+        out_rows_aligned: the same of the output's rows (TMA can store them); a call without
+            ``out`` makes a contiguous one.
         kv_head_stride: the caches' KV-head stride in elements (V by page boxes needs a
             multiple of 64); ``None``: ``num_kv_heads``-packed rows of ``head_dim``.
     """
@@ -156,6 +158,7 @@ class PagedProblem:
     shuffled: bool = False
     query_rows_aligned: bool = True
     kv_head_stride: int | None = None
+    out_rows_aligned: bool = True
 
     @property
     def group(self) -> int:
@@ -222,6 +225,8 @@ class PrefillConfig:
         stages: K/V tiles in flight (2..4; shared memory bounds it).
         turns: the two warpgroups take ping-pong turns issuing their MMAs (needs 3 stages).
         query_by_tma: the producer loads each item's query rows by TMA (needs ``turns``).
+        out_by_tma: a consumer warpgroup whose 64 rows are all real writes them by one TMA
+            copy through its query buffer (others element by element).
         late_release: a stage is released just before the next tile's P V, not after its own
             (the sequential loop at 3 stages or more).
         box: rows per TMA box, a power of two >= 16 dividing ``block_size`` and ``block_n``.
@@ -236,6 +241,7 @@ class PrefillConfig:
     stages: int = 2
     turns: bool = False
     query_by_tma: bool = False
+    out_by_tma: bool = False
     late_release: bool = False
     box: int = SM90_PREFILL_BLOCK_N
     v_pages: bool = False
@@ -673,6 +679,7 @@ def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
         stages=stages,
         turns=turns,
         query_by_tma=turns and by_tma,
+        out_by_tma=out_by_tma_fits(p),
         box=box,
         paging=paging_mode(p.block_size, box, block_n),
         consumer_regs=tile.regs[0],
@@ -713,13 +720,20 @@ def _head_tile(problem: PagedProblem) -> int:
 def query_by_tma_fits(problem: PagedProblem) -> bool:
     """Whether TMA can load a warpgroup's 64 query rows as one box: aligned rows, whole
     64-column groups (the 128-byte swizzle's), 64 rows of whole tokens of the head tile."""
+    return problem.query_rows_aligned and _box_of_rows(problem)
+
+
+def out_by_tma_fits(problem: PagedProblem) -> bool:
+    """Whether TMA can store a warpgroup's 64 output rows as one box (as `query_by_tma_fits`
+    loads the query's)."""
+    return problem.out_rows_aligned and _box_of_rows(problem)
+
+
+def _box_of_rows(problem: PagedProblem) -> bool:
+    """A warpgroup's 64 rows of ``[tokens, heads, head_dim]`` as one TMA box: whole 64-column
+    groups (the 128-byte swizzle's), 64 rows of whole tokens of the head tile."""
     head_tile = _head_tile(problem)
-    return (
-        problem.query_rows_aligned
-        and problem.head_dim % 64 == 0
-        and head_tile <= 64
-        and 64 % head_tile == 0
-    )
+    return problem.head_dim % 64 == 0 and head_tile <= 64 and 64 % head_tile == 0
 
 
 def v_pages_fit(problem: PagedProblem, cfg: PrefillConfig) -> bool:
@@ -769,6 +783,11 @@ def prefill_config_errors(target: Target, problem: PagedProblem, cfg: PrefillCon
         (
             not cfg.query_by_tma or query_by_tma_fits(p),
             "query_by_tma needs 16-byte aligned query rows, head_dim a multiple of 64 and "
+            f"64 rows of whole tokens (group {p.group})",
+        ),
+        (
+            not cfg.out_by_tma or out_by_tma_fits(p),
+            "out_by_tma needs 16-byte aligned output rows, head_dim a multiple of 64 and "
             f"64 rows of whole tokens (group {p.group})",
         ),
         (
