@@ -32,7 +32,10 @@ tile's P V. ``V_PAGES``: V tiles arrive a page box a copy through a 3-D view of 
 reads them through one shared layout of the boxes (`_pages_layout`). ``Q_TMA``: the producer
 loads each item's query rows by TMA into a warpgroup's buffer once the warpgroup freed it
 (`_load_query`, `_query_freed`); otherwise each warpgroup reads its rows (16 bytes a thread where
-``Q_VEC``: a partition cannot see the launch's alignment, `rows_aligned`).
+``Q_VEC``: a partition cannot see the launch's alignment, `rows_aligned`). ``O_TMA``: a
+warpgroup whose rows are all real tokens writes them by one TMA copy through its query buffer
+(`_store_out`), freeing the buffer once TMA has read it; others store element by element
+(`_store_rows`, 4 bytes a thread where ``O_VEC``).
 
 The rows of a sequence's last page past ``seq_len`` may hold anything (NaN): their scores are
 masked, and before P V each warpgroup zeroes them in the V tile.
@@ -1051,10 +1054,11 @@ def _v_descriptor(cache: torch.Tensor, cfg: PrefillConfig) -> TensorDescriptor:
 
 
 def _q_descriptor(q: torch.Tensor, head_tile: int) -> TensorDescriptor:
-    """Q_TMA: the query ``[tokens, heads, head_dim]`` as ``[column groups of 64, tokens, heads,
-    64]`` (strides 64, the token and head strides, 1), box ``[head_dim // 64, 64 // head_tile,
-    head_tile, 64]``: one copy lays a warpgroup's 64 rows (``token x head_tile + head``) down as
-    its [64, head_dim] NVMMA tile, column halves major (as `_v_descriptor` does for V pages)."""
+    """Q_TMA (the query) and O_TMA (the output): ``[tokens, heads, head_dim]`` as ``[column
+    groups of 64, tokens, heads, 64]`` (strides 64, the token and head strides, 1), box
+    ``[head_dim // 64, 64 // head_tile, head_tile, 64]``: one copy moves a warpgroup's 64 rows
+    (``token x head_tile + head``) to or from its [64, head_dim] NVMMA tile, column halves major
+    (as `_v_descriptor` does for V pages)."""
     d = q.shape[2]
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     return TensorDescriptor(
