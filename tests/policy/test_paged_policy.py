@@ -469,6 +469,13 @@ def test_hip_gets_waves_per_eu_and_cuda_does_not():
         (dict(max_seq_len=float("nan")), r"max_seq_len must be an int >= 1 or None; got nan"),
         (dict(num_q_heads=True), r"num_q_heads must be an int >= 1; got True"),
         (dict(block_size=0), r"block_size must be an int >= 1; got 0"),
+        # the flags and the remaining sizes: a truthy string read as True, 0 sequences split
+        (dict(query_rows_aligned="no"), r"query_rows_aligned must be a bool; got 'no'"),
+        (dict(out_rows_aligned=1), r"out_rows_aligned must be a bool; got 1"),
+        (dict(shuffled=None), r"shuffled must be a bool; got None"),
+        (dict(num_seqs=-1), r"num_seqs must be an int >= 0; got -1"),
+        (dict(num_seqs=2.5), r"num_seqs must be an int >= 0; got 2.5"),
+        (dict(kv_head_stride=0), r"kv_head_stride must be an int >= 1 or None; got 0"),
     ],
 )
 @pytest.mark.parametrize("policy", ["paged_tiles", "paged_config"])

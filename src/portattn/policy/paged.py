@@ -405,16 +405,23 @@ def plan_max_seq_len(max_seq_len: int) -> int:
 
 def _problem_errors(p: PagedProblem) -> list[str]:
     """What no policy can plan for: non-positive or non-int sizes, heads not divisible, a
-    head_dim past `MAX_HEAD_DIM`, elements of neither 2 nor 4 bytes."""
+    head_dim past `MAX_HEAD_DIM`, elements of neither 2 nor 4 bytes, flags that are not bools."""
     errors = []
     sizes = dict(num_q_heads=p.num_q_heads, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim,
                  max_query_len=p.max_query_len, block_size=p.block_size)  # fmt: skip
-    if p.max_seq_len is not None:
-        sizes["max_seq_len"] = p.max_seq_len
+    optional = ("max_seq_len", "kv_head_stride")
+    for name in optional:
+        if getattr(p, name) is not None:
+            sizes[name] = getattr(p, name)
     for name, v in sizes.items():
         if not is_int(v) or v < 1:
-            errors.append(f"{name} must be an int >= 1{' or None' * (name == 'max_seq_len')}; "
+            errors.append(f"{name} must be an int >= 1{' or None' * (name in optional)}; "
                           f"got {v!r}")  # fmt: skip
+    if not is_int(p.num_seqs) or p.num_seqs < 0:  # (an empty batch plans, and launches nothing)
+        errors.append(f"num_seqs must be an int >= 0; got {p.num_seqs!r}")
+    for name in ("shuffled", "query_rows_aligned", "out_rows_aligned"):
+        if not isinstance(getattr(p, name), bool):
+            errors.append(f"{name} must be a bool; got {getattr(p, name)!r}")
     if not errors and p.num_q_heads % p.num_kv_heads:
         errors.append(
             f"num_q_heads must be a positive multiple of num_kv_heads; got {p.num_q_heads} and "
