@@ -216,10 +216,12 @@ def test_invalid_problem_lists_every_reason():
         r"int >= 0; got -1; kv_lora_rank must be <= head_dim_k; got 600 > 576",
     ):
         mla_decode_tiles(get_target("sm_90"), MlaProblem(0, 576, 600, 2, -1, 10))
-    # a float (it came back as float tiles), a bool, an element size of 3 bytes
+    # a float (it came back as float tiles), a bool, an element size of 3 bytes, a flag that is
+    # not a bool
     for bad, rule in ((dict(num_heads=1.5), "num_heads must be an int >= 1; got 1.5"),
                       (dict(elem_size=True), "elem_size must be an int >= 1; got True"),
-                      (dict(elem_size=3), "elem_size must be 1, 2 or 4 bytes; got 3")):  # fmt: skip
+                      (dict(elem_size=3), "elem_size must be 1, 2 or 4 bytes; got 3"),
+                      (dict(gathers="no"), "gathers must be a bool; got 'no'")):  # fmt: skip
         with pytest.raises(ValueError, match=r"^mla_decode_tiles: " + re.escape(rule)):
             mla_decode_tiles(get_target("sm_90"), dataclasses.replace(problem(), **bad))
 

@@ -270,6 +270,8 @@ def _problem_errors(p: MlaProblem) -> list[str]:
             errors.append(f"{name} must be an int >= 1; got {v!r}")
     if not is_int(p.num_tokens) or p.num_tokens < 0:
         errors.append(f"num_tokens must be an int >= 0; got {p.num_tokens!r}")
+    if not isinstance(p.gathers, bool):  # (a truthy string chose the wide tile)
+        errors.append(f"gathers must be a bool; got {p.gathers!r}")
     ints = all(isinstance(getattr(p, n), int) for n in ("elem_size", "kv_lora_rank", "head_dim_k"))
     if ints and p.elem_size >= 1 and p.elem_size not in (1, 2, 4):
         errors.append(f"elem_size must be 1, 2 or 4 bytes; got {p.elem_size}")
