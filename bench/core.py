@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +25,8 @@ METHOD = (
     "row says so); each repetition writes a 256 MB buffer to flush L2, then replays the graph "
     "between two CUDA events; the row's time is the median of the repetitions (warm-up and "
     "compile excluded). Host rows: perf_counter around back-to-back eager calls, median of "
-    "loops. Anchors are measured in the same process right after their row. CPU "
+    "loops. Anchors are measured in the same process: right after their row, or (the prefill "
+    "family's) interleaved with it, each repetition timing the row and every anchor in turn. CPU "
     "(TRITON_INTERPRET=1): host clock around the interpreter, timings not meaningful."
 )
 
@@ -69,6 +70,22 @@ def anchor(name: str, time_us: float | None, metrics: dict | None = None, note: 
     """A reference measurement beside a row (bench/schema.json, ``anchor``); ``time_us`` None
     with a ``note`` saying why it did not run."""
     return dict(name=name, time_us=time_us, metrics=metrics or {}, note=note)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An anchor whose call ran and was checked, to be timed beside its row
+    (`Context.time_together`): its name, its call, its metrics from its µs, a note."""
+
+    name: str
+    fn: Callable[[], object]
+    metrics: Callable[[float], dict]
+    note: str = ""
+
+    def anchor(self, time_us: float, how: str) -> dict:
+        """The anchor, timed."""
+        return anchor(self.name, time_us, self.metrics(time_us),
+                      "; ".join(p for p in (how, self.note) if p))  # fmt: skip
 
 
 def rate(amount: float, time_us: float | None, unit: float) -> float | None:
@@ -151,15 +168,20 @@ class Context:
     def want(self, name: str) -> bool:
         return not self.only_rows or any(s in name for s in self.only_rows)
 
+    def check_once(self, fn: Callable[[], object], out: torch.Tensor,
+                   check: Callable[[], dict]) -> dict:  # fmt: skip
+        """``fn`` run once over a scrambled ``out`` (stale values must not pass), then
+        ``check()``'s verdict."""
+        out.normal_()
+        fn()
+        return check()
+
     def checked_time_us(
         self, fn: Callable[[], object], out: torch.Tensor, check: Callable[[], dict]
     ) -> tuple[dict, float | None, str | None]:
-        """``fn`` run once over a scrambled ``out`` (stale values must not pass), ``check()``
-        read, then timed by `time_us` only if the check passed: ``(check, µs, how)``, or
-        ``(check, None, None)`` for a row that is recorded without a time."""
-        out.normal_()
-        fn()
-        result = check()
+        """`check_once`, then timed by `time_us` only if the check passed: ``(check, µs,
+        how)``, or ``(check, None, None)`` for a row that is recorded without a time."""
+        result = self.check_once(fn, out, check)
         if not result["passed"]:
             return result, None, None
         us, how = self.time_us(fn)
@@ -167,37 +189,52 @@ class Context:
 
     def time_us(self, fn: Callable[[], object], graph: bool = True) -> tuple[float, str]:
         """Median µs of ``fn`` (`METHOD`) and how it was timed (``graph`` or ``eager``)."""
-        fn()  # compile and warm up outside the timing
+        return self.time_together([fn], graph)[0]
+
+    def time_together(
+        self, fns: Sequence[Callable[[], object]], graph: bool = True
+    ) -> list[tuple[float, str]]:
+        """Each of ``fns``' median µs and how it was timed (`METHOD`), their repetitions
+        interleaved: each repetition times every call once, in order, so a clock that drifts
+        during the run moves their times alike and their ratios stay."""
+        for fn in fns:
+            fn()  # compile and warm up outside the timing
         if self.device != "cuda":
-            reps = 1 if self.quick else 3
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e6)
-            return statistics.median(times), "host clock (interpreter: not meaningful)"
+            times: list[list[float]] = [[] for _ in fns]
+            for _ in range(1 if self.quick else 3):
+                for fn, t in zip(fns, times, strict=True):
+                    t0 = time.perf_counter()
+                    fn()
+                    t.append((time.perf_counter() - t0) * 1e6)
+            return [(statistics.median(t), "host clock (interpreter: not meaningful)")
+                    for t in times]  # fmt: skip
         torch.cuda.synchronize()
-        run, how = fn, "eager"
-        if graph:
-            try:
-                run, how = capture(fn).replay, "graph"
-            except RuntimeError as err:  # e.g. a host read of a device tensor during capture
-                torch.cuda.synchronize()
-                how = f"eager (graph capture failed: {str(err).splitlines()[0][:80]})"
+        runs: list[tuple[Callable[[], object], str]] = []
+        for fn in fns:
+            run, how = fn, "eager"
+            if graph:
+                try:
+                    run, how = capture(fn).replay, "graph"
+                except RuntimeError as err:  # e.g. a host read of a device tensor in capture
+                    torch.cuda.synchronize()
+                    how = f"eager (graph capture failed: {str(err).splitlines()[0][:80]})"
+            runs.append((run, how + (", interleaved" if len(fns) > 1 else "")))
         if self._flush is None:
             self._flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
-        run()
-        torch.cuda.synchronize()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
-        for s, e in zip(starts, ends, strict=True):
-            self._flush.zero_()
-            s.record()
+        for run, _ in runs:
             run()
-            e.record()
         torch.cuda.synchronize()
-        times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)]
-        return statistics.median(times), how
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                   for _ in range(self.reps)] for _ in runs]  # fmt: skip
+        for r in range(self.reps):
+            for (run, _), ev in zip(runs, events, strict=True):
+                self._flush.zero_()
+                ev[r][0].record()
+                run()
+                ev[r][1].record()
+        torch.cuda.synchronize()
+        return [(statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev), how)
+                for (_, how), ev in zip(runs, events, strict=True)]  # fmt: skip
 
     def read_ceiling(self, nbytes: int) -> dict:
         """The card's read bandwidth on ``nbytes`` (1 MB to 4 GB): a Triton kernel streaming an

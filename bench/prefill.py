@@ -13,7 +13,9 @@ The call is the serving engine's (``max_query_len``, ``max_seq_len``, ``out`` gi
 Metric: TFLOP/s of the causal (query, key) pairs (4 flops a pair, head and dim). Anchors: torch
 SDPA with the cuDNN and the flash backend forced, on the same problem as dense tensors (K/V
 gathered contiguous; a chunk's queries see the keys before them: lower-right causal), their
-output compared with the row's before they are timed. A mixed row has one more anchor, its
+output compared with the row's before they are timed, and timed together with the row (each
+repetition times the row and every anchor in turn, `core.Context.time_together`, so a drifting
+clock moves them alike). A mixed row has one more anchor, its
 compute floor: cuDNN on the prefill part alone plus portattn on the decode part alone, timed
 together (each chunk's attention as cuDNN's two fast shapes of the same flops: its queries over
 the keys before the chunk, dense, and over the chunk's own keys, causal; a lower-right causal
@@ -68,10 +70,11 @@ def _dense_kv(cache: torch.Tensor, table: torch.Tensor, i: int, n: int) -> torch
 
 
 def sdpa_anchor(backend_name: str, b: inputs.PagedBatch, out_ref: torch.Tensor, flops: int,
-                ctx: core.Context) -> dict:  # fmt: skip
+                ctx: core.Context) -> core.Pending | dict:  # fmt: skip
     """Torch SDPA with ``backend_name`` (``CUDNN_ATTENTION``, ``FLASH_ATTENTION``) forced, one
     call a group of equal sequences (the prefills, the decodes), K/V heads expanded where the
-    backend refuses GQA."""
+    backend refuses GQA: its call, checked against the row's output and ready to time beside
+    it, or an anchor saying why it did not run."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
@@ -122,17 +125,19 @@ def sdpa_anchor(backend_name: str, b: inputs.PagedBatch, out_ref: torch.Tensor, 
         diff = core.rel_err(got, out_ref)
         if not diff < 2e-2:
             return core.anchor(name, None, note=f"output differs from the row's by {diff:.2e}")
-        us, how = ctx.time_us(lambda expand=expand: run(expand))
-        note = how + ("; K/V heads expanded (no GQA in this backend)" if expand else "")
+        notes = ["K/V heads expanded (no GQA in this backend)"] if expand else []
         if any(c[3] is not None for c in calls):
-            note += "; chunks lower-right causal (a CausalBias: torch may route it elsewhere)"
-        return core.anchor(name, us, {"TFLOP/s": core.rate(flops, us, 1e12)}, note)
+            notes.append("chunks lower-right causal (a CausalBias: torch may route it elsewhere)")
+        return core.Pending(name, lambda expand=expand: run(expand),
+                            lambda us: {"TFLOP/s": core.rate(flops, us, 1e12)},
+                            "; ".join(notes))  # fmt: skip
     return core.anchor(name, None, note="backend refused: " + " | ".join(errors))
 
 
-def floor_anchor(b: inputs.PagedBatch, ctx: core.Context) -> dict:
+def floor_anchor(b: inputs.PagedBatch, ctx: core.Context) -> core.Pending | dict:
     """A mixed batch's compute floor (module docstring): cuDNN on its prefill part plus portattn
-    on its decode part, each alone, timed together."""
+    on its decode part, each alone, as one call to time beside the row (or an anchor saying why
+    it did not run)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     name = "compute floor (cuDNN prefill part + decode part alone)"
@@ -173,9 +178,9 @@ def floor_anchor(b: inputs.PagedBatch, ctx: core.Context) -> dict:
         except RuntimeError as err:
             errors.append(str(err).splitlines()[0][:100])
             continue
-        us, how = ctx.time_us(lambda p=p, o=o, gqa=not expand: run(p, o, gqa))
-        note = how + ("; K/V heads expanded (no GQA in this backend)" if expand else "")
-        return core.anchor(name, us, {}, note + "; the parts timed, not checked")
+        note = "K/V heads expanded (no GQA in this backend); " if expand else ""
+        return core.Pending(name, lambda p=p, o=o, gqa=not expand: run(p, o, gqa), lambda us: {},
+                            note + "the parts timed, not checked")  # fmt: skip
     return core.anchor(name, None, note="cuDNN refused: " + " | ".join(errors))
 
 
@@ -203,8 +208,8 @@ def rows(ctx: core.Context):
                 return portattn.paged_attention(*b.args, out=out, max_query_len=b.max_query_len,
                                                 max_seq_len=b.max_seq_len)  # fmt: skip
 
-            check, us, how = ctx.checked_time_us(call, out, partial(core.check_paged, b, out))
-            if us is None:
+            check = ctx.check_once(call, out, partial(core.check_paged, b, out))
+            if not check["passed"]:
                 yield core.row(FAMILY, name, params, check)
                 continue
             flops = core.paged_flops(seqs, hq, d)
@@ -212,6 +217,12 @@ def rows(ctx: core.Context):
                        for bk in ("CUDNN_ATTENTION", "FLASH_ATTENTION")]  # fmt: skip
             if any(q == 1 for _, q in seqs) and any(q > 1 for _, q in seqs):
                 anchors.append(floor_anchor(b, ctx))
+            # the row and its anchors' calls timed together, repetition by repetition
+            pending = [a for a in anchors if isinstance(a, core.Pending)]
+            (us, how), *timed = ctx.time_together([call] + [a.fn for a in pending])
+            done = dict(zip(map(id, pending), timed, strict=True))
+            anchors = [a.anchor(*done[id(a)]) if isinstance(a, core.Pending) else a
+                       for a in anchors]  # fmt: skip
             yield core.row(FAMILY, name, params, check, us,
                            {"TFLOP/s": core.rate(flops, us, 1e12)}, anchors, how)  # fmt: skip
             del b, out
