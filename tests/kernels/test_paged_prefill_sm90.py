@@ -946,6 +946,31 @@ def test_gpu_sm90_prefill_cached_calls_read_each_calls_query():
 
 
 @pytest.mark.gpu
+def test_gpu_sm90_prefill_cached_calls_write_each_calls_output():
+    """Two calls of one description, each given its own output (NaN before the call): the plan
+    cache's hit rebuilds the output's TMA descriptor around the second call's ``out`` (the
+    warpgroups store by it), so each output holds its call's result."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90 kernel needs an sm_90 GPU")
+    PLANS.clear()
+    mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
+    b = make_batch(GPU_SEQS, block_size=16, heads=(32, 8), head_dim=128, dtype=torch.bfloat16,
+                   device="cuda")  # fmt: skip
+    outs = [torch.full_like(b.query, float("nan")) for _ in range(2)]
+    (main,) = [x for x in plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl,
+                                               out=outs[0]) if x.name == PREFILL]  # fmt: skip
+    assert main.args["O_TMA"] is True
+    hits = PLANS.hits
+    for out in outs:
+        paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl, out=out)
+    torch.cuda.synchronize()
+    assert PLANS.hits - hits >= 1
+    for out in outs:  # (a stale descriptor would leave the second output NaN)
+        check(b, out)
+    PLANS.clear()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("q_tma", [False, True], ids=["query loads", "query by TMA"])
 def test_gpu_sm90_prefill_many_items_a_program(q_tma):
     """About 14 items a program, many of one or two tiles (GQA 16:1: 8-token q tiles of a
