@@ -220,8 +220,8 @@ def rows(ctx: core.Context):
             # the row and its anchors' calls timed together, repetition by repetition
             pending = [a for a in anchors if isinstance(a, core.Pending)]
             (us, how), *timed = ctx.time_together([call] + [a.fn for a in pending])
-            done = dict(zip(map(id, pending), timed, strict=True))
-            anchors = [a.anchor(*done[id(a)]) if isinstance(a, core.Pending) else a
+            times = iter(timed)  # (in the anchors' order)
+            anchors = [a.anchor(*next(times)) if isinstance(a, core.Pending) else a
                        for a in anchors]  # fmt: skip
             yield core.row(FAMILY, name, params, check, us,
                            {"TFLOP/s": core.rate(flops, us, 1e12)}, anchors, how)  # fmt: skip

@@ -851,18 +851,18 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             # real tokens (every head of the tile is, `out_by_tma_fits`), one TMA copy of whole
             # lines through its query buffer; rows past the sequence are the next one's, so a
             # partial warpgroup's go by `_store_rows` --
-            o = acc / gl.convert_layout(l_i, PV_ROW)[:, None]
+            o = (acc / gl.convert_layout(l_i, PV_ROW)[:, None]).to(dtype)
             item = (q_tile, head_tile, kv_head, q_start, q_len)
             output = (out_ptr, stride_o_tok, stride_o_head, stride_o_dim)
             if O_TMA:
                 if q_tile * BLOCK_Q + (WG * ROWS + ROWS - 1) // HEAD_TILE < q_len:
-                    _store_out(o_desc, q_smem, WG, o.to(dtype), q_start + q_tile * BLOCK_Q,
+                    _store_out(o_desc, q_smem, WG, o, q_start + q_tile * BLOCK_Q,
                                kv_head * GROUP + head_tile * HEAD_TILE)  # fmt: skip
                 else:
-                    _store_rows(output, WG, o.to(dtype), item, GROUP, HEAD_TILE, BLOCK_Q, O_VEC)
+                    _store_rows(output, WG, o, item, GROUP, HEAD_TILE, BLOCK_Q, O_VEC)
                 _query_freed(q_free, WG, Q_TMA)  # (the buffer held the output until TMA read it)
             else:
-                _store_rows(output, WG, o.to(dtype), item, GROUP, HEAD_TILE, BLOCK_Q, O_VEC)
+                _store_rows(output, WG, o, item, GROUP, HEAD_TILE, BLOCK_Q, O_VEC)
             _stamp(tr, trace_slot(it - 1, TRACE, TRACE_TILES), 8, TRACE)
         nq += 1
         step += 1
