@@ -185,6 +185,11 @@ def test_a_config_without_prefill_runs_the_portable_kernel():
         ({"block_size": 2048}, dict(box=0, v_pages=True), "box must be a power of two"),
         ({}, dict(stages=4), "shared memory 29"),
         ({}, dict(producer_regs=20), "producer_regs must be a multiple of 8 in"),
+        ({}, dict(warpgroups=4), "warpgroups must be 2 or 3; got 4"),
+        ({}, dict(warpgroups=3, block_n=64),
+         "3 consumer warpgroups at consumer_regs 216 and the producer's at producer_regs 64 "
+         "need 91136 registers > 65536"),
+        ({}, dict(warpgroups=3, consumer_regs=160, producer_regs=32), "shared memory 24"),
         ({"target": get_target("sm_100")}, {}, "needs an sm_90 target; got sm_100"),
         ({"head_dim": 96}, {}, r"needs head_dim in \(64, 128, 256\); got 96"),
         ({"head_dim": 256}, {}, "shared memory 459956 B > 232448"),
@@ -266,6 +271,31 @@ def test_policy_config_by_shape(problem, want):
     cfg = prefill_config(SM90, problem)
     assert (cfg.stages, cfg.turns, cfg.query_by_tma, cfg.late_release, cfg.v_pages) == want
     assert cfg.box == box_rows(problem.block_size, 128) and cfg.block_n == 128
+
+
+@pytest.mark.parametrize(
+    ("problem", "want"),
+    [
+        # head_dim 64 with the query by TMA: turns among three warpgroups, 48 tokens x 4 heads,
+        # 12 x 16, 192 x 1
+        (_problem(head_dim=64), (3, 160, 32, 48, 4)),
+        (_problem(heads=(64, 4), head_dim=64, block_size=2048), (3, 160, 32, 12, 16)),
+        (_problem(heads=(8, 8), head_dim=64), (3, 160, 32, 192, 1)),
+        # the sequential tile (GQA 5:1: no query by TMA) and the other head_dims: two
+        (_problem(heads=(40, 8), head_dim=64), (2, 216, 64, 25, 5)),
+        (_problem(), (2, 216, 64, 32, 4)),
+        (_problem(head_dim=256), (2, 240, 24, 32, 4)),
+    ],
+)
+def test_head_dim_64_turns_take_three_warpgroups(problem, want):
+    """The policy's warpgroups and their registers, and the item's rows the launch packs
+    (``64 x warpgroups`` rows of whole tokens of the head tile)."""
+    cfg = prefill_config(SM90, problem)
+    assert (cfg.warpgroups, cfg.consumer_regs, cfg.producer_regs) == want[:3]
+    assert prefill_config_errors(SM90, problem, cfg) == []
+    heads = (problem.num_q_heads, problem.num_kv_heads)
+    a = _main_args(heads=heads, head_dim=problem.head_dim, block_size=problem.block_size)
+    assert (a["WGS"], a["BLOCK_Q"], a["HEAD_TILE"]) == (want[0], *want[3:])
 
 
 def test_late_release_only_where_three_stages_fit():
@@ -634,6 +664,52 @@ def test_output_by_tma_compiles_to_a_bulk_store_a_warpgroup():
     assert on[3] <= 16 and off[3] <= 16, (on, off)
 
 
+def _warpgroups_build(warpgroups: int, block_size: int) -> tuple[int, int, int, int, list[int]]:
+    """(the WGS arg, threads a program, shared bytes, spills, setmaxnreg counts) of the
+    mixed batch's sm_90 launch at head_dim 64 with the policy's config at ``warpgroups``
+    (two: the 2-warpgroup turns' registers), compiled for sm_90 (a spawned worker)."""
+    import re
+
+    from portattn.compile.worker import _nvidia_resources, compile_kernel
+    from portattn.policy.paged import SM90_PREFILL_REGS
+
+    regs = dict(zip(("consumer_regs", "producer_regs"), SM90_PREFILL_REGS, strict=True))
+    changes = {} if warpgroups == 3 else dict(warpgroups=2, **regs)
+    config = _config(head_dim=64, block_size=block_size, **changes)
+    (launch,) = [x for x in _plan(head_dim=64, block_size=block_size, config=config)
+                 if x.name == PREFILL]  # fmt: skip
+    compiled = compile_kernel(launch, SM90)
+    ptx = compiled.asm["ptx"]
+    threads = int(re.search(r"\.reqntid (\d+)", ptx).group(1))
+    counts = [int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+);", ptx)]
+    spills = _nvidia_resources(compiled, 90)[1]
+    return launch.args["WGS"], threads, compiled.metadata.shared, spills, sorted(set(counts))
+
+
+@target_compile
+def test_head_dim_64_compiles_three_consumer_warpgroups_for_sm90():
+    """The policy's head_dim-64 turns build four warpgroups a program (three consumers at 160
+    registers, the producer's warp), shared memory within `prefill_smem_bytes` (the third query
+    buffer), spills within the case allowance (`SM90_HD64_SPILL_ALLOWANCE`); the two-warpgroup
+    build of the same call three warpgroups without spills."""
+    from portattn.compile.cases import SM90_HD64_SPILL_ALLOWANCE
+    from tests.helpers import in_spawned_workers
+
+    jobs = [(3, 16), (3, 80), (2, 16)]
+    got = in_spawned_workers(_warpgroups_build, jobs)
+    allowance = dict(SM90_HD64_SPILL_ALLOWANCE)["sm_90"]
+    for bs in (16, 80):
+        wgs, threads, shared, spills, counts = got[(3, bs)]
+        assert (wgs, threads) == (3, 512), bs
+        assert 160 in counts and not any(160 < c < 256 for c in counts), counts
+        cfg = prefill_config(SM90, _problem(head_dim=64, block_size=bs))
+        assert shared <= prefill_smem_bytes(cfg, 64), (bs, shared)
+        assert spills <= 16 + allowance, (bs, spills)
+    wgs, threads, shared, spills, _ = got[(2, 16)]
+    assert (wgs, threads, spills) == (2, 384, 0)
+    assert shared < got[(3, 16)][2]
+
+
 def _pv_groups(v_pages: bool, block_size: int) -> tuple[int, int, int, int]:
     """(the V_PAGES arg, wgmma fences, commit groups, spills) of the mixed batch's sm_90 launch
     at ``block_size`` with V pages or not, compiled for sm_90 (a spawned worker)."""
@@ -737,7 +813,8 @@ GPU_CASES = [
     ((32, 8), 128, 80, "slice", torch.bfloat16, 0),
     ((16, 16), 128, 32, "contiguous", torch.bfloat16, 0),  # MHA: 128 tokens x 1 head
     ((40, 8), 64, 16, "hybrid", torch.float16, 8 * 64 * 2),  # GQA 5:1: 25 tokens x 5 heads
-    ((64, 4), 64, 2048, "contiguous", torch.bfloat16, 0),  # GQA 16:1: 8 tokens x 16 heads
+    ((64, 4), 64, 2048, "contiguous", torch.bfloat16, 0),  # GQA 16:1: 12 tokens x 16 heads
+    ((32, 8), 64, 16, "contiguous", torch.bfloat16, 0),  # 3 warpgroups: 48 tokens x 4 heads
     ((32, 8), 256, 16, "contiguous", torch.bfloat16, 0),  # head_dim 256: 64-token tiles
     ((40, 8), 256, 544, "hybrid", torch.float16, 8 * 256 * 2),
     ((16, 16), 256, 80, "slice", torch.bfloat16, 0),
@@ -822,6 +899,16 @@ GPU_CONFIGS = {
     "paging 0": dict(paging=0),
     "output stores": dict(out_by_tma=False),
     "sequential, output stores": dict(turns=False, query_by_tma=False, stages=2, out_by_tma=False),
+    "two warpgroups": dict(warpgroups=2, consumer_regs=216, producer_regs=64),
+    "three warpgroups, 64 tokens": dict(
+        warpgroups=3,
+        block_n=64,
+        box=16,
+        paging=0,
+        v_pages=False,
+        consumer_regs=160,
+        producer_regs=32,
+    ),
 }
 
 
@@ -973,17 +1060,17 @@ def test_gpu_sm90_prefill_cached_calls_write_each_calls_output():
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_tma", [False, True], ids=["query loads", "query by TMA"])
 def test_gpu_sm90_prefill_many_items_a_program(q_tma):
-    """About 14 items a program, many of one or two tiles (GQA 16:1: 8-token q tiles of a
-    3072-token prefill), so the item ring (`STAGES + 2` slots) wraps and its producer runs as far
+    """About 12 items a program, many of one or two tiles (GQA 16:1: 12-token q tiles of a
+    4096-token prefill), so the item ring (`STAGES + 2` slots) wraps and its producer runs as far
     ahead as the stages let it; a chunk and a decode beside them. With the query by TMA (and
     turns, which it needs), the query buffers' barriers turn over once an item."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
-    seqs = ((3072, 3072), (1500, 600), (2000, 1))
+    seqs = ((4096, 4096), (1500, 600), (2000, 1))
     b = make_batch(seqs, block_size=16, heads=(64, 4), head_dim=64, dtype=torch.bfloat16,
                    device="cuda")  # fmt: skip
     config = _config(heads=(64, 4), head_dim=64, turns=q_tma, query_by_tma=q_tma)
-    kw = dict(max_query_len=3072, max_seq_len=3072, config=config)
+    kw = dict(max_query_len=4096, max_seq_len=4096, config=config)
     (main,) = [x for x in plan_paged_attention(*b.args(), **kw) if x.name == PREFILL]
     assert main.args["Q_TMA"] is q_tma
     items = main.args["SLOTS"] * sum(-(-q // main.args["BLOCK_Q"]) for _, q in seqs if q > 1)

@@ -365,20 +365,33 @@ MLA_512_FP32_SPILL_REASON = "fp32 FMA dots over the 512-wide latent (MLA_512_FP3
 SM90_HD256_SPILL_ALLOWANCE: tuple[tuple[str, int], ...] = (("sm_90", 256),)
 SM90_HD256_SPILL_REASON = "sm_90 prefill kernel's head_dim-256 output (SM90_HD256_SPILL_ALLOWANCE)"
 
+# At head_dim 64 its turns run three consumer warpgroups: 160 registers a consumer thread and 32 a
+# producer's fill the SM's 64 K. ptxas parks an item's values (the consumers, per item, outside
+# the tile loop's MMAs) and, where each box needs a division (paging 0, block 80), a few of the
+# producer's per tile: 0-132 B (Triton 3.6). Stated for sm_90 alone.
+SM90_HD64_SPILL_ALLOWANCE: tuple[tuple[str, int], ...] = (("sm_90", 160),)
+SM90_HD64_SPILL_REASON = (
+    "sm_90 prefill kernel's three warpgroups at head_dim 64 (SM90_HD64_SPILL_ALLOWANCE)"
+)
+
 
 def _paged_allowance(case: Case) -> Case:
-    """``case`` with `SM90_HD256_SPILL_ALLOWANCE` where the sm_90 prefill kernel serves it at
-    head_dim 256 (the policy's `sm90_prefill` on the case's problem)."""
+    """``case`` with the sm_90 prefill kernel's allowance (`SM90_HD256_SPILL_ALLOWANCE`,
+    `SM90_HD64_SPILL_ALLOWANCE`) where that kernel serves it at head_dim 256 or 64 (the policy's
+    `sm90_prefill` on the case's problem)."""
     p = dict(case.params)
     elem = getattr(torch, p["dtype"]).itemsize if "dtype" in p else DTYPE.itemsize
     problem = PagedProblem(p["num_q_heads"], p["num_kv_heads"], p["head_dim"], elem,
                            p["max_query_len"], p["block_size"],
                            shuffled=p["layout"] == "SHUFFLE")  # fmt: skip
-    if p["head_dim"] != 256 or not sm90_prefill(get_target("sm_90"), problem):
+    allowances = {
+        256: (SM90_HD256_SPILL_ALLOWANCE, SM90_HD256_SPILL_REASON),
+        64: (SM90_HD64_SPILL_ALLOWANCE, SM90_HD64_SPILL_REASON),
+    }
+    if p["head_dim"] not in allowances or not sm90_prefill(get_target("sm_90"), problem):
         return case
-    return dataclasses.replace(
-        case, spill_allowance=SM90_HD256_SPILL_ALLOWANCE, spill_reason=SM90_HD256_SPILL_REASON
-    )
+    allowance, reason = allowances[p["head_dim"]]
+    return dataclasses.replace(case, spill_allowance=allowance, spill_reason=reason)
 
 
 def _mla_case(name: str, dk: int, dv: int, **params: Any) -> Case:

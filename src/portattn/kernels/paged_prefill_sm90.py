@@ -1,13 +1,14 @@
 """Paged attention, Hopper (sm_90) prefill kernel in Gluon: TMA page boxes, a producer warp, two
-consumer warpgroups on wgmma.
+or three consumer warpgroups on wgmma.
 
 Same math, arguments and output as `portattn.kernels.paged_attention`, whose launcher picks this
 kernel for the prefill part of a batch (`portattn.policy.paged.paged_config`); the decode
 sequences of a mixed batch are items of the same launch. Every launch-time choice comes from a
 `PrefillConfig`; this module only maps it to the kernel's constexprs.
 
-Work. A program's 128 rows are ``BLOCK_Q`` query tokens x ``HEAD_TILE`` query heads of one KV
-head (as the portable kernel packs GQA groups); warpgroup ``w`` owns rows ``[64 w, 64 w + 64)``.
+Work. A program's ``64 x WGS`` rows are ``BLOCK_Q`` query tokens x ``HEAD_TILE`` query heads of
+one KV head (as the portable kernel packs GQA groups); warpgroup ``w`` owns rows
+``[64 w, 64 w + 64)``.
 A first, small launch (`_work_list_kernel`, one program per sequence) writes the list of
 (sequence, q tile) entries of the prefill sequences, heaviest q tile first within a sequence,
 and a second list of the decode sequences. The grid is persistent (one program per SM): each
@@ -16,26 +17,26 @@ spread evenly among the prefill items) from a counter (`_claim_item`) and hands 
 warpgroups through a ring in shared memory (`_receive_item`), so the programs end together and
 a few programs stream a decode item's cache while the rest run prefill tiles. No host read of
 the metadata: the launch is CUDA-graph safe. A warpgroup whose rows are all padding (a decode
-item's second warpgroup) skips the math and only releases each tile.
+item's later warpgroups) skips the math and only releases each tile.
 
-Schedule (`gl.warp_specialize`): the producer walks the same items and K/V tiles as the
-consumers and, for each tile, waits until both warpgroups released its stage, then loads K and V
-by TMA, one box per ``BOX`` rows of one cache page (its page found without a division a box where
-``PAGING`` allows, `_tile_rows`; a box past the sequence reads a row past the tensor: zeros).
-Each consumer warpgroup: S = Q K^T (wgmma, operands in shared memory), masks on the tiles past
-its first row's causal limit, base-2 online softmax in registers, O += P V with P in registers,
-then releases the stage. ``PINGPONG``: the two warpgroups take turns issuing their MMAs (one's
-softmax under the other's MMAs): a turn issues P V of tile t and the scores of tile t+1; items
-whose second warpgroup has no real rows take no turns. Otherwise a warpgroup scores, softmaxes
-and accumulates one tile at a time; ``LATE_RELEASE`` releases each stage just before the next
-tile's P V. ``V_PAGES``: V tiles arrive a page box a copy through a 3-D view of the cache and P V
-reads them through one shared layout of the boxes (`_pages_layout`). ``Q_TMA``: the producer
-loads each item's query rows by TMA into a warpgroup's buffer once the warpgroup freed it
-(`_load_query`, `_query_freed`); otherwise each warpgroup reads its rows (16 bytes a thread where
-``Q_VEC``: a partition cannot see the launch's alignment, `rows_aligned`). ``O_TMA``: a
-warpgroup whose rows are all real tokens writes them by one TMA copy through its query buffer
-(`_store_out`), freeing the buffer once TMA has read it; others store element by element
-(`_store_rows`, 4 bytes a thread where ``O_VEC``).
+Schedule (`gl.warp_specialize`): the producer walks the same items and K/V tiles as the consumers
+and, for each tile, waits until every warpgroup released its stage, then loads K and V by TMA, one
+box per ``BOX`` rows of one cache page (its page found without a division a box where ``PAGING``
+allows, `_tile_rows`; a box past the sequence reads a row past the tensor: zeros). Each consumer
+warpgroup: S = Q K^T (wgmma, operands in shared memory), masks on the tiles past its first row's
+causal limit, base-2 online softmax in registers, O += P V with P in registers, then releases the
+stage. ``PINGPONG``: the warpgroups with real rows take turns issuing their MMAs, round robin (one's
+softmax under the others' MMAs): a turn issues P V of tile t and the scores of tile t+1; items whose
+second warpgroup has no real rows take no turns. Otherwise a warpgroup scores, softmaxes and
+accumulates one tile at a time; ``LATE_RELEASE`` releases each stage just before the next tile's P
+V. ``V_PAGES``: V tiles arrive a page box a copy through a 3-D view of the cache and P V reads them
+through one shared layout of the boxes (`_pages_layout`). ``Q_TMA``: the producer loads each item's
+query rows by TMA into a warpgroup's buffer once the warpgroup freed it (`_load_query`,
+`_query_freed`); otherwise each warpgroup reads its rows (16 bytes a thread where ``Q_VEC``: a
+partition cannot see the launch's alignment, `rows_aligned`). ``O_TMA``: a warpgroup whose rows are
+all real tokens writes them by one TMA copy through its query buffer (`_store_out`), freeing the
+buffer once TMA has read it; others store element by element (`_store_rows`, 4 bytes a thread where
+``O_VEC``).
 
 The rows of a sequence's last page past ``seq_len`` may hold anything (NaN): their scores are
 masked, and before P V each warpgroup zeroes them in the V tile.
@@ -81,13 +82,11 @@ from portattn.policy.paged import (
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 #: Head dims this kernel is written for (each with its tile in `SM90_PREFILL_TILES`).
 HEAD_DIMS = tuple(sorted(SM90_PREFILL_TILES))
-#: Warps of the default partition (consumer warpgroup 0); warpgroup 1 and the producer are
-#: worker partitions of 4 and 1 warps.
+#: Warps of the default partition (consumer warpgroup 0); the other consumer warpgroups
+#: (`PrefillConfig.warpgroups`) and the producer are worker partitions of 4 and 1 warps.
 NUM_WARPS = 4
 PRODUCER_WARPS = gl.constexpr(1)
-#: Consumer warpgroups of 64 rows each.
-WARPGROUPS = gl.constexpr(2)
-#: The trace's stamps a tile, tiles a program and partitions (consumer warpgroups 0, 1; the
+#: The trace's stamps a tile, tiles a program and partitions (consumer warpgroups 0-2; the
 #: producer at 3). Consumer events: 0 tile start, 1 K landed, 2 scores done, 3 P ready, 4 V
 #: landed (tail zeroed), 5 P V done, 6 stage released, 7 item start (its first tile), 8 the
 #: epilogue's stores issued and 9 the next item in hand (its last tile); a warpgroup passing
@@ -309,7 +308,7 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
             # stage: their latency runs under the wait instead of after it
             rows = _tile_rows(bt_row, t, boxes, BOX, BLOCK_N, seq_len, block_size,
                               stride_bt_blk, rows_per_page, total_rows, PAGING)  # fmt: skip
-            # the stage's previous tile released by both warpgroups (none before the first use)
+            # the stage's previous tile released by every warpgroup (none before the first use)
             mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
             _stamp(tr, jt, 1, TRACE)
             v_buf = v_smem.index(s)
@@ -427,7 +426,8 @@ def _load_query(q_desc, q_smem, q_full, q_free, nq, tok0, head0):
     to divide 64, and it is then the whole group.)"""
     BOX: gl.constexpr = q_desc.block_shape
     TOK: gl.constexpr = BOX[1]
-    for w in gl.static_range(WARPGROUPS):
+    WGS: gl.constexpr = q_smem.shape[0]
+    for w in gl.static_range(WGS):
         mbarrier.wait(q_free.index(w), (nq & 1) ^ 1, pred=nq > 0)
         mbarrier.expect(q_full.index(w), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [0, tok0 + w * TOK, head0, 0], q_full.index(w),
@@ -525,7 +525,7 @@ def _scores(qk, start, full_end, kv_end, limit, cols):
 
 
 @gluon.jit
-def _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG: gl.constexpr, tk, turns,
+def _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG: gl.constexpr, tk, turns, nxt,
                   QK: gl.constexpr):  # fmt: skip
     """An item's first tile's scores (K tile ``it``), in a turn of their own; returns them and
     the turns taken."""
@@ -538,7 +538,7 @@ def _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG: gl.constexpr, tk, tu
     qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)),
                        gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
                        use_acc=False, is_async=True)  # fmt: skip
-    _turn_pass(turn_bars, WG, turns)
+    _turn_pass(turn_bars, nxt, turns)
     return warpgroup_mma_wait(num_outstanding=0, deps=[qk]), tk
 
 
@@ -639,9 +639,19 @@ def _turn_wait(turn_bars, WG: gl.constexpr, tk, on):
 
 
 @gluon.jit
-def _turn_pass(turn_bars, WG: gl.constexpr, on):
-    """Where ``on``: MMAs issued; the other warpgroup's turn."""
-    mbarrier.arrive(turn_bars.index(1 - WG), count=1, pred=on)
+def _turn_pass(turn_bars, nxt, on):
+    """Where ``on``: MMAs issued; warpgroup ``nxt``'s turn."""
+    mbarrier.arrive(turn_bars.index(nxt), count=1, pred=on)
+
+
+@gluon.jit
+def _has_rows(W: gl.constexpr, q_tile, head_tile, q_len, GROUP: gl.constexpr,
+              HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr):  # fmt: skip
+    """Whether warpgroup W has real rows in the item: its first row is a token of the sequence
+    and a head of the group (`_warpgroup_rows`; the real rows are a prefix of the item's)."""
+    r0: gl.constexpr = W * 64
+    real = (r0 // HEAD_TILE < BLOCK_Q) & (q_tile * BLOCK_Q + r0 // HEAD_TILE < q_len)
+    return real & (head_tile * HEAD_TILE + r0 % HEAD_TILE < GROUP)
 
 
 @gluon.jit
@@ -650,9 +660,10 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
               STAGES: gl.constexpr, PINGPONG: gl.constexpr, Q_VEC: gl.constexpr,
               O_VEC: gl.constexpr, LATE_RELEASE: gl.constexpr, V_PAGES: gl.constexpr,
               Q_TMA: gl.constexpr, O_TMA: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
-    """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of the launch. PINGPONG: the two
-    warpgroups issue their MMAs in turns (module doc). LATE_RELEASE (the sequential loop): tile
-    t's stage is released just before tile t+1's P V, an item's last tile at the item's end.
+    """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of the launch. PINGPONG: the
+    warpgroups with real rows issue their MMAs in turns, round robin (module doc).
+    LATE_RELEASE (the sequential loop): tile t's stage is released just before tile t+1's P V,
+    an item's last tile at the item's end.
     V_PAGES (> 1): V tiles arrive as that many page boxes of one copy each (`_v_page`), and P V
     reads them through one layout (`_pv_pages`). Q_VEC / O_VEC: the query's / output's rows are
     aligned (`rows_aligned`): read 16 bytes a thread, written 4; else element by element. Q_TMA:
@@ -685,6 +696,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     COL: gl.constexpr = gl.SliceLayout(0, QK)
     PV_ROW: gl.constexpr = gl.SliceLayout(1, PV)
     q_buf = q_smem.index(WG)
+    WGS: gl.constexpr = q_smem.shape[0]
     n_b, n = _item_counts(work_ptr, SLOTS)
     lists = (work_ptr, n_b, n, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr)
     it = 0
@@ -698,19 +710,23 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
         )
         kv_head = slot // HEAD_TILES
         head_tile = slot % HEAD_TILES
-        # a warpgroup none of whose rows is real (a decode item's second warpgroup, or a short
+        # a warpgroup none of whose rows is real (a decode item's later warpgroups, or a short
         # last q tile) only passes the item's tiles on: waits for each, releases it (in order,
         # so its release lands in the stage's current phase), and takes no ping-pong turns
         if WG == 0:
             idle = False
         else:
-            r0: gl.constexpr = WG * ROWS
-            idle = (r0 // HEAD_TILE >= BLOCK_Q) | (q_tile * BLOCK_Q + r0 // HEAD_TILE >= q_len)
-            idle = idle | (head_tile * HEAD_TILE + r0 % HEAD_TILE >= GROUP)
-        # PINGPONG: an item takes turns only where warpgroup 1 has real rows (both warpgroups
-        # compute the same: a prefix of the rows is real); else warpgroup 0 runs it alone
-        turns = (q_tile * BLOCK_Q + ROWS // HEAD_TILE < q_len) & (ROWS // HEAD_TILE < BLOCK_Q)
-        turns = turns & (head_tile * HEAD_TILE + ROWS % HEAD_TILE < GROUP)
+            idle = ~_has_rows(WG, q_tile, head_tile, q_len, GROUP, HEAD_TILE, BLOCK_Q)
+        # PINGPONG: an item takes turns only where warpgroup 1 has real rows (every warpgroup
+        # computes the same: a prefix of the rows is real); else warpgroup 0 runs it alone.
+        # The turn passes to the next warpgroup with real rows, from the last back to 0
+        turns = _has_rows(1, q_tile, head_tile, q_len, GROUP, HEAD_TILE, BLOCK_Q)
+        # (from warpgroup 0 the turn goes to 1 whenever there are turns)
+        if WG == 0 or WG + 1 == WGS:
+            nxt = (WG + 1) % WGS
+        else:
+            has_next = _has_rows(WG + 1, q_tile, head_tile, q_len, GROUP, HEAD_TILE, BLOCK_Q)
+            nxt = has_next.to(gl.int32) * (WG + 1)
         if idle:
             if Q_TMA:  # (the producer loads every warpgroup's rows: pass the buffer on)
                 mbarrier.wait(q_full.index(WG), nq & 1)
@@ -746,11 +762,11 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             if PINGPONG:
                 # one turn issues P V of tile t and the scores of tile t+1 (the item's first
                 # scores, and the last tile's P V, take a turn of their own), then passes, so
-                # that the other warpgroup's MMAs run under this one's softmax. Both are waited
+                # that the other warpgroups' MMAs run under this one's softmax. Both are waited
                 # after the pass (P V first: issued first). Trace steps: 1 = 0 (K is waited
                 # before the turn), 2 the softmax's start, 5 the turn, the issues and the P V
                 # wait, 6 the release and the scores' wait
-                qk, tk = _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG, tk, turns,
+                qk, tk = _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG, tk, turns, nxt,
                                        QK)  # fmt: skip
                 for t in range(n_tiles - 1):
                     s = it % STAGES
@@ -775,7 +791,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     qk = warpgroup_mma(q_buf, k_smem.index(s2).permute((1, 0)),
                                        gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
                                        use_acc=False, is_async=True)  # fmt: skip
-                    _turn_pass(turn_bars, WG, turns)
+                    _turn_pass(turn_bars, nxt, turns)
                     acc, p_op = warpgroup_mma_wait(num_outstanding=1, deps=[acc, p_op])
                     _stamp(tr, jt, 5, TRACE)
                     gl.thread_barrier()
@@ -804,7 +820,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     acc = _pv_pages(p_op, v_buf, acc, V_PAGES)
                 else:
                     acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-                _turn_pass(turn_bars, WG, turns)
+                _turn_pass(turn_bars, nxt, turns)
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
                 _stamp(tr, jt, 5, TRACE)
                 gl.thread_barrier()
@@ -911,6 +927,7 @@ def _paged_prefill_sm90_kernel(
     BOX: gl.constexpr,
     Q_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [64, HEAD_D]
     PINGPONG: gl.constexpr,  # the warpgroups take turns (`PrefillConfig.turns`)
+    WGS: gl.constexpr,  # consumer warpgroups (`PrefillConfig.warpgroups`)
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     LATE_RELEASE: gl.constexpr,  # a stage released before the next P V (`_release_prev`)
@@ -926,13 +943,13 @@ def _paged_prefill_sm90_kernel(
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     KV_LAYOUT: gl.constexpr = k_desc.layout
     HEAD_TILES: gl.constexpr = (GROUP + HEAD_TILE - 1) // HEAD_TILE
-    q_smem = gl.allocate_shared_memory(dtype, [WARPGROUPS, 64, HEAD_D], Q_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, HEAD_D], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [WGS, 1], mbarrier.MBarrierLayout())
     ROW1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     # the producer's ring of item steps for the consumers (`_claim_item`, `_receive_item`)
     RING: gl.constexpr = STAGES + ITEM_RING_EXTRA
@@ -943,13 +960,13 @@ def _paged_prefill_sm90_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(s), count=1)
         mbarrier.init(v_bars.index(s), count=1)
-        mbarrier.init(empty_bars.index(s), count=WARPGROUPS)  # an arrival per warpgroup
-    for w in gl.static_range(2):
+        mbarrier.init(empty_bars.index(s), count=WGS)  # an arrival per warpgroup
+    for w in gl.static_range(WGS):
         mbarrier.init(turn_bars.index(w), count=1)
     # Q_TMA: each warpgroup's query buffer loaded (the producer's copy) and freed (the warpgroup)
-    q_full = gl.allocate_shared_memory(gl.int64, [WARPGROUPS, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [WARPGROUPS, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(WARPGROUPS):
+    q_full = gl.allocate_shared_memory(gl.int64, [WGS, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [WGS, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(WGS):
         mbarrier.init(q_full.index(w), count=1)
         mbarrier.init(q_free.index(w), count=1)
     mbarrier.arrive(turn_bars.index(0), count=1, pred=PINGPONG)  # warpgroup 0 goes first
@@ -963,18 +980,34 @@ def _paged_prefill_sm90_kernel(
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
             scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, ring,
             ring_bars, q_full, q_free, o_desc, trace_ptr)  # fmt: skip
-    gl.warp_specialize(
-        [
-            (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES, PINGPONG,
-                         Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
-            (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES, PINGPONG,
-                         Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
-            (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, GROUP,
-                         HEAD_TILE, Q_TMA, PAGING, TRACE)),
-        ],
-        [4, PRODUCER_WARPS],
-        [CONSUMER_REGS, PRODUCER_REGS],
-    )  # fmt: skip
+    if WGS == 3:
+        gl.warp_specialize(
+            [
+                (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
+                             PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
+                (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
+                             PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
+                (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
+                             PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, GROUP,
+                             HEAD_TILE, Q_TMA, PAGING, TRACE)),
+            ],
+            [4, 4, PRODUCER_WARPS],
+            [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
+                             PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
+                (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
+                             PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
+                (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, GROUP,
+                             HEAD_TILE, Q_TMA, PAGING, TRACE)),
+            ],
+            [4, PRODUCER_WARPS],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
 
 
 # -- host side ----------------------------------------------------------------------------------
@@ -1089,8 +1122,9 @@ def sm90_prefill_launches(
     head_dim = key_cache.shape[3]
     group = a["GROUP"]
     q = a["q_ptr"]
-    head_tile = min(group, 128)
-    block_q = 128 // head_tile
+    rows = 64 * cfg.warpgroups
+    head_tile = min(group, rows)
+    block_q = rows // head_tile
     slots = a["num_kv_heads"] * -(-group // head_tile)
     num_seqs = a["num_seqs"]
     num_q_tiles = max(1, -(-a["num_q_tiles"] * a["BLOCK_Q"] // block_q))
@@ -1161,6 +1195,7 @@ def sm90_prefill_launches(
         BOX=cfg.box,
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([64, head_dim], dtype),
         PINGPONG=cfg.turns,
+        WGS=cfg.warpgroups,
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,
         LATE_RELEASE=cfg.late_release,

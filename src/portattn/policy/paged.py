@@ -98,25 +98,29 @@ SM90_PREFILL_V_PAGES_MIN_BOXES = 8
 SM90_PREFILL_MIN_BOX = 16
 #: Registers per thread (``setmaxnreg``) of the worker consumer warpgroup and the producer warp.
 SM90_PREFILL_REGS = (216, 64)
+#: 32-bit registers of an sm_90 SM.
+SM90_REGISTERS = 65536
 
 
 class Sm90Tile(NamedTuple):
     """A head_dim's tile on the sm_90 prefill kernel: its stages and turns, the stages of its
-    sequential tile where the turns cannot take the query by TMA, K/V tokens a tile and the
-    setmaxnreg counts."""
+    sequential tile where the turns cannot take the query by TMA, K/V tokens a tile, the
+    setmaxnreg counts and the consumer warpgroups of its turns (the sequential tile takes two,
+    at `SM90_PREFILL_REGS`)."""
 
     stages: int
     turns: bool
     no_tma_stages: int = SM90_PREFILL_NO_TMA_STAGES
     block_n: int = SM90_PREFILL_BLOCK_N
     regs: tuple[int, int] = SM90_PREFILL_REGS
+    warpgroups: int = 2
 
 
-#: head_dim -> its tile: head_dim 64 and 128 take ping-pong turns (head_dim 64's sequential tile
-#: keeps 3 stages); head_dim 256's 64-row output needs 128 registers a thread, so its consumers
-#: take 240 and two 64-token stages fit.
+#: head_dim -> its tile: head_dim 64 and 128 take turns (head_dim 64's among three warpgroups at
+#: 160 registers, its sequential tile at 3 stages); head_dim 256's 64-row output needs 128
+#: registers a thread, so its consumers take 240 and two 64-token stages fit.
 SM90_PREFILL_TILES = {
-    64: Sm90Tile(3, True, no_tma_stages=3),
+    64: Sm90Tile(3, True, no_tma_stages=3, regs=(160, 32), warpgroups=3),
     128: Sm90Tile(3, True),
     256: Sm90Tile(2, False, block_n=64, regs=(240, 24)),
 }
@@ -217,13 +221,15 @@ class PagedTiles:
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """How the sm_90 kernel runs the prefill part of a batch (two 64-row consumer warpgroups,
-    a producer warp loading K/V by TMA page boxes).
+    """How the sm_90 kernel runs the prefill part of a batch (64-row consumer warpgroups, a
+    producer warp loading K/V by TMA page boxes).
 
     Attributes:
         block_n: context tokens per K/V tile (32, 64 or 128).
         stages: K/V tiles in flight (2..4; shared memory bounds it).
-        turns: the two warpgroups take ping-pong turns issuing their MMAs (needs 3 stages).
+        warpgroups: consumer warpgroups (2 or 3), 64 rows each: an item is ``64 x warpgroups``
+            rows of query tokens x heads.
+        turns: the warpgroups take turns issuing their MMAs, round robin (needs 3 stages).
         query_by_tma: the producer loads each item's query rows by TMA (needs ``turns``).
         out_by_tma: a consumer warpgroup whose 64 rows are all real writes them by one TMA
             copy through its query buffer (others element by element).
@@ -233,12 +239,14 @@ class PrefillConfig:
         v_pages: V tiles arrive a page box a copy (2, 4 or 8 boxes a tile; head_dim 128/256).
         paging: how the producer finds a box's page: 0 a division a box, 1 a box a page
             (``box == block_size``), 2 one division a tile (pages of a tile or more).
-        consumer_regs, producer_regs: registers per thread of the worker consumer warpgroup and
-            of the producer warp (``setmaxnreg``: multiples of 8 in [24, 256]).
+        consumer_regs, producer_regs: registers per thread of the worker consumer warpgroups
+            and of the producer warp (``setmaxnreg``: multiples of 8 in [24, 256]; the
+            producer's warpgroup and the consumers' share the SM's 64 K registers).
     """
 
     block_n: int = SM90_PREFILL_BLOCK_N
     stages: int = 2
+    warpgroups: int = 2
     turns: bool = False
     query_by_tma: bool = False
     out_by_tma: bool = False
@@ -657,9 +665,10 @@ def sm90_prefill(target: Target, problem: PagedProblem) -> bool:
 
 
 def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
-    """The sm_90 kernel's configuration for ``problem``: the head_dim's tile (turns only with
-    the query by TMA), ``box`` and ``paging`` from the page size, the late release and V by
-    page boxes at the box counts of their constants, where they fit.
+    """The sm_90 kernel's configuration for ``problem``: the head_dim's tile (turns, and
+    head_dim 64's third warpgroup, only with the query by TMA), ``box`` and ``paging`` from the
+    page size, the late release and V by page boxes at the box counts of their constants, where
+    they fit.
 
     Raises:
         ValueError: a problem `sm90_prefill` does not give the sm_90 kernel.
@@ -677,20 +686,23 @@ def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
         raise ValueError("prefill_config: " + why)
     tile = SM90_PREFILL_TILES[p.head_dim]
     stages, turns, block_n = tile.stages, tile.turns, tile.block_n
+    warpgroups, regs = tile.warpgroups, tile.regs
     by_tma = query_by_tma_fits(p)
     if turns and not by_tma:
         stages, turns = tile.no_tma_stages, False
+        warpgroups, regs = 2, SM90_PREFILL_REGS
     box = box_rows(p.block_size, block_n)
     cfg = PrefillConfig(
         block_n=block_n,
         stages=stages,
+        warpgroups=warpgroups,
         turns=turns,
         query_by_tma=turns and by_tma,
         out_by_tma=out_by_tma_fits(p),
         box=box,
         paging=paging_mode(p.block_size, box, block_n),
-        consumer_regs=tile.regs[0],
-        producer_regs=tile.regs[1],
+        consumer_regs=regs[0],
+        producer_regs=regs[1],
     )
     late = replace(cfg, stages=3, late_release=True)
     if (
@@ -761,12 +773,12 @@ def v_pages_fit(problem: PagedProblem, cfg: PrefillConfig) -> bool:
 
 def prefill_smem_bytes(cfg: PrefillConfig, head_dim: int, elem: int = 2) -> int:
     """Shared memory the sm_90 kernel allocates, an upper bound: Q (64 rows a warpgroup), the K
-    and V stages, the barriers (3 a stage, 2 turns, 2 a warpgroup for the query), the item ring
-    (a word and a barrier a slot) and 1 KB for Triton's alignment."""
-    q = 2 * 64 * head_dim * elem
+    and V stages, the barriers (3 a stage, 3 a warpgroup: its turn and its query's two), the
+    item ring (a word and a barrier a slot) and 1 KB for Triton's alignment."""
+    q = cfg.warpgroups * 64 * head_dim * elem
     kv = 2 * cfg.stages * cfg.block_n * head_dim * elem
     ring = (cfg.stages + SM90_PREFILL_RING_EXTRA) * (4 + 8)
-    bars = 3 * cfg.stages + 2 + 2 * 2
+    bars = 3 * cfg.stages + 3 * cfg.warpgroups
     return q + kv + bars * 8 + ring + 1024
 
 
@@ -785,6 +797,7 @@ def prefill_config_errors(target: Target, problem: PagedProblem, cfg: PrefillCon
         ),
         (cfg.block_n in (32, 64, 128), f"block_n must be 32, 64 or 128; got {cfg.block_n}"),
         (2 <= cfg.stages <= 4, f"stages must be in [2, 4]; got {cfg.stages}"),
+        (cfg.warpgroups in (2, 3), f"warpgroups must be 2 or 3; got {cfg.warpgroups}"),
         (not cfg.turns or cfg.stages >= 3, f"turns need stages >= 3; got {cfg.stages}"),
         (not cfg.query_by_tma or cfg.turns, "query_by_tma needs turns"),
         (
@@ -817,6 +830,17 @@ def prefill_config_errors(target: Target, problem: PagedProblem, cfg: PrefillCon
         rules.append(
             (24 <= regs <= 256 and regs % 8 == 0, f"{name} must be a multiple of 8 in [24, 256]")
         )
+    # warpgroup 0 takes what the workers leave (at least as many as they): the producer's
+    # warpgroup and the consumers' 128 threads each within 64 K registers
+    regs = 128 * (cfg.warpgroups * cfg.consumer_regs + cfg.producer_regs)
+    rules.append(
+        (
+            regs <= SM90_REGISTERS,
+            f"{cfg.warpgroups} consumer warpgroups at consumer_regs {cfg.consumer_regs} and the "
+            f"producer's at producer_regs {cfg.producer_regs} need {regs} registers > "
+            f"{SM90_REGISTERS}",
+        )
+    )
     smem = prefill_smem_bytes(cfg, p.head_dim, p.elem_bytes)
     rules.append(
         (smem <= target.max_shared_mem, f"shared memory {smem} B > {target.max_shared_mem}")
