@@ -731,11 +731,6 @@ def paging_mode(block_size: int, box: int, block_n: int) -> int:
     return 2 if block_size >= block_n else 0
 
 
-def _head_tile(problem: PagedProblem) -> int:
-    """Query heads a 128-row item takes of one group."""
-    return min(problem.group, 128)
-
-
 def query_by_tma_fits(problem: PagedProblem) -> bool:
     """Whether TMA can load a warpgroup's 64 query rows as one box: aligned rows, whole
     64-column groups (the 128-byte swizzle's), 64 rows of whole tokens of the head tile."""
@@ -751,8 +746,9 @@ def out_by_tma_fits(problem: PagedProblem) -> bool:
 def _box_of_rows(problem: PagedProblem) -> bool:
     """A warpgroup's 64 rows of ``[tokens, heads, head_dim]`` as one TMA box: whole 64-column
     groups (the 128-byte swizzle's), 64 rows of whole tokens of the head tile."""
-    head_tile = _head_tile(problem)
-    return problem.head_dim % 64 == 0 and head_tile <= 64 and 64 % head_tile == 0
+    # an item's head tile is the whole group up to its 128 or 192 rows: 64 rows hold whole
+    # tokens of it where the group divides 64
+    return problem.head_dim % 64 == 0 and 64 % problem.group == 0
 
 
 def v_pages_fit(problem: PagedProblem, cfg: PrefillConfig) -> bool:
