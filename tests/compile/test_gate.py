@@ -192,17 +192,25 @@ def test_an_arch_allowance_wins_over_its_vendors():
     assert case.allowance("hip", "gfx942") == 0
 
 
-def test_only_the_sm90_head_dim_256_prefill_cases_are_allowed_spills():
+def test_only_the_sm90_prefill_cases_at_head_dim_256_and_64_are_allowed_spills():
     """The sm_90 prefill kernel's head_dim-256 cases (16-bit NHD prefill with a 128-row tile of
-    work: GQA 5:1 and 8:1 at 64 query tokens, not MHA's 64 rows), on sm_90 alone: the portable
-    tiles every other target and problem compiles keep no allowance."""
+    work: GQA 5:1 and 8:1 at 64 query tokens, not MHA's 64 rows) and its head_dim-64 cases on
+    three warpgroups (GQA 8:1; GQA 5:1's query cannot come by TMA: two warpgroups, no
+    allowance), on sm_90 alone: the portable tiles every other target and problem compiles keep
+    no allowance."""
     from portattn.compile import default_cases
+    from portattn.compile.cases import SM90_HD64_SPILL_ALLOWANCE, SM90_HD256_SPILL_ALLOWANCE
 
-    allowed = {c.name for c in default_cases(["paged_attention"]) if c.allowance("cuda", "sm_90")}
+    cases = default_cases(["paged_attention"])
+    allowed = {c.name: c.allowance("cuda", "sm_90") for c in cases if c.allowance("cuda", "sm_90")}
+    hd256 = dict(SM90_HD256_SPILL_ALLOWANCE)["sm_90"]
+    hd64 = dict(SM90_HD64_SPILL_ALLOWANCE)["sm_90"]
     assert allowed == {
-        *(f"hd256 {g} bs{bs} NHD prefill" for g in ("gqa5", "gqa8") for bs in (16, 80, 544, 2048)),
-        "hd256 gqa5 bs16 NHD prefill fp16",
-        "hd256 gqa5 bs2048 NHD prefill fp16",
-    }
-    for case in default_cases(["paged_attention"]):
+        **{f"hd256 {g} bs{bs} NHD prefill": hd256 for g in ("gqa5", "gqa8")
+           for bs in (16, 80, 544, 2048)},
+        "hd256 gqa5 bs16 NHD prefill fp16": hd256,
+        "hd256 gqa5 bs2048 NHD prefill fp16": hd256,
+        **{f"hd64 gqa8 bs{bs} NHD prefill": hd64 for bs in (16, 80, 544, 2048)},
+    }  # fmt: skip
+    for case in cases:
         assert case.allowance("cuda", "sm_80") == case.allowance("hip", "gfx942") == 0, case.id

@@ -39,7 +39,7 @@ import torch
 
 from portattn.kernels._launch import Launch
 from portattn.platform import Target, get_target
-from portattn.policy.paged import PagedConfig, PagedProblem, sm90_prefill
+from portattn.policy.paged import PagedConfig, PagedProblem, prefill_config, sm90_prefill
 
 META = torch.device("meta")
 # The serving dtype every axis below is compiled in; the other dtypes an op accepts (`api_dtypes`)
@@ -376,21 +376,24 @@ SM90_HD64_SPILL_REASON = (
 
 
 def _paged_allowance(case: Case) -> Case:
-    """``case`` with the sm_90 prefill kernel's allowance (`SM90_HD256_SPILL_ALLOWANCE`,
-    `SM90_HD64_SPILL_ALLOWANCE`) where that kernel serves it at head_dim 256 or 64 (the policy's
-    `sm90_prefill` on the case's problem)."""
+    """``case`` with the sm_90 prefill kernel's allowance where that kernel serves it (the
+    policy's `sm90_prefill` on the case's problem): at head_dim 256
+    (`SM90_HD256_SPILL_ALLOWANCE`), and at head_dim 64 where its config takes three warpgroups
+    (`SM90_HD64_SPILL_ALLOWANCE`)."""
     p = dict(case.params)
     elem = getattr(torch, p["dtype"]).itemsize if "dtype" in p else DTYPE.itemsize
     problem = PagedProblem(p["num_q_heads"], p["num_kv_heads"], p["head_dim"], elem,
                            p["max_query_len"], p["block_size"],
                            shuffled=p["layout"] == "SHUFFLE")  # fmt: skip
-    allowances = {
-        256: (SM90_HD256_SPILL_ALLOWANCE, SM90_HD256_SPILL_REASON),
-        64: (SM90_HD64_SPILL_ALLOWANCE, SM90_HD64_SPILL_REASON),
-    }
-    if p["head_dim"] not in allowances or not sm90_prefill(get_target("sm_90"), problem):
+    sm90 = get_target("sm_90")
+    if p["head_dim"] not in (64, 256) or not sm90_prefill(sm90, problem):
         return case
-    allowance, reason = allowances[p["head_dim"]]
+    if p["head_dim"] == 256:
+        allowance, reason = SM90_HD256_SPILL_ALLOWANCE, SM90_HD256_SPILL_REASON
+    elif prefill_config(sm90, problem).warpgroups == 3:
+        allowance, reason = SM90_HD64_SPILL_ALLOWANCE, SM90_HD64_SPILL_REASON
+    else:
+        return case
     return dataclasses.replace(case, spill_allowance=allowance, spill_reason=reason)
 
 
