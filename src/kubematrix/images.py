@@ -222,8 +222,9 @@ def default_image(vendor: str, commit: str) -> str:
         try:
             # plain fields only: a format's attribute or index lookups ({commit.x}) are refused
             fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
-            if any(f not in ("vendor", "commit") for f in fields):
-                raise KeyError(next(f for f in fields if f not in ("vendor", "commit")))
+            unknown = [f for f in fields if f not in ("vendor", "commit")]
+            if unknown:
+                raise KeyError(unknown[0])
             image = template.format(vendor=vendor, commit=commit)
         except (KeyError, IndexError, ValueError) as exc:
             raise ValueError(

@@ -96,7 +96,8 @@ SM90_PREFILL_LATE_RELEASE_BOXES = (2, 4)
 SM90_PREFILL_V_PAGES_MIN_BOXES = 8
 #: Smallest TMA box (rows of one page): pages must be a multiple of it.
 SM90_PREFILL_MIN_BOX = 16
-#: Registers per thread (``setmaxnreg``) of the worker consumer warpgroup and the producer warp.
+#: Registers per thread (``setmaxnreg``) of the worker consumer warpgroup and the producer warp
+#: in the two-warpgroup tiles.
 SM90_PREFILL_REGS = (216, 64)
 #: 32-bit registers of an sm_90 SM.
 SM90_REGISTERS = 65536
