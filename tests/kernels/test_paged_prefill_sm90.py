@@ -178,6 +178,12 @@ def test_a_config_without_prefill_runs_the_portable_kernel():
         ({"heads": (40, 8)}, dict(turns=True, stages=3, query_by_tma=True),
          "query_by_tma needs 16-byte aligned query rows"),
         ({"heads": (40, 8)}, dict(out_by_tma=True), "out_by_tma needs 16-byte aligned output"),
+        ({}, dict(out_by_tma=False),
+         "out_via_keys needs out_by_tma, turns and 64 x warpgroups <= block_n; got out_by_tma "
+         "False, turns True, warpgroups 2, block_n 128"),
+        ({}, dict(warpgroups=3, consumer_regs=160, producer_regs=32, block_n=64, box=16,
+                  v_pages=False, stages=3),
+         "out_via_keys needs .* warpgroups 3, block_n 64"),
         ({"block_size": 2048}, dict(v_pages=True), "v_pages needs 2, 4 or 8 boxes a tile"),
         ({"block_size": 80}, dict(paging=1), "paging 1 needs box == block_size"),
         ({}, dict(box=32), "box 32 must divide block_size 16"),
@@ -192,7 +198,7 @@ def test_a_config_without_prefill_runs_the_portable_kernel():
         ({}, dict(warpgroups=3, consumer_regs=160, producer_regs=32), "shared memory 24"),
         ({"target": get_target("sm_100")}, {}, "needs an sm_90 target; got sm_100"),
         ({"head_dim": 96}, {}, r"needs head_dim in \(64, 128, 256\); got 96"),
-        ({"head_dim": 256}, {}, "shared memory 459956 B > 232448"),
+        ({"head_dim": 256}, {}, "shared memory 460104 B > 232448"),
     ],
 )  # fmt: skip
 def test_a_given_config_is_checked_against_the_target_and_the_call(kwargs, changes, why):
@@ -349,12 +355,29 @@ def test_policy_stores_the_output_by_tma_where_a_box_holds_a_warpgroups_rows(pro
     assert prefill_config(SM90, problem).out_by_tma is want
 
 
+@pytest.mark.parametrize(
+    ("problem", "want"),
+    [
+        (_problem(), True),  # 2 warpgroups' 128 rows in a 128-token K tile
+        (_problem(block_size=2048), True),
+        (_problem(head_dim=64), False),  # 3 warpgroups' 192 rows > 128 tokens
+        (_problem(head_dim=256), False),  # 64-token tiles, no turns
+        (_problem(out_rows_aligned=False), False),  # (no output by TMA)
+        (_problem(query_rows_aligned=False), False),  # no query by TMA: no turns
+    ],
+)
+def test_policy_stages_the_output_in_the_last_k_tile_where_its_rows_fit(problem, want):
+    cfg = prefill_config(SM90, problem)
+    assert cfg.out_via_keys is want
+    assert not cfg.out_via_keys or (cfg.out_by_tma and cfg.turns)
+
+
 def test_output_by_tma_descriptor_is_a_warpgroups_rows():
     """The output's descriptor views it as the query's does ([column groups, tokens, heads,
     64]); an unaligned output keeps element stores, and a caller's config cannot ask for TMA
     there."""
     a = _main_args()
-    assert a["O_TMA"] is True
+    assert a["O_TMA"] == 2  # (through the last K tile: `test_policy_stages_the_output_...`)
     assert list(a["o_desc"].block_shape) == [2, 16, 4, 64]
     assert list(a["o_desc"].strides) == [64, 32 * 128, 128, 1]
     assert a["o_desc"].base is a["out_ptr"]
@@ -367,7 +390,7 @@ def test_output_by_tma_descriptor_is_a_warpgroups_rows():
     kw = dict(target=SM90, out=out, max_query_len=512, max_seq_len=4096)
     (main,) = [x for x in plan_paged_attention(q, cache, cache, bt, sl, qsl, **kw)
                if x.name == PREFILL]  # fmt: skip
-    assert (main.args["O_TMA"], main.args["Q_TMA"], main.args["O_VEC"]) == (False, True, False)
+    assert (main.args["O_TMA"], main.args["Q_TMA"], main.args["O_VEC"]) == (0, True, False)
     with pytest.raises(ValueError, match="out_by_tma needs 16-byte aligned output rows"):
         plan_paged_attention(q, cache, cache, bt, sl, qsl, config=_config(), **kw)
 
@@ -610,7 +633,7 @@ def _query_copies(q_tma: bool, block_size: int) -> tuple[bool, int, int, int, in
     sm_90 (a spawned worker)."""
     # (the output by element stores on both sides: only the query's path differs)
     launch, compiled, spills = _compiled_main(
-        block_size, dict(query_by_tma=q_tma, out_by_tma=False)
+        block_size, dict(query_by_tma=q_tma, out_by_tma=False, out_via_keys=False)
     )
     ptx = compiled.asm["ptx"]
     return (launch.args["Q_TMA"], spills, compiled.metadata.shared,
@@ -640,10 +663,11 @@ def test_query_by_tma_compiles_for_sm90_without_spills():
         assert atomics == off[5] == 2
 
 
-def _output_stores(o_tma: bool) -> tuple[bool, int, int, int | None]:
+def _output_stores(o_tma: bool, via_keys: bool) -> tuple[int, int, int, int | None]:
     """(the O_TMA arg, TMA stores, their waits, spills) of the mixed batch's sm_90 launch at
-    block 16 with the output by TMA or not, compiled for sm_90 (a spawned worker)."""
-    launch, compiled, spills = _compiled_main(16, dict(out_by_tma=o_tma))
+    block 16 with the output by TMA (through the query buffer or the last K tile) or not,
+    compiled for sm_90 (a spawned worker)."""
+    launch, compiled, spills = _compiled_main(16, dict(out_by_tma=o_tma, out_via_keys=via_keys))
     ptx = compiled.asm["ptx"]
     stores = ptx.count("cp.async.bulk.tensor.4d.global.shared::cta")
     return launch.args["O_TMA"], stores, ptx.count("cp.async.bulk.wait_group.read"), spills
@@ -652,16 +676,20 @@ def _output_stores(o_tma: bool) -> tuple[bool, int, int, int | None]:
 @target_compile
 def test_output_by_tma_compiles_to_a_bulk_store_a_warpgroup():
     """With the output by TMA each consumer warpgroup's epilogue has its bulk tensor store and
-    the wait for TMA to have read the buffer; without, none; spills within the compile gate's
-    16 B either way."""
+    a wait for TMA to have read the buffer (through the last K tile: the wait before the
+    stage's release, at the next item or the program's end); without, none; spills within the
+    compile gate's 16 B every way."""
     from tests.helpers import in_spawned_workers
 
-    got = in_spawned_workers(_output_stores, [(True,), (False,)])
-    on, off = got[(True,)], got[(False,)]
-    assert on[0] is True and off[0] is False
-    assert on[1] >= 2 and on[2] >= 2, on  # (ptxas may duplicate a path: not an exact count)
-    assert off[1] == off[2] == 0, off
-    assert on[3] <= 16 and off[3] <= 16, (on, off)
+    got = in_spawned_workers(_output_stores, [(True, False), (True, True), (False, False)])
+    off = got[(False, False)]
+    for via_keys in (False, True):
+        on = got[(True, via_keys)]
+        assert on[0] == (2 if via_keys else 1)
+        assert on[1] >= 2 and on[2] >= 2, on  # (ptxas may duplicate a path: not an exact count)
+        assert on[3] <= 16, on
+    assert off[0] == 0 and off[1] == off[2] == 0, off
+    assert off[3] <= 16, off
 
 
 def _warpgroups_build(warpgroups: int, block_size: int) -> tuple[int, int, int, int, list[int]]:
@@ -767,7 +795,11 @@ def _traced_ptx_counts(turns: bool) -> tuple[int, int, int | None]:
     """(global timer reads, clock reads, ptxas spill bytes) of the traced launch compiled for
     sm_90: the sequential tile, or with ``turns`` the policy's (turns at 3 stages, the query by
     TMA). Run in a spawned process (`_compiled_main`)."""
-    changes = {} if turns else dict(turns=False, query_by_tma=False, stages=2, v_pages=False)
+    changes = (
+        {}
+        if turns
+        else dict(turns=False, query_by_tma=False, out_via_keys=False, stages=2, v_pages=False)
+    )
     main, compiled, spills = _compiled_main(2048, changes, trace=True)
     assert main.args["PINGPONG"] is main.args["Q_TMA"] is turns
     ptx = compiled.asm["ptx"]
@@ -875,11 +907,12 @@ def test_gpu_sm90_prefill_query_and_output_forms(form, q_tma):
     b.query = restride(b.query)
     out = restride(torch.zeros_like(b.query))
     config = None if q_tma else _config(turns=True, stages=3, query_by_tma=False,
-                                        out_by_tma=aligned)  # fmt: skip
+                                        out_by_tma=aligned, out_via_keys=aligned)  # fmt: skip
     mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
     kw = dict(max_query_len=mql, max_seq_len=msl, out=out, config=config)
     (main,) = [x for x in plan_paged_attention(*b.args(), **kw) if x.name == PREFILL]
-    assert main.args["Q_VEC"] is main.args["O_VEC"] is main.args["O_TMA"] is aligned
+    assert main.args["Q_VEC"] is main.args["O_VEC"] is aligned
+    assert main.args["O_TMA"] == (2 if aligned else 0)
     assert main.args["Q_TMA"] is (q_tma and aligned)
     got = paged_attention(*b.args(), **kw)
     torch.cuda.synchronize()
@@ -891,18 +924,24 @@ def test_gpu_sm90_prefill_query_and_output_forms(form, q_tma):
 
 GPU_CONFIGS = {
     "policy": {},
-    "sequential": dict(turns=False, query_by_tma=False, stages=2),
-    "sequential, 3 stages": dict(turns=False, query_by_tma=False, stages=3),
-    "late release": dict(turns=False, query_by_tma=False, stages=3, late_release=True),
+    "sequential": dict(turns=False, query_by_tma=False, out_via_keys=False, stages=2),
+    "sequential, 3 stages": dict(turns=False, query_by_tma=False, out_via_keys=False, stages=3),
+    "late release": dict(
+        turns=False, query_by_tma=False, out_via_keys=False, stages=3, late_release=True
+    ),
     "turns, query loads": dict(turns=True, query_by_tma=False, stages=3),
     "v pages": dict(v_pages=True),
     "paging 0": dict(paging=0),
-    "output stores": dict(out_by_tma=False),
-    "sequential, output stores": dict(turns=False, query_by_tma=False, stages=2, out_by_tma=False),
+    "output stores": dict(out_by_tma=False, out_via_keys=False),
+    "output through the query buffer": dict(out_via_keys=False),
+    "sequential, output stores": dict(
+        turns=False, query_by_tma=False, stages=2, out_by_tma=False, out_via_keys=False
+    ),
     "two warpgroups": dict(warpgroups=2, consumer_regs=216, producer_regs=64),
     "three warpgroups, 64 tokens": dict(
         warpgroups=3,
         block_n=64,
+        out_via_keys=False,
         box=16,
         paging=0,
         v_pages=False,
@@ -941,7 +980,8 @@ def test_gpu_sm90_prefill_configs(name):
         kw = dict(max_query_len=mql, max_seq_len=msl, config=config)
         (main,) = [x for x in plan_paged_attention(*b.args(), **kw) if x.name == PREFILL]
         assert main.args["PINGPONG"] is config.prefill.turns
-        assert main.args["O_TMA"] is config.prefill.out_by_tma
+        p = config.prefill
+        assert main.args["O_TMA"] == (2 if p.out_via_keys else int(p.out_by_tma))
         out = paged_attention(*b.args(), **kw)
         torch.cuda.synchronize()
         check(b, out)
@@ -1046,7 +1086,7 @@ def test_gpu_sm90_prefill_cached_calls_write_each_calls_output():
     outs = [torch.full_like(b.query, float("nan")) for _ in range(2)]
     (main,) = [x for x in plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl,
                                                out=outs[0]) if x.name == PREFILL]  # fmt: skip
-    assert main.args["O_TMA"] is True
+    assert main.args["O_TMA"] == 2  # (through the last K tile)
     hits = PLANS.hits
     for out in outs:
         paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl, out=out)

@@ -13,8 +13,9 @@ A first, small launch (`_work_list_kernel`, one program per sequence) writes the
 (sequence, q tile) entries of the prefill sequences, heaviest q tile first within a sequence,
 and a second list of the decode sequences. The grid is persistent (one program per SM): each
 program's producer claims the next item of one launch-wide order (`item_order`: the decode items
-spread evenly among the prefill items) from a counter (`_claim_item`) and hands it to its
-warpgroups through a ring in shared memory (`_receive_item`), so the programs end together and
+spread evenly among the prefill items) from a counter (`_claim_item`) and hands it, with what its
+metadata says, to its warpgroups through a ring in shared memory (`_receive_item`: no global
+reads at an item's start), so the programs end together and
 a few programs stream a decode item's cache while the rest run prefill tiles. No host read of
 the metadata: the launch is CUDA-graph safe. A warpgroup whose rows are all padding (a decode
 item's later warpgroups) skips the math and only releases each tile.
@@ -34,9 +35,12 @@ through one shared layout of the boxes (`_pages_layout`). ``Q_TMA``: the produce
 query rows by TMA into a warpgroup's buffer once the warpgroup freed it (`_load_query`,
 `_query_freed`); otherwise each warpgroup reads its rows (16 bytes a thread where ``Q_VEC``: a
 partition cannot see the launch's alignment, `rows_aligned`). ``O_TMA``: a warpgroup whose rows are
-all real tokens writes them by one TMA copy through its query buffer (`_store_out`), freeing the
-buffer once TMA has read it; others store element by element (`_store_rows`, 4 bytes a thread where
-``O_VEC``).
+all real tokens writes them by one TMA copy (`_store_out`) through its query buffer (1), freeing the
+buffer once TMA has read it, or (2) through its 64-row share of the item's last K tile
+(`_key_share`, once every warpgroup's last scores have returned: ``k_read``), releasing that stage
+once TMA has read it, under the next item's first scores (`_release_held`); the query buffer is
+then free at the last scores, and the next item's query loads under the epilogue. Others store
+element by element (`_store_rows`, 4 bytes a thread where ``O_VEC``).
 
 The rows of a sequence's last page past ``seq_len`` may hold anything (NaN): their scores are
 masked, and before P V each warpgroup zeroes them in the V tile.
@@ -75,6 +79,7 @@ from portattn.kernels._launch import Launch, check_trace_buffer, rows_aligned
 from portattn.policy.common import LaunchOptions
 from portattn.policy.paged import (
     SM90_PREFILL_RING_EXTRA,
+    SM90_PREFILL_RING_WORDS,
     SM90_PREFILL_TILES,
     PrefillConfig,
 )
@@ -202,11 +207,10 @@ def _item_counts(work_ptr, SLOTS: gl.constexpr):
 
 
 @gluon.jit
-def _item_at(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr):
+def _item_at(lists, step, SLOTS: gl.constexpr):
     """Item ``step`` of the launch's order (`item_order`; ``n_b``, ``n`` from `_item_counts`,
     the decode list at ``work[b_off]``): its sequence, head slot, q tile, query start and
-    length, context length before the queries, the end of its KV range, where its masked tiles
-    start, and its tiles."""
+    length, and sequence length."""
     work_ptr, n_b, n, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr = lists
     # the launch's steps x decode items can pass 2^31
     k = ((step.to(gl.int64) * n_b) // n).to(gl.int32)
@@ -219,6 +223,13 @@ def _item_at(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: g
     q_start = gl.load(qsl_ptr + seq)
     q_len = gl.load(qsl_ptr + seq + 1) - q_start
     seq_len = gl.load(seq_lens_ptr + seq)
+    return seq, slot, q_tile, q_start, q_len, seq_len
+
+
+@gluon.jit
+def _item_span(q_tile, q_len, seq_len, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr):
+    """An item's context length before its queries, the end of its KV range, where its masked
+    tiles start, and its tiles."""
     ctx_len = seq_len - q_len
     kv_end = gl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
     full_end = (ctx_len + q_tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N
@@ -226,7 +237,7 @@ def _item_at(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: g
     # a CUDA graph) would give none, and items without tiles would let the producer run more than
     # the ring ahead of the warpgroups (`ITEM_RING_EXTRA`); its rows come out NaN
     n_tiles = gl.maximum(gl.cdiv(kv_end, BLOCK_N), 1)
-    return seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles
+    return ctx_len, kv_end, full_end, n_tiles
 
 
 #: Ring slots past the stages (`_claim_item`): the producer writes item s's slot after the wait
@@ -235,39 +246,72 @@ def _item_at(lists, step, SLOTS: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: g
 ITEM_RING_EXTRA = gl.constexpr(SM90_PREFILL_RING_EXTRA)
 
 
+#: Words of a ring slot (`_claim_item`): the step, then the item's head slot, q tile, query start
+#: and length, and sequence length (the rest unused).
+RING_WORDS = gl.constexpr(SM90_PREFILL_RING_WORDS)
+
+
 @gluon.jit
-def _claim_item(ctr_ptr, ring, ring_bars, step):
-    """The producer's next item: the launch's next unclaimed step (one atomic increment), handed
-    to the consumer warpgroups through slot ``step % R`` of ``ring`` (`_receive_item`); a step
-    past the last tells them to stop."""
+def _claim_item(ctr_ptr, lists, ring, ring_bars, step, SLOTS: gl.constexpr):
+    """The producer's next item: the launch's next unclaimed step (one atomic increment) and,
+    below the launch's ``n`` steps, its `_item_at`; both handed to the consumer warpgroups
+    through slot ``step % R`` of ``ring`` (`_receive_item`), so that they start the item
+    without global reads. A step past the last tells them to stop."""
     R: gl.constexpr = ring.shape[0]
+    n = lists[2]
     g = gl.atomic_add(ctr_ptr, 1)
-    L: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    ring.index(step % R).store(gl.full([1], g, gl.int32, layout=L))
+    seq = g * 0
+    slot = seq
+    q_tile = seq
+    q_start = seq
+    q_len = seq
+    seq_len = seq
+    if g < n:
+        seq, slot, q_tile, q_start, q_len, seq_len = _item_at(lists, g, SLOTS)
+    L: gl.constexpr = gl.BlockedLayout([RING_WORDS], [32], [gl.num_warps()], [0])
+    i = gl.arange(0, RING_WORDS, layout=L)
+    words = gl.where(i == 0, g, 0) + gl.where(i == 1, slot, 0) + gl.where(i == 2, q_tile, 0)
+    words += gl.where(i == 3, q_start, 0) + gl.where(i == 4, q_len, 0)
+    words += gl.where(i == 5, seq_len, 0)
+    ring.index(step % R).store(words)
     gl.thread_barrier()  # every lane's store before the arrival (as before a stage release)
     mbarrier.arrive(ring_bars.index(step % R), count=1)
-    return g
+    return g, seq, slot, q_tile, q_start, q_len, seq_len
+
+
+@gluon.jit
+def _ring_word(words, i, k: gl.constexpr):
+    """Word ``k`` of a ring slot read by `_receive_item` (every word in each thread)."""
+    return gl.sum(gl.where(i == k, words, 0), axis=0)
 
 
 @gluon.jit
 def _receive_item(ring, ring_bars, step):
-    """A consumer warpgroup's ``step``-th item: what the producer's `_claim_item` put in slot
-    ``step % R``."""
+    """A consumer warpgroup's ``step``-th item, as the producer's `_claim_item` put it in slot
+    ``step % R``: the step, head slot, q tile, query start and length, and sequence length."""
     R: gl.constexpr = ring.shape[0]
     mbarrier.wait(ring_bars.index(step % R), (step // R) & 1)
-    L: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    v = ring.index(step % R).load(L)
+    L: gl.constexpr = gl.BlockedLayout([RING_WORDS], [32], [gl.num_warps()], [0])
+    i = gl.arange(0, RING_WORDS, layout=L)
+    words = ring.index(step % R).load(L)
     # every warp has read the slot before any of them releases a stage (a release is one
     # thread's arrival; the path that passes tiles on has no barrier before it)
     gl.thread_barrier()
-    return gl.max(v, axis=0)
+    return (
+        _ring_word(words, i, 0),
+        _ring_word(words, i, 1),
+        _ring_word(words, i, 2),
+        _ring_word(words, i, 3),
+        _ring_word(words, i, 4),
+        _ring_word(words, i, 5),
+    )
 
 
 @gluon.jit
 def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, BOX: gl.constexpr, V_PAGES: gl.constexpr,
               GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, Q_TMA: gl.constexpr,
-              PAGING: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+              Q_AT: gl.constexpr, PAGING: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
     """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page, box by
     box (K, V, K, V, ...) once the stage is released. K: a 2-D box of [BOX, HEAD_D] (one copy a
     64-column group under the 128-byte swizzle). V: see `_copy_v`. Q_TMA: after the copies of
@@ -291,11 +335,11 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
     it = 0
     nq = 0  # items whose query rows were loaded (Q_TMA)
     step = 0
-    cur = _claim_item(ctr_ptr, ring, ring_bars, step)
+    cur, seq, slot, q_tile, q_start, q_len, seq_len = _claim_item(
+        ctr_ptr, lists, ring, ring_bars, step, SLOTS
+    )
     while cur < n:
-        seq, slot, q_tile, q_start, _, seq_len, _, _, _, n_tiles = _item_at(
-            lists, cur, SLOTS, BLOCK_Q, BLOCK_N
-        )
+        n_tiles = _item_span(q_tile, q_len, seq_len, BLOCK_Q, BLOCK_N)[3]
         kv_head = slot // HEAD_TILES
         bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt_seq
         kcol = kv_head * stride_kcol
@@ -320,29 +364,32 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
                 _copy_k(k_desc, k_buf, k_bars.index(s), row, kcol, b, BOX)
                 _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
             nq = _query_step(q_desc, q_smem, q_full, q_free, nq, t, n_tiles, q_start, q_tile,
-                             kv_head, slot, STAGES, BLOCK_Q, GROUP, HEAD_TILES, HEAD_TILE,
+                             kv_head, slot, Q_AT, BLOCK_Q, GROUP, HEAD_TILES, HEAD_TILE,
                              Q_TMA)  # fmt: skip
             _stamp(tr, jt, 2, TRACE)
             it += 1
         step += 1
-        cur = _claim_item(ctr_ptr, ring, ring_bars, step)
+        cur, seq, slot, q_tile, q_start, q_len, seq_len = _claim_item(
+            ctr_ptr, lists, ring, ring_bars, step, SLOTS
+        )
     _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
 
 
 @gluon.jit
 def _query_step(q_desc, q_smem, q_full, q_free, nq, t, n_tiles, q_start, q_tile, kv_head, slot,
-                STAGES: gl.constexpr, BLOCK_Q: gl.constexpr, GROUP: gl.constexpr,
+                Q_AT: gl.constexpr, BLOCK_Q: gl.constexpr, GROUP: gl.constexpr,
                 HEAD_TILES: gl.constexpr, HEAD_TILE: gl.constexpr,
                 Q_TMA: gl.constexpr):  # fmt: skip
-    """Q_TMA: the producer's copy of an item's query rows (`_load_query`) at its tile ``t``
-    once that is ``STAGES - 1`` (or the item's last); returns the items whose query was loaded.
-    In an item of at least STAGES tiles that tile's stage was the previous item's last, so its
-    warpgroups' last scores have returned and the wait for their buffers is over (a shorter item
-    may wait here); waiting at the item's first tile held the copies back to within a tile of
-    the warpgroups at every item boundary."""
+    """Q_TMA: the producer's copy of an item's query rows (`_load_query`) after the copies of
+    its tile ``Q_AT`` (or its last); returns the items whose query was loaded. ``Q_AT`` is the
+    first tile whose stage the previous item releases once the warpgroups may have freed
+    their query buffers: ``STAGES - 1`` (that item's last tile's stage), or ``STAGES - 2``
+    where that stage holds the item's output until its epilogue (O_TMA 2, which frees the query
+    buffers at the last scores). Waiting at the item's first tile held the copies back
+    to within a tile of the warpgroups at every item boundary."""
     if Q_TMA:  # noqa: SIM102 (a constexpr branch around a runtime one)
-        if t == gl.minimum(STAGES - 1, n_tiles - 1):
+        if t == gl.minimum(Q_AT, n_tiles - 1):
             _load_query(q_desc, q_smem, q_full, q_free, nq, q_start + q_tile * BLOCK_Q,
                         kv_head * GROUP + (slot % HEAD_TILES) * HEAD_TILE)  # fmt: skip
             nq += 1
@@ -408,12 +455,25 @@ def _copy_v(v_desc, v_buf, bar, row, vcol, b: gl.constexpr, BOX: gl.constexpr,
 
 
 @gluon.jit
-def _query_box(q_smem, w: gl.constexpr, box: gl.constexpr):
-    """Warpgroup ``w``'s query buffer ([64, HEAD_D], NVMMA) as the Q_TMA box ``[column groups of
-    64, tokens, heads, 64]`` (`_q_descriptor`): the same bytes, row ``token x HEAD_TILE + head``
-    (`_warpgroup_rows`), column halves major."""
+def _rows_box(buf, box: gl.constexpr):
+    """A warpgroup's rows buffer ([64, HEAD_D], NVMMA: its query buffer, or its share of a K
+    tile) as the Q_TMA / O_TMA box ``[column groups of 64, tokens, heads, 64]``
+    (`_q_descriptor`): the same bytes, row ``token x HEAD_TILE + head`` (`_warpgroup_rows`),
+    column halves major."""
     L4: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
-    return q_smem.index(w)._reinterpret(q_smem.dtype, box, L4)
+    return buf._reinterpret(buf.dtype, box, L4)
+
+
+@gluon.jit
+def _key_share(k_smem, s, WG: gl.constexpr):
+    """O_TMA 2: warpgroup WG's 64-row share of stage ``s``'s K tile, as a [64, HEAD_D] rows
+    buffer (its bytes ``[WG x 64 x HEAD_D, (WG + 1) x 64 x HEAD_D)`` of the tile, under the
+    query buffer's layout)."""
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    HEAD_D: gl.constexpr = k_smem.shape[2]
+    L2: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    shares = k_smem.index(s)._reinterpret(k_smem.dtype, [BLOCK_N // 64, 64, HEAD_D], L2)
+    return shares.index(WG)
 
 
 @gluon.jit
@@ -431,7 +491,7 @@ def _load_query(q_desc, q_smem, q_full, q_free, nq, tok0, head0):
         mbarrier.wait(q_free.index(w), (nq & 1) ^ 1, pred=nq > 0)
         mbarrier.expect(q_full.index(w), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [0, tok0 + w * TOK, head0, 0], q_full.index(w),
-                                        _query_box(q_smem, w, BOX))  # fmt: skip
+                                        _rows_box(q_smem.index(w), BOX))  # fmt: skip
 
 
 @gluon.jit
@@ -441,6 +501,18 @@ def _query_freed(q_free, WG: gl.constexpr, Q_TMA: gl.constexpr):
     if Q_TMA:
         gl.thread_barrier()
         mbarrier.arrive(q_free.index(WG), count=1)
+
+
+@gluon.jit
+def _scores_done(q_free, k_read, WG: gl.constexpr, Q_TMA: gl.constexpr, O_TMA: gl.constexpr):
+    """A consumer warpgroup's score MMAs of the item have all returned: its query buffer is free
+    (`_query_freed`) and, O_TMA 2, its arrival on ``k_read`` (every warpgroup's: the item's last
+    K tile is read, `_key_share` may take the output)."""
+    gl.thread_barrier()
+    if Q_TMA:
+        mbarrier.arrive(q_free.index(WG), count=1)
+    if O_TMA == 2:
+        mbarrier.arrive(k_read, count=1)
 
 
 @gluon.jit
@@ -461,20 +533,35 @@ def _store_rows(output, WG: gl.constexpr, o, item, GROUP: gl.constexpr, HEAD_TIL
 
 
 @gluon.jit
-def _store_out(o_desc, q_smem, WG: gl.constexpr, o, tok0, head0):
+def _store_out(o_desc, buf, WG: gl.constexpr, o, tok0, head0, WAIT: gl.constexpr):
     """O_TMA, a consumer warpgroup: its 64 output rows ``o`` (tokens from ``tok0``, heads from
-    ``head0``, as `_load_query` reads them) through its query buffer to the output by one TMA
-    copy (`_q_descriptor` on the output); returns once TMA has read the buffer, so the next
-    item's query may overwrite it."""
+    ``head0``, as `_load_query` reads them) through the rows buffer ``buf`` (its query buffer or
+    its `_key_share`) to the output by one TMA copy (`_q_descriptor` on the output). WAIT:
+    returns once TMA has read the buffer, so that it may be overwritten; else `_release_held`
+    waits later."""
     BOX: gl.constexpr = o_desc.block_shape
     TOK: gl.constexpr = BOX[1]
-    q_smem.index(WG).store(o)
+    buf.store(o)
     fence_async_shared()
     gl.thread_barrier()  # every warp's rows in the buffer before the copy
     tma.async_copy_shared_to_global(o_desc, [0, tok0 + WG * TOK, head0, 0],
-                                    _query_box(q_smem, WG, BOX))  # fmt: skip
-    tma.store_wait(0)
-    gl.thread_barrier()  # the copy has read the buffer before any warp writes it again
+                                    _rows_box(buf, BOX))  # fmt: skip
+    if WAIT:
+        tma.store_wait(0)
+        gl.thread_barrier()  # the copy has read the buffer before any warp writes it again
+
+
+@gluon.jit
+def _release_held(empty_bars, held, O_TMA: gl.constexpr):
+    """O_TMA 2: the stage ``held`` (>= 0) whose K tile holds this warpgroup's last output copy,
+    released once TMA has read it (the copy runs under the next item's first scores); returns
+    -1 (no stage held)."""
+    if O_TMA == 2:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if held >= 0:
+            tma.store_wait(0)
+            gl.thread_barrier()
+            mbarrier.arrive(empty_bars.index(held), count=1)
+    return held * 0 - 1
 
 
 @gluon.jit
@@ -673,9 +760,11 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok,
      stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim, scale_log2, k_smem,
      v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, ring, ring_bars, q_full, q_free,
-     o_desc, trace_ptr) = rt  # fmt: skip
+     k_read, o_desc, trace_ptr) = rt  # fmt: skip
     # (the sequential loop frees no query buffer)
     gl.static_assert(not Q_TMA or PINGPONG, "Q_TMA: only with ping-pong turns")
+    # (the sequential loop releases the last tile's stage before the epilogue)
+    gl.static_assert(O_TMA != 2 or PINGPONG, "O_TMA 2: only with ping-pong turns")
     tr = _trace_part(trace_ptr, WG)
     _stamp(tr, TRACE_TILES + 0 * b_off, 0, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 1, TRACE, True)
@@ -698,16 +787,14 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     q_buf = q_smem.index(WG)
     WGS: gl.constexpr = q_smem.shape[0]
     n_b, n = _item_counts(work_ptr, SLOTS)
-    lists = (work_ptr, n_b, n, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr)
     it = 0
     tk = 0  # turns taken (PINGPONG)
     nq = 0  # items whose query rows the producer loaded (Q_TMA)
+    held = -1  # O_TMA 2: the stage whose K tile holds an output copy in flight
     step = 0
-    cur = _receive_item(ring, ring_bars, step)
+    cur, slot, q_tile, q_start, q_len, seq_len = _receive_item(ring, ring_bars, step)
     while cur < n:
-        seq, slot, q_tile, q_start, q_len, seq_len, ctx_len, kv_end, full_end, n_tiles = _item_at(
-            lists, cur, SLOTS, BLOCK_Q, BLOCK_N
-        )
+        ctx_len, kv_end, full_end, n_tiles = _item_span(q_tile, q_len, seq_len, BLOCK_Q, BLOCK_N)
         kv_head = slot // HEAD_TILES
         head_tile = slot % HEAD_TILES
         # a warpgroup none of whose rows is real (a decode item's later warpgroups, or a short
@@ -728,9 +815,11 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             has_next = _has_rows(WG + 1, q_tile, head_tile, q_len, GROUP, HEAD_TILE, BLOCK_Q)
             nxt = has_next.to(gl.int32) * (WG + 1)
         if idle:
+            held = _release_held(empty_bars, held, O_TMA)
             if Q_TMA:  # (the producer loads every warpgroup's rows: pass the buffer on)
                 mbarrier.wait(q_full.index(WG), nq & 1)
-                _query_freed(q_free, WG, Q_TMA)
+            if Q_TMA or O_TMA == 2:
+                _scores_done(q_free, k_read, WG, Q_TMA, O_TMA)
             for _t in range(n_tiles):
                 s = it % STAGES
                 ph = (it // STAGES) & 1
@@ -768,6 +857,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 # wait, 6 the release and the scores' wait
                 qk, tk = _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG, tk, turns, nxt,
                                        QK)  # fmt: skip
+                held = _release_held(empty_bars, held, O_TMA)
                 for t in range(n_tiles - 1):
                     s = it % STAGES
                     jt = trace_slot(it, TRACE, TRACE_TILES)
@@ -799,8 +889,10 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
                     _stamp(tr, jt, 6, TRACE)
                     it += 1
-                if not O_TMA:  # (the item's last scores have returned; else after the epilogue)
-                    _query_freed(q_free, WG, Q_TMA)
+                # the item's last scores have returned (O_TMA 1: the query buffer holds the
+                # output, freed after the epilogue)
+                if O_TMA != 1:
+                    _scores_done(q_free, k_read, WG, Q_TMA, O_TMA)
                 # the last tile: its softmax, then its P V in a turn of its own
                 s = it % STAGES
                 start = (n_tiles - 1) * BLOCK_N
@@ -823,8 +915,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 _turn_pass(turn_bars, nxt, turns)
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
                 _stamp(tr, jt, 5, TRACE)
-                gl.thread_barrier()
-                mbarrier.arrive(empty_bars.index(s), count=1)
+                if O_TMA != 2:  # (O_TMA 2: the stage holds the output; released after it)
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty_bars.index(s), count=1)
                 _stamp(tr, jt, 6, TRACE)
                 it += 1
             else:
@@ -867,23 +960,36 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             # real tokens (every head of the tile is, `out_by_tma_fits`), one TMA copy of whole
             # lines through its query buffer; rows past the sequence are the next one's, so a
             # partial warpgroup's go by `_store_rows` --
-            o = (acc / gl.convert_layout(l_i, PV_ROW)[:, None]).to(dtype)
+            o = (acc * gl.convert_layout(1.0 / l_i, PV_ROW)[:, None]).to(dtype)
             item = (q_tile, head_tile, kv_head, q_start, q_len)
             output = (out_ptr, stride_o_tok, stride_o_head, stride_o_dim)
             if O_TMA:
+                last = (it - 1) % STAGES
                 if q_tile * BLOCK_Q + (WG * ROWS + ROWS - 1) // HEAD_TILE < q_len:
-                    _store_out(o_desc, q_smem, WG, o, q_start + q_tile * BLOCK_Q,
-                               kv_head * GROUP + head_tile * HEAD_TILE)  # fmt: skip
+                    if O_TMA == 2:  # every warpgroup's last scores have read the K tile
+                        mbarrier.wait(k_read, nq & 1)
+                        buf = _key_share(k_smem, last, WG)
+                    else:
+                        buf = q_buf
+                    _store_out(o_desc, buf, WG, o, q_start + q_tile * BLOCK_Q,
+                               kv_head * GROUP + head_tile * HEAD_TILE, O_TMA != 2)  # fmt: skip
+                    if O_TMA == 2:  # (released once TMA has read it, `_release_held`)
+                        held = last
                 else:
                     _store_rows(output, WG, o, item, GROUP, HEAD_TILE, BLOCK_Q, O_VEC)
-                _query_freed(q_free, WG, Q_TMA)  # (the buffer held the output until TMA read it)
+                    if O_TMA == 2:  # the last tile's stage: every warp's P V has returned
+                        gl.thread_barrier()
+                        mbarrier.arrive(empty_bars.index(last), count=1)
+                if O_TMA == 1:  # (the query buffer held the output until TMA read it)
+                    _query_freed(q_free, WG, Q_TMA)
             else:
                 _store_rows(output, WG, o, item, GROUP, HEAD_TILE, BLOCK_Q, O_VEC)
             _stamp(tr, trace_slot(it - 1, TRACE, TRACE_TILES), 8, TRACE)
         nq += 1
         step += 1
-        cur = _receive_item(ring, ring_bars, step)
+        cur, slot, q_tile, q_start, q_len, seq_len = _receive_item(ring, ring_bars, step)
         _stamp(tr, trace_slot(it - 1, TRACE, TRACE_TILES), 9, TRACE)
+    _release_held(empty_bars, held, O_TMA)  # (the last copy read before the program ends)
     _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
 
@@ -935,7 +1041,8 @@ def _paged_prefill_sm90_kernel(
     Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
     O_VEC: gl.constexpr,  # the output's rows aligned
     Q_TMA: gl.constexpr,  # the producer loads the query rows (`_load_query`)
-    O_TMA: gl.constexpr,  # whole warpgroups' output rows go by TMA (`_store_out`)
+    O_TMA: gl.constexpr,  # whole warpgroups' rows go by TMA (`_store_out`): 1 through the
+    # query buffer, 2 through the last K tile (`_key_share`); 0 element by element
     PAGING: gl.constexpr,  # how a tile's boxes find their pages (`_tile_rows`)
     trace_ptr,  # int64 clock stamps (TRACE only)
     TRACE: gl.constexpr,
@@ -943,6 +1050,8 @@ def _paged_prefill_sm90_kernel(
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     KV_LAYOUT: gl.constexpr = k_desc.layout
     HEAD_TILES: gl.constexpr = (GROUP + HEAD_TILE - 1) // HEAD_TILE
+    # the producer's query copy for an item follows its tile Q_AT's (`_query_step`)
+    Q_AT: gl.constexpr = STAGES - 1 - (O_TMA == 2)
     q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, HEAD_D], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
@@ -953,7 +1062,7 @@ def _paged_prefill_sm90_kernel(
     ROW1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     # the producer's ring of item steps for the consumers (`_claim_item`, `_receive_item`)
     RING: gl.constexpr = STAGES + ITEM_RING_EXTRA
-    ring = gl.allocate_shared_memory(gl.int32, [RING, 1], ROW1)  # (one slot's layout)
+    ring = gl.allocate_shared_memory(gl.int32, [RING, RING_WORDS], ROW1)
     ring_bars = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     for r in gl.static_range(RING):
         mbarrier.init(ring_bars.index(r), count=1)
@@ -969,6 +1078,9 @@ def _paged_prefill_sm90_kernel(
     for w in gl.static_range(WGS):
         mbarrier.init(q_full.index(w), count=1)
         mbarrier.init(q_free.index(w), count=1)
+    # O_TMA 2: every warpgroup's last scores of an item have returned (`_scores_done`)
+    k_read = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(k_read, count=WGS)
     mbarrier.arrive(turn_bars.index(0), count=1, pred=PINGPONG)  # warpgroup 0 goes first
     fence_async_shared()
     prod = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
@@ -979,7 +1091,7 @@ def _paged_prefill_sm90_kernel(
     cons = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
             scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, ring,
-            ring_bars, q_full, q_free, o_desc, trace_ptr)  # fmt: skip
+            ring_bars, q_full, q_free, k_read, o_desc, trace_ptr)  # fmt: skip
     if WGS == 3:
         gl.warp_specialize(
             [
@@ -990,7 +1102,7 @@ def _paged_prefill_sm90_kernel(
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, GROUP,
-                             HEAD_TILE, Q_TMA, PAGING, TRACE)),
+                             HEAD_TILE, Q_TMA, Q_AT, PAGING, TRACE)),
             ],
             [4, 4, PRODUCER_WARPS],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
@@ -1003,7 +1115,7 @@ def _paged_prefill_sm90_kernel(
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, GROUP,
-                             HEAD_TILE, Q_TMA, PAGING, TRACE)),
+                             HEAD_TILE, Q_TMA, Q_AT, PAGING, TRACE)),
             ],
             [4, PRODUCER_WARPS],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -1203,7 +1315,7 @@ def sm90_prefill_launches(
         Q_VEC=rows_aligned(q),
         O_VEC=rows_aligned(a["out_ptr"]),
         Q_TMA=cfg.query_by_tma,
-        O_TMA=cfg.out_by_tma,
+        O_TMA=2 if cfg.out_via_keys else int(cfg.out_by_tma),
         PAGING=cfg.paging,
         # a placeholder pointer when off (never read)
         trace_ptr=trace if trace is not None else a["seq_lens_ptr"],
