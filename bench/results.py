@@ -239,6 +239,10 @@ def render(doc: dict) -> str:
 
 _DEVICE = re.compile(r"^- Device: \*\*(.+)\*\*; torch (\S+), Triton (\S+), Python (\S+)$")
 _RUN = re.compile(r"^- Run (\d+), (\S+) at `([^`]+)`: (.+)$")
+#: A run line of a page of one tree (`render`: no number, no commit) and that page's commit.
+_RUN_ONE_TREE = re.compile(r"^- Run (\S+): (`[^`]+`.*)$")
+_COMMIT = re.compile(r"^- Commit: `([^`]+)`")
+_ONLY = re.compile(r"--only (\S+)")
 _FORCED = re.compile(r" (\S+) tiles$")
 #: A family's failure and skip lines (`render`), which a page keeps until a run of the family.
 _FAILED = re.compile(r"^- \*\*Family `([^`]+)` failed\*\*: (.*)$")
@@ -250,9 +254,11 @@ class PageError(ValueError):
 
 
 def read_page(text: str) -> dict:
-    """What a page `render` wrote from several runs of several trees gives a later merge: the
-    device, versions and method, each run's line (by its number) and each family's rows (their
-    cells as written, the run each names, a forced policy from a ``<arch> tiles`` name).
+    """What a page `render` wrote gives a later merge: the device, versions and method, each
+    run's line (by its number) and each family's rows (their cells as written, their run, a
+    forced policy from a ``<arch> tiles`` name). A page of several trees names each row's run;
+    on a page of one tree (its runs unnumbered, its commit on the Commit line) a row belongs to
+    the last run whose command ran its family (``--only``, or every family).
 
     Raises:
         PageError: not such a page (a line it needs is missing or malformed).
@@ -260,8 +266,11 @@ def read_page(text: str) -> dict:
     titles = {v: k for k, v in TITLES.items()}
     page: dict = dict(runs={}, rows=[], families=[], timing_meaningful=True, errors=[],
                       skipped=[])  # fmt: skip
-    family, cols = None, []
+    family, cols, commit = None, [], None
+    ran: dict[int, set[str] | None] = {}  # a one-tree page's runs: their families (None: all)
     for n, line in enumerate(text.splitlines(), 1):
+        if (m := _COMMIT.match(line)) and commit is None:
+            commit = m[1]
         if m := _DEVICE.match(line):
             page.update(zip(("device", "torch", "triton", "python"), m.groups(), strict=True))
         elif line.startswith("- Method: "):
@@ -275,6 +284,12 @@ def read_page(text: str) -> dict:
         elif m := _RUN.match(line):
             page["runs"][int(m[1])] = dict(date=m[2], commit=m[3], page_line=m[4],
                                            compare="; compared with `" in m[4])  # fmt: skip
+        elif (m := _RUN_ONE_TREE.match(line)) and commit is not None:
+            number = len(page["runs"]) + 1
+            page["runs"][number] = dict(date=m[1], commit=commit, page_line=m[2],
+                                        compare="; compared with `" in m[2])  # fmt: skip
+            only = _ONLY.search(m[2].split("`")[1])
+            ran[number] = set(only[1].split(",")) if only else None
         elif line.startswith("## "):
             family = titles.get(line[3:], line[3:])
             page["families"].append(family)
@@ -283,10 +298,17 @@ def read_page(text: str) -> dict:
             cols = [c.strip() for c in line.strip("|").split("|")]
         elif line.startswith("| ") and family is not None and cols:
             cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-            if len(cells) != len(cols) or "run" not in cols:
+            if len(cells) != len(cols) or ("run" not in cols and not ran):
                 raise PageError(f"line {n}: a row of {len(cells)} cells under the columns {cols} "
-                                "(a page of several runs names each row's run)")  # fmt: skip
+                                "(a page of several trees names each row's run; one of one "
+                                "tree lists its runs first)")  # fmt: skip
             row = dict(zip(cols, cells, strict=True))
+            if "run" not in cols:  # one tree: the last run that ran the row's family
+                owners = [k for k, fams in ran.items() if fams is None or family in fams]
+                if not owners:
+                    raise PageError(f"line {n}: row {cells[0]!r} of family {family!r}, which no "
+                                    "run of the page ran")  # fmt: skip
+                row["run"] = str(owners[-1])
             if not row["run"].isdigit() or int(row["run"]) not in page["runs"]:
                 raise PageError(f"line {n}: row {cells[0]!r} names run {row['run']!r}, which the "
                                 "page does not list")  # fmt: skip

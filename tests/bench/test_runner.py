@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -315,13 +316,50 @@ def test_results_merge_new_runs_into_a_page(tmp_path):
     c["device"] = "NVIDIA H100"
     with pytest.raises(SystemExit, match="the runs differ from the page in device"):
         results.main([_write(tmp_path, "c", c), "--page", str(page)])
-    single = tmp_path / "ONE.md"
-    assert results.main([str(tmp_path / "a.json"), "--out", str(single)]) == 0
-    with pytest.raises(SystemExit, match=f"--page {single}: not a page of several runs: line 15: "
-                       r"a row of 6 cells .* names each row's run"):  # fmt: skip
-        results.main([str(tmp_path / "b.json"), "--page", str(single)])
+    broken = tmp_path / "BROKEN.md"  # a row with a cell too few
+    broken.write_text(page.read_text().replace(" | 1 |\n", " |\n", 1))
+    with pytest.raises(SystemExit, match=f"--page {broken}: not a page of several runs: line "
+                       r"\d+: a row of 6 cells .* names each row's run"):  # fmt: skip
+        results.main([str(tmp_path / "b.json"), "--page", str(broken)])
     with pytest.raises(SystemExit, match="--page .*missing.md: cannot read"):
         results.main([str(tmp_path / "b.json"), "--page", str(tmp_path / "missing.md")])
+
+
+def test_results_merge_a_run_into_a_page_of_one_tree(tmp_path):
+    """A page of one tree (runs unnumbered, no run column) takes a run of another tree: each
+    kept row belongs to the last of the page's runs whose command ran its family, and the
+    merged page names every row's run; a row no run of the page ran is refused by name."""
+    a, p = fixture_doc(), fixture_doc()
+    a["commit"], a["command"] = "aaa1111", "python -m bench.run --only paged"
+    a["families"], a["rows"] = ["paged"], [r for r in a["rows"] if r["family"] == "paged"]
+    p["commit"], p["date"] = "aaa1111", "2026-12-04T13:00:00+00:00"
+    p["command"] = "python -m bench.run --only prefill"
+    p["families"], p["rows"] = ["prefill"], [r for r in p["rows"] if r["family"] == "prefill"]
+    page = tmp_path / "ONE.md"
+    assert results.main([_write(tmp_path, "a", a), _write(tmp_path, "p", p),
+                         "--out", str(page)]) == 0  # fmt: skip
+    assert "2 runs of one tree" in page.read_text()
+    c = fixture_doc()
+    c["commit"], c["date"], c["command"] = "ccc3333", "2026-12-05T09:00:00+00:00", "third"
+    c["families"], c["rows"] = ["prefill"], [dict(p["rows"][0], time_us=999.0)]
+    out = tmp_path / "NEW.md"
+    assert results.main([_write(tmp_path, "c", c), "--page", str(page), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert re.search(r"^- Run 1, \S+ at `aaa1111`: `python -m bench.run --only paged`", text, re.M)
+    assert re.search(r"^- Run 2, 2026-12-04T13:00:00\+00:00 at `aaa1111`: `python -m bench.run "
+                     r"--only prefill`", text, re.M)  # fmt: skip
+    assert re.search(r"^- Run 3, 2026-12-05T09:00:00\+00:00 at `ccc3333`: `third`", text, re.M)
+    rows = {line.split(" | ")[0][2:]: line for line in text.splitlines()
+            if line.startswith(("| decode", "| prefill", "| mixed"))}  # fmt: skip
+    runs = {n: line.rsplit("|", 2)[1].strip() for n, line in rows.items()}
+    # the paged rows: the page's --only paged run; the prefill row run again: the new run
+    assert {runs[r["name"]] for r in a["rows"]} == {"1"}
+    assert runs[p["rows"][0]["name"]] == "3" and "| 999.0 |" in rows[p["rows"][0]["name"]]
+    assert all(runs[r["name"]] == "2" for r in p["rows"][1:])
+    orphan = tmp_path / "ORPHAN.md"  # a table no run of the page ran
+    orphan.write_text(page.read_text().replace("--only paged", "--only cache"))
+    with pytest.raises(SystemExit, match=r"row '.*' of family 'paged', which no run of the page"):
+        results.main([str(tmp_path / "c.json"), "--page", str(orphan)])
 
 
 def test_a_pages_failures_and_skips_stand_until_their_family_runs_again(tmp_path):
