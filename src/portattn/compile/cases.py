@@ -367,8 +367,8 @@ SM90_HD256_SPILL_REASON = "sm_90 prefill kernel's head_dim-256 output (SM90_HD25
 
 # At head_dim 64 its turns run three consumer warpgroups: 160 registers a consumer thread and 32 a
 # producer's fill the SM's 64 K, so ptxas parks an item's values (the consumers, outside the tile
-# loop's MMAs) and, where each box needs a division (paging 0), some of the producer's per tile;
-# the bytes measured are in docs/decisions.md. Stated for sm_90 alone.
+# loop's MMAs) and, where each box needs a division (paging 0), some of the producer's per tile.
+# Stated for sm_90 alone.
 SM90_HD64_SPILL_ALLOWANCE: tuple[tuple[str, int], ...] = (("sm_90", 160),)
 SM90_HD64_SPILL_REASON = (
     "sm_90 prefill kernel's three warpgroups at head_dim 64 (SM90_HD64_SPILL_ALLOWANCE)"
