@@ -1,5 +1,6 @@
-"""Tiles for one prefill row: each candidate checked against the fp64 oracle, then timed as the
-bench times a row, beside the policy's own tiles.
+"""Tiles for one prefill row: each candidate checked against the fp64 oracle, then all timed as
+the bench times a row, in turns (each repetition times every candidate once, so their ratios
+hold on a drifting clock), beside the policy's own tiles.
 
 For a row the sm_90 prefill kernel does not serve (fp32, SHUFFLE, ...), this asks
 whether the portable kernel's policy leaves speed behind: ``plan_paged_attention(tiles=)``
@@ -100,29 +101,44 @@ def parse_changes(text: str) -> dict:
     return out
 
 
-def _time(ctx, b, out, flops, label: str, **kw) -> None:
-    """Check one planned call against the oracle, time it and print its line (a call the
-    compiler or the launch refuses is listed, not fatal)."""
-    try:
-        launches = plan_paged_attention(*b.args, out=out, max_query_len=b.max_query_len,
-                                        max_seq_len=b.max_seq_len, **kw)  # fmt: skip
+def report(ctx: core.Context, b, flops: int, cands: list[tuple[str, dict, Any]]) -> list[str]:
+    """A line per candidate: each planned and checked against the oracle alone (a call the
+    compiler or the launch refuses, or that answers wrong, is listed with why, not fatal), then
+    every checked one timed together (`core.Context.time_together`: each repetition times them
+    all in turn, so a drifting clock moves them alike and their ratios hold)."""
+    lines: dict[str, str] = {}
+    timed: list[tuple[str, Any, Any]] = []  # (label, call, the attention launch's kernel)
+    for label, kw, _ in cands:
+        out = torch.empty_like(b.query)
+        try:
+            launches = plan_paged_attention(*b.args, out=out, max_query_len=b.max_query_len,
+                                            max_seq_len=b.max_seq_len, **kw)  # fmt: skip
 
-        def call(launches=launches):
-            return [launch.run() for launch in launches]
+            def call(launches=launches):
+                return [launch.run() for launch in launches]
 
-        check, us, _ = ctx.checked_time_us(call, out, lambda: core.check_paged(b, out))
-        # compiled by now: the attention launch's registers, spills and MMAs
-        (kernel,) = [k for x, k in zip(launches, call(), strict=True) if x.name in MAIN]
-    except Exception as err:  # noqa: BLE001 - a refused candidate is a line of the report
-        print(f"{label:24} failed: {type(err).__name__}: {str(err).splitlines()[0][:90]}")
-        torch.cuda.synchronize()
-        return
-    if us is None:
-        print(f"{label:24} wrong: {check}")
-        return
-    print(f"{label:24} {us:10.1f} µs  {core.rate(flops, us, 1e12):6.1f} TFLOP/s  "
-          f"regs {kernel.n_regs} spills {kernel.n_spills}  "
-          f"{mma_shapes(kernel.asm['ptx'])}", flush=True)  # fmt: skip
+            check = ctx.check_once(call, out, lambda out=out: core.check_paged(b, out))
+            # compiled by now: the attention launch's registers, spills and MMAs
+            (kernel,) = [k for x, k in zip(launches, call(), strict=True) if x.name in MAIN]
+        except Exception as err:  # noqa: BLE001 - a refused candidate is a line of the report
+            why = f"{type(err).__name__}: {str(err).splitlines()[0][:90]}"
+            lines[label] = f"{label:24} failed: {why}"
+            if ctx.meaningful:
+                torch.cuda.synchronize()
+            continue
+        if not check["passed"]:
+            lines[label] = f"{label:24} wrong: {check}"
+            continue
+        timed.append((label, call, kernel))
+    times = ctx.time_together([call for _, call, _ in timed]) if timed else []
+    for (label, _, kernel), (us, _how) in zip(timed, times, strict=True):
+        asm = getattr(kernel, "asm", {}) or {}
+        lines[label] = (
+            f"{label:24} {us:10.1f} µs  {core.rate(flops, us, 1e12):6.1f} TFLOP/s  "
+            f"regs {getattr(kernel, 'n_regs', None)} spills {getattr(kernel, 'n_spills', None)}  "
+            f"{mma_shapes(asm.get('ptx', ''))}"
+        )
+    return [lines[label] for label, _, _ in cands]
 
 
 def candidates(target, problem: PagedProblem, changes: list[dict]) -> list[tuple[str, dict, Any]]:
@@ -181,16 +197,19 @@ def main(argv=None) -> int:
     core.require_gpu("bench.diag.prefill_tiles")
     ctx = core.Context("cuda", reps=opts.reps)
     b, flops = _batch(opts.row, "cuda")
-    out = torch.empty_like(b.query)
-    hq, hkv, d = b.query.shape[1], b.key_cache.shape[2], b.query.shape[2]
-    target = current_target()
-    problem = PagedProblem(hq, hkv, d, b.query.element_size(), b.max_query_len,
-                           b.key_cache.shape[1], len(b.seqs), b.max_seq_len)  # fmt: skip
-    cands = candidates(target, problem, changes)
-    print(f"device: {torch.cuda.get_device_name()}; row {opts.row}; policy {cands[0][2]}")
-    for label, kw, _ in cands:
-        _time(ctx, b, out, flops, label, **kw)
+    cands = candidates(current_target(), problem_of(b), changes)
+    print(f"device: {torch.cuda.get_device_name()}; row {opts.row}; policy {cands[0][2]}; "
+          f"{opts.reps} repetitions, the candidates in turn", flush=True)  # fmt: skip
+    for line in report(ctx, b, flops, cands):
+        print(line)
     return 0
+
+
+def problem_of(b) -> PagedProblem:
+    """The policy's view of a bench batch (`bench.inputs.PagedBatch`)."""
+    hq, hkv, d = b.query.shape[1], b.key_cache.shape[2], b.query.shape[2]
+    return PagedProblem(hq, hkv, d, b.query.element_size(), b.max_query_len,
+                        b.key_cache.shape[1], len(b.seqs), b.max_seq_len)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -267,6 +267,38 @@ def test_prefill_tiles_reads_sm90_config_changes_and_refuses_bad_ones():
         prefill_tiles.main(["--sm90", "stages=x"])
 
 
+@pytest.mark.cpu
+def test_prefill_tiles_checks_each_candidate_then_times_them_together():
+    """Under the interpreter (CPU, host clock): a line per candidate in the candidates' order,
+    each checked candidate with its time, a refused one with why and no time; the timed ones
+    go to one `core.Context.time_together` (its repetitions interleave them)."""
+    import dataclasses
+
+    from bench.diag import prefill_tiles
+
+    from bench import core, prefill
+    from portattn.platform import target_for_tensor
+
+    b, flops = prefill_tiles._batch("prefill 2x48 4/2/64 bs16", "cpu", prefill.QUICK)
+    cands = prefill_tiles.candidates(target_for_tensor(b.query), prefill_tiles.problem_of(b), [])
+    label, kw, tiles = cands[0]
+    # a tile the kernel refuses: block_n not a power of two
+    bad = dataclasses.replace(tiles, block_n=24)
+    picked = [cands[0], ("n24", dict(kw, tiles=bad), bad), cands[1]]
+    together = []
+
+    class Ctx(core.Context):
+        def time_together(self, fns, graph=True):
+            together.append(len(fns))
+            return super().time_together(fns, graph)
+
+    lines = prefill_tiles.report(Ctx("cpu", quick=True), b, flops, picked)
+    assert [line.split()[0] for line in lines] == ["policy", "n24", cands[1][0].split()[0]]
+    assert " µs " in lines[0] and " µs " in lines[2], lines
+    assert "failed:" in lines[1] and " µs " not in lines[1], lines[1]
+    assert together == [2]
+
+
 # -- mla_splits ------------------------------------------------------------------------------
 
 
