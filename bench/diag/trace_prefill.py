@@ -16,10 +16,14 @@ oracle first), times the traced and the plain call (what the stamps cost), and p
 * the kernel's ends: the launch's spread (global timer), the start to the first tile, the last
   release to the end (the epilogue), and the clock rate.
 
+The traced launch runs the policy's `PrefillConfig` for the row, or that config with the
+changes ``--sm90`` gives (``field=value,...``, as `bench.diag.prefill_tiles` reads them); its
+tile and warpgroups shape the summary.
+
 Usage (GPU machine, repository root)::
 
     PYTHONPATH=src python3 -m bench.diag.trace_prefill --points "prefill 8x4096 32/8/128" \
-        --blocks 16 2048
+        --blocks 16 2048 [--sm90 stages=3,v_pages=0]
 
 Numbers are diagnostics, not serving figures.
 """
@@ -27,6 +31,7 @@ Numbers are diagnostics, not serving figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 
@@ -35,7 +40,10 @@ import torch
 
 import portattn
 from bench import core, inputs, prefill
+from bench.diag import prefill_tiles
 from portattn.compile.__main__ import at_least  # the argparse rule, shared
+from portattn.platform import current_target
+from portattn.policy.paged import PagedConfig, PrefillConfig, paged_config
 
 #: consumer steps: (name, from event, to event); "+0" is the warpgroup's next tile's event 0
 STEPS = [
@@ -199,6 +207,15 @@ def analyse(
     return res
 
 
+def launch_config(target, problem, changes: dict, name: str) -> PrefillConfig:
+    """The traced launch's config: the policy's for ``problem`` (row ``name``) with
+    ``changes``; a row the sm_90 kernel does not serve ends the run, naming it."""
+    cfg = paged_config(target, problem).prefill
+    if cfg is None:
+        raise SystemExit(f"trace_prefill: the sm_90 prefill kernel does not serve {name!r}")
+    return dataclasses.replace(cfg, **changes)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.diag.trace_prefill",
                                  description=__doc__.splitlines()[0])  # fmt: skip
@@ -206,11 +223,14 @@ def main(argv=None) -> int:
         "--points", nargs="+", default=["prefill 8x4096 32/8/128"], choices=sorted(prefill.FULL)
     )
     ap.add_argument("--blocks", type=at_least(1), nargs="+", default=[16])
-    ap.add_argument("--block-n", type=at_least(1), default=128,
-                    help="the launch's K/V tile (keys)")  # fmt: skip
-    ap.add_argument("--warpgroups", type=int, choices=(1, 2, 3), default=2,
-                    help="the launch's consumer warpgroups (partition 3: producer)")  # fmt: skip
+    ap.add_argument("--sm90", default="", metavar="CHANGES",
+                    help="field=value,... of PrefillConfig: the traced launch runs the "
+                         "policy's config with these changes")  # fmt: skip
     args = ap.parse_args(argv)
+    try:
+        changes = prefill_tiles.parse_changes(args.sm90) if args.sm90 else {}
+    except ValueError as err:
+        ap.error(str(err))
     core.require_gpu("bench.diag.trace_prefill")
     from portattn.kernels.paged_prefill_sm90 import trace_shape
 
@@ -224,7 +244,9 @@ def main(argv=None) -> int:
             b = inputs.paged_batch(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                                    block_size=bs, dtype=prefill.DTYPE, device="cuda")  # fmt: skip
             out = torch.empty_like(b.query)
-            kw = dict(out=out, max_query_len=b.max_query_len, max_seq_len=b.max_seq_len)
+            cfg = launch_config(current_target(), prefill_tiles.problem_of(b), changes, name)
+            kw = dict(out=out, max_query_len=b.max_query_len, max_seq_len=b.max_seq_len,
+                      config=PagedConfig(prefill=cfg))  # fmt: skip
 
             def plain(b=b, kw=kw):
                 portattn.paged_attention(*b.args, **kw)
@@ -235,7 +257,7 @@ def main(argv=None) -> int:
             out.normal_()  # stale values must not pass the check
             traced()
             check = core.check_paged(b, out)
-            print(f"== {name} block {bs}: check {check}")
+            print(f"== {name} block {bs}, {cfg}: check {check}")
             if not check["passed"]:
                 return 1
             buf.fill_(-1)
@@ -244,7 +266,7 @@ def main(argv=None) -> int:
             stamps = buf.view(shape).cpu().numpy()
             us = {label: ctx.time_us(fn)[0] for label, fn in (("plain", plain), ("traced", traced))}
             print(f"  median: plain {us['plain']:.1f} us, traced {us['traced']:.1f} us")
-            analyse(stamps, head_dim=d, block_n=args.block_n, warpgroups=args.warpgroups)
+            analyse(stamps, head_dim=d, block_n=cfg.block_n, warpgroups=cfg.warpgroups)
             del b, out
             torch.cuda.empty_cache()
     return 0

@@ -192,6 +192,24 @@ def test_host_steps_read_and_check_what_the_ops_read(monkeypatch, device):
     assert k.shape == v.shape == gather["two new outputs"]()[0].shape == (4 * 64, 8, 128)
 
 
+def test_trace_prefill_traces_the_policys_config_with_the_changes_given():
+    """The traced launch's config (and so the summary's tile and warpgroups) is the policy's for
+    the row, changed as ``--sm90`` says; a row the sm_90 kernel does not serve is refused."""
+    from portattn.platform import get_target
+    from portattn.policy.paged import PagedProblem
+
+    sm90 = get_target("sm_90")
+    hd256 = PagedProblem(32, 8, 256, 2, 4096, 16, 8, 4096)
+    cfg = trace_prefill.launch_config(sm90, hd256, {}, "hd256")
+    assert (cfg.block_n, cfg.warpgroups, cfg.turns) == (64, 2, False)
+    cfg = trace_prefill.launch_config(sm90, hd256, dict(stages=3, late_release=False), "hd256")
+    assert (cfg.block_n, cfg.stages, cfg.late_release) == (64, 3, False)
+    hd64 = PagedProblem(32, 8, 64, 2, 4096, 16, 8, 4096)
+    assert trace_prefill.launch_config(sm90, hd64, {}, "hd64").warpgroups == 3
+    with pytest.raises(SystemExit, match="does not serve 'hd256'"):
+        trace_prefill.launch_config(get_target("sm_80"), hd256, {}, "hd256")
+
+
 # -- prefill_tiles ---------------------------------------------------------------------------
 
 
@@ -379,8 +397,8 @@ def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
         ("host_steps", ["--calls", "0"], "argument --calls: must be an int >= 1; got '0'"),
         ("host_steps", ["--repeats", "-1"], "argument --repeats: must be an int >= 1; got '-1'"),
         ("trace_prefill", ["--blocks", "0"], "argument --blocks: must be an int >= 1; got '0'"),
-        ("trace_prefill", ["--block-n", "0"], "argument --block-n: must be an int >= 1; got '0'"),
-        ("trace_prefill", ["--warpgroups", "4"], "argument --warpgroups: invalid choice: 4"),
+        ("trace_prefill", ["--sm90", "warps=8"], "--sm90 takes field=int items of"),
+        ("trace_prefill", ["--sm90", "turns=2"], "--sm90: turns takes 0 or 1; got '2'"),
         ("prefill_tiles", ["--row", "x"], "--row must be one of ['prefill 8x4096 32/8/128 bs16'"),
     ],
 )  # fmt: skip
