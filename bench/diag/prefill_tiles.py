@@ -141,19 +141,25 @@ def report(ctx: core.Context, b, flops: int, cands: list[tuple[str, dict, Any]])
     return [lines[label] for label, _, _ in cands]
 
 
+def changed_config(target, problem: PagedProblem, change: dict) -> PrefillConfig:
+    """The policy's sm_90 `PrefillConfig` for ``problem`` with ``change`` (`parse_changes`'s);
+    a row the sm_90 kernel does not serve ends the run."""
+    cfg = paged_config(target, problem).prefill
+    if cfg is None:
+        raise SystemExit("the sm_90 prefill kernel does not serve this row")
+    return dataclasses.replace(cfg, **change)
+
+
 def candidates(target, problem: PagedProblem, changes: list[dict]) -> list[tuple[str, dict, Any]]:
     """(label, the call's keyword arguments, the tiles or config) of each candidate, the
     policy's first: with ``changes`` the sm_90 kernel's `PrefillConfig` and each change of it,
     else the portable kernel (``config=PagedConfig()``: the sm_90 kernel may serve the row)
     at the policy's tiles and a grid of others."""
     if changes:
-        cfg = paged_config(target, problem).prefill
-        if cfg is None:
-            raise SystemExit("prefill_tiles: the sm_90 prefill kernel does not serve this row")
         out = []
         for i, change in enumerate([{}, *changes]):
             label = "policy" if i == 0 else ",".join(f"{k}={int(v)}" for k, v in change.items())
-            config = PagedConfig(prefill=dataclasses.replace(cfg, **change))
+            config = PagedConfig(prefill=changed_config(target, problem, change))
             out.append((label, dict(config=config), config.prefill))
         return out
     policy = paged_tiles(target, problem)

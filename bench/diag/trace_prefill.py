@@ -31,7 +31,6 @@ Numbers are diagnostics, not serving figures.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 
@@ -43,7 +42,7 @@ from bench import core, inputs, prefill
 from bench.diag import prefill_tiles
 from portattn.compile.__main__ import at_least  # the argparse rule, shared
 from portattn.platform import current_target
-from portattn.policy.paged import PagedConfig, PrefillConfig, paged_config
+from portattn.policy.paged import PagedConfig
 
 #: consumer steps: (name, from event, to event); "+0" is the warpgroup's next tile's event 0
 STEPS = [
@@ -207,15 +206,6 @@ def analyse(
     return res
 
 
-def launch_config(target, problem, changes: dict, name: str) -> PrefillConfig:
-    """The traced launch's config: the policy's for ``problem`` (row ``name``) with
-    ``changes``; a row the sm_90 kernel does not serve ends the run, naming it."""
-    cfg = paged_config(target, problem).prefill
-    if cfg is None:
-        raise SystemExit(f"trace_prefill: the sm_90 prefill kernel does not serve {name!r}")
-    return dataclasses.replace(cfg, **changes)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.diag.trace_prefill",
                                  description=__doc__.splitlines()[0])  # fmt: skip
@@ -244,7 +234,8 @@ def main(argv=None) -> int:
             b = inputs.paged_batch(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                                    block_size=bs, dtype=prefill.DTYPE, device="cuda")  # fmt: skip
             out = torch.empty_like(b.query)
-            cfg = launch_config(current_target(), prefill_tiles.problem_of(b), changes, name)
+            problem = prefill_tiles.problem_of(b)
+            cfg = prefill_tiles.changed_config(current_target(), problem, changes)
             kw = dict(out=out, max_query_len=b.max_query_len, max_seq_len=b.max_seq_len,
                       config=PagedConfig(prefill=cfg))  # fmt: skip
 

@@ -192,22 +192,25 @@ def test_host_steps_read_and_check_what_the_ops_read(monkeypatch, device):
     assert k.shape == v.shape == gather["two new outputs"]()[0].shape == (4 * 64, 8, 128)
 
 
-def test_trace_prefill_traces_the_policys_config_with_the_changes_given():
-    """The traced launch's config (and so the summary's tile and warpgroups) is the policy's for
-    the row, changed as ``--sm90`` says; a row the sm_90 kernel does not serve is refused."""
+def test_sm90_diagnostics_run_the_policys_config_with_the_changes_given():
+    """`prefill_tiles.changed_config` (both `prefill_tiles` and `trace_prefill` launch it; the
+    trace's summary takes its tile and warpgroups): the policy's config for the row, changed as
+    ``--sm90`` says; a row the sm_90 kernel does not serve is refused."""
+    from bench.diag import prefill_tiles
+
     from portattn.platform import get_target
     from portattn.policy.paged import PagedProblem
 
     sm90 = get_target("sm_90")
     hd256 = PagedProblem(32, 8, 256, 2, 4096, 16, 8, 4096)
-    cfg = trace_prefill.launch_config(sm90, hd256, {}, "hd256")
+    cfg = prefill_tiles.changed_config(sm90, hd256, {})
     assert (cfg.block_n, cfg.warpgroups, cfg.turns) == (64, 2, False)
-    cfg = trace_prefill.launch_config(sm90, hd256, dict(stages=3, late_release=False), "hd256")
+    cfg = prefill_tiles.changed_config(sm90, hd256, dict(stages=3, late_release=False))
     assert (cfg.block_n, cfg.stages, cfg.late_release) == (64, 3, False)
     hd64 = PagedProblem(32, 8, 64, 2, 4096, 16, 8, 4096)
-    assert trace_prefill.launch_config(sm90, hd64, {}, "hd64").warpgroups == 3
-    with pytest.raises(SystemExit, match="does not serve 'hd256'"):
-        trace_prefill.launch_config(get_target("sm_80"), hd256, {}, "hd256")
+    assert prefill_tiles.changed_config(sm90, hd64, {}).warpgroups == 3
+    with pytest.raises(SystemExit, match="does not serve this row"):
+        prefill_tiles.changed_config(get_target("sm_80"), hd256, {})
 
 
 # -- prefill_tiles ---------------------------------------------------------------------------
