@@ -192,7 +192,7 @@ def main(argv=None) -> int:
                     lambda b=b, out=out: mla._check(b, out, scale),
                 )  # fmt: skip
             except Exception as err:  # a count the kernel refuses: listed, not fatal
-                print(f"  {label:28} failed: {type(err).__name__}: {str(err).splitlines()[0][:90]}")
+                print(f"  {label:28} failed: {type(err).__name__}: {str(err).splitlines()[0]}")
                 continue
             if us is None:
                 print(f"  {label:28} wrong: {check}")

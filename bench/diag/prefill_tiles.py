@@ -121,7 +121,7 @@ def report(ctx: core.Context, b, flops: int, cands: list[tuple[str, dict, Any]])
             # compiled by now: the attention launch's registers, spills and MMAs
             (kernel,) = [k for x, k in zip(launches, call(), strict=True) if x.name in MAIN]
         except Exception as err:  # noqa: BLE001 - a refused candidate is a line of the report
-            why = f"{type(err).__name__}: {str(err).splitlines()[0][:90]}"
+            why = f"{type(err).__name__}: {str(err).splitlines()[0]}"
             lines[label] = f"{label:24} failed: {why}"
             if ctx.meaningful:
                 torch.cuda.synchronize()
