@@ -5,8 +5,8 @@ splits put more programs on the SMs and add a reduce launch and partial results.
 ``--contexts`` length this plans MLA 576/512 at ``--heads`` heads, ``--batch`` sequences on
 ``--page``-token pages with the policy's tiles (`mla_decode_tiles`) and each ``--splits`` count
 in their place (``policy``: the policy's own count), checks two sequences against the fp64
-oracle and times the call as the suite times a row, beside the read ceiling of its bytes (and,
-where it splits, the attention launch alone: the reduce's share is the difference).
+oracle, then times every checked call together (`report`), beside the read ceiling of its bytes
+(and, where it splits, the attention launch alone: the reduce's share is the difference).
 With ``--wide`` the tiles are the wide 64-row tile's (on sm_90 the Hopper kernel), which the
 policy takes below 64 heads only for gathered or packed rows, with the same split counts. With
 ``--tiles`` each narrow tile ``BLOCK_N:STAGES:WARPS`` (``policy``: the policy's own) runs each
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -133,6 +134,50 @@ def tiles_for(
     return base if splits is None else dataclasses.replace(base, num_kv_splits=splits)
 
 
+#: A candidate of `report`: its label, its tiles (``None``: refused) and why it was refused.
+Candidate = tuple[str, MlaTiles | None, str]
+
+
+def report(ctx: core.Context, b: inputs.MlaBatch, out: torch.Tensor, scale: float, nbytes: int,
+           ceiling_us: float, cands: list[Candidate]) -> list[str]:  # fmt: skip
+    """A line per candidate ``(label, tiles, why refused)``: each planned and checked against the
+    oracle alone (a count the kernel refuses, or that answers wrong, is listed with why, not
+    fatal), then every checked call, and the attention launch alone of each that splits (the
+    reduce's share is the difference), timed together (`core.Context.time_together`: each
+    repetition times them all in turn, so a drifting clock moves them alike)."""
+    lines: dict[int, str] = {}
+    timed: list[tuple[int, Callable[[], object], Callable[[], object] | None]] = []
+    for i, (label, tiles, why) in enumerate(cands):
+        if tiles is None:
+            lines[i] = f"  {label}refused: {why}"
+            continue
+        try:
+            launches = plan_mla_decode(b.query, b.kv_cache, b.block_table, b.seq_lens,
+                                       kv_lora_rank=mla.RANK, scale=scale, out=out,
+                                       tiles=tiles)  # fmt: skip
+
+            def call(launches=launches):
+                return run_all(launches)
+
+            check = ctx.check_once(call, out, lambda: mla._check(b, out, scale))
+        except Exception as err:  # noqa: BLE001 - a refused count is a line of the report
+            lines[i] = f"  {label:28} failed: {type(err).__name__}: {str(err).splitlines()[0]}"
+            continue
+        if not check["passed"]:
+            lines[i] = f"  {label:28} wrong: {check}"
+            continue
+        timed.append((i, call, launches[0].run if len(launches) > 1 else None))
+    fns = [call for _, call, _ in timed] + [alone for _, _, alone in timed if alone is not None]
+    times = iter(us for us, _ in (ctx.time_together(fns) if fns else []))
+    whole = {i: next(times) for i, _, _ in timed}
+    for i, _, alone in timed:
+        us = whole[i]
+        extra = "" if alone is None else f"  attention alone {next(times):6.1f} µs"
+        lines[i] = (f"  {cands[i][0]:28} {us:8.1f} µs  {nbytes / us / 1e3:7.0f} GB/s  "
+                    f"{ceiling_us / us:4.0%} of the ceiling{extra}")  # fmt: skip
+    return [lines[i] for i in range(len(cands))]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.diag.mla_splits")
     ap.add_argument("--heads", type=int, default=16)
@@ -174,37 +219,19 @@ def main(argv=None) -> int:
         nbytes = (opts.batch * context * mla.DK + opts.batch * opts.heads * (mla.DK + mla.RANK)) * 2
         ceiling = ctx.read_ceiling(nbytes)
         print(f"context {context}: read ceiling {ceiling['time_us']:.1f} µs", flush=True)
+        cands: list[Candidate] = []
         for shape, splits in [(sh, sp) for sh in shapes for sp in counts]:
             tile = "" if shape is None else "tile {}:{}:{} ".format(*shape)
             try:
                 tiles = tiles_for(target, opts.heads, opts.batch, context, opts.page, splits,
                                   opts.wide, shape)  # fmt: skip
             except ValueError as err:
-                print(f"  {tile}refused: {err}")
+                cands.append((tile, None, str(err)))
                 continue
-            label = f"{tile}{'policy ' if splits is None else ''}splits {tiles.num_kv_splits}"
-            try:
-                launches = plan_mla_decode(b.query, b.kv_cache, b.block_table, b.seq_lens,
-                                           kv_lora_rank=mla.RANK, scale=scale, out=out,
-                                           tiles=tiles)  # fmt: skip
-                check, us, _ = ctx.checked_time_us(
-                    lambda launches=launches: run_all(launches), out,
-                    lambda b=b, out=out: mla._check(b, out, scale),
-                )  # fmt: skip
-            except Exception as err:  # a count the kernel refuses: listed, not fatal
-                print(f"  {label:28} failed: {type(err).__name__}: {str(err).splitlines()[0]}")
-                continue
-            if us is None:
-                print(f"  {label:28} wrong: {check}")
-                continue
-            # with splits, the attention launch alone (its partials, no reduce): the reduce's
-            # share of the call is the difference
-            alone = ""
-            if len(launches) > 1:
-                a_us, _ = ctx.time_us(lambda first=launches[0]: first.run())
-                alone = f"  attention alone {a_us:6.1f} µs"
-            print(f"  {label:28} {us:8.1f} µs  {nbytes / us / 1e3:7.0f} GB/s  "
-                  f"{ceiling['time_us'] / us:4.0%} of the ceiling{alone}", flush=True)  # fmt: skip
+            policy = "policy " if splits is None else ""
+            cands.append((f"{tile}{policy}splits {tiles.num_kv_splits}", tiles, ""))
+        for line in report(ctx, b, out, scale, nbytes, ceiling["time_us"], cands):
+            print(line, flush=True)
         del b, out
         torch.cuda.empty_cache()
     return 0

@@ -443,3 +443,38 @@ def test_flush_parses_its_lists_and_fits_a_line():
         flush.fit([(3.0, 1.0), (3.0, 2.0)])
     with pytest.raises(SystemExit):
         flush.main(["--reps", "0"])
+
+
+@pytest.mark.cpu
+def test_mla_splits_checks_each_count_then_times_them_together():
+    """Under the interpreter (CPU, host clock): a line per candidate in order, a refused tile
+    with why and no time, each checked count with its time (a split one with its attention
+    launch alone too), all timed calls in one `core.Context.time_together`."""
+    import dataclasses
+
+    import torch
+    from bench.diag import mla_splits
+
+    from bench import core, inputs, mla
+    from portattn.platform import target_for_tensor
+
+    b = inputs.mla_batch(batch=2, context=40, heads=16, head_dim_k=mla.DK, page=16, q_len=1,
+                         dtype=torch.float16, device="cpu")  # fmt: skip
+    out = torch.empty(2, 16, mla.RANK, dtype=torch.float16)
+    target = target_for_tensor(b.query)
+    one = mla_splits.tiles_for(target, 16, 2, 40, 16, 1)
+    two = dataclasses.replace(one, num_kv_splits=2)
+    cands = [("splits 1", one, ""), ("tile 24:1:4 ", None, "not a tile"), ("splits 2", two, "")]
+    together = []
+
+    class Ctx(core.Context):
+        def time_together(self, fns, graph=True):
+            together.append(len(fns))
+            return super().time_together(fns, graph)
+
+    lines = mla_splits.report(Ctx("cpu", quick=True), b, out, mla.DK**-0.5, 1 << 20, 1.0, cands)
+    assert [line.split()[0] for line in lines] == ["splits", "tile", "splits"], lines
+    assert " µs " in lines[0] and "attention alone" not in lines[0], lines[0]
+    assert "refused: not a tile" in lines[1], lines[1]
+    assert " µs " in lines[2] and "attention alone" in lines[2], lines[2]
+    assert together == [3]
