@@ -707,12 +707,12 @@ def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
         turns=turns,
         query_by_tma=turns and by_tma,
         out_by_tma=out_by_tma_fits(p),
-        out_via_keys=turns and out_by_tma_fits(p) and 64 * warpgroups <= block_n,
         box=box,
         paging=paging_mode(p.block_size, box, block_n),
         consumer_regs=regs[0],
         producer_regs=regs[1],
     )
+    cfg = replace(cfg, out_via_keys=out_via_keys_fits(cfg))
     late = replace(cfg, stages=3, late_release=True)
     if (
         cfg.boxes in SM90_PREFILL_LATE_RELEASE_BOXES
@@ -744,6 +744,12 @@ def query_by_tma_fits(problem: PagedProblem) -> bool:
     """Whether TMA can load a warpgroup's 64 query rows as one box: aligned rows, whole
     64-column groups (the 128-byte swizzle's), 64 rows of whole tokens of the head tile."""
     return problem.query_rows_aligned and _box_of_rows(problem)
+
+
+def out_via_keys_fits(cfg: PrefillConfig) -> bool:
+    """Whether ``cfg`` can stage its output in the item's last K tile (`PrefillConfig.
+    out_via_keys`): the output by TMA, turns, and the warpgroups' rows within one K tile."""
+    return cfg.out_by_tma and cfg.turns and 64 * cfg.warpgroups <= cfg.block_n
 
 
 def out_by_tma_fits(problem: PagedProblem) -> bool:
@@ -779,8 +785,8 @@ def v_pages_fit(problem: PagedProblem, cfg: PrefillConfig) -> bool:
 def prefill_smem_bytes(cfg: PrefillConfig, head_dim: int, elem: int = 2) -> int:
     """Shared memory the sm_90 kernel allocates, an upper bound: Q (64 rows a warpgroup), the K
     and V stages, the barriers (3 a stage, 3 a warpgroup: its turn and its query's two, and the
-    item's last scores'), the
-    item ring (its words and a barrier a slot) and 1 KB for Triton's alignment."""
+    item's last scores'), the item ring (its words and a barrier a slot) and 1 KB for Triton's
+    alignment."""
     q = cfg.warpgroups * 64 * head_dim * elem
     kv = 2 * cfg.stages * cfg.block_n * head_dim * elem
     ring = (cfg.stages + SM90_PREFILL_RING_EXTRA) * (SM90_PREFILL_RING_WORDS * 4 + 8)
@@ -817,8 +823,7 @@ def prefill_config_errors(target: Target, problem: PagedProblem, cfg: PrefillCon
             f"64 rows of whole tokens (group {p.group})",
         ),
         (
-            not cfg.out_via_keys
-            or (cfg.out_by_tma and cfg.turns and 64 * cfg.warpgroups <= cfg.block_n),
+            not cfg.out_via_keys or out_via_keys_fits(cfg),
             f"out_via_keys needs out_by_tma, turns and 64 x warpgroups <= block_n; got "
             f"out_by_tma {cfg.out_by_tma}, turns {cfg.turns}, warpgroups {cfg.warpgroups}, "
             f"block_n {cfg.block_n}",
