@@ -48,13 +48,34 @@ def _mla(aligned: bool, block_size: int = 64):
     return main
 
 
-def _prefill(aligned: bool, block_size: int = 16):
-    """A mixed batch's prefill part (32 q / 8 KV heads, head_dim 128, 16-token pages)."""
+def _prefill(aligned: bool, block_size: int = 16, two_warpgroups: bool = False):
+    """A mixed batch's prefill part (32 q / 8 KV heads, head_dim 128, 16-token pages) on the
+    policy's config, or with ``two_warpgroups`` on the two-warpgroup turns on 128-token tiles at
+    3 stages (V by page boxes at 8 boxes a tile, as the policy's rule takes them)."""
+    import dataclasses
+
     import torch
 
     from portattn.kernels.paged_attention import plan_paged_attention
     from portattn.platform import get_target
+    from portattn.policy.paged import (
+        PagedConfig,
+        PagedProblem,
+        box_rows,
+        paging_mode,
+        prefill_config,
+    )
 
+    config = None
+    if two_warpgroups:
+        target = get_target("sm_90")
+        cfg = prefill_config(target, PagedProblem(32, 8, 128, 2, 512, block_size, 64, 4096))
+        box = box_rows(block_size, 128)
+        cfg = dataclasses.replace(
+            cfg, block_n=128, stages=3, warpgroups=2, consumer_regs=216, producer_regs=64,
+            box=box, paging=paging_mode(block_size, box, 128), v_pages=box == 16,
+        )  # fmt: skip
+        config = PagedConfig(prefill=cfg)
     meta = dict(device="meta")
     tokens = 8 * 512 + 56
     width = 128 if aligned else 129  # a head stride of 129 elements: rows not 16-byte aligned
@@ -67,7 +88,7 @@ def _prefill(aligned: bool, block_size: int = 16):
     qsl = torch.empty(65, dtype=torch.int32, **meta)
     launches = plan_paged_attention(
         q, cache, cache, bt, sl, qsl, out=out, target=get_target("sm_90"), max_query_len=512,
-        max_seq_len=4096,
+        max_seq_len=4096, config=config,
     )  # fmt: skip
     (main,) = [launch for launch in launches if launch.name == "paged_prefill_sm90"]
     assert (main.args["Q_VEC"], main.args["O_VEC"]) == (aligned, aligned)
@@ -85,8 +106,9 @@ def _accesses(kernel: str, aligned: bool) -> dict:
         launch = _mla(aligned)
     elif kernel == "mla-gather":
         launch = _mla(aligned, block_size=1)
-    else:  # "prefill", or "prefill128": 128-token pages (one TMA box a K or V tile)
-        launch = _prefill(aligned, 128 if kernel == "prefill128" else 16)
+    else:  # "prefill", or "prefill128": 128-token pages (one TMA box a K or V tile); "2wg":
+        # the two-warpgroup turns on 128-token tiles
+        launch = _prefill(aligned, 128 if kernel.endswith("128") else 16, "2wg" in kernel)
     compiled = compile_kernel(launch, target)
     ptx = compiled.asm["ptx"]
     _, spills, _ = _resources(compiled, target)
@@ -128,7 +150,8 @@ def _gather_runs(ptx: str) -> list[tuple[int, int]]:
 @pytest.fixture(scope="module")
 def accesses() -> dict:
     jobs = [(kernel, aligned) for kernel in ("mla", "prefill") for aligned in (True, False)]
-    jobs += [("prefill128", True), ("mla-gather", True)]
+    jobs += [("prefill128", True), ("prefill-2wg", True), ("prefill-2wg128", True)]
+    jobs += [("mla-gather", True)]
     return in_spawned_workers(_accesses, jobs)
 
 
@@ -142,19 +165,29 @@ def test_mla_output_goes_out_in_vectors(accesses):
     assert got["spills"] == 0
 
 
+#: Spill bytes of the policy's head_dim-128 prefill build (three warpgroups at 160 registers):
+#: the prologue parks the work list's pointer (8 B) and the high word of the output's 64-bit
+#: token stride (4 B) for the partitions, reloaded at each partition's start and on the element
+#: stores, never in the tile loop.
+PREFILL_SPILLS = 12
+
+
 def test_prefill_query_and_output_go_in_vectors(accesses):
     got = accesses["prefill", True]
     assert got["narrow_loads"] == 0 and got["narrow_stores"] == 0, got
-    assert got["spills"] == 0
+    assert got["spills"] <= PREFILL_SPILLS, got
 
 
-@pytest.mark.parametrize(("kernel", "scores"), [("prefill", 64), ("mla", 32)])
-def test_scores_are_scaled_inside_the_exponent(accesses, kernel, scores):
-    """Each score's exponent argument is one fma: ``scores`` a thread (a 64 x 128 / 64 x 64 tile
-    over a warpgroup) in each warpgroup's code (a warp-specialized partition each). Scaling the
-    scores first (an FMUL each before the row max, then a subtraction) gave 4 fmas in either
-    kernel."""
-    assert accesses[kernel, True]["fma"] >= 2 * scores, accesses[kernel, True]
+@pytest.mark.parametrize(
+    ("kernel", "scores", "warpgroups"), [("prefill", 32, 3), ("prefill-2wg", 64, 2), ("mla", 32, 2)]
+)
+def test_scores_are_scaled_inside_the_exponent(accesses, kernel, scores, warpgroups):
+    """Each score's exponent argument is one fma: ``scores`` a thread (a 64 x 64 / 64 x 128 /
+    64 x 64 tile over a warpgroup) in each warpgroup's code (a warp-specialized partition each).
+    Scaling the scores first (an FMUL each before the row max, then a subtraction) gave 4 fmas
+    in either kernel."""
+    got = accesses[kernel, True]
+    assert got["fma"] >= warpgroups * scores, got
 
 
 @pytest.mark.parametrize("kernel", ["mla", "prefill"])
@@ -166,16 +199,18 @@ def test_rows_that_are_not_aligned_fall_back_to_elements(accesses, kernel):
         assert got["narrow_loads"] > 0, got
 
 
-def test_prefill_producer_picks_box_rows_without_shuffles(accesses):
-    """The producer warp issues a K and a V copy per box of ``BOX`` rows (8 boxes a tile on
-    16-token pages, 1 on 128-token ones), each at its own page's row. Those rows sit in every
-    thread's registers, so picking one is a register move: the kernel has as many warp shuffles
-    (the consumers' row reductions) with 8 boxes as with 1. With one box per lane, each pick was
-    a three-shuffle reduction (24 more), about 1200 cycles a tile in the producer on an H200:
-    the producer, not the tensor cores, then set the pace at 16-token pages."""
-    got, one_box = accesses["prefill", True], accesses["prefill128", True]
+@pytest.mark.parametrize(("kernel", "spills"), [("prefill-2wg", 0), ("prefill", PREFILL_SPILLS)])
+def test_prefill_producer_picks_box_rows_without_shuffles(accesses, kernel, spills):
+    """The producer warp issues a K and a V copy per box of ``BOX`` rows (on 128-token tiles 8
+    boxes a tile on 16-token pages, on the policy's 64-token ones 4; 1 on 128-token pages), each
+    at its own page's row. Those rows sit in every thread's registers, so picking one is a
+    register move: the kernel has as many warp shuffles (the consumers' row reductions) with 8
+    or 4 boxes as with 1. With one box per lane, each pick was a three-shuffle reduction (24
+    more at 8 boxes), about 1200 cycles a tile in the producer on an H200: the producer, not the
+    tensor cores, then set the pace at 16-token pages."""
+    got, one_box = accesses[kernel, True], accesses[kernel + "128", True]
     assert got["shuffles"] == one_box["shuffles"], (got, one_box)
-    assert got["spills"] == 0
+    assert got["spills"] <= spills, got
 
 
 def test_mla_rescales_branch_around_their_multiplies(accesses):

@@ -26,6 +26,7 @@ from portattn.platform import get_target
 from portattn.policy.common import LaunchOptions
 from portattn.policy.paged import (
     SM90_PREFILL_TILES,
+    SM90_PREFILL_V_PAGES_MIN_BOXES,
     PagedConfig,
     PagedProblem,
     box_rows,
@@ -81,6 +82,20 @@ def _config(*, heads=(32, 8), head_dim=128, block_size=16, **changes) -> PagedCo
     return PagedConfig(prefill=dataclasses.replace(cfg, **changes))
 
 
+#: The two-warpgroup turns on 128-token tiles at 3 stages (a caller's config at head_dim 128,
+#: whose policy tile takes three warpgroups on 64-token tiles): the tile whose 128 rows fit its
+#: last K tile (`PrefillConfig.out_via_keys`) and whose 16-row boxes are 8 a tile (V pages).
+TILE_128 = dict(block_n=128, stages=3, warpgroups=2, consumer_regs=216, producer_regs=64)
+
+
+def _tile128(block_size: int = 16) -> dict:
+    """`_config` changes to `TILE_128` at ``block_size`` (its box and paging), with the output
+    through the last K tile and V by page boxes at 8 boxes a tile (the policy's rule)."""
+    box = box_rows(block_size, 128)
+    return TILE_128 | dict(box=box, paging=paging_mode(block_size, box, 128), out_via_keys=True,
+                           v_pages=128 // box >= SM90_PREFILL_V_PAGES_MIN_BOXES)  # fmt: skip
+
+
 def test_mixed_batch_runs_its_decodes_as_items_of_the_sm90_launch():
     """A mixed batch: the work list, then the sm_90 kernel, whose second list holds the decode
     tile's sequences (q_len <= 4 at GQA 4:1): no decode launch after it."""
@@ -90,37 +105,50 @@ def test_mixed_batch_runs_its_decodes_as_items_of_the_sm90_launch():
     # the op's output is every launch's: the plan cache returns the first launch's outputs
     assert work.outputs == main.outputs
     assert main.grid == (SM90.num_sms,)
-    assert main.args["BLOCK_Q"] == 32 and main.args["HEAD_TILE"] == 4  # 128 rows, GQA 4:1
+    # 192 rows (three warpgroups), GQA 4:1
+    assert main.args["BLOCK_Q"] == 48 and main.args["HEAD_TILE"] == 4
     assert main.args["BOX"] == 16 and main.args["rows_per_page"] == 16
     assert work.args["q_len_lo"] == 4
     assert main.args["b_off"] == work.args["b_off"] == 2 + 64 * work.args["num_q_tiles"]
     assert main.args["counter"] == work.args["counter"] == 2 + 2 * 64 * work.args["num_q_tiles"]
 
 
-@pytest.mark.parametrize(("block_size", "box"), [(16, 16), (80, 16), (544, 32), (2048, 128)])
-def test_boxes_never_cross_a_page(block_size, box):
-    assert box_rows(block_size, 128) == box
+@pytest.mark.parametrize(
+    ("block_size", "box", "box128"), [(16, 16, 16), (80, 16, 16), (544, 32, 32), (2048, 64, 128)]
+)
+def test_boxes_never_cross_a_page(block_size, box, box128):
+    """A box is the page's largest power of two, at most a tile: the turns' 64 tokens at head_dim
+    128 (``box``), the sequential tile's 128 (GQA 5:1, ``box128``)."""
+    assert box_rows(block_size, 64) == box and box_rows(block_size, 128) == box128
     assert _main_args(block_size=block_size)["BOX"] == box and block_size % box == 0
+    assert _main_args(heads=(40, 8), block_size=block_size)["BOX"] == box128
 
 
 @pytest.mark.parametrize(
-    ("block_size", "want"), [(16, 1), (32, 1), (128, 1), (80, 0), (48, 0), (544, 2), (2048, 2)]
-)
-def test_paging_takes_no_division_a_box_where_it_can(block_size, want):
-    """The producer's page lookup: a box a page (16-128-token pages), pages of a tile or more
+    ("block_size", "want", "want128"),
+    [(16, 1, 1), (32, 1, 1), (64, 1, 1), (128, 2, 1), (80, 2, 0), (48, 0, 0), (544, 2, 2),
+     (2048, 2, 2)],
+)  # fmt: skip
+def test_paging_takes_no_division_a_box_where_it_can(block_size, want, want128):
+    """The producer's page lookup: a box a page (pages up to the tile), pages of a tile or more
     (one division a tile), a division a box only for pages shorter than a tile in boxes of
-    another size (80 = 5 boxes of 16); a config may ask for a division a box anywhere."""
+    another size: ``want`` at head_dim 128's 64-token turns (48 = 3 boxes of 16), ``want128`` at
+    the sequential tile's 128 tokens (GQA 5:1; 80 = 5 boxes of 16); a config may ask for a
+    division a box anywhere."""
     assert _main_args(block_size=block_size)["PAGING"] == want
-    assert paging_mode(block_size, box_rows(block_size, 128), 128) == want
+    assert paging_mode(block_size, box_rows(block_size, 64), 64) == want
+    assert _main_args(heads=(40, 8), block_size=block_size)["PAGING"] == want128
+    assert paging_mode(block_size, box_rows(block_size, 128), 128) == want128
     config = _config(block_size=block_size, paging=0)
     assert _main_args(block_size=block_size, config=config)["PAGING"] == 0
 
 
 def test_pure_prefill_has_no_decode_list():
-    # MHA: a 128-row tile is 128 tokens of one head; the decode tile serves q_len <= 16
+    # MHA: a 192-row tile (three warpgroups) is 192 tokens of one head; the decode tile serves
+    # q_len <= 16
     work, main = _plan(heads=(16, 16), mql=4096, seqs=8)
     assert (work.name, main.name) == ("paged_attention:work_list", PREFILL)
-    assert main.args["BLOCK_Q"] == 128 and main.args["HEAD_TILE"] == 1 and main.args["SLOTS"] == 16
+    assert main.args["BLOCK_Q"] == 192 and main.args["HEAD_TILE"] == 1 and main.args["SLOTS"] == 16
 
 
 @pytest.mark.parametrize(
@@ -178,27 +206,31 @@ def test_a_config_without_prefill_runs_the_portable_kernel():
         ({"heads": (40, 8)}, dict(turns=True, stages=3, query_by_tma=True),
          "query_by_tma needs 16-byte aligned query rows"),
         ({"heads": (40, 8)}, dict(out_by_tma=True), "out_by_tma needs 16-byte aligned output"),
-        ({}, dict(out_by_tma=False),
+        ({}, TILE_128 | dict(out_via_keys=True, out_by_tma=False),
          "out_via_keys needs out_by_tma, turns and 64 x warpgroups <= block_n; got out_by_tma "
          "False, turns True, warpgroups 2, block_n 128"),
-        ({}, dict(warpgroups=3, consumer_regs=160, producer_regs=32, block_n=64, box=16,
-                  v_pages=False, stages=3),
-         "out_via_keys needs .* warpgroups 3, block_n 64"),
+        # the policy's three warpgroups' 192 rows in a 64-token K tile
+        ({}, dict(out_via_keys=True), "out_via_keys needs .* warpgroups 3, block_n 64"),
         ({"block_size": 2048}, dict(v_pages=True), "v_pages needs 2, 4 or 8 boxes a tile"),
         ({"block_size": 80}, dict(paging=1), "paging 1 needs box == block_size"),
         ({}, dict(box=32), "box 32 must divide block_size 16"),
         ({}, dict(box=0), "box must be a power of two >= 16; got 0"),  # was ZeroDivisionError
         ({"block_size": 2048}, dict(box=0, v_pages=True), "box must be a power of two"),
-        ({}, dict(stages=4), "shared memory 29"),
+        # 2 x 4 stages of 128 x 128 (256 KB) beside two query buffers (32 KB)
+        ({}, TILE_128 | dict(stages=4), "shared memory 296328 B > 232448"),
         ({}, dict(producer_regs=20), "producer_regs must be a multiple of 8 in"),
         ({}, dict(warpgroups=4), "warpgroups must be 2 or 3; got 4"),
-        ({}, dict(warpgroups=3, block_n=64),
+        ({}, dict(consumer_regs=216, producer_regs=64),
          "3 consumer warpgroups at consumer_regs 216 and the producer's at producer_regs 64 "
          "need 91136 registers > 65536"),
-        ({}, dict(warpgroups=3, consumer_regs=160, producer_regs=32), "shared memory 24"),
+        # a third query buffer (16 KB) beside 3 stages of 128 x 128 (192 KB)
+        ({}, TILE_128 | dict(warpgroups=3, consumer_regs=160, producer_regs=32),
+         "shared memory 247136 B > 232448"),
         ({"target": get_target("sm_100")}, {}, "needs an sm_90 target; got sm_100"),
         ({"head_dim": 96}, {}, r"needs head_dim in \(64, 128, 256\); got 96"),
-        ({"head_dim": 256}, {}, "shared memory 460104 B > 232448"),
+        # head_dim 128's tile at head_dim 256: 4 stages of 64 x 256 (256 KB) beside 3 query
+        # buffers (96 KB)
+        ({"head_dim": 256}, {}, "shared memory 361888 B > 232448"),
     ],
 )  # fmt: skip
 def test_a_given_config_is_checked_against_the_target_and_the_call(kwargs, changes, why):
@@ -254,46 +286,53 @@ def test_policy_rule_is_pure():
 @pytest.mark.parametrize(
     ("problem", "want"),
     [
-        # head_dim 128: turns at 3 stages with the query by TMA; V by page boxes at 16-row boxes
-        (_problem(), (3, True, True, False, True)),
-        (_problem(block_size=544), (3, True, True, False, False)),
-        # GQA 5:1 / unaligned rows: the query cannot come by TMA, so the sequential 2-stage tile,
-        # with 3 stages and the late release at 2 or 4 boxes a tile
-        (_problem(heads=(40, 8)), (2, False, False, False, True)),
-        (_problem(heads=(40, 8), block_size=544), (3, False, False, True, False)),
-        (_problem(heads=(40, 8), block_size=64), (3, False, False, True, False)),
-        (_problem(heads=(40, 8), block_size=2048), (2, False, False, False, False)),
-        (_problem(query_rows_aligned=False), (2, False, False, False, True)),
+        # head_dim 128: turns on 64-token tiles at 4 stages with the query by TMA; no V pages
+        # (at most 4 boxes a tile)
+        (_problem(), (64, 4, True, True, False, False)),
+        (_problem(block_size=544), (64, 4, True, True, False, False)),
+        # GQA 5:1 / unaligned rows: the query cannot come by TMA, so the sequential 2-stage tile
+        # on 128 tokens, V by page boxes at 16-row boxes (8 a tile), with 3 stages and the late
+        # release at 2 or 4 boxes a tile
+        (_problem(heads=(40, 8)), (128, 2, False, False, False, True)),
+        (_problem(heads=(40, 8), block_size=544), (128, 3, False, False, True, False)),
+        (_problem(heads=(40, 8), block_size=64), (128, 3, False, False, True, False)),
+        (_problem(heads=(40, 8), block_size=2048), (128, 2, False, False, False, False)),
+        (_problem(query_rows_aligned=False), (128, 2, False, False, False, True)),
         # KV heads 160 columns apart: V pages need 64-column groups
-        (_problem(kv_head_stride=160), (3, True, True, False, False)),
+        (_problem(heads=(40, 8), kv_head_stride=160), (128, 2, False, False, False, False)),
         # head_dim 64: turns at 3 stages with the query by TMA, else sequential at 3 stages; one
         # 64-column group, no V pages
-        (_problem(head_dim=64), (3, True, True, False, False)),
-        (_problem(heads=(40, 8), head_dim=64), (3, False, False, False, False)),
-        (_problem(heads=(40, 8), head_dim=64, block_size=544), (3, False, False, False, False)),
+        (_problem(head_dim=64), (128, 3, True, True, False, False)),
+        (_problem(heads=(40, 8), head_dim=64), (128, 3, False, False, False, False)),
+        (_problem(heads=(40, 8), head_dim=64, block_size=544),
+         (128, 3, False, False, False, False)),
     ],
-)
+)  # fmt: skip
 def test_policy_config_by_shape(problem, want):
+    """(block_n, stages, turns, query_by_tma, late_release, v_pages) of the policy's config; the
+    box is the page's largest power of two, at most the tile."""
     cfg = prefill_config(SM90, problem)
-    assert (cfg.stages, cfg.turns, cfg.query_by_tma, cfg.late_release, cfg.v_pages) == want
-    assert cfg.box == box_rows(problem.block_size, 128) and cfg.block_n == 128
+    got = (cfg.block_n, cfg.stages, cfg.turns, cfg.query_by_tma, cfg.late_release, cfg.v_pages)
+    assert got == want
+    assert cfg.box == box_rows(problem.block_size, cfg.block_n)
 
 
 @pytest.mark.parametrize(
     ("problem", "want"),
     [
-        # head_dim 64 with the query by TMA: turns among three warpgroups, 48 tokens x 4 heads,
-        # 12 x 16, 192 x 1
+        # head_dim 64 and 128 with the query by TMA: turns among three warpgroups, 48 tokens x 4
+        # heads, 12 x 16, 192 x 1
         (_problem(head_dim=64), (3, 160, 32, 48, 4)),
         (_problem(heads=(64, 4), head_dim=64, block_size=2048), (3, 160, 32, 12, 16)),
         (_problem(heads=(8, 8), head_dim=64), (3, 160, 32, 192, 1)),
-        # the sequential tile (GQA 5:1: no query by TMA) and the other head_dims: two
+        (_problem(), (3, 160, 32, 48, 4)),
+        # the sequential tile (GQA 5:1: no query by TMA) and head_dim 256: two
         (_problem(heads=(40, 8), head_dim=64), (2, 216, 64, 25, 5)),
-        (_problem(), (2, 216, 64, 32, 4)),
+        (_problem(heads=(40, 8)), (2, 216, 64, 25, 5)),
         (_problem(head_dim=256), (2, 240, 24, 32, 4)),
     ],
 )
-def test_head_dim_64_turns_take_three_warpgroups(problem, want):
+def test_turns_take_three_warpgroups(problem, want):
     """The policy's warpgroups and their registers, and the item's rows the launch packs
     (``64 x warpgroups`` rows of whole tokens of the head tile)."""
     cfg = prefill_config(SM90, problem)
@@ -356,20 +395,38 @@ def test_policy_stores_the_output_by_tma_where_a_box_holds_a_warpgroups_rows(pro
 
 
 @pytest.mark.parametrize(
-    ("problem", "want"),
+    "problem",
     [
-        (_problem(), True),  # 2 warpgroups' 128 rows in a 128-token K tile
-        (_problem(block_size=2048), True),
-        (_problem(head_dim=64), False),  # 3 warpgroups' 192 rows > 128 tokens
-        (_problem(head_dim=256), False),  # 64-token tiles, no turns
-        (_problem(out_rows_aligned=False), False),  # (no output by TMA)
-        (_problem(query_rows_aligned=False), False),  # no query by TMA: no turns
+        _problem(),  # 3 warpgroups' 192 rows > a 64-token K tile
+        _problem(block_size=2048),
+        _problem(head_dim=64),  # 3 warpgroups' 192 rows > 128 tokens
+        _problem(head_dim=256),  # 64-token tiles, no turns
+        _problem(out_rows_aligned=False),  # (no output by TMA)
+        _problem(query_rows_aligned=False),  # no query by TMA: no turns
     ],
 )
-def test_policy_stages_the_output_in_the_last_k_tile_where_its_rows_fit(problem, want):
+def test_policy_stages_the_output_in_the_last_k_tile_where_its_rows_fit(problem):
+    """The policy stages the output in the last K tile where the turns' rows fit it (``64 x
+    warpgroups <= block_n``), with the output by TMA: none of its tiles' rows fit (three
+    warpgroups at head_dim 64 and 128, no turns at 256), so only a caller's config takes it
+    (`test_a_config_stages_the_output_in_the_last_k_tile_where_its_rows_fit`)."""
     cfg = prefill_config(SM90, problem)
-    assert cfg.out_via_keys is want
-    assert not cfg.out_via_keys or (cfg.out_by_tma and cfg.turns)
+    assert not cfg.out_via_keys
+    assert not (cfg.turns and cfg.out_by_tma and 64 * cfg.warpgroups <= cfg.block_n)
+
+
+@pytest.mark.parametrize("block_size", [16, 2048])
+def test_a_config_stages_the_output_in_the_last_k_tile_where_its_rows_fit(block_size):
+    """Two warpgroups' 128 rows in a 128-token K tile (`TILE_128`): a caller's config may stage
+    the output there (``O_TMA`` 2); the policy's three warpgroups' 192 rows in its 64-token tile
+    may not."""
+    problem = _problem(block_size=block_size)
+    config = _config(block_size=block_size, **_tile128(block_size))
+    assert config.prefill.out_via_keys
+    assert prefill_config_errors(SM90, problem, config.prefill) == []
+    assert _main_args(block_size=block_size, config=config)["O_TMA"] == 2
+    refused = dataclasses.replace(prefill_config(SM90, problem), out_via_keys=True)
+    assert any("out_via_keys needs" in e for e in prefill_config_errors(SM90, problem, refused))
 
 
 def test_output_by_tma_descriptor_is_a_warpgroups_rows():
@@ -377,7 +434,7 @@ def test_output_by_tma_descriptor_is_a_warpgroups_rows():
     64]); an unaligned output keeps element stores, and a caller's config cannot ask for TMA
     there."""
     a = _main_args()
-    assert a["O_TMA"] == 2  # (through the last K tile: `test_policy_stages_the_output_...`)
+    assert a["O_TMA"] == 1  # (through the query buffer: `test_policy_stages_the_output_...`)
     assert list(a["o_desc"].block_shape) == [2, 16, 4, 64]
     assert list(a["o_desc"].strides) == [64, 32 * 128, 128, 1]
     assert a["o_desc"].base is a["out_ptr"]
@@ -418,25 +475,31 @@ def test_query_by_tma_descriptor_is_a_warpgroups_rows():
 def test_v_pages_where_a_page_box_is_shorter_than_the_tile(block_size, head_dim, stride_pad,
                                                           want):  # fmt: skip
     """V tiles as one-copy page boxes where a tile spans several boxes and the head dim has
-    64-column groups to join (asked for at every box count); the descriptor is then the 3-D
-    view, one box a page."""
+    64-column groups to join (asked for at every box count, on 128-token tiles: `TILE_128`);
+    the descriptor is then the 3-D view, one box a page."""
+    config = _config(block_size=block_size, **(_tile128(block_size) | dict(v_pages=True)))
     heads = 8 * (head_dim + stride_pad)
     base = torch.empty(64, block_size, heads, dtype=torch.bfloat16, **META)
     cache = base.view(64, block_size, 8, head_dim + stride_pad)[..., :head_dim]
     if want == 1:
         with pytest.raises(ValueError, match="v_pages needs"):
-            _plan(cache=cache, config=_config(block_size=block_size, v_pages=True))
+            _plan(cache=cache, config=config)
         return
-    a = _main_args(cache=cache, config=_config(block_size=block_size, v_pages=True))
+    a = _main_args(cache=cache, config=config)
     assert a["V_PAGES"] == want
     assert a["v_desc"].block_shape == [head_dim // 64, block_size & -block_size, 64]
     assert a["v_desc"].strides == [64, cache.stride(1), 1]
 
 
-@pytest.mark.parametrize(("block_size", "want"), [(16, 8), (48, 8), (32, 1), (544, 1), (64, 1)])
-def test_v_pages_by_default_at_sixteen_row_boxes(block_size, want):
-    """The policy takes V pages where a tile has 8 boxes (16-row boxes) and not at 2 or 4."""
-    a = _main_args(block_size=block_size)
+@pytest.mark.parametrize(
+    ("heads", "block_size", "want"),
+    [((40, 8), 16, 8), ((40, 8), 48, 8), ((40, 8), 80, 8), ((40, 8), 32, 1), ((40, 8), 544, 1),
+     ((40, 8), 64, 1), ((32, 8), 16, 1), ((32, 8), 48, 1)],
+)  # fmt: skip
+def test_v_pages_by_default_at_sixteen_row_boxes(heads, block_size, want):
+    """The policy takes V pages where a tile has 8 boxes (16-row boxes on the sequential tile's
+    128 tokens, GQA 5:1) and not at 2 or 4 (head_dim 128's turns: 4 at most a 64-token tile)."""
+    a = _main_args(heads=heads, block_size=block_size)
     assert a["V_PAGES"] == want
     assert len(a["v_desc"].block_shape) == (3 if want > 1 else 2)
 
@@ -597,14 +660,18 @@ def test_compiles_for_sm90_without_spills(case_id):
     (cell,) = compile_in_spawned_workers([case], ["sm_90"])
     (r,) = [launch for launch in cell.launches if launch.name == PREFILL]
     assert r.ok, r.error
-    # the launch the cell compiled: the policy's turns at 3 stages, the query by TMA, one item
-    # counter (an atomic before the producer's loop and one at each item's end)
+    # the launch the cell compiled: the policy's turns among three warpgroups at 4 stages of 64
+    # tokens, the query by TMA, one item counter (an atomic before the producer's loop and one
+    # at each item's end)
     (main,) = [x for x in case.plan(SM90) if x.name == PREFILL]
     a = main.args
-    assert (a["STAGES"], a["LATE_RELEASE"], a["PINGPONG"], a["Q_TMA"]) == (3, False, True, True)
+    got = (a["WGS"], a["BLOCK_N"], a["STAGES"], a["LATE_RELEASE"], a["PINGPONG"], a["Q_TMA"])
+    assert got == (3, 64, 4, False, True, True)
     cfg = prefill_config(SM90, _problem(block_size=int(case_id[2:])))
     assert r.shared <= prefill_smem_bytes(cfg, 128)
-    assert r.spills <= 16  # (16 B at block 544: four boxes a tile, the turns and the query copy)
+    # (12 B at each block size: the prologue parks the work list's pointer and the output's
+    # token stride, reloaded at each partition's start and on the element stores, not a tile)
+    assert r.spills <= 16, r.spills
 
 
 @target_compile
@@ -629,7 +696,7 @@ def test_head_dim_256_compiles_for_sm90_within_its_estimate_and_allowance():
 
 def _query_copies(q_tma: bool, block_size: int) -> tuple[bool, int, int, int, int, int]:
     """(the Q_TMA arg, spills, shared bytes, TMA copies, global loads, atomics) of the mixed
-    batch's sm_90 launch taking turns at 3 stages with the query by TMA or not, compiled for
+    batch's sm_90 launch taking the policy's turns with the query by TMA or not, compiled for
     sm_90 (a spawned worker)."""
     # (the output by element stores on both sides: only the query's path differs)
     launch, compiled, spills = _compiled_main(
@@ -643,7 +710,7 @@ def _query_copies(q_tma: bool, block_size: int) -> tuple[bool, int, int, int, in
 
 @target_compile
 def test_query_by_tma_compiles_for_sm90_without_spills():
-    """The producer's query copies in the turns at 3 stages, against the same loop without them:
+    """The producer's query copies in the policy's turns, against the same loop without them:
     more TMA copies, fewer global loads (the warpgroups' query reads gone), shared memory within
     `prefill_smem_bytes`, spills within the compile gate's 16 B either way, and the item
     counter's two atomics."""
@@ -665,9 +732,12 @@ def test_query_by_tma_compiles_for_sm90_without_spills():
 
 def _output_stores(o_tma: bool, via_keys: bool) -> tuple[int, int, int, int | None]:
     """(the O_TMA arg, TMA stores, their waits, spills) of the mixed batch's sm_90 launch at
-    block 16 with the output by TMA (through the query buffer or the last K tile) or not,
-    compiled for sm_90 (a spawned worker)."""
-    launch, compiled, spills = _compiled_main(16, dict(out_by_tma=o_tma, out_via_keys=via_keys))
+    block 16 with the output by TMA (through the query buffer, on the policy's tile, or the
+    last K tile, on `TILE_128`: the policy's 192 rows do not fit its K tile) or not, compiled
+    for sm_90 (a spawned worker)."""
+    tile = _tile128(16) if via_keys else {}
+    changes = tile | dict(out_by_tma=o_tma, out_via_keys=via_keys)
+    launch, compiled, spills = _compiled_main(16, changes)
     ptx = compiled.asm["ptx"]
     stores = ptx.count("cp.async.bulk.tensor.4d.global.shared::cta")
     return launch.args["O_TMA"], stores, ptx.count("cp.async.bulk.wait_group.read"), spills
@@ -740,8 +810,10 @@ def test_head_dim_64_compiles_three_consumer_warpgroups_for_sm90():
 
 def _pv_groups(v_pages: bool, block_size: int) -> tuple[int, int, int, int]:
     """(the V_PAGES arg, wgmma fences, commit groups, spills) of the mixed batch's sm_90 launch
-    at ``block_size`` with V pages or not, compiled for sm_90 (a spawned worker)."""
-    launch, compiled, spills = _compiled_main(block_size, dict(v_pages=v_pages))
+    at ``block_size`` on `TILE_128` with V pages or not, compiled for sm_90 (a spawned
+    worker)."""
+    changes = _tile128(block_size) | dict(v_pages=v_pages)
+    launch, compiled, spills = _compiled_main(block_size, changes)
     ptx = compiled.asm["ptx"]
     fences, commits = ptx.count("wgmma.fence"), ptx.count("wgmma.commit_group")
     return launch.args["V_PAGES"], fences, commits, spills
@@ -749,9 +821,10 @@ def _pv_groups(v_pages: bool, block_size: int) -> tuple[int, int, int, int]:
 
 @target_compile
 def test_v_pages_keep_p_v_one_commit_group():
-    """With V pages (8 boxes of 16 rows at block 16, 4 of 32 at block 544) P V reads the tile
-    through one shared layout of its boxes: the build has as many wgmma fences and commit groups
-    as the same launch reading V as one tile, and spills within the compile gate's 16 B."""
+    """With V pages (on 128-token tiles: 8 boxes of 16 rows at block 16, 4 of 32 at block 544)
+    P V reads the tile through one shared layout of its boxes: the build has as many wgmma fences
+    and commit groups as the same launch reading V as one tile, and spills within the compile
+    gate's 16 B."""
     from tests.helpers import in_spawned_workers
 
     jobs = [(on, bs) for on in (True, False) for bs in (16, 544)]
@@ -791,41 +864,46 @@ def test_trace_refuses_what_it_cannot_stamp(kwargs, match):
         _plan(**kwargs)
 
 
-def _traced_ptx_counts(turns: bool) -> tuple[int, int, int | None]:
-    """(global timer reads, clock reads, ptxas spill bytes) of the traced launch compiled for
-    sm_90: the sequential tile, or with ``turns`` the policy's (turns at 3 stages, the query by
-    TMA). Run in a spawned process (`_compiled_main`)."""
+def _traced_ptx_counts(turns: bool) -> tuple[int, int, int, int | None]:
+    """(consumer warpgroups, global timer reads, clock reads, ptxas spill bytes) of the traced
+    launch compiled for sm_90: the policy's sequential tile (two warpgroups on 128 tokens at 2
+    stages, as where the query cannot come by TMA), or with ``turns`` the policy's (three
+    warpgroups at 4 stages of 64 tokens, the query by TMA). Run in a spawned process
+    (`_compiled_main`)."""
     changes = (
         {}
         if turns
-        else dict(turns=False, query_by_tma=False, out_via_keys=False, stages=2, v_pages=False)
-    )
+        else TILE_128 | dict(turns=False, query_by_tma=False, out_via_keys=False, stages=2,
+                             box=128, v_pages=False)
+    )  # fmt: skip
     main, compiled, spills = _compiled_main(2048, changes, trace=True)
     assert main.args["PINGPONG"] is main.args["Q_TMA"] is turns
     ptx = compiled.asm["ptx"]
-    return ptx.count("%globaltimer"), ptx.count("%clock64"), spills
+    return main.args["WGS"], ptx.count("%globaltimer"), ptx.count("%clock64"), spills
 
 
 @target_compile
 def test_traced_kernel_compiles_for_sm90_within_the_spill_gate():
-    """The traced build stamps in all three partitions (CPU compile, sm_90 PTX): the clock at
-    each of the consumers' and the producer's steps, the global timer at their ends, in the
-    sequential loop and in the policy's turns. Spills within 24 B (a diagnostic build: ptxas
-    parks 8-20 B of the values the partitions share in the prologue, reloaded once a partition
-    or an item, beside the stamps; the gate's 16 B holds the untraced builds)."""
+    """The traced build stamps in every partition (CPU compile, sm_90 PTX): the clock at each of
+    the consumers' and the producer's steps, the global timer at their ends, in the sequential
+    loop (two consumer warpgroups) and in the policy's turns (three). Spills within 24 B (a
+    diagnostic build: ptxas parks 8-20 B of the values the partitions share in the prologue,
+    reloaded once a partition or an item, beside the stamps; the gate's 16 B holds the untraced
+    builds)."""
     from tests.helpers import in_spawned_workers
 
     got = in_spawned_workers(_traced_ptx_counts, [(False,), (True,)])
-    # the global timer at both ends of the 3 partitions; the clock at both ends, and: warpgroup
-    # 0 at 7 steps a tile, an item's start and end (stores issued, next step in hand: 2) (with
-    # turns, 7 more for the item's last tile, outside the loop); warpgroup 1 the same, and 4
-    # on the path that passes a decode item's tiles on (warpgroup 0 never takes it); the
-    # producer 3 a tile
-    for turns, last in ((False, 0), (True, 7)):
-        timer, clock, spills = got[(turns,)]
-        assert timer == 6
-        assert clock == (2 + 7 + last + 1 + 2) + (2 + 7 + last + 1 + 2 + 4) + (2 + 3), turns
-        assert spills <= 24, turns
+    # the global timer at both ends of each partition (the warpgroups' and the producer's); the
+    # clock at both ends, and: warpgroup 0 at 7 steps a tile, an item's start and end (stores
+    # issued, next step in hand: 2) (with turns, 7 more for the item's last tile, outside the
+    # loop); each other warpgroup the same, and 4 on the path that passes a decode item's tiles
+    # on (warpgroup 0 never takes it); the producer 3 a tile
+    for turns, last, wgs in ((False, 0, 2), (True, 7, 3)):
+        got_wgs, timer, clock, spills = got[(turns,)]
+        assert (got_wgs, timer) == (wgs, 2 * (wgs + 1)), turns
+        first = 2 + 7 + last + 1 + 2
+        assert clock == first + (wgs - 1) * (first + 4) + (2 + 3), turns
+        assert spills <= 24, (turns, spills)
 
 
 # -- GPU: numerics against the fp64 oracle ------------------------------------------------------
@@ -886,8 +964,9 @@ def test_gpu_sm90_prefill_query_and_output_forms(form, q_tma):
     still aligned, and left untouched), rows
     whose head stride is not a multiple of 8 elements, or a head dim of stride 2 (both element
     by element); each against the oracle. The policy's config sends the aligned forms' query by
-    TMA (the NaN padding never read); the other config takes the same turns with the
-    warpgroups reading their rows."""
+    TMA (the NaN padding never read) and their output through the query buffer; the other
+    config takes `TILE_128`'s turns with the warpgroups reading their rows and the output
+    through the last K tile."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
     b = make_batch(GPU_SEQS, block_size=16, heads=(32, 8), head_dim=128, dtype=torch.bfloat16,
@@ -906,13 +985,13 @@ def test_gpu_sm90_prefill_query_and_output_forms(form, q_tma):
 
     b.query = restride(b.query)
     out = restride(torch.zeros_like(b.query))
-    config = None if q_tma else _config(turns=True, stages=3, query_by_tma=False,
-                                        out_by_tma=aligned, out_via_keys=aligned)  # fmt: skip
+    loads = dict(query_by_tma=False, out_by_tma=aligned, out_via_keys=aligned)
+    config = None if q_tma else _config(**(_tile128(16) | loads))
     mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
     kw = dict(max_query_len=mql, max_seq_len=msl, out=out, config=config)
     (main,) = [x for x in plan_paged_attention(*b.args(), **kw) if x.name == PREFILL]
     assert main.args["Q_VEC"] is main.args["O_VEC"] is aligned
-    assert main.args["O_TMA"] == (2 if aligned else 0)
+    assert main.args["O_TMA"] == ((1 if q_tma else 2) if aligned else 0)
     assert main.args["Q_TMA"] is (q_tma and aligned)
     got = paged_attention(*b.args(), **kw)
     torch.cuda.synchronize()
@@ -930,10 +1009,12 @@ GPU_CONFIGS = {
         turns=False, query_by_tma=False, out_via_keys=False, stages=3, late_release=True
     ),
     "turns, query loads": dict(turns=True, query_by_tma=False, stages=3),
-    "v pages": dict(v_pages=True),
+    # (`TILE_128`: 8, 4 and 2 boxes a tile at 16-, 32- and 64-token pages, the policy's box)
+    "v pages": TILE_128 | dict(v_pages=True),
     "paging 0": dict(paging=0),
     "output stores": dict(out_by_tma=False, out_via_keys=False),
-    "output through the query buffer": dict(out_via_keys=False),
+    # (`TILE_128`: two warpgroups' rows fit its 128-token K tile, the policy's box and paging)
+    "output through the last K tile": TILE_128 | dict(out_via_keys=True),
     "sequential, output stores": dict(
         turns=False, query_by_tma=False, stages=2, out_by_tma=False, out_via_keys=False
     ),
@@ -1086,7 +1167,7 @@ def test_gpu_sm90_prefill_cached_calls_write_each_calls_output():
     outs = [torch.full_like(b.query, float("nan")) for _ in range(2)]
     (main,) = [x for x in plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl,
                                                out=outs[0]) if x.name == PREFILL]  # fmt: skip
-    assert main.args["O_TMA"] == 2  # (through the last K tile)
+    assert main.args["O_TMA"] == 1  # (through the query buffer)
     hits = PLANS.hits
     for out in outs:
         paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl, out=out)
@@ -1133,7 +1214,7 @@ def test_gpu_sm90_prefill_trace_stamps_every_program():
     out = paged_attention(*b.args(), max_query_len=400, max_seq_len=2100, trace=trace)
     torch.cuda.synchronize()
     check(b, out)
-    ends = trace.view(shape)[:, [0, 1, 3], -1, :4]  # both warpgroups and the producer
+    ends = trace.view(shape)[:, :, -1, :4]  # the three warpgroups and the producer
     assert (ends[..., 2] >= ends[..., 0]).all() and (ends[..., 0] > 0).all()
 
 

@@ -74,7 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from portattn.kernels._gluon import clock_stamp, row_ptrs, trace_slot
+from portattn.kernels._gluon import LAZY_T, clock_stamp, lazy_rescale, row_ptrs, trace_slot
 from portattn.kernels._launch import Launch, check_trace_buffer, rows_aligned
 from portattn.policy.common import LaunchOptions
 from portattn.policy.paged import (
@@ -600,13 +600,13 @@ def _store_query(q_buf, WG: gl.constexpr, query, item, GROUP: gl.constexpr,
 
 
 @gluon.jit
-def _scores(qk, start, full_end, kv_end, limit, cols):
-    """The raw scores of the tile at ``start``; past ``full_end`` each row's causal limit and
-    ``kv_end`` mask them to -inf."""
+def _scores(qk, start, full_end, limit, cols):
+    """The raw scores of the tile at ``start``; past ``full_end`` each row's limit (its causal
+    limit clamped to the item's ``kv_end``: one compare an element) masks them to -inf."""
     sc = qk
     if start + cols.shape[0] > full_end:
         pos = start + cols
-        keep = (pos < kv_end)[None, :] & (pos[None, :] < limit[:, None])
+        keep = pos[None, :] < limit[:, None]
         sc = gl.where(keep, sc, float("-inf"))
     return sc
 
@@ -630,17 +630,46 @@ def _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG: gl.constexpr, tk, tu
 
 
 @gluon.jit
-def _softmax(sc, m_i, l_i, acc, scale_log2, dtype: gl.constexpr, PA: gl.constexpr):
+def _quad_sums(x):
+    """``x`` ([rows, BLOCK_N], the score MMA's layout) summed to 4 columns, one a lane of each
+    row's quad: halvings of columns ``c`` and ``c + n/2`` down to 8, then the adjacent pair. In
+    that layout a thread holds column bit 0 and every bit from 8 up, so each step is one add a
+    pair in registers, with no shuffle."""
+    ROWS: gl.constexpr = x.shape[0]
+    y = x
+    for _ in gl.static_range(gl.constexpr(_halvings(x.shape[1]))):
+        y = gl.sum(gl.reshape(y, [ROWS, 2, y.shape[1] // 2]), axis=1)
+    return gl.sum(gl.reshape(y, [ROWS, y.shape[1] // 2, 2]), axis=2)
+
+
+@gluon.constexpr_function
+def _halvings(n):
+    """Halvings `_quad_sums` takes of ``n`` columns: down to the 8 of a row's quad."""
+    return max(0, int(n).bit_length() - 4)
+
+
+@gluon.jit
+def _softmax(sc, m_i, l_i, acc, scale_log2, dtype: gl.constexpr, PA: gl.constexpr,
+             QUAD_SUMS: gl.constexpr):  # fmt: skip
     """One tile's online-softmax step on its masked raw scores ``sc``: the new row maxima
-    (scaled, base 2), ``P = 2^(sc scale_log2 - m)``, the new row sums, the accumulator rescaled
-    to the new maxima, and P as the P V MMA's register operand. The scale goes inside the
-    exponent, one FFMA an element: the maximum is taken of the raw scores and scaled once a row
-    (``scale_log2 > 0``: the launcher checks the scale)."""
-    m_new = gl.maximum(m_i, gl.max(sc, 1) * scale_log2)
+    (scaled, base 2; lazy: a row's moves only where its tile's passes it by more than
+    ``LAZY_T``, so ``P <= 2^LAZY_T`` and a thread whose factors are all 1 skips the rescale,
+    `lazy_rescale`), ``P = 2^(sc scale_log2 - m)``, the new row sums, the accumulator rescaled
+    to the new maxima, and P as the P V MMA's register operand. QUAD_SUMS: the row sums ``l_i``
+    are kept as a partial sum a lane of the row's quad (`_quad_sums`), and the shuffles that
+    finish them run once, in the epilogue. The scale goes inside the exponent, one FFMA an
+    element: the maximum is taken of the raw scores and scaled once a row (``scale_log2 > 0``:
+    the launcher checks the scale)."""
+    rm = gl.max(sc, 1) * scale_log2
+    m_new = gl.where(rm > m_i + LAZY_T, rm, m_i)
     p = gl.exp2(sc * scale_log2 - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    if QUAD_SUMS:
+        quad_alpha = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))
+        l_i = l_i * quad_alpha[:, None] + _quad_sums(p)
+    else:
+        l_i = l_i * alpha + gl.sum(p, 1)
+    acc = lazy_rescale(acc, gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), True)
     return m_new, l_i, acc, gl.convert_layout(p.to(dtype), PA)
 
 
@@ -746,7 +775,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
               GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, PINGPONG: gl.constexpr, Q_VEC: gl.constexpr,
               O_VEC: gl.constexpr, LATE_RELEASE: gl.constexpr, V_PAGES: gl.constexpr,
-              Q_TMA: gl.constexpr, O_TMA: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+              Q_TMA: gl.constexpr, O_TMA: gl.constexpr, TRACE: gl.constexpr,
+              QUAD_SUMS: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of the launch. PINGPONG: the
     warpgroups with real rows issue their MMAs in turns, round robin (module doc).
     LATE_RELEASE (the sequential loop): tile t's stage is released just before tile t+1's P V,
@@ -841,12 +871,16 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 _store_query(q_buf, WG, (q_ptr, stride_q_tok, stride_q_head, stride_q_dim),
                              (q_tile, head_tile, kv_head, q_start, q_len), GROUP, HEAD_TILE,
                              BLOCK_Q, Q_VEC, LOAD)  # fmt: skip
-            # each row sees the positions < its limit (>= 1: no row is ever fully masked)
+            # each row sees the positions < its limit (>= 1: no row is ever fully masked),
+            # clamped to kv_end (a real row's limit is at most kv_end: the same keys)
             rs = WG * ROWS + gl.arange(0, ROWS, layout=ROW)
-            limit = ctx_len + q_tile * BLOCK_Q + rs // HEAD_TILE + 1
+            limit = gl.minimum(ctx_len + q_tile * BLOCK_Q + rs // HEAD_TILE + 1, kv_end)
             cols = gl.arange(0, BLOCK_N, layout=COL)
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=ROW)
-            l_i = gl.zeros([ROWS], gl.float32, layout=ROW)
+            if QUAD_SUMS:  # each row's sum as its quad's 4 partial sums (`_quad_sums`)
+                l_i = _quad_sums(gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK))
+            else:
+                l_i = gl.zeros([ROWS], gl.float32, layout=ROW)
             acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=PV)
             if PINGPONG:
                 # one turn issues P V of tile t and the scores of tile t+1 (the item's first
@@ -864,8 +898,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _stamp(tr, jt, 0, TRACE)
                     _stamp(tr, jt, 1, TRACE)
                     _stamp(tr, jt, 2, TRACE)
-                    sc = _scores(qk, t * BLOCK_N, full_end, kv_end, limit, cols)
-                    m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA)
+                    sc = _scores(qk, t * BLOCK_N, full_end, limit, cols)
+                    m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
+                                                   QUAD_SUMS)  # fmt: skip
                     _stamp(tr, jt, 3, TRACE)
                     # tile t is not the item's last: it ends before kv_end <= seq_len, its V
                     # rows are all real
@@ -900,8 +935,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 _stamp(tr, jt, 0, TRACE)
                 _stamp(tr, jt, 1, TRACE)
                 _stamp(tr, jt, 2, TRACE)
-                sc = _scores(qk, start, full_end, kv_end, limit, cols)
-                m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA)
+                sc = _scores(qk, start, full_end, limit, cols)
+                m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
+                                               QUAD_SUMS)  # fmt: skip
                 _stamp(tr, jt, 3, TRACE)
                 v_buf = v_smem.index(s)
                 mbarrier.wait(v_bars.index(s), (it // STAGES) & 1)
@@ -934,8 +970,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                                        is_async=True)  # fmt: skip
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
                     _stamp(tr, jt, 2, TRACE)
-                    sc = _scores(qk, start, full_end, kv_end, limit, cols)
-                    m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA)
+                    sc = _scores(qk, start, full_end, limit, cols)
+                    m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
+                                                   QUAD_SUMS)  # fmt: skip
                     _stamp(tr, jt, 3, TRACE)
                     v_buf = v_smem.index(s)
                     mbarrier.wait(v_bars.index(s), ph)
@@ -960,7 +997,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             # real tokens (every head of the tile is, `out_by_tma_fits`), one TMA copy of whole
             # lines through its query buffer; rows past the sequence are the next one's, so a
             # partial warpgroup's go by `_store_rows` --
-            o = (acc * gl.convert_layout(1.0 / l_i, PV_ROW)[:, None]).to(dtype)
+            l_row = gl.sum(l_i, 1) if QUAD_SUMS else l_i
+            o = (acc * gl.convert_layout(1.0 / l_row, PV_ROW)[:, None]).to(dtype)
             item = (q_tile, head_tile, kv_head, q_start, q_len)
             output = (out_ptr, stride_o_tok, stride_o_head, stride_o_dim)
             if O_TMA:
@@ -1044,6 +1082,7 @@ def _paged_prefill_sm90_kernel(
     O_TMA: gl.constexpr,  # whole warpgroups' rows go by TMA (`_store_out`): 1 through the
     # query buffer, 2 through the last K tile (`_key_share`); 0 element by element
     PAGING: gl.constexpr,  # how a tile's boxes find their pages (`_tile_rows`)
+    QUAD_SUMS: gl.constexpr,  # row sums as quad partials (`PrefillConfig.quad_sums`)
     trace_ptr,  # int64 clock stamps (TRACE only)
     TRACE: gl.constexpr,
 ):
@@ -1096,11 +1135,14 @@ def _paged_prefill_sm90_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
+                             PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
+                             QUAD_SUMS)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
+                             PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
+                             QUAD_SUMS)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
+                             PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
+                             QUAD_SUMS)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, GROUP,
                              HEAD_TILE, Q_TMA, Q_AT, PAGING, TRACE)),
             ],
@@ -1111,9 +1153,11 @@ def _paged_prefill_sm90_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
+                             PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
+                             QUAD_SUMS)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
-                             PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE)),
+                             PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
+                             QUAD_SUMS)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, GROUP,
                              HEAD_TILE, Q_TMA, Q_AT, PAGING, TRACE)),
             ],
@@ -1317,6 +1361,7 @@ def sm90_prefill_launches(
         Q_TMA=cfg.query_by_tma,
         O_TMA=2 if cfg.out_via_keys else int(cfg.out_by_tma),
         PAGING=cfg.paging,
+        QUAD_SUMS=cfg.quad_sums,
         # a placeholder pointer when off (never read)
         trace_ptr=trace if trace is not None else a["seq_lens_ptr"],
         TRACE=trace is not None,

@@ -104,10 +104,11 @@ SM90_REGISTERS = 65536
 
 
 class Sm90Tile(NamedTuple):
-    """A head_dim's tile on the sm_90 prefill kernel: its stages and turns, the stages of its
-    sequential tile where the turns cannot take the query by TMA, K/V tokens a tile, the
-    setmaxnreg counts and the consumer warpgroups of its turns (the sequential tile takes two,
-    at `SM90_PREFILL_REGS`)."""
+    """A head_dim's tile on the sm_90 prefill kernel: its stages and turns, the stages and K/V
+    tokens of its sequential tile where the turns cannot take the query by TMA, K/V tokens a
+    tile, the setmaxnreg counts and the consumer warpgroups of its turns (the sequential tile
+    takes two, at `SM90_PREFILL_REGS`), and whether its row sums are quad partials
+    (`PrefillConfig.quad_sums`)."""
 
     stages: int
     turns: bool
@@ -115,14 +116,18 @@ class Sm90Tile(NamedTuple):
     block_n: int = SM90_PREFILL_BLOCK_N
     regs: tuple[int, int] = SM90_PREFILL_REGS
     warpgroups: int = 2
+    quad_sums: bool = True
+    no_tma_block_n: int = SM90_PREFILL_BLOCK_N
 
 
-#: head_dim -> its tile: head_dim 64 and 128 take turns (head_dim 64's among three warpgroups at
-#: 160 registers, its sequential tile at 3 stages); head_dim 256's 64-row output needs 128
-#: registers a thread, so its consumers take 240 and two 64-token stages fit.
+#: head_dim -> its tile: head_dim 64 and 128 take turns among three warpgroups at 160 registers
+#: (head_dim 64's on 128-token tiles at 3 stages, with plain row sums, its sequential tile at 3
+#: stages; head_dim 128's on 64-token tiles at 4 stages, its sequential tile on 128 tokens);
+#: head_dim 256's 64-row output needs 128 registers a thread, so its consumers take 240 and two
+#: 64-token stages fit.
 SM90_PREFILL_TILES = {
-    64: Sm90Tile(3, True, no_tma_stages=3, regs=(160, 32), warpgroups=3),
-    128: Sm90Tile(3, True),
+    64: Sm90Tile(3, True, no_tma_stages=3, regs=(160, 32), warpgroups=3, quad_sums=False),
+    128: Sm90Tile(4, True, block_n=64, regs=(160, 32), warpgroups=3),
     256: Sm90Tile(2, False, block_n=64, regs=(240, 24)),
 }
 #: Ring slots past the stages: the producer runs at most ``stages + 1`` items ahead.
@@ -249,6 +254,8 @@ class PrefillConfig:
         consumer_regs, producer_regs: registers per thread of the worker consumer warpgroups
             and of the producer warp (``setmaxnreg``: multiples of 8 in [24, 256]; the
             producer's warpgroup and the consumers' share the SM's 64 K registers).
+        quad_sums: each row's softmax sum is kept as one partial sum a lane of the row's quad
+            and finished in the epilogue (no shuffles a tile); else summed whole every tile.
     """
 
     block_n: int = SM90_PREFILL_BLOCK_N
@@ -264,6 +271,7 @@ class PrefillConfig:
     paging: int = 0
     consumer_regs: int = SM90_PREFILL_REGS[0]
     producer_regs: int = SM90_PREFILL_REGS[1]
+    quad_sums: bool = False
 
     def __post_init__(self) -> None:
         """Fields of the right types (values are judged against a call by
@@ -697,7 +705,7 @@ def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
     warpgroups, regs = tile.warpgroups, tile.regs
     by_tma = query_by_tma_fits(p)
     if turns and not by_tma:
-        stages, turns = tile.no_tma_stages, False
+        stages, turns, block_n = tile.no_tma_stages, False, tile.no_tma_block_n
         warpgroups, regs = 2, SM90_PREFILL_REGS
     box = box_rows(p.block_size, block_n)
     cfg = PrefillConfig(
@@ -711,6 +719,7 @@ def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
         paging=paging_mode(p.block_size, box, block_n),
         consumer_regs=regs[0],
         producer_regs=regs[1],
+        quad_sums=tile.quad_sums,
     )
     cfg = replace(cfg, out_via_keys=out_via_keys_fits(cfg))
     late = replace(cfg, stages=3, late_release=True)
