@@ -5,7 +5,8 @@
 stamp the SM's clock (``%clock64``) at each step of every K/V tile in the two consumer
 warpgroups and the producer warp, and the global timer at each partition's start and end. This
 runs a prefill-family row (`bench.prefill.FULL`) traced (its output checked against the fp64
-oracle first), times the traced and the plain call (what the stamps cost), and prints:
+oracle first), times the traced and the plain call together, repetition by repetition (what
+the stamps cost: `core.Context.time_together`), and prints:
 
 * per consumer warpgroup, the median and mean cycles of each step over the tiles it computed
   (its first two tiles of each program left out): the wait for K, the score MMA, the softmax,
@@ -255,8 +256,8 @@ def main(argv=None) -> int:
             traced()
             torch.cuda.synchronize()
             stamps = buf.view(shape).cpu().numpy()
-            us = {label: ctx.time_us(fn)[0] for label, fn in (("plain", plain), ("traced", traced))}
-            print(f"  median: plain {us['plain']:.1f} us, traced {us['traced']:.1f} us")
+            (plain_us, _), (traced_us, _) = ctx.time_together([plain, traced])
+            print(f"  median: plain {plain_us:.1f} us, traced {traced_us:.1f} us")
             analyse(stamps, head_dim=d, block_n=cfg.block_n, warpgroups=cfg.warpgroups)
             del b, out
             torch.cuda.empty_cache()
