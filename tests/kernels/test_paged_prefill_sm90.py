@@ -319,6 +319,22 @@ def test_policy_config_by_shape(problem, want):
 
 @pytest.mark.parametrize(
     ("problem", "want"),
+    [(_problem(head_dim=64), (False, False)), (_problem(heads=(40, 8), head_dim=64), (False, False)),
+     (_problem(), (True, True)), (_problem(heads=(40, 8)), (True, True)),
+     (_problem(head_dim=256), (True, True))],
+)  # fmt: skip
+def test_softmax_form_by_head_dim(problem, want):
+    """(quad_sums, lazy_max): head_dim 64 sums whole rows at an exact running max; 128 and 256,
+    their sequential tiles too, keep quad partial sums at a lazy max."""
+    cfg = prefill_config(SM90, problem)
+    assert (cfg.quad_sums, cfg.lazy_max) == want
+    a = _main_args(heads=(problem.num_q_heads, problem.num_kv_heads), head_dim=problem.head_dim,
+                   block_size=problem.block_size)  # fmt: skip
+    assert (a["QUAD_SUMS"], a["LAZY_MAX"]) == want
+
+
+@pytest.mark.parametrize(
+    ("problem", "want"),
     [
         # head_dim 64 and 128 with the query by TMA: turns among three warpgroups, 48 tokens x 4
         # heads, 12 x 16, 192 x 1
@@ -1019,6 +1035,9 @@ GPU_CONFIGS = {
         turns=False, query_by_tma=False, stages=2, out_by_tma=False, out_via_keys=False
     ),
     "two warpgroups": dict(warpgroups=2, consumer_regs=216, producer_regs=64),
+    # the softmax's other forms than each head_dim's policy (64: exact max, whole row sums)
+    "exact max, whole sums": dict(lazy_max=False, quad_sums=False),
+    "lazy max, quad sums": dict(lazy_max=True, quad_sums=True),
     "three warpgroups, 64 tokens": dict(
         warpgroups=3,
         block_n=64,

@@ -650,9 +650,9 @@ def _halvings(n):
 
 @gluon.jit
 def _softmax(sc, m_i, l_i, acc, scale_log2, dtype: gl.constexpr, PA: gl.constexpr,
-             QUAD_SUMS: gl.constexpr):  # fmt: skip
+             QUAD_SUMS: gl.constexpr, LAZY_MAX: gl.constexpr):  # fmt: skip
     """One tile's online-softmax step on its masked raw scores ``sc``: the new row maxima
-    (scaled, base 2; lazy: a row's moves only where its tile's passes it by more than
+    (scaled, base 2; LAZY_MAX: a row's moves only where its tile's passes it by more than
     ``LAZY_T``, so ``P <= 2^LAZY_T`` and a thread whose factors are all 1 skips the rescale,
     `lazy_rescale`), ``P = 2^(sc scale_log2 - m)``, the new row sums, the accumulator rescaled
     to the new maxima, and P as the P V MMA's register operand. QUAD_SUMS: the row sums ``l_i``
@@ -661,7 +661,7 @@ def _softmax(sc, m_i, l_i, acc, scale_log2, dtype: gl.constexpr, PA: gl.constexp
     element: the maximum is taken of the raw scores and scaled once a row (``scale_log2 > 0``:
     the launcher checks the scale)."""
     rm = gl.max(sc, 1) * scale_log2
-    m_new = gl.where(rm > m_i + LAZY_T, rm, m_i)
+    m_new = gl.where(rm > m_i + LAZY_T, rm, m_i) if LAZY_MAX else gl.maximum(m_i, rm)
     p = gl.exp2(sc * scale_log2 - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     if QUAD_SUMS:
@@ -669,7 +669,7 @@ def _softmax(sc, m_i, l_i, acc, scale_log2, dtype: gl.constexpr, PA: gl.constexp
         l_i = l_i * quad_alpha[:, None] + _quad_sums(p)
     else:
         l_i = l_i * alpha + gl.sum(p, 1)
-    acc = lazy_rescale(acc, gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), True)
+    acc = lazy_rescale(acc, gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), LAZY_MAX)
     return m_new, l_i, acc, gl.convert_layout(p.to(dtype), PA)
 
 
@@ -776,7 +776,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
               STAGES: gl.constexpr, PINGPONG: gl.constexpr, Q_VEC: gl.constexpr,
               O_VEC: gl.constexpr, LATE_RELEASE: gl.constexpr, V_PAGES: gl.constexpr,
               Q_TMA: gl.constexpr, O_TMA: gl.constexpr, TRACE: gl.constexpr,
-              QUAD_SUMS: gl.constexpr):  # fmt: skip
+              QUAD_SUMS: gl.constexpr, LAZY_MAX: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of the launch. PINGPONG: the
     warpgroups with real rows issue their MMAs in turns, round robin (module doc).
     LATE_RELEASE (the sequential loop): tile t's stage is released just before tile t+1's P V,
@@ -900,7 +900,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, t * BLOCK_N, full_end, limit, cols)
                     m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
-                                                   QUAD_SUMS)  # fmt: skip
+                                                   QUAD_SUMS, LAZY_MAX)  # fmt: skip
                     _stamp(tr, jt, 3, TRACE)
                     # tile t is not the item's last: it ends before kv_end <= seq_len, its V
                     # rows are all real
@@ -937,7 +937,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 _stamp(tr, jt, 2, TRACE)
                 sc = _scores(qk, start, full_end, limit, cols)
                 m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
-                                               QUAD_SUMS)  # fmt: skip
+                                               QUAD_SUMS, LAZY_MAX)  # fmt: skip
                 _stamp(tr, jt, 3, TRACE)
                 v_buf = v_smem.index(s)
                 mbarrier.wait(v_bars.index(s), (it // STAGES) & 1)
@@ -972,7 +972,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, start, full_end, limit, cols)
                     m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
-                                                   QUAD_SUMS)  # fmt: skip
+                                                   QUAD_SUMS, LAZY_MAX)  # fmt: skip
                     _stamp(tr, jt, 3, TRACE)
                     v_buf = v_smem.index(s)
                     mbarrier.wait(v_bars.index(s), ph)
@@ -1083,6 +1083,7 @@ def _paged_prefill_sm90_kernel(
     # query buffer, 2 through the last K tile (`_key_share`); 0 element by element
     PAGING: gl.constexpr,  # how a tile's boxes find their pages (`_tile_rows`)
     QUAD_SUMS: gl.constexpr,  # row sums as quad partials (`PrefillConfig.quad_sums`)
+    LAZY_MAX: gl.constexpr,  # the running max moves only past LAZY_T (`PrefillConfig.lazy_max`)
     trace_ptr,  # int64 clock stamps (TRACE only)
     TRACE: gl.constexpr,
 ):
@@ -1136,13 +1137,13 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
-                             QUAD_SUMS)),
+                             QUAD_SUMS, LAZY_MAX)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
-                             QUAD_SUMS)),
+                             QUAD_SUMS, LAZY_MAX)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
-                             QUAD_SUMS)),
+                             QUAD_SUMS, LAZY_MAX)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, GROUP,
                              HEAD_TILE, Q_TMA, Q_AT, PAGING, TRACE)),
             ],
@@ -1154,10 +1155,10 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
-                             QUAD_SUMS)),
+                             QUAD_SUMS, LAZY_MAX)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
-                             QUAD_SUMS)),
+                             QUAD_SUMS, LAZY_MAX)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, GROUP,
                              HEAD_TILE, Q_TMA, Q_AT, PAGING, TRACE)),
             ],
@@ -1362,6 +1363,7 @@ def sm90_prefill_launches(
         O_TMA=2 if cfg.out_via_keys else int(cfg.out_by_tma),
         PAGING=cfg.paging,
         QUAD_SUMS=cfg.quad_sums,
+        LAZY_MAX=cfg.lazy_max,
         # a placeholder pointer when off (never read)
         trace_ptr=trace if trace is not None else a["seq_lens_ptr"],
         TRACE=trace is not None,

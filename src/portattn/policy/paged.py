@@ -107,8 +107,8 @@ class Sm90Tile(NamedTuple):
     """A head_dim's tile on the sm_90 prefill kernel: its stages and turns, the stages and K/V
     tokens of its sequential tile where the turns cannot take the query by TMA, K/V tokens a
     tile, the setmaxnreg counts and the consumer warpgroups of its turns (the sequential tile
-    takes two, at `SM90_PREFILL_REGS`), and whether its row sums are quad partials
-    (`PrefillConfig.quad_sums`)."""
+    takes two, at `SM90_PREFILL_REGS`), whether its row sums are quad partials
+    (`PrefillConfig.quad_sums`) and whether its running max is lazy (`PrefillConfig.lazy_max`)."""
 
     stages: int
     turns: bool
@@ -117,16 +117,20 @@ class Sm90Tile(NamedTuple):
     regs: tuple[int, int] = SM90_PREFILL_REGS
     warpgroups: int = 2
     quad_sums: bool = True
+    lazy_max: bool = True
     no_tma_block_n: int = SM90_PREFILL_BLOCK_N
 
 
 #: head_dim -> its tile: head_dim 64 and 128 take turns among three warpgroups at 160 registers
-#: (head_dim 64's on 128-token tiles at 3 stages, with plain row sums, its sequential tile at 3
-#: stages; head_dim 128's on 64-token tiles at 4 stages, its sequential tile on 128 tokens);
+#: (head_dim 64's on 128-token tiles at 3 stages, with plain row sums and an exact running max,
+#: its sequential tile at 3 stages; head_dim 128's on 64-token tiles at 4 stages, its
+#: sequential tile on 128 tokens);
 #: head_dim 256's 64-row output needs 128 registers a thread, so its consumers take 240 and two
 #: 64-token stages fit.
 SM90_PREFILL_TILES = {
-    64: Sm90Tile(3, True, no_tma_stages=3, regs=(160, 32), warpgroups=3, quad_sums=False),
+    64: Sm90Tile(
+        3, True, no_tma_stages=3, regs=(160, 32), warpgroups=3, quad_sums=False, lazy_max=False
+    ),
     128: Sm90Tile(4, True, block_n=64, regs=(160, 32), warpgroups=3),
     256: Sm90Tile(2, False, block_n=64, regs=(240, 24)),
 }
@@ -256,6 +260,9 @@ class PrefillConfig:
             producer's warpgroup and the consumers' share the SM's 64 K registers).
         quad_sums: each row's softmax sum is kept as one partial sum a lane of the row's quad
             and finished in the epilogue (no shuffles a tile); else summed whole every tile.
+        lazy_max: a row's running max moves only where a tile's passes it by more than a factor
+            2^8, and a thread whose rows kept theirs skips the accumulator's rescale; else the
+            max is exact every tile.
     """
 
     block_n: int = SM90_PREFILL_BLOCK_N
@@ -272,6 +279,7 @@ class PrefillConfig:
     consumer_regs: int = SM90_PREFILL_REGS[0]
     producer_regs: int = SM90_PREFILL_REGS[1]
     quad_sums: bool = False
+    lazy_max: bool = False
 
     def __post_init__(self) -> None:
         """Fields of the right types (values are judged against a call by
@@ -720,6 +728,7 @@ def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
         consumer_regs=regs[0],
         producer_regs=regs[1],
         quad_sums=tile.quad_sums,
+        lazy_max=tile.lazy_max,
     )
     cfg = replace(cfg, out_via_keys=out_via_keys_fits(cfg))
     late = replace(cfg, stages=3, late_release=True)
