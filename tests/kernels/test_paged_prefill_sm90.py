@@ -319,8 +319,9 @@ def test_policy_config_by_shape(problem, want):
 
 @pytest.mark.parametrize(
     ("problem", "want"),
-    [(_problem(head_dim=64), (False, False)), (_problem(heads=(40, 8), head_dim=64), (False, False)),
-     (_problem(), (True, True)), (_problem(heads=(40, 8)), (True, True)),
+    [(_problem(head_dim=64), (False, False)),
+     (_problem(heads=(40, 8), head_dim=64), (False, False)), (_problem(), (True, True)),
+     (_problem(heads=(40, 8)), (True, True)),
      (_problem(head_dim=256), (True, True))],
 )  # fmt: skip
 def test_softmax_form_by_head_dim(problem, want):
