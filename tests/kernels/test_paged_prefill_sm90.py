@@ -83,16 +83,16 @@ def _config(*, heads=(32, 8), head_dim=128, block_size=16, **changes) -> PagedCo
 
 
 #: The two-warpgroup turns on 128-token tiles at 3 stages (a caller's config at head_dim 128,
-#: whose policy tile takes three warpgroups on 64-token tiles): the tile whose 128 rows fit its
-#: last K tile (`PrefillConfig.out_via_keys`) and whose 16-row boxes are 8 a tile (V pages).
+#: whose policy tile takes three warpgroups on 64-token tiles): the tile whose 16-row boxes are
+#: 8 a tile (V pages).
 TILE_128 = dict(block_n=128, stages=3, warpgroups=2, consumer_regs=216, producer_regs=64)
 
 
 def _tile128(block_size: int = 16) -> dict:
-    """`_config` changes to `TILE_128` at ``block_size`` (its box and paging), with the output
-    through the last K tile and V by page boxes at 8 boxes a tile (the policy's rule)."""
+    """`_config` changes to `TILE_128` at ``block_size`` (its box and paging), with V by page
+    boxes at 8 boxes a tile (the policy's rule)."""
     box = box_rows(block_size, 128)
-    return TILE_128 | dict(box=box, paging=paging_mode(block_size, box, 128), out_via_keys=True,
+    return TILE_128 | dict(box=box, paging=paging_mode(block_size, box, 128),
                            v_pages=128 // box >= SM90_PREFILL_V_PAGES_MIN_BOXES)  # fmt: skip
 
 
@@ -206,18 +206,13 @@ def test_a_config_without_prefill_runs_the_portable_kernel():
         ({"heads": (40, 8)}, dict(turns=True, stages=3, query_by_tma=True),
          "query_by_tma needs 16-byte aligned query rows"),
         ({"heads": (40, 8)}, dict(out_by_tma=True), "out_by_tma needs 16-byte aligned output"),
-        ({}, TILE_128 | dict(out_via_keys=True, out_by_tma=False),
-         "out_via_keys needs out_by_tma, turns and 64 x warpgroups <= block_n; got out_by_tma "
-         "False, turns True, warpgroups 2, block_n 128"),
-        # the policy's three warpgroups' 192 rows in a 64-token K tile
-        ({}, dict(out_via_keys=True), "out_via_keys needs .* warpgroups 3, block_n 64"),
         ({"block_size": 2048}, dict(v_pages=True), "v_pages needs 2, 4 or 8 boxes a tile"),
         ({"block_size": 80}, dict(paging=1), "paging 1 needs box == block_size"),
         ({}, dict(box=32), "box 32 must divide block_size 16"),
         ({}, dict(box=0), "box must be a power of two >= 16; got 0"),  # was ZeroDivisionError
         ({"block_size": 2048}, dict(box=0, v_pages=True), "box must be a power of two"),
         # 2 x 4 stages of 128 x 128 (256 KB) beside two query buffers (32 KB)
-        ({}, TILE_128 | dict(stages=4), "shared memory 296328 B > 232448"),
+        ({}, TILE_128 | dict(stages=4), "shared memory 296320 B > 232448"),
         ({}, dict(producer_regs=20), "producer_regs must be a multiple of 8 in"),
         ({}, dict(warpgroups=4), "warpgroups must be 2 or 3; got 4"),
         ({}, dict(consumer_regs=216, producer_regs=64),
@@ -225,12 +220,12 @@ def test_a_config_without_prefill_runs_the_portable_kernel():
          "need 91136 registers > 65536"),
         # a third query buffer (16 KB) beside 3 stages of 128 x 128 (192 KB)
         ({}, TILE_128 | dict(warpgroups=3, consumer_regs=160, producer_regs=32),
-         "shared memory 247136 B > 232448"),
+         "shared memory 247128 B > 232448"),
         ({"target": get_target("sm_100")}, {}, "needs an sm_90 target; got sm_100"),
         ({"head_dim": 96}, {}, r"needs head_dim in \(64, 128, 256\); got 96"),
         # head_dim 128's tile at head_dim 256: 4 stages of 64 x 256 (256 KB) beside 3 query
         # buffers (96 KB)
-        ({"head_dim": 256}, {}, "shared memory 361888 B > 232448"),
+        ({"head_dim": 256}, {}, "shared memory 361880 B > 232448"),
     ],
 )  # fmt: skip
 def test_a_given_config_is_checked_against_the_target_and_the_call(kwargs, changes, why):
@@ -411,47 +406,12 @@ def test_policy_stores_the_output_by_tma_where_a_box_holds_a_warpgroups_rows(pro
     assert prefill_config(SM90, problem).out_by_tma is want
 
 
-@pytest.mark.parametrize(
-    "problem",
-    [
-        _problem(),  # 3 warpgroups' 192 rows > a 64-token K tile
-        _problem(block_size=2048),
-        _problem(head_dim=64),  # 3 warpgroups' 192 rows > 128 tokens
-        _problem(head_dim=256),  # 64-token tiles, no turns
-        _problem(out_rows_aligned=False),  # (no output by TMA)
-        _problem(query_rows_aligned=False),  # no query by TMA: no turns
-    ],
-)
-def test_policy_stages_the_output_in_the_last_k_tile_where_its_rows_fit(problem):
-    """The policy stages the output in the last K tile where the turns' rows fit it (``64 x
-    warpgroups <= block_n``), with the output by TMA: none of its tiles' rows fit (three
-    warpgroups at head_dim 64 and 128, no turns at 256), so only a caller's config takes it
-    (`test_a_config_stages_the_output_in_the_last_k_tile_where_its_rows_fit`)."""
-    cfg = prefill_config(SM90, problem)
-    assert not cfg.out_via_keys
-    assert not (cfg.turns and cfg.out_by_tma and 64 * cfg.warpgroups <= cfg.block_n)
-
-
-@pytest.mark.parametrize("block_size", [16, 2048])
-def test_a_config_stages_the_output_in_the_last_k_tile_where_its_rows_fit(block_size):
-    """Two warpgroups' 128 rows in a 128-token K tile (`TILE_128`): a caller's config may stage
-    the output there (``O_TMA`` 2); the policy's three warpgroups' 192 rows in its 64-token tile
-    may not."""
-    problem = _problem(block_size=block_size)
-    config = _config(block_size=block_size, **_tile128(block_size))
-    assert config.prefill.out_via_keys
-    assert prefill_config_errors(SM90, problem, config.prefill) == []
-    assert _main_args(block_size=block_size, config=config)["O_TMA"] == 2
-    refused = dataclasses.replace(prefill_config(SM90, problem), out_via_keys=True)
-    assert any("out_via_keys needs" in e for e in prefill_config_errors(SM90, problem, refused))
-
-
 def test_output_by_tma_descriptor_is_a_warpgroups_rows():
     """The output's descriptor views it as the query's does ([column groups, tokens, heads,
     64]); an unaligned output keeps element stores, and a caller's config cannot ask for TMA
     there."""
     a = _main_args()
-    assert a["O_TMA"] == 1  # (through the query buffer: `test_policy_stages_the_output_...`)
+    assert a["O_TMA"] is True
     assert list(a["o_desc"].block_shape) == [2, 16, 4, 64]
     assert list(a["o_desc"].strides) == [64, 32 * 128, 128, 1]
     assert a["o_desc"].base is a["out_ptr"]
@@ -464,7 +424,7 @@ def test_output_by_tma_descriptor_is_a_warpgroups_rows():
     kw = dict(target=SM90, out=out, max_query_len=512, max_seq_len=4096)
     (main,) = [x for x in plan_paged_attention(q, cache, cache, bt, sl, qsl, **kw)
                if x.name == PREFILL]  # fmt: skip
-    assert (main.args["O_TMA"], main.args["Q_TMA"], main.args["O_VEC"]) == (0, True, False)
+    assert (main.args["O_TMA"], main.args["Q_TMA"], main.args["O_VEC"]) == (False, True, False)
     with pytest.raises(ValueError, match="out_by_tma needs 16-byte aligned output rows"):
         plan_paged_attention(q, cache, cache, bt, sl, qsl, config=_config(), **kw)
 
@@ -717,7 +677,7 @@ def _query_copies(q_tma: bool, block_size: int) -> tuple[bool, int, int, int, in
     sm_90 (a spawned worker)."""
     # (the output by element stores on both sides: only the query's path differs)
     launch, compiled, spills = _compiled_main(
-        block_size, dict(query_by_tma=q_tma, out_by_tma=False, out_via_keys=False)
+        block_size, dict(query_by_tma=q_tma, out_by_tma=False)
     )
     ptx = compiled.asm["ptx"]
     return (launch.args["Q_TMA"], spills, compiled.metadata.shared,
@@ -747,14 +707,11 @@ def test_query_by_tma_compiles_for_sm90_without_spills():
         assert atomics == off[5] == 2
 
 
-def _output_stores(o_tma: bool, via_keys: bool) -> tuple[int, int, int, int | None]:
+def _output_stores(o_tma: bool) -> tuple[bool, int, int, int | None]:
     """(the O_TMA arg, TMA stores, their waits, spills) of the mixed batch's sm_90 launch at
-    block 16 with the output by TMA (through the query buffer, on the policy's tile, or the
-    last K tile, on `TILE_128`: the policy's 192 rows do not fit its K tile) or not, compiled
-    for sm_90 (a spawned worker)."""
-    tile = _tile128(16) if via_keys else {}
-    changes = tile | dict(out_by_tma=o_tma, out_via_keys=via_keys)
-    launch, compiled, spills = _compiled_main(16, changes)
+    block 16 with the output by TMA through the query buffer or not, compiled for sm_90 (a
+    spawned worker)."""
+    launch, compiled, spills = _compiled_main(16, dict(out_by_tma=o_tma))
     ptx = compiled.asm["ptx"]
     stores = ptx.count("cp.async.bulk.tensor.4d.global.shared::cta")
     return launch.args["O_TMA"], stores, ptx.count("cp.async.bulk.wait_group.read"), spills
@@ -763,19 +720,16 @@ def _output_stores(o_tma: bool, via_keys: bool) -> tuple[int, int, int, int | No
 @target_compile
 def test_output_by_tma_compiles_to_a_bulk_store_a_warpgroup():
     """With the output by TMA each consumer warpgroup's epilogue has its bulk tensor store and
-    a wait for TMA to have read the buffer (through the last K tile: the wait before the
-    stage's release, at the next item or the program's end); without, none; spills within the
-    compile gate's 16 B every way."""
+    a wait for TMA to have read the buffer; without, none; spills within the compile gate's
+    16 B either way."""
     from tests.helpers import in_spawned_workers
 
-    got = in_spawned_workers(_output_stores, [(True, False), (True, True), (False, False)])
-    off = got[(False, False)]
-    for via_keys in (False, True):
-        on = got[(True, via_keys)]
-        assert on[0] == (2 if via_keys else 1)
-        assert on[1] >= 2 and on[2] >= 2, on  # (ptxas may duplicate a path: not an exact count)
-        assert on[3] <= 16, on
-    assert off[0] == 0 and off[1] == off[2] == 0, off
+    got = in_spawned_workers(_output_stores, [(True,), (False,)])
+    on, off = got[(True,)], got[(False,)]
+    assert on[0] is True
+    assert on[1] >= 2 and on[2] >= 2, on  # (ptxas may duplicate a path: not an exact count)
+    assert on[3] <= 16, on
+    assert off[0] is False and off[1] == off[2] == 0, off
     assert off[3] <= 16, off
 
 
@@ -890,8 +844,8 @@ def _traced_ptx_counts(turns: bool) -> tuple[int, int, int, int | None]:
     changes = (
         {}
         if turns
-        else TILE_128 | dict(turns=False, query_by_tma=False, out_via_keys=False, stages=2,
-                             box=128, v_pages=False)
+        else TILE_128 | dict(turns=False, query_by_tma=False, stages=2, box=128,
+                             v_pages=False)
     )  # fmt: skip
     main, compiled, spills = _compiled_main(2048, changes, trace=True)
     assert main.args["PINGPONG"] is main.args["Q_TMA"] is turns
@@ -982,8 +936,7 @@ def test_gpu_sm90_prefill_query_and_output_forms(form, q_tma):
     whose head stride is not a multiple of 8 elements, or a head dim of stride 2 (both element
     by element); each against the oracle. The policy's config sends the aligned forms' query by
     TMA (the NaN padding never read) and their output through the query buffer; the other
-    config takes `TILE_128`'s turns with the warpgroups reading their rows and the output
-    through the last K tile."""
+    config takes `TILE_128`'s turns with the warpgroups reading their rows."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90 kernel needs an sm_90 GPU")
     b = make_batch(GPU_SEQS, block_size=16, heads=(32, 8), head_dim=128, dtype=torch.bfloat16,
@@ -1002,13 +955,13 @@ def test_gpu_sm90_prefill_query_and_output_forms(form, q_tma):
 
     b.query = restride(b.query)
     out = restride(torch.zeros_like(b.query))
-    loads = dict(query_by_tma=False, out_by_tma=aligned, out_via_keys=aligned)
+    loads = dict(query_by_tma=False, out_by_tma=aligned)
     config = None if q_tma else _config(**(_tile128(16) | loads))
     mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
     kw = dict(max_query_len=mql, max_seq_len=msl, out=out, config=config)
     (main,) = [x for x in plan_paged_attention(*b.args(), **kw) if x.name == PREFILL]
     assert main.args["Q_VEC"] is main.args["O_VEC"] is aligned
-    assert main.args["O_TMA"] == ((1 if q_tma else 2) if aligned else 0)
+    assert main.args["O_TMA"] is aligned
     assert main.args["Q_TMA"] is (q_tma and aligned)
     got = paged_attention(*b.args(), **kw)
     torch.cuda.synchronize()
@@ -1020,21 +973,15 @@ def test_gpu_sm90_prefill_query_and_output_forms(form, q_tma):
 
 GPU_CONFIGS = {
     "policy": {},
-    "sequential": dict(turns=False, query_by_tma=False, out_via_keys=False, stages=2),
-    "sequential, 3 stages": dict(turns=False, query_by_tma=False, out_via_keys=False, stages=3),
-    "late release": dict(
-        turns=False, query_by_tma=False, out_via_keys=False, stages=3, late_release=True
-    ),
+    "sequential": dict(turns=False, query_by_tma=False, stages=2),
+    "sequential, 3 stages": dict(turns=False, query_by_tma=False, stages=3),
+    "late release": dict(turns=False, query_by_tma=False, stages=3, late_release=True),
     "turns, query loads": dict(turns=True, query_by_tma=False, stages=3),
     # (`TILE_128`: 8, 4 and 2 boxes a tile at 16-, 32- and 64-token pages, the policy's box)
     "v pages": TILE_128 | dict(v_pages=True),
     "paging 0": dict(paging=0),
-    "output stores": dict(out_by_tma=False, out_via_keys=False),
-    # (`TILE_128`: two warpgroups' rows fit its 128-token K tile, the policy's box and paging)
-    "output through the last K tile": TILE_128 | dict(out_via_keys=True),
-    "sequential, output stores": dict(
-        turns=False, query_by_tma=False, stages=2, out_by_tma=False, out_via_keys=False
-    ),
+    "output stores": dict(out_by_tma=False),
+    "sequential, output stores": dict(turns=False, query_by_tma=False, stages=2, out_by_tma=False),
     "two warpgroups": dict(warpgroups=2, consumer_regs=216, producer_regs=64),
     # the softmax's other forms than each head_dim's policy (64: exact max, whole row sums)
     "exact max, whole sums": dict(lazy_max=False, quad_sums=False),
@@ -1042,7 +989,6 @@ GPU_CONFIGS = {
     "three warpgroups, 64 tokens": dict(
         warpgroups=3,
         block_n=64,
-        out_via_keys=False,
         box=16,
         paging=0,
         v_pages=False,
@@ -1082,7 +1028,7 @@ def test_gpu_sm90_prefill_configs(name):
         (main,) = [x for x in plan_paged_attention(*b.args(), **kw) if x.name == PREFILL]
         assert main.args["PINGPONG"] is config.prefill.turns
         p = config.prefill
-        assert main.args["O_TMA"] == (2 if p.out_via_keys else int(p.out_by_tma))
+        assert main.args["O_TMA"] is p.out_by_tma
         out = paged_attention(*b.args(), **kw)
         torch.cuda.synchronize()
         check(b, out)
@@ -1187,7 +1133,7 @@ def test_gpu_sm90_prefill_cached_calls_write_each_calls_output():
     outs = [torch.full_like(b.query, float("nan")) for _ in range(2)]
     (main,) = [x for x in plan_paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl,
                                                out=outs[0]) if x.name == PREFILL]  # fmt: skip
-    assert main.args["O_TMA"] == 1  # (through the query buffer)
+    assert main.args["O_TMA"] is True  # (through the query buffer)
     hits = PLANS.hits
     for out in outs:
         paged_attention(*b.args(), max_query_len=mql, max_seq_len=msl, out=out)

@@ -35,12 +35,9 @@ through one shared layout of the boxes (`_pages_layout`). ``Q_TMA``: the produce
 query rows by TMA into a warpgroup's buffer once the warpgroup freed it (`_load_query`,
 `_query_freed`); otherwise each warpgroup reads its rows (16 bytes a thread where ``Q_VEC``: a
 partition cannot see the launch's alignment, `rows_aligned`). ``O_TMA``: a warpgroup whose rows are
-all real tokens writes them by one TMA copy (`_store_out`) through its query buffer (1), freeing the
-buffer once TMA has read it, or (2) through its 64-row share of the item's last K tile
-(`_key_share`, once every warpgroup's last scores have returned: ``k_read``), releasing that stage
-once TMA has read it, under the next item's first scores (`_release_held`); the query buffer is
-then free at the last scores, and the next item's query loads under the epilogue. Others store
-element by element (`_store_rows`, 4 bytes a thread where ``O_VEC``).
+all real tokens writes them by one TMA copy (`_store_out`) through its query buffer, freeing the
+buffer once TMA has read it. Others store element by element (`_store_rows`, 4 bytes a thread
+where ``O_VEC``).
 
 The rows of a sequence's last page past ``seq_len`` may hold anything (NaN): their scores are
 masked, and before P V each warpgroup zeroes them in the V tile.
@@ -382,12 +379,11 @@ def _query_step(q_desc, q_smem, q_full, q_free, nq, t, n_tiles, q_start, q_tile,
                 HEAD_TILES: gl.constexpr, HEAD_TILE: gl.constexpr,
                 Q_TMA: gl.constexpr):  # fmt: skip
     """Q_TMA: the producer's copy of an item's query rows (`_load_query`) after the copies of
-    its tile ``Q_AT`` (or its last); returns the items whose query was loaded. ``Q_AT`` is the
-    first tile whose stage the previous item releases once the warpgroups may have freed
-    their query buffers: ``STAGES - 1`` (that item's last tile's stage), or ``STAGES - 2``
-    where that stage holds the item's output until its epilogue (O_TMA 2, which frees the query
-    buffers at the last scores). Waiting at the item's first tile held the copies back
-    to within a tile of the warpgroups at every item boundary."""
+    its tile ``Q_AT`` (or its last); returns the items whose query was loaded. ``Q_AT``,
+    ``STAGES - 1``, is the first tile whose stage the previous item releases once the
+    warpgroups may have freed their query buffers (that item's last tile's stage). Waiting at
+    the item's first tile held the copies back to within a tile of the warpgroups at every item
+    boundary."""
     if Q_TMA:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if t == gl.minimum(Q_AT, n_tiles - 1):
             _load_query(q_desc, q_smem, q_full, q_free, nq, q_start + q_tile * BLOCK_Q,
@@ -465,18 +461,6 @@ def _rows_box(buf, box: gl.constexpr):
 
 
 @gluon.jit
-def _key_share(k_smem, s, WG: gl.constexpr):
-    """O_TMA 2: warpgroup WG's 64-row share of stage ``s``'s K tile, as a [64, HEAD_D] rows
-    buffer (its bytes ``[WG x 64 x HEAD_D, (WG + 1) x 64 x HEAD_D)`` of the tile, under the
-    query buffer's layout)."""
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    HEAD_D: gl.constexpr = k_smem.shape[2]
-    L2: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    shares = k_smem.index(s)._reinterpret(k_smem.dtype, [BLOCK_N // 64, 64, HEAD_D], L2)
-    return shares.index(WG)
-
-
-@gluon.jit
 def _load_query(q_desc, q_smem, q_full, q_free, nq, tok0, head0):
     """Q_TMA, the producer: the ``nq``-th item's query rows, one copy a consumer warpgroup, each
     once the warpgroup has freed its buffer (its last score MMA of the item before returned,
@@ -504,18 +488,6 @@ def _query_freed(q_free, WG: gl.constexpr, Q_TMA: gl.constexpr):
 
 
 @gluon.jit
-def _scores_done(q_free, k_read, WG: gl.constexpr, Q_TMA: gl.constexpr, O_TMA: gl.constexpr):
-    """A consumer warpgroup's score MMAs of the item have all returned: its query buffer is free
-    (`_query_freed`) and, O_TMA 2, its arrival on ``k_read`` (every warpgroup's: the item's last
-    K tile is read, `_key_share` may take the output)."""
-    gl.thread_barrier()
-    if Q_TMA:
-        mbarrier.arrive(q_free.index(WG), count=1)
-    if O_TMA == 2:
-        mbarrier.arrive(k_read, count=1)
-
-
-@gluon.jit
 def _store_rows(output, WG: gl.constexpr, o, item, GROUP: gl.constexpr, HEAD_TILE: gl.constexpr,
                 BLOCK_Q: gl.constexpr, O_VEC: gl.constexpr):  # fmt: skip
     """Warpgroup WG's output rows ``o`` (in the P V layout) that are real (`_warpgroup_rows`),
@@ -533,12 +505,11 @@ def _store_rows(output, WG: gl.constexpr, o, item, GROUP: gl.constexpr, HEAD_TIL
 
 
 @gluon.jit
-def _store_out(o_desc, buf, WG: gl.constexpr, o, tok0, head0, WAIT: gl.constexpr):
+def _store_out(o_desc, buf, WG: gl.constexpr, o, tok0, head0):
     """O_TMA, a consumer warpgroup: its 64 output rows ``o`` (tokens from ``tok0``, heads from
-    ``head0``, as `_load_query` reads them) through the rows buffer ``buf`` (its query buffer or
-    its `_key_share`) to the output by one TMA copy (`_q_descriptor` on the output). WAIT:
-    returns once TMA has read the buffer, so that it may be overwritten; else `_release_held`
-    waits later."""
+    ``head0``, as `_load_query` reads them) through the rows buffer ``buf`` (its query buffer)
+    to the output by one TMA copy (`_q_descriptor` on the output); returns once TMA has read the
+    buffer, so that it may be overwritten."""
     BOX: gl.constexpr = o_desc.block_shape
     TOK: gl.constexpr = BOX[1]
     buf.store(o)
@@ -546,22 +517,8 @@ def _store_out(o_desc, buf, WG: gl.constexpr, o, tok0, head0, WAIT: gl.constexpr
     gl.thread_barrier()  # every warp's rows in the buffer before the copy
     tma.async_copy_shared_to_global(o_desc, [0, tok0 + WG * TOK, head0, 0],
                                     _rows_box(buf, BOX))  # fmt: skip
-    if WAIT:
-        tma.store_wait(0)
-        gl.thread_barrier()  # the copy has read the buffer before any warp writes it again
-
-
-@gluon.jit
-def _release_held(empty_bars, held, O_TMA: gl.constexpr):
-    """O_TMA 2: the stage ``held`` (>= 0) whose K tile holds this warpgroup's last output copy,
-    released once TMA has read it (the copy runs under the next item's first scores); returns
-    -1 (no stage held)."""
-    if O_TMA == 2:  # noqa: SIM102 (a constexpr branch around a runtime one)
-        if held >= 0:
-            tma.store_wait(0)
-            gl.thread_barrier()
-            mbarrier.arrive(empty_bars.index(held), count=1)
-    return held * 0 - 1
+    tma.store_wait(0)
+    gl.thread_barrier()  # the copy has read the buffer before any warp writes it again
 
 
 @gluon.jit
@@ -790,11 +747,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok,
      stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim, scale_log2, k_smem,
      v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, ring, ring_bars, q_full, q_free,
-     k_read, o_desc, trace_ptr) = rt  # fmt: skip
+     o_desc, trace_ptr) = rt  # fmt: skip
     # (the sequential loop frees no query buffer)
     gl.static_assert(not Q_TMA or PINGPONG, "Q_TMA: only with ping-pong turns")
-    # (the sequential loop releases the last tile's stage before the epilogue)
-    gl.static_assert(O_TMA != 2 or PINGPONG, "O_TMA 2: only with ping-pong turns")
     tr = _trace_part(trace_ptr, WG)
     _stamp(tr, TRACE_TILES + 0 * b_off, 0, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 1, TRACE, True)
@@ -820,7 +775,6 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     it = 0
     tk = 0  # turns taken (PINGPONG)
     nq = 0  # items whose query rows the producer loaded (Q_TMA)
-    held = -1  # O_TMA 2: the stage whose K tile holds an output copy in flight
     step = 0
     cur, slot, q_tile, q_start, q_len, seq_len = _receive_item(ring, ring_bars, step)
     while cur < n:
@@ -845,11 +799,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             has_next = _has_rows(WG + 1, q_tile, head_tile, q_len, GROUP, HEAD_TILE, BLOCK_Q)
             nxt = has_next.to(gl.int32) * (WG + 1)
         if idle:
-            held = _release_held(empty_bars, held, O_TMA)
             if Q_TMA:  # (the producer loads every warpgroup's rows: pass the buffer on)
                 mbarrier.wait(q_full.index(WG), nq & 1)
-            if Q_TMA or O_TMA == 2:
-                _scores_done(q_free, k_read, WG, Q_TMA, O_TMA)
+            _query_freed(q_free, WG, Q_TMA)
             for _t in range(n_tiles):
                 s = it % STAGES
                 ph = (it // STAGES) & 1
@@ -891,7 +843,6 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 # wait, 6 the release and the scores' wait
                 qk, tk = _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG, tk, turns, nxt,
                                        QK)  # fmt: skip
-                held = _release_held(empty_bars, held, O_TMA)
                 for t in range(n_tiles - 1):
                     s = it % STAGES
                     jt = trace_slot(it, TRACE, TRACE_TILES)
@@ -924,10 +875,10 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
                     _stamp(tr, jt, 6, TRACE)
                     it += 1
-                # the item's last scores have returned (O_TMA 1: the query buffer holds the
+                # the item's last scores have returned (O_TMA: the query buffer holds the
                 # output, freed after the epilogue)
-                if O_TMA != 1:
-                    _scores_done(q_free, k_read, WG, Q_TMA, O_TMA)
+                if not O_TMA:
+                    _query_freed(q_free, WG, Q_TMA)
                 # the last tile: its softmax, then its P V in a turn of its own
                 s = it % STAGES
                 start = (n_tiles - 1) * BLOCK_N
@@ -951,9 +902,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 _turn_pass(turn_bars, nxt, turns)
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
                 _stamp(tr, jt, 5, TRACE)
-                if O_TMA != 2:  # (O_TMA 2: the stage holds the output; released after it)
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty_bars.index(s), count=1)
+                gl.thread_barrier()
+                mbarrier.arrive(empty_bars.index(s), count=1)
                 _stamp(tr, jt, 6, TRACE)
                 it += 1
             else:
@@ -1002,24 +952,13 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
             item = (q_tile, head_tile, kv_head, q_start, q_len)
             output = (out_ptr, stride_o_tok, stride_o_head, stride_o_dim)
             if O_TMA:
-                last = (it - 1) % STAGES
                 if q_tile * BLOCK_Q + (WG * ROWS + ROWS - 1) // HEAD_TILE < q_len:
-                    if O_TMA == 2:  # every warpgroup's last scores have read the K tile
-                        mbarrier.wait(k_read, nq & 1)
-                        buf = _key_share(k_smem, last, WG)
-                    else:
-                        buf = q_buf
-                    _store_out(o_desc, buf, WG, o, q_start + q_tile * BLOCK_Q,
-                               kv_head * GROUP + head_tile * HEAD_TILE, O_TMA != 2)  # fmt: skip
-                    if O_TMA == 2:  # (released once TMA has read it, `_release_held`)
-                        held = last
+                    _store_out(o_desc, q_buf, WG, o, q_start + q_tile * BLOCK_Q,
+                               kv_head * GROUP + head_tile * HEAD_TILE)  # fmt: skip
                 else:
                     _store_rows(output, WG, o, item, GROUP, HEAD_TILE, BLOCK_Q, O_VEC)
-                    if O_TMA == 2:  # the last tile's stage: every warp's P V has returned
-                        gl.thread_barrier()
-                        mbarrier.arrive(empty_bars.index(last), count=1)
-                if O_TMA == 1:  # (the query buffer held the output until TMA read it)
-                    _query_freed(q_free, WG, Q_TMA)
+                # (the query buffer held the output until TMA read it)
+                _query_freed(q_free, WG, Q_TMA)
             else:
                 _store_rows(output, WG, o, item, GROUP, HEAD_TILE, BLOCK_Q, O_VEC)
             _stamp(tr, trace_slot(it - 1, TRACE, TRACE_TILES), 8, TRACE)
@@ -1027,7 +966,6 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
         step += 1
         cur, slot, q_tile, q_start, q_len, seq_len = _receive_item(ring, ring_bars, step)
         _stamp(tr, trace_slot(it - 1, TRACE, TRACE_TILES), 9, TRACE)
-    _release_held(empty_bars, held, O_TMA)  # (the last copy read before the program ends)
     _stamp(tr, TRACE_TILES + 0 * b_off, 2, TRACE)
     _stamp(tr, TRACE_TILES + 0 * b_off, 3, TRACE, True)
 
@@ -1079,8 +1017,8 @@ def _paged_prefill_sm90_kernel(
     Q_VEC: gl.constexpr,  # the query's rows aligned (`rows_aligned`)
     O_VEC: gl.constexpr,  # the output's rows aligned
     Q_TMA: gl.constexpr,  # the producer loads the query rows (`_load_query`)
-    O_TMA: gl.constexpr,  # whole warpgroups' rows go by TMA (`_store_out`): 1 through the
-    # query buffer, 2 through the last K tile (`_key_share`); 0 element by element
+    O_TMA: gl.constexpr,  # whole warpgroups' rows go by TMA through the query buffer
+    # (`_store_out`); else element by element
     PAGING: gl.constexpr,  # how a tile's boxes find their pages (`_tile_rows`)
     QUAD_SUMS: gl.constexpr,  # row sums as quad partials (`PrefillConfig.quad_sums`)
     LAZY_MAX: gl.constexpr,  # the running max moves only past LAZY_T (`PrefillConfig.lazy_max`)
@@ -1091,7 +1029,7 @@ def _paged_prefill_sm90_kernel(
     KV_LAYOUT: gl.constexpr = k_desc.layout
     HEAD_TILES: gl.constexpr = (GROUP + HEAD_TILE - 1) // HEAD_TILE
     # the producer's query copy for an item follows its tile Q_AT's (`_query_step`)
-    Q_AT: gl.constexpr = STAGES - 1 - (O_TMA == 2)
+    Q_AT: gl.constexpr = STAGES - 1
     q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, HEAD_D], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
@@ -1118,9 +1056,6 @@ def _paged_prefill_sm90_kernel(
     for w in gl.static_range(WGS):
         mbarrier.init(q_full.index(w), count=1)
         mbarrier.init(q_free.index(w), count=1)
-    # O_TMA 2: every warpgroup's last scores of an item have returned (`_scores_done`)
-    k_read = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(k_read, count=WGS)
     mbarrier.arrive(turn_bars.index(0), count=1, pred=PINGPONG)  # warpgroup 0 goes first
     fence_async_shared()
     prod = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
@@ -1131,7 +1066,7 @@ def _paged_prefill_sm90_kernel(
     cons = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
             scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, ring,
-            ring_bars, q_full, q_free, k_read, o_desc, trace_ptr)  # fmt: skip
+            ring_bars, q_full, q_free, o_desc, trace_ptr)  # fmt: skip
     if WGS == 3:
         gl.warp_specialize(
             [
@@ -1360,7 +1295,7 @@ def sm90_prefill_launches(
         Q_VEC=rows_aligned(q),
         O_VEC=rows_aligned(a["out_ptr"]),
         Q_TMA=cfg.query_by_tma,
-        O_TMA=2 if cfg.out_via_keys else int(cfg.out_by_tma),
+        O_TMA=cfg.out_by_tma,
         PAGING=cfg.paging,
         QUAD_SUMS=cfg.quad_sums,
         LAZY_MAX=cfg.lazy_max,

@@ -245,10 +245,6 @@ class PrefillConfig:
         query_by_tma: the producer loads each item's query rows by TMA (needs ``turns``).
         out_by_tma: a consumer warpgroup whose 64 rows are all real writes them by one TMA
             copy through its query buffer (others element by element).
-        out_via_keys: ``out_by_tma`` stages the rows in the warpgroup's 64-row share of the
-            item's last K tile instead (its stage is released after the copy), so the query
-            buffer is free at the item's last scores and the next item's query loads under the
-            epilogue (needs ``out_by_tma``, ``turns`` and ``64 x warpgroups <= block_n``).
         late_release: a stage is released just before the next tile's P V, not after its own
             (the sequential loop at 3 stages or more).
         box: rows per TMA box, a power of two >= 16 dividing ``block_size`` and ``block_n``.
@@ -271,7 +267,6 @@ class PrefillConfig:
     turns: bool = False
     query_by_tma: bool = False
     out_by_tma: bool = False
-    out_via_keys: bool = False
     late_release: bool = False
     box: int = SM90_PREFILL_BLOCK_N
     v_pages: bool = False
@@ -730,7 +725,6 @@ def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
         quad_sums=tile.quad_sums,
         lazy_max=tile.lazy_max,
     )
-    cfg = replace(cfg, out_via_keys=out_via_keys_fits(cfg))
     late = replace(cfg, stages=3, late_release=True)
     if (
         cfg.boxes in SM90_PREFILL_LATE_RELEASE_BOXES
@@ -762,12 +756,6 @@ def query_by_tma_fits(problem: PagedProblem) -> bool:
     """Whether TMA can load a warpgroup's 64 query rows as one box: aligned rows, whole
     64-column groups (the 128-byte swizzle's), 64 rows of whole tokens of the head tile."""
     return problem.query_rows_aligned and _box_of_rows(problem)
-
-
-def out_via_keys_fits(cfg: PrefillConfig) -> bool:
-    """Whether ``cfg`` can stage its output in the item's last K tile (`PrefillConfig.
-    out_via_keys`): the output by TMA, turns, and the warpgroups' rows within one K tile."""
-    return cfg.out_by_tma and cfg.turns and 64 * cfg.warpgroups <= cfg.block_n
 
 
 def out_by_tma_fits(problem: PagedProblem) -> bool:
@@ -802,13 +790,13 @@ def v_pages_fit(problem: PagedProblem, cfg: PrefillConfig) -> bool:
 
 def prefill_smem_bytes(cfg: PrefillConfig, head_dim: int, elem: int = 2) -> int:
     """Shared memory the sm_90 kernel allocates, an upper bound: Q (64 rows a warpgroup), the K
-    and V stages, the barriers (3 a stage, 3 a warpgroup: its turn and its query's two, and the
-    item's last scores'), the item ring (its words and a barrier a slot) and 1 KB for Triton's
+    and V stages, the barriers (3 a stage, 3 a warpgroup: its turn and its query's two), the
+    item ring (its words and a barrier a slot) and 1 KB for Triton's
     alignment."""
     q = cfg.warpgroups * 64 * head_dim * elem
     kv = 2 * cfg.stages * cfg.block_n * head_dim * elem
     ring = (cfg.stages + SM90_PREFILL_RING_EXTRA) * (SM90_PREFILL_RING_WORDS * 4 + 8)
-    bars = 3 * cfg.stages + 3 * cfg.warpgroups + 1
+    bars = 3 * cfg.stages + 3 * cfg.warpgroups
     return q + kv + bars * 8 + ring + 1024
 
 
@@ -839,12 +827,6 @@ def prefill_config_errors(target: Target, problem: PagedProblem, cfg: PrefillCon
             not cfg.out_by_tma or out_by_tma_fits(p),
             "out_by_tma needs 16-byte aligned output rows, head_dim a multiple of 64 and "
             f"64 rows of whole tokens (group {p.group})",
-        ),
-        (
-            not cfg.out_via_keys or out_via_keys_fits(cfg),
-            f"out_via_keys needs out_by_tma, turns and 64 x warpgroups <= block_n; got "
-            f"out_by_tma {cfg.out_by_tma}, turns {cfg.turns}, warpgroups {cfg.warpgroups}, "
-            f"block_n {cfg.block_n}",
         ),
         (
             not cfg.late_release or (cfg.stages >= 3 and not cfg.turns),
