@@ -18,6 +18,22 @@ import torch
 target_compile = pytest.mark.cpu
 
 
+#: The sm_90 prefill's two-warpgroup turns on 128-token tiles at 3 stages (a caller's config at
+#: head_dim 128, whose policy tile takes three warpgroups on 64-token tiles): the tile whose
+#: 16-row boxes are 8 a tile (V pages).
+TILE_128 = dict(block_n=128, stages=3, warpgroups=2, consumer_regs=216, producer_regs=64)
+
+
+def tile_128(block_size: int = 16) -> dict:
+    """`PrefillConfig` changes to `TILE_128` at ``block_size`` (its box and paging), with V by
+    page boxes at 8 boxes a tile (the policy's rule)."""
+    from portattn.policy.paged import SM90_PREFILL_V_PAGES_MIN_BOXES, box_rows, paging_mode
+
+    box = box_rows(block_size, 128)
+    return TILE_128 | dict(box=box, paging=paging_mode(block_size, box, 128),
+                           v_pages=128 // box >= SM90_PREFILL_V_PAGES_MIN_BOXES)  # fmt: skip
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """||x - ref|| / ||ref|| in float64 (NaN-propagating)."""
     x, ref = x.double().cpu(), ref.double().cpu()

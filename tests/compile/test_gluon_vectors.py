@@ -58,24 +58,14 @@ def _prefill(aligned: bool, block_size: int = 16, two_warpgroups: bool = False):
 
     from portattn.kernels.paged_attention import plan_paged_attention
     from portattn.platform import get_target
-    from portattn.policy.paged import (
-        PagedConfig,
-        PagedProblem,
-        box_rows,
-        paging_mode,
-        prefill_config,
-    )
+    from portattn.policy.paged import PagedConfig, PagedProblem, prefill_config
+    from tests.helpers import tile_128
 
     config = None
     if two_warpgroups:
         target = get_target("sm_90")
         cfg = prefill_config(target, PagedProblem(32, 8, 128, 2, 512, block_size, 64, 4096))
-        box = box_rows(block_size, 128)
-        cfg = dataclasses.replace(
-            cfg, block_n=128, stages=3, warpgroups=2, consumer_regs=216, producer_regs=64,
-            box=box, paging=paging_mode(block_size, box, 128), v_pages=box == 16,
-        )  # fmt: skip
-        config = PagedConfig(prefill=cfg)
+        config = PagedConfig(prefill=dataclasses.replace(cfg, **tile_128(block_size)))
     meta = dict(device="meta")
     tokens = 8 * 512 + 56
     width = 128 if aligned else 129  # a head stride of 129 elements: rows not 16-byte aligned

@@ -26,7 +26,6 @@ from portattn.platform import get_target
 from portattn.policy.common import LaunchOptions
 from portattn.policy.paged import (
     SM90_PREFILL_TILES,
-    SM90_PREFILL_V_PAGES_MIN_BOXES,
     PagedConfig,
     PagedProblem,
     box_rows,
@@ -37,7 +36,7 @@ from portattn.policy.paged import (
     prefill_smem_bytes,
     sm90_prefill,
 )
-from tests.helpers import compile_in_spawned_workers, target_compile
+from tests.helpers import TILE_128, compile_in_spawned_workers, target_compile, tile_128
 from tests.kernels.test_paged_attention import check, make_batch
 
 pytestmark = pytest.mark.paged
@@ -80,20 +79,6 @@ def _config(*, heads=(32, 8), head_dim=128, block_size=16, **changes) -> PagedCo
     """The policy's configuration of `_plan`'s batch with ``changes``."""
     cfg = prefill_config(SM90, _problem(heads, head_dim, block_size))
     return PagedConfig(prefill=dataclasses.replace(cfg, **changes))
-
-
-#: The two-warpgroup turns on 128-token tiles at 3 stages (a caller's config at head_dim 128,
-#: whose policy tile takes three warpgroups on 64-token tiles): the tile whose 16-row boxes are
-#: 8 a tile (V pages).
-TILE_128 = dict(block_n=128, stages=3, warpgroups=2, consumer_regs=216, producer_regs=64)
-
-
-def _tile128(block_size: int = 16) -> dict:
-    """`_config` changes to `TILE_128` at ``block_size`` (its box and paging), with V by page
-    boxes at 8 boxes a tile (the policy's rule)."""
-    box = box_rows(block_size, 128)
-    return TILE_128 | dict(box=box, paging=paging_mode(block_size, box, 128),
-                           v_pages=128 // box >= SM90_PREFILL_V_PAGES_MIN_BOXES)  # fmt: skip
 
 
 def test_mixed_batch_runs_its_decodes_as_items_of_the_sm90_launch():
@@ -454,7 +439,7 @@ def test_v_pages_where_a_page_box_is_shorter_than_the_tile(block_size, head_dim,
     """V tiles as one-copy page boxes where a tile spans several boxes and the head dim has
     64-column groups to join (asked for at every box count, on 128-token tiles: `TILE_128`);
     the descriptor is then the 3-D view, one box a page."""
-    config = _config(block_size=block_size, **(_tile128(block_size) | dict(v_pages=True)))
+    config = _config(block_size=block_size, **(tile_128(block_size) | dict(v_pages=True)))
     heads = 8 * (head_dim + stride_pad)
     base = torch.empty(64, block_size, heads, dtype=torch.bfloat16, **META)
     cache = base.view(64, block_size, 8, head_dim + stride_pad)[..., :head_dim]
@@ -783,7 +768,7 @@ def _pv_groups(v_pages: bool, block_size: int) -> tuple[int, int, int, int]:
     """(the V_PAGES arg, wgmma fences, commit groups, spills) of the mixed batch's sm_90 launch
     at ``block_size`` on `TILE_128` with V pages or not, compiled for sm_90 (a spawned
     worker)."""
-    changes = _tile128(block_size) | dict(v_pages=v_pages)
+    changes = tile_128(block_size) | dict(v_pages=v_pages)
     launch, compiled, spills = _compiled_main(block_size, changes)
     ptx = compiled.asm["ptx"]
     fences, commits = ptx.count("wgmma.fence"), ptx.count("wgmma.commit_group")
@@ -956,7 +941,7 @@ def test_gpu_sm90_prefill_query_and_output_forms(form, q_tma):
     b.query = restride(b.query)
     out = restride(torch.zeros_like(b.query))
     loads = dict(query_by_tma=False, out_by_tma=aligned)
-    config = None if q_tma else _config(**(_tile128(16) | loads))
+    config = None if q_tma else _config(**(tile_128(16) | loads))
     mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
     kw = dict(max_query_len=mql, max_seq_len=msl, out=out, config=config)
     (main,) = [x for x in plan_paged_attention(*b.args(), **kw) if x.name == PREFILL]

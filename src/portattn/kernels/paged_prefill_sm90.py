@@ -308,7 +308,7 @@ def _receive_item(ring, ring_bars, step):
 def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, BOX: gl.constexpr, V_PAGES: gl.constexpr,
               GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, Q_TMA: gl.constexpr,
-              Q_AT: gl.constexpr, PAGING: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
+              PAGING: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
     """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page, box by
     box (K, V, K, V, ...) once the stage is released. K: a 2-D box of [BOX, HEAD_D] (one copy a
     64-column group under the 128-byte swizzle). V: see `_copy_v`. Q_TMA: after the copies of
@@ -361,7 +361,7 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
                 _copy_k(k_desc, k_buf, k_bars.index(s), row, kcol, b, BOX)
                 _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
             nq = _query_step(q_desc, q_smem, q_full, q_free, nq, t, n_tiles, q_start, q_tile,
-                             kv_head, slot, Q_AT, BLOCK_Q, GROUP, HEAD_TILES, HEAD_TILE,
+                             kv_head, slot, STAGES - 1, BLOCK_Q, GROUP, HEAD_TILES, HEAD_TILE,
                              Q_TMA)  # fmt: skip
             _stamp(tr, jt, 2, TRACE)
             it += 1
@@ -1028,8 +1028,6 @@ def _paged_prefill_sm90_kernel(
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     KV_LAYOUT: gl.constexpr = k_desc.layout
     HEAD_TILES: gl.constexpr = (GROUP + HEAD_TILE - 1) // HEAD_TILE
-    # the producer's query copy for an item follows its tile Q_AT's (`_query_step`)
-    Q_AT: gl.constexpr = STAGES - 1
     q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, HEAD_D], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
@@ -1080,7 +1078,7 @@ def _paged_prefill_sm90_kernel(
                              PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
                              QUAD_SUMS, LAZY_MAX)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, GROUP,
-                             HEAD_TILE, Q_TMA, Q_AT, PAGING, TRACE)),
+                             HEAD_TILE, Q_TMA, PAGING, TRACE)),
             ],
             [4, 4, PRODUCER_WARPS],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
@@ -1095,7 +1093,7 @@ def _paged_prefill_sm90_kernel(
                              PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
                              QUAD_SUMS, LAZY_MAX)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, GROUP,
-                             HEAD_TILE, Q_TMA, Q_AT, PAGING, TRACE)),
+                             HEAD_TILE, Q_TMA, PAGING, TRACE)),
             ],
             [4, PRODUCER_WARPS],
             [CONSUMER_REGS, PRODUCER_REGS],

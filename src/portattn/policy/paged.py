@@ -124,9 +124,8 @@ class Sm90Tile(NamedTuple):
 #: head_dim -> its tile: head_dim 64 and 128 take turns among three warpgroups at 160 registers
 #: (head_dim 64's on 128-token tiles at 3 stages, with plain row sums and an exact running max,
 #: its sequential tile at 3 stages; head_dim 128's on 64-token tiles at 4 stages, its
-#: sequential tile on 128 tokens);
-#: head_dim 256's 64-row output needs 128 registers a thread, so its consumers take 240 and two
-#: 64-token stages fit.
+#: sequential tile on 128 tokens); head_dim 256's 64-row output needs 128 registers a thread,
+#: so its consumers take 240 and two 64-token stages fit.
 SM90_PREFILL_TILES = {
     64: Sm90Tile(
         3, True, no_tma_stages=3, regs=(160, 32), warpgroups=3, quad_sums=False, lazy_max=False
@@ -791,8 +790,7 @@ def v_pages_fit(problem: PagedProblem, cfg: PrefillConfig) -> bool:
 def prefill_smem_bytes(cfg: PrefillConfig, head_dim: int, elem: int = 2) -> int:
     """Shared memory the sm_90 kernel allocates, an upper bound: Q (64 rows a warpgroup), the K
     and V stages, the barriers (3 a stage, 3 a warpgroup: its turn and its query's two), the
-    item ring (its words and a barrier a slot) and 1 KB for Triton's
-    alignment."""
+    item ring (its words and a barrier a slot) and 1 KB for Triton's alignment."""
     q = cfg.warpgroups * 64 * head_dim * elem
     kv = 2 * cfg.stages * cfg.block_n * head_dim * elem
     ring = (cfg.stages + SM90_PREFILL_RING_EXTRA) * (SM90_PREFILL_RING_WORDS * 4 + 8)
