@@ -204,7 +204,7 @@ def test_sm90_diagnostics_run_the_policys_config_with_the_changes_given():
     sm90 = get_target("sm_90")
     hd256 = PagedProblem(32, 8, 256, 2, 4096, 16, 8, 4096)
     cfg = prefill_tiles.changed_config(sm90, hd256, {})
-    assert (cfg.block_n, cfg.warpgroups, cfg.turns) == (64, 2, False)
+    assert (cfg.block_n, cfg.warpgroups, cfg.turns) == (64, 2, True)
     cfg = prefill_tiles.changed_config(sm90, hd256, dict(stages=3, late_release=False))
     assert (cfg.block_n, cfg.stages, cfg.late_release) == (64, 3, False)
     hd64 = PagedProblem(32, 8, 64, 2, 4096, 16, 8, 4096)

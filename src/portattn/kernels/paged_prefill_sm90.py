@@ -21,23 +21,24 @@ the metadata: the launch is CUDA-graph safe. A warpgroup whose rows are all padd
 item's later warpgroups) skips the math and only releases each tile.
 
 Schedule (`gl.warp_specialize`): the producer walks the same items and K/V tiles as the consumers
-and, for each tile, waits until every warpgroup released its stage, then loads K and V by TMA, one
-box per ``BOX`` rows of one cache page (its page found without a division a box where ``PAGING``
-allows, `_tile_rows`; a box past the sequence reads a row past the tensor: zeros). Each consumer
-warpgroup: S = Q K^T (wgmma, operands in shared memory), masks on the tiles past its first row's
-causal limit, base-2 online softmax in registers, O += P V with P in registers, then releases the
-stage. ``PINGPONG``: the warpgroups with real rows take turns issuing their MMAs, round robin (one's
-softmax under the others' MMAs): a turn issues P V of tile t and the scores of tile t+1; items whose
-second warpgroup has no real rows take no turns. Otherwise a warpgroup scores, softmaxes and
-accumulates one tile at a time; ``LATE_RELEASE`` releases each stage just before the next tile's P
-V. ``V_PAGES``: V tiles arrive a page box a copy through a 3-D view of the cache and P V reads them
-through one shared layout of the boxes (`_pages_layout`). ``Q_TMA``: the producer loads each item's
-query rows by TMA into a warpgroup's buffer once the warpgroup freed it (`_load_query`,
-`_query_freed`); otherwise each warpgroup reads its rows (16 bytes a thread where ``Q_VEC``: a
-partition cannot see the launch's alignment, `rows_aligned`). ``O_TMA``: a warpgroup whose rows are
-all real tokens writes them by one TMA copy (`_store_out`) through its query buffer, freeing the
-buffer once TMA has read it. Others store element by element (`_store_rows`, 4 bytes a thread
-where ``O_VEC``).
+and, for each tile, waits until every warpgroup released the stage's K buffer and loads K, then does
+the same for V, by TMA, one box per ``BOX`` rows of one cache page (its page found without a
+division a box where ``PAGING`` allows, `_tile_rows`; a box past the sequence reads a row past the
+tensor: zeros). Each consumer warpgroup: S = Q K^T (wgmma, operands in shared memory), masks on the
+tiles past its first row's causal limit, base-2 online softmax in registers, O += P V with P in
+registers; it releases the stage's K buffer once its scores have returned and its V buffer once P V
+has (so the next K tile loads under P V). ``PINGPONG``: the warpgroups with real rows take turns
+issuing their MMAs, round robin (one's softmax under the others' MMAs): a turn issues P V of tile t
+and the scores of tile t+1; items whose second warpgroup has no real rows take no turns. Otherwise a
+warpgroup scores, softmaxes and accumulates one tile at a time; ``LATE_RELEASE`` releases each V
+buffer just before the next tile's P V. ``V_PAGES``: V tiles arrive a page box a copy through a 3-D
+view of the cache and P V reads them through one shared layout of the boxes (`_pages_layout`).
+``Q_TMA``: the producer loads each item's query rows by TMA into a warpgroup's buffer once the
+warpgroup freed it (`_load_query`, `_query_freed`); otherwise each warpgroup reads its rows (16
+bytes a thread where ``Q_VEC``: a partition cannot see the launch's alignment, `rows_aligned`).
+``O_TMA``: a warpgroup whose rows are all real tokens writes them by one TMA copy (`_store_out`)
+through its query buffer, freeing the buffer once TMA has read it. Others store element by element
+(`_store_rows`, 4 bytes a thread where ``O_VEC``).
 
 The rows of a sequence's last page past ``seq_len`` may hold anything (NaN): their scores are
 masked, and before P V each warpgroup zeroes them in the V tile.
@@ -92,7 +93,7 @@ PRODUCER_WARPS = gl.constexpr(1)
 #: producer at 3). Consumer events: 0 tile start, 1 K landed, 2 scores done, 3 P ready, 4 V
 #: landed (tail zeroed), 5 P V done, 6 stage released, 7 item start (its first tile), 8 the
 #: epilogue's stores issued and 9 the next item in hand (its last tile); a warpgroup passing
-#: tiles on stamps 0, 1, 4, 6 and 9. Producer: 0 tile start, 1 stage free, 2 copies issued.
+#: tiles on stamps 0, 1, 4, 6 and 9. Producer: 0 tile start, 1 K buffer free, 2 copies issued.
 #: The slot past the tiles holds each partition's start and end (clock, global timer ns).
 TRACE_EVENTS = gl.constexpr(10)
 TRACE_TILES = gl.constexpr(2048)
@@ -237,9 +238,10 @@ def _item_span(q_tile, q_len, seq_len, BLOCK_Q: gl.constexpr, BLOCK_N: gl.conste
     return ctx_len, kv_end, full_end, n_tiles
 
 
-#: Ring slots past the stages (`_claim_item`): the producer writes item s's slot after the wait
-#: for the stage of item s-1's last tile, which every warpgroup releases only once all its warps
-#: have read item s-1-STAGES (`_receive_item`'s barrier; every item has a tile, `_item_at`).
+#: Ring slots past the stages (`_claim_item`): the producer writes item s's slot after the waits
+#: for the K and V buffers of item s-1's last tile's stage, which every warpgroup releases only
+#: once all its warps have read item s-1-STAGES (`_receive_item`'s barrier; every item has a
+#: tile, `_item_at`).
 ITEM_RING_EXTRA = gl.constexpr(SM90_PREFILL_RING_EXTRA)
 
 
@@ -309,13 +311,14 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
               STAGES: gl.constexpr, BOX: gl.constexpr, V_PAGES: gl.constexpr,
               GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, Q_TMA: gl.constexpr,
               PAGING: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
-    """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page, box by
-    box (K, V, K, V, ...) once the stage is released. K: a 2-D box of [BOX, HEAD_D] (one copy a
-    64-column group under the 128-byte swizzle). V: see `_copy_v`. Q_TMA: after the copies of
+    """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page: a
+    tile's K boxes once every warpgroup released the stage's K buffer, then its V boxes once they
+    released its V buffer. K: a 2-D box of [BOX, HEAD_D] (one copy a 64-column group under the
+    128-byte swizzle). V: see `_copy_v`. Q_TMA: after the copies of
     an item's tile ``STAGES - 1`` (or its last), each warpgroup's query rows (`_load_query`)."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq,
      stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc,
-     k_smem, v_smem, k_bars, v_bars, empty_bars, ctr_ptr, ring, ring_bars, q_desc, q_smem,
+     k_smem, v_smem, k_bars, v_bars, k_free, v_free, ctr_ptr, ring, ring_bars, q_desc, q_smem,
      q_full, q_free, trace_ptr) = rt  # fmt: skip
     tr = _trace_part(trace_ptr, TRACE_PARTS - 1)
     _stamp(tr, TRACE_TILES + 0 * b_off, 0, TRACE)
@@ -349,16 +352,20 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
             # stage: their latency runs under the wait instead of after it
             rows = _tile_rows(bt_row, t, boxes, BOX, BLOCK_N, seq_len, block_size,
                               stride_bt_blk, rows_per_page, total_rows, PAGING)  # fmt: skip
-            # the stage's previous tile released by every warpgroup (none before the first use)
-            mbarrier.wait(empty_bars.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
+            # the stage's previous K, then V, released by every warpgroup (none before the first
+            # use): K is freed at its scores' return, so the next K loads under this P V
+            free_ph = ((it // STAGES) & 1) ^ 1
+            mbarrier.wait(k_free.index(s), free_ph, pred=it >= STAGES)
             _stamp(tr, jt, 1, TRACE)
-            v_buf = v_smem.index(s)
             k_buf = k_smem.index(s)
             mbarrier.expect(k_bars.index(s), TILE_BYTES)
+            for b in gl.static_range(NB):
+                _copy_k(k_desc, k_buf, k_bars.index(s), _box_row(rows, boxes, b), kcol, b, BOX)
+            mbarrier.wait(v_free.index(s), free_ph, pred=it >= STAGES)
+            v_buf = v_smem.index(s)
             mbarrier.expect(v_bars.index(s), TILE_BYTES)
             for b in gl.static_range(NB):
                 row = _box_row(rows, boxes, b)
-                _copy_k(k_desc, k_buf, k_bars.index(s), row, kcol, b, BOX)
                 _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
             nq = _query_step(q_desc, q_smem, q_full, q_free, nq, t, n_tiles, q_start, q_tile,
                              kv_head, slot, STAGES - 1, BLOCK_Q, GROUP, HEAD_TILES, HEAD_TILE,
@@ -381,7 +388,8 @@ def _query_step(q_desc, q_smem, q_full, q_free, nq, t, n_tiles, q_start, q_tile,
     """Q_TMA: the producer's copy of an item's query rows (`_load_query`) after the copies of
     its tile ``Q_AT`` (or its last); returns the items whose query was loaded. ``Q_AT``,
     ``STAGES - 1``, is the first tile whose stage the previous item releases once the
-    warpgroups may have freed their query buffers (that item's last tile's stage). Waiting at
+    warpgroups may have freed their query buffers (that item's last tile's stage, its V buffer
+    freed after the last P V). Waiting at
     the item's first tile held the copies back to within a tile of the warpgroups at every item
     boundary."""
     if Q_TMA:  # noqa: SIM102 (a constexpr branch around a runtime one)
@@ -569,10 +577,10 @@ def _scores(qk, start, full_end, limit, cols):
 
 
 @gluon.jit
-def _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG: gl.constexpr, tk, turns, nxt,
+def _first_scores(q_buf, k_smem, k_bars, k_free, it, turn_bars, WG: gl.constexpr, tk, turns, nxt,
                   QK: gl.constexpr):  # fmt: skip
-    """An item's first tile's scores (K tile ``it``), in a turn of their own; returns them and
-    the turns taken."""
+    """An item's first tile's scores (K tile ``it``), in a turn of their own, then its K buffer
+    released; returns them and the turns taken."""
     STAGES: gl.constexpr = k_smem.shape[0]
     ROWS: gl.constexpr = q_buf.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -583,7 +591,17 @@ def _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG: gl.constexpr, tk, tu
                        gl.zeros([ROWS, BLOCK_N], gl.float32, layout=QK),
                        use_acc=False, is_async=True)  # fmt: skip
     _turn_pass(turn_bars, nxt, turns)
-    return warpgroup_mma_wait(num_outstanding=0, deps=[qk]), tk
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+    _release(k_free, s)
+    return qk, tk
+
+
+@gluon.jit
+def _release(bars, s):
+    """This warpgroup frees buffer ``s`` (one arrival on its barrier in ``bars``), after the
+    warpgroup's barrier: every warp's MMAs reading it have returned."""
+    gl.thread_barrier()
+    mbarrier.arrive(bars.index(s), count=1)
 
 
 @gluon.jit
@@ -693,13 +711,12 @@ def _pv_pages(p_op, v_buf, acc, NB: gl.constexpr):
 
 
 @gluon.jit
-def _release_prev(empty_bars, it, t, STAGES: gl.constexpr):
-    """LATE_RELEASE: this warpgroup releases the stage of its tile before tile ``t`` of the
-    item (global tile count ``it``; nothing when ``t == 0``). The warpgroup's barrier first: every
-    warp's P V of that tile has returned."""
+def _release_prev(v_free, it, t, STAGES: gl.constexpr):
+    """LATE_RELEASE: this warpgroup releases the V buffer of its tile before tile ``t`` of the
+    item (global tile count ``it``; nothing when ``t == 0``), once every warp's P V of that tile
+    has returned (`_release`)."""
     if t > 0:
-        gl.thread_barrier()
-        mbarrier.arrive(empty_bars.index((it - 1) % STAGES), count=1)
+        _release(v_free, (it - 1) % STAGES)
 
 
 @gluon.jit
@@ -736,8 +753,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
               QUAD_SUMS: gl.constexpr, LAZY_MAX: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of the launch. PINGPONG: the
     warpgroups with real rows issue their MMAs in turns, round robin (module doc).
-    LATE_RELEASE (the sequential loop): tile t's stage is released just before tile t+1's P V,
-    an item's last tile at the item's end.
+    K buffers are released once their scores return, V buffers once their P V does;
+    LATE_RELEASE (the sequential loop): tile t's V buffer is released just before tile t+1's
+    P V, an item's last tile's at the item's end.
     V_PAGES (> 1): V tiles arrive as that many page boxes of one copy each (`_v_page`), and P V
     reads them through one layout (`_pv_pages`). Q_VEC / O_VEC: the query's / output's rows are
     aligned (`rows_aligned`): read 16 bytes a thread, written 4; else element by element. Q_TMA:
@@ -746,7 +764,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
     (`_query_freed`)."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, q_ptr, out_ptr, stride_q_tok,
      stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim, scale_log2, k_smem,
-     v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, ring, ring_bars, q_full, q_free,
+     v_smem, k_bars, v_bars, k_free, v_free, q_smem, turn_bars, ring, ring_bars, q_full, q_free,
      o_desc, trace_ptr) = rt  # fmt: skip
     # (the sequential loop frees no query buffer)
     gl.static_assert(not Q_TMA or PINGPONG, "Q_TMA: only with ping-pong turns")
@@ -808,10 +826,11 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 jt = trace_slot(it, TRACE, TRACE_TILES)
                 _stamp(tr, jt, 0, TRACE)
                 mbarrier.wait(k_bars.index(s), ph)
+                mbarrier.arrive(k_free.index(s), count=1)
                 _stamp(tr, jt, 1, TRACE)
                 mbarrier.wait(v_bars.index(s), ph)
                 _stamp(tr, jt, 4, TRACE)
-                mbarrier.arrive(empty_bars.index(s), count=1)
+                mbarrier.arrive(v_free.index(s), count=1)
                 _stamp(tr, jt, 6, TRACE)
                 it += 1
         else:
@@ -840,9 +859,9 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 # that the other warpgroups' MMAs run under this one's softmax. Both are waited
                 # after the pass (P V first: issued first). Trace steps: 1 = 0 (K is waited
                 # before the turn), 2 the softmax's start, 5 the turn, the issues and the P V
-                # wait, 6 the release and the scores' wait
-                qk, tk = _first_scores(q_buf, k_smem, k_bars, it, turn_bars, WG, tk, turns, nxt,
-                                       QK)  # fmt: skip
+                # wait, 6 the scores' wait and the releases
+                qk, tk = _first_scores(q_buf, k_smem, k_bars, k_free, it, turn_bars, WG, tk,
+                                       turns, nxt, QK)  # fmt: skip
                 for t in range(n_tiles - 1):
                     s = it % STAGES
                     jt = trace_slot(it, TRACE, TRACE_TILES)
@@ -870,9 +889,11 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _turn_pass(turn_bars, nxt, turns)
                     acc, p_op = warpgroup_mma_wait(num_outstanding=1, deps=[acc, p_op])
                     _stamp(tr, jt, 5, TRACE)
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty_bars.index(s), count=1)
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+                    # one barrier for both: tile t's V buffer and tile t+1's K buffer
+                    gl.thread_barrier()
+                    mbarrier.arrive(v_free.index(s), count=1)
+                    mbarrier.arrive(k_free.index(s2), count=1)
                     _stamp(tr, jt, 6, TRACE)
                     it += 1
                 # the item's last scores have returned (O_TMA: the query buffer holds the
@@ -902,8 +923,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 _turn_pass(turn_bars, nxt, turns)
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
                 _stamp(tr, jt, 5, TRACE)
-                gl.thread_barrier()
-                mbarrier.arrive(empty_bars.index(s), count=1)
+                _release(v_free, s)
                 _stamp(tr, jt, 6, TRACE)
                 it += 1
             else:
@@ -919,6 +939,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)), qk, use_acc=False,
                                        is_async=True)  # fmt: skip
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+                    _release(k_free, s)
                     _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, start, full_end, limit, cols)
                     m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
@@ -928,7 +949,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     mbarrier.wait(v_bars.index(s), ph)
                     _zero_tail(v_buf, start, seq_len, LOAD, V_PAGES)
                     if LATE_RELEASE:
-                        _release_prev(empty_bars, it, t, STAGES)
+                        _release_prev(v_free, it, t, STAGES)
                     _stamp(tr, jt, 4, TRACE)
                     if V_PAGES > 1:
                         acc = _pv_pages(p_op, v_buf, acc, V_PAGES)
@@ -937,12 +958,11 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                     _stamp(tr, jt, 5, TRACE)
                     if not LATE_RELEASE:
-                        gl.thread_barrier()
-                        mbarrier.arrive(empty_bars.index(s), count=1)
+                        _release(v_free, s)
                     _stamp(tr, jt, 6, TRACE)
                     it += 1
                 if LATE_RELEASE:  # the item's last tile
-                    _release_prev(empty_bars, it, n_tiles, STAGES)
+                    _release_prev(v_free, it, n_tiles, STAGES)
             # -- epilogue: this warpgroup's rows to the output. O_TMA: where its 64 rows are all
             # real tokens (every head of the tile is, `out_by_tma_fits`), one TMA copy of whole
             # lines through its query buffer; rows past the sequence are the next one's, so a
@@ -1033,7 +1053,9 @@ def _paged_prefill_sm90_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # each stage's K and V buffers freed by every warpgroup, apart (K at its scores' return)
+    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [WGS, 1], mbarrier.MBarrierLayout())
     ROW1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     # the producer's ring of item steps for the consumers (`_claim_item`, `_receive_item`)
@@ -1045,7 +1067,8 @@ def _paged_prefill_sm90_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(s), count=1)
         mbarrier.init(v_bars.index(s), count=1)
-        mbarrier.init(empty_bars.index(s), count=WGS)  # an arrival per warpgroup
+        mbarrier.init(k_free.index(s), count=WGS)  # an arrival per warpgroup
+        mbarrier.init(v_free.index(s), count=WGS)
     for w in gl.static_range(WGS):
         mbarrier.init(turn_bars.index(w), count=1)
     # Q_TMA: each warpgroup's query buffer loaded (the producer's copy) and freed (the warpgroup)
@@ -1058,12 +1081,12 @@ def _paged_prefill_sm90_kernel(
     fence_async_shared()
     prod = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
             stride_bt_seq, stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol,
-            stride_vcol, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars,
+            stride_vcol, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_free, v_free,
             work_ptr + counter, ring, ring_bars, q_desc, q_smem, q_full, q_free,
             trace_ptr)  # fmt: skip
     cons = (work_ptr, b_off, num_q_tiles, query_start_loc_ptr, seq_lens_ptr, q_ptr, out_ptr,
             stride_q_tok, stride_q_head, stride_q_dim, stride_o_tok, stride_o_head, stride_o_dim,
-            scale_log2, k_smem, v_smem, k_bars, v_bars, empty_bars, q_smem, turn_bars, ring,
+            scale_log2, k_smem, v_smem, k_bars, v_bars, k_free, v_free, q_smem, turn_bars, ring,
             ring_bars, q_full, q_free, o_desc, trace_ptr)  # fmt: skip
     if WGS == 3:
         gl.warp_specialize(

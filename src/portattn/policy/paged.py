@@ -107,7 +107,7 @@ class Sm90Tile(NamedTuple):
     """A head_dim's tile on the sm_90 prefill kernel: its stages and turns, the stages and K/V
     tokens of its sequential tile where the turns cannot take the query by TMA, K/V tokens a
     tile, the setmaxnreg counts and the consumer warpgroups of its turns (the sequential tile
-    takes two, at `SM90_PREFILL_REGS`), whether its row sums are quad partials
+    takes two, at ``no_tma_regs``), whether its row sums are quad partials
     (`PrefillConfig.quad_sums`) and whether its running max is lazy (`PrefillConfig.lazy_max`)."""
 
     stages: int
@@ -119,19 +119,21 @@ class Sm90Tile(NamedTuple):
     quad_sums: bool = True
     lazy_max: bool = True
     no_tma_block_n: int = SM90_PREFILL_BLOCK_N
+    no_tma_regs: tuple[int, int] = SM90_PREFILL_REGS
 
 
 #: head_dim -> its tile: head_dim 64 and 128 take turns among three warpgroups at 160 registers
 #: (head_dim 64's on 128-token tiles at 3 stages, with plain row sums and an exact running max,
 #: its sequential tile at 3 stages; head_dim 128's on 64-token tiles at 4 stages, its
 #: sequential tile on 128 tokens); head_dim 256's 64-row output needs 128 registers a thread,
-#: so its consumers take 240 and two 64-token stages fit.
+#: so its two consumer warpgroups take 240 and two 64-token stages fit (its sequential tile
+#: the same).
 SM90_PREFILL_TILES = {
     64: Sm90Tile(
         3, True, no_tma_stages=3, regs=(160, 32), warpgroups=3, quad_sums=False, lazy_max=False
     ),
     128: Sm90Tile(4, True, block_n=64, regs=(160, 32), warpgroups=3),
-    256: Sm90Tile(2, False, block_n=64, regs=(240, 24)),
+    256: Sm90Tile(2, True, block_n=64, regs=(240, 24), no_tma_block_n=64, no_tma_regs=(240, 24)),
 }
 #: Ring slots past the stages: the producer runs at most ``stages + 1`` items ahead.
 SM90_PREFILL_RING_EXTRA = 2
@@ -240,7 +242,7 @@ class PrefillConfig:
         stages: K/V tiles in flight (2..4; shared memory bounds it).
         warpgroups: consumer warpgroups (2 or 3), 64 rows each: an item is ``64 x warpgroups``
             rows of query tokens x heads.
-        turns: the warpgroups take turns issuing their MMAs, round robin (needs 3 stages).
+        turns: the warpgroups take turns issuing their MMAs, round robin.
         query_by_tma: the producer loads each item's query rows by TMA (needs ``turns``).
         out_by_tma: a consumer warpgroup whose 64 rows are all real writes them by one TMA
             copy through its query buffer (others element by element).
@@ -708,7 +710,7 @@ def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
     by_tma = query_by_tma_fits(p)
     if turns and not by_tma:
         stages, turns, block_n = tile.no_tma_stages, False, tile.no_tma_block_n
-        warpgroups, regs = 2, SM90_PREFILL_REGS
+        warpgroups, regs = 2, tile.no_tma_regs
     box = box_rows(p.block_size, block_n)
     cfg = PrefillConfig(
         block_n=block_n,
@@ -789,12 +791,13 @@ def v_pages_fit(problem: PagedProblem, cfg: PrefillConfig) -> bool:
 
 def prefill_smem_bytes(cfg: PrefillConfig, head_dim: int, elem: int = 2) -> int:
     """Shared memory the sm_90 kernel allocates, an upper bound: Q (64 rows a warpgroup), the K
-    and V stages, the barriers (3 a stage, 3 a warpgroup: its turn and its query's two), the
+    and V stages, the barriers (4 a stage: K and V landed and freed; 3 a warpgroup: its turn and
+    its query's two), the
     item ring (its words and a barrier a slot) and 1 KB for Triton's alignment."""
     q = cfg.warpgroups * 64 * head_dim * elem
     kv = 2 * cfg.stages * cfg.block_n * head_dim * elem
     ring = (cfg.stages + SM90_PREFILL_RING_EXTRA) * (SM90_PREFILL_RING_WORDS * 4 + 8)
-    bars = 3 * cfg.stages + 3 * cfg.warpgroups
+    bars = 4 * cfg.stages + 3 * cfg.warpgroups
     return q + kv + bars * 8 + ring + 1024
 
 
@@ -814,7 +817,6 @@ def prefill_config_errors(target: Target, problem: PagedProblem, cfg: PrefillCon
         (cfg.block_n in (32, 64, 128), f"block_n must be 32, 64 or 128; got {cfg.block_n}"),
         (2 <= cfg.stages <= 4, f"stages must be in [2, 4]; got {cfg.stages}"),
         (cfg.warpgroups in (2, 3), f"warpgroups must be 2 or 3; got {cfg.warpgroups}"),
-        (not cfg.turns or cfg.stages >= 3, f"turns need stages >= 3; got {cfg.stages}"),
         (not cfg.query_by_tma or cfg.turns, "query_by_tma needs turns"),
         (
             not cfg.query_by_tma or query_by_tma_fits(p),
