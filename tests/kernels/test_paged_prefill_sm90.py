@@ -185,6 +185,7 @@ def test_a_config_without_prefill_runs_the_portable_kernel():
     ("kwargs", "changes", "why"),
     [
         ({}, dict(late_release=True), "late_release needs stages >= 3 and no turns"),
+        ({}, dict(stages=2), "turns need stages >= 3 or split_release; got stages 2"),
         ({}, dict(turns=False, stages=3, late_release=True, query_by_tma=True),
          "query_by_tma needs turns"),
         ({"heads": (40, 8)}, dict(turns=True, stages=3, query_by_tma=True),
@@ -196,7 +197,7 @@ def test_a_config_without_prefill_runs_the_portable_kernel():
         ({}, dict(box=0), "box must be a power of two >= 16; got 0"),  # was ZeroDivisionError
         ({"block_size": 2048}, dict(box=0, v_pages=True), "box must be a power of two"),
         # 2 x 4 stages of 128 x 128 (256 KB) beside two query buffers (32 KB)
-        ({}, TILE_128 | dict(stages=4), "shared memory 296352 B > 232448"),
+        ({}, TILE_128 | dict(stages=4), "shared memory 296320 B > 232448"),
         ({}, dict(producer_regs=20), "producer_regs must be a multiple of 8 in"),
         ({}, dict(warpgroups=4), "warpgroups must be 2 or 3; got 4"),
         ({}, dict(consumer_regs=216, producer_regs=64),
@@ -204,12 +205,12 @@ def test_a_config_without_prefill_runs_the_portable_kernel():
          "need 91136 registers > 65536"),
         # a third query buffer (16 KB) beside 3 stages of 128 x 128 (192 KB)
         ({}, TILE_128 | dict(warpgroups=3, consumer_regs=160, producer_regs=32),
-         "shared memory 247152 B > 232448"),
+         "shared memory 247128 B > 232448"),
         ({"target": get_target("sm_100")}, {}, "needs an sm_90 target; got sm_100"),
         ({"head_dim": 96}, {}, r"needs head_dim in \(64, 128, 256\); got 96"),
         # head_dim 128's tile at head_dim 256: 4 stages of 64 x 256 (256 KB) beside 3 query
         # buffers (96 KB)
-        ({"head_dim": 256}, {}, "shared memory 361912 B > 232448"),
+        ({"head_dim": 256}, {}, "shared memory 361880 B > 232448"),
     ],
 )  # fmt: skip
 def test_a_given_config_is_checked_against_the_target_and_the_call(kwargs, changes, why):
@@ -311,6 +312,20 @@ def test_softmax_form_by_head_dim(problem, want):
     a = _main_args(heads=(problem.num_q_heads, problem.num_kv_heads), head_dim=problem.head_dim,
                    block_size=problem.block_size)  # fmt: skip
     assert (a["QUAD_SUMS"], a["LAZY_MAX"]) == want
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (40, 8)])
+@pytest.mark.parametrize(("head_dim", "want"), [(64, False), (128, False), (256, True)])
+def test_split_release_at_head_dim_256(heads, head_dim, want):
+    """head_dim 256 (its turns and its sequential tile) frees K and V buffers apart, the others
+    each stage whole; the split's second barrier a stage is in the shared-memory estimate."""
+    problem = _problem(heads, head_dim)
+    cfg = prefill_config(SM90, problem)
+    assert cfg.split_release is want
+    assert _main_args(heads=heads, head_dim=head_dim)["SPLIT"] is want
+    other = dataclasses.replace(cfg, split_release=not want)
+    diff = prefill_smem_bytes(cfg, head_dim) - prefill_smem_bytes(other, head_dim)
+    assert diff == (8 if want else -8) * cfg.stages
 
 
 @pytest.mark.parametrize(
@@ -970,6 +985,14 @@ GPU_CONFIGS = {
     # the softmax's other forms than each head_dim's policy (64: exact max, whole row sums)
     "exact max, whole sums": dict(lazy_max=False, quad_sums=False),
     "lazy max, quad sums": dict(lazy_max=True, quad_sums=True),
+    # K and V freed apart: under the policy's turns, turns at 2 stages (which need it), the
+    # sequential loop and its late release
+    "split release": dict(split_release=True),
+    "split release, turns at 2 stages": dict(split_release=True, stages=2),
+    "split release, sequential": dict(split_release=True, turns=False, query_by_tma=False),
+    "split release, late release": dict(
+        split_release=True, turns=False, query_by_tma=False, stages=3, late_release=True
+    ),
     "three warpgroups, 64 tokens": dict(
         warpgroups=3,
         block_n=64,
@@ -1019,8 +1042,12 @@ def test_gpu_sm90_prefill_configs(name):
 
 
 # head_dim 256 at 32-token K/V tiles: turns with the query by TMA (3 stages) or by the
-# warpgroups' loads (GQA 5:1), and the sequential loop at 2 stages
+# warpgroups' loads (GQA 5:1), and the sequential loop at 2 stages; at the policy's 64-token
+# tile, the sequential loop freeing each stage whole
 HD256_CONFIGS = {
+    "64 tokens, sequential, stage freed whole": ((32, 8), 16, "contiguous",
+                                                 dict(turns=False, query_by_tma=False,
+                                                      split_release=False)),
     "32 tokens, turns": ((32, 8), 16, "contiguous",
                          dict(block_n=32, stages=3, turns=True, query_by_tma=True)),
     "32 tokens, turns, query loads": ((40, 8), 544, "hybrid",
@@ -1043,7 +1070,8 @@ def test_gpu_sm90_prefill_head_dim_256_configs(name):
     mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
     kw = dict(max_query_len=mql, max_seq_len=msl, config=config)
     (main,) = [x for x in plan_paged_attention(*b.args(), **kw) if x.name == PREFILL]
-    assert (main.args["BLOCK_N"], main.args["PINGPONG"]) == (32, changes.get("turns", False))
+    want = (config.prefill.block_n, changes.get("turns", False), config.prefill.split_release)
+    assert (main.args["BLOCK_N"], main.args["PINGPONG"], main.args["SPLIT"]) == want
     out = paged_attention(*b.args(), **kw)
     torch.cuda.synchronize()
     check(b, out)
@@ -1177,7 +1205,7 @@ def test_head_dim_256_takes_64_token_tiles_at_240_registers(block_size):
     problem = _problem((32, 8), 256, block_size)
     cfg = prefill_config(SM90, problem)
     assert (cfg.block_n, cfg.stages, cfg.turns, cfg.query_by_tma) == (64, 2, True, True)
-    assert (cfg.warpgroups, cfg.late_release) == (2, False)
+    assert (cfg.warpgroups, cfg.late_release, cfg.split_release) == (2, False, True)
     assert (cfg.consumer_regs, cfg.producer_regs) == (240, 24)
     assert prefill_smem_bytes(cfg, 256) <= SM90.max_shared_mem
     three = dataclasses.replace(cfg, stages=3)
@@ -1186,5 +1214,5 @@ def test_head_dim_256_takes_64_token_tiles_at_240_registers(block_size):
     gqa5 = _problem((40, 8), 256, block_size)
     seq = prefill_config(SM90, gqa5)
     assert (seq.block_n, seq.stages, seq.turns, seq.query_by_tma) == (64, 2, False, False)
-    assert (seq.consumer_regs, seq.producer_regs) == (240, 24)
+    assert (seq.consumer_regs, seq.producer_regs, seq.split_release) == (240, 24, True)
     assert prefill_config_errors(SM90, gqa5, seq) == []

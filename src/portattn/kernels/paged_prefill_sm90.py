@@ -21,24 +21,25 @@ the metadata: the launch is CUDA-graph safe. A warpgroup whose rows are all padd
 item's later warpgroups) skips the math and only releases each tile.
 
 Schedule (`gl.warp_specialize`): the producer walks the same items and K/V tiles as the consumers
-and, for each tile, waits until every warpgroup released the stage's K buffer and loads K, then does
-the same for V, by TMA, one box per ``BOX`` rows of one cache page (its page found without a
-division a box where ``PAGING`` allows, `_tile_rows`; a box past the sequence reads a row past the
-tensor: zeros). Each consumer warpgroup: S = Q K^T (wgmma, operands in shared memory), masks on the
-tiles past its first row's causal limit, base-2 online softmax in registers, O += P V with P in
-registers; it releases the stage's K buffer once its scores have returned and its V buffer once P V
-has (so the next K tile loads under P V). ``PINGPONG``: the warpgroups with real rows take turns
-issuing their MMAs, round robin (one's softmax under the others' MMAs): a turn issues P V of tile t
-and the scores of tile t+1; items whose second warpgroup has no real rows take no turns. Otherwise a
-warpgroup scores, softmaxes and accumulates one tile at a time; ``LATE_RELEASE`` releases each V
-buffer just before the next tile's P V. ``V_PAGES``: V tiles arrive a page box a copy through a 3-D
-view of the cache and P V reads them through one shared layout of the boxes (`_pages_layout`).
-``Q_TMA``: the producer loads each item's query rows by TMA into a warpgroup's buffer once the
-warpgroup freed it (`_load_query`, `_query_freed`); otherwise each warpgroup reads its rows (16
-bytes a thread where ``Q_VEC``: a partition cannot see the launch's alignment, `rows_aligned`).
-``O_TMA``: a warpgroup whose rows are all real tokens writes them by one TMA copy (`_store_out`)
-through its query buffer, freeing the buffer once TMA has read it. Others store element by element
-(`_store_rows`, 4 bytes a thread where ``O_VEC``).
+and, for each tile, waits until every warpgroup released the stage, then loads K and V (``SPLIT``:
+waits for the stage's K buffer and loads K, then does the same for V) by TMA, one box per ``BOX``
+rows of one cache page (its page found without a division a box where ``PAGING`` allows,
+`_tile_rows`; a box past the sequence reads a row past the tensor: zeros). Each consumer warpgroup:
+S = Q K^T (wgmma, operands in shared memory), masks on the tiles past its first row's causal limit,
+base-2 online softmax in registers, O += P V with P in registers, then releases the stage
+(``SPLIT``: its K buffer once its scores have returned, apart, so that the next K tile loads under P
+V). ``PINGPONG``: the warpgroups with real rows take turns issuing their MMAs, round robin (one's
+softmax under the others' MMAs): a turn issues P V of tile t and the scores of tile t+1; items whose
+second warpgroup has no real rows take no turns. Otherwise a warpgroup scores, softmaxes and
+accumulates one tile at a time; ``LATE_RELEASE`` releases each V buffer just before the next tile's
+P V. ``V_PAGES``: V tiles arrive a page box a copy through a 3-D view of the cache and P V reads
+them through one shared layout of the boxes (`_pages_layout`). ``Q_TMA``: the producer loads each
+item's query rows by TMA into a warpgroup's buffer once the warpgroup freed it (`_load_query`,
+`_query_freed`); otherwise each warpgroup reads its rows (16 bytes a thread where ``Q_VEC``: a
+partition cannot see the launch's alignment, `rows_aligned`). ``O_TMA``: a warpgroup whose rows are
+all real tokens writes them by one TMA copy (`_store_out`) through its query buffer, freeing the
+buffer once TMA has read it. Others store element by element (`_store_rows`, 4 bytes a thread where
+``O_VEC``).
 
 The rows of a sequence's last page past ``seq_len`` may hold anything (NaN): their scores are
 masked, and before P V each warpgroup zeroes them in the V tile.
@@ -89,12 +90,12 @@ HEAD_DIMS = tuple(sorted(SM90_PREFILL_TILES))
 #: (`PrefillConfig.warpgroups`) and the producer are worker partitions of 4 and 1 warps.
 NUM_WARPS = 4
 PRODUCER_WARPS = gl.constexpr(1)
-#: The trace's stamps a tile, tiles a program and partitions (consumer warpgroups 0-2; the
-#: producer at 3). Consumer events: 0 tile start, 1 K landed, 2 scores done, 3 P ready, 4 V
-#: landed (tail zeroed), 5 P V done, 6 stage released, 7 item start (its first tile), 8 the
-#: epilogue's stores issued and 9 the next item in hand (its last tile); a warpgroup passing
-#: tiles on stamps 0, 1, 4, 6 and 9. Producer: 0 tile start, 1 K buffer free, 2 copies issued.
-#: The slot past the tiles holds each partition's start and end (clock, global timer ns).
+#: The trace's stamps a tile, tiles a program and partitions (consumer warpgroups 0-2; the producer
+#: at 3). Consumer events: 0 tile start, 1 K landed, 2 scores done, 3 P ready, 4 V landed (tail
+#: zeroed), 5 P V done, 6 stage released, 7 item start (its first tile), 8 the epilogue's stores
+#: issued and 9 the next item in hand (its last tile); a warpgroup passing tiles on stamps 0, 1, 4,
+#: 6 and 9. Producer: 0 tile start, 1 stage (SPLIT: K buffer) free, 2 copies issued. The slot past
+#: the tiles holds each partition's start and end (clock, global timer ns).
 TRACE_EVENTS = gl.constexpr(10)
 TRACE_TILES = gl.constexpr(2048)
 TRACE_PARTS = gl.constexpr(4)
@@ -239,9 +240,9 @@ def _item_span(q_tile, q_len, seq_len, BLOCK_Q: gl.constexpr, BLOCK_N: gl.conste
 
 
 #: Ring slots past the stages (`_claim_item`): the producer writes item s's slot after the waits
-#: for the K and V buffers of item s-1's last tile's stage, which every warpgroup releases only
-#: once all its warps have read item s-1-STAGES (`_receive_item`'s barrier; every item has a
-#: tile, `_item_at`).
+#: for the stage (SPLIT: its K and V buffers) of item s-1's last tile, which every warpgroup
+#: releases only once all its warps have read item s-1-STAGES (`_receive_item`'s barrier; every
+#: item has a tile, `_item_at`).
 ITEM_RING_EXTRA = gl.constexpr(SM90_PREFILL_RING_EXTRA)
 
 
@@ -310,12 +311,13 @@ def _receive_item(ring, ring_bars, step):
 def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.constexpr,
               STAGES: gl.constexpr, BOX: gl.constexpr, V_PAGES: gl.constexpr,
               GROUP: gl.constexpr, HEAD_TILE: gl.constexpr, Q_TMA: gl.constexpr,
-              PAGING: gl.constexpr, TRACE: gl.constexpr):  # fmt: skip
-    """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page: a
-    tile's K boxes once every warpgroup released the stage's K buffer, then its V boxes once they
-    released its V buffer. K: a 2-D box of [BOX, HEAD_D] (one copy a 64-column group under the
-    128-byte swizzle). V: see `_copy_v`. Q_TMA: after the copies of
-    an item's tile ``STAGES - 1`` (or its last), each warpgroup's query rows (`_load_query`)."""
+              PAGING: gl.constexpr, TRACE: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+    """The load warp: every item's K and V tiles by TMA boxes of ``BOX`` rows of one page, once
+    every warpgroup released the stage (box by box: K, V, K, V, ...); SPLIT: a tile's K boxes
+    once they released the stage's K buffer, then its V boxes once they released its V buffer. K:
+    a 2-D box of [BOX, HEAD_D] (one copy a 64-column group under the 128-byte swizzle). V: see
+    `_copy_v`. Q_TMA: after the copies of an item's tile ``STAGES - 1`` (or its last), each
+    warpgroup's query rows (`_load_query`)."""
     (work_ptr, b_off, num_q_tiles, qsl_ptr, seq_lens_ptr, block_table_ptr, stride_bt_seq,
      stride_bt_blk, block_size, rows_per_page, total_rows, stride_kcol, stride_vcol, k_desc, v_desc,
      k_smem, v_smem, k_bars, v_bars, k_free, v_free, ctr_ptr, ring, ring_bars, q_desc, q_smem,
@@ -352,21 +354,29 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
             # stage: their latency runs under the wait instead of after it
             rows = _tile_rows(bt_row, t, boxes, BOX, BLOCK_N, seq_len, block_size,
                               stride_bt_blk, rows_per_page, total_rows, PAGING)  # fmt: skip
-            # the stage's previous K, then V, released by every warpgroup (none before the first
-            # use): K is freed at its scores' return, so the next K loads under this P V
+            # the stage's previous tile (SPLIT: its K buffer, later its V buffer) released by
+            # every warpgroup (none before the first use)
             free_ph = ((it // STAGES) & 1) ^ 1
             mbarrier.wait(k_free.index(s), free_ph, pred=it >= STAGES)
             _stamp(tr, jt, 1, TRACE)
             k_buf = k_smem.index(s)
-            mbarrier.expect(k_bars.index(s), TILE_BYTES)
-            for b in gl.static_range(NB):
-                _copy_k(k_desc, k_buf, k_bars.index(s), _box_row(rows, boxes, b), kcol, b, BOX)
-            mbarrier.wait(v_free.index(s), free_ph, pred=it >= STAGES)
             v_buf = v_smem.index(s)
-            mbarrier.expect(v_bars.index(s), TILE_BYTES)
-            for b in gl.static_range(NB):
-                row = _box_row(rows, boxes, b)
-                _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
+            mbarrier.expect(k_bars.index(s), TILE_BYTES)
+            if SPLIT:
+                for b in gl.static_range(NB):
+                    row = _box_row(rows, boxes, b)
+                    _copy_k(k_desc, k_buf, k_bars.index(s), row, kcol, b, BOX)
+                mbarrier.wait(v_free.index(s), free_ph, pred=it >= STAGES)
+                mbarrier.expect(v_bars.index(s), TILE_BYTES)
+                for b in gl.static_range(NB):
+                    row = _box_row(rows, boxes, b)
+                    _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
+            else:
+                mbarrier.expect(v_bars.index(s), TILE_BYTES)
+                for b in gl.static_range(NB):
+                    row = _box_row(rows, boxes, b)
+                    _copy_k(k_desc, k_buf, k_bars.index(s), row, kcol, b, BOX)
+                    _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
             nq = _query_step(q_desc, q_smem, q_full, q_free, nq, t, n_tiles, q_start, q_tile,
                              kv_head, slot, STAGES - 1, BLOCK_Q, GROUP, HEAD_TILES, HEAD_TILE,
                              Q_TMA)  # fmt: skip
@@ -578,9 +588,9 @@ def _scores(qk, start, full_end, limit, cols):
 
 @gluon.jit
 def _first_scores(q_buf, k_smem, k_bars, k_free, it, turn_bars, WG: gl.constexpr, tk, turns, nxt,
-                  QK: gl.constexpr):  # fmt: skip
-    """An item's first tile's scores (K tile ``it``), in a turn of their own, then its K buffer
-    released; returns them and the turns taken."""
+                  QK: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+    """An item's first tile's scores (K tile ``it``), in a turn of their own (SPLIT: then its K
+    buffer released); returns them and the turns taken."""
     STAGES: gl.constexpr = k_smem.shape[0]
     ROWS: gl.constexpr = q_buf.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -592,7 +602,8 @@ def _first_scores(q_buf, k_smem, k_bars, k_free, it, turn_bars, WG: gl.constexpr
                        use_acc=False, is_async=True)  # fmt: skip
     _turn_pass(turn_bars, nxt, turns)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-    _release(k_free, s)
+    if SPLIT:
+        _release(k_free, s)
     return qk, tk
 
 
@@ -712,9 +723,9 @@ def _pv_pages(p_op, v_buf, acc, NB: gl.constexpr):
 
 @gluon.jit
 def _release_prev(v_free, it, t, STAGES: gl.constexpr):
-    """LATE_RELEASE: this warpgroup releases the V buffer of its tile before tile ``t`` of the
-    item (global tile count ``it``; nothing when ``t == 0``), once every warp's P V of that tile
-    has returned (`_release`)."""
+    """LATE_RELEASE: this warpgroup releases the V buffer (the stage, without SPLIT) of its tile
+    before tile ``t`` of the item (global tile count ``it``; nothing when ``t == 0``), once every
+    warp's P V of that tile has returned (`_release`)."""
     if t > 0:
         _release(v_free, (it - 1) % STAGES)
 
@@ -750,10 +761,11 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
               STAGES: gl.constexpr, PINGPONG: gl.constexpr, Q_VEC: gl.constexpr,
               O_VEC: gl.constexpr, LATE_RELEASE: gl.constexpr, V_PAGES: gl.constexpr,
               Q_TMA: gl.constexpr, O_TMA: gl.constexpr, TRACE: gl.constexpr,
-              QUAD_SUMS: gl.constexpr, LAZY_MAX: gl.constexpr):  # fmt: skip
+              QUAD_SUMS: gl.constexpr, LAZY_MAX: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
     """Warpgroup WG: rows ``[64 WG, 64 WG + 64)`` of every item of the launch. PINGPONG: the
     warpgroups with real rows issue their MMAs in turns, round robin (module doc).
-    K buffers are released once their scores return, V buffers once their P V does;
+    A tile's stage is released once its P V returns (``v_free``; without SPLIT ``k_free`` is the
+    same barrier); SPLIT: its K buffer apart, once its scores return (``k_free``).
     LATE_RELEASE (the sequential loop): tile t's V buffer is released just before tile t+1's
     P V, an item's last tile's at the item's end.
     V_PAGES (> 1): V tiles arrive as that many page boxes of one copy each (`_v_page`), and P V
@@ -826,7 +838,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 jt = trace_slot(it, TRACE, TRACE_TILES)
                 _stamp(tr, jt, 0, TRACE)
                 mbarrier.wait(k_bars.index(s), ph)
-                mbarrier.arrive(k_free.index(s), count=1)
+                if SPLIT:
+                    mbarrier.arrive(k_free.index(s), count=1)
                 _stamp(tr, jt, 1, TRACE)
                 mbarrier.wait(v_bars.index(s), ph)
                 _stamp(tr, jt, 4, TRACE)
@@ -861,7 +874,7 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                 # before the turn), 2 the softmax's start, 5 the turn, the issues and the P V
                 # wait, 6 the scores' wait and the releases
                 qk, tk = _first_scores(q_buf, k_smem, k_bars, k_free, it, turn_bars, WG, tk,
-                                       turns, nxt, QK)  # fmt: skip
+                                       turns, nxt, QK, SPLIT)  # fmt: skip
                 for t in range(n_tiles - 1):
                     s = it % STAGES
                     jt = trace_slot(it, TRACE, TRACE_TILES)
@@ -889,11 +902,15 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     _turn_pass(turn_bars, nxt, turns)
                     acc, p_op = warpgroup_mma_wait(num_outstanding=1, deps=[acc, p_op])
                     _stamp(tr, jt, 5, TRACE)
-                    qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-                    # one barrier for both: tile t's V buffer and tile t+1's K buffer
-                    gl.thread_barrier()
-                    mbarrier.arrive(v_free.index(s), count=1)
-                    mbarrier.arrive(k_free.index(s2), count=1)
+                    if SPLIT:
+                        qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+                        # one barrier for both: tile t's V buffer and tile t+1's K buffer
+                        gl.thread_barrier()
+                        mbarrier.arrive(v_free.index(s), count=1)
+                        mbarrier.arrive(k_free.index(s2), count=1)
+                    else:
+                        _release(v_free, s)
+                        qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
                     _stamp(tr, jt, 6, TRACE)
                     it += 1
                 # the item's last scores have returned (O_TMA: the query buffer holds the
@@ -939,7 +956,8 @@ def _consumer(WG: gl.constexpr, rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexp
                     qk = warpgroup_mma(q_buf, k_smem.index(s).permute((1, 0)), qk, use_acc=False,
                                        is_async=True)  # fmt: skip
                     qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
-                    _release(k_free, s)
+                    if SPLIT:
+                        _release(k_free, s)
                     _stamp(tr, jt, 2, TRACE)
                     sc = _scores(qk, start, full_end, limit, cols)
                     m_i, l_i, acc, p_op = _softmax(sc, m_i, l_i, acc, scale_log2, dtype, PA,
@@ -1042,6 +1060,7 @@ def _paged_prefill_sm90_kernel(
     PAGING: gl.constexpr,  # how a tile's boxes find their pages (`_tile_rows`)
     QUAD_SUMS: gl.constexpr,  # row sums as quad partials (`PrefillConfig.quad_sums`)
     LAZY_MAX: gl.constexpr,  # the running max moves only past LAZY_T (`PrefillConfig.lazy_max`)
+    SPLIT: gl.constexpr,  # K and V buffers freed apart (`PrefillConfig.split_release`)
     trace_ptr,  # int64 clock stamps (TRACE only)
     TRACE: gl.constexpr,
 ):
@@ -1053,9 +1072,13 @@ def _paged_prefill_sm90_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], KV_LAYOUT)
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # each stage's K and V buffers freed by every warpgroup, apart (K at its scores' return)
+    # each stage freed by every warpgroup; SPLIT: its K and V buffers apart (K at its scores'
+    # return), else one barrier for both
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if SPLIT:
+        v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    else:
+        v_free = k_free
     turn_bars = gl.allocate_shared_memory(gl.int64, [WGS, 1], mbarrier.MBarrierLayout())
     ROW1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     # the producer's ring of item steps for the consumers (`_claim_item`, `_receive_item`)
@@ -1068,7 +1091,8 @@ def _paged_prefill_sm90_kernel(
         mbarrier.init(k_bars.index(s), count=1)
         mbarrier.init(v_bars.index(s), count=1)
         mbarrier.init(k_free.index(s), count=WGS)  # an arrival per warpgroup
-        mbarrier.init(v_free.index(s), count=WGS)
+        if SPLIT:
+            mbarrier.init(v_free.index(s), count=WGS)
     for w in gl.static_range(WGS):
         mbarrier.init(turn_bars.index(w), count=1)
     # Q_TMA: each warpgroup's query buffer loaded (the producer's copy) and freed (the warpgroup)
@@ -1093,15 +1117,15 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
-                             QUAD_SUMS, LAZY_MAX)),
+                             QUAD_SUMS, LAZY_MAX, SPLIT)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
-                             QUAD_SUMS, LAZY_MAX)),
+                             QUAD_SUMS, LAZY_MAX, SPLIT)),
                 (_consumer, (2, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
-                             QUAD_SUMS, LAZY_MAX)),
+                             QUAD_SUMS, LAZY_MAX, SPLIT)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, GROUP,
-                             HEAD_TILE, Q_TMA, PAGING, TRACE)),
+                             HEAD_TILE, Q_TMA, PAGING, TRACE, SPLIT)),
             ],
             [4, 4, PRODUCER_WARPS],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
@@ -1111,12 +1135,12 @@ def _paged_prefill_sm90_kernel(
             [
                 (_consumer, (0, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
-                             QUAD_SUMS, LAZY_MAX)),
+                             QUAD_SUMS, LAZY_MAX, SPLIT)),
                 (_consumer, (1, cons, SLOTS, HEAD_TILES, GROUP, HEAD_TILE, BLOCK_Q, STAGES,
                              PINGPONG, Q_VEC, O_VEC, LATE_RELEASE, V_PAGES, Q_TMA, O_TMA, TRACE,
-                             QUAD_SUMS, LAZY_MAX)),
+                             QUAD_SUMS, LAZY_MAX, SPLIT)),
                 (_producer, (prod, SLOTS, HEAD_TILES, BLOCK_Q, STAGES, BOX, V_PAGES, GROUP,
-                             HEAD_TILE, Q_TMA, PAGING, TRACE)),
+                             HEAD_TILE, Q_TMA, PAGING, TRACE, SPLIT)),
             ],
             [4, PRODUCER_WARPS],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -1320,6 +1344,7 @@ def sm90_prefill_launches(
         PAGING=cfg.paging,
         QUAD_SUMS=cfg.quad_sums,
         LAZY_MAX=cfg.lazy_max,
+        SPLIT=cfg.split_release,
         # a placeholder pointer when off (never read)
         trace_ptr=trace if trace is not None else a["seq_lens_ptr"],
         TRACE=trace is not None,

@@ -108,7 +108,8 @@ class Sm90Tile(NamedTuple):
     tokens of its sequential tile where the turns cannot take the query by TMA, K/V tokens a
     tile, the setmaxnreg counts and the consumer warpgroups of its turns (the sequential tile
     takes two, at ``no_tma_regs``), whether its row sums are quad partials
-    (`PrefillConfig.quad_sums`) and whether its running max is lazy (`PrefillConfig.lazy_max`)."""
+    (`PrefillConfig.quad_sums`), whether its running max is lazy (`PrefillConfig.lazy_max`) and
+    whether its K and V buffers are freed apart (`PrefillConfig.split_release`)."""
 
     stages: int
     turns: bool
@@ -120,6 +121,7 @@ class Sm90Tile(NamedTuple):
     lazy_max: bool = True
     no_tma_block_n: int = SM90_PREFILL_BLOCK_N
     no_tma_regs: tuple[int, int] = SM90_PREFILL_REGS
+    split_release: bool = False
 
 
 #: head_dim -> its tile: head_dim 64 and 128 take turns among three warpgroups at 160 registers
@@ -127,13 +129,22 @@ class Sm90Tile(NamedTuple):
 #: its sequential tile at 3 stages; head_dim 128's on 64-token tiles at 4 stages, its
 #: sequential tile on 128 tokens); head_dim 256's 64-row output needs 128 registers a thread,
 #: so its two consumer warpgroups take 240 and two 64-token stages fit (its sequential tile
-#: the same).
+#: the same); its K and V buffers are freed apart, which lets its turns run on two stages (at
+#: head_dim 64 and 128 that was slower).
 SM90_PREFILL_TILES = {
     64: Sm90Tile(
         3, True, no_tma_stages=3, regs=(160, 32), warpgroups=3, quad_sums=False, lazy_max=False
     ),
     128: Sm90Tile(4, True, block_n=64, regs=(160, 32), warpgroups=3),
-    256: Sm90Tile(2, True, block_n=64, regs=(240, 24), no_tma_block_n=64, no_tma_regs=(240, 24)),
+    256: Sm90Tile(
+        2,
+        True,
+        block_n=64,
+        regs=(240, 24),
+        no_tma_block_n=64,
+        no_tma_regs=(240, 24),
+        split_release=True,
+    ),
 }
 #: Ring slots past the stages: the producer runs at most ``stages + 1`` items ahead.
 SM90_PREFILL_RING_EXTRA = 2
@@ -242,7 +253,8 @@ class PrefillConfig:
         stages: K/V tiles in flight (2..4; shared memory bounds it).
         warpgroups: consumer warpgroups (2 or 3), 64 rows each: an item is ``64 x warpgroups``
             rows of query tokens x heads.
-        turns: the warpgroups take turns issuing their MMAs, round robin.
+        turns: the warpgroups take turns issuing their MMAs, round robin (needs 3 stages, or
+            ``split_release``).
         query_by_tma: the producer loads each item's query rows by TMA (needs ``turns``).
         out_by_tma: a consumer warpgroup whose 64 rows are all real writes them by one TMA
             copy through its query buffer (others element by element).
@@ -260,6 +272,9 @@ class PrefillConfig:
         lazy_max: a row's running max moves only where a tile's passes it by more than a factor
             2^8, and a thread whose rows kept theirs skips the accumulator's rescale; else the
             max is exact every tile.
+        split_release: a stage's K buffer is freed once its scores return and its V buffer once
+            P V does, and the producer loads each as soon as it is free; else the whole stage is
+            freed after P V.
     """
 
     block_n: int = SM90_PREFILL_BLOCK_N
@@ -276,6 +291,7 @@ class PrefillConfig:
     producer_regs: int = SM90_PREFILL_REGS[1]
     quad_sums: bool = False
     lazy_max: bool = False
+    split_release: bool = False
 
     def __post_init__(self) -> None:
         """Fields of the right types (values are judged against a call by
@@ -725,6 +741,7 @@ def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
         producer_regs=regs[1],
         quad_sums=tile.quad_sums,
         lazy_max=tile.lazy_max,
+        split_release=tile.split_release,
     )
     late = replace(cfg, stages=3, late_release=True)
     if (
@@ -791,13 +808,13 @@ def v_pages_fit(problem: PagedProblem, cfg: PrefillConfig) -> bool:
 
 def prefill_smem_bytes(cfg: PrefillConfig, head_dim: int, elem: int = 2) -> int:
     """Shared memory the sm_90 kernel allocates, an upper bound: Q (64 rows a warpgroup), the K
-    and V stages, the barriers (4 a stage: K and V landed and freed; 3 a warpgroup: its turn and
-    its query's two), the
+    and V stages, the barriers (3 a stage: K and V landed, the stage freed, and split_release's
+    second; 3 a warpgroup: its turn and its query's two), the
     item ring (its words and a barrier a slot) and 1 KB for Triton's alignment."""
     q = cfg.warpgroups * 64 * head_dim * elem
     kv = 2 * cfg.stages * cfg.block_n * head_dim * elem
     ring = (cfg.stages + SM90_PREFILL_RING_EXTRA) * (SM90_PREFILL_RING_WORDS * 4 + 8)
-    bars = 4 * cfg.stages + 3 * cfg.warpgroups
+    bars = (4 if cfg.split_release else 3) * cfg.stages + 3 * cfg.warpgroups
     return q + kv + bars * 8 + ring + 1024
 
 
@@ -817,6 +834,10 @@ def prefill_config_errors(target: Target, problem: PagedProblem, cfg: PrefillCon
         (cfg.block_n in (32, 64, 128), f"block_n must be 32, 64 or 128; got {cfg.block_n}"),
         (2 <= cfg.stages <= 4, f"stages must be in [2, 4]; got {cfg.stages}"),
         (cfg.warpgroups in (2, 3), f"warpgroups must be 2 or 3; got {cfg.warpgroups}"),
+        (
+            not cfg.turns or cfg.stages >= 3 or cfg.split_release,
+            f"turns need stages >= 3 or split_release; got stages {cfg.stages}",
+        ),
         (not cfg.query_by_tma or cfg.turns, "query_by_tma needs turns"),
         (
             not cfg.query_by_tma or query_by_tma_fits(p),
