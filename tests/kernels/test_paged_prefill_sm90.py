@@ -1052,7 +1052,8 @@ HD256_CONFIGS = {
                          dict(block_n=32, stages=3, turns=True, query_by_tma=True)),
     "32 tokens, turns, query loads": ((40, 8), 544, "hybrid",
                                       dict(block_n=32, stages=3, turns=True)),
-    "32 tokens, sequential": ((32, 8), 80, "slice", dict(block_n=32, stages=2)),
+    "32 tokens, sequential": ((32, 8), 80, "slice",
+                              dict(block_n=32, stages=2, turns=False, query_by_tma=False)),
 }  # fmt: skip
 
 
