@@ -314,11 +314,15 @@ def test_softmax_form_by_head_dim(problem, want):
     assert (a["QUAD_SUMS"], a["LAZY_MAX"]) == want
 
 
-@pytest.mark.parametrize("heads", [(32, 8), (40, 8)])
-@pytest.mark.parametrize(("head_dim", "want"), [(64, False), (128, False), (256, True)])
-def test_split_release_at_head_dim_256(heads, head_dim, want):
-    """head_dim 256 (its turns and its sequential tile) frees K and V buffers apart, the others
-    each stage whole; the split's second barrier a stage is in the shared-memory estimate."""
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "want"),
+    [((32, 8), 64, False), ((32, 8), 128, False), ((32, 8), 256, True),
+     ((40, 8), 64, False), ((40, 8), 128, False), ((40, 8), 256, False)],
+)  # fmt: skip
+def test_split_release_at_head_dim_256_turns(heads, head_dim, want):
+    """head_dim 256's turns (GQA 4:1: the query by TMA) free K and V buffers apart; its
+    sequential tile (GQA 5:1) and the other head_dims free each stage whole. The split's second
+    barrier a stage is in the shared-memory estimate."""
     problem = _problem(heads, head_dim)
     cfg = prefill_config(SM90, problem)
     assert cfg.split_release is want
@@ -1043,11 +1047,11 @@ def test_gpu_sm90_prefill_configs(name):
 
 # head_dim 256 at 32-token K/V tiles: turns with the query by TMA (3 stages) or by the
 # warpgroups' loads (GQA 5:1), and the sequential loop at 2 stages; at the policy's 64-token
-# tile, the sequential loop freeing each stage whole
+# tile, the sequential loop freeing K and V apart
 HD256_CONFIGS = {
-    "64 tokens, sequential, stage freed whole": ((32, 8), 16, "contiguous",
-                                                 dict(turns=False, query_by_tma=False,
-                                                      split_release=False)),
+    "64 tokens, sequential, split release": ((32, 8), 16, "contiguous",
+                                             dict(turns=False, query_by_tma=False,
+                                                  split_release=True)),
     "32 tokens, turns": ((32, 8), 16, "contiguous",
                          dict(block_n=32, stages=3, turns=True, query_by_tma=True)),
     "32 tokens, turns, query loads": ((40, 8), 544, "hybrid",
@@ -1215,5 +1219,5 @@ def test_head_dim_256_takes_64_token_tiles_at_240_registers(block_size):
     gqa5 = _problem((40, 8), 256, block_size)
     seq = prefill_config(SM90, gqa5)
     assert (seq.block_n, seq.stages, seq.turns, seq.query_by_tma) == (64, 2, False, False)
-    assert (seq.consumer_regs, seq.producer_regs, seq.split_release) == (240, 24, True)
+    assert (seq.consumer_regs, seq.producer_regs, seq.split_release) == (240, 24, False)
     assert prefill_config_errors(SM90, gqa5, seq) == []

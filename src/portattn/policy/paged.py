@@ -109,7 +109,8 @@ class Sm90Tile(NamedTuple):
     tile, the setmaxnreg counts and the consumer warpgroups of its turns (the sequential tile
     takes two, at ``no_tma_regs``), whether its row sums are quad partials
     (`PrefillConfig.quad_sums`), whether its running max is lazy (`PrefillConfig.lazy_max`) and
-    whether its K and V buffers are freed apart (`PrefillConfig.split_release`)."""
+    whether its turns free K and V buffers apart (`PrefillConfig.split_release`; its sequential
+    tile frees each stage whole)."""
 
     stages: int
     turns: bool
@@ -129,8 +130,8 @@ class Sm90Tile(NamedTuple):
 #: its sequential tile at 3 stages; head_dim 128's on 64-token tiles at 4 stages, its
 #: sequential tile on 128 tokens); head_dim 256's 64-row output needs 128 registers a thread,
 #: so its two consumer warpgroups take 240 and two 64-token stages fit (its sequential tile
-#: the same); its K and V buffers are freed apart, which lets its turns run on two stages (at
-#: head_dim 64 and 128 that was slower).
+#: the same); its turns free K and V buffers apart, which lets them run on two stages (at
+#: head_dims 64 and 128 the split was slower, and in head_dim 256's sequential loop no faster).
 SM90_PREFILL_TILES = {
     64: Sm90Tile(
         3, True, no_tma_stages=3, regs=(160, 32), warpgroups=3, quad_sums=False, lazy_max=False
@@ -741,7 +742,7 @@ def prefill_config(target: Target, problem: PagedProblem) -> PrefillConfig:
         producer_regs=regs[1],
         quad_sums=tile.quad_sums,
         lazy_max=tile.lazy_max,
-        split_release=tile.split_release,
+        split_release=tile.split_release and turns,
     )
     late = replace(cfg, stages=3, late_release=True)
     if (
