@@ -497,12 +497,19 @@ def _load_query(q_desc, q_smem, q_full, q_free, nq, tok0, head0):
 
 
 @gluon.jit
+def _release(bars, s):
+    """This warpgroup frees buffer ``s`` (one arrival on its barrier in ``bars``), after the
+    warpgroup's barrier: every warp's MMAs reading it have returned."""
+    gl.thread_barrier()
+    mbarrier.arrive(bars.index(s), count=1)
+
+
+@gluon.jit
 def _query_freed(q_free, WG: gl.constexpr, Q_TMA: gl.constexpr):
     """Q_TMA, a consumer warpgroup: its query buffer is free for the next item (every warp's
-    score MMAs of this item have returned: the barrier first)."""
+    score MMAs of this item have returned, `_release`)."""
     if Q_TMA:
-        gl.thread_barrier()
-        mbarrier.arrive(q_free.index(WG), count=1)
+        _release(q_free, WG)
 
 
 @gluon.jit
@@ -605,14 +612,6 @@ def _first_scores(q_buf, k_smem, k_bars, k_free, it, turn_bars, WG: gl.constexpr
     if SPLIT:
         _release(k_free, s)
     return qk, tk
-
-
-@gluon.jit
-def _release(bars, s):
-    """This warpgroup frees buffer ``s`` (one arrival on its barrier in ``bars``), after the
-    warpgroup's barrier: every warp's MMAs reading it have returned."""
-    gl.thread_barrier()
-    mbarrier.arrive(bars.index(s), count=1)
 
 
 @gluon.jit
