@@ -362,20 +362,18 @@ def _producer(rt, SLOTS: gl.constexpr, HEAD_TILES: gl.constexpr, BLOCK_Q: gl.con
             k_buf = k_smem.index(s)
             v_buf = v_smem.index(s)
             mbarrier.expect(k_bars.index(s), TILE_BYTES)
-            if SPLIT:
-                for b in gl.static_range(NB):
-                    row = _box_row(rows, boxes, b)
-                    _copy_k(k_desc, k_buf, k_bars.index(s), row, kcol, b, BOX)
+            if not SPLIT:
+                mbarrier.expect(v_bars.index(s), TILE_BYTES)
+            for b in gl.static_range(NB):  # K boxes (without SPLIT each with its V box)
+                row = _box_row(rows, boxes, b)
+                _copy_k(k_desc, k_buf, k_bars.index(s), row, kcol, b, BOX)
+                if not SPLIT:
+                    _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
+            if SPLIT:  # then the V boxes, once the V buffer is free
                 mbarrier.wait(v_free.index(s), free_ph, pred=it >= STAGES)
                 mbarrier.expect(v_bars.index(s), TILE_BYTES)
                 for b in gl.static_range(NB):
                     row = _box_row(rows, boxes, b)
-                    _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
-            else:
-                mbarrier.expect(v_bars.index(s), TILE_BYTES)
-                for b in gl.static_range(NB):
-                    row = _box_row(rows, boxes, b)
-                    _copy_k(k_desc, k_buf, k_bars.index(s), row, kcol, b, BOX)
                     _copy_v(v_desc, v_buf, v_bars.index(s), row, vcol, b, BOX, V_PAGES)
             nq = _query_step(q_desc, q_smem, q_full, q_free, nq, t, n_tiles, q_start, q_tile,
                              kv_head, slot, STAGES - 1, BLOCK_Q, GROUP, HEAD_TILES, HEAD_TILE,
@@ -395,13 +393,12 @@ def _query_step(q_desc, q_smem, q_full, q_free, nq, t, n_tiles, q_start, q_tile,
                 Q_AT: gl.constexpr, BLOCK_Q: gl.constexpr, GROUP: gl.constexpr,
                 HEAD_TILES: gl.constexpr, HEAD_TILE: gl.constexpr,
                 Q_TMA: gl.constexpr):  # fmt: skip
-    """Q_TMA: the producer's copy of an item's query rows (`_load_query`) after the copies of
-    its tile ``Q_AT`` (or its last); returns the items whose query was loaded. ``Q_AT``,
-    ``STAGES - 1``, is the first tile whose stage the previous item releases once the
-    warpgroups may have freed their query buffers (that item's last tile's stage, its V buffer
-    freed after the last P V). Waiting at
-    the item's first tile held the copies back to within a tile of the warpgroups at every item
-    boundary."""
+    """Q_TMA: the producer's copy of an item's query rows (`_load_query`) after the copies of its
+    tile ``Q_AT`` (or its last); returns the items whose query was loaded. ``Q_AT``, ``STAGES - 1``,
+    is the first tile whose stage the previous item releases once the warpgroups may have freed
+    their query buffers (that item's last tile's stage, its V buffer freed after the last P V).
+    Waiting at the item's first tile held the copies back to within a tile of the warpgroups at
+    every item boundary."""
     if Q_TMA:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if t == gl.minimum(Q_AT, n_tiles - 1):
             _load_query(q_desc, q_smem, q_full, q_free, nq, q_start + q_tile * BLOCK_Q,

@@ -809,9 +809,9 @@ def v_pages_fit(problem: PagedProblem, cfg: PrefillConfig) -> bool:
 
 def prefill_smem_bytes(cfg: PrefillConfig, head_dim: int, elem: int = 2) -> int:
     """Shared memory the sm_90 kernel allocates, an upper bound: Q (64 rows a warpgroup), the K
-    and V stages, the barriers (3 a stage: K and V landed, the stage freed, and split_release's
-    second; 3 a warpgroup: its turn and its query's two), the
-    item ring (its words and a barrier a slot) and 1 KB for Triton's alignment."""
+    and V stages, the barriers (3 a stage: K and V landed, the stage freed, and a fourth with
+    split_release: V freed apart; 3 a warpgroup: its turn and its query's two), the item ring
+    (its words and a barrier a slot) and 1 KB for Triton's alignment."""
     q = cfg.warpgroups * 64 * head_dim * elem
     kv = 2 * cfg.stages * cfg.block_n * head_dim * elem
     ring = (cfg.stages + SM90_PREFILL_RING_EXTRA) * (SM90_PREFILL_RING_WORDS * 4 + 8)
