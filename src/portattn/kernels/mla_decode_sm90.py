@@ -358,23 +358,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         qk = warpgroup_mma(qr_smem.index(b0), latr_smem.index(own).permute((1, 0)), qk,
                            is_async=True)  # fmt: skip
         qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
-        if WG == 1:
-            # P_A V_A,R goes in behind the scores (m_A and P_A come early from WG0): it runs
-            # under this warpgroup's softmax of B, so that only P_B V_B,R follows P_B
-            mbarrier.wait(bar_ma, ph)
-            _trace_stamp(tr, jt, 4, TRACE)
-            m_a = m_smem.index(0).load(ROW)
-            alpha = gl.exp2(m_i - m_a)
-            l_i = l_i * alpha
-            acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), True)
-            mbarrier.wait(bar_pa, ph)
-            _trace_stamp(tr, jt, 6, TRACE)
-            _zero_tail(latr_smem.index(b0), n_a, end, LOAD)
-            acc = warpgroup_mma(p_smem.index(b0), latr_smem.index(b0), acc, is_async=True)
-            _trace_stamp(tr, jt, 7, TRACE)
-            qk = warpgroup_mma_wait(num_outstanding=1, deps=[qk])
-        else:
-            qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
         _trace_stamp(tr, jt, 3, TRACE)
         n_own = n_a + WG * BLOCK_N
         # raw scores, masked; the scale goes inside the exponent (one fma a score): the row
@@ -386,7 +370,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         else:
             s = gl.where(((n_own + cols) < end)[None, :], qk, float("-inf"))
         if WG == 0:
-            # m_A first (WG1 waits for it), then P_A
+            # m_A first (WG1's softmax waits for it), then P_A
             rm = gl.max(s, 1) * qk_scale
             m_a = gl.where(rm > m_i + LAZY_T, rm, m_i)  # lazy: moves only past LAZY_T
             m_smem.index(0).store(m_a)
@@ -403,24 +387,10 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             mbarrier.arrive(bar_pa, count=1)
             _trace_stamp(tr, jt, 5, TRACE)
             lat_half = latl_smem  # this warpgroup's output columns: the latent's left half
-            # PV on A (scaled at m_A); after it, this warpgroup's half of buffer A is free and
-            # takes the next pair's tile
-            _zero_tail(lat_half.index(b0), n_a, end, LOAD)
-            acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
-            _trace_stamp(tr, jt, 7, TRACE)
-            mbarrier.wait(bar_pb, ph)
-            _trace_stamp(tr, jt, 8, TRACE)
-            m_b = m_smem.index(1).load(ROW)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            _trace_stamp(tr, jt, 9, TRACE)
-            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                       tma_bars.index(2 * b0), lat_half.index(b0), pe_smem.index(b0), False,
-                       gather, GATHER)  # fmt: skip
-            _trace_stamp(tr, jt, 10, TRACE)
-            beta = gl.exp2(m_a - m_b)
-            l_i = l_i * beta
         else:
+            mbarrier.wait(bar_ma, ph)
+            _trace_stamp(tr, jt, 4, TRACE)
+            m_a = m_smem.index(0).load(ROW)
             rm = gl.max(s, 1) * qk_scale
             m_b = gl.where(rm > m_a + LAZY_T, rm, m_a)
             p = gl.exp2(s * qk_scale - m_b[:, None])
@@ -431,20 +401,33 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             mbarrier.arrive(bar_pb, count=1)
             _trace_stamp(tr, jt, 5, TRACE)
             l_b = gl.sum(p, 1)
-            # P_A V_A,R has returned: A's right half and rope part (WG0's S_A returned before
-            # P_A) take the next pair's tile
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            gl.thread_barrier()
-            _trace_stamp(tr, jt, 9, TRACE)
-            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                       tma_bars.index(2 * b0 + 1), latr_smem.index(b0), pe_smem.index(b0), True,
-                       gather, GATHER)  # fmt: skip
-            _trace_stamp(tr, jt, 10, TRACE)
-            beta = gl.exp2(m_a - m_b)
-            l_i = l_i * beta + l_b
+            mbarrier.wait(bar_pa, ph)
+            _trace_stamp(tr, jt, 6, TRACE)
+            alpha = gl.exp2(m_i - m_a)
+            l_i = l_i * alpha
+            acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), True)
             lat_half = latr_smem
-        # PV on B (at m_B); after it, this warpgroup's half of buffer B (WG1's with the rope
-        # part, which WG1's S_B no longer reads) takes the next pair's tile
+        # PV on A (scaled at m_A), then on B (at m_B); after each, this warpgroup's half of
+        # that buffer is free and takes the next pair's tile (WG1's half with the rope part,
+        # which WG0's S_A, finished before P_A, no longer reads)
+        _zero_tail(lat_half.index(b0), n_a, end, LOAD)
+        acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
+        _trace_stamp(tr, jt, 7, TRACE)
+        if WG == 0:
+            mbarrier.wait(bar_pb, ph)
+            _trace_stamp(tr, jt, 8, TRACE)
+            m_b = m_smem.index(1).load(ROW)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.thread_barrier()
+        _trace_stamp(tr, jt, 9, TRACE)
+        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
+                   gather, GATHER)  # fmt: skip
+        _trace_stamp(tr, jt, 10, TRACE)
+        beta = gl.exp2(m_a - m_b)
+        l_i = l_i * beta
+        if WG == 1:
+            l_i = l_i + l_b
         acc = lazy_rescale(acc, gl.convert_layout(beta, PV_ROW), True)
         _zero_tail(lat_half.index(b1), n_b, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
