@@ -418,7 +418,12 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             _trace_stamp(tr, jt, 8, TRACE)
             m_b = m_smem.index(1).load(ROW)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.thread_barrier()
         _trace_stamp(tr, jt, 9, TRACE)
+        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
+                   gather, GATHER)  # fmt: skip
+        _trace_stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
         if WG == 1:
@@ -427,13 +432,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         _zero_tail(lat_half.index(b1), n_b, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
         _trace_stamp(tr, jt, 11, TRACE)
-        # every warp has waited for its P_A V_A: the next pair's tile A is issued while P_B V_B
-        # runs (a gather's copies are issued by this warpgroup's own threads)
-        gl.thread_barrier()
-        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
-                   gather, GATHER)  # fmt: skip
-        _trace_stamp(tr, jt, 10, TRACE)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _trace_stamp(tr, jt, 12, TRACE)
