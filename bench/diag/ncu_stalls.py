@@ -2,7 +2,10 @@
 
 Prints the stall reasons over the whole kernel, then the stretches of SASS between
 synchronisation points (wgmma arrive/wait, barriers, bulk copies, mbarrier waits) with their
-share of all samples: where the warps spend their time, phase by phase. Any kernel's CSV works;
+share of all samples: where the warps spend their time, phase by phase; then the samples spent
+waiting on each mbarrier (its try-wait and the retry branch after it, whose samples the stretch
+view gives to the next stretch), by the barrier's address operand (a register and an offset:
+one barrier, or one per value of the register), and those at wgmma waits. Any kernel's CSV works;
 one benchmark row of the suite is the profiled program. Usage (repository root)::
 
     PYTHONPATH=src ncu --set full -k regex:sm90 --launch-skip 2 --launch-count 1 -o rep \
@@ -15,12 +18,17 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 import sys
 
 #: SASS opcodes that end a stretch (the points the schedule synchronises on).
 MARKERS = ("WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "BAR.SYNC", "UTMALDG", "SYNCS.PHASECHK",
            "STSM", "MEMBAR")  # fmt: skip
 SAMPLES = "Warp Stall Sampling (All Samples)"
+#: An mbarrier try-wait and its barrier's address operand as written (``[UR14+0x38558]``).
+TRY_WAIT = re.compile(r"SYNCS\.PHASECHK\S*\s.*?(\[[^\]]+\])")
+#: The branch back to a try-wait whose phase has not completed (on the try-wait's false).
+RETRY = re.compile(r"^\s*@!U?P\d+\s+BRA\b")
 
 
 def load(path: str) -> tuple[list[str], list[list[str]]]:
@@ -90,6 +98,22 @@ def main(argv=None) -> int:
             if share >= args.min_share:
                 print(f"  {first:5d}-{j:5d} {share:5.1f}%  {r[i_src].strip()[:60]}")
             first = j + 1
+    by_barrier: dict[str, list[int]] = {}
+    for j, r in enumerate(data):
+        m = TRY_WAIT.search(r[i_src])
+        if m:
+            n = count(r)
+            if j + 1 < len(data) and RETRY.match(data[j + 1][i_src]):
+                n += count(data[j + 1])
+            site = by_barrier.setdefault(m.group(1), [0, 0])
+            site[0] += 1
+            site[1] += n
+    if by_barrier:
+        print("mbarrier waits (try-wait and its retry branch) by address (sites, share):")
+        for operand, (sites, n) in sorted(by_barrier.items(), key=lambda kv: -kv[1][1]):
+            print(f"  {operand:18s} {sites:3d} {100 * n / total:5.1f}%")
+    depbar = sum(count(r) for r in data if "WARPGROUP.DEPBAR" in r[i_src])
+    print(f"wgmma waits (WARPGROUP.DEPBAR): {100 * depbar / total:.1f}%")
     return 0
 
 

@@ -39,6 +39,33 @@ def test_ncu_stretches_and_reasons(tmp_path: Path, capsys):
     assert "    2-    3  60.0%  BAR.SYNC" in out
 
 
+def test_ncu_waits_by_barrier_count_the_retry_branch(tmp_path: Path, capsys):
+    """An mbarrier wait's samples sit on its try-wait and on the retry branch right after it;
+    both count for the barrier's operand (over all its sites); a branch on the wait's success
+    does not."""
+    rows = [
+        ["0x0", "  SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR14+0x38550], R206", "5", "0", "5", "0"],
+        ["0x10", "@!P2  BRA 0x7f34177e1470", "40", "0", "40", "0"],
+        ["0x20", "  WARPGROUP.DEPBAR.LE gsb0, 0x0", "25", "25", "0", "0"],
+        ["0x30", "  SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR7+0x38530], R202", "0", "0", "0", "0"],
+        ["0x40", "@P1  BRA 0x7f34177e1000", "10", "0", "0", "0"],  # taken when done: no retry
+        ["0x50", "  FMUL R4, R4, R5", "10", "0", "0", "0"],
+        ["0x60", "  SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR14+0x38550], R206", "0", "0", "0", "0"],
+        ["0x70", "@!P2  BRA 0x7f34177e1470", "10", "0", "10", "0"],
+    ]
+    path = tmp_path / "s.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(HEADER)
+        w.writerows(rows)
+    assert ncu_stalls.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    waits = out[out.index("mbarrier waits") :].splitlines()
+    assert waits[1].split() == ["[UR14+0x38550]", "2", "55.0%"]
+    assert waits[2].split() == ["[UR7+0x38530]", "1", "0.0%"]
+    assert waits[3] == "wgmma waits (WARPGROUP.DEPBAR): 25.0%"
+
+
 @pytest.mark.parametrize("share", ["nan", "inf", "-1", "x"])
 def test_ncu_refuses_a_share_that_would_hide_everything(share, tmp_path: Path, capsys):
     with pytest.raises(SystemExit):
