@@ -172,25 +172,6 @@ def _tile_cache_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end
 
 
 @gluon.jit
-def _prefetch_pair(kv_ptr, stride_kv_row, bt_row, stride_bt_blk, t, start, num_tiles, block_size,
-                   BLOCK_N: gl.constexpr):  # fmt: skip
-    """Tiles t and t + 1 (each BLOCK_N consecutive cache rows: the TMA path) into L2 by one bulk
-    prefetch each (two threads of the warpgroup), a pair ahead of their TMA copies."""
-    P: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    i = gl.arange(0, 128, layout=P)
-    ok = (i < 2) & (t + i < num_tiles)
-    n = start + (t + i) * BLOCK_N
-    blk = gl.load(bt_row + (n // block_size) * stride_bt_blk, mask=ok, other=0)
-    ptrs = kv_ptr + (blk.to(gl.int64) * block_size + n % block_size) * stride_kv_row
-    nbytes = gl.full([128], BLOCK_N * 2, gl.int32, layout=P) * stride_kv_row
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; "
-        "mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptrs, ok.to(gl.int32), nbytes], dtype=gl.int32, is_pure=False, pack=1,
-    )
-
-
-@gluon.jit
 def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf,
                RIGHT: gl.constexpr, gather, GATHER: gl.constexpr):  # fmt: skip
     """Tile t's left latent half, or (RIGHT) its right latent half and rope part, into its
@@ -433,9 +414,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
         _trace_stamp(tr, jt, 7, TRACE)
         if WG == 0:
-            if not GATHER:  # the pair after next into L2, under P_A V_A
-                _prefetch_pair(kv_ptr, stride_kv_row, bt_row, stride_bt_blk, 2 * j + 4, start,
-                               num_tiles, block_size, BLOCK_N)  # fmt: skip
             mbarrier.wait(bar_pb, ph)
             _trace_stamp(tr, jt, 8, TRACE)
             m_b = m_smem.index(1).load(ROW)
