@@ -6,9 +6,11 @@ share of all samples: where the warps spend their time, phase by phase; then the
 waiting on each mbarrier (its try-wait and the retry branch after it, whose samples the stretch
 view gives to the next stretch), by the barrier's address operand (a register and an offset:
 one barrier, or one per value of the register), and those at wgmma waits. Any kernel's CSV works;
-one benchmark row of the suite is the profiled program. Usage (repository root)::
+one benchmark row of the suite is the profiled program (the kernel named in full: ``sm90``
+alone also matches cuBLAS kernels the reference check runs). Usage (repository root)::
 
-    PYTHONPATH=src ncu --set full -k regex:sm90 --launch-skip 2 --launch-count 1 -o rep \
+    PYTHONPATH=src ncu --set full --clock-control none -k regex:mla_decode_sm90 \
+        --launch-skip 1 --launch-count 1 -o rep \
         python3 -m bench.run --only mla --rows "mla 128h 64x16k page64 q1" --reps 1
     ncu -i rep.ncu-rep --page source --print-source sass --csv > sass.csv
     python3 -m bench.diag.ncu_stalls sass.csv [--min-share 0.3]
