@@ -493,6 +493,30 @@ def test_gpu_bf16_real_shapes(case, form):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gfx90a", "gfx942", "gfx950"])
+@pytest.mark.parametrize(("heads", "bs"), [(16, 64), (128, 1)])
+def test_gpu_hip_policy_plain_decode(arch, heads, bs):
+    """bf16 576/512 decode with ``arch``'s policy forced on this GPU: the narrow tile at 8 warps
+    over the 512-wide latent (`HIP_LATENT_512_NUM_WARPS`) against the fp64 oracle, unowned cache
+    rows NaN; 1-token pages by page_indices."""
+    dk, r = 576, 512
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, None, (4096, 1, 777, 9000),
+                                        torch.bfloat16, "cuda")  # fmt: skip
+    _poison_unowned_rows(cache, bt, sl)
+    pages = expand_page_indices(bt, sl, bs) if bs == 1 else None
+    scale = 1 / math.sqrt(dk)
+    launches = plan_mla_decode(
+        q, cache, None if pages is not None else bt, sl, kv_lora_rank=r, scale=scale,
+        return_lse=True, page_indices=pages, target=get_target(arch),
+    )  # fmt: skip
+    main = launches[0]
+    assert main.name == "mla_decode" and main.options.num_warps == 8
+    run_all(launches)
+    out, lse = main.outputs
+    check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("dk", "r", "heads", "bs", "q_lens", "seq_lens", "splits"),
     [

@@ -33,8 +33,8 @@ def problem(dk=576, r=512, heads=16, elem=2, tokens=64, context=4096) -> MlaProb
 
 # arch, (dk, r) -> (block_n, num_warps, num_stages, smem_bytes, num_kv_splits[, prefetch_rows]) for
 # 16 heads, 64 tokens, 4k context; BLOCK_H 16; descriptor (TMA) tiles on sm_90 and later. The
-# longest KV tile within both budgets at the fewest
-# warps (576/512 N64 needs 8 warps: 4 would spill), then NVIDIA tiles whose two-buffer estimate fits
+# longest KV tile within both budgets at the fewest warps (576/512 N64 needs 8 warps: 4 would
+# spill; HIP takes 8 over a 512-wide latent), then NVIDIA tiles whose two-buffer estimate fits
 # prefetch block-table rows at 3 stages. Splits: the most that fit one wave of resident programs:
 # floor(resident * SMs / 64) with resident = max_shared // smem on CUDA (sm_90 N64 w8: 1 -> 2;
 # N64 w4 at 320/256: 2 -> 4), 2 per CU on HIP (floor(2 * 304 / 64) = 9 on gfx942).
@@ -47,12 +47,12 @@ EXPECTED = {
     ("sm_86", 320, 256): (64, 4, 3, 94208, 1, True),
     ("sm_86", 192, 128): (64, 4, 3, 57344, 1, True),
     ("sm_120", 576, 512): (32, 4, 3, 93184, 2, True),  # 188 SMs
-    ("gfx942", 576, 512): (16, 4, 2, 55808, 9),  # 64 KB LDS, 304 CUs
+    ("gfx942", 576, 512): (16, 8, 2, 55808, 9),  # 64 KB LDS, 304 CUs; 8 warps (HIP, rank 512)
     ("gfx942", 320, 256): (32, 4, 2, 52224, 9),
     ("gfx942", 288, 256): (32, 4, 2, 47104, 9),
     ("gfx942", 256, 256): (32, 4, 2, 41984, 9),
-    ("gfx90a", 576, 512): (16, 4, 2, 55808, 3),
-    ("gfx950", 576, 512): (32, 4, 2, 93184, 8),
+    ("gfx90a", 576, 512): (16, 8, 2, 55808, 3),
+    ("gfx950", 576, 512): (32, 8, 2, 93184, 8),
 }
 
 # arch -> (block_n, smem_bytes, num_kv_splits) of the wide tile (BLOCK_H 64, 8 warps, 2 stages)

@@ -13,7 +13,8 @@ shared memory, and `mla_reg_estimate` (accumulator + one tile, 32-bit registers 
 `REG_BUDGET`.
 
 Narrow tile (every target): ``BLOCK_H = mma_min_rows``, the longest ``BLOCK_N`` that pipelines
-within both budgets at the fewest warps. Wide tile (`WIDE_ARCHS`, 64 heads or more, packed rows,
+within both budgets at the fewest warps (on HIP over a 512-wide latent, 8:
+`HIP_LATENT_512_NUM_WARPS`). Wide tile (`WIDE_ARCHS`, 64 heads or more, packed rows,
 or gathered rows on sm_90): 64 heads a program, so the latent is read once for 64 heads. On sm_90
 the wide 16-bit tile runs the Gluon kernel (`portattn.kernels.mla_decode_sm90`), whose schedule
 choices are `MlaConfig` (`mla_config`).
@@ -65,6 +66,9 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_KV_SPLITS = 32
 #: Warps of the narrow tile, fewest first.
 NUM_WARPS = (4, 8)
+#: Warps of a HIP narrow tile over a 512-wide latent: at 4 its 16-bit tile spills VGPRs on gfx942
+#: (Triton 3.6 compile matrix), at 8 it compiles clean on gfx90a, gfx942 and gfx950.
+HIP_LATENT_512_NUM_WARPS = (8,)
 #: fp32 dots are exact FMA loops with both operands in registers: the narrowest tile at 8 warps,
 #: never the wide tile or prefetched rows (wider ones spill).
 FP32_BLOCK_N = 16
@@ -311,7 +315,12 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
 
     fp32 = elem >= 4
     block_ns = (FP32_BLOCK_N,) if fp32 else BLOCK_N_CANDIDATES
-    warp_counts = (FP32_NUM_WARPS,) if fp32 else NUM_WARPS
+    if fp32:
+        warp_counts: tuple[int, ...] = (FP32_NUM_WARPS,)
+    elif target.is_hip and block_dv >= 512:
+        warp_counts = HIP_LATENT_512_NUM_WARPS
+    else:
+        warp_counts = NUM_WARPS
     choice = None
     pack = (
         target.arch in PACK_ARCHS
