@@ -517,6 +517,26 @@ def test_gpu_hip_policy_plain_decode(arch, heads, bs):
 
 
 @pytest.mark.gpu
+def test_gpu_hip_policy_fp32_latent_512():
+    """fp32 576/512 with gfx950's policy forced on this GPU: 4 warps at one wave a SIMD
+    (`HIP_FP32_LATENT_512_NUM_WARPS`) against the fp64 oracle, unowned cache rows NaN."""
+    dk, r = 576, 512
+    q, cache, bt, sl, qsl = make_inputs(dk, r, 16, 64, None, (4096, 1, 777), torch.float32,
+                                        "cuda")  # fmt: skip
+    _poison_unowned_rows(cache, bt, sl)
+    scale = 1 / math.sqrt(dk)
+    launches = plan_mla_decode(
+        q, cache, bt, sl, kv_lora_rank=r, scale=scale, return_lse=True,
+        target=get_target("gfx950"),
+    )  # fmt: skip
+    main = launches[0]
+    assert (main.options.num_warps, main.options.waves_per_eu) == (4, 1)
+    run_all(launches)
+    out, lse = main.outputs
+    check(out, lse, q, cache, bt, sl, qsl, r, scale, torch.float32)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("dk", "r", "heads", "bs", "q_lens", "seq_lens", "splits"),
     [

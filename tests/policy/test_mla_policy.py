@@ -202,11 +202,19 @@ def test_fp32_latent_512_does_not_fit_64kb():
     # fp32 runs exact FMA dots: the narrowest tile at 8 warps, 2 stages, no prefetched rows, no
     # descriptors, never the wide tile (policy.mla.FP32_BLOCK_N: the 16-bit rule's N64 w4 spilled
     # 38 KB and overflowed sm_90's shared memory on an H100)
+    # (on gfx950, over the 512-wide latent: 4 warps at one wave a SIMD, one program a CU)
     for arch, heads in (("sm_90", 16), ("sm_90", 128), ("sm_86", 16), ("gfx950", 16)):
         t = mla_decode_tiles(get_target(arch), problem(elem=4, heads=heads))
-        assert (t.block_h, t.block_n, t.options.num_warps) == (16, 16, 8), arch
+        warps, waves = (4, 1) if arch == "gfx950" else (8, None)
+        assert (t.block_h, t.block_n, t.options.num_warps) == (16, 16, warps), arch
+        assert t.options.waves_per_eu == waves, arch
         assert not (t.prefetch_rows or t.tma or t.sm90_kernel), arch
         assert t.smem_bytes <= get_target(arch).max_shared_mem
+    # one program a CU: the split count fills one wave of 256 CUs (floor(256 / 64) = 4)
+    assert mla_decode_tiles(get_target("gfx950"), problem(elem=4)).num_kv_splits == 4
+    # rank 256 in fp32 keeps the fp32 rule (8 warps, two waves a SIMD)
+    t = mla_decode_tiles(get_target("gfx950"), problem(dk=320, r=256, elem=4))
+    assert (t.options.num_warps, t.options.waves_per_eu) == (8, 2)
 
 
 def test_invalid_problem_lists_every_reason():
