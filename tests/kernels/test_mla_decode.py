@@ -496,9 +496,9 @@ def test_gpu_bf16_real_shapes(case, form):
 @pytest.mark.parametrize("arch", ["gfx90a", "gfx942", "gfx950"])
 @pytest.mark.parametrize(("heads", "bs"), [(16, 64), (128, 1)])
 def test_gpu_hip_policy_plain_decode(arch, heads, bs):
-    """bf16 576/512 decode with ``arch``'s policy forced on this GPU: the narrow tile at 8 warps
-    over the 512-wide latent (`HIP_LATENT_512_NUM_WARPS`) against the fp64 oracle, unowned cache
-    rows NaN; 1-token pages by page_indices."""
+    """bf16 576/512 decode with ``arch``'s policy forced on this GPU: the narrow tile over the
+    512-wide latent (4 warps, one wave a SIMD: `HIP_LATENT_512_*`) against the fp64 oracle,
+    unowned cache rows NaN; 1-token pages by page_indices."""
     dk, r = 576, 512
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, None, (4096, 1, 777, 9000),
                                         torch.bfloat16, "cuda")  # fmt: skip
@@ -510,7 +510,8 @@ def test_gpu_hip_policy_plain_decode(arch, heads, bs):
         return_lse=True, page_indices=pages, target=get_target(arch),
     )  # fmt: skip
     main = launches[0]
-    assert main.name == "mla_decode" and main.options.num_warps == 8
+    assert main.name == "mla_decode"
+    assert (main.options.num_warps, main.options.waves_per_eu) == (4, 1)
     run_all(launches)
     out, lse = main.outputs
     check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale)
@@ -519,7 +520,7 @@ def test_gpu_hip_policy_plain_decode(arch, heads, bs):
 @pytest.mark.gpu
 def test_gpu_hip_policy_fp32_latent_512():
     """fp32 576/512 with gfx950's policy forced on this GPU: 4 warps at one wave a SIMD
-    (`HIP_FP32_LATENT_512_NUM_WARPS`) against the fp64 oracle, unowned cache rows NaN."""
+    (`HIP_LATENT_512_*`) against the fp64 oracle, unowned cache rows NaN."""
     dk, r = 576, 512
     q, cache, bt, sl, qsl = make_inputs(dk, r, 16, 64, None, (4096, 1, 777), torch.float32,
                                         "cuda")  # fmt: skip

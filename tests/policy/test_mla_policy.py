@@ -34,10 +34,10 @@ def problem(dk=576, r=512, heads=16, elem=2, tokens=64, context=4096) -> MlaProb
 # arch, (dk, r) -> (block_n, num_warps, num_stages, smem_bytes, num_kv_splits[, prefetch_rows]) for
 # 16 heads, 64 tokens, 4k context; BLOCK_H 16; descriptor (TMA) tiles on sm_90 and later. The
 # longest KV tile within both budgets at the fewest warps (576/512 N64 needs 8 warps: 4 would
-# spill; HIP takes 8 over a 512-wide latent), then NVIDIA tiles whose two-buffer estimate fits
-# prefetch block-table rows at 3 stages. Splits: the most that fit one wave of resident programs:
-# floor(resident * SMs / 64) with resident = max_shared // smem on CUDA (sm_90 N64 w8: 1 -> 2;
-# N64 w4 at 320/256: 2 -> 4), 2 per CU on HIP (floor(2 * 304 / 64) = 9 on gfx942).
+# spill; HIP over a 512-wide latent: one wave a SIMD), then NVIDIA tiles whose two-buffer
+# estimate fits prefetch block-table rows at 3 stages. Splits: the most that fit one wave of
+# resident programs: floor(resident * SMs / 64) with resident = max_shared // smem on CUDA (sm_90
+# N64 w8: 1 -> 2; N64 w4 at 320/256: 2 -> 4), 2 per CU on HIP (floor(2 * 304 / 64) = 9 on gfx942).
 EXPECTED = {
     ("sm_90", 576, 512): (64, 8, 3, 167936, 2, True),  # measured best on an H100 (decisions.md)
     ("sm_100", 576, 512): (64, 8, 3, 167936, 2, True),
@@ -47,12 +47,12 @@ EXPECTED = {
     ("sm_86", 320, 256): (64, 4, 3, 94208, 1, True),
     ("sm_86", 192, 128): (64, 4, 3, 57344, 1, True),
     ("sm_120", 576, 512): (32, 4, 3, 93184, 2, True),  # 188 SMs
-    ("gfx942", 576, 512): (16, 8, 2, 55808, 9),  # 64 KB LDS, 304 CUs; 8 warps (HIP, rank 512)
+    ("gfx942", 576, 512): (16, 4, 2, 55808, 9),  # 64 KB LDS, 304 CUs
     ("gfx942", 320, 256): (32, 4, 2, 52224, 9),
     ("gfx942", 288, 256): (32, 4, 2, 47104, 9),
     ("gfx942", 256, 256): (32, 4, 2, 41984, 9),
-    ("gfx90a", 576, 512): (16, 8, 2, 55808, 3),
-    ("gfx950", 576, 512): (32, 8, 2, 93184, 8),
+    ("gfx90a", 576, 512): (16, 4, 2, 55808, 3),
+    ("gfx950", 576, 512): (32, 4, 2, 93184, 8),
 }
 
 # arch -> (block_n, smem_bytes, num_kv_splits) of the wide tile (BLOCK_H 64, 8 warps, 2 stages)
@@ -78,7 +78,7 @@ def test_exact_tiles_cuda_and_hip(arch, dk, r):
         block_dv=next_pow2(r),
         block_dpe=next_pow2(rope) if rope else 0,
         num_kv_splits=splits,
-        options=LaunchOptions(warps, stages, 2 if target.is_hip else None),
+        options=LaunchOptions(warps, stages, (1 if r >= 512 else 2) if target.is_hip else None),
         reduce_options=LaunchOptions(4, 1, 2 if target.is_hip else None),
         smem_bytes=smem,
         prefetch_rows=bool(prefetch),
@@ -202,7 +202,7 @@ def test_fp32_latent_512_does_not_fit_64kb():
     # fp32 runs exact FMA dots: the narrowest tile at 8 warps, 2 stages, no prefetched rows, no
     # descriptors, never the wide tile (policy.mla.FP32_BLOCK_N: the 16-bit rule's N64 w4 spilled
     # 38 KB and overflowed sm_90's shared memory on an H100)
-    # (on gfx950, over the 512-wide latent: 4 warps at one wave a SIMD, one program a CU)
+    # (on gfx950, over the 512-wide latent: 4 warps at one wave a SIMD, as its 16-bit tile)
     for arch, heads in (("sm_90", 16), ("sm_90", 128), ("sm_86", 16), ("gfx950", 16)):
         t = mla_decode_tiles(get_target(arch), problem(elem=4, heads=heads))
         warps, waves = (4, 1) if arch == "gfx950" else (8, None)
@@ -210,8 +210,8 @@ def test_fp32_latent_512_does_not_fit_64kb():
         assert t.options.waves_per_eu == waves, arch
         assert not (t.prefetch_rows or t.tma or t.sm90_kernel), arch
         assert t.smem_bytes <= get_target(arch).max_shared_mem
-    # one program a CU: the split count fills one wave of 256 CUs (floor(256 / 64) = 4)
-    assert mla_decode_tiles(get_target("gfx950"), problem(elem=4)).num_kv_splits == 4
+    # splits as for every unpacked HIP tile: floor(2 * 256 / 64) = 8
+    assert mla_decode_tiles(get_target("gfx950"), problem(elem=4)).num_kv_splits == 8
     # rank 256 in fp32 keeps the fp32 rule (8 warps, two waves a SIMD)
     t = mla_decode_tiles(get_target("gfx950"), problem(dk=320, r=256, elem=4))
     assert (t.options.num_warps, t.options.waves_per_eu) == (8, 2)

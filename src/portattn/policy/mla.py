@@ -13,12 +13,11 @@ shared memory, and `mla_reg_estimate` (accumulator + one tile, 32-bit registers 
 `REG_BUDGET`.
 
 Narrow tile (every target): ``BLOCK_H = mma_min_rows``, the longest ``BLOCK_N`` that pipelines
-within both budgets at the fewest warps (on HIP over a 512-wide latent, 8:
-`HIP_LATENT_512_NUM_WARPS`; fp32 there 4 at one wave a SIMD, one program a CU:
-`HIP_FP32_LATENT_512_NUM_WARPS`). Wide tile (`WIDE_ARCHS`, 64 heads or more, packed rows,
-or gathered rows on sm_90): 64 heads a program, so the latent is read once for 64 heads. On sm_90
-the wide 16-bit tile runs the Gluon kernel (`portattn.kernels.mla_decode_sm90`), whose schedule
-choices are `MlaConfig` (`mla_config`).
+within both budgets at the fewest warps (on HIP over a 512-wide latent, 4 at one wave a SIMD:
+`HIP_LATENT_512_NUM_WARPS`, `HIP_LATENT_512_WAVES_PER_EU`). Wide tile (`WIDE_ARCHS`, 64 heads or
+more, packed rows, or gathered rows on sm_90): 64 heads a program, so the latent is read once for
+64 heads. On sm_90 the wide 16-bit tile runs the Gluon kernel (`portattn.kernels.mla_decode_sm90`),
+whose schedule choices are `MlaConfig` (`mla_config`).
 
 Packed rows (verification): rows (query token, head) of one sequence, so its tokens read the
 cache once per tile position instead of once per token; programs per sequence and split:
@@ -67,12 +66,11 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_KV_SPLITS = 32
 #: Warps of the narrow tile, fewest first.
 NUM_WARPS = (4, 8)
-#: Warps of a HIP narrow 16-bit tile over a 512-wide latent: at 4 it spills VGPRs on gfx942
-#: (Triton 3.6 compile matrix), at 8 it compiles clean on gfx90a, gfx942 and gfx950.
-HIP_LATENT_512_NUM_WARPS = (8,)
-#: Warps of a HIP fp32 tile over a 512-wide latent, which asks for one wave a SIMD (its 512
-#: VGPRs; at two, 256, every warp count spills on gfx950) like the packed tile.
-HIP_FP32_LATENT_512_NUM_WARPS = (4,)
+#: A HIP unpacked tile over a 512-wide latent: 4 warps asking for one wave a SIMD, so a wave may
+#: hold 512 VGPRs (at two waves, 256, the 16-bit tile spills on gfx942 and the fp32 one on gfx950:
+#: Triton 3.6 compile matrix); its split count is sized as for the other HIP tiles.
+HIP_LATENT_512_NUM_WARPS = 4
+HIP_LATENT_512_WAVES_PER_EU = 1
 #: fp32 dots are exact (FMA loops with both operands in registers on NVIDIA): the narrowest tile
 #: at 8 warps, never the wide tile or prefetched rows (wider ones spill).
 FP32_BLOCK_N = 16
@@ -319,16 +317,11 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
 
     fp32 = elem >= 4
     block_ns = (FP32_BLOCK_N,) if fp32 else BLOCK_N_CANDIDATES
-    # HIP fp32 over a 512-wide latent: one wave a SIMD (`HIP_FP32_LATENT_512_NUM_WARPS`)
-    hip_fp32_512 = fp32 and target.is_hip and block_dv >= 512
-    if hip_fp32_512:
-        warp_counts: tuple[int, ...] = HIP_FP32_LATENT_512_NUM_WARPS
-    elif fp32:
-        warp_counts = (FP32_NUM_WARPS,)
-    elif target.is_hip and block_dv >= 512:
-        warp_counts = HIP_LATENT_512_NUM_WARPS
+    hip_512 = target.is_hip and block_dv >= 512  # `HIP_LATENT_512_NUM_WARPS`
+    if hip_512:
+        warp_counts: tuple[int, ...] = (HIP_LATENT_512_NUM_WARPS,)
     else:
-        warp_counts = NUM_WARPS
+        warp_counts = (FP32_NUM_WARPS,) if fp32 else NUM_WARPS
     choice = None
     pack = (
         target.arch in PACK_ARCHS
@@ -411,8 +404,12 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         and (block_h, block_n, elem) == (WIDE_BLOCK_H, 64, 2)
         and block_dv <= 512
     )
-    one_wave = target.is_hip and (pack or hip_fp32_512)  # one program a CU
-    per_sm = 1 if one_wave else mla_programs_per_sm(target, block_h, smem, sm90)
+    per_sm = 1 if pack and target.is_hip else mla_programs_per_sm(target, block_h, smem, sm90)
+    waves = None  # HIP: launch_options' default unless a tile asks for one wave a SIMD
+    if target.is_hip and pack:
+        waves = HIP_PACK_WAVES_PER_EU
+    elif hip_512:
+        waves = HIP_LATENT_512_WAVES_PER_EU
     padded_heads = -(-problem.num_heads // block_h) * block_h
     if pack:  # programs: sequences x row groups
         rows = problem.max_query_len * problem.num_heads
@@ -433,7 +430,7 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
             target,
             warps,
             stages,
-            waves_per_eu=HIP_PACK_WAVES_PER_EU if one_wave else None,
+            waves_per_eu=waves,
         ),
         reduce_options=launch_options(target, REDUCE_NUM_WARPS, 1),
         smem_bytes=smem,
