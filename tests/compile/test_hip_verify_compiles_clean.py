@@ -104,8 +104,8 @@ def test_packed_tiles_compile_without_spills_within_lds():
 
 def test_plain_decode_tile_compiles_without_spills():
     """q_len 1 over the 512-wide latent: the unpacked narrow tile at the policy's 4 warps and one
-    wave a SIMD (`HIP_LATENT_512_*`; at two waves it spilled VGPRs on gfx942), both address
-    forms."""
+    wave a SIMD (`HIP_LATENT_512_NUM_WARPS`, `HIP_ONE_WAVE_PER_EU`; at two waves it spilled
+    VGPRs on gfx942), both address forms."""
     cases = [c for c in hip_verify_cases() if c.id.startswith("mla_decode/576/512 h16 q1 ")]
     assert len(cases) == 2
     cells = compile_in_spawned_workers(cases, HIP_ARCHS)

@@ -497,8 +497,9 @@ def test_gpu_bf16_real_shapes(case, form):
 @pytest.mark.parametrize(("heads", "bs"), [(16, 64), (128, 1)])
 def test_gpu_hip_policy_plain_decode(arch, heads, bs):
     """bf16 576/512 decode with ``arch``'s policy forced on this GPU: the narrow tile over the
-    512-wide latent (4 warps, one wave a SIMD: `HIP_LATENT_512_*`) against the fp64 oracle,
-    unowned cache rows NaN; 1-token pages by page_indices."""
+    512-wide latent (4 warps, one wave a SIMD: `HIP_LATENT_512_NUM_WARPS`,
+    `HIP_ONE_WAVE_PER_EU`) against the fp64 oracle, unowned cache rows NaN; 1-token pages by
+    page_indices."""
     dk, r = 576, 512
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, None, (4096, 1, 777, 9000),
                                         torch.bfloat16, "cuda")  # fmt: skip
@@ -520,7 +521,8 @@ def test_gpu_hip_policy_plain_decode(arch, heads, bs):
 @pytest.mark.gpu
 def test_gpu_hip_policy_fp32_latent_512():
     """fp32 576/512 with gfx950's policy forced on this GPU: 4 warps at one wave a SIMD
-    (`HIP_LATENT_512_*`) against the fp64 oracle, unowned cache rows NaN."""
+    (`HIP_LATENT_512_NUM_WARPS`, `HIP_ONE_WAVE_PER_EU`) against the fp64 oracle, unowned cache
+    rows NaN."""
     dk, r = 576, 512
     q, cache, bt, sl, qsl = make_inputs(dk, r, 16, 64, None, (4096, 1, 777), torch.float32,
                                         "cuda")  # fmt: skip

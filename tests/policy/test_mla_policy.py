@@ -361,11 +361,11 @@ def test_hip_packing_rule_and_budgets(arch, dk, r):
     fewer KV tiles than the unpacked 16-row tile; the most such rows; else the unpacked tiles
     themselves."""
     from portattn.policy.mla import (
+        HIP_ONE_WAVE_PER_EU,
         HIP_PACK_BLOCK_H,
         HIP_PACK_BLOCK_N,
         HIP_PACK_NUM_STAGES,
         HIP_PACK_NUM_WARPS,
-        HIP_PACK_WAVES_PER_EU,
         mla_hip_packed_lds_bytes,
         mla_tile_reads,
     )
@@ -385,7 +385,7 @@ def test_hip_packing_rule_and_budgets(arch, dk, r):
                 HIP_PACK_BLOCK_N,
                 HIP_PACK_NUM_WARPS,
                 HIP_PACK_NUM_STAGES,
-                HIP_PACK_WAVES_PER_EU,
+                HIP_ONE_WAVE_PER_EU,
             )
             assert mla_tile_reads(t.block_h, heads, q_len, packed=True) < unpacked
             regs = mla_reg_estimate(t.block_h, t.block_n, t.block_dv, t.block_dpe, 4, 2, 64)

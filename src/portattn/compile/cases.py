@@ -345,7 +345,7 @@ GQA_NAMES = {1: "mha", 4: "gqa4", 5: "gqa5", 8: "gqa8"}
 # measured with Triton 3.6, up to 44 B of spill stores on sm_80's 64-head tile (255 registers at
 # 8 warps) and 8 B on sm_86/sm_89's narrow one (threshold: the gate's 16 B + 48). Stated, not
 # hidden: the gate fails anything beyond it. The HIP tiles have none (one wave a SIMD over this
-# latent: `portattn.policy.mla.HIP_LATENT_512_WAVES_PER_EU`), nor do fp32's on either vendor.
+# latent: `portattn.policy.mla.HIP_ONE_WAVE_PER_EU`), nor do fp32's on either vendor.
 MLA_512_SPILL_ALLOWANCE: tuple[tuple[str, int], ...] = (("cuda", 48),)
 MLA_512_SPILL_REASON = "512-wide latent accumulator + tile on NVIDIA (see MLA_512_SPILL_ALLOWANCE)"
 

@@ -14,7 +14,7 @@ shared memory, and `mla_reg_estimate` (accumulator + one tile, 32-bit registers 
 
 Narrow tile (every target): ``BLOCK_H = mma_min_rows``, the longest ``BLOCK_N`` that pipelines
 within both budgets at the fewest warps (on HIP over a 512-wide latent, 4 at one wave a SIMD:
-`HIP_LATENT_512_NUM_WARPS`, `HIP_LATENT_512_WAVES_PER_EU`). Wide tile (`WIDE_ARCHS`, 64 heads or
+`HIP_LATENT_512_NUM_WARPS`, `HIP_ONE_WAVE_PER_EU`). Wide tile (`WIDE_ARCHS`, 64 heads or
 more, packed rows, or gathered rows on sm_90): 64 heads a program, so the latent is read once for
 64 heads. On sm_90 the wide 16-bit tile runs the Gluon kernel (`portattn.kernels.mla_decode_sm90`),
 whose schedule choices are `MlaConfig` (`mla_config`).
@@ -28,7 +28,7 @@ than ``next_pow2(max_query_len * num_heads)``) whose tile (`HIP_PACK_BLOCK_N`,
 `HIP_PACK_NUM_WARPS`, `HIP_PACK_NUM_STAGES`) fits the target's LDS (`mla_hip_packed_lds_bytes`)
 and the register budget at 64-lane wavefronts, where that reads fewer KV tiles a sequence than
 the unpacked 16-row tile (`mla_tile_reads`); else the narrow tile, unchanged. The packed tile asks
-for one wave a SIMD (`HIP_PACK_WAVES_PER_EU`), so it is one program a CU and the split count
+for one wave a SIMD (`HIP_ONE_WAVE_PER_EU`), so it is one program a CU and the split count
 fills one such wave.
 
 What was measured where: docs/decisions.md (MLA decode). The HIP tiles are checked by the
@@ -66,11 +66,10 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_KV_SPLITS = 32
 #: Warps of the narrow tile, fewest first.
 NUM_WARPS = (4, 8)
-#: A HIP unpacked tile over a 512-wide latent: 4 warps asking for one wave a SIMD, so a wave may
-#: hold 512 VGPRs (at two waves, 256, the 16-bit tile spills on gfx942 and the fp32 one on gfx950:
-#: Triton 3.6 compile matrix); its split count is sized as for the other HIP tiles.
+#: Warps of a HIP unpacked tile over a 512-wide latent, which asks for one wave a SIMD
+#: (`HIP_ONE_WAVE_PER_EU`: at two waves, 256 VGPRs, the 16-bit tile spills on gfx942 and the fp32
+#: one on gfx950, Triton 3.6 compile matrix); its split count is sized as for the other HIP tiles.
 HIP_LATENT_512_NUM_WARPS = 4
-HIP_LATENT_512_WAVES_PER_EU = 1
 #: fp32 dots are exact (FMA loops with both operands in registers on NVIDIA): the narrowest tile
 #: at 8 warps, never the wide tile or prefetched rows (wider ones spill).
 FP32_BLOCK_N = 16
@@ -101,9 +100,10 @@ HIP_PACK_BLOCK_H: tuple[int, ...] = (32, 16)
 HIP_PACK_BLOCK_N = 32
 HIP_PACK_NUM_WARPS = 4
 HIP_PACK_NUM_STAGES = 2
-#: Waves a SIMD the packed tile asks for: one, so a wave may hold 512 VGPRs (two cap it at 256,
-#: where the 32-token tile spills); its 4 waves then make one program a CU.
-HIP_PACK_WAVES_PER_EU = 1
+#: Waves a SIMD the packed tile and the unpacked one over a 512-wide latent ask for: one, so a
+#: wave may hold 512 VGPRs (two cap it at 256, where those tiles spill); the packed tile's 4 waves
+#: then make one program a CU.
+HIP_ONE_WAVE_PER_EU = 1
 
 
 def sm90_gathers(page_size: int, page_indices: bool) -> bool:
@@ -405,11 +405,8 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         and block_dv <= 512
     )
     per_sm = 1 if pack and target.is_hip else mla_programs_per_sm(target, block_h, smem, sm90)
-    waves = None  # HIP: launch_options' default unless a tile asks for one wave a SIMD
-    if target.is_hip and pack:
-        waves = HIP_PACK_WAVES_PER_EU
-    elif hip_512:
-        waves = HIP_LATENT_512_WAVES_PER_EU
+    # HIP: launch_options' default (two waves a SIMD) unless the tile asks for one
+    waves = HIP_ONE_WAVE_PER_EU if target.is_hip and (pack or hip_512) else None
     padded_heads = -(-problem.num_heads // block_h) * block_h
     if pack:  # programs: sequences x row groups
         rows = problem.max_query_len * problem.num_heads
