@@ -406,7 +406,7 @@ def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for name in ("clock", "host_steps", "trace_prefill", "prefill_tiles", "mla_splits",
-                 "mla_hip_tiles"):  # fmt: skip
+                 "mla_hip_tiles", "shared_reads"):  # fmt: skip
         module = importlib.import_module(f"bench.diag.{name}")
         with pytest.raises(SystemExit, match=f"^bench.diag.{name}: needs a CUDA/HIP device"):
             module.main([])
@@ -430,6 +430,9 @@ def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
         ("trace_prefill", ["--sm90", "warps=8"], "--sm90 takes field=int items of"),
         ("trace_prefill", ["--sm90", "turns=2"], "--sm90: turns takes 0 or 1; got '2'"),
         ("prefill_tiles", ["--row", "x"], "--row must be one of ['prefill 8x4096 32/8/128 bs16'"),
+        ("shared_reads", ["--layouts", "64x0"], "--layouts: '64x0' is neither 'ceiling' nor"),
+        ("shared_reads", ["--mbytes", "0"], "--mbytes: '0' is not comma-separated ints >= 1"),
+        ("shared_reads", ["--reps", "0"], "--reps must be >= 1; got 0"),
     ],
 )  # fmt: skip
 def test_diagnostic_arguments_are_checked_before_the_device(name, argv, rule, monkeypatch, capsys):
@@ -505,3 +508,38 @@ def test_mla_splits_checks_each_count_then_times_them_together():
     assert "refused: not a tile" in lines[1], lines[1]
     assert " µs " in lines[2] and "attention alone" in lines[2], lines[2]
     assert together == [3]
+
+
+# -- shared_reads ------------------------------------------------------------------------------
+
+
+def test_shared_reads_layouts_are_read_with_their_rule():
+    from bench.diag import shared_reads
+
+    assert shared_reads.parse_layouts("ceiling,128x1,64x2") == [None, (128, 1), (64, 2)]
+    for bad in ("64", "0x2", "64x", "x2", "６4x2", "64x2x1"):
+        with pytest.raises(ValueError, match="is neither 'ceiling' nor STREAMSxREADERS"):
+            shared_reads.parse_layouts(bad)
+    with pytest.raises(ValueError, match="repeats an item"):
+        shared_reads.parse_layouts("64x2,64x2")
+
+
+@pytest.mark.cpu
+def test_shared_reads_every_reader_sums_its_whole_stream():
+    """Under the interpreter: each of a stream's readers returns that stream's exact sum (the
+    check the launch runs before it is timed), over whole chunks of the buffer asked for."""
+    import torch
+    from bench.diag import shared_reads
+
+    block = shared_reads.BLOCK
+    fn, nbytes = shared_reads.streams(3 * 2 * 4 * block, 2, 3, "cpu")
+    assert nbytes == 3 * 2 * 4 * block  # 2 streams of 3 chunks, each read by 3 programs
+    fn, nbytes = shared_reads.streams(100, 4, 2, "cpu")
+    assert nbytes == 4 * 4 * block  # at least one chunk a stream
+    # a wrong sum is caught: a kernel that skipped a stream's last chunk
+    x = torch.arange(2 * 3 * block, dtype=torch.int32).reshape(2, -1) % 7
+    out = torch.empty(2, dtype=torch.int32)
+    shared_reads._streams_kernel[(2,)](x, out, 2, READERS=1, BLOCK=block)
+    assert not torch.equal(out, x.sum(dim=1, dtype=torch.int32))
+    shared_reads._streams_kernel[(2,)](x, out, 3, READERS=1, BLOCK=block)
+    assert torch.equal(out, x.sum(dim=1, dtype=torch.int32))
