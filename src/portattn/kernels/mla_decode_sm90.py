@@ -172,6 +172,22 @@ def _tile_cache_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end
 
 
 @gluon.jit
+def _prefetch_tile_l2(kv_ptr, stride_kv_row, row, real, BLOCK_N: gl.constexpr):
+    """A TMA-path tile (``BLOCK_N`` cache rows from ``row``, one after another) into L2 by one
+    bulk prefetch from one thread, where ``real``: its copy later finds it there."""
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    i = gl.arange(0, 128, layout=L)
+    ptrs = kv_ptr + row.to(gl.int64) * stride_kv_row + i * 0
+    on = ((i == 0) & real).to(gl.int32)
+    nbytes = gl.full([128], BLOCK_N * 2, gl.int32, layout=L) * stride_kv_row
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; "
+        "mov.b32 $0, 0; }",
+        "=r,l,r,r", [ptrs, on, nbytes], dtype=gl.int32, is_pure=False, pack=1,
+    )
+
+
+@gluon.jit
 def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf,
                RIGHT: gl.constexpr, gather, GATHER: gl.constexpr):  # fmt: skip
     """Tile t's left latent half, or (RIGHT) its right latent half and rope part, into its
@@ -360,6 +376,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
         _trace_stamp(tr, jt, 3, TRACE)
+        if not GATHER:  # the next pair's tile this warpgroup scores, into L2 a pair ahead
+            if WG == 0:
+                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_a, 2 * j + 2 < num_tiles, BLOCK_N)
+            else:
+                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_b, 2 * j + 3 < num_tiles, BLOCK_N)
         n_own = n_a + WG * BLOCK_N
         # raw scores, masked; the scale goes inside the exponent (one fma a score): the row
         # max of the raw scores is scaled once a row (qk_scale > 0: the launcher checks it)
