@@ -340,6 +340,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=PV)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, QK))
     steps = gl.cdiv(num_tiles, 2) * 2
+    lead = (hg == 0) & (tok == q_start)
     # block_size may be 1, which Triton passes as a constant: gather takes the row stride
     if GATHER:  # noqa: SIM108 (a constexpr branch, not a runtime select)
         opaque = (stride_kv_row < 0).to(gl.int32)
@@ -376,11 +377,15 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
         _trace_stamp(tr, jt, 3, TRACE)
-        if not GATHER:  # the next pair's tile this warpgroup scores, into L2 a pair ahead
+        if not GATHER:  # the next pair's tile this warpgroup scores, into L2 a pair ahead,
+            # by one program of those that read this sequence's split (its first head group
+            # of its first query token)
             if WG == 0:
-                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_a, 2 * j + 2 < num_tiles, BLOCK_N)
+                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_a, lead & (2 * j + 2 < num_tiles),
+                                  BLOCK_N)  # fmt: skip
             else:
-                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_b, 2 * j + 3 < num_tiles, BLOCK_N)
+                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_b, lead & (2 * j + 3 < num_tiles),
+                                  BLOCK_N)  # fmt: skip
         n_own = n_a + WG * BLOCK_N
         # raw scores, masked; the scale goes inside the exponent (one fma a score): the row
         # max of the raw scores is scaled once a row (qk_scale > 0: the launcher checks it)
