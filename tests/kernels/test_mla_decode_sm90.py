@@ -268,12 +268,13 @@ def _case_ptx(name: str) -> str:
 
 def _events(ptx: str) -> str:
     """The PTX's steps in order, one letter each, runs of S V C M X merged: "S" a 64x64 score
-    MMA, "V" a 64x256 PV MMA, "G" a wgmma commit, "C" a TMA copy, "M" a -inf select (the score
-    masks), "W" an mbarrier wait, "X" a shuffle (row max or sum), "L" a lazy rescale's skip
-    branch, "B" another predicated branch."""
+    MMA, "V" a 64x256 PV MMA, "G" a wgmma commit, "C" a TMA copy, "P" a bulk L2 prefetch, "M" a
+    -inf select (the score masks), "W" an mbarrier wait, "X" a shuffle (row max or sum), "L" a
+    lazy rescale's skip branch, "B" another predicated branch."""
     kinds = [("S", "wgmma.mma_async.sync.aligned.m64n64k16"),
              ("V", "wgmma.mma_async.sync.aligned.m64n256k16"), ("C", "cp.async.bulk.tensor"),
              ("G", "wgmma.commit_group"), ("M", "0fFF800000"), ("W", "mbarrier.try_wait"),
+             ("P", "cp.async.bulk.prefetch.L2"),
              ("X", "shfl.sync.bfly"), ("L", "bra lazy_skip")]  # fmt: skip
     out = []
     for line in ptx.splitlines():
@@ -294,8 +295,18 @@ def _after_scores(ev: str) -> list[str]:
 
 @target_compile
 def test_only_the_last_tile_is_masked():
-    """Each warpgroup branches between its score MMAs' commit and its mask selects (a full tile
-    skips them). Then warpgroup 0 (its code comes first) takes its row max and sum and rescales,
-    warpgroup 1 waits for m_A first."""
+    """Each warpgroup, once its scores are in, prefetches its next tile into L2, then branches
+    before its mask selects (a full tile skips them). Then warpgroup 0 (its code comes first)
+    takes its row max and sum and rescales, warpgroup 1 waits for m_A first."""
     got = in_spawned_workers(_case_ptx, [("576/512 h128 page64",)])
-    assert _after_scores(_events(got[("576/512 h128 page64",)])) == ["BMXLB", "BMWXWLB"]
+    assert _after_scores(_events(got[("576/512 h128 page64",)])) == ["PBMXLB", "PBMWXWLB"]
+
+
+@target_compile
+def test_only_the_tma_path_prefetches_into_l2():
+    """One bulk L2 prefetch a warpgroup in the TMA path's loop (its tile of the next pair, whose
+    rows it read at the top of this one); gathered rows (page size 1) prefetch nothing."""
+    cases = [("576/512 h128 page64",), ("576/512 h128 page1 table",)]
+    got = in_spawned_workers(_case_ptx, cases)
+    assert got[cases[0]].count("cp.async.bulk.prefetch.L2.global") == 2
+    assert "cp.async.bulk.prefetch" not in got[cases[1]]

@@ -15,11 +15,14 @@ warpgroup 1 scores B and owns [R/2, R)::
 so each score MMA is 64 x 64 (the query is read once per 64 tokens, not once per 32) and one
 warpgroup's softmax runs under the other's MMAs. Each tile buffer is loaded in two halves
 (latent columns [0, R/2); latent [R/2, R) + rope), each by the warpgroup whose PV frees it, as
-soon as it does: the next pair's loads start mid-pair. The query's rope part is the score MMA's
-register operand, which leaves room for both tiles' P in shared memory. Hand-offs go through
-shared memory (P, the running max, the final row sums) with an mbarrier each; every phase of
-every barrier is waited before the next is signalled (module code, comments). Row sums are kept
-per warpgroup over the tiles it scored and added once at the end.
+soon as it does: the next pair's loads start mid-pair. Those copies find their rows in L2: once a
+warpgroup's scores are in, it prefetches its tile of the next pair (``cp.async.bulk.prefetch.L2``,
+rows read at the top of the pair), in one program of those reading the split (`_prefetch_tile_l2`;
+TMA path only). The query's rope part is the score MMA's register operand, which leaves room
+for both tiles' P in shared memory. Hand-offs go through shared memory (P, the running max, the
+final row sums) with an mbarrier each; every phase of every barrier is waited before the next is
+signalled (module code, comments). Row sums are kept per warpgroup over the tiles it scored and
+added once at the end.
 
 The running max is lazy: it moves only when a row's tile max passes it by more than ``LAZY_T``
 (P <= 2^8; exact), so the accumulator's factors are almost always exactly 1, and each rescale
@@ -172,18 +175,24 @@ def _tile_cache_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end
 
 
 @gluon.jit
-def _prefetch_tile_l2(kv_ptr, stride_kv_row, row, real, BLOCK_N: gl.constexpr):
-    """A TMA-path tile (``BLOCK_N`` cache rows from ``row``, one after another) into L2 by one
-    bulk prefetch from one thread, where ``real``: its copy later finds it there."""
+def _prefetch_tile_l2(kv_ptr, stride_kv_row, row, on, BLOCK_N: gl.constexpr):
+    """Where ``on``: a TMA-path tile (``BLOCK_N`` cache rows from ``row``, one after another)
+    into L2, one bulk prefetch from one thread of the warpgroup, so that its copy a pair later
+    finds it there."""
     L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    ELEM: gl.constexpr = kv_ptr.dtype.element_ty.primitive_bitwidth // 8
     i = gl.arange(0, 128, layout=L)
     ptrs = kv_ptr + row.to(gl.int64) * stride_kv_row + i * 0
-    on = ((i == 0) & real).to(gl.int32)
-    nbytes = gl.full([128], BLOCK_N * 2, gl.int32, layout=L) * stride_kv_row
+    on = ((i == 0) & on).to(gl.int32)
+    nbytes = gl.full([128], BLOCK_N * ELEM, gl.int32, layout=L) * stride_kv_row
     gl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; "
         "mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptrs, on, nbytes], dtype=gl.int32, is_pure=False, pack=1,
+        "=r,l,r,r",
+        [ptrs, on, nbytes],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
     )
 
 
@@ -340,6 +349,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=PV)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, QK))
     steps = gl.cdiv(num_tiles, 2) * 2
+    # one program prefetches for all that read this split's rows (its first head group of its
+    # first query token): a second program's prefetches of the same rows cost time
     lead = (hg == 0) & (tok == q_start)
     # block_size may be 1, which Triton passes as a constant: gather takes the row stride
     if GATHER:  # noqa: SIM108 (a constexpr branch, not a runtime select)
@@ -377,9 +388,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
         _trace_stamp(tr, jt, 3, TRACE)
-        if not GATHER:  # the next pair's tile this warpgroup scores, into L2 a pair ahead,
-            # by one program of those that read this sequence's split (its first head group
-            # of its first query token)
+        if not GATHER:  # the next pair's tile this warpgroup scores into L2, a pair ahead
             if WG == 0:
                 _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_a, lead & (2 * j + 2 < num_tiles),
                                   BLOCK_N)  # fmt: skip
