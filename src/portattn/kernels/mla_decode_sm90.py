@@ -371,9 +371,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
                                   end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         rows_b = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
                                   end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-        if not GATHER:
-            row_far = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 4 + WG, start, num_tiles,
-                                       block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         # scores of this warpgroup's tile: latent halves as they land, then rope (registers)
         mbarrier.wait(tma_bars.index(2 * own), ph)
         _trace_stamp(tr, jt, 1, TRACE)
@@ -391,15 +388,13 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
         _trace_stamp(tr, jt, 3, TRACE)
-        if not GATHER:  # this warpgroup's tile two pairs ahead into L2 (the first pair: one)
-            t_far = 2 * j + 4 + WG
+        if not GATHER:  # the next pair's tile this warpgroup scores into L2, a pair ahead
             if WG == 0:
-                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_a, lead & (j == 0) & (2 < num_tiles),
+                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_a, lead & (2 * j + 2 < num_tiles),
                                   BLOCK_N)  # fmt: skip
             else:
-                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_b, lead & (j == 0) & (3 < num_tiles),
+                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_b, lead & (2 * j + 3 < num_tiles),
                                   BLOCK_N)  # fmt: skip
-            _prefetch_tile_l2(kv_ptr, stride_kv_row, row_far, lead & (t_far < num_tiles), BLOCK_N)
         n_own = n_a + WG * BLOCK_N
         # raw scores, masked; the scale goes inside the exponent (one fma a score): the row
         # max of the raw scores is scaled once a row (qk_scale > 0: the launcher checks it)
