@@ -38,6 +38,9 @@ from bench import core
 
 #: int32 elements a program loads per chunk (64 KB; two chunks in flight a program).
 BLOCK = 16384
+#: The largest buffer, in MB: the suite ceiling's (`bench.core.Context.read_ceiling`), whose
+#: kernel, like this one's chunk offsets, counts int32 elements in 32 bits.
+MAX_MBYTES = 4096
 LAYOUT = re.compile(r"([1-9][0-9]*)x([1-9][0-9]*)")
 
 
@@ -109,9 +112,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     opts = ap.parse_args(argv)
     try:
-        sizes = [int(s) for s in opts.mbytes.split(",") if s.isascii() and s.isdigit() and int(s)]
+        sizes = [int(s) for s in opts.mbytes.split(",")
+                 if s.isascii() and s.isdigit() and 1 <= int(s) <= MAX_MBYTES]  # fmt: skip
         if len(sizes) != len(opts.mbytes.split(",")):
-            raise ValueError(f"--mbytes: {opts.mbytes!r} is not comma-separated ints >= 1")
+            raise ValueError(f"--mbytes: {opts.mbytes!r} is not comma-separated ints in "
+                             f"[1, {MAX_MBYTES}]")  # fmt: skip
         layouts = parse_layouts(opts.layouts)
     except ValueError as err:
         ap.error(str(err))

@@ -431,7 +431,8 @@ def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
         ("trace_prefill", ["--sm90", "turns=2"], "--sm90: turns takes 0 or 1; got '2'"),
         ("prefill_tiles", ["--row", "x"], "--row must be one of ['prefill 8x4096 32/8/128 bs16'"),
         ("shared_reads", ["--layouts", "64x0"], "--layouts: '64x0' is neither 'ceiling' nor"),
-        ("shared_reads", ["--mbytes", "0"], "--mbytes: '0' is not comma-separated ints >= 1"),
+        ("shared_reads", ["--mbytes", "0"], "'0' is not comma-separated ints in [1, 4096]"),
+        ("shared_reads", ["--mbytes", "302,4097"], "--mbytes: '302,4097' is not comma-separated"),
         ("shared_reads", ["--reps", "0"], "--reps must be >= 1; got 0"),
     ],
 )  # fmt: skip
@@ -536,7 +537,7 @@ def test_shared_reads_every_reader_sums_its_whole_stream():
     assert nbytes == 3 * 2 * 4 * block  # 2 streams of 3 chunks, each read by 3 programs
     fn, nbytes = shared_reads.streams(100, 4, 2, "cpu")
     assert nbytes == 4 * 4 * block  # at least one chunk a stream
-    # a wrong sum is caught: a kernel that skipped a stream's last chunk
+    # the check's comparison tells a read that stops a chunk short from a whole one
     x = torch.arange(2 * 3 * block, dtype=torch.int32).reshape(2, -1) % 7
     out = torch.empty(2, dtype=torch.int32)
     shared_reads._streams_kernel[(2,)](x, out, 2, READERS=1, BLOCK=block)
