@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from bench import core
+from bench.diag import flush
 
 #: int32 elements a program loads per chunk (64 KB; two chunks in flight a program).
 BLOCK = 16384
@@ -112,11 +113,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     opts = ap.parse_args(argv)
     try:
-        sizes = [int(s) for s in opts.mbytes.split(",")
-                 if s.isascii() and s.isdigit() and 1 <= int(s) <= MAX_MBYTES]  # fmt: skip
-        if len(sizes) != len(opts.mbytes.split(",")):
-            raise ValueError(f"--mbytes: {opts.mbytes!r} is not comma-separated ints in "
-                             f"[1, {MAX_MBYTES}]")  # fmt: skip
+        sizes = flush.parse_list(opts.mbytes, "mbytes")
+        if max(sizes) > MAX_MBYTES:
+            raise ValueError(f"--mbytes: {max(sizes)} is past {MAX_MBYTES}")
         layouts = parse_layouts(opts.layouts)
     except ValueError as err:
         ap.error(str(err))

@@ -431,8 +431,9 @@ def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
         ("trace_prefill", ["--sm90", "turns=2"], "--sm90: turns takes 0 or 1; got '2'"),
         ("prefill_tiles", ["--row", "x"], "--row must be one of ['prefill 8x4096 32/8/128 bs16'"),
         ("shared_reads", ["--layouts", "64x0"], "--layouts: '64x0' is neither 'ceiling' nor"),
-        ("shared_reads", ["--mbytes", "0"], "'0' is not comma-separated ints in [1, 4096]"),
-        ("shared_reads", ["--mbytes", "302,4097"], "--mbytes: '302,4097' is not comma-separated"),
+        ("shared_reads", ["--mbytes", "0"], "--mbytes: '0' is not an int >= 1"),
+        ("shared_reads", ["--mbytes", "302,302"], "--mbytes: '302,302' repeats an item"),
+        ("shared_reads", ["--mbytes", "302,4097"], "--mbytes: 4097 is past 4096"),
         ("shared_reads", ["--reps", "0"], "--reps must be >= 1; got 0"),
     ],
 )  # fmt: skip

@@ -298,15 +298,14 @@ def test_only_the_last_tile_is_masked():
     """Each warpgroup, once its scores are in, prefetches its next tile into L2, then branches
     before its mask selects (a full tile skips them). Then warpgroup 0 (its code comes first)
     takes its row max and sum and rescales, warpgroup 1 waits for m_A first."""
-    got = in_spawned_workers(_case_ptx, [("576/512 h128 page64",)])
-    assert _after_scores(_events(got[("576/512 h128 page64",)])) == ["PBMXLB", "PBMWXWLB"]
+    ptx = in_spawned_workers(_case_ptx, [("576/512 h128 page64",)])[("576/512 h128 page64",)]
+    assert _after_scores(_events(ptx)) == ["PBMXLB", "PBMWXWLB"]
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") == 2  # those two, no other
 
 
 @target_compile
-def test_only_the_tma_path_prefetches_into_l2():
-    """One bulk L2 prefetch a warpgroup in the TMA path's loop (its tile of the next pair, whose
-    rows it read at the top of this one); gathered rows (page size 1) prefetch nothing."""
-    cases = [("576/512 h128 page64",), ("576/512 h128 page1 table",)]
-    got = in_spawned_workers(_case_ptx, cases)
-    assert got[cases[0]].count("cp.async.bulk.prefetch.L2.global") == 2
-    assert "cp.async.bulk.prefetch" not in got[cases[1]]
+def test_gathered_rows_prefetch_nothing():
+    """The L2 prefetch is the TMA path's (one a warpgroup, `test_only_the_last_tile_is_masked`);
+    gathered rows (page size 1) issue none."""
+    got = in_spawned_workers(_case_ptx, [("576/512 h128 page1 table",)])
+    assert "cp.async.bulk.prefetch" not in got[("576/512 h128 page1 table",)]
