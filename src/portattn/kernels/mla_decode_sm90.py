@@ -197,27 +197,6 @@ def _prefetch_tile_l2(kv_ptr, stride_kv_row, row, on, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _prefetch_rows_l2(kv_ptr, stride_kv_row, rows, on):
-    """Where ``on``: a gathered tile's rows (`_tile_cache_rows`, in its row layout: 8 lanes
-    hold each row) into L2, one bulk prefetch a row from the first of its lanes (the address
-    formed inside the asm: no 64-bit pointer a row stays live)."""
-    ELEM: gl.constexpr = kv_ptr.dtype.element_ty.primitive_bitwidth // 8
-    base = kv_ptr + rows * 0
-    flag = gl.full(rows.shape, 1, gl.int32, layout=rows.type.layout) * on.to(gl.int32)
-    nbytes = gl.full(rows.shape, ELEM, gl.int32, layout=rows.type.layout) * stride_kv_row
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; .reg .b64 a; mov.u32 t, %tid.x; and.b32 t, t, 7; "
-        "setp.eq.u32 p, t, 0; setp.ne.and.b32 p, $4, 0, p; mul.wide.s32 a, $1, $3; "
-        "add.s64 a, a, $2; @p cp.async.bulk.prefetch.L2.global [a], $3; mov.b32 $0, 0; }",
-        "=r,r,l,r,r",
-        [rows, base, nbytes, flag],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@gluon.jit
 def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf,
                RIGHT: gl.constexpr, gather, GATHER: gl.constexpr):  # fmt: skip
     """Tile t's left latent half, or (RIGHT) its right latent half and rope part, into its
@@ -476,8 +455,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _trace_stamp(tr, jt, 9, TRACE)
-        if GATHER and WG == 1:  # tile B of the next pair, copied at this pair's end, into L2
-            _prefetch_rows_l2(kv_ptr, stride_kv_row, rows_b, lead & (2 * j + 3 < num_tiles))
         _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
                    tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
                    gather, GATHER)  # fmt: skip
