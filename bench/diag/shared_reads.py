@@ -11,6 +11,12 @@ write flush, all layouts' repetitions interleaved (`bench.core.Context.time_toge
   ``128x1`` the same program count reading each byte once;
 * ``ceiling``: the suite's read ceiling (`bench.core.read_stream`, many short programs).
 
+With ``--rows ordered,scattered`` each ``STREAMSxREADERS`` layout is also read as MLA's cache
+is: rows of `ROW_BYTES` (576 bf16 values), `ROWS` a chunk, each chunk's row indices read first
+(the block table); ``ordered``: a stream's rows lie one after another (pages of 64 tokens and
+more), ``scattered``: the whole buffer's rows in one random order, dealt out to the streams
+(page size 1). The same kernel reads both, so they differ only in where the rows lie.
+
 Each layout's sums are checked exactly before it is timed. Reported: µs, the buffer's bytes
 over the time (what the MLA rows' ceiling divides), the bytes delivered to the SMs over the
 time (``READERS`` times as many), and the read rate as a share of the ceiling's.
@@ -18,7 +24,7 @@ time (``READERS`` times as many), and the read rate as a share of the ceiling's.
 Usage (GPU machine, repository root)::
 
     PYTHONPATH=src python3 -m bench.diag.shared_reads [--mbytes 1208,302] \
-        [--layouts 128x1,64x2,132x1] [--reps 30]
+        [--layouts 128x1,64x2,132x1] [--rows ordered,scattered] [--reps 30]
 
 Numbers are diagnostics, not serving figures.
 """
@@ -43,6 +49,13 @@ BLOCK = 16384
 #: kernel, like this one's chunk offsets, counts int32 elements in 32 bits.
 MAX_MBYTES = 4096
 LAYOUT = re.compile(r"([1-9][0-9]*)x([1-9][0-9]*)")
+#: A cache row (MLA's 576 bf16 values) as int32: a 256-wide part and a 32-wide tail.
+ROW_INTS, ROW_HEAD = 288, 256
+ROW_BYTES = 4 * ROW_INTS
+#: Rows a chunk (the sm_90 MLA kernel's tile).
+ROWS = 64
+#: Row orders ``--rows`` takes.
+ROW_ORDERS = ("ordered", "scattered")
 
 
 @triton.jit
@@ -60,6 +73,34 @@ def _streams_kernel(x_ptr, out_ptr, chunks, READERS: tl.constexpr, BLOCK: tl.con
         acc += cur
     acc += nxt
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _rows_kernel(x_ptr, rows_ptr, out_ptr, chunks, READERS: tl.constexpr, ROWS: tl.constexpr,
+                 HEAD: tl.constexpr, TAIL: tl.constexpr):  # fmt: skip
+    # program p sums stream p // READERS: ``chunks * ROWS`` rows of HEAD + TAIL int32 each,
+    # whose indices it reads chunk by chunk; the next chunk's loads issued before the current
+    # one is added (two chunks in flight)
+    stream = tl.program_id(0) // READERS
+    idx = rows_ptr + stream.to(tl.int64) * chunks * ROWS
+    r = tl.arange(0, ROWS)
+    c = tl.arange(0, HEAD)
+    t = HEAD + tl.arange(0, TAIL)
+    acc = tl.zeros([ROWS, HEAD], dtype=tl.int32)
+    acc_t = tl.zeros([ROWS, TAIL], dtype=tl.int32)
+    row = x_ptr + tl.load(idx + r).to(tl.int64)[:, None] * (HEAD + TAIL)
+    nxt = tl.load(row + c[None, :], cache_modifier=".cg")
+    nxt_t = tl.load(row + t[None, :], cache_modifier=".cg")
+    for k in range(1, chunks):
+        cur, cur_t = nxt, nxt_t
+        row = x_ptr + tl.load(idx + k * ROWS + r).to(tl.int64)[:, None] * (HEAD + TAIL)
+        nxt = tl.load(row + c[None, :], cache_modifier=".cg")
+        nxt_t = tl.load(row + t[None, :], cache_modifier=".cg")
+        acc += cur
+        acc_t += cur_t
+    acc += nxt
+    acc_t += nxt_t
+    tl.store(out_ptr + tl.program_id(0), tl.sum(tl.sum(acc, 1), 0) + tl.sum(tl.sum(acc_t, 1), 0))
 
 
 def parse_layouts(text: str) -> list[tuple[int, int] | None]:
@@ -106,10 +147,57 @@ def streams(nbytes: int, num_streams: int, readers: int, device: str) -> tuple[
     return launch, x.numel() * 4
 
 
+def parse_rows(text: str) -> list[str]:
+    """``"ordered,scattered"`` -> that list (empty text: none).
+
+    Raises:
+        ValueError: an item not in `ROW_ORDERS`, or a repeated item.
+    """
+    out = text.split(",") if text else []
+    for part in out:
+        if part not in ROW_ORDERS:
+            raise ValueError(f"--rows: {part!r} is not one of {', '.join(ROW_ORDERS)}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"--rows: {text!r} repeats an item")
+    return out
+
+
+def row_streams(nbytes: int, num_streams: int, readers: int, order: str, device: str,
+                seed: int = 0) -> tuple[Callable[[], None], int]:  # fmt: skip
+    """As `streams`, read as cache rows (`_rows_kernel`) in ``order`` (`ROW_ORDERS`): a launch
+    over a fresh buffer of at most ``nbytes`` (each stream a whole number of `ROWS`-row chunks,
+    at least one), run once and checked exactly; and the buffer's bytes.
+
+    Raises:
+        RuntimeError: a program's sum is not its stream's.
+    """
+    chunks = max(nbytes // (ROW_BYTES * ROWS * num_streams), 1)
+    total = num_streams * chunks * ROWS
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randint(-8, 8, (total, ROW_INTS), dtype=torch.int32, device=device, generator=g)
+    if order == "scattered":
+        rows = torch.randperm(total, device=device, generator=g).to(torch.int32)
+    else:
+        rows = torch.arange(total, dtype=torch.int32, device=device)
+    out = torch.empty(num_streams * readers, dtype=torch.int32, device=device)
+
+    def launch() -> None:
+        _rows_kernel[(out.numel(),)](x, rows, out, chunks, READERS=readers, ROWS=ROWS,
+                                     HEAD=ROW_HEAD, TAIL=ROW_INTS - ROW_HEAD,
+                                     num_warps=8)  # fmt: skip
+
+    launch()
+    want = x[rows.long()].view(num_streams, -1).sum(dim=1, dtype=torch.int32)
+    if not torch.equal(out, want.repeat_interleave(readers)):
+        raise RuntimeError(f"shared_reads: {num_streams}x{readers} {order} rows' sums are wrong")
+    return launch, x.numel() * 4
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.diag.shared_reads")
     ap.add_argument("--mbytes", default="1208,302")
     ap.add_argument("--layouts", default="ceiling,128x1,64x2,132x1,66x2")
+    ap.add_argument("--rows", default="")
     ap.add_argument("--reps", type=int, default=30)
     opts = ap.parse_args(argv)
     try:
@@ -117,6 +205,7 @@ def main(argv=None) -> int:
         if max(sizes) > MAX_MBYTES:
             raise ValueError(f"--mbytes: {max(sizes)} is past {MAX_MBYTES}")
         layouts = parse_layouts(opts.layouts)
+        orders = parse_rows(opts.rows)
     except ValueError as err:
         ap.error(str(err))
     if opts.reps < 1:
@@ -134,11 +223,16 @@ def main(argv=None) -> int:
                 fn, nbytes = streams(mb << 20, *layout, "cuda")
                 calls.append(fn)
                 sized.append((f"{layout[0]}x{layout[1]}", nbytes, layout[1]))
+                for order in orders:
+                    fn, nbytes = row_streams(mb << 20, *layout, order, "cuda")
+                    calls.append(fn)
+                    sized.append((f"{layout[0]}x{layout[1]} {order}", nbytes, layout[1]))
         times = ctx.time_together(calls)
         rates = [nbytes / us for (_, nbytes, _), (us, _) in zip(sized, times, strict=True)]
-        base = rates[layouts.index(None)] if None in layouts else None
+        names = [name for name, _, _ in sized]
+        base = rates[names.index("ceiling")] if "ceiling" in names else None
         for (name, nbytes, readers), (us, _) in zip(sized, times, strict=True):
-            line = (f"{mb:6d} MB  {name:8} {nbytes / 1e6:7.1f} MB {us:8.1f} µs  "
+            line = (f"{mb:6d} MB  {name:18} {nbytes / 1e6:7.1f} MB {us:8.1f} µs  "
                     f"{nbytes / us / 1e3:6.0f} GB/s read  {readers * nbytes / us / 1e3:6.0f} "
                     f"GB/s delivered")  # fmt: skip
             if base:

@@ -435,6 +435,8 @@ def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
         ("shared_reads", ["--mbytes", "302,302"], "--mbytes: '302,302' repeats an item"),
         ("shared_reads", ["--mbytes", "302,4097"], "--mbytes: 4097 is past 4096"),
         ("shared_reads", ["--reps", "0"], "--reps must be >= 1; got 0"),
+        ("shared_reads", ["--rows", "paged"], "--rows: 'paged' is not one of ordered, scattered"),
+        ("shared_reads", ["--rows", "ordered,ordered"], "--rows: 'ordered,ordered' repeats an"),
     ],
 )  # fmt: skip
 def test_diagnostic_arguments_are_checked_before_the_device(name, argv, rule, monkeypatch, capsys):
@@ -545,3 +547,29 @@ def test_shared_reads_every_reader_sums_its_whole_stream():
     assert not torch.equal(out, x.sum(dim=1, dtype=torch.int32))
     shared_reads._streams_kernel[(2,)](x, out, 3, READERS=1, BLOCK=block)
     assert torch.equal(out, x.sum(dim=1, dtype=torch.int32))
+
+
+@pytest.mark.cpu
+def test_shared_reads_rows_are_summed_where_they_lie():
+    """Under the interpreter: a stream read as cache rows sums exactly the rows its indices name,
+    in either order (the check its launch runs before it is timed), over whole chunks; and the
+    kernel reads the rows the indices name, not the rows that follow one another."""
+    import torch
+    from bench.diag import shared_reads
+
+    chunk = shared_reads.ROW_BYTES * shared_reads.ROWS
+    for order in shared_reads.ROW_ORDERS:
+        fn, nbytes = shared_reads.row_streams(2 * 3 * chunk, 3, 2, order, "cpu")
+        assert nbytes == 3 * 2 * chunk  # 3 streams of 2 chunks, each read by 2 programs
+    rows, ints = 2 * shared_reads.ROWS, shared_reads.ROW_INTS
+    x = torch.zeros(rows, ints, dtype=torch.int32)
+    x[rows // 2 :] = 1  # the second half's rows sum to ROW_INTS each
+    out = torch.empty(1, dtype=torch.int32)
+    args = dict(READERS=1, ROWS=shared_reads.ROWS, HEAD=shared_reads.ROW_HEAD,
+                TAIL=ints - shared_reads.ROW_HEAD)  # fmt: skip
+    back = torch.arange(rows - 1, rows // 2 - 1, -1, dtype=torch.int32)  # the second half, reversed
+    shared_reads._rows_kernel[(1,)](x, back, out, 1, **args)
+    assert out.item() == shared_reads.ROWS * ints
+    ahead = torch.arange(rows // 2, dtype=torch.int32)  # the first half
+    shared_reads._rows_kernel[(1,)](x, ahead, out, 1, **args)
+    assert out.item() == 0
