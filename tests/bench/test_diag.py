@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from bench.diag import clock, ncu_stalls, trace_prefill
 
+from tests.helpers import in_spawned_workers, target_compile
+
 # -- ncu_stalls ------------------------------------------------------------------------------
 
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_barrier",
@@ -406,7 +408,7 @@ def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for name in ("clock", "host_steps", "trace_prefill", "prefill_tiles", "mla_splits",
-                 "mla_hip_tiles", "shared_reads"):  # fmt: skip
+                 "mla_hip_tiles", "shared_reads", "gather_copies"):  # fmt: skip
         module = importlib.import_module(f"bench.diag.{name}")
         with pytest.raises(SystemExit, match=f"^bench.diag.{name}: needs a CUDA/HIP device"):
             module.main([])
@@ -435,6 +437,10 @@ def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
         ("shared_reads", ["--mbytes", "302,302"], "--mbytes: '302,302' repeats an item"),
         ("shared_reads", ["--mbytes", "302,4097"], "--mbytes: 4097 is past 4096"),
         ("shared_reads", ["--reps", "0"], "--reps must be >= 1; got 0"),
+        ("gather_copies", ["--layouts", "ceiling,64x2"], "--layouts: takes STREAMSxREADERS items"),
+        ("gather_copies", ["--layouts", "64x2,64x2"], "--layouts: '64x2,64x2' repeats an item"),
+        ("gather_copies", ["--mbytes", "4097"], "--mbytes: 4097 is past 4096"),
+        ("gather_copies", ["--reps", "0"], "--reps must be >= 1; got 0"),
         ("shared_reads", ["--rows", "paged"], "--rows: 'paged' is not one of ordered, scattered"),
         ("shared_reads", ["--rows", "ordered,ordered"], "--rows: 'ordered,ordered' repeats an"),
     ],
@@ -573,3 +579,51 @@ def test_shared_reads_rows_are_summed_where_they_lie():
     ahead = torch.arange(rows // 2, dtype=torch.int32)  # the first half
     shared_reads._rows_kernel[(1,)](x, ahead, out, 1, **args)
     assert out.item() == 0
+
+
+# -- gather_copies -----------------------------------------------------------------------------
+
+
+def _gather_copies_ptx(tma_engine: bool) -> tuple[str, int]:
+    """`bench.diag.gather_copies`' kernel compiled for sm_90 (meta tensors, no GPU): its PTX and
+    shared memory (in a spawned process: `tests.helpers.in_spawned_workers`)."""
+    import torch
+    from bench.diag import gather_copies as gc
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from portattn.compile.worker import compile_kernel
+    from portattn.kernels._launch import Launch
+    from portattn.platform import get_target
+    from portattn.policy.common import LaunchOptions
+
+    sm90 = get_target("sm_90")
+    kv = torch.empty(1 << 16, gc.WIDTH, dtype=torch.bfloat16, device="meta")
+    desc = TensorDescriptor.from_tensor(kv, [gc.ROWS, 64], gc._SWIZZLED)
+    rows = torch.empty(1 << 16, dtype=torch.int32, device="meta")
+    out = torch.empty(8, gc.ROWS, gc.WIDTH, dtype=torch.bfloat16, device="meta")
+    args = dict(desc=desc, kv_ptr=kv, idx_ptr=rows, out_ptr=out, tiles=64, READERS=2,
+                TMA=tma_engine)  # fmt: skip
+    launch = Launch(gc._gather_copies_kernel, (4,), args, LaunchOptions(4, 1), sm90,
+                    name="gather_copies")  # fmt: skip
+    compiled = compile_kernel(launch, sm90)
+    return compiled.asm["ptx"], compiled.metadata.shared
+
+
+@target_compile
+def test_gather_copies_compiles_each_engine_for_sm90():
+    """The cp.async kernel copies in 16-byte pieces and no TMA box; the TMA kernel in nine boxes a
+    tile and no cp.async; both hold two tiles (147456 bytes and the barriers) in shared memory."""
+    got = in_spawned_workers(_gather_copies_ptx, [(False,), (True,)])
+    gather, gather_smem = got[(False,)]
+    boxes, boxes_smem = got[(True,)]
+    assert "cp.async.cg.shared.global" in gather and "cp.async.bulk.tensor" not in gather
+    assert "cp.async.bulk.tensor" in boxes and "cp.async.cg.shared.global" not in boxes
+    assert boxes.count("cp.async.bulk.tensor") >= 9
+    assert 2 * 9 * 64 * 64 * 2 <= min(gather_smem, boxes_smem) <= 232448
+
+
+def test_gather_copies_refuses_a_box_over_scattered_rows():
+    from bench.diag import gather_copies
+
+    with pytest.raises(ValueError, match="a TMA box copies rows that lie one after another"):
+        gather_copies.copies(1 << 20, 2, 1, True, "scattered", device="cpu")

@@ -1,0 +1,186 @@
+"""How fast the sm_90 MLA kernel's two copy engines fill its tiles, with no math behind them.
+
+The Hopper MLA kernel (`portattn.kernels.mla_decode_sm90`) fills 64-row tiles of 576-wide
+16-bit cache rows in NVMMA-swizzled shared memory: by TMA boxes where pages hold 64 tokens or a
+multiple, by ``cp.async`` (16-byte pieces from all 128 threads of a warpgroup) where rows are
+gathered (page size 1, ``page_indices``). This kernel does only that: one program an SM (two
+tiles of shared memory, 147 KB), two tiles in flight, each tile's row indices read first (the
+block table), the next copy issued into a buffer as soon as its tile has landed. Copies:
+
+* ``cp.async scattered``: the gather, over rows in one random order (page size 1);
+* ``cp.async ordered``: the gather, over rows lying in pages of 64;
+* ``tma ordered``: one 64-row TMA box a 64-column block, over the same pages.
+
+Each copy runs in the ``STREAMSxREADERS`` layouts of `bench.diag.shared_reads` (``64x2``: two
+programs a sequence, as at 128 heads; ``128x1``: the same programs, each reading its own rows).
+Every launch's last tiles are read back and checked exactly before it is timed; all are timed
+together under the suite's write flush (`bench.core.Context.time_together`). Reported: µs, the
+buffer's bytes over the time, the bytes delivered to shared memory over the time.
+
+Usage (GPU machine with sm_90, repository root)::
+
+    PYTHONPATH=src python3 -m bench.diag.gather_copies [--mbytes 1208,302] \\
+        [--layouts 128x1,64x2] [--reps 30]
+
+Numbers are diagnostics, not serving figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from bench import core
+from bench.diag import flush, shared_reads
+
+#: A cache row (MLA's 576 values, 16-bit), its 64-column blocks, and a tile's rows.
+WIDTH, BLOCKS, ROWS = 576, 9, 64
+#: The copies, as (name, engine, row order); engine 0 is cp.async, 1 is TMA.
+COPIES = (("cp.async scattered", 0, "scattered"), ("cp.async ordered", 0, "ordered"),
+          ("tma ordered", 1, "ordered"))  # fmt: skip
+#: The largest buffer, in MB (`shared_reads.MAX_MBYTES`).
+MAX_MBYTES = shared_reads.MAX_MBYTES
+_SWIZZLED = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+@gluon.jit
+def _issue(t, b, stream, tiles, desc, kv_ptr, idx_ptr, smem, bars, TMA: gl.constexpr):
+    """Tile ``t`` of ``stream`` into buffer ``b``: by one TMA box a 64-column block (the tile's
+    first row from the index array; its 64 rows lie one after another), or by ``cp.async`` of
+    its 64 indexed rows, every thread arriving on the buffer's barrier once its pieces land."""
+    bar = bars.index(b)
+    idx = idx_ptr + (stream * tiles + t) * 64
+    if TMA:
+        row = gl.load(idx)
+        mbarrier.expect(bar, 64 * 576 * 2)
+        for cb in gl.static_range(9):
+            tma.async_copy_global_to_shared(desc, [row, cb * 64], bar, smem.index(b * 9 + cb))
+    else:
+        L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = gl.load(idx + gl.arange(0, 64, layout=gl.SliceLayout(1, L))).to(gl.int64)
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+        for cb in gl.static_range(9):
+            ptrs = kv_ptr + rows[:, None] * 576 + (cb * 64 + cols)[None, :]
+            async_copy.async_copy_global_to_shared(smem.index(b * 9 + cb), ptrs)
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _gather_copies_kernel(desc, kv_ptr, idx_ptr, out_ptr, tiles, READERS: gl.constexpr,
+                          TMA: gl.constexpr):  # fmt: skip
+    # program p copies stream p // READERS, tile by tile, two in flight; then writes its last
+    # two tiles' buffers out (what the check compares)
+    pid = gl.program_id(0)
+    stream = pid // READERS
+    smem = gl.allocate_shared_memory(gl.bfloat16, [18, 64, 64], _SWIZZLED)
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(bars.index(i), count=1 if TMA else 128)
+    _issue(0, 0, stream, tiles, desc, kv_ptr, idx_ptr, smem, bars, TMA)
+    _issue(1, 1, stream, tiles, desc, kv_ptr, idx_ptr, smem, bars, TMA)
+    for t in range(tiles):
+        b = t % 2
+        mbarrier.wait(bars.index(b), (t // 2) & 1)
+        if t + 2 < tiles:
+            gl.thread_barrier()  # every thread has seen the tile before its buffer is refilled
+            _issue(t + 2, b, stream, tiles, desc, kv_ptr, idx_ptr, smem, bars, TMA)
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, L))
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
+    for k in gl.static_range(18):  # buffer k // 9 holds tile tiles - 2 + (tiles + k // 9) % 2
+        x = smem.index(k).load(L)
+        dst = out_ptr + (pid * 2 + k // 9) * (64 * 576) + r[:, None] * 576 + (k % 9) * 64
+        gl.store(dst + c[None, :], x)
+
+
+def copies(nbytes: int, num_streams: int, readers: int, tma_engine: bool, order: str,
+           device: str = "cuda", seed: int = 0) -> tuple[Callable[[], None], int]:  # fmt: skip
+    """A launch copying ``num_streams`` streams of 64-row tiles (at least two a stream, at most
+    ``nbytes`` in all), each by ``readers`` programs, with rows in ``order``
+    (`shared_reads.ROW_ORDERS`), run once and checked exactly; and the buffer's bytes.
+
+    Raises:
+        ValueError: TMA over scattered rows (a box copies rows that lie one after another).
+        RuntimeError: a program's last tiles are not its stream's rows.
+    """
+    if tma_engine and order != "ordered":
+        raise ValueError("gather_copies: a TMA box copies rows that lie one after another")
+    tiles = max(nbytes // (ROWS * WIDTH * 2 * num_streams), 2)
+    pages = num_streams * tiles
+    g = torch.Generator(device=device).manual_seed(seed)
+    kv = torch.randn(pages * ROWS, WIDTH, device=device, dtype=torch.bfloat16, generator=g)
+    if order == "scattered":
+        rows = torch.randperm(pages * ROWS, device=device, generator=g)
+    else:  # pages of 64 rows, in random page order
+        first = torch.randperm(pages, device=device, generator=g) * ROWS
+        rows = (first[:, None] + torch.arange(ROWS, device=device)).reshape(-1)
+    rows = rows.to(torch.int32)
+    desc = TensorDescriptor.from_tensor(kv, [ROWS, 64], _SWIZZLED)
+    out = torch.empty(num_streams * readers * 2, ROWS, WIDTH, device=device, dtype=kv.dtype)
+
+    def launch() -> None:
+        _gather_copies_kernel[(num_streams * readers,)](desc, kv, rows, out, tiles,
+                                                        READERS=readers, TMA=tma_engine,
+                                                        num_warps=4)  # fmt: skip
+
+    launch()
+    last = rows.view(num_streams, tiles, ROWS)[:, -2:].long()  # [streams, 2, ROWS]
+    # buffer b holds the last tile t with t % 2 == b
+    order_b = [(tiles - 2 + k) % 2 for k in range(2)]
+    want = torch.stack([kv[last[:, order_b.index(b)]] for b in range(2)], dim=1)
+    if not torch.equal(out.view(num_streams, readers, 2, ROWS, WIDTH), want[:, None].expand(
+            -1, readers, -1, -1, -1)):  # fmt: skip
+        raise RuntimeError(f"gather_copies: {num_streams}x{readers} {order} tiles are wrong")
+    return launch, kv.numel() * 2
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.diag.gather_copies")
+    ap.add_argument("--mbytes", default="1208,302")
+    ap.add_argument("--layouts", default="128x1,64x2")
+    ap.add_argument("--reps", type=int, default=30)
+    opts = ap.parse_args(argv)
+    try:
+        sizes = flush.parse_list(opts.mbytes, "mbytes")
+        if max(sizes) > MAX_MBYTES:
+            raise ValueError(f"--mbytes: {max(sizes)} is past {MAX_MBYTES}")
+        layouts = shared_reads.parse_layouts(opts.layouts)
+        if None in layouts:
+            raise ValueError("--layouts: takes STREAMSxREADERS items only (no 'ceiling')")
+    except ValueError as err:
+        ap.error(str(err))
+    if opts.reps < 1:
+        ap.error(f"--reps must be >= 1; got {opts.reps}")
+    core.require_gpu("bench.diag.gather_copies")
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        raise SystemExit("bench.diag.gather_copies: needs an sm_90 GPU (the Hopper MLA kernel's "
+                         f"copies); this one is sm_{cap[0]}{cap[1]}")  # fmt: skip
+    ctx = core.Context("cuda", reps=opts.reps)
+    print(f"device: {torch.cuda.get_device_name()}; suite write flush; {opts.reps} reps")
+    for mb in sizes:
+        calls, named = [], []
+        for layout in layouts:
+            assert layout is not None
+            for name, engine, order in COPIES:
+                fn, nbytes = copies(mb << 20, *layout, bool(engine), order)
+                calls.append(fn)
+                named.append((f"{layout[0]}x{layout[1]} {name}", nbytes, layout[1]))
+        times = ctx.time_together(calls)
+        for (name, nbytes, readers), (us, _) in zip(named, times, strict=True):
+            print(f"{mb:6d} MB  {name:26} {nbytes / 1e6:7.1f} MB {us:8.1f} µs  "
+                  f"{nbytes / us / 1e3:6.0f} GB/s read  {readers * nbytes / us / 1e3:6.0f} GB/s "
+                  "delivered", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
