@@ -39,15 +39,13 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from bench import core
-from bench.diag import flush, shared_reads
+from bench.diag import shared_reads
 
 #: A cache row (MLA's 576 values, 16-bit), its 64-column blocks, and a tile's rows.
 WIDTH, BLOCKS, ROWS = 576, 9, 64
 #: The copies, as (name, engine, row order); engine 0 is cp.async, 1 is TMA.
 COPIES = (("cp.async scattered", 0, "scattered"), ("cp.async ordered", 0, "ordered"),
           ("tma ordered", 1, "ordered"))  # fmt: skip
-#: The largest buffer, in MB (`shared_reads.MAX_MBYTES`).
-MAX_MBYTES = shared_reads.MAX_MBYTES
 _SWIZZLED = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
@@ -149,9 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     opts = ap.parse_args(argv)
     try:
-        sizes = flush.parse_list(opts.mbytes, "mbytes")
-        if max(sizes) > MAX_MBYTES:
-            raise ValueError(f"--mbytes: {max(sizes)} is past {MAX_MBYTES}")
+        sizes = shared_reads.parse_mbytes(opts.mbytes)
         layouts = shared_reads.parse_layouts(opts.layouts)
         if None in layouts:
             raise ValueError("--layouts: takes STREAMSxREADERS items only (no 'ceiling')")

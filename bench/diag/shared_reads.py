@@ -103,6 +103,18 @@ def _rows_kernel(x_ptr, rows_ptr, out_ptr, chunks, READERS: tl.constexpr, ROWS: 
     tl.store(out_ptr + tl.program_id(0), tl.sum(tl.sum(acc, 1), 0) + tl.sum(tl.sum(acc_t, 1), 0))
 
 
+def parse_mbytes(text: str) -> list[int]:
+    """``--mbytes``: `flush.parse_list`'s rule, each at most `MAX_MBYTES`.
+
+    Raises:
+        ValueError: naming the rule broken.
+    """
+    sizes = flush.parse_list(text, "mbytes")
+    if max(sizes) > MAX_MBYTES:
+        raise ValueError(f"--mbytes: {max(sizes)} is past {MAX_MBYTES}")
+    return sizes
+
+
 def parse_layouts(text: str) -> list[tuple[int, int] | None]:
     """``"ceiling,128x1,64x2"`` -> ``[None, (128, 1), (64, 2)]`` (``None``: the suite's ceiling).
 
@@ -201,9 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     opts = ap.parse_args(argv)
     try:
-        sizes = flush.parse_list(opts.mbytes, "mbytes")
-        if max(sizes) > MAX_MBYTES:
-            raise ValueError(f"--mbytes: {max(sizes)} is past {MAX_MBYTES}")
+        sizes = parse_mbytes(opts.mbytes)
         layouts = parse_layouts(opts.layouts)
         orders = parse_rows(opts.rows)
     except ValueError as err:
