@@ -244,7 +244,7 @@ def _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT: 
     BLOCK_N: gl.constexpr = lat_buf.shape[0]
     HALF: gl.constexpr = lat_buf.shape[1]
     ROPE_DIM: gl.constexpr = pe_buf.shape[1]
-    CH: gl.constexpr = 32 if HALF >= 32 else HALF
+    CH: gl.constexpr = 64 if HALF >= 64 else HALF
     L64: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CH // 8), CH // 8], [4, 1], [1, 0])
     PCH: gl.constexpr = 64 if ROPE_DIM >= 64 else ROPE_DIM
     LPE: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (PCH // 8), PCH // 8], [4, 1], [1, 0])
