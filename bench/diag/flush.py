@@ -41,8 +41,9 @@ from portattn.policy.mla import MlaProblem, mla_decode_tiles, sm90_gathers
 MODES = ("write", "read", "none")
 
 
-def parse_list(text: str, name: str, allowed: tuple[str, ...] | None = None) -> list:
-    """``"a,b"`` -> the items: positive ints, or (``allowed``) names among them.
+def parse_list(text: str, name: str, allowed: tuple[str, ...] | None = None,
+               least: int = 1) -> list:  # fmt: skip
+    """``"a,b"`` -> the items: ints >= ``least``, or (``allowed``) names among them.
 
     Raises:
         ValueError: naming ``--name`` and the item that is neither, or a repeated item.
@@ -51,10 +52,10 @@ def parse_list(text: str, name: str, allowed: tuple[str, ...] | None = None) -> 
     for part in text.split(","):
         if allowed is not None and part in allowed:
             out.append(part)
-        elif allowed is None and part.isascii() and part.isdigit() and int(part) > 0:
+        elif allowed is None and part.isascii() and part.isdigit() and int(part) >= least:
             out.append(int(part))
         else:
-            want = f"one of {list(allowed)}" if allowed else "an int >= 1"
+            want = f"one of {list(allowed)}" if allowed else f"an int >= {least}"
             raise ValueError(f"--{name}: {part!r} is not {want}")
     if len(set(out)) != len(out):  # the fit needs distinct sizes; a repeat times nothing new
         raise ValueError(f"--{name}: {text!r} repeats an item")

@@ -13,6 +13,8 @@ block table), the next copy issued into a buffer as soon as its tile has landed.
 
 Each copy runs in the ``STREAMSxREADERS`` layouts of `bench.diag.shared_reads` (``64x2``: two
 programs a sequence, as at 128 heads; ``128x1``: the same programs, each reading its own rows).
+With ``--lags`` a stream's reader ``r`` starts ``r * lag`` tiles into the stream (and wraps), so
+that the readers of a tile copy it ``lag`` steps apart instead of at once.
 Every launch's last tiles are read back and checked exactly before it is timed; all are timed
 together under the suite's write flush (`bench.core.Context.time_together`). Reported: µs, the
 buffer's bytes over the time, the bytes delivered to shared memory over the time.
@@ -20,7 +22,7 @@ buffer's bytes over the time, the bytes delivered to shared memory over the time
 Usage (GPU machine with sm_90, repository root)::
 
     PYTHONPATH=src python3 -m bench.diag.gather_copies [--mbytes 1208,302] \\
-        [--layouts 128x1,64x2] [--reps 30]
+        [--layouts 128x1,64x2] [--lags 0,2] [--reps 30]
 
 Numbers are diagnostics, not serving figures.
 """
@@ -39,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from bench import core
-from bench.diag import shared_reads
+from bench.diag import flush, shared_reads
 
 #: A cache row (MLA's 576 values, 16-bit), its 64-column blocks, and a tile's rows.
 WIDTH, BLOCKS, ROWS = 576, 9, 64
@@ -50,12 +52,12 @@ _SWIZZLED = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, ra
 
 
 @gluon.jit
-def _issue(t, b, stream, tiles, desc, kv_ptr, idx_ptr, smem, bars, TMA: gl.constexpr):
+def _issue(t, b, stream, tiles, desc, kv_ptr, idx_ptr, smem, bars, TMA: gl.constexpr, shift=0):
     """Tile ``t`` of ``stream`` into buffer ``b``: by one TMA box a 64-column block (the tile's
     first row from the index array; its 64 rows lie one after another), or by ``cp.async`` of
     its 64 indexed rows, every thread arriving on the buffer's barrier once its pieces land."""
     bar = bars.index(b)
-    idx = idx_ptr + (stream * tiles + t) * 64
+    idx = idx_ptr + (stream * tiles + (t + shift) % tiles) * 64
     if TMA:
         row = gl.load(idx)
         mbarrier.expect(bar, 64 * 576 * 2)
@@ -72,24 +74,25 @@ def _issue(t, b, stream, tiles, desc, kv_ptr, idx_ptr, smem, bars, TMA: gl.const
 
 
 @gluon.jit
-def _gather_copies_kernel(desc, kv_ptr, idx_ptr, out_ptr, tiles, READERS: gl.constexpr,
+def _gather_copies_kernel(desc, kv_ptr, idx_ptr, out_ptr, tiles, lag, READERS: gl.constexpr,
                           TMA: gl.constexpr):  # fmt: skip
     # program p copies stream p // READERS, tile by tile, two in flight; then writes its last
     # two tiles' buffers out (what the check compares)
     pid = gl.program_id(0)
     stream = pid // READERS
+    shift = (pid % READERS) * lag
     smem = gl.allocate_shared_memory(gl.bfloat16, [18, 64, 64], _SWIZZLED)
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(bars.index(i), count=1 if TMA else 128)
-    _issue(0, 0, stream, tiles, desc, kv_ptr, idx_ptr, smem, bars, TMA)
-    _issue(1, 1, stream, tiles, desc, kv_ptr, idx_ptr, smem, bars, TMA)
+    _issue(0, 0, stream, tiles, desc, kv_ptr, idx_ptr, smem, bars, TMA, shift)
+    _issue(1, 1, stream, tiles, desc, kv_ptr, idx_ptr, smem, bars, TMA, shift)
     for t in range(tiles):
         b = t % 2
         mbarrier.wait(bars.index(b), (t // 2) & 1)
         if t + 2 < tiles:
             gl.thread_barrier()  # every thread has seen the tile before its buffer is refilled
-            _issue(t + 2, b, stream, tiles, desc, kv_ptr, idx_ptr, smem, bars, TMA)
+            _issue(t + 2, b, stream, tiles, desc, kv_ptr, idx_ptr, smem, bars, TMA, shift)
     L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, L))
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))
@@ -100,7 +103,8 @@ def _gather_copies_kernel(desc, kv_ptr, idx_ptr, out_ptr, tiles, READERS: gl.con
 
 
 def copies(nbytes: int, num_streams: int, readers: int, tma_engine: bool, order: str,
-           device: str = "cuda", seed: int = 0) -> tuple[Callable[[], None], int]:  # fmt: skip
+           lag: int = 0, device: str = "cuda",
+           seed: int = 0) -> tuple[Callable[[], None], int]:  # fmt: skip
     """A launch copying ``num_streams`` streams of 64-row tiles (at least two a stream, at most
     ``nbytes`` in all), each by ``readers`` programs, with rows in ``order``
     (`shared_reads.ROW_ORDERS`), run once and checked exactly; and the buffer's bytes.
@@ -125,17 +129,19 @@ def copies(nbytes: int, num_streams: int, readers: int, tma_engine: bool, order:
     out = torch.empty(num_streams * readers * 2, ROWS, WIDTH, device=device, dtype=kv.dtype)
 
     def launch() -> None:
-        _gather_copies_kernel[(num_streams * readers,)](desc, kv, rows, out, tiles,
+        _gather_copies_kernel[(num_streams * readers,)](desc, kv, rows, out, tiles, lag,
                                                         READERS=readers, TMA=tma_engine,
                                                         num_warps=4)  # fmt: skip
 
     launch()
-    last = rows.view(num_streams, tiles, ROWS)[:, -2:].long()  # [streams, 2, ROWS]
-    # buffer b holds the last tile t with t % 2 == b
-    order_b = [(tiles - 2 + k) % 2 for k in range(2)]
-    want = torch.stack([kv[last[:, order_b.index(b)]] for b in range(2)], dim=1)
-    if not torch.equal(out.view(num_streams, readers, 2, ROWS, WIDTH), want[:, None].expand(
-            -1, readers, -1, -1, -1)):  # fmt: skip
+    per_tile = rows.view(num_streams, tiles, ROWS).long()
+    # reader r's step t copies tile (t + r * lag) % tiles into buffer t % 2: its last two steps
+    want = torch.stack([
+        torch.stack([kv[per_tile[:, (t + r * lag) % tiles]]
+                     for t in sorted((tiles - 2, tiles - 1), key=lambda t: t % 2)], dim=1)
+        for r in range(readers)
+    ], dim=1)  # fmt: skip
+    if not torch.equal(out.view(num_streams, readers, 2, ROWS, WIDTH), want):
         raise RuntimeError(f"gather_copies: {num_streams}x{readers} {order} tiles are wrong")
     return launch, kv.numel() * 2
 
@@ -144,11 +150,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.diag.gather_copies")
     ap.add_argument("--mbytes", default="1208,302")
     ap.add_argument("--layouts", default="128x1,64x2")
+    ap.add_argument("--lags", default="0")
     ap.add_argument("--reps", type=int, default=30)
     opts = ap.parse_args(argv)
     try:
         sizes = shared_reads.parse_mbytes(opts.mbytes)
         layouts = shared_reads.parse_layouts(opts.layouts)
+        lags = flush.parse_list(opts.lags, "lags", least=0)
         if None in layouts:
             raise ValueError("--layouts: takes STREAMSxREADERS items only (no 'ceiling')")
     except ValueError as err:
@@ -167,12 +175,14 @@ def main(argv=None) -> int:
         for layout in layouts:
             assert layout is not None
             for name, engine, order in COPIES:
-                fn, nbytes = copies(mb << 20, *layout, bool(engine), order)
-                calls.append(fn)
-                named.append((f"{layout[0]}x{layout[1]} {name}", nbytes, layout[1]))
+                for lag in lags if layout[1] > 1 else [0]:
+                    fn, nbytes = copies(mb << 20, *layout, bool(engine), order, lag)
+                    calls.append(fn)
+                    label = f"{layout[0]}x{layout[1]} {name}" + (f" lag {lag}" if lag else "")
+                    named.append((label, nbytes, layout[1]))
         times = ctx.time_together(calls)
         for (name, nbytes, readers), (us, _) in zip(named, times, strict=True):
-            print(f"{mb:6d} MB  {name:26} {nbytes / 1e6:7.1f} MB {us:8.1f} µs  "
+            print(f"{mb:6d} MB  {name:34} {nbytes / 1e6:7.1f} MB {us:8.1f} µs  "
                   f"{nbytes / us / 1e3:6.0f} GB/s read  {readers * nbytes / us / 1e3:6.0f} GB/s "
                   "delivered", flush=True)  # fmt: skip
     return 0

@@ -159,21 +159,6 @@ def streams(nbytes: int, num_streams: int, readers: int, device: str) -> tuple[
     return launch, x.numel() * 4
 
 
-def parse_rows(text: str) -> list[str]:
-    """``"ordered,scattered"`` -> that list (empty text: none).
-
-    Raises:
-        ValueError: an item not in `ROW_ORDERS`, or a repeated item.
-    """
-    out = text.split(",") if text else []
-    for part in out:
-        if part not in ROW_ORDERS:
-            raise ValueError(f"--rows: {part!r} is not one of {', '.join(ROW_ORDERS)}")
-    if len(set(out)) != len(out):
-        raise ValueError(f"--rows: {text!r} repeats an item")
-    return out
-
-
 def row_streams(nbytes: int, num_streams: int, readers: int, order: str, device: str,
                 seed: int = 0) -> tuple[Callable[[], None], int]:  # fmt: skip
     """As `streams`, read as cache rows (`_rows_kernel`) in ``order`` (`ROW_ORDERS`): a launch
@@ -215,7 +200,7 @@ def main(argv=None) -> int:
     try:
         sizes = parse_mbytes(opts.mbytes)
         layouts = parse_layouts(opts.layouts)
-        orders = parse_rows(opts.rows)
+        orders = flush.parse_list(opts.rows, "rows", ROW_ORDERS) if opts.rows else []
     except ValueError as err:
         ap.error(str(err))
     if opts.reps < 1:

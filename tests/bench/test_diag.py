@@ -441,7 +441,9 @@ def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
         ("gather_copies", ["--layouts", "64x2,64x2"], "--layouts: '64x2,64x2' repeats an item"),
         ("gather_copies", ["--mbytes", "4097"], "--mbytes: 4097 is past 4096"),
         ("gather_copies", ["--reps", "0"], "--reps must be >= 1; got 0"),
-        ("shared_reads", ["--rows", "paged"], "--rows: 'paged' is not one of ordered, scattered"),
+        ("gather_copies", ["--lags", "0,-1"], "--lags: '-1' is not an int >= 0"),
+        ("gather_copies", ["--lags", "2,2"], "--lags: '2,2' repeats an item"),
+        ("shared_reads", ["--rows", "paged"], "--rows: 'paged' is not one of ['ordered', 'scatt"),
         ("shared_reads", ["--rows", "ordered,ordered"], "--rows: 'ordered,ordered' repeats an"),
     ],
 )  # fmt: skip
@@ -601,7 +603,7 @@ def _gather_copies_ptx(tma_engine: bool) -> tuple[str, int]:
     desc = TensorDescriptor.from_tensor(kv, [gc.ROWS, 64], gc._SWIZZLED)
     rows = torch.empty(1 << 16, dtype=torch.int32, device="meta")
     out = torch.empty(8, gc.ROWS, gc.WIDTH, dtype=torch.bfloat16, device="meta")
-    args = dict(desc=desc, kv_ptr=kv, idx_ptr=rows, out_ptr=out, tiles=64, READERS=2,
+    args = dict(desc=desc, kv_ptr=kv, idx_ptr=rows, out_ptr=out, tiles=64, lag=2, READERS=2,
                 TMA=tma_engine)  # fmt: skip
     launch = Launch(gc._gather_copies_kernel, (4,), args, LaunchOptions(4, 1), sm90,
                     name="gather_copies")  # fmt: skip
