@@ -251,8 +251,8 @@ def build_metadata_summary(
     qsl = torch.empty((NUM_SEQS + 1,), dtype=dt, device=META) if form != "no qsl" else None
     seq_lens = torch.empty((NUM_SEQS,), dtype=dt, device=META) if form != "gather" else None
     block_table = torch.empty((NUM_SEQS, max_blocks), dtype=dt, device=META)
-    running = torch.empty((6,), dtype=torch.int64, device=META)
-    totals = torch.empty((5,), dtype=torch.int64, device=META)
+    running = torch.empty((5,), dtype=torch.int64, device=META)
+    totals = torch.empty((4,), dtype=torch.int64, device=META)
     return plan_metadata_summary(
         qsl, seq_lens, block_table, running, totals,
         num_tokens=2**63 - 1 if form == "gather" else NUM_SEQS * PREFILL_CHUNK, block_size=16,

@@ -8,9 +8,7 @@ device, one program per sequence: each program checks its sequence and folds ``(
 broken, its end offset)`` into the call's running maxima with atomics; the program that finishes
 last writes the four totals (`Totals`) and zeroes the running maxima for the next call. On a GPU
 the totals are pinned host memory, which the kernel writes directly (mapped through unified
-addressing), then, with a system-scope release, its call count (`DONE`): the host waits until that
-count is its own (`finish_metadata_summary`: reading host memory, no driver call) and reads four
-integers, with no copy queued. Only
+addressing): the host waits for the stream once and reads four integers, with no copy queued. Only
 when the metadata is broken does the op read the metadata itself and run the host checks of
 `_checks`, which name the argument, the rule and the values exactly as before: the summary
 decides *whether* a call is valid, `_checks` says *why not*.
@@ -43,7 +41,6 @@ read.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, NamedTuple
 
 import torch
@@ -57,14 +54,8 @@ from portattn.platform import Target, override_key, target_for_tensor
 from portattn.policy.cache import metadata_summary_tiles
 
 OP = "metadata_summary"
-#: The totals' entries (and the running maxima's), then the totals' count of summaries done; the
-#: running maxima hold a ticket count after theirs, then the count of summaries done.
-Q_LEN, SEQ_LEN, BROKEN, TOKENS = 0, 1, 2, 3
-DONE = TICKETS = 4
-CALLS = 5
-#: Seconds the host spins on `DONE` before it waits for the stream instead (a long queue ahead of
-#: the summary, or a launch that failed: the stream's wait then raises its error).
-SPIN_S = 200e-6
+#: The totals' entries (and the running maxima's); the running maxima hold a ticket count after.
+Q_LEN, SEQ_LEN, BROKEN, TOKENS, TICKETS = 0, 1, 2, 3, 4
 
 
 @triton.jit
@@ -72,8 +63,8 @@ def _metadata_summary_kernel(
     qsl_ptr,  # [num_seqs + 1] int32/int64 (unused without HAS_QSL)
     seq_lens_ptr,  # [num_seqs] int32/int64 (unused with SEQ_IS_Q)
     block_table_ptr,  # [num_seqs, max_blocks] int32/int64
-    running_ptr,  # [6] int64: the totals' four maxima and tickets (zero between calls), calls
-    totals_ptr,  # [5] int64: max q_len, max seq_len, broken, max end offset (`Totals`), calls
+    running_ptr,  # [5] int64, zero between calls: the totals' four maxima, then tickets
+    totals_ptr,  # [4] int64: max q_len, max seq_len, broken, max end offset (`Totals`)
     num_seqs,
     num_tokens,
     block_size,
@@ -135,10 +126,6 @@ def _metadata_summary_kernel(
         tl.store(totals_ptr + 2, tl.atomic_xchg(running_ptr + 2, 0))
         tl.store(totals_ptr + 3, tl.atomic_xchg(running_ptr + 3, 0))
         tl.atomic_xchg(running_ptr + 4, 0)
-        # the count of summaries done, released after the totals: the host reads them once it
-        # sees its own count (`finish_metadata_summary`)
-        calls = tl.atomic_add(running_ptr + 5, 1) + 1
-        tl.atomic_xchg(totals_ptr + 4, calls, sem="release", scope="sys")
 
 
 def summary_applies(block_table, num_seqs: int) -> bool:
@@ -177,9 +164,9 @@ def plan_metadata_summary(
     ``query_start_loc [num_seqs + 1]`` or ``None`` for one query a sequence). ``seq_lens``
     ``None``: each sequence's length is its q_len (needs ``query_start_loc``). ``padding_ok``:
     a negative block id is padding. ``max_len``: the longest seq_len the op's kernel holds.
-    ``running``: ``[6]`` int64 on the metadata's device, its first five zero before the launch
-    and after it, its last the count of summaries done; ``totals``: ``[5]`` int64 the launch
-    writes (module docstring, `_buffers`)."""
+    ``running``: ``[5]`` int64 on the metadata's device, zero
+    before the launch and after it; ``totals``: ``[4]`` int64 the launch writes (module
+    docstring, `_buffers`)."""
     if seq_lens is None and query_start_loc is None:
         raise ValueError(f"{OP}: seq_lens or query_start_loc must be given")
     num_seqs, max_blocks = block_table.shape
@@ -222,20 +209,15 @@ def plan_metadata_summary(
     return [launch]
 
 
-class _Buffers:
+class _Buffers(NamedTuple):
     """One device, stream and thread's summary buffers: the running maxima (zero between calls)
-    and the count of summaries done on the device, the totals (pinned host memory on a GPU,
-    which the kernel writes), the host's numpy view of them, on a GPU the stream to wait for,
-    and the count of summaries queued (`DONE` reaches it once the last has run)."""
+    on the device, the totals (pinned host memory on a GPU, which the kernel writes), the host's
+    numpy view of them, and on a GPU the stream to wait for."""
 
-    __slots__ = ("running", "totals", "host", "stream", "queued")
-
-    def __init__(self, running: torch.Tensor, totals: torch.Tensor, stream: Any):
-        self.running = running
-        self.totals = totals
-        self.host = totals.numpy()
-        self.stream = stream  # torch.cuda.Stream, or None on the CPU
-        self.queued = 0
+    running: torch.Tensor
+    totals: torch.Tensor
+    host: Any
+    stream: Any  # torch.cuda.Stream, or None on the CPU
 
 
 _BUFFERS: dict[tuple, _Buffers] = {}
@@ -251,11 +233,11 @@ def _buffers(device: torch.device) -> _Buffers:
     bufs = _BUFFERS.get(key)
     if bufs is None:
         stream = None if raw is None else torch.cuda.current_stream(device)
-        running = torch.zeros(CALLS + 1, dtype=torch.int64, device=device)
-        totals = torch.zeros(DONE + 1, dtype=torch.int64, pin_memory=stream is not None)
+        running = torch.zeros(TICKETS + 1, dtype=torch.int64, device=device)
+        totals = torch.zeros(TOKENS + 1, dtype=torch.int64, pin_memory=stream is not None)
         if len(_BUFFERS) >= MAX_BUFFERS:
             del _BUFFERS[next(iter(_BUFFERS))]
-        bufs = _BUFFERS[key] = _Buffers(running, totals, stream)
+        bufs = _BUFFERS[key] = _Buffers(running, totals, totals.numpy(), stream)
     return bufs
 
 
@@ -292,25 +274,15 @@ def start_metadata_summary(
             ),
             (scalars, tensors),
         )  # fmt: skip
-    bufs.queued += 1
     return bufs
 
 
 def finish_metadata_summary(bufs: _Buffers) -> Totals | None:
-    """Wait for the summary a `start_metadata_summary` queued and read its totals (`Totals`) of
-    valid metadata, or ``None`` when some sequence breaks a rule. On a GPU the wait reads the
-    count of summaries done in host memory until it is the count queued (`DONE`), for at most
-    `SPIN_S`; then it waits for the stream, after which every summary queued has run."""
+    """Wait for the stream a `start_metadata_summary` queued on and read its totals (`Totals`)
+    of valid metadata, or ``None`` when some sequence breaks a rule."""
     if bufs.stream is not None:
-        host, queued = bufs.host, bufs.queued
-        if host[DONE] != queued:
-            deadline = time.perf_counter() + SPIN_S
-            while host[DONE] != queued:
-                if time.perf_counter() > deadline:
-                    bufs.stream.synchronize()  # raises a failed launch's error
-                    bufs.queued = int(host[DONE])  # a launch that never ran is not waited for
-                    break
-    q_len, seq_len, broken, tokens, _ = bufs.host.tolist()
+        bufs.stream.synchronize()
+    q_len, seq_len, broken, tokens = bufs.host.tolist()
     return None if broken else Totals(q_len, seq_len, tokens)
 
 
