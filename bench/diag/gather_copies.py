@@ -43,8 +43,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from bench import core
 from bench.diag import flush, shared_reads
 
-#: A cache row (MLA's 576 values, 16-bit), its 64-column blocks, and a tile's rows.
-WIDTH, BLOCKS, ROWS = 576, 9, 64
+#: A cache row's 16-bit values (`shared_reads`' row: 576) and a tile's rows (64); the kernel
+#: spells them out (576 columns in nine 64-column blocks, 64 rows).
+WIDTH, ROWS = 2 * shared_reads.ROW_INTS, shared_reads.ROWS
 #: The copies, as (name, engine, row order); engine 0 is cp.async, 1 is TMA.
 COPIES = (("cp.async scattered", 0, "scattered"), ("cp.async ordered", 0, "ordered"),
           ("tma ordered", 1, "ordered"))  # fmt: skip
