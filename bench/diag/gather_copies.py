@@ -9,7 +9,11 @@ block table), the next copy issued into a buffer as soon as its tile has landed.
 
 * ``cp.async scattered``: the gather, over rows in one random order (page size 1);
 * ``cp.async ordered``: the gather, over rows lying in pages of 64;
-* ``tma ordered``: one 64-row TMA box a 64-column block, over the same pages.
+* ``tma ordered``: one 64-row TMA box a 64-column block, over the same pages;
+* with ``--windows W``: ``cp.async scattered/W``, the gather over rows shuffled only within
+  windows of ``W`` consecutive rows, the windows in random order (``W = 64``: each tile's rows
+  are one page's, in random order; larger windows spread a tile over more memory), which tells
+  an effect of the rows' order within a page from one of their spread over the cache.
 
 Each copy runs in the ``STREAMSxREADERS`` layouts of `bench.diag.shared_reads` (``64x2``: two
 programs a sequence, as at 128 heads; ``128x1``: the same programs, each reading its own rows).
@@ -22,7 +26,7 @@ buffer's bytes over the time, the bytes delivered to shared memory over the time
 Usage (GPU machine with sm_90, repository root)::
 
     PYTHONPATH=src python3 -m bench.diag.gather_copies [--mbytes 1208,302] \\
-        [--layouts 128x1,64x2] [--lags 0,2] [--reps 30]
+        [--layouts 128x1,64x2] [--lags 0,2] [--windows 64,1792] [--reps 30]
 
 Numbers are diagnostics, not serving figures.
 """
@@ -103,12 +107,26 @@ def _gather_copies_kernel(desc, kv_ptr, idx_ptr, out_ptr, tiles, lag, READERS: g
         gl.store(dst + c[None, :], x)
 
 
+def scattered_rows(total: int, window: int | None, g: torch.Generator,
+                   device: str) -> torch.Tensor:  # fmt: skip
+    """A permutation of ``range(total)``: the whole in one random order (``window`` ``None``),
+    or shuffled only within windows of ``window`` consecutive rows, the windows in random
+    order (the last may be short)."""
+    if window is None:
+        return torch.randperm(total, device=device, generator=g)
+    where = torch.randperm(-(-total // window), device=device, generator=g)
+    rank = torch.randperm(total, device=device, generator=g)  # distinct keys within a window
+    key = where[torch.arange(total, device=device) // window] * total + rank
+    return torch.argsort(key)
+
+
 def copies(nbytes: int, num_streams: int, readers: int, tma_engine: bool, order: str,
-           lag: int = 0, device: str = "cuda",
-           seed: int = 0) -> tuple[Callable[[], None], int]:  # fmt: skip
+           lag: int = 0, device: str = "cuda", seed: int = 0,
+           window: int | None = None) -> tuple[Callable[[], None], int]:  # fmt: skip
     """A launch copying ``num_streams`` streams of 64-row tiles (at least two a stream, at most
     ``nbytes`` in all), each by ``readers`` programs, with rows in ``order``
-    (`shared_reads.ROW_ORDERS`), run once and checked exactly; and the buffer's bytes.
+    (`shared_reads.ROW_ORDERS`; ``scattered`` within windows of ``window`` rows where given:
+    `scattered_rows`), run once and checked exactly; and the buffer's bytes.
 
     Raises:
         ValueError: TMA over scattered rows (a box copies rows that lie one after another).
@@ -116,12 +134,14 @@ def copies(nbytes: int, num_streams: int, readers: int, tma_engine: bool, order:
     """
     if tma_engine and order != "ordered":
         raise ValueError("gather_copies: a TMA box copies rows that lie one after another")
+    if window is not None and (order != "scattered" or window < 2):
+        raise ValueError(f"gather_copies: window {window} needs scattered rows and >= 2 rows")
     tiles = max(nbytes // (ROWS * WIDTH * 2 * num_streams), 2)
     pages = num_streams * tiles
     g = torch.Generator(device=device).manual_seed(seed)
     kv = torch.randn(pages * ROWS, WIDTH, device=device, dtype=torch.bfloat16, generator=g)
     if order == "scattered":
-        rows = torch.randperm(pages * ROWS, device=device, generator=g)
+        rows = scattered_rows(pages * ROWS, window, g, device)
     else:  # pages of 64 rows, in random page order
         first = torch.randperm(pages, device=device, generator=g) * ROWS
         rows = (first[:, None] + torch.arange(ROWS, device=device)).reshape(-1)
@@ -152,12 +172,14 @@ def main(argv=None) -> int:
     ap.add_argument("--mbytes", default="1208,302")
     ap.add_argument("--layouts", default="128x1,64x2")
     ap.add_argument("--lags", default="0")
+    ap.add_argument("--windows", default="")
     ap.add_argument("--reps", type=int, default=30)
     opts = ap.parse_args(argv)
     try:
         sizes = shared_reads.parse_mbytes(opts.mbytes)
         layouts = shared_reads.parse_layouts(opts.layouts)
         lags = flush.parse_list(opts.lags, "lags", least=0)
+        windows = flush.parse_list(opts.windows, "windows", least=2) if opts.windows else []
         if None in layouts:
             raise ValueError("--layouts: takes STREAMSxREADERS items only (no 'ceiling')")
     except ValueError as err:
@@ -175,9 +197,12 @@ def main(argv=None) -> int:
         calls, named = [], []
         for layout in layouts:
             assert layout is not None
-            for name, engine, order in COPIES:
+            runs = [(name, engine, order, None) for name, engine, order in COPIES]
+            runs += [(f"cp.async scattered/{w}", 0, "scattered", w) for w in windows]
+            for name, engine, order, window in runs:
                 for lag in lags if layout[1] > 1 else [0]:
-                    fn, nbytes = copies(mb << 20, *layout, bool(engine), order, lag)
+                    fn, nbytes = copies(mb << 20, *layout, bool(engine), order, lag,
+                                        window=window)  # fmt: skip
                     calls.append(fn)
                     label = f"{layout[0]}x{layout[1]} {name}" + (f" lag {lag}" if lag else "")
                     named.append((label, nbytes, layout[1]))

@@ -443,6 +443,7 @@ def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
         ("gather_copies", ["--reps", "0"], "--reps must be >= 1; got 0"),
         ("gather_copies", ["--lags", "0,-1"], "--lags: '-1' is not an int >= 0"),
         ("gather_copies", ["--lags", "2,2"], "--lags: '2,2' repeats an item"),
+        ("gather_copies", ["--windows", "1"], "--windows: '1' is not an int >= 2"),
         ("shared_reads", ["--rows", "paged"], "--rows: 'paged' is not one of ['ordered', 'scatt"),
         ("shared_reads", ["--rows", "ordered,ordered"], "--rows: 'ordered,ordered' repeats an"),
     ],
@@ -622,6 +623,33 @@ def test_gather_copies_compiles_each_engine_for_sm90():
     assert "cp.async.bulk.tensor" in boxes and "cp.async.cg.shared.global" not in boxes
     assert boxes.count("cp.async.bulk.tensor") >= 9
     assert 2 * 9 * 64 * 64 * 2 <= min(gather_smem, boxes_smem) <= 232448
+
+
+def test_windowed_rows_stay_in_their_windows():
+    """Each window of the permutation holds exactly its own rows (the last one short), in an
+    order that is not the identity; windows do not come in their own order."""
+    import itertools
+
+    import torch
+    from bench.diag import gather_copies
+
+    g = torch.Generator().manual_seed(3)
+    rows = gather_copies.scattered_rows(1000, 64, g, "cpu")
+    assert sorted(rows.tolist()) == list(range(1000))
+    runs = [(w, len(list(group))) for w, group in itertools.groupby(r // 64 for r in rows.tolist())]
+    assert sorted(w for w, _ in runs) == list(range(16))  # each window in one run
+    assert all(n == (1000 - 15 * 64 if w == 15 else 64) for w, n in runs)
+    assert [w for w, _ in runs] != list(range(16))
+    assert not torch.equal(rows, torch.arange(1000))
+    whole = gather_copies.scattered_rows(1000, None, g, "cpu")
+    assert sorted(whole.tolist()) == list(range(1000))
+
+
+def test_gather_copies_refuses_a_window_without_scattered_rows():
+    from bench.diag import gather_copies
+
+    with pytest.raises(ValueError, match="window 64 needs scattered rows"):
+        gather_copies.copies(1 << 20, 2, 1, False, "ordered", device="cpu", window=64)
 
 
 def test_gather_copies_refuses_a_box_over_scattered_rows():
