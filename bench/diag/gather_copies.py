@@ -10,6 +10,9 @@ block table), the next copy issued into a buffer as soon as its tile has landed.
 * ``cp.async scattered``: the gather, over rows in one random order (page size 1);
 * ``cp.async ordered``: the gather, over rows lying in pages of 64;
 * ``tma ordered``: one 64-row TMA box a 64-column block, over the same pages;
+* ``cp.async sorted``: the gather over the scattered rows, each stream's sorted by address (a
+  sequence's keys in any order give the same decode attention), so that its tiles walk the
+  cache in one direction;
 * with ``--windows W``: ``cp.async scattered/W``, the gather over rows shuffled only within
   windows of ``W`` consecutive rows, the windows in random order (``W = 64``: each tile's rows
   are one page's, in random order; larger windows spread a tile over more memory), which tells
@@ -51,8 +54,8 @@ from bench.diag import flush, shared_reads
 #: spells them out (576 columns in nine 64-column blocks, 64 rows).
 WIDTH, ROWS = 2 * shared_reads.ROW_INTS, shared_reads.ROWS
 #: The copies, as (name, engine, row order); engine 0 is cp.async, 1 is TMA.
-COPIES = (("cp.async scattered", 0, "scattered"), ("cp.async ordered", 0, "ordered"),
-          ("tma ordered", 1, "ordered"))  # fmt: skip
+COPIES = (("cp.async scattered", 0, "scattered"), ("cp.async sorted", 0, "sorted"),
+          ("cp.async ordered", 0, "ordered"), ("tma ordered", 1, "ordered"))  # fmt: skip
 _SWIZZLED = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
@@ -120,13 +123,29 @@ def scattered_rows(total: int, window: int | None, g: torch.Generator,
     return torch.argsort(key)
 
 
+def stream_rows(order: str, num_streams: int, tiles: int, g: torch.Generator, device: str,
+                window: int | None = None) -> torch.Tensor:  # fmt: skip
+    """The int32 row indices of ``num_streams`` streams of ``tiles`` 64-row tiles, stream after
+    stream, in ``order`` (`copies`)."""
+    pages = num_streams * tiles
+    if order in ("scattered", "sorted"):
+        rows = scattered_rows(pages * ROWS, window, g, device)
+        if order == "sorted":
+            rows = rows.view(num_streams, -1).sort(dim=1).values.reshape(-1)
+    else:  # pages of 64 rows, in random page order
+        first = torch.randperm(pages, device=device, generator=g) * ROWS
+        rows = (first[:, None] + torch.arange(ROWS, device=device)).reshape(-1)
+    return rows.to(torch.int32)
+
+
 def copies(nbytes: int, num_streams: int, readers: int, tma_engine: bool, order: str,
            lag: int = 0, device: str = "cuda", seed: int = 0,
            window: int | None = None) -> tuple[Callable[[], None], int]:  # fmt: skip
     """A launch copying ``num_streams`` streams of 64-row tiles (at least two a stream, at most
     ``nbytes`` in all), each by ``readers`` programs, with rows in ``order``
-    (`shared_reads.ROW_ORDERS`; ``scattered`` within windows of ``window`` rows where given:
-    `scattered_rows`), run once and checked exactly; and the buffer's bytes.
+    (`shared_reads.ROW_ORDERS`, or ``sorted``: the scattered rows, each stream's sorted;
+    ``scattered`` within windows of ``window`` rows where given: `scattered_rows`), run once and
+    checked exactly; and the buffer's bytes.
 
     Raises:
         ValueError: TMA over scattered rows (a box copies rows that lie one after another).
@@ -140,12 +159,7 @@ def copies(nbytes: int, num_streams: int, readers: int, tma_engine: bool, order:
     pages = num_streams * tiles
     g = torch.Generator(device=device).manual_seed(seed)
     kv = torch.randn(pages * ROWS, WIDTH, device=device, dtype=torch.bfloat16, generator=g)
-    if order == "scattered":
-        rows = scattered_rows(pages * ROWS, window, g, device)
-    else:  # pages of 64 rows, in random page order
-        first = torch.randperm(pages, device=device, generator=g) * ROWS
-        rows = (first[:, None] + torch.arange(ROWS, device=device)).reshape(-1)
-    rows = rows.to(torch.int32)
+    rows = stream_rows(order, num_streams, tiles, g, device, window)
     desc = TensorDescriptor.from_tensor(kv, [ROWS, 64], _SWIZZLED)
     out = torch.empty(num_streams * readers * 2, ROWS, WIDTH, device=device, dtype=kv.dtype)
 

@@ -645,6 +645,25 @@ def test_windowed_rows_stay_in_their_windows():
     assert sorted(whole.tolist()) == list(range(1000))
 
 
+def test_sorted_streams_hold_their_scattered_rows_in_address_order():
+    """``sorted`` deals out the same permutation as ``scattered`` (same seed), each stream's
+    rows then ascending; ``ordered`` streams are whole 64-row pages."""
+    import torch
+    from bench.diag import gather_copies
+
+    def rows(order):
+        return gather_copies.stream_rows(order, 4, 8, torch.Generator().manual_seed(5), "cpu")
+
+    scattered, sorted_, ordered = rows("scattered"), rows("sorted"), rows("ordered")
+    assert sorted_.dtype == torch.int32 and sorted(sorted_.tolist()) == list(range(4 * 8 * 64))
+    for mine, theirs in zip(sorted_.view(4, -1), scattered.view(4, -1), strict=True):
+        assert torch.equal(mine, theirs.sort().values)
+    assert not torch.equal(sorted_, scattered)
+    pages = ordered.view(-1, 64)
+    assert torch.equal(pages - pages[:, :1], torch.arange(64).expand(32, 64).int())
+    assert (pages[:, 0] % 64 == 0).all()
+
+
 def test_gather_copies_refuses_a_window_without_scattered_rows():
     from bench.diag import gather_copies
 
