@@ -374,11 +374,15 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         # scores of this warpgroup's tile: latent halves as they land, then rope (registers)
         mbarrier.wait(tma_bars.index(2 * own), ph)
         _trace_stamp(tr, jt, 1, TRACE)
+        if GATHER:  # cp.async wrote through the generic proxy; the MMAs read through the async
+            fence_async_shared()
         qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=QK)
         qk = warpgroup_mma(ql_smem.index(b0), latl_smem.index(own).permute((1, 0)), qk,
                            use_acc=False, is_async=True)  # fmt: skip
         mbarrier.wait(tma_bars.index(2 * own + 1), ph)
         _trace_stamp(tr, jt, 2, TRACE)
+        if GATHER:
+            fence_async_shared()
         qk = warpgroup_mma(qr_smem.index(b0), latr_smem.index(own).permute((1, 0)), qk,
                            is_async=True)  # fmt: skip
         qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
