@@ -1,7 +1,9 @@
 """MLA decode and verification: ``portattn.mla_decode`` at 576/512 (DeepSeek-V3), bf16, batch 64.
 
 Rows: 16 and 128 heads at 1k, 4k and 16k tokens with 64-token pages; page size 1 (the gather
-path) at 4k and 16k; speculative verification (``q_len`` 2, 4, 8 query tokens a sequence) at 4k;
+path) at 4k and 16k; the 64-token pages addressed by ``page_indices`` (``slots``: the flat slots
+`expand_page_indices` gives speculative decoding's page-size-1 kernels) at 128 heads, 4k and 16k;
+speculative verification (``q_len`` 2, 4, 8 query tokens a sequence) at 4k;
 and q_len 1, 2, 4, 8 at 16 heads, 4k with a HIP policy forced (gfx942's and gfx950's tiles, passed
 to `MlaMetadataBuilder` as its target, compiled for this GPU): how verification scales with q_len
 on the AMD tiles (packed rows), not how fast an AMD GPU is.
@@ -29,17 +31,22 @@ DK, RANK = 576, 512
 #: The HIP policies whose verification scaling is measured on whatever GPU runs the suite.
 HIP_POLICIES = ("gfx942", "gfx950")
 
-# (heads, context, page, q_len, policy), batch 64; policy None: the device's own
-FULL = [(h, c, 64, 1, None) for h in (16, 128) for c in (1024, 4096, 16384)]
-FULL += [(h, c, 1, 1, None) for h in (16, 128) for c in (4096, 16384)]
-FULL += [(16, 4096, 64, q, None) for q in (2, 4, 8)] + [(128, 4096, 64, 4, None)]
-FULL += [(16, 4096, 64, q, arch) for arch in HIP_POLICIES for q in (1, 2, 4, 8)]
-QUICK = [(4, 40, 16, 1, None), (4, 40, 16, 2, None), (4, 40, 16, 4, "gfx942")]
+# (heads, context, page, q_len, policy, slots), batch 64; policy None: the device's own;
+# slots: the pages addressed by `expand_page_indices`' flat slots, not the block table
+FULL = [(h, c, 64, 1, None, False) for h in (16, 128) for c in (1024, 4096, 16384)]
+FULL += [(h, c, 1, 1, None, False) for h in (16, 128) for c in (4096, 16384)]
+FULL += [(128, c, 64, 1, None, True) for c in (4096, 16384)]
+FULL += [(16, 4096, 64, q, None, False) for q in (2, 4, 8)] + [(128, 4096, 64, 4, None, False)]
+FULL += [(16, 4096, 64, q, arch, False) for arch in HIP_POLICIES for q in (1, 2, 4, 8)]
+QUICK = [(4, 40, 16, 1, None, False), (4, 40, 16, 1, None, True), (4, 40, 16, 2, None, False),
+         (4, 40, 16, 4, "gfx942", False)]  # fmt: skip
 
 
-def _name(batch_n, heads, context, page, q_len, policy) -> str:
+def _name(batch_n, heads, context, page, q_len, policy, slots) -> str:
     ctx_label = f"{context // 1024}k" if context % 1024 == 0 else str(context)
     name = f"mla {heads}h {batch_n}x{ctx_label} page{page} q{q_len}"
+    if slots:
+        name += " slots"
     return name if policy is None else f"{name} {policy} tiles"
 
 
@@ -51,8 +58,8 @@ def names(quick: bool) -> list[str]:
 def rows(ctx: core.Context):
     batch_n = 2 if ctx.quick else 64
     scale = DK**-0.5
-    for heads, context, page, q_len, policy in QUICK if ctx.quick else FULL:
-        name = _name(batch_n, heads, context, page, q_len, policy)
+    for heads, context, page, q_len, policy, slots in QUICK if ctx.quick else FULL:
+        name = _name(batch_n, heads, context, page, q_len, policy, slots)
         if not ctx.want(name):
             continue
         params = dict(batch=batch_n, context=context, heads=heads, head_dim_k=DK,
@@ -61,24 +68,29 @@ def rows(ctx: core.Context):
         target = get_target(policy) if policy is not None else None
         if policy is not None:
             params["policy"] = policy
+        if slots:
+            params["page_indices"] = True
         b = inputs.mla_batch(batch=batch_n, context=context, heads=heads, head_dim_k=DK,
                              page=page, q_len=q_len, dtype=DTYPE, device=ctx.device)  # fmt: skip
+        pages = portattn.expand_page_indices(b.block_table, b.seq_lens, page) if slots else None
         out = torch.empty(b.query.shape[0], heads, RANK, dtype=DTYPE, device=ctx.device)
         metadata = None
         if ctx.device == "cuda":  # the serving path; the interpreter takes the call without
             builder = MlaMetadataBuilder(
                 target or current_target(), max_batch=batch_n, num_heads=heads, kv_lora_rank=RANK,
                 head_dim_k=DK, dtype=DTYPE, device=ctx.device, max_query_len=q_len,
-                max_seq_len=context, page_size=page,
+                max_seq_len=context, page_size=1 if slots else page,
             )  # fmt: skip
             metadata = builder.build(b.seq_lens, b.query_start_loc, max_query_len=q_len)
 
         # with metadata the launch takes the metadata's target; without (the interpreter) this
-        def call(b=b, out=out, metadata=metadata, target=target if metadata is None else None):
-            return portattn.mla_decode(b.query, b.kv_cache, b.block_table, b.seq_lens,
-                                       kv_lora_rank=RANK, scale=scale,
+        def call(b=b, out=out, metadata=metadata, target=target if metadata is None else None,
+                 pages=pages):  # fmt: skip
+            return portattn.mla_decode(b.query, b.kv_cache, b.block_table if pages is None else None,
+                                       b.seq_lens, kv_lora_rank=RANK, scale=scale,
                                        query_start_loc=b.query_start_loc, out=out,
-                                       metadata=metadata, target=target)  # fmt: skip
+                                       page_indices=pages, metadata=metadata,
+                                       target=target)  # fmt: skip
 
         check, us, how = ctx.checked_time_us(call, out, partial(_check, b, out, scale))
         if us is None:
@@ -92,7 +104,7 @@ def rows(ctx: core.Context):
                        {"GB/s": core.rate(nbytes, us, 1e9),
                         "TFLOP/s": core.rate(flops, us, 1e12)},
                        [ctx.read_ceiling(nbytes)], how)  # fmt: skip
-        del b, out, metadata
+        del b, out, metadata, pages
         if ctx.device == "cuda":
             torch.cuda.empty_cache()
 

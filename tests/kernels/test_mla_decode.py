@@ -587,6 +587,50 @@ def test_gpu_sm90_gather(dk, r, heads, bs, form, q_lens, seq_lens, splits):
     assert launch.args["GATHER"] is True
 
 
+def _run_rows(num_rows: int, g: torch.Generator) -> tuple[list[int], list[int]]:
+    """Two sequences' cache rows (page size 1), tile by tile (64 positions each): one run at an
+    odd offset, a reversed run, a run with its last row moved, scattered rows, the cache's last
+    64 rows, an aligned run, then a partial last tile over a run; and a short sequence: a run,
+    then a partial tile. No row is used twice."""
+    first = list(range(1000, 1064)) + list(range(2063, 1999, -1))
+    first += list(range(3000, 3063)) + [3100]
+    first += (4000 + torch.randperm(640, generator=g)[:64]).tolist()
+    first += list(range(num_rows - 64, num_rows)) + list(range(64, 128)) + list(range(500, 537))
+    second = list(range(700, 764)) + list(range(800, 806))
+    return first, second
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("heads", "q_lens"), [(128, None), (16, (4, 2))])
+@pytest.mark.parametrize("form", ["page_indices", "block_table"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_gpu_sm90_gather_runs(heads, q_lens, form, splits):
+    """Gathered rows (page size 1) whose whole tiles are sometimes one run of consecutive cache
+    rows, which load as a page does (`_tile_cache_rows`' ``first``), next to tiles that are not
+    (reversed, one row moved, scattered) and partial tiles over runs, in one launch, one split
+    and three, one query token and packed verification rows; unowned rows are NaN."""
+    target = _sm90_target()
+    g = torch.Generator().manual_seed(3)
+    num_rows = 5000
+    seqs = _run_rows(num_rows, g)
+    cache = torch.randn(num_rows, 1, 576, generator=g).to(torch.bfloat16).cuda()
+    bt = torch.full((2, len(seqs[0])), -1, dtype=torch.int32)
+    for i, rows in enumerate(seqs):
+        bt[i, : len(rows)] = torch.tensor(rows, dtype=torch.int32)
+    bt = bt.cuda()
+    sl = torch.tensor([len(s) for s in seqs], dtype=torch.int32, device="cuda")
+    tokens = 2 if q_lens is None else sum(q_lens)
+    qsl = None if q_lens is None else torch.tensor([0, q_lens[0], tokens], dtype=torch.int32)
+    q = torch.randn(tokens, heads, 576, generator=g).to(torch.bfloat16).cuda()
+    qsl = None if qsl is None else qsl.cuda()
+    _poison_unowned_rows(cache, bt, sl)
+    pages = expand_page_indices(bt, sl, 1) if form == "page_indices" else None
+    launch = _check_sm90(target, q, cache, bt, sl, qsl, 512, splits, pages=pages,
+                         max_query_len=1 if q_lens is None else max(q_lens))  # fmt: skip
+    assert launch.args["GATHER"] is True
+    assert launch.args["PACKED"] is (q_lens is not None)
+
+
 def _restride(q, form):
     """``q`` copied into a view of another layout over NaN: ``padded`` (8 elements of padding a
     row: still 16-byte aligned), ``dim2`` (head dim stride 2), ``odd`` (one element of padding:
@@ -642,14 +686,17 @@ def check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale):
     torch.testing.assert_close(lse.double().cpu(), lse_ref, rtol=1e-3, atol=1e-3)
 
 
-def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None, out=None, config=None):
-    """Run the sm_90 kernel (the policy's tiles, ``splits`` when given; ``pages``: page_indices
-    instead of ``bt``; ``out``: the output tensor to write; ``config``: its schedule) and check
-    it against the fp64 oracle, output and lse. The main launch."""
+def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None, out=None, config=None,
+                max_query_len=1):  # fmt: skip
+    """Run the sm_90 kernel (the policy's tiles for ``max_query_len``, ``splits`` when given;
+    ``pages``: page_indices instead of ``bt``; ``out``: the output tensor to write; ``config``:
+    its schedule) and check it against the fp64 oracle, output and lse. The main launch."""
     heads, dk = q.shape[1:]
     scale = 1 / math.sqrt(dk)
     max_len = int(sl.max())
-    base = mla_decode_tiles(target, MlaProblem(heads, dk, r, 2, q.shape[0], max_len))
+    gathers = pages is not None or cache.shape[1] % 64 != 0
+    problem = MlaProblem(heads, dk, r, 2, q.shape[0], max_len, max_query_len, gathers)
+    base = mla_decode_tiles(target, problem)
     tiles = dataclasses.replace(base, sm90_kernel=True)
     if splits is not None:
         tiles = dataclasses.replace(tiles, num_kv_splits=splits)
