@@ -86,8 +86,9 @@ def rows(ctx: core.Context):
         # with metadata the launch takes the metadata's target; without (the interpreter) this
         def call(b=b, out=out, metadata=metadata, target=target if metadata is None else None,
                  pages=pages):  # fmt: skip
-            return portattn.mla_decode(b.query, b.kv_cache, b.block_table if pages is None else None,
-                                       b.seq_lens, kv_lora_rank=RANK, scale=scale,
+            table = b.block_table if pages is None else None
+            return portattn.mla_decode(b.query, b.kv_cache, table, b.seq_lens,
+                                       kv_lora_rank=RANK, scale=scale,
                                        query_start_loc=b.query_start_loc, out=out,
                                        page_indices=pages, metadata=metadata,
                                        target=target)  # fmt: skip

@@ -605,10 +605,10 @@ def _run_rows(num_rows: int, g: torch.Generator) -> tuple[list[int], list[int]]:
 @pytest.mark.parametrize("form", ["page_indices", "block_table"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_gpu_sm90_gather_runs(heads, q_lens, form, splits):
-    """Gathered rows (page size 1) whose whole tiles are sometimes one run of consecutive cache
-    rows, which load as a page does (`_tile_cache_rows`' ``first``), next to tiles that are not
-    (reversed, one row moved, scattered) and partial tiles over runs, in one launch, one split
-    and three, one query token and packed verification rows; unowned rows are NaN."""
+    """The Hopper kernel's gather over page-size-1 rows of every shape a tile's rows take: one
+    run of consecutive cache rows (at an odd offset, at the cache's end), a reversed run, a run
+    with one row moved, scattered rows, partial tiles over runs; one split and three, one query
+    token and packed verification rows; unowned rows are NaN."""
     target = _sm90_target()
     g = torch.Generator().manual_seed(3)
     num_rows = 5000

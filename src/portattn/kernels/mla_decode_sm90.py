@@ -39,15 +39,12 @@ keeps them in the loop (0 spills).
 
 Loads (``GATHER``, `portattn.policy.mla.sm90_gathers`): with a block table of pages of a multiple of
 64 tokens each tile half is one or two TMA boxes (an expect-tx barrier, count 1). Otherwise
-(``page_indices``, speculative decoding's page size 1, or pages of any other size) a tile's rows may
-be scattered: the issuing warpgroup loads its 64 row indices once, copies each buffer (a latent half,
+(``page_indices``, speculative decoding's page size 1, or pages of any other size) a tile's rows are
+scattered: the issuing warpgroup loads its 64 row indices once, copies each buffer (a latent half,
 the rope part) by ``cp.async`` in one op (16-byte pieces, rows past the context zero-filled; one op
 per 64-column block got a ``bar.sync`` between blocks) into the same NVMMA-swizzled buffers, and
 each of its 128 threads arrives on the tile barrier once its copies land (``cp.async.mbarrier.arrive
-.noinc``; the barriers count 128), so the hand-offs are unchanged. A whole tile whose rows are one
-run of consecutive cache rows (``page_indices`` expanded from 64-token pages, a pool that handed a
-sequence consecutive slots) loads by the TMA boxes instead, its expect and one arrival of 127
-standing for the threads' arrivals: the gather's copies cost the kernel more than boxes do. The MMAs read through the async
+.noinc``; the barriers count 128), so the hand-offs are unchanged. The MMAs read through the async
 proxy what cp.async wrote through the generic one: a proxy fence after each tile wait.
 
 Packed rows (``PACKED``, `MlaTiles.packed`): the 64 rows are (query token,
@@ -151,11 +148,6 @@ def _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H: gl.constexpr, layout: g
 
 
 @gluon.jit
-def _min_max(lo_a, hi_a, lo_b, hi_b):
-    return gl.minimum(lo_a, lo_b), gl.maximum(hi_a, hi_b)
-
-
-@gluon.jit
 def _tile_cache_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end,
                      BLOCK_N: gl.constexpr, GATHER: gl.constexpr,
                      PAGE_INDICES: gl.constexpr):  # fmt: skip
@@ -209,48 +201,24 @@ def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf
                RIGHT: gl.constexpr, gather, GATHER: gl.constexpr):  # fmt: skip
     """Tile t's left latent half, or (RIGHT) its right latent half and rope part, into its
     buffer, from the rows `_tile_cache_rows` read; a phantom tile (``num_tiles <= t < steps``) only
-    completes the barrier. Without GATHER by TMA boxes (64 consecutive rows of one page); with it
-    by boxes too where the tile's rows are one run, else by `_gather_half` (``gather``: its
-    runtime values, the cache pointer, its row stride and the split's end)."""
+    completes the barrier. Without GATHER by TMA boxes (64 consecutive rows of one page), else by
+    `_gather_half` (``gather``: its runtime values, the cache pointer, its row stride and the
+    split's end)."""
     if not GATHER:
-        _box_half(lat_desc, pe_desc, rows, t < num_tiles, bar, lat_buf, pe_buf, RIGHT)
+        BLOCK_N: gl.constexpr = lat_buf.shape[0]
+        HALF: gl.constexpr = lat_buf.shape[1]
+        ROPE_DIM: gl.constexpr = pe_buf.shape[1]
+        real = t < num_tiles
+        if RIGHT:
+            mbarrier.expect(bar, BLOCK_N * (HALF + ROPE_DIM) * 2, pred=real)
+            tma.async_copy_global_to_shared(lat_desc, [rows, HALF], bar, lat_buf, pred=real)
+            tma.async_copy_global_to_shared(pe_desc, [rows, 2 * HALF], bar, pe_buf, pred=real)
+        else:
+            mbarrier.expect(bar, BLOCK_N * HALF * 2, pred=real)
+            tma.async_copy_global_to_shared(lat_desc, [rows, 0], bar, lat_buf, pred=real)
         mbarrier.arrive(bar, count=1, pred=(t >= num_tiles) & (t < steps))
     else:
-        _, _, end = gather
-        first = _run_start(rows, start + t * lat_buf.shape[0], end, t < num_tiles)
-        if first >= 0:  # one run of rows: boxes, plus the arrivals of the other 127 threads
-            _box_half(lat_desc, pe_desc, first, True, bar, lat_buf, pe_buf, RIGHT)
-            mbarrier.arrive(bar, count=127)
-        else:
-            _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT, gather)
-
-
-@gluon.jit
-def _run_start(rows, n, end, real):
-    """The first of a gathered tile's ``rows`` (`_tile_cache_rows`; the tile's first position
-    ``n``) where the tile is whole and its rows are one run of consecutive cache rows (TMA boxes
-    load it, as a page), else -1. Computed where the rows are used, not where they are read:
-    the reduction waits for the read."""
-    BLOCK_N: gl.constexpr = rows.shape[0]
-    d = rows - gl.arange(0, BLOCK_N, layout=rows.type.layout)
-    lo, hi = gl.reduce((d, d), 0, _min_max)  # one run: row - i is the same for every row
-    return gl.where(real & (n + BLOCK_N <= end) & (lo == hi), lo, -1)
-
-
-@gluon.jit
-def _box_half(lat_desc, pe_desc, row, real, bar, lat_buf, pe_buf, RIGHT: gl.constexpr):
-    """Where ``real``: a tile's left latent half, or (RIGHT) its right half and rope part, by
-    TMA boxes of the 64 cache rows from ``row``, one arrival (the expect) plus their bytes."""
-    BLOCK_N: gl.constexpr = lat_buf.shape[0]
-    HALF: gl.constexpr = lat_buf.shape[1]
-    ROPE_DIM: gl.constexpr = pe_buf.shape[1]
-    if RIGHT:
-        mbarrier.expect(bar, BLOCK_N * (HALF + ROPE_DIM) * 2, pred=real)
-        tma.async_copy_global_to_shared(lat_desc, [row, HALF], bar, lat_buf, pred=real)
-        tma.async_copy_global_to_shared(pe_desc, [row, 2 * HALF], bar, pe_buf, pred=real)
-    else:
-        mbarrier.expect(bar, BLOCK_N * HALF * 2, pred=real)
-        tma.async_copy_global_to_shared(lat_desc, [row, 0], bar, lat_buf, pred=real)
+        _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT, gather)
 
 
 @gluon.jit
