@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bench.diag import clock, ncu_stalls, trace_prefill
+from bench.diag import clock, ncu_stalls, trace_mla, trace_prefill
 
 from tests.helpers import in_spawned_workers, target_compile
 
@@ -165,6 +165,67 @@ def test_trace_programs_past_the_buffer_are_reported():
     res = trace_prefill.analyse(synthetic(tiles=8, slots=8), out=lines.append)
     assert res["programs past the buffer"] == 3
     assert "3 programs ran past the trace's 8 tiles" in "\n".join(lines)
+
+
+# -- trace_mla -------------------------------------------------------------------------------
+
+#: each warpgroup's events of a pair, cycles from its event 0 (NaN: not its event); period 1000
+MLA_EVENTS = {
+    0: [0, 40, 60, 200, 210, 300, np.nan, 320, 500, 520, 560, 600, 800, 850],
+    1: [0, 30, 90, 230, 260, 330, 380, 400, np.nan, 560, 620, 650, 880, 930],
+}
+MLA_PERIOD = 1000
+
+
+def mla_trace(programs=2, pairs=5, slots=8, idle=1) -> np.ndarray:
+    """Stamps ``[programs + idle, 2, slots + 1, 16]``: each program starts at ``1000 p``, ends
+    its prologue 300 cycles later and its first pair 50 after that, runs ``pairs`` pairs of
+    ``MLA_PERIOD`` cycles (warpgroup 1 5 cycles behind), then exchanges its row sums in 20
+    cycles and stores in 70; the global timer runs 10 ns a cycle from 10 p; ``idle`` programs
+    of the buffer never ran."""
+    st = np.full((programs + idle, 2, slots + 1, 16), -1, dtype=np.int64)
+    for p in range(programs):
+        start = 1000 * p
+        top = start + 350
+        for j in range(pairs):
+            for wg in (0, 1):
+                ev = np.array(MLA_EVENTS[wg]) + top + j * MLA_PERIOD + 5 * wg
+                ok = np.isfinite(ev)
+                st[p, wg, j, np.flatnonzero(ok)] = ev[ok].astype(np.int64)
+        st[p, 0, slots, [4, 5, 6]] = [start, 10 * p + 100, start + 300]
+        for wg in (0, 1):
+            end = top + pairs * MLA_PERIOD + 5 * wg
+            st[p, wg, slots, :4] = [end, end + 20, end + 90, 10 * p + 100 + 10 * (end + 90 - start)]
+    return st
+
+
+def test_mla_trace_steps_measure_what_they_name():
+    lines: list[str] = []
+    res = trace_mla.analyse(mla_trace(), out=lines.append)
+    text = "\n".join(lines)
+    for wg, ev in MLA_EVENTS.items():
+        for name, a, b in trace_mla.STEPS:
+            to = MLA_PERIOD if b == "+0" else ev[b]
+            want = to - ev[a]
+            if np.isnan(want):  # the other warpgroup's event: no such step
+                assert (wg, name.strip()) not in res, (wg, name, text)
+            else:
+                assert res[(wg, name.strip())] == want, (wg, name, text)
+        assert res[(wg, "period")] == MLA_PERIOD
+    assert res["prologue"] == 300 and res["to first pair"] == 50
+    assert res["first tile"] == MLA_EVENTS[0][2]
+    assert res["sums"] == 20 and res["stores"] == 70
+    # span: the prologue, the first pair's start, 5 pairs, warpgroup 1's lag, sums and stores
+    assert res["unexplained"] == 350 + 5 + 90
+    assert "programs 2," in text  # the idle program of the buffer is left out
+    assert "clock 0.100 GHz" in text
+
+
+def test_mla_trace_programs_past_the_buffer_are_reported():
+    lines: list[str] = []
+    res = trace_mla.analyse(mla_trace(pairs=8, slots=8), out=lines.append)
+    assert res["programs past the buffer"] == 2
+    assert "2 programs ran past the trace's 8 pairs" in "\n".join(lines)
 
 
 # -- clock -----------------------------------------------------------------------------------
@@ -408,7 +469,7 @@ def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for name in ("clock", "host_steps", "trace_prefill", "prefill_tiles", "mla_splits",
-                 "mla_hip_tiles", "shared_reads", "gather_copies"):  # fmt: skip
+                 "mla_hip_tiles", "shared_reads", "gather_copies", "trace_mla"):  # fmt: skip
         module = importlib.import_module(f"bench.diag.{name}")
         with pytest.raises(SystemExit, match=f"^bench.diag.{name}: needs a CUDA/HIP device"):
             module.main([])
@@ -444,6 +505,9 @@ def test_every_diagnostic_that_times_stops_without_a_gpu(monkeypatch):
         ("gather_copies", ["--lags", "0,-1"], "--lags: '-1' is not an int >= 0"),
         ("gather_copies", ["--lags", "2,2"], "--lags: '2,2' repeats an item"),
         ("gather_copies", ["--windows", "1"], "--windows: '1' is not an int >= 2"),
+        ("trace_mla", ["--contexts", "4096,0"], "--contexts must be comma-separated ints >= 1"),
+        ("trace_mla", ["--pages", "x"], "--pages must be comma-separated ints >= 1; got 'x'"),
+        ("trace_mla", ["--heads", "0"], "--heads must be >= 1; got 0"),
         ("shared_reads", ["--rows", "paged"], "--rows: 'paged' is not one of ['ordered', 'scatt"),
         ("shared_reads", ["--rows", "ordered,ordered"], "--rows: 'ordered,ordered' repeats an"),
     ],
