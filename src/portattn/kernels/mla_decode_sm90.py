@@ -14,8 +14,9 @@ warpgroup 1 scores B and owns [R/2, R)::
 
 so each score MMA is 64 x 64 (the query is read once per 64 tokens, not once per 32) and one
 warpgroup's softmax runs under the other's MMAs. Each tile buffer is loaded in two halves
-(latent columns [0, R/2); latent [R/2, R) + rope), each by the warpgroup whose PV frees it, as
-soon as it does: the next pair's loads start mid-pair. Those copies find their rows in L2: once a
+(latent columns [0, R/2); latent [R/2, R); the rope part with the right half on the TMA path,
+with the left on the gather's), each by the warpgroup whose PV frees it, as soon as it does: the
+next pair's loads start mid-pair. Those copies find their rows in L2: once a
 warpgroup's scores are in, it prefetches its tile of the next pair (``cp.async.bulk.prefetch.L2``,
 rows read at the top of the pair), in one program of those reading the split (`_prefetch_tile_l2`;
 TMA path only). The query's rope part is the score MMA's register operand, which leaves room
@@ -199,11 +200,11 @@ def _prefetch_tile_l2(kv_ptr, stride_kv_row, row, on, BLOCK_N: gl.constexpr):
 @gluon.jit
 def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf,
                RIGHT: gl.constexpr, gather, GATHER: gl.constexpr):  # fmt: skip
-    """Tile t's left latent half, or (RIGHT) its right latent half and rope part, into its
-    buffer, from the rows `_tile_cache_rows` read; a phantom tile (``num_tiles <= t < steps``) only
-    completes the barrier. Without GATHER by TMA boxes (64 consecutive rows of one page), else by
-    `_gather_half` (``gather``: its runtime values, the cache pointer, its row stride and the
-    split's end)."""
+    """Tile t's left latent half, or (RIGHT) its right latent half, and its rope part (TMA: with
+    the right half; gather: with the left) into its buffer, from the rows `_tile_cache_rows`
+    read; a phantom tile (``num_tiles <= t < steps``) only completes the barrier. Without GATHER
+    by TMA boxes (64 consecutive rows of one page), else by `_gather_half` (``gather``: its
+    runtime values, the cache pointer, its row stride and the split's end)."""
     if not GATHER:
         BLOCK_N: gl.constexpr = lat_buf.shape[0]
         HALF: gl.constexpr = lat_buf.shape[1]
@@ -236,7 +237,9 @@ def _gather_part(kv_ptr, stride_row, rows, ok, buf, col0, W: gl.constexpr, LOAD:
 def _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT: gl.constexpr,
                  gather):  # fmt: skip
     """`_load_half` by row gather: each 64-column part of tile t's ``rows`` (`_tile_cache_rows`) by
-    ``cp.async`` into the same swizzled buffers the TMA path fills. Every thread of the issuing
+    ``cp.async`` into the same swizzled buffers the TMA path fills, the rope part with the left
+    half, not the right (its score MMA waits for both; the right half's issuer, warpgroup 1,
+    issues its copies at the end of its P V, the longer chain). Every thread of the issuing
     warpgroup (128) then arrives on ``bar`` once its copies land (``.noinc``; the barrier counts
     128 in gather mode); a phantom tile copies nothing and arrives at once; past ``steps`` (no
     tile) nothing happens, as on the TMA path."""
@@ -255,7 +258,7 @@ def _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT: 
             col0: gl.constexpr = HALF if RIGHT else 0
             # one copy a buffer: one op per 64-column block put a bar.sync between the blocks
             _gather_part(kv_ptr, stride_row, rows, ok, lat_buf, col0, HALF, L64)
-            if RIGHT:
+            if not RIGHT:  # the rope part with the left half: warpgroup 0 issues it
                 _gather_part(kv_ptr, stride_row, rows, ok, pe_buf, 2 * HALF, ROPE_DIM, LPE)
         async_copy.mbarrier_arrive(bar, increment_count=False)
 
@@ -443,8 +446,9 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), True)
             lat_half = latr_smem
         # PV on A (scaled at m_A), then on B (at m_B); after each, this warpgroup's half of
-        # that buffer is free and takes the next pair's tile (WG1's half with the rope part,
-        # which WG0's S_A, finished before P_A, no longer reads)
+        # that buffer is free and takes the next pair's tile, with the rope part (TMA: WG1's
+        # half; gather: WG0's), which no score MMA reads any more (S_A finished before P_A,
+        # S_B before P_B)
         _zero_tail(lat_half.index(b0), n_a, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b0), lat_half.index(b0), acc, is_async=True)
         _trace_stamp(tr, jt, 7, TRACE)
@@ -699,7 +703,8 @@ def _mla_decode_sm90_kernel(
     p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_N], P_LAYOUT)
     m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
     l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
-    # tile barriers: buffer b's left half (2b), its right half and rope part (2b + 1)
+    # tile barriers: buffer b's left half (2b), its right half (2b + 1); the rope part with the
+    # right half (TMA) or the left (gather)
     tma_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     # hand-offs (see _warpgroup), then 3 / 4: warpgroup 0 / 1's row sums written
     sync_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
