@@ -211,12 +211,12 @@ def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf
         ROPE_DIM: gl.constexpr = pe_buf.shape[1]
         real = t < num_tiles
         if RIGHT:
-            mbarrier.expect(bar, BLOCK_N * HALF * 2, pred=real)
-            tma.async_copy_global_to_shared(lat_desc, [rows, HALF], bar, lat_buf, pred=real)
-        else:
             mbarrier.expect(bar, BLOCK_N * (HALF + ROPE_DIM) * 2, pred=real)
-            tma.async_copy_global_to_shared(lat_desc, [rows, 0], bar, lat_buf, pred=real)
+            tma.async_copy_global_to_shared(lat_desc, [rows, HALF], bar, lat_buf, pred=real)
             tma.async_copy_global_to_shared(pe_desc, [rows, 2 * HALF], bar, pe_buf, pred=real)
+        else:
+            mbarrier.expect(bar, BLOCK_N * HALF * 2, pred=real)
+            tma.async_copy_global_to_shared(lat_desc, [rows, 0], bar, lat_buf, pred=real)
         mbarrier.arrive(bar, count=1, pred=(t >= num_tiles) & (t < steps))
     else:
         _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT, gather)
