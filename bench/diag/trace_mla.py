@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from bench import core, inputs, mla
+from bench.diag.trace_prefill import next_step
 from portattn.kernels._launch import run_all
 from portattn.kernels.mla_decode import plan_mla_decode
 
@@ -61,12 +62,6 @@ STEPS = [
 #: global timer) and the prologue's end; each warpgroup's 0-3 its loop's end, the row sums
 #: exchanged, the epilogue's stores (clock) and its end (global timer)
 START, START_NS, PROLOGUE, LOOP_END, SUMS, STORES, END_NS = 4, 5, 6, 0, 1, 2, 3
-
-
-def _next(ev: np.ndarray) -> np.ndarray:
-    """Each pair's next pair's event (NaN for the last)."""
-    pad = np.full(ev.shape[:-1] + (1,), np.nan)
-    return np.concatenate([ev[..., 1:], pad], axis=-1)
 
 
 def _line(out, res: dict, key, label: str, d: np.ndarray) -> None:
@@ -102,9 +97,9 @@ def analyse(stamps: np.ndarray, out=print) -> dict:
         out(f"  warpgroup {wg}: step, median / mean cycles ({int(keep.sum())} pairs)")
         for name, a, b in STEPS:
             x = ev[:, wg, :pairs, a]
-            y = _next(ev[:, wg, :pairs, 0]) if b == "+0" else ev[:, wg, :pairs, b]
+            y = next_step(ev[:, wg, :pairs, 0]) if b == "+0" else ev[:, wg, :pairs, b]
             _line(out, res, (wg, name.strip()), name, (y - x)[keep])
-        period = (_next(ev[:, wg, :pairs, 0]) - ev[:, wg, :pairs, 0])[keep]
+        period = (next_step(ev[:, wg, :pairs, 0]) - ev[:, wg, :pairs, 0])[keep]
         period = period[np.isfinite(period)]
         if period.size:
             periods[wg] = res[(wg, "period")] = float(np.median(period))

@@ -69,8 +69,9 @@ def tile_macs(head_dim: int = 128, block_n: int = 128, warpgroups: int = 2) -> i
     return warpgroups * 64 * block_n * head_dim * 2
 
 
-def _next(ev: np.ndarray) -> np.ndarray:
-    """Each tile's next tile's event 0 (NaN for the last)."""
+def next_step(ev: np.ndarray) -> np.ndarray:
+    """Each step's (tile's, pair's) next step's event (NaN for the last); the last axis is the
+    steps (`trace_mla` too)."""
     pad = np.full(ev.shape[:-1] + (1,), np.nan)
     return np.concatenate([ev[..., 1:], pad], axis=-1)
 
@@ -153,14 +154,14 @@ def analyse(
             "passed on)")  # fmt: skip
         for name, a, b in STEPS:
             x = ev[:, wg, :tiles, a]
-            y = _next(ev[:, wg, :tiles, 0]) if b == "+0" else ev[:, wg, :tiles, b]
+            y = next_step(ev[:, wg, :tiles, 0]) if b == "+0" else ev[:, wg, :tiles, b]
             d = (y - x)[keep]
             d = d[np.isfinite(d)]
             if d.size:
                 out(f"    {name:28s} {np.median(d):8.0f} {d.mean():8.0f}")
                 res[(wg, name)] = float(np.median(d))
         _item_starts(ev, wg, tiles, computed[:, wg], res, out)
-        period = (_next(ev[:, wg, :tiles, 0]) - ev[:, wg, :tiles, 0])[keep]
+        period = (next_step(ev[:, wg, :tiles, 0]) - ev[:, wg, :tiles, 0])[keep]
         period = period[np.isfinite(period)]
         if period.size:
             ideal = tile_macs(head_dim, block_n, warpgroups) / PEAK_MACS
@@ -171,7 +172,7 @@ def analyse(
     out("  producer: step, median / mean cycles")
     for name, a, b in PRODUCER:
         x = ev[:, prod, :tiles, a]
-        y = _next(ev[:, prod, :tiles, 0]) if b == "+0" else ev[:, prod, :tiles, b]
+        y = next_step(ev[:, prod, :tiles, 0]) if b == "+0" else ev[:, prod, :tiles, b]
         d = (y - x)[:, 2:]
         d = d[np.isfinite(d)]
         if d.size:
