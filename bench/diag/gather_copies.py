@@ -49,6 +49,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from bench import core
 from bench.diag import flush, shared_reads
+from portattn.compile.__main__ import at_least  # the argparse rule, shared
 
 #: A cache row's 16-bit values (`shared_reads`' row: 576) and a tile's rows (64); the kernel
 #: spells them out (576 columns in nine 64-column blocks, 64 rows).
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default="128x1,64x2")
     ap.add_argument("--lags", default="0")
     ap.add_argument("--windows", default="")
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=at_least(1), default=30)
     opts = ap.parse_args(argv)
     try:
         sizes = shared_reads.parse_mbytes(opts.mbytes)
@@ -198,8 +199,6 @@ def main(argv=None) -> int:
             raise ValueError("--layouts: takes STREAMSxREADERS items only (no 'ceiling')")
     except ValueError as err:
         ap.error(str(err))
-    if opts.reps < 1:
-        ap.error(f"--reps must be >= 1; got {opts.reps}")
     core.require_gpu("bench.diag.gather_copies")
     cap = torch.cuda.get_device_capability()
     if cap != (9, 0):

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from bench import core
 from bench.diag import flush
+from portattn.compile.__main__ import at_least  # the argparse rule, shared
 
 #: int32 elements a program loads per chunk (64 KB; two chunks in flight a program).
 BLOCK = 16384
@@ -195,7 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mbytes", default="1208,302")
     ap.add_argument("--layouts", default="ceiling,128x1,64x2,132x1,66x2")
     ap.add_argument("--rows", default="")
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=at_least(1), default=30)
     opts = ap.parse_args(argv)
     try:
         sizes = parse_mbytes(opts.mbytes)
@@ -203,8 +204,6 @@ def main(argv=None) -> int:
         orders = flush.parse_list(opts.rows, "rows", ROW_ORDERS) if opts.rows else []
     except ValueError as err:
         ap.error(str(err))
-    if opts.reps < 1:
-        ap.error(f"--reps must be >= 1; got {opts.reps}")
     core.require_gpu("bench.diag.shared_reads")
     ctx = core.Context("cuda", reps=opts.reps)
     print(f"device: {torch.cuda.get_device_name()}; suite write flush; {opts.reps} reps")

@@ -36,7 +36,9 @@ import numpy as np
 import torch
 
 from bench import core, inputs, mla
+from bench.diag import flush
 from bench.diag.trace_prefill import next_step
+from portattn.compile.__main__ import at_least  # the argparse rule, shared
 from portattn.kernels._launch import run_all
 from portattn.kernels.mla_decode import plan_mla_decode
 
@@ -132,27 +134,17 @@ def analyse(stamps: np.ndarray, out=print) -> dict:
     return res
 
 
-def _ints(name: str, text: str) -> list[int]:
-    items = text.split(",")
-    if not all(p.isascii() and p.isdigit() and int(p) >= 1 for p in items):
-        raise ValueError(f"--{name} must be comma-separated ints >= 1; got {text!r}")
-    return [int(p) for p in items]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.diag.trace_mla",
                                  description=__doc__.splitlines()[0])  # fmt: skip
-    ap.add_argument("--heads", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--heads", type=at_least(1), default=128)
+    ap.add_argument("--batch", type=at_least(1), default=64)
     ap.add_argument("--contexts", default="4096,16384")
     ap.add_argument("--pages", default="64,1")
     opts = ap.parse_args(argv)
     try:
-        contexts = _ints("contexts", opts.contexts)
-        pages = _ints("pages", opts.pages)
-        for name in ("heads", "batch"):
-            if getattr(opts, name) < 1:
-                raise ValueError(f"--{name} must be >= 1; got {getattr(opts, name)}")
+        contexts = flush.parse_list(opts.contexts, "contexts")
+        pages = flush.parse_list(opts.pages, "pages")
     except ValueError as err:
         ap.error(str(err))
     core.require_gpu("bench.diag.trace_mla")

@@ -15,7 +15,7 @@ from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
 from portattn.kernels.page_indices import expand_page_indices
 from portattn.platform import get_target, target_for_tensor
 from portattn.policy.common import next_pow2
-from portattn.policy.mla import MlaConfig, MlaProblem, mla_decode_tiles
+from portattn.policy.mla import MlaConfig, MlaProblem, mla_decode_tiles, sm90_gathers
 from tests.helpers import assert_low_precision_close
 
 pytestmark = pytest.mark.mla
@@ -694,7 +694,7 @@ def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None, out=None, 
     heads, dk = q.shape[1:]
     scale = 1 / math.sqrt(dk)
     max_len = int(sl.max())
-    gathers = pages is not None or cache.shape[1] % 64 != 0
+    gathers = sm90_gathers(cache.shape[1], pages is not None)
     problem = MlaProblem(heads, dk, r, 2, q.shape[0], max_len, max_query_len, gathers)
     base = mla_decode_tiles(target, problem)
     tiles = dataclasses.replace(base, sm90_kernel=True)
