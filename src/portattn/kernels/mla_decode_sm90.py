@@ -101,11 +101,6 @@ BLOCK_N = mla_policy.SM90_BLOCK_N
 NUM_WARPS = 4
 #: Registers per thread each warpgroup asks for (`setmaxnreg`; 8 warps share the 64K file).
 WG_REGS = 256
-#: With a gather: two copy partitions of `COPY_WARPS` warps each (one per tile half); the MMA
-#: worker's registers and each copy partition's (warpgroup 0 takes the rest: 128 x 256 +
-#: 128 x 224 + 2 x 64 x 32 = the 64K file).
-COPY_WARPS = 2
-GATHER_WG_REGS, COPY_REGS = 232, 48
 #: Diagnostic trace (``mla_decode(trace=)``): clock64 stamps indexed ``[program, warpgroup,
 #: pair, event]`` for the first `TRACE_PAIRS` pairs; the last "pair" holds the epilogue's.
 TRACE_EVENTS = gl.constexpr(16)
@@ -166,8 +161,7 @@ def _tile_cache_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end
     n = start + t * BLOCK_N
     if GATHER:
         CH: gl.constexpr = 64
-        L64: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CH // 8), CH // 8],
-                                             [gl.num_warps(), 1], [1, 0])  # fmt: skip
+        L64: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CH // 8), CH // 8], [4, 1], [1, 0])
         pos = n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L64))
         ok = (pos < end) & (t < num_tiles)
         if PAGE_INDICES:
@@ -254,10 +248,9 @@ def _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT: 
     HALF: gl.constexpr = lat_buf.shape[1]
     ROPE_DIM: gl.constexpr = pe_buf.shape[1]
     CH: gl.constexpr = 64 if HALF >= 64 else HALF
-    NW: gl.constexpr = gl.num_warps()
-    L64: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CH // 8), CH // 8], [NW, 1], [1, 0])
+    L64: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CH // 8), CH // 8], [4, 1], [1, 0])
     PCH: gl.constexpr = 64 if ROPE_DIM >= 64 else ROPE_DIM
-    LPE: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (PCH // 8), PCH // 8], [NW, 1], [1, 0])
+    LPE: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (PCH // 8), PCH // 8], [4, 1], [1, 0])
     if t < steps:
         if t < num_tiles:
             n = start + t * BLOCK_N
@@ -268,40 +261,6 @@ def _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT: 
             if not RIGHT:  # the rope part with the left half: warpgroup 0 issues it
                 _gather_part(kv_ptr, stride_row, rows, ok, pe_buf, 2 * HALF, ROPE_DIM, LPE)
         async_copy.mbarrier_arrive(bar, increment_count=False)
-
-
-@gluon.jit
-def _copier(rt, RIGHT: gl.constexpr, PAGE_INDICES: gl.constexpr):
-    """A gather's copy partition for one half of every tile: tile t's left half and rope part,
-    or (RIGHT) its right half, by `_gather_half`, tiles 0 and 1 at once, each later one as soon
-    as the MMA warpgroup that reads that half last lets it go (its free barrier, after its PV
-    on the buffer). Each tile's rows are read a tile ahead."""
-    (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
-     stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
-     latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
-     part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
-     stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
-     stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
-     stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
-     seq_len, free_bars) = rt  # fmt: skip
-    BLOCK_N: gl.constexpr = latl_smem.shape[1]
-    K: gl.constexpr = 1 if RIGHT else 0
-    gather = (kv_ptr, stride_kv_row, end)
-    steps = gl.cdiv(num_tiles, 2) * 2
-    rows = _tile_cache_rows(bt_row, stride_bt_blk, 0, start, num_tiles, block_size, end,
-                            BLOCK_N, True, PAGE_INDICES)  # fmt: skip
-    for t in range(steps):
-        b = t & 1
-        nxt = _tile_cache_rows(bt_row, stride_bt_blk, t + 1, start, num_tiles, block_size, end,
-                               BLOCK_N, True, PAGE_INDICES)  # fmt: skip
-        mbarrier.wait(free_bars.index(2 * b + K), (t // 2 - 1) & 1, pred=t >= 2)
-        if RIGHT:
-            _gather_half(rows, t, start, num_tiles, steps, tma_bars.index(2 * b + 1),
-                         latr_smem.index(b), pe_smem.index(b), True, gather)  # fmt: skip
-        else:
-            _gather_half(rows, t, start, num_tiles, steps, tma_bars.index(2 * b),
-                         latl_smem.index(b), pe_smem.index(b), False, gather)  # fmt: skip
-        rows = nxt
 
 
 @gluon.jit
@@ -338,7 +297,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
      stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
      stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
      stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
-     seq_len, free_bars) = rt  # fmt: skip
+     seq_len) = rt  # fmt: skip
     gather = (kv_ptr, stride_kv_row, end)
     trace_ptr, pid = tr
     tr = (trace_ptr, (pid * 2 + WG).to(gl.int64) * ((TRACE_PAIRS + 1) * TRACE_EVENTS))
@@ -410,13 +369,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         n_b = n_a + BLOCK_N
         jt = trace_slot(j, TRACE, TRACE_PAIRS)  # pairs past the buffer's are dropped
         _trace_stamp(tr, jt, 0, TRACE)
-        # the next pair's rows, read now: their latency runs under the MMAs (a gather's are
-        # the copy warpgroups')
-        if not GATHER:
-            rows_a = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles,
-                                      block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-            rows_b = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles,
-                                      block_size, end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        # the next pair's rows, read now: their latency runs under the MMAs
+        rows_a = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
+                                  end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        rows_b = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
+                                  end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         # scores of this warpgroup's tile: latent halves as they land, then rope (registers)
         mbarrier.wait(tma_bars.index(2 * own), ph)
         _trace_stamp(tr, jt, 1, TRACE)
@@ -502,12 +459,9 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _trace_stamp(tr, jt, 9, TRACE)
-        if GATHER:  # a copy warpgroup refills this half
-            mbarrier.arrive(free_bars.index(2 * b0 + WG), count=1)
-        else:
-            _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                       tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0),
-                       WG == 1, gather, GATHER)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
+                   gather, GATHER)  # fmt: skip
         _trace_stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
@@ -520,12 +474,9 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _trace_stamp(tr, jt, 12, TRACE)
-        if GATHER:
-            mbarrier.arrive(free_bars.index(2 * b1 + WG), count=1)
-        else:
-            _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
-                       tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1),
-                       WG == 1, gather, GATHER)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
+                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
+                   gather, GATHER)  # fmt: skip
         _trace_stamp(tr, jt, 13, TRACE)
         m_i = m_b
 
@@ -661,9 +612,6 @@ def _mla_decode_sm90_kernel(
     Q_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, KV_LORA_RANK // 2]
     P_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, BLOCK_N]
     WG_REGS: gl.constexpr,
-    GATHER_WG_REGS: gl.constexpr,
-    COPY_WARPS: gl.constexpr,
-    COPY_REGS: gl.constexpr,
     GATHER: gl.constexpr,  # rows by cp.async gather (`_gather_half`), not TMA boxes
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
     PACKED: gl.constexpr,
@@ -760,34 +708,28 @@ def _mla_decode_sm90_kernel(
     tma_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     # hand-offs (see _warpgroup), then 3 / 4: warpgroup 0 / 1's row sums written
     sync_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
-    # TMA: one arrival (the expect) plus the bytes; gather: each of the issuing copy
-    # partition's threads once its cp.async copies land
+    # TMA: one arrival (the expect) plus the bytes; gather: each of the issuing warpgroup's
+    # 128 threads once its cp.async copies land
     for k in gl.static_range(4):
-        mbarrier.init(tma_bars.index(k), count=32 * COPY_WARPS if GATHER else 1)
-    # gather: tile half k (as the tile barriers) free for its copy warpgroup again
-    free_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(tma_bars.index(k), count=128 if GATHER else 1)
     for k in gl.static_range(5):
         mbarrier.init(sync_bars.index(k), count=1)
-    for k in gl.static_range(4):
-        mbarrier.init(free_bars.index(k), count=1)
     fence_async_shared()
-    # -- prologue: tiles 0 and 1 in flight (both tiles' rows read first: one wait, not two; a
-    # gather's by its copy partitions) --
-    if not GATHER:
-        rows_01 = (
-            _tile_cache_rows(bt_row, stride_bt_blk, 0, start, num_tiles, block_size, end,
-                             BLOCK_N, GATHER, PAGE_INDICES),
-            _tile_cache_rows(bt_row, stride_bt_blk, 1, start, num_tiles, block_size, end,
-                             BLOCK_N, GATHER, PAGE_INDICES),
-        )  # fmt: skip
-        for t in gl.static_range(2):
-            rows = rows_01[t]
-            _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps,
-                       tma_bars.index(2 * t), latl_smem.index(t), pe_smem.index(t), False,
-                       (kv_ptr, stride_kv_row, end), GATHER)  # fmt: skip
-            _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps,
-                       tma_bars.index(2 * t + 1), latr_smem.index(t), pe_smem.index(t), True,
-                       (kv_ptr, stride_kv_row, end), GATHER)  # fmt: skip
+    # -- prologue: tiles 0 and 1 in flight (both tiles' rows read first: one wait, not two) --
+    rows_01 = (
+        _tile_cache_rows(bt_row, stride_bt_blk, 0, start, num_tiles, block_size, end, BLOCK_N,
+                         GATHER, PAGE_INDICES),
+        _tile_cache_rows(bt_row, stride_bt_blk, 1, start, num_tiles, block_size, end, BLOCK_N,
+                         GATHER, PAGE_INDICES),
+    )  # fmt: skip
+    for t in gl.static_range(2):
+        rows = rows_01[t]
+        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t),
+                   latl_smem.index(t), pe_smem.index(t), False, (kv_ptr, stride_kv_row, end),
+                   GATHER)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t + 1),
+                   latr_smem.index(t), pe_smem.index(t), True, (kv_ptr, stride_kv_row, end),
+                   GATHER)  # fmt: skip
     ql_smem.index(0).store(ql)
     qr_smem.index(0).store(qr)
     fence_async_shared()  # the score MMAs read the query through the async proxy
@@ -802,32 +744,18 @@ def _mla_decode_sm90_kernel(
           stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
           stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
           stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
-          seq_len, free_bars)  # fmt: skip
+          seq_len)  # fmt: skip
     # fmt: off
-    if GATHER:  # two copy warpgroups, one a tile half, refill the buffers
-        gl.warp_specialize(
-            [
-                (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
-                (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
-                (_copier, (rt, False, PAGE_INDICES)),
-                (_copier, (rt, True, PAGE_INDICES)),
-            ],
-            [4, COPY_WARPS, COPY_WARPS],
-            [GATHER_WG_REGS, COPY_REGS, COPY_REGS],
-        )
-    else:
-        gl.warp_specialize(
-            [
-                (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
-                (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
-                              STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
-            ],
-            [4],
-            [WG_REGS],
-        )
+    gl.warp_specialize(
+        [
+            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, STORE_SMEM,
+                          OUT_VEC, TRACE, (trace_ptr, pid))),
+            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, STORE_SMEM,
+                          OUT_VEC, TRACE, (trace_ptr, pid))),
+        ],
+        [4],
+        [WG_REGS],
+    )
     # fmt: on
 
 
@@ -926,9 +854,6 @@ def sm90_launch(
         Q_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, half], dtype),
         P_LAYOUT=gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype),
         WG_REGS=WG_REGS,
-        GATHER_WG_REGS=GATHER_WG_REGS,
-        COPY_WARPS=COPY_WARPS,
-        COPY_REGS=COPY_REGS,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=config.store_smem,
         # a placeholder pointer without a trace (never read)
