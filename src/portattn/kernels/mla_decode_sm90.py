@@ -198,34 +198,28 @@ def _prefetch_tile_l2(kv_ptr, stride_kv_row, row, on, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bars, base, lat_buf, pe_buf,
+def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf,
                RIGHT: gl.constexpr, gather, GATHER: gl.constexpr):  # fmt: skip
     """Tile t's left latent half, or (RIGHT) its right latent half, and its rope part (TMA: with
     the right half; gather: with the left) into its buffer, from the rows `_tile_cache_rows`
     read; a phantom tile (``num_tiles <= t < steps``) only completes the barrier. Without GATHER
     by TMA boxes (64 consecutive rows of one page), else by `_gather_half` (``gather``: its
     runtime values, the cache pointer, its row stride and the split's end)."""
-    BLOCK_N: gl.constexpr = lat_buf.shape[0]
-    HALF: gl.constexpr = lat_buf.shape[1]
-    NHB: gl.constexpr = HALF // 64
     if not GATHER:
+        BLOCK_N: gl.constexpr = lat_buf.shape[0]
+        HALF: gl.constexpr = lat_buf.shape[1]
         ROPE_DIM: gl.constexpr = pe_buf.shape[1]
         real = t < num_tiles
-        phantom = (t >= num_tiles) & (t < steps)
-        for c in gl.static_range(NHB):  # one box and one barrier a 64-column block
-            bar = bars.index(base + NHB * RIGHT + c)
-            mbarrier.expect(bar, BLOCK_N * 64 * 2, pred=real)
-            tma.async_copy_global_to_shared(lat_desc, [rows, HALF * RIGHT + 64 * c], bar,
-                                            lat_buf.slice(64 * c, 64, dim=1), pred=real)  # fmt: skip
-            mbarrier.arrive(bar, count=1, pred=phantom)
         if RIGHT:
-            bar = bars.index(base + 2 * NHB)
-            mbarrier.expect(bar, BLOCK_N * ROPE_DIM * 2, pred=real)
+            mbarrier.expect(bar, BLOCK_N * (HALF + ROPE_DIM) * 2, pred=real)
+            tma.async_copy_global_to_shared(lat_desc, [rows, HALF], bar, lat_buf, pred=real)
             tma.async_copy_global_to_shared(pe_desc, [rows, 2 * HALF], bar, pe_buf, pred=real)
-            mbarrier.arrive(bar, count=1, pred=phantom)
+        else:
+            mbarrier.expect(bar, BLOCK_N * HALF * 2, pred=real)
+            tma.async_copy_global_to_shared(lat_desc, [rows, 0], bar, lat_buf, pred=real)
+        mbarrier.arrive(bar, count=1, pred=(t >= num_tiles) & (t < steps))
     else:
-        _gather_half(rows, t, start, num_tiles, steps, bars.index(base + NHB * RIGHT), lat_buf,
-                     pe_buf, RIGHT, gather)  # fmt: skip
+        _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT, gather)
 
 
 @gluon.jit
@@ -312,8 +306,6 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     HALF: gl.constexpr = ql_smem.shape[2]
     BLOCK_N: gl.constexpr = latl_smem.shape[1]
     ROPE_DIM: gl.constexpr = pe_smem.shape[2]
-    NHB: gl.constexpr = HALF // 64  # 64-column blocks a latent half
-    NB: gl.constexpr = 2 * NHB + 1  # tile barriers a buffer (module doc)
     QK: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -383,35 +375,19 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         rows_b = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
                                   end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
         # scores of this warpgroup's tile: latent halves as they land, then rope (registers)
+        mbarrier.wait(tma_bars.index(2 * own), ph)
+        _trace_stamp(tr, jt, 1, TRACE)
+        if GATHER:  # cp.async wrote through the generic proxy; the MMAs read through the async
+            fence_async_shared()
         qk = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=QK)
+        qk = warpgroup_mma(ql_smem.index(b0), latl_smem.index(own).permute((1, 0)), qk,
+                           use_acc=False, is_async=True)  # fmt: skip
+        mbarrier.wait(tma_bars.index(2 * own + 1), ph)
+        _trace_stamp(tr, jt, 2, TRACE)
         if GATHER:
-            mbarrier.wait(tma_bars.index(own * NB), ph)
-            _trace_stamp(tr, jt, 1, TRACE)
-            # cp.async wrote through the generic proxy; the MMAs read through the async one
             fence_async_shared()
-            qk = warpgroup_mma(ql_smem.index(b0), latl_smem.index(own).permute((1, 0)), qk,
-                               use_acc=False, is_async=True)  # fmt: skip
-            mbarrier.wait(tma_bars.index(own * NB + NHB), ph)
-            _trace_stamp(tr, jt, 2, TRACE)
-            fence_async_shared()
-            qk = warpgroup_mma(qr_smem.index(b0), latr_smem.index(own).permute((1, 0)), qk,
-                               is_async=True)  # fmt: skip
-        else:  # each 64-column block's MMA as soon as its box lands
-            for c in gl.static_range(NHB):
-                mbarrier.wait(tma_bars.index(own * NB + c), ph)
-                if c == 0:
-                    _trace_stamp(tr, jt, 1, TRACE)
-                qk = warpgroup_mma(ql_smem.index(b0).slice(64 * c, 64, dim=1),
-                                   latl_smem.index(own).slice(64 * c, 64, dim=1).permute((1, 0)),
-                                   qk, use_acc=c > 0, is_async=True)  # fmt: skip
-            for c in gl.static_range(NHB):
-                mbarrier.wait(tma_bars.index(own * NB + NHB + c), ph)
-                if c == 0:
-                    _trace_stamp(tr, jt, 2, TRACE)
-                qk = warpgroup_mma(qr_smem.index(b0).slice(64 * c, 64, dim=1),
-                                   latr_smem.index(own).slice(64 * c, 64, dim=1).permute((1, 0)),
-                                   qk, is_async=True)  # fmt: skip
-            mbarrier.wait(tma_bars.index(own * NB + 2 * NHB), ph)
+        qk = warpgroup_mma(qr_smem.index(b0), latr_smem.index(own).permute((1, 0)), qk,
+                           is_async=True)  # fmt: skip
         qk = warpgroup_mma(q_pe, pe_smem.index(own).permute((1, 0)), qk, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
         _trace_stamp(tr, jt, 3, TRACE)
@@ -483,9 +459,9 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _trace_stamp(tr, jt, 9, TRACE)
-        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps, tma_bars,
-                   b0 * NB, lat_half.index(b0), pe_smem.index(b0), WG == 1, gather,
-                   GATHER)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
+                   gather, GATHER)  # fmt: skip
         _trace_stamp(tr, jt, 10, TRACE)
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
@@ -498,9 +474,9 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         gl.thread_barrier()
         _trace_stamp(tr, jt, 12, TRACE)
-        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps, tma_bars,
-                   b1 * NB, lat_half.index(b1), pe_smem.index(b1), WG == 1, gather,
-                   GATHER)  # fmt: skip
+        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
+                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
+                   gather, GATHER)  # fmt: skip
         _trace_stamp(tr, jt, 13, TRACE)
         m_i = m_b
 
@@ -586,7 +562,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
 @gluon.jit
 def _mla_decode_sm90_kernel(
     q_ptr,
-    lat_desc,  # [num_blocks * block_size, head_dim_k], box [BLOCK_N, 64]
+    lat_desc,  # [num_blocks * block_size, head_dim_k], box [BLOCK_N, KV_LORA_RANK // 2]
     pe_desc,  # the same rows, box [BLOCK_N, ROPE_DIM]
     block_table_ptr,
     seq_lens_ptr,
@@ -729,13 +705,12 @@ def _mla_decode_sm90_kernel(
     l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
     # tile barriers: buffer b's left half (2b), its right half (2b + 1); the rope part with the
     # right half (TMA) or the left (gather)
-    NB: gl.constexpr = 2 * (HALF // 64) + 1
-    tma_bars = gl.allocate_shared_memory(gl.int64, [2 * NB, 1], mbarrier.MBarrierLayout())
+    tma_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     # hand-offs (see _warpgroup), then 3 / 4: warpgroup 0 / 1's row sums written
     sync_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
     # TMA: one arrival (the expect) plus the bytes; gather: each of the issuing warpgroup's
     # 128 threads once its cp.async copies land
-    for k in gl.static_range(2 * NB):
+    for k in gl.static_range(4):
         mbarrier.init(tma_bars.index(k), count=128 if GATHER else 1)
     for k in gl.static_range(5):
         mbarrier.init(sync_bars.index(k), count=1)
@@ -749,10 +724,10 @@ def _mla_decode_sm90_kernel(
     )  # fmt: skip
     for t in gl.static_range(2):
         rows = rows_01[t]
-        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars, t * NB,
+        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t),
                    latl_smem.index(t), pe_smem.index(t), False, (kv_ptr, stride_kv_row, end),
                    GATHER)  # fmt: skip
-        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars, t * NB,
+        _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * t + 1),
                    latr_smem.index(t), pe_smem.index(t), True, (kv_ptr, stride_kv_row, end),
                    GATHER)  # fmt: skip
     ql_smem.index(0).store(ql)
@@ -791,8 +766,7 @@ def sm90_smem_bytes(kv_lora_rank: int, rope: int, elem: int = 2) -> int:
     query = BLOCK_H * kv_lora_rank * elem
     tiles = 2 * BLOCK_N * (kv_lora_rank + rope) * elem
     p = 2 * BLOCK_H * BLOCK_N * elem
-    barriers = 2 * (2 * (kv_lora_rank // 128) + 1) + 5
-    return query + tiles + p + 2 * 2 * BLOCK_H * 4 + barriers * 8 + 1024
+    return query + tiles + p + 2 * 2 * BLOCK_H * 4 + 9 * 8 + 1024
 
 
 def sm90_errors(
@@ -862,7 +836,7 @@ def sm90_launch(
     half = kv_lora_rank // 2
     rows = kv_cache.shape[0] * kv_cache.shape[1]
     shape, strides = [rows, kv_cache.shape[2]], [kv_cache.stride(1), 1]
-    lat_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dtype)
+    lat_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, half], dtype)
     pe_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, rope], dtype)
     args = {
         name: a[name]
@@ -873,7 +847,7 @@ def sm90_launch(
         kv_ptr=kv_cache,
         stride_kv_row=kv_cache.stride(1),
         GATHER=sm90_gathers(kv_cache, bool(a["PAGE_INDICES"])),
-        lat_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, 64], lat_layout),
+        lat_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, half], lat_layout),
         pe_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, rope], pe_layout),
         BLOCK_H=BLOCK_H,
         BLOCK_N=BLOCK_N,
