@@ -33,10 +33,10 @@ chains otherwise pay twice a pair.
 Only a tile that reaches past its split's end has its scores masked (one scalar test a tile: a full
 tile skips 64 instructions in each warpgroup's chain). In a split's partial last tile the latent
 rows past the context are zeroed in shared memory before PV (each warpgroup its own half; their
-scores are masked to -inf); an odd tile count ends with a phantom tile (no copy, every score masked,
-buffer zeroed). ptxas hoists every loop-invariant MMA descriptor out of the loop and spills them
-(260 B); the buffer indices are therefore computed from an opaque 0 (``block_size < 0``), which
-keeps them in the loop (0 spills).
+scores are masked to -inf); an odd tile count ends with a phantom tile (every score masked, buffer
+zeroed; TMA boxes copy block 0's rows into it, the gather copies nothing). ptxas hoists every
+loop-invariant MMA descriptor out of the loop and spills them (260 B); the buffer indices are
+therefore computed from an opaque 0 (``block_size < 0``), which keeps them in the loop (0 spills).
 
 Loads (``GATHER``, `portattn.policy.mla.sm90_gathers`): with a block table of pages of a multiple of
 64 tokens each tile half is one or two TMA boxes (an expect-tx barrier, count 1). Otherwise
@@ -154,7 +154,8 @@ def _tile_cache_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end
                      PAGE_INDICES: gl.constexpr):  # fmt: skip
     """Where tile t's rows lie in the cache, read ahead of `_load_half` (the warpgroups call it
     at the top of a pair, so that the read's latency runs under the pair's MMAs, not between
-    them). Without GATHER: the first row of the tile's TMA box (one block-table entry). With it:
+    them). Without GATHER: the first row of the tile's TMA box (one block-table entry; block 0's
+    for a phantom tile). With it:
     the tile's 64 rows (flat slots from ``page_indices``, or ``block_table[pos // bs] * bs + pos
     % bs``; int32, a cache holds < 2^31 rows) in the gather's row layout, 0 past ``end`` and for
     a phantom tile (``t >= num_tiles``), which read nothing."""
@@ -202,22 +203,24 @@ def _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, bar, lat_buf
                RIGHT: gl.constexpr, gather, GATHER: gl.constexpr):  # fmt: skip
     """Tile t's left latent half, or (RIGHT) its right latent half, and its rope part (TMA: with
     the right half; gather: with the left) into its buffer, from the rows `_tile_cache_rows`
-    read; a phantom tile (``num_tiles <= t < steps``) only completes the barrier. Without GATHER
-    by TMA boxes (64 consecutive rows of one page), else by `_gather_half` (``gather``: its
-    runtime values, the cache pointer, its row stride and the split's end)."""
+    read; past ``steps`` nothing. Without GATHER by TMA boxes (64 consecutive rows of one page;
+    a phantom tile, ``num_tiles <= t < steps``, copies the rows of block 0 that
+    `_tile_cache_rows` gives it, which its masked scores and `_zero_tail` ignore: one expect and
+    its boxes, no separate arrival, each op of which costs the warpgroup a ``bar.sync``), else
+    by `_gather_half` (``gather``: its runtime values, the cache pointer, its row stride and the
+    split's end)."""
     if not GATHER:
         BLOCK_N: gl.constexpr = lat_buf.shape[0]
         HALF: gl.constexpr = lat_buf.shape[1]
         ROPE_DIM: gl.constexpr = pe_buf.shape[1]
-        real = t < num_tiles
+        on = t < steps
         if RIGHT:
-            mbarrier.expect(bar, BLOCK_N * (HALF + ROPE_DIM) * 2, pred=real)
-            tma.async_copy_global_to_shared(lat_desc, [rows, HALF], bar, lat_buf, pred=real)
-            tma.async_copy_global_to_shared(pe_desc, [rows, 2 * HALF], bar, pe_buf, pred=real)
+            mbarrier.expect(bar, BLOCK_N * (HALF + ROPE_DIM) * 2, pred=on)
+            tma.async_copy_global_to_shared(lat_desc, [rows, HALF], bar, lat_buf, pred=on)
+            tma.async_copy_global_to_shared(pe_desc, [rows, 2 * HALF], bar, pe_buf, pred=on)
         else:
-            mbarrier.expect(bar, BLOCK_N * HALF * 2, pred=real)
-            tma.async_copy_global_to_shared(lat_desc, [rows, 0], bar, lat_buf, pred=real)
-        mbarrier.arrive(bar, count=1, pred=(t >= num_tiles) & (t < steps))
+            mbarrier.expect(bar, BLOCK_N * HALF * 2, pred=on)
+            tma.async_copy_global_to_shared(lat_desc, [rows, 0], bar, lat_buf, pred=on)
     else:
         _gather_half(rows, t, start, num_tiles, steps, bar, lat_buf, pe_buf, RIGHT, gather)
 
