@@ -712,6 +712,44 @@ def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None, out=None, 
     return launches[0]
 
 
+def _spare_block_zero(cache, bt):
+    """The same blocks one id up, behind a new block 0 of NaN that no sequence owns."""
+    nan = torch.full_like(cache[:1], float("nan"))
+    return torch.cat([nan, cache]), torch.where(bt >= 0, bt + 1, bt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("bs", "seq_lens", "splits"),
+    [
+        (64, (4100, 1000, 6), 1),  # 65, 16 and 1 tiles: rows 0-63 of block 0
+        (128, (4100, 8256), 3),  # 22, 22, 21 and 43 x 3 tiles: rows 64-127 of block 0
+    ],
+)
+def test_gpu_sm90_phantom_tile_reads_a_spare_block(bs, seq_lens, splits):
+    """An odd tile count ends with a phantom tile, whose TMA boxes copy block 0's rows at the
+    tile's offset in its page: here block 0 is a spare block of NaN, so a phantom whose scores
+    were not masked or whose latent rows were not zeroed shows."""
+    target = _sm90_target()
+    q, cache, bt, sl, qsl = make_inputs(576, 512, 128, bs, None, seq_lens, torch.bfloat16, "cuda")
+    cache, bt = _spare_block_zero(cache, bt)
+    _poison_unowned_rows(cache, bt, sl)
+    _check_sm90(target, q, cache, bt, sl, qsl, 512, splits)
+
+
+def test_spare_block_zero_keeps_every_row():
+    """The helper above: block 0 is NaN and owned by no sequence; every sequence reads the rows
+    it read before."""
+    q, cache, bt, sl, qsl = make_inputs(16, 8, 1, 4, None, (9, 3), torch.float32, "cpu")
+    cache2, bt2 = _spare_block_zero(cache, bt)
+    assert torch.isnan(cache2[0]).all() and 0 not in bt2.tolist()
+    for i, n in enumerate(sl.tolist()):
+        pos = torch.arange(n)
+        assert torch.equal(
+            cache2[bt2[i, pos // 4].long(), pos % 4], cache[bt[i, pos // 4].long(), pos % 4]
+        )
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ramp", ["climb", "fall", "jumps"])
 @pytest.mark.parametrize("splits", [None, 2])

@@ -155,10 +155,9 @@ def _tile_cache_rows(bt_row, stride_bt_blk, t, start, num_tiles, block_size, end
     """Where tile t's rows lie in the cache, read ahead of `_load_half` (the warpgroups call it
     at the top of a pair, so that the read's latency runs under the pair's MMAs, not between
     them). Without GATHER: the first row of the tile's TMA box (one block-table entry; block 0's
-    for a phantom tile). With it:
-    the tile's 64 rows (flat slots from ``page_indices``, or ``block_table[pos // bs] * bs + pos
-    % bs``; int32, a cache holds < 2^31 rows) in the gather's row layout, 0 past ``end`` and for
-    a phantom tile (``t >= num_tiles``), which read nothing."""
+    for a phantom tile). With it: the tile's 64 rows (flat slots from ``page_indices``, or
+    ``block_table[pos // bs] * bs + pos % bs``; int32, a cache holds < 2^31 rows) in the gather's
+    row layout, 0 past ``end`` and for a phantom tile (``t >= num_tiles``), which read nothing."""
     n = start + t * BLOCK_N
     if GATHER:
         CH: gl.constexpr = 64
