@@ -48,6 +48,9 @@ from portattn.policy.mla import (
 
 #: A narrow tile's ``(block_n, stages, warps)`` (`parse_tiles`).
 Shape = tuple[int, int, int]
+#: Deepest pipeline a ``--tiles`` shape may ask for: past the target's `max_num_stages` (the
+#: policy's cap), so deeper prefetched-row pipelines can be timed before any policy takes them.
+MAX_DIAG_STAGES = 8
 
 
 def parse_splits(text: str) -> list[int | None]:
@@ -74,7 +77,7 @@ def parse_tiles(text: str) -> list[Shape | None]:
 
     Raises:
         ValueError: a tile that is not ``policy`` or ``BLOCK_N:STAGES:WARPS`` with BLOCK_N one of
-            `BLOCK_N_CANDIDATES`, STAGES in [1, 4] and WARPS 4 or 8.
+            `BLOCK_N_CANDIDATES`, STAGES in [1, `MAX_DIAG_STAGES`] and WARPS 4 or 8.
     """
     out: list[Shape | None] = []
     for part in text.split(","):
@@ -84,12 +87,12 @@ def parse_tiles(text: str) -> list[Shape | None]:
             continue
         if len(fields) == 3 and all(f.isascii() and f.isdigit() for f in fields):
             n, stages, warps = (int(f) for f in fields)
-            if n in BLOCK_N_CANDIDATES and 1 <= stages <= 4 and warps in (4, 8):
+            if n in BLOCK_N_CANDIDATES and 1 <= stages <= MAX_DIAG_STAGES and warps in (4, 8):
                 out.append((n, stages, warps))
                 continue
         raise ValueError(
             f"--tiles: {part!r} is neither 'policy' nor BLOCK_N:STAGES:WARPS with BLOCK_N in "
-            f"{BLOCK_N_CANDIDATES}, STAGES in [1, 4] and WARPS 4 or 8"
+            f"{BLOCK_N_CANDIDATES}, STAGES in [1, {MAX_DIAG_STAGES}] and WARPS 4 or 8"
         )
     return out
 
@@ -128,8 +131,8 @@ def tiles_for(
                 f"{target.arch}'s {target.max_shared_mem} B"
             )
         base = dataclasses.replace(
-            base, block_n=n, options=launch_options(target, warps, stages), smem_bytes=smem,
-            prefetch_rows=prefetch,
+            base, block_n=n, smem_bytes=smem, prefetch_rows=prefetch,
+            options=dataclasses.replace(launch_options(target, warps, stages), num_stages=stages),
         )  # fmt: skip
     return base if splits is None else dataclasses.replace(base, num_kv_splits=splits)
 

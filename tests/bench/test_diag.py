@@ -440,6 +440,10 @@ def test_mla_splits_counts_and_tiles(capsys):
     t32 = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, 4, shape=(32, 3, 4))
     assert (t32.block_n, t32.options.num_stages, t32.options.num_warps) == (32, 3, 4)
     assert (t32.prefetch_rows, t32.num_kv_splits, t32.block_h) == (True, 4, 16)
+    # past the target's 4-stage cap: the shape's own depth reaches the launch
+    deep = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, None, shape=(32, 6, 4))
+    assert (deep.options.num_stages, deep.prefetch_rows) == (6, True)
+    assert deep.smem_bytes == 5 * 32 * 576 * 2 + 16 * 576 * 2 + 16 * 32 * 2
     two = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, None, shape=(64, 2, 8))
     assert not two.prefetch_rows and two.smem_bytes < policy.smem_bytes + 64 * 576 * 2
     with pytest.raises(ValueError, match="past sm_90's"):
