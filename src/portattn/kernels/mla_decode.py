@@ -653,24 +653,21 @@ def _mla_reduce_kernel(
         valid = tok < tl.load(qsl_ptr + num_seqs * stride_qsl)
     else:
         valid = tok >= 0
-    # -- weights exp(lse_s - max): empty splits (-inf) weigh 0. Every split's lse and partial
-    # row are loaded at once (one 2-D load, no loop-carried wait between splits) --
+    # -- weights exp(lse_s - max): empty splits (-inf) weigh 0 --
     offs_s = tl.arange(0, BLOCK_S)
-    mask_s = (offs_s < NUM_SPLITS) & valid
     pl = part_lse_ptr + tok * stride_pl_tok + h * stride_pl_head
-    lses = tl.load(pl + offs_s * stride_pl_split, mask=mask_s, other=float("-inf"))
-    offs_d = tl.arange(0, BLOCK_DV)
-    po = part_out_ptr + tok * stride_po_tok + h * stride_po_head
-    parts = tl.load(
-        po + offs_s[:, None] * stride_po_split + offs_d[None, :] * stride_po_dim,
-        mask=mask_s[:, None],
-        other=0.0,
-    )  # [BLOCK_S, BLOCK_DV]
+    lses = tl.load(
+        pl + offs_s * stride_pl_split, mask=(offs_s < NUM_SPLITS) & valid, other=float("-inf")
+    )
     m = tl.max(lses, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lses - m)
-    denom = tl.sum(w, 0)
-    acc = tl.sum(parts * w[:, None], 0)
+    denom = tl.sum(tl.exp(lses - m), 0)
+    offs_d = tl.arange(0, BLOCK_DV)
+    po = part_out_ptr + tok * stride_po_tok + h * stride_po_head + offs_d * stride_po_dim
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp(tl.load(pl + s * stride_pl_split, mask=valid, other=float("-inf")) - m)
+        acc += w * tl.load(po + s * stride_po_split, mask=valid, other=0.0)
     # -- epilogue --
     has = denom > 0
     o = acc / tl.where(has, denom, 1.0)
