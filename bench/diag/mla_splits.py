@@ -10,7 +10,8 @@ oracle, then times every checked call together (`report`), beside the read ceili
 With ``--wide`` the tiles are the wide 64-row tile's (on sm_90 the Hopper kernel), which the
 policy takes below 64 heads only for gathered or packed rows, with the same split counts. With
 ``--tiles`` each narrow tile ``BLOCK_N:STAGES:WARPS`` (``policy``: the policy's own) runs each
-split count: rows prefetched where the stages reach `PREFETCH_STAGES`, as the policy's do.
+split count: rows prefetched where the stages reach `PREFETCH_STAGES`, as the policy's do, at
+any depth up to `MAX_DIAG_STAGES` (past the target's own cap, which the policy keeps).
 
 Usage (GPU machine, repository root)::
 
