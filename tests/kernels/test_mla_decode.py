@@ -160,6 +160,19 @@ def _run_checked(q, cache, bt, sl, qsl, r, tiles, *, page_indices=None, oracle_c
     return launches
 
 
+def run_with_poisoned_workspace(launches, heads: int) -> None:
+    """Run a split-KV plan whose partial workspaces start as NaN, then assert that the attention
+    launch wrote every real head's rows of every token and no padded head's row (the reduce reads
+    only real heads: a padded row written is memory traffic for nothing)."""
+    part_out, part_lse = launches[0].args["part_out_ptr"], launches[0].args["part_lse_ptr"]
+    assert part_out.shape[2] > heads, "the tiles pad no head: nothing to check"
+    part_out.fill_(float("nan"))
+    part_lse.fill_(float("nan"))
+    run_all(launches)
+    assert not part_out[:, :, :heads].isnan().any() and not part_lse[:, :, :heads].isnan().any()
+    assert part_out[:, :, heads:].isnan().all() and part_lse[:, :, heads:].isnan().all()
+
+
 @pytest.mark.parametrize(
     ("dk", "r", "heads", "splits", "q_lens", "seq_lens"),
     [
@@ -183,6 +196,20 @@ def test_prefetched_rows(device):
                                 prefetch_rows=True)  # fmt: skip
     launches = _run_checked(q, cache, bt, sl, qsl, r, tiles)
     assert launches[0].args["PREFETCH_ROWS"] is True
+
+
+def test_split_partials_skip_padded_heads(device):
+    """3 heads padded to the 16-row tile, 3 splits (one empty for the short sequence): the
+    partials of the real heads only, and the reduced output against the oracle."""
+    dk, r, heads = 320, 256, 3
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, 16, (2, 1), (40, 9), torch.float32, device)
+    tiles = _split_tiles(get_target("sm_90"), dk, r, heads, 3)
+    assert tiles.padded_heads == 16
+    launches = plan_mla_decode(q, cache, bt, sl, kv_lora_rank=r, scale=0.05,
+                               query_start_loc=qsl, return_lse=True, tiles=tiles)  # fmt: skip
+    run_with_poisoned_workspace(launches, heads)
+    out, lse = launches[0].outputs
+    check(out, lse, q, cache, bt, sl, qsl, r, 0.05, torch.float32)
 
 
 def _poison_unowned_rows(cache, bt, sl):
@@ -690,7 +717,8 @@ def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None, out=None, 
                 max_query_len=1):  # fmt: skip
     """Run the sm_90 kernel (the policy's tiles for ``max_query_len``, ``splits`` when given;
     ``pages``: page_indices instead of ``bt``; ``out``: the output tensor to write; ``config``:
-    its schedule) and check it against the fp64 oracle, output and lse. The main launch."""
+    its schedule) and check it against the fp64 oracle, output and lse, and where its tiles pad
+    heads of a split launch, that it wrote no padded head's partials. The main launch."""
     heads, dk = q.shape[1:]
     scale = 1 / math.sqrt(dk)
     max_len = int(sl.max())
@@ -706,7 +734,10 @@ def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None, out=None, 
         config=config,
     )  # fmt: skip
     assert launches[0].name == "mla_decode_sm90"
-    run_all(launches)
+    if launches[0].args["NUM_SPLITS"] > 1 and tiles.padded_heads > heads:
+        run_with_poisoned_workspace(launches, heads)
+    else:
+        run_all(launches)
     out, lse = launches[0].outputs
     check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale)
     return launches[0]

@@ -27,7 +27,7 @@ slot is ``block * block_size + offset``, read at ``slot`` rows where the pages l
 (``FLAT_SLOTS``; split into block and offset otherwise). Tiles (lesson 1): one latent tile
 ``[BLOCK_N, BLOCK_DV]`` per step feeds both QK (with the rope tile ``[BLOCK_N, BLOCK_DPE]``) and PV;
 no tile is sized from ``head_dim_k``. Heads (lesson 2): a program owns ``BLOCK_H`` (>= 16) heads of
-one token; padded rows compute on zero queries and are written only to the workspaces. Split-KV:
+one token; padded rows compute on zero queries and are written nowhere. Split-KV:
 ``NUM_SPLITS > 1`` programs per (token, head group) write normalised partial outputs and their lse;
 `_mla_reduce_kernel` merges them.
 
@@ -596,8 +596,8 @@ def _mla_decode_kernel(
                     lse_ptr + tok64 * stride_lse_tok + offs_h * stride_lse_head, lse, mask=mask_o
                 )
         else:
-            # every padded head row and every padded column: the workspace has padded_heads rows
-            all_h = (offs_h >= 0) & valid
+            # the real heads' rows, every padded column (the reduce reads BLOCK_DV of them)
+            real_h = mask_h & valid
             tl.store(
                 part_out_ptr
                 + tok64 * stride_po_tok
@@ -605,7 +605,7 @@ def _mla_decode_kernel(
                 + offs_h[:, None] * stride_po_head
                 + offs_dv[None, :] * stride_po_dim,
                 o,
-                mask=all_h[:, None] & (offs_dv >= 0)[None, :],
+                mask=real_h[:, None] & (offs_dv >= 0)[None, :],
             )
             tl.store(
                 part_lse_ptr
@@ -613,7 +613,7 @@ def _mla_decode_kernel(
                 + split * stride_pl_split
                 + offs_h * stride_pl_head,
                 lse,
-                mask=all_h,
+                mask=real_h,
             )
 
 

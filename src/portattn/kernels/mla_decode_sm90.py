@@ -549,14 +549,14 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
                 mask=(lh < num_heads) & valid,
             )
     else:
-        # every padded head row: the workspace has padded_heads rows
+        # the real heads' rows only: the reduce reads no padded row
         po = part_out_ptr + tok64 * stride_po_tok + split * stride_po_split
-        mask_o = ((oh >= 0) & valid)[:, None]
+        mask_o = ((oh < num_heads) & valid)[:, None]
         ptrs = row_ptrs(po, oh * stride_po_head, od, stride_po_dim, OUT_VEC, 4)
         gl.store(ptrs, o, mask=mask_o)
         if WG == 0:
             pl = part_lse_ptr + tok64 * stride_pl_tok + split * stride_pl_split
-            gl.store(pl + lh * stride_pl_head, lse, mask=(lh >= 0) & valid)
+            gl.store(pl + lh * stride_pl_head, lse, mask=(lh < num_heads) & valid)
     _trace_stamp(tr, last, 2, TRACE)
     _trace_stamp(tr, last, 3, TRACE, True)
 
