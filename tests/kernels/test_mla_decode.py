@@ -160,7 +160,7 @@ def _run_checked(q, cache, bt, sl, qsl, r, tiles, *, page_indices=None, oracle_c
     return launches
 
 
-def run_with_poisoned_workspace(launches, heads: int) -> None:
+def _run_with_poisoned_workspace(launches, heads: int) -> None:
     """Run a split-KV plan whose partial workspaces start as NaN, then assert that the attention
     launch wrote every real head's rows of every token and no padded head's row (the reduce reads
     only real heads: a padded row written is memory traffic for nothing)."""
@@ -207,7 +207,7 @@ def test_split_partials_skip_padded_heads(device):
     assert tiles.padded_heads == 16
     launches = plan_mla_decode(q, cache, bt, sl, kv_lora_rank=r, scale=0.05,
                                query_start_loc=qsl, return_lse=True, tiles=tiles)  # fmt: skip
-    run_with_poisoned_workspace(launches, heads)
+    _run_with_poisoned_workspace(launches, heads)
     out, lse = launches[0].outputs
     check(out, lse, q, cache, bt, sl, qsl, r, 0.05, torch.float32)
 
@@ -735,7 +735,7 @@ def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None, out=None, 
     )  # fmt: skip
     assert launches[0].name == "mla_decode_sm90"
     if launches[0].args["NUM_SPLITS"] > 1 and tiles.padded_heads > heads:
-        run_with_poisoned_workspace(launches, heads)
+        _run_with_poisoned_workspace(launches, heads)
     else:
         run_all(launches)
     out, lse = launches[0].outputs
