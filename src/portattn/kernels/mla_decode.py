@@ -569,7 +569,7 @@ def _mla_decode_kernel(
                 + offs_h[:, None] * stride_po_head
                 + offs_dv[None, :] * stride_po_dim,
                 o,
-                mask=mask_h[:, None] & (offs_dv >= 0)[None, :],
+                mask=mask_h[:, None],
             )
             tl.store(
                 part_lse_ptr
@@ -605,7 +605,7 @@ def _mla_decode_kernel(
                 + offs_h[:, None] * stride_po_head
                 + offs_dv[None, :] * stride_po_dim,
                 o,
-                mask=real_h[:, None] & (offs_dv >= 0)[None, :],
+                mask=real_h[:, None],
             )
             tl.store(
                 part_lse_ptr
