@@ -1502,7 +1502,8 @@ def mla_decode(
         kv_lora_rank: latent width (= output width), ``<= head_dim_k``.
         scale: softmax scale (> 0).
         query_start_loc: ``[num_seqs + 1]`` offsets of each sequence's query tokens (any
-            ``q_len >= 1``, causal rule of docs/design.md §2); None: one token per sequence.
+            ``q_len >= 0``, causal rule of docs/design.md §2; query rows from its last entry
+            on belong to no sequence and are not written); None: one token per sequence.
         out: optional ``[num_tokens, num_q_heads, kv_lora_rank]`` output, written in place.
         return_lse: also return the natural-log lse, fp32 ``[num_tokens, num_q_heads]``.
         page_indices: ``(indptr, indices)`` from ``expand_page_indices`` instead of
