@@ -273,12 +273,21 @@ def test_strided_inputs_and_out_in_place(device):
     check(out, None, q0, cache0, bt, sl, qsl, r, 0.06, torch.float32)
 
 
-def test_graph_padding_rows_untouched(device):
-    """Rows past query_start_loc[-1] (a CUDA graph's padded batch) are not written."""
-    q, cache, bt, sl, qsl = make_inputs(192, 128, 3, 16, (2, 1), (5, 9), torch.float32, device)
+@pytest.mark.parametrize("splits", [None, 3])
+def test_graph_padding_rows_untouched(splits, device):
+    """Rows past query_start_loc[-1] (a CUDA graph's padded batch) are not written, by the
+    attention launch nor (split KV, some splits empty) by the reduce."""
+    q, cache, bt, sl, qsl = make_inputs(192, 128, 3, 16, (2, 1), (40, 9), torch.float32, device)
     qpad = torch.cat([q, torch.randn(3, 3, 192, device=device)])
     out = torch.full((6, 3, 128), -7.0, device=device)
-    mla_decode(qpad, cache, bt, sl, kv_lora_rank=128, scale=0.07, query_start_loc=qsl, out=out)
+    kw = dict(kv_lora_rank=128, scale=0.07, query_start_loc=qsl, out=out)
+    if splits is None:
+        mla_decode(qpad, cache, bt, sl, **kw)
+    else:
+        tiles = _split_tiles(get_target("sm_90"), 192, 128, 3, splits)
+        launches = plan_mla_decode(qpad, cache, bt, sl, tiles=tiles, **kw)
+        assert [x.name for x in launches] == ["mla_decode", "mla_decode_reduce"]
+        run_all(launches)
     assert (out[3:] == -7.0).all()
     check(out[:3], None, q, cache, bt, sl, qsl, 128, 0.07, torch.float32)
 
