@@ -72,6 +72,7 @@ rows.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from triton.experimental import gluon
@@ -781,30 +782,39 @@ def sm90_errors(
     rope = kv_cache.shape[2] - kv_lora_rank
     elem = kv_cache.element_size()
     smem = sm90_smem_bytes(kv_lora_rank, rope, elem)
-    rules = [
-        (target.arch == "sm_90", f"target {target.arch} is not sm_90"),
-        (kv_cache.dtype in _GL_DTYPES, f"dtype {kv_cache.dtype} is not fp16/bf16"),
-        ((block_h, block_n) == (BLOCK_H, BLOCK_N), f"tile H{block_h} N{block_n} is not H64 N64"),
-        (kv_lora_rank in (128, 256, 512), f"kv_lora_rank {kv_lora_rank} not in 128/256/512"),
-        (rope in (16, 32, 64, 128), f"rope width {rope} not in 16..128 pow2"),
+    # messages are formatted only for the rules that fail (the planner asks on every call)
+    rules: list[tuple[bool, Callable[[], str]]] = [
+        (target.arch == "sm_90", lambda: f"target {target.arch} is not sm_90"),
+        (kv_cache.dtype in _GL_DTYPES, lambda: f"dtype {kv_cache.dtype} is not fp16/bf16"),
+        (
+            (block_h, block_n) == (BLOCK_H, BLOCK_N),
+            lambda: f"tile H{block_h} N{block_n} is not H64 N64",
+        ),
+        (
+            kv_lora_rank in (128, 256, 512),
+            lambda: f"kv_lora_rank {kv_lora_rank} not in 128/256/512",
+        ),
+        (rope in (16, 32, 64, 128), lambda: f"rope width {rope} not in 16..128 pow2"),
         (
             smem <= target.max_shared_mem,
-            f"shared memory {smem} B > the target's {target.max_shared_mem}",
+            lambda: f"shared memory {smem} B > the target's {target.max_shared_mem}",
         ),
         (
             kv_cache.stride(2) == 1
             and kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1),
-            f"cache strides {tuple(kv_cache.stride())} are not pages one after another",
+            lambda: f"cache strides {tuple(kv_cache.stride())} are not pages one after another",
         ),
         (
             kv_cache.shape[0] * kv_cache.shape[1] < 2**31,
-            f"{kv_cache.shape[0]} x {kv_cache.shape[1]} cache rows >= 2^31 (32-bit row indices)",
+            lambda: (
+                f"{kv_cache.shape[0]} x {kv_cache.shape[1]} cache rows >= 2^31 (32-bit row indices)"
+            ),
         ),
-        ((kv_cache.stride(1) * elem) % 16 == 0, "row stride not 16-byte aligned"),
-        (kv_cache.data_ptr() % 16 == 0, "cache base not 16-byte aligned"),
-        (kv_cache.device.type in ("cuda", "meta"), "not a CUDA (or meta) tensor"),
+        ((kv_cache.stride(1) * elem) % 16 == 0, lambda: "row stride not 16-byte aligned"),
+        (kv_cache.data_ptr() % 16 == 0, lambda: "cache base not 16-byte aligned"),
+        (kv_cache.device.type in ("cuda", "meta"), lambda: "not a CUDA (or meta) tensor"),
     ]
-    return [why for ok, why in rules if not ok]
+    return [why() for ok, why in rules if not ok]
 
 
 def sm90_gathers(kv_cache: torch.Tensor, paged_slots: bool) -> bool:
