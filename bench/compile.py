@@ -48,7 +48,7 @@ def _case(name: str, device: str):
         # call without it reads the metadata to the host, which a graph capture refuses)
         metadata = MlaMetadataBuilder(
             current_target(), max_batch=64, num_heads=16, kv_lora_rank=512, head_dim_k=576,
-            dtype=DTYPE, device=device, max_seq_len=4096, page_size=64,
+            dtype=DTYPE, device=device, max_seq_len=4096,
         ).build(m.seq_lens)  # fmt: skip
 
         def mla_call():

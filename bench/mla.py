@@ -16,6 +16,7 @@ token); the anchor is the read ceiling on the same bytes.
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 import torch
@@ -40,6 +41,13 @@ FULL += [(16, 4096, 64, q, None, False) for q in (2, 4, 8)] + [(128, 4096, 64, 4
 FULL += [(16, 4096, 64, q, arch, False) for arch in HIP_POLICIES for q in (1, 2, 4, 8)]
 QUICK = [(4, 40, 16, 1, None, False), (4, 40, 16, 1, None, True), (4, 40, 16, 2, None, False),
          (4, 40, 16, 4, "gfx942", False)]  # fmt: skip
+
+
+def _page_size(page: int) -> dict[str, int]:
+    """The builder's ``page_size`` argument where it takes one: a src before the sm_90 policy
+    stopped sizing tiles from the page size (the old side of ``bench.run --compare``)."""
+    params = inspect.signature(MlaMetadataBuilder).parameters
+    return {"page_size": page} if "page_size" in params else {}
 
 
 def _name(batch_n, heads, context, page, q_len, policy, slots) -> str:
@@ -79,7 +87,7 @@ def rows(ctx: core.Context):
             builder = MlaMetadataBuilder(
                 target or current_target(), max_batch=batch_n, num_heads=heads, kv_lora_rank=RANK,
                 head_dim_k=DK, dtype=DTYPE, device=ctx.device, max_query_len=q_len,
-                max_seq_len=context, page_size=1 if slots else page,
+                max_seq_len=context, **_page_size(1 if slots else page),
             )  # fmt: skip
             metadata = builder.build(b.seq_lens, b.query_start_loc, max_query_len=q_len)
 

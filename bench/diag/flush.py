@@ -36,7 +36,7 @@ from bench import core, inputs, mla
 from portattn.kernels._launch import run_all
 from portattn.kernels.mla_decode import plan_mla_decode
 from portattn.platform import current_target
-from portattn.policy.mla import MlaProblem, mla_decode_tiles, sm90_gathers
+from portattn.policy.mla import MlaProblem, mla_decode_tiles
 
 MODES = ("write", "read", "none")
 
@@ -117,7 +117,7 @@ def _mla(heads: int, context: int) -> tuple[Callable[[], object], int]:
     b = inputs.mla_batch(batch=batch, context=context, heads=heads, head_dim_k=mla.DK, page=page,
                          q_len=1, dtype=mla.DTYPE, device="cuda")  # fmt: skip
     out = torch.empty(batch, heads, mla.RANK, dtype=mla.DTYPE, device="cuda")
-    problem = MlaProblem(heads, mla.DK, mla.RANK, 2, batch, context, 1, sm90_gathers(page, False))
+    problem = MlaProblem(heads, mla.DK, mla.RANK, 2, batch, context, 1)
     launches = plan_mla_decode(b.query, b.kv_cache, b.block_table, b.seq_lens,
                                kv_lora_rank=mla.RANK, scale=mla.DK**-0.5, out=out,
                                tiles=mla_decode_tiles(current_target(), problem))  # fmt: skip

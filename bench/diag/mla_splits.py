@@ -7,11 +7,12 @@ splits put more programs on the SMs and add a reduce launch and partial results.
 in their place (``policy``: the policy's own count), checks two sequences against the fp64
 oracle, then times every checked call together (`report`), beside the read ceiling of its bytes
 (and, where it splits, the attention launch alone: the reduce's share is the difference).
-With ``--wide`` the tiles are the wide 64-row tile's (on sm_90 the Hopper kernel), which the
-policy takes below 64 heads only for gathered or packed rows, with the same split counts. With
-``--tiles`` each narrow tile ``BLOCK_N:STAGES:WARPS`` (``policy``: the policy's own) runs each
-split count: rows prefetched where the stages reach `PREFETCH_STAGES`, as the policy's do, at
-any depth up to `MAX_DIAG_STAGES` (past the target's own cap, which the policy keeps).
+With ``--narrow`` the tiles are the narrow 16-row tile's, which the policy keeps on sm_90 only
+for a cache the Hopper kernel cannot run (elsewhere it is the policy's own below 64 heads), with
+the same split counts. With ``--tiles`` each narrow tile ``BLOCK_N:STAGES:WARPS`` (``policy``:
+the policy's narrow one) runs each split count: rows prefetched where the stages reach
+`PREFETCH_STAGES`, as the policy's do, at any depth up to `MAX_DIAG_STAGES` (past the target's
+own cap, which the policy keeps).
 
 Usage (GPU machine, repository root)::
 
@@ -44,7 +45,6 @@ from portattn.policy.mla import (
     MlaTiles,
     mla_decode_tiles,
     mla_smem_bytes,
-    sm90_gathers,
 )
 
 #: A narrow tile's ``(block_n, stages, warps)`` (`parse_tiles`).
@@ -103,26 +103,26 @@ def tiles_for(
     heads: int,
     batch: int,
     context: int,
-    page: int,
     splits: int | None,
-    wide: bool = False,
+    narrow: bool = False,
     shape: Shape | None = None,
 ) -> MlaTiles:
     """The policy's tiles for one decode token a sequence, with ``splits`` context splits (the
-    policy's own where ``None``); ``wide``: the tiles the policy gives gathered rows (the wide
-    tile where the target has one); ``shape``: a narrow tile's ``(block_n, stages, warps)`` in
-    place of the policy's (16-bit rows prefetched from `PREFETCH_STAGES` stages).
+    policy's own where ``None``); ``narrow``: the tiles the policy gives a cache the Hopper
+    kernel cannot run (the narrow tile below 64 heads); ``shape``: a narrow tile's ``(block_n,
+    stages, warps)`` in place of the policy's (16-bit rows prefetched from `PREFETCH_STAGES`
+    stages).
 
     Raises:
-        ValueError: ``shape`` with ``wide``, on a tile that is not narrow, or past the target's
-            shared memory.
+        ValueError: ``shape`` on a tile that is not narrow (64 heads or more), or past the
+            target's shared memory.
     """
-    gathers = wide or sm90_gathers(page, False)
-    problem = MlaProblem(heads, mla.DK, mla.RANK, 2, batch, context, 1, gathers)
+    ready = not narrow and shape is None
+    problem = MlaProblem(heads, mla.DK, mla.RANK, 2, batch, context, 1, sm90_ready=ready)
     base = mla_decode_tiles(target, problem)
     if shape is not None:
-        if wide or base.sm90_kernel or base.packed:
-            raise ValueError("--tiles: a tile shape replaces the narrow tile only (not --wide)")
+        if base.sm90_kernel or base.packed or base.block_h != target.mma_min_rows:
+            raise ValueError("--tiles: a tile shape replaces the narrow tile only")
         n, stages, warps = shape
         prefetch = stages >= PREFETCH_STAGES
         smem = mla_smem_bytes(base.block_h, n, base.block_dv, base.block_dpe, stages, 2, prefetch)
@@ -189,14 +189,14 @@ def main(argv=None) -> int:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--splits", default="policy,1,2,3,4,6,8")
-    ap.add_argument("--wide", action="store_true", help="the wide 64-row tile's tiles")
+    ap.add_argument("--narrow", action="store_true", help="the narrow 16-row tile's tiles")
     ap.add_argument("--tiles", default="policy", help="narrow tiles BLOCK_N:STAGES:WARPS")
     opts = ap.parse_args(argv)
     try:
         counts = parse_splits(opts.splits)
         shapes = parse_tiles(opts.tiles)
-        if opts.wide and shapes != [None]:
-            raise ValueError("--tiles: a tile shape replaces the narrow tile only (not --wide)")
+        if opts.narrow and shapes != [None]:
+            raise ValueError("--tiles: a tile shape is a narrow tile already (not --narrow)")
     except ValueError as err:
         print(err, file=sys.stderr)
         return 2
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     target = current_target()
     scale = mla.DK**-0.5
     print(f"device: {torch.cuda.get_device_name()}; {opts.heads} heads, batch {opts.batch}, "
-          f"page {opts.page}{', wide tile' if opts.wide else ''}")  # fmt: skip
+          f"page {opts.page}{', narrow tile' if opts.narrow else ''}")  # fmt: skip
     for context in contexts:
         b = inputs.mla_batch(batch=opts.batch, context=context, heads=opts.heads,
                              head_dim_k=mla.DK, page=opts.page, q_len=1, dtype=mla.DTYPE,
@@ -227,8 +227,8 @@ def main(argv=None) -> int:
         for shape, splits in [(sh, sp) for sh in shapes for sp in counts]:
             tile = "" if shape is None else "tile {}:{}:{} ".format(*shape)
             try:
-                tiles = tiles_for(target, opts.heads, opts.batch, context, opts.page, splits,
-                                  opts.wide, shape)  # fmt: skip
+                tiles = tiles_for(target, opts.heads, opts.batch, context, splits,
+                                  opts.narrow, shape)  # fmt: skip
             except ValueError as err:
                 cands.append((tile, None, str(err)))
                 continue

@@ -38,7 +38,7 @@ from portattn.kernels._checks import (
     lazy_bit_errors,
 )
 from portattn.platform import Target, is_int
-from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles, sm90_gathers
+from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX = (torch.int32, torch.int64)
@@ -90,10 +90,6 @@ class MlaMetadataBuilder:
         device: where the workspaces live.
         max_query_len: most query tokens per sequence (1 + speculative tokens).
         max_seq_len: longest context served (the split count is chosen for it).
-        page_size: tokens per page of the cache the steps read, 1 when they pass
-            ``page_indices`` (single slots); None: not known, and the tiles are those for pages
-            of a multiple of 64 tokens. Pages of other sizes are gathered row by row, which on
-            sm_90 takes the Hopper kernel below 64 heads too (`policy.mla.sm90_gathers`).
 
     Example::
 
@@ -114,7 +110,6 @@ class MlaMetadataBuilder:
         "max_batch",
         "max_query_len",
         "max_tokens",
-        "page_size",
         "_partial_out",
         "_partial_lse",
     )
@@ -131,7 +126,6 @@ class MlaMetadataBuilder:
         device: torch.device | str,
         max_query_len: int = 1,
         max_seq_len: int,
-        page_size: int | None = None,
     ) -> None:
         op = "MlaMetadataBuilder"
         if not isinstance(target, Target):
@@ -151,8 +145,6 @@ class MlaMetadataBuilder:
                 errors.append(f"{name} must be an int >= 1; got {v!r}")
             elif v >= 2**31 and name != "max_seq_len":  # the kernels index these in int32
                 errors.append(f"{name} must be < 2**31; got {v}")
-        if page_size is not None and (not is_int(page_size) or page_size < 1):
-            errors.append(f"page_size must be None or an int >= 1; got {page_size!r}")
         if not errors and kv_lora_rank > head_dim_k:
             errors.append(f"kv_lora_rank must be <= head_dim_k; got {kv_lora_rank} > {head_dim_k}")
         if not errors and max_batch * max_query_len >= 2**31:
@@ -173,7 +165,6 @@ class MlaMetadataBuilder:
         self.max_batch = max_batch
         self.max_query_len = max_query_len
         self.max_tokens = max_batch * max_query_len
-        self.page_size = page_size
         elem = torch.empty((), dtype=dtype).element_size()
         # The one policy call: the launch consumes this object through every metadata.
         problem = MlaProblem(
@@ -184,7 +175,6 @@ class MlaMetadataBuilder:
             self.max_tokens,
             max_seq_len,
             max_query_len,
-            gathers=page_size is not None and sm90_gathers(page_size, False),
         )
         try:
             self.tiles = mla_decode_tiles(target, problem)

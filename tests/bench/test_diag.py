@@ -424,39 +424,39 @@ def test_mla_splits_counts_and_tiles(capsys):
         with pytest.raises(ValueError, match="neither 'policy' nor an int in \\[1, 32\\]"):
             mla_splits.parse_splits(bad)
     sm90 = get_target("sm_90")
-    policy = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, None)
-    four = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, 4)
+    policy = mla_splits.tiles_for(sm90, 16, 64, 1024, None)
+    four = mla_splits.tiles_for(sm90, 16, 64, 1024, 4)
     assert policy.num_kv_splits == 2  # 132 SMs, one program each: 64 sequences split twice
     assert four.num_kv_splits == 4 and {**vars(four), "num_kv_splits": 2} == vars(policy)
-    # --wide: 16 heads on 64-token pages take the wide tile (the Hopper kernel), split as before
-    wide = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, None, wide=True)
-    assert (policy.block_h, policy.sm90_kernel) == (16, False)
-    assert (wide.block_h, wide.sm90_kernel, wide.num_kv_splits) == (64, True, 2)
+    # --narrow: 16 heads take the narrow tile (the portable kernel), split as the wide one
+    narrow = mla_splits.tiles_for(sm90, 16, 64, 1024, None, narrow=True)
+    assert (policy.block_h, policy.sm90_kernel) == (64, True)
+    assert (narrow.block_h, narrow.sm90_kernel, narrow.num_kv_splits) == (16, False, 2)
     # --tiles: a narrow tile's shape in place of the policy's, prefetching from 3 stages
     assert mla_splits.parse_tiles("policy,32:3:4") == [None, (32, 3, 4)]
     for bad in ("48:2:4", "64:0:8", "64:2:2", "64:2", "x"):
         with pytest.raises(ValueError, match="neither 'policy' nor BLOCK_N:STAGES:WARPS"):
             mla_splits.parse_tiles(bad)
-    t32 = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, 4, shape=(32, 3, 4))
+    t32 = mla_splits.tiles_for(sm90, 16, 64, 1024, 4, shape=(32, 3, 4))
     assert (t32.block_n, t32.options.num_stages, t32.options.num_warps) == (32, 3, 4)
     assert (t32.prefetch_rows, t32.num_kv_splits, t32.block_h) == (True, 4, 16)
     # past the target's 4-stage cap: the shape's own depth reaches the launch
-    deep = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, None, shape=(32, 6, 4))
+    deep = mla_splits.tiles_for(sm90, 16, 64, 1024, None, shape=(32, 6, 4))
     assert (deep.options.num_stages, deep.prefetch_rows) == (6, True)
     assert deep.smem_bytes == 5 * 32 * 576 * 2 + 16 * 576 * 2 + 16 * 32 * 2
-    two = mla_splits.tiles_for(sm90, 16, 64, 1024, 64, None, shape=(64, 2, 8))
-    assert not two.prefetch_rows and two.smem_bytes < policy.smem_bytes + 64 * 576 * 2
+    two = mla_splits.tiles_for(sm90, 16, 64, 1024, None, shape=(64, 2, 8))
+    assert not two.prefetch_rows and two.smem_bytes < narrow.smem_bytes + 64 * 576 * 2
     with pytest.raises(ValueError, match="past sm_90's"):
-        mla_splits.tiles_for(sm90, 16, 64, 1024, 64, None, shape=(64, 4, 8))
+        mla_splits.tiles_for(sm90, 16, 64, 1024, None, shape=(64, 4, 8))
     with pytest.raises(ValueError, match="narrow tile only"):
-        mla_splits.tiles_for(sm90, 16, 64, 1024, 64, None, wide=True, shape=(64, 2, 8))
+        mla_splits.tiles_for(sm90, 64, 64, 1024, None, shape=(64, 2, 8))
     assert mla_splits.main(["--splits", "0"]) == 2
     assert mla_splits.main(["--splits", "²"]) == 2
     with pytest.raises(SystemExit):
         mla_splits.main(["--contexts", "²"])
     capsys.readouterr()
     assert mla_splits.main(["--tiles", "64:9:8"]) == 2
-    assert mla_splits.main(["--wide", "--tiles", "64:2:8"]) == 2
+    assert mla_splits.main(["--narrow", "--tiles", "64:2:8"]) == 2
     counts_rule = "--contexts must be comma-separated token counts"
     for argv, rule in ((["--contexts", "1024,x"], counts_rule), (["--contexts", "0"], counts_rule),
                        (["--heads", "0"], "--heads must be >= 1; got 0")):  # fmt: skip
@@ -573,7 +573,7 @@ def test_mla_splits_checks_each_count_then_times_them_together():
                          dtype=torch.float16, device="cpu")  # fmt: skip
     out = torch.empty(2, 16, mla.RANK, dtype=torch.float16)
     target = target_for_tensor(b.query)
-    one = mla_splits.tiles_for(target, 16, 2, 40, 16, 1)
+    one = mla_splits.tiles_for(target, 16, 2, 40, 1)
     two = dataclasses.replace(one, num_kv_splits=2)
     cands = [("splits 1", one, ""), ("tile 24:1:4 ", None, "not a tile"), ("splits 2", two, "")]
     together = []

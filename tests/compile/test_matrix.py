@@ -60,20 +60,30 @@ def naive_mla_widths(head_dim_k: int) -> tuple[int, int]:
     return next_pow2(head_dim_k), 0
 
 
-def build_naive_mla(
-    target: Target, *, head_dim_k: int, kv_lora_rank: int, num_q_heads: int, block_size: int
+def build_portable_mla(
+    target: Target,
+    *,
+    head_dim_k: int,
+    kv_lora_rank: int,
+    num_q_heads: int,
+    block_size: int,
+    naive: bool = False,
 ):
-    """`build_mla_decode` with the policy's tiles but upstream's widths injected via ``tiles=``."""
-    problem = MlaProblem(num_q_heads, head_dim_k, kv_lora_rank, 2, NUM_SEQS, MLA_CONTEXT)
-    real = mla_decode_tiles(target, problem)
-    dv, dpe = naive_mla_widths(head_dim_k)
-    naive = dataclasses.replace(real, block_dv=dv, block_dpe=dpe)
+    """`build_mla_decode` with the policy's portable-kernel tiles (those of a cache the sm_90
+    kernel cannot run), upstream's widths injected via ``tiles=`` where ``naive``."""
+    problem = MlaProblem(
+        num_q_heads, head_dim_k, kv_lora_rank, 2, NUM_SEQS, MLA_CONTEXT, sm90_ready=False
+    )
+    tiles = mla_decode_tiles(target, problem)
+    if naive:
+        dv, dpe = naive_mla_widths(head_dim_k)
+        tiles = dataclasses.replace(tiles, block_dv=dv, block_dpe=dpe)
     return build_mla_decode(
         target,
         head_dim_k=head_dim_k,
         kv_lora_rank=kv_lora_rank,
         num_q_heads=num_q_heads,
-        tiles=naive,
+        tiles=tiles,
         block_size=block_size,
     )
 
@@ -103,29 +113,33 @@ def test_real_policies_pass_on_both_vendors():
     for c in cells:
         assert c.compiled and c.shared is not None and c.shared <= c.limit
         assert all(r.regs and r.hash for r in c.launches), c.id
-    # The long MLA context splits, so the reduce kernel is compiled as well. 16 heads on 16-token
-    # pages gather their rows, which on sm_90 the Hopper kernel does (MlaProblem.gathers).
+    # The long MLA context splits, so the reduce kernel is compiled as well. On sm_90 16-bit
+    # launches take the Hopper kernel below 64 heads too (MlaProblem.sm90_ready).
     for c in (c for c in cells if c.kernel == "mla_decode"):
         main = "mla_decode_sm90" if c.arch == "sm_90" else "mla_decode"
         assert [r.name for r in c.launches] == [main, "mla_decode_reduce"], c.id
 
 
 def test_naive_mla_widths_break_exactly_the_320_256_cells():
-    # 64-token pages: the portable kernel (the one upstream's widths are about) on every target;
-    # 16 heads on 16-token pages gather, which on sm_90 the Hopper kernel does (MlaProblem.gathers)
+    # the portable kernel (the one upstream's widths are about) on every target, sm_90 included
+    # (its tiles for a cache the Hopper kernel cannot run)
     params = dict(num_q_heads=16, block_size=64)
     naive = [
         make_case(
             "mla_decode",
             f"naive {dk}/{dv} h16",
-            build_naive_mla,
+            build_portable_mla,
             head_dim_k=dk,
             kv_lora_rank=dv,
+            naive=True,
             **params,
         )  # fmt: skip
         for dk, dv in MLA_SHAPES
     ]
-    real = [_mla_case(f"{dk}/{dv} h16", dk, dv, **params) for dk, dv in MLA_SHAPES]
+    real = [
+        dataclasses.replace(_mla_case(f"{dk}/{dv} h16", dk, dv, **params), build=build_portable_mla)
+        for dk, dv in MLA_SHAPES
+    ]
     cells = {c.id: c for c in compile_in_spawned_workers(naive + real, NAIVE_MLA_TARGETS)}
     broken = sorted(i for i, c in cells.items() if not c.compiled)
     assert broken == [f"mla_decode/naive 320/256 h16@{a}" for a in sorted(NAIVE_MLA_TARGETS)]
@@ -191,7 +205,7 @@ def test_chunks_keep_a_target_per_chunk_and_let_targets_take_turns():
     on different targets; every cell is in exactly one chunk."""
     from portattn.compile.matrix import _chunks
 
-    cases = [make_case("k", f"c{i}", build_naive_mla) for i in range(5)]
+    cases = [make_case("k", f"c{i}", build_portable_mla) for i in range(5)]
     cells = [(c, a) for c in cases for a in ("sm_90", "gfx942")]
     chunks = _chunks(cells, 2)
     assert sorted(i for ch in chunks for i in ch) == list(range(len(cells)))

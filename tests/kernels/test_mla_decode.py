@@ -15,7 +15,7 @@ from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
 from portattn.kernels.page_indices import expand_page_indices
 from portattn.platform import get_target, target_for_tensor
 from portattn.policy.common import next_pow2
-from portattn.policy.mla import MlaConfig, MlaProblem, mla_decode_tiles, sm90_gathers
+from portattn.policy.mla import MlaConfig, MlaProblem, mla_decode_tiles
 from tests.helpers import assert_low_precision_close
 
 pytestmark = pytest.mark.mla
@@ -121,13 +121,14 @@ def test_page_indices_on_pages_with_gaps(gap, device):
     lie one after another the portable kernel reads slot ``s`` at ``s`` rows (FLAT_SLOTS: no
     division by the block size); with ``gap`` rows between pages (a view of a wider buffer) it
     splits the slot into block and offset. Both agree with the block table's result on the same
-    cache. (The tiles of rows that are not gathered: on sm_90 gathered rows would take the
-    Hopper kernel's wide tile.)"""
+    cache. (The portable kernel's tiles, ``sm90_ready`` False: on sm_90 16-bit launches would
+    take the Hopper kernel's wide tile.)"""
     q, cache, bt, sl, qsl = make_inputs(320, 256, 4, 16, (3, 1), (20, 33), torch.float16, device)
     wide = torch.zeros(cache.shape[0], 16 + gap, 320, dtype=cache.dtype, device=device)
     wide[:, :16] = cache
     cache = wide[:, :16]  # stride(0) = (16 + gap) rows
-    tiles = mla_decode_tiles(target_for_tensor(q), MlaProblem(4, 320, 256, 2, q.shape[0], 64))
+    problem = MlaProblem(4, 320, 256, 2, q.shape[0], 64, sm90_ready=False)
+    tiles = mla_decode_tiles(target_for_tensor(q), problem)
     kw = dict(kv_lora_rank=256, scale=0.06, query_start_loc=qsl, return_lse=True, tiles=tiles)
     pages = expand_page_indices(bt, sl, 16)
     by_table = plan_mla_decode(q, cache, bt, sl, **kw)
@@ -731,8 +732,7 @@ def _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=None, out=None, 
     heads, dk = q.shape[1:]
     scale = 1 / math.sqrt(dk)
     max_len = int(sl.max())
-    gathers = sm90_gathers(cache.shape[1], pages is not None)
-    problem = MlaProblem(heads, dk, r, 2, q.shape[0], max_len, max_query_len, gathers)
+    problem = MlaProblem(heads, dk, r, 2, q.shape[0], max_len, max_query_len)
     base = mla_decode_tiles(target, problem)
     tiles = dataclasses.replace(base, sm90_kernel=True)
     if splits is not None:

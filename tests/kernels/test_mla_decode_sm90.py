@@ -95,17 +95,27 @@ def test_launcher_picks_the_gather(block_size, slots):
     assert _plan(64, False)[0].args["GATHER"] is False
 
 
-@pytest.mark.parametrize(("block_size", "slots", "name"), [(1, True, "mla_decode_sm90"),
-                                                           (1, False, "mla_decode_sm90"),
-                                                           (64, False, "mla_decode")])  # fmt: skip
-def test_sixteen_heads_gathered_run_the_hopper_kernel(block_size, slots, name):
-    """Gathered rows take the wide tile through the planner: 16 heads at page size 1 (either
-    index form) run the Hopper kernel's gather on 64 padded rows; 64-token pages stay on the
-    portable kernel."""
+@pytest.mark.parametrize(("block_size", "slots", "gather"), [(1, True, True), (1, False, True),
+                                                             (64, False, False)])  # fmt: skip
+def test_sixteen_heads_run_the_hopper_kernel(block_size, slots, gather):
+    """16 heads take the wide tile through the planner at any page size: page size 1 (either
+    index form) by the Hopper kernel's gather, 64-token pages by TMA, both on 64 padded rows."""
     main = _plan(block_size, slots, heads=16, seqs=64)[0]
-    assert main.name == name
-    if name == "mla_decode_sm90":
-        assert main.args["GATHER"] is True and main.args["NUM_SPLITS"] == 2
+    assert main.name == "mla_decode_sm90"
+    assert main.args["GATHER"] is gather and main.args["NUM_SPLITS"] == 2
+
+
+def test_sixteen_heads_on_a_cache_it_cannot_run_keep_the_narrow_tile():
+    """A cache the Hopper kernel refuses (pages not one after another) plans the portable
+    kernel's narrow tile below 64 heads (`MlaProblem.sm90_ready`), not the wide one."""
+    q = torch.empty(64, 16, 576, dtype=torch.bfloat16, device="meta")
+    # page stride 576: the rows of one page lie 4097 rows apart
+    cache = torch.empty(128, 4097, 576, dtype=torch.bfloat16, device="meta").transpose(0, 1)
+    sl = torch.empty(64, dtype=torch.int32, device="meta")
+    bt = torch.empty(64, 64, dtype=torch.int32, device="meta")
+    assert sm90_errors(cache, 512, 64, 64, SM90, False)
+    main = plan_mla_decode(q, cache, bt, sl, kv_lora_rank=512, scale=0.05, target=SM90)[0]
+    assert main.name == "mla_decode" and main.args["BLOCK_H"] == 16
 
 
 def test_refuses_interleaved_pages():
@@ -254,8 +264,15 @@ def test_output_through_shared_memory_only_at_the_rank_a_gpu_ran():
     ],
 )  # fmt: skip
 def test_trace_is_validated(trace, heads, error, match):
+    """16 heads: the narrow tile of a cache the Hopper kernel cannot run, passed as the tiles."""
+    from portattn.policy.mla import MlaProblem, mla_decode_tiles
+
+    more = {}
+    if heads == 16:
+        narrow = MlaProblem(16, 576, 512, 2, 64, 4096, sm90_ready=False)
+        more["tiles"] = mla_decode_tiles(SM90, narrow)
     with pytest.raises(error, match=match):
-        _plan(64, False, heads=heads, seqs=64 if heads == 16 else 4, trace=trace)
+        _plan(64, False, heads=heads, seqs=64 if heads == 16 else 4, trace=trace, **more)
 
 
 def _case_ptx(name: str) -> str:

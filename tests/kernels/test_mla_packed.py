@@ -251,7 +251,7 @@ def test_hip_metadata_route(arch, device):
     seq_lens = (300, 40, 4)
     b = MlaMetadataBuilder(
         get_target(arch), max_batch=3, num_heads=heads, kv_lora_rank=r, head_dim_k=dk,
-        dtype=torch.float16, device=device, max_query_len=4, max_seq_len=320, page_size=16,
+        dtype=torch.float16, device=device, max_query_len=4, max_seq_len=320,
     )  # fmt: skip
     assert b.tiles.packed
     for q_lens in ((4, 3, 4), (2, 1, 2)):
@@ -525,7 +525,7 @@ def test_gpu_hip_policy_packed(arch, case):
     b = MlaMetadataBuilder(
         get_target(arch), max_batch=len(seq_lens), num_heads=heads, kv_lora_rank=r,
         head_dim_k=dk, dtype=torch.bfloat16, device="cuda", max_query_len=8,
-        max_seq_len=max(seq_lens), page_size=1 if pages is not None else bs,
+        max_seq_len=max(seq_lens),
     )  # fmt: skip
     assert b.tiles.packed and not b.tiles.sm90_kernel
     md = b.build(sl, qsl, max_query_len=max(q_lens))

@@ -27,17 +27,18 @@ HEADS = [1, 3, 4, 8, 16, 20, 128]
 GPU_ELEM_SIZES = [2]  # fp16 / bf16: what a GPU launch uses
 
 
-def problem(dk=576, r=512, heads=16, elem=2, tokens=64, context=4096) -> MlaProblem:
-    return MlaProblem(heads, dk, r, elem, tokens, context)
+def problem(dk=576, r=512, heads=16, elem=2, tokens=64, context=4096, ready=True) -> MlaProblem:
+    return MlaProblem(heads, dk, r, elem, tokens, context, sm90_ready=ready)
 
 
 # arch, (dk, r) -> (block_n, num_warps, num_stages, smem_bytes, num_kv_splits[, prefetch_rows]) for
-# 16 heads, 64 tokens, 4k context; BLOCK_H 16; descriptor (TMA) tiles on sm_90 and later. The
-# longest KV tile within both budgets at the fewest warps (576/512 N64 needs 8 warps: 4 would
-# spill; HIP over a 512-wide latent: one wave a SIMD), then NVIDIA tiles whose two-buffer
-# estimate fits prefetch block-table rows at 3 stages. Splits: the most that fit one wave of
-# resident programs: floor(resident * SMs / 64) with resident = max_shared // smem on CUDA (sm_90
-# N64 w8: 1 -> 2; N64 w4 at 320/256: 2 -> 4), 2 per CU on HIP (floor(2 * 304 / 64) = 9 on gfx942).
+# 16 heads, 64 tokens, 4k context (on sm_90 a cache the Hopper kernel cannot run); BLOCK_H 16;
+# descriptor (TMA) tiles on sm_90 and later. The longest KV tile within both budgets at the
+# fewest warps (576/512 N64 needs 8 warps: 4 would spill; HIP over a 512-wide latent: one wave a
+# SIMD), then NVIDIA tiles whose two-buffer estimate fits prefetch block-table rows at 3 stages.
+# Splits: the most that fit one wave of resident programs: floor(resident * SMs / 64) with
+# resident = max_shared // smem on CUDA (sm_90 N64 w8: 1 -> 2; N64 w4 at 320/256: 2 -> 4), 2 per
+# CU on HIP (floor(2 * 304 / 64) = 9 on gfx942).
 EXPECTED = {
     ("sm_90", 576, 512): (64, 8, 3, 167936, 2, True),  # measured best on an H100 (decisions.md)
     ("sm_100", 576, 512): (64, 8, 3, 167936, 2, True),
@@ -84,7 +85,7 @@ def test_exact_tiles_cuda_and_hip(arch, dk, r):
         prefetch_rows=bool(prefetch),
         tma=not target.is_hip and target.capability >= 90,  # sm_90, sm_100, sm_120
     )
-    assert mla_decode_tiles(target, problem(dk, r)) == want
+    assert mla_decode_tiles(target, problem(dk, r, ready=arch != "sm_90")) == want
 
 
 @pytest.mark.parametrize("arch", sorted(EXPECTED_WIDE))
@@ -156,18 +157,19 @@ def test_lesson2_heads_padded_to_matrix_rows(heads):
         target = get_target(arch)
         t = mla_decode_tiles(target, problem(heads=heads))
         assert t.block_h >= target.mma_min_rows == 16
-        assert t.block_h == (64 if arch == "sm_90" and heads >= 64 else 16)
+        assert t.block_h == (64 if arch == "sm_90" else 16)
         assert t.padded_heads == -(-heads // t.block_h) * t.block_h
         assert t.head_groups * t.block_h == t.padded_heads
 
 
 def test_split_count_is_policy_of_target_batch_heads_context():
     h100 = get_target("sm_90")  # 132 SMs; the narrow 576/512 tile (167936 B): 1 program per SM
-    assert mla_decode_tiles(h100, problem(heads=16, tokens=64, context=4096)).num_kv_splits == 2
-    assert mla_decode_tiles(h100, problem(heads=16, tokens=64, context=16384)).num_kv_splits == 2
-    assert mla_decode_tiles(h100, problem(heads=16, tokens=32, context=4096)).num_kv_splits == 4
+    narrow = dict(heads=16, ready=False)
+    assert mla_decode_tiles(h100, problem(**narrow, tokens=64, context=4096)).num_kv_splits == 2
+    assert mla_decode_tiles(h100, problem(**narrow, tokens=64, context=16384)).num_kv_splits == 2
+    assert mla_decode_tiles(h100, problem(**narrow, tokens=32, context=4096)).num_kv_splits == 4
     # two resident programs (320/256, 94208 B): one wave of 264 slots
-    assert mla_decode_tiles(h100, problem(320, 256, tokens=64)).num_kv_splits == 4
+    assert mla_decode_tiles(h100, problem(320, 256, tokens=64, ready=False)).num_kv_splits == 4
     # the Hopper kernel's wide tile fills one wave of 132: 64 tokens x 2 head groups x 1 split;
     # 16 tokens: 32 programs x 4 splits; sm_80's portable wide tile aims at 2 x 108 programs
     assert mla_decode_tiles(h100, problem(heads=128, tokens=64, context=4096)).num_kv_splits == 1
@@ -229,7 +231,7 @@ def test_invalid_problem_lists_every_reason():
     for bad, rule in ((dict(num_heads=1.5), "num_heads must be an int >= 1; got 1.5"),
                       (dict(elem_size=True), "elem_size must be an int >= 1; got True"),
                       (dict(elem_size=3), "elem_size must be 1, 2 or 4 bytes; got 3"),
-                      (dict(gathers="no"), "gathers must be a bool; got 'no'")):  # fmt: skip
+                      (dict(sm90_ready="no"), "sm90_ready must be a bool; got 'no'")):  # fmt: skip
         with pytest.raises(ValueError, match=r"^mla_decode_tiles: " + re.escape(rule)):
             mla_decode_tiles(get_target("sm_90"), dataclasses.replace(problem(), **bad))
 
@@ -246,13 +248,14 @@ def test_pure_and_frozen():
     ("arch", "elem", "wide"),
     [("sm_90", 2, True), ("sm_90", 4, False), ("sm_80", 2, False), ("gfx942", 2, False)],
 )
-def test_gathered_rows_take_the_sm90_kernel_below_64_heads(arch, elem, wide):
-    """16 heads whose rows are gathered (page size 1, ``page_indices``) take the wide tile the
-    sm_90 kernel runs (rows padded to 64, two splits at batch 64), only in 16-bit on sm_90;
-    64-token pages keep the narrow tile."""
+@pytest.mark.parametrize("heads", [1, 16, 32, 63])
+def test_sm90_16bit_takes_the_wide_tile_below_64_heads(arch, elem, wide, heads):
+    """Below 64 heads a 16-bit launch whose cache the sm_90 kernel can run takes its wide tile
+    (rows padded to 64; two splits for 64 sequences at 4k), only in 16-bit on sm_90; a cache
+    it cannot run (``sm90_ready`` False) keeps the narrow tile, as every other target does."""
     target = get_target(arch)
-    narrow = mla_decode_tiles(target, problem(elem=elem))
-    got = mla_decode_tiles(target, dataclasses.replace(problem(elem=elem), gathers=True))
+    got = mla_decode_tiles(target, problem(heads=heads, elem=elem))
+    narrow = mla_decode_tiles(target, problem(heads=heads, elem=elem, ready=False))
     if wide:
         assert (got.block_h, got.block_n, got.padded_heads, got.sm90_kernel) == (64, 64, 64, True)
         assert got.num_kv_splits == 2

@@ -315,7 +315,7 @@ def build_mla_decode(
         builder = MlaMetadataBuilder(
             target, max_batch=num_seqs, num_heads=num_q_heads, kv_lora_rank=kv_lora_rank,
             head_dim_k=head_dim_k, dtype=dt, device=META, max_query_len=q_len,
-            max_seq_len=MLA_CONTEXT, page_size=1 if page_indices else block_size,
+            max_seq_len=MLA_CONTEXT,
         )  # fmt: skip
         qsl = kwargs.get("query_start_loc")
         kwargs["metadata"] = builder.build(seq_lens, qsl, max_query_len=q_len)

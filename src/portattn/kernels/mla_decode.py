@@ -46,8 +46,8 @@ rows past the context are never read. On sm_90 the wide 64-head tile runs the Gl
 `portattn.kernels.mla_decode_sm90` (``MlaTiles.sm90_kernel``: same arguments, explicit copy/MMA
 schedule, `MlaConfig` choices) where its requirements hold (pages of a multiple of 64 tokens by
 TMA; other pages and ``page_indices``, e.g. speculative decoding's page size 1, by row gather;
-below 64 heads the policy takes the wide tile for gathered rows only); everything else runs the
-portable kernel below.
+16-bit launches take it below 64 heads too, on 64 padded rows); everything else runs the portable
+kernel below.
 
 Not supported: fp8 caches, a separate V cache, negative (padding) entries inside a sequence's
 context (rejected where the metadata is checked: `mla_decode`'s Raises). Query rows past
@@ -103,11 +103,12 @@ from portattn.kernels.metadata_summary import (
 )
 from portattn.kernels.mla_decode_sm90 import BLOCK_H as SM90_BLOCK_H
 from portattn.kernels.mla_decode_sm90 import BLOCK_N as SM90_BLOCK_N
-from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_gathers, sm90_launch
+from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_launch
 from portattn.layout import describe_kv_cache, is_block_contiguous
 from portattn.mla_metadata import MlaMetadata
 from portattn.platform import Target, is_int, override_key, target_for_tensor
 from portattn.policy.mla import (
+    SM90_KERNEL_ARCHS,
     MlaConfig,
     MlaProblem,
     MlaTiles,
@@ -1203,13 +1204,13 @@ def plan_mla_decode(
 
     # -- tiles: injected, the metadata's (never recomputed), or the policy's --
     slots = page_indices is not None
-    # rows gathered, by a launch the sm_90 kernel could take (the wide tile below 64 heads)
-    gathers = sm90_gathers(kv_cache, slots) and not sm90_errors(
+    # whether the sm_90 kernel can run this cache (below 64 heads the policy's wide tile then)
+    sm90_ready = target.arch in SM90_KERNEL_ARCHS and not sm90_errors(
         kv_cache, kv_lora_rank, SM90_BLOCK_H, SM90_BLOCK_N, target, slots
     )
     problem = MlaProblem(
         num_heads, head_dim_k, kv_lora_rank, query.element_size(), num_tokens, max_context,
-        max_query_len, gathers,
+        max_query_len, sm90_ready,
     )  # fmt: skip
     if tiles is None:
         tiles = metadata.tiles if metadata is not None else mla_decode_tiles(target, problem)

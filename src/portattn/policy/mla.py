@@ -15,14 +15,16 @@ shared memory, and `mla_reg_estimate` (accumulator + one tile, 32-bit registers 
 Narrow tile (every target): ``BLOCK_H = mma_min_rows``, the longest ``BLOCK_N`` that pipelines
 within both budgets at the fewest warps (on HIP over a 512-wide latent, 4 at one wave a SIMD:
 `HIP_LATENT_512_NUM_WARPS`, `HIP_ONE_WAVE_PER_EU`). Wide tile (`WIDE_ARCHS`, 64 heads or
-more, packed rows, or gathered rows on sm_90): 64 heads a program, so the latent is read once for
-64 heads. On sm_90 the wide 16-bit tile runs the Gluon kernel (`portattn.kernels.mla_decode_sm90`),
-whose schedule choices are `MlaConfig` (`mla_config`).
+more, packed rows, or on sm_90 any 16-bit launch the Hopper kernel can run:
+`MlaProblem.sm90_ready`): 64 heads a program, so the latent is read once for 64 heads; below 64
+heads it pads rows, and on sm_90 still reads faster than the narrow tile. On sm_90 the wide
+16-bit tile runs the Gluon kernel (`portattn.kernels.mla_decode_sm90`), whose schedule choices
+are `MlaConfig` (`mla_config`).
 
 Packed rows (verification): rows (query token, head) of one sequence, so its tokens read the
 cache once per tile position instead of once per token; programs per sequence and split:
 `mla_row_groups`. On sm_90, fewer than 64 heads and ``max_query_len * num_heads >=
-PACK_MIN_ROWS`` take the wide tile (the Hopper kernel). On HIP (gfx90a, gfx942, gfx950; 16-bit,
+PACK_MIN_ROWS`` pack rows into the wide tile. On HIP (gfx90a, gfx942, gfx950; 16-bit,
 ``max_query_len > 1``) the portable kernel takes the most rows of `HIP_PACK_BLOCK_H` (no more
 than ``next_pow2(max_query_len * num_heads)``) whose tile (`HIP_PACK_BLOCK_N`,
 `HIP_PACK_NUM_WARPS`, `HIP_PACK_NUM_STAGES`) fits the target's LDS (`mla_hip_packed_lds_bytes`)
@@ -118,8 +120,10 @@ class MlaProblem:
     """What the MLA decode policy needs to know: ``num_heads`` query heads, ``head_dim_k``
     (latent + rope) and ``kv_lora_rank`` (latent = value width), ``elem_size`` bytes an element,
     ``num_tokens`` query tokens, bounds on any sequence's context (``max_context``) and query
-    tokens (``max_query_len``: packing), and whether the Hopper kernel would gather its rows
-    (``gathers``, `sm90_gathers`: on sm_90 such 16-bit launches take the wide tile)."""
+    tokens (``max_query_len``: packing), and whether the Hopper kernel can run the launch's
+    cache (``sm90_ready``: its `sm90_errors` are empty; True where the cache is not known). On
+    sm_90 a ready 16-bit launch takes the wide tile at any head count; one that is not keeps the
+    narrow tile below 64 heads."""
 
     num_heads: int
     head_dim_k: int
@@ -128,7 +132,7 @@ class MlaProblem:
     num_tokens: int
     max_context: int
     max_query_len: int = 1
-    gathers: bool = False
+    sm90_ready: bool = True
 
 
 @dataclass(frozen=True)
@@ -276,8 +280,8 @@ def _problem_errors(p: MlaProblem) -> list[str]:
             errors.append(f"{name} must be an int >= 1; got {v!r}")
     if not is_int(p.num_tokens) or p.num_tokens < 0:
         errors.append(f"num_tokens must be an int >= 0; got {p.num_tokens!r}")
-    if not isinstance(p.gathers, bool):  # (a truthy string chose the wide tile)
-        errors.append(f"gathers must be a bool; got {p.gathers!r}")
+    if not isinstance(p.sm90_ready, bool):  # (any string is truthy)
+        errors.append(f"sm90_ready must be a bool; got {p.sm90_ready!r}")
     ints = all(isinstance(getattr(p, n), int) for n in ("elem_size", "kv_lora_rank", "head_dim_k"))
     if ints and p.elem_size >= 1 and p.elem_size not in (1, 2, 4):
         errors.append(f"elem_size must be 1, 2 or 4 bytes; got {p.elem_size}")
@@ -331,10 +335,11 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         and problem.num_heads < WIDE_BLOCK_H
         and problem.max_query_len * problem.num_heads >= PACK_MIN_ROWS
     )
-    gather_wide = (
-        problem.gathers and target.arch in SM90_KERNEL_ARCHS and elem == 2 and block_dv <= 512
+    # the Hopper kernel's 64-row tile reads faster than the narrow one below 64 heads too
+    sm90_wide = (
+        problem.sm90_ready and target.arch in SM90_KERNEL_ARCHS and elem == 2 and block_dv <= 512
     )
-    wide = problem.num_heads >= WIDE_BLOCK_H or pack or gather_wide
+    wide = problem.num_heads >= WIDE_BLOCK_H or pack or sm90_wide
     if target.arch in WIDE_ARCHS and wide and not fp32:
         for block_n in BLOCK_N_CANDIDATES:
             smem = fits(WIDE_BLOCK_H, block_n, top, WIDE_NUM_WARPS)
