@@ -204,6 +204,32 @@ def test_launch_takes_the_config_and_the_output_alignment():
     assert off.args["STORE_SMEM"] is False
 
 
+@pytest.mark.parametrize(("dtype", "dk", "rank"), [(torch.bfloat16, 576, 512),
+                                                   (torch.float16, 320, 256)])  # fmt: skip
+def test_launch_layouts_are_the_default_ones_for_its_widths(dtype, dk, rank):
+    """The shared layouts a launch carries (built once per dtype and widths) are Gluon's defaults
+    for its latent half, rope, query half and P tiles, whichever launch asked first."""
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    want = {
+        "Q_LAYOUT": gl.NVMMASharedLayout.get_default_for([64, rank // 2], gl_dtype),
+        "P_LAYOUT": gl.NVMMASharedLayout.get_default_for([64, 64], gl_dtype),
+    }
+    lat = gl.NVMMASharedLayout.get_default_for([64, rank // 2], gl_dtype)
+    pe = gl.NVMMASharedLayout.get_default_for([64, dk - rank], gl_dtype)
+    for heads in (16, 128):
+        q = torch.empty(4, heads, dk, dtype=dtype, device="meta")
+        bt = torch.empty(4, 16, dtype=torch.int32, device="meta")
+        sl = torch.empty(4, dtype=torch.int32, device="meta")
+        cache = _cache(pages=65, width=dk, dtype=dtype)
+        main = plan_mla_decode(q, cache, bt, sl, kv_lora_rank=rank, scale=0.05, target=SM90)[0]
+        assert main.name == "mla_decode_sm90"
+        assert {k: main.args[k] for k in want} == want
+        assert (main.args["lat_desc"].layout, main.args["pe_desc"].layout) == (lat, pe)
+        assert main.args["lat_desc"].block_shape == [64, rank // 2]
+
+
 @pytest.mark.parametrize(
     ("config", "error", "match"),
     [

@@ -1355,9 +1355,12 @@ def plan_mla_decode(
         outputs=outputs,
         writes=writes,
     )
-    if tiles.sm90_kernel and not sm90_errors(
-        kv_cache, kv_lora_rank, tiles.block_h, tiles.block_n, target, page_indices is not None
-    ):
+    # the sm_90 tile asked once above; other (injected) tiles ask again
+    if (tiles.block_h, tiles.block_n) != (SM90_BLOCK_H, SM90_BLOCK_N):
+        sm90_ready = not sm90_errors(
+            kv_cache, kv_lora_rank, tiles.block_h, tiles.block_n, target, slots
+        )
+    if tiles.sm90_kernel and sm90_ready:
         if config is None:
             config = mla_config(target, problem)
         main = sm90_launch(main, kv_cache, kv_lora_rank, config, trace)
