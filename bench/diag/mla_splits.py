@@ -121,7 +121,7 @@ def tiles_for(
     problem = MlaProblem(heads, mla.DK, mla.RANK, 2, batch, context, 1, sm90_ready=ready)
     base = mla_decode_tiles(target, problem)
     if shape is not None:
-        if base.sm90_kernel or base.packed or base.block_h != target.mma_min_rows:
+        if base.block_h != target.mma_min_rows:  # 64 heads or more: the wide tile
             raise ValueError("--tiles: a tile shape replaces the narrow tile only")
         n, stages, warps = shape
         prefetch = stages >= PREFETCH_STAGES

@@ -1355,12 +1355,9 @@ def plan_mla_decode(
         outputs=outputs,
         writes=writes,
     )
-    # the sm_90 tile asked once above; other (injected) tiles ask again
-    if (tiles.block_h, tiles.block_n) != (SM90_BLOCK_H, SM90_BLOCK_N):
-        sm90_ready = not sm90_errors(
-            kv_cache, kv_lora_rank, tiles.block_h, tiles.block_n, target, slots
-        )
-    if tiles.sm90_kernel and sm90_ready:
+    # the cache was asked about above; the kernel runs its own tile only (sm90_errors' tile rule)
+    sm90_tile = (tiles.block_h, tiles.block_n) == (SM90_BLOCK_H, SM90_BLOCK_N)
+    if tiles.sm90_kernel and sm90_tile and sm90_ready:
         if config is None:
             config = mla_config(target, problem)
         main = sm90_launch(main, kv_cache, kv_lora_rank, config, trace)
