@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from portattn.kernels._launch import Launch
+from portattn.kernels._launch import Launch, kernel_params
 from portattn.platform import get_target
 from portattn.policy.common import LaunchOptions
 
@@ -82,6 +82,15 @@ def test_every_kernel_parameter_needs_an_argument():
     ok = Launch(_defaulted_kernel, (1,), {**args, "DIAG": False}, LaunchOptions(4, 2),
                 get_target("sm_90"), "toy")  # fmt: skip
     assert ok.constexprs() == {"BLOCK": 16, "DIAG": False}
+
+
+def test_each_kernels_parameters_are_its_own_and_read_once():
+    """Every plan asks for its kernels' parameters: read once per kernel object, never another
+    kernel's."""
+    toy = kernel_params(_toy_kernel)
+    assert toy == (("a_ptr", False), ("n", False), ("scale", False), ("BLOCK", True))
+    assert [n for n, _ in kernel_params(_defaulted_kernel)] == ["a_ptr", "n", "BLOCK", "DIAG"]
+    assert kernel_params(_toy_kernel) is toy
 
 
 def _run_cpu_launch_without_interpreter() -> str:

@@ -94,12 +94,9 @@ class Launch:
             return self.target.vendor
         return "hip" if getattr(torch.version, "hip", None) else "cuda"
 
-    def _params(self) -> list[tuple[str, bool]]:
-        """``(name, is_constexpr)`` per kernel parameter, for a JIT or an interpreted kernel."""
-        if hasattr(self.kernel, "params"):
-            return [(p.name, bool(p.is_constexpr)) for p in self.kernel.params]
-        sig = inspect.signature(self.kernel.fn)  # TRITON_INTERPRET=1: InterpretedFunction
-        return [(n, "constexpr" in str(p.annotation)) for n, p in sig.parameters.items()]
+    def _params(self) -> tuple[tuple[str, bool], ...]:
+        """``(name, is_constexpr)`` per kernel parameter (`kernel_params`)."""
+        return kernel_params(self.kernel)
 
     def constexprs(self) -> dict[str, Any]:
         """The constexpr arguments by name."""
@@ -123,6 +120,25 @@ class Launch:
             else:
                 raise TypeError(f"Launch.signature: unsupported argument {name}={type(v)}")
         return sig
+
+
+# kernel id -> (kernel, its parameters): the kernel is kept, so its id names no other object
+_PARAMS: dict[int, tuple[Any, tuple[tuple[str, bool], ...]]] = {}
+
+
+def kernel_params(kernel: Any) -> tuple[tuple[str, bool], ...]:
+    """``(name, is_constexpr)`` per parameter of a JIT or an interpreted kernel, read once per
+    kernel object (every plan asks: each launch checks its arguments against them)."""
+    known = _PARAMS.get(id(kernel))
+    if known is not None:
+        return known[1]
+    if hasattr(kernel, "params"):
+        params = tuple((p.name, bool(p.is_constexpr)) for p in kernel.params)
+    else:  # TRITON_INTERPRET=1: InterpretedFunction
+        sig = inspect.signature(kernel.fn)
+        params = tuple((n, "constexpr" in str(p.annotation)) for n, p in sig.parameters.items())
+    _PARAMS[id(kernel)] = (kernel, params)
+    return params
 
 
 def run_all(launches: list[Launch]) -> None:
