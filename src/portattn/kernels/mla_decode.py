@@ -1077,6 +1077,15 @@ def _validate(
 #: The unbounded calls' argument checks, by description (`unbounded_query_len`): each kept as
 #: ``[True, the longest q_len the description's last call read]``.
 _CHECKED = CheckMemo()
+
+
+@functools.lru_cache(maxsize=256)
+def _policy_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
+    """`mla_decode_tiles`, remembered: a pure function of two frozen values, asked by every
+    plan without metadata (errors are raised afresh each time)."""
+    return mla_decode_tiles(target, problem)
+
+
 #: What a call without metadata reads (`capture_errors`).
 _READS = "seq_lens, query_start_loc and the block table or page indices"
 
@@ -1213,7 +1222,7 @@ def plan_mla_decode(
         max_query_len, sm90_ready,
     )  # fmt: skip
     if tiles is None:
-        tiles = metadata.tiles if metadata is not None else mla_decode_tiles(target, problem)
+        tiles = metadata.tiles if metadata is not None else _policy_tiles(target, problem)
     splits = tiles.num_kv_splits
     row_groups = mla_row_groups(tiles, num_heads, max_query_len)
 
