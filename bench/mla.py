@@ -3,7 +3,8 @@
 Rows: 16 and 128 heads at 1k, 4k and 16k tokens with 64-token pages; page size 1 (the gather
 path) at 4k and 16k; the 64-token pages addressed by ``page_indices`` (``slots``: the flat slots
 `expand_page_indices` gives speculative decoding's page-size-1 kernels) at 128 heads, 4k and 16k;
-speculative verification (``q_len`` 2, 4, 8 query tokens a sequence) at 4k;
+speculative verification (``q_len`` 2, 4, 8 query tokens a sequence) at 4k; 8 heads (a 64-head
+model on 8 ranks) at 4k, q_len 1 and 2 (16 rows, fewer than half the 64-row tile);
 and q_len 1, 2, 4, 8 at 16 heads, 4k with a HIP policy forced (gfx942's and gfx950's tiles, passed
 to `MlaMetadataBuilder` as its target, compiled for this GPU): how verification scales with q_len
 on the AMD tiles (packed rows), not how fast an AMD GPU is.
@@ -38,6 +39,7 @@ FULL = [(h, c, 64, 1, None, False) for h in (16, 128) for c in (1024, 4096, 1638
 FULL += [(h, c, 1, 1, None, False) for h in (16, 128) for c in (4096, 16384)]
 FULL += [(128, c, 64, 1, None, True) for c in (4096, 16384)]
 FULL += [(16, 4096, 64, q, None, False) for q in (2, 4, 8)] + [(128, 4096, 64, 4, None, False)]
+FULL += [(8, 4096, 64, q, None, False) for q in (1, 2)]
 FULL += [(16, 4096, 64, q, arch, False) for arch in HIP_POLICIES for q in (1, 2, 4, 8)]
 QUICK = [(4, 40, 16, 1, None, False), (4, 40, 16, 1, None, True), (4, 40, 16, 2, None, False),
          (4, 40, 16, 4, "gfx942", False)]  # fmt: skip
