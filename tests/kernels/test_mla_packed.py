@@ -16,13 +16,7 @@ from portattn.kernels.mla_decode import plan_mla_decode
 from portattn.kernels.page_indices import expand_page_indices
 from portattn.mla_metadata import MlaMetadataBuilder
 from portattn.platform import get_target
-from portattn.policy.mla import (
-    MlaConfig,
-    MlaProblem,
-    mla_decode_tiles,
-    mla_row_groups,
-    mla_tile_reads,
-)
+from portattn.policy.mla import MlaConfig, MlaProblem, mla_decode_tiles, mla_row_groups
 from tests.helpers import compile_in_spawned_workers, target_compile
 from tests.kernels.test_mla_decode import (
     _poison_unowned_rows,
@@ -300,6 +294,7 @@ def test_policy_packs_16_heads_into_the_sm90_tile(q_len):
         ("sm_90", 128, 4, 2, "a token already fills the tile"),
         ("sm_90", 64, 2, 2, "a token already fills the tile"),
         ("sm_90", 16, 1, 2, "plain decode"),
+        ("sm_90", 8, 3, 2, "24 rows < PACK_MIN_ROWS"),
         ("sm_90", 16, 4, 4, "fp32"),
         ("sm_80", 16, 4, 2, "not a PACK_ARCHS target"),
         ("gfx942", 16, 1, 2, "plain decode"),
@@ -311,29 +306,6 @@ def test_policy_does_not_pack(arch, heads, q_len, elem, why):
     assert not t.packed, why
     unpacked = mla_decode_tiles(get_target(arch), _problem(heads, 1, batch=64 * q_len, elem=elem))
     assert t == unpacked  # exactly the tiles of the same tokens without packing
-
-
-@pytest.mark.parametrize(("heads", "q_len"), [(1, 2), (4, 3), (8, 2), (8, 3), (15, 2)])
-def test_policy_packs_few_rows_where_the_sm90_tile_is_taken_anyway(heads, q_len):
-    """Below `PACK_MIN_ROWS` rows the 64-row tile is the Hopper kernel's anyway (a plain step's
-    tiles): packed, a step's tokens read the cache once, not once each."""
-    t = mla_decode_tiles(SM90, _problem(heads, q_len))
-    plain = mla_decode_tiles(SM90, _problem(heads, 1, batch=64 * q_len))
-    assert (plain.block_h, plain.sm90_kernel, plain.packed) == (64, True, False)
-    assert t.packed and t.sm90_kernel and (t.block_h, t.block_n) == (64, 64)
-    assert mla_row_groups(t, heads, q_len) == 1
-    assert mla_tile_reads(64, heads, q_len, packed=True) == 1
-    assert mla_tile_reads(64, heads, q_len, packed=False) == q_len
-
-
-@pytest.mark.parametrize("heads", [1, 8])
-def test_policy_keeps_few_rows_unpacked_on_a_cache_the_sm90_kernel_cannot_run(heads):
-    """There the plain step keeps the narrow tile, and `PACK_MIN_ROWS` rows still decide."""
-    problem = dataclasses.replace(_problem(heads, 3), sm90_ready=False)
-    t = mla_decode_tiles(SM90, problem)
-    assert not t.packed and t.block_h == SM90.mma_min_rows and not t.sm90_kernel
-    many = dataclasses.replace(_problem(16, 2), sm90_ready=False)
-    assert mla_decode_tiles(SM90, many).packed
 
 
 def test_metadata_workspaces_and_grid_from_the_packed_tiles():
@@ -454,22 +426,18 @@ def test_gpu_sm90_packed_one_split(store_smem):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("heads", "max_q", "q_len"),
-    [(16, 8, 2), (16, 8, 4), (16, 8, 8), (8, 2, 2), (8, 3, 2), (4, 3, 3), (1, 2, 2)],
-)
-def test_gpu_policy_packed_with_metadata(heads, max_q, q_len):
-    """The policy's route (metadata, CUDA-graph path): packed, sm_90 kernel; below
-    `PACK_MIN_ROWS` rows too (8 heads x 2 tokens), where the tile is the 64-row one anyway."""
+@pytest.mark.parametrize("q_len", [2, 4, 8])
+def test_gpu_policy_packed_with_metadata(q_len):
+    """The policy's route (metadata, CUDA-graph path) at 16 heads: packed, sm_90 kernel."""
     target = _sm90_target()
-    dk, r = 576, 512
+    dk, r, heads = 576, 512, 16
     seq_lens = tuple(4096 - 37 * i for i in range(8))
     q, cache, bt, sl, qsl = make_inputs(
         dk, r, heads, 64, (q_len,) * 8, seq_lens, torch.bfloat16, "cuda"
     )
     b = MlaMetadataBuilder(
         target, max_batch=8, num_heads=heads, kv_lora_rank=r, head_dim_k=dk,
-        dtype=torch.bfloat16, device="cuda", max_query_len=max_q, max_seq_len=4096,
+        dtype=torch.bfloat16, device="cuda", max_query_len=8, max_seq_len=4096,
     )  # fmt: skip
     assert b.tiles.packed
     md = b.build(sl, qsl, max_query_len=q_len)

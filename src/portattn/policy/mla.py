@@ -23,9 +23,8 @@ are `MlaConfig` (`mla_config`).
 
 Packed rows (verification): rows (query token, head) of one sequence, so its tokens read the
 cache once per tile position instead of once per token; programs per sequence and split:
-`mla_row_groups`. On sm_90, fewer than 64 heads and ``max_query_len > 1`` pack rows into the
-wide tile wherever the Hopper kernel can run the cache, else from ``max_query_len * num_heads >=
-PACK_MIN_ROWS``. On HIP (gfx90a, gfx942, gfx950; 16-bit,
+`mla_row_groups`. On sm_90, fewer than 64 heads and ``max_query_len * num_heads >=
+PACK_MIN_ROWS`` pack rows into the wide tile. On HIP (gfx90a, gfx942, gfx950; 16-bit,
 ``max_query_len > 1``) the portable kernel takes the most rows of `HIP_PACK_BLOCK_H` (no more
 than ``next_pow2(max_query_len * num_heads)``) whose tile (`HIP_PACK_BLOCK_N`,
 `HIP_PACK_NUM_WARPS`, `HIP_PACK_NUM_STAGES`) fits the target's LDS (`mla_hip_packed_lds_bytes`)
@@ -94,8 +93,7 @@ SM90_BLOCK_N = 64
 SM90_STORE_SMEM_RANKS = (512,)
 #: Where rows are packed: the Hopper kernel's 64-row tile.
 PACK_ARCHS = SM90_KERNEL_ARCHS
-#: Packed rows (``max_query_len * num_heads``) from which the 64-row tile is taken for packing
-#: where the policy would otherwise keep the narrow one (a cache the Hopper kernel refuses).
+#: Packed rows (``max_query_len * num_heads``) from which the 64-row tile is taken: half a tile.
 PACK_MIN_ROWS = 32
 #: Rows of a packed HIP tile (the portable kernel), most first; budgeted for 64-lane wavefronts.
 HIP_PACK_BLOCK_H: tuple[int, ...] = (32, 16)
@@ -329,19 +327,17 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     else:
         warp_counts = (FP32_NUM_WARPS,) if fp32 else NUM_WARPS
     choice = None
-    # the Hopper kernel's 64-row tile reads faster than the narrow one below 64 heads too
-    sm90_wide = (
-        problem.sm90_ready and target.arch in SM90_KERNEL_ARCHS and elem == 2 and block_dv <= 512
-    )
-    # packed where the 64-row tile is taken anyway (then a step's tokens read the cache once,
-    # not once each), or where packing fills half of it
     pack = (
         target.arch in PACK_ARCHS
         and elem == 2
         and block_dv <= 512
         and problem.max_query_len > 1
         and problem.num_heads < WIDE_BLOCK_H
-        and (sm90_wide or problem.max_query_len * problem.num_heads >= PACK_MIN_ROWS)
+        and problem.max_query_len * problem.num_heads >= PACK_MIN_ROWS
+    )
+    # the Hopper kernel's 64-row tile reads faster than the narrow one below 64 heads too
+    sm90_wide = (
+        problem.sm90_ready and target.arch in SM90_KERNEL_ARCHS and elem == 2 and block_dv <= 512
     )
     wide = problem.num_heads >= WIDE_BLOCK_H or pack or sm90_wide
     if target.arch in WIDE_ARCHS and wide and not fp32:
