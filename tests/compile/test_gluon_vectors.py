@@ -25,17 +25,16 @@ _NARROW_STORE = re.compile(r"st\.global(?:\.\w+)*\.(?:b|u|s|f)16\b")
 _VECTOR_STORE = re.compile(r"st\.global(?:\.\w+)*\.v[24]\.b32\b")
 
 
-def _mla(aligned: bool, block_size: int = 64, heads: int = 128):
+def _mla(aligned: bool, block_size: int = 64):
     """The bench's point (128 heads, batch 64: one split, the kernel writes the bf16 output);
-    ``block_size`` 1: the page-1 cache, whose rows the kernel gathers; ``heads`` 16: two splits,
-    the kernel writes fp32 partials."""
+    ``block_size`` 1: the page-1 cache, whose rows the kernel gathers."""
     import torch
 
     from portattn.kernels.mla_decode import plan_mla_decode
     from portattn.platform import get_target
 
     meta = dict(device="meta")
-    q = torch.empty(64, heads, 576, dtype=torch.bfloat16, **meta)
+    q = torch.empty(64, 128, 576, dtype=torch.bfloat16, **meta)
     pages = 4096 // block_size
     cache = torch.empty(64 * pages + 1, block_size, 576, dtype=torch.bfloat16, **meta)
     bt = torch.empty(64, pages, dtype=torch.int32, **meta)
@@ -45,8 +44,7 @@ def _mla(aligned: bool, block_size: int = 64, heads: int = 128):
         q, cache, bt, sl, kv_lora_rank=512, scale=0.05, out=out, target=get_target("sm_90")
     )
     (main,) = [launch for launch in launches if launch.name == "mla_decode_sm90"]
-    assert main.args["NUM_SPLITS"] == (1 if heads == 128 else 2)
-    assert main.args["OUT_VEC"] is aligned
+    assert main.args["NUM_SPLITS"] == 1 and main.args["OUT_VEC"] is aligned
     return main
 
 
@@ -98,8 +96,6 @@ def _accesses(kernel: str, aligned: bool) -> dict:
         launch = _mla(aligned)
     elif kernel == "mla-gather":
         launch = _mla(aligned, block_size=1)
-    elif kernel == "mla-split":
-        launch = _mla(aligned, heads=16)
     else:  # "prefill", or "prefill128": 128-token pages (one TMA box a K or V tile); "2wg":
         # the two-warpgroup turns on 128-token tiles
         launch = _prefill(aligned, 128 if kernel.endswith("128") else 16, "2wg" in kernel)
@@ -110,7 +106,6 @@ def _accesses(kernel: str, aligned: bool) -> dict:
         narrow_loads=len(_NARROW_LOAD.findall(ptx)),
         narrow_stores=len(_NARROW_STORE.findall(ptx)),
         vector_stores=len(_VECTOR_STORE.findall(ptx)),
-        stores_16_bytes=len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32\b", ptx)),
         fma=ptx.count("fma.rn.f32"),
         shuffles=ptx.count("shfl.sync"),
         lazy_branches=len(re.findall(r"bra lazy_skip_\d+;", ptx)),
@@ -146,7 +141,7 @@ def _gather_runs(ptx: str) -> list[tuple[int, int]]:
 def accesses() -> dict:
     jobs = [(kernel, aligned) for kernel in ("mla", "prefill") for aligned in (True, False)]
     jobs += [("prefill128", True), ("prefill-2wg", True), ("prefill-2wg128", True)]
-    jobs += [("mla-gather", True), ("mla-split", True)]
+    jobs += [("mla-gather", True)]
     return in_spawned_workers(_accesses, jobs)
 
 
@@ -157,14 +152,6 @@ def test_mla_output_goes_out_in_vectors(accesses):
     # left alone: the query's rope part, read once a program into the score MMA's registers
     # (64 x 64 over a warpgroup: 32 elements a thread, in warpgroup 1 only)
     assert got["narrow_loads"] == 32, got
-    assert got["spills"] == 0
-
-
-def test_mla_split_partials_go_out_in_16_byte_vectors(accesses):
-    """Two splits (16 heads): each warpgroup's fp32 partial goes through shared memory, 16 bytes
-    a thread a store (32 a thread), not the accumulators' 8-byte pairs (64 a thread)."""
-    got = accesses["mla-split", True]
-    assert got["stores_16_bytes"] == 64 and got["vector_stores"] == 64, got
     assert got["spills"] == 0
 
 

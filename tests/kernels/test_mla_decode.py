@@ -705,24 +705,6 @@ def test_gpu_sm90_query_and_output_forms(form, store_smem):
         assert torch.isnan(out._base[..., 512:]).all()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", [16, 63])
-@pytest.mark.parametrize("store_smem", [True, False])
-def test_gpu_sm90_split_partials_through_shared_memory(heads, store_smem):
-    """Three splits: each split's fp32 partial goes out through the warpgroup's two latent halves
-    (``STORE_SMEM``) or straight from the accumulators, its real heads' rows only (the padded
-    rows' workspace stays poisoned); 16 heads fill a quarter of the 64-row tile, 63 all but one
-    row. Both paths against the oracle."""
-    target = _sm90_target()
-    q, cache, bt, sl, qsl = make_inputs(576, 512, heads, 64, None, (4100, 700, 65),
-                                        torch.bfloat16, "cuda")  # fmt: skip
-    _poison_unowned_rows(cache, bt, sl)
-    config = MlaConfig(store_smem=store_smem)
-    launch = _check_sm90(target, q, cache, bt, sl, qsl, 512, 3, config=config)
-    assert (launch.args["NUM_SPLITS"], launch.args["STORE_SMEM"]) == (3, store_smem)
-    assert launch.args["OUT_VEC"] is True
-
-
 def _sm90_target():
     from portattn.platform import current_target
 

@@ -55,12 +55,12 @@ running max starts at -1e30, so a row with no column in a tile or split stays fi
 
 Prologue and epilogue. Unpacked, the query's rows are read first (their addresses need no
 metadata); both first tiles' rows are read before either copy, and the query goes into shared
-memory once the first copies are issued. With ``STORE_SMEM`` (`MlaConfig.store_smem`) each
-warpgroup writes its output columns through its buffer-0 half (a split's fp32 partial through
-both its halves), which no MMA reads any more, then in 16-byte stores, a warp a row. A
-warpgroup's code does not see the launch's alignment, so the launcher tells it (``OUT_VEC``,
-`rows_aligned`); without it, stores go element by element. Diagnostic: with a ``trace`` buffer
-the launcher builds a kernel that stamps each pair's steps (``TRACE``).
+memory once the first copies are issued. With one split and ``STORE_SMEM``
+(`MlaConfig.store_smem`) each warpgroup writes its output columns through its buffer-0 half,
+which no MMA reads any more, then in 16-byte stores, a warp a row. A warpgroup's code does not
+see the launch's alignment, so the launcher tells it (``OUT_VEC``, `rows_aligned`); without it,
+stores go element by element. Diagnostic: with a ``trace`` buffer the launcher builds a kernel
+that stamps each pair's steps (``TRACE``).
 
 Requirements (checked by the launcher, `sm90_errors`): sm_90, fp16/bf16, ``BLOCK_H = BLOCK_N =
 64``, ``kv_lora_rank`` in 128 / 256 / 512, rope width a power of two in 16..128, the shared
@@ -291,7 +291,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     """Warpgroup WG's whole loop and its half of the epilogue (module doc). ``rt``: the runtime
     values, in the order the kernel packs them. PACKED: rows are (query token, head) pairs of
     one sequence (`_packed_rows`), each masked at its own causal limit.
-    STORE_SMEM: the output goes through this warpgroup's latent halves. OUT_VEC: the rows
+    STORE_SMEM: a one-split output goes through this warpgroup's buffer-0 half. OUT_VEC: the rows
     it writes are aligned (`rows_aligned`). TRACE, ``tr``: the diagnostic stamps and (trace
     buffer, program id)."""
     (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
@@ -499,27 +499,19 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     l_safe = gl.where(has, l_i, 1.0)
     lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     o = acc / gl.convert_layout(l_safe, PV_ROW)[:, None]
-    if STORE_SMEM:
-        # through shared memory, read back 16 bytes a thread: every MMA of both warpgroups has
-        # returned (the row sums' exchange follows both loops) and no copy is in flight
-        # (nothing is issued past the last tile), so this warpgroup's latent halves are free:
-        # the output takes its buffer-0 half, a split's fp32 partial both halves
+    if NUM_SPLITS == 1 and STORE_SMEM:
+        # through shared memory, read back 8 columns a thread: every MMA of both warpgroups
+        # has returned (the row sums' exchange follows both loops) and no copy is in flight
+        # (nothing is issued past the last tile), so this warpgroup's buffer 0 half is free
         if WG == 0:  # noqa: SIM108 (a constexpr branch)
-            halves = latl_smem
+            obuf = latl_smem.index(0)
         else:
-            halves = latr_smem
+            obuf = latr_smem.index(0)
         fence_async_shared()
-        if NUM_SPLITS == 1:
-            obuf = halves.index(0)
-            obuf.store(o.to(dtype))
-        else:
-            F32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32)
-            obuf = halves._reinterpret(gl.float32, [BLOCK_H, HALF], F32)
-            obuf.store(o)
+        obuf.store(o.to(dtype))
         gl.thread_barrier()
-        PER: gl.constexpr = 8 if NUM_SPLITS == 1 else 4  # 16 bytes of the written dtype
-        TPC: gl.constexpr = 32 if HALF >= 32 * PER else HALF // PER
-        OUT: gl.constexpr = gl.BlockedLayout([1, PER], [32 // TPC, TPC], [4, 1], [1, 0])
+        TPC: gl.constexpr = 32 if HALF >= 256 else HALF // 8
+        OUT: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [4, 1], [1, 0])
         o = obuf.load(OUT)
         O_ROW: gl.constexpr = gl.SliceLayout(1, OUT)
         od = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, OUT))

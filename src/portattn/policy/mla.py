@@ -88,7 +88,7 @@ TMA_MIN_CAPABILITY = 90
 SM90_KERNEL_ARCHS = ("sm_90",)
 #: The Hopper kernel's KV tile: pages of a multiple of it are copied by TMA boxes, others gathered.
 SM90_BLOCK_N = 64
-#: Latent ranks whose output goes out through shared memory (`MlaConfig.store_smem`):
+#: Latent ranks whose one-split output goes out through shared memory (`MlaConfig.store_smem`):
 #: the rank a GPU ran it at (its read-back layout depends on the half width).
 SM90_STORE_SMEM_RANKS = (512,)
 #: Where rows are packed: the Hopper kernel's 64-row tile.
@@ -448,9 +448,8 @@ class MlaConfig:
     """The Hopper kernel's schedule choices for a launch (`mla_config`; ``mla_decode(config=)``).
 
     Attributes:
-        store_smem: the output (with splits, each split's fp32 partial) goes out through shared
-            memory, 16-byte stores a warp a row, instead of straight from the MMA accumulators;
-            only at `SM90_STORE_SMEM_RANKS`.
+        store_smem: a one-split output goes out through shared memory, 16-byte stores a warp a
+            row, instead of straight from the MMA accumulators; only at `SM90_STORE_SMEM_RANKS`.
     """
 
     store_smem: bool = False
