@@ -149,13 +149,19 @@ def require_gpu(prog: str) -> None:
         raise SystemExit(f"{prog}: needs a CUDA/HIP device (interpreter timings mean nothing)")
 
 
+def row_selected(name: str, entry: str) -> bool:
+    """Whether one ``--rows`` entry selects row ``name``: ``=NAME`` the row of exactly that
+    name, any other entry every row whose name holds it (``q1`` also holds ``q1 gfx942 tiles``)."""
+    return name == entry[1:] if entry.startswith("=") else entry in name
+
+
 @dataclass
 class Context:
     """What a family's ``rows`` gets: the device, the size switch, the row filter, the timer."""
 
     device: str
     quick: bool = False
-    only_rows: tuple[str, ...] = ()  # substrings; a row runs when its name holds one (or none)
+    only_rows: tuple[str, ...] = ()  # `row_selected` entries; a row runs when one selects it
     reps: int = 50
     _ceilings: dict = field(default_factory=dict)
     _flush: torch.Tensor | None = None
@@ -166,7 +172,7 @@ class Context:
         return self.device == "cuda"
 
     def want(self, name: str) -> bool:
-        return not self.only_rows or any(s in name for s in self.only_rows)
+        return not self.only_rows or any(row_selected(name, s) for s in self.only_rows)
 
     def check_once(self, fn: Callable[[], object], out: torch.Tensor,
                    check: Callable[[], dict]) -> dict:  # fmt: skip

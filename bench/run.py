@@ -2,7 +2,7 @@
 
 Usage (repository root; ``PYTHONPATH=src`` or portattn installed)::
 
-    python -m bench.run [--only paged,mla,...] [--rows SUBSTR,...] [--quick] [--out results.json]
+    python -m bench.run [--only paged,mla,...] [--rows SUBSTR|=NAME,...] [--quick] [--out F]
                         [--rounds N] [--compare OLD_SRC_DIR]
     python -m bench.results results.json > bench/RESULTS.md
 
@@ -88,9 +88,9 @@ def row_names(families, quick: bool) -> dict[str, list[str]]:
 
 
 def _matching(names: dict[str, list[str]], rows: str) -> list[str]:
-    """The names that hold one of the comma-separated substrings ``rows``."""
+    """The names that one of the comma-separated entries ``rows`` selects (`row_selected`)."""
     subs = [s for s in rows.split(",") if s]
-    return [n for ns in names.values() for n in ns if any(s in n for s in subs)]
+    return [n for ns in names.values() for n in ns if any(core.row_selected(n, s) for s in subs)]
 
 
 def triton_interpret() -> bool:
@@ -100,9 +100,9 @@ def triton_interpret() -> bool:
 
 
 def _unmatched(names: dict[str, list[str]], rows: str) -> list[str]:
-    """The comma-separated substrings of ``rows`` that no name holds."""
+    """The comma-separated entries of ``rows`` that select no name."""
     every = [n for ns in names.values() for n in ns]
-    return [s for s in rows.split(",") if s and not any(s in n for n in every)]
+    return [s for s in rows.split(",") if s and not any(core.row_selected(n, s) for n in every)]
 
 
 def run_families(families, ctx: core.Context, log=sys.stderr) -> dict:
@@ -261,7 +261,9 @@ def parse(argv=None):
         "--only", default=None, help=f"comma-separated families of {','.join(FAMILIES)} (all)"
     )
     ap.add_argument(
-        "--rows", default=None, help="comma-separated substrings of row names to run (all)"
+        "--rows",
+        default=None,
+        help="comma-separated substrings of row names to run, or =NAME for one row (all)",
     )
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU interpreter, smoke)")
     ap.add_argument("--out", default=None, help="write the JSON document here (default: stdout)")
@@ -309,11 +311,11 @@ def parse(argv=None):
     names = row_names(opts.families, opts.quick) if opts.rows and not opts.child_json else None
     if names is not None and not _matching(names, opts.rows):
         ap.error(f"no row matches --rows {opts.rows!r} in {list(opts.families)} "
-                 "(substrings of the row names in bench/RESULTS.md)")  # fmt: skip
+                 "(substrings of the row names in bench/RESULTS.md, or =NAME)")  # fmt: skip
     unmatched = [] if names is None else _unmatched(names, opts.rows)
     if unmatched:  # a typo would leave its rows out of a run taken as complete
         ap.error(f"--rows: {unmatched} match no row in {list(opts.families)} (substrings of "
-                 "the row names in bench/RESULTS.md)")  # fmt: skip
+                 "the row names in bench/RESULTS.md, or =NAME)")  # fmt: skip
     return opts
 
 

@@ -704,6 +704,27 @@ def test_every_part_of_rows_must_match_a_row(capsys):
     assert "--rows: ['pgae idx'] match no row in ['cache']" in capsys.readouterr().err
 
 
+def test_an_entry_with_a_leading_equals_selects_one_row_by_its_whole_name(capsys):
+    """A substring selects every row that holds it (the 16-head 4k q1 row's name is held by the
+    HIP tiles' q1 rows too); ``=NAME`` selects that row alone, and names no row but a whole
+    name."""
+    names = run.row_names(["mla"], quick=False)
+    q1 = "mla 16h 64x4k page64 q1"
+    assert run._matching(names, q1) == [q1, f"{q1} gfx942 tiles", f"{q1} gfx950 tiles"]
+    assert run._matching(names, f"={q1}") == [q1]
+    assert run._matching(names, f"={q1},=mla 8h 64x4k page64 q2") == [
+        q1, "mla 8h 64x4k page64 q2"
+    ]  # fmt: skip
+    assert core.row_selected("mla 128h 64x4k page64 q1", "8h")
+    assert not core.row_selected("mla 128h 64x4k page64 q1", "=8h")
+    opts = run.parse(["--only", "mla", "--rows", f"={q1}"])
+    ctx = core.Context("cpu", only_rows=(opts.rows,))
+    assert [n for n in names["mla"] if ctx.want(n)] == [q1]
+    with pytest.raises(SystemExit):
+        run.parse(["--only", "mla", "--rows", f"{q1},=mla 16h 64x4k"])
+    assert "--rows: ['=mla 16h 64x4k'] match no row in ['mla']" in capsys.readouterr().err
+
+
 def test_a_gpu_run_under_the_interpreter_is_refused(monkeypatch):
     """TRITON_INTERPRET on (any value Triton reads as on) where a GPU is: the rows would be
     interpreter timings recorded as GPU ones."""
