@@ -48,6 +48,15 @@ each of its 128 threads arrives on the tile barrier once its copies land (``cp.a
 .noinc``; the barriers count 128), so the hand-offs are unchanged. The MMAs read through the async
 proxy what cp.async wrote through the generic one: a proxy fence after each tile wait.
 
+Heads as N (``HEADS_N``, `MlaConfig.heads_n`: at most 16 heads of one query token a program):
+the 64-row tile would leave 48 of its rows padding, and every MMA would still work on them, so
+a pair's MMAs take about as long as the pair's copies at the card's read rate and the tiles'
+buffers spend that time out of flight. Instead each MMA takes the heads as its N:
+``S^T = K Q^T`` (the tile's 64 tokens as M; the query, rope part included, in shared memory)
+and ``O^T += V^T P^T`` (the warpgroup's latent columns as M, the tile read transposed), a
+quarter of the work (`_warpgroup_heads_n`). The softmax runs down the columns; the hand-offs,
+loads and barriers are the same.
+
 Packed rows (``PACKED``, `MlaTiles.packed`): the 64 rows are (query token,
 head) pairs of one sequence (`_packed_rows`; 16 heads x 4 tokens fill the tile), the tile's range
 comes from its last real row, and each row's scores are masked at its own causal limit (the
