@@ -87,9 +87,14 @@ def row_names(families, quick: bool) -> dict[str, list[str]]:
     return {f: importlib.import_module(f"bench.{f}").names(quick) for f in families}
 
 
+def row_entries(rows: str) -> tuple[str, ...]:
+    """The entries of a ``--rows`` value (comma-separated; empty ones dropped)."""
+    return tuple(s for s in rows.split(",") if s)
+
+
 def _matching(names: dict[str, list[str]], rows: str) -> list[str]:
     """The names that one of the comma-separated entries ``rows`` selects (`row_selected`)."""
-    subs = [s for s in rows.split(",") if s]
+    subs = row_entries(rows)
     return [n for ns in names.values() for n in ns if any(core.row_selected(n, s) for s in subs)]
 
 
@@ -102,7 +107,7 @@ def triton_interpret() -> bool:
 def _unmatched(names: dict[str, list[str]], rows: str) -> list[str]:
     """The comma-separated entries of ``rows`` that select no name."""
     every = [n for ns in names.values() for n in ns]
-    return [s for s in rows.split(",") if s and not any(core.row_selected(n, s) for n in every)]
+    return [s for s in row_entries(rows) if not any(core.row_selected(n, s) for n in every)]
 
 
 def run_families(families, ctx: core.Context, log=sys.stderr) -> dict:
@@ -344,7 +349,7 @@ def main(argv=None) -> int:
                   f"here ({why})", file=sys.stderr)  # fmt: skip
             return 2
     ctx = core.Context(device, quick=opts.quick, reps=opts.reps,
-                       only_rows=tuple(s for s in opts.rows.split(",") if s))  # fmt: skip
+                       only_rows=row_entries(opts.rows))  # fmt: skip
     if opts.child_json:
         import portattn
 

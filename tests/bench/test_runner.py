@@ -718,7 +718,7 @@ def test_an_entry_with_a_leading_equals_selects_one_row_by_its_whole_name(capsys
     assert core.row_selected("mla 128h 64x4k page64 q1", "8h")
     assert not core.row_selected("mla 128h 64x4k page64 q1", "=8h")
     opts = run.parse(["--only", "mla", "--rows", f"={q1}"])
-    ctx = core.Context("cpu", only_rows=(opts.rows,))
+    ctx = core.Context("cpu", only_rows=run.row_entries(opts.rows))
     assert [n for n in names["mla"] if ctx.want(n)] == [q1]
     with pytest.raises(SystemExit):
         run.parse(["--only", "mla", "--rows", f"{q1},=mla 16h 64x4k"])
