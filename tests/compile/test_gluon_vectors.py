@@ -25,26 +25,27 @@ _NARROW_STORE = re.compile(r"st\.global(?:\.\w+)*\.(?:b|u|s|f)16\b")
 _VECTOR_STORE = re.compile(r"st\.global(?:\.\w+)*\.v[24]\.b32\b")
 
 
-def _mla(aligned: bool, block_size: int = 64):
+def _mla(aligned: bool, block_size: int = 64, heads: int = 128):
     """The bench's point (128 heads, batch 64: one split, the kernel writes the bf16 output);
-    ``block_size`` 1: the page-1 cache, whose rows the kernel gathers."""
+    ``block_size`` 1: the page-1 cache, whose rows the kernel gathers; ``heads`` 16: the
+    16-head point (two splits: the kernel writes fp32 partials)."""
     import torch
 
     from portattn.kernels.mla_decode import plan_mla_decode
     from portattn.platform import get_target
 
     meta = dict(device="meta")
-    q = torch.empty(64, 128, 576, dtype=torch.bfloat16, **meta)
+    q = torch.empty(64, heads, 576, dtype=torch.bfloat16, **meta)
     pages = 4096 // block_size
     cache = torch.empty(64 * pages + 1, block_size, 576, dtype=torch.bfloat16, **meta)
     bt = torch.empty(64, pages, dtype=torch.int32, **meta)
     sl = torch.empty(64, dtype=torch.int32, **meta)
-    out = None if aligned else torch.empty(64, 128, 520, dtype=torch.bfloat16, **meta)[..., 1:513]
+    out = None if aligned else torch.empty(64, heads, 520, dtype=torch.bfloat16, **meta)[..., 1:513]
     launches = plan_mla_decode(
         q, cache, bt, sl, kv_lora_rank=512, scale=0.05, out=out, target=get_target("sm_90")
     )
     (main,) = [launch for launch in launches if launch.name == "mla_decode_sm90"]
-    assert main.args["NUM_SPLITS"] == 1 and main.args["OUT_VEC"] is aligned
+    assert main.args["NUM_SPLITS"] == (1 if heads > 16 else 2) and main.args["OUT_VEC"] is aligned
     return main
 
 
@@ -96,6 +97,8 @@ def _accesses(kernel: str, aligned: bool) -> dict:
         launch = _mla(aligned)
     elif kernel == "mla-gather":
         launch = _mla(aligned, block_size=1)
+    elif kernel == "mla16":
+        launch = _mla(aligned, heads=16)
     else:  # "prefill", or "prefill128": 128-token pages (one TMA box a K or V tile); "2wg":
         # the two-warpgroup turns on 128-token tiles
         launch = _prefill(aligned, 128 if kernel.endswith("128") else 16, "2wg" in kernel)
@@ -111,6 +114,7 @@ def _accesses(kernel: str, aligned: bool) -> dict:
         lazy_branches=len(re.findall(r"bra lazy_skip_\d+;", ptx)),
         gathers=_gather_runs(ptx),
         spills=spills,
+        mma_shapes=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
     )
 
 
@@ -141,7 +145,7 @@ def _gather_runs(ptx: str) -> list[tuple[int, int]]:
 def accesses() -> dict:
     jobs = [(kernel, aligned) for kernel in ("mla", "prefill") for aligned in (True, False)]
     jobs += [("prefill128", True), ("prefill-2wg", True), ("prefill-2wg128", True)]
-    jobs += [("mla-gather", True)]
+    jobs += [("mla-gather", True), ("mla16", True)]
     return in_spawned_workers(_accesses, jobs)
 
 
@@ -153,6 +157,17 @@ def test_mla_output_goes_out_in_vectors(accesses):
     # (64 x 64 over a warpgroup: 32 elements a thread, in warpgroup 1 only)
     assert got["narrow_loads"] == 32, got
     assert got["spills"] == 0
+
+
+def test_mla_16_heads_take_the_heads_as_the_mmas_n(accesses):
+    """The 16-head launch (`MlaConfig.heads_n`): every MMA is 64 x 16 (tokens or latent columns
+    by heads), none works on padded head rows; the partials go out in 16-byte stores."""
+    got = accesses["mla16", True]
+    assert got["mma_shapes"] == ["m64n16k16"], got
+    assert got["narrow_stores"] == 0 and got["vector_stores"] > 0, got
+    assert got["spills"] == 0, got
+    # the 128-head launch keeps its 64-row tiles
+    assert accesses["mla", True]["mma_shapes"] == ["m64n256k16", "m64n64k16"]
 
 
 #: Spill bytes of the policy's head_dim-128 prefill build (three warpgroups at 160 registers):

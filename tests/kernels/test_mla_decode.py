@@ -624,6 +624,55 @@ def test_gpu_sm90_gather(dk, r, heads, bs, form, q_lens, seq_lens, splits):
     assert launch.args["GATHER"] is True
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dk", "r", "heads", "bs", "form", "q_lens", "seq_lens", "splits"),
+    [
+        (576, 512, 16, 64, "block_table", None, (4100, 1, 777, 64), None),  # policy's splits
+        (576, 512, 16, 64, "block_table", None, (4100, 1, 777, 64), 1),  # the bf16 output
+        (576, 512, 16, 64, "block_table", None, (1, 64, 65, 5000), 7),  # empty splits
+        (576, 512, 8, 1, "page_indices", None, (1, 63, 129, 3000), 3),  # gather, partial tiles
+        (576, 512, 16, 1, "block_table", None, (32768, 6), 2),  # gather, long context
+        (576, 512, 1, 16, "block_table", None, (300, 2000), None),  # one head
+        (576, 512, 13, 128, "page_indices", None, (4097, 100), 2),  # 13 heads, 128-token pages
+        (320, 256, 16, 64, "block_table", None, (127, 9000), 3),  # rope 64
+        (160, 128, 16, 64, "block_table", None, (700, 1500), None),  # rank 128, rope 32
+        (272, 256, 5, 1, "block_table", None, (300, 2000), 2),  # rope 16
+        (384, 256, 16, 32, "page_indices", None, (129, 4000), None),  # rope 128
+    ],
+)
+def test_gpu_sm90_heads_as_n(dk, r, heads, bs, form, q_lens, seq_lens, splits):
+    """At most 16 heads of one query token, the Hopper kernel with the heads as its MMAs' N
+    (`MlaConfig.heads_n`) against the oracle, over TMA pages and the gather, one split (the bf16
+    output) and several (partials: the padded heads' never written), every rank and rope
+    width; unowned cache rows are NaN."""
+    target = _sm90_target()
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.bfloat16, "cuda")
+    _poison_unowned_rows(cache, bt, sl)
+    pages = expand_page_indices(bt, sl, bs) if form == "page_indices" else None
+    launch = _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=pages,
+                         config=MlaConfig(heads_n=True))  # fmt: skip
+    assert launch.args["HEADS_N"] is True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["contiguous", "padded", "dim2", "odd"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_gpu_sm90_heads_as_n_query_and_output_forms(form, splits):
+    """The heads-as-N schedule with a query and an output of every form `_restride` makes,
+    both rows of varying tokens (``query_start_loc``, one token a sequence) and the output
+    written by the kernel (one split) or by the reduce (two)."""
+    target = _sm90_target()
+    q, cache, bt, sl, qsl = make_inputs(576, 512, 16, 64, (1, 1, 1), (4100, 70, 3),
+                                        torch.bfloat16, "cuda")  # fmt: skip
+    _poison_unowned_rows(cache, bt, sl)
+    q = _restride(q, form)
+    out = _restride(torch.zeros(q.shape[0], 16, 512, dtype=q.dtype, device="cuda"), form)
+    launch = _check_sm90(target, q, cache, bt, sl, qsl, 512, splits, out=out,
+                         config=MlaConfig(heads_n=True))  # fmt: skip
+    assert launch.args["HEADS_N"] is True
+
+
 def _run_rows(num_rows: int, g: torch.Generator) -> tuple[list[int], list[int]]:
     """Two sequences' cache rows (page size 1), tile by tile (64 positions each): one run at an
     odd offset, a reversed run, a run with its last row moved, scattered rows, the cache's last

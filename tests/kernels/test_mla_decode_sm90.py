@@ -204,28 +204,55 @@ def test_launch_takes_the_config_and_the_output_alignment():
     assert off.args["STORE_SMEM"] is False
 
 
+def test_heads_as_n_is_refused_where_the_launch_cannot_take_it():
+    """A config asking for the heads as the MMAs' N is refused, naming the rule, where the
+    launch has more than 16 heads or packs a verification step's (token, head) rows."""
+    meta = dict(device="meta")
+    cache = _cache(pages=65, block_size=64)
+    sl = torch.empty(4, dtype=torch.int32, **meta)
+    bt = torch.empty(4, 16, dtype=torch.int32, **meta)
+    kw = dict(kv_lora_rank=512, scale=0.05, target=SM90, config=MlaConfig(heads_n=True))
+    q = torch.empty(4, 32, 576, dtype=torch.bfloat16, **meta)
+    with pytest.raises(ValueError, match=r"config.heads_n must be False at 32 heads"):
+        plan_mla_decode(q, cache, bt, sl, **kw)
+    q = torch.empty(16, 16, 576, dtype=torch.bfloat16, **meta)
+    qsl = torch.empty(5, dtype=torch.int32, **meta)
+    with pytest.raises(ValueError, match=r"config.heads_n must be False where the launch packs"):
+        plan_mla_decode(q, cache, bt, sl, query_start_loc=qsl, **kw)
+    q = torch.empty(4, 16, 576, dtype=torch.bfloat16, **meta)
+    main = plan_mla_decode(q, cache, bt, sl, **kw)[0]
+    assert (main.args["HEADS_N"], main.args["BLOCK_H"]) == (True, 16)
+
+
 @pytest.mark.parametrize(("dtype", "dk", "rank"), [(torch.bfloat16, 576, 512),
                                                    (torch.float16, 320, 256)])  # fmt: skip
 def test_launch_layouts_are_the_default_ones_for_its_widths(dtype, dk, rank):
     """The shared layouts a launch carries (built once per dtype and widths) are Gluon's defaults
-    for its latent half, rope, query half and P tiles, whichever launch asked first."""
+    for its latent half, rope, query half, P and query rope tiles, whichever launch asked first;
+    16 heads take the heads-as-N tiles (16 query rows, P as 64 tokens x 16 heads)."""
     from triton.experimental.gluon import language as gl
 
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
-    want = {
-        "Q_LAYOUT": gl.NVMMASharedLayout.get_default_for([64, rank // 2], gl_dtype),
-        "P_LAYOUT": gl.NVMMASharedLayout.get_default_for([64, 64], gl_dtype),
-    }
+
+    def want(bh: int, p: list[int]) -> dict:
+        return {
+            "Q_LAYOUT": gl.NVMMASharedLayout.get_default_for([bh, rank // 2], gl_dtype),
+            "P_LAYOUT": gl.NVMMASharedLayout.get_default_for(p, gl_dtype),
+            "QPE_LAYOUT": gl.NVMMASharedLayout.get_default_for([bh, dk - rank], gl_dtype),
+            "BLOCK_H": bh,
+            "HEADS_N": bh == 16,
+        }
+
     lat = gl.NVMMASharedLayout.get_default_for([64, rank // 2], gl_dtype)
     pe = gl.NVMMASharedLayout.get_default_for([64, dk - rank], gl_dtype)
-    for heads in (16, 128):
+    for heads, expect in ((16, want(16, [64, 16])), (128, want(64, [64, 64]))):
         q = torch.empty(4, heads, dk, dtype=dtype, device="meta")
         bt = torch.empty(4, 16, dtype=torch.int32, device="meta")
         sl = torch.empty(4, dtype=torch.int32, device="meta")
         cache = _cache(pages=65, width=dk, dtype=dtype)
         main = plan_mla_decode(q, cache, bt, sl, kv_lora_rank=rank, scale=0.05, target=SM90)[0]
         assert main.name == "mla_decode_sm90"
-        assert {k: main.args[k] for k in want} == want
+        assert {k: main.args[k] for k in expect} == expect
         assert (main.args["lat_desc"].layout, main.args["pe_desc"].layout) == (lat, pe)
         assert main.args["lat_desc"].block_shape == [64, rank // 2]
 

@@ -913,7 +913,8 @@ def _value_errors(
                 f"{md.partial_out.device}"
             )
     if isinstance(config, MlaConfig) and is_int(kv_lora_rank):
-        errors += mla_config_errors(config, kv_lora_rank)
+        heads = query.shape[1] if isinstance(query, torch.Tensor) and query.dim() == 3 else 0
+        errors += mla_config_errors(config, kv_lora_rank, heads)
     return errors
 
 
@@ -1369,6 +1370,12 @@ def plan_mla_decode(
     if tiles.sm90_kernel and sm90_tile and sm90_ready:
         if config is None:
             config = mla_config(target, problem)
+        elif config.heads_n and tiles.packed:
+            raise ValueError(
+                f"{_OP}: config.heads_n must be False where the launch packs (query token, head) "
+                f"rows (q_len up to {problem.max_query_len}: one query token a program is its "
+                "rule); got True"
+            )
         main = sm90_launch(main, kv_cache, kv_lora_rank, config, trace)
     elif trace is not None:
         raise ValueError(

@@ -48,6 +48,15 @@ each of its 128 threads arrives on the tile barrier once its copies land (``cp.a
 .noinc``; the barriers count 128), so the hand-offs are unchanged. The MMAs read through the async
 proxy what cp.async wrote through the generic one: a proxy fence after each tile wait.
 
+Heads as N (``HEADS_N``, `MlaConfig.heads_n`: at most 16 heads of one query token a program):
+the 64-row tile would leave 48 of its rows padding, and every MMA would still work on them, so
+a pair's MMAs take about as long as the pair's copies at the card's read rate and the tiles'
+buffers spend that time out of flight. Instead each MMA takes the heads as its N:
+``S^T = K Q^T`` (the tile's 64 tokens as M; the query, rope part included, in shared memory)
+and ``O^T += V^T P^T`` (the warpgroup's latent columns as M, the tile read transposed), a
+quarter of the work (`_warpgroup_heads_n`). The softmax runs down the columns; the hand-offs,
+loads and barriers are the same.
+
 Packed rows (``PACKED``, `MlaTiles.packed`): the 64 rows are (query token,
 head) pairs of one sequence (`_packed_rows`; 16 heads x 4 tokens fill the tile), the tile's range
 comes from its last real row, and each row's scores are masked at its own causal limit (the
@@ -99,6 +108,8 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 #: The tile this kernel is written for (the policy's wide CUDA tile).
 BLOCK_H = 64
 BLOCK_N = mla_policy.SM90_BLOCK_N
+#: Heads a program of the `HEADS_N` schedule serves (the MMAs' N).
+HEADS_N_BLOCK_H = mla_policy.HEADS_N_MAX
 #: Warps of the default partition (warpgroup 0); warpgroup 1 is a worker partition of 4 more.
 NUM_WARPS = 4
 #: Registers per thread each warpgroup asks for (`setmaxnreg`; 8 warps share the 64K file).
@@ -295,8 +306,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     it writes are aligned (`rows_aligned`). TRACE, ``tr``: the diagnostic stamps and (trace
     buffer, program id)."""
     (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
-     stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
-     latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
+     stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, qpe_smem,
+     latl_smem, latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
      part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
      stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
      stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
@@ -564,6 +575,207 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
 
 
 @gluon.jit
+def _warpgroup_heads_n(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
+                       GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, OUT_VEC: gl.constexpr,
+                       TRACE: gl.constexpr, tr):  # fmt: skip
+    """`_warpgroup` with the heads as the MMAs' N (``HEADS_N``: at most 16 heads, one query token
+    a program): the scores are computed transposed, ``S^T = K Q^T`` (a tile's 64 tokens as M),
+    and the output as ``O^T += V^T P^T`` (this warpgroup's latent columns as M), so no MMA
+    works on padded head rows. The softmax runs down the columns; each warpgroup keeps its row
+    sums as a ``[BLOCK_N, BLOCK_H]`` partial summed once at the end. Same hand-offs, loads,
+    barriers and outputs as `_warpgroup`."""
+    (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
+     stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, qpe_smem,
+     latl_smem, latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
+     part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
+     stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
+     stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
+     stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
+     seq_len) = rt  # fmt: skip
+    gather = (kv_ptr, stride_kv_row, end)
+    trace_ptr, pid = tr
+    tr = (trace_ptr, (pid * 2 + WG).to(gl.int64) * ((TRACE_PAIRS + 1) * TRACE_EVENTS))
+    dtype: gl.constexpr = ql_smem.dtype
+    BLOCK_H: gl.constexpr = ql_smem.shape[1]
+    HALF: gl.constexpr = ql_smem.shape[2]
+    BLOCK_N: gl.constexpr = latl_smem.shape[1]
+    ST: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16]
+    )
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    COL: gl.constexpr = gl.SliceLayout(0, ST)
+    bar_ma = sync_bars.index(0)
+    bar_pa = sync_bars.index(1)
+    bar_pb = sync_bars.index(2)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=COL)
+    l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST)
+    acc = gl.zeros([HALF, BLOCK_H], gl.float32, layout=ST)
+    toks = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ST))
+    steps = gl.cdiv(num_tiles, 2) * 2
+    lead = (hg == 0) & (tok == q_start)
+    if GATHER:  # noqa: SIM108 (a constexpr branch, not a runtime select)
+        opaque = (stride_kv_row < 0).to(gl.int32)
+    else:
+        opaque = (block_size < 0).to(gl.int32)  # 0, unknown to ptxas (module doc)
+    for j in range(steps // 2):
+        ph = j & 1
+        b0 = ph & opaque
+        b1 = b0 ^ 1
+        own = WG ^ b0
+        n_a = start + (2 * j) * BLOCK_N
+        n_b = n_a + BLOCK_N
+        jt = trace_slot(j, TRACE, TRACE_PAIRS)
+        _trace_stamp(tr, jt, 0, TRACE)
+        rows_a = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
+                                  end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        rows_b = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
+                                  end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        mbarrier.wait(tma_bars.index(2 * own), ph)
+        _trace_stamp(tr, jt, 1, TRACE)
+        if GATHER:
+            fence_async_shared()
+        st = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST)
+        st = warpgroup_mma(latl_smem.index(own), ql_smem.index(b0).permute((1, 0)), st,
+                           use_acc=False, is_async=True)  # fmt: skip
+        mbarrier.wait(tma_bars.index(2 * own + 1), ph)
+        _trace_stamp(tr, jt, 2, TRACE)
+        if GATHER:
+            fence_async_shared()
+        st = warpgroup_mma(latr_smem.index(own), qr_smem.index(b0).permute((1, 0)), st,
+                           is_async=True)  # fmt: skip
+        st = warpgroup_mma(pe_smem.index(own), qpe_smem.index(b0).permute((1, 0)), st,
+                           is_async=True)  # fmt: skip
+        st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
+        _trace_stamp(tr, jt, 3, TRACE)
+        if not GATHER:
+            if WG == 0:
+                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_a, lead & (2 * j + 2 < num_tiles),
+                                  BLOCK_N)  # fmt: skip
+            else:
+                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_b, lead & (2 * j + 3 < num_tiles),
+                                  BLOCK_N)  # fmt: skip
+        n_own = n_a + WG * BLOCK_N
+        if n_own + BLOCK_N <= end:  # only a tile that reaches past the split's end is masked
+            s = st
+        else:
+            s = gl.where(((n_own + toks) < end)[:, None], st, float("-inf"))
+        if WG == 0:
+            cm = gl.max(s, 0) * qk_scale
+            m_a = gl.where(cm > m_i + LAZY_T, cm, m_i)
+            m_smem.index(0).store(m_a)
+            gl.thread_barrier()
+            mbarrier.arrive(bar_ma, count=1)
+            _trace_stamp(tr, jt, 4, TRACE)
+            p = gl.exp2(s * qk_scale - m_a[None, :])
+            alpha = gl.exp2(m_i - m_a)
+            l_part = l_part * alpha[None, :] + p
+            acc = acc * alpha[None, :]
+            p_smem.index(b0).store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(bar_pa, count=1)
+            _trace_stamp(tr, jt, 5, TRACE)
+            lat_half = latl_smem
+        else:
+            mbarrier.wait(bar_ma, ph)
+            _trace_stamp(tr, jt, 4, TRACE)
+            m_a = m_smem.index(0).load(COL)
+            cm = gl.max(s, 0) * qk_scale
+            m_b = gl.where(cm > m_a + LAZY_T, cm, m_a)
+            p = gl.exp2(s * qk_scale - m_b[None, :])
+            m_smem.index(1).store(m_b)
+            p_smem.index(b1).store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(bar_pb, count=1)
+            _trace_stamp(tr, jt, 5, TRACE)
+            mbarrier.wait(bar_pa, ph)
+            _trace_stamp(tr, jt, 6, TRACE)
+            alpha = gl.exp2(m_i - m_a)
+            l_part = l_part * alpha[None, :]
+            acc = acc * alpha[None, :]
+            lat_half = latr_smem
+        _zero_tail(lat_half.index(b0), n_a, end, LOAD)
+        acc = warpgroup_mma(lat_half.index(b0).permute((1, 0)), p_smem.index(b0), acc,
+                            is_async=True)  # fmt: skip
+        _trace_stamp(tr, jt, 7, TRACE)
+        if WG == 0:
+            mbarrier.wait(bar_pb, ph)
+            _trace_stamp(tr, jt, 8, TRACE)
+            m_b = m_smem.index(1).load(COL)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.thread_barrier()
+        _trace_stamp(tr, jt, 9, TRACE)
+        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
+                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
+                   gather, GATHER)  # fmt: skip
+        _trace_stamp(tr, jt, 10, TRACE)
+        beta = gl.exp2(m_a - m_b)
+        l_part = l_part * beta[None, :]
+        if WG == 1:
+            l_part = l_part + p
+        acc = acc * beta[None, :]
+        _zero_tail(lat_half.index(b1), n_b, end, LOAD)
+        acc = warpgroup_mma(lat_half.index(b1).permute((1, 0)), p_smem.index(b1), acc,
+                            is_async=True)  # fmt: skip
+        _trace_stamp(tr, jt, 11, TRACE)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.thread_barrier()
+        _trace_stamp(tr, jt, 12, TRACE)
+        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
+                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
+                   gather, GATHER)  # fmt: skip
+        _trace_stamp(tr, jt, 13, TRACE)
+        m_i = m_b
+
+    # -- row sums: each warpgroup's partial summed down its tokens, then exchanged --
+    last = TRACE_PAIRS + 0 * steps
+    _trace_stamp(tr, last, 0, TRACE)
+    l_i = gl.sum(l_part, 0)
+    l_smem.index(WG).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(sync_bars.index(3 + WG), count=1)
+    mbarrier.wait(sync_bars.index(4 - WG), 0)
+    l_i = l_i + l_smem.index(1 - WG).load(COL)
+    _trace_stamp(tr, last, 1, TRACE)
+
+    # -- epilogue: O^T transposed into rows of heads, stored 16 bytes a thread --
+    has = l_i > 0
+    l_safe = gl.where(has, l_i, 1.0)
+    lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    o = gl.permute(acc / l_safe[None, :], [1, 0])
+    lh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=COL)
+    tok64 = tok.to(gl.int64)
+    if NUM_SPLITS == 1:
+        OUT: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        ob = gl.convert_layout(o.to(dtype), OUT)
+        oh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, OUT))
+        od = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, OUT))
+        ptrs = row_ptrs(out_ptr + tok64 * stride_out_tok, oh * stride_out_head, od,
+                        stride_out_dim, OUT_VEC, 8)  # fmt: skip
+        gl.store(ptrs, ob, mask=((oh < num_heads) & valid)[:, None])
+        if RETURN_LSE and WG == 0:
+            gl.store(
+                lse_ptr + tok64 * stride_lse_tok + lh * stride_lse_head,
+                lse,
+                mask=(lh < num_heads) & valid,
+            )
+    else:
+        OUTF: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+        of = gl.convert_layout(o, OUTF)
+        oh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, OUTF))
+        od = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, OUTF))
+        po = part_out_ptr + tok64 * stride_po_tok + split * stride_po_split
+        ptrs = row_ptrs(po, oh * stride_po_head, od, stride_po_dim, OUT_VEC, 4)
+        gl.store(ptrs, of, mask=((oh < num_heads) & valid)[:, None])
+        if WG == 0:
+            pl = part_lse_ptr + tok64 * stride_pl_tok + split * stride_pl_split
+            gl.store(pl + lh * stride_pl_head, lse, mask=(lh < num_heads) & valid)
+    _trace_stamp(tr, last, 2, TRACE)
+    _trace_stamp(tr, last, 3, TRACE, True)
+
+
+@gluon.jit
 def _mla_decode_sm90_kernel(
     q_ptr,
     lat_desc,  # [num_blocks * block_size, head_dim_k], box [BLOCK_N, KV_LORA_RANK // 2]
@@ -614,7 +826,9 @@ def _mla_decode_sm90_kernel(
     VARLEN: gl.constexpr,
     RETURN_LSE: gl.constexpr,
     Q_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, KV_LORA_RANK // 2]
-    P_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, BLOCK_N]
+    P_LAYOUT: gl.constexpr,  # NVMMASharedLayout of P's tile ([BLOCK_N, BLOCK_H] with HEADS_N)
+    QPE_LAYOUT: gl.constexpr,  # NVMMASharedLayout of [BLOCK_H, ROPE_DIM] (HEADS_N only)
+    HEADS_N: gl.constexpr,  # the heads as the MMAs' N (`_warpgroup_heads_n`)
     WG_REGS: gl.constexpr,
     GATHER: gl.constexpr,  # rows by cp.async gather (`_gather_half`), not TMA boxes
     PAGE_INDICES: gl.constexpr,  # rows from page_indices' flat slots (GATHER only)
@@ -704,7 +918,15 @@ def _mla_decode_sm90_kernel(
     latl_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
     latr_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HALF], LAT_LAYOUT)
     pe_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, ROPE_DIM], PE_LAYOUT)
-    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_N], P_LAYOUT)
+    if HEADS_N:  # P^T is the output MMA's B operand; the query's rope part is in shared memory
+        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_H], P_LAYOUT)
+        qpe_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, ROPE_DIM], QPE_LAYOUT)
+        offs_pe = 2 * HALF + gl.arange(0, ROPE_DIM, layout=gl.SliceLayout(0, LOAD))
+        qpe = gl.load(q_row + offs_pe[None, :] * stride_q_dim, mask=(offs_h < num_heads)[:, None],
+                      other=0.0)  # fmt: skip
+    else:
+        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_N], P_LAYOUT)
+        qpe_smem = pe_smem  # (unused)
     m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
     l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
     # tile barriers: buffer b's left half (2b), its right half (2b + 1); the rope part with the
@@ -736,30 +958,44 @@ def _mla_decode_sm90_kernel(
                    GATHER)  # fmt: skip
     ql_smem.index(0).store(ql)
     qr_smem.index(0).store(qr)
+    if HEADS_N:
+        qpe_smem.index(0).store(qpe)
     fence_async_shared()  # the score MMAs read the query through the async proxy
     _trace_stamp(tr0, TRACE_PAIRS + 0 * pid, 6, TRACE)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
     # runtime values for both warpgroups (the constexprs go in the call tuples themselves: a
     # tuple assigned to a name turns them into tensors)
     rt = (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
-          stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, latl_smem,
-          latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
-          part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
+          stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, qpe_smem,
+          latl_smem, latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr,
+          lse_ptr, part_out_ptr, part_lse_ptr, tok, valid, split, stride_out_tok, stride_out_head,
           stride_out_dim, stride_lse_tok, stride_lse_head, stride_po_tok, stride_po_split,
           stride_po_head, stride_po_dim, stride_pl_tok, stride_pl_split,
           stride_pl_head, kv_ptr, stride_kv_row, stride_q_tok, q_start, q_len,
           seq_len)  # fmt: skip
     # fmt: off
-    gl.warp_specialize(
-        [
-            (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, STORE_SMEM,
-                          OUT_VEC, TRACE, (trace_ptr, pid))),
-            (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED, STORE_SMEM,
-                          OUT_VEC, TRACE, (trace_ptr, pid))),
-        ],
-        [4],
-        [WG_REGS],
-    )
+    if HEADS_N:
+        gl.warp_specialize(
+            [
+                (_warpgroup_heads_n, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES,
+                                      OUT_VEC, TRACE, (trace_ptr, pid))),
+                (_warpgroup_heads_n, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES,
+                                      OUT_VEC, TRACE, (trace_ptr, pid))),
+            ],
+            [4],
+            [WG_REGS],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (_warpgroup, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
+                              STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+                (_warpgroup, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES, PACKED,
+                              STORE_SMEM, OUT_VEC, TRACE, (trace_ptr, pid))),
+            ],
+            [4],
+            [WG_REGS],
+        )
     # fmt: on
 
 
@@ -831,13 +1067,18 @@ def trace_elements(programs: int) -> int:
 
 
 @functools.cache
-def _shared_layouts(dtype: torch.dtype, half: int, rope: int) -> tuple[gl.NVMMASharedLayout, ...]:
-    """The shared-memory layouts of a launch's latent half, rope, query half and P tiles (frozen
-    values, built once per dtype and widths: each costs microseconds of host time a call)."""
+def _shared_layouts(
+    dtype: torch.dtype, half: int, rope: int, heads_n: bool
+) -> tuple[gl.NVMMASharedLayout, ...]:
+    """The shared-memory layouts of a launch's latent half, rope, query half, P and query rope
+    tiles (frozen values, built once per dtype and widths: each costs microseconds of host time
+    a call); ``heads_n``: the `HEADS_N` tiles (`_warpgroup_heads_n`)."""
     gl_dtype = _GL_DTYPES[dtype]
+    bh = HEADS_N_BLOCK_H if heads_n else BLOCK_H
+    p = [BLOCK_N, bh] if heads_n else [bh, BLOCK_N]
     return tuple(
         gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
-        for block in ([BLOCK_N, half], [BLOCK_N, rope], [BLOCK_H, half], [BLOCK_H, BLOCK_N])
+        for block in ([BLOCK_N, half], [BLOCK_N, rope], [bh, half], p, [bh, rope])
     )
 
 
@@ -859,7 +1100,11 @@ def sm90_launch(
     half = kv_lora_rank // 2
     rows = kv_cache.shape[0] * kv_cache.shape[1]
     shape, strides = [rows, kv_cache.shape[2]], [kv_cache.stride(1), 1]
-    lat_layout, pe_layout, q_layout, p_layout = _shared_layouts(kv_cache.dtype, half, rope)
+    # the heads as the MMAs' N (the planner refuses it for packed rows and more heads)
+    heads_n = config.heads_n and not a["PACKED"] and a["num_heads"] <= HEADS_N_BLOCK_H
+    lat_layout, pe_layout, q_layout, p_layout, qpe_layout = _shared_layouts(
+        kv_cache.dtype, half, rope, heads_n
+    )
     args = {
         name: a[name]
         for name in _mla_decode_sm90_kernel.arg_names
@@ -871,10 +1116,12 @@ def sm90_launch(
         GATHER=sm90_gathers(kv_cache, bool(a["PAGE_INDICES"])),
         lat_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, half], lat_layout),
         pe_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, rope], pe_layout),
-        BLOCK_H=BLOCK_H,
+        BLOCK_H=HEADS_N_BLOCK_H if heads_n else BLOCK_H,
         BLOCK_N=BLOCK_N,
         Q_LAYOUT=q_layout,
         P_LAYOUT=p_layout,
+        QPE_LAYOUT=qpe_layout,
+        HEADS_N=heads_n,
         WG_REGS=WG_REGS,
         OUT_VEC=rows_aligned(a["out_ptr"] if a["NUM_SPLITS"] == 1 else a["part_out_ptr"]),
         STORE_SMEM=config.store_smem,

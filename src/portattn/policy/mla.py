@@ -450,30 +450,46 @@ class MlaConfig:
     Attributes:
         store_smem: a one-split output goes out through shared memory, 16-byte stores a warp a
             row, instead of straight from the MMA accumulators; only at `SM90_STORE_SMEM_RANKS`.
+        heads_n: a launch of one query token a program and at most 16 heads runs its MMAs
+            with the heads as N (scores as ``K Q^T``, output as ``V^T P^T``): no MMA works on
+            the 64-row tile's padded rows.
     """
 
     store_smem: bool = False
+    heads_n: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.store_smem, bool):
-            raise TypeError(
-                f"MlaConfig: store_smem must be a bool; got {type(self.store_smem).__name__}"
-            )
+        for name in ("store_smem", "heads_n"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"MlaConfig: {name} must be a bool; got {type(value).__name__}")
+
+
+#: The most heads `MlaConfig.heads_n` serves: the MMAs' N (one 16-column wgmma tile).
+HEADS_N_MAX = 16
 
 
 def mla_config(target: Target, problem: MlaProblem) -> MlaConfig:
     """The policy's `MlaConfig` for ``problem`` on ``target``."""
+    sm90 = target.arch in SM90_KERNEL_ARCHS
     return MlaConfig(
-        store_smem=target.arch in SM90_KERNEL_ARCHS
-        and problem.kv_lora_rank in SM90_STORE_SMEM_RANKS
+        store_smem=sm90 and problem.kv_lora_rank in SM90_STORE_SMEM_RANKS,
+        heads_n=sm90 and problem.num_heads <= HEADS_N_MAX and problem.max_query_len == 1,
     )
 
 
-def mla_config_errors(config: MlaConfig, kv_lora_rank: int) -> list[str]:
-    """Why ``config`` cannot serve a launch of ``kv_lora_rank`` (empty: it can)."""
+def mla_config_errors(config: MlaConfig, kv_lora_rank: int, num_heads: int) -> list[str]:
+    """Why ``config`` cannot serve a launch of ``kv_lora_rank`` and ``num_heads`` (empty: it
+    can)."""
+    errors = []
     if config.store_smem and kv_lora_rank not in SM90_STORE_SMEM_RANKS:
-        return [
+        errors.append(
             f"config.store_smem must be False at kv_lora_rank {kv_lora_rank} (the shared-memory "
             f"store is built for ranks {SM90_STORE_SMEM_RANKS}); got True"
-        ]
-    return []
+        )
+    if config.heads_n and num_heads > HEADS_N_MAX:
+        errors.append(
+            f"config.heads_n must be False at {num_heads} heads (the heads are the MMAs' N up to "
+            f"{HEADS_N_MAX}); got True"
+        )
+    return errors
