@@ -295,6 +295,76 @@ def _zero_tail(buf, n, end, LOAD: gl.constexpr):
 
 
 @gluon.jit
+def _opaque_zero(stride_kv_row, block_size, GATHER: gl.constexpr):
+    """0, computed from a launch value ptxas cannot see through (module doc): ``block_size`` may
+    be 1, which Triton passes as a constant, so the gather takes the row stride."""
+    if GATHER:  # noqa: SIM108 (a constexpr branch, not a runtime select)
+        opaque = (stride_kv_row < 0).to(gl.int32)
+    else:
+        opaque = (block_size < 0).to(gl.int32)
+    return opaque
+
+
+@gluon.jit
+def _pair_start(WG: gl.constexpr, j, opaque, bt_row, stride_bt_blk, start, num_tiles, block_size,
+                end, BLOCK_N: gl.constexpr, GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr,
+                TRACE: gl.constexpr, tr):  # fmt: skip
+    """Pair ``j``'s phase, its buffers (``b0`` tile A's, written so that ptxas cannot hoist it;
+    ``own`` the one of the tile this warpgroup scores), its tiles' first positions, its trace
+    slot (pairs past the buffer's are dropped), and the next pair's cache rows, read now so that
+    their latency runs under the MMAs."""
+    ph = j & 1
+    b0 = ph & opaque
+    b1 = b0 ^ 1
+    own = WG ^ b0
+    n_a = start + (2 * j) * BLOCK_N
+    n_b = n_a + BLOCK_N
+    jt = trace_slot(j, TRACE, TRACE_PAIRS)
+    _trace_stamp(tr, jt, 0, TRACE)
+    rows_a = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
+                              end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+    rows_b = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
+                              end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+    return ph, b0, b1, own, n_a, n_b, jt, rows_a, rows_b
+
+
+@gluon.jit
+def _refill(WG: gl.constexpr, acc, rows, t, buf, lat_half, pe_smem, tma_bars, lat_desc, pe_desc,
+            start, num_tiles, steps, gather, GATHER: gl.constexpr, TRACE: gl.constexpr, tr, jt,
+            K: gl.constexpr):  # fmt: skip
+    """Once this warpgroup's P V on buffer ``buf`` has returned (``acc``, returned), its half of
+    that buffer takes tile ``t`` (rows ``rows``) with the rope part (TMA: warpgroup 1's half;
+    gather: warpgroup 0's), which no score MMA reads any more; trace events ``K``, ``K + 1``."""
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    gl.thread_barrier()
+    _trace_stamp(tr, jt, K, TRACE)
+    _load_half(lat_desc, pe_desc, rows, t, start, num_tiles, steps, tma_bars.index(2 * buf + WG),
+               lat_half.index(buf), pe_smem.index(buf), WG == 1, gather, GATHER)  # fmt: skip
+    _trace_stamp(tr, jt, K + 1, TRACE)
+    return acc
+
+
+@gluon.jit
+def _sum_rows(WG: gl.constexpr, l_i, l_smem, sync_bars, layout: gl.constexpr):
+    """This warpgroup's row sums ``l_i`` plus the other's, exchanged through ``l_smem``."""
+    l_smem.index(WG).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(sync_bars.index(3 + WG), count=1)
+    mbarrier.wait(sync_bars.index(4 - WG), 0)
+    return l_i + l_smem.index(1 - WG).load(layout)
+
+
+@gluon.jit
+def _row_lse(l_i, m_i):
+    """A row's divisor (its sum, 1 where it is 0) and its natural-log LSE (-inf where no
+    column counted), from the row sum and the running max in log2 units."""
+    has = l_i > 0
+    l_safe = gl.where(has, l_i, 1.0)
+    lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    return l_safe, lse
+
+
+@gluon.jit
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr, TRACE: gl.constexpr,
@@ -370,25 +440,11 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
     # one program prefetches for all that read this split's rows (its first head group of its
     # first query token): a second program's prefetches of the same rows cost time
     lead = (hg == 0) & (tok == q_start)
-    # block_size may be 1, which Triton passes as a constant: gather takes the row stride
-    if GATHER:  # noqa: SIM108 (a constexpr branch, not a runtime select)
-        opaque = (stride_kv_row < 0).to(gl.int32)
-    else:
-        opaque = (block_size < 0).to(gl.int32)  # 0, unknown to ptxas (module doc)
+    opaque = _opaque_zero(stride_kv_row, block_size, GATHER)
     for j in range(steps // 2):
-        ph = j & 1
-        b0 = ph & opaque  # buffer 0 (tile A), written so that ptxas cannot hoist it
-        b1 = b0 ^ 1
-        own = WG ^ b0  # the buffer of the tile this warpgroup scores
-        n_a = start + (2 * j) * BLOCK_N
-        n_b = n_a + BLOCK_N
-        jt = trace_slot(j, TRACE, TRACE_PAIRS)  # pairs past the buffer's are dropped
-        _trace_stamp(tr, jt, 0, TRACE)
-        # the next pair's rows, read now: their latency runs under the MMAs
-        rows_a = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
-                                  end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-        rows_b = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
-                                  end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        ph, b0, b1, own, n_a, n_b, jt, rows_a, rows_b = _pair_start(
+            WG, j, opaque, bt_row, stride_bt_blk, start, num_tiles, block_size, end, BLOCK_N,
+            GATHER, PAGE_INDICES, TRACE, tr)  # fmt: skip
         # scores of this warpgroup's tile: latent halves as they land, then rope (registers)
         mbarrier.wait(tma_bars.index(2 * own), ph)
         _trace_stamp(tr, jt, 1, TRACE)
@@ -471,13 +527,9 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             mbarrier.wait(bar_pb, ph)
             _trace_stamp(tr, jt, 8, TRACE)
             m_b = m_smem.index(1).load(ROW)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        gl.thread_barrier()
-        _trace_stamp(tr, jt, 9, TRACE)
-        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
-                   gather, GATHER)  # fmt: skip
-        _trace_stamp(tr, jt, 10, TRACE)
+        acc = _refill(WG, acc, rows_a, 2 * j + 2, b0, lat_half, pe_smem, tma_bars, lat_desc,
+                      pe_desc, start, num_tiles, steps, gather, GATHER, TRACE, tr, jt,
+                      9)  # fmt: skip
         beta = gl.exp2(m_a - m_b)
         l_i = l_i * beta
         if WG == 1:
@@ -486,29 +538,19 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         _zero_tail(lat_half.index(b1), n_b, end, LOAD)
         acc = warpgroup_mma(p_smem.index(b1), lat_half.index(b1), acc, is_async=True)
         _trace_stamp(tr, jt, 11, TRACE)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        gl.thread_barrier()
-        _trace_stamp(tr, jt, 12, TRACE)
-        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
-                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
-                   gather, GATHER)  # fmt: skip
-        _trace_stamp(tr, jt, 13, TRACE)
+        acc = _refill(WG, acc, rows_b, 2 * j + 3, b1, lat_half, pe_smem, tma_bars, lat_desc,
+                      pe_desc, start, num_tiles, steps, gather, GATHER, TRACE, tr, jt,
+                      12)  # fmt: skip
         m_i = m_b
 
     # -- row sums: each warpgroup summed the tiles it scored (both at the final max) --
     last = TRACE_PAIRS + 0 * steps  # the kernel's own slot
     _trace_stamp(tr, last, 0, TRACE)
-    l_smem.index(WG).store(l_i)
-    gl.thread_barrier()
-    mbarrier.arrive(sync_bars.index(3 + WG), count=1)
-    mbarrier.wait(sync_bars.index(4 - WG), 0)
-    l_i = l_i + l_smem.index(1 - WG).load(ROW)
+    l_i = _sum_rows(WG, l_i, l_smem, sync_bars, ROW)
     _trace_stamp(tr, last, 1, TRACE)
 
     # -- epilogue: this warpgroup's output columns; the lse from warpgroup 0 --
-    has = l_i > 0
-    l_safe = gl.where(has, l_i, 1.0)
-    lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    l_safe, lse = _row_lse(l_i, m_i)
     o = acc / gl.convert_layout(l_safe, PV_ROW)[:, None]
     if NUM_SPLITS == 1 and STORE_SMEM:
         # through shared memory, read back 8 columns a thread: every MMA of both warpgroups
@@ -613,23 +655,11 @@ def _warpgroup_heads_n(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LS
     toks = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ST))
     steps = gl.cdiv(num_tiles, 2) * 2
     lead = (hg == 0) & (tok == q_start)
-    if GATHER:  # noqa: SIM108 (a constexpr branch, not a runtime select)
-        opaque = (stride_kv_row < 0).to(gl.int32)
-    else:
-        opaque = (block_size < 0).to(gl.int32)  # 0, unknown to ptxas (module doc)
+    opaque = _opaque_zero(stride_kv_row, block_size, GATHER)
     for j in range(steps // 2):
-        ph = j & 1
-        b0 = ph & opaque
-        b1 = b0 ^ 1
-        own = WG ^ b0
-        n_a = start + (2 * j) * BLOCK_N
-        n_b = n_a + BLOCK_N
-        jt = trace_slot(j, TRACE, TRACE_PAIRS)
-        _trace_stamp(tr, jt, 0, TRACE)
-        rows_a = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 2, start, num_tiles, block_size,
-                                  end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
-        rows_b = _tile_cache_rows(bt_row, stride_bt_blk, 2 * j + 3, start, num_tiles, block_size,
-                                  end, BLOCK_N, GATHER, PAGE_INDICES)  # fmt: skip
+        ph, b0, b1, own, n_a, n_b, jt, rows_a, rows_b = _pair_start(
+            WG, j, opaque, bt_row, stride_bt_blk, start, num_tiles, block_size, end, BLOCK_N,
+            GATHER, PAGE_INDICES, TRACE, tr)  # fmt: skip
         mbarrier.wait(tma_bars.index(2 * own), ph)
         _trace_stamp(tr, jt, 1, TRACE)
         if GATHER:
@@ -703,13 +733,9 @@ def _warpgroup_heads_n(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LS
             mbarrier.wait(bar_pb, ph)
             _trace_stamp(tr, jt, 8, TRACE)
             m_b = m_smem.index(1).load(COL)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        gl.thread_barrier()
-        _trace_stamp(tr, jt, 9, TRACE)
-        _load_half(lat_desc, pe_desc, rows_a, 2 * j + 2, start, num_tiles, steps,
-                   tma_bars.index(2 * b0 + WG), lat_half.index(b0), pe_smem.index(b0), WG == 1,
-                   gather, GATHER)  # fmt: skip
-        _trace_stamp(tr, jt, 10, TRACE)
+        acc = _refill(WG, acc, rows_a, 2 * j + 2, b0, lat_half, pe_smem, tma_bars, lat_desc,
+                      pe_desc, start, num_tiles, steps, gather, GATHER, TRACE, tr, jt,
+                      9)  # fmt: skip
         beta = gl.exp2(m_a - m_b)
         l_part = l_part * beta[None, :]
         if WG == 1:
@@ -719,30 +745,20 @@ def _warpgroup_heads_n(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LS
         acc = warpgroup_mma(lat_half.index(b1).permute((1, 0)), p_smem.index(b1), acc,
                             is_async=True)  # fmt: skip
         _trace_stamp(tr, jt, 11, TRACE)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        gl.thread_barrier()
-        _trace_stamp(tr, jt, 12, TRACE)
-        _load_half(lat_desc, pe_desc, rows_b, 2 * j + 3, start, num_tiles, steps,
-                   tma_bars.index(2 * b1 + WG), lat_half.index(b1), pe_smem.index(b1), WG == 1,
-                   gather, GATHER)  # fmt: skip
-        _trace_stamp(tr, jt, 13, TRACE)
+        acc = _refill(WG, acc, rows_b, 2 * j + 3, b1, lat_half, pe_smem, tma_bars, lat_desc,
+                      pe_desc, start, num_tiles, steps, gather, GATHER, TRACE, tr, jt,
+                      12)  # fmt: skip
         m_i = m_b
 
     # -- row sums: each warpgroup's partial summed down its tokens, then exchanged --
     last = TRACE_PAIRS + 0 * steps
     _trace_stamp(tr, last, 0, TRACE)
     l_i = gl.sum(l_part, 0)
-    l_smem.index(WG).store(l_i)
-    gl.thread_barrier()
-    mbarrier.arrive(sync_bars.index(3 + WG), count=1)
-    mbarrier.wait(sync_bars.index(4 - WG), 0)
-    l_i = l_i + l_smem.index(1 - WG).load(COL)
+    l_i = _sum_rows(WG, l_i, l_smem, sync_bars, COL)
     _trace_stamp(tr, last, 1, TRACE)
 
     # -- epilogue: O^T transposed into rows of heads, stored 16 bytes a thread --
-    has = l_i > 0
-    l_safe = gl.where(has, l_i, 1.0)
-    lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    l_safe, lse = _row_lse(l_i, m_i)
     o = gl.permute(acc / l_safe[None, :], [1, 0])
     lh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=COL)
     tok64 = tok.to(gl.int64)
