@@ -365,6 +365,48 @@ def _row_lse(l_i, m_i):
 
 
 @gluon.jit
+def _prefetch_next_tile(WG: gl.constexpr, kv_ptr, stride_kv_row, rows_a, rows_b, lead, j,
+                        num_tiles, BLOCK_N: gl.constexpr):  # fmt: skip
+    """The next pair's tile this warpgroup scores (A for warpgroup 0, B for 1) into L2, a pair
+    ahead, where this program is the one that prefetches for the split (``lead``)."""
+    if WG == 0:
+        _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_a, lead & (2 * j + 2 < num_tiles),
+                          BLOCK_N)  # fmt: skip
+    else:
+        _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_b, lead & (2 * j + 3 < num_tiles),
+                          BLOCK_N)  # fmt: skip
+
+
+@gluon.jit
+def _hand_over_p(p_buf, p, bar, TRACE: gl.constexpr, tr, jt):
+    """P into its shared buffer (fenced for the async proxy the P V MMAs read through), then
+    the hand-off barrier's arrival; trace event 5."""
+    p_buf.store(p.to(p_buf.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(bar, count=1)
+    _trace_stamp(tr, jt, 5, TRACE)
+
+
+@gluon.jit
+def _store_lse(WG: gl.constexpr, lse, lh, tok64, num_heads, valid, split, lse_ptr, stride_lse_tok,
+               stride_lse_head, part_lse_ptr, stride_pl_tok, stride_pl_split, stride_pl_head,
+               NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr):  # fmt: skip
+    """Warpgroup 0 stores the LSE of the real heads ``lh`` of token ``tok64``: the output's
+    (one split, where asked for) or the split's partial."""
+    if NUM_SPLITS == 1:
+        if RETURN_LSE and WG == 0:
+            gl.store(
+                lse_ptr + tok64 * stride_lse_tok + lh * stride_lse_head,
+                lse,
+                mask=(lh < num_heads) & valid,
+            )
+    elif WG == 0:
+        pl = part_lse_ptr + tok64 * stride_pl_tok + split * stride_pl_split
+        gl.store(pl + lh * stride_pl_head, lse, mask=(lh < num_heads) & valid)
+
+
+@gluon.jit
 def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
                GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, PACKED: gl.constexpr,
                STORE_SMEM: gl.constexpr, OUT_VEC: gl.constexpr, TRACE: gl.constexpr,
@@ -463,12 +505,8 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[qk])
         _trace_stamp(tr, jt, 3, TRACE)
         if not GATHER:  # the next pair's tile this warpgroup scores into L2, a pair ahead
-            if WG == 0:
-                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_a, lead & (2 * j + 2 < num_tiles),
-                                  BLOCK_N)  # fmt: skip
-            else:
-                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_b, lead & (2 * j + 3 < num_tiles),
-                                  BLOCK_N)  # fmt: skip
+            _prefetch_next_tile(WG, kv_ptr, stride_kv_row, rows_a, rows_b, lead, j, num_tiles,
+                                BLOCK_N)  # fmt: skip
         n_own = n_a + WG * BLOCK_N
         # raw scores, masked; the scale goes inside the exponent (one fma a score): the row
         # max of the raw scores is scaled once a row (qk_scale > 0: the launcher checks it)
@@ -490,11 +528,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             alpha = gl.exp2(m_i - m_a)
             l_i = l_i * alpha + gl.sum(p, 1)
             acc = lazy_rescale(acc, gl.convert_layout(alpha, PV_ROW), True)
-            p_smem.index(b0).store(p.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(bar_pa, count=1)
-            _trace_stamp(tr, jt, 5, TRACE)
+            _hand_over_p(p_smem.index(b0), p, bar_pa, TRACE, tr, jt)
             lat_half = latl_smem  # this warpgroup's output columns: the latent's left half
         else:
             mbarrier.wait(bar_ma, ph)
@@ -504,11 +538,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
             m_b = gl.where(rm > m_a + LAZY_T, rm, m_a)
             p = gl.exp2(s * qk_scale - m_b[:, None])
             m_smem.index(1).store(m_b)
-            p_smem.index(b1).store(p.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(bar_pb, count=1)
-            _trace_stamp(tr, jt, 5, TRACE)
+            _hand_over_p(p_smem.index(b1), p, bar_pb, TRACE, tr, jt)
             l_b = gl.sum(p, 1)
             mbarrier.wait(bar_pa, ph)
             _trace_stamp(tr, jt, 6, TRACE)
@@ -597,21 +627,18 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         ptrs = row_ptrs(out_ptr + tok64 * stride_out_tok, oh * stride_out_head, od,
                         stride_out_dim, OUT_VEC, 8)  # fmt: skip
         gl.store(ptrs, o.to(dtype), mask=mask_o)
-        if RETURN_LSE and WG == 0:
-            gl.store(
-                lse_ptr + tok64 * stride_lse_tok + lh * stride_lse_head,
-                lse,
-                mask=(lh < num_heads) & valid,
-            )
+        _store_lse(WG, lse, lh, tok64, num_heads, valid, split, lse_ptr, stride_lse_tok,
+                   stride_lse_head, part_lse_ptr, stride_pl_tok, stride_pl_split, stride_pl_head,
+                   NUM_SPLITS, RETURN_LSE)  # fmt: skip
     else:
         # the real heads' rows only: the reduce reads no padded row
         po = part_out_ptr + tok64 * stride_po_tok + split * stride_po_split
         mask_o = ((oh < num_heads) & valid)[:, None]
         ptrs = row_ptrs(po, oh * stride_po_head, od, stride_po_dim, OUT_VEC, 4)
         gl.store(ptrs, o, mask=mask_o)
-        if WG == 0:
-            pl = part_lse_ptr + tok64 * stride_pl_tok + split * stride_pl_split
-            gl.store(pl + lh * stride_pl_head, lse, mask=(lh < num_heads) & valid)
+        _store_lse(WG, lse, lh, tok64, num_heads, valid, split, lse_ptr, stride_lse_tok,
+                   stride_lse_head, part_lse_ptr, stride_pl_tok, stride_pl_split, stride_pl_head,
+                   NUM_SPLITS, RETURN_LSE)  # fmt: skip
     _trace_stamp(tr, last, 2, TRACE)
     _trace_stamp(tr, last, 3, TRACE, True)
 
@@ -677,13 +704,9 @@ def _warpgroup_heads_n(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LS
                            is_async=True)  # fmt: skip
         st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
         _trace_stamp(tr, jt, 3, TRACE)
-        if not GATHER:
-            if WG == 0:
-                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_a, lead & (2 * j + 2 < num_tiles),
-                                  BLOCK_N)  # fmt: skip
-            else:
-                _prefetch_tile_l2(kv_ptr, stride_kv_row, rows_b, lead & (2 * j + 3 < num_tiles),
-                                  BLOCK_N)  # fmt: skip
+        if not GATHER:  # the next pair's tile this warpgroup scores into L2, a pair ahead
+            _prefetch_next_tile(WG, kv_ptr, stride_kv_row, rows_a, rows_b, lead, j, num_tiles,
+                                BLOCK_N)  # fmt: skip
         n_own = n_a + WG * BLOCK_N
         if n_own + BLOCK_N <= end:  # only a tile that reaches past the split's end is masked
             s = st
@@ -700,11 +723,7 @@ def _warpgroup_heads_n(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LS
             alpha = gl.exp2(m_i - m_a)
             l_part = l_part * alpha[None, :] + p
             acc = acc * alpha[None, :]
-            p_smem.index(b0).store(p.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(bar_pa, count=1)
-            _trace_stamp(tr, jt, 5, TRACE)
+            _hand_over_p(p_smem.index(b0), p, bar_pa, TRACE, tr, jt)
             lat_half = latl_smem
         else:
             mbarrier.wait(bar_ma, ph)
@@ -714,11 +733,7 @@ def _warpgroup_heads_n(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LS
             m_b = gl.where(cm > m_a + LAZY_T, cm, m_a)
             p = gl.exp2(s * qk_scale - m_b[None, :])
             m_smem.index(1).store(m_b)
-            p_smem.index(b1).store(p.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(bar_pb, count=1)
-            _trace_stamp(tr, jt, 5, TRACE)
+            _hand_over_p(p_smem.index(b1), p, bar_pb, TRACE, tr, jt)
             mbarrier.wait(bar_pa, ph)
             _trace_stamp(tr, jt, 6, TRACE)
             alpha = gl.exp2(m_i - m_a)
@@ -770,12 +785,9 @@ def _warpgroup_heads_n(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LS
         ptrs = row_ptrs(out_ptr + tok64 * stride_out_tok, oh * stride_out_head, od,
                         stride_out_dim, OUT_VEC, 8)  # fmt: skip
         gl.store(ptrs, ob, mask=((oh < num_heads) & valid)[:, None])
-        if RETURN_LSE and WG == 0:
-            gl.store(
-                lse_ptr + tok64 * stride_lse_tok + lh * stride_lse_head,
-                lse,
-                mask=(lh < num_heads) & valid,
-            )
+        _store_lse(WG, lse, lh, tok64, num_heads, valid, split, lse_ptr, stride_lse_tok,
+                   stride_lse_head, part_lse_ptr, stride_pl_tok, stride_pl_split, stride_pl_head,
+                   NUM_SPLITS, RETURN_LSE)  # fmt: skip
     else:
         OUTF: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
         of = gl.convert_layout(o, OUTF)
@@ -784,9 +796,9 @@ def _warpgroup_heads_n(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LS
         po = part_out_ptr + tok64 * stride_po_tok + split * stride_po_split
         ptrs = row_ptrs(po, oh * stride_po_head, od, stride_po_dim, OUT_VEC, 4)
         gl.store(ptrs, of, mask=((oh < num_heads) & valid)[:, None])
-        if WG == 0:
-            pl = part_lse_ptr + tok64 * stride_pl_tok + split * stride_pl_split
-            gl.store(pl + lh * stride_pl_head, lse, mask=(lh < num_heads) & valid)
+        _store_lse(WG, lse, lh, tok64, num_heads, valid, split, lse_ptr, stride_lse_tok,
+                   stride_lse_head, part_lse_ptr, stride_pl_tok, stride_pl_split, stride_pl_head,
+                   NUM_SPLITS, RETURN_LSE)  # fmt: skip
     _trace_stamp(tr, last, 2, TRACE)
     _trace_stamp(tr, last, 3, TRACE, True)
 
