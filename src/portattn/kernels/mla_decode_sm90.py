@@ -49,9 +49,9 @@ each of its 128 threads arrives on the tile barrier once its copies land (``cp.a
 proxy what cp.async wrote through the generic one: a proxy fence after each tile wait.
 
 Heads as N (``HEADS_N``, `MlaConfig.heads_n`: at most 16 heads of one query token a program):
-the 64-row tile would leave 48 of its rows padding, and every MMA would still work on them, so
-a pair's MMAs take about as long as the pair's copies at the card's read rate and the tiles'
-buffers spend that time out of flight. Instead each MMA takes the heads as its N:
+the 64-row tile would leave 48 of its rows padding, and every MMA would still work on them,
+lengthening the chain each tile's buffer waits on before it takes the next tile. Instead each
+MMA takes the heads as its N:
 ``S^T = K Q^T`` (the tile's 64 tokens as M; the query, rope part included, in shared memory)
 and ``O^T += V^T P^T`` (the warpgroup's latent columns as M, the tile read transposed), a
 quarter of the work (`_warpgroup_heads_n`). The softmax runs down the columns; the hand-offs,
@@ -1128,8 +1128,8 @@ def sm90_launch(
     half = kv_lora_rank // 2
     rows = kv_cache.shape[0] * kv_cache.shape[1]
     shape, strides = [rows, kv_cache.shape[2]], [kv_cache.stride(1), 1]
-    # the heads as the MMAs' N (the planner refuses it for packed rows and more heads)
-    heads_n = config.heads_n and not a["PACKED"] and a["num_heads"] <= HEADS_N_BLOCK_H
+    # the heads as the MMAs' N (the planner refused it for packed rows and more heads)
+    heads_n = config.heads_n
     lat_layout, pe_layout, q_layout, p_layout, qpe_layout = _shared_layouts(
         kv_cache.dtype, half, rope, heads_n
     )

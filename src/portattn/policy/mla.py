@@ -448,8 +448,10 @@ class MlaConfig:
     """The Hopper kernel's schedule choices for a launch (`mla_config`; ``mla_decode(config=)``).
 
     Attributes:
-        store_smem: a one-split output goes out through shared memory, 16-byte stores a warp a
-            row, instead of straight from the MMA accumulators; only at `SM90_STORE_SMEM_RANKS`.
+        store_smem: a one-split output of the 64-row schedule goes out through shared memory,
+            16-byte stores a warp a row, instead of straight from the MMA accumulators; only at
+            `SM90_STORE_SMEM_RANKS` (a `heads_n` launch stores its rows from registers, 16
+            bytes a thread, either way).
         heads_n: a launch of one query token a program and at most 16 heads runs its MMAs
             with the heads as N (scores as ``K Q^T``, output as ``V^T P^T``): no MMA works on
             the 64-row tile's padded rows.
