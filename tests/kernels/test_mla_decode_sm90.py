@@ -224,6 +224,33 @@ def test_heads_as_n_is_refused_where_the_launch_cannot_take_it():
     assert (main.args["HEADS_N"], main.args["BLOCK_H"]) == (True, 16)
 
 
+@pytest.mark.parametrize("step_q_len", [1, 4])
+def test_a_builders_packed_tiles_keep_the_64_row_schedule(step_q_len):
+    """A metadata builder sized for verification (max_query_len 8) packs its tiles; a step of
+    one token a sequence then runs those tiles, so the policy's config keeps the heads off the
+    MMAs' N (the kernel has no packed heads-as-N schedule), and a config asking for it is
+    refused by name."""
+    from portattn.mla_metadata import MlaMetadataBuilder
+
+    meta = dict(device="meta")
+    builder = MlaMetadataBuilder(
+        SM90, max_batch=8, num_heads=16, kv_lora_rank=512, head_dim_k=576,
+        dtype=torch.bfloat16, max_query_len=8, max_seq_len=32768, **meta,
+    )  # fmt: skip
+    sl = torch.empty(4, dtype=torch.int32, **meta)
+    qsl = torch.empty(5, dtype=torch.int32, **meta)
+    md = builder.build(sl, qsl, max_query_len=step_q_len)
+    assert md.tiles.packed and md.decode is (step_q_len == 1)
+    q = torch.empty(4 * step_q_len, 16, 576, dtype=torch.bfloat16, **meta)
+    bt = torch.empty(4, 16, dtype=torch.int32, **meta)
+    kw = dict(kv_lora_rank=512, scale=0.05, query_start_loc=qsl, metadata=md, target=SM90)
+    main = plan_mla_decode(q, _cache(pages=65), bt, sl, **kw)[0]
+    assert main.name == "mla_decode_sm90"
+    assert (main.args["PACKED"], main.args["HEADS_N"], main.args["BLOCK_H"]) == (True, False, 64)
+    with pytest.raises(ValueError, match=r"config.heads_n must be False where the launch packs"):
+        plan_mla_decode(q, _cache(pages=65), bt, sl, config=MlaConfig(heads_n=True), **kw)
+
+
 @pytest.mark.parametrize(("dtype", "dk", "rank"), [(torch.bfloat16, 576, 512),
                                                    (torch.float16, 320, 256)])  # fmt: skip
 def test_launch_layouts_are_the_default_ones_for_its_widths(dtype, dk, rank):

@@ -286,7 +286,8 @@ def test_config_stores_through_shared_memory_at_the_rank_a_gpu_ran(arch, dk, ran
     only (`SM90_STORE_SMEM_RANKS`); other targets never run that kernel."""
     from portattn.policy.mla import MlaConfig, mla_config, mla_config_errors
 
-    config = mla_config(get_target(arch), MlaProblem(128, dk, rank, 2, 64, 4096))
+    target, problem = get_target(arch), MlaProblem(128, dk, rank, 2, 64, 4096)
+    config = mla_config(target, problem, mla_decode_tiles(target, problem))
     assert config == MlaConfig(store_smem=store_smem)
     assert mla_config_errors(config, rank, 128) == []
     assert mla_config_errors(MlaConfig(store_smem=True), 256, 128) == [
@@ -296,23 +297,31 @@ def test_config_stores_through_shared_memory_at_the_rank_a_gpu_ran(arch, dk, ran
 
 
 @pytest.mark.parametrize(
-    ("arch", "heads", "q_len", "heads_n"),
+    ("arch", "heads", "q_len", "tiles_q_len", "heads_n"),
     [
-        ("sm_90", 16, 1, True),
-        ("sm_90", 1, 1, True),
-        ("sm_90", 17, 1, False),
-        ("sm_90", 16, 2, False),  # verification steps pack their rows
-        ("sm_80", 16, 1, False),
-        ("gfx942", 16, 1, False),
+        ("sm_90", 16, 1, 1, True),
+        ("sm_90", 1, 1, 1, True),
+        ("sm_90", 17, 1, 1, False),
+        ("sm_90", 16, 2, 2, False),  # verification steps pack their rows
+        ("sm_90", 16, 1, 8, False),  # tiles a builder sized for verification pack them too
+        ("sm_80", 16, 1, 1, False),
+        ("gfx942", 16, 1, 1, False),
     ],
 )
-def test_config_takes_the_heads_as_n_at_up_to_16_heads_of_one_token(arch, heads, q_len, heads_n):
+def test_config_takes_the_heads_as_n_at_up_to_16_heads_of_one_token(
+    arch, heads, q_len, tiles_q_len, heads_n
+):
     """`mla_config`: the Hopper kernel's MMAs take the heads as N (`MlaConfig.heads_n`) at up
-    to `HEADS_N_MAX` heads of one query token; a config asking for it past that is refused."""
+    to `HEADS_N_MAX` heads of one query token, on tiles that do not pack (token, head) rows;
+    a config asking for it past that is refused."""
     from portattn.policy.mla import HEADS_N_MAX, MlaConfig, mla_config, mla_config_errors
 
-    problem = MlaProblem(heads, 576, 512, 2, 64, 4096, max_query_len=q_len)
-    assert mla_config(get_target(arch), problem).heads_n is heads_n
+    target = get_target(arch)
+    problem = MlaProblem(heads, 576, 512, 2, 64, 4096, max_query_len=q_len, sm90_ready=True)
+    sized = MlaProblem(heads, 576, 512, 2, 64, 4096, max_query_len=tiles_q_len, sm90_ready=True)
+    tiles = mla_decode_tiles(target, sized)
+    assert tiles.packed is (arch == "sm_90" and tiles_q_len > 1)
+    assert mla_config(target, problem, tiles).heads_n is heads_n
     assert mla_config_errors(MlaConfig(heads_n=True), 512, HEADS_N_MAX) == []
     assert mla_config_errors(MlaConfig(heads_n=True), 512, 17) == [
         "config.heads_n must be False at 17 heads (the heads are the MMAs' N up to 16); got True"

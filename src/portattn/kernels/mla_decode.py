@@ -1369,12 +1369,12 @@ def plan_mla_decode(
     sm90_tile = (tiles.block_h, tiles.block_n) == (SM90_BLOCK_H, SM90_BLOCK_N)
     if tiles.sm90_kernel and sm90_tile and sm90_ready:
         if config is None:
-            config = mla_config(target, problem)
+            config = mla_config(target, problem, tiles)
         elif config.heads_n and tiles.packed:
             raise ValueError(
                 f"{_OP}: config.heads_n must be False where the launch packs (query token, head) "
-                f"rows (q_len up to {problem.max_query_len}: one query token a program is its "
-                "rule); got True"
+                "rows (a verification step's tiles, or a metadata builder's sized for one: one "
+                "query token a program is its rule); got True"
             )
         main = sm90_launch(main, kv_cache, kv_lora_rank, config, trace)
     elif trace is not None:

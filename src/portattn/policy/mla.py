@@ -471,12 +471,17 @@ class MlaConfig:
 HEADS_N_MAX = 16
 
 
-def mla_config(target: Target, problem: MlaProblem) -> MlaConfig:
-    """The policy's `MlaConfig` for ``problem`` on ``target``."""
+def mla_config(target: Target, problem: MlaProblem, tiles: MlaTiles) -> MlaConfig:
+    """The policy's `MlaConfig` for ``problem`` on ``target`` with the launch's ``tiles`` (the
+    policy's or a metadata builder's: a builder sized for verification packs its rows even in a
+    step of one token a sequence, and packed rows keep the 64-row schedule)."""
     sm90 = target.arch in SM90_KERNEL_ARCHS
     return MlaConfig(
         store_smem=sm90 and problem.kv_lora_rank in SM90_STORE_SMEM_RANKS,
-        heads_n=sm90 and problem.num_heads <= HEADS_N_MAX and problem.max_query_len == 1,
+        heads_n=sm90
+        and problem.num_heads <= HEADS_N_MAX
+        and problem.max_query_len == 1
+        and not tiles.packed,
     )
 
 
