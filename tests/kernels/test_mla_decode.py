@@ -643,16 +643,17 @@ def test_gpu_sm90_gather(dk, r, heads, bs, form, q_lens, seq_lens, splits):
 )
 def test_gpu_sm90_heads_as_n(dk, r, heads, bs, form, q_lens, seq_lens, splits):
     """At most 16 heads of one query token, the Hopper kernel with the heads as its MMAs' N
-    (`MlaConfig.heads_n`) against the oracle, over TMA pages and the gather, one split (the bf16
-    output) and several (partials: the padded heads' never written), every rank and rope
-    width; unowned cache rows are NaN."""
+    (`MlaConfig.heads_n`) against the oracle, its rows gathered from block tables of any page
+    size (64-token pages included) and from page_indices, one split (the bf16 output) and
+    several (partials: the padded heads' never written), every rank and rope width; unowned
+    cache rows are NaN."""
     target = _sm90_target()
     q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.bfloat16, "cuda")
     _poison_unowned_rows(cache, bt, sl)
     pages = expand_page_indices(bt, sl, bs) if form == "page_indices" else None
     launch = _check_sm90(target, q, cache, bt, sl, qsl, r, splits, pages=pages,
                          config=MlaConfig(heads_n=True))  # fmt: skip
-    assert launch.args["HEADS_N"] is True
+    assert launch.args["HEADS_N"] is True and launch.args["GATHER"] is True
 
 
 @pytest.mark.gpu

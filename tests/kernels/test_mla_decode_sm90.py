@@ -61,9 +61,11 @@ def test_refuses_what_it_cannot_run(kwargs, rank, tile, target, slots, why):
 )  # fmt: skip
 def test_gather_takes_what_tma_cannot(block_size, slots, gathers):
     """Pages that are not a multiple of 64 tokens and page_indices load by row gather, pages
-    of a multiple of 64 tokens by TMA: the kernel takes both."""
+    of a multiple of 64 tokens by TMA, except under the heads as N, which always gather: the
+    kernel takes both."""
     cache = _cache(pages=4096 // block_size, block_size=block_size)
-    assert sm90_gathers(cache, slots) is gathers
+    assert sm90_gathers(cache, slots, False) is gathers
+    assert sm90_gathers(cache, slots, True)
     assert sm90_errors(cache, 512, 64, 64, SM90, paged_slots=slots) == []
 
 
@@ -95,14 +97,13 @@ def test_launcher_picks_the_gather(block_size, slots):
     assert _plan(64, False)[0].args["GATHER"] is False
 
 
-@pytest.mark.parametrize(("block_size", "slots", "gather"), [(1, True, True), (1, False, True),
-                                                             (64, False, False)])  # fmt: skip
-def test_sixteen_heads_run_the_hopper_kernel(block_size, slots, gather):
-    """16 heads take the wide tile through the planner at any page size: page size 1 (either
-    index form) by the Hopper kernel's gather, 64-token pages by TMA, both on 64 padded rows."""
+@pytest.mark.parametrize(("block_size", "slots"), [(1, True), (1, False), (64, False)])
+def test_sixteen_heads_run_the_hopper_kernel(block_size, slots):
+    """16 heads of one token take the Hopper kernel through the planner at any page size,
+    with the heads as N, and gather their rows, 64-token pages included."""
     main = _plan(block_size, slots, heads=16, seqs=64)[0]
     assert main.name == "mla_decode_sm90"
-    assert main.args["GATHER"] is gather and main.args["NUM_SPLITS"] == 2
+    assert main.args["GATHER"] and main.args["HEADS_N"] and main.args["NUM_SPLITS"] == 2
 
 
 def test_sixteen_heads_on_a_cache_it_cannot_run_keep_the_narrow_tile():

@@ -267,14 +267,15 @@ def test_sm90_16bit_takes_the_wide_tile_below_64_heads(arch, elem, wide, heads):
 def test_sm90_gathers_rows_of_slots_and_odd_pages():
     from portattn.policy.mla import sm90_gathers
 
-    assert [sm90_gathers(p, False) for p in (1, 16, 64, 128, 96)] == [
+    assert [sm90_gathers(p, False, False) for p in (1, 16, 64, 128, 96)] == [
         True,
         True,
         False,
         False,
         True,
     ]
-    assert sm90_gathers(64, True)  # page_indices address single slots
+    assert sm90_gathers(64, True, False)  # page_indices address single slots
+    assert sm90_gathers(64, False, True)  # the heads as N gather every page size
 
 
 @pytest.mark.parametrize(

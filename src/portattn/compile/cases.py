@@ -405,7 +405,8 @@ def mla_cases() -> list[Case]:
     ]
     # Speculative verification: 3 query tokens per sequence.
     cases.append(_mla_case("576/512 h16 q3", 576, 512, num_q_heads=16, q_len=3))
-    # 64-token pages (DeepSeek's): whole tiles come through tensor descriptors on sm_90+.
+    # 64-token pages (DeepSeek's): whole tiles come through tensor descriptors on sm_90+ (16 heads
+    # of one token: gathered, under the heads as N).
     cases += [
         _mla_case(f"576/512 h{h} page64", 576, 512, num_q_heads=h, block_size=64) for h in (16, 128)
     ]

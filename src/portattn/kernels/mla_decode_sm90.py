@@ -40,10 +40,11 @@ therefore computed from an opaque 0 (``block_size < 0``), which keeps them in th
 
 Loads (``GATHER``, `portattn.policy.mla.sm90_gathers`): with a block table of pages of a multiple of
 64 tokens each tile half is one or two TMA boxes (an expect-tx barrier, count 1). Otherwise
-(``page_indices``, speculative decoding's page size 1, or pages of any other size) a tile's rows are
-scattered: the issuing warpgroup loads its 64 row indices once, copies each buffer (a latent half,
-the rope part) by ``cp.async`` in one op (16-byte pieces, rows past the context zero-filled; one op
-per 64-column block got a ``bar.sync`` between blocks) into the same NVMMA-swizzled buffers, and
+(``page_indices``, speculative decoding's page size 1, pages of any other size, or heads as N) a
+tile's rows are gathered: the issuing warpgroup loads its 64 row indices once, copies each buffer
+(a latent half, the rope part) by ``cp.async`` in one op (16-byte pieces, rows past the context
+zero-filled; one op per 64-column block got a ``bar.sync`` between blocks) into the same
+NVMMA-swizzled buffers, and
 each of its 128 threads arrives on the tile barrier once its copies land (``cp.async.mbarrier.arrive
 .noinc``; the barriers count 128), so the hand-offs are unchanged. The MMAs read through the async
 proxy what cp.async wrote through the generic one: a proxy fence after each tile wait.
@@ -54,8 +55,9 @@ lengthening the chain each tile's buffer waits on before it takes the next tile.
 MMA takes the heads as its N:
 ``S^T = K Q^T`` (the tile's 64 tokens as M; the query, rope part included, in shared memory)
 and ``O^T += V^T P^T`` (the warpgroup's latent columns as M, the tile read transposed), a
-quarter of the work (`_warpgroup_heads_n`). The softmax runs down the columns; the hand-offs,
-loads and barriers are the same.
+quarter of the work (`_warpgroup_heads_n`). The softmax runs down the columns; the hand-offs
+and barriers are the same. Its rows always come by the gather: with the MMA chains this short,
+the warpgroups' own copies keep more in flight than the TMA boxes.
 
 Packed rows (``PACKED``, `MlaTiles.packed`): the 64 rows are (query token,
 head) pairs of one sequence (`_packed_rows`; 16 heads x 4 tokens fill the tile), the tile's range
@@ -645,14 +647,14 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
 
 @gluon.jit
 def _warpgroup_heads_n(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
-                       GATHER: gl.constexpr, PAGE_INDICES: gl.constexpr, OUT_VEC: gl.constexpr,
-                       TRACE: gl.constexpr, tr):  # fmt: skip
+                       PAGE_INDICES: gl.constexpr, OUT_VEC: gl.constexpr, TRACE: gl.constexpr,
+                       tr):  # fmt: skip
     """`_warpgroup` with the heads as the MMAs' N (``HEADS_N``: at most 16 heads, one query token
     a program): the scores are computed transposed, ``S^T = K Q^T`` (a tile's 64 tokens as M),
     and the output as ``O^T += V^T P^T`` (this warpgroup's latent columns as M), so no MMA
     works on padded head rows. The softmax runs down the columns; each warpgroup keeps its row
-    sums as a ``[BLOCK_N, BLOCK_H]`` partial summed once at the end. Same hand-offs, loads,
-    barriers and outputs as `_warpgroup`."""
+    sums as a ``[BLOCK_N, BLOCK_H]`` partial summed once at the end. Its rows always come by the
+    gather (`sm90_gathers`). Same hand-offs, barriers and outputs as `_warpgroup`."""
     (q_ptr, q_row_off, stride_q_head, stride_q_dim, hg, num_heads, lat_desc, pe_desc, bt_row,
      stride_bt_blk, start, end, num_tiles, block_size, qk_scale, ql_smem, qr_smem, qpe_smem,
      latl_smem, latr_smem, pe_smem, p_smem, m_smem, l_smem, tma_bars, sync_bars, out_ptr, lse_ptr,
@@ -681,32 +683,26 @@ def _warpgroup_heads_n(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LS
     acc = gl.zeros([HALF, BLOCK_H], gl.float32, layout=ST)
     toks = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ST))
     steps = gl.cdiv(num_tiles, 2) * 2
-    lead = (hg == 0) & (tok == q_start)
-    opaque = _opaque_zero(stride_kv_row, block_size, GATHER)
+    opaque = _opaque_zero(stride_kv_row, block_size, True)
     for j in range(steps // 2):
         ph, b0, b1, own, n_a, n_b, jt, rows_a, rows_b = _pair_start(
             WG, j, opaque, bt_row, stride_bt_blk, start, num_tiles, block_size, end, BLOCK_N,
-            GATHER, PAGE_INDICES, TRACE, tr)  # fmt: skip
+            True, PAGE_INDICES, TRACE, tr)  # fmt: skip
         mbarrier.wait(tma_bars.index(2 * own), ph)
         _trace_stamp(tr, jt, 1, TRACE)
-        if GATHER:
-            fence_async_shared()
+        fence_async_shared()  # cp.async wrote through the generic proxy, the MMAs read the async
         st = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=ST)
         st = warpgroup_mma(latl_smem.index(own), ql_smem.index(b0).permute((1, 0)), st,
                            use_acc=False, is_async=True)  # fmt: skip
         mbarrier.wait(tma_bars.index(2 * own + 1), ph)
         _trace_stamp(tr, jt, 2, TRACE)
-        if GATHER:
-            fence_async_shared()
+        fence_async_shared()
         st = warpgroup_mma(latr_smem.index(own), qr_smem.index(b0).permute((1, 0)), st,
                            is_async=True)  # fmt: skip
         st = warpgroup_mma(pe_smem.index(own), qpe_smem.index(b0).permute((1, 0)), st,
                            is_async=True)  # fmt: skip
         st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
         _trace_stamp(tr, jt, 3, TRACE)
-        if not GATHER:  # the next pair's tile this warpgroup scores into L2, a pair ahead
-            _prefetch_next_tile(WG, kv_ptr, stride_kv_row, rows_a, rows_b, lead, j, num_tiles,
-                                BLOCK_N)  # fmt: skip
         n_own = n_a + WG * BLOCK_N
         if n_own + BLOCK_N <= end:  # only a tile that reaches past the split's end is masked
             s = st
@@ -749,7 +745,7 @@ def _warpgroup_heads_n(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LS
             _trace_stamp(tr, jt, 8, TRACE)
             m_b = m_smem.index(1).load(COL)
         acc = _refill(WG, acc, rows_a, 2 * j + 2, b0, lat_half, pe_smem, tma_bars, lat_desc,
-                      pe_desc, start, num_tiles, steps, gather, GATHER, TRACE, tr, jt,
+                      pe_desc, start, num_tiles, steps, gather, True, TRACE, tr, jt,
                       9)  # fmt: skip
         beta = gl.exp2(m_a - m_b)
         l_part = l_part * beta[None, :]
@@ -761,7 +757,7 @@ def _warpgroup_heads_n(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LS
                             is_async=True)  # fmt: skip
         _trace_stamp(tr, jt, 11, TRACE)
         acc = _refill(WG, acc, rows_b, 2 * j + 3, b1, lat_half, pe_smem, tma_bars, lat_desc,
-                      pe_desc, start, num_tiles, steps, gather, GATHER, TRACE, tr, jt,
+                      pe_desc, start, num_tiles, steps, gather, True, TRACE, tr, jt,
                       12)  # fmt: skip
         m_i = m_b
 
@@ -1003,12 +999,13 @@ def _mla_decode_sm90_kernel(
           seq_len)  # fmt: skip
     # fmt: off
     if HEADS_N:
+        gl.static_assert(GATHER, "heads as N load their rows by the gather (sm90_gathers)")
         gl.warp_specialize(
             [
-                (_warpgroup_heads_n, (0, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES,
-                                      OUT_VEC, TRACE, (trace_ptr, pid))),
-                (_warpgroup_heads_n, (1, rt, NUM_SPLITS, RETURN_LSE, GATHER, PAGE_INDICES,
-                                      OUT_VEC, TRACE, (trace_ptr, pid))),
+                (_warpgroup_heads_n, (0, rt, NUM_SPLITS, RETURN_LSE, PAGE_INDICES, OUT_VEC,
+                                      TRACE, (trace_ptr, pid))),
+                (_warpgroup_heads_n, (1, rt, NUM_SPLITS, RETURN_LSE, PAGE_INDICES, OUT_VEC,
+                                      TRACE, (trace_ptr, pid))),
             ],
             [4],
             [WG_REGS],
@@ -1082,10 +1079,10 @@ def sm90_errors(
     return [why() for ok, why in rules if not ok]
 
 
-def sm90_gathers(kv_cache: torch.Tensor, paged_slots: bool) -> bool:
+def sm90_gathers(kv_cache: torch.Tensor, paged_slots: bool, heads_n: bool) -> bool:
     """Whether the kernel loads rows by gather rather than by TMA boxes
-    (`portattn.policy.mla.sm90_gathers` of the cache's page size)."""
-    return mla_policy.sm90_gathers(kv_cache.shape[1], paged_slots)
+    (`portattn.policy.mla.sm90_gathers` of the cache's page size and the launch's schedule)."""
+    return mla_policy.sm90_gathers(kv_cache.shape[1], paged_slots, heads_n)
 
 
 def trace_elements(programs: int) -> int:
@@ -1141,7 +1138,7 @@ def sm90_launch(
     args.update(
         kv_ptr=kv_cache,
         stride_kv_row=kv_cache.stride(1),
-        GATHER=sm90_gathers(kv_cache, bool(a["PAGE_INDICES"])),
+        GATHER=sm90_gathers(kv_cache, bool(a["PAGE_INDICES"]), heads_n),
         lat_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, half], lat_layout),
         pe_desc=TensorDescriptor(kv_cache, shape, strides, [BLOCK_N, rope], pe_layout),
         BLOCK_H=HEADS_N_BLOCK_H if heads_n else BLOCK_H,
