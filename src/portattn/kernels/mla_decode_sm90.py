@@ -56,8 +56,8 @@ MMA takes the heads as its N:
 ``S^T = K Q^T`` (the tile's 64 tokens as M; the query, rope part included, in shared memory)
 and ``O^T += V^T P^T`` (the warpgroup's latent columns as M, the tile read transposed), a
 quarter of the work (`_warpgroup_heads_n`). The softmax runs down the columns; the hand-offs
-and barriers are the same. Its rows always come by the gather: with the MMA chains this short,
-the warpgroups' own copies keep more in flight than the TMA boxes.
+and barriers are the same. Its rows always come by the gather: under this schedule the
+warpgroups' own copies stream faster than the TMA boxes over long contexts.
 
 Packed rows (``PACKED``, `MlaTiles.packed`): the 64 rows are (query token,
 head) pairs of one sequence (`_packed_rows`; 16 heads x 4 tokens fill the tile), the tile's range

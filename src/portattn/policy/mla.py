@@ -110,8 +110,8 @@ HIP_ONE_WAVE_PER_EU = 1
 
 def sm90_gathers(page_size: int, page_indices: bool, heads_n: bool) -> bool:
     """Whether the Hopper kernel gathers a launch's rows (``page_indices``, pages that are not a
-    multiple of `SM90_BLOCK_N` tokens, or a heads-as-N launch: `MlaConfig.heads_n`, whose short
-    MMA chains leave the warpgroups free to issue the copies) rather than copying page boxes:
+    multiple of `SM90_BLOCK_N` tokens, or a heads-as-N launch: `MlaConfig.heads_n`, whose own
+    copies stream faster than page boxes over long contexts) rather than copying page boxes:
     the launcher's ``GATHER`` (the tiles do not depend on it: a cache the kernel can run takes
     the wide tile either way)."""
     return heads_n or page_indices or page_size % SM90_BLOCK_N != 0
