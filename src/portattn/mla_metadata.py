@@ -36,6 +36,7 @@ from portattn.kernels._checks import (
     capture_errors,
     check_device,
     lazy_bit_errors,
+    refuse_unstrided,
 )
 from portattn.platform import Target, is_int
 from portattn.policy.mla import MlaProblem, MlaTiles, mla_decode_tiles
@@ -210,6 +211,7 @@ class MlaMetadataBuilder:
             ValueError/TypeError: arguments that do not fit this builder.
         """
         op = "MlaMetadataBuilder.build"
+        refuse_unstrided(op, [("seq_lens", seq_lens), ("query_start_loc", query_start_loc)])
         if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype not in _INDEX:
             got = _arg_summary(seq_lens)
             raise TypeError(f"{op}: seq_lens must be an int32/int64 tensor; got {got}")

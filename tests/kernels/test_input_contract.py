@@ -589,6 +589,41 @@ def test_every_tensor_argument_under_a_lazy_bit_is_refused_by_its_name(op):
             call({**tensors, name: _lazy(tensors[name])})
 
 
+@pytest.mark.cpu
+@pytest.mark.paged
+@pytest.mark.mla
+@pytest.mark.parametrize(
+    "op", ["paged_attention", "mla_decode", "write_kv_cache", "gather_kv_cache",
+           "expand_page_indices"],
+)  # fmt: skip
+def test_every_tensor_argument_that_is_not_strided_is_refused_by_its_name(op):
+    """Each op, each tensor argument in turn as a sparse tensor (no strides, no storage: the
+    checks and kernels could not read it): a TypeError naming that argument and its layout,
+    before anything runs, with the plan of the strided call cached."""
+    tensors, call = _lazy_calls()[op]
+    call(tensors)
+    for name in tensors:
+        shown = {"out0": "out[0]", "out1": "out[1]"}.get(name, name)
+        t = tensors[name]
+        for sparse in (t.to_sparse(), *([t.to_sparse_csr()] if t.dim() == 2 else [])):
+            with pytest.raises(TypeError, match=rf"^{op}: {re.escape(shown)} must be a strided "
+                               rf"\(dense\) tensor; got layout {sparse.layout}$"):  # fmt: skip
+                call({**tensors, name: sparse})
+
+
+@pytest.mark.cpu
+@pytest.mark.mla
+def test_the_builder_refuses_a_sparse_seq_lens():
+    from portattn.mla_metadata import MlaMetadataBuilder
+    from portattn.platform import get_target
+
+    builder = MlaMetadataBuilder(get_target("sm_90"), max_batch=2, num_heads=HQ, kv_lora_rank=R,
+                                 head_dim_k=DK, dtype=torch.float32, device="cpu",
+                                 max_seq_len=16)  # fmt: skip
+    with pytest.raises(TypeError, match=r"^MlaMetadataBuilder.build: seq_lens must be a strided"):
+        builder.build(_i32(*SEQ_LENS).to_sparse())
+
+
 # -- errors: every problem at once, the right argument, meta tensors ----------------------------
 
 

@@ -291,6 +291,19 @@ def int32_values_errors(name: str, values: np.ndarray) -> list[str]:
     ]
 
 
+def refuse_unstrided(op: str, named: Sequence[tuple[str, object]]) -> None:
+    """Raise a TypeError naming every tensor of the ``(name, value)`` pairs that is not strided
+    (sparse, MKL-DNN): kernels and checks read a tensor's memory through its strides, which such
+    a tensor does not have, so it is refused before any other check looks at it."""
+    bad = [
+        f"{n} must be a strided (dense) tensor; got layout {t.layout}"
+        for n, t in named
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided
+    ]
+    if bad:
+        raise TypeError(f"{op}: " + "; ".join(bad))
+
+
 def lazy_bit_errors(named: Sequence[tuple[str, object]]) -> list[str]:
     """The ``(name, tensor)`` pairs (non-tensors skipped) must not carry torch's lazy negation or
     conjugation bit: a kernel reads the memory, which holds the values before the lazy op."""

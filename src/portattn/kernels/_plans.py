@@ -96,6 +96,8 @@ def describe(x: Any) -> Hashable:
     if isinstance(x, torch.Tensor):
         if x.is_neg() or x.is_conj():  # planned afresh, where the op's checks refuse it
             raise Uncacheable("a tensor with torch's lazy negation or conjugation bit")
+        if x.layout != torch.strided:  # (sparse: no strides, no storage) refused by the checks
+            raise Uncacheable(f"a tensor of layout {x.layout}")
         return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % ALIGN)
     if x is None or type(x) in (int, float, str, bool):
         return (type(x), x)
@@ -138,11 +140,11 @@ def call_key(op: str, *args: Any, exact: Hashable = ()) -> Hashable | None:
     One flat tuple; each argument as `describe` gives it (tensors and plain scalars inline),
     ``None`` as itself.
     """
-    tensor, scalars = torch.Tensor, _SCALARS
+    tensor, scalars, strided = torch.Tensor, _SCALARS, torch.strided
     try:
         described = [
             (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % ALIGN)
-            if type(a) is tensor and not (a.is_neg() or a.is_conj())
+            if type(a) is tensor and a.layout is strided and not (a.is_neg() or a.is_conj())
             else a
             if a is None  # no other argument's description is None
             else (type(a), a)

@@ -42,6 +42,7 @@ from portattn.kernels._checks import (
     overlap_errors,
     raise_errors,
     reads_contents,
+    refuse_unstrided,
     slots_errors,
     target_errors,
     to_host,
@@ -261,6 +262,9 @@ def plan_write_kv_cache(
 ) -> list[Launch]:
     """Validate and plan `write_kv_cache` (one launch); nothing runs."""
     op = "write_kv_cache"
+    named = [("key", key), ("value", value), ("key_cache", key_cache),
+             ("value_cache", value_cache), ("slot_mapping", slot_mapping)]  # fmt: skip
+    refuse_unstrided(op, named)
     p = Problems(op)
     p.type(*target_errors(target))
     kv = p.run(describe_kv_cache, op, key_cache, value_cache, layout)
@@ -499,6 +503,10 @@ def _check_gather_args(
     """`gather_kv_cache`'s argument checks (types, shapes, devices, overlap: no index values),
     every problem listed in one error; the caches' addressing."""
     op = "gather_kv_cache"
+    outs = out if isinstance(out, (tuple, list)) else ()
+    refuse_unstrided(op, [("key_cache", key_cache), ("value_cache", value_cache),
+                          ("block_table", block_table), ("cu_seq_lens", cu_seq_lens),
+                          *((f"out[{i}]", t) for i, t in enumerate(outs))])  # fmt: skip
     p = Problems(op)
     p.type(*target_errors(target))
     kv = p.run(describe_kv_cache, op, key_cache, value_cache, layout)

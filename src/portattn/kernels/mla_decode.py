@@ -81,6 +81,7 @@ from portattn.kernels._checks import (
     raise_errors,
     reach32_errors,
     reads_contents,
+    refuse_unstrided,
     scale_errors,
     seq_lens_errors,
     target_errors,
@@ -1013,6 +1014,11 @@ def _validate(
 ) -> None:  # fmt: skip
     """Every type, value and overlap problem of a call (not the metadata's contents), raised
     together."""
+    pages = page_indices if isinstance(page_indices, (tuple, list)) else ()
+    refuse_unstrided(_OP, [("query", query), ("kv_cache", kv_cache), ("block_table", block_table),
+                           ("seq_lens", seq_lens), ("query_start_loc", query_start_loc),
+                           ("out", out), ("trace", trace),
+                           *((f"page_indices[{i}]", t) for i, t in enumerate(pages))])  # fmt: skip
     errors = _type_errors(
         query,
         kv_cache,

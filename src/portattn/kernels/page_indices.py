@@ -34,6 +34,7 @@ from portattn.kernels._checks import (
     num_indices_errors,
     raise_errors,
     reads_contents,
+    refuse_unstrided,
     seq_lens_errors,
     target_errors,
     to_host,
@@ -136,6 +137,7 @@ def plan_expand_page_indices(
     """Validate, allocate ``indptr``/``indices`` and plan the two launches (see
     `expand_page_indices`). The outputs are ``launches[-1].outputs``."""
     op = "expand_page_indices"
+    refuse_unstrided(op, [("block_table", block_table), ("seq_lens", seq_lens)])
     p = Problems(op)
     p.type(*target_errors(target))
     ok = {}

@@ -72,6 +72,7 @@ from portattn.kernels._checks import (
     raise_errors,
     reach32_errors,
     reads_contents,
+    refuse_unstrided,
     scale_errors,
     seq_lens_errors,
     target_errors,
@@ -706,6 +707,10 @@ def _check_call(
 ) -> tuple[CacheAddressing, CacheAddressing]:  # fmt: skip
     """Every type, shape, scalar and overlap problem of a call, raised together (`Problems`);
     the caches' addressing when there is none."""
+    refuse_unstrided(OP, [("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
+                          ("block_table", block_table), ("seq_lens", seq_lens),
+                          ("query_start_loc", query_start_loc), ("out", out),
+                          ("trace", trace)])  # fmt: skip
     p = Problems(OP)
     named = {
         "query": query,
