@@ -219,6 +219,29 @@ def test_cache_views(device, kind, layout):
     check(b, paged_attention(*b.args(), layout=layout))
 
 
+def broadcast_kv_heads(b: Batch, num_kv_heads: int) -> Batch:
+    """``b`` (one KV head) with that head's memory seen as ``num_kv_heads`` heads: a KV-head
+    stride of 0 (an expanded view; for one head, a size-1 dim of stride 0)."""
+    k, v = (
+        c.expand(-1, -1, num_kv_heads, -1)
+        if num_kv_heads > 1
+        else c.as_strided(c.shape, (c.stride(0), c.stride(1), 0, c.stride(3)))
+        for c in (b.key_cache, b.value_cache)
+    )
+    assert k.stride(2) == v.stride(2) == 0
+    return dataclasses.replace(b, key_cache=k, value_cache=v)
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (6, 1)], ids=str)
+def test_a_kv_head_stride_of_0_reads_one_head_as_every_head(device, heads):
+    """A broadcast view (an MQA cache seen as GQA) was refused by the policy's kv_head_stride
+    rule, with the policy's name."""
+    b = make_batch(((40, 1), (21, 5)), block_size=16, heads=(heads[0], 1), head_dim=64,
+                   dtype=torch.float16, device=device)  # fmt: skip
+    b = broadcast_kv_heads(b, heads[1])
+    check(b, paged_attention(*b.args()))
+
+
 @pytest.mark.parametrize(
     "head_dim,layout,dtype",
     [(80, "NHD", torch.float32), (96, "SHUFFLE", torch.float16), (128, "NHD", torch.float16)],
@@ -633,6 +656,19 @@ def test_gpu_serving_shapes(block_size, kind, layout, dtype):
         layout=layout, device="cuda",
     )  # fmt: skip
     out = paged_attention(*b.args(), layout=layout)
+    torch.cuda.synchronize()
+    check(b, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 2048])
+def test_gpu_a_kv_head_stride_of_0(block_size):
+    """A broadcast KV head on the serving shapes: the sm_90 prefill kernel's boxes (K and, by
+    page boxes, V at head_dim 128) at a head column of 0 for every head."""
+    b = make_batch(GPU_SEQS, block_size=block_size, heads=(32, 1), head_dim=128,
+                   dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    b = broadcast_kv_heads(b, 8)
+    out = paged_attention(*b.args())
     torch.cuda.synchronize()
     check(b, out)
 

@@ -475,7 +475,8 @@ def test_hip_gets_waves_per_eu_and_cuda_does_not():
         (dict(shuffled=None), r"shuffled must be a bool; got None"),
         (dict(num_seqs=-1), r"num_seqs must be an int >= 0; got -1"),
         (dict(num_seqs=2.5), r"num_seqs must be an int >= 0; got 2.5"),
-        (dict(kv_head_stride=0), r"kv_head_stride must be an int >= 1 or None; got 0"),
+        (dict(kv_head_stride=-1), r"kv_head_stride must be an int >= 0 or None; got -1"),
+        (dict(kv_head_stride=64.0), r"kv_head_stride must be an int >= 0 or None; got 64.0"),
     ],
 )
 @pytest.mark.parametrize("policy", ["paged_tiles", "paged_config"])

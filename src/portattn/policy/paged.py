@@ -173,7 +173,8 @@ class PagedProblem:
         out_rows_aligned: the same of the output's rows (TMA can store them); a call without
             ``out`` makes a contiguous one.
         kv_head_stride: the caches' KV-head stride in elements (V by page boxes needs a
-            multiple of 64); ``None``: ``num_kv_heads``-packed rows of ``head_dim``.
+            multiple of 64; 0: one head's memory seen as every head, a broadcast view);
+            ``None``: ``num_kv_heads``-packed rows of ``head_dim``.
     """
 
     num_q_heads: int
@@ -454,14 +455,15 @@ def _problem_errors(p: PagedProblem) -> list[str]:
     errors = []
     sizes = dict(num_q_heads=p.num_q_heads, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim,
                  max_query_len=p.max_query_len, block_size=p.block_size)  # fmt: skip
-    optional = ("max_seq_len", "kv_head_stride")
-    for name in optional:
-        if getattr(p, name) is not None:
-            sizes[name] = getattr(p, name)
+    if p.max_seq_len is not None:
+        sizes["max_seq_len"] = p.max_seq_len
     for name, v in sizes.items():
         if not is_int(v) or v < 1:
-            errors.append(f"{name} must be an int >= 1{' or None' * (name in optional)}; "
+            errors.append(f"{name} must be an int >= 1{' or None' * (name == 'max_seq_len')}; "
                           f"got {v!r}")  # fmt: skip
+    # 0: every KV head is one memory (a broadcast view), which the kernels read as it is
+    if p.kv_head_stride is not None and (not is_int(p.kv_head_stride) or p.kv_head_stride < 0):
+        errors.append(f"kv_head_stride must be an int >= 0 or None; got {p.kv_head_stride!r}")
     if not is_int(p.num_seqs) or p.num_seqs < 0:  # (an empty batch plans, and launches nothing)
         errors.append(f"num_seqs must be an int >= 0; got {p.num_seqs!r}")
     for name in ("shuffled", "query_rows_aligned", "out_rows_aligned"):
