@@ -671,6 +671,25 @@ def test_one_error_lists_type_and_value_problems():
 
 @pytest.mark.cpu
 @pytest.mark.mla
+def test_mla_names_itself_when_no_tile_fits_the_call():
+    """fp32 at a 2048-wide latent fits no sm_90 tile: the op's name leads the policy's reason
+    (it led with the policy's own name); fp16 at that width plans."""
+    sm90 = portattn.platform.get_target("sm_90")
+    meta = dict(device="meta")
+    table = torch.empty(1, 1, dtype=torch.int32, **meta)
+    lens = torch.empty(1, dtype=torch.int32, **meta)
+    q, cache = torch.empty(1, 1, 2048, **meta), torch.empty(2, 2, 2048, **meta)
+    with pytest.raises(ValueError, match=r"^mla_decode: mla_decode_tiles: no tile fits sm_90's "
+                       r".*kv_lora_rank=2048, head_dim_k=2048, 4-byte elements.*use a 2-byte "
+                       r"dtype$"):  # fmt: skip
+        mla_decode(q, cache, table, lens, kv_lora_rank=2048, scale=0.1, target=sm90)
+    out = mla_decode(q.half(), cache.half(), table, lens, kv_lora_rank=2048, scale=0.1,
+                     target=sm90)  # fmt: skip
+    assert out.shape == (1, 1, 2048)
+
+
+@pytest.mark.cpu
+@pytest.mark.mla
 def test_mla_blames_a_short_seq_lens():
     m = _mla()
     with pytest.raises(ValueError) as info:

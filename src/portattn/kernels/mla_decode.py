@@ -1228,8 +1228,13 @@ def plan_mla_decode(
         num_heads, head_dim_k, kv_lora_rank, query.element_size(), num_tokens, max_context,
         max_query_len, sm90_ready,
     )  # fmt: skip
-    if tiles is None:
-        tiles = metadata.tiles if metadata is not None else _policy_tiles(target, problem)
+    if tiles is None and metadata is not None:
+        tiles = metadata.tiles
+    elif tiles is None:
+        try:
+            tiles = _policy_tiles(target, problem)
+        except ValueError as exc:  # no tile fits the target: the call's widths and dtype ask for it
+            raise ValueError(f"{_OP}: {exc}") from None
     splits = tiles.num_kv_splits
     row_groups = mla_row_groups(tiles, num_heads, max_query_len)
 
