@@ -30,7 +30,8 @@ class MultipleOf:
 
     def __post_init__(self) -> None:
         if not _is_size(self.n):
-            raise ValueError(f"MultipleOf: n must be an int >= 1; got {self.n!r}")
+            kind = ValueError if is_int(self.n) else TypeError
+            raise kind(f"MultipleOf: n must be an int >= 1; got {self.n!r}")
 
     def __contains__(self, size: int) -> bool:
         return size >= 1 and size % self.n == 0
@@ -66,10 +67,13 @@ class Participant:
             raise ValueError(f"Participant {self.name!r}: supported must name at least one rule")
         for rule in self.supported:
             if not (isinstance(rule, MultipleOf) or _is_size(rule)):
-                raise ValueError(
+                kind = ValueError if is_int(rule) else TypeError
+                raise kind(
                     f"Participant {self.name!r}: each rule must be an int >= 1 or MultipleOf; "
                     f"got {rule!r}"
                 )
+        # a tuple of its own: the caller's list changing later cannot bypass these checks
+        object.__setattr__(self, "supported", tuple(self.supported))
 
     def accepts(self, size: int) -> bool:
         return any(size == r if isinstance(r, int) else size in r for r in self.supported)
