@@ -198,9 +198,9 @@ def describe_kv_cache(
                 f"key_cache and value_cache must agree on {field}; got {getattr(k, field)} and "
                 f"{getattr(v, field)} (shapes {tuple(key_cache.shape)}, {tuple(value_cache.shape)})"
             )
-    for name, a in (("key_cache", k), ("value_cache", v)):
+    for name, a, t in (("key_cache", k, key_cache), ("value_cache", v, value_cache)):
         if a.num_blocks < 1 or a.block_size < 1 or a.num_kv_heads < 1 or a.head_dim < 1:
-            errors.append(f"{name} must have non-empty dims; got {a}")
+            errors.append(f"{name} must have non-empty dims; got shape {tuple(t.shape)}")
     if errors:
         raise ValueError(f"{op}: " + "; ".join(errors))
     return k, v

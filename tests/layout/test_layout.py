@@ -76,7 +76,12 @@ DESCRIBE_ERRORS = [
         "must agree on num_blocks; got 2 and 3 .*; key_cache and value_cache must agree on "
         "num_kv_heads; got 2 and 1",
     ),
-    ((_nhd(bs=0), _nhd(bs=0), "NHD"), ValueError, "key_cache must have non-empty dims"),
+    # the tensor's shape, not the addressing object, is what the message shows
+    (
+        (_nhd(bs=0), _nhd(bs=0), "NHD"),
+        ValueError,
+        r"key_cache must have non-empty dims; got shape \(2, 0, 2, 8\); value_cache must",
+    ),
 ]
 
 
