@@ -690,6 +690,19 @@ def test_mla_names_itself_when_no_tile_fits_the_call():
 
 @pytest.mark.cpu
 @pytest.mark.mla
+def test_mla_refuses_an_empty_batch_by_seq_lens_alone():
+    """A [0, n] block table agrees with an empty batch: it was blamed too, with a rule its
+    shape met ("must be [num_seqs=0, ...]; got shape (0, 1)")."""
+    m = _mla()
+    empty = dict(query=m["query"][:0], block_table=m["block_table"][:0], seq_lens=m["seq_lens"][:0],
+                 query_start_loc=m["query_start_loc"][:1])  # fmt: skip
+    with pytest.raises(ValueError, match=r"^mla_decode: seq_lens must be 1-D with >= 1 sequence; "
+                       r"got shape \(0,\)$"):  # fmt: skip
+        mla_decode(**{**m, **empty})
+
+
+@pytest.mark.cpu
+@pytest.mark.mla
 def test_mla_blames_a_short_seq_lens():
     m = _mla()
     with pytest.raises(ValueError) as info:

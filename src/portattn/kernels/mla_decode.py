@@ -833,9 +833,8 @@ def _value_errors(
             f"seq_lens must have one entry per sequence (num_seqs={num_seqs}); got shape "
             f"{tuple(lens.shape)}"
         )
-    if table is not None and (
-        table.dim() != 2 or table.shape[0] != num_seqs or table.shape[1] < 1 or num_seqs < 1
-    ):
+    # (an empty batch is seq_lens' message alone: a [0, n] table matches it)
+    if table is not None and (table.dim() != 2 or table.shape[0] != num_seqs or table.shape[1] < 1):
         want = "num_seqs >= 1" if num_seqs is None else f"num_seqs={num_seqs}"
         errors.append(
             f"block_table must be [{want}, max_blocks_per_seq >= 1]; got shape {tuple(table.shape)}"
