@@ -516,6 +516,18 @@ def _run_report(args: argparse.Namespace) -> int:
         else r
         for r in results
     ]
+    if args.buildkite:  # every other cell had a step in this build: without a result it is lost
+        results = [
+            report.not_run(
+                next(c for c in cells if c.name == r.cell),
+                "selected for this build, but no result came back (its step stopped before its "
+                "tests reported, e.g. on a failed image step, or its artifacts were lost)",
+                status="error",
+            )
+            if r.status == "not run" and r.cell not in not_selected
+            else r
+            for r in results
+        ]
     context = ""
     if args.buildkite:
         context = (

@@ -214,6 +214,36 @@ def test_buildkite_mode_annotates_the_build(results_dir, tmp_path, monkeypatch, 
     capsys.readouterr()
 
 
+def test_buildkite_mode_calls_a_selected_cell_without_a_result_lost(
+    results_dir, tmp_path, monkeypatch, capsys
+):
+    """A build whose GPU steps never ran (their image step failed) was annotated green, "passed",
+    from the one cell that reported: a selected cell without a result is an error; one the
+    change did not select stays "not run"."""
+    agent = tmp_path / "bin" / "buildkite-agent"
+    agent.parent.mkdir()
+    agent.write_text(FAKE_AGENT)
+    agent.chmod(0o755)
+    log = tmp_path / "agent.log"
+    monkeypatch.setenv("PATH", f"{agent.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("AGENT_LOG", str(log))
+    monkeypatch.chdir(results_dir.parent)
+    args = ["report", "--buildkite", "--results", results_dir.name,
+            "--cell", "paged-cpu-interpreter", "--cell", "mla-cuda-sm_90"]  # fmt: skip
+    assert not (results_dir / "mla-cuda-sm_90.xml").exists()
+    assert main(args) == 0  # the cells' own steps carry the build's verdict
+    assert "annotate --style error --context matrix" in log.read_text().splitlines()
+    annotation = Path(f"{log}.annotation").read_text()
+    assert annotation.startswith("## portattn matrix: failed")
+    assert "selected for this build, but no result came back" in annotation
+    log.unlink()
+    monkeypatch.setenv("KUBEMATRIX_NOT_SELECTED", "mla-cuda-sm_90")
+    assert main(args) == 0
+    assert "annotate --style success --context matrix" in log.read_text().splitlines()
+    assert "not selected by the changed files" in Path(f"{log}.annotation").read_text()
+    capsys.readouterr()
+
+
 def test_buildkite_mode_refuses_a_results_path_the_agent_would_split(tmp_path, capsys):
     assert main(["report", "--buildkite", "--results", str(tmp_path / "w;x")]) == 2
     assert "--results " in capsys.readouterr().err
