@@ -3,8 +3,9 @@
 Uses the official ``kubernetes`` client and only what ``k8s/base/rbac.yaml`` grants (jobs
 create/get/list/watch/delete, pods get/list/watch, pods/log get, events list/watch).
 
-* Names are deterministic (:func:`kubematrix.render.job_name`), so a 409 on create means "this
-  cell of this commit already has a Job". The launcher reads that Job: one still running (or
+* Names are deterministic (:func:`kubematrix.render.job_name`: the commit, the cell and a digest
+  of the rendered Job), so a 409 on create means "this very Job (same cell, commit, image,
+  arguments) already exists". The launcher reads that Job: one still running (or
   created by this launcher run, whose create response was lost) is attached to; one being
   deleted is waited for; one that finished and is not this run's is deleted. In the last two
   cases a fresh Job is created, so a stale Job's result is never reported as this run's. Each

@@ -256,12 +256,14 @@ def _job_template(overlay: str, k8s_dir: Path) -> dict:
 # --------------------------------------------------------------------------- cell parameters
 
 
-def job_name(commit: str, cell_name: str) -> str:
+def job_name(commit: str, cell_name: str, spec: str = "") -> str:
     """A deterministic DNS-1123 Job name (<= 63 characters) for one cell of one commit.
 
-    ``pa-<commit[:7]>-<cell slug, <= 40>-<8 hex of sha256(commit, cell)>``: readable, and unique
-    even when the slug is cut. The same inputs always give the same name, so a 409 on create
-    means "this cell of this commit is already running".
+    ``pa-<commit[:7]>-<cell slug, <= 40>-<8 hex of sha256(commit, cell, spec)>``: readable, and
+    unique even when the slug is cut. ``spec``: a digest of everything else the Job runs
+    (`render_job`: image, arguments, timeouts, node selection), so the same inputs always give
+    the same name and a 409 on create means "this very Job is already running" (attaching to
+    it is safe), while the same cell with another image or other pytest arguments is another Job.
 
     Example::
 
@@ -271,7 +273,8 @@ def job_name(commit: str, cell_name: str) -> str:
         raise ValueError(
             f"job_name: commit and cell_name must be non-empty; got {commit!r}, {cell_name!r}"
         )
-    digest = hashlib.sha256(f"{commit}\0{cell_name}".encode()).hexdigest()[:8]
+    key = f"{commit}\0{cell_name}" + (f"\0{spec}" if spec else "")
+    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
     short = re.sub(r"[^a-z0-9]+", "-", commit.lower()).strip("-")[:7] or "x"
     slug = re.sub(r"[^a-z0-9]+", "-", cell_name.lower()).strip("-")[:40].strip("-") or "cell"
     name = f"pa-{short}-{slug}-{digest}"
@@ -384,12 +387,10 @@ def render_job(
         raise ValueError("render_job: " + "; ".join(errors))
 
     cell = cell or f"{vendor}-{suite}"
-    name = job_name(commit, cell)
     arch = arch or archs(vendor)[0]
     job = copy.deepcopy(_job_template(arch, Path(k8s_dir) if k8s_dir else default_k8s_dir()))
 
     meta = job["metadata"]
-    meta["name"] = name
     meta["namespace"] = namespace
     labels = {"portattn.dev/suite": suite, "portattn.dev/vendor": vendor, "portattn.dev/arch": arch}
     meta.setdefault("labels", {}).update(labels)
@@ -416,7 +417,6 @@ def render_job(
     container["args"] = [*container["args"], *nox_args]
     _set_env(container, "PORTATTN_SESSION", session or suite)
     _set_env(container, "PORTATTN_COMMIT", commit)
-    _set_env(container, "KUBEMATRIX_RESULTS_TOKEN", results_token(name))
     _set_env(
         container,
         "PYTEST_ADDOPTS",
@@ -427,6 +427,10 @@ def render_job(
     redis = os.environ.get(REDIS_ENV, K8S_REDIS)
     for key, value in cache_env(CACHE_STATS_PATH, redis=redis).items():
         _set_env(container, key, value)
+    # the name last: it digests the whole Job as rendered so far (`job_name`)
+    spec = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
+    name = meta["name"] = job_name(commit, cell, spec)
+    _set_env(container, "KUBEMATRIX_RESULTS_TOKEN", results_token(name))
     return job
 
 

@@ -200,6 +200,26 @@ def test_job_name_is_deterministic_dns1123_and_bounded():
         job_name("", "x")
 
 
+def test_a_job_name_stands_for_everything_the_job_runs():
+    """The same cell of the same commit with another image or other pytest arguments got the
+    same name, so the launcher attached to (and later deleted) another run's Job and reported
+    its result: the name digests the rendered Job; the very same Job keeps its name."""
+    base = dict(vendor="cuda", suite="mla", image="reg/x:cuda-0123456", commit="0123456789ab",
+                cell="mla-cuda-sm_90")  # fmt: skip
+    name = render_job(**base)["metadata"]["name"]
+    assert name == render_job(**base)["metadata"]["name"]
+    assert name.startswith("pa-0123456-mla-cuda-sm-90-")
+    others = [
+        dict(image="reg/x:cuda-experiment"),
+        dict(nox_args=["-k", "test_one_trivial_case"]),
+        dict(test_timeout_s=60),
+        dict(active_deadline_s=7200),
+        dict(supplemental_groups=[44]),
+    ]
+    names = {render_job(**{**base, **kw})["metadata"]["name"] for kw in others}
+    assert name not in names and len(names) == len(others)
+
+
 def test_render_job_reports_every_bad_argument():
     with pytest.raises(ValueError) as err:
         render_job(
