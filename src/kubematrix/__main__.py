@@ -314,7 +314,8 @@ def _run_k8s(
             why = f"the Kubernetes client is not installed ({exc})"
         else:
             # a setting no Job can be made with is a usage error, named before a cluster is asked
-            jobs = k8s.render_cells(gpu, namespace=namespace, commit=k8s.git_commit())
+            where = root or find_project_root()[0] or "."  # the checkout whose HEAD Jobs run
+            jobs = k8s.render_cells(gpu, namespace=namespace, commit=k8s.git_commit(where))
             try:
                 api = k8s.connect(namespace, say=lambda m: print(f"matrix: {m}", flush=True))
             except Exception as exc:  # k8s.NoCluster: configured nowhere, or unusable

@@ -129,9 +129,21 @@ def _check_results_folder(path: Path) -> None:
         raise ValueError(f"--results {path}: cannot create it: {existing} is not writable")
 
 
-def git_commit() -> str:
-    """HEAD of the repository in the current directory, or 'unknown'."""
-    return checkout.head() or "unknown"
+def git_commit(root: str | os.PathLike[str] = ".") -> str:
+    """HEAD of the repository at ``root``: the commit the Jobs check out and whose image they run.
+
+    Raises:
+        ValueError: ``root`` is no git checkout (a Job of commit "unknown" would pull an image
+            that does not exist, under a name every such run shares).
+    """
+    head = checkout.head(root)
+    if head is None:
+        raise ValueError(
+            f"no commit for the Jobs: {Path(root).resolve()} is not a git checkout (the Jobs "
+            "check out a commit and run its image); run from the project's checkout, or give "
+            "the commit (python -m kubematrix.k8s --commit)"
+        )
+    return head
 
 
 def exit_status(results: Sequence[CellResult]) -> int:
@@ -292,8 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     extra = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
     # Usage errors first, before any cluster is asked: the Jobs are rendered from the templates.
-    commit = args.commit if args.commit is not None else git_commit()
     try:
+        commit = args.commit if args.commit is not None else git_commit()
         namespace = args.namespace if args.namespace is not None else namespace_setting()
         if args.max_parallel < 1:
             raise ValueError(f"--max-parallel must be >= 1; got {args.max_parallel}")

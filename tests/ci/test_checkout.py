@@ -92,3 +92,21 @@ def test_under_the_k8s_runner_a_changed_tree_is_named_beside_the_commit_the_jobs
     assert _tested("local") == f"commit `{tree}`"
     assert _tested("k8s") == f"commit `{head}` (GPU Jobs), this machine's cells `{tree}`"
     assert checkout.head(repo) == _git(repo, "rev-parse", "HEAD")
+
+
+def test_jobs_outside_a_checkout_name_the_missing_commit(repo, tmp_path, monkeypatch, capsys):
+    """Outside a checkout the Jobs ran commit "unknown" (an image that does not exist, a Job name
+    every such run shared): `python -m kubematrix.k8s` now stops with a usage error before any
+    cluster is asked; `--commit` and a checkout both give the commit."""
+    pytest.importorskip("kubernetes")
+    from kubematrix import k8s
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    with pytest.raises(ValueError, match=r"^no commit for the Jobs: .*outside is not a git"):
+        k8s.git_commit(outside)
+    assert k8s.git_commit(repo) == _git(repo, "rev-parse", "HEAD")
+    monkeypatch.chdir(outside)
+    assert k8s.main(["--vendor", "cuda", "--suite", "mla"]) == 2
+    err = capsys.readouterr().err
+    assert "no commit for the Jobs" in err and "nothing was created" in err
