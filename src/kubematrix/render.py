@@ -165,10 +165,18 @@ def load_kustomization(directory: Path | str) -> list[dict]:
     """Build ``directory``'s kustomization like ``kubectl kustomize`` (the subset we use).
 
     Raises:
-        ValueError: a kustomize field or patch form this subset does not implement, or a patch
-            that matches no resource.
+        ValueError: a kustomize field or patch form this subset does not implement, a patch
+            that matches no resource, or files that cannot be read or are not such YAML.
     """
-    directory = Path(directory)
+    try:
+        return _load_kustomization(Path(directory))
+    except (OSError, yaml.YAMLError, TypeError, KeyError, AttributeError) as exc:
+        raise ValueError(
+            f"render: cannot build the kustomization in {directory}: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _load_kustomization(directory: Path) -> list[dict]:
     kfile = directory / "kustomization.yaml"
     spec = yaml.safe_load(kfile.read_text())
     unknown = sorted(set(spec) - _KUSTOMIZE_FIELDS)
@@ -181,7 +189,7 @@ def load_kustomization(directory: Path | str) -> list[dict]:
     for res in spec.get("resources", []):
         path = directory / res
         if path.is_dir():
-            docs.extend(load_kustomization(path))
+            docs.extend(_load_kustomization(path))
         else:
             docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
     for entry in spec.get("patches", []):
@@ -246,7 +254,11 @@ def archs(vendor: str) -> tuple[str, ...]:
 
 
 def _job_template(overlay: str, k8s_dir: Path) -> dict:
-    docs = build_kustomization(k8s_dir / "overlays" / overlay)
+    try:
+        docs = build_kustomization(k8s_dir / "overlays" / overlay)
+    except ValueError as exc:  # a template folder the user pointed at: say where it came from
+        env = os.environ.get("KUBEMATRIX_K8S_DIR")
+        raise ValueError(f"{exc} (KUBEMATRIX_K8S_DIR={env})" if env else str(exc)) from None
     jobs = [d for d in docs if d["kind"] == "Job"]
     if len(jobs) != 1:
         raise ValueError(f"render: overlay {overlay} must build exactly one Job; got {len(jobs)}")

@@ -417,3 +417,27 @@ def test_the_cache_component_is_a_pinned_redis_on_a_claim_behind_the_service_job
     assert service["metadata"]["name"] == host
     assert [p["port"] for p in service["spec"]["ports"]] == [int(port)]
     assert all(d["metadata"]["namespace"] == "portattn-ci" for d in docs.values())
+
+
+@pytest.mark.parametrize("broken", ["missing", "a file", "bad yaml", "no mapping"])
+def test_a_template_folder_that_cannot_be_built_is_a_usage_error_naming_its_variable(
+    broken, tmp_path, monkeypatch, capsys
+):
+    """`$KUBEMATRIX_K8S_DIR` pointing nowhere, at a file, or at YAML that does not parse ended
+    the pipeline command in a traceback (FileNotFoundError, NotADirectoryError, ParserError)."""
+    from kubematrix.__main__ import main
+
+    where = tmp_path / "k8s"
+    overlay = where / "overlays" / "sm_90"
+    if broken == "a file":
+        where.write_text("")
+    elif broken != "missing":
+        overlay.mkdir(parents=True)
+        text = {"bad yaml": "resources: [x\n", "no mapping": "42\n"}[broken]
+        (overlay / "kustomization.yaml").write_text(text)
+    monkeypatch.setenv("KUBEMATRIX_K8S_DIR", str(where))
+    monkeypatch.setenv("KUBEMATRIX_KUSTOMIZE", "builtin")
+    assert main(["pipeline", "--lanes", "k8s", "--commit", "abc"]) == 2
+    err = capsys.readouterr().err
+    assert "render: cannot build the kustomization in" in err
+    assert err.rstrip().endswith(f"(KUBEMATRIX_K8S_DIR={where})")
