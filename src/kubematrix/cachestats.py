@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,17 +50,17 @@ def redis_address(value: str) -> tuple[str, str]:
     """``host:port`` (``[v6 address]:port`` for IPv6) as the host and port a Redis client takes.
 
     Raises:
-        ValueError: naming `REDIS_ENV` and the rule: a host without whitespace, a port in
-            1-65535.
+        ValueError: naming `REDIS_ENV` and the rule: a host name or address (no scheme such as
+            ``redis://``, which the client would take as part of the host), a port in 1-65535.
     """
     host, _, port = value.strip().rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    bad_host = not host or any(c.isspace() for c in host)
-    if bad_host or not port.isdigit() or not 0 < int(port) < 2**16:
+    v6 = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if v6 else host
+    good_host = re.fullmatch(r"[0-9A-Fa-f:.]+" if v6 else r"[A-Za-z0-9_.-]+", host)
+    if not good_host or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 2**16:
         raise ValueError(
-            f"{REDIS_ENV} must be host:port ([address]:port for IPv6) with a host without "
-            f"whitespace and a port in 1-65535; got {value!r}"
+            f"{REDIS_ENV} must be host:port ([address]:port for IPv6), a host name or address "
+            f"(no scheme) and a port in 1-65535; got {value!r}"
         )
     return host, port
 

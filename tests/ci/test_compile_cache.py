@@ -261,7 +261,10 @@ def test_the_cells_environment_names_the_manager_and_redis_only_when_given(monke
     with pytest.raises(ValueError, match="host:port"):
         cache_env(None, redis="no-port")
     # a port past 65535, a host with a space, no host: the variable and the rule named
-    for bad in ("host:99999", "host:0", "a b:1", ":6379", "[]:1"):
+    # and a URL (its scheme went into the host: the remote layer never connected) and a port of
+    # non-ASCII digits (int() refused it unnamed)
+    for bad in ("host:99999", "host:0", "a b:1", ":6379", "[]:1", "redis://127.0.0.1:6391",
+                "h:\u00b2", "h:\u0661\u0662", "[fe80::1%eth0]:1", "host/x:1"):  # fmt: skip
         with pytest.raises(ValueError, match="KUBEMATRIX_TRITON_REDIS must be host:port"):
             cache_env(None, redis=bad)
     env = cache_env(None, redis="[::1]:6379")  # IPv6: the client takes the bare address
