@@ -193,6 +193,7 @@ def image_step(vendor: str, *, lanes: str, commit: str, root: str = ".") -> dict
 
 
 _NO_SPACE = (re.compile(r"\S+"), "a name without spaces")
+_IMAGE = (images.IMAGE_REF, "an image reference (lowercase repository, e.g. moby/buildkit:v0.16.0)")
 _DNS_SUBDOMAIN = (
     re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"),
     "a Kubernetes object name (DNS-1123 subdomain)",
@@ -219,7 +220,7 @@ def _builder_pod(command: str) -> dict[str, Any]:
         "containers": [
             {
                 "name": "build",
-                "image": _setting(BUILDKIT_IMAGE_ENV, DEFAULT_BUILDKIT_IMAGE, _NO_SPACE),
+                "image": _setting(BUILDKIT_IMAGE_ENV, DEFAULT_BUILDKIT_IMAGE, _IMAGE),
                 "command": ["/bin/sh", "-c"],
                 "args": [command],
                 "env": [
@@ -278,7 +279,7 @@ def cache_plugin(cell: Cell, *, root: str = ".") -> dict[str, Any] | None:
     vendor = cell.spec.vendor
     if vendor is None:
         raise ValueError(f"cache_plugin: cell must be a GPU cell; got {cell.name!r}")
-    backend = os.environ.get(CACHE_BACKEND_ENV, DEFAULT_CACHE_BACKEND).strip()
+    backend = os.environ.get(CACHE_BACKEND_ENV, "").strip() or DEFAULT_CACHE_BACKEND
     if backend == "none":
         return None
     if not backend.isidentifier():

@@ -261,6 +261,9 @@ def test_the_cache_backend_is_one_setting_and_none_turns_the_plugin_off(monkeypa
     monkeypatch.setenv(buildkite.CACHE_BACKEND_ENV, "none")
     (docker,) = by_key(buildkite.generate(lanes="queues"))["paged-cuda-sm_90"]["plugins"]
     assert buildkite.DOCKER_PLUGIN in docker
+    monkeypatch.setenv(buildkite.CACHE_BACKEND_ENV, "")  # empty is the default, as elsewhere
+    (cache, _) = by_key(buildkite.generate(lanes="queues"))["paged-cuda-sm_90"]["plugins"]
+    assert cache[buildkite.CACHE_PLUGIN]["backend"] == buildkite.DEFAULT_CACHE_BACKEND == "fs"
     monkeypatch.setenv(buildkite.CACHE_BACKEND_ENV, "s3 --bucket x")
     with pytest.raises(ValueError, match="KUBEMATRIX_CACHE_BACKEND must be fs, s3, gcs, azure"):
         buildkite.generate(lanes="queues")
@@ -473,7 +476,9 @@ def test_pipeline_output_makes_its_folder_or_says_why_not(tmp_path, capsys):
     ("env", "value", "lanes", "rule"),
     [
         ("KUBEMATRIX_REGISTRY_SECRET", "Bad_Secret", "k8s", "a Kubernetes object name"),
-        ("KUBEMATRIX_BUILDKIT_IMAGE", "moby/buildkit latest", "k8s", "a name without spaces"),
+        ("KUBEMATRIX_BUILDKIT_IMAGE", "moby/buildkit latest", "k8s", "an image reference"),
+        # no space, yet no reference Kubernetes can pull (it reached the podSpec)
+        ("KUBEMATRIX_BUILDKIT_IMAGE", "Moby/BuildKit:Latest", "k8s", "an image reference"),
         ("KUBEMATRIX_IMAGE_QUEUE", "my queue", "queues", "a name without spaces"),
     ],
 )
