@@ -620,6 +620,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # a bad cell name, suite ... : a usage error, not a traceback
         print(f"kubematrix {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # what a command leaves behind it says itself (the launcher's Jobs)
+        print(f"kubematrix {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # e.g. `kubematrix list | head -1`: the reader left, quietly stop
         # Python flushes stdout at exit: point it at devnull so that flush cannot fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -341,11 +341,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         sys.stderr.write(f"kubematrix.k8s: {exc}; nothing was created\n")
         return 2
+    except KeyboardInterrupt:  # rendering (kubectl kustomize) before any Job exists
+        sys.stderr.write("kubematrix.k8s: interrupted; nothing was created\n")
+        return 130
     try:
         api = connect(namespace, args.context)
     except NoCluster as exc:
         sys.stderr.write(f"kubematrix.k8s: {exc}; nothing was created\n")
         return EXIT_NO_CLUSTER
+    except KeyboardInterrupt:  # while the cluster is checked: no Job was created yet
+        sys.stderr.write("kubematrix.k8s: interrupted; nothing was created\n")
+        return 130
     launcher = Launcher(
         api,
         namespace,

@@ -6,11 +6,13 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -497,6 +499,46 @@ def test_a_kubeconfig_that_is_no_kubeconfig_is_no_cluster(tmp_path, content, pro
         f"kubematrix.k8s: no cluster configured: not in a pod, and "
         f"{kubeconfig} gives no usable context ({problem}"
     )
+
+
+@pytest.mark.parametrize("command", ["kubematrix.k8s", "kubematrix"])
+def test_ctrl_c_while_the_cluster_is_checked_ends_without_a_traceback(tmp_path, command):
+    """A server that accepts and never answers, and Ctrl-C during the access check (before any
+    Job exists): both commands ended in the TLS handshake's KeyboardInterrupt traceback."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True).start()
+    port = server.getsockname()[1]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: s, cluster: {{server: 'https://127.0.0.1:{port}'}}}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: s, user: u, namespace: portattn-ci}}]\n"
+    )
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KUBEMATRIX_KUSTOMIZE": "builtin"}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    argv = {
+        "kubematrix.k8s": ["--vendor", "cuda", "--suite", "mla", "--commit", "abc1234",
+                           "--results", str(tmp_path / "r")],
+        "kubematrix": ["matrix", "--runner", "k8s", "--cell", "mla-cuda-sm_90",
+                       "--results", str(tmp_path / "r")],
+    }[command]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", command, *argv], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    try:
+        _wait_for(lambda: bool(accepted), timeout=60)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        server.close()
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and "interrupted" in err, err
 
 
 def test_exit_status_propagates_the_first_failing_code():
