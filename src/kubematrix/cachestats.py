@@ -73,7 +73,7 @@ class CacheStats:
     remote: int = 0  # fetched from Redis (and written to the local folder)
     compiled: int = 0  # not cached (or not verified): Triton compiled it
     compile_s: float = 0.0  # seconds from each miss to its result stored, summed over processes
-    corrupt: int = 0  # Redis values that failed their envelope (recompiled)
+    corrupt: int = 0  # entries recompiled: Redis values failing their envelope, damaged files
     warnings: tuple[str, ...] = ()  # e.g. "redis": the remote layer was unreachable
     # compiles of a kernel (Triton cache key) the cell had compiled already, e.g. by workers that
     # missed the same key at once, each compiling it (included in ``compiled``)
@@ -100,7 +100,7 @@ class CacheStats:
         if self.repeated:
             line += f"; {self.repeated} of them compiled a kernel again"
         if self.corrupt:
-            line += f"; {self.corrupt} corrupt remote values recompiled"
+            line += f"; {self.corrupt} corrupt entries recompiled"
         if self.warnings:
             line += f"; unavailable: {', '.join(self.warnings)}"
         return line

@@ -181,6 +181,27 @@ class GuardedRedisBackend(RedisRemoteCacheBackend):
             self._fail(err)
 
 
+#: Compiled binaries, which are ELF objects (NVIDIA cubin, AMD hsaco).
+_ELF_SUFFIXES = (".cubin", ".hsaco")
+
+
+def _whole(name: str, path: str) -> bool:
+    """Whether a local cache file looks whole: not empty, its JSON parses, its binary is ELF
+    (Triton reads these without a check of its own: a damaged one failed the compile)."""
+    try:
+        if os.path.getsize(path) == 0:
+            return False
+        if name.endswith(".json"):
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        elif name.endswith(_ELF_SUFFIXES):
+            with open(path, "rb") as f:
+                return f.read(4) == b"\x7fELF"
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 class LayeredCacheManager(RemoteCacheManager):
     """The local folder first, then the remote backend (if one is configured), then a compile."""
 
@@ -218,7 +239,7 @@ class LayeredCacheManager(RemoteCacheManager):
         return self._materialize(filename, data)
 
     def _local_group(self, filename: str) -> dict[str, str] | None:
-        """The local group if every file it names is still there (else a miss)."""
+        """The local group if every file it names is still there and whole (else a miss)."""
         path = self._local.get_file(_GRP + filename)
         if path is None:
             return None
@@ -230,6 +251,10 @@ class LayeredCacheManager(RemoteCacheManager):
         if not isinstance(children, dict) or filename not in children:
             return None
         if not all(isinstance(p, str) and os.path.exists(p) for p in children.values()):
+            return None
+        if not all(_whole(name, path) for name, path in children.items()):
+            # (e.g. a cache folder restored in part): recompiled and written over, not served
+            _Stats.record("corrupt")
             return None
         return children
 

@@ -185,6 +185,24 @@ def test_a_local_hit_is_served_without_asking_redis(tmp_path, redis_server):
     assert WARNING not in err
 
 
+@pytest.mark.parametrize("damage", ["json cut short", "cubin garbage", "cubin empty"])
+def test_a_damaged_local_entry_is_recompiled_and_replaced(damage, tmp_path):
+    """A local folder restored in part (e.g. by a CI cache plugin): a metadata JSON cut short
+    failed the compile in Triton's json.loads, and a garbage cubin was served as a hit."""
+    probe = Probe(tmp_path, "")  # the local layer alone
+    seen, _, _ = probe.run(64, local="a")
+    assert seen["compiled"] == 1
+    suffix, data = {"json cut short": (".json", b'{"trunc'), "cubin garbage": (".cubin", b"\x07"),
+                    "cubin empty": (".cubin", b"")}[damage]  # fmt: skip
+    (entry,) = [p for p in (tmp_path / "a").rglob(f"*{suffix}") if not p.name.startswith("__grp")]
+    entry.write_bytes(data)
+    again, stats, _ = probe.run(64, local="a")
+    assert (again["compiled"], stats.corrupt, stats.local) == (1, 1, 0)
+    assert again["cubin_bytes"] == seen["cubin_bytes"]
+    third, stats, _ = probe.run(64, local="a")  # written over: a whole local hit again
+    assert (third["compiled"], stats.local, stats.corrupt) == (0, 1, 0)
+
+
 def test_redis_stopped_mid_run_the_run_finishes_compiling_locally_with_one_warning(
     tmp_path, private_redis
 ):
