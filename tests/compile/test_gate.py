@@ -149,6 +149,20 @@ def test_cli_refuses_filters_that_leave_no_cell(tmp_path, capsys):
     assert "--targets sm_90 has none" in err and not (tmp_path / "out").exists()
 
 
+def test_cli_a_run_whose_every_cell_is_refused_compiled_nothing_and_exits_4(tmp_path, capsys):
+    """fp32 MLA 576/512 fits no gfx942 tile: the op refuses the cell, which passes the gate as
+    a refusal; a run of only such cells compiled nothing and exited 0 as "1/1 cells pass"."""
+    argv = ["--kernels", "mla_decode", "--cases", "576/512 h1 page16 fp32$", "--targets",
+            "gfx942", "--no-png", "--jobs", "1", "--out", str(tmp_path / "out"),
+            "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    assert main(argv) == 4
+    captured = capsys.readouterr()
+    assert "1 refused by the op (no tile fits: nothing to compile); 0 with a" in captured.out
+    assert "none of the 1 cells compiled a kernel (each refused by its op); exit status 4" in (
+        captured.err
+    )
+
+
 def test_cli_list_applies_filters(capsys):
     assert main(["--kernels", "gather_kv_cache", "--cases", "hd256 bs2048", "--list"]) == 0
     out = capsys.readouterr().out.split()

@@ -22,6 +22,9 @@ from portattn.compile.matrix import CellResult, matrix_cells, parse_targets, run
 from portattn.compile.report import summary_table, write_heatmap, write_json, write_markdown
 from portattn.platform import TARGETS
 
+#: Exit status of a run in which every cell was refused by its op: nothing compiled (as
+#: kubematrix's exit status of a matrix that tested nothing).
+EXIT_NOTHING_COMPILED = 4
 #: What the PNG heatmap needs beyond the compile matrix itself.
 HEATMAP_MODULES = ("matplotlib", "numpy")
 
@@ -237,6 +240,14 @@ def main(argv: list[str] | None = None) -> int:
         f"wall {wall:.1f} s; reports in {args.out}/compile_matrix.{{json,md"
         f"{',png' if png else ''}}}"
     )
+    if all(c.passed for c in cells) and not any(c.launches for c in cells):
+        # every cell refused by its op (no tile fits): nothing was compiled, so nothing passed
+        print(
+            f"compile: none of the {len(cells)} cells compiled a kernel (each refused by its op); "
+            "exit status 4",
+            file=sys.stderr,
+        )
+        return EXIT_NOTHING_COMPILED
     return 0 if all(c.passed for c in cells) else 1
 
 

@@ -56,9 +56,11 @@ def summary_table(cells: Sequence[CellResult], *, max_rows: int | None = None) -
         + " ".join(f"{p}/{t}".rjust(7) for p, t in zip(passed, total, strict=True))
     )
     failures = [c for c in cells if not c.passed]
-    notes = [c for c in cells if c.notes]
+    refused = [c for c in cells if c.passed and not c.launches]
+    notes = [c for c in cells if c.notes and c.launches]
     lines.append(
         f"{len(cells) - len(failures)}/{len(cells)} cells pass; {len(failures)} fail; "
+        f"{len(refused)} refused by the op (no tile fits: nothing to compile); "
         f"{len(notes)} with a policy-estimate note"
     )
     for c in failures:
