@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -392,6 +393,19 @@ def resolve_commits(docs: list[dict], root: str | os.PathLike[str] = REPO) -> No
 SCHEMA = Path(__file__).with_name("schema.json")
 
 
+def _first_non_finite(value, at: str = "") -> tuple[str, float] | None:
+    """The path (``rows/0/time_us``) and value of the document's first NaN or infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return at or "(top)", value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(
+        value, list) else ()  # fmt: skip
+    for key, item in items:
+        found = _first_non_finite(item, f"{at}/{key}" if at else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 def _load(path: str) -> dict:
     """A results document, checked against bench/schema.json (with jsonschema where installed,
     else its version, top-level type and required keys); what is wrong ends the command naming
@@ -404,6 +418,11 @@ def _load(path: str) -> dict:
     if not isinstance(doc, dict) or doc.get("schema_version") != 1:
         got = doc.get("schema_version") if isinstance(doc, dict) else type(doc).__name__
         sys.exit(f"bench.results: {path}: schema_version must be 1; got {got!r}")
+    # NaN passes every bound of the schema (each comparison with it is false): found here
+    where = _first_non_finite(doc)
+    if where is not None:
+        at, value = where
+        sys.exit(f"bench.results: {path}: {at} is {value}, not a finite number")
     schema = json.loads(SCHEMA.read_text())
     try:
         import jsonschema

@@ -638,6 +638,25 @@ def test_results_refuses_meaningless_values_by_document_row_and_field(spoil, whe
     assert len(message) < 400 and "\n" not in message
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("field", ["time", "metric", "anchor"])
+def test_results_refuses_a_non_finite_number_by_document_and_field(value, field, tmp_path):
+    """JSON's NaN passed every bound of the schema (each comparison with NaN is false) and was
+    written into the page as "nan"."""
+    doc = fixture_doc()
+    target, key, where = {
+        "time": (doc["rows"][0], "time_us", "rows/0/time_us"),
+        "metric": (doc["rows"][0]["metrics"], "GB/s", "rows/0/metrics/GB/s"),
+        "anchor": (doc["rows"][1]["anchors"][0], "time_us", "rows/1/anchors/0/time_us"),
+    }[field]
+    target[key] = value
+    path = tmp_path / "doc.json"
+    path.write_text(json.dumps(doc))  # json writes NaN and Infinity by default
+    with pytest.raises(SystemExit) as info:
+        results.main([str(path)])
+    assert str(info.value) == f"bench.results: {path}: {where} is {value}, not a finite number"
+
+
 @pytest.mark.parametrize(
     ("spoil", "shown"),
     [(_anchor_time_zero, True), (_passed_tolerance_without_error, True), (_huge_time, False),
