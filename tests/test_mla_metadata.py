@@ -295,6 +295,25 @@ def test_single_token_metadata_needs_one_token_a_sequence(device):
     check(out, lse, q, cache, bt, sl, one_each, 128, 0.1, torch.float32)
 
 
+@pytest.mark.parametrize(
+    ("offsets", "rule"),
+    [
+        ([0, 3, 1], r"never decrease; got a sequence of -2 tokens"),
+        ([0, 1, 0], r"never decrease; got a sequence of -1 tokens"),  # (blamed the builder's size)
+        ([2, 3, 5], r"start at 0; got query_start_loc\[0\]=2"),
+        ([1, 0, 2], r"start at 0; got query_start_loc\[0\]=1 and never decrease"),
+    ],
+)
+def test_build_refuses_offsets_that_break_the_ops_rules(device, offsets, rule):
+    """The offsets build reads: decreasing ones made metadata (max_query_len 3) that a GPU call
+    given it never checks; a decode builder blamed its own size instead of the offsets."""
+    sl = torch.tensor([8, 8], device=device)
+    for b in (builder(device=device, max_query_len=4), builder(device=device)):
+        with pytest.raises(ValueError, match=r"^MlaMetadataBuilder.build: query_start_loc must "
+                           + rule):  # fmt: skip
+            b.build(sl, torch.tensor(offsets, device=device))
+
+
 def test_build_from_meta_offsets_needs_max_query_len():
     b = builder(max_query_len=4)
     meta = torch.tensor([0, 2, 3], device="meta")

@@ -258,9 +258,16 @@ class MlaMetadataBuilder:
                     "values to read)"
                 )
             capture_errors(op, query_start_loc.device, "max_query_len", "query_start_loc")
-            shortest, read = torch.stack(
-                torch.aminmax(query_start_loc[1:] - query_start_loc[:-1])
+            steps = query_start_loc[1:] - query_start_loc[:-1]
+            shortest, read, first = torch.stack(
+                [*torch.aminmax(steps), query_start_loc[0].to(steps.dtype)]
             ).tolist()  # one read
+            # the ops' offsets rules, which a metadata-carrying GPU call reads nowhere else
+            bad = [f"start at 0; got query_start_loc[0]={first}"] if first != 0 else []
+            if shortest < 0:
+                bad.append(f"never decrease; got a sequence of {shortest} tokens")
+            if bad:
+                raise ValueError(f"{op}: query_start_loc must " + " and ".join(bad))
             if read == 1 and shortest != 1:
                 raise ValueError(
                     f"{op}: query_start_loc gives a sequence {shortest} tokens and none more than "
