@@ -193,11 +193,13 @@ def test_builder_errors():
     ):
         builder(dtype=torch.int8)
     with pytest.raises(
-        ValueError,
+        TypeError,  # a float among them: a type problem, so a TypeError listing both
         match=r"MlaMetadataBuilder: max_batch must be an int >= 1; got "
         r"0; max_seq_len must be an int >= 1; got 1.5",
     ):
         builder(max_batch=0, max_seq_len=1.5)
+    with pytest.raises(ValueError, match=r"MlaMetadataBuilder: max_batch must be an int >= 1"):
+        builder(max_batch=0)
     with pytest.raises(ValueError, match="kv_lora_rank must be <= head_dim_k; got 256 > 192"):
         builder(r=256)
 

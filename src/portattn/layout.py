@@ -257,7 +257,9 @@ def token_view(
         shape = cache.shape
         block_size = shape[1] if rank == 4 else shape[3] if kind == "key" else shape[2] * shape[4]
         for name, i, n in (("block", block, shape[0]), ("offset", offset, block_size)):
-            if not is_int(i) or not 0 <= i < n:
+            if not is_int(i):
+                p.type(f"{name} must be an int in [0, {n}); got {i!r}")
+            elif not 0 <= i < n:
                 p.value(f"{name} must be an int in [0, {n}); got {i!r}")
     p.raise_if_any()
     if layout == "NHD":

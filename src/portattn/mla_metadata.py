@@ -133,7 +133,7 @@ class MlaMetadataBuilder:
             raise TypeError(f"{op}: target must be a portattn Target; got {type(target).__name__}")
         if dtype not in _FLOAT:
             raise TypeError(f"{op}: dtype must be one of float16, bfloat16, float32; got {dtype}")
-        errors = []
+        errors, wrong_type = [], False
         for name, v in (
             ("max_batch", max_batch),
             ("num_heads", num_heads),
@@ -144,6 +144,7 @@ class MlaMetadataBuilder:
         ):
             if not is_int(v) or v < 1:
                 errors.append(f"{name} must be an int >= 1; got {v!r}")
+                wrong_type = wrong_type or not is_int(v)
             elif v >= 2**31 and name != "max_seq_len":  # the kernels index these in int32
                 errors.append(f"{name} must be < 2**31; got {v}")
         if not errors and kv_lora_rank > head_dim_k:
@@ -156,8 +157,8 @@ class MlaMetadataBuilder:
         p = Problems(op)
         check_device(p, device)
         errors += p.reasons
-        if errors:
-            raise ValueError(f"{op}: " + "; ".join(errors))
+        if errors:  # a TypeError where any of them is a type problem, as the ops raise
+            raise (TypeError if wrong_type else ValueError)(f"{op}: " + "; ".join(errors))
         self.target = target
         self.num_heads = num_heads
         self.head_dim_k = head_dim_k

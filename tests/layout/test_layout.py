@@ -306,12 +306,15 @@ def test_shuffle_x_is_16_bytes_of_elements(dtype, x):
         (("NHD", "key", -1, 0), r"block must be an int in \[0, 2\); got -1"),  # was the last block
         (("SHUFFLE", "value", 0, 16), r"offset must be an int in \[0, 16\); got 16"),
         (("NHD", "value", 0, 2.0), r"offset must be an int in \[0, 16\); got 2.0"),
+        (("NHD", "value", True, 0), r"block must be an int in \[0, 2\); got True"),
     ],
 )
 def test_token_view_names_a_bad_argument(args, msg):
+    """A value out of range is a ValueError; an index that is no int a TypeError."""
     layout = args[0] if args[0] in ("NHD", "SHUFFLE") else "NHD"
     k, _ = empty_kv_cache(2, 16, 1, 16, layout=layout, dtype=torch.float32)
-    with pytest.raises((TypeError, ValueError), match="^token_view: " + msg):
+    kind = TypeError if any(type(a) in (float, bool) for a in args[2:]) else ValueError
+    with pytest.raises(kind, match="^token_view: " + msg):
         token_view(k, *args)
 
 
