@@ -462,6 +462,10 @@ def main(argv=None) -> int:
     docs = [_load(path) for path in opts.results]
     resolve_commits(docs)
     if opts.page:
+        quick = [path for path, d in zip(opts.results, docs, strict=True) if d.get("quick")]
+        if quick:  # its tiny shapes' rows would stand in the device's page as measurements
+            sys.exit(f"bench.results: {quick[0]}: a --quick run (a smoke test of tiny shapes) "
+                     f"is not merged into a page (--page {opts.page})")  # fmt: skip
         try:
             with open(opts.page) as f:
                 page = read_page(f.read())

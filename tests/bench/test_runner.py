@@ -325,6 +325,21 @@ def test_results_merge_new_runs_into_a_page(tmp_path):
         results.main([str(tmp_path / "b.json"), "--page", str(tmp_path / "missing.md")])
 
 
+def test_a_quick_run_is_not_merged_into_a_page(tmp_path):
+    """A GPU --quick smoke run (tiny shapes) merged into the device's page as if measured."""
+    page = tmp_path / "RESULTS.md"
+    assert results.main([_write(tmp_path, "a", fixture_doc()), "--out", str(page)]) == 0
+    quick = fixture_doc()
+    quick["quick"] = True
+    path = _write(tmp_path, "q", quick)
+    with pytest.raises(SystemExit) as info:
+        results.main([path, "--page", str(page), "--out", str(tmp_path / "NEW.md")])
+    assert str(info.value) == (f"bench.results: {path}: a --quick run (a smoke test of tiny "
+                               f"shapes) is not merged into a page (--page {page})")  # fmt: skip
+    assert not (tmp_path / "NEW.md").exists()
+    assert results.main([path, "--out", str(tmp_path / "QUICK.md")]) == 0  # a page of its own
+
+
 def test_results_merge_a_run_into_a_page_of_one_tree(tmp_path):
     """A page of one tree (runs unnumbered, no run column) takes a run of another tree: each
     kept row belongs to the last of the page's runs whose command ran its family, and the
