@@ -147,6 +147,13 @@ def test_cli_refuses_filters_that_leave_no_cell(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "compile: no cell: the" in err and "compile only for hip targets" in err
     assert "--targets sm_90 has none" in err and not (tmp_path / "out").exists()
+    # --list lists what the run would compile: nothing here (it listed the 26 cases, exit 0)
+    assert main([*argv, "--list"]) == 2
+    assert "--targets sm_90 has none" in capsys.readouterr().err
+    assert (
+        main(["--kernels", "mla_decode", "--cases", " hip$", "--targets", "gfx942", "--list"]) == 0
+    )
+    assert len(capsys.readouterr().out.split("\n")) > 1
 
 
 def test_cli_a_run_whose_every_cell_is_refused_compiled_nothing_and_exits_4(tmp_path, capsys):

@@ -177,8 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     if not cases:
         print("error: no case matches the filters", file=sys.stderr)
         return 2
-    if args.list:
-        return _list(cases)
     total = len(matrix_cells(cases, targets))
     if total == 0:
         vendors = sorted({v for c in cases for v in c.vendors})
@@ -188,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.list:  # the cases with a cell on the targets: what a run of these filters compiles
+        return _list([c for c in cases if matrix_cells([c], targets)])
     png = not args.no_png
     missing = missing_heatmap_modules() if png else []
     # before any compile: a cache or report folder that cannot be written stops the run here
