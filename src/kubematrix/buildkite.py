@@ -40,7 +40,7 @@ from typing import Any
 import yaml
 
 from kubematrix import checkout, images
-from kubematrix.cachestats import cache_env
+from kubematrix.cachestats import STATS_DIR_ENV, cache_env
 from kubematrix.matrix import BACKENDS, Cell, all_cells
 from kubematrix.render import CELL_CONTAINER, render_pod_spec
 
@@ -329,7 +329,9 @@ def docker_plugin(cell: Cell, image: str) -> dict[str, Any]:
     return {DOCKER_PLUGIN: opts}
 
 
-def k8s_pod_spec(cell: Cell, command: Sequence[str], *, commit: str, image: str) -> dict:
+def k8s_pod_spec(
+    cell: Cell, command: Sequence[str], *, commit: str, image: str, results_dir: str = RESULTS_DIR
+) -> dict:
     """The ``kubernetes`` plugin's podSpec for a GPU cell, from the ``k8s/`` templates.
 
     The rendered Job's pod runs the cell through ``kubematrix.cell`` (which streams the JUnit back
@@ -361,6 +363,11 @@ def k8s_pod_spec(cell: Cell, command: Sequence[str], *, commit: str, image: str)
         container["args"] = [shlex.join(command)]
         container.pop("workingDir", None)  # agent-stack-k8s runs commands in the workspace
         for env in container.get("env", []):
+            if env["name"] == STATS_DIR_ENV:
+                # the step's own folder, which its artifact upload takes (the template's is the
+                # launcher's /results, read back through the log): the same value whichever of
+                # the step's env and the podSpec's the agent lets win
+                env["value"] = f"{results_dir}/{cell.name}.cache"
             if env["name"] == "PYTEST_ADDOPTS":
                 # The step passes its own --junitxml (the uploaded artifact).
                 env["value"] = " ".join(
@@ -406,7 +413,8 @@ def cell_step(
         step["depends_on"] = [image_key(cell.spec.vendor or ""), *step["depends_on"]]
         step["command"] = shlex.join(in_image)
         if lanes == "k8s":
-            pod = k8s_pod_spec(cell, in_image, commit=commit, image=image)
+            pod = k8s_pod_spec(cell, in_image, commit=commit, image=image,
+                               results_dir=results_dir)  # fmt: skip
             step["agents"] = {"queue": K8S_QUEUE}
             step["plugins"] = [{"kubernetes": {"podSpec": pod}}]
         else:

@@ -161,6 +161,23 @@ def test_cuda_and_rocm_lanes_come_from_one_definition(lanes):
         assert cuda == rocm
 
 
+def test_a_k8s_lane_pod_counts_its_compiles_where_the_step_uploads_them():
+    """The step's env put the cache counters in results/matrix/<cell>.cache (its artifact
+    paths), the podSpec's template env in the launcher's /results/cache: whichever the agent let
+    win, the counters could go where no upload takes them. Both now say the step's folder."""
+    from kubematrix.cachestats import STATS_DIR_ENV
+
+    steps = by_key(buildkite.generate(lanes="k8s", commit=COMMIT))
+    for name in ("mla-cuda-sm_90", "paged-rocm-gfx942"):
+        step = steps[name]
+        pod = step["plugins"][0]["kubernetes"]["podSpec"]
+        (cell,) = [c for c in pod["containers"] if c["name"] == buildkite.CELL_CONTAINER]
+        pod_env = {e["name"]: e.get("value") for e in cell["env"]}
+        want = f"{buildkite.RESULTS_DIR}/{name}.cache"
+        assert pod_env[STATS_DIR_ENV] == step["env"][STATS_DIR_ENV] == want
+        assert any(p.startswith(want) for p in step["artifact_paths"]), step["artifact_paths"]
+
+
 def test_steps_only_call_nox_with_timeouts_junit_and_infrastructure_retries():
     pipeline = buildkite.generate(lanes="queues")
     for step in cell_steps(pipeline):
