@@ -182,7 +182,8 @@ if [ "$1 $2" = "artifact download" ]; then exit 1; fi  # nothing to download: al
 """
 
 
-def test_buildkite_mode_annotates_the_build(results_dir, tmp_path, monkeypatch, capsys):
+def _fake_agent(tmp_path, monkeypatch) -> Path:
+    """`FAKE_AGENT` first on PATH; returns the log it writes its calls to."""
     agent = tmp_path / "bin" / "buildkite-agent"
     agent.parent.mkdir()
     agent.write_text(FAKE_AGENT)
@@ -190,6 +191,11 @@ def test_buildkite_mode_annotates_the_build(results_dir, tmp_path, monkeypatch, 
     log = tmp_path / "agent.log"
     monkeypatch.setenv("PATH", f"{agent.parent}:{os.environ['PATH']}")
     monkeypatch.setenv("AGENT_LOG", str(log))
+    return log
+
+
+def test_buildkite_mode_annotates_the_build(results_dir, tmp_path, monkeypatch, capsys):
+    log = _fake_agent(tmp_path, monkeypatch)
     monkeypatch.setenv("BUILDKITE_COMMIT", "0123456789abcdef")
     monkeypatch.setenv("BUILDKITE_BUILD_NUMBER", "42")
     monkeypatch.chdir(results_dir.parent)
@@ -220,13 +226,7 @@ def test_buildkite_mode_calls_a_selected_cell_without_a_result_lost(
     """A build whose GPU steps never ran (their image step failed) was annotated green, "passed",
     from the one cell that reported: a selected cell without a result is an error; one the
     change did not select stays "not run"."""
-    agent = tmp_path / "bin" / "buildkite-agent"
-    agent.parent.mkdir()
-    agent.write_text(FAKE_AGENT)
-    agent.chmod(0o755)
-    log = tmp_path / "agent.log"
-    monkeypatch.setenv("PATH", f"{agent.parent}:{os.environ['PATH']}")
-    monkeypatch.setenv("AGENT_LOG", str(log))
+    log = _fake_agent(tmp_path, monkeypatch)
     monkeypatch.chdir(results_dir.parent)
     args = ["report", "--buildkite", "--results", results_dir.name,
             "--cell", "paged-cpu-interpreter", "--cell", "mla-cuda-sm_90"]  # fmt: skip

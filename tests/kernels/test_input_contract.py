@@ -521,6 +521,11 @@ def _lazy(t: torch.Tensor) -> torch.Tensor:
     return torch._neg_view(-t)
 
 
+#: The ops `_lazy_calls` calls, each tensor argument in turn replaced.
+TENSOR_OPS = ["paged_attention", "mla_decode", "write_kv_cache", "gather_kv_cache",
+              "expand_page_indices"]  # fmt: skip
+
+
 def _lazy_calls() -> dict:
     """Per op, its tensor arguments by name and a call taking them (``out`` as a pair for
     gather)."""
@@ -572,10 +577,7 @@ def _lazy_calls() -> dict:
 @pytest.mark.cpu
 @pytest.mark.paged
 @pytest.mark.mla
-@pytest.mark.parametrize(
-    "op", ["paged_attention", "mla_decode", "write_kv_cache", "gather_kv_cache",
-           "expand_page_indices"],
-)  # fmt: skip
+@pytest.mark.parametrize("op", TENSOR_OPS)
 def test_every_tensor_argument_under_a_lazy_bit_is_refused_by_its_name(op):
     """Each op, each tensor argument in turn under the negation bit (same values, the memory
     negated): a ValueError naming that argument, before anything runs; the call without the
@@ -592,10 +594,7 @@ def test_every_tensor_argument_under_a_lazy_bit_is_refused_by_its_name(op):
 @pytest.mark.cpu
 @pytest.mark.paged
 @pytest.mark.mla
-@pytest.mark.parametrize(
-    "op", ["paged_attention", "mla_decode", "write_kv_cache", "gather_kv_cache",
-           "expand_page_indices"],
-)  # fmt: skip
+@pytest.mark.parametrize("op", TENSOR_OPS)
 def test_every_tensor_argument_that_is_not_strided_is_refused_by_its_name(op):
     """Each op, each tensor argument in turn as a sparse tensor (no strides, no storage: the
     checks and kernels could not read it): a TypeError naming that argument and its layout,
