@@ -26,6 +26,9 @@ from kubematrix.render import DEFAULT_NAMESPACE, DNS_LABEL_RULE, VENDORS, is_dns
 
 EXIT_INFRA = 3
 EXIT_NO_CLUSTER = 2
+#: Every cell exited 0 but some ran no passing test (all skipped, or none collected): as
+#: ``kubematrix matrix`` exits when nothing was tested, never a green step.
+EXIT_NOTHING_TESTED = 4
 NAMESPACE_ENV = "KUBEMATRIX_NAMESPACE"
 KERNEL_SUITES = ("paged", "mla", "hybrid", "specdec")
 
@@ -367,11 +370,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write("kubematrix.k8s: interrupted; the launched Jobs were deleted\n")
         _report_leftovers(launcher)
         return 130
+    untested = []
     for r in results:
         cache = f"; Triton cache: {r.cache.describe()}" if r.cache else ""
-        sys.stdout.write(f"{r.name}: {r.outcome} ({r.message}{cache})\n")
+        outcome = r.outcome
+        if outcome == "passed" and _passed_tests(args.results / f"{r.name}.xml") == 0:
+            outcome = "no test passed (all skipped)"  # the matrix runner's "skipped"
+            untested.append(r.name)
+        sys.stdout.write(f"{r.name}: {outcome} ({r.message}{cache})\n")
     _report_leftovers(launcher)
-    return exit_status(results)
+    status = exit_status(results)
+    if status == 0 and untested:
+        sys.stderr.write(f"kubematrix.k8s: {', '.join(untested)} passed no test; exit status "
+                         f"{EXIT_NOTHING_TESTED}\n")  # fmt: skip
+        return EXIT_NOTHING_TESTED
+    return status
+
+
+def _passed_tests(junit: Path) -> int | None:
+    """The passed test cases of a cell's JUnit report (``None``: unreadable, which the
+    launcher's outcome already judged)."""
+    try:
+        return report.read_junit(junit).passed
+    except report.UnreadableReport:
+        return None
 
 
 def _report_leftovers(launcher: Launcher) -> None:

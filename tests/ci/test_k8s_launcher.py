@@ -37,7 +37,16 @@ FAST = Timeouts(
     backoff_s=0.02,
     connect_s=2.0,
 )
-JUNIT = b'<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="1"/></testsuites>'
+JUNIT = (
+    b'<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="1">'
+    b'<testcase classname="t" name="test_one"/></testsuite></testsuites>'
+)
+#: A report whose only test was skipped (``-k`` matching a skip, a GPU test off its GPU).
+SKIPPED_JUNIT = (
+    b'<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="1">'
+    b'<testcase classname="t" name="test_one"><skipped message="no"/></testcase>'
+    b"</testsuite></testsuites>"
+)
 LOG = [f"line {i}" for i in range(10)]
 
 
@@ -1089,6 +1098,27 @@ def test_cli_does_not_exit_0_for_a_cell_without_a_junit_report(tmp_path, monkeyp
     out = capsys.readouterr().out
     assert code == k8s.EXIT_INFRA
     assert ": error (exit code 0; no JUnit report in the log)" in out
+
+
+def test_cli_does_not_exit_0_for_a_cell_whose_tests_were_all_skipped(tmp_path, monkeypatch,
+                                                                     capsys):  # fmt: skip
+    """Exit code 0 with a JUnit report of skipped tests only was printed "passed", exit 0,
+    where the matrix runner calls the same run skipped: nothing was tested."""
+
+    def scenario(k: KubeStub, job: dict) -> None:
+        pod = k.add_pod(job)
+        k.start(pod)
+        k.log(pod, *encode_results(SKIPPED_JUNIT, results_token(job["metadata"]["name"]), 0))
+        k.finish(pod, 0)
+
+    with KubeStub(scenario) as stub:
+        _stub_kubeconfig(stub, tmp_path, monkeypatch)
+        argv = ["--vendor", "rocm", "--suite", "mla", "--commit", "abc1234"]
+        code = k8s.main([*argv, "--image", "registry.test/x:1", "--results", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == k8s.EXIT_NOTHING_TESTED
+    assert ": no test passed (all skipped) (exit code 0" in captured.out
+    assert "passed no test; exit status 4" in captured.err
 
 
 def test_exit_status_is_never_0_unless_every_cell_passed():
