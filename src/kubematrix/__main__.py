@@ -508,27 +508,25 @@ def _run_report(args: argparse.Namespace) -> int:
     _check_writable("report", out, derived)
     results = report.collect(cells, out)
     not_selected = set(filter(None, os.environ.get(buildkite.NOT_SELECTED_ENV, "").split(",")))
-    results = [
-        report.not_run(
-            next(c for c in cells if c.name == r.cell),
-            "not selected by the changed files (unblock its step to run it)",
-        )
-        if r.cell in not_selected and r.status == "not run"
-        else r
-        for r in results
-    ]
-    if args.buildkite:  # every other cell had a step in this build: without a result it is lost
-        results = [
-            report.not_run(
-                next(c for c in cells if c.name == r.cell),
-                "selected for this build, but no result came back (its step stopped before its "
-                "tests reported, e.g. on a failed image step, or its artifacts were lost)",
-                status="error",
+    by_name = {c.name: c for c in cells}
+
+    def unrun(r: report.CellResult) -> report.CellResult:
+        """A cell without a result: not selected by the change, or (in a build, where every
+        other cell had a step) lost."""
+        if r.status != "not run":
+            return r
+        if r.cell in not_selected:
+            why = "not selected by the changed files (unblock its step to run it)"
+            return report.not_run(by_name[r.cell], why)
+        if args.buildkite:
+            why = (
+                "selected for this build, but no result came back (its step stopped before "
+                "its tests reported, e.g. on a failed image step, or its artifacts were lost)"
             )
-            if r.status == "not run" and r.cell not in not_selected
-            else r
-            for r in results
-        ]
+            return report.not_run(by_name[r.cell], why, status="error")
+        return r
+
+    results = [unrun(r) for r in results]
     context = ""
     if args.buildkite:
         context = (

@@ -212,7 +212,8 @@ class MlaMetadataBuilder:
             ValueError/TypeError: arguments that do not fit this builder.
         """
         op = "MlaMetadataBuilder.build"
-        refuse_unstrided(op, [("seq_lens", seq_lens), ("query_start_loc", query_start_loc)])
+        named = [("seq_lens", seq_lens), ("query_start_loc", query_start_loc)]
+        refuse_unstrided(op, named)
         if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype not in _INDEX:
             got = _arg_summary(seq_lens)
             raise TypeError(f"{op}: seq_lens must be an int32/int64 tensor; got {got}")
@@ -236,7 +237,7 @@ class MlaMetadataBuilder:
                 f"query_start_loc must have shape (num_seqs + 1,) = ({num_seqs + 1},); got "
                 f"{tuple(query_start_loc.shape)}"
             )
-        errors += lazy_bit_errors([("seq_lens", seq_lens), ("query_start_loc", query_start_loc)])
+        errors += lazy_bit_errors(named)
         if errors:
             raise ValueError(f"{op}: " + "; ".join(errors))
         if max_query_len is not None and (

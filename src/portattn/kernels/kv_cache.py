@@ -286,17 +286,7 @@ def plan_write_kv_cache(
     sm = slot_mapping if isinstance(slot_mapping, torch.Tensor) else None
     if kv is not None and sm is not None and sm.device != key_cache.device:
         p.value(f"slot_mapping must be on the cache's device {key_cache.device}; got {sm.device}")
-    p.value(
-        *lazy_bit_errors(
-            [
-                ("key", key),
-                ("value", value),
-                ("key_cache", key_cache),
-                ("value_cache", value_cache),
-                ("slot_mapping", slot_mapping),
-            ]
-        )
-    )
+    p.value(*lazy_bit_errors(named))
     if not p:
         # the caches are written: neither may overlap itself, the other or an input
         writes = [("key_cache", key_cache), ("value_cache", value_cache)]
@@ -504,9 +494,14 @@ def _check_gather_args(
     every problem listed in one error; the caches' addressing."""
     op = "gather_kv_cache"
     outs = out if isinstance(out, (tuple, list)) else ()
-    refuse_unstrided(op, [("key_cache", key_cache), ("value_cache", value_cache),
-                          ("block_table", block_table), ("cu_seq_lens", cu_seq_lens),
-                          *((f"out[{i}]", t) for i, t in enumerate(outs))])  # fmt: skip
+    named = [
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("block_table", block_table),
+        ("cu_seq_lens", cu_seq_lens),
+        *((f"out[{i}]", t) for i, t in enumerate(outs)),
+    ]
+    refuse_unstrided(op, named)
     p = Problems(op)
     p.type(*target_errors(target))
     kv = p.run(describe_kv_cache, op, key_cache, value_cache, layout)
@@ -534,10 +529,7 @@ def _check_gather_args(
                 f"out[0] and out[1] must have the same total_tokens; got {out[0].shape[0]} "
                 f"and {out[1].shape[0]}"
             )
-    outs = out if out is not None else (None, None)
-    p.value(*lazy_bit_errors([("key_cache", key_cache), ("value_cache", value_cache),
-                              ("block_table", block_table), ("cu_seq_lens", cu_seq_lens),
-                              ("out[0]", outs[0]), ("out[1]", outs[1])]))  # fmt: skip
+    p.value(*lazy_bit_errors(named))
     if not p and out is not None:
         # the outputs are written: neither may overlap itself, the other or an input
         reads = [("key_cache", key_cache), ("value_cache", value_cache),

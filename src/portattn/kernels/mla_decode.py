@@ -1014,10 +1014,17 @@ def _validate(
     """Every type, value and overlap problem of a call (not the metadata's contents), raised
     together."""
     pages = page_indices if isinstance(page_indices, (tuple, list)) else ()
-    refuse_unstrided(_OP, [("query", query), ("kv_cache", kv_cache), ("block_table", block_table),
-                           ("seq_lens", seq_lens), ("query_start_loc", query_start_loc),
-                           ("out", out), ("trace", trace),
-                           *((f"page_indices[{i}]", t) for i, t in enumerate(pages))])  # fmt: skip
+    named = [
+        ("query", query),
+        ("kv_cache", kv_cache),
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+        ("out", out),
+        ("trace", trace),
+        *((f"page_indices[{i}]", t) for i, t in enumerate(pages)),
+    ]
+    refuse_unstrided(_OP, named)
     errors = _type_errors(
         query,
         kv_cache,
@@ -1053,12 +1060,7 @@ def _validate(
     )
     if tiles is not None and metadata is not None:
         p.value("tiles must not be given with metadata (the launch uses metadata.tiles)")
-    pages = page_indices if isinstance(page_indices, (tuple, list)) else ()
-    p.value(*lazy_bit_errors([("query", query), ("kv_cache", kv_cache),
-                              ("block_table", block_table), ("seq_lens", seq_lens),
-                              ("query_start_loc", query_start_loc), ("out", out),
-                              ("trace", trace), *((f"page_indices[{i}]", t)
-                                                  for i, t in enumerate(pages))]))  # fmt: skip
+    p.value(*lazy_bit_errors(named))
     if not p:
         reads = [("query", query), ("kv_cache", kv_cache), ("block_table", block_table),
                  ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)]  # fmt: skip

@@ -137,7 +137,8 @@ def plan_expand_page_indices(
     """Validate, allocate ``indptr``/``indices`` and plan the two launches (see
     `expand_page_indices`). The outputs are ``launches[-1].outputs``."""
     op = "expand_page_indices"
-    refuse_unstrided(op, [("block_table", block_table), ("seq_lens", seq_lens)])
+    named = [("block_table", block_table), ("seq_lens", seq_lens)]
+    refuse_unstrided(op, named)
     p = Problems(op)
     p.type(*target_errors(target))
     ok = {}
@@ -169,7 +170,7 @@ def plan_expand_page_indices(
         p.value(
             f"block_table and seq_lens must be on one device; got {table.device} and {lens.device}"
         )
-    p.value(*lazy_bit_errors([("block_table", block_table), ("seq_lens", seq_lens)]))
+    p.value(*lazy_bit_errors(named))
     if num_indices is not None and not is_int(num_indices):
         p.value(f"num_indices must be an int or None; got {type(num_indices).__name__}")
     elif num_indices is not None and not 0 <= num_indices <= INT64_MAX:

@@ -707,10 +707,10 @@ def _check_call(
 ) -> tuple[CacheAddressing, CacheAddressing]:  # fmt: skip
     """Every type, shape, scalar and overlap problem of a call, raised together (`Problems`);
     the caches' addressing when there is none."""
-    refuse_unstrided(OP, [("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
-                          ("block_table", block_table), ("seq_lens", seq_lens),
-                          ("query_start_loc", query_start_loc), ("out", out),
-                          ("trace", trace)])  # fmt: skip
+    tensors = [("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
+               ("block_table", block_table), ("seq_lens", seq_lens),
+               ("query_start_loc", query_start_loc), ("out", out), ("trace", trace)]  # fmt: skip
+    refuse_unstrided(OP, tensors)
     p = Problems(OP)
     named = {
         "query": query,
@@ -747,9 +747,7 @@ def _check_call(
         )
     _shape_errors(p, q, kv[0] if kv else None, key_cache if kv else None, ok, out)
     p.value(*scale_errors(scale, optional=True))
-    p.value(*lazy_bit_errors([("query", query), ("key_cache", key_cache),
-                              ("value_cache", value_cache), *list(named.items())[1:],
-                              ("out", out), ("trace", trace)]))  # fmt: skip
+    p.value(*lazy_bit_errors(tensors))
     for name, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
         if v is not None and (not is_int(v) or v < 0):
             p.value(f"{name} must be a non-negative int or None; got {v!r}")
