@@ -1428,6 +1428,102 @@ def test_a_tensor_passed_twice_is_not_planned(no_launch):
     _assert_same_plan((lists, ()), plan_paged_attention(*twice[:6], max_query_len=4), twice)
 
 
+def test_zero_size_outputs_are_new_on_every_hit(no_launch):
+    """An empty step's output is still the caller's own tensor: a hit returns a new one, so a
+    caller that reshapes or resizes what it got changes no later call's output."""
+    q, kc, vc, bt, sl, qsl = (t[:0] if i == 0 else t for i, t in enumerate(_meta_paged()))
+    sl, qsl = sl[:1].zero_(), qsl[:2].zero_()
+
+    def paged():
+        return paged_attention(q, kc, vc, bt[:1], sl, qsl, max_query_len=0)
+
+    first, second = paged(), paged()
+    assert PLANS.hits == 1 and first is not second
+    second.resize_(3, 8, 32)
+    assert paged().shape == (0, 8, 32)
+
+    builder = MlaMetadataBuilder(get_target("sm_90"), max_batch=2, num_heads=16,
+                                 kv_lora_rank=512, head_dim_k=576, dtype=torch.float16,
+                                 device="meta", max_query_len=2, max_seq_len=256)  # fmt: skip
+    mq = torch.empty(0, 16, 576, dtype=torch.float16, device="meta")
+    cache = torch.empty(4, 64, 576, dtype=torch.float16, device="meta")
+    mbt, msl = torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    mqsl = torch.zeros(2, dtype=torch.int32)
+    mbt, msl, mqsl = (t.to("meta") for t in (mbt, msl, mqsl))
+
+    def mla():
+        md = builder.build(msl, mqsl, max_query_len=2)
+        return mla_decode(mq, cache, mbt, msl, kv_lora_rank=512, scale=0.1,
+                          query_start_loc=mqsl, metadata=md, return_lse=True)  # fmt: skip
+
+    (o1, l1), (o2, l2) = mla(), mla()
+    assert PLANS.hits > 1 and o1 is not o2 and l1 is not l2
+    l2.unsqueeze_(0)
+    o2.resize_(5, 16, 512)
+    o3, l3 = mla()
+    assert (o3.shape, l3.shape) == ((0, 16, 512), (0, 16))
+
+
+class _TakenMeanwhile:
+    """A key whose hashing removes it from its table first: the table as another thread leaves
+    it when it evicts the same oldest entry between this thread's lookup and its removal."""
+
+    def __init__(self, table: dict):
+        self.table = table
+        self.armed = False
+
+    def __hash__(self) -> int:
+        if self.armed:
+            self.armed = False
+            del self.table[self]
+        return 0
+
+
+def test_eviction_tolerates_another_threads_eviction():
+    """The caches are shared by threads without a lock: an eviction that finds its oldest entry
+    gone, or the table empty, raises nothing out of the op call that triggered it."""
+    table: dict = {}
+    key = _TakenMeanwhile(table)
+    table[key] = 1
+    table["newer"] = 2
+    key.armed = True
+    _plans.evict_oldest(table, 1)
+    assert table == {"newer": 2}
+    _plans.evict_oldest(table, 0)
+    assert table == {}
+
+
+def test_caches_evict_safely_from_many_threads():
+    """Eight threads planning new descriptions into a one-plan cache: no call raises (each
+    finds the cache full and evicts, in the same few lines)."""
+    import sys
+    import threading
+
+    cache = PlanCache(max_plans=1)
+    errors: list[BaseException] = []
+    keys = iter(range(10**9))
+
+    def work():
+        try:
+            for _ in range(3000):
+                cache.call(("op", next(keys)), (), lambda: [])
+        except Exception as e:  # noqa: BLE001 - collected for the assertion
+            errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        threads = [threading.Thread(target=work) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+    assert len(cache) <= 1
+
+
 def test_fast_allocations_equal_torch_empty(monkeypatch):
     """A buffer from torch's C allocation is what `torch.empty` gives; where the C function
     gives something else, `torch.empty` is kept."""

@@ -42,6 +42,7 @@ process (`PLANS` is built then); tests build their own `PlanCache` with ``enable
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -178,6 +179,15 @@ def exact_id(values: Hashable) -> int | None:
     return n
 
 
+def evict_oldest(table: dict, keep: int) -> None:
+    """Drop ``table``'s oldest entries until it holds ``keep``. Threads share the tables
+    unlocked: an entry another thread removed meanwhile is skipped, and a lookup made while
+    another thread changed the table's size is made again."""
+    while len(table) > keep:
+        with contextlib.suppress(RuntimeError, StopIteration):  # changed size; emptied
+            table.pop(next(iter(table)), None)
+
+
 class _Bound:
     """Device and stream getters, bound on first use (CUDA initialised lazily, as torch does)."""
 
@@ -276,6 +286,10 @@ class Plan:
                 return _INPUT, by_id[id(t)]
             if t.numel() == 0:
                 return None
+            return alloc(t)
+
+        def alloc(t: torch.Tensor) -> tuple[int, int]:
+            """``t`` as a buffer each hit allocates anew."""
             if id(t) not in alloc_ids:
                 shares = t.device.type != "meta" and t.untyped_storage().data_ptr() in storages
                 if shares or not t.is_contiguous() or t.storage_offset():
@@ -312,12 +326,13 @@ class Plan:
         self.disjoint = Disjoint(list(dict.fromkeys(writes)), inputs)
         self.meta = any(t is not None and t.is_meta for t in inputs)
         outputs = launches[0].outputs if launches else ()
-        wheres = [slot(t) for t in outputs]
-        self._outputs = [(w, None if w else t) for t, w in zip(outputs, wheres, strict=True)]
+        # An output the caller did not pass is its own even at size 0: each hit makes a new one.
+        wheres = [(_INPUT, by_id[id(t)]) if id(t) in by_id else alloc(t) for t in outputs]
+        self._outputs = wheres
         # Outputs that are all buffers of the plan (``out=None``): gathered in one C call.
         self._out_allocs: Callable[[list], Any] | None = None
-        if outputs and all(w is not None and w[0] == _ALLOC for w in wheres):
-            refs = [w[1] for w in wheres if w is not None]
+        if outputs and all(w[0] == _ALLOC for w in wheres):
+            refs = [w[1] for w in wheres]
             self._out_allocs = itemgetter(*refs) if len(refs) > 1 else _one_tuple_getter(refs[0])
         self._direct: list[_DirectLaunch] | None = None
 
@@ -355,12 +370,7 @@ class Plan:
     def _outs(self, inputs: Sequence, allocs: list[torch.Tensor]) -> tuple:
         if self._out_allocs is not None:
             return self._out_allocs(allocs)
-        return tuple(
-            [
-                t if where is None else inputs[where[1]] if where[0] == _INPUT else allocs[where[1]]
-                for where, t in self._outputs
-            ]
-        )
+        return tuple([inputs[i] if kind == _INPUT else allocs[i] for kind, i in self._outputs])
 
     def bind(self, inputs: Sequence[torch.Tensor | None]) -> tuple[list[list[Any]], tuple]:
         """Argument lists (kernel parameter order, one per launch) and the outputs of a call with
@@ -774,8 +784,7 @@ class PlanCache:
         first = len(tensors) <= len(inputs) and all(map(is_, tensors, inputs))
         entries.insert(0, (guards, plan, first))
         del entries[MAX_GUARDS:]
-        if len(self._guarded) > self.max_plans:
-            del self._guarded[next(iter(self._guarded))]
+        evict_oldest(self._guarded, self.max_plans)
 
     def hit(
         self,
@@ -840,8 +849,7 @@ class PlanCache:
             if guard is not None and self._guards:
                 self._keep_guard(guard, inputs, replay)
         self._plans[key] = replay
-        if len(self._plans) > self.max_plans:
-            del self._plans[next(iter(self._plans))]
+        evict_oldest(self._plans, self.max_plans)
         return launches[0].outputs if launches else ()
 
 
@@ -894,8 +902,7 @@ class CheckMemo:
             return
         entries.insert(0, (guards, Disjoint(writes, inputs), value))
         del entries[self.max_entries :]
-        if len(self._seen) > MAX_PLANS:
-            del self._seen[next(iter(self._seen))]
+        evict_oldest(self._seen, MAX_PLANS)
 
 
 def _run_fresh(launches: list[Launch]) -> tuple:

@@ -49,7 +49,14 @@ import triton.language as tl
 
 from portattn.kernels._checks import INT64_MAX
 from portattn.kernels._launch import Launch
-from portattn.kernels._plans import PLANS, _current_device, _current_stream, call_key, present
+from portattn.kernels._plans import (
+    PLANS,
+    _current_device,
+    _current_stream,
+    call_key,
+    evict_oldest,
+    present,
+)
 from portattn.platform import Target, override_key, target_for_tensor
 from portattn.policy.cache import metadata_summary_tiles
 
@@ -235,8 +242,7 @@ def _buffers(device: torch.device) -> _Buffers:
         stream = None if raw is None else torch.cuda.current_stream(device)
         running = torch.zeros(TICKETS + 1, dtype=torch.int64, device=device)
         totals = torch.zeros(TOKENS + 1, dtype=torch.int64, pin_memory=stream is not None)
-        if len(_BUFFERS) >= MAX_BUFFERS:
-            del _BUFFERS[next(iter(_BUFFERS))]
+        evict_oldest(_BUFFERS, MAX_BUFFERS - 1)
         bufs = _BUFFERS[key] = _Buffers(running, totals, totals.numpy(), stream)
     return bufs
 
