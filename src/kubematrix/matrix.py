@@ -162,6 +162,7 @@ BACKENDS: dict[str, Backend] = {
             gpu_resource=None,
             queue="cpu",
             env={"TRITON_INTERPRET": "1"},
+            paths=("constraints/cpu.txt",),  # the CPU sessions' torch and Triton pins
             timeout_minutes=30,
         ),
         Backend(
@@ -175,7 +176,6 @@ BACKENDS: dict[str, Backend] = {
             gpu_resource="nvidia.com/gpu",
             queue="gpu-cuda",
             paths=(
-                "Dockerfile.cuda",
                 f"{_MANIFESTS}/base/*",
                 f"{_MANIFESTS}/overlays/cuda/*",
                 f"{_MANIFESTS}/overlays/sm_*/*",  # the overlays of its architectures
@@ -193,7 +193,6 @@ BACKENDS: dict[str, Backend] = {
             gpu_resource="amd.com/gpu",
             queue="gpu-rocm",
             paths=(
-                "Dockerfile.rocm",
                 f"{_MANIFESTS}/base/*",
                 f"{_MANIFESTS}/overlays/rocm/*",
                 f"{_MANIFESTS}/overlays/gfx*/*",  # the overlays of its architectures
@@ -226,6 +225,17 @@ _KERNEL_COMMON = (
 # Files that change how every cell runs: a change here reruns the whole matrix (the code only:
 # a vendor's Kubernetes template concerns that vendor's cells, through Backend.paths).
 MATRIX_PATHS = ("src/kubematrix/*.py", ".buildkite/*")
+
+
+def _image_paths(backend: Backend) -> tuple[str, ...]:
+    """What a GPU backend's cells run in: its image's inputs (Dockerfile, constraints, build
+    tools: `kubematrix.images`) and the build context's filter (the cell layer's COPYs)."""
+    if backend.vendor is None:
+        return ()
+    from kubematrix.images import IMAGES  # imports this module
+
+    return (*IMAGES[backend.vendor].inputs, ".dockerignore")
+
 
 SUITES: dict[str, Suite] = {
     s.name: s
@@ -331,7 +341,7 @@ class Cell:
         """Changed-file globs that select this cell."""
         suite = SUITES[self.suite]
         common = _COMMON if self.suite == "policy" else _KERNEL_COMMON
-        return (*suite.paths, *common, *self.spec.paths, *MATRIX_PATHS)
+        return (*suite.paths, *common, *self.spec.paths, *_image_paths(self.spec), *MATRIX_PATHS)
 
     def junit_path(self, results_dir: str | os.PathLike[str]) -> Path:
         return Path(results_dir) / f"{self.name}.xml"

@@ -336,6 +336,16 @@ MLA_POLICY_CELLS = {"policy-cpu-interpreter", "compile-cpu-interpreter"} | {
     "changed, expected",
     [
         (["Dockerfile.rocm"], {c.name for c in all_cells() if c.backend == "rocm"}),
+        # what an image is built from, and the pins each backend's sessions install under
+        (["constraints/cuda.txt"], {c.name for c in all_cells() if c.backend == "cuda"}),
+        (["constraints/rocm.txt"], {c.name for c in all_cells() if c.backend == "rocm"}),
+        (["constraints/cpu.txt"], {c.name for c in all_cells() if c.backend == "cpu-interpreter"}),
+        (
+            ["tools/mamba_wheels.py"],
+            {c.name for c in all_cells() if c.backend != "cpu-interpreter"},
+        ),
+        (["tools/check_image.py"], {c.name for c in all_cells() if c.backend != "cpu-interpreter"}),
+        ([".dockerignore"], {c.name for c in all_cells() if c.backend != "cpu-interpreter"}),
         (["src/portattn/policy/mla.py"], MLA_POLICY_CELLS),
         (["noxfile.py"], {c.name for c in all_cells()}),
         (["src/kubematrix/buildkite.py"], {c.name for c in all_cells()}),
