@@ -42,7 +42,7 @@ import yaml
 from kubematrix import checkout, images
 from kubematrix.cachestats import STATS_DIR_ENV, cache_env
 from kubematrix.matrix import BACKENDS, Cell, all_cells
-from kubematrix.render import CELL_CONTAINER, render_pod_spec
+from kubematrix.render import CELL_CONTAINER, render_job
 
 LANES = ("queues", "k8s")
 RESULTS_DIR = "results/matrix"
@@ -329,10 +329,12 @@ def docker_plugin(cell: Cell, image: str) -> dict[str, Any]:
     return {DOCKER_PLUGIN: opts}
 
 
-def k8s_pod_spec(
+def k8s_plugin(
     cell: Cell, command: Sequence[str], *, commit: str, image: str, results_dir: str = RESULTS_DIR
 ) -> dict:
-    """The ``kubernetes`` plugin's podSpec for a GPU cell, from the ``k8s/`` templates.
+    """The ``kubernetes`` plugin of a GPU cell's step, from the ``k8s/`` templates: the rendered
+    Job's pod as the ``podSpec``, and its labels and annotations (the cell, its commit, a Kueue
+    queue from ``$KUBEMATRIX_KUEUE_QUEUE``) as the ``metadata`` agent-stack-k8s gives the Job.
 
     The rendered Job's pod runs the cell through ``kubematrix.cell`` (which streams the JUnit back
     through the log for the launcher). Under agent-stack-k8s the step's artifact upload brings the
@@ -342,8 +344,8 @@ def k8s_pod_spec(
     """
     vendor = cell.spec.vendor
     if vendor is None:
-        raise ValueError(f"k8s_pod_spec: cell must be a GPU cell; got {cell.name!r}")
-    pod = render_pod_spec(
+        raise ValueError(f"k8s_plugin: cell must be a GPU cell; got {cell.name!r}")
+    job = render_job(
         vendor=vendor,
         suite=cell.suite,
         image=image,
@@ -356,6 +358,7 @@ def k8s_pod_spec(
         active_deadline_s=cell.timeout_minutes * 60,
         test_timeout_s=min(900, max(30, cell.timeout_minutes * 60 - 600)),
     )
+    pod = job["spec"]["template"]["spec"]
     for container in pod["containers"]:
         if container["name"] != CELL_CONTAINER:
             continue
@@ -373,7 +376,11 @@ def k8s_pod_spec(
                 env["value"] = " ".join(
                     a for a in env["value"].split() if not a.startswith("--junitxml")
                 )
-    return pod
+    meta = job["metadata"]
+    return {
+        "podSpec": pod,
+        "metadata": {"labels": meta["labels"], "annotations": meta["annotations"]},
+    }
 
 
 def cell_step(
@@ -413,10 +420,10 @@ def cell_step(
         step["depends_on"] = [image_key(cell.spec.vendor or ""), *step["depends_on"]]
         step["command"] = shlex.join(in_image)
         if lanes == "k8s":
-            pod = k8s_pod_spec(cell, in_image, commit=commit, image=image,
-                               results_dir=results_dir)  # fmt: skip
+            plugin = k8s_plugin(cell, in_image, commit=commit, image=image,
+                                results_dir=results_dir)  # fmt: skip
             step["agents"] = {"queue": K8S_QUEUE}
-            step["plugins"] = [{"kubernetes": {"podSpec": pod}}]
+            step["plugins"] = [{"kubernetes": plugin}]
         else:
             step["agents"] = {"queue": cell.spec.queue}
             cache = cache_plugin(cell, root=root)

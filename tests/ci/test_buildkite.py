@@ -178,6 +178,30 @@ def test_a_k8s_lane_pod_counts_its_compiles_where_the_step_uploads_them():
         assert any(p.startswith(want) for p in step["artifact_paths"]), step["artifact_paths"]
 
 
+def test_a_k8s_lane_job_carries_the_launchers_labels_and_kueue_queue(monkeypatch):
+    """agent-stack-k8s labels the Job from the plugin's ``metadata``: the same labels and
+    annotations as the launcher's Job of that cell, the Kueue queue among them when set."""
+    from kubematrix import render
+
+    monkeypatch.delenv(render.KUEUE_QUEUE_ENV, raising=False)
+    plain = by_key(buildkite.generate(lanes="k8s", commit=COMMIT))
+    monkeypatch.setenv(render.KUEUE_QUEUE_ENV, "gpu-ci")
+    queued = by_key(buildkite.generate(lanes="k8s", commit=COMMIT))
+    for name in ("mla-cuda-sm_90", "paged-rocm-gfx942"):
+        cell = get_cell(name)
+        launcher = render.render_job(vendor=cell.spec.vendor, suite=cell.suite, image="i",
+                                     commit=COMMIT, cell=name, arch=cell.target)  # fmt: skip
+        meta = queued[name]["plugins"][0]["kubernetes"]["metadata"]
+        assert meta == {
+            "labels": launcher["metadata"]["labels"],
+            "annotations": launcher["metadata"]["annotations"],
+        }
+        assert meta["labels"][render.KUEUE_QUEUE_LABEL] == "gpu-ci"
+        assert meta["annotations"]["portattn.dev/cell"] == name
+        unqueued = plain[name]["plugins"][0]["kubernetes"]["metadata"]["labels"]
+        assert render.KUEUE_QUEUE_LABEL not in unqueued
+
+
 def test_steps_only_call_nox_with_timeouts_junit_and_infrastructure_retries():
     pipeline = buildkite.generate(lanes="queues")
     for step in cell_steps(pipeline):
