@@ -117,8 +117,15 @@ def _configure_list(p: argparse.ArgumentParser) -> None:
 def _run_list(args: argparse.Namespace) -> int:
     host = Host.probe()
     rows: list[dict[str, Any]] = []
+    checkout_found: bool | None = None  # looked up once, for the first pytest cell run here
     for cell in _cells(args):
         why = _why_not(cell, args.runner, host)
+        here = args.runner == "local" or not cell.spec.is_gpu  # as `matrix` runs it
+        if why is None and here and cell.suite != "compile":
+            if checkout_found is None:
+                checkout_found = find_project_root()[0] is not None
+            if not checkout_found:
+                why = f"no checkout with the tests ({PROJECT_MARKER}) here or above"
         rows.append(
             {
                 "cell": cell.name,

@@ -309,6 +309,21 @@ def test_an_installed_package_outside_a_checkout_says_where_it_looked(tmp_path):
     assert str(tmp_path) in res.stderr and not (tmp_path / "r").exists()
 
 
+def test_list_outside_a_checkout_does_not_promise_the_pytest_cells(tmp_path):
+    """`list` said "runs here" for the CPU cells that `matrix` then refused: no tests folder."""
+    site = tmp_path / "site"
+    shutil.copytree(SRC / "kubematrix", site / "kubematrix")  # as a wheel installs it
+    res = _kubematrix("kubematrix", "list", "--json", "--backend", "cpu-interpreter",
+                      cwd=tmp_path, env={"PYTHONPATH": str(site)})  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    rows = {r["cell"]: r for r in json.loads(res.stdout)}
+    policy = rows["policy-cpu-interpreter"]
+    assert not policy["runnable"] and "no checkout with the tests" in policy["reason"]
+    inside = _kubematrix("kubematrix", "list", "--json", "--cell", "policy-cpu-interpreter",
+                         cwd=ROOT)  # fmt: skip
+    assert json.loads(inside.stdout)[0]["runnable"], inside.stdout
+
+
 # -- a reader that leaves -----------------------------------------------------------------------
 
 
