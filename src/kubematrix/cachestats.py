@@ -25,8 +25,14 @@ STATS_DIR_ENV = "KUBEMATRIX_CACHE_STATS"
 TIMEOUT_ENV = "KUBEMATRIX_CACHE_TIMEOUT"
 # ``host:port`` of the shared Redis for the runners (unset or empty: the local layer only).
 REDIS_ENV = "KUBEMATRIX_TRITON_REDIS"
-# In Kubernetes: the Service of the optional triton-cache component, in the cells' namespace.
-K8S_REDIS = "triton-cache:6379"
+# In Kubernetes: the Service of the optional triton-cache component (k8s/cache).
+K8S_REDIS_SERVICE, K8S_REDIS_PORT = "triton-cache", 6379
+
+
+def k8s_redis(namespace: str) -> str:
+    """The cache Service's address from any namespace: agent-stack-k8s runs the k8s lane's pods
+    in its own, where the Service's short name would not resolve."""
+    return f"{K8S_REDIS_SERVICE}.{namespace}.svc:{K8S_REDIS_PORT}"
 
 
 def cache_env(stats_dir: str | os.PathLike[str] | None, redis: str | None = None) -> dict[str, str]:

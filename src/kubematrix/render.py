@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from kubematrix.cachestats import K8S_REDIS, REDIS_ENV, cache_env
+from kubematrix.cachestats import REDIS_ENV, cache_env, k8s_redis
 from kubematrix.matrix import BACKENDS
 
 __all__ = [
@@ -435,8 +435,9 @@ def render_job(
         f"--junitxml={RESULTS_PATH} --timeout={test_timeout_s} -p no:cacheprovider",
     )
     # Triton's compiles through the layered cache: the pod's own folder in front of the
-    # k8s/cache Redis (``$KUBEMATRIX_TRITON_REDIS`` overrides the address; empty: none).
-    redis = os.environ.get(REDIS_ENV, K8S_REDIS)
+    # k8s/cache Redis in the Job's namespace (``$KUBEMATRIX_TRITON_REDIS`` overrides the address;
+    # empty: none).
+    redis = os.environ.get(REDIS_ENV, k8s_redis(namespace))
     for key, value in cache_env(CACHE_STATS_PATH, redis=redis).items():
         _set_env(container, key, value)
     # the name last: it digests the whole Job as rendered so far (`job_name`)

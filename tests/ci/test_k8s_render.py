@@ -14,7 +14,7 @@ import yaml
 from kubernetes import client
 
 from kubematrix import buildkite, render
-from kubematrix.cachestats import K8S_REDIS, REDIS_ENV, STATS_DIR_ENV
+from kubematrix.cachestats import K8S_REDIS_PORT, K8S_REDIS_SERVICE, REDIS_ENV, STATS_DIR_ENV
 from kubematrix.cell import cache_lines, decode_cache, decode_results, encode_results
 from kubematrix.matrix import ARCH_ENV, all_cells
 from kubematrix.render import job_name, load_kustomization, render_job, render_pod_spec
@@ -398,7 +398,11 @@ def test_every_job_compiles_through_the_layered_cache_in_front_of_the_cache_redi
     env = _env(_cell("cuda"))
     assert env["TRITON_CACHE_MANAGER"] == "kubematrix.compile_cache:LayeredCacheManager"
     assert env["TRITON_REMOTE_CACHE_BACKEND"] == "kubematrix.compile_cache:GuardedRedisBackend"
-    assert f"{env['TRITON_REDIS_HOST']}:{env['TRITON_REDIS_PORT']}" == K8S_REDIS
+    # the Service by its namespace: the k8s lane's pods run in agent-stack-k8s's namespace
+    assert env["TRITON_REDIS_HOST"] == f"{K8S_REDIS_SERVICE}.portattn-ci.svc"
+    assert env["TRITON_REDIS_PORT"] == str(K8S_REDIS_PORT)
+    other = _env(_cell("rocm", namespace="gpu-team"))
+    assert other["TRITON_REDIS_HOST"] == f"{K8S_REDIS_SERVICE}.gpu-team.svc"
     assert env["TRITON_CACHE_DIR"] == "/home/portattn/.triton/cache"  # the local layer
     assert env[STATS_DIR_ENV].startswith("/results/")
     monkeypatch.setenv(REDIS_ENV, "")  # no shared Redis: the pod's own folder only
@@ -413,9 +417,8 @@ def test_the_cache_component_is_a_pinned_redis_on_a_claim_behind_the_service_job
     assert re.fullmatch(r"redis:7\.4\.\d+", redis["image"])
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "triton-cache"
     service = docs["Service"]
-    host, port = K8S_REDIS.split(":")
-    assert service["metadata"]["name"] == host
-    assert [p["port"] for p in service["spec"]["ports"]] == [int(port)]
+    assert service["metadata"]["name"] == K8S_REDIS_SERVICE
+    assert [p["port"] for p in service["spec"]["ports"]] == [K8S_REDIS_PORT]
     assert all(d["metadata"]["namespace"] == "portattn-ci" for d in docs.values())
 
 
