@@ -602,8 +602,10 @@ register(
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # the console script's name where it was run as one, else the module form
+    command = os.path.basename(sys.argv[0]) if sys.argv else ""
     parser = argparse.ArgumentParser(
-        prog="python -m kubematrix",
+        prog="kubematrix" if command == "kubematrix" else "python -m kubematrix",
         description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

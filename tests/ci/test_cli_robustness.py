@@ -44,6 +44,18 @@ def results_dir(tmp_path) -> Path:
     return out
 
 
+def test_usage_names_the_command_as_it_was_run(tmp_path):
+    """The console script's usage said `python -m kubematrix`."""
+    script = tmp_path / "kubematrix"  # what pip writes for the console script
+    script.write_text("import sys\nfrom kubematrix.__main__ import main\nsys.exit(main())\n")
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    as_script = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path, env=env,
+                               capture_output=True, text=True)  # fmt: skip
+    assert as_script.stdout.startswith("usage: kubematrix "), as_script.stdout[:200]
+    as_module = _kubematrix("kubematrix", "--help", cwd=tmp_path)
+    assert as_module.stdout.startswith("usage: python -m kubematrix "), as_module.stdout[:200]
+
+
 # -- a compile cell that compiled nothing -------------------------------------------------------
 
 
