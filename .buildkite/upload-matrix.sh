@@ -5,7 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python3 -m pip install -q --disable-pip-version-check "nox>=2025.2.9"
+# The agent's nox, else one in a venv of this checkout's own (a distribution's system Python
+# refuses `pip install` outside a venv, PEP 668).
+if ! command -v nox >/dev/null; then
+  python3 -m venv .nox-bootstrap
+  .nox-bootstrap/bin/python -m pip install -q --disable-pip-version-check "nox>=2025.2.9"
+  PATH="$PWD/.nox-bootstrap/bin:$PATH"
+fi
 
 args=(--lanes "${KUBEMATRIX_LANES:-queues}" --output results/generated-pipeline.yml)
 base="${BUILDKITE_PULL_REQUEST_BASE_BRANCH:-}"
