@@ -7,7 +7,15 @@ finished in ~4.5 minutes on 16 cores. This script unpacks each sdist, keeps only
 of the architectures asked for (and fails, naming the file, if one of them is not in it), then
 builds the wheel exactly as a user would: ``pip wheel --no-build-isolation --no-deps`` with the
 packages' ``*_FORCE_BUILD=TRUE`` (never the prebuilt-wheel download). ROCm builds honour
-``HIP_ARCHITECTURES`` already and are built unpatched.
+``HIP_ARCHITECTURES`` already and are built unpatched; both setup.py files put it verbatim into
+one ``--offload-arch=`` flag, so it is given comma-separated (``gfx942,gfx950``: clang takes a
+list there, and reads ``;`` as part of the name), while torch's ``PYTORCH_ROCM_ARCH`` keeps its
+``;`` form.
+
+The wheels are built, and installed, without their declared requirements (`RUNTIME_REQUIREMENTS`
+says why and what the images install beside them instead)::
+
+    python tools/mamba_wheels.py --runtime-requirements   # one per line, for pip -r
 
 Used by both Dockerfiles' wheel stage, and by hand on a GPU machine::
 
@@ -33,6 +41,22 @@ from pathlib import Path
 
 # The package's switch that skips the prebuilt-wheel download (by sdist name prefix).
 FORCE_BUILD_ENV = {"causal_conv1d": "CAUSAL_CONV1D_FORCE_BUILD", "mamba_ssm": "MAMBA_FORCE_BUILD"}
+#: What the wheels need at run time, beside the base image's torch and Triton: the modules that
+#: ``import mamba_ssm``, ``from mamba_ssm.ops.selective_scan_interface import selective_scan_fn``
+#: and ``import causal_conv1d`` import outside a ``try/except ImportError`` (mamba-ssm 2.3.2.post1,
+#: causal-conv1d 1.7.0; huggingface_hub: ``mamba_ssm.modules.mamba2``). The images install the
+#: wheels ``--no-deps`` and these from the index under the backend's constraints, because the
+#: wheels' declared requirements cannot be installed as they stand: see `NOT_INSTALLED`.
+RUNTIME_REQUIREMENTS = ("einops", "packaging", "transformers", "huggingface-hub")
+#: The wheels' declared requirements that the images do not install, and why.
+NOT_INSTALLED = {
+    "torch": "the base image's, pinned by the constraints",
+    "triton": "the base image's (on ROCm pytorch-triton-rocm: PyPI's would be a second Triton)",
+    "ninja": "a build tool (the wheels stage has it)",
+    "tilelang": "Mamba-3's MIMO kernels only (imported under try/except ImportError; unused)",
+    "apache-tvm-ffi": "tilelang's",
+    "quack-kernels": "Mamba-3's CuTe DSL step kernel only (NVIDIA; under try/except ImportError)",
+}
 # One gencode pair as both setup.py files write it: two consecutive appends to ``cc_flag``.
 _GENCODE_PAIR = re.compile(
     r'^(?P<indent>[ \t]*)cc_flag\.append\("-gencode"\)[ \t]*\n'
@@ -90,6 +114,18 @@ def restrict_gencodes(setup_py: str, keep: list[str], *, name: str = "setup.py")
     return _GENCODE_PAIR.sub(edit, setup_py)
 
 
+def hip_arch_env(archs: list[str]) -> dict[str, str]:
+    """The variables a ROCm build reads its targets from, for ``archs`` (``["gfx942", "gfx950"]``).
+
+    ``HIP_ARCHITECTURES``: both setup.py files pass it verbatim as one
+    ``--offload-arch={HIP_ARCHITECTURES}`` flag, so comma-separated (``gfx942,gfx950``), the list
+    clang takes there (torch quotes the flag whole: ``gfx942;gfx950`` reaches clang as one
+    architecture name, which it refuses).
+    ``PYTORCH_ROCM_ARCH``: torch's ``cpp_extension`` splits it on ``;``, its documented form.
+    """
+    return {"HIP_ARCHITECTURES": ",".join(archs), "PYTORCH_ROCM_ARCH": ";".join(archs)}
+
+
 def _unpack(sdist: Path, into: Path) -> Path:
     """The sdist's one top folder, holding its ``setup.py``.
 
@@ -143,7 +179,7 @@ def build(sdists: list[Path], out: Path, vendor: str, archs: list[str]) -> list[
                 setup.write_text(restrict_gencodes(setup.read_text(), archs, name=sdist.name))
             env = {**os.environ, FORCE_BUILD_ENV[prefix]: "TRUE"}
             if vendor == "hip":  # --arch decides, not an inherited value the log would not name
-                env["HIP_ARCHITECTURES"] = ";".join(archs)
+                env.update(hip_arch_env(archs))
             start = time.monotonic()
             print(f"mamba_wheels: building {sdist.name} for {vendor} {archs}", flush=True)
             pip = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps"]
@@ -154,8 +190,25 @@ def build(sdists: list[Path], out: Path, vendor: str, archs: list[str]) -> list[
     return times
 
 
+class _PrintRuntimeRequirements(argparse.Action):
+    """``--runtime-requirements``: like ``--version``, prints and exits before the other options
+    (``--arch``, ``--out``) are required."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print("\n".join(RUNTIME_REQUIREMENTS))
+        parser.exit()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--runtime-requirements",
+        action=_PrintRuntimeRequirements,
+        help="print what the wheels need at run time (one per line, for pip -r) and exit",
+    )
     ap.add_argument("--arch", required=True, help="'9.0', '9.0;10.0' or 'gfx942'")
     ap.add_argument("--out", required=True, type=Path, help="where the wheels go")
     ap.add_argument("--sdists", type=Path, help="a folder of sdists (offline); else download")

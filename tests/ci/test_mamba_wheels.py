@@ -250,3 +250,40 @@ def test_arch_decides_the_hip_targets_over_an_inherited_variable(tmp_path):
     (wheel,) = out.glob("causal_conv1d-0.0.3-*.whl")
     with zipfile.ZipFile(wheel) as z:
         assert z.read("causal_conv1d/hip.txt").decode() == "gfx942"
+
+
+def test_a_hip_build_gets_an_offload_arch_flag_clang_takes_and_torch_its_own_list(tmp_path):
+    """Both setup.py files put HIP_ARCHITECTURES verbatim into one --offload-arch flag: given
+    ``gfx942;gfx950`` it was ``--offload-arch=gfx942;gfx950``, which clang refuses."""
+    sdists, out = tmp_path / "sdists", tmp_path / "wheels"
+    sdists.mkdir()
+    setup = (
+        "import json, os\nfrom setuptools import setup\n"
+        # as both sdists' setup.py build their HIP nvcc flags (causal-conv1d 1.7.0, mamba-ssm
+        # 2.3.2.post1), verbatim
+        "nvcc = ['-O3', '-std=c++17',\n"
+        "        f\"--offload-arch={os.getenv('HIP_ARCHITECTURES', 'native')}\"]\n"
+        "json.dump({'nvcc': nvcc, 'torch': os.getenv('PYTORCH_ROCM_ARCH')},"
+        " open('causal_conv1d/hip.json', 'w'))\n"
+        "setup(name='causal_conv1d', version='0.0.4', packages=['causal_conv1d'],"
+        " package_data={'causal_conv1d': ['hip.json']})\n"
+    )  # fmt: skip
+    top = "causal_conv1d-0.0.4"
+    _tar(
+        sdists, f"{top}.tar.gz", {f"{top}/setup.py": setup, f"{top}/causal_conv1d/__init__.py": ""}
+    )
+    # Dockerfile.rocm's ENV: both variables as GPU_ARCHS, ';'-separated (here another list).
+    env = {**os.environ, "HIP_ARCHITECTURES": "gfx90a;gfx908", "PYTORCH_ROCM_ARCH": "gfx90a"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "mamba_wheels.py"), "--arch", "gfx942;gfx950",
+         "--sdists", str(sdists), "--out", str(out)], capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = out.glob(f"{top}-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        built = json.loads(z.read("causal_conv1d/hip.json"))
+    flags = [f for f in built["nvcc"] if f.startswith("--offload-arch")]
+    # one flag, a comma-separated list of targets: what clang's --offload-arch= takes
+    assert flags == ["--offload-arch=gfx942,gfx950"]
+    # torch's cpp_extension splits PYTORCH_ROCM_ARCH on ';' (one --offload-arch per target)
+    assert built["torch"].split(";") == ["gfx942", "gfx950"]
