@@ -178,7 +178,21 @@ def _mamba_extensions(session: nox.Session) -> None:
             "causal-conv1d are source-only CUDA/HIP builds made in the GPU images; their tests skip"
         )
         return
-    session.install("--no-index", "--find-links", WHEELHOUSE, *MAMBA_EXTENSIONS)
+    # As the images install them: the wheels without their declared requirements (build tools,
+    # optional kernels, a second Triton), then what they import, under the backend's pins.
+    session.install("--no-index", "--no-deps", "--find-links", WHEELHOUSE, *MAMBA_EXTENSIONS)
+    session.install("-c", f"constraints/{_backend()}.txt", *_mamba_runtime_requirements())
+
+
+def _mamba_runtime_requirements() -> list[str]:
+    """tools/mamba_wheels.py's `RUNTIME_REQUIREMENTS` (what the images install too)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mamba_wheels", "tools/mamba_wheels.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(module.RUNTIME_REQUIREMENTS)
 
 
 #: Set by every runner of a GPU cell to the architecture it must run on (kubematrix.matrix).

@@ -164,6 +164,23 @@ def test_a_gpu_image_session_tests_the_environment_as_it_is(noxfile, machine, mo
     assert session.installs == []
 
 
+def test_a_gpu_session_outside_the_image_installs_the_mamba_wheels_as_the_image_does(
+    noxfile, machine, monkeypatch, tmp_path
+):
+    """The wheelhouse holds only the two wheels: their declared requirements (ninja, tilelang,
+    a PyPI Triton, ...) could not install from it; what they import comes from the index."""
+    machine("cuda")
+    monkeypatch.setattr(noxfile, "_has_gpu", lambda: True)
+    monkeypatch.setattr(noxfile, "WHEELHOUSE", str(tmp_path))
+    session = FakeSession()
+    monkeypatch.chdir(ROOT)
+    noxfile._mamba_extensions(session)
+    wheels, runtime = session.installs
+    assert wheels[:4] == ["--no-index", "--no-deps", "--find-links", str(tmp_path)]
+    assert runtime[:2] == ["-c", "constraints/cuda.txt"]
+    assert "einops" in runtime and not {"ninja", "tilelang", "triton"} & set(runtime)
+
+
 @pytest.mark.parametrize(
     ("env", "value", "rule"),
     [
