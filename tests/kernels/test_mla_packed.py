@@ -88,6 +88,38 @@ def test_packed_rows_match_oracle(shape, heads, block_h, splits, q_lens, seq_len
     )
 
 
+def _negative_scores(dk, r, heads, dtype, device):
+    """One sequence of 4 query tokens over 20 positions whose every score is negative: each
+    cached row is the same positive vector and each query its negation."""
+    g = torch.Generator().manual_seed(3)
+    row = torch.rand(dk, generator=g) * 0.5 + 0.5
+    cache = row.expand(2, 16, dk).to(dtype).contiguous().to(device)
+    q = (-row).expand(4, heads, dk).to(dtype).contiguous().to(device)
+    bt = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    sl = torch.tensor([20], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 4], dtype=torch.int32, device=device)
+    return q, cache, bt, sl, qsl
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_packed_rows_whose_scores_all_lie_far_below_zero(splits, device):
+    """A scale within the documented range can put every score of a row far below -1e30 (here
+    about -4e32 in the exp2 domain): the running max starts below any finite score, so the row
+    gets its softmax, not zeros and lse -inf."""
+    dk, r, heads = 48, 32, 8
+    q, cache, bt, sl, qsl = _negative_scores(dk, r, heads, torch.float32, device)
+    tiles = _packed_tiles(dk, r, heads, 16, splits)
+    launches = plan_mla_decode(
+        q, cache, bt, sl, kv_lora_rank=r, scale=1e30, query_start_loc=qsl, return_lse=True,
+        tiles=tiles,
+    )  # fmt: skip
+    assert launches[0].args["PACKED"] is True
+    run_all(launches)
+    out, lse = launches[0].outputs
+    assert torch.isfinite(lse).all() and (lse < -1e31).all()
+    check(out, lse, q, cache, bt, sl, qsl, r, 1e30, torch.float32)
+
+
 def test_packed_bulk_copy_tiles(device):
     """Packed rows with descriptor tiles (whole tiles in a page) and the gathered last tile."""
     dk, r, heads = 288, 256, 4
@@ -396,6 +428,26 @@ def test_gpu_sm90_packed(dk, r, heads, q_lens, seq_lens, splits):
     run_all(launches)
     out, lse = launches[0].outputs
     check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale)
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_packed_rows_whose_scores_all_lie_far_below_zero():
+    """The Hopper kernel's packed rows at a scale that puts every score far below -1e30."""
+    target = _sm90_target()
+    dk, r, heads = 576, 512, 16
+    q, cache, bt, sl, qsl = _negative_scores(dk, r, heads, torch.bfloat16, "cuda")
+    base = mla_decode_tiles(target, MlaProblem(heads, dk, r, 2, q.shape[0], 20, 4))
+    tiles = dataclasses.replace(base, packed=True, sm90_kernel=True, block_h=64, block_n=64,
+                                padded_heads=64, num_kv_splits=1)  # fmt: skip
+    launches = plan_mla_decode(
+        q, cache, bt, sl, kv_lora_rank=r, scale=1e30, query_start_loc=qsl, return_lse=True,
+        tiles=tiles,
+    )  # fmt: skip
+    assert launches[0].name == "mla_decode_sm90" and launches[0].args["PACKED"] is True
+    run_all(launches)
+    out, lse = launches[0].outputs
+    assert torch.isfinite(lse).all() and (lse < -1e31).all()
+    check_out_lse(out, lse, q, cache, bt, sl, qsl, r, 1e30)
 
 
 @pytest.mark.gpu

@@ -398,8 +398,9 @@ def _mla_decode_kernel(
         q_pe = q_lat
 
     qk_scale = scale * 1.4426950408889634  # exp2 domain
-    if PACKED:  # finite: a row with no column in a tile (or split) gets p = 0, alpha = 1, no NaN
-        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    if PACKED:  # fp32's lowest, finite: a row with no column in a tile (or split) gets p = 0,
+        # alpha = 1, no NaN; every finite score reaches the max (a -1e30 start hid scores below it)
+        m_i = tl.full([BLOCK_H], -3.4028234663852886e38, dtype=tl.float32)
     else:
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)

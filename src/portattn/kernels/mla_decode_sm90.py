@@ -62,7 +62,8 @@ warpgroups' own copies stream faster than the TMA boxes over long contexts.
 Packed rows (``PACKED``, `MlaTiles.packed`): the 64 rows are (query token,
 head) pairs of one sequence (`_packed_rows`; 16 heads x 4 tokens fill the tile), the tile's range
 comes from its last real row, and each row's scores are masked at its own causal limit (the
-running max starts at -1e30, so a row with no column in a tile or split stays finite, p = 0).
+running max starts at fp32's lowest finite value, so a row with no column in a tile or split stays
+finite, p = 0, while every finite score still sets the max).
 
 Prologue and epilogue. Unpacked, the query's rows are read first (their addresses need no
 metadata); both first tiles' rows are read before either copy, and the query goes into shared
@@ -474,7 +475,7 @@ def _warpgroup(WG: gl.constexpr, rt, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.co
         # row without a column in a tile (or the whole split) gets p = 0 and no NaN
         _, _, qi_s, real_s = _packed_rows(hg, num_heads, q_start, q_len, BLOCK_H, ROW)
         row_end = gl.minimum(gl.where(real_s, seq_len - q_len + qi_s + 1, 0), end)
-        m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=ROW)
+        m_i = gl.full([BLOCK_H], -3.4028234663852886e38, gl.float32, layout=ROW)  # fp32's lowest
     else:
         m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=ROW)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=ROW)
