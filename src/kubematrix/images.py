@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kubematrix import checkout
-from kubematrix.matrix import BACKENDS
+from kubematrix.matrix import BACKENDS, IMAGE_TOOLS, image_inputs
 
 REGISTRY_ENV = "KUBEMATRIX_REGISTRY"
 DEFAULT_REGISTRY = "ghcr.io/portattn"
@@ -66,12 +66,10 @@ class ImageSpec:
     @property
     def inputs(self) -> tuple[str, ...]:
         """The files hashed into the content key (besides pyproject's dependency tables)."""
-        return (self.dockerfile, self.constraints, "tools/mamba_wheels.py", "tools/check_image.py")
+        return (self.dockerfile, self.constraints, *IMAGE_TOOLS)
 
 
-IMAGES: dict[str, ImageSpec] = {
-    v: ImageSpec(v, f"Dockerfile.{v}", f"constraints/{v}.txt") for v in ("cuda", "rocm")
-}
+IMAGES: dict[str, ImageSpec] = {v: ImageSpec(v, *image_inputs(v)[:2]) for v in ("cuda", "rocm")}
 
 
 def get_image(vendor: str) -> ImageSpec:

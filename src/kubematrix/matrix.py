@@ -227,14 +227,20 @@ _KERNEL_COMMON = (
 MATRIX_PATHS = ("src/kubematrix/*.py", ".buildkite/*")
 
 
-def _image_paths(backend: Backend) -> tuple[str, ...]:
-    """What a GPU backend's cells run in: its image's inputs (Dockerfile, constraints, build
-    tools: `kubematrix.images`) and the build context's filter (the cell layer's COPYs)."""
-    if backend.vendor is None:
-        return ()
-    from kubematrix.images import IMAGES  # imports this module
+# What a vendor's CI image runs at build time besides its Dockerfile and constraints.
+IMAGE_TOOLS = ("tools/mamba_wheels.py", "tools/check_image.py")
 
-    return (*IMAGES[backend.vendor].inputs, ".dockerignore")
+
+def image_inputs(vendor: str) -> tuple[str, ...]:
+    """The files ``vendor``'s CI image is built from: Dockerfile, constraints, build tools
+    (`kubematrix.images` hashes them into the image's content key)."""
+    return (f"Dockerfile.{vendor}", f"constraints/{vendor}.txt", *IMAGE_TOOLS)
+
+
+def _image_paths(backend: Backend) -> tuple[str, ...]:
+    """What a GPU backend's cells run in: its image's inputs and the build context's filter
+    (the cell layer's COPYs)."""
+    return () if backend.vendor is None else (*image_inputs(backend.vendor), ".dockerignore")
 
 
 SUITES: dict[str, Suite] = {
