@@ -79,7 +79,8 @@ class CacheStats:
     remote: int = 0  # fetched from Redis (and written to the local folder)
     compiled: int = 0  # not cached (or not verified): Triton compiled it
     compile_s: float = 0.0  # seconds from each miss to its result stored, summed over processes
-    corrupt: int = 0  # entries recompiled: Redis values failing their envelope, damaged files
+    corrupt: int = 0  # damaged entries found (local files, Redis values failing their envelope),
+    # each replaced by Redis's copy or a compile
     warnings: tuple[str, ...] = ()  # e.g. "redis": the remote layer was unreachable
     # compiles of a kernel (Triton cache key) the cell had compiled already, e.g. by workers that
     # missed the same key at once, each compiling it (included in ``compiled``)
@@ -106,7 +107,7 @@ class CacheStats:
         if self.repeated:
             line += f"; {self.repeated} of them compiled a kernel again"
         if self.corrupt:
-            line += f"; {self.corrupt} corrupt entries recompiled"
+            line += f"; {self.corrupt} damaged entries replaced"
         if self.warnings:
             line += f"; unavailable: {', '.join(self.warnings)}"
         return line

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import threading
 import time
 import warnings
@@ -115,32 +116,82 @@ def _timeout() -> float:
     return value
 
 
+_CLIENTS: dict[tuple[str, int, float], Any] = {}
+_ADDRESSES: dict[tuple[str, int], str] = {}
+
+
+def _resolve(host: str, port: int, timeout: float) -> str:
+    """``host``'s address, looked up once a process within ``timeout`` seconds (the socket
+    timeouts do not bound a name lookup: a silent resolver would hold every compile)."""
+    if (host, port) in _ADDRESSES:
+        return _ADDRESSES[(host, port)]
+    found: list[str] = []
+    failed: list[BaseException] = []
+
+    def look_up() -> None:
+        try:
+            found.append(str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]))
+        except OSError as err:
+            failed.append(err)
+
+    worker = threading.Thread(target=look_up, daemon=True)  # left behind if the lookup hangs
+    worker.start()
+    worker.join(timeout)
+    if failed:
+        raise failed[0]
+    if not found:
+        raise TimeoutError(f"looking up {host} took more than {timeout} s")
+    _ADDRESSES[(host, port)] = found[0]
+    return found[0]
+
+
+def _client(host: str, port: int, timeout: float) -> Any:
+    """This process's Redis client for an address (one connection pool for every kernel's
+    backend), without retries: the first error turns the remote layer off."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    key = (host, port, timeout)
+    if key not in _CLIENTS:
+        _CLIENTS[key] = redis.Redis(
+            host=_resolve(host, port, timeout),
+            port=port,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+        )
+    return _CLIENTS[key]
+
+
 class GuardedRedisBackend(RedisRemoteCacheBackend):
     """Triton's Redis backend with short timeouts, sealed values, and no error ever raised.
 
     Its settings are Triton's ``knobs.redis`` (``TRITON_REDIS_HOST``, ``_PORT``, ``_KEY_FORMAT``);
     Triton 3.6's own backend reads them from ``knobs.cache.redis``, which does not exist.
 
-    The first Redis error (refused, timed out, reset) warns once and turns this process's remote
-    layer off: one slow server costs one timeout, not one per kernel.
+    The first Redis error (name lookup, refused, timed out, reset, a reply that is not Redis's)
+    warns once and turns this process's remote layer off: one slow server costs one timeout, not
+    one per kernel. A write that the server refuses (a Redis that cannot save its snapshot, a
+    read-only replica, out of memory) turns writes off and keeps reading.
     """
 
     _down = False  # per process: once Redis failed, stop asking
+    _no_writes = False  # per process: once Redis refused a write, stop writing
 
     def __init__(self, key: str) -> None:
         import redis
 
         self._key = key
         self._key_fmt = knobs.redis.key_format
-        timeout = _timeout()
-        self._redis = redis.Redis(
-            host=knobs.redis.host,
-            port=knobs.redis.port,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry_on_timeout=False,
-        )
-        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._refused = redis.ResponseError  # the server's answer to a write it will not take
+        self.rejected = 0  # values of the last `get` that failed their envelope
+        if type(self)._down:
+            return
+        try:
+            self._redis = _client(knobs.redis.host, int(knobs.redis.port), _timeout())
+        except Exception as err:  # noqa: BLE001 - a remote layer never fails a compile
+            self._fail(err)
 
     def _fail(self, err: BaseException) -> None:
         type(self)._down = True
@@ -152,32 +203,41 @@ class GuardedRedisBackend(RedisRemoteCacheBackend):
         )
 
     def get(self, filenames: list[str]) -> dict[str, bytes]:  # type: ignore[override]
+        self.rejected = 0
         if type(self)._down or not filenames:
             return {}
         keys = [self._get_key(f) for f in filenames]
         try:
             values = self._redis.mget(keys)
-        except self._errors as err:
+            triples = list(zip(filenames, keys, values, strict=True))
+        except Exception as err:  # noqa: BLE001 - any failure (a reply that is not Redis's too)
             self._fail(err)
             return {}
         found: dict[str, bytes] = {}
-        for filename, key, value in zip(filenames, keys, values, strict=True):
+        for filename, key, value in triples:
             if not isinstance(value, bytes):  # None: not cached
                 continue
             data = unseal(key, value)
             if data is None:
-                _Stats.record("corrupt")
+                self.rejected += 1
                 continue
             found[filename] = data
         return found
 
     def put(self, filename: str, data: bytes) -> None:  # type: ignore[override]
-        if type(self)._down:
+        if type(self)._down or type(self)._no_writes:
             return
         key = self._get_key(filename)
         try:
             self._redis.set(key, seal(key, data))
-        except self._errors as err:
+        except self._refused as err:
+            type(self)._no_writes = True
+            _Stats.warn_once(
+                "redis-writes",
+                f"Triton remote cache at {knobs.redis.host}:{knobs.redis.port} refuses writes "
+                f"({err}); reading it, writing nothing more from this process",
+            )
+        except Exception as err:  # noqa: BLE001 - a remote layer never fails a compile
             self._fail(err)
 
 
@@ -185,18 +245,37 @@ class GuardedRedisBackend(RedisRemoteCacheBackend):
 _ELF_SUFFIXES = (".cubin", ".hsaco")
 
 
+def _elf_whole(head: bytes, size: int) -> bool:
+    """Whether an ELF file of ``size`` bytes starting with ``head`` (its first 64) holds the
+    program and section header tables its header places (a file cut short does not)."""
+    if len(head) < 64 or head[:4] != b"\x7fELF":
+        return False
+    if head[4] != 2:  # not ELF64 (cubin and hsaco are): the magic is all there is to check
+        return True
+    big = head[5] == 2  # EI_DATA: 1 little-endian, 2 big-endian
+
+    def field(at: int, width: int) -> int:
+        return int.from_bytes(head[at : at + width], "big" if big else "little")
+
+    tables = ((field(0x20, 8), field(0x36, 2), field(0x38, 2)),  # program headers
+              (field(0x28, 8), field(0x3A, 2), field(0x3C, 2)))  # section headers  # fmt: skip
+    return all(offset + entry * count <= size for offset, entry, count in tables)
+
+
 def _whole(name: str, path: str) -> bool:
-    """Whether a local cache file looks whole: not empty, its JSON parses, its binary is ELF
-    (Triton reads these without a check of its own: a damaged one failed the compile)."""
+    """Whether a local cache file looks whole: not empty, its JSON parses, its binary is an ELF
+    file as long as its header says (Triton reads these without a check of its own: a damaged
+    one failed the compile, or the kernel's load)."""
     try:
-        if os.path.getsize(path) == 0:
+        size = os.path.getsize(path)
+        if size == 0:
             return False
         if name.endswith(".json"):
             with open(path, encoding="utf-8") as f:
                 json.load(f)
         elif name.endswith(_ELF_SUFFIXES):
             with open(path, "rb") as f:
-                return f.read(4) == b"\x7fELF"
+                return _elf_whole(f.read(64), size)
     except (OSError, ValueError):
         return False
     return True
@@ -211,7 +290,12 @@ class LayeredCacheManager(RemoteCacheManager):
         self._file_cache_manager = FileCacheManager(key, override=override, dump=dump)
         backend_cls = knobs.cache.remote_manager_class
         self._backend: Any = None
-        if backend_cls is not None and not (override or dump):
+        if backend_cls is not None and knobs.compilation.override:
+            # hand-edited kernels are stored under their normal keys: never share them
+            _Stats.warn_once(
+                "override", "TRITON_KERNEL_OVERRIDE is set: this process's compiles stay local"
+            )
+        elif backend_cls is not None and not (override or dump):
             try:
                 self._backend = backend_cls(key)
             except Exception as err:  # e.g. the redis client missing from this environment
@@ -264,6 +348,8 @@ class LayeredCacheManager(RemoteCacheManager):
             return None
         found = self._backend.get([_GRP + filename]).get(_GRP + filename)
         if found is None:
+            if getattr(self._backend, "rejected", 0):
+                _Stats.record("corrupt")
             return None
         try:
             names = json.loads(found).get("child_paths")
@@ -273,6 +359,8 @@ class LayeredCacheManager(RemoteCacheManager):
             return None
         files = self._backend.get(names)
         if set(files) != set(names):  # a file missing or failing its envelope: compile anew
+            if getattr(self._backend, "rejected", 0):
+                _Stats.record("corrupt")  # one damaged entry, however many of its files
             return None
         group = {name: self._materialize(name, data) for name, data in files.items()}
         self._local.put_group(filename, group)

@@ -8,6 +8,7 @@ Redis: ``$PORTATTN_TEST_REDIS`` (``host:port``, which .ci/run starts), else a pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -185,7 +186,9 @@ def test_a_local_hit_is_served_without_asking_redis(tmp_path, redis_server):
     assert WARNING not in err
 
 
-@pytest.mark.parametrize("damage", ["json cut short", "cubin garbage", "cubin empty"])
+@pytest.mark.parametrize(
+    "damage", ["json cut short", "cubin garbage", "cubin empty", "cubin cut after its header"]
+)
 def test_a_damaged_local_entry_is_recompiled_and_replaced(damage, tmp_path):
     """A local folder restored in part (e.g. by a CI cache plugin): a metadata JSON cut short
     failed the compile in Triton's json.loads, and a garbage cubin was served as a hit."""
@@ -193,9 +196,11 @@ def test_a_damaged_local_entry_is_recompiled_and_replaced(damage, tmp_path):
     seen, _, _ = probe.run(64, local="a")
     assert seen["compiled"] == 1
     suffix, data = {"json cut short": (".json", b'{"trunc'), "cubin garbage": (".cubin", b"\x07"),
-                    "cubin empty": (".cubin", b"")}[damage]  # fmt: skip
+                    "cubin empty": (".cubin", b""),
+                    "cubin cut after its header": (".cubin", None)}[damage]  # fmt: skip
     (entry,) = [p for p in (tmp_path / "a").rglob(f"*{suffix}") if not p.name.startswith("__grp")]
-    entry.write_bytes(data)
+    # cut after its header: what a copy stopped part-way leaves (the ELF magic is there)
+    entry.write_bytes(entry.read_bytes()[:200] if data is None else data)
     again, stats, _ = probe.run(64, local="a")
     assert (again["compiled"], stats.corrupt, stats.local) == (1, 1, 0)
     assert again["cubin_bytes"] == seen["cubin_bytes"]
@@ -228,6 +233,99 @@ def test_a_redis_that_never_answers_costs_one_short_timeout_and_a_warning(tmp_pa
     assert time.monotonic() - started < 60
 
 
+def _silent_server(reply: bytes | None):
+    """A loopback server counting its connections; it answers every read with ``reply`` (a
+    reply that is not Redis's) or, with ``None``, never."""
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    server.settimeout(0.05)
+    conns: list[socket.socket] = []
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            with contextlib.suppress(OSError):  # the accept timeout
+                conns.append(server.accept()[0])
+            for conn in conns:
+                conn.settimeout(0.01)
+                try:
+                    if conn.recv(65536) and reply is not None:
+                        conn.sendall(reply)
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        done.set()
+        thread.join()
+        for conn in conns:
+            conn.close()
+        server.close()
+
+    return server.getsockname()[1], conns, stop
+
+
+@pytest.mark.parametrize("reply", [None, b"+OK\r\n", b"*2\r\n"], ids=["silent", "+OK", "*2"])
+def test_a_server_that_is_not_redis_costs_one_connection_and_a_warning(reply, tmp_path):
+    """redis-py retried a silent server ten times, with backoff, for every kernel's own client
+    (10 s and more a process); a reply that is not Redis's raised out of the compile."""
+    port, conns, stop = _silent_server(reply)
+    try:
+        probe = Probe(tmp_path, f"127.0.0.1:{port}")
+        seen, stats, err = probe.run(64, 128, 256, local="a", **{TIMEOUT_ENV: "0.3"})
+    finally:
+        stop()
+    assert seen["compiled"] == 3 and stats.warnings == ("redis",)
+    assert err.count(WARNING) == 1
+    assert len(conns) == 1  # one client a process, no retries
+
+
+def test_a_name_that_does_not_resolve_in_time_turns_the_layer_off(monkeypatch):
+    """The socket timeouts do not bound a name lookup: a silent resolver held every compile."""
+    import time as clock
+
+    from kubematrix import compile_cache
+
+    monkeypatch.setattr(compile_cache, "_ADDRESSES", {})
+
+    def silent_resolver(*_, **__):  # answers, but only after the budget
+        clock.sleep(5)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 6379))]
+
+    monkeypatch.setattr(compile_cache.socket, "getaddrinfo", silent_resolver)
+    started = clock.monotonic()
+    with pytest.raises(TimeoutError, match="looking up triton-cache took more than 0.2 s"):
+        compile_cache._resolve("triton-cache", 6379, 0.2)
+    assert clock.monotonic() - started < 4  # the lookup is left behind, not waited for
+
+
+def test_a_redis_that_refuses_writes_is_still_read(tmp_path, private_redis):
+    """A Redis that cannot save its snapshot (or a read-only replica) refuses writes: one
+    refused write turned reads off too, so every later kernel compiled."""
+    probe = Probe(tmp_path, private_redis.address)
+    probe.run(64, local="a")  # Redis holds the 64 kernel
+    private_redis.client().config_set("min-replicas-to-write", 1)  # writes refused: NOREPLICAS
+    seen, stats, err = probe.run(128, 64, local="b")
+    assert seen["compiled"] == 1 and (stats.compiled, stats.remote) == (1, 1)
+    assert stats.warnings == ("redis-writes",) and "refuses writes" in err
+    assert "unavailable" not in err  # the layer itself stayed on
+
+
+def test_an_overriding_process_shares_nothing(tmp_path, redis_server):
+    """TRITON_KERNEL_OVERRIDE stores hand-edited kernels under their normal keys: such a
+    process neither writes nor reads the remote layer."""
+    probe = Probe(tmp_path, redis_server.address)
+    override = {"TRITON_KERNEL_OVERRIDE": "1", "TRITON_OVERRIDE_DIR": str(tmp_path / "edits")}
+    seen, stats, err = probe.run(64, local="a", **override)
+    assert seen["compiled"] == 1 and stats.warnings == ("override",)
+    assert not redis_server.client().keys(probe.prefix + ":*")
+
+
 @pytest.mark.parametrize("value", ("soon", "0", "-1", "nan", "inf"))
 def test_a_bad_cache_timeout_warns_by_name_and_the_default_serves(value, monkeypatch, tmp_path):
     """A typo in the variable must not turn the shared cache off (it did: the backend failed to
@@ -253,6 +351,12 @@ def test_a_garbage_value_under_a_real_key_is_recompiled_and_replaced(tmp_path, r
     seen, stats, _ = probe.run(64, local="b")
     assert seen["compiled"] == 1 and stats.corrupt == 1 and stats.remote == 0
     assert client.get(cubin_key) != b"garbage, not a cubin"  # the recompile replaced it
+
+    for key in client.keys(probe.prefix + ":*"):  # every file of the entry: still one entry
+        if b"__grp__" not in key:
+            client.set(key, b"garbage")
+    seen, stats, _ = probe.run(64, local="d")
+    assert seen["compiled"] == 1 and stats.corrupt == 1
 
     seen, stats, _ = probe.run(64, local="c")
     assert seen["compiled"] == 0 and stats.remote == 1
