@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -38,13 +37,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from tests.ci.test_mamba_wheels import mw  # tools/mamba_wheels.py, loaded by its path
+
 pytestmark = pytest.mark.ci
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("mamba_wheels", ROOT / "tools" / "mamba_wheels.py")
-assert _spec and _spec.loader
-mw = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mw)
 
 #: The pinned sdists: their setup.py's ``install_requires``, and the third-party modules that
 #: ``import mamba_ssm`` (with ``selective_scan_interface``) / ``import causal_conv1d`` import
