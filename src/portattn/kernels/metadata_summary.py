@@ -293,7 +293,7 @@ def finish_metadata_summary(bufs: _Buffers) -> Totals | None:
 
 
 def read_metadata_summary(*args: Any, **kwargs: Any) -> Totals | None:
-    """`start_metadata_summary` then `finish_metadata_summary` (one copy, one wait), with the
+    """`start_metadata_summary` then `finish_metadata_summary` (one wait, no copy), with the
     former's arguments: the `Totals` of valid metadata, or ``None`` when some sequence breaks a
     rule (the caller then reads the metadata and raises `_checks`' errors)."""
     return finish_metadata_summary(start_metadata_summary(*args, **kwargs))
