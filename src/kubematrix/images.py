@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kubematrix import checkout
-from kubematrix.matrix import BACKENDS, IMAGE_TOOLS, image_inputs
+from kubematrix.matrix import BACKENDS, image_inputs
 
 REGISTRY_ENV = "KUBEMATRIX_REGISTRY"
 DEFAULT_REGISTRY = "ghcr.io/portattn"
@@ -66,7 +66,7 @@ class ImageSpec:
     @property
     def inputs(self) -> tuple[str, ...]:
         """The files hashed into the content key (besides pyproject's dependency tables)."""
-        return (self.dockerfile, self.constraints, *IMAGE_TOOLS)
+        return image_inputs(self.vendor)
 
 
 IMAGES: dict[str, ImageSpec] = {v: ImageSpec(v, *image_inputs(v)[:2]) for v in ("cuda", "rocm")}

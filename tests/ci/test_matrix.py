@@ -567,29 +567,11 @@ def test_a_cluster_that_never_answers_is_named_within_the_checks_budget(tmp_path
     """A server that accepts connections and never answers: the access check gives up after
     its own attempts (no urllib3 retries stacked under the launcher's), naming the host. The
     server counts the connections, so the budget is checked without timing a loaded machine."""
-    import socket
-    import threading
-
     from kubematrix import k8s
     from kubematrix.launcher import Timeouts
+    from tests.ci.test_compile_cache import _silent_server
 
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(8)
-    silent.settimeout(0.05)
-    port = silent.getsockname()[1]
-    held: list[socket.socket] = []  # accepted and never answered
-    done = threading.Event()
-
-    def accept() -> None:
-        while not done.is_set():
-            try:
-                held.append(silent.accept()[0])
-            except OSError:  # the accept timeout, or the socket closed
-                continue
-
-    server = threading.Thread(target=accept, daemon=True)
-    server.start()
+    port, held, stop = _silent_server(None)  # accepts, counts, never answers
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
@@ -604,10 +586,6 @@ def test_a_cluster_that_never_answers_is_named_within_the_checks_budget(tmp_path
         with pytest.raises(k8s.NoCluster, match=f"127.0.0.1:{port}"):
             k8s.connect("portattn-ci", timeouts=fast)
     finally:
-        done.set()
-        server.join()
-        silent.close()
-        for conn in held:
-            conn.close()
+        stop()
     # one attempt and one retry (urllib3's own three retries of each would make it 8)
     assert 1 <= len(held) <= 2, len(held)
