@@ -251,7 +251,9 @@ def run_cells(
             path = cell.junit_path(out)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(r.junit)
-            result = report.result_from_junit(cell, path, exit_code=r.exit_code)
+            result = report.result_from_junit(
+                cell, path, exit_code=r.exit_code, exit_note=r.termination
+            )
         else:
             result = report.not_run(cell, r.message, status="error")
         # Compile time and hit rate, as the local runner reads them from the cell's counters.

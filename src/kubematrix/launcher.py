@@ -61,7 +61,7 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
 from kubematrix.cachestats import CacheStats
-from kubematrix.cell import CACHE, decode_cache, decode_results
+from kubematrix.cell import BEGIN, CACHE, END, decode_cache, decode_results
 from kubematrix.render import CELL_CONTAINER
 
 RETRYABLE = frozenset({429, 500, 502, 503, 504})
@@ -133,6 +133,8 @@ class CellResult:
         evictions: pods lost to disruptions and replaced by the Job.
         cleanup: ``None`` when the Job was deleted; otherwise why it was not, and the
             ``kubectl`` command that removes it. It does not change ``outcome``.
+        termination: the kubelet's reason for the test container's end (``OOMKilled``), if
+            it gave one.
     """
 
     name: str
@@ -144,6 +146,7 @@ class CellResult:
     attached: bool = False
     evictions: list[str] = field(default_factory=list)
     cleanup: str | None = None
+    termination: str = ""
 
 
 class CellError(Exception):
@@ -665,11 +668,12 @@ class Launcher:
     def _follow(self, name: str, token: str, deadline: float, prefix: str) -> CellResult:
         evicted: list[str] = []
         replaced: list[str] = []  # pods deleted by someone else while their Job lived on
-        lines: list[str] = []
         while True:
             pod = self._wait_for_pod(name, deadline, {*evicted, *replaced}, prefix)
             pod_name = pod["metadata"]["name"]
-            self._stream_logs(pod_name, deadline, lines, prefix)
+            # Only this pod's log judges it: a replaced pod's partial report is not its result.
+            lines: list[str] = []
+            self._stream_logs(pod_name, deadline, lines, prefix, token)
             current = self._read_pod(pod_name)
             gone = current is None or bool(current["metadata"].get("deletionTimestamp"))
             finished = (
@@ -709,7 +713,9 @@ class Launcher:
             else:
                 outcome = "passed" if code == 0 else "failed"
             cache = decode_cache(lines, token)
-            return CellResult(name, outcome, code, message, junit, cache, evictions=evicted)
+            return CellResult(
+                name, outcome, code, message, junit, cache, evictions=evicted, termination=why
+            )
 
     def _read_pod(self, pod_name: str) -> dict | None:
         """The pod, or ``None`` when it no longer exists."""
@@ -896,8 +902,13 @@ class Launcher:
 
     # ------------------------------------------------------------------ logs
 
-    def _stream_logs(self, pod: str, deadline: float, lines: list[str], prefix: str) -> None:
+    def _stream_logs(
+        self, pod: str, deadline: float, lines: list[str], prefix: str, token: str
+    ) -> None:
         """Print ``pod``'s log until its container has terminated, reconnecting as needed.
+
+        The cell's report (the block marked with ``token``) is kept in ``lines``, not printed;
+        a test's output that looks like a marker is printed like any other line.
 
         The read timeout is ``log_idle_s``: a log silent that long is not an error, the pod
         is checked and the log read again. 429/5xx (and a 400 "container is waiting to
@@ -947,11 +958,11 @@ class Launcher:
                                 "missing before this one",
                             )
                         lines.append(text)
-                        if text.startswith("KUBEMATRIX-RESULTS-BEGIN"):
+                        if text == f"{BEGIN} {token}":
                             inside_report = True
-                        if not inside_report and not text.startswith(CACHE):
+                        if not inside_report and not text.startswith(f"{CACHE} {token} "):
                             self._say(prefix, text)
-                        if text.startswith("KUBEMATRIX-RESULTS-END"):
+                        if inside_report and text.startswith(f"{END} {token} "):
                             inside_report = False
                     clean = True
                 finally:

@@ -34,6 +34,7 @@ from kubematrix.matrix import COMPILE_MODULE, Cell, Host, pytest_xdist_args, why
 from kubematrix.matrix import pytest_workers as default_workers
 from kubematrix.report import (
     COMPILE_JSON,
+    PYTEST_NOTHING_COLLECTED,
     CellResult,
     UnreadableReport,
     cache_dir,
@@ -233,14 +234,14 @@ def _run_cell(
             return not_run(cell, f"{why} (log: {log})", seconds=elapsed)
         else:
             _write_exit_status_junit(cell, junit, code, log)
-    if code == 5 and not junit.exists():
+    if code == PYTEST_NOTHING_COLLECTED and not junit.exists():
         return not_run(cell, f"no test matches -m {_marker(cell)!r}")
     if not junit.exists():
         return not_run(
             cell, f"exit status {code}, no JUnit (log: {log})", status="error", seconds=elapsed
         )
     result = result_from_junit(cell, junit, seconds=elapsed, exit_code=code)
-    if code == 5:  # pytest: nothing collected
+    if code == PYTEST_NOTHING_COLLECTED:
         reason = f"no test matches -m {_marker(cell)!r}"
         return not_run(cell, reason, seconds=elapsed)
     return result

@@ -185,6 +185,9 @@ def _check_declared(path: str | os.PathLike[str], root: ET.Element) -> None:
             )
 
 
+PYTEST_NOTHING_COLLECTED = 5  # pytest's exit status when no test was collected
+
+
 def status_from_counts(counts: JunitCounts) -> str:
     if counts.failed:
         return "failed"
@@ -201,24 +204,31 @@ def result_from_junit(
     *,
     seconds: float | None = None,
     exit_code: int | None = None,
+    exit_note: str = "",
 ) -> CellResult:
-    """A cell's result from its JUnit (and, when the runner knows it, the exit status).
+    """A cell's result from its JUnit (and, when the runner knows it, the exit status and
+    ``exit_note``, e.g. the kubelet's ``OOMKilled``).
 
     A non-zero exit with a clean JUnit (a crash after the report, a timeout) is an ``error``: the
-    process is the judge of last resort, never the file alone. So is a JUnit that cannot be read:
-    the cell's row says why, and the other cells' rows are unaffected.
+    process is the judge of last resort, never the file alone. So is a non-zero exit with a JUnit
+    that holds no test case (a session aborted before its tests), except pytest's 5 (nothing
+    collected: not run). So is a JUnit that cannot be read: the cell's row says why, and the
+    other cells' rows are unaffected.
     """
+    exit_text = f"exit status {exit_code}" + (f" ({exit_note})" if exit_note else "")
     try:
         counts = read_junit(junit)
     except UnreadableReport as exc:
-        status_note = f", exit status {exit_code}" if exit_code is not None else ""
+        status_note = f", {exit_text}" if exit_code is not None else ""
         return not_run(cell, f"{exc}{status_note}", status="error", seconds=seconds or 0.0)
     status = status_from_counts(counts)
     reason = ""
     if status == "not run":
         reason = "the JUnit holds no test case (no test matches the suite's marker)"
     if exit_code not in (None, 0) and status in ("passed", "skipped"):
-        status, reason = "error", f"exit status {exit_code} despite a clean JUnit"
+        status, reason = "error", f"{exit_text} despite a clean JUnit"
+    elif exit_code not in (None, 0, PYTEST_NOTHING_COLLECTED) and status == "not run":
+        status, reason = "error", f"{exit_text} with a JUnit that holds no test case"
     if status in ("failed", "error") and counts.failures and not reason:
         reason = f"{len(counts.failures)} failing: {counts.failures[0].test}"
     return CellResult(

@@ -1267,6 +1267,60 @@ def test_a_pod_deleted_by_someone_else_is_replaced_and_followed():
     assert any(f"pod {result.name}-aaaaa was deleted (not by this launcher)" in x for x in out)
 
 
+PARTIAL_JUNIT = (
+    b'<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="3">'
+    + b"".join(b'<testcase classname="t" name="early%d"/>' % i for i in range(3))
+    + b"</testsuite></testsuites>"
+)
+
+
+def _evicted_after_a_partial_report(k: KubeStub, job: dict) -> str:
+    """The first pod is evicted after printing a partial report (pytest interrupted by the
+    SIGTERM writes one); returns the Job's replacement pod, started."""
+    first = k.add_pod(job, "aaaaa")
+    k.start(first)
+    k.log(first, *encode_results(PARTIAL_JUNIT, results_token(job["metadata"]["name"]), 2))
+    k.evict(first)
+    second = k.add_pod(job, "bbbbb")
+    k.start(second)
+    return second
+
+
+@pytest.mark.parametrize(("code", "reason"), [(0, None), (137, "OOMKilled")])
+def test_a_replaced_pods_report_is_never_the_cells_result(code, reason):
+    """The replacement pod's own report judges the cell: one that printed none (killed, or its
+    log lost) is no pass, whatever the evicted pod printed before."""
+
+    def scenario(k: KubeStub, job: dict) -> None:
+        second = _evicted_after_a_partial_report(k, job)
+        k.log(second, "running")
+        k.finish(second, code, reason=reason)
+
+    result, _, _ = _run(scenario)
+    assert result.junit is None and result.outcome in ("error", "failed")
+    assert result.message.endswith("no JUnit report in the log")
+    if reason:
+        assert result.termination.startswith("OOMKilled")
+
+
+def test_the_replacement_pods_report_is_the_cells_result():
+    def scenario(k: KubeStub, job: dict) -> None:
+        second = _evicted_after_a_partial_report(k, job)
+        k.log(second, *_report(job, 0))
+        k.finish(second, 0)
+
+    result, _, _ = _run(scenario)
+    assert (result.outcome, result.junit) == ("passed", JUNIT)
+
+
+def test_test_output_that_looks_like_a_report_marker_is_printed():
+    """Only the Job's own token opens the report block that is kept out of the echo."""
+    shown = ["KUBEMATRIX-RESULTS-BEGIN manual", "FAILED t::test_kernel", "KUBEMATRIX-CACHE x {}"]
+    result, out, _ = _run(_completes(0, log=shown))
+    assert result.outcome == "passed"
+    assert _log_lines(out) == shown
+
+
 def test_oom_killed_is_reported_with_its_reason():
     def scenario(k: KubeStub, job: dict) -> None:
         pod = k.add_pod(job)

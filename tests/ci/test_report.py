@@ -46,6 +46,48 @@ def test_status_is_passed_only_with_a_passing_test_and_no_failure():
         report.not_run(PAGED, "x", status="ok")
 
 
+EMPTY_JUNIT = (
+    '<?xml version="1.0"?><testsuites><testsuite name="pytest" errors="0" failures="0" '
+    'skipped="0" tests="0"/></testsuites>'
+)
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "note", "status", "reason"),
+    [
+        (None, "", "not run", "the JUnit holds no test case (no test matches the suite's marker)"),
+        (5, "", "not run", "the JUnit holds no test case (no test matches the suite's marker)"),
+        (3, "", "error", "exit status 3 with a JUnit that holds no test case"),
+        (2, "", "error", "exit status 2 with a JUnit that holds no test case"),
+        (
+            137,
+            "OOMKilled",
+            "error",
+            "exit status 137 (OOMKilled) with a JUnit that holds no test case",
+        ),  # fmt: skip
+    ],
+)
+def test_a_session_aborted_before_its_tests_is_an_error_not_a_cell_that_did_not_run(
+    tmp_path, exit_code, note, status, reason
+):
+    """pytest.exit(), a KeyboardInterrupt in collection or a killed session leave a JUnit with
+    no test case and a non-zero exit: only 5 (nothing collected) means nothing was to run."""
+    junit = tmp_path / "paged-cpu-interpreter.xml"
+    junit.write_text(EMPTY_JUNIT)
+    r = report.result_from_junit(PAGED, junit, exit_code=exit_code, exit_note=note)
+    assert (r.status, r.reason) == (status, reason)
+    if status == "error":
+        assert report.overall_status([r]) == "failed"
+
+
+def test_an_exit_note_names_why_a_clean_junit_is_an_error():
+    r = report.result_from_junit(
+        PAGED, DATA / "paged-cpu-interpreter.xml", exit_code=137, exit_note="OOMKilled: over"
+    )
+    assert r.status == "error"
+    assert r.reason == "exit status 137 (OOMKilled: over) despite a clean JUnit"
+
+
 @pytest.fixture
 def results_dir(tmp_path) -> Path:
     """A results folder as a Buildkite build leaves it: JUnits, the compile report, no records."""
