@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -487,6 +487,39 @@ def _agent(*argv: str, stdin: str | None = None) -> None:
     subprocess.run([AGENT, *argv], input=stdin, text=True, check=True)
 
 
+def _step_outcome(key: str) -> str | None:
+    """The outcome Buildkite gives the step ``key`` (``passed``, ``hard_failed``,
+    ``soft_failed``, ...), or ``None`` (said on stderr) when the agent cannot tell."""
+    argv = [AGENT, "step", "get", "outcome", "--step", key]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        print(f"report: `{' '.join(argv)}` could not run: {exc}", file=sys.stderr)
+        return None
+    outcome = done.stdout.strip()
+    if done.returncode != 0 or not outcome:
+        why = done.stderr.strip().splitlines()
+        print(
+            f"report: `{' '.join(argv)}` gave no outcome (exit status {done.returncode}"
+            f"{': ' + why[-1] if why else ''}); the cell is judged by its JUnit alone",
+            file=sys.stderr,
+        )
+        return None
+    return outcome
+
+
+def _judged_with_its_step(r: report.CellResult) -> report.CellResult:
+    """A cell's result from its JUnit, overruled by its step's outcome where they disagree: a
+    step that failed after a clean JUnit (a crash at exit, a timeout, a cancel) is no pass."""
+    if r.status not in ("passed", "skipped", "not run"):
+        return r
+    outcome = _step_outcome(r.cell)
+    if outcome is None or outcome == "passed":
+        return r
+    what = "its JUnit holds no failure" if r.status != "not run" else "its JUnit holds no test"
+    return replace(r, status="error", reason=f"its step's outcome is {outcome}, though {what}")
+
+
 def _run_report(args: argparse.Namespace) -> int:
     out = Path(args.results)
     cells = _cells(args)
@@ -534,6 +567,8 @@ def _run_report(args: argparse.Namespace) -> int:
         return r
 
     results = [unrun(r) for r in results]
+    if args.buildkite:  # the steps' outcomes, not only the files they uploaded
+        results = [r if r.cell in not_selected else _judged_with_its_step(r) for r in results]
     context = ""
     if args.buildkite:
         context = (

@@ -21,7 +21,8 @@ to ``buildkite-agent pipeline upload``. What it uploads, built by :func:`generat
 - selection by changed files: a cell none of whose paths changed is not dropped but put behind
   its own block step ("Run ..."), one click away, with the build staying green while it waits;
 - a final step, after every selected cell whatever its outcome, that annotates the build with the
-  matrix summary (``nox -s report -- --buildkite``).
+  matrix summary (``nox -s report -- --buildkite``), each cell judged by its JUnit and by its
+  step's outcome.
 
 Every step declares ``depends_on`` explicitly, so a block step never holds back anything but its
 own cell (Buildkite: explicit dependencies override the implicit ordering of block steps).

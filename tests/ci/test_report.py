@@ -64,7 +64,7 @@ EMPTY_JUNIT = (
             "OOMKilled",
             "error",
             "exit status 137 (OOMKilled) with a JUnit that holds no test case",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_a_session_aborted_before_its_tests_is_an_error_not_a_cell_that_did_not_run(
@@ -221,6 +221,11 @@ FAKE_AGENT = """#!/bin/sh
 echo "$@" >> "$AGENT_LOG"
 if [ "$1" = annotate ]; then cat > "$AGENT_LOG.annotation"; fi
 if [ "$1 $2" = "artifact download" ]; then exit 1; fi  # nothing to download: already here
+if [ "$1 $2 $3 $4" = "step get outcome --step" ]; then  # outcomes listed as "key outcome" lines
+  outcome=$(sed -n "s/^$5 //p" "$AGENT_LOG.outcomes" 2>/dev/null)
+  if [ "$outcome" = "?" ]; then echo "fatal: no such step" >&2; exit 1; fi
+  echo "${outcome:-passed}"
+fi
 """
 
 
@@ -247,6 +252,11 @@ def test_buildkite_mode_annotates_the_build(results_dir, tmp_path, monkeypatch, 
     )
     calls = log.read_text().splitlines()
     name = results_dir.name
+    # the passing cell's step is asked for its outcome; the failed compile cell needs no asking
+    assert [c for c in calls if c.startswith("step ")] == [
+        "step get outcome --step paged-cpu-interpreter"
+    ]
+    calls = [c for c in calls if not c.startswith("step ")]
     assert calls[:3] == [
         f"artifact download {name}/*.xml .",
         f"artifact download {name}/compile/* .",
@@ -284,6 +294,39 @@ def test_buildkite_mode_calls_a_selected_cell_without_a_result_lost(
     assert "annotate --style success --context matrix" in log.read_text().splitlines()
     assert "not selected by the changed files" in Path(f"{log}.annotation").read_text()
     capsys.readouterr()
+
+
+def test_buildkite_mode_judges_a_cell_by_its_steps_outcome_too(
+    results_dir, tmp_path, monkeypatch, capsys
+):
+    """A step that failed after writing a clean JUnit (a crash at exit, a timeout) was annotated
+    as a pass from its JUnit alone: the step's own outcome overrules the file."""
+    log = _fake_agent(tmp_path, monkeypatch)
+    monkeypatch.chdir(results_dir.parent)
+    args = [
+        "report",
+        "--buildkite",
+        "--results",
+        results_dir.name,
+        "--cell",
+        "paged-cpu-interpreter",
+    ]
+    Path(f"{log}.outcomes").write_text("paged-cpu-interpreter hard_failed\n")
+    assert main(args) == 0  # the step itself carries the build's verdict
+    assert "annotate --style error --context matrix" in log.read_text().splitlines()
+    annotation = Path(f"{log}.annotation").read_text()
+    assert annotation.startswith("## portattn matrix: failed")
+    assert "its step's outcome is hard_failed, though its JUnit holds no failure" in annotation
+    # An agent that cannot tell leaves the JUnit's verdict, and says so.
+    log.unlink()
+    Path(f"{log}.outcomes").write_text("paged-cpu-interpreter ?\n")
+    assert main(args) == 0
+    assert "annotate --style success --context matrix" in log.read_text().splitlines()
+    err = capsys.readouterr().err
+    assert (
+        "gave no outcome (exit status 1: fatal: no such step); the cell is judged by its JUnit"
+        in err
+    )
 
 
 def test_buildkite_mode_refuses_a_results_path_the_agent_would_split(tmp_path, capsys):
