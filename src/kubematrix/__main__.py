@@ -30,6 +30,7 @@ from kubematrix import buildkite, cachestats, checkout, images, report
 from kubematrix.local import PROJECT_MARKER, find_project_root, run_local
 from kubematrix.matrix import BACKENDS, RUNNERS, SUITES, Cell, Host, all_cells, select_cells
 from kubematrix.matrix import why_not_runnable as _why_not
+from kubematrix.signals import EXIT_TERMINATED, Terminated, sigterm_interrupts
 
 DEFAULT_RESULTS = "results/matrix"
 EXIT_NO_CLUSTER = 2  # the k8s runner found no usable cluster: nothing was run
@@ -658,10 +659,14 @@ EXIT_BROKEN_PIPE = 141  # as a shell reports a process that SIGPIPE ended
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args._run(args)
+        with sigterm_interrupts():  # a cancelled CI job cleans up as on Ctrl-C
+            return args._run(args)
     except ValueError as exc:  # a bad cell name, suite ... : a usage error, not a traceback
         print(f"kubematrix {args.command}: {exc}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"kubematrix {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:  # what a command leaves behind it says itself (the launcher's Jobs)
         print(f"kubematrix {args.command}: interrupted", file=sys.stderr)
         return 130

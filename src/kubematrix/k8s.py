@@ -23,6 +23,7 @@ from kubematrix.images import default_image, nonempty_arg
 from kubematrix.launcher import CellError, CellResult, Launcher, Timeouts
 from kubematrix.matrix import Cell
 from kubematrix.render import DEFAULT_NAMESPACE, DNS_LABEL_RULE, VENDORS, is_dns_label, render_job
+from kubematrix.signals import interrupted_exit, sigterm_interrupts
 
 EXIT_INFRA = 3
 EXIT_NO_CLUSTER = 2
@@ -262,6 +263,11 @@ def run_cells(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    with sigterm_interrupts():  # a cancelled CI job deletes its Jobs as on Ctrl-C
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kubematrix.k8s",
         description=HELP,
@@ -346,17 +352,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         sys.stderr.write(f"kubematrix.k8s: {exc}; nothing was created\n")
         return 2
-    except KeyboardInterrupt:  # rendering (kubectl kustomize) before any Job exists
+    except KeyboardInterrupt as exc:  # rendering (kubectl kustomize) before any Job exists
         sys.stderr.write("kubematrix.k8s: interrupted; nothing was created\n")
-        return 130
+        return interrupted_exit(exc)
     try:
         api = connect(namespace, args.context)
     except NoCluster as exc:
         sys.stderr.write(f"kubematrix.k8s: {exc}; nothing was created\n")
         return EXIT_NO_CLUSTER
-    except KeyboardInterrupt:  # while the cluster is checked: no Job was created yet
+    except KeyboardInterrupt as exc:  # while the cluster is checked: no Job was created yet
         sys.stderr.write("kubematrix.k8s: interrupted; nothing was created\n")
-        return 130
+        return interrupted_exit(exc)
     launcher = Launcher(
         api,
         namespace,
@@ -365,13 +371,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         results = launcher.run_many(jobs, max_parallel=args.max_parallel)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if launcher.leftovers:
             sys.stderr.write("kubematrix.k8s: interrupted; some Jobs may be left behind:\n")
         else:
             sys.stderr.write("kubematrix.k8s: interrupted; the launched Jobs were deleted\n")
         _report_leftovers(launcher)
-        return 130
+        return interrupted_exit(exc)
     untested = []
     for r in results:
         cache = f"; Triton cache: {r.cache.describe()}" if r.cache else ""

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -348,3 +350,52 @@ def test_a_closed_pipe_ends_the_command_quietly(tmp_path):
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait() == 141 and err == "", err
+
+
+def test_sigterm_stops_the_running_cell_and_still_writes_the_summary(tmp_path):
+    """A cancelled or timed-out CI job gets SIGTERM: the matrix used to die at once, leaving no
+    summary and the cell's pytest running on (its own process group), whose JUnit then made a
+    later `report` call the cancelled cell passed. Now it ends as Ctrl-C does."""
+    project, out, pid_file = tmp_path / "p", tmp_path / "r", tmp_path / "test.pid"
+    (project / "tests").mkdir(parents=True)
+    (project / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\nmarkers = ["paged: p", "gpu: g", "cpu: c"]\n'
+    )
+    (project / "tests" / "conftest.py").write_text("")
+    (project / "tests" / "test_slow.py").write_text(
+        "import os, pathlib, time, pytest\n\n"
+        "@pytest.mark.paged\n"
+        "def test_slow():\n"
+        f"    pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\n"
+        "    time.sleep(120)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    argv = ["matrix", "--cell", "paged-cpu-interpreter", "--workers", "1", "--results", str(out)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kubematrix", *argv],
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not pid_file.is_file() or not pid_file.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1, output  # an interrupted cell is an error: a failed matrix
+    record = json.loads((out / "paged-cpu-interpreter.json").read_text())
+    assert (record["status"], record["reason"]) == ("error", "interrupted")
+    assert json.loads((out / "results.json").read_text())["status"] == "failed"
+    assert not _running(int(pid_file.read_text()))  # the cell's pytest was stopped, not left
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its parent's reaper does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -550,6 +550,41 @@ def test_ctrl_c_while_the_cluster_is_checked_ends_without_a_traceback(tmp_path, 
     assert "Traceback" not in err and "interrupted" in err, err
 
 
+@pytest.mark.parametrize("command", ["kubematrix.k8s", "kubematrix"])
+def test_sigterm_deletes_the_running_job(tmp_path, command):
+    """A cancelled CI job gets SIGTERM: both commands died at once, leaving the Job (and its
+    GPU) on the cluster until its deadline. Now they clean up as on Ctrl-C, exit 143."""
+    with KubeStub(_forever) as stub:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+            f"clusters: [{{name: s, cluster: {{server: 'http://127.0.0.1:{stub.server.server_port}'}}}}]\n"
+            "users: [{name: u, user: {token: t}}]\n"
+            "contexts: [{name: c, context: {cluster: s, user: u, namespace: portattn-ci}}]\n"
+        )
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KUBEMATRIX_KUSTOMIZE": "builtin"}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        argv = {
+            "kubematrix.k8s": ["--vendor", "cuda", "--suite", "mla", "--commit", "abc1234",
+                               "--results", str(tmp_path / "r")],
+            "kubematrix": ["matrix", "--runner", "k8s", "--cell", "mla-cuda-sm_90",
+                           "--results", str(tmp_path / "r")],
+        }[command]  # fmt: skip
+        proc = subprocess.Popen([sys.executable, "-m", command, *argv], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+        try:
+            _wait_for(lambda: bool(stub.pods), timeout=60)
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        assert proc.returncode == 143, (out, err)
+        assert "Traceback" not in err, err
+        assert [how for _, how in stub.deletes] == ["Foreground"] and not stub.jobs
+
+
 def test_exit_status_propagates_the_first_failing_code():
     from kubematrix.launcher import CellResult
 

@@ -1,0 +1,44 @@
+"""SIGTERM handled as Ctrl-C by the CLIs.
+
+A CI system cancels a job, or ends one past its timeout, with SIGTERM (Buildkite, Kubernetes, a
+shell's ``timeout``). Python's default for it is to die at once: the running cell's process
+group kept running and wrote its report later, a launched Job kept its GPU until its deadline,
+and no summary was written. Raised as :class:`Terminated` (a ``KeyboardInterrupt``), it takes
+the paths Ctrl-C takes: the cell is stopped and recorded, Jobs are deleted, the summary written.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+EXIT_TERMINATED = 143  # as a shell reports a process that SIGTERM ended
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread where Ctrl-C's ``KeyboardInterrupt`` would be."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` in the main thread (elsewhere, where
+    no handler can be set, the block runs as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def interrupted_exit(exc: KeyboardInterrupt) -> int:
+    """The exit status after cleaning up from ``exc``: 143 for SIGTERM, 130 for Ctrl-C."""
+    return EXIT_TERMINATED if isinstance(exc, Terminated) else 130
