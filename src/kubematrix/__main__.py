@@ -183,14 +183,17 @@ def _configure_matrix(p: argparse.ArgumentParser) -> None:
     )
 
 
+MAX_WORKERS = 1024  # pytest-xdist starts a process per worker: more is a typo, not a machine
+
+
 def _workers(text: str) -> int:
-    """``--workers``: an int >= 1 (argparse reports the rule)."""
+    """``--workers``: an int from 1 to `MAX_WORKERS` (argparse reports the rule)."""
     try:
         n = int(text)
     except ValueError:
         n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1; got {text!r}")
+    if not 1 <= n <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"must be an int from 1 to {MAX_WORKERS}; got {text!r}")
     return n
 
 
@@ -565,7 +568,13 @@ def _run_report(args: argparse.Namespace) -> int:
                 "its tests reported, e.g. on a failed image step, or its artifacts were lost)"
             )
             return report.not_run(by_name[r.cell], why, status="error")
+        if r.cell in named:  # asked for by name: lost, not passed (the files say so too)
+            why = f"named with --cell, but without a test result ({r.reason})"
+            return report.not_run(by_name[r.cell], why, status="error")
         return r
+
+    named = set(args.cell)
+    missing = [r.cell for r in results if r.cell in named and r.status == "not run"]
 
     results = [unrun(r) for r in results]
     if args.buildkite:  # the steps' outcomes, not only the files they uploaded
@@ -606,9 +615,7 @@ def _run_report(args: argparse.Namespace) -> int:
         )
         return EXIT_NOTHING_TESTED
     # a cell asked for by name whose result is missing: lost, not passed
-    named = set(args.cell)
-    missing = [r.cell for r in results if r.cell in named and r.status == "not run"]
-    if status != "failed" and missing:
+    if missing and not any(r.blocking_failure for r in results if r.cell not in missing):
         verb = "has" if len(missing) == 1 else "have"
         print(
             f"report: {', '.join(missing)} (named with --cell) {verb} no test result in {out}; "
@@ -674,6 +681,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Python flushes stdout at exit: point it at devnull so that flush cannot fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    except OSError as exc:  # a results folder that fills up or turns read-only mid-run
+        print(f"kubematrix {args.command}: stopped: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

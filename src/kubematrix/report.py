@@ -369,7 +369,13 @@ def write_cell_record(result: CellResult, results_dir: str | os.PathLike[str]) -
     out = Path(results_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{result.cell}.json"
-    path.write_text(json.dumps(result_to_dict(result), indent=2) + "\n")
+    # whole or not at all: a write cut short (a full disk) leaves no half record behind
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        partial.write_text(json.dumps(result_to_dict(result), indent=2) + "\n")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     junit = out / f"{result.cell}.xml"
     if result.status in ("not run", "error") and not junit.exists():
         _write_placeholder_junit(result, junit)

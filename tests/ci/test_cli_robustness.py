@@ -356,18 +356,10 @@ def test_sigterm_stops_the_running_cell_and_still_writes_the_summary(tmp_path):
     """A cancelled or timed-out CI job gets SIGTERM: the matrix used to die at once, leaving no
     summary and the cell's pytest running on (its own process group), whose JUnit then made a
     later `report` call the cancelled cell passed. Now it ends as Ctrl-C does."""
-    project, out, pid_file = tmp_path / "p", tmp_path / "r", tmp_path / "test.pid"
-    (project / "tests").mkdir(parents=True)
-    (project / "pyproject.toml").write_text(
-        '[tool.pytest.ini_options]\nmarkers = ["paged: p", "gpu: g", "cpu: c"]\n'
-    )
-    (project / "tests" / "conftest.py").write_text("")
-    (project / "tests" / "test_slow.py").write_text(
-        "import os, pathlib, time, pytest\n\n"
-        "@pytest.mark.paged\n"
-        "def test_slow():\n"
-        f"    pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\n"
-        "    time.sleep(120)\n"
+    out, pid_file = tmp_path / "r", tmp_path / "test.pid"
+    project = _toy_project(
+        tmp_path / "p",
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\ntime.sleep(120)",
     )
     env = {**os.environ, "PYTHONPATH": str(SRC), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     argv = ["matrix", "--cell", "paged-cpu-interpreter", "--workers", "1", "--results", str(out)]
@@ -399,3 +391,45 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _toy_project(root: Path, test_body: str) -> Path:
+    """A project the local runner accepts, with one `paged` test running ``test_body``."""
+    (root / "tests").mkdir(parents=True)
+    (root / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\nmarkers = ["paged: p", "gpu: g", "cpu: c"]\n'
+    )
+    (root / "tests" / "conftest.py").write_text("")
+    body = "".join(f"    {line}\n" for line in test_body.splitlines())
+    (root / "tests" / "test_toy.py").write_text(
+        f"import os, pathlib, time, pytest\n\n@pytest.mark.paged\ndef test_toy():\n{body}"
+    )
+    return root
+
+
+def test_a_results_write_that_fails_mid_run_is_one_line_not_a_traceback(tmp_path):
+    """A results folder that fills up or turns read-only while cells run ended in an OSError
+    traceback and a zero-byte record; now one line naming the path, exit 1, no half record."""
+    out = tmp_path / "r"
+    project = _toy_project(
+        tmp_path / "p", f"pathlib.Path({str(out / 'paged-cpu-interpreter.json')!r}).mkdir()"
+    )
+    done = _kubematrix(
+        "kubematrix", "matrix", "--cell", "paged-cpu-interpreter", "--workers", "1",
+        "--results", str(out), cwd=project, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "kubematrix matrix: stopped: [Errno 21] Is a directory" in done.stderr
+    assert "paged-cpu-interpreter.json" in done.stderr
+    assert not list(out.glob(".*.partial"))
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "1.5", "x", "1025", "99999999999999999999"])
+def test_a_workers_count_out_of_range_is_a_usage_error(value, capsys):
+    """A huge count reached pytest-xdist and failed the cell with an OverflowError in its log."""
+    with pytest.raises(SystemExit) as exc:
+        main(["matrix", "--cell", "policy-cpu-interpreter", "--workers", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--workers: must be an int from 1 to 1024; got '{value}'" in err

@@ -395,6 +395,12 @@ def test_a_cell_named_without_a_result_is_no_pass(results_dir, capsys):
     assert main([*args, "--cell", "mla-cuda-sm_90"]) == 4
     err = capsys.readouterr().err
     assert "mla-cuda-sm_90 (named with --cell) has no test result in" in err
+    # the files agree with the exit status: they said "passed" while it said 4
+    written = json.loads((results_dir / "results.json").read_text())
+    assert written["status"] == "failed"
+    (lost,) = [c for c in written["cells"] if c["cell"] == "mla-cuda-sm_90"]
+    assert lost["status"] == "error" and lost["reason"].startswith("named with --cell, but")
+    assert (results_dir / "report.md").read_text().startswith("## portattn matrix: failed")
     (results_dir / "mla-cuda-sm_90.xml").mkdir()
     (result,) = report.collect([get_cell("mla-cuda-sm_90")], results_dir)
     assert result.status == "error" and result.reason.endswith("mla-cuda-sm_90.xml is not a file")
