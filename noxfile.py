@@ -264,7 +264,8 @@ def matrix(session: nox.Session) -> None:
 
 def _install_ci_layer(session: nox.Session) -> None:
     """kubematrix without torch/triton (the CI layer never imports them): a fast bootstrap step."""
-    session.install(*(r for r in EXTRAS["ci"] if r.startswith(("pyyaml", "kubernetes="))))
+    needs = [*PYPROJECT["project"]["dependencies"], *EXTRAS["ci"]]
+    session.install(*(r for r in needs if r.startswith(("pyyaml", "kubernetes="))))
     session.install("--no-deps", "-e", ".")
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kubematrix import buildkite, cachestats, checkout, images, report
+from kubematrix import CI_EXTRA_HINT, buildkite, cachestats, checkout, images, report
 from kubematrix.local import PROJECT_MARKER, find_project_root, run_local
 from kubematrix.matrix import BACKENDS, RUNNERS, SUITES, Cell, Host, all_cells, select_cells
 from kubematrix.matrix import why_not_runnable as _why_not
@@ -321,8 +321,8 @@ def _run_k8s(
             from kubematrix import k8s
 
             namespace = k8s.namespace_setting()  # a bad value names its variable
-        except ImportError as exc:
-            why = f"the Kubernetes client is not installed ({exc})"
+        except ModuleNotFoundError as exc:
+            why = f"the Kubernetes client is not installed ({exc}); {CI_EXTRA_HINT}"
         else:
             # a setting no Job can be made with is a usage error, named before a cluster is asked
             where = root or find_project_root()[0] or "."  # the checkout whose HEAD Jobs run

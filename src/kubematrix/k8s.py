@@ -16,14 +16,25 @@ from dataclasses import replace
 from pathlib import Path
 
 import yaml
-from kubernetes import client, config
 
-from kubematrix import checkout, report
+from kubematrix import CI_EXTRA_HINT, checkout, report
 from kubematrix.images import default_image, nonempty_arg
-from kubematrix.launcher import CellError, CellResult, Launcher, Timeouts
 from kubematrix.matrix import Cell
 from kubematrix.render import DEFAULT_NAMESPACE, DNS_LABEL_RULE, VENDORS, is_dns_label, render_job
 from kubematrix.signals import interrupted_exit, sigterm_interrupts
+
+try:
+    from kubernetes import client, config
+
+    from kubematrix.launcher import CellError, CellResult, Launcher, Timeouts
+except ModuleNotFoundError as exc:  # an optional dependency (the `ci` extra)
+    if __name__ != "__main__":
+        raise
+    sys.stderr.write(
+        f"kubematrix.k8s: the Kubernetes client is not installed ({exc}); {CI_EXTRA_HINT}; "
+        "nothing was created\n"
+    )
+    sys.exit(2)
 
 EXIT_INFRA = 3
 EXIT_NO_CLUSTER = 2

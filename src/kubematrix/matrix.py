@@ -480,6 +480,7 @@ class Host:
     device_nodes: frozenset[str]
     gpu_arch: Mapping[str, str | None]  # vendor -> arch, None when it cannot be told
     compile_module: bool
+    pytest: bool = True  # pytest and pytest-xdist importable: what the pytest cells run with
 
     @classmethod
     def probe(cls) -> Host:
@@ -489,7 +490,8 @@ class Host:
             for b in BACKENDS.values()
             if b.vendor and any(n in nodes for n in b.device_nodes)
         }
-        return cls(nodes, arch, compile_module_available())
+        tools = all(importlib.util.find_spec(m) is not None for m in ("pytest", "xdist"))
+        return cls(nodes, arch, compile_module_available(), tools)
 
 
 def why_not_runnable(cell: Cell, runner: str, host: Host | None = None) -> str | None:
@@ -503,12 +505,15 @@ def why_not_runnable(cell: Cell, runner: str, host: Host | None = None) -> str |
     host = host or Host.probe()
     if cell.suite == "compile" and not host.compile_module:
         return f"{COMPILE_MODULE} not available"
-    if runner == "k8s" or not cell.spec.is_gpu:
-        return None
-    backend = cell.spec
-    if not any(n in host.device_nodes for n in backend.device_nodes):
-        return f"no GPU ({backend.name}): none of {', '.join(backend.device_nodes)} on this machine"
-    arch = host.gpu_arch.get(backend.vendor or "")
-    if arch is not None and cell.target is not None and arch != cell.target:
-        return f"local {backend.name} GPU is {arch}, the cell targets {cell.target}"
+    if runner == "local" and cell.spec.is_gpu:
+        backend = cell.spec
+        if not any(n in host.device_nodes for n in backend.device_nodes):
+            nodes = ", ".join(backend.device_nodes)
+            return f"no GPU ({backend.name}): none of {nodes} on this machine"
+        arch = host.gpu_arch.get(backend.vendor or "")
+        if arch is not None and cell.target is not None and arch != cell.target:
+            return f"local {backend.name} GPU is {arch}, the cell targets {cell.target}"
+    runs_here = runner == "local" or not cell.spec.is_gpu  # the k8s runner runs CPU cells here
+    if runs_here and cell.suite != "compile" and not host.pytest:
+        return "pytest and pytest-xdist are not installed here (pip install 'portattn[test]')"
     return None

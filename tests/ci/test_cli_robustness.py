@@ -433,3 +433,36 @@ def test_a_workers_count_out_of_range_is_a_usage_error(value, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"--workers: must be an int from 1 to 1024; got '{value}'" in err
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "says"),
+    [
+        (
+            "kubematrix.k8s",
+            ["--vendor", "cuda", "--suite", "mla"],
+            "kubematrix.k8s: the Kubernetes",
+        ),
+        (
+            "kubematrix",
+            ["matrix", "--runner", "k8s", "--cell", "mla-cuda-sm_90"],
+            "runner k8s: the",
+        ),
+    ],
+)
+def test_without_the_kubernetes_client_the_launcher_says_what_to_install(
+    tmp_path, module, argv, says
+):
+    """The client is the `ci` extra: `python -m kubematrix.k8s` ended in a traceback without it."""
+    hide = tmp_path / "hide"
+    hide.mkdir()  # a `kubernetes` that is not there, as on a plain install
+    (hide / "kubernetes.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'kubernetes'\", name='kubernetes')\n"
+    )
+    env = {"PYTHONPATH": f"{hide}{os.pathsep}{SRC}"}
+    res = _kubematrix(module, *argv, "--results", str(tmp_path / "r"), cwd=ROOT, env=env)
+    output = res.stdout + res.stderr
+    assert res.returncode == 2 and "Traceback" not in output, output
+    assert says in output
+    assert "not installed (No module named 'kubernetes'); install it with: pip install " in output
+    assert "'portattn[ci]'" in output

@@ -135,6 +135,20 @@ def test_k8s_runner_runs_gpu_cells_and_nobody_runs_a_missing_compile_module():
         matrix.why_not_runnable(get_cell("mla-cuda-sm_90"), "ssh", NO_GPU)
 
 
+def test_a_pytest_cell_that_runs_here_needs_pytest_here():
+    """`list` called a CPU cell "runs here" on a plain install; `matrix` then failed it with
+    "No module named pytest"."""
+    bare = Host(frozenset({"/dev/nvidia[0-9]*"}), {"cuda": "sm_90"}, True, pytest=False)
+    why = "pytest and pytest-xdist are not installed here (pip install 'portattn[test]')"
+    for runner in matrix.RUNNERS:  # the k8s runner runs the CPU cells here too
+        assert matrix.why_not_runnable(get_cell("paged-cpu-interpreter"), runner, bare) == why
+        assert matrix.why_not_runnable(get_cell("compile-cpu-interpreter"), runner, bare) is None
+    assert matrix.why_not_runnable(get_cell("mla-cuda-sm_90"), "local", bare) == why
+    assert matrix.why_not_runnable(get_cell("mla-cuda-sm_90"), "k8s", bare) is None  # in its pod
+    assert matrix.why_not_runnable(get_cell("mla-cuda-sm_90"), "local", NO_GPU).startswith("no GPU")
+    assert Host.probe().pytest  # this process runs pytest
+
+
 def test_compile_module_is_found_on_disk_without_importing_portattn():
     assert matrix.compile_module_available() == (ROOT / "src/portattn/compile").is_dir()
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from nox.project import load_toml  # tomllib is 3.11+; the project supports 3.10
+from nox.project import load_toml
+from packaging.requirements import Requirement  # tomllib is 3.11+; the project supports 3.10
 
 from kubematrix import buildkite
 from kubematrix.matrix import all_cells
@@ -25,12 +26,41 @@ pytestmark = pytest.mark.ci
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = load_toml(ROOT / "pyproject.toml")
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-# What the CI layer needs beside the wheel: the `ci` extra's Kubernetes client and PyYAML pins.
+# What the CI layer needs beside the wheel: PyYAML (a dependency) and the `ci` extra's Kubernetes
+# client (as noxfile.py's CI-layer sessions install them).
 CI_LAYER_REQUIREMENTS = [
     r
-    for r in PYPROJECT["project"]["optional-dependencies"]["ci"]
+    for r in [
+        *PYPROJECT["project"]["dependencies"],
+        *PYPROJECT["project"]["optional-dependencies"]["ci"],
+    ]
     if r.startswith(("pyyaml", "kubernetes="))
 ]
+
+
+def _third_party_imports(code: str) -> set[str]:
+    """The distributions whose modules ``code`` loads in a fresh interpreter, beyond those a
+    bare interpreter loads (site's .pth hooks), this project's own excepted."""
+    probe = (
+        "import importlib.metadata as md, sys; before = set(sys.modules); "
+        f"{code}; "
+        "names = {m.split('.')[0] for m in set(sys.modules) - before}; "
+        "dists = md.packages_distributions(); "
+        "print('\\n'.join(sorted({d for n in names for d in dists.get(n, ())})))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    return {d.lower() for d in out.split()} - {"portattn"}
+
+
+def test_the_kubematrix_command_imports_only_what_the_package_declares():
+    """`kubematrix` crashed on a plain install (No module named 'yaml'): PyYAML was only in the
+    `ci` extra. The command's modules may import only the package's declared dependencies."""
+    declared = {Requirement(r).name.lower() for r in PYPROJECT["project"]["dependencies"]}
+    loaded = _third_party_imports("import kubematrix.__main__, kubematrix.render")
+    assert loaded and loaded <= declared, loaded - declared
 
 
 def test_console_scripts_name_callable_entry_points():
