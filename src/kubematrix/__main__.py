@@ -41,7 +41,7 @@ HELP = """\
 The CI matrix: every suite x backend x target cell, run on this machine or as Kubernetes
 Jobs, summarized as one report.
 
-Run 'python -m kubematrix COMMAND --help' for the options of a command.
+Run '%(prog)s COMMAND --help' for the options of a command.
 """
 
 
@@ -197,23 +197,22 @@ def _workers(text: str) -> int:
     return n
 
 
-def _results_folder(command: str, path: str) -> Path:
-    """The results folder, created; a folder that cannot be made stops the command by name."""
+def _results_folder(path: str) -> Path:
+    """The results folder, created; one that cannot be made is a usage error naming it."""
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        msg = f"{command}: cannot create the results folder {path}: {exc.strerror}"
-        raise SystemExit(msg) from exc
+        raise ValueError(f"--results {path}: cannot create the folder: {exc.strerror}") from exc
     return out
 
 
-def _check_writable(command: str, out: Path, names: Sequence[str]) -> None:
-    """Stop the command by name, before it writes anything, when ``out`` cannot take ``names``."""
+def _check_writable(out: Path, names: Sequence[str]) -> None:
+    """A usage error, before anything is written, when ``out`` cannot take ``names``."""
     try:
         report.check_writable(out, [*report.SUMMARY_NAMES, *names])
     except report.UnwritableOutput as exc:
-        raise SystemExit(f"{command}: --results {out}: {exc}") from None
+        raise ValueError(f"--results {out}: {exc}") from None
 
 
 def _clear_cell_files(cells: Sequence[Cell], out: Path) -> None:
@@ -234,10 +233,8 @@ def _run_matrix(args: argparse.Namespace) -> int:
         raise ValueError("--compile-arg is for the compile cell, and no compile cell is selected")
     here = [c for c in cells if args.runner == "local" or not c.spec.is_gpu]
     root = _project_root(here)
-    out = _results_folder("matrix", args.results)
-    _check_writable(
-        "matrix", out, [f"{c.name}{x}" for c in cells for x in (".xml", ".json", ".log")]
-    )
+    out = _results_folder(args.results)
+    _check_writable(out, [f"{c.name}{x}" for c in cells for x in (".xml", ".json", ".log")])
     cachestats.cache_env(None)  # a malformed cache setting stops the run before anything
     _clear_cell_files(cells, out)
     tested = _tested(args.runner, root)  # the working tree when the run began
@@ -534,7 +531,7 @@ def _run_report(args: argparse.Namespace) -> int:
             raise ValueError(f"--results {args.results}: must not hold ';' with --buildkite")
         if shutil.which(AGENT) is None:
             raise ValueError(f"--buildkite: {AGENT} is not on PATH (it annotates the build)")
-        _results_folder("report", args.results)
+        _results_folder(args.results)
         # A query that matches nothing fails the download: a build without such results. The
         # cells' Triton cache counters (`buildkite.artifact_paths`) give the summary's compile
         # time and hit rate.
@@ -546,10 +543,10 @@ def _run_report(args: argparse.Namespace) -> int:
             except subprocess.CalledProcessError:
                 print(f"report: no artifacts match {query} in this build", file=sys.stderr)
     elif not out.is_dir():  # a summary of nothing would call every cell "not run"
-        raise SystemExit(
-            f"report: no results folder {out} (run `kubematrix matrix` first, or give --results)"
+        raise ValueError(
+            f"--results {out}: no such folder (run `kubematrix matrix` first, or give --results)"
         )
-    _check_writable("report", out, derived)
+    _check_writable(out, derived)
     results = report.collect(cells, out)
     not_selected = set(filter(None, os.environ.get(buildkite.NOT_SELECTED_ENV, "").split(",")))
     by_name = {c.name: c for c in cells}

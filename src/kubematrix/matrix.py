@@ -415,18 +415,19 @@ def select_cells(
     backends: Iterable[str] = (),
     names: Iterable[str] = (),
 ) -> list[Cell]:
-    """Cells filtered by suite, backend and exact name (an empty filter keeps everything)."""
+    """Cells filtered by suite, backend and exact name (an empty filter keeps everything); an
+    unknown value is a ValueError naming the CLI option that gives it."""
     suites, backends, names = set(suites), set(backends), set(names)
     errors = []
     if unknown := suites - set(SUITES):
-        errors.append(f"suite must be one of {sorted(SUITES)}; got {sorted(unknown)}")
+        errors.append(f"--suite must be one of {sorted(SUITES)}; got {sorted(unknown)}")
     if unknown := backends - set(BACKENDS):
-        errors.append(f"backend must be one of {sorted(BACKENDS)}; got {sorted(unknown)}")
+        errors.append(f"--backend must be one of {sorted(BACKENDS)}; got {sorted(unknown)}")
     all_names = {c.name for c in all_cells()}
     if unknown := names - all_names:
-        errors.append(f"cell must be one of {sorted(all_names)}; got {sorted(unknown)}")
+        errors.append(f"--cell must be one of {sorted(all_names)}; got {sorted(unknown)}")
     if errors:
-        raise ValueError("select_cells: " + "; ".join(errors))
+        raise ValueError("; ".join(errors))
     return [
         c
         for c in cells

@@ -54,8 +54,26 @@ def test_usage_names_the_command_as_it_was_run(tmp_path):
     as_script = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path, env=env,
                                capture_output=True, text=True)  # fmt: skip
     assert as_script.stdout.startswith("usage: kubematrix "), as_script.stdout[:200]
+    assert "Run 'kubematrix COMMAND --help'" in as_script.stdout  # said the module form
     as_module = _kubematrix("kubematrix", "--help", cwd=tmp_path)
     assert as_module.stdout.startswith("usage: python -m kubematrix "), as_module.stdout[:200]
+    assert "Run 'python -m kubematrix COMMAND --help'" in as_module.stdout
+    compile_script = tmp_path / "portattn-compile"
+    compile_script.write_text(
+        "import sys\nfrom portattn.compile.__main__ import main\nsys.exit(main())\n"
+    )
+    wrong = subprocess.run([sys.executable, str(compile_script), "--jobs", "0"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True)  # fmt: skip
+    assert wrong.returncode == 2 and wrong.stderr.startswith("usage: portattn-compile "), (
+        wrong.stderr
+    )
+
+
+def test_an_unknown_cell_names_the_option(capsys):
+    assert main(["list", "--cell", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kubematrix list: --cell must be one of ['compile-cpu-interpreter', ")
+    assert err.rstrip().endswith("; got ['nope']")
 
 
 # -- a compile cell that compiled nothing -------------------------------------------------------
@@ -197,20 +215,22 @@ def test_a_junit_time_that_is_no_finite_number_makes_that_cell_an_error(time, re
 
 @pytest.mark.parametrize("name", ["junit.xml", "report.md", "results.json"])
 def test_a_summary_file_that_is_a_folder_stops_the_report_before_anything_is_written(
-    name, results_dir
+    name, results_dir, capsys
 ):
     (results_dir / name).mkdir()
     before = sorted(p.name for p in results_dir.iterdir())
-    with pytest.raises(SystemExit, match=f"report: --results {results_dir}: cannot write "
-                       f"{results_dir / name}: it exists and is not a file"):  # fmt: skip
-        main(["report", "--results", str(results_dir)])
+    assert main(["report", "--results", str(results_dir)]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"kubematrix report: --results {results_dir}: cannot write "
+        f"{results_dir / name}: it exists and is not a file"
+    )
     assert sorted(p.name for p in results_dir.iterdir()) == before
 
 
-def test_a_cell_file_that_is_a_folder_stops_the_matrix_before_any_cell_runs(tmp_path):
+def test_a_cell_file_that_is_a_folder_stops_the_matrix_before_any_cell_runs(tmp_path, capsys):
     (tmp_path / "policy-cpu-interpreter.log").mkdir()
-    with pytest.raises(SystemExit, match="matrix: --results .*policy-cpu-interpreter.log: it "):
-        main(["matrix", "--cell", "policy-cpu-interpreter", "--results", str(tmp_path)])
+    assert main(["matrix", "--cell", "policy-cpu-interpreter", "--results", str(tmp_path)]) == 2
+    assert "policy-cpu-interpreter.log: it " in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["policy-cpu-interpreter.log"]
 
 
@@ -230,8 +250,10 @@ def test_a_read_only_results_folder_is_refused_by_name(command, results_dir):
         )  # fmt: skip
     finally:
         results_dir.chmod(0o755)
-    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
-    assert f"{command}: --results {results_dir}: cannot write into {results_dir}: " in res.stderr
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f"kubematrix {command}: --results {results_dir}: cannot write into {results_dir}: " in (
+        res.stderr
+    )
     assert sorted(p.name for p in results_dir.iterdir()) == [f"{c.name}.xml" for c in (MLA, PAGED)]
 
 
@@ -423,16 +445,6 @@ def test_a_results_write_that_fails_mid_run_is_one_line_not_a_traceback(tmp_path
     assert "kubematrix matrix: stopped: [Errno 21] Is a directory" in done.stderr
     assert "paged-cpu-interpreter.json" in done.stderr
     assert not list(out.glob(".*.partial"))
-
-
-@pytest.mark.parametrize("value", ["0", "-3", "1.5", "x", "1025", "99999999999999999999"])
-def test_a_workers_count_out_of_range_is_a_usage_error(value, capsys):
-    """A huge count reached pytest-xdist and failed the cell with an OverflowError in its log."""
-    with pytest.raises(SystemExit) as exc:
-        main(["matrix", "--cell", "policy-cpu-interpreter", "--workers", value])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert f"--workers: must be an int from 1 to 1024; got '{value}'" in err
 
 
 @pytest.mark.parametrize(

@@ -161,8 +161,8 @@ def test_cells_are_selected_by_suite_backend_and_name_and_unknown_ones_refused()
     assert {c.suite for c in rocm} == {"paged", "mla", "hybrid", "specdec"}
     with pytest.raises(
         ValueError,
-        match=r"suite must be .*got \['attn'\]; backend must be .*"
-        r"got \['tpu'\]; cell must be .*got \['x'\]",
+        match=r"^--suite must be .*got \['attn'\]; --backend must be .*"
+        r"got \['tpu'\]; --cell must be .*got \['x'\]",
     ):
         select_cells(all_cells(), suites=["attn"], backends=["tpu"], names=["x"])
     with pytest.raises(ValueError, match=r"get_cell: name must be one of .*; got 'mla-cuda'"):

@@ -125,7 +125,10 @@ def _list(cases) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m portattn.compile",
+        # the console script's name where it was run as one, else the module form
+        prog="portattn-compile"
+        if sys.argv and os.path.basename(sys.argv[0]) == "portattn-compile"
+        else "python -m portattn.compile",
         description="Compile every kernel x case x target with Triton's NVIDIA and AMD backends "
         "(no GPU needed) and gate shared memory, compile errors and spills.",
     )
