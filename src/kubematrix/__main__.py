@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kubematrix import CI_EXTRA_HINT, buildkite, cachestats, checkout, images, report
+from kubematrix import CI_EXTRA_HINT, buildkite, cachestats, checkout, images, report, signals
 from kubematrix.local import PROJECT_MARKER, find_project_root, run_local
 from kubematrix.matrix import BACKENDS, RUNNERS, SUITES, Cell, Host, all_cells, select_cells
 from kubematrix.matrix import why_not_runnable as _why_not
@@ -664,7 +664,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with sigterm_interrupts():  # a cancelled CI job cleans up as on Ctrl-C
-            return args._run(args)
+            code = args._run(args)
+        if signals.terminated.is_set():  # caught to write the summary: still a cancelled run
+            print(f"kubematrix {args.command}: terminated (SIGTERM)", file=sys.stderr)
+            return EXIT_TERMINATED
+        return code
     except ValueError as exc:  # a bad cell name, suite ... : a usage error, not a traceback
         print(f"kubematrix {args.command}: {exc}", file=sys.stderr)
         return 2

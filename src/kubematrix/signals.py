@@ -21,7 +21,13 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread where Ctrl-C's ``KeyboardInterrupt`` would be."""
 
 
+#: Set once SIGTERM arrived: a command that caught the interrupt to write its summary (the local
+#: runner) still ends with `EXIT_TERMINATED`.
+terminated = threading.Event()
+
+
 def _raise_terminated(signum: int, frame: object) -> None:
+    terminated.set()
     raise Terminated()
 
 
@@ -32,6 +38,7 @@ def sigterm_interrupts() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    terminated.clear()
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
