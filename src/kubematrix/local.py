@@ -279,9 +279,10 @@ def run_local(
 
     plan = [(cell, why_not_runnable(cell, "local", host)) for cell in cells]
     runnable = [c for c, why in plan if why is None]
+    xdist = f" (pytest -n {workers})" if any(c.suite != "compile" for c in runnable) else ""
     say(
-        f"{heading}: {len(cells)} cells; runner local runs {len(runnable)} "
-        f"(pytest -n {workers}), {len(cells) - len(runnable)} not run here; results in {out}"
+        f"{heading}: {len(cells)} cells; runner local runs {len(runnable)}{xdist}, "
+        f"{len(cells) - len(runnable)} not run here; results in {out}"
     )
     results: list[CellResult] = []
     index = 0

@@ -87,7 +87,9 @@ def test_a_compile_cell_that_compiled_nothing_is_not_run(tmp_path, capsys):
     assert main([*args, "--results", str(out)]) == 4
     (cell,) = report.collect([get_cell("compile-cpu-interpreter")], out)
     assert cell.status == "not run" and "exited 0 without a report" in cell.reason, cell.reason
-    assert "nothing compiled" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "nothing compiled" in printed
+    assert "runner local runs 1, 0 not run here" in printed  # no pytest runs: no "pytest -n"
 
 
 def test_compile_args_without_a_compile_cell_are_refused(tmp_path, capsys):
