@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -131,7 +132,7 @@ def test_the_wheel_runs_kubematrix_in_a_fresh_venv_outside_the_checkout(tmp_path
     # nothing from the repository root (the k8s/ link) can leak in.
     source = tmp_path / "source"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
     junk = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc")
     shutil.copytree(ROOT / "src", source / "src", ignore=junk)
@@ -142,6 +143,9 @@ def test_the_wheel_runs_kubematrix_in_a_fresh_venv_outside_the_checkout(tmp_path
     build = "import sys; from setuptools import build_meta; build_meta.build_wheel(sys.argv[1])"
     _run([sys.executable, "-c", build, str(dist)], source, env)
     (wheel,) = dist.glob("portattn-*.whl")
+    with zipfile.ZipFile(wheel) as whl:  # the declared licence travels with the package
+        licence = [n for n in whl.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+        assert licence and b"Apache License" in whl.read(licence[0])
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], tmp_path, env)
