@@ -824,7 +824,30 @@ def test_paged_refuses_seq_lens_and_blocks_past_32_bit_positions():
         paged_attention(**{n: t.to("meta") for n, t in a.items()})
     k = torch.zeros(2, 1, HKV, D).expand(2, 2**30, HKV, D)
     a.update(key_cache=k, value_cache=k, block_table=torch.zeros(1, 3, dtype=torch.int64))
-    with pytest.raises(ValueError, match=re.escape(
-        "seq_lens must be < 2**31 (the kernel holds it in 32 bits); got seq_lens[0]=2147483648"
-    )):  # fmt: skip
+    rule = "seq_lens must be < 2**31 - 2**16 = 2147418112 (the kernel counts positions in 32 bits"
+    whole = f"{rule}, up to 2**16 past a sequence's end); got seq_lens[0]=2147483648"
+    with pytest.raises(ValueError, match=re.escape(whole)):
         paged_attention(**a)
+    # Just below 2**31 the kernels' arithmetic past the end wrapped: NaN, not an error.
+    for dtype in (torch.int32, torch.int64):
+        a.update(seq_lens=torch.tensor([2**31 - 2**16], dtype=dtype))
+        with pytest.raises(ValueError, match=re.escape(f"{rule}, up to 2**16 past")):
+            paged_attention(**a)
+        with pytest.raises(ValueError, match=re.escape("max_seq_len must be < 2**31 - 2**16")):
+            paged_attention(**a, max_query_len=1, max_seq_len=2**31 - 1)
+
+
+@pytest.mark.cpu
+@pytest.mark.mla
+def test_mla_refuses_int32_seq_lens_whose_positions_would_wrap():
+    """mla_decode counts positions in the seq_lens' dtype: int32 seq_lens within 2**16 of 2**31
+    came out as zeros with lse -inf (every split empty); int64 ones are counted in 64 bits."""
+    cache = torch.zeros(1, 1, 576).expand(2**15, 2**16, 576)  # 2**31 tokens of one row
+    q = torch.zeros(1, 16, 576)
+    table = torch.zeros(1, 2**15, dtype=torch.int32)
+    lens = torch.tensor([2**31 - 31], dtype=torch.int32)
+    with pytest.raises(ValueError, match=re.escape(
+        "seq_lens must be < 2**31 - 2**16 = 2147418112 (the kernel counts positions in 32 bits, "
+        "up to 2**16 past a sequence's end); got seq_lens[0]=2147483617"
+    )):  # fmt: skip
+        mla_decode(q, cache, table, lens, kv_lora_rank=512, scale=0.05)

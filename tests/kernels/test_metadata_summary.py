@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from portattn.kernels import mla_decode as mla_mod
 from portattn.kernels import paged_attention as paged_mod
+from portattn.kernels._checks import POSITIONS32_LIMIT
 from portattn.kernels.metadata_summary import read_metadata_summary
 from tests.kernels.test_metadata_properties import _SETTINGS, _offsets, paged_metadata, placed
 
@@ -66,7 +67,8 @@ def metadata(draw):
     elif what == "over capacity":
         sl[i] = cols * block_size + 1
     elif what == "huge seq_len":
-        sl[i] = 2**31 - 1 if dtype == torch.int32 else 2**63 - 1
+        top = [POSITIONS32_LIMIT, 2**31 - 1] if dtype == torch.int32 else [2**63 - 1]
+        sl[i] = draw(st.sampled_from(top))
     elif what == "block id past the cache" and used:
         table[i, draw(st.integers(0, used - 1))] = num_blocks
     elif what == "negative block id" and used:
@@ -105,7 +107,7 @@ def test_summary_agrees_with_paged_checks(data, device):
     views = [data.draw(placed(t, device, dtypes=(dtype,))) for t in (qsl, sl, table)]
     got = read_metadata_summary(
         *views, num_tokens=tokens, block_size=bs, num_blocks=nb, end_at_most=False,
-        max_len=2**31 - 1,
+        max_len=POSITIONS32_LIMIT - 1,
     )  # fmt: skip
     assert (None if got is None else (got.max_q_len, got.max_seq_len)) == want, what
     assert got is None or got.tokens == tokens
@@ -121,7 +123,7 @@ def test_summary_agrees_with_mla_checks(data, device):
     views = [data.draw(placed(t, device, dtypes=(dtype,))) for t in (qsl, sl, table)]
     got = read_metadata_summary(
         views[0] if with_qsl else None, *views[1:], num_tokens=tokens, block_size=bs,
-        num_blocks=nb, end_at_most=True,
+        num_blocks=nb, end_at_most=True, max_len=mla_mod.longest_seq_len(dtype),
     )  # fmt: skip
     assert (None if got is None else max(1, got.max_q_len)) == want, what
 
@@ -178,19 +180,25 @@ def test_summary_reads_huge_seq_lens_without_overflow(device):
 
 @pytest.mark.paged
 @pytest.mark.mla
-def test_a_seq_len_past_int32_is_broken_only_for_paged(device):
-    """2**31 tokens fit a 2-column row of 2**31-token blocks: valid for MLA (its kernel holds
-    seq_len in 64 bits), broken for paged_attention (32-bit positions), by both checks."""
+def test_a_seq_len_past_32_bit_positions_is_broken_only_where_they_are_32_bit(device):
+    """2**31 tokens fit a 2-column row of 2**31-token blocks: valid for MLA with int64 seq_lens
+    (its kernels count them in 64 bits), broken for paged_attention (32-bit positions, a tile
+    and a split past the end included) and for MLA's int32 seq_lens, by both checks."""
     qsl, sl = torch.tensor([0, 1]), torch.tensor([2**31])
     table = torch.zeros((1, 2), dtype=torch.int64)
     assert _host_paged(2**31, 1, 1, qsl, sl, table) is None
     assert _host_mla(2**31, 1, 1, qsl, sl, table) == 1
     on = [t.to(device) for t in (qsl, sl, table)]
     kw = dict(num_tokens=1, block_size=2**31, num_blocks=1, end_at_most=False)
-    assert read_metadata_summary(*on, **kw, max_len=2**31 - 1) is None
+    assert read_metadata_summary(*on, **kw, max_len=POSITIONS32_LIMIT - 1) is None
     assert read_metadata_summary(*on, **kw).max_seq_len == 2**31
-    sl_ok = torch.tensor([2**31 - 1]).to(device)
-    assert read_metadata_summary(on[0], sl_ok, on[2], **kw, max_len=2**31 - 1) is not None
+    for n, ok in ((POSITIONS32_LIMIT - 1, True), (POSITIONS32_LIMIT, False)):
+        sl32 = torch.tensor([n], dtype=torch.int32)
+        assert (_host_paged(2**31, 1, 1, qsl, sl32, table) is not None) == ok
+        assert (_host_mla(2**31, 1, 1, qsl, sl32, table) is not None) == ok
+        limit = mla_mod.longest_seq_len(torch.int32)
+        got = read_metadata_summary(on[0], sl32.to(device), on[2], **kw, max_len=limit)
+        assert (got is not None) == ok
 
 
 @pytest.mark.paged

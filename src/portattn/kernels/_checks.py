@@ -19,8 +19,8 @@ when it turns an index into an address -- on host copies of the metadata:
 |                       | input nor each other, nor themselves   |                               |
 | `reach32_errors`      | the dims a kernel offsets in 32 bits   | paged, MLA (shapes, strides)  |
 |                       | reach < 2**31 elements                 |                               |
-| `int32_values_errors` | values a kernel holds in 32 bits are   | paged seq_lens                |
-|                       | < 2**31                                |                               |
+| `positions32_errors`  | seq_lens a kernel counts in 32 bits    | paged seq_lens; MLA int32     |
+|                       | are < `POSITIONS32_LIMIT`              | seq_lens                      |
 
 Only USED entries are checked: block-table columns past ``ceil(seq_len / block_size)`` and page
 indices past ``indptr[-1]`` may hold anything (-1, garbage), as the kernels never read them.
@@ -63,6 +63,10 @@ from portattn.platform import Target
 
 #: Offsets and positions a kernel computes in 32 bits stay below this (`reach32_errors`).
 INT32_LIMIT = 2**31
+#: seq_lens a kernel counts in 32 bits stay below this: its position arithmetic runs past a
+#: sequence's end by up to a query tile, a split's rounding to whole KV tiles and a loop step
+#: (at most 2**16 positions), which must stay below 2**31 too.
+POSITIONS32_LIMIT = 2**31 - 2**16
 #: The largest softmax scale the kernels take: they compute ``scale * log2(e)`` in fp32.
 #: The largest int64: offsets, counts and slots live in it.
 INT64_MAX = 2**63 - 1
@@ -279,15 +283,17 @@ def reach32_errors(named: Sequence[tuple[str, object, Sequence[int]]]) -> list[s
     return errors
 
 
-def int32_values_errors(name: str, values: np.ndarray) -> list[str]:
-    """``values`` (a host copy) must be below 2**31: a kernel holds them in 32 bits."""
-    over = values >= INT32_LIMIT
+def positions32_errors(name: str, values: np.ndarray) -> list[str]:
+    """``values`` (a host copy of seq_lens) must be below `POSITIONS32_LIMIT`: a kernel counts
+    positions in 32 bits, and its arithmetic runs a little past each sequence's end."""
+    over = values >= POSITIONS32_LIMIT
     if not over.any():
         return []
     i = _first_true_index(over)
     at = ", ".join(map(str, i))
     return [
-        f"{name} must be < 2**31 (the kernel holds it in 32 bits); got {name}[{at}]={values[i]}"
+        f"{name} must be < 2**31 - 2**16 = {POSITIONS32_LIMIT} (the kernel counts positions in "
+        f"32 bits, up to 2**16 past a sequence's end); got {name}[{at}]={values[i]}"
     ]
 
 

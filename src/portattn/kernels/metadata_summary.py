@@ -24,7 +24,8 @@ The rules are `_checks`' rules, row by row (a row is broken when any fails):
 | `offsets_errors`           | ``qsl[i] <= qsl[i+1]``; ``qsl[0] == 0``; the last entry equals |
 |                            | ``num_tokens`` (at most ``num_tokens`` with ``END_AT_MOST``)  |
 | `seq_lens_errors`          | ``seq_lens[i] >= max(q_len_i, 0)`` (``q_len_i`` 1 without qsl)|
-| `int32_values_errors`      | ``seq_lens[i] <= max_len`` (paged: ``2**31 - 1``)              |
+| `positions32_errors`       | ``seq_lens[i] <= max_len`` (32-bit kernels: below             |
+|                            | ``POSITIONS32_LIMIT``)                                        |
 | `capacity_errors`          | ``ceil(seq_lens[i] / block_size) <= max_blocks``              |
 | `block_ids_errors`         | used block ids in ``[0, num_blocks)`` (below ``num_blocks``   |
 |                            | with ``PADDING_OK``: a negative id is padding)                |
@@ -77,7 +78,7 @@ def _metadata_summary_kernel(
     block_size,
     num_blocks,
     max_blocks,
-    max_len,  # the longest seq_len the op's kernel holds (`int32_values_errors`)
+    max_len,  # the longest seq_len the op's kernel holds (`positions32_errors`)
     stride_qsl,
     stride_seq_lens,
     stride_bt_seq,

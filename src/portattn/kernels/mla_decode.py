@@ -70,6 +70,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
 from portattn.kernels._checks import (
+    INT64_MAX,
+    POSITIONS32_LIMIT,
     Problems,
     block_ids_errors,
     capacity_errors,
@@ -78,6 +80,7 @@ from portattn.kernels._checks import (
     offsets_errors,
     overlap_errors,
     page_indices_errors,
+    positions32_errors,
     raise_errors,
     reach32_errors,
     reads_contents,
@@ -940,6 +943,12 @@ def _workspace_errors(tiles: MlaTiles, md: MlaMetadata, num_tokens: int) -> list
     return errors
 
 
+def longest_seq_len(dtype: torch.dtype) -> int:
+    """The longest seq_len the kernels count: in 32 bits for int32 seq_lens (they load it in
+    its own dtype), else in 64."""
+    return POSITIONS32_LIMIT - 1 if dtype == torch.int32 else INT64_MAX
+
+
 def _check_contents(
     query, kv_cache, block_table, seq_lens, query_start_loc, page_indices, metadata
 ) -> int:
@@ -976,6 +985,8 @@ def _check_contents(
                 f"={int(qsl[i])}"
             )
     errors += seq_lens_errors(lens, q_lens)
+    if seq_lens.dtype == torch.int32:  # the kernels then count positions in 32 bits
+        errors += positions32_errors("seq_lens", lens)
     if page_indices is not None:
         indptr, indices = rest
         errors += page_indices_errors(indptr, indices, lens, num_blocks * block_size)
@@ -1132,6 +1143,7 @@ def unbounded_query_len(
         started = start_metadata_summary(
             query_start_loc, seq_lens, block_table, num_tokens=query.shape[0],
             block_size=kv_cache.shape[1], num_blocks=kv_cache.shape[0], end_at_most=True,
+            max_len=longest_seq_len(seq_lens.dtype),
         )  # fmt: skip
     ready = prepare(entry[1]) if prepare is not None and entry[1] is not None else None
     got = None if started is None else finish_metadata_summary(started)

@@ -61,14 +61,15 @@ import triton.language as tl
 from portattn.blocksize import BlockSizeRule, MultipleOf
 from portattn.kernels._checks import (
     INT32_LIMIT,
+    POSITIONS32_LIMIT,
     Problems,
     block_ids_errors,
     capacity_errors,
     capture_errors,
-    int32_values_errors,
     lazy_bit_errors,
     offsets_errors,
     overlap_errors,
+    positions32_errors,
     raise_errors,
     reach32_errors,
     reads_contents,
@@ -751,6 +752,8 @@ def _check_call(
     for name, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
         if v is not None and (not is_int(v) or v < 0):
             p.value(f"{name} must be a non-negative int or None; got {v!r}")
+        elif v is not None and v >= POSITIONS32_LIMIT:  # it bounds the seq_lens (32-bit)
+            p.value(f"{name} must be < 2**31 - 2**16 = {POSITIONS32_LIMIT}; got {v}")
     if not p and kv is not None:
         reads = [("key_cache", key_cache), ("value_cache", value_cache), *named.items()]
         p.value(*overlap_errors([("out", out)], reads))
@@ -833,7 +836,7 @@ def _check_contents(
     errors = offsets_errors("query_start_loc", qsl, end=query.shape[0], end_name="num_tokens")
     q_lens = qsl[1:] - qsl[:-1]
     errors += seq_lens_errors(lens, q_lens)
-    errors += int32_values_errors("seq_lens", lens)
+    errors += positions32_errors("seq_lens", lens)
     errors += capacity_errors(lens, k.block_size, table.shape[1])
     errors += block_ids_errors(table, lens, k.block_size, k.num_blocks)
     real_mql = int(q_lens.max()) if q_lens.size else 0
@@ -897,7 +900,7 @@ def unbounded_maxima(
         started = start_metadata_summary(
             query_start_loc, seq_lens, block_table, num_tokens=query.shape[0],
             block_size=k.block_size, num_blocks=k.num_blocks, end_at_most=False,
-            max_len=INT32_LIMIT - 1,
+            max_len=POSITIONS32_LIMIT - 1,
         )  # fmt: skip
     ready = prepare(last) if prepare is not None and last is not None else None
     got = None if started is None else finish_metadata_summary(started)
