@@ -209,8 +209,31 @@ def describe_kv_cache(
 # -- logical (layout-independent) access, for references and tests ----------------------------
 
 
+def _layout_args(p: Problems, layout: object, kind: object) -> None:
+    """The rules `to_logical`, `from_logical` and `token_view` share for ``layout`` and
+    ``kind`` (which picks the SHUFFLE K or V order: a typo must not pick one silently)."""
+    if layout not in LAYOUTS:
+        p.value(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    if kind not in ("key", "value"):
+        p.value(f"kind must be 'key' or 'value'; got {kind!r}")
+
+
+def _rank_args(p: Problems, name: str, t: object, rank: int, what: str) -> bool:
+    """``t`` must be a ``rank``-D tensor (``what`` says which); True when it is."""
+    if isinstance(t, torch.Tensor) and t.dim() == rank:
+        return True
+    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+    p.type(f"{name} must be a {rank}-D tensor ({what}); got {got}")
+    return False
+
+
 def to_logical(cache: torch.Tensor, layout: str, kind: str) -> torch.Tensor:
     """A copy of ``cache`` as ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    p = Problems("to_logical")
+    _layout_args(p, layout, kind)
+    if not p:
+        _rank_args(p, "cache", cache, 4 if layout == "NHD" else 5, f"a {layout} cache")
+    p.raise_if_any()
     if layout == "NHD":
         return cache.clone()
     nb, h = cache.shape[:2]
@@ -224,10 +247,19 @@ def from_logical(logical: torch.Tensor, layout: str, kind: str) -> torch.Tensor:
     """A contiguous cache in ``layout`` holding ``logical`` ``[num_blocks, block_size,
     num_kv_heads, head_dim]`` (the inverse of `to_logical`; SHUFFLE needs ``head_dim`` (key) or
     ``block_size`` (value) divisible by x). Benchmarks use it to time one cache in both layouts."""
+    p = Problems("from_logical")
+    _layout_args(p, layout, kind)
+    what = "[num_blocks, block_size, num_kv_heads, head_dim]"
+    if _rank_args(p, "logical", logical, 4, what) and layout == "SHUFFLE" and not p:
+        x = shuffle_x(logical.dtype)
+        dim, size = (
+            ("head_dim", logical.shape[3]) if kind == "key" else ("block_size", logical.shape[1])
+        )
+        if size % x:
+            p.value(f"{dim} must be a multiple of x={x} for a SHUFFLE {kind} cache; got {size}")
+    p.raise_if_any()
     if layout == "NHD":
         return logical.contiguous()
-    if layout != "SHUFFLE":
-        raise ValueError(f"from_logical: layout must be one of {LAYOUTS}; got {layout!r}")
     nb, bs, h, d = logical.shape
     x = shuffle_x(logical.dtype)
     if kind == "key":  # [nb, bs, h, d/x, x] -> [nb, h, d/x, bs, x]
@@ -244,15 +276,10 @@ def token_view(
     For SHUFFLE K the view is ``[num_kv_heads, head_dim // x, x]``: assign ``tok.view(h, -1, x)``.
     """
     p = Problems("token_view")
-    if layout not in LAYOUTS:
-        p.value(f"layout must be one of {LAYOUTS}; got {layout!r}")
-    if kind not in ("key", "value"):
-        p.value(f"kind must be 'key' or 'value'; got {kind!r}")
+    _layout_args(p, layout, kind)
     rank = 4 if layout == "NHD" else 5  # read only for a known layout
-    if layout in LAYOUTS and (not isinstance(cache, torch.Tensor) or cache.dim() != rank):
-        got = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
-        p.type(f"cache must be a {rank}-D tensor (a {layout} cache); got {got}")
-    elif not p:
+    ranked = layout in LAYOUTS and _rank_args(p, "cache", cache, rank, f"a {layout} cache")
+    if ranked and not p:
         # NHD [nb, bs, h, d]; SHUFFLE K [nb, h, d/x, bs, x], V [nb, h, bs/x, d, x]
         shape = cache.shape
         block_size = shape[1] if rank == 4 else shape[3] if kind == "key" else shape[2] * shape[4]

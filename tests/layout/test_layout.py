@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -129,6 +131,34 @@ def test_from_logical_inverts_to_logical(layout, dtype):
     k, v = (from_logical(logical, layout, kind) for kind in ("key", "value"))
     ka, va = describe_kv_cache(OP, k, v, layout)  # a valid pair of the layout
     assert (ka.num_blocks, ka.block_size, ka.num_kv_heads, ka.head_dim) == (3, 16, 2, 32)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda k, v: to_logical(k, "SHUFFLE", "kye"), ValueError,
+         "to_logical: kind must be 'key' or 'value'; got 'kye'"),  # was read as V, silently
+        (lambda k, v: to_logical(k, "shuffle", "key"), ValueError,
+         "to_logical: layout must be one of ('NHD', 'SHUFFLE'); got 'shuffle'"),
+        (lambda k, v: to_logical(k[0], "SHUFFLE", "key"), TypeError,
+         "to_logical: cache must be a 5-D tensor (a SHUFFLE cache); got (2, 2, 16, 8)"),
+        (lambda k, v: from_logical(to_logical(k, "SHUFFLE", "key"), "SHUFFLE", "keys"),
+         ValueError, "from_logical: kind must be 'key' or 'value'; got 'keys'"),
+        (lambda k, v: from_logical(torch.zeros(2, 16, 16), "NHD", "key"), TypeError,
+         "from_logical: logical must be a 4-D tensor ([num_blocks, block_size, num_kv_heads, "
+         "head_dim]); got (2, 16, 16)"),  # was returned as an NHD cache
+        (lambda k, v: from_logical(torch.zeros(2, 16, 1, 12, dtype=torch.float16), "SHUFFLE",
+                                   "key"), ValueError,
+         "from_logical: head_dim must be a multiple of x=8 for a SHUFFLE key cache; got 12"),
+        (lambda k, v: from_logical(torch.zeros(2, 12, 1, 16, dtype=torch.float16), "SHUFFLE",
+                                   "value"), ValueError,
+         "from_logical: block_size must be a multiple of x=8 for a SHUFFLE value cache; got 12"),
+    ],
+)  # fmt: skip
+def test_the_logical_views_refuse_a_bad_kind_layout_or_shape_by_name(call, error, message):
+    k, v = empty_kv_cache(2, 16, 2, 16, layout="SHUFFLE", dtype=torch.float16)
+    with pytest.raises(error, match=re.escape(message)):
+        call(k, v)
 
 
 def test_to_logical_is_a_copy():
