@@ -365,7 +365,9 @@ def write_kv_cache(
 
     Slot bounds: a slot ``>= num_blocks * block_size`` raises ValueError when ``slot_mapping``
     is a CPU tensor (checked for free) and is undefined behaviour on a GPU, as upstream: checking
-    there would read the tensor and sync the device. Two tokens with the same slot: one wins.
+    there would read the tensor and sync the device. Two tokens with the same slot race: each
+    element of the slot ends up holding either token's value (K and V, or two dim chunks, may
+    come from different tokens), so a caller must not repeat a slot.
     """
     inputs = (key, value, key_cache, value_cache, slot_mapping)
     cache_key = None
