@@ -46,7 +46,8 @@ def _empty_kernel(a_ptr, b_ptr, n, m, BLOCK: tl.constexpr):
 
 
 def _ops(device: str) -> dict:
-    """op -> (mode -> call, check): the calls of each mode and the op's correctness check."""
+    """op -> (mode -> call, check): the calls of each mode and the op's correctness check, which
+    takes a mode's call (each mode's output is checked: they run different host paths)."""
     from portattn import reference
     from portattn.mla_metadata import MlaMetadataBuilder
     from portattn.platform import current_target
@@ -56,9 +57,9 @@ def _ops(device: str) -> dict:
                            block_size=16, dtype=DTYPE, device=device)  # fmt: skip
     out = torch.empty_like(b.query)
 
-    def paged_check():
-        return core.check_paged(b, portattn.paged_attention(*b.args, max_query_len=1,
-                                                            max_seq_len=64))  # fmt: skip
+    def paged_check(call):
+        out.zero_()
+        return core.check_paged(b, call())
 
     ops["paged_attention"] = ({
         "cached": lambda: portattn.paged_attention(*b.args, out=out, max_query_len=1,
@@ -75,8 +76,9 @@ def _ops(device: str) -> dict:
     mla_args = (m.query, m.kv_cache, m.block_table, m.seq_lens)
     kw = dict(kv_lora_rank=512, scale=576**-0.5, out=mla_out)
 
-    def mla_check():
-        got = portattn.mla_decode(*mla_args, kv_lora_rank=512, scale=576**-0.5, metadata=md)
+    def mla_check(call):
+        mla_out.zero_()
+        got = call()
         oracle, _ = reference.mla_decode(*mla_args, kv_lora_rank=512, scale=576**-0.5)
         lowp, _ = reference.mla_decode(*mla_args, kv_lora_rank=512, scale=576**-0.5,
                                        compute_dtype=DTYPE)  # fmt: skip
@@ -90,10 +92,10 @@ def _ops(device: str) -> dict:
     w = inputs.write_case(tokens=4, num_slots=1024, block_size=16, num_kv_heads=8, head_dim=128,
                           dtype=DTYPE, device=device)  # fmt: skip
 
-    def write_check():
+    def write_check(call):
         want_k, want_v = w[2].clone(), w[3].clone()
         reference.write_kv_cache(*w[:2], want_k, want_v, w[4])
-        portattn.write_kv_cache(*w)
+        call()
         return core.exact_check([(w[2], want_k), (w[3], want_v)])
 
     ops["write_kv_cache"] = ({"cached": lambda: portattn.write_kv_cache(*w)}, write_check)
@@ -102,8 +104,10 @@ def _ops(device: str) -> dict:
                                                  num_kv_heads=8, head_dim=128, dtype=DTYPE,
                                                  device=device)  # fmt: skip
 
-    def gather_check():
-        got = portattn.gather_kv_cache(kc, vc, table, cu, out=gout)
+    def gather_check(call):
+        for t in gout:
+            t.zero_()
+        got = call()
         want = reference.gather_kv_cache(kc, vc, table, cu)
         return core.exact_check(list(zip(got, want, strict=True)))
 
@@ -134,9 +138,10 @@ def host_us(call, calls: int, repeats: int) -> float:
     return statistics.median(per)
 
 
-def _uncached(quick: bool) -> dict[str, float] | str:
-    """The ``cached`` calls' host µs in a child process with ``PORTATTN_PLAN_CACHE=0``, or why
-    the child failed."""
+def _uncached(quick: bool) -> dict[str, dict] | str:
+    """The ``cached`` calls in a child process with ``PORTATTN_PLAN_CACHE=0``: for each op its
+    check there (``check``) and host µs (``us``, None when the check failed), or why the child
+    failed."""
     import portattn as pkg
 
     src = os.path.dirname(os.path.dirname(pkg.__file__))
@@ -167,23 +172,24 @@ def rows(ctx: core.Context):
     floor = core.anchor("Triton empty kernel launch", floor_us, note="JITFunction.run, 4 args")
     uncached = _uncached(ctx.quick)
     for op, (modes, check_fn) in _ops(ctx.device).items():
-        check = check_fn()
         for mode in MODES:
             name = f"host {op} {mode}"
             if not ctx.want(name) or (mode != "uncached" and mode not in modes):
                 continue
             params = dict(op=op, mode=mode, calls=calls, repeats=repeats)
-            if not check["passed"]:
-                yield core.row(FAMILY, name, params, check)
-                continue
-            if mode == "uncached":
+            if mode == "uncached":  # checked and timed in the child, with the plan cache off
                 if isinstance(uncached, str):
+                    check = core.not_checked(f"the child failed: {uncached}")
                     yield core.row(FAMILY, name, params, check, None, {}, [],
                                    f"not timed: {uncached}")  # fmt: skip
                     continue
-                us = uncached[op]
+                check, us = uncached[op]["check"], uncached[op]["us"]
             else:
-                us = host_us(modes[mode], calls, repeats)
+                check = check_fn(modes[mode])
+                us = host_us(modes[mode], calls, repeats) if check["passed"] else None
+            if not check["passed"]:
+                yield core.row(FAMILY, name, params, check)
+                continue
             yield core.row(FAMILY, name, params, check, us, {"host µs/call": us}, [floor],
                            "host clock, back-to-back eager calls")  # fmt: skip
 
@@ -191,9 +197,12 @@ def rows(ctx: core.Context):
 def _child(quick: bool) -> None:
     """``--uncached``: print the bounded calls' host µs as one JSON line (run by `_uncached`)."""
     calls, repeats = (30, 3) if quick else (CALLS, REPEATS)
-    times = {op: host_us(modes["cached"], calls, repeats)
-             for op, (modes, _) in _ops("cuda").items()}  # fmt: skip
-    print(json.dumps(times))
+    found = {}
+    for op, (modes, check_fn) in _ops("cuda").items():
+        check = check_fn(modes["cached"])
+        us = host_us(modes["cached"], calls, repeats) if check["passed"] else None
+        found[op] = dict(check=check, us=us)
+    print(json.dumps(found))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,51 @@
+"""The host family's rows on a CPU (interpreter, fp16): every mode's row is checked against the
+fp64 reference before it is timed, the unbounded and uncached modes too (they run other host
+paths than the bounded call). The timer itself is the device's business: stood in for here."""
+
+from __future__ import annotations
+
+import torch
+
+from bench import core, host
+
+
+def _rows(monkeypatch, broken: str | None = None) -> dict[str, dict]:
+    monkeypatch.setattr(host, "DTYPE", torch.float16)  # the interpreter's dots: fp16, not bf16
+    monkeypatch.setenv("PORTATTN_TARGET", "sm_90")  # the metadata builder's target
+    monkeypatch.setattr(host, "host_us", lambda call, calls, repeats: 1.0)
+    real_ops = host._ops
+
+    def ops(device):
+        found = real_ops(device)
+        if broken is not None:  # that op's unbounded call returns zeros (a wrong answer)
+            modes, check = found[broken]
+            good = modes["unbounded"]
+            modes["unbounded"] = lambda: good().zero_()
+        return found
+
+    monkeypatch.setattr(host, "_ops", ops)
+    child = {op: dict(check=core.not_checked("stand-in"), us=2.0) for op in host.OPS}
+    monkeypatch.setattr(host, "_uncached", lambda quick: child)
+    ctx = core.Context("cpu", quick=True)
+    ctx.only_rows = [f"host {op} " for op in host.OPS]
+    return {r["name"]: r for r in host.rows(ctx)}
+
+
+def test_every_mode_is_checked_before_it_is_timed(monkeypatch):
+    rows = _rows(monkeypatch)
+    for op in host.OPS:
+        for mode in ("cached", "unbounded"):
+            r = rows[f"host {op} {mode}"]
+            assert r["check"]["passed"] and r["check"]["kind"] == "tolerance", r
+            assert r["time_us"] == 1.0
+        assert rows[f"host {op} uncached"]["time_us"] == 2.0  # the child's own check and time
+
+
+def test_a_wrong_unbounded_answer_is_a_failed_row_not_a_time(monkeypatch):
+    """The unbounded rows were timed behind the bounded call's check: a path that wrote zeros
+    (or NaN) was published as passed, with a time."""
+    rows = _rows(monkeypatch, broken="paged_attention")
+    bad = rows["host paged_attention unbounded"]
+    assert not bad["check"]["passed"] and bad["time_us"] is None
+    assert rows["host paged_attention cached"]["check"]["passed"]
+    assert rows["host mla_decode unbounded"]["check"]["passed"]
