@@ -34,6 +34,7 @@ checkouts. History lives in git. Standard library only.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -81,7 +82,33 @@ def _anchor(row: dict, a: dict) -> str:
     return f"{a['name']} " + ", ".join(parts)
 
 
-SAME = ("device", "torch", "triton", "python", "commit", "method", "timing_meaningful")
+SAME = ("device", "torch", "triton", "python", "commit", "method", "timing_meaningful", "quick")
+
+
+def _field(doc: dict, key: str) -> object:
+    """``doc``'s value of a `SAME` field (``quick`` absent: not a quick run, as on a page)."""
+    return bool(doc.get(key)) if key == "quick" else doc.get(key)
+
+
+def _family(error: dict) -> str:
+    """The family an error belongs to: a `--compare` run's old side names it ``<family> (old)``,
+    and a later run of the family clears both sides' failures."""
+    return error["family"].removesuffix(" (old)")
+
+
+def run_date(doc: dict, what: str) -> datetime.datetime:
+    """``doc``'s date, an ISO date-time with its zone (bench.run writes UTC); else the command
+    ends naming ``what`` (the file) and the rule."""
+    try:
+        when = datetime.datetime.fromisoformat(doc["date"])
+    except (TypeError, ValueError):
+        when = None
+    if when is None or when.tzinfo is None:
+        sys.exit(
+            f"bench.results: {what}: date must be an ISO date-time with its zone (as bench.run "
+            f"writes, e.g. 2026-12-07T13:20:00+00:00); got {doc['date']!r}"
+        )
+    return when
 
 
 def merge(docs: list[dict], across_trees: bool = False) -> dict:
@@ -93,7 +120,7 @@ def merge(docs: list[dict], across_trees: bool = False) -> dict:
     first = docs[0]
     same = [k for k in SAME if not (across_trees and k == "commit")]
     for i, d in enumerate(docs[1:], 2):
-        diff = [k for k in same if d[k] != first[k]]
+        diff = [k for k in same if _field(d, k) != _field(first, k)]
         if diff:
             sys.exit(f"bench.results: run {i} differs from run 1 in {', '.join(diff)}: "
                      "only runs of one tree on one device are merged"
@@ -106,7 +133,7 @@ def merge(docs: list[dict], across_trees: bool = False) -> dict:
             rows.pop((r["family"], r["name"]), None)  # a later run's row takes its place
             rows[(r["family"], r["name"])] = dict(r, run=i)
         # a family's failure or skip stands until a later run runs that family again
-        errors = [e for e in errors if e["family"] not in d["families"]] + d["errors"]
+        errors = [e for e in errors if _family(e) not in d["families"]] + d["errors"]
         skipped = [k for k in skipped if k["family"] not in d["families"]] + d["skipped"]
     families = list(dict.fromkeys(f for d in docs for f in d["families"]))
     return dict(first, families=families, rows=list(rows.values()),
@@ -149,7 +176,7 @@ def _cells(r: dict, compare: bool, trees: bool) -> list[str]:
     anchors = "; ".join(_anchor(r, a) for a in r["anchors"]) or "-"
     us = _num(r["time_us"])
     rounds = [t for t in r.get("round_times_us") or [] if t is not None]
-    if len(rounds) > 1:  # the median round's time, and the rounds' range beside it
+    if len(rounds) > 1 and c["passed"]:  # the median round's time, the rounds' range beside it
         us += f" ({_num(min(rounds))}-{_num(max(rounds))})"
     cells = [r["name"], check, us, _metrics(r["metrics"]), anchors]
     if compare:
@@ -333,13 +360,21 @@ def merge_into_page(page: dict, docs: list[dict]) -> dict:
     runs numbered again, the page's first. The page and the runs must share the device, the
     versions and the method (refused by name)."""
     new = merge(docs, across_trees=True)
-    diff = [k for k in SAME if k != "commit" and page[k] != new[k]]
+    diff = [k for k in SAME if k != "commit" and _field(page, k) != _field(new, k)]
     if diff:
         sys.exit(f"bench.results: the runs differ from the page in {', '.join(diff)}: only runs "
                  "of one device, versions and method are merged")  # fmt: skip
     fresh = {(r["family"], r["name"]): r for r in new["rows"]}
     used = sorted({r["run"] for r in page["rows"] if (r["family"], r["name"]) not in fresh})
     number = {old: i for i, old in enumerate(used, 1)}
+    for r in page["rows"]:  # a newer measurement replaces an older one, never the other way
+        n = fresh.get((r["family"], r["name"]))
+        if n is not None:
+            was = page["runs"][r["run"]]["date"]
+            now = new["runs"][n["run"] - 1]["date"]
+            if run_date(dict(date=now), "a run") < run_date(dict(date=was), "the page"):
+                sys.exit(f"bench.results: the run of {now} would replace row {r['name']!r}, "
+                         f"which the page holds from a later run ({was})")  # fmt: skip
     rows = []
     for r in page["rows"]:  # a new row takes the place of the page's row it replaces
         n = fresh.pop((r["family"], r["name"]), None)
@@ -351,7 +386,7 @@ def merge_into_page(page: dict, docs: list[dict]) -> dict:
     families = list(dict.fromkeys(page["families"] + new["families"]))
     # the page's failures and skips stand until a run of their family (as in `merge`)
     ran = {f for d in docs for f in d["families"]}
-    errors = [e for e in page["errors"] if e["family"] not in ran] + new["errors"]
+    errors = [e for e in page["errors"] if _family(e) not in ran] + new["errors"]
     skipped = [k for k in page["skipped"] if k["family"] not in ran] + new["skipped"]
     return dict(new, families=families, rows=rows, page_runs=len(used), errors=errors,
                 skipped=skipped, runs=[page["runs"][n] for n in used] + new["runs"])  # fmt: skip
@@ -460,9 +495,13 @@ def main(argv=None) -> int:
             os.path.abspath(opts.out)))):  # fmt: skip
         ap.error(f"--out {opts.out}: must be a file in an existing folder")
     docs = [_load(path) for path in opts.results]
+    # runs merge oldest first, whatever the command line's order: a later run's row replaces
+    paths, docs = map(list, zip(*sorted(
+        zip(opts.results, docs, strict=True), key=lambda pd: run_date(pd[1], pd[0])
+    ), strict=True))  # fmt: skip
     resolve_commits(docs)
     if opts.page:
-        quick = [path for path, d in zip(opts.results, docs, strict=True) if d.get("quick")]
+        quick = [path for path, d in zip(paths, docs, strict=True) if d.get("quick")]
         if quick:  # its tiny shapes' rows would stand in the device's page as measurements
             sys.exit(f"bench.results: {quick[0]}: a --quick run (a smoke test of tiny shapes) "
                      f"is not merged into a page (--page {opts.page})")  # fmt: skip
@@ -479,12 +518,12 @@ def main(argv=None) -> int:
     else:
         doc = merge(docs, opts.across_trees) if len(docs) > 1 else docs[0]
         if not doc["rows"] and not doc["errors"]:  # bench.run writes no such document
-            sys.exit(f"bench.results: {', '.join(opts.results)}: no row and no failure: a page "
+            sys.exit(f"bench.results: {', '.join(paths)}: no row and no failure: a page "
                      "of them would read as a finished run")  # fmt: skip
     try:
         text = render(doc)
     except RowError as exc:  # the document the row came from (a merged row knows its run)
-        path = opts.results[exc.row.get("run", 1) - doc.get("page_runs", 0) - 1]
+        path = paths[exc.row.get("run", 1) - doc.get("page_runs", 0) - 1]
         sys.exit(f"bench.results: {path}: {exc}")
     if opts.out:
         try:

@@ -269,6 +269,59 @@ def _write(tmp_path: Path, name: str, doc: dict) -> str:
     return str(path)
 
 
+def test_runs_merge_oldest_first_whatever_their_order_on_the_command_line(tmp_path, capsys):
+    """`bench.results new.json old.json` let the older row replace the newer one and called the
+    older commit the newest run's; a date that is no ISO date-time is refused by name."""
+    old, new = fixture_doc(), fixture_doc()
+    new["date"], new["commit"] = "2026-12-05T09:00:00+00:00", "new1234"
+    new["rows"] = [dict(new["rows"][0], time_us=180.0)]
+    out = tmp_path / "R.md"
+    argv = [_write(tmp_path, "new", new), _write(tmp_path, "old", old), "--across-trees"]
+    assert results.main([*argv, "--out", str(out)]) == 0
+    text = out.read_text()
+    decode = next(line for line in text.splitlines() if line.startswith("| decode"))
+    assert "| 180.0 |" in decode and "- Commit: `new1234` (the newest run's" in text
+    # a page holding the newer row refuses the older run's
+    page = tmp_path / "P.md"
+    assert results.main([_write(tmp_path, "n2", new), "--out", str(page)]) == 0
+    with pytest.raises(SystemExit, match=r"the run of 2026-12-04T12:00:00\+00:00 would replace "
+                       r"row 'decode 64x4k 32/8/128 NHD bs16', which the page holds from a "
+                       r"later run \(2026-12-05T09:00:00\+00:00\)"):  # fmt: skip
+        results.main([_write(tmp_path, "o2", old), "--page", str(page), "--out", str(out)])
+    for date in ("last tuesday", "2026-12-04 12:00:00"):
+        bad = dict(fixture_doc(), date=date)
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(bad))  # (the schema's date-time format is not enforced)
+        with pytest.raises(SystemExit, match=f"bad.json: date must be an ISO date-time with its "
+                           f"zone .*; got '{date}'"):  # fmt: skip
+            results.main([str(path), "--out", str(out)])
+
+
+def test_a_quick_run_merges_with_no_full_run(tmp_path):
+    full, quick = fixture_doc(), dict(fixture_doc(), quick=True, date="2026-12-05T09:00:00+00:00")
+    with pytest.raises(SystemExit, match="run 2 differs from run 1 in quick"):
+        results.merge([full, quick])
+
+
+def test_an_old_sides_failure_clears_when_its_family_runs_again():
+    """A `--compare` run's old-side failure (`paged (old)`) stood on every later page."""
+    a, b = fixture_doc(), fixture_doc()
+    a["errors"] = [dict(family="paged (old)", error="RuntimeError: old side failed")]
+    b["date"], b["families"], b["compare"] = "2026-12-05T09:00:00+00:00", ["paged"], None
+    b["rows"] = [dict(b["rows"][0])]
+    del b["rows"][0]["compare"]
+    assert results.merge([a, b])["errors"] == []
+
+
+def test_a_failed_row_shows_no_timing_range():
+    doc = fixture_doc()
+    doc["rows"] = [dict(doc["rows"][2], round_times_us=[1.0, 3.0])]  # failed in one round
+    doc["compare"] = None
+    del doc["rows"][0]["compare"]
+    line = next(x for x in results.render(doc).splitlines() if x.startswith("| mixed"))
+    assert "**FAILED** | - |" in line and "1.0-3.0" not in line
+
+
 def test_results_merge_new_runs_into_a_page(tmp_path):
     """A page whose run documents are gone takes a new run: the new run's rows replace the page's
     of the same name in place, the page's other rows stay exactly as written, a run no row names
