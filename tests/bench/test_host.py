@@ -1,6 +1,7 @@
-"""The host family's rows on a CPU (interpreter, fp16): every mode's row is checked against the
-fp64 reference before it is timed, the unbounded and uncached modes too (they run other host
-paths than the bounded call). The timer itself is the device's business: stood in for here."""
+"""The host and cache families' rows on a CPU (interpreter, fp16): every row is checked against
+the fp64 reference before it is timed: each host mode (the unbounded and uncached modes run other
+host paths than the bounded call), every sequence of a gather. The timer is the device's
+business: stood in for here."""
 
 from __future__ import annotations
 
@@ -49,3 +50,24 @@ def test_a_wrong_unbounded_answer_is_a_failed_row_not_a_time(monkeypatch):
     assert not bad["check"]["passed"] and bad["time_us"] is None
     assert rows["host paged_attention cached"]["check"]["passed"]
     assert rows["host mla_decode unbounded"]["check"]["passed"]
+
+
+def test_a_gather_wrong_past_its_third_sequence_is_a_failed_row(monkeypatch):
+    """The gather and page-index rows checked their first 3 sequences only: a gather that
+    zeroed the later ones was timed and shown as exact."""
+    import portattn
+    from bench import cache
+
+    real = portattn.gather_kv_cache
+
+    def wrong_after_three(kc, vc, table, cu, out=None):
+        got = real(kc, vc, table, cu, out=out)
+        for t in got:
+            t[int(cu[3]) :].zero_()
+        return got
+
+    ctx = core.Context("cpu", quick=True)
+    assert cache._gather(ctx, "gather", 6, 32, 16)["check"]["passed"]
+    monkeypatch.setattr(portattn, "gather_kv_cache", wrong_after_three)
+    row = cache._gather(ctx, "gather", 6, 32, 16)
+    assert not row["check"]["passed"] and row["time_us"] is None
