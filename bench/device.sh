@@ -52,6 +52,7 @@ case $what in
   bench)
     export TRITON_CACHE_MANAGER=kubematrix.compile_cache:LayeredCacheManager
     export KUBEMATRIX_CACHE_STATS=$stats
+    rm -f "$OUT/bench.json" "$OUT/RESULTS.md"  # a reused $OUT: never render an earlier run's
     timeout 585 python3 -m bench.run --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
     rc=${PIPESTATUS[0]}
     if [[ -s $OUT/bench.json ]]; then

@@ -119,6 +119,9 @@ def merge(docs: list[dict], across_trees: bool = False) -> dict:
     versions, method or (unless ``across_trees``) commit are refused by name."""
     first = docs[0]
     same = [k for k in SAME if not (across_trees and k == "commit")]
+    if not across_trees and len(docs) > 1 and any(d["commit"] == "unknown" for d in docs):
+        sys.exit("bench.results: a run's commit is unknown, so the runs cannot be told to be of "
+                 "one tree: merge them with --across-trees (each row then names its run)")  # fmt: skip
     for i, d in enumerate(docs[1:], 2):
         diff = [k for k in same if _field(d, k) != _field(first, k)]
         if diff:
@@ -216,7 +219,7 @@ def render(doc: dict) -> str:
         if "page_line" in run:  # a run kept from a page: its line as the page wrote it
             lines.append(f"- {name}: {run['page_line']}")
             continue
-        line = f"- {name}: `{run['command']}`; {run['reps']} repetitions per row"
+        line = f"- {name}: `{run['command']}`; {run['reps']} repetitions per device-timed row"
         c = run["compare"]
         if c:
             line += (f"; compared with `{c['old_src']}` (commit `{c['old_commit']}`), "

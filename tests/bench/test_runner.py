@@ -297,6 +297,14 @@ def test_runs_merge_oldest_first_whatever_their_order_on_the_command_line(tmp_pa
             results.main([str(path), "--out", str(out)])
 
 
+def test_runs_of_unknown_commits_are_not_taken_for_one_tree():
+    a, b = fixture_doc(), dict(fixture_doc(), date="2026-12-05T09:00:00+00:00")
+    a["commit"] = b["commit"] = "unknown"
+    with pytest.raises(SystemExit, match="a run's commit is unknown.*--across-trees"):
+        results.merge([a, b])
+    assert len(results.merge([a, b], across_trees=True)["runs"]) == 2
+
+
 def test_a_quick_run_merges_with_no_full_run(tmp_path):
     full, quick = fixture_doc(), dict(fixture_doc(), quick=True, date="2026-12-05T09:00:00+00:00")
     with pytest.raises(SystemExit, match="run 2 differs from run 1 in quick"):
