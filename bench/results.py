@@ -120,8 +120,10 @@ def merge(docs: list[dict], across_trees: bool = False) -> dict:
     first = docs[0]
     same = [k for k in SAME if not (across_trees and k == "commit")]
     if not across_trees and len(docs) > 1 and any(d["commit"] == "unknown" for d in docs):
-        sys.exit("bench.results: a run's commit is unknown, so the runs cannot be told to be of "
-                 "one tree: merge them with --across-trees (each row then names its run)")  # fmt: skip
+        sys.exit(
+            "bench.results: a run's commit is unknown, so the runs cannot be told to be of one "
+            "tree: merge them with --across-trees (each row then names its run)"
+        )
     for i, d in enumerate(docs[1:], 2):
         diff = [k for k in same if _field(d, k) != _field(first, k)]
         if diff:
