@@ -142,7 +142,9 @@ def merge(docs: list[dict], across_trees: bool = False) -> dict:
         skipped = [k for k in skipped if k["family"] not in d["families"]] + d["skipped"]
     families = list(dict.fromkeys(f for d in docs for f in d["families"]))
     return dict(first, families=families, rows=list(rows.values()),
-                vllm=docs[-1]["vllm"],
+                # the table holds vLLM anchors when any run measured them
+                vllm=next((d["vllm"] for d in reversed(docs) if d["vllm"]["available"]),
+                          docs[-1]["vllm"]),
                 skipped=skipped,
                 errors=errors,
                 commit=docs[-1]["commit"],

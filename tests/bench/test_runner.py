@@ -297,6 +297,13 @@ def test_runs_merge_oldest_first_whatever_their_order_on_the_command_line(tmp_pa
             results.main([str(path), "--out", str(out)])
 
 
+def test_a_vllm_anchor_measured_by_an_earlier_run_is_not_called_skipped():
+    a, b = fixture_doc(), dict(fixture_doc(), date="2026-12-05T09:00:00+00:00")
+    a["vllm"] = dict(available=True, reason="")
+    md = results.render(results.merge([a, b]))
+    assert "- vLLM anchor: measured" in md and "skipped: import vllm failed" not in md
+
+
 def test_runs_of_unknown_commits_are_not_taken_for_one_tree():
     a, b = fixture_doc(), dict(fixture_doc(), date="2026-12-05T09:00:00+00:00")
     a["commit"] = b["commit"] = "unknown"
