@@ -12,7 +12,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -163,7 +163,6 @@ class Context:
     quick: bool = False
     only_rows: tuple[str, ...] = ()  # `row_selected` entries; a row runs when one selects it
     reps: int = 50
-    _ceilings: dict = field(default_factory=dict)
     _flush: torch.Tensor | None = None
 
     @property
@@ -245,12 +244,11 @@ class Context:
     def read_ceiling(self, nbytes: int) -> dict:
         """The card's read bandwidth on ``nbytes`` (1 MB to 4 GB): a Triton kernel streaming an
         int32 buffer of that size once, summing per program (checked exactly), as an anchor
-        with the same bytes' time and GB/s."""
+        with the same bytes' time and GB/s, measured now (right after the row, as `METHOD`
+        says: not an earlier row's measurement of the same size)."""
         # at least 1 MB; at most 4 GB (the kernel's int32 offsets; the rate is flat long before)
         n = min(max(nbytes, 1 << 20), 1 << 32) // 4
-        if n not in self._ceilings:
-            self._ceilings[n] = self.time_us(read_stream(4 * n, self.device))
-        us, how = self._ceilings[n]
+        us, how = self.time_us(read_stream(4 * n, self.device))
         return anchor("read ceiling (Triton stream)", us, {"GB/s": rate(4 * n, us, 1e9)},
                       note=f"{4 * n} bytes read, {how}")  # fmt: skip
 

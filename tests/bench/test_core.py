@@ -35,3 +35,19 @@ def test_a_pending_anchor_becomes_an_anchor_with_its_metrics_and_notes():
     assert core.Pending("floor", lambda: None, lambda us: {}).anchor(1.0, "graph")["note"] == (
         "graph"
     )
+
+
+def test_the_read_ceiling_is_measured_beside_each_row(monkeypatch):
+    """It was measured once per size and process: a later row's anchor was an earlier row's
+    measurement, where the method says anchors are measured right after their row."""
+    made: list[int] = []
+
+    def stream(nbytes, device):
+        made.append(nbytes)
+        return lambda: None
+
+    monkeypatch.setattr(core, "read_stream", stream)
+    ctx = core.Context("cpu")
+    first, again = ctx.read_ceiling(10_000), ctx.read_ceiling(900_000)
+    assert made == [1 << 20, 1 << 20]  # both at the 1 MB floor, each measured
+    assert first["note"].startswith("1048576 bytes read") and again["name"] == first["name"]
