@@ -510,20 +510,13 @@ def test_a_kubeconfig_that_is_no_kubeconfig_is_no_cluster(tmp_path, content, pro
     )
 
 
-@pytest.mark.parametrize("command", ["kubematrix.k8s", "kubematrix"])
-def test_ctrl_c_while_the_cluster_is_checked_ends_without_a_traceback(tmp_path, command):
-    """A server that accepts and never answers, and Ctrl-C during the access check (before any
-    Job exists): both commands ended in the TLS handshake's KeyboardInterrupt traceback."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    accepted: list[socket.socket] = []
-    threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True).start()
-    port = server.getsockname()[1]
+def _launch_one_cell(command: str, server: str, tmp_path: Path) -> subprocess.Popen:
+    """``command`` (``kubematrix.k8s`` or ``kubematrix matrix --runner k8s``) started on the
+    mla cuda cell, in a fresh process whose kubeconfig points at ``server``."""
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
-        f"clusters: [{{name: s, cluster: {{server: 'https://127.0.0.1:{port}'}}}}]\n"
+        f"clusters: [{{name: s, cluster: {{server: '{server}'}}}}]\n"
         "users: [{name: u, user: {token: t}}]\n"
         "contexts: [{name: c, context: {cluster: s, user: u, namespace: portattn-ci}}]\n"
     )
@@ -535,9 +528,22 @@ def test_ctrl_c_while_the_cluster_is_checked_ends_without_a_traceback(tmp_path, 
         "kubematrix": ["matrix", "--runner", "k8s", "--cell", "mla-cuda-sm_90",
                        "--results", str(tmp_path / "r")],
     }[command]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", command, *argv], env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", command, *argv], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["kubematrix.k8s", "kubematrix"])
+def test_ctrl_c_while_the_cluster_is_checked_ends_without_a_traceback(tmp_path, command):
+    """A server that accepts and never answers, and Ctrl-C during the access check (before any
+    Job exists): both commands ended in the TLS handshake's KeyboardInterrupt traceback."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True).start()
+    port = server.getsockname()[1]
+    proc = _launch_one_cell(command, f"https://127.0.0.1:{port}", tmp_path)
     try:
         _wait_for(lambda: bool(accepted), timeout=60)
         time.sleep(0.2)
@@ -555,24 +561,7 @@ def test_sigterm_deletes_the_running_job(tmp_path, command):
     """A cancelled CI job gets SIGTERM: both commands died at once, leaving the Job (and its
     GPU) on the cluster until its deadline. Now they clean up as on Ctrl-C, exit 143."""
     with KubeStub(_forever) as stub:
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(
-            "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
-            f"clusters: [{{name: s, cluster: {{server: 'http://127.0.0.1:{stub.server.server_port}'}}}}]\n"
-            "users: [{name: u, user: {token: t}}]\n"
-            "contexts: [{name: c, context: {cluster: s, user: u, namespace: portattn-ci}}]\n"
-        )
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KUBEMATRIX_KUSTOMIZE": "builtin"}
-        env.pop("KUBERNETES_SERVICE_HOST", None)
-        argv = {
-            "kubematrix.k8s": ["--vendor", "cuda", "--suite", "mla", "--commit", "abc1234",
-                               "--results", str(tmp_path / "r")],
-            "kubematrix": ["matrix", "--runner", "k8s", "--cell", "mla-cuda-sm_90",
-                           "--results", str(tmp_path / "r")],
-        }[command]  # fmt: skip
-        proc = subprocess.Popen([sys.executable, "-m", command, *argv], env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+        proc = _launch_one_cell(command, f"http://127.0.0.1:{stub.server.server_port}", tmp_path)
         try:
             _wait_for(lambda: bool(stub.pods), timeout=60)
             time.sleep(0.3)
