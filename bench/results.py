@@ -182,6 +182,8 @@ def _cells(r: dict, compare: bool, trees: bool) -> list[str]:
         check = c["kind"] if c["kind"] == "exact" else "-"
     anchors = "; ".join(_anchor(r, a) for a in r["anchors"]) or "-"
     us = _num(r["time_us"])
+    if r["time_us"] is not None and r.get("timing", "").startswith("eager"):
+        us += " (eager)"  # not captured in a graph: the method says the row says so
     rounds = [t for t in r.get("round_times_us") or [] if t is not None]
     if len(rounds) > 1 and c["passed"]:  # the median round's time, the rounds' range beside it
         us += f" ({_num(min(rounds))}-{_num(max(rounds))})"

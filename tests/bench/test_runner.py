@@ -328,6 +328,15 @@ def test_an_old_sides_failure_clears_when_its_family_runs_again():
     assert results.merge([a, b])["errors"] == []
 
 
+def test_a_row_timed_eagerly_says_so():
+    """The method says a row that could not be captured in a graph says so; no row did."""
+    doc = fixture_doc()
+    doc["rows"][0]["timing"] = "eager (graph capture failed: operation not permitted)"
+    line = next(x for x in results.render(doc).splitlines() if x.startswith("| decode"))
+    assert "| 250.0 (eager) |" in line
+    assert "(eager)" not in results.render(fixture_doc())
+
+
 def test_a_failed_row_shows_no_timing_range():
     doc = fixture_doc()
     doc["rows"] = [dict(doc["rows"][2], round_times_us=[1.0, 3.0])]  # failed in one round
