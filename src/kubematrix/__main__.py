@@ -30,7 +30,7 @@ from kubematrix import CI_EXTRA_HINT, buildkite, cachestats, checkout, images, r
 from kubematrix.local import PROJECT_MARKER, find_project_root, run_local
 from kubematrix.matrix import BACKENDS, RUNNERS, SUITES, Cell, Host, all_cells, select_cells
 from kubematrix.matrix import why_not_runnable as _why_not
-from kubematrix.signals import EXIT_TERMINATED, Terminated, sigterm_interrupts
+from kubematrix.signals import EXIT_TERMINATED, sigterm_interrupts
 
 DEFAULT_RESULTS = "results/matrix"
 EXIT_NO_CLUSTER = 2  # the k8s runner found no usable cluster: nothing was run
@@ -550,6 +550,8 @@ def _run_report(args: argparse.Namespace) -> int:
     results = report.collect(cells, out)
     not_selected = set(filter(None, os.environ.get(buildkite.NOT_SELECTED_ENV, "").split(",")))
     by_name = {c.name: c for c in cells}
+    named = set(args.cell)
+    missing = [r.cell for r in results if r.cell in named and r.status == "not run"]
 
     def unrun(r: report.CellResult) -> report.CellResult:
         """A cell without a result: not selected by the change, or (in a build, where every
@@ -569,9 +571,6 @@ def _run_report(args: argparse.Namespace) -> int:
             why = f"named with --cell, but without a test result ({r.reason})"
             return report.not_run(by_name[r.cell], why, status="error")
         return r
-
-    named = set(args.cell)
-    missing = [r.cell for r in results if r.cell in named and r.status == "not run"]
 
     results = [unrun(r) for r in results]
     if args.buildkite:  # the steps' outcomes, not only the files they uploaded
@@ -665,19 +664,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with sigterm_interrupts():  # a cancelled CI job cleans up as on Ctrl-C
             code = args._run(args)
-        if signals.terminated.is_set():  # caught to write the summary: still a cancelled run
-            print(f"kubematrix {args.command}: terminated (SIGTERM)", file=sys.stderr)
-            return EXIT_TERMINATED
-        return code
     except ValueError as exc:  # a bad cell name, suite ... : a usage error, not a traceback
         print(f"kubematrix {args.command}: {exc}", file=sys.stderr)
         return 2
-    except Terminated:
-        print(f"kubematrix {args.command}: terminated (SIGTERM)", file=sys.stderr)
-        return EXIT_TERMINATED
     except KeyboardInterrupt:  # what a command leaves behind it says itself (the launcher's Jobs)
-        print(f"kubematrix {args.command}: interrupted", file=sys.stderr)
-        return 130
+        if not signals.terminated.is_set():  # Ctrl-C (SIGTERM is said below)
+            print(f"kubematrix {args.command}: interrupted", file=sys.stderr)
+            return 130
+        code = EXIT_TERMINATED
     except BrokenPipeError:  # e.g. `kubematrix list | head -1`: the reader left, quietly stop
         # Python flushes stdout at exit: point it at devnull so that flush cannot fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -685,6 +679,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # a results folder that fills up or turns read-only mid-run
         print(f"kubematrix {args.command}: stopped: {exc}", file=sys.stderr)
         return 1
+    if signals.terminated.is_set():  # also where the local runner caught it for its summary
+        print(f"kubematrix {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_TERMINATED
+    return code
 
 
 if __name__ == "__main__":

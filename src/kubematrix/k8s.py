@@ -363,17 +363,17 @@ def _main(argv: Sequence[str] | None) -> int:
     except ValueError as exc:
         sys.stderr.write(f"kubematrix.k8s: {exc}; nothing was created\n")
         return 2
-    except KeyboardInterrupt as exc:  # rendering (kubectl kustomize) before any Job exists
+    except KeyboardInterrupt:  # rendering (kubectl kustomize) before any Job exists
         sys.stderr.write("kubematrix.k8s: interrupted; nothing was created\n")
-        return interrupted_exit(exc)
+        return interrupted_exit()
     try:
         api = connect(namespace, args.context)
     except NoCluster as exc:
         sys.stderr.write(f"kubematrix.k8s: {exc}; nothing was created\n")
         return EXIT_NO_CLUSTER
-    except KeyboardInterrupt as exc:  # while the cluster is checked: no Job was created yet
+    except KeyboardInterrupt:  # while the cluster is checked: no Job was created yet
         sys.stderr.write("kubematrix.k8s: interrupted; nothing was created\n")
-        return interrupted_exit(exc)
+        return interrupted_exit()
     launcher = Launcher(
         api,
         namespace,
@@ -382,13 +382,13 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     try:
         results = launcher.run_many(jobs, max_parallel=args.max_parallel)
-    except KeyboardInterrupt as exc:
+    except KeyboardInterrupt:
         if launcher.leftovers:
             sys.stderr.write("kubematrix.k8s: interrupted; some Jobs may be left behind:\n")
         else:
             sys.stderr.write("kubematrix.k8s: interrupted; the launched Jobs were deleted\n")
         _report_leftovers(launcher)
-        return interrupted_exit(exc)
+        return interrupted_exit()
     untested = []
     for r in results:
         cache = f"; Triton cache: {r.cache.describe()}" if r.cache else ""

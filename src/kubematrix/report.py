@@ -211,7 +211,7 @@ def result_from_junit(
 
     A non-zero exit with a clean JUnit (a crash after the report, a timeout) is an ``error``: the
     process is the judge of last resort, never the file alone. So is a non-zero exit with a JUnit
-    that holds no test case (a session aborted before its tests), except pytest's 5 (nothing
+    that holds no test case (pytest stopped before its tests ran), except pytest's 5 (nothing
     collected: not run). So is a JUnit that cannot be read: the cell's row says why, and the
     other cells' rows are unaffected.
     """

@@ -3,7 +3,7 @@
 A CI system cancels a job, or ends one past its timeout, with SIGTERM (Buildkite, Kubernetes, a
 shell's ``timeout``). Python's default for it is to die at once: the running cell's process
 group kept running and wrote its report later, a launched Job kept its GPU until its deadline,
-and no summary was written. Raised as :class:`Terminated` (a ``KeyboardInterrupt``), it takes
+and no summary was written. Raised as a ``KeyboardInterrupt`` (with `terminated` set), it takes
 the paths Ctrl-C takes: the cell is stopped and recorded, Jobs are deleted, the summary written.
 """
 
@@ -17,24 +17,20 @@ from contextlib import contextmanager
 EXIT_TERMINATED = 143  # as a shell reports a process that SIGTERM ended
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread where Ctrl-C's ``KeyboardInterrupt`` would be."""
-
-
-#: Set once SIGTERM arrived: a command that caught the interrupt to write its summary (the local
-#: runner) still ends with `EXIT_TERMINATED`.
+#: Set once SIGTERM arrived: what tells it from Ctrl-C, also after a command caught the
+#: interrupt to write its summary (the local runner).
 terminated = threading.Event()
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
     terminated.set()
-    raise Terminated()
+    raise KeyboardInterrupt
 
 
 @contextmanager
 def sigterm_interrupts() -> Iterator[None]:
-    """Within the block, SIGTERM raises :class:`Terminated` in the main thread (elsewhere, where
-    no handler can be set, the block runs as it is)."""
+    """Within the block, SIGTERM raises ``KeyboardInterrupt`` in the main thread, `terminated`
+    set (elsewhere, where no handler can be set, the block runs as it is)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -46,6 +42,6 @@ def sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def interrupted_exit(exc: KeyboardInterrupt) -> int:
-    """The exit status after cleaning up from ``exc``: 143 for SIGTERM, 130 for Ctrl-C."""
-    return EXIT_TERMINATED if isinstance(exc, Terminated) else 130
+def interrupted_exit() -> int:
+    """The exit status after cleaning up from an interrupt: 143 for SIGTERM, 130 for Ctrl-C."""
+    return EXIT_TERMINATED if terminated.is_set() else 130
