@@ -529,6 +529,44 @@ def test_gpu_bf16_real_shapes(case, form):
     check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale)
 
 
+# head counts the policy pads: below 16 (heads as N), between 16 and 64 (one 64-head block),
+# past 64 (blocks of 64, the last partial), past 128 (three and four blocks); one token a
+# sequence or a verification step's packed rows; TMA pages and gathered rows
+ODD_HEADS = [
+    (17, 64, None, (4100, 1, 777)),
+    (33, 1, (2, 1, 3), (300, 2049, 64)),
+    (7, 16, None, (5000, 65)),
+    (65, 64, (1, 3), (129, 4000)),
+    (96, 1, None, (2048, 31, 9000)),
+    (129, 64, (2, 1), (700, 1500)),
+    (160, 1, None, (4097, 100)),
+    (200, 128, (1, 2), (300, 8000)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("heads", "bs", "q_lens", "seq_lens"), ODD_HEADS,
+                         ids=[f"h{h}_bs{b}_q{'1' if q is None else max(q)}"
+                              for h, b, q, _ in ODD_HEADS])  # fmt: skip
+@pytest.mark.parametrize("form", ["block_table", "page_indices"])
+def test_gpu_odd_head_counts(heads, bs, q_lens, seq_lens, form):
+    """The public op at head counts the Hopper kernel pads, through the policy (on an sm_90
+    GPU its kernel), with the unowned cache rows NaN, against the fp64 oracle."""
+    r, dk = 512, 576
+    q, cache, bt, sl, qsl = make_inputs(dk, r, heads, bs, q_lens, seq_lens, torch.bfloat16, "cuda")
+    _poison_unowned_rows(cache, bt, sl)
+    scale = 1 / math.sqrt(dk)
+    kw = dict(kv_lora_rank=r, scale=scale, query_start_loc=qsl, return_lse=True)
+    if form == "page_indices":
+        kw["page_indices"], bt_arg = expand_page_indices(bt, sl, bs), None
+    else:
+        bt_arg = bt
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert plan_mla_decode(q, cache, bt_arg, sl, **kw)[0].name == "mla_decode_sm90"
+    out, lse = mla_decode(q, cache, bt_arg, sl, **kw)
+    check_out_lse(out, lse, q, cache, bt, sl, qsl, r, scale)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["gfx90a", "gfx942", "gfx950"])
 @pytest.mark.parametrize(("heads", "bs"), [(16, 64), (128, 1)])

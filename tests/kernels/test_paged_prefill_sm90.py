@@ -902,6 +902,15 @@ GPU_CASES = [
     ((32, 8), 256, 16, "contiguous", torch.bfloat16, 0),  # head_dim 256: 64-token tiles
     ((40, 8), 256, 544, "hybrid", torch.float16, 8 * 256 * 2),
     ((16, 16), 256, 80, "slice", torch.bfloat16, 0),
+    # groups that do not divide 64: a warpgroup's rows end inside a token, and a token's heads
+    # may span two warpgroups
+    ((24, 8), 128, 16, "contiguous", torch.bfloat16, 0),  # GQA 3:1: 42 tokens x 3 heads
+    ((28, 4), 64, 2048, "contiguous", torch.float16, 0),  # GQA 7:1: 18 tokens x 7 heads
+    ((48, 8), 256, 16, "contiguous", torch.bfloat16, 0),  # GQA 6:1 at head_dim 256
+    ((24, 2), 128, 544, "hybrid", torch.bfloat16, 3 * 2 * 128 * 2),  # GQA 12:1
+    ((96, 1), 128, 16, "contiguous", torch.bfloat16, 0),  # one KV head of 96: 1 token x 96
+    ((128, 1), 64, 80, "slice", torch.bfloat16, 0),  # one KV head of 128
+    ((66, 1), 256, 16, "contiguous", torch.float16, 0),  # one KV head of 66
 ]
 
 
@@ -972,6 +981,29 @@ def test_gpu_sm90_prefill_query_and_output_forms(form, q_tma):
     check(b, out)
     if form == "padded":  # nothing written past the rows
         assert torch.isnan(out._base[..., 128:]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(32, 8), (24, 8)], ids=["GQA 4:1", "GQA 3:1"])
+@pytest.mark.parametrize("broadcast", ["tokens", "heads"])
+def test_gpu_sm90_prefill_broadcast_query(broadcast, heads):
+    """A query broadcast over its tokens (token stride 0) or its heads (head stride 0), as
+    ``expand`` makes it: aligned rows, so the policy may load it by TMA, whose descriptor then
+    holds a stride of 0; against the oracle on the same (materialized) query."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90 kernel needs an sm_90 GPU")
+    b = make_batch(GPU_SEQS, block_size=16, heads=heads, head_dim=128, dtype=torch.bfloat16,
+                   device="cuda")  # fmt: skip
+    n, h, d = b.query.shape
+    one = b.query[:1] if broadcast == "tokens" else b.query[:, :1]
+    b.query = one.expand(n, h, d)
+    assert b.query.stride(0 if broadcast == "tokens" else 1) == 0
+    mql, msl = max(q for _, q in GPU_SEQS), max(s for s, _ in GPU_SEQS)
+    kw = dict(max_query_len=mql, max_seq_len=msl)
+    assert PREFILL in _names(plan_paged_attention(*b.args(), **kw))
+    out = paged_attention(*b.args(), **kw)
+    torch.cuda.synchronize()
+    check(b, out)
 
 
 GPU_CONFIGS = {
