@@ -450,10 +450,52 @@ def _first_non_finite(value, at: str = "") -> tuple[str, float] | None:
     return None
 
 
+_JSON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool,
+               "null": type(None)}  # fmt: skip
+
+
+def _has_type(value, name: str) -> bool:
+    if name in ("number", "integer"):  # JSON's numbers, not its booleans
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok and (name == "number" or float(value).is_integer())
+    return isinstance(value, _JSON_TYPES[name])
+
+
+def _shape_error(value, schema: dict, root: dict, at: str = "(top)") -> str | None:
+    """Where ``value`` breaks ``schema``'s keys or types (its ``$ref``, ``oneOf``, ``type``,
+    ``required``, ``properties`` and ``items``; bounds are the table's to find), or None: what
+    bench.results checks of a document where jsonschema is not installed."""
+    while "$ref" in schema:  # "#/$defs/<name>"
+        schema = root["$defs"][schema["$ref"].rsplit("/", 1)[1]]
+    if "oneOf" in schema:
+        errors = [_shape_error(value, s, root, at) for s in schema["oneOf"]]
+        if all(errors):
+            return errors[-1]
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types
+    if types and not any(_has_type(value, t) for t in types):
+        return f"{at} is {type(value).__name__}, not {' or '.join(types)}"
+    if isinstance(value, dict):
+        for key in schema.get("required", ()):
+            if key not in value:
+                return f"{at} has no {key!r}"
+        for key, sub in schema.get("properties", {}).items():
+            if key in value:
+                where = key if at == "(top)" else f"{at}/{key}"
+                wrong = _shape_error(value[key], sub, root, where)
+                if wrong:
+                    return wrong
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            wrong = _shape_error(item, schema["items"], root, f"{at}/{i}")
+            if wrong:
+                return wrong
+    return None
+
+
 def _load(path: str) -> dict:
     """A results document, checked against bench/schema.json (with jsonschema where installed,
-    else its version, top-level type and required keys); what is wrong ends the command naming
-    the file."""
+    else its keys and types, `_shape_error`); what is wrong ends the command naming the file."""
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -470,12 +512,11 @@ def _load(path: str) -> dict:
     schema = json.loads(SCHEMA.read_text())
     try:
         import jsonschema
-    except ImportError:  # the GPU machines need not have it: the schema's top-level keys by hand
-        missing = [k for k in schema.get("required", []) if k not in doc]
-        if missing:
-            keys = ", ".join(missing)
+    except ImportError:  # the GPU machines need not have it: the schema's keys and types by hand
+        wrong = _shape_error(doc, schema, schema)
+        if wrong:
             sys.exit(f"bench.results: {path}: not a results document of bench/schema.json: "
-                     f"no {keys} (checked without jsonschema: the keys only)")  # fmt: skip
+                     f"{wrong} (checked without jsonschema: keys and types only)")  # fmt: skip
         return doc
     errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(doc), key=str)
     if errors:

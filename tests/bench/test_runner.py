@@ -752,23 +752,30 @@ def test_results_refuses_a_non_finite_number_by_document_and_field(value, field,
 @pytest.mark.parametrize(
     ("spoil", "shown"),
     [(_anchor_time_zero, True), (_passed_tolerance_without_error, True), (_huge_time, False),
-     (_huge_metric, False), (_policy_list, True), (_policy_int_and_str, True)],
+     (_huge_metric, False), (_policy_list, "rows/0/params/policy is list, not string"),
+     (_policy_int_and_str, "rows/0/params/policy is int, not string")],
 )  # fmt: skip
 def test_results_without_jsonschema_renders_or_names_the_row(spoil, shown, tmp_path, monkeypatch,
                                                              capsys):  # fmt: skip
-    """The GPU machines may lack jsonschema: the table shows what it can and names the row of
-    a value it cannot show, instead of a traceback."""
+    """The GPU machines may lack jsonschema: the table shows what it can, names the place of a
+    value of the wrong type, and names the row of a value it cannot show, instead of a
+    traceback."""
     monkeypatch.setitem(sys.modules, "jsonschema", None)  # import jsonschema fails here
     doc = fixture_doc()
     spoil(doc)
     paths = [tmp_path / "a.json", tmp_path / "b.json"]
     paths[0].write_text(json.dumps(fixture_doc()))
     paths[1].write_text(json.dumps(doc))
-    if shown:
+    if shown is True:
         assert results.main([*map(str, paths)]) == 0
         return
     with pytest.raises(SystemExit) as info:
         results.main([*map(str, paths)])
+    if isinstance(shown, str):
+        assert str(info.value) == (f"bench.results: {paths[1]}: not a results document of "
+                                   f"bench/schema.json: {shown} (checked without jsonschema: "
+                                   "keys and types only)")  # fmt: skip
+        return
     # the row came from the second document: that document and the row are named
     row = "row 'decode 64x4k 32/8/128 NHD bs16' (paged)"
     assert str(info.value).startswith(f"bench.results: {paths[1]}: {row}: OverflowError: int ")
@@ -874,14 +881,46 @@ def test_the_cpu_needs_quick_shapes_and_a_page_must_be_text(tmp_path, monkeypatc
         results.main([_write(tmp_path, "a", fixture_doc()), "--page", str(page)])
 
 
-def test_without_jsonschema_a_document_missing_keys_is_named(tmp_path, monkeypatch):
-    """The GPU machines have no jsonschema: a document without the schema's required keys
-    ended in a KeyError traceback in the table."""
+def _compared(doc):
+    doc["compare"] = {"old_src": "/old/src", "old_commit": "abc", "rounds": 2}
+    return doc["compare"]
+
+
+@pytest.mark.parametrize(
+    ("where", "key", "named"),
+    [(lambda d: d, "vllm", "(top) has no 'vllm'"),
+     (lambda d: d["vllm"], "available", "vllm has no 'available'"),
+     (lambda d: d["vllm"], "reason", "vllm has no 'reason'"),
+     (_compared, "rounds", "compare has no 'rounds'"),
+     (_compared, "old_src", "compare has no 'old_src'"),
+     (lambda d: d["rows"][0], "family", "rows/0 has no 'family'"),
+     (lambda d: d["rows"][1], "params", "rows/1 has no 'params'"),
+     (lambda d: d["rows"][0]["anchors"][0], "time_us", "rows/0/anchors/0 has no 'time_us'")],
+)  # fmt: skip
+def test_without_jsonschema_a_document_missing_keys_is_named(where, key, named, tmp_path,
+                                                             monkeypatch):  # fmt: skip
+    """The GPU machines have no jsonschema: a document without a key the schema requires, at
+    any depth, ended in a KeyError traceback in the table; now the place is named, as
+    jsonschema (which refuses the same document) would."""
     doc = fixture_doc()
-    del doc["vllm"]
+    del where(doc)[key]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(SCHEMA).validate(doc)
     path = tmp_path / "d.json"
     path.write_text(json.dumps(doc))
     monkeypatch.setitem(sys.modules, "jsonschema", None)
-    rule = r"d.json: not a results document .*: no vllm \(checked without"
-    with pytest.raises(SystemExit, match=rule):
+    with pytest.raises(SystemExit) as info:
         results.main([str(path)])
+    assert str(info.value) == (f"bench.results: {path}: not a results document of "
+                               f"bench/schema.json: {named} (checked without jsonschema: keys "
+                               "and types only)")  # fmt: skip
+
+
+def test_without_jsonschema_a_valid_document_passes_the_shape_check():
+    """The hand check finds nothing in the documents jsonschema accepts (the fixture, with and
+    without a comparison)."""
+    compared = fixture_doc()
+    _compared(compared)
+    for doc in (fixture_doc(), compared):
+        jsonschema.Draft202012Validator(SCHEMA).validate(doc)
+        assert results._shape_error(doc, SCHEMA, SCHEMA) is None
