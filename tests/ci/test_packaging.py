@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 import zipfile
 from pathlib import Path
@@ -76,11 +77,53 @@ def test_console_scripts_name_callable_entry_points():
             assert callable(getattr(importlib.import_module(module), attr)), target
 
 
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _sdist_names(tmp_path: Path) -> set[str]:
+    """The paths an sdist built from the tracked files of this checkout holds."""
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                             check=True).stdout.decode().split("\0")  # fmt: skip
+    source = tmp_path / "source"
+    for name in filter(None, tracked):
+        if (ROOT / name).exists() or (ROOT / name).is_symlink():  # a deletion not committed
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            if (ROOT / name).is_symlink():
+                (source / name).symlink_to(os.readlink(ROOT / name))
+            else:
+                shutil.copy(ROOT / name, source / name)
+    build = "import sys; from setuptools import build_meta; build_meta.build_sdist(sys.argv[1])"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    _run([sys.executable, "-c", build, str(tmp_path / "dist")], source, env)
+    (sdist,) = (tmp_path / "dist").glob("portattn-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        return {m.name.split("/", 1)[1] for m in tar.getmembers() if m.isfile()}
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the repository's checkout")
+def test_the_sdist_holds_the_tree_its_tests_need(tmp_path):
+    """The source distribution held the top-level tests without their conftest and helpers:
+    it now holds every tracked file (k8s/ as a copy of the templates it links to), so its
+    tests run from it."""
+    names = _sdist_names(tmp_path)
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()  # fmt: skip
+    templates = ROOT / "src" / "kubematrix" / "manifests"
+    want = {n for n in tracked if n != "k8s" and (ROOT / n).is_file()}
+    want |= {f"k8s/{n}" for n in _files(templates)}
+    assert want - names == set()
+    built = {"PKG-INFO", "setup.cfg"}  # what building adds: metadata and the egg-info
+    extra = {n for n in names - want if n not in built and ".egg-info/" not in n}
+    assert extra == set()
+
+
 def test_templates_are_found_in_the_package(monkeypatch):
     monkeypatch.delenv("KUBEMATRIX_K8S_DIR", raising=False)
     templates = default_k8s_dir()
     assert templates == ROOT / "src" / "kubematrix" / "manifests"
-    assert (ROOT / "k8s").resolve() == templates.resolve()  # the repository's k8s/ is a link
+    # the repository's k8s/ is a link to them; an sdist holds their copy there
+    assert _files(ROOT / "k8s") == _files(templates)
     for vendor in ("cuda", "rocm"):
         assert [d["kind"] for d in load_kustomization(templates / "overlays" / vendor)].count(
             "Job"
