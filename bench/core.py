@@ -3,7 +3,7 @@ ceiling, the vLLM anchor's availability, and the row every family returns.
 
 The timing method (`METHOD`, recorded in every results document by the runner) is implemented
 once, here, in `Context.time_us`. Families import this module and `bench.inputs`; this module
-imports no other bench module.
+imports no other bench module but `bench.rows`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from bench.rows import row_selected
 
 METHOD = (
     "Each row's call is checked against portattn.reference (fp64; error <= 2x torch's own "
@@ -147,12 +149,6 @@ def require_gpu(prog: str) -> None:
     under the interpreter would mean nothing."""
     if not torch.cuda.is_available():
         raise SystemExit(f"{prog}: needs a CUDA/HIP device (interpreter timings mean nothing)")
-
-
-def row_selected(name: str, entry: str) -> bool:
-    """Whether one ``--rows`` entry selects row ``name``: ``=NAME`` the row of exactly that
-    name, any other entry every row whose name holds it (``q1`` also holds ``q1 gfx942 tiles``)."""
-    return name == entry[1:] if entry.startswith("=") else entry in name
 
 
 @dataclass

@@ -39,9 +39,12 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from bench.rows import row_entries, row_selected
 
 TITLES = {
     "paged": "Paged decode",
@@ -279,7 +282,34 @@ _RUN = re.compile(r"^- Run (\d+), (\S+) at `([^`]+)`: (.+)$")
 #: A run line of a page of one tree (`render`: no number, no commit) and that page's commit.
 _RUN_ONE_TREE = re.compile(r"^- Run (\S+): (`[^`]+`.*)$")
 _COMMIT = re.compile(r"^- Commit: `([^`]+)`")
-_ONLY = re.compile(r"--only (\S+)")
+
+
+def _selection(command: str) -> tuple[set[str] | None, tuple[str, ...]]:
+    """The families (None: every one) and the ``--rows`` entries of a bench.run command line."""
+    try:
+        args = shlex.split(command)
+    except ValueError:  # an unbalanced quote: the words as they stand
+        args = command.split()
+    only: set[str] | None = None
+    rows: tuple[str, ...] = ()
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if key in ("--only", "--rows"):
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if key == "--only":
+                only = {f for f in value.split(",") if f}
+            else:
+                rows = row_entries(value)
+    return only, rows
+
+
+def _ran_row(selection: tuple[set[str] | None, tuple[str, ...]], family: str, name: str) -> bool:
+    """Whether a run of this `_selection` ran row ``name`` of ``family``."""
+    families, entries = selection
+    in_family = families is None or family in families
+    return in_family and (not entries or any(row_selected(name, e) for e in entries))
+
+
 _FORCED = re.compile(r" (\S+) tiles$")
 #: A family's failure and skip lines (`render`), which a page keeps until a run of the family.
 _FAILED = re.compile(r"^- \*\*Family `([^`]+)` failed\*\*: (.*)$")
@@ -295,7 +325,8 @@ def read_page(text: str) -> dict:
     run's line (by its number) and each family's rows (their cells as written, their run, a
     forced policy from a ``<arch> tiles`` name). A page of several trees names each row's run;
     on a page of one tree (its runs unnumbered, its commit on the Commit line) a row belongs to
-    the last run whose command ran its family (``--only``, or every family).
+    the last run whose command ran it (its family by ``--only`` or every family, and the row by
+    ``--rows`` or every row).
 
     Raises:
         PageError: not such a page (a line it needs is missing or malformed).
@@ -304,7 +335,8 @@ def read_page(text: str) -> dict:
     page: dict = dict(runs={}, rows=[], families=[], timing_meaningful=True, errors=[],
                       skipped=[])  # fmt: skip
     family, cols, commit = None, [], None
-    ran: dict[int, set[str] | None] = {}  # a one-tree page's runs: their families (None: all)
+    # a one-tree page's runs: their families (None: all) and --rows entries (none: every row)
+    ran: dict[int, tuple[set[str] | None, tuple[str, ...]]] = {}
     for n, line in enumerate(text.splitlines(), 1):
         if (m := _COMMIT.match(line)) and commit is None:
             commit = m[1]
@@ -325,8 +357,7 @@ def read_page(text: str) -> dict:
             number = len(page["runs"]) + 1
             page["runs"][number] = dict(date=m[1], commit=commit, page_line=m[2],
                                         compare="; compared with `" in m[2])  # fmt: skip
-            only = _ONLY.search(m[2].split("`")[1])
-            ran[number] = set(only[1].split(",")) if only else None
+            ran[number] = _selection(m[2].split("`")[1])
         elif line.startswith("## "):
             family = titles.get(line[3:], line[3:])
             page["families"].append(family)
@@ -340,8 +371,8 @@ def read_page(text: str) -> dict:
                                 "(a page of several trees names each row's run; one of one "
                                 "tree lists its runs first)")  # fmt: skip
             row = dict(zip(cols, cells, strict=True))
-            if "run" not in cols:  # one tree: the last run that ran the row's family
-                owners = [k for k, fams in ran.items() if fams is None or family in fams]
+            if "run" not in cols:  # one tree: the last run that ran the row
+                owners = [k for k, sel in ran.items() if _ran_row(sel, family, cells[0])]
                 if not owners:
                     raise PageError(f"line {n}: row {cells[0]!r} of family {family!r}, which no "
                                     "run of the page ran")  # fmt: skip

@@ -48,6 +48,7 @@ import torch
 import triton
 
 from bench import core
+from bench.rows import row_entries, row_selected
 
 FAMILIES = ("paged", "prefill", "mla", "cache", "host", "compile")
 GPU_ONLY = {
@@ -87,15 +88,10 @@ def row_names(families, quick: bool) -> dict[str, list[str]]:
     return {f: importlib.import_module(f"bench.{f}").names(quick) for f in families}
 
 
-def row_entries(rows: str) -> tuple[str, ...]:
-    """The entries of a ``--rows`` value (comma-separated; empty ones dropped)."""
-    return tuple(s for s in rows.split(",") if s)
-
-
 def _matching(names: dict[str, list[str]], rows: str) -> list[str]:
     """The names that one of the comma-separated entries ``rows`` selects (`row_selected`)."""
     subs = row_entries(rows)
-    return [n for ns in names.values() for n in ns if any(core.row_selected(n, s) for s in subs)]
+    return [n for ns in names.values() for n in ns if any(row_selected(n, s) for s in subs)]
 
 
 def triton_interpret() -> bool:
@@ -107,7 +103,7 @@ def triton_interpret() -> bool:
 def _unmatched(names: dict[str, list[str]], rows: str) -> list[str]:
     """The comma-separated entries of ``rows`` that select no name."""
     every = [n for ns in names.values() for n in ns]
-    return [s for s in row_entries(rows) if not any(core.row_selected(n, s) for n in every)]
+    return [s for s in row_entries(rows) if not any(row_selected(n, s) for n in every)]
 
 
 def run_families(families, ctx: core.Context, log=sys.stderr) -> dict:

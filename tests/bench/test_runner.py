@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench.rows import row_entries, row_selected
 
 from bench import core, results, run
 from tests.test_import_graph import build_graph, find_cycles
@@ -169,7 +170,8 @@ def test_selections_and_the_output_are_checked_before_any_row_runs(argv, message
 
 def test_bench_layers_and_no_import_cycle():
     """bench/ has no import cycle; a family imports only the shared layers (core, inputs), never
-    another family or the runner; core and results import no bench module."""
+    another family or the runner; core and results import no bench module but the rows rule
+    (bench.rows, which imports none), and results nothing else of the project (no torch)."""
     graph = build_graph()
     assert not [c for c in find_cycles(graph) if c[0].source.startswith("bench")]
     for mod, edges in graph.items():
@@ -177,8 +179,9 @@ def test_bench_layers_and_no_import_cycle():
         if mod in FAMILY_MODULES:
             assert targets <= {"bench.core", "bench.inputs"}, (mod, targets)
         if mod in ("bench.core", "bench.inputs", "bench.results"):
-            assert not targets, (mod, targets)
-    assert not {e.target for e in graph["bench.results"]}
+            assert targets <= {"bench.rows"}, (mod, targets)
+    assert {e.target for e in graph["bench.results"]} == {"bench.rows"}
+    assert not {e.target for e in graph["bench.rows"]}
 
 
 def test_check_windows_and_work_counts():
@@ -452,6 +455,32 @@ def test_results_merge_a_run_into_a_page_of_one_tree(tmp_path):
     orphan.write_text(page.read_text().replace("--only paged", "--only cache"))
     with pytest.raises(SystemExit, match=r"row '.*' of family 'paged', which no run of the page"):
         results.main([str(tmp_path / "c.json"), "--page", str(orphan)])
+
+
+def test_a_one_tree_page_credits_each_row_to_the_run_its_rows_filter_ran(tmp_path):
+    """A page of one tree: a later run of the same family that ran one row (``--rows``) owns
+    that row only; the family's other rows stay with the run that measured them (they were
+    credited to the later run, whose date then guarded them)."""
+    a, b = fixture_doc(), fixture_doc()
+    paged = [r for r in a["rows"] if r["family"] == "paged"]
+    paged.append(dict(paged[0], name=paged[0]["name"] + " again"))  # its name holds the first's
+    a["command"], a["families"], a["rows"] = "python -m bench.run --only paged", ["paged"], paged
+    one = paged[0]["name"]
+    b["date"] = "2026-12-04T13:00:00+00:00"
+    b["command"] = f"python -m bench.run --only paged --rows '={one},nothing else'"
+    b["families"], b["rows"] = ["paged"], [dict(paged[0], time_us=111.0)]
+    page = tmp_path / "ONE.md"
+    assert results.main([_write(tmp_path, "a", a), _write(tmp_path, "b", b),
+                         "--out", str(page)]) == 0  # fmt: skip
+    assert "2 runs of one tree" in page.read_text() and "| run |" not in page.read_text()
+    got = results.read_page(page.read_text())
+    runs = {r["name"]: r["run"] for r in got["rows"]}
+    assert runs[one] == 2 and {runs[r["name"]] for r in paged[1:]} == {1}
+    # the --rows=... form and an exact entry that names no row of the page
+    text = page.read_text().replace(f"--rows '={one},nothing else'", "--rows==nothing")
+    with pytest.raises(results.PageError, match="of family 'paged', which no run of the page"):
+        results.read_page(text.replace("--only paged`", "--only cache`", 1))
+    assert {r["run"] for r in results.read_page(text)["rows"]} == {1}
 
 
 def test_a_pages_failures_and_skips_stand_until_their_family_runs_again(tmp_path):
@@ -833,10 +862,10 @@ def test_an_entry_with_a_leading_equals_selects_one_row_by_its_whole_name(capsys
     assert run._matching(names, f"={q1},=mla 8h 64x4k page64 q2") == [
         q1, "mla 8h 64x4k page64 q2"
     ]  # fmt: skip
-    assert core.row_selected("mla 128h 64x4k page64 q1", "8h")
-    assert not core.row_selected("mla 128h 64x4k page64 q1", "=8h")
+    assert row_selected("mla 128h 64x4k page64 q1", "8h")
+    assert not row_selected("mla 128h 64x4k page64 q1", "=8h")
     opts = run.parse(["--only", "mla", "--rows", f"={q1}"])
-    ctx = core.Context("cpu", only_rows=run.row_entries(opts.rows))
+    ctx = core.Context("cpu", only_rows=row_entries(opts.rows))
     assert [n for n in names["mla"] if ctx.want(n)] == [q1]
     with pytest.raises(SystemExit):
         run.parse(["--only", "mla", "--rows", f"{q1},=mla 16h 64x4k"])
