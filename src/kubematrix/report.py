@@ -593,11 +593,15 @@ def totals_line(results: Sequence[CellResult]) -> str:
 
 
 def overall_status(results: Sequence[CellResult]) -> str:
-    """``failed`` if a non-experimental cell failed or errored, else ``passed`` (if any passed)."""
+    """``failed`` if a non-experimental cell failed or errored, else ``passed`` if any cell
+    passed; else ``failed`` if an experimental cell failed or errored (its failure is all the
+    run tested), else ``not run``."""
     if any(r.blocking_failure for r in results):
         return "failed"
     if any(r.status == "passed" for r in results):
         return "passed"
+    if any(r.status in ("failed", "error") for r in results):
+        return "failed"
     return "not run"
 
 

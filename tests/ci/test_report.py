@@ -188,6 +188,19 @@ def test_overall_status_ignores_experimental_failures():
     assert bad_rocm.experimental and not bad_rocm.blocking_failure
     assert report.overall_status([ok, bad_rocm]) == "passed"
     assert report.overall_status([report.not_run(PAGED, "no GPU")]) == "not run"
+    # where nothing passed, an experimental cell's failure is what the run tested: not "not run"
+    assert report.overall_status([bad_rocm, report.not_run(PAGED, "no GPU")]) == "failed"
+
+
+def test_report_fails_an_experimental_cell_that_ran_alone_and_failed(tmp_path, capsys):
+    """`--cell` naming only an experimental cell whose tests failed exited 4 saying it had no
+    test result; it exits 1, as any run whose only tests failed."""
+    cell = get_cell("mla-cuda-sm_100")
+    assert cell.experimental
+    shutil.copy(DATA / "mla-cpu-interpreter.xml", tmp_path / f"{cell.name}.xml")
+    assert main(["report", "--results", str(tmp_path), "--cell", cell.name]) == 1
+    captured = capsys.readouterr()
+    assert "no test result" not in captured.err and "failed (experimental)" in captured.out
 
 
 def test_report_command_rebuilds_the_summary_and_fails_on_a_failed_cell(results_dir, capsys):
