@@ -51,7 +51,8 @@ Cluster access: the kubeconfig's current context (or --context), or the pod's se
 account. Without a usable cluster nothing is created and the exit status is 2.
 
 Exit status: 0 when every cell passed; the first failing cell's test exit code; 3 when a
-cell hit an infrastructure error (no JUnit report, image pull, scheduling, API).
+cell hit an infrastructure error (no JUnit report, image pull, scheduling, API); 4 when every
+cell exited 0 but one passed no test; 130 on Ctrl-C and 143 on SIGTERM (the Jobs deleted).
 
 examples:
   python -m kubematrix.k8s --vendor rocm --suite mla --image ghcr.io/me/portattn-ci:rocm-abc
