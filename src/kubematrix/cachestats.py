@@ -85,10 +85,12 @@ class CacheStats:
     # compiles of a kernel (Triton cache key) the cell had compiled already, e.g. by workers that
     # missed the same key at once, each compiling it (included in ``compiled``)
     repeated: int = 0
+    # misses whose compile stored nothing: it raised, or its process was stopped
+    failed: int = 0
 
     @property
     def lookups(self) -> int:
-        return self.local + self.remote + self.compiled
+        return self.local + self.remote + self.compiled + self.failed
 
     @property
     def hit_rate(self) -> float | None:
@@ -106,6 +108,8 @@ class CacheStats:
         )
         if self.repeated:
             line += f"; {self.repeated} of them compiled a kernel again"
+        if self.failed:
+            line += f"; {self.failed} compiles failed or were stopped"
         if self.corrupt:
             line += f"; {self.corrupt} damaged entries replaced"
         if self.warnings:
@@ -121,6 +125,7 @@ class CacheStats:
             "corrupt": self.corrupt,
             "warnings": list(self.warnings),
             "repeated": self.repeated,
+            "failed": self.failed,
         }
 
     @classmethod
@@ -133,12 +138,13 @@ class CacheStats:
             corrupt=int(d.get("corrupt", 0)),
             warnings=tuple(d.get("warnings", ())),
             repeated=int(d.get("repeated", 0)),
+            failed=int(d.get("failed", 0)),
         )
 
 
 def read_stats(stats_dir: str | os.PathLike[str]) -> CacheStats | None:
     """The counters under ``stats_dir`` summed; ``None`` when no process recorded any."""
-    counts = {"local": 0, "remote": 0, "compiled": 0, "corrupt": 0}
+    counts = {"local": 0, "remote": 0, "compiled": 0, "corrupt": 0, "missed": 0}
     compile_s = 0.0
     warned: set[str] = set()
     keys: list[str] = []  # the compiled kernels' cache keys, where recorded
@@ -170,6 +176,12 @@ def read_stats(stats_dir: str | os.PathLike[str]) -> CacheStats | None:
                 if isinstance(event.get("key"), str):
                     keys.append(event["key"])
     repeated = len(keys) - len(set(keys))
+    # every compile follows a recorded miss: the misses beyond the compiles stored nothing
+    failed = max(0, counts.pop("missed") - counts["compiled"])
     return CacheStats(
-        compile_s=compile_s, warnings=tuple(sorted(warned)), repeated=repeated, **counts
+        compile_s=compile_s,
+        warnings=tuple(sorted(warned)),
+        repeated=repeated,
+        failed=failed,
+        **counts,
     )

@@ -336,7 +336,7 @@ def _check_record(d: dict, cell: Cell | None) -> None:
     if cache is not None:
         if not isinstance(cache, dict):
             raise UnreadableReport(f"cache is {cache!r}, not an object")
-        for k in ("local", "remote", "compiled", "corrupt", "repeated"):
+        for k in ("local", "remote", "compiled", "corrupt", "repeated", "failed"):
             _count(cache.get(k, 0), f"cache.{k}")
         _finite(cache.get("compile_s", 0.0), "cache.compile_s")
         warnings = cache.get("warnings", [])
@@ -569,11 +569,14 @@ def cache_line(results: Sequence[CellResult]) -> str:
     local, remote = sum(s.local for s in stats), sum(s.remote for s in stats)
     lookups = sum(s.lookups for s in stats)
     compile_s = sum(s.compile_s for s in stats)
+    compiled = sum(s.compiled for s in stats)
     repeated = sum(s.repeated for s in stats)
+    failed = sum(s.failed for s in stats)
     again = f"; {repeated} of them compiled a kernel again" if repeated else ""
+    again += f"; {failed} compiles failed or were stopped" if failed else ""
     return (
         f"Triton cache: {(local + remote) / lookups:.0%} hits of {lookups} lookups "
-        f"({local} local, {remote} remote, {lookups - local - remote} compiled in "
+        f"({local} local, {remote} remote, {compiled} compiled in "
         f"{_fmt_seconds(compile_s)}){again}"
     )
 

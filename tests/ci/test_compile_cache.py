@@ -441,6 +441,26 @@ def test_counters_count_a_kernel_compiled_again(tmp_path):
     assert CacheStats.from_dict(stats.to_dict()) == stats
 
 
+def test_a_failed_compile_is_a_lookup_that_stored_nothing(tmp_path):
+    """A miss whose compile raised recorded no event, so the cell's lookups left it out; it is
+    counted, and said, as a compile that failed or was stopped."""
+    seen, stats, _ = Probe(tmp_path, "").run(64, 3, local="a")
+    assert (seen["compiled"], seen["failed"]) == (1, 1)
+    assert stats is not None and (stats.compiled, stats.failed, stats.lookups) == (1, 1, 2)
+    assert stats.describe().endswith("; 1 compiles failed or were stopped")
+    assert CacheStats.from_dict(stats.to_dict()).failed == 1  # the cell's record keeps it
+
+
+def test_always_compile_counts_one_lookup_a_compile(tmp_path):
+    """`TRITON_ALWAYS_COMPILE=1`: Triton asks the cache, then compiles whatever it found; that
+    counted a local hit and a compile for one lookup."""
+    probe = Probe(tmp_path, "")
+    probe.run(64, local="a")
+    seen, stats, _ = probe.run(64, local="a", TRITON_ALWAYS_COMPILE="1")
+    assert seen["compiled"] == 1
+    assert stats is not None and (stats.local, stats.compiled, stats.lookups) == (0, 1, 1)
+
+
 def test_two_processes_missing_the_same_kernel_count_a_repeat(tmp_path):
     """Two real processes with empty local folders and no Redis compile the same kernel: the
     cell's counters (one stats folder) say one compile repeated the other, by Triton's key."""

@@ -397,6 +397,18 @@ def test_the_summary_shows_compile_time_and_cache_hit_rate_per_cell(results_dir)
     # The record keeps the counters (a later `report` over the folder shows the same).
     report.write_cell_record(comp, results_dir)
     assert report.collect([CELLS[-1]], results_dir)[0].cache == comp.cache
+    # a miss before each of the 3 compiles, and 2 misses whose compiles stored nothing:
+    # lookups, not compiles, and said so
+    events = [("missed", 0)] * 5 + [("compiled", 1.0)]
+    (report.cache_dir(compile_cell, results_dir) / "124.jsonl").write_text(
+        "".join(json.dumps({"event": e, "compile_s": t}) + "\n" for e, t in events)
+    )
+    (results_dir / f"{compile_cell}.json").unlink(missing_ok=True)  # counted again, not kept
+    results = report.collect(CELLS, results_dir)
+    assert report.summary_table(results).splitlines()[-2] == (
+        "Triton cache: 55% hits of 11 lookups (5 local, 1 remote, 3 compiled in 1m16s); "
+        "2 compiles failed or were stopped"
+    )
 
 
 def test_a_cell_named_without_a_result_is_no_pass(results_dir, capsys):
