@@ -202,6 +202,19 @@ def test_reports_from_results(tmp_path):
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_refused_cell_is_drawn_as_refused_not_as_an_error():
+    """A cell its op refuses passes the gate; the table and the Markdown drew it as ERR /
+    **ERR** ("a compile or plan failure") and listed it with the policy-estimate notes."""
+    refused = evaluate(_cell(plan_error="ValueError: mla_decode_tiles: no tile fits gfx942"))
+    failed = evaluate(_cell(plan_error="TypeError: bad", arch="gfx950"))
+    table = summary_table([refused, failed])
+    assert "refused" in table.splitlines()[1] and "ERR" in table.splitlines()[1]
+    md = markdown([refused, failed], {})
+    assert "| refused | **ERR** |" in md
+    assert "## Refused by the op (nothing to compile)" in md
+    assert "## Policy estimate vs compiler" not in md
+
+
 def test_an_arch_allowance_wins_over_its_vendors():
     from portattn.compile.cases import make_case
 

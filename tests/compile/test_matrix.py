@@ -15,6 +15,10 @@ Cells compile in spawned processes through Triton's persistent cache, so re-runs
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import signal
+import types
 
 import pytest
 
@@ -214,3 +218,68 @@ def test_chunks_keep_a_target_per_chunk_and_let_targets_take_turns():
     assert [a.pop() for a in archs] == ["sm_90", "gfx942"] * 3
     assert [[cells[i][0].name for i in ch] for ch in chunks[:2]] == [["c0", "c1"]] * 2
     assert _chunks([], 8) == []
+
+
+# -- a worker's failures: each its own cell's result ---------------------------------------------
+
+
+def build_broken(target: Target, *, fault: str) -> list[Launch]:
+    """A case builder that fails as ``fault`` says: a bug (KeyError), a SystemExit, or a death
+    of its process (SIGKILL, as the OOM killer sends)."""
+    if fault == "keyerror":
+        raise KeyError("bug in a builder")
+    if fault == "exit":
+        raise SystemExit(0)
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable")
+
+
+HEALTHY = "gather_kv_cache/hd64 bs80 NHD"
+
+
+def test_a_builder_that_raises_fails_its_own_cell_not_its_chunk():
+    """One worker, one chunk: a builder's KeyError failed all its chunk-mates (their results
+    dropped), and a SystemExit ended the run with exit 0 and no report."""
+    broken = [make_case("gather_kv_cache", f, build_broken, fault=f) for f in ("keyerror", "exit")]
+    cells = {c.case: c for c in run_matrix([*_cases([HEALTHY]), *broken], ["sm_90"], jobs=1)}
+    assert cells[HEALTHY.split("/", 1)[1]].passed
+    assert cells["keyerror"].reasons == ["plan: KeyError: 'bug in a builder'"]
+    assert cells["exit"].reasons == ["worker: SystemExit: 0"]
+
+
+def test_a_worker_that_dies_fails_only_the_cell_that_killed_it():
+    """A worker killed mid-cell broke the pool, and every pending cell failed with
+    BrokenProcessPool, labelled as a plan error; the cells it took down run again one at a
+    time, and only the killer fails."""
+    dies = make_case("gather_kv_cache", "dies", build_broken, fault="die")
+    healthy = _cases([HEALTHY, "gather_kv_cache/hd64 bs16 SHUFFLE"])
+    cells = {c.case: c for c in run_matrix([healthy[0], dies, healthy[1]], ["sm_90"], jobs=2)}
+    assert cells["dies"].reasons == [
+        "worker: the worker process died compiling this cell (a crash, or killed: out of memory?)"
+    ]
+    assert [cells[c.name].passed for c in healthy] == [True, True]
+    assert all(cells[c.name].compiled for c in healthy)
+
+
+def test_unreadable_resource_figures_fail_the_cell_and_are_not_kept(tmp_path, monkeypatch):
+    """cuobjdump or ptxas failing (or output without the figures) gave ``spills=None``, which
+    the gate read as no spill, and the Nones were kept for later runs; AMD's likewise for a
+    missing ``.vgpr_spill_count``."""
+    from triton import knobs
+
+    from portattn.compile import worker
+
+    garbage = types.SimpleNamespace(asm={"cubin": b"not a cubin", "ptx": ""},
+                                    metadata=types.SimpleNamespace(hash="h"))  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"cuobjdump -res-usage exited \d+ without the figures"):
+        worker._nvidia_resources(garbage, 90)
+    with pytest.raises(RuntimeError, match="the AMDGPU metadata has no vgpr_count, vgpr_spill"):
+        worker._amd_resources(types.SimpleNamespace(asm={"amdgcn": ".text"}))
+    # a kept record of unreadable figures is measured again, not served
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path))
+    kept = tmp_path / "portattn_resources" / f"h.{worker._RESOURCES_VERSION}.json"
+    kept.parent.mkdir()
+    kept.write_text(json.dumps({"regs": None, "spills": None, "scratch": None}))
+    with pytest.raises(RuntimeError, match="cuobjdump"):
+        worker._resources(garbage, get_target("sm_90"))
+    assert json.loads(kept.read_text())["spills"] is None  # nothing new written

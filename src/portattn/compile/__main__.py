@@ -1,9 +1,9 @@
 """``python -m portattn.compile``: run the compile matrix and write its reports.
 
 Exit status: 0 when every cell passes the gate, 1 when any fails, 2 on a usage error (a bad
-argument, a Triton cache or report file that cannot be written: checked before compiling). The
-heatmap is optional: without matplotlib the run says so before compiling and writes the other
-reports.
+argument, a Triton cache or report file that cannot be written: checked before compiling), 4
+when every selected cell was refused by its op (nothing compiled). The heatmap is optional:
+without matplotlib the run says so before compiling and writes the other reports.
 """
 
 from __future__ import annotations
@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         else "python -m portattn.compile",
         description="Compile every kernel x case x target with Triton's NVIDIA and AMD backends "
         "(no GPU needed) and gate shared memory, compile errors and spills.",
+        epilog="Exit status: 0 every cell passed the gate; 1 a cell failed; 2 a usage error "
+        "(nothing compiled); 4 every selected cell was refused by its op (nothing compiled).",
     )
     p.add_argument(
         "--targets",

@@ -2,8 +2,10 @@
 
 Gate: a cell fails when
 
-1. planning raises (a policy finds no tile, a launcher rejects the shape), or any launch of the
-   plan does not compile;
+1. planning raises (a policy finds no tile, a launcher rejects the shape), any launch of the
+   plan does not compile or its resource figures cannot be read, or its worker fails (a case
+   builder raises; a process dies: the cells it took down run again one at a time, so only
+   the one that kills a process fails);
 2. any launch's compiled shared memory (``metadata.shared``) exceeds the target's
    ``max_shared_mem``;
 3. any launch spills more than `SPILL_THRESHOLD` of its vendor (plus the case's stated
@@ -28,6 +30,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -59,6 +62,9 @@ class CellResult:
     limit: int
     launches: list[LaunchResult] = field(default_factory=list)
     plan_error: str | None = None
+    # what stopped the worker outside planning and compiling: an exception in a case's builder,
+    # a worker process that died
+    crash: str | None = None
     passed: bool = False
     reasons: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -76,7 +82,12 @@ class CellResult:
 
     @property
     def compiled(self) -> bool:
-        return self.plan_error is None and all(r.ok for r in self.launches)
+        return self.plan_error is None and self.crash is None and all(r.ok for r in self.launches)
+
+    @property
+    def refused(self) -> bool:
+        """Its op refuses the problem on this target (`REFUSAL`): nothing to compile."""
+        return self.plan_error is not None and REFUSAL in self.plan_error
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -93,7 +104,9 @@ def evaluate(cell: CellResult, spill_allowance: int = 0) -> CellResult:
     """Apply the gate (module docstring) to ``cell``, filling ``passed``, ``reasons``, ``notes``."""
     reasons: list[str] = []
     notes: list[str] = []
-    if cell.plan_error is not None and REFUSAL in cell.plan_error:
+    if cell.crash is not None:
+        reasons.append(f"worker: {cell.crash}")
+    if cell.refused:
         # The op refuses this problem on this target with a clear ValueError before anything
         # runs (the public API does not accept it there): not a failure; which cells refuse is
         # pinned by tests/compile/test_refusals.py so that a new refusal is caught.
@@ -135,7 +148,7 @@ def _compile_cell(case: Case, arch: str) -> CellResult:
     t0 = time.perf_counter()
     try:
         launches = case.plan(target)
-    except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a plan that raises is this cell's result
         cell.plan_error = f"{type(exc).__name__}: {exc}"
         cell.wall_s = time.perf_counter() - t0
         return cell
@@ -224,20 +237,54 @@ def run_matrix(
             pool.submit(_compile_cells, [cells[i] for i in chunk]): chunk
             for chunk in _chunks(cells, min(CHUNK, max(1, len(cells) // jobs)))
         }
+    done = 0
+
+    def finish(i: int, cell: CellResult) -> None:
+        nonlocal done
+        results[i] = evaluate(cell, cells[i][0].allowance(cell.vendor, cell.arch))
+        done += 1
+        if progress is not None:
+            progress(done, len(cells), results[i])
+
+    broken: list[int] = []  # cells of chunks a dead worker took down with it
     with pool if executor is None else contextlib.nullcontext():
-        done = 0
         for fut in as_completed(futures):
             chunk = futures[fut]
             try:
                 got = fut.result()
-            except Exception as exc:  # noqa: BLE001 - a crashed worker is its cells' result
+            except BrokenProcessPool:  # one worker died: every pending chunk fails with it
+                broken += chunk
+                continue
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - its cells' result
                 got = [_crashed(*cells[i], exc) for i in chunk]
             for i, cell in zip(chunk, got, strict=True):
-                results[i] = evaluate(cell, cells[i][0].allowance(cell.vendor, cell.arch))
-                done += 1
-                if progress is not None:
-                    progress(done, len(cells), results[i])
+                finish(i, cell)
+    if broken:
+        with _worker_env(cache_dir):
+            _one_at_a_time([(i, cells[i]) for i in sorted(broken)], finish)
     return [results[i] for i in range(len(cells))]
+
+
+def _one_at_a_time(
+    todo: Sequence[tuple[int, tuple[Case, str]]], finish: Callable[[int, CellResult], None]
+) -> None:
+    """Each cell alone in one worker process, a fresh one after a death: the cell during which
+    the process died is the one that killed it (a crash, the OOM killer), and it alone fails."""
+    ctx = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=ctx)
+    try:
+        for i, (case, arch) in todo:
+            try:
+                (cell,) = pool.submit(_compile_cells, [(case, arch)]).result()
+            except BrokenProcessPool:
+                cell = _crashed(case, arch, None)
+                pool.shutdown(wait=True)
+                pool = ProcessPoolExecutor(max_workers=1, mp_context=ctx)
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - its result
+                cell = _crashed(case, arch, exc)
+            finish(i, cell)
+    finally:
+        pool.shutdown(wait=True)
 
 
 #: Cells a worker takes at once: consecutive cases for one target. Neighbouring cases often
@@ -257,13 +304,25 @@ def _chunks(cells: Sequence[tuple[Case, str]], size: int) -> list[list[int]]:
     return [run[r] for r in range(max(map(len, runs), default=0)) for run in runs if r < len(run)]
 
 
-def _crashed(case: Case, arch: str, exc: BaseException) -> CellResult:
+def _crashed(case: Case, arch: str, exc: BaseException | None) -> CellResult:
+    """The cell whose worker raised ``exc`` (``None``: its process died while compiling it)."""
     t = get_target(arch)
     cell = CellResult(case.kernel, case.name, t.arch, t.vendor, t.max_shared_mem)
-    cell.plan_error = f"worker: {type(exc).__name__}: {exc}"
+    cell.crash = (
+        "the worker process died compiling this cell (a crash, or killed: out of memory?)"
+        if exc is None
+        else f"{type(exc).__name__}: {exc}"
+    )
     return cell
 
 
 def _compile_cells(cells: Sequence[tuple[Case, str]]) -> list[CellResult]:
-    """`_compile_cell` of each (case, arch), in order (runs in a worker process)."""
-    return [_compile_cell(case, arch) for case, arch in cells]
+    """`_compile_cell` of each (case, arch), in order (runs in a worker process); what one
+    raises (a builder's bug, a tool's failure) is that cell's result, not its neighbours'."""
+    out = []
+    for case, arch in cells:
+        try:
+            out.append(_compile_cell(case, arch))
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - this cell's result
+            out.append(_crashed(case, arch, exc))
+    return out

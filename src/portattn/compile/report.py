@@ -24,6 +24,8 @@ def _rows(cells: Sequence[CellResult]) -> list[tuple[str, str]]:
 
 
 def _fmt_cell(c: CellResult) -> str:
+    if c.refused:
+        return "refused"
     if not c.compiled:
         return "ERR"
     frac = (c.shared or 0) / c.limit
@@ -34,8 +36,9 @@ def _fmt_cell(c: CellResult) -> str:
 def summary_table(cells: Sequence[CellResult], *, max_rows: int | None = None) -> str:
     """A plain-text table: per kernel case, shared memory as % of each target's limit.
 
-    ``ERR`` marks a compile or plan failure, ``!`` any other gate failure. Below it, per-target
-    totals and every failing cell with its reasons.
+    ``ERR`` marks a compile, plan or worker failure, ``!`` any other gate failure, ``refused``
+    a problem the op refuses on that target. Below it, per-target totals and every failing cell
+    with its reasons.
     """
     archs = _archs(cells)
     by = {(c.kernel, c.case, c.arch): c for c in cells}
@@ -56,7 +59,7 @@ def summary_table(cells: Sequence[CellResult], *, max_rows: int | None = None) -
         + " ".join(f"{p}/{t}".rjust(7) for p, t in zip(passed, total, strict=True))
     )
     failures = [c for c in cells if not c.passed]
-    refused = [c for c in cells if c.passed and not c.launches]
+    refused = [c for c in cells if c.refused]
     notes = [c for c in cells if c.notes and c.launches]
     lines.append(
         f"{len(cells) - len(failures)}/{len(cells)} cells pass; {len(failures)} fail; "
@@ -114,6 +117,9 @@ def markdown(cells: Sequence[CellResult], meta: dict[str, Any]) -> str:
             if c is None:
                 vals.append("")
                 continue
+            if c.refused:
+                vals.append("refused")
+                continue
             if not c.compiled:
                 vals.append("**ERR**")
                 continue
@@ -125,7 +131,11 @@ def markdown(cells: Sequence[CellResult], meta: dict[str, Any]) -> str:
     if failures:
         out += ["", "## Failures", ""]
         out += [f"- `{c.id}`: " + _md_escape("; ".join(c.reasons)) for c in failures]
-    noted = [c for c in cells if c.notes]
+    refused = [c for c in cells if c.refused]
+    if refused:
+        out += ["", "## Refused by the op (nothing to compile)", ""]
+        out += [f"- `{c.id}`: " + _md_escape(c.plan_error or "") for c in refused]
+    noted = [c for c in cells if c.notes and not c.refused]
     if noted:
         out += ["", "## Policy estimate vs compiler", ""]
         out += [f"- `{c.id}`: " + _md_escape("; ".join(c.notes)) for c in noted]

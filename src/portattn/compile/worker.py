@@ -43,7 +43,7 @@ from portattn.platform import Target
 # CompilationError text (after a source excerpt); keep the message short enough for a table.
 _MAX_ERROR_CHARS = 2000
 # Bump when the meaning of the remembered resource figures changes.
-_RESOURCES_VERSION = 2
+_RESOURCES_VERSION = 3
 
 
 @dataclass
@@ -59,7 +59,8 @@ class LaunchResult:
             (``metadata.shared``; what a launch requests).
         regs: registers per thread (NVIDIA) or VGPRs per lane (AMD).
         spills: NVIDIA: bytes of ptxas spill stores per thread; AMD: VGPRs spilled to scratch
-            (``.vgpr_spill_count``). ``None`` where not available.
+            (``.vgpr_spill_count``). ``None`` where not measured (a shared-memory-only cell, a
+            launch that did not compile).
         scratch: NVIDIA stack frame / AMD private segment bytes per thread.
         policy_shared: the policy's own estimate for these tiles (``None``: no estimate).
         compile_s: wall seconds of the compile (a cache hit is fast).
@@ -186,7 +187,7 @@ def _nvidia_resources(compiled, capability: int) -> tuple[int | None, int | None
     """(registers, spill bytes, stack bytes) of a compiled NVIDIA kernel, from its cubin."""
     cubin = compiled.asm.get("cubin")
     if cubin is None:
-        return None, None, None
+        raise RuntimeError("the compiled kernel holds no cubin")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
@@ -195,8 +196,9 @@ def _nvidia_resources(compiled, capability: int) -> tuple[int | None, int | None
             [_triton_bin("cuobjdump"), "-res-usage", path], capture_output=True, text=True
         )
         m = _CUOBJ_RE.search(res.stdout)
-        if m is None:
-            return None, None, None
+        if res.returncode != 0 or m is None:
+            raise RuntimeError(f"cuobjdump -res-usage exited {res.returncode} without the "
+                               f"figures: {_first_line(res.stderr or res.stdout)}")  # fmt: skip
         regs, stack, _shared, local = (int(g) for g in m.groups())
         scratch = stack + local
         if scratch == 0:
@@ -213,8 +215,16 @@ def _nvidia_resources(compiled, capability: int) -> tuple[int | None, int | None
             capture_output=True,
             text=True,
         )
-        spills = sum(int(s) for s in _PTXAS_SPILL_RE.findall(res.stderr + res.stdout))
-        return regs, spills, scratch
+        found = _PTXAS_SPILL_RE.findall(res.stderr + res.stdout)
+        if res.returncode != 0 or not found:
+            raise RuntimeError(f"ptxas -v exited {res.returncode} without the spill figures: "
+                               f"{_first_line(res.stderr or res.stdout)}")  # fmt: skip
+        return regs, sum(int(s) for s in found), scratch
+
+
+def _first_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0][:200] if lines else "(no output)"
 
 
 def _amd_field(asm: str, name: str) -> int | None:
@@ -232,6 +242,10 @@ def _amd_resources(compiled) -> tuple[int | None, int | None, int | None]:
     vgpr = _amd_field(asm, "vgpr_count")
     vspill = _amd_field(asm, "vgpr_spill_count")
     scratch = _amd_field(asm, "private_segment_fixed_size")
+    missing = [n for n, v in (("vgpr_count", vgpr), ("vgpr_spill_count", vspill),
+                              ("private_segment_fixed_size", scratch)) if v is None]  # fmt: skip
+    if missing:
+        raise RuntimeError(f"the AMDGPU metadata has no {', '.join(missing)}")
     return vgpr, vspill, scratch
 
 
@@ -329,7 +343,11 @@ def compile_launch(
         return result
     result.shared = int(compiled.metadata.shared)
     result.hash = compiled.metadata.hash
-    result.regs, result.spills, result.scratch = _resources(compiled, target)
+    try:  # a spill figure that cannot be read is no spill-free kernel: the cell fails
+        result.regs, result.spills, result.scratch = _resources(compiled, target)
+    except Exception as exc:  # noqa: BLE001 - the tools' failures are this cell's result
+        result.ok = False
+        result.error = f"resource figures unreadable: {_short_error(exc)}"
     return result
 
 
@@ -337,7 +355,8 @@ def _resources(compiled, target: Target) -> tuple[int | None, int | None, int | 
     """(regs, spills, scratch), remembered per kernel hash next to Triton's cache.
 
     NVIDIA figures take a cuobjdump (and, for a kernel with a stack frame, a ptxas) run; a warm
-    matrix run reads them back instead.
+    matrix run reads them back instead. A tool that fails, or output without the figures,
+    raises (nothing is remembered).
     """
     from triton import knobs
 
@@ -346,8 +365,10 @@ def _resources(compiled, target: Target) -> tuple[int | None, int | None, int | 
     try:
         with open(path) as f:
             got = json.load(f)
-        return got["regs"], got["spills"], got["scratch"]
-    except (OSError, ValueError, KeyError):
+        figures = got["regs"], got["spills"], got["scratch"]
+        if all(isinstance(v, int) for v in figures):  # else measured again
+            return figures
+    except (OSError, ValueError, KeyError, TypeError):
         pass
     if target.vendor == "cuda":
         res = _nvidia_resources(compiled, target.capability)
