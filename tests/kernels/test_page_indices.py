@@ -85,14 +85,27 @@ ERRORS = [
         ValueError,
         rf"{OP}: block_size must be an int in \[1, 2\*\*63 - 1\]; got 0",
     ),
-    (dict(block_size=True), ValueError, "block_size must be an int in .*; got True"),
+    (dict(block_size=True), TypeError, "block_size must be an int in .*; got True"),
+    (dict(block_size=2.0), TypeError, "block_size must be an int in .*; got 2.0"),
+    (dict(num_indices="4"), TypeError, "num_indices must be an int or None; got str"),
     # past int64: numpy's checks and the kernel's argument cannot hold it
     (dict(block_size=2**63), ValueError, f"block_size must be an int in .*; got {2**63}"),
     (dict(block_table=_T[0]), ValueError, r"block_table must be 2-D \[num_seqs, max_blocks\]"),
     (dict(seq_lens=_L[None]), ValueError, r"seq_lens must be 1-D \[num_seqs\]; got \(1, 2\)"),
     (dict(seq_lens=_L[:1]), ValueError, r"seq_lens must have one entry per block_table row \(2\)"),
     (dict(seq_lens=_L.to("meta")), ValueError, "block_table and seq_lens must be on one device"),
-    (dict(num_indices=-1), ValueError, r"num_indices must be in \[0, 2\*\*63 - 1\]; got -1"),
+    (dict(num_indices=-1), ValueError, r"num_indices must be in \[0, 2\*\*60\) \(8 bytes each"),
+    # the int64 indices tensor of 2**60 slots has 2**63 bytes: torch cannot size it
+    (
+        dict(block_table=_T.to("meta"), seq_lens=_L.to("meta"), num_indices=2**60),
+        ValueError,
+        f"num_indices must be in .*; got {2**60}",
+    ),
+    (
+        dict(seq_lens=torch.tensor([2**60, 0]), block_size=2**60),
+        ValueError,
+        rf"sum\(seq_lens\) must be < 2\*\*60 \(8 bytes each .*; got {2**60}",
+    ),
     # past int64 torch cannot allocate the output (meta: no content check to catch it)
     (dict(num_indices=2**63), ValueError, f"num_indices must be in .*; got {2**63}"),
     (

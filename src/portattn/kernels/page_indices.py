@@ -50,6 +50,12 @@ SUPPORTED_BLOCK_SIZES: tuple[BlockSizeRule, ...] = (MultipleOf(1),)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+#: The most indices one call returns: the int64 ``indices`` tensor's bytes (8 a slot) must be
+#: < 2**63, as any tensor's.
+MAX_INDICES = 2**60
+INDICES_RULE = "8 bytes each in the int64 indices tensor, whose bytes must be < 2**63"
+
+
 @triton.jit
 def _find_seq(
     cu_ptr,  # [num_seqs + 1] nondecreasing, cu[0] == 0
@@ -149,7 +155,9 @@ def plan_expand_page_indices(
         ok[name] = t
         if t.dtype not in INDEX_DTYPES:
             p.type(f"{name} dtype must be int32 or int64; got {t.dtype}")
-    if not is_int(block_size) or not 1 <= block_size <= INT64_MAX:
+    if not is_int(block_size):
+        p.type(f"block_size must be an int in [1, 2**63 - 1]; got {block_size!r}")
+    elif not 1 <= block_size <= INT64_MAX:
         p.value(f"block_size must be an int in [1, 2**63 - 1]; got {block_size!r}")
     table, lens = ok.get("block_table"), ok.get("seq_lens")
     if table is not None and table.dim() != 2:
@@ -172,9 +180,9 @@ def plan_expand_page_indices(
         )
     p.value(*lazy_bit_errors(named))
     if num_indices is not None and not is_int(num_indices):
-        p.value(f"num_indices must be an int or None; got {type(num_indices).__name__}")
-    elif num_indices is not None and not 0 <= num_indices <= INT64_MAX:
-        p.value(f"num_indices must be in [0, 2**63 - 1]; got {num_indices!r}")
+        p.type(f"num_indices must be an int or None; got {type(num_indices).__name__}")
+    elif num_indices is not None and not 0 <= num_indices < MAX_INDICES:
+        p.value(f"num_indices must be in [0, 2**60) ({INDICES_RULE}); got {num_indices!r}")
     if num_indices is None and lens is not None and lens.is_meta:
         p.value("num_indices must be given for meta tensors (sum(seq_lens) is unknown)")
     p.raise_if_any()
@@ -197,6 +205,9 @@ def plan_expand_page_indices(
             errors += num_indices_errors(num_indices, host_lens)
         else:
             errors += tokens_total_errors(host_lens)
+            total = tokens_total(host_lens)
+            if MAX_INDICES <= total <= INT64_MAX:  # past int64: tokens_total_errors says so
+                errors.append(f"sum(seq_lens) must be < 2**60 ({INDICES_RULE}); got {total}")
         raise_errors(op, errors)
         if num_indices is None:
             num_indices = tokens_total(host_lens)
