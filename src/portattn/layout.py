@@ -227,20 +227,33 @@ def _rank_args(p: Problems, name: str, t: object, rank: int, what: str) -> bool:
     return False
 
 
+def _cache_args(p: Problems, cache: object, layout: str, kind: str) -> None:
+    """``cache`` must be a cache of ``layout``: NHD 4-D; SHUFFLE 5-D with its last dim the
+    dtype's x (another x would read the elements in another order)."""
+    rank = 4 if layout == "NHD" else 5
+    if _rank_args(p, "cache", cache, rank, f"a {layout} cache") and layout == "SHUFFLE":
+        assert isinstance(cache, torch.Tensor)
+        x = shuffle_x(cache.dtype)
+        if cache.shape[-1] != x:
+            p.value(f"a SHUFFLE {kind} cache's last dim must be x=16/element_size={x}; got "
+                    f"shape {tuple(cache.shape)}")  # fmt: skip
+
+
 def to_logical(cache: torch.Tensor, layout: str, kind: str) -> torch.Tensor:
     """A copy of ``cache`` as ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
     p = Problems("to_logical")
     _layout_args(p, layout, kind)
     if not p:
-        _rank_args(p, "cache", cache, 4 if layout == "NHD" else 5, f"a {layout} cache")
+        _cache_args(p, cache, layout, kind)
     p.raise_if_any()
     if layout == "NHD":
         return cache.clone()
-    nb, h = cache.shape[:2]
+    # sizes spelled out, not -1: an empty cache (no blocks) has a logical shape too
+    nb, h, a, b, x = cache.shape
     if kind == "key":  # [nb, h, d/x, bs, x] -> [nb, bs, h, d/x, x]
-        return cache.permute(0, 3, 1, 2, 4).reshape(nb, cache.shape[3], h, -1)
+        return cache.permute(0, 3, 1, 2, 4).reshape(nb, b, h, a * x)
     # value: [nb, h, bs/x, d, x] -> [nb, bs/x, x, h, d]
-    return cache.permute(0, 2, 4, 1, 3).reshape(nb, -1, h, cache.shape[3])
+    return cache.permute(0, 2, 4, 1, 3).reshape(nb, a * x, h, b)
 
 
 def from_logical(logical: torch.Tensor, layout: str, kind: str) -> torch.Tensor:
@@ -278,8 +291,9 @@ def token_view(
     p = Problems("token_view")
     _layout_args(p, layout, kind)
     rank = 4 if layout == "NHD" else 5  # read only for a known layout
-    ranked = layout in LAYOUTS and _rank_args(p, "cache", cache, rank, f"a {layout} cache")
-    if ranked and not p:
+    if not p:
+        _cache_args(p, cache, layout, kind)
+    if not p:
         # NHD [nb, bs, h, d]; SHUFFLE K [nb, h, d/x, bs, x], V [nb, h, bs/x, d, x]
         shape = cache.shape
         block_size = shape[1] if rank == 4 else shape[3] if kind == "key" else shape[2] * shape[4]
@@ -317,11 +331,19 @@ def _check_geometry(
     if dtype not in CACHE_DTYPES:
         p.type(f"dtype must be one of {CACHE_DTYPES}; got {dtype!r}")
     if not p:
-        elems = math.prod(n for k, n in sizes.items() if k != "mamba_state_bytes")
-        state = sizes.get("num_blocks", 0) * sizes.get("mamba_state_bytes", 0)
-        nbytes = 2 * elems * dtype.itemsize + state  # type: ignore[attr-defined]
+        esize: int = dtype.itemsize  # type: ignore[attr-defined]
+        block = (
+            2
+            * esize
+            * math.prod(n for k, n in sizes.items() if k not in ("num_blocks", "mamba_state_bytes"))
+        )
+        state = -(-sizes.get("mamba_state_bytes", 0) // esize) * esize  # whole elements
+        # with no blocks, one block's strides must still fit int64
+        num_blocks = sizes["num_blocks"]
+        nbytes = max(num_blocks, 1) * (block + state)
         if nbytes >= 2**63:
-            p.value(f"the cache's {nbytes} bytes must be < 2**63; got sizes {sizes}")
+            what = "the cache's" if num_blocks else "one block's (its strides span one)"
+            p.value(f"{what} {nbytes} bytes must be < 2**63; got sizes {sizes}")
     p.raise_if_any()
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from portattn.layout import (
+    LAYOUTS,
     describe_kv_cache,
     empty_kv_cache,
     from_logical,
@@ -285,6 +286,9 @@ CACHE_ERRORS = [
         ValueError,
         "the cache's 92233720\\d+ bytes must be < 2\\*\\*63",
     ),
+    # no blocks: a block's strides still leave int64 (torch's overflow errors, before)
+    (dict(num_blocks=0, block_size=2**64), ValueError, r"one block's \(its strides span one\) "),
+    (dict(num_blocks=0, block_size=2**62, num_kv_heads=2**62), ValueError, "one block's"),
     (dict(device="16"), ValueError, "device must be a torch.device or a device string; got '16'"),
     (dict(device=2**64), ValueError, "device must be a torch.device or a device string; got 1844"),
     (
@@ -305,6 +309,40 @@ def test_a_bad_cache_request_is_refused_naming_the_argument(kwargs, exc, msg):
     hybrid = {k: v for k, v in args.items()} | dict(mamba_state_bytes=8)
     with pytest.raises(exc, match=msg.replace("empty_kv_cache", "make_hybrid_cache")):
         make_hybrid_cache(**hybrid)
+
+
+def test_a_hybrid_state_past_int64_once_rounded_to_elements_is_refused():
+    """The state passed the byte check, then was rounded up to whole elements past it (torch's
+    "Storage size calculation overflowed"); with no blocks, a huge state likewise."""
+    with pytest.raises(ValueError, match=r"make_hybrid_cache: the cache's 9223372036854775808 "):
+        make_hybrid_cache(1, 1, 1, 1, mamba_state_bytes=2**63 - 9, dtype=torch.float32,
+                          device="meta")  # fmt: skip
+    with pytest.raises(ValueError, match=r"one block's \(its strides span one\)"):
+        make_hybrid_cache(0, 16, 2, 64, mamba_state_bytes=2**70, device="meta")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_an_empty_cache_has_a_logical_view(layout, kind):
+    """A cache of no blocks, as `empty_kv_cache` and `make_hybrid_cache` build it: SHUFFLE's
+    reshape by -1 could not size it."""
+    k, v = empty_kv_cache(0, 16, 2, 64, layout=layout)
+    hc = make_hybrid_cache(0, 16, 2, 64, mamba_state_bytes=8, layout=layout)
+    for cache in (k if kind == "key" else v, hc.key_cache if kind == "key" else hc.value_cache):
+        assert to_logical(cache, layout, kind).shape == (0, 16, 2, 64)
+
+
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_a_shuffle_cache_of_another_x_is_refused(kind):
+    """An fp32 cache laid out with fp16's x=8 read back silently in another order (and its
+    round trip changed shape); `describe_kv_cache` already refused it."""
+    logical = torch.randn(2, 8, 1, 16)
+    cache = from_logical(logical.half(), "SHUFFLE", kind).float()
+    rule = f"a SHUFFLE {kind} cache's last dim must be x=16/element_size=4; got shape "
+    with pytest.raises(ValueError, match=re.escape(f"to_logical: {rule}")):
+        to_logical(cache, "SHUFFLE", kind)
+    with pytest.raises(ValueError, match=re.escape(f"token_view: {rule}")):
+        token_view(cache, "SHUFFLE", kind, 0, 0)
 
 
 def test_a_hybrid_cache_state_size_must_be_an_int():
