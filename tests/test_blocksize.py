@@ -265,6 +265,15 @@ def test_many_participants_of_coprime_rules_take_no_exponential_search():
         )
 
 
+def test_one_participant_of_many_rules_with_a_common_divisor_is_answered():
+    """The candidate bound was checked before the rules a divisor covers were dropped: one
+    participant taking multiples of 1..4999 was refused as a search too large."""
+    part = Participant("a", tuple(MultipleOf(n) for n in range(1, 5000)))
+    assert select_common_block_size(part) == 1
+    evens = Participant("b", tuple(MultipleOf(n) for n in range(2, 10000, 2)))
+    assert select_common_block_size(part, evens, min_block_size=7) == 8
+
+
 def test_a_far_answer_and_a_huge_bound_cost_no_scan():
     """Coprime multiples meet only at their product; disjoint exact sizes never meet."""
     a, b = Participant("a", (MultipleOf(1_000_003),)), Participant("b", (MultipleOf(999_983),))

@@ -144,6 +144,22 @@ def select_common_block_size(
 MAX_CANDIDATES = 4096
 
 
+def _undivided(ascending: Sequence[int], name: str | None, high: int = 0) -> list[int]:
+    """The values of ``ascending`` that no smaller kept value divides (their multiples cover the
+    rest). With a participant's ``name``, more than `MAX_CANDIDATES` kept ends the search."""
+    kept: list[int] = []
+    for m in ascending:  # ascending: a divisor comes first
+        if not any(m % k == 0 for k in kept):
+            kept.append(m)
+            if name is not None and len(kept) > MAX_CANDIDATES:
+                raise ValueError(
+                    f"select_common_block_size: the search kept over {MAX_CANDIDATES} candidate "
+                    f"lcms at participant {name!r}; lower max_block_size (now {high}) or merge "
+                    "rules"
+                )
+    return kept
+
+
 def _smallest_common(participants: Sequence[Participant], low: int, high: int) -> int | None:
     """The smallest size in ``[low, high]`` that every participant accepts, or ``None``.
 
@@ -159,18 +175,10 @@ def _smallest_common(participants: Sequence[Participant], low: int, high: int) -
     best = min((s for s in exact if low <= s <= high and accepted(s)), default=high + 1)
     lcms = [1]
     for p in participants:
-        ns = {r.n for r in p.supported if isinstance(r, MultipleOf)}
+        # a rule whose n another rule's n divides adds no size: drop it before combining
+        ns = _undivided(sorted({r.n for r in p.supported if isinstance(r, MultipleOf)}), None)
         grown = sorted({m for m in (math.lcm(a, n) for a in lcms for n in ns) if m < best})
-        if len(grown) > MAX_CANDIDATES:
-            raise ValueError(
-                f"select_common_block_size: the search kept over {MAX_CANDIDATES} candidate "
-                f"lcms at participant {p.name!r}; lower max_block_size (now {high}) or merge "
-                "rules"
-            )
-        lcms = []
-        for m in grown:  # ascending: a divisor comes first
-            if not any(m % k == 0 for k in lcms):
-                lcms.append(m)
+        lcms = _undivided(grown, p.name, high)
     for m in lcms:
         best = min(best, -(-low // m) * m)
     return best if best <= high else None
