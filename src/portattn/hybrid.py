@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeGuard, TypeVar
@@ -125,8 +126,11 @@ def dtype_bytes(dtype: Any, *, what: str = "dtype") -> int:
                 f"{what} must be one of {sorted(DTYPE_BYTES)} or a torch.dtype; got {dtype!r}"
             )
         return DTYPE_BYTES[dtype]
-    if not isinstance(dtype, torch.dtype):
-        raise _TypeRefusal(f"{what} must be a dtype name or a torch.dtype; got {dtype!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        # caches and Mamba states hold floating-point numbers: a bool or complex size is no page
+        raise _TypeRefusal(
+            f"{what} must be a dtype name or a floating-point torch.dtype; got {dtype!r}"
+        )
     return dtype.itemsize
 
 
@@ -160,17 +164,17 @@ def _size(config: Any, name: str, *, minimum: int = 1, optional: bool = False) -
 def _inner(config: Any) -> int:
     """``int(config.mamba_expand * config.hidden_size)``, the Mamba inner width (>= 1)."""
     expand = getattr(config, "mamba_expand", None)
-    if (
-        isinstance(expand, bool)
-        or not isinstance(expand, (int, float))
-        or not 0 < expand < math.inf  # inf (or 1e308 * hidden_size) has no int width
-        or not math.isfinite(expand * _size(config, "hidden_size"))
-    ):
+    hidden = _size(config, "hidden_size")
+    try:  # a real number of any kind (numpy's included), as a float
+        width = float(expand) * hidden if isinstance(expand, numbers.Real) else math.nan
+    except OverflowError:  # a hidden_size past float's range
+        width = math.inf
+    if isinstance(expand, bool) or not 0 < width < math.inf:  # inf, nan and 0 have no int width
         raise _ValueRefusal(
-            f"config.mamba_expand must be a finite number > 0 (times "
-            f"hidden_size, the Mamba width); got {expand!r}"
+            f"config.mamba_expand must be a finite number > 0 whose product with "
+            f"config.hidden_size ({hidden}) is finite (the Mamba width); got {expand!r}"
         )
-    inner = int(expand * _size(config, "hidden_size"))
+    inner = int(width)
     if inner < 1:
         raise _ValueRefusal(
             "the mamba intermediate size (config.mamba_expand * "
@@ -196,6 +200,18 @@ class MambaStateSpec:
     elem_bytes: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        shapes, sizes = self.shapes, self.elem_bytes
+        if not isinstance(shapes, tuple) or not all(
+            isinstance(s, tuple) and all(_is_count(d, 0) for d in s) for s in shapes
+        ):
+            raise TypeError(
+                f"MambaStateSpec: shapes must be a tuple of shapes (tuples of ints >= 0); got "
+                f"{shapes!r}"
+            )
+        if not isinstance(sizes, tuple) or not all(_is_count(b, 1) for b in sizes):
+            raise TypeError(
+                f"MambaStateSpec: elem_bytes must be a tuple of ints >= 1; got {sizes!r}"
+            )
         if len(self.shapes) != len(self.elem_bytes):
             raise ValueError(
                 f"MambaStateSpec: shapes and elem_bytes must have one entry per state tensor; got "

@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from portattn.hybrid import (
     PUBLISHED_MODELS,
@@ -146,6 +147,7 @@ def test_errors_name_the_function_the_user_called():
         (lambda: mamba_state_shapes(cfg, 0), ValueError, "mamba_state_shapes: tp must be"),
         (lambda: dtype_bytes("int4", what="x"), ValueError, "dtype_bytes: x must be one of"),
         (lambda: dtype_bytes(3), TypeError, "dtype_bytes: dtype must be a dtype name"),
+        (lambda: dtype_bytes(torch.bool), TypeError, "dtype_bytes: dtype must be a dtype name"),
         (lambda: align_block_size(0, 1, 1), ValueError, "align_block_size: mamba_page_bytes"),
         (lambda: derive_block_size(cfg, tp=3), ValueError, "derive_block_size: mamba intermediate"),
         (lambda: derive_block_size(cfg, cache_dtype=3), TypeError, "derive_block_size: cache_"),
@@ -264,19 +266,55 @@ def test_a_state_spec_has_an_element_size_per_tensor():
     assert MambaStateSpec(((1, 2), (3,)), (2, 4)).page_size_bytes == 16
 
 
-@pytest.mark.parametrize("expand", (float("inf"), 1e308, float("nan"), 0))
-def test_a_mamba_expand_without_a_finite_width_is_named(expand):
+@pytest.mark.parametrize(
+    ("expand", "hidden"),
+    [(float("inf"), None), (1e308, None), (float("nan"), None), (0, None), ("2", None),
+     # a hidden_size past float's range raised OverflowError from the product
+     (2, 10**400), (1.5, 10**400)],
+)  # fmt: skip
+def test_a_mamba_expand_without_a_finite_width_is_named(expand, hidden):
     """inf or 1e308 raised OverflowError converting the width to an int."""
-    cfg = published_config("Jamba-v0.1")
-    broken = type("Config", (), dict(cfg.to_dict(), model_type="jamba", mamba_expand=expand))()
+    cfg = dict(published_config("Jamba-v0.1").to_dict(), model_type="jamba", mamba_expand=expand)
+    if hidden is not None:
+        cfg["hidden_size"] = hidden
+    broken = type("Config", (), cfg)()
     with pytest.raises(ValueError, match=r"config.mamba_expand must be a finite number > 0"):
         derive_block_size(broken)
 
 
-@pytest.mark.parametrize("dtype", (np.dtype("float16"), np.float16(1), 2, None))
-def test_a_dtype_is_a_name_or_a_torch_dtype(dtype):
-    with pytest.raises(TypeError, match=r"cache_dtype must be a dtype name or a torch.dtype"):
+def test_a_numpy_mamba_expand_is_a_number():
+    """np.float32(2.0) meets "a finite number > 0" but was refused (np.float64 was not)."""
+    cfg = published_config("Jamba-v0.1")
+    want = derive_block_size(cfg).block_size
+    for expand in (np.float32(cfg.mamba_expand), np.int64(cfg.mamba_expand)):
+        as_numpy = type("Config", (), dict(cfg.to_dict(), mamba_expand=expand))()
+        assert derive_block_size(as_numpy).block_size == want
+
+
+@pytest.mark.parametrize(
+    "dtype", (np.dtype("float16"), np.float16(1), 2, None, torch.bool, torch.complex128,
+              torch.int8)
+)  # fmt: skip
+def test_a_dtype_is_a_name_or_a_floating_torch_dtype(dtype):
+    """A bool or complex dtype gave a page size (1072, 80) for a cache no op can hold."""
+    rule = r"cache_dtype must be a dtype name or a floating-point torch.dtype"
+    with pytest.raises(TypeError, match=rule):
         derive_block_size(published_config("Jamba-v0.1"), cache_dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "elem_bytes", "what"),
+    [(((1, -2),), (2,), "shapes must be a tuple of shapes"), (5, (2,), "shapes must be"),
+     (((1, 2),), ("a",), "elem_bytes must be a tuple of ints >= 1"),
+     (((1, 2),), (0,), "elem_bytes must be"), (((1, 2.0),), (2,), "shapes must be")],
+)  # fmt: skip
+def test_a_state_spec_refuses_sizes_that_are_no_sizes(shapes, elem_bytes, what):
+    """A negative dimension gave a negative page size; a shape that is no tuple or an element
+    size that is no int raised from len() or +."""
+    from portattn.hybrid import MambaStateSpec
+
+    with pytest.raises(TypeError, match=f"^MambaStateSpec: {what}"):
+        MambaStateSpec(shapes, elem_bytes)
 
 
 @pytest.mark.parametrize(
