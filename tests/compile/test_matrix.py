@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import signal
+import time
 import types
 
 import pytest
@@ -30,6 +32,7 @@ from portattn.compile.cases import (
     build_mla_decode,
     build_paged_attention,
 )
+from portattn.compile.matrix import MatrixInterrupted
 from portattn.kernels._launch import Launch
 from portattn.platform import Target, get_target
 from portattn.policy.common import next_pow2
@@ -224,12 +227,18 @@ def test_chunks_keep_a_target_per_chunk_and_let_targets_take_turns():
 
 
 def build_broken(target: Target, *, fault: str) -> list[Launch]:
-    """A case builder that fails as ``fault`` says: a bug (KeyError), a SystemExit, or a death
-    of its process (SIGKILL, as the OOM killer sends)."""
+    """A case builder that fails as ``fault`` says: a bug (KeyError), a SystemExit, a death of
+    its process (SIGKILL, as the OOM killer sends), a hang, or a hang after it sent its parent
+    SIGTERM."""
     if fault == "keyerror":
         raise KeyError("bug in a builder")
     if fault == "exit":
         raise SystemExit(0)
+    if fault == "hang":  # a compile that never ends
+        time.sleep(3600)
+    if fault == "cancel":  # the CI job cancelled meanwhile: SIGTERM to the command
+        os.kill(os.getppid(), signal.SIGTERM)
+        time.sleep(3600)
     os.kill(os.getpid(), signal.SIGKILL)
     raise AssertionError("unreachable")
 
@@ -283,3 +292,48 @@ def test_unreadable_resource_figures_fail_the_cell_and_are_not_kept(tmp_path, mo
     with pytest.raises(RuntimeError, match="cuobjdump"):
         worker._resources(garbage, get_target("sm_90"))
     assert json.loads(kept.read_text())["spills"] is None  # nothing new written
+
+
+STOPPED = "worker: stopped before its result came back (interrupted)"
+
+
+@pytest.mark.timeout(600)
+def test_an_interrupted_matrix_keeps_what_finished_and_stops_its_workers():
+    """Ctrl-C (or SIGTERM raised as it) while a compile hangs: the finished cell is kept, the
+    hung one fails as stopped, and no worker process is left (the pool's exit would have waited
+    for the hung compile)."""
+    hang = make_case("gather_kv_cache", "hangs", build_broken, fault="hang")
+
+    def interrupt(done: int, total: int, cell) -> None:
+        raise KeyboardInterrupt  # after the first cell's result: the healthy one's
+
+    before = set(multiprocessing.active_children())  # e.g. the shared compile workers
+    with pytest.raises(MatrixInterrupted) as info:
+        run_matrix([*_cases([HEALTHY]), hang], ["sm_90"], jobs=2, progress=interrupt)
+    cells = {c.case: c for c in info.value.cells}
+    assert cells[HEALTHY.split("/", 1)[1]].passed
+    assert cells["hangs"].reasons == [STOPPED]
+    assert set(multiprocessing.active_children()) <= before
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_writes_the_reports_and_exits_143(tmp_path, monkeypatch, capsys):
+    """A cancelled CI job's SIGTERM ended the command at once: no report, not even of the
+    cells that had finished; now the reports are written and the exit status is 143."""
+    from portattn.compile import __main__ as cli
+
+    before = set(multiprocessing.active_children())
+    cancel = make_case("gather_kv_cache", "cancelled", build_broken, fault="cancel")
+    monkeypatch.setattr(cli, "default_cases", lambda kernels=None: [cancel])
+    out = tmp_path / "out"
+    argv = ["--targets", "sm_90", "--jobs", "1", "--no-png", "--out", str(out),
+            "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    assert cli.main(argv) == 143
+    doc = json.loads((out / "compile_matrix.json").read_text())
+    assert [(c["case"], c["passed"], c["reasons"]) for c in doc["cells"]] == [
+        ("cancelled", False, [STOPPED])
+    ]
+    assert "compile: interrupted (SIGTERM): 1 cells stopped without a result; exit status 143" in (
+        capsys.readouterr().err
+    )
+    assert set(multiprocessing.active_children()) <= before

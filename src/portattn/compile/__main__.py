@@ -2,29 +2,44 @@
 
 Exit status: 0 when every cell passes the gate, 1 when any fails, 2 on a usage error (a bad
 argument, a Triton cache or report file that cannot be written: checked before compiling), 4
-when every selected cell was refused by its op (nothing compiled). The heatmap is optional:
-without matplotlib the run says so before compiling and writes the other reports.
+when every selected cell was refused by its op (nothing compiled), 130 on Ctrl-C and 143 on
+SIGTERM (the reports written first, the cells without a result failed as stopped). The
+heatmap is optional: without matplotlib the run says so before compiling and writes the other
+reports.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 
 from portattn.compile.cases import KERNELS, default_cases, select_cases
-from portattn.compile.matrix import CellResult, matrix_cells, parse_targets, run_matrix
+from portattn.compile.matrix import (
+    CellResult,
+    MatrixInterrupted,
+    matrix_cells,
+    parse_targets,
+    run_matrix,
+)
 from portattn.compile.report import summary_table, write_heatmap, write_json, write_markdown
 from portattn.platform import TARGETS
 
 #: Exit status of a run in which every cell was refused by its op: nothing compiled (as
 #: kubematrix's exit status of a matrix that tested nothing).
 EXIT_NOTHING_COMPILED = 4
+#: Exit statuses of a run stopped by Ctrl-C and by SIGTERM (as a shell reports them); the
+#: reports are written first, the stopped cells failed.
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 #: What the PNG heatmap needs beyond the compile matrix itself.
 HEATMAP_MODULES = ("matplotlib", "numpy")
 
@@ -132,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compile every kernel x case x target with Triton's NVIDIA and AMD backends "
         "(no GPU needed) and gate shared memory, compile errors and spills.",
         epilog="Exit status: 0 every cell passed the gate; 1 a cell failed; 2 a usage error "
-        "(nothing compiled); 4 every selected cell was refused by its op (nothing compiled).",
+        "(nothing compiled); 4 every selected cell was refused by its op (nothing compiled); "
+        "130 Ctrl-C, 143 SIGTERM (reports written, unfinished cells failed as stopped).",
     )
     p.add_argument(
         "--targets",
@@ -169,6 +185,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="rows of the terminal table (default all)",
     )
     return p
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[threading.Event]:
+    """SIGTERM (a cancelled or timed-out CI job) raises KeyboardInterrupt in the main thread,
+    as Ctrl-C does, and sets the event it yields; elsewhere nothing changes."""
+    terminated = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield terminated
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        terminated.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield terminated
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,7 +257,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  [{done}/{n}] {state} {cell.id}", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    cells = run_matrix(cases, targets, jobs=args.jobs, cache_dir=args.cache_dir, progress=progress)
+    interrupted: int | None = None
+    with _sigterm_interrupts() as terminated:
+        try:
+            cells = run_matrix(
+                cases, targets, jobs=args.jobs, cache_dir=args.cache_dir, progress=progress
+            )
+        except MatrixInterrupted as stop:  # what finished is still reported
+            cells = stop.cells
+            interrupted = EXIT_TERMINATED if terminated.is_set() else EXIT_INTERRUPTED
     wall = time.perf_counter() - t0
     import triton
 
@@ -245,6 +289,14 @@ def main(argv: list[str] | None = None) -> int:
         f"wall {wall:.1f} s; reports in {args.out}/compile_matrix.{{json,md"
         f"{',png' if png else ''}}}"
     )
+    if interrupted is not None:
+        print(
+            f"compile: interrupted ({'SIGTERM' if interrupted == EXIT_TERMINATED else 'Ctrl-C'}):"
+            f" {sum(c.crash is not None for c in cells)} cells stopped without a result; exit "
+            f"status {interrupted}",
+            file=sys.stderr,
+        )
+        return interrupted
     if all(c.passed for c in cells) and not any(c.launches for c in cells):
         # every cell refused by its op (no tile fits): nothing was compiled, so nothing passed
         print(

@@ -28,8 +28,8 @@ import io
 import multiprocessing
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -225,6 +225,9 @@ def run_matrix(
     Returns:
         One `CellResult` per (case, target) the case compiles for (`Case.compiles_for`), in
         case-major, target-minor order.
+
+    Raises:
+        MatrixInterrupted: on a KeyboardInterrupt, the workers stopped; it holds every cell.
     """
     cells = matrix_cells(cases, targets)
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(cells) or 1))
@@ -247,22 +250,65 @@ def run_matrix(
             progress(done, len(cells), results[i])
 
     broken: list[int] = []  # cells of chunks a dead worker took down with it
-    with pool if executor is None else contextlib.nullcontext():
-        for fut in as_completed(futures):
-            chunk = futures[fut]
-            try:
-                got = fut.result()
-            except BrokenProcessPool:  # one worker died: every pending chunk fails with it
-                broken += chunk
-                continue
-            except (Exception, SystemExit) as exc:  # noqa: BLE001 - its cells' result
-                got = [_crashed(*cells[i], exc) for i in chunk]
-            for i, cell in zip(chunk, got, strict=True):
-                finish(i, cell)
-    if broken:
-        with _worker_env(cache_dir):
-            _one_at_a_time([(i, cells[i]) for i in sorted(broken)], finish)
+    try:
+        own = pool if isinstance(pool, ProcessPoolExecutor) and executor is None else None
+        with pool if executor is None else contextlib.nullcontext(), _stops_workers(futures, own):
+            for fut in as_completed(futures):
+                chunk = futures[fut]
+                try:
+                    got = fut.result()
+                except BrokenProcessPool:  # one worker died: every pending chunk fails with it
+                    broken += chunk
+                    continue
+                except (Exception, SystemExit) as exc:  # noqa: BLE001 - its cells' result
+                    got = [_crashed(*cells[i], exc) for i in chunk]
+                for i, cell in zip(chunk, got, strict=True):
+                    finish(i, cell)
+        if broken:
+            with _worker_env(cache_dir):
+                _one_at_a_time([(i, cells[i]) for i in sorted(broken)], finish)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM where the caller raises it so
+        stopped = "stopped before its result came back (interrupted)"
+        partial = [
+            results[i] if i in results else evaluate(_crashed(*cells[i], None, why=stopped))
+            for i in range(len(cells))
+        ]
+        raise MatrixInterrupted(partial) from None
     return [results[i] for i in range(len(cells))]
+
+
+@contextlib.contextmanager
+def _stops_workers(futures: Iterable[Future], pool: ProcessPoolExecutor | None) -> Iterator[None]:
+    """On an interrupt, cancel what has not started and end ``pool``'s processes (before its
+    exit, which would wait for every running compile to finish; a caller's pool is left)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        for f in futures:
+            f.cancel()
+        if pool is not None:
+            _terminate(pool)
+        raise
+
+
+def _terminate(pool: ProcessPoolExecutor) -> None:
+    """End ``pool``'s worker processes now (Python 3.14's ``terminate_workers``; before it, the
+    executor's own process table)."""
+    stop = getattr(pool, "terminate_workers", None)
+    if stop is not None:
+        stop()
+        return
+    for process in list(getattr(pool, "_processes", {}).values()):
+        process.terminate()
+
+
+class MatrixInterrupted(KeyboardInterrupt):
+    """`run_matrix` stopped by an interrupt: ``cells`` holds every cell, those that had no
+    result failed as stopped, so that what finished can still be reported."""
+
+    def __init__(self, cells: list[CellResult]) -> None:
+        super().__init__(f"{sum(not c.passed for c in cells)} cells stopped or failed")
+        self.cells = cells
 
 
 def _one_at_a_time(
@@ -283,6 +329,9 @@ def _one_at_a_time(
             except (Exception, SystemExit) as exc:  # noqa: BLE001 - its result
                 cell = _crashed(case, arch, exc)
             finish(i, cell)
+    except KeyboardInterrupt:
+        _terminate(pool)  # before the wait below
+        raise
     finally:
         pool.shutdown(wait=True)
 
@@ -304,15 +353,15 @@ def _chunks(cells: Sequence[tuple[Case, str]], size: int) -> list[list[int]]:
     return [run[r] for r in range(max(map(len, runs), default=0)) for run in runs if r < len(run)]
 
 
-def _crashed(case: Case, arch: str, exc: BaseException | None) -> CellResult:
-    """The cell whose worker raised ``exc`` (``None``: its process died while compiling it)."""
+def _crashed(
+    case: Case, arch: str, exc: BaseException | None, why: str | None = None
+) -> CellResult:
+    """The cell whose worker raised ``exc`` (``None``: its process died while compiling it, or
+    ``why``)."""
     t = get_target(arch)
     cell = CellResult(case.kernel, case.name, t.arch, t.vendor, t.max_shared_mem)
-    cell.crash = (
-        "the worker process died compiling this cell (a crash, or killed: out of memory?)"
-        if exc is None
-        else f"{type(exc).__name__}: {exc}"
-    )
+    died = "the worker process died compiling this cell (a crash, or killed: out of memory?)"
+    cell.crash = (why or died) if exc is None else f"{type(exc).__name__}: {exc}"
     return cell
 
 
