@@ -223,6 +223,20 @@ def test_chunks_keep_a_target_per_chunk_and_let_targets_take_turns():
     assert _chunks([], 8) == []
 
 
+def test_latent_and_rope_parts_narrower_than_a_dot_compile_on_every_vendor():
+    """A rope part or a kv_lora_rank of 1-8 columns gave tiles of that width, which NVIDIA's
+    tl.dot refuses (K and N >= 16): the compile failed on every sm_ target."""
+    widths = ((520, 512), (16, 8), (8, 8))
+    cases = [make_case("mla_decode", f"{dk}/{r} h16", build_mla_decode, head_dim_k=dk,
+                       kv_lora_rank=r, num_q_heads=16) for dk, r in widths]  # fmt: skip
+    cells = compile_in_spawned_workers(cases, ("sm_80", "sm_90", "gfx942"))
+    assert all(c.compiled and c.launches[0].name == "mla_decode" for c in cells)
+    # the narrow parts pass the gate; a 512 latent with an 8-wide rope compiles but spills on
+    # NVIDIA (its tiles are chosen by a register model fitted to 64-wide ropes: decisions.md)
+    failing = {c.id for c in cells if not c.passed}
+    assert failing <= {"mla_decode/520/512 h16@sm_80", "mla_decode/520/512 h16@sm_90"}
+
+
 # -- a worker's failures: each its own cell's result ---------------------------------------------
 
 

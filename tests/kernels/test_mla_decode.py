@@ -38,6 +38,10 @@ CASES = [
     ((576, 512), 1, 64, (7, 3), (7, 40), torch.float16, "page_indices"),
     ((320, 256), 16, 64, None, (1, 64, 65), torch.float32, "block_table"),
     ((192, 128), 3, 1, (4, 1, 1, 6), (4, 1, 17, 33), torch.float32, "block_table"),
+    # latent and rope parts narrower than a dot's 16 columns: padded tiles, masked columns
+    ((16, 8), 4, 16, (2, 1), (9, 30), torch.float32, "block_table"),
+    ((8, 8), 3, 1, None, (5, 17), torch.float16, "page_indices"),
+    ((10, 3), 2, 16, None, (20, 3), torch.float32, "block_table"),
 ]
 
 

@@ -472,3 +472,28 @@ def test_cuda_targets_keep_their_tiles():
                 assert not t.packed
                 flat = mla_decode_tiles(target, problem(heads=heads, tokens=64 * q_len))
                 assert t == flat, (arch, heads, q_len)
+
+
+@pytest.mark.parametrize("rank", [576, 1024])
+def test_a_latent_wider_than_512_is_refused_by_name(rank):
+    """1024-wide value tiles were planned past the budgets' model: 102400 B of shared memory on
+    sm_89 (limit 101376) and spills on every vendor, where the op promised a clear refusal."""
+    from portattn.platform import get_target
+    from portattn.policy.mla import MlaProblem, mla_decode_tiles
+
+    for arch in ("sm_89", "gfx942"):
+        with pytest.raises(ValueError, match=f"kv_lora_rank must be <= 512 .*; got {rank}"):
+            mla_decode_tiles(get_target(arch), MlaProblem(16, rank + 64, rank, 2, 64, 4096, 1))
+
+
+@pytest.mark.parametrize(
+    ("dk", "rank", "dv", "dpe"),
+    [(16, 8, 16, 16), (8, 8, 16, 0), (10, 3, 16, 16), (576, 512, 512, 64)],
+)
+def test_latent_and_rope_tiles_are_at_least_a_dot_wide(dk, rank, dv, dpe):
+    """NVIDIA's tl.dot needs K and N >= 16: narrower parts get 16-column tiles (masked)."""
+    from portattn.platform import get_target
+    from portattn.policy.mla import MlaProblem, mla_decode_tiles
+
+    t = mla_decode_tiles(get_target("sm_80"), MlaProblem(4, dk, rank, 2, 8, 64, 1))
+    assert (t.block_dv, t.block_dpe) == (dv, dpe)

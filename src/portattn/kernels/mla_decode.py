@@ -314,12 +314,14 @@ def _mla_decode_kernel(
     # Lesson 1: the value tile is the latent tile, sized from kv_lora_rank; the rope tile from the
     # rest. Tiles sized from head_dim_k (next_pow2(320) = 512 for a 256 latent) are refused here.
     tl.static_assert(
-        BLOCK_DV >= KV_LORA_RANK and BLOCK_DV < 2 * KV_LORA_RANK,
-        "BLOCK_DV must be next_pow2(kv_lora_rank): the value tile comes from the latent width",
+        BLOCK_DV >= KV_LORA_RANK and (BLOCK_DV < 2 * KV_LORA_RANK or BLOCK_DV == 16),
+        "BLOCK_DV must be next_pow2(kv_lora_rank), at least 16: the value tile comes from the "
+        "latent width",
     )
     tl.static_assert(
-        BLOCK_DPE >= ROPE_DIM and (ROPE_DIM == 0 or BLOCK_DPE < 2 * ROPE_DIM),
-        "BLOCK_DPE must be next_pow2(head_dim_k - kv_lora_rank) (0 without a rope part)",
+        BLOCK_DPE >= ROPE_DIM and (ROPE_DIM == 0 or BLOCK_DPE < 2 * ROPE_DIM or BLOCK_DPE == 16),
+        "BLOCK_DPE must be next_pow2(head_dim_k - kv_lora_rank), at least 16 (0 without a rope "
+        "part)",
     )
     tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16, "tl.dot needs BLOCK_H, BLOCK_N >= 16")
 

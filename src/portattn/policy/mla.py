@@ -1,8 +1,9 @@
 """Tile policy for MLA decode (absorbed weights, paged latent cache): (target, problem) -> tiles.
 
 Widths (lesson 1): ``BLOCK_DV = next_pow2(kv_lora_rank)``, ``BLOCK_DPE = next_pow2(head_dim_k -
-kv_lora_rank)`` (0 without rope). One latent tile ``[BLOCK_N, BLOCK_DV]`` feeds both QK and PV, so
-nothing is sized from ``head_dim_k``.
+kv_lora_rank)`` (0 without rope), each at least `MIN_DOT_WIDTH` (the columns past the width are
+masked). One latent tile ``[BLOCK_N, BLOCK_DV]`` feeds both QK and PV, so nothing is sized from
+``head_dim_k``.
 
 Heads (lesson 2): a program owns ``BLOCK_H >= target.mma_min_rows`` heads of one token (the dot's
 M), so 1-8 heads pad to 16 and 20 to 32; ``padded_heads`` is part of the frozen tiles, which
@@ -289,7 +290,26 @@ def _problem_errors(p: MlaProblem) -> list[str]:
         errors.append(f"elem_size must be 1, 2 or 4 bytes; got {p.elem_size}")
     if ints and p.kv_lora_rank > p.head_dim_k:
         errors.append(f"kv_lora_rank must be <= head_dim_k; got {p.kv_lora_rank} > {p.head_dim_k}")
+    if ints and p.kv_lora_rank > MAX_KV_LORA_RANK:
+        errors.append(
+            f"kv_lora_rank must be <= {MAX_KV_LORA_RANK} (the widest latent whose tiles the "
+            f"budgets model and the compile matrix checks); got {p.kv_lora_rank}"
+        )
     return errors
+
+
+#: The widest latent the tiles are for (DeepSeek's and Kimi's): past it the register model
+#: undercounts (1024-wide value tiles spilled on every vendor and overflowed sm_89's shared memory).
+MAX_KV_LORA_RANK = 512
+#: The narrowest latent or rope tile: NVIDIA's tl.dot needs K and N of at least 16 (a latent or
+#: rope part of 1-8 columns failed to compile there; AMD and the interpreter took it).
+MIN_DOT_WIDTH = 16
+
+
+def dot_width(width: int) -> int:
+    """The tile of a latent or rope part ``width`` columns wide: ``next_pow2``, at least
+    `MIN_DOT_WIDTH`."""
+    return max(MIN_DOT_WIDTH, next_pow2(width))
 
 
 def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
@@ -302,9 +322,9 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     errors = _problem_errors(problem)
     if errors:
         raise ValueError("mla_decode_tiles: " + "; ".join(errors))
-    block_dv = next_pow2(problem.kv_lora_rank)
+    block_dv = dot_width(problem.kv_lora_rank)
     rope = problem.head_dim_k - problem.kv_lora_rank
-    block_dpe = next_pow2(rope) if rope > 0 else 0
+    block_dpe = dot_width(rope) if rope > 0 else 0
     elem = problem.elem_size
     top = min(MAX_STAGES, target.max_num_stages)
 
