@@ -248,3 +248,18 @@ def test_only_the_sm90_prefill_cases_at_head_dim_256_and_64_are_allowed_spills()
     }  # fmt: skip
     for case in cases:
         assert case.allowance("cuda", "sm_80") == case.allowance("hip", "gfx942") == 0, case.id
+
+
+def test_the_mla_estimate_counts_the_buffers_the_policy_counts():
+    """A 16-bit tile that prefetches its rows has num_stages - 1 KV buffers in the policy; the
+    matrix's estimate counted num_stages (117504 B for sm_89 520/512 against the policy's
+    84224), so its estimate notes were wrong for every such NVIDIA tile."""
+    from portattn.compile.cases import build_mla_decode, policy_estimate
+    from portattn.policy.mla import MlaProblem, mla_decode_tiles
+
+    for arch in ("sm_80", "sm_89"):
+        (main, *_) = build_mla_decode(TARGETS[arch], head_dim_k=576, kv_lora_rank=512,
+                                      num_q_heads=16)  # fmt: skip
+        assert main.args["PREFETCH_ROWS"]
+        tiles = mla_decode_tiles(TARGETS[arch], MlaProblem(16, 576, 512, 2, 8, 4096, 1))
+        assert policy_estimate(main) == tiles.smem_bytes

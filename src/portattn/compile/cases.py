@@ -752,6 +752,7 @@ def _estimate_mla(launch: Launch) -> int | None:
         a["BLOCK_DPE"],
         launch.options.num_stages,
         a["q_ptr"].element_size(),
+        prefetch_rows=bool(a.get("PREFETCH_ROWS", False)),  # as the policy counts its buffers
     )
 
 
