@@ -671,20 +671,26 @@ def test_one_error_lists_type_and_value_problems():
 @pytest.mark.cpu
 @pytest.mark.mla
 def test_mla_names_itself_when_no_tile_fits_the_call():
-    """fp32 at a 2048-wide latent fits no sm_90 tile: the op's name leads the policy's reason
-    (it led with the policy's own name); fp16 at that width plans."""
-    sm90 = portattn.platform.get_target("sm_90")
+    """fp32 at a 512-wide latent fits no gfx942 tile: the op's name leads the policy's reason
+    (it led with the policy's own name); fp16 at that width plans; a latent past 512 is refused
+    the same way."""
+    gfx942 = portattn.platform.get_target("gfx942")
     meta = dict(device="meta")
     table = torch.empty(1, 1, dtype=torch.int32, **meta)
     lens = torch.empty(1, dtype=torch.int32, **meta)
-    q, cache = torch.empty(1, 1, 2048, **meta), torch.empty(2, 2, 2048, **meta)
-    with pytest.raises(ValueError, match=r"^mla_decode: mla_decode_tiles: no tile fits sm_90's "
-                       r".*kv_lora_rank=2048, head_dim_k=2048, 4-byte elements.*use a 2-byte "
+    q, cache = torch.empty(1, 1, 576, **meta), torch.empty(2, 2, 576, **meta)
+    with pytest.raises(ValueError, match=r"^mla_decode: mla_decode_tiles: no tile fits gfx942's "
+                       r".*kv_lora_rank=512, head_dim_k=576, 4-byte elements.*use a 2-byte "
                        r"dtype$"):  # fmt: skip
-        mla_decode(q, cache, table, lens, kv_lora_rank=2048, scale=0.1, target=sm90)
-    out = mla_decode(q.half(), cache.half(), table, lens, kv_lora_rank=2048, scale=0.1,
-                     target=sm90)  # fmt: skip
-    assert out.shape == (1, 1, 2048)
+        mla_decode(q, cache, table, lens, kv_lora_rank=512, scale=0.1, target=gfx942)
+    out = mla_decode(q.half(), cache.half(), table, lens, kv_lora_rank=512, scale=0.1,
+                     target=gfx942)  # fmt: skip
+    assert out.shape == (1, 1, 512)
+    wide = torch.empty(2, 2, 2048, **meta, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"^mla_decode: mla_decode_tiles: kv_lora_rank must be "
+                       r"<= 512 .*; got 2048$"):  # fmt: skip
+        mla_decode(torch.empty(1, 1, 2048, **meta, dtype=torch.float16), wide, table, lens,
+                   kv_lora_rank=2048, scale=0.1, target=gfx942)  # fmt: skip
 
 
 @pytest.mark.cpu
