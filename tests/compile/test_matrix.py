@@ -237,6 +237,20 @@ def test_latent_and_rope_parts_narrower_than_a_dot_compile_on_every_vendor():
     assert failing <= {"mla_decode/520/512 h16@sm_80", "mla_decode/520/512 h16@sm_90"}
 
 
+def test_the_sm90_warpgroup_rows_tile_at_head_dim_256_compiles_within_the_gate():
+    """The 128 x 32 tile the sm_90 policy gives the portable kernel at head_dim 129-256 (where
+    the sm_90 prefill kernel does not take the batch: here 17-token pages) is bounded by shared
+    memory only, past the words model; no default case builds it, so this holds its spills."""
+    cases = [make_case("paged_attention", f"hd{hd} gqa8 bs17 NHD prefill", build_paged_attention,
+                       head_dim=hd, num_q_heads=32, num_kv_heads=4, block_size=17, layout="NHD",
+                       max_query_len=64) for hd in (192, 256)]  # fmt: skip
+    cells = compile_in_spawned_workers(cases, ["sm_90"])
+    for c in cells:
+        (main,) = [r for r in c.launches if r.name == "paged_attention"]
+        assert c.passed, (c.id, c.reasons)
+        assert main.spills is not None and main.spills <= 16 and main.regs is not None
+
+
 # -- a worker's failures: each its own cell's result ---------------------------------------------
 
 

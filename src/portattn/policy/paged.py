@@ -492,6 +492,10 @@ def paged_tiles(target: Target, problem: PagedProblem) -> PagedTiles:
       * ``(block_n, num_stages)``: the first rung of `_ladder` within shared memory and the words
         bound (`MAX_WORDS_8_WARPS`, fp32 on NVIDIA `FP32_MAX_WORDS`; block_n 16 always
         passes), ``block_m`` halved until one fits; warps by `_num_warps`.
+      * sm_90, 16-bit NHD, a 64-row tile at 8 warps and >= 128 rows: `_warpgroup_rows`' 128 x 32
+        tile, bounded by shared memory only (at head_dim 129-256 the words model says 160
+        registers a thread against 96; it compiles to 243-250 without a spill, which
+        tests/compile holds it to).
       * SHUFFLE decode tiles read in cache order take at most `SHUFFLE_NARROW_BLOCK_N` tokens,
         or at head_dim 128 NHD's tile under `SHUFFLE_REG_CAP`, or at head_dim 64 NHD's tile.
       * ``decode``: a ``max_query_len == 1`` problem's row tile where it differs and is exceeded;
