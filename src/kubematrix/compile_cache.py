@@ -369,16 +369,13 @@ class LayeredCacheManager(RemoteCacheManager):
     def get_group(self, filename: str) -> dict[str, str] | None:
         if self._dump or self._override:
             return self._local.get_group(filename)
-        if knobs.compilation.always_compile:  # Triton compiles whatever it finds: one miss
-            _Stats.record("missed")
-            self._missed[filename] = time.monotonic()
-            return None
-        if (group := self._local_group(filename)) is not None:
-            _Stats.record("local")
-            return group
-        if (group := self._remote_group(filename)) is not None:
-            _Stats.record("remote")
-            return group
+        if not knobs.compilation.always_compile:  # else Triton compiles whatever it finds
+            if (group := self._local_group(filename)) is not None:
+                _Stats.record("local")
+                return group
+            if (group := self._remote_group(filename)) is not None:
+                _Stats.record("remote")
+                return group
         # Triton compiles, then calls put_group; a compile that raises records no more
         _Stats.record("missed")
         self._missed[filename] = time.monotonic()

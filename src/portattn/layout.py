@@ -177,17 +177,8 @@ def describe_kv_cache(
     if errors:
         raise ValueError(f"{op}: " + "; ".join(errors))
     if layout == "SHUFFLE":
-        x = shuffle_x(key_cache.dtype)
-        if key_cache.shape[-1] != x:
-            errors.append(
-                f"key_cache last dim must be x=16/element_size={x} for SHUFFLE; got shape "
-                f"{tuple(key_cache.shape)}"
-            )
-        if value_cache.shape[-1] != x:
-            errors.append(
-                f"value_cache last dim must be x=16/element_size={x} for SHUFFLE; got shape "
-                f"{tuple(value_cache.shape)}"
-            )
+        errors += _shuffle_x_errors("key_cache", key_cache)
+        errors += _shuffle_x_errors("value_cache", value_cache)
         if errors:
             raise ValueError(f"{op}: " + "; ".join(errors))
     k = _addressing(key_cache, layout, "key")
@@ -227,16 +218,22 @@ def _rank_args(p: Problems, name: str, t: object, rank: int, what: str) -> bool:
     return False
 
 
-def _cache_args(p: Problems, cache: object, layout: str, kind: str) -> None:
-    """``cache`` must be a cache of ``layout``: NHD 4-D; SHUFFLE 5-D with its last dim the
-    dtype's x (another x would read the elements in another order)."""
+def _shuffle_x_errors(name: str, cache: torch.Tensor) -> list[str]:
+    """A SHUFFLE cache's last dim must be its dtype's x (another x orders the elements
+    otherwise)."""
+    x = shuffle_x(cache.dtype)
+    if cache.shape[-1] == x:
+        return []
+    return [f"{name} last dim must be x=16/element_size={x} for SHUFFLE; got shape "
+            f"{tuple(cache.shape)}"]  # fmt: skip
+
+
+def _cache_args(p: Problems, cache: object, layout: str) -> None:
+    """``cache`` must be a cache of ``layout``: NHD 4-D; SHUFFLE 5-D with its dtype's x."""
     rank = 4 if layout == "NHD" else 5
     if _rank_args(p, "cache", cache, rank, f"a {layout} cache") and layout == "SHUFFLE":
         assert isinstance(cache, torch.Tensor)
-        x = shuffle_x(cache.dtype)
-        if cache.shape[-1] != x:
-            p.value(f"a SHUFFLE {kind} cache's last dim must be x=16/element_size={x}; got "
-                    f"shape {tuple(cache.shape)}")  # fmt: skip
+        p.value(*_shuffle_x_errors("cache", cache))
 
 
 def to_logical(cache: torch.Tensor, layout: str, kind: str) -> torch.Tensor:
@@ -244,7 +241,7 @@ def to_logical(cache: torch.Tensor, layout: str, kind: str) -> torch.Tensor:
     p = Problems("to_logical")
     _layout_args(p, layout, kind)
     if not p:
-        _cache_args(p, cache, layout, kind)
+        _cache_args(p, cache, layout)
     p.raise_if_any()
     if layout == "NHD":
         return cache.clone()
@@ -292,7 +289,7 @@ def token_view(
     _layout_args(p, layout, kind)
     rank = 4 if layout == "NHD" else 5  # read only for a known layout
     if not p:
-        _cache_args(p, cache, layout, kind)
+        _cache_args(p, cache, layout)
     if not p:
         # NHD [nb, bs, h, d]; SHUFFLE K [nb, h, d/x, bs, x], V [nb, h, bs/x, d, x]
         shape = cache.shape

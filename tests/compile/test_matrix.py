@@ -244,6 +244,9 @@ def test_the_sm90_warpgroup_rows_tile_at_head_dim_256_compiles_within_the_gate()
     cases = [make_case("paged_attention", f"hd{hd} gqa8 bs17 NHD prefill", build_paged_attention,
                        head_dim=hd, num_q_heads=32, num_kv_heads=4, block_size=17, layout="NHD",
                        max_query_len=64) for hd in (192, 256)]  # fmt: skip
+    for case in cases:  # the tile this test is about (planned on meta tensors)
+        (main,) = [x for x in case.plan(get_target("sm_90")) if x.name == "paged_attention"]
+        assert (main.args["BLOCK_M"], main.args["BLOCK_N"], main.options.num_warps) == (128, 32, 8)
     cells = compile_in_spawned_workers(cases, ["sm_90"])
     for c in cells:
         (main,) = [r for r in c.launches if r.name == "paged_attention"]

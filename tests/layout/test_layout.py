@@ -338,7 +338,7 @@ def test_a_shuffle_cache_of_another_x_is_refused(kind):
     round trip changed shape); `describe_kv_cache` already refused it."""
     logical = torch.randn(2, 8, 1, 16)
     cache = from_logical(logical.half(), "SHUFFLE", kind).float()
-    rule = f"a SHUFFLE {kind} cache's last dim must be x=16/element_size=4; got shape "
+    rule = "cache last dim must be x=16/element_size=4 for SHUFFLE; got shape "
     with pytest.raises(ValueError, match=re.escape(f"to_logical: {rule}")):
         to_logical(cache, "SHUFFLE", kind)
     with pytest.raises(ValueError, match=re.escape(f"token_view: {rule}")):
