@@ -201,15 +201,25 @@ class MambaStateSpec:
 
     def __post_init__(self) -> None:
         shapes, sizes = self.shapes, self.elem_bytes
+        # A value of the wrong type is a TypeError; an int out of range is a ValueError.
         if not isinstance(shapes, tuple) or not all(
-            isinstance(s, tuple) and all(_is_count(d, 0) for d in s) for s in shapes
+            isinstance(s, tuple) and all(is_int(d) for d in s) for s in shapes
         ):
             raise TypeError(
                 f"MambaStateSpec: shapes must be a tuple of shapes (tuples of ints >= 0); got "
                 f"{shapes!r}"
             )
-        if not isinstance(sizes, tuple) or not all(_is_count(b, 1) for b in sizes):
+        if not isinstance(sizes, tuple) or not all(is_int(b) for b in sizes):
             raise TypeError(
+                f"MambaStateSpec: elem_bytes must be a tuple of ints >= 1; got {sizes!r}"
+            )
+        if not all(_is_count(d, 0) for s in shapes for d in s):
+            raise ValueError(
+                f"MambaStateSpec: shapes must be a tuple of shapes (tuples of ints >= 0); got "
+                f"{shapes!r}"
+            )
+        if not all(_is_count(b, 1) for b in sizes):
+            raise ValueError(
                 f"MambaStateSpec: elem_bytes must be a tuple of ints >= 1; got {sizes!r}"
             )
         if len(self.shapes) != len(self.elem_bytes):

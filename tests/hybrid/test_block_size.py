@@ -303,18 +303,23 @@ def test_a_dtype_is_a_name_or_a_floating_torch_dtype(dtype):
 
 
 @pytest.mark.parametrize(
-    ("shapes", "elem_bytes", "what"),
-    [(((1, -2),), (2,), "shapes must be a tuple of shapes"), (5, (2,), "shapes must be"),
-     (((1, 2),), ("a",), "elem_bytes must be a tuple of ints >= 1"),
-     (((1, 2),), (0,), "elem_bytes must be"), (((1, 2.0),), (2,), "shapes must be")],
+    ("shapes", "elem_bytes", "error", "what"),
+    [(((1, -2),), (2,), ValueError, "shapes must be a tuple of shapes"),
+     (5, (2,), TypeError, "shapes must be"),
+     (((1, 2),), ("a",), TypeError, "elem_bytes must be a tuple of ints >= 1"),
+     (((1, 2),), (0,), ValueError, "elem_bytes must be"),
+     (((1, 2),), (True,), TypeError, "elem_bytes must be"),
+     (((1, 2.0),), (2,), TypeError, "shapes must be")],
 )  # fmt: skip
-def test_a_state_spec_refuses_sizes_that_are_no_sizes(shapes, elem_bytes, what):
+def test_a_state_spec_refuses_sizes_that_are_no_sizes(shapes, elem_bytes, error, what):
     """A negative dimension gave a negative page size; a shape that is no tuple or an element
-    size that is no int raised from len() or +."""
+    size that is no int raised from len() or +. A wrong type is a TypeError, an int out of
+    range a ValueError, as everywhere else in the library."""
     from portattn.hybrid import MambaStateSpec
 
-    with pytest.raises(TypeError, match=f"^MambaStateSpec: {what}"):
+    with pytest.raises(error, match=f"^MambaStateSpec: {what}") as raised:
         MambaStateSpec(shapes, elem_bytes)
+    assert type(raised.value) is error
 
 
 @pytest.mark.parametrize(
