@@ -186,7 +186,7 @@ def image_step(vendor: str, *, lanes: str, commit: str, root: str = ".") -> dict
         script = images.buildkit_build_script(vendor, key, commit)
         step["command"] = refuse or script
         step["agents"] = {"queue": K8S_QUEUE}
-        step["plugins"] = [{"kubernetes": {"podSpec": _builder_pod(step["command"])}}]
+        step["plugins"] = [{"kubernetes": k8s_step(_builder_pod(step["command"]))}]
     else:
         step["command"] = refuse or images.docker_build_script(vendor, key, commit)
         step["agents"] = {"queue": _setting(IMAGE_QUEUE_ENV, DEFAULT_IMAGE_QUEUE, _NO_SPACE)}
@@ -214,6 +214,21 @@ def _setting(env: str, default: str, rule: tuple[re.Pattern[str], str]) -> str:
     return value
 
 
+#: How agent-stack-k8s turns a podSpec container's command and args into the step's command:
+#: "buildkite" joins the command's entries as lines of a script (args appended, quoted, to the
+#: last line), which the agent runs with its shell. Named in every step, so that a controller
+#: whose default is "vector" or "legacy" runs the same script.
+INTERPOSER = "buildkite"
+
+
+def k8s_step(pod: dict[str, Any]) -> dict[str, Any]:
+    """The kubernetes plugin's settings for a pod whose command container holds its whole shell
+    script as the one entry of ``command`` (no ``args``): under the "buildkite" interposer the
+    agent runs exactly that script. A Kubernetes-style ``["/bin/sh", "-c"]`` + ``[script]``
+    would become the two lines ``/bin/sh`` and ``-c 'script'``."""
+    return {"podSpec": pod, "commandParams": {"interposer": INTERPOSER}}
+
+
 def _builder_pod(command: str) -> dict[str, Any]:
     """Rootless BuildKit in a pod: no privileges, no docker daemon; pushes with the registry
     Secret's credentials."""
@@ -222,8 +237,8 @@ def _builder_pod(command: str) -> dict[str, Any]:
             {
                 "name": "build",
                 "image": _setting(BUILDKIT_IMAGE_ENV, DEFAULT_BUILDKIT_IMAGE, _IMAGE),
-                "command": ["/bin/sh", "-c"],
-                "args": [command],
+                # One entry, no args: agent-stack-k8s runs it as the step's command (`k8s_step`).
+                "command": [command],
                 "env": [
                     {"name": "BUILDKITD_FLAGS", "value": "--oci-worker-no-process-sandbox"},
                     {"name": "DOCKER_CONFIG", "value": "/home/user/.docker"},
@@ -363,8 +378,8 @@ def k8s_plugin(
     for container in pod["containers"]:
         if container["name"] != CELL_CONTAINER:
             continue
-        container["command"] = ["/bin/sh", "-c"]
-        container["args"] = [shlex.join(command)]
+        container["command"] = [shlex.join(command)]  # one entry, no args: `k8s_step`
+        container.pop("args", None)
         container.pop("workingDir", None)  # agent-stack-k8s runs commands in the workspace
         for env in container.get("env", []):
             if env["name"] == STATS_DIR_ENV:
@@ -379,7 +394,7 @@ def k8s_plugin(
                 )
     meta = job["metadata"]
     return {
-        "podSpec": pod,
+        **k8s_step(pod),
         "metadata": {"labels": meta["labels"], "annotations": meta["annotations"]},
     }
 

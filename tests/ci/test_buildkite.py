@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,22 @@ def by_key(pipeline: dict) -> dict[str, dict]:
         for s in step.get("steps", [step]):
             out[s["key"]] = s
     return out
+
+
+def buildkite_command(plugin: dict, container: dict) -> str:
+    """The BUILDKITE_COMMAND agent-stack-k8s makes of a podSpec container (its config package's
+    `CommandParams.Command`): "buildkite" joins ``command`` by newlines and appends the shell-
+    quoted ``args`` to the last line; "vector" shell-quotes every word; "legacy" (the default of
+    controllers without interposers) joins every word by spaces. A step without
+    ``commandParams`` gets the controller's default, which a cluster may set to any of them."""
+    command, args = container.get("command", []), container.get("args", [])
+    interposer = plugin.get("commandParams", {}).get("interposer")
+    assert interposer in ("buildkite", "vector", "legacy"), interposer
+    if interposer == "buildkite":
+        return "\n".join(command) + (" " + shlex.join(args) if args else "")
+    if interposer == "vector":
+        return shlex.join([*command, *args])
+    return " ".join([*command, *args])
 
 
 PIPELINES = {
@@ -124,7 +141,7 @@ def test_pod_specs_pass_the_kubernetes_schema():
         for version in K8S_VERSIONS:
             kubernetes_validate.validate(pod, version, strict=True)
         (container,) = pod["spec"]["containers"]
-        assert container["args"] == [step["command"]]
+        assert buildkite_command(plugin["kubernetes"], container) == step["command"]
         assert step["command"].startswith("nox --no-venv --no-install -s ")  # the image's env
         resource = get_cell(step["key"]).spec.gpu_resource
         assert container["resources"]["limits"][resource] == "1"
@@ -156,7 +173,7 @@ def test_cuda_and_rocm_lanes_come_from_one_definition(lanes):
         plugins = [s.pop("plugins")[-1] for s in (cuda, rocm)]
         if lanes == "k8s":
             pods = [p["kubernetes"]["podSpec"] for p in plugins]
-            assert pods[0]["containers"][0]["args"] == pods[1]["containers"][0]["args"]
+            assert pods[0]["containers"][0]["command"] == pods[1]["containers"][0]["command"]
         else:
             runs = [p[buildkite.DOCKER_PLUGIN] for p in plugins]
             assert runs[0]["gpus"] == "all" and runs[1]["devices"] == ["/dev/kfd", "/dev/dri"]
@@ -550,3 +567,27 @@ def test_pipeline_settings_are_named_when_they_cannot_work(
     monkeypatch.setenv(env, value)
     assert main(["pipeline", "--lanes", lanes]) == 2
     assert f"kubematrix pipeline: {env} must be {rule}" in capsys.readouterr().err
+
+
+def test_a_k8s_lane_step_runs_its_nox_command_under_the_agent(tmp_path):
+    """The agent runs BUILDKITE_COMMAND with its shell (`/bin/sh -ec` in a command container).
+    The pods once held ``["/bin/sh", "-c"]`` + ``[script]``, which the buildkite interposer
+    made into the lines ``/bin/sh`` and ``-c '...'``: the second failed with "-c: not found"
+    and nox never ran. A recording ``nox`` on PATH shows the step's own words arrive."""
+    record = tmp_path / "argv"
+    fake = tmp_path / "bin" / "nox"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    pipeline = buildkite.generate(lanes="k8s", commit=COMMIT)
+    gpu_steps = [s for s in cell_steps(pipeline) if "plugins" in s]
+    assert gpu_steps
+    for step in gpu_steps:
+        plugin = step["plugins"][0]["kubernetes"]
+        (container,) = plugin["podSpec"]["containers"]
+        script = buildkite_command(plugin, container)
+        record.unlink(missing_ok=True)
+        proc = subprocess.run(["/bin/sh", "-ec", script], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert record.read_text().splitlines() == shlex.split(step["command"])[1:]

@@ -155,8 +155,11 @@ def test_a_pinned_base_gets_the_build_or_reuse_script(checkout, lanes):
         assert step["agents"] == {"queue": buildkite.DEFAULT_IMAGE_QUEUE}
     else:
         assert "buildctl-daemonless.sh build" in command and f"ref={env}-cache" in command
-        pod = step["plugins"][0]["kubernetes"]["podSpec"]
-        assert pod["containers"][0]["args"] == [command]
+        plugin = step["plugins"][0]["kubernetes"]
+        # the builder runs the step's script itself under agent-stack-k8s's interposer
+        assert plugin["commandParams"] == {"interposer": "buildkite"}
+        (container,) = plugin["podSpec"]["containers"]
+        assert container["command"] == [command] and "args" not in container
     proc = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr  # the script is valid shell
 
