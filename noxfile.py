@@ -148,7 +148,8 @@ def gpu(session: nox.Session) -> None:
         nodes = " or ".join(DEVICE_NODES.values())
         session.error(f"gpu: no CUDA/HIP device node ({nodes}) on this machine")
     install_project(session, "test")
-    session.run("pytest", *_xdist(session), *_marked(session, "gpu"))
+    # tests/ci needs the `ci` extra and holds no `gpu` tests (as in the suite sessions below).
+    session.run("pytest", "--ignore=tests/ci", *_xdist(session), *_marked(session, "gpu"))
 
 
 # One session per kernel suite (pytest marker): what a matrix cell runs in a Buildkite step or a

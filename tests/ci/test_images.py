@@ -366,3 +366,47 @@ def test_pin_names_docker_when_its_answer_is_no_digest(output, exit_code, messag
     good = '{"digest": "sha256:' + "ab" * 32 + '"}'
     docker.write_text(f"#!/bin/sh\nprintf '%s' '{good}'\n")
     assert images.resolve_digest("r.io/x:1") == "sha256:" + "ab" * 32
+
+
+def _cell_stage_copies(dockerfile: Path) -> list[tuple[list[str], str]]:
+    """The build-context COPY lines of a Dockerfile's ``cell`` stage: (sources, destination)."""
+    lines = dockerfile.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if re.search(r"\bAS cell\b", line))
+    copies = []
+    for line in lines[start + 1 :]:
+        if line.startswith("FROM "):
+            break
+        if line.startswith("COPY ") and "--from" not in line:
+            *sources, dest = line.split()[1:]
+            copies.append((sources, dest))
+    return copies
+
+
+@pytest.mark.parametrize("vendor", ("cuda", "rocm"))
+def test_the_cell_image_tree_builds_and_collects_under_any_marker(vendor, tmp_path):
+    """The cell stage's files, as its COPY lines take them from the build context: the project
+    installs from them (LICENSE is pyproject's licence file), and pytest collects a selection
+    that is not a suite's own (the ``gpu`` session's ``-m gpu``, a user's ``-m`` ANDed in).
+    tests/bench imports bench/, which the images leave out: it failed that collection."""
+    ignored = {line.strip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    tree = tmp_path / "opt" / "portattn"
+    for sources, dest in _cell_stage_copies(ROOT / f"Dockerfile.{vendor}"):
+        for src in sources:
+            assert src.split("/")[0] not in ignored, src  # in the build context
+            target = tree / dest / (Path(src).name if dest.endswith("/") else "")
+            if (ROOT / src).is_dir():
+                shutil.copytree(ROOT / src, target, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(ROOT / src, target)
+    assert not (tree / "bench").exists() and (tree / "tests" / "bench").is_dir()
+    licence = re.search(r"license-files\s*=\s*\[([^\]]*)\]", (tree / "pyproject.toml").read_text())
+    assert licence is not None
+    for name in re.findall(r'"([^"]+)"', licence.group(1)):
+        assert (tree / name).is_file(), f"pyproject's license-files {name!r} is not in the image"
+    env = {**os.environ, "PYTHONPATH": str(tree / "src")}  # the image pip-installs the project
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+           "--ignore=tests/ci", "-m", "gpu"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " collected" in proc.stdout and "error" not in proc.stdout.splitlines()[-1]
