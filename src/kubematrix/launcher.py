@@ -1,6 +1,6 @@
 """Run rendered cell Jobs on a cluster: create -> watch -> stream logs -> results -> cleanup.
 
-Uses the official ``kubernetes`` client and only what ``k8s/base/rbac.yaml`` grants (jobs
+Uses the official ``kubernetes`` client and only what ``k8s/setup/rbac.yaml`` grants (jobs
 create/get/list/watch/delete, pods get/list/watch, pods/log get, events list/watch).
 
 * Names are deterministic (:func:`kubematrix.render.job_name`: the commit, the cell and a digest
@@ -1195,8 +1195,8 @@ def _describe_api_error(exc: ApiException, namespace: str) -> str:
         message = ""
     hint = {
         401: "the kubeconfig's credentials were rejected",
-        403: f"forbidden: the launcher needs the Role in k8s/base/rbac.yaml in {namespace!r}",
-        404: f"not found: does namespace {namespace!r} exist? (kubectl apply -k k8s/base)",
+        403: f"forbidden: the launcher needs the Role in k8s/setup/rbac.yaml in {namespace!r}",
+        404: f"not found: does namespace {namespace!r} exist? (kubectl apply -k k8s/setup)",
         422: "the API server rejected the Job as invalid",
     }.get(exc.status or 0, f"API error {exc.status} {exc.reason}")
     return f"{hint}: {message}" if message else hint

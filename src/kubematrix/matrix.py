@@ -176,6 +176,7 @@ BACKENDS: dict[str, Backend] = {
             gpu_resource="nvidia.com/gpu",
             queue="gpu-cuda",
             paths=(
+                f"{_MANIFESTS}/setup/*",  # the namespace's Pod Security and the RBAC
                 f"{_MANIFESTS}/base/*",
                 f"{_MANIFESTS}/overlays/cuda/*",
                 f"{_MANIFESTS}/overlays/sm_*/*",  # the overlays of its architectures
@@ -193,6 +194,7 @@ BACKENDS: dict[str, Backend] = {
             gpu_resource="amd.com/gpu",
             queue="gpu-rocm",
             paths=(
+                f"{_MANIFESTS}/setup/*",  # the namespace's Pod Security and the RBAC
                 f"{_MANIFESTS}/base/*",
                 f"{_MANIFESTS}/overlays/rocm/*",
                 f"{_MANIFESTS}/overlays/gfx*/*",  # the overlays of its architectures

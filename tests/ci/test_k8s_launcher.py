@@ -247,7 +247,7 @@ def test_api_429_and_500_are_retried():
 def test_non_retryable_api_error_is_reported_with_the_role_hint():
     result, _, stub = _run(None, setup=lambda k, job: k.fail_next("POST jobs", 403, times=9))
     assert result.outcome == "error"
-    assert "forbidden: the launcher needs the Role in k8s/base/rbac.yaml" in result.message
+    assert "forbidden: the launcher needs the Role in k8s/setup/rbac.yaml" in result.message
     assert len([m for m, _, _ in stub.requests if m == "POST"]) == 1
 
 

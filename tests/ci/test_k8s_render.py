@@ -17,7 +17,13 @@ from kubematrix import buildkite, render
 from kubematrix.cachestats import K8S_REDIS_PORT, K8S_REDIS_SERVICE, REDIS_ENV, STATS_DIR_ENV
 from kubematrix.cell import cache_lines, decode_cache, decode_results, encode_results
 from kubematrix.matrix import ARCH_ENV, all_cells
-from kubematrix.render import job_name, load_kustomization, render_job, render_pod_spec
+from kubematrix.render import (
+    build_kustomization,
+    job_name,
+    load_kustomization,
+    render_job,
+    render_pod_spec,
+)
 
 pytestmark = pytest.mark.ci
 
@@ -172,6 +178,24 @@ def test_a_job_never_retries_ignores_disruptions_and_runs_restricted(vendor):
         )
         == _cell(vendor)["spec"]["template"]["spec"]
     )
+
+
+@pytest.mark.parametrize("mode", ["builtin", "kubectl"])
+def test_the_setup_makes_the_namespace_and_rbac_and_nothing_that_runs(mode, monkeypatch):
+    """The docs' one-time setup (`kubectl apply -k k8s/setup`) was `k8s/base`, which also made
+    Job portattn-cell: its image `portattn-ci` resolves to no registry, so the Job waited in
+    ImagePullBackOff for its deadline, and a later overlay apply could not change its template.
+    The base still holds the setup, so an overlay's apply makes the namespace too."""
+    if mode == "kubectl" and shutil.which("kubectl") is None:
+        pytest.skip("kubectl not installed")
+    monkeypatch.setenv(render.KUSTOMIZE_ENV, mode)
+    setup = build_kustomization(K8S / "setup")
+    kinds = {(d["kind"], d["metadata"].get("namespace")) for d in setup}
+    assert kinds == {("Namespace", None), ("ServiceAccount", "portattn-ci"),
+                     ("Role", "portattn-ci"), ("RoleBinding", "portattn-ci")}  # fmt: skip
+    base = build_kustomization(K8S / "base")
+    assert [d for d in base if d["kind"] != "Job"] == setup
+    assert [d["metadata"]["name"] for d in base if d["kind"] == "Job"] == ["portattn-cell"]
 
 
 def test_rbac_is_least_privilege():

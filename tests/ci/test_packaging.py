@@ -246,6 +246,7 @@ def test_the_wheel_runs_kubematrix_in_a_fresh_venv_outside_the_checkout(tmp_path
     "changed, backends",
     [
         ("src/kubematrix/manifests/base/job.yaml", {"cuda", "rocm"}),
+        ("src/kubematrix/manifests/setup/namespace.yaml", {"cuda", "rocm"}),
         ("src/kubematrix/manifests/overlays/rocm/job-patch.yaml", {"rocm"}),
         ("src/kubematrix/manifests/overlays/sm_90/kustomization.yaml", {"cuda"}),
         ("src/kubematrix/manifests/overlays/gfx942/kustomization.yaml", {"rocm"}),
