@@ -450,6 +450,17 @@ def nonempty_arg(text: str) -> str:
     return text
 
 
+def image_arg(text: str) -> str:
+    """An argparse type for an image reference (`IMAGE_REF`), named by its rule."""
+    nonempty_arg(text)
+    if not IMAGE_REF.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"must be an image reference [registry/]path[:tag][@digest] (lowercase path); "
+            f"got {text!r}"
+        )
+    return text
+
+
 def _commit(root: str, given: str | None) -> str:
     if given is not None:
         return given

@@ -18,9 +18,17 @@ from pathlib import Path
 import yaml
 
 from kubematrix import CI_EXTRA_HINT, checkout, report
-from kubematrix.images import default_image, nonempty_arg
+from kubematrix.images import default_image, image_arg, nonempty_arg
 from kubematrix.matrix import Cell
-from kubematrix.render import DEFAULT_NAMESPACE, DNS_LABEL_RULE, VENDORS, is_dns_label, render_job
+from kubematrix.render import (
+    DEFAULT_NAMESPACE,
+    DNS_LABEL_RULE,
+    INT64_MAX,
+    MAX_GID,
+    VENDORS,
+    is_dns_label,
+    render_job,
+)
 from kubematrix.signals import interrupted_exit, sigterm_interrupts
 
 try:
@@ -119,14 +127,15 @@ def namespace_setting() -> str:
 
 
 def _gids(text: str) -> list[int]:
-    """``--supplemental-groups``: comma-separated GIDs (ints >= 0); argparse reports the rule."""
+    """``--supplemental-groups``: comma-separated GIDs (ints in [0, MAX_GID]); argparse
+    reports the rule."""
     try:
         gids = [int(g) for g in text.split(",")]
     except ValueError:
         gids = [-1]
-    if any(g < 0 for g in gids):
+    if any(not 0 <= g <= MAX_GID for g in gids):
         raise argparse.ArgumentTypeError(
-            f"must be comma-separated non-negative integer GIDs, e.g. 44,109; got {text!r}"
+            f"must be comma-separated integer GIDs in [0, {MAX_GID}], e.g. 44,109; got {text!r}"
         )
     return gids
 
@@ -288,7 +297,7 @@ def _main(argv: Sequence[str] | None) -> int:
     parser.add_argument("--vendor", action="append", choices=VENDORS, required=True)
     parser.add_argument("--suite", action="append", choices=KERNEL_SUITES, required=True)
     parser.add_argument(
-        "--image", type=nonempty_arg, help="image for every cell (default: per vendor, see docs)"
+        "--image", type=image_arg, help="image for every cell (default: per vendor, see docs)"
     )
     parser.add_argument(
         "--commit", type=nonempty_arg, help="commit the Job names and images use (default: HEAD)"
@@ -332,10 +341,11 @@ def _main(argv: Sequence[str] | None) -> int:
         namespace = args.namespace if args.namespace is not None else namespace_setting()
         if args.max_parallel < 1:
             raise ValueError(f"--max-parallel must be >= 1; got {args.max_parallel}")
-        if args.deadline <= 600:
+        if not 600 < args.deadline <= INT64_MAX:
             raise ValueError(
                 f"--deadline must be > 600 s (the cell stops 300 s before it, and a test may "
-                f"take min(900, deadline - 600) s); got {args.deadline}"
+                f"take min(900, deadline - 600) s) and <= 2**63 - 1 (the Job's int64 field); got "
+                f"{args.deadline}"
             )
         if not 0 < args.pending_timeout < float("inf"):
             raise ValueError(

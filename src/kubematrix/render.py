@@ -36,7 +36,13 @@ from typing import Any
 import yaml
 
 from kubematrix.cachestats import REDIS_ENV, cache_env, k8s_redis
+from kubematrix.images import IMAGE_REF
 from kubematrix.matrix import BACKENDS
+
+#: The largest value of a Kubernetes int64 field (``activeDeadlineSeconds``).
+INT64_MAX = 2**63 - 1
+#: The largest Linux group id (``gid_t`` is 32 bits, and ``(gid_t) -1`` means "no group").
+MAX_GID = 2**32 - 2
 
 __all__ = [
     "CELL_CONTAINER",
@@ -365,16 +371,20 @@ def render_job(
         errors.append(f"vendor must be one of {VENDORS}; got {vendor!r}")
     if suite not in SUITES:
         errors.append(f"suite must be one of {SUITES}; got {suite!r}")
-    if not image or any(c.isspace() for c in image):
-        errors.append(f"image must be a non-empty reference without spaces; got {image!r}")
+    if not isinstance(image, str) or not IMAGE_REF.fullmatch(image):
+        errors.append(
+            f"image must be an image reference [registry/]path[:tag][@digest] (lowercase path); "
+            f"got {image!r}"
+        )
     if not commit:
         errors.append(f"commit must be non-empty; got {commit!r}")
     if not is_dns_label(namespace):
         errors.append(f"namespace must be {DNS_LABEL_RULE}; got {namespace!r}")
-    if not 0 < test_timeout_s < cell_timeout_s < active_deadline_s:
+    if not 0 < test_timeout_s < cell_timeout_s < active_deadline_s <= INT64_MAX:
         errors.append(
-            "timeouts must satisfy 0 < test_timeout_s < cell_timeout_s < active_deadline_s; "
-            f"got {test_timeout_s}, {cell_timeout_s}, {active_deadline_s}"
+            "timeouts must satisfy 0 < test_timeout_s < cell_timeout_s < active_deadline_s "
+            f"<= 2**63 - 1 (the Job's int64 field); got {test_timeout_s}, {cell_timeout_s}, "
+            f"{active_deadline_s}"
         )
     if session is not None and not re.fullmatch(r"[A-Za-z0-9_.()'=-]+", session):
         errors.append(f"session must be a nox session name; got {session!r}")
@@ -382,8 +392,10 @@ def render_job(
         errors.append(f"nox_args must not set --junitxml (the cell writes {RESULTS_PATH})")
     if ttl_after_finished_s < 0:
         errors.append(f"ttl_after_finished_s must be >= 0; got {ttl_after_finished_s}")
-    if supplemental_groups is not None and any(g < 0 for g in supplemental_groups):
-        errors.append(f"supplemental_groups must be GIDs >= 0; got {list(supplemental_groups)}")
+    if supplemental_groups is not None and any(not 0 <= g <= MAX_GID for g in supplemental_groups):
+        errors.append(
+            f"supplemental_groups must be GIDs in [0, {MAX_GID}]; got {list(supplemental_groups)}"
+        )
     if vendor in VENDORS and arch is not None and arch not in archs(vendor):
         errors.append(f"arch must be one of {archs(vendor)} for {vendor}; got {arch!r}")
     # The queue becomes a label value: named by where it came from when it cannot be one.

@@ -403,9 +403,10 @@ def test_a_repeated_vendor_or_suite_makes_one_job(monkeypatch, tmp_path):
         (["--pending-timeout", "nan"], "--pending-timeout must be a finite number of seconds > 0"),
         (["--pending-timeout", "inf"], "--pending-timeout must be a finite number of seconds > 0"),
         (["--deadline", "600"], "--deadline must be > 600 s"),
+        # int64 fields: past them the API server, not the launcher, would have refused
+        (["--deadline", str(2**63)], "and <= 2**63 - 1 (the Job's int64 field); got 9223372"),
         (["--namespace", "Bad_NS"], "namespace must be a DNS-1123 label: at most 63 characters"),
         (["--commit", "a b"], "commit must make the image tag <vendor>-<commit> a Docker tag"),
-        (["--image", "x y"], "image must be a non-empty reference without spaces"),
     ],
 )
 def test_usage_errors_come_before_the_cluster_is_asked(
@@ -423,9 +424,13 @@ def test_usage_errors_come_before_the_cluster_is_asked(
     ("argv", "message"),
     [
         (["--supplemental-groups", "abc"],
-         "argument --supplemental-groups: must be comma-separated non-negative integer GIDs, "
-         "e.g. 44,109; got 'abc'"),
-        (["--supplemental-groups", "44,-1"], "non-negative integer GIDs, e.g. 44,109; got '44,-1'"),
+         "argument --supplemental-groups: must be comma-separated integer GIDs in "
+         "[0, 4294967294], e.g. 44,109; got 'abc'"),
+        (["--supplemental-groups", "44,-1"], "GIDs in [0, 4294967294], e.g. 44,109; got '44,-1'"),
+        (["--supplemental-groups", f"44,{2**32 - 1}"], "GIDs in [0, 4294967294]"),
+        # the KUBEMATRIX_IMAGE_<VENDOR> rule, which --image skipped (it checked only spaces)
+        (["--image", "x y"], "argument --image: must be an image reference"),
+        (["--image", "UPPER/Repo:x"], "argument --image: must be an image reference"),
         (["--image", ""], "argument --image: must not be empty"),
         (["--commit", ""], "argument --commit: must not be empty"),
         (["--namespace", ""], "argument --namespace: must not be empty"),

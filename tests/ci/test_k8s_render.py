@@ -259,13 +259,28 @@ def test_render_job_reports_every_bad_argument():
     for part in (
         "vendor must be one of ('cuda', 'rocm'); got 'intel'",
         "suite must be one of",
-        "image must be a non-empty reference",
+        "image must be an image reference [registry/]path[:tag][@digest] (lowercase path)",
         "commit must be non-empty",
         "namespace must be a DNS-1123 label",
         "timeouts must satisfy 0 < test_timeout_s < cell_timeout_s < active_deadline_s",
         "nox_args must not set --junitxml",
     ):
         assert part in message
+
+
+def test_render_job_refuses_what_the_api_server_would():
+    """An upper-case path, a deadline past int64 or a GID past Linux's 32 bits was rendered and
+    left for the API server or the kubelet to refuse."""
+    base = dict(vendor="rocm", suite="mla", image="reg/x:rocm-0123456", commit="0123456789ab")
+    for kw, part in (
+        (dict(image="Reg/X:rocm"), "image must be an image reference"),
+        (dict(active_deadline_s=2**63, cell_timeout_s=3300), "<= 2**63 - 1 (the Job's int64"),
+        (dict(supplemental_groups=[44, 2**32 - 1]), "GIDs in [0, 4294967294]; got [44, 42949"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(part)):
+            render_job(**{**base, **kw})
+    job = render_job(**base, supplemental_groups=[0, 2**32 - 2], active_deadline_s=2**63 - 1)
+    assert job["spec"]["activeDeadlineSeconds"] == 2**63 - 1
 
 
 def test_kustomize_fields_the_renderer_does_not_implement_are_refused(tmp_path):
