@@ -33,7 +33,7 @@ from portattn import reference
 from portattn.kernels import _checks
 from portattn.kernels._plans import PlanCache, call_key
 from portattn.kernels.kv_cache import gather_kv_cache, write_kv_cache
-from portattn.kernels.mla_decode import mla_decode
+from portattn.kernels.mla_decode import mla_decode, plan_mla_decode
 from portattn.kernels.page_indices import expand_page_indices
 from portattn.kernels.paged_attention import paged_attention, plan_paged_attention
 from portattn.layout import empty_kv_cache, make_hybrid_cache
@@ -815,6 +815,35 @@ def test_mla_takes_one_page_past_2_31_elements():
     lens = torch.empty(2, dtype=torch.int32, device="meta")
     out = mla_decode(q, cache, table, lens, kv_lora_rank=512, scale=0.05)
     assert out.shape == (2, 16, 512)
+
+
+@pytest.mark.cpu
+@pytest.mark.mla
+def test_mla_reads_a_cache_of_2_31_blocks_or_tokens_right():
+    """The descriptor (TMA) path's shape and coordinates are 32-bit: on a cache of 2**31 blocks
+    it read the wrong rows (relative error 0.65, no error raised) even for small block ids, and
+    a page of 2**31 tokens failed inside Triton. Such caches take the gather path, whose block
+    and token terms are 64-bit. Stride-0 views: every block holds the same values, so the fp64
+    reference reads a 100-block copy."""
+    torch.manual_seed(0)
+    bs, dk, r = 64, 80, 64
+    page = torch.randn(1, bs, dk).half()
+    q = torch.randn(2, 2, dk).half()
+    table, lens = torch.tensor([[5, 7], [60, 0]]), torch.tensor([70, 30])
+    want, _ = reference.mla_decode(q, page.expand(100, bs, dk), table, lens, kv_lora_rank=r,
+                                   scale=0.1)  # fmt: skip
+    for blocks, tma in ((2**31 - 1, True), (2**31, False), (2**32 + 5, False)):
+        a = dict(query=q, kv_cache=page.expand(blocks, bs, dk), block_table=table,
+                 seq_lens=lens, kv_lora_rank=r, scale=0.1)  # fmt: skip
+        assert plan_mla_decode(**a)[0].args["TMA"] is tma, blocks
+        got = mla_decode(**a)
+        assert ((got.double() - want).norm() / want.norm()).item() < 2e-3, blocks
+    row = torch.randn(1, 1, dk).half()
+    long = row.expand(2, 2**31, dk)  # one page of 2**31 tokens
+    want, _ = reference.mla_decode(q, row.expand(2, 128, dk), torch.tensor([[0], [1]]), lens,
+                                   kv_lora_rank=r, scale=0.1)  # fmt: skip
+    got = mla_decode(q, long, torch.tensor([[0], [1]]), lens, kv_lora_rank=r, scale=0.1)
+    assert ((got.double() - want).norm() / want.norm()).item() < 2e-3
 
 
 @pytest.mark.cpu

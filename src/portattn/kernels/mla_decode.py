@@ -70,6 +70,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from portattn.blocksize import BlockSizeRule, MultipleOf
 from portattn.kernels._checks import (
+    INT32_LIMIT,
     INT64_MAX,
     POSITIONS32_LIMIT,
     Problems,
@@ -1007,12 +1008,14 @@ def _tma_ok(kv_cache: torch.Tensor, kv_lora_rank: int, tiles: MlaTiles, paged_sl
     ``page_indices`` slots), the latent and rope tiles must be exactly the cache's columns (no
     padded columns, which a descriptor would fill from the neighbouring part), and the cache must
     meet the copy engine's rules: contiguous last dimension, 16-byte aligned base and strides
-    (`rows_aligned`).
+    (`rows_aligned`), and every dimension below 2**31: a descriptor's shape and coordinates are
+    32-bit (the gather path's block and token terms are 64-bit).
     """
     t = tiles
     rope = kv_cache.shape[2] - kv_lora_rank
     return (
         not paged_slots
+        and max(kv_cache.shape) < INT32_LIMIT
         and kv_cache.shape[1] % t.block_n == 0
         and t.block_dv == kv_lora_rank
         and t.block_dpe == rope
