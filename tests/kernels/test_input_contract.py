@@ -242,6 +242,21 @@ def test_paged_out_in_the_cache_is_refused():
 
 
 @pytest.mark.cpu
+@pytest.mark.paged
+def test_paged_trace_in_an_input_is_refused():
+    """The sm_90 prefill kernel stamps ``trace``: it was not held to the overlap rule of what an
+    op writes (mla_decode's was), so a view of the block table was taken."""
+    a = _paged()
+    table = a["block_table"].to(torch.int64)
+    a["block_table"] = table
+    rule = r"^paged_attention: trace must not overlap block_table \(trace is written\)"
+    with pytest.raises(ValueError, match=rule):
+        paged_attention(**a, trace=table.reshape(-1))
+    with pytest.raises(ValueError, match=r"trace must not overlap itself"):
+        paged_attention(**a, trace=torch.zeros(1, dtype=torch.int64).expand(8))
+
+
+@pytest.mark.cpu
 @pytest.mark.mla
 def test_mla_out_in_the_cache_is_refused():
     a = _mla()

@@ -335,7 +335,11 @@ def test_output_through_shared_memory_only_at_the_rank_a_gpu_ran():
     ("trace", "heads", "error", "match"),
     [
         (torch.empty(16, dtype=torch.int64, device="meta"), 128, ValueError,
-         "mla_decode: trace must be an int64 tensor on meta of at least 1052672 elements"),
+         "mla_decode: trace must be a contiguous int64 tensor on meta of at least 1052672 "
+         "elements"),
+        # stamped flat from its first element: an expanded view took them past its own
+        (torch.empty(1, dtype=torch.int64, device="meta").expand(1 << 24), 128, ValueError,
+         "mla_decode: trace must be a contiguous int64 tensor on meta .* strides \\(0,\\)"),
         (torch.empty(16, dtype=torch.int32, device="meta"), 128, TypeError,
          "mla_decode: trace must be None or an int64 tensor; got tensor of dtype torch.int32"),
         (torch.empty(16, dtype=torch.int64), 128, ValueError,

@@ -819,7 +819,7 @@ def test_trace_builds_traced_launches_only_when_given():
     assert a["TRACE"] is True and a["trace_ptr"] is buf
 
 
-_TRACE_RULE = "^paged_attention: trace must be an int64 tensor on meta of at least"
+_TRACE_RULE = "^paged_attention: trace must be a contiguous int64 tensor on meta of at least"
 
 
 @pytest.mark.parametrize(
@@ -829,6 +829,9 @@ _TRACE_RULE = "^paged_attention: trace must be an int64 tensor on meta of at lea
          _TRACE_RULE),
         (dict(trace=torch.empty(1 << 24, dtype=torch.int32, **META)),
          _TRACE_RULE),
+        # stamped flat from its first element: an expanded view took them past its own
+        (dict(trace=torch.empty(1, dtype=torch.int64, **META).expand(1 << 24)),
+         _TRACE_RULE + r".* strides \(0,\)"),
         (dict(mql=8, trace=torch.empty(1 << 24, dtype=torch.int64, **META)),
          "trace needs the sm_90 prefill kernel"),
     ],

@@ -162,20 +162,27 @@ def rows_aligned(t: torch.Tensor) -> bool:
 def check_trace_buffer(
     trace: Any, need: int, device: torch.device, layout: str, op: str | None = None
 ) -> None:
-    """A Gluon kernel's diagnostic ``trace`` buffer: an int64 tensor on the launch's device of at
-    least ``need`` elements (``layout`` names its dimensions, ``op`` prefixes the error).
+    """A Gluon kernel's diagnostic ``trace`` buffer: a contiguous int64 tensor on the launch's
+    device of at least ``need`` elements (``layout`` names its dimensions, ``op`` prefixes the
+    error). The kernel stamps it flat from its first element, so a strided or expanded view
+    would take stamps past its own elements.
 
     Raises:
         ValueError: naming ``trace`` and the rule.
     """
     if isinstance(trace, torch.Tensor):
-        if trace.dtype == torch.int64 and trace.device == device and trace.numel() >= need:
+        if (
+            trace.dtype == torch.int64
+            and trace.device == device
+            and trace.numel() >= need
+            and trace.is_contiguous()
+        ):
             return
-        got = f"{trace.dtype} on {trace.device}, {trace.numel()} elements"
+        got = f"{trace.dtype} on {trace.device}, {trace.numel()} elements, strides {trace.stride()}"
     else:
         got = type(trace).__name__
     prefix = f"{op}: " if op else ""
     raise ValueError(
-        f"{prefix}trace must be an int64 tensor on {device} of at least {need} elements "
-        f"({layout}); got {got}"
+        f"{prefix}trace must be a contiguous int64 tensor on {device} of at least {need} "
+        f"elements ({layout}); got {got}"
     )

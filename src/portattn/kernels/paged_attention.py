@@ -756,7 +756,7 @@ def _check_call(
             p.value(f"{name} must be < 2**31 - 2**16 = {POSITIONS32_LIMIT}; got {v}")
     if not p and kv is not None:
         reads = [("key_cache", key_cache), ("value_cache", value_cache), *named.items()]
-        p.value(*overlap_errors([("out", out)], reads))
+        p.value(*overlap_errors([("out", out), ("trace", trace)], reads))
         # the kernels' 32-bit offsets: a token's head and dim terms, a block's in-block terms,
         # a block-table row's columns, the sequences' metadata entries
         in_block = range(1, key_cache.dim())
