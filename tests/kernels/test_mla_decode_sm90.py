@@ -411,3 +411,31 @@ def test_gathered_rows_prefetch_nothing():
     gathered rows (page size 1) issue none."""
     got = in_spawned_workers(_case_ptx, [("576/512 h128 page1 table",)])
     assert "cp.async.bulk.prefetch" not in got[("576/512 h128 page1 table",)]
+
+
+@pytest.mark.parametrize("metadata", [True, False])
+def test_a_cache_the_hopper_kernel_cannot_read_runs_the_portable_wide_tile_at_32_tokens(metadata):
+    """A builder plans the Hopper kernel's 64 x 64 tile before it sees the cache; on a cache
+    whose pages are not back to back (one row of padding a page) that kernel cannot run, and
+    the portable kernel ran the 64 x 64 tile, which spilled 232 B on sm_90: it runs 32 tokens,
+    with the workspaces the builder sized."""
+    from portattn.mla_metadata import MlaMetadataBuilder
+
+    meta = dict(device="meta")
+    padded = torch.empty(65, 65, 576, dtype=torch.bfloat16, **meta)[:, :64]
+    assert sm90_errors(padded, 512, 64, 64, SM90, paged_slots=False)
+    sl = torch.empty(4, dtype=torch.int32, **meta)
+    q = torch.empty(4, 128, 576, dtype=torch.bfloat16, **meta)
+    bt = torch.empty(4, 16, dtype=torch.int32, **meta)
+    kw: dict = dict(kv_lora_rank=512, scale=0.05, target=SM90)
+    if metadata:
+        builder = MlaMetadataBuilder(
+            SM90, max_batch=8, num_heads=128, kv_lora_rank=512, head_dim_k=576,
+            dtype=torch.bfloat16, max_seq_len=32768, **meta,
+        )  # fmt: skip
+        kw["metadata"] = md = builder.build(sl)
+        assert (md.tiles.block_n, md.tiles.sm90_kernel) == (64, True)
+    main = plan_mla_decode(q, padded, bt, sl, **kw)[0]
+    assert main.name == "mla_decode"
+    assert (main.args["BLOCK_H"], main.args["BLOCK_N"]) == (64, 32)
+    assert plan_mla_decode(q, _cache(pages=65), bt, sl, **kw)[0].name == "mla_decode_sm90"

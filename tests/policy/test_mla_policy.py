@@ -497,3 +497,45 @@ def test_latent_and_rope_tiles_are_at_least_a_dot_wide(dk, rank, dv, dpe):
 
     t = mla_decode_tiles(get_target("sm_80"), MlaProblem(4, dk, rank, 2, 8, 64, 1))
     assert (t.block_dv, t.block_dpe) == (dv, dpe)
+
+
+@pytest.mark.parametrize(
+    ("dk", "r", "ready"),
+    [(448, 384, True), (576, 512, False), (320, 256, False)],
+)
+def test_sm90_portable_wide_tile_stops_at_32_tokens(dk, r, ready):
+    """At 64 heads a launch the Hopper kernel cannot run (a rank it is not built for, or a
+    cache it cannot read) runs the portable kernel, whose 64 x 64 wide tile spilled 108-232 B on
+    sm_90: it takes 32 tokens; a launch the Hopper kernel runs keeps its 64."""
+    sm90 = get_target("sm_90")
+    t = mla_decode_tiles(sm90, problem(dk, r, heads=128, ready=ready))
+    assert (t.block_h, t.block_n, t.sm90_kernel) == (64, 32, False)
+    hopper = mla_decode_tiles(sm90, problem(heads=128))
+    assert (hopper.block_h, hopper.block_n, hopper.sm90_kernel) == (64, 64, True)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"])
+@pytest.mark.parametrize(("heads", "q_len"), [(128, 1), (16, 1), (3, 4)])
+def test_a_rope_padded_past_64_takes_the_wide_rope_tile_on_nvidia(arch, heads, q_len):
+    """A rope of 88 columns pads to a 128-wide tile, which the Hopper kernel does not take
+    (not a power of two) and whose every wide, 64-token, 4-warp or prefetched portable tile
+    spilled on sm_90 (88-13804 B): 16 heads, 32 tokens, 8 warps, no prefetched rows, not
+    packed, on every NVIDIA target, at the deepest stages that fit."""
+    p = dataclasses.replace(problem(600, 512, heads=heads), max_query_len=q_len)
+    t = mla_decode_tiles(get_target(arch), p)
+    assert (t.block_h, t.block_n, t.block_dpe, t.options.num_warps) == (16, 32, 128, 8)
+    assert not (t.prefetch_rows or t.packed or t.sm90_kernel)
+    two = mla_smem_bytes(16, 32, 512, 128, 2, 2) <= get_target(arch).max_shared_mem
+    assert t.options.num_stages == (2 if two else 1)  # the 99 KB parts hold one buffer
+
+
+@pytest.mark.parametrize("dk", [544, 512])
+def test_the_register_estimate_counts_a_rope_tile_of_64_over_a_512_latent(dk):
+    """A 32-wide rope, or none, let a 16-head, 64-token, 4-warp tile through on sm_80 (its
+    estimate 200 / 192), which spilled 228-268 B: the estimate counts a 64-wide rope tile there,
+    so the tile takes 8 warps, which compiled without spills."""
+    t = mla_decode_tiles(get_target("sm_80"), problem(dk, 512, ready=False))
+    assert (t.block_h, t.block_n, t.options.num_warps, t.prefetch_rows) == (16, 64, 8, True)
+    # the rank the estimate was fitted at keeps its tile
+    t = mla_decode_tiles(get_target("sm_80"), problem(576, 512))
+    assert (t.block_n, t.options.num_warps) == (32, 4)

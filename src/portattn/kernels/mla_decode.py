@@ -121,6 +121,7 @@ from portattn.policy.mla import (
     mla_config_errors,
     mla_decode_tiles,
     mla_row_groups,
+    portable_tiles,
 )
 
 # Any block size: the kernel addresses block and in-block offset separately.
@@ -1254,6 +1255,8 @@ def plan_mla_decode(
             tiles = _policy_tiles(target, problem)
         except ValueError as exc:  # no tile fits the target: the call's widths and dtype ask for it
             raise ValueError(f"{_OP}: {exc}") from None
+    if not sm90_ready:  # tiles planned for the Hopper kernel, which cannot read this cache
+        tiles = portable_tiles(tiles, query.element_size())
     splits = tiles.num_kv_splits
     row_groups = mla_row_groups(tiles, num_heads, max_query_len)
 

@@ -1054,10 +1054,13 @@ def sm90_errors(
             lambda: f"tile H{block_h} N{block_n} is not H64 N64",
         ),
         (
-            kv_lora_rank in (128, 256, 512),
+            kv_lora_rank in mla_policy.SM90_KERNEL_RANKS,
             lambda: f"kv_lora_rank {kv_lora_rank} not in 128/256/512",
         ),
-        (rope in (16, 32, 64, 128), lambda: f"rope width {rope} not in 16..128 pow2"),
+        (
+            rope in mla_policy.SM90_KERNEL_ROPES,
+            lambda: f"rope width {rope} not in 16..128 pow2",
+        ),
         (
             smem <= target.max_shared_mem,
             lambda: f"shared memory {smem} B > the target's {target.max_shared_mem}",

@@ -17,10 +17,13 @@ Narrow tile (every target): ``BLOCK_H = mma_min_rows``, the longest ``BLOCK_N`` 
 within both budgets at the fewest warps (on HIP over a 512-wide latent, 4 at one wave a SIMD:
 `HIP_LATENT_512_NUM_WARPS`, `HIP_ONE_WAVE_PER_EU`). Wide tile (`WIDE_ARCHS`, 64 heads or
 more, packed rows, or on sm_90 any 16-bit launch the Hopper kernel can run:
-`MlaProblem.sm90_ready`): 64 heads a program, so the latent is read once for 64 heads; below 64
+`sm90_kernel_runs`): 64 heads a program, so the latent is read once for 64 heads; below 64
 heads it pads rows, and on sm_90 still reads faster than the narrow tile. On sm_90 the wide
 16-bit tile runs the Gluon kernel (`portattn.kernels.mla_decode_sm90`), whose schedule choices
-are `MlaConfig` (`mla_config`).
+are `MlaConfig` (`mla_config`); where that kernel cannot run the launch, the portable kernel's
+wide tile is at most `PORTABLE_WIDE_MAX_BLOCK_N` tokens. On NVIDIA a rope tile wider than
+`ROPE_TILE_MODELLED` (which the Hopper kernel does not run) takes `WIDE_ROPE_TILE`, and over a
+512-wide latent the register estimate counts a rope tile of at least `MIN_MODELLED_ROPE_512`.
 
 Packed rows (verification): rows (query token, head) of one sequence, so its tokens read the
 cache once per tile position instead of once per token; programs per sequence and split:
@@ -44,7 +47,7 @@ each split at least `MIN_TOKENS_PER_SPLIT` tokens, at most `MAX_KV_SPLITS`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from portattn.platform import Target, is_int
 from portattn.policy.common import LaunchOptions, launch_options, next_pow2
@@ -87,6 +90,25 @@ PREFETCH_STAGES = 3
 TMA_MIN_CAPABILITY = 90
 #: Where the wide 16-bit tile runs the Hopper kernel (`portattn.kernels.mla_decode_sm90`).
 SM90_KERNEL_ARCHS = ("sm_90",)
+#: The latent ranks and rope widths the Hopper kernel is built for (its `sm90_errors`).
+SM90_KERNEL_RANKS = (128, 256, 512)
+SM90_KERNEL_ROPES = (16, 32, 64, 128)
+#: The portable kernel's longest KV tile at 64 heads: at 64 tokens its 64 x 512 accumulator and
+#: tile spilled on sm_90 (108-232 B, Triton 3.6 compile matrix) where the Hopper kernel, which
+#: holds that tile, could not run the launch.
+PORTABLE_WIDE_MAX_BLOCK_N = 32
+#: The widest rope tile the portable kernel's register estimate is good for on NVIDIA. A wider
+#: one (a rope of 65-127 columns pads to 128, or 128 where the Hopper kernel cannot run) spilled
+#: at every wide tile, every 64-token tile, every 4-warp tile and every prefetched one tried on
+#: sm_90 (88-13804 B): it takes `WIDE_ROPE_TILE`, which compiled without spills.
+ROPE_TILE_MODELLED = 64
+#: (KV tile, warps) of the narrow NVIDIA tile for a rope tile past `ROPE_TILE_MODELLED`, at the
+#: deepest stages that fit and no prefetched rows.
+WIDE_ROPE_TILE = (32, 8)
+#: The narrowest rope tile the register estimate counts over a 512-wide latent: a 32-wide rope
+#: tile, or none, compiled to the registers of a 64-wide one and spilled 228-268 B on sm_80 at
+#: the 16-head, 64-token, 4-warp tile an estimate from the true width let through.
+MIN_MODELLED_ROPE_512 = 64
 #: The Hopper kernel's KV tile: pages of a multiple of it are copied by TMA boxes, others gathered.
 SM90_BLOCK_N = 64
 #: Latent ranks whose one-split output goes out through shared memory (`MlaConfig.store_smem`):
@@ -107,6 +129,20 @@ HIP_PACK_NUM_STAGES = 2
 #: wave may hold 512 VGPRs (two cap it at 256, where those tiles spill); the packed tile's 4 waves
 #: then make one program a CU.
 HIP_ONE_WAVE_PER_EU = 1
+
+
+def sm90_kernel_runs(target: Target, problem: MlaProblem) -> bool:
+    """Whether the Hopper kernel can run ``problem``'s 16-bit launch on ``target``: its
+    architecture, a rank and rope width it is built for, and a cache it can read
+    (``problem.sm90_ready``)."""
+    rope = problem.head_dim_k - problem.kv_lora_rank
+    return (
+        problem.sm90_ready
+        and target.arch in SM90_KERNEL_ARCHS
+        and problem.elem_size == 2
+        and problem.kv_lora_rank in SM90_KERNEL_RANKS
+        and rope in SM90_KERNEL_ROPES
+    )
 
 
 def sm90_gathers(page_size: int, page_indices: bool, heads_n: bool) -> bool:
@@ -328,6 +364,9 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     elem = problem.elem_size
     top = min(MAX_STAGES, target.max_num_stages)
 
+    # the rope width the register estimate counts (`MIN_MODELLED_ROPE_512`)
+    reg_dpe = max(block_dpe, MIN_MODELLED_ROPE_512) if block_dv >= 512 else block_dpe
+
     def fits(
         block_h: int,
         block_n: int,
@@ -337,15 +376,22 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         warp_size: int = 32,
     ) -> int | None:
         """The shared-memory estimate when both budgets hold, else None."""
-        regs = mla_reg_estimate(block_h, block_n, block_dv, block_dpe, warps, elem, warp_size)
+        regs = mla_reg_estimate(block_h, block_n, block_dv, reg_dpe, warps, elem, warp_size)
         smem = mla_smem_bytes(block_h, block_n, block_dv, block_dpe, stages, elem, prefetch)
         return smem if regs <= REG_BUDGET and smem <= target.max_shared_mem else None
 
     fp32 = elem >= 4
+    hopper = sm90_kernel_runs(target, problem)
+    # the portable kernel on NVIDIA past the modelled rope width (`WIDE_ROPE_TILE`)
+    wide_rope = not target.is_hip and not fp32 and not hopper and block_dpe > ROPE_TILE_MODELLED
     block_ns = (FP32_BLOCK_N,) if fp32 else BLOCK_N_CANDIDATES
+    if wide_rope:
+        block_ns = (WIDE_ROPE_TILE[0],)
     hip_512 = target.is_hip and block_dv >= 512  # `HIP_LATENT_512_NUM_WARPS`
     if hip_512:
         warp_counts: tuple[int, ...] = (HIP_LATENT_512_NUM_WARPS,)
+    elif wide_rope:
+        warp_counts = (WIDE_ROPE_TILE[1],)
     else:
         warp_counts = (FP32_NUM_WARPS,) if fp32 else NUM_WARPS
     choice = None
@@ -358,12 +404,11 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         and problem.max_query_len * problem.num_heads >= PACK_MIN_ROWS
     )
     # the Hopper kernel's 64-row tile reads faster than the narrow one below 64 heads too
-    sm90_wide = (
-        problem.sm90_ready and target.arch in SM90_KERNEL_ARCHS and elem == 2 and block_dv <= 512
-    )
-    wide = problem.num_heads >= WIDE_BLOCK_H or pack or sm90_wide
-    if target.arch in WIDE_ARCHS and wide and not fp32:
+    wide = problem.num_heads >= WIDE_BLOCK_H or pack or hopper
+    if target.arch in WIDE_ARCHS and wide and not fp32 and not wide_rope:
         for block_n in BLOCK_N_CANDIDATES:
+            if not hopper and block_n > PORTABLE_WIDE_MAX_BLOCK_N:
+                continue
             smem = fits(WIDE_BLOCK_H, block_n, top, WIDE_NUM_WARPS)
             if smem is not None and block_n >= 32:
                 choice = (WIDE_BLOCK_H, block_n, top, WIDE_NUM_WARPS, smem)
@@ -421,16 +466,12 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     block_h, block_n, stages, warps, smem = choice
     # narrow NVIDIA 16-bit tiles prefetch their rows where two latent buffers fit (fp32 spills)
     prefetch = False
-    if not target.is_hip and block_h < WIDE_BLOCK_H and stages >= 2 and not fp32:
+    if not target.is_hip and block_h < WIDE_BLOCK_H and stages >= 2 and not fp32 and not wide_rope:
         deeper = fits(block_h, block_n, PREFETCH_STAGES, warps, prefetch=True)
         if deeper is not None and target.max_num_stages >= PREFETCH_STAGES:
             stages, smem, prefetch = PREFETCH_STAGES, deeper, True
     tma = not target.is_hip and target.capability >= TMA_MIN_CAPABILITY and not fp32
-    sm90 = (
-        target.arch in SM90_KERNEL_ARCHS
-        and (block_h, block_n, elem) == (WIDE_BLOCK_H, 64, 2)
-        and block_dv <= 512
-    )
+    sm90 = hopper and (block_h, block_n) == (WIDE_BLOCK_H, SM90_BLOCK_N)
     per_sm = 1 if pack and target.is_hip else mla_programs_per_sm(target, block_h, smem, sm90)
     # HIP: launch_options' default (two waves a SIMD) unless the tile asks for one
     waves = HIP_ONE_WAVE_PER_EU if target.is_hip and (pack or hip_512) else None
@@ -463,6 +504,20 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
         sm90_kernel=sm90,
         packed=pack,
     )
+
+
+def portable_tiles(tiles: MlaTiles, elem_size: int) -> MlaTiles:
+    """The tiles the portable kernel runs in place of ``tiles`` planned for the Hopper kernel
+    (``sm90_kernel``) on a cache that kernel cannot read (a metadata builder plans before it
+    sees the cache): the wide tile at `PORTABLE_WIDE_MAX_BLOCK_N` tokens, its shared memory
+    recounted, the heads and splits (the workspaces) as planned. Other tiles are returned as
+    they are."""
+    if not tiles.sm90_kernel:
+        return tiles
+    n = PORTABLE_WIDE_MAX_BLOCK_N
+    stages = tiles.options.num_stages
+    smem = mla_smem_bytes(tiles.block_h, n, tiles.block_dv, tiles.block_dpe, stages, elem_size)
+    return replace(tiles, block_n=n, smem_bytes=smem, sm90_kernel=False)
 
 
 @dataclass(frozen=True)
