@@ -120,21 +120,26 @@ def test_search_bound_and_argument_errors():
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
+    "kwargs, error, message",
     [
-        (dict(min_block_size=1.5), "min_block_size must be an int >= 1; got 1.5"),
-        (dict(min_block_size=True), "min_block_size must be an int >= 1; got True"),
-        (dict(preferred="16"), "preferred must be an int >= 1 or None; got '16'"),
-        (dict(max_block_size=None), "max_block_size must be an int >= 1; got None"),
+        (dict(min_block_size=1.5), TypeError, "min_block_size must be an int >= 1; got 1.5"),
+        (dict(min_block_size=True), TypeError, "min_block_size must be an int >= 1; got True"),
+        (dict(min_block_size="4"), TypeError, "min_block_size must be an int >= 1; got '4'"),
+        (dict(preferred="16"), TypeError, "preferred must be an int >= 1 or None; got '16'"),
+        (dict(max_block_size=None), TypeError, "max_block_size must be an int >= 1; got None"),
+        (dict(preferred=0), ValueError, "preferred must be an int >= 1 or None; got 0"),
     ],
 )
-def test_bad_arguments_are_named(kwargs, message):
-    with pytest.raises(ValueError, match=re.escape(f"select_common_block_size: {message}")):
+def test_bad_arguments_are_named(kwargs, error, message):
+    """A wrong type is a TypeError (a string or float size was a ValueError), an int out of
+    range a ValueError, as the ops raise."""
+    with pytest.raises(error, match=re.escape(f"select_common_block_size: {message}")) as info:
         select_common_block_size(Participant("a", (16,)), **kwargs)
+    assert type(info.value) is error
 
 
 def test_every_bad_argument_in_one_error():
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(TypeError) as info:
         select_common_block_size("draft", Participant("a", (16,)), min_block_size=2.0, preferred=0)
     msg = str(info.value)
     for part in ("participants[0] must be a Participant; got str", "min_block_size must be an int",

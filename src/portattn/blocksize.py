@@ -101,28 +101,35 @@ def select_common_block_size(
         max_block_size]``, else the smallest common size in that range.
 
     Raises:
-        ValueError: no participants, an argument that is not what it must be (every one named
-            in one message), no common size (the message lists every constraint), or a search
-            past `MAX_CANDIDATES` (only many participants with many coprime rules get there).
+        TypeError: a participant that is no `Participant` or a size that is no int (every
+            problem of the call named in one message).
+        ValueError: no participants, a size out of range (every one named in one message), no
+            common size (the message lists every constraint), or a search past
+            `MAX_CANDIDATES` (only many participants with many coprime rules get there).
     """
     errors = []
+    # a TypeError when any problem is one of type (as the ops raise), else a ValueError
+    wrong_type = False
     if not participants:
         errors.append("participants must name at least one kernel")
     for i, p in enumerate(participants):
         if not isinstance(p, Participant):
+            wrong_type = True
             errors.append(f"participants[{i}] must be a Participant; got {type(p).__name__}")
-    if not _is_size(min_block_size):
-        errors.append(f"min_block_size must be an int >= 1; got {min_block_size!r}")
-    if preferred is not None and not _is_size(preferred):
-        errors.append(f"preferred must be an int >= 1 or None; got {preferred!r}")
-    if not _is_size(max_block_size):
-        errors.append(f"max_block_size must be an int >= 1; got {max_block_size!r}")
-    elif _is_size(min_block_size) and min_block_size > max_block_size:
+    for name, v, optional in (("min_block_size", min_block_size, False),
+                              ("preferred", preferred, True),
+                              ("max_block_size", max_block_size, False)):  # fmt: skip
+        if (optional and v is None) or _is_size(v):
+            continue
+        wrong_type = wrong_type or not is_int(v)
+        errors.append(f"{name} must be an int >= 1{' or None' if optional else ''}; got {v!r}")
+    if _is_size(min_block_size) and _is_size(max_block_size) and min_block_size > max_block_size:
         errors.append(
             f"min_block_size must be <= max_block_size; got {min_block_size} > {max_block_size}"
         )
     if errors:
-        raise ValueError("select_common_block_size: " + "; ".join(errors))
+        error = TypeError if wrong_type else ValueError
+        raise error("select_common_block_size: " + "; ".join(errors))
     if (
         preferred is not None
         and min_block_size <= preferred <= max_block_size

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from numbers import Real
 from typing import NamedTuple
 
 import torch
@@ -747,10 +748,15 @@ def _check_call(
             f"{key_cache.dtype}"
         )
     _shape_errors(p, q, kv[0] if kv else None, key_cache if kv else None, ok, out)
-    p.value(*scale_errors(scale, optional=True))
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real)):
+        p.type(f"scale must be a real number or None; got {type(scale).__name__}")
+    else:
+        p.value(*scale_errors(scale, optional=True))
     p.value(*lazy_bit_errors(tensors))
     for name, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
-        if v is not None and (not is_int(v) or v < 0):
+        if v is not None and not is_int(v):
+            p.type(f"{name} must be a non-negative int or None; got {type(v).__name__} {v!r}")
+        elif v is not None and v < 0:
             p.value(f"{name} must be a non-negative int or None; got {v!r}")
         elif v is not None and v >= POSITIONS32_LIMIT:  # it bounds the seq_lens (32-bit)
             p.value(f"{name} must be < 2**31 - 2**16 = {POSITIONS32_LIMIT}; got {v}")
