@@ -453,9 +453,26 @@ def cell_step(
     return step
 
 
+_COMMIT_HASH = re.compile(r"[0-9a-f]{7,40}")
+
+
 def _default_commit(root: str = ".") -> str:
-    """``$BUILDKITE_COMMIT`` in a build, else the checkout's HEAD (a local preview)."""
-    return os.environ.get("BUILDKITE_COMMIT") or checkout.head(root) or "HEAD"
+    """``$BUILDKITE_COMMIT`` in a build, else the checkout's HEAD (a local preview). A build
+    created for a symbolic commit (``HEAD``, a branch) carries that name in
+    ``$BUILDKITE_COMMIT``: the checkout's HEAD is then the commit, so every build's images get
+    their own tag rather than one ``<vendor>-HEAD`` tag shared by all."""
+    given = os.environ.get("BUILDKITE_COMMIT", "").strip()
+    if _COMMIT_HASH.fullmatch(given):
+        return given
+    resolved = checkout.head(root)
+    if resolved is not None:
+        return resolved
+    if given:
+        raise ValueError(
+            f"BUILDKITE_COMMIT is {given!r}, not a commit hash, and {os.path.abspath(root)} is no "
+            "git checkout to resolve it in; pass --commit"
+        )
+    return "HEAD"
 
 
 def block_step(cell: Cell) -> dict[str, Any]:

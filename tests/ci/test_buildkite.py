@@ -591,3 +591,29 @@ def test_a_k8s_lane_step_runs_its_nox_command_under_the_agent(tmp_path):
         proc = subprocess.run(["/bin/sh", "-ec", script], env=env, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
         assert record.read_text().splitlines() == shlex.split(step["command"])[1:]
+
+
+def test_a_symbolic_buildkite_commit_is_resolved_in_the_checkout(tmp_path, monkeypatch):
+    """A build created for ``HEAD`` (or a branch) has that name in BUILDKITE_COMMIT: its image
+    tags were ``<vendor>-HEAD`` for every such build. The checkout's HEAD is the commit."""
+
+    def git(*argv: str) -> str:
+        out = subprocess.run(["git", "-C", str(tmp_path), *argv], check=True,
+                             capture_output=True, text=True)  # fmt: skip
+        return out.stdout.strip()
+
+    git("init", "-q", "-b", "main")
+    git("config", "user.email", "ci@example.invalid")
+    git("config", "user.name", "ci")
+    (tmp_path / "noxfile.py").write_text("")
+    git("add", "noxfile.py")
+    git("commit", "-q", "-m", "base")
+    head = git("rev-parse", "HEAD")
+    for given in ("HEAD", "main", ""):
+        monkeypatch.setenv("BUILDKITE_COMMIT", given)
+        assert buildkite._default_commit(str(tmp_path)) == head
+    monkeypatch.setenv("BUILDKITE_COMMIT", COMMIT)
+    assert buildkite._default_commit(str(tmp_path)) == COMMIT  # a hash is taken as given
+    monkeypatch.setenv("BUILDKITE_COMMIT", "HEAD")
+    with pytest.raises(ValueError, match=r"BUILDKITE_COMMIT is 'HEAD', not a commit hash, and"):
+        buildkite._default_commit(str(tmp_path / "nowhere"))
