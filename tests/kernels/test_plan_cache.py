@@ -1302,7 +1302,7 @@ def test_paged_probe_runs_the_keys_plan(no_launch, monkeypatch):
         paged_attention(q.half(), *t[1:], max_query_len=4)
     with pytest.raises(ValueError, match="value_cache"):
         paged_attention(t[0], t[1], torch.empty(t[2].shape), *t[3:], max_query_len=4)
-    with pytest.raises(ValueError, match="max_query_len must be a non-negative int"):
+    with pytest.raises(TypeError, match="max_query_len must be a non-negative int"):
         paged_attention(*t, max_query_len=True)  # True, after 1 was guarded
 
 
