@@ -432,16 +432,25 @@ def test_changed_files_are_matched_as_checkout_paths(capsys):
     assert none > plain and "--changed-files names no file" in err
 
 
-def test_changed_files_since_the_merge_base(tmp_path):
-    def git(*argv: str) -> None:
-        subprocess.run(["git", "-C", str(tmp_path), *argv], check=True, capture_output=True)
+def _repo(path: Path):
+    """A git repository at ``path`` with one commit (a noxfile) on ``main``, and its git."""
+
+    def git(*argv: str) -> str:
+        out = subprocess.run(["git", "-C", str(path), *argv], check=True, capture_output=True,
+                             text=True)  # fmt: skip
+        return out.stdout.strip()
 
     git("init", "-q", "-b", "main")
     git("config", "user.email", "ci@example.invalid")
     git("config", "user.name", "ci")
-    (tmp_path / "noxfile.py").write_text("")
+    (path / "noxfile.py").write_text("")
     git("add", "noxfile.py")
     git("commit", "-q", "-m", "base")
+    return git
+
+
+def test_changed_files_since_the_merge_base(tmp_path):
+    git = _repo(tmp_path)
     git("checkout", "-q", "-b", "change")
     (tmp_path / "Dockerfile.rocm").write_text("FROM scratch\n")
     git("add", "Dockerfile.rocm")
@@ -596,19 +605,7 @@ def test_a_k8s_lane_step_runs_its_nox_command_under_the_agent(tmp_path):
 def test_a_symbolic_buildkite_commit_is_resolved_in_the_checkout(tmp_path, monkeypatch):
     """A build created for ``HEAD`` (or a branch) has that name in BUILDKITE_COMMIT: its image
     tags were ``<vendor>-HEAD`` for every such build. The checkout's HEAD is the commit."""
-
-    def git(*argv: str) -> str:
-        out = subprocess.run(["git", "-C", str(tmp_path), *argv], check=True,
-                             capture_output=True, text=True)  # fmt: skip
-        return out.stdout.strip()
-
-    git("init", "-q", "-b", "main")
-    git("config", "user.email", "ci@example.invalid")
-    git("config", "user.name", "ci")
-    (tmp_path / "noxfile.py").write_text("")
-    git("add", "noxfile.py")
-    git("commit", "-q", "-m", "base")
-    head = git("rev-parse", "HEAD")
+    head = _repo(tmp_path)("rev-parse", "HEAD")
     for given in ("HEAD", "main", ""):
         monkeypatch.setenv("BUILDKITE_COMMIT", given)
         assert buildkite._default_commit(str(tmp_path)) == head
