@@ -279,15 +279,18 @@ def run_matrix(
 
 @contextlib.contextmanager
 def _stops_workers(futures: Iterable[Future], pool: ProcessPoolExecutor | None) -> Iterator[None]:
-    """On an interrupt, cancel what has not started and end ``pool``'s processes (before its
-    exit, which would wait for every running compile to finish; a caller's pool is left)."""
+    """On an interrupt, end ``pool``'s processes (before its exit, which would wait for every
+    running compile to finish), which fails what is queued; in a caller's pool, which is left
+    running, cancel what has not started. Queued work of an ended pool is not cancelled too:
+    the executor's thread then fails it as broken and raised on the cancelled futures."""
     try:
         yield
     except KeyboardInterrupt:
-        for f in futures:
-            f.cancel()
         if pool is not None:
             _terminate(pool)
+        else:
+            for f in futures:
+                f.cancel()
         raise
 
 
