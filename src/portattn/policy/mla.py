@@ -93,21 +93,19 @@ SM90_KERNEL_ARCHS = ("sm_90",)
 #: The latent ranks and rope widths the Hopper kernel is built for (its `sm90_errors`).
 SM90_KERNEL_RANKS = (128, 256, 512)
 SM90_KERNEL_ROPES = (16, 32, 64, 128)
-#: The portable kernel's longest KV tile at 64 heads: at 64 tokens its 64 x 512 accumulator and
-#: tile spilled on sm_90 (108-232 B, Triton 3.6 compile matrix) where the Hopper kernel, which
-#: holds that tile, could not run the launch.
+#: The portable kernel's longest KV tile at 64 heads: its 64 x 64 tile over a 512-wide latent
+#: spills on sm_90, where only the Hopper kernel holds it (docs/decisions.md).
 PORTABLE_WIDE_MAX_BLOCK_N = 32
-#: The widest rope tile the portable kernel's register estimate is good for on NVIDIA. A wider
-#: one (a rope of 65-127 columns pads to 128, or 128 where the Hopper kernel cannot run) spilled
-#: at every wide tile, every 64-token tile, every 4-warp tile and every prefetched one tried on
-#: sm_90 (88-13804 B): it takes `WIDE_ROPE_TILE`, which compiled without spills.
+#: The widest rope tile the portable kernel's register estimate is good for on NVIDIA: a wider
+#: one (a rope of 65-127 columns pads to 128) spilled at every wide, 64-token, 4-warp and
+#: prefetched tile tried on sm_90, and takes `WIDE_ROPE_TILE`, which compiles without spills.
 ROPE_TILE_MODELLED = 64
 #: (KV tile, warps) of the narrow NVIDIA tile for a rope tile past `ROPE_TILE_MODELLED`, at the
 #: deepest stages that fit and no prefetched rows.
 WIDE_ROPE_TILE = (32, 8)
 #: The narrowest rope tile the register estimate counts over a 512-wide latent: a 32-wide rope
-#: tile, or none, compiled to the registers of a 64-wide one and spilled 228-268 B on sm_80 at
-#: the 16-head, 64-token, 4-warp tile an estimate from the true width let through.
+#: tile, or none, takes the registers of a 64-wide one (on sm_80 the 16-head, 64-token, 4-warp
+#: tile that an estimate from the true width let through spilled).
 MIN_MODELLED_ROPE_512 = 64
 #: The Hopper kernel's KV tile: pages of a multiple of it are copied by TMA boxes, others gathered.
 SM90_BLOCK_N = 64
