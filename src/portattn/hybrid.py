@@ -201,27 +201,22 @@ class MambaStateSpec:
 
     def __post_init__(self) -> None:
         shapes, sizes = self.shapes, self.elem_bytes
+        shapes_rule = (
+            f"MambaStateSpec: shapes must be a tuple of shapes (tuples of ints >= 0); got "
+            f"{shapes!r}"
+        )
+        sizes_rule = f"MambaStateSpec: elem_bytes must be a tuple of ints >= 1; got {sizes!r}"
         # A value of the wrong type is a TypeError; an int out of range is a ValueError.
         if not isinstance(shapes, tuple) or not all(
             isinstance(s, tuple) and all(is_int(d) for d in s) for s in shapes
         ):
-            raise TypeError(
-                f"MambaStateSpec: shapes must be a tuple of shapes (tuples of ints >= 0); got "
-                f"{shapes!r}"
-            )
+            raise TypeError(shapes_rule)
         if not isinstance(sizes, tuple) or not all(is_int(b) for b in sizes):
-            raise TypeError(
-                f"MambaStateSpec: elem_bytes must be a tuple of ints >= 1; got {sizes!r}"
-            )
+            raise TypeError(sizes_rule)
         if not all(_is_count(d, 0) for s in shapes for d in s):
-            raise ValueError(
-                f"MambaStateSpec: shapes must be a tuple of shapes (tuples of ints >= 0); got "
-                f"{shapes!r}"
-            )
+            raise ValueError(shapes_rule)
         if not all(_is_count(b, 1) for b in sizes):
-            raise ValueError(
-                f"MambaStateSpec: elem_bytes must be a tuple of ints >= 1; got {sizes!r}"
-            )
+            raise ValueError(sizes_rule)
         if len(self.shapes) != len(self.elem_bytes):
             raise ValueError(
                 f"MambaStateSpec: shapes and elem_bytes must have one entry per state tensor; got "

@@ -183,12 +183,26 @@ def check_device(p: Problems, device: object) -> None:
             p.value(f"device must be one this process sees ({count} CUDA/HIP devices); got {dev}")
 
 
+def is_real(x: object) -> bool:
+    """A real number that is not a bool (``True`` is no scale)."""
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+
+def scale_type_errors(scale, *, optional: bool = False) -> list[str]:
+    """``scale`` is a real number (`is_real`); ``None`` too with ``optional``: the type half of
+    the scale rule, whose values `scale_errors` checks."""
+    if (optional and scale is None) or is_real(scale):
+        return []
+    none = " or None" if optional else ""
+    return [f"scale must be a real number{none}; got {type(scale).__name__}"]
+
+
 def scale_errors(scale, *, optional: bool = False) -> list[str]:
     """``scale`` is a real number, finite, > 0 and at most `MAX_SCALE` (the kernels scale fp32
     scores by ``scale * log2(e)``, which must stay finite); ``None`` too with ``optional``."""
     if optional and scale is None:
         return []
-    ok = not isinstance(scale, bool) and isinstance(scale, Real)
+    ok = is_real(scale)
     try:  # an int or Fraction past float's range is no finite float either
         ok = ok and math.isfinite(scale) and 0 < scale <= MAX_SCALE
     except OverflowError:

@@ -60,7 +60,6 @@ import dataclasses
 import functools
 import operator
 from collections.abc import Callable
-from numbers import Real
 
 import numpy as np
 import torch
@@ -77,6 +76,7 @@ from portattn.kernels._checks import (
     block_ids_errors,
     capacity_errors,
     capture_errors,
+    is_real,
     lazy_bit_errors,
     offsets_errors,
     overlap_errors,
@@ -87,6 +87,7 @@ from portattn.kernels._checks import (
     reads_contents,
     refuse_unstrided,
     scale_errors,
+    scale_type_errors,
     seq_lens_errors,
     target_errors,
     tensor_reads_contents,
@@ -727,8 +728,7 @@ def _type_errors(
         errors.append(f"out must be None or a tensor of query's dtype {qdt}; got {got}")
     if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, int):
         errors.append(f"kv_lora_rank must be an int; got {type(kv_lora_rank).__name__}")
-    if isinstance(scale, bool) or not isinstance(scale, Real):
-        errors.append(f"scale must be a real number; got {type(scale).__name__}")
+    errors += scale_type_errors(scale)
     if not isinstance(return_lse, bool):
         errors.append(f"return_lse must be a bool; got {type(return_lse).__name__}")
     index_args = [
@@ -808,7 +808,7 @@ def _value_errors(
             )
     if is_int(kv_lora_rank) and head_dim_k is not None and not 1 <= kv_lora_rank <= head_dim_k:
         errors.append(f"kv_lora_rank must be in 1..head_dim_k={head_dim_k}; got {kv_lora_rank}")
-    if isinstance(scale, Real) and not isinstance(scale, bool):
+    if is_real(scale):
         errors += scale_errors(scale)
     pair = isinstance(page_indices, (tuple, list)) and len(page_indices) == 2
     indptr, indices = page_indices if pair else (None, None)

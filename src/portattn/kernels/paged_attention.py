@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from numbers import Real
 from typing import NamedTuple
 
 import torch
@@ -76,6 +75,7 @@ from portattn.kernels._checks import (
     reads_contents,
     refuse_unstrided,
     scale_errors,
+    scale_type_errors,
     seq_lens_errors,
     target_errors,
     tensor_reads_contents,
@@ -748,8 +748,8 @@ def _check_call(
             f"{key_cache.dtype}"
         )
     _shape_errors(p, q, kv[0] if kv else None, key_cache if kv else None, ok, out)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real)):
-        p.type(f"scale must be a real number or None; got {type(scale).__name__}")
+    if wrong := scale_type_errors(scale, optional=True):
+        p.type(*wrong)
     else:
         p.value(*scale_errors(scale, optional=True))
     p.value(*lazy_bit_errors(tensors))
