@@ -141,6 +141,14 @@ def _addressing(cache: torch.Tensor, layout: str, kind: str) -> CacheAddressing:
     return CacheAddressing(nb, bhi * x, h, d, s[0], s[1], s[2], s[4], s[3], 0, x, 1)
 
 
+def check_layout(p: Problems, layout: object) -> None:
+    """``layout`` is one of `LAYOUTS`: a type problem when it is no str, else a value problem."""
+    if not isinstance(layout, str):
+        p.type(f"layout must be a str, one of {LAYOUTS}; got {layout!r}")
+    elif layout not in LAYOUTS:
+        p.value(f"layout must be one of {LAYOUTS}; got {layout!r}")
+
+
 def describe_kv_cache(
     op: str, key_cache: torch.Tensor, value_cache: torch.Tensor, layout: str
 ) -> tuple[CacheAddressing, CacheAddressing]:
@@ -148,8 +156,9 @@ def describe_kv_cache(
 
     Raises ValueError/TypeError naming ``op``, the argument and the rule, listing every problem.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"{op}: layout must be one of {LAYOUTS}; got {layout!r}")
+    layout_problems = Problems(op)
+    check_layout(layout_problems, layout)
+    layout_problems.raise_if_any()
     errors: list[str] = []
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
         if not isinstance(t, torch.Tensor):
@@ -203,8 +212,7 @@ def describe_kv_cache(
 def _layout_args(p: Problems, layout: object, kind: object) -> None:
     """The rules `to_logical`, `from_logical` and `token_view` share for ``layout`` and
     ``kind`` (which picks the SHUFFLE K or V order: a typo must not pick one silently)."""
-    if layout not in LAYOUTS:
-        p.value(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    check_layout(p, layout)
     if kind not in ("key", "value"):
         p.value(f"kind must be 'key' or 'value'; got {kind!r}")
 
@@ -323,8 +331,7 @@ def _check_geometry(
             p.type(f"{name} must be an int >= {low}; got {type(n).__name__}")
         elif n < low:
             p.value(f"{name} must be >= {low}; got {n}")
-    if layout not in LAYOUTS:
-        p.value(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    check_layout(p, layout)
     if dtype not in CACHE_DTYPES:
         p.type(f"dtype must be one of {CACHE_DTYPES}; got {dtype!r}")
     if not p:

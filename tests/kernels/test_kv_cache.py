@@ -465,6 +465,8 @@ def test_write_validation_collects_every_reason_and_checks_the_layout():
         )
     with pytest.raises(ValueError, match="write_kv_cache: layout must be one of"):
         write_kv_cache(**_write_args(), layout="HND")
+    with pytest.raises(TypeError, match="write_kv_cache: layout must be a str, one of"):
+        write_kv_cache(**_write_args(), layout=None)
 
 
 def _gather_args(**over):

@@ -36,6 +36,8 @@ _K = _nhd()
 _S8 = torch.zeros(2, 2, 1, 8, 8, dtype=torch.float16)  # SHUFFLE fp16: x = 8
 DESCRIBE_ERRORS = [
     ((_K, _K, "HND"), ValueError, f"{OP}: layout must be one of \\('NHD', 'SHUFFLE'\\); got 'HND'"),
+    # a layout that is no str was a ValueError: a wrong type is a TypeError, as everywhere else
+    ((_K, _K, None), TypeError, f"{OP}: layout must be a str, one of .*; got None"),
     (("k", _K, "NHD"), TypeError, f"{OP}: key_cache must be a torch.Tensor; got str"),
     (
         (_K, _K.int(), "NHD"),
@@ -141,6 +143,8 @@ def test_from_logical_inverts_to_logical(layout, dtype):
          "to_logical: kind must be 'key' or 'value'; got 'kye'"),  # was read as V, silently
         (lambda k, v: to_logical(k, "shuffle", "key"), ValueError,
          "to_logical: layout must be one of ('NHD', 'SHUFFLE'); got 'shuffle'"),
+        (lambda k, v: to_logical(k, 5, "key"), TypeError,
+         "to_logical: layout must be a str, one of ('NHD', 'SHUFFLE'); got 5"),
         (lambda k, v: to_logical(k[0], "SHUFFLE", "key"), TypeError,
          "to_logical: cache must be a 5-D tensor (a SHUFFLE cache); got (2, 2, 16, 8)"),
         (lambda k, v: from_logical(to_logical(k, "SHUFFLE", "key"), "SHUFFLE", "keys"),
@@ -273,6 +277,7 @@ def test_a_bad_hybrid_cache_request_is_refused_naming_the_argument(kwargs, msg):
 CACHE_ERRORS = [
     # a layout that is not NHD was built as SHUFFLE
     (dict(layout="nhd"), ValueError, r"empty_kv_cache: layout must be one of \('NHD', 'SHUFFLE'\)"),
+    (dict(layout=["NHD"]), TypeError, r"empty_kv_cache: layout must be a str, one of .*\['NHD'\]"),
     (dict(block_size=0), ValueError, "empty_kv_cache: block_size must be >= 1; got 0"),
     (dict(num_blocks=-1), ValueError, "num_blocks must be >= 0; got -1"),
     (dict(head_dim=64.0), TypeError, "head_dim must be an int >= 1; got float"),
