@@ -316,6 +316,16 @@ def test_build_refuses_offsets_that_break_the_ops_rules(device, offsets, rule):
             b.build(sl, torch.tensor(offsets, device=device))
 
 
+def test_build_names_int32_offsets_that_fall_past_int32(device):
+    """int32 offsets were subtracted in int32: a fall of 2**31 - 4 wrapped to a longest query
+    of 2147483644, so the error blamed the builder's size instead of the decreasing offsets."""
+    sl = torch.tensor([8, 8], device=device)
+    offsets = torch.tensor([0, 5, -(2**31) + 1], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"query_start_loc must never decrease; got a sequence "
+                       r"of -2147483652 tokens"):  # fmt: skip
+        builder(device=device, max_query_len=4).build(sl, offsets)
+
+
 def test_build_from_meta_offsets_needs_max_query_len():
     b = builder(max_query_len=4)
     meta = torch.tensor([0, 2, 3], device="meta")

@@ -49,6 +49,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeGuard, TypeVar
@@ -131,6 +132,12 @@ def dtype_bytes(dtype: Any, *, what: str = "dtype") -> int:
         raise _TypeRefusal(
             f"{what} must be a dtype name or a floating-point torch.dtype; got {dtype!r}"
         )
+    if re.search(r"_x\d+$", str(dtype)):
+        # a packed dtype (float4_e2m1fn_x2: two values a byte) has no whole bytes a value
+        raise _TypeRefusal(
+            f"{what} must be a dtype name or a floating-point torch.dtype of whole bytes a "
+            f"value; got {dtype!r}, which packs several values into one element"
+        )
     return dtype.itemsize
 
 
@@ -139,9 +146,16 @@ def _is_count(v: object, minimum: int) -> TypeGuard[int]:
     return is_int(v) and v >= minimum
 
 
+def _count_refusal(name: str, v: object, minimum: int) -> _Refusal:
+    """The refusal of ``v`` as ``name``, which must be an int >= ``minimum``: a TypeError when it
+    is no int (a bool, a float, a string, None), else a ValueError."""
+    rule = f"{name} must be an int >= {minimum}; got {v!r}"
+    return _ValueRefusal(rule) if is_int(v) else _TypeRefusal(rule)
+
+
 def _check_tp(tp: object) -> int:
     if not _is_count(tp, 1):
-        raise _ValueRefusal(f"tp must be an int >= 1; got {tp!r}")
+        raise _count_refusal("tp", tp, 1)
     return tp
 
 
@@ -149,32 +163,40 @@ def _size(config: Any, name: str, *, minimum: int = 1, optional: bool = False) -
     """``config.<name>``, an int >= ``minimum``; ``None`` when ``optional`` and absent or None.
 
     Raises:
-        ValueError: naming the field, the rule and the value (a config that misses a field its
-            model type needs, or holds a wrong value there, would give a wrong page size).
+        ValueError: naming the field, the rule and the value, for a field that is missing or
+            an int out of range (a config that misses a field its model type needs, or holds a
+            wrong value there, would give a wrong page size).
+        TypeError: the same, for a field that is no int.
     """
     v = getattr(config, name, None)
     if v is None and optional:
         return None
+    if not hasattr(config, name):
+        raise _ValueRefusal(f"config.{name} must be an int >= {minimum}; missing")
     if not _is_count(v, minimum):
-        got = "missing" if not hasattr(config, name) else f"got {v!r}"
-        raise _ValueRefusal(f"config.{name} must be an int >= {minimum}; {got}")
+        raise _count_refusal(f"config.{name}", v, minimum)
     return v
 
 
 def _inner(config: Any) -> int:
-    """``int(config.mamba_expand * config.hidden_size)``, the Mamba inner width (>= 1)."""
+    """``int(config.mamba_expand * config.hidden_size)``, the Mamba inner width (>= 1): exact
+    for an integral ``mamba_expand``, in floating point (as vLLM computes it) for a float."""
     expand = getattr(config, "mamba_expand", None)
     hidden = _size(config, "hidden_size")
+    rule = (
+        f"config.mamba_expand must be a finite number > 0 whose product with "
+        f"config.hidden_size ({hidden}) is finite (the Mamba width); got {expand!r}"
+    )
+    if isinstance(expand, bool) or not isinstance(expand, numbers.Real):
+        raise _TypeRefusal(rule)
     try:  # a real number of any kind (numpy's included), as a float
-        width = float(expand) * hidden if isinstance(expand, numbers.Real) else math.nan
+        width = float(expand) * hidden
     except OverflowError:  # a hidden_size past float's range
         width = math.inf
-    if isinstance(expand, bool) or not 0 < width < math.inf:  # inf, nan and 0 have no int width
-        raise _ValueRefusal(
-            f"config.mamba_expand must be a finite number > 0 whose product with "
-            f"config.hidden_size ({hidden}) is finite (the Mamba width); got {expand!r}"
-        )
-    inner = int(width)
+    if not 0 < width < math.inf:  # inf, nan and 0 have no int width
+        raise _ValueRefusal(rule)
+    # a float's product loses the width's low bits past 2**53; an integer's does not
+    inner = int(expand) * hidden if isinstance(expand, numbers.Integral) else int(width)
     if inner < 1:
         raise _ValueRefusal(
             "the mamba intermediate size (config.mamba_expand * "
@@ -265,7 +287,7 @@ def align_block_size(mamba_page_bytes: int, attn_bytes_per_token: int, kernel_mu
         ("kernel_multiple", kernel_multiple),
     ):
         if not _is_count(v, 1):
-            raise _ValueRefusal(f"{name} must be an int >= 1; got {v!r}")
+            raise _count_refusal(name, v, 1)
     return kernel_multiple * -(-mamba_page_bytes // (kernel_multiple * attn_bytes_per_token))
 
 
@@ -278,6 +300,7 @@ def attention_dims(config: Any, tp: int) -> tuple[int, int]:
 
     Raises:
         ValueError: a field missing or out of range, or heads that ``tp`` cannot split.
+        TypeError: ``tp`` or a field that is no int.
     """
     tp = _check_tp(tp)
     heads = _size(config, "num_attention_heads")
@@ -334,10 +357,12 @@ def mamba_state_shapes(config: Any, tp: int, *, num_spec: int = 0) -> tuple[tupl
     Raises:
         ValueError: an unknown model type, a field missing or out of range, or a dimension
             that ``tp`` does not divide.
+        TypeError: ``tp``, ``num_spec`` or a field that is no int, a ``mamba_expand`` that is
+            no real number.
     """
     tp = _check_tp(tp)
     if not _is_count(num_spec, 0):
-        raise _ValueRefusal(f"num_spec must be an int >= 0; got {num_spec!r}")
+        raise _count_refusal("num_spec", num_spec, 0)
     f = lambda name: _size(config, name)  # noqa: E731
     mt = getattr(config, "model_type", None)
     if mt == "jamba":
@@ -397,19 +422,22 @@ def derive_block_size(
     Raises:
         ValueError: an argument out of range, an unknown model type, a config field missing or
             out of range, or a dimension that the tensor-parallel size does not divide.
-        TypeError: a dtype that is neither a name nor a ``torch.dtype``.
+        TypeError: an argument or config field of a wrong type (an int that is a bool, float or
+            string; a dtype that is neither a name nor a floating-point ``torch.dtype`` of whole
+            bytes a value).
     """
-    errors = []
-    if not _is_count(tp, 1):
-        errors.append(f"tp must be an int >= 1; got {tp!r}")
-    if not _is_count(kernel_multiple, 1):
-        errors.append(f"kernel_multiple must be an int >= 1; got {kernel_multiple!r}")
-    if not _is_count(num_spec, 0):
-        errors.append(f"num_spec must be an int >= 0; got {num_spec!r}")
-    if errors:
-        raise _ValueRefusal("" + "; ".join(errors))
+    refusals = [
+        _count_refusal(name, v, low)
+        for name, v, low in (("tp", tp, 1), ("kernel_multiple", kernel_multiple, 1),
+                             ("num_spec", num_spec, 0))
+        if not _is_count(v, low)
+    ]  # fmt: skip
+    if refusals:  # every one named; a TypeError when any of them is a type problem
+        kind = _TypeRefusal if any(isinstance(r, TypeError) for r in refusals) else _ValueRefusal
+        raise kind("; ".join(r.rule for r in refusals))
     model_b = dtype_bytes(model_dtype, what="model_dtype")
-    kv_b = model_b if cache_dtype == "auto" else dtype_bytes(cache_dtype, what="cache_dtype")
+    auto = isinstance(cache_dtype, str) and cache_dtype == "auto"
+    kv_b = model_b if auto else dtype_bytes(cache_dtype, what="cache_dtype")
     conv_b = model_b if mamba_dtype is None else dtype_bytes(mamba_dtype, what="mamba_dtype")
     ssm_b = conv_b if ssm_dtype is None else dtype_bytes(ssm_dtype, what="ssm_dtype")
     shapes = mamba_state_shapes(config, tp, num_spec=num_spec)

@@ -260,9 +260,11 @@ class MlaMetadataBuilder:
                     "values to read)"
                 )
             capture_errors(op, query_start_loc.device, "max_query_len", "query_start_loc")
-            steps = query_start_loc[1:] - query_start_loc[:-1]
+            # int64 differences: int32 offsets that fall by 2**31 or more wrap when subtracted
+            qsl = query_start_loc.to(torch.int64)
+            steps = qsl[1:] - qsl[:-1]
             shortest, read, first = torch.stack(
-                [*torch.aminmax(steps), query_start_loc[0].to(steps.dtype)]
+                [*torch.aminmax(steps), qsl[0]]
             ).tolist()  # one read
             # the ops' offsets rules, which a metadata-carrying GPU call reads nowhere else
             bad = [f"start at 0; got query_start_loc[0]={first}"] if first != 0 else []

@@ -212,8 +212,16 @@ def test_every_config_field_read_is_checked(name):
             data = dict(cfg.to_dict(), model_type=cfg.model_type)
             data[field] = value
             broken = type("Config", (), data)()
-            with pytest.raises(ValueError, match=re.escape(f"config.{field} must be")):
+            # an int (a float, for mamba_expand) out of range is a ValueError, any other type a
+            # TypeError (a bool or a string was a ValueError)
+            number = float if field == "mamba_expand" else int
+            wrong_type = isinstance(value, bool) or not isinstance(value, (int, number))
+            kind = TypeError if wrong_type else ValueError
+            with pytest.raises(kind, match=re.escape(f"config.{field} must be")) as raised:
                 derive_block_size(broken)
+            assert isinstance(raised.value, kind) and not isinstance(
+                raised.value, {TypeError: ValueError, ValueError: TypeError}[kind]
+            )
 
 
 def test_a_missing_field_is_named():
@@ -273,13 +281,26 @@ def test_a_state_spec_has_an_element_size_per_tensor():
      (2, 10**400), (1.5, 10**400)],
 )  # fmt: skip
 def test_a_mamba_expand_without_a_finite_width_is_named(expand, hidden):
-    """inf or 1e308 raised OverflowError converting the width to an int."""
+    """inf or 1e308 raised OverflowError converting the width to an int; a string is a
+    TypeError."""
     cfg = dict(published_config("Jamba-v0.1").to_dict(), model_type="jamba", mamba_expand=expand)
     if hidden is not None:
         cfg["hidden_size"] = hidden
     broken = type("Config", (), cfg)()
-    with pytest.raises(ValueError, match=r"config.mamba_expand must be a finite number > 0"):
+    kind = TypeError if isinstance(expand, str) else ValueError
+    with pytest.raises(kind, match=r"config.mamba_expand must be a finite number > 0"):
         derive_block_size(broken)
+
+
+@pytest.mark.parametrize("expand", [1, 2, np.int64(2)])
+def test_an_integral_mamba_expand_gives_the_exact_width(expand):
+    """The width was a float product, which loses its low bits past 2**53 (2**60 + 32 came out
+    as 2**60); vLLM's int(expand * hidden_size) is exact for an int expand."""
+    hidden = 2**60 + 32
+    cfg = dict(published_config("Jamba-v0.1").to_dict(), model_type="jamba", mamba_expand=expand,
+               hidden_size=hidden)  # fmt: skip
+    (conv, ssm) = mamba_state_shapes(type("Config", (), cfg)(), 1)
+    assert conv[0] == ssm[0] == int(expand) * hidden
 
 
 def test_a_numpy_mamba_expand_is_a_number():
@@ -326,7 +347,30 @@ def test_a_state_spec_refuses_sizes_that_are_no_sizes(shapes, elem_bytes, error,
     "kwargs", (dict(tp=True), dict(kernel_multiple=True), dict(num_spec=False))
 )
 def test_a_bool_is_no_count(kwargs):
-    with pytest.raises(ValueError, match=re.escape(f"{next(iter(kwargs))} must be an int")):
+    """A bool is a type problem (a TypeError, as everywhere else in the library; it was a
+    ValueError here)."""
+    with pytest.raises(TypeError, match=re.escape(f"{next(iter(kwargs))} must be an int")):
         derive_block_size(published_config("Qwen3-Next-80B-A3B"), **kwargs)
-    with pytest.raises(ValueError, match="kernel_multiple must be an int >= 1; got True"):
+    with pytest.raises(TypeError, match="kernel_multiple must be an int >= 1; got True"):
         align_block_size(10, 10, True)
+    with pytest.raises(TypeError, match="tp must be an int >= 1; got 2.0"):
+        attention_dims(published_config("Qwen3-Next-80B-A3B"), 2.0)
+    # every argument named; a TypeError when any of them is a type problem
+    with pytest.raises(TypeError, match="tp must be an int >= 1; got 0; num_spec must be an int"):
+        derive_block_size(published_config("Qwen3-Next-80B-A3B"), tp=0, num_spec="1")
+
+
+def test_a_packed_dtype_is_no_cache_dtype():
+    """float4_e2m1fn_x2 holds two values a byte; its itemsize of 1 gave fp8's block size."""
+    dtype = getattr(torch, "float4_e2m1fn_x2", None)
+    if dtype is None:
+        pytest.skip("this torch has no float4_e2m1fn_x2")
+    with pytest.raises(TypeError, match=r"cache_dtype must be .* whole bytes a value; got torch"):
+        derive_block_size(published_config("Qwen3-Next-80B-A3B"), cache_dtype=dtype)
+
+
+def test_an_array_cache_dtype_is_named():
+    """An array compared with "auto" raised numpy's ambiguous-truth ValueError."""
+    with pytest.raises(TypeError, match="cache_dtype must be a dtype name"):
+        derive_block_size(published_config("Qwen3-Next-80B-A3B"),
+                          cache_dtype=np.array(["bf16", "fp8"]))  # fmt: skip
