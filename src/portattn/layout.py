@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 
 from portattn.kernels._checks import Problems, check_device
+from portattn.kernels._launch import vector_elems
 from portattn.platform import is_int
 
 Layout = Literal["NHD", "SHUFFLE"]
@@ -114,6 +115,17 @@ def vector_width(addr: CacheAddressing) -> int:
         return 1
     strides = (addr.stride_block, addr.stride_head, addr.stride_tok_hi, addr.stride_dim_hi)
     return math.gcd(split, *strides)
+
+
+def row_vector_elems(addr: CacheAddressing, elem_size: int) -> int:
+    """Elements every row (one token's head) of an unsplit cache (NHD) starts on a multiple of,
+    as a kernel may claim it (`kernels._launch.vector_elems` of the block, head and token
+    strides): the rows' contiguous head dims then load as vectors of up to 16 bytes. 1 (no
+    claim) for split caches (`vector_width` covers their runs), a head dim that is not
+    contiguous, and strides that are all multiples of 16 elements (which Triton sees itself)."""
+    if addr.tok_split != 1 or addr.dim_split != 1 or addr.stride_dim_hi != 1:
+        return 1
+    return vector_elems(elem_size, addr.stride_block, addr.stride_head, addr.stride_tok_hi)
 
 
 def packed_runs(addr: CacheAddressing) -> bool:

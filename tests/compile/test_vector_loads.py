@@ -104,13 +104,14 @@ def _loads(arch: str, layout: str, max_query_len: int, hybrid: bool = False) -> 
         maxnreg=launch.options.maxnreg,
         tiles=(a["BLOCK_M"], a["BLOCK_N"], launch.options.num_warps, launch.options.num_stages),
         vec=(a["K_VEC"], a["V_VEC"]),
+        row=(a["K_ROW"], a["V_ROW"]),
     )
 
 
 @pytest.fixture(scope="module")
 def loads() -> dict:
     jobs = [(arch, layout, mql) for arch, mql in CASES for layout in ("NHD", "SHUFFLE")]
-    jobs += [("sm_90", "SHUFFLE", 1, True)]
+    jobs += [("sm_90", "SHUFFLE", 1, True), ("sm_90", "NHD", 1, True), ("gfx942", "NHD", 1, True)]
     return in_spawned_workers(_loads, jobs)
 
 
@@ -150,6 +151,46 @@ def test_shuffle_hybrid_pages_load_vectors_too(loads):
     contiguous = loads["sm_90", "SHUFFLE", 1]
     assert hybrid["vec"] == (8, 8)
     assert hybrid["narrow"] == 0 and hybrid["wide"] == contiguous["wide"], (hybrid, contiguous)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_nhd_hybrid_pages_load_vectors_too(loads, arch):
+    """The same page stride on an NHD cache: Triton saw no alignment of a row's start, so every
+    K/V element was a 16-bit load (sm_90: 256 of them, 320 B spilled). The kernel re-expresses
+    the strides in units of `layout.row_vector_elems` (8), and the loads are as wide as on a
+    contiguous cache, whose strides claim nothing."""
+    hybrid = loads[arch, "NHD", 1, True]
+    contiguous = loads[arch, "NHD", 1]
+    assert hybrid["row"] == (8, 8) and contiguous["row"] == (1, 1)
+    assert hybrid["narrow"] == 0 and hybrid["wide"] == contiguous["wide"], (hybrid, contiguous)
+    assert hybrid["spills"] == contiguous["spills"] == 0
+
+
+def _mla_loads(arch: str, head_dim_k: int) -> dict:
+    """The MLA decode launch (16 heads, 16-token pages) compiled; its global loads counted."""
+    from portattn.compile.cases import build_mla_decode
+    from portattn.compile.worker import _resources, compile_kernel
+    from portattn.platform import get_target
+
+    target = get_target(arch)
+    launch = build_mla_decode(target, head_dim_k=head_dim_k, kv_lora_rank=512, num_q_heads=16)[0]
+    compiled = compile_kernel(launch, target)
+    if target.vendor == "cuda":
+        asm, narrow = compiled.asm["ptx"], _PTX_NARROW
+    else:
+        asm, narrow = compiled.asm["amdgcn"], _GCN_NARROW
+    return dict(narrow=len(narrow.findall(asm)), spills=_resources(compiled, target)[1],
+                vec=launch.args["KV_VEC"])  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "gfx942"])
+def test_mla_rows_of_520_elements_load_vectors(arch):
+    """A 520-wide MLA cache (a rope of 8 over a 512 latent) has rows that start on multiples of
+    8 elements, not 16: every latent element was a 16-bit load (133 on sm_90, which spilled
+    796 B). Its strides, re-expressed in units of 8 (`KV_VEC`), make them 16-byte loads; the
+    16-bit loads left are the query's rope part (16 x 16 elements, one a thread)."""
+    [got] = in_spawned_workers(_mla_loads, [(arch, 520)]).values()
+    assert got["vec"] == 8 and got["narrow"] <= 4 and got["spills"] == 0, got
 
 
 def test_shuffle_copies_read_whole_lines_on_sm90(loads):

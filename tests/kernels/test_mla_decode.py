@@ -42,6 +42,9 @@ CASES = [
     ((16, 8), 4, 16, (2, 1), (9, 30), torch.float32, "block_table"),
     ((8, 8), 3, 1, None, (5, 17), torch.float16, "page_indices"),
     ((10, 3), 2, 16, None, (20, 3), torch.float32, "block_table"),
+    # rows of strides no multiple of 16 elements (rope 8): addressed in units of 8 (KV_VEC)
+    ((136, 128), 16, 16, None, (5, 40), torch.float16, "block_table"),
+    ((136, 128), 4, 3, (2, 1), (9, 30), torch.float16, "page_indices"),
 ]
 
 
@@ -496,6 +499,10 @@ GPU_CASES = [
     ((320, 256), 128, 16, None, (16384, 1, 300)),
     ((576, 512), 4, 64, (2, 2), (9000, 31)),
     ((576, 512), 128, 1, (1, 2), (5000, 77)),  # page size 1: the sm_90 kernel's gather
+    # rows of 520 and 264 elements (ropes of 8, no multiple of 16): the portable kernel's rows in
+    # units of 8 elements, so they load as 16-byte vectors
+    ((520, 512), 16, 16, None, (3000, 17)),
+    ((264, 256), 128, 1, (1, 3), (2000, 45)),
 ]
 
 

@@ -514,21 +514,6 @@ def test_sm90_portable_wide_tile_stops_at_32_tokens(dk, r, ready):
     assert (hopper.block_h, hopper.block_n, hopper.sm90_kernel) == (64, 64, True)
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"])
-@pytest.mark.parametrize(("heads", "q_len"), [(128, 1), (16, 1), (3, 4)])
-def test_a_rope_padded_past_64_takes_the_wide_rope_tile_on_nvidia(arch, heads, q_len):
-    """A rope of 88 columns pads to a 128-wide tile, which the Hopper kernel does not take
-    (not a power of two) and whose every wide, 64-token, 4-warp or prefetched portable tile
-    spilled on sm_90 (88-13804 B): 16 heads, 32 tokens, 8 warps, no prefetched rows, not
-    packed, on every NVIDIA target, at the deepest stages that fit."""
-    p = dataclasses.replace(problem(600, 512, heads=heads), max_query_len=q_len)
-    t = mla_decode_tiles(get_target(arch), p)
-    assert (t.block_h, t.block_n, t.block_dpe, t.options.num_warps) == (16, 32, 128, 8)
-    assert not (t.prefetch_rows or t.packed or t.sm90_kernel)
-    two = mla_smem_bytes(16, 32, 512, 128, 2, 2) <= get_target(arch).max_shared_mem
-    assert t.options.num_stages == (2 if two else 1)  # the 99 KB parts hold one buffer
-
-
 @pytest.mark.parametrize("dk", [544, 512])
 def test_the_register_estimate_counts_a_rope_tile_of_64_over_a_512_latent(dk):
     """A 32-wide rope, or none, let a 16-head, 64-token, 4-warp tile through on sm_80 (its

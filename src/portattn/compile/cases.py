@@ -444,15 +444,19 @@ def mla_cases() -> list[Case]:
     cases.append(_mla_case("320/256 h128 page64 b64", 320, 256, num_q_heads=128, block_size=64,
                            num_seqs=64))  # fmt: skip
     # Shapes the Hopper kernel does not take, which the portable kernel runs on sm_90 too: a
-    # rank outside its ranks (the portable wide tile), a rope that pads to 128 (the wide-rope
-    # tile, also through a metadata builder's tiles), a 32-wide rope and none (the register
-    # estimate's rope floor over a 512-wide latent).
+    # rank outside its ranks (the portable wide tile), a rope that pads to 128 (also through a
+    # metadata builder's tiles), a 32-wide rope and none (the register estimate's rope floor
+    # over a 512-wide latent), and ropes of 8 and 24 columns, whose rows (520, 536, 264
+    # elements) are no multiple of 16 elements (the kernel addresses them in units of 8).
     cases += [
         _mla_case("448/384 h128 page64", 448, 384, num_q_heads=128, block_size=64),
         _mla_case("600/512 h128 page64", 600, 512, num_q_heads=128, block_size=64),
         _mla_case("600/512 h3 q4 page16", 600, 512, num_q_heads=3, q_len=4, metadata=True),
         _mla_case("544/512 h16", 544, 512, num_q_heads=16),
         _mla_case("512/512 h16", 512, 512, num_q_heads=16),
+        _mla_case("520/512 h16", 520, 512, num_q_heads=16),
+        _mla_case("536/512 h128 page1", 536, 512, num_q_heads=128, block_size=1),
+        _mla_case("264/256 h16 q4 page64", 264, 256, num_q_heads=16, q_len=4, block_size=64),
     ]
     return cases + hip_verify_cases()
 

@@ -9,6 +9,7 @@ run, for any target, from meta tensors, with no GPU: `Launch.signature` gives Tr
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,6 +158,17 @@ def rows_aligned(t: torch.Tensor) -> bool:
         and all((st * elem) % 16 == 0 for st in t.stride()[:-1])
         and t.data_ptr() % 16 == 0
     )
+
+
+def vector_elems(elem_size: int, *strides: int) -> int:
+    """Elements a kernel may claim that rows addressed by ``strides`` start on (`tl.multiple_of`),
+    so that their contiguous elements load as vectors of up to 16 bytes: the largest power of two
+    within 16 bytes dividing every stride; 1 (no claim) where every stride is a multiple of 16
+    elements, which Triton sees by itself (it specialises integer arguments divisible by 16 and
+    nothing else: a row stride of 520 elements left every element a scalar load)."""
+    if all(s % 16 == 0 for s in strides):
+        return 1
+    return math.gcd(max(1, 16 // elem_size), *strides)
 
 
 def check_trace_buffer(

@@ -93,7 +93,7 @@ from portattn.kernels._checks import (
     tensor_reads_contents,
     to_host,
 )
-from portattn.kernels._launch import Launch, rows_aligned
+from portattn.kernels._launch import Launch, rows_aligned, vector_elems
 from portattn.kernels._plans import (
     PLANS,
     CheckMemo,
@@ -110,7 +110,7 @@ from portattn.kernels.metadata_summary import (
 from portattn.kernels.mla_decode_sm90 import BLOCK_H as SM90_BLOCK_H
 from portattn.kernels.mla_decode_sm90 import BLOCK_N as SM90_BLOCK_N
 from portattn.kernels.mla_decode_sm90 import sm90_errors, sm90_launch
-from portattn.layout import describe_kv_cache, is_block_contiguous
+from portattn.layout import describe_kv_cache, is_block_contiguous, row_vector_elems
 from portattn.mla_metadata import MlaMetadata
 from portattn.platform import Target, is_int, override_key, target_for_tensor
 from portattn.policy.mla import (
@@ -305,6 +305,8 @@ def _mla_decode_kernel(
     VARLEN: tl.constexpr,
     PAGE_INDICES: tl.constexpr,
     FLAT_SLOTS: tl.constexpr,  # page_indices into a cache whose pages lie one after another
+    KV_VEC: tl.constexpr,  # the cache's rows start on multiples of it (`row_vector_elems`)
+    Q_VEC: tl.constexpr,  # the query's rows likewise (`vector_elems`; 1: no claim)
     RETURN_LSE: tl.constexpr,
     TOK_SPLIT: tl.constexpr,
     DIM_SPLIT: tl.constexpr,
@@ -327,6 +329,14 @@ def _mla_decode_kernel(
         "part)",
     )
     tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16, "tl.dot needs BLOCK_H, BLOCK_N >= 16")
+    # Strides that are multiples of KV_VEC / Q_VEC, said in a form the compiler follows (it sees
+    # only integers divisible by 16): rows that start on such multiples load as vectors.
+    if KV_VEC > 1:
+        stride_kv_block = stride_kv_block // KV_VEC * KV_VEC
+        stride_kv_tok_hi = stride_kv_tok_hi // KV_VEC * KV_VEC
+    if Q_VEC > 1:
+        stride_q_tok = stride_q_tok // Q_VEC * Q_VEC
+        stride_q_head = stride_q_head // Q_VEC * Q_VEC
 
     # -- which (token, split, head group): head groups vary fastest, so the programs reading the
     # same context run side by side and share it through L2 --
@@ -1378,6 +1388,11 @@ def plan_mla_decode(
             VARLEN=varlen,
             PAGE_INDICES=page_indices is not None,
             FLAT_SLOTS=page_indices is not None and is_block_contiguous(kv),
+            # rows of strides no multiple of 16 elements (a 520-wide cache) load as vectors
+            KV_VEC=row_vector_elems(kv, kv_cache.element_size()),
+            Q_VEC=vector_elems(query.element_size(), query.stride(0), query.stride(1))
+            if query.stride(2) == 1
+            else 1,
             RETURN_LSE=return_lse,
             TOK_SPLIT=kv.tok_split,
             DIM_SPLIT=kv.dim_split,

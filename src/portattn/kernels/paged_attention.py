@@ -89,7 +89,13 @@ from portattn.kernels.metadata_summary import (
     summary_applies,
 )
 from portattn.kernels.paged_prefill_sm90 import sm90_prefill_errors, sm90_prefill_launches
-from portattn.layout import CacheAddressing, describe_kv_cache, packed_runs, vector_width
+from portattn.layout import (
+    CacheAddressing,
+    describe_kv_cache,
+    packed_runs,
+    row_vector_elems,
+    vector_width,
+)
 from portattn.platform import Target, compile_arch, is_int, override_key, target_for_tensor
 from portattn.policy.common import launch_options
 from portattn.policy.paged import (
@@ -613,6 +619,8 @@ def _paged_attention_kernel(
     V_DIM_SPLIT: tl.constexpr,
     K_VEC: tl.constexpr,  # elements per aligned contiguous run of the K cache (1: none; SHUFFLE)
     V_VEC: tl.constexpr,  # the same for the V cache
+    K_ROW: tl.constexpr,  # NHD K: its rows start on multiples of K_ROW (`row_vector_elems`)
+    V_ROW: tl.constexpr,  # the same for the V cache
     K_PACKED: tl.constexpr,  # SHUFFLE K: stride_k_tok_hi == x (`layout.packed_runs`)
     V_PACKED: tl.constexpr,  # SHUFFLE V: stride_v_dim_hi == x
     EVEN_D: tl.constexpr,  # head_dim == BLOCK_D (no head-dim masks on the K/V gathers)
@@ -625,6 +633,16 @@ def _paged_attention_kernel(
     decode: pid - n_main -> (head slot, seq), q_tile 0, one program per sequence and head tile.
     """
     pid = tl.program_id(0)
+    # NHD strides that are multiples of K_ROW / V_ROW, said in a form the compiler follows (it
+    # sees only integers divisible by 16): rows that start on such multiples load as vectors
+    if K_ROW > 1:
+        stride_k_block = stride_k_block // K_ROW * K_ROW
+        stride_k_head = stride_k_head // K_ROW * K_ROW
+        stride_k_tok_hi = stride_k_tok_hi // K_ROW * K_ROW
+    if V_ROW > 1:
+        stride_v_block = stride_v_block // V_ROW * V_ROW
+        stride_v_head = stride_v_head // V_ROW * V_ROW
+        stride_v_tok_hi = stride_v_tok_hi // V_ROW * V_ROW
     slots = num_kv_heads * ((GROUP + HEAD_TILE - 1) // HEAD_TILE)
     n_main = num_q_tiles * slots * NUM_SPLITS * num_seqs
     if pid < n_main:
@@ -1101,6 +1119,9 @@ def plan_paged_attention(
         V_DIM_SPLIT=v.dim_split,
         K_VEC=vector_width(k),
         V_VEC=vector_width(v),
+        # NHD rows of strides no multiple of 16 elements (a hybrid model's pages) load as vectors
+        K_ROW=row_vector_elems(k, key_cache.element_size()),
+        V_ROW=row_vector_elems(v, value_cache.element_size()),
         K_PACKED=packed_runs(k),
         V_PACKED=packed_runs(v),
         EVEN_D=even_d,

@@ -21,9 +21,8 @@ more, packed rows, or on sm_90 any 16-bit launch the Hopper kernel can run:
 heads it pads rows, and on sm_90 still reads faster than the narrow tile. On sm_90 the wide
 16-bit tile runs the Gluon kernel (`portattn.kernels.mla_decode_sm90`), whose schedule choices
 are `MlaConfig` (`mla_config`); where that kernel cannot run the launch, the portable kernel's
-wide tile is at most `PORTABLE_WIDE_MAX_BLOCK_N` tokens. On NVIDIA a rope tile wider than
-`ROPE_TILE_MODELLED` (which the Hopper kernel does not run) takes `WIDE_ROPE_TILE`, and over a
-512-wide latent the register estimate counts a rope tile of at least `MIN_MODELLED_ROPE_512`.
+wide tile is at most `PORTABLE_WIDE_MAX_BLOCK_N` tokens. Over a 512-wide latent the register
+estimate counts a rope tile of at least `MIN_MODELLED_ROPE_512`.
 
 Packed rows (verification): rows (query token, head) of one sequence, so its tokens read the
 cache once per tile position instead of once per token; programs per sequence and split:
@@ -96,13 +95,6 @@ SM90_KERNEL_ROPES = (16, 32, 64, 128)
 #: The portable kernel's longest KV tile at 64 heads: its 64 x 64 tile over a 512-wide latent
 #: spills on sm_90, where only the Hopper kernel holds it (docs/decisions.md).
 PORTABLE_WIDE_MAX_BLOCK_N = 32
-#: The widest rope tile the portable kernel's register estimate is good for on NVIDIA: a wider
-#: one (a rope of 65-127 columns pads to 128) spilled at every wide, 64-token, 4-warp and
-#: prefetched tile tried on sm_90, and takes `WIDE_ROPE_TILE`, which compiles without spills.
-ROPE_TILE_MODELLED = 64
-#: (KV tile, warps) of the narrow NVIDIA tile for a rope tile past `ROPE_TILE_MODELLED`, at the
-#: deepest stages that fit and no prefetched rows.
-WIDE_ROPE_TILE = (32, 8)
 #: The narrowest rope tile the register estimate counts over a 512-wide latent: a 32-wide rope
 #: tile, or none, takes the registers of a 64-wide one (on sm_80 the 16-head, 64-token, 4-warp
 #: tile that an estimate from the true width let through spilled).
@@ -380,16 +372,10 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
 
     fp32 = elem >= 4
     hopper = sm90_kernel_runs(target, problem)
-    # the portable kernel on NVIDIA past the modelled rope width (`WIDE_ROPE_TILE`)
-    wide_rope = not target.is_hip and not fp32 and not hopper and block_dpe > ROPE_TILE_MODELLED
     block_ns = (FP32_BLOCK_N,) if fp32 else BLOCK_N_CANDIDATES
-    if wide_rope:
-        block_ns = (WIDE_ROPE_TILE[0],)
     hip_512 = target.is_hip and block_dv >= 512  # `HIP_LATENT_512_NUM_WARPS`
     if hip_512:
         warp_counts: tuple[int, ...] = (HIP_LATENT_512_NUM_WARPS,)
-    elif wide_rope:
-        warp_counts = (WIDE_ROPE_TILE[1],)
     else:
         warp_counts = (FP32_NUM_WARPS,) if fp32 else NUM_WARPS
     choice = None
@@ -403,7 +389,7 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     )
     # the Hopper kernel's 64-row tile reads faster than the narrow one below 64 heads too
     wide = problem.num_heads >= WIDE_BLOCK_H or pack or hopper
-    if target.arch in WIDE_ARCHS and wide and not fp32 and not wide_rope:
+    if target.arch in WIDE_ARCHS and wide and not fp32:
         for block_n in BLOCK_N_CANDIDATES:
             if not hopper and block_n > PORTABLE_WIDE_MAX_BLOCK_N:
                 continue
@@ -464,7 +450,7 @@ def mla_decode_tiles(target: Target, problem: MlaProblem) -> MlaTiles:
     block_h, block_n, stages, warps, smem = choice
     # narrow NVIDIA 16-bit tiles prefetch their rows where two latent buffers fit (fp32 spills)
     prefetch = False
-    if not target.is_hip and block_h < WIDE_BLOCK_H and stages >= 2 and not fp32 and not wide_rope:
+    if not target.is_hip and block_h < WIDE_BLOCK_H and stages >= 2 and not fp32:
         deeper = fits(block_h, block_n, PREFETCH_STAGES, warps, prefetch=True)
         if deeper is not None and target.max_num_stages >= PREFETCH_STAGES:
             stages, smem, prefetch = PREFETCH_STAGES, deeper, True
