@@ -853,11 +853,13 @@ def test_every_part_of_rows_must_match_a_row(capsys):
 
 def test_an_entry_with_a_leading_equals_selects_one_row_by_its_whole_name(capsys):
     """A substring selects every row that holds it (the 16-head 4k q1 row's name is held by the
-    HIP tiles' q1 rows too); ``=NAME`` selects that row alone, and names no row but a whole
-    name."""
+    HIP tiles' q1 rows and the 520-wide cache's row too); ``=NAME`` selects that row alone, and
+    names no row but a whole name."""
     names = run.row_names(["mla"], quick=False)
     q1 = "mla 16h 64x4k page64 q1"
-    assert run._matching(names, q1) == [q1, f"{q1} gfx942 tiles", f"{q1} gfx950 tiles"]
+    assert run._matching(names, q1) == [
+        q1, f"{q1} gfx942 tiles", f"{q1} gfx950 tiles", f"{q1} 520/512"
+    ]  # fmt: skip
     assert run._matching(names, f"={q1}") == [q1]
     assert run._matching(names, f"={q1},=mla 8h 64x4k page64 q2") == [
         q1, "mla 8h 64x4k page64 q2"
