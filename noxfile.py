@@ -95,8 +95,10 @@ def _xdist(session: nox.Session) -> list[str]:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check, ruff format --check and mypy on src/."""
-    session.install(*EXTRAS["lint"], *EXTRAS["ci"], "types-PyYAML")
+    """ruff check, ruff format --check and mypy on src/ (with ``--no-venv`` or in a CI image,
+    the tools this environment has)."""
+    if not _environment_as_is(session):
+        session.install(*EXTRAS["lint"], *EXTRAS["ci"], "types-PyYAML")
     session.run("ruff", "check", "src", "tests", "noxfile.py", "bench", "tools")
     session.run("ruff", "format", "--check", "src", "tests", "noxfile.py", "bench", "tools")
     session.run("mypy", "src")
@@ -264,7 +266,11 @@ def matrix(session: nox.Session) -> None:
 
 
 def _install_ci_layer(session: nox.Session) -> None:
-    """kubematrix without torch/triton (the CI layer never imports them): a fast bootstrap step."""
+    """kubematrix without torch/triton (the CI layer never imports them): a fast bootstrap step;
+    in a CI image or with ``--no-venv``, nothing (`_environment_as_is`)."""
+    if _environment_as_is(session):
+        session.log(f"{IMAGE_ENV}=1 or --no-venv: running in this environment as it is")
+        return
     needs = [*PYPROJECT["project"]["dependencies"], *EXTRAS["ci"]]
     session.install(*(r for r in needs if r.startswith(("pyyaml", "kubernetes="))))
     session.install("--no-deps", "-e", ".")

@@ -477,7 +477,7 @@ def _configure_report(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="in a Buildkite step: download the cells' artifacts, annotate the build (exit "
         "status 0 whatever the cells did: their own steps carry the verdict; 1 when the "
-        "annotation or the upload fails)",
+        "annotation or the upload fails; 2 when buildkite-agent is not on the PATH)",
     )
 
 

@@ -164,6 +164,34 @@ def test_a_gpu_image_session_tests_the_environment_as_it_is(noxfile, machine, mo
     assert session.installs == []
 
 
+@pytest.mark.parametrize("how", ["image", "no-venv"])
+def test_the_ci_layers_sessions_install_nothing_in_an_image_or_without_a_venv(
+    noxfile, machine, monkeypatch, how
+):
+    """README: in the images and under ``nox --no-venv`` sessions install nothing. pipeline,
+    report, k8s(...) and lint installed anyway (nox refuses an install without a venv: a
+    traceback)."""
+    if how == "image":
+        monkeypatch.setenv(noxfile.IMAGE_ENV, "1")
+    session = FakeSession(venv_backend="none" if how == "no-venv" else "venv")
+    noxfile._install_ci_layer(session)
+    noxfile.lint(session)
+    assert session.installs == [] and session.runs[0][:2] == ["ruff", "check"]
+
+
+def test_nox_without_a_venv_runs_the_pipeline_session_in_this_environment(tmp_path):
+    """Real nox, as a Buildkite step in an image runs it: ``--no-venv -s pipeline`` ended in
+    nox's ValueError (no session.install() without a virtualenv) before kubematrix ran."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "nox", "--no-venv", "-f", str(ROOT / "noxfile.py"), "-s",
+         "pipeline", "--", "--help"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "usage:" in out and "Session pipeline was successful" in out, out
+
+
 def test_a_gpu_session_outside_the_image_installs_the_mamba_wheels_as_the_image_does(
     noxfile, machine, monkeypatch, tmp_path
 ):
