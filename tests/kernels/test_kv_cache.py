@@ -577,6 +577,25 @@ def test_gather_meta_needs_out():
         )
 
 
+def test_a_cache_past_the_grids_head_limit_is_refused_by_name():
+    """One launch grid row a KV head: past CUDA's 65535 a launch failed with the driver's
+    "invalid argument" instead of an error naming the cache."""
+    meta = dict(dtype=torch.float16, device="meta")
+    cache = torch.empty(2, 16, 65536, 8, **meta)
+    rows = torch.empty(3, 65536, 8, **meta)
+    rule = "key_cache must have at most 65535 KV heads (one launch grid row a head); got 65536"
+    with pytest.raises(ValueError, match=re.escape(f"write_kv_cache: {rule}")):
+        plan_write_kv_cache(rows, rows, cache, cache.clone(),
+                            torch.empty(3, dtype=torch.int64, device="meta"))  # fmt: skip
+    index = dict(dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=re.escape(f"gather_kv_cache: {rule}")):
+        plan_gather_kv_cache(cache, cache.clone(), torch.empty((1, 1), **index),
+                             torch.empty(2, **index), out=(rows, rows.clone()))  # fmt: skip
+    fits = torch.empty(2, 16, 65535, 8, **meta)
+    assert plan_write_kv_cache(rows[:, :65535], rows[:, :65535], fits, fits.clone(),
+                               torch.empty(3, dtype=torch.int64, device="meta"))  # fmt: skip
+
+
 # -- GPU: real shapes, bf16/fp16, exact -------------------------------------------------------
 
 GPU_TOKENS = 16384

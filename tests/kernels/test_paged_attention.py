@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -772,3 +773,18 @@ def test_compile_arch_is_the_compilers_not_the_forced_policys(monkeypatch):
     assert platform.compile_arch(cpu, get_target("gfx942")) == "sm_90"  # the default
     monkeypatch.setenv("PORTATTN_TARGET", "gfx950")
     assert platform.compile_arch(cpu, get_target("sm_90")) == "gfx950"
+
+
+def test_query_heads_past_the_grids_limit_are_refused_by_name():
+    """The split-KV reduce launches one grid row a query head: past CUDA's 65535 a launch
+    failed with the driver's "invalid argument" instead of an error naming the query."""
+    meta = dict(dtype=torch.float16, device="meta")
+    k = torch.empty(4, 16, 1, 8, **meta)
+    index = dict(dtype=torch.int32, device="meta")
+    args = (k, k.clone(), torch.empty((1, 4), **index), torch.empty(1, **index),
+            torch.empty(2, **index))  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(
+        "paged_attention: num_q_heads must be <= 65535 (a launch grid's limit); got 65536"
+    )):  # fmt: skip
+        plan_paged_attention(torch.empty(1, 65536, 8, **meta), *args, max_query_len=1)
+    assert plan_paged_attention(torch.empty(1, 65535, 8, **meta), *args, max_query_len=1)

@@ -160,6 +160,11 @@ def rows_aligned(t: torch.Tensor) -> bool:
     )
 
 
+#: The most programs a launch grid may have along its second and third axes (CUDA's limit:
+#: the cache ops launch one grid row a KV head, the split-KV reduce one a query head).
+MAX_GRID_YZ = 65535
+
+
 def vector_elems(elem_size: int, *strides: int) -> int:
     """Elements a kernel may claim that rows addressed by ``strides`` start on (`tl.multiple_of`),
     so that their contiguous elements load as vectors of up to 16 bytes: the largest power of two

@@ -47,7 +47,7 @@ from portattn.kernels._checks import (
     target_errors,
     to_host,
 )
-from portattn.kernels._launch import Launch
+from portattn.kernels._launch import MAX_GRID_YZ, Launch
 from portattn.kernels._plans import PLANS, CheckMemo, _current_device, call_key
 from portattn.kernels.metadata_summary import read_metadata_summary, summary_applies
 from portattn.kernels.page_indices import _find_seq, _num_steps
@@ -195,6 +195,15 @@ def _write_kv_cache_kernel(
     tl.store(value_cache_ptr + dst, v, mask=mask)
 
 
+def _check_grid_heads(p: Problems, ka: CacheAddressing | None) -> None:
+    """The cache ops launch one grid row a KV head: at most `MAX_GRID_YZ` of them."""
+    if ka is not None and ka.num_kv_heads > MAX_GRID_YZ:
+        p.value(
+            f"key_cache must have at most {MAX_GRID_YZ} KV heads (one launch grid row a head); "
+            f"got {ka.num_kv_heads}"
+        )
+
+
 def _check_index_tensor(p: Problems, name: str, t, dims: int) -> bool:
     """``t`` is an int32/int64 tensor of ``dims`` dims; whether it is one of the right dims."""
     if not isinstance(t, torch.Tensor):
@@ -269,6 +278,7 @@ def plan_write_kv_cache(
     p.type(*target_errors(target))
     kv = p.run(describe_kv_cache, op, key_cache, value_cache, layout)
     ka, va = kv if kv is not None else (None, None)
+    _check_grid_heads(p, ka)
     want = (ka.num_kv_heads, ka.head_dim) if ka is not None else None
     note = " (the cache's num_kv_heads, head_dim)"
     pairs = (("key", key), ("value", value))
@@ -508,6 +518,7 @@ def _check_gather_args(
     p.type(*target_errors(target))
     kv = p.run(describe_kv_cache, op, key_cache, value_cache, layout)
     ka, va = kv if kv is not None else (None, None)
+    _check_grid_heads(p, ka)
     table_ok = _check_index_tensor(p, "block_table", block_table, 2)
     cu_ok = _check_index_tensor(p, "cu_seq_lens", cu_seq_lens, 1)
     nseq = block_table.shape[0] if table_ok else None

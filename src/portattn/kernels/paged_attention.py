@@ -81,7 +81,7 @@ from portattn.kernels._checks import (
     tensor_reads_contents,
     to_host,
 )
-from portattn.kernels._launch import Launch, rows_aligned
+from portattn.kernels._launch import MAX_GRID_YZ, Launch, rows_aligned
 from portattn.kernels._plans import PLANS, CheckMemo, _current_device, call_key, present
 from portattn.kernels.metadata_summary import (
     finish_metadata_summary,
@@ -821,6 +821,9 @@ def _shape_errors(
             p.value(f"query head_dim must equal the cache's head_dim {k.head_dim}; got {head_dim}")
         if head_dim > MAX_HEAD_DIM:
             p.value(f"head_dim must be <= {MAX_HEAD_DIM}; got {head_dim}")
+        if num_q_heads > MAX_GRID_YZ:  # the split-KV reduce's grid has a row a query head
+            p.value(f"num_q_heads must be <= {MAX_GRID_YZ} (a launch grid's limit); got "
+                    f"{num_q_heads}")  # fmt: skip
         if k is not None and (num_q_heads < 1 or num_q_heads % k.num_kv_heads):
             p.value(
                 f"num_q_heads must be a positive multiple of num_kv_heads {k.num_kv_heads}; "
