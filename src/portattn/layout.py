@@ -105,7 +105,7 @@ def vector_width(addr: CacheAddressing) -> int:
     two), e.g. 8 for a contiguous or hybrid bf16 SHUFFLE cache, less for a view whose strides are
     not multiples of x. Kernels state it to the compiler (Triton specialises only integer arguments
     divisible by 16); the base pointer's alignment is Triton's own specialisation. Unsplit caches
-    (NHD) get 1: their head dim is contiguous with stride 1, which Triton sees by itself.
+    (NHD) get 1: their rows' alignment is `row_vector_elems`.
     """
     split = max(addr.tok_split, addr.dim_split)
     if split == 1:
