@@ -166,6 +166,54 @@ def test_nhd_hybrid_pages_load_vectors_too(loads, arch):
     assert hybrid["spills"] == contiguous["spills"] == 0
 
 
+def _copy_accesses(arch: str, state_bytes: int) -> dict:
+    """`write_kv_cache` and `gather_kv_cache` on an NHD hybrid cache with ``state_bytes`` of state
+    a page (meta tensors), compiled: their 16-bit and 16-byte global accesses."""
+    import torch
+
+    from portattn.compile.worker import _resources, compile_kernel
+    from portattn.kernels.kv_cache import plan_gather_kv_cache, plan_write_kv_cache
+    from portattn.layout import make_hybrid_cache
+    from portattn.platform import get_target
+
+    target, meta = get_target(arch), "meta"
+    hc = make_hybrid_cache(64, 16, 8, 128, mamba_state_bytes=state_bytes, layout="NHD",
+                           dtype=torch.bfloat16, device=meta)  # fmt: skip
+    rows = torch.empty(100, 8, 128, dtype=torch.bfloat16, device=meta)
+    index = dict(dtype=torch.int32, device=meta)
+    plans = {
+        "write": plan_write_kv_cache(rows, rows.clone(), hc.key_cache, hc.value_cache,
+                                     torch.empty(100, dtype=torch.int64, device=meta),
+                                     target=target),
+        "gather": plan_gather_kv_cache(hc.key_cache, hc.value_cache, torch.empty((4, 8), **index),
+                                       torch.empty(5, **index), out=(rows, rows.clone()),
+                                       target=target),
+    }  # fmt: skip
+    got = {}
+    for op, [launch] in plans.items():
+        compiled = compile_kernel(launch, target)
+        ptx = compiled.asm["ptx"]
+        got[op] = dict(
+            narrow=len(re.findall(r"(?:ld|st)\.global(?:\.\w+)*\.b16\b", ptx)),
+            wide=len(re.findall(r"(?:ld|st)\.global(?:\.\w+)*\.v4\.b32", ptx)),
+            spills=_resources(compiled, target)[1],
+            row=(launch.args["K_ROW"], launch.args["V_ROW"]),
+        )
+    return got
+
+
+def test_the_cache_copies_move_hybrid_nhd_rows_as_vectors():
+    """`write_kv_cache` stored each element of a hybrid NHD page (32 16-bit stores on sm_90,
+    8 B spilled) and `gather_kv_cache` loaded each (32 16-bit loads); with the strides said in
+    units of 8 (`K_ROW`, `V_ROW`) both move 16-byte vectors, as on a cache without state."""
+    got = in_spawned_workers(_copy_accesses, [("sm_90", 48), ("sm_90", 0)])
+    hybrid, plain = got["sm_90", 48], got["sm_90", 0]
+    for op in ("write", "gather"):
+        assert hybrid[op]["row"] == (8, 8) and plain[op]["row"] == (1, 1)
+        assert hybrid[op]["narrow"] == 0 and hybrid[op]["wide"] == plain[op]["wide"] > 0, got
+        assert hybrid[op]["spills"] == 0, got
+
+
 def _mla_loads(arch: str, head_dim_k: int) -> dict:
     """The MLA decode launch (16 heads, 16-token pages) compiled; its global loads counted."""
     from portattn.compile.cases import build_mla_decode

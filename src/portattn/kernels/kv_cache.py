@@ -51,7 +51,12 @@ from portattn.kernels._launch import MAX_GRID_YZ, Launch
 from portattn.kernels._plans import PLANS, CheckMemo, _current_device, call_key
 from portattn.kernels.metadata_summary import read_metadata_summary, summary_applies
 from portattn.kernels.page_indices import _find_seq, _num_steps
-from portattn.layout import CacheAddressing, describe_kv_cache, is_block_contiguous
+from portattn.layout import (
+    CacheAddressing,
+    describe_kv_cache,
+    is_block_contiguous,
+    row_vector_elems,
+)
 from portattn.platform import Target, override_key, target_for_tensor
 from portattn.policy.cache import CacheCopyProblem, gather_kv_cache_tiles, write_kv_cache_tiles
 
@@ -146,10 +151,21 @@ def _write_kv_cache_kernel(
     V_DIM_SPLIT: tl.constexpr,
     K_FLAT_SLOTS: tl.constexpr,
     V_FLAT_SLOTS: tl.constexpr,
+    K_ROW: tl.constexpr,  # NHD K cache: its rows start on multiples of K_ROW (1: no claim)
+    V_ROW: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     tl.static_assert(BLOCK_T >= 1 and BLOCK_D >= 1)
+    # strides said as multiples of K_ROW / V_ROW, a form the compiler follows: rows as vectors
+    if K_ROW > 1:
+        stride_kc_block = stride_kc_block // K_ROW * K_ROW
+        stride_kc_head = stride_kc_head // K_ROW * K_ROW
+        stride_kc_tok_hi = stride_kc_tok_hi // K_ROW * K_ROW
+    if V_ROW > 1:
+        stride_vc_block = stride_vc_block // V_ROW * V_ROW
+        stride_vc_head = stride_vc_head // V_ROW * V_ROW
+        stride_vc_tok_hi = stride_vc_tok_hi // V_ROW * V_ROW
     pid_t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -247,8 +263,12 @@ def _check_row_tensors(
     return ok
 
 
-def _cache_constexprs(k: CacheAddressing, v: CacheAddressing) -> dict[str, int | bool]:
-    """The layout switches of a (K, V) cache pair: splits and the shared contiguity predicate."""
+def _cache_constexprs(
+    k: CacheAddressing, v: CacheAddressing, elem_size: int
+) -> dict[str, int | bool]:
+    """The layout switches of a (K, V) cache pair: splits, the shared contiguity predicate and
+    the unit NHD rows start on (`row_vector_elems`: rows of a hybrid model's pages, whose
+    strides are multiples of 8 elements but not 16, then copy as 16-byte vectors)."""
     return dict(
         K_TOK_SPLIT=k.tok_split,
         K_DIM_SPLIT=k.dim_split,
@@ -256,6 +276,8 @@ def _cache_constexprs(k: CacheAddressing, v: CacheAddressing) -> dict[str, int |
         V_DIM_SPLIT=v.dim_split,
         K_FLAT_SLOTS=is_block_contiguous(k),
         V_FLAT_SLOTS=is_block_contiguous(v),
+        K_ROW=row_vector_elems(k, elem_size),
+        V_ROW=row_vector_elems(v, elem_size),
     )
 
 
@@ -338,7 +360,7 @@ def plan_write_kv_cache(
         stride_slot=slot_mapping.stride(0),
         **ka.kernel_args("kc"),
         **va.kernel_args("vc"),
-        **_cache_constexprs(ka, va),
+        **_cache_constexprs(ka, va, key_cache.element_size()),
         BLOCK_T=tiles.block_t,
         BLOCK_D=tiles.block_d,
     )
@@ -442,10 +464,21 @@ def _gather_kv_cache_kernel(
     V_DIM_SPLIT: tl.constexpr,
     K_FLAT_SLOTS: tl.constexpr,
     V_FLAT_SLOTS: tl.constexpr,
+    K_ROW: tl.constexpr,  # NHD K cache: its rows start on multiples of K_ROW (1: no claim)
+    V_ROW: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     tl.static_assert(BLOCK_T >= 1 and BLOCK_D >= 1)
+    # strides said as multiples of K_ROW / V_ROW, a form the compiler follows: rows as vectors
+    if K_ROW > 1:
+        stride_kc_block = stride_kc_block // K_ROW * K_ROW
+        stride_kc_head = stride_kc_head // K_ROW * K_ROW
+        stride_kc_tok_hi = stride_kc_tok_hi // K_ROW * K_ROW
+    if V_ROW > 1:
+        stride_vc_block = stride_vc_block // V_ROW * V_ROW
+        stride_vc_head = stride_vc_head // V_ROW * V_ROW
+        stride_vc_tok_hi = stride_vc_tok_hi // V_ROW * V_ROW
     pid_t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -620,7 +653,7 @@ def plan_gather_kv_cache(
         stride_vo_dim=v_out.stride(2),
         **ka.kernel_args("kc"),
         **va.kernel_args("vc"),
-        **_cache_constexprs(ka, va),
+        **_cache_constexprs(ka, va, key_cache.element_size()),
         BLOCK_T=tiles.block_t,
         BLOCK_D=tiles.block_d,
     )
