@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
 from portattn.platform import Target
 from portattn.policy.common import LaunchOptions
@@ -174,6 +176,18 @@ def vector_elems(elem_size: int, *strides: int) -> int:
     if all(s % 16 == 0 for s in strides):
         return 1
     return math.gcd(max(1, 16 // elem_size), *strides)
+
+
+@triton.jit
+def in_units(stride_block, stride_head, stride_tok, UNIT: tl.constexpr):
+    """A kernel's cache strides said as multiples of ``UNIT`` (its launcher's `vector_elems` of
+    them; 1: as they are), a form Triton's axis analysis follows through any sum of their
+    products, so rows that start on such multiples load as vectors."""
+    if UNIT > 1:
+        stride_block = stride_block // UNIT * UNIT
+        stride_head = stride_head // UNIT * UNIT
+        stride_tok = stride_tok // UNIT * UNIT
+    return stride_block, stride_head, stride_tok
 
 
 def check_trace_buffer(

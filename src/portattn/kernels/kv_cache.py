@@ -47,7 +47,7 @@ from portattn.kernels._checks import (
     target_errors,
     to_host,
 )
-from portattn.kernels._launch import MAX_GRID_YZ, Launch
+from portattn.kernels._launch import MAX_GRID_YZ, Launch, in_units
 from portattn.kernels._plans import PLANS, CheckMemo, _current_device, call_key
 from portattn.kernels.metadata_summary import read_metadata_summary, summary_applies
 from portattn.kernels.page_indices import _find_seq, _num_steps
@@ -157,15 +157,13 @@ def _write_kv_cache_kernel(
     BLOCK_D: tl.constexpr,
 ):
     tl.static_assert(BLOCK_T >= 1 and BLOCK_D >= 1)
-    # strides said as multiples of K_ROW / V_ROW, a form the compiler follows: rows as vectors
-    if K_ROW > 1:
-        stride_kc_block = stride_kc_block // K_ROW * K_ROW
-        stride_kc_head = stride_kc_head // K_ROW * K_ROW
-        stride_kc_tok_hi = stride_kc_tok_hi // K_ROW * K_ROW
-    if V_ROW > 1:
-        stride_vc_block = stride_vc_block // V_ROW * V_ROW
-        stride_vc_head = stride_vc_head // V_ROW * V_ROW
-        stride_vc_tok_hi = stride_vc_tok_hi // V_ROW * V_ROW
+    # the cache strides as multiples of K_ROW / V_ROW, which the compiler follows: rows as vectors
+    stride_kc_block, stride_kc_head, stride_kc_tok_hi = in_units(
+        stride_kc_block, stride_kc_head, stride_kc_tok_hi, K_ROW
+    )
+    stride_vc_block, stride_vc_head, stride_vc_tok_hi = in_units(
+        stride_vc_block, stride_vc_head, stride_vc_tok_hi, V_ROW
+    )
     pid_t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -470,15 +468,13 @@ def _gather_kv_cache_kernel(
     BLOCK_D: tl.constexpr,
 ):
     tl.static_assert(BLOCK_T >= 1 and BLOCK_D >= 1)
-    # strides said as multiples of K_ROW / V_ROW, a form the compiler follows: rows as vectors
-    if K_ROW > 1:
-        stride_kc_block = stride_kc_block // K_ROW * K_ROW
-        stride_kc_head = stride_kc_head // K_ROW * K_ROW
-        stride_kc_tok_hi = stride_kc_tok_hi // K_ROW * K_ROW
-    if V_ROW > 1:
-        stride_vc_block = stride_vc_block // V_ROW * V_ROW
-        stride_vc_head = stride_vc_head // V_ROW * V_ROW
-        stride_vc_tok_hi = stride_vc_tok_hi // V_ROW * V_ROW
+    # the cache strides as multiples of K_ROW / V_ROW, which the compiler follows: rows as vectors
+    stride_kc_block, stride_kc_head, stride_kc_tok_hi = in_units(
+        stride_kc_block, stride_kc_head, stride_kc_tok_hi, K_ROW
+    )
+    stride_vc_block, stride_vc_head, stride_vc_tok_hi = in_units(
+        stride_vc_block, stride_vc_head, stride_vc_tok_hi, V_ROW
+    )
     pid_t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)

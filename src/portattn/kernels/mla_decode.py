@@ -93,7 +93,7 @@ from portattn.kernels._checks import (
     tensor_reads_contents,
     to_host,
 )
-from portattn.kernels._launch import Launch, rows_aligned, vector_elems
+from portattn.kernels._launch import Launch, in_units, rows_aligned, vector_elems
 from portattn.kernels._plans import (
     PLANS,
     CheckMemo,
@@ -331,9 +331,9 @@ def _mla_decode_kernel(
     tl.static_assert(BLOCK_H >= 16 and BLOCK_N >= 16, "tl.dot needs BLOCK_H, BLOCK_N >= 16")
     # Strides that are multiples of KV_VEC / Q_VEC, said in a form the compiler follows (it sees
     # only integers divisible by 16): rows that start on such multiples load as vectors.
-    if KV_VEC > 1:
-        stride_kv_block = stride_kv_block // KV_VEC * KV_VEC
-        stride_kv_tok_hi = stride_kv_tok_hi // KV_VEC * KV_VEC
+    stride_kv_block, stride_kv_head, stride_kv_tok_hi = in_units(
+        stride_kv_block, stride_kv_head, stride_kv_tok_hi, KV_VEC
+    )
     if Q_VEC > 1:
         stride_q_tok = stride_q_tok // Q_VEC * Q_VEC
         stride_q_head = stride_q_head // Q_VEC * Q_VEC

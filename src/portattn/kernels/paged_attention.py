@@ -81,7 +81,7 @@ from portattn.kernels._checks import (
     tensor_reads_contents,
     to_host,
 )
-from portattn.kernels._launch import MAX_GRID_YZ, Launch, rows_aligned
+from portattn.kernels._launch import MAX_GRID_YZ, Launch, in_units, rows_aligned
 from portattn.kernels._plans import PLANS, CheckMemo, _current_device, call_key, present
 from portattn.kernels.metadata_summary import (
     finish_metadata_summary,
@@ -633,16 +633,14 @@ def _paged_attention_kernel(
     decode: pid - n_main -> (head slot, seq), q_tile 0, one program per sequence and head tile.
     """
     pid = tl.program_id(0)
-    # NHD strides that are multiples of K_ROW / V_ROW, said in a form the compiler follows (it
-    # sees only integers divisible by 16): rows that start on such multiples load as vectors
-    if K_ROW > 1:
-        stride_k_block = stride_k_block // K_ROW * K_ROW
-        stride_k_head = stride_k_head // K_ROW * K_ROW
-        stride_k_tok_hi = stride_k_tok_hi // K_ROW * K_ROW
-    if V_ROW > 1:
-        stride_v_block = stride_v_block // V_ROW * V_ROW
-        stride_v_head = stride_v_head // V_ROW * V_ROW
-        stride_v_tok_hi = stride_v_tok_hi // V_ROW * V_ROW
+    # NHD strides as multiples of K_ROW / V_ROW, which the compiler follows (it sees only
+    # integers divisible by 16): rows that start on such multiples load as vectors
+    stride_k_block, stride_k_head, stride_k_tok_hi = in_units(
+        stride_k_block, stride_k_head, stride_k_tok_hi, K_ROW
+    )
+    stride_v_block, stride_v_head, stride_v_tok_hi = in_units(
+        stride_v_block, stride_v_head, stride_v_tok_hi, V_ROW
+    )
     slots = num_kv_heads * ((GROUP + HEAD_TILE - 1) // HEAD_TILE)
     n_main = num_q_tiles * slots * NUM_SPLITS * num_seqs
     if pid < n_main:
