@@ -168,7 +168,7 @@ MAX_GRID_YZ = 65535
 
 
 def vector_elems(elem_size: int, *strides: int) -> int:
-    """Elements a kernel may claim that rows addressed by ``strides`` start on (`tl.multiple_of`),
+    """Elements a kernel may claim that rows addressed by ``strides`` start on (`in_units`),
     so that their contiguous elements load as vectors of up to 16 bytes: the largest power of two
     within 16 bytes dividing every stride; 1 (no claim) where every stride is a multiple of 16
     elements, which Triton sees by itself (it specialises integer arguments divisible by 16 and
