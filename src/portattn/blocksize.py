@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from portattn.kernels._checks import Problems
 from portattn.platform import is_int
 
 
@@ -107,29 +108,27 @@ def select_common_block_size(
             common size (the message lists every constraint), or a search past
             `MAX_CANDIDATES` (only many participants with many coprime rules get there).
     """
-    errors = []
-    # a TypeError when any problem is one of type (as the ops raise), else a ValueError
-    wrong_type = False
+    p = Problems("select_common_block_size")  # a TypeError when any problem is one of type
     if not participants:
-        errors.append("participants must name at least one kernel")
-    for i, p in enumerate(participants):
-        if not isinstance(p, Participant):
-            wrong_type = True
-            errors.append(f"participants[{i}] must be a Participant; got {type(p).__name__}")
+        p.value("participants must name at least one kernel")
+    for i, part in enumerate(participants):
+        if not isinstance(part, Participant):
+            p.type(f"participants[{i}] must be a Participant; got {type(part).__name__}")
     for name, v, optional in (("min_block_size", min_block_size, False),
                               ("preferred", preferred, True),
                               ("max_block_size", max_block_size, False)):  # fmt: skip
         if (optional and v is None) or _is_size(v):
             continue
-        wrong_type = wrong_type or not is_int(v)
-        errors.append(f"{name} must be an int >= 1{' or None' if optional else ''}; got {v!r}")
+        rule = f"{name} must be an int >= 1{' or None' if optional else ''}; got {v!r}"
+        if is_int(v):
+            p.value(rule)
+        else:
+            p.type(rule)
     if _is_size(min_block_size) and _is_size(max_block_size) and min_block_size > max_block_size:
-        errors.append(
+        p.value(
             f"min_block_size must be <= max_block_size; got {min_block_size} > {max_block_size}"
         )
-    if errors:
-        error = TypeError if wrong_type else ValueError
-        raise error("select_common_block_size: " + "; ".join(errors))
+    p.raise_if_any()
     if (
         preferred is not None
         and min_block_size <= preferred <= max_block_size
